@@ -1,0 +1,143 @@
+"""The `opd` command line. Each command: build its typed config (YAML < options < key=value), then call the
+package. No logic lives here; every command is also a Python function (`opd.evaluate`, `opd.distill`, …)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from opd.config import DistillConfig, EvalConfig, build_config
+
+app = typer.Typer(
+    name="opd",
+    help="On-policy distillation of LLMs: teacher rollout, SFT cold start, OPD, evaluation.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+OVERRIDES_HELP = "Config overrides as dotted key=value pairs, e.g. `n=4 model.dtype=bf16` (applied last)."
+CONFIG_HELP = "YAML file with config keys (see `configs/`); CLI options and key=value overrides take precedence."
+
+
+def _overrides() -> Any:
+    return typer.Argument(None, help=OVERRIDES_HELP, show_default=False)
+
+
+def _config() -> Any:
+    return typer.Option(None, "--config", "-c", help=CONFIG_HELP, exists=False, dir_okay=False)
+
+
+@app.command("eval")
+def eval_command(
+    overrides: Optional[list[str]] = _overrides(),
+    config: Optional[Path] = _config(),
+    model: Optional[str] = typer.Option(None, help="Model to sample from: Hugging Face id or local directory."),
+    responses: Optional[Path] = typer.Option(
+        None, help="Grade this JSONL of existing generations (fields: problem/prompt id or text, response, answer) instead of sampling."
+    ),
+    benchmarks: Optional[str] = typer.Option(
+        None, help="Comma-separated built-in names (aime24, aime25, amc23, math500, minerva, olympiadbench) or file paths. [default: aime24,aime25,amc23,math500]"
+    ),
+    n: Optional[int] = typer.Option(None, help="Samples per problem. [default: 16]"),
+    temperature: Optional[float] = typer.Option(None, help="Sampling temperature, 0 = greedy. [default: 0.7]"),
+    top_p: Optional[float] = typer.Option(None, help="Nucleus sampling mass in (0, 1]. [default: 0.95]"),
+    top_k: Optional[int] = typer.Option(None, help="Top-k sampling, 0 = off. [default: 0]"),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Longest response in tokens. [default: 4096]"),
+    batch_size: Optional[int] = typer.Option(None, help="Sequences generated together. [default: 64]"),
+    limit: Optional[int] = typer.Option(None, help="Only the first N problems of each benchmark."),
+    prompt_key: Optional[str] = typer.Option(None, help="Prompt column of benchmark files given by path. [default: prompt]"),
+    answer_key: Optional[str] = typer.Option(None, help="Answer column of benchmark files given by path. [default: reward_model.ground_truth]"),
+    template: Optional[str] = typer.Option(None, help="Instruction template: keep | dapo | boxed | custom:'…{problem}…'. [default: keep]"),
+    thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help="enable_thinking for the chat template (Qwen3). [default: template's own]"),
+    dtype: Optional[str] = typer.Option(None, help="auto | bf16 | fp16 | fp32. [default: auto = bf16 on GPU, fp32 on CPU]"),
+    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N. [default: auto]"),
+    seed: Optional[int] = typer.Option(None, help="Sampling seed. [default: 0]"),
+    out: Optional[Path] = typer.Option(None, help="Output directory; rerunning into it resumes. [default: runs/eval-<time>]"),
+) -> None:
+    """Sample n answers per benchmark problem, grade them, write results.json + samples.jsonl, print a table."""
+    options = {
+        "model.path": model, "model.dtype": dtype, "model.device": device, "responses": _str(responses),
+        "benchmarks": benchmarks, "n": n, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+        "max_new_tokens": max_new_tokens, "batch_size": batch_size, "limit": limit, "prompt_key": prompt_key,
+        "answer_key": answer_key, "template": template, "enable_thinking": thinking, "seed": seed, "out": _str(out),
+    }
+    cfg = build_config(EvalConfig, config_file=config, options=options, overrides=overrides)
+    from opd.eval.evaluate import evaluate
+
+    evaluate(cfg)
+
+
+@app.command("distill")
+def distill_command(
+    overrides: Optional[list[str]] = _overrides(),
+    config: Optional[Path] = _config(),
+    student: Optional[str] = typer.Option(None, help="Student model: Hugging Face id or local directory (student.path)."),
+    teacher: Optional[str] = typer.Option(None, help="Teacher model: Hugging Face id or local directory (teacher.path); not needed for objective.advantage=grpo."),
+    prompts: Optional[str] = typer.Option(None, help="Prompt set: parquet / JSONL / JSON / dataset dir / hub id (data.path)."),
+    steps: Optional[int] = typer.Option(None, help="Optimizer steps, one per rollout batch (run.steps). [default: 100]"),
+    name: Optional[str] = typer.Option(None, help="Run directory name under run.out_dir (run.name). [default: distill-<time>]"),
+    out_dir: Optional[str] = typer.Option(None, help="Parent directory of runs (run.out_dir). [default: runs]"),
+    resume: Optional[bool] = typer.Option(None, "--resume/--no-resume", help="Continue from the newest complete checkpoint of the run directory (run.resume)."),
+    top_k: Optional[int] = typer.Option(None, help="Top-k candidates per position, 0 = sampled-token OPD (objective.top_k). [default: 16]"),
+    strategy: Optional[str] = typer.Option(None, help="only_stu | only_tch | intersection | union | union-intersection (objective.strategy). [default: only_stu]"),
+    weight: Optional[str] = typer.Option(None, help="student_p | teacher_p | none (objective.weight). [default: student_p]"),
+    advantage: Optional[str] = typer.Option(None, help="token_reward | grpo | token_reward+grpo | token_grpo (objective.advantage). [default: token_reward]"),
+    lr: Optional[float] = typer.Option(None, help="Peak learning rate (optim.lr). [default: 1e-6]"),
+    seed: Optional[int] = typer.Option(None, help="Seed of data order, sampling and init (run.seed). [default: 0]"),
+) -> None:
+    """On-policy distillation: the student samples, the teacher scores the student's tokens, policy-gradient update.
+
+    Every config key (see `configs/opd_default.yaml`) can be set as key=value, e.g. `prompts_per_step=32 rollout.n=4`.
+    """
+    options = {
+        "student.path": student, "teacher.path": teacher, "data.path": prompts, "run.steps": steps, "run.name": name,
+        "run.out_dir": out_dir, "run.resume": resume, "objective.top_k": top_k, "objective.strategy": strategy,
+        "objective.weight": weight, "objective.advantage": advantage, "optim.lr": lr, "run.seed": seed,
+    }
+    cfg = build_config(DistillConfig, config_file=config, options=options, overrides=overrides)
+    from opd.train.opd import distill
+
+    distill(cfg)
+
+
+@app.command("report")
+def report_command(
+    run_dirs: list[Path] = typer.Argument(..., help="One run directory, or several to overlay their curves (ablations)."),
+    out: Optional[Path] = typer.Option(None, help="Output directory or .html path. [default: the run dir; <first>/compare for several]"),
+) -> None:
+    """Write plots/*.png and a self-contained report.html for one or more run directories (also while running)."""
+    from opd.report import write_report
+
+    typer.echo(f"report: {write_report(run_dirs, out)}")
+
+
+def _str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def main() -> None:
+    """Entry point: user errors (bad config, data, paths) print one line and exit 2; OPD_DEBUG=1 shows tracebacks."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # our own progress bars say what is going on
+    except ImportError:
+        pass
+    try:
+        app()
+    except (ValueError, FileNotFoundError, PermissionError, NotADirectoryError) as error:
+        if os.environ.get("OPD_DEBUG"):
+            raise
+        typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

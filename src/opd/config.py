@@ -1,0 +1,327 @@
+"""Typed configuration for every command: pydantic models, a YAML file, dotted `key=value` overrides.
+
+A config is plain data. Precedence (later wins): model defaults < `--config file.yaml` < explicit CLI options <
+positional `key=value` overrides. Unknown keys and wrong types fail at once with the dotted key's name and a
+close-match suggestion; bad values are rejected, never rewritten. The resolved config is saved into the run dir.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from opd.io import atomic_write_text
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A config problem, described in one line that names the key, the value and what is accepted."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelSpec(Section):
+    """Where a model comes from and how it is placed."""
+
+    path: str = Field(description="Hugging Face model id or local directory (save_pretrained layout).")
+    dtype: str = Field("auto", description="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")
+    device: str = Field("auto", description="auto (cuda if present, else cpu), cpu, cuda, cuda:N.")
+    trust_remote_code: bool = Field(False, description="Allow custom model code from the hub (off: safer).")
+    attn_implementation: str | None = Field(None, description="sdpa, eager, flash_attention_2; None: library default.")
+
+
+class DataSpec(Section):
+    """A prompt set and how to read and render it."""
+
+    path: str = Field(description="Parquet / JSONL / JSON file, a `save_to_disk` dataset dir, or a hub dataset id.")
+    prompt_key: str = Field("prompt", description="Column with the prompt: chat messages or plain text. Dotted keys reach into structs.")
+    answer_key: str | None = Field("reward_model.ground_truth", description="Column with the ground truth; None: the set has none.")
+    id_key: str | None = Field(None, description="Column with a stable prompt id; None: extra_info.index, else the row number.")
+    split: str = Field("train", description="Split of a Hugging Face dataset.")
+    template: str = Field("keep", description="Instruction template: keep | dapo | boxed | custom:<text with {problem}>.")
+    enable_thinking: bool | None = Field(None, description="Passed to the chat template (Qwen3 thinking on/off); None: template default.")
+    max_prompt_length: int = Field(1024, ge=1, description="Longest rendered prompt in tokens.")
+    on_overflow: Literal["filter", "error"] = Field("filter", description="Longer prompts are dropped (and counted) or an error.")
+    limit: int | None = Field(None, ge=1, description="Use only the first N prompts; None: all.")
+
+
+class EvalConfig(Section):
+    """`opd eval`: sample n answers per benchmark problem, grade them, report avg@n / pass@k / maj@n."""
+
+    model: ModelSpec | None = Field(None, description="The model to sample from; None with `responses` set.")
+    responses: str | None = Field(None, description="Grade this JSONL of existing generations instead of sampling.")
+    benchmarks: list[str] = Field(
+        default_factory=lambda: ["aime24", "aime25", "amc23", "math500"],
+        description="Built-in names (aime24, aime25, amc23, math500, minerva, olympiadbench) or file paths.",
+    )
+    prompt_key: str = Field("prompt", description="Prompt column of benchmark files given by path.")
+    answer_key: str = Field("reward_model.ground_truth", description="Answer column of benchmark files given by path.")
+    template: str = Field("keep", description="Instruction template applied to every problem (see DataSpec.template).")
+    enable_thinking: bool | None = Field(None, description="Chat template thinking switch; None: template default.")
+    max_prompt_length: int = Field(2048, ge=1, description="Longer prompts are dropped with a count in the log.")
+    n: int = Field(16, ge=1, description="Samples per problem.")
+    temperature: float = Field(0.7, ge=0.0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1].")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
+    max_new_tokens: int = Field(4096, ge=1, description="Longest response; longer ones count as truncated.")
+    batch_size: int = Field(64, ge=1, description="Sequences generated together (prompts × n).")
+    limit: int | None = Field(None, ge=1, description="Evaluate only the first N problems of each benchmark.")
+    seed: int = Field(0, description="Sampling seed; the same seed reproduces the samples.")
+    out: str | None = Field(None, description="Output directory; None: runs/eval-<timestamp>. Rerunning into it resumes.")
+    timeout: float = Field(5.0, gt=0, description="Seconds allowed for one answer comparison.")
+
+    @field_validator("benchmarks", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+
+# --------------------------------------------------------------------------------------------- loading / merging
+
+
+def _all_keys(model_cls: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model_cls.model_fields.items():
+        keys.append(prefix + name)
+        for candidate in _field_models(field.annotation):
+            keys.extend(_all_keys(candidate, prefix + name + "."))
+    return keys
+
+
+def _field_models(annotation: Any) -> list[type[BaseModel]]:
+    args = getattr(annotation, "__args__", None) or ()
+    found = [annotation] if isinstance(annotation, type) and issubclass(annotation, BaseModel) else []
+    for arg in args:
+        found.extend(_field_models(arg))
+    return found
+
+
+def _suggest(key: str, model_cls: type[BaseModel]) -> str:
+    matches = difflib.get_close_matches(key, _all_keys(model_cls), n=1, cutoff=0.6)
+    return f" (did you mean '{matches[0]}'?)" if matches else ""
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=value` → ("a.b", parsed value); the value is read as YAML so `1e-6`, `true`, `[a, b]` work."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' is not of the form key=value (e.g. sampling.temperature=0.7)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override '{text}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str) and _looks_like_float(value):
+        value = float(value)  # YAML 1.1 reads "1e-6" as a string
+    return key, value
+
+
+def _looks_like_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return any(c in text.lower() for c in "e.") and text.strip().lower() not in {"nan", "inf", "-inf"}
+
+
+def set_dotted(data: dict, key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror or error}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def build_config(
+    model_cls: type[Model],
+    *,
+    config_file: str | Path | None = None,
+    options: dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+) -> Model:
+    """Merge defaults < YAML file < CLI options (dotted keys, None = not given) < `key=value` overrides; validate."""
+    data: dict = read_yaml(config_file) if config_file else {}
+    for key, value in (options or {}).items():
+        if value is not None:
+            set_dotted(data, key, value)
+    for text in overrides or []:
+        key, value = parse_override(text)
+        set_dotted(data, key, value)
+    return validate_config(model_cls, data)
+
+
+def validate_config(model_cls: type[Model], data: dict) -> Model:
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_describe(error, model_cls)) from None
+
+
+def _describe(error: ValidationError, model_cls: type[BaseModel]) -> str:
+    errors = error.errors()
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    key = ".".join(str(part) for part in first["loc"] if not str(part).startswith("function-"))
+    if first["type"] == "extra_forbidden":
+        return f"unknown config key '{key}'{_suggest(key, model_cls)}"
+    if first["type"] == "missing":
+        return f"config key '{key}' is required ({_field_description(model_cls, key)})"
+    given = first.get("input")
+    shown = repr(given) if not isinstance(given, dict) else "a mapping"
+    return f"config key '{key}': {first['msg']}, got {shown}"
+
+
+def _field_description(model_cls: type[BaseModel], key: str) -> str:
+    cls: Any = model_cls
+    field = None
+    for part in key.split("."):
+        field = cls.model_fields.get(part) if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+        if field is None:
+            return "see --help"
+        models = _field_models(field.annotation)
+        cls = models[0] if models else None
+    return (field.description or "see --help") if field else "see --help"
+
+
+def save_config(config: BaseModel, run_dir: str | Path) -> Path:
+    """Save the fully resolved config as `run_dir/config.yaml`."""
+    path = Path(run_dir) / "config.yaml"
+    atomic_write_text(path, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+
+class SamplingSpec(Section):
+    """Rollout sampling of the student during training."""
+
+    n: int = Field(4, ge=1, description="Rollouts per prompt (the paper: 4).")
+    temperature: float = Field(1.0, gt=0.0, description="Student sampling temperature τ_S; also scales the student's log-probs (SPEC §1).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass; 1.0 = off (on-policy rewards assume full-support sampling).")
+    max_new_tokens: int = Field(1024, ge=1, description="Longest rollout in tokens; longer ones are truncated and counted.")
+    batch_size: int = Field(256, ge=1, description="Sequences the generation engine runs together.")
+
+
+class ObjectiveSpec(Section):
+    """What the token rewards, advantages and loss compute (SPEC §2–§4)."""
+
+    top_k: int = Field(16, ge=0, description="Top-k candidates per position; 0 = sampled-token OPD.")
+    strategy: Literal["only_stu", "only_tch", "intersection", "union", "union-intersection"] = Field(
+        "only_stu", description="Which candidate ids get a reward (SPEC §2 table)."
+    )
+    weight: Literal["student_p", "teacher_p", "none"] = Field("student_p", description="Slot weights (SPEC §2).")
+    teacher_temperature: float = Field(1.0, gt=0.0, description="τ_T: scales the teacher's logits only.")
+    advantage: Literal["token_reward", "grpo", "token_reward+grpo", "token_grpo"] = Field(
+        "token_reward", description="Advantage estimator (SPEC §3); grpo needs no teacher."
+    )
+    outcome_weight: float = Field(1.0, ge=0.0, description="λ in token_reward+grpo.")
+    loss: Literal["pg", "topk_kl", "full_reverse_kl", "forward_kl", "jsd"] = Field(
+        "pg", description="pg: the paper's policy gradient on token rewards; others: extension objectives (SPEC §4)."
+    )
+    jsd_beta: float = Field(0.5, ge=0.0, le=1.0, description="β of the generalised JSD (loss=jsd).")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How position losses are aggregated; token-mean is global over the optimizer batch."
+    )
+    clip_ratio_low: float = Field(0.2, ge=0.0, description="PPO ε_low.")
+    clip_ratio_high: float = Field(0.2, ge=0.0, description="PPO ε_high.")
+    clip_ratio_c: float = Field(3.0, gt=1.0, description="Dual-clip constant c for negative advantages.")
+    kl_coef: float = Field(0.0, ge=0.0, description="Coefficient of a KL penalty to a frozen reference (0 = off, no reference loaded).")
+    kl_type: Literal["k1", "k3", "low_var_kl"] = Field("low_var_kl", description="KL estimator for kl_coef.")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient (0 = off).")
+    tis_cap: float | None = Field(None, gt=0.0, description="Truncated importance weight cap for rollouts from another engine; None = off.")
+
+
+class OptimSpec(Section):
+    lr: float = Field(1e-6, gt=0.0, description="Peak learning rate (the paper: 1e-6).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay.")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
+    grad_clip: float = Field(1.0, gt=0.0, description="Global grad-norm clip; a non-finite norm skips the step.")
+    schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR schedule after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0 to lr.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Floor of cosine/linear decay as a fraction of lr.")
+
+
+class RunSpec(Section):
+    """Where a run writes and how long it goes."""
+
+    out_dir: str = Field("runs", description="Parent directory of run directories.")
+    name: str | None = Field(None, description="Run directory name; None: <command>-<time>.")
+    seed: int = Field(0, description="Seed of data order, sampling and initialisation.")
+    steps: int = Field(100, ge=1, description="Optimizer steps (one per rollout batch).")
+    save_every: int = Field(50, ge=0, description="Checkpoint every N steps (and at the end); 0 = only at the end.")
+    keep_last: int | None = Field(2, ge=1, description="Keep the newest N checkpoints; None: keep all.")
+    eval_every: int = Field(0, ge=0, description="Evaluate every N steps (and at the end when eval is configured); 0 = only at the end.")
+    resume: bool = Field(False, description="Continue from the newest complete checkpoint of the run directory.")
+    samples_per_step: int = Field(4, ge=0, description="Decoded rollouts with per-token rewards written to samples/.")
+    tensorboard: bool = Field(False, description="Also log to TensorBoard (needs the tensorboard package).")
+    wandb_project: str | None = Field(None, description="Also log to this W&B project (needs wandb).")
+    report: bool = Field(True, description="Write plots and report.html at the end of the run.")
+
+
+class EvalSpec(Section):
+    """Periodic evaluation inside training (the `opd eval` machinery)."""
+
+    benchmarks: list[str] = Field(default_factory=list, description="Benchmarks to evaluate; empty = no evaluation.")
+    n: int = Field(4, ge=1, description="Samples per problem.")
+    temperature: float = Field(0.7, ge=0.0, description="Sampling temperature.")
+    top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus mass.")
+    max_new_tokens: int = Field(4096, ge=1, description="Longest response.")
+    limit: int | None = Field(None, ge=1, description="First N problems of each benchmark.")
+    prompt_key: str = Field("prompt", description="Prompt column of benchmark files given by path.")
+    answer_key: str = Field("reward_model.ground_truth", description="Answer column of benchmark files given by path.")
+
+    @field_validator("benchmarks", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+
+class DistillConfig(Section):
+    """`opd distill`: on-policy distillation (and the GRPO baseline) of a student from a teacher."""
+
+    student: ModelSpec
+    teacher: ModelSpec | None = Field(None, description="The teacher; not needed for advantage=grpo.")
+    data: DataSpec
+    rollout: SamplingSpec = Field(default_factory=SamplingSpec)
+    objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
+    optim: OptimSpec = Field(default_factory=OptimSpec)
+    run: RunSpec = Field(default_factory=RunSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    prompts_per_step: int = Field(64, ge=1, description="Prompts per optimizer step (× rollout.n sequences).")
+    micro_batch_tokens: int = Field(16384, ge=1, description="Token budget of one forward/backward micro-batch.")
+    score_batch_tokens: int = Field(32768, ge=1, description="Token budget of one no-grad scoring forward (teacher and student).")
+    teacher_offload: bool = Field(False, description="Keep the teacher on CPU except while it scores.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")

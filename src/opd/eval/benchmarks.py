@@ -1,0 +1,94 @@
+"""Built-in evaluation benchmarks, shipped inside the package so that evaluation works offline.
+
+The files in `opd/eval/data/` are the verl-layout parquet files released with "Rethinking On-Policy Distillation
+of Large Language Models" (arXiv 2604.13016), re-compressed (zstd) with their Hugging Face schema metadata
+dropped; rows, columns and values are unchanged. Prompts are bare problems (no instruction): evaluation applies
+an instruction template (`opd.data.templates`). Ground truths are kept as released: AIME24 writes `\\boxed{204}`,
+and the grader unwraps it.
+
+Omitted on purpose: downloading other benchmarks (anything else is a path or hub id given to `load_prompts`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from opd.data.prompts import DataError, load_prompts
+from opd.types import Prompt
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """A shipped benchmark. name: registry key; file: parquet name in `opd/eval/data`; rows: number of problems."""
+
+    name: str
+    file: str
+    rows: int
+    description: str
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in (
+        Benchmark("aime24", "AIME24.parquet", 30, "AIME 2024 (I and II); answers written \\boxed{N}"),
+        Benchmark("aime25", "AIME25.parquet", 30, "AIME 2025 (I and II); integer answers"),
+        Benchmark("amc23", "AMC23.parquet", 40, "AMC 2023; numeric answers"),
+        Benchmark("math500", "MATH-500.parquet", 500, "MATH-500 subset of MATH; LaTeX answers"),
+        Benchmark("minerva", "Minerva.parquet", 272, "Minerva Math; numeric answers, units in the question"),
+        Benchmark("olympiadbench", "Olympiad-Bench.parquet", 674, "OlympiadBench, English text-only math"),
+    )
+}
+
+
+def _normalise(name: str) -> str:
+    return "".join(c for c in name.lower() if c.isalnum())
+
+
+# Accepted spellings: the registry names and the file stems, case-insensitive, ignoring '-', '_' and spaces.
+_ALIASES = {_normalise(k): k for k in BENCHMARKS} | {_normalise(Path(b.file).stem): k for k, b in BENCHMARKS.items()}
+
+
+def list_benchmarks() -> list[str]:
+    """Names of the built-in benchmarks, in registry order."""
+    return list(BENCHMARKS)
+
+
+def get_benchmark(name: str) -> Benchmark | None:
+    """The registry entry for `name` (a name or file stem, any case), or None."""
+    return BENCHMARKS.get(_ALIASES.get(_normalise(name), ""))
+
+
+def benchmark_path(name: str) -> Path:
+    """Filesystem path of a shipped benchmark file. Raises `DataError` for an unknown name."""
+    bench = get_benchmark(name)
+    if bench is None:
+        raise DataError(_unknown_message(name))
+    return Path(str(resources.files("opd.eval").joinpath("data", bench.file)))
+
+
+def load_benchmark(name_or_path: str | Path, **options) -> list[Prompt]:
+    """Prompts of a built-in benchmark (by name) or of any prompt set (a path or hub id, read by `load_prompts`).
+
+    options: keyword arguments of `load_prompts` (column mapping, `limit`, ...).
+    A bare word that is neither a known name nor an existing file raises `DataError` listing the known names.
+    """
+    text = str(name_or_path)
+    bench = get_benchmark(text) if isinstance(name_or_path, str) else None
+    if bench is not None:
+        with resources.as_file(resources.files("opd.eval").joinpath("data", bench.file)) as path:
+            return load_prompts(path, **options)
+    path = Path(text).expanduser()
+    if not path.exists() and "/" not in text and "\\" not in text and not path.suffix:
+        raise DataError(_unknown_message(text))
+    return load_prompts(path if path.exists() else text, **options)
+
+
+def _unknown_message(name: str) -> str:
+    known = list_benchmarks()
+    close = difflib.get_close_matches(_normalise(name), list(_ALIASES), n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(dict.fromkeys(_ALIASES[c] for c in close))}?" if close else ""
+    return (f"unknown benchmark {name!r}; known: {', '.join(known)} (or a path to a prompt file, or a hub id "
+            f"'owner/name'){hint}")

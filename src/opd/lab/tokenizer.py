@@ -1,0 +1,63 @@
+"""The lab tokenizer: a real Hugging Face fast tokenizer with a Qwen-style chat template and a ~110-token vocabulary.
+
+Every printable ASCII character and the newline is its own token (so digits are single tokens, which makes
+arithmetic learnable by tiny models, and any English instruction round-trips), plus a handful of whole-word tokens
+that shorten the lab prompt, plus the Qwen chat special tokens. It is built with the `tokenizers` library (a
+WordLevel model behind a regex that isolates the words and otherwise every single character) and wrapped in
+`PreTrainedTokenizerFast`, so `apply_chat_template`, `decode`, `save_pretrained` and `from_pretrained` behave as
+with a real model's tokenizer.
+
+Omitted: a byte fallback. A character outside printable ASCII becomes `<unk>`; the lab task never produces one.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+PAD_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+UNK_TOKEN = "<unk>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
+CHARACTERS: tuple[str, ...] = ("\n",) + tuple(chr(c) for c in range(32, 127))
+WORDS: tuple[str, ...] = (
+    "user", "assistant", "system", "Compute", " Put", " the", " final", " answer", " in", "\\boxed{",
+)
+"""Multi-character tokens. A word is matched wherever it occurs (also inside longer words); that only changes how
+a text is split, never what it decodes to."""
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+"""Qwen's layout without tools or thinking: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, then
+`<|im_start|>assistant\\n` when a generation prompt is asked for."""
+
+
+def build_lab_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerFast:
+    """The lab tokenizer; ids are fixed: special tokens 0..3, then characters, then WORDS (len = 110).
+
+    eos = `<|im_end|>` (what ends an assistant turn), pad = `<|endoftext|>`, no bos is prepended.
+    """
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    # Leftmost alternative wins, so the words are tried before the single-character fallback.
+    pattern = "|".join(re.escape(w) for w in WORDS) + r"|[\s\S]"
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # concatenate tokens as they are (the default would join them with spaces)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        additional_special_tokens=[BOS_TOKEN],
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=model_max_length,
+    )

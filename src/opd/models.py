@@ -1,0 +1,233 @@
+"""Load a causal LM and its tokenizer (Hub id or local path), resolve dtype/device, and check that a student and a
+teacher share one vocabulary (SPEC §1: the teacher scores the student's token ids).
+
+Omitted on purpose: sharding and meta-device loading (train/distributed.py owns FSDP2), LoRA (peft, in train/),
+quantised loading, and resizing embeddings (a model is loaded exactly as saved).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+# A Hub id is "name" or "owner/name" of letters, digits, "-", "_", "."; anything else can only be a local path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class ModelLoadError(RuntimeError):
+    """A model or tokenizer could not be loaded; the message is one line naming what was asked for."""
+
+
+class TokenizerMismatchError(ValueError):
+    """Student and teacher do not share a vocabulary; the message names the first offending token."""
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """"auto" → cuda (current device) when available, else cpu. Otherwise any `torch.device` string ("cpu", "cuda",
+    "cuda:1", "mps"); asking for an accelerator that is absent raises ValueError."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {device!r}") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available (use 'auto' or 'cpu')")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} was asked for but only {torch.cuda.device_count()} CUDA devices exist")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device | None = None) -> torch.dtype:
+    """"auto" → bfloat16 on CUDA (float16 where bf16 is unsupported), float32 elsewhere. Names accepted: bf16,
+    bfloat16, fp16, float16, half, fp32, float32, float (case-insensitive), or a `torch.dtype`."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower()
+    if key == "auto":
+        dev = resolve_device(device if device is not None else "auto")
+        if dev.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if key not in _DTYPES:
+        raise ValueError(f"dtype must be one of 'auto', {', '.join(repr(k) for k in _DTYPES)}; got {dtype!r}")
+    return _DTYPES[key]
+
+
+def _load_error(what: str, name_or_path: str | os.PathLike, err: Exception) -> ModelLoadError:
+    name = str(name_or_path)
+    if os.path.exists(name):
+        # A local directory that exists but is incomplete or corrupt: keep the library's first line, it says which.
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return ModelLoadError(f"cannot load {what} from local path {name!r}: {first}")
+    if not _HUB_ID.match(name):
+        return ModelLoadError(f"cannot load {what}: {name!r} is not an existing path nor a Hugging Face Hub id")
+    return ModelLoadError(
+        f"cannot load {what} {name!r}: no such local path, and not found on (or not reachable from) the Hugging Face Hub"
+    )
+
+
+def _check_exists_or_hub_id(what: str, name_or_path: str | os.PathLike) -> None:
+    """Fail fast (no Hub round-trips and retries) for a name that can only be a local path and does not exist."""
+    name = str(name_or_path)
+    if not os.path.exists(name) and not _HUB_ID.match(name):
+        raise ModelLoadError(f"cannot load {what}: {name!r} is not an existing path nor a Hugging Face Hub id")
+
+
+def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool = False):
+    """AutoTokenizer for a Hub id or local directory, with a pad token guaranteed.
+
+    Pad token: kept when the tokenizer has one; else set to the EOS token (pad positions are always masked, so sharing
+    the id is harmless); only when there is no EOS either is a new `<|pad|>` special token added (its id is then
+    len(tokenizer) - 1, which the model's embedding must cover; we never resize embeddings).
+    The tokenizer's padding side is left as saved: engines take token ids and pad themselves.
+    """
+    from transformers import AutoTokenizer
+
+    _check_exists_or_hub_id("tokenizer", name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _load_error("tokenizer", name_or_path, err) from None
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+        else:
+            tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    return tokenizer
+
+
+def load_model(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[Any, Any]:
+    """(model, tokenizer) for a Hub id or a local `save_pretrained` directory.
+
+    The model is an `AutoModelForCausalLM` in eval mode, in `dtype` (see `resolve_dtype`) on `device` (see
+    `resolve_device`). `attn_implementation` ("eager", "sdpa", "flash_attention_2", …) is passed through; None lets
+    transformers choose. A missing path / unknown id raises a one-line `ModelLoadError` naming it.
+    """
+    from transformers import AutoModelForCausalLM
+
+    _check_exists_or_hub_id("model", name_or_path)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if torch_device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
+        kwargs["device_map"] = {"": torch_device}  # load straight onto the accelerator, no full CPU copy first
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(name_or_path), **kwargs)
+    except (OSError, ValueError) as err:
+        raise _load_error("model", name_or_path, err) from None
+    model.to(torch_device)
+    model.eval()
+    rows = model.get_input_embeddings().weight.shape[0]
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id >= rows:
+        raise ModelLoadError(
+            f"pad token id {tokenizer.pad_token_id} of {str(name_or_path)!r} is outside the model's {rows} embedding rows"
+        )
+    return model, tokenizer
+
+
+def eos_token_ids(model: Any = None, tokenizer: Any = None) -> list[int]:
+    """Every EOS id the tokenizer, the model config and its generation config name (in that order, no repeats).
+    Qwen instruct models, for one, list both `<|im_end|>` and `<|endoftext|>`."""
+    found: list[Any] = []
+    if tokenizer is not None:
+        found.append(getattr(tokenizer, "eos_token_id", None))
+    if model is not None:
+        found.append(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+        found.append(getattr(getattr(model, "config", None), "eos_token_id", None))
+    ids: list[int] = []
+    for item in found:
+        for i in item if isinstance(item, (list, tuple)) else [item]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
+@dataclass(frozen=True)
+class VocabInfo:
+    """The vocabulary a student/teacher pair shares.
+
+    size:           number of logit columns both models have and scorers compare on (`logits[..., :size]`);
+                    min of the two model vocab sizes, ≥ tokenizer_size
+    tokenizer_size: 1 + the largest token id the (shared) tokenizer uses; ids in [tokenizer_size, size) are
+                    embedding padding rows and must never be sampled or selected as top-k candidates
+    student_size:   rows of the student's output embedding (or tokenizer_size when not given)
+    teacher_size:   rows of the teacher's output embedding (or tokenizer_size when not given)
+    """
+
+    size: int
+    tokenizer_size: int
+    student_size: int
+    teacher_size: int
+
+
+def check_tokenizer_compatibility(
+    student_tokenizer: Any,
+    teacher_tokenizer: Any,
+    *,
+    student_vocab_size: int | None = None,
+    teacher_vocab_size: int | None = None,
+) -> VocabInfo:
+    """Require identical token → id maps (added tokens included) and model vocab sizes that differ only by padding
+    rows beyond the tokenizer (e.g. Qwen 151936 vs 152064). Returns the shared `VocabInfo`; anything else raises a
+    one-line `TokenizerMismatchError` naming the first mismatching or missing token (in student id order)."""
+    student_vocab: dict[str, int] = student_tokenizer.get_vocab()
+    teacher_vocab: dict[str, int] = teacher_tokenizer.get_vocab()
+    if student_vocab != teacher_vocab:
+        for token, sid in sorted(student_vocab.items(), key=lambda kv: kv[1]):
+            tid = teacher_vocab.get(token)
+            if tid is None:
+                raise TokenizerMismatchError(
+                    f"tokenizers differ: token {token!r} (id {sid} in the student) is missing from the teacher"
+                )
+            if tid != sid:
+                raise TokenizerMismatchError(
+                    f"tokenizers differ: token {token!r} has id {sid} in the student and id {tid} in the teacher"
+                )
+        for token, tid in sorted(teacher_vocab.items(), key=lambda kv: kv[1]):
+            if token not in student_vocab:
+                raise TokenizerMismatchError(
+                    f"tokenizers differ: token {token!r} (id {tid} in the teacher) is missing from the student"
+                )
+    tokenizer_size = max(student_vocab.values()) + 1 if student_vocab else 0
+    sizes = {"student": student_vocab_size, "teacher": teacher_vocab_size}
+    for who, size in sizes.items():
+        if size is not None and size < tokenizer_size:
+            raise TokenizerMismatchError(
+                f"the {who} model has {size} vocabulary rows but the tokenizer uses ids up to {tokenizer_size - 1}"
+            )
+    student_size = student_vocab_size if student_vocab_size is not None else tokenizer_size
+    teacher_size = teacher_vocab_size if teacher_vocab_size is not None else tokenizer_size
+    return VocabInfo(
+        size=min(student_size, teacher_size),
+        tokenizer_size=tokenizer_size,
+        student_size=student_size,
+        teacher_size=teacher_size,
+    )

@@ -1,0 +1,410 @@
+"""Plots of a run's metrics as small PNGs: one file per group of related metrics, several runs overlaid.
+
+Input is `metrics.jsonl` (training and eval lines, SPEC §6 keys) plus `eval/step_N/results.json`; any subset of
+keys works, unknown numeric keys land in an "other" group, and a group without data is skipped. Long noisy curves
+are drawn faint with an EMA on top; sparse ones (evals) with markers. Per-position-chunk metrics become heat maps
+(step × chunk index) when some metric has a second chunk, i.e. the run had responses longer than one chunk.
+
+Uses matplotlib's object API on the Agg canvas: no pyplot, so no global backend switch, no GUI, no shared state.
+Omitted: interactive plots (the report is static and self-contained), confidence bands across seeds (one curve
+per run directory), and stacked timing areas (phases are drawn as lines, which also overlay across runs).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from opd.io import atomic_path, read_jsonl
+
+DPI = 80  # a 2×3 panel figure is ~1250×680 px and 60–120 kB
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+LINESTYLES = ["-", "--", ":", "-."]
+SENTINEL = 1e300  # the metrics sink writes ±inf as ±1e308; such points are dropped, not plotted
+CHUNK_RE = re.compile(r"^(.+)/chunk_(\d+)$")
+EVAL_RE = re.compile(r"^eval/(.+)/([^/]+)$")
+
+Series = dict[str, tuple[np.ndarray, np.ndarray]]  # key -> (steps [N] int, values [N] float), sorted by step
+
+
+# ------------------------------------------------------------------------------------------------- loading
+
+
+@dataclass
+class RunSeries:
+    """One run's curves under a display name (the run directory's name)."""
+
+    name: str
+    series: Series
+
+
+def load_series(run_dir: str | Path) -> Series:
+    """Every numeric metric of a run as (steps, values), from `metrics.jsonl` and the eval results files.
+
+    A partial last line (a run still appending) is skipped; None, booleans, strings and ±inf sentinels are dropped;
+    when a key repeats at one step the last value wins. Eval results files only fill (step, key) pairs that
+    `metrics.jsonl` lacks."""
+    points: dict[str, dict[int, float]] = {}
+    for record in read_jsonl(Path(run_dir) / "metrics.jsonl"):
+        step = record.get("step")
+        if not _is_number(step):
+            continue
+        for key, value in record.items():
+            if key != "step" and _is_number(value):
+                points.setdefault(key, {})[int(step)] = float(value)
+    for step, flat in _eval_results(Path(run_dir)):
+        for key, value in flat.items():
+            points.setdefault(key, {}).setdefault(step, value)
+    return {key: _sorted_arrays(by_step) for key, by_step in points.items() if by_step}
+
+
+def _is_number(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and abs(value) < SENTINEL)
+
+
+def _sorted_arrays(by_step: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
+    steps = sorted(by_step)
+    return np.array(steps, dtype=np.int64), np.array([by_step[s] for s in steps], dtype=np.float64)
+
+
+def _eval_results(run_dir: Path) -> list[tuple[int, dict[str, float]]]:
+    """(step, {"eval/<benchmark>/<metric>": value}) from `eval/step_N/results.json` (or `eval/step_N.json`)."""
+    out = []
+    for path in sorted(run_dir.glob("eval/step_*/results.json")) + sorted(run_dir.glob("eval/step_*.json")):
+        match = re.match(r"step_(\d+)", path.parent.name if path.name == "results.json" else path.stem)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # being written by another process, or not ours: the metrics lines still carry evals
+        benchmarks = data.get("benchmarks", data) if isinstance(data, dict) else {}
+        flat = {f"eval/{bench}/{key}": float(value) for bench, summary in benchmarks.items() if isinstance(summary, dict)
+                for key, value in summary.items() if _is_number(value)}
+        if match and flat:
+            out.append((int(match.group(1)), flat))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- groups
+
+
+@dataclass
+class Panel:
+    """One subplot: the metric keys drawn on it (those a run lacks are left out)."""
+
+    title: str
+    keys: list[str]
+    ylabel: str = ""
+    strip: str = ""  # prefix removed from keys in the legend
+    logy: bool = False
+    smooth: bool = True  # False for counters and schedules, where an EMA would invent a ramp
+
+    def label(self, key: str) -> str:
+        return key[len(self.strip):] if self.strip and key.startswith(self.strip) else key
+
+
+@dataclass
+class Group:
+    """One PNG: a title and a function from the available keys to the panels worth drawing."""
+
+    name: str
+    title: str
+    panels: Callable[[set[str]], list[Panel]]
+    caption: str = ""
+
+
+@dataclass
+class Plot:
+    """A rendered group: where the PNG was written and its bytes (for embedding)."""
+
+    name: str
+    title: str
+    path: Path
+    png: bytes
+    caption: str = ""
+    keys: list[str] = field(default_factory=list)
+
+
+def _static(*panels: Panel) -> Callable[[set[str]], list[Panel]]:
+    """Fixed panels, each reduced to the keys that exist; empty panels dropped."""
+    def build(available: set[str]) -> list[Panel]:
+        kept = []
+        for panel in panels:
+            keys = [k for k in panel.keys if k in available]
+            if keys:
+                kept.append(Panel(panel.title, keys, panel.ylabel, panel.strip, panel.logy, panel.smooth))
+        return kept
+    return build
+
+
+def _accuracy_panels(available: set[str]) -> list[Panel]:
+    """One panel per eval benchmark (avg@n and pass@1), then the training rollouts' accuracy."""
+    by_bench: dict[str, list[str]] = {}
+    for key in sorted(available):
+        match = EVAL_RE.match(key)
+        if match and (match.group(2).startswith("avg@") or match.group(2) == "pass@1"):
+            by_bench.setdefault(match.group(1), []).append(key)
+    panels = [Panel(f"eval: {bench}", keys, "accuracy", strip=f"eval/{bench}/") for bench, keys in by_bench.items()]
+    if "rollout_accuracy" in available:
+        panels.append(Panel("training rollouts (graded)", ["rollout_accuracy"], "accuracy"))
+    return panels
+
+
+def _timing_panels(available: set[str]) -> list[Panel]:
+    phases = [k for k in ("time/rollout", "time/teacher", "time/student", "time/update") if k in available]
+    phases += sorted(k for k in available if k.startswith("time/") and k not in phases and k != "time/step"
+                     and not CHUNK_RE.match(k))
+    panels = [Panel("time per phase of a step", phases, "seconds", strip="time/")] if phases else []
+    if "time/step" in available:
+        panels.append(Panel("time per step", ["time/step"], "seconds"))
+    if "tokens_per_second" in available:
+        panels.append(Panel("throughput", ["tokens_per_second"], "response tokens / s"))
+    return panels
+
+
+GROUPS: list[Group] = [
+    Group("accuracy", "Accuracy", _accuracy_panels,
+          "Eval sets (avg@n, pass@1) at their steps; training rollout accuracy every step."),
+    Group("overlap_ratio", "Top-k overlap ratio", _static(
+        Panel("overlap ratio (mean over t, k of [S_t,k ∈ T_t])", ["overlap_ratio"], "fraction of student top-k")),
+        "How much of the student's top-k the teacher's top-k shares (SPEC §6)."),
+    Group("shared_mass", "Shared probability mass", _static(
+        Panel("mass on the overlap I_t = S_t ∩ T_t", ["overlap_mass_student", "overlap_mass_teacher"], "probability",
+              strip="overlap_mass_"),
+        Panel("mass on each model's own top-k", ["topk_mass_student", "topk_mass_teacher"], "probability",
+              strip="topk_mass_")),
+        "Probability each model puts on the shared top-k tokens; the paper reports 97–99% once aligned."),
+    Group("overlap_advantage", "Overlap advantage", _static(
+        Panel("overlap advantage (≤ 0, → 0 as the student aligns)", ["overlap_advantage"], "nats")),
+        "Mean over positions of −KL(p̄‖q̄)/|I_t| on the renormalised overlap."),
+    Group("entropy", "Entropies", _static(
+        Panel("token entropy", ["entropy_student", "entropy_teacher"], "nats", strip="entropy_"),
+        Panel("entropy gap mean |H_teacher − H_student|", ["entropy_gap"], "nats")),
+        "Full-vocabulary entropies on the student's rollouts."),
+    Group("rewards", "Rewards and advantages", _static(
+        Panel("token reward", ["reward_mean", "reward_abs_mean"], "nats", strip="reward_"),
+        Panel("advantage", ["advantage_mean", "advantage_abs_mean"], "", strip="advantage_"),
+        Panel("sequence reward mean_t (t − s)", ["seq_reward_mean"], "nats"),
+        Panel("sequence-reward AUROC (correct vs wrong)", ["seq_reward_auroc"], "AUROC"),
+        Panel("valid candidate slots per token", ["valid_slots_per_token"], "slots")),
+        "Per-position rewards Σ_j r_t,j and advantages on valid tokens; AUROC needs verifiable answers."),
+    Group("optimisation", "Gradient norm, skipped steps, learning rate", _static(
+        Panel("grad norm (before clipping)", ["grad_norm"], "L2 norm", logy=True),
+        Panel("skipped steps (non-finite grads, cumulative)", ["skipped_steps"], "steps", smooth=False),
+        Panel("learning rate", ["lr"], "lr", smooth=False)), ""),
+    Group("length", "Response length and truncation", _static(
+        Panel("response length", ["response_length"], "tokens"),
+        Panel("truncation rate (hit max_new_tokens)", ["truncation_rate"], "fraction")), ""),
+    Group("timing", "Phase timings and throughput", _timing_panels, "Wall-clock seconds per phase of one step."),
+    Group("loss", "Loss", _static(
+        Panel("policy-gradient loss", ["pg_loss"], "loss"),
+        Panel("loss", ["loss"], "loss")), "pg_loss for OPD/GRPO, loss (token-mean cross-entropy) for SFT."),
+]
+OTHER_MAX_PANELS = 12
+CHUNK_GROUP = Group("chunks", "Per-position chunks", lambda _: [],
+                    "Each metric per chunk of response positions (rows: chunk index, 0 = start of the response) "
+                    "over training steps; grey = no positions that far.")
+
+
+# keys some fixed group above draws; any other numeric key (not eval/, time/ or a chunk) goes to "other"
+CLAIMED = frozenset({
+    "overlap_ratio", "overlap_mass_student", "overlap_mass_teacher", "topk_mass_student", "topk_mass_teacher",
+    "overlap_advantage", "entropy_student", "entropy_teacher", "entropy_gap", "reward_mean", "reward_abs_mean",
+    "advantage_mean", "advantage_abs_mean", "seq_reward_mean", "seq_reward_auroc", "valid_slots_per_token",
+    "grad_norm", "skipped_steps", "lr", "response_length", "truncation_rate", "tokens_per_second", "pg_loss", "loss",
+    "rollout_accuracy",
+})
+
+
+def _other_panels(available: set[str]) -> list[Panel]:
+    keys = sorted(k for k in available if k not in CLAIMED and not k.startswith(("eval/", "time/"))
+                  and not CHUNK_RE.match(k))
+    return [Panel(key, [key]) for key in keys[:OTHER_MAX_PANELS]]
+
+
+# ------------------------------------------------------------------------------------------------- drawing
+
+
+def render_plots(runs: list[RunSeries], out_dir: str | Path) -> list[Plot]:
+    """Draw every group that has data into `out_dir/<group>.png` (written atomically); return them in order."""
+    out_dir = Path(out_dir)
+    available = set().union(*(run.series for run in runs)) if runs else set()
+    groups = GROUPS + [Group("other", "Other metrics", _other_panels, "Numeric keys no group above claims.")]
+    plots = []
+    for group in groups:
+        panels = group.panels(available)
+        if panels:
+            fig = _line_figure(group.title, panels, runs)
+            plots.append(_save(fig, out_dir, group, [k for p in panels for k in p.keys]))
+    metrics = chunk_metrics(available)
+    if metrics:
+        plots.append(_save(_chunk_figure(metrics, runs), out_dir, CHUNK_GROUP, metrics))
+    return plots
+
+
+def _save(fig: Figure, out_dir: Path, group: Group, keys: list[str]) -> Plot:
+    buffer = io.BytesIO()
+    FigureCanvasAgg(fig).print_png(buffer)
+    png = buffer.getvalue()
+    path = out_dir / f"{group.name}.png"
+    with atomic_path(path, suffix=".png") as tmp:
+        tmp.write_bytes(png)
+    return Plot(group.name, group.title, path, png, group.caption, keys)
+
+
+def _grid(count: int) -> tuple[int, int]:
+    ncols = 1 if count == 1 else 2 if count in (2, 4) else 3
+    return math.ceil(count / ncols), ncols
+
+
+def _figure(width: float, height: float, title: str) -> Figure:
+    """A figure with fixed margins in inches: matplotlib's constrained layout would double the drawing time."""
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    fig.subplots_adjust(left=0.8 / width, right=1 - 0.25 / width, bottom=0.55 / height, top=1 - 0.7 / height,
+                        wspace=0.32, hspace=0.5)
+    fig.suptitle(title, fontsize=13, fontweight="bold", y=1 - 0.12 / height, va="top")
+    return fig
+
+
+def _line_figure(title: str, panels: list[Panel], runs: list[RunSeries]) -> Figure:
+    nrows, ncols = _grid(len(panels))
+    fig = _figure(5.2 * ncols if ncols > 1 else 7.5, 3.3 * nrows + 0.4, title)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, panel in zip(axes, panels):
+        _draw_panel(ax, panel, runs)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    return fig
+
+
+def _draw_panel(ax, panel: Panel, runs: list[RunSeries]) -> None:
+    """Colour = run when comparing runs (line style = key), else colour = key."""
+    multi = len(runs) > 1
+    labelled = multi or len(panel.keys) > 1
+    for r, run in enumerate(runs):
+        for k, key in enumerate(panel.keys):
+            if key not in run.series:
+                continue
+            steps, values = run.series[key]
+            color = COLORS[(r if multi else k) % len(COLORS)]
+            style = LINESTYLES[k % len(LINESTYLES)] if multi else "-"
+            parts = ([run.name] if multi else []) + ([panel.label(key)] if len(panel.keys) > 1 else [])
+            _plot_curve(ax, steps, values, color, style, ": ".join(parts) if labelled else None, panel.smooth)
+    if panel.logy and _positive_wide(panel.keys, runs):
+        ax.set_yscale("log")
+    else:
+        ax.ticklabel_format(axis="y", useOffset=False)  # "900.4", not "0.4 + 9e2"
+    ax.set_title(panel.title, fontsize=10)
+    ax.set_xlabel("step")
+    ax.set_ylabel(panel.ylabel)
+    ax.grid(alpha=0.3)
+    if labelled:
+        ax.legend(fontsize=8, loc="best", framealpha=0.7)
+
+
+def _plot_curve(ax, steps: np.ndarray, values: np.ndarray, color: str, style: str, label: str | None,
+                smooth: bool = True) -> None:
+    """Sparse curves (evals, short runs) with markers; long ones faint raw plus an EMA."""
+    if len(steps) <= 30:
+        ax.plot(steps, values, color=color, linestyle=style, marker="o", markersize=3.5, linewidth=1.5, label=label)
+    elif len(steps) <= 80 or not smooth:
+        ax.plot(steps, values, color=color, linestyle=style, linewidth=1.4, label=label)
+    else:
+        ax.plot(steps, values, color=color, linestyle="-", linewidth=0.8, alpha=0.25)
+        ax.plot(steps, ema(values, span=min(50, max(2, len(values) // 25))), color=color, linestyle=style,
+                linewidth=1.6, label=label)
+
+
+def ema(values: np.ndarray, span: int) -> np.ndarray:
+    """Exponential moving average with weight 2/(span+1), started at the first value (no bias correction)."""
+    alpha, out = 2.0 / (span + 1.0), np.empty_like(values)
+    out[0] = values[0]
+    for i in range(1, len(values)):
+        out[i] = alpha * values[i] + (1 - alpha) * out[i - 1]
+    return out
+
+
+def _positive_wide(keys: list[str], runs: list[RunSeries]) -> bool:
+    """Log scale only when all values are positive and span more than two decades."""
+    values = np.concatenate([run.series[k][1] for run in runs for k in keys if k in run.series] or [np.zeros(0)])
+    return bool(values.size and values.min() > 0 and values.max() / values.min() > 100)
+
+
+# ------------------------------------------------------------------------------------------------- heat maps
+
+CHUNK_ORDER = ["overlap_ratio", "overlap_mass_student", "overlap_mass_teacher", "overlap_advantage",
+               "topk_mass_student", "topk_mass_teacher", "entropy_student", "entropy_teacher", "entropy_gap",
+               "reward_mean", "reward_abs_mean"]
+
+
+def chunk_metrics(available: set[str]) -> list[str]:
+    """Base names of metrics logged per position chunk, when some run has more than one chunk of them."""
+    names = {m.group(1) for k in available if (m := CHUNK_RE.match(k)) and m.group(2) == "1"}
+    return [n for n in CHUNK_ORDER if n in names] + sorted(names - set(CHUNK_ORDER))
+
+
+def chunk_grid(series: Series, metric: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(steps [S], values [C, S]) of `metric/chunk_c`; NaN where a step had no positions in chunk c."""
+    chunks = sorted(int(m.group(2)) for k in series if (m := CHUNK_RE.match(k)) and m.group(1) == metric)
+    if not chunks:
+        return None
+    steps = np.unique(np.concatenate([series[f"{metric}/chunk_{c}"][0] for c in chunks]))
+    grid = np.full((chunks[-1] + 1, len(steps)), np.nan)
+    for c in chunks:
+        s, v = series[f"{metric}/chunk_{c}"]
+        grid[c, np.searchsorted(steps, s)] = v
+    return steps, grid
+
+
+def _edges(centers: np.ndarray) -> np.ndarray:
+    if len(centers) == 1:
+        return np.array([centers[0] - 0.5, centers[0] + 0.5])
+    mid = (centers[1:] + centers[:-1]) / 2
+    return np.concatenate([[2 * centers[0] - mid[0]], mid, [2 * centers[-1] - mid[-1]]])
+
+
+def _chunk_figure(metrics: list[str], runs: list[RunSeries]) -> Figure:
+    """Single run: a grid of metrics. Several runs: one row per metric, one column per run, a shared colour scale."""
+    multi = len(runs) > 1
+    cells = [(m, run) for m in metrics for run in runs]
+    nrows, ncols = (len(metrics), len(runs)) if multi else _grid(len(metrics))
+    fig = _figure(4.8 * ncols, 2.8 * nrows + 0.5, "Per-position-chunk metrics (step × chunk)")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    scales = {m: _range([chunk_grid(run.series, m) for run in runs]) for m in metrics}
+    for ax, (metric, run) in zip(axes, cells):
+        _draw_heatmap(fig, ax, metric, run, scales[metric], multi)
+    for ax in axes[len(cells):]:
+        ax.set_visible(False)
+    return fig
+
+
+def _range(grids: list) -> tuple[float, float]:
+    values = np.concatenate([g[1][np.isfinite(g[1])] for g in grids if g is not None] or [np.zeros(1)])
+    low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 1.0)
+    return (low, high) if high > low else (low - 0.5, high + 0.5)
+
+
+def _draw_heatmap(fig: Figure, ax, metric: str, run: RunSeries, scale: tuple[float, float], multi: bool) -> None:
+    ax.set_title(f"{metric} — {run.name}" if multi else metric, fontsize=10)
+    ax.set_facecolor("#dddddd")
+    found = chunk_grid(run.series, metric)
+    if found is None:
+        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+        return
+    steps, grid = found
+    mesh = ax.pcolormesh(_edges(steps.astype(float)), np.arange(grid.shape[0] + 1) - 0.5,
+                         np.ma.masked_invalid(grid), cmap="viridis", vmin=scale[0], vmax=scale[1], shading="flat")
+    fig.colorbar(mesh, ax=ax, pad=0.02, fraction=0.06)
+    ax.set_xlabel("step")
+    ax.set_ylabel("position chunk")
+    if grid.shape[0] <= 12:
+        ax.set_yticks(range(grid.shape[0]))

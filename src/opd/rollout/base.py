@@ -1,0 +1,75 @@
+"""The generation interface every engine implements (torch now; a CUDA-graph engine and vLLM behind the same
+protocol later). Engines know token ids only: chat templating and decoding happen in the caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. Invalid values raise `ValueError` naming the field, its legal range and the value given;
+    nothing is silently rewritten."""
+
+    n: int = 1
+    """Samples per prompt, ≥ 1. Outputs are prompt-major: prompt 0's n samples first."""
+    temperature: float = 1.0
+    """Softmax temperature, ≥ 0. 0 means greedy (argmax) decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]. 1.0 disables it."""
+    top_k: int = 0
+    """Sample only among the k most likely tokens, ≥ 0. 0 disables it."""
+    max_new_tokens: int = 1024
+    """Longest response in tokens, ≥ 1. A response that reaches it without EOS is reported as truncated."""
+    stop_at_eos: bool = True
+    """Stop a sample at its first EOS token (kept in the response). False generates max_new_tokens always."""
+    seed: int | None = None
+    """Seed of the engine's own `torch.Generator`; the same seed and inputs give the same outputs. None: random."""
+    return_logprobs: bool = False
+    """Also return the log-prob of every sampled token under the sampling distribution (after temperature)."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("n", self.n >= 1, "an integer ≥ 1"),
+            ("temperature", self.temperature >= 0, "≥ 0 (0 = greedy)"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= 0, "an integer ≥ 0 (0 = off)"),
+            ("max_new_tokens", self.max_new_tokens >= 1, "an integer ≥ 1"),
+        ]
+        for name, ok, legal in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} must be {legal}, got {getattr(self, name)!r}")
+
+
+@dataclass
+class GenerationOutput:
+    """Results for P prompts × n samples, flattened prompt-major (index = prompt * n + sample).
+
+    response_ids:   per sample, the generated token ids (EOS included when the sample stopped on it)
+    finish_reasons: per sample, "stop" (EOS) or "length" (hit max_new_tokens)
+    group_ids:      per sample, the index of its prompt
+    logprobs:       per sample, one float per response token, or None when not asked for
+    """
+
+    response_ids: list[list[int]]
+    finish_reasons: list[str]
+    group_ids: list[int]
+    logprobs: list[list[float]] | None = None
+
+    @property
+    def truncated(self) -> list[bool]:
+        return [reason == "length" for reason in self.finish_reasons]
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """Prompts (token ids) in, n sampled continuations each out."""
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
+        ...
+
+    def sync_weights(self) -> None:
+        """Called by the trainer after each optimizer step. Engines that share the trainer's module do nothing;
+        engines holding their own copy (vLLM, a compiled graph) refresh it here."""
+        ...

@@ -1,0 +1,472 @@
+"""`opd distill`: on-policy distillation (SPEC §1–§6) and the GRPO baseline, on one device.
+
+One step (DESIGN.md) is `opd_step` below and reads top to bottom: prompts → student rollouts → student and
+teacher scores of the student's own tokens → token rewards and advantages → a policy-gradient update in
+micro-batches with a *global* token-mean → diagnostics. Everything else here is setup and the loop.
+
+Omitted on purpose: PPO mini-batch epochs (the paper makes one optimizer step per rollout batch, so the ratio is
+≡ 1 and the old log-probs are the student's no-grad scores); multi-process FSDP training (the loss already
+divides by the global token count, so it is a matter of an all-reduce); the `full_reverse_kl` objective in the
+trainer (it needs the teacher's full distribution in the grad pass; it exists as a pure function).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opd.config import DistillConfig, EvalConfig, ModelSpec, save_config
+from opd.types import Prompt, Rollouts, TokenScores
+
+@dataclass
+class Trainer:
+    """Everything a step needs, built once by `setup`. No behaviour: the functions below act on it."""
+
+    config: DistillConfig
+    run_dir: Path
+    student: torch.nn.Module
+    tokenizer: Any
+    prompts: list[Prompt]
+    prompt_ids: list[list[int]]
+    generator: Any
+    student_scorer: Any
+    teacher: torch.nn.Module | None
+    teacher_scorer: Any
+    reference_scorer: Any
+    vocab_size: int
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampler: Any
+    sink: Any
+    step: int = 0
+    skipped_steps: int = 0
+    history: list[dict] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------------ the step
+
+
+def opd_step(tr: Trainer) -> dict[str, float]:
+    """One on-policy step: rollouts of the current student, scored by the teacher, one optimizer update."""
+    from opd.objectives import (
+        build_candidates, candidate_rewards, compute_advantages, gather_candidate_logprobs, opd_diagnostics, policy_loss,
+        strategy_spec,
+    )
+    from opd.rollout import SamplingParams
+    from opd.rollout.batch import build_rollouts
+    from opd.scoring import candidate_logprobs
+    from opd.teacher.local import forward_hidden, needed_lengths, output_head, split_by_token_budget, uses_packing
+    from opd.train.optim import clip_and_step
+
+    cfg, obj, timings = tr.config, tr.config.objective, {}
+    diag_k = obj.top_k or 16  # diagnostics always look at a top-16 support, also for sampled-token OPD
+    device = next(tr.student.parameters()).device
+
+    # 1. prompts (resumable seeded sampler)
+    indices = tr.sampler.next_batch()
+    prompt_ids = [tr.prompt_ids[i] for i in indices]
+
+    # 2. rollout: n samples per prompt from the current student
+    with _timed(timings, "rollout"):
+        params = SamplingParams(
+            n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+            max_new_tokens=cfg.rollout.max_new_tokens, seed=_step_seed(cfg.run.seed, tr.step),
+            return_logprobs=obj.tis_cap is not None,
+        )
+        output = tr.generator.generate(prompt_ids, params)
+        rollouts = build_rollouts(prompt_ids, output, pad_id=tr.tokenizer.pad_token_id, device=device)
+    mask_BT = rollouts.response_mask
+
+    # 3. student scores without grad (the behaviour policy): top-k support, log-probs, entropy
+    with _timed(timings, "student"):
+        student = tr.student_scorer.score(rollouts, top_k=diag_k, temperature=cfg.rollout.temperature)
+
+    # 4. teacher scores of the student's tokens: sampled token, its own top-k, log-probs at the student's top-k
+    teacher: TokenScores | None = None
+    student_at_teacher_BTK = None
+    if tr.teacher_scorer is not None:
+        with _timed(timings, "teacher"), _on_device(tr.teacher, device if cfg.teacher_offload else None):
+            teacher = tr.teacher_scorer.score(
+                rollouts, top_k=diag_k, requested_ids=student.topk_ids, temperature=obj.teacher_temperature
+            )
+        if obj.top_k and strategy_spec(obj.strategy).teacher_slots:
+            with _timed(timings, "student"):
+                student_at_teacher_BTK = tr.student_scorer.score(
+                    rollouts, top_k=0, requested_ids=teacher.topk_ids, temperature=cfg.rollout.temperature,
+                    with_entropy=False,
+                ).requested_logprobs
+
+    # 5. token rewards → advantages
+    texts, correct = _grade_rollouts(tr, rollouts, indices)
+    if obj.advantage == "grpo":
+        candidate_ids_BTJ, valid_BTJ = rollouts.response_ids[..., None], mask_BT[..., None]
+        old_lp_BTJ = student.sampled_logprobs[..., None]
+        rewards_BTJ = torch.zeros_like(old_lp_BTJ)
+    elif obj.top_k == 0:
+        candidate_ids_BTJ, valid_BTJ = rollouts.response_ids[..., None], mask_BT[..., None]
+        old_lp_BTJ = student.sampled_logprobs[..., None]
+        rewards_BTJ = (teacher.sampled_logprobs[..., None] - old_lp_BTJ) * valid_BTJ
+    else:
+        k = obj.top_k
+        candidate_ids_BTJ, valid_BTJ = build_candidates(student.topk_ids[..., :k], teacher.topk_ids[..., :k], mask_BT, obj.strategy)
+        old_lp_BTJ, teacher_lp_BTJ = gather_candidate_logprobs(
+            obj.strategy, student.topk_logprobs[..., :k], teacher.requested_logprobs[..., :k],
+            teacher.topk_logprobs[..., :k], None if student_at_teacher_BTK is None else student_at_teacher_BTK[..., :k],
+        )
+        rewards_BTJ, _ = candidate_rewards(old_lp_BTJ, teacher_lp_BTJ, valid_BTJ, strategy=obj.strategy, weight=obj.weight)
+    reward_metrics = _reward_stats("reward", rewards_BTJ, valid_BTJ, mask_BT)
+    outcome_B = torch.tensor(correct, dtype=torch.float32, device=device) if correct is not None else None
+    adv = compute_advantages(
+        obj.advantage, rewards=rewards_BTJ, valid=valid_BTJ, response_mask=mask_BT, group_ids=rollouts.group_ids,
+        outcome_rewards=outcome_B, outcome_weight=obj.outcome_weight, candidate_ids=candidate_ids_BTJ,
+        response_ids=rollouts.response_ids, sampled_old_logprobs=student.sampled_logprobs, old_logprobs=old_lp_BTJ,
+    )
+    candidate_ids_BTJ, valid_BTJ, advantages_BTJ, old_lp_BTJ = adv.candidate_ids, adv.valid, adv.advantages, adv.old_logprobs
+
+    # 6. update: grad forward in micro-batches; the loss divides by the token count of the *whole* batch
+    with _timed(timings, "update"):
+        num_tokens = mask_BT.sum().clamp(min=1)
+        num_seqs = torch.tensor(rollouts.batch_size, device=device)
+        head = output_head(tr.student)
+        loss_metrics: list[dict] = []
+        tr.student.train()
+        lengths_B = needed_lengths(rollouts)
+        for rows in split_by_token_budget(lengths_B, cfg.micro_batch_tokens, padded=not uses_packing(tr.student)):
+            micro = rollouts.select(rows)
+            micro_mask = micro.response_mask
+            hidden = forward_hidden(tr.student, micro)
+            candidate_ids_NJ = candidate_ids_BTJ[rows][hidden.rows_N, hidden.cols_N]
+            lp_NJ = candidate_logprobs(hidden.hidden_ND, head, candidate_ids_NJ, temperature=cfg.rollout.temperature,
+                                       vocab_size=tr.vocab_size)
+            lp_BTJ = hidden.to_grid(lp_NJ)
+            loss, metrics = policy_loss(
+                lp_BTJ, old_lp_BTJ[rows], advantages_BTJ[rows], valid_BTJ[rows], micro_mask,
+                clip_ratio_low=obj.clip_ratio_low, clip_ratio_high=obj.clip_ratio_high, clip_ratio_c=obj.clip_ratio_c,
+                loss_agg_mode=obj.loss_agg_mode, global_num_tokens=num_tokens, global_num_seqs=num_seqs,
+            )
+            loss.backward()
+            loss_metrics.append(metrics)
+        tr.student.eval()
+        grad_norm, stepped = clip_and_step(tr.student, tr.optimizer, tr.scheduler, cfg.optim.grad_clip)
+        tr.generator.sync_weights()
+    tr.skipped_steps += 0 if stepped else 1
+
+    # 7. diagnostics (one host sync for all of them)
+    metrics: dict[str, Any] = {"grad_norm": grad_norm, "lr": tr.scheduler.get_last_lr()[0], "skipped_steps": tr.skipped_steps}
+    metrics.update(_sum_micro_metrics(loss_metrics))
+    metrics.update(reward_metrics, **_reward_stats("advantage", advantages_BTJ, valid_BTJ, mask_BT))
+    metrics["valid_slots_per_token"] = valid_BTJ.sum() / mask_BT.sum().clamp(min=1)
+    if teacher is not None:
+        metrics.update(opd_diagnostics(
+            student_topk_ids=student.topk_ids, student_topk_logprobs=student.topk_logprobs,
+            teacher_topk_ids=teacher.topk_ids, teacher_topk_logprobs=teacher.topk_logprobs,
+            teacher_logprobs_at_student_topk=teacher.requested_logprobs, student_entropy=student.entropy,
+            teacher_entropy=teacher.entropy, response_mask=mask_BT,
+        ))
+        metrics.update(_seq_reward_metrics(student, teacher, mask_BT, correct))
+    lengths = mask_BT.sum(-1).float()
+    metrics.update(response_length=lengths.mean(), truncation_rate=rollouts.truncated.float().mean())
+    if correct is not None:
+        metrics["rollout_accuracy"] = sum(correct) / len(correct)
+    metrics = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+    total = sum(timings.values())
+    metrics.update({f"time/{k}": v for k, v in timings.items()}, **{"time/step": total})
+    metrics["tokens_per_second"] = float(lengths.sum()) / max(total, 1e-9)
+    _write_samples(tr, rollouts, texts, correct, rewards_BTJ)
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------- the loop
+
+
+def distill(config: DistillConfig, *, console: Any = None) -> Path:
+    """Run `opd distill` and return the run directory."""
+    from rich.console import Console
+
+    from opd.train.checkpoint import latest_checkpoint
+
+    console = console or Console()
+    run_dir = Path(config.run.out_dir) / (config.run.name or f"distill-{time.strftime('%Y%m%d-%H%M%S')}")
+    checkpoint = latest_checkpoint(run_dir) if config.run.resume else None
+    if config.run.resume and checkpoint is None:
+        console.print(f"[yellow]run.resume: no complete checkpoint in {run_dir}; starting from scratch[/]")
+    tr = setup(config, run_dir, checkpoint=checkpoint, console=console)
+    train(tr, console=console)
+    return run_dir
+
+
+def train(tr: Trainer, *, console: Any) -> None:
+    from opd.eval.evaluate import _progress
+
+    cfg = tr.config
+    with _progress(console) as progress:
+        task = progress.add_task("opd distill", total=cfg.run.steps, completed=tr.step)
+        while tr.step < cfg.run.steps:
+            metrics = opd_step(tr)
+            tr.step += 1
+            tr.sink.log(tr.step, metrics)
+            tr.history.append({"step": tr.step, **metrics})
+            progress.update(task, advance=1, description=_console_line(tr.step, metrics))
+            last = tr.step == cfg.run.steps
+            if cfg.run.eval_every and tr.step % cfg.run.eval_every == 0 or last:
+                run_eval(tr, console)
+            if cfg.run.save_every and tr.step % cfg.run.save_every == 0 or last:
+                save(tr)
+    tr.sink.close()
+    if cfg.run.report:
+        from opd.report import write_report
+
+        path = write_report([tr.run_dir])
+        console.print(f"report: {path}")
+
+
+def _console_line(step: int, m: dict) -> str:
+    parts = [f"step {step}"]
+    for key, label in (("reward_mean", "r"), ("overlap_ratio", "ovl"), ("entropy_student", "H"),
+                       ("rollout_accuracy", "acc"), ("grad_norm", "|g|"), ("tokens_per_second", "tok/s")):
+        if key in m and m[key] is not None:
+            parts.append(f"{label} {m[key]:.3g}")
+    return " ".join(parts)
+
+
+def run_eval(tr: Trainer, console: Any) -> dict | None:
+    spec = tr.config.eval
+    if not spec.benchmarks:
+        return None
+    from opd.eval.evaluate import evaluate
+
+    eval_config = EvalConfig(
+        model=ModelSpec(path=tr.config.student.path), benchmarks=spec.benchmarks, n=spec.n, temperature=spec.temperature,
+        top_p=spec.top_p, max_new_tokens=spec.max_new_tokens, limit=spec.limit, prompt_key=spec.prompt_key,
+        answer_key=spec.answer_key, template=tr.config.data.template, enable_thinking=tr.config.data.enable_thinking,
+        max_prompt_length=tr.config.data.max_prompt_length, batch_size=tr.config.rollout.batch_size,
+        seed=tr.config.run.seed, out=str(tr.run_dir / "eval" / f"step_{tr.step}"),
+    )
+    results = evaluate(eval_config, generator=tr.generator, tokenizer=tr.tokenizer, console=console)
+    flat = {f"eval/{bench}/{key}": value for bench, summary in results.items() for key, value in summary.items()
+            if isinstance(value, (int, float))}
+    tr.sink.log(tr.step, flat)
+    return results
+
+
+def save(tr: Trainer) -> Path:
+    from opd.train.checkpoint import save_checkpoint
+
+    state = {
+        "optimizer": tr.optimizer.state_dict(), "scheduler": tr.scheduler.state_dict(),
+        "sampler": tr.sampler.state_dict(), "skipped_steps": tr.skipped_steps, "history": tr.history,
+    }
+    return save_checkpoint(tr.run_dir, tr.step, model=tr.student, tokenizer=tr.tokenizer, trainer_state=state,
+                           keep_last=tr.config.run.keep_last)
+
+
+# ---------------------------------------------------------------------------------------------------- setup
+
+
+def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = None, console: Any = None) -> Trainer:
+    """Validate everything cheap first (config, data, tokenizers), then load models and build the trainer."""
+    from opd.data.prompts import load_prompts
+    from opd.data.templates import encode_prompts
+    from opd.models import check_tokenizer_compatibility, load_model, load_tokenizer
+    from opd.report.sinks import MetricsSink
+    from opd.rollout.torch_engine import make_generator
+    from opd.teacher.local import LocalScorer
+    from opd.train.checkpoint import load_trainer_state, set_rng_state
+    from opd.train.optim import build_optimizer, build_scheduler
+    from opd.train.sampler import PromptSampler
+
+    obj = config.objective
+    if obj.advantage != "grpo" and config.teacher is None:
+        raise ValueError(f"objective.advantage={obj.advantage} needs a teacher: pass --teacher (or teacher.path=...)")
+    if obj.advantage == "token_grpo" and obj.top_k:
+        raise ValueError("objective.advantage=token_grpo is sampled-token only: set objective.top_k=0")
+    if obj.loss != "pg":
+        raise ValueError(f"objective.loss={obj.loss} is available as a pure function in opd.objectives but not yet in the trainer; use loss=pg")
+    if obj.entropy_coef or obj.kl_coef:
+        raise ValueError("objective.entropy_coef / kl_coef are not wired into the trainer yet; leave them at 0")
+    longest = config.data.max_prompt_length + config.rollout.max_new_tokens
+    if config.micro_batch_tokens < longest:
+        raise ValueError(
+            f"micro_batch_tokens={config.micro_batch_tokens} is smaller than one sequence "
+            f"(data.max_prompt_length + rollout.max_new_tokens = {longest}); raise it to at least {longest}"
+        )
+    torch.manual_seed(config.run.seed)
+
+    student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
+    if config.teacher is not None:
+        teacher_tokenizer = load_tokenizer(config.teacher.path, trust_remote_code=config.teacher.trust_remote_code)
+        check_tokenizer_compatibility(student_tokenizer, teacher_tokenizer)
+    prompts = load_prompts(
+        config.data.path, prompt_key=config.data.prompt_key, answer_key=config.data.answer_key,
+        id_key=config.data.id_key, split=config.data.split, limit=config.data.limit,
+    )
+    encoded = encode_prompts(
+        student_tokenizer, prompts, max_prompt_length=config.data.max_prompt_length,
+        on_overflow=config.data.on_overflow, enable_thinking=config.data.enable_thinking, template=config.data.template,
+    )
+    if console is not None and encoded.num_filtered:
+        console.print(f"[yellow]{encoded.num_filtered} prompts longer than data.max_prompt_length={config.data.max_prompt_length} filtered[/]")
+    if not encoded.prompts:
+        raise ValueError(f"no prompts left in {config.data.path} after filtering by data.max_prompt_length={config.data.max_prompt_length}")
+    if config.prompts_per_step > len(encoded.prompts):
+        raise ValueError(
+            f"prompts_per_step={config.prompts_per_step} exceeds the {len(encoded.prompts)} prompts of {config.data.path}; lower prompts_per_step"
+        )
+    if obj.advantage in ("grpo", "token_reward+grpo") and any(p.answer is None for p in encoded.prompts):
+        raise ValueError(f"objective.advantage={obj.advantage} needs ground-truth answers; set data.answer_key to the answer column")
+
+    student_path = str(checkpoint) if checkpoint else config.student.path
+    student, tokenizer = load_model(student_path, dtype=config.student.dtype, device=config.student.device,
+                                    trust_remote_code=config.student.trust_remote_code,
+                                    attn_implementation=config.student.attn_implementation)
+    if config.gradient_checkpointing:
+        student.gradient_checkpointing_enable()
+    student_rows = student.get_output_embeddings().weight.shape[0]
+    vocab = check_tokenizer_compatibility(tokenizer, tokenizer, student_vocab_size=student_rows, teacher_vocab_size=student_rows)
+    teacher = teacher_scorer = None
+    if config.teacher is not None:
+        teacher_device = config.teacher.device
+        if teacher_device == "auto" and torch.cuda.device_count() > 1:
+            teacher_device = "cuda:1"  # the teacher on its own GPU when there is one
+        teacher, _ = load_model(config.teacher.path, dtype=config.teacher.dtype,
+                                device="cpu" if config.teacher_offload else teacher_device,
+                                trust_remote_code=config.teacher.trust_remote_code,
+                                attn_implementation=config.teacher.attn_implementation)
+        vocab = check_tokenizer_compatibility(
+            student_tokenizer, teacher_tokenizer, student_vocab_size=student_rows,
+            teacher_vocab_size=teacher.get_output_embeddings().weight.shape[0],
+        )
+    # ids beyond the tokenizer are embedding padding rows: never sampled, never a top-k candidate (SPEC §1)
+    vocab_size = vocab.tokenizer_size
+    if teacher is not None:
+        teacher_scorer = LocalScorer(teacher, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
+    student_scorer = LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
+    generator = make_generator(student, tokenizer, max_batch_size=config.rollout.batch_size, vocab_size=vocab_size)
+
+    optimizer = build_optimizer(student.parameters(), config.optim)
+    scheduler = build_scheduler(optimizer, config.run.steps, config.optim)
+    sampler = PromptSampler(len(encoded.prompts), config.prompts_per_step, seed=config.run.seed)
+    tr = Trainer(
+        config=config, run_dir=run_dir, student=student, tokenizer=tokenizer, prompts=encoded.prompts,
+        prompt_ids=encoded.input_ids, generator=generator, student_scorer=student_scorer, teacher=teacher,
+        teacher_scorer=teacher_scorer, reference_scorer=None, vocab_size=vocab_size, optimizer=optimizer,
+        scheduler=scheduler, sampler=sampler, sink=None,
+    )
+    resume_step = None
+    if checkpoint is not None:
+        state = load_trainer_state(checkpoint)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        tr.step, tr.skipped_steps, tr.history = state["step"], state["skipped_steps"], state["history"]
+        resume_step = tr.step
+        if console is not None:
+            console.print(f"resumed from {checkpoint} (step {tr.step})")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(config, run_dir)
+    tr.sink = MetricsSink(run_dir, tensorboard=config.run.tensorboard, wandb_project=config.run.wandb_project,
+                          config=config.model_dump(mode="json"), resume_step=resume_step)
+    return tr
+
+
+# -------------------------------------------------------------------------------------------------- helpers
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step * 7919 + 17) % (2**31)
+
+
+@contextmanager
+def _timed(timings: dict, name: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
+
+@contextmanager
+def _on_device(module: torch.nn.Module | None, device: torch.device | None):
+    """Move an offloaded module onto `device` for the duration of the block (no-op when device is None)."""
+    if module is None or device is None:
+        yield
+        return
+    module.to(device)
+    try:
+        yield
+    finally:
+        module.to("cpu")
+
+
+def _sum_micro_metrics(metrics: list[dict]) -> dict:
+    """Micro-batch losses are already divided by the global count, so the step's loss is their sum."""
+    if not metrics:
+        return {}
+    out = {}
+    for key in metrics[0]:
+        values = torch.stack([m[key].float() for m in metrics])
+        out[key] = values.sum() if key in ("pg_loss", "loss") else values.mean()
+    return out
+
+
+def _reward_stats(name: str, values_BTJ, valid_BTJ, mask_BT) -> dict:
+    """Token-mean of the per-position sum over slots, and of its absolute value."""
+    position_BT = (values_BTJ * valid_BTJ).sum(-1)
+    count = mask_BT.sum().clamp(min=1)
+    return {f"{name}_mean": (position_BT * mask_BT).sum() / count,
+            f"{name}_abs_mean": (position_BT.abs() * mask_BT).sum() / count}
+
+
+def _seq_reward_metrics(student: TokenScores, teacher: TokenScores, mask_BT, correct) -> dict:
+    from opd.objectives import auroc, seq_rewards
+
+    seq_B = seq_rewards(teacher.sampled_logprobs, student.sampled_logprobs, mask_BT)
+    metrics = {"seq_reward_mean": seq_B.mean()}
+    if correct is not None:
+        metrics["seq_reward_auroc"] = auroc(seq_B, torch.tensor(correct, device=seq_B.device))
+    return metrics
+
+
+def _grade_rollouts(tr: Trainer, rollouts: Rollouts, indices: list[int]) -> tuple[list[str], list[bool] | None]:
+    """Decode every rollout; grade it when the prompts carry answers (rule-based accuracy, GRPO rewards)."""
+    from opd.eval.grading import grade
+
+    texts = tr.tokenizer.batch_decode(
+        [ids[:length] for ids, length in zip(rollouts.response_ids.tolist(), rollouts.response_mask.sum(-1).tolist())],
+        skip_special_tokens=True,
+    )
+    answers = [tr.prompts[indices[g]].answer for g in rollouts.group_ids.tolist()]
+    if any(answer is None for answer in answers):
+        return texts, None
+    return texts, [grade(text, answer).correct for text, answer in zip(texts, answers)]
+
+
+def _write_samples(tr: Trainer, rollouts: Rollouts, texts: list[str], correct, rewards_BTJ) -> None:
+    count = min(tr.config.run.samples_per_step, rollouts.batch_size)
+    if not count:
+        return
+    from opd.io import write_jsonl
+
+    records = []
+    position_rewards_BT = rewards_BTJ.sum(-1)
+    for row in range(count):
+        length = int(rollouts.response_mask[row].sum())
+        ids = rollouts.response_ids[row, :length].tolist()
+        prompt_length = int(rollouts.prompt_lengths[row])
+        records.append({
+            "step": tr.step + 1,
+            "prompt": tr.tokenizer.decode(rollouts.input_ids[row, :prompt_length].tolist()),
+            "response": texts[row],
+            "correct": None if correct is None else correct[row],
+            "tokens": tr.tokenizer.convert_ids_to_tokens(ids),
+            "token_rewards": [round(r, 5) for r in position_rewards_BT[row, :length].tolist()],
+        })
+    write_jsonl(tr.run_dir / "samples" / f"step_{tr.step + 1}.jsonl", records)

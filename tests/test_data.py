@@ -1,0 +1,415 @@
+"""Prompt loading (opd.data.prompts), instruction templates and chat rendering (opd.data.templates), and the
+shipped benchmarks (opd.eval.benchmarks). Offline; the shared data sets are skipped when absent."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from opd.data.prompts import ROW_ID, DataError, load_prompts, save_prompts
+from opd.data.templates import (
+    BOXED_SUFFIX,
+    DAPO_PREFIX,
+    DAPO_SUFFIX,
+    EncodedPrompts,
+    apply_template,
+    encode_prompts,
+    parse_template,
+    render_prompt,
+    strip_template,
+)
+from opd.eval.benchmarks import BENCHMARKS, benchmark_path, list_benchmarks, load_benchmark
+from opd.types import Prompt
+
+SHARED = Path(__file__).parents[1].parent / "shared" / "data"
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared data sets not found at {SHARED}")
+
+# file, rows, start of the first prompt, ground truth of the first row
+SHARED_FILES = [
+    ("benchmarks/AIME24.parquet", 30, "Every morning Aya goes for a $9$-kilometer-long walk", "\\boxed{204}"),
+    ("benchmarks/AIME25.parquet", 30, "Find the sum of all integer bases $b>9$", "70"),
+    ("benchmarks/AMC23.parquet", 40, "Cities $A$ and $B$ are $45$ miles apart.", "27"),
+    ("benchmarks/MATH-500.parquet", 500, "Convert the point $(0,3)$ in rectangular coordinates",
+     "\\left( 3, \\frac{\\pi}{2} \\right)"),
+    ("benchmarks/Minerva.parquet", 272, "Each of the two Magellan telescopes has a diameter", "1.6"),
+    ("benchmarks/Olympiad-Bench.parquet", 674, "Xenia and Sergey play the following game.", "2"),
+    ("train/dapo-math-17k.parquet", 17917, DAPO_PREFIX + "In triangle $ABC$, $\\sin \\angle A", "34"),
+    ("train/deepmath-deduped.parquet", 14116, "Find \\( \\frac{dy}{dx} \\) at the point \\((0,1)\\)", "8"),
+]
+
+_cache: dict[str, list[Prompt]] = {}
+
+
+def shared(name: str) -> list[Prompt]:
+    """Each shared file is read once per session (the two train sets take about a second each)."""
+    if name not in _cache:
+        _cache[name] = load_prompts(SHARED / name)
+    return _cache[name]
+
+
+def one_line_error(excinfo, *fragments: str) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    return message
+
+
+MESSAGES = [{"role": "user", "content": "What is 1+1?"}]
+
+
+def verl_rows(n: int = 3) -> list[dict]:
+    return [
+        {
+            "data_source": "toy",
+            "prompt": [{"role": "user", "content": f"What is {i}+{i}?"}],
+            "ability": "math",
+            "reward_model": {"ground_truth": str(2 * i), "style": "rule"},
+            "extra_info": {"index": f"toy-{i}", "split": "train"},
+        }
+        for i in range(n)
+    ]
+
+
+# ---------------------------------------------------------------- shared data sets
+
+
+@needs_shared
+@pytest.mark.parametrize("name,rows,start,answer", SHARED_FILES, ids=[f[0].split("/")[1] for f in SHARED_FILES])
+def test_shared_files_load(name, rows, start, answer):
+    prompts = shared(name)
+    assert len(prompts) == rows
+    assert prompts[0].text.startswith(start)
+    assert prompts[0].answer == answer
+    assert prompts[0].messages[-1]["role"] == "user"
+    assert len({p.id for p in prompts}) == rows
+    assert all(p.answer is not None for p in prompts)
+
+
+@needs_shared
+def test_shared_ids_and_sources():
+    aime = shared("benchmarks/AIME24.parquet")
+    assert (aime[0].id, aime[0].source, aime[0].meta["extra_info"]) == ("AIME24-0", "AIME24", {"split": "test"})
+    deepmath = shared("train/deepmath-deduped.parquet")
+    assert deepmath[0].id == "27136" and deepmath[0].source == "DeepMath-103K"
+    assert "__index_level_0__" not in deepmath[0].meta  # pandas index artefact dropped
+
+
+@needs_shared
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_shipped_benchmark_matches_shared(name):
+    shipped = load_benchmark(name)
+    assert len(shipped) == BENCHMARKS[name].rows
+    assert shipped == shared(f"benchmarks/{BENCHMARKS[name].file}")
+
+
+def test_benchmark_names_and_stems():
+    assert list_benchmarks() == ["aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench"]
+    assert len(load_benchmark("MATH-500", limit=5)) == 5
+    assert len(load_benchmark("Olympiad-Bench", limit=2)) == 2
+    assert load_benchmark("AIME24")[0].answer == "\\boxed{204}"  # kept as released; the grader unwraps it
+    assert benchmark_path("aime25").is_file()
+
+
+def test_unknown_benchmark():
+    with pytest.raises(DataError) as e:
+        load_benchmark("aime2")
+    one_line_error(e, "unknown benchmark 'aime2'", "aime24, aime25, amc23, math500, minerva, olympiadbench",
+                   "did you mean aime25")
+
+
+def test_benchmark_path_goes_through_load_prompts(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"problem": "2+2?", "answer": 4}) + "\n")
+    prompts = load_benchmark(path, prompt_key="problem", answer_key="answer")
+    assert (prompts[0].text, prompts[0].answer) == ("2+2?", "4")
+
+
+# ---------------------------------------------------------------- other layouts
+
+
+def test_json_string_prompt_column(tmp_path):
+    rows = verl_rows()
+    for row in rows:
+        row["prompt"] = json.dumps(row["prompt"])
+        row["reward_model"] = json.dumps(row["reward_model"])  # a dotted key reaches into a JSON string too
+    path = tmp_path / "s.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    prompts = load_prompts(path)
+    assert prompts[1].messages == [{"role": "user", "content": "What is 1+1?"}]
+    assert (prompts[1].answer, prompts[1].id, prompts[1].source) == ("2", "toy-1", "toy")
+    assert prompts[1].meta["reward_model"] == {"style": "rule"}  # decoded, the consumed field removed
+    assert load_prompts(save_prompts(prompts, tmp_path / "back.parquet")) == prompts
+
+
+def test_jsonl_messages_and_plain_text(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in verl_rows()) + "\n\n")
+    assert load_prompts(path) == load_prompts_from_rows(tmp_path, verl_rows())
+
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("\n".join(json.dumps({"prompt": t, "answer": a}) for t, a in [("[1] Hi?", 1), ("Bye?", 2)]))
+    prompts = load_prompts(plain, answer_key="answer")
+    assert prompts[0].messages == [{"role": "user", "content": "[1] Hi?"}]  # "[..." that is not JSON stays text
+    assert [(p.id, p.answer, p.source) for p in prompts] == [("0", "1", "plain"), ("1", "2", "plain")]
+
+
+def load_prompts_from_rows(tmp_path: Path, rows: list[dict]) -> list[Prompt]:
+    path = tmp_path / "ref.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return load_prompts(path)
+
+
+def test_json_list_and_json_lines_named_json(tmp_path):
+    listed = tmp_path / "list.json"
+    listed.write_text(json.dumps(verl_rows()))
+    lines = tmp_path / "lines.json"  # what `Dataset.to_json` writes
+    lines.write_text("\n".join(json.dumps(r) for r in verl_rows()))
+    assert load_prompts(listed) == load_prompts(lines) == load_prompts_from_rows(tmp_path, verl_rows())
+
+
+def test_column_mapping_system_key_and_limit(tmp_path):
+    path = tmp_path / "p.jsonl"
+    rows = [{"uid": f"u{i}", "problem": f"P{i}", "answer": [f"{i}"], "sys": "Be brief.", "level": i}
+            for i in range(5)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    prompts = load_prompts(path, prompt_key="problem", answer_key="answer", id_key="uid", system_key="sys", limit=3)
+    assert len(prompts) == 3
+    assert prompts[2].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "P2"}]
+    assert (prompts[2].id, prompts[2].answer, prompts[2].meta) == ("u2", "2", {"level": 2})
+    assert load_prompts(path, prompt_key="problem", answer_key=None, id_key=ROW_ID)[4].id == "4"
+
+
+def test_save_to_disk_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list([{"problem": f"P{i}", "answer": str(i)} for i in range(4)])
+    ds.save_to_disk(str(tmp_path / "single"))
+    prompts = load_prompts(tmp_path / "single", prompt_key="problem", answer_key="answer")
+    assert [(p.text, p.answer, p.id) for p in prompts][:2] == [("P0", "0", "0"), ("P1", "1", "1")]
+
+    datasets.DatasetDict({"test": ds}).save_to_disk(str(tmp_path / "dict"))
+    assert len(load_prompts(tmp_path / "dict", prompt_key="problem", answer_key="answer", split="test")) == 4
+    with pytest.raises(DataError) as e:
+        load_prompts(tmp_path / "dict", prompt_key="problem", answer_key="answer", split="train")
+    one_line_error(e, "no split 'train'", "available splits: test")
+
+
+def test_hub_id_without_datasets_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets → ImportError
+    with pytest.raises(DataError) as e:
+        load_prompts("someone/some-set")
+    one_line_error(e, "pip install datasets")
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_save_prompts_round_trip(tmp_path, suffix):
+    prompts = load_prompts_from_rows(tmp_path, verl_rows())
+    prompts.append(Prompt("odd", [{"role": "system", "content": "S"}, *MESSAGES], None, "other", {"tag": 1}))
+    path = save_prompts(prompts, tmp_path / "out" / f"set{suffix}")
+    assert load_prompts(path) == prompts
+    assert not [p for p in path.parent.iterdir() if p.name != path.name]  # no temp file left behind
+    if suffix == ".parquet":
+        row = pq.read_table(path).slice(0, 1).to_pylist()[0]
+        assert row["reward_model"] == {"ground_truth": "0", "style": "rule"}
+        assert pq.read_table(path).column("reward_model").type.names == ["ground_truth", "style"]
+        assert row["extra_info"] == {"index": "toy-0", "split": "train"}
+
+
+@needs_shared
+def test_save_prompts_round_trip_real(tmp_path):
+    prompts = shared("benchmarks/MATH-500.parquet")
+    assert load_prompts(save_prompts(prompts, tmp_path / "m.parquet")) == prompts
+
+
+# ---------------------------------------------------------------- bad inputs
+
+
+def test_missing_column_names_it_and_suggests(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"problem": "x", "answer": "1"}) + "\n")
+    with pytest.raises(DataError) as e:
+        load_prompts(path, prompt_key="problme", answer_key="answer")
+    one_line_error(e, str(path), "'problme'", "available: problem, answer", "prompt_key='problem'")
+    with pytest.raises(DataError) as e:
+        load_prompts(path, prompt_key="problem")  # default answer_key absent
+    one_line_error(e, "'reward_model.ground_truth'", "answer_key=None")
+
+
+def test_unreadable_and_unknown_files(tmp_path):
+    corrupt = tmp_path / "bad.parquet"
+    corrupt.write_bytes(b"not a parquet file at all")
+    with pytest.raises(DataError) as e:
+        load_prompts(corrupt)
+    one_line_error(e, str(corrupt), "cannot read it as parquet")
+    broken = tmp_path / "bad.jsonl"
+    broken.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    with pytest.raises(DataError) as e:
+        load_prompts(broken, answer_key=None)
+    one_line_error(e, "line 2 is not JSON")
+    odd = tmp_path / "x.txt"
+    odd.write_text("hello")
+    with pytest.raises(DataError) as e:
+        load_prompts(odd)
+    one_line_error(e, "unknown file type '.txt'", ".parquet, .jsonl")
+    with pytest.raises(DataError) as e:
+        load_prompts(tmp_path / "missing.parquet")
+    one_line_error(e, "no such file")
+    with pytest.raises(DataError) as e:
+        load_prompts(tmp_path)
+    one_line_error(e, "not a `datasets` save_to_disk output")
+
+
+def test_empty_set(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError) as e:
+        load_prompts(empty)
+    one_line_error(e, str(empty), "empty")
+    with pytest.raises(DataError):
+        save_prompts([], tmp_path / "e.parquet")
+
+
+def test_bad_rows(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [{"prompt": "fine", "id": 1}, {"prompt": 7, "id": 2}]))
+    with pytest.raises(DataError) as e:
+        load_prompts(path, answer_key=None)
+    one_line_error(e, "row 1", "'prompt'", "7", "expected a string or a non-empty list")
+    path.write_text("\n".join(json.dumps(r) for r in [{"prompt": "a", "id": 1}, {"prompt": "b", "id": 1}]))
+    with pytest.raises(DataError) as e:
+        load_prompts(path, answer_key=None)
+    one_line_error(e, "id '1' of row 1", "repeats row 0", "id_key='#row'")
+
+
+# ---------------------------------------------------------------- templates
+
+
+def test_template_strings():
+    assert DAPO_PREFIX == (
+        "Solve the following math problem step by step. The last line of your response should be of the form "
+        "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+    )
+    assert DAPO_SUFFIX == '\n\nRemember to put your answer on its own line after "Answer:".'
+    assert BOXED_SUFFIX == " Please reason step by step, and put your final answer within \\boxed{}."
+
+
+@needs_shared
+def test_dapo_to_boxed_on_real_rows():
+    dapo = shared("train/dapo-math-17k.parquet")
+    for p in dapo[:200]:
+        problem = p.text[len(DAPO_PREFIX): -len(DAPO_SUFFIX)].strip()
+        boxed = apply_template(p, "boxed")
+        assert boxed.text == problem + BOXED_SUFFIX
+        assert (boxed.id, boxed.answer) == (p.id, p.answer)
+        assert apply_template(boxed, "dapo").text == DAPO_PREFIX + problem + DAPO_SUFFIX
+        assert strip_template(p.text) == problem
+    assert dapo[0].text.startswith(DAPO_PREFIX)  # the input was not modified
+    # Re-applying a set's own template is byte-exact (some DAPO problems keep whitespace around them).
+    assert all(apply_template(p, "dapo").text == p.text for p in dapo)
+
+
+@needs_shared
+def test_boxed_strip_on_deepmath():
+    deepmath = shared("train/deepmath-deduped.parquet")
+    assert all(p.text.endswith(BOXED_SUFFIX) for p in deepmath)
+    first = deepmath[0]
+    assert strip_template(first.text) == first.meta["extra_info"]["question"]
+    assert apply_template(first, "dapo").text == DAPO_PREFIX + first.meta["extra_info"]["question"] + DAPO_SUFFIX
+
+
+def test_parse_template_forms():
+    assert parse_template("DAPO").name == "dapo"
+    assert apply_template(Prompt("a", MESSAGES), "keep").text == "What is 1+1?"
+    custom = apply_template(Prompt("a", MESSAGES), "custom:Q: {problem}\nPut it in \\boxed{}.")
+    assert custom.text == "Q: What is 1+1?\nPut it in \\boxed{}."
+    for bad, fragment in [("custom:Solve it.", "has no {problem} placeholder"), ("boxes", "unknown template")]:
+        with pytest.raises(ValueError) as e:
+            parse_template(bad)
+        one_line_error(e, fragment, "keep, dapo, boxed, custom:<text containing {problem}>")
+
+
+# ---------------------------------------------------------------- chat rendering and encoding
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> "
+    "{% if enable_thinking is defined and enable_thinking is false %}<think> </think> {% endif %}{% endif %}"
+)
+
+
+def tiny_tokenizer(chat_template: str | None):
+    """A word-level tokenizer (one token per word or punctuation run) whose post-processor adds BOS, so a
+    double BOS would show if `encode_prompts` let the tokenizer add special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<|user|>", "<|system|>", "<|assistant|>", "<|end|>", "<think>", "</think>"]
+    words = ["What", "is", "1", "+", "?", "a", "b", "c", "d", "e", "Be", "brief", ".", "User", "Assistant", ":"]
+    vocab = {tok: i for i, tok in enumerate(specials + words)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(specials)
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>")
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def test_render_prompt_with_chat_template():
+    tok = tiny_tokenizer(CHAT_TEMPLATE)
+    assert render_prompt(tok, MESSAGES) == "<s><|user|> What is 1+1? <|end|> <|assistant|> "
+    assert render_prompt(tok, MESSAGES, enable_thinking=False).endswith("<|assistant|> <think> </think> ")
+    assert not render_prompt(tok, MESSAGES, enable_thinking=True).endswith("</think> ")
+    with_system = render_prompt(tok, MESSAGES, system_prompt="Be brief.")
+    assert with_system.startswith("<s><|system|> Be brief. <|end|> <|user|>")
+    replaced = render_prompt(tok, [{"role": "system", "content": "Old."}, *MESSAGES], system_prompt="Be brief.")
+    assert replaced == with_system
+
+
+def test_render_prompt_without_chat_template():
+    tok = tiny_tokenizer(None)
+    assert render_prompt(tok, MESSAGES) == "User: What is 1+1?\nAssistant:"
+    assert render_prompt(tok, MESSAGES, system_prompt="Be brief.", enable_thinking=False) == (
+        "System: Be brief.\nUser: What is 1+1?\nAssistant:"
+    )
+
+
+def test_encode_prompts_filters_by_length():
+    tok = tiny_tokenizer(CHAT_TEMPLATE)
+    # rendered: <s> <|user|> w_1 .. w_n <|end|> <|assistant|>  →  n + 4 tokens
+    prompts = [Prompt(str(n), [{"role": "user", "content": " ".join("abcde"[:n])}]) for n in range(1, 6)]
+    encoded = encode_prompts(tok, prompts, max_prompt_length=7)
+    assert isinstance(encoded, EncodedPrompts)
+    assert [p.id for p in encoded.prompts] == ["1", "2", "3"] and encoded.num_filtered == 2
+    assert [len(ids) for ids in encoded.input_ids] == [5, 6, 7]
+    bos = tok.bos_token_id
+    assert all(ids[0] == bos and ids[1] != bos for ids in encoded.input_ids)  # BOS once, from the template
+    assert tok.decode(encoded.input_ids[0]) == "<s> <|user|> a <|end|> <|assistant|>"
+
+    with pytest.raises(DataError) as e:
+        encode_prompts(tok, prompts, max_prompt_length=7, on_overflow="error")
+    one_line_error(e, "prompt '4' is 8 tokens", "max_prompt_length=7")
+    with pytest.raises(DataError) as e:
+        encode_prompts(tok, prompts, max_prompt_length=4)
+    one_line_error(e, "all 5 prompts")
+
+
+def test_encode_prompts_template_and_fallback():
+    tok = tiny_tokenizer(CHAT_TEMPLATE)
+    kept = encode_prompts(tok, [Prompt("a", MESSAGES)], max_prompt_length=100)
+    encoded = encode_prompts(tok, [Prompt("a", MESSAGES)], max_prompt_length=100, template="boxed")
+    assert encoded.prompts[0].text == "What is 1+1?" + BOXED_SUFFIX
+    assert len(encoded.input_ids[0]) > len(kept.input_ids[0])
+
+    plain = tiny_tokenizer(None)
+    encoded = encode_prompts(plain, [Prompt("a", MESSAGES)], max_prompt_length=100)
+    ids = encoded.input_ids[0]
+    assert ids[0] == plain.bos_token_id and ids[1] != plain.bos_token_id  # fallback gets the tokenizer's BOS once
+    assert plain.decode(ids[1:]) == plain.decode(plain("User: What is 1+1?\nAssistant:",
+                                                       add_special_tokens=False)["input_ids"])

@@ -1,0 +1,122 @@
+"""opd.models: dtype/device resolution, loading from a save_pretrained directory, one-line load errors, and the
+student/teacher vocabulary check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
+
+from opd.models import (
+    ModelLoadError,
+    TokenizerMismatchError,
+    VocabInfo,
+    check_tokenizer_compatibility,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
+
+
+def test_resolve_device():
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(torch.device("cpu")) == torch.device("cpu")
+    with pytest.raises(ValueError, match="'bogus'"):
+        resolve_device("bogus")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda")
+
+
+def test_resolve_dtype():
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    for name, dtype in [("bf16", torch.bfloat16), ("BFloat16", torch.bfloat16), ("fp16", torch.float16),
+                        ("fp32", torch.float32), ("float32", torch.float32)]:
+        assert resolve_dtype(name) == dtype
+    assert resolve_dtype(torch.float16) == torch.float16
+    with pytest.raises(ValueError) as err:
+        resolve_dtype("fp8")
+    message = str(err.value)
+    assert "\n" not in message and "'fp8'" in message and "'bf16'" in message and "'fp32'" in message
+
+
+def test_load_model_from_directory(tiny_model_dir):
+    model, tokenizer = load_model(tiny_model_dir, device="cpu")
+    assert not model.training
+    assert next(model.parameters()).dtype == torch.float32
+    assert tokenizer.pad_token_id == PAD_ID and tokenizer.eos_token_id == EOS_ID and len(tokenizer) == TINY_VOCAB
+    ids = torch.tensor([tokenizer.encode("round trip")])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, make_tiny_model("llama")(ids).logits)
+    model_bf16, _ = load_model(tiny_model_dir, dtype="bf16", device="cpu")
+    assert next(model_bf16.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["/no/such/dir/model", "./missing-model", "not a valid id"])
+def test_load_model_bad_path_is_one_line(name):
+    with pytest.raises(ModelLoadError) as err:
+        load_model(name, device="cpu")
+    assert "\n" not in str(err.value) and repr(name) in str(err.value)
+
+
+def test_load_model_incomplete_directory_is_one_line(tmp_path):
+    make_tiny_tokenizer().save_pretrained(tmp_path)  # a tokenizer but no weights or config
+    with pytest.raises(ModelLoadError) as err:
+        load_model(tmp_path, device="cpu")
+    assert "\n" not in str(err.value) and str(tmp_path) in str(err.value)
+
+
+def test_load_tokenizer_pads_with_eos(tmp_path):
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert loaded.pad_token_id == EOS_ID and len(loaded) == TINY_VOCAB
+
+
+def test_eos_token_ids(tiny_tokenizer):
+    model = make_tiny_model("qwen3")
+    assert eos_token_ids(model, tiny_tokenizer) == [EOS_ID, PAD_ID]  # tokenizer's first, then generation config
+    assert eos_token_ids(tokenizer=tiny_tokenizer) == [EOS_ID]
+
+
+def test_compatibility_identical_and_padded_sizes(tiny_tokenizer):
+    other = make_tiny_tokenizer()
+    assert check_tokenizer_compatibility(tiny_tokenizer, other) == VocabInfo(TINY_VOCAB, TINY_VOCAB, TINY_VOCAB,
+                                                                             TINY_VOCAB)
+    # Embedding rows padded past the tokenizer (like Qwen's 151936 vs 152064): compare on the smaller one.
+    info = check_tokenizer_compatibility(tiny_tokenizer, other, student_vocab_size=288, teacher_vocab_size=320)
+    assert info == VocabInfo(size=288, tokenizer_size=TINY_VOCAB, student_size=288, teacher_size=320)
+    with pytest.raises(TokenizerMismatchError, match="teacher model has 200 vocabulary rows"):
+        check_tokenizer_compatibility(tiny_tokenizer, other, student_vocab_size=288, teacher_vocab_size=200)
+
+
+class _VocabOnly:
+    """Stands in for a tokenizer whose token→id map was edited."""
+
+    def __init__(self, vocab: dict[str, int]):
+        self.vocab = vocab
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.vocab)
+
+
+def test_compatibility_swapped_token_is_named(tiny_tokenizer):
+    vocab = tiny_tokenizer.get_vocab()
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]  # ids 97 and 98 swapped in the teacher
+    with pytest.raises(TokenizerMismatchError) as err:
+        check_tokenizer_compatibility(tiny_tokenizer, _VocabOnly(vocab))
+    assert str(err.value) == "tokenizers differ: token 'a' has id 97 in the student and id 98 in the teacher"
+
+
+def test_compatibility_missing_token_is_named(tiny_tokenizer):
+    teacher = make_tiny_tokenizer()
+    teacher.add_tokens(["<extra>"])
+    with pytest.raises(TokenizerMismatchError, match=r"'<extra>' \(id 261 in the teacher\) is missing from the student"):
+        check_tokenizer_compatibility(tiny_tokenizer, teacher)
+    with pytest.raises(TokenizerMismatchError, match=r"'<extra>' \(id 261 in the student\) is missing from the teacher"):
+        check_tokenizer_compatibility(teacher, tiny_tokenizer)

@@ -1,0 +1,319 @@
+"""The torch generation engine and the Rollouts builder, on tiny random Llama / Qwen3 models (fp32, CPU) and on a
+scripted model whose next token is known, so EOS timing and finished-row handling are exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model
+from transformers import LlamaConfig
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from opd.rollout.base import GenerationOutput, Generator, SamplingParams
+from opd.rollout.batch import build_rollouts
+from opd.rollout.torch_engine import TorchGenerator, filter_logits
+
+KINDS = ["llama", "qwen3"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model(request):
+    """One tiny model per kind for the tests that do not change weights."""
+    return make_tiny_model(request.param)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer):
+    """Three prompts of different lengths (29, 5 and 14 tokens): one chat-templated, two raw."""
+    chat = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True,
+                                              enable_thinking=False, tokenize=False)
+    return [tiny_tokenizer.encode(text) for text in [chat, "Hi yo", "What is 17+25?"]]
+
+
+def _cut_at_eos(ids: list[int], eos: set[int]) -> list[int]:
+    for i, token in enumerate(ids):
+        if token in eos:
+            return ids[: i + 1]
+    return ids
+
+
+def _full_forward_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    """Log-probs of `response` given `prompt` from one unpadded forward pass (no cache). → [len(response)]."""
+    ids = torch.tensor([prompt + response], device=model.device)
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1: -1].float()
+    scaled = logits / (temperature if temperature > 0 else 1.0)
+    return scaled.log_softmax(-1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+
+
+def test_engine_is_a_generator(model):
+    engine = TorchGenerator(model)
+    assert isinstance(engine, Generator)
+    assert engine.eos_token_ids == [EOS_ID, PAD_ID] and engine.pad_token_id == PAD_ID
+    engine.sync_weights()  # a no-op: shares the module
+
+
+def test_shapes_and_prompt_major(model, prompts):
+    out = TorchGenerator(model).generate(prompts, SamplingParams(n=3, max_new_tokens=6, seed=0, return_logprobs=True))
+    assert out.group_ids == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert len(out.response_ids) == len(out.finish_reasons) == len(out.logprobs) == 9
+    for ids, lps, reason in zip(out.response_ids, out.logprobs, out.finish_reasons):
+        assert 1 <= len(ids) <= 6 and len(lps) == len(ids) and all(lp <= 0 for lp in lps)
+        assert reason == ("stop" if ids[-1] in (EOS_ID, PAD_ID) else "length")
+        assert reason == "stop" or len(ids) == 6
+    assert len({tuple(r) for r in out.response_ids[:3]}) > 1  # the n samples of a prompt differ
+
+
+def test_greedy_equals_hf_generate(model, prompts):
+    engine = TorchGenerator(model)
+    ours = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12))
+    for prompt, response in zip(prompts, ours.response_ids):
+        hf = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                            do_sample=False, max_new_tokens=12, eos_token_id=[EOS_ID, PAD_ID], pad_token_id=PAD_ID)
+        assert response == _cut_at_eos(hf[0, len(prompt):].tolist(), {EOS_ID, PAD_ID})
+
+
+def test_left_padding_invariance(model, prompts):
+    """A prompt alone, in a batch with longer and shorter prompts, and as one of n greedy samples: same output."""
+    engine = TorchGenerator(model)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=10, stop_at_eos=False)
+    batched = engine.generate(prompts, params).response_ids
+    for i, prompt in enumerate(prompts):
+        alone = engine.generate([prompt], params).response_ids
+        assert batched[2 * i: 2 * i + 2] == alone and alone[0] == alone[1]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 20, 0.9), (0.0, 0, 1.0), (1.3, 0, 1.0)])
+def test_logprobs_match_full_forward(model, prompts, temperature, top_k, top_p):
+    """Reported log-probs are log_softmax(logits / T) over the full vocabulary (before top-k/top-p; T = 1 when
+    greedy), matching an unpadded forward pass without cache."""
+    params = SamplingParams(n=2, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=8, seed=3,
+                            return_logprobs=True, stop_at_eos=False)
+    out = TorchGenerator(model).generate(prompts, params)
+    for g, response, lps in zip(out.group_ids, out.response_ids, out.logprobs):
+        assert len(lps) == len(response) == 8
+        expected = _full_forward_logprobs(model, prompts[g], response, temperature)
+        torch.testing.assert_close(torch.tensor(lps), expected, atol=1e-4, rtol=0)
+
+
+def test_seed_determinism(model, prompts):
+    engine = TorchGenerator(model)
+    params = SamplingParams(n=2, max_new_tokens=8, seed=7, stop_at_eos=False)
+    first = engine.generate(prompts, params).response_ids
+    assert engine.generate(prompts, params).response_ids == first
+    other = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=8, stop_at_eos=False)).response_ids
+    assert other != first
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy(model, prompts):
+    engine = TorchGenerator(model)
+    greedy = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8)).response_ids
+    for params in [SamplingParams(temperature=1.0, top_k=1, max_new_tokens=8, seed=1),
+                   SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=8, seed=1)]:
+        assert engine.generate(prompts, params).response_ids == greedy
+
+
+def test_batching_by_size_and_tokens_keeps_greedy_outputs(model, prompts):
+    params = SamplingParams(n=3, temperature=0, max_new_tokens=5)
+    reference = TorchGenerator(model).generate(prompts, params)
+    for engine in [TorchGenerator(model, max_batch_size=2), TorchGenerator(model, max_batch_tokens=70)]:
+        out = engine.generate(prompts, params)
+        assert out.response_ids == reference.response_ids and out.group_ids == reference.group_ids
+
+
+def test_chunks_split_groups_only_when_needed():
+    engine = TorchGenerator(make_tiny_model("llama"), max_batch_size=4)
+    assert engine._chunks([5, 5, 5], SamplingParams(n=2, max_new_tokens=3)) == [[(0, 2), (1, 2)], [(2, 2)]]
+    assert engine._chunks([5, 5], SamplingParams(n=6, max_new_tokens=3)) == [[(0, 4)], [(0, 2), (1, 2)], [(1, 4)]]
+    # Token budget: rows × (longest prompt + max_new_tokens) ≤ 40; a lone row over budget still runs.
+    budget = TorchGenerator(make_tiny_model("llama"), max_batch_tokens=40)
+    assert budget._chunks([5, 15, 50], SamplingParams(n=2, max_new_tokens=5)) == [[(0, 2)], [(1, 2)], [(2, 1)],
+                                                                                  [(2, 1)]]
+
+
+def test_certain_eos_stops_at_once(tiny_llama, prompts):
+    tiny_llama.lm_head.bias = torch.nn.Parameter(torch.zeros(TINY_VOCAB))
+    with torch.no_grad():
+        tiny_llama.lm_head.bias[EOS_ID] = 100.0
+    engine = TorchGenerator(tiny_llama)
+    out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=5, seed=0, return_logprobs=True))
+    assert out.response_ids == [[EOS_ID]] * 6 and out.finish_reasons == ["stop"] * 6
+    assert all(abs(lps[0]) < 1e-6 for lps in out.logprobs)
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=5, seed=0, stop_at_eos=False))
+    assert out.response_ids == [[EOS_ID] * 5] * 3 and out.finish_reasons == ["length"] * 3
+
+
+def test_sampled_eos_invariants(tiny_qwen3, prompts):
+    """EOS likely (~30%/step): each response ends at its first EOS ("stop") or runs to max_new_tokens ("length")."""
+    tiny_qwen3.lm_head.bias = torch.nn.Parameter(torch.zeros(TINY_VOCAB))
+    with torch.no_grad():
+        tiny_qwen3.lm_head.bias[EOS_ID] = 5.0
+    engine = TorchGenerator(tiny_qwen3, sync_interval=1, compact_fraction=0.01)  # drop finished rows at once
+    out = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=10, seed=0, return_logprobs=True))
+    eos = {EOS_ID, PAD_ID}
+    for g, ids, lps, reason in zip(out.group_ids, out.response_ids, out.logprobs, out.finish_reasons):
+        assert all(t not in eos for t in ids[:-1])
+        assert (reason == "stop") == (ids[-1] in eos) and (reason == "stop" or len(ids) == 10)
+        # Rows kept decoding correctly after others were dropped from the batch (cache, mask and positions).
+        torch.testing.assert_close(torch.tensor(lps), _full_forward_logprobs(tiny_qwen3, prompts[g], ids, 1.0),
+                                   atol=1e-4, rtol=0)
+    assert {"stop", "length"} <= set(out.finish_reasons)
+    assert len({len(ids) for ids in out.response_ids}) > 3
+
+
+def test_padding_vocab_rows_never_sampled():
+    model = make_tiny_model("llama", vocab_size=288)  # rows 261..287 are embedding padding
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(288))
+    with torch.no_grad():
+        model.lm_head.bias[TINY_VOCAB:] = 50.0  # would always win if allowed
+    out = TorchGenerator(model, vocab_size=TINY_VOCAB).generate([[1, 2, 3]], SamplingParams(n=4, max_new_tokens=6,
+                                                                                            seed=0))
+    assert all(t < TINY_VOCAB for ids in out.response_ids for t in ids)
+
+
+def test_training_flag_restored_and_no_grad(tiny_llama, prompts):
+    tiny_llama.train()
+    TorchGenerator(tiny_llama).generate(prompts, SamplingParams(max_new_tokens=2, seed=0))
+    assert tiny_llama.training and all(p.grad is None for p in tiny_llama.parameters())
+
+
+def test_bad_inputs():
+    engine = TorchGenerator(make_tiny_model("llama"))
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[1], []], SamplingParams())
+    with pytest.raises(ValueError, match="max_batch_size must be an integer ≥ 1, got 0"):
+        TorchGenerator(make_tiny_model("llama"), max_batch_size=0)
+    assert engine.generate([], SamplingParams()).response_ids == []
+
+
+def test_filter_logits():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).log_softmax(-1)  # probs ≈ .64 .24 .09 .03
+    inf = float("-inf")
+    assert filter_logits(logits, top_k=2)[0, 2:].tolist() == [inf, inf]
+    assert torch.isfinite(filter_logits(logits, top_p=0.7)[0]).tolist() == [True, True, False, False]
+    assert torch.isfinite(filter_logits(logits, top_p=0.5)[0]).tolist() == [True, False, False, False]
+    assert torch.isfinite(filter_logits(logits, top_p=0.95)[0]).tolist() == [True, True, True, False]
+
+
+class ScriptedLM(torch.nn.Module):
+    """Next token = last token + 1 (mod 16), with certainty; EOS is 10. Ignores the cache, so a prompt ending in
+    token k stops after exactly 10 - k tokens (when k < 10)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = LlamaConfig(num_hidden_layers=1, vocab_size=16, eos_token_id=10, pad_token_id=15)
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.calls, self.width, self.last_cache, self.batch_sizes = 0, 0, None, []
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=None,
+                logits_to_keep=0):
+        # What the engine must pass: a mask covering every token of the chunk so far, and positions that count
+        # only real (unmasked) tokens.
+        self.width = input_ids.shape[1] + (self.width if cache is self.last_cache else 0)
+        self.last_cache = cache
+        assert attention_mask.shape[1] == self.width
+        assert torch.equal(position_ids[:, -1], attention_mask.sum(-1) - 1)
+        self.calls += 1
+        self.batch_sizes.append(input_ids.shape[0])
+        logits = torch.full((*input_ids.shape, 16), -30.0)
+        logits.scatter_(-1, ((input_ids + 1) % 16)[..., None], 30.0)
+        return CausalLMOutputWithPast(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+
+
+@pytest.mark.parametrize("sync_interval,compact_fraction,batch_sizes", [
+    (1, 0.01, [4, 6, 4, 4, 4, 2, 2]),  # finished rows dropped as soon as seen
+    (1, 1.0, [4, 8, 8, 8, 8, 8, 8]),  # dropped only when all are finished
+    (3, 0.25, [4, 8, 8, 4, 4, 4, 2]),  # looked at after steps 3 and 6
+    (8, 0.5, [4, 8, 8, 8, 8, 8, 8]),  # never looked at within 7 steps
+])
+def test_mixed_lengths_finish_exactly(sync_interval, compact_fraction, batch_sizes):
+    model = ScriptedLM()
+    engine = TorchGenerator(model, sync_interval=sync_interval, compact_fraction=compact_fraction)
+    prompts = [[0, 8], [1, 2, 3, 4, 5], [9], [0, 11]]  # stop after 2, 5, 1 tokens; the last never reaches 10
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_new_tokens=7, return_logprobs=True))
+    expected = [[9, 10], [6, 7, 8, 9, 10], [10], [12, 13, 14, 15, 0, 1, 2]]
+    assert out.response_ids == [r for r in expected for _ in range(2)]
+    assert out.finish_reasons == ["stop"] * 6 + ["length"] * 2
+    assert [len(lp) for lp in out.logprobs] == [2, 2, 5, 5, 1, 1, 7, 7]
+    # One prefill of the 4 distinct prompts (not 8 rows), then 6 decode steps over the rows still in the batch.
+    assert model.batch_sizes == batch_sizes
+
+
+def test_all_finished_ends_the_loop():
+    model = ScriptedLM()
+    out = TorchGenerator(model, sync_interval=1).generate([[8], [9]], SamplingParams(temperature=0, max_new_tokens=50))
+    assert out.response_ids == [[9, 10], [10]] and model.calls == 2  # prefill + one decode step
+
+
+def test_build_rollouts_layout():
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    output = GenerationOutput(
+        response_ids=[[11, EOS_ID], [12, 13, 14, 15], [16], [17, 18, EOS_ID]],
+        finish_reasons=["stop", "length", "length", "stop"],
+        group_ids=[0, 0, 1, 1],
+        logprobs=[[-0.1, -0.2], [-0.3, -0.4, -0.5, -0.6], [-0.7], [-0.8, -0.9, -1.0]],
+    )
+    r = build_rollouts(prompts, output, pad_id=PAD_ID)
+    P = PAD_ID
+    assert r.input_ids.tolist() == [[1, 2, 3, 11, EOS_ID, P, P, P], [1, 2, 3, 12, 13, 14, 15, P],
+                                    [4, 5, 6, 7, 8, 16, P, P], [4, 5, 6, 7, 8, 17, 18, EOS_ID]]
+    assert r.attention_mask.sum(-1).tolist() == [5, 7, 6, 8] and r.attention_mask.dtype == torch.bool
+    assert r.response_ids.tolist() == [[11, EOS_ID, P, P], [12, 13, 14, 15], [16, P, P, P], [17, 18, EOS_ID, P]]
+    assert r.response_mask.sum(-1).tolist() == [2, 4, 1, 3] and r.response_mask.dtype == torch.bool
+    assert r.prompt_lengths.tolist() == [3, 3, 5, 5] and r.group_ids.tolist() == [0, 0, 1, 1]
+    assert r.truncated.tolist() == [False, True, True, False]
+    assert r.rollout_logprobs[1].tolist() == pytest.approx([-0.3, -0.4, -0.5, -0.6])
+    assert r.rollout_logprobs[2, 1:].tolist() == [0.0, 0.0, 0.0]
+    # The token at response_positions + 1 is the response token those logits predict.
+    positions = r.response_positions()
+    following = r.input_ids.gather(1, (positions + 1).clamp(max=r.input_ids.shape[1] - 1))
+    assert torch.equal(following[r.response_mask], r.response_ids[r.response_mask])
+    with pytest.raises(ValueError, match="row 0 has 2 response tokens but 1 logprobs"):
+        build_rollouts(prompts, GenerationOutput([[1, 2]], ["stop"], [0], [[-1.0]]), pad_id=P)
+    with pytest.raises(ValueError, match=r"group_ids\[0\] = 2"):
+        build_rollouts(prompts, GenerationOutput([[1]], ["stop"], [2]), pad_id=P)
+
+
+def test_rollouts_logits_at_response_positions_match_engine(model, prompts):
+    """End to end: one right-padded forward over Rollouts.input_ids, logits gathered at response_positions(), gives
+    the log-probs the engine reported (temperature 1)."""
+    out = TorchGenerator(model).generate(prompts, SamplingParams(n=2, max_new_tokens=6, seed=5, return_logprobs=True))
+    r = build_rollouts(prompts, out, pad_id=PAD_ID)
+    assert r.rollout_logprobs.shape == r.response_ids.shape and r.response_ids.shape[1] == max(map(len, out.response_ids))
+    with torch.no_grad():
+        logits = model(r.input_ids, attention_mask=r.attention_mask.long()).logits
+    positions = r.response_positions().clamp(max=r.input_ids.shape[1] - 1)
+    logits_BTV = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))
+    logprobs = logits_BTV.log_softmax(-1).gather(-1, r.response_ids[..., None]).squeeze(-1)
+    torch.testing.assert_close(logprobs[r.response_mask], r.rollout_logprobs[r.response_mask], atol=1e-4, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # peft calls a deprecated transformers property
+def test_peft_wrapped_model(prompts):
+    """A LoRA-wrapped student (as the trainer may hold it) generates through the wrapper; fresh LoRA is a no-op."""
+    peft = pytest.importorskip("peft")
+    base = make_tiny_model("llama")
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=6)
+    expected = TorchGenerator(base).generate(prompts, params).response_ids
+    wrapped = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    engine = TorchGenerator(wrapped)  # found the cache argument's name and logits_to_keep through the wrapper
+    assert engine._cache_kwarg == TorchGenerator(base)._cache_kwarg and engine._has_logits_to_keep
+    assert engine.generate(prompts, params).response_ids == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_engine(kind, prompts):
+    """On a GPU: greedy fp32 equals the CPU result, sampled log-probs match a full forward there, bf16 runs."""
+    cpu_model, gpu_model = make_tiny_model(kind), make_tiny_model(kind).cuda()
+    greedy = SamplingParams(n=2, temperature=0, max_new_tokens=8)
+    assert (TorchGenerator(gpu_model).generate(prompts, greedy).response_ids
+            == TorchGenerator(cpu_model).generate(prompts, greedy).response_ids)
+    sampled = SamplingParams(n=2, top_p=0.9, max_new_tokens=8, seed=0, return_logprobs=True, stop_at_eos=False)
+    out = TorchGenerator(gpu_model).generate(prompts, sampled)
+    assert TorchGenerator(gpu_model).generate(prompts, sampled).response_ids == out.response_ids
+    for g, ids, lps in zip(out.group_ids, out.response_ids, out.logprobs):
+        expected = _full_forward_logprobs(gpu_model, prompts[g], ids, 1.0).cpu()
+        torch.testing.assert_close(torch.tensor(lps), expected, atol=1e-4, rtol=0)
+    out = TorchGenerator(gpu_model.bfloat16()).generate(prompts, sampled)
+    assert [len(ids) for ids in out.response_ids] == [8] * 6

@@ -12,7 +12,6 @@ trainer (it needs the teacher's full distribution in the grad pass; it exists as
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,12 @@ from typing import Any
 
 import torch
 
-from opd.config import DistillConfig, EvalConfig, ModelSpec, save_config
+from opd.config import DistillConfig
+from opd.train.common import (
+    evaluate_in_training, finish_run, is_due, open_run, restore_trainer_state, resume_checkpoint, run_directory,
+    trainer_state,
+)
+from opd.train.common import timed as _timed
 from opd.types import Prompt, Rollouts, TokenScores
 
 @dataclass
@@ -188,14 +192,9 @@ def distill(config: DistillConfig, *, console: Any = None) -> Path:
     """Run `opd distill` and return the run directory."""
     from rich.console import Console
 
-    from opd.train.checkpoint import latest_checkpoint
-
     console = console or Console()
-    run_dir = Path(config.run.out_dir) / (config.run.name or f"distill-{time.strftime('%Y%m%d-%H%M%S')}")
-    checkpoint = latest_checkpoint(run_dir) if config.run.resume else None
-    if config.run.resume and checkpoint is None:
-        console.print(f"[yellow]run.resume: no complete checkpoint in {run_dir}; starting from scratch[/]")
-    tr = setup(config, run_dir, checkpoint=checkpoint, console=console)
+    run_dir = run_directory(config.run, "distill")
+    tr = setup(config, run_dir, checkpoint=resume_checkpoint(run_dir, config.run, console), console=console)
     train(tr, console=console)
     return run_dir
 
@@ -212,17 +211,11 @@ def train(tr: Trainer, *, console: Any) -> None:
             tr.sink.log(tr.step, metrics)
             tr.history.append({"step": tr.step, **metrics})
             progress.update(task, advance=1, description=_console_line(tr.step, metrics))
-            last = tr.step == cfg.run.steps
-            if cfg.run.eval_every and tr.step % cfg.run.eval_every == 0 or last:
+            if is_due(tr.step, cfg.run.eval_every, cfg.run.steps):
                 run_eval(tr, console)
-            if cfg.run.save_every and tr.step % cfg.run.save_every == 0 or last:
+            if is_due(tr.step, cfg.run.save_every, cfg.run.steps):
                 save(tr)
-    tr.sink.close()
-    if cfg.run.report:
-        from opd.report import write_report
-
-        path = write_report([tr.run_dir])
-        console.print(f"report: {path}")
+    finish_run(tr.run_dir, tr.sink, report=cfg.run.report, console=console)
 
 
 def _console_line(step: int, m: dict) -> str:
@@ -235,32 +228,19 @@ def _console_line(step: int, m: dict) -> str:
 
 
 def run_eval(tr: Trainer, console: Any) -> dict | None:
-    spec = tr.config.eval
-    if not spec.benchmarks:
-        return None
-    from opd.eval.evaluate import evaluate
-
-    eval_config = EvalConfig(
-        model=ModelSpec(path=tr.config.student.path), benchmarks=spec.benchmarks, n=spec.n, temperature=spec.temperature,
-        top_p=spec.top_p, max_new_tokens=spec.max_new_tokens, limit=spec.limit, prompt_key=spec.prompt_key,
-        answer_key=spec.answer_key, template=tr.config.data.template, enable_thinking=tr.config.data.enable_thinking,
-        max_prompt_length=tr.config.data.max_prompt_length, batch_size=tr.config.rollout.batch_size,
-        seed=tr.config.run.seed, out=str(tr.run_dir / "eval" / f"step_{tr.step}"),
+    cfg = tr.config
+    return evaluate_in_training(
+        cfg.eval, step=tr.step, run_dir=tr.run_dir, model_path=cfg.student.path, generator=tr.generator,
+        tokenizer=tr.tokenizer, template=cfg.data.template, enable_thinking=cfg.data.enable_thinking,
+        max_prompt_length=cfg.data.max_prompt_length, batch_size=cfg.rollout.batch_size, seed=cfg.run.seed,
+        sink=tr.sink, console=console,
     )
-    results = evaluate(eval_config, generator=tr.generator, tokenizer=tr.tokenizer, console=console)
-    flat = {f"eval/{bench}/{key}": value for bench, summary in results.items() for key, value in summary.items()
-            if isinstance(value, (int, float))}
-    tr.sink.log(tr.step, flat)
-    return results
 
 
 def save(tr: Trainer) -> Path:
     from opd.train.checkpoint import save_checkpoint
 
-    state = {
-        "optimizer": tr.optimizer.state_dict(), "scheduler": tr.scheduler.state_dict(),
-        "sampler": tr.sampler.state_dict(), "skipped_steps": tr.skipped_steps, "history": tr.history,
-    }
+    state = trainer_state(tr.optimizer, tr.scheduler, tr.sampler, skipped_steps=tr.skipped_steps, history=tr.history)
     return save_checkpoint(tr.run_dir, tr.step, model=tr.student, tokenizer=tr.tokenizer, trainer_state=state,
                            keep_last=tr.config.run.keep_last)
 
@@ -273,10 +253,8 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     from opd.data.prompts import load_prompts
     from opd.data.templates import encode_prompts
     from opd.models import check_tokenizer_compatibility, load_model, load_tokenizer
-    from opd.report.sinks import MetricsSink
     from opd.rollout.torch_engine import make_generator
     from opd.teacher.local import LocalScorer
-    from opd.train.checkpoint import load_trainer_state, set_rng_state
     from opd.train.optim import build_optimizer, build_scheduler
     from opd.train.sampler import PromptSampler
 
@@ -359,19 +337,12 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     )
     resume_step = None
     if checkpoint is not None:
-        state = load_trainer_state(checkpoint)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        sampler.load_state_dict(state["sampler"])
-        set_rng_state(state["rng"])
+        state = restore_trainer_state(checkpoint, optimizer, scheduler, sampler)
         tr.step, tr.skipped_steps, tr.history = state["step"], state["skipped_steps"], state["history"]
         resume_step = tr.step
         if console is not None:
             console.print(f"resumed from {checkpoint} (step {tr.step})")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, run_dir)
-    tr.sink = MetricsSink(run_dir, tensorboard=config.run.tensorboard, wandb_project=config.run.wandb_project,
-                          config=config.model_dump(mode="json"), resume_step=resume_step)
+    tr.sink = open_run(config, run_dir, config.run, resume_step=resume_step)
     return tr
 
 
@@ -380,17 +351,6 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
 
 def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7919 + 17) % (2**31)
-
-
-@contextmanager
-def _timed(timings: dict, name: str):
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
 
 @contextmanager

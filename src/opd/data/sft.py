@@ -1,0 +1,314 @@
+"""SFT examples: read conversations, tokenise them with a loss mask on exactly the assistant tokens, batch them.
+
+Layouts, detected per file from its first record (or forced with `format`):
+  chat       `messages: [{role, content}, ...]`; also what `opd rollout` writes (the same `messages`, a user and
+             an assistant turn, plus id / source / answer / attempts fields, which are ignored here)
+  sharegpt   `conversations: [{from: human|gpt|system, value}, ...]` (`user`/`assistant`/`model` also accepted)
+  alpaca     `instruction`, optional `input`, `output` (optional `system`); the user turn is
+             `instruction + "\\n" + input` (LLaMA-Factory's convention)
+Files: .jsonl, .json (a list of records), .parquet, as `opd.data.prompts` reads them.
+
+Tokenisation (SPEC §5: the loss covers exactly the assistant tokens, and the end-of-turn token so the model learns
+to stop). For each assistant turn k the prompt is `render_prompt(messages[:k])` — the chat template with the
+generation prompt, tokenised by `encode_prompts`, i.e. exactly the tokens the model sees at rollout and eval time —
+and the target is the tokenised assistant content followed by the end-of-turn id (`<|im_end|>` for Qwen, found in
+the chat template, see `end_of_turn_id`). Multi-turn conversations put every assistant turn into one sequence when
+the template renders earlier turns as they were trained (the rendered prefix of turn k+1 starts with turn k's prompt
++ content + end-of-turn); templates that rewrite history (Qwen3 strips earlier turns' `<think>` blocks) get one
+sequence per assistant turn instead, each with the prompt that inference would see.
+
+Batches are `Rollouts` (prompt = tokens before the first target, response = the rest, response mask = targets) so
+the trainer's grad pass is `opd.teacher.local.forward_hidden`, packed or padded, as in `opd distill`.
+
+Omitted on purpose: tool calls and multimodal content (content must be a string), per-turn loss weights,
+`{% generation %}` assistant masks of HF templates (rendering the prompt per turn works for every template).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import torch
+
+from opd.data.prompts import DataError, _read_rows, _short
+from opd.data.templates import encode_prompts, has_chat_template
+from opd.types import Prompt, Rollouts
+
+SFTFormat = Literal["auto", "chat", "sharegpt", "alpaca"]
+OnOverflow = Literal["filter", "truncate", "error"]
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+                   "chatgpt": "assistant", "system": "system"}
+_LAYOUTS = "`messages` (chat / opd rollout), `conversations` (sharegpt) or `instruction` + `output` (alpaca)"
+_PROBE = "OPD_END_OF_TURN_PROBE"
+
+
+@dataclass
+class Conversation:
+    """messages: `[{role, content}]` with at least one assistant turn; origin: "file: record N" for messages."""
+
+    messages: list[dict[str, str]]
+    origin: str
+
+
+@dataclass
+class SFTExample:
+    """One training sequence.
+
+    input_ids:   [L] token ids: prompt, then assistant content + end-of-turn (and later turns, for multi-turn)
+    target_mask: [L] bool, True on the tokens the loss predicts (assistant content and end-of-turn); the first is False
+    origin:      "file: record N" of the conversation it came from
+    """
+
+    input_ids: list[int]
+    target_mask: list[bool]
+    origin: str
+
+    @property
+    def num_targets(self) -> int:
+        return sum(self.target_mask)
+
+
+@dataclass
+class SFTDataset:
+    """examples: kept sequences; num_filtered / num_truncated: sequences over `max_length` dropped / cut."""
+
+    examples: list[SFTExample]
+    num_filtered: int
+    num_truncated: int
+    end_of_turn_id: int
+
+
+# --------------------------------------------------------------------------------------------------- reading
+
+
+def detect_format(record: dict, origin: str) -> str:
+    """The layout of one record (see the module docstring); `DataError` naming the file and its keys otherwise."""
+    if "messages" in record:
+        return "chat"
+    if "conversations" in record:
+        return "sharegpt"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    keys = ", ".join(map(str, record)) or "(none)"
+    raise DataError(f"{origin}: unknown SFT layout (record keys: {keys}); expected {_LAYOUTS}")
+
+
+def read_conversations(path: str | Path, *, format: SFTFormat = "auto", limit: int | None = None) -> list[Conversation]:
+    """The conversations of one file, in file order. Raises `DataError` (one line: file, record, field)."""
+    if format not in ("auto", "chat", "sharegpt", "alpaca"):
+        raise DataError(f"format must be auto, chat, sharegpt or alpaca, got {format!r}")
+    if Path(path).is_dir() or not Path(path).exists():
+        raise DataError(f"{path}: no such file; SFT data is a .jsonl, .json or .parquet file")
+    rows, origin, _ = _read_rows(path, split="train", hub_config=None, limit=limit)
+    if not rows:
+        raise DataError(f"{origin}: no records; expected {_LAYOUTS}")
+    layout = detect_format(rows[0], f"{origin}: record 0") if format == "auto" else format
+    parse = {"chat": _chat, "sharegpt": _sharegpt, "alpaca": _alpaca}[layout]
+    conversations = []
+    for i, row in enumerate(rows):
+        where = f"{origin}: record {i}"
+        messages = parse(row, where)
+        _check_turns(messages, where)
+        conversations.append(Conversation(messages, where))
+    return conversations
+
+
+def _field(row: dict, key: str, where: str, layout: str) -> Any:
+    if key not in row:
+        raise DataError(f"{where}: no field {key!r} ({layout} layout); record keys: {', '.join(map(str, row))}")
+    return row[key]
+
+
+def _text(value: Any, where: str, what: str) -> str:
+    if not isinstance(value, str):
+        raise DataError(f"{where}: {what} must be a string, got {_short(value)}")
+    return value
+
+
+def _chat(row: dict, where: str) -> list[dict[str, str]]:
+    messages = _field(row, "messages", where, "chat")
+    if not isinstance(messages, list):
+        raise DataError(f"{where}: 'messages' must be a list of {{role, content}}, got {_short(messages)}")
+    out = []
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"{where}: messages[{j}] must be {{role, content}}, got {_short(m)}")
+        out.append({"role": _text(m["role"], where, f"messages[{j}].role"),
+                    "content": _text(m["content"], where, f"messages[{j}].content")})
+    return out
+
+
+def _sharegpt(row: dict, where: str) -> list[dict[str, str]]:
+    turns = _field(row, "conversations", where, "sharegpt")
+    if not isinstance(turns, list):
+        raise DataError(f"{where}: 'conversations' must be a list of {{from, value}}, got {_short(turns)}")
+    out = []
+    for j, turn in enumerate(turns):
+        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+            raise DataError(f"{where}: conversations[{j}] must be {{from, value}}, got {_short(turn)}")
+        role = _SHAREGPT_ROLES.get(str(turn["from"]).lower())
+        if role is None:
+            raise DataError(f"{where}: conversations[{j}].from is {turn['from']!r}; expected one of "
+                            f"{', '.join(_SHAREGPT_ROLES)}")
+        out.append({"role": role, "content": _text(turn["value"], where, f"conversations[{j}].value")})
+    return out
+
+
+def _alpaca(row: dict, where: str) -> list[dict[str, str]]:
+    instruction = _text(_field(row, "instruction", where, "alpaca"), where, "'instruction'")
+    output = _text(_field(row, "output", where, "alpaca"), where, "'output'")
+    extra = row.get("input") or ""
+    user = instruction + "\n" + _text(extra, where, "'input'") if extra else instruction
+    system = row.get("system")
+    head = [{"role": "system", "content": _text(system, where, "'system'")}] if system else []
+    return [*head, {"role": "user", "content": user}, {"role": "assistant", "content": output}]
+
+
+def _check_turns(messages: list[dict[str, str]], where: str) -> None:
+    roles = [m["role"] for m in messages]
+    if "assistant" not in roles:
+        raise DataError(f"{where}: no assistant turn to train on (roles: {roles})")
+    if roles[0] == "assistant":
+        raise DataError(f"{where}: the conversation starts with an assistant turn; it needs a prompt before it")
+
+
+# ---------------------------------------------------------------------------------------------- tokenising
+
+
+def end_of_turn_id(tokenizer: Any, token: str | None = None) -> int:
+    """The id that ends an assistant turn: `token` when given; else the first special token the chat template writes
+    after an assistant message's content (`<|im_end|>` for Qwen, `<|eot_id|>` for Llama 3); else the EOS id."""
+    if token is not None:
+        ids = tokenizer(token, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise ValueError(f"end_of_turn {token!r} is not a single token of this tokenizer (it encodes to {ids})")
+        return ids[0]
+    if has_chat_template(tokenizer):
+        messages = [{"role": "user", "content": "1"}, {"role": "assistant", "content": _PROBE}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        if _PROBE in text:
+            after = text.split(_PROBE, 1)[1]
+            special = set(tokenizer.all_special_ids)
+            special |= {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+            for i in tokenizer(after, add_special_tokens=False)["input_ids"]:
+                if i in special:
+                    return i
+    if tokenizer.eos_token_id is None:
+        raise ValueError("cannot tell which token ends an assistant turn: the tokenizer has no EOS and its chat template "
+                         "writes no special token after the content; set data.end_of_turn")
+    return tokenizer.eos_token_id
+
+
+def _segments(tokenizer: Any, messages: list[dict[str, str]], eot_text: str, enable_thinking: bool | None,
+              system_prompt: str | None) -> list[list[tuple[str, Any]]]:
+    """Sequences of one conversation as segments: ("prompt", messages[:k]) opens a sequence, then ("target",
+    content), and ("bridge", text) between turns of one sequence (the template's text from one end-of-turn to the
+    next generation prompt)."""
+    from opd.data.templates import render_prompt
+
+    sequences: list[list[tuple[str, Any]]] = []
+    rendered = None  # text of the current sequence so far, as the template writes it
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render_prompt(tokenizer, messages[:k], enable_thinking=enable_thinking, system_prompt=system_prompt)
+        if rendered is not None and prompt.startswith(rendered):
+            sequences[-1].append(("bridge", prompt[len(rendered):]))
+        else:
+            sequences.append([("prompt", messages[:k])])
+        sequences[-1].append(("target", message["content"]))
+        rendered = prompt + message["content"] + eot_text
+    return sequences
+
+
+def tokenize_conversations(
+    tokenizer: Any,
+    conversations: Sequence[Conversation],
+    *,
+    max_length: int,
+    on_overflow: OnOverflow = "filter",
+    enable_thinking: bool | None = None,
+    system_prompt: str | None = None,
+    end_of_turn: str | None = None,
+) -> SFTDataset:
+    """Tokenise conversations into `SFTExample`s (see the module docstring).
+
+    max_length:  longest sequence in tokens; longer ones are dropped and counted ("filter"), cut to max_length and
+                 kept when a target token survives ("truncate"), or rejected ("error", naming the record).
+    end_of_turn: the token that ends an assistant turn; None: see `end_of_turn_id`.
+    Raises `DataError` when nothing is left.
+    """
+    if on_overflow not in ("filter", "truncate", "error"):
+        raise ValueError(f"on_overflow must be filter, truncate or error, got {on_overflow!r}")
+    eot = end_of_turn_id(tokenizer, end_of_turn)
+    eot_text = tokenizer.decode([eot])
+    plans = [(c.origin, seq) for c in conversations
+             for seq in _segments(tokenizer, c.messages, eot_text, enable_thinking, system_prompt)]
+    # Prompts through encode_prompts (same template, BOS rule and ids as rollout and eval); other text batched.
+    first = encode_prompts(tokenizer, [Prompt(str(i), seq[0][1]) for i, (_, seq) in enumerate(plans)],
+                           max_prompt_length=2**62, enable_thinking=enable_thinking, system_prompt=system_prompt)
+    texts = [payload for _, seq in plans for kind, payload in seq[1:]]
+    pieces = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+
+    examples, num_filtered, num_truncated = [], 0, 0
+    for (origin, seq), prompt_ids in zip(plans, first.input_ids):
+        if not prompt_ids:
+            raise DataError(f"{origin}: the rendered prompt is empty; the model needs at least one token before its answer")
+        ids, mask = list(prompt_ids), [False] * len(prompt_ids)
+        for kind, _ in seq[1:]:
+            piece = next(pieces)
+            target = kind == "target"
+            if target:
+                piece = [*piece, eot]
+            ids += piece
+            mask += [target] * len(piece)
+        if len(ids) > max_length:
+            if on_overflow == "error":
+                raise DataError(f"{origin}: {len(ids)} tokens, over data.max_length={max_length}; raise it or set "
+                                f"data.on_overflow=filter|truncate")
+            if on_overflow == "filter" or not any(mask[:max_length]):
+                num_filtered += 1
+                continue
+            ids, mask = ids[:max_length], mask[:max_length]
+            num_truncated += 1
+        examples.append(SFTExample(ids, mask, origin))
+    if not examples:
+        raise DataError(f"no SFT examples left: all {len(plans)} are longer than max_length={max_length} tokens")
+    return SFTDataset(examples, num_filtered, num_truncated, eot)
+
+
+def load_sft_dataset(
+    tokenizer: Any,
+    paths: Sequence[str | Path],
+    *,
+    format: SFTFormat = "auto",
+    limit: int | None = None,
+    **tokenize_options: Any,
+) -> SFTDataset:
+    """Read every file (each detected on its own), keep the first `limit` conversations, tokenise them."""
+    conversations: list[Conversation] = []
+    for path in paths:
+        conversations += read_conversations(path, format=format, limit=limit)
+    return tokenize_conversations(tokenizer, conversations[:limit], **tokenize_options)
+
+
+def collate(examples: Sequence[SFTExample], *, pad_id: int) -> Rollouts:
+    """Right-padded `Rollouts` on CPU: prompt = tokens before each example's first target, response = the rest,
+    response mask = the target mask there (user turns of later rounds are in the response but masked)."""
+    starts = [ex.target_mask.index(True) for ex in examples]
+    lengths = [len(ex.input_ids) for ex in examples]
+    B, L, T = len(examples), max(lengths), max(n - s for n, s in zip(lengths, starts))
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention = torch.zeros(B, L, dtype=torch.bool)
+    response_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    response_mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, (ex, s, n) in enumerate(zip(examples, starts, lengths)):
+        input_ids[b, :n] = torch.tensor(ex.input_ids)
+        attention[b, :n] = True
+        response_ids[b, : n - s] = torch.tensor(ex.input_ids[s:])
+        response_mask[b, : n - s] = torch.tensor(ex.target_mask[s:])
+    zeros = torch.zeros(B, dtype=torch.bool)
+    return Rollouts(input_ids, attention, torch.tensor(starts), response_ids, response_mask,
+                    torch.arange(B), zeros)

@@ -1,0 +1,125 @@
+"""What every trainer (`opd distill`, `opd sft`) does the same way around its step: the run directory, resume from the
+newest complete checkpoint, the trainer state a checkpoint carries, evaluation through `opd eval` on a cadence, the
+report at the end, and phase timing. Plain functions over plain arguments: there is no base Trainer (STYLE 12).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+
+from opd.config import EvalConfig, EvalSpec, ModelSpec, RunSpec, save_config
+
+
+def run_directory(run: RunSpec, command: str) -> Path:
+    """`run.out_dir / run.name`, or `<command>-<time>` when the run has no name."""
+    return Path(run.out_dir) / (run.name or f"{command}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def resume_checkpoint(run_dir: Path, run: RunSpec, console: Any) -> Path | None:
+    """The newest complete checkpoint of `run_dir` when `run.resume` is set (None, with a note, when there is none)."""
+    from opd.train.checkpoint import latest_checkpoint
+
+    if not run.resume:
+        return None
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        console.print(f"[yellow]run.resume: no complete checkpoint in {run_dir}; starting from scratch[/]")
+    return checkpoint
+
+
+def open_run(config: BaseModel, run_dir: Path, run: RunSpec, *, resume_step: int | None):
+    """Create the run directory, save the resolved config, and open the metrics sink (which drops lines of steps
+    after `resume_step`: they are recomputed)."""
+    from opd.report.sinks import MetricsSink
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(config, run_dir)
+    return MetricsSink(run_dir, tensorboard=run.tensorboard, wandb_project=run.wandb_project,
+                       config=config.model_dump(mode="json"), resume_step=resume_step)
+
+
+def trainer_state(optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Any, **extra: Any) -> dict:
+    """What a checkpoint stores besides the weights (`save_checkpoint` adds the step and the RNG states)."""
+    return {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
+            **extra}
+
+
+def restore_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Any) -> dict:
+    """Load optimizer, scheduler, sampler and RNG states from `checkpoint`; return its whole trainer state (step, …).
+    Call it after everything that draws random numbers during setup, so the restored RNG is the one training uses."""
+    from opd.train.checkpoint import load_trainer_state, set_rng_state
+
+    state = load_trainer_state(checkpoint)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    sampler.load_state_dict(state["sampler"])
+    set_rng_state(state["rng"])
+    return state
+
+
+def is_due(step: int, every: int, last_step: int) -> bool:
+    """Whether a periodic action (save, eval) runs after `step`: every `every` steps (0 = never) and at the end."""
+    return bool(every and step % every == 0) or step == last_step
+
+
+def evaluate_in_training(
+    spec: EvalSpec,
+    *,
+    step: int,
+    run_dir: Path,
+    model_path: str,
+    generator: Any,
+    tokenizer: Any,
+    template: str,
+    enable_thinking: bool | None,
+    max_prompt_length: int,
+    batch_size: int,
+    seed: int,
+    sink: Any,
+    console: Any,
+) -> dict | None:
+    """Run `opd eval` on the model in memory into `run_dir/eval/step_N/` and log `eval/<bench>/<metric>` at `step`.
+    None when `spec.benchmarks` is empty."""
+    if not spec.benchmarks:
+        return None
+    from opd.eval.evaluate import evaluate
+
+    eval_config = EvalConfig(
+        model=ModelSpec(path=model_path), benchmarks=spec.benchmarks, n=spec.n, temperature=spec.temperature,
+        top_p=spec.top_p, max_new_tokens=spec.max_new_tokens, limit=spec.limit, prompt_key=spec.prompt_key,
+        answer_key=spec.answer_key, template=template, enable_thinking=enable_thinking,
+        max_prompt_length=max_prompt_length, batch_size=batch_size, seed=seed,
+        out=str(run_dir / "eval" / f"step_{step}"),
+    )
+    results = evaluate(eval_config, generator=generator, tokenizer=tokenizer, console=console)
+    flat = {f"eval/{bench}/{key}": value for bench, summary in results.items() for key, value in summary.items()
+            if isinstance(value, (int, float))}
+    sink.log(step, flat)
+    return results
+
+
+def finish_run(run_dir: Path, sink: Any, *, report: bool, console: Any) -> None:
+    """Close the metrics sink; write plots and report.html when asked."""
+    sink.close()
+    if report:
+        from opd.report import write_report
+
+        console.print(f"report: {write_report([run_dir])}")
+
+
+@contextmanager
+def timed(timings: dict, name: str):
+    """Add the block's wall time to `timings[name]` (synchronising CUDA first, so GPU work is counted)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start

@@ -18,6 +18,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help strings hold literal "[default: …]"
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -115,6 +116,84 @@ def report_command(
     from opd.report import write_report
 
     typer.echo(f"report: {write_report(run_dirs, out)}")
+
+# ------------------------------------------------------------------------------------------- opd prompts
+
+prompts_app = typer.Typer(
+    help="Teacher-aligned prompt sets: re-template, score student/teacher top-k overlap per prompt, select.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(prompts_app, name="prompts")
+
+PROMPT_KEY_HELP = "Prompt column: chat messages or plain text; dotted keys reach into structs."
+ANSWER_KEY_HELP = "Ground-truth column; '' for a set without answers."
+ID_KEY_HELP = "Id column. [default: extra_info.index, else id, else the row number]"
+
+
+@prompts_app.command("template")
+def prompts_template_command(
+    source: str = typer.Option(..., "--in", help="Prompt set: parquet / JSONL / JSON / dataset dir / hub id."),
+    template: str = typer.Option(..., help="New instruction: boxed | dapo | keep | custom:'…{problem}…'; a known DAPO / boxed instruction is stripped first."),
+    out: Path = typer.Option(..., help="Output prompt set, .parquet or .jsonl (verl layout, loads back with the defaults)."),
+    prompt_key: str = typer.Option("prompt", help=PROMPT_KEY_HELP),
+    answer_key: str = typer.Option("reward_model.ground_truth", help=ANSWER_KEY_HELP),
+    id_key: Optional[str] = typer.Option(None, help=ID_KEY_HELP),
+) -> None:
+    """Replace each prompt's instruction, e.g. DAPO-Math-17k's "Answer:" line → Qwen's \\boxed{} (problems, answers, ids kept)."""
+    from opd.data.alignment import retemplate_file
+
+    typer.echo(retemplate_file(source, out, template, prompt_key=prompt_key, answer_key=answer_key or None, id_key=id_key))
+
+
+@prompts_app.command("score")
+def prompts_score_command(
+    overrides: Optional[list[str]] = _overrides(),
+    config: Optional[Path] = _config(),
+    student: Optional[str] = typer.Option(None, help="Student model: Hugging Face id or local directory (student.path)."),
+    teacher: Optional[str] = typer.Option(None, help="Teacher model, same tokenizer as the student (teacher.path)."),
+    source: Optional[str] = typer.Option(None, "--in", help="Prompt set to score: parquet / JSONL / JSON / dataset dir / hub id (data.path)."),
+    out: Optional[Path] = typer.Option(None, help="Scores JSONL, one line per prompt, appended per batch; rerunning resumes. config.yaml goes beside it (out)."),
+    n: Optional[int] = typer.Option(None, help="Student rollouts per prompt (n). [default: 4]"),
+    top_k: Optional[int] = typer.Option(None, help="K of the compared top-k supports (top_k). [default: 16]"),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Longest rollout in tokens (max_new_tokens). [default: 1024]"),
+    batch_size: Optional[int] = typer.Option(None, help="Prompts per batch, × n rollouts; keep it when resuming (batch_size). [default: 32]"),
+    template: Optional[str] = typer.Option(None, help="Instruction template applied before encoding (data.template). [default: keep]"),
+    seed: Optional[int] = typer.Option(None, help="Sampling seed (seed). [default: 0]"),
+) -> None:
+    """Per prompt: n student rollouts, scored by student and teacher; SPEC §6 overlap metrics → scores JSONL.
+
+    Other keys as key=value, e.g. `data.prompt_key=problem teacher.device=cuda:1 data.max_prompt_length=2048`.
+    """
+    from opd.data.alignment import PromptScoreConfig, score_prompt_file
+
+    options = {
+        "student.path": student, "teacher.path": teacher, "data.path": source, "out": _str(out), "n": n,
+        "top_k": top_k, "max_new_tokens": max_new_tokens, "batch_size": batch_size, "data.template": template,
+        "seed": seed,
+    }
+    score_prompt_file(build_config(PromptScoreConfig, config_file=config, options=options, overrides=overrides))
+
+
+@prompts_app.command("select")
+def prompts_select_command(
+    source: str = typer.Option(..., "--in", help="The scored prompt set (read with the same column options as when scored)."),
+    scores: Path = typer.Option(..., help="Scores JSONL that `opd prompts score` wrote for --in."),
+    out: Path = typer.Option(..., help="Output prompt set, .parquet or .jsonl (verl layout)."),
+    top: str = typer.Option("0.5", help="Keep this fraction (0.5 or 50%) or this count (500) of the most aligned prompts."),
+    by: str = typer.Option("overlap_ratio", help="Rank by overlap_ratio | overlap_mass_student | overlap_mass_teacher | overlap_advantage (larger = aligned) | entropy_gap (smaller = aligned)."),
+    mix_with: Optional[str] = typer.Option(None, help="Another prompt set to mix in: purely aligned prompts collapse the student's entropy."),
+    ratio: float = typer.Option(0.3, help="Fraction of the result drawn at random from --mix-with, in [0, 1)."),
+    seed: int = typer.Option(0, help="Seed of the draw from --mix-with."),
+    prompt_key: str = typer.Option("prompt", help=PROMPT_KEY_HELP + " Applies to --in and --mix-with."),
+    answer_key: str = typer.Option("reward_model.ground_truth", help=ANSWER_KEY_HELP),
+    id_key: Optional[str] = typer.Option(None, help=ID_KEY_HELP),
+) -> None:
+    """Keep the most teacher-aligned prompts by their scores, optionally mixed with prompts from another set."""
+    from opd.data.alignment import select_prompt_file
+
+    typer.echo(select_prompt_file(source, scores, out, top=top, by=by, mix_with=mix_with, ratio=ratio, seed=seed,
+                                  prompt_key=prompt_key, answer_key=answer_key or None, id_key=id_key))
 
 
 def _str(value: Any) -> str | None:

@@ -7,7 +7,7 @@ mass). On prompts where they do, OPD works from the first step; so a prompt set 
   template  `retemplate`: strip the old instruction and apply another (boxed | dapo | custom), so that the student is
             asked in the format the teacher answers in (DAPO-Math-17k's "Answer:" line vs Qwen's "\\boxed{}").
   score     `score_prompts`: per prompt, n student rollouts scored by the student and by the teacher exactly as one
-            OPD step does (train/opd.py steps 2–4), then the §6 metrics (`opd_diagnostics`) over that prompt's tokens.
+            OPD step does (train/opd.py steps 2–4), then the §6 metrics (`opd_diagnostics`) over its tokens.
   select    `select_prompts`: keep the most aligned prompts, optionally mixed with prompts from another set — the
             paper warns that purely aligned prompts collapse the student's entropy.
 
@@ -146,7 +146,7 @@ def score_prompts(
     and `teacher` (which must share `tokenizer`'s vocabulary; `score_prompt_file` checks both tokenizers).
 
     Mirrors one OPD step (train/opd.py): encode (`template`, `enable_thinking`, `max_prompt_length`) → rollouts
-    (temperature, top_p 1) → student `LocalScorer` top-k at `temperature` → teacher `LocalScorer` top-k and log-probs
+    (temperature, top_p 1) → student `LocalScorer` top-k at `temperature` → teacher `LocalScorer` top-k, log-probs
     at the student's top-k at `teacher_temperature` → `opd_diagnostics` per prompt group.
     batch_size: prompts per batch (× n rollouts decoded together); batches are fixed slices of the encoded prompts
                 with seed (seed, batch index), which makes a resumed run (`skip_ids`) reproduce an uninterrupted one.

@@ -276,8 +276,11 @@ def minhash_signatures(hashes: np.ndarray, counts: np.ndarray, num_perm: int, se
     if not has.any():
         return signatures_NK
     starts = (np.cumsum(counts) - counts)[has]
+    values = np.empty_like(hashes)  # in place: allocating per function costs more than the arithmetic
     for k in range(num_perm):
-        values = (hashes * a_K[k] + b_K[k]) >> np.uint64(32)
+        np.multiply(hashes, a_K[k], out=values)
+        np.add(values, b_K[k], out=values)
+        np.right_shift(values, np.uint64(32), out=values)
         signatures_NK[has, k] = np.minimum.reduceat(values, starts)
     return signatures_NK
 

@@ -3,10 +3,12 @@
 Layouts, detected per file from its first record (or forced with `format`):
   chat       `messages: [{role, content}, ...]`; also what `opd rollout` writes (the same `messages`, a user and
              an assistant turn, plus id / source / answer / attempts fields, which are ignored here)
-  sharegpt   `conversations: [{from: human|gpt|system, value}, ...]` (`user`/`assistant`/`model` also accepted)
+  sharegpt   `conversations: [{from: human|gpt|system, value}, ...]` (`user`/`assistant`/`model` also accepted;
+             optional top-level `system`)
   alpaca     `instruction`, optional `input`, `output` (optional `system`); the user turn is
              `instruction + "\\n" + input` (LLaMA-Factory's convention)
-Files: .jsonl, .json (a list of records), .parquet, as `opd.data.prompts` reads them.
+Sources are read as `opd.data.prompts` reads prompt sets: .jsonl, .json (a list of records), .parquet, a
+`save_to_disk` directory or a Hugging Face dataset id (its train split).
 
 Tokenisation (SPEC §5: the loss covers exactly the assistant tokens, and the end-of-turn token so the model learns
 to stop). For each assistant turn k the prompt is `render_prompt(messages[:k])` — the chat template with the
@@ -99,8 +101,6 @@ def read_conversations(path: str | Path, *, format: SFTFormat = "auto", limit: i
     """The conversations of one file, in file order. Raises `DataError` (one line: file, record, field)."""
     if format not in ("auto", "chat", "sharegpt", "alpaca"):
         raise DataError(f"format must be auto, chat, sharegpt or alpaca, got {format!r}")
-    if Path(path).is_dir() or not Path(path).exists():
-        raise DataError(f"{path}: no such file; SFT data is a .jsonl, .json or .parquet file")
     rows, origin, _ = _read_rows(path, split="train", hub_config=None, limit=limit)
     if not rows:
         raise DataError(f"{origin}: no records; expected {_LAYOUTS}")
@@ -153,6 +153,9 @@ def _sharegpt(row: dict, where: str) -> list[dict[str, str]]:
             raise DataError(f"{where}: conversations[{j}].from is {turn['from']!r}; expected one of "
                             f"{', '.join(_SHAREGPT_ROLES)}")
         out.append({"role": role, "content": _text(turn["value"], where, f"conversations[{j}].value")})
+    system = row.get("system")
+    if system and (not out or out[0]["role"] != "system"):
+        out.insert(0, {"role": "system", "content": _text(system, where, "'system'")})
     return out
 
 
@@ -196,8 +199,8 @@ def end_of_turn_id(tokenizer: Any, token: str | None = None) -> int:
                 if i in special:
                     return i
     if tokenizer.eos_token_id is None:
-        raise ValueError("cannot tell which token ends an assistant turn: the tokenizer has no EOS and its chat template "
-                         "writes no special token after the content; set data.end_of_turn")
+        raise ValueError("cannot tell which token ends an assistant turn: the tokenizer has no EOS and its chat "
+                         "template writes no special token after the content; set data.end_of_turn")
     return tokenizer.eos_token_id
 
 
@@ -255,7 +258,7 @@ def tokenize_conversations(
     examples, num_filtered, num_truncated = [], 0, 0
     for (origin, seq), prompt_ids in zip(plans, first.input_ids):
         if not prompt_ids:
-            raise DataError(f"{origin}: the rendered prompt is empty; the model needs at least one token before its answer")
+            raise DataError(f"{origin}: the rendered prompt is empty; the model needs a token before its answer")
         ids, mask = list(prompt_ids), [False] * len(prompt_ids)
         for kind, _ in seq[1:]:
             piece = next(pieces)

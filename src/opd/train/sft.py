@@ -3,8 +3,9 @@
 An ordinary SFT (SPEC §5): token-mean cross-entropy over the assistant tokens (end-of-turn included), the mean
 *global* over the optimizer step (Σ over all its micro-batches / its number of target tokens), computed from hidden
 states with the chunked `candidate_logprobs` so `[N, V]` float32 logits never exist. One step (`sft_step`):
-`examples_per_step` examples from a seeded, resumable sampler → micro-batches of ≤ `micro_batch_tokens` input tokens
-(packed — each example attends only to itself — or right-padded, `data.packing`) → forward/backward → clip → step.
+`examples_per_step` examples from a seeded, resumable sampler → micro-batches of ≤ `micro_batch_tokens` input
+tokens (packed, each example attending only to itself, or right-padded: `data.packing`) → forward/backward → clip
+→ step.
 It also trains models from scratch (the lab's random-init teacher/student): nothing assumes pretrained weights.
 
 Defaults (`SFTOptimSpec`): AdamW lr 1e-5, cosine decay to 0 after a linear warmup over 3% of the steps, grad-norm
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from opd.config import EvalSpec, ModelSpec, OptimSpec, RunSpec, Section
 from opd.data.sft import SFTExample, collate
@@ -49,17 +50,32 @@ from opd.types import Rollouts
 class SFTDataSpec(Section):
     """SFT data files and how to tokenise them (see `opd.data.sft`)."""
 
-    path: list[str] = Field(description="One file or a list: .jsonl / .json / .parquet; each file's layout is detected on its own.")
-    format: Literal["auto", "chat", "sharegpt", "alpaca"] = Field(
-        "auto", description="auto (from each file's first record), chat (`messages`, also `opd rollout` output), sharegpt, alpaca."
+    path: list[str] = Field(
+        description="One file or a list: .jsonl / .json / .parquet; each file's layout is detected on its own."
     )
-    enable_thinking: bool | None = Field(None, description="Passed to the chat template (Qwen3 thinking on/off); must match how the answers were generated. None: template default.")
-    system_prompt: str | None = Field(None, description="A system message put first in every conversation (replacing its own); None: as in the data.")
-    end_of_turn: str | None = Field(None, description="Token that ends an assistant turn and is trained as its last target; None: from the chat template (<|im_end|> for Qwen), else EOS.")
+    format: Literal["auto", "chat", "sharegpt", "alpaca"] = Field(
+        "auto", description="auto (from each file's first record), chat (`messages`; also `opd rollout` output), "
+                            "sharegpt (`conversations`), alpaca (`instruction`, `input`, `output`)."
+    )
+    enable_thinking: bool | None = Field(
+        None, description="Passed to the chat template (Qwen3 thinking on/off); must match how the answers were "
+                          "generated. None: template default."
+    )
+    system_prompt: str | None = Field(
+        None, description="A system message put first in every conversation (replacing its own); None: as in the data."
+    )
+    end_of_turn: str | None = Field(
+        None, description="Token that ends an assistant turn, trained as its last target; None: the first special "
+                          "token the chat template writes after an answer (<|im_end|> for Qwen), else EOS."
+    )
     max_length: int = Field(4096, ge=2, description="Longest sequence (prompt + answer) in tokens.")
-    on_overflow: Literal["filter", "truncate", "error"] = Field("filter", description="Longer sequences are dropped (counted), cut to max_length, or an error.")
+    on_overflow: Literal["filter", "truncate", "error"] = Field(
+        "filter", description="Longer sequences are dropped (and counted), cut to max_length, or an error."
+    )
     packing: Literal["auto", "packed", "padded"] = Field(
-        "auto", description="packed: examples concatenated, attention confined to each (position ids restart); padded: right-padded rows; auto: packed with flash/flex attention, else padded (the dense packed mask costs S² on sdpa/eager)."
+        "auto", description="packed: examples concatenated, each attending only to itself (position ids restart); "
+                            "padded: right-padded rows; auto: packed with flash/flex attention, else padded (on "
+                            "sdpa/eager the packed mask is dense, S² for S packed tokens)."
     )
     limit: int | None = Field(None, ge=1, description="Use only the first N conversations; None: all.")
 
@@ -72,21 +88,32 @@ class SFTDataSpec(Section):
 class SFTOptimSpec(OptimSpec):
     """AdamW for SFT: the fields of `OptimSpec` with SFT defaults, plus a warmup given as a fraction of the run."""
 
-    lr: float = Field(1e-5, gt=0.0, description="Peak learning rate (full fine-tune of a pretrained model: 1e-5; LoRA ~1e-4; from scratch ~1e-3).")
+    lr: float = Field(
+        1e-5, gt=0.0, description="Peak learning rate (full fine-tune of a pretrained model ~1e-5; LoRA ~1e-4; "
+                                  "a tiny model from scratch ~1e-3)."
+    )
     schedule: Literal["constant", "cosine", "linear"] = Field("cosine", description="LR schedule after warmup.")
-    warmup_ratio: float = Field(0.03, ge=0.0, lt=1.0, description="Linear warmup over this fraction of the steps (rounded); used only when warmup_steps is 0.")
+    warmup_ratio: float = Field(
+        0.03, ge=0.0, lt=1.0, description="Linear warmup over this fraction of the steps (rounded); used only when "
+                                          "warmup_steps is 0."
+    )
 
 
 class SFTRunSpec(RunSpec):
-    """`RunSpec` with `steps` optional: by default the length comes from the number of epochs."""
+    """`RunSpec` with `steps` optional: by default the length comes from the number of epochs. (samples_per_step is
+    unused: SFT samples nothing.)"""
 
-    steps: int | None = Field(None, ge=1, description="Optimizer steps; None: ceil(epochs × examples / examples_per_step).")
+    steps: int | None = Field(
+        None, ge=1, description="Optimizer steps; None: ceil(epochs × examples / examples_per_step)."
+    )
 
 
 class SFTEvalSpec(EvalSpec):
     """Periodic `opd eval` of the model being trained, plus how its prompts are rendered and batched."""
 
-    template: str = Field("keep", description="Instruction template applied to benchmark problems: keep | dapo | boxed | custom:<text with {problem}>.")
+    template: str = Field(
+        "keep", description="Instruction template of benchmark problems: keep | dapo | boxed | custom:<text>."
+    )
     max_prompt_length: int = Field(2048, ge=1, description="Longer benchmark prompts are skipped (counted).")
     batch_size: int = Field(64, ge=1, description="Sequences generated together.")
 
@@ -97,11 +124,14 @@ class LoraSpec(Section):
     enabled: bool = Field(False, description="Train LoRA adapters instead of all weights.")
     r: int = Field(16, ge=1, description="Adapter rank.")
     alpha: float = Field(32.0, gt=0.0, description="Scaling numerator: adapters are scaled by alpha / r.")
-    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the adapter input, in [0, 1).")
     target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="Module names to adapt (e.g. [q_proj, v_proj]); all-linear: every linear layer but the output head."
+        "all-linear", description="Module names to adapt (e.g. [q_proj, v_proj]); all-linear: every linear layer but "
+                                  "the output head (which may not be adapted: the chunked loss uses its base weight)."
     )
-    merge: bool = Field(True, description="At the end, write full merged weights to <run>/merged (loadable without peft).")
+    merge: bool = Field(
+        True, description="At the end, write full merged weights to <run>/merged (loadable without peft)."
+    )
 
 
 class SFTConfig(Section):
@@ -109,23 +139,30 @@ class SFTConfig(Section):
 
     model: ModelSpec
     data: SFTDataSpec
-    epochs: float | None = Field(None, gt=0.0, description="Passes over the data; None: 1 unless run.steps is set (set one of the two, not both).")
-    examples_per_step: int = Field(32, ge=1, description="Examples per optimizer step (the batch); they are split into micro-batches by micro_batch_tokens.")
-    micro_batch_tokens: int = Field(16384, ge=2, description="Input tokens of one forward/backward (packed: the sum; padded: rows × longest); at least data.max_length.")
+    epochs: float | None = Field(
+        None, gt=0.0, description="Passes over the data; None: 1, unless run.steps is set (set at most one of them)."
+    )
+    examples_per_step: int = Field(
+        32, ge=1, description="Examples per optimizer step (the batch); split into micro-batches by micro_batch_tokens."
+    )
+    micro_batch_tokens: int = Field(
+        16384, ge=2, description="Input tokens of one forward/backward (packed: their sum; padded: rows × longest); "
+                                 "at least data.max_length. Gradient accumulation over micro-batches is implicit."
+    )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     optim: SFTOptimSpec = Field(default_factory=SFTOptimSpec)
     run: SFTRunSpec = Field(default_factory=SFTRunSpec)
     eval: SFTEvalSpec = Field(default_factory=SFTEvalSpec)
     lora: LoraSpec = Field(default_factory=LoraSpec)
 
-    @model_validator(mode="after")
-    def _check(self) -> "SFTConfig":
-        if self.epochs is not None and self.run.steps is not None:
-            raise ValueError(f"set either epochs ({self.epochs}) or run.steps ({self.run.steps}), not both")
-        if self.micro_batch_tokens < self.data.max_length:
-            raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} is smaller than data.max_length="
-                             f"{self.data.max_length}; raise it to at least {self.data.max_length}")
-        return self
+
+def check_config(config: SFTConfig) -> None:
+    """Checks across sections (one line each, naming the keys)."""
+    if config.epochs is not None and config.run.steps is not None:
+        raise ValueError(f"set either epochs ({config.epochs}) or run.steps ({config.run.steps}), not both")
+    if config.micro_batch_tokens < config.data.max_length:
+        raise ValueError(f"micro_batch_tokens={config.micro_batch_tokens} is smaller than data.max_length="
+                         f"{config.data.max_length}; raise it to at least {config.data.max_length}")
 
 
 # -------------------------------------------------------------------------------------------------- trainer
@@ -159,7 +196,9 @@ class SFTTrainer:
     skipped_steps: int = 0
 
 
-def target_logprobs(net: torch.nn.Module, batch: Rollouts, *, packed: bool, vocab_size: int | None = None) -> torch.Tensor:
+def target_logprobs(
+    net: torch.nn.Module, batch: Rollouts, *, packed: bool, vocab_size: int | None = None
+) -> torch.Tensor:
     """[B, T] log-prob of every response token (grad flows when enabled), 0 at masked positions. One forward; the
     vocabulary projection is chunked (`candidate_logprobs` with the next tokens as the only candidates) over the
     first `vocab_size` output rows (None: all), as the OPD trainer scores the student."""
@@ -216,7 +255,7 @@ def sft_step(tr: SFTTrainer) -> dict[str, float]:
         tr.model.eval()
         grad_norm, stepped = clip_and_step(tr.model, tr.optimizer, tr.scheduler, cfg.optim.grad_clip)
     tr.skipped_steps += 0 if stepped else 1
-    synced = torch.stack([metrics["loss"].float(), grad_norm.float()]).tolist()  # loss and grad norm to the host together
+    synced = torch.stack([metrics["loss"].float(), grad_norm.float()]).tolist()  # one transfer for both
     out = {"loss": synced[0], "grad_norm": synced[1], "tokens": int(metrics["tokens"]),
            "input_tokens": int(metrics["input_tokens"])}
     out.update(lr=tr.scheduler.get_last_lr()[0], skipped_steps=tr.skipped_steps,
@@ -297,10 +336,13 @@ def save(tr: SFTTrainer) -> Path:
 def setup(config: SFTConfig, run_dir: Path, *, checkpoint: Path | None = None, console: Any = None) -> SFTTrainer:
     """Data first (cheap, fails early), then the model, optimizer and schedule; restore a checkpoint when given."""
     from opd.data.sft import load_sft_dataset
-    from opd.models import check_tokenizer_compatibility, eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_dtype
+    from opd.models import (
+        check_tokenizer_compatibility, eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_dtype,
+    )
     from opd.train.optim import build_optimizer, build_scheduler
     from opd.train.sampler import PromptSampler
 
+    check_config(config)
     data = config.data
     torch.manual_seed(config.run.seed)
     tokenizer = load_tokenizer(config.model.path, trust_remote_code=config.model.trust_remote_code)
@@ -323,16 +365,18 @@ def setup(config: SFTConfig, run_dir: Path, *, checkpoint: Path | None = None, c
         if device.type == "cuda" and torch.cuda.is_bf16_supported():
             autocast_dtype = torch.bfloat16
     model_path = str(checkpoint) if checkpoint is not None and not config.lora.enabled else config.model.path
-    net, _ = load_model(model_path, dtype=weights_dtype, device=device, attn_implementation=config.model.attn_implementation,
-                        trust_remote_code=config.model.trust_remote_code)
+    spec = config.model
+    net, _ = load_model(model_path, dtype=weights_dtype, device=device, trust_remote_code=spec.trust_remote_code,
+                        attn_implementation=spec.attn_implementation)
     model = _with_lora(net, config.lora, checkpoint) if config.lora.enabled else net
     if config.gradient_checkpointing:
         net.gradient_checkpointing_enable()
         if config.lora.enabled:
             net.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need a grad path
     packed = _choose_packing(net, data.packing, console)
-    rows = net.get_output_embeddings().weight.shape[0]  # checks too that the tokenizer fits the model
-    vocab_size = check_tokenizer_compatibility(tokenizer, tokenizer, student_vocab_size=rows, teacher_vocab_size=rows).tokenizer_size
+    rows = net.get_output_embeddings().weight.shape[0]  # also checks that the tokenizer's ids fit the model
+    vocab = check_tokenizer_compatibility(tokenizer, tokenizer, student_vocab_size=rows, teacher_vocab_size=rows)
+    vocab_size = vocab.tokenizer_size
 
     optim_spec = config.optim
     if optim_spec.warmup_steps == 0 and optim_spec.warmup_ratio > 0:
@@ -353,10 +397,11 @@ def setup(config: SFTConfig, run_dir: Path, *, checkpoint: Path | None = None, c
     if console is not None:
         targets = sum(ex.num_targets for ex in examples)
         eot = tokenizer.convert_ids_to_tokens(dataset.end_of_turn_id)
+        dropped = f"; {dataset.num_filtered} over max_length={data.max_length} dropped" if dataset.num_filtered else ""
+        cut = f"; {dataset.num_truncated} truncated to max_length" if dataset.num_truncated else ""
         console.print(f"opd sft: {len(examples)} examples ({targets} target tokens), {total_steps} steps of "
                       f"{config.examples_per_step}, {'packed' if packed else 'padded'}, end of turn {eot!r}"
-                      + (f"; {dataset.num_filtered} over max_length={data.max_length} dropped" if dataset.num_filtered else "")
-                      + (f"; {dataset.num_truncated} truncated" if dataset.num_truncated else ""))
+                      f"{dropped}{cut}")
         if checkpoint is not None:
             console.print(f"resumed from {checkpoint} (step {tr.step})")
         if dataset.end_of_turn_id not in eos_token_ids(net, tokenizer):
@@ -390,8 +435,8 @@ def _choose_packing(net: torch.nn.Module, packing: str, console: Any) -> bool:
     if packing_is_exact(net):
         return True
     if console is not None:
-        console.print(f"[yellow]data.packing={packing}: {type(net).__name__} lets packed examples attend to each other; "
-                      f"using padded micro-batches[/]")
+        console.print(f"[yellow]data.packing={packing}: {type(net).__name__} lets packed examples attend to each "
+                      f"other; using padded micro-batches[/]")
     return False
 
 
@@ -425,7 +470,9 @@ def packing_is_exact(net: torch.nn.Module, *, tolerance: float | None = None) ->
 # ---------------------------------------------------------------------------------------------------- merge
 
 
-def merge_lora(checkpoint_dir: str | Path, out_dir: str | Path, *, base: str | None = None, dtype: str = "auto") -> Path:
+def merge_lora(
+    checkpoint_dir: str | Path, out_dir: str | Path, *, base: str | None = None, dtype: str = "auto"
+) -> Path:
     """Merge a LoRA checkpoint into its base model and write full HF weights + tokenizer to `out_dir` (atomically:
     a temp directory renamed into place), loadable by `AutoModelForCausalLM.from_pretrained` without peft.
 
@@ -438,7 +485,8 @@ def merge_lora(checkpoint_dir: str | Path, out_dir: str | Path, *, base: str | N
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if not (checkpoint_dir / "adapter_config.json").is_file():
-        raise FileNotFoundError(f"{checkpoint_dir}: no adapter_config.json; pass a LoRA checkpoint (checkpoints/step_N of a lora.enabled run)")
+        raise FileNotFoundError(f"{checkpoint_dir}: no adapter_config.json; pass a LoRA checkpoint "
+                                f"(checkpoints/step_N of a lora.enabled run)")
     base = base or PeftConfig.from_pretrained(str(checkpoint_dir)).base_model_name_or_path
     if not base:
         raise ValueError(f"{checkpoint_dir}: the adapter config names no base model; pass base=")

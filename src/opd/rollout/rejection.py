@@ -1,0 +1,500 @@
+"""`opd rollout`: teacher answers for SFT (the cold start before OPD), with rejection sampling.
+
+For every prompt we want `n` accepted samples. A sample is drawn up to `max_attempts` times; an attempt is rejected
+when it is (a) truncated (hit max_new_tokens), (b) without an extractable final answer (`extract_answer`: no
+`\\boxed{}` and no `Answer:` line), (c) degenerate (`degeneracy_reasons`: a line repeated many times, a block of
+tokens repeated back to back, a long run of one token), or (d) with `require_correct`, graded wrong. Every reason
+that applies is recorded (grading runs only when (a)-(c) pass). Retries re-sample only the rejected samples.
+
+Outputs in `out/`: `rollouts.jsonl` (one record per accepted sample, chat `messages` ready for SFT),
+`rejected.jsonl` (samples that never passed, with the reasons of every attempt), `stats.json` (acceptance by
+reason), `config.yaml`, and with `llamafactory` the LlamaFactory sharegpt layout in `out/llamafactory/`.
+
+Batches, seeds, resume. Prompts are cut, in file order, into fixed batches of `batch_size // n` prompts. Work is
+appended per finished batch to `out/shards/rank_<k>.jsonl` (one file per worker); the final files are written
+atomically from those logs at the end. A rerun into the same directory skips every prompt whose n samples are all
+in the logs (accepted or exhausted). The seed of each `generate` call is derived from `seed` and the
+(prompt id, sample, attempt) keys of its rows, so a batch gives the same samples whichever worker runs it and
+whether or not the run was interrupted between batches. Per-row seeds are not possible through the `Generator`
+protocol (one `torch.Generator` per call, shared by its rows), so the samples do depend on the batch composition.
+
+Several devices: `num_workers` processes (spawned), each loading the model on its own device and running every
+`num_workers`-th batch; the logs are merged in prompt order.
+
+Omitted on purpose: carrying retries into the next batch to keep the engine full (a retry pass is a short call;
+raise `batch_size` when retries dominate), per-token log-probs in the output (SFT does not need them), and
+answer-consistency voting across samples (that is self-consistency filtering, a different recipe).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from opd.config import DataSpec, ModelSpec, Section, save_config
+from opd.io import append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
+from opd.types import Prompt
+
+REASONS = ("truncated", "no_answer", "repeated_line", "token_run", "repeated_block", "wrong")
+"""Every rejection reason, in the order they are checked and reported."""
+
+
+class DegeneracySpec(Section):
+    """When a response counts as degenerate (rejection reason (c)). Each check is off at 0."""
+
+    line_repeats: int = Field(10, ge=0, description="Reject when one line (stripped, at least line_min_chars long) occurs this many times or more anywhere in the response; 0 = off.")
+    line_min_chars: int = Field(16, ge=1, description="Shorter lines (`\\]`, `Wait,`) are never counted as repeats.")
+    token_run: int = Field(64, ge=0, description="Reject when one token id occurs this many times in a row; 0 = off.")
+    block_repeats: int = Field(4, ge=0, description="Reject when a block of 2..block_max_tokens tokens repeats back to back this many times or more and the repetition spans at least block_min_tokens tokens; 0 = off.")
+    block_min_tokens: int = Field(128, ge=1, description="Shortest repeated span (tokens) that block_repeats flags: 4 copies of a 32-token block, 64 of a 2-token one.")
+    block_max_tokens: int = Field(256, ge=2, description="Longest block (tokens) searched for; cost is linear in it (~8 ms per 7k-token response at 256).")
+
+
+class RolloutConfig(Section):
+    """`opd rollout`: n teacher samples per prompt with rejection sampling, written as SFT data."""
+
+    model: ModelSpec = Field(description="The teacher that answers.")
+    data: DataSpec = Field(description="The prompt set, its column mapping, instruction template and thinking switch.")
+    out: str = Field(description="Output directory; rerunning into it resumes (finished prompts are skipped).")
+    n: int = Field(1, ge=1, description="Accepted samples wanted per prompt.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 = greedy (retries then repeat the same answer).")
+    top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1]; 1.0 = off.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
+    max_new_tokens: int = Field(7168, ge=1, description="Longest response in tokens; a response that reaches it is rejected as truncated.")
+    max_attempts: int = Field(3, ge=1, description="Draws per wanted sample before it is given up (written to rejected.jsonl).")
+    require_correct: bool = Field(False, description="Also reject answers graded wrong against the prompt's ground truth (every prompt needs one).")
+    grade_timeout: float = Field(5.0, gt=0.0, description="Seconds allowed for one symbolic answer comparison.")
+    degeneracy: DegeneracySpec = Field(default_factory=DegeneracySpec, description="Thresholds of the degenerate-response checks.")
+    batch_size: int = Field(64, ge=1, description="Sequences generated together (prompts × n); a batch holds max(1, batch_size // n) prompts and is the unit of resume.")
+    seed: int = Field(0, description="Base seed; every generate call's seed derives from it and its rows' (prompt id, sample, attempt).")
+    num_workers: int = Field(1, ge=1, description="Worker processes, one per device, each running every num_workers-th batch.")
+    devices: list[str] | None = Field(None, description="One device per worker (e.g. [cuda:0, cuda:1]); None: cuda:0..N-1 when CUDA is there and model.device is auto/cuda, else model.device for all.")
+    llamafactory: bool = Field(False, description="Also write llamafactory/<dataset_name>.json (sharegpt) and dataset_info.json.")
+    dataset_name: str = Field("opd_rollout", min_length=1, description="Dataset name in LlamaFactory's dataset_info.json and the file name.")
+
+    @model_validator(mode="after")
+    def _devices_match_workers(self) -> "RolloutConfig":
+        if self.devices is not None and len(self.devices) != self.num_workers:
+            raise ValueError(f"devices lists {len(self.devices)} devices but num_workers is {self.num_workers}; "
+                             f"give one device per worker")
+        return self
+
+
+# Keys that may change between a run and its resumption: they do not change what a finished prompt's samples are.
+_RESUMABLE_KEYS = {"out", "num_workers", "devices", "batch_size", "model.device", "llamafactory", "dataset_name",
+                   "grade_timeout"}
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+
+def degeneracy_reasons(text: str, token_ids: Sequence[int], spec: DegeneracySpec) -> list[str]:
+    """Which degenerate patterns the response shows: "repeated_line", "token_run", "repeated_block" (in that order).
+
+    token_run and repeated_block look for periodic stretches of token ids: for every period p, the longest run of
+    positions t with ids[t] == ids[t + p] is a stretch of (run + p) tokens made of one p-token block repeated.
+    Period 1 is a run of one token; a stretch whose block is a single token is reported as token_run only.
+    """
+    reasons = []
+    if spec.line_repeats:
+        lines = [line.strip() for line in text.splitlines()]
+        counts = Counter(line for line in lines if len(line) >= spec.line_min_chars)
+        if counts and max(counts.values()) >= spec.line_repeats:
+            reasons.append("repeated_line")
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if spec.token_run and len(ids) >= spec.token_run and _longest_periodic(ids, 1)[0] >= spec.token_run:
+        reasons.append("token_run")
+    if spec.block_repeats:
+        for period in range(2, min(spec.block_max_tokens, len(ids) // 2) + 1):
+            needed = max(spec.block_min_tokens, spec.block_repeats * period)
+            if len(ids) < needed:
+                break
+            span, start = _longest_periodic(ids, period)
+            if span >= needed and len(np.unique(ids[start : start + period])) > 1:
+                reasons.append("repeated_block")
+                break
+    return reasons
+
+
+def _longest_periodic(ids: np.ndarray, period: int) -> tuple[int, int]:
+    """(length, start) of the longest stretch of `ids` with ids[t] == ids[t + period] throughout (a block of
+    `period` tokens repeated; length counts the first copy too). (period, 0) when there is none."""
+    same = ids[period:] == ids[:-period]
+    if not same.any():
+        return period, 0
+    edges = np.diff(np.concatenate(([0], same.view(np.int8), [0])))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    best = int(np.argmax(ends - starts))
+    return int(ends[best] - starts[best]) + period, int(starts[best])
+
+
+@dataclass
+class Check:
+    """The verdict on one attempt. reasons: empty when accepted. extracted: the answer found (None: none).
+    correct: graded against the ground truth (None when the prompt has none or grading did not run)."""
+
+    reasons: list[str]
+    extracted: str | None
+    correct: bool | None
+
+
+def check_response(text: str, token_ids: Sequence[int], finish_reason: str, answer: str | None,
+                   config: RolloutConfig) -> Check:
+    """Apply the rejection rules of the module docstring to one decoded response."""
+    from opd.eval.grading import extract_answer, grade
+
+    reasons = ["truncated"] if finish_reason == "length" else []
+    extracted = extract_answer(text)
+    if extracted is None:
+        reasons.append("no_answer")
+    reasons += degeneracy_reasons(text, token_ids, config.degeneracy)
+    correct = None
+    if not reasons and answer is not None:
+        correct = grade(text, answer, timeout=config.grade_timeout).correct
+        if config.require_correct and not correct:
+            reasons.append("wrong")
+    return Check(reasons, extracted, correct)
+
+
+# ------------------------------------------------------------------------------------------------ one batch
+
+
+@dataclass
+class WorkItem:
+    """One prompt to answer: its position in the (encoded) set, the templated prompt and its token ids."""
+
+    index: int
+    prompt: Prompt
+    prompt_ids: list[int]
+
+
+def call_seed(seed: int, keys: Sequence[tuple[str, int, int]]) -> int:
+    """The seed of one generate call from the base seed and its rows' (prompt id, sample, attempt)."""
+    digest = hashlib.sha256(json.dumps([seed, list(keys)]).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # < 2^63: torch takes it as is
+
+
+def rollout_batch(batch: Sequence[WorkItem], generator: Any, tokenizer: Any, config: RolloutConfig) -> list[dict]:
+    """n samples for every prompt of `batch` with up to max_attempts draws each; one record per (prompt, sample),
+    accepted (`accepted: True`, the SFT record) or exhausted (`accepted: False`, the last response and all reasons)."""
+    from opd.rollout.base import SamplingParams
+
+    pending = [(k, s) for k in range(len(batch)) for s in range(config.n)]  # prompt-major, as generate returns
+    history: dict[tuple[int, int], list[list[str]]] = {key: [] for key in pending}
+    last: dict[tuple[int, int], tuple[str, int, str]] = {}
+    records: dict[tuple[int, int], dict] = {}
+    for attempt in range(1, config.max_attempts + 1):
+        if attempt == 1:  # every sample of every prompt: one prefill per prompt
+            prompt_ids, n = [item.prompt_ids for item in batch], config.n
+        else:  # only the rejected samples, one row each
+            prompt_ids, n = [batch[k].prompt_ids for k, _ in pending], 1
+        params = SamplingParams(
+            n=n, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+            max_new_tokens=config.max_new_tokens,
+            seed=call_seed(config.seed, [(batch[k].prompt.id, s, attempt) for k, s in pending]),
+        )
+        output = generator.generate(prompt_ids, params)
+        texts = tokenizer.batch_decode(output.response_ids, skip_special_tokens=True)
+        rejected = []
+        for key, text, ids, finish in zip(pending, texts, output.response_ids, output.finish_reasons):
+            item = batch[key[0]]
+            check = check_response(text, ids, finish, item.prompt.answer, config)
+            if check.reasons:
+                history[key].append(check.reasons)
+                last[key] = (text, len(ids), finish)
+                rejected.append(key)
+                continue
+            records[key] = {
+                **_head(item, key[1], accepted=True),
+                "messages": [*_chat(item.prompt), {"role": "assistant", "content": text}],
+                "attempts": attempt, "rejections": history[key], "extracted": check.extracted,
+                "correct": check.correct, "num_tokens": len(ids),
+            }
+        pending = rejected
+        if not pending:
+            break
+    for key in pending:
+        item = batch[key[0]]
+        text, num_tokens, finish = last[key]
+        records[key] = {
+            **_head(item, key[1], accepted=False), "prompt": _chat(item.prompt),
+            "attempts": config.max_attempts, "rejections": history[key], "last_response": text,
+            "num_tokens": num_tokens, "finish_reason": finish,
+        }
+    return [records[key] for key in sorted(records)]
+
+
+def _head(item: WorkItem, sample: int, *, accepted: bool) -> dict:
+    return {"prompt_id": item.prompt.id, "sample": sample, "accepted": accepted, "source": item.prompt.source,
+            "answer": item.prompt.answer}
+
+
+def _chat(prompt: Prompt) -> list[dict[str, str]]:
+    return [{"role": m["role"], "content": m["content"]} for m in prompt.messages]
+
+
+def run_batches(batches: Sequence[Sequence[WorkItem]], generator: Any, tokenizer: Any, config: RolloutConfig,
+                log_path: Path, say: Callable[[str], None] = print) -> None:
+    """Roll out `batches` in order, appending each finished batch's records to `log_path`."""
+    for number, batch in enumerate(batches, start=1):
+        start = time.perf_counter()
+        records = rollout_batch(batch, generator, tokenizer, config)
+        append_jsonl(log_path, records)
+        accepted = sum(r["accepted"] for r in records)
+        say(f"{log_path.stem}: batch {number}/{len(batches)} ({len(batch)} prompts): {accepted}/{len(records)} "
+            f"accepted, {sum(r['attempts'] for r in records)} attempts, {time.perf_counter() - start:.1f} s")
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+
+def teacher_rollout(config: RolloutConfig, *, generator: Any = None, tokenizer: Any = None,
+                    console: Any = None) -> Path:
+    """Run `opd rollout` (see the module docstring) and return the output directory.
+
+    `generator` (any `Generator`) and `tokenizer` let a caller reuse a model in memory (and tests inject scripted
+    engines); they need num_workers = 1. Otherwise the tokenizer and teacher are loaded from `config.model`.
+    """
+    from rich.console import Console
+
+    from opd.data.prompts import load_prompts
+    from opd.data.templates import encode_prompts
+
+    console = console or Console()
+    if generator is not None and config.num_workers != 1:
+        raise ValueError(f"a generator passed in runs in this process only; num_workers must be 1, got "
+                         f"{config.num_workers}")
+    if generator is not None and tokenizer is None:
+        raise ValueError("a generator passed in needs its tokenizer too (tokenizer=...)")
+    out = Path(config.out)
+    shards = out / "shards"
+    if any(shards.glob("rank_*.jsonl")):
+        _check_resumable(out, config)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(config, out)
+    if tokenizer is None:
+        from opd.models import load_tokenizer
+
+        tokenizer = load_tokenizer(config.model.path, trust_remote_code=config.model.trust_remote_code)
+
+    data = config.data
+    prompts = load_prompts(data.path, prompt_key=data.prompt_key, answer_key=data.answer_key, id_key=data.id_key,
+                           split=data.split, limit=data.limit)
+    if config.require_correct:
+        missing = [p.id for p in prompts if p.answer is None]
+        if missing:
+            raise ValueError(f"require_correct needs a ground truth for every prompt, but {len(missing)} have none "
+                             f"(first: id {missing[0]!r}); set data.answer_key or drop --require-correct")
+    encoded = encode_prompts(tokenizer, prompts, max_prompt_length=data.max_prompt_length,
+                             on_overflow=data.on_overflow, enable_thinking=data.enable_thinking, template=data.template)
+    if encoded.num_filtered:
+        console.print(f"[yellow]{encoded.num_filtered} prompts longer than {data.max_prompt_length} tokens skipped[/]")
+    items = [WorkItem(i, p, ids) for i, (p, ids) in enumerate(zip(encoded.prompts, encoded.input_ids))]
+
+    for path in sorted(shards.glob("rank_*.jsonl")):
+        repair_jsonl(path)
+    finished = _finished_prompts(_read_logs(shards), config.n)
+    per_batch = max(1, config.batch_size // config.n)
+    batches = [[item for item in items[i : i + per_batch] if item.prompt.id not in finished]
+               for i in range(0, len(items), per_batch)]
+    batches = [batch for batch in batches if batch]
+    if finished:
+        console.print(f"resuming: {len(finished)} of {len(items)} prompts already finished in {shards}")
+    start = time.perf_counter()
+    if batches and config.num_workers == 1:
+        if generator is None:
+            generator, tokenizer = _load_teacher(config, config.model.device)
+        run_batches(batches, generator, tokenizer, config, shards / "rank_0.jsonl", say=console.print)
+    elif batches:
+        _run_workers(config, batches, shards)
+    seconds = time.perf_counter() - start
+
+    stats = _merge(items, _read_logs(shards), config, out, num_filtered=encoded.num_filtered, seconds=seconds)
+    print_stats(stats, console, title=f"opd rollout — {out}")
+    return out
+
+
+def _load_teacher(config: RolloutConfig, device: str) -> tuple[Any, Any]:
+    """(TorchGenerator over the teacher on `device`, its tokenizer)."""
+    from opd.models import eos_token_ids, load_model
+    from opd.rollout.torch_engine import TorchGenerator
+
+    spec = config.model
+    model, tokenizer = load_model(spec.path, dtype=spec.dtype, device=device, trust_remote_code=spec.trust_remote_code,
+                                  attn_implementation=spec.attn_implementation)
+    generator = TorchGenerator(model, eos_token_ids=eos_token_ids(model, tokenizer),
+                               pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer),
+                               max_batch_size=config.batch_size)
+    return generator, tokenizer
+
+
+def _check_resumable(out: Path, config: RolloutConfig) -> None:
+    """A rerun into `out` that already holds samples must ask for the same samples: compare with its config.yaml."""
+    saved_path = out / "config.yaml"
+    if not saved_path.exists():
+        return
+    import yaml
+
+    saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
+    current = _flatten(config.model_dump(mode="json"))
+    for key in sorted(set(saved) | set(current)):
+        if key not in _RESUMABLE_KEYS and saved.get(key) != current.get(key):
+            raise ValueError(f"{out} holds a rollout with {key}={saved.get(key)!r}, but this run has "
+                             f"{key}={current.get(key)!r}; use another --out, or the same settings to resume")
+
+
+def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _read_logs(shards: Path) -> dict[tuple[str, int], dict]:
+    """Every logged record by (prompt id, sample); a record logged twice (a batch redone after a crash inside
+    its append) counts once, the last one."""
+    records: dict[tuple[str, int], dict] = {}
+    for path in sorted(shards.glob("rank_*.jsonl")):
+        for record in read_jsonl(path):
+            records[(record["prompt_id"], record["sample"])] = record
+    return records
+
+
+def _finished_prompts(records: dict[tuple[str, int], dict], n: int) -> set[str]:
+    samples = Counter(prompt_id for prompt_id, sample in records if sample < n)
+    return {prompt_id for prompt_id, count in samples.items() if count == n}
+
+
+# ------------------------------------------------------------------------------------------------ workers
+
+
+def _worker_devices(config: RolloutConfig) -> list[str]:
+    if config.devices is not None:
+        return list(config.devices)
+    import torch
+
+    if torch.cuda.is_available() and config.model.device in ("auto", "cuda"):
+        if config.num_workers > torch.cuda.device_count():
+            raise ValueError(f"num_workers={config.num_workers} but only {torch.cuda.device_count()} CUDA devices "
+                             f"exist; lower num_workers or list devices explicitly")
+        return [f"cuda:{k}" for k in range(config.num_workers)]
+    return [config.model.device] * config.num_workers
+
+
+def _run_workers(config: RolloutConfig, batches: list[list[WorkItem]], shards: Path) -> None:
+    """Spawn one process per worker; worker k runs batches k, k + W, k + 2W, ... and logs to rank_k.jsonl."""
+    import torch.multiprocessing as mp
+
+    devices = _worker_devices(config)
+    assignments = [batches[k :: config.num_workers] for k in range(config.num_workers)]
+    mp.start_processes(_worker_main, args=(config, assignments, devices, str(shards)), nprocs=config.num_workers,
+                       join=True, start_method="spawn")
+
+
+def _worker_main(rank: int, config: RolloutConfig, assignments: list[list[list[WorkItem]]], devices: list[str],
+                 shards: str) -> None:
+    import torch
+
+    if not assignments[rank]:
+        return
+    if devices[rank].startswith("cpu") or (devices[rank] == "auto" and not torch.cuda.is_available()):
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.num_workers))  # no oversubscription
+    generator, tokenizer = _load_teacher(config, devices[rank])
+    run_batches(assignments[rank], generator, tokenizer, config, Path(shards) / f"rank_{rank}.jsonl",
+                say=lambda line: print(f"[worker {rank} {devices[rank]}] {line}", flush=True))
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+
+
+def _merge(items: list[WorkItem], logged: dict[tuple[str, int], dict], config: RolloutConfig, out: Path, *,
+           num_filtered: int, seconds: float) -> dict:
+    """Write rollouts.jsonl, rejected.jsonl, stats.json (and the LlamaFactory files) from the logs, in prompt
+    order; return the stats."""
+    records = [logged[(item.prompt.id, s)] for item in items for s in range(config.n)
+               if (item.prompt.id, s) in logged]
+    accepted = [{k: v for k, v in r.items() if k != "accepted"} for r in records if r["accepted"]]
+    rejected = [{k: v for k, v in r.items() if k != "accepted"} for r in records if not r["accepted"]]
+    write_jsonl(out / "rollouts.jsonl", accepted)
+    write_jsonl(out / "rejected.jsonl", rejected)
+    stats = rollout_stats(records, num_prompts=len(items), num_filtered=num_filtered)
+    stats["seconds"] = round(seconds, 2)
+    atomic_write_json(out / "stats.json", stats)
+    if config.llamafactory:
+        write_llamafactory(accepted, out / "llamafactory", config.dataset_name)
+    return stats
+
+
+def rollout_stats(records: Sequence[dict], *, num_prompts: int, num_filtered: int = 0) -> dict:
+    """Acceptance statistics over the per-sample records (accepted and exhausted).
+
+    rejections[reason]: attempts rejected for that reason (an attempt may have several);
+    rejection_rate[reason]: that count over all attempts; accepted_at_attempt[k]: samples accepted on draw k."""
+    attempts = sum(r["attempts"] for r in records)
+    accepted = [r for r in records if r["accepted"]]
+    reasons = Counter(reason for r in records for attempt in r["rejections"] for reason in attempt)
+    graded = [r["correct"] for r in accepted if r.get("correct") is not None]
+    return {
+        "prompts": num_prompts,
+        "prompts_filtered_too_long": num_filtered,
+        "samples": len(records),
+        "accepted": len(accepted),
+        "exhausted": len(records) - len(accepted),
+        "acceptance_rate": len(accepted) / len(records) if records else 0.0,
+        "attempts": attempts,
+        "attempt_acceptance_rate": len(accepted) / attempts if attempts else 0.0,
+        "accepted_at_attempt": {str(k): v for k, v in sorted(Counter(r["attempts"] for r in accepted).items())},
+        "rejections": {reason: reasons[reason] for reason in REASONS},
+        "rejection_rate": {reason: reasons[reason] / attempts if attempts else 0.0 for reason in REASONS},
+        "accepted_correct_rate": sum(graded) / len(graded) if graded else None,
+        "mean_accepted_tokens": float(np.mean([r["num_tokens"] for r in accepted])) if accepted else None,
+    }
+
+
+def print_stats(stats: dict, console: Any, title: str = "") -> None:
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("rejected for")
+    table.add_column("attempts", justify="right")
+    table.add_column("% of attempts", justify="right")
+    for reason in REASONS:
+        table.add_row(reason, str(stats["rejections"][reason]), f"{100 * stats['rejection_rate'][reason]:.1f}")
+    console.print(table)
+    at = ", ".join(f"{k}: {v}" for k, v in stats["accepted_at_attempt"].items()) or "-"
+    console.print(f"accepted {stats['accepted']}/{stats['samples']} samples ({100 * stats['acceptance_rate']:.1f}%) "
+                  f"of {stats['prompts']} prompts; {stats['attempts']} attempts "
+                  f"({100 * stats['attempt_acceptance_rate']:.1f}% accepted); accepted at attempt {at}")
+
+
+def write_llamafactory(records: Sequence[dict], directory: Path, name: str) -> Path:
+    """The accepted records as a LlamaFactory sharegpt dataset: `<name>.json` (a list of {conversations: [{from:
+    human|gpt, value}], system?}) and `dataset_info.json` mapping it; train with `dataset_dir: <directory>` and
+    `dataset: <name>`. A system message goes to the `system` column (mapped only when some record has one)."""
+    roles = {"user": "human", "assistant": "gpt"}
+    has_system = any(m["role"] == "system" for r in records for m in r["messages"])
+    rows = []
+    for record in records:
+        row: dict[str, Any] = {"conversations": [{"from": roles[m["role"]], "value": m["content"]}
+                                                 for m in record["messages"] if m["role"] != "system"]}
+        if has_system:
+            row["system"] = next((m["content"] for m in record["messages"] if m["role"] == "system"), "")
+        rows.append(row)
+    columns = {"messages": "conversations", **({"system": "system"} if has_system else {})}
+    info = {name: {"file_name": f"{name}.json", "formatting": "sharegpt", "columns": columns,
+                   "tags": {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt"}}}
+    atomic_write_json(directory / f"{name}.json", rows)
+    atomic_write_json(directory / "dataset_info.json", info)
+    return directory

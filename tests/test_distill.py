@@ -1,0 +1,252 @@
+"""`opd distill` end to end on tiny random models: every strategy and advantage mode, startup checks, exact resume,
+crash-safe checkpoints, agreement of the trainer's chunked scores with the dense SPEC §8 API, and learning."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import EOS_ID, make_tiny_model, make_tiny_tokenizer
+from opd.config import ConfigError, DistillConfig, build_config
+from opd.io import read_jsonl
+from opd.train.checkpoint import latest_checkpoint
+from opd.train.opd import distill
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny student and teacher (same tokenizer, different weights) and a prompt set with answers."""
+    root = tmp_path_factory.mktemp("world")
+    tokenizer = make_tiny_tokenizer()
+    for name, seed in (("student", 0), ("teacher", 1)):
+        make_tiny_model("qwen3", seed=seed).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(6)]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def config(world, tmp_path, *overrides, teacher=True, steps=2) -> DistillConfig:
+    options = {
+        "student.path": str(world / "student"), "data.path": str(world / "prompts.jsonl"),
+        "teacher.path": str(world / "teacher") if teacher else None,
+        "data.answer_key": "answer", "data.max_prompt_length": 32, "prompts_per_step": 2, "rollout.n": 2,
+        "rollout.max_new_tokens": 6, "micro_batch_tokens": 64, "run.out_dir": str(tmp_path), "run.name": "run",
+        "run.steps": steps, "run.report": False, "optim.lr": 1e-3,
+    }
+    return build_config(DistillConfig, options=options, overrides=list(overrides))
+
+
+def _weights(run_dir: Path) -> dict:
+    return load_file(str(latest_checkpoint(run_dir) / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["objective.strategy=only_stu"],
+        ["objective.strategy=only_tch", "objective.weight=teacher_p"],
+        ["objective.strategy=intersection", "objective.weight=none"],
+        ["objective.strategy=union"],
+        ["objective.strategy=union-intersection"],
+        ["objective.top_k=0"],
+        ["objective.advantage=token_reward+grpo"],
+        ["objective.advantage=token_reward+grpo", "objective.top_k=0"],
+        ["objective.advantage=token_grpo", "objective.top_k=0"],
+        ["objective.loss_agg_mode=seq-mean-token-sum-norm"],
+    ],
+    ids=lambda o: ",".join(x.split(".", 1)[1] for x in o),
+)
+def test_every_mode_runs_and_writes_the_run_dir(world, tmp_path, overrides):
+    run_dir = distill(config(world, tmp_path, *overrides))
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for key in ("reward_mean", "grad_norm", "overlap_ratio", "overlap_mass_student", "overlap_mass_teacher",
+                "overlap_advantage", "entropy_student", "entropy_teacher", "entropy_gap", "response_length",
+                "truncation_rate", "rollout_accuracy", "time/rollout", "time/teacher", "time/update", "tokens_per_second"):
+        assert metrics[-1][key] is not None, key
+    assert 0.0 <= metrics[-1]["overlap_ratio"] <= 1.0
+    assert (run_dir / "config.yaml").exists()
+    assert (run_dir / "samples" / "step_2.jsonl").exists()
+    checkpoint = latest_checkpoint(run_dir)
+    assert checkpoint.name == "step_2"
+    assert (checkpoint / "model.safetensors").exists() and (checkpoint / "tokenizer_config.json").exists()
+
+
+def test_grpo_baseline_needs_no_teacher(world, tmp_path):
+    run_dir = distill(config(world, tmp_path, "objective.advantage=grpo", "objective.top_k=0", teacher=False))
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert "rollout_accuracy" in metrics[-1] and "overlap_ratio" not in metrics[-1]
+
+
+def test_samples_carry_per_token_rewards(world, tmp_path):
+    run_dir = distill(config(world, tmp_path))
+    record = read_jsonl(run_dir / "samples" / "step_1.jsonl")[0]
+    assert len(record["tokens"]) == len(record["token_rewards"]) >= 1
+    assert record["prompt"].endswith("assistant\n")
+
+
+def test_report_written_at_end(world, tmp_path):
+    run_dir = distill(config(world, tmp_path, "run.report=true"))
+    assert (run_dir / "report.html").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    "overrides, teacher, message",
+    [
+        (["prompts_per_step=50"], True, "prompts_per_step=50 exceeds the 6 prompts"),
+        (["data.max_prompt_length=2"], True, "max_prompt_length"),
+        (["micro_batch_tokens=8"], True, "micro_batch_tokens=8 is smaller than one sequence"),
+        (["objective.advantage=token_reward"], False, "needs a teacher"),
+        (["objective.advantage=token_grpo"], True, "sampled-token only"),
+    ],
+)
+def test_startup_checks_fail_in_one_line(world, tmp_path, overrides, teacher, message):
+    with pytest.raises(ValueError, match=message) as error:
+        distill(config(world, tmp_path, *overrides, teacher=teacher))
+    assert "\n" not in str(error.value)
+
+
+def test_tokenizer_mismatch_is_caught_before_any_compute(world, tmp_path):
+    other = tmp_path / "other"
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.add_tokens(["<extra>"])
+    make_tiny_model("qwen3", vocab_size=262, seed=2).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    cfg = config(world, tmp_path)
+    cfg.teacher.path = str(other)
+    with pytest.raises(ValueError, match="<extra>"):
+        distill(cfg)
+
+
+def test_resume_is_bit_identical(world, tmp_path):
+    straight = distill(config(world, tmp_path / "a", "run.save_every=2", steps=4))
+    distill(config(world, tmp_path / "b", "run.save_every=2", steps=2))
+    resumed = distill(config(world, tmp_path / "b", "run.save_every=2", "run.resume=true", steps=4))
+    a, b = _weights(straight), _weights(resumed)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    metrics = read_jsonl(resumed / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert metrics[-1]["reward_mean"] == read_jsonl(straight / "metrics.jsonl")[-1]["reward_mean"]
+
+
+def test_kill_during_checkpoint_keeps_previous_loadable(world, tmp_path, monkeypatch):
+    import opd.train.checkpoint as checkpoint
+
+    real_save = torch.save
+
+    def dying_save(obj, path, *args, **kwargs):
+        if "step_4" in str(path):
+            Path(path).write_bytes(b"partial")
+            raise KeyboardInterrupt("killed while writing the checkpoint")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        distill(config(world, tmp_path, "run.save_every=2", steps=4))
+    run_dir = tmp_path / "run"
+    assert latest_checkpoint(run_dir).name == "step_2"
+    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    resumed = distill(config(world, tmp_path, "run.save_every=2", "run.resume=true", steps=4))
+    assert latest_checkpoint(resumed).name == "step_4"
+
+
+def test_trainer_scores_agree_with_dense_token_rewards(world):
+    """The trainer's chunked path (LocalScorer + sparse core) equals SPEC §8's dense `token_rewards`."""
+    from opd.objectives import build_candidates, candidate_rewards, gather_candidate_logprobs, token_rewards
+    from opd.rollout import SamplingParams
+    from opd.rollout.batch import build_rollouts
+    from opd.rollout.torch_engine import make_generator
+    from opd.teacher.local import LocalScorer
+
+    student = make_tiny_model("qwen3", seed=0)
+    teacher = make_tiny_model("qwen3", seed=1)
+    tokenizer = make_tiny_tokenizer()
+    prompts = [tokenizer("1+1=")["input_ids"], tokenizer("22+3=")["input_ids"]]
+    output = make_generator(student, tokenizer).generate(prompts, SamplingParams(n=2, max_new_tokens=5, seed=3))
+    rollouts = build_rollouts(prompts, output, pad_id=tokenizer.pad_token_id)
+    positions = rollouts.response_positions().clamp(max=rollouts.input_ids.shape[1] - 1)
+    with torch.no_grad():
+        dense_student = student(rollouts.input_ids, attention_mask=rollouts.attention_mask).logits
+        dense_teacher = teacher(rollouts.input_ids, attention_mask=rollouts.attention_mask).logits
+    gather = lambda logits: torch.gather(logits, 1, positions[..., None].expand(-1, -1, logits.shape[-1]))
+    for strategy in ("only_stu", "union", "union-intersection"):
+        dense = token_rewards(gather(dense_student), gather(dense_teacher), rollouts.response_ids, rollouts.response_mask,
+                              top_k=4, strategy=strategy, weight="student_p")
+        s = LocalScorer(student).score(rollouts, top_k=4)
+        t = LocalScorer(teacher).score(rollouts, top_k=4, requested_ids=s.topk_ids)
+        s_at_t = LocalScorer(student).score(rollouts, top_k=0, requested_ids=t.topk_ids).requested_logprobs
+        ids, valid = build_candidates(s.topk_ids, t.topk_ids, rollouts.response_mask, strategy)
+        s_lp, t_lp = gather_candidate_logprobs(strategy, s.topk_logprobs, t.requested_logprobs, t.topk_logprobs, s_at_t)
+        rewards, _ = candidate_rewards(s_lp, t_lp, valid, strategy=strategy, weight="student_p")
+        assert torch.equal(ids[valid], dense.candidate_ids[dense.valid])
+        torch.testing.assert_close(rewards, dense.rewards, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------- learning
+
+
+def _train_to_prefer(path: Path, prompt_ids: list[int], target_ids: list[int], steps: int) -> None:
+    """A model pushed by `steps` Adam steps of SFT toward one fixed continuation of the prompt (seconds on CPU):
+    150 steps make the teacher; 5 steps from the same init make a student that is near it but clearly off."""
+    model = make_tiny_model("qwen3", seed=5).train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ids = torch.tensor([prompt_ids + target_ids])
+    labels = ids.clone()
+    labels[:, : len(prompt_ids)] = -100
+    for _ in range(steps):
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval().save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+
+
+def _reverse_kl(student_dir: Path, teacher_dir: Path, prompt_ids: list[int], samples: int = 32) -> float:
+    """Exact token-mean KL(student ‖ teacher) over the full vocabulary on the student's own samples."""
+    from transformers import AutoModelForCausalLM
+
+    from opd.objectives import full_reverse_kl
+    from opd.rollout import SamplingParams
+    from opd.rollout.batch import build_rollouts
+    from opd.rollout.torch_engine import make_generator
+
+    student = AutoModelForCausalLM.from_pretrained(student_dir).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    tokenizer = make_tiny_tokenizer()
+    output = make_generator(student, tokenizer).generate([prompt_ids], SamplingParams(n=samples, max_new_tokens=6, seed=11))
+    rollouts = build_rollouts([prompt_ids], output, pad_id=tokenizer.pad_token_id)
+    positions = rollouts.response_positions().clamp(max=rollouts.input_ids.shape[1] - 1)
+    with torch.no_grad():
+        s = student(rollouts.input_ids, attention_mask=rollouts.attention_mask).logits
+        t = teacher(rollouts.input_ids, attention_mask=rollouts.attention_mask).logits
+    mask = rollouts.response_mask
+    gather = lambda logits: torch.gather(logits, 1, positions[..., None].expand(-1, -1, logits.shape[-1]))[mask]
+    kl = full_reverse_kl(gather(s), gather(t), torch.ones(int(mask.sum()), dtype=torch.bool))
+    return float(kl.sum() / mask.sum())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_k", [0, 16], ids=["sampled-token", "only_stu-top16"])
+def test_opd_moves_the_student_toward_the_teacher(world, tmp_path, top_k):
+    tokenizer = make_tiny_tokenizer()
+    prompt_text = "7*6="
+    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt_text}], tokenize=False,
+                                               add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt_ids, add_special_tokens=False)["input_ids"]
+    target_ids = tokenizer("42")["input_ids"] + [EOS_ID]
+    _train_to_prefer(tmp_path / "teacher", prompt_ids, target_ids, steps=150)
+    _train_to_prefer(tmp_path / "student", prompt_ids, target_ids, steps=5)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": prompt_text, "answer": "42"}) + "\n")
+    cfg = config(world, tmp_path, f"objective.top_k={top_k}", "prompts_per_step=1", "rollout.n=8", "optim.lr=3e-3",
+                 "run.save_every=0", steps=20)
+    cfg.student.path, cfg.teacher.path = str(tmp_path / "student"), str(tmp_path / "teacher")
+    cfg.data.path = str(tmp_path / "p.jsonl")
+    before = _reverse_kl(tmp_path / "student", tmp_path / "teacher", prompt_ids)
+    run_dir = distill(cfg)
+    after = _reverse_kl(latest_checkpoint(run_dir), tmp_path / "teacher", prompt_ids)
+    assert after < 0.5 * before, (before, after)

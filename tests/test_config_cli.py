@@ -66,7 +66,7 @@ def test_shipped_configs_validate():
         build_config(model, config_file=path)
 
 
-@pytest.mark.parametrize("command", [[], ["eval"], ["distill"], ["report"]])
+@pytest.mark.parametrize("command", [[], ["eval"], ["distill"], ["sft"], ["merge"], ["report"], ["prompts"], ["prompts", "template"], ["prompts", "score"], ["prompts", "select"]])
 def test_every_command_has_help(command):
     result = CliRunner().invoke(app, [*command, "--help"])
     assert result.exit_code == 0, result.output

@@ -250,3 +250,25 @@ def test_opd_moves_the_student_toward_the_teacher(world, tmp_path, top_k):
     run_dir = distill(cfg)
     after = _reverse_kl(latest_checkpoint(run_dir), tmp_path / "teacher", prompt_ids)
     assert after < 0.5 * before, (before, after)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["objective.kl_coef=0.1", "objective.kl_type=k1"],
+        ["objective.kl_coef=0.1", "objective.entropy_coef=0.01", "objective.top_k=0"],
+        ["objective.tis_cap=2.0"],
+        ["objective.loss=topk_kl"],
+        ["objective.loss=forward_kl"],
+        ["objective.loss=jsd", "objective.jsd_beta=0.5"],
+    ],
+    ids=lambda o: ",".join(x.split(".", 1)[1] for x in o),
+)
+def test_optional_terms_and_extension_objectives_run(world, tmp_path, overrides):
+    run_dir = distill(config(world, tmp_path, *overrides))
+    last = read_jsonl(run_dir / "metrics.jsonl")[-1]
+    assert last["step"] == 2 and last["grad_norm"] is not None and last["grad_norm"] > 0
+    if "objective.kl_coef=0.1" in overrides:
+        assert "kl_reference" in last
+    loss_keys = [k for k in last if k.endswith("_loss")]
+    assert loss_keys, last.keys()

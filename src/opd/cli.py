@@ -107,6 +107,39 @@ def distill_command(
     distill(cfg)
 
 
+@app.command("sft")
+def sft_command(
+    overrides: Optional[list[str]] = _overrides(),
+    config: Optional[Path] = _config(),
+    model: Optional[str] = typer.Option(None, help="Model to fine-tune: Hugging Face id or local directory (model.path)."),
+    data: Optional[list[str]] = typer.Option(None, help="SFT data: chat / opd rollout / sharegpt / alpaca file (.jsonl, .json, .parquet); repeat for several (data.path)."),
+    epochs: Optional[float] = typer.Option(None, help="Passes over the data (epochs); or set run.steps instead. [default: 1]"),
+    lr: Optional[float] = typer.Option(None, help="Peak learning rate (optim.lr). [default: 1e-5]"),
+    lora: Optional[bool] = typer.Option(None, "--lora/--no-lora", help="Train LoRA adapters only, merged into <run>/merged at the end (lora.enabled)."),
+    name: Optional[str] = typer.Option(None, help="Run directory name under run.out_dir (run.name). [default: sft-<time>]"),
+    resume: Optional[bool] = typer.Option(None, "--resume/--no-resume", help="Continue from the newest complete checkpoint of the run directory (run.resume)."),
+) -> None:
+    """Supervised fine-tuning on (teacher) answers, loss on assistant tokens only: the cold start before `opd distill`."""
+    from opd.train.sft import SFTConfig, sft
+
+    options = {"model.path": model, "data.path": data or None, "epochs": epochs, "optim.lr": lr, "lora.enabled": lora,
+               "run.name": name, "run.resume": resume}
+    sft(build_config(SFTConfig, config_file=config, options=options, overrides=overrides))
+
+
+@app.command("merge")
+def merge_command(
+    checkpoint: Path = typer.Argument(..., help="LoRA checkpoint directory (checkpoints/step_N of an `opd sft` run with lora.enabled)."),
+    out: Path = typer.Argument(..., help="Output directory for the merged Hugging Face weights + tokenizer."),
+    base: Optional[str] = typer.Option(None, help="Base model id or path. [default: base_model_name_or_path of the adapter config]"),
+    dtype: str = typer.Option("auto", help="Dtype of the written weights: auto (the base model's) | bf16 | fp16 | fp32."),
+) -> None:
+    """Merge LoRA adapters into their base model: full weights that load without peft."""
+    from opd.train.sft import merge_lora
+
+    typer.echo(f"merged: {merge_lora(checkpoint, out, base=base, dtype=dtype)}")
+
+
 @app.command("report")
 def report_command(
     run_dirs: list[Path] = typer.Argument(..., help="One run directory, or several to overlay their curves (ablations)."),

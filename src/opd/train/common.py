@@ -123,3 +123,22 @@ def timed(timings: dict, name: str):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
+
+def training_precision(spec: ModelSpec, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+    """(weights dtype, autocast dtype) of a model that is trained. `dtype=auto` keeps fp32 master weights and fp32
+    AdamW state with a bf16 autocast forward on CUDA: at lr ~1e-6, updates to bf16 weights would mostly round away.
+    An explicit dtype trains in exactly that dtype, without autocast."""
+    from opd.models import resolve_dtype
+
+    if spec.dtype != "auto":
+        return resolve_dtype(spec.dtype, device), None
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return torch.float32, (torch.bfloat16 if bf16 else None)
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """`torch.autocast` for `dtype`, or a no-op context when it is None."""
+    from contextlib import nullcontext
+
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()

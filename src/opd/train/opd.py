@@ -22,8 +22,9 @@ import torch
 from opd.config import DistillConfig
 from opd.train.common import (
     evaluate_in_training, finish_run, is_due, open_run, restore_trainer_state, resume_checkpoint, run_directory,
-    trainer_state,
+    trainer_state, training_precision,
 )
+from opd.train.common import autocast
 from opd.train.common import timed as _timed
 from opd.types import Prompt, Rollouts, TokenScores
 
@@ -50,6 +51,7 @@ class Trainer:
     step: int = 0
     skipped_steps: int = 0
     history: list[dict] = field(default_factory=list)
+    autocast_dtype: torch.dtype | None = None
 
 
 # ------------------------------------------------------------------------------------------------ the step
@@ -58,12 +60,12 @@ class Trainer:
 def opd_step(tr: Trainer) -> dict[str, float]:
     """One on-policy step: rollouts of the current student, scored by the teacher, one optimizer update."""
     from opd.objectives import (
-        build_candidates, candidate_rewards, compute_advantages, gather_candidate_logprobs, opd_diagnostics, policy_loss,
-        strategy_spec,
+        build_candidates, candidate_rewards, compute_advantages, gather_candidate_logprobs, opd_diagnostics,
+        strategy_spec, truncated_is_weights,
     )
     from opd.rollout import SamplingParams
     from opd.rollout.batch import build_rollouts
-    from opd.scoring import candidate_logprobs
+    from opd.scoring import candidate_logprobs_and_entropy
     from opd.teacher.local import forward_hidden, needed_lengths, output_head, split_by_token_budget, uses_packing
     from opd.train.optim import clip_and_step
 
@@ -76,7 +78,7 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     prompt_ids = [tr.prompt_ids[i] for i in indices]
 
     # 2. rollout: n samples per prompt from the current student
-    with _timed(timings, "rollout"):
+    with _timed(timings, "rollout"), autocast(device, tr.autocast_dtype):
         params = SamplingParams(
             n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
             max_new_tokens=cfg.rollout.max_new_tokens, seed=_step_seed(cfg.run.seed, tr.step),
@@ -87,8 +89,10 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     mask_BT = rollouts.response_mask
 
     # 3. student scores without grad (the behaviour policy): top-k support, log-probs, entropy
-    with _timed(timings, "student"):
+    with _timed(timings, "student"), autocast(device, tr.autocast_dtype):
         student = tr.student_scorer.score(rollouts, top_k=diag_k, temperature=cfg.rollout.temperature)
+        reference_BT = None if tr.reference_scorer is None else tr.reference_scorer.score(
+            rollouts, top_k=0, temperature=cfg.rollout.temperature, with_entropy=False).sampled_logprobs
 
     # 4. teacher scores of the student's tokens: sampled token, its own top-k, log-probs at the student's top-k
     teacher: TokenScores | None = None
@@ -99,7 +103,7 @@ def opd_step(tr: Trainer) -> dict[str, float]:
                 rollouts, top_k=diag_k, requested_ids=student.topk_ids, temperature=obj.teacher_temperature
             )
         if obj.top_k and strategy_spec(obj.strategy).teacher_slots:
-            with _timed(timings, "student"):
+            with _timed(timings, "student"), autocast(device, tr.autocast_dtype):
                 student_at_teacher_BTK = tr.student_scorer.score(
                     rollouts, top_k=0, requested_ids=teacher.topk_ids, temperature=cfg.rollout.temperature,
                     with_entropy=False,
@@ -113,8 +117,8 @@ def opd_step(tr: Trainer) -> dict[str, float]:
         rewards_BTJ = torch.zeros_like(old_lp_BTJ)
     elif obj.top_k == 0:
         candidate_ids_BTJ, valid_BTJ = rollouts.response_ids[..., None], mask_BT[..., None]
-        old_lp_BTJ = student.sampled_logprobs[..., None]
-        rewards_BTJ = (teacher.sampled_logprobs[..., None] - old_lp_BTJ) * valid_BTJ
+        old_lp_BTJ, teacher_lp_BTJ = student.sampled_logprobs[..., None], teacher.sampled_logprobs[..., None]
+        rewards_BTJ = (teacher_lp_BTJ - old_lp_BTJ) * valid_BTJ
     else:
         k = obj.top_k
         candidate_ids_BTJ, valid_BTJ = build_candidates(student.topk_ids[..., :k], teacher.topk_ids[..., :k], mask_BT, obj.strategy)
@@ -131,6 +135,15 @@ def opd_step(tr: Trainer) -> dict[str, float]:
         response_ids=rollouts.response_ids, sampled_old_logprobs=student.sampled_logprobs, old_logprobs=old_lp_BTJ,
     )
     candidate_ids_BTJ, valid_BTJ, advantages_BTJ, old_lp_BTJ = adv.candidate_ids, adv.valid, adv.advantages, adv.old_logprobs
+    if obj.loss in ("forward_kl", "jsd"):  # GKD-style objectives live on the teacher's top-k support
+        k = obj.top_k or diag_k
+        candidate_ids_BTJ, teacher_lp_BTJ = teacher.topk_ids[..., :k], teacher.topk_logprobs[..., :k]
+        valid_BTJ = mask_BT[..., None].expand_as(candidate_ids_BTJ)
+    tis_BT = None
+    if obj.tis_cap is not None and rollouts.rollout_logprobs is not None:
+        tis_BT = truncated_is_weights(student.sampled_logprobs, rollouts.rollout_logprobs, obj.tis_cap, mask_BT)
+    targets = {"old_lp": old_lp_BTJ, "advantages": advantages_BTJ, "valid": valid_BTJ, "mask": mask_BT,
+               "teacher_lp": None if obj.loss == "pg" else teacher_lp_BTJ, "reference": reference_BT, "tis": tis_BT}
 
     # 6. update: grad forward in micro-batches; the loss divides by the token count of the *whole* batch
     with _timed(timings, "update"):
@@ -142,17 +155,15 @@ def opd_step(tr: Trainer) -> dict[str, float]:
         lengths_B = needed_lengths(rollouts)
         for rows in split_by_token_budget(lengths_B, cfg.micro_batch_tokens, padded=not uses_packing(tr.student)):
             micro = rollouts.select(rows)
-            micro_mask = micro.response_mask
-            hidden = forward_hidden(tr.student, micro)
-            candidate_ids_NJ = candidate_ids_BTJ[rows][hidden.rows_N, hidden.cols_N]
-            lp_NJ = candidate_logprobs(hidden.hidden_ND, head, candidate_ids_NJ, temperature=cfg.rollout.temperature,
-                                       vocab_size=tr.vocab_size)
-            lp_BTJ = hidden.to_grid(lp_NJ)
-            loss, metrics = policy_loss(
-                lp_BTJ, old_lp_BTJ[rows], advantages_BTJ[rows], valid_BTJ[rows], micro_mask,
-                clip_ratio_low=obj.clip_ratio_low, clip_ratio_high=obj.clip_ratio_high, clip_ratio_c=obj.clip_ratio_c,
-                loss_agg_mode=obj.loss_agg_mode, global_num_tokens=num_tokens, global_num_seqs=num_seqs,
-            )
+            with autocast(device, tr.autocast_dtype):
+                hidden = forward_hidden(tr.student, micro)
+            ids_NJ = candidate_ids_BTJ[rows][hidden.rows_N, hidden.cols_N]
+            if reference_BT is not None:  # the KL term needs the sampled token's log-prob as one more column
+                ids_NJ = torch.cat([ids_NJ, hidden.targets_N[:, None]], dim=-1)
+            lp_NJ, entropy_N = candidate_logprobs_and_entropy(
+                hidden.hidden_ND, head, ids_NJ, temperature=cfg.rollout.temperature, vocab_size=tr.vocab_size)
+            loss, metrics = micro_loss(obj, hidden.to_grid(lp_NJ), hidden.to_grid(entropy_N), rows, targets,
+                                       global_num_tokens=num_tokens, global_num_seqs=num_seqs)
             loss.backward()
             loss_metrics.append(metrics)
         tr.student.eval()
@@ -183,6 +194,38 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     metrics["tokens_per_second"] = float(lengths.sum()) / max(total, 1e-9)
     _write_samples(tr, rollouts, texts, correct, rewards_BTJ)
     return metrics
+
+
+def micro_loss(obj, lp_BTJ, entropy_BT, rows, targets: dict, *, global_num_tokens, global_num_seqs) -> tuple:
+    """The loss of one micro-batch (rows `rows` of the step's batch), divided by the *global* token/sequence count so
+    that summing micro-batch gradients gives the batch gradient (SPEC §4). `lp_BTJ` has the candidate columns, plus
+    the sampled token's column last when a reference KL is on. Returns (loss, detached metrics)."""
+    from opd.objectives import agg_loss, forward_kl, jsd, kl_penalty, policy_loss, topk_kl
+
+    mask_BT, valid_BTJ = targets["mask"][rows], targets["valid"][rows]
+    agg = dict(loss_agg_mode=obj.loss_agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs)
+    if targets["reference"] is not None:
+        lp_BTJ, sampled_lp_BT = lp_BTJ[..., :-1], lp_BTJ[..., -1]
+    if obj.loss == "pg":
+        tis_BT = None if targets["tis"] is None else targets["tis"][rows]
+        loss, metrics = policy_loss(
+            lp_BTJ, targets["old_lp"][rows], targets["advantages"][rows], valid_BTJ, mask_BT,
+            clip_ratio_low=obj.clip_ratio_low, clip_ratio_high=obj.clip_ratio_high, clip_ratio_c=obj.clip_ratio_c,
+            rollout_is_weights=tis_BT, **agg,
+        )
+    else:
+        divergence = {"topk_kl": topk_kl, "forward_kl": forward_kl, "jsd": lambda s, t, v: jsd(s, t, v, beta=obj.jsd_beta)}
+        loss = agg_loss(divergence[obj.loss](lp_BTJ, targets["teacher_lp"][rows], valid_BTJ), mask_BT, **agg)
+        metrics = {f"{obj.loss}_loss": loss.detach()}
+    if targets["reference"] is not None:
+        kl = agg_loss(kl_penalty(sampled_lp_BT, targets["reference"][rows], obj.kl_type), mask_BT, **agg)
+        loss = loss + obj.kl_coef * kl
+        metrics["kl_reference"] = kl.detach()
+    if obj.entropy_coef:
+        entropy = agg_loss(entropy_BT, mask_BT, **agg)
+        loss = loss - obj.entropy_coef * entropy
+        metrics["entropy_bonus"] = entropy.detach()
+    return loss, metrics
 
 
 # ----------------------------------------------------------------------------------------------- the loop
@@ -252,7 +295,7 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     """Validate everything cheap first (config, data, tokenizers), then load models and build the trainer."""
     from opd.data.prompts import load_prompts
     from opd.data.templates import encode_prompts
-    from opd.models import check_tokenizer_compatibility, load_model, load_tokenizer
+    from opd.models import check_tokenizer_compatibility, load_model, load_tokenizer, resolve_device, resolve_dtype
     from opd.rollout.torch_engine import make_generator
     from opd.teacher.local import LocalScorer
     from opd.train.optim import build_optimizer, build_scheduler
@@ -263,10 +306,11 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
         raise ValueError(f"objective.advantage={obj.advantage} needs a teacher: pass --teacher (or teacher.path=...)")
     if obj.advantage == "token_grpo" and obj.top_k:
         raise ValueError("objective.advantage=token_grpo is sampled-token only: set objective.top_k=0")
-    if obj.loss != "pg":
-        raise ValueError(f"objective.loss={obj.loss} is available as a pure function in opd.objectives but not yet in the trainer; use loss=pg")
-    if obj.entropy_coef or obj.kl_coef:
-        raise ValueError("objective.entropy_coef / kl_coef are not wired into the trainer yet; leave them at 0")
+    if obj.loss == "full_reverse_kl":
+        raise ValueError("objective.loss=full_reverse_kl needs the teacher's full distribution in the grad pass and is "
+                         "only available as opd.objectives.full_reverse_kl; use pg, topk_kl, forward_kl or jsd")
+    if obj.loss != "pg" and obj.advantage != "token_reward":
+        raise ValueError(f"objective.loss={obj.loss} uses no advantages; leave objective.advantage=token_reward")
     longest = config.data.max_prompt_length + config.rollout.max_new_tokens
     if config.micro_batch_tokens < longest:
         raise ValueError(
@@ -299,7 +343,9 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
         raise ValueError(f"objective.advantage={obj.advantage} needs ground-truth answers; set data.answer_key to the answer column")
 
     student_path = str(checkpoint) if checkpoint else config.student.path
-    student, tokenizer = load_model(student_path, dtype=config.student.dtype, device=config.student.device,
+    device = resolve_device(config.student.device)
+    weights_dtype, autocast_dtype = training_precision(config.student, device)
+    student, tokenizer = load_model(student_path, dtype=weights_dtype, device=device,
                                     trust_remote_code=config.student.trust_remote_code,
                                     attn_implementation=config.student.attn_implementation)
     if config.gradient_checkpointing:
@@ -311,7 +357,8 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
         teacher_device = config.teacher.device
         if teacher_device == "auto" and torch.cuda.device_count() > 1:
             teacher_device = "cuda:1"  # the teacher on its own GPU when there is one
-        teacher, _ = load_model(config.teacher.path, dtype=config.teacher.dtype,
+        teacher_dtype = resolve_dtype(config.teacher.dtype, resolve_device(teacher_device))
+        teacher, _ = load_model(config.teacher.path, dtype=teacher_dtype,
                                 device="cpu" if config.teacher_offload else teacher_device,
                                 trust_remote_code=config.teacher.trust_remote_code,
                                 attn_implementation=config.teacher.attn_implementation)
@@ -325,6 +372,13 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
         teacher_scorer = LocalScorer(teacher, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
     student_scorer = LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
     generator = make_generator(student, tokenizer, max_batch_size=config.rollout.batch_size, vocab_size=vocab_size)
+    reference_scorer = None
+    if obj.kl_coef:  # a frozen copy of the initial student, only when a KL term asks for it
+        reference, _ = load_model(config.student.path, dtype=autocast_dtype or weights_dtype, device=device,
+                                  trust_remote_code=config.student.trust_remote_code,
+                                  attn_implementation=config.student.attn_implementation)
+        reference.requires_grad_(False)
+        reference_scorer = LocalScorer(reference, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
 
     optimizer = build_optimizer(student.parameters(), config.optim)
     scheduler = build_scheduler(optimizer, config.run.steps, config.optim)
@@ -332,8 +386,8 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     tr = Trainer(
         config=config, run_dir=run_dir, student=student, tokenizer=tokenizer, prompts=encoded.prompts,
         prompt_ids=encoded.input_ids, generator=generator, student_scorer=student_scorer, teacher=teacher,
-        teacher_scorer=teacher_scorer, reference_scorer=None, vocab_size=vocab_size, optimizer=optimizer,
-        scheduler=scheduler, sampler=sampler, sink=None,
+        teacher_scorer=teacher_scorer, reference_scorer=reference_scorer, vocab_size=vocab_size, optimizer=optimizer,
+        scheduler=scheduler, sampler=sampler, sink=None, autocast_dtype=autocast_dtype,
     )
     resume_step = None
     if checkpoint is not None:
@@ -373,7 +427,8 @@ def _sum_micro_metrics(metrics: list[dict]) -> dict:
     out = {}
     for key in metrics[0]:
         values = torch.stack([m[key].float() for m in metrics])
-        out[key] = values.sum() if key in ("pg_loss", "loss") else values.mean()
+        summed = key.endswith("_loss") or key in ("loss", "kl_reference", "entropy_bonus")
+        out[key] = values.sum() if summed else values.mean()
     return out
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -39,8 +38,8 @@ from pydantic import Field, field_validator
 from opd.config import EvalSpec, ModelSpec, OptimSpec, RunSpec, Section
 from opd.data.sft import SFTExample, collate
 from opd.train.common import (
-    evaluate_in_training, finish_run, is_due, open_run, restore_trainer_state, resume_checkpoint, run_directory, timed,
-    trainer_state,
+    autocast, evaluate_in_training, finish_run, is_due, open_run, restore_trainer_state, resume_checkpoint, run_directory, timed,
+    trainer_state, training_precision,
 )
 from opd.types import Rollouts
 
@@ -233,8 +232,7 @@ def forward_backward(
     lengths_B = needed_lengths(batch)
     for rows in split_by_token_budget(lengths_B, micro_batch_tokens, padded=not packed):
         micro = batch.select(rows)
-        autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
-        with autocast:
+        with autocast(device, autocast_dtype):
             lp_BT = target_logprobs(net, micro, packed=packed, vocab_size=vocab_size)
         micro_loss, _ = sft_loss(lp_BT, micro.response_mask.to(device), global_num_tokens=num_tokens)
         micro_loss.backward()
@@ -337,7 +335,7 @@ def setup(config: SFTConfig, run_dir: Path, *, checkpoint: Path | None = None, c
     """Data first (cheap, fails early), then the model, optimizer and schedule; restore a checkpoint when given."""
     from opd.data.sft import load_sft_dataset
     from opd.models import (
-        check_tokenizer_compatibility, eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_dtype,
+        check_tokenizer_compatibility, eos_token_ids, load_model, load_tokenizer, resolve_device,
     )
     from opd.train.optim import build_optimizer, build_scheduler
     from opd.train.sampler import PromptSampler
@@ -358,12 +356,7 @@ def setup(config: SFTConfig, run_dir: Path, *, checkpoint: Path | None = None, c
     total_steps = config.run.steps or math.ceil((config.epochs or 1.0) * len(examples) / config.examples_per_step)
 
     device = resolve_device(config.model.device)
-    autocast_dtype = None
-    weights_dtype = resolve_dtype(config.model.dtype, device)
-    if config.model.dtype == "auto":  # fp32 master weights, bf16 compute on CUDA (see the module docstring)
-        weights_dtype = torch.float32
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            autocast_dtype = torch.bfloat16
+    weights_dtype, autocast_dtype = training_precision(config.model, device)
     model_path = str(checkpoint) if checkpoint is not None and not config.lora.enabled else config.model.path
     spec = config.model
     net, _ = load_model(model_path, dtype=weights_dtype, device=device, trust_remote_code=spec.trust_remote_code,

@@ -61,12 +61,16 @@ def test_shipped_configs_validate():
     from pathlib import Path
 
     for path in sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")):
+        from opd.train.pipeline import PipelineConfig
+
         data = yaml.safe_load(path.read_text())
-        model = EvalConfig if "benchmarks" in data and "student" not in data else DistillConfig
-        build_config(model, config_file=path)
+        if "sft_prompts" in data:
+            build_config(PipelineConfig, config_file=path).stage_configs()
+        else:
+            build_config(DistillConfig, config_file=path)
 
 
-@pytest.mark.parametrize("command", [[], ["eval"], ["distill"], ["sft"], ["merge"], ["report"], ["prompts"], ["prompts", "template"], ["prompts", "score"], ["prompts", "select"]])
+@pytest.mark.parametrize("command", [[], ["eval"], ["distill"], ["sft"], ["merge"], ["report"], ["prompts"], ["prompts", "template"], ["prompts", "score"], ["prompts", "select"], ["rollout"], ["dedup"], ["pipeline", "run"]])
 def test_every_command_has_help(command):
     result = CliRunner().invoke(app, [*command, "--help"])
     assert result.exit_code == 0, result.output

@@ -140,6 +140,84 @@ def merge_command(
     typer.echo(f"merged: {merge_lora(checkpoint, out, base=base, dtype=dtype)}")
 
 
+@app.command("rollout")
+def rollout_command(
+    overrides: Optional[list[str]] = _overrides(),
+    config: Optional[Path] = _config(),
+    model: Optional[str] = typer.Option(None, help="Teacher model: Hugging Face id or local directory (model.path)."),
+    prompts: Optional[str] = typer.Option(None, help="Prompt set: parquet / JSONL / JSON / dataset dir / hub id (data.path)."),
+    out: Optional[Path] = typer.Option(None, help="Output directory; rerunning into it skips finished prompts (out)."),
+    n: Optional[int] = typer.Option(None, help="Accepted samples wanted per prompt. [default: 1]"),
+    temperature: Optional[float] = typer.Option(None, help="Sampling temperature, 0 = greedy. [default: 1.0]"),
+    top_p: Optional[float] = typer.Option(None, help="Nucleus sampling mass in (0, 1]. [default: 0.95]"),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Longest response in tokens; longer ones are rejected as truncated. [default: 7168]"),
+    thinking: Optional[str] = typer.Option(None, help="on | off: enable_thinking for the chat template, Qwen3 (data.enable_thinking). [default: template's own]"),
+    max_attempts: Optional[int] = typer.Option(None, help="Draws per wanted sample before it is given up. [default: 3]"),
+    require_correct: Optional[bool] = typer.Option(None, "--require-correct/--no-require-correct", help="Also reject answers graded wrong against the ground truth. [default: off]"),
+    prompt_key: Optional[str] = typer.Option(None, help="Prompt column (data.prompt_key). [default: prompt]"),
+    answer_key: Optional[str] = typer.Option(None, help="Ground-truth column (data.answer_key); data.answer_key=null for none. [default: reward_model.ground_truth]"),
+    template: Optional[str] = typer.Option(None, help="Instruction template: keep | dapo | boxed | custom:'…{problem}…' (data.template). [default: keep]"),
+    batch_size: Optional[int] = typer.Option(None, help="Sequences generated together (prompts × n); the unit of resume. [default: 64]"),
+    num_workers: Optional[int] = typer.Option(None, help="Worker processes, one per GPU (cuda:0..N-1), over disjoint batches. [default: 1]"),
+    llamafactory: Optional[bool] = typer.Option(None, "--llamafactory/--no-llamafactory", help="Also write the LlamaFactory sharegpt dataset + dataset_info.json. [default: off]"),
+    dtype: Optional[str] = typer.Option(None, help="auto | bf16 | fp16 | fp32 (model.dtype). [default: auto]"),
+    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N (model.device). [default: auto]"),
+    seed: Optional[int] = typer.Option(None, help="Base sampling seed. [default: 0]"),
+) -> None:
+    """Teacher answers for SFT with rejection sampling: rollouts.jsonl, rejected.jsonl, stats.json (+ LlamaFactory files).
+
+    Rejects truncated, answer-less and degenerate responses (and, with --require-correct, wrong ones), retrying up
+    to --max-attempts times. Degeneracy thresholds are config keys, e.g. `degeneracy.token_run=128`.
+    """
+    from opd.rollout.rejection import RolloutConfig, teacher_rollout
+
+    options = {
+        "model.path": model, "model.dtype": dtype, "model.device": device, "data.path": prompts, "out": _str(out),
+        "n": n, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
+        "data.enable_thinking": thinking, "max_attempts": max_attempts, "require_correct": require_correct,
+        "data.prompt_key": prompt_key, "data.answer_key": answer_key, "data.template": template,
+        "batch_size": batch_size, "num_workers": num_workers, "llamafactory": llamafactory, "seed": seed,
+    }
+    teacher_rollout(build_config(RolloutConfig, config_file=config, options=options, overrides=overrides))
+
+
+@app.command("dedup")
+def dedup_command(
+    in_path: str = typer.Option(..., "--in", help="Prompt set A to clean: parquet / JSONL / JSON / dataset dir / hub id."),
+    against: Optional[str] = typer.Option(None, help="Prompt set B: remove from A what duplicates B. [default: none = dedup A within itself, keeping the first]"),
+    out: Path = typer.Option(..., help="Where the kept prompts of A go (.parquet or .jsonl, verl layout)."),
+    report: Optional[Path] = typer.Option(None, help="JSON report: counts per rule, examples, every removed id. [default: <out stem>.report.json]"),
+    exact: bool = typer.Option(True, "--exact/--no-exact", help="Remove exact duplicates after normalisation (whitespace, case, instruction templates, LaTeX spacing)."),
+    minhash_threshold: float = typer.Option(0.8, help="Character 5-gram Jaccard similarity at or above which prompts are near-duplicates; 0 = skip MinHash."),
+    embeddings: Optional[str] = typer.Option(None, help="Sentence-embedding model (name or directory, e.g. all-MiniLM-L6-v2) for a cosine stage. [default: off]"),
+    cosine_threshold: float = typer.Option(0.6, help="Cosine similarity at or above which the embedding stage removes a prompt."),
+    prompt_key: str = typer.Option("prompt", help="Prompt column of A (and of B unless --against-prompt-key)."),
+    against_prompt_key: Optional[str] = typer.Option(None, help="Prompt column of B. [default: --prompt-key]"),
+) -> None:
+    """Remove from a prompt set the exact and near duplicates of another set (or of itself): MinHash + optional embeddings."""
+    from opd.data.dedup import dedup_files
+
+    dedup_files(in_path, against, out, report=report, prompt_key=prompt_key, against_prompt_key=against_prompt_key,
+                exact=exact, minhash_threshold=minhash_threshold or None, embedding_model=embeddings,
+                cosine_threshold=cosine_threshold)
+
+
+pipeline_app = typer.Typer(help="Cold start to evaluation from one config: rollout → SFT → OPD → eval.",
+                           no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(pipeline_app, name="pipeline")
+
+
+@pipeline_app.command("run")
+def pipeline_run_command(
+    config: Path = typer.Argument(..., help="Pipeline YAML (see configs/pipeline_cold_start_qwen3.yaml)."),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+) -> None:
+    """Run every stage whose outputs are not complete (each resumable), then print the before/after/teacher table."""
+    from opd.train.pipeline import PipelineConfig, run_pipeline
+
+    run_pipeline(build_config(PipelineConfig, config_file=config, overrides=overrides))
+
+
 @app.command("report")
 def report_command(
     run_dirs: list[Path] = typer.Argument(..., help="One run directory, or several to overlay their curves (ablations)."),

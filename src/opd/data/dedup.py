@@ -145,6 +145,7 @@ def dedup(
         b_list = [b_list[j] for j in first.values()]
         b_keys = list(first)
 
+    pool = a_prompts if b_list is None else b_list  # where matches point
     alive = list(range(len(a_prompts)))  # indices into A still kept
     removed: dict[int, Duplicate] = {}
     seconds: dict[str, float] = {}
@@ -156,15 +157,14 @@ def dedup(
 
     if exact:
         start = time.perf_counter()
-        apply("exact", _exact_matches(a_keys, b_keys), a_prompts if b_list is None else b_list)
+        apply("exact", _exact_matches(a_keys, b_keys), pool)
         seconds["exact"] = time.perf_counter() - start
     if minhash_threshold is not None:
         start = time.perf_counter()
         local = _near_matches(
-            [a_keys[i] for i in alive], b_keys, "minhash",
+            [a_keys[i] for i in alive], b_keys,
             lambda ka, kb: _minhash_pairs(ka, kb, minhash_threshold, ngram, num_perm, seed),
         )
-        pool = a_prompts if b_list is None else b_list
         apply("minhash", _to_global(local, alive, b_list is None), pool)
         seconds["minhash"] = time.perf_counter() - start
     if embedding_model is not None:
@@ -172,10 +172,8 @@ def dedup(
         embed = load_embedder(embedding_model) if isinstance(embedding_model, str) else embedding_model
         a_texts = [strip_template(a_prompts[i].text) for i in alive]
         b_texts = None if b_list is None else [strip_template(p.text) for p in b_list]
-        local = _near_matches(
-            a_texts, b_texts, "embedding", lambda ta, tb: _embedding_pairs(ta, tb, embed, cosine_threshold),
-        )
-        apply("embedding", _to_global(local, alive, b_list is None), a_prompts if b_list is None else b_list)
+        local = _near_matches(a_texts, b_texts, lambda ta, tb: _embedding_pairs(ta, tb, embed, cosine_threshold))
+        apply("embedding", _to_global(local, alive, b_list is None), pool)
         seconds["embedding"] = time.perf_counter() - start
 
     kept = [a_prompts[i] for i in alive]
@@ -208,7 +206,7 @@ def _exact_matches(a_keys: list[str], b_keys: list[str] | None) -> dict[int, tup
 PairFinder = Callable[[list, list | None], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
-def _near_matches(a_items: list, b_items: list | None, rule: str, find_pairs: PairFinder) -> dict[int, tuple[int, float]]:
+def _near_matches(a_items: list, b_items: list | None, find_pairs: PairFinder) -> dict[int, tuple[int, float]]:
     """Turn the confirmed pairs (i, j, score) of one stage into {i: (best j, score)}.
 
     Against B: any pair removes i (matched to its highest-scoring j). Within A (b_items None; pairs have j < i): a

@@ -35,14 +35,16 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 from pydantic import Field, model_validator
 
 from opd.config import DataSpec, ModelSpec, Section, save_config
 from opd.io import append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
-from opd.types import Prompt
+
+if TYPE_CHECKING:  # opd.types imports torch; the CLI imports this module for RolloutConfig and must start fast
+    from opd.types import Prompt
 
 REASONS = ("truncated", "no_answer", "repeated_line", "token_run", "repeated_block", "wrong")
 """Every rejection reason, in the order they are checked and reported."""
@@ -56,7 +58,7 @@ class DegeneracySpec(Section):
     token_run: int = Field(64, ge=0, description="Reject when one token id occurs this many times in a row; 0 = off.")
     block_repeats: int = Field(4, ge=0, description="Reject when a block of 2..block_max_tokens tokens repeats back to back this many times or more and the repetition spans at least block_min_tokens tokens; 0 = off.")
     block_min_tokens: int = Field(128, ge=1, description="Shortest repeated span (tokens) that block_repeats flags: 4 copies of a 32-token block, 64 of a 2-token one.")
-    block_max_tokens: int = Field(256, ge=2, description="Longest block (tokens) searched for; cost is linear in it (~8 ms per 7k-token response at 256).")
+    block_max_tokens: int = Field(256, ge=2, description="Longest block (tokens) searched for; cost is linear in it (a few ms per 7k-token response at 256).")
 
 
 class RolloutConfig(Section):

@@ -1,0 +1,180 @@
+"""`opd pipeline run CONFIG`: the paper's off-policy cold start in one command —
+teacher rollout → SFT of the student on the accepted answers → OPD from the SFT checkpoint → evaluation of the
+student before, after SFT, after OPD and of the teacher, with the gap-recovery rate (SPEC §6).
+
+Each stage writes into `<out_dir>/<stage>` and is resumable on its own (rollout skips finished prompts, SFT and
+OPD resume from their newest checkpoint, eval skips graded chunks). A stage that finished writes a `STAGE_COMPLETE`
+marker and is skipped on rerun. Per-stage options are the stage commands' own config keys, validated when the
+pipeline config is read, so a typo fails before any compute.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from opd.config import ConfigError, DataSpec, EvalSpec, ModelSpec, Section, save_config, set_dotted, validate_config
+from opd.io import atomic_write_json
+
+MARKER = "STAGE_COMPLETE"
+Stage = Literal["rollout", "sft", "distill", "eval"]
+
+
+class PipelineConfig(Section):
+    """One YAML for the whole cold-start recipe."""
+
+    teacher: ModelSpec
+    student: ModelSpec
+    sft_prompts: DataSpec = Field(description="Prompts the teacher answers for SFT (the rollout stage).")
+    opd_prompts: DataSpec = Field(description="Prompts of the OPD stage.")
+    eval: EvalSpec = Field(default_factory=EvalSpec, description="Benchmarks of the final comparison (and of in-run eval).")
+    out_dir: str = Field("runs/pipeline", description="Directory holding one sub-directory per stage.")
+    stages: list[Stage] = Field(default_factory=lambda: ["rollout", "sft", "distill", "eval"], description="Stages to run, in order.")
+    rollout: dict[str, Any] = Field(default_factory=dict, description="Extra `opd rollout` keys (n, max_attempts, require_correct, …).")
+    sft: dict[str, Any] = Field(default_factory=dict, description="Extra `opd sft` keys (epochs, optim.lr, lora.enabled, …).")
+    distill: dict[str, Any] = Field(default_factory=dict, description="Extra `opd distill` keys (run.steps, objective.top_k, …).")
+
+    def stage_configs(self) -> dict[str, Any]:
+        """The rollout / SFT / distill configs the stages run with (validated; errors name the stage)."""
+        from opd.config import DistillConfig
+        from opd.rollout.rejection import RolloutConfig
+        from opd.train.sft import SFTConfig
+
+        root = Path(self.out_dir)
+        rollout = {"model": self.teacher.model_dump(), "data": self.sft_prompts.model_dump(), "out": str(root / "rollout")}
+        sft = {"model": self.student.model_dump(), "data": {"path": [str(root / "rollout" / "rollouts.jsonl")]},
+               "run": {"out_dir": str(root), "name": "sft", "resume": True}}
+        distill = {"student": self.student.model_dump(), "teacher": self.teacher.model_dump(),
+                   "data": self.opd_prompts.model_dump(), "eval": self.eval.model_dump(),
+                   "run": {"out_dir": str(root), "name": "distill", "resume": True}}
+        built = {}
+        for name, base, extra, model in (("rollout", rollout, self.rollout, RolloutConfig),
+                                         ("sft", sft, self.sft, SFTConfig), ("distill", distill, self.distill, DistillConfig)):
+            for key, value in _flatten(extra).items():
+                set_dotted(base, key, value)
+            try:
+                built[name] = validate_config(model, base)
+            except ConfigError as error:
+                raise ConfigError(f"pipeline stage '{name}': {error}") from None
+        return built
+
+
+def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def run_pipeline(config: PipelineConfig, *, console: Any = None) -> dict:
+    """Run the configured stages, skipping complete ones; return the final comparison (also `summary.json`)."""
+    from rich.console import Console
+
+    console = console or Console()
+    root = Path(config.out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    save_config(config, root)
+    stages = config.stage_configs()
+    sft_model = root / "sft" / "final"
+    opd_model = root / "distill" / "final"
+
+    for stage in config.stages:
+        done = root / stage / MARKER
+        if done.exists():
+            console.print(f"[green]pipeline: stage '{stage}' already complete ({done.parent}); skipped[/]")
+            continue
+        console.rule(f"pipeline: {stage}")
+        if stage == "rollout":
+            from opd.rollout.rejection import teacher_rollout
+
+            teacher_rollout(stages["rollout"], console=console)
+        elif stage == "sft":
+            from opd.train.sft import sft
+
+            run_dir = sft(stages["sft"], console=console)
+            _link_final(run_dir, sft_model, prefer=run_dir / "merged")
+        elif stage == "distill":
+            from opd.train.opd import distill
+
+            cfg = stages["distill"]
+            cfg.student.path = str(sft_model.resolve()) if sft_model.exists() else cfg.student.path
+            _link_final(distill(cfg, console=console), opd_model)
+        else:
+            summary = _compare(config, root, sft_model, opd_model, console)
+            atomic_write_json(root / "summary.json", summary)
+        (root / stage).mkdir(parents=True, exist_ok=True)
+        (root / stage / MARKER).write_text("done\n")
+    summary_path = root / "summary.json"
+    if summary_path.exists():
+        import json
+
+        summary = json.loads(summary_path.read_text())
+        print_comparison(summary, console)
+        return summary
+    return {}
+
+
+def _link_final(run_dir: Path, final: Path, prefer: Path | None = None) -> None:
+    """Point `<stage>/final` at the stage's finished weights (the merged LoRA model, else the newest checkpoint)."""
+    from opd.train.checkpoint import latest_checkpoint
+
+    target = prefer if prefer is not None and prefer.exists() else latest_checkpoint(run_dir)
+    if target is None:
+        raise ValueError(f"stage in {run_dir} finished without a checkpoint")
+    if final.is_symlink() or final.exists():
+        final.unlink()
+    final.symlink_to(target.resolve(), target_is_directory=True)
+
+
+def _compare(config: PipelineConfig, root: Path, sft_model: Path, opd_model: Path, console: Any) -> dict:
+    """Evaluate every model of the recipe on the same benchmarks and compute the gap recovery per benchmark."""
+    from opd.config import EvalConfig
+    from opd.eval.evaluate import evaluate
+    from opd.objectives import gap_recovery
+
+    if not config.eval.benchmarks:
+        raise ValueError("pipeline: eval.benchmarks is empty; name the benchmarks of the final comparison")
+    models = {"student": config.student, "sft": _spec(config.student, sft_model),
+              "opd": _spec(config.student, opd_model), "teacher": config.teacher}
+    spec = config.eval
+    results: dict[str, dict] = {}
+    for name, model in models.items():
+        if model is None:
+            continue
+        eval_config = EvalConfig(
+            model=model, benchmarks=spec.benchmarks, n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
+            max_new_tokens=spec.max_new_tokens, limit=spec.limit, prompt_key=spec.prompt_key,
+            answer_key=spec.answer_key, template=config.opd_prompts.template,
+            enable_thinking=config.opd_prompts.enable_thinking, out=str(root / "eval" / name),
+        )
+        results[name] = evaluate(eval_config, console=console)
+    summary: dict[str, dict] = {}
+    for benchmark in spec.benchmarks:
+        key = Path(benchmark).stem if Path(benchmark).suffix else benchmark
+        row = {name: next(v for k, v in res[key].items() if k.startswith("avg@")) for name, res in results.items()}
+        if {"student", "opd", "teacher"} <= row.keys():
+            row["gap_recovery"] = float(gap_recovery(row["student"], row["opd"], row["teacher"]))
+        summary[key] = row
+    return summary
+
+
+def _spec(base: ModelSpec, path: Path) -> ModelSpec | None:
+    return base.model_copy(update={"path": str(path.resolve())}) if path.exists() else None
+
+
+def print_comparison(summary: dict, console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title="student before → after SFT → after OPD vs teacher (avg@n, %)")
+    columns = ["student", "sft", "opd", "teacher", "gap_recovery"]
+    table.add_column("benchmark")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for benchmark, row in summary.items():
+        table.add_row(benchmark, *("" if row.get(c) is None else f"{100 * row[c]:.1f}" for c in columns))
+    console.print(table)

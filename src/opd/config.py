@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from opd.io import atomic_write_text
 
@@ -21,6 +21,16 @@ Model = TypeVar("Model", bound=BaseModel)
 
 class ConfigError(ValueError):
     """A config problem, described in one line that names the key, the value and what is accepted."""
+
+
+def _split_commas(value: Any) -> Any:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+CommaList = Annotated[list[str], BeforeValidator(_split_commas)]
+"""A list of names that also accepts one comma-separated string (`aime24,amc23`), as the CLI passes it."""
 
 
 class Section(BaseModel):
@@ -57,7 +67,7 @@ class EvalConfig(Section):
 
     model: ModelSpec | None = Field(None, description="The model to sample from; None with `responses` set.")
     responses: str | None = Field(None, description="Grade this JSONL of existing generations instead of sampling.")
-    benchmarks: list[str] = Field(
+    benchmarks: CommaList = Field(
         default_factory=lambda: ["aime24", "aime25", "amc23", "math500"],
         description="Built-in names (aime24, aime25, amc23, math500, minerva, olympiadbench) or file paths.",
     )
@@ -76,13 +86,6 @@ class EvalConfig(Section):
     seed: int = Field(0, description="Sampling seed; the same seed reproduces the samples.")
     out: str | None = Field(None, description="Output directory; None: runs/eval-<timestamp>. Rerunning into it resumes.")
     timeout: float = Field(5.0, gt=0, description="Seconds allowed for one answer comparison.")
-
-    @field_validator("benchmarks", mode="before")
-    @classmethod
-    def _split_commas(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
-        return value
 
 
 # --------------------------------------------------------------------------------------------- loading / merging
@@ -292,7 +295,7 @@ class RunSpec(Section):
 class EvalSpec(Section):
     """Periodic evaluation inside training (the `opd eval` machinery)."""
 
-    benchmarks: list[str] = Field(default_factory=list, description="Benchmarks to evaluate; empty = no evaluation.")
+    benchmarks: CommaList = Field(default_factory=list, description="Benchmarks to evaluate; empty = no evaluation.")
     n: int = Field(4, ge=1, description="Samples per problem.")
     temperature: float = Field(0.7, ge=0.0, description="Sampling temperature.")
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus mass.")
@@ -300,13 +303,6 @@ class EvalSpec(Section):
     limit: int | None = Field(None, ge=1, description="First N problems of each benchmark.")
     prompt_key: str = Field("prompt", description="Prompt column of benchmark files given by path.")
     answer_key: str = Field("reward_model.ground_truth", description="Answer column of benchmark files given by path.")
-
-    @field_validator("benchmarks", mode="before")
-    @classmethod
-    def _split_commas(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
-        return value
 
 
 class DistillConfig(Section):

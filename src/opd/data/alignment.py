@@ -370,7 +370,7 @@ def score_prompt_file(config: PromptScoreConfig, *, console: Any = None) -> Path
     models, score the rest batch by batch (appending), print a summary. Returns the scores path."""
     from rich.console import Console
 
-    from opd.eval.evaluate import _progress
+    from opd.report.sinks import progress_bar
     from opd.io import append_jsonl, repair_jsonl
     from opd.models import check_tokenizer_compatibility, load_model, load_tokenizer
 
@@ -410,7 +410,7 @@ def score_prompt_file(config: PromptScoreConfig, *, console: Any = None) -> Path
             student_tokenizer, teacher_tokenizer, student_vocab_size=student.get_output_embeddings().weight.shape[0],
             teacher_vocab_size=teacher.get_output_embeddings().weight.shape[0],
         )
-        with _progress(console) as progress:
+        with progress_bar(console) as progress:
             task = progress.add_task("opd prompts score", total=todo)
 
             def on_batch(batch: list[PromptScore]) -> None:

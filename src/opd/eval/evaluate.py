@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from opd.config import EvalConfig, save_config
 from opd.io import append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
+from opd.report.sinks import progress_bar
 
 
 @dataclass
@@ -115,7 +116,7 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
     total = sum(len(chunk) for _, _, chunk in work)
     if done:
         console.print(f"resuming: {len(done_chunks)} chunks already graded in {samples_path}")
-    with _progress(console) as progress:
+    with progress_bar(console) as progress:
         task = progress.add_task("sampling + grading", total=total)
         for benchmark, chunk_id, chunk in work:
             params = SamplingParams(
@@ -153,15 +154,6 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
 def _chunk_seed(seed: int, benchmark: str, chunk_id: int) -> int:
     digest = hashlib.sha256(f"{seed}/{benchmark}/{chunk_id}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
-
-
-def _progress(console: Any):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-        console=console, transient=False,
-    )
 
 
 def _graded_record(*, benchmark: str, problem_id: str, sample: int, response: str, answer: str, num_tokens: int | None,

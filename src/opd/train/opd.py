@@ -243,10 +243,10 @@ def distill(config: DistillConfig, *, console: Any = None) -> Path:
 
 
 def train(tr: Trainer, *, console: Any) -> None:
-    from opd.eval.evaluate import _progress
+    from opd.report.sinks import progress_bar
 
     cfg = tr.config
-    with _progress(console) as progress:
+    with progress_bar(console) as progress:
         task = progress.add_task("opd distill", total=cfg.run.steps, completed=tr.step)
         while tr.step < cfg.run.steps:
             metrics = opd_step(tr)

@@ -277,10 +277,10 @@ def sft(config: SFTConfig, *, console: Any = None) -> Path:
 
 
 def train(tr: SFTTrainer, *, console: Any) -> None:
-    from opd.eval.evaluate import _progress
+    from opd.report.sinks import progress_bar
 
     cfg = tr.config
-    with _progress(console) as progress:
+    with progress_bar(console) as progress:
         task = progress.add_task("opd sft", total=tr.total_steps, completed=tr.step)
         while tr.step < tr.total_steps:
             metrics = sft_step(tr)

@@ -1,0 +1,262 @@
+"""Shared pieces of the benchmarks: model shapes, timing, peak memory, bounds, the printed table and the JSON file.
+
+Every benchmark runs our path and the alternative in one process on the same inputs, prints one table and writes one
+JSON file (rewritten after every row, so a run cut short by a timeout keeps what it measured).
+
+Shapes are Qwen3 configurations with random weights (built from `Qwen3Config`, never downloaded): "tiny" for CPU
+tests, "qwen3-0.6b" / "qwen3-1.7b" / "qwen3-4b" for GPUs. Random weights give near-uniform next-token distributions,
+so responses almost never end early: every sample runs to max_new_tokens, which is what a throughput benchmark wants.
+
+Bounds (GPU only; the H200 numbers are datasheet / measured leads, override with --peak-tflops / --peak-tbps):
+    decode (bandwidth):  every step reads all weights once → tokens/s ≤ rows · BW / weight bytes
+    scoring (compute):   2 · params · tokens FLOPs forward        → tokens/s ≤ peak / (2 · params)
+    update (compute):    6 · params · tokens FLOPs forward+backward → MFU = 6 · params · tokens/s / peak
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+# vocab 151936 rows, of which the Qwen3 tokenizer uses 151669 (the rest are embedding padding)
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+}
+TOKENIZER_SIZE = {"tiny": 500, "qwen3-0.6b": 151669, "qwen3-1.7b": 151669, "qwen3-4b": 151669}
+EOS_ID = {"tiny": 2}  # Qwen3's <|im_end|> elsewhere
+PAD_ID = {"tiny": 1}  # Qwen3's <|endoftext|> elsewhere
+
+# (dense bf16 FLOP/s, memory bandwidth bytes/s) by device-name substring. H200: 790 TFLOP/s measured on random data
+# in this workplace (KINDS.md); 4.8 TB/s datasheet (a device-to-device copy measured 4.3).
+PEAKS = {"H200": (790e12, 4.8e12), "H100": (790e12, 3.35e12)}
+
+
+def eos_id(shape: str) -> int:
+    return EOS_ID.get(shape, 151645)
+
+
+def pad_id(shape: str) -> int:
+    return PAD_ID.get(shape, 151643)
+
+
+def base_parser(description: str, default_shape: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--shape", default=default_shape, choices=sorted(SHAPES), help="model shape (random weights)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu")
+    parser.add_argument("--out", default=None, help="JSON output path; default runs/benchmarks/<name>-<shape>.json")
+    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions per row (median reported), ≥ 1")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs before timing, ≥ 0")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and inputs")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="override the dense bf16 peak (TFLOP/s)")
+    parser.add_argument("--peak-tbps", type=float, default=None, help="override the memory bandwidth (TB/s)")
+    return parser
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def peaks(device: torch.device, args: argparse.Namespace) -> tuple[float | None, float | None]:
+    """(FLOP/s, bytes/s) of the device: command-line overrides, else the table above, else unknown (None)."""
+    flops = bw = None
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, (f, b) in PEAKS.items():
+            if key in name:
+                flops, bw = f, b
+    if args.peak_tflops:
+        flops = args.peak_tflops * 1e12
+    if args.peak_tbps:
+        bw = args.peak_tbps * 1e12
+    return flops, bw
+
+
+def build_model(shape: str, *, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """A random-weight Qwen3 causal LM of `shape`, initialised directly on `device` (fast on a GPU), in eval mode."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**SHAPES[shape], max_position_embeddings=40960, rope_theta=1_000_000, rms_norm_eps=1e-6,
+                         eos_token_id=eos_id(shape), pad_token_id=pad_id(shape), bos_token_id=None,
+                         attn_implementation=attn_implementation)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config)
+    model.generation_config.eos_token_id = eos_id(shape)
+    model.generation_config.pad_token_id = pad_id(shape)
+    return model.to(dtype).eval()
+
+
+def param_count(model: torch.nn.Module) -> int:
+    """Parameters counted once (tied input/output embeddings once): the matmul parameters of a tied model."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def param_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes of the weights as the forward reads them (`dtype`, e.g. bf16 under autocast; None = as stored)."""
+    return sum(p.numel() * (dtype.itemsize if dtype else p.element_size()) for p in model.parameters())
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float:
+    """Peak memory since `reset_memory`: CUDA allocated bytes; on CPU the process's peak RSS (never reset)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 2**20 if sys.platform != "darwin" else kib / 2**30
+
+
+def measure(fn: Callable[[], Any], device: torch.device, *, warmup: int, repeat: int,
+            warmup_fn: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """Run `warmup_fn` (default fn; e.g. a shorter generation) `warmup` times untimed, then fn `repeat` times timed
+    (synchronising the device around each).
+    Returns seconds (median, all), first-call seconds (includes compilation / capture), peak memory (GiB, during the
+    timed runs and warm-up) and the last result."""
+    reset_memory(device)
+    first = None
+    result = None
+    for i in range(warmup):
+        sync(device)
+        start = time.perf_counter()
+        result = (warmup_fn or fn)()
+        sync(device)
+        if i == 0:
+            first = time.perf_counter() - start
+    times = []
+    for _ in range(repeat):
+        sync(device)
+        start = time.perf_counter()
+        result = fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return {"seconds": statistics.median(times), "all_seconds": times, "first_call_seconds": first,
+            "peak_gib": peak_gib(device), "result": result}
+
+
+class Report:
+    """Rows of one benchmark, printed as a table and written as JSON (after every row)."""
+
+    def __init__(self, name: str, args: argparse.Namespace, device: torch.device, **meta: Any):
+        import transformers
+
+        self.name, self.device = name, device
+        out = args.out or Path("runs") / "benchmarks" / f"{name}-{args.shape}.json"
+        self.path = Path(out)
+        self.data: dict[str, Any] = {
+            "benchmark": name,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]) if sys.argv else name,
+            "argv": vars(args),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            **meta,
+            "rows": [],
+        }
+
+    def add(self, row: dict[str, Any]) -> dict[str, Any]:
+        self.data["rows"].append(row)
+        self.write()
+        status = row.get("error") or f"{row.get('tokens_per_s', 0):,.0f} tok/s"
+        print(f"[{self.name}] {row['name']}: {status}", flush=True)
+        return row
+
+    def run_row(self, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Call fn (which returns the row's fields); an exception becomes the row's `error` (others still run)."""
+        try:
+            row = {"name": name, **fn()}
+        except Exception as error:  # OOM, a compile failure: record it and carry on with the other rows
+            traceback.print_exc()
+            row = {"name": name, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+        reset_memory(self.device)
+        return self.add(row)
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str))
+        os.replace(tmp, self.path)
+
+    def table(self, columns: list[tuple[str, str, str]]) -> str:
+        """Markdown table: columns are (header, row key, format spec); missing values print as '—'."""
+        lines = ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
+        for row in self.data["rows"]:
+            cells = []
+            for _, key, spec in columns:
+                value = row.get(key)
+                if key == "name" and row.get("error"):
+                    cells.append(f"{value} (failed: {row['error'][:80]})")
+                elif value is None:
+                    cells.append("—")
+                else:
+                    cells.append(format(value, spec) if spec else str(value))
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+    def finish(self, columns: list[tuple[str, str, str]], notes: list[str] = ()) -> dict[str, Any]:
+        text = self.table(columns)
+        self.data["table"] = text
+        self.data["notes"] = list(notes)
+        self.write()
+        header = (f"\n## {self.name}  ({self.data['device']}, torch {self.data['torch']}, transformers "
+                  f"{self.data['transformers']}, {self.data['date']})")
+        print(header, text, *notes, f"JSON: {self.path}", sep="\n", flush=True)
+        return self.data
+
+
+def speedups(rows: list[dict], baseline: str) -> None:
+    """Add `speedup` (tokens/s over the baseline row's) to every row that has tokens/s."""
+    base = next((r.get("tokens_per_s") for r in rows if r["name"] == baseline), None)
+    for row in rows:
+        if base and row.get("tokens_per_s"):
+            row["speedup"] = row["tokens_per_s"] / base
+
+
+def random_rollouts(batch: int, prompt_len: int, response_len: int, vocab: int, device: torch.device,
+                    seed: int, pad: int):
+    """A `Rollouts` batch of random ids: every row prompt_len prompt + response_len response tokens, all real."""
+    from opd.types import Rollouts
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, prompt_len + response_len), generator=g)
+    return Rollouts(
+        input_ids=ids, attention_mask=torch.ones_like(ids, dtype=torch.bool),
+        prompt_lengths=torch.full((batch,), prompt_len, dtype=torch.long),
+        response_ids=ids[:, prompt_len:].clone(), response_mask=torch.ones(batch, response_len, dtype=torch.bool),
+        group_ids=torch.arange(batch), truncated=torch.ones(batch, dtype=torch.bool),
+    ).to(device)

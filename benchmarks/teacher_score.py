@@ -1,0 +1,114 @@
+"""Teacher scoring: our `LocalScorer` (chunked top-k + requested ids + entropy from hidden states) against the naive
+full-logits path (`model(...).logits` → float32 `log_softmax` over [B, T, V] → topk / gather / entropy).
+
+    python benchmarks/teacher_score.py --shapes qwen3-1.7b,qwen3-4b --batch 32 --prompt-len 128 --response-len 512
+    python benchmarks/teacher_score.py --shape tiny --device cpu --batch 2 --prompt-len 4 --response-len 8
+
+Both rows compute the same `TokenScores` for every response position (log-prob of the sampled token, top-16 ids
+and log-probs, log-probs at 16 requested ids, entropy), in bf16 on GPU, over the tokenizer's vocabulary; `max_err`
+is the largest absolute difference between the two rows' log-probs and entropies, `topk_agree` the fraction of
+equal top-k ids (ties at bf16 resolution can swap neighbours).
+
+tokens/s counts every input position (B · (prompt + response)); the compute bound is 2 · params FLOPs per token,
+`pct_peak` = 2 · params · tokens/s / peak.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    SHAPES, TOKENIZER_SIZE, Report, base_parser, build_model, measure, pad_id, param_count, peaks, random_rollouts,
+    resolve_device, speedups,
+)
+
+
+def naive_scores(model, rollouts, requested_BTR, top_k: int, vocab: int):
+    """The obvious implementation: full logits, float32 log-softmax over [B, T, V], then pick."""
+    from opd.types import TokenScores
+
+    prompt = int(rollouts.prompt_lengths[0])  # every row has the same prompt length here
+    logits_BLV = model(input_ids=rollouts.input_ids, attention_mask=rollouts.attention_mask.long()).logits
+    lp_BTV = logits_BLV[:, prompt - 1:-1, :vocab].float().log_softmax(-1)
+    del logits_BLV
+    sampled_BT = lp_BTV.gather(-1, rollouts.response_ids[..., None]).squeeze(-1)
+    topk_lp_BTK, topk_ids_BTK = lp_BTV.topk(top_k, dim=-1)
+    requested_BTR = lp_BTV.gather(-1, requested_BTR)
+    entropy_BT = -(lp_BTV.exp() * lp_BTV).sum(-1)
+    return TokenScores(sampled_BT, topk_ids_BTK, topk_lp_BTK, entropy_BT, requested_BTR)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = base_parser(__doc__.splitlines()[0], "qwen3-1.7b")
+    parser.add_argument("--shapes", default=None, help="comma-separated shapes, one model at a time (default --shape)")
+    parser.add_argument("--batch", type=int, default=32, help="sequences")
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
+    parser.add_argument("--response-len", type=int, default=512, help="scored response tokens per sequence")
+    parser.add_argument("--top-k", type=int, default=16, help="teacher top-k (and number of requested ids)")
+    args = parser.parse_args(argv)
+    device = resolve_device(args.device)
+    flops, _ = peaks(device, args)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = (args.shapes or args.shape).split(",")
+    report = Report("teacher_score", args, device, shapes=shapes, dtype=str(dtype), batch=args.batch,
+                    prompt_len=args.prompt_len, response_len=args.response_len, top_k=args.top_k, peak_flops=flops)
+    from opd.teacher.local import LocalScorer
+
+    for shape in shapes:
+        if shape not in SHAPES:
+            raise SystemExit(f"--shapes: unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+        model = build_model(shape, dtype=dtype, device=device, seed=args.seed).requires_grad_(False)
+        params, vocab = param_count(model), TOKENIZER_SIZE[shape]
+        rollouts = random_rollouts(args.batch, args.prompt_len, args.response_len, vocab, device, args.seed,
+                                   pad_id(shape))
+        g = torch.Generator().manual_seed(args.seed + 1)
+        requested_BTR = torch.randint(0, vocab, (args.batch, args.response_len, args.top_k), generator=g).to(device)
+        tokens = args.batch * (args.prompt_len + args.response_len)
+        scorer = LocalScorer(model, vocab_size=vocab, max_tokens_per_batch=tokens)
+        results = {}
+
+        def finish(m, key):
+            results[key] = m["result"]
+            rate = tokens / m["seconds"]
+            return {"shape": shape, "tokens": tokens, "seconds": m["seconds"], "tokens_per_s": rate,
+                    "pct_peak": 100 * 2 * params * rate / flops if flops else None, "peak_gib": m["peak_gib"],
+                    "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30}
+
+        def ours():
+            m = measure(lambda: scorer.score(rollouts, top_k=args.top_k, requested_ids=requested_BTR), device,
+                        warmup=args.warmup, repeat=args.repeat)
+            return finish(m, "ours")
+
+        def naive():
+            with torch.no_grad():
+                m = measure(lambda: naive_scores(model, rollouts, requested_BTR, args.top_k, vocab), device,
+                            warmup=args.warmup, repeat=args.repeat)
+            row = finish(m, "naive")
+            if "ours" in results:  # agreement of the two paths on the same inputs
+                a, b = results["ours"], results["naive"]
+                row["max_err"] = max(float((x - y).abs().max()) for x, y in (
+                    (a.sampled_logprobs, b.sampled_logprobs), (a.topk_logprobs, b.topk_logprobs),
+                    (a.requested_logprobs, b.requested_logprobs), (a.entropy, b.entropy)))
+                row["topk_agree"] = float((a.topk_ids == b.topk_ids).float().mean())
+            return row
+
+        report.run_row(f"local_scorer[{shape}]", ours)
+        report.run_row(f"naive_full_logits[{shape}]", naive)
+        speedups([r for r in report.data["rows"] if r["name"].endswith(f"[{shape}]")], f"naive_full_logits[{shape}]")
+        del model, scorer, rollouts, results
+    columns = [("row", "name", ""), ("tokens/s", "tokens_per_s", ",.0f"), ("× naive", "speedup", ".2f"),
+               ("% of peak FLOPs", "pct_peak", ".1f"), ("peak GiB", "peak_gib", ".1f"),
+               ("weights GiB", "weights_gib", ".1f"), ("max_err", "max_err", ".2e"),
+               ("top-k agree", "topk_agree", ".3f")]
+    notes = [f"{args.batch} × ({args.prompt_len} + {args.response_len}) tokens, top-{args.top_k} + {args.top_k} "
+             f"requested ids + entropy, {dtype}, random weights; max_err / top-k agree on the naive row compare it "
+             "with ours"]
+    return report.finish(columns, notes)
+
+
+if __name__ == "__main__":
+    main()

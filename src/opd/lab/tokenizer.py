@@ -1,13 +1,17 @@
-"""The lab tokenizer: a real Hugging Face fast tokenizer with a Qwen-style chat template and a ~110-token vocabulary.
+"""The lab tokenizer: a real Hugging Face fast tokenizer with a Qwen-style chat template and a 34-token vocabulary.
 
-Every printable ASCII character and the newline is its own token (so digits are single tokens, which makes
-arithmetic learnable by tiny models, and any English instruction round-trips), plus a handful of whole-word tokens
-that shorten the lab prompt, plus the Qwen chat special tokens. It is built with the `tokenizers` library (a
-WordLevel model behind a regex that isolates the words and otherwise every single character) and wrapped in
-`PreTrainedTokenizerFast`, so `apply_chat_template`, `decode`, `save_pretrained` and `from_pretrained` behave as
-with a real model's tokenizer.
+Each character the lab task writes is its own token (digits are single tokens, which makes arithmetic learnable
+by tiny models), plus a handful of whole-word tokens that shorten the prompt, plus the Qwen chat special tokens.
+It is built with the `tokenizers` library (a WordLevel model behind a regex that isolates the words and otherwise
+every single character) and wrapped in `PreTrainedTokenizerFast`, so `apply_chat_template`, `decode`,
+`save_pretrained` and `from_pretrained` behave as with a real model's tokenizer.
 
-Omitted: a byte fallback. A character outside printable ASCII becomes `<unk>`; the lab task never produces one.
+Omitted on purpose: every other character (letters, most punctuation) and a byte fallback; they become `<unk>`.
+A token that no training text contains is a "dead" output row, and top-k OPD (SPEC §2, `only_stu`) pushes every
+row outside the student's top-k up by p(v)·KL at each step; Adam turns that tiny, one-signed gradient into
+full-size steps on dead rows, and in the lab prototype the 79 dead rows of a full-ASCII vocabulary collected 2.6%
+of the student's probability mass (96% at worst positions) within 100 steps at lr 1e-4. So the vocabulary holds
+only what the task uses.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast
 
 PAD_TOKEN = "<|endoftext|>"
-BOS_TOKEN = "<|im_start|>"
+IM_START = "<|im_start|>"  # opens every chat turn; not a BOS (none is prepended)
 EOS_TOKEN = "<|im_end|>"
 UNK_TOKEN = "<unk>"
-SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
-CHARACTERS: tuple[str, ...] = ("\n",) + tuple(chr(c) for c in range(32, 127))
+SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, IM_START, EOS_TOKEN, UNK_TOKEN)
+CHARACTERS: tuple[str, ...] = ("\n", " ", "(", ")", "*", "+", "-", ".", "=", "}") + tuple("0123456789")
+"""Every character the task writes outside WORDS (`task.py`: digits, + - * ( ) =, the prompt's `.` and spaces)."""
 WORDS: tuple[str, ...] = (
     "user", "assistant", "system", "Compute", " Put", " the", " final", " answer", " in", "\\boxed{",
 )
@@ -40,7 +45,7 @@ CHAT_TEMPLATE = (
 
 
 def build_lab_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerFast:
-    """The lab tokenizer; ids are fixed: special tokens 0..3, then characters, then WORDS (len = 110).
+    """The lab tokenizer; ids are fixed: special tokens 0..3, then CHARACTERS, then WORDS (len = 34).
 
     eos = `<|im_end|>` (what ends an assistant turn), pad = `<|endoftext|>`, no bos is prepended.
     """
@@ -56,7 +61,7 @@ def build_lab_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerFast:
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN,
-        additional_special_tokens=[BOS_TOKEN],
+        additional_special_tokens=[IM_START],
         chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
         model_max_length=model_max_length,

@@ -233,6 +233,9 @@ class SamplingSpec(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass; 1.0 = off (on-policy rewards assume full-support sampling).")
     max_new_tokens: int = Field(1024, ge=1, description="Longest rollout in tokens; longer ones are truncated and counted.")
     batch_size: int = Field(256, ge=1, description="Sequences the generation engine runs together.")
+    engine: Literal["auto", "torch", "static"] = Field(
+        "auto", description="auto: the static-KV-cache CUDA-graph engine on a GPU (one process), the torch engine otherwise."
+    )
 
 
 class ObjectiveSpec(Section):

@@ -46,14 +46,16 @@ def save_checkpoint(
     tokenizer: Any,
     trainer_state: dict,
     keep_last: int | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write `run_dir/checkpoints/step_{step}` atomically and prune older ones beyond `keep_last`."""
+    """Write `run_dir/checkpoints/step_{step}` atomically and prune older ones beyond `keep_last`.
+    state_dict: the weights to write instead of the module's own (FSDP: the gathered full state dict)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
     tmp = root / f".tmp-step_{step}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)

@@ -4,9 +4,12 @@ One step (DESIGN.md) is `opd_step` below and reads top to bottom: prompts → st
 teacher scores of the student's own tokens → token rewards and advantages → a policy-gradient update in
 micro-batches with a *global* token-mean → diagnostics. Everything else here is setup and the loop.
 
+Multi-process: `torchrun --nproc_per_node 8 -m opd.cli distill --config …` runs the same code with the student
+sharded by FSDP2; each rank takes a slice of every step's prompts and the token-mean stays global across ranks
+(see `opd.train.distributed`). With one process the `tr.dist` calls are no-ops.
+
 Omitted on purpose: PPO mini-batch epochs (the paper makes one optimizer step per rollout batch, so the ratio is
-≡ 1 and the old log-probs are the student's no-grad scores); multi-process FSDP training (the loss already
-divides by the global token count, so it is a matter of an all-reduce); the `full_reverse_kl` objective in the
+≡ 1 and the old log-probs are the student's no-grad scores); the `full_reverse_kl` objective in the
 trainer (it needs the teacher's full distribution in the grad pass; it exists as a pure function).
 """
 
@@ -26,6 +29,7 @@ from opd.train.common import (
 )
 from opd.train.common import autocast
 from opd.train.common import timed as _timed
+from opd.train.distributed import SINGLE, DistInfo, all_reduce_sum, gathered, max_over_ranks, reduce_metrics
 from opd.types import Prompt, Rollouts, TokenScores
 
 @dataclass
@@ -52,6 +56,7 @@ class Trainer:
     skipped_steps: int = 0
     history: list[dict] = field(default_factory=list)
     autocast_dtype: torch.dtype | None = None
+    dist: DistInfo = SINGLE  # this process's rank / world size (torchrun); SINGLE without torchrun
 
 
 # ------------------------------------------------------------------------------------------------ the step
@@ -73,15 +78,16 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     diag_k = obj.top_k or 16  # diagnostics always look at a top-16 support, also for sampled-token OPD
     device = next(tr.student.parameters()).device
 
-    # 1. prompts (resumable seeded sampler)
-    indices = tr.sampler.next_batch()
+    # 1. prompts (resumable seeded sampler): every rank draws the same global batch and keeps its own slice
+    rank, world = tr.dist.rank, tr.dist.world_size
+    indices = tr.sampler.next_batch()[rank::world]
     prompt_ids = [tr.prompt_ids[i] for i in indices]
 
-    # 2. rollout: n samples per prompt from the current student
-    with _timed(timings, "rollout"), autocast(device, tr.autocast_dtype):
+    # 2. rollout: n samples per prompt from the current student (FSDP: weights gathered once, see `gathered`)
+    with _timed(timings, "rollout"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
         params = SamplingParams(
             n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-            max_new_tokens=cfg.rollout.max_new_tokens, seed=_step_seed(cfg.run.seed, tr.step),
+            max_new_tokens=cfg.rollout.max_new_tokens, seed=_step_seed(cfg.run.seed, tr.step, rank),
             return_logprobs=obj.tis_cap is not None,
         )
         output = tr.generator.generate(prompt_ids, params)
@@ -89,7 +95,7 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     mask_BT = rollouts.response_mask
 
     # 3. student scores without grad (the behaviour policy): top-k support, log-probs, entropy
-    with _timed(timings, "student"), autocast(device, tr.autocast_dtype):
+    with _timed(timings, "student"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
         student = tr.student_scorer.score(rollouts, top_k=diag_k, temperature=cfg.rollout.temperature)
         reference_BT = None if tr.reference_scorer is None else tr.reference_scorer.score(
             rollouts, top_k=0, temperature=cfg.rollout.temperature, with_entropy=False).sampled_logprobs
@@ -103,7 +109,7 @@ def opd_step(tr: Trainer) -> dict[str, float]:
                 rollouts, top_k=diag_k, requested_ids=student.topk_ids, temperature=obj.teacher_temperature
             )
         if obj.top_k and strategy_spec(obj.strategy).teacher_slots:
-            with _timed(timings, "student"), autocast(device, tr.autocast_dtype):
+            with _timed(timings, "student"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
                 student_at_teacher_BTK = tr.student_scorer.score(
                     rollouts, top_k=0, requested_ids=teacher.topk_ids, temperature=cfg.rollout.temperature,
                     with_entropy=False,
@@ -145,27 +151,37 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     targets = {"old_lp": old_lp_BTJ, "advantages": advantages_BTJ, "valid": valid_BTJ, "mask": mask_BT,
                "teacher_lp": None if obj.loss == "pg" else teacher_lp_BTJ, "reference": reference_BT, "tis": tis_BT}
 
-    # 6. update: grad forward in micro-batches; the loss divides by the token count of the *whole* batch
+    # 6. update: grad forward in micro-batches; the loss divides by the token count of the *whole* batch (all ranks)
     with _timed(timings, "update"):
-        num_tokens = mask_BT.sum().clamp(min=1)
-        num_seqs = torch.tensor(rollouts.batch_size, device=device)
-        head = output_head(tr.student)
+        num_tokens = all_reduce_sum(mask_BT.sum(), tr.dist).clamp(min=1)
+        num_seqs = all_reduce_sum(torch.tensor(rollouts.batch_size, device=device), tr.dist)
         loss_metrics: list[dict] = []
         tr.student.train()
         lengths_B = needed_lengths(rollouts)
-        for rows in split_by_token_budget(lengths_B, cfg.micro_batch_tokens, padded=not uses_packing(tr.student)):
+        groups = split_by_token_budget(lengths_B, cfg.micro_batch_tokens, padded=not uses_packing(tr.student))
+        # FSDP: every rank must run as many forward/backward passes (each all-gathers and reduce-scatters), so ranks
+        # with fewer micro-batches repeat their first one with a zero loss.
+        num_real = len(groups)
+        groups += [groups[0]] * (max_over_ranks(num_real, tr.dist) - num_real)
+        for index, rows in enumerate(groups):
             micro = rollouts.select(rows)
-            with autocast(device, tr.autocast_dtype):
-                hidden = forward_hidden(tr.student, micro)
-            ids_NJ = candidate_ids_BTJ[rows][hidden.rows_N, hidden.cols_N]
-            if reference_BT is not None:  # the KL term needs the sampled token's log-prob as one more column
-                ids_NJ = torch.cat([ids_NJ, hidden.targets_N[:, None]], dim=-1)
-            lp_NJ, entropy_N = candidate_logprobs_and_entropy(
-                hidden.hidden_ND, head, ids_NJ, temperature=cfg.rollout.temperature, vocab_size=tr.vocab_size)
+            with autocast(device, tr.autocast_dtype):  # the chunked head too: its matmuls are most of the FLOPs
+                hidden = forward_hidden(tr.student, micro, through_root=world > 1)  # FSDP's root hooks must run
+                head = output_head(tr.student)  # after the forward: under FSDP, the root's unsharded head weight
+                ids_NJ = candidate_ids_BTJ[rows][hidden.rows_N, hidden.cols_N]
+                if reference_BT is not None:  # the KL term needs the sampled token's log-prob as one more column
+                    ids_NJ = torch.cat([ids_NJ, hidden.targets_N[:, None]], dim=-1)
+                lp_NJ, entropy_N = candidate_logprobs_and_entropy(
+                    hidden.hidden_ND, head, ids_NJ, temperature=cfg.rollout.temperature, vocab_size=tr.vocab_size)
             loss, metrics = micro_loss(obj, hidden.to_grid(lp_NJ), hidden.to_grid(entropy_N), rows, targets,
                                        global_num_tokens=num_tokens, global_num_seqs=num_seqs)
-            loss.backward()
-            loss_metrics.append(metrics)
+            if index >= num_real:  # padding pass (see above): gradients of zero, metrics not counted
+                loss = loss * 0.0
+            else:
+                loss_metrics.append(metrics)
+            # FSDP averages gradients over ranks; the loss is already a share of the global mean, so scale it back
+            # up: the summed update equals the single-process one on the same global batch.
+            (loss * world).backward()
         tr.student.eval()
         grad_norm, stepped = clip_and_step(tr.student, tr.optimizer, tr.scheduler, cfg.optim.grad_clip)
         tr.generator.sync_weights()
@@ -192,8 +208,11 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     total = sum(timings.values())
     metrics.update({f"time/{k}": v for k, v in timings.items()}, **{"time/step": total})
     metrics["tokens_per_second"] = float(lengths.sum()) / max(total, 1e-9)
-    _write_samples(tr, rollouts, texts, correct, rewards_BTJ)
-    return metrics
+    if tr.dist.is_main:
+        _write_samples(tr, rollouts, texts, correct, rewards_BTJ)  # rank 0's rollouts only
+    # ranks → one line: losses (shares of a global mean) and throughput add up, everything else is averaged
+    summed = tuple(k for k in metrics if _is_summed_loss(k)) + ("tokens_per_second",)
+    return reduce_metrics(metrics, tr.dist, summed=summed)
 
 
 def micro_loss(obj, lp_BTJ, entropy_BT, rows, targets: dict, *, global_num_tokens, global_num_seqs) -> tuple:
@@ -235,30 +254,41 @@ def distill(config: DistillConfig, *, console: Any = None) -> Path:
     """Run `opd distill` and return the run directory."""
     from rich.console import Console
 
-    console = console or Console()
-    run_dir = run_directory(config.run, "distill")
-    tr = setup(config, run_dir, checkpoint=resume_checkpoint(run_dir, config.run, console), console=console)
+    from opd.train.distributed import broadcast_object, destroy_distributed, init_distributed
+
+    info = init_distributed()  # SINGLE without torchrun
+    console = (console or Console()) if info.is_main else Console(quiet=True)  # rank 0 speaks for all
+    run_dir = broadcast_object(run_directory(config.run, "distill"), info)  # its default name has a timestamp
+    tr = setup(config, run_dir, checkpoint=resume_checkpoint(run_dir, config.run, console), console=console,
+               dist=info)
     train(tr, console=console)
+    destroy_distributed(info)
     return run_dir
 
 
 def train(tr: Trainer, *, console: Any) -> None:
     from opd.report.sinks import progress_bar
+    from opd.train.distributed import barrier
 
-    cfg = tr.config
+    cfg, main = tr.config, tr.dist.is_main
     with progress_bar(console) as progress:
         task = progress.add_task("opd distill", total=cfg.run.steps, completed=tr.step)
         while tr.step < cfg.run.steps:
-            metrics = opd_step(tr)
+            metrics = opd_step(tr)  # already reduced over ranks
             tr.step += 1
-            tr.sink.log(tr.step, metrics)
+            if main:
+                tr.sink.log(tr.step, metrics)
             tr.history.append({"step": tr.step, **metrics})
             progress.update(task, advance=1, description=_console_line(tr.step, metrics))
             if is_due(tr.step, cfg.run.eval_every, cfg.run.steps):
-                run_eval(tr, console)
+                with gathered(tr.student, tr.dist):  # rank 0 evaluates alone: no collectives inside
+                    if main:
+                        run_eval(tr, console)
             if is_due(tr.step, cfg.run.save_every, cfg.run.steps):
                 save(tr)
-    finish_run(tr.run_dir, tr.sink, report=cfg.run.report, console=console)
+    if main:
+        finish_run(tr.run_dir, tr.sink, report=cfg.run.report, console=console)
+    barrier(tr.dist)
 
 
 def _console_line(step: int, m: dict) -> str:
@@ -281,27 +311,41 @@ def run_eval(tr: Trainer, console: Any) -> dict | None:
 
 
 def save(tr: Trainer) -> Path:
+    """Every rank calls this (FSDP: the full weights and optimizer state are gathered); rank 0 writes."""
     from opd.train.checkpoint import save_checkpoint
+    from opd.train.distributed import barrier, full_optimizer_state_dict, full_state_dict
 
+    weights = full_state_dict(tr.student, tr.dist)  # None with one process: save the module itself
     state = trainer_state(tr.optimizer, tr.scheduler, tr.sampler, skipped_steps=tr.skipped_steps, history=tr.history)
-    return save_checkpoint(tr.run_dir, tr.step, model=tr.student, tokenizer=tr.tokenizer, trainer_state=state,
-                           keep_last=tr.config.run.keep_last)
+    state["optimizer"] = full_optimizer_state_dict(tr.student, tr.optimizer, tr.dist)
+    path = tr.run_dir / "checkpoints" / f"step_{tr.step}"
+    if tr.dist.is_main:
+        path = save_checkpoint(tr.run_dir, tr.step, model=tr.student, tokenizer=tr.tokenizer, trainer_state=state,
+                               keep_last=tr.config.run.keep_last, state_dict=weights)
+    barrier(tr.dist)  # nobody reads the checkpoint before it is complete
+    return path
 
 
 # ---------------------------------------------------------------------------------------------------- setup
 
 
-def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = None, console: Any = None) -> Trainer:
-    """Validate everything cheap first (config, data, tokenizers), then load models and build the trainer."""
+def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = None, console: Any = None,
+          dist: DistInfo = SINGLE) -> Trainer:
+    """Validate everything cheap first (config, data, tokenizers), then load models and build the trainer.
+    `dist` (from `init_distributed`): with world size > 1 the student is sharded with FSDP2 on the rank's device."""
     from opd.data.prompts import load_prompts
     from opd.data.templates import encode_prompts
     from opd.models import check_tokenizer_compatibility, load_model, load_tokenizer, resolve_device, resolve_dtype
     from opd.rollout.torch_engine import make_generator
     from opd.teacher.local import LocalScorer
+    from opd.train.distributed import shard_model
     from opd.train.optim import build_optimizer, build_scheduler
     from opd.train.sampler import PromptSampler
 
     obj = config.objective
+    if config.prompts_per_step % dist.world_size:
+        raise ValueError(f"prompts_per_step={config.prompts_per_step} must be divisible by the {dist.world_size} "
+                         f"processes (each takes an equal slice of a step's prompts)")
     if obj.advantage != "grpo" and config.teacher is None:
         raise ValueError(f"objective.advantage={obj.advantage} needs a teacher: pass --teacher (or teacher.path=...)")
     if obj.advantage == "token_grpo" and obj.top_k:
@@ -343,7 +387,7 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
         raise ValueError(f"objective.advantage={obj.advantage} needs ground-truth answers; set data.answer_key to the answer column")
 
     student_path = str(checkpoint) if checkpoint else config.student.path
-    device = resolve_device(config.student.device)
+    device = dist.device or resolve_device(config.student.device)  # under torchrun: the rank's own device
     weights_dtype, autocast_dtype = training_precision(config.student, device)
     student, tokenizer = load_model(student_path, dtype=weights_dtype, device=device,
                                     trust_remote_code=config.student.trust_remote_code,
@@ -355,7 +399,9 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     teacher = teacher_scorer = None
     if config.teacher is not None:
         teacher_device = config.teacher.device
-        if teacher_device == "auto" and torch.cuda.device_count() > 1:
+        if teacher_device == "auto" and dist.world_size > 1:
+            teacher_device = str(device)  # a full teacher copy next to each rank's student shard
+        elif teacher_device == "auto" and torch.cuda.device_count() > 1:
             teacher_device = "cuda:1"  # the teacher on its own GPU when there is one
         teacher_dtype = resolve_dtype(config.teacher.dtype, resolve_device(teacher_device))
         teacher, _ = load_model(config.teacher.path, dtype=teacher_dtype,
@@ -370,8 +416,12 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     vocab_size = vocab.tokenizer_size
     if teacher is not None:
         teacher_scorer = LocalScorer(teacher, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
-    student_scorer = LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
-    generator = make_generator(student, tokenizer, max_batch_size=config.rollout.batch_size, vocab_size=vocab_size)
+    shard_model(student, dist)  # FSDP2 (no-op for one process); the optimizer below sees the sharded parameters
+    with gathered(student, dist):  # the scorer checks the head once with a forward
+        student_scorer = LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size,
+                                     through_root=dist.world_size > 1)
+    generator = make_generator(student, tokenizer, max_batch_size=config.rollout.batch_size, vocab_size=vocab_size,
+                               engine=config.rollout.engine if dist.world_size == 1 else "torch")
     reference_scorer = None
     if obj.kl_coef:  # a frozen copy of the initial student, only when a KL term asks for it
         reference, _ = load_model(config.student.path, dtype=autocast_dtype or weights_dtype, device=device,
@@ -387,24 +437,41 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
         config=config, run_dir=run_dir, student=student, tokenizer=tokenizer, prompts=encoded.prompts,
         prompt_ids=encoded.input_ids, generator=generator, student_scorer=student_scorer, teacher=teacher,
         teacher_scorer=teacher_scorer, reference_scorer=reference_scorer, vocab_size=vocab_size, optimizer=optimizer,
-        scheduler=scheduler, sampler=sampler, sink=None, autocast_dtype=autocast_dtype,
+        scheduler=scheduler, sampler=sampler, sink=None, autocast_dtype=autocast_dtype, dist=dist,
     )
     resume_step = None
     if checkpoint is not None:
-        state = restore_trainer_state(checkpoint, optimizer, scheduler, sampler)
+        state = restore_trainer_state(checkpoint, _FullStateOptimizer(student, optimizer, dist), scheduler, sampler)
         tr.step, tr.skipped_steps, tr.history = state["step"], state["skipped_steps"], state["history"]
         resume_step = tr.step
         if console is not None:
             console.print(f"resumed from {checkpoint} (step {tr.step})")
-    tr.sink = open_run(config, run_dir, config.run, resume_step=resume_step)
+    if dist.is_main:  # rank 0 writes the run directory
+        tr.sink = open_run(config, run_dir, config.run, resume_step=resume_step)
     return tr
+
+
+@dataclass
+class _FullStateOptimizer:
+    """What `restore_trainer_state` loads the optimizer state through: under FSDP the checkpoint holds the full,
+    name-keyed state (`full_optimizer_state_dict`); with one process this is `optimizer.load_state_dict`."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    dist: DistInfo
+
+    def load_state_dict(self, state: dict) -> None:
+        from opd.train.distributed import load_full_optimizer_state_dict
+
+        load_full_optimizer_state_dict(self.model, self.optimizer, state, self.dist)
 
 
 # -------------------------------------------------------------------------------------------------- helpers
 
 
-def _step_seed(seed: int, step: int) -> int:
-    return (seed * 1_000_003 + step * 7919 + 17) % (2**31)
+def _step_seed(seed: int, step: int, rank: int = 0) -> int:
+    """The rollout seed of a step; each rank samples with its own (rank 0's equals the single-process seed)."""
+    return (seed * 1_000_003 + step * 7919 + 17 + rank * 104_729) % (2**31)
 
 
 @contextmanager
@@ -427,9 +494,13 @@ def _sum_micro_metrics(metrics: list[dict]) -> dict:
     out = {}
     for key in metrics[0]:
         values = torch.stack([m[key].float() for m in metrics])
-        summed = key.endswith("_loss") or key in ("loss", "kl_reference", "entropy_bonus")
-        out[key] = values.sum() if summed else values.mean()
+        out[key] = values.sum() if _is_summed_loss(key) else values.mean()
     return out
+
+
+def _is_summed_loss(key: str) -> bool:
+    """Loss terms divided by the global token count: micro-batches and ranks add up to the step's value."""
+    return key.endswith("_loss") or key in ("loss", "kl_reference", "entropy_bonus")
 
 
 def _reward_stats(name: str, values_BTJ, valid_BTJ, mask_BT) -> dict:

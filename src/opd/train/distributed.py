@@ -1,0 +1,203 @@
+"""torchrun + FSDP2: one code path for 1..N processes (DESIGN "Engines and scale").
+
+Launch (one process per GPU; every process runs the same command, rank 0 writes the run directory):
+
+    torchrun --nproc_per_node 8 -m opd.cli distill --config configs/opd_qwen3_1.7b_from_4b.yaml
+    torchrun --nproc_per_node 2 -m opd.cli distill --config …   # CPU too: gloo, as in tests/test_distributed.py
+
+Without torchrun (no `WORLD_SIZE` in the environment) everything here is a no-op: world size 1, no process group,
+the model unwrapped, so a single-device run is exactly what it was before this module existed.
+
+Data parallel semantics (`opd.train.opd`): every rank draws the same seeded global batch of prompts and keeps
+`indices[rank::world_size]`, samples with a rank-specific seed, scores its own rollouts, and divides its loss by the
+*global* number of valid tokens (all-reduced, SPEC §4). FSDP averages gradients over ranks, so the loss handed to
+`backward` is multiplied by the world size: the update equals the single-process update on the same global batch.
+
+The student is sharded with `fully_shard` (each decoder layer, then the root). The teacher is not: each rank holds a
+full copy (or put it behind `opd serve-teacher`). Generation and the student's no-grad scoring run inside `gathered`:
+all parameters are all-gathered once, then the forwards issue no collectives at all. That matters beyond speed: the
+decode loop's number of forwards depends on when each rank's rows finish, and unmatched per-layer all-gathers across
+ranks would deadlock. For the same reason the grad pass pads every rank to the same number of micro-batches
+(`max_over_ranks`). The cost is one full copy of the student's weights per rank while it generates.
+
+Omitted: sharding the teacher, hybrid sharding across hosts (HSDP), mixed-precision policies for FSDP (the trainer's
+autocast is used instead), and CPU offload of the sharded parameters.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits. world_size == 1 means no process group (plain single-process run)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device | None  # the rank's device under torchrun; None = the config decides (single process)
+    is_main: bool
+
+
+SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=None, is_main=True)
+
+# Ranks wait for rank 0 while it evaluates or writes a checkpoint: collectives must not time out meanwhile.
+_TIMEOUT = datetime.timedelta(hours=4)
+
+
+def init_distributed() -> DistInfo:
+    """Join the torchrun process group (gloo on CPU, nccl on CUDA) from its env vars (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR/PORT). Without torchrun, or with WORLD_SIZE=1, returns `SINGLE` and creates no process group.
+    Idempotent: a second call reuses the group."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return SINGLE
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend=backend, timeout=_TIMEOUT, **kwargs)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, is_main=rank == 0)
+
+
+def destroy_distributed(info: DistInfo) -> None:
+    if info.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard_model(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
+    """`fully_shard` every decoder layer, then the root (which then owns the embeddings, final norm and head).
+    No-op for world size 1. Build the optimizer *after* this: its parameters become sharded DTensors."""
+    if info.world_size == 1:
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise NotImplementedError(f"{type(model).__name__}: no `.layers` in its decoder to shard with FSDP2")
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=True)
+    # The root keeps its parameters (embeddings, final norm, head) unsharded from forward to backward: the trainer
+    # projects hidden states with the head weight *after* the model's forward (`opd.scoring`), which must be the
+    # unsharded tensor, not a DTensor shard.
+    fully_shard(model, reshard_after_forward=False)
+    return model
+
+
+def fsdp_modules(model: torch.nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def gathered(model: torch.nn.Module, info: DistInfo):
+    """Hold all of `model`'s parameters unsharded for the block (one all-gather per FSDP module on entry, none
+    inside), so no-grad forwards may run any number of times on each rank without matching collectives — generation,
+    scoring, rank-0-only evaluation. Every rank must enter it. No-op for world size 1."""
+    modules = fsdp_modules(model) if info.world_size > 1 else []
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+            module.set_reshard_after_forward(module is not model, recurse=False)  # as `shard_model` set them
+
+
+def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum of `tensor` over ranks (a new tensor; the input is untouched). Identity for world size 1."""
+    if info.world_size == 1:
+        return tensor
+    out = tensor.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def max_over_ranks(value: int, info: DistInfo) -> int:
+    if info.world_size == 1:
+        return value
+    out = torch.tensor([value], dtype=torch.long, device=info.device)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return int(out.item())
+
+
+def reduce_metrics(metrics: dict[str, Any], info: DistInfo, *, summed: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Combine per-rank scalar metrics: the sum over ranks for keys in `summed` (quantities already divided by a
+    global count, throughputs), the mean over ranks otherwise (None/non-numeric values ignored). Means of per-rank
+    token means are exact only when ranks hold equal token counts; they are for monitoring. One small gather of
+    Python dicts, so ranks may even report different keys."""
+    if info.world_size == 1:
+        return metrics
+    per_rank: list[dict] = [None] * info.world_size  # type: ignore[list-item]
+    dist.all_gather_object(per_rank, metrics)
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys(k for m in per_rank for k in m):
+        values = [m[key] for m in per_rank if isinstance(m.get(key), (int, float)) and not isinstance(m.get(key), bool)]
+        if not values:
+            out[key] = metrics.get(key)
+        elif key not in summed and all(v == values[0] for v in values):
+            out[key] = values[0]  # the same on every rank (lr, grad norm, step counters): kept exactly, type too
+        else:
+            out[key] = sum(values) if key in summed else sum(values) / len(values)
+    return out
+
+
+def broadcast_object(obj: Any, info: DistInfo) -> Any:
+    """Rank 0's `obj` on every rank (e.g. the run directory, whose default name has a timestamp)."""
+    if info.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(info: DistInfo) -> None:
+    if info.world_size > 1:
+        dist.barrier()
+
+
+def full_state_dict(model: torch.nn.Module, info: DistInfo) -> dict[str, torch.Tensor] | None:
+    """Full (unsharded) weights on CPU, on rank 0, for `save_pretrained(state_dict=…)`; an empty dict on other ranks.
+    Every rank must call it (it all-gathers). None for world size 1: save the module as it is."""
+    if info.world_size == 1:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> dict:
+    """The optimizer state: `optimizer.state_dict()` for world size 1 (unchanged format); otherwise the full,
+    parameter-name-keyed state on rank 0 (empty elsewhere). Every rank must call it."""
+    if info.world_size == 1:
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+                                   info: DistInfo) -> None:
+    """Inverse of `full_optimizer_state_dict` (each rank reads the full state and keeps its shard)."""
+    if info.world_size == 1:
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,156 @@
+"""Multi-process `opd distill` (torchrun + FSDP2, gloo on CPU) against the single-process run on the same global batch.
+
+Both runs go through a small driver script (below) that swaps the rollout engine for greedy decoding: the config
+requires rollout.temperature > 0, and sampled rollouts necessarily differ between 1 and 2 processes (each rank samples
+with its own seed). Greedy rollouts depend only on the prompt and the weights, so both runs train on identical
+rollouts and — the update being the same global token-mean — must end with the same weights.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import make_tiny_model, make_tiny_tokenizer
+from opd.io import read_jsonl
+from opd.train.checkpoint import latest_checkpoint
+from opd.train.sampler import PromptSampler
+
+DRIVER = '''
+import json, sys
+from dataclasses import replace
+
+import opd.rollout.torch_engine as engine
+from opd.config import DistillConfig, build_config
+from opd.train.opd import distill
+
+make_generator = engine.make_generator
+
+
+class Greedy:
+    """Test hook: the real engine, decoding greedily whatever temperature the config asks for."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def generate(self, prompt_ids, params):
+        return self.inner.generate(prompt_ids, replace(params, temperature=0.0))
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+engine.make_generator = lambda *args, **kwargs: Greedy(make_generator(*args, **kwargs))
+distill(build_config(DistillConfig, options=json.loads(sys.argv[1])))
+'''
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist-world")
+    tokenizer = make_tiny_tokenizer()
+    for name, seed in (("student", 0), ("teacher", 1)):
+        make_tiny_model("qwen3", seed=seed).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    # Rank 1's prompts (odd positions of each step's batch, as the seed-0 sampler draws them) are long: it needs two
+    # micro-batches of micro_batch_tokens=128 where rank 0 needs one, so rank 0 runs a zero-loss padding pass.
+    sampler = PromptSampler(8, 4, seed=0)
+    long = {i for _ in range(2) for i in sampler.next_batch()[1::2]}
+    rows = [{"prompt": "9" * 20 * (i in long) + f"{i}+{i}=", "answer": str(2 * i)} for i in range(8)]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "driver.py").write_text(DRIVER)
+    return root
+
+
+def _run(world: Path, out: Path, name: str, nproc: int, *overrides: str, steps: int = 2) -> Path:
+    options = {
+        "student.path": str(world / "student"), "teacher.path": str(world / "teacher"),
+        "data.path": str(world / "prompts.jsonl"), "data.answer_key": "answer", "data.max_prompt_length": 48,
+        "prompts_per_step": 4, "rollout.n": 2, "rollout.max_new_tokens": 6, "micro_batch_tokens": 128,
+        "run.out_dir": str(out), "run.name": name, "run.steps": steps, "run.report": False, "optim.lr": 1e-3,
+        # Adam's update is ~lr·sign(g) even for gradients at rounding-noise level (~1e-9), where the two runs' float
+        # sums may differ in sign; an eps above that noise keeps such entries still, so weights compare at 1e-5.
+        "optim.eps": 1e-4,
+        "student.device": "cpu", "teacher.device": "cpu",
+    }
+    options.update(dict(o.split("=", 1) for o in overrides))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_free_port())]
+    # its own session, so that a hang (a collective waiting forever) kills the launcher *and* its workers
+    process = subprocess.Popen([*launcher, str(world / "driver.py"), json.dumps(options)], env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+    assert process.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    return out / name
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(world, tmp_path_factory):
+    """The same 2-step run with one process (no torchrun) and with two (plus an evaluation at the end, which rank 0
+    runs alone on the gathered weights)."""
+    out = tmp_path_factory.mktemp("dist-runs")
+    evaluation = (f"eval.benchmarks={world / 'prompts.jsonl'}", "eval.answer_key=answer", "eval.limit=2",
+                  "eval.n=1", "eval.max_new_tokens=4")
+    return _run(world, out, "single", 1), _run(world, out, "double", 2, *evaluation)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_on_the_same_global_batch(world, runs):
+    single, double = runs
+    metrics_1, metrics_2 = read_jsonl(single / "metrics.jsonl"), read_jsonl(double / "metrics.jsonl")
+    train_2 = [m for m in metrics_2 if "grad_norm" in m]
+    assert [m["step"] for m in train_2] == [1, 2]  # one file, written by rank 0 only
+    for m1, m2 in zip(metrics_1, train_2):
+        for key in ("pg_loss", "grad_norm", "response_length", "rollout_accuracy"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+    assert all(torch.isfinite(torch.tensor(m["grad_norm"])) for m in train_2)
+    assert (double / "eval" / "step_2" / "results.json").exists()
+    assert any("eval/prompts/avg@1" in m for m in metrics_2)
+
+    checkpoint = latest_checkpoint(double)
+    assert checkpoint.name == "step_2" and (checkpoint / "tokenizer_config.json").exists()
+    weights_1 = load_file(str(latest_checkpoint(single) / "model.safetensors"))
+    weights_2 = load_file(str(checkpoint / "model.safetensors"))
+    initial = load_file(str(world / "student" / "model.safetensors"))
+    assert weights_2.keys() == weights_1.keys()
+    moved = max(float((weights_1[k] - initial[k]).abs().max()) for k in weights_1)
+    assert moved > 1e-4  # training changed the weights, so equality below means something
+    for key in weights_1:
+        torch.testing.assert_close(weights_2[key], weights_1[key], rtol=0, atol=1e-5, msg=key)
+
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(checkpoint)  # a plain Hugging Face checkpoint
+
+
+@pytest.mark.slow
+def test_two_process_resume_reproduces_the_uninterrupted_run(world, runs, tmp_path):
+    """Checkpoints hold the gathered optimizer state; each rank takes its shard back on resume."""
+    _, double = runs
+    _run(world, tmp_path, "resumed", 2, steps=1)
+    resumed = _run(world, tmp_path, "resumed", 2, "run.resume=true")
+    weights = load_file(str(latest_checkpoint(resumed) / "model.safetensors"))
+    expected = load_file(str(latest_checkpoint(double) / "model.safetensors"))
+    for key in expected:
+        torch.testing.assert_close(weights[key], expected[key], rtol=0, atol=1e-7, msg=key)
+    assert [m["step"] for m in read_jsonl(resumed / "metrics.jsonl")] == [1, 2]

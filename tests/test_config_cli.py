@@ -70,7 +70,7 @@ def test_shipped_configs_validate():
             build_config(DistillConfig, config_file=path)
 
 
-@pytest.mark.parametrize("command", [[], ["eval"], ["distill"], ["sft"], ["merge"], ["report"], ["prompts"], ["prompts", "template"], ["prompts", "score"], ["prompts", "select"], ["rollout"], ["dedup"], ["pipeline", "run"]])
+@pytest.mark.parametrize("command", [[], ["eval"], ["distill"], ["sft"], ["merge"], ["report"], ["prompts"], ["prompts", "template"], ["prompts", "score"], ["prompts", "select"], ["rollout"], ["dedup"], ["pipeline", "run"], ["demo"], ["lab"], ["lab", "build"], ["lab", "run"]])
 def test_every_command_has_help(command):
     result = CliRunner().invoke(app, [*command, "--help"])
     assert result.exit_code == 0, result.output

@@ -306,6 +306,67 @@ def prompts_select_command(
     typer.echo(select_prompt_file(source, scores, out, top=top, by=by, mix_with=mix_with, ratio=ratio, seed=seed,
                                   prompt_key=prompt_key, answer_key=answer_key or None, id_key=id_key))
 
+@app.command("demo")
+def demo_command(
+    overrides: Optional[list[str]] = _overrides(),
+    config: Optional[Path] = _config(),
+    steps: Optional[int] = typer.Option(None, help="OPD steps (run.steps). [default: 200]"),
+    limit: Optional[int] = typer.Option(None, help="Evaluate on the first N test problems only (eval.limit). [default: all 300]"),
+    out_dir: Optional[str] = typer.Option(None, help="Parent directory of the run (run.out_dir). [default: runs]"),
+    name: Optional[str] = typer.Option(None, help="Run directory name (run.name). [default: demo-<time>]"),
+    threads: int = typer.Option(1, help="torch CPU threads; 0 = torch's default (the lab models are fastest on 1 when cores are busy)."),
+) -> None:
+    """OPD in minutes on a CPU: distill the shipped lab student from the shipped lab teacher, print before/after.
+
+    Evaluates teacher and student on the lab test set (`opd eval`), runs `opd distill` with configs/lab_demo.yaml's
+    settings, evaluates the student again, prints the table and writes demo.json + report.html into the run dir.
+    """
+    from opd.lab.demo import demo
+
+    options = {"run.steps": steps, "eval.limit": limit, "run.out_dir": out_dir, "run.name": name}
+    extra = [f"{key}={value}" for key, value in options.items() if value is not None]
+    demo(extra + list(overrides or []), config_file=config, threads=threads or None)
+
+
+lab_app = typer.Typer(help="The lab: a synthetic arithmetic task with a tiny teacher/student pair shipped in the package.",
+                      no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(lab_app, name="lab")
+
+
+@lab_app.command("build")
+def lab_build_command(
+    out: Path = typer.Argument(..., help="Output directory: teacher/, student/, data/, work/ (SFT runs), manifest.json."),
+    seed: int = typer.Option(0, help="Seed of model initialisation and data order (the student uses seed + 1)."),
+    teacher_steps: int = typer.Option(6000, help="SFT steps of the teacher (batch 64; ~3 s/step on one CPU thread)."),
+    student_steps: int = typer.Option(500, help="SFT steps of the student (batch 64; ~0.6 s/step on one CPU thread)."),
+    sft_examples: Optional[int] = typer.Option(None, help="Size of the SFT set (train-split problems). [default: 60000]"),
+    eval_limit: Optional[int] = typer.Option(None, help="Measure accuracy on the first N test problems only. [default: all 300]"),
+    threads: int = typer.Option(1, help="torch CPU threads; 0 = torch's default."),
+) -> None:
+    """Retrain the lab teacher and student from a seed with `opd sft` and write their manifest (accuracies measured)."""
+    from opd.lab.build import build
+
+    manifest = build(out, seed=seed, teacher_steps=teacher_steps, student_steps=student_steps, sft_examples=sft_examples,
+                     eval_limit=eval_limit, threads=threads or None)
+    typer.echo(f"manifest: {manifest}")
+
+
+@lab_app.command("run")
+def lab_run_command(
+    name: str = typer.Argument(..., help="Experiment: topk (only_stu / intersection / union-intersection, top-1/4/16, sampled-token) | teacher (real teacher vs the student as its own teacher)."),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP + " Applied to every run.", show_default=False),
+    steps: int = typer.Option(50, help="OPD steps per run."),
+    out_dir: Path = typer.Option(Path("runs/lab"), help="Parent directory; runs go to <out-dir>/<name>/<variant>."),
+    only: Optional[str] = typer.Option(None, help="Comma-separated variants to run. [default: all of the experiment]"),
+    threads: int = typer.Option(1, help="torch CPU threads; 0 = torch's default."),
+) -> None:
+    """A small replication: short `opd distill` runs that differ in one setting; summary.json/.md + a comparison report."""
+    from opd.lab.experiments import run_experiment
+
+    variants = [v.strip() for v in only.split(",") if v.strip()] if only else None
+    run_experiment(name, out_dir=out_dir, steps=steps, overrides=list(overrides or []), only=variants,
+                   threads=threads or None)
+
 
 def _str(value: Any) -> str | None:
     return None if value is None else str(value)

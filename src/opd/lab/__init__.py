@@ -1,0 +1,48 @@
+"""The lab: a synthetic arithmetic task, a real HF tokenizer, and a tiny teacher/student pair shipped in the package.
+
+`opd demo` distills the shipped student from the shipped teacher on CPU in a few minutes (`opd.lab.demo`);
+`opd lab build` retrains both from a seed (`opd.lab.build`); `opd lab run NAME` runs small replications
+(`opd.lab.experiments`). The paths below point into the installed package (`opd/lab/assets`).
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+TEST_SET = dict(n=300, steps=(1, 5), split="test", seed=0, max_abs=99)
+"""The held-out test set: `make_problems(**TEST_SET)` (written to assets/data/test.jsonl)."""
+OPD_PROMPTS = dict(n=2000, steps=(1, 5), split="train", seed=2, max_abs=99)
+"""The OPD training prompts (assets/data/opd_prompts.jsonl): train split, so disjoint from the test set."""
+SFT_SET = dict(n=60000, steps=(1, 5), split="train", seed=0, max_abs=99)
+"""The SFT problems both shipped models were trained on (forward-style solutions)."""
+
+
+def assets_dir() -> Path:
+    """The directory of the shipped lab assets (models, data, manifest.json)."""
+    return Path(str(resources.files("opd.lab").joinpath("assets")))
+
+
+def teacher_path() -> Path:
+    """The shipped teacher: a save_pretrained directory with the lab tokenizer."""
+    return assets_dir() / "teacher"
+
+
+def student_path() -> Path:
+    """The shipped student: a save_pretrained directory with the lab tokenizer."""
+    return assets_dir() / "student"
+
+
+def test_set_path() -> Path:
+    """The held-out test set (verl-layout JSONL: prompt messages, reward_model.ground_truth), read by `opd eval`."""
+    return assets_dir() / "data" / "test.jsonl"
+
+
+def opd_prompts_path() -> Path:
+    """The OPD training prompts (verl-layout JSONL), disjoint from the test set."""
+    return assets_dir() / "data" / "opd_prompts.jsonl"
+
+
+def manifest_path() -> Path:
+    """manifest.json: per model its config, parameter count, training recipe and measured test accuracy."""
+    return assets_dir() / "manifest.json"

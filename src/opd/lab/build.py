@@ -1,0 +1,199 @@
+"""`opd lab build`: retrain the lab teacher and student from a seed, through `opd sft`, and write their manifest.
+
+Steps, all through the project's own components:
+1. SFT data: `make_problems(**SFT_SET)` (60 000 train-split problems) with forward-style solutions, written as chat
+   JSONL (`{"messages": [user, assistant]}`) — `data/sft_forward.jsonl` in the output directory;
+2. per model, a random-init Qwen3 (`lab_model_config`; tied embeddings, the lab tokenizer's 34 ids) saved with
+   `save_pretrained` next to the lab tokenizer, then `opd.train.sft.sft` (batch 64, AdamW lr 1e-3, betas
+   (0.9, 0.98), no weight decay, linear warmup then cosine to 10%), its last checkpoint copied to `<out>/<name>`;
+3. `opd eval` (greedy, n = 1, 64 new tokens) of each model on the lab test set; `<out>/manifest.json` records
+   config, parameter count, training recipe and measured accuracy.
+
+The shipped models (`opd/lab/assets`) were made with the same recipe by the lab prototype on one GPU (teacher: 6000
+steps; student: step 500 of a 700-step schedule) and then imported into the 34-token tokenizer by keeping the
+embedding rows of the tokens it kept (see assets/manifest.json). Budgets are options: `teacher_steps`,
+`student_steps`, `eval_limit`; a full teacher build takes hours on a CPU (see docs/lab.md for the measured rate).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+TEACHER_ARCH: dict[str, int] = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512}
+STUDENT_ARCH: dict[str, int] = {"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 384}
+SFT_RECIPE: dict[str, Any] = {
+    "examples_per_step": 64, "optim": {"lr": 1e-3, "betas": [0.9, 0.98], "weight_decay": 0.0, "schedule": "cosine",
+                                       "min_lr_ratio": 0.1, "grad_clip": 1.0},
+    "data": {"max_length": 128}, "micro_batch_tokens": 8192,
+}
+"""The SFT settings of both models (the prototype's: warmup min(100, steps/10), cosine to 10% of lr)."""
+TEACHER_STEPS = 6000
+STUDENT_STEPS = 500
+
+
+def lab_model_config(arch: dict[str, int], tokenizer: Any):
+    """A Qwen3 config for the lab tokenizer: tied embeddings, head_dim = hidden / heads, 256 positions."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=len(tokenizer), num_key_value_heads=arch["num_attention_heads"],
+        head_dim=arch["hidden_size"] // arch["num_attention_heads"], max_position_embeddings=256,
+        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None, rope_theta=10000.0, **arch,
+    )
+
+
+def init_model(arch: dict[str, int], out_dir: str | Path, *, seed: int) -> Path:
+    """A random-init lab model (seeded) saved with save_pretrained, with the lab tokenizer and generation config."""
+    import torch
+    from transformers import GenerationConfig, Qwen3ForCausalLM
+
+    from opd.lab.tokenizer import build_lab_tokenizer
+
+    tokenizer = build_lab_tokenizer()
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(lab_model_config(arch, tokenizer))
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def write_sft_data(path: str | Path, *, style: str = "forward", n: int | None = None) -> Path:
+    """The SFT set (`SFT_SET` problems, `style` solutions) as chat JSONL, written atomically."""
+    from opd.io import write_jsonl
+    from opd.lab import SFT_SET
+    from opd.lab.task import make_problems, to_sft_examples
+
+    spec = dict(SFT_SET, n=n or SFT_SET["n"])
+    write_jsonl(path, to_sft_examples(make_problems(**spec), style=style))
+    return Path(path)
+
+
+def n_params(path: str | Path) -> int:
+    from transformers import AutoModelForCausalLM
+
+    return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(path)).parameters())
+
+
+def measure(model_path: str | Path, out: str | Path, *, limit: int | None = None, console: Any = None) -> float:
+    """Greedy n=1 accuracy (avg@1) on the lab test set through `opd eval` (the demo's eval settings)."""
+    from opd.config import EvalConfig, ModelSpec
+    from opd.eval.evaluate import evaluate
+    from opd.lab import test_set_path
+    from opd.lab.demo import accuracy
+
+    config = EvalConfig(model=ModelSpec(path=str(model_path), device="cpu", dtype="fp32"),
+                        benchmarks=[str(test_set_path())], n=1, temperature=0.0, max_new_tokens=64, batch_size=300,
+                        limit=limit, out=str(out))
+    return accuracy(evaluate(config, console=console))
+
+
+def train_model(name: str, arch: dict[str, int], data: Path, out_dir: Path, *, steps: int, seed: int,
+                overrides: list[str] | None = None, console: Any = None) -> dict[str, Any]:
+    """Random init + `opd sft` for `steps` steps; the last checkpoint becomes `<out_dir>/<name>`. Returns its record."""
+    from opd.config import build_config
+    from opd.train.sft import SFTConfig, sft
+
+    init_dir = init_model(arch, out_dir / "work" / f"{name}_init", seed=seed)
+    options = {
+        "model.path": str(init_dir), "model.device": "cpu", "model.dtype": "fp32", "data.path": [str(data)],
+        "run.steps": steps, "run.seed": seed, "run.out_dir": str(out_dir / "work"), "run.name": f"{name}_sft",
+        "run.save_every": 0, "run.keep_last": 1, "examples_per_step": SFT_RECIPE["examples_per_step"],
+        "micro_batch_tokens": SFT_RECIPE["micro_batch_tokens"], "data.max_length": SFT_RECIPE["data"]["max_length"],
+        **{f"optim.{k}": v for k, v in SFT_RECIPE["optim"].items()}, "optim.warmup_steps": max(1, min(100, steps // 10)),
+    }
+    start = time.perf_counter()
+    run_dir = sft(build_config(SFTConfig, options=options, overrides=overrides), console=console)
+    seconds = time.perf_counter() - start
+    from opd.train.checkpoint import latest_checkpoint
+
+    final = out_dir / name
+    if final.exists():
+        shutil.rmtree(final)
+    shutil.copytree(latest_checkpoint(run_dir), final,
+                    ignore=shutil.ignore_patterns("trainer_state*", "COMPLETE", "*.pt"))
+    return {"path": name, "arch": "Qwen3ForCausalLM", **arch, "params": n_params(final), "seed": seed,
+            "training": {"recipe": "opd sft from random init", "steps": steps, **SFT_RECIPE, "data": str(data.name),
+                         "run_dir": str(run_dir), "wall_s": round(seconds, 1), "s_per_step": round(seconds / steps, 3),
+                         "overrides": overrides or []}}
+
+
+def build(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    teacher_steps: int = TEACHER_STEPS,
+    student_steps: int = STUDENT_STEPS,
+    sft_examples: int | None = None,
+    eval_limit: int | None = None,
+    threads: int | None = 1,
+    console: Any = None,
+) -> Path:
+    """Retrain the lab teacher and student into `out_dir` (teacher/, student/, data/, manifest.json); return the
+    manifest path. Reduce the budget with `teacher_steps`, `student_steps`, `sft_examples` (size of the SFT set)
+    and `eval_limit` (test problems measured)."""
+    import torch
+    from rich.console import Console
+
+    from opd.io import atomic_write_json
+    from opd.lab import SFT_SET, TEST_SET
+
+    console = console or Console()
+    if threads:
+        torch.set_num_threads(threads)
+    out_dir = Path(out_dir)
+    data = write_sft_data(out_dir / "data" / "sft_forward.jsonl", n=sft_examples)
+    models = {}
+    for offset, (name, arch, steps) in enumerate((("teacher", TEACHER_ARCH, teacher_steps),
+                                                  ("student", STUDENT_ARCH, student_steps))):
+        record = train_model(name, arch, data, out_dir, steps=steps, seed=seed + offset, console=console)
+        record["test_accuracy"] = measure(out_dir / name, out_dir / "work" / f"{name}_eval", limit=eval_limit,
+                                          console=console)
+        models[name] = record
+    manifest = {
+        "built_by": "opd lab build", "seed": seed, "threads": torch.get_num_threads(),
+        "sft_set": {**SFT_SET, "n": sft_examples or SFT_SET["n"], "style": "forward"},
+        "test_set": TEST_SET, "eval": {"n": 1, "temperature": 0.0, "max_new_tokens": 64, "limit": eval_limit},
+        "models": models,
+    }
+    path = out_dir / "manifest.json"
+    atomic_write_json(path, json.loads(json.dumps(manifest, default=list)))
+    console.print(f"manifest: {path}")
+    return path
+
+
+def import_checkpoint(source: str | Path, source_tokenizer: str | Path, out_dir: str | Path) -> Path:
+    """Re-home a lab checkpoint trained with another lab vocabulary onto the current lab tokenizer: keep the (tied)
+    embedding rows of the tokens the current tokenizer has, by token string, in its id order. How the shipped models
+    moved from the prototype's 110-token vocabulary to the 34-token one (every dropped token never occurs in lab text,
+    so the logits of the kept tokens, and greedy answers, are unchanged up to their softmax normaliser)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+
+    from opd.lab.tokenizer import build_lab_tokenizer
+
+    old = PreTrainedTokenizerFast.from_pretrained(str(source_tokenizer)).get_vocab()
+    tokenizer = build_lab_tokenizer()
+    missing = [t for t in tokenizer.get_vocab() if t not in old]
+    if missing:
+        raise ValueError(f"{source_tokenizer} lacks lab tokens {missing}; cannot import {source}")
+    rows = [old[tokenizer.convert_ids_to_tokens(i)] for i in range(len(tokenizer))]
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    if not model.config.tie_word_embeddings:
+        raise ValueError(f"{source}: import_checkpoint handles tied embeddings only")
+    kept = model.get_input_embeddings().weight.data[rows].clone()
+    model.resize_token_embeddings(len(tokenizer))
+    model.get_input_embeddings().weight.data.copy_(kept)
+    model.config.update({"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
+                         "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None})
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

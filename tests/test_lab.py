@@ -1,0 +1,131 @@
+"""The lab: shipped assets load and reach their recorded accuracies; `opd demo` and `opd lab build` run end to end in
+a reduced form. (The task and the tokenizer are tested in test_lab_task.py.)"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from opd import lab
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), width=200)
+
+
+def test_assets_are_package_data():
+    import importlib.resources as resources
+
+    names = {p.name for p in resources.files("opd.lab").joinpath("assets").iterdir()}
+    assert {"teacher", "student", "data", "manifest.json"} <= names
+    for model in (lab.teacher_path(), lab.student_path()):
+        for file in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+            assert (model / file).is_file(), model / file
+    assert lab.test_set_path().is_file() and lab.opd_prompts_path().is_file()
+
+
+def test_data_files_load_and_are_disjoint():
+    from opd.data.prompts import load_prompts
+    from opd.lab.task import make_problems
+
+    test = load_prompts(lab.test_set_path())
+    train = load_prompts(lab.opd_prompts_path())
+    assert len(test) == lab.TEST_SET["n"] and len(train) == lab.OPD_PROMPTS["n"]
+    assert [p.answer for p in test] == [str(p.answer) for p in make_problems(**lab.TEST_SET)]
+    assert not {p.meta["expression"] for p in test} & {p.meta["expression"] for p in train}
+
+
+def test_models_match_the_tokenizer():
+    from transformers import AutoConfig, AutoTokenizer
+
+    from opd.lab.tokenizer import build_lab_tokenizer
+
+    expected = build_lab_tokenizer()
+    for model in (lab.teacher_path(), lab.student_path()):
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        assert tokenizer.get_vocab() == expected.get_vocab()
+        config = AutoConfig.from_pretrained(model)
+        assert config.vocab_size == len(expected) and config.eos_token_id == expected.eos_token_id
+
+
+@pytest.mark.parametrize("name", ["teacher", "student"])
+def test_shipped_models_reach_recorded_accuracy(tmp_path, name):
+    from opd.lab.build import measure
+
+    manifest = json.loads(lab.manifest_path().read_text())
+    recorded = manifest["models"][name]["test_accuracy"]
+    measured = measure(lab.assets_dir() / name, tmp_path / name, console=_console())  # all 300 problems, greedy
+    assert measured == pytest.approx(recorded, abs=0.02)
+    if name == "teacher":
+        assert recorded >= 0.99
+    else:
+        assert 0.2 < recorded < 0.6  # a weak student: room for OPD to show
+
+
+def test_demo_reduced(tmp_path):
+    from opd.lab.demo import demo
+
+    console = _console()
+    run_dir = demo(
+        [f"run.out_dir={tmp_path}", "run.name=demo", "run.steps=2", "run.eval_every=0", "eval.limit=20",
+         "prompts_per_step=4", "rollout.n=2"],
+        console=console,
+    )
+    out = console.file.getvalue()
+    summary = json.loads((run_dir / "demo.json").read_text())
+    assert summary["problems"] == 20 and summary["steps"] == 2
+    assert summary["teacher"] == 1.0
+    for key in ("student_before", "student_after", "gap_recovery", "timings"):
+        assert key in summary
+    assert "student before" in out and "gap recovery" in out
+    assert out.strip().splitlines()[-1] == f"report: {run_dir / 'report.html'}"
+    assert (run_dir / "report.html").is_file() and list((run_dir / "plots").glob("*.png"))
+    assert (run_dir / "eval" / "step_2" / "results.json").is_file()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any("overlap_ratio" in m for m in metrics)
+
+
+def test_demo_config_matches_the_yaml():
+    """configs/lab_demo.yaml holds the demo's settings (its paths, relative to the repo root, name the same assets)."""
+    from pathlib import Path
+
+    from opd.lab.demo import demo_config
+
+    root = Path(__file__).parents[1]
+    path = root / "configs" / "lab_demo.yaml"
+    if not path.is_file():
+        pytest.skip("configs/lab_demo.yaml is not in this checkout")
+    base, from_file = demo_config(["run.name=x"]).model_dump(), demo_config(["run.name=x"], config_file=path).model_dump()
+    for section in ("student", "teacher", "data"):
+        assert Path(base[section]["path"]).resolve() == (root / from_file[section]["path"]).resolve()
+        base[section]["path"] = from_file[section]["path"]
+    assert [Path(p).resolve() for p in base["eval"]["benchmarks"]] == [(root / p).resolve() for p in from_file["eval"]["benchmarks"]]
+    base["eval"]["benchmarks"] = from_file["eval"]["benchmarks"]
+    assert base == from_file
+
+
+def test_build_reduced(tmp_path):
+    from opd.lab.build import build
+
+    path = build(tmp_path, seed=3, teacher_steps=2, student_steps=2, sft_examples=256, eval_limit=4, console=_console())
+    manifest = json.loads(path.read_text())
+    assert set(manifest["models"]) == {"teacher", "student"}
+    shipped = json.loads(lab.manifest_path().read_text())["models"]
+    for name, record in manifest["models"].items():
+        assert record["params"] == shipped[name]["params"]
+        assert 0.0 <= record["test_accuracy"] <= 1.0 and record["training"]["steps"] == 2
+        assert (tmp_path / name / "model.safetensors").is_file() and (tmp_path / name / "tokenizer.json").is_file()
+    assert sum(1 for _ in open(tmp_path / "data" / "sft_forward.jsonl")) == 256

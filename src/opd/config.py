@@ -138,6 +138,17 @@ def _looks_like_float(text: str) -> bool:
     return any(c in text.lower() for c in "e.") and text.strip().lower() not in {"nan", "inf", "-inf"}
 
 
+def flatten_dotted(data: dict, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} → {"a.b": 1}: nested config data as dotted keys (the inverse of `set_dotted`)."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(flatten_dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def set_dotted(data: dict, key: str, value: Any) -> None:
     node = data
     parts = key.split(".")

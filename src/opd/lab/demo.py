@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from opd.config import DistillConfig, EvalConfig, ModelSpec, build_config
+from opd.config import DistillConfig, EvalConfig, ModelSpec, build_config, flatten_dotted
 from opd.io import atomic_write_json
 
 DEMO_CONFIG: dict[str, Any] = {
@@ -61,18 +61,10 @@ def demo_config(overrides: list[str] | None = None, *, config_file: str | Path |
     if config_file:
         from opd.config import read_yaml
 
-        options = _flatten(read_yaml(config_file))
-    return build_config(DistillConfig, options={**_flatten(data), **options}, overrides=overrides)
+        options = flatten_dotted(read_yaml(config_file))
+    return build_config(DistillConfig, options={**flatten_dotted(data), **options}, overrides=overrides)
 
 
-def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def eval_config(config: DistillConfig, model_path: str, out: Path) -> EvalConfig:

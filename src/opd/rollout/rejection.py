@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 from pydantic import Field, model_validator
 
-from opd.config import DataSpec, ModelSpec, Section, save_config
+from opd.config import DataSpec, ModelSpec, Section, flatten_dotted, save_config
 from opd.io import append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
 
 if TYPE_CHECKING:  # opd.types imports torch; the CLI imports this module for RolloutConfig and must start fast
@@ -346,22 +346,14 @@ def _check_resumable(out: Path, config: RolloutConfig) -> None:
         return
     import yaml
 
-    saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
-    current = _flatten(config.model_dump(mode="json"))
+    saved = flatten_dotted(yaml.safe_load(saved_path.read_text()) or {})
+    current = flatten_dotted(config.model_dump(mode="json"))
     for key in sorted(set(saved) | set(current)):
         if key not in _RESUMABLE_KEYS and saved.get(key) != current.get(key):
             raise ValueError(f"{out} holds a rollout with {key}={saved.get(key)!r}, but this run has "
                              f"{key}={current.get(key)!r}; use another --out, or the same settings to resume")
 
 
-def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _read_logs(shards: Path) -> dict[tuple[str, int], dict]:

@@ -15,7 +15,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from opd.config import ConfigError, DataSpec, EvalSpec, ModelSpec, Section, save_config, set_dotted, validate_config
+from opd.config import (
+    ConfigError, DataSpec, EvalSpec, ModelSpec, Section, flatten_dotted, save_config, set_dotted, validate_config,
+)
 from opd.io import atomic_write_json
 
 MARKER = "STAGE_COMPLETE"
@@ -52,7 +54,7 @@ class PipelineConfig(Section):
         built = {}
         for name, base, extra, model in (("rollout", rollout, self.rollout, RolloutConfig),
                                          ("sft", sft, self.sft, SFTConfig), ("distill", distill, self.distill, DistillConfig)):
-            for key, value in _flatten(extra).items():
+            for key, value in flatten_dotted(extra).items():
                 set_dotted(base, key, value)
             try:
                 built[name] = validate_config(model, base)
@@ -61,14 +63,6 @@ class PipelineConfig(Section):
         return built
 
 
-def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def run_pipeline(config: PipelineConfig, *, console: Any = None) -> dict:

@@ -259,25 +259,27 @@ def summarize_records(records: list[dict]) -> dict[str, dict]:
 
 
 def print_results_table(results: dict[str, dict], console: Any, title: str = "") -> None:
+    """Accuracies in %, mean response length in tokens, truncation in %."""
     from rich.table import Table
 
     if not results:
         console.print("no results")
         return
+    labels = {"mean_response_tokens": "tokens", "truncation_rate": "trunc %"}
     columns: list[str] = []
     for summary in results.values():
         for key in summary:
-            if key not in columns and (key.startswith(("avg@", "pass@", "maj@")) or key in ("mean_response_tokens", "truncation_rate")):
+            if key not in columns and (key.startswith(("avg@", "pass@", "maj@")) or key in labels):
                 columns.append(key)
     table = Table(title=title)
     table.add_column("benchmark")
     table.add_column("problems", justify="right")
     for column in columns:
-        table.add_column(column, justify="right")
+        table.add_column(labels.get(column, column), justify="right")
     for benchmark, summary in results.items():
         cells = []
         for column in columns:
             value = summary.get(column)
-            cells.append("" if value is None else (f"{100 * value:.1f}" if column.split("@")[0] in ("avg", "pass", "maj") or column == "truncation_rate" else f"{value:.0f}"))
+            cells.append("" if value is None else (f"{value:.0f}" if column == "mean_response_tokens" else f"{100 * value:.1f}"))
         table.add_row(benchmark, str(summary.get("num_problems", "")), *cells)
     console.print(table)

@@ -129,3 +129,24 @@ def test_build_reduced(tmp_path):
         assert 0.0 <= record["test_accuracy"] <= 1.0 and record["training"]["steps"] == 2
         assert (tmp_path / name / "model.safetensors").is_file() and (tmp_path / name / "tokenizer.json").is_file()
     assert sum(1 for _ in open(tmp_path / "data" / "sft_forward.jsonl")) == 256
+
+
+def test_style_experiment_reduced(tmp_path):
+    """`opd lab run style` plumbing with tiny budgets: rewrite teacher (SFT), cold start (rollout + SFT), 3 OPD runs."""
+    from opd.lab.experiments import markdown, run_experiment
+
+    setup = {"teacher_steps": 2, "teacher_examples": 8, "cold_prompts": 8, "cold_steps": 2, "cold_examples": 4}
+    overrides = ["eval.limit=8", "prompts_per_step=2", "rollout.n=2"]
+    summary = run_experiment("style", out_dir=tmp_path, steps=2, overrides=overrides, setup=setup, console=_console())
+    assert set(summary["runs"]) == {"mismatch", "cold_start", "matched"}
+    assert all(0.0 <= r["rewrite_share"] <= 1.0 for r in summary["runs"].values())
+    assert summary["runs"]["mismatch"]["overrides"] == [f"teacher.path={tmp_path / 'style' / 'rewrite_teacher'}"]
+    assert 0.0 <= summary["teacher_accuracy"] <= 1.0 and summary["teacher_sft"]["steps"] == 2
+    cold = summary["cold_start"]
+    assert cold["prompts"] == 8 and 0 <= cold["accepted"] <= 8 and 0.0 <= cold["student_after_sft"] <= 1.0
+    assert (tmp_path / "style" / "cold_student" / "model.safetensors").is_file()
+    assert "Rewrite-style teacher" in markdown(summary) and (tmp_path / "style" / "summary.json").is_file()
+    # a second run reuses the cached teacher
+    again = run_experiment("style", out_dir=tmp_path, steps=1, overrides=overrides, only=["mismatch"], setup=setup,
+                           console=_console())
+    assert again["teacher_sft"] == summary["teacher_sft"] and "cold_start" not in again

@@ -353,7 +353,7 @@ def lab_build_command(
 
 @lab_app.command("run")
 def lab_run_command(
-    name: str = typer.Argument(..., help="Experiment: topk (only_stu / intersection / union-intersection, top-1/4/16, sampled-token) | teacher (real teacher vs the student as its own teacher)."),
+    name: str = typer.Argument(..., help="Experiment: topk (only_stu / intersection / union-intersection, top-1/4/16, sampled-token) | teacher (real teacher vs the student as its own teacher) | style (thinking-pattern mismatch: a rewrite-style teacher, with and without an SFT cold start, vs the matched forward teacher)."),
     overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP + " Applied to every run.", show_default=False),
     steps: int = typer.Option(50, help="OPD steps per run."),
     out_dir: Path = typer.Option(Path("runs/lab"), help="Parent directory; runs go to <out-dir>/<name>/<variant>."),

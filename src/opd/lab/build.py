@@ -81,44 +81,58 @@ def n_params(path: str | Path) -> int:
     return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(path)).parameters())
 
 
-def measure(model_path: str | Path, out: str | Path, *, limit: int | None = None, console: Any = None) -> float:
-    """Greedy n=1 accuracy (avg@1) on the lab test set through `opd eval` (the demo's eval settings)."""
+def measure(model_path: str | Path, out: str | Path, *, limit: int | None = None, max_new_tokens: int = 64,
+            console: Any = None) -> float:
+    """Greedy n=1 accuracy (avg@1) on the lab test set through `opd eval` (the demo's eval settings; rewrite-style
+    answers need max_new_tokens ≈ 128)."""
     from opd.config import EvalConfig, ModelSpec
     from opd.eval.evaluate import evaluate
     from opd.lab import test_set_path
     from opd.lab.demo import accuracy
 
     config = EvalConfig(model=ModelSpec(path=str(model_path), device="cpu", dtype="fp32"),
-                        benchmarks=[str(test_set_path())], n=1, temperature=0.0, max_new_tokens=64, batch_size=300,
+                        benchmarks=[str(test_set_path())], n=1, temperature=0.0, max_new_tokens=max_new_tokens, batch_size=300,
                         limit=limit, out=str(out))
     return accuracy(evaluate(config, console=console))
+
+
+def finetune(model_path: str | Path, data: str | Path, work_dir: Path, run_name: str, final: Path, *, steps: int,
+             seed: int = 0, examples_per_step: int = SFT_RECIPE["examples_per_step"], lr: float | None = None,
+             warmup_steps: int | None = None, max_length: int = SFT_RECIPE["data"]["max_length"],
+             overrides: list[str] | None = None, console: Any = None) -> Path:
+    """`opd sft` of `model_path` on chat JSONL `data` with `SFT_RECIPE` (lr, batch, warmup changeable) for `steps`
+    steps in `work_dir/run_name`; its last checkpoint is copied to `final` (replacing it). Returns the SFT run dir."""
+    from opd.config import build_config
+    from opd.train.checkpoint import latest_checkpoint
+    from opd.train.sft import SFTConfig, sft
+
+    options = {
+        "model.path": str(model_path), "model.device": "cpu", "model.dtype": "fp32", "data.path": [str(data)],
+        "run.steps": steps, "run.seed": seed, "run.out_dir": str(work_dir), "run.name": run_name,
+        "run.save_every": 0, "run.keep_last": 1, "examples_per_step": examples_per_step,
+        "micro_batch_tokens": SFT_RECIPE["micro_batch_tokens"], "data.max_length": max_length,
+        **{f"optim.{k}": v for k, v in SFT_RECIPE["optim"].items()},
+        "optim.warmup_steps": max(1, min(100, steps // 10)) if warmup_steps is None else warmup_steps,
+        **({"optim.lr": lr} if lr is not None else {}),
+    }
+    run_dir = sft(build_config(SFTConfig, options=options, overrides=overrides), console=console)
+    final = Path(final)
+    if final.exists():
+        shutil.rmtree(final)
+    shutil.copytree(latest_checkpoint(run_dir), final,
+                    ignore=shutil.ignore_patterns("trainer_state*", "COMPLETE", "*.pt"))
+    return run_dir
 
 
 def train_model(name: str, arch: dict[str, int], data: Path, out_dir: Path, *, steps: int, seed: int,
                 overrides: list[str] | None = None, console: Any = None) -> dict[str, Any]:
     """Random init + `opd sft` for `steps` steps; the last checkpoint becomes `<out_dir>/<name>`. Returns its record."""
-    from opd.config import build_config
-    from opd.train.sft import SFTConfig, sft
-
     init_dir = init_model(arch, out_dir / "work" / f"{name}_init", seed=seed)
-    options = {
-        "model.path": str(init_dir), "model.device": "cpu", "model.dtype": "fp32", "data.path": [str(data)],
-        "run.steps": steps, "run.seed": seed, "run.out_dir": str(out_dir / "work"), "run.name": f"{name}_sft",
-        "run.save_every": 0, "run.keep_last": 1, "examples_per_step": SFT_RECIPE["examples_per_step"],
-        "micro_batch_tokens": SFT_RECIPE["micro_batch_tokens"], "data.max_length": SFT_RECIPE["data"]["max_length"],
-        **{f"optim.{k}": v for k, v in SFT_RECIPE["optim"].items()}, "optim.warmup_steps": max(1, min(100, steps // 10)),
-    }
     start = time.perf_counter()
-    run_dir = sft(build_config(SFTConfig, options=options, overrides=overrides), console=console)
+    run_dir = finetune(init_dir, data, out_dir / "work", f"{name}_sft", out_dir / name, steps=steps, seed=seed,
+                       overrides=overrides, console=console)
     seconds = time.perf_counter() - start
-    from opd.train.checkpoint import latest_checkpoint
-
-    final = out_dir / name
-    if final.exists():
-        shutil.rmtree(final)
-    shutil.copytree(latest_checkpoint(run_dir), final,
-                    ignore=shutil.ignore_patterns("trainer_state*", "COMPLETE", "*.pt"))
-    return {"path": name, "arch": "Qwen3ForCausalLM", **arch, "params": n_params(final), "seed": seed,
+    return {"path": name, "arch": "Qwen3ForCausalLM", **arch, "params": n_params(out_dir / name), "seed": seed,
             "training": {"recipe": "opd sft from random init", "steps": steps, **SFT_RECIPE, "data": str(data.name),
                          "run_dir": str(run_dir), "wall_s": round(seconds, 1), "s_per_step": round(seconds / steps, 3),
                          "overrides": overrides or []}}

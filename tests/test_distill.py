@@ -101,6 +101,7 @@ def test_report_written_at_end(world, tmp_path):
         (["micro_batch_tokens=8"], True, "micro_batch_tokens=8 is smaller than one sequence"),
         (["objective.advantage=token_reward"], False, "needs a teacher"),
         (["objective.advantage=token_grpo"], True, "sampled-token only"),
+        (["objective.loss=topk_kl", "objective.top_k=0"], True, "needs a top-k support"),
     ],
 )
 def test_startup_checks_fail_in_one_line(world, tmp_path, overrides, teacher, message):

@@ -43,7 +43,7 @@ _ACCEPTED = ".parquet, .jsonl, .json, .csv, a `datasets` save_to_disk directory,
 
 _DEFAULT_SOURCE_KEY = "data_source"
 _AUTO_ID_KEYS = ("extra_info.index", "id")
-_MISSING = object()  # a key absent from a row, as opposed to present with a null value
+MISSING = object()  # a key absent from a row, as opposed to present with a null value
 _PROBE_ROWS = 1000  # rows inspected to decide whether a key exists in a set
 
 
@@ -101,27 +101,27 @@ def load_prompts(
 
     prompts, seen = [], {}
     for i, row in enumerate(rows):
-        messages = _to_messages(_get(row, prompt_key), origin, i, prompt_key)
+        messages = _to_messages(get_field(row, prompt_key), origin, i, prompt_key)
         if system_key is not None:
-            system = _get(row, system_key)
+            system = get_field(row, system_key)
             if isinstance(system, str) and system and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": system}, *messages]
-        answer = None if answer_key is None else _to_answer(_get(row, answer_key), origin, i, answer_key)
-        raw_id = None if id_key == ROW_ID else _get(row, id_key)
-        pid = str(i) if raw_id is None or raw_id is _MISSING else str(raw_id)
+        answer = None if answer_key is None else _to_answer(get_field(row, answer_key), origin, i, answer_key)
+        raw_id = None if id_key == ROW_ID else get_field(row, id_key)
+        pid = str(i) if raw_id is None or raw_id is MISSING else str(raw_id)
         if pid in seen:
             raise DataError(
                 f"{origin}: id {pid!r} of row {i} (field {id_key!r}) repeats row {seen[pid]}; ids must be unique: "
                 f"pass id_key=<unique column> or id_key={ROW_ID!r} for row numbers"
             )
         seen[pid] = i
-        src = _get(row, source_key)
+        src = get_field(row, source_key)
         prompts.append(
             Prompt(
                 id=pid,
                 messages=messages,
                 answer=answer,
-                source=stem if src is None or src is _MISSING else str(src),
+                source=stem if src is None or src is MISSING else str(src),
                 meta=_leftover(row, used_keys),
             )
         )
@@ -278,8 +278,9 @@ def _dataset_rows(ds, limit: int | None) -> list[dict]:
 # ---------------------------------------------------------------- fields
 
 
-def _get(row: Any, key: str) -> Any:
-    """Value at a (dotted) key, `_MISSING` when absent. A dict stored as a JSON string is decoded on the way."""
+def get_field(row: Any, key: str) -> Any:
+    """Value at a (dotted) key of a record, `MISSING` when absent. A dict stored as a JSON string is decoded on
+    the way. Public: every reader of records with column mappings uses it."""
     if isinstance(row, dict) and key in row:
         return row[key]
     node = row
@@ -288,15 +289,15 @@ def _get(row: Any, key: str) -> Any:
             try:
                 node = json.loads(node)
             except json.JSONDecodeError:
-                return _MISSING
+                return MISSING
         if not isinstance(node, dict) or part not in node:
-            return _MISSING
+            return MISSING
         node = node[part]
     return node
 
 
 def _has_key(rows: list[dict], key: str) -> bool:
-    return any(_get(row, key) is not _MISSING for row in rows[:_PROBE_ROWS])
+    return any(get_field(row, key) is not MISSING for row in rows[:_PROBE_ROWS])
 
 
 def _available_keys(rows: list[dict]) -> list[str]:
@@ -350,7 +351,7 @@ def _to_messages(value: Any, origin: str, row: int, key: str) -> list[dict[str, 
 
 
 def _to_answer(value: Any, origin: str, row: int, key: str) -> str | None:
-    if value is None or value is _MISSING:
+    if value is None or value is MISSING:
         return None
     if isinstance(value, str):
         return value

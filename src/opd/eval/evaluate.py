@@ -179,19 +179,12 @@ _ID_KEYS = ("problem_id", "id", "idx", "index", "extra_info.index", "prompt", "p
 _BENCHMARK_KEYS = ("benchmark", "data_source", "source", "dataset")
 
 
-def _get(record: dict, dotted: str) -> Any:
-    node: Any = record
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 def _first(record: dict, keys: tuple[str, ...]) -> tuple[str | None, Any]:
+    from opd.data.prompts import MISSING, get_field
+
     for key in keys:
-        value = _get(record, key)
-        if value is not None:
+        value = get_field(record, key)
+        if value is not MISSING and value is not None:
             return key, value
     return None, None
 

@@ -66,7 +66,7 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     """One on-policy step: rollouts of the current student, scored by the teacher, one optimizer update."""
     from opd.objectives import (
         build_candidates, candidate_rewards, compute_advantages, gather_candidate_logprobs, opd_diagnostics,
-        strategy_spec, truncated_is_weights,
+        sampled_token_rewards, strategy_spec, truncated_is_weights,
     )
     from opd.rollout import SamplingParams
     from opd.rollout.batch import build_rollouts
@@ -122,9 +122,9 @@ def opd_step(tr: Trainer) -> dict[str, float]:
         old_lp_BTJ = student.sampled_logprobs[..., None]
         rewards_BTJ = torch.zeros_like(old_lp_BTJ)
     elif obj.top_k == 0:
-        candidate_ids_BTJ, valid_BTJ = rollouts.response_ids[..., None], mask_BT[..., None]
-        old_lp_BTJ, teacher_lp_BTJ = student.sampled_logprobs[..., None], teacher.sampled_logprobs[..., None]
-        rewards_BTJ = (teacher_lp_BTJ - old_lp_BTJ) * valid_BTJ
+        sampled = sampled_token_rewards(student.sampled_logprobs, teacher.sampled_logprobs, rollouts.response_ids, mask_BT)
+        candidate_ids_BTJ, valid_BTJ, rewards_BTJ = sampled.candidate_ids, sampled.valid, sampled.rewards
+        old_lp_BTJ, teacher_lp_BTJ = sampled.student_logprobs, sampled.teacher_logprobs
     else:
         k = obj.top_k
         candidate_ids_BTJ, valid_BTJ = build_candidates(student.topk_ids[..., :k], teacher.topk_ids[..., :k], mask_BT, obj.strategy)
@@ -353,6 +353,8 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     if obj.loss == "full_reverse_kl":
         raise ValueError("objective.loss=full_reverse_kl needs the teacher's full distribution in the grad pass and is "
                          "only available as opd.objectives.full_reverse_kl; use pg, topk_kl, forward_kl or jsd")
+    if obj.loss == "topk_kl" and obj.top_k == 0:  # a one-token support renormalises to KL = 0: nothing would learn
+        raise ValueError("objective.loss=topk_kl needs a top-k support: set objective.top_k > 0 (e.g. 16)")
     if obj.loss != "pg" and obj.advantage != "token_reward":
         raise ValueError(f"objective.loss={obj.loss} uses no advantages; leave objective.advantage=token_reward")
     longest = config.data.max_prompt_length + config.rollout.max_new_tokens

@@ -6,7 +6,8 @@
 Ours: a `Trainer` assembled like `opd.train.opd.setup` builds it (same optimizer, scheduler, sampler, scorers,
 precision: float32 student weights + bf16 autocast on CUDA, bf16 teacher), from in-memory random-weight models and
 a stand-in tokenizer (no files), with the default objective (top-16 `only_stu`, token-reward advantages, PPO-clip
-loss); one row per generation engine (`--engines`).
+loss); one row per generation engine (`--engines`). As `opd distill` sets a GPU up: the decoder layers of both models
+under `torch.compile` and selective activation checkpointing of the student (`--compile`, `--ckpt`).
 
 TRL GKD (`trl/experimental/gkd/gkd_trainer.py`, lmbda = 1: always on-policy; beta = 1: reverse KL; seq_kd off),
 re-created because TRL is not installed here: `student.generate(do_sample=True, top_k=0, temperature=1)` →
@@ -14,7 +15,8 @@ labels = generated ids with pad → -100 → student forward with grad and teach
 logits → `generalized_jsd_loss` (copied: log_softmax of both, `F.kl_div(teacher_lp, student_lp, log_target=True)`,
 masked, divided by the token count) → backward → grad-norm clip 1.0 → AdamW step. The batch is the same B = prompts ×
 n sequences in one micro-batch (`per_device_train_batch_size = B`, the fastest TRL setting; smaller micro-batches with
-accumulation would generate in smaller batches and be slower still).
+accumulation would generate in smaller batches and be slower still), eager, without gradient checkpointing (TRL's
+defaults).
 
 tokens/s = generated response tokens of the step / wall time of the step (one warm-up step, then `--repeat` timed).
 """
@@ -143,7 +145,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=256, help="max new tokens per sample")
     parser.add_argument("--micro-batch-tokens", type=int, default=16384, help="our update's micro-batch budget")
     parser.add_argument("--score-batch-tokens", type=int, default=32768, help="our scoring forward budget")
-    parser.add_argument("--engines", default="torch_engine,static_engine", help="our rows: static_engine, torch_engine")
+    parser.add_argument("--engines", default="static_engine", help="our rows: static_engine, torch_engine")
+    parser.add_argument("--ckpt", default="auto", choices=["auto", "on", "off", "selective"],
+                        help="gradient checkpointing of our student: on (every layer), selective (compiled layers "
+                             "keep half their activations), off; auto: as `opd distill` (CUDA: selective when "
+                             "compiled, else on; CPU: off)")
+    parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                        help="torch.compile the decoder layers of our student and teacher (auto: on for CUDA)")
     parser.add_argument("--skip-trl", action="store_true", help="leave the TRL GKD row out")
     args = parser.parse_args(argv)
     if SHAPES[args.shape]["vocab_size"] != SHAPES[args.teacher_shape]["vocab_size"]:
@@ -168,17 +176,30 @@ def main(argv: list[str] | None = None) -> dict:
             step = lambda: trl_gkd_step(student, teacher, batch_BP, optimizer, pad=pad_id(args.shape),  # noqa: E731
                                         eos=eos_id(args.shape), new_tokens=args.new_tokens,
                                         autocast_dtype=autocast_dtype)
-            m = measure(step, device, warmup=args.warmup, repeat=args.repeat)
+            with torch.compiler.set_stance("force_eager"):
+                m = measure(step, device, warmup=args.warmup, repeat=args.repeat)
             del optimizer
             return {"tokens": m["result"], "seconds": m["seconds"], "tokens_per_s": m["result"] / m["seconds"],
-                    "peak_gib": m["peak_gib"], "warmup_s": m["first_call_seconds"]}
+                    "peak_gib": m["peak_gib"], "warmup_s": m["first_call_seconds"], "step_seconds": m["all_seconds"]}
 
         report.run_row("trl_gkd_recreated", trl)
+    # our rows run as `opd distill` sets the models up on this device (the TRL row above ran before, eagerly)
+    compiled = args.compile == "on" or (args.compile == "auto" and cuda)
+    if compiled:
+        from opd.models import compile_layers
+
+        compile_layers(student, True)
+        compile_layers(teacher, True)
+    ckpt = args.ckpt if args.ckpt != "auto" else ("off" if not cuda else "selective" if compiled else "on")
+    if ckpt == "on":
+        student.gradient_checkpointing_enable()
+    budget = 0.5 if ckpt == "selective" else None
     for engine in [e for e in args.engines.split(",") if e]:
         def ours(engine=engine):
             from opd.train.opd import opd_step
 
             tr = build_trainer(args, student, teacher, prompt_ids.tolist(), engine, run_dir, autocast_dtype)
+            tr.activation_budget = budget
             metrics = {}
 
             def step():
@@ -188,8 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
                 return metrics["response_length"] * args.prompts * args.n
 
             m = measure(step, device, warmup=args.warmup, repeat=args.repeat)
-            row = {"tokens": m["result"], "seconds": m["seconds"], "tokens_per_s": m["result"] / m["seconds"],
-                   "peak_gib": m["peak_gib"], "warmup_s": m["first_call_seconds"]}
+            row = {"ckpt": ckpt, "tokens": m["result"], "seconds": m["seconds"], "tokens_per_s": m["result"] / m["seconds"],
+                   "peak_gib": m["peak_gib"], "warmup_s": m["first_call_seconds"], "step_seconds": m["all_seconds"]}
             row.update({k.split("/")[1] + "_s": v for k, v in metrics.items()
                         if k.startswith("time/") and k != "time/step"})
             del tr

@@ -6,9 +6,13 @@
 Rows (`--engines` at the first batch size, `--engines-big` at the others):
     hf_generate         `model.generate(do_sample=True)`, dynamic cache (the alternative)
     hf_generate_static  the same with `cache_implementation="static"` (transformers compiles the forward itself)
+    hf_generate_nocudnn `hf_generate` with SDPA's cuDNN backend excluded (flash / memory-efficient / math only): on
+                        torch 2.11 cuDNN attention re-plans at every new key length, which slows decoding
     torch_engine        `TorchGenerator` (our eager loop)
     static_engine       `StaticGenerator`, decode step replayed as CUDA graphs (eager step on CPU)
-    static_compile      `StaticGenerator` with the layer halves under `torch.compile` as well (CUDA only)
+    static_compile      `StaticGenerator` with its decode functions under `torch.compile` as well (CUDA only)
+    static_v1           `static_compile` as first measured: per-projection GEMMs on the module's own weights
+                        (`fuse_weights=False`) and matmul/softmax/matmul attention (`attention="matmul"`)
 Every row samples at temperature 1 from distinct random prompts and produces exactly new_tokens tokens per row (EOS
 off: `min_new_tokens` for generate, `stop_at_eos=False` for ours), one sample per prompt. Timed: one full call after
 a short warm-up call of the same batch size (so compilation is outside the time, graph capture inside it, as it is
@@ -32,7 +36,8 @@ from common import (  # noqa: E402
     TOKENIZER_SIZE,
 )
 
-ALL = ("hf_generate", "hf_generate_static", "torch_engine", "static_engine", "static_compile")
+ALL = ("hf_generate", "hf_generate_static", "hf_generate_nocudnn", "torch_engine", "static_engine", "static_compile",
+       "static_v1")
 
 
 def make_engine(name: str, model, shape: str, batch: int):
@@ -43,6 +48,8 @@ def make_engine(name: str, model, shape: str, batch: int):
                   max_batch_size=batch)
     if name == "torch_engine":
         return TorchGenerator(model, **common)
+    if name == "static_v1":
+        return StaticGenerator(model, compile=True, cuda_graphs=True, fuse_weights=False, attention="matmul", **common)
     return StaticGenerator(model, compile=name == "static_compile", cuda_graphs=True, **common)
 
 
@@ -93,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
         bound_kv = batch * bandwidth / (weight_bytes + mean_kv) if bandwidth else None
         if name not in ALL:
             raise SystemExit(f"--engines: unknown row {name!r}; choose from {', '.join(ALL)}")
-        if name == "static_compile" and device.type != "cuda":
+        if name in ("static_compile", "static_v1") and device.type != "cuda":
             continue  # compilation is CUDA-only; on CPU it would repeat static_engine
 
         def row(name=name, batch=batch, prompts=prompts, prompt_lists=prompt_lists):
@@ -106,7 +113,13 @@ def main(argv: list[str] | None = None) -> dict:
                     kwargs["cache_implementation"] = "static"
 
                 def call(n=args.new_tokens):
-                    return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, **kwargs)
+                    from contextlib import nullcontext
+
+                    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+                    with sdpa_kernel(backends) if name == "hf_generate_nocudnn" else nullcontext():
+                        return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, **kwargs)
 
                 # the static cache's shape depends on max_new_tokens: warm up (compile) at the timed length
                 short = None if name == "hf_generate_static" else (lambda: call(4))
@@ -127,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
             return {"batch": batch, "tokens": produced, "seconds": m["seconds"], "tokens_per_s": rate,
                     "ms_per_step": 1e3 * m["seconds"] / args.new_tokens, "warmup_s": m["first_call_seconds"],
                     "pct_bound": 100 * rate / bound if bound else None,
+                    "pct_bound_kv": 100 * rate / bound_kv if bound_kv else None,
                     "bound_tokens_per_s": bound, "bound_kv_tokens_per_s": bound_kv, "peak_gib": m["peak_gib"],
                     **extra}
 
@@ -139,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     columns = [("row", "name", ""), ("tokens/s", "tokens_per_s", ",.0f"), ("× generate", "speedup", ".1f"),
                ("ms/step", "ms_per_step", ".2f"), ("% of weight-BW bound", "pct_bound", ".1f"),
                ("bound (weights) tok/s", "bound_tokens_per_s", ",.0f"),
-               ("bound (+KV) tok/s", "bound_kv_tokens_per_s", ",.0f"),
+               ("bound (+KV) tok/s", "bound_kv_tokens_per_s", ",.0f"), ("% of +KV bound", "pct_bound_kv", ".1f"),
                ("peak GiB", "peak_gib", ".1f"), ("warm-up s", "warmup_s", ".1f"), ("lp_err", "lp_err", ".2e")]
     notes = [f"shape {args.shape} ({dtype}), random weights; prompt {args.prompt_len} tokens, {args.new_tokens} new "
              f"tokens per row, temperature 1, EOS off; weights {weight_bytes / 2**30:.2f} GiB"]

@@ -11,6 +11,10 @@ equal top-k ids (ties at bf16 resolution can swap neighbours).
 
 tokens/s counts every input position (B · (prompt + response)); the compute bound is 2 · params FLOPs per token,
 `pct_peak` = 2 · params · tokens/s / peak.
+
+`--compile on,off` (default on CUDA) adds a row with the decoder layers under `torch.compile` (`opd.models.compile_layers`,
+what `opd distill` does on a GPU); the eager rows run with `torch.compiler.set_stance("force_eager")`. The naive row
+is always eager (plain transformers).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
     parser.add_argument("--response-len", type=int, default=512, help="scored response tokens per sequence")
     parser.add_argument("--top-k", type=int, default=16, help="teacher top-k (and number of requested ids)")
+    parser.add_argument("--compile", default=None, help="on, off or on,off (a row each); default on,off on CUDA, off on CPU")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     flops, _ = peaks(device, args)
@@ -56,7 +61,10 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = (args.shapes or args.shape).split(",")
     report = Report("teacher_score", args, device, shapes=shapes, dtype=str(dtype), batch=args.batch,
                     prompt_len=args.prompt_len, response_len=args.response_len, top_k=args.top_k, peak_flops=flops)
+    from opd.models import compile_layers
     from opd.teacher.local import LocalScorer
+
+    compile_modes = (args.compile or ("on,off" if device.type == "cuda" else "off")).split(",")
 
     for shape in shapes:
         if shape not in SHAPES:
@@ -78,17 +86,21 @@ def main(argv: list[str] | None = None) -> dict:
                     "pct_peak": 100 * 2 * params * rate / flops if flops else None, "peak_gib": m["peak_gib"],
                     "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30}
 
-        def ours():
-            m = measure(lambda: scorer.score(rollouts, top_k=args.top_k, requested_ids=requested_BTR), device,
-                        warmup=args.warmup, repeat=args.repeat)
-            return finish(m, "ours")
+        def ours(mode):
+            stance = "default" if mode == "on" else "force_eager"
+            with torch.compiler.set_stance(stance):
+                m = measure(lambda: scorer.score(rollouts, top_k=args.top_k, requested_ids=requested_BTR), device,
+                            warmup=args.warmup, repeat=args.repeat)
+            row = finish(m, "ours")
+            row["compile_first_call_s"] = m["first_call_seconds"] if mode == "on" else None
+            return row
 
         def naive():
-            with torch.no_grad():
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"):
                 m = measure(lambda: naive_scores(model, rollouts, requested_BTR, args.top_k, vocab), device,
                             warmup=args.warmup, repeat=args.repeat)
             row = finish(m, "naive")
-            if "ours" in results:  # agreement of the two paths on the same inputs
+            if "ours" in results:  # agreement with our last row on the same inputs
                 a, b = results["ours"], results["naive"]
                 row["max_err"] = max(float((x - y).abs().max()) for x, y in (
                     (a.sampled_logprobs, b.sampled_logprobs), (a.topk_logprobs, b.topk_logprobs),
@@ -96,9 +108,12 @@ def main(argv: list[str] | None = None) -> dict:
                 row["topk_agree"] = float((a.topk_ids == b.topk_ids).float().mean())
             return row
 
-        report.run_row(f"local_scorer[{shape}]", ours)
+        if "on" in compile_modes:
+            compile_layers(model, True)
+        for mode in compile_modes:
+            report.run_row(f"local_scorer[{shape}{', compiled' if mode == 'on' else ''}]", lambda mode=mode: ours(mode))
         report.run_row(f"naive_full_logits[{shape}]", naive)
-        speedups([r for r in report.data["rows"] if r["name"].endswith(f"[{shape}]")], f"naive_full_logits[{shape}]")
+        speedups([r for r in report.data["rows"] if r.get("shape") == shape], f"naive_full_logits[{shape}]")
         del model, scorer, rollouts, results
     columns = [("row", "name", ""), ("tokens/s", "tokens_per_s", ",.0f"), ("× naive", "speedup", ".2f"),
                ("% of peak FLOPs", "pct_peak", ".1f"), ("peak GiB", "peak_gib", ".1f"),

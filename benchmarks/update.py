@@ -9,6 +9,8 @@ Precision on CUDA: `--precision autocast` (default; the trainer's: float32 maste
 (bf16 weights). The optimizer step is not timed (the same AdamW for both paths). `loss_err` and `grad_err` compare
 the two paths after the last timed run: |Δloss| and ‖Δg‖ / ‖g‖ over the output embedding and a layer's MLP weight.
 
+The naive rows always run eagerly (plain transformers); with `--compile on` the chunked path gets a compiled row too.
+
 MFU = 6 · params · tokens/s / peak (tokens = B · (prompt + response), all of which run forward and backward); with
 gradient checkpointing the GPU really does ~8 · params FLOPs per token, so MFU understates its arithmetic rate.
 """
@@ -33,8 +35,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
     parser.add_argument("--response-len", type=int, default=512, help="trained response tokens per sequence")
     parser.add_argument("--candidates", type=int, default=16, help="candidate ids per position (J)")
-    parser.add_argument("--ckpt", default="on", help="gradient checkpointing: on, off or on,off (rows for each)")
+    parser.add_argument("--ckpt", default="on",
+                        help="gradient checkpointing, comma-separated rows: on (HF, every layer), off, selective "
+                             "(compiled rows only: `opd.models.activation_budget`, --budget of the activations kept)")
+    parser.add_argument("--budget", type=float, default=0.5, help="activation budget of --ckpt selective")
     parser.add_argument("--precision", default="autocast", choices=["autocast", "bf16"], help="CUDA precision")
+    parser.add_argument("--compile", default=None,
+                        help="on, off or on,off: chunked rows with the decoder layers under torch.compile "
+                             "(`opd.models.compile_layers`, as `opd distill` on a GPU); default on,off on CUDA, off on CPU")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     flops, _ = peaks(device, args)
@@ -74,10 +82,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     def ours():
         model.zero_grad(set_to_none=True)
-        with autocast():
+        with autocast():  # the chunked head too, as in `opd_step`
             hidden = forward_hidden(model, rollouts)
-        ids_NJ = candidates_BTJ[hidden.rows_N, hidden.cols_N]
-        lp_NJ = candidate_logprobs(hidden.hidden_ND, output_head(model), ids_NJ, vocab_size=vocab)
+            ids_NJ = candidates_BTJ[hidden.rows_N, hidden.cols_N]
+            lp_NJ = candidate_logprobs(hidden.hidden_ND, output_head(model), ids_NJ, vocab_size=vocab)
         loss, _ = policy_loss(hidden.to_grid(lp_NJ), old_lp_BTJ, advantages_BTJ, valid_BTJ, mask_BT)
         loss.backward()
         return loss.detach()
@@ -91,6 +99,13 @@ def main(argv: list[str] | None = None) -> dict:
         loss.backward()
         return loss.detach()
 
+    compile_modes = (args.compile or ("on,off" if cuda else "off")).split(",")
+    if "on" in compile_modes:
+        from opd.models import compile_layers
+
+        compile_layers(model, True)
+    from opd.models import activation_budget
+
     for ckpt in args.ckpt.split(","):
         if ckpt == "on":
             model.gradient_checkpointing_enable()
@@ -98,9 +113,18 @@ def main(argv: list[str] | None = None) -> dict:
             model.gradient_checkpointing_disable()
         model.train()
         kept = {}
-        for name, fn in (("chunked_candidates", ours), ("naive_full_logits", naive)):
-            def row(fn=fn, name=name):
-                m = measure(fn, device, warmup=args.warmup, repeat=args.repeat)
+        paths = [(f"chunked_candidates[{'compiled, ' if mode == 'on' else ''}ckpt {ckpt}]", ours, mode)
+                 for mode in compile_modes] + [(f"naive_full_logits[ckpt {ckpt}]", naive, "off")]
+        budget = None
+        if ckpt == "selective":  # only the compiled row: the budget acts when a graph is compiled, so compile anew
+            paths, budget = [p for p in paths if p[2] == "on"], args.budget
+        if "selective" in args.ckpt.split(","):
+            torch._dynamo.reset()
+        for name, fn, mode in paths:
+            def row(fn=fn, mode=mode):
+                with torch.compiler.set_stance("default" if mode == "on" else "force_eager"), \
+                        activation_budget(budget):
+                    m = measure(fn, device, warmup=args.warmup, repeat=args.repeat)
                 rate = tokens / m["seconds"]
                 out = {"ckpt": ckpt, "tokens": tokens, "seconds": m["seconds"], "tokens_per_s": rate,
                        "mfu_pct": 100 * 6 * params * rate / flops if flops else None, "peak_gib": m["peak_gib"]}
@@ -112,9 +136,9 @@ def main(argv: list[str] | None = None) -> dict:
                 kept.update(grads, loss=m["result"])
                 return out
 
-            report.run_row(f"{name}[ckpt {ckpt}]", row)
+            report.run_row(name, row)
         model.zero_grad(set_to_none=True)
-        speedups([r for r in report.data["rows"] if r["name"].endswith(f"[ckpt {ckpt}]")],
+        speedups([r for r in report.data["rows"] if r.get("ckpt") == ckpt],
                  f"naive_full_logits[ckpt {ckpt}]")
     columns = [("row", "name", ""), ("tokens/s", "tokens_per_s", ",.0f"), ("× naive", "speedup", ".2f"),
                ("MFU %", "mfu_pct", ".1f"), ("peak GiB", "peak_gib", ".1f"), ("loss_err", "loss_err", ".1e"),

@@ -69,7 +69,7 @@ def test_update(tmp_path, capsys):
 @pytest.mark.slow
 def test_opd_step(tmp_path, capsys):
     data, _ = run("opd_step", tmp_path, capsys, "--teacher-shape", "tiny", "--prompts", "2", "--n", "2",
-                  "--prompt-len", "5", "--new-tokens", "6")
+                  "--prompt-len", "5", "--new-tokens", "6", "--engines", "torch_engine,static_engine")
     got = rows(data)
     assert set(got) == {"trl_gkd_recreated", "opd_step[torch_engine]", "opd_step[static_engine]"}
     for name in ("opd_step[torch_engine]", "opd_step[static_engine]"):

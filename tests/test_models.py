@@ -120,3 +120,37 @@ def test_compatibility_missing_token_is_named(tiny_tokenizer):
         check_tokenizer_compatibility(tiny_tokenizer, teacher)
     with pytest.raises(TokenizerMismatchError, match=r"'<extra>' \(id 261 in the student\) is missing from the teacher"):
         check_tokenizer_compatibility(teacher, tiny_tokenizer)
+
+
+def test_compile_layers_is_cuda_only_by_default_and_keeps_results():
+    """`compile_layers` (what `opd distill` does on a GPU): off on CPU unless asked; when on, the forward, the gradients
+    under gradient checkpointing, and generation through the HF model (run eagerly by design) are unchanged."""
+    from opd.models import compile_layers
+    from opd.rollout import SamplingParams
+    from opd.rollout.torch_engine import TorchGenerator
+    from opd.teacher.local import forward_hidden
+    from opd.types import Rollouts
+
+    eager, compiled = make_tiny_model("qwen3", seed=4), make_tiny_model("qwen3", seed=4)
+    assert compile_layers(compiled) is False and compile_layers(compiled, False) is False
+    assert compile_layers(compiled, True, backend="aot_eager") is True
+    compiled.gradient_checkpointing_enable()
+    ids = torch.randint(3, 200, (3, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 12, dtype=torch.bool)
+    mask[1, 9:] = False  # a shorter row: a padded batch with an attention mask
+    rollouts = Rollouts(input_ids=ids, attention_mask=mask, prompt_lengths=torch.tensor([4, 4, 4]),
+                        response_ids=ids[:, 4:], response_mask=mask[:, 4:], group_ids=torch.arange(3),
+                        truncated=torch.zeros(3, dtype=torch.bool))
+    grads = []
+    for model in (eager, compiled):
+        model.train()
+        hidden = forward_hidden(model, rollouts)
+        hidden.hidden_ND.square().mean().backward()
+        grads.append((hidden.hidden_ND.detach(), model.model.layers[0].mlp.down_proj.weight.grad.clone()))
+        model.eval()
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[0][1], grads[1][1], atol=1e-5, rtol=1e-5)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=6, stop_at_eos=False)
+    outputs = [TorchGenerator(m, pad_token_id=PAD_ID, eos_token_ids=[EOS_ID]).generate([[5, 6, 7]], params)
+               for m in (eager, compiled)]
+    assert outputs[0].response_ids == outputs[1].response_ids

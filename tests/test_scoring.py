@@ -1,12 +1,22 @@
 """Chunked scoring == the naive full-vocabulary computation (opd.scoring), and the local scorer == the model's own
-logits (opd.teacher.local), packed == padded, plus a peak-memory check on a 151936-token vocabulary."""
+logits (opd.teacher.local), packed == padded, plus peak-memory checks on a 151936-token vocabulary.
+
+The compiled path (CUDA only by default) is covered on CPU by running its plumbing (padding, buckets, whole-chunk
+calls) with an identity `torch.compile`, its fallback with a failing one, and real inductor only with OPD_SLOW_TESTS=1.
+"""
 
 from __future__ import annotations
+
+import ctypes
+import os
+import warnings
 
 import pytest
 import torch
 
-from opd.scoring import OutputHead, candidate_logprobs, candidate_logprobs_and_entropy, score_hidden
+import opd.scoring as scoring
+from opd.scoring import (OutputHead, candidate_logprobs, candidate_logprobs_and_entropy, default_chunk_size,
+                         score_hidden)
 from opd.teacher import LocalScorer, TeacherScorer, forward_hidden
 from opd.teacher.local import check_output_head, output_head, split_by_token_budget
 from opd.types import Rollouts
@@ -47,6 +57,7 @@ HEAD_VARIANTS = [
     dict(bias=True),
     dict(scale=0.25, softcap=3.0),
     dict(bias=True, scale=2.0, softcap=5.0),
+    dict(scale=-0.5, softcap=3.0),  # z decreasing in the raw logits: top-k must take the smallest raw values
 ]
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -191,6 +202,168 @@ def test_candidate_logprobs_bf16_runs():
     lp.sum().backward()
     assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
     assert torch.isfinite(hidden.grad.float()).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# chunk sizes, bf16 model dtype, the compile switch
+
+
+SCORE_FIELDS = ("sampled_logprobs", "topk_logprobs", "entropy", "requested_logprobs")
+
+
+def _score_and_grads(head: OutputHead, hidden, targets, requested, ids, chunk_size, temperature=0.8, top_k=8):
+    """score_hidden's outputs and candidate_logprobs_and_entropy's values and gradients (hidden, weight, bias)."""
+    s = score_hidden(hidden, head, targets_N=targets, top_k=top_k, requested_ids_NR=requested,
+                     temperature=temperature, with_entropy=True, chunk_size=chunk_size)
+    weight = head.weight.detach().clone().requires_grad_()
+    bias = None if head.bias is None else head.bias.detach().clone().requires_grad_()
+    h = hidden.detach().clone().requires_grad_()
+    lp, ent = candidate_logprobs_and_entropy(h, OutputHead(weight, bias, head.logit_scale, head.softcap), ids,
+                                             temperature=temperature, chunk_size=chunk_size)
+    g = torch.Generator().manual_seed(9)
+    (lp * torch.randn(lp.shape, generator=g)).sum().add((ent * torch.randn(ent.shape, generator=g)).sum()).backward()
+    grads = (h.grad, weight.grad) + (() if bias is None else (bias.grad,))
+    return s, (lp, ent) + grads
+
+
+def _case(n, v, d, dtype, seed=0, variant=None):
+    head = make_head(v, d, dtype=dtype, seed=seed, **(variant or {}))
+    g = torch.Generator().manual_seed(seed + 1)
+    hidden = torch.randn(n, d, generator=g, dtype=dtype)
+    targets = torch.randint(0, v, (n,), generator=g)
+    requested = torch.randint(0, v, (n, 5), generator=g)
+    ids = torch.randint(0, v, (n, 4), generator=g)
+    ids[:, -1] = ids[:, 0]  # a duplicate slot
+    return head, hidden, targets, requested, ids
+
+
+def _assert_same(a, b, atol=1e-5):
+    (sa, ga), (sb, gb) = a, b
+    for field in SCORE_FIELDS:
+        torch.testing.assert_close(getattr(sa, field), getattr(sb, field), atol=atol, rtol=0)
+    assert torch.equal(sa.topk_ids, sb.topk_ids)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(bias=True, scale=0.5, softcap=4.0)])
+def test_results_identical_across_chunk_sizes(variant):
+    case = _case(40, 300, 16, torch.float32, variant=variant)
+    ref = _score_and_grads(*case, chunk_size=None)  # default: one chunk here
+    for chunk in (1, 7):
+        _assert_same(_score_and_grads(*case, chunk_size=chunk), ref)
+
+
+def test_bf16_model_dtype_matches_dense_reference():
+    """bf16 hidden and weight (the GPU case, on CPU): log-probs as `log_softmax((h @ W.T).float())`, gradients as
+    autograd through that dense reference. Scaled hidden states make many positions confident (p ≈ 1 at the argmax,
+    which is a candidate), where a bf16 scatter-add of the one-hot term would lose (1 - p)·g to cancellation."""
+    n, v, d, k = 40, 300, 32, 8
+    head, hidden, targets, requested, ids = _case(n, v, d, torch.bfloat16, seed=3)
+    hidden = hidden * 2
+    ref_lp = (hidden @ head.weight.T).float().log_softmax(-1)
+    assert (ref_lp.amax(-1).exp() > 0.9).sum() >= 5  # confident positions exist
+    ids[:, 1] = ref_lp.argmax(-1)
+    g = torch.Generator().manual_seed(4)
+    g_lp, g_ent = torch.randn(n, 4, generator=g), torch.randn(n, generator=g)
+
+    # dense reference, with autograd
+    h_ref, w_ref = hidden.clone().requires_grad_(), head.weight.clone().requires_grad_()
+    lp_full = (h_ref @ w_ref.T).float().log_softmax(-1)
+    ent_ref = -(lp_full.exp() * lp_full).sum(-1)
+    ((lp_full.gather(1, ids) * g_lp).sum() + (ent_ref * g_ent).sum()).backward()
+
+    for chunk in (1, 7, None):
+        s = score_hidden(hidden, head.weight, targets_N=targets, top_k=k, requested_ids_NR=requested,
+                         with_entropy=True, chunk_size=chunk)
+        torch.testing.assert_close(s.sampled_logprobs, ref_lp.gather(1, targets[:, None])[:, 0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(s.requested_logprobs, ref_lp.gather(1, requested), atol=1e-5, rtol=0)
+        torch.testing.assert_close(s.entropy, ent_ref.detach(), atol=1e-5, rtol=0)
+        ref_vals = ref_lp.topk(k, dim=-1).values
+        torch.testing.assert_close(s.topk_logprobs, ref_vals, atol=1e-5, rtol=0)
+        # same ids up to ties: each id's reference log-prob is the reported one
+        torch.testing.assert_close(ref_lp.gather(1, s.topk_ids), s.topk_logprobs, atol=1e-5, rtol=0)
+
+        h, w = hidden.clone().requires_grad_(), head.weight.clone().requires_grad_()
+        lp, ent = candidate_logprobs_and_entropy(h, w, ids, chunk_size=chunk)
+        torch.testing.assert_close(lp, lp_full.gather(1, ids).detach(), atol=1e-5, rtol=0)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        for got, want in ((h.grad, h_ref.grad), (w.grad, w_ref.grad)):
+            assert got.dtype == torch.bfloat16
+            rel = (got.double() - want.double()).norm() / want.double().norm()
+            assert rel < 1e-2, f"chunk {chunk}: relative gradient error {rel:.2e}"
+
+
+def test_default_chunk_size_budgets_the_matmul_dtype(monkeypatch):
+    v = 151936
+    assert 2000 < default_chunk_size(v, torch.bfloat16) < 5000  # ~3.5k positions of bf16 logits on a GPU
+    assert default_chunk_size(v, torch.float32) == default_chunk_size(v, torch.bfloat16) // 2
+    assert default_chunk_size(v) == default_chunk_size(v, torch.float32)  # the conservative default
+    monkeypatch.setattr(scoring, "CHUNK_BYTES", 1 << 20)
+    assert default_chunk_size(v, torch.bfloat16) == 3 and default_chunk_size(10**9, torch.float32) == 1
+
+
+@pytest.fixture
+def fake_compile(monkeypatch):
+    """Make the compiled path run on CPU with `torch.compile` replaced by `make(fn)`; a fresh compile cache."""
+    monkeypatch.setattr(scoring, "_COMPILE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(scoring, "_COMPILED", {})
+
+    def install(make):
+        monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: make(fn))
+    return install
+
+
+@pytest.mark.parametrize("chunk", [7, 280])  # 280: the last chunk (20 rows) is padded to a 256-row bucket
+def test_compiled_path_plumbing_matches_eager(fake_compile, monkeypatch, chunk):
+    calls = []
+
+    def identity(fn):
+        def run(*args):
+            calls.append(args[0].shape[0])
+            return fn(*args)
+        return run
+    fake_compile(identity)
+    case = _case(300, 50, 8, torch.float32, variant=dict(bias=True, scale=0.5, softcap=4.0))
+    compiled = _score_and_grads(*case, chunk_size=chunk)
+    assert set(calls) == ({7} if chunk == 7 else {280, 256})  # whole chunks, the last one padded
+    monkeypatch.setattr(scoring, "COMPILE", False)
+    calls.clear()
+    _assert_same(compiled, _score_and_grads(*case, chunk_size=chunk))  # same math; slices change sum orders
+    assert not calls  # the switch turns compilation off
+
+
+def test_compile_failure_falls_back_to_eager_with_one_warning(fake_compile, monkeypatch):
+    def broken(fn):
+        def run(*args):
+            raise RuntimeError("no compiler here")
+        return run
+    fake_compile(broken)
+    case = _case(30, 50, 8, torch.float32)
+    with pytest.warns(RuntimeWarning, match="opd.scoring: torch.compile of _") as record:
+        fallback = _score_and_grads(*case, chunk_size=7)
+    messages = [str(w.message) for w in record if "opd.scoring" in str(w.message)]
+    assert len(messages) == 2 and "_forward_chunk" in messages[0] and "_grad_chunk" in messages[1]  # one per function
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        again = _score_and_grads(*case, chunk_size=7)  # no more warnings, eager from now on
+    monkeypatch.setattr(scoring, "COMPILE", False)
+    eager = _score_and_grads(*case, chunk_size=7)
+    _assert_same(fallback, eager, atol=0)
+    _assert_same(again, eager, atol=0)
+
+
+@pytest.mark.skipif(os.environ.get("OPD_SLOW_TESTS") != "1", reason="inductor on CPU takes ~40 s; OPD_SLOW_TESTS=1")
+def test_real_compile_on_cpu_matches_eager(monkeypatch):
+    monkeypatch.setattr(scoring, "_COMPILE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(scoring, "_COMPILED", {})
+    case = _case(50, 300, 16, torch.float32, variant=dict(bias=True, scale=0.5, softcap=3.0))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="opd.scoring")  # a fallback would fail the test
+        compiled = _score_and_grads(*case, chunk_size=20)
+    assert all(scoring._COMPILED.get(f) for f in (scoring._forward_chunk, scoring._grad_chunk))
+    monkeypatch.setattr(scoring, "COMPILE", False)
+    _assert_same(compiled, _score_and_grads(*case, chunk_size=20))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -356,7 +529,12 @@ def test_split_by_token_budget():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# memory: a 151936-token vocabulary, 8 × 256 response positions; a [B, T, V] float32 tensor would be ≈ 1.19 GiB
+# memory: a 151936-token vocabulary, 8 × 256 response positions; a [B, T, V] float32 tensor would be ≈ 1.19 GiB.
+# The default budget (1 GiB of model-dtype logits, sized for bf16 on a GPU) would make one float32 CPU chunk almost
+# as big as that, so these tests set a 128 MiB budget and check the stated bound: the logits chunk plus at most one
+# more buffer of its size, i.e. growth < 2 × budget (+ a little for the model's activations and the outputs).
+
+BUDGET_MIB = 128
 
 
 def _rss_kib(field: str) -> int:
@@ -364,15 +542,36 @@ def _rss_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def test_peak_memory_far_below_full_logits():
-    """Peak resident memory growth while scoring, measured in-process: writing 5 to /proc/self/clear_refs resets
-    the kernel's peak-RSS counter (VmHWM) to the current RSS. Big torch CPU buffers are mmap'd and returned on free,
-    so a [B, T, V] tensor (or [N, V] for all positions) would show up in full."""
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+@pytest.fixture
+def rss_peak(monkeypatch):
+    """Peak resident memory growth, measured in-process: writing 5 to /proc/self/clear_refs resets the kernel's
+    peak-RSS counter (VmHWM) to the current RSS. Big buffers must be mmap'd and returned on free for this to see
+    them: glibc's adaptive threshold would serve frees-then-allocs below 32 MiB (the eager row slices) from a heap
+    that keeps its pages, so it is pinned at 1 MiB (one mallopt call; the process's other allocations only move)."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pytest.skip("needs Linux /proc/self/clear_refs to reset the peak-RSS counter")
+        _reset_peak()
+        pinned = ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pinned = 0
+    if not pinned:
+        pytest.skip("needs Linux /proc/self/clear_refs and glibc's mallopt")
+    monkeypatch.setattr(scoring, "CHUNK_BYTES", BUDGET_MIB << 20)
+
+    def measure(fn):
+        _reset_peak()
+        before_kib = _rss_kib("VmRSS")
+        out = fn()
+        return out, (_rss_kib("VmHWM") - before_kib) / 1024
+    return measure
+
+
+def test_peak_memory_far_below_full_logits(rss_peak):
+    """The local scorer (a float32 model on CPU: float32 logits) with top-k, requested ids and entropy."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     V, shared, B, P, T_ = 151936, 151669, 8, 16, 256
@@ -385,14 +584,32 @@ def test_peak_memory_far_below_full_logits():
     requested = torch.randint(0, shared, (B, T_, 16))
     scorer = LocalScorer(model.eval(), vocab_size=shared)
 
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before_kib = _rss_kib("VmRSS")
-    s = scorer.score(ro, top_k=16, requested_ids=requested, with_entropy=True)
-    growth_mib = (_rss_kib("VmHWM") - before_kib) / 1024
+    s, growth_mib = rss_peak(lambda: scorer.score(ro, top_k=16, requested_ids=requested, with_entropy=True))
 
     assert torch.isfinite(s.entropy).all() and s.topk_ids.shape == (B, T_, 16)
     full_logits_mib = B * T_ * V * 4 / 2**20  # 1187 MiB
     print(f"\npeak RSS growth while scoring {B}x{T_} positions, V={V}: {growth_mib:.0f} MiB "
-          f"([B,T,V] float32 = {full_logits_mib:.0f} MiB; chunk logits budget 128 MiB)")
-    assert growth_mib < 400
+          f"([B,T,V] float32 = {full_logits_mib:.0f} MiB; chunk logits budget {BUDGET_MIB} MiB)")
+    assert growth_mib < 2 * BUDGET_MIB + 40
+
+
+def test_peak_memory_candidate_backward(rss_peak):
+    """candidate_logprobs_and_entropy forward + backward on float32 (CPU): besides the chunk bound, the weight's
+    gradient `[V, D]` (the float32 accumulator is the gradient itself here)."""
+    V, N, D = 151936, 1024, 64
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(V, D, generator=g) * 0.3).requires_grad_()
+    hidden = torch.randn(N, D, generator=g).requires_grad_()
+    ids = torch.randint(0, V, (N, 16), generator=g)
+
+    def run():
+        lp, ent = candidate_logprobs_and_entropy(hidden, weight, ids)
+        (lp.sum() + ent.sum()).backward()
+        return lp
+
+    lp, growth_mib = rss_peak(run)
+    assert torch.isfinite(weight.grad).all() and lp.shape == (N, 16)
+    grad_w_mib = V * D * 4 / 2**20  # 37 MiB
+    print(f"\npeak RSS growth, candidate forward + backward of {N} positions, V={V}: {growth_mib:.0f} MiB "
+          f"(chunk logits budget {BUDGET_MIB} MiB, weight gradient {grad_w_mib:.0f} MiB)")
+    assert growth_mib < 2 * BUDGET_MIB + grad_w_mib + 40

@@ -1,12 +1,15 @@
 """`StaticGenerator` against `TorchGenerator` and the model's exact distribution, on tiny CPU models (eager decode
 step: the CUDA graphs and compilation are exercised by `benchmarks/rollout.py` on a GPU)."""
 
+import math
+
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from conftest import EOS_ID, PAD_ID, make_tiny_model
-from opd.rollout import Generator, SamplingParams
-from opd.rollout.static_engine import StaticGenerator, unsupported_reason
+from opd.rollout import Generator, SamplingParams, static_engine
+from opd.rollout.static_engine import StaticGenerator, _sample, unsupported_reason
 from opd.rollout.torch_engine import TorchGenerator, filter_logits
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
@@ -15,6 +18,132 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
 def engines(model, **kwargs):
     common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, **kwargs)
     return TorchGenerator(model, **common), StaticGenerator(model, kv_bucket=16, **common)
+
+
+def tiny_llama_with_biases():
+    """A tiny Llama with random biases on every projection (attention_bias, mlp_bias) and one kv head for four query
+    heads (grouped-query attention with G = 4)."""
+    config = make_tiny_model("llama").config
+    config.attention_bias = config.mlp_bias = True
+    config.num_key_value_heads = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = LlamaForCausalLM(config)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("bias"):  # HF initialises biases to zero, which would test nothing
+                    parameter.normal_(0, 0.3)
+    return model.float().eval()
+
+
+def _max_abs_diff(logprobs_a, logprobs_b):
+    return max((abs(a - b) for row_a, row_b in zip(logprobs_a, logprobs_b) for a, b in zip(row_a, row_b)), default=0)
+
+
+MODELS = {
+    "qwen3": lambda: make_tiny_model("qwen3"),
+    "qwen3_tied": lambda: make_tiny_model("qwen3", tie_word_embeddings=True),
+    "llama_biases_gqa": tiny_llama_with_biases,
+}
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("fuse_weights", [True, False])
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+def test_every_decode_path_matches_torch_generator_in_float32(model_name, fuse_weights, attention):
+    model = MODELS[model_name]()
+    reference = TorchGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
+    static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=16,
+                             fuse_weights=fuse_weights, attention=attention)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=40, return_logprobs=True)
+    want, got = reference.generate(PROMPTS, params), static.generate(PROMPTS, params)
+    assert got.response_ids == want.response_ids
+    assert got.finish_reasons == want.finish_reasons
+    assert _max_abs_diff(got.logprobs, want.logprobs) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_autocast_decodes_on_cast_once_weights_like_a_bf16_model(kind, monkeypatch):
+    """fuse_weights under autocast = the decode step of the model with bf16 parameters, bit for bit, run without
+    autocast. The prefill is shared (the HF prefill under autocast keeps a float32 residual stream, a bf16 model does
+    not), so only the decode steps are compared; without fuse_weights the step runs under autocast (float32
+    residual) and differs."""
+    autocast_in_step, plain_attn_in = [], static_engine._attn_in
+
+    def spy_attn_in(*args):
+        autocast_in_step.append(torch.is_autocast_enabled("cpu"))
+        return plain_attn_in(*args)
+
+    monkeypatch.setattr(static_engine, "_attn_in", spy_attn_in)
+    model = make_tiny_model(kind, tie_word_embeddings=kind == "qwen3")
+    bf16_model = make_tiny_model(kind, tie_word_embeddings=kind == "qwen3")
+    for parameter in bf16_model.parameters():  # parameters only: `.to(bf16)` would also round RoPE's inv_freq
+        parameter.data = parameter.data.bfloat16()
+    common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=16)
+    bf16 = StaticGenerator(bf16_model, **common)
+    for params in (SamplingParams(n=2, temperature=0, max_new_tokens=40, return_logprobs=True),
+                   SamplingParams(n=4, max_new_tokens=20, seed=3, return_logprobs=True)):
+        want = bf16.generate(PROMPTS, params)
+        for fuse_weights in (True, False):
+            autocast = StaticGenerator(model, fuse_weights=fuse_weights, **common)
+            autocast._prefill = bf16._prefill
+            autocast_in_step.clear()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                got = autocast.generate(PROMPTS, params)
+            assert autocast_in_step and set(autocast_in_step) == {not fuse_weights}
+            if fuse_weights:
+                assert got.response_ids == want.response_ids and got.logprobs == want.logprobs
+            else:
+                assert got.logprobs != want.logprobs
+                assert _max_abs_diff([row[:1] for row in got.logprobs], [row[:1] for row in want.logprobs]) == 0
+
+
+def test_weights_updated_between_calls_are_seen():
+    """The fused weights are rebuilt for every chunk, so an optimizer step between two calls counts."""
+    model = make_tiny_model("qwen3")
+    reference, static = engines(model)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=12, return_logprobs=True)
+    before = static.generate(PROMPTS, params)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.mul_(-1.5)
+        model.model.layers[1].mlp.up_proj.weight.mul_(2.0)
+    after, want = static.generate(PROMPTS, params), reference.generate(PROMPTS, params)
+    assert after.logprobs != before.logprobs
+    assert after.response_ids == want.response_ids
+    assert _max_abs_diff(after.logprobs, want.logprobs) < 1e-5
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every logit 0: greedy picks id 0, log-prob -log V
+    uniform = static.generate(PROMPTS, params)
+    assert all(ids == [0] * 12 for ids in uniform.response_ids)
+    assert _max_abs_diff(uniform.logprobs, [[-math.log(261)] * 12] * 6) < 1e-5
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_sample_draws_below_vocab_size_and_reports_unfiltered_logprobs(temperature):
+    """`_sample` on logits with padding columns past vocab_size (which would win the argmax) and top-k 3."""
+    generator = torch.Generator().manual_seed(0)
+    logits_RV = torch.randn(1, 12, generator=generator).expand(500, 12).contiguous()  # one row, 500 draws
+    logits_RV[:, 10:] = 100.0
+    noise_RN = torch.rand(500, 10, generator=generator)
+    tokens_R, logprobs_R = _sample(logits_RV, noise_RN if temperature else None, temperature, 10, 3, 1.0)
+    scaled_RV = logits_RV[:, :10] / (temperature or 1.0)
+    assert tokens_R.max() < 10
+    allowed = set(scaled_RV[0].topk(3).indices.tolist()) if temperature else {int(scaled_RV[0].argmax())}
+    assert set(tokens_R.tolist()) == allowed  # 500 draws from 3 comparable tokens: each appears
+    want_R = scaled_RV.log_softmax(-1).gather(-1, tokens_R[:, None]).squeeze(-1)
+    assert torch.allclose(logprobs_R, want_R, atol=1e-6)
+
+
+def test_greedy_with_a_vocab_limit_matches_torch_generator():
+    model = make_tiny_model("llama")
+    params = SamplingParams(n=1, temperature=0, max_new_tokens=20, return_logprobs=True)
+    unlimited = TorchGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID).generate(PROMPTS, params)
+    assert max(max(ids) for ids in unlimited.response_ids) >= 100  # the limit below changes the argmax
+    reference, static = engines(model, vocab_size=100)
+    want, got = reference.generate(PROMPTS, params), static.generate(PROMPTS, params)
+    assert max(max(ids) for ids in got.response_ids) < 100
+    assert got.response_ids == want.response_ids
+    assert _max_abs_diff(got.logprobs, want.logprobs) < 1e-5
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
@@ -117,3 +246,5 @@ def test_unsupported_models_raise_or_fall_back():
     assert fallback.generate(PROMPTS, params).response_ids == reference.generate(PROMPTS, params).response_ids
     with pytest.raises(ValueError, match="kv_bucket"):
         StaticGenerator(make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=0)
+    with pytest.raises(ValueError, match="attention must be one of sdpa, matmul, got 'flash'"):
+        StaticGenerator(make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, attention="flash")

@@ -334,4 +334,12 @@ class DistillConfig(Section):
     micro_batch_tokens: int = Field(16384, ge=1, description="Token budget of one forward/backward micro-batch.")
     score_batch_tokens: int = Field(32768, ge=1, description="Token budget of one no-grad scoring forward (teacher and student).")
     teacher_offload: bool = Field(False, description="Keep the teacher on CPU except while it scores.")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    gradient_checkpointing: bool | None = Field(
+        None, description="Recompute every layer's activations in backward to save memory. None: on CUDA, selective "
+        "when the layers are compiled (see activation_budget), else full; off on CPU.")
+    activation_budget: float = Field(
+        0.5, gt=0, le=1, description="Selective checkpointing (compiled layers, gradient_checkpointing None): keep at "
+        "most this fraction of the activations, recompute the cheap rest in backward; 1 = keep all.")
+    compile: bool | None = Field(
+        None, description="torch.compile the decoder layers of student and teacher (scoring and update); None: on for "
+        "CUDA with one process.")

@@ -2,30 +2,53 @@
 hidden states and the output embedding, so that no `[N, V]` float32 tensor for all positions ever exists (SPEC §1).
 
 Notation: `N` positions (already gathered: only the positions that are scored), `D` hidden size, `V` vocabulary rows
-used (the shared range, see `vocab_size`), `C` positions per chunk, `K` top-k, `R` requested ids, `J` candidate ids.
+used (the shared range, see `vocab_size`), `C` positions per chunk, `K` top-k, `R` requested ids, `J` candidate ids,
+`G` gathered ids (targets and requested, or candidates).
 
 The logits follow the Hugging Face heads: `z = softcap(logit_scale · (h Wᵀ + b)) / temperature`, the matmul in the
-model's dtype (bf16 on GPU, as `lm_head` does) and everything after it in float32 (float64 when the inputs are
-float64, which the tests use). Rows of W at or beyond `vocab_size` are vocabulary padding: they are sliced off
-before the matmul, so they are never selected, carry no probability mass and get zero gradient.
+model's dtype (bf16 on GPU, as `lm_head` does, or autocast's) and everything after it in float32 (float64 when the
+inputs are float64, which the tests use). Rows of W at or beyond `vocab_size` are vocabulary padding: they are sliced
+off before the matmul, so they are never selected, carry no probability mass and get zero gradient.
 
-Omitted on purpose: no fused/Triton kernel (a plain chunk loop is fast enough next to the model body and runs
-everywhere); no per-position temperature; no sparse or quantised heads. Heads other than linear (+ bias) with a
-multiplicative scale and tanh soft-capping are not representable; `opd.teacher.local.output_head` refuses them.
+What is fused, and how: per chunk, one matmul gives the raw logits `[C, V]` in the model dtype; then two small pure
+functions take them as they are and upcast inside: `_forward_chunk` (row max, log-sum-exp, entropy, gathers and
+top-k) and `_grad_chunk` (the gradient wrt the raw logits, returned in the model dtype for the backward GEMMs). On
+CUDA they run through `torch.compile(dynamic=False)` (built lazily on first use; `COMPILE = False` turns it off), so
+the bf16 logits are read a few times and no float32 `[C, V]` copy is ever stored; a compile failure falls back to
+eager with one warning. Eagerly (CPU, float64, fallback) the same functions run on row slices of the chunk sized so
+that their float32 temporaries fit in one more logits-sized buffer (see `CHUNK_BYTES`).
+
+Omitted on purpose: no hand-written Triton kernel (inductor's fusion of these row-wise reductions is enough next to
+the model body, and the eager path is the same code); no per-position temperature; no sparse or quantised heads.
+Heads other than linear (+ bias) with a multiplicative scale and tanh soft-capping are not representable;
+`opd.teacher.local.output_head` refuses them.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from opd.types import TokenScores
 
-CHUNK_BYTES = 128 << 20
-"""Default budget of one chunk's float32 logits `[C, V]`: C = CHUNK_BYTES // (4 V) (220 positions for V = 151936).
-Peak extra memory of a chunk is about 2× this (the float32 logits and `exp` of them; a bf16 matmul output adds 0.5×
-briefly), ~0.25 GB, whatever N is."""
+CHUNK_BYTES = 1 << 30
+"""Budget of one chunk's raw logits `[C, V]` in the dtype the head matmul returns (the model's, or autocast's):
+C = CHUNK_BYTES // (V · itemsize), i.e. 3,533 positions for V = 151,936 in bf16 (1,766 in float32).
+Peak extra memory of a chunk is about 2× this (~2 GiB), whatever N is: the logits plus at most one more buffer of the
+same size (compiled, backward only: the logits' gradient in the model dtype; eagerly: float32 temporaries of row
+slices). The weight gradient adds a `[V, D]` float32 accumulator when the weight is bf16/fp16 (see `_add_outer`)."""
+
+COMPILE = True
+"""Run the per-chunk functions through `torch.compile(dynamic=False)` on CUDA. False = always eager (same results to
+float32 rounding). CPU and float64 inputs always run eagerly."""
+
+_COMPILE_DEVICES = ("cuda",)  # device types that compile; the tests add "cpu"
+_MIN_BUCKET = 256  # a partial chunk is padded to a power of two ≥ this (≤ the chunk) before a compiled call
+_FWD_TEMPS = 4  # [rows, V] compute-dtype temporaries alive at once in eager `_forward_chunk` (3, plus margin)
+_BWD_TEMPS = 8  # the same for eager `_grad_chunk`, its output included (≤ 6, plus margin)
 
 
 @dataclass(frozen=True)
@@ -58,24 +81,202 @@ def _as_head(head: OutputHead | torch.Tensor) -> OutputHead:
     return head if isinstance(head, OutputHead) else OutputHead(head)
 
 
-def default_chunk_size(vocab_size: int) -> int:
-    """Positions per chunk so that one chunk's float32 logits stay within `CHUNK_BYTES`."""
-    return max(1, CHUNK_BYTES // (4 * max(1, vocab_size)))
+def default_chunk_size(vocab_size: int, dtype: torch.dtype = torch.float32) -> int:
+    """Positions per chunk so that one chunk's raw logits `[C, V]` in `dtype` (the head matmul's output dtype) stay
+    within `CHUNK_BYTES`: 3,533 for V = 151,936 in bf16. The float32 default is the conservative choice."""
+    return max(1, CHUNK_BYTES // (dtype.itemsize * max(1, vocab_size)))
 
 
-def _chunk_logits(hidden_CD: torch.Tensor, head: OutputHead, temperature: float) -> torch.Tensor:
-    """[C, V] logits at `temperature`, a fresh tensor in the compute dtype (float32, or float64 for float64 inputs)."""
-    raw_CV = torch.nn.functional.linear(hidden_CD, head.weight, head.bias)  # model dtype, like lm_head
-    compute_dtype = torch.promote_types(raw_CV.dtype, torch.float32)
-    # .to() returns raw_CV itself when it is already float32; it is ours, so the in-place ops below are safe.
-    z_CV = raw_CV.to(compute_dtype)
-    if head.logit_scale != 1.0:
-        z_CV.mul_(head.logit_scale)
-    if head.softcap is not None:
-        z_CV.div_(head.softcap).tanh_().mul_(head.softcap)
+# ---------------------------------------------------------------------------------------------------------------
+# per-chunk functions: pure, row-wise, over the raw logits in the model dtype (compiled on CUDA, see module docstring)
+
+
+def _transform(raw: torch.Tensor, scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
+    """z = softcap(scale · raw) / temperature in the compute dtype (float32, or float64 for float64 raw)."""
+    z = raw.to(torch.promote_types(raw.dtype, torch.float32))
+    if scale != 1.0:
+        z = z * scale
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
     if temperature != 1.0:
-        z_CV.div_(temperature)
-    return z_CV
+        z = z / temperature
+    return z
+
+
+def _forward_chunk(raw_CW, ids_CG, top_k, scale, softcap, temperature, with_entropy, vocab_size):
+    """Row statistics of z = `_transform(raw_CV)` with raw_CV = raw_CW[:, :vocab_size] (W ≥ V columns: the matmul
+    ran over an aligned row count, see `_aligned_rows`): (lse_C, entropy_C or None, log-probs at ids_CG [C, G],
+    top-k ids [C, K] and log-probs [C, K] descending, or None when top_k = 0), all in the compute dtype."""
+    raw_CV = raw_CW[:, :vocab_size]
+    x_CV = _transform(raw_CV, scale, softcap, temperature)
+    max_C1 = x_CV.amax(dim=-1, keepdim=True)
+    x_CV = x_CV - max_C1  # ≤ 0, so exp never overflows; log p = x - log S with S = Σ exp(x) ∈ [1, V]
+    exp_CV = x_CV.exp()
+    sum_C = exp_CV.sum(-1)
+    log_sum_C = sum_C.log()
+    lse_C1 = max_C1 + log_sum_C[:, None]
+    # H = log S - Σ exp(x) x / S (= lse - Σ p z): two non-negative terms, so no cancellation.
+    entropy_C = log_sum_C - (exp_CV * x_CV).sum(-1) / sum_C if with_entropy else None
+    # Gathers and top-k read the raw logits and transform only what they pick. z is monotone in raw (non-decreasing
+    # for scale > 0 and any cap, temperature > 0; non-increasing for scale < 0), so the top-k of raw are the top-k
+    # of z and of log p: same values, ids equal up to ties.
+    lp_CG = _transform(raw_CV.gather(1, ids_CG), scale, softcap, temperature) - lse_C1
+    topk_ids_CK = topk_lp_CK = None
+    if top_k:
+        values_CK, topk_ids_CK = raw_CV.topk(top_k, dim=-1, largest=scale >= 0)  # sorted: z descending
+        topk_lp_CK = _transform(values_CK, scale, softcap, temperature) - lse_C1
+    return lse_C1[:, 0], entropy_C, lp_CG, topk_ids_CK, topk_lp_CK
+
+
+def _grad_chunk(raw_CV, ids_CJ, lse_C, entropy_C, grad_lp_CJ, grad_entropy_C, scale, softcap, temperature,
+                vocab_size):
+    """Gradient of Σ_j grad_lp_j · log p(id_j) + grad_entropy · H wrt the raw logits: (g_CV in raw_CV's dtype, for
+    the backward GEMMs, and its values at ids_CJ [C, J] in that dtype, or None without grad_lp). Columns at or
+    beyond `vocab_size` (alignment padding of the matmul, `_aligned_rows`) are not part of the softmax: zero there.
+
+    dL/dz = Σ_j g_j (e_{id_j} - p) + g_H · (-p (log p + H)) = p · (-Σ_j g_j - g_H (log p + H)) + Σ_j g_j e_{id_j},
+    then times dz/draw = scale / temperature · (1 - tanh²). The dense part is rounded to the model dtype once; the
+    candidate entries are recomputed exactly in float32 and written over it by the caller (`scatter_`), because a
+    bf16 scatter-add would lose (1 - p) · g to cancellation when p ≈ 1. Duplicate ids get equal, summed values."""
+    cd = torch.promote_types(raw_CV.dtype, torch.float32)
+    coeff_C1 = torch.zeros_like(lse_C[:, None]) if grad_lp_CJ is None else -grad_lp_CJ.to(cd).sum(1, keepdim=True)
+
+    def grad_of(raw, onehot):  # elementwise in the vocabulary dimension: the same math for [C, V] and [C, J]
+        z = _transform(raw, scale, softcap, temperature)
+        chain = scale / temperature
+        if softcap is not None:  # d(c·tanh(x/c))/dx = 1 - tanh² = 1 - (capped / c)², and capped = z · temperature
+            chain = (1 - (z * (temperature / softcap)) ** 2) * chain
+        z = z - lse_C[:, None]  # log p
+        coeff = coeff_C1
+        if grad_entropy_C is not None:
+            coeff = coeff - grad_entropy_C.to(cd)[:, None] * (z + entropy_C[:, None])
+        g = z.exp() * coeff
+        if onehot is not None:
+            g = g + onehot
+        return g * chain
+
+    in_vocab_1V = torch.arange(raw_CV.shape[1], device=raw_CV.device)[None] < vocab_size
+    g_CV = torch.where(in_vocab_1V, grad_of(raw_CV, None), 0.0).to(raw_CV.dtype)
+    if grad_lp_CJ is None:
+        return g_CV, None
+    # Σ_{j'} [id_j' = id_j] g_j': the one-hot term at each slot, duplicates summed
+    onehot_CJ = ((ids_CJ[:, :, None] == ids_CJ[:, None, :]).to(cd) * grad_lp_CJ.to(cd)[:, None, :]).sum(-1)
+    return g_CV, grad_of(raw_CV.gather(1, ids_CJ), onehot_CJ).to(raw_CV.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compilation and chunk plumbing
+
+_COMPILED: dict[Callable, Callable | None] = {}  # fn -> its compiled version; None once compiling it failed
+
+
+def _compiles(device: torch.device, dtype: torch.dtype) -> bool:
+    return COMPILE and device.type in _COMPILE_DEVICES and dtype != torch.float64
+
+
+def _compiled_call(fn: Callable, *args):
+    """fn(*args) through `torch.compile(dynamic=False)` (built on first use), or None once compiling fn failed: then
+    one warning, and the caller runs fn eagerly (from now on too)."""
+    compiled = _COMPILED.get(fn, False)
+    if compiled is None:
+        return None
+    try:
+        if compiled is False:
+            compiled = _COMPILED[fn] = torch.compile(fn, dynamic=False)
+        # Shapes: the chunk plus a few buckets for the last one, per (G, K, J, flags, dtype) variant, can exceed
+        # dynamo's default of 8 compiled versions per function, after which it would silently run eagerly.
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        with config.patch(**{name: max(getattr(config, name), 64)}):
+            return compiled(*args)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as err:  # noqa: BLE001 -- any compiler failure; the functions are pure, so rerunning is safe
+        _COMPILED[fn] = None
+        warnings.warn(f"opd.scoring: torch.compile of {fn.__name__} failed, running it eagerly from now on "
+                      f"({type(err).__name__}: {str(err)[:500]})", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def _bucket(rows: int, chunk: int) -> int:
+    """Rows a compiled call sees: a partial chunk is padded to a power of two (≥ `_MIN_BUCKET`, ≤ chunk), so that
+    `dynamic=False` compiles a handful of shapes rather than one per N; padding wastes at most half the rows."""
+    return min(chunk, max(_MIN_BUCKET, 1 << (rows - 1).bit_length()))
+
+
+def _pad_rows(x: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """x with zero rows appended up to `rows` (their results are computed and dropped)."""
+    if x is None or x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros((rows - x.shape[0],) + x.shape[1:])])
+
+
+def _eager_rows(raw_CV: torch.Tensor, temps: int) -> int:
+    """Rows per eager slice so that `temps` compute-dtype `[rows, V]` buffers fit in the raw chunk's bytes."""
+    compute_bytes = torch.promote_types(raw_CV.dtype, torch.float32).itemsize
+    return max(1, raw_CV.shape[0] * raw_CV.element_size() // (temps * compute_bytes))
+
+
+def _aligned_rows(vocab_size: int, rows: int) -> int:
+    """Rows of the output embedding the head matmul runs over: `vocab_size` rounded up to a multiple of 64, within the
+    embedding's `rows`. Why: the logits' row stride must be a multiple of 8 elements for cuBLAS's fast tensor-core
+    kernels; an odd one (Qwen3's tokenizer range, 151,669) ran the [C, V] matmul ~6× slower on an H200. The extra
+    columns are sliced off (forward) or given zero gradient (backward)."""
+    return min(rows, -(-vocab_size // 64) * 64)
+
+
+def _matmul_dtype(hidden_ND: torch.Tensor, head: OutputHead) -> torch.dtype:
+    """The dtype the head matmul returns here (the model's, or autocast's), from a 1 × 1 product."""
+    with torch.no_grad():
+        return torch.nn.functional.linear(hidden_ND[:1], head.weight[:1]).dtype
+
+
+def _chunk_forward(hidden_CD, head, ids_CG, top_k, temperature, with_entropy, compiled, chunk, vocab_size):
+    """`_forward_chunk` over one chunk of hidden states: one matmul (over `head`'s aligned rows), then compiled on the
+    whole (padded) chunk, or eagerly on row slices. Returns its outputs for the chunk's real rows."""
+    rows = hidden_CD.shape[0]
+    consts = (top_k, head.logit_scale, head.softcap, temperature, with_entropy, vocab_size)
+    padded = _bucket(rows, chunk) if compiled else rows
+    raw_CV = torch.nn.functional.linear(_pad_rows(hidden_CD, padded), head.weight, head.bias)  # model dtype
+    ids_CG = _pad_rows(ids_CG, padded)
+    out = _compiled_call(_forward_chunk, raw_CV, ids_CG, *consts) if compiled else None
+    if out is None:
+        step = _eager_rows(raw_CV, _FWD_TEMPS)
+        parts = [_forward_chunk(raw_CV[a:a + step], ids_CG[a:a + step], *consts) for a in range(0, rows, step)]
+        out = tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
+    return tuple(None if x is None else x[:rows] for x in out)
+
+
+def _add_outer(acc_VD: torch.Tensor, g_CV: torch.Tensor, h_CD: torch.Tensor, slice_of_chunk: bool) -> None:
+    """acc_VD += g_CVᵀ h_CD, accumulated in acc's dtype. In place when the dtypes agree; else (bf16 g, float32
+    accumulator) through `addmm(out_dtype=)` where the backend has it (CUDA, recent torch); else for an eager row
+    slice by upcasting it (small, and the many slices' sum must not be rounded to bf16 slice by slice); else via a
+    `[V, D]` product in g's dtype, rounded once per chunk as a plain bf16 GEMM would be."""
+    if g_CV.dtype == acc_VD.dtype:
+        acc_VD.addmm_(g_CV.T, h_CD)
+    elif _mixed_addmm_ok(acc_VD.device, g_CV.dtype, acc_VD.dtype):
+        torch.addmm(acc_VD, g_CV.T, h_CD, out_dtype=acc_VD.dtype, out=acc_VD)
+    elif slice_of_chunk:
+        acc_VD.addmm_(g_CV.T.to(acc_VD.dtype), h_CD.to(acc_VD.dtype))
+    else:
+        acc_VD += g_CV.T @ h_CD
+
+
+_MIXED_ADDMM: dict[tuple[str, torch.dtype, torch.dtype], bool] = {}
+
+
+def _mixed_addmm_ok(device: torch.device, in_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether `torch.addmm(acc, a, b, out_dtype=, out=acc)` works and is right here (probed once per key)."""
+    key = (device.type, in_dtype, out_dtype)
+    if key not in _MIXED_ADDMM:
+        try:
+            a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device, dtype=in_dtype)
+            acc = torch.ones(2, 2, device=device, dtype=out_dtype)
+            torch.addmm(acc, a, a, out_dtype=out_dtype, out=acc)
+            _MIXED_ADDMM[key] = acc.tolist() == [[8.0, 11.0], [16.0, 23.0]]
+        except Exception:  # noqa: BLE001 -- unsupported op, overload or backend
+            _MIXED_ADDMM[key] = False
+    return _MIXED_ADDMM[key]
 
 
 def _check_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:
@@ -92,6 +293,10 @@ def _check_common(hidden_ND: torch.Tensor, head: OutputHead, temperature: float)
         raise ValueError(f"hidden must be [N, D] with D = {head.weight.shape[1]}, got {tuple(hidden_ND.shape)}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# public functions
 
 
 @torch.no_grad()
@@ -115,21 +320,28 @@ def score_hidden(
     top_k:            K ≥ 0; 0 = no top-k
     requested_ids_NR: [N, R] long or None, extra ids whose log-probs are wanted (e.g. the student's top-k)
     vocab_size:       scored range; rows ≥ it are padding (never selected, no mass). None = all rows
-    chunk_size:       positions per chunk; None = `default_chunk_size(vocab_size)`
+    chunk_size:       positions per chunk; None = `default_chunk_size(vocab_size, dtype=<matmul dtype>)`
+
+    Memory: one chunk's raw logits `[C, V]` in the model dtype, plus (eagerly) at most one more buffer of that size
+    for row slices' float32 temporaries; compiled, nothing else `[C, V]`. See `CHUNK_BYTES`.
 
     Returns a `TokenScores` whose tensors are flat, `[N, ...]` instead of `[B, T, ...]`: sampled_logprobs [N],
     topk_ids [N, K] / topk_logprobs [N, K] descending (None when K = 0), entropy [N] (None unless asked),
     requested_logprobs [N, R] (None unless asked); float32 (float64 for float64 inputs). N = 0 gives empty tensors.
     """
-    head = _as_head(head).restricted(vocab_size)
+    full = _as_head(head)
+    head = full.restricted(vocab_size)
     _check_common(hidden_ND, head, temperature)
     n_pos, v_used = hidden_ND.shape[0], head.weight.shape[0]
+    head = full.restricted(_aligned_rows(v_used, full.weight.shape[0]))
     if not 0 <= top_k <= v_used:
         raise ValueError(f"top_k must be in [0, {v_used}], got {top_k}")
     _check_ids(targets_N, v_used, "targets_N")
     if requested_ids_NR is not None:
         _check_ids(requested_ids_NR, v_used, "requested_ids_NR")
-    chunk = chunk_size or default_chunk_size(v_used)
+    mm_dtype = _matmul_dtype(hidden_ND, head)
+    chunk = chunk_size or default_chunk_size(v_used, mm_dtype)
+    compiled = _compiles(hidden_ND.device, mm_dtype)
 
     dev = hidden_ND.device
     dtype = torch.promote_types(hidden_ND.dtype, torch.float32)
@@ -138,51 +350,41 @@ def score_hidden(
     topk_lp_NK = torch.zeros(n_pos, top_k, dtype=dtype, device=dev) if top_k else None
     entropy_N = torch.zeros(n_pos, dtype=dtype, device=dev) if with_entropy else None
     requested_NR = None
+    ids_NG = targets_N[:, None]  # one gather for the targets and the requested ids
     if requested_ids_NR is not None:
         requested_NR = torch.zeros(requested_ids_NR.shape, dtype=dtype, device=dev)
+        ids_NG = torch.cat([ids_NG, requested_ids_NR], dim=1)
 
     for s in range(0, n_pos, chunk):
         e = min(s + chunk, n_pos)
-        # Shift by the row max in place (x = z - max ≤ 0); log p = x - log S with S = Σ exp(x) ∈ [1, V].
-        # Ordered so that at most two [C, V] buffers live at once: x, and exp(x) only when the entropy needs both.
-        x_CV = _chunk_logits(hidden_ND[s:e], head, temperature)
-        x_CV.sub_(x_CV.amax(dim=-1, keepdim=True))
-        sampled_N[s:e] = x_CV.gather(1, targets_N[s:e, None]).squeeze(1)
-        if top_k:
-            values_CK, ids_CK = x_CV.topk(top_k, dim=-1)  # sorted, descending
-            topk_ids_NK[s:e] = ids_CK
-            topk_lp_NK[s:e] = values_CK
+        _, entropy_C, lp_CG, topk_ids_CK, topk_lp_CK = _chunk_forward(
+            hidden_ND[s:e], head, ids_NG[s:e], top_k, temperature, with_entropy, compiled, chunk, v_used)
+        sampled_N[s:e] = lp_CG[:, 0]
         if requested_NR is not None:
-            requested_NR[s:e] = x_CV.gather(1, requested_ids_NR[s:e])
+            requested_NR[s:e] = lp_CG[:, 1:]
+        if top_k:
+            topk_ids_NK[s:e] = topk_ids_CK
+            topk_lp_NK[s:e] = topk_lp_CK
         if with_entropy:
-            # H = log S - Σ exp(x) x / S: two non-negative terms, so no cancellation.
-            exp_CV = x_CV.exp()
-            sum_C = exp_CV.sum(-1)
-            log_sum_C = sum_C.log()
-            entropy_N[s:e] = log_sum_C - torch.einsum("cv,cv->c", exp_CV, x_CV) / sum_C
-            del exp_CV
-        else:
-            log_sum_C = x_CV.exp_().sum(-1).log()
-        sampled_N[s:e] -= log_sum_C
-        if top_k:
-            topk_lp_NK[s:e] -= log_sum_C[:, None]
-        if requested_NR is not None:
-            requested_NR[s:e] -= log_sum_C[:, None]
+            entropy_N[s:e] = entropy_C
     return TokenScores(sampled_N, topk_ids_NK, topk_lp_NK, entropy_N, requested_NR)
 
 
 class _CandidateLogprobs(torch.autograd.Function):
     """log_softmax(z)[ids] (and optionally the entropy) with a backward that recomputes each chunk's logits.
 
-    Memory: forward keeps only `lse` [N] (and H [N]) besides the inputs; backward rebuilds one chunk's `[C, V]`
-    logits at a time, so peak extra memory is a few `[C, V]` float32 buffers plus a float32 `[V, D]` accumulator
-    for the weight gradient (only when the weight needs one), never `[N, V]`. The price is one extra head matmul
-    per chunk (4 instead of 3 for forward + backward), small next to the model body.
+    Memory: forward keeps only `lse` [N] (and H [N]) besides the inputs; backward rebuilds one chunk's `[C, V]` raw
+    logits at a time, in the model dtype, plus at most one more buffer of that size (the logits' gradient g in the
+    model dtype; eagerly, float32 temporaries of row slices and g's slice), never `[N, V]`. The weight gradient is
+    accumulated in float32: in the gradient itself for float32 weights, in a `[V, D]` float32 accumulator for
+    bf16/fp16 ones (plus a `[V, D]` product per chunk where `addmm(out_dtype=)` is missing, see `_add_outer`). The
+    price is one extra head matmul per chunk (4 instead of 3 for forward + backward), small next to the model body.
     """
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")  # backward then recomputes under the forward's autocast state
-    def forward(ctx, hidden_ND, weight_VD, bias_V, ids_NJ, logit_scale, softcap, temperature, chunk, with_entropy):
+    def forward(ctx, hidden_ND, weight_VD, bias_V, ids_NJ, logit_scale, softcap, temperature, chunk, with_entropy,
+                compiled, vocab_size):
         head = OutputHead(weight_VD, bias_V, logit_scale, softcap)
         n_pos = hidden_ND.shape[0]
         dtype = torch.promote_types(hidden_ND.dtype, torch.float32)
@@ -191,23 +393,12 @@ class _CandidateLogprobs(torch.autograd.Function):
         entropy_N = torch.zeros(n_pos if with_entropy else 0, dtype=dtype, device=hidden_ND.device)
         for s in range(0, n_pos, chunk):
             e = min(s + chunk, n_pos)
-            # as in score_hidden: x = z - max in place, log p = x - log S, H = log S - Σ exp(x) x / S
-            x_CV = _chunk_logits(hidden_ND[s:e], head, temperature)
-            max_C1 = x_CV.amax(dim=-1, keepdim=True)
-            x_CV.sub_(max_C1)
-            lp_NJ[s:e] = x_CV.gather(1, ids_NJ[s:e])
+            lse_N[s:e], entropy_C, lp_NJ[s:e], _, _ = _chunk_forward(
+                hidden_ND[s:e], head, ids_NJ[s:e], 0, temperature, with_entropy, compiled, chunk, vocab_size)
             if with_entropy:
-                exp_CV = x_CV.exp()
-                sum_C1 = exp_CV.sum(-1, keepdim=True)
-                entropy_N[s:e] = sum_C1.log().squeeze(1) - torch.einsum("cv,cv->c", exp_CV, x_CV) / sum_C1.squeeze(1)
-                del exp_CV
-            else:
-                sum_C1 = x_CV.exp_().sum(-1, keepdim=True)
-            lse_C1 = max_C1 + sum_C1.log()
-            lse_N[s:e] = lse_C1.squeeze(1)
-            lp_NJ[s:e] -= sum_C1.log()
+                entropy_N[s:e] = entropy_C
         ctx.save_for_backward(hidden_ND, weight_VD, bias_V, ids_NJ, lse_N, entropy_N)
-        ctx.params = (logit_scale, softcap, temperature, chunk, with_entropy)
+        ctx.params = (logit_scale, softcap, temperature, chunk, with_entropy, compiled, vocab_size)
         ctx.set_materialize_grads(False)  # an unused output's grad arrives as None: skip its term
         return lp_NJ, entropy_N
 
@@ -215,68 +406,77 @@ class _CandidateLogprobs(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_lp_NJ, grad_entropy_N):
         hidden_ND, weight_VD, bias_V, ids_NJ, lse_N, entropy_N = ctx.saved_tensors
-        logit_scale, softcap, temperature, chunk, with_entropy = ctx.params
-        head = OutputHead(weight_VD, bias_V, logit_scale, softcap)
+        logit_scale, softcap, temperature, chunk, with_entropy, compiled, vocab_size = ctx.params
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if not with_entropy:
             grad_entropy_N = None
         n_pos = hidden_ND.shape[0]
         grad_h_ND = torch.zeros_like(hidden_ND) if need_h else None
         # float32 accumulators: summing per-chunk bf16 products in bf16 would lose the small chunks' contributions.
+        # For a float32 weight the accumulator is the gradient itself.
         acc_dtype = torch.promote_types(weight_VD.dtype, torch.float32)
         grad_w_VD = torch.zeros(weight_VD.shape, dtype=acc_dtype, device=weight_VD.device) if need_w else None
         grad_b_V = torch.zeros(weight_VD.shape[0], dtype=acc_dtype, device=weight_VD.device) if need_b else None
         if grad_lp_NJ is None and grad_entropy_N is None:
-            return (grad_h_ND, grad_w_VD, grad_b_V) + (None,) * 6
+            return (grad_h_ND, grad_w_VD, grad_b_V) + (None,) * 8
 
+        dev = hidden_ND.device
+        head = OutputHead(weight_VD, bias_V, logit_scale, softcap)
+        consts = (logit_scale, softcap, temperature, vocab_size)
+        # The GEMMs run in the logits' dtype (the model's, or autocast's: then W and h are cast once here, as autocast
+        # would per call), with autocast off so that the float32 accumulation below is not cast down.
+        mm_dtype = _matmul_dtype(hidden_ND, head)
+        weight_mm, hidden_mm = weight_VD.to(mm_dtype), hidden_ND.to(mm_dtype)
         for s in range(0, n_pos, chunk):
             e = min(s + chunk, n_pos)
-            z_CV = _chunk_logits(hidden_ND[s:e], head, temperature)
-            if softcap is not None:
-                # d(c·tanh(x/c))/dx = 1 - tanh² = 1 - (capped / c)², and capped = z · temperature.
-                cap_grad_CV = 1 - (z_CV * (temperature / softcap)) ** 2
-            logp_CV = z_CV.sub_(lse_N[s:e, None])
-            p_CV = logp_CV.exp()
-            # dL/dz = Σ_j g_j (e_{id_j} - p) + g_H · (-p (log p + H))
-            #       = p · (-Σ_j g_j - g_H (log p + H)) + scatter(g_j)
-            coeff_C1 = torch.zeros_like(lse_N[s:e, None])
-            if grad_lp_NJ is not None:
-                coeff_C1 = -grad_lp_NJ[s:e].sum(1, keepdim=True).to(coeff_C1.dtype)
-            if grad_entropy_N is not None:
-                g_h_C1 = grad_entropy_N[s:e, None].to(coeff_C1.dtype)
-                g_CV = logp_CV.add_(entropy_N[s:e, None]).mul_(-g_h_C1).add_(coeff_C1).mul_(p_CV)
-            else:
-                g_CV = p_CV.mul_(coeff_C1)
-            if grad_lp_NJ is not None:
-                g_CV.scatter_add_(1, ids_NJ[s:e], grad_lp_NJ[s:e].to(g_CV.dtype))
-            # back through temperature, soft-cap and scale to the raw head output
-            g_CV.mul_(logit_scale / temperature)
-            if softcap is not None:
-                g_CV.mul_(cap_grad_CV)
-            if need_b:
-                grad_b_V += g_CV.sum(0)
-            g_raw_CV = g_CV.to(weight_VD.dtype)  # the matmul backward runs in the model dtype, as autograd would
-            if need_h:
-                grad_h_ND[s:e] = g_raw_CV @ weight_VD
-            if need_w:
-                grad_w_VD += (g_raw_CV.T @ hidden_ND[s:e]).to(acc_dtype)
+            rows = e - s
+            padded = _bucket(rows, chunk) if compiled else rows
+            raw_CV = torch.nn.functional.linear(_pad_rows(hidden_ND[s:e], padded), weight_VD, bias_V)
+            row_args = [_pad_rows(None if x is None else x[s:e], padded)
+                        for x in (ids_NJ, lse_N, entropy_N if with_entropy else None, grad_lp_NJ, grad_entropy_N)]
+            out = _compiled_call(_grad_chunk, raw_CV, *row_args, *consts) if compiled else None
+            if out is not None:
+                slices = [(0, out)]  # the whole chunk at once
+            else:  # eagerly, slice by slice (lazily, so that one slice's buffers live at a time)
+                step = _eager_rows(raw_CV, _BWD_TEMPS)
+                slices = ((a, _grad_chunk(raw_CV[a:a + step], *[None if x is None else x[a:a + step]
+                                                                 for x in row_args], *consts))
+                          for a in range(0, rows, step))
+            for a, (g_CV, g_ids_CJ) in slices:
+                if g_ids_CJ is not None:
+                    g_CV.scatter_(1, row_args[0][a:a + g_CV.shape[0]], g_ids_CJ)
+                g_CV = g_CV[: rows - a]  # drop the padding rows
+                r0, r1 = s + a, s + a + g_CV.shape[0]
+                with torch.autocast(device_type=dev.type, enabled=False):
+                    if need_h:
+                        grad_h_ND[r0:r1] = g_CV @ weight_mm
+                    if need_w:
+                        _add_outer(grad_w_VD, g_CV, hidden_mm[r0:r1], slice_of_chunk=out is None)
+                    if need_b:
+                        grad_b_V += g_CV.sum(0, dtype=acc_dtype)
+                del g_CV, g_ids_CJ  # before the next slice's (or chunk's) buffers exist
+            del raw_CV, out, slices
         if need_w:
             grad_w_VD = grad_w_VD.to(weight_VD.dtype)
         if need_b:
             grad_b_V = grad_b_V.to(bias_V.dtype)
-        return grad_h_ND, grad_w_VD, grad_b_V, None, None, None, None, None, None
+        return grad_h_ND, grad_w_VD, grad_b_V, None, None, None, None, None, None, None, None
 
 
 def _candidate(hidden_ND, head, ids_NJ, temperature, vocab_size, chunk_size, with_entropy):
-    head = _as_head(head).restricted(vocab_size)
+    full = _as_head(head)
+    head = full.restricted(vocab_size)
     _check_common(hidden_ND, head, temperature)
     if ids_NJ.ndim != 2 or ids_NJ.shape[0] != hidden_ND.shape[0]:
         raise ValueError(f"ids must be [N, J] with N = {hidden_ND.shape[0]}, got {tuple(ids_NJ.shape)}")
     _check_ids(ids_NJ, head.weight.shape[0], "ids_NJ")
-    chunk = chunk_size or default_chunk_size(head.weight.shape[0])
+    v_used = head.weight.shape[0]
+    head = full.restricted(_aligned_rows(v_used, full.weight.shape[0]))  # its padding rows get zero gradient
+    mm_dtype = _matmul_dtype(hidden_ND, head)
+    chunk = chunk_size or default_chunk_size(head.weight.shape[0], mm_dtype)
     return _CandidateLogprobs.apply(
         hidden_ND, head.weight, head.bias, ids_NJ, float(head.logit_scale), head.softcap, float(temperature),
-        int(chunk), with_entropy,
+        int(chunk), with_entropy, _compiles(hidden_ND.device, mm_dtype), v_used,
     )
 
 

@@ -250,7 +250,8 @@ class TorchGenerator:
         kwargs = {self._cache_kwarg: cache, "use_cache": True}
         if self._has_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        with torch.compiler.set_stance("force_eager"):  # layers compiled for scoring (`compile_layers`) run eagerly
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         logits_RV = out.logits[:, -1, :]
         if self.vocab_size is not None and self.vocab_size < logits_RV.shape[-1]:
             logits_RV = logits_RV.clone()

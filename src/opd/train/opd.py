@@ -56,6 +56,7 @@ class Trainer:
     skipped_steps: int = 0
     history: list[dict] = field(default_factory=list)
     autocast_dtype: torch.dtype | None = None
+    activation_budget: float | None = None  # selective checkpointing of compiled layers (`opd.models.activation_budget`)
     dist: DistInfo = SINGLE  # this process's rank / world size (torchrun); SINGLE without torchrun
 
 
@@ -68,6 +69,7 @@ def opd_step(tr: Trainer) -> dict[str, float]:
         build_candidates, candidate_rewards, compute_advantages, gather_candidate_logprobs, opd_diagnostics,
         sampled_token_rewards, strategy_spec, truncated_is_weights,
     )
+    from opd.models import activation_budget
     from opd.rollout import SamplingParams
     from opd.rollout.batch import build_rollouts
     from opd.scoring import candidate_logprobs_and_entropy
@@ -165,7 +167,7 @@ def opd_step(tr: Trainer) -> dict[str, float]:
         groups += [groups[0]] * (max_over_ranks(num_real, tr.dist) - num_real)
         for index, rows in enumerate(groups):
             micro = rollouts.select(rows)
-            with autocast(device, tr.autocast_dtype):  # the chunked head too: its matmuls are most of the FLOPs
+            with autocast(device, tr.autocast_dtype), activation_budget(tr.activation_budget):  # the chunked head too
                 hidden = forward_hidden(tr.student, micro, through_root=world > 1)  # FSDP's root hooks must run
                 head = output_head(tr.student)  # after the forward: under FSDP, the root's unsharded head weight
                 ids_NJ = candidate_ids_BTJ[rows][hidden.rows_N, hidden.cols_N]
@@ -335,7 +337,9 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     `dist` (from `init_distributed`): with world size > 1 the student is sharded with FSDP2 on the rank's device."""
     from opd.data.prompts import load_prompts
     from opd.data.templates import encode_prompts
-    from opd.models import check_tokenizer_compatibility, load_model, load_tokenizer, resolve_device, resolve_dtype
+    from opd.models import (
+        check_tokenizer_compatibility, compile_layers, load_model, load_tokenizer, resolve_device, resolve_dtype,
+    )
     from opd.rollout.torch_engine import make_generator
     from opd.teacher.local import LocalScorer
     from opd.train.distributed import shard_model
@@ -394,8 +398,6 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     student, tokenizer = load_model(student_path, dtype=weights_dtype, device=device,
                                     trust_remote_code=config.student.trust_remote_code,
                                     attn_implementation=config.student.attn_implementation)
-    if config.gradient_checkpointing:
-        student.gradient_checkpointing_enable()
     student_rows = student.get_output_embeddings().weight.shape[0]
     vocab = check_tokenizer_compatibility(tokenizer, tokenizer, student_vocab_size=student_rows, teacher_vocab_size=student_rows)
     teacher = teacher_scorer = None
@@ -424,6 +426,19 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
                                      through_root=dist.world_size > 1)
     generator = make_generator(student, tokenizer, max_batch_size=config.rollout.batch_size, vocab_size=vocab_size,
                                engine=config.rollout.engine if dist.world_size == 1 else "torch")
+    compiled = False
+    if dist.world_size == 1 or config.compile:  # FSDP2 + compile untested: only when asked for
+        compiled = compile_layers(student, config.compile)
+        if teacher is not None and not config.teacher_offload:
+            compile_layers(teacher, config.compile)
+    # checkpointing: full (HF, per layer) when asked; by default on CUDA selective inside the compiled layers
+    # (docs/performance.md: the update's speed and memory under each)
+    budget = None
+    auto_full = config.gradient_checkpointing is None and device.type == "cuda" and not compiled
+    if config.gradient_checkpointing or auto_full:
+        student.gradient_checkpointing_enable()
+    elif config.gradient_checkpointing is None and compiled:
+        budget = config.activation_budget
     reference_scorer = None
     if obj.kl_coef:  # a frozen copy of the initial student, only when a KL term asks for it
         reference, _ = load_model(config.student.path, dtype=autocast_dtype or weights_dtype, device=device,
@@ -440,6 +455,7 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
         prompt_ids=encoded.input_ids, generator=generator, student_scorer=student_scorer, teacher=teacher,
         teacher_scorer=teacher_scorer, reference_scorer=reference_scorer, vocab_size=vocab_size, optimizer=optimizer,
         scheduler=scheduler, sampler=sampler, sink=None, autocast_dtype=autocast_dtype, dist=dist,
+        activation_budget=budget,
     )
     resume_step = None
     if checkpoint is not None:

@@ -1,0 +1,237 @@
+"""Correctness of the CUDA-only fast paths against the simple ones, run on a GPU (the CPU test suite cannot reach
+them: CUDA graphs, `torch.compile` on CUDA, bf16 tensor-core matmuls).
+
+    python benchmarks/check_cuda.py            # prints a table, exits 1 if any check fails, writes --out JSON
+
+Checks (float32 with TF32 off unless the row says bf16; tolerances in the table):
+- static_greedy[*]:   `StaticGenerator` (graphs + compile, each attention / weight layout) greedy tokens equal
+                      `TorchGenerator`'s, reported log-probs equal a teacher-forced forward's
+- static_sampling:    token frequencies of 16,384 samples at the first two steps match the model's exact distribution
+                      (total variation within sampling noise)
+- static_autocast:    float32 master weights generated under bf16 autocast (as in training) agree with the bf16
+                      model's log-probs at bf16 level
+- score_hidden[*]:    chunked log-probs / top-k / requested ids / entropy (compiled per-chunk reductions) against a
+                      dense float64 reference from the same logits
+- candidate_grads:    `candidate_logprobs_and_entropy` values and gradients (hidden, weight) against float64 autograd
+- compiled_layers:    `compile_layers` forward equals the eager forward; with gradient checkpointing the gradients too
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import build_model  # noqa: E402
+
+ROWS: list[dict] = []
+
+
+def check(name: str, value: float, tol: float, note: str = "") -> None:
+    ROWS.append({"check": name, "value": value, "tol": tol, "ok": bool(value <= tol), "note": note})
+    print(f"{'PASS' if value <= tol else 'FAIL'}  {name}: {value:.3g} (≤ {tol:g}) {note}", flush=True)
+
+
+def guarded(fn):
+    def run(*args, **kwargs):
+        try:
+            fn(*args, **kwargs)
+        except Exception as error:
+            traceback.print_exc()
+            ROWS.append({"check": fn.__name__, "ok": False, "error": f"{type(error).__name__}: {error}"[:300]})
+            print(f"FAIL  {fn.__name__}: {type(error).__name__}: {error}", flush=True)
+    return run
+
+
+def tiny(dtype=torch.float32, seed=0):
+    return build_model("tiny", dtype=dtype, device=torch.device("cuda"), seed=seed)
+
+
+def teacher_forced(model, prompts, output):
+    from opd.rollout.batch import build_rollouts
+    from opd.teacher.local import LocalScorer
+
+    rollouts = build_rollouts(prompts, output, pad_id=1, device=torch.device("cuda"))
+    scores = LocalScorer(model, check_head=False, vocab_size=500).score(rollouts, top_k=0, with_entropy=False)
+    mask = rollouts.response_mask
+    return float((scores.sampled_logprobs - rollouts.rollout_logprobs).abs()[mask].max())
+
+
+@guarded
+def static_greedy():
+    from opd.rollout import SamplingParams
+    from opd.rollout.static_engine import StaticGenerator
+    from opd.rollout.torch_engine import TorchGenerator
+
+    model = tiny()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 500, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (12,), generator=g)]
+    common = dict(eos_token_ids=[2], pad_token_id=1, vocab_size=500, max_batch_size=24)
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=150, stop_at_eos=True, return_logprobs=True, seed=0)
+    reference = TorchGenerator(model, **common).generate(prompts, params)
+    for options in (dict(), dict(attention="matmul"), dict(fuse_weights=False), dict(compile=False)):
+        label = ",".join(f"{k}={v}" for k, v in options.items()) or "default"
+        output = StaticGenerator(model, cuda_graphs=True, **common, **options).generate(prompts, params)
+        mismatched = sum(a != b for a, b in zip(output.response_ids, reference.response_ids))
+        check(f"static_greedy[{label}] rows differing from TorchGenerator", mismatched, 0)
+        check(f"static_greedy[{label}] max |log-prob - teacher-forced|", teacher_forced(model, prompts, output), 1e-4)
+
+
+@guarded
+def static_sampling():
+    from opd.rollout import SamplingParams
+    from opd.rollout.static_engine import StaticGenerator
+
+    model = build_model("tiny", dtype=torch.float32, device=torch.device("cuda"), seed=3)
+    with torch.no_grad():  # a peaked but not degenerate distribution over 500 tokens
+        model.lm_head.weight.mul_(20.0)
+    prompt = [5, 6, 7]
+    rows = 16384
+    engine = StaticGenerator(model, eos_token_ids=[2], pad_token_id=1, vocab_size=500, max_batch_size=rows)
+    out = engine.generate([prompt], SamplingParams(n=rows, temperature=1.0, max_new_tokens=2, stop_at_eos=False, seed=1))
+    first = torch.tensor([r[0] for r in out.response_ids])
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt], device="cuda")).logits[0, -1, :500].double()
+        probs = logits.softmax(-1).cpu()
+    freq = torch.bincount(first, minlength=500).double() / rows
+    tv = 0.5 * float((freq - probs).abs().sum())
+    # expected TV of an exact sampler ≈ Σ sqrt(p (1-p) / (2π rows)); allow 3× that
+    noise = float((probs * (1 - probs) / (2 * torch.pi * rows)).sqrt().sum())
+    check("static_sampling TV(first-token freq, exact)", tv, 3 * noise, f"(noise level {noise:.3g})")
+    # second token: condition on the most frequent first token
+    top = int(freq.argmax())
+    second = torch.tensor([r[1] for r in out.response_ids if r[0] == top])
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + [top]], device="cuda")).logits[0, -1, :500].double()
+        probs2 = logits.softmax(-1).cpu()
+    freq2 = torch.bincount(second, minlength=500).double() / len(second)
+    noise2 = float((probs2 * (1 - probs2) / (2 * torch.pi * len(second))).sqrt().sum())
+    check("static_sampling TV(second-token freq | top first)", 0.5 * float((freq2 - probs2).abs().sum()), 3 * noise2,
+          f"({len(second)} samples)")
+
+
+@guarded
+def static_autocast():
+    from opd.rollout import SamplingParams
+    from opd.rollout.static_engine import StaticGenerator
+
+    master = tiny(torch.float32)
+    half = tiny(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (20,), generator=g).tolist() for _ in range(8)]
+    common = dict(eos_token_ids=[2], pad_token_id=1, vocab_size=500, max_batch_size=8)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=40, stop_at_eos=False, return_logprobs=True, seed=0)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        a = StaticGenerator(master, **common).generate(prompts, params)
+    b = StaticGenerator(half, **common).generate(prompts, params)
+    same_first = sum(x[0] == y[0] for x, y in zip(a.response_ids, b.response_ids)) / len(prompts)
+    check("static_autocast first greedy token agreement (fp32+autocast vs bf16 model), 1 - rate", 1 - same_first, 0.25)
+    err = max(abs(x[0] - y[0]) for x, y in zip(a.logprobs, b.logprobs))
+    check("static_autocast first-token log-prob |Δ|", err, 5e-2)
+
+
+def dense_reference(z_NV: torch.Tensor, targets, requested, k):
+    lp = z_NV.double().log_softmax(-1)
+    return (lp.gather(1, targets[:, None])[:, 0], lp.topk(k, -1), lp.gather(1, requested), -(lp.exp() * lp).sum(-1))
+
+
+@guarded
+def score_hidden_checks():
+    from opd.scoring import score_hidden
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, d, v_model, v = 5000, 256, 4160, 4100
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-4)):
+        hidden = torch.randn(n, d, device="cuda", generator=g).to(dtype)
+        weight = (torch.randn(v_model, d, device="cuda", generator=g) / d**0.5).to(dtype)
+        targets = torch.randint(0, v, (n,), device="cuda", generator=g)
+        requested = torch.randint(0, v, (n, 16), device="cuda", generator=g)
+        got = score_hidden(hidden, weight, targets_N=targets, top_k=16, requested_ids_NR=requested, vocab_size=v,
+                           with_entropy=True)
+        # reference from the same logits the model dtype gives (a bf16 matmul rounds them to bf16)
+        z = (hidden @ weight[:v].T) if dtype == torch.bfloat16 else (hidden.double() @ weight[:v].double().T)
+        sampled, (topk_lp, topk_ids), req, entropy = dense_reference(z, targets, requested, 16)
+        err = max(float((got.sampled_logprobs.double() - sampled).abs().max()),
+                  float((got.topk_logprobs.double() - topk_lp).abs().max()),
+                  float((got.requested_logprobs.double() - req).abs().max()),
+                  float((got.entropy.double() - entropy).abs().max()))
+        check(f"score_hidden[{str(dtype)[6:]}] max |Δ| vs float64 dense", err, tol)
+        if dtype == torch.float32:  # bf16 logits tie often: there the values above are the check
+            agree = float((got.topk_ids == topk_ids).float().mean())
+            check(f"score_hidden[{str(dtype)[6:]}] 1 - top-k id agreement", 1 - agree, 0)
+
+
+@guarded
+def candidate_grads():
+    from opd.scoring import candidate_logprobs_and_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    n, d, v_model, v = 3000, 128, 2112, 2100
+    hidden = torch.randn(n, d, device="cuda", generator=g, requires_grad=True)
+    weight = (torch.randn(v_model, d, device="cuda", generator=g) / d**0.5).requires_grad_(True)
+    ids = torch.randint(0, v, (n, 16), device="cuda", generator=g)
+    coef_lp = torch.randn(n, 16, device="cuda", generator=g)
+    coef_h = torch.randn(n, device="cuda", generator=g)
+    lp, ent = candidate_logprobs_and_entropy(hidden, weight, ids, vocab_size=v)
+    ((lp * coef_lp).sum() + (ent * coef_h).sum()).backward()
+    h64, w64 = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    lp_ref = (h64 @ w64[:v].T).log_softmax(-1)
+    ent_ref = -(lp_ref.exp() * lp_ref).sum(-1)
+    ((lp_ref.gather(1, ids) * coef_lp.double()).sum() + (ent_ref * coef_h.double()).sum()).backward()
+    check("candidate log-prob max |Δ| vs float64", float((lp.double() - lp_ref.gather(1, ids)).abs().max()), 1e-4)
+    check("candidate entropy max |Δ| vs float64", float((ent.double() - ent_ref).abs().max()), 1e-4)
+    for name, a, b in (("hidden", hidden.grad, h64.grad), ("weight", weight.grad, w64.grad)):
+        rel = float((a.double() - b).norm() / b.norm())
+        check(f"candidate grad[{name}] ‖Δ‖/‖g‖ vs float64", rel, 1e-4)
+
+
+@guarded
+def compiled_layers():
+    from opd.models import compile_layers
+    from opd.teacher.local import forward_hidden
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import random_rollouts
+
+    eager, compiled = tiny(), tiny()
+    compile_layers(compiled, True)
+    compiled.gradient_checkpointing_enable()
+    rollouts = random_rollouts(6, 9, 23, 500, torch.device("cuda"), 0, 1)
+    rollouts.response_mask[::2, 15:] = False  # ragged lengths: padded batches with an attention mask
+    out = {}
+    for name, model in (("eager", eager), ("compiled", compiled)):
+        model.train()
+        hidden = forward_hidden(model, rollouts)
+        (hidden.hidden_ND.square().mean()).backward()
+        out[name] = (hidden.hidden_ND.detach(), model.model.layers[0].mlp.down_proj.weight.grad)
+    check("compiled_layers forward max |Δ|", float((out["eager"][0] - out["compiled"][0]).abs().max()), 1e-4)
+    g_e, g_c = out["eager"][1], out["compiled"][1]
+    check("compiled_layers (+ checkpointing) grad ‖Δ‖/‖g‖", float((g_e - g_c).norm() / g_e.norm()), 1e-4)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="runs/benchmarks/check_cuda.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("check_cuda.py needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    for fn in (static_greedy, static_sampling, static_autocast, score_hidden_checks, candidate_grads, compiled_layers):
+        fn()
+    failed = [r for r in ROWS if not r["ok"]]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                          "rows": ROWS}, indent=1))
+    print(f"\n{len(ROWS) - len(failed)} of {len(ROWS)} checks passed" + (f"; FAILED: {[r['check'] for r in failed]}"
+                                                                       if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,8 +7,10 @@ used (the shared range, see `vocab_size`), `C` positions per chunk, `K` top-k, `
 
 The logits follow the Hugging Face heads: `z = softcap(logit_scale · (h Wᵀ + b)) / temperature`, the matmul in the
 model's dtype (bf16 on GPU, as `lm_head` does, or autocast's) and everything after it in float32 (float64 when the
-inputs are float64, which the tests use). Rows of W at or beyond `vocab_size` are vocabulary padding: they are sliced
-off before the matmul, so they are never selected, carry no probability mass and get zero gradient.
+inputs are float64, which the tests use). Rows of W at or beyond `vocab_size` are vocabulary padding: the matmul runs
+over the rows up to `vocab_size` rounded up to a multiple of 64 (cuBLAS's fast kernels need an aligned output
+stride, `_aligned_rows`) and the extra columns are sliced off after it (zero gradient in backward), so padding is
+never selected, carries no probability mass and gets zero gradient.
 
 What is fused, and how: per chunk, one matmul gives the raw logits `[C, V]` in the model dtype; then two small pure
 functions take them as they are and upcast inside: `_forward_chunk` (row max, log-sum-exp, entropy, gathers and

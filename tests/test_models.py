@@ -154,3 +154,20 @@ def test_compile_layers_is_cuda_only_by_default_and_keeps_results():
     outputs = [TorchGenerator(m, pad_token_id=PAD_ID, eos_token_ids=[EOS_ID]).generate([[5, 6, 7]], params)
                for m in (eager, compiled)]
     assert outputs[0].response_ids == outputs[1].response_ids
+
+
+def test_activation_budget_patches_the_partitioner_only_inside():
+    """Selective checkpointing (`gradient_checkpointing: None` with compiled layers on a GPU) acts through torch's
+    activation memory budget while a training forward compiles; outside the context the global setting is untouched."""
+    import torch._functorch.config as functorch_config
+
+    from opd.models import activation_budget
+
+    before = functorch_config.activation_memory_budget
+    with activation_budget(0.5):
+        assert functorch_config.activation_memory_budget == 0.5
+    assert functorch_config.activation_memory_budget == before
+    with activation_budget(None), activation_budget(1.0):  # no limit: nothing patched
+        assert functorch_config.activation_memory_budget == before
+    with pytest.raises(ValueError, match="activation budget"):
+        activation_budget(-0.1)

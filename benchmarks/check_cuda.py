@@ -14,11 +14,14 @@ Checks (float32 with TF32 off unless the row says bf16; tolerances in the table)
                       dense float64 reference from the same logits
 - candidate_grads:    `candidate_logprobs_and_entropy` values and gradients (hidden, weight) against float64 autograd
 - compiled_layers:    `compile_layers` forward equals the eager forward; with gradient checkpointing the gradients too
+- packed_flex:        rows packed into one sequence (`packing="packed"`, flex attention, ragged lengths) give the
+                      padded sdpa batch's scores and gradients
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import traceback
@@ -38,6 +41,7 @@ def check(name: str, value: float, tol: float, note: str = "") -> None:
 
 
 def guarded(fn):
+    @functools.wraps(fn)
     def run(*args, **kwargs):
         try:
             fn(*args, **kwargs)
@@ -214,16 +218,47 @@ def compiled_layers():
     check("compiled_layers (+ checkpointing) grad ‖Δ‖/‖g‖", float((g_e - g_c).norm() / g_e.norm()), 1e-4)
 
 
+@guarded
+def packed_flex():
+    from common import random_rollouts
+
+    from opd.teacher.local import LocalScorer, forward_hidden
+
+    cuda = torch.device("cuda")
+    padded = tiny()
+    packed = build_model("tiny", dtype=torch.float32, device=cuda, seed=0, attn_implementation="flex_attention")
+    rollouts = random_rollouts(6, 9, 23, 500, cuda, 0, 1)
+    rollouts.response_mask[::2, 15:] = False  # ragged: half the rows need 8 fewer tokens
+    a = LocalScorer(padded, vocab_size=500, packing="padded").score(rollouts, top_k=8)
+    b = LocalScorer(packed, vocab_size=500, packing="packed").score(rollouts, top_k=8)
+    err = max(float((x - y).abs().max()) for x, y in ((a.sampled_logprobs, b.sampled_logprobs),
+                                                      (a.topk_logprobs, b.topk_logprobs), (a.entropy, b.entropy)))
+    check("packed_flex scores max |Δ| vs padded sdpa", err, 1e-4)
+    grads = []
+    for model, packing in ((padded, "padded"), (packed, "packed")):
+        model.train()
+        forward_hidden(model, rollouts, packing=packing).hidden_ND.square().mean().backward()
+        grads.append(model.model.layers[0].mlp.down_proj.weight.grad)
+    check("packed_flex grad ‖Δ‖/‖g‖ vs padded sdpa", float((grads[0] - grads[1]).norm() / grads[0].norm()), 1e-4)
+
+
+CHECKS = (static_greedy, static_sampling, static_autocast, score_hidden_checks, candidate_grads, compiled_layers,
+          packed_flex)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/benchmarks/check_cuda.json")
+    parser.add_argument("--only", default=None, help="comma-separated check names (default: all)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("check_cuda.py needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    for fn in (static_greedy, static_sampling, static_autocast, score_hidden_checks, candidate_grads, compiled_layers):
-        fn()
+    only = None if args.only is None else set(args.only.split(","))
+    for fn in CHECKS:
+        if only is None or fn.__name__ in only:
+            fn()
     failed = [r for r in ROWS if not r["ok"]]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

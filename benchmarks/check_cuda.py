@@ -6,6 +6,10 @@ them: CUDA graphs, `torch.compile` on CUDA, bf16 tensor-core matmuls).
 Checks (float32 with TF32 off unless the row says bf16; tolerances in the table):
 - static_greedy[*]:   `StaticGenerator` (graphs + compile, each attention / weight layout) greedy tokens equal
                       `TorchGenerator`'s, reported log-probs equal a teacher-forced forward's
+- decode_attention:   the Triton split-KV decode kernel (bf16, Qwen3 head shapes, left-padded starts, 1–16 splits,
+                      inside a CUDA graph as the decode step runs it) against a float64 reference
+- full_vocab_topk:    `score_hidden`'s two-stage top-k (compiled) at Qwen3's vocabulary (151,669 of 151,936 rows,
+                      float32, 3 chunks, scale ±1) against a float64 topk: same log-probs, ids that hold them
 - static_sampling:    token frequencies of 16,384 samples at the first two steps match the model's exact distribution
                       (total variation within sampling noise)
 - static_autocast:    float32 master weights generated under bf16 autocast (as in training) agree with the bf16
@@ -78,12 +82,61 @@ def static_greedy():
     common = dict(eos_token_ids=[2], pad_token_id=1, vocab_size=500, max_batch_size=24)
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=150, stop_at_eos=True, return_logprobs=True, seed=0)
     reference = TorchGenerator(model, **common).generate(prompts, params)
-    for options in (dict(), dict(attention="matmul"), dict(fuse_weights=False), dict(compile=False)):
+    for options in (dict(), dict(attention="sdpa"), dict(attention="matmul"), dict(fuse_weights=False),
+                    dict(compile=False)):
         label = ",".join(f"{k}={v}" for k, v in options.items()) or "default"
         output = StaticGenerator(model, cuda_graphs=True, **common, **options).generate(prompts, params)
         mismatched = sum(a != b for a, b in zip(output.response_ids, reference.response_ids))
         check(f"static_greedy[{label}] rows differing from TorchGenerator", mismatched, 0)
         check(f"static_greedy[{label}] max |log-prob - teacher-forced|", teacher_forced(model, prompts, output), 1e-4)
+
+
+@guarded
+def decode_attention():
+    from opd.kernels.decode_attention import decode_attention as attend
+    from opd.rollout.static_engine import _attend_matmul
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows, kv_heads, groups, capacity in ((64, 8, 2, 640), (5, 8, 4, 1300), (256, 8, 2, 200)):
+        q = torch.randn(rows, kv_heads, groups, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        keys, values = (torch.randn(rows, kv_heads, capacity, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+                        for _ in range(2))
+        start = torch.randint(0, capacity // 3, (rows,), device="cuda", generator=g)
+        worst = 0.0
+        for last in (capacity // 3, capacity - 1):
+            last_1 = torch.tensor([last], device="cuda")
+            slots = torch.arange(capacity, device="cuda")
+            valid = (slots[None] >= start[:, None]) & (slots[None] <= last)
+            bias = torch.zeros(rows, capacity, device="cuda", dtype=torch.float64).masked_fill(~valid, float("-inf"))
+            want = _attend_matmul(q.double(), keys.double(), values.double(),
+                                  bias[:, None, None].expand(rows, kv_heads, groups, capacity), 0.088)
+            for splits in (None, 1, 2, 4, 16):
+                attend(q, keys, values, start, last_1, 0.088, splits=splits)  # compile outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    got = attend(q, keys, values, start, last_1, 0.088, splits=splits)
+                graph.replay()
+                torch.cuda.synchronize()
+                worst = max(worst, float((got.double() - want).abs().max()))
+        check(f"decode_attention[{rows}x{kv_heads}x{groups}, {capacity} slots] max |Δ| vs float64", worst, 2e-2,
+              "(bf16 output rounding)")
+
+
+@guarded
+def full_vocab_topk():
+    from opd.scoring import OutputHead, score_hidden
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(4000, 256, device="cuda", generator=g)  # float32, TF32 off: the reference's logits agree
+    weight = torch.randn(151936, 256, device="cuda", generator=g) / 16
+    for scale in (1.0, -1.0):  # -1: z decreasing in the raw logits, the top-k takes the smallest
+        got = score_hidden(hidden, OutputHead(weight, None, scale), targets_N=torch.zeros_like(hidden[:, 0]).long(),
+                           top_k=16, vocab_size=151669)
+        lp = ((hidden.double() @ weight[:151669].double().T) * scale).log_softmax(-1)
+        check(f"full_vocab_topk[scale={scale}] max |top-k log-prob Δ| vs float64 topk",
+              float((got.topk_logprobs.double() - lp.topk(16, dim=-1).values).abs().max()), 1e-4)
+        check(f"full_vocab_topk[scale={scale}] max |log-prob at our ids - ours|",
+              float((lp.gather(1, got.topk_ids) - got.topk_logprobs.double()).abs().max()), 1e-4)
 
 
 @guarded
@@ -242,8 +295,8 @@ def packed_flex():
     check("packed_flex grad ‖Δ‖/‖g‖ vs padded sdpa", float((grads[0] - grads[1]).norm() / grads[0].norm()), 1e-4)
 
 
-CHECKS = (static_greedy, static_sampling, static_autocast, score_hidden_checks, candidate_grads, compiled_layers,
-          packed_flex)
+CHECKS = (static_greedy, decode_attention, full_vocab_topk, static_sampling, static_autocast, score_hidden_checks, candidate_grads,
+          compiled_layers, packed_flex)
 
 
 def main(argv=None) -> int:

@@ -192,7 +192,7 @@ class Report:
     def add(self, row: dict[str, Any]) -> dict[str, Any]:
         self.data["rows"].append(row)
         self.write()
-        status = row.get("error") or f"{row.get('tokens_per_s', 0):,.0f} tok/s"
+        status = row.get("error") or (f"{row['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in row else "done")
         print(f"[{self.name}] {row['name']}: {status}", flush=True)
         return row
 

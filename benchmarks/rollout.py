@@ -10,7 +10,10 @@ Rows (`--engines` at the first batch size, `--engines-big` at the others):
                         torch 2.11 cuDNN attention re-plans at every new key length, which slows decoding
     torch_engine        `TorchGenerator` (our eager loop)
     static_engine       `StaticGenerator`, decode step replayed as CUDA graphs (eager step on CPU)
-    static_compile      `StaticGenerator` with its decode functions under `torch.compile` as well (CUDA only)
+    static_compile      `StaticGenerator` with its decode functions under `torch.compile` as well (CUDA only); its
+                        attention is the Triton split-KV kernel (`attention="auto"` on CUDA)
+    static_sdpa         `static_compile` with SDPA attention over the bucketed span (`attention="sdpa"`, the
+                        previous default)
     static_v1           `static_compile` as first measured: per-projection GEMMs on the module's own weights
                         (`fuse_weights=False`) and matmul/softmax/matmul attention (`attention="matmul"`)
 Every row samples at temperature 1 from distinct random prompts and produces exactly new_tokens tokens per row (EOS
@@ -37,7 +40,7 @@ from common import (  # noqa: E402
 )
 
 ALL = ("hf_generate", "hf_generate_static", "hf_generate_nocudnn", "torch_engine", "static_engine", "static_compile",
-       "static_v1")
+       "static_sdpa", "static_v1")
 
 
 def make_engine(name: str, model, shape: str, batch: int):
@@ -50,6 +53,8 @@ def make_engine(name: str, model, shape: str, batch: int):
         return TorchGenerator(model, **common)
     if name == "static_v1":
         return StaticGenerator(model, compile=True, cuda_graphs=True, fuse_weights=False, attention="matmul", **common)
+    if name == "static_sdpa":
+        return StaticGenerator(model, compile=True, cuda_graphs=True, attention="sdpa", **common)
     return StaticGenerator(model, compile=name == "static_compile", cuda_graphs=True, **common)
 
 
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
         bound_kv = batch * bandwidth / (weight_bytes + mean_kv) if bandwidth else None
         if name not in ALL:
             raise SystemExit(f"--engines: unknown row {name!r}; choose from {', '.join(ALL)}")
-        if name in ("static_compile", "static_v1") and device.type != "cuda":
+        if name in ("static_compile", "static_sdpa", "static_v1") and device.type != "cuda":
             continue  # compilation is CUDA-only; on CPU it would repeat static_engine
 
         def row(name=name, batch=batch, prompts=prompts, prompt_lists=prompt_lists):

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU measurement of docs/performance.md in one call: the CUDA correctness checks, then every benchmark at the
 # real shapes. Run from the repository root on the GPU machine; JSON and logs go to ${OUT:-runs/benchmarks/gpu}.
-#   bash benchmarks/run_gpu.sh [check|rollout|teacher|update|step|step_full ...]   (default: all, in this order)
+#   bash benchmarks/run_gpu.sh [check|attention|rollout|teacher|update|step|step_full ...]   (default: all, in order)
 set -uo pipefail
 out=${OUT:-runs/benchmarks/gpu}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-parts=${*:-check rollout teacher update step step_full}
+parts=${*:-check attention rollout teacher update step step_full}
 status=0
 run() {  # name, time limit (s), command...
     local name=$1 limit=$2
@@ -17,17 +17,19 @@ run() {  # name, time limit (s), command...
 for part in $parts; do
     case $part in
         check) run check_cuda 150 python3 benchmarks/check_cuda.py --out "$out/check_cuda.json" ;;
-        rollout) run rollout 180 python3 benchmarks/rollout.py --batches 64,256 --repeat 1 \
-            --engines hf_generate,hf_generate_nocudnn,torch_engine,static_v1,static_compile \
-            --engines-big static_compile --out "$out/rollout.json" ;;
-        teacher) run teacher_score 150 python3 benchmarks/teacher_score.py --shapes qwen3-1.7b,qwen3-4b \
-            --out "$out/teacher_score.json" ;;
+        attention) run decode_attention 120 python3 benchmarks/decode_attention.py \
+            --out "$out/decode_attention.json" ;;
+        rollout) run rollout 240 python3 benchmarks/rollout.py --batches 64,256 --repeat 1 \
+            --engines hf_generate,hf_generate_nocudnn,torch_engine,static_sdpa,static_compile \
+            --engines-big static_sdpa,static_compile --out "$out/rollout.json" ;;
+        teacher) run teacher_score 200 python3 benchmarks/teacher_score.py --shapes qwen3-1.7b,qwen3-4b \
+            --torch-topk --repeat 5 --out "$out/teacher_score.json" ;;
         update) run update 130 python3 benchmarks/update.py --shape qwen3-0.6b --ckpt selective,on,off \
             --out "$out/update.json" ;;
         step) run opd_step 240 python3 benchmarks/opd_step.py --warmup 3 --repeat 3 --out "$out/opd_step.json" ;;
         step_full) run opd_step_full 150 python3 benchmarks/opd_step.py --warmup 3 --repeat 3 --ckpt on --skip-trl \
             --out "$out/opd_step_full.json" ;;
-        *) echo "unknown part $part (check, rollout, teacher, update, step, step_full)"; exit 2 ;;
+        *) echo "unknown part $part (check, attention, rollout, teacher, update, step, step_full)"; exit 2 ;;
     esac
 done
 exit $status

@@ -12,6 +12,9 @@ equal top-k ids (ties at bf16 resolution can swap neighbours).
 tokens/s counts every input position (B · (prompt + response)); the compute bound is 2 · params FLOPs per token,
 `pct_peak` = 2 · params · tokens/s / peak.
 
+The compiled row takes the top-k in two stages (`opd.scoring._piece_topk`); `--torch-topk` adds the same row with one
+`torch.topk` over the whole rows (the previous code) for comparison.
+
 `--compile on,off` (default on CUDA) adds a row with the decoder layers under `torch.compile` (`opd.models.compile_layers`,
 what `opd distill` does on a GPU); the eager rows run with `torch.compiler.set_stance("force_eager")`. The naive row
 is always eager (plain transformers).
@@ -53,6 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
     parser.add_argument("--response-len", type=int, default=512, help="scored response tokens per sequence")
     parser.add_argument("--top-k", type=int, default=16, help="teacher top-k (and number of requested ids)")
+    parser.add_argument("--torch-topk", action="store_true", help="add the compiled row with torch.topk")
     parser.add_argument("--compile", default=None, help="on, off or on,off (a row each); default on,off on CUDA, off on CPU")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
@@ -112,6 +116,12 @@ def main(argv: list[str] | None = None) -> dict:
             compile_layers(model, True)
         for mode in compile_modes:
             report.run_row(f"local_scorer[{shape}{', compiled' if mode == 'on' else ''}]", lambda mode=mode: ours(mode))
+        if args.torch_topk and "on" in compile_modes:
+            import opd.scoring
+
+            piece, opd.scoring._TOPK_PIECE = opd.scoring._TOPK_PIECE, 1 << 30  # one piece: a plain torch.topk
+            report.run_row(f"local_scorer[{shape}, compiled, torch.topk]", lambda: ours("on"))
+            opd.scoring._TOPK_PIECE = piece
         report.run_row(f"naive_full_logits[{shape}]", naive)
         speedups([r for r in report.data["rows"] if r.get("shape") == shape], f"naive_full_logits[{shape}]")
         del model, scorer, rollouts, results

@@ -18,6 +18,9 @@ The tokenizer (`make_tiny_tokenizer`) is byte-level with no merges, so every str
 Importing this module sets `torch.set_num_threads(1)` for the whole test session (tiny tensors run ~10x faster
 without OpenMP wake-ups on the shared 2-core machine).
 
+Without CUDA, importing this module also sets `TRITON_INTERPRET=1` (before anything imports Triton), so that the
+Triton kernels, when Triton is installed, run through Triton's interpreter on CPU tensors and are tested here.
+
 Its chat template is a trimmed Qwen3 template: `<|im_start|>{role}\n{content}<|im_end|>\n` per message, then with
 `add_generation_prompt=True` `<|im_start|>assistant\n`, followed by `<think>\n\n</think>\n\n` when
 `enable_thinking=False` (thinking on is the default, as in Qwen3). It omits Qwen3's tool-call blocks and its stripping
@@ -26,8 +29,13 @@ of earlier turns' reasoning.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
 from transformers import Qwen3ForCausalLM

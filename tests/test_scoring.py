@@ -66,7 +66,9 @@ HEAD_VARIANTS = [
 
 @pytest.mark.parametrize("variant", HEAD_VARIANTS)
 @pytest.mark.parametrize("vocab_size", [None, 53])
-def test_score_hidden_matches_naive(variant, vocab_size):
+@pytest.mark.parametrize("topk_piece", [512, 4])
+def test_score_hidden_matches_naive(variant, vocab_size, topk_piece, monkeypatch):
+    monkeypatch.setattr(scoring, "_TOPK_PIECE", topk_piece)  # 512: one piece, plain topk; 4: the two-stage top-k
     n, d, v_model, k, r, temperature = 23, 16, 61, 7, 5, 0.7
     head = make_head(v_model, d, pad_from=vocab_size, **variant)
     g = torch.Generator().manual_seed(1)

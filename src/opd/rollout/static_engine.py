@@ -16,9 +16,12 @@ How a chunk runs (chunking, seeding, eval mode and no_grad come from `TorchGener
    else the parameters'), rebuilt for every chunk so that optimizer updates between calls are seen. The decode step
    then runs without autocast: no weight is cast at every step.
 3. Token 0 is sampled from the prefill logits. Each later step runs our own decode forward: RMSNorm, one q/k/v GEMM,
-   q/k-norm and RoPE from a precomputed table (one compiled function), the cache write at the step's slot, one SDPA
-   call over the first S_b slots (S_b = the step's length rounded up to `kv_bucket`, one graph per bucket; the
-   G = H / H_kv query heads of a kv head are SDPA's query positions), then o-projection, MLP and the next layer's
+   q/k-norm and RoPE from a precomputed table (one compiled function), then attention. On CUDA (`attention="auto"`)
+   that is the Triton kernel `opd.kernels.decode_attention`: it writes the step's keys/values into the cache and
+   reads only each row's valid slots, whose bounds it takes from device tensors, so one graph serves every step of
+   the chunk. Otherwise ("sdpa", the CPU default) the cache write is two index copies and one SDPA call runs over the
+   first S_b slots with a 0/-inf mask (S_b = the step's length rounded up to `kv_bucket`, one graph per bucket; the
+   G = H / H_kv query heads of a kv head are SDPA's query positions). Then o-projection, MLP and the next layer's
    input norm (the second compiled function), head, sampling (the third).
 4. Sampling is Gumbel-max, `argmax(z / τ + g)` with g = -log(-log u), which draws exactly from softmax(z / τ) after the
    same top-k / top-p filter as `TorchGenerator`; u comes from the call's seeded `torch.Generator`, written into a
@@ -26,11 +29,12 @@ How a chunk runs (chunking, seeding, eval mode and no_grad come from `TorchGener
    are updated on the device; the host looks at them every `sync_interval` steps only (one sync each).
 
 Measured on one H200 (2026-11-30, torch 2.11, random Qwen3-0.6B shape, bf16, 64 prompts × 512 new tokens, prompt
-128; `benchmarks/rollout.py`, docs/performance.md): 16.4k tok/s (3.9 ms a step), against 2.1k for `TorchGenerator`,
-1.9k for `model.generate` without cuDNN attention and 0.56k with its default kernel choice, in the same process;
-28.4k tok/s at 256 rows. Reported log-probs agree with a teacher-forced forward as closely as `TorchGenerator`'s do
-(mean |Δ| 7e-3, bf16). The cache write stays outside the compiled function on purpose: inside it, the step measured
-twice as slow (most likely a copy of the whole cache tensor per layer; not profiled).
+128; `benchmarks/rollout.py`, docs/performance.md): 26.6k–27.2k tok/s (2.35–2.41 ms a step), against 17.7k with SDPA
+attention, 1.9k for `TorchGenerator`, 2.1k–2.4k for `model.generate` without cuDNN attention and 1.3k–2.2k with its
+default kernel choice, in the same process; 47.3k–47.8k tok/s at 256 rows. Reported log-probs agree with a
+teacher-forced forward as closely as `TorchGenerator`'s do (mean |Δ| 7e-3, bf16). With SDPA the cache write stays
+outside the compiled function on purpose: inside it, the step measured twice as slow (most likely a copy of the whole
+cache tensor per layer; not profiled).
 
 Scope: decoder-only Llama / Qwen2 / Qwen3 layouts (pre-norm, SiLU gated MLP, optional q/k-norm, full attention,
 static RoPE). Anything else (sliding windows, dynamic RoPE, other families) raises at construction unless
@@ -38,8 +42,9 @@ static RoPE). Anything else (sliding windows, dynamic RoPE, other families) rais
 CPU tests check against `TorchGenerator`); graphs and compilation are CUDA-only.
 
 Omitted: dropping finished rows (static shapes; a row that finished keeps computing until the chunk ends or every row
-has finished), a paged cache, speculative decoding, a split-KV (flash-decoding) attention kernel (`flex_attention`'s
-decoding path was tried on the H200: 4× slower at 64 rows and its graph capture failed at 256 rows).
+has finished), a paged cache, speculative decoding, shared-prefix (cascade) attention for the n samples of a prompt
+(each row reads its own copy of the prompt's keys/values). `flex_attention`'s decoding path was tried on the H200:
+4× slower than SDPA at 64 rows, and its graph capture failed at 256 rows.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 import torch.nn.functional as F
 
+from opd.kernels import decode_attention as triton_attention
 from opd.rollout.base import SamplingParams
 from opd.rollout.torch_engine import TorchGenerator, filter_logits
 
@@ -93,11 +99,18 @@ def _attn_in(h_RD, w_qkv, b_qkv, qn_w, kn_w, eps, cos_R1D, sin_R1D, heads: int, 
 def _attn_out(x_RD, attn_RE, wo, bo, ln_w, eps, w_gu, b_gu, wd, bd, next_ln_w, next_eps):
     """o-projection + residual, post-attention norm, SiLU-gated MLP + residual, then the next layer's input norm (the
     final norm after the last layer), so that the residual add and that norm fuse: [R, D] → (x [R, D], normed x)."""
-    x_RD = x_RD + F.linear(attn_RE, wo, bo)
+    x_RD = _residual_add(x_RD, F.linear(attn_RE, wo, bo))
     h_RD = _rms(x_RD, ln_w, eps)
     gate_RI, up_RI = _project(h_RD, w_gu, b_gu, [wd.shape[1], wd.shape[1]])
-    x_RD = x_RD + F.linear(F.silu(gate_RI) * up_RI, wd, bd)
+    x_RD = _residual_add(x_RD, F.linear(F.silu(gate_RI) * up_RI, wd, bd))
     return x_RD, _rms(x_RD, next_ln_w, next_eps)
+
+
+def _residual_add(x_RD: torch.Tensor, y_RD: torch.Tensor) -> torch.Tensor:
+    """x + y computed in float32 and rounded once: bit-identical to a bf16/fp16 add (which computes in float32 too).
+    Spelled this way because inductor rewrites `x + mm(a, b)` into `addmm(x, a, b)`, whose 2-D input costs a copy of x
+    and a slower GEMM per residual add; here the add fuses into the following RMSNorm kernel instead."""
+    return (x_RD.float() + y_RD.float()).to(x_RD.dtype)
 
 
 def _attend_sdpa(q_RKGD, keys_RKSD, values_RKSD, bias_RKGS, scaling: float) -> torch.Tensor:
@@ -114,6 +127,7 @@ def _attend_matmul(q_RKGD, keys_RKSD, values_RKSD, bias_RKGS, scaling: float) ->
 
 
 _ATTENTION: dict[str, Callable] = {"sdpa": _attend_sdpa, "matmul": _attend_matmul}
+_ATTENTION_CHOICES = ("auto", "triton", *_ATTENTION)
 
 
 def _sample(logits_RV: torch.Tensor, noise_RN: torch.Tensor | None, temperature: float, vocab_size: int,
@@ -129,9 +143,33 @@ def _sample(logits_RV: torch.Tensor, noise_RN: torch.Tensor | None, temperature:
         scaled_RN = scaled_RN / temperature
         filtered_RN = filter_logits(scaled_RN, top_k, top_p) if top_k > 0 or top_p < 1.0 else scaled_RN
         gumbel_RN = -torch.log(-torch.log(noise_RN[:, :vocab_size]))  # u = 0 gives -inf: never chosen, as it should
-        tokens_R = (filtered_RN + gumbel_RN).argmax(dim=-1)
-    logprobs_R = scaled_RN.gather(-1, tokens_R[:, None]).squeeze(-1) - scaled_RN.logsumexp(dim=-1)
+        tokens_R = _split_argmax(filtered_RN + gumbel_RN)
+    logprobs_R = scaled_RN.gather(-1, tokens_R[:, None]).squeeze(-1) - _split_logsumexp(scaled_RN)
     return tokens_R, logprobs_R
+
+
+_SPLIT = 64  # pieces per row of the vocabulary reductions below
+
+
+def _split_rows(x_RN: torch.Tensor) -> torch.Tensor:
+    """[R, N] → [R, _SPLIT, ⌈N / _SPLIT⌉], padded with -inf. The sampling reductions run over these pieces first, so
+    that the argmax and the log-sum-exp fuse into one kernel over R × _SPLIT pieces rather than two over R rows of
+    151k entries (compiled, 64 rows, H200 profile: one 71 µs kernel and a small second stage, instead of 73 + 20 µs)."""
+    width = -(-x_RN.shape[-1] // _SPLIT)
+    return F.pad(x_RN, (0, width * _SPLIT - x_RN.shape[-1]), value=float("-inf")).view(x_RN.shape[0], _SPLIT, width)
+
+
+def _split_argmax(x_RN: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) in two stages (per piece, then over pieces): [R, N] → [R] long. (Ties may pick another maximum.)"""
+    pieces_RPW = _split_rows(x_RN)
+    best_RP, where_RP = pieces_RPW.max(dim=-1)
+    piece_R1 = best_RP.argmax(dim=-1, keepdim=True)
+    return (piece_R1 * pieces_RPW.shape[-1] + where_RP.gather(-1, piece_R1)).squeeze(-1)
+
+
+def _split_logsumexp(x_RN: torch.Tensor) -> torch.Tensor:
+    """x.logsumexp(-1) in two stages: [R, N] → [R]."""
+    return _split_rows(x_RN).logsumexp(dim=-1).logsumexp(dim=-1)
 
 
 def _cast(tensor: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
@@ -193,8 +231,9 @@ class StaticGenerator(TorchGenerator):
     """`Generator` with a static KV cache and CUDA-graph decode steps; same arguments and results contract as
     `TorchGenerator` (prompt-major outputs, EOS kept, log-probs before top-k/top-p filtering, seeded).
 
-    kv_bucket:    decode steps attend over the cache rounded up to a multiple of this many slots (one graph each);
-                  smaller buckets read less cache per step but capture more graphs, ≥ 1
+    kv_bucket:    with "sdpa" / "matmul" attention, decode steps attend over the cache rounded up to a multiple of
+                  this many slots (one graph each); smaller buckets read less cache per step but capture more graphs,
+                  ≥ 1. Unused by the Triton kernel, which reads each row's exact slots
     cuda_graphs:  capture and replay the decode step (CUDA only); None = on CUDA
     compile:      `torch.compile` the two halves of a layer and the sampling (CUDA only; the first call per batch
                   shape pays the compile); None = on CUDA, falling back to the plain step with a warning if compilation
@@ -207,8 +246,10 @@ class StaticGenerator(TorchGenerator):
                   bf16 autocast every weight is copied once in bf16 (1.2 GB for Qwen3-0.6B), and the residual
                   stream is bf16 as in a bf16 model (autocast keeps it float32).
                   False = one GEMM per projection on the module's own tensors, under the caller's autocast
-    attention:    "sdpa" = one `scaled_dot_product_attention` call per layer; "matmul" = explicit matmul / float32
-                  softmax / matmul (the reference; more kernels)
+    attention:    "auto" = "triton" on CUDA when Triton is installed, else "sdpa"; "triton" = the split-KV kernel
+                  `opd.kernels.decode_attention` (CUDA, or CPU under Triton's interpreter: the tests); "sdpa" = one
+                  masked `scaled_dot_product_attention` call per layer; "matmul" = explicit matmul / float32 softmax /
+                  matmul (the reference; more kernels)
     fallback:     for a model this engine does not cover (`unsupported_reason`), run `TorchGenerator`'s loop instead
                   of raising
     The other arguments are `TorchGenerator`'s; compact_fraction is unused (rows are never dropped). The static cache
@@ -220,13 +261,17 @@ class StaticGenerator(TorchGenerator):
 
     def __init__(self, model: torch.nn.Module, *, kv_bucket: int = 128, cuda_graphs: bool | None = None,
                  compile: bool | None = None, fuse_weights: bool = True,
-                 attention: Literal["sdpa", "matmul"] = "sdpa", fallback: bool = False, sync_interval: int = 32,
-                 **kwargs: Any) -> None:
+                 attention: Literal["auto", "triton", "sdpa", "matmul"] = "auto", fallback: bool = False,
+                 sync_interval: int = 32, **kwargs: Any) -> None:
         super().__init__(model, sync_interval=sync_interval, **kwargs)
         if kv_bucket < 1:
             raise ValueError(f"StaticGenerator kv_bucket must be an integer ≥ 1, got {kv_bucket!r}")
-        if attention not in _ATTENTION:
-            raise ValueError(f"StaticGenerator attention must be one of {', '.join(_ATTENTION)}, got {attention!r}")
+        if attention not in _ATTENTION_CHOICES:
+            raise ValueError(f"StaticGenerator attention must be one of {', '.join(_ATTENTION_CHOICES)}, "
+                             f"got {attention!r}")
+        if attention == "triton" and not triton_attention.available(self.device):
+            raise ValueError(f"StaticGenerator attention='triton' needs Triton and a CUDA model (device {self.device}, "
+                             f"Triton {'installed' if triton_attention.triton else 'not installed'}); use 'auto'")
         self.kv_bucket = kv_bucket
         self.cuda_graphs = cuda_graphs
         self.compile = compile
@@ -263,7 +308,9 @@ class _StaticRun:
         body, head = model.get_decoder(), model.get_output_embeddings()
         config = model.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.attend = _ATTENTION[engine.attention]
+        auto = "triton" if triton_attention.available(device) and device.type == "cuda" else "sdpa"
+        self.attention = auto if engine.attention == "auto" else engine.attention
+        self.attend = _ATTENTION.get(self.attention)
 
         # The compute dtype is what the GEMMs run in: autocast's when the caller enabled it, else the parameters'.
         self.autocast = torch.is_autocast_enabled(device.type)
@@ -322,6 +369,7 @@ class _StaticRun:
         self.decode_region_S = slots_S >= self.width
         self.slots_S = slots_S
         self.position_R = prompt_mask_RW.sum(-1)  # the next fed token's position
+        self.start_R = self.width - self.position_R  # first real prompt slot (prompts are left-padded)
         self.slot_1 = torch.full((1,), self.width, dtype=torch.long, device=device)  # where the next fed token goes
         self.col_1 = torch.ones(1, dtype=torch.long, device=device)  # output column the next step writes
         self.tokens_R = torch.zeros(self.rows, dtype=torch.long, device=device)
@@ -357,24 +405,31 @@ class _StaticRun:
         h_RD = _rms(x_RD, *self.first_norm)
         cos_R1D = self.cos_SD[self.position_R][:, None].to(x_RD.dtype)
         sin_R1D = self.sin_SD[self.position_R][:, None].to(x_RD.dtype)
-        # One mask for every layer; SDPA's memory-efficient kernel wants it in q's dtype with every dimension (expand
-        # is a view).
-        valid_RS = self.prompt_valid_RS[:, :span] | (self.decode_region_S[:span] & (self.slots_S[:span] <= self.slot_1))
-        bias_RKGS = torch.zeros(valid_RS.shape, dtype=self.dtype, device=self.device).masked_fill_(
-            ~valid_RS, float("-inf"))[:, None, None].expand(rows, kv_heads, heads // kv_heads, span)
+        triton_kernel = self.attend is None  # reads slots [start_R, slot_1] itself: no mask
+        if not triton_kernel:
+            # One mask for every layer; SDPA's memory-efficient kernel wants it in q's dtype with every dimension
+            # (expand is a view).
+            valid_RS = self.prompt_valid_RS[:, :span] | (self.decode_region_S[:span]
+                                                         & (self.slots_S[:span] <= self.slot_1))
+            bias_RKGS = torch.zeros(valid_RS.shape, dtype=self.dtype, device=self.device).masked_fill_(
+                ~valid_RS, float("-inf"))[:, None, None].expand(rows, kv_heads, heads // kv_heads, span)
         for layer in self.layers:
             q_RHD, k_RKD, v_RKD = attn_in(h_RD, *layer.attn_in, cos_R1D, sin_R1D, heads, kv_heads,
                                           layer.keys.shape[-1])
-            layer.keys.index_copy_(2, self.slot_1, k_RKD[:, :, None].to(layer.keys.dtype))
-            layer.values.index_copy_(2, self.slot_1, v_RKD[:, :, None].to(layer.values.dtype))
             # Grouped-query attention without repeating the cache: query head h uses kv head h // (heads / kv_heads).
             # (The cast is a no-op on fused weights; under autocast q/k-norm and RoPE return float32.)
             q_RKGD = q_RHD.to(self.dtype).reshape(rows, kv_heads, heads // kv_heads, -1)
-            attn_RKGD = self.attend(q_RKGD, layer.keys[:, :, :span], layer.values[:, :, :span], bias_RKGS,
-                                    self.scaling)
-            # SDPA's memory-efficient kernel writes [R, G, Hkv, Dh] and returns a transposed view: flattened in that
-            # order it needs no copy (fused o-proj columns are permuted to match); the module's own o-proj needs
-            # (Hkv, G) order.
+            if triton_kernel:  # the kernel also writes k and v into the cache at slot_1
+                attn_RKGD = triton_attention.decode_attention(q_RKGD, layer.keys, layer.values, self.start_R,
+                                                              self.slot_1, self.scaling, k_RKD, v_RKD)
+            else:
+                layer.keys.index_copy_(2, self.slot_1, k_RKD[:, :, None].to(layer.keys.dtype))
+                layer.values.index_copy_(2, self.slot_1, v_RKD[:, :, None].to(layer.values.dtype))
+                attn_RKGD = self.attend(q_RKGD, layer.keys[:, :, :span], layer.values[:, :, :span], bias_RKGS,
+                                        self.scaling)
+            # SDPA's memory-efficient kernel (and the Triton kernel) writes [R, G, Hkv, Dh] and returns a transposed
+            # view: flattened in that order it needs no copy (fused o-proj columns are permuted to match); the
+            # module's own o-proj needs (Hkv, G) order.
             if self.fused:
                 attn_RE = attn_RKGD.transpose(1, 2).reshape(rows, -1)
             else:
@@ -389,7 +444,10 @@ class _StaticRun:
     # ------------------------------------------------------------------ the loop
 
     def _span(self, t: int) -> int:
-        """Slots step t (feeding the token of column t - 1) attends over, rounded up to the bucket."""
+        """Slots step t (feeding the token of column t - 1) attends over, rounded up to the bucket (the whole cache for
+        the Triton kernel, which reads the step's length on the device: one graph for the chunk)."""
+        if self.attend is None:
+            return self.capacity
         needed = self.width + t
         bucket = self.engine.kv_bucket
         return min(self.capacity, -(-needed // bucket) * bucket)

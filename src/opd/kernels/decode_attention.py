@@ -1,0 +1,192 @@
+"""Decode attention: one query token per row against a static KV cache, grouped-query, as a split-KV ("flash
+decoding") Triton kernel that reads only each row's valid slots.
+
+Why: in `StaticGenerator`'s decode step at RL batch sizes the attention is the one part that grows with the sequence,
+and SDPA's memory-efficient kernel (the only one that takes a mask) reads the KV cache well below bandwidth and over
+the whole bucketed span, padding included. Here each program streams the keys and values of one (row, kv head, split)
+once, with the G query heads of that kv head as the rows of one tensor-core tile, so the cache is read once per kv
+head and never repeated per query head. Row r attends over the slots [start[r], last + 1): the left-padded prompt's
+real tokens followed by every decode slot written so far. Both bounds are read on the device, so one CUDA graph
+serves every step of a chunk.
+
+Splits: with few rows × kv heads the (row, kv head) programs alone cannot fill the GPU; each row's slots are then cut
+into `splits` equal, BLOCK_N-aligned pieces whose partial results (output and log-sum-exp per query head) a second
+kernel combines. `default_splits` picks the count from the program count.
+
+`decode_attention` runs on CUDA tensors, and on CPU tensors when Triton's interpreter is on (`TRITON_INTERPRET=1` set
+before Triton is imported), which is how the CPU tests check it against the matmul/softmax reference. The interpreter
+cannot multiply bfloat16 tiles, so there (only) the tiles are upcast to float32 before each product.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from opd.kernels import available, interpreted, tl, triton
+
+__all__ = ["available", "decode_attention", "default_splits"]
+
+BLOCK_N = 64  # slots per tile (64 / 4 warps / 2 stages was the fastest of 11 launch configurations on an H200)
+
+
+def default_splits(rows: int, kv_heads: int, device: torch.device) -> int:
+    """Splits per row: the fewest (a power of two, at most 16) that give every multiprocessor a (row, kv head, split)
+    program. On an H200 one split was fastest whenever rows × kv heads ≥ 512 (`benchmarks/decode_attention.py`)."""
+    if device.type != "cuda":
+        return 1
+    target = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = 1
+    while splits < 16 and rows * kv_heads * splits < target:
+        splits *= 2
+    return splits
+
+
+if triton is not None:
+
+    @triton.jit
+    def _partial_kernel(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, start_ptr, last_ptr, out_ptr, lse_ptr,
+                        q_sr, q_sk, q_sg, k_sr, k_sk, k_ss, v_sr, v_sk, v_ss, kn_sr, kn_sk, vn_sr, vn_sk,
+                        o_sr, o_sk, o_sg, scale, kv_heads, groups,
+                        HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                        HAS_NEW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """One (row, kv head) per program along axis 0, one split along axis 1. HAS_NEW: the slot `last` is taken
+        from kn/vn (and written to the cache by split 0) instead of read from the cache. SPLITS == 1: the normalised
+        output goes straight to out (strided, q's dtype). Else out is float32 [R, Hkv, SPLITS, G, Dh] and lse float32
+        [R, Hkv, SPLITS, G] (−inf for an empty split)."""
+        pid, split = tl.program_id(0), tl.program_id(1)
+        row, kv = pid // kv_heads, pid % kv_heads
+        start = tl.load(start_ptr + row)
+        last = tl.load(last_ptr)
+        end = last if HAS_NEW else last + 1  # slots read from the cache: [start, end)
+        per_split = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N
+        lo = start + split * per_split
+        hi = tl.minimum(lo + per_split, end)
+
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, HEAD_DIM)
+        n = tl.arange(0, BLOCK_N)
+        q = tl.load(q_ptr + row * q_sr + kv * q_sk + g[:, None] * q_sg + d[None, :], mask=g[:, None] < groups,
+                    other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        k_base = k_ptr + row * k_sr + kv * k_sk
+        v_base = v_ptr + row * v_sr + kv * v_sk
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        if HAS_NEW:
+            if split == 0:  # the new token starts the running softmax; its keys/values go into the cache
+                k_new = tl.load(kn_ptr + row * kn_sr + kv * kn_sk + d)
+                v_new = tl.load(vn_ptr + row * vn_sr + kv * vn_sk + d)
+                tl.store(k_base + last * k_ss + d, k_new.to(k_ptr.dtype.element_ty))
+                tl.store(v_base + last * v_ss + d, v_new.to(v_ptr.dtype.element_ty))
+                m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+                l = tl.full([BLOCK_G], 1.0, tl.float32)
+                acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32) + v_new.to(tl.float32)[None, :]
+        for n0 in range(lo, hi, BLOCK_N):  # every tile holds at least one valid slot, so m becomes finite at once
+            slots = n0 + n
+            valid = slots < hi
+            k = tl.load(k_base + slots[:, None] * k_ss + d[None, :], mask=valid[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + slots[:, None] * v_ss + d[None, :], mask=valid[:, None], other=0.0)
+            if UPCAST:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+
+        if SPLITS == 1:
+            out = acc / l[:, None]
+            tl.store(out_ptr + row * o_sr + kv * o_sk + g[:, None] * o_sg + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=g[:, None] < groups)
+        else:
+            nonempty = l > 0
+            out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l, 1.0)[:, None], 0.0)
+            lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, l, 1.0)), float("-inf"))
+            base = (pid * SPLITS + split) * groups
+            tl.store(out_ptr + (base + g[:, None]) * HEAD_DIM + d[None, :], out, mask=g[:, None] < groups)
+            tl.store(lse_ptr + base + g, lse, mask=g < groups)
+
+    @triton.jit
+    def _combine_kernel(part_ptr, lse_ptr, out_ptr, o_sr, o_sk, o_sg, kv_heads, groups,
+                        HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, SPLITS: tl.constexpr):
+        """Softmax-weighted sum of one (row, kv head)'s SPLITS partial outputs → out (strided, out's dtype)."""
+        pid = tl.program_id(0)
+        row, kv = pid // kv_heads, pid % kv_heads
+        p = tl.arange(0, SPLITS)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, HEAD_DIM)
+        in_group = g < groups
+        lse = tl.load(lse_ptr + (pid * SPLITS + p[:, None]) * groups + g[None, :], mask=in_group[None, :],
+                      other=0.0)  # [SPLITS, G]; split 0 is never empty, so the max is finite
+        weight = tl.exp(lse - tl.max(lse, 0)[None, :])
+        part = tl.load(part_ptr + ((pid * SPLITS + p[:, None, None]) * groups + g[None, :, None]) * HEAD_DIM
+                       + d[None, None, :], mask=in_group[None, :, None], other=0.0)  # [SPLITS, G, Dh]
+        out = tl.sum(weight[:, :, None] * part, 0) / tl.sum(weight, 0)[:, None]
+        tl.store(out_ptr + row * o_sr + kv * o_sk + g[:, None] * o_sg + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=in_group[:, None])
+
+
+def decode_attention(q_RKGD: torch.Tensor, keys_RKSD: torch.Tensor, values_RKSD: torch.Tensor,
+                     start_R: torch.Tensor, last_1: torch.Tensor, scale: float,
+                     new_keys_RKD: torch.Tensor | None = None, new_values_RKD: torch.Tensor | None = None,
+                     splits: int | None = None, block_n: int = BLOCK_N, num_warps: int = 4,
+                     num_stages: int = 2) -> torch.Tensor:
+    """softmax(q·kᵀ · scale) · v over slots [start_R[r], last_1[0]] of each row, per kv head and query head.
+
+    q [R, Hkv, G, Dh] (any strides, last one 1); keys, values [R, Hkv, S, Dh] (last stride 1); start_R [R] and
+    last_1 [1] integer tensors on the same device (start ≤ last < S). With new_keys / new_values [R, Hkv, Dh] (last
+    stride 1), slot `last` is theirs: they are written into the cache there (the step's cache write, in the same
+    kernel) and used directly. Returns [R, Hkv, G, Dh] in q's dtype, a transposed view of a [R, G, Hkv, Dh] tensor:
+    flattened as (G, Hkv, Dh) per row it needs no copy (the layout SDPA returns, which `StaticGenerator`'s fused
+    o-projection expects). splits None = `default_splits`. float32 inputs multiply in full float32 (no TF32).
+    block_n (slots per tile), num_warps, num_stages: the kernel's launch configuration.
+    """
+    rows, kv_heads, groups, head_dim = q_RKGD.shape
+    if triton is None:
+        raise RuntimeError("decode_attention needs Triton (pip install triton, CUDA)")
+    tensors = [q_RKGD, keys_RKSD, values_RKSD] + [t for t in (new_keys_RKD, new_values_RKD) if t is not None]
+    if head_dim & (head_dim - 1) or any(t.stride(-1) != 1 for t in tensors):
+        raise ValueError(f"decode_attention needs a power-of-two head_dim with unit last strides, got {head_dim}")
+    if (new_keys_RKD is None) != (new_values_RKD is None):
+        raise ValueError("decode_attention takes new_keys and new_values together")
+    splits = default_splits(rows, kv_heads, q_RKGD.device) if splits is None else splits
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"decode_attention splits must be a power of two ≥ 1, got {splits}")
+    out_RKGD = q_RKGD.new_empty(rows, groups, kv_heads, head_dim).transpose(1, 2)
+    has_new = new_keys_RKD is not None
+    new_k, new_v = (new_keys_RKD, new_values_RKD) if has_new else (keys_RKSD[:, :, 0], values_RKSD[:, :, 0])
+    if splits == 1:
+        part, lse = out_RKGD, out_RKGD  # lse unused
+    else:
+        part = torch.empty(rows, kv_heads, splits, groups, head_dim, dtype=torch.float32, device=q_RKGD.device)
+        lse = torch.empty(rows, kv_heads, splits, groups, dtype=torch.float32, device=q_RKGD.device)
+    # Triton launches on the current CUDA device: make it the tensors' (a model on cuda:1, say).
+    with torch.cuda.device(q_RKGD.device) if q_RKGD.device.type == "cuda" else contextlib.nullcontext():
+        _partial_kernel[(rows * kv_heads, splits)](
+            q_RKGD, keys_RKSD, values_RKSD, new_k, new_v, start_R, last_1, part, lse,
+            q_RKGD.stride(0), q_RKGD.stride(1), q_RKGD.stride(2),
+            keys_RKSD.stride(0), keys_RKSD.stride(1), keys_RKSD.stride(2),
+            values_RKSD.stride(0), values_RKSD.stride(1), values_RKSD.stride(2),
+            new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
+            out_RKGD.stride(0), out_RKGD.stride(1), out_RKGD.stride(2),
+            scale, kv_heads, groups,
+            HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(groups)),  # 16: tl.dot's smallest tile
+            BLOCK_N=block_n, SPLITS=splits, HAS_NEW=has_new, UPCAST=interpreted(q_RKGD.device),
+            PRECISION="ieee" if q_RKGD.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+        )
+        if splits > 1:
+            _combine_kernel[(rows * kv_heads,)](
+                part, lse, out_RKGD, out_RKGD.stride(0), out_RKGD.stride(1), out_RKGD.stride(2), kv_heads, groups,
+                HEAD_DIM=head_dim, BLOCK_G=triton.next_power_of_2(groups), SPLITS=splits, num_warps=num_warps,
+            )
+    return out_RKGD

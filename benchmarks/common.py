@@ -248,15 +248,22 @@ def speedups(rows: list[dict], baseline: str) -> None:
 
 
 def random_rollouts(batch: int, prompt_len: int, response_len: int, vocab: int, device: torch.device,
-                    seed: int, pad: int):
-    """A `Rollouts` batch of random ids: every row prompt_len prompt + response_len response tokens, all real."""
+                    seed: int, pad: int, ragged: bool = False):
+    """A `Rollouts` batch of random ids: every row prompt_len prompt + response_len response tokens, all real; with
+    `ragged`, row b's response has a length drawn uniformly from [response_len / 4, response_len] (seeded) and is
+    right-padded, as rollouts that stop at EOS are."""
     from opd.types import Rollouts
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, prompt_len + response_len), generator=g)
+    lengths = (torch.randint(max(1, response_len // 4), response_len + 1, (batch,), generator=g) if ragged
+               else torch.full((batch,), response_len))
+    response_mask = torch.arange(response_len)[None] < lengths[:, None]
+    attention_mask = torch.cat([torch.ones(batch, prompt_len, dtype=torch.bool), response_mask], dim=1)
+    ids = ids.masked_fill(~attention_mask, pad)
     return Rollouts(
-        input_ids=ids, attention_mask=torch.ones_like(ids, dtype=torch.bool),
+        input_ids=ids, attention_mask=attention_mask,
         prompt_lengths=torch.full((batch,), prompt_len, dtype=torch.long),
-        response_ids=ids[:, prompt_len:].clone(), response_mask=torch.ones(batch, response_len, dtype=torch.bool),
-        group_ids=torch.arange(batch), truncated=torch.ones(batch, dtype=torch.bool),
+        response_ids=ids[:, prompt_len:].clone(), response_mask=response_mask,
+        group_ids=torch.arange(batch), truncated=lengths == response_len,
     ).to(device)

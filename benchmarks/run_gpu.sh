@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU measurement of docs/performance.md in one call: the CUDA correctness checks, then every benchmark at the
 # real shapes. Run from the repository root on the GPU machine; JSON and logs go to ${OUT:-runs/benchmarks/gpu}.
-#   bash benchmarks/run_gpu.sh [check|attention|rollout|teacher|update|step|step_full ...]   (default: all, in order)
+#   bash benchmarks/run_gpu.sh [check|attention|rollout|teacher|update|step|step_full|packing ...]  (default: all)
 set -uo pipefail
 out=${OUT:-runs/benchmarks/gpu}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-parts=${*:-check attention rollout teacher update step step_full}
+parts=${*:-check attention rollout teacher update step step_full packing}
 status=0
 run() {  # name, time limit (s), command...
     local name=$1 limit=$2
@@ -29,7 +29,11 @@ for part in $parts; do
         step) run opd_step 240 python3 benchmarks/opd_step.py --warmup 3 --repeat 3 --out "$out/opd_step.json" ;;
         step_full) run opd_step_full 150 python3 benchmarks/opd_step.py --warmup 3 --repeat 3 --ckpt on --skip-trl \
             --out "$out/opd_step_full.json" ;;
-        *) echo "unknown part $part (check, attention, rollout, teacher, update, step, step_full)"; exit 2 ;;
+        packing) run teacher_ragged 200 python3 benchmarks/teacher_score.py --shapes qwen3-1.7b --ragged \
+                --attn sdpa,flex_attention --compile on --out "$out/teacher_ragged.json"
+            run update_ragged 200 python3 benchmarks/update.py --shape qwen3-0.6b --ragged --attn flex_attention \
+                --compile on --ckpt selective,off --out "$out/update_ragged.json" ;;
+        *) echo "unknown part $part (check, attention, rollout, teacher, update, step, step_full, packing)"; exit 2 ;;
     esac
 done
 exit $status

@@ -9,7 +9,8 @@ and log-probs, log-probs at 16 requested ids, entropy), in bf16 on GPU, over the
 is the largest absolute difference between the two rows' log-probs and entropies, `topk_agree` the fraction of
 equal top-k ids (ties at bf16 resolution can swap neighbours).
 
-tokens/s counts every input position (B · (prompt + response)); the compute bound is 2 · params FLOPs per token,
+tokens/s counts every real input position (B · (prompt + response) unless `--ragged`, which draws each row's
+response length and right-pads: then padding is not counted); the compute bound is 2 · params FLOPs per token,
 `pct_peak` = 2 · params · tokens/s / peak.
 
 The compiled row takes the top-k in two stages (`opd.scoring._piece_topk`); `--torch-topk` adds the same row with one
@@ -57,6 +58,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--response-len", type=int, default=512, help="scored response tokens per sequence")
     parser.add_argument("--top-k", type=int, default=16, help="teacher top-k (and number of requested ids)")
     parser.add_argument("--torch-topk", action="store_true", help="add the compiled row with torch.topk")
+    parser.add_argument("--ragged", action="store_true",
+                        help="response lengths uniform in [response_len / 4, response_len] (right-padded rows)")
+    parser.add_argument("--attn", default="sdpa",
+                        help="comma-separated attention implementations for our rows, e.g. sdpa,flex_attention "
+                             "(flash/flex pack the rows into one sequence: no padding FLOPs)")
     parser.add_argument("--compile", default=None, help="on, off or on,off (a row each); default on,off on CUDA, off on CPU")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
@@ -76,11 +82,12 @@ def main(argv: list[str] | None = None) -> dict:
         model = build_model(shape, dtype=dtype, device=device, seed=args.seed).requires_grad_(False)
         params, vocab = param_count(model), TOKENIZER_SIZE[shape]
         rollouts = random_rollouts(args.batch, args.prompt_len, args.response_len, vocab, device, args.seed,
-                                   pad_id(shape))
+                                   pad_id(shape), ragged=args.ragged)
         g = torch.Generator().manual_seed(args.seed + 1)
         requested_BTR = torch.randint(0, vocab, (args.batch, args.response_len, args.top_k), generator=g).to(device)
-        tokens = args.batch * (args.prompt_len + args.response_len)
-        scorer = LocalScorer(model, vocab_size=vocab, max_tokens_per_batch=tokens)
+        tokens = int(rollouts.attention_mask.sum())  # real tokens: padding is not useful work
+        scorer = LocalScorer(model, vocab_size=vocab,
+                             max_tokens_per_batch=args.batch * (args.prompt_len + args.response_len))  # one forward
         results = {}
 
         def finish(m, key):
@@ -104,18 +111,25 @@ def main(argv: list[str] | None = None) -> dict:
                 m = measure(lambda: naive_scores(model, rollouts, requested_BTR, args.top_k, vocab), device,
                             warmup=args.warmup, repeat=args.repeat)
             row = finish(m, "naive")
-            if "ours" in results:  # agreement with our last row on the same inputs
+            if "ours" in results:  # agreement with our last row on the same inputs, at the real positions
                 a, b = results["ours"], results["naive"]
-                row["max_err"] = max(float((x - y).abs().max()) for x, y in (
+                mask = rollouts.response_mask
+                row["max_err"] = max(float((x - y)[mask].abs().max()) for x, y in (
                     (a.sampled_logprobs, b.sampled_logprobs), (a.topk_logprobs, b.topk_logprobs),
                     (a.requested_logprobs, b.requested_logprobs), (a.entropy, b.entropy)))
-                row["topk_agree"] = float((a.topk_ids == b.topk_ids).float().mean())
+                row["topk_agree"] = float((a.topk_ids == b.topk_ids)[mask].float().mean())
             return row
 
         if "on" in compile_modes:
             compile_layers(model, True)
-        for mode in compile_modes:
-            report.run_row(f"local_scorer[{shape}{', compiled' if mode == 'on' else ''}]", lambda mode=mode: ours(mode))
+        for attn in args.attn.split(","):
+            if attn != "sdpa":
+                model.set_attn_implementation(attn)
+            suffix = "" if attn == "sdpa" else f", {attn}"
+            for mode in compile_modes:
+                report.run_row(f"local_scorer[{shape}{', compiled' if mode == 'on' else ''}{suffix}]",
+                               lambda mode=mode: ours(mode))
+        model.set_attn_implementation("sdpa")
         if args.torch_topk and "on" in compile_modes:
             import opd.scoring
 
@@ -129,9 +143,10 @@ def main(argv: list[str] | None = None) -> dict:
                ("% of peak FLOPs", "pct_peak", ".1f"), ("peak GiB", "peak_gib", ".1f"),
                ("weights GiB", "weights_gib", ".1f"), ("max_err", "max_err", ".2e"),
                ("top-k agree", "topk_agree", ".3f")]
-    notes = [f"{args.batch} × ({args.prompt_len} + {args.response_len}) tokens, top-{args.top_k} + {args.top_k} "
-             f"requested ids + entropy, {dtype}, random weights; max_err / top-k agree on the naive row compare it "
-             "with ours"]
+    notes = [f"{args.batch} × ({args.prompt_len} + {'≤ ' if args.ragged else ''}{args.response_len}) tokens"
+             f"{' (ragged: tokens/s counts real tokens only)' if args.ragged else ''}, top-{args.top_k} + "
+             f"{args.top_k} requested ids + entropy, {dtype}, random weights; max_err / top-k agree on the naive row "
+             "compare it with ours"]
     return report.finish(columns, notes)
 
 

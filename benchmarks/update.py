@@ -11,7 +11,8 @@ the two paths after the last timed run: |Δloss| and ‖Δg‖ / ‖g‖ over th
 
 The naive rows always run eagerly (plain transformers); with `--compile on` the chunked path gets a compiled row too.
 
-MFU = 6 · params · tokens/s / peak (tokens = B · (prompt + response), all of which run forward and backward); with
+MFU = 6 · params · tokens/s / peak (tokens = B · (prompt + response), all of which run forward and backward; with
+`--ragged` each row's response length is drawn and only real tokens count); with
 gradient checkpointing the GPU really does ~8 · params FLOPs per token, so MFU understates its arithmetic rate.
 """
 
@@ -39,6 +40,11 @@ def main(argv: list[str] | None = None) -> dict:
                         help="gradient checkpointing, comma-separated rows: on (HF, every layer), off, selective "
                              "(compiled rows only: `opd.models.activation_budget`, --budget of the activations kept)")
     parser.add_argument("--budget", type=float, default=0.5, help="activation budget of --ckpt selective")
+    parser.add_argument("--ragged", action="store_true",
+                        help="response lengths uniform in [response_len / 4, response_len] (right-padded rows)")
+    parser.add_argument("--attn", default="sdpa",
+                        help="attention implementation of the chunked rows (flex_attention / flash packs the rows "
+                             "into one sequence: no padding FLOPs); the naive rows use sdpa")
     parser.add_argument("--precision", default="autocast", choices=["autocast", "bf16"], help="CUDA precision")
     parser.add_argument("--compile", default=None,
                         help="on, off or on,off: chunked rows with the decoder layers under torch.compile "
@@ -60,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     from opd.teacher.local import forward_hidden, output_head
 
     rollouts = random_rollouts(args.batch, args.prompt_len, args.response_len, vocab, device, args.seed,
-                               pad_id(args.shape))
+                               pad_id(args.shape), ragged=args.ragged)
     g = torch.Generator().manual_seed(args.seed + 1)
     shape_BTJ = (args.batch, args.response_len, args.candidates)
     candidates_BTJ = torch.randint(0, vocab, shape_BTJ, generator=g).to(device)
@@ -71,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     advantages_BTJ = torch.randn(shape_BTJ, generator=g).to(device)
     valid_BTJ = torch.ones(shape_BTJ, dtype=torch.bool, device=device)
     mask_BT = rollouts.response_mask
-    tokens = args.batch * (args.prompt_len + args.response_len)
+    tokens = int(rollouts.attention_mask.sum())  # real tokens: padding is not useful work
     probes = {"output_embedding": model.get_output_embeddings().weight,
               "layer0.mlp.down": model.model.layers[0].mlp.down_proj.weight}
 
@@ -121,6 +127,10 @@ def main(argv: list[str] | None = None) -> dict:
         if "selective" in args.ckpt.split(","):
             torch._dynamo.reset()
         for name, fn, mode in paths:
+            model.set_attn_implementation(args.attn if fn is ours else "sdpa")
+            if fn is ours and args.attn != "sdpa":
+                name = name[:-1] + f", {args.attn}]"
+
             def row(fn=fn, mode=mode):
                 with torch.compiler.set_stance("default" if mode == "on" else "force_eager"), \
                         activation_budget(budget):
@@ -143,7 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
     columns = [("row", "name", ""), ("tokens/s", "tokens_per_s", ",.0f"), ("× naive", "speedup", ".2f"),
                ("MFU %", "mfu_pct", ".1f"), ("peak GiB", "peak_gib", ".1f"), ("loss_err", "loss_err", ".1e"),
                ("grad_err", "grad_err", ".1e")]
-    notes = [f"shape {args.shape}, {args.batch} × ({args.prompt_len} + {args.response_len}) tokens, "
+    notes = [f"shape {args.shape}, {args.batch} × ({args.prompt_len} + {'≤ ' if args.ragged else ''}"
+             f"{args.response_len}) tokens{' (ragged: tokens/s counts real tokens only)' if args.ragged else ''}, "
              f"{args.candidates} candidates per position, precision {report.data['precision']}, forward + backward "
              "(no optimizer step); loss_err/grad_err on the naive row compare it with the chunked row"]
     return report.finish(columns, notes)

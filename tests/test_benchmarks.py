@@ -56,6 +56,17 @@ def test_teacher_score(tmp_path, capsys):
     assert got["naive_full_logits[tiny]"]["topk_agree"] > 0.99
 
 
+def test_teacher_score_ragged_rows_padded_and_packed(tmp_path, capsys):
+    """Right-padded rows of different lengths: the padded sdpa row and the packed flex row (rows concatenated into one
+    sequence) score the real positions as the naive path does, and tokens/s counts real tokens only."""
+    data, printed = run("teacher_score", tmp_path, capsys, "--batch", "3", "--prompt-len", "4", "--response-len", "12",
+                        "--ragged", "--attn", "sdpa,flex_attention")
+    got = rows(data)
+    assert set(got) == {"local_scorer[tiny]", "local_scorer[tiny, flex_attention]", "naive_full_logits[tiny]"}
+    assert got["naive_full_logits[tiny]"]["max_err"] < 1e-4  # against the packed row, the last of ours
+    assert got["local_scorer[tiny]"]["tokens"] < 3 * (4 + 12) and "ragged" in printed
+
+
 def test_update(tmp_path, capsys):
     data, _ = run("update", tmp_path, capsys, "--batch", "2", "--prompt-len", "4", "--response-len", "6",
                   "--ckpt", "on,off")
@@ -64,6 +75,15 @@ def test_update(tmp_path, capsys):
     for ckpt in ("on", "off"):
         naive = got[f"naive_full_logits[ckpt {ckpt}]"]
         assert naive["loss_err"] < 1e-5 and naive["grad_err"] < 1e-4
+
+
+def test_update_ragged_rows(tmp_path, capsys):
+    data, _ = run("update", tmp_path, capsys, "--batch", "3", "--prompt-len", "4", "--response-len", "12", "--ragged",
+                  "--ckpt", "off")
+    got = rows(data)
+    naive = got["naive_full_logits[ckpt off]"]
+    assert naive["loss_err"] < 1e-5 and naive["grad_err"] < 1e-4
+    assert got["chunked_candidates[ckpt off]"]["tokens"] < 3 * (4 + 12)
 
 
 @pytest.mark.slow

@@ -21,10 +21,10 @@ def engines(model, **kwargs):
     return TorchGenerator(model, **common), StaticGenerator(model, kv_bucket=16, **common)
 
 
-def tiny_llama_with_biases():
+def tiny_llama_with_biases(**kwargs):
     """A tiny Llama with random biases on every projection (attention_bias, mlp_bias) and one kv head for four query
     heads (grouped-query attention with G = 4)."""
-    config = make_tiny_model("llama").config
+    config = make_tiny_model("llama", **kwargs).config
     config.attention_bias = config.mlp_bias = True
     config.num_key_value_heads = 1
     with torch.random.fork_rng(devices=[]):
@@ -42,8 +42,8 @@ def _max_abs_diff(logprobs_a, logprobs_b):
 
 
 MODELS = {
-    "qwen3": lambda: make_tiny_model("qwen3"),
-    "qwen3_tied": lambda: make_tiny_model("qwen3", tie_word_embeddings=True),
+    "qwen3": lambda **kwargs: make_tiny_model("qwen3", **kwargs),
+    "qwen3_tied": lambda **kwargs: make_tiny_model("qwen3", tie_word_embeddings=True, **kwargs),
     "llama_biases_gqa": tiny_llama_with_biases,
 }
 
@@ -57,7 +57,8 @@ DECODE_PATHS = [(m, f, a) for m in MODELS for f in (True, False) for a in ("sdpa
 def test_every_decode_path_matches_torch_generator_in_float32(model_name, fuse_weights, attention):
     if attention == "triton" and not triton_attention.available(torch.device("cpu")):
         pytest.skip("Triton is not installed")
-    model = MODELS[model_name]()
+    # The kernel's least head size is 16 (one tensor-core tile): 64 / 4 heads for its cases.
+    model = MODELS[model_name](**({"hidden_size": 64} if attention == "triton" else {}))
     reference = TorchGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
     static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=16,
                              fuse_weights=fuse_weights, attention=attention)
@@ -262,3 +263,6 @@ def test_unsupported_models_raise_or_fall_back():
         StaticGenerator(make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=0)
     with pytest.raises(ValueError, match="attention must be one of auto, triton, sdpa, matmul, got 'flash'"):
         StaticGenerator(make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, attention="flash")
+    if triton_attention.available(torch.device("cpu")):  # head size 8 (32 / 4 heads): below the kernel's 16
+        with pytest.raises(ValueError, match="power-of-two head size in \\[16, 256\\], this model's is 8"):
+            StaticGenerator(make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, attention="triton")

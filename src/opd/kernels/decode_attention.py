@@ -26,9 +26,14 @@ import torch
 
 from opd.kernels import available, interpreted, tl, triton
 
-__all__ = ["available", "decode_attention", "default_splits"]
+__all__ = ["available", "decode_attention", "default_splits", "supports"]
 
 BLOCK_N = 64  # slots per tile (64 / 4 warps / 2 stages was the fastest of 11 launch configurations on an H200)
+
+
+def supports(head_dim: int) -> bool:
+    """Whether the kernel takes this head size: a power of two in [16, 256] (one tensor-core tile wide, in registers)."""
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
 
 
 def default_splits(rows: int, kv_heads: int, device: torch.device) -> int:
@@ -155,8 +160,9 @@ def decode_attention(q_RKGD: torch.Tensor, keys_RKSD: torch.Tensor, values_RKSD:
     if triton is None:
         raise RuntimeError("decode_attention needs Triton (pip install triton, CUDA)")
     tensors = [q_RKGD, keys_RKSD, values_RKSD] + [t for t in (new_keys_RKD, new_values_RKD) if t is not None]
-    if head_dim & (head_dim - 1) or any(t.stride(-1) != 1 for t in tensors):
-        raise ValueError(f"decode_attention needs a power-of-two head_dim with unit last strides, got {head_dim}")
+    if not supports(head_dim) or any(t.stride(-1) != 1 for t in tensors):
+        raise ValueError(f"decode_attention needs a power-of-two head_dim in [16, 256] and unit last strides, got "
+                         f"head_dim {head_dim}, strides {[t.stride() for t in tensors]}")
     if (new_keys_RKD is None) != (new_values_RKD is None):
         raise ValueError("decode_attention takes new_keys and new_values together")
     splits = default_splits(rows, kv_heads, q_RKGD.device) if splits is None else splits

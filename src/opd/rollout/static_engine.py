@@ -201,6 +201,11 @@ class _Layer:
     values: torch.Tensor
 
 
+def _head_dim(model: torch.nn.Module) -> int:
+    attention = model.get_decoder().layers[0].self_attn
+    return attention.q_proj.weight.shape[0] // model.config.num_attention_heads
+
+
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why `StaticGenerator` cannot run `model` with its own decode step, or None when it can."""
     config = getattr(model, "config", None)
@@ -246,7 +251,8 @@ class StaticGenerator(TorchGenerator):
                   bf16 autocast every weight is copied once in bf16 (1.2 GB for Qwen3-0.6B), and the residual
                   stream is bf16 as in a bf16 model (autocast keeps it float32).
                   False = one GEMM per projection on the module's own tensors, under the caller's autocast
-    attention:    "auto" = "triton" on CUDA when Triton is installed, else "sdpa"; "triton" = the split-KV kernel
+    attention:    "auto" = "triton" on CUDA when Triton is installed and the head size is a power of two in
+                  [16, 256], else "sdpa"; "triton" = the split-KV kernel
                   `opd.kernels.decode_attention` (CUDA, or CPU under Triton's interpreter: the tests); "sdpa" = one
                   masked `scaled_dot_product_attention` call per layer; "matmul" = explicit matmul / float32 softmax /
                   matmul (the reference; more kernels)
@@ -281,6 +287,9 @@ class StaticGenerator(TorchGenerator):
         if self.reason is not None and not fallback:
             raise NotImplementedError(f"StaticGenerator cannot run {type(model).__name__}: {self.reason} "
                                       "(pass fallback=True to use TorchGenerator's loop)")
+        if attention == "triton" and self.reason is None and not triton_attention.supports(_head_dim(model)):
+            raise ValueError(f"StaticGenerator attention='triton' needs a power-of-two head size in [16, 256], this "
+                             f"model's is {_head_dim(model)}; use 'auto'")
         self._compiled: tuple[Callable, Callable, Callable] | None = None
 
     def _step_fns(self, on_cuda: bool) -> tuple[Callable, Callable, Callable]:
@@ -308,7 +317,8 @@ class _StaticRun:
         body, head = model.get_decoder(), model.get_output_embeddings()
         config = model.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        auto = "triton" if triton_attention.available(device) and device.type == "cuda" else "sdpa"
+        kernel_ok = triton_attention.available(device) and triton_attention.supports(_head_dim(model))
+        auto = "triton" if kernel_ok and device.type == "cuda" else "sdpa"
         self.attention = auto if engine.attention == "auto" else engine.attention
         self.attend = _ATTENTION.get(self.attention)
 

@@ -13,9 +13,7 @@ Splits: with few rows × kv heads the (row, kv head) programs alone cannot fill 
 into `splits` equal, BLOCK_N-aligned pieces whose partial results (output and log-sum-exp per query head) a second
 kernel combines. `default_splits` picks the count from the program count.
 
-`decode_attention` runs on CUDA tensors, and on CPU tensors when Triton's interpreter is on (`TRITON_INTERPRET=1` set
-before Triton is imported), which is how the CPU tests check it against the matmul/softmax reference. The interpreter
-cannot multiply bfloat16 tiles, so there (only) the tiles are upcast to float32 before each product.
+Where it runs (CUDA, or CPU under Triton's interpreter for the tests) and why tiles are upcast there: `opd.kernels`.
 """
 
 from __future__ import annotations

@@ -93,10 +93,25 @@ def peaks(device: torch.device, args: argparse.Namespace) -> tuple[float | None,
     return flops, bw
 
 
+def attention_name(name: str, device: torch.device) -> str:
+    """A transformers attention name, "opd_varlen" (registered here), or "auto": what `opd.models.load_model` picks
+    (opd_varlen on CUDA, else sdpa)."""
+    from opd.kernels import varlen_attention
+
+    varlen_attention.register()
+    if name == "auto":
+        return varlen_attention.ATTENTION if varlen_attention.kernel_available(device) else "sdpa"
+    return name
+
+
 def build_model(shape: str, *, dtype: torch.dtype, device: torch.device, seed: int = 0,
                 attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """A random-weight Qwen3 causal LM of `shape`, initialised directly on `device` (fast on a GPU), in eval mode."""
+    """A random-weight Qwen3 causal LM of `shape`, initialised directly on `device` (fast on a GPU), in eval mode.
+
+    attn_implementation: see `attention_name`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    attn_implementation = attention_name(attn_implementation, device)
 
     config = Qwen3Config(**SHAPES[shape], max_position_embeddings=40960, rope_theta=1_000_000, rms_norm_eps=1e-6,
                          eos_token_id=eos_id(shape), pad_token_id=pad_id(shape), bos_token_id=None,

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    SHAPES, TOKENIZER_SIZE, Report, base_parser, build_model, eos_id, measure, pad_id, resolve_device, speedups,
+    SHAPES, TOKENIZER_SIZE, Report, attention_name, base_parser, build_model, eos_id, measure, pad_id, resolve_device, speedups,
 )
 
 
@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "compiled, else on; CPU: off)")
     parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                         help="torch.compile the decoder layers of our student and teacher (auto: on for CUDA)")
+    parser.add_argument("--attn", default="auto", help="attention of our rows: auto (as `opd distill`: opd_varlen "
+                                                       "on CUDA, else sdpa), sdpa, opd_varlen; the TRL row uses sdpa")
     parser.add_argument("--skip-trl", action="store_true", help="leave the TRL GKD row out")
     args = parser.parse_args(argv)
     if SHAPES[args.shape]["vocab_size"] != SHAPES[args.teacher_shape]["vocab_size"]:
@@ -184,6 +186,10 @@ def main(argv: list[str] | None = None) -> dict:
 
         report.run_row("trl_gkd_recreated", trl)
     # our rows run as `opd distill` sets the models up on this device (the TRL row above ran before, eagerly)
+    attn = attention_name(args.attn, device)
+    student.set_attn_implementation(attn)
+    teacher.set_attn_implementation(attn)
+    report.data["attn"] = attn
     compiled = args.compile == "on" or (args.compile == "auto" and cuda)
     if compiled:
         from opd.models import compile_layers

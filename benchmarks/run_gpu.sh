@@ -30,9 +30,9 @@ for part in $parts; do
         step_full) run opd_step_full 150 python3 benchmarks/opd_step.py --warmup 3 --repeat 3 --ckpt on --skip-trl \
             --out "$out/opd_step_full.json" ;;
         packing) run teacher_ragged 200 python3 benchmarks/teacher_score.py --shapes qwen3-1.7b --ragged \
-                --attn sdpa,flex_attention --compile on --out "$out/teacher_ragged.json"
-            run update_ragged 200 python3 benchmarks/update.py --shape qwen3-0.6b --ragged --attn flex_attention \
-                --compile on --ckpt selective,off --out "$out/update_ragged.json" ;;
+                --attn sdpa,opd_varlen --compile on --out "$out/teacher_ragged.json"
+            run update_ragged 200 python3 benchmarks/update.py --shape qwen3-0.6b --ragged --attn sdpa,opd_varlen \
+                --compile on --ckpt selective --out "$out/update_ragged.json" ;;
         *) echo "unknown part $part (check, attention, rollout, teacher, update, step, step_full, packing)"; exit 2 ;;
     esac
 done

@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ragged", action="store_true",
                         help="response lengths uniform in [response_len / 4, response_len] (right-padded rows)")
     parser.add_argument("--attn", default="sdpa",
-                        help="comma-separated attention implementations for our rows, e.g. sdpa,flex_attention "
-                             "(flash/flex pack the rows into one sequence: no padding FLOPs)")
+                        help="comma-separated attention implementations for our rows, e.g. sdpa,opd_varlen "
+                             "(opd_varlen/flash/flex pack the rows into one sequence: no padding FLOPs)")
     parser.add_argument("--compile", default=None, help="on, off or on,off (a row each); default on,off on CUDA, off on CPU")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)

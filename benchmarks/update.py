@@ -43,8 +43,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ragged", action="store_true",
                         help="response lengths uniform in [response_len / 4, response_len] (right-padded rows)")
     parser.add_argument("--attn", default="sdpa",
-                        help="attention implementation of the chunked rows (flex_attention / flash packs the rows "
-                             "into one sequence: no padding FLOPs); the naive rows use sdpa")
+                        help="attention implementations of the chunked rows, comma-separated, a row each "
+                             "(opd_varlen / flex_attention / flash pack the rows into one sequence: no padding FLOPs); the naive "
+                             "rows use sdpa")
     parser.add_argument("--precision", default="autocast", choices=["autocast", "bf16"], help="CUDA precision")
     parser.add_argument("--compile", default=None,
                         help="on, off or on,off: chunked rows with the decoder layers under torch.compile "
@@ -119,17 +120,17 @@ def main(argv: list[str] | None = None) -> dict:
             model.gradient_checkpointing_disable()
         model.train()
         kept = {}
-        paths = [(f"chunked_candidates[{'compiled, ' if mode == 'on' else ''}ckpt {ckpt}]", ours, mode)
-                 for mode in compile_modes] + [(f"naive_full_logits[ckpt {ckpt}]", naive, "off")]
+        paths = [(f"chunked_candidates[{'compiled, ' if mode == 'on' else ''}ckpt {ckpt}"
+                  f"{'' if attn == 'sdpa' else ', ' + attn}]", ours, mode, attn)
+                 for mode in compile_modes for attn in args.attn.split(",")]
+        paths.append((f"naive_full_logits[ckpt {ckpt}]", naive, "off", "sdpa"))
         budget = None
-        if ckpt == "selective":  # only the compiled row: the budget acts when a graph is compiled, so compile anew
+        if ckpt == "selective":  # only the compiled rows: the budget acts when a graph is compiled, so compile anew
             paths, budget = [p for p in paths if p[2] == "on"], args.budget
         if "selective" in args.ckpt.split(","):
             torch._dynamo.reset()
-        for name, fn, mode in paths:
-            model.set_attn_implementation(args.attn if fn is ours else "sdpa")
-            if fn is ours and args.attn != "sdpa":
-                name = name[:-1] + f", {args.attn}]"
+        for name, fn, mode, attn in paths:
+            model.set_attn_implementation(attn)
 
             def row(fn=fn, mode=mode):
                 with torch.compiler.set_stance("default" if mode == "on" else "force_eager"), \

@@ -57,3 +57,55 @@ def test_decode_attention_output_is_the_layout_the_fused_o_projection_reads():
         decode_attention(q, keys, values, torch.zeros(2, dtype=torch.long), torch.tensor([7]), 1.0, splits=3)
     with pytest.raises(ValueError, match="together"):
         decode_attention(q, keys, values, torch.zeros(2, dtype=torch.long), torch.tensor([7]), 1.0, keys[:, :, 0])
+
+
+# ------------------------------------------------------------------------------------------- varlen attention
+
+
+def dense_packed_reference(query_SHD, key_SKD, value_SKD, lengths):
+    """float64 softmax attention over the packed sequence with a block-diagonal causal mask."""
+    row_S = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos_S = torch.arange(len(row_S))
+    allowed_SS = (row_S[:, None] == row_S[None]) & (pos_S[:, None] >= pos_S[None])
+    groups = query_SHD.shape[1] // key_SKD.shape[1]
+    k, v = (x.double().repeat_interleave(groups, 1) for x in (key_SKD, value_SKD))
+    scores_HSS = torch.einsum("shd,thd->hst", query_SHD.double(), k) / query_SHD.shape[-1] ** 0.5
+    weights_HSS = scores_HSS.masked_fill(~allowed_SS, float("-inf")).softmax(-1)
+    return torch.einsum("hst,thd->shd", weights_HSS, v)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)])
+def test_packed_causal_attention_confines_each_row_to_itself(heads, kv_heads):
+    from opd.kernels.varlen_attention import packed_causal_attention
+
+    lengths = [5, 1, 9, 3]
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths), h, 16, generator=generator) for h in (heads, kv_heads, kv_heads))
+    cu_seq_lens = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+    out = packed_causal_attention(q, k, v, cu_seq_lens, max(lengths))
+    assert out.shape == q.shape
+    torch.testing.assert_close(out.double(), dense_packed_reference(q, k, v, lengths), atol=1e-5, rtol=0)
+
+
+def test_varlen_model_runs_sdpa_unless_packed():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from opd.kernels import varlen_attention
+    from opd.teacher.local import uses_packing
+
+    varlen_attention.register()
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = Qwen3ForCausalLM(config).eval()
+    ids_BL = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask_BL = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    logits = {}
+    for attn in ("sdpa", varlen_attention.ATTENTION):
+        model.set_attn_implementation(attn)
+        with torch.no_grad():
+            logits[attn] = model(input_ids=ids_BL, attention_mask=mask_BL).logits
+    torch.testing.assert_close(logits["sdpa"], logits[varlen_attention.ATTENTION], atol=0, rtol=0)
+    assert uses_packing(model)  # forward_hidden packs for it by default
+    with pytest.raises(ValueError, match=r"one \[1, S\] sequence"):  # packed rows come as one sequence
+        model(input_ids=ids_BL, **varlen_attention.packed_kwargs(torch.tensor([4, 2])))

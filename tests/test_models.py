@@ -56,6 +56,19 @@ def test_load_model_from_directory(tiny_model_dir):
     assert next(model_bf16.parameters()).dtype == torch.bfloat16
 
 
+def test_load_model_packs_rows_where_the_varlen_kernel_runs(tiny_model_dir, monkeypatch):
+    """On CUDA (simulated: the kernel check says yes) an unspecified attention becomes opd_varlen, which the scorer
+    packs for; an explicit choice is kept, and on CPU transformers' default stays."""
+    from opd.kernels import varlen_attention
+    from opd.teacher.local import uses_packing
+
+    assert load_model(tiny_model_dir, device="cpu")[0].config._attn_implementation == "sdpa"
+    monkeypatch.setattr(varlen_attention, "kernel_available", lambda device: True)
+    model, _ = load_model(tiny_model_dir, device="cpu")
+    assert model.config._attn_implementation == varlen_attention.ATTENTION and uses_packing(model)
+    assert load_model(tiny_model_dir, device="cpu", attn_implementation="eager")[0].config._attn_implementation == "eager"
+
+
 @pytest.mark.parametrize("name", ["/no/such/dir/model", "./missing-model", "not a valid id"])
 def test_load_model_bad_path_is_one_line(name):
     with pytest.raises(ModelLoadError) as err:

@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 
+from opd.kernels import varlen_attention
 import opd.scoring as scoring
 from opd.scoring import (OutputHead, candidate_logprobs, candidate_logprobs_and_entropy, default_chunk_size,
                          score_hidden)
@@ -382,6 +383,8 @@ def tiny_model(kind: str, attn: str, *, vocab=67, seed=0):
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=8, tie_word_embeddings=True))
+    if attn == varlen_attention.ATTENTION:
+        varlen_attention.register()
     model.config._attn_implementation = attn
     return model.float().eval()
 
@@ -419,7 +422,7 @@ def reference_scores(model, ro: Rollouts, temperature, vocab_size):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "opd_varlen"])
 def test_local_scorer_matches_model_logits_packed_and_padded(kind, attn):
     model = tiny_model(kind, attn)
     vocab_size, k, r, temperature = 61, 5, 4, 0.9
@@ -467,7 +470,8 @@ def test_local_scorer_protocol_modes_and_options():
         LocalScorer(model, packing="sometimes")
 
 
-def test_forward_hidden_grad_matches_full_model_backward():
+@pytest.mark.parametrize("attn", ["sdpa", "opd_varlen"])
+def test_forward_hidden_grad_matches_full_model_backward(attn):
     """The trainer's grad pass: forward_hidden (packed and through the root) + candidate_logprobs gives the same
     values and parameter gradients as autograd through the model's full logits."""
     temperature = 0.7
@@ -478,7 +482,7 @@ def test_forward_hidden_grad_matches_full_model_backward():
     ids_BTJ[..., 0] = ro.response_ids
     g_BTJ = torch.randn(5, T, j, generator=torch.Generator().manual_seed(6)) * mask[..., None]
 
-    model = tiny_model("qwen3", "sdpa")
+    model = tiny_model("qwen3", attn)
     logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask.long()).logits
     pos = ro.response_positions().clamp(max=ro.input_ids.shape[1] - 1)
     lp_full = torch.log_softmax(logits[torch.arange(5)[:, None], pos].float() / temperature, -1)

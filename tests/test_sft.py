@@ -162,8 +162,11 @@ def test_bf16_autocast_path_runs(tiny_llama, tiny_tokenizer):
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in tiny_llama.parameters())
 
 
-@pytest.mark.parametrize("kind, attention", [("llama", "eager"), ("llama", "sdpa"), ("qwen3", "sdpa")])
+@pytest.mark.parametrize("kind, attention", [("llama", "eager"), ("llama", "sdpa"), ("qwen3", "sdpa"), ("qwen3", "opd_varlen")])
 def test_packed_examples_do_not_see_each_other(kind, attention, tiny_tokenizer):
+    from opd.kernels import varlen_attention
+
+    varlen_attention.register()
     net = make_tiny_model(kind)
     net.set_attn_implementation(attention)
     examples, batch = _batch(tiny_tokenizer, QA)

@@ -44,7 +44,7 @@ class ModelSpec(Section):
     dtype: str = Field("auto", description="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")
     device: str = Field("auto", description="auto (cuda if present, else cpu), cpu, cuda, cuda:N.")
     trust_remote_code: bool = Field(False, description="Allow custom model code from the hub (off: safer).")
-    attn_implementation: str | None = Field(None, description="sdpa, eager, flash_attention_2; None: library default.")
+    attn_implementation: str | None = Field(None, description="sdpa, eager, flex_attention, flash_attention_2, opd_varlen (SDPA, with packed rows through FlashAttention varlen); None: library default, opd_varlen in place of sdpa on CUDA.")
 
 
 class DataSpec(Section):

@@ -125,10 +125,16 @@ def load_model(
     """(model, tokenizer) for a Hub id or a local `save_pretrained` directory.
 
     The model is an `AutoModelForCausalLM` in eval mode, in `dtype` (see `resolve_dtype`) on `device` (see
-    `resolve_device`). `attn_implementation` ("eager", "sdpa", "flash_attention_2", …) is passed through; None lets
-    transformers choose. A missing path / unknown id raises a one-line `ModelLoadError` naming it.
+    `resolve_device`). `attn_implementation` ("eager", "sdpa", "flash_attention_2", "opd_varlen", …) is passed
+    through; None lets transformers choose, and on CUDA turns its "sdpa" into "opd_varlen"
+    (`opd.kernels.varlen_attention`: SDPA, except that packed forwards run FlashAttention varlen without padding).
+    A missing path / unknown id raises a one-line `ModelLoadError` naming it.
     """
     from transformers import AutoModelForCausalLM
+
+    from opd.kernels import varlen_attention
+
+    varlen_attention.register()
 
     _check_exists_or_hub_id("model", name_or_path)
     torch_device = resolve_device(device)
@@ -145,6 +151,9 @@ def load_model(
         raise _load_error("model", name_or_path, err) from None
     model.to(torch_device)
     model.eval()
+    if attn_implementation is None and model.config._attn_implementation == "sdpa" and \
+            varlen_attention.kernel_available(torch_device):
+        model.set_attn_implementation(varlen_attention.ATTENTION)
     rows = model.get_input_embeddings().weight.shape[0]
     if tokenizer.pad_token_id is not None and tokenizer.pad_token_id >= rows:
         raise ModelLoadError(

@@ -8,10 +8,11 @@ Layouts (`Rollouts`): row b holds its prompt then response tokens from position 
 the engines produce); response token t is predicted by the hidden state at `prompt_lengths[b] - 1 + t`.
 
 Packing: rows can run as one concatenated sequence with `position_ids` restarting per row and attention confined to
-each row; transformers (5.x) derives that block-diagonal mask from the position resets when `attention_mask` is
-None and no cache is used, and the flash-attention kernels run it varlen. With sdpa/eager it becomes a dense
-`[1, 1, S, S]` mask over all S packed tokens (attention cost S² instead of Σ L_b²), so `packing="auto"` packs only
-for flash/flex attention and uses right-padded batches with an attention mask otherwise.
+each row. With `opd.kernels.varlen_attention` (the default on CUDA, see `opd.models.load_model`) the row offsets are
+passed to the attention directly (FlashAttention varlen); with flash/flex attention transformers (5.x) derives the
+block-diagonal mask from the position resets. With sdpa/eager it would become a dense `[1, 1, S, S]` mask over all S
+packed tokens (attention cost S² instead of Σ L_b²), so `packing="auto"` packs only for those three and uses
+right-padded batches with an attention mask otherwise.
 
 Omitted: KV-cache reuse of shared prompts across the n samples of a group (simple, but a second code path);
 left-padded inputs; heads other than those `output_head` recognises (it raises, see `check_output_head`).
@@ -24,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from opd.kernels import varlen_attention
 from opd.scoring import OutputHead, score_hidden
 from opd.types import Rollouts, TokenScores
 
@@ -102,13 +104,13 @@ class ResponseHidden:
 
 
 def uses_packing(model: torch.nn.Module, packing: Packing = "auto") -> bool:
-    """Whether `forward_hidden` will pack rows for this model: "auto" packs for flash/flex attention only."""
+    """Whether `forward_hidden` will pack rows for this model: "auto" packs for varlen/flash/flex attention only."""
     if packing not in ("auto", "packed", "padded"):
         raise ValueError(f"packing must be 'auto', 'packed' or 'padded', got {packing!r}")
     if packing != "auto":
         return packing == "packed"
     implementation = str(getattr(model.config, "_attn_implementation", None) or "")
-    return "flash" in implementation or "flex" in implementation
+    return "flash" in implementation or "flex" in implementation or implementation == varlen_attention.ATTENTION
 
 
 def needed_lengths(rollouts: Rollouts, positions_mask_BT: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,19 +149,18 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _run_body(model, input_ids, attention_mask, position_ids, through_root: bool) -> torch.Tensor:
-    """[b, S, D] final normed hidden states; no vocabulary projection."""
+def _run_body(model, input_ids, attention_mask, position_ids, through_root: bool, **kwargs) -> torch.Tensor:
+    """[b, S, D] final normed hidden states; no vocabulary projection. kwargs go to the model's forward."""
     body = model.get_decoder()
+    kwargs.update(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     if not through_root:
-        return body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    use_cache=False).last_hidden_state
+        return body(**kwargs).last_hidden_state
     # Through the root module (FSDP2: its pre-forward unshards the embedding, final norm and head), capturing the
     # body's output with a hook; logits_to_keep=1 makes the head's own projection one position per row.
     captured = {}
     handle = body.register_forward_hook(lambda _module, _args, output: captured.update(h=output.last_hidden_state))
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-              logits_to_keep=1)
+        model(**kwargs, logits_to_keep=1)
     finally:
         handle.remove()
     return captured["h"]
@@ -213,7 +214,10 @@ def forward_hidden(
     if uses_packing(model, packing):
         keep_bS = torch.arange(max_len, device=device)[None] < lengths_b[:, None]
         position_ids_1S = torch.arange(max_len, device=device).expand_as(keep_bS)[keep_bS][None]
-        hidden_SD = _run_body(model, ids_bS[keep_bS][None], None, position_ids_1S, through_root)[0]
+        implementation = getattr(model.config, "_attn_implementation", None)
+        rows = varlen_attention.packed_kwargs(lengths_b) if implementation == varlen_attention.ATTENTION else {}
+        hidden_SD = _run_body(model, ids_bS[keep_bS][None], rows.pop("attention_mask", None), position_ids_1S,
+                              through_root, **rows)[0]
         offsets_b = torch.cumsum(lengths_b, 0) - lengths_b
         hidden_ND = hidden_SD[offsets_b[slot_B[rows_N]] + positions_N]
     else:

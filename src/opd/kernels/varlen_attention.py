@@ -1,0 +1,109 @@
+"""Packed causal attention for Hugging Face models: rows concatenated into one sequence, each attending only within
+itself, with no padding and no `[S, S]` mask.
+
+`ATTENTION` ("opd_varlen") is a transformers attention implementation (`register` adds it; `opd.models.load_model`
+picks it on CUDA). A model set to it runs
+- packed forwards, the ones that pass `cu_seq_lens_q` / `max_length_q` (`packed_kwargs`, as
+  `opd.teacher.local.forward_hidden` does): torch's FlashAttention varlen kernel (`torch.nn.attention.varlen`) on
+  CUDA in bf16/fp16; elsewhere one SDPA call per row (the reference the kernel is tested against);
+- everything else (padded batches, generation with a KV cache): transformers' SDPA path with SDPA's mask, unchanged.
+
+Why not flex attention or SDPA over packed rows: SDPA needs a dense `[1, 1, S, S]` mask (S² work and memory), and
+flex attention builds a block mask per forward and is ~18× slower than SDPA outside `torch.compile` (measured on an
+H200, docs/performance.md), which is how the HF prefill of generation runs it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+ATTENTION = "opd_varlen"
+
+
+def _torch_varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    return varlen_attn
+
+
+def kernel_available(device: torch.device) -> bool:
+    """Whether packed rows on `device` run the FlashAttention varlen kernel (else the per-row SDPA loop)."""
+    return device.type == "cuda" and _torch_varlen() is not None
+
+
+def packed_kwargs(lengths_b: torch.Tensor) -> dict:
+    """Forward kwargs that make an `ATTENTION` model treat its `[1, Σ lengths]` input as rows of `lengths_b` tokens.
+
+    `attention_mask` is an empty 4D placeholder: transformers passes a 4D mask through untouched, so it builds no
+    `[S, S]` mask for the packed sequence, and any attention other than `ATTENTION` fails on it instead of silently
+    attending across rows."""
+    cu_seq_lens = torch.nn.functional.pad(torch.cumsum(lengths_b, 0, dtype=torch.int32), (1, 0))
+    longest = int(lengths_b.max())
+    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest,
+            "max_length_k": longest, "attention_mask": torch.ones(1, 1, 0, 0, dtype=torch.bool,
+                                                                  device=lengths_b.device)}
+
+
+def packed_causal_attention(query_SHD: torch.Tensor, key_SKD: torch.Tensor, value_SKD: torch.Tensor,
+                            cu_seq_lens: torch.Tensor, max_length: int, scale: float | None = None) -> torch.Tensor:
+    """[S, H, D] causal attention of each row `cu_seq_lens[i]:cu_seq_lens[i + 1]` over itself.
+
+    query_SHD: [S, H, D]; key_SKD / value_SKD: [S, K, D] with K dividing H (grouped-query attention);
+    cu_seq_lens: [rows + 1] int32 row offsets starting at 0; max_length: the longest row.
+    """
+    varlen_attn = _torch_varlen()
+    if query_SHD.is_cuda and query_SHD.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+        # as autocast does for SDPA (float32 master weights make Qwen3's q/k norms return float32 under autocast)
+        half = torch.get_autocast_dtype("cuda")
+        query_SHD, key_SKD, value_SKD = query_SHD.to(half), key_SKD.to(half), value_SKD.to(half)
+    if query_SHD.is_cuda and varlen_attn is not None and query_SHD.dtype in (torch.float16, torch.bfloat16):
+        parameters = inspect.signature(varlen_attn).parameters
+        causal = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}  # torch 2.11+ / 2.10
+        if key_SKD.shape[1] != query_SHD.shape[1] and "enable_gqa" not in parameters:
+            groups = query_SHD.shape[1] // key_SKD.shape[1]
+            key_SKD, value_SKD = key_SKD.repeat_interleave(groups, 1), value_SKD.repeat_interleave(groups, 1)
+        elif key_SKD.shape[1] != query_SHD.shape[1]:
+            causal["enable_gqa"] = True
+        return varlen_attn(query_SHD, key_SKD, value_SKD, cu_seq_lens, cu_seq_lens, max_length, max_length,
+                           scale=scale, **causal)
+    bounds = cu_seq_lens.tolist()
+    rows = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q, k, v = (x[start:end].transpose(0, 1)[None] for x in (query_SHD, key_SKD, value_SKD))
+        rows.append(torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])[0].transpose(0, 1))
+    return torch.cat(rows)
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                      **kwargs):
+    """transformers' attention-function contract: query [B, H, S, D], key/value [B, K, S, D] → ([B, S, H, D], None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if cu_seq_lens is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1 or key.shape[2] != query.shape[2]:
+        raise ValueError(f"{ATTENTION}: packed rows need one [1, S] sequence without a KV cache, got query "
+                         f"{tuple(query.shape)} and key {tuple(key.shape)}")
+    if dropout or kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        raise ValueError(f"{ATTENTION}: packed rows support neither attention dropout, sliding windows nor softcap; "
+                         "use attn_implementation='sdpa'")
+    out_SHD = packed_causal_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                      cu_seq_lens, kwargs["max_length_q"], scale=scaling)
+    return out_SHD[None], None
+
+
+def register() -> str:
+    """Add `ATTENTION` to transformers' attention and mask registries (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+    return ATTENTION

@@ -109,3 +109,31 @@ def test_varlen_model_runs_sdpa_unless_packed():
     assert uses_packing(model)  # forward_hidden packs for it by default
     with pytest.raises(ValueError, match=r"one \[1, S\] sequence"):  # packed rows come as one sequence
         model(input_ids=ids_BL, **varlen_attention.packed_kwargs(torch.tensor([4, 2])))
+
+
+@pytest.mark.parametrize("torch_api", ["window_size", "is_causal", "window_size+enable_gqa"])
+def test_packed_causal_attention_calls_the_varlen_kernel_as_each_torch_version_takes_it(monkeypatch, torch_api):
+    """The CUDA branch's arguments, with torch's kernel replaced by the per-row reference: causal through the
+    argument this torch version has, grouped-query heads repeated unless the kernel takes enable_gqa."""
+    from opd.kernels import varlen_attention
+
+    parameters = {"scale", *torch_api.split("+")}
+    calls = []
+
+    def fake_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, **options):
+        calls.append(options)
+        assert set(options) <= parameters and torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == 9
+        assert options.get("window_size", (-1, 0)) == (-1, 0) and options.get("is_causal", True)
+        assert (k.shape[1] == q.shape[1]) != options.get("enable_gqa", False)
+        return varlen_attention.per_row_attention(q, k, v, cu_seq_q, scale)
+
+    monkeypatch.setattr(varlen_attention, "_varlen_attn", fake_varlen_attn)
+    monkeypatch.setattr(varlen_attention, "_VARLEN_PARAMETERS", frozenset(parameters))
+    monkeypatch.setattr(varlen_attention, "_kernel_runs", lambda query: True)
+    lengths = [9, 2, 4]
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(sum(lengths), h, 8, generator=generator) for h in (6, 2, 2))
+    cu_seq_lens = torch.tensor([0, 9, 11, 15], dtype=torch.int32)
+    out = varlen_attention.packed_causal_attention(q, k, v, cu_seq_lens, 9)
+    assert len(calls) == 1
+    torch.testing.assert_close(out.double(), dense_packed_reference(q, k, v, lengths), atol=1e-5, rtol=0)

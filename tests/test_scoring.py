@@ -619,3 +619,19 @@ def test_peak_memory_candidate_backward(rss_peak):
     print(f"\npeak RSS growth, candidate forward + backward of {N} positions, V={V}: {growth_mib:.0f} MiB "
           f"(chunk logits budget {BUDGET_MIB} MiB, weight gradient {grad_w_mib:.0f} MiB)")
     assert growth_mib < 2 * BUDGET_MIB + grad_w_mib + 40
+
+
+def test_auto_packing_packs_only_batches_with_padding_to_save(monkeypatch):
+    model = tiny_model("qwen3", varlen_attention.ATTENTION)
+    packed_calls = []
+    reference = varlen_attention.packed_causal_attention
+    monkeypatch.setattr(varlen_attention, "packed_causal_attention",
+                        lambda *args, **kwargs: packed_calls.append(args[0].shape[0]) or reference(*args, **kwargs))
+    equal = make_rollouts([4, 4, 4], [6, 6, 6], 6, 67)
+    ragged = make_rollouts([4, 4, 4], [6, 1, 2], 6, 67)
+    for rollouts, packs in ((equal, False), (ragged, True)):
+        packed_calls.clear()
+        auto = forward_hidden(model, rollouts).hidden_ND
+        assert bool(packed_calls) == packs
+        torch.testing.assert_close(auto, forward_hidden(model, rollouts, packing="padded").hidden_ND, atol=1e-5, rtol=0)
+    assert packed_calls == [9 + 4 + 5] * 2  # one call per layer; a row needs its prompt + response - 1 tokens

@@ -21,18 +21,17 @@ import torch
 
 ATTENTION = "opd_varlen"
 
+try:  # resolved once here, not inside the compiled layers
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 
-def _torch_varlen():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch < 2.10
-        return None
-    return varlen_attn
+    _VARLEN_PARAMETERS = frozenset(inspect.signature(_varlen_attn).parameters)
+except ImportError:  # torch < 2.10
+    _varlen_attn, _VARLEN_PARAMETERS = None, frozenset()
 
 
 def kernel_available(device: torch.device) -> bool:
     """Whether packed rows on `device` run the FlashAttention varlen kernel (else the per-row SDPA loop)."""
-    return device.type == "cuda" and _torch_varlen() is not None
+    return device.type == "cuda" and _varlen_attn is not None
 
 
 def packed_kwargs(lengths_b: torch.Tensor) -> dict:
@@ -55,21 +54,30 @@ def packed_causal_attention(query_SHD: torch.Tensor, key_SKD: torch.Tensor, valu
     query_SHD: [S, H, D]; key_SKD / value_SKD: [S, K, D] with K dividing H (grouped-query attention);
     cu_seq_lens: [rows + 1] int32 row offsets starting at 0; max_length: the longest row.
     """
-    varlen_attn = _torch_varlen()
     if query_SHD.is_cuda and query_SHD.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         # as autocast does for SDPA (float32 master weights make Qwen3's q/k norms return float32 under autocast)
         half = torch.get_autocast_dtype("cuda")
         query_SHD, key_SKD, value_SKD = query_SHD.to(half), key_SKD.to(half), value_SKD.to(half)
-    if query_SHD.is_cuda and varlen_attn is not None and query_SHD.dtype in (torch.float16, torch.bfloat16):
-        parameters = inspect.signature(varlen_attn).parameters
-        causal = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}  # torch 2.11+ / 2.10
-        if key_SKD.shape[1] != query_SHD.shape[1] and "enable_gqa" not in parameters:
+    if _kernel_runs(query_SHD):
+        # torch 2.11+ / 2.10
+        causal = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMETERS else {"is_causal": True}
+        if key_SKD.shape[1] != query_SHD.shape[1] and "enable_gqa" not in _VARLEN_PARAMETERS:
             groups = query_SHD.shape[1] // key_SKD.shape[1]
             key_SKD, value_SKD = key_SKD.repeat_interleave(groups, 1), value_SKD.repeat_interleave(groups, 1)
         elif key_SKD.shape[1] != query_SHD.shape[1]:
             causal["enable_gqa"] = True
-        return varlen_attn(query_SHD, key_SKD, value_SKD, cu_seq_lens, cu_seq_lens, max_length, max_length,
+        return _varlen_attn(query_SHD, key_SKD, value_SKD, cu_seq_lens, cu_seq_lens, max_length, max_length,
                            scale=scale, **causal)
+    return per_row_attention(query_SHD, key_SKD, value_SKD, cu_seq_lens, scale)
+
+
+def _kernel_runs(query_SHD: torch.Tensor) -> bool:
+    return query_SHD.is_cuda and _varlen_attn is not None and query_SHD.dtype in (torch.float16, torch.bfloat16)
+
+
+def per_row_attention(query_SHD: torch.Tensor, key_SKD: torch.Tensor, value_SKD: torch.Tensor,
+                      cu_seq_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """`packed_causal_attention` as one SDPA call per row: the reference, and the path off CUDA / in float32."""
     bounds = cu_seq_lens.tolist()
     rows = []
     for start, end in zip(bounds[:-1], bounds[1:]):

@@ -11,8 +11,8 @@ Packing: rows can run as one concatenated sequence with `position_ids` restartin
 each row. With `opd.kernels.varlen_attention` (the default on CUDA, see `opd.models.load_model`) the row offsets are
 passed to the attention directly (FlashAttention varlen); with flash/flex attention transformers (5.x) derives the
 block-diagonal mask from the position resets. With sdpa/eager it would become a dense `[1, 1, S, S]` mask over all S
-packed tokens (attention cost S² instead of Σ L_b²), so `packing="auto"` packs only for those three and uses
-right-padded batches with an attention mask otherwise.
+packed tokens (attention cost S² instead of Σ L_b²), so `packing="auto"` packs only for those three, and only
+batches with padding to save (`PACK_MIN_PADDING`); otherwise it runs right-padded rows with an attention mask.
 
 Omitted: KV-cache reuse of shared prompts across the n samples of a group (simple, but a second code path);
 left-padded inputs; heads other than those `output_head` recognises (it raises, see `check_output_head`).
@@ -103,8 +103,14 @@ class ResponseHidden:
         return grid.index_put((self.rows_N, self.cols_N), values_N)
 
 
+# "auto" packs a batch only when padding would be at least this share of its tokens: on rows without padding the
+# padded SDPA batch measured faster (H200, 1.7B scoring: 69.9% vs 64.9% of peak, two runs, docs/performance.md)
+PACK_MIN_PADDING = 0.1
+
+
 def uses_packing(model: torch.nn.Module, packing: Packing = "auto") -> bool:
-    """Whether `forward_hidden` will pack rows for this model: "auto" packs for varlen/flash/flex attention only."""
+    """Whether `forward_hidden` may pack rows for this model: "auto" packs for varlen/flash/flex attention only, and
+    then only batches with at least `PACK_MIN_PADDING` padding."""
     if packing not in ("auto", "packed", "padded"):
         raise ValueError(f"packing must be 'auto', 'packed' or 'padded', got {packing!r}")
     if packing != "auto":
@@ -178,7 +184,7 @@ def forward_hidden(
     caller's) and return the hidden states at the selected response positions.
 
     positions_mask_BT: [B, T] bool, the positions wanted; default `rollouts.response_mask`.
-    packing:           see the module docstring; both layouts give the same hidden states.
+    packing:           see the module docstring and `uses_packing`; both layouts give the same hidden states.
     through_root:      call the model's own forward (logits for one position per row) instead of the body directly,
                        for wrappers whose root forward must run (FSDP2); same result.
     Only the tokens up to the last selected position run; rows with no selected position are skipped.
@@ -211,7 +217,10 @@ def forward_hidden(
     slot_B = torch.full_like(lengths_B, -1)
     slot_B[live_b] = torch.arange(live_b.numel(), device=device)  # row b -> its index among live rows
 
-    if uses_packing(model, packing):
+    pack = uses_packing(model, packing)
+    if pack and packing == "auto":
+        pack = int(lengths_b.sum()) <= (1 - PACK_MIN_PADDING) * max_len * lengths_b.numel()
+    if pack:
         keep_bS = torch.arange(max_len, device=device)[None] < lengths_b[:, None]
         position_ids_1S = torch.arange(max_len, device=device).expand_as(keep_bS)[keep_bS][None]
         implementation = getattr(model.config, "_attn_implementation", None)

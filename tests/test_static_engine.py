@@ -69,6 +69,21 @@ def test_every_decode_path_matches_torch_generator_in_float32(model_name, fuse_w
     assert _max_abs_diff(got.logprobs, want.logprobs) < 1e-5
 
 
+def test_generation_is_unchanged_on_a_model_set_to_opd_varlen():
+    """`load_model` sets opd_varlen on CUDA: generation (left-padded prefill, decode with a cache) must take its SDPA
+    path exactly, in both engines."""
+    from opd.kernels import varlen_attention
+
+    model = make_tiny_model("qwen3")
+    params = SamplingParams(n=2, max_new_tokens=16, seed=5, return_logprobs=True)
+    results = {}
+    for attn in ("sdpa", varlen_attention.register()):
+        model.set_attn_implementation(attn)
+        results[attn] = [engine.generate(PROMPTS, params) for engine in engines(model)]
+    for want, got in zip(results["sdpa"], results[varlen_attention.ATTENTION]):
+        assert got.response_ids == want.response_ids and got.logprobs == want.logprobs
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 def test_autocast_decodes_on_cast_once_weights_like_a_bf16_model(kind, monkeypatch):
     """fuse_weights under autocast = the decode step of the model with bf16 parameters, bit for bit, run without

@@ -324,11 +324,12 @@ def packed_varlen():
     grad_out = torch.randn_like(ref)
     out.backward(grad_out.to(out.dtype))
     ref.backward(grad_out)
-    check("packed_varlen kernel grad ‖Δ‖/‖g‖ vs float64", max(float((a.grad.double() - b.grad).norm() / b.grad.norm())
-                                                               for a, b in ((q, q64), (k, k64), (v, v64))), 2e-2)
+    grad_err = max(float((a.grad.double() - b.grad).norm() / b.grad.norm()) for a, b in ((q, q64), (k, k64), (v, v64)))
+    check("packed_varlen kernel grad ‖Δ‖/‖g‖ vs float64", grad_err, 2e-2)
 
     padded = tiny()
-    packed = build_model("tiny", dtype=torch.float32, device=cuda, seed=0, attn_implementation=varlen_attention.ATTENTION)
+    packed = build_model("tiny", dtype=torch.float32, device=cuda, seed=0,
+                         attn_implementation=varlen_attention.ATTENTION)
     compile_layers(packed, True)
     rollouts = random_rollouts(6, 9, 23, 500, cuda, 0, 1)
     rollouts.response_mask[::2, 15:] = False  # ragged: half the rows need 8 fewer tokens

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    SHAPES, TOKENIZER_SIZE, Report, attention_name, base_parser, build_model, eos_id, measure, pad_id, resolve_device, speedups,
+    SHAPES, TOKENIZER_SIZE, Report, attention_name, base_parser, build_model, eos_id, measure, pad_id, resolve_device,
+    speedups,
 )
 
 

@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="response lengths uniform in [response_len / 4, response_len] (right-padded rows)")
     parser.add_argument("--attn", default="sdpa",
                         help="attention implementations of the chunked rows, comma-separated, a row each "
-                             "(opd_varlen / flex_attention / flash pack the rows into one sequence: no padding FLOPs); the naive "
-                             "rows use sdpa")
+                             "(opd_varlen / flex_attention / flash pack the rows into one sequence: no padding "
+                             "FLOPs); the naive rows use sdpa")
     parser.add_argument("--precision", default="autocast", choices=["autocast", "bf16"], help="CUDA precision")
     parser.add_argument("--compile", default=None,
                         help="on, off or on,off: chunked rows with the decoder layers under torch.compile "

@@ -8,9 +8,9 @@
 (A two-pass Triton top-k for the teacher's scoring was tried on an H200 and was no faster than `torch.topk`: its k
 rounds of block-wide max / argmax are latency-bound. `opd.scoring._piece_topk` does it in torch instead.)
 
-The Triton kernels run on CUDA tensors, and on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set before Triton is
-imported), which is how the CPU tests check them. Without Triton installed, `available` is False and the callers keep
-their torch paths.
+The Triton kernels run on CUDA tensors, and on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set
+before Triton is imported), which is how the CPU tests check them. Without Triton installed, `available` is False and
+the callers keep their torch paths.
 """
 
 from __future__ import annotations

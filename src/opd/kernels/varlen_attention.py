@@ -34,14 +34,15 @@ def kernel_available(device: torch.device) -> bool:
     return device.type == "cuda" and _varlen_attn is not None
 
 
-def packed_kwargs(lengths_b: torch.Tensor) -> dict:
-    """Forward kwargs that make an `ATTENTION` model treat its `[1, Σ lengths]` input as rows of `lengths_b` tokens.
+def packed_kwargs(lengths_b: torch.Tensor, max_length: int | None = None) -> dict:
+    """Forward kwargs that make an `ATTENTION` model treat its `[1, Σ lengths]` input as rows of `lengths_b` tokens
+    (`max_length`: their maximum when the caller has it on the host already).
 
     `attention_mask` is an empty 4D placeholder: transformers passes a 4D mask through untouched, so it builds no
     `[S, S]` mask for the packed sequence, and any attention other than `ATTENTION` fails on it instead of silently
     attending across rows."""
     cu_seq_lens = torch.nn.functional.pad(torch.cumsum(lengths_b, 0, dtype=torch.int32), (1, 0))
-    longest = int(lengths_b.max())
+    longest = int(lengths_b.max()) if max_length is None else max_length
     return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest,
             "max_length_k": longest, "attention_mask": torch.ones(1, 1, 0, 0, dtype=torch.bool,
                                                                   device=lengths_b.device)}

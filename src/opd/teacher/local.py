@@ -224,9 +224,10 @@ def forward_hidden(
         keep_bS = torch.arange(max_len, device=device)[None] < lengths_b[:, None]
         position_ids_1S = torch.arange(max_len, device=device).expand_as(keep_bS)[keep_bS][None]
         implementation = getattr(model.config, "_attn_implementation", None)
-        rows = varlen_attention.packed_kwargs(lengths_b) if implementation == varlen_attention.ATTENTION else {}
-        hidden_SD = _run_body(model, ids_bS[keep_bS][None], rows.pop("attention_mask", None), position_ids_1S,
-                              through_root, **rows)[0]
+        varlen = implementation == varlen_attention.ATTENTION
+        row_kwargs = varlen_attention.packed_kwargs(lengths_b, max_len) if varlen else {}
+        hidden_SD = _run_body(model, ids_bS[keep_bS][None], row_kwargs.pop("attention_mask", None), position_ids_1S,
+                              through_root, **row_kwargs)[0]
         offsets_b = torch.cumsum(lengths_b, 0) - lengths_b
         hidden_ND = hidden_SD[offsets_b[slot_B[rows_N]] + positions_N]
     else:

@@ -186,9 +186,10 @@ def compile_layers(model: torch.nn.Module, enabled: bool | None = None, *, backe
     # One layer's forward is compiled per (grad mode, train/eval, static/dynamic shape, checkpoint recompute) variant;
     # dynamo's default of 8 versions per function is reached within a few training steps, after which the layers
     # would silently run eagerly.
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), 64))
+    from opd.scoring import recompile_limit_at_least
+
+    for name, value in recompile_limit_at_least(64).items():
+        setattr(torch._dynamo.config, name, value)
     for layer in layers:
         layer.compile(backend=backend)
     return True

@@ -201,6 +201,14 @@ def _compiles(device: torch.device, dtype: torch.dtype) -> bool:
     return COMPILE and device.type in _COMPILE_DEVICES and dtype != torch.float64
 
 
+def recompile_limit_at_least(minimum: int) -> dict[str, int]:
+    """{name: value} raising dynamo's per-function limit of compiled versions to at least `minimum` (torch renamed
+    the setting from cache_size_limit to recompile_limit)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return {name: max(getattr(config, name), minimum)}
+
+
 def _compiled_call(fn: Callable, *args):
     """fn(*args) through `torch.compile(dynamic=False)` (built on first use), or None once compiling fn failed: then
     one warning, and the caller runs fn eagerly (from now on too)."""
@@ -212,9 +220,7 @@ def _compiled_call(fn: Callable, *args):
             compiled = _COMPILED[fn] = torch.compile(fn, dynamic=False)
         # Shapes: the chunk plus a few buckets for the last one, per (G, K, J, flags, dtype) variant, can exceed
         # dynamo's default of 8 compiled versions per function, after which it would silently run eagerly.
-        config = torch._dynamo.config
-        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-        with config.patch(**{name: max(getattr(config, name), 64)}):
+        with torch._dynamo.config.patch(**recompile_limit_at_least(64)):
             return compiled(*args)
     except torch.cuda.OutOfMemoryError:
         raise

@@ -160,7 +160,7 @@ def test_trainer_scores_agree_with_dense_token_rewards(world):
     from opd.objectives import build_candidates, candidate_rewards, gather_candidate_logprobs, token_rewards
     from opd.rollout import SamplingParams
     from opd.rollout.batch import build_rollouts
-    from opd.rollout.torch_engine import make_generator
+    from opd.rollout import make_generator
     from opd.teacher.local import LocalScorer
 
     student = make_tiny_model("qwen3", seed=0)
@@ -214,7 +214,7 @@ def _reverse_kl(student_dir: Path, teacher_dir: Path, prompt_ids: list[int], sam
     from opd.objectives import full_reverse_kl
     from opd.rollout import SamplingParams
     from opd.rollout.batch import build_rollouts
-    from opd.rollout.torch_engine import make_generator
+    from opd.rollout import make_generator
 
     student = AutoModelForCausalLM.from_pretrained(student_dir).eval()
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()

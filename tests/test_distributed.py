@@ -27,7 +27,7 @@ DRIVER = '''
 import json, sys
 from dataclasses import replace
 
-import opd.rollout.torch_engine as engine
+import opd.rollout as engine
 from opd.config import DistillConfig, build_config
 from opd.train.opd import distill
 

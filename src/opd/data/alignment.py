@@ -157,7 +157,7 @@ def score_prompts(
     from opd.models import check_tokenizer_compatibility
     from opd.rollout import SamplingParams
     from opd.rollout.batch import build_rollouts
-    from opd.rollout.torch_engine import make_generator
+    from opd.rollout import make_generator
     from opd.teacher.local import LocalScorer
 
     checks = [("n", n, n >= 1, "an integer ≥ 1"), ("top_k", top_k, top_k >= 1, "an integer ≥ 1"),

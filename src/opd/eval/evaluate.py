@@ -73,7 +73,7 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
 
     if generator is None:
         from opd.models import load_model
-        from opd.rollout.torch_engine import make_generator
+        from opd.rollout import make_generator
 
         model, tokenizer = load_model(
             config.model.path,

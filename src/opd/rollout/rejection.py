@@ -327,15 +327,13 @@ def teacher_rollout(config: RolloutConfig, *, generator: Any = None, tokenizer: 
 
 def _load_teacher(config: RolloutConfig, device: str) -> tuple[Any, Any]:
     """(TorchGenerator over the teacher on `device`, its tokenizer)."""
-    from opd.models import eos_token_ids, load_model
-    from opd.rollout.torch_engine import TorchGenerator
+    from opd.models import load_model
+    from opd.rollout import make_generator
 
     spec = config.model
     model, tokenizer = load_model(spec.path, dtype=spec.dtype, device=device, trust_remote_code=spec.trust_remote_code,
                                   attn_implementation=spec.attn_implementation)
-    generator = TorchGenerator(model, eos_token_ids=eos_token_ids(model, tokenizer),
-                               pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer),
-                               max_batch_size=config.batch_size)
+    generator = make_generator(model, tokenizer, engine="torch", max_batch_size=config.batch_size)
     return generator, tokenizer
 
 

@@ -542,16 +542,3 @@ def _cached_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     if hasattr(cache, "layers"):
         return cache.layers[layer].keys, cache.layers[layer].values
     return cache.key_cache[layer], cache.value_cache[layer]
-
-
-def make_static_generator(model: torch.nn.Module, tokenizer: Any, *, max_batch_size: int = 64,
-                          vocab_size: int | None = None, max_batch_tokens: int | None = None,
-                          **kwargs: Any) -> StaticGenerator:
-    """`make_generator`'s counterpart: EOS ids, pad id and sampling range from the tokenizer."""
-    from opd.models import eos_token_ids
-
-    return StaticGenerator(
-        model, eos_token_ids=eos_token_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id,
-        vocab_size=vocab_size or len(tokenizer), max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
-        **kwargs,
-    )

@@ -342,25 +342,3 @@ class TorchGenerator:
         logprobs = [row[:n] for row, n in zip(lps_rows, lengths)]
         reasons = ["stop" if done else "length" for done in finished]
         return responses, logprobs, reasons
-
-
-def make_generator(model: torch.nn.Module, tokenizer: Any, *, max_batch_size: int = 64, vocab_size: int | None = None,
-                   max_batch_tokens: int | None = None, engine: str = "auto") -> Any:
-    """The engine for `model` with EOS ids, pad id and sampling range taken from its tokenizer (ids past the
-    tokenizer, i.e. embedding padding rows, are never sampled). engine: "torch" (any HF causal LM, CPU or GPU),
-    "static" (static KV cache + CUDA graphs, Llama/Qwen layouts), "auto" (static on CUDA when the model's layout is
-    supported, torch otherwise)."""
-    from opd.models import eos_token_ids
-
-    if engine not in ("auto", "torch", "static"):
-        raise ValueError(f"engine must be auto, torch or static, got {engine!r}")
-    on_cuda = next(model.parameters()).device.type == "cuda"
-    if engine == "static" or (engine == "auto" and on_cuda):
-        from opd.rollout.static_engine import make_static_generator
-
-        return make_static_generator(model, tokenizer, max_batch_size=max_batch_size, vocab_size=vocab_size,
-                                     max_batch_tokens=max_batch_tokens, fallback=engine == "auto")
-    return TorchGenerator(
-        model, eos_token_ids=eos_token_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id,
-        vocab_size=vocab_size or len(tokenizer), max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
-    )

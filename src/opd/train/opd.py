@@ -340,7 +340,7 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     from opd.models import (
         check_tokenizer_compatibility, compile_layers, load_model, load_tokenizer, resolve_device, resolve_dtype,
     )
-    from opd.rollout.torch_engine import make_generator
+    from opd.rollout import make_generator
     from opd.teacher.local import LocalScorer
     from opd.train.distributed import shard_model
     from opd.train.optim import build_optimizer, build_scheduler

@@ -306,7 +306,7 @@ def _console_line(step: int, m: dict) -> str:
 
 def run_eval(tr: SFTTrainer, console: Any) -> dict | None:
     if tr.generator is None:
-        from opd.rollout.torch_engine import make_generator
+        from opd.rollout import make_generator
 
         tr.generator = make_generator(tr.net, tr.tokenizer, max_batch_size=tr.config.eval.batch_size,
                                       vocab_size=tr.vocab_size)

@@ -1,0 +1,114 @@
+"""Which generation engine runs: one registry by name, the only place that knows every engine.
+
+Every caller (`opd distill`, `opd eval`, `opd rollout`, `opd prompts score`, `opd sft`'s periodic eval) asks
+`make_generator(engine, ...)` for a `Generator`. Adding an engine is one module plus one `@register` entry below; no
+engine module imports another, and engines with heavy optional dependencies (vLLM) are imported only when chosen.
+
+Names:
+    torch   `TorchGenerator`: any Hugging Face causal LM, CPU or GPU, the trainer's own module
+    static  `StaticGenerator`: static KV cache + CUDA graphs, Llama / Qwen2 / Qwen3 layouts
+    auto    static on CUDA when the model's layout is supported (`static_engine.unsupported_reason`), else torch
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from opd.rollout.base import Generator
+
+
+@dataclass
+class EngineRequest:
+    """What a caller knows when it asks for an engine. Engines take what they need and ignore the rest.
+
+    model:            the in-process Hugging Face module (the trainer's student, a loaded model); None when the
+                      engine loads its own copy from `model_path`
+    tokenizer:        its tokenizer: EOS ids, pad id and the sampling range (`len(tokenizer)`) come from it
+    model_path:       the model's directory or hub id, for engines that load weights themselves
+    max_batch_size:   most sequences decoded together, ≥ 1
+    max_batch_tokens: most KV-cache tokens at once (rows × (prompt + max_new_tokens)); None: the engine's own rule
+    vocab_size:       ids ≥ vocab_size are never sampled (embedding padding rows); None: len(tokenizer)
+    options:          engine-specific keyword arguments, passed through
+    """
+
+    model: torch.nn.Module | None
+    tokenizer: Any
+    model_path: str | None = None
+    max_batch_size: int = 64
+    max_batch_tokens: int | None = None
+    vocab_size: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+_ENGINES: dict[str, Callable[[EngineRequest], Generator]] = {}
+
+
+def register(name: str) -> Callable:
+    """Decorator: `factory(request) -> Generator` becomes the engine `name`."""
+
+    def add(factory: Callable[[EngineRequest], Generator]) -> Callable[[EngineRequest], Generator]:
+        _ENGINES[name] = factory
+        return factory
+
+    return add
+
+
+def engine_names() -> list[str]:
+    """Every name `make_generator` accepts, "auto" first."""
+    return ["auto", *_ENGINES]
+
+
+def resolve_engine(engine: str, model: torch.nn.Module | None) -> str:
+    """The concrete engine `engine` means for `model`: "auto" → "static" on CUDA for a supported layout, else "torch"."""
+    if engine != "auto":
+        if engine not in _ENGINES:
+            raise ValueError(f"rollout engine must be one of {', '.join(engine_names())}, got {engine!r}")
+        return engine
+    if model is None:
+        raise ValueError("engine 'auto' needs the in-process model to choose between torch and static")
+    if next(model.parameters()).device.type == "cuda":
+        from opd.rollout.static_engine import unsupported_reason
+
+        if unsupported_reason(model) is None:
+            return "static"
+    return "torch"
+
+
+def make_generator(model: torch.nn.Module | None, tokenizer: Any, *, engine: str = "auto",
+                   model_path: str | None = None, max_batch_size: int = 64, max_batch_tokens: int | None = None,
+                   vocab_size: int | None = None, **options: Any) -> Generator:
+    """The `Generator` named `engine` (see the module docstring) for `model` / `model_path`, with EOS ids, pad id and
+    the sampling range taken from `tokenizer`."""
+    name = resolve_engine(engine, model)
+    request = EngineRequest(model=model, tokenizer=tokenizer, model_path=model_path, max_batch_size=max_batch_size,
+                            max_batch_tokens=max_batch_tokens, vocab_size=vocab_size, options=options)
+    return _ENGINES[name](request)
+
+
+def _hf_arguments(request: EngineRequest) -> dict[str, Any]:
+    """The arguments both in-process engines take, from the request's model and tokenizer."""
+    from opd.models import eos_token_ids
+
+    if request.model is None:
+        raise ValueError("the torch and static engines run an in-process model; none was given")
+    return dict(eos_token_ids=eos_token_ids(request.model, request.tokenizer),
+                pad_token_id=request.tokenizer.pad_token_id,
+                vocab_size=request.vocab_size or len(request.tokenizer), max_batch_size=request.max_batch_size,
+                max_batch_tokens=request.max_batch_tokens, **request.options)
+
+
+@register("torch")
+def _torch(request: EngineRequest) -> Generator:
+    from opd.rollout.torch_engine import TorchGenerator
+
+    return TorchGenerator(request.model, **_hf_arguments(request))
+
+
+@register("static")
+def _static(request: EngineRequest) -> Generator:
+    from opd.rollout.static_engine import StaticGenerator
+
+    return StaticGenerator(request.model, **_hf_arguments(request))

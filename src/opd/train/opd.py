@@ -337,11 +337,10 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     `dist` (from `init_distributed`): with world size > 1 the student is sharded with FSDP2 on the rank's device."""
     from opd.data.prompts import load_prompts
     from opd.data.templates import encode_prompts
-    from opd.models import (
-        check_tokenizer_compatibility, compile_layers, load_model, load_tokenizer, resolve_device, resolve_dtype,
-    )
+    from opd.models import check_tokenizer_compatibility, compile_layers, load_model, load_tokenizer, resolve_device
     from opd.rollout import make_generator
     from opd.teacher.local import LocalScorer
+    from opd.teacher.registry import check_teacher_tokenizer, load_teacher
     from opd.train.distributed import shard_model
     from opd.train.optim import build_optimizer, build_scheduler
     from opd.train.sampler import PromptSampler
@@ -371,8 +370,7 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
 
     student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
     if config.teacher is not None:
-        teacher_tokenizer = load_tokenizer(config.teacher.path, trust_remote_code=config.teacher.trust_remote_code)
-        check_tokenizer_compatibility(student_tokenizer, teacher_tokenizer)
+        check_teacher_tokenizer(config.teacher, student_tokenizer)
     prompts = load_prompts(
         config.data.path, prompt_key=config.data.prompt_key, answer_key=config.data.answer_key,
         id_key=config.data.id_key, split=config.data.split, limit=config.data.limit,
@@ -402,24 +400,12 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     vocab = check_tokenizer_compatibility(tokenizer, tokenizer, student_vocab_size=student_rows, teacher_vocab_size=student_rows)
     teacher = teacher_scorer = None
     if config.teacher is not None:
-        teacher_device = config.teacher.device
-        if teacher_device == "auto" and dist.world_size > 1:
-            teacher_device = str(device)  # a full teacher copy next to each rank's student shard
-        elif teacher_device == "auto" and torch.cuda.device_count() > 1:
-            teacher_device = "cuda:1"  # the teacher on its own GPU when there is one
-        teacher_dtype = resolve_dtype(config.teacher.dtype, resolve_device(teacher_device))
-        teacher, _ = load_model(config.teacher.path, dtype=teacher_dtype,
-                                device="cpu" if config.teacher_offload else teacher_device,
-                                trust_remote_code=config.teacher.trust_remote_code,
-                                attn_implementation=config.teacher.attn_implementation)
-        vocab = check_tokenizer_compatibility(
-            student_tokenizer, teacher_tokenizer, student_vocab_size=student_rows,
-            teacher_vocab_size=teacher.get_output_embeddings().weight.shape[0],
-        )
+        loaded = load_teacher(config.teacher, student_tokenizer=student_tokenizer, student_rows=student_rows,
+                              student_device=device, world_size=dist.world_size, offload=config.teacher_offload,
+                              max_tokens_per_batch=config.score_batch_tokens)
+        teacher, teacher_scorer, vocab = loaded.module, loaded.scorer, loaded.vocab
     # ids beyond the tokenizer are embedding padding rows: never sampled, never a top-k candidate (SPEC §1)
     vocab_size = vocab.tokenizer_size
-    if teacher is not None:
-        teacher_scorer = LocalScorer(teacher, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
     shard_model(student, dist)  # FSDP2 (no-op for one process); the optimizer below sees the sharded parameters
     with gathered(student, dist):  # the scorer checks the head once with a forward
         student_scorer = LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size,

@@ -1,0 +1,73 @@
+"""Which teacher scorer a run uses: the one place that builds a `TeacherScorer` from a teacher config.
+
+Every command that scores with a teacher (`opd distill`, `opd prompts score`) asks `load_teacher`; each placement is
+one branch here and one module beside it, all implementing `opd.teacher.base.TeacherScorer`:
+    local   an in-process Hugging Face model (`LocalScorer`), on the student's GPU, another GPU or the CPU
+
+The tokenizer check (SPEC §1: the teacher scores the student's token ids) happens here for every placement, with the
+same one-line error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from opd.config import ModelSpec
+from opd.teacher.base import TeacherScorer
+
+
+@dataclass
+class Teacher:
+    """A ready teacher.
+
+    scorer: what the trainer calls
+    module: the in-process model behind a local scorer (compiled, offloaded and moved by the trainer); None when the
+            teacher runs elsewhere
+    vocab:  the `VocabInfo` the student and this teacher share (`opd.models.check_tokenizer_compatibility`)
+    """
+
+    scorer: TeacherScorer
+    module: torch.nn.Module | None
+    vocab: Any
+
+
+def check_teacher_tokenizer(spec: ModelSpec, student_tokenizer: Any) -> Any:
+    """Cheap, before any model loads: the teacher's tokenizer must equal the student's (one-line error otherwise)."""
+    from opd.models import check_tokenizer_compatibility, load_tokenizer
+
+    teacher_tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
+    return check_tokenizer_compatibility(student_tokenizer, teacher_tokenizer)
+
+
+def teacher_device(spec: ModelSpec, student_device: torch.device, world_size: int) -> str:
+    """Where an in-process teacher goes: its own `device`, else beside each rank's student under torchrun, else a
+    second GPU when there is one, else the student's device."""
+    if spec.device != "auto":
+        return spec.device
+    if world_size > 1:
+        return str(student_device)  # a full teacher copy next to each rank's student shard
+    if torch.cuda.device_count() > 1:
+        return "cuda:1"  # the teacher on its own GPU when there is one
+    return "auto"
+
+
+def load_teacher(spec: ModelSpec, *, student_tokenizer: Any, student_rows: int, student_device: torch.device,
+                 world_size: int = 1, offload: bool = False, max_tokens_per_batch: int = 32768) -> Teacher:
+    """Build the teacher `spec` describes. offload: keep an in-process teacher on the CPU (the trainer moves it to
+    the GPU while it scores). max_tokens_per_batch: the scorer's forward budget."""
+    from opd.models import check_tokenizer_compatibility, load_model, resolve_device, resolve_dtype
+    from opd.teacher.local import LocalScorer
+
+    device = teacher_device(spec, student_device, world_size)
+    dtype = resolve_dtype(spec.dtype, resolve_device(device))
+    module, tokenizer = load_model(spec.path, dtype=dtype, device="cpu" if offload else device,
+                                   trust_remote_code=spec.trust_remote_code,
+                                   attn_implementation=spec.attn_implementation)
+    vocab = check_tokenizer_compatibility(student_tokenizer, tokenizer, student_vocab_size=student_rows,
+                                          teacher_vocab_size=module.get_output_embeddings().weight.shape[0])
+    # ids beyond the tokenizer are embedding padding rows: never a top-k candidate (SPEC §1)
+    scorer = LocalScorer(module, max_tokens_per_batch=max_tokens_per_batch, vocab_size=vocab.tokenizer_size)
+    return Teacher(scorer=scorer, module=module, vocab=vocab)

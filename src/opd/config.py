@@ -247,6 +247,10 @@ class SamplingSpec(Section):
     engine: Literal["auto", "torch", "static"] = Field(
         "auto", description="auto: the static-KV-cache CUDA-graph engine on a GPU (one process), the torch engine otherwise."
     )
+    overlap: bool = Field(
+        False, description="Generate step t+1's rollouts while step t scores and updates (one step of policy lag, from "
+        "a bf16 snapshot of the step-t weights), corrected by truncated importance weights against the engine's own "
+        "log-probs: needs objective.tis_cap. One process only; off: every step samples from its own weights.")
 
 
 class ObjectiveSpec(Section):

@@ -241,7 +241,13 @@ def our_row(args, student, teacher, prompt_ids, engine: str, run_dir: Path, auto
         def step(warm: bool = False):
             tr.memory_trace = [] if cuda else None
             start = torch.cuda.memory_allocated(device) if cuda else 0
-            metrics = opd_step(tr)
+            timed_lengths = tr.generator.lengths
+            if warm and args.warmup_lengths:  # shorter warm-up steps: they compile the same layers and kernels
+                tr.generator.lengths = parse_lengths(args.warmup_lengths)
+            try:
+                metrics = opd_step(tr)
+            finally:
+                tr.generator.lengths = timed_lengths
             tr.step += 1
             tokens = sum(tr.generator.last_lengths)
             record = {"tokens": tokens, "metrics": metrics, "trace": tr.memory_trace, "start": start,
@@ -392,6 +398,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=256, help="max new tokens per sample")
     parser.add_argument("--lengths", default=None, help="force each response to end at a drawn length: "
                         "lognormal:mean=M,cap=C[,sigma=S] or fixed:N (common.parse_lengths); default: no forcing")
+    parser.add_argument("--warmup-lengths", default=None, help="lengths of our warm-up steps (same forms as "
+                        "--lengths; default: those of the timed steps)")
     parser.add_argument("--rollout-rows", type=int, default=None, help="rows the engine decodes together "
                         "(default: all of a step's sequences)")
     parser.add_argument("--micro-batch-tokens", type=int, default=16384, help="our update's micro-batch budget")
@@ -411,24 +419,26 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--trl-warmup", type=int, default=1, help="untimed TRL steps (its first compiles nothing)")
     parser.add_argument("--trl-repeat", type=int, default=2, help="timed TRL steps")
     parser.add_argument("--paper", action="store_true", help="the paper's regime: qwen3-1.7b ← qwen3-4b, 64 prompts "
-                        "× 4, lengths lognormal:mean=1500,cap=7168, 64 rows per rollout chunk, no TRL rows "
-                        "(explicit flags still win)")
+                        "× 4, lengths lognormal:mean=1500,cap=7168 (warm-up step: mean=200,cap=512), 64 rows per "
+                        "rollout chunk, one warm-up and one timed step, no TRL rows (explicit flags still win)")
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--paper" in argv:  # defaults of the paper regime, before the explicit flags
         argv = ["--shape", "qwen3-1.7b", "--teacher-shape", "qwen3-4b", "--prompts", "64", "--new-tokens", "7168",
-                "--lengths", "lognormal:mean=1500,cap=7168", "--rollout-rows", "64", "--skip-trl", "--warmup", "1",
-                "--repeat", "1"] + argv
+                "--lengths", "lognormal:mean=1500,cap=7168", "--warmup-lengths", "lognormal:mean=200,cap=512",
+                "--rollout-rows", "64", "--skip-trl", "--warmup", "1", "--repeat", "1"] + argv
     args = parser.parse_args(argv)
     if SHAPES[args.shape]["vocab_size"] != SHAPES[args.teacher_shape]["vocab_size"]:
         raise SystemExit("--shape and --teacher-shape must share a vocabulary (tiny with tiny, qwen3 with qwen3)")
     for name in args.variants.split(","):
         if name not in VARIANTS:
             raise SystemExit(f"--variants: unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
-    if args.lengths:
+    for spec in (args.lengths, args.warmup_lengths):
         try:
-            parse_lengths(args.lengths)
+            spec and parse_lengths(spec)
         except ValueError as error:
             raise SystemExit(str(error)) from None
+    if args.warmup_lengths and not args.lengths:
+        raise SystemExit("--warmup-lengths needs --lengths (the timed steps' lengths)")
     device = resolve_device(args.device)
     cuda = device.type == "cuda"
     autocast_dtype = torch.bfloat16 if cuda else None
@@ -491,7 +501,7 @@ def main(argv: list[str] | None = None) -> dict:
                ("step s", "seconds", ".2f"), ("rollout s", "rollout_s", ".2f"), ("rollout wait s", "rollout_wait_s", ".2f"),
                ("student s", "student_s", ".2f"),
                ("teacher s", "teacher_s", ".2f"), ("update s", "update_s", ".2f"), ("peak GiB", "peak_gib", ".1f"),
-               ("memory / leanest TRL", "memory_vs_trl", ".2f"), ("bound s", "bound_total_s", ".2f"),
+               ("memory / leanest TRL", "memory_vs_trl", ".2f"), ("bound s", "bound_total_s", ".3g"),
                ("step / bound", "vs_bound", ".1f")]
     notes = [f"student {args.shape} (random, fp32 master weights{' + bf16 autocast' if cuda else ''}), teacher "
              f"{args.teacher_shape}; {args.prompts} prompts × n={args.n} = {args.prompts * args.n} sequences, prompt "
@@ -500,6 +510,11 @@ def main(argv: list[str] | None = None) -> dict:
              + "; peak GiB includes both models' weights and the row's optimizer state"]
     if fastest:
         notes.append(f"× fastest TRL: against {fastest['name']}; memory / leanest TRL: against {leanest['name']}")
+    for r in rows:
+        if "bound_total_s" in r:
+            notes.append(f"{r['name']}: bound {r['bound_total_s']:.3g} s = decode {r['bound_decode_s']:.3g} + teacher "
+                         f"{r['bound_teacher_s']:.3g} + student {r['bound_student_s']:.3g} + update "
+                         f"{r['bound_update_s']:.3g}; the step took {r['vs_bound']:.2f}× that")
     if any("bound_total_s" in r for r in rows):
         notes.append("bound (common.opd_step_bound): decode at the memory bandwidth (weights once per sequential step "
                      "+ every token's KV reads) + 2·params FLOPs of teacher and student scoring + 6·params FLOPs of the "

@@ -46,7 +46,6 @@ bound of the step (`common.opd_step_bound`) with the ratio step / bound.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 import statistics
@@ -154,7 +153,7 @@ def _engine(model, engine: str, args, rows: int):
 def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path, autocast_dtype, variant: dict):
     from opd.config import DataSpec, DistillConfig, ModelSpec, ObjectiveSpec, OptimSpec, RunSpec, SamplingSpec
     from opd.teacher.local import LocalScorer
-    from opd.train.opd import Trainer
+    from opd.train.opd import Trainer, rollout_snapshot
     from opd.train.optim import build_optimizer, build_scheduler
     from opd.train.sampler import PromptSampler
     from opd.types import Prompt
@@ -176,7 +175,7 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
     prompts = [Prompt(id=str(i), messages=[{"role": "user", "content": ""}]) for i in range(len(prompt_ids))]
     rollout_model = rollout_generator = None
     if overlap:  # as `opd.train.opd.overlap_generator` builds them, over the benchmark's own engine
-        rollout_model = copy.deepcopy(student).to(autocast_dtype or torch.float32).eval()
+        rollout_model = rollout_snapshot(student, autocast_dtype or torch.float32)
         rollout_generator = _engine(rollout_model, engine, args, rows)
     return Trainer(
         config=config, run_dir=run_dir, student=student, tokenizer=IdTokenizer(pad_id(args.shape), eos_id(args.shape)),
@@ -230,10 +229,10 @@ def our_row(args, student, teacher, prompt_ids, engine: str, run_dir: Path, auto
     if row_ckpt == "on":
         student.gradient_checkpointing_enable()
     offload = bool(variant.get("teacher_offload"))
-    if offload:
-        teacher.to("cpu")
     try:
         tr = build_trainer(args, student, teacher, prompt_ids, engine, run_dir, autocast_dtype, variant)
+        if offload:  # after the scorer's head check: a forward of the compiled layers on CPU would compile for CPU
+            teacher.to("cpu")
         tr.activation_budget = 0.5 if row_ckpt == "selective" else None
         cuda = device.type == "cuda"
         steps: list[dict] = []

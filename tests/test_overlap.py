@@ -132,3 +132,25 @@ def test_overlap_still_moves_the_student_toward_the_teacher(world, tmp_path):
     before = _reverse_kl(tmp_path / "student", tmp_path / "teacher", prompt_ids)
     after = _reverse_kl(latest_checkpoint(distill(cfg)), tmp_path / "teacher", prompt_ids)
     assert after < 0.5 * before, (before, after)
+
+
+def test_snapshot_of_a_compiled_student_runs_its_own_weights():
+    """`opd distill` compiles the student's layers in place; the rollout snapshot must run its own weights, not the
+    live student's through a shared compiled forward."""
+    from conftest import make_tiny_model
+    from opd.models import compile_layers
+    from opd.train.opd import rollout_snapshot
+
+    student = make_tiny_model("qwen3")
+    compile_layers(student, True, backend="aot_eager")
+    snapshot = rollout_snapshot(student, torch.float32)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.allclose(snapshot(ids).logits, student(ids).logits, atol=1e-5)
+        for p in snapshot.model.layers.parameters():
+            p.mul_(0.5)
+        assert not torch.allclose(snapshot(ids).logits, student(ids).logits, atol=1e-3)
+        ref = make_tiny_model("qwen3")  # an uncompiled model with the halved layer weights agrees with the snapshot
+        for p in ref.model.layers.parameters():
+            p.mul_(0.5)
+        assert torch.allclose(snapshot(ids).logits, ref(ids).logits, atol=1e-5)

@@ -232,6 +232,7 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     if ahead is not None:  # waiting here keeps every step self-contained: nothing runs during eval or a save
         with _timed(timings, "rollout_wait"):
             tr.pending_rollouts = PendingRollouts(indices=ahead[0], output=ahead[1].result())
+        _release(tr.rollout_generator)
 
     # 7. diagnostics (one host sync for all of them)
     metrics: dict[str, Any] = {"grad_norm": grad_norm, "lr": tr.scheduler.get_last_lr()[0], "skipped_steps": tr.skipped_steps}
@@ -530,15 +531,21 @@ def overlap_generator(student: torch.nn.Module, tokenizer: Any, config: DistillC
                       dtype: torch.dtype | None) -> tuple[torch.nn.Module, Any]:
     """rollout.overlap: a frozen copy of the student in the rollout dtype (autocast's, else the weights') and the
     configured engine over it. The copy's weights are refreshed from the student at the start of every step."""
-    import copy
-
     from opd.rollout import make_generator
 
-    # (its parameters keep requires_grad: on CPU, turning it off changes which kernels run, and so the rounding)
-    snapshot = copy.deepcopy(student).to(dtype or next(student.parameters()).dtype).eval()
+    snapshot = rollout_snapshot(student, dtype or next(student.parameters()).dtype)
     generator = make_generator(snapshot, tokenizer, max_batch_size=config.rollout.batch_size, vocab_size=vocab_size,
                                engine=config.rollout.engine)
     return snapshot, generator
+
+
+def rollout_snapshot(student: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of the student in `dtype`, in eval mode, that runs its own weights (a deep copy drops the layers'
+    in-place compilation: `nn.Module.__getstate__`). Its parameters keep requires_grad: on CPU turning it off changes
+    which kernels run, and so the rounding."""
+    import copy
+
+    return copy.deepcopy(student).to(dtype).eval()
 
 
 @dataclass

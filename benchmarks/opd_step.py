@@ -115,7 +115,8 @@ class BenchGenerator:
             self.last_lengths = [len(r) for r in out.response_ids]
             return out
         n = params.n
-        drawn = [min(length, params.max_new_tokens) for length in self.lengths.sample(len(prompt_ids) * n, params.seed or 0)]
+        drawn = [min(length, params.max_new_tokens)
+                 for length in self.lengths.sample(len(prompt_ids) * n, params.seed or 0)]
         per_chunk = max(1, (self.rows_per_chunk or len(drawn)) // n)
         ids, lps, reasons = [], [], []
         for start in range(0, len(prompt_ids), per_chunk):

@@ -228,20 +228,8 @@ class Report:
         os.replace(tmp, self.path)
 
     def table(self, columns: list[tuple[str, str, str]]) -> str:
-        """Markdown table: columns are (header, row key, format spec); missing values print as '—'."""
-        lines = ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
-        for row in self.data["rows"]:
-            cells = []
-            for _, key, spec in columns:
-                value = row.get(key)
-                if key == "name" and row.get("error"):
-                    cells.append(f"{value} (failed: {row['error'][:80]})")
-                elif value is None:
-                    cells.append("—")
-                else:
-                    cells.append(format(value, spec) if spec else str(value))
-            lines.append("| " + " | ".join(cells) + " |")
-        return "\n".join(lines)
+        """Markdown table of the rows (see `markdown_table`)."""
+        return markdown_table(self.data["rows"], columns)
 
     def finish(self, columns: list[tuple[str, str, str]], notes: list[str] = ()) -> dict[str, Any]:
         text = self.table(columns)
@@ -252,6 +240,23 @@ class Report:
                   f"{self.data['transformers']}, {self.data['date']})")
         print(header, text, *notes, f"JSON: {self.path}", sep="\n", flush=True)
         return self.data
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """Markdown table: columns are (header, row key, format spec); missing values print as '—'."""
+    lines = ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = []
+        for _, key, spec in columns:
+            value = row.get(key)
+            if key == "name" and row.get("error"):
+                cells.append(f"{value} (failed: {row['error'][:80]})")
+            elif value is None:
+                cells.append("—")
+            else:
+                cells.append(format(value, spec) if spec else str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def speedups(rows: list[dict], baseline: str) -> None:
@@ -282,3 +287,75 @@ def random_rollouts(batch: int, prompt_len: int, response_len: int, vocab: int, 
         response_ids=ids[:, prompt_len:].clone(), response_mask=response_mask,
         group_ids=torch.arange(batch), truncated=lengths == response_len,
     ).to(device)
+
+
+# ------------------------------------------------------------------------------------------ ragged lengths, bounds
+
+
+class LengthDist:
+    """Response lengths drawn per row (`parse_lengths`): `sample(count, seed)` → a list of ints in [1, cap]."""
+
+    def __init__(self, kind: str, cap: int, mean: float | None = None, sigma: float = 1.0):
+        self.kind, self.cap, self.mean, self.sigma = kind, cap, mean, sigma
+
+    def sample(self, count: int, seed: int) -> list[int]:
+        if self.kind == "fixed":
+            return [self.cap] * count
+        import math
+
+        g = torch.Generator().manual_seed(seed)
+        mu = math.log(self.mean) - self.sigma**2 / 2  # the uncapped lognormal's mean is `mean`
+        x = torch.exp(mu + self.sigma * torch.randn(count, generator=g, dtype=torch.float64))
+        return x.round().clamp(1, self.cap).long().tolist()
+
+    def __repr__(self) -> str:
+        if self.kind == "fixed":
+            return f"fixed:{self.cap}"
+        return f"lognormal:mean={self.mean:g},cap={self.cap},sigma={self.sigma:g}"
+
+
+def parse_lengths(spec: str) -> LengthDist:
+    """`lognormal:mean=1500,cap=7168[,sigma=1.0]` (lognormal with that mean before capping, σ of its log; rounded,
+    clamped to [1, cap]) or `fixed:N` (every row N tokens). Bad specs raise ValueError naming the accepted forms."""
+    accepted = "lognormal:mean=M,cap=C[,sigma=S] or fixed:N"
+    kind, _, rest = spec.partition(":")
+    try:
+        if kind == "fixed":
+            cap = int(rest)
+            if cap >= 1:
+                return LengthDist("fixed", cap)
+        elif kind == "lognormal":
+            fields = dict(part.split("=", 1) for part in rest.split(",") if part)
+            unknown = set(fields) - {"mean", "cap", "sigma"}
+            mean, cap, sigma = float(fields["mean"]), int(fields["cap"]), float(fields.get("sigma", 1.0))
+            if not unknown and mean >= 1 and cap >= 1 and sigma > 0:
+                return LengthDist("lognormal", cap, mean, sigma)
+    except (KeyError, ValueError):
+        pass
+    raise ValueError(f"--lengths {spec!r}: expected {accepted} (M ≥ 1, C ≥ 1, S > 0)")
+
+
+def kv_bytes_per_token(shape: str, dtype_bytes: int = 2) -> int:
+    """Keys + values of one token over all layers (the decode cache in bf16)."""
+    c = SHAPES[shape]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * dtype_bytes
+
+
+def opd_step_bound(*, student_params: int, teacher_params: int, student_weight_bytes: int, kv_bytes_per_token: int,
+                   prompt_lengths: list[int], response_lengths: list[int], peak_flops: float,
+                   bandwidth: float) -> dict[str, float]:
+    """Seconds an OPD step needs at least on a device of `peak_flops` (dense bf16) and `bandwidth` (bytes/s):
+    - decode at the memory bandwidth: the longest response takes that many sequential steps, each reading every
+      student weight once; token t of a row reads the keys/values of its prompt and its t earlier tokens;
+    - teacher and student scoring at 2 · params FLOPs and the update at 6 · params FLOPs per scored position (prompt +
+      response; attention FLOPs and the prefill are left out: a lower bound).
+    Returns decode_s, teacher_s, student_s, update_s and total_s (their sum: the phases run one after another)."""
+    steps = max(response_lengths, default=0)
+    kv_reads = sum(p * r + r * (r - 1) // 2 for p, r in zip(prompt_lengths, response_lengths))
+    positions = sum(prompt_lengths) + sum(response_lengths)
+    out = {"decode_s": (student_weight_bytes * steps + kv_bytes_per_token * kv_reads) / bandwidth,
+           "teacher_s": 2 * teacher_params * positions / peak_flops,
+           "student_s": 2 * student_params * positions / peak_flops,
+           "update_s": 6 * student_params * positions / peak_flops}
+    out["total_s"] = sum(out.values())
+    return out

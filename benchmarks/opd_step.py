@@ -1,41 +1,81 @@
-"""The whole OPD step: our `opd.train.opd.opd_step` against a faithful re-creation of TRL's GKD on-policy loop.
+"""The whole OPD step: our `opd.train.opd.opd_step` against real TRL 1.16 (`DistillationTrainer`, `GKDTrainer`).
 
-    python benchmarks/opd_step.py --shape qwen3-0.6b --teacher-shape qwen3-1.7b --prompts 8 --n 4 --new-tokens 256
+    python benchmarks/opd_step.py                      # 0.6B student, 1.7B teacher, 8 prompts × 4, ≤ 256 new tokens
+    python benchmarks/opd_step.py --variants default,lean,lean_offload --skip-trl     # the lean options
+    python benchmarks/opd_step.py --paper              # 1.7B ← 4B, 64 prompts × 4, ragged lengths, against the bound
     python benchmarks/opd_step.py --shape tiny --teacher-shape tiny --device cpu --prompts 2 --n 2 --new-tokens 8
 
-Ours: a `Trainer` assembled like `opd.train.opd.setup` builds it (same optimizer, scheduler, sampler, scorers,
-precision: float32 student weights + bf16 autocast on CUDA, bf16 teacher), from in-memory random-weight models and
-a stand-in tokenizer (no files), with the default objective (top-16 `only_stu`, token-reward advantages, PPO-clip
-loss); one row per generation engine (`--engines`). As `opd distill` sets a GPU up: the decoder layers of both models
-under `torch.compile` and selective activation checkpointing of the student (`--compile`, `--ckpt`).
+Ours (`--variants`, one row each): a `Trainer` assembled like `opd.train.opd.setup` builds it (same optimizer,
+scheduler, sampler, scorers, precision: float32 student weights + bf16 autocast on CUDA, bf16 teacher), from
+in-memory random-weight models and a stand-in tokenizer (no files), the default objective (top-16 `only_stu`,
+token-reward advantages, PPO-clip), and as `opd distill` sets a GPU up: compiled decoder layers of both models,
+selective activation checkpointing (`--compile`, `--ckpt`). Variants (`VARIANTS`): `default` (the config defaults:
+fp32 AdamW state, fused on CUDA), `foreach` (torch's foreach AdamW: the previous default), `bf16_state`
+(`optim.state_dtype=bf16`), `micro4k` (`micro_batch_tokens=4096`), `ckpt_on` (full per-layer checkpointing),
+`offload` (`teacher_offload`), `lean` (bf16 state + micro4k), `lean_offload`, `overlap` (`rollout.overlap` with
+`objective.tis_cap=2`). On CUDA each row also prints where its memory goes (the phase marks of `opd_step`).
 
-TRL GKD (`trl/experimental/gkd/gkd_trainer.py`, lmbda = 1: always on-policy; beta = 1: reverse KL; seq_kd off),
-re-created because TRL is not installed here: `student.generate(do_sample=True, top_k=0, temperature=1)` →
-labels = generated ids with pad → -100 → student forward with grad and teacher forward without, full-vocabulary
-logits → `generalized_jsd_loss` (copied: log_softmax of both, `F.kl_div(teacher_lp, student_lp, log_target=True)`,
-masked, divided by the token count) → backward → grad-norm clip 1.0 → AdamW step. The batch is the same B = prompts ×
-n sequences in one micro-batch (`per_device_train_batch_size = B`, the fastest TRL setting; smaller micro-batches with
-accumulation would generate in smaller batches and be slower still), eager, without gradient checkpointing (TRL's
-defaults).
+TRL (`--trl`, one row each; its wheels are carried to the GPU machine: benchmarks/README.md): the same student and
+teacher (fresh copies per row: TRL's Trainer wraps the forward of the models it is given), the same prompts as
+text of a word-level tokenizer whose word `t<i>` is id i (one word, one id: the prompt is exactly the same 128 ids).
+The workload is fixed for every TRL row: on-policy (GKD `lmbda=1`), reverse KL (`beta=1`, DistillationTrainer's
+default; GKD's is 0.5), temperature 1, top-k 0, top-p 1, ≤ `--new-tokens`, all 32 sequences in one optimizer step,
+lr 1e-6, AdamW (TrainingArguments' default `adamw_torch_fused`), grad clip 1.0. Speed settings:
+- `defaults`: what TRL 1.16 does unless told otherwise: gradient checkpointing ON (every TRL config's default since
+  `_BaseConfig`), bf16 autocast (float32 master weights), `per_device_train_batch_size=8` (TrainingArguments'
+  default; × 4 accumulation steps = 32 sequences). DistillationTrainer generates the whole 32-sequence batch at once
+  and trains in micro-batches of 8; GKD generates per micro-batch of 8, and with checkpointing on it generates
+  WITHOUT a KV cache (`use_cache=False if gradient_checkpointing`, gkd_trainer.py).
+- `fastest`: checkpointing off, one micro-batch of all 32 sequences (so GKD also generates all 32 at once, with a KV
+  cache), bf16. Not available on the device and so not used: vLLM, Liger kernels, flash-attention 2; TRL's
+  `torch_compile` was not tried.
 
-tokens/s = generated response tokens of the step / wall time of the step (one warm-up step, then `--repeat` timed).
+tokens/s = generated response tokens (EOS included, padding not) summed over the timed steps / their summed wall time;
+the same count for every row (ours: the response mask; DistillationTrainer: its completion mask; GKD: labels ≠ -100).
+A step is one optimizer step, generation included; TRL's is timed from `on_step_begin` to `on_step_end` (the
+dataloader's prompt fetch before it is not counted). peak GiB: CUDA allocated bytes, models and optimizer state
+included, from the start of the row's first step.
+
+`--paper`: student qwen3-1.7b, teacher qwen3-4b, 64 prompts × 4, responses ragged: each row is forced to end at a
+length drawn from `--lengths` (default lognormal mean 1,500, cap 7,168). Until the engine forces lengths itself,
+`ForcedLengths` does it here: chunks of `--rollout-rows` rows (the engine's chunking), each generated without EOS
+up to its longest drawn length and cut per row, which costs what a static engine stopping rows at EOS costs (a
+finished row keeps computing until its chunk ends). Prints the phase times, tokens/s, peak memory and the physical
+bound of the step (`common.opd_step_bound`) with the ratio step / bound.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    SHAPES, TOKENIZER_SIZE, Report, attention_name, base_parser, build_model, eos_id, measure, pad_id, resolve_device,
-    speedups,
+    SHAPES, TOKENIZER_SIZE, Report, attention_name, base_parser, build_model, eos_id, kv_bytes_per_token,
+    markdown_table, measure, opd_step_bound, pad_id, param_count, parse_lengths, peak_gib, peaks, reset_memory,
+    resolve_device, sync,
 )
+
+VARIANTS: dict[str, dict] = {
+    "default": {},
+    "foreach": {"fused": False},
+    "bf16_state": {"state_dtype": "bf16"},
+    "micro4k": {"micro_batch_tokens": 4096},
+    "ckpt_on": {"ckpt": "on"},
+    "offload": {"teacher_offload": True},
+    "lean": {"state_dtype": "bf16", "micro_batch_tokens": 4096},
+    "lean_offload": {"state_dtype": "bf16", "micro_batch_tokens": 4096, "teacher_offload": True},
+    "overlap": {"overlap": True},
+}
+TRL_ROWS = ("distill:defaults", "distill:fastest", "gkd:defaults", "gkd:fastest")
+GIB = 2**30
 
 
 class IdTokenizer:
@@ -54,87 +94,299 @@ class IdTokenizer:
         return [str(i) for i in ids]
 
 
-def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path, autocast_dtype):
-    from opd.config import DataSpec, DistillConfig, ModelSpec, RunSpec, SamplingSpec
+class BenchGenerator:
+    """Wraps an engine: records the response lengths of its last call and, with `lengths` (a `LengthDist`), forces
+    every row to end at a drawn length (benchmark-only; see the module docstring): chunks of `rows_per_chunk` rows,
+    each generated without EOS up to its longest drawn length, every row then cut at its length with its last token
+    made EOS ("stop"; a row drawn at the cap is "length", as a truncated one)."""
+
+    def __init__(self, inner, *, eos: int, lengths=None, rows_per_chunk: int | None = None):
+        self.inner, self.eos, self.lengths, self.rows_per_chunk = inner, eos, lengths, rows_per_chunk
+        self.last_lengths: list[int] = []
+
+    def sync_weights(self) -> None:
+        self.inner.sync_weights()
+
+    def generate(self, prompt_ids, params):
+        from opd.rollout import GenerationOutput
+
+        if self.lengths is None:
+            out = self.inner.generate(prompt_ids, params)
+            self.last_lengths = [len(r) for r in out.response_ids]
+            return out
+        n = params.n
+        drawn = [min(length, params.max_new_tokens)
+                 for length in self.lengths.sample(len(prompt_ids) * n, params.seed or 0)]
+        per_chunk = max(1, (self.rows_per_chunk or len(drawn)) // n)
+        ids, lps, reasons = [], [], []
+        for start in range(0, len(prompt_ids), per_chunk):
+            group = prompt_ids[start:start + per_chunk]
+            want = drawn[start * n:(start + len(group)) * n]
+            sub = dataclasses.replace(params, max_new_tokens=max(want), stop_at_eos=False,
+                                      seed=None if params.seed is None else params.seed + start)
+            out = self.inner.generate(group, sub)
+            for row, length in enumerate(want):
+                response = out.response_ids[row][:length]
+                stopped = length < params.max_new_tokens
+                if stopped:
+                    response[-1] = self.eos
+                ids.append(response)
+                lps.append(out.logprobs[row][:length] if out.logprobs is not None else None)
+                reasons.append("stop" if stopped else "length")
+        self.last_lengths = [len(r) for r in ids]
+        return GenerationOutput(response_ids=ids, finish_reasons=reasons,
+                                group_ids=[p for p in range(len(prompt_ids)) for _ in range(n)],
+                                logprobs=lps if params.return_logprobs else None)
+
+
+def _engine(model, engine: str, args, rows: int):
     from opd.rollout.static_engine import StaticGenerator
     from opd.rollout.torch_engine import TorchGenerator
+
+    vocab = TOKENIZER_SIZE[args.shape]
+    common = dict(eos_token_ids=[eos_id(args.shape)], pad_token_id=pad_id(args.shape), vocab_size=vocab,
+                  max_batch_size=rows)
+    inner = TorchGenerator(model, **common) if engine == "torch_engine" else StaticGenerator(model, **common)
+    lengths = parse_lengths(args.lengths) if args.lengths else None
+    return BenchGenerator(inner, eos=eos_id(args.shape), lengths=lengths, rows_per_chunk=rows)
+
+
+def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path, autocast_dtype, variant: dict):
+    from opd.config import DataSpec, DistillConfig, ModelSpec, ObjectiveSpec, OptimSpec, RunSpec, SamplingSpec
     from opd.teacher.local import LocalScorer
-    from opd.train.opd import Trainer
+    from opd.train.opd import Trainer, rollout_snapshot
     from opd.train.optim import build_optimizer, build_scheduler
     from opd.train.sampler import PromptSampler
     from opd.types import Prompt
 
+    rows = args.rollout_rows or args.prompts * args.n
+    overlap = bool(variant.get("overlap"))
     config = DistillConfig(
         student=ModelSpec(path=f"random:{args.shape}"), teacher=ModelSpec(path=f"random:{args.teacher_shape}"),
         data=DataSpec(path="random", answer_key=None),
-        rollout=SamplingSpec(n=args.n, max_new_tokens=args.new_tokens, batch_size=args.prompts * args.n),
+        rollout=SamplingSpec(n=args.n, max_new_tokens=args.new_tokens, batch_size=rows, overlap=overlap),
+        objective=ObjectiveSpec(tis_cap=2.0 if overlap else None),
+        optim=OptimSpec(state_dtype=variant.get("state_dtype", "fp32"), fused=variant.get("fused")),
         run=RunSpec(out_dir=str(run_dir), name="bench", samples_per_step=0, steps=1000, report=False),
-        prompts_per_step=args.prompts, micro_batch_tokens=args.micro_batch_tokens,
-        score_batch_tokens=args.score_batch_tokens,
+        prompts_per_step=args.prompts, micro_batch_tokens=variant.get("micro_batch_tokens", args.micro_batch_tokens),
+        score_batch_tokens=args.score_batch_tokens, teacher_offload=bool(variant.get("teacher_offload")),
     )
     vocab = TOKENIZER_SIZE[args.shape]
-    common = dict(eos_token_ids=[eos_id(args.shape)], pad_token_id=pad_id(args.shape), vocab_size=vocab,
-                  max_batch_size=config.rollout.batch_size)
-    generator = TorchGenerator(student, **common) if engine == "torch_engine" else StaticGenerator(student, **common)
     optimizer = build_optimizer(student.parameters(), config.optim)
     prompts = [Prompt(id=str(i), messages=[{"role": "user", "content": ""}]) for i in range(len(prompt_ids))]
+    rollout_model = rollout_generator = None
+    if overlap:  # as `opd.train.opd.overlap_generator` builds them, over the benchmark's own engine
+        rollout_model = rollout_snapshot(student, autocast_dtype or torch.float32)
+        rollout_generator = _engine(rollout_model, engine, args, rows)
     return Trainer(
         config=config, run_dir=run_dir, student=student, tokenizer=IdTokenizer(pad_id(args.shape), eos_id(args.shape)),
-        prompts=prompts, prompt_ids=prompt_ids, generator=generator,
+        prompts=prompts, prompt_ids=prompt_ids, generator=_engine(student, engine, args, rows),
         student_scorer=LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab),
         teacher=teacher,
         teacher_scorer=LocalScorer(teacher, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab),
         reference_scorer=None, vocab_size=vocab, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, config.run.steps, config.optim),
         sampler=PromptSampler(len(prompt_ids), config.prompts_per_step, seed=0), sink=None,
-        autocast_dtype=autocast_dtype,
+        autocast_dtype=autocast_dtype, rollout_model=rollout_model, rollout_generator=rollout_generator,
     )
 
 
-def generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta=0.5, temperature=1.0):
-    """TRL's `GKDTrainer.generalized_jsd_loss` (reduction "batchmean"), the beta ∈ {0, 1} branches, as written there."""
-    student_log_probs = F.log_softmax(student_logits / temperature, dim=-1)
-    teacher_log_probs = F.log_softmax(teacher_logits / temperature, dim=-1)
-    if beta == 0:
-        jsd = F.kl_div(student_log_probs, teacher_log_probs, reduction="none", log_target=True)
-    elif beta == 1:
-        jsd = F.kl_div(teacher_log_probs, student_log_probs, reduction="none", log_target=True)
+# ------------------------------------------------------------------------------------------------ memory
+
+
+def _cuda_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t) and t.is_cuda)
+
+
+def memory_breakdown(tr, trace: list[dict], start_bytes: int) -> dict:
+    """Where one step's memory goes (GiB), from `opd_step`'s phase marks of that step and the resident tensors:
+    resident at the step's start = student weights + AdamW state + teacher weights (when on the GPU) + the rest
+    (rollout snapshot, compiled-graph and CUDA-graph pools, caches); then each phase's peak, and the gradients (what
+    the forward/backward phase left allocated, freed by the optimizer step)."""
+    out = {"resident_gib": start_bytes / GIB,
+           "student_weights_gib": _cuda_bytes(tr.student.parameters()) / GIB,
+           "adamw_state_gib": _cuda_bytes(t for s in tr.optimizer.state.values() for t in s.values()) / GIB,
+           "teacher_weights_gib": _cuda_bytes(tr.teacher.parameters()) / GIB if tr.teacher is not None else 0.0}
+    out["other_resident_gib"] = out["resident_gib"] - out["student_weights_gib"] - out["adamw_state_gib"] - \
+        out["teacher_weights_gib"]
+    marks = {m["phase"]: m for m in trace}
+    for phase in ("rollout", "scoring", "forward_backward", "optimizer_step"):
+        if phase in marks:
+            out[f"peak_{phase}_gib"] = marks[phase]["peak_gib"]
+    if "forward_backward" in marks and "scoring" in marks:
+        out["grads_gib"] = marks["forward_backward"]["allocated_gib"] - marks["scoring"]["allocated_gib"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ our rows
+
+
+def our_row(args, student, teacher, prompt_ids, engine: str, run_dir: Path, autocast_dtype, device, name: str,
+            ckpt: str) -> dict:
+    from opd.train.opd import opd_step
+
+    variant = VARIANTS[name]
+    row_ckpt = variant.get("ckpt", ckpt)
+    if row_ckpt == "on":
+        student.gradient_checkpointing_enable()
+    offload = bool(variant.get("teacher_offload"))
+    try:
+        tr = build_trainer(args, student, teacher, prompt_ids, engine, run_dir, autocast_dtype, variant)
+        if offload:  # after the scorer's head check: a forward of the compiled layers on CPU would compile for CPU
+            teacher.to("cpu")
+        tr.activation_budget = 0.5 if row_ckpt == "selective" else None
+        cuda = device.type == "cuda"
+        steps: list[dict] = []
+
+        def step(warm: bool = False):
+            tr.memory_trace = [] if cuda else None
+            start = torch.cuda.memory_allocated(device) if cuda else 0
+            timed_lengths = tr.generator.lengths
+            if warm and args.warmup_lengths:  # shorter warm-up steps: they compile the same layers and kernels
+                tr.generator.lengths = parse_lengths(args.warmup_lengths)
+            try:
+                metrics = opd_step(tr)
+            finally:
+                tr.generator.lengths = timed_lengths
+            tr.step += 1
+            tokens = sum(tr.generator.last_lengths)
+            record = {"tokens": tokens, "metrics": metrics, "trace": tr.memory_trace, "start": start,
+                      "lengths": list(tr.generator.last_lengths), "warm": warm}
+            steps.append(record)
+            return tokens
+
+        m = measure(step, device, warmup=args.warmup, repeat=args.repeat, warmup_fn=lambda: step(warm=True))
+        timed = [s for s in steps if not s["warm"]]
+        seconds = sum(m["all_seconds"])
+        last = timed[-1]
+        row = {"variant": name, "ckpt": row_ckpt, "tokens": sum(s["tokens"] for s in timed), "seconds": m["seconds"],
+               "tokens_per_s": sum(s["tokens"] for s in timed) / seconds, "warmup_s": m["first_call_seconds"],
+               "step_seconds": m["all_seconds"], "peak_gib": m["peak_gib"]}
+        if cuda:  # the phase marks reset the peak counter: the row's peak is the largest phase peak
+            row["peak_gib"] = max([row["peak_gib"]] + [mk["peak_gib"] for s in steps for mk in s["trace"]])
+            row.update(memory_breakdown(tr, last["trace"], last["start"]))
+        row.update({k.split("/")[1] + "_s": v for k, v in last["metrics"].items()
+                    if k.startswith("time/") and k != "time/step"})
+        for key in ("policy_lag", "is_weight_mean", "is_weight_max", "is_weight_capped_frac"):
+            if key in last["metrics"]:
+                row[key] = last["metrics"][key]
+        row["last_lengths"] = last["lengths"]
+        del tr
+        gc.collect()
+        return row
+    finally:
+        if row_ckpt == "on":
+            student.gradient_checkpointing_disable()
+        if offload:
+            teacher.to(device)
+
+
+# ------------------------------------------------------------------------------------------------ TRL rows
+
+
+def word_tokenizer(shape: str):
+    """A tokenizer whose word `t<i>` is id i, for every id of the shape's tokenizer size; EOS and pad as the models'."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(TOKENIZER_SIZE[shape])}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"t{eos_id(shape)}", pad_token=f"t{pad_id(shape)}",
+                                   padding_side="left")
+
+
+def trl_row(which: str, args, device, prompt_ids: list[list[int]]) -> dict:
+    """One real TRL trainer (`distill` = `trl.DistillationTrainer`, `gkd` = `trl.experimental.gkd.GKDTrainer`) with
+    its `defaults` or `fastest` speed settings (module docstring), run for warmup + repeat optimizer steps by its own
+    `train()` loop; a callback times each step and a subclass counts the generated tokens."""
+    import transformers
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    trainer_name, setting = which.split(":")
+    transformers.logging.set_verbosity_error()
+    cuda = device.type == "cuda"
+    sequences = args.prompts * args.n
+    micro = sequences if setting == "fastest" else min(8, sequences)
+    if sequences % micro:
+        raise ValueError(f"{sequences} sequences do not split into micro-batches of {micro}")
+    student = build_model(args.shape, dtype=torch.float32, device=device, seed=args.seed)
+    teacher = build_model(args.teacher_shape, dtype=torch.bfloat16 if cuda else torch.float32, device=device,
+                          seed=args.seed + 1).requires_grad_(False)
+    tokenizer = word_tokenizer(args.shape)
+    texts = [" ".join(f"t{i}" for i in ids) for ids in prompt_ids for _ in range(args.n)]
+    counted: list[int] = []
+    times: list[float] = []
+    per_step: list[int] = []
+
+    class Timer(TrainerCallback):
+        def on_train_begin(self, *_, **__):
+            reset_memory(device)
+
+        def on_step_begin(self, *_, **__):
+            sync(device)
+            self.start, self.counted = time.perf_counter(), len(counted)
+
+        def on_step_end(self, *_, **__):
+            sync(device)
+            times.append(time.perf_counter() - self.start)
+            per_step.append(sum(counted[self.counted:]))
+
+    common = dict(output_dir=tempfile.mkdtemp(prefix="opd-bench-trl-"), per_device_train_batch_size=micro,
+                  gradient_accumulation_steps=sequences // micro, max_steps=args.trl_warmup + args.trl_repeat,
+                  learning_rate=1e-6, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1000,
+                  seed=args.seed, dataloader_num_workers=0, use_cpu=not cuda)
+    if not cuda:
+        common["bf16"] = False  # our CPU rows run float32 too
+    if setting == "fastest":
+        common["gradient_checkpointing"] = False
+    if trainer_name == "distill":
+        from trl import DistillationConfig, DistillationTrainer
+
+        class Counted(DistillationTrainer):
+            def _generate_and_score_completions(self, inputs):
+                out = super()._generate_and_score_completions(inputs)
+                counted.append(int(out["completion_mask"].sum()))
+                return out
+
+        config = DistillationConfig(**common, max_completion_length=args.new_tokens, temperature=1.0, top_k=0,
+                                    top_p=1.0, beta=1.0)
+        trainer = Counted(model=student, teacher_model=teacher, args=config, processing_class=tokenizer,
+                          train_dataset=Dataset.from_dict({"prompt": texts}), callbacks=[Timer()])
     else:
-        raise NotImplementedError("only beta 0 / 1 are re-created here")
-    mask = labels != -100
-    jsd = jsd[mask]
-    return jsd.sum() / mask.sum()
+        from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+        class Counted(GKDTrainer):
+            def training_step(self, model, inputs, num_items_in_batch=None):
+                loss = super().training_step(model, inputs, num_items_in_batch)
+                counted.append(int((inputs["labels"] != -100).sum()))  # the generated completion, EOS included
+                return loss
+
+        # Prompts as ids (the collator's pre-tokenized path): one placeholder completion token, replaced on-policy.
+        ids = [p for p in prompt_ids for _ in range(args.n)]
+        data = Dataset.from_dict({"prompt": texts, "input_ids": [p + [eos_id(args.shape)] for p in ids],
+                                  "completion_mask": [[0] * len(p) + [1] for p in ids]})
+        config = GKDConfig(**common, max_new_tokens=args.new_tokens, temperature=1.0, lmbda=1.0, beta=1.0,
+                           max_length=args.prompt_len + args.new_tokens + 1)
+        trainer = Counted(model=student, teacher_model=teacher, args=config, processing_class=tokenizer,
+                          train_dataset=data, callbacks=[Timer()])
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # its end-of-training dict of logs
+    trainer.train()
+    peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else None
+    checkpointing = bool(student.is_gradient_checkpointing)  # what TRL did with the model, not what was asked
+    del trainer, student, teacher
+    gc.collect()
+    timed, tokens = times[args.trl_warmup:], per_step[args.trl_warmup:]
+    row = {"setting": setting, "tokens": sum(tokens), "seconds": statistics.median(timed),
+           "tokens_per_s": sum(tokens) / sum(timed), "step_seconds": timed, "warmup_s": times[0],
+           "micro_batch": micro, "gradient_checkpointing": checkpointing}
+    row["peak_gib"] = peak if peak is not None else peak_gib(device)
+    return row
 
 
-def trl_gkd_step(student, teacher, prompt_ids_BP, optimizer, *, pad: int, eos: int, new_tokens: int, autocast_dtype):
-    """One TRL GKD training step (lmbda = 1, beta = 1), as `GKDTrainer.training_step` + `compute_loss` run it."""
-    from transformers import GenerationConfig
-
-    device = prompt_ids_BP.device
-    amp = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
-    config = GenerationConfig(max_new_tokens=new_tokens, temperature=1.0, do_sample=True, top_k=0, use_cache=True,
-                              pad_token_id=pad, eos_token_id=eos)
-    with amp:  # unwrap_model_for_generation: the student generates, in train mode (dropout is 0 in Qwen3)
-        generated = student.generate(input_ids=prompt_ids_BP, attention_mask=torch.ones_like(prompt_ids_BP),
-                                     generation_config=config)
-    attention = torch.ones_like(generated)
-    labels = generated.clone()
-    labels[labels == pad] = -100
-    attention[generated == pad] = 0
-    prompt_len = prompt_ids_BP.shape[1]
-    student.train()
-    with amp:
-        student_logits = student(input_ids=generated, attention_mask=attention).logits
-        teacher.eval()
-        with torch.no_grad():
-            teacher_logits = teacher(input_ids=generated, attention_mask=attention).logits
-        loss = generalized_jsd_loss(student_logits[:, prompt_len - 1:-1], teacher_logits[:, prompt_len - 1:-1],
-                                    labels[:, prompt_len:], beta=1.0)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return int((labels[:, prompt_len:] != -100).sum())
+# ------------------------------------------------------------------------------------------------ main
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -144,9 +396,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=256, help="max new tokens per sample")
+    parser.add_argument("--lengths", default=None, help="force each response to end at a drawn length: "
+                        "lognormal:mean=M,cap=C[,sigma=S] or fixed:N (common.parse_lengths); default: no forcing")
+    parser.add_argument("--warmup-lengths", default=None, help="lengths of our warm-up steps (same forms as "
+                        "--lengths; default: those of the timed steps)")
+    parser.add_argument("--rollout-rows", type=int, default=None, help="rows the engine decodes together "
+                        "(default: all of a step's sequences)")
     parser.add_argument("--micro-batch-tokens", type=int, default=16384, help="our update's micro-batch budget")
     parser.add_argument("--score-batch-tokens", type=int, default=32768, help="our scoring forward budget")
-    parser.add_argument("--engines", default="static_engine", help="our rows: static_engine, torch_engine")
+    parser.add_argument("--engines", default="static_engine", help="our engines: static_engine, torch_engine")
+    parser.add_argument("--variants", default="default", help=f"our rows, comma-separated: {', '.join(VARIANTS)}")
     parser.add_argument("--ckpt", default="auto", choices=["auto", "on", "off", "selective"],
                         help="gradient checkpointing of our student: on (every layer), selective (compiled layers "
                              "keep half their activations), off; auto: as `opd distill` (CUDA: selective when "
@@ -154,39 +413,51 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                         help="torch.compile the decoder layers of our student and teacher (auto: on for CUDA)")
     parser.add_argument("--attn", default="auto", help="attention of our rows: auto (as `opd distill`: opd_varlen "
-                                                       "on CUDA, else sdpa), sdpa, opd_varlen; the TRL row uses sdpa")
-    parser.add_argument("--skip-trl", action="store_true", help="leave the TRL GKD row out")
+                                                       "on CUDA, else sdpa), sdpa, opd_varlen; TRL rows use sdpa")
+    parser.add_argument("--trl", default=",".join(TRL_ROWS), help=f"TRL rows, comma-separated: {', '.join(TRL_ROWS)}")
+    parser.add_argument("--skip-trl", action="store_true", help="no TRL rows")
+    parser.add_argument("--trl-warmup", type=int, default=1, help="untimed TRL steps (its first compiles nothing)")
+    parser.add_argument("--trl-repeat", type=int, default=2, help="timed TRL steps")
+    parser.add_argument("--paper", action="store_true", help="the paper's regime: qwen3-1.7b ← qwen3-4b, 64 prompts "
+                        "× 4, lengths lognormal:mean=1500,cap=7168 (warm-up step: mean=200,cap=512), 64 rows per "
+                        "rollout chunk, one warm-up and one timed step, no TRL rows (explicit flags still win)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--paper" in argv:  # defaults of the paper regime, before the explicit flags
+        argv = ["--shape", "qwen3-1.7b", "--teacher-shape", "qwen3-4b", "--prompts", "64", "--new-tokens", "7168",
+                "--lengths", "lognormal:mean=1500,cap=7168", "--warmup-lengths", "lognormal:mean=200,cap=512",
+                "--rollout-rows", "64", "--skip-trl", "--warmup", "1", "--repeat", "1"] + argv
     args = parser.parse_args(argv)
     if SHAPES[args.shape]["vocab_size"] != SHAPES[args.teacher_shape]["vocab_size"]:
         raise SystemExit("--shape and --teacher-shape must share a vocabulary (tiny with tiny, qwen3 with qwen3)")
+    for name in args.variants.split(","):
+        if name not in VARIANTS:
+            raise SystemExit(f"--variants: unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+    for spec in (args.lengths, args.warmup_lengths):
+        try:
+            spec and parse_lengths(spec)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+    if args.warmup_lengths and not args.lengths:
+        raise SystemExit("--warmup-lengths needs --lengths (the timed steps' lengths)")
     device = resolve_device(args.device)
     cuda = device.type == "cuda"
     autocast_dtype = torch.bfloat16 if cuda else None
+    g = torch.Generator().manual_seed(args.seed)
+    prompt_ids = torch.randint(3, TOKENIZER_SIZE[args.shape], (args.prompts, args.prompt_len), generator=g).tolist()
+    report = Report("opd_step", args, device, shape=args.shape, teacher_shape=args.teacher_shape,
+                    sequences=args.prompts * args.n, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                    lengths=args.lengths, precision="fp32 student + bf16 autocast, bf16 teacher" if cuda else "fp32")
+    run_dir = Path(tempfile.mkdtemp(prefix="opd-bench-"))
+
+    trl_rows = [] if args.skip_trl else [r for r in args.trl.split(",") if r]
+    for which in trl_rows:  # first, each with its own fresh models (freed before our rows build theirs)
+        if which not in TRL_ROWS:
+            raise SystemExit(f"--trl: unknown row {which!r}; choose from {', '.join(TRL_ROWS)}")
+        report.run_row(f"trl_{which.replace(':', '[')}]", lambda which=which: trl_row(which, args, device, prompt_ids))
+
     student = build_model(args.shape, dtype=torch.float32, device=device, seed=args.seed)
     teacher = build_model(args.teacher_shape, dtype=torch.bfloat16 if cuda else torch.float32, device=device,
                           seed=args.seed + 1).requires_grad_(False)
-    g = torch.Generator().manual_seed(args.seed)
-    prompt_ids = torch.randint(3, TOKENIZER_SIZE[args.shape], (args.prompts, args.prompt_len), generator=g)
-    report = Report("opd_step", args, device, shape=args.shape, teacher_shape=args.teacher_shape,
-                    sequences=args.prompts * args.n, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                    precision="fp32 student + bf16 autocast, bf16 teacher" if cuda else "fp32")
-    run_dir = Path(tempfile.mkdtemp(prefix="opd-bench-"))
-
-    if not args.skip_trl:
-        def trl():
-            optimizer = torch.optim.AdamW(student.parameters(), lr=1e-6)
-            batch_BP = prompt_ids.repeat_interleave(args.n, dim=0).to(device)
-            step = lambda: trl_gkd_step(student, teacher, batch_BP, optimizer, pad=pad_id(args.shape),  # noqa: E731
-                                        eos=eos_id(args.shape), new_tokens=args.new_tokens,
-                                        autocast_dtype=autocast_dtype)
-            with torch.compiler.set_stance("force_eager"):
-                m = measure(step, device, warmup=args.warmup, repeat=args.repeat)
-            del optimizer
-            return {"tokens": m["result"], "seconds": m["seconds"], "tokens_per_s": m["result"] / m["seconds"],
-                    "peak_gib": m["peak_gib"], "warmup_s": m["first_call_seconds"], "step_seconds": m["all_seconds"]}
-
-        report.run_row("trl_gkd_recreated", trl)
-    # our rows run as `opd distill` sets the models up on this device (the TRL row above ran before, eagerly)
     attn = attention_name(args.attn, device)
     student.set_attn_implementation(attn)
     teacher.set_attn_implementation(attn)
@@ -198,48 +469,66 @@ def main(argv: list[str] | None = None) -> dict:
         compile_layers(student, True)
         compile_layers(teacher, True)
     ckpt = args.ckpt if args.ckpt != "auto" else ("off" if not cuda else "selective" if compiled else "on")
-    if ckpt == "on":
-        student.gradient_checkpointing_enable()
-    budget = 0.5 if ckpt == "selective" else None
+    flops, bandwidth = peaks(device, args)
     for engine in [e for e in args.engines.split(",") if e]:
-        def ours(engine=engine):
-            from opd.train.opd import opd_step
+        for name in args.variants.split(","):
+            label = f"opd_step[{engine}]" if name == "default" else f"opd_step[{engine}, {name}]"
 
-            tr = build_trainer(args, student, teacher, prompt_ids.tolist(), engine, run_dir, autocast_dtype)
-            tr.activation_budget = budget
-            metrics = {}
+            def ours(engine=engine, name=name):
+                row = our_row(args, student, teacher, prompt_ids, engine, run_dir, autocast_dtype, device, name, ckpt)
+                lengths = row.pop("last_lengths")
+                if flops and bandwidth:
+                    bound = opd_step_bound(
+                        student_params=param_count(student), teacher_params=param_count(teacher),
+                        student_weight_bytes=param_count(student) * 2, kv_bytes_per_token=kv_bytes_per_token(args.shape),
+                        prompt_lengths=[args.prompt_len] * len(lengths), response_lengths=lengths,
+                        peak_flops=flops, bandwidth=bandwidth)
+                    row.update({f"bound_{k}": v for k, v in bound.items()}, vs_bound=row["seconds"] / bound["total_s"])
+                return row
 
-            def step():
-                metrics.clear()
-                metrics.update(opd_step(tr))
-                tr.step += 1
-                return metrics["response_length"] * args.prompts * args.n
+            report.run_row(label, ours)
 
-            m = measure(step, device, warmup=args.warmup, repeat=args.repeat)
-            row = {"ckpt": ckpt, "tokens": m["result"], "seconds": m["seconds"], "tokens_per_s": m["result"] / m["seconds"],
-                   "peak_gib": m["peak_gib"], "warmup_s": m["first_call_seconds"], "step_seconds": m["all_seconds"]}
-            row.update({k.split("/")[1] + "_s": v for k, v in metrics.items()
-                        if k.startswith("time/") and k != "time/step"})
-            del tr
-            gc.collect()
-            return row
-
-        report.run_row(f"opd_step[{engine}]", ours)
-
-    speedups(report.data["rows"], "trl_gkd_recreated")
     rows = report.data["rows"]
-    trl_peak = next((r.get("peak_gib") for r in rows if r["name"] == "trl_gkd_recreated"), None)
+    trl = [r for r in rows if r["name"].startswith("trl_") and r.get("tokens_per_s")]
+    fastest = max(trl, key=lambda r: r["tokens_per_s"], default=None)
+    leanest = min(trl, key=lambda r: r["peak_gib"], default=None)
     for r in rows:
-        if trl_peak and r.get("peak_gib"):
-            r["memory_vs_trl"] = r["peak_gib"] / trl_peak
-    columns = [("row", "name", ""), ("tokens/s", "tokens_per_s", ",.0f"), ("× TRL", "speedup", ".1f"),
-               ("step s", "seconds", ".2f"), ("rollout s", "rollout_s", ".2f"), ("student s", "student_s", ".2f"),
+        if fastest and r.get("tokens_per_s"):
+            r["speedup"] = r["tokens_per_s"] / fastest["tokens_per_s"]
+        if leanest and r.get("peak_gib"):
+            r["memory_vs_trl"] = r["peak_gib"] / leanest["peak_gib"]
+    columns = [("row", "name", ""), ("tokens/s", "tokens_per_s", ",.0f"), ("× fastest TRL", "speedup", ".1f"),
+               ("step s", "seconds", ".2f"), ("rollout s", "rollout_s", ".2f"), ("rollout wait s", "rollout_wait_s", ".2f"),
+               ("student s", "student_s", ".2f"),
                ("teacher s", "teacher_s", ".2f"), ("update s", "update_s", ".2f"), ("peak GiB", "peak_gib", ".1f"),
-               ("memory / TRL", "memory_vs_trl", ".2f")]
+               ("memory / leanest TRL", "memory_vs_trl", ".2f"), ("bound s", "bound_total_s", ".3g"),
+               ("step / bound", "vs_bound", ".1f")]
     notes = [f"student {args.shape} (random, fp32 master weights{' + bf16 autocast' if cuda else ''}), teacher "
              f"{args.teacher_shape}; {args.prompts} prompts × n={args.n} = {args.prompts * args.n} sequences, prompt "
-             f"{args.prompt_len} tokens, ≤ {args.new_tokens} new tokens; peak GiB includes both models' weights and "
-             "the row's optimizer state"]
+             f"{args.prompt_len} tokens, ≤ {args.new_tokens} new tokens"
+             + (f", lengths {parse_lengths(args.lengths)} forced per row" if args.lengths else "")
+             + "; peak GiB includes both models' weights and the row's optimizer state"]
+    if fastest:
+        notes.append(f"× fastest TRL: against {fastest['name']}; memory / leanest TRL: against {leanest['name']}")
+    for r in rows:
+        if "bound_total_s" in r:
+            notes.append(f"{r['name']}: bound {r['bound_total_s']:.3g} s = decode {r['bound_decode_s']:.3g} + teacher "
+                         f"{r['bound_teacher_s']:.3g} + student {r['bound_student_s']:.3g} + update "
+                         f"{r['bound_update_s']:.3g}; the step took {r['vs_bound']:.2f}× that")
+    if any("bound_total_s" in r for r in rows):
+        notes.append("bound (common.opd_step_bound): decode at the memory bandwidth (weights once per sequential step "
+                     "+ every token's KV reads) + 2·params FLOPs of teacher and student scoring + 6·params FLOPs of the "
+                     "update per position, at the device's dense bf16 peak")
+    memory_rows = [r for r in rows if "resident_gib" in r]
+    if memory_rows:
+        report.data["memory_table"] = markdown_table(memory_rows, [
+                ("row", "name", ""), ("resident", "resident_gib", ".2f"), ("student w", "student_weights_gib", ".2f"),
+                ("AdamW state", "adamw_state_gib", ".2f"), ("teacher w", "teacher_weights_gib", ".2f"),
+                ("other", "other_resident_gib", ".2f"), ("grads", "grads_gib", ".2f"),
+                ("peak rollout", "peak_rollout_gib", ".2f"), ("peak scoring", "peak_scoring_gib", ".2f"),
+                ("peak fwd/bwd", "peak_forward_backward_gib", ".2f"), ("peak optim", "peak_optimizer_step_gib", ".2f")])
+        notes.append("where the memory goes (GiB; resident = allocated at the start of the last timed step; peaks are "
+                     "allocated bytes within each phase of that step):\n" + report.data["memory_table"])
     return report.finish(columns, notes)
 
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU measurement of docs/performance.md in one call: the CUDA correctness checks, then every benchmark at the
 # real shapes. Run from the repository root on the GPU machine; JSON and logs go to ${OUT:-runs/benchmarks/gpu}.
-#   bash benchmarks/run_gpu.sh [check|attention|rollout|teacher|update|step|step_full|packing ...]  (default: all)
+#   bash benchmarks/run_gpu.sh [check|attention|rollout|teacher|update|step|step_full|lean|paper|packing ...]
+#   (default: all; the TRL rows of `step` need the wheels of benchmarks/README.md installed first)
 set -uo pipefail
 out=${OUT:-runs/benchmarks/gpu}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-parts=${*:-check attention rollout teacher update step step_full packing}
+parts=${*:-check attention rollout teacher update step step_full lean paper packing}
 status=0
 run() {  # name, time limit (s), command...
     local name=$1 limit=$2
@@ -26,14 +27,18 @@ for part in $parts; do
             --torch-topk --repeat 5 --out "$out/teacher_score.json" ;;
         update) run update 130 python3 benchmarks/update.py --shape qwen3-0.6b --ckpt selective,on,off \
             --out "$out/update.json" ;;
-        step) run opd_step 240 python3 benchmarks/opd_step.py --warmup 3 --repeat 3 --out "$out/opd_step.json" ;;
+        step) run opd_step 420 python3 benchmarks/opd_step.py --warmup 3 --repeat 3 --out "$out/opd_step.json" ;;
         step_full) run opd_step_full 150 python3 benchmarks/opd_step.py --warmup 3 --repeat 3 --ckpt on --skip-trl \
             --out "$out/opd_step_full.json" ;;
+        lean) run opd_step_lean 240 python3 benchmarks/opd_step.py --warmup 2 --repeat 2 --skip-trl \
+            --variants default,foreach,bf16_state,micro4k,lean,lean_offload,ckpt_on --out "$out/opd_step_lean.json" ;;
+        paper) run opd_step_paper 300 python3 benchmarks/opd_step.py --paper --out "$out/opd_step_paper.json" ;;
         packing) run teacher_ragged 200 python3 benchmarks/teacher_score.py --shapes qwen3-1.7b --ragged \
                 --attn sdpa,opd_varlen --compile on --out "$out/teacher_ragged.json"
             run update_ragged 200 python3 benchmarks/update.py --shape qwen3-0.6b --ragged --attn sdpa,opd_varlen \
                 --compile on --ckpt selective --out "$out/update_ragged.json" ;;
-        *) echo "unknown part $part (check, attention, rollout, teacher, update, step, step_full, packing)"; exit 2 ;;
+        *) echo "unknown part $part (check, attention, rollout, teacher, update, step, step_full, lean, paper, packing)"
+           exit 2 ;;
     esac
 done
 exit $status

@@ -89,8 +89,83 @@ def test_update_ragged_rows(tmp_path, capsys):
 @pytest.mark.slow
 def test_opd_step(tmp_path, capsys):
     data, _ = run("opd_step", tmp_path, capsys, "--teacher-shape", "tiny", "--prompts", "2", "--n", "2",
-                  "--prompt-len", "5", "--new-tokens", "6", "--engines", "torch_engine,static_engine")
+                  "--prompt-len", "5", "--new-tokens", "6", "--engines", "torch_engine,static_engine", "--skip-trl",
+                  "--variants", "default,bf16_state,overlap")
     got = rows(data)
-    assert set(got) == {"trl_gkd_recreated", "opd_step[torch_engine]", "opd_step[static_engine]"}
-    for name in ("opd_step[torch_engine]", "opd_step[static_engine]"):
-        assert {"rollout_s", "student_s", "teacher_s", "update_s", "memory_vs_trl", "speedup"} <= set(got[name])
+    assert set(got) == {f"opd_step[{e}{v}]" for e in ("torch_engine", "static_engine")
+                        for v in ("", ", bf16_state", ", overlap")}
+    for name, row in got.items():
+        assert {"student_s", "teacher_s", "update_s"} <= set(row)
+        assert ("rollout_wait_s" if "overlap" in name else "rollout_s") in row  # overlap: made during the last step
+        assert row["tokens"] == 2 * 2 * 6  # random weights never stop early (EOS is 1 id of 500)
+    assert got["opd_step[static_engine, overlap]"]["policy_lag"] == 1  # the timed step trains on rollouts made ahead
+    assert "policy_lag" in got["opd_step[static_engine]"] and got["opd_step[static_engine]"]["policy_lag"] == 0
+
+
+@pytest.mark.slow
+def test_opd_step_real_trl_rows(tmp_path, capsys):
+    """TRL 1.16's DistillationTrainer and GKDTrainer, defaults and fastest settings, one timed step each, counting
+    the same generated tokens as our row."""
+    pytest.importorskip("trl")
+    data, printed = run("opd_step", tmp_path, capsys, "--teacher-shape", "tiny", "--prompts", "2", "--n", "2",
+                        "--prompt-len", "5", "--new-tokens", "6", "--warmup", "0", "--trl-warmup", "0",
+                        "--trl-repeat", "1")
+    got = rows(data)
+    trl = {f"trl_{t}[{s}]" for t in ("distill", "gkd") for s in ("defaults", "fastest")}
+    assert set(got) == trl | {"opd_step[static_engine]"}
+    for name in trl:
+        assert got[name]["tokens"] == 2 * 2 * 6 and len(got[name]["step_seconds"]) == 1
+        assert got[name]["gradient_checkpointing"] == name.endswith("[defaults]")  # TRL 1.16's default: on
+    assert got["trl_gkd[defaults]"]["micro_batch"] == 4 and got["trl_gkd[fastest]"]["micro_batch"] == 4
+    assert got["opd_step[static_engine]"]["speedup"] > 0 and "× fastest TRL: against trl_" in printed
+
+
+@pytest.mark.slow
+def test_opd_step_paper_mode_forces_ragged_lengths(tmp_path, capsys):
+    """`--paper` with tiny shapes: every row ends at its drawn length (EOS forced), chunks of --rollout-rows rows,
+    and the step is set against the physical bound (peaks given explicitly: CPU has none)."""
+    data, _ = run("opd_step", tmp_path, capsys, "--paper", "--shape", "tiny", "--teacher-shape", "tiny",
+                  "--prompts", "3", "--n", "2", "--prompt-len", "5", "--new-tokens", "24", "--rollout-rows", "4",
+                  "--lengths", "lognormal:mean=8,cap=24,sigma=0.8", "--warmup", "0", "--peak-tflops", "1",
+                  "--peak-tbps", "0.01")
+    row = rows(data)["opd_step[static_engine]"]
+    sys.path.insert(0, str(BENCHMARKS))
+    from common import parse_lengths
+
+    seed = None  # the step's rollout seed, as opd_step derives it for step 0
+    from opd.train.opd import _step_seed
+
+    seed = _step_seed(0, 0)
+    drawn = parse_lengths("lognormal:mean=8,cap=24,sigma=0.8").sample(6, seed)
+    assert row["tokens"] == sum(drawn) and len(set(drawn)) > 1
+    assert row["bound_total_s"] > 0 and row["vs_bound"] == pytest.approx(row["seconds"] / row["bound_total_s"])
+
+
+def test_parse_lengths():
+    sys.path.insert(0, str(BENCHMARKS))
+    from common import parse_lengths
+
+    dist = parse_lengths("lognormal:mean=1500,cap=7168")
+    sample = dist.sample(20_000, seed=0)
+    assert max(sample) == 7168 and min(sample) >= 1
+    assert 1300 < sum(sample) / len(sample) < 1500  # mean 1,500 before the cap; the cap trims the tail
+    assert sample == dist.sample(20_000, seed=0) != dist.sample(20_000, seed=1)
+    assert parse_lengths("fixed:7").sample(3, seed=1) == [7, 7, 7]
+    for bad in ("lognormal:mean=0,cap=5", "lognormal:cap=5", "gamma:mean=3", "fixed:x", "lognormal:mean=3,cap=5,mu=1"):
+        with pytest.raises(ValueError, match="expected lognormal:mean=M,cap=C"):
+            parse_lengths(bad)
+
+
+def test_opd_step_bound():
+    """Two rows: prompt 2 + response 3, prompt 1 + response 1. Decode: 3 sequential steps × 10 weight bytes, KV
+    reads (2 + 3 + 4) + 1 = 10 tokens × 4 bytes; 7 scored positions at 2·P FLOPs (teacher 5, student 2) and 6·P."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from common import opd_step_bound
+
+    bound = opd_step_bound(student_params=2, teacher_params=5, student_weight_bytes=10, kv_bytes_per_token=4,
+                           prompt_lengths=[2, 1], response_lengths=[3, 1], peak_flops=7.0, bandwidth=2.0)
+    assert bound["decode_s"] == pytest.approx((3 * 10 + 10 * 4) / 2.0)
+    assert bound["teacher_s"] == pytest.approx(2 * 5 * 7 / 7.0)
+    assert bound["student_s"] == pytest.approx(2 * 2 * 7 / 7.0)
+    assert bound["update_s"] == pytest.approx(6 * 2 * 7 / 7.0)
+    assert bound["total_s"] == pytest.approx(35 + 10 + 4 + 12)

@@ -247,6 +247,10 @@ class SamplingSpec(Section):
     engine: Literal["auto", "torch", "static"] = Field(
         "auto", description="auto: the static-KV-cache CUDA-graph engine on a GPU (one process), the torch engine otherwise."
     )
+    overlap: bool = Field(
+        False, description="Generate step t+1's rollouts while step t scores and updates (one step of policy lag, from "
+        "a bf16 snapshot of the step-t weights), corrected by truncated importance weights against the engine's own "
+        "log-probs: needs objective.tis_cap. One process only; off: every step samples from its own weights.")
 
 
 class ObjectiveSpec(Section):
@@ -287,6 +291,13 @@ class OptimSpec(Section):
     schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR schedule after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0 to lr.")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Floor of cosine/linear decay as a fraction of lr.")
+    state_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Storage of AdamW's two moments (the master weights stay as loaded): fp32 (8 bytes a "
+        "parameter), or bf16 (4 bytes; exp_avg rounded to nearest, exp_avg_sq stochastically: `opd.train.optim.AdamW16`).")
+    fused: bool | None = Field(
+        None, description="fp32 state: torch's fused AdamW kernel, which allocates no parameter-sized temporaries "
+        "(foreach does: 4 bytes a parameter at every step). None: fused when every parameter is a plain CUDA tensor "
+        "(not FSDP-sharded), else foreach.")
 
 
 class RunSpec(Section):

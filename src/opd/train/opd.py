@@ -58,6 +58,38 @@ class Trainer:
     autocast_dtype: torch.dtype | None = None
     activation_budget: float | None = None  # selective checkpointing of compiled layers (`opd.models.activation_budget`)
     dist: DistInfo = SINGLE  # this process's rank / world size (torchrun); SINGLE without torchrun
+    # rollout.overlap: a bfloat16 snapshot of the student that generates the next step's rollouts while this step
+    # scores and updates (`rollout_model`, copied from the student at the start of each step), its generator, and the
+    # rollouts it made for the next step (`PendingRollouts`, checkpointed so that a resume replays them)
+    rollout_model: torch.nn.Module | None = None
+    rollout_generator: Any = None
+    pending_rollouts: "PendingRollouts | None" = None
+    # benchmarks: a list → each step appends CUDA memory (allocated / peak since the last mark, GiB) after each phase
+    memory_trace: list | None = None
+
+
+@dataclass
+class PendingRollouts:
+    """Rollouts generated one step ahead (rollout.overlap): the global prompt indices of this rank's slice and the
+    engine's output for them, generated from the weights before the previous update."""
+
+    indices: list[int]
+    output: Any  # opd.rollout.GenerationOutput
+
+    def state_dict(self) -> dict:
+        out = self.output
+        return {"indices": self.indices, "response_ids": out.response_ids, "finish_reasons": out.finish_reasons,
+                "group_ids": out.group_ids, "logprobs": out.logprobs}
+
+    @classmethod
+    def from_state(cls, state: dict | None) -> "PendingRollouts | None":
+        from opd.rollout import GenerationOutput
+
+        if not state:
+            return None
+        output = GenerationOutput(response_ids=state["response_ids"], finish_reasons=state["finish_reasons"],
+                                  group_ids=state["group_ids"], logprobs=state["logprobs"])
+        return cls(indices=list(state["indices"]), output=output)
 
 
 # ------------------------------------------------------------------------------------------------ the step
@@ -70,7 +102,6 @@ def opd_step(tr: Trainer) -> dict[str, float]:
         sampled_token_rewards, strategy_spec, truncated_is_weights,
     )
     from opd.models import activation_budget
-    from opd.rollout import SamplingParams
     from opd.rollout.batch import build_rollouts
     from opd.scoring import candidate_logprobs_and_entropy
     from opd.teacher.local import forward_hidden, needed_lengths, output_head, split_by_token_budget, uses_packing
@@ -82,18 +113,24 @@ def opd_step(tr: Trainer) -> dict[str, float]:
 
     # 1. prompts (resumable seeded sampler): every rank draws the same global batch and keeps its own slice
     rank, world = tr.dist.rank, tr.dist.world_size
-    indices = tr.sampler.next_batch()[rank::world]
-    prompt_ids = [tr.prompt_ids[i] for i in indices]
+    pending, tr.pending_rollouts = tr.pending_rollouts, None
+    if pending is None:
+        indices = tr.sampler.next_batch()[rank::world]
+        prompt_ids = [tr.prompt_ids[i] for i in indices]
 
-    # 2. rollout: n samples per prompt from the current student (FSDP: weights gathered once, see `gathered`)
-    with _timed(timings, "rollout"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
-        params = SamplingParams(
-            n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-            max_new_tokens=cfg.rollout.max_new_tokens, seed=_step_seed(cfg.run.seed, tr.step, rank),
-            return_logprobs=obj.tis_cap is not None,
-        )
-        output = tr.generator.generate(prompt_ids, params)
-        rollouts = build_rollouts(prompt_ids, output, pad_id=tr.tokenizer.pad_token_id, device=device)
+        # 2. rollout: n samples per prompt from the current student (FSDP: weights gathered once, see `gathered`)
+        with _timed(timings, "rollout"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
+            params = _sampling_params(cfg, tr.step, rank)
+            output = tr.generator.generate(prompt_ids, params)
+            rollouts = build_rollouts(prompt_ids, output, pad_id=tr.tokenizer.pad_token_id, device=device)
+        _release(tr.generator)
+    else:  # rollout.overlap: generated during the previous step, from the weights before its update
+        indices, prompt_ids = pending.indices, [tr.prompt_ids[i] for i in pending.indices]
+        rollouts = build_rollouts(prompt_ids, pending.output, pad_id=tr.tokenizer.pad_token_id, device=device)
+    _mark_memory(tr, "rollout")
+    # rollout.overlap: the next step's rollouts start now, in the background, from a snapshot of these weights (also
+    # after the last step: the checkpoint then carries them, and a resume with more steps continues exactly)
+    ahead = _start_next_rollouts(tr, device) if cfg.rollout.overlap else None
     mask_BT = rollouts.response_mask
 
     # 3. student scores without grad (the behaviour policy): top-k support, log-probs, entropy
@@ -116,6 +153,7 @@ def opd_step(tr: Trainer) -> dict[str, float]:
                     rollouts, top_k=0, requested_ids=teacher.topk_ids, temperature=cfg.rollout.temperature,
                     with_entropy=False,
                 ).requested_logprobs
+    _mark_memory(tr, "scoring")
 
     # 5. token rewards → advantages
     texts, correct = _grade_rollouts(tr, rollouts, indices)
@@ -150,6 +188,7 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     tis_BT = None
     if obj.tis_cap is not None and rollouts.rollout_logprobs is not None:
         tis_BT = truncated_is_weights(student.sampled_logprobs, rollouts.rollout_logprobs, obj.tis_cap, mask_BT)
+        is_metrics = _is_weight_stats(student.sampled_logprobs, rollouts.rollout_logprobs, obj.tis_cap, mask_BT)
     targets = {"old_lp": old_lp_BTJ, "advantages": advantages_BTJ, "valid": valid_BTJ, "mask": mask_BT,
                "teacher_lp": None if obj.loss == "pg" else teacher_lp_BTJ, "reference": reference_BT, "tis": tis_BT}
 
@@ -185,15 +224,24 @@ def opd_step(tr: Trainer) -> dict[str, float]:
             # up: the summed update equals the single-process one on the same global batch.
             (loss * world).backward()
         tr.student.eval()
+        _mark_memory(tr, "forward_backward")
         grad_norm, stepped = clip_and_step(tr.student, tr.optimizer, tr.scheduler, cfg.optim.grad_clip)
         tr.generator.sync_weights()
     tr.skipped_steps += 0 if stepped else 1
+    _mark_memory(tr, "optimizer_step")
+    if ahead is not None:  # waiting here keeps every step self-contained: nothing runs during eval or a save
+        with _timed(timings, "rollout_wait"):
+            tr.pending_rollouts = PendingRollouts(indices=ahead[0], output=ahead[1].result())
+        _release(tr.rollout_generator)
 
     # 7. diagnostics (one host sync for all of them)
     metrics: dict[str, Any] = {"grad_norm": grad_norm, "lr": tr.scheduler.get_last_lr()[0], "skipped_steps": tr.skipped_steps}
     metrics.update(_sum_micro_metrics(loss_metrics))
     metrics.update(reward_metrics, **_reward_stats("advantage", advantages_BTJ, valid_BTJ, mask_BT))
     metrics["valid_slots_per_token"] = valid_BTJ.sum() / mask_BT.sum().clamp(min=1)
+    metrics["policy_lag"] = 0 if pending is None else 1  # optimizer steps between the sampling and the current policy
+    if tis_BT is not None:
+        metrics.update(is_metrics)
     if teacher is not None:
         metrics.update(opd_diagnostics(
             student_topk_ids=student.topk_ids, student_topk_logprobs=student.topk_logprobs,
@@ -318,7 +366,8 @@ def save(tr: Trainer) -> Path:
     from opd.train.distributed import barrier, full_optimizer_state_dict, full_state_dict
 
     weights = full_state_dict(tr.student, tr.dist)  # None with one process: save the module itself
-    state = trainer_state(tr.optimizer, tr.scheduler, tr.sampler, skipped_steps=tr.skipped_steps, history=tr.history)
+    state = trainer_state(tr.optimizer, tr.scheduler, tr.sampler, skipped_steps=tr.skipped_steps, history=tr.history,
+                          pending_rollouts=tr.pending_rollouts and tr.pending_rollouts.state_dict())
     state["optimizer"] = full_optimizer_state_dict(tr.student, tr.optimizer, tr.dist)
     path = tr.run_dir / "checkpoints" / f"step_{tr.step}"
     if tr.dist.is_main:
@@ -360,6 +409,10 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
         raise ValueError("objective.loss=topk_kl needs a top-k support: set objective.top_k > 0 (e.g. 16)")
     if obj.loss != "pg" and obj.advantage != "token_reward":
         raise ValueError(f"objective.loss={obj.loss} uses no advantages; leave objective.advantage=token_reward")
+    if config.rollout.overlap and (obj.tis_cap is None or dist.world_size > 1):
+        raise ValueError("rollout.overlap=true trains on rollouts sampled one step earlier: it needs objective.tis_cap "
+                         "(e.g. 2.0) to correct them, and one process" + (f" (got {dist.world_size})"
+                                                                        if dist.world_size > 1 else ""))
     longest = config.data.max_prompt_length + config.rollout.max_new_tokens
     if config.micro_batch_tokens < longest:
         raise ValueError(
@@ -412,6 +465,9 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
                                      through_root=dist.world_size > 1)
     generator = make_generator(student, tokenizer, max_batch_size=config.rollout.batch_size, vocab_size=vocab_size,
                                engine=config.rollout.engine if dist.world_size == 1 else "torch")
+    rollout_model = rollout_generator = None
+    if config.rollout.overlap:  # a snapshot the background rollouts read while the student is updated
+        rollout_model, rollout_generator = overlap_generator(student, tokenizer, config, vocab_size, autocast_dtype)
     compiled = False
     if dist.world_size == 1 or config.compile:  # FSDP2 + compile untested: only when asked for
         compiled = compile_layers(student, config.compile)
@@ -441,18 +497,41 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
         prompt_ids=encoded.input_ids, generator=generator, student_scorer=student_scorer, teacher=teacher,
         teacher_scorer=teacher_scorer, reference_scorer=reference_scorer, vocab_size=vocab_size, optimizer=optimizer,
         scheduler=scheduler, sampler=sampler, sink=None, autocast_dtype=autocast_dtype, dist=dist,
-        activation_budget=budget,
+        activation_budget=budget, rollout_model=rollout_model, rollout_generator=rollout_generator,
     )
     resume_step = None
     if checkpoint is not None:
         state = restore_trainer_state(checkpoint, _FullStateOptimizer(student, optimizer, dist), scheduler, sampler)
         tr.step, tr.skipped_steps, tr.history = state["step"], state["skipped_steps"], state["history"]
+        if config.rollout.overlap:  # the rollouts generated for the next step, from weights no longer saved
+            tr.pending_rollouts = PendingRollouts.from_state(state.get("pending_rollouts"))
         resume_step = tr.step
         if console is not None:
             console.print(f"resumed from {checkpoint} (step {tr.step})")
     if dist.is_main:  # rank 0 writes the run directory
         tr.sink = open_run(config, run_dir, config.run, resume_step=resume_step)
     return tr
+
+
+def overlap_generator(student: torch.nn.Module, tokenizer: Any, config: DistillConfig, vocab_size: int,
+                      dtype: torch.dtype | None) -> tuple[torch.nn.Module, Any]:
+    """rollout.overlap: a frozen copy of the student in the rollout dtype (autocast's, else the weights') and the
+    configured engine over it. The copy's weights are refreshed from the student at the start of every step."""
+    from opd.rollout import make_generator
+
+    snapshot = rollout_snapshot(student, dtype or next(student.parameters()).dtype)
+    generator = make_generator(snapshot, tokenizer, max_batch_size=config.rollout.batch_size, vocab_size=vocab_size,
+                               engine=config.rollout.engine)
+    return snapshot, generator
+
+
+def rollout_snapshot(student: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of the student in `dtype`, in eval mode, that runs its own weights (a deep copy drops the layers'
+    in-place compilation: `nn.Module.__getstate__`). Its parameters keep requires_grad: on CPU turning it off changes
+    which kernels run, and so the rounding."""
+    import copy
+
+    return copy.deepcopy(student).to(dtype).eval()
 
 
 @dataclass
@@ -476,6 +555,94 @@ class _FullStateOptimizer:
 def _step_seed(seed: int, step: int, rank: int = 0) -> int:
     """The rollout seed of a step; each rank samples with its own (rank 0's equals the single-process seed)."""
     return (seed * 1_000_003 + step * 7919 + 17 + rank * 104_729) % (2**31)
+
+
+def _sampling_params(cfg: DistillConfig, step: int, rank: int):
+    """How step `step`'s rollouts are sampled (the same whether they are generated in that step or one ahead)."""
+    from opd.rollout import SamplingParams
+
+    return SamplingParams(
+        n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens, seed=_step_seed(cfg.run.seed, step, rank),
+        return_logprobs=cfg.objective.tis_cap is not None,
+    )
+
+
+def _release(generator: Any) -> None:
+    """Let an engine free what it holds between rollouts (caches, weight copies) if it offers `release()`; the
+    scoring and update phases then have that memory. Engines without it keep nothing between calls."""
+    release = getattr(generator, "release", None)
+    if callable(release):
+        release()
+
+
+def _mark_memory(tr: Trainer, phase: str) -> None:
+    """With `tr.memory_trace` set (benchmarks): record the CUDA memory allocated now and the peak since the previous
+    mark (GiB), labelled by the phase that just ended, and restart the peak counter."""
+    if tr.memory_trace is None or not torch.cuda.is_available():
+        return
+    tr.memory_trace.append({"step": tr.step, "phase": phase, "allocated_gib": torch.cuda.memory_allocated() / 2**30,
+                            "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+    torch.cuda.reset_peak_memory_stats()
+
+
+def _start_next_rollouts(tr: Trainer, device: torch.device) -> tuple[list[int], "_Background"]:
+    """rollout.overlap: draw the next step's prompts, copy the current weights into `tr.rollout_model`, and generate
+    the next step's rollouts from that copy in a background thread (on CUDA in its own stream), while this step
+    scores and updates the student. Same prompts and seed as the next step would use without overlap."""
+    rank, world = tr.dist.rank, tr.dist.world_size
+    indices = tr.sampler.next_batch()[rank::world]
+    prompt_ids = [tr.prompt_ids[i] for i in indices]
+    with torch.no_grad():
+        for source, target in zip(tr.student.parameters(), tr.rollout_model.parameters()):
+            target.copy_(source)
+    params = _sampling_params(tr.config, tr.step + 1, rank)
+    return indices, _Background(lambda: tr.rollout_generator.generate(prompt_ids, params), device, tr.autocast_dtype)
+
+
+class _Background:
+    """`fn()` in a thread (its own CUDA stream, ordered after the work queued so far, e.g. a weight copy); `result()`
+    waits for it and re-raises its exception."""
+
+    def __init__(self, fn, device: torch.device, autocast_dtype: torch.dtype | None):
+        import threading
+
+        self._value, self._error = None, None
+        threads = torch.get_num_threads()  # OpenMP's thread count is per thread: keep the CPU reductions' order
+        stream = None
+        if device.type == "cuda":
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+
+        def run() -> None:
+            from contextlib import nullcontext
+
+            torch.set_num_threads(threads)
+            try:  # autocast and the current stream are per thread: set them here
+                with torch.cuda.stream(stream) if stream is not None else nullcontext(), autocast(device, autocast_dtype):
+                    self._value = fn()
+            except BaseException as error:  # noqa: BLE001 (re-raised in the training thread)
+                self._error = error
+
+        self._thread = threading.Thread(target=run, name="opd-rollout-ahead", daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _is_weight_stats(old_lp_BT: torch.Tensor, rollout_lp_BT: torch.Tensor, cap: float, mask_BT: torch.Tensor) -> dict:
+    """Statistics of the importance weights exp(ℓ_old − ℓ_rollout) over response tokens: the mean of the truncated
+    weights the loss uses, the largest untruncated weight, and the fraction of tokens the cap truncates."""
+    mask = mask_BT.bool()
+    raw_BT = (old_lp_BT.detach() - rollout_lp_BT.detach()).clamp(-20.0, 20.0).exp()
+    count = mask.sum().clamp(min=1)
+    return {"is_weight_mean": (raw_BT.clamp_max(cap) * mask).sum() / count,
+            "is_weight_max": torch.where(mask, raw_BT, torch.zeros_like(raw_BT)).max(),
+            "is_weight_capped_frac": ((raw_BT > cap) & mask).sum() / count}
 
 
 @contextmanager

@@ -1,4 +1,12 @@
-"""Optimizer and learning-rate schedule shared by `opd distill` and `opd sft`."""
+"""Optimizer and learning-rate schedule shared by `opd distill` and `opd sft`.
+
+AdamW's state is 8 bytes a parameter in float32 (two moments) on top of the float32 master weights and gradients:
+16 bytes a parameter in all, the largest resident item of a step at 0.6B–4B (docs/performance.md). Two ways to
+shrink what it costs, neither changing the update rule:
+- `optim.fused` (default on CUDA): torch's fused AdamW kernel. The foreach implementation allocates a temporary the
+  size of every parameter (the `sqrt(v)` denominators, 4 bytes a parameter) at every step; the fused kernel none.
+- `optim.state_dtype: bf16`: `AdamW16` below, both moments in bfloat16 (4 bytes a parameter instead of 8).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +16,124 @@ import torch
 
 from opd.config import OptimSpec
 
+_CHUNK = 1 << 24  # elements per piece of a parameter in `AdamW16` (bounds its float32 temporaries to ~256 MB)
 
-def build_optimizer(params, spec: OptimSpec) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; no weight decay on biases and norm weights (1-D tensors)."""
+
+def build_optimizer(params, spec: OptimSpec) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; no weight decay on biases and norm weights (1-D tensors).
+    `spec.state_dtype` picks the moments' storage (`AdamW16` for bf16), `spec.fused` torch's fused kernel."""
     params = [p for p in params if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps)
+    if spec.state_dtype == "bf16":
+        return AdamW16(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps)
+    fused = spec.fused if spec.fused is not None else _fused_by_default(params)
+    return torch.optim.AdamW(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, fused=fused or None)
+
+
+def _fused_by_default(params: list[torch.Tensor]) -> bool:
+    """Fused on CUDA for plain tensors; FSDP's sharded DTensors and CPU keep torch's default (foreach)."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(params) and all(p.is_cuda and not isinstance(p, DTensor) for p in params)
+
+
+class AdamW16(torch.optim.Optimizer):
+    """AdamW with both moments stored in bfloat16; the parameters (float32 master weights) are updated in place.
+
+    The update is torch's AdamW formula (decoupled weight decay, bias-corrected moments), computed in float32 from
+    the stored moments, one piece of a parameter at a time (≤ 2^24 elements: bounded temporaries). Only the storage
+    of the moments rounds:
+    - exp_avg to nearest: with β1 = 0.9 a step replaces a tenth of it, far more than bfloat16's relative spacing
+      (2^-8 to 2^-7), so rounding errors decay by 0.9 a step instead of adding up.
+    - exp_avg_sq stochastically: with β2 = 0.999 a step changes it by ~0.1%, less than half a bfloat16 spacing, so
+      round-to-nearest would freeze it wherever g² stays within a few times v (tests/test_lean_step.py shows it);
+      stochastic rounding keeps its expectation exact. The dither comes from a generator seeded with (step,
+      parameter index, piece): deterministic, and nothing extra to checkpoint.
+    State per parameter: `step` (float32 scalar, as torch's), `exp_avg`, `exp_avg_sq` (bfloat16, the parameter's
+    shape). Sharded (FSDP) parameters are updated shard by shard.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01):
+        for name, ok, value in (("lr", lr >= 0, lr), ("eps", eps >= 0, eps), ("weight_decay", weight_decay >= 0,
+                                weight_decay), ("betas[0]", 0 <= betas[0] < 1, betas[0]),
+                                ("betas[1]", 0 <= betas[1] < 1, betas[1])):
+            if not ok:
+                raise ValueError(f"AdamW16 {name} must be ≥ 0 (betas in [0, 1)), got {value!r}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader casts every state tensor to its parameter's dtype; the moments go back to bfloat16 (exact:
+        they were bfloat16 when saved)."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(torch.bfloat16)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = 0
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16,
+                                                           memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = int(state["step"])
+                step_size = lr / (1 - beta1 ** step)
+                bias_correction2_sqrt = math.sqrt(1 - beta2 ** step)
+                pieces = zip(*(_pieces(_local(t)) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])))
+                for piece, (p_N, g_N, m_N, v_N) in enumerate(pieces):
+                    g = g_N.float()
+                    m = m_N.float().lerp_(g, 1 - beta1)
+                    v = v_N.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+                    p32 = p_N if p_N.dtype == torch.float32 else p_N.float()
+                    p32.mul_(1 - lr * decay).addcdiv_(m, denom, value=-step_size)
+                    if p32 is not p_N:
+                        p_N.copy_(p32)
+                    m_N.copy_(m)
+                    store_bf16_stochastic(v_N, v, seed=(step * 1_000_003 + index * 7919 + piece) % 2**62)
+        return loss
+
+
+def store_bf16_stochastic(out_N: torch.Tensor, x_N: torch.Tensor, *, seed: int) -> torch.Tensor:
+    """Write float32 `x_N` into bfloat16 `out_N`, rounding each value up or down at random with the probabilities
+    that make the result unbiased: add 16 uniform random bits below bfloat16's mantissa, then truncate them. (The
+    float32 → bfloat16 copy of a value whose low 16 bits are zero is exact.) For finite values; `x_N` is reused."""
+    generator = torch.Generator(device=x_N.device).manual_seed(seed)
+    bits = x_N.view(torch.int32)
+    noise = torch.empty_like(bits).random_(0, 1 << 16, generator=generator)
+    bits.add_(noise).bitwise_and_(-65536)
+    return out_N.copy_(bits.view(torch.float32))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of an FSDP DTensor (elementwise updates act shard by shard); other tensors as they are."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+def _pieces(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Flat views of ≤ _CHUNK elements (a non-contiguous tensor whole: its views are what gets written)."""
+    if not tensor.is_contiguous():
+        return [tensor]
+    return list(tensor.view(-1).split(_CHUNK))
 
 
 def lr_multiplier(step: int, total_steps: int, spec: OptimSpec) -> float:

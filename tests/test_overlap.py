@@ -1,0 +1,156 @@
+"""`rollout.overlap`: step t+1's rollouts are generated during step t from a snapshot of the step-t weights (one step
+of policy lag), and step t+1 corrects them with truncated importance weights against the engine's log-probs. Off, a
+step samples from its own weights as before."""
+
+import copy
+
+import pytest
+import torch
+
+from opd.rollout import SamplingParams
+from opd.rollout.batch import build_rollouts
+from opd.rollout.torch_engine import TorchGenerator
+from opd.teacher.local import LocalScorer
+from opd.train.opd import _sampling_params, opd_step, setup
+from test_distill import _reverse_kl, _train_to_prefer, config, world  # noqa: F401 (world is a fixture)
+
+
+def _trainer(world, tmp_path, *overrides, steps=3):
+    cfg = config(world, tmp_path, "optim.lr=3e-2", *overrides, steps=steps)
+    return setup(cfg, tmp_path / "run")
+
+
+def _generate(model, tr, prompt_ids, params: SamplingParams):
+    engine = TorchGenerator(model, eos_token_ids=tr.generator.eos_token_ids, pad_token_id=tr.generator.pad_token_id,
+                            vocab_size=tr.vocab_size, max_batch_size=tr.config.rollout.batch_size)
+    return engine.generate(prompt_ids, params)
+
+
+def test_off_samples_each_step_from_its_own_weights(world, tmp_path):
+    """Off (the default): no snapshot is kept, the lag is 0, and step t's rollouts are exactly what the engine
+    samples with step t's seed from the weights at the start of step t (replayed here on a copy)."""
+    tr = _trainer(world, tmp_path, "objective.tis_cap=2.0")
+    assert not tr.config.rollout.overlap and tr.rollout_model is None and tr.rollout_generator is None
+    calls = []
+    real_generate = tr.generator.generate
+
+    def recording(prompt_ids, params):
+        out = real_generate(prompt_ids, params)
+        calls.append((prompt_ids, params, out))
+        return out
+
+    tr.generator.generate = recording
+    for step in range(2):
+        start = copy.deepcopy(tr.student)
+        metrics = opd_step(tr)
+        assert metrics["policy_lag"] == 0 and tr.pending_rollouts is None
+        prompt_ids, params, out = calls[step]
+        assert params == _sampling_params(tr.config, step, 0)
+        replay = _generate(start, tr, prompt_ids, params)
+        assert replay.response_ids == out.response_ids and replay.logprobs == out.logprobs
+        # the engine and the trainer's scorer see the same weights: importance weights are 1 up to rounding
+        assert abs(metrics["is_weight_mean"] - 1) < 1e-4 and metrics["is_weight_capped_frac"] == 0
+        tr.step += 1
+
+
+def test_overlap_lags_one_step_and_weights_against_the_previous_policy(world, tmp_path):
+    """On: step 0 samples now (lag 0) and generates step 1's rollouts from the step-0 weights in the background; step
+    1 trains on them (lag 1) with importance weights exp(ℓ_θ1 − ℓ_θ0) of the sampled tokens, truncated at the cap.
+    The learning rate is large so that θ1 visibly differs from θ0."""
+    tr = _trainer(world, tmp_path, "rollout.overlap=true", "objective.tis_cap=1.5")
+    assert tr.rollout_model is not None
+    theta0 = copy.deepcopy(tr.student)
+    first = opd_step(tr)
+    tr.step += 1
+    assert first["policy_lag"] == 0
+    pending = tr.pending_rollouts
+    assert pending is not None
+    prompt_ids = [tr.prompt_ids[i] for i in pending.indices]
+    replay = _generate(theta0, tr, prompt_ids, _sampling_params(tr.config, 1, 0))  # step 1's seed, θ0's weights
+    assert replay.response_ids == pending.output.response_ids and replay.logprobs == pending.output.logprobs
+
+    theta1 = copy.deepcopy(tr.student)
+    assert any(not torch.equal(a, b) for a, b in zip(theta0.parameters(), theta1.parameters()))
+    second = opd_step(tr)
+    assert second["policy_lag"] == 1
+    rollouts = build_rollouts(prompt_ids, pending.output, pad_id=tr.tokenizer.pad_token_id)
+    mask = rollouts.response_mask
+    scorer = LocalScorer(theta1, max_tokens_per_batch=4096, vocab_size=tr.vocab_size)
+    lp_theta1 = scorer.score(rollouts, top_k=0, with_entropy=False).sampled_logprobs
+    raw = (lp_theta1 - rollouts.rollout_logprobs).exp()
+    # float32 scorer vs the same scorer on a copy: identical up to the order of a few reductions
+    assert second["is_weight_mean"] == pytest.approx(float(raw.clamp_max(1.5)[mask].mean()), abs=1e-5)
+    assert second["is_weight_max"] == pytest.approx(float(raw[mask].max()), rel=1e-4)
+    assert second["is_weight_capped_frac"] == pytest.approx(float((raw[mask] > 1.5).float().mean()), abs=1e-6)
+    # against θ0 (what a lag-0 step would see) the weights would all be ~1: the check above is not vacuous
+    assert abs(second["is_weight_mean"] - 1) > 1e-3
+
+
+def test_overlap_needs_tis_cap(world, tmp_path):
+    with pytest.raises(ValueError, match="objective.tis_cap") as error:
+        _trainer(world, tmp_path, "rollout.overlap=true")
+    assert "\n" not in str(error.value)
+
+
+def test_overlap_resume_is_bit_identical(world, tmp_path):
+    """The pending rollouts (generated from weights that no checkpoint holds) travel in the trainer state."""
+    from test_distill import _weights
+    from opd.io import read_jsonl
+    from opd.train.opd import distill
+
+    on = ("rollout.overlap=true", "objective.tis_cap=2.0", "run.save_every=2")
+    straight = distill(config(world, tmp_path / "a", *on, steps=4))
+    distill(config(world, tmp_path / "b", *on, steps=2))
+    resumed = distill(config(world, tmp_path / "b", *on, "run.resume=true", steps=4))
+    a, b = _weights(straight), _weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    lags = [m["policy_lag"] for m in read_jsonl(resumed / "metrics.jsonl")]
+    assert lags == [0, 1, 1, 1]
+
+
+@pytest.mark.slow
+def test_overlap_still_moves_the_student_toward_the_teacher(world, tmp_path):
+    """The learning check of test_distill (20 steps, reverse KL to the teacher at least halves), with overlap on."""
+    import json
+
+    from conftest import EOS_ID, make_tiny_tokenizer
+    from opd.train.checkpoint import latest_checkpoint
+    from opd.train.opd import distill
+
+    tokenizer = make_tiny_tokenizer()
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "7*6="}], tokenize=False,
+                                         add_generation_prompt=True)
+    prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    target_ids = tokenizer("42")["input_ids"] + [EOS_ID]
+    _train_to_prefer(tmp_path / "teacher", prompt_ids, target_ids, steps=150)
+    _train_to_prefer(tmp_path / "student", prompt_ids, target_ids, steps=5)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "7*6=", "answer": "42"}) + "\n")
+    cfg = config(world, tmp_path, "prompts_per_step=1", "rollout.n=8", "optim.lr=3e-3", "run.save_every=0",
+                 "rollout.overlap=true", "objective.tis_cap=2.0", steps=20)
+    cfg.student.path, cfg.teacher.path = str(tmp_path / "student"), str(tmp_path / "teacher")
+    cfg.data.path = str(tmp_path / "p.jsonl")
+    before = _reverse_kl(tmp_path / "student", tmp_path / "teacher", prompt_ids)
+    after = _reverse_kl(latest_checkpoint(distill(cfg)), tmp_path / "teacher", prompt_ids)
+    assert after < 0.5 * before, (before, after)
+
+
+def test_snapshot_of_a_compiled_student_runs_its_own_weights():
+    """`opd distill` compiles the student's layers in place; the rollout snapshot must run its own weights, not the
+    live student's through a shared compiled forward."""
+    from conftest import make_tiny_model
+    from opd.models import compile_layers
+    from opd.train.opd import rollout_snapshot
+
+    student = make_tiny_model("qwen3")
+    compile_layers(student, True, backend="aot_eager")
+    snapshot = rollout_snapshot(student, torch.float32)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.allclose(snapshot(ids).logits, student(ids).logits, atol=1e-5)
+        for p in snapshot.model.layers.parameters():
+            p.mul_(0.5)
+        assert not torch.allclose(snapshot(ids).logits, student(ids).logits, atol=1e-3)
+        ref = make_tiny_model("qwen3")  # an uncompiled model with the halved layer weights agrees with the snapshot
+        for p in ref.model.layers.parameters():
+            p.mul_(0.5)
+        assert torch.allclose(snapshot(ids).logits, ref(ids).logits, atol=1e-5)

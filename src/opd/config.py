@@ -34,7 +34,9 @@ CommaList = Annotated[list[str], BeforeValidator(_split_commas)]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    # allow_inf_nan=False: every float field of every config rejects NaN and ±inf with the key's name (a temperature
+    # of inf samples uniformly, a NaN lr trains nothing, and neither is ever meant).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
 
 class ModelSpec(Section):
@@ -164,9 +166,11 @@ def set_dotted(data: dict, key: str, value: Any) -> None:
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise ConfigError(f"cannot read config file {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text; expected a UTF-8 YAML file") from None
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:

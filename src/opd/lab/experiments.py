@@ -170,6 +170,9 @@ def run_experiment(
 
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown lab experiment {name!r}; known: {', '.join(EXPERIMENTS)}")
+    unknown = [v for v in only or [] if v not in EXPERIMENTS[name]]
+    if unknown:
+        raise ValueError(f"unknown variant {unknown[0]!r} of lab experiment {name!r}; known: {', '.join(EXPERIMENTS[name])}")
     console = console or Console()
     if threads:
         torch.set_num_threads(threads)

@@ -391,6 +391,10 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
         )
     if obj.advantage in ("grpo", "token_reward+grpo") and any(p.answer is None for p in encoded.prompts):
         raise ValueError(f"objective.advantage={obj.advantage} needs ground-truth answers; set data.answer_key to the answer column")
+    if obj.advantage in ("grpo", "token_reward+grpo") and not any((p.answer or "").strip() for p in encoded.prompts):
+        raise ValueError(f"objective.advantage={obj.advantage} needs ground-truth answers, but every answer of "
+                         f"{config.data.path} (column {config.data.answer_key!r}) is empty; point data.answer_key at "
+                         f"the answers")
 
     student_path = str(checkpoint) if checkpoint else config.student.path
     device = dist.device or resolve_device(config.student.device)  # under torchrun: the rank's own device

@@ -303,6 +303,7 @@ class RunSpec(Section):
     save_every: int = Field(50, ge=0, description="Checkpoint every N steps (and at the end); 0 = only at the end.")
     keep_last: int | None = Field(2, ge=1, description="Keep the newest N checkpoints; None: keep all.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (and at the end when eval is configured); 0 = only at the end.")
+    eval_at_start: bool = Field(True, description="Also evaluate before the first step (eval/step_0: the model before training, the report's 'before'); only when eval is configured and not when resuming.")
     resume: bool = Field(False, description="Continue from the newest complete checkpoint of the run directory.")
     samples_per_step: int = Field(4, ge=0, description="Decoded rollouts with per-token rewards written to samples/.")
     tensorboard: bool = Field(False, description="Also log to TensorBoard (needs the tensorboard package).")

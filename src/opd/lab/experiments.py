@@ -180,7 +180,9 @@ def run_experiment(
     variants = {k: v for k, v in EXPERIMENTS[name].items() if not only or k in only}
     if not variants:
         raise ValueError(f"no variant of {name} matches {only}; known: {', '.join(EXPERIMENTS[name])}")
-    base = [f"run.out_dir={out_dir}", f"run.steps={steps}", "run.eval_every=0", *EXPERIMENT_BASE.get(name, []),
+    # the student before OPD is measured once below (`measure`), not by every run
+    base = [f"run.out_dir={out_dir}", f"run.steps={steps}", "run.eval_every=0", "run.eval_at_start=false",
+            *EXPERIMENT_BASE.get(name, []),
             *(overrides or [])]
     limit = demo_config(base).eval.limit
     tokens = demo_config(base).eval.max_new_tokens

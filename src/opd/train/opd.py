@@ -270,9 +270,14 @@ def distill(config: DistillConfig, *, console: Any = None) -> Path:
 
 def train(tr: Trainer, *, console: Any) -> None:
     from opd.report.sinks import progress_bar
+    from opd.train.common import eval_at_start
     from opd.train.distributed import barrier
 
     cfg, main = tr.config, tr.dist.is_main
+    if eval_at_start(cfg.run, cfg.eval, tr.step):  # the student before training: eval/step_0
+        with gathered(tr.student, tr.dist):
+            if main:
+                run_eval(tr, console)
     with progress_bar(console) as progress:
         task = progress.add_task("opd distill", total=cfg.run.steps, completed=tr.step)
         while tr.step < cfg.run.steps:

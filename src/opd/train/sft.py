@@ -278,8 +278,11 @@ def sft(config: SFTConfig, *, console: Any = None) -> Path:
 
 def train(tr: SFTTrainer, *, console: Any) -> None:
     from opd.report.sinks import progress_bar
+    from opd.train.common import eval_at_start
 
     cfg = tr.config
+    if eval_at_start(cfg.run, cfg.eval, tr.step):  # the model before training: eval/step_0
+        run_eval(tr, console)
     with progress_bar(console) as progress:
         task = progress.add_task("opd sft", total=tr.total_steps, completed=tr.step)
         while tr.step < tr.total_steps:

@@ -388,8 +388,9 @@ def _str(value: Any) -> str | None:
 
 def main() -> None:
     """Entry point. User errors print one line `error: …` on stderr and exit 2; OPD_DEBUG=1 re-raises them with the
-    traceback. User errors are: bad options (click's usage errors), bad config / data / paths (`ValueError`: ConfigError,
-    DataError, ModelLoadError, …), and every `OSError` of a file we read or write (named with what is wrong there)."""
+    traceback. User errors are: bad options (click's usage errors), bad config / data / paths (`ValueError`:
+    ConfigError, DataError, ModelLoadError, …), and every `OSError` of a file we read or write (named with what is
+    wrong there)."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         from transformers.utils import logging as hf_logging
@@ -409,7 +410,7 @@ def main() -> None:
     except usage_errors as error:
         if os.environ.get("OPD_DEBUG"):
             raise
-        _fail(_usage_line(error), error.exit_code)
+        _fail(_usage_line(error), 2)
     except Exception as error:  # noqa: BLE001 - every user error becomes one line; anything else keeps its traceback
         line = user_error_line(error)
         if line is None or os.environ.get("OPD_DEBUG"):
@@ -478,6 +479,8 @@ def user_error_line(error: BaseException) -> str | None:
         return os_error_line(error)
     if type(error).__name__ == "SafetensorError":  # not caught where a file is known: still say what it is
         return f"a .safetensors file is corrupt or truncated ({_one_line(error)}); re-download or re-save it"
+    if isinstance(error, RuntimeError) and "PytorchStreamReader" in str(error):  # torch.load of a truncated file
+        return f"a torch checkpoint file is corrupt or truncated ({_one_line(error)[:200]}); re-save or re-download it"
     if isinstance(error, UnicodeDecodeError):
         return f"a file is not UTF-8 text ({_one_line(error)}); convert it to UTF-8"
     if isinstance(error, ValueError):

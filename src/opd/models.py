@@ -7,6 +7,7 @@ quantised loading, and resizing embeddings (a model is loaded exactly as saved).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -118,7 +119,6 @@ def check_model_path(what: str, name_or_path: str | os.PathLike) -> dict[str, An
 def _hub_unreachable() -> str | None:
     """Why the Hugging Face Hub cannot be reached (offline mode, no DNS, no route), or None when it may be: a TCP
     connection attempt of at most 3 s. Behind a proxy (HTTPS_PROXY / ALL_PROXY set) we cannot tell: None."""
-    import socket
     from urllib.parse import urlparse
 
     from huggingface_hub import constants
@@ -128,7 +128,15 @@ def _hub_unreachable() -> str | None:
     if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return None
     url = urlparse(constants.ENDPOINT)
-    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    return _connect_error(url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80))
+
+
+@functools.lru_cache(maxsize=8)
+def _connect_error(host: str, port: int) -> str | None:
+    """Why a TCP connection to host:port fails (at most 3 s), or None; once per process (a model's tokenizer and
+    weights are loaded one after the other)."""
+    import socket
+
     try:
         socket.create_connection((host, port), timeout=3).close()
     except OSError as error:

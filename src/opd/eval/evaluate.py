@@ -50,6 +50,10 @@ def evaluate(config: EvalConfig, *, generator: Any = None, tokenizer: Any = None
     if config.responses is None and not config.benchmarks:
         raise ValueError("benchmarks is empty; name at least one: aime24, aime25, amc23, math500, minerva, "
                          "olympiadbench or a prompt file")
+    if config.responses is None:
+        from opd.data.templates import parse_template
+
+        parse_template(config.template)  # a bad template fails before the model loads
     run_dir = Path(config.out) if config.out else default_run_dir("eval")
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir)

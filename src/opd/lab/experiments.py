@@ -172,7 +172,8 @@ def run_experiment(
         raise ValueError(f"unknown lab experiment {name!r}; known: {', '.join(EXPERIMENTS)}")
     unknown = [v for v in only or [] if v not in EXPERIMENTS[name]]
     if unknown:
-        raise ValueError(f"unknown variant {unknown[0]!r} of lab experiment {name!r}; known: {', '.join(EXPERIMENTS[name])}")
+        raise ValueError(f"unknown variant {unknown[0]!r} of lab experiment {name!r}; known: "
+                         f"{', '.join(EXPERIMENTS[name])}")
     console = console or Console()
     if threads:
         torch.set_num_threads(threads)

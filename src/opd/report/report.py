@@ -231,9 +231,9 @@ def _final_table(runs: list[RunData]) -> str:
         for run in runs:
             cells.append(_final_cell(run, key))
         lines.append(f"<tr><td class=\"key\">{_e(key)}</td>{''.join(cells)}</tr>")
-    note = ("<div class=\"meta\">last logged value of each metric (@ the step it was logged at); evals: before → after, "
-            "the first eval (step 0: the model before training) → the last, and the teacher where the run evaluated it."
-            "</div>")
+    note = ("<div class=\"meta\">last logged value of each metric (@ the step it was logged at); evals: before → "
+            "after, the first eval (step 0: the model before training) → the last, and the teacher where the run "
+            "evaluated it.</div>")
     return f"<table class=\"final\">{''.join(lines)}</table>{note}"
 
 

@@ -532,8 +532,9 @@ def check_adapter_fits(checkpoint_dir: str | Path, model: torch.nn.Module, *, ba
         with safe_open(str(path), framework="pt") as adapter:
             shapes = {key: adapter.get_slice(key).get_shape() for key in adapter.keys()}
     except Exception as error:  # noqa: BLE001 - any failure to read it: a corrupt or truncated file
-        raise ValueError(f"cannot merge {checkpoint_dir}: adapter file {path} is corrupt or truncated "
-                         f"({str(error).splitlines()[0] if str(error) else type(error).__name__}); re-save it") from None
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"cannot merge {checkpoint_dir}: adapter file {path} is corrupt or truncated ({reason}); "
+                         f"re-save it") from None
     modules = dict(model.named_modules())
     for key, shape in sorted(shapes.items()):
         if ".lora_A." not in key and ".lora_B." not in key:

@@ -85,3 +85,52 @@ def test_cli_error_is_one_line(tmp_path):
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "missing.jsonl" in lines[0], result.stderr
+
+
+
+@pytest.mark.parametrize("model, key", [("distill", "rollout.temperature"), ("distill", "optim.lr"),
+                                        ("distill", "optim.betas"), ("distill", "objective.clip_ratio_c"),
+                                        ("eval", "temperature"), ("sft", "epochs"), ("sft", "lora.alpha"),
+                                        ("rollout", "grade_timeout"), ("score", "teacher_temperature")])
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", ".inf", ".nan"])
+def test_non_finite_floats_are_rejected_in_every_config(model, key, value):
+    """NaN and ±inf fail in every float field of every config (the shared Section base), naming the key: a field with
+    only a lower bound (temperature > 0, clip_ratio_c > 1) would otherwise accept inf."""
+    from opd.data.alignment import PromptScoreConfig
+    from opd.rollout.rejection import RolloutConfig
+    from opd.train.sft import SFTConfig
+
+    models = {"distill": (DistillConfig, {"student.path": "s", "data.path": "d"}),
+              "eval": (EvalConfig, {}), "sft": (SFTConfig, {"model.path": "m", "data.path": "d"}),
+              "rollout": (RolloutConfig, {"model.path": "m", "data.path": "d", "out": "o"}),
+              "score": (PromptScoreConfig, {"student.path": "s", "teacher.path": "t", "data.path": "d", "out": "o.jsonl"})}
+    cls, options = models[model]
+    text = f"[0.9, {value}]" if key == "optim.betas" else value
+    with pytest.raises(ConfigError, match=rf"config key '{key}(\.1)?': Input should be a finite number"):
+        build_config(cls, options=options, overrides=[f"{key}={text}"])
+
+
+@pytest.mark.parametrize("command", [["eval"], ["rollout"], ["distill"], ["sft"], ["prompts", "score"]])
+def test_one_spelling_for_thinking(command):
+    """Every command that renders chat prompts takes the same switch, --thinking / --no-thinking."""
+    result = CliRunner().invoke(app, [*command, "--help"])
+    assert "--thinking / --no-thinking" in " ".join(result.output.split()), result.output
+
+
+@pytest.mark.parametrize("argv, enabled, note", [(["--thinking"], True, False), (["--no-thinking"], False, False),
+                                                 (["--thinking", "on"], True, True), (["--thinking=off"], False, True),
+                                                 ([], None, False)])
+def test_rollout_thinking_old_spelling_still_works(argv, enabled, note, monkeypatch, capfd):
+    """`opd rollout --thinking on|off` (its spelling before the switch became a flag) works for one more release,
+    with a deprecation note on stderr."""
+    import opd.rollout.rejection as rejection
+    from opd.cli import main
+
+    seen = {}
+    monkeypatch.setattr(rejection, "teacher_rollout", lambda config: seen.setdefault("config", config))
+    monkeypatch.setattr(sys, "argv", ["opd", "rollout", "--model", "m", "--prompts", "p.jsonl", "--out", "o", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 0
+    assert seen["config"].data.enable_thinking is enabled
+    assert ("deprecated" in capfd.readouterr().err) is note

@@ -2,6 +2,7 @@
 crash-safe checkpoints, agreement of the trainer's chunked scores with the dense SPEC §8 API, and learning."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,27 @@ def test_startup_checks_fail_in_one_line(world, tmp_path, overrides, teacher, me
     with pytest.raises(ValueError, match=message) as error:
         distill(config(world, tmp_path, *overrides, teacher=teacher))
     assert "\n" not in str(error.value)
+
+
+def test_step_0_eval_is_the_student_before_training(world, tmp_path):
+    """With eval configured the trainer evaluates before its first step (eval/step_0, logged at step 0: the report's
+    'before'); the eval draws from its own generator, so training is the same computation with it or without it."""
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    evals = [f"eval.benchmarks=[{bench}]", "eval.n=1", "eval.max_new_tokens=4", "eval.answer_key=answer"]
+    run_dir = distill(config(world, tmp_path / "a", *evals))
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2, 2] and "eval/bench/avg@1" in metrics[0]
+    assert (run_dir / "eval" / "step_0" / "results.json").is_file()
+    without = distill(config(world, tmp_path / "b", *evals, "run.eval_at_start=false"))
+    assert [m["step"] for m in read_jsonl(without / "metrics.jsonl")] == [1, 2, 2]
+    assert not (without / "eval" / "step_0").exists()
+    a, b = _weights(run_dir), _weights(without)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the same computation replayed: bit-exact
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in latest_checkpoint(run_dir).iterdir()}
+    assert modes and set(modes.values()) == {0o666 & ~mask}, modes  # not safetensors' 0600
 
 
 def test_tokenizer_mismatch_is_caught_before_any_compute(world, tmp_path):

@@ -152,3 +152,31 @@ def test_series_drop_non_numbers_and_sentinels(tmp_path):
     assert series["grad_norm"][0].tolist() == [2] and "x" not in series and "y" not in series
     steps, grid = chunk_grid(series, "overlap_ratio")
     assert steps.tolist() == [3] and grid.shape == (3, 1) and math.isnan(grid[0, 0]) and grid[2, 0] == 0.1
+
+
+def test_accuracy_starts_at_step_0_with_the_teacher_as_reference(tmp_path):
+    """The student before training (eval/step_0, or a demo's eval/student_before) is the first accuracy point, the
+    teacher's eval (eval/teacher) a dotted reference line, and the final table reads before → after (teacher)."""
+    from opd.report.plots import RunSeries, _accuracy_panels, _line_figure, load_references
+
+    run = make_run_dir(tmp_path / "demo-like")
+    for name, value in (("student_before", 0.25), ("teacher", 0.95)):
+        (run / "eval" / name).mkdir(parents=True)
+        (run / "eval" / name / "results.json").write_text(json.dumps({"benchmarks": {"lab": {"avg@4": value}}}))
+    series = load_series(run)
+    assert series["eval/lab/avg@4"][0][0] == 0 and series["eval/lab/avg@4"][1][0] == 0.25
+    references = load_references(run)
+    assert references == {"eval/lab/avg@4": 0.95}
+    figure = _line_figure("Accuracy", _accuracy_panels(set(series)), [RunSeries("demo-like", series, references)])
+    lab = next(ax for ax in figure.axes if ax.get_title() == "eval: lab")
+    teacher = [line for line in lab.get_lines() if line.get_label().endswith("teacher")]
+    assert len(teacher) == 1 and list(teacher[0].get_ydata()) == [0.95, 0.95]
+    assert lab.get_lines()[0].get_xdata()[0] == 0
+    html = write_report([run]).read_text()
+    final = html[html.index('<table class="final">'):]
+    final = final[: final.index("</table>")]
+    assert '0.25<span class="step">@0</span> → 0.8<span class="step">@20</span>' in final
+    assert "(teacher 0.95)" in final
+    (run / "eval" / "step_0").mkdir()  # a trainer's own step-0 eval wins over the demo's file
+    (run / "eval" / "step_0" / "results.json").write_text(json.dumps({"benchmarks": {"lab": {"avg@4": 0.3}}}))
+    assert load_series(run)["eval/lab/avg@4"][1][0] == 0.3

@@ -209,10 +209,11 @@ def test_sft_run_writes_the_run_directory(tmp_path, tiny_model_dir, sft_data):
     run_dir = sft(config)
     assert {"config.yaml", "metrics.jsonl", "report.html", "checkpoints", "eval"} <= {p.name for p in run_dir.iterdir()}
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 2]  # the last line: the end-of-run eval
-    assert {"loss", "lr", "grad_norm", "tokens_per_second", "epoch"} <= metrics[1].keys()
-    assert metrics[1]["epoch"] == pytest.approx(8 / 12)
-    assert "eval/bench/avg@2" in metrics[2] and (run_dir / "eval" / "step_2" / "results.json").is_file()
+    assert [m["step"] for m in metrics] == [0, 1, 2, 2]  # evals before the first step and at the end
+    assert {"loss", "lr", "grad_norm", "tokens_per_second", "epoch"} <= metrics[2].keys()
+    assert metrics[2]["epoch"] == pytest.approx(8 / 12)
+    assert "eval/bench/avg@2" in metrics[0] and (run_dir / "eval" / "step_0" / "results.json").is_file()
+    assert "eval/bench/avg@2" in metrics[3] and (run_dir / "eval" / "step_2" / "results.json").is_file()
     checkpoint = run_dir / "checkpoints" / "step_2"
     files = {p.name for p in checkpoint.iterdir()}
     assert {"model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "COMPLETE"} <= files

@@ -34,6 +34,16 @@ def _config() -> Any:
     return typer.Option(None, "--config", "-c", help=CONFIG_HELP, exists=False, dir_okay=False)
 
 
+THINKING_HELP = "Thinking on/off: enable_thinking of the chat template (Qwen3){key}. [default: the template's own]"
+
+
+def _thinking(key: str = "") -> Any:
+    """The one spelling of the thinking switch in every command: `--thinking` / `--no-thinking` (as every other
+    on/off option of opd). `--thinking on|off`, `opd rollout`'s earlier spelling, still works for one release
+    (rewritten by `_legacy_thinking`)."""
+    return typer.Option(None, "--thinking/--no-thinking", help=THINKING_HELP.format(key=f" ({key})" if key else ""))
+
+
 @app.command("eval")
 def eval_command(
     overrides: Optional[list[str]] = _overrides(),
@@ -55,7 +65,7 @@ def eval_command(
     prompt_key: Optional[str] = typer.Option(None, help="Prompt column of benchmark files given by path. [default: prompt]"),
     answer_key: Optional[str] = typer.Option(None, help="Answer column of benchmark files given by path. [default: reward_model.ground_truth]"),
     template: Optional[str] = typer.Option(None, help="Instruction template: keep | dapo | boxed | custom:'…{problem}…'. [default: keep]"),
-    thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help="enable_thinking for the chat template (Qwen3). [default: template's own]"),
+    thinking: Optional[bool] = _thinking(),
     dtype: Optional[str] = typer.Option(None, help="auto | bf16 | fp16 | fp32. [default: auto = bf16 on GPU, fp32 on CPU]"),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N. [default: auto]"),
     seed: Optional[int] = typer.Option(None, help="Sampling seed. [default: 0]"),
@@ -91,6 +101,7 @@ def distill_command(
     advantage: Optional[str] = typer.Option(None, help="token_reward | grpo | token_reward+grpo | token_grpo (objective.advantage). [default: token_reward]"),
     lr: Optional[float] = typer.Option(None, help="Peak learning rate (optim.lr). [default: 1e-6]"),
     seed: Optional[int] = typer.Option(None, help="Seed of data order, sampling and init (run.seed). [default: 0]"),
+    thinking: Optional[bool] = _thinking("data.enable_thinking"),
 ) -> None:
     """On-policy distillation: the student samples, the teacher scores the student's tokens, policy-gradient update.
 
@@ -100,6 +111,7 @@ def distill_command(
         "student.path": student, "teacher.path": teacher, "data.path": prompts, "run.steps": steps, "run.name": name,
         "run.out_dir": out_dir, "run.resume": resume, "objective.top_k": top_k, "objective.strategy": strategy,
         "objective.weight": weight, "objective.advantage": advantage, "optim.lr": lr, "run.seed": seed,
+        "data.enable_thinking": thinking,
     }
     cfg = build_config(DistillConfig, config_file=config, options=options, overrides=overrides)
     from opd.train.opd import distill
@@ -118,12 +130,13 @@ def sft_command(
     lora: Optional[bool] = typer.Option(None, "--lora/--no-lora", help="Train LoRA adapters only, merged into <run>/merged at the end (lora.enabled)."),
     name: Optional[str] = typer.Option(None, help="Run directory name under run.out_dir (run.name). [default: sft-<time>]"),
     resume: Optional[bool] = typer.Option(None, "--resume/--no-resume", help="Continue from the newest complete checkpoint of the run directory (run.resume)."),
+    thinking: Optional[bool] = _thinking("data.enable_thinking; must match how the answers were generated"),
 ) -> None:
     """Supervised fine-tuning on (teacher) answers, loss on assistant tokens only: the cold start before `opd distill`."""
     from opd.train.sft import SFTConfig, sft
 
     options = {"model.path": model, "data.path": data or None, "epochs": epochs, "optim.lr": lr, "lora.enabled": lora,
-               "run.name": name, "run.resume": resume}
+               "run.name": name, "run.resume": resume, "data.enable_thinking": thinking}
     sft(build_config(SFTConfig, config_file=config, options=options, overrides=overrides))
 
 
@@ -151,7 +164,7 @@ def rollout_command(
     temperature: Optional[float] = typer.Option(None, help="Sampling temperature, 0 = greedy. [default: 1.0]"),
     top_p: Optional[float] = typer.Option(None, help="Nucleus sampling mass in (0, 1]. [default: 0.95]"),
     max_new_tokens: Optional[int] = typer.Option(None, help="Longest response in tokens; longer ones are rejected as truncated. [default: 7168]"),
-    thinking: Optional[str] = typer.Option(None, help="on | off: enable_thinking for the chat template, Qwen3 (data.enable_thinking). [default: template's own]"),
+    thinking: Optional[bool] = _thinking("data.enable_thinking"),
     max_attempts: Optional[int] = typer.Option(None, help="Draws per wanted sample before it is given up. [default: 3]"),
     require_correct: Optional[bool] = typer.Option(None, "--require-correct/--no-require-correct", help="Also reject answers graded wrong against the ground truth. [default: off]"),
     prompt_key: Optional[str] = typer.Option(None, help="Prompt column (data.prompt_key). [default: prompt]"),
@@ -271,6 +284,7 @@ def prompts_score_command(
     batch_size: Optional[int] = typer.Option(None, help="Prompts per batch, × n rollouts; keep it when resuming (batch_size). [default: 32]"),
     template: Optional[str] = typer.Option(None, help="Instruction template applied before encoding (data.template). [default: keep]"),
     seed: Optional[int] = typer.Option(None, help="Sampling seed (seed). [default: 0]"),
+    thinking: Optional[bool] = _thinking("data.enable_thinking"),
 ) -> None:
     """Per prompt: n student rollouts, scored by student and teacher; SPEC §6 overlap metrics → scores JSONL.
 
@@ -281,7 +295,7 @@ def prompts_score_command(
     options = {
         "student.path": student, "teacher.path": teacher, "data.path": source, "out": _str(out), "n": n,
         "top_k": top_k, "max_new_tokens": max_new_tokens, "batch_size": batch_size, "data.template": template,
-        "seed": seed,
+        "seed": seed, "data.enable_thinking": thinking,
     }
     score_prompt_file(build_config(PromptScoreConfig, config_file=config, options=options, overrides=overrides))
 
@@ -373,7 +387,10 @@ def _str(value: Any) -> str | None:
 
 
 def main() -> None:
-    """Entry point: user errors (bad config, data, paths) print one line and exit 2; OPD_DEBUG=1 shows tracebacks."""
+    """Entry point. User errors print one line `error: …` on stderr and exit 2; OPD_DEBUG=1 re-raises them with the
+    traceback. User errors are: bad options (click's usage errors), bad config / data / paths (`ValueError`:
+    ConfigError, DataError, ModelLoadError, …), and every `OSError` of a file we read or write (named with what is
+    wrong there)."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         from transformers.utils import logging as hf_logging
@@ -381,13 +398,139 @@ def main() -> None:
         hf_logging.disable_progress_bar()  # our own progress bars say what is going on
     except ImportError:
         pass
+    usage_errors, no_args_errors, aborts = _click_errors()
     try:
-        app()
-    except (ValueError, FileNotFoundError, PermissionError, NotADirectoryError) as error:
+        code = app(args=_legacy_thinking(sys.argv[1:]), standalone_mode=False, prog_name="opd")
+    except no_args_errors as error:  # `opd` / `opd prompts` alone: the help, as click does
+        error.show()
+        sys.exit(error.exit_code)
+    except aborts:  # Ctrl-C
+        typer.echo("Aborted!", err=True)
+        sys.exit(1)
+    except usage_errors as error:
         if os.environ.get("OPD_DEBUG"):
             raise
-        typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
-        sys.exit(2)
+        _fail(_usage_line(error), 2)
+    except Exception as error:  # noqa: BLE001 - every user error becomes one line; anything else keeps its traceback
+        line = user_error_line(error)
+        if line is None or os.environ.get("OPD_DEBUG"):
+            raise
+        _fail(line, 2)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+_ON_OFF = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
+
+
+def _legacy_thinking(args: list[str]) -> list[str]:
+    """`--thinking on|off` (and `--thinking=on`), the spelling `opd rollout` had, → `--thinking` / `--no-thinking`,
+    with a note on stderr; kept for one release. A word after `--thinking` that is neither on/off nor an option nor a
+    key=value override is a usage error naming it (it would otherwise be read as a malformed override)."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        value = arg.split("=", 1)[1] if arg.startswith("--thinking=") else None
+        if arg == "--thinking" and i + 1 < len(args) and not args[i + 1].startswith("-") and "=" not in args[i + 1]:
+            value, i = args[i + 1], i + 1
+        if value is not None:
+            if value.lower() not in _ON_OFF:
+                raise ValueError(f"--thinking takes no value, got {value!r}; use --thinking or --no-thinking")
+            flag = "--thinking" if _ON_OFF[value.lower()] else "--no-thinking"
+            typer.echo(f"note: '--thinking {value}' is deprecated and goes in the next release; use {flag}", err=True)
+            arg = flag
+        out.append(arg)
+        i += 1
+    return out
+
+
+def _click_errors() -> tuple[tuple, tuple, tuple]:
+    """(usage errors, no-arguments-help errors, aborts) of the click that typer runs on: its vendored copy
+    (`typer._click`, newer typer) and the click package (older typer)."""
+    import importlib
+
+    modules = []
+    for name in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError:
+            pass
+
+    def classes(attr: str) -> tuple:
+        return tuple(dict.fromkeys(getattr(m, attr) for m in modules if hasattr(m, attr)))
+
+    return classes("ClickException"), classes("NoArgsIsHelpError"), (*classes("Abort"), typer.Abort)
+
+
+def _fail(line: str, code: int) -> None:
+    typer.secho(f"error: {line}", fg=typer.colors.RED, err=True)
+    sys.exit(code)
+
+
+def _usage_line(error: Any) -> str:
+    """click's usage error (bad option, missing argument, unknown command) as one line with where to look."""
+    message = " ".join(error.format_message().split())
+    ctx = getattr(error, "ctx", None)
+    return f"{message} (see '{ctx.command_path} --help')" if ctx is not None else message
+
+
+def user_error_line(error: BaseException) -> str | None:
+    """The one-line message for an error the user can fix, or None for a bug (which keeps its traceback)."""
+    if isinstance(error, OSError):
+        return os_error_line(error)
+    if type(error).__name__ == "SafetensorError":  # not caught where a file is known: still say what it is
+        return f"a .safetensors file is corrupt or truncated ({_one_line(error)}); re-download or re-save it"
+    if isinstance(error, RuntimeError) and "PytorchStreamReader" in str(error):  # torch.load of a truncated file
+        return f"a torch checkpoint file is corrupt or truncated ({_one_line(error)[:200]}); re-save or re-download it"
+    if isinstance(error, UnicodeDecodeError):
+        return f"a file is not UTF-8 text ({_one_line(error)}); convert it to UTF-8"
+    if isinstance(error, ValueError):
+        return _one_line(error)
+    return None
+
+
+def _one_line(error: BaseException) -> str:
+    """The message on one line: pydantic's multi-line validation errors become their first error."""
+    from pydantic import ValidationError
+
+    if isinstance(error, ValidationError):
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        return f"{error.title}: {where + ': ' if where else ''}{first['msg']}, got {first.get('input')!r}"
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return "; ".join(lines) if lines else type(error).__name__
+
+
+def os_error_line(error: OSError) -> str:
+    """An OS error as `<path>: <what is wrong there>`. Where a rename failed, the destination is the path the user
+    named (the source is our hidden temp file); where a parent 'is not a directory', the regular file that is in
+    the way is named."""
+    import errno
+
+    if error.errno is None or error.filename is None:
+        return _one_line(error)
+    path = str(error.filename2 if error.filename2 is not None else error.filename)
+    code = error.errno
+    if code == errno.ENOTDIR:
+        blocker = next((p for p in [Path(path), *Path(path).parents] if p.exists() and not p.is_dir()), None)
+        if blocker is not None and str(blocker) != path:
+            return f"{path}: {blocker} is a file, not a directory; choose an output path outside it"
+        return f"{path}: not a directory; expected a directory here"
+    reasons = {
+        errno.ENOENT: "no such file or directory",
+        errno.EACCES: "permission denied; choose a location you may write to (or fix its permissions)",
+        errno.EPERM: "operation not permitted; choose a location you may write to (or fix its permissions)",
+        errno.EROFS: "the file system is read-only; choose an output path on a writable one",
+        errno.ENOSPC: "no space left on the device; free space there or choose another location",
+        errno.EDQUOT: "disk quota exceeded; free space there or choose another location",
+        errno.EISDIR: "is a directory; expected a file path here",
+        errno.ENOTEMPTY: "is a non-empty directory; choose another path",
+        errno.ENAMETOOLONG: "the name is too long",
+        errno.EMFILE: "too many open files",
+    }
+    if code == errno.EEXIST:
+        kind = "a file" if Path(path).is_file() else "a directory" if Path(path).is_dir() else "something"
+        return f"{path}: already exists as {kind}; expected {'a directory' if kind == 'a file' else 'a new path'} here"
+    return f"{path}: {reasons.get(code) or error.strerror or _one_line(error)}"
 
 
 if __name__ == "__main__":

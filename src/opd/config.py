@@ -34,7 +34,9 @@ CommaList = Annotated[list[str], BeforeValidator(_split_commas)]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    # allow_inf_nan=False: every float field of every config rejects NaN and ±inf with the key's name (a temperature
+    # of inf samples uniformly, a NaN lr trains nothing, and neither is ever meant).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
 
 class ModelSpec(Section):
@@ -164,9 +166,11 @@ def set_dotted(data: dict, key: str, value: Any) -> None:
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise ConfigError(f"cannot read config file {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text; expected a UTF-8 YAML file") from None
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:
@@ -310,6 +314,7 @@ class RunSpec(Section):
     save_every: int = Field(50, ge=0, description="Checkpoint every N steps (and at the end); 0 = only at the end.")
     keep_last: int | None = Field(2, ge=1, description="Keep the newest N checkpoints; None: keep all.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (and at the end when eval is configured); 0 = only at the end.")
+    eval_at_start: bool = Field(True, description="Also evaluate before the first step (eval/step_0: the model before training, the report's 'before'); only when eval is configured and not when resuming.")
     resume: bool = Field(False, description="Continue from the newest complete checkpoint of the run directory.")
     samples_per_step: int = Field(4, ge=0, description="Decoded rollouts with per-token rewards written to samples/.")
     tensorboard: bool = Field(False, description="Also log to TensorBoard (needs the tensorboard package).")

@@ -34,6 +34,17 @@ def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
         Path(tmp).unlink(missing_ok=True)
 
 
+def give_umask_modes(directory: str | Path) -> None:
+    """Give every file under `directory` the mode a plain `open()` would (0644 under umask 022), and every directory
+    0755: libraries that write through their own temp files (safetensors' `save_file`) leave 0600 behind."""
+    for root, dirs, files in os.walk(directory):
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~_UMASK)
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~_UMASK)
+    os.chmod(directory, 0o777 & ~_UMASK)
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
         with open(tmp, "w") as handle:
@@ -69,7 +80,7 @@ def read_jsonl(path: str | Path, *, skip_partial_last_line: bool = True) -> list
     """Read a JSONL file; a malformed line raises ValueError naming file and line, except a partial *last* line
     (an interrupted append), which is dropped."""
     path = Path(path)
-    lines = path.read_text().splitlines()
+    lines = read_text(path).splitlines()
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -81,6 +92,17 @@ def read_jsonl(path: str | Path, *, skip_partial_last_line: bool = True) -> list
                 break
             raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
     return records
+
+
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file's content; a file that is not UTF-8 is a ValueError naming it and the first bad byte."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{data[error.start]:02x} on line {line}); "
+                         f"expected a UTF-8 file") from None
 
 
 def repair_jsonl(path: str | Path) -> None:

@@ -7,6 +7,7 @@ quantised loading, and resizing embeddings (a model is loaded exactly as saved).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -29,8 +30,15 @@ _DTYPES: dict[str, torch.dtype] = {
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-class ModelLoadError(RuntimeError):
-    """A model or tokenizer could not be loaded; the message is one line naming what was asked for."""
+class ModelLoadError(ValueError):
+    """A model or tokenizer could not be loaded; the message is one line naming what was asked for (a user error:
+    the CLI prints it and exits 2)."""
+
+
+# Files of which a tokenizer is built (any one suffices); a model directory with none of them gets no tokenizer
+# rather than the 1-token stub transformers would make from the config alone.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model", "tekken.json")
 
 
 class TokenizerMismatchError(ValueError):
@@ -84,11 +92,98 @@ def _load_error(what: str, name_or_path: str | os.PathLike, err: Exception) -> M
     )
 
 
-def _check_exists_or_hub_id(what: str, name_or_path: str | os.PathLike) -> None:
-    """Fail fast (no Hub round-trips and retries) for a name that can only be a local path and does not exist."""
+def check_model_path(what: str, name_or_path: str | os.PathLike) -> dict[str, Any]:
+    """Fail fast (no Hub round-trips and retries) for a name that can only be a local path and does not exist, and
+    for a Hub id while the Hub is unreachable and the id is not in the local cache (transformers would retry for
+    about a minute, printing a line per retry). Returns extra `from_pretrained` keywords: `local_files_only` for a
+    cached id while the Hub is unreachable."""
     name = str(name_or_path)
-    if not os.path.exists(name) and not _HUB_ID.match(name):
+    if os.path.exists(name):
+        if os.path.isfile(name):
+            raise ModelLoadError(f"cannot load {what} from {name!r}: it is a file; expected a model directory "
+                                 f"(save_pretrained layout) or a Hugging Face Hub id")
+        return {}
+    if not _HUB_ID.match(name):
         raise ModelLoadError(f"cannot load {what}: {name!r} is not an existing path nor a Hugging Face Hub id")
+    unreachable = _hub_unreachable()
+    if unreachable is None:
+        return {}
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return {"local_files_only": True}
+    raise ModelLoadError(f"cannot load {what} {name!r}: no such local path, not in the Hugging Face cache, and the "
+                         f"Hub is not reachable ({unreachable}); pass a local directory, or connect and retry")
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be reached (offline mode, no DNS, no route), or None when it may be: a TCP
+    connection attempt of at most 3 s. Behind a proxy (HTTPS_PROXY / ALL_PROXY set) we cannot tell: None."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(constants.ENDPOINT)
+    return _connect_error(url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80))
+
+
+@functools.lru_cache(maxsize=8)
+def _connect_error(host: str, port: int) -> str | None:
+    """Why a TCP connection to host:port fails (at most 3 s), or None; once per process (a model's tokenizer and
+    weights are loaded one after the other)."""
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as error:
+        return f"{host}: {error.strerror or error}"
+    return None
+
+
+def _check_tokenizer_files(path: str) -> None:
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        raise ModelLoadError(f"no tokenizer files in {path} (none of {', '.join(_TOKENIZER_FILES[:4])}, …); copy the "
+                             f"tokenizer of the model it was trained from into it (tokenizer.save_pretrained)")
+
+
+def _weights_error(name_or_path: str | os.PathLike, err: Exception) -> ModelLoadError:
+    """A one-line error for weights that exist but cannot be read (truncated download, corrupt file), naming the
+    file: each weights file of the directory is checked cheaply (safetensors header, zip directory)."""
+    import zipfile
+
+    path = str(name_or_path)
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    bad = None
+    for entry in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+        file = os.path.join(path, entry)
+        try:
+            if entry.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(file, framework="pt"):
+                    pass
+            elif entry.endswith((".bin", ".pt", ".pth")) and not entry.startswith("training_args"):
+                zipfile.ZipFile(file).close()
+        except Exception:  # noqa: BLE001 - any failure to open it is what we report
+            bad = file
+            break
+    where = f"weights file {bad}" if bad else f"the weights in {path}"
+    return ModelLoadError(f"cannot load model from {path!r}: {where} is corrupt or truncated ({first}); "
+                          f"re-download or re-save it")
+
+
+def _is_weights_error(err: Exception) -> bool:
+    """Errors of reading a weights file that exists (safetensors header, torch's zip reader, short reads)."""
+    if type(err).__name__ == "SafetensorError":
+        return True
+    text = str(err)
+    return isinstance(err, (RuntimeError, EOFError, OSError)) and any(
+        marker in text for marker in ("PytorchStreamReader", "zip archive", "central directory", "unexpected EOF",
+                                      "Unable to load weights", "invalid load key", "not a zip file"))
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool = False):
@@ -101,11 +196,15 @@ def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool =
     """
     from transformers import AutoTokenizer
 
-    _check_exists_or_hub_id("tokenizer", name_or_path)
+    hub_kwargs = check_model_path("tokenizer", name_or_path)
+    _check_tokenizer_files(str(name_or_path))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code, **hub_kwargs)
     except (OSError, ValueError) as err:
         raise _load_error("tokenizer", name_or_path, err) from None
+    if len(tokenizer) <= 1:  # what transformers builds from a config alone: every text encodes to nothing
+        raise ModelLoadError(f"the tokenizer of {str(name_or_path)!r} has {len(tokenizer)} token(s): its tokenizer "
+                             f"files are missing or empty")
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is not None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -136,19 +235,23 @@ def load_model(
 
     varlen_attention.register()
 
-    _check_exists_or_hub_id("model", name_or_path)
+    hub_kwargs = check_model_path("model", name_or_path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code)
-    kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code, **hub_kwargs}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     if torch_device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
         kwargs["device_map"] = {"": torch_device}  # load straight onto the accelerator, no full CPU copy first
     try:
         model = AutoModelForCausalLM.from_pretrained(str(name_or_path), **kwargs)
-    except (OSError, ValueError) as err:
-        raise _load_error("model", name_or_path, err) from None
+    except Exception as err:  # noqa: BLE001 - classified below; anything else is re-raised as it is
+        if _is_weights_error(err):
+            raise _weights_error(name_or_path, err) from None
+        if isinstance(err, (OSError, ValueError)):
+            raise _load_error("model", name_or_path, err) from None
+        raise
     model.to(torch_device)
     model.eval()
     if attn_implementation is None and model.config._attn_implementation == "sdpa" and \

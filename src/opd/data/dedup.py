@@ -493,6 +493,19 @@ def dedup_report(result: DedupResult, *, examples: int = 10, params: dict | None
     }
 
 
+def _check_outputs(in_path: str | Path, against: str | Path | None, out: str | Path,
+                   report: str | Path | None) -> None:
+    """Refuse an output that is one of the inputs (same file after resolving `.`, `..` and links): writing it would
+    replace the very set being cleaned."""
+    inputs = {"--in": in_path, "--against": against}
+    outputs = {"--out": out, "--report": report}
+    for out_flag, out_path in outputs.items():
+        for in_flag, source in inputs.items():
+            if out_path is not None and source is not None and Path(out_path).resolve() == Path(source).resolve():
+                raise ValueError(f"{out_flag} {out_path} is the {in_flag} file itself; writing it would replace "
+                                 f"the input: choose another {out_flag} path")
+
+
 def dedup_files(
     in_path: str | Path,
     against: str | Path | None,
@@ -515,6 +528,7 @@ def dedup_files(
 
     console = console or Console()
     start = time.perf_counter()
+    _check_outputs(in_path, against, out, report)
     a_prompts = load_prompts(in_path, prompt_key=prompt_key, answer_key=answer_key)
     b_prompts = None if against is None else load_prompts(
         against, prompt_key=against_prompt_key or prompt_key, answer_key=None)

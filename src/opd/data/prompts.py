@@ -22,14 +22,13 @@ from __future__ import annotations
 import csv
 import difflib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from opd.io import atomic_path
 from opd.types import Prompt
 
 ROW_ID = "#row"
@@ -97,6 +96,10 @@ def load_prompts(
         id_key = next((k for k in _AUTO_ID_KEYS if _has_key(rows, k)), ROW_ID)
     elif id_key != ROW_ID:
         _require_key(rows, id_key, "id_key", origin, hint=f"or id_key={ROW_ID!r} for row numbers")
+    for field, key in (("answer_key", answer_key), ("id_key", id_key)):
+        if key == prompt_key:
+            raise DataError(f"{origin}: prompt_key={prompt_key!r} is also the {field} column; the prompt column must "
+                            f"hold the prompts: pass prompt_key=<the prompt column>")
     used_keys = [k for k in (prompt_key, answer_key, id_key, source_key, system_key) if k and k != ROW_ID]
 
     prompts, seen = [], {}
@@ -143,20 +146,13 @@ def save_prompts(prompts: Iterable[Prompt], path: str | Path) -> Path:
     records = [_to_record(p) for p in prompts]
     if not records:
         raise DataError(f"{path}: refusing to save an empty prompt set; expected at least one prompt")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
+    with atomic_path(path) as tmp:  # temp file + rename, with the user's umask (not mkstemp's 0600)
         if suffix in PARQUET_SUFFIXES:
-            os.close(fd)
             pq.write_table(_records_to_table(records), tmp, compression="zstd")
         else:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
+            with open(tmp, "w", encoding="utf-8") as f:
                 for record in records:
                     f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 
@@ -344,6 +340,9 @@ def _to_messages(value: Any, origin: str, row: int, key: str) -> list[dict[str, 
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise DataError(f"{origin}: row {row} field {key!r} has message {_short(m)}; expected "
                                 f"{{'role': str, 'content': str}}")
+            if m["role"] in ("user", "assistant") and not m["content"].strip():
+                raise DataError(f"{origin}: row {row} field {key!r} has a {m['role']} message with empty content; "
+                                f"expected its text")
             messages.append({"role": m["role"], "content": m["content"]})
         return messages
     raise DataError(f"{origin}: row {row} field {key!r} is {_short(value)} ({type(value).__name__}); expected a "

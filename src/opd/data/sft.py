@@ -44,6 +44,7 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assista
                    "chatgpt": "assistant", "system": "system"}
 _LAYOUTS = "`messages` (chat / opd rollout), `conversations` (sharegpt) or `instruction` + `output` (alpaca)"
 _PROBE = "OPD_END_OF_TURN_PROBE"
+_ROLES = ("system", "user", "assistant")  # tool calls are omitted (module docstring)
 
 
 @dataclass
@@ -171,6 +172,12 @@ def _alpaca(row: dict, where: str) -> list[dict[str, str]]:
 
 def _check_turns(messages: list[dict[str, str]], where: str) -> None:
     roles = [m["role"] for m in messages]
+    for j, m in enumerate(messages):
+        if m["role"] not in _ROLES:
+            raise DataError(f"{where}: turn {j} has role {m['role']!r}; expected one of {', '.join(_ROLES)}")
+        if m["role"] != "system" and not m["content"].strip():
+            what = "answer" if m["role"] == "assistant" else "prompt"
+            raise DataError(f"{where}: turn {j} ({m['role']}) is empty; expected the {what} text")
     if "assistant" not in roles:
         raise DataError(f"{where}: no assistant turn to train on (roles: {roles})")
     if roles[0] == "assistant":

@@ -47,6 +47,13 @@ def evaluate(config: EvalConfig, *, generator: Any = None, tokenizer: Any = None
     console = console or Console()
     if (config.model is None) == (config.responses is None) and generator is None:
         raise ValueError("opd eval needs exactly one of --model (sample and grade) or --responses FILE (grade only)")
+    if config.responses is None and not config.benchmarks:
+        raise ValueError("benchmarks is empty; name at least one: aime24, aime25, amc23, math500, minerva, "
+                         "olympiadbench or a prompt file")
+    if config.responses is None:
+        from opd.data.templates import parse_template
+
+        parse_template(config.template)  # a bad template fails before the model loads
     run_dir = Path(config.out) if config.out else default_run_dir("eval")
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir)
@@ -194,6 +201,8 @@ def grade_responses_file(path: str | Path, *, timeout: float = 5.0) -> list[dict
     a ground truth (`answer` / `ground_truth` / `reward_model.ground_truth`), and optionally a problem id and a
     benchmark name; lines with the same (benchmark, problem) are the n samples of one problem."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"responses file {path} is a folder; expected a JSONL file of generations")
     if not path.is_file():
         raise FileNotFoundError(f"responses file {path} does not exist")
     rows = read_jsonl(path, skip_partial_last_line=False)

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from opd.io import give_umask_modes
+
 TEACHER_ARCH: dict[str, int] = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512}
 STUDENT_ARCH: dict[str, int] = {"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 384}
 SFT_RECIPE: dict[str, Any] = {
@@ -61,6 +63,7 @@ def init_model(arch: dict[str, int], out_dir: str | Path, *, seed: int) -> Path:
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    give_umask_modes(out_dir)  # safetensors writes its files 0600
     return out_dir
 
 
@@ -210,4 +213,5 @@ def import_checkpoint(source: str | Path, source_tokenizer: str | Path, out_dir:
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    give_umask_modes(out_dir)  # safetensors writes its files 0600
     return out_dir

@@ -1,10 +1,12 @@
 """`opd demo`: on-policy distillation of the shipped lab student from the shipped lab teacher, on CPU, in minutes.
 
 What it does, through exactly the code path of a real run:
-1. `opd eval` (`opd.eval.evaluate.evaluate`) of the teacher and of the student on the lab test set (greedy, n = 1);
+1. `opd eval` (`opd.eval.evaluate.evaluate`) of the teacher on the lab test set (greedy, n = 1) into eval/teacher/,
+   the report's reference line;
 2. `opd distill` (`opd.train.opd.distill`) with the paper's recipe scaled to the lab (configs/lab_demo.yaml):
    top-16 `only_stu` token rewards weighted by `student_p`, 4 rollouts per prompt, 32 sequences per step, constant lr;
-   the run's own end-of-training eval (`eval.benchmarks` = the test set, same settings) gives the "after" number;
+   the run's own evals (`eval.benchmarks` = the test set, same settings) before the first step (eval/step_0) and at
+   the end give the "before" and "after" numbers;
 3. a before/after table (student before, student after, teacher, gap recovery), written to `<run>/demo.json`;
    `report.html` (curves of every metric, incl. the test accuracy) is written by the trainer.
 The last line printed is `report: <path to report.html>`.
@@ -120,14 +122,11 @@ def demo(
     teacher_results = evaluate(eval_config(config, config.teacher.path, run_dir / "eval" / "teacher"), console=console)
     timings["eval_teacher_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    before_results = evaluate(eval_config(config, config.student.path, run_dir / "eval" / "student_before"), console=console)
-    timings["eval_student_before_s"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    distill(config, console=console)  # ends with the trainer's own eval of the final student → eval/step_<steps>/
+    # the trainer's own evals: of the student before training → eval/step_0/, of the final one → eval/step_<steps>/
+    distill(config.model_copy(update={"run": config.run.model_copy(update={"eval_at_start": True})}), console=console)
     timings["distill_s"] = time.perf_counter() - t
-    after_path = run_dir / "eval" / f"step_{config.run.steps}" / "results.json"
-    after_results = json.loads(after_path.read_text())["benchmarks"]
+    before_results, after_results = (json.loads((run_dir / "eval" / f"step_{step}" / "results.json").read_text())[
+        "benchmarks"] for step in (0, config.run.steps))
 
     teacher, before, after = accuracy(teacher_results), accuracy(before_results), accuracy(after_results)
     recovery = float(gap_recovery(before, after, teacher))

@@ -170,6 +170,10 @@ def run_experiment(
 
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown lab experiment {name!r}; known: {', '.join(EXPERIMENTS)}")
+    unknown = [v for v in only or [] if v not in EXPERIMENTS[name]]
+    if unknown:
+        raise ValueError(f"unknown variant {unknown[0]!r} of lab experiment {name!r}; known: "
+                         f"{', '.join(EXPERIMENTS[name])}")
     console = console or Console()
     if threads:
         torch.set_num_threads(threads)
@@ -177,7 +181,9 @@ def run_experiment(
     variants = {k: v for k, v in EXPERIMENTS[name].items() if not only or k in only}
     if not variants:
         raise ValueError(f"no variant of {name} matches {only}; known: {', '.join(EXPERIMENTS[name])}")
-    base = [f"run.out_dir={out_dir}", f"run.steps={steps}", "run.eval_every=0", *EXPERIMENT_BASE.get(name, []),
+    # the student before OPD is measured once below (`measure`), not by every run
+    base = [f"run.out_dir={out_dir}", f"run.steps={steps}", "run.eval_every=0", "run.eval_at_start=false",
+            *EXPERIMENT_BASE.get(name, []),
             *(overrides or [])]
     limit = demo_config(base).eval.limit
     tokens = demo_config(base).eval.max_new_tokens

@@ -41,10 +41,12 @@ Series = dict[str, tuple[np.ndarray, np.ndarray]]  # key -> (steps [N] int, valu
 
 @dataclass
 class RunSeries:
-    """One run's curves under a display name (the run directory's name)."""
+    """One run's curves under a display name (the run directory's name); references: constant lines to draw with
+    them, {"eval/<benchmark>/<metric>": the teacher's value} (`load_references`)."""
 
     name: str
     series: Series
+    references: dict[str, float] = field(default_factory=dict)
 
 
 def load_series(run_dir: str | Path) -> Series:
@@ -78,20 +80,38 @@ def _sorted_arrays(by_step: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _eval_results(run_dir: Path) -> list[tuple[int, dict[str, float]]]:
-    """(step, {"eval/<benchmark>/<metric>": value}) from `eval/step_N/results.json` (or `eval/step_N.json`)."""
+    """(step, {"eval/<benchmark>/<metric>": value}) from `eval/step_N/results.json` (or `eval/step_N.json`); the
+    student before training is step 0 (`eval/step_0/`, or `eval/student_before/` of demo runs made before the
+    trainers evaluated at step 0)."""
     out = []
     for path in sorted(run_dir.glob("eval/step_*/results.json")) + sorted(run_dir.glob("eval/step_*.json")):
         match = re.match(r"step_(\d+)", path.parent.name if path.name == "results.json" else path.stem)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # being written by another process, or not ours: the metrics lines still carry evals
-        benchmarks = data.get("benchmarks", data) if isinstance(data, dict) else {}
-        flat = {f"eval/{bench}/{key}": float(value) for bench, summary in benchmarks.items() if isinstance(summary, dict)
-                for key, value in summary.items() if _is_number(value)}
+        flat = _results_file(path)
         if match and flat:
             out.append((int(match.group(1)), flat))
+    if not any(step == 0 for step, _ in out):
+        before = _results_file(run_dir / "eval" / "student_before" / "results.json")
+        if before:
+            out.append((0, before))
     return out
+
+
+def _results_file(path: Path) -> dict[str, float]:
+    """{"eval/<benchmark>/<metric>": value} of an `opd eval` results.json; {} when absent or unreadable (being
+    written by another process, or not ours: the metrics lines still carry the evals)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    benchmarks = data.get("benchmarks", data) if isinstance(data, dict) else {}
+    return {f"eval/{bench}/{key}": float(value) for bench, summary in benchmarks.items() if isinstance(summary, dict)
+            for key, value in summary.items() if _is_number(value)}
+
+
+def load_references(run_dir: str | Path) -> dict[str, float]:
+    """The teacher's eval numbers, where the run evaluated it (`eval/teacher/results.json`, as `opd demo` writes):
+    {"eval/<benchmark>/<metric>": value}, drawn as reference lines on the accuracy plots."""
+    return _results_file(Path(run_dir) / "eval" / "teacher" / "results.json")
 
 
 # ------------------------------------------------------------------------------------------------- groups
@@ -173,7 +193,8 @@ def _timing_panels(available: set[str]) -> list[Panel]:
 
 GROUPS: list[Group] = [
     Group("accuracy", "Accuracy", _accuracy_panels,
-          "Eval sets (avg@n, pass@1) at their steps; training rollout accuracy every step."),
+          "Eval sets (avg@n, pass@1) at their steps, from step 0 (the student before training); dotted: the "
+          "teacher, where the run evaluated it; training rollout accuracy every step."),
     Group("overlap_ratio", "Top-k overlap ratio", _static(
         Panel("overlap ratio (mean over t, k of [S_t,k ∈ T_t])", ["overlap_ratio"], "fraction of student top-k")),
         "How much of the student's top-k the teacher's top-k shares (SPEC §6)."),
@@ -299,6 +320,14 @@ def _draw_panel(ax, panel: Panel, runs: list[RunSeries]) -> None:
             style = LINESTYLES[k % len(LINESTYLES)] if multi else "-"
             parts = ([run.name] if multi else []) + ([panel.label(key)] if len(panel.keys) > 1 else [])
             _plot_curve(ax, steps, values, color, style, ": ".join(parts) if labelled else None, panel.smooth)
+    for r, run in enumerate(runs):
+        for k, key in enumerate(panel.keys):
+            if key in run.references:
+                color = COLORS[(r if multi else k) % len(COLORS)]
+                parts = ([run.name] if multi else []) + ([panel.label(key)] if len(panel.keys) > 1 else [])
+                ax.axhline(run.references[key], color=color, linestyle=":", linewidth=1.4,
+                           label=": ".join([*parts, "teacher"]))
+                labelled = True
     if panel.logy and _positive_wide(panel.keys, runs):
         ax.set_yscale("log")
     else:

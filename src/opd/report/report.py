@@ -1,7 +1,8 @@
 """`opd report RUN_DIR [RUN_DIR…]`: one self-contained `report.html` per run (or per comparison of runs).
 
 The page holds, top to bottom: the run name(s) and their progress, a table of final numbers (last value of each
-headline metric, last eval of each benchmark), the config (collapsible YAML; for several runs also the keys whose
+headline metric; per benchmark the first eval → the last, i.e. before → after training, and the teacher's number
+where the run evaluated it), the config (collapsible YAML; for several runs also the keys whose
 values differ), the plot groups of `opd.report.plots` embedded as base64 PNG data URIs, and a few decoded rollouts of
 the newest `samples/step_N.jsonl`. The PNGs are also written to `plots/` beside the report. Everything is written
 atomically, and a run that is still appending to `metrics.jsonl` can be reported at any time.
@@ -23,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from opd.io import atomic_write_text, read_jsonl
-from opd.report.plots import EVAL_RE, Plot, RunSeries, Series, load_series, render_plots
+from opd.report.plots import EVAL_RE, Plot, RunSeries, Series, load_references, load_series, render_plots
 
 # rows of the final-numbers table after the eval metrics, in this order, when any run logged them
 HEADLINE = ["rollout_accuracy", "reward_mean", "reward_abs_mean", "overlap_ratio", "overlap_mass_student",
@@ -45,6 +46,7 @@ class RunData:
     config: dict | None
     samples_step: int | None
     samples: list[dict]
+    references: dict[str, float]  # the teacher's eval numbers, where the run evaluated it (`load_references`)
 
 
 def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
@@ -60,7 +62,7 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
             raise FileNotFoundError(f"{run_dir}: no metrics.jsonl here; pass a run directory of opd distill or opd sft")
     html_path = _report_path(run_dirs, None if out is None else Path(out))
     runs = [load_run(path, name) for path, name in zip(run_dirs, run_names(run_dirs))]
-    plots = render_plots([RunSeries(run.name, run.series) for run in runs], html_path.parent / "plots")
+    plots = render_plots([RunSeries(run.name, run.series, run.references) for run in runs], html_path.parent / "plots")
     atomic_write_text(html_path, render_html(runs, plots))
     return html_path
 
@@ -87,13 +89,14 @@ def run_names(run_dirs: list[Path]) -> list[str]:
 def load_run(run_dir: Path, name: str) -> RunData:
     config_text, config = _read_config(run_dir / "config.yaml")
     samples_step, samples = _newest_samples(run_dir)
-    return RunData(run_dir, name, load_series(run_dir), config_text, config, samples_step, samples)
+    return RunData(run_dir, name, load_series(run_dir), config_text, config, samples_step, samples,
+                   load_references(run_dir))
 
 
 def _read_config(path: Path) -> tuple[str | None, dict | None]:
     if not path.is_file():
         return None, None
-    text = path.read_text()
+    text = path.read_text(encoding="utf-8", errors="replace")
     try:
         config = yaml.safe_load(text)
     except yaml.YAMLError:
@@ -110,6 +113,14 @@ def _newest_samples(run_dir: Path) -> tuple[int | None, list[dict]]:
         return step, [r for r in read_jsonl(files[step]) if isinstance(r, dict)][:SAMPLES_SHOWN]
     except (OSError, ValueError):
         return step, []
+
+
+def first_value(series: Series, key: str) -> tuple[int, float] | None:
+    """(step, value) of the oldest point of `key` (for an eval: step 0, the model before training), or None."""
+    if key not in series:
+        return None
+    steps, values = series[key]
+    return int(steps[0]), float(values[0])
 
 
 def last_value(series: Series, key: str) -> tuple[int, float] | None:
@@ -161,7 +172,7 @@ pre { background: #f6f8fa; border: 1px solid #e1e4e8; padding: 10px; overflow-x:
       white-space: pre-wrap; word-break: break-word; }
 figure { margin: 8px 0 24px; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { color: #555; font-size: 13px; } nav a { margin-right: 12px; font-size: 14px; }
-.ok { color: #2a7d2a; } .bad { color: #b22; }
+.ok { color: #2a7d2a; } .bad { color: #b22; } .ref { color: #666; font-size: 12px; }
 """
 
 
@@ -218,12 +229,26 @@ def _final_table(runs: list[RunData]) -> str:
     for key in rows:
         cells = []
         for run in runs:
-            found = last_value(run.series, key)
-            cells.append("<td>—</td>" if found is None else
-                         f"<td>{_fmt(found[1])}<span class=\"step\">@{found[0]}</span></td>")
+            cells.append(_final_cell(run, key))
         lines.append(f"<tr><td class=\"key\">{_e(key)}</td>{''.join(cells)}</tr>")
-    note = "<div class=\"meta\">last logged value of each metric (@ the step it was logged at); evals: the last eval.</div>"
+    note = ("<div class=\"meta\">last logged value of each metric (@ the step it was logged at); evals: before → "
+            "after, the first eval (step 0: the model before training) → the last, and the teacher where the run "
+            "evaluated it.</div>")
     return f"<table class=\"final\">{''.join(lines)}</table>{note}"
+
+
+def _final_cell(run: RunData, key: str) -> str:
+    """A metric's last value; an eval's first → last value (before → after) and the teacher's."""
+    last = last_value(run.series, key)
+    if last is None:
+        return "<td>—</td>"
+    text = f"{_fmt(last[1])}<span class=\"step\">@{last[0]}</span>"
+    first = first_value(run.series, key) if EVAL_RE.match(key) else None
+    if first is not None and first[0] != last[0]:
+        text = f"{_fmt(first[1])}<span class=\"step\">@{first[0]}</span> → {text}"
+    if key in run.references:
+        text += f" <span class=\"ref\">(teacher {_fmt(run.references[key])})</span>"
+    return f"<td>{text}</td>"
 
 
 def _config_section(runs: list[RunData]) -> str:

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from opd.io import give_umask_modes
+
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -59,6 +61,7 @@ def save_checkpoint(
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
+    give_umask_modes(tmp)  # safetensors writes its files 0600
     (tmp / COMPLETE).write_text(f"{step}\n")
     if final.exists():  # re-saving the same step (e.g. after a resume): move the old one aside first
         old = root / f".old-step_{step}-{os.getpid()}"

@@ -68,6 +68,12 @@ def is_due(step: int, every: int, last_step: int) -> bool:
     return bool(every and step % every == 0) or step == last_step
 
 
+def eval_at_start(run: RunSpec, spec: EvalSpec, step: int) -> bool:
+    """Whether a trainer evaluates before its first step (into `eval/step_0`): the model before training, the start
+    of the report's accuracy curve and the 'before' of its before → after. Not when resuming past step 0."""
+    return bool(spec.benchmarks) and run.eval_at_start and step == 0
+
+
 def evaluate_in_training(
     spec: EvalSpec,
     *,

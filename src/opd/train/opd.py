@@ -318,9 +318,14 @@ def distill(config: DistillConfig, *, console: Any = None) -> Path:
 
 def train(tr: Trainer, *, console: Any) -> None:
     from opd.report.sinks import progress_bar
+    from opd.train.common import eval_at_start
     from opd.train.distributed import barrier
 
     cfg, main = tr.config, tr.dist.is_main
+    if eval_at_start(cfg.run, cfg.eval, tr.step):  # the student before training: eval/step_0
+        with gathered(tr.student, tr.dist):
+            if main:
+                run_eval(tr, console)
     with progress_bar(console) as progress:
         task = progress.add_task("opd distill", total=cfg.run.steps, completed=tr.step)
         while tr.step < cfg.run.steps:
@@ -442,6 +447,10 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
         )
     if obj.advantage in ("grpo", "token_reward+grpo") and any(p.answer is None for p in encoded.prompts):
         raise ValueError(f"objective.advantage={obj.advantage} needs ground-truth answers; set data.answer_key to the answer column")
+    if obj.advantage in ("grpo", "token_reward+grpo") and not any((p.answer or "").strip() for p in encoded.prompts):
+        raise ValueError(f"objective.advantage={obj.advantage} needs ground-truth answers, but every answer of "
+                         f"{config.data.path} (column {config.data.answer_key!r}) is empty; point data.answer_key at "
+                         f"the answers")
 
     student_path = str(checkpoint) if checkpoint else config.student.path
     device = dist.device or resolve_device(config.student.device)  # under torchrun: the rank's own device

@@ -278,8 +278,11 @@ def sft(config: SFTConfig, *, console: Any = None) -> Path:
 
 def train(tr: SFTTrainer, *, console: Any) -> None:
     from opd.report.sinks import progress_bar
+    from opd.train.common import eval_at_start
 
     cfg = tr.config
+    if eval_at_start(cfg.run, cfg.eval, tr.step):  # the model before training: eval/step_0
+        run_eval(tr, console)
     with progress_bar(console) as progress:
         task = progress.add_task("opd sft", total=tr.total_steps, completed=tr.step)
         while tr.step < tr.total_steps:
@@ -474,22 +477,26 @@ def merge_lora(
     """
     from peft import PeftConfig, PeftModel
 
+    from opd.io import give_umask_modes
     from opd.models import load_model, load_tokenizer, resolve_dtype
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if not (checkpoint_dir / "adapter_config.json").is_file():
         raise FileNotFoundError(f"{checkpoint_dir}: no adapter_config.json; pass a LoRA checkpoint "
                                 f"(checkpoints/step_N of a lora.enabled run)")
-    base = base or PeftConfig.from_pretrained(str(checkpoint_dir)).base_model_name_or_path
+    recorded_base = PeftConfig.from_pretrained(str(checkpoint_dir)).base_model_name_or_path
+    base = base or recorded_base
     if not base:
         raise ValueError(f"{checkpoint_dir}: the adapter config names no base model; pass base=")
     save_dtype = _saved_dtype(base) if dtype == "auto" else resolve_dtype(dtype)
     model, _ = load_model(base, dtype="fp32", device="cpu")
+    check_adapter_fits(checkpoint_dir, model, base=base, recorded_base=recorded_base)
     merged = PeftModel.from_pretrained(model, str(checkpoint_dir)).merge_and_unload()
     tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     merged.to(save_dtype).save_pretrained(tmp, safe_serialization=True)
     load_tokenizer(checkpoint_dir).save_pretrained(tmp)
+    give_umask_modes(tmp)  # safetensors writes its files 0600
     if out_dir.exists():
         old = out_dir.parent / f".old-{out_dir.name}-{os.getpid()}"
         os.replace(out_dir, old)
@@ -498,10 +505,59 @@ def merge_lora(
     return out_dir
 
 
+def check_adapter_fits(checkpoint_dir: str | Path, model: torch.nn.Module, *, base: str,
+                       recorded_base: str | None) -> None:
+    """Refuse to merge a LoRA adapter into a base it was not trained on (one line naming both), before peft would
+    either fail with a multi-line size mismatch or silently merge into a model of another architecture with the same
+    module names and sizes (Llama vs Qwen3). Two checks: the architecture of the base the adapter records (when that
+    model is at hand) equals `model`'s; and every adapted module exists in `model` with the adapter's in/out sizes.
+    A corrupt or truncated adapter file is named too."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    checkpoint_dir = Path(checkpoint_dir)
+    wanted = model.config.model_type
+    if recorded_base and str(recorded_base) != str(base):
+        try:
+            trained_on = AutoConfig.from_pretrained(str(recorded_base), local_files_only=True).model_type
+        except (OSError, ValueError):
+            trained_on = None  # the original base is not here: the size check below still runs
+        if trained_on is not None and trained_on != wanted:
+            raise ValueError(f"cannot merge {checkpoint_dir} into {base}: the adapter was trained on {recorded_base} "
+                             f"({trained_on}) but {base} is a {wanted} model; pass --base {recorded_base}")
+    path = checkpoint_dir / "adapter_model.safetensors"
+    if not path.is_file():
+        return  # a .bin adapter: peft checks what it can
+    try:
+        with safe_open(str(path), framework="pt") as adapter:
+            shapes = {key: adapter.get_slice(key).get_shape() for key in adapter.keys()}
+    except Exception as error:  # noqa: BLE001 - any failure to read it: a corrupt or truncated file
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"cannot merge {checkpoint_dir}: adapter file {path} is corrupt or truncated ({reason}); "
+                         f"re-save it") from None
+    modules = dict(model.named_modules())
+    for key, shape in sorted(shapes.items()):
+        if ".lora_A." not in key and ".lora_B." not in key:
+            continue
+        name = key.split(".lora_")[0].removeprefix("base_model.model.")
+        module = modules.get(name)
+        if module is None:
+            raise ValueError(f"cannot merge {checkpoint_dir} into {base}: the adapter adapts {name!r}, which the "
+                             f"{wanted} base has no module of; pass the base it was trained on (--base)")
+        size, have = (shape[1], getattr(module, "in_features", None)) if ".lora_A." in key else \
+            (shape[0], getattr(module, "out_features", None))
+        if have is not None and size != have:
+            raise ValueError(f"cannot merge {checkpoint_dir} into {base}: the adapter of {name!r} is for {size} "
+                             f"features, the base's module has {have}; pass the base it was trained on (--base)")
+
+
 def _saved_dtype(name_or_path: str) -> torch.dtype:
     """The dtype a model's config.json records (what its weights were saved in); fp32 when it records none."""
     from transformers import AutoConfig
 
+    from opd.models import check_model_path
+
+    check_model_path("model", name_or_path)  # a missing base: one line, not AutoConfig's repo-id complaint
     config = AutoConfig.from_pretrained(name_or_path)
     value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(value, str):

@@ -318,3 +318,43 @@ def test_eval_benchmark_with_a_null_answer_fails_before_loading_the_model(proble
     assert isinstance(result.exception, ValueError)
     assert "row 2 (id '2') field 'answer' is null" in str(result.exception)
     assert not (tmp_path / "run" / "samples.jsonl").exists()
+
+
+def test_distill_periodic_eval_is_finished_on_resume(tiny_tokenizer, tmp_path):
+    """A run killed inside its step-4 eval (the checkpoint of step 4 is written after it) resumes from step 2, replays
+    steps 3-4 and finishes eval/step_4 from its complete chunks: the same results as a run never interrupted."""
+    import shutil
+
+    from tests.conftest import make_tiny_model
+
+    from opd.config import DistillConfig, build_config
+    from opd.train.opd import distill
+
+    for name, seed in (("student", 0), ("teacher", 1)):
+        make_tiny_model("qwen3", seed=seed).save_pretrained(tmp_path / name)
+        tiny_tokenizer.save_pretrained(tmp_path / name)
+    prompts = _write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(6)])
+
+    def run(out, steps, *extra):
+        options = {
+            "student.path": str(tmp_path / "student"), "teacher.path": str(tmp_path / "teacher"),
+            "data.path": str(prompts), "data.answer_key": "answer", "data.max_prompt_length": 32,
+            "prompts_per_step": 2, "rollout.n": 2, "rollout.max_new_tokens": 6, "rollout.batch_size": 4,
+            "micro_batch_tokens": 64, "run.out_dir": str(tmp_path / out), "run.name": "run", "run.steps": steps,
+            "run.report": False, "optim.lr": 1e-3, "run.save_every": 2, "run.eval_every": 2,
+            "eval.benchmarks": [str(prompts)], "eval.answer_key": "answer", "eval.n": 2, "eval.max_new_tokens": 4,
+        }
+        return distill(build_config(DistillConfig, options=options, overrides=list(extra)))
+
+    straight = run("a", 4)
+    killed = run("b", 4)
+    shutil.rmtree(killed / "checkpoints" / "step_4")
+    samples = killed / "eval" / "step_4" / "samples.jsonl"
+    lines = samples.read_text().splitlines(keepends=True)
+    samples.write_text("".join(lines[:5]) + lines[5][:30])  # chunk 1 half written
+    (killed / "eval" / "step_4" / "results.json").unlink()
+    resumed = run("b", 4, "run.resume=true")
+    for step in (2, 4):
+        ours = json.loads((resumed / "eval" / f"step_{step}" / "results.json").read_text())
+        assert ours == json.loads((straight / "eval" / f"step_{step}" / "results.json").read_text())
+    assert read_jsonl(samples) and len(read_jsonl(samples)) == len(lines)

@@ -211,7 +211,7 @@ def test_save_prompts_round_trip(tmp_path, suffix):
     prompts = load_prompts_from_rows(tmp_path, verl_rows())
     prompts.append(Prompt("odd", [{"role": "system", "content": "S"}, *MESSAGES], None, "other", {"tag": 1}))
     path = save_prompts(prompts, tmp_path / "out" / f"set{suffix}")
-    assert load_prompts(path) == prompts
+    assert load_prompts(path, on_missing_answer="keep") == prompts  # "odd" has no answer (default: an error)
     assert not [p for p in path.parent.iterdir() if p.name != path.name]  # no temp file left behind
     if suffix == ".parquet":
         row = pq.read_table(path).slice(0, 1).to_pylist()[0]
@@ -284,6 +284,86 @@ def test_bad_rows(tmp_path):
     with pytest.raises(DataError) as e:
         load_prompts(path, answer_key=None)
     one_line_error(e, "id '1' of row 1", "repeats row 0", "id_key='#row'")
+
+
+# ---------------------------------------------------------------- ground truths (issue 12)
+
+
+def _rows(path, answers):
+    path.write_text("\n".join(json.dumps({"problem": f"P{i}", "answer": a}) for i, a in enumerate(answers)) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("missing, written", [(None, "null"), ("", "an empty string"), ("   ", "an empty string"),
+                                              ([], "[] (no non-empty entry)"), ([None, ""], "[None, ''] (no")])
+def test_missing_answer_is_an_error_naming_file_row_and_column(tmp_path, missing, written):
+    path = _rows(tmp_path / "p.jsonl", ["1", missing, "3"])
+    with pytest.raises(DataError) as e:
+        load_prompts(path, prompt_key="problem", answer_key="answer")
+    one_line_error(e, str(path), "row 1 (id '1')", "field 'answer'", written, "on_missing_answer=skip")
+
+
+def test_missing_answer_skip_and_keep(tmp_path, caplog):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [{"problem": "P0", "answer": "1"}, {"problem": "P1"},
+                                                      {"problem": "P2", "answer": None}, {"problem": "P3", "answer": 4},
+                                                      {"problem": "P4", "answer": float("nan")}]) + "\n")
+    with caplog.at_level("WARNING", logger="opd.data.prompts"):
+        prompts = load_prompts(path, prompt_key="problem", answer_key="answer", on_missing_answer="skip")
+    assert [(p.id, p.answer) for p in prompts] == [("0", "1"), ("3", "4")]
+    assert "skipped 3 of 5 rows without a ground truth" in caplog.text and "first: row 1" in caplog.text
+    kept = load_prompts(path, prompt_key="problem", answer_key="answer", on_missing_answer="keep")
+    assert [p.answer for p in kept] == ["1", None, None, "4", None]
+    with pytest.raises(DataError) as e:
+        load_prompts(_rows(tmp_path / "none.jsonl", [None, ""]), prompt_key="problem", answer_key="answer",
+                     on_missing_answer="skip")
+    one_line_error(e, "every row's 'answer' is empty")
+    with pytest.raises(DataError) as e:
+        load_prompts(path, prompt_key="problem", answer_key="answer", on_missing_answer="drop")
+    one_line_error(e, "on_missing_answer must be one of error, skip, keep", "'drop'")
+
+
+def test_list_answer_stays_a_list_and_grades_as_any_of(tmp_path):
+    from opd.eval.grading import grade
+
+    path = _rows(tmp_path / "p.jsonl", [["1", "2"], [3], ["x", None, 5], "4"])
+    prompts = load_prompts(path, prompt_key="problem", answer_key="answer")
+    assert [p.answer for p in prompts] == [["1", "2"], "3", ["x", "5"], "4"]  # not the string "['1', '2']"
+    assert grade("so \\boxed{2}", prompts[0].answer).correct and not grade("\\boxed{3}", prompts[0].answer).correct
+    # saved and loaded back unchanged (a column of strings and lists is written as lists)
+    for suffix in (".parquet", ".jsonl"):
+        again = load_prompts(save_prompts(prompts, tmp_path / f"saved{suffix}"))
+        assert [p.answer for p in again] == [p.answer for p in prompts]
+
+
+@pytest.mark.parametrize("value", [True, False, {"a": 1}, [["1"]], [True]])
+def test_bool_and_nested_answers_are_refused(tmp_path, value):
+    path = _rows(tmp_path / "p.jsonl", ["1", value])
+    with pytest.raises(DataError) as e:
+        load_prompts(path, prompt_key="problem", answer_key="answer")
+    one_line_error(e, str(path), "row 1", "field 'answer'", "expected a string, a number or a list of them")
+
+
+def test_duplicate_ids_name_both_answers(tmp_path):
+    path = tmp_path / "p.jsonl"
+    rows = [{"id": "a", "problem": "P", "answer": "1"}, {"id": "a", "problem": "P", "answer": "2"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(DataError) as e:
+        load_prompts(path, prompt_key="problem", answer_key="answer")
+    one_line_error(e, "id 'a' of row 1", "repeats row 0", "answer '1' there, '2' here", "ids must be unique")
+    rows[1]["answer"] = "1"  # the same answer: still two rows under one id, refused (which one would be meant?)
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(DataError) as e:
+        load_prompts(path, prompt_key="problem", answer_key="answer")
+    one_line_error(e, "repeats row 0 (the same answer)")
+
+
+def test_benchmark_loader_passes_the_missing_answer_option(tmp_path):
+    path = _rows(tmp_path / "b.jsonl", ["1", None])
+    with pytest.raises(DataError):
+        load_benchmark(path, prompt_key="problem", answer_key="answer")
+    assert len(load_benchmark(path, prompt_key="problem", answer_key="answer", on_missing_answer="skip")) == 1
+    assert all(p.answer for name in BENCHMARKS for p in load_benchmark(name))  # every shipped answer is present
 
 
 # ---------------------------------------------------------------- templates

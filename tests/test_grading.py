@@ -165,6 +165,360 @@ def test_grade_table(answer, gold, expected):
     assert g.correct is expected, g
     assert g.extracted == answer
 
+# --- adversarial: a box that is not math is wrong unless it is, normalised, the ground truth itself
+ADVERSARIAL_CASES = [
+    ("12345 garbage)( 7", "7", False),
+    (")( 7", "7", False),
+    ("7)(", "7", False),
+    ("7 garbage)(", "7", False),
+    ("))))7", "7", False),
+    ("def f(): return 7", "7", False),
+    ("def f():\n    return 7", "7", False),
+    ("import os; os.system('ls'); 7", "7", False),
+    ("print(7)", "7", False),
+    ("lambda: 7", "7", False),
+    ("return 7", "7", False),
+    ("x = 3; y = 4; x + y == 7", "7", False),
+    ("for i in range(10): total += i; total = 7", "7", False),
+    ("# python\nx = 7\nprint(x)", "7", False),
+    ("\\frac{1}{2} garbage)( 7", "7", False),
+    ("1, 2, 3, )( 7", "7", False),
+    ("\\text{I don't know} )( 7", "7", False),
+    ("2^{2^{2^{2^{10}}}} )( 7", "7", False),
+    ("garbage)( = 3 = 7", "7", False),
+    ("7, 8, 9", "7", False),
+    ("7 \\text{ or } 8", "7", False),
+    ("1,2,3,4,5,6,7", "7", False),
+    ("[0, 10]", "7", False),
+    ("7x", "7", False),
+    ("7 7", "7", False),
+    ("\\infty", "7", False),
+    ("The answer is 7", "7", False),
+    # positive controls: real math, or the very string of the ground truth
+    ("12345 garbage)( 7", "12345 garbage)( 7", True),
+    ("7 \\cdot 1", "7", True),
+    ("70/10", "7", True),
+    ("\\frac{14}{2}", "7", True),
+    ("3 + 4", "7", True),
+]
+
+# --- the answer styles of the shipped benchmarks against equivalent forms a model writes
+BENCHMARK_STYLE_CASES = [
+    # Minerva: Python-style floats and calls, e-notation, trailing zeros, units in the question
+    ("-\\frac{1}{3}", "-1./3", True),
+    ("-1/3", "-1./3", True),
+    ("\\frac{-1}{3}", "-1./3", True),
+    ("-0.3333333", "-1./3", True),
+    ("-0.33", "-1./3", False),
+    ("\\frac{1}{3}", "-1./3", False),
+    ("-\\frac{3}{2}", "-3./2", True),
+    ("-1.5", "-3./2", True),
+    ("1.5", "-3./2", False),
+    ("\\arcsin(10/13)", "np.arcsin(10/13)", True),
+    ("\\arcsin\\left(\\frac{10}{13}\\right)", "np.arcsin(10/13)", True),
+    ("\\arccos(10/13)", "np.arcsin(10/13)", False),
+    ("3.83 \\times 10^{35}", "3.83e35", True),
+    ("3.83\\cdot10^{35}", "3.83e35", True),
+    ("3.8 \\times 10^{35}", "3.83e35", False),
+    ("2.7778 \\times 10^{-6}", "2.7778e-6", True),
+    ("10^{-5}", "1e-5", True),
+    ("0.00001", "1e-5", True),
+    ("361", "3.61e2", True),
+    ("0.065", "6.5e-2", True),
+    ("56", "56.0", True),
+    ("0.1", "0.10", True),
+    ("2", "+2", True),
+    ("24.31", "24.310", True),
+    ("\\frac{e^{at}-e^{-at}}{2a}", "\\frac{1}{2a}(\\exp{a*t} - \\exp{-a*t})", True),
+    ("\\frac{e^{at}+e^{-at}}{2}", "\\frac{1}{2}(\\exp{a*t} + \\exp{-a*t})", True),
+    ("\\frac{e^{at}-e^{-at}}{2}", "\\frac{1}{2}(\\exp{a*t} + \\exp{-a*t})", False),
+    ("x_0\\cos(\\omega t)+\\frac{\\dot{x}_0}{\\omega}\\sin(\\omega t)",
+     "x_{0} \\cos (\\omega t)+$ $\\dot{x}_{0} \\sin (\\omega t) / \\omega", True),
+    ("4.5 \\times 10^{33} \\mathrm{erg/s}", "4.5e33", True),
+    ("41.8 \\mathrm{~nm}", "41.8", True),
+    ("1.6 \\text{ km}", "1.6", True),
+    ("9.6 \\mathrm{~s}", "9.6", True),
+    ("\\frac{2\\pi}{\\omega}", "2 \\pi / \\omega", True),
+    ("\\frac{\\pi}{\\omega}", "2 \\pi / \\omega", False),
+    ("125-1.25P", "X_{d}=125-1.25 P", True),
+    ("X_d = 125 - 1.25P", "X_{d}=125-1.25 P", True),
+    ("\\frac{e^{t}}{3}", "e^{t} / 3", True),
+    # OlympiadBench: `$…$` per element, named left-hand sides, degrees and percent in lists
+    ("\\frac{1}{2n+2}", "$\\frac{1}{2 n+2}$", True),
+    ("69, 84", "$69$,$84$", True),
+    ("84, 69", "$69$,$84$", True),
+    ("69", "$69$,$84$", False),
+    ("1", "$k=1$", True),
+    ("2", "$k=1$", False),
+    ("2x", "$f(x)=2 x$", True),
+    ("f(x) = 2x", "$f(x)=2 x$", True),
+    ("n^2 - n - 1", "$m_{\\max }=n^{2}-n-1$", True),
+    ("2^{N-2}+1", "$M=2^{N-2}+1$", True),
+    ("\\frac{9}{32}\\sqrt{2}", "$M=\\frac{9}{32} \\sqrt{2}$", True),
+    ("k+4", "$n=k+4$", True),
+    ("k+5", "$n=k+4$", False),
+    ("62.5\\%", "62.5%", True),
+    ("8", "$8 \\%$", True),
+    ("8\\%", "$8 \\%$", True),
+    ("90, 60", "$90^{\\circ}$,$60^{\\circ}$", True),
+    ("90^\\circ, 60^\\circ", "$90^{\\circ}$,$60^{\\circ}$", True),
+    ("90, 45", "$90^{\\circ}$,$60^{\\circ}$", False),
+    ("18.8", "$18.8^{\\circ}$", True),
+    ("(-\\infty,0)\\cup\\{1\\}", "$(-\\infty, 0) \\cup\\{1\\}$.", True),
+    ("(2+\\sqrt2, 1+\\sqrt2)", "$\\quad(2+\\sqrt{2}, 1+\\sqrt{2})$", True),
+    ("2, -6-4\\sqrt{2}", "$a=2$, $a=-6-4 \\sqrt{2}$", True),
+    ("2", "$a=2$, $a=-6-4 \\sqrt{2}$", False),
+    ("\\lfloor \\frac{2n}{3} \\rfloor + 1", "$N(n)=\\left\\lfloor\\frac{2 n}{3}\\right\\rfloor+1$", True),
+    ("1.68, 0.45", "$1.68,0.45$", True),
+    ("7500, 2500", "2500,7500", True),
+    ("k \\ge 2", "$k \\geqslant 2$", True),
+    # MATH-500: mixed numbers, money, leading-dot decimals, degrees, choices, vectors, bases
+    ("\\frac{9}{5}", "1\\frac{4}{5}", True),
+    ("1.8", "1\\frac{4}{5}", True),
+    ("\\frac{4}{5}", "1\\frac{4}{5}", False),
+    ("\\frac{275}{2}", "137 \\frac{1}{2}", True),
+    ("137.5", "137 \\frac{1}{2}", True),
+    ("137", "137 \\frac{1}{2}", False),
+    ("36", "\\$36", True),
+    ("36 dollars", "\\$36", True),
+    ("\\$36.00", "\\$36", True),
+    ("36 \\text{ dollars}", "\\$36", True),
+    ("6.72 \\times 10^{-5}", ".0000672", True),
+    ("0.0000672", ".0000672", True),
+    ("145", "145^\\circ", True),
+    ("145 degrees", "145^\\circ", True),
+    ("145^{\\circ}", "145^\\circ", True),
+    ("\\frac{270}{7}^\\circ", "\\frac{270}7\\text{ degrees}", True),
+    ("\\textbf{(C)}", "\\text{(C)}", True),
+    ("\\text{C}", "\\text{(C)}", True),
+    ("\\begin{pmatrix} -\\frac13 \\\\ \\frac23 \\\\ \\frac53 \\end{pmatrix}",
+     "\\begin{pmatrix} -1/3 \\\\ 2/3 \\\\ 5/3 \\end{pmatrix}", True),
+    ("4210_5", "4210_{5}", True),
+    ("10{,}080", "10,\\!080", True),
+    ("\\$32,348", "\\$32,\\!348", True),
+    ("864 \\text{ square inches}", "864 \\mbox{ inches}^2", True),
+    ("2x+3", "y = 2x + 3", True),
+    # AIME / AMC: integers, boxed ground truths
+    ("204.0", "\\boxed{204}", True),
+    ("\\text{204}", "\\boxed{204}", True),
+    ("204 \\text{ ways}", "\\boxed{204}", True),
+    ("2.04 \\times 10^2", "\\boxed{204}", True),
+    ("0204", "\\boxed{204}", True),
+    ("240", "\\boxed{204}", False),
+]
+
+REPEATING_DECIMAL_CASES = [
+    ("0.\\overline{3}", "\\frac13", True),
+    ("0.\\overline{3}", "1/3", True),
+    ("\\frac{1}{3}", "0.\\overline{3}", True),
+    ("0.\\overline{6}", "\\frac23", True),
+    ("0.1\\overline{6}", "\\frac16", True),
+    ("0.\\overline{142857}", "\\frac17", True),
+    ("1.\\overline{27}", "\\frac{14}{11}", True),
+    ("0.\\overline{9}", "1", True),
+    ("0.\\bar{3}", "\\frac13", True),
+    ("0.\\dot{3}", "\\frac13", True),
+    (".\\overline{3}", "\\frac13", True),
+    ("-0.\\overline{3}", "-\\frac13", True),
+    ("2.\\overline{5}", "\\frac{23}{9}", True),
+    ("0.\\overline{12}", "\\frac{4}{33}", True),
+    ("0.\\overline{3}", "0.3", False),
+    ("0.\\overline{3}", "\\frac{3}{10}", False),
+    ("0.\\overline{12}", "\\frac{12}{100}", False),
+    ("0.1\\overline{6}", "\\frac{1}{6.5}", False),
+]
+
+# Rule: an integer directly followed by \frac{p}{q} with integers 0 < p < q is a mixed number (MATH writes
+# `1\frac{4}{5}`, `137 \frac{1}{2}`); with p >= q it is a product (`3\frac{5}{2}` = 15/2).
+MIXED_NUMBER_CASES = [
+    ("2\\frac{1}{2}", "\\frac52", True),
+    ("2\\frac12", "\\frac{5}{2}", True),
+    ("2 \\frac{1}{2}", "2.5", True),
+    ("2\\dfrac{1}{2}", "\\frac52", True),
+    ("-2\\frac{1}{2}", "-\\frac{5}{2}", True),
+    ("-2\\frac{1}{2}", "-\\frac{3}{2}", False),
+    ("2\\frac{1}{2}", "1", False),
+    ("2\\frac{1}{2}", "\\frac{1}{2}", False),
+    ("\\frac{5}{2}", "2\\frac{1}{2}", True),
+    ("3\\frac{3}{4}", "\\frac{15}{4}", True),
+    ("3\\frac{3}{4}", "\\frac{9}{4}", False),
+    ("10\\frac{2}{3}", "\\frac{32}{3}", True),
+    ("5\\frac{1}{2}\\text{ inches}", "\\frac{11}{2}", True),
+    ("3\\frac{5}{2}", "\\frac{15}{2}", True),
+    ("3\\frac{5}{2}", "\\frac{11}{2}", False),
+]
+
+UNIT_CASES = [
+    ("5\\mbox{cm}", "5", True),
+    ("5 \\mathrm{cm}", "5", True),
+    ("5\\,\\mathrm{cm}", "5", True),
+    ("5\\ \\text{cm}^2", "5", True),
+    ("5\\text{m}", "5", True),
+    ("5 \\mathrm{kg}", "5", True),
+    ("9.8 \\mathrm{m/s^2}", "9.8", True),
+    ("9.8 \\mathrm{~m} / \\mathrm{s}^{2}", "9.8", True),
+    ("3 \\times 10^{8} \\mathrm{~m/s}", "3e8", True),
+    ("25^\\circ C", "25", True),
+    ("25^{\\circ}\\mathrm{C}", "25", True),
+    ("30 \\text{ percent}", "30", True),
+    ("12 cm", "12", True),
+    ("12 \\text{cm}", "12", True),
+    ("100 dollars", "100", True),
+    ("\\$100", "100", True),
+    ("100 \\text{ dollars}", "\\$100", True),
+    ("6 \\text{ apples}", "6", True),
+    ("5 \\mathrm{cm}", "6", False),
+    ("6m", "6", False),
+    ("6 \\text{ apples}", "7", False),
+    # number words
+    ("5 thousand", "5000", True),
+    ("5 \\text{ thousand}", "5000", True),
+    ("2.5 million", "2500000", True),
+    ("2.5 \\text{ million}", "2,500,000", True),
+    ("3 billion", "3000000000", True),
+    ("1.2 million dollars", "1200000", True),
+    ("\\$1.2 million", "1200000", True),
+    ("4 hundred", "400", True),
+    ("5000", "5 \\text{ thousand}", True),
+    ("5 thousand", "500", False),
+    ("2.5 million", "2.5", False),
+    # thousands separators followed by units
+    ("1,000 meters", "1000", True),
+    ("1,000 \\text{ meters}", "1000", True),
+    ("1{,}000\\text{ m}", "1000", True),
+    ("\\$1,000", "1000", True),
+    ("\\$1,000.50", "1000.5", True),
+    ("12,345 \\text{ cm}^2", "12345", True),
+    ("1,000,000 dollars", "1000000", True),
+    ("1,000\\,\\mathrm{km}", "1000", True),
+    ("2,500 \\text{ students}", "2500", True),
+    ("1,000 meters", "100", False),
+    ("1,000 meters", "1", False),
+]
+
+PM_CASES = [
+    ("1+\\sqrt{19}, 1-\\sqrt{19}", "1 \\pm \\sqrt{19}", True),
+    ("1-\\sqrt{19}, 1+\\sqrt{19}", "1 \\pm \\sqrt{19}", True),
+    ("\\{1-\\sqrt{19}, 1+\\sqrt{19}\\}", "1 \\pm \\sqrt{19}", True),
+    ("x = 1 \\pm \\sqrt{19}", "1 \\pm \\sqrt{19}", True),
+    ("1 \\mp \\sqrt{19}", "1 \\pm \\sqrt{19}", True),
+    ("1 \\pm \\sqrt{19}", "1+\\sqrt{19}, 1-\\sqrt{19}", True),
+    ("3+2\\sqrt2, 3-2\\sqrt2", "3 \\pm 2 \\sqrt{2}", True),
+    ("3\\pm 2\\sqrt{2}", "3+2\\sqrt2, 3-2\\sqrt2", True),
+    ("1+\\sqrt5, 1-\\sqrt5, -2", "\\{1\\pm\\sqrt{5},-2\\}", True),
+    ("\\pm 2", "2, -2", True),
+    ("\\pm 2", "-2,2", True),
+    ("2, -2", "\\pm 2", True),
+    ("x = \\pm 3", "3, -3", True),
+    ("\\pm\\frac{1}{2}", "\\frac12, -\\frac12", True),
+    ("1+\\sqrt{19}", "1 \\pm \\sqrt{19}", False),
+    ("1 \\pm \\sqrt{19}", "1 \\pm \\sqrt{20}", False),
+    ("\\pm 2", "2", False),
+    ("2", "\\pm 2", False),
+    ("1+\\sqrt5, 1-\\sqrt5", "\\{1\\pm\\sqrt{5},-2\\}", False),
+]
+
+NAMED_LHS_CASES = [
+    ("3", "k=3", True),
+    ("3", "k = 3", True),
+    ("4", "k=3", False),
+    ("x = 5", "x = 5", True),
+    ("5", "x_1 = 5", True),
+    ("5", "a_{n} = 5", True),
+    ("2x", "f(x) = 2x", True),
+    ("f(x)=2x", "f(x) = 2x", True),
+    ("n^2", "f(n)=n^{2}", True),
+    ("n^2+1", "f(n)=n^{2}", False),
+    ("n^2-n-1", "m_{\\max}=n^2-n-1", True),
+    ("\\frac{1}{2}", "p = \\frac{1}{2}", True),
+    ("0.5", "p = \\frac{1}{2}", True),
+    ("0.6", "p = \\frac{1}{2}", False),
+    ("\\frac{\\pi}{3}", "\\theta = \\frac{\\pi}{3}", True),
+    ("60^\\circ", "\\theta = 60^\\circ", True),
+    ("5x-7y+11z+4=0", "5x - 7y + 11z + 4 = 0", True),
+    ("k=3", "3", True),
+]
+
+NEW_CASES = (ADVERSARIAL_CASES + BENCHMARK_STYLE_CASES + REPEATING_DECIMAL_CASES + MIXED_NUMBER_CASES + UNIT_CASES
+             + PM_CASES + NAMED_LHS_CASES)
+
+
+@pytest.mark.parametrize("answer, gold, expected", NEW_CASES)
+def test_grade_issue_12_cases(answer, gold, expected):
+    g = grade(f"Some reasoning... so the answer is $\\boxed{{{answer}}}$.", gold)
+    assert g.correct is expected, g
+
+
+def test_box_that_is_not_math_is_wrong_and_says_so():
+    assert grade("\\boxed{12345 garbage)( 7}", "7") == Grade(False, "12345 garbage)( 7", "not_math")
+    assert grade("Answer: def f(): return 7", "7").reason == "not_math"
+    # ... unless the whole box is, normalised, the ground truth itself
+    assert grade("\\boxed{12345 garbage)( 7}", "12345  garbage)( 7").correct
+
+
+def test_list_ground_truth_is_any_of():
+    assert grade("\\boxed{2}", ["1", "2"]) == Grade(True, "2", "string")
+    assert grade("\\boxed{0.5}", ("\\frac{1}{3}", "\\frac12")).correct
+    assert not grade("\\boxed{3}", ["1", "2"]).correct
+    assert not grade("\\boxed{3}", []).correct
+    # a list is not the string of the list (the old "['1', '2']" bug)
+    assert not grade("\\boxed{['1', '2']}", ["1", "2"]).correct
+
+
+def _equivalent_forms(gt):
+    """Forms a model writes for the reference answer `gt`, each equal to it by the conventions of its set."""
+    forms = []
+    s = gt.strip()
+    inner = s[len("\\boxed{"):-1] if s.startswith("\\boxed{") and s.endswith("}") else s
+    bare = inner.strip("$ .") if inner.count("$") == 2 and inner.startswith("$") else inner
+    if bare != s:
+        forms.append(bare)  # without `$…$` / `\boxed{}`
+    if m := re.fullmatch(r"(-?)(\d+)\./(\d+)", bare):  # Minerva's Python floats: -1./3
+        forms += [f"{m[1]}\\frac{{{m[2]}}}{{{m[3]}}}", f"{m[1]}{m[2]}/{m[3]}"]
+    if m := re.fullmatch(r"(-?\d+(?:\.\d+)?)[eE]([+-]?\d+)", bare):  # Minerva's e-notation
+        forms += [f"{m[1]} \\times 10^{{{int(m[2])}}}", f"{m[1]}\\cdot10^{{{int(m[2])}}}"]
+    if re.fullmatch(r"-?\d+", bare):
+        forms += [f"{bare}.0", f"\\text{{{bare}}}", f"{bare} \\text{{ ways}}"]
+    if re.fullmatch(r"-?\d*\.\d+", bare):
+        forms.append(bare + "0")
+    if m := re.fullmatch(r"(-?)\\frac\{(\d+)\}\{(\d+)\}", bare):
+        forms += [f"{m[1]}{m[2]}/{m[3]}", f"{m[1]}\\dfrac{{{m[2]}}}{{{m[3]}}}", f"{m[1]}\\frac{{{2 * int(m[2])}}}{{{2 * int(m[3])}}}"]
+    if m := re.fullmatch(r"(\d+)\s*\\frac\{?(\d)\}?\{?(\d)\}?", bare):  # mixed number → improper fraction
+        forms.append(f"\\frac{{{int(m[1]) * int(m[3]) + int(m[2])}}}{{{m[3]}}}")
+    if m := re.fullmatch(r"(.+?)\s*\^\s*\{?\\circ\}?", bare):  # degrees
+        forms += [m[1], f"{m[1]}^{{\\circ}}", f"{m[1]} degrees"]
+    if m := re.fullmatch(r"\\text\{\(([A-E])\)\}", bare):  # multiple choice
+        forms += [m[1], f"({m[1]})", f"\\textbf{{({m[1]})}}"]
+    if m := re.fullmatch(r"\\\$(\d+(?:\.\d\d)?)", bare):  # money
+        forms += [m[1], f"{m[1]} dollars"]
+    if m := re.fullmatch(r"x \\in (.+)", bare):
+        forms.append(m[1])
+    if m := re.fullmatch(r"([a-zA-Z])\s*=\s*([^=,]+)", bare):  # a named left-hand side
+        forms.append(m[2])
+    if m := re.fullmatch(r"([^,]+?)\s*\\pm\s*([^,]+)", bare):  # ± as the two-element set
+        forms.append(f"{m[1]} + {m[2]}, {m[1]} - {m[2]}")
+    if "," in bare and re.fullmatch(r"[-\d,\s]+", bare) and not re.fullmatch(r"\d{1,3}(?:,\d{3})+", bare):
+        forms.append(", ".join(reversed([p.strip() for p in bare.split(",")])))
+    if m := re.fullmatch(r"(\d+)\s*\\mbox\{\s*(\w+)\}\^2", bare):
+        forms += [m[1], f"{m[1]} \\text{{ square {m[2]}}}"]
+    return [f for f in dict.fromkeys(forms) if f != gt]
+
+
+def _shipped_ground_truths():
+    pq = pytest.importorskip("pyarrow.parquet")
+    from opd.eval.benchmarks import BENCHMARKS, benchmark_path
+
+    return [(name, rm["ground_truth"]) for name in BENCHMARKS
+            for rm in pq.read_table(benchmark_path(name), columns=["reward_model"]).column("reward_model").to_pylist()]
+
+
+def test_every_shipped_reference_answer_matches_its_equivalent_forms():
+    pairs = [(name, form, gt) for name, gt in _shipped_ground_truths() for form in _equivalent_forms(gt)]
+    assert len(pairs) > 3000 and {name for name, _, _ in pairs} == {"aime24", "aime25", "amc23", "math500",
+                                                                     "minerva", "olympiadbench"}
+    failures = [(name, form, gt) for name, form, gt in pairs if not grade(f"\\boxed{{{form}}}", gt).correct]
+    assert failures == []
+
 
 @pytest.mark.parametrize(
     "text, expected",
@@ -251,13 +605,14 @@ def test_benchmark_answers_unwrap_boxed_ground_truth():
             assert grade(f"Answer: {inner}", gt, timeout=0).correct, gt
 
 
-def test_integer_grading_is_fast():
+def test_integer_grading_never_reaches_sympy():
+    # what makes it fast (~30k grades/s, benchmarks/grading_latency.py): stages 1-2 decide every integer pair
     reasoning = "Let me think step by step. " * 40
-    start = time.perf_counter()
+    before = grading._STATS["symbolic"]
     for i in range(2000):
         assert grade(f"{reasoning} so \\boxed{{{i}}}", str(i)).correct
         assert not grade(f"{reasoning} so \\boxed{{{i + 1}}}", str(i)).correct
-    assert time.perf_counter() - start < 4.0  # ~0.1 s unloaded; 4000 grades
+    assert grading._STATS["symbolic"] == before
 
 
 GARBAGE = [
@@ -289,11 +644,11 @@ GARBAGE = [
 
 
 @pytest.mark.parametrize("response, gold", GARBAGE, ids=range(len(GARBAGE)))
-def test_garbage_never_raises_and_is_quick(response, gold):
-    start = time.perf_counter()
+def test_garbage_never_raises(response, gold):
     g = grade(response, gold, timeout=1.0)
     assert isinstance(g, Grade) and isinstance(g.correct, bool)
-    assert time.perf_counter() - start < 3.0
+    if len(response) > 2 * grading.MAX_ANSWER_CHARS:  # long inputs never reach sympy
+        assert g.reason in {"too_long", "no_answer", "string", "numeric", "empty", "not_math"}, g
 
 
 def test_non_string_inputs_do_not_raise():
@@ -305,10 +660,7 @@ def test_non_string_inputs_do_not_raise():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.text(max_size=400), st.text(max_size=40))
 def test_random_text_never_raises(response, gold):
-    start = time.perf_counter()
-    g = grade(response, gold, timeout=0.5)
-    assert isinstance(g, Grade)
-    assert time.perf_counter() - start < 0.5 + 2.0
+    assert isinstance(grade(response, gold, timeout=0.5), Grade)
 
 
 LATEX_ALPHABET = list("0123456789+-*/^_()[]{},.=x ") + [
@@ -319,11 +671,8 @@ LATEX_TEXT = st.lists(st.sampled_from(LATEX_ALPHABET), max_size=25).map("".join)
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(LATEX_TEXT, st.sampled_from(["1", "(1,2)", "x+1", "[0,1)"]))
-def test_random_latex_never_raises_and_respects_timeout(answer, gold):
-    start = time.perf_counter()
-    g = grade(f"\\boxed{{{answer}}}", gold, timeout=0.5)
-    assert isinstance(g, Grade)
-    assert time.perf_counter() - start < 0.5 + 2.0
+def test_random_latex_never_raises(answer, gold):
+    assert isinstance(grade(f"\\boxed{{{answer}}}", gold, timeout=0.5), Grade)
 
 
 @settings(max_examples=200, deadline=None)
@@ -342,65 +691,90 @@ def test_fraction_forms_agree(p, q):
 
 
 def test_main_thread_timeout_bounds_pathological_input():
-    start = time.perf_counter()
-    g = grade(f"\\boxed{{{PATHOLOGICAL}}}", "1", timeout=1.0)
-    elapsed = time.perf_counter() - start
-    assert g == Grade(False, PATHOLOGICAL, "timeout")
-    assert elapsed < 1.0 + 1.5
-
-
-def test_main_thread_timer_restores_previous_alarm():
-    import signal
-
-    def outer(signum, frame):
-        raise AssertionError("outer alarm fired")
-
     grading._verdicts.clear()
-    previous = signal.signal(signal.SIGALRM, outer)
-    signal.setitimer(signal.ITIMER_REAL, 100.0)
-    try:
-        assert grade("\\boxed{(3,\\pi/2)}", "\\left( 3, \\frac{\\pi}{2} \\right)").correct
-        assert grade(f"\\boxed{{{PATHOLOGICAL}}}", "1", timeout=0.3).reason == "timeout"
-        assert signal.getsignal(signal.SIGALRM) is outer
-        assert 90.0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 100.0
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    g = grade(f"\\boxed{{{PATHOLOGICAL}}}", "1", timeout=1.0)
+    assert g == Grade(False, PATHOLOGICAL, "timeout")
+
+
+def test_timeouts_are_cached_per_pair():
+    grading._verdicts.clear()
+    ran, cached = grading._STATS["symbolic"], grading._STATS["cached"]
+    assert grade(f"\\boxed{{{PATHOLOGICAL}}}", "2", timeout=0.5).reason == "timeout"
+    assert grading._STATS["symbolic"] == ran + 1
+    for _ in range(3):  # the same pair again, same or smaller budget: answered from the cache
+        assert grade(f"so $\\boxed{{{PATHOLOGICAL}}}$", "\\boxed{2}", timeout=0.3).reason == "timeout"
+    assert grading._STATS["symbolic"] == ran + 1 and grading._STATS["cached"] == cached + 3
+    # a larger budget tries again
+    assert grade(f"\\boxed{{{PATHOLOGICAL}}}", "2", timeout=0.6).reason == "timeout"
+    assert grading._STATS["symbolic"] == ran + 2
+    # verdicts are cached too
+    assert grade("\\boxed{\\sqrt{8}}", "2\\sqrt2").correct and grade("\\boxed{\\sqrt{8}}", "2\\sqrt2").correct
+    assert grading._STATS["symbolic"] == ran + 3
+
+
+def test_grading_never_evals_model_output(monkeypatch):
+    import builtins
+
+    grade("\\boxed{\\sqrt{2}/2}", "\\frac{1}{\\sqrt2}")  # imports first: importing a module execs its code
+    grading._verdicts.clear()
+    grading._parse.cache_clear()
+    calls = []
+    real_eval, real_exec = builtins.eval, builtins.exec
+    monkeypatch.setattr(builtins, "eval", lambda *a, **k: calls.append(("eval", a[0])) or real_eval(*a, **k))
+    monkeypatch.setattr(builtins, "exec", lambda *a, **k: calls.append(("exec", a[0])) or real_exec(*a, **k))
+    canaries = [("\\sqrt{86753^{2}}", "86753"), ("86753 + zq", "zq + 86753"), ("86753.5 \\cdot 2", "173507"),
+                ("__import__('os').system('echo 86753')", "0"), ("86753*2", "173506")]
+    for answer, gold, _ in CASES + NEW_CASES:
+        grade(f"\\boxed{{{answer}}}", gold)
+    for answer, gold in canaries:
+        grade(f"\\boxed{{{answer}}}", gold)
+        grade(f"Answer: {answer}", gold)
+    monkeypatch.undo()
+    assert grading._STATS["symbolic"] > 0
+    # sympy evals some strings of its own (unit prefixes on first use, templates); never a piece of an answer
+    # (latex2sympy's numbers are built without sympify, math-verify's parse_expr extraction is not used)
+    assert not [c for c in calls if any(mark in str(c[1]) for mark in ("86753", "zq", "__import__"))]
 
 
 # cases that only the symbolic stage can decide
-SYMBOLIC_CASES = [c for c in CASES if grading._compare(c[0], c[1], timeout=0) == (False, "string")]
+SYMBOLIC_CASES = [c for c in CASES if grading._compare(c[0], c[1], None) == (False, "string")]
 
 
 def test_grading_from_threads_matches_and_times_out():
     assert len(SYMBOLIC_CASES) >= 20
     grading._verdicts.clear()  # earlier tests graded these in the main thread: make the workers do it
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
-        futures = [ex.submit(grade, f"\\boxed{{{a}}}", gt) for a, gt, _ in SYMBOLIC_CASES]
+        # a generous budget: this checks the verdicts from workers, on a machine of any load
+        futures = [ex.submit(grade, f"\\boxed{{{a}}}", gt, timeout=60.0) for a, gt, _ in SYMBOLIC_CASES]
         results = [f.result() for f in futures]
         assert [r.correct for r in results] == [e for _, _, e in SYMBOLIC_CASES]
         assert {r.reason for r in results} <= {"symbolic", "numeric", "string"}
         assert threading.current_thread() is threading.main_thread()
-
-        # workers are warm now: the deadline must hold for every concurrent pathological grade
-        def timed():
-            start = time.perf_counter()
-            g = grade(f"\\boxed{{{PATHOLOGICAL}}}", "1", timeout=1.0)
-            return g, time.perf_counter() - start
-
-        for g, elapsed in ex.map(lambda _: timed(), range(2)):
+        # the deadline holds in workers too: both concurrent pathological grades are interrupted
+        for g in ex.map(lambda _: grade(f"\\boxed{{{PATHOLOGICAL}}}", "1", timeout=3.0), range(2)):
             assert g.reason == "timeout" and not g.correct
-            assert elapsed < 1.0 + grading._WORKER_GRACE_S + 2.0
+
+
+def test_worker_pool_starts_its_workers_once():
+    starts = grading._STATS["worker_starts"]
+    pool = grading._WorkerPool(size=2)
+    try:
+        assert grading._STATS["worker_starts"] == starts + 1  # started with the pool, before the first call
+        end = lambda: time.monotonic() + 60.0  # noqa: E731
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            for k in range(6):  # one caller at a time: the first call starts a spare, then no worker ever starts
+                assert ex.submit(pool.compare, f"\\sqrt{{{k * k}}}", str(k), end()).result() == (True, "symbolic", True)
+        assert grading._STATS["worker_starts"] == starts + 2 and len(pool.all) == 2
+    finally:
+        pool.close()
 
 
 def test_worker_overrunning_hard_deadline_is_killed():
     worker = grading._Worker()
     try:
         assert worker.compare("1", "1", 5.0, hard_deadline_s=60.0) == (True, "symbolic")
-        start = time.perf_counter()
         # the worker's own alarm (60 s) is later than our hard deadline (0.5 s): we must give up
         assert worker.compare(PATHOLOGICAL, "1", 60.0, hard_deadline_s=0.5) is None
-        assert time.perf_counter() - start < 2.0
     finally:
         worker.kill()
     assert worker.proc.poll() is not None
@@ -409,11 +783,29 @@ def test_worker_overrunning_hard_deadline_is_killed():
 def test_pool_replaces_a_killed_worker(monkeypatch):
     pool = grading._WorkerPool(size=1)
     try:
-        # a negative grace puts our hard deadline (0.3 s) before the worker's own alarm (1 s)
-        monkeypatch.setattr(grading, "_WORKER_GRACE_S", -0.7)
-        assert pool.compare(PATHOLOGICAL, "1", 1.0) == (False, "timeout")
-        monkeypatch.setattr(grading, "_WORKER_GRACE_S", 1.0)
-        assert pool.compare("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}", 5.0) == (True, "symbolic")
-        assert pool.count == 1 and len(pool.all) == 1 and not pool.broken
+        assert pool.all[0].wait_ready(time.monotonic() + 60.0)
+        # a negative margin puts the worker's own alarm after our deadline: we kill it at the deadline
+        monkeypatch.setattr(grading, "_WORKER_MARGIN_S", -5.0)
+        first = pool.all[0]
+        assert pool.compare(PATHOLOGICAL, "1", time.monotonic() + 1.0) == (False, "timeout", True)
+        assert first.proc.poll() is not None and pool.all[0] is not first
+        monkeypatch.setattr(grading, "_WORKER_MARGIN_S", 0.25)
+        assert pool.compare("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}", time.monotonic() + 60.0) == (True, "symbolic", True)
+        assert len(pool.all) == 1 and not pool.broken
+    finally:
+        pool.close()
+
+
+def test_pool_queues_callers_and_says_busy_at_the_deadline():
+    pool = grading._WorkerPool(size=1)
+    try:
+        assert pool.all[0].wait_ready(time.monotonic() + 60.0)
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            slow = ex.submit(pool.compare, PATHOLOGICAL, "3", time.monotonic() + 2.0)
+            while pool.idle:  # until it has taken the only worker
+                time.sleep(0.01)
+            assert pool.compare("\\sqrt{4}", "2", time.monotonic() + 0.5) == (False, "busy", False)
+            assert slow.result()[:2] == (False, "timeout")
+        assert pool.compare("\\sqrt{4}", "2", time.monotonic() + 60.0) == (True, "symbolic", True)
     finally:
         pool.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Collection, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -62,6 +62,9 @@ class DataSpec(Section):
     max_prompt_length: int = Field(1024, ge=1, description="Longest rendered prompt in tokens.")
     on_overflow: Literal["filter", "error"] = Field("filter", description="Longer prompts are dropped (and counted) or an error.")
     limit: int | None = Field(None, ge=1, description="Use only the first N prompts; None: all.")
+    on_missing_answer: Literal["error", "skip", "keep"] = Field(
+        "error", description="A row without a ground truth (null, absent, empty) while answer_key is set: error "
+        "(one line naming the row), skip (dropped, counted in the log) or keep (no answer; OPD without GRPO needs none).")
 
 
 class EvalConfig(Section):
@@ -87,7 +90,9 @@ class EvalConfig(Section):
     limit: int | None = Field(None, ge=1, description="Evaluate only the first N problems of each benchmark.")
     seed: int = Field(0, description="Sampling seed; the same seed reproduces the samples.")
     out: str | None = Field(None, description="Output directory; None: runs/eval-<timestamp>. Rerunning into it resumes.")
-    timeout: float = Field(5.0, gt=0, description="Seconds allowed for one answer comparison.")
+    timeout: float = Field(5.0, gt=0, description="Wall-time budget in seconds of one response's symbolic grading (imports and worker start-up included); a comparison that runs out counts as wrong.")
+    on_missing_answer: Literal["error", "skip"] = Field(
+        "error", description="A benchmark row (or --responses line) without a ground truth: error (one line naming it) or skip (dropped, counted).")
 
 
 # --------------------------------------------------------------------------------------------- loading / merging
@@ -149,6 +154,20 @@ def flatten_dotted(data: dict, prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def check_same_work(out: str | Path, saved: dict[str, Any], current: dict[str, Any], *, what: str,
+                    ignore: Collection[str] = ()) -> None:
+    """Resume the work in `out` only with the settings it was made with.
+
+    `saved` / `current`: flat dotted dicts (`flatten_dotted`) of what made the work and of this run. The first key
+    of `saved` (in its order) outside `ignore` whose values differ raises ValueError, one line naming it, old → new.
+    Keys `saved` lacks (written by an older opd) are not compared. Used by `opd rollout` and `opd eval`.
+    """
+    for key, value in saved.items():
+        if key not in ignore and value != current.get(key):
+            raise ValueError(f"{out} holds {what} made with another {key}: {value!r} → {current.get(key)!r} in "
+                             f"this run; use another --out, or the same settings to resume")
 
 
 def set_dotted(data: dict, key: str, value: Any) -> None:
@@ -333,6 +352,8 @@ class EvalSpec(Section):
     limit: int | None = Field(None, ge=1, description="First N problems of each benchmark.")
     prompt_key: str = Field("prompt", description="Prompt column of benchmark files given by path.")
     answer_key: str = Field("reward_model.ground_truth", description="Answer column of benchmark files given by path.")
+    on_missing_answer: Literal["error", "skip"] = Field(
+        "error", description="A benchmark row without a ground truth: error (one line naming it) or skip (dropped, counted).")
 
 
 class DistillConfig(Section):

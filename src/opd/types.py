@@ -13,12 +13,13 @@ class Prompt:
     """One prompt of a prompt set.
 
     messages: chat messages `[{"role": ..., "content": ...}]`, the last one the user turn.
-    answer:   ground truth for rule-based grading, or None when the set has none.
+    answer:   ground truth for rule-based grading: a string, a list of strings (any of them is correct), or None
+              when the set has none.
     """
 
     id: str
     messages: list[dict[str, str]]
-    answer: str | None = None
+    answer: str | list[str] | None = None
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
 

@@ -383,7 +383,7 @@ def score_prompt_file(config: PromptScoreConfig, *, console: Any = None) -> Path
     check_tokenizer_compatibility(student_tokenizer, teacher_tokenizer)
     data = config.data
     prompts = load_prompts(data.path, prompt_key=data.prompt_key, answer_key=data.answer_key, id_key=data.id_key,
-                           split=data.split, limit=data.limit)
+                           split=data.split, limit=data.limit, on_missing_answer="keep")  # answers are not graded here
 
     repair_jsonl(out)
     done = read_scores(out) if out.is_file() else []
@@ -466,7 +466,7 @@ def summarize_scores(scores: Sequence[PromptScore]) -> str:
 def retemplate_file(source: str | Path, out: str | Path, template: str, *, prompt_key: str = "prompt",
                     answer_key: str | None = "reward_model.ground_truth", id_key: str | None = None) -> str:
     """Run `opd prompts template`: load, `retemplate`, save (verl layout, by `out`'s extension). Returns a summary."""
-    prompts = load_prompts(source, prompt_key=prompt_key, answer_key=answer_key, id_key=id_key)
+    prompts = load_prompts(source, prompt_key=prompt_key, answer_key=answer_key, id_key=id_key, on_missing_answer="keep")
     templated = retemplate(prompts, template)
     changed = sum(a.messages != b.messages for a, b in zip(prompts, templated))
     path = save_prompts(templated, out)
@@ -479,7 +479,7 @@ def select_prompt_file(source: str | Path, scores: str | Path, out: str | Path, 
                        id_key: str | None = None) -> str:
     """Run `opd prompts select`: load the set (and `mix_with`, read with the same column mapping) and the scores,
     `select_prompts`, save. Returns a summary line."""
-    mapping = dict(prompt_key=prompt_key, answer_key=answer_key, id_key=id_key)
+    mapping = dict(prompt_key=prompt_key, answer_key=answer_key, id_key=id_key, on_missing_answer="keep")
     prompts = load_prompts(source, **mapping)
     score_list = read_scores(scores)
     others = load_prompts(mix_with, **mapping) if mix_with is not None else None

@@ -529,7 +529,7 @@ def dedup_files(
     console = console or Console()
     start = time.perf_counter()
     _check_outputs(in_path, against, out, report)
-    a_prompts = load_prompts(in_path, prompt_key=prompt_key, answer_key=answer_key)
+    a_prompts = load_prompts(in_path, prompt_key=prompt_key, answer_key=answer_key, on_missing_answer="keep")
     b_prompts = None if against is None else load_prompts(
         against, prompt_key=against_prompt_key or prompt_key, answer_key=None)
     result = dedup(a_prompts, b_prompts, **options)

@@ -7,6 +7,12 @@ Sources (`load_prompts`):
     (plain text becomes one user message);
   - Hugging Face `datasets`: a directory written by `save_to_disk`, or a hub id (needs the network).
 
+Ground truths (`answer_key`): a string, a number (written with `str`), or a list of them meaning "any of these is
+correct" (kept as a list; a one-element list is unwrapped); `grade` accepts both forms. A row whose answer is null,
+absent, empty or NaN has no ground truth: by default that is an error naming the row (`on_missing_answer="error"`),
+or the row is dropped with a logged count ("skip"), or kept without an answer ("keep", for tools that only carry
+answers along). Booleans and nested values are refused: `True` is not a math answer.
+
 Dotted keys (`reward_model.ground_truth`) reach into struct / dict columns (and dicts stored as JSON strings);
 a column literally named with a dot wins. Columns the mapping does not use go to `Prompt.meta` in their nested
 layout (null fields dropped: columnar files fill absent fields with nulls), so `save_prompts` writes a verl-layout
@@ -22,8 +28,10 @@ from __future__ import annotations
 import csv
 import difflib
 import json
+import logging
+import math
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -39,6 +47,11 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 JSON_SUFFIXES = (".json",)
 CSV_SUFFIXES = (".csv", ".tsv")
 _ACCEPTED = ".parquet, .jsonl, .json, .csv, a `datasets` save_to_disk directory, or a Hugging Face hub id"
+
+_log = logging.getLogger(__name__)
+
+OnMissingAnswer = Literal["error", "skip", "keep"]
+ON_MISSING_ANSWER = ("error", "skip", "keep")
 
 _DEFAULT_SOURCE_KEY = "data_source"
 _AUTO_ID_KEYS = ("extra_info.index", "id")
@@ -62,14 +75,15 @@ def load_prompts(
     split: str = "train",
     hub_config: str | None = None,
     limit: int | None = None,
+    on_missing_answer: OnMissingAnswer = "error",
 ) -> list[Prompt]:
     """Read a prompt set into `Prompt` records, in file order.
 
     source:     a file (.parquet, .jsonl, .json, .csv), a `save_to_disk` directory, or a hub id ("owner/name").
     prompt_key: column of the prompt: chat messages `[{role, content}]`, a JSON string of them, or plain text
                 (→ one user message).
-    answer_key: column of the ground truth (str; numbers are written with `str`, a one-element list is unwrapped,
-                longer lists are joined with ", "); None for a set without answers.
+    answer_key: column of the ground truth: a str, a number (written with `str`) or a list of them (any of them
+                is correct; kept as a list of str, a one-element list unwrapped); None for a set without answers.
     id_key:     column of the id; None picks `extra_info.index`, else `id`, else the row number; `ROW_ID` forces
                 the row number. Ids must be unique.
     source_key: column naming the set; when the default `data_source` is absent the file stem is used.
@@ -77,10 +91,15 @@ def load_prompts(
     split:      split of a hub dataset or of a saved `DatasetDict`; ignored for files.
     hub_config: configuration name of a hub dataset (e.g. "main" for "openai/gsm8k").
     limit:      keep only the first `limit` rows (≥ 1).
+    on_missing_answer: a row without a ground truth (null, absent, empty, NaN) when `answer_key` is set:
+                "error" (a `DataError` naming the row), "skip" (dropped; the count is logged) or "keep" (answer None).
     Returns a non-empty list of `Prompt`; raises `DataError` (one line) on anything it cannot read.
     """
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise DataError(f"load_prompts: limit must be an integer ≥ 1 or None, got {limit!r}")
+    if on_missing_answer not in ON_MISSING_ANSWER:
+        raise DataError(f"load_prompts: on_missing_answer must be one of {', '.join(ON_MISSING_ANSWER)}, got "
+                        f"{on_missing_answer!r}")
     rows, origin, stem = _read_rows(source, split=split, hub_config=hub_config, limit=limit)
     if not rows:
         raise DataError(f"{origin}: the prompt set is empty (0 rows); expected at least one row")
@@ -102,22 +121,33 @@ def load_prompts(
                             f"hold the prompts: pass prompt_key=<the prompt column>")
     used_keys = [k for k in (prompt_key, answer_key, id_key, source_key, system_key) if k and k != ROW_ID]
 
-    prompts, seen = [], {}
+    prompts, seen, skipped = [], {}, []
     for i, row in enumerate(rows):
         messages = _to_messages(get_field(row, prompt_key), origin, i, prompt_key)
         if system_key is not None:
             system = get_field(row, system_key)
             if isinstance(system, str) and system and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": system}, *messages]
-        answer = None if answer_key is None else _to_answer(get_field(row, answer_key), origin, i, answer_key)
+        answer = None if answer_key is None else to_answer(get_field(row, answer_key), f"{origin}: row {i}", answer_key)
         raw_id = None if id_key == ROW_ID else get_field(row, id_key)
         pid = str(i) if raw_id is None or raw_id is MISSING else str(raw_id)
         if pid in seen:
+            j, other = seen[pid]
+            same = "the same answer" if other == answer else f"answer {_short(other, 40)} there, {_short(answer, 40)} here"
             raise DataError(
-                f"{origin}: id {pid!r} of row {i} (field {id_key!r}) repeats row {seen[pid]}; ids must be unique: "
+                f"{origin}: id {pid!r} of row {i} (field {id_key!r}) repeats row {j} ({same}); ids must be unique: "
                 f"pass id_key=<unique column> or id_key={ROW_ID!r} for row numbers"
             )
-        seen[pid] = i
+        seen[pid] = (i, answer)
+        if answer_key is not None and answer is None:
+            if on_missing_answer == "error":
+                raise DataError(
+                    f"{origin}: row {i} (id {pid!r}) field {answer_key!r} is {describe_missing(get_field(row, answer_key))}: "
+                    f"no ground truth; fix the row, or pass on_missing_answer=skip to drop such rows (keep: no answer)"
+                )
+            if on_missing_answer == "skip":
+                skipped.append(i)
+                continue
         src = get_field(row, source_key)
         prompts.append(
             Prompt(
@@ -128,6 +158,12 @@ def load_prompts(
                 meta=_leftover(row, used_keys),
             )
         )
+    if skipped:
+        if not prompts:
+            raise DataError(f"{origin}: every row's {answer_key!r} is empty (null, absent or blank), so "
+                            f"on_missing_answer=skip left no prompt; check answer_key")
+        _log.warning("%s: skipped %d of %d rows without a ground truth in %r (first: row %d; on_missing_answer=skip)",
+                     origin, len(skipped), len(rows), answer_key, skipped[0])
     return prompts
 
 
@@ -143,7 +179,10 @@ def save_prompts(prompts: Iterable[Prompt], path: str | Path) -> Path:
     if suffix not in PARQUET_SUFFIXES + JSONL_SUFFIXES:
         raise DataError(f"{path}: cannot save prompts as {suffix or 'a file without extension'!r}; "
                         f"accepted: .parquet, .jsonl, .ndjson")
-    records = [_to_record(p) for p in prompts]
+    prompts = list(prompts)
+    # a column mixing strings and lists has no arrow type (it would be stored as JSON text): lists for all
+    as_lists = any(isinstance(p.answer, list) for p in prompts)
+    records = [_to_record(p, answer_as_list=as_lists) for p in prompts]
     if not records:
         raise DataError(f"{path}: refusing to save an empty prompt set; expected at least one prompt")
     with atomic_path(path) as tmp:  # temp file + rename, with the user's umask (not mkstemp's 0600)
@@ -349,17 +388,40 @@ def _to_messages(value: Any, origin: str, row: int, key: str) -> list[dict[str, 
                     f"string or a non-empty list of {{'role', 'content'}} messages (or a JSON string of one)")
 
 
-def _to_answer(value: Any, origin: str, row: int, key: str) -> str | None:
-    if value is None or value is MISSING:
+def to_answer(value: Any, where: str, key: str) -> str | list[str] | None:
+    """A ground truth as read from a record: str, list of str (any of them is correct; one element is unwrapped),
+    or None when there is none (null, `MISSING`, blank, NaN, a list of those). Raises `DataError` naming `where`
+    (e.g. "file: row 3") and field `key` for a bool, a dict or a nested list. Public: `opd eval --responses` uses it.
+    """
+    if isinstance(value, (list, tuple)):
+        items = [_scalar_answer(v, where, key) for v in value]
+        items = [v for v in items if v is not None]
+        return None if not items else items[0] if len(items) == 1 else items
+    return _scalar_answer(value, where, key)
+
+
+def _scalar_answer(value: Any, where: str, key: str) -> str | None:
+    if value is None or value is MISSING or (isinstance(value, float) and math.isnan(value)):
         return None
     if isinstance(value, str):
-        return value
-    if isinstance(value, (int, float)):
+        return value if value.strip() else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float)) for v in value):
-        return str(value[0]) if len(value) == 1 else ", ".join(map(str, value))
-    raise DataError(f"{origin}: row {row} field {key!r} is {_short(value)} ({type(value).__name__}); "
+    raise DataError(f"{where} field {key!r} is {_short(value)} ({type(value).__name__}); "
                     f"expected a string, a number or a list of them")
+
+
+def describe_missing(value: Any) -> str:
+    """How a missing ground truth was written, for messages."""
+    if value is MISSING:
+        return "absent"
+    if value is None:
+        return "null"
+    if isinstance(value, float):
+        return "NaN"
+    if isinstance(value, str):
+        return "an empty string"
+    return f"{_short(value, 40)} (no non-empty entry)"
 
 
 def _drop_nulls(value: Any) -> Any:
@@ -399,15 +461,16 @@ def _leftover(row: dict, used_keys: list[str]) -> dict[str, Any]:
 # ---------------------------------------------------------------- writing
 
 
-def _to_record(p: Prompt) -> dict[str, Any]:
+def _to_record(p: Prompt, answer_as_list: bool = False) -> dict[str, Any]:
     """One verl-layout row; the record's own answer and id win over stale copies in `meta`."""
     meta = {k: v for k, v in p.meta.items() if k not in ("prompt", "data_source")}
     reward_model = _without(meta.pop("reward_model", None), "ground_truth")
     extra_info = _without(meta.pop("extra_info", None), "index")
+    answer = [p.answer] if answer_as_list and isinstance(p.answer, str) else p.answer
     return {
         "data_source": p.source,
         "prompt": [{"role": m["role"], "content": m["content"]} for m in p.messages],
-        "reward_model": {"ground_truth": p.answer, **reward_model},  # verl's field order
+        "reward_model": {"ground_truth": answer, **reward_model},  # verl's field order
         "extra_info": {"index": p.id, **extra_info},
         **meta,
     }

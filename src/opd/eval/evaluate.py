@@ -1,35 +1,49 @@
 """`opd eval`: sample n answers per benchmark problem, grade them, report avg@n / pass@k / maj@n.
 
 Two modes: with a model (generate, then grade) and with `responses` (grade existing generations, the
-reference's `grade.py` use case). Outputs in the run directory: `config.yaml`, `samples.jsonl` (one line per
-sample, appended as work finishes) and `results.json` (written atomically at the end).
+reference's `grade.py` use case). Outputs in the run directory: `identity.json` (what the samples are made with),
+`config.yaml`, `samples.jsonl` (one line per sample, appended as work finishes) and `results.json` (written
+atomically at the end).
 
-Resume: problems are processed in fixed chunks whose sampling seed depends only on (seed, benchmark, chunk index),
-so a rerun into the same directory skips every chunk already in `samples.jsonl` and reproduces the rest exactly
-as an uninterrupted run would have.
+Resume. Problems are processed in fixed chunks whose sampling seed depends only on (seed, benchmark, chunk index),
+so a rerun into the same directory keeps every complete chunk of `samples.jsonl` and reproduces the rest exactly as
+an uninterrupted run would have. A rerun must ask for the identical work: `identity.json` records the model (path
+and a fingerprint of its files: every config/tokenizer file, and size + safetensors header + 16 sampled 64 KiB
+blocks of each weight file, so a model retrained in place is noticed without hashing gigabytes), every setting that
+changes the samples, and a hash of each benchmark's loaded problems and answers; any difference is refused with one
+line naming it, old → new, before a model is loaded. Not in it: the device and the grading timeout (they do not
+change what was sampled). A chunk counts as done only when all its n × problems lines are there and valid; a partial
+chunk (a kill or a full disk mid-append) is dropped from the file and redone.
+
+Omitted on purpose: extending a finished directory with more benchmarks, problems or samples (that is other work:
+use another --out), and hashing all weight bytes (minutes for a 7B model, for what the sampled blocks already show).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from opd.config import EvalConfig, save_config
-from opd.io import append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
+from opd.config import EvalConfig, check_same_work, flatten_dotted, save_config
+from opd.io import append_jsonl, atomic_write_json, read_jsonl, write_jsonl
 from opd.report.sinks import progress_bar
+
+IDENTITY_FILE = "identity.json"
+_OUR_FILES = ("config.yaml", "samples.jsonl", "results.json")
 
 
 @dataclass
 class EvalProblem:
-    """One problem to evaluate: the prompt token ids and its ground truth."""
+    """One problem to evaluate: the prompt token ids and its ground truth (a list: any of them)."""
 
     benchmark: str
     problem_id: str
     prompt_ids: list[int]
-    answer: str
+    answer: str | list[str]
 
 
 def default_run_dir(prefix: str) -> Path:
@@ -56,9 +70,14 @@ def evaluate(config: EvalConfig, *, generator: Any = None, tokenizer: Any = None
         parse_template(config.template)  # a bad template fails before the model loads
     run_dir = Path(config.out) if config.out else default_run_dir("eval")
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, run_dir)
     if config.responses is not None and generator is None:
-        records = grade_responses_file(config.responses, timeout=config.timeout)
+        identity = {"mode": "responses", "responses": str(config.responses),
+                    "responses_sha256": _file_sha256(Path(config.responses)),
+                    "on_missing_answer": config.on_missing_answer}
+        check_resumable(run_dir, identity)
+        records = grade_responses_file(config.responses, timeout=config.timeout,
+                                       on_missing_answer=config.on_missing_answer, console=console)
+        _start_work(run_dir, identity, config)
         write_jsonl(run_dir / "samples.jsonl", records)
     else:
         records = _sample_and_grade(config, run_dir, generator, tokenizer, console)
@@ -70,6 +89,110 @@ def evaluate(config: EvalConfig, *, generator: Any = None, tokenizer: Any = None
     return results
 
 
+# ------------------------------------------------------------------------------------------------ identity
+
+
+def check_resumable(run_dir: Path, identity: dict[str, Any]) -> None:
+    """Refuse (ValueError, one line) a run directory holding eval output made with anything but `identity`."""
+    saved_path = run_dir / IDENTITY_FILE
+    if saved_path.is_file() and not any(_non_empty(run_dir / name) for name in ("samples.jsonl", "results.json")):
+        return  # ours, but nothing was written under it yet
+    if not saved_path.is_file():
+        ours = [name for name in _OUR_FILES if (run_dir / name).exists()]
+        if ours:
+            raise ValueError(f"{run_dir} holds {', '.join(ours)} but no {IDENTITY_FILE} (another command's output, "
+                             f"or an older opd's); use another --out")
+        return
+    try:
+        saved = json.loads(saved_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{saved_path}: unreadable ({e}); use another --out") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{saved_path}: not a JSON object; use another --out")
+    check_same_work(run_dir, flatten_dotted(saved), flatten_dotted(identity), what="eval samples")
+
+
+def _non_empty(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
+
+
+def _start_work(run_dir: Path, identity: dict[str, Any], config: EvalConfig) -> None:
+    """identity.json first, then config.yaml: a directory with our files but no identity is never ours."""
+    atomic_write_json(run_dir / IDENTITY_FILE, identity)
+    save_config(config, run_dir)
+
+
+def model_identity(config: EvalConfig) -> dict[str, Any]:
+    """What of the model decides the samples: path, a fingerprint of its local files, dtype, attention, remote code."""
+    spec = config.model
+    return {"path": spec.path, "files": model_fingerprint(spec.path), "dtype": spec.dtype,
+            "attn_implementation": spec.attn_implementation, "trust_remote_code": spec.trust_remote_code}
+
+
+_MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".model", ".txt", ".jinja", ".py", ".tiktoken")
+_FULL_HASH_BELOW = 1 << 20
+_BLOCKS, _BLOCK_SIZE = 16, 1 << 16
+
+
+def model_fingerprint(path: str) -> str | None:
+    """A short hash of a model directory's config, tokenizer and weight files (weights: size, safetensors header and
+    16 sampled 64 KiB blocks, so it costs milliseconds for any model size). None for a hub id not in the local cache."""
+    root = _local_model_dir(path)
+    if root is None:
+        return None
+    digest = hashlib.sha256()
+    for file in sorted(root.iterdir()):
+        if file.is_file() and file.suffix in _MODEL_FILE_SUFFIXES:
+            digest.update(f"{file.name}\0{_file_fingerprint(file)}\0".encode())
+    return digest.hexdigest()[:16]
+
+
+def _local_model_dir(path: str) -> Path | None:
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    try:  # a hub id: its snapshot in the local cache, without the network
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=str(path), local_files_only=True))
+    except Exception:
+        return None
+
+
+def _file_fingerprint(file: Path) -> str:
+    size = file.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(file, "rb") as handle:
+        if size <= _FULL_HASH_BELOW:
+            digest.update(handle.read())
+            return digest.hexdigest()
+        if file.suffix == ".safetensors":  # 8-byte little-endian length, then the JSON header (names, shapes, offsets)
+            length = int.from_bytes(handle.read(8), "little")
+            digest.update(handle.read(min(length, 100 << 20)))
+        for k in range(_BLOCKS):
+            handle.seek((size - _BLOCK_SIZE) * k // (_BLOCKS - 1))
+            digest.update(handle.read(_BLOCK_SIZE))
+    return digest.hexdigest()
+
+
+def _file_sha256(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def _problems_sha256(prompts: list) -> str:
+    """Hash of a benchmark as loaded: ids, messages and answers, in order (what the samples and grades depend on)."""
+    digest = hashlib.sha256()
+    for p in prompts:
+        digest.update(json.dumps([p.id, p.messages, p.answer], ensure_ascii=False).encode() + b"\n")
+    return digest.hexdigest()[:16]
+
+
 # ------------------------------------------------------------------------------------------------ model mode
 
 
@@ -77,6 +200,20 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
     from opd.data.templates import encode_prompts
     from opd.eval.benchmarks import load_benchmark
     from opd.rollout import SamplingParams
+
+    loaded = {}
+    for benchmark in config.benchmarks:
+        name = Path(benchmark).stem if Path(benchmark).suffix else benchmark
+        loaded[name] = load_benchmark(benchmark, prompt_key=config.prompt_key, answer_key=config.answer_key,
+                                      on_missing_answer=config.on_missing_answer)
+    identity = {
+        "mode": "model", "model": model_identity(config),
+        **{key: getattr(config, key) for key in ("n", "temperature", "top_p", "top_k", "max_new_tokens", "seed",
+                                                 "template", "enable_thinking", "max_prompt_length", "batch_size",
+                                                 "limit", "prompt_key", "answer_key", "on_missing_answer")},
+        "benchmarks": {name: _problems_sha256(prompts) for name, prompts in loaded.items()},
+    }
+    check_resumable(run_dir, identity)  # before any model is loaded
 
     if generator is None:
         from opd.models import load_model
@@ -90,16 +227,11 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
             attn_implementation=config.model.attn_implementation,
         )
         generator = make_generator(model, tokenizer, max_batch_size=config.batch_size)
-
-    samples_path = run_dir / "samples.jsonl"
-    repair_jsonl(samples_path)
-    done = read_jsonl(samples_path) if samples_path.exists() else []
-    done_chunks = {(r["benchmark"], r["chunk"]) for r in done}
+        identity["model"] = model_identity(config)  # a hub id is in the local cache now
 
     problems_per_chunk = max(1, config.batch_size // config.n)
-    work: list[tuple[str, int, list[EvalProblem]]] = []
-    for benchmark in config.benchmarks:
-        prompts = load_benchmark(benchmark, prompt_key=config.prompt_key, answer_key=config.answer_key)
+    chunks: list[tuple[str, int, list[EvalProblem]]] = []
+    for name, prompts in loaded.items():
         if config.limit:
             prompts = prompts[: config.limit]
         encoded = encode_prompts(
@@ -110,19 +242,23 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
             enable_thinking=config.enable_thinking,
         )
         if encoded.num_filtered:
-            console.print(f"[yellow]{benchmark}: {encoded.num_filtered} prompts longer than {config.max_prompt_length} tokens skipped[/]")
-        name = Path(benchmark).stem if Path(benchmark).suffix else benchmark
-        problems = [
-            EvalProblem(name, p.id, ids, p.answer or "") for p, ids in zip(encoded.prompts, encoded.input_ids)
-        ]
+            console.print(f"[yellow]{name}: {encoded.num_filtered} prompts longer than {config.max_prompt_length} tokens skipped[/]")
+        problems = [EvalProblem(name, p.id, ids, p.answer) for p, ids in zip(encoded.prompts, encoded.input_ids)]
         for index in range(0, len(problems), problems_per_chunk):
-            chunk_id = index // problems_per_chunk
-            if (name, chunk_id) not in done_chunks:
-                work.append((name, chunk_id, problems[index : index + problems_per_chunk]))
+            chunks.append((name, index // problems_per_chunk, problems[index : index + problems_per_chunk]))
 
+    samples_path = run_dir / "samples.jsonl"
+    done, dropped = complete_chunks(samples_path, chunks, config.n)
+    _start_work(run_dir, identity, config)
+    if dropped:  # partial chunks, broken or stray lines: rewrite the file without them (atomically), then redo
+        write_jsonl(samples_path, [r for records in done.values() for r in records])
+    work = [chunk for chunk in chunks if (chunk[0], chunk[1]) not in done]
+    if done or dropped:
+        console.print(f"resuming: {len(done)} of {len(chunks)} chunks complete in {samples_path}"
+                      + (f"; {dropped} lines of partial chunks dropped, those chunks are redone" if dropped else ""))
+
+    records_done = [r for records in done.values() for r in records]
     total = sum(len(chunk) for _, _, chunk in work)
-    if done:
-        console.print(f"resuming: {len(done_chunks)} chunks already graded in {samples_path}")
     with progress_bar(console) as progress:
         task = progress.add_task("sampling + grading", total=total)
         for benchmark, chunk_id, chunk in work:
@@ -153,9 +289,48 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
                     )
                 )
             append_jsonl(samples_path, records)
-            done.extend(records)
+            records_done.extend(records)
             progress.advance(task, len(chunk))
-    return done
+    return records_done
+
+
+def complete_chunks(path: Path, chunks: list[tuple[str, int, list[EvalProblem]]],
+                    n: int) -> tuple[dict[tuple[str, int], list[dict]], int]:
+    """The complete chunks of `samples.jsonl` ({(benchmark, chunk): its records}) and the number of lines that are not
+    part of one (broken JSON, invalid records, lines of a partial chunk, duplicates, lines of no planned chunk).
+
+    A chunk is complete when every (problem, sample) it plans has exactly one valid line."""
+    if not path.exists():
+        return {}, 0
+    expected = {(name, chunk_id): {(p.problem_id, s) for p in chunk for s in range(n)} for name, chunk_id, chunk in chunks}
+    found: dict[tuple[str, int], dict[tuple[str, int], dict]] = {}
+    lines = 0
+    for line in path.read_bytes().split(b"\n"):
+        if not line.strip():
+            continue
+        lines += 1
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if not _valid_record(record):
+            continue
+        key = (record["benchmark"], record["chunk"])
+        if (record["problem_id"], record["sample"]) in expected.get(key, ()):
+            found.setdefault(key, {}).setdefault((record["problem_id"], record["sample"]), record)
+    done = {key: list(records.values()) for key, records in found.items() if set(records) == expected[key]}
+    return done, lines - sum(map(len, done.values()))
+
+
+_RECORD_TYPES = {"benchmark": str, "problem_id": str, "sample": int, "chunk": int, "correct": bool, "truncated": bool,
+                 "response": str}
+
+
+def _valid_record(record: Any) -> bool:
+    return (isinstance(record, dict)
+            and all(isinstance(record.get(key), kind) for key, kind in _RECORD_TYPES.items())
+            and (record.get("extracted") is None or isinstance(record["extracted"], str))
+            and (record.get("num_tokens") is None or isinstance(record["num_tokens"], int)))
 
 
 def _chunk_seed(seed: int, benchmark: str, chunk_id: int) -> int:
@@ -163,8 +338,8 @@ def _chunk_seed(seed: int, benchmark: str, chunk_id: int) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
-def _graded_record(*, benchmark: str, problem_id: str, sample: int, response: str, answer: str, num_tokens: int | None,
-                   truncated: bool, timeout: float, chunk: int | None = None) -> dict:
+def _graded_record(*, benchmark: str, problem_id: str, sample: int, response: str, answer: str | list[str],
+                   num_tokens: int | None, truncated: bool, timeout: float, chunk: int | None = None) -> dict:
     from opd.eval.grading import grade
 
     result = grade(response, answer, timeout=timeout)
@@ -186,20 +361,26 @@ _ID_KEYS = ("problem_id", "id", "idx", "index", "extra_info.index", "prompt", "p
 _BENCHMARK_KEYS = ("benchmark", "data_source", "source", "dataset")
 
 
-def _first(record: dict, keys: tuple[str, ...]) -> tuple[str | None, Any]:
+def _first(record: dict, keys: tuple[str, ...], *, allow_null: bool = False) -> tuple[str | None, Any]:
+    """(key, value) of the first of `keys` the record has (a null value counts only with `allow_null`)."""
     from opd.data.prompts import MISSING, get_field
 
     for key in keys:
         value = get_field(record, key)
-        if value is not MISSING and value is not None:
+        if value is not MISSING and (allow_null or value is not None):
             return key, value
     return None, None
 
 
-def grade_responses_file(path: str | Path, *, timeout: float = 5.0) -> list[dict]:
+def grade_responses_file(path: str | Path, *, timeout: float = 5.0, on_missing_answer: str = "error",
+                         console: Any = None) -> list[dict]:
     """Grade a JSONL of existing generations. Each line holds a response (`response`, or a list in `responses`),
-    a ground truth (`answer` / `ground_truth` / `reward_model.ground_truth`), and optionally a problem id and a
-    benchmark name; lines with the same (benchmark, problem) are the n samples of one problem."""
+    a ground truth (`answer` / `ground_truth` / `reward_model.ground_truth`; a list means any of them), and
+    optionally a problem id and a benchmark name. Lines with the same (benchmark, problem) are the n samples of one
+    problem, so they must give the same ground truth (else ValueError naming both lines). A line whose ground
+    truth is null or empty is an error, or skipped with a count when `on_missing_answer="skip"`."""
+    from opd.data.prompts import describe_missing, to_answer
+
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"responses file {path} is a folder; expected a JSONL file of generations")
@@ -210,32 +391,55 @@ def grade_responses_file(path: str | Path, *, timeout: float = 5.0) -> list[dict
         raise ValueError(f"responses file {path} holds no records")
     records: list[dict] = []
     sample_counter: dict[tuple[str, str], int] = {}
+    answers: dict[tuple[str, str], tuple[int, Any]] = {}
+    skipped = []
     for line_number, row in enumerate(rows, start=1):
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{line_number}: expected a JSON object, got {type(row).__name__}")
         response_key, responses = _first(row, _RESPONSE_KEYS)
-        answer_key, answer = _first(row, _ANSWER_KEYS)
+        answer_key, raw_answer = _first(row, _ANSWER_KEYS, allow_null=True)
         if responses is None:
             raise ValueError(f"{path}:{line_number}: no response field; expected one of {', '.join(_RESPONSE_KEYS)}")
-        if answer is None:
+        if answer_key is None:
             raise ValueError(f"{path}:{line_number}: no ground-truth field; expected one of {', '.join(_ANSWER_KEYS)}")
+        answer = to_answer(raw_answer, f"{path}:{line_number}:", answer_key)
+        if answer is None:
+            if on_missing_answer == "skip":
+                skipped.append(line_number)
+                continue
+            raise ValueError(f"{path}:{line_number}: field {answer_key!r} is {describe_missing(raw_answer)}: no ground "
+                             f"truth; fix the line, or pass on_missing_answer=skip to leave such lines out")
         _, problem = _first(row, _ID_KEYS)
         _, benchmark = _first(row, _BENCHMARK_KEYS)
         benchmark = str(benchmark) if benchmark is not None else path.stem
         problem_id = str(problem) if problem is not None else f"line-{line_number}"
         if not isinstance(problem, (str, int)) and problem is not None:
             problem_id = str(problem)[:200]
+        key = (benchmark, problem_id)
+        first_line, first_answer = answers.setdefault(key, (line_number, answer))
+        if first_answer != answer:
+            raise ValueError(f"{path}:{line_number}: problem {problem_id[:80]!r} ({benchmark}) has ground truth "
+                             f"{str(answer)[:60]!r}, but line {first_line} gave it {str(first_answer)[:60]!r}; the lines "
+                             f"of one problem are its samples and share one ground truth: give each problem its own id")
         for response in responses if isinstance(responses, list) else [responses]:
-            key = (benchmark, problem_id)
             sample = sample_counter.get(key, 0)
             sample_counter[key] = sample + 1
             records.append(
                 _graded_record(
                     benchmark=benchmark, problem_id=problem_id, sample=sample, response=str(response),
-                    answer=str(answer), num_tokens=row.get("num_tokens"), truncated=bool(row.get("truncated", False)),
+                    answer=answer, num_tokens=row.get("num_tokens"), truncated=bool(row.get("truncated", False)),
                     timeout=timeout,
                 )
             )
+    if skipped:
+        if not records:
+            raise ValueError(f"responses file {path}: every line lacks a ground truth (on_missing_answer=skip left none)")
+        message = (f"{path}: skipped {len(skipped)} of {len(rows)} lines without a ground truth (first: line "
+                   f"{skipped[0]}; on_missing_answer=skip)")
+        if console is not None:
+            console.print(f"[yellow]{message}[/]")
+        else:
+            print(message)
     return records
 
 

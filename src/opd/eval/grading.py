@@ -7,33 +7,52 @@
    `normalize_final_answer` (volcengine/verl `verl/utils/reward_score/math_dapo.py`): `\\left`/`\\right`,
    thin spaces, `\\dfrac`/`\\tfrac`, `\\frac12`, `\\sqrt2`, `\\text{…}`, right units (`\\text{ cm}`), degrees,
    `\\%`, `\\$`, `x = ` prefixes, thousands separators, trailing periods. Unlike hendrycks we never rewrite
-   `\\\\` (matrix rows) and never strip a one-letter unit (`6m` is an answer, not six metres).
+   `\\\\` (matrix rows) and never strip a bare one-letter unit (`6m` is an answer, not six metres; inside a
+   text wrapper, `6\\,\\mathrm{m}`, it is a unit). Added here: unit wrappers `\\mbox`/`\\mathrm`/`\\textrm`
+   with any unit text (`9.8 \\mathrm{~m} / \\mathrm{s}^{2}`), `°C`, number words (`2.5 million`), Minerva's
+   Python spellings (`-1./3`, `np.arcsin`, `**`), and a named left-hand side (`k = 3`, `f(x) = 2x`,
+   `m_{\\max} = …`, or `a = 2, a = -6` for one name) is dropped on both sides.
 2. **numeric**: when both sides are plain numbers (integers, decimals, `a/b`, `\\frac{a}{b}`, `1.5e3`,
-   `1.5\\times10^{3}`, optional `%`) they are compared exactly as `Fraction`s; if either side is a
-   decimal, they may differ by 1e-6, both relative and absolute (`0.333333` = `1/3`, but
-   `1000000.5` ≠ `1000000`). math-verify instead rounds to 6 decimal places, which would equate
-   Minerva's `7.4e-12` and `7.5e-12`. No sympy here: integer
+   `1.5\\times10^{3}`, optional `%`, repeating decimals `0.1\\overline{6}`, mixed numbers) they are
+   compared exactly as `Fraction`s; if either side is a decimal, they may differ by 1e-6, both relative
+   and absolute (`0.333333` = `1/3`, but `1000000.5` ≠ `1000000`). math-verify instead rounds to 6
+   decimal places, which would equate Minerva's `7.4e-12` and `7.5e-12`. No sympy here: integer
    answers grade at ~30k/s (9 kB responses, one core).
-3. **symbolic**: `math_verify.parse` + `math_verify.verify` on the cleaned strings (each wrapped in
-   `\\boxed{}`), bounded by `timeout` seconds for the parse + verify of one pair.
+   Mixed numbers: an integer directly followed by `\\frac{p}{q}` with integers 0 < p < q is N + p/q (the MATH
+   convention: `1\\frac{4}{5}`, `137 \\frac{1}{2}`); with p ≥ q it is the product (`3\\frac{5}{2}` = 15/2). Inside
+   a larger expression latex2sympy's own rule applies (an integer times a positive rational is mixed).
+3. **symbolic**: the *whole* cleaned answer is parsed by latex2sympy (after math-verify's `normalize_latex`)
+   and the two sympy objects are compared by `math_verify.verify`. We do not use `math_verify.parse`: its
+   extraction regexes search inside the string, so a box that is not math (`12345 garbage)( 7`, Python
+   code ending in `7`) used to be read as its last number. An answer that does not parse as a whole is
+   wrong unless stage 1 already matched it with the ground truth (reason "not_math"). `\\pm` answers parse
+   as the two-element set they stand for (`1 \\pm \\sqrt{19}` = `1+\\sqrt{19}, 1-\\sqrt{19}`).
 
-Timeouts. math-verify's own timeout is `signal.alarm`: whole seconds and main thread only (it raises
-`ValueError` elsewhere). We disable it and bound the symbolic stage ourselves:
+Ground truths: a string, or a list/tuple of strings meaning "any of them" (`grade(r, ["1", "2"])`).
+
+Time. `timeout` (seconds) bounds the symbolic stage of one `grade` call, from its start: one-time imports,
+waiting for and starting a grading worker, parsing and verifying all count, so a call returns within about
+`timeout` (measured: `benchmarks/grading_latency.py`). Verdicts, timeouts included, are cached per
+(answer, ground truth), so a pathological pair costs its budget once per process, not once per sample
+(a cached timeout is retried only with a larger budget). math-verify's own timeout is `signal.alarm`
+(whole seconds, main thread only); we disable it and bound the work ourselves:
 - main thread (POSIX): `signal.setitimer` with a float deadline raising a `BaseException` (so broad
   `except Exception` in sympy/latex2sympy cannot swallow it), re-armed every 50 ms until we leave;
   the previous SIGALRM handler and timer are restored.
 - any other thread: the pair goes to a pool of grading subprocesses (`python -c` loading this file
-  by path, so the package's `__init__` is not imported; JSON lines over pipes). The worker applies
-  the same alarm; if it still has not answered `timeout + 1 s` later (a C-level loop), it is killed
-  and replaced. Waiting for a free worker or for a fresh worker's start-up (~1-5 s: the sympy import) is
-  not counted in `timeout`. Workers exit when the parent closes their stdin or exits.
+  by path, so the package's `__init__` is not imported; JSON lines over pipes), started once per process
+  (the first worker when the pool is made; a killed one is replaced at once). The worker applies the same
+  alarm, ending shortly before our deadline; if it has not answered at the deadline (a C-level loop), it is
+  killed. Callers queue for a worker first come first served; one that gets none in time answers "busy",
+  which is not cached (that was the load, not the pair).
 - answers longer than `MAX_ANSWER_CHARS` skip stages 2-3 (exact string match only), so 100 kB of
   garbage is rejected in microseconds; extraction itself is a single linear pass.
 
-Omitted, on purpose: executing or `eval`-ing model output (never); Minerva's ±1 % numeric tolerance
-(the reference recipe grades with math-verify, which does not have it); `\\text{…}` case folding in the
-string stage (math-verify lowercases text in stage 3); POSIX only (the worker pool relies on `select`
-over pipes).
+Omitted, on purpose: executing or `eval`-ing model output (never: math-verify's `ExprExtractionConfig`,
+which hands text to sympy's `parse_expr`, an `eval`, is not used); Minerva's ±1 % numeric tolerance (the
+reference recipe grades with math-verify, which does not have it); `\\text{…}` case folding in the string
+stage (latex2sympy lowercases text in stage 3); units written bare after a number with one letter
+(`9.8 m/s`); POSIX only (the worker pool relies on `select` over pipes).
 """
 
 from __future__ import annotations
@@ -49,21 +68,29 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter, deque
 from dataclasses import dataclass
+from decimal import Decimal
 from fractions import Fraction
 from functools import lru_cache
+from typing import Sequence
 
 _log = logging.getLogger(__name__)
 
 MAX_ANSWER_CHARS = 1000
 """Extracted answers / ground truths longer than this are compared by exact string match only."""
 
+DEFAULT_TIMEOUT_S = 5.0
+"""Default wall-time budget (seconds) of the symbolic stage of one `grade` call."""
+
 _TOL = Fraction(1, 10**6)  # stage 2: relative and absolute
 _ALARM_REPEAT_S = 0.05
-_WORKER_GRACE_S = 1.0
-_WORKER_START_S = 120.0
+_RETURN_MARGIN_S = 0.3  # measured: an interrupted comparison returns 10-30 ms after its alarm, up to ~0.3 s at load 5 on 2 cores
+_WORKER_MARGIN_S = 0.25  # the worker's own alarm ends this long before our deadline, so it can still answer
+_STATS = Counter()  # "symbolic": comparisons run, "cached": cache hits, "timeout", "worker_starts"
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "Grade",
     "MAX_ANSWER_CHARS",
     "answer_key",
@@ -78,10 +105,12 @@ __all__ = [
 class Grade:
     """Outcome of grading one response.
 
-    correct:   True iff the extracted answer is equivalent to the ground truth.
+    correct:   True iff the extracted answer is equivalent to the ground truth (to one of them, for a list).
     extracted: the answer found in the response (`extract_answer`), None if there was none.
-    reason:    the stage that decided: "string" | "numeric" | "symbolic" | "no_answer" | "empty" |
-               "too_long" | "timeout" | "unavailable" (symbolic stage could not run) | "error".
+    reason:    the stage that decided: "string" | "numeric" | "symbolic" | "not_math" (an answer or ground
+               truth that does not parse as a whole) | "no_answer" | "empty" | "too_long" | "timeout" |
+               "busy" (no grading worker free before the deadline; not cached) | "unavailable" (symbolic
+               stage could not run) | "error: …".
     """
 
     correct: bool
@@ -89,31 +118,48 @@ class Grade:
     reason: str
 
 
-def grade(response: str, ground_truth: str, *, timeout: float = 5.0) -> Grade:
+def grade(response: str, ground_truth: str | Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S) -> Grade:
     """Grade a model response against a ground truth (which may itself be wrapped in `\\boxed{}`).
 
-    `timeout` (seconds) bounds the symbolic comparison; `<= 0` skips it. Never raises.
+    ground_truth: a string, or a list/tuple of strings of which any one counts as correct (SPEC §8 names
+    `grade(response: str, ground_truth: str)`; the sequence form is an extension, a str behaves as before).
+    `timeout` (seconds) bounds the symbolic comparison of the whole call; `<= 0` skips it. Never raises.
     """
     extracted = None
     try:
         extracted = extract_answer(response)
         if extracted is None:
             return Grade(False, None, "no_answer")
-        correct, reason = _compare(extracted, _unwrap_gold(ground_truth), timeout)
-        return Grade(correct, extracted, reason)
+        deadline = _deadline(timeout)
+        golds = list(ground_truth) if isinstance(ground_truth, (list, tuple)) else [ground_truth]
+        reason = "empty"
+        for gold in golds:
+            correct, reason = _compare(extracted, _unwrap_gold(gold), deadline)
+            if correct:
+                return Grade(True, extracted, reason)
+        return Grade(False, extracted, reason)
     except Exception as e:  # the contract is "never raises": a grading bug must not kill an eval
         return Grade(False, extracted, f"error: {type(e).__name__}")
 
 
-def is_equivalent(pred: str, gold: str, *, timeout: float = 5.0) -> bool:
+def is_equivalent(pred: str, gold: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
     """True iff answer `pred` is equivalent to answer `gold` (string, numeric, then symbolic stage).
 
-    Not symmetric for equations (`2x+3` matches gold `y=2x+3`, as in math-verify). Never raises.
+    Not symmetric for equations (`2x+3` matches gold `2x+3=y`, as in math-verify). Never raises.
     """
     try:
-        return _compare(pred, gold, timeout)[0]
+        return _compare(pred, gold, _deadline(timeout))[0]
     except Exception:
         return False
+
+
+def _deadline(timeout: float | None) -> tuple[float, float] | None:
+    """(monotonic deadline, budget) of a call, None when the symbolic stage is off. The deadline keeps
+    `_RETURN_MARGIN_S` for unwinding an interrupted sympy call, so that the call returns within `timeout`."""
+    if timeout is None or not timeout > 0:
+        return None
+    timeout = min(float(timeout), 1e6)
+    return time.monotonic() + max(timeout - _RETURN_MARGIN_S, timeout / 2), timeout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,40 +246,72 @@ def _unwrap_whole_box(s: str) -> str:
 _UNICODE = {
     "\u2212": "-", "\u2013": "-", "\u00d7": "\\times ", "\u22c5": "\\cdot ", "\u00b7": "\\cdot ",
     "\u03c0": "\\pi ", "\u221e": "\\infty ", "\u221a": "\\sqrt", "\u2264": "\\le ", "\u2265": "\\ge ",
-    "\u00b0": "^\\circ", "\u00a0": " ", "\u2009": " ", "\u202f": " ",
+    "\u00b0": "^\\circ", "\u00a0": " ", "\u2009": " ", "\u202f": " ", "\u00b1": "\\pm ", "\u2213": "\\mp ",
 }
 _UNICODE_RE = re.compile("|".join(map(re.escape, _UNICODE)))
 # A matrix row break `\\` is matched first, so that its second backslash is not read as `\ `.
 _SPACING_RE = re.compile(r"\\\\|\\[,;:> ]|\\q?quad(?![A-Za-z])|\\displaystyle(?![A-Za-z])|~")
 _LEFT_RIGHT_RE = re.compile(r"\\(?:left|right)\.|\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])")
-_DEGREE_RE = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ(?![A-Za-z])|\\degree(?![A-Za-z])")
+# `90^\circ`, `25^{\circ}\mathrm{C}`, `25°C`: the degree sign and a Celsius/Fahrenheit letter after it
+_DEGREE_RE = re.compile(
+    r"(?:\^\s*\{\s*\\circ\s*\}|\^\s*\\circ(?![A-Za-z])|\\degree(?![A-Za-z]))"
+    r"(?:\s*(?:\\(?:text|mathrm|mbox|textrm)\s*\{\s*[CF]\s*\}|[CF](?![A-Za-z])))?"
+)
 _MATH_DELIMS_RE = re.compile(r"^\\[(\[](.*)\\[)\]]$", re.S)
 _BARE_PERCENT_RE = re.compile(r"(?<!\\)%")
 _SCI_E_RE = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))[eE]([+-]?\d{1,4})$")
 _THOUSANDS_RE = re.compile(r"^([+-]?)(\d{1,3}(?:,\d{3})+)(\.\d+)?$")
+# Minerva writes Python: `-1./3`, `np.arcsin(10/13)`, `2**10`. A dot ending a number is dropped (not before
+# `\overline` etc.: `1.\overline{27}`), a module prefix becomes a TeX command, `**` a power.
+_PY_TRAILING_DOT_RE = re.compile(r"(?<=\d)\.(?![\d.]|\\(?:overline|bar|dot)(?![A-Za-z]))")
+_PY_MODULE_RE = re.compile(r"(?<![\w\\])(?:np|numpy|math|sp|sympy)\.(arcsin|arccos|arctan|sinh|cosh|tanh|sin|cos|tan|exp|pi)\b")
 _UNITS = (
     "square|sq|cubic|units?|degrees?|radians?|cents?|dollars?|hours?|hrs?|minutes?|mins?|seconds?|"
-    "secs?|days?|weeks?|months?|years?|mph|kph|km|cm|mm|meters?|metres?|feet|foot|ft|inches|inch|"
-    "miles?|yards?|yd|gm|grams?|kg|pounds?|lbs?|ounces?|oz|liters?|litres?|ml|points?|ways|people|"
-    "students|persons|marbles|integers|digits|edges|meals|multiples|times|sides|coins|pieces|percent"
+    "secs?|days?|weeks?|months?|years?|mph|kph|km|cm|mm|nm|meters?|metres?|feet|foot|ft|inches|inch|"
+    "miles?|yards?|yd|gm|grams?|kg|mg|pounds?|lbs?|ounces?|oz|liters?|litres?|ml|mL|points?|ways|people|"
+    "students|persons|marbles|integers|digits|edges|meals|multiples|times|sides|coins|pieces|percent|"
+    "USD|usd|euros?|Hz|kHz|MHz|GHz|eV|keV|MeV|GeV|ergs?|AU|pc|kpc|Mpc|yrs?|arcsec|arcmin|atm|mol|kcal|cal|kJ|kW"
 )
-# Right units: `\text{ cm}^2` / `\text{cm}` / ` cm` after the value (hendrycks `_remove_right_units`).
-_TEXT_UNIT_RE = re.compile(
-    r"(?<=\S)\s*\\(?:text|mbox|mathrm|textrm)\{(?:\s[^{}]*|\s*(?:" + _UNITS + r")\s*)\}(?:\^\{?\d\}?)?\s*$"
+_NUMBER_WORDS = {"hundred": 2, "thousand": 3, "million": 6, "billion": 9, "trillion": 12}
+_NUMBER_WORD = "(?:" + "|".join(_NUMBER_WORDS) + ")"
+# A text-wrapped tail after the value: `\text{ cm}^2`, `\mbox{cm}`, `\,\mathrm{~m} / \mathrm{s}^{2}`
+# (hendrycks `_remove_right_units`, widened to every wrapper and to unit text without a leading space).
+_TEXT_TAIL_RE = re.compile(
+    r"(?<=\S)\s*(?:/|\\cdot(?![A-Za-z]))?\s*\\(?:text|mbox|mathrm|textrm)\s*\{([^{}]*)\}"
+    r"(?:\s*\^\s*(?:\{\s*-?\d{1,2}\s*\}|-?\d))?\s*$"
 )
-_WORD_UNIT_RE = re.compile(r"(?<=[\d}.])\s+(?:(?:" + _UNITS + r")\s*)+(?:\^\{?\d\}?)?\s*$")
+_UNIT_SYMBOL = r"(?:[A-Za-z\u00c5\u00b5\u03bc\u03a9]+|\\(?:mu|AA|Omega|circ)(?![A-Za-z]))"
+_UNIT_TEXT_RE = re.compile(
+    rf"^{_UNIT_SYMBOL}(?:\s*(?:/|\\cdot|\*|\^\s*\{{?\s*-?\d{{1,2}}\s*\}}?|\s)\s*{_UNIT_SYMBOL}?)*(?:\^\s*\{{?-?\d{{1,2}}\}}?)?$"
+)
+# One letter inside a wrapper is a unit only when it is an SI symbol (not `i`, `e`, `d`, `x`, ...).
+_ONE_LETTER_UNITS = frozenset("msgKJNWVALTCFh")
+_WORD_UNIT_RE = re.compile(
+    r"(?:(?<=[\d}.])|" + "|".join(f"(?<={w})" for w in _NUMBER_WORDS) + r")"
+    r"\s+(?:(?:" + _UNITS + r")\s*)+(?:\^\{?\d\}?)?\s*$"
+)
+_NUMBER_WORD_RE = re.compile(
+    rf"^([+-]?(?:\d{{1,3}}(?:,\d{{3}})+|\d+)(?:\.\d+)?)\s*(?:\\(?:text|mbox|mathrm)\s*\{{\s*({_NUMBER_WORD})s?\s*\}}|({_NUMBER_WORD})s?)$"
+)
 _TEXT_MACRO_RE = re.compile(
     r"\\(?:text|textbf|textit|textrm|textsf|texttt|mbox|mathrm|mathbf|mathit|mathsf|operatorname|boldsymbol)\s*\{"
 )
 _AND_RE = re.compile(r"\\(?:text|mbox)\{\s*(?:and|or)\s*\}|,?\s+(?:and|or)\s+")
 _VAR_PREFIX_RE = re.compile(r"^(?:[A-Za-z]|[A-Za-z]_\{?\w{1,3}\}?|\\[A-Za-z]+)(?:=|\\in(?![A-Za-z]))(?!=)")
+# A named left-hand side: `k`, `x_1`, `m_{\max }`, `\theta`, `f(x)`, `N(n)`, `y'` (then `=` or `\in`).
+_LHS_NAME = (
+    r"(?:[A-Za-z]|\\(?!(?:frac|sqrt|left|right|text|mathrm|begin|end|boxed)(?![A-Za-z]))[A-Za-z]+)"
+    r"(?:\s*_\s*(?:\{[^{}=]{1,16}\}|[A-Za-z0-9]))?(?:'|\s*\^\s*\{?\s*\\prime\s*\}?)*"
+    r"(?:\s*\(\s*[A-Za-z](?:\s*,\s*[A-Za-z])*\s*\))?"
+)
+_LHS_RE = re.compile(rf"^\s*({_LHS_NAME})\s*(=|\\in(?![A-Za-z]))(?!=)\s*(.*)$", re.S)
 _CHOICE_RE = re.compile(r"^\(([A-Z])\)$")
 _LEADING_DOT_RE = re.compile(r"(^|[^\w}.\\])\.(\d)")
 _SHORTHAND_RE = re.compile(r"\\(frac|sqrt)(?![A-Za-z])")
 
 
 def _clean(s: str) -> str:
-    """Light normalisation that keeps the string parseable (for math-verify): no space removal."""
+    """Light normalisation that keeps the string parseable (for latex2sympy): no space removal."""
     s = _UNICODE_RE.sub(lambda m: _UNICODE[m.group(0)], s.strip())
     s = s.replace("\\$", "").replace("$", "").strip()
     m = _MATH_DELIMS_RE.match(s)
@@ -244,23 +322,91 @@ def _clean(s: str) -> str:
     s = s.replace("\\!", "")  # negative thin space: `10,\\!080`
     s = _SPACING_RE.sub(lambda m: m.group(0) if m.group(0) == "\\\\" else " ", s)
     s = _LEFT_RIGHT_RE.sub("", s)
+    s = _PY_MODULE_RE.sub(r"\\\1", s).replace("**", "^")
+    s = _PY_TRAILING_DOT_RE.sub("", s)
     s = _DEGREE_RE.sub("", s).replace("{,}", ",")
-    s = _TEXT_UNIT_RE.sub("", s)
-    s = _WORD_UNIT_RE.sub("", s)
+    s = _strip_units(s)
     s = _strip_trailing_period(_BARE_PERCENT_RE.sub(r"\\%", s))
+    s = _AND_RE.sub(", ", s)
     m = _THOUSANDS_RE.match(s)
     if m:
         s = m.group(1) + m.group(2).replace(",", "") + (m.group(3) or "")
     m = _SCI_E_RE.match(s)
     if m:  # `4.5e33` would parse as 4.5·e·33
         s = f"{m.group(1)}\\times 10^{{{m.group(2)}}}"
-    return s
+    return _strip_named_lhs(s)
 
 
 def _strip_trailing_period(s: str) -> str:
     s = s.strip()
     while s.endswith(".") or s.endswith("\\."):
         s = s[:-2].rstrip() if s.endswith("\\.") else s[:-1].rstrip()
+    return s
+
+
+def _strip_units(s: str) -> str:
+    """Drop units written after the value (text-wrapped ones, and known unit words), then scale by a number
+    word (`2.5 million` → `2500000`)."""
+    for _ in range(8):  # one unit group per pass: `\mathrm{m} / \mathrm{s}^{2}` takes two
+        m = _TEXT_TAIL_RE.search(s)
+        if m is None or not _is_unit_text(m.group(1), s[: m.start()]):
+            break
+        s = s[: m.start()].rstrip()
+    s = _WORD_UNIT_RE.sub("", s)
+    m = _NUMBER_WORD_RE.match(s)
+    if m:
+        value = Decimal(m.group(1).replace(",", "")).scaleb(_NUMBER_WORDS[m.group(2) or m.group(3)])
+        s = format(value.normalize(), "f")
+    return s
+
+
+def _is_unit_text(content: str, before: str) -> bool:
+    text = content.strip()
+    if not before.strip() or re.fullmatch(rf"\s*{_NUMBER_WORD}s?\s*", content) or text in ("and", "or"):
+        return False
+    if not text or content[:1].isspace():  # `\text{ cm}`, `\text{ square units}` (hendrycks)
+        return True
+    if not re.search(r"[\d}.)]\s*$|\\pi\s*$", before):  # a unit follows a value
+        return False
+    if len(text) == 1:
+        return text in _ONE_LETTER_UNITS
+    return _UNIT_TEXT_RE.match(text) is not None
+
+
+def _top_level_split(s: str) -> list[str]:
+    """Split at commas outside (), [], {} (and `\\{ \\}`)."""
+    parts, depth, start, i = [], 0, 0, 0
+    while i < len(s):
+        c = s[i]
+        if c == "\\" and i + 1 < len(s) and s[i + 1] in "{}":
+            depth += 1 if s[i + 1] == "{" else -1
+            i += 2
+            continue
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(s[start:i])
+            start = i + 1
+        i += 1
+    parts.append(s[start:])
+    return parts
+
+
+def _strip_named_lhs(s: str) -> str:
+    """`k = 3` → `3`, `f(x) = 2x` → `2x`, `x \\in [0,1]` → `[0,1]`, `x = 1, 2` → `1, 2`; `a = 2, a = -6` → `2, -6`
+    (one name only: `x = 1, y = 2` keeps its names, they say which value is which). A chain `a = b = c` is kept."""
+    parts = _top_level_split(s)
+    if len(parts) > 1 and sum(p.count("=") for p in parts) == len(parts):
+        matches = [_LHS_RE.match(p) for p in parts]
+        names = {re.sub(r"\s+", "", m.group(1)) for m in matches if m}
+        if all(m and m.group(2) == "=" and m.group(3).strip() for m in matches) and len(names) == 1:
+            return ", ".join(m.group(3).strip() for m in matches)
+        return s
+    m = _LHS_RE.match(s)  # one name for the whole answer: `k = 3`, `x = 1, 2`
+    if m and m.group(3).strip() and "=" not in m.group(3):
+        return m.group(3).strip()
     return s
 
 
@@ -333,8 +479,7 @@ def _fix_shorthand(s: str) -> str:
 
 
 def _normalize_cleaned(c: str) -> str:
-    s = _AND_RE.sub(",", c)
-    s = _unwrap_macro_args(s)
+    s = _unwrap_macro_args(c)
     s = s.replace("\\%", "").replace("%", "")
     s = _fix_shorthand(s)
     s = re.sub(r"\s+", "", s)
@@ -375,7 +520,12 @@ _NUM_PLAIN_RE = re.compile(rf"({_DEC})(?:[eE]([+-]?\d{{1,4}}))?")
 _NUM_SCI_RE = re.compile(rf"({_DEC})(?:\\times|\\cdot|\*)10\^(?:\{{([+-]?\d{{1,4}})\}}|([+-]?\d))")
 _NUM_POW10_RE = re.compile(r"10\^(?:\{([+-]?\d{1,4})\}|([+-]?\d))")
 _NUM_FRAC_RE = re.compile(r"([+-]?)\\frac\{([+-]?\d{1,400})\}\{([+-]?\d{1,400})\}")
-_NUM_SLASH_RE = re.compile(r"([+-]?\d{1,400})/(\d{1,400})")
+_NUM_MIXED_RE = re.compile(r"([+-]?)(\d{1,400})\\frac\{(\d{1,400})\}\{(\d{1,400})\}")
+_NUM_SLASH_RE = re.compile(rf"({_DEC})/({_DEC.replace('[+-]?', '')})")
+# `0.1\overline{6}`, `0.\bar{3}`, `0.\dot{3}`: digits, then the repeating block
+_NUM_REPEAT_RE = re.compile(
+    r"([+-]?)(\d{0,400})\.(\d{0,400})(?:\\(?:overline|bar)\{(\d{1,100})\}|\\(?:overline|bar|dot)\{?(\d)\}?)"
+)
 
 
 def _to_number(s: str) -> tuple[Fraction, bool] | None:
@@ -392,15 +542,26 @@ def _to_number(s: str) -> tuple[Fraction, bool] | None:
     if m := _NUM_FRAC_RE.fullmatch(s):
         num, den = int(m.group(2)), int(m.group(3))
         return (Fraction(-num if m.group(1) == "-" else num, den), False) if den else None
+    if m := _NUM_MIXED_RE.fullmatch(s):
+        whole, num, den = int(m.group(2)), int(m.group(3)), int(m.group(4))
+        if not den:
+            return None
+        v = whole + Fraction(num, den) if 0 < num < den else whole * Fraction(num, den)
+        return (-v if m.group(1) == "-" else v), False
     if m := _NUM_SLASH_RE.fullmatch(s):
-        den = int(m.group(2))
-        return (Fraction(int(m.group(1)), den), False) if den else None
+        num, den = Fraction(m.group(1)), Fraction(m.group(2))
+        return (num / den, "." in m.group(1).rstrip(".") or "." in m.group(2).rstrip(".")) if den else None
+    if m := _NUM_REPEAT_RE.fullmatch(s):
+        whole, fixed, block = m.group(2) or "0", m.group(3), m.group(4) or m.group(5)
+        v = int(whole) + Fraction(int(fixed or "0"), 10 ** len(fixed))
+        v += Fraction(int(block), 10 ** len(fixed) * (10 ** len(block) - 1))
+        return (-v if m.group(1) == "-" else v), False
     return None
 
 
 @dataclass(frozen=True)
 class _Prepared:
-    clean: str  # for math-verify
+    clean: str  # for latex2sympy
     norm: str  # for string comparison
     number: tuple[Fraction, bool] | None  # stage-2 value and whether a decimal was written
     percent: bool
@@ -424,7 +585,7 @@ def _numbers_equal(p: _Prepared, g: _Prepared) -> bool:
     )
 
 
-def _compare(pred: str, gold: str, timeout: float | None) -> tuple[bool, str]:
+def _compare(pred: str, gold: str, deadline: tuple[float, float] | None) -> tuple[bool, str]:
     if not isinstance(pred, str) or not isinstance(gold, str):
         return False, "error: not a string"
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
@@ -436,72 +597,118 @@ def _compare(pred: str, gold: str, timeout: float | None) -> tuple[bool, str]:
         return True, "string"
     if p.number is not None and g.number is not None:
         return _numbers_equal(p, g), "numeric"
-    if timeout is None or timeout <= 0:
+    if deadline is None:
         return False, "string"
-    return _symbolic(p.clean, g.clean, float(timeout))
+    return _symbolic(p.clean, g.clean, deadline)
 
 
 # ---------------------------------------------------------------------------------------------
-# Symbolic stage (3): math-verify under a deadline
+# Symbolic stage (3): latex2sympy + math-verify's `verify`, under a deadline
 
 class _Deadline(BaseException):
     """Raised by our SIGALRM handler; a BaseException so `except Exception` cannot swallow it."""
 
 
-_verdicts: dict[tuple[str, str], tuple[bool, str]] = {}
+# (pred, gold) -> (correct, reason, budget it was decided with); timeouts are kept with their budget
+_verdicts: dict[tuple[str, str], tuple[bool, str, float]] = {}
 _verdicts_lock = threading.Lock()
 
 
-def _symbolic(pred: str, gold: str, timeout: float) -> tuple[bool, str]:
+def _symbolic(pred: str, gold: str, deadline: tuple[float, float]) -> tuple[bool, str]:
+    end, budget = deadline
     with _verdicts_lock:
         hit = _verdicts.get((pred, gold))
-    if hit is not None:
-        return hit
+    if hit is not None and (hit[1] != "timeout" or hit[2] >= budget):
+        _STATS["cached"] += 1
+        return hit[0], hit[1]
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
         try:
-            result = _symbolic_in_process(pred, gold, timeout)
+            correct, reason, cacheable = _symbolic_main_thread(pred, gold, end)
         except ValueError:  # signals unusable here (e.g. a sub-interpreter): use a worker
-            result = _pool().compare(pred, gold, timeout)
+            correct, reason, cacheable = _pool().compare(pred, gold, end)
     else:
-        result = _pool().compare(pred, gold, timeout)
-    if result[1] == "symbolic":  # timeouts depend on load: never cache them
+        correct, reason, cacheable = _pool().compare(pred, gold, end)
+    if reason == "timeout":
+        _STATS["timeout"] += 1
+    if cacheable:
         with _verdicts_lock:
             if len(_verdicts) > 1 << 16:
                 _verdicts.clear()
-            _verdicts[(pred, gold)] = result
-    return result
+            _verdicts[(pred, gold)] = (correct, reason, budget)
+    return correct, reason
+
+
+def _symbolic_main_thread(pred: str, gold: str, end: float) -> tuple[bool, str, bool]:
+    _math_verify()  # the one-time import counts against the budget, but is never interrupted (a half import breaks)
+    left = end - time.monotonic()
+    if left <= 0:
+        return False, "timeout", False
+    correct, reason = _symbolic_in_process(pred, gold, left)
+    return correct, reason, reason in ("symbolic", "not_math", "timeout")
 
 
 @lru_cache(maxsize=1)
 def _math_verify():
-    from latex2sympy2_extended import NormalizationConfig
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, grader, parse, parser, verify
+    import sympy
+    from latex2sympy2_extended import NormalizationConfig, latex2sympy
+    from latex2sympy2_extended.latex2sympy2 import _Latex2Sympy
+    from latex2sympy2_extended.math_normalization import normalize_latex
+    from math_verify import grader
+    from math_verify.grader import should_treat_as_complex, verify
 
+    def parse_number(self, text: str):
+        # latex2sympy's own version is `sympy.Number(text)`, i.e. sympify → parse_expr → `eval` of the
+        # token; these build the same Integer / Float without it (SPEC §7: model output is never eval'd).
+        text = text.replace(",", "")
+        if text.isdigit():
+            return sympy.Integer(int(text))
+        if _FLOAT_TOKEN_RE.fullmatch(text):
+            return sympy.Float(text)
+        raise ValueError(f"not a number: {text[:50]!r}")
+
+    _Latex2Sympy.parse_number = parse_number
     # We pass timeouts of None (we bound time ourselves); silence the one-time warning about that.
-    grader.TIMEOUT_WARNING_SHOWN = parser.TIMEOUT_WARNING_SHOWN = True
+    grader.TIMEOUT_WARNING_SHOWN = True
     # Unit stripping off: math-verify's list has one-letter "units" (m, t, s, h, d, …), so `6m`
-    # would equal `6`. Worded units are stripped by `_clean` instead.
-    norm = NormalizationConfig(basic_latex=True, units=False, malformed_operators=True, nits=True, boxed="all")
-    config = (LatexExtractionConfig(boxed_match_priority=0, normalization_config=norm), ExprExtractionConfig())
-    return parse, verify, config
+    # would equal `6`. Worded units are stripped by `_clean` instead. boxed="none": `_clean` unwrapped the
+    # answer's box; a box left inside (`\\boxed{1}+\\boxed{2}`) is not extracted as if it were the answer.
+    norm = NormalizationConfig(basic_latex=True, units=False, malformed_operators=True, nits=True, boxed="none")
+
+    def parse(answer: str):
+        text = normalize_latex(answer, norm)
+        return latex2sympy(text, is_real=not should_treat_as_complex(text), convert_degrees=False,
+                           normalization_config=None)
+
+    return parse, verify
+
+
+_NOT_MATH = object()
+_FLOAT_TOKEN_RE = re.compile(r"(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 
 
 @lru_cache(maxsize=1 << 14)
-def _parse(answer: str) -> tuple:
-    parse, _, config = _math_verify()
-    return tuple(parse("\\boxed{" + answer + "}", extraction_config=config, parsing_timeout=None))
+def _parse(answer: str):
+    """The whole answer as one sympy object, or `_NOT_MATH` when it does not parse as a whole."""
+    parse, _ = _math_verify()
+    try:
+        return parse(answer)
+    except Exception:  # latex2sympy raises plain Exceptions for syntax errors; `_Deadline` passes through
+        return _NOT_MATH
 
 
 def _symbolic_in_process(pred: str, gold: str, timeout: float) -> tuple[bool, str]:
     """Stage 3 in this process; must run in the main thread (SIGALRM)."""
-    _, verify, _ = _math_verify()  # import outside the deadline: it is slow once, not per answer
+    _, verify = _math_verify()  # import outside the deadline: it is slow once, not per answer
+    _STATS["symbolic"] += 1
 
-    def work() -> bool:
+    def work() -> tuple[bool, str]:
         g, p = _parse(gold), _parse(pred)
-        return bool(g) and bool(p) and bool(verify(list(g), list(p), timeout_seconds=None))
+        if g is _NOT_MATH or p is _NOT_MATH:
+            return False, "not_math"
+        return bool(verify(g, p, timeout_seconds=None)), "symbolic"
 
     try:
-        return _with_alarm(work, timeout), "symbolic"
+        return _with_alarm(work, timeout)
     except _Deadline:
         return False, "timeout"
     except Exception:
@@ -567,6 +774,7 @@ class _Worker:
             [sys.executable, "-c", _WORKER_BOOT, os.path.abspath(__file__)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
         )
+        _STATS["worker_starts"] += 1
         self.ready = False
         self._buf = b""
 
@@ -584,12 +792,21 @@ class _Worker:
         line, self._buf = self._buf.split(b"\n", 1)
         return line
 
-    def compare(self, pred: str, gold: str, timeout: float, hard_deadline_s: float) -> tuple[bool, str] | None:
-        """Verdict, or None if the worker overran `hard_deadline_s` (it must then be killed)."""
+    def wait_ready(self, deadline: float) -> bool:
+        """Whether the worker has finished starting by `deadline` (raises `_WorkerError` if it cannot start)."""
         if not self.ready:
-            if self._readline(time.monotonic() + _WORKER_START_S) != b"ready":
+            line = self._readline(deadline)
+            if line is None:
+                return False
+            if line != b"ready":
                 raise _WorkerError("worker did not start")
             self.ready = True
+        return True
+
+    def compare(self, pred: str, gold: str, timeout: float, hard_deadline_s: float) -> tuple[bool, str] | None:
+        """Verdict, or None if the worker overran `hard_deadline_s` (it must then be killed)."""
+        if not self.wait_ready(time.monotonic() + hard_deadline_s):
+            return None
         data = memoryview(json.dumps([pred, gold, timeout]).encode() + b"\n")
         try:
             while data:
@@ -611,65 +828,104 @@ class _Worker:
 
 
 class _WorkerPool:
-    """Up to `size` workers, each used by one thread at a time; an overrunning worker is replaced."""
+    """Up to `size` workers, each used by one thread at a time; an overrunning worker is replaced at once.
+
+    The first worker starts when the pool is made; taking the last idle one starts a spare (up to `size`), so a
+    second concurrent caller rarely waits for a start-up."""
 
     def __init__(self, size: int) -> None:
-        self.size, self.count, self.idle = size, 0, []
+        self.size, self.idle = size, []
         self.all: list[_Worker] = []
+        self.waiting: deque[list[_Worker]] = deque()  # one slot per waiting caller, in arrival order
         self.cv = threading.Condition()
         self.pid = os.getpid()
         self.broken = False  # workers cannot start here at all: stop trying
         self.ever_ready = False
-
-    def compare(self, pred: str, gold: str, timeout: float) -> tuple[bool, str]:
-        if self.broken:
-            return False, "unavailable"
-        with self.cv:
-            while not self.idle and self.count >= self.size:
-                self.cv.wait()
-            worker = self.idle.pop() if self.idle else None
-            if worker is None:
-                self.count += 1
-        healthy = False
         try:
-            worker = worker or self._spawn()
-            result = worker.compare(pred, gold, timeout, timeout + _WORKER_GRACE_S)
+            self.idle.append(self._spawn())
+        except OSError as e:
+            self.broken = True
+            _log.warning("opd grading worker failed to start (%s): symbolic comparison skipped", e)
+
+    def compare(self, pred: str, gold: str, end: float) -> tuple[bool, str, bool]:
+        """(correct, reason, cacheable) by the deadline `end` (monotonic seconds)."""
+        if self.broken:
+            return False, "unavailable", False
+        worker = self._acquire(end)
+        if worker is None:
+            return False, "busy", False
+        healthy = True
+        try:
+            if not worker.wait_ready(end - _WORKER_MARGIN_S):
+                return False, "busy", False  # still starting: it stays in the pool for the next call
             self.ever_ready = True
+            left = end - time.monotonic()
+            if left <= _WORKER_MARGIN_S:
+                return False, "timeout", False
+            result = worker.compare(pred, gold, left - _WORKER_MARGIN_S, left)
             healthy = result is not None
-            return result if result is not None else (False, "timeout")
+            return (*result, True) if result is not None else (False, "timeout", True)
         except (_WorkerError, OSError, ValueError) as e:
-            if not self.ever_ready and (worker is None or not worker.ready):
+            healthy = False
+            if not self.ever_ready and not worker.ready:
                 self.broken = True
             _log.warning("opd grading worker failed (%s): symbolic comparison skipped", e)
-            return False, "unavailable"
+            return False, "unavailable", False
         finally:
             self._release(worker, healthy)
 
-    def _spawn(self) -> _Worker:
-        w = _Worker()
+    def _acquire(self, end: float) -> _Worker | None:
+        """An idle worker, a new one while fewer than `size` exist, else the next one released, first come
+        first served (a thread that releases one cannot take it straight back); None at the deadline."""
         with self.cv:
-            self.all.append(w)
+            if self.idle and not self.waiting:
+                worker = self.idle.pop()
+                if not self.idle and len(self.all) < self.size:
+                    try:  # a spare starts warming now, for the next concurrent caller
+                        self.idle.append(self._spawn())
+                    except OSError:
+                        pass
+                return worker
+            if not self.idle and len(self.all) < self.size:
+                try:
+                    return self._spawn()
+                except OSError as e:
+                    _log.warning("opd grading worker failed to start (%s): symbolic comparison skipped", e)
+                    return None
+            slot: list[_Worker] = []
+            self.waiting.append(slot)
+            while not slot:
+                left = end - time.monotonic()
+                if left <= 0:
+                    self.waiting.remove(slot)
+                    return None
+                self.cv.wait(timeout=left)
+            return slot[0]
+
+    def _spawn(self) -> _Worker:
+        """A new worker, counted in `all` (callers hold `cv`, or are the constructor)."""
+        w = _Worker()
+        self.all.append(w)
         return w
 
-    def _release(self, worker: _Worker | None, healthy: bool) -> None:
-        replacement = None
-        if worker is not None and not healthy:
+    def _release(self, worker: _Worker, healthy: bool) -> None:
+        if not healthy:
             worker.kill()
-            if not self.broken:
-                try:
-                    replacement = self._spawn()  # start warming up now, not on the next call
-                except OSError:
-                    replacement = None
         with self.cv:
-            if worker is not None and not healthy and worker in self.all:
-                self.all.remove(worker)
-            if healthy:
+            if not healthy:
+                if worker in self.all:
+                    self.all.remove(worker)
+                worker = None
+                if not self.broken:
+                    try:
+                        worker = self._spawn()  # start warming up now, not on the next call
+                    except OSError:
+                        pass
+            if worker is not None and self.waiting:
+                self.waiting.popleft().append(worker)
+                self.cv.notify_all()
+            elif worker is not None:
                 self.idle.append(worker)
-            elif replacement is not None:
-                self.idle.append(replacement)
-            else:
-                self.count -= 1
-            self.cv.notify()
 
     def close(self) -> None:
         if os.getpid() != self.pid:  # a forked child inherits this atexit hook: the workers are not its own

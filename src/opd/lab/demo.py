@@ -76,7 +76,7 @@ def eval_config(config: DistillConfig, model_path: str, out: Path) -> EvalConfig
         model=ModelSpec(path=model_path, device=config.student.device, dtype=config.student.dtype),
         benchmarks=spec.benchmarks, n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
         max_new_tokens=spec.max_new_tokens, limit=spec.limit, prompt_key=spec.prompt_key, answer_key=spec.answer_key,
-        template=config.data.template, max_prompt_length=config.data.max_prompt_length,
+        on_missing_answer=spec.on_missing_answer, template=config.data.template, max_prompt_length=config.data.max_prompt_length,
         batch_size=config.rollout.batch_size, seed=config.run.seed, out=str(out),
     )
 

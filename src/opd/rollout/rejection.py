@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 from pydantic import Field, model_validator
 
-from opd.config import DataSpec, ModelSpec, Section, flatten_dotted, save_config
+from opd.config import DataSpec, ModelSpec, Section, check_same_work, flatten_dotted, save_config
 from opd.io import append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
 
 if TYPE_CHECKING:  # opd.types imports torch; the CLI imports this module for RolloutConfig and must start fast
@@ -290,7 +290,7 @@ def teacher_rollout(config: RolloutConfig, *, generator: Any = None, tokenizer: 
 
     data = config.data
     prompts = load_prompts(data.path, prompt_key=data.prompt_key, answer_key=data.answer_key, id_key=data.id_key,
-                           split=data.split, limit=data.limit)
+                           split=data.split, limit=data.limit, on_missing_answer=data.on_missing_answer)
     if config.require_correct:
         missing = [p.id for p in prompts if p.answer is None]
         if missing:
@@ -346,10 +346,7 @@ def _check_resumable(out: Path, config: RolloutConfig) -> None:
 
     saved = flatten_dotted(yaml.safe_load(saved_path.read_text()) or {})
     current = flatten_dotted(config.model_dump(mode="json"))
-    for key in sorted(set(saved) | set(current)):
-        if key not in _RESUMABLE_KEYS and saved.get(key) != current.get(key):
-            raise ValueError(f"{out} holds a rollout with {key}={saved.get(key)!r}, but this run has "
-                             f"{key}={current.get(key)!r}; use another --out, or the same settings to resume")
+    check_same_work(out, saved, current, what="a rollout", ignore=_RESUMABLE_KEYS)
 
 
 

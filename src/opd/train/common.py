@@ -99,7 +99,7 @@ def evaluate_in_training(
     eval_config = EvalConfig(
         model=ModelSpec(path=model_path), benchmarks=spec.benchmarks, n=spec.n, temperature=spec.temperature,
         top_p=spec.top_p, max_new_tokens=spec.max_new_tokens, limit=spec.limit, prompt_key=spec.prompt_key,
-        answer_key=spec.answer_key, template=template, enable_thinking=enable_thinking,
+        answer_key=spec.answer_key, on_missing_answer=spec.on_missing_answer, template=template, enable_thinking=enable_thinking,
         max_prompt_length=max_prompt_length, batch_size=batch_size, seed=seed,
         out=str(run_dir / "eval" / f"step_{step}"),
     )

@@ -432,6 +432,7 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     prompts = load_prompts(
         config.data.path, prompt_key=config.data.prompt_key, answer_key=config.data.answer_key,
         id_key=config.data.id_key, split=config.data.split, limit=config.data.limit,
+        on_missing_answer=config.data.on_missing_answer,
     )
     encoded = encode_prompts(
         student_tokenizer, prompts, max_prompt_length=config.data.max_prompt_length,

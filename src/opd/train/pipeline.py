@@ -143,7 +143,7 @@ def _compare(config: PipelineConfig, root: Path, sft_model: Path, opd_model: Pat
         eval_config = EvalConfig(
             model=model, benchmarks=spec.benchmarks, n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
             max_new_tokens=spec.max_new_tokens, limit=spec.limit, prompt_key=spec.prompt_key,
-            answer_key=spec.answer_key, template=config.opd_prompts.template,
+            answer_key=spec.answer_key, on_missing_answer=spec.on_missing_answer, template=config.opd_prompts.template,
             enable_thinking=config.opd_prompts.enable_thinking, out=str(root / "eval" / name),
         )
         results[name] = evaluate(eval_config, console=console)

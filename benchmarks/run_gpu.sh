@@ -2,6 +2,7 @@
 # The GPU measurement of docs/performance.md in one call: the CUDA correctness checks, then every benchmark at the
 # real shapes. Run from the repository root on the GPU machine; JSON and logs go to ${OUT:-runs/benchmarks/gpu}.
 #   bash benchmarks/run_gpu.sh [check|attention|rollout|teacher|update|step|step_full|packing ...]  (default: all)
+#   bash benchmarks/run_gpu.sh server   (the served teacher; not in the default: needs starlette and uvicorn)
 set -uo pipefail
 out=${OUT:-runs/benchmarks/gpu}
 mkdir -p "$out"
@@ -33,7 +34,9 @@ for part in $parts; do
                 --attn sdpa,opd_varlen --compile on --out "$out/teacher_ragged.json"
             run update_ragged 200 python3 benchmarks/update.py --shape qwen3-0.6b --ragged --attn sdpa,opd_varlen \
                 --compile on --ckpt selective --out "$out/update_ragged.json" ;;
-        *) echo "unknown part $part (check, attention, rollout, teacher, update, step, step_full, packing)"; exit 2 ;;
+        server) run teacher_server 290 python3 benchmarks/teacher_server.py --shapes qwen3-1.7b,qwen3-4b \
+            --clients 1,4 --warmup 1 --repeat 3 --out "$out/teacher_server.json" ;;
+        *) echo "unknown part $part (check, attention, rollout, teacher, update, step, step_full, packing, server)"; exit 2 ;;
     esac
 done
 exit $status

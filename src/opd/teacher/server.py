@@ -105,7 +105,7 @@ def resolve_token(token_file: str | None, env: str = TOKEN_ENV) -> str | None:
     `ConfigError` for an unreadable, empty or short token."""
     if token_file is not None:
         try:
-            token = open(token_file, encoding="utf-8").read().strip()
+            token = open(os.path.expanduser(token_file), encoding="utf-8").read().strip()
         except OSError as error:
             raise ConfigError(f"token_file: cannot read {token_file}: {error.strerror or error}") from None
         origin = f"token_file {token_file}"

@@ -65,7 +65,9 @@ def check_output_head(model: torch.nn.Module, head: OutputHead | None = None, *,
         hidden_LD = _run_body(model, ids_1L, None, None, through_root)[0]
     finally:
         model.train(was_training)
-    ours_LV = torch.nn.functional.linear(hidden_LD, head.weight, head.bias).float() * head.logit_scale
+    hidden_LD = hidden_LD.to(head.weight.device)  # a device map may put the body's end and the head apart
+    ours_LV = torch.nn.functional.linear(hidden_LD, head.weight, head.bias).float().to(reference_LV.device)
+    ours_LV = ours_LV * head.logit_scale
     if head.softcap is not None:
         ours_LV = head.softcap * torch.tanh(ours_LV / head.softcap)
     # bf16 heads may round the scale/cap steps differently from us: allow a few bf16 ulps of the logit range.

@@ -123,7 +123,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     from opd.teacher import wire
-    from opd.teacher.client import RemoteScorer
     from opd.teacher.local import LocalScorer
 
     device = resolve_device(args.device)
@@ -181,7 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
                 process.wait(30)
             except subprocess.TimeoutExpired:
                 process.kill()
-        del model, local
+        local.model = None  # free this shape's weights before the next one
+        del model
     columns = [("row", "name", ""), ("tokens/s", "tokens_per_s", ",.0f"), ("% of local", "pct_local", ".1f"),
                ("s per call", "seconds", ".3f"), ("added ms", "added_ms", ".1f"), ("B/position", "bytes_per_position", ".0f"),
                ("max err vs local", "max_err", ".1e")]

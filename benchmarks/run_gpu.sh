@@ -3,6 +3,7 @@
 # real shapes. Run from the repository root on the GPU machine; JSON and logs go to ${OUT:-runs/benchmarks/gpu}.
 #   bash benchmarks/run_gpu.sh [check|attention|rollout|teacher|update|step|step_full|lean|paper|packing ...]
 #   (default: all; the TRL rows of `step` need the wheels of benchmarks/README.md installed first)
+#   bash benchmarks/run_gpu.sh server   (the served teacher; not in the default: needs starlette and uvicorn)
 set -uo pipefail
 out=${OUT:-runs/benchmarks/gpu}
 mkdir -p "$out"
@@ -37,7 +38,9 @@ for part in $parts; do
                 --attn sdpa,opd_varlen --compile on --out "$out/teacher_ragged.json"
             run update_ragged 200 python3 benchmarks/update.py --shape qwen3-0.6b --ragged --attn sdpa,opd_varlen \
                 --compile on --ckpt selective --out "$out/update_ragged.json" ;;
-        *) echo "unknown part $part (check, attention, rollout, teacher, update, step, step_full, lean, paper, packing)"
+        server) run teacher_server 290 python3 benchmarks/teacher_server.py --shapes qwen3-1.7b,qwen3-4b \
+            --clients 1,4 --warmup 1 --repeat 3 --out "$out/teacher_server.json" ;;
+        *) echo "unknown part $part (check, attention, rollout, teacher, update, step, step_full, lean, paper, packing, server)"
            exit 2 ;;
     esac
 done

@@ -169,3 +169,18 @@ def test_opd_step_bound():
     assert bound["student_s"] == pytest.approx(2 * 2 * 7 / 7.0)
     assert bound["update_s"] == pytest.approx(6 * 2 * 7 / 7.0)
     assert bound["total_s"] == pytest.approx(35 + 10 + 4 + 12)
+
+
+@pytest.mark.slow
+def test_teacher_server(tmp_path, capsys):
+    """Local vs served (a server subprocess on the same random weights): every row runs, fp32 results equal."""
+    data, _ = run("teacher_server", tmp_path, capsys, "--batch", "2", "--prompt-len", "4", "--response-len", "6",
+                  "--clients", "1,2", "--warmup", "1", "--threads", "1")
+    got = {r["name"]: r for r in data["rows"]}
+    assert set(got) == {"local[tiny]", "served[tiny, 1 client]", "served[tiny, 2 clients]",
+                        "served[tiny, 1 client, bf16 wire]"}
+    for name, row in got.items():
+        assert "error" not in row and row["tokens_per_s"] > 0, (name, row.get("error"))
+    # one request per call, scored in a forward of the same shape as the local one: equal up to fp32 rounding
+    assert got["served[tiny, 1 client]"]["max_err"] < 1e-5 and got["served[tiny, 2 clients]"]["max_err"] < 1e-5
+    assert 200 < got["served[tiny, 1 client]"]["bytes_per_position"] < 400

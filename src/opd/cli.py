@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -215,6 +216,29 @@ def dedup_command(
                 cosine_threshold=cosine_threshold)
 
 
+@app.command("serve-teacher")
+def serve_teacher_command(
+    overrides: Optional[list[str]] = _overrides(),
+    config: Optional[Path] = _config(),
+    model: Optional[str] = typer.Option(None, help="Teacher model: Hugging Face id or local directory (model.path)."),
+    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N (model.device). [default: auto]"),
+    device_map: Optional[str] = typer.Option(None, help="auto: split the model over all visible GPUs (accelerate) for a teacher larger than one GPU; its layers then run one GPU at a time (device_map). [default: off]"),
+    dtype: Optional[str] = typer.Option(None, help="auto | bf16 | fp16 | fp32 (model.dtype). [default: auto = bf16 on GPU, fp32 on CPU]"),
+    host: Optional[str] = typer.Option(None, help="Address to bind; a non-loopback address needs a token. [default: 127.0.0.1]"),
+    port: Optional[int] = typer.Option(None, help="TCP port, 0 = any free one (printed). [default: 8765]"),
+    token_file: Optional[Path] = typer.Option(None, help="File with the bearer token clients must send. [default: $OPD_TEACHER_TOKEN, else none]"),
+) -> None:
+    """Serve a teacher over HTTP: scores any token ids (sampled, top-k, requested ids, entropy) for `teacher.url`.
+
+    Limits and batching are config keys, e.g. `max_batch_tokens=65536 max_rows=1024` (see opd.teacher.server).
+    """
+    from opd.teacher.server import ServeConfig, serve
+
+    options = {"model.path": model, "model.device": device, "device_map": device_map, "model.dtype": dtype,
+               "host": host, "port": port, "token_file": _str(token_file)}
+    serve(build_config(ServeConfig, config_file=config, options=options, overrides=overrides))
+
+
 pipeline_app = typer.Typer(help="Cold start to evaluation from one config: rollout → SFT → OPD → eval.",
                            no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(pipeline_app, name="pipeline")
@@ -392,6 +416,8 @@ def main() -> None:
     ConfigError, DataError, ModelLoadError, …), and every `OSError` of a file we read or write (named with what is
     wrong there)."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if not os.environ.get("OPD_DEBUG"):  # libraries' deprecation notes about their own internals are not the user's
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft|accelerate)(\.|$)")
     try:
         from transformers.utils import logging as hf_logging
 

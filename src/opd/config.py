@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Collection, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from opd.io import atomic_write_text
 
@@ -47,6 +47,42 @@ class ModelSpec(Section):
     device: str = Field("auto", description="auto (cuda if present, else cpu), cpu, cuda, cuda:N.")
     trust_remote_code: bool = Field(False, description="Allow custom model code from the hub (off: safer).")
     attn_implementation: str | None = Field(None, description="sdpa, eager, flex_attention, flash_attention_2, opd_varlen (SDPA, with packed rows through FlashAttention varlen); None: library default, opd_varlen in place of sdpa on CUDA.")
+
+
+class TeacherSpec(ModelSpec):
+    """The teacher: a model loaded in process (`path`), or one served by `opd serve-teacher` (`url`)."""
+
+    path: str | None = Field(None, description="Hugging Face model id or local directory; not needed with url (the "
+                             "server's /info names the model).")
+    url: str | list[str] | None = Field(None, description="http://host:port of an `opd serve-teacher`, or a list of "
+                                        "replicas (balanced by tokens in flight); None: load `path` in process.")
+    token_file: str | None = Field(None, description="File with the server's bearer token; None: the environment "
+                                   "variable named by token_env, if set.")
+    token_env: str = Field("OPD_TEACHER_TOKEN", description="Environment variable holding the token (never written "
+                           "into config.yaml).")
+    timeout: float = Field(300.0, gt=0, description="Seconds without an answer before a request is retried.")
+    retry_deadline: float = Field(600.0, ge=0, description="Seconds a request keeps retrying an unreachable or busy "
+                                  "server (e.g. while it restarts) before the run stops with an error.")
+    request_tokens: int = Field(16384, ge=1, description="Tokens per request; a larger batch is split into "
+                                "requests sent concurrently.")
+    logprobs: Literal["float32", "bfloat16"] = Field("float32", description="Wire dtype of the log-probs: float32 "
+                                                     "(exact) or bfloat16 (fewer bytes, ~3 significant digits).")
+
+    @model_validator(mode="after")
+    def _path_or_url(self) -> "TeacherSpec":
+        if self.path is None and self.url is None:
+            raise ValueError("give teacher.path (a model to load) or teacher.url (an `opd serve-teacher`)")
+        return self
+
+
+def _as_teacher_spec(value: Any) -> Any:
+    """A plain `ModelSpec` given as a teacher (Python API) is read as the `TeacherSpec` with the same fields."""
+    if isinstance(value, ModelSpec) and not isinstance(value, TeacherSpec):
+        return value.model_dump(exclude_unset=True)
+    return value
+
+
+Teacher = Annotated[TeacherSpec, BeforeValidator(_as_teacher_spec)]
 
 
 class DataSpec(Section):
@@ -232,6 +268,8 @@ def _describe(error: ValidationError, model_cls: type[BaseModel]) -> str:
         return f"unknown config key '{key}'{_suggest(key, model_cls)}"
     if first["type"] == "missing":
         return f"config key '{key}' is required ({_field_description(model_cls, key)})"
+    if first["type"] == "value_error" and "error" in first.get("ctx", {}):  # a model validator's own sentence
+        return f"config key '{key}': {first['ctx']['error']}"
     given = first.get("input")
     shown = repr(given) if not isinstance(given, dict) else "a mapping"
     return f"config key '{key}': {first['msg']}, got {shown}"
@@ -360,7 +398,8 @@ class DistillConfig(Section):
     """`opd distill`: on-policy distillation (and the GRPO baseline) of a student from a teacher."""
 
     student: ModelSpec
-    teacher: ModelSpec | None = Field(None, description="The teacher; not needed for advantage=grpo.")
+    teacher: Teacher | None = Field(None, description="The teacher (local `path` or served `url`); not needed "
+                                        "for advantage=grpo.")
     data: DataSpec
     rollout: SamplingSpec = Field(default_factory=SamplingSpec)
     objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)

@@ -220,6 +220,7 @@ def load_model(
     device: str | torch.device = "auto",
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
+    device_map: str | dict | None = None,
 ) -> tuple[Any, Any]:
     """(model, tokenizer) for a Hub id or a local `save_pretrained` directory.
 
@@ -227,6 +228,8 @@ def load_model(
     `resolve_device`). `attn_implementation` ("eager", "sdpa", "flash_attention_2", "opd_varlen", …) is passed
     through; None lets transformers choose, and on CUDA turns its "sdpa" into "opd_varlen"
     (`opd.kernels.varlen_attention`: SDPA, except that packed forwards run FlashAttention varlen without padding).
+    `device_map` ("auto" or accelerate's module → device dict) spreads the layers over several devices instead of
+    putting the model on `device` (`opd serve-teacher --device-map auto`).
     A missing path / unknown id raises a one-line `ModelLoadError` naming it.
     """
     from transformers import AutoModelForCausalLM
@@ -242,7 +245,9 @@ def load_model(
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code, **hub_kwargs}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    if torch_device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    elif torch_device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
         kwargs["device_map"] = {"": torch_device}  # load straight onto the accelerator, no full CPU copy first
     try:
         model = AutoModelForCausalLM.from_pretrained(str(name_or_path), **kwargs)
@@ -252,7 +257,8 @@ def load_model(
         if isinstance(err, (OSError, ValueError)):
             raise _load_error("model", name_or_path, err) from None
         raise
-    model.to(torch_device)
+    if device_map is None:
+        model.to(torch_device)
     model.eval()
     if attn_implementation is None and model.config._attn_implementation == "sdpa" and \
             varlen_attention.kernel_available(torch_device):

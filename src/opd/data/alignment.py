@@ -19,8 +19,10 @@ batch. Batches are fixed slices of the encoded set with a seed that depends only
 skips the prompt ids already scored and reproduces the rest exactly as an uninterrupted run would have. A prompt
 longer than `data.max_prompt_length` gets a record with `skipped` set and no metrics (the trainer would drop it too).
 
-Omitted on purpose: scoring through an HTTP teacher or vLLM (in-process `LocalScorer` and `TorchGenerator` only: the
-same protocols when those engines exist), selection by a combination of metrics (one `by` metric; rank differently
+The teacher is whatever `opd.teacher.registry.load_teacher` builds from `teacher` (in process, or `teacher.url`: an
+`opd serve-teacher`); the student runs in process.
+
+Omitted on purpose: selection by a combination of metrics (one `by` metric; rank differently
 by choosing another), and re-balancing sources inside the aligned part (the mix is the explicit knob).
 """
 
@@ -30,15 +32,18 @@ import math
 import random
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from pydantic import Field
 
-from opd.config import ConfigError, DataSpec, ModelSpec, Section, save_config
+from opd.config import ConfigError, DataSpec, ModelSpec, Section, Teacher, save_config
 from opd.data.prompts import JSONL_SUFFIXES, DataError, load_prompts, save_prompts
 from opd.data.templates import InstructionTemplate, apply_template, encode_prompts, parse_template
 from opd.types import Prompt, TokenScores
+
+if TYPE_CHECKING:
+    from opd.teacher.base import TeacherScorer
 
 METRICS = (
     "overlap_ratio", "overlap_mass_student", "overlap_mass_teacher", "overlap_advantage",
@@ -124,7 +129,7 @@ def read_scores(path: str | Path) -> list[PromptScore]:
 
 def score_prompts(
     student: torch.nn.Module,
-    teacher: torch.nn.Module,
+    teacher: torch.nn.Module | TeacherScorer,
     tokenizer: Any,
     prompts: Sequence[Prompt],
     *,
@@ -143,7 +148,8 @@ def score_prompts(
     on_batch: Callable[[list[PromptScore]], None] | None = None,
 ) -> list[PromptScore]:
     """Per prompt, sample n rollouts from `student` and compute the SPEC §6 metrics of those tokens between the student
-    and `teacher` (which must share `tokenizer`'s vocabulary; `score_prompt_file` checks both tokenizers).
+    and `teacher` (which must share `tokenizer`'s vocabulary; `score_prompt_file` checks both tokenizers). `teacher`
+    is a model (scored by a `LocalScorer`) or any `TeacherScorer` (e.g. the served one `load_teacher` builds).
 
     Mirrors one OPD step (train/opd.py): encode (`template`, `enable_thinking`, `max_prompt_length`) → rollouts
     (temperature, top_p 1) → student `LocalScorer` top-k at `temperature` → teacher `LocalScorer` top-k, log-probs
@@ -177,11 +183,13 @@ def score_prompts(
         on_batch(too_long)
 
     # ids beyond the tokenizer are embedding padding rows: never sampled, never a top-k candidate (SPEC §1)
-    rows = {who: m.get_output_embeddings().weight.shape[0] for who, m in (("student", student), ("teacher", teacher))}
+    rows = {who: m.get_output_embeddings().weight.shape[0] for who, m in (("student", student), ("teacher", teacher))
+            if isinstance(m, torch.nn.Module)}
     vocab = check_tokenizer_compatibility(tokenizer, tokenizer, student_vocab_size=rows["student"],
-                                          teacher_vocab_size=rows["teacher"])
+                                          teacher_vocab_size=rows.get("teacher"))
     student_scorer = LocalScorer(student, max_tokens_per_batch=score_batch_tokens, vocab_size=vocab.tokenizer_size)
-    teacher_scorer = LocalScorer(teacher, max_tokens_per_batch=score_batch_tokens, vocab_size=vocab.tokenizer_size)
+    teacher_scorer = teacher if not isinstance(teacher, torch.nn.Module) else LocalScorer(
+        teacher, max_tokens_per_batch=score_batch_tokens, vocab_size=vocab.tokenizer_size)
     generator = make_generator(student, tokenizer, max_batch_size=batch_size * n, vocab_size=vocab.tokenizer_size)
     device = next(student.parameters()).device
 
@@ -343,7 +351,7 @@ class PromptScoreConfig(Section):
     """`opd prompts score`: how teacher-aligned each prompt of a set is (SPEC §6 metrics on student rollouts)."""
 
     student: ModelSpec
-    teacher: ModelSpec
+    teacher: Teacher = Field(description="The teacher: a model to load (`path`) or an `opd serve-teacher` (`url`).")
     data: DataSpec
     out: str = Field(description="Scores JSONL, one record per prompt, appended per batch; rerunning resumes. "
                                  "config.yaml is written beside it.")
@@ -372,15 +380,15 @@ def score_prompt_file(config: PromptScoreConfig, *, console: Any = None) -> Path
 
     from opd.report.sinks import progress_bar
     from opd.io import append_jsonl, repair_jsonl
-    from opd.models import check_tokenizer_compatibility, load_model, load_tokenizer
+    from opd.models import load_model, load_tokenizer
+    from opd.teacher.registry import check_teacher_tokenizer, load_teacher
 
     console = console or Console()
     out = Path(config.out)
     if out.suffix.lower() not in JSONL_SUFFIXES:
         raise DataError(f"out: scores are written as JSON lines; expected a .jsonl path, got {str(out)!r}")
     student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
-    teacher_tokenizer = load_tokenizer(config.teacher.path, trust_remote_code=config.teacher.trust_remote_code)
-    check_tokenizer_compatibility(student_tokenizer, teacher_tokenizer)
+    check_teacher_tokenizer(config.teacher, student_tokenizer)
     data = config.data
     prompts = load_prompts(data.path, prompt_key=data.prompt_key, answer_key=data.answer_key, id_key=data.id_key,
                            split=data.split, limit=data.limit, on_missing_answer="keep")  # answers are not graded here
@@ -403,13 +411,10 @@ def score_prompt_file(config: PromptScoreConfig, *, console: Any = None) -> Path
         student, tokenizer = load_model(config.student.path, dtype=config.student.dtype, device=config.student.device,
                                         trust_remote_code=config.student.trust_remote_code,
                                         attn_implementation=config.student.attn_implementation)
-        teacher, _ = load_model(config.teacher.path, dtype=config.teacher.dtype, device=config.teacher.device,
-                                trust_remote_code=config.teacher.trust_remote_code,
-                                attn_implementation=config.teacher.attn_implementation)
-        check_tokenizer_compatibility(
-            student_tokenizer, teacher_tokenizer, student_vocab_size=student.get_output_embeddings().weight.shape[0],
-            teacher_vocab_size=teacher.get_output_embeddings().weight.shape[0],
-        )
+        teacher = load_teacher(config.teacher, student_tokenizer=student_tokenizer,
+                               student_rows=student.get_output_embeddings().weight.shape[0],
+                               student_device=next(student.parameters()).device,
+                               max_tokens_per_batch=config.score_batch_tokens).scorer
         with progress_bar(console) as progress:
             task = progress.add_task("opd prompts score", total=todo)
 

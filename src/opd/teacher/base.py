@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from concurrent.futures import Future
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -24,3 +25,14 @@ class TeacherScorer(Protocol):
         (K = top_k; none when 0), log-probs at `requested_ids` ([B, T, R] long, e.g. the student's top-k) and the
         entropy, all at `temperature`. Returns `TokenScores` on the rollouts' device."""
         ...
+
+
+def start_scoring(scorer: TeacherScorer, rollouts: Rollouts, **kwargs: Any) -> Any:
+    """Begin `scorer.score(rollouts, **kwargs)` and return an object whose `result()` gives the `TokenScores`. A
+    scorer with `score_async` (a served teacher) sends its requests now, so the caller's next work overlaps them;
+    any other scores here, before returning."""
+    if hasattr(scorer, "score_async"):
+        return scorer.score_async(rollouts, **kwargs)
+    done: Future = Future()
+    done.set_result(scorer.score(rollouts, **kwargs))
+    return done

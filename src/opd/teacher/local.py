@@ -65,7 +65,9 @@ def check_output_head(model: torch.nn.Module, head: OutputHead | None = None, *,
         hidden_LD = _run_body(model, ids_1L, None, None, through_root)[0]
     finally:
         model.train(was_training)
-    ours_LV = torch.nn.functional.linear(hidden_LD, head.weight, head.bias).float() * head.logit_scale
+    hidden_LD = hidden_LD.to(head.weight.device)  # a device map may put the body's end and the head apart
+    ours_LV = torch.nn.functional.linear(hidden_LD, head.weight, head.bias).float().to(reference_LV.device)
+    ours_LV = ours_LV * head.logit_scale
     if head.softcap is not None:
         ours_LV = head.softcap * torch.tanh(ours_LV / head.softcap)
     # bf16 heads may round the scale/cap steps differently from us: allow a few bf16 ulps of the logit range.
@@ -312,17 +314,21 @@ class LocalScorer:
         try:
             with torch.no_grad():
                 head = output_head(self.model)
+                head_device = head.weight.device  # not `device` when a device map spreads the layers
                 for rows_b in groups:
                     rows_b = rows_b.to(device)
                     part = forward_hidden(self.model, batch.select(rows_b), packing=self.packing,
                                           through_root=self.through_root)
                     b_N, t_N = rows_b[part.rows_N], part.cols_N  # back to rows of the whole batch
                     scores = score_hidden(
-                        part.hidden_ND, head, targets_N=part.targets_N, top_k=top_k,
-                        requested_ids_NR=None if requested_BTR is None else requested_BTR[b_N, t_N],
+                        part.hidden_ND.to(head_device), head, targets_N=part.targets_N.to(head_device), top_k=top_k,
+                        requested_ids_NR=None if requested_BTR is None else requested_BTR[b_N, t_N].to(head_device),
                         temperature=temperature, vocab_size=self.vocab_size, with_entropy=with_entropy,
                         chunk_size=self.chunk_size,
                     )
+                    scores = TokenScores(*(None if x is None else x.to(device) for x in (
+                        scores.sampled_logprobs, scores.topk_ids, scores.topk_logprobs, scores.entropy,
+                        scores.requested_logprobs)))
                     sampled_BT[b_N, t_N] = scores.sampled_logprobs.float()
                     if top_k:
                         topk_ids_BTK[b_N, t_N] = scores.topk_ids

@@ -3,6 +3,7 @@
 Every command that scores with a teacher (`opd distill`, `opd prompts score`) asks `load_teacher`; each placement is
 one branch here and one module beside it, all implementing `opd.teacher.base.TeacherScorer`:
     local   an in-process Hugging Face model (`LocalScorer`), on the student's GPU, another GPU or the CPU
+    served  `teacher.url`: an `opd serve-teacher` on another GPU or host, or several replicas (`RemoteScorer`)
 
 The tokenizer check (SPEC §1: the teacher scores the student's token ids) happens here for every placement, with the
 same one-line error.
@@ -35,8 +36,18 @@ class Teacher:
 
 
 def check_teacher_tokenizer(spec: ModelSpec, student_tokenizer: Any) -> Any:
-    """Cheap, before any model loads: the teacher's tokenizer must equal the student's (one-line error otherwise)."""
+    """Cheap, before any model loads: the teacher's tokenizer must equal the student's (one-line error otherwise).
+    A served teacher is asked for its /info (waiting for the server like any request)."""
     from opd.models import check_tokenizer_compatibility, load_tokenizer
+
+    if getattr(spec, "url", None) is not None:
+        from opd.teacher.client import remote_scorer
+
+        scorer = remote_scorer(spec)
+        try:
+            return scorer.check_tokenizer(student_tokenizer)
+        finally:
+            scorer.close()
 
     teacher_tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
     return check_tokenizer_compatibility(student_tokenizer, teacher_tokenizer)
@@ -61,6 +72,12 @@ def load_teacher(spec: ModelSpec, *, student_tokenizer: Any, student_rows: int, 
     from opd.models import check_tokenizer_compatibility, load_model, resolve_device, resolve_dtype
     from opd.teacher.local import LocalScorer
 
+    if getattr(spec, "url", None) is not None:  # served: nothing loads here, the server holds the model
+        from opd.teacher.client import remote_scorer
+
+        scorer = remote_scorer(spec)
+        return Teacher(scorer=scorer, module=None, vocab=scorer.check_tokenizer(student_tokenizer,
+                                                                                student_rows=student_rows))
     device = teacher_device(spec, student_device, world_size)
     dtype = resolve_dtype(spec.dtype, resolve_device(device))
     module, tokenizer = load_model(spec.path, dtype=dtype, device="cpu" if offload else device,

@@ -104,6 +104,7 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     from opd.models import activation_budget
     from opd.rollout.batch import build_rollouts
     from opd.scoring import candidate_logprobs_and_entropy
+    from opd.teacher.base import start_scoring
     from opd.teacher.local import forward_hidden, needed_lengths, output_head, split_by_token_budget, uses_packing
     from opd.train.optim import clip_and_step
 
@@ -140,13 +141,18 @@ def opd_step(tr: Trainer) -> dict[str, float]:
             rollouts, top_k=0, temperature=cfg.rollout.temperature, with_entropy=False).sampled_logprobs
 
     # 4. teacher scores of the student's tokens: sampled token, its own top-k, log-probs at the student's top-k
+    #    (a served teacher's requests go out here, as soon as the student's top-k exists, and overlap the grading)
     teacher: TokenScores | None = None
     student_at_teacher_BTK = None
+    pending = None
     if tr.teacher_scorer is not None:
         with _timed(timings, "teacher"), _on_device(tr.teacher, device if cfg.teacher_offload else None):
-            teacher = tr.teacher_scorer.score(
-                rollouts, top_k=diag_k, requested_ids=student.topk_ids, temperature=obj.teacher_temperature
-            )
+            pending = start_scoring(tr.teacher_scorer, rollouts, top_k=diag_k, requested_ids=student.topk_ids,
+                                    temperature=obj.teacher_temperature)
+    texts, correct = _grade_rollouts(tr, rollouts, indices)
+    if pending is not None:
+        with _timed(timings, "teacher"):
+            teacher = pending.result()
         if obj.top_k and strategy_spec(obj.strategy).teacher_slots:
             with _timed(timings, "student"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
                 student_at_teacher_BTK = tr.student_scorer.score(
@@ -156,7 +162,6 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     _mark_memory(tr, "scoring")
 
     # 5. token rewards → advantages
-    texts, correct = _grade_rollouts(tr, rollouts, indices)
     if obj.advantage == "grpo":
         candidate_ids_BTJ, valid_BTJ = rollouts.response_ids[..., None], mask_BT[..., None]
         old_lp_BTJ = student.sampled_logprobs[..., None]

@@ -1,0 +1,563 @@
+"""`opd serve-teacher`: the teacher as an HTTP service that scores *any* token ids, shared by trainers.
+
+    opd serve-teacher --model Qwen/Qwen3-4B --device cuda:1                   # beside the trainer, its own GPU
+    opd serve-teacher --model Qwen/Qwen3-8B --device-map auto                 # a teacher too large for one GPU
+    opd serve-teacher --model Qwen/Qwen3-4B --host 0.0.0.0 --token-file tok   # for trainers on other hosts
+
+One process, one model, one scoring loop: a single worker thread owns the model and runs `LocalScorer` — the same
+code a local teacher runs (packed rows, compiled layers on CUDA, chunked vocabulary stage) — so a served teacher
+scores exactly like a local one. The web stack (uvicorn + Starlette, async) only receives, checks and answers:
+
+  POST /score    a `opd.teacher.wire` request → its scores (sampled-token log-probs, top-k ids and log-probs,
+                 log-probs at the requested ids, entropy, at the requested temperature)
+  GET  /info     model, vocabulary size and rows, hashes of the token→id map and of the chat template, dtype,
+                 limits (what a client checks before it trusts the teacher, see `opd.teacher.client`)
+  GET  /vocab    the token→id map as JSON (a client fetches it only to name the first differing token)
+  GET  /metrics  counters: requests, batches, merged requests, rejections, disconnects
+  GET  /healthz  liveness; the only path that needs no token
+
+Dynamic batching: requests that arrive together (within `batch_window_ms` of the oldest waiting one) and ask for
+the same thing (top-k, number of requested ids, temperature, entropy) are merged into one scoring batch of at most
+`max_batch_tokens` tokens; `LocalScorer` splits it into forwards of `forward_tokens`. When more than
+`max_queue_tokens` wait, a request gets 503 with Retry-After (clients back off and retry).
+
+Security: binds 127.0.0.1 unless told otherwise; any other address needs a bearer token (`--token-file`, or the
+`OPD_TEACHER_TOKEN` environment variable), compared in constant time (`hmac.compare_digest`) and never logged.
+Limits answer 4xx naming the limit: body bytes (413), rows, tokens per row, requested ids per position, top-k,
+ids outside the vocabulary, malformed bodies and unknown wire versions (400).
+
+`--device-map auto` places consecutive layers on consecutive GPUs (accelerate). A forward still runs the layers one
+after another, so one GPU computes at a time while the others wait (no pipelining across batches) and activations
+hop between GPUs at each boundary ([tokens, hidden] per hop, small next to the layers); throughput stays about that
+of one GPU, minus accelerate's per-module hooks, and layers are not compiled under a device map (the hooks move
+tensors between devices inside the forward). What it buys is memory: a teacher larger than one GPU.
+
+Omitted on purpose: TLS (put the server behind a TLS proxy or an SSH tunnel for untrusted networks), several models
+per process (start one server per teacher), and a server-side cache of hidden states between requests (a request
+is stateless, so replicas balance freely and a restarted server loses nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from opd.config import ConfigError, ModelSpec, Section
+from opd.teacher import wire
+from opd.types import TokenScores
+
+log = logging.getLogger("opd.teacher.server")
+
+TOKEN_ENV = "OPD_TEACHER_TOKEN"
+MIN_TOKEN_LENGTH = 16
+
+
+class ServeConfig(Section):
+    """`opd serve-teacher`: which teacher to serve, where, and the limits of what it accepts."""
+
+    model: ModelSpec
+    device_map: Literal["auto"] | None = Field(
+        None, description="auto: split the model over all visible GPUs (accelerate; see the module docstring for the "
+        "cost); None: the whole model on model.device.")
+    name: str | None = Field(None, description="Model name /info reports; None: model.path.")
+    host: str = Field("127.0.0.1", description="Address to bind; anything but a loopback address needs a token.")
+    port: int = Field(8765, ge=0, le=65535, description="TCP port; 0 = any free port (printed at start).")
+    token_file: str | None = Field(None, description=f"File holding the bearer token (≥ {MIN_TOKEN_LENGTH} "
+                                   f"characters); None: the {TOKEN_ENV} environment variable, if set.")
+    compile: bool | None = Field(None, description="torch.compile the decoder layers (as `opd distill` does); None: "
+                                 "on CUDA without a device map.")
+    forward_tokens: int = Field(32768, ge=1, description="Input tokens per scoring forward (LocalScorer's budget).")
+    max_batch_tokens: int = Field(32768, ge=1, description="Tokens of merged requests per scoring batch.")
+    batch_window_ms: float = Field(2.0, ge=0.0, description="How long the oldest waiting request waits for others "
+                                   "to merge with, in milliseconds; 0 = merge only what is already queued.")
+    max_queue_tokens: int = Field(1 << 20, ge=1, description="Tokens waiting beyond which requests get 503.")
+    max_request_bytes: int = Field(64 << 20, ge=1024, description="Largest request body in bytes (413 above).")
+    max_rows: int = Field(4096, ge=1, description="Rows per request.")
+    max_positions: int = Field(65536, ge=1, description="Tokens per row (prompt and response).")
+    max_requested_ids: int = Field(256, ge=0, description="Requested ids per position.")
+    max_top_k: int = Field(256, ge=0, description="Largest top-k a request may ask for.")
+
+    @model_validator(mode="after")
+    def _one_placement(self) -> "ServeConfig":
+        if self.device_map is not None and self.model.device != "auto":
+            raise ValueError(f"give model.device ({self.model.device}) or device_map ({self.device_map}), not both")
+        return self
+
+
+# ------------------------------------------------------------------------------------------------ identity
+
+
+def resolve_token(token_file: str | None, env: str = TOKEN_ENV) -> str | None:
+    """The bearer token from `token_file`, else from the environment variable `env`, else None. One-line
+    `ConfigError` for an unreadable, empty or short token."""
+    if token_file is not None:
+        try:
+            token = open(os.path.expanduser(token_file), encoding="utf-8").read().strip()
+        except OSError as error:
+            raise ConfigError(f"token_file: cannot read {token_file}: {error.strerror or error}") from None
+        origin = f"token_file {token_file}"
+    else:
+        token = os.environ.get(env, "").strip()
+        origin = f"${env}"
+        if not token:
+            return None
+    if len(token) < MIN_TOKEN_LENGTH or any(c.isspace() for c in token):
+        raise ConfigError(f"{origin}: the token must be at least {MIN_TOKEN_LENGTH} characters without spaces "
+                          f"(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    return token
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------------ batching
+
+
+class QueueFull(Exception):
+    """More tokens are waiting than the server accepts (answered with 503 + Retry-After)."""
+
+
+@dataclass
+class Job:
+    request: wire.ScoreRequest
+    tokens: int
+    arrival: float = field(default_factory=time.monotonic)
+    future: Future = field(default_factory=Future)
+
+
+class ScoringQueue:
+    """The requests waiting for the scoring loop. `put` from any thread; `take` from the one worker: the oldest
+    request plus the later ones with the same key that fit `max_batch_tokens`, after waiting up to `window_s` from
+    the oldest's arrival for more to come (returns early once the batch is full). Cancelled jobs are dropped."""
+
+    def __init__(self, *, max_batch_tokens: int, window_s: float, max_queue_tokens: int):
+        self.max_batch_tokens, self.window_s, self.max_queue_tokens = max_batch_tokens, window_s, max_queue_tokens
+        self._jobs: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self.queued_tokens = 0
+        self.closed = False
+
+    def put(self, job: Job) -> None:
+        with self._cond:
+            if self._jobs and self.queued_tokens + job.tokens > self.max_queue_tokens:
+                raise QueueFull
+            self._jobs.append(job)
+            self.queued_tokens += job.tokens
+            self._cond.notify_all()
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def take(self) -> list[Job] | None:
+        """The next batch (blocks); None once closed."""
+        with self._cond:
+            while True:
+                self._drop_cancelled()
+                if self.closed:
+                    return None
+                if not self._jobs:
+                    self._cond.wait()
+                    continue
+                batch = self._compatible()
+                left = self._jobs[0].arrival + self.window_s - time.monotonic()
+                if sum(j.tokens for j in batch) >= self.max_batch_tokens or left <= 0:
+                    break
+                self._cond.wait(left)
+            for job in batch:
+                self._jobs.remove(job)
+                self.queued_tokens -= job.tokens
+            return batch
+
+    def _compatible(self) -> list[Job]:
+        head = self._jobs[0]
+        batch, total = [head], head.tokens
+        for job in list(self._jobs)[1:]:
+            if job.request.key == head.request.key and total + job.tokens <= self.max_batch_tokens:
+                batch.append(job)
+                total += job.tokens
+        return batch
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._jobs if j.future.cancelled()]:
+            self._jobs.remove(job)
+            self.queued_tokens -= job.tokens
+
+
+def score_requests(scorer: Any, requests: list[wire.ScoreRequest]) -> list[wire.ScoreResponse]:
+    """Score requests with equal keys as one batch: their rows are concatenated into one `Rollouts`, scored once,
+    and the scored positions are cut back per request."""
+    top_k, _, temperature, with_entropy = requests[0].key
+    rollouts, requested_BTR = wire.rollouts_from_requests(requests)
+    scores: TokenScores = scorer.score(rollouts, top_k=top_k, requested_ids=requested_BTR, temperature=temperature,
+                                       with_entropy=with_entropy)
+    merged = wire.response_from_scores(scores, rollouts.response_mask)
+    return wire.split_response(merged, [q.num_positions for q in requests])
+
+
+# ------------------------------------------------------------------------------------------------ the service
+
+
+class RequestError(ValueError):
+    """A request the server refuses: HTTP `status` and a one-line message naming the field, limit and value."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+class TeacherService:
+    """The model side of the server: limits, the queue, the one scoring thread, counters and /info.
+
+    scorer:  a `TeacherScorer` (the `LocalScorer` of the served model); only the worker thread calls it
+    info:    what /info reports (model, vocab_size, vocab_rows, hashes, dtype, device); limits are added here
+    vocab:   the token→id map /vocab serves
+    """
+
+    def __init__(self, scorer: Any, info: dict, vocab: dict[str, int], config: ServeConfig):
+        self.scorer, self.vocab, self.config = scorer, vocab, config
+        self.vocab_size = int(info["vocab_size"])
+        self.info = {**info, "wire_version": wire.VERSION, **{k: getattr(config, k) for k in (
+            "max_batch_tokens", "forward_tokens", "max_request_bytes", "max_rows", "max_positions",
+            "max_requested_ids", "max_top_k", "max_queue_tokens", "batch_window_ms")}}
+        self.queue = ScoringQueue(max_batch_tokens=config.max_batch_tokens, window_s=config.batch_window_ms / 1000,
+                                  max_queue_tokens=config.max_queue_tokens)
+        self._lock = threading.Lock()
+        self.counters = dict(requests=0, batches=0, merged_requests=0, max_requests_per_batch=0, tokens=0,
+                             positions=0, rejected_busy=0, rejected_invalid=0, disconnected=0, errors=0)
+        self._worker: threading.Thread | None = None
+
+    def count(self, **increments: int) -> None:
+        with self._lock:
+            for key, value in increments.items():
+                self.counters[key] += value
+
+    def metrics(self) -> dict:
+        with self._lock:
+            return {**self.counters, "queue_requests": len(self.queue), "queue_tokens": self.queue.queued_tokens}
+
+    # -- requests
+
+    def parse(self, body: bytes) -> wire.ScoreRequest:
+        """Decode and check a request body against the limits and the vocabulary (`RequestError` otherwise)."""
+        try:
+            request = wire.decode_request(body)
+        except wire.WireError as error:
+            raise RequestError(str(error)) from None
+        cfg, V = self.config, self.vocab_size
+        if request.num_rows > cfg.max_rows:
+            raise RequestError(f"rows: {request.num_rows} rows exceed the server's limit of {cfg.max_rows} per "
+                               f"request (max_rows)")
+        if request.num_rows and int(request.row_lengths.max()) > cfg.max_positions:
+            b = int(request.row_lengths.argmax())
+            raise RequestError(f"row_lengths: row {b} has {int(request.row_lengths[b])} tokens, more than the "
+                               f"server's limit of {cfg.max_positions} positions per row (max_positions)")
+        R = 0 if request.requested_ids is None else request.requested_ids.shape[1]
+        if R > cfg.max_requested_ids:
+            raise RequestError(f"requested_ids: {R} ids per position exceed the server's limit of "
+                               f"{cfg.max_requested_ids} (max_requested_ids)")
+        if request.top_k > min(cfg.max_top_k, V):
+            raise RequestError(f"top_k: {request.top_k} exceeds the server's limit of {min(cfg.max_top_k, V)} "
+                               f"(max_top_k, and the vocabulary size {V})")
+        _check_ids("tokens", request.tokens, V, request.row_lengths)
+        if request.requested_ids is not None:
+            _check_ids("requested_ids", request.requested_ids, V)
+        return request
+
+    def submit(self, request: wire.ScoreRequest) -> Job:
+        job = Job(request, tokens=max(1, request.num_tokens))
+        try:
+            self.queue.put(job)
+        except QueueFull:
+            self.count(rejected_busy=1)
+            raise
+        return job
+
+    # -- the scoring loop
+
+    def start(self) -> None:
+        self._worker = threading.Thread(target=self._work, name="opd-teacher-scoring", daemon=True)
+        self._worker.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.queue.close()
+        if self._worker is not None:
+            self._worker.join(timeout)
+
+    def _work(self) -> None:
+        while (batch := self.queue.take()) is not None:
+            batch = [job for job in batch if job.future.set_running_or_notify_cancel()]
+            if not batch:
+                continue
+            try:
+                responses = score_requests(self.scorer, [job.request for job in batch])
+            except Exception as error:  # e.g. out of memory: fail these requests, keep serving
+                log.exception("scoring a batch of %d requests failed", len(batch))
+                self.count(errors=len(batch))
+                for job in batch:
+                    job.future.set_exception(error)
+                continue
+            with self._lock:
+                c = self.counters
+                c["requests"] += len(batch)
+                c["batches"] += 1
+                c["merged_requests"] += len(batch) if len(batch) > 1 else 0
+                c["max_requests_per_batch"] = max(c["max_requests_per_batch"], len(batch))
+                c["tokens"] += sum(job.request.num_tokens for job in batch)
+                c["positions"] += sum(job.request.num_positions for job in batch)
+            for job, response in zip(batch, responses):
+                job.future.set_result(response)
+
+
+def _check_ids(name: str, ids: torch.Tensor, vocab_size: int, row_lengths: torch.Tensor | None = None) -> None:
+    """RequestError naming the first id outside [0, vocab_size): by row and token for the concatenated tokens [S]
+    (`row_lengths` given), by scored position and slot for requested ids [N, R]."""
+    bad = (ids < 0) | (ids >= vocab_size)
+    if not bool(bad.any()):
+        return
+    index = tuple(int(i) for i in bad.nonzero()[0])
+    if row_lengths is not None:
+        ends = torch.cumsum(row_lengths, 0)
+        row = int(torch.searchsorted(ends, torch.tensor(index[0]), right=True))
+        where = f"row {row}, token {index[0] - (int(ends[row - 1]) if row else 0)}"
+    else:
+        where = f"scored position {index[0]}, slot {index[1]}"
+    raise RequestError(f"{name}: id {int(ids[index])} at {where} is outside the vocabulary [0, {vocab_size})")
+
+
+# ------------------------------------------------------------------------------------------------ the web app
+
+
+def build_app(service: TeacherService, token: str | None):
+    """The Starlette app of `service`, behind bearer-token auth when `token` is set (all paths but /healthz)."""
+    import anyio
+    from starlette.applications import Starlette
+    from starlette.requests import ClientDisconnect, Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    def error(status: int, message: str, **headers: str) -> JSONResponse:
+        return JSONResponse({"error": message}, status_code=status, headers=headers or None)
+
+    async def healthz(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    async def info(request: Request) -> JSONResponse:
+        return JSONResponse(service.info)
+
+    async def vocab(request: Request) -> JSONResponse:
+        return JSONResponse(service.vocab)
+
+    async def metrics(request: Request) -> JSONResponse:
+        return JSONResponse(service.metrics())
+
+    async def score(request: Request) -> Response:
+        limit = service.config.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            service.count(rejected_invalid=1)
+            return error(413, f"body: request of {declared} bytes exceeds the server's limit of {limit} bytes "
+                              f"(max_request_bytes)", Connection="close")
+        body = bytearray()
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    service.count(rejected_invalid=1)
+                    return error(413, f"body: request exceeds the server's limit of {limit} bytes "
+                                      f"(max_request_bytes)", Connection="close")
+        except ClientDisconnect:
+            service.count(disconnected=1)
+            return Response(status_code=400)
+        try:
+            parsed = await anyio.to_thread.run_sync(service.parse, bytes(body))
+        except RequestError as failure:
+            service.count(rejected_invalid=1)
+            return error(failure.status, str(failure))
+        try:
+            job = service.submit(parsed)
+        except QueueFull:
+            return error(503, f"busy: more than {service.config.max_queue_tokens} tokens are waiting "
+                              f"(max_queue_tokens); retry", **{"Retry-After": "1"})
+        result = asyncio.wrap_future(job.future)
+        gone = asyncio.ensure_future(_disconnected(request))
+        done, _ = await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if result not in done:  # the client left: a queued job is skipped, a running one's result dropped
+            job.future.cancel()
+            result.cancel()
+            service.count(disconnected=1)
+            return Response(status_code=400)
+        gone.cancel()
+        try:
+            response = result.result()
+        except Exception as failure:
+            return error(500, f"scoring failed: {type(failure).__name__}: {str(failure).splitlines()[0][:300]}")
+        data = await anyio.to_thread.run_sync(wire.encode_response, response, parsed.logprobs)
+        return Response(data, media_type="application/octet-stream")
+
+    app = Starlette(routes=[
+        Route("/healthz", healthz), Route("/info", info), Route("/vocab", vocab), Route("/metrics", metrics),
+        Route("/score", score, methods=["POST"]),
+    ], lifespan=_lifespan(service))
+    return BearerAuth(app, token) if token is not None else app
+
+
+async def _disconnected(request) -> None:
+    """Returns when the client disconnects (the body has been read: the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _lifespan(service: TeacherService):
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        service.start()
+        try:
+            yield
+        finally:
+            service.stop()
+
+    return lifespan
+
+
+class BearerAuth:
+    """ASGI middleware: 401 unless `Authorization: Bearer <token>` (constant-time comparison); /healthz is open."""
+
+    OPEN_PATHS = ("/healthz",)
+
+    def __init__(self, app, token: str):
+        self.app = app
+        self._expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.OPEN_PATHS:
+            supplied = b""
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    supplied = value
+            if not hmac.compare_digest(supplied, self._expected):
+                from starlette.responses import JSONResponse
+
+                response = JSONResponse({"error": "unauthorized: send the server's token as 'Authorization: Bearer "
+                                                  "<token>' (teacher.token_file or $OPD_TEACHER_TOKEN)"},
+                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ------------------------------------------------------------------------------------------------ serving
+
+
+def load_service(config: ServeConfig) -> TeacherService:
+    """Load the model as a local teacher is loaded (`opd.models.load_model`, compiled layers on CUDA) and wrap its
+    `LocalScorer` in a `TeacherService`."""
+    from opd.models import compile_layers, load_model, resolve_device
+
+    spec = config.model
+    model, tokenizer = load_model(spec.path, dtype=spec.dtype, device=spec.device, device_map=config.device_map,
+                                  trust_remote_code=spec.trust_remote_code,
+                                  attn_implementation=spec.attn_implementation)
+    model.requires_grad_(False)
+    device = "device_map" if config.device_map else str(resolve_device(spec.device))
+    compile_layers(model, False if config.device_map else config.compile)
+    return service_for(model, tokenizer, config, name=config.name or spec.path, device=device)
+
+
+def service_for(model: torch.nn.Module, tokenizer: Any, config: ServeConfig, *, name: str,
+                device: str = "") -> TeacherService:
+    """A `TeacherService` over an already loaded model and its tokenizer (the benchmark serves random weights)."""
+    from opd.models import check_tokenizer_compatibility
+    from opd.teacher.local import LocalScorer
+
+    rows = model.get_output_embeddings().weight.shape[0]
+    vocab = check_tokenizer_compatibility(tokenizer, tokenizer, student_vocab_size=rows, teacher_vocab_size=rows)
+    # ids beyond the tokenizer are embedding padding rows: never a top-k candidate (SPEC §1), as in load_teacher
+    scorer = LocalScorer(model, vocab_size=vocab.tokenizer_size, max_tokens_per_batch=config.forward_tokens)
+    info = {"model": name, "vocab_size": vocab.tokenizer_size, "vocab_rows": rows,
+            **wire.tokenizer_fingerprints(tokenizer), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "device": device or str(next(model.parameters()).device)}
+    return TeacherService(scorer, info, tokenizer.get_vocab(), config)
+
+
+def check_serve_config(config: ServeConfig) -> str | None:
+    """Cheap checks before any model loads; returns the token (None = no auth)."""
+    token = resolve_token(config.token_file)
+    if token is None and not is_loopback(config.host):
+        raise ConfigError(f"host={config.host} is not a loopback address: serving it needs a token; pass "
+                          f"--token-file FILE or set ${TOKEN_ENV} (or bind --host 127.0.0.1)")
+    return token
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); port 0 picks a free one (read it back with getsockname)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        raise ConfigError(f"port: cannot bind {host}:{port}: {error.strerror or error}") from None
+    sock.listen(2048)
+    return sock
+
+
+def make_server(service: TeacherService, token: str | None):
+    """The uvicorn server of `service` (run it with `.run(sockets=[bind(...)])`; `.should_exit = True` stops it)."""
+    import uvicorn
+
+    config = uvicorn.Config(build_app(service, token), log_level="warning", access_log=False, lifespan="on",
+                            timeout_keep_alive=120, timeout_graceful_shutdown=5)
+    return uvicorn.Server(config)
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def run(service: TeacherService, sock: socket.socket, token: str | None, *, banner: str = "") -> None:
+    """Serve `service` on the bound socket until SIGINT / SIGTERM."""
+    auth = "bearer token required" if token else "no token (loopback only)"
+    print(f"opd serve-teacher: {banner or service.info['model']} listening on {url_of(sock)} ({auth})", flush=True)
+    make_server(service, token).run(sockets=[sock])
+
+
+def serve(config: ServeConfig) -> None:
+    """Run `opd serve-teacher`: check (token, port) → load the model → serve until interrupted."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    token = check_serve_config(config)
+    sock = bind(config.host, config.port)
+    try:
+        service = load_service(config)
+        info = service.info
+        run(service, sock, token, banner=f"{info['model']} ({info['dtype']}, {info['device']}, vocabulary "
+                                         f"{info['vocab_size']})")
+    finally:
+        sock.close()

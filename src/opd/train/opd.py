@@ -144,15 +144,15 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     #    (a served teacher's requests go out here, as soon as the student's top-k exists, and overlap the grading)
     teacher: TokenScores | None = None
     student_at_teacher_BTK = None
-    pending = None
+    teacher_call = None
     if tr.teacher_scorer is not None:
         with _timed(timings, "teacher"), _on_device(tr.teacher, device if cfg.teacher_offload else None):
-            pending = start_scoring(tr.teacher_scorer, rollouts, top_k=diag_k, requested_ids=student.topk_ids,
+            teacher_call = start_scoring(tr.teacher_scorer, rollouts, top_k=diag_k, requested_ids=student.topk_ids,
                                     temperature=obj.teacher_temperature)
     texts, correct = _grade_rollouts(tr, rollouts, indices)
-    if pending is not None:
+    if teacher_call is not None:
         with _timed(timings, "teacher"):
-            teacher = pending.result()
+            teacher = teacher_call.result()
         if obj.top_k and strategy_spec(obj.strategy).teacher_slots:
             with _timed(timings, "student"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
                 student_at_teacher_BTK = tr.student_scorer.score(

@@ -91,6 +91,7 @@ def distill_command(
     advantage: Optional[str] = typer.Option(None, help="token_reward | grpo | token_reward+grpo | token_grpo (objective.advantage). [default: token_reward]"),
     lr: Optional[float] = typer.Option(None, help="Peak learning rate (optim.lr). [default: 1e-6]"),
     seed: Optional[int] = typer.Option(None, help="Seed of data order, sampling and init (run.seed). [default: 0]"),
+    allow_config_change: Optional[bool] = typer.Option(None, "--allow-config-change", help="With --resume: continue even though settings that change the math or data order differ from the saved config.yaml (run.allow_config_change)."),
 ) -> None:
     """On-policy distillation: the student samples, the teacher scores the student's tokens, policy-gradient update.
 
@@ -100,6 +101,7 @@ def distill_command(
         "student.path": student, "teacher.path": teacher, "data.path": prompts, "run.steps": steps, "run.name": name,
         "run.out_dir": out_dir, "run.resume": resume, "objective.top_k": top_k, "objective.strategy": strategy,
         "objective.weight": weight, "objective.advantage": advantage, "optim.lr": lr, "run.seed": seed,
+        "run.allow_config_change": allow_config_change,
     }
     cfg = build_config(DistillConfig, config_file=config, options=options, overrides=overrides)
     from opd.train.opd import distill
@@ -118,12 +120,13 @@ def sft_command(
     lora: Optional[bool] = typer.Option(None, "--lora/--no-lora", help="Train LoRA adapters only, merged into <run>/merged at the end (lora.enabled)."),
     name: Optional[str] = typer.Option(None, help="Run directory name under run.out_dir (run.name). [default: sft-<time>]"),
     resume: Optional[bool] = typer.Option(None, "--resume/--no-resume", help="Continue from the newest complete checkpoint of the run directory (run.resume)."),
+    allow_config_change: Optional[bool] = typer.Option(None, "--allow-config-change", help="With --resume: continue even though settings that change the math or data order differ from the saved config.yaml (run.allow_config_change)."),
 ) -> None:
     """Supervised fine-tuning on (teacher) answers, loss on assistant tokens only: the cold start before `opd distill`."""
     from opd.train.sft import SFTConfig, sft
 
     options = {"model.path": model, "data.path": data or None, "epochs": epochs, "optim.lr": lr, "lora.enabled": lora,
-               "run.name": name, "run.resume": resume}
+               "run.name": name, "run.resume": resume, "run.allow_config_change": allow_config_change}
     sft(build_config(SFTConfig, config_file=config, options=options, overrides=overrides))
 
 
@@ -133,11 +136,13 @@ def merge_command(
     out: Path = typer.Argument(..., help="Output directory for the merged Hugging Face weights + tokenizer."),
     base: Optional[str] = typer.Option(None, help="Base model id or path. [default: base_model_name_or_path of the adapter config]"),
     dtype: str = typer.Option("auto", help="Dtype of the written weights: auto (the base model's) | bf16 | fp16 | fp32."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="When OUT is a file or a non-empty directory, move it aside to OUT.old-<time> (never deleted). [default: refuse]"),
 ) -> None:
     """Merge LoRA adapters into their base model: full weights that load without peft."""
     from opd.train.sft import merge_lora
 
-    typer.echo(f"merged: {merge_lora(checkpoint, out, base=base, dtype=dtype)}")
+    merged = merge_lora(checkpoint, out, base=base, dtype=dtype, existing="move" if overwrite else "refuse")
+    typer.echo(f"merged: {merged}")
 
 
 @app.command("rollout")

@@ -370,14 +370,22 @@ def score_prompt_file(config: PromptScoreConfig, *, console: Any = None) -> Path
     models, score the rest batch by batch (appending), print a summary. Returns the scores path."""
     from rich.console import Console
 
-    from opd.report.sinks import progress_bar
-    from opd.io import append_jsonl, repair_jsonl
-    from opd.models import check_tokenizer_compatibility, load_model, load_tokenizer
-
     console = console or Console()
     out = Path(config.out)
     if out.suffix.lower() not in JSONL_SUFFIXES:
         raise DataError(f"out: scores are written as JSON lines; expected a .jsonl path, got {str(out)!r}")
+    from opd.io import DirectoryLock
+
+    with DirectoryLock(out.parent, "prompts score"):  # the scores and their config.yaml: one process at a time
+        return _score_locked(config, out, console)
+
+
+def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
+    """The body of `score_prompt_file`, run holding the lock of the directory of `out`."""
+    from opd.report.sinks import progress_bar
+    from opd.io import append_jsonl, repair_jsonl
+    from opd.models import check_tokenizer_compatibility, load_model, load_tokenizer
+
     student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
     teacher_tokenizer = load_tokenizer(config.teacher.path, trust_remote_code=config.teacher.trust_remote_code)
     check_tokenizer_compatibility(student_tokenizer, teacher_tokenizer)

@@ -49,6 +49,14 @@ def evaluate(config: EvalConfig, *, generator: Any = None, tokenizer: Any = None
         raise ValueError("opd eval needs exactly one of --model (sample and grade) or --responses FILE (grade only)")
     run_dir = Path(config.out) if config.out else default_run_dir("eval")
     run_dir.mkdir(parents=True, exist_ok=True)
+    from opd.io import DirectoryLock
+
+    with DirectoryLock(run_dir, "eval"):  # one process per output directory
+        return _evaluate_locked(config, run_dir, generator=generator, tokenizer=tokenizer, console=console)
+
+
+def _evaluate_locked(config: EvalConfig, run_dir: Path, *, generator: Any, tokenizer: Any, console: Any) -> dict:
+    """The body of `evaluate`, run holding the lock of `run_dir`."""
     save_config(config, run_dir)
     if config.responses is not None and generator is None:
         records = grade_responses_file(config.responses, timeout=config.timeout)

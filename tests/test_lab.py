@@ -146,7 +146,8 @@ def test_style_experiment_reduced(tmp_path):
     assert cold["prompts"] == 8 and 0 <= cold["accepted"] <= 8 and 0.0 <= cold["student_after_sft"] <= 1.0
     assert (tmp_path / "style" / "cold_student" / "model.safetensors").is_file()
     assert "Rewrite-style teacher" in markdown(summary) and (tmp_path / "style" / "summary.json").is_file()
-    # a second run reuses the cached teacher
-    again = run_experiment("style", out_dir=tmp_path, steps=1, overrides=overrides, only=["mismatch"], setup=setup,
-                           console=_console())
+    # a second run reuses the cached teacher; its OPD run directory exists, so a new run moves it aside
+    again = run_experiment("style", out_dir=tmp_path, steps=1, overrides=[*overrides, "run.overwrite=true"],
+                           only=["mismatch"], setup=setup, console=_console())
+    assert len(list((tmp_path / "style").glob("mismatch.old-*"))) == 1
     assert again["teacher_sft"] == summary["teacher_sft"] and "cold_start" not in again

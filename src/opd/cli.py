@@ -103,6 +103,7 @@ def distill_command(
     lr: Optional[float] = typer.Option(None, help="Peak learning rate (optim.lr). [default: 1e-6]"),
     seed: Optional[int] = typer.Option(None, help="Seed of data order, sampling and init (run.seed). [default: 0]"),
     thinking: Optional[bool] = _thinking("data.enable_thinking"),
+    allow_config_change: Optional[bool] = typer.Option(None, "--allow-config-change", help="With --resume: continue even though settings that change the math or data order differ from the saved config.yaml (run.allow_config_change)."),
 ) -> None:
     """On-policy distillation: the student samples, the teacher scores the student's tokens, policy-gradient update.
 
@@ -113,6 +114,7 @@ def distill_command(
         "run.out_dir": out_dir, "run.resume": resume, "objective.top_k": top_k, "objective.strategy": strategy,
         "objective.weight": weight, "objective.advantage": advantage, "optim.lr": lr, "run.seed": seed,
         "data.enable_thinking": thinking,
+        "run.allow_config_change": allow_config_change,
     }
     cfg = build_config(DistillConfig, config_file=config, options=options, overrides=overrides)
     from opd.train.opd import distill
@@ -132,12 +134,14 @@ def sft_command(
     name: Optional[str] = typer.Option(None, help="Run directory name under run.out_dir (run.name). [default: sft-<time>]"),
     resume: Optional[bool] = typer.Option(None, "--resume/--no-resume", help="Continue from the newest complete checkpoint of the run directory (run.resume)."),
     thinking: Optional[bool] = _thinking("data.enable_thinking; must match how the answers were generated"),
+    allow_config_change: Optional[bool] = typer.Option(None, "--allow-config-change", help="With --resume: continue even though settings that change the math or data order differ from the saved config.yaml (run.allow_config_change)."),
 ) -> None:
     """Supervised fine-tuning on (teacher) answers, loss on assistant tokens only: the cold start before `opd distill`."""
     from opd.train.sft import SFTConfig, sft
 
     options = {"model.path": model, "data.path": data or None, "epochs": epochs, "optim.lr": lr, "lora.enabled": lora,
-               "run.name": name, "run.resume": resume, "data.enable_thinking": thinking}
+               "run.name": name, "run.resume": resume, "data.enable_thinking": thinking,
+               "run.allow_config_change": allow_config_change}
     sft(build_config(SFTConfig, config_file=config, options=options, overrides=overrides))
 
 
@@ -147,11 +151,13 @@ def merge_command(
     out: Path = typer.Argument(..., help="Output directory for the merged Hugging Face weights + tokenizer."),
     base: Optional[str] = typer.Option(None, help="Base model id or path. [default: base_model_name_or_path of the adapter config]"),
     dtype: str = typer.Option("auto", help="Dtype of the written weights: auto (the base model's) | bf16 | fp16 | fp32."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="When OUT is a file or a non-empty directory, move it aside to OUT.old-<time> (never deleted). [default: refuse]"),
 ) -> None:
     """Merge LoRA adapters into their base model: full weights that load without peft."""
     from opd.train.sft import merge_lora
 
-    typer.echo(f"merged: {merge_lora(checkpoint, out, base=base, dtype=dtype)}")
+    merged = merge_lora(checkpoint, out, base=base, dtype=dtype, existing="move" if overwrite else "refuse")
+    typer.echo(f"merged: {merged}")
 
 
 @app.command("rollout")

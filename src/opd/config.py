@@ -373,6 +373,11 @@ class RunSpec(Section):
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (and at the end when eval is configured); 0 = only at the end.")
     eval_at_start: bool = Field(True, description="Also evaluate before the first step (eval/step_0: the model before training, the report's 'before'); only when eval is configured and not when resuming.")
     resume: bool = Field(False, description="Continue from the newest complete checkpoint of the run directory.")
+    overwrite: bool = Field(False, description="A new run into a run directory that holds anything moves the old "
+                            "directory aside to <name>.old-<time> (never deletes it); off: such a run is refused.")
+    allow_config_change: bool = Field(False, description="Let --resume continue with settings that change the math "
+                                      "or data order (objective, rollout, data, optim, seed, models); off: refused, "
+                                      "naming each changed key (opd.train.common.RESUMABLE_CHANGES lists the free ones).")
     samples_per_step: int = Field(4, ge=0, description="Decoded rollouts with per-token rewards written to samples/.")
     tensorboard: bool = Field(False, description="Also log to TensorBoard (needs the tensorboard package).")
     wandb_project: str | None = Field(None, description="Also log to this W&B project (needs wandb).")

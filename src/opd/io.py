@@ -1,17 +1,23 @@
-"""File helpers shared by every command: atomic writes and JSONL that survives interruption.
+"""File helpers shared by every command: atomic writes, JSONL that survives interruption, and the exclusive lock
+of a directory of state.
 
 Everything a run writes goes through here, so that an interrupted run never leaves a half-written file where a
-complete one is expected: whole files are written to a temp file in the same directory, then renamed.
+complete one is expected: whole files are written to a temp file in the same directory, then renamed. Every command
+that writes a directory of state (distill, sft, eval, rollout, prompts score, pipeline) holds `DirectoryLock` on it,
+so two processes never write one directory.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 
 _UMASK = os.umask(0)
@@ -115,3 +121,147 @@ def repair_jsonl(path: str | Path) -> None:
         keep = data[: data.rfind(b"\n") + 1]
         with atomic_path(path) as tmp:
             tmp.write_bytes(keep)
+
+
+# ------------------------------------------------------------------------------------------------------ locking
+
+LOCK_FILE = ".opd.lock"
+"""Name of the lock file inside a locked directory (JSON: pid, host, command, start time)."""
+
+
+class DirectoryLocked(ValueError):
+    """Another running process holds the lock of the directory (one line naming the directory and its pid)."""
+
+
+class DirectoryLock:
+    """An exclusive lock on a directory of state: `<directory>/.opd.lock`, held with `fcntl.flock` and holding the
+    pid, host, command and start time of its owner.
+
+    The kernel drops a flock when its process dies (also on `kill -9`), so a lock file left behind by a dead process
+    is taken over, with a note naming that pid. The file is removed on release (`with`, or `release()`: also when
+    the block raises). Within one process the lock nests: taking it again on a directory this process already holds
+    just counts (the pipeline, the demo and the trainers' in-run evals call one another in-process).
+
+    Omitted: locking on file systems without flock support (some FUSE mounts); there the lock file is still written
+    and read, but a second process is not refused.
+    """
+
+    _held: dict[str, "DirectoryLock"] = {}
+
+    def __init__(self, directory: str | Path, command: str, *, note: Callable[[str], None] | None = None):
+        self.directory = Path(directory)
+        self.command = command
+        self.note = note or _note
+        self._fd: int | None = None
+        self._key = ""
+        self._depth = 0
+
+    def acquire(self) -> "DirectoryLock":
+        """Take the lock, creating the directory if needed; raise `DirectoryLocked` when another process holds it."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._key = str(self.directory.resolve())
+        outer = DirectoryLock._held.get(self._key)
+        if outer is not None:
+            outer._depth += 1
+            self._fd, self._depth = -1, 1  # a nested hold: releasing it only counts down the outer one
+            return self
+        path = self.directory / LOCK_FILE
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                import fcntl
+
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise DirectoryLocked(f"{self.directory} is in use by another opd process ({_describe(holder)}); "
+                                      f"wait for it to finish, or use another directory") from None
+            except OSError:
+                pass  # no flock on this file system: the lock file is advisory only (see the class docstring)
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the previous holder removed the file between our open and flock: take the new one
+        previous = _read_holder(fd)
+        if previous.get("pid"):
+            self.note(f"{self.directory}: taking over the lock left by {_describe(previous)}, which is not running")
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
+                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        self._fd, self._depth = fd, 1
+        DirectoryLock._held[self._key] = self
+        return self
+
+    def moved(self, directory: str | Path) -> None:
+        """Record that the locked directory was renamed to `directory` while held (so its path is free again)."""
+        if self._fd not in (None, -1):
+            DirectoryLock._held.pop(self._key, None)
+            self.directory = Path(directory)
+            self._key = str(self.directory.resolve())
+            DirectoryLock._held[self._key] = self
+
+    def release(self) -> None:
+        """Drop the lock and remove its file."""
+        if self._fd is None:
+            return
+        if self._fd == -1:  # nested
+            outer = DirectoryLock._held.get(self._key)
+            if outer is not None:
+                outer._depth -= 1
+            self._fd = None
+            return
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        DirectoryLock._held.pop(self._key, None)
+        path = self.directory / LOCK_FILE
+        try:
+            if os.stat(path).st_ino == os.fstat(self._fd).st_ino:
+                path.unlink()  # while still holding the flock: nobody can take a lock on a file about to vanish
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> "DirectoryLock":
+        return self.acquire()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        data = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (ValueError, OSError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _describe(holder: dict) -> str:
+    if not holder.get("pid"):
+        return "pid not yet recorded"
+    where = f" on {holder['host']}" if holder.get("host") else ""
+    what = f", opd {holder['command']}" if holder.get("command") else ""
+    since = f", started {holder['started']}" if holder.get("started") else ""
+    return f"pid {holder['pid']}{where}{what}{since}"
+
+
+def _note(line: str) -> None:
+    print(f"note: {line}", file=sys.stderr)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True

@@ -378,15 +378,23 @@ def score_prompt_file(config: PromptScoreConfig, *, console: Any = None) -> Path
     models, score the rest batch by batch (appending), print a summary. Returns the scores path."""
     from rich.console import Console
 
+    console = console or Console()
+    out = Path(config.out)
+    if out.suffix.lower() not in JSONL_SUFFIXES:
+        raise DataError(f"out: scores are written as JSON lines; expected a .jsonl path, got {str(out)!r}")
+    from opd.io import DirectoryLock
+
+    with DirectoryLock(out.parent, "prompts score"):  # the scores and their config.yaml: one process at a time
+        return _score_locked(config, out, console)
+
+
+def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
+    """The body of `score_prompt_file`, run holding the lock of the directory of `out`."""
     from opd.report.sinks import progress_bar
     from opd.io import append_jsonl, repair_jsonl
     from opd.models import load_model, load_tokenizer
     from opd.teacher.registry import check_teacher_tokenizer, load_teacher
 
-    console = console or Console()
-    out = Path(config.out)
-    if out.suffix.lower() not in JSONL_SUFFIXES:
-        raise DataError(f"out: scores are written as JSON lines; expected a .jsonl path, got {str(out)!r}")
     student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
     check_teacher_tokenizer(config.teacher, student_tokenizer)
     data = config.data

@@ -70,6 +70,14 @@ def evaluate(config: EvalConfig, *, generator: Any = None, tokenizer: Any = None
         parse_template(config.template)  # a bad template fails before the model loads
     run_dir = Path(config.out) if config.out else default_run_dir("eval")
     run_dir.mkdir(parents=True, exist_ok=True)
+    from opd.io import DirectoryLock
+
+    with DirectoryLock(run_dir, "eval"):  # one process per output directory
+        return _evaluate_locked(config, run_dir, generator=generator, tokenizer=tokenizer, console=console)
+
+
+def _evaluate_locked(config: EvalConfig, run_dir: Path, *, generator: Any, tokenizer: Any, console: Any) -> dict:
+    """The body of `evaluate`, run holding the lock of `run_dir`."""
     if config.responses is not None and generator is None:
         identity = {"mode": "responses", "responses": str(config.responses),
                     "responses_sha256": _file_sha256(Path(config.responses)),

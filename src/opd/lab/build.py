@@ -104,14 +104,15 @@ def finetune(model_path: str | Path, data: str | Path, work_dir: Path, run_name:
              warmup_steps: int | None = None, max_length: int = SFT_RECIPE["data"]["max_length"],
              overrides: list[str] | None = None, console: Any = None) -> Path:
     """`opd sft` of `model_path` on chat JSONL `data` with `SFT_RECIPE` (lr, batch, warmup changeable) for `steps`
-    steps in `work_dir/run_name`; its last checkpoint is copied to `final` (replacing it). Returns the SFT run dir."""
+    steps in `work_dir/run_name`; its last checkpoint is copied to `final` (replacing it). Returns the SFT run dir.
+    A rerun continues (or reuses) that SFT run (`run.resume`); other settings than it was started with are refused."""
     from opd.config import build_config
     from opd.train.checkpoint import latest_checkpoint
     from opd.train.sft import SFTConfig, sft
 
     options = {
         "model.path": str(model_path), "model.device": "cpu", "model.dtype": "fp32", "data.path": [str(data)],
-        "run.steps": steps, "run.seed": seed, "run.out_dir": str(work_dir), "run.name": run_name,
+        "run.steps": steps, "run.seed": seed, "run.out_dir": str(work_dir), "run.name": run_name, "run.resume": True,
         "run.save_every": 0, "run.keep_last": 1, "examples_per_step": examples_per_step,
         "micro_batch_tokens": SFT_RECIPE["micro_batch_tokens"], "data.max_length": max_length,
         **{f"optim.{k}": v for k, v in SFT_RECIPE["optim"].items()},
@@ -123,7 +124,7 @@ def finetune(model_path: str | Path, data: str | Path, work_dir: Path, run_name:
     if final.exists():
         shutil.rmtree(final)
     shutil.copytree(latest_checkpoint(run_dir), final,
-                    ignore=shutil.ignore_patterns("trainer_state*", "COMPLETE", "*.pt"))
+                    ignore=shutil.ignore_patterns("trainer_state*", "COMPLETE", "MANIFEST.json", "*.pt"))
     return run_dir
 
 

@@ -102,11 +102,8 @@ def demo(
     """
     import torch
     from rich.console import Console
-    from rich.table import Table
 
-    from opd.eval.evaluate import evaluate
-    from opd.objectives import gap_recovery
-    from opd.train.opd import distill
+    from opd.train.common import claimed_run_dir
 
     console = console or Console()
     start = time.perf_counter()
@@ -116,6 +113,21 @@ def demo(
     run_dir = Path(config.run.out_dir) / config.run.name
     if not config.eval.benchmarks:
         raise ValueError("the demo measures the student with the trainer's eval: eval.benchmarks must not be empty")
+    # the demo's run directory follows distill's rules (a new run refuses a directory holding another one); the
+    # before-training evals go into it first, so distill itself then continues in it (run.resume)
+    with claimed_run_dir(run_dir, config.run, "demo", console=console):
+        distill_config = config.model_copy(update={"run": config.run.model_copy(update={"resume": True, "overwrite": False})})
+        return _demo_in(distill_config, run_dir, start, console)
+
+
+def _demo_in(config: DistillConfig, run_dir: Path, start: float, console: Any) -> Path:
+    """The body of `demo`, holding its run directory."""
+    import torch
+    from rich.table import Table
+
+    from opd.eval.evaluate import evaluate
+    from opd.objectives import gap_recovery
+    from opd.train.opd import distill
 
     timings: dict[str, float] = {}
     t = time.perf_counter()

@@ -268,8 +268,7 @@ def teacher_rollout(config: RolloutConfig, *, generator: Any = None, tokenizer: 
     """
     from rich.console import Console
 
-    from opd.data.prompts import load_prompts
-    from opd.data.templates import encode_prompts
+    from opd.io import DirectoryLock
 
     console = console or Console()
     if generator is not None and config.num_workers != 1:
@@ -278,6 +277,15 @@ def teacher_rollout(config: RolloutConfig, *, generator: Any = None, tokenizer: 
     if generator is not None and tokenizer is None:
         raise ValueError("a generator passed in needs its tokenizer too (tokenizer=...)")
     out = Path(config.out)
+    with DirectoryLock(out, "rollout"):  # one process per output directory
+        return _rollout_locked(config, out, generator=generator, tokenizer=tokenizer, console=console)
+
+
+def _rollout_locked(config: RolloutConfig, out: Path, *, generator: Any, tokenizer: Any, console: Any) -> Path:
+    """The body of `teacher_rollout`, run holding the lock of `out`."""
+    from opd.data.prompts import load_prompts
+    from opd.data.templates import encode_prompts
+
     shards = out / "shards"
     if any(shards.glob("rank_*.jsonl")):
         _check_resumable(out, config)

@@ -1,28 +1,47 @@
-"""Atomic checkpoints with everything needed for an exact resume.
+"""Atomic, verified checkpoints with everything needed for an exact resume.
 
-`checkpoints/step_N/` holds Hugging Face `save_pretrained` weights + tokenizer (loadable by any tool) and
-`trainer_state.pt` (optimizer, scheduler, RNG states, sampler position, metric history). A checkpoint is written
-into a hidden temp directory and renamed into place only when complete, with a `COMPLETE` marker inside, so a
-kill during writing leaves the previous checkpoint as the newest loadable one.
+`checkpoints/step_N/` holds Hugging Face `save_pretrained` weights + tokenizer (loadable by any tool),
+`trainer_state.pt` (optimizer, scheduler, RNG states, sampler position, metric history), a `COMPLETE` marker and,
+written last, `MANIFEST.json`: the name, size and sha256 of every other file. A checkpoint is written into a hidden
+temp directory `.tmp-step_N-<pid>` and renamed into place only when complete, so a kill during writing leaves the
+previous checkpoint as the newest loadable one; a failed write (disk full) removes its temp directory and says how
+much it needed; temp directories of killed writers are removed when a run starts (`remove_stale_temps`).
+
+Choosing a checkpoint (`latest_checkpoint`) verifies it against its manifest: file sizes always (a stat per file),
+sha256 too when asked (`hashes=True`, as a resume does: ~0.9 GB/s per core on the CI machine, so ~1 s per GB of
+weights + optimizer state). A newest checkpoint that fails is skipped with a one-line warning, and the previous
+complete one is used. Checkpoints written before manifests existed (a `COMPLETE` marker and `trainer_state.pt`,
+no `MANIFEST.json`) are still accepted, unverified: their marker was written after all their files.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import re
 import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from opd.io import give_umask_modes
+from opd.io import give_umask_modes, pid_alive
 
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.pt"
+MANIFEST = "MANIFEST.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_TEMP_DIR = re.compile(r"^\.(tmp|old)-step_\d+-(\d+)$")
+
+
+class CheckpointWriteError(OSError, ValueError):
+    """Writing a checkpoint failed (disk full, file too large, read-only); the message is one line (a ValueError, so
+    the CLI prints it without a traceback)."""
 
 
 def rng_state() -> dict:
@@ -50,50 +69,197 @@ def save_checkpoint(
     keep_last: int | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write `run_dir/checkpoints/step_{step}` atomically and prune older ones beyond `keep_last`.
-    state_dict: the weights to write instead of the module's own (FSDP: the gathered full state dict)."""
+    """Write `run_dir/checkpoints/step_{step}` atomically (manifest last) and prune older ones beyond `keep_last`.
+    state_dict: the weights to write instead of the module's own (FSDP: the gathered full state dict).
+
+    Pruning only ever removes complete checkpoints of steps *before* this one: a newer step directory (left by a
+    resume that fell back past a corrupt checkpoint) is replaced when its step is saved again, never pruned."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
     tmp = root / f".tmp-step_{step}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
-    give_umask_modes(tmp)  # safetensors writes its files 0600
-    (tmp / COMPLETE).write_text(f"{step}\n")
+    try:
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
+        give_umask_modes(tmp)  # safetensors writes its files 0600
+        (tmp / COMPLETE).write_text(f"{step}\n")
+        write_manifest(tmp)
+    except BaseException as error:  # also a KeyboardInterrupt: never leave a partial copy behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, Exception) and _is_write_failure(error):
+            needed = _tensor_bytes(state_dict if state_dict is not None else model.state_dict()) + _tensor_bytes(trainer_state)
+            free = shutil.disk_usage(root).free
+            raise CheckpointWriteError(
+                f"could not write checkpoint step_{step} into {root} ({_reason(error)}): it needs about "
+                f"{_size(needed)}, {_size(free)} free there; the partial copy was removed. Free space (or lower "
+                f"run.keep_last) and rerun with --resume") from None
+        raise
     if final.exists():  # re-saving the same step (e.g. after a resume): move the old one aside first
         old = root / f".old-step_{step}-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
     if keep_last:
-        for stale in complete_checkpoints(run_dir)[:-keep_last]:
+        earlier = [path for path in complete_checkpoints(run_dir) if _step(path) < step]
+        for stale in earlier[: max(0, len(earlier) - (keep_last - 1))]:
             shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
+def write_manifest(directory: Path) -> Path:
+    """Write `directory/MANIFEST.json`: {"files": {name: {"bytes", "sha256"}}} of every file beside it, each fsynced
+    first, so that the manifest (written last, then fsynced) implies complete, durable files."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    with ThreadPoolExecutor(max_workers=min(8, len(files) or 1)) as pool:  # hashlib releases the GIL
+        digests = list(pool.map(_sha256_and_sync, files))
+    entries = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": d} for p, d in zip(files, digests)}
+    path = directory / MANIFEST
+    with open(path, "w") as handle:
+        json.dump({"files": entries}, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return path
+
+
+def verify_checkpoint(path: str | Path, *, hashes: bool = False) -> str | None:
+    """None when `path` is a complete checkpoint, else why not (one short phrase). Sizes are always checked against
+    the manifest, sha256 digests when `hashes`. A checkpoint without a manifest (written before manifests existed)
+    passes when its COMPLETE marker and trainer state exist."""
+    path = Path(path)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        if (path / COMPLETE).is_file() and (path / STATE_FILE).is_file():
+            return None
+        return "no MANIFEST.json"
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError, OSError):
+        return f"unreadable {MANIFEST}"
+    for name, entry in entries.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            return f"{name} has {size} bytes, the manifest says {entry['bytes']}"
+        if hashes and _sha256(file) != entry["sha256"]:
+            return f"{name} does not match its sha256 in the manifest"
+    if STATE_FILE not in entries:
+        return f"no {STATE_FILE}"
+    return None
+
+
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoint directories, oldest first."""
+    """Checkpoint directories that claim to be complete (a manifest, or the legacy COMPLETE marker + trainer
+    state), oldest first. Not verified: see `latest_checkpoint`."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
     found = []
     for path in root.iterdir():
         match = _STEP_DIR.match(path.name)
-        if match and (path / COMPLETE).exists() and (path / STATE_FILE).exists():
+        if match and ((path / MANIFEST).is_file() or ((path / COMPLETE).exists() and (path / STATE_FILE).exists())):
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    checkpoints = complete_checkpoints(run_dir)
-    return checkpoints[-1] if checkpoints else None
+def latest_checkpoint(run_dir: str | Path, *, hashes: bool = False,
+                      warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest checkpoint that verifies (`verify_checkpoint`); each newer one that does not is skipped with a
+    one-line warning through `warn` (default: stderr)."""
+    warn = warn or (lambda line: print(f"warning: {line}", file=sys.stderr))
+    root = Path(run_dir) / "checkpoints"
+    steps = sorted(((_step(p), p) for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True) if root.is_dir() else []
+    for _, path in steps:
+        problem = verify_checkpoint(path, hashes=hashes)
+        if problem is None:
+            return path
+        warn(f"checkpoint {path} is incomplete or corrupt ({problem}); falling back to the previous one")
+    return None
 
 
 def load_trainer_state(checkpoint: str | Path) -> dict:
     """The trainer state of a checkpoint; RNG states are restored by the caller with `set_rng_state`."""
     return torch.load(Path(checkpoint) / STATE_FILE, map_location="cpu", weights_only=False)
+
+
+def remove_stale_temps(run_dir: str | Path, note: Callable[[str], None] | None = None) -> list[Path]:
+    """Remove `checkpoints/.tmp-step_*-<pid>` and `.old-step_*-<pid>` left by writers that were killed (their pid is
+    not running, or is this process's own: nothing is being written yet when a run starts). Call it holding the run
+    directory's lock. Returns what was removed."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    removed = []
+    for path in sorted(root.iterdir()):
+        match = _TEMP_DIR.match(path.name)
+        if match and path.is_dir() and (int(match.group(2)) == os.getpid() or not pid_alive(int(match.group(2)))):
+            size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            if note is not None:
+                note(f"removed {path}, left by an interrupted checkpoint write ({_size(size)})")
+    return removed
+
+
+# -------------------------------------------------------------------------------------------------- helpers
+
+
+def _step(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _sha256_and_sync(path: Path) -> str:
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+    return _sha256(path)
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors inside a (nested) state: what writing it needs, give or take the file headers."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _is_write_failure(error: Exception) -> bool:
+    """An OS-level write failure, as raised directly or wrapped by torch.save / safetensors."""
+    if isinstance(error, OSError):
+        return True
+    text = str(error)
+    return any(s in text for s in ("No space left", "file write failed", "File too large", "StorageFull",
+                                   "Read-only file system", "Disk quota", "IoError", "unexpected pos"))
+
+
+def _reason(error: Exception) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    for phrase in ("No space left on device", "File too large", "Read-only file system", "Disk quota exceeded"):
+        if phrase in str(error):
+            return phrase
+    return str(error).strip().splitlines()[-1][:120] if str(error).strip() else type(error).__name__
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} bytes"

@@ -15,7 +15,7 @@ trainer (it needs the teacher's full distribution in the grad pass; it exists as
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from opd.train.common import (
     evaluate_in_training, finish_run, is_due, open_run, restore_trainer_state, resume_checkpoint, run_directory,
     trainer_state, training_precision,
 )
+from opd.train.common import claimed_run_dir, eval_pending, load_eval_sets
 from opd.train.common import autocast
 from opd.train.common import timed as _timed
 from opd.train.distributed import SINGLE, DistInfo, all_reduce_sum, gathered, max_over_ranks, reduce_metrics
@@ -314,9 +315,11 @@ def distill(config: DistillConfig, *, console: Any = None) -> Path:
     info = init_distributed()  # SINGLE without torchrun
     console = (console or Console()) if info.is_main else Console(quiet=True)  # rank 0 speaks for all
     run_dir = broadcast_object(run_directory(config.run, "distill"), info)  # its default name has a timestamp
-    tr = setup(config, run_dir, checkpoint=resume_checkpoint(run_dir, config.run, console), console=console,
-               dist=info)
-    train(tr, console=console)
+    # rank 0 owns the run directory: locked, never shared with another run (common.claimed_run_dir)
+    with claimed_run_dir(run_dir, config.run, "distill", console=console) if info.is_main else nullcontext(run_dir):
+        tr = setup(config, run_dir, checkpoint=resume_checkpoint(run_dir, config.run, console, config),
+                   console=console, dist=info)
+        train(tr, console=console)
     destroy_distributed(info)
     return run_dir
 
@@ -333,6 +336,11 @@ def train(tr: Trainer, *, console: Any) -> None:
                 run_eval(tr, console)
     with progress_bar(console) as progress:
         task = progress.add_task("opd distill", total=cfg.run.steps, completed=tr.step)
+        if tr.step and cfg.eval.benchmarks and is_due(tr.step, cfg.run.eval_every, cfg.run.steps) \
+                and eval_pending(tr.run_dir, tr.step):  # resumed from a checkpoint whose eval did not finish
+            with gathered(tr.student, tr.dist):
+                if main:
+                    run_eval(tr, console)
         while tr.step < cfg.run.steps:
             metrics = opd_step(tr)  # already reduced over ranks
             tr.step += 1
@@ -340,12 +348,12 @@ def train(tr: Trainer, *, console: Any) -> None:
                 tr.sink.log(tr.step, metrics)
             tr.history.append({"step": tr.step, **metrics})
             progress.update(task, advance=1, description=_console_line(tr.step, metrics))
+            if is_due(tr.step, cfg.run.save_every, cfg.run.steps):  # before the eval: a failing eval loses no work
+                save(tr)
             if is_due(tr.step, cfg.run.eval_every, cfg.run.steps):
                 with gathered(tr.student, tr.dist):  # rank 0 evaluates alone: no collectives inside
                     if main:
                         run_eval(tr, console)
-            if is_due(tr.step, cfg.run.save_every, cfg.run.steps):
-                save(tr)
     if main:
         finish_run(tr.run_dir, tr.sink, report=cfg.run.report, console=console)
     barrier(tr.dist)
@@ -453,10 +461,14 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
         )
     if obj.advantage in ("grpo", "token_reward+grpo") and any(p.answer is None for p in encoded.prompts):
         raise ValueError(f"objective.advantage={obj.advantage} needs ground-truth answers; set data.answer_key to the answer column")
-    if obj.advantage in ("grpo", "token_reward+grpo") and not any((p.answer or "").strip() for p in encoded.prompts):
+    if obj.advantage in ("grpo", "token_reward+grpo") and not any(
+            str(answer).strip() for p in encoded.prompts
+            for answer in (p.answer if isinstance(p.answer, list) else [p.answer or ""])):
         raise ValueError(f"objective.advantage={obj.advantage} needs ground-truth answers, but every answer of "
                          f"{config.data.path} (column {config.data.answer_key!r}) is empty; point data.answer_key at "
                          f"the answers")
+    load_eval_sets(config.eval, student_tokenizer, template=config.data.template,  # fails now, not after training
+                   enable_thinking=config.data.enable_thinking, max_prompt_length=config.data.max_prompt_length)
 
     student_path = str(checkpoint) if checkpoint else config.student.path
     device = dist.device or resolve_device(config.student.device)  # under torchrun: the rank's own device

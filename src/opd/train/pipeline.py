@@ -5,11 +5,14 @@ student before, after SFT, after OPD and of the teacher, with the gap-recovery r
 Each stage writes into `<out_dir>/<stage>` and is resumable on its own (rollout skips finished prompts, SFT and
 OPD resume from their newest checkpoint, eval skips graded chunks). A stage that finished writes a `STAGE_COMPLETE`
 marker and is skipped on rerun. Per-stage options are the stage commands' own config keys, validated when the
-pipeline config is read, so a typo fails before any compute.
+pipeline config is read, so a typo fails before any compute. The pipeline holds the lock of `out_dir` (each stage
+also locks its own directory), and a rerun must use the saved `out_dir/config.yaml`'s settings (only `stages` may
+differ): complete stages are skipped, so other changes would mix two recipes in one comparison.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,7 +21,7 @@ from pydantic import Field
 from opd.config import (
     ConfigError, DataSpec, EvalSpec, ModelSpec, Section, flatten_dotted, save_config, set_dotted, validate_config,
 )
-from opd.io import atomic_write_json
+from opd.io import atomic_write_json, atomic_write_text
 
 MARKER = "STAGE_COMPLETE"
 Stage = Literal["rollout", "sft", "distill", "eval"]
@@ -69,11 +72,18 @@ def run_pipeline(config: PipelineConfig, *, console: Any = None) -> dict:
     """Run the configured stages, skipping complete ones; return the final comparison (also `summary.json`)."""
     from rich.console import Console
 
+    from opd.io import DirectoryLock
+
     console = console or Console()
     root = Path(config.out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    save_config(config, root)
     stages = config.stage_configs()
+    with DirectoryLock(root, "pipeline", note=lambda line: console.print(f"[yellow]{line}[/]", soft_wrap=True)):
+        return _run_locked(config, root, stages, console)
+
+
+def _run_locked(config: PipelineConfig, root: Path, stages: dict[str, Any], console: Any) -> dict:
+    _check_same_recipe(config, root)
+    save_config(config, root)
     sft_model = root / "sft" / "final"
     opd_model = root / "distill" / "final"
 
@@ -102,7 +112,7 @@ def run_pipeline(config: PipelineConfig, *, console: Any = None) -> dict:
             summary = _compare(config, root, sft_model, opd_model, console)
             atomic_write_json(root / "summary.json", summary)
         (root / stage).mkdir(parents=True, exist_ok=True)
-        (root / stage / MARKER).write_text("done\n")
+        atomic_write_text(root / stage / MARKER, "done\n")
     summary_path = root / "summary.json"
     if summary_path.exists():
         import json
@@ -113,16 +123,45 @@ def run_pipeline(config: PipelineConfig, *, console: Any = None) -> dict:
     return {}
 
 
+def _check_same_recipe(config: PipelineConfig, root: Path) -> None:
+    """A rerun into `root` continues the saved recipe: refuse other settings (one line naming each changed key)."""
+    import yaml
+
+    from opd.train.common import config_changes
+
+    saved_path = root / "config.yaml"
+    if not saved_path.is_file():
+        return
+    try:
+        saved = PipelineConfig.model_validate(yaml.safe_load(saved_path.read_text()) or {})
+    except ValueError:
+        raise ConfigError(f"{saved_path} is not a pipeline config of this version; choose another out_dir") from None
+
+    def recipe(cfg: PipelineConfig) -> dict:  # the stage sections as the stages will run them (all keys)
+        view = cfg.model_dump(mode="json", exclude={"stages"})
+        view.update({name: stage.model_dump(mode="json") for name, stage in cfg.stage_configs().items()})
+        return view
+
+    changed = [f"{key}: {old!r} → {new!r}" for key, old, new in config_changes(recipe(saved), recipe(config))]
+    if changed:
+        raise ConfigError(f"{root} holds a pipeline run with other settings ({'; '.join(changed)}); rerun with the "
+                          f"saved {saved_path}, or choose another out_dir")
+
+
 def _link_final(run_dir: Path, final: Path, prefer: Path | None = None) -> None:
-    """Point `<stage>/final` at the stage's finished weights (the merged LoRA model, else the newest checkpoint)."""
+    """Point `<stage>/final` at the stage's finished weights (the merged LoRA model, else the newest checkpoint).
+    Only a link is ever replaced (atomically); anything else at `final` is refused."""
     from opd.train.checkpoint import latest_checkpoint
 
     target = prefer if prefer is not None and prefer.exists() else latest_checkpoint(run_dir)
     if target is None:
         raise ValueError(f"stage in {run_dir} finished without a checkpoint")
-    if final.is_symlink() or final.exists():
-        final.unlink()
-    final.symlink_to(target.resolve(), target_is_directory=True)
+    if final.exists() and not final.is_symlink():
+        raise ValueError(f"{final} exists and is not the link this pipeline writes; move it away and rerun")
+    tmp = final.with_name(f".{final.name}.tmp-link")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target.resolve(), target_is_directory=True)
+    os.replace(tmp, final)
 
 
 def _compare(config: PipelineConfig, root: Path, sft_model: Path, opd_model: Path, console: Any) -> dict:

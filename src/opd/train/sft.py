@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -41,6 +42,7 @@ from opd.train.common import (
     autocast, evaluate_in_training, finish_run, is_due, open_run, restore_trainer_state, resume_checkpoint, run_directory, timed,
     trainer_state, training_precision,
 )
+from opd.train.common import claimed_run_dir, eval_pending, load_eval_sets
 from opd.types import Rollouts
 
 # --------------------------------------------------------------------------------------------------- config
@@ -270,9 +272,10 @@ def sft(config: SFTConfig, *, console: Any = None) -> Path:
     from rich.console import Console
 
     console = console or Console()
-    run_dir = run_directory(config.run, "sft")
-    tr = setup(config, run_dir, checkpoint=resume_checkpoint(run_dir, config.run, console), console=console)
-    train(tr, console=console)
+    check_config(config)
+    with claimed_run_dir(run_directory(config.run, "sft"), config.run, "sft", console=console) as run_dir:
+        tr = setup(config, run_dir, checkpoint=resume_checkpoint(run_dir, config.run, console, config), console=console)
+        train(tr, console=console)
     return run_dir
 
 
@@ -285,19 +288,24 @@ def train(tr: SFTTrainer, *, console: Any) -> None:
         run_eval(tr, console)
     with progress_bar(console) as progress:
         task = progress.add_task("opd sft", total=tr.total_steps, completed=tr.step)
+        if tr.step and cfg.eval.benchmarks and is_due(tr.step, cfg.run.eval_every, tr.total_steps) \
+                and eval_pending(tr.run_dir, tr.step):  # resumed from a checkpoint whose eval did not finish
+            run_eval(tr, console)
         while tr.step < tr.total_steps:
             metrics = sft_step(tr)
             tr.step += 1
             tr.sink.log(tr.step, metrics)
             progress.update(task, advance=1, description=_console_line(tr.step, metrics))
+            if is_due(tr.step, cfg.run.save_every, tr.total_steps):  # before the eval: a failing eval loses no work
+                save(tr)
             if cfg.eval.benchmarks and is_due(tr.step, cfg.run.eval_every, tr.total_steps):
                 run_eval(tr, console)
-            if is_due(tr.step, cfg.run.save_every, tr.total_steps):
-                save(tr)
     if cfg.lora.enabled and cfg.lora.merge:
         from opd.train.checkpoint import latest_checkpoint
 
-        merged = merge_lora(latest_checkpoint(tr.run_dir), tr.run_dir / "merged", base=cfg.model.path)
+        # the run's own output inside its locked run directory: a rerun replaces it
+        merged = merge_lora(latest_checkpoint(tr.run_dir), tr.run_dir / "merged", base=cfg.model.path,
+                            existing="replace")
         console.print(f"merged weights: {merged}")
     finish_run(tr.run_dir, tr.sink, report=cfg.run.report, console=console)
 
@@ -356,6 +364,8 @@ def setup(config: SFTConfig, run_dir: Path, *, checkpoint: Path | None = None, c
     if config.examples_per_step > len(examples):
         raise ValueError(f"examples_per_step={config.examples_per_step} exceeds the {len(examples)} examples of "
                          f"{', '.join(data.path)}; lower examples_per_step")
+    load_eval_sets(config.eval, tokenizer, template=config.eval.template,  # fails now, not after training
+                   enable_thinking=data.enable_thinking, max_prompt_length=config.eval.max_prompt_length)
     total_steps = config.run.steps or math.ceil((config.epochs or 1.0) * len(examples) / config.examples_per_step)
 
     device = resolve_device(config.model.device)
@@ -467,13 +477,18 @@ def packing_is_exact(net: torch.nn.Module, *, tolerance: float | None = None) ->
 
 
 def merge_lora(
-    checkpoint_dir: str | Path, out_dir: str | Path, *, base: str | None = None, dtype: str = "auto"
+    checkpoint_dir: str | Path, out_dir: str | Path, *, base: str | None = None, dtype: str = "auto",
+    existing: Literal["refuse", "move", "replace"] = "refuse",
 ) -> Path:
     """Merge a LoRA checkpoint into its base model and write full HF weights + tokenizer to `out_dir` (atomically:
     a temp directory renamed into place), loadable by `AutoModelForCausalLM.from_pretrained` without peft.
 
-    base:  the base model; None: `base_model_name_or_path` of the adapter config (what training started from).
-    dtype: dtype of the written weights; auto: the base model's own (the merge itself runs in fp32 on CPU).
+    base:     the base model; None: `base_model_name_or_path` of the adapter config (what training started from).
+    dtype:    dtype of the written weights; auto: the base model's own (the merge itself runs in fp32 on CPU).
+    existing: what happens when `out_dir` is a file or a non-empty directory (an empty one is simply used):
+              refuse (the default: a one-line error before anything is loaded), move (`opd merge --overwrite`: the
+              old one is renamed to `<out>.old-<time>`, never deleted) or replace (the old one is deleted: only for
+              a directory this program wrote itself, e.g. `<run>/merged` of the locked SFT run).
     """
     from peft import PeftConfig, PeftModel
 
@@ -484,25 +499,70 @@ def merge_lora(
     if not (checkpoint_dir / "adapter_config.json").is_file():
         raise FileNotFoundError(f"{checkpoint_dir}: no adapter_config.json; pass a LoRA checkpoint "
                                 f"(checkpoints/step_N of a lora.enabled run)")
+    if existing == "refuse" and _holds_something(out_dir):
+        kind = "a file" if not out_dir.is_dir() else "a non-empty directory"
+        raise ValueError(f"{out_dir} is {kind}; merge into a new or empty directory, or pass --overwrite to move "
+                         f"the existing one aside (to {out_dir.name}.old-<time>)")
     recorded_base = PeftConfig.from_pretrained(str(checkpoint_dir)).base_model_name_or_path
     base = base or recorded_base
     if not base:
         raise ValueError(f"{checkpoint_dir}: the adapter config names no base model; pass base=")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_temps(out_dir)
     save_dtype = _saved_dtype(base) if dtype == "auto" else resolve_dtype(dtype)
     model, _ = load_model(base, dtype="fp32", device="cpu")
     check_adapter_fits(checkpoint_dir, model, base=base, recorded_base=recorded_base)
     merged = PeftModel.from_pretrained(model, str(checkpoint_dir)).merge_and_unload()
     tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    merged.to(save_dtype).save_pretrained(tmp, safe_serialization=True)
-    load_tokenizer(checkpoint_dir).save_pretrained(tmp)
-    give_umask_modes(tmp)  # safetensors writes its files 0600
-    if out_dir.exists():
-        old = out_dir.parent / f".old-{out_dir.name}-{os.getpid()}"
-        os.replace(out_dir, old)
-        shutil.rmtree(old, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    try:
+        merged.to(save_dtype).save_pretrained(tmp, safe_serialization=True)
+        load_tokenizer(checkpoint_dir).save_pretrained(tmp)
+        give_umask_modes(tmp)  # safetensors writes its files 0600
+        if _holds_something(out_dir):
+            if existing == "refuse":  # it appeared while we merged
+                raise ValueError(f"{out_dir} was created by someone else while merging; nothing was written there")
+            old = _aside(out_dir) if existing == "move" else out_dir.parent / f".old-{out_dir.name}-{os.getpid()}"
+            os.replace(out_dir, old)
+            if existing == "replace":
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                print(f"note: moved the existing {out_dir} aside to {old}", file=sys.stderr)
+        os.replace(tmp, out_dir)  # onto a missing or empty directory
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _holds_something(path: Path) -> bool:
+    """A file, a link, or a directory with entries (an empty directory holds nothing to lose)."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        return True
+    return path.is_dir() and any(path.iterdir())
+
+
+def _aside(path: Path) -> Path:
+    import time
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, number = path.with_name(f"{path.name}.old-{stamp}"), 1
+    while aside.exists() or aside.is_symlink():
+        number += 1
+        aside = path.with_name(f"{path.name}.old-{stamp}-{number}")
+    return aside
+
+
+def _remove_dead_temps(out_dir: Path) -> None:
+    """Temp directories `.tmp-<out name>-<pid>` that a killed merge into `out_dir` left beside it."""
+    import re
+
+    from opd.io import pid_alive
+
+    pattern = re.compile(rf"^\.(tmp|old)-{re.escape(out_dir.name)}-(\d+)$")
+    for path in out_dir.parent.iterdir():
+        match = pattern.match(path.name)
+        if match and path.is_dir() and not pid_alive(int(match.group(2))):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def check_adapter_fits(checkpoint_dir: str | Path, model: torch.nn.Module, *, base: str,

@@ -60,12 +60,12 @@ def prefill_bytes_per_token(config, dtype: torch.dtype) -> int:
 @dataclass(frozen=True)
 class RowCost:
     """What one decoding row holds (`per_row`, bytes) and what a call holds whatever its row count (`fixed`), both
-    as named parts for messages and stats. `per_token`: the part of per_row that is KV cache per slot, so that the
-    longest sequence that fits can be said."""
+    as named parts for messages and stats. `per_slot`: the bytes of one row and the call that grow with each slot of
+    the sequence (KV cache, output columns, RoPE table), so that the longest sequence that fits can be said."""
 
     per_row: dict[str, int]
     fixed: dict[str, int] = field(default_factory=dict)
-    kv_per_token: int = 0
+    per_slot: int = 0
 
     @property
     def row_bytes(self) -> int:
@@ -96,15 +96,20 @@ def check_one_row_fits(memory: tuple[int, int] | None, cost: RowCost, *, prompt_
     usable = free - reserve_bytes - margin_bytes(total) - cost.fixed_bytes
     if usable >= cost.row_bytes:
         return
-    without_kv = cost.row_bytes - cost.kv_per_token * slots
-    fitting_slots = (usable - without_kv) // cost.kv_per_token if cost.kv_per_token else 0
+    usable += cost.fixed_bytes  # one row: everything but the per-slot part is fixed
+    fixed = cost.row_bytes + cost.fixed_bytes - cost.per_slot * slots
+    fitting_slots = (usable - fixed) // cost.per_slot if cost.per_slot else 0
     fitting_new = fitting_slots - (slots - new_tokens)
     advice = (f"at most {names[1]}={fitting_new} fits after a {prompt_tokens}-token prompt" if fitting_new >= 1 else
               f"not even one token fits after a {prompt_tokens}-token prompt: lower {names[0]} or free memory")
     raise ValueError(
         f"generation{where}: one sequence of {prompt_tokens} prompt + {new_tokens} new tokens needs "
-        f"{cost.row_bytes / GiB:.2f} GiB (" + ", ".join(f"{k} {v / GiB:.2f}" for k, v in cost.per_row.items())
-        + f") plus {cost.fixed_bytes / GiB:.2f} GiB per call, but {free / GiB:.2f} GiB are free"
-        + (f" ({reserve_bytes / GiB:.2f} GiB will not be free: optimizer state and buffers not allocated yet)"
+        f"{_size(cost.row_bytes)} (" + ", ".join(f"{k} {_size(v)}" for k, v in cost.per_row.items())
+        + f") plus {_size(cost.fixed_bytes)} per call, but {_size(free)} are free"
+        + (f" ({_size(reserve_bytes)} will not be free: optimizer state and buffers not allocated yet)"
            if reserve_bytes else "")
-        + f" and {margin_bytes(total) / GiB:.2f} GiB are kept as margin; {advice}")
+        + f" and {_size(margin_bytes(total))} are kept as margin; {advice}")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if abs(nbytes) >= GiB / 100 else f"{nbytes / 2**20:.2f} MiB"

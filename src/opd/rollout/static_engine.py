@@ -396,7 +396,7 @@ class StaticGenerator:
                      "decode activations": 4 * (8 * hidden + 4 * inner + 2 * (heads + 2 * kv_heads) * head_dim),
                      "outputs": 12 * (new_tokens + 1)},
             fixed={"prefill": prefill + _FIRST_TOKEN_ROWS * sampling, "RoPE table": 8 * slots * head_dim},
-            kv_per_token=kv)
+            per_slot=kv + 12 + 8 * head_dim)
 
     def step_weight_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of the weight copies a call builds (`fuse_weights`): q/k/v and gate/up concatenations, o_proj

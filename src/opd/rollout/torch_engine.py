@@ -126,7 +126,7 @@ class TorchGenerator:
             per_row={"KV cache": kv * slots + kv * slots // config.num_hidden_layers,
                      "sampling buffers": _SAMPLING_FLOATS * 4 * vocab_rows,
                      "prefill": (memory.prefill_bytes_per_token(config, dtype) - kv) * prompt_tokens},
-            kv_per_token=kv + kv // config.num_hidden_layers)
+            per_slot=kv + kv // config.num_hidden_layers)
 
     def check_fits(self, prompt_tokens: int, new_tokens: int, *, reserve_bytes: int = 0,
                    names: tuple[str, str] = ("prompt length", "max_new_tokens")) -> None:

@@ -255,6 +255,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 # noisy logits, the split-reduction padding), on top of the uniform-noise buffer and the head's logits
 _SAMPLING_FLOATS = 6
 _FIRST_TOKEN_ROWS = 64  # first tokens of refilled rows are sampled in groups of at most this many rows
+_COMPILED: tuple[Callable, Callable, Callable] | None = None  # the compiled step functions, shared by all engines
 
 
 @dataclass
@@ -364,7 +365,10 @@ class StaticGenerator:
         if not (on_cuda and self.compile is not False):
             return _attn_in, _attn_out, _sample
         if self._compiled is None:
-            self._compiled = tuple(torch.compile(fn, dynamic=False) for fn in (_attn_in, _attn_out, _sample))
+            global _COMPILED
+            if _COMPILED is None:  # one set for every engine of the process: each row count compiles once
+                _COMPILED = tuple(torch.compile(fn, dynamic=False) for fn in (_attn_in, _attn_out, _sample))
+            self._compiled = _COMPILED
         return self._compiled
 
     # ------------------------------------------------------------------ memory

@@ -6,7 +6,7 @@ engine module imports another, and engines with heavy optional dependencies (vLL
 
 Names:
     torch   `TorchGenerator`: any Hugging Face causal LM, CPU or GPU, the trainer's own module
-    static  `StaticGenerator`: static KV cache + CUDA graphs, Llama / Qwen2 / Qwen3 layouts
+    static  `StaticGenerator`: static KV cache + continuous batching + CUDA graphs, Llama / Qwen2 / Qwen3 layouts
     auto    static on CUDA when the model's layout is supported (`static_engine.unsupported_reason`), else torch
 """
 

@@ -35,7 +35,8 @@ capture inside it, as it is in training where every step captures anew). `lp_err
 |reported log-prob - log-prob recomputed by a teacher-forced forward| over all sampled tokens (bf16: ~1e-2 is
 rounding). `--lp-reference fp32` adds, per response-position bucket, the errors of the engine and of the bf16
 teacher-forced forward against a float32 forward of the same weights (TF32 off), and engine vs bf16 forward (a second
-table): which side drifts with the length.
+table): which side drifts with the length. (The model keeps RoPE's `inv_freq` float32, `common.keep_rope_float32`,
+as real checkpoints load; the float32 reference is a float32 copy of the same bf16 weights and buffers.)
 
 Bound: a decode step reads every weight once, so tokens/s ≤ rows · bandwidth / weight bytes (`pct_bound`); the
 KV cache adds rows · (prompt + t) · 4 · layers · kv_heads · head_dim bytes per step (`bound_kv`, averaged over t at the

@@ -122,7 +122,20 @@ def build_model(shape: str, *, dtype: torch.dtype, device: torch.device, seed: i
             model = Qwen3ForCausalLM(config)
     model.generation_config.eos_token_id = eos_id(shape)
     model.generation_config.pad_token_id = pad_id(shape)
-    return model.to(dtype).eval()
+    return keep_rope_float32(model, lambda: model.to(dtype)).eval()
+
+
+def keep_rope_float32(model: torch.nn.Module, cast: Callable[[], Any]):
+    """Run `cast` (a `.to(dtype)` of the model, which casts buffers too) and put RoPE's float32 `inv_freq` back, as
+    `from_pretrained(dtype=...)` and `opd.models.load_model` leave it. Rounded to bf16 (up to 0.4% off), the rotation
+    angles drift linearly with the position: on CPU (4 layers, head size 128) that alone took the bf16 forward's
+    mean |Δ log-prob| from a float32 forward from 5e-3 at positions < 128 to 4.9e-2 at 3072–4096, against a flat
+    4.5e-3 with float32 frequencies (`docs/performance.md`). Returns cast's result."""
+    rotary = model.get_decoder().rotary_emb
+    inv_freq = rotary.inv_freq.float().clone()
+    out = cast()
+    rotary.inv_freq = inv_freq.to(rotary.inv_freq.device)
+    return out
 
 
 def param_count(model: torch.nn.Module) -> int:

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
             keys = torch.randn(rows, kv, capacity, dh, device=device, dtype=torch.bfloat16)
             values = torch.randn_like(keys)
             start = torch.zeros(rows, dtype=torch.long, device=device)
-            last = torch.tensor([length - 1], device=device)
+            last = torch.full((rows,), length - 1, device=device)  # per row; all rows equal for the comparison
             span = min(capacity, -(-length // 128) * 128)
             bias = torch.zeros(rows, span, dtype=torch.bfloat16, device=device)
             bias[:, length:] = float("-inf")

@@ -48,6 +48,26 @@ def test_rollout(tmp_path, capsys):
     assert got["torch_engine@3"]["lp_err"] < 1e-4 and got["static_engine@3"]["lp_err"] < 1e-4
 
 
+@pytest.mark.slow
+def test_rollout_ragged_lengths_against_equal_lengths(tmp_path, capsys):
+    """--lengths: every engine produces each row's drawn length exactly (generate() through its forced-EOS logits
+    processor, ours through per-sample limits), and the [equal] row the same total at the mean length; the fp32
+    drift table has one line per position bucket of each of our rows."""
+    data, printed = run("rollout", tmp_path, capsys, "--batches", "4", "--prompt-len", "5",
+                        "--lengths", "lognormal:mean=6,cap=14,sigma=0.8", "--engines", "hf_generate,static_engine",
+                        "--lp-reference", "fp32")
+    got = rows(data)
+    assert set(got) == {f"{e}@4[{k}]" for e in ("hf_generate", "static_engine") for k in ("ragged", "equal")}
+    lengths = load("rollout").draw_lengths("lognormal:mean=6,cap=14,sigma=0.8", 4, 512, 0)
+    assert len(set(lengths)) > 1 and max(lengths) <= 14
+    for engine in ("hf_generate", "static_engine"):
+        ragged, equal = got[f"{engine}@4[ragged]"], got[f"{engine}@4[equal]"]
+        assert ragged["tokens"] == sum(lengths) and ragged["max_len"] == max(lengths)
+        assert equal["tokens"] == 4 * round(sum(lengths) / 4) and ragged["vs_equal"] > 0
+    assert got["static_engine@4[ragged]"]["lp_err"] < 1e-4 and "engine vs fp32" in printed
+    assert [b["positions"] for b in got["static_engine@4[ragged]"]["lp_drift"]] == ["[0, 128)"]
+
+
 def test_teacher_score(tmp_path, capsys):
     data, _ = run("teacher_score", tmp_path, capsys, "--batch", "2", "--prompt-len", "4", "--response-len", "6")
     got = rows(data)

@@ -12,10 +12,10 @@ from opd import kernels
 pytestmark = pytest.mark.skipif(not kernels.available(torch.device("cpu")), reason="Triton is not installed")
 
 
-def reference_attention(q_RKGD, keys_RKSD, values_RKSD, start_R, last):
-    """float64 softmax attention of each row's query heads over slots [start_r, last]."""
+def reference_attention(q_RKGD, keys_RKSD, values_RKSD, start_R, last_R):
+    """float64 softmax attention of each row's query heads over slots [start_r, last_r]."""
     slots_S = torch.arange(keys_RKSD.shape[2])
-    valid_RS = (slots_S[None] >= start_R[:, None]) & (slots_S[None] <= last)
+    valid_RS = (slots_S[None] >= start_R[:, None]) & (slots_S[None] <= last_R[:, None])
     scores = torch.einsum("rkgd,rksd->rkgs", q_RKGD.double(), keys_RKSD.double()) * 0.3
     scores = scores.masked_fill(~valid_RS[:, None, None], float("-inf"))
     return torch.einsum("rkgs,rksd->rkgd", scores.softmax(-1), values_RKSD.double())
@@ -30,18 +30,22 @@ def test_decode_attention_matches_float64_over_each_rows_slots(dtype, rows, kv_h
     g = torch.Generator().manual_seed(0)
     q = torch.randn(rows, kv_heads, groups, head_dim, generator=g).to(dtype)
     keys, values = (torch.randn(rows, kv_heads, slots, head_dim, generator=g).to(dtype) for _ in range(2))
-    start, last = torch.tensor([0, 5, 11][:rows]), slots - 3  # left-padded rows start later
+    # rows start at different slots (left padding) and end at different slots (refilled rows of continuous batching)
+    start = torch.tensor([0, 5, 11][:rows])
+    last = torch.tensor([slots - 3, 12, slots - 1][:rows])
     want = reference_attention(q, keys, values, start, last)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
+    rows_R = torch.arange(rows)
     for splits in (1, 2, 4):  # 4 splits of a short row: some are empty
-        got = decode_attention(q, keys, values, start, torch.tensor([last]), 0.3, splits=splits)
+        got = decode_attention(q, keys, values, start, last, 0.3, splits=splits)
         assert got.shape == q.shape and got.dtype == dtype
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=0)
-        # With the step's new key/value given, the kernel writes them into the cache at `last` and uses them.
+        # With the step's new key/value given, the kernel writes them into the cache at each row's `last` and uses
+        # them; no other slot changes.
         cache_k, cache_v = keys.clone(), values.clone()
-        cache_k[:, :, last] = cache_v[:, :, last] = 0
-        got = decode_attention(q, cache_k, cache_v, start, torch.tensor([last]), 0.3, keys[:, :, last],
-                               values[:, :, last], splits=splits)
+        cache_k[rows_R, :, last] = cache_v[rows_R, :, last] = 0
+        got = decode_attention(q, cache_k, cache_v, start, last, 0.3, keys[rows_R, :, last], values[rows_R, :, last],
+                               splits=splits)
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=0)
         assert torch.equal(cache_k, keys) and torch.equal(cache_v, values)
 
@@ -51,12 +55,15 @@ def test_decode_attention_output_is_the_layout_the_fused_o_projection_reads():
 
     q = torch.randn(2, 3, 2, 16)
     keys = values = torch.randn(2, 3, 8, 16)
-    out = decode_attention(q, keys, values, torch.zeros(2, dtype=torch.long), torch.tensor([7]), 1.0)
+    start, last = torch.zeros(2, dtype=torch.long), torch.tensor([7, 3])
+    out = decode_attention(q, keys, values, start, last, 1.0)
     assert out.transpose(1, 2).is_contiguous()  # [R, G, Hkv, Dh] in memory: flattening it copies nothing
     with pytest.raises(ValueError, match="splits must be a power of two"):
-        decode_attention(q, keys, values, torch.zeros(2, dtype=torch.long), torch.tensor([7]), 1.0, splits=3)
+        decode_attention(q, keys, values, start, last, 1.0, splits=3)
     with pytest.raises(ValueError, match="together"):
-        decode_attention(q, keys, values, torch.zeros(2, dtype=torch.long), torch.tensor([7]), 1.0, keys[:, :, 0])
+        decode_attention(q, keys, values, start, last, 1.0, keys[:, :, 0])
+    with pytest.raises(ValueError, match=r"one start and one last slot per row \(2\)"):
+        decode_attention(q, keys, values, start, torch.tensor([7]), 1.0)
 
 
 # ------------------------------------------------------------------------------------------- varlen attention

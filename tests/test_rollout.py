@@ -11,7 +11,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from opd.rollout.base import GenerationOutput, Generator, SamplingParams
 from opd.rollout.batch import build_rollouts
-from opd.rollout.torch_engine import TorchGenerator, filter_logits
+from opd.rollout.sampling import filter_logits
+from opd.rollout.torch_engine import TorchGenerator
 
 KINDS = ["llama", "qwen3"]
 
@@ -129,6 +130,72 @@ def test_chunks_split_groups_only_when_needed():
     budget = TorchGenerator(make_tiny_model("llama"), max_batch_tokens=40)
     assert budget._chunks([5, 15, 50], SamplingParams(n=2, max_new_tokens=5)) == [[(0, 2)], [(1, 2)], [(2, 1)],
                                                                                   [(2, 1)]]
+
+
+def test_chunks_are_sized_from_the_free_memory():
+    """With max_batch_tokens None the rows of a chunk are capped by what fits in the free memory (a fake figure
+    here; CUDA's on a GPU); greedy outputs do not change with the chunking, and a sequence that cannot fit at all
+    fails with one line saying what would."""
+    from opd.rollout import memory
+
+    model = make_tiny_model("llama")
+    prompts = [[5, 6, 7], [8, 9], [1, 2, 3, 4]]
+    params = SamplingParams(n=3, temperature=0, max_new_tokens=5)
+    total = 64 * 2**30
+    figure = {"free": 0}
+    engine = TorchGenerator(model, max_batch_size=64, free_memory=lambda device: (figure["free"], total))
+    cost = engine.row_cost(4, 5)
+    figure["free"] = memory.margin_bytes(total) + 4 * cost.row_bytes + 1
+    assert memory.rows_that_fit((figure["free"], total), cost) == 4
+    assert engine._chunks([3, 2, 4], params, 4) == [[(0, 3), (1, 1)], [(1, 2), (2, 2)], [(2, 1)]]
+    assert engine.generate(prompts, params).response_ids == TorchGenerator(model).generate(prompts, params).response_ids
+    figure["free"] = memory.margin_bytes(total) + cost.row_bytes - 1
+    with pytest.raises(ValueError, match=r"^generation on cpu: one sequence of 4 prompt \+ 5 new tokens needs .*; at "
+                                         r"most max_new_tokens=4 fits after a 4-token prompt$"):
+        engine.generate(prompts, params)
+
+
+def test_per_sample_lengths_end_rows_early(tiny_qwen3, prompts):
+    """max_new_tokens_per_sample: each sample stops at its own limit ("length"), or earlier at EOS ("stop"); the
+    rows that end early are dropped from the batch as finished rows are."""
+    caps = [1, 7, 3, 2, 7, 5]
+    params = SamplingParams(n=2, max_new_tokens=7, seed=0, stop_at_eos=False, return_logprobs=True)
+    engine = TorchGenerator(tiny_qwen3, sync_interval=1, compact_fraction=0.01)
+    out = engine.generate(prompts, params, max_new_tokens_per_sample=caps)
+    assert [len(ids) for ids in out.response_ids] == caps and out.finish_reasons == ["length"] * 6
+    for g, ids, lps in zip(out.group_ids, out.response_ids, out.logprobs):
+        torch.testing.assert_close(torch.tensor(lps), _full_forward_logprobs(tiny_qwen3, prompts[g], ids, 1.0),
+                                   atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match=r"entries must be in \[1, max_new_tokens=7\], got 0"):
+        engine.generate(prompts, params, max_new_tokens_per_sample=[0] * 6)
+
+
+def test_distill_fails_at_startup_when_one_rollout_cannot_fit(tmp_path, monkeypatch):
+    """`opd distill` checks in setup, before any rollout, that one sequence of data.max_prompt_length +
+    rollout.max_new_tokens fits next to the models and the optimizer state to come (the free-memory figure is faked:
+    CPU engines are not sized otherwise)."""
+    import json
+
+    from conftest import make_tiny_tokenizer
+    from opd.config import DistillConfig, build_config
+    from opd.rollout import memory
+    from opd.train.opd import distill
+
+    make_tiny_model("qwen3").save_pretrained(tmp_path / "student")
+    make_tiny_tokenizer().save_pretrained(tmp_path / "student")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(4)))
+    options = {"student.path": str(tmp_path / "student"), "data.path": str(tmp_path / "prompts.jsonl"),
+               "objective.advantage": "grpo", "objective.top_k": 0, "data.answer_key": "answer",
+               "data.max_prompt_length": 32, "prompts_per_step": 2, "rollout.n": 2, "rollout.max_new_tokens": 600,
+               "micro_batch_tokens": 1024, "run.out_dir": str(tmp_path / "runs"), "run.name": "run", "run.steps": 1,
+               "run.report": False}
+    config = build_config(DistillConfig, options=options)
+    optimizer_bytes = 2 * sum(p.numel() * 4 for p in make_tiny_model("qwen3").parameters())
+    monkeypatch.setattr(memory, "device_memory", lambda device: (memory.margin_bytes(0) + optimizer_bytes + 150_000, 0))
+    with pytest.raises(ValueError, match=r"one sequence of 32 prompt \+ 600 new tokens .* will not be free.* at most "
+                                         r"rollout.max_new_tokens=\d+ fits after a 32-token prompt$"):
+        distill(config)
+    assert not (tmp_path / "runs" / "run" / "metrics.jsonl").exists()
 
 
 def test_certain_eos_stops_at_once(tiny_llama, prompts):
@@ -297,7 +364,7 @@ def test_peft_wrapped_model(prompts):
     expected = TorchGenerator(base).generate(prompts, params).response_ids
     wrapped = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     engine = TorchGenerator(wrapped)  # found the cache argument's name and logits_to_keep through the wrapper
-    assert engine._cache_kwarg == TorchGenerator(base)._cache_kwarg and engine._has_logits_to_keep
+    assert engine.hf.cache_kwarg == TorchGenerator(base).hf.cache_kwarg and engine.hf.has_logits_to_keep
     assert engine.generate(prompts, params).response_ids == expected
 
 

@@ -1,5 +1,6 @@
 """`StaticGenerator` against `TorchGenerator` and the model's exact distribution, on tiny CPU models (eager decode
-step: the CUDA graphs and compilation are exercised by `benchmarks/rollout.py` on a GPU)."""
+step: the CUDA graphs and compilation are exercised by `benchmarks/check_cuda.py` and `benchmarks/rollout.py` on a
+GPU): every decode path, continuous batching (slots refilled as rows finish), its determinism, the memory sizing."""
 
 import math
 
@@ -7,11 +8,12 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import EOS_ID, PAD_ID, make_tiny_model
-from opd.rollout import Generator, SamplingParams, static_engine
+from conftest import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model
+from opd.rollout import Generator, SamplingParams, memory, static_engine
 from opd.kernels import decode_attention as triton_attention
+from opd.rollout.sampling import filter_logits
 from opd.rollout.static_engine import StaticGenerator, _sample, unsupported_reason
-from opd.rollout.torch_engine import TorchGenerator, filter_logits
+from opd.rollout.torch_engine import TorchGenerator
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
 
@@ -48,7 +50,7 @@ MODELS = {
 }
 
 
-# The Triton kernel runs interpreted here (~8–18 s a case): on the GQA model both weight layouts, on Qwen3 the fused one.
+# The Triton kernel runs interpreted here (~1 s a step): on the GQA model both weight layouts, on Qwen3 the fused one.
 DECODE_PATHS = [(m, f, a) for m in MODELS for f in (True, False) for a in ("sdpa", "matmul")] + [
     ("llama_biases_gqa", True, "triton"), ("llama_biases_gqa", False, "triton"), ("qwen3", True, "triton")]
 
@@ -60,12 +62,17 @@ def test_every_decode_path_matches_torch_generator_in_float32(model_name, fuse_w
     # The kernel's least head size is 16 (one tensor-core tile): 64 / 4 heads for its cases.
     model = MODELS[model_name](**({"hidden_size": 64} if attention == "triton" else {}))
     reference = TorchGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
+    # 4 rows for 6 samples: the last two are placed into freed slots (refills) by every path
     static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=16,
-                             fuse_weights=fuse_weights, attention=attention)
-    params = SamplingParams(n=2, temperature=0, max_new_tokens=40, return_logprobs=True)
+                             fuse_weights=fuse_weights, attention=attention, max_batch_size=4, sync_interval=8)
+    # (the interpreted Triton kernel costs ~1 s a step here: fewer steps)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=16 if attention == "triton" else 40,
+                            return_logprobs=True)
     want, got = reference.generate(PROMPTS, params), static.generate(PROMPTS, params)
     assert got.response_ids == want.response_ids
     assert got.finish_reasons == want.finish_reasons
+    assert static.stats["refills"] == 2
+    # float32 on both sides; the two paths sum attention and GEMMs in another order (1e-6-level differences)
     assert _max_abs_diff(got.logprobs, want.logprobs) < 1e-5
 
 
@@ -85,11 +92,12 @@ def test_generation_is_unchanged_on_a_model_set_to_opd_varlen():
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
-def test_autocast_decodes_on_cast_once_weights_like_a_bf16_model(kind, monkeypatch):
-    """fuse_weights under autocast = the decode step of the model with bf16 parameters, bit for bit, run without
-    autocast. The prefill is shared (the HF prefill under autocast keeps a float32 residual stream, a bf16 model does
-    not), so only the decode steps are compared; without fuse_weights the step runs under autocast (float32
-    residual) and differs."""
+def test_autocast_decodes_on_cast_once_weights_with_the_float32_residual_of_autocast(kind, monkeypatch):
+    """fuse_weights under autocast (float32 master weights, as in training) = the unfused step on the module's own
+    tensors under autocast, bit for bit, but run without autocast (the GEMM weights are cast once per call): the
+    residual stream, the embedding table and the norms stay float32 as autocast keeps them, so the engine's log-probs
+    are those of the autocast forward the trainer scores with. A bf16 residual (the step of a bf16 model, which this
+    path ran before) differs."""
     autocast_in_step, plain_attn_in = [], static_engine._attn_in
 
     def spy_attn_in(*args):
@@ -101,23 +109,24 @@ def test_autocast_decodes_on_cast_once_weights_like_a_bf16_model(kind, monkeypat
     bf16_model = make_tiny_model(kind, tie_word_embeddings=kind == "qwen3")
     for parameter in bf16_model.parameters():  # parameters only: `.to(bf16)` would also round RoPE's inv_freq
         parameter.data = parameter.data.bfloat16()
-    common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=16)
-    bf16 = StaticGenerator(bf16_model, **common)
+    common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=16, max_batch_size=4)
     for params in (SamplingParams(n=2, temperature=0, max_new_tokens=40, return_logprobs=True),
                    SamplingParams(n=4, max_new_tokens=20, seed=3, return_logprobs=True)):
-        want = bf16.generate(PROMPTS, params)
+        outputs = {}
         for fuse_weights in (True, False):
-            autocast = StaticGenerator(model, fuse_weights=fuse_weights, **common)
-            autocast._prefill = bf16._prefill
             autocast_in_step.clear()
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                got = autocast.generate(PROMPTS, params)
+                outputs[fuse_weights] = StaticGenerator(model, fuse_weights=fuse_weights, **common).generate(
+                    PROMPTS, params)
             assert autocast_in_step and set(autocast_in_step) == {not fuse_weights}
-            if fuse_weights:
-                assert got.response_ids == want.response_ids and got.logprobs == want.logprobs
-            else:
-                assert got.logprobs != want.logprobs
-                assert _max_abs_diff([row[:1] for row in got.logprobs], [row[:1] for row in want.logprobs]) == 0
+        fused, unfused = outputs[True], outputs[False]
+        assert fused.response_ids == unfused.response_ids and fused.logprobs == unfused.logprobs
+        bf16_step = StaticGenerator(bf16_model, **common)
+        bf16_step.hf = StaticGenerator(model, **common).hf  # the same (autocast) prefill: compare the decode steps
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16 = bf16_step.generate(PROMPTS, params)
+        assert _max_abs_diff([row[:1] for row in bf16.logprobs], [row[:1] for row in fused.logprobs]) == 0
+        assert bf16.logprobs != fused.logprobs
 
 
 def test_weights_updated_between_calls_are_seen():
@@ -264,16 +273,13 @@ def test_same_seed_same_samples_other_seed_differs():
     assert first.response_ids != other.response_ids
 
 
-def test_unsupported_models_raise_or_fall_back():
+def test_unsupported_models_raise():
+    """No silent fallback: engine "auto" (`opd.rollout.registry`) is where unsupported layouts get TorchGenerator."""
     model = make_tiny_model("qwen3")
     model.config.hidden_act = "gelu"  # (the built modules keep SiLU, so the model itself still runs)
     assert "hidden_act" in unsupported_reason(model)
-    with pytest.raises(NotImplementedError, match="hidden_act"):
+    with pytest.raises(NotImplementedError, match=r"hidden_act .* \(engine 'auto' or 'torch' runs any causal LM\)"):
         StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
-    fallback = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, fallback=True)
-    reference = TorchGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
-    params = SamplingParams(n=2, max_new_tokens=8, seed=1)
-    assert fallback.generate(PROMPTS, params).response_ids == reference.generate(PROMPTS, params).response_ids
     with pytest.raises(ValueError, match="kv_bucket"):
         StaticGenerator(make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=0)
     with pytest.raises(ValueError, match="attention must be one of auto, triton, sdpa, matmul, got 'flash'"):
@@ -281,3 +287,225 @@ def test_unsupported_models_raise_or_fall_back():
     if triton_attention.available(torch.device("cpu")):  # head size 8 (32 / 4 heads): below the kernel's 16
         with pytest.raises(ValueError, match="power-of-two head size in \\[16, 256\\], this model's is 8"):
             StaticGenerator(make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, attention="triton")
+
+
+# ------------------------------------------------------------------------------------------ continuous batching
+
+
+def eos_biased(kind="qwen3", bias=2.0, **kwargs):
+    """A tiny model whose EOS logit is raised by `bias`: greedy and sampled responses end at many different lengths
+    (bias 2: greedy lengths 4–30 over random prompts; bias 3: sampled lengths spread over 1–12)."""
+    model = make_tiny_model(kind, **kwargs)
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(TINY_VOCAB))
+    with torch.no_grad():
+        model.lm_head.bias[EOS_ID] = bias
+    return model
+
+
+def random_prompts(count, seed=0, longest=12):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, longest, (count,), generator=g)]
+
+
+def _full_forward_logprobs(model, prompt, response):
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1: -1].float()
+    return logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("rows, sync_interval", [(1, 1), (3, 1), (5, 4), (16, 32)])
+def test_refilled_slots_give_torch_generators_greedy_outputs(kind, rows, sync_interval):
+    """Rows end at EOS after 1–30 tokens; freed slots take the next samples (a new prompt at another position in the
+    same static cache). Greedy outputs equal TorchGenerator's for every row count and check interval, and every
+    reported log-prob equals a teacher-forced forward over prompt + response (float32; the tolerance covers the
+    different summation order of the static step's GEMMs and attention)."""
+    model = eos_biased(kind)
+    prompts = random_prompts(8)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=30, return_logprobs=True)
+    want = TorchGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID).generate(prompts, params)
+    static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=16, max_batch_size=rows,
+                             sync_interval=sync_interval)
+    got = static.generate(prompts, params)
+    assert got.response_ids == want.response_ids and got.finish_reasons == want.finish_reasons
+    assert len({len(ids) for ids in got.response_ids}) >= 4 and {"stop", "length"} == set(got.finish_reasons)
+    assert static.stats["rows"] == rows and (static.stats["refills"] > 0) == (rows < 16)
+    for g, ids, lps in zip(got.group_ids, got.response_ids, got.logprobs):
+        torch.testing.assert_close(torch.tensor(lps), _full_forward_logprobs(model, prompts[g], ids), atol=1e-5,
+                                   rtol=0)
+
+
+def test_no_row_idles_while_samples_are_pending():
+    """Per-sample lengths 5, 1, 3, 2, 4, 1 in two rows, checked after every step: each slot is refilled as soon as it
+    frees (sample 1 ends on its first token and hands its slot to sample 2 at once), so the schedule traced below
+    takes 6 decode steps and every sample after the first two is a refill."""
+    model = make_tiny_model("qwen3")
+    prompts = random_prompts(6, seed=1)
+    caps = [5, 1, 3, 2, 4, 1]
+    params = SamplingParams(temperature=0, max_new_tokens=5, stop_at_eos=False, return_logprobs=True)
+    static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, max_batch_size=2, sync_interval=1)
+    out = static.generate(prompts, params, max_new_tokens_per_sample=caps)
+    assert [len(ids) for ids in out.response_ids] == caps and out.finish_reasons == ["length"] * 6
+    # slot 0: sample 0 (steps 1-4); slot 1: sample 1 ends at once → sample 2 (steps 1-2) → 3 (step 3) → 4 (steps 4-6);
+    # sample 5 takes slot 0 after step 4 and ends at once.
+    assert static.stats["decode_steps"] == 6 and static.stats["refills"] == 4
+    want = TorchGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID).generate(
+        prompts, params, max_new_tokens_per_sample=caps)
+    assert out.response_ids == want.response_ids and out.finish_reasons == want.finish_reasons
+
+
+def test_samples_of_a_prompt_share_one_prefill():
+    model = make_tiny_model("qwen3")
+    static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, max_batch_size=8)
+    static.generate([PROMPTS[0], PROMPTS[2]], SamplingParams(n=4, max_new_tokens=3, seed=0))
+    assert static.stats["prefills"] == 1 and static.stats["refills"] == 0
+    static.prefill_tokens = 8  # one 8-token prompt a forward: two prefills
+    static.generate([PROMPTS[0], PROMPTS[2]], SamplingParams(n=4, max_new_tokens=3, seed=0))
+    assert static.stats["prefills"] == 2
+
+
+def _chi_square(counts_a: dict, counts_b: dict) -> tuple[float, int]:
+    """Two-sample chi-square statistic over the categories seen (those with fewer than 10 samples in total are
+    pooled into one) and its degrees of freedom."""
+    total_a, total_b = sum(counts_a.values()), sum(counts_b.values())
+    keys = set(counts_a) | set(counts_b)
+    rare = {k for k in keys if counts_a.get(k, 0) + counts_b.get(k, 0) < 10}
+    a = {k: counts_a.get(k, 0) for k in keys - rare} | {"rare": sum(counts_a.get(k, 0) for k in rare)}
+    b = {k: counts_b.get(k, 0) for k in keys - rare} | {"rare": sum(counts_b.get(k, 0) for k in rare)}
+    stat, cells = 0.0, 0
+    for k in a:
+        n = a[k] + b[k]
+        if n == 0:
+            continue
+        cells += 1
+        for observed, total in ((a[k], total_a), (b[k], total_b)):
+            expected = n * total / (total_a + total_b)
+            stat += (observed - expected) ** 2 / expected
+    return stat, cells - 1
+
+
+def _chi_square_999(dof: int) -> float:
+    """The 99.9% quantile of a chi-square with dof degrees of freedom (Wilson–Hilferty, within 1% for dof ≥ 3)."""
+    z = 3.090
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def _distribution(output):
+    """Counts of (response length) and of (first token, second token or EOS) over the samples."""
+    lengths, pairs = {}, {}
+    for ids in output.response_ids:
+        lengths[len(ids)] = lengths.get(len(ids), 0) + 1
+        pair = (ids[0], ids[1] if len(ids) > 1 else None)
+        pairs[pair] = pairs.get(pair, 0) + 1
+    return lengths, pairs
+
+
+def test_sampling_with_refills_matches_torch_generator_and_other_row_counts():
+    """2000 seeded samples of one prompt, EOS likely (lengths 1–12): the length distribution and the joint
+    distribution of the first two tokens agree between TorchGenerator (all rows at once) and StaticGenerator with 64
+    and with 12 rows (thousands of refills), each pair within the 99.9% quantile of a two-sample chi-square test (a
+    fixed seed: the test is deterministic; with an exact sampler it fails one seed in a thousand)."""
+    model = eos_biased("qwen3", bias=4.0)  # every length 1–12 has > 100 of 4000 samples, 36 token pairs ≥ 10
+    params = SamplingParams(n=2000, max_new_tokens=12, seed=11)
+    common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
+    reference = TorchGenerator(model, max_batch_size=2000, **common).generate([PROMPTS[1]], params)
+    outputs = {}
+    for rows in (64, 12):
+        static = StaticGenerator(model, max_batch_size=rows, sync_interval=2, **common)
+        outputs[rows] = static.generate([PROMPTS[1]], params)
+        assert static.stats["refills"] == 2000 - rows
+    distributions = {name: _distribution(out) for name, out in [("torch", reference), *outputs.items()]}
+    assert len(distributions["torch"][0]) == 12  # every length: refills happen at many different steps
+    for a, b in (("torch", 64), ("torch", 12), (64, 12)):
+        for counts_a, counts_b in zip(distributions[a], distributions[b]):
+            stat, dof = _chi_square(counts_a, counts_b)
+            assert dof >= 8 and stat < _chi_square_999(dof), (a, b, stat, dof)
+
+
+def test_refills_are_deterministic_per_seed():
+    """Same seed, prompts and rows: the same samples in the same slots, bit for bit (log-probs too); another seed
+    differs; another row count keeps the prompt-major layout (its draws differ)."""
+    model = eos_biased("llama", bias=3.0)
+    prompts = random_prompts(5, seed=2)
+    params = SamplingParams(n=3, max_new_tokens=15, seed=7, return_logprobs=True)
+    static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, max_batch_size=4, sync_interval=2)
+    first, again = static.generate(prompts, params), static.generate(prompts, params)
+    assert static.stats["refills"] > 0
+    assert first.response_ids == again.response_ids and first.logprobs == again.logprobs
+    assert first.response_ids != static.generate(prompts, SamplingParams(n=3, max_new_tokens=15, seed=8)).response_ids
+    other_rows = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, max_batch_size=7).generate(
+        prompts, params)
+    assert other_rows.group_ids == first.group_ids and other_rows.response_ids != first.response_ids
+
+
+def test_per_sample_lengths_are_honoured_and_checked():
+    model = make_tiny_model("qwen3")
+    caps = [3, 9, 1, 6, 2, 9]
+    params = SamplingParams(n=2, max_new_tokens=9, seed=0, stop_at_eos=False, return_logprobs=True)
+    static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, max_batch_size=3)
+    out = static.generate(PROMPTS, params, max_new_tokens_per_sample=caps)
+    assert [len(ids) for ids in out.response_ids] == caps == [len(lps) for lps in out.logprobs]
+    with pytest.raises(ValueError, match=r"entries must be in \[1, max_new_tokens=9\], got 10"):
+        static.generate(PROMPTS, params, max_new_tokens_per_sample=[10] * 6)
+    with pytest.raises(ValueError, match=r"has 2 entries; it needs one per sample \(3 prompts × n=2 = 6"):
+        static.generate(PROMPTS, params, max_new_tokens_per_sample=[1, 2])
+
+
+# ------------------------------------------------------------------------------------------------ memory sizing
+
+GIB = 2**30
+
+
+def test_rows_are_sized_from_the_free_memory():
+    """A fake device figure: rows = ⌊(free − margin − fixed) / per-row⌋, capped by max_batch_size and
+    max_batch_tokens, rounded down to a multiple of 8 from 16 rows on; the per-row cost counts the KV slots exactly as
+    allocated and the [V]-sized sampling buffers (noise and logits at least)."""
+    model = make_tiny_model("qwen3", vocab_size=2048)
+    total = 80 * GIB
+    figure = {"free": 0}
+    static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, max_batch_size=1000,
+                             free_memory=lambda device: (figure["free"], total))
+    prompt, new = 16, 20
+    cost = static.row_cost(prompt, new)
+    config = model.config
+    kv_per_slot = 2 * config.num_hidden_layers * config.num_key_value_heads * (32 // 4) * 4  # float32 keys + values
+    assert cost.per_row["KV cache"] == kv_per_slot * (prompt + new)
+    assert cost.per_row["sampling buffers"] >= 2 * 4 * 2048
+    base = memory.margin_bytes(total) + cost.fixed_bytes
+    for rows_fitting, planned in ((3, 3), (15, 15), (17, 16), (31, 24), (100, 96), (2000, 1000)):
+        figure["free"] = base + rows_fitting * cost.row_bytes + cost.row_bytes // 2
+        assert static.plan_rows(1000, prompt, new) == planned, rows_fitting
+    figure["free"] = base + 21 * cost.row_bytes
+    static.max_batch_tokens = 10 * (prompt + new)
+    assert static.plan_rows(1000, prompt, new) == 10
+    static.max_batch_tokens = None
+    prompts = [list(range(1, prompt + 1))] * 4
+    out = static.generate(prompts, SamplingParams(n=10, max_new_tokens=new, seed=0, stop_at_eos=False))
+    assert static.stats["rows"] == 16 and static.stats["refills"] == 40 - 16  # 21 fit → 16 rows
+    assert static.stats["kv_cache_bytes"] == 16 * cost.per_row["KV cache"]
+    assert [len(ids) for ids in out.response_ids] == [new] * 40
+
+
+def test_a_sequence_that_cannot_fit_fails_with_one_line_saying_what_fits():
+    model = make_tiny_model("qwen3", vocab_size=2048)
+    total = 80 * GIB
+    figure = {"free": 0}
+    static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID,
+                             free_memory=lambda device: (figure["free"], total))
+    cost = static.row_cost(16, 400)
+    # one byte short, with the step weights the call will build (check_fits runs before they exist)
+    figure["free"] = memory.margin_bytes(total) + cost.fixed_bytes + static.step_weight_bytes() + cost.row_bytes - 1
+    with pytest.raises(ValueError) as error:
+        static.check_fits(16, 400, names=("data.max_prompt_length", "rollout.max_new_tokens"))
+    message = str(error.value)
+    assert "\n" not in message and "one sequence of 16 prompt + 400 new tokens needs" in message
+    fitting = int(message.rsplit("rollout.max_new_tokens=", 1)[1].split()[0])
+    assert fitting == 399  # one KV slot fewer: the per-row buffers that do not grow with the length are kept
+    static.check_fits(16, fitting)
+    figure["free"] -= static.step_weight_bytes()  # generate reads the figure after building them
+    with pytest.raises(ValueError, match="at most max_new_tokens=399 fits after a 16-token prompt"):
+        static.generate([[1] * 16], SamplingParams(max_new_tokens=400))
+    with pytest.raises(ValueError, match="12.00 GiB will not be free"):
+        static.check_fits(16, 10, reserve_bytes=12 * GIB)
+    assert StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID).plan_rows(100, 16, 400) == 64  # CPU

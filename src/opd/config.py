@@ -305,6 +305,10 @@ class SamplingSpec(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass; 1.0 = off (on-policy rewards assume full-support sampling).")
     max_new_tokens: int = Field(1024, ge=1, description="Longest rollout in tokens; longer ones are truncated and counted.")
     batch_size: int = Field(256, ge=1, description="Sequences the generation engine runs together.")
+    max_batch_tokens: int | None = Field(
+        None, ge=1, description="Most KV-cache tokens the engine holds at once, counted as rows × (longest prompt + "
+        "max_new_tokens); None = as many rows (≤ batch_size) as fit in the GPU memory free at each generation call."
+    )
     engine: Literal["auto", "torch", "static"] = Field(
         "auto", description="auto: the static-KV-cache CUDA-graph engine on a GPU (one process), the torch engine otherwise."
     )

@@ -5,9 +5,10 @@ Why: in `StaticGenerator`'s decode step at RL batch sizes the attention is the o
 and SDPA's memory-efficient kernel (the only one that takes a mask) reads the KV cache well below bandwidth and over
 the whole bucketed span, padding included. Here each program streams the keys and values of one (row, kv head, split)
 once, with the G query heads of that kv head as the rows of one tensor-core tile, so the cache is read once per kv
-head and never repeated per query head. Row r attends over the slots [start[r], last + 1): the left-padded prompt's
-real tokens followed by every decode slot written so far. Both bounds are read on the device, so one CUDA graph
-serves every step of a chunk.
+head and never repeated per query head. Row r attends over the slots [start[r], last[r] + 1): its prompt's tokens
+followed by every decode slot written so far (`StaticGenerator` puts prompts at slot 0: start = 0). Both bounds are per row and read on the device, so rows
+at different positions (`StaticGenerator` refills a finished row's slot with a new sample) share one launch, and one
+CUDA graph serves every step.
 
 Splits: with few rows × kv heads the (row, kv head) programs alone cannot fill the GPU; each row's slots are then cut
 into `splits` equal, BLOCK_N-aligned pieces whose partial results (output and log-sum-exp per query head) a second
@@ -54,14 +55,14 @@ if triton is not None:
                         o_sr, o_sk, o_sg, scale, kv_heads, groups,
                         HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                         HAS_NEW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-        """One (row, kv head) per program along axis 0, one split along axis 1. HAS_NEW: the slot `last` is taken
+        """One (row, kv head) per program along axis 0, one split along axis 1. HAS_NEW: the row's slot `last` is taken
         from kn/vn (and written to the cache by split 0) instead of read from the cache. SPLITS == 1: the normalised
         output goes straight to out (strided, q's dtype). Else out is float32 [R, Hkv, SPLITS, G, Dh] and lse float32
         [R, Hkv, SPLITS, G] (−inf for an empty split)."""
         pid, split = tl.program_id(0), tl.program_id(1)
         row, kv = pid // kv_heads, pid % kv_heads
         start = tl.load(start_ptr + row)
-        last = tl.load(last_ptr)
+        last = tl.load(last_ptr + row)
         end = last if HAS_NEW else last + 1  # slots read from the cache: [start, end)
         per_split = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N
         lo = start + split * per_split
@@ -140,15 +141,15 @@ if triton is not None:
 
 
 def decode_attention(q_RKGD: torch.Tensor, keys_RKSD: torch.Tensor, values_RKSD: torch.Tensor,
-                     start_R: torch.Tensor, last_1: torch.Tensor, scale: float,
+                     start_R: torch.Tensor, last_R: torch.Tensor, scale: float,
                      new_keys_RKD: torch.Tensor | None = None, new_values_RKD: torch.Tensor | None = None,
                      splits: int | None = None, block_n: int = BLOCK_N, num_warps: int = 4,
                      num_stages: int = 2) -> torch.Tensor:
-    """softmax(q·kᵀ · scale) · v over slots [start_R[r], last_1[0]] of each row, per kv head and query head.
+    """softmax(q·kᵀ · scale) · v over slots [start_R[r], last_R[r]] of each row r, per kv head and query head.
 
-    q [R, Hkv, G, Dh] (any strides, last one 1); keys, values [R, Hkv, S, Dh] (last stride 1); start_R [R] and
-    last_1 [1] integer tensors on the same device (start ≤ last < S). With new_keys / new_values [R, Hkv, Dh] (last
-    stride 1), slot `last` is theirs: they are written into the cache there (the step's cache write, in the same
+    q [R, Hkv, G, Dh] (any strides, last one 1); keys, values [R, Hkv, S, Dh] (last stride 1); start_R and last_R [R]
+    integer tensors on the same device (start ≤ last < S, per row). With new_keys / new_values [R, Hkv, Dh] (last
+    stride 1), slot last_R[r] is theirs: they are written into the cache there (the step's cache write, in the same
     kernel) and used directly. Returns [R, Hkv, G, Dh] in q's dtype, a transposed view of a [R, G, Hkv, Dh] tensor:
     flattened as (G, Hkv, Dh) per row it needs no copy (the layout SDPA returns, which `StaticGenerator`'s fused
     o-projection expects). splits None = `default_splits`. float32 inputs multiply in full float32 (no TF32).
@@ -163,6 +164,9 @@ def decode_attention(q_RKGD: torch.Tensor, keys_RKSD: torch.Tensor, values_RKSD:
                          f"head_dim {head_dim}, strides {[t.stride() for t in tensors]}")
     if (new_keys_RKD is None) != (new_values_RKD is None):
         raise ValueError("decode_attention takes new_keys and new_values together")
+    if start_R.shape != (rows,) or last_R.shape != (rows,):
+        raise ValueError(f"decode_attention takes one start and one last slot per row ({rows}), got shapes "
+                         f"{tuple(start_R.shape)} and {tuple(last_R.shape)}")
     splits = default_splits(rows, kv_heads, q_RKGD.device) if splits is None else splits
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"decode_attention splits must be a power of two ≥ 1, got {splits}")
@@ -177,7 +181,7 @@ def decode_attention(q_RKGD: torch.Tensor, keys_RKSD: torch.Tensor, values_RKSD:
     # Triton launches on the current CUDA device: make it the tensors' (a model on cuda:1, say).
     with torch.cuda.device(q_RKGD.device) if q_RKGD.device.type == "cuda" else contextlib.nullcontext():
         _partial_kernel[(rows * kv_heads, splits)](
-            q_RKGD, keys_RKSD, values_RKSD, new_k, new_v, start_R, last_1, part, lse,
+            q_RKGD, keys_RKSD, values_RKSD, new_k, new_v, start_R, last_R, part, lse,
             q_RKGD.stride(0), q_RKGD.stride(1), q_RKGD.stride(2),
             keys_RKSD.stride(0), keys_RKSD.stride(1), keys_RKSD.stride(2),
             values_RKSD.stride(0), values_RKSD.stride(1), values_RKSD.stride(2),

@@ -6,7 +6,7 @@ engine module imports another, and engines with heavy optional dependencies (vLL
 
 Names:
     torch   `TorchGenerator`: any Hugging Face causal LM, CPU or GPU, the trainer's own module
-    static  `StaticGenerator`: static KV cache + CUDA graphs, Llama / Qwen2 / Qwen3 layouts
+    static  `StaticGenerator`: static KV cache + continuous batching + CUDA graphs, Llama / Qwen2 / Qwen3 layouts
     auto    static on CUDA when the model's layout is supported (`static_engine.unsupported_reason`), else torch
 """
 
@@ -30,6 +30,7 @@ class EngineRequest:
     model_path:       the model's directory or hub id, for engines that load weights themselves
     max_batch_size:   most sequences decoded together, ≥ 1
     max_batch_tokens: most KV-cache tokens at once (rows × (prompt + max_new_tokens)); None: the engine's own rule
+                      (the in-process engines: as many rows as fit in the device memory free at each call)
     vocab_size:       ids ≥ vocab_size are never sampled (embedding padding rows); None: len(tokenizer)
     options:          engine-specific keyword arguments, passed through
     """
@@ -86,6 +87,17 @@ def make_generator(model: torch.nn.Module | None, tokenizer: Any, *, engine: str
     request = EngineRequest(model=model, tokenizer=tokenizer, model_path=model_path, max_batch_size=max_batch_size,
                             max_batch_tokens=max_batch_tokens, vocab_size=vocab_size, options=options)
     return _ENGINES[name](request)
+
+
+def check_generation_fits(generator: Generator, *, prompt_tokens: int, new_tokens: int, reserve_bytes: int = 0,
+                          names: tuple[str, str] = ("prompt length", "max_new_tokens")) -> None:
+    """Raise ValueError (one line saying what would fit) when the engine cannot hold even one sequence of
+    prompt_tokens + new_tokens in the device memory free now, less reserve_bytes (memory that will be resident before
+    the first call, e.g. optimizer state). Engines without a memory rule (their own server, a CPU) pass. Call it under
+    the autocast that generation will run under. names: the settings to name in the message."""
+    check = getattr(generator, "check_fits", None)
+    if check is not None:
+        check(prompt_tokens, new_tokens, reserve_bytes=reserve_bytes, names=names)
 
 
 def _hf_arguments(request: EngineRequest) -> dict[str, Any]:

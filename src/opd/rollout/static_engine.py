@@ -1,54 +1,75 @@
-"""`StaticGenerator`: the `TorchGenerator` contract with a static KV cache and a decode step replayed as CUDA graphs.
+"""`StaticGenerator`: the `Generator` contract with a static KV cache, continuous batching and a decode step replayed
+as one CUDA graph.
 
 Why: at RL batch sizes decoding a 0.6B–4B model is bound by launching kernels from Python (~2,000 launches per step
 through `model.generate()` or `TorchGenerator`), not by the GPU. Replaying one captured graph per step removes the
 launches; compiling the two elementwise-heavy halves of a decoder layer and the sampling with `torch.compile`, fusing
 weights and calling one attention kernel cut the number of kernels per step (at 28 small layers, that number sets
-the step time, not the memory traffic).
+the step time, not the memory traffic). Real responses are long-tailed: a finished row's slot is refilled with the
+next pending sample, so the tail of one row does not keep the others idle.
 
-How a chunk runs (chunking, seeding, eval mode and no_grad come from `TorchGenerator.generate`):
-1. Prefill every distinct prompt once through the Hugging Face model (left-padded, `TorchGenerator._prefill`), then
-   copy its keys/values into one static cache per layer, `[R, H_kv, S, D_h]` in the compute dtype, one row per sample
-   (prefix sharing: the n samples of a prompt are n copies of one prefill). Slots `[0, W)` hold the prompts, slot
-   `W + t` decode token t.
-2. Build the step's weights (`fuse_weights`): per layer one q/k/v and one gate/up matrix, o_proj with its input
-   columns in the head order SDPA writes, and every other weight, in the compute dtype (autocast's if autocast is on,
-   else the parameters'), rebuilt for every chunk so that optimizer updates between calls are seen. The decode step
-   then runs without autocast: no weight is cast at every step.
-3. Token 0 is sampled from the prefill logits. Each later step runs our own decode forward: RMSNorm, one q/k/v GEMM,
-   q/k-norm and RoPE from a precomputed table (one compiled function), then attention. On CUDA (`attention="auto"`)
-   that is the Triton kernel `opd.kernels.decode_attention`: it writes the step's keys/values into the cache and
-   reads only each row's valid slots, whose bounds it takes from device tensors, so one graph serves every step of
-   the chunk. Otherwise ("sdpa", the CPU default) the cache write is two index copies and one SDPA call runs over the
-   first S_b slots with a 0/-inf mask (S_b = the step's length rounded up to `kv_bucket`, one graph per bucket; the
-   G = H / H_kv query heads of a kv head are SDPA's query positions). Then o-projection, MLP and the next layer's
-   input norm (the second compiled function), head, sampling (the third).
-4. Sampling is Gumbel-max, `argmax(z / τ + g)` with g = -log(-log u), which draws exactly from softmax(z / τ) after the
-   same top-k / top-p filter as `TorchGenerator`; u comes from the call's seeded `torch.Generator`, written into a
-   buffer before each replay (the graph itself holds no random state). Finished rows, lengths, tokens and log-probs
-   are updated on the device; the host looks at them every `sync_interval` steps only (one sync each).
+How a call runs (P prompts × n samples, prompt-major):
+1. Build the step's weights (`fuse_weights`): per layer one q/k/v and one gate/up matrix, o_proj with its input
+   columns in the head order SDPA writes, and every other GEMM weight, in the compute dtype (autocast's if autocast
+   is on, else the parameters'), rebuilt for every call so that optimizer updates between calls are seen. The decode
+   step then runs without autocast: no weight is cast at every step. The residual stream, the embedding table and
+   the norms keep the parameters' dtype, as under autocast.
+2. Size the batch: R rows (slots), each holding one sample's keys/values in S = longest prompt + max_new_tokens slots
+   of a static cache per layer, `[R, H_kv, S, D_h]` in the compute dtype. R = max_batch_size, capped by the samples,
+   by max_batch_tokens / S, and by the device memory free now (after the step weights, the trainer's models and
+   optimizer state): `opd.rollout.memory` with this engine's `row_cost` (KV slots + the [V]-sized sampling buffers).
+3. Fill the slots: prefill each distinct prompt once through the Hugging Face model (left-padded, ≤ prefill_tokens
+   padded tokens a forward) and copy its keys/values into the slots of its samples at slots [0, L) (prefix
+   sharing: the n samples of a prompt are n copies of one prefill); token 0 is sampled from the prefill logits.
+4. Decode: each step feeds every row's last token at its own position (= its slot index, = its RoPE position) through
+   our own decode forward: RMSNorm, one q/k/v GEMM, q/k-norm and RoPE from a precomputed table (one compiled
+   function), then attention. On CUDA (`attention="auto"`) that is the Triton kernel `opd.kernels.decode_attention`:
+   it writes the step's keys/values into the cache and reads only each row's slots [0, position], both per row and
+   read from device tensors, so ONE graph serves every step of the call. Otherwise ("sdpa", the CPU default) the
+   cache write is an index copy and one SDPA call runs over the first S_b slots with a 0/-inf mask (S_b = the
+   longest position of the next interval rounded up to `kv_bucket`, one graph per bucket; the G = H / H_kv query
+   heads of a kv head are SDPA's query positions). Then o-projection, MLP and the next layer's input norm (the second
+   compiled function), head, sampling (the third). Finished rows, lengths, tokens and log-probs are updated on the
+   device; a finished row keeps computing (static shapes) but writes nothing.
+5. Every `sync_interval` steps the host looks at which rows finished (one sync), copies their results out and
+   refills their slots with the next pending samples (step 3 for those slots only, between graph replays, writing
+   into the same static buffers). The call ends when no sample is pending or decoding.
+
+Sampling is Gumbel-max, `argmax(z / τ + g)` with g = -log(-log u), which draws exactly from softmax(z / τ) after the
+same top-k / top-p filter as `TorchGenerator`; u comes from the call's seeded `torch.Generator`, written into a
+buffer before each replay (the graph itself holds no random state) and drawn afresh for each first token.
+
+Determinism contract: the same seed, prompts, SamplingParams, per-sample lengths and row count R (with the same
+sync_interval and prefill_tokens, on the same device and software) give the same outputs, bit for bit. Which sample
+lands in which slot depends on the order in which rows finish, which is itself a deterministic function of those
+inputs. Another R (a different max_batch_size, max_batch_tokens or free memory) gives other draws from the same
+distribution; pin R with max_batch_size / max_batch_tokens where reruns must match. `stats` after each call says
+which R ran. Samples differ from `TorchGenerator`'s for the same seed (another sampling algorithm, the same
+distribution).
 
 Measured on one H200 (2026-11-30, torch 2.11, random Qwen3-0.6B shape, bf16, 64 prompts × 512 new tokens, prompt
-128; `benchmarks/rollout.py`, docs/performance.md): 26.6k–27.2k tok/s (2.35–2.41 ms a step), against 17.7k with SDPA
-attention, 1.9k for `TorchGenerator`, 2.1k–2.4k for `model.generate` without cuDNN attention and 1.3k–2.2k with its
-default kernel choice, in the same process; 47.3k–47.8k tok/s at 256 rows. Reported log-probs agree with a
-teacher-forced forward as closely as `TorchGenerator`'s do (mean |Δ| 7e-3, bf16). With SDPA the cache write stays
-outside the compiled function on purpose: inside it, the step measured twice as slow (most likely a copy of the whole
-cache tensor per layer; not profiled).
+128; `benchmarks/rollout.py`, docs/performance.md; before continuous batching): 26.6k–27.2k tok/s (2.35–2.41 ms a
+step), against 17.7k with SDPA attention, 1.9k for `TorchGenerator`, 2.1k–2.4k for `model.generate` without cuDNN
+attention and 1.3k–2.2k with its default kernel choice, in the same process; 47.3k–47.8k tok/s at 256 rows. With
+SDPA the cache write stays outside the compiled function on purpose: inside it, the step measured twice as slow
+(most likely a copy of the whole cache tensor per layer; not profiled).
 
 Scope: decoder-only Llama / Qwen2 / Qwen3 layouts (pre-norm, SiLU gated MLP, optional q/k-norm, full attention,
-static RoPE). Anything else (sliding windows, dynamic RoPE, other families) raises at construction unless
-`fallback=True`, which then runs `TorchGenerator`'s loop. On CPU the same decode step runs eagerly (this is what the
-CPU tests check against `TorchGenerator`); graphs and compilation are CUDA-only.
+static RoPE). Anything else (sliding windows, dynamic RoPE, other families) raises at construction; engine "auto"
+(`opd.rollout.registry`) picks `TorchGenerator` for those. On CPU the same decode step runs eagerly (this is what
+the CPU tests check against `TorchGenerator`); graphs and compilation are CUDA-only.
 
-Omitted: dropping finished rows (static shapes; a row that finished keeps computing until the chunk ends or every row
-has finished), a paged cache, speculative decoding, shared-prefix (cascade) attention for the n samples of a prompt
-(each row reads its own copy of the prompt's keys/values). `flex_attention`'s decoding path was tried on the H200:
-4× slower than SDPA at 64 rows, and its graph capture failed at 256 rows.
+Omitted: a paged cache (each slot holds its sample's longest possible sequence, so a long-tailed call keeps fewer
+rows than a paged cache could; paging needs preemption when pages run out), speculative decoding, shared-prefix
+(cascade) attention for the n samples of a prompt (each row reads its own copy of the prompt's keys/values), keeping
+a prompt's prefill for its samples that could not get a slot in the same refill (they are prefilled again later).
+`flex_attention`'s decoding path was tried on the H200: 4× slower than SDPA at 64 rows, and its graph capture failed
+at 256 rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
@@ -57,8 +78,12 @@ import torch
 import torch.nn.functional as F
 
 from opd.kernels import decode_attention as triton_attention
-from opd.rollout.base import SamplingParams
-from opd.rollout.torch_engine import TorchGenerator, filter_logits
+from opd.rollout import memory
+from opd.rollout.base import GenerationOutput, SamplingParams
+from opd.rollout.hf_model import (
+    HFModel, cached_kv, check_arguments, check_request, generation_mode, seeded_generator, special_ids,
+)
+from opd.rollout.sampling import filter_logits
 
 _SUPPORTED = ("llama", "qwen2", "qwen3")
 
@@ -78,7 +103,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def _project(h_RD: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
              sizes: list[int]) -> Sequence[torch.Tensor]:
     """Projections of h sharing an input: one GEMM whose output is split into `sizes` when `weights` is one fused
-    matrix, else one GEMM per weight. [R, D] → one [R, size] per projection."""
+    matrix, else one GEMM per weight. [R, D] → one [R, size] per projection. h is cast to the weights' dtype first
+    (a float32 residual stream into bf16 step weights, as autocast casts it; a no-op otherwise)."""
+    h_RD = h_RD.to(weights[0].dtype)
     if len(weights) == 1:
         return F.linear(h_RD, weights[0], biases[0]).split(sizes, dim=-1)
     return [F.linear(h_RD, w, b) for w, b in zip(weights, biases)]
@@ -99,7 +126,7 @@ def _attn_in(h_RD, w_qkv, b_qkv, qn_w, kn_w, eps, cos_R1D, sin_R1D, heads: int, 
 def _attn_out(x_RD, attn_RE, wo, bo, ln_w, eps, w_gu, b_gu, wd, bd, next_ln_w, next_eps):
     """o-projection + residual, post-attention norm, SiLU-gated MLP + residual, then the next layer's input norm (the
     final norm after the last layer), so that the residual add and that norm fuse: [R, D] → (x [R, D], normed x)."""
-    x_RD = _residual_add(x_RD, F.linear(attn_RE, wo, bo))
+    x_RD = _residual_add(x_RD, F.linear(attn_RE.to(wo.dtype), wo, bo))
     h_RD = _rms(x_RD, ln_w, eps)
     gate_RI, up_RI = _project(h_RD, w_gu, b_gu, [wd.shape[1], wd.shape[1]])
     x_RD = _residual_add(x_RD, F.linear(F.silu(gate_RI) * up_RI, wd, bd))
@@ -191,16 +218,6 @@ def _projection_weights(linears: Sequence[torch.nn.Linear], dtype: torch.dtype |
     return (fused_weight,), (fused_bias,)
 
 
-@dataclass
-class _Layer:
-    """One decoder layer's step arguments (`_attn_in`'s weights, `_attn_out`'s weights and next norm) and its cache."""
-
-    attn_in: tuple
-    attn_out: tuple
-    keys: torch.Tensor  # [R, Hkv, S, Dh]
-    values: torch.Tensor
-
-
 def _head_dim(model: torch.nn.Module) -> int:
     attention = model.get_decoder().layers[0].self_attn
     return attention.q_proj.weight.shape[0] // model.config.num_attention_heads
@@ -232,85 +249,236 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-class StaticGenerator(TorchGenerator):
-    """`Generator` with a static KV cache and CUDA-graph decode steps; same arguments and results contract as
-    `TorchGenerator` (prompt-major outputs, EOS kept, log-probs before top-k/top-p filtering, seeded).
 
-    kv_bucket:    with "sdpa" / "matmul" attention, decode steps attend over the cache rounded up to a multiple of
-                  this many slots (one graph each); smaller buckets read less cache per step but capture more graphs,
-                  ≥ 1. Unused by the Triton kernel, which reads each row's exact slots
-    cuda_graphs:  capture and replay the decode step (CUDA only); None = on CUDA
-    compile:      `torch.compile` the two halves of a layer and the sampling (CUDA only; the first call per batch
-                  shape pays the compile); None = on CUDA, falling back to the plain step with a warning if compilation
-                  fails. Results agree with the uncompiled step to bf16 rounding
-    fuse_weights: True = per chunk, build one q/k/v and one gate/up matrix per layer and cast every weight the step
-                  uses to the compute dtype once (autocast's dtype when autocast is on at generate time, else the
-                  parameters'), then decode without autocast. Extra memory while a chunk runs: the concatenations are
-                  copies, and so is o_proj with its input columns reordered to the layout SDPA writes (together
-                  about 80% of the layer weights: 0.7 GB for Qwen3-0.6B in bf16); with float32 parameters under
-                  bf16 autocast every weight is copied once in bf16 (1.2 GB for Qwen3-0.6B), and the residual
-                  stream is bf16 as in a bf16 model (autocast keeps it float32).
-                  False = one GEMM per projection on the module's own tensors, under the caller's autocast
-    attention:    "auto" = "triton" on CUDA when Triton is installed and the head size is a power of two in
-                  [16, 256], else "sdpa"; "triton" = the split-KV kernel
-                  `opd.kernels.decode_attention` (CUDA, or CPU under Triton's interpreter: the tests); "sdpa" = one
-                  masked `scaled_dot_product_attention` call per layer; "matmul" = explicit matmul / float32 softmax /
-                  matmul (the reference; more kernels)
-    fallback:     for a model this engine does not cover (`unsupported_reason`), run `TorchGenerator`'s loop instead
-                  of raising
-    The other arguments are `TorchGenerator`'s; compact_fraction is unused (rows are never dropped). The static cache
-    is in the compute dtype whatever fuse_weights is.
 
-    Results depend on the chunk's row count as `TorchGenerator`'s do, and differ from `TorchGenerator`'s samples
-    for the same seed (another sampling algorithm, the same distribution).
+# [V]-sized float32 buffers per row the sampling holds at its peak (upcast logits, scaled, Gumbel noise transform,
+# noisy logits, the split-reduction padding), on top of the uniform-noise buffer and the head's logits
+_SAMPLING_FLOATS = 6
+_FIRST_TOKEN_ROWS = 64  # first tokens of refilled rows are sampled in groups of at most this many rows
+_COMPILED: tuple[Callable, Callable, Callable] | None = None  # the compiled step functions, shared by all engines
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's step arguments (`_attn_in`'s weights, `_attn_out`'s weights and next norm) and its cache."""
+
+    attn_in: tuple
+    attn_out: tuple
+    keys: torch.Tensor | None = None  # [R, Hkv, S, Dh]
+    values: torch.Tensor | None = None
+
+
+class StaticGenerator:
+    """`Generator` with a static KV cache, continuous batching and CUDA-graph decode steps; the results contract of
+    `TorchGenerator` (prompt-major outputs, EOS kept, log-probs before top-k/top-p filtering, seeded), see the module
+    docstring for how a call runs and its determinism contract.
+
+    eos_token_ids, pad_token_id, vocab_size: as `TorchGenerator`
+    max_batch_size:   most rows (slots) decoding at once, ≥ 1
+    max_batch_tokens: most KV-cache slots at once, counted as rows × (longest prompt + max_new_tokens); None = as many
+                      rows as fit in the device memory free at the call (CUDA; no limit on CPU). One row always runs.
+    sync_interval:    decode steps between host checks, ≥ 1: finished rows are refilled there (each check is one
+                      CPU-GPU sync; a row that finishes waits up to sync_interval - 1 steps for its refill)
+    kv_bucket:        with "sdpa" / "matmul" attention, decode steps attend over the cache rounded up to a multiple of
+                      this many slots (one graph each); smaller buckets read less cache per step but capture more graphs,
+                      ≥ 1. Unused by the Triton kernel, which reads each row's exact slots
+    cuda_graphs:      capture and replay the decode step (CUDA only); None = on CUDA
+    compile:          `torch.compile` the two halves of a layer and the sampling (CUDA only; the first call per row
+                      count pays the compile); None = on CUDA, falling back to the plain step with a warning if
+                      compilation fails. Results agree with the uncompiled step to bf16 rounding
+    fuse_weights:     True = per call, build one q/k/v and one gate/up matrix per layer and cast every weight the step
+                      uses to the compute dtype once (autocast's dtype when autocast is on at generate time, else the
+                      parameters'), then decode without autocast. Extra memory while a call runs: the concatenations
+                      are copies, and so is o_proj with its input columns reordered to the layout SDPA writes
+                      (together about 80% of the layer weights: 0.7 GB for Qwen3-0.6B in bf16); with float32
+                      parameters under bf16 autocast every GEMM weight is copied once in bf16 (1.2 GB for
+                      Qwen3-0.6B), while the embedding table, the norms and the residual stream stay float32 as
+                      autocast keeps them (the teacher-forced forward the trainer compares log-probs with).
+                      False = one GEMM per projection on the module's own tensors, under the caller's autocast
+    attention:        "auto" = "triton" on CUDA when Triton is installed and the head size is a power of two in
+                      [16, 256], else "sdpa"; "triton" = the split-KV kernel `opd.kernels.decode_attention` (CUDA, or
+                      CPU under Triton's interpreter: the tests); "sdpa" = one masked `scaled_dot_product_attention`
+                      call per layer; "matmul" = explicit matmul / float32 softmax / matmul (the reference)
+    prefill_tokens:   most padded prompt tokens per Hugging Face prefill forward (one prompt always fits), ≥ 1
+    free_memory:      function of a device → its (free, total) bytes, or None for no limit; default
+                      `opd.rollout.memory.device_memory` (the CUDA figures; None on CPU); the tests pass a fixed one
+
+    `stats` (after each call): rows, slots per row, decode steps, refills (samples placed into a freed slot),
+    prefill forwards, CUDA graphs captured, occupancy (decoded tokens / (steps × rows)), KV-cache bytes.
     """
 
-    def __init__(self, model: torch.nn.Module, *, kv_bucket: int = 128, cuda_graphs: bool | None = None,
-                 compile: bool | None = None, fuse_weights: bool = True,
-                 attention: Literal["auto", "triton", "sdpa", "matmul"] = "auto", fallback: bool = False,
-                 sync_interval: int = 32, **kwargs: Any) -> None:
-        super().__init__(model, sync_interval=sync_interval, **kwargs)
-        if kv_bucket < 1:
-            raise ValueError(f"StaticGenerator kv_bucket must be an integer ≥ 1, got {kv_bucket!r}")
-        if attention not in _ATTENTION_CHOICES:
-            raise ValueError(f"StaticGenerator attention must be one of {', '.join(_ATTENTION_CHOICES)}, "
-                             f"got {attention!r}")
+    def __init__(self, model: torch.nn.Module, *, eos_token_ids: Sequence[int] | None = None,
+                 pad_token_id: int | None = None, vocab_size: int | None = None, max_batch_size: int = 64,
+                 max_batch_tokens: int | None = None, sync_interval: int = 32, kv_bucket: int = 128,
+                 cuda_graphs: bool | None = None, compile: bool | None = None, fuse_weights: bool = True,
+                 attention: Literal["auto", "triton", "sdpa", "matmul"] = "auto", prefill_tokens: int = 8192,
+                 free_memory: memory.MemoryFn | None = None) -> None:
+        check_arguments("StaticGenerator", [
+            ("max_batch_size", max_batch_size >= 1, "an integer ≥ 1", max_batch_size),
+            ("max_batch_tokens", max_batch_tokens is None or max_batch_tokens >= 1, "None or ≥ 1", max_batch_tokens),
+            ("sync_interval", sync_interval >= 1, "an integer ≥ 1", sync_interval),
+            ("vocab_size", vocab_size is None or vocab_size >= 1, "None or ≥ 1", vocab_size),
+            ("kv_bucket", kv_bucket >= 1, "an integer ≥ 1", kv_bucket),
+            ("prefill_tokens", prefill_tokens >= 1, "an integer ≥ 1", prefill_tokens),
+            ("attention", attention in _ATTENTION_CHOICES, f"one of {', '.join(_ATTENTION_CHOICES)}", attention),
+        ])
+        self.model = model
         if attention == "triton" and not triton_attention.available(self.device):
             raise ValueError(f"StaticGenerator attention='triton' needs Triton and a CUDA model (device {self.device}, "
                              f"Triton {'installed' if triton_attention.triton else 'not installed'}); use 'auto'")
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise NotImplementedError(f"StaticGenerator cannot run {type(model).__name__}: {reason} (engine 'auto' or "
+                                      "'torch' runs any causal LM)")
+        if attention == "triton" and not triton_attention.supports(_head_dim(model)):
+            raise ValueError(f"StaticGenerator attention='triton' needs a power-of-two head size in [16, 256], this "
+                             f"model's is {_head_dim(model)}; use 'auto'")
+        self.eos_token_ids, self.pad_token_id = special_ids(model, eos_token_ids, pad_token_id)
+        self.vocab_size = vocab_size
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.sync_interval = sync_interval
         self.kv_bucket = kv_bucket
         self.cuda_graphs = cuda_graphs
         self.compile = compile
         self.fuse_weights = fuse_weights
         self.attention = attention
-        self.reason = unsupported_reason(model)
-        if self.reason is not None and not fallback:
-            raise NotImplementedError(f"StaticGenerator cannot run {type(model).__name__}: {self.reason} "
-                                      "(pass fallback=True to use TorchGenerator's loop)")
-        if attention == "triton" and self.reason is None and not triton_attention.supports(_head_dim(model)):
-            raise ValueError(f"StaticGenerator attention='triton' needs a power-of-two head size in [16, 256], this "
-                             f"model's is {_head_dim(model)}; use 'auto'")
+        self.prefill_tokens = prefill_tokens
+        self.free_memory = free_memory
+        self.hf = HFModel(model, pad_token_id=self.pad_token_id, vocab_size=vocab_size)
+        self.stats: dict[str, Any] = {}
         self._compiled: tuple[Callable, Callable, Callable] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _memory(self) -> tuple[int, int] | None:
+        """(free, total) bytes of the model's device now, or None (no limit)."""
+        return (self.free_memory or memory.device_memory)(self.device)
+
+    def sync_weights(self) -> None:
+        """Nothing to do: the step weights are rebuilt from the trainer's module at every call."""
 
     def _step_fns(self, on_cuda: bool) -> tuple[Callable, Callable, Callable]:
         """(attn_in, attn_out, sample): compiled on CUDA unless compile=False, else the plain functions."""
         if not (on_cuda and self.compile is not False):
             return _attn_in, _attn_out, _sample
         if self._compiled is None:
-            self._compiled = tuple(torch.compile(fn, dynamic=False) for fn in (_attn_in, _attn_out, _sample))
+            global _COMPILED
+            if _COMPILED is None:  # one set for every engine of the process: each row count compiles once
+                _COMPILED = tuple(torch.compile(fn, dynamic=False) for fn in (_attn_in, _attn_out, _sample))
+            self._compiled = _COMPILED
         return self._compiled
 
-    def _generate_chunk(self, prompts, counts, params: SamplingParams, generator: torch.Generator):
-        if self.reason is not None:
-            return super()._generate_chunk(prompts, counts, params, generator)
-        return _StaticRun(self, prompts, counts, params, generator).run()
+    # ------------------------------------------------------------------ memory
+
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the step's GEMMs and the cache use: autocast's when the caller enabled it, else the parameters'."""
+        device = self.device
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return self.model.get_decoder().layers[0].self_attn.q_proj.weight.dtype
+
+    def row_cost(self, prompt_tokens: int, new_tokens: int, dtype: torch.dtype | None = None) -> memory.RowCost:
+        """What one row of a call with this longest prompt and max_new_tokens holds: its KV slots, the [V]-sized
+        sampling buffers (the head's logits, the uniform noise, the sampling's float32 temporaries at V = the whole
+        vocabulary: 3.9 MB a row at Qwen3's 151,936), the decode step's activations and its output columns; plus what
+        the call holds once (one prefill forward of `prefill_tokens`, first-token sampling, the RoPE table)."""
+        config = self.model.config
+        dtype = dtype or self.compute_dtype()
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, _head_dim(self.model)
+        hidden, inner = config.hidden_size, config.intermediate_size
+        vocab_rows = self.model.get_output_embeddings().weight.shape[0]
+        vocab = min(self.vocab_size or vocab_rows, vocab_rows)
+        kv = memory.kv_bytes_per_token(config, dtype)
+        slots = prompt_tokens + new_tokens
+        sampling = vocab_rows * dtype.itemsize + 4 * vocab * (1 + _SAMPLING_FLOATS)
+        prefill = max(self.prefill_tokens, prompt_tokens) * memory.prefill_bytes_per_token(config, torch.float32)
+        return memory.RowCost(
+            per_row={"KV cache": kv * slots, "sampling buffers": sampling,
+                     "decode activations": 4 * (8 * hidden + 4 * inner + 2 * (heads + 2 * kv_heads) * head_dim),
+                     "outputs": 12 * (new_tokens + 1)},
+            fixed={"prefill": prefill + _FIRST_TOKEN_ROWS * sampling, "RoPE table": 8 * slots * head_dim},
+            per_slot=kv + 12 + 8 * head_dim)
+
+    def step_weight_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of the weight copies a call builds (`fuse_weights`): q/k/v and gate/up concatenations, o_proj
+        reordered when query heads are grouped, and every other GEMM weight not already in the compute dtype."""
+        if not self.fuse_weights:
+            return 0
+        dtype = dtype or self.compute_dtype()
+        body, head = self.model.get_decoder(), self.model.get_output_embeddings()
+        grouped = self.model.config.num_attention_heads != self.model.config.num_key_value_heads
+        total = 0
+        for layer in body.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            total += sum(m.weight.numel() for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj))
+            total += attn.o_proj.weight.numel() if grouped or attn.o_proj.weight.dtype != dtype else 0
+            total += mlp.down_proj.weight.numel() if mlp.down_proj.weight.dtype != dtype else 0
+        total += head.weight.numel() if head.weight.dtype != dtype else 0  # the embedding table is not copied
+        return total * dtype.itemsize
+
+    def check_fits(self, prompt_tokens: int, new_tokens: int, *, reserve_bytes: int = 0,
+                   names: tuple[str, str] = ("prompt length", "max_new_tokens")) -> None:
+        """Raise ValueError (one line, saying what would fit) when not even one row of prompt_tokens + new_tokens
+        fits in the device memory free now, less reserve_bytes (memory taken before the first call, e.g. optimizer
+        state) and the step weights the call will build. Call it under the autocast generate will run under."""
+        dtype, free = self.compute_dtype(), self._memory()
+        if free is None:
+            return
+        memory.check_one_row_fits(free, self.row_cost(prompt_tokens, new_tokens, dtype),
+                                  prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                                  slots=prompt_tokens + new_tokens,
+                                  reserve_bytes=reserve_bytes + self.step_weight_bytes(dtype),
+                                  where=f" on {self.device}", names=names)
+
+    def plan_rows(self, samples: int, prompt_tokens: int, new_tokens: int, dtype: torch.dtype | None = None) -> int:
+        """Rows of a call with `samples` samples: max_batch_size, capped by the samples, by max_batch_tokens and by
+        `opd.rollout.memory.rows_that_fit` on the memory free now. Memory-limited counts of 16 or more are rounded
+        down to a multiple of 8, so that calls whose free memory differs a little run (and compile) the same shape."""
+        rows = min(self.max_batch_size, samples)
+        slots = prompt_tokens + new_tokens
+        if self.max_batch_tokens is not None:
+            rows = min(rows, max(1, self.max_batch_tokens // slots))
+        free = self._memory()
+        cost = self.row_cost(prompt_tokens, new_tokens, dtype)
+        fit = memory.rows_that_fit(free, cost)
+        if fit is not None and fit < rows:
+            if fit < 1:
+                memory.check_one_row_fits(free, cost, prompt_tokens=prompt_tokens, new_tokens=new_tokens, slots=slots,
+                                          where=f" on {self.device}")
+            rows = fit if fit < 16 else fit // 8 * 8
+        return rows
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *,
+                 max_new_tokens_per_sample: Sequence[int] | None = None) -> GenerationOutput:
+        """n samples for each of P prompts, prompt-major (see `GenerationOutput`). max_new_tokens_per_sample: one
+        length limit per sample (prompt-major, each in [1, params.max_new_tokens]); a sample reaching it ends with
+        finish reason "length" (benchmarks use it to force long-tailed lengths identically in every engine)."""
+        caps = check_request(prompt_ids, params, self.eos_token_ids, max_new_tokens_per_sample)
+        responses: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        reasons: list[str] = []
+        if prompt_ids:
+            generator = seeded_generator(params.seed, self.device)
+            with generation_mode(self.model, self.device):
+                run = _Run(self, [list(p) for p in prompt_ids], params, caps, generator)
+                responses, logprobs, reasons = run.run()
+            self.stats = run.stats
+        return GenerationOutput(response_ids=responses, finish_reasons=reasons,
+                                group_ids=[p for p in range(len(prompt_ids)) for _ in range(params.n)],
+                                logprobs=logprobs if params.return_logprobs else None)
 
 
-class _StaticRun:
-    """The state of one chunk: step weights, static cache, device-side step counters and outputs, the decode step and
-    its graphs."""
+class _Run:
+    """The state of one call: step weights, slots (static cache and device-side row state), the samples still
+    pending, the decode step and its graphs."""
 
-    def __init__(self, engine: StaticGenerator, prompts, counts, params: SamplingParams, generator: torch.Generator):
+    def __init__(self, engine: StaticGenerator, prompts: list[list[int]], params: SamplingParams, caps: list[int],
+                 generator: torch.Generator):
         self.engine, self.params, self.generator = engine, params, generator
         model = engine.model
         self.device = device = engine.device
@@ -320,50 +488,49 @@ class _StaticRun:
         kernel_ok = triton_attention.available(device) and triton_attention.supports(_head_dim(model))
         auto = "triton" if kernel_ok and device.type == "cuda" else "sdpa"
         self.attention = auto if engine.attention == "auto" else engine.attention
-        self.attend = _ATTENTION.get(self.attention)
+        self.attend = _ATTENTION.get(self.attention)  # None: the Triton kernel
 
-        # The compute dtype is what the GEMMs run in: autocast's when the caller enabled it, else the parameters'.
         self.autocast = torch.is_autocast_enabled(device.type)
-        self.dtype = dtype = (torch.get_autocast_dtype(device.type) if self.autocast
-                              else body.layers[0].self_attn.q_proj.weight.dtype)
+        self.dtype = dtype = engine.compute_dtype()
         self.fused = engine.fuse_weights
         shadow = dtype if self.fused else None  # None: the module's own tensors
 
-        cache, mask_PL, logits_PV = engine._prefill(prompts, device)
-        source_R = torch.repeat_interleave(torch.arange(len(prompts), device=device),
-                                           torch.as_tensor(counts, device=device))
-        self.rows, self.width, self.steps = source_R.numel(), mask_PL.shape[1], params.max_new_tokens
-        self.capacity = self.width + self.steps  # slots; the last sampled token is never fed back, so one spare
-
-        # Step weights (read now, so a chunk sees the latest optimizer step) and static cache filled from the prefill.
+        # Step weights, read now so that a call sees the latest optimizer step (before sizing: they take memory).
+        # GEMM weights in the compute dtype; the embedding table and the norms keep the parameters' dtype, and so does
+        # the residual stream: float32 under autocast (as autocast computes the teacher-forced forward), the model's
+        # dtype otherwise.
         input_norms = [layer.input_layernorm for layer in body.layers] + [body.norm]  # layer i's next norm: i + 1
-        self.first_norm = (_cast(input_norms[0].weight, shadow), input_norms[0].variance_epsilon)
-        self.embed_VD = _cast(body.embed_tokens.weight, shadow)
-        tied = head.weight is body.embed_tokens.weight
-        self.head_w, self.head_b = (self.embed_VD if tied else _cast(head.weight, shadow)), _cast(head.bias, shadow)
+        self.first_norm = (input_norms[0].weight, input_norms[0].variance_epsilon)
+        self.embed_VD = body.embed_tokens.weight
+        self.head_w, self.head_b = _cast(head.weight, shadow), _cast(head.bias, shadow)
         self.layers: list[_Layer] = []
         for i, layer in enumerate(body.layers):
             attn, mlp, post, following = layer.self_attn, layer.mlp, layer.post_attention_layernorm, input_norms[i + 1]
             qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             w_qkv, b_qkv = _projection_weights((attn.q_proj, attn.k_proj, attn.v_proj), shadow)
             w_gu, b_gu = _projection_weights((mlp.gate_proj, mlp.up_proj), shadow)
-            ins = (w_qkv, b_qkv, None if qn is None else _cast(qn.weight, shadow),
-                   None if kn is None else _cast(kn.weight, shadow), input_norms[i].variance_epsilon)
+            ins = (w_qkv, b_qkv, None if qn is None else qn.weight, None if kn is None else kn.weight,
+                   input_norms[i].variance_epsilon)
             w_o = _cast(attn.o_proj.weight, shadow)
             if shadow is not None:  # input columns in (G, Hkv) head order, see `_decode_step` (a copy when G > 1)
                 w_o = w_o.unflatten(1, (self.kv_heads, self.heads // self.kv_heads, -1)).transpose(1, 2).flatten(1)
-            outs = (w_o, _cast(attn.o_proj.bias, shadow), _cast(post.weight, shadow),
-                    post.variance_epsilon, w_gu, b_gu, _cast(mlp.down_proj.weight, shadow),
-                    _cast(mlp.down_proj.bias, shadow), _cast(following.weight, shadow), following.variance_epsilon)
-            keys_PHWD, values_PHWD = _cached_kv(cache, i)
-            shape = (self.rows, keys_PHWD.shape[1], self.capacity, keys_PHWD.shape[3])
-            keys = torch.zeros(shape, dtype=dtype, device=device)
-            values = torch.zeros(shape, dtype=dtype, device=device)
-            keys[:, :, : self.width] = keys_PHWD[source_R]
-            values[:, :, : self.width] = values_PHWD[source_R]
-            self.layers.append(_Layer(ins, outs, keys, values))
+            outs = (w_o, _cast(attn.o_proj.bias, shadow), post.weight, post.variance_epsilon, w_gu, b_gu,
+                    _cast(mlp.down_proj.weight, shadow), _cast(mlp.down_proj.bias, shadow), following.weight,
+                    following.variance_epsilon)
+            self.layers.append(_Layer(ins, outs))
             self.scaling = attn.scaling
-        del cache
+
+        # The samples and the slots: each slot holds one sample's prompt at [0, L) and its tokens after it.
+        self.prompts, self.caps = prompts, caps
+        self.sample_prompt = [p for p in range(len(prompts)) for _ in range(params.n)]
+        self.width, self.steps = max(len(p) for p in prompts), max(caps)
+        self.capacity = self.width + self.steps  # slots; the last sampled token is never fed back, so one spare
+        self.rows = rows = engine.plan_rows(len(caps), self.width, self.steps, dtype)
+        head_dim = _head_dim(model)
+        for layer in self.layers:
+            # zeros, not empty: the SDPA path reads whole buckets (masked slots must hold finite values)
+            layer.keys = torch.zeros(rows, self.kv_heads, self.capacity, head_dim, dtype=dtype, device=device)
+            layer.values = torch.zeros_like(layer.keys)
 
         # RoPE table over every slot position, computed by the model's own rotary module (float32, cast per step).
         positions_1S = torch.arange(self.capacity, device=device)[None]
@@ -371,70 +538,188 @@ class _StaticRun:
         cos_1SD, sin_1SD = body.rotary_emb(probe, positions_1S)
         self.cos_SD, self.sin_SD = cos_1SD[0].float(), sin_1SD[0].float()
 
-        # Device-side state, all static buffers the graphs read and write.
-        prompt_mask_RW = mask_PL[source_R].bool()
-        slots_S = torch.arange(self.capacity, device=device)
-        self.prompt_valid_RS = torch.zeros(self.rows, self.capacity, dtype=torch.bool, device=device)
-        self.prompt_valid_RS[:, : self.width] = prompt_mask_RW
-        self.decode_region_S = slots_S >= self.width
-        self.slots_S = slots_S
-        self.position_R = prompt_mask_RW.sum(-1)  # the next fed token's position
-        self.start_R = self.width - self.position_R  # first real prompt slot (prompts are left-padded)
-        self.slot_1 = torch.full((1,), self.width, dtype=torch.long, device=device)  # where the next fed token goes
-        self.col_1 = torch.ones(1, dtype=torch.long, device=device)  # output column the next step writes
-        self.tokens_R = torch.zeros(self.rows, dtype=torch.long, device=device)
-        self.finished_R = torch.zeros(self.rows, dtype=torch.bool, device=device)
-        self.lengths_R = torch.zeros(self.rows, dtype=torch.long, device=device)
-        self.out_ids_RT = torch.full((self.rows, self.steps), engine.pad_token_id, dtype=torch.long, device=device)
-        self.out_lps_RT = torch.zeros((self.rows, self.steps), dtype=torch.float32, device=device)
-        self.eos_E = torch.as_tensor(engine.eos_token_ids or [-1], dtype=torch.long, device=device)
-        self.vocab = min(engine.vocab_size or logits_PV.shape[-1], logits_PV.shape[-1])  # sampled ids are < vocab
-        self.noise_RN = None if params.temperature == 0 else torch.zeros(self.rows, self.vocab, device=device)
-        self.logits_RV = logits_PV[source_R]
+        # Device-side row state: static buffers the graphs read and write, refilled in place between replays.
+        long = dict(dtype=torch.long, device=device)
+        self.rows_R = torch.arange(rows, device=device)
+        self.zeros_R = torch.zeros(rows, **long)  # every row's first slot (prompts start at slot 0)
+        self.slots_S = torch.arange(self.capacity, device=device)
+        self.position_R = torch.zeros(rows, **long)  # slot = RoPE position of the next fed token
+        self.tokens_R = torch.zeros(rows, **long)  # the next fed token
+        self.lengths_R = torch.zeros(rows, **long)  # tokens sampled so far = the output column the next one takes
+        self.limit_R = torch.ones(rows, **long)  # the row's length limit
+        self.alive_R = torch.zeros(rows, dtype=torch.bool, device=device)  # holds a sample still decoding
+        self.stopped_R = torch.zeros(rows, dtype=torch.bool, device=device)  # its sample ended on an EOS
+        # one spare column: rows that are not alive write their (discarded) token there
+        self.out_ids_RT = torch.full((rows, self.steps + 1), engine.pad_token_id, **long)
+        self.out_lps_RT = torch.zeros((rows, self.steps + 1), dtype=torch.float32, device=device)
+        self.eos_E = torch.as_tensor(engine.eos_token_ids or [-1], **long)
+        vocab_rows = head.weight.shape[0]
+        self.vocab = min(engine.vocab_size or vocab_rows, vocab_rows)  # sampled ids are < vocab
+        self.noise_RN = None if params.temperature == 0 else torch.zeros(rows, self.vocab, device=device)
+
+        # Host-side bookkeeping (no sync needed to read it).
+        self.slot_sample: list[int | None] = [None] * rows  # sample index held by each slot
+        self.slot_position = [0] * rows  # bound on the slot's next fed position
+        self.slot_last = [0] * rows  # the last position its sample can feed
+        self.pending = 0  # next sample index to place
+        self.results: list[tuple[list[int], list[float], str] | None] = [None] * len(caps)
+        self.counters = {"decode_steps": 0, "refills": 0, "prefills": 0, "graphs": 0, "decoded_tokens": 0}
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        steps = self.counters["decode_steps"]
+        occupancy = self.counters["decoded_tokens"] / (steps * self.rows) if steps else None
+        return {"rows": self.rows, "slots_per_row": self.capacity, "attention": self.attention, **self.counters,
+                "occupancy": occupancy,
+                "kv_cache_bytes": sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)}
+
+    # ------------------------------------------------------------------ filling slots
+
+    def _prefill_autocast(self) -> contextlib.AbstractContextManager:
+        """The caller's autocast for the Hugging Face prefill, with its weight cache off: cached casts would keep a
+        second copy of every float32 weight for the rest of the call."""
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype, cache_enabled=False)
+
+    def _admit(self, free: list[int]) -> None:
+        """Place pending samples into the free slots (ascending), prefill their prompts (once per prompt and
+        refill), sample their first tokens; samples that end at once are harvested and their slots reused."""
+        free = sorted(free)
+        while free and self.pending < len(self.caps):
+            take = min(len(free), len(self.caps) - self.pending)
+            samples = list(range(self.pending, self.pending + take))
+            slots, free = free[:take], free[take:]
+            if self.counters["prefills"]:
+                self.counters["refills"] += take
+            self.pending += take
+            # distinct prompts in order (samples are prompt-major), cut into forwards of ≤ prefill_tokens padded tokens
+            groups: list[list[int]] = []
+            for p in dict.fromkeys(self.sample_prompt[s] for s in samples):
+                group = groups[-1] if groups else None
+                width = max([len(self.prompts[q]) for q in group or []] + [len(self.prompts[p])])
+                if group is None or (len(group) + 1) * width > self.engine.prefill_tokens:
+                    groups.append([p])
+                else:
+                    group.append(p)
+            placed = dict(zip(samples, slots))
+            for group in groups:
+                members = [s for s in samples if self.sample_prompt[s] in set(group)]
+                self._place(group, members, [placed[s] for s in members])
+            ended = [slot for slot, alive in zip(slots, self.alive_R[torch.as_tensor(slots)].tolist()) if not alive]
+            if ended:  # host sync above; samples that ended on their first token free their slot again
+                self._harvest(ended)
+                free = sorted(free + ended)
+
+    def _place(self, group: list[int], samples: list[int], slots: list[int]) -> None:
+        """One prefill of the prompts in `group`; copy each sample's prompt keys/values to slots [0, L) of its slot
+        and sample its first token from the prefill logits."""
+        device, engine, params = self.device, self.engine, self.params
+        with self._prefill_autocast():
+            cache, mask_PL, logits_PV = engine.hf.prefill([self.prompts[p] for p in group], device)
+        self.counters["prefills"] += 1
+        width = mask_PL.shape[1]
+        index = {p: i for i, p in enumerate(group)}
+        source_g = torch.as_tensor([index[self.sample_prompt[s]] for s in samples], device=device)
+        lengths = [len(self.prompts[self.sample_prompt[s]]) for s in samples]
+        lengths_g = torch.as_tensor(lengths, device=device)
+        slots_g = torch.as_tensor(slots, device=device)
+        # Prompts are left-padded in the prefill: slot j of a sample takes position j + (W - L) of its prompt's row;
+        # slots ≥ L take a clamped copy, overwritten by decode tokens before any step reads them.
+        from_gW = (torch.arange(width, device=device)[None] + (width - lengths_g)[:, None]).clamp(max=width - 1)
+        for i, layer in enumerate(self.layers):
+            keys_PKWD, values_PKWD = cached_kv(cache, i)
+            layer.keys[slots_g, :, :width] = keys_PKWD[source_g[:, None], :, from_gW].transpose(1, 2).to(self.dtype)
+            layer.values[slots_g, :, :width] = values_PKWD[source_g[:, None], :, from_gW].transpose(1, 2).to(
+                self.dtype)
+        del cache
+        caps_g = torch.as_tensor([self.caps[s] for s in samples], device=device)
+        for lo in range(0, len(samples), _FIRST_TOKEN_ROWS):
+            part = slice(lo, lo + _FIRST_TOKEN_ROWS)
+            logits_gV = logits_PV[source_g[part]]
+            noise_gN = None
+            if params.temperature != 0:
+                noise_gN = torch.empty(logits_gV.shape[0], self.vocab, device=device).uniform_(generator=self.generator)
+            tokens_g, logprobs_g = _sample(logits_gV, noise_gN, params.temperature, self.vocab, params.top_k,
+                                           params.top_p)
+            rows_g = slots_g[part]
+            stopped_g = ((tokens_g[:, None] == self.eos_E[None]).any(-1) if params.stop_at_eos
+                         else torch.zeros_like(tokens_g, dtype=torch.bool))
+            self.tokens_R[rows_g] = tokens_g
+            self.position_R[rows_g] = lengths_g[part]
+            self.lengths_R[rows_g] = 1
+            self.limit_R[rows_g] = caps_g[part]
+            self.out_ids_RT[rows_g, 0] = tokens_g
+            self.out_lps_RT[rows_g, 0] = logprobs_g
+            self.stopped_R[rows_g] = stopped_g
+            self.alive_R[rows_g] = ~stopped_g & (caps_g[part] > 1)
+        for sample, slot, length in zip(samples, slots, lengths):
+            self.slot_sample[slot] = sample
+            self.slot_position[slot] = length
+            self.slot_last[slot] = length + max(self.caps[sample] - 2, 0)
+
+    def _harvest(self, slots: list[int]) -> None:
+        """Copy the finished samples of these slots to the results (one device-to-host copy) and free the slots."""
+        index = torch.as_tensor(slots, device=self.device)
+        lengths, stopped = self.lengths_R[index].tolist(), self.stopped_R[index].tolist()
+        longest = max(lengths)
+        ids_rows = self.out_ids_RT[index, :longest].tolist()
+        lps_rows = (self.out_lps_RT[index, :longest].tolist() if self.params.return_logprobs
+                    else [[] for _ in slots])
+        for slot, n, done, ids, lps in zip(slots, lengths, stopped, ids_rows, lps_rows):
+            self.results[self.slot_sample[slot]] = (ids[:n], lps[:n], "stop" if done else "length")
+            self.slot_sample[slot] = None
+            self.slot_position[slot] = self.slot_last[slot] = 0
+        # An empty slot keeps computing (static shapes) until it is refilled: at position 0 its attention reads one
+        # slot instead of its last sample's whole sequence (the tail of a long-tailed call runs mostly empty slots).
+        self.position_R[index] = 0
 
     # ------------------------------------------------------------------ one step
 
-    def _sample_and_record(self, logits_RV: torch.Tensor, col_1: torch.Tensor, sample: Callable) -> None:
-        """Sample one token per row and write it (and its log-prob) into column col_1; no host sync."""
-        params, engine = self.params, self.engine
-        tokens_R, logprobs_R = sample(logits_RV, self.noise_RN, params.temperature, self.vocab, params.top_k,
-                                      params.top_p)
-        alive_R = ~self.finished_R
-        self.out_ids_RT.index_copy_(1, col_1, torch.where(alive_R, tokens_R, engine.pad_token_id)[:, None])
-        self.out_lps_RT.index_copy_(1, col_1, torch.where(alive_R, logprobs_R, 0.0)[:, None])
+    def _record(self, tokens_R: torch.Tensor, logprobs_R: torch.Tensor) -> None:
+        """Write each alive row's sampled token and log-prob at its own column, then advance lengths, finished rows
+        and positions; no host sync. Rows not alive write into the spare column and do not move."""
+        alive_R = self.alive_R
+        column_R = torch.where(alive_R, self.lengths_R, self.steps)[:, None]
+        self.out_ids_RT.scatter_(1, column_R, tokens_R[:, None])
+        self.out_lps_RT.scatter_(1, column_R, logprobs_R[:, None])
         self.lengths_R.add_(alive_R.long())
-        if params.stop_at_eos:
-            self.finished_R.logical_or_(alive_R & (tokens_R[:, None] == self.eos_E[None]).any(-1))
+        if self.params.stop_at_eos:
+            self.stopped_R.logical_or_(alive_R & (tokens_R[:, None] == self.eos_E[None]).any(-1))
+        self.alive_R.logical_and_(~self.stopped_R & (self.lengths_R < self.limit_R))
+        self.position_R.add_(self.alive_R.long())
         self.tokens_R.copy_(tokens_R)
 
     def _decode_step(self, span: int, fns: tuple[Callable, Callable, Callable]) -> None:
-        """Feed tokens_R at slot slot_1, attending over the first `span` slots; sample into column col_1; advance."""
+        """Feed tokens_R at each row's position_R, attending over the first `span` slots; sample; record."""
         attn_in, attn_out, sample = fns
+        params = self.params
         rows, heads, kv_heads = self.rows, self.heads, self.kv_heads
         x_RD = F.embedding(self.tokens_R, self.embed_VD)
         h_RD = _rms(x_RD, *self.first_norm)
         cos_R1D = self.cos_SD[self.position_R][:, None].to(x_RD.dtype)
         sin_R1D = self.sin_SD[self.position_R][:, None].to(x_RD.dtype)
-        triton_kernel = self.attend is None  # reads slots [start_R, slot_1] itself: no mask
+        triton_kernel = self.attend is None  # reads slots [0, position_R] itself: no mask
         if not triton_kernel:
             # One mask for every layer; SDPA's memory-efficient kernel wants it in q's dtype with every dimension
             # (expand is a view).
-            valid_RS = self.prompt_valid_RS[:, :span] | (self.decode_region_S[:span]
-                                                         & (self.slots_S[:span] <= self.slot_1))
+            valid_RS = self.slots_S[None, :span] <= self.position_R[:, None]
             bias_RKGS = torch.zeros(valid_RS.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~valid_RS, float("-inf"))[:, None, None].expand(rows, kv_heads, heads // kv_heads, span)
         for layer in self.layers:
             q_RHD, k_RKD, v_RKD = attn_in(h_RD, *layer.attn_in, cos_R1D, sin_R1D, heads, kv_heads,
                                           layer.keys.shape[-1])
             # Grouped-query attention without repeating the cache: query head h uses kv head h // (heads / kv_heads).
-            # (The cast is a no-op on fused weights; under autocast q/k-norm and RoPE return float32.)
+            # Under autocast q/k-norm and RoPE return float32 (float32 norm weights): attention runs in the compute
+            # dtype, as autocast runs SDPA, the new token's k/v rounded like the cached ones.
             q_RKGD = q_RHD.to(self.dtype).reshape(rows, kv_heads, heads // kv_heads, -1)
-            if triton_kernel:  # the kernel also writes k and v into the cache at slot_1
-                attn_RKGD = triton_attention.decode_attention(q_RKGD, layer.keys, layer.values, self.start_R,
-                                                              self.slot_1, self.scaling, k_RKD, v_RKD)
+            k_RKD, v_RKD = k_RKD.to(self.dtype), v_RKD.to(self.dtype)
+            if triton_kernel:  # the kernel also writes k and v into the cache at position_R
+                attn_RKGD = triton_attention.decode_attention(q_RKGD, layer.keys, layer.values, self.zeros_R,
+                                                              self.position_R, self.scaling, k_RKD, v_RKD)
             else:
-                layer.keys.index_copy_(2, self.slot_1, k_RKD[:, :, None].to(layer.keys.dtype))
-                layer.values.index_copy_(2, self.slot_1, v_RKD[:, :, None].to(layer.values.dtype))
+                layer.keys[self.rows_R, :, self.position_R] = k_RKD
+                layer.values[self.rows_R, :, self.position_R] = v_RKD
                 attn_RKGD = self.attend(q_RKGD, layer.keys[:, :, :span], layer.values[:, :, :span], bias_RKGS,
                                         self.scaling)
             # SDPA's memory-efficient kernel (and the Triton kernel) writes [R, G, Hkv, Dh] and returns a transposed
@@ -445,100 +730,88 @@ class _StaticRun:
             else:
                 attn_RE = attn_RKGD.reshape(rows, -1)
             x_RD, h_RD = attn_out(x_RD, attn_RE, *layer.attn_out)
-        logits_RV = F.linear(h_RD, self.head_w, self.head_b)
-        self._sample_and_record(logits_RV, self.col_1, sample)
-        self.position_R.add_(1)
-        self.slot_1.add_(1)
-        self.col_1.add_(1)
+        logits_RV = F.linear(h_RD.to(self.head_w.dtype), self.head_w, self.head_b)
+        self._record(*sample(logits_RV, self.noise_RN, params.temperature, self.vocab, params.top_k, params.top_p))
 
     # ------------------------------------------------------------------ the loop
 
-    def _span(self, t: int) -> int:
-        """Slots step t (feeding the token of column t - 1) attends over, rounded up to the bucket (the whole cache for
-        the Triton kernel, which reads the step's length on the device: one graph for the chunk)."""
+    def _span(self) -> int:
+        """Slots the next `sync_interval` steps attend over: every occupied row's last position in the interval + 1,
+        rounded up to kv_bucket (the whole cache for the Triton kernel, which reads each row's length on the device:
+        one graph for the call)."""
         if self.attend is None:
             return self.capacity
-        needed = self.width + t
+        interval = self.engine.sync_interval
+        needed = 1 + max(min(self.slot_position[r] + interval - 1, self.slot_last[r])
+                         for r in range(self.rows) if self.slot_sample[r] is not None)
         bucket = self.engine.kv_bucket
         return min(self.capacity, -(-needed // bucket) * bucket)
 
-    def _capture(self, spans: list[int], fns) -> dict[int, Any]:
-        """One CUDA graph of the decode step per span. Warm-up runs change the state, so it is saved and restored."""
-        state = [self.position_R, self.slot_1, self.col_1, self.tokens_R, self.finished_R, self.lengths_R]
+    def _capture(self, span: int, fns, pool) -> Any:
+        """A CUDA graph of the decode step over `span` slots. Warm-up runs change the row state, so it is saved and
+        restored (their cache and output writes land where the replayed step writes again)."""
+        state = [self.position_R, self.tokens_R, self.lengths_R, self.alive_R, self.stopped_R]
         saved = [s.clone() for s in state]
-        graphs, pool = {}, torch.cuda.graph_pool_handle()
         try:
-            for span in spans:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):  # compiled functions compile on their first call, outside the capture
-                        self._decode_step(span, fns)
-                        for s, v in zip(state, saved):
-                            s.copy_(v)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compiled functions compile on their first call, outside the capture
                     self._decode_step(span, fns)
-                graphs[span] = graph
+                    for s, v in zip(state, saved):
+                        s.copy_(v)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._decode_step(span, fns)
         finally:
             for s, v in zip(state, saved):
                 s.copy_(v)
-        return graphs
+        self.counters["graphs"] += 1
+        return graph
 
     def run(self) -> tuple[list[list[int]], list[list[float]], list[str]]:
         engine = self.engine
         on_cuda = self.device.type == "cuda"
         fns = engine._step_fns(on_cuda)
-        use_graphs = on_cuda and engine.cuda_graphs is not False and self.steps > 1
+        use_graphs = on_cuda and engine.cuda_graphs is not False
         # Fused weights are already in the compute dtype: decode without autocast. Otherwise under the caller's
         # autocast, with its weight cache off while capturing (cached casts would be freed after the capture); warm-up
         # runs and captures share this state so that compiled functions are not recompiled during a capture.
-        amp = torch.autocast(self.device.type, dtype=torch.get_autocast_dtype(self.device.type),
-                             enabled=self.autocast and not self.fused, cache_enabled=not use_graphs)
-        with amp:
-            return self._decode_all(fns, use_graphs)
-
-    def _decode_all(self, fns, use_graphs: bool) -> tuple[list[list[int]], list[list[float]], list[str]]:
-        """Token 0 from the prefill logits, then one decode step (or graph replay) per token; the chunk's results."""
-        params, engine = self.params, self.engine
-        if self.noise_RN is not None:
-            self.noise_RN.uniform_(generator=self.generator)
-        self._sample_and_record(self.logits_RV, torch.zeros(1, dtype=torch.long, device=self.device), fns[2])
-        del self.logits_RV
-        spans = sorted({self._span(t) for t in range(1, self.steps)})
-        graphs = {}
-        if use_graphs:
-            try:
-                graphs = self._capture(spans, fns)
-            except Exception as error:  # compile=None: a failing torch.compile falls back to the plain step
-                if engine.compile is not None or fns[0] is _attn_in:
-                    raise
-                warnings.warn(f"StaticGenerator: torch.compile of the decode step failed ({type(error).__name__}: "
-                              f"{error}); decoding without it", RuntimeWarning, stacklevel=3)
-                engine._compiled = fns = (_attn_in, _attn_out, _sample)
-                graphs = self._capture(spans, fns)
-        for t in range(1, self.steps):
-            if params.stop_at_eos and t % engine.sync_interval == 0 and bool(self.finished_R.all()):  # host sync
-                break
-            if self.noise_RN is not None:
-                self.noise_RN.uniform_(generator=self.generator)
-            span = self._span(t)
-            if use_graphs:
-                graphs[span].replay()
-            else:
-                self._decode_step(span, fns)
-        lengths, finished = self.lengths_R.tolist(), self.finished_R.tolist()
-        ids_rows = self.out_ids_RT.tolist()
-        lps_rows = self.out_lps_RT.tolist() if params.return_logprobs else [[] for _ in range(self.rows)]
-        responses = [row[:n] for row, n in zip(ids_rows, lengths)]
-        logprobs = [row[:n] for row, n in zip(lps_rows, lengths)]
-        reasons = ["stop" if done else "length" for done in finished]
+        amp = dict(device_type=self.device.type, dtype=torch.get_autocast_dtype(self.device.type),
+                   enabled=self.autocast and not self.fused, cache_enabled=not use_graphs)
+        graphs: dict[int, Any] = {}
+        pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self._admit(list(range(self.rows)))
+        while any(s is not None for s in self.slot_sample):
+            span = self._span()
+            with torch.autocast(**amp):
+                if use_graphs and span not in graphs:
+                    try:
+                        graphs[span] = self._capture(span, fns, pool)
+                    except Exception as error:  # compile=None: a failing torch.compile falls back to the plain step
+                        if engine.compile is not None or fns[0] is _attn_in:
+                            raise
+                        warnings.warn(f"StaticGenerator: torch.compile of the decode step failed "
+                                      f"({type(error).__name__}: {error}); decoding without it", RuntimeWarning,
+                                      stacklevel=3)
+                        engine._compiled = fns = (_attn_in, _attn_out, _sample)
+                        graphs = {span: self._capture(span, fns, pool)}
+                for _ in range(engine.sync_interval):
+                    if self.noise_RN is not None:
+                        self.noise_RN.uniform_(generator=self.generator)
+                    if use_graphs:
+                        graphs[span].replay()
+                    else:
+                        self._decode_step(span, fns)
+            self.counters["decode_steps"] += engine.sync_interval
+            alive = self.alive_R.tolist()  # host sync: which rows finished
+            ended = [r for r in range(self.rows) if self.slot_sample[r] is not None and not alive[r]]
+            for r in range(self.rows):
+                self.slot_position[r] = min(self.slot_position[r] + engine.sync_interval, self.slot_last[r])
+            if ended:
+                self._harvest(ended)
+                self._admit(ended)
+        self.counters["decoded_tokens"] = sum(len(ids) - 1 for ids, _, _ in self.results)
+        responses, logprobs, reasons = (list(column) for column in zip(*self.results))
         return responses, logprobs, reasons
-
-
-def _cached_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [P, Hkv, W, Dh] of one layer of a transformers `DynamicCache` (5.x layers or 4.x lists)."""
-    if hasattr(cache, "layers"):
-        return cache.layers[layer].keys, cache.layers[layer].values
-    return cache.key_cache[layer], cache.value_cache[layer]

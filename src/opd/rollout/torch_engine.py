@@ -4,117 +4,48 @@ Our own decode loop rather than `model.generate()`, so that sampling is ours: an
 temperature / top-k / top-p, greedy at temperature 0, and the log-prob of every sampled token.
 
 How a call runs:
-1. Work is cut into chunks of ≤ `max_batch_size` sequences (and ≤ `max_batch_tokens` KV-cache tokens), in prompt-major
+1. Work is cut into chunks of ≤ `max_batch_size` sequences (and ≤ `max_batch_tokens` KV-cache tokens; on CUDA with
+   max_batch_tokens None, ≤ the rows that fit in the memory free at the call, `opd.rollout.memory`), in prompt-major
    order; a prompt's n samples are split across chunks only when n alone exceeds a chunk.
 2. Each chunk prefills every distinct prompt once (left-padded, with `attention_mask` and `position_ids` so a prompt's
    result does not depend on its neighbours), then expands the KV cache to one row per sample (`reorder_cache`).
 3. Decode one token per step for all rows. A row that samples an EOS id is finished (EOS kept in its response); its
-   later tokens are discarded. Every `sync_interval` steps the host looks at which rows finished (a CPU-GPU sync
-   point): it stops when all have, and drops finished rows from the batch once they are ≥ `compact_fraction` of it
-   (copying the cache costs about one decode step, so it is amortised rather than done on every finish).
+   later tokens are discarded. So is a row that reaches its own length limit (`max_new_tokens_per_sample`, for
+   benchmarks that force long-tailed lengths). Every `sync_interval` steps the host looks at which rows finished (a
+   CPU-GPU sync point): it stops when all have, and drops finished rows from the batch once they are ≥
+   `compact_fraction` of it (copying the cache costs about one decode step, so it is amortised rather than done on
+   every finish).
 
 Determinism: a fresh `torch.Generator` seeded with `params.seed` per `generate` call, so the same seed, inputs and
-batch configuration give the same outputs. Results may change with `max_batch_size` / `max_batch_tokens` (the random
-draws are shared by the rows of a chunk, and floating-point results depend on batch shapes).
+batch configuration give the same outputs. Results may change with the chunk sizes (the random draws are shared by
+the rows of a chunk, and floating-point results depend on batch shapes); with memory-sized chunks, pin them with
+`max_batch_tokens` where that matters.
 
-On CUDA, attention runs with cuDNN's SDPA kernel excluded (see `_attention_backends`). Measured on one H200 (random
-Qwen3-0.6B-shaped model, bf16, 64 prompts × 256 new tokens): 1.9k tok/s at n = 1 and 6.5k tok/s at n = 4, against
-0.9k / 2.9k for `model.generate` in the same process. Decoding is CPU-bound (Python and kernel launches) at that size.
+On CUDA, attention runs with cuDNN's SDPA kernel excluded (`hf_model.attention_backends`). Measured on one H200
+(random Qwen3-0.6B-shaped model, bf16, 64 prompts × 256 new tokens): 1.9k tok/s at n = 1 and 6.5k tok/s at n = 4,
+against 0.9k / 2.9k for `model.generate` in the same process. Decoding is CPU-bound (Python and kernel launches) at
+that size.
 
-Omitted, on purpose: a static KV cache and CUDA graphs (a separate engine later: it can reuse `sample_next` and
-override `_new_cache` / `_prefill` / `_decode`), chunked prefill, sorting prompts by length, prefix sharing across
-prompts, speculative decoding, stop strings (the caller decodes text; engines know token ids only).
+Omitted, on purpose: a static KV cache, CUDA graphs and refilling finished rows (`StaticGenerator`), chunked
+prefill, sorting prompts by length, prefix sharing across prompts, speculative decoding, stop strings (the caller
+decodes text; engines know token ids only).
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
+from opd.rollout import memory
 from opd.rollout.base import GenerationOutput, SamplingParams
+from opd.rollout.hf_model import (
+    HFModel, check_arguments, check_request, generation_mode, seeded_generator, special_ids,
+)
+from opd.rollout.sampling import sample_next
 
-
-def _attention_backends(device: torch.device) -> contextlib.AbstractContextManager:
-    """SDPA without cuDNN attention on CUDA: cuDNN builds a new execution plan for every new key length, i.e. at
-    every decode step (~1.6 ms of CPU per layer and step measured on an H200, torch 2.11: 2.5x slower decoding).
-    Flash / memory-efficient / math kernels have no such cost. Elsewhere (and for non-SDPA attention) a no-op."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
-def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Top-k then top-p (nucleus) filtering: excluded entries become -inf. [B, V] float → [B, V] float.
-
-    top-k keeps every entry ≥ the k-th largest (ties at the threshold are all kept); top-p keeps the smallest set of
-    most likely tokens whose probability reaches `top_p` (always at least the most likely token). 0 / 1.0 disable them.
-    """
-    if top_k > 0 and top_k < logits_BV.shape[-1]:
-        kth_B1 = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
-        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
-    if top_p < 1.0:
-        sorted_BV, order_BV = torch.sort(logits_BV, dim=-1, descending=True)
-        probs_BV = sorted_BV.softmax(dim=-1)
-        mass_before_BV = probs_BV.cumsum(dim=-1) - probs_BV  # mass of the strictly more likely tokens
-        drop_BV = mass_before_BV >= top_p
-        drop_BV[:, 0] = False
-        drop_unsorted_BV = torch.empty_like(drop_BV).scatter_(-1, order_BV, drop_BV)  # back to vocabulary order
-        logits_BV = logits_BV.masked_fill(drop_unsorted_BV, float("-inf"))
-    return logits_BV
-
-
-def sample_next(
-    logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from next-token logits. Returns (tokens [B] long, logprobs [B] float32).
-
-    logprobs: `log_softmax(logits / temperature)` over the full vocabulary at the sampled token — *before* top-k/top-p
-    filtering, i.e. SPEC §1's s(y_t), which the trainer recomputes; at temperature 0 (greedy; top-k/top-p ignored) the
-    unscaled `log_softmax(logits)`.
-    """
-    logits_BV = logits_BV.float()
-    if params.temperature == 0:
-        tokens_B = logits_BV.argmax(dim=-1)
-        scaled_BV = logits_BV
-    else:
-        scaled_BV = logits_BV / params.temperature
-        probs_BV = filter_logits(scaled_BV, params.top_k, params.top_p).softmax(dim=-1)
-        tokens_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
-    logprobs_B = scaled_BV.log_softmax(dim=-1).gather(-1, tokens_B[:, None]).squeeze(-1)
-    return tokens_B, logprobs_B
-
-
-def _forward_parameters(model: torch.nn.Module) -> set[str]:
-    """Named arguments of the model's forward, looking through wrappers (peft, DDP) whose forward is mostly
-    `**kwargs` passed on to the wrapped model."""
-    inner = model
-    for _ in range(4):
-        names = {n for n, p in inspect.signature(inner.forward).parameters.items() if p.kind is not p.VAR_KEYWORD}
-        if {"cache", "past_key_values"} & names:
-            return names
-        if callable(getattr(inner, "get_base_model", None)):
-            inner = inner.get_base_model()
-        elif isinstance(getattr(inner, "module", None), torch.nn.Module):
-            inner = inner.module
-        else:
-            break
-    return names
-
-
-def _cache_kwarg(parameters: set[str]) -> str:
-    """transformers ≥ 5 names the KV-cache argument `cache`; 4.x names it `past_key_values`."""
-    if "cache" in parameters:
-        return "cache"
-    if "past_key_values" in parameters:
-        return "past_key_values"
-    import transformers  # no way to tell from the signature: go by the library version
-
-    return "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
+# [R, V] float32 buffers alive at once while sampling (logits upcast, scaled, probabilities, log-softmax, filtered)
+_SAMPLING_FLOATS = 6
 
 
 class TorchGenerator:
@@ -128,11 +59,14 @@ class TorchGenerator:
     vocab_size:       ids ≥ vocab_size are never sampled (embedding padding rows, `VocabInfo.tokenizer_size`);
                       None → the whole output layer
     max_batch_size:   most sequences decoded together, ≥ 1
-    max_batch_tokens: most KV-cache tokens per chunk, counted as rows × (longest prompt + max_new_tokens); None → no
-                      limit. A single sequence longer than it still runs, alone.
+    max_batch_tokens: most KV-cache tokens per chunk, counted as rows × (longest prompt + max_new_tokens); None → as
+                      many rows as fit in the device memory free at the call (CUDA; no limit on CPU). A single
+                      sequence longer than it still runs, alone.
     sync_interval:    decode steps between host checks of finished rows, ≥ 1 (each check is a CPU-GPU sync; up to
                       sync_interval - 1 steps are wasted after the last row finishes)
     compact_fraction: drop finished rows from the batch once they are at least this fraction of it, in (0, 1]
+    free_memory:      function of a device → its (free, total) bytes, or None for no limit; default
+                      `opd.rollout.memory.device_memory` (the CUDA figures; None on CPU); the tests pass a fixed one
     """
 
     def __init__(
@@ -146,73 +80,93 @@ class TorchGenerator:
         max_batch_tokens: int | None = None,
         sync_interval: int = 8,
         compact_fraction: float = 0.25,
+        free_memory: memory.MemoryFn | None = None,
     ) -> None:
-        checks = [
+        check_arguments("TorchGenerator", [
             ("max_batch_size", max_batch_size >= 1, "an integer ≥ 1", max_batch_size),
             ("max_batch_tokens", max_batch_tokens is None or max_batch_tokens >= 1, "None or ≥ 1", max_batch_tokens),
             ("sync_interval", sync_interval >= 1, "an integer ≥ 1", sync_interval),
             ("compact_fraction", 0 < compact_fraction <= 1, "in (0, 1]", compact_fraction),
             ("vocab_size", vocab_size is None or vocab_size >= 1, "None or ≥ 1", vocab_size),
-        ]
-        for name, ok, legal, value in checks:
-            if not ok:
-                raise ValueError(f"TorchGenerator {name} must be {legal}, got {value!r}")
+        ])
         self.model = model
-        if eos_token_ids is None:
-            from opd.models import eos_token_ids as model_eos_ids
-
-            eos_token_ids = model_eos_ids(model)
-        self.eos_token_ids = [int(i) for i in eos_token_ids]
-        config_pad = getattr(getattr(model, "config", None), "pad_token_id", None)
-        if pad_token_id is None:
-            pad_token_id = config_pad if config_pad is not None else (self.eos_token_ids or [0])[0]
-        self.pad_token_id = int(pad_token_id)
+        self.eos_token_ids, self.pad_token_id = special_ids(model, eos_token_ids, pad_token_id)
         self.vocab_size = vocab_size
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.sync_interval = sync_interval
         self.compact_fraction = compact_fraction
-        parameters = _forward_parameters(model)
-        self._cache_kwarg = _cache_kwarg(parameters)
-        # Prefill computes logits for the last position only when the model supports it (saves [P, L, V]).
-        self._has_logits_to_keep = "logits_to_keep" in parameters
+        self.free_memory = free_memory
+        self.hf = HFModel(model, pad_token_id=self.pad_token_id, vocab_size=vocab_size)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def _memory(self) -> tuple[int, int] | None:
+        """(free, total) bytes of the model's device now, or None (no limit)."""
+        return (self.free_memory or memory.device_memory)(self.device)
+
     def sync_weights(self) -> None:
         """Nothing to do: the engine runs the trainer's own module."""
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
-        """n samples for each of P prompts, prompt-major (see `GenerationOutput`)."""
-        for i, prompt in enumerate(prompt_ids):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        if params.stop_at_eos and not self.eos_token_ids:
-            raise ValueError("stop_at_eos=True but no EOS id is known; pass eos_token_ids to TorchGenerator")
-        generator = torch.Generator(device=self.device)
-        if params.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(params.seed)
+    # ------------------------------------------------------------------ memory
 
+    def row_cost(self, prompt_tokens: int, new_tokens: int) -> memory.RowCost:
+        """Bytes per decoding row of a chunk whose longest prompt has prompt_tokens tokens: its `DynamicCache` (plus
+        one layer's copy, which `torch.cat` makes at each step), the sampling buffers over the vocabulary, and its
+        share of the prefill (counted per row, though n samples share one prompt)."""
+        config, device = self.model.config, self.device
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else next(
+            self.model.parameters()).dtype
+        kv = memory.kv_bytes_per_token(config, dtype)
+        vocab_rows = self.model.get_output_embeddings().weight.shape[0]
+        slots = prompt_tokens + new_tokens
+        return memory.RowCost(
+            per_row={"KV cache": kv * slots + kv * slots // config.num_hidden_layers,
+                     "sampling buffers": _SAMPLING_FLOATS * 4 * vocab_rows,
+                     "prefill": (memory.prefill_bytes_per_token(config, dtype) - kv) * prompt_tokens},
+            per_slot=kv + kv // config.num_hidden_layers)
+
+    def check_fits(self, prompt_tokens: int, new_tokens: int, *, reserve_bytes: int = 0,
+                   names: tuple[str, str] = ("prompt length", "max_new_tokens")) -> None:
+        """Raise ValueError (one line, saying what would fit) when not even one sequence of prompt_tokens +
+        new_tokens fits in the device memory free now less reserve_bytes. Call it under the autocast that generate
+        will run under (the cache's dtype follows it)."""
+        free = self._memory()
+        if free is not None:
+            memory.check_one_row_fits(free, self.row_cost(prompt_tokens, new_tokens), prompt_tokens=prompt_tokens,
+                                      new_tokens=new_tokens, slots=prompt_tokens + new_tokens,
+                                      reserve_bytes=reserve_bytes, where=f" on {self.device}", names=names)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *,
+                 max_new_tokens_per_sample: Sequence[int] | None = None) -> GenerationOutput:
+        """n samples for each of P prompts, prompt-major (see `GenerationOutput`). max_new_tokens_per_sample: one
+        length limit per sample (prompt-major, each in [1, params.max_new_tokens]); a sample reaching it ends with
+        finish reason "length" (benchmarks use it to force long-tailed lengths identically in every engine)."""
+        caps = check_request(prompt_ids, params, self.eos_token_ids, max_new_tokens_per_sample)
+        generator = seeded_generator(params.seed, self.device)
         responses: list[list[int]] = []
         reasons: list[str] = []
         logprobs: list[list[float]] = []
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            # not inference_mode: the module is the trainer's, and tensors made here must stay usable in autograd
-            with torch.no_grad(), _attention_backends(self.device):
-                for chunk in self._chunks([len(p) for p in prompt_ids], params):
-                    ids, lps, rs = self._generate_chunk([list(prompt_ids[p]) for p, _ in chunk],
-                                                        [count for _, count in chunk], params, generator)
-                    responses += ids
-                    logprobs += lps
-                    reasons += rs
-        finally:
-            self.model.train(was_training)
+        with generation_mode(self.model, self.device):
+            lengths = [len(p) for p in prompt_ids]
+            row_limit, free = None, self._memory()
+            if self.max_batch_tokens is None and prompt_ids and free is not None:
+                cost = self.row_cost(max(lengths), params.max_new_tokens)
+                memory.check_one_row_fits(free, cost, prompt_tokens=max(lengths), new_tokens=params.max_new_tokens,
+                                          slots=max(lengths) + params.max_new_tokens, where=f" on {self.device}")
+                row_limit = memory.rows_that_fit(free, cost)
+            for chunk in self._chunks(lengths, params, row_limit):
+                start = len(responses)
+                count = sum(c for _, c in chunk)
+                ids, lps, rs = self._generate_chunk([list(prompt_ids[p]) for p, _ in chunk], [c for _, c in chunk],
+                                                    caps[start:start + count], params, generator)
+                responses += ids
+                logprobs += lps
+                reasons += rs
         group_ids = [p for p in range(len(prompt_ids)) for _ in range(params.n)]
         return GenerationOutput(
             response_ids=responses,
@@ -221,16 +175,19 @@ class TorchGenerator:
             logprobs=logprobs if params.return_logprobs else None,
         )
 
-    def _chunks(self, prompt_lengths: list[int], params: SamplingParams) -> list[list[tuple[int, int]]]:
-        """Cut the P × n sequences, prompt-major, into chunks [(prompt index, number of samples), ...]."""
+    def _chunks(self, prompt_lengths: list[int], params: SamplingParams,
+                row_limit: int | None = None) -> list[list[tuple[int, int]]]:
+        """Cut the P × n sequences, prompt-major, into chunks [(prompt index, number of samples), ...] of at most
+        max_batch_size (and row_limit) rows and max_batch_tokens tokens."""
         chunks: list[list[tuple[int, int]]] = []
         current: list[tuple[int, int]] = []
         rows, longest = 0, 0
+        most_rows = self.max_batch_size if row_limit is None else max(1, min(self.max_batch_size, row_limit))
         for p, length in enumerate(prompt_lengths):
             remaining = params.n
             while remaining:
                 longest_if_added = max(longest, length)
-                capacity = self.max_batch_size
+                capacity = most_rows
                 if self.max_batch_tokens is not None:
                     capacity = min(capacity, self.max_batch_tokens // (longest_if_added + params.max_new_tokens))
                 if capacity - rows < 1 and current:
@@ -244,59 +201,21 @@ class TorchGenerator:
             chunks.append(current)
         return chunks
 
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                 cache: Any) -> torch.Tensor:
-        """One model call extending `cache` in place. [R, S] ids → [R, V] logits of the last position."""
-        kwargs = {self._cache_kwarg: cache, "use_cache": True}
-        if self._has_logits_to_keep:
-            kwargs["logits_to_keep"] = 1
-        with torch.compiler.set_stance("force_eager"):  # layers compiled for scoring (`compile_layers`) run eagerly
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-        logits_RV = out.logits[:, -1, :]
-        if self.vocab_size is not None and self.vocab_size < logits_RV.shape[-1]:
-            logits_RV = logits_RV.clone()
-            logits_RV[:, self.vocab_size:] = float("-inf")
-        return logits_RV
-
-    def _new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        try:
-            return DynamicCache(config=self.model.config)
-        except TypeError:  # older transformers: no config argument
-            return DynamicCache()
-
-    def _prefill(self, prompts: list[list[int]], device: torch.device) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """Left-padded forward over P distinct prompts. Returns (cache, attention_mask [P, L] long, logits [P, V])."""
-        longest = max(len(p) for p in prompts)
-        ids_PL = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
-        mask_PL = torch.zeros((len(prompts), longest), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            ids_PL[i, longest - len(prompt):] = torch.as_tensor(prompt, dtype=torch.long)
-            mask_PL[i, longest - len(prompt):] = 1
-        ids_PL, mask_PL = ids_PL.to(device), mask_PL.to(device)
-        # Real tokens get positions 0..len-1 whatever the padding; pads get 0 (they are masked anyway).
-        positions_PL = (mask_PL.cumsum(dim=-1) - 1).clamp(min=0)
-        cache = self._new_cache()
-        logits_PV = self._forward(ids_PL, mask_PL, positions_PL, cache)
-        return cache, mask_PL, logits_PV
-
-    def _decode(self, tokens_R: torch.Tensor, mask_RS: torch.Tensor, positions_R: torch.Tensor,
-                cache: Any) -> torch.Tensor:
-        """One decode step: tokens [R] at positions [R], mask [R, S] covering cache + this token → logits [R, V]."""
-        return self._forward(tokens_R[:, None], mask_RS, positions_R[:, None], cache)
-
     def _generate_chunk(
-        self, prompts: list[list[int]], counts: list[int], params: SamplingParams, generator: torch.Generator
+        self, prompts: list[list[int]], counts: list[int], caps: list[int], params: SamplingParams,
+        generator: torch.Generator,
     ) -> tuple[list[list[int]], list[list[float]], list[str]]:
-        """Sample counts[i] continuations of prompts[i]; rows come back in order (prompt 0's samples first)."""
+        """Sample counts[i] continuations of prompts[i], row j at most caps[j] tokens; rows come back in order
+        (prompt 0's samples first)."""
         device = self.device
-        cache, mask_PL, logits_PV = self._prefill(prompts, device)
+        cache, mask_PL, logits_PV = self.hf.prefill(prompts, device)
         # One row per sample: the prefix is computed once per prompt and its KV cache copied n times.
         source_R = torch.repeat_interleave(torch.arange(len(prompts), device=device),
                                            torch.as_tensor(counts, device=device))
         cache.reorder_cache(source_R)
-        num_rows, prompt_width, steps = source_R.numel(), mask_PL.shape[1], params.max_new_tokens
+        num_rows, prompt_width, steps = source_R.numel(), mask_PL.shape[1], max(caps)
+        caps_R = torch.as_tensor(caps, device=device)
+        can_end_early = params.stop_at_eos or min(caps) < steps
         # Chunk rows are R; the rows still in the batch are b (R until finished rows are dropped), `rows_b` maps b → R.
         rows_b = torch.arange(num_rows, device=device)
         logits_bV = logits_PV[source_R]
@@ -310,6 +229,7 @@ class TorchGenerator:
         out_lps_RT = torch.zeros((num_rows, steps), dtype=torch.float32, device=device)
         lengths_R = torch.zeros(num_rows, dtype=torch.long, device=device)
         finished_R = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        stopped_R = torch.zeros(num_rows, dtype=torch.bool, device=device)  # finished on an EOS
 
         for t in range(steps):
             tokens_b, lps_b = sample_next(logits_bV, params, generator)
@@ -318,10 +238,11 @@ class TorchGenerator:
             out_lps_RT[rows_b, t] = torch.where(alive_b, lps_b, 0.0)
             lengths_R[rows_b] += alive_b.long()
             if params.stop_at_eos:
-                finished_R[rows_b] |= alive_b & torch.isin(tokens_b, eos_E)
+                stopped_R[rows_b] |= alive_b & torch.isin(tokens_b, eos_E)
+            finished_R[rows_b] = stopped_R[rows_b] | (lengths_R[rows_b] >= caps_R[rows_b])
             if t == steps - 1:
                 break
-            if params.stop_at_eos and (t + 1) % self.sync_interval == 0:
+            if can_end_early and (t + 1) % self.sync_interval == 0:
                 done_b = finished_R[rows_b]
                 num_done = int(done_b.sum())  # CPU-GPU sync point
                 if num_done == rows_b.numel():
@@ -331,14 +252,15 @@ class TorchGenerator:
                     cache.reorder_cache(keep_b)
                     rows_b, tokens_b, positions_b, mask_bS = (
                         rows_b[keep_b], tokens_b[keep_b], positions_b[keep_b], mask_bS[keep_b])
-            logits_bV = self._decode(tokens_b, mask_bS[:, : prompt_width + t + 1], positions_b, cache)
+            logits_bV = self.hf.forward(tokens_b[:, None], mask_bS[:, : prompt_width + t + 1], positions_b[:, None],
+                                        cache)
             positions_b = positions_b + 1
 
         lengths = lengths_R.tolist()
-        finished = finished_R.tolist()
+        stopped = stopped_R.tolist()
         ids_rows = out_ids_RT.tolist()
         lps_rows = out_lps_RT.tolist() if params.return_logprobs else [[] for _ in range(num_rows)]
         responses = [row[:n] for row, n in zip(ids_rows, lengths)]
         logprobs = [row[:n] for row, n in zip(lps_rows, lengths)]
-        reasons = ["stop" if done else "length" for done in finished]
+        reasons = ["stop" if done else "length" for done in stopped]
         return responses, logprobs, reasons

@@ -406,6 +406,7 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     from opd.data.templates import encode_prompts
     from opd.models import check_tokenizer_compatibility, compile_layers, load_model, load_tokenizer, resolve_device
     from opd.rollout import make_generator
+    from opd.rollout.registry import check_generation_fits
     from opd.teacher.local import LocalScorer
     from opd.teacher.registry import check_teacher_tokenizer, load_teacher
     from opd.train.distributed import shard_model
@@ -491,6 +492,7 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
         student_scorer = LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size,
                                      through_root=dist.world_size > 1)
     generator = make_generator(student, tokenizer, max_batch_size=config.rollout.batch_size, vocab_size=vocab_size,
+                               max_batch_tokens=config.rollout.max_batch_tokens,
                                engine=config.rollout.engine if dist.world_size == 1 else "torch")
     rollout_model = rollout_generator = None
     if config.rollout.overlap:  # a snapshot the background rollouts read while the student is updated
@@ -517,6 +519,15 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
         reference_scorer = LocalScorer(reference, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
 
     optimizer = build_optimizer(student.parameters(), config.optim)
+    # One rollout must fit next to the models and the optimizer state, which AdamW allocates at its first step (two
+    # moments per trainable parameter of this rank's shard, counted at the parameters' size): fail now, before any
+    # data reaches the GPU.
+    local = [getattr(p, "to_local", lambda p=p: p)() for p in student.parameters() if p.requires_grad]
+    with autocast(device, autocast_dtype):
+        check_generation_fits(generator, prompt_tokens=config.data.max_prompt_length,
+                              new_tokens=config.rollout.max_new_tokens, reserve_bytes=2 * sum(
+                                  p.numel() * p.element_size() for p in local),
+                              names=("data.max_prompt_length", "rollout.max_new_tokens"))
     scheduler = build_scheduler(optimizer, config.run.steps, config.optim)
     sampler = PromptSampler(len(encoded.prompts), config.prompts_per_step, seed=config.run.seed)
     tr = Trainer(

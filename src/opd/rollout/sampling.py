@@ -1,0 +1,53 @@
+"""Token sampling shared by the generation engines: top-k / top-p filtering and one seeded draw per row.
+
+Pure tensor functions (no model, no engine state). `TorchGenerator` draws with `torch.multinomial` (`sample_next`);
+`StaticGenerator` draws the same distribution with Gumbel-max noise written into a static buffer (its own `_sample`),
+both after `filter_logits`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opd.rollout.base import SamplingParams
+
+
+def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Top-k then top-p (nucleus) filtering: excluded entries become -inf. [B, V] float → [B, V] float.
+
+    top-k keeps every entry ≥ the k-th largest (ties at the threshold are all kept); top-p keeps the smallest set of
+    most likely tokens whose probability reaches `top_p` (always at least the most likely token). 0 / 1.0 disable them.
+    """
+    if top_k > 0 and top_k < logits_BV.shape[-1]:
+        kth_B1 = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    if top_p < 1.0:
+        sorted_BV, order_BV = torch.sort(logits_BV, dim=-1, descending=True)
+        probs_BV = sorted_BV.softmax(dim=-1)
+        mass_before_BV = probs_BV.cumsum(dim=-1) - probs_BV  # mass of the strictly more likely tokens
+        drop_BV = mass_before_BV >= top_p
+        drop_BV[:, 0] = False
+        drop_unsorted_BV = torch.empty_like(drop_BV).scatter_(-1, order_BV, drop_BV)  # back to vocabulary order
+        logits_BV = logits_BV.masked_fill(drop_unsorted_BV, float("-inf"))
+    return logits_BV
+
+
+def sample_next(
+    logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from next-token logits. Returns (tokens [B] long, logprobs [B] float32).
+
+    logprobs: `log_softmax(logits / temperature)` over the full vocabulary at the sampled token — *before* top-k/top-p
+    filtering, i.e. SPEC §1's s(y_t), which the trainer recomputes; at temperature 0 (greedy; top-k/top-p ignored) the
+    unscaled `log_softmax(logits)`.
+    """
+    logits_BV = logits_BV.float()
+    if params.temperature == 0:
+        tokens_B = logits_BV.argmax(dim=-1)
+        scaled_BV = logits_BV
+    else:
+        scaled_BV = logits_BV / params.temperature
+        probs_BV = filter_logits(scaled_BV, params.top_k, params.top_p).softmax(dim=-1)
+        tokens_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+    logprobs_B = scaled_BV.log_softmax(dim=-1).gather(-1, tokens_B[:, None]).squeeze(-1)
+    return tokens_B, logprobs_B

@@ -37,10 +37,9 @@ dataloader's prompt fetch before it is not counted). peak GiB: CUDA allocated by
 included, from the start of the row's first step.
 
 `--paper`: student qwen3-1.7b, teacher qwen3-4b, 64 prompts × 4, responses ragged: each row is forced to end at a
-length drawn from `--lengths` (default lognormal mean 1,500, cap 7,168). Until the engine forces lengths itself,
-`ForcedLengths` does it here: chunks of `--rollout-rows` rows (the engine's chunking), each generated without EOS
-up to its longest drawn length and cut per row, which costs what a static engine stopping rows at EOS costs (a
-finished row keeps computing until its chunk ends). Prints the phase times, tokens/s, peak memory and the physical
+length drawn from `--lengths` (default lognormal mean 1,500, cap 7,168) through the engines' own per-sample lengths
+(`max_new_tokens_per_sample`; with continuous batching a finished row's slot is refilled at once), `--rollout-rows`
+slots at a time (None: as many as fit in memory). Prints the phase times, tokens/s, peak memory and the physical
 bound of the step (`common.opd_step_bound`) with the ratio step / bound.
 """
 
@@ -96,12 +95,11 @@ class IdTokenizer:
 
 class BenchGenerator:
     """Wraps an engine: records the response lengths of its last call and, with `lengths` (a `LengthDist`), forces
-    every row to end at a drawn length (benchmark-only; see the module docstring): chunks of `rows_per_chunk` rows,
-    each generated without EOS up to its longest drawn length, every row then cut at its length with its last token
-    made EOS ("stop"; a row drawn at the cap is "length", as a truncated one)."""
+    every row to end at a drawn length (benchmark-only; see the module docstring), its last token made EOS ("stop";
+    a row drawn at the cap is "length", as a truncated one)."""
 
-    def __init__(self, inner, *, eos: int, lengths=None, rows_per_chunk: int | None = None):
-        self.inner, self.eos, self.lengths, self.rows_per_chunk = inner, eos, lengths, rows_per_chunk
+    def __init__(self, inner, *, eos: int, lengths=None):
+        self.inner, self.eos, self.lengths = inner, eos, lengths
         self.last_lengths: list[int] = []
 
     def sync_weights(self) -> None:
@@ -117,22 +115,19 @@ class BenchGenerator:
         n = params.n
         drawn = [min(length, params.max_new_tokens)
                  for length in self.lengths.sample(len(prompt_ids) * n, params.seed or 0)]
-        per_chunk = max(1, (self.rows_per_chunk or len(drawn)) // n)
+        # the engine ends each row at its drawn length (continuous batching refills the slot); EOS off so random
+        # weights never end a row early, then the last token of every row below the cap is made EOS ("stop")
+        out = self.inner.generate(prompt_ids, dataclasses.replace(params, stop_at_eos=False),
+                                  max_new_tokens_per_sample=drawn)
         ids, lps, reasons = [], [], []
-        for start in range(0, len(prompt_ids), per_chunk):
-            group = prompt_ids[start:start + per_chunk]
-            want = drawn[start * n:(start + len(group)) * n]
-            sub = dataclasses.replace(params, max_new_tokens=max(want), stop_at_eos=False,
-                                      seed=None if params.seed is None else params.seed + start)
-            out = self.inner.generate(group, sub)
-            for row, length in enumerate(want):
-                response = out.response_ids[row][:length]
-                stopped = length < params.max_new_tokens
-                if stopped:
-                    response[-1] = self.eos
-                ids.append(response)
-                lps.append(out.logprobs[row][:length] if out.logprobs is not None else None)
-                reasons.append("stop" if stopped else "length")
+        for row, length in enumerate(drawn):
+            response = out.response_ids[row][:length]
+            stopped = length < params.max_new_tokens
+            if stopped:
+                response[-1] = self.eos
+            ids.append(response)
+            lps.append(out.logprobs[row][:length] if out.logprobs is not None else None)
+            reasons.append("stop" if stopped else "length")
         self.last_lengths = [len(r) for r in ids]
         return GenerationOutput(response_ids=ids, finish_reasons=reasons,
                                 group_ids=[p for p in range(len(prompt_ids)) for _ in range(n)],
@@ -148,7 +143,7 @@ def _engine(model, engine: str, args, rows: int):
                   max_batch_size=rows)
     inner = TorchGenerator(model, **common) if engine == "torch_engine" else StaticGenerator(model, **common)
     lengths = parse_lengths(args.lengths) if args.lengths else None
-    return BenchGenerator(inner, eos=eos_id(args.shape), lengths=lengths, rows_per_chunk=rows)
+    return BenchGenerator(inner, eos=eos_id(args.shape), lengths=lengths)
 
 
 def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path, autocast_dtype, variant: dict):

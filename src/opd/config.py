@@ -47,6 +47,23 @@ class ModelSpec(Section):
     attn_implementation: str | None = Field(None, description="sdpa, eager, flex_attention, flash_attention_2, opd_varlen (SDPA, with packed rows through FlashAttention varlen); None: library default, opd_varlen in place of sdpa on CUDA.")
 
 
+class VLLMSpec(Section):
+    """vLLM engine options (`engine: vllm` for rollouts, evaluation, teacher rollout; `teacher.engine: vllm`)."""
+
+    gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0, description="GPU: fraction of the GPU's memory the engine may take (weights + KV cache), in (0, 1]; keep it small beside a trainer. Ignored when kv_cache_gb is set.")
+    kv_cache_gb: float | None = Field(None, gt=0.0, description="KV-cache size in GiB; None: 1 on CPU (vLLM's own default reserves 0.92 x RAM), by gpu_memory_utilization on GPU.")
+    enforce_eager: bool | None = Field(None, description="No torch.compile / CUDA graphs in the engine; None: on for CPU (compiling takes ~100 s there), off on GPU.")
+    sleep: bool | None = Field(None, description="Offload the engine's weights and KV cache while the trainer scores and updates (vLLM sleep level 1); None: on for distill where the platform supports it (CUDA; the CPU build ignores sleep).")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + response the engine accepts, in tokens; None: the model's max_position_embeddings.")
+
+
+class TeacherSpec(ModelSpec):
+    """The teacher: a model, and the engine that scores with it."""
+
+    engine: Literal["local", "vllm"] = Field("local", description="local: an in-process HF model (any strategy); vllm: an in-process vLLM engine scoring with prompt_logprobs (top_k=0 or strategy only_tch, teacher_temperature 1).")
+    vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
+
+
 class DataSpec(Section):
     """A prompt set and how to read and render it."""
 
@@ -86,6 +103,8 @@ class EvalConfig(Section):
     seed: int = Field(0, description="Sampling seed; the same seed reproduces the samples.")
     out: str | None = Field(None, description="Output directory; None: runs/eval-<timestamp>. Rerunning into it resumes.")
     timeout: float = Field(5.0, gt=0, description="Seconds allowed for one answer comparison.")
+    engine: Literal["auto", "torch", "static", "vllm"] = Field("auto", description="Generation engine (opd.rollout.registry): auto | torch | static | vllm (loads the model itself; needs the vllm extra).")
+    vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
 
 
 # --------------------------------------------------------------------------------------------- loading / merging
@@ -244,9 +263,10 @@ class SamplingSpec(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass; 1.0 = off (on-policy rewards assume full-support sampling).")
     max_new_tokens: int = Field(1024, ge=1, description="Longest rollout in tokens; longer ones are truncated and counted.")
     batch_size: int = Field(256, ge=1, description="Sequences the generation engine runs together.")
-    engine: Literal["auto", "torch", "static"] = Field(
-        "auto", description="auto: the static-KV-cache CUDA-graph engine on a GPU (one process), the torch engine otherwise."
+    engine: Literal["auto", "torch", "static", "vllm"] = Field(
+        "auto", description="auto: the static-KV-cache CUDA-graph engine on a GPU (one process), the torch engine otherwise; vllm: an in-process vLLM engine, weights pushed after every step (needs the vllm extra)."
     )
+    vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
 
 
 class ObjectiveSpec(Section):
@@ -323,7 +343,7 @@ class DistillConfig(Section):
     """`opd distill`: on-policy distillation (and the GRPO baseline) of a student from a teacher."""
 
     student: ModelSpec
-    teacher: ModelSpec | None = Field(None, description="The teacher; not needed for advantage=grpo.")
+    teacher: TeacherSpec | None = Field(None, description="The teacher; not needed for advantage=grpo.")
     data: DataSpec
     rollout: SamplingSpec = Field(default_factory=SamplingSpec)
     objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)

@@ -71,6 +71,16 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
     from opd.eval.benchmarks import load_benchmark
     from opd.rollout import SamplingParams
 
+    if generator is None and config.engine == "vllm":  # vLLM loads the weights itself: no HF copy of the model
+        from opd.models import load_tokenizer
+        from opd.rollout import make_generator
+        from opd.rollout.vllm_engine import EngineOptions
+
+        spec = config.model
+        tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
+        options = EngineOptions.from_config(config.vllm, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
+        generator = make_generator(None, tokenizer, engine="vllm", model_path=spec.path,
+                                   max_batch_size=config.batch_size, engine_options=options)
     if generator is None:
         from opd.models import load_model
         from opd.rollout import make_generator
@@ -82,7 +92,7 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
             trust_remote_code=config.model.trust_remote_code,
             attn_implementation=config.model.attn_implementation,
         )
-        generator = make_generator(model, tokenizer, max_batch_size=config.batch_size)
+        generator = make_generator(model, tokenizer, engine=config.engine, max_batch_size=config.batch_size)
 
     samples_path = run_dir / "samples.jsonl"
     repair_jsonl(samples_path)

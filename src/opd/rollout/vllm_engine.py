@@ -21,9 +21,10 @@ The contract of `opd.rollout.base` and how it is met:
 Weight sync (`sync_weights`, after every optimizer step): the full state dict, a tied `lm_head.weight` included (the
 CPU build repacks the head separately: leaving it out drifted log-probs by up to 0.28), goes through
 `collective_rpc("reload_weights")` into the running engine; then the prefix cache is reset (a cached prompt prefix
-holds keys and values of the old weights). Under torchrun each rank runs its own engine (`external_launcher`-free:
-one in-process engine per rank, tensor-parallel size 1) and gets the full weights from `weights_fn` (the trainer
-all-gathers them); see `docs`/README.
+holds keys and values of the old weights). Under torchrun each rank runs its own in-process engine (tensor-parallel
+size 1, a full copy of the weights; on CPU with gloo tested by tests/test_vllm_commands.py) and gets the full weights
+from `weights_fn` (the trainer all-gathers them every step, `opd.train.distributed.all_full_weights`). Tensor-
+parallel engines spanning ranks (vLLM's `external_launcher`) are not supported.
 
 Memory: on CPU the KV cache is `kv_cache_gb` (default 1 GiB: vLLM's own default reserves 0.92 × RAM); on GPU
 `gpu_memory_utilization` bounds it, and with `sleep` the engine's weights and KV cache are offloaded (level 1) from
@@ -299,6 +300,11 @@ class VLLMGenerator:
         self._wake()
         if reset_prefix_cache:
             self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut the engine down now (idempotent; otherwise at exit). Under torchrun call it before the process group
+        is destroyed: vLLM's shutdown tears down its own groups, which need it."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def _wake(self) -> None:
         if self._asleep:

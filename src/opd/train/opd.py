@@ -133,7 +133,8 @@ def opd_step(tr: Trainer) -> dict[str, float]:
         k = obj.top_k
         candidate_ids_BTJ, valid_BTJ = build_candidates(student.topk_ids[..., :k], teacher.topk_ids[..., :k], mask_BT, obj.strategy)
         old_lp_BTJ, teacher_lp_BTJ = gather_candidate_logprobs(
-            obj.strategy, student.topk_logprobs[..., :k], teacher.requested_logprobs[..., :k],
+            obj.strategy, student.topk_logprobs[..., :k],
+            None if teacher.requested_logprobs is None else teacher.requested_logprobs[..., :k],  # None: only_tch
             teacher.topk_logprobs[..., :k], None if student_at_teacher_BTK is None else student_at_teacher_BTK[..., :k],
         )
         rewards_BTJ, _ = candidate_rewards(old_lp_BTJ, teacher_lp_BTJ, valid_BTJ, strategy=obj.strategy, weight=obj.weight)
@@ -274,6 +275,8 @@ def distill(config: DistillConfig, *, console: Any = None) -> Path:
     tr = setup(config, run_dir, checkpoint=resume_checkpoint(run_dir, config.run, console), console=console,
                dist=info)
     train(tr, console=console)
+    if callable(getattr(tr.generator, "close", None)):  # vLLM: its groups go before the process group they live in
+        tr.generator.close()
     destroy_distributed(info)
     return run_dir
 

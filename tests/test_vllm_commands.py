@@ -31,7 +31,8 @@ def _console():
 
 
 def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "opd.cli", *args], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+    result = subprocess.run([sys.executable, "-m", "opd.cli", *args], capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
     if check and result.returncode != 0:
         raise AssertionError(f"opd {' '.join(args)} exited {result.returncode}:\n{result.stderr[-3000:]}")
     return result
@@ -87,7 +88,8 @@ def test_distill_on_vllm_learns_like_the_torch_engine(tmp_path):
         run_dir = distill(config, console=_console())
         results = json.loads((run_dir / "eval" / "step_30" / "results.json").read_text())
         accuracy[engine] = next(iter(results["benchmarks"].values()))["avg@1"]
-        curves[engine] = _metrics(run_dir)
+        curves[engine] = [m for m in _metrics(run_dir) if "rollout_accuracy" in m]  # the step lines (not eval's)
+        assert len(curves[engine]) == 30
     before = json.loads(lab.manifest_path().read_text())["models"]["student"]["test_accuracy"]
     print(f"lab test accuracy: before {before:.3f}, after 30 steps vllm {accuracy['vllm']:.3f}, "
           f"torch {accuracy['torch']:.3f}")

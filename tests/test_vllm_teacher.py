@@ -129,7 +129,8 @@ def test_distill_refuses_a_strategy_it_cannot_serve(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "opd.cli", "distill", "-c", "configs/lab_demo.yaml", "teacher.engine=vllm",
          f"run.out_dir={tmp_path}", "run.name=refused", "run.steps=1"],
-        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600,
+        cwd=os.path.dirname(os.path.dirname(__file__)))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: teacher.engine=vllm: objective.strategy=only_stu") and len(

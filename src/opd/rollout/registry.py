@@ -128,8 +128,9 @@ def _vllm(request: EngineRequest) -> Generator:
     eos = options.pop("eos_token_ids", None)
     if eos is None:
         eos = _eos_ids_from_path(request.model_path, request.tokenizer, request.model)
-    return VLLMGenerator(request.model_path, eos_token_ids=eos, vocab_size=request.vocab_size or len(request.tokenizer),
-                         max_batch_size=request.max_batch_size, options=options.pop("engine_options", None) or EngineOptions(),
+    engine_options = options.pop("engine_options", None) or EngineOptions()
+    return VLLMGenerator(request.model_path, eos_token_ids=eos, max_batch_size=request.max_batch_size,
+                         vocab_size=request.vocab_size or len(request.tokenizer), options=engine_options,
                          module=request.model, weights_fn=options.pop("weights_fn", None), **options)
 
 

@@ -32,7 +32,8 @@ the end of a `generate` call to the next `sync_weights`, so the trainer's scorin
 
 Environment (set before vLLM is imported, only when unset): `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine and worker in
 this process: ~5 s start-up for the lab models against 30–50 s, and weights can be passed as tensors),
-`VLLM_CACHE_ROOT` in a temporary directory (nothing lands in ~/.cache/vllm), `VLLM_LOGGING_LEVEL=ERROR`. Threads: the CPU worker replaces
+`VLLM_CACHE_ROOT` in a temporary directory (nothing lands in ~/.cache/vllm), `VLLM_LOGGING_LEVEL=ERROR`.
+Threads: the CPU worker replaces
 `torch.set_num_threads` with a no-op for the whole process (it guards the OpenMP binding of its own worker
 processes, which an in-process engine does not have); we put the original back, and the engine uses the threads
 the process had when it started — set them first.
@@ -281,7 +282,8 @@ class VLLMGenerator:
         from vllm import SamplingParams as VLLMSamplingParams
 
         return VLLMSamplingParams(
-            n=1 if params.temperature == 0 else params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            n=1 if params.temperature == 0 else params.n, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k,
             max_tokens=params.max_new_tokens, seed=None if params.seed is None else _prompt_seed(params.seed, prompt),
             logprobs=0 if params.return_logprobs else None, detokenize=False,
             stop_token_ids=self.eos_token_ids if params.stop_at_eos else None, ignore_eos=not params.stop_at_eos,

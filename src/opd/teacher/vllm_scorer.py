@@ -33,7 +33,8 @@ import torch
 from opd.rollout.vllm_engine import EngineOptions, config_rows, model_rows, start_engine
 from opd.types import Rollouts, TokenScores
 
-ALTERNATIVES = "use teacher.engine=local (an in-process HF teacher) or a teacher server (opd serve-teacher, teacher.url)"
+ALTERNATIVES = ("use teacher.engine=local (an in-process HF teacher) or a teacher server "
+                "(opd serve-teacher, teacher.url)")
 
 
 def check_objective(objective: Any, *, serves_requested_ids: bool | None = None) -> None:

@@ -55,7 +55,7 @@ class IdTokenizer:
 
 
 def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path, autocast_dtype):
-    from opd.config import DataSpec, DistillConfig, ModelSpec, RunSpec, SamplingSpec
+    from opd.config import DataSpec, DistillConfig, ModelSpec, RunSpec, SamplingSpec, TeacherSpec
     from opd.rollout.static_engine import StaticGenerator
     from opd.rollout.torch_engine import TorchGenerator
     from opd.teacher.local import LocalScorer
@@ -65,7 +65,7 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
     from opd.types import Prompt
 
     config = DistillConfig(
-        student=ModelSpec(path=f"random:{args.shape}"), teacher=ModelSpec(path=f"random:{args.teacher_shape}"),
+        student=ModelSpec(path=f"random:{args.shape}"), teacher=TeacherSpec(path=f"random:{args.teacher_shape}"),
         data=DataSpec(path="random", answer_key=None),
         rollout=SamplingSpec(n=args.n, max_new_tokens=args.new_tokens, batch_size=args.prompts * args.n),
         run=RunSpec(out_dir=str(run_dir), name="bench", samples_per_step=0, steps=1000, report=False),

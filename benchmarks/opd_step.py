@@ -157,7 +157,7 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
     rows = args.rollout_rows or args.prompts * args.n
     overlap = bool(variant.get("overlap"))
     config = DistillConfig(
-        student=ModelSpec(path=f"random:{args.shape}"), teacher=ModelSpec(path=f"random:{args.teacher_shape}"),
+        student=ModelSpec(path=f"random:{args.shape}"), teacher=TeacherSpec(path=f"random:{args.teacher_shape}"),
         data=DataSpec(path="random", answer_key=None),
         rollout=SamplingSpec(n=args.n, max_new_tokens=args.new_tokens, batch_size=rows, overlap=overlap),
         objective=ObjectiveSpec(tis_cap=2.0 if overlap else None),

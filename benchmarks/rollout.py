@@ -20,6 +20,10 @@ Rows (`--engines` at the first batch size, `--engines-big` at the others):
     static_sdpa         `static_compile` with SDPA attention over the bucketed span (`attention="sdpa"`)
     static_v1           `static_compile` as first measured: per-projection GEMMs on the module's own weights
                         (`fuse_weights=False`) and matmul/softmax/matmul attention (`attention="matmul"`)
+    vllm                `VLLMGenerator`: vLLM in this process on a copy of the weights saved to a temporary directory
+                        (eager on CPU, fp32; needs the vllm extra, e.g. the environment of `./dev setup-vllm`); per-row
+                        lengths as one request per row
+A saved model instead of a random shape: `--model-path DIR` (e.g. the lab's `src/opd/lab/assets/student`).
 Every row samples at temperature 1 from distinct random prompts, one sample per prompt, EOS off, and produces exactly
 the requested tokens per row. `--lengths equal` (default): every row new_tokens (`min_new_tokens` for generate,
 `stop_at_eos=False` for ours). `--lengths lognormal:mean=M,cap=C[,sigma=S]`: row r's length L_r is drawn (seeded)
@@ -54,12 +58,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    SHAPES, Report, base_parser, build_model, eos_id, measure, pad_id, param_bytes, peaks, resolve_device, speedups,
-    TOKENIZER_SIZE,
+    EOS_ID, PAD_ID, SHAPES, Report, base_parser, build_model, eos_id, measure, pad_id, param_bytes, peaks,
+    resolve_device, speedups, TOKENIZER_SIZE,
 )
 
 ALL = ("hf_generate", "hf_generate_static", "hf_generate_nocudnn", "torch_engine", "static_engine", "static_compile",
-       "static_sdpa", "static_v1")
+       "static_sdpa", "static_v1", "vllm")
 BUCKETS = (0, 128, 512, 1024, 2048, 4096, 8192)  # response-position buckets of the --lp-reference table
 
 
@@ -81,10 +85,23 @@ def draw_lengths(spec: str, rows: int, default: int, seed: int) -> list[int] | N
     return drawn.round().clamp(1, cap).long().tolist()
 
 
+_VLLM_DIRS: dict[int, str] = {}
+
+
 def make_engine(name: str, model, shape: str, batch: int):
     from opd.rollout.static_engine import StaticGenerator
     from opd.rollout.torch_engine import TorchGenerator
 
+    if name == "vllm":
+        import tempfile
+
+        from opd.rollout.vllm_engine import VLLMGenerator
+
+        if id(model) not in _VLLM_DIRS:  # vLLM loads weights from a directory: this model's, saved once
+            _VLLM_DIRS[id(model)] = tempfile.mkdtemp(prefix="opd-bench-vllm-")
+            model.save_pretrained(_VLLM_DIRS[id(model)])
+        return VLLMGenerator(_VLLM_DIRS[id(model)], eos_token_ids=[eos_id(shape)], vocab_size=TOKENIZER_SIZE[shape],
+                             max_batch_size=batch)
     common = dict(eos_token_ids=[eos_id(shape)], pad_token_id=pad_id(shape), vocab_size=TOKENIZER_SIZE[shape],
                   max_batch_size=batch)
     if name == "torch_engine":
@@ -173,11 +190,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--engines", default="hf_generate,torch_engine,static_engine,static_compile,hf_generate_static",
                         help=f"rows at the first batch size, in order; from {','.join(ALL)}")
     parser.add_argument("--engines-big", default="torch_engine,static_compile", help="rows at the other batch sizes")
+    parser.add_argument("--model-path", default=None, help="a saved model directory instead of a random --shape")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     flops, bandwidth = peaks(device, args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(args.shape, dtype=dtype, device=device, seed=args.seed)
+    if args.model_path:
+        model = _saved_model(args, dtype, device)
+    else:
+        model = build_model(args.shape, dtype=dtype, device=device, seed=args.seed)
     reference = copy.deepcopy(model).float() if args.lp_reference == "fp32" else None
     cfg = SHAPES[args.shape]
     weight_bytes = param_bytes(model)
@@ -233,7 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
                     f"lengths {args.lengths} (seeded): " + "; ".join(
                         f"{b} rows: mean {sum(ls) / len(ls):.0f}, max {max(ls)}, total {sum(ls):,}"
                         for b, ls in lengths_by_batch.items()))
-    notes = [f"shape {args.shape} ({dtype}), random weights; prompt {args.prompt_len} tokens, {lengths_note}, "
+    weights = f"weights of {args.model_path}" if args.model_path else "random weights"
+    notes = [f"shape {args.shape} ({dtype}), {weights}; prompt {args.prompt_len} tokens, {lengths_note}, "
              f"temperature 1, EOS off; weights {weight_bytes / 2**30:.2f} GiB"]
     data = report.finish(columns, notes)
     drift = [(r["name"], b) for r in data["rows"] for b in r.get("lp_drift", [])]
@@ -310,6 +332,20 @@ def run_row(args, name, model, reference, device, prompts, lengths, *, forced, w
             "pct_bound": 100 * rate / bound if bound else None,
             "pct_bound_kv": 100 * rate / bound_kv if bound_kv else None,
             "bound_tokens_per_s": bound, "bound_kv_tokens_per_s": bound_kv, "peak_gib": m["peak_gib"], **extra}
+
+
+def _saved_model(args, dtype, device):
+    """Load `--model-path` and register it as the shape "saved" (its config, tokenizer size, EOS and pad ids)."""
+    from opd.models import load_model
+
+    model, tokenizer = load_model(args.model_path, dtype=dtype, device=device)
+    config = model.config
+    SHAPES["saved"] = dict(num_hidden_layers=config.num_hidden_layers, num_key_value_heads=config.num_key_value_heads,
+                           head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    TOKENIZER_SIZE["saved"] = len(tokenizer)
+    EOS_ID["saved"], PAD_ID["saved"] = tokenizer.eos_token_id, tokenizer.pad_token_id
+    args.shape = "saved"
+    return model.eval()
 
 
 if __name__ == "__main__":

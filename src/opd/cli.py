@@ -71,6 +71,7 @@ def eval_command(
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N. [default: auto]"),
     seed: Optional[int] = typer.Option(None, help="Sampling seed. [default: 0]"),
     out: Optional[Path] = typer.Option(None, help="Output directory; rerunning into it resumes. [default: runs/eval-<time>]"),
+    engine: Optional[str] = typer.Option(None, help="Generation engine: auto | torch | static | vllm (engine; vllm loads the model itself, options as vllm.*). [default: auto]"),
 ) -> None:
     """Sample n answers per benchmark problem, grade them, write results.json + samples.jsonl, print a table."""
     options = {
@@ -78,6 +79,7 @@ def eval_command(
         "benchmarks": benchmarks, "n": n, "temperature": temperature, "top_p": top_p, "top_k": top_k,
         "max_new_tokens": max_new_tokens, "batch_size": batch_size, "limit": limit, "prompt_key": prompt_key,
         "answer_key": answer_key, "template": template, "enable_thinking": thinking, "seed": seed, "out": _str(out),
+        "engine": engine,
     }
     cfg = build_config(EvalConfig, config_file=config, options=options, overrides=overrides)
     from opd.eval.evaluate import evaluate
@@ -183,6 +185,7 @@ def rollout_command(
     dtype: Optional[str] = typer.Option(None, help="auto | bf16 | fp16 | fp32 (model.dtype). [default: auto]"),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N (model.device). [default: auto]"),
     seed: Optional[int] = typer.Option(None, help="Base sampling seed. [default: 0]"),
+    engine: Optional[str] = typer.Option(None, help="Generation engine: torch | vllm (engine; vllm loads the model itself, options as vllm.*). [default: torch]"),
 ) -> None:
     """Teacher answers for SFT with rejection sampling: rollouts.jsonl, rejected.jsonl, stats.json (+ LlamaFactory files).
 
@@ -197,6 +200,7 @@ def rollout_command(
         "data.enable_thinking": thinking, "max_attempts": max_attempts, "require_correct": require_correct,
         "data.prompt_key": prompt_key, "data.answer_key": answer_key, "data.template": template,
         "batch_size": batch_size, "num_workers": num_workers, "llamafactory": llamafactory, "seed": seed,
+        "engine": engine,
     }
     teacher_rollout(build_config(RolloutConfig, config_file=config, options=options, overrides=overrides))
 
@@ -315,6 +319,7 @@ def prompts_score_command(
     template: Optional[str] = typer.Option(None, help="Instruction template applied before encoding (data.template). [default: keep]"),
     seed: Optional[int] = typer.Option(None, help="Sampling seed (seed). [default: 0]"),
     thinking: Optional[bool] = _thinking("data.enable_thinking"),
+    engine: Optional[str] = typer.Option(None, help="Engine of the student rollouts: auto | torch | static | vllm (engine; options as vllm.*). [default: auto]"),
 ) -> None:
     """Per prompt: n student rollouts, scored by student and teacher; SPEC §6 overlap metrics → scores JSONL.
 
@@ -325,7 +330,7 @@ def prompts_score_command(
     options = {
         "student.path": student, "teacher.path": teacher, "data.path": source, "out": _str(out), "n": n,
         "top_k": top_k, "max_new_tokens": max_new_tokens, "batch_size": batch_size, "data.template": template,
-        "seed": seed, "data.enable_thinking": thinking,
+        "seed": seed, "data.enable_thinking": thinking, "engine": engine,
     }
     score_prompt_file(build_config(PromptScoreConfig, config_file=config, options=options, overrides=overrides))
 

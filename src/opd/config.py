@@ -49,11 +49,24 @@ class ModelSpec(Section):
     attn_implementation: str | None = Field(None, description="sdpa, eager, flex_attention, flash_attention_2, opd_varlen (SDPA, with packed rows through FlashAttention varlen); None: library default, opd_varlen in place of sdpa on CUDA.")
 
 
+class VLLMSpec(Section):
+    """vLLM engine options (`engine: vllm` for rollouts, evaluation, teacher rollout; `teacher.engine: vllm`)."""
+
+    gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0, description="GPU: fraction of the GPU's memory the engine may take (weights + KV cache), in (0, 1]; keep it small beside a trainer. Ignored when kv_cache_gb is set.")
+    kv_cache_gb: float | None = Field(None, gt=0.0, description="KV-cache size in GiB; None: 1 on CPU (vLLM's own default reserves 0.92 x RAM), by gpu_memory_utilization on GPU.")
+    enforce_eager: bool | None = Field(None, description="No torch.compile / CUDA graphs in the engine; None: on for CPU (compiling takes ~100 s there), off on GPU.")
+    sleep: bool | None = Field(None, description="Offload the engine's weights and KV cache while the trainer scores and updates (vLLM sleep level 1); None: on for distill where the platform supports it (CUDA; the CPU build ignores sleep).")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + response the engine accepts, in tokens; None: the model's max_position_embeddings.")
+
+
 class TeacherSpec(ModelSpec):
-    """The teacher: a model loaded in process (`path`), or one served by `opd serve-teacher` (`url`)."""
+    """The teacher: a model loaded in process (`path`, scored by the local scorer or a vLLM engine), or one served by
+    `opd serve-teacher` (`url`)."""
 
     path: str | None = Field(None, description="Hugging Face model id or local directory; not needed with url (the "
                              "server's /info names the model).")
+    engine: Literal["local", "vllm"] = Field("local", description="With path: local = an in-process HF model (any strategy); vllm = an in-process vLLM engine scoring with prompt_logprobs (top_k=0 or strategy only_tch, teacher_temperature 1).")
+    vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
     url: str | list[str] | None = Field(None, description="http://host:port of an `opd serve-teacher`, or a list of "
                                         "replicas (balanced by tokens in flight); None: load `path` in process.")
     token_file: str | None = Field(None, description="File with the server's bearer token; None: the environment "
@@ -72,6 +85,9 @@ class TeacherSpec(ModelSpec):
     def _path_or_url(self) -> "TeacherSpec":
         if self.path is None and self.url is None:
             raise ValueError("give teacher.path (a model to load) or teacher.url (an `opd serve-teacher`)")
+        if self.url is not None and self.engine != "local":
+            raise ValueError(f"teacher.url serves the teacher; teacher.engine={self.engine} applies to a teacher "
+                             f"loaded from teacher.path: set one of them")
         return self
 
 
@@ -129,6 +145,8 @@ class EvalConfig(Section):
     timeout: float = Field(5.0, gt=0, description="Wall-time budget in seconds of one response's symbolic grading (imports and worker start-up included); a comparison that runs out counts as wrong.")
     on_missing_answer: Literal["error", "skip"] = Field(
         "error", description="A benchmark row (or --responses line) without a ground truth: error (one line naming it) or skip (dropped, counted).")
+    engine: Literal["auto", "torch", "static", "vllm"] = Field("auto", description="Generation engine (opd.rollout.registry): auto | torch | static | vllm (loads the model itself; needs the vllm extra).")
+    vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
 
 
 # --------------------------------------------------------------------------------------------- loading / merging
@@ -309,14 +327,14 @@ class SamplingSpec(Section):
         None, ge=1, description="Most KV-cache tokens the engine holds at once, counted as rows × (longest prompt + "
         "max_new_tokens); None = as many rows (≤ batch_size) as fit in the GPU memory free at each generation call."
     )
-    engine: Literal["auto", "torch", "static"] = Field(
-        "auto", description="auto: the static-KV-cache CUDA-graph engine on a GPU (one process), the torch engine otherwise."
+    engine: Literal["auto", "torch", "static", "vllm"] = Field(
+        "auto", description="auto: the static-KV-cache CUDA-graph engine on a GPU (one process), the torch engine otherwise; vllm: an in-process vLLM engine, weights pushed after every step (needs the vllm extra)."
     )
+    vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
     overlap: bool = Field(
         False, description="Generate step t+1's rollouts while step t scores and updates (one step of policy lag, from "
         "a bf16 snapshot of the step-t weights), corrected by truncated importance weights against the engine's own "
         "log-probs: needs objective.tis_cap. One process only; off: every step samples from its own weights.")
-
 
 class ObjectiveSpec(Section):
     """What the token rewards, advantages and loss compute (SPEC §2–§4)."""

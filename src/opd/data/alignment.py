@@ -20,9 +20,10 @@ skips the prompt ids already scored and reproduces the rest exactly as an uninte
 longer than `data.max_prompt_length` gets a record with `skipped` set and no metrics (the trainer would drop it too).
 
 The teacher is whatever `opd.teacher.registry.load_teacher` builds from `teacher` (in process, or `teacher.url`: an
-`opd serve-teacher`); the student runs in process.
+`opd serve-teacher`); the student runs in process, its rollouts from any engine (`engine: vllm` included).
 
-Omitted on purpose: selection by a combination of metrics (one `by` metric; rank differently
+Omitted on purpose: a vLLM teacher (the metrics need the teacher's entropy and its log-probs at the student's
+top-k, which `prompt_logprobs` does not give), selection by a combination of metrics (one `by` metric; rank differently
 by choosing another), and re-balancing sources inside the aligned part (the mix is the explicit knob).
 """
 
@@ -32,12 +33,12 @@ import math
 import random
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import torch
 from pydantic import Field
 
-from opd.config import ConfigError, DataSpec, ModelSpec, Section, Teacher, save_config
+from opd.config import ConfigError, DataSpec, ModelSpec, Section, Teacher, VLLMSpec, save_config
 from opd.data.prompts import JSONL_SUFFIXES, DataError, load_prompts, save_prompts
 from opd.data.templates import InstructionTemplate, apply_template, encode_prompts, parse_template
 from opd.types import Prompt, TokenScores
@@ -146,6 +147,7 @@ def score_prompts(
     seed: int = 0,
     skip_ids: Sequence[str] = (),
     on_batch: Callable[[list[PromptScore]], None] | None = None,
+    generator: Any = None,
 ) -> list[PromptScore]:
     """Per prompt, sample n rollouts from `student` and compute the SPEC §6 metrics of those tokens between the student
     and `teacher` (which must share `tokenizer`'s vocabulary; `score_prompt_file` checks both tokenizers). `teacher`
@@ -158,6 +160,7 @@ def score_prompts(
                 with seed (seed, batch index), which makes a resumed run (`skip_ids`) reproduce an uninterrupted one.
     skip_ids:   prompt ids already scored: not returned, and a batch made only of them is not run.
     on_batch:   called with each batch's new scores as soon as they exist (the command appends them to the file).
+    generator:  the `Generator` of the rollouts (e.g. a vLLM engine of the student); None: `make_generator(student)`.
     Returns the new scores in prompt order; prompts over `max_prompt_length` come back with `skipped` set.
     """
     from opd.models import check_tokenizer_compatibility
@@ -190,7 +193,8 @@ def score_prompts(
     student_scorer = LocalScorer(student, max_tokens_per_batch=score_batch_tokens, vocab_size=vocab.tokenizer_size)
     teacher_scorer = teacher if not isinstance(teacher, torch.nn.Module) else LocalScorer(
         teacher, max_tokens_per_batch=score_batch_tokens, vocab_size=vocab.tokenizer_size)
-    generator = make_generator(student, tokenizer, max_batch_size=batch_size * n, vocab_size=vocab.tokenizer_size)
+    if generator is None:
+        generator = make_generator(student, tokenizer, max_batch_size=batch_size * n, vocab_size=vocab.tokenizer_size)
     device = next(student.parameters()).device
 
     new: dict[str, PromptScore] = {s.id: s for s in too_long}
@@ -364,13 +368,15 @@ class PromptScoreConfig(Section):
                                                   "resume, so keep it when resuming.")
     score_batch_tokens: int = Field(32768, ge=1, description="Token budget of one no-grad scoring forward.")
     seed: int = Field(0, description="Sampling seed (each batch's seed derives from it and the batch index).")
+    engine: Literal["auto", "torch", "static", "vllm"] = Field("auto", description="Engine of the student rollouts (opd.rollout.registry); vllm loads the student itself (needs the vllm extra); the scores stay in-process.")
+    vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
 
 
 # Settings that change the scores: a resumed file must have been written with the same ones. (data.path may move:
 # the prompt ids are checked instead.)
 _RESUME_KEYS = ("student.path", "student.dtype", "teacher.path", "teacher.dtype", "data.prompt_key",
                 "data.id_key", "data.template", "data.enable_thinking", "data.max_prompt_length", "n", "top_k",
-                "temperature", "teacher_temperature", "max_new_tokens", "batch_size", "seed")
+                "temperature", "teacher_temperature", "max_new_tokens", "batch_size", "seed", "engine")
 
 
 def score_prompt_file(config: PromptScoreConfig, *, console: Any = None) -> Path:
@@ -395,6 +401,10 @@ def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
     from opd.models import load_model, load_tokenizer
     from opd.teacher.registry import check_teacher_tokenizer, load_teacher
 
+    if getattr(config.teacher, "engine", "local") == "vllm":
+        raise ValueError("opd prompts score needs the teacher's entropy and its log-probs at the student's top-k, which "
+                         "a vLLM teacher (teacher.engine=vllm) cannot give: use teacher.engine=local or teacher.url "
+                         "(opd serve-teacher)")
     student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
     check_teacher_tokenizer(config.teacher, student_tokenizer)
     data = config.data
@@ -419,10 +429,26 @@ def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
         student, tokenizer = load_model(config.student.path, dtype=config.student.dtype, device=config.student.device,
                                         trust_remote_code=config.student.trust_remote_code,
                                         attn_implementation=config.student.attn_implementation)
-        teacher = load_teacher(config.teacher, student_tokenizer=student_tokenizer,
-                               student_rows=student.get_output_embeddings().weight.shape[0],
-                               student_device=next(student.parameters()).device,
-                               max_tokens_per_batch=config.score_batch_tokens).scorer
+        loaded = load_teacher(config.teacher, student_tokenizer=student_tokenizer,
+                              student_rows=student.get_output_embeddings().weight.shape[0],
+                              student_device=next(student.parameters()).device,
+                              max_tokens_per_batch=config.score_batch_tokens)
+        teacher, vocab = loaded.scorer, loaded.vocab
+        generator = None
+        if config.engine == "vllm":  # the student's rollouts from vLLM; its scores stay with the HF model above
+            from opd.rollout import make_generator
+            from opd.rollout.vllm_engine import EngineOptions
+
+            options = EngineOptions.from_config(config.vllm, dtype=config.student.dtype,
+                                                 trust_remote_code=config.student.trust_remote_code)
+            generator = make_generator(None, tokenizer, engine="vllm", model_path=config.student.path,
+                                       max_batch_size=config.batch_size * config.n, engine_options=options,
+                                       vocab_size=vocab.tokenizer_size)
+        elif config.engine != "auto":
+            from opd.rollout import make_generator
+
+            generator = make_generator(student, tokenizer, engine=config.engine,
+                                       max_batch_size=config.batch_size * config.n, vocab_size=vocab.tokenizer_size)
         with progress_bar(console) as progress:
             task = progress.add_task("opd prompts score", total=todo)
 
@@ -435,7 +461,7 @@ def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
                           max_new_tokens=config.max_new_tokens, max_prompt_length=data.max_prompt_length,
                           enable_thinking=data.enable_thinking, template=data.template, batch_size=config.batch_size,
                           score_batch_tokens=config.score_batch_tokens, seed=config.seed, skip_ids=skip,
-                          on_batch=on_batch)
+                          on_batch=on_batch, generator=generator)
     console.print(summarize_scores(read_scores(out)) + f"\nscores: {out}")
     return out
 

@@ -218,11 +218,22 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
         "mode": "model", "model": model_identity(config),
         **{key: getattr(config, key) for key in ("n", "temperature", "top_p", "top_k", "max_new_tokens", "seed",
                                                  "template", "enable_thinking", "max_prompt_length", "batch_size",
-                                                 "limit", "prompt_key", "answer_key", "on_missing_answer")},
+                                                 "limit", "prompt_key", "answer_key", "on_missing_answer",
+                                                 "engine")},
         "benchmarks": {name: _problems_sha256(prompts) for name, prompts in loaded.items()},
     }
     check_resumable(run_dir, identity)  # before any model is loaded
 
+    if generator is None and config.engine == "vllm":  # vLLM loads the weights itself: no HF copy of the model
+        from opd.models import load_tokenizer
+        from opd.rollout import make_generator
+        from opd.rollout.vllm_engine import EngineOptions
+
+        spec = config.model
+        tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
+        options = EngineOptions.from_config(config.vllm, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
+        generator = make_generator(None, tokenizer, engine="vllm", model_path=spec.path,
+                                   max_batch_size=config.batch_size, engine_options=options)
     if generator is None:
         from opd.models import load_model
         from opd.rollout import make_generator
@@ -234,7 +245,7 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
             trust_remote_code=config.model.trust_remote_code,
             attn_implementation=config.model.attn_implementation,
         )
-        generator = make_generator(model, tokenizer, max_batch_size=config.batch_size)
+        generator = make_generator(model, tokenizer, engine=config.engine, max_batch_size=config.batch_size)
         identity["model"] = model_identity(config)  # a hub id is in the local cache now
 
     problems_per_chunk = max(1, config.batch_size // config.n)

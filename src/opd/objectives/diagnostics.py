@@ -106,6 +106,16 @@ def opd_diagnostics(
     return out
 
 
+def logprobs_on_overlap(ids_BTK: torch.Tensor, topk_ids_BTM: torch.Tensor, topk_logprobs_BTM: torch.Tensor) -> torch.Tensor:
+    """[B, T, K]: the log-prob at ids[b,t,k] where it is one of topk_ids[b,t,:] (taken from topk_logprobs), -inf
+    elsewhere. For a teacher that returns only its own top-k: t at S_t is then known on S_t ∩ T_t, which is all that
+    `opd_diagnostics` reads of `teacher_logprobs_at_student_topk` (every use is gated by the overlap)."""
+    match_BTKM = ids_BTK[..., :, None] == topk_ids_BTM[..., None, :]
+    found_BTK = match_BTKM.any(-1)
+    value_BTK = (match_BTKM.to(topk_logprobs_BTM.dtype) * topk_logprobs_BTM[..., None, :]).sum(-1)
+    return torch.where(found_BTK, value_BTK, torch.full_like(value_BTK, float("-inf")))
+
+
 def opd_diagnostics_from_scores(
     student: TokenScores, teacher: TokenScores, response_mask: torch.Tensor, *, chunk_size: int = 1024
 ) -> dict[str, torch.Tensor]:

@@ -7,6 +7,8 @@ engine module imports another, and engines with heavy optional dependencies (vLL
 Names:
     torch   `TorchGenerator`: any Hugging Face causal LM, CPU or GPU, the trainer's own module
     static  `StaticGenerator`: static KV cache + continuous batching + CUDA graphs, Llama / Qwen2 / Qwen3 layouts
+    vllm    `VLLMGenerator`: an in-process vLLM engine that loads `model_path` itself; with `model` (the trainer's
+            module) it pushes the weights into the engine at `sync_weights` (needs the vllm extra)
     auto    static on CUDA when the model's layout is supported (`static_engine.unsupported_reason`), else torch
 """
 
@@ -124,3 +126,40 @@ def _static(request: EngineRequest) -> Generator:
     from opd.rollout.static_engine import StaticGenerator
 
     return StaticGenerator(request.model, **_hf_arguments(request))
+
+
+@register("vllm")
+def _vllm(request: EngineRequest) -> Generator:
+    """options: `engine_options` (an `EngineOptions`), `weights_fn` (full weights for the sync under torchrun) and
+    `eos_token_ids` (else from the tokenizer and the model directory's configs)."""
+    from opd.rollout.vllm_engine import EngineOptions, VLLMGenerator
+
+    if request.model_path is None:
+        raise ValueError("engine 'vllm' loads the model itself and needs its path (model_path)")
+    options = dict(request.options)
+    eos = options.pop("eos_token_ids", None)
+    if eos is None:
+        eos = _eos_ids_from_path(request.model_path, request.tokenizer, request.model)
+    engine_options = options.pop("engine_options", None) or EngineOptions()
+    return VLLMGenerator(request.model_path, eos_token_ids=eos, max_batch_size=request.max_batch_size,
+                         vocab_size=request.vocab_size or len(request.tokenizer), options=engine_options,
+                         module=request.model, weights_fn=options.pop("weights_fn", None), **options)
+
+
+def _eos_ids_from_path(path: str, tokenizer: Any, model: torch.nn.Module | None) -> list[int]:
+    """`opd.models.eos_token_ids` from the in-process model when there is one, else from the directory's config and
+    generation config (no weights loaded)."""
+    from types import SimpleNamespace
+
+    from opd.models import eos_token_ids
+
+    if model is None:
+        from transformers import AutoConfig, GenerationConfig
+
+        config = AutoConfig.from_pretrained(path)
+        try:
+            generation = GenerationConfig.from_pretrained(path)
+        except OSError:  # no generation_config.json
+            generation = None
+        model = SimpleNamespace(config=config, generation_config=generation)
+    return eos_token_ids(model, tokenizer)

@@ -35,12 +35,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import numpy as np
 from pydantic import Field, model_validator
 
-from opd.config import DataSpec, ModelSpec, Section, check_same_work, flatten_dotted, save_config
+from opd.config import DataSpec, ModelSpec, Section, VLLMSpec, check_same_work, flatten_dotted, save_config
 from opd.io import append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
 
 if TYPE_CHECKING:  # opd.types imports torch; the CLI imports this module for RolloutConfig and must start fast
@@ -82,18 +82,23 @@ class RolloutConfig(Section):
     devices: list[str] | None = Field(None, description="One device per worker (e.g. [cuda:0, cuda:1]); None: cuda:0..N-1 when CUDA is there and model.device is auto/cuda, else model.device for all.")
     llamafactory: bool = Field(False, description="Also write llamafactory/<dataset_name>.json (sharegpt) and dataset_info.json.")
     dataset_name: str = Field("opd_rollout", min_length=1, description="Dataset name in LlamaFactory's dataset_info.json and the file name.")
+    engine: Literal["torch", "vllm"] = Field("torch", description="Generation engine (opd.rollout.registry): torch | vllm (loads the model itself, one worker; needs the vllm extra).")
+    vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
 
     @model_validator(mode="after")
     def _devices_match_workers(self) -> "RolloutConfig":
         if self.devices is not None and len(self.devices) != self.num_workers:
             raise ValueError(f"devices lists {len(self.devices)} devices but num_workers is {self.num_workers}; "
                              f"give one device per worker")
+        if self.engine == "vllm" and self.num_workers != 1:
+            raise ValueError(f"engine=vllm runs one in-process engine: num_workers must be 1, got {self.num_workers}")
         return self
 
 
 # Keys that may change between a run and its resumption: they do not change what a finished prompt's samples are.
 _RESUMABLE_KEYS = {"out", "num_workers", "devices", "batch_size", "model.device", "llamafactory", "dataset_name",
-                   "grade_timeout"}
+                   "grade_timeout", "vllm.gpu_memory_utilization", "vllm.kv_cache_gb", "vllm.enforce_eager",
+                   "vllm.sleep"}
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -339,6 +344,14 @@ def _load_teacher(config: RolloutConfig, device: str) -> tuple[Any, Any]:
     from opd.rollout import make_generator
 
     spec = config.model
+    if config.engine == "vllm":  # vLLM loads the weights itself: no HF copy of the model
+        from opd.models import load_tokenizer
+        from opd.rollout.vllm_engine import EngineOptions
+
+        tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
+        options = EngineOptions.from_config(config.vllm, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
+        return make_generator(None, tokenizer, engine="vllm", model_path=spec.path, max_batch_size=config.batch_size,
+                              engine_options=options), tokenizer
     model, tokenizer = load_model(spec.path, dtype=spec.dtype, device=device, trust_remote_code=spec.trust_remote_code,
                                   attn_implementation=spec.attn_implementation)
     generator = make_generator(model, tokenizer, engine="torch", max_batch_size=config.batch_size)

@@ -4,6 +4,8 @@ Every command that scores with a teacher (`opd distill`, `opd prompts score`) as
 one branch here and one module beside it, all implementing `opd.teacher.base.TeacherScorer`:
     local   an in-process Hugging Face model (`LocalScorer`), on the student's GPU, another GPU or the CPU
     served  `teacher.url`: an `opd serve-teacher` on another GPU or host, or several replicas (`RemoteScorer`)
+    vllm    an in-process vLLM engine scoring with prompt_logprobs (`VLLMScorer`): sampled-token and the teacher's own
+            top-k only (`opd.teacher.vllm_scorer.check_objective`); needs the vllm extra
 
 The tokenizer check (SPEC §1: the teacher scores the student's token ids) happens here for every placement, with the
 same one-line error.
@@ -65,10 +67,25 @@ def teacher_device(spec: ModelSpec, student_device: torch.device, world_size: in
     return "auto"
 
 
+def check_teacher_serves(spec: ModelSpec, objective: Any) -> None:
+    """Cheap, before any model loads: a one-line error when the teacher's engine cannot give what `objective` (an
+    `ObjectiveSpec`) needs. The local scorer serves everything."""
+    if getattr(spec, "engine", "local") == "vllm":
+        from opd.rollout.vllm_engine import vllm_available
+        from opd.teacher.vllm_scorer import check_objective
+
+        if not vllm_available():
+            raise ValueError("teacher.engine=vllm needs the vllm package (README: vLLM); or use teacher.engine=local")
+        check_objective(objective)
+
+
 def load_teacher(spec: ModelSpec, *, student_tokenizer: Any, student_rows: int, student_device: torch.device,
-                 world_size: int = 1, offload: bool = False, max_tokens_per_batch: int = 32768) -> Teacher:
+                 world_size: int = 1, offload: bool = False, max_tokens_per_batch: int = 32768,
+                 objective: Any = None, max_batch_size: int = 256) -> Teacher:
     """Build the teacher `spec` describes. offload: keep an in-process teacher on the CPU (the trainer moves it to
-    the GPU while it scores). max_tokens_per_batch: the scorer's forward budget."""
+    the GPU while it scores). max_tokens_per_batch: the scorer's forward budget. objective: the `ObjectiveSpec` the
+    scores are for (a vLLM teacher checks it can serve it once its engine runs); max_batch_size: rows a vLLM teacher
+    scores together."""
     from opd.models import check_tokenizer_compatibility, load_model, resolve_device, resolve_dtype
     from opd.teacher.local import LocalScorer
 
@@ -78,6 +95,10 @@ def load_teacher(spec: ModelSpec, *, student_tokenizer: Any, student_rows: int, 
         scorer = remote_scorer(spec)
         return Teacher(scorer=scorer, module=None, vocab=scorer.check_tokenizer(student_tokenizer,
                                                                                 student_rows=student_rows))
+    if getattr(spec, "engine", "local") == "vllm":
+        return _load_vllm_teacher(spec, student_tokenizer=student_tokenizer, student_rows=student_rows,
+                                  objective=objective, max_batch_size=max_batch_size)
+
     device = teacher_device(spec, student_device, world_size)
     dtype = resolve_dtype(spec.dtype, resolve_device(device))
     module, tokenizer = load_model(spec.path, dtype=dtype, device="cpu" if offload else device,
@@ -88,3 +109,23 @@ def load_teacher(spec: ModelSpec, *, student_tokenizer: Any, student_rows: int, 
     # ids beyond the tokenizer are embedding padding rows: never a top-k candidate (SPEC §1)
     scorer = LocalScorer(module, max_tokens_per_batch=max_tokens_per_batch, vocab_size=vocab.tokenizer_size)
     return Teacher(scorer=scorer, module=module, vocab=vocab)
+
+
+def _load_vllm_teacher(spec: ModelSpec, *, student_tokenizer: Any, student_rows: int, objective: Any,
+                       max_batch_size: int) -> Teacher:
+    from opd.models import check_tokenizer_compatibility, load_tokenizer
+    from opd.rollout.vllm_engine import EngineOptions, config_rows
+    from opd.teacher.vllm_scorer import VLLMScorer, check_objective
+
+    tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
+    vocab = check_tokenizer_compatibility(student_tokenizer, tokenizer, student_vocab_size=student_rows,
+                                          teacher_vocab_size=config_rows(spec.path,
+                                                                         trust_remote_code=spec.trust_remote_code))
+    options = EngineOptions.from_config(getattr(spec, "vllm", None), dtype=spec.dtype,
+                                        trust_remote_code=spec.trust_remote_code)
+    top_k = max(16, getattr(objective, "top_k", 0) or 0)  # the trainer's diagnostics look at a top-16 support
+    scorer = VLLMScorer(spec.path, vocab_size=vocab.tokenizer_size, options=options, max_top_k=top_k,
+                        max_batch_size=max_batch_size)
+    if objective is not None:
+        check_objective(objective, serves_requested_ids=scorer.serves_requested_ids)
+    return Teacher(scorer=scorer, module=None, vocab=vocab)

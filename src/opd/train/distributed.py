@@ -181,6 +181,16 @@ def full_state_dict(model: torch.nn.Module, info: DistInfo) -> dict[str, torch.T
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def all_full_weights(model: torch.nn.Module, info: DistInfo) -> dict[str, torch.Tensor]:
+    """Full (unsharded) weights on every rank, on the rank's device: each rank's own inference engine (vLLM) loads
+    them. Every rank must call it (it all-gathers). The module's own state dict for world size 1."""
+    if info.world_size == 1:
+        return dict(model.state_dict())
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+
+
 def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> dict:
     """The optimizer state: `optimizer.state_dict()` for world size 1 (unchanged format); otherwise the full,
     parameter-name-keyed state on rank 0 (empty elsewhere). Every rank must call it."""

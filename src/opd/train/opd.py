@@ -148,8 +148,10 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     teacher_call = None
     if tr.teacher_scorer is not None:
         with _timed(timings, "teacher"), _on_device(tr.teacher, device if cfg.teacher_offload else None):
-            teacher_call = start_scoring(tr.teacher_scorer, rollouts, top_k=diag_k, requested_ids=student.topk_ids,
-                                    temperature=obj.teacher_temperature)
+            serves_ids = getattr(tr.teacher_scorer, "serves_requested_ids", True)  # vLLM: only its own top-k
+            teacher_call = start_scoring(tr.teacher_scorer, rollouts, top_k=diag_k,
+                                         requested_ids=student.topk_ids if serves_ids else None,
+                                         temperature=obj.teacher_temperature)
     texts, correct = _grade_rollouts(tr, rollouts, indices)
     if teacher_call is not None:
         with _timed(timings, "teacher"):
@@ -175,7 +177,8 @@ def opd_step(tr: Trainer) -> dict[str, float]:
         k = obj.top_k
         candidate_ids_BTJ, valid_BTJ = build_candidates(student.topk_ids[..., :k], teacher.topk_ids[..., :k], mask_BT, obj.strategy)
         old_lp_BTJ, teacher_lp_BTJ = gather_candidate_logprobs(
-            obj.strategy, student.topk_logprobs[..., :k], teacher.requested_logprobs[..., :k],
+            obj.strategy, student.topk_logprobs[..., :k],
+            None if teacher.requested_logprobs is None else teacher.requested_logprobs[..., :k],  # None: only_tch
             teacher.topk_logprobs[..., :k], None if student_at_teacher_BTK is None else student_at_teacher_BTK[..., :k],
         )
         rewards_BTJ, _ = candidate_rewards(old_lp_BTJ, teacher_lp_BTJ, valid_BTJ, strategy=obj.strategy, weight=obj.weight)
@@ -249,13 +252,21 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     if tis_BT is not None:
         metrics.update(is_metrics)
     if teacher is not None:
+        from opd.objectives.diagnostics import logprobs_on_overlap
+
+        teacher_at_student_BTK = teacher.requested_logprobs
+        if teacher_at_student_BTK is None:  # a teacher serving only its own top-k: the diagnostics need S_t ∩ T_t
+            teacher_at_student_BTK = logprobs_on_overlap(student.topk_ids, teacher.topk_ids, teacher.topk_logprobs)
         metrics.update(opd_diagnostics(
             student_topk_ids=student.topk_ids, student_topk_logprobs=student.topk_logprobs,
             teacher_topk_ids=teacher.topk_ids, teacher_topk_logprobs=teacher.topk_logprobs,
-            teacher_logprobs_at_student_topk=teacher.requested_logprobs, student_entropy=student.entropy,
+            teacher_logprobs_at_student_topk=teacher_at_student_BTK, student_entropy=student.entropy,
             teacher_entropy=teacher.entropy, response_mask=mask_BT,
         ))
         metrics.update(_seq_reward_metrics(student, teacher, mask_BT, correct))
+    if rollouts.rollout_logprobs is not None:  # engine vs trainer: what truncated importance weights correct
+        gap_BT = (student.sampled_logprobs - rollouts.rollout_logprobs).abs()
+        metrics["rollout_logprob_abs_diff"] = (gap_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)
     lengths = mask_BT.sum(-1).float()
     metrics.update(response_length=lengths.mean(), truncation_rate=rollouts.truncated.float().mean())
     if correct is not None:
@@ -320,6 +331,8 @@ def distill(config: DistillConfig, *, console: Any = None) -> Path:
         tr = setup(config, run_dir, checkpoint=resume_checkpoint(run_dir, config.run, console, config),
                    console=console, dist=info)
         train(tr, console=console)
+        if callable(getattr(tr.generator, "close", None)):  # vLLM: its groups go before the process group they live in
+            tr.generator.close()
     destroy_distributed(info)
     return run_dir
 
@@ -408,7 +421,7 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     from opd.rollout import make_generator
     from opd.rollout.registry import check_generation_fits
     from opd.teacher.local import LocalScorer
-    from opd.teacher.registry import check_teacher_tokenizer, load_teacher
+    from opd.teacher.registry import check_teacher_serves, check_teacher_tokenizer, load_teacher
     from opd.train.distributed import shard_model
     from opd.train.optim import build_optimizer, build_scheduler
     from opd.train.sampler import PromptSampler
@@ -443,6 +456,9 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
     if config.teacher is not None:
         check_teacher_tokenizer(config.teacher, student_tokenizer)
+        check_teacher_serves(config.teacher, obj)
+    if config.rollout.engine == "vllm":
+        _check_vllm_rollouts(config, console)
     prompts = load_prompts(
         config.data.path, prompt_key=config.data.prompt_key, answer_key=config.data.answer_key,
         id_key=config.data.id_key, split=config.data.split, limit=config.data.limit,
@@ -483,7 +499,8 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     if config.teacher is not None:
         loaded = load_teacher(config.teacher, student_tokenizer=student_tokenizer, student_rows=student_rows,
                               student_device=device, world_size=dist.world_size, offload=config.teacher_offload,
-                              max_tokens_per_batch=config.score_batch_tokens)
+                              max_tokens_per_batch=config.score_batch_tokens, objective=obj,
+                              max_batch_size=config.rollout.batch_size)
         teacher, teacher_scorer, vocab = loaded.module, loaded.scorer, loaded.vocab
     # ids beyond the tokenizer are embedding padding rows: never sampled, never a top-k candidate (SPEC §1)
     vocab_size = vocab.tokenizer_size
@@ -493,7 +510,8 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
                                      through_root=dist.world_size > 1)
     generator = make_generator(student, tokenizer, max_batch_size=config.rollout.batch_size, vocab_size=vocab_size,
                                max_batch_tokens=config.rollout.max_batch_tokens,
-                               engine=config.rollout.engine if dist.world_size == 1 else "torch")
+                               engine=config.rollout.engine if dist.world_size == 1 or config.rollout.engine == "vllm"
+                               else "torch", **_vllm_engine_arguments(config, student_path, student, dist))
     rollout_model = rollout_generator = None
     if config.rollout.overlap:  # a snapshot the background rollouts read while the student is updated
         rollout_model, rollout_generator = overlap_generator(student, tokenizer, config, vocab_size, autocast_dtype)
@@ -590,6 +608,43 @@ class _FullStateOptimizer:
 # -------------------------------------------------------------------------------------------------- helpers
 
 
+VLLM_TIS_CAP = 2.0  # the cap recommended at start-up (verl's truncated importance sampling default)
+
+
+def _check_vllm_rollouts(config: DistillConfig, console: Any) -> None:
+    """rollout.engine=vllm: the package is there, its log-probs are comparable, and a word on importance weights."""
+    from opd.rollout.vllm_engine import vllm_available
+
+    if not vllm_available():
+        raise ValueError("rollout.engine=vllm needs the vllm package (README: vLLM); or use rollout.engine=auto")
+    if config.objective.tis_cap is not None and config.rollout.top_p < 1:
+        raise ValueError(f"objective.tis_cap needs full-vocabulary rollout log-probs, but vLLM reports them after "
+                         f"top-p filtering: set rollout.top_p=1 (got {config.rollout.top_p}) or rollout.engine=torch")
+    if console is not None and config.objective.tis_cap is None:
+        console.print(f"rollout.engine=vllm: rollouts come from another engine than the trainer; their log-prob gap "
+                      f"is logged as rollout_logprob_abs_diff, and no importance weights correct it (objective."
+                      f"tis_cap unset, the paper's recipe); set objective.tis_cap={VLLM_TIS_CAP} to truncate them")
+
+
+def _vllm_engine_arguments(config: DistillConfig, student_path: str, student: torch.nn.Module,
+                           dist: DistInfo) -> dict:
+    """make_generator's extra arguments for rollout.engine=vllm: the path vLLM loads, its options, and under torchrun
+    the full weights every rank's engine is synced with."""
+    if config.rollout.engine != "vllm":
+        return {}
+    from opd.rollout.vllm_engine import EngineOptions
+
+    options = EngineOptions.from_config(config.rollout.vllm, dtype=config.student.dtype,
+                                        trust_remote_code=config.student.trust_remote_code)
+    arguments: dict[str, Any] = dict(model_path=student_path, engine_options=options)
+    if dist.world_size > 1:
+        from opd.train.distributed import all_full_weights
+
+        arguments["weights_fn"] = lambda: all_full_weights(student, dist)
+    return arguments
+
+
+
 def _step_seed(seed: int, step: int, rank: int = 0) -> int:
     """The rollout seed of a step; each rank samples with its own (rank 0's equals the single-process seed)."""
     return (seed * 1_000_003 + step * 7919 + 17 + rank * 104_729) % (2**31)
@@ -602,7 +657,9 @@ def _sampling_params(cfg: DistillConfig, step: int, rank: int):
     return SamplingParams(
         n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens, seed=_step_seed(cfg.run.seed, step, rank),
-        return_logprobs=cfg.objective.tis_cap is not None,
+        # vLLM's log-probs are always kept when they are the full-vocabulary ones (top_p = 1): the engine-vs-trainer
+        # gap is logged every step (rollout_logprob_abs_diff)
+        return_logprobs=cfg.objective.tis_cap is not None or (cfg.rollout.engine == "vllm" and cfg.rollout.top_p == 1),
     )
 
 

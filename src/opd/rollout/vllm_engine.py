@@ -1,0 +1,326 @@
+"""`VLLMGenerator`: the `Generator` protocol over a vLLM engine running in this process, with weight sync.
+
+vLLM loads the model from its directory itself (`model_path`); the trainer's module, when given, is only the source
+of `sync_weights`. Engines know token ids only: prompts go in as `TokensPrompt`s and vLLM's tokenizer is never
+loaded (`skip_tokenizer_init`), so EOS handling is ours: the EOS ids are passed as `stop_token_ids`.
+
+The contract of `opd.rollout.base` and how it is met:
+- n samples per prompt, prompt-major; each prompt gets its own seed derived from `params.seed` and its index (one
+  seed for all prompts would give every prompt the same random stream). vLLM seeds sample i of a request with
+  seed + i, so a seed reproduces the outputs; they differ from the torch engine's, which draws from one generator.
+- "stop" when a sample ended on an EOS id (kept in the response, vLLM checks EOS before the length cap, as we do),
+  "length" when it reached `max_new_tokens`; with `stop_at_eos=False` EOS is ignored (`ignore_eos`).
+- ids ≥ `vocab_size` (embedding padding rows) are never sampled: `allowed_token_ids` masks them, and only when the
+  model has such rows (a `masked_fill_` of the logits per step).
+- log-probs: vLLM's `processed_logprobs` mode, i.e. log_softmax of the logits after the vocabulary mask and the
+  temperature — SPEC §1's s(y_t), the torch engine's value — and, at temperature 0, the unscaled log_softmax. vLLM
+  computes them *after* top-k / top-p filtering (renormalised over the kept tokens, `Sampler.sample`); no mode gives
+  the full-vocabulary value under filtering, so `return_logprobs` with top_k > 0 or top_p < 1 raises instead of
+  returning a different quantity. OPD samples with top_p = 1 and top_k = 0 (the default), where the two agree.
+
+Weight sync (`sync_weights`, after every optimizer step): the full state dict, a tied `lm_head.weight` included (the
+CPU build repacks the head separately: leaving it out drifted log-probs by up to 0.28), goes through
+`collective_rpc("reload_weights")` into the running engine; then the prefix cache is reset (a cached prompt prefix
+holds keys and values of the old weights). Under torchrun each rank runs its own in-process engine (tensor-parallel
+size 1, a full copy of the weights; on CPU with gloo tested by tests/test_vllm_commands.py) and gets the full weights
+from `weights_fn` (the trainer all-gathers them every step, `opd.train.distributed.all_full_weights`). Tensor-
+parallel engines spanning ranks (vLLM's `external_launcher`) are not supported.
+
+Memory: on CPU the KV cache is `kv_cache_gb` (default 1 GiB: vLLM's own default reserves 0.92 × RAM); on GPU
+`gpu_memory_utilization` bounds it, and with `sleep` the engine's weights and KV cache are offloaded (level 1) from
+the end of a `generate` call to the next `sync_weights`, so the trainer's scoring and update have the memory.
+
+Environment (set before vLLM is imported, only when unset): `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine and worker in
+this process: ~5 s start-up for the lab models against 30–50 s, and weights can be passed as tensors),
+`VLLM_CACHE_ROOT` in a temporary directory (nothing lands in ~/.cache/vllm), `VLLM_LOGGING_LEVEL=ERROR`.
+Threads: the CPU worker replaces
+`torch.set_num_threads` with a no-op for the whole process (it guards the OpenMP binding of its own worker
+processes, which an in-process engine does not have); we put the original back, and the engine uses the threads
+the process had when it started — set them first.
+
+Omitted: multiprocess mode (weights would go through files under /dev/shm), tensor/pipeline parallelism inside one
+engine, LoRA syncs (the merged weights are pushed), stop strings, and speculative decoding.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import torch
+
+from opd.rollout.base import GenerationOutput, SamplingParams
+
+DEFAULT_CPU_KV_CACHE_GB = 1.0
+
+
+def vllm_available() -> bool:
+    """Whether `import vllm` would work (without importing it: that takes ~20 s)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _import_vllm() -> Any:
+    if not vllm_available():
+        raise ValueError("engine 'vllm' needs the vllm package: pip install -e .[vllm] (GPU) or see README "
+                         "'vLLM' for the CPU build; or choose the torch engine")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="opd-vllm-cache-"))
+    # its INFO lines would drown our progress output, and with skip_tokenizer_init it warns (with a traceback) that
+    # its chat-template warm-up has no tokenizer; VLLM_LOGGING_LEVEL=INFO shows everything again
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    import vllm
+
+    return vllm
+
+
+@dataclass
+class EngineOptions:
+    """How a vLLM engine is started (the `VLLMSpec` config section, see `opd.config`).
+
+    dtype:                  auto | fp32 | bf16 | fp16 (auto: fp32 on CPU, bf16 on GPU, as `opd.models.resolve_dtype`)
+    gpu_memory_utilization: GPU: fraction of the GPU's memory the engine may take, in (0, 1]
+    kv_cache_gb:            KV-cache size in GiB; None: DEFAULT_CPU_KV_CACHE_GB on CPU, by utilization on GPU
+    enforce_eager:          no torch.compile / CUDA graphs; None: on for CPU (compiling takes ~100 s there)
+    sleep:                  offload the engine between `generate` and the next `sync_weights`; None: on for a
+                            colocated trainer where the platform supports it (not on CPU)
+    max_model_len:          longest prompt + response; None: the model's `max_position_embeddings`
+    trust_remote_code:      allow custom model code from the hub
+    """
+
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.3
+    kv_cache_gb: float | None = None
+    enforce_eager: bool | None = None
+    sleep: bool | None = None
+    max_model_len: int | None = None
+    trust_remote_code: bool = False
+
+    @classmethod
+    def from_config(cls, spec: Any, **overrides: Any) -> "EngineOptions":
+        """From a `VLLMSpec` (or None: the defaults), plus model-level fields (dtype, trust_remote_code)."""
+        fields = {} if spec is None else {k: getattr(spec, k) for k in
+                                          ("gpu_memory_utilization", "kv_cache_gb", "enforce_eager", "sleep",
+                                           "max_model_len")}
+        return cls(**fields, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def start_engine(model_path: str, options: EngineOptions, *, max_num_seqs: int = 256, max_logprobs: int = 20,
+                 logprobs_mode: str = "processed_logprobs", enable_sleep_mode: bool = False) -> Any:
+    """A `vllm.LLM` for `model_path` in this process (see the module docstring for the environment it sets)."""
+    vllm = _import_vllm()
+    from vllm.platforms import current_platform
+
+    cpu = current_platform.is_cpu()
+    dtype = options.dtype
+    if dtype == "auto":
+        dtype = "fp32" if cpu else "bf16"
+    names = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+             "fp16": "float16", "float16": "float16"}
+    if dtype not in names:
+        raise ValueError(f"vLLM dtype must be one of auto, fp32, bf16, fp16, got {options.dtype!r}")
+    kv_gb = options.kv_cache_gb if options.kv_cache_gb is not None else (DEFAULT_CPU_KV_CACHE_GB if cpu else None)
+    kwargs: dict[str, Any] = dict(
+        model=str(model_path), dtype=names[dtype], skip_tokenizer_init=True, seed=0,
+        enforce_eager=cpu if options.enforce_eager is None else options.enforce_eager,
+        max_num_seqs=max_num_seqs, max_logprobs=max_logprobs, logprobs_mode=logprobs_mode,
+        trust_remote_code=options.trust_remote_code, enable_sleep_mode=enable_sleep_mode,
+    )
+    if options.max_model_len is not None:
+        kwargs["max_model_len"] = options.max_model_len
+    if kv_gb is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
+    else:
+        kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+    set_num_threads = torch.set_num_threads
+    try:
+        llm = vllm.LLM(**kwargs)
+    finally:
+        torch.set_num_threads = set_num_threads  # see the module docstring (Threads)
+    return llm
+
+
+def sleep_supported() -> bool:
+    """Whether the platform can offload a sleeping engine (CUDA builds; the CPU worker ignores `sleep`)."""
+    from vllm.platforms import current_platform
+
+    return bool(getattr(current_platform, "is_sleep_mode_available", lambda: False)())
+
+
+def model_rows(llm: Any) -> int:
+    """Rows of the engine model's output layer (its config's vocab_size)."""
+    config = llm.llm_engine.vllm_config.model_config.hf_config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.vocab_size)
+
+
+def config_rows(model_path: str, *, trust_remote_code: bool = False) -> int:
+    """Rows of a model directory's output layer, from its config (no weights loaded)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.vocab_size)
+
+
+def full_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """`weights` (default: the module's state dict) with the output embedding under `lm_head.weight` even when it is
+    tied to the input embedding and the dict names it once (vLLM's CPU build needs it, see the module docstring)."""
+    weights = dict(module.state_dict() if weights is None else weights)
+    if "lm_head.weight" in weights or not getattr(getattr(module, "config", None), "tie_word_embeddings", False):
+        return weights
+    embedding = module.get_input_embeddings().weight
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        if parameter is embedding and name in weights:
+            weights["lm_head.weight"] = weights[name]
+            break
+    return weights
+
+
+def push_weights(llm: Any, weights: dict[str, torch.Tensor], *, include_lm_head: bool = True,
+                 reset_prefix_cache: bool = True) -> None:
+    """Load `weights` (HF names, any device) into the running engine in place. The two switches exist so a test can
+    show that each step is needed (tests/test_vllm_engine.py); production always uses both."""
+    items = [(name, tensor.detach()) for name, tensor in weights.items()
+             if include_lm_head or not name.startswith("lm_head.")]
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+    if reset_prefix_cache:
+        llm.reset_prefix_cache()
+
+
+def _prompt_seed(seed: int, prompt: int) -> int:
+    """The seed of prompt `prompt`'s request (vLLM seeds its n samples with seed, seed + 1, …)."""
+    return (seed * 1_000_003 + prompt * 104_729 + 7) % (2**31)
+
+
+class VLLMGenerator:
+    """The `Generator` protocol over an in-process vLLM engine.
+
+    model_path:     the model's directory or hub id; vLLM loads the weights itself
+    eos_token_ids:  ids that end a sample (see `opd.models.eos_token_ids`)
+    vocab_size:     ids ≥ vocab_size are never sampled; None: all of the model's rows
+    max_batch_size: most sequences the engine runs together (vLLM's max_num_seqs), ≥ 1
+    options:        `EngineOptions` (dtype, memory, eager, sleep, max length)
+    module:         the trainer's model whose weights `sync_weights` pushes; None: no sync (evaluation, rollout)
+    weights_fn:     returns the full weights to push (under torchrun: all-gathered on every rank); None:
+                    `full_weights(module)`
+    """
+
+    def __init__(self, model_path: str, *, eos_token_ids: Sequence[int], vocab_size: int | None = None,
+                 max_batch_size: int = 64, options: EngineOptions | None = None,
+                 module: torch.nn.Module | None = None,
+                 weights_fn: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"VLLMGenerator max_batch_size must be an integer ≥ 1, got {max_batch_size!r}")
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError(f"VLLMGenerator vocab_size must be None or ≥ 1, got {vocab_size!r}")
+        options = options or EngineOptions()
+        self.eos_token_ids = [int(i) for i in eos_token_ids]
+        self.module = module
+        self.weights_fn = weights_fn
+        _import_vllm()
+        wants_sleep = module is not None if options.sleep is None else options.sleep
+        self.sleeps = bool(wants_sleep) and sleep_supported()
+        self.llm = start_engine(model_path, options, max_num_seqs=max_batch_size, enable_sleep_mode=self.sleeps)
+        rows = model_rows(self.llm)
+        if vocab_size is not None and vocab_size > rows:
+            raise ValueError(f"VLLMGenerator vocab_size={vocab_size} exceeds the model's {rows} output rows")
+        self.vocab_size = vocab_size
+        # only when there are padding rows: the mask costs a masked_fill_ of the logits per step
+        self._allowed = list(range(vocab_size)) if vocab_size is not None and vocab_size < rows else None
+        self._asleep = False
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *,
+                 max_new_tokens_per_sample: Sequence[int] | None = None) -> GenerationOutput:
+        """n samples for each of P prompts, prompt-major (see `GenerationOutput`). max_new_tokens_per_sample: one
+        length limit per sample (prompt-major, each ≤ params.max_new_tokens; benchmarks): each sample is then its own
+        request (n = 1, seeded per sample), so the draws differ from those of one n-sample request."""
+        from vllm import TokensPrompt
+
+        from opd.rollout.hf_model import check_request
+
+        for i, prompt in enumerate(prompt_ids):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if params.stop_at_eos and not self.eos_token_ids:
+            raise ValueError("stop_at_eos=True but no EOS id is known; pass eos_token_ids to VLLMGenerator")
+        filtered = params.temperature > 0 and (params.top_k > 0 or params.top_p < 1)
+        if params.return_logprobs and filtered:
+            raise ValueError(
+                f"engine vllm reports log-probs after top-k/top-p filtering (renormalised), not over the full "
+                f"vocabulary (SPEC §1): with return_logprobs use top_p=1 and top_k=0 (got top_p={params.top_p}, "
+                f"top_k={params.top_k}), or the torch engine")
+        self._wake()
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompt_ids]
+        if max_new_tokens_per_sample is None:
+            requests = [self._request(params, p) for p in range(len(prompt_ids))]
+        else:  # one request per sample with its own length
+            caps = check_request(prompt_ids, params, self.eos_token_ids, max_new_tokens_per_sample)
+            prompts = [prompt for prompt in prompts for _ in range(params.n)]
+            requests = [self._request(replace(params, n=1, max_new_tokens=cap), row) for row, cap in enumerate(caps)]
+            params = replace(params, n=1)
+        results = self.llm.generate(prompts, requests, use_tqdm=False)
+        if self.sleeps and self.module is not None:
+            self.llm.sleep(level=1)  # the trainer scores and updates next; `sync_weights` wakes the engine
+            self._asleep = True
+
+        responses: list[list[int]] = []
+        reasons: list[str] = []
+        logprobs: list[list[float]] = []
+        copies = params.n if params.temperature == 0 else 1  # vLLM decodes a greedy prompt once (n must be 1)
+        for result in results:
+            samples = sorted(result.outputs, key=lambda c: c.index) * copies
+            if len(samples) != params.n:
+                raise RuntimeError(f"vLLM returned {len(samples)} samples for a prompt, expected {params.n}")
+            for sample in samples:
+                if sample.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM finished a sample with {sample.finish_reason!r}")
+                ids = [int(t) for t in sample.token_ids]
+                responses.append(ids)
+                reasons.append("stop" if sample.finish_reason == "stop" else "length")
+                if params.return_logprobs:
+                    logprobs.append([float(sample.logprobs[t][token].logprob) for t, token in enumerate(ids)])
+        group_size = len(responses) // max(1, len(prompt_ids))
+        return GenerationOutput(
+            response_ids=responses, finish_reasons=reasons,
+            group_ids=[p for p in range(len(prompt_ids)) for _ in range(group_size)],
+            logprobs=logprobs if params.return_logprobs else None,
+        )
+
+    def _request(self, params: SamplingParams, prompt: int) -> Any:
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        return VLLMSamplingParams(
+            n=1 if params.temperature == 0 else params.n, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=params.max_new_tokens, seed=None if params.seed is None else _prompt_seed(params.seed, prompt),
+            logprobs=0 if params.return_logprobs else None, detokenize=False,
+            stop_token_ids=self.eos_token_ids if params.stop_at_eos else None, ignore_eos=not params.stop_at_eos,
+            allowed_token_ids=self._allowed,
+        )
+
+    def sync_weights(self, *, include_lm_head: bool = True, reset_prefix_cache: bool = True) -> None:
+        """Push the trainer's current weights into the engine (see the module docstring). No-op without a module."""
+        if self.module is None and self.weights_fn is None:
+            return
+        gathered = self.weights_fn() if self.weights_fn is not None else None
+        weights = full_weights(self.module, gathered) if self.module is not None else gathered
+        if self._asleep:
+            self.llm.wake_up(tags=["weights"])  # the KV cache stays released until the weights are in
+        push_weights(self.llm, weights, include_lm_head=include_lm_head, reset_prefix_cache=False)
+        self._wake()
+        if reset_prefix_cache:
+            self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut the engine down now (idempotent; otherwise at exit). Under torchrun call it before the process group
+        is destroyed: vLLM's shutdown tears down its own groups, which need it."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False

@@ -147,7 +147,9 @@ def _engine(model, engine: str, args, rows: int):
 
 
 def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path, autocast_dtype, variant: dict):
-    from opd.config import DataSpec, DistillConfig, ModelSpec, ObjectiveSpec, OptimSpec, RunSpec, SamplingSpec
+    from opd.config import (
+        DataSpec, DistillConfig, ModelSpec, ObjectiveSpec, OptimSpec, RunSpec, SamplingSpec, TeacherSpec,
+    )
     from opd.teacher.local import LocalScorer
     from opd.train.opd import Trainer, rollout_snapshot
     from opd.train.optim import build_optimizer, build_scheduler

@@ -110,6 +110,21 @@ def build_world(root: Path) -> dict[str, str]:
     w["empty_content"] = _jsonl(root / "empty-content.jsonl", rows)
     w["id_prompts"] = _jsonl(root / "id-prompts.jsonl", [
         {"id": f"q-{k}", "question": f"What is {k} + {k}?", "answer": str(2 * k)} for k in range(4)])
+    # ground truths and run directories that other parts of issue 12 made errors (safety, evalgrade)
+    rows = _prompt_rows()
+    rows[2]["reward_model"]["ground_truth"] = None
+    w["null_answers"] = _jsonl(root / "null-answers.jsonl", rows)
+    rows = _prompt_rows()
+    rows[1]["reward_model"]["ground_truth"] = True
+    w["bool_answers"] = _jsonl(root / "bool-answers.jsonl", rows)
+    rows = _prompt_rows()
+    rows[3]["extra_info"]["index"] = 0  # the id of row 0, with another answer
+    w["dup_ids"] = _jsonl(root / "dup-ids.jsonl", rows)
+    w["bench_null"] = _jsonl(root / "bench-null.jsonl", [{"prompt": "What is 1 + 1?", "reward_model": {"ground_truth": None}}])
+    busy = w["busy"] = root / "busy-runs"
+    for name in ("d", "s"):
+        (busy / name).mkdir(parents=True)
+        (busy / name / "notes.txt").write_text("an earlier run's file\n")
     w["empty"] = root / "empty.jsonl"
     w["empty"].write_text("")
     w["not_utf8"] = root / "not-utf8.jsonl"
@@ -267,6 +282,15 @@ CASES: list[Case] = [
          ("no-such-teacher",)),
     Case("distill --teacher with another tokenizer", DISTILL.replace("--teacher {model}", "--teacher {lab_teacher}"),
          ("token",)),
+    Case("distill unknown eval.benchmarks", DISTILL + " eval.benchmarks=bogusbench", ("bogusbench",)),
+    Case("distill into a non-empty run dir", DISTILL.replace("--out-dir {out}", "--out-dir {busy}"),
+         ("{busy}/d", "--resume")),
+    Case("distill --prompts null answer", DISTILL.replace("{prompts}", "{null_answers}"), ("{null_answers}",)),
+    Case("distill --prompts bool answer", DISTILL.replace("{prompts}", "{bool_answers}"), ("{bool_answers}",)),
+    Case("distill --prompts duplicate ids, other answers", DISTILL.replace("{prompts}", "{dup_ids}"), ("{dup_ids}",)),
+    Case("eval --benchmarks null answer", "eval --model {model} --benchmarks {bench_null} --out {out}/e",
+         ("{bench_null}",)),
+    Case("sft into a non-empty run dir", SFT.replace("run.out_dir={out}", "run.out_dir={busy}"), ("{busy}/s", "--resume")),
     Case("distill --prompts missing", DISTILL.replace("{prompts}", "{root}/no-such.parquet"), ("no-such.parquet",)),
     Case("distill --prompts empty", DISTILL.replace("{prompts}", "{empty}"), ("{empty}",)),
     Case("distill --prompts not UTF-8", DISTILL.replace("{prompts}", "{not_utf8}"), ("{not_utf8}",)),
@@ -338,6 +362,7 @@ CASES: list[Case] = [
     Case("sft examples_per_step > examples", SFT + " examples_per_step=100", ("examples_per_step",)),
     Case("sft run.out_dir under a file", SFT.replace("run.out_dir={out}", "run.out_dir={afile}/runs"), ("{afile}",)),
     # ----------------------------------------------------------------------------------------------- opd merge
+    Case("merge onto a non-empty OUT", "merge {lora} {plain_dir}", ("{plain_dir}", "--overwrite")),
     Case("merge a checkpoint without adapter", "merge {model} {out}/merged", ("{model}", "adapter_config.json")),
     Case("merge a missing checkpoint", "merge {root}/no-such-ckpt {out}/merged", ("no-such-ckpt",)),
     Case("merge --dtype bogus", "merge {lora} {out}/merged --dtype bogus", ("bogus",)),

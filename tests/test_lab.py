@@ -120,15 +120,37 @@ def test_demo_config_matches_the_yaml():
 def test_build_reduced(tmp_path):
     from opd.lab.build import build
 
-    path = build(tmp_path, seed=3, teacher_steps=2, student_steps=2, sft_examples=256, eval_limit=4, console=_console())
+    path = build(tmp_path, seed=3, teacher_steps=2, student_steps=2, rewrite_teacher_steps=2, rewrite_teacher_batch=16,
+                 sft_examples=256, eval_limit=4, console=_console())
     manifest = json.loads(path.read_text())
-    assert set(manifest["models"]) == {"teacher", "student"}
+    assert set(manifest["models"]) == {"teacher", "student", "rewrite_teacher"}
     shipped = json.loads(lab.manifest_path().read_text())["models"]
     for name, record in manifest["models"].items():
-        assert record["params"] == shipped[name]["params"]
+        assert record["params"] == shipped["teacher" if name == "rewrite_teacher" else name]["params"]
         assert 0.0 <= record["test_accuracy"] <= 1.0 and record["training"]["steps"] == 2
         assert (tmp_path / name / "model.safetensors").is_file() and (tmp_path / name / "tokenizer.json").is_file()
+    assert manifest["models"]["rewrite_teacher"]["style"] == "rewrite"
+    assert manifest["models"]["rewrite_teacher"]["training"]["examples_per_step"] == 16
+    assert manifest["models"]["rewrite_teacher"]["test_eval"]["max_new_tokens"] == 128
     assert sum(1 for _ in open(tmp_path / "data" / "sft_forward.jsonl")) == 256
+    rewrite = [json.loads(line) for line in open(tmp_path / "data" / "sft_rewrite.jsonl")]
+    assert len(rewrite) == 256 and rewrite[0]["messages"][-1]["content"].startswith(
+        rewrite[0]["messages"][0]["content"].split()[1].rstrip("."))  # restates the expression first
+
+
+def test_build_only_and_refusals(tmp_path):
+    from opd.lab.build import build
+
+    with pytest.raises(ValueError, match="rewrite_teacher"):
+        build(tmp_path / "x", only=["nope"], console=_console())
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("not a build")
+    with pytest.raises(FileExistsError, match="not written by"):
+        build(tmp_path / "mine", only=["student"], student_steps=1, console=_console())
+    path = build(tmp_path / "one", only=["rewrite_teacher"], rewrite_teacher_steps=1, rewrite_teacher_batch=8,
+                 sft_examples=32, eval_limit=2, console=_console())
+    assert set(json.loads(path.read_text())["models"]) == {"rewrite_teacher"}
+    assert not (tmp_path / "one" / "teacher").exists() and not (tmp_path / "one" / "data" / "sft_forward.jsonl").exists()
 
 
 def test_style_experiment_reduced(tmp_path):

@@ -91,6 +91,7 @@ def distill_command(
     advantage: Optional[str] = typer.Option(None, help="token_reward | grpo | token_reward+grpo | token_grpo (objective.advantage). [default: token_reward]"),
     lr: Optional[float] = typer.Option(None, help="Peak learning rate (optim.lr). [default: 1e-6]"),
     seed: Optional[int] = typer.Option(None, help="Seed of data order, sampling and init (run.seed). [default: 0]"),
+    skip_check: Optional[list[str]] = typer.Option(None, help="Startup check (an `opd check` row or group name, or all) not to stop on; repeatable (skip_checks)."),
 ) -> None:
     """On-policy distillation: the student samples, the teacher scores the student's tokens, policy-gradient update.
 
@@ -100,11 +101,38 @@ def distill_command(
         "student.path": student, "teacher.path": teacher, "data.path": prompts, "run.steps": steps, "run.name": name,
         "run.out_dir": out_dir, "run.resume": resume, "objective.top_k": top_k, "objective.strategy": strategy,
         "objective.weight": weight, "objective.advantage": advantage, "optim.lr": lr, "run.seed": seed,
+        "skip_checks": skip_check or None,
     }
     cfg = build_config(DistillConfig, config_file=config, options=options, overrides=overrides)
     from opd.train.opd import distill
 
     distill(cfg)
+
+
+@app.command("check")
+def check_command(
+    overrides: Optional[list[str]] = _overrides(),
+    config: Optional[Path] = _config(),
+    student: Optional[str] = typer.Option(None, help="Student model: Hugging Face id or local directory (student.path)."),
+    teacher: Optional[str] = typer.Option(None, help="Teacher model: Hugging Face id or local directory (teacher.path)."),
+    prompts: Optional[str] = typer.Option(None, help="Prompt set of the OPD run (data.path); answers make the AUROC and accuracies."),
+    n: int = typer.Option(4, help="Student rollouts per sampled prompt for the forecast."),
+    prompts_sample: int = typer.Option(64, help="Prompts drawn (seeded by run.seed) for the forecast."),
+    out: Optional[Path] = typer.Option(None, help="Directory for check.json (never replaced). [default: <run.out_dir>/check-<time>]"),
+    skip_check: Optional[list[str]] = typer.Option(None, help="Row or group (tokenizers, scoring, forecast, resources) to skip; repeatable."),
+) -> None:
+    """Pre-flight of an OPD run: tokenizers, scoring sanity, the success forecast (likely / uncertain / unlikely, with
+    the recovery command) and memory/time, for the config `opd distill` would get (same -c file and key=value pairs).
+
+    Exit codes: 0 no hard failure (forecast likely or uncertain), 1 a hard check failed, 2 bad input,
+    3 no hard failure but OPD is unlikely to improve the student.
+    """
+    from opd.check import run_check
+
+    options = {"student.path": student, "teacher.path": teacher, "data.path": prompts}
+    cfg = build_config(DistillConfig, config_file=config, options=options, overrides=overrides)
+    report = run_check(cfg, n=n, prompts_sample=prompts_sample, out=out, skip=list(skip_check or []))
+    raise typer.Exit(report.exit_code())
 
 
 @app.command("sft")

@@ -426,6 +426,12 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
                                      through_root=dist.world_size > 1)
     generator = make_generator(student, tokenizer, max_batch_size=config.rollout.batch_size, vocab_size=vocab_size,
                                engine=config.rollout.engine if dist.world_size == 1 else "torch")
+    from opd.check import preflight  # `opd check`'s tokenizers, scoring and resources rows; raises on a hard failure
+
+    preflight(config, student_tokenizer=student_tokenizer, teacher_tokenizer=teacher_tokenizer if teacher is not None else None,
+              student=student, teacher=teacher, student_scorer=student_scorer, teacher_scorer=teacher_scorer,
+              generator=generator, prompts=encoded.prompts, prompt_ids=encoded.input_ids, vocab_size=vocab_size,
+              autocast_dtype=autocast_dtype, world_size=dist.world_size, console=console if dist.is_main else None)
     compiled = False
     if dist.world_size == 1 or config.compile:  # FSDP2 + compile untested: only when asked for
         compiled = compile_layers(student, config.compile)

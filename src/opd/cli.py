@@ -370,10 +370,11 @@ def lab_build_command(
     sft_examples: Optional[int] = typer.Option(None, help="Size of the SFT set (train-split problems). [default: 60000]"),
     eval_limit: Optional[int] = typer.Option(None, help="Measure accuracy on the first N test problems only. [default: all 300]"),
     threads: int = typer.Option(1, help="torch CPU threads; 0 = torch's default."),
-    rewrite_teacher_steps: int = typer.Option(4000, help="SFT steps of the rewrite-style teacher (batch 128; ~7 s/step on one CPU thread: a GPU job, see docs/lab.md)."),
-    rewrite_teacher_batch: int = typer.Option(128, help="Examples per SFT step of the rewrite-style teacher."),
+    rewrite_teacher_steps: int = typer.Option(4000, help="SFT steps of the rewrite-style teacher, fine-tuned from the forward teacher (batch 256; a GPU job, see docs/lab.md)."),
+    rewrite_teacher_batch: int = typer.Option(256, help="Examples per SFT step of the rewrite-style teacher."),
     only: Optional[str] = typer.Option(None, help="Comma-separated models to train: teacher, student, rewrite_teacher. [default: all three]"),
     device: str = typer.Option("cpu", help="Where the models train and are measured: cpu, cuda, cuda:N."),
+    time_budget: Optional[float] = typer.Option(None, help="Wall seconds per model's SFT (set-up included): train the steps that fit, then always save, measure and record. [default: none]"),
 ) -> None:
     """Retrain the lab models (forward-style teacher and student, rewrite-style teacher) from a seed with `opd sft`
     and write their manifest (accuracies measured)."""
@@ -383,7 +384,7 @@ def lab_build_command(
     manifest = build(out, seed=seed, teacher_steps=teacher_steps, student_steps=student_steps,
                      rewrite_teacher_steps=rewrite_teacher_steps, rewrite_teacher_batch=rewrite_teacher_batch,
                      sft_examples=sft_examples, eval_limit=eval_limit,
-                     only=models, device=device, threads=threads or None)
+                     only=models, device=device, time_budget_s=time_budget, threads=threads or None)
     typer.echo(f"manifest: {manifest}")
 
 

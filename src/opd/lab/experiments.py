@@ -83,8 +83,9 @@ def summarize_run(run_dir: Path, steps: int) -> dict[str, Any]:
 
 
 def _answer_style(text: str) -> str:
-    """"forward" when the first line is an equation (`3+4=7`), else "rewrite" (it restates the expression)."""
-    return "forward" if "=" in text.split("\n", 1)[0] else "rewrite"
+    from opd.lab.task import style_of
+
+    return style_of(text)
 
 
 def prepare_style(out_dir: Path, variants: dict[str, list[str]], setup: dict[str, Any], *, limit: int | None,
@@ -107,7 +108,7 @@ def prepare_style(out_dir: Path, variants: dict[str, list[str]], setup: dict[str
         n = setup["teacher_steps"] * setup["teacher_examples"]
         data = write_sft_data(out_dir / "data" / "sft_rewrite.jsonl", style="rewrite", n=n)
         start = time.perf_counter()
-        finetune(teacher_path(), data, out_dir / "work", "rewrite_teacher_sft", teacher, steps=setup["teacher_steps"],
+        _ = finetune(teacher_path(), data, out_dir / "work", "rewrite_teacher_sft", teacher, steps=setup["teacher_steps"],
                  examples_per_step=setup["teacher_examples"], lr=setup["teacher_lr"], console=console)
         seconds = time.perf_counter() - start
         record = {"teacher_sft": {"from": str(teacher_path()), "examples": n, "steps": setup["teacher_steps"],

@@ -164,11 +164,46 @@ def test_style_experiment_reduced(tmp_path):
     assert all(0.0 <= r["rewrite_share"] <= 1.0 for r in summary["runs"].values())
     assert summary["runs"]["mismatch"]["overrides"] == [f"teacher.path={tmp_path / 'style' / 'rewrite_teacher'}"]
     assert 0.0 <= summary["teacher_accuracy"] <= 1.0 and summary["teacher_sft"]["steps"] == 2
-    cold = summary["cold_start"]
+    cold = summary["cold_start"]["0"]  # per seed (seed 0 without --seeds)
     assert cold["prompts"] == 8 and 0 <= cold["accepted"] <= 8 and 0.0 <= cold["student_after_sft"] <= 1.0
-    assert (tmp_path / "style" / "cold_student" / "model.safetensors").is_file()
+    assert (tmp_path / "style" / "cold_student_s0" / "model.safetensors").is_file()
     assert "Rewrite-style teacher" in markdown(summary) and (tmp_path / "style" / "summary.json").is_file()
     # a second run reuses the cached teacher
     again = run_experiment("style", out_dir=tmp_path, steps=1, overrides=overrides, only=["mismatch"], setup=setup,
                            console=_console())
     assert again["teacher_sft"] == summary["teacher_sft"] and "cold_start" not in again
+
+
+def test_build_time_budget_always_saves_and_records(tmp_path):
+    """`--time-budget`: a budget spent before the first step still yields a saved, measured model (0 steps, stopped
+    by the budget); a budget that outlasts the steps trains them all."""
+    from opd.lab.build import build
+
+    common = dict(only=["rewrite_teacher"], rewrite_teacher_batch=4, sft_examples=16, eval_limit=2, console=_console())
+    spent = json.loads(build(tmp_path / "spent", rewrite_teacher_steps=5, time_budget_s=1e-3, **common).read_text())
+    record = spent["models"]["rewrite_teacher"]
+    assert record["training"]["steps"] == 0 and record["training"]["stopped_by"] == "time budget"
+    assert (tmp_path / "spent" / "rewrite_teacher" / "model.safetensors").is_file()
+    assert record["rewrite_style_share"] == 0.0  # untrained: still the forward teacher it starts from
+    ample = json.loads(build(tmp_path / "ample", rewrite_teacher_steps=3, time_budget_s=3600, **common).read_text())
+    training = ample["models"]["rewrite_teacher"]["training"]
+    assert (training["steps"], training["planned_steps"], training["stopped_by"]) == (3, 3, "steps")
+    assert "assets/teacher" in training["recipe"]  # fine-tuned from the shipped forward teacher
+
+
+def test_experiment_seeds_and_forecast(tmp_path):
+    """`opd lab run teacher --seeds 0,1 --check`: one run per seed, the forecast of each pair next to its outcome,
+    per-variant means; a second call reuses the finished runs and checks."""
+    from opd.lab.experiments import run_experiment
+
+    overrides = ["eval.limit=4", "prompts_per_step=2", "rollout.n=2", "run.report=false"]
+    summary = run_experiment("teacher", out_dir=tmp_path, steps=1, overrides=overrides, only=["student_as_teacher"],
+                             seeds=[0, 1], check=True, console=_console())
+    assert set(summary["runs"]) == {"student_as_teacher_s0", "student_as_teacher_s1"}
+    assert [r["seed"] for r in summary["runs"].values()] == [0, 1]
+    assert all(r["forecast"]["verdict"] == "unlikely" for r in summary["runs"].values())
+    assert summary["variants"]["student_as_teacher"]["gain_mean"] == 0.0  # nothing to learn: not a step moves it
+    assert (tmp_path / "teacher" / "student_as_teacher_s1_check" / "check.json").is_file()
+    again = run_experiment("teacher", out_dir=tmp_path, steps=1, overrides=overrides, only=["student_as_teacher"],
+                           seeds=[0, 1], check=True, console=_console())
+    assert again["runs"] == summary["runs"]

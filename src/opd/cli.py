@@ -396,13 +396,19 @@ def lab_run_command(
     out_dir: Path = typer.Option(Path("runs/lab"), help="Parent directory; runs go to <out-dir>/<name>/<variant>."),
     only: Optional[str] = typer.Option(None, help="Comma-separated variants to run. [default: all of the experiment]"),
     threads: int = typer.Option(1, help="torch CPU threads; 0 = torch's default."),
+    seeds: Optional[str] = typer.Option(None, help="Comma-separated run.seed values: each variant once per seed (runs <variant>_s<seed>). [default: once, seed 0]"),
+    check: bool = typer.Option(False, "--check/--no-check", help="Run `opd check` on each variant's pair first: its forecast next to the measured outcome."),
 ) -> None:
     """A small replication: short `opd distill` runs that differ in one setting; summary.json/.md + a comparison report."""
     from opd.lab.experiments import run_experiment
 
     variants = [v.strip() for v in only.split(",") if v.strip()] if only else None
+    try:
+        seed_list = [int(s) for s in seeds.split(",") if s.strip()] if seeds else None
+    except ValueError:
+        raise ValueError(f"--seeds must be comma-separated integers, got {seeds!r}") from None
     run_experiment(name, out_dir=out_dir, steps=steps, overrides=list(overrides or []), only=variants,
-                   threads=threads or None)
+                   seeds=seed_list, check=check, threads=threads or None)
 
 
 def _str(value: Any) -> str | None:

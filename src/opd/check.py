@@ -587,7 +587,7 @@ def _param_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> in
 
 
 def estimate_memory(config: DistillConfig, student: torch.nn.Module, teacher: torch.nn.Module | None, *,
-                    compute_dtype: torch.dtype) -> dict[str, dict[str, int]]:
+                    compute_dtype: torch.dtype, weights_dtype: torch.dtype | None = None) -> dict[str, dict[str, int]]:
     """Bytes per device the run needs, by part. Rules (coarse on purpose: within ~30 % on dense decoders):
       student weights, gradients (weights' dtype) and AdamW state (2 tensors of the weights' dtype);
       generation KV cache: rows × (max_prompt_length + max_new_tokens) × layers × 2 × kv_heads × head_dim at the
@@ -609,7 +609,7 @@ def estimate_memory(config: DistillConfig, student: torch.nn.Module, teacher: to
 
     cb = torch.empty((), dtype=compute_dtype).element_size()
     s = shape(student)
-    weights = _param_bytes(student)
+    weights = _param_bytes(student, weights_dtype)  # training keeps weights_dtype master weights (fp32 with autocast)
     rows = min(config.rollout.batch_size, config.prompts_per_step * config.rollout.n)
     length = config.data.max_prompt_length + config.rollout.max_new_tokens
     per_token_layer = 12 * s["hidden"] + 3 * s["inter"]
@@ -954,14 +954,8 @@ def run_check(
                                      "thresholds": thresholds.model_dump()}
     # 4. resources
     if "memory" not in skipped:
-        compute = autocast_dtype or next(student.parameters()).dtype
-        needs = estimate_memory(config, student, teacher, compute_dtype=compute)
-        # the student is loaded at the compute dtype here; training keeps weights_dtype master weights
-        if weights_dtype != compute:
-            needs[str(device)].update({k: v * torch.empty((), dtype=weights_dtype).element_size() //
-                                       torch.empty((), dtype=compute).element_size()
-                                       for k, v in needs[str(device)].items()
-                                       if k in ("student_weights", "student_gradients", "adamw_state")})
+        needs = estimate_memory(config, student, teacher, compute_dtype=autocast_dtype or weights_dtype,
+                                weights_dtype=weights_dtype)
         report.results.append(check_memory(needs, loaded=_loaded_bytes(student, teacher)))
         report.values["memory"] = needs
     if "step_time" not in skipped:

@@ -703,10 +703,19 @@ def mini_step(config: DistillConfig, *, generator: Any, student: torch.nn.Module
         with timed(timings, "teacher"):
             teacher_scorer.score(rollouts, top_k=k, requested_ids=scores.topk_ids,
                                  temperature=cfg.objective.teacher_temperature)
-    with timed(timings, "update"):
-        forward_backward(student, rollouts, micro_batch_tokens=max(cfg.micro_batch_tokens, 1), packed=False,
-                         autocast_dtype=autocast_dtype, vocab_size=vocab_size)
-    student.zero_grad(set_to_none=True)
+    # On CUDA the timed backward recomputes activations (as the run will: full or selective checkpointing), so the
+    # mini-step never needs more memory than training; on CPU the run does not checkpoint either.
+    checkpoint = device.type == "cuda" and not getattr(student, "is_gradient_checkpointing", True)
+    if checkpoint:
+        student.gradient_checkpointing_enable()
+    try:
+        with timed(timings, "update"):
+            forward_backward(student, rollouts, micro_batch_tokens=max(cfg.micro_batch_tokens, 1), packed=False,
+                             autocast_dtype=autocast_dtype, vocab_size=vocab_size)
+    finally:
+        student.zero_grad(set_to_none=True)
+        if checkpoint:
+            student.gradient_checkpointing_disable()
     timings["sequences"] = rollouts.batch_size
     timings["response_tokens"] = int(rollouts.response_mask.sum())
     return timings

@@ -158,6 +158,7 @@ def finetune(model_path: str | Path, data: str | Path, work_dir: Path, run_name:
         run_dir, record = sft(config, console=console), {"steps": steps}
     else:
         run_dir, record = sft_within_budget(config, start + time_budget_s, console=console)
+    record["micro_batch_tokens"] = config.micro_batch_tokens
     final = Path(final)
     if final.exists():
         shutil.rmtree(final)

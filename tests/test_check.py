@@ -187,6 +187,9 @@ def test_prompt_logprobs_rule():
     assert worse.status == "warn"
     broken = C.check_prompt_logprobs(2.0, float("nan"), student_params=small, teacher_params=big, vocab_size=151_000)
     assert broken.status == "fail" and broken.hard
+    # neither model was trained on the text (the lab's prompt tokens): the comparison says nothing
+    untrained = C.check_prompt_logprobs(7.0, 12.0, student_params=small, teacher_params=big, vocab_size=34)
+    assert untrained.status == "skip" and "uninformative" in untrained.detail
 
 
 def test_nll_of_texts_matches_a_plain_forward(lab_teacher):

@@ -30,8 +30,8 @@ def test_assets_are_package_data():
     import importlib.resources as resources
 
     names = {p.name for p in resources.files("opd.lab").joinpath("assets").iterdir()}
-    assert {"teacher", "student", "data", "manifest.json"} <= names
-    for model in (lab.teacher_path(), lab.student_path()):
+    assert {"teacher", "student", "rewrite_teacher", "data", "manifest.json"} <= names
+    for model in (lab.teacher_path(), lab.student_path(), lab.rewrite_teacher_path()):
         for file in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
             assert (model / file).is_file(), model / file
     assert lab.test_set_path().is_file() and lab.opd_prompts_path().is_file()
@@ -54,25 +54,29 @@ def test_models_match_the_tokenizer():
     from opd.lab.tokenizer import build_lab_tokenizer
 
     expected = build_lab_tokenizer()
-    for model in (lab.teacher_path(), lab.student_path()):
+    for model in (lab.teacher_path(), lab.student_path(), lab.rewrite_teacher_path()):
         tokenizer = AutoTokenizer.from_pretrained(model)
         assert tokenizer.get_vocab() == expected.get_vocab()
         config = AutoConfig.from_pretrained(model)
         assert config.vocab_size == len(expected) and config.eos_token_id == expected.eos_token_id
 
 
-@pytest.mark.parametrize("name", ["teacher", "student"])
+@pytest.mark.parametrize("name", ["teacher", "student", "rewrite_teacher"])
 def test_shipped_models_reach_recorded_accuracy(tmp_path, name):
-    from opd.lab.build import measure
+    from opd.lab.build import measure, rewrite_share
 
     manifest = json.loads(lab.manifest_path().read_text())
-    recorded = manifest["models"][name]["test_accuracy"]
-    measured = measure(lab.assets_dir() / name, tmp_path / name, console=_console())  # all 300 problems, greedy
+    record = manifest["models"][name]
+    recorded = record["test_accuracy"]
+    tokens = record["test_eval"]["max_new_tokens"]
+    measured = measure(lab.assets_dir() / name, tmp_path / name, max_new_tokens=tokens, console=_console())  # all 300
     assert measured == pytest.approx(recorded, abs=0.02)
-    if name == "teacher":
-        assert recorded >= 0.99
-    else:
+    if name == "student":
         assert 0.2 < recorded < 0.6  # a weak student: room for OPD to show
+    else:
+        assert recorded >= 0.95
+    # the rewrite teacher answers in its own style, the forward models in theirs
+    assert rewrite_share(tmp_path / name) == (1.0 if name == "rewrite_teacher" else 0.0)
 
 
 def test_demo_reduced(tmp_path):
@@ -120,15 +124,37 @@ def test_demo_config_matches_the_yaml():
 def test_build_reduced(tmp_path):
     from opd.lab.build import build
 
-    path = build(tmp_path, seed=3, teacher_steps=2, student_steps=2, sft_examples=256, eval_limit=4, console=_console())
+    path = build(tmp_path, seed=3, teacher_steps=2, student_steps=2, rewrite_teacher_steps=2, rewrite_teacher_batch=16,
+                 sft_examples=256, eval_limit=4, console=_console())
     manifest = json.loads(path.read_text())
-    assert set(manifest["models"]) == {"teacher", "student"}
+    assert set(manifest["models"]) == {"teacher", "student", "rewrite_teacher"}
     shipped = json.loads(lab.manifest_path().read_text())["models"]
     for name, record in manifest["models"].items():
-        assert record["params"] == shipped[name]["params"]
+        assert record["params"] == shipped["teacher" if name == "rewrite_teacher" else name]["params"]
         assert 0.0 <= record["test_accuracy"] <= 1.0 and record["training"]["steps"] == 2
         assert (tmp_path / name / "model.safetensors").is_file() and (tmp_path / name / "tokenizer.json").is_file()
+    assert manifest["models"]["rewrite_teacher"]["style"] == "rewrite"
+    assert manifest["models"]["rewrite_teacher"]["training"]["examples_per_step"] == 16
+    assert manifest["models"]["rewrite_teacher"]["test_eval"]["max_new_tokens"] == 128
     assert sum(1 for _ in open(tmp_path / "data" / "sft_forward.jsonl")) == 256
+    rewrite = [json.loads(line) for line in open(tmp_path / "data" / "sft_rewrite.jsonl")]
+    assert len(rewrite) == 256 and rewrite[0]["messages"][-1]["content"].startswith(
+        rewrite[0]["messages"][0]["content"].split()[1].rstrip("."))  # restates the expression first
+
+
+def test_build_only_and_refusals(tmp_path):
+    from opd.lab.build import build
+
+    with pytest.raises(ValueError, match="rewrite_teacher"):
+        build(tmp_path / "x", only=["nope"], console=_console())
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("not a build")
+    with pytest.raises(FileExistsError, match="not written by"):
+        build(tmp_path / "mine", only=["student"], student_steps=1, console=_console())
+    path = build(tmp_path / "one", only=["rewrite_teacher"], rewrite_teacher_steps=1, rewrite_teacher_batch=8,
+                 sft_examples=32, eval_limit=2, console=_console())
+    assert set(json.loads(path.read_text())["models"]) == {"rewrite_teacher"}
+    assert not (tmp_path / "one" / "teacher").exists() and not (tmp_path / "one" / "data" / "sft_forward.jsonl").exists()
 
 
 def test_style_experiment_reduced(tmp_path):
@@ -142,12 +168,47 @@ def test_style_experiment_reduced(tmp_path):
     assert all(0.0 <= r["rewrite_share"] <= 1.0 for r in summary["runs"].values())
     assert summary["runs"]["mismatch"]["overrides"] == [f"teacher.path={tmp_path / 'style' / 'rewrite_teacher'}"]
     assert 0.0 <= summary["teacher_accuracy"] <= 1.0 and summary["teacher_sft"]["steps"] == 2
-    cold = summary["cold_start"]
+    cold = summary["cold_start"]["0"]  # per seed (seed 0 without --seeds)
     assert cold["prompts"] == 8 and 0 <= cold["accepted"] <= 8 and 0.0 <= cold["student_after_sft"] <= 1.0
-    assert (tmp_path / "style" / "cold_student" / "model.safetensors").is_file()
+    assert (tmp_path / "style" / "cold_student_s0" / "model.safetensors").is_file()
     assert "Rewrite-style teacher" in markdown(summary) and (tmp_path / "style" / "summary.json").is_file()
     # a second run reuses the cached teacher; its OPD run directory exists, so a new run moves it aside
     again = run_experiment("style", out_dir=tmp_path, steps=1, overrides=[*overrides, "run.overwrite=true"],
                            only=["mismatch"], setup=setup, console=_console())
     assert len(list((tmp_path / "style").glob("mismatch.old-*"))) == 1
     assert again["teacher_sft"] == summary["teacher_sft"] and "cold_start" not in again
+
+
+def test_build_time_budget_always_saves_and_records(tmp_path):
+    """`--time-budget`: a budget spent before the first step still yields a saved, measured model (0 steps, stopped
+    by the budget); a budget that outlasts the steps trains them all."""
+    from opd.lab.build import build
+
+    common = dict(only=["rewrite_teacher"], rewrite_teacher_batch=4, sft_examples=16, eval_limit=2, console=_console())
+    spent = json.loads(build(tmp_path / "spent", rewrite_teacher_steps=5, time_budget_s=1e-3, **common).read_text())
+    record = spent["models"]["rewrite_teacher"]
+    assert record["training"]["steps"] == 0 and record["training"]["stopped_by"] == "time budget"
+    assert (tmp_path / "spent" / "rewrite_teacher" / "model.safetensors").is_file()
+    assert record["rewrite_style_share"] == 0.0  # untrained: still the forward teacher it starts from
+    ample = json.loads(build(tmp_path / "ample", rewrite_teacher_steps=3, time_budget_s=3600, **common).read_text())
+    training = ample["models"]["rewrite_teacher"]["training"]
+    assert (training["steps"], training["planned_steps"], training["stopped_by"]) == (3, 3, "steps")
+    assert "assets/teacher" in training["recipe"]  # fine-tuned from the shipped forward teacher
+
+
+def test_experiment_seeds_and_forecast(tmp_path):
+    """`opd lab run teacher --seeds 0,1 --check`: one run per seed, the forecast of each pair next to its outcome,
+    per-variant means; a second call reuses the finished runs and checks."""
+    from opd.lab.experiments import run_experiment
+
+    overrides = ["eval.limit=4", "prompts_per_step=2", "rollout.n=2", "run.report=false"]
+    summary = run_experiment("teacher", out_dir=tmp_path, steps=1, overrides=overrides, only=["student_as_teacher"],
+                             seeds=[0, 1], check=True, console=_console())
+    assert set(summary["runs"]) == {"student_as_teacher_s0", "student_as_teacher_s1"}
+    assert [r["seed"] for r in summary["runs"].values()] == [0, 1]
+    assert all(r["forecast"]["verdict"] == "unlikely" for r in summary["runs"].values())
+    assert summary["variants"]["student_as_teacher"]["gain_mean"] == 0.0  # nothing to learn: not a step moves it
+    assert (tmp_path / "teacher" / "student_as_teacher_s1_check" / "check.json").is_file()
+    again = run_experiment("teacher", out_dir=tmp_path, steps=1, overrides=overrides, only=["student_as_teacher"],
+                           seeds=[0, 1], check=True, console=_console())
+    assert again["runs"] == summary["runs"]

@@ -106,6 +106,7 @@ def distill_command(
     seed: Optional[int] = typer.Option(None, help="Seed of data order, sampling and init (run.seed). [default: 0]"),
     thinking: Optional[bool] = _thinking("data.enable_thinking"),
     allow_config_change: Optional[bool] = typer.Option(None, "--allow-config-change", help="With --resume: continue even though settings that change the math or data order differ from the saved config.yaml (run.allow_config_change)."),
+    skip_check: Optional[list[str]] = typer.Option(None, help="Startup check (an `opd check` row or group name, or all) not to stop on; repeatable (skip_checks)."),
 ) -> None:
     """On-policy distillation: the student samples, the teacher scores the student's tokens, policy-gradient update.
 
@@ -117,11 +118,38 @@ def distill_command(
         "objective.weight": weight, "objective.advantage": advantage, "optim.lr": lr, "run.seed": seed,
         "data.enable_thinking": thinking,
         "run.allow_config_change": allow_config_change,
+        "skip_checks": skip_check or None,
     }
     cfg = build_config(DistillConfig, config_file=config, options=options, overrides=overrides)
     from opd.train.opd import distill
 
     distill(cfg)
+
+
+@app.command("check")
+def check_command(
+    overrides: Optional[list[str]] = _overrides(),
+    config: Optional[Path] = _config(),
+    student: Optional[str] = typer.Option(None, help="Student model: Hugging Face id or local directory (student.path)."),
+    teacher: Optional[str] = typer.Option(None, help="Teacher model: Hugging Face id or local directory (teacher.path)."),
+    prompts: Optional[str] = typer.Option(None, help="Prompt set of the OPD run (data.path); answers make the AUROC and accuracies."),
+    n: int = typer.Option(4, help="Student rollouts per sampled prompt for the forecast."),
+    prompts_sample: int = typer.Option(64, help="Prompts drawn (seeded by run.seed) for the forecast."),
+    out: Optional[Path] = typer.Option(None, help="Directory for check.json (never replaced). [default: <run.out_dir>/check-<time>]"),
+    skip_check: Optional[list[str]] = typer.Option(None, help="Row or group (tokenizers, scoring, forecast, resources) to skip; repeatable."),
+) -> None:
+    """Pre-flight of an OPD run: tokenizers, scoring sanity, the success forecast (likely / uncertain / unlikely, with
+    the recovery command) and memory/time, for the config `opd distill` would get (same -c file and key=value pairs).
+
+    Exit codes: 0 no hard failure (forecast likely or uncertain), 1 a hard check failed, 2 bad input,
+    3 no hard failure but OPD is unlikely to improve the student.
+    """
+    from opd.check import run_check
+
+    options = {"student.path": student, "teacher.path": teacher, "data.path": prompts}
+    cfg = build_config(DistillConfig, config_file=config, options=options, overrides=overrides)
+    report = run_check(cfg, n=n, prompts_sample=prompts_sample, out=out, skip=list(skip_check or []))
+    raise typer.Exit(report.exit_code())
 
 
 @app.command("sft")
@@ -391,12 +419,21 @@ def lab_build_command(
     sft_examples: Optional[int] = typer.Option(None, help="Size of the SFT set (train-split problems). [default: 60000]"),
     eval_limit: Optional[int] = typer.Option(None, help="Measure accuracy on the first N test problems only. [default: all 300]"),
     threads: int = typer.Option(1, help="torch CPU threads; 0 = torch's default."),
+    rewrite_teacher_steps: int = typer.Option(4000, help="SFT steps of the rewrite-style teacher, fine-tuned from the forward teacher (batch 256; a GPU job, see docs/lab.md)."),
+    rewrite_teacher_batch: int = typer.Option(256, help="Examples per SFT step of the rewrite-style teacher."),
+    only: Optional[str] = typer.Option(None, help="Comma-separated models to train: teacher, student, rewrite_teacher. [default: all three]"),
+    device: str = typer.Option("cpu", help="Where the models train and are measured: cpu, cuda, cuda:N."),
+    time_budget: Optional[float] = typer.Option(None, help="Wall seconds per model's SFT (set-up included): train the steps that fit, then always save, measure and record. [default: none]"),
 ) -> None:
-    """Retrain the lab teacher and student from a seed with `opd sft` and write their manifest (accuracies measured)."""
+    """Retrain the lab models (forward-style teacher and student, rewrite-style teacher) from a seed with `opd sft`
+    and write their manifest (accuracies measured)."""
     from opd.lab.build import build
 
-    manifest = build(out, seed=seed, teacher_steps=teacher_steps, student_steps=student_steps, sft_examples=sft_examples,
-                     eval_limit=eval_limit, threads=threads or None)
+    models = [m.strip() for m in only.split(",") if m.strip()] if only else None
+    manifest = build(out, seed=seed, teacher_steps=teacher_steps, student_steps=student_steps,
+                     rewrite_teacher_steps=rewrite_teacher_steps, rewrite_teacher_batch=rewrite_teacher_batch,
+                     sft_examples=sft_examples, eval_limit=eval_limit,
+                     only=models, device=device, time_budget_s=time_budget, threads=threads or None)
     typer.echo(f"manifest: {manifest}")
 
 
@@ -408,13 +445,19 @@ def lab_run_command(
     out_dir: Path = typer.Option(Path("runs/lab"), help="Parent directory; runs go to <out-dir>/<name>/<variant>."),
     only: Optional[str] = typer.Option(None, help="Comma-separated variants to run. [default: all of the experiment]"),
     threads: int = typer.Option(1, help="torch CPU threads; 0 = torch's default."),
+    seeds: Optional[str] = typer.Option(None, help="Comma-separated run.seed values: each variant once per seed (runs <variant>_s<seed>). [default: once, seed 0]"),
+    check: bool = typer.Option(False, "--check/--no-check", help="Run `opd check` on each variant's pair first: its forecast next to the measured outcome."),
 ) -> None:
     """A small replication: short `opd distill` runs that differ in one setting; summary.json/.md + a comparison report."""
     from opd.lab.experiments import run_experiment
 
     variants = [v.strip() for v in only.split(",") if v.strip()] if only else None
+    try:
+        seed_list = [int(s) for s in seeds.split(",") if s.strip()] if seeds else None
+    except ValueError:
+        raise ValueError(f"--seeds must be comma-separated integers, got {seeds!r}") from None
     run_experiment(name, out_dir=out_dir, steps=steps, overrides=list(overrides or []), only=variants,
-                   threads=threads or None)
+                   seeds=seed_list, check=check, threads=threads or None)
 
 
 def _str(value: Any) -> str | None:

@@ -446,3 +446,6 @@ class DistillConfig(Section):
     compile: bool | None = Field(
         None, description="torch.compile the decoder layers of student and teacher (scoring and update); None: on for "
         "CUDA with one process.")
+    skip_checks: CommaList = Field(
+        default_factory=list, description="Startup checks (`opd check`'s tokenizers, scoring, resources rows) not to "
+        "run or not to stop on: row names (e.g. determinism), group names, or all; empty: run them all.")

@@ -148,6 +148,7 @@ def score_prompts(
     skip_ids: Sequence[str] = (),
     on_batch: Callable[[list[PromptScore]], None] | None = None,
     generator: Any = None,
+    on_scored: Callable[[list[Prompt], Any, TokenScores, TokenScores], None] | None = None,
 ) -> list[PromptScore]:
     """Per prompt, sample n rollouts from `student` and compute the SPEC §6 metrics of those tokens between the student
     and `teacher` (which must share `tokenizer`'s vocabulary; `score_prompt_file` checks both tokenizers). `teacher`
@@ -161,6 +162,8 @@ def score_prompts(
     skip_ids:   prompt ids already scored: not returned, and a batch made only of them is not run.
     on_batch:   called with each batch's new scores as soon as they exist (the command appends them to the file).
     generator:  the `Generator` of the rollouts (e.g. a vLLM engine of the student); None: `make_generator(student)`.
+    on_scored:  called per batch with (its prompts, the `Rollouts`, student and teacher `TokenScores`), for callers
+                that need more than the per-prompt means (`opd check`: sequence rewards, correctness).
     Returns the new scores in prompt order; prompts over `max_prompt_length` come back with `skipped` set.
     """
     from opd.models import check_tokenizer_compatibility
@@ -212,6 +215,8 @@ def score_prompts(
         student_scores = student_scorer.score(rollouts, top_k=top_k, temperature=temperature)
         teacher_scores = teacher_scorer.score(rollouts, top_k=top_k, requested_ids=student_scores.topk_ids,
                                               temperature=teacher_temperature)
+        if on_scored is not None:
+            on_scored(list(batch), rollouts, student_scores, teacher_scores)
         # 7. diagnostics, per prompt
         per_group = group_diagnostics(student_scores, teacher_scores, rollouts.response_mask, rollouts.group_ids,
                                       len(batch))

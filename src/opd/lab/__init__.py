@@ -33,6 +33,12 @@ def student_path() -> Path:
     return assets_dir() / "student"
 
 
+def rewrite_teacher_path() -> Path:
+    """The shipped rewrite-style teacher (the `style` replication's mismatched teacher; `opd lab build --only
+    rewrite_teacher` makes one): a save_pretrained directory with the lab tokenizer."""
+    return assets_dir() / "rewrite_teacher"
+
+
 def test_set_path() -> Path:
     """The held-out test set (verl-layout JSONL: prompt messages, reward_model.ground_truth), read by `opd eval`."""
     return assets_dir() / "data" / "test.jsonl"

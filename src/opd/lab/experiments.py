@@ -4,14 +4,19 @@ runs with the demo's settings (`opd.lab.demo.demo_config`) that differ in one th
 - `topk`: which candidate ids get a token reward — only_stu / intersection / union-intersection (k = 16) and
   sampled-token OPD (k = 0) against only_stu with k = 1, 4, 16 (the paper: top-k only_stu beats sampled-token, and
   the student's own support is the one to use).
-- `style`: thinking-pattern mismatch and cold start — the forward-style student distilled from a teacher fine-tuned
-  to solve in the other ("rewrite") style (mismatch), from the same teacher after an SFT cold start on that
-  teacher's correct answers (cold_start), and from the shipped forward-style teacher (matched); the paper: a teacher
-  whose thinking pattern differs from the student's distills worse, and SFT on the teacher's own answers first
-  recovers it. The rewrite teacher is cached in `<out>/style/rewrite_teacher` (reused when present).
+- `style`: thinking-pattern mismatch and cold start — the forward-style student distilled from the shipped
+  rewrite-style teacher (mismatch), from the same teacher after an SFT cold start on that teacher's correct answers
+  (cold_start), and from the shipped forward-style teacher (matched); the paper: a teacher whose thinking pattern
+  differs from the student's distills worse, and SFT on the teacher's own answers first recovers it. (A setup with
+  `teacher_steps` trains its own rewrite teacher instead, cached in `<out>/style/rewrite_teacher`: the tests' way.)
 - `teacher`: success vs failure — the real teacher against a "teacher" that adds nothing (the student itself); the
   paper: OPD works when the student's and teacher's top-k overlap grows and the overlap carries an advantage;
   with nothing to learn, overlap is trivially total and the advantage is zero, and accuracy does not move.
+
+`seeds` repeats every variant with run.seed = each seed (run `<variant>_s<seed>`; the cold start is redone per seed);
+`check` runs `opd check` (`opd.check.run_check`) on each variant's pair first, so the summary puts the forecast next
+to the measured outcome. A run whose final eval exists is reused, not rerun, and the summary keeps the variants of
+earlier calls, so an experiment can be run in parts.
 
 Each run writes its own run directory (metrics.jsonl, report.html, eval/); the experiment writes `summary.json`, a
 comparison report over all its runs (`opd report` of several dirs) and a markdown table (`summary.md`).
@@ -20,6 +25,7 @@ comparison report over all its runs (`opd report` of several dirs) and a markdow
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -49,12 +55,16 @@ EXPERIMENT_BASE: dict[str, list[str]] = {
 }
 """Overrides for every run of an experiment (rewrite-style answers reach ~82 tokens, over the demo's 64)."""
 STYLE_SETUP: dict[str, Any] = {
-    "teacher_steps": 200, "teacher_examples": 64, "teacher_lr": 1e-3,
-    "cold_prompts": 256, "cold_steps": 40, "cold_examples": 32, "cold_lr": 5e-4, "max_new_tokens": 128,
+    "teacher_steps": None, "teacher_examples": 64, "teacher_lr": 1e-3,
+    "cold_prompts": 2000, "cold_steps": 200, "cold_examples": 32, "cold_lr": 5e-4, "max_new_tokens": 128,
 }
-"""`style`: the rewrite-style teacher (SFT of the shipped teacher on rewrite solutions of train-split problems) and
-the cold start (its correct answers on the first `cold_prompts` OPD prompts, n = 1, temperature 1 → SFT of the
-student). Learning rates are for the tiny lab models (trained from scratch at 1e-3)."""
+"""`style`: the rewrite-style teacher — the shipped one (`opd.lab.rewrite_teacher_path()`), or with `teacher_steps`
+an SFT of the shipped forward teacher for that many steps — and the cold start: the teacher's correct answers on the
+first `cold_prompts` OPD prompts (n = 1, temperature 1, 3 attempts) → SFT of the student, `cold_steps` ×
+`cold_examples` at `cold_lr` (warmup 10 %, cosine). Learning rates are for the tiny lab models (trained from
+scratch at 1e-3)."""
+CHECK_SETTINGS: dict[str, int] = {"n": 4, "prompts_sample": 64}
+"""`opd check` of each pair (`check=True`): rollouts per prompt and prompts sampled, as `opd check`'s defaults."""
 TRACKED = ("overlap_ratio", "overlap_advantage", "reward_mean", "entropy_student", "rollout_accuracy")
 
 
@@ -68,13 +78,15 @@ def _window_mean(rows: list[dict], key: str, first: bool, width: int = 10) -> fl
 
 def summarize_run(run_dir: Path, steps: int) -> dict[str, Any]:
     """Final test accuracy (the trainer's end-of-run eval) and first/last-10-step means of the tracked metrics."""
+    from opd.lab.task import style_of
+
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     results = json.loads((run_dir / "eval" / f"step_{steps}" / "results.json").read_text())["benchmarks"]
     (summary,) = results.values()
     out: dict[str, Any] = {"test_accuracy": next(v for k, v in summary.items() if k.startswith("avg@"))}
     samples = run_dir / "eval" / f"step_{steps}" / "samples.jsonl"
     if samples.is_file():  # which solution style the final student writes (the `style` experiment's question)
-        styles = [_answer_style(json.loads(line)["response"]) for line in samples.read_text().splitlines() if line.strip()]
+        styles = [style_of(json.loads(line)["response"]) for line in samples.read_text().splitlines() if line.strip()]
         out["rewrite_share"] = styles.count("rewrite") / max(1, len(styles))
     for key in TRACKED:
         out[f"{key}_first10"] = _window_mean(rows, key, True)
@@ -82,65 +94,79 @@ def summarize_run(run_dir: Path, steps: int) -> dict[str, Any]:
     return out
 
 
-def _answer_style(text: str) -> str:
-    """"forward" when the first line is an equation (`3+4=7`), else "rewrite" (it restates the expression)."""
-    return "forward" if "=" in text.split("\n", 1)[0] else "rewrite"
-
-
-def prepare_style(out_dir: Path, variants: dict[str, list[str]], setup: dict[str, Any], *, limit: int | None,
-                  console: Any) -> tuple[dict[str, str], dict[str, Any]]:
-    """The `style` experiment's models: the rewrite-style teacher (cached in out_dir/rewrite_teacher) and, when a
-    variant needs it, the cold-started student. Returns (placeholders for the overrides, measured setup record)."""
-    from opd.config import DataSpec, ModelSpec
-    from opd.io import atomic_write_json, read_jsonl
-    from opd.lab import opd_prompts_path, student_path, teacher_path
+def rewrite_teacher(out_dir: Path, setup: dict[str, Any], *, limit: int | None, console: Any) -> tuple[Path, dict]:
+    """The `style` experiment's rewrite-style teacher and its record: the shipped one, or (setup["teacher_steps"])
+    one fine-tuned here from the forward teacher, cached in out_dir/rewrite_teacher (lab_style.json marks it done)."""
+    from opd.io import atomic_write_json
+    from opd.lab import manifest_path, rewrite_teacher_path, teacher_path
     from opd.lab.build import finetune, measure, write_sft_data
-    from opd.rollout.rejection import RolloutConfig, teacher_rollout
 
-    tokens = setup["max_new_tokens"]
+    if not setup.get("teacher_steps"):
+        path = rewrite_teacher_path()
+        if not (path / "model.safetensors").is_file():
+            raise FileNotFoundError(f"{path}: the shipped rewrite-style teacher is missing; build it with `opd lab "
+                                    f"build OUT --only rewrite_teacher` or pass a setup with teacher_steps")
+        shipped = json.loads(manifest_path().read_text())["models"]["rewrite_teacher"]
+        return path, {"teacher": "shipped", "teacher_accuracy": shipped["test_accuracy"],
+                      "teacher_sft": shipped["training"]}
     teacher = out_dir / "rewrite_teacher"
     record_path = teacher / "lab_style.json"
     if record_path.is_file():
-        record = json.loads(record_path.read_text())
         console.print(f"reusing the rewrite-style teacher {teacher}")
-    else:
-        n = setup["teacher_steps"] * setup["teacher_examples"]
-        data = write_sft_data(out_dir / "data" / "sft_rewrite.jsonl", style="rewrite", n=n)
-        start = time.perf_counter()
-        finetune(teacher_path(), data, out_dir / "work", "rewrite_teacher_sft", teacher, steps=setup["teacher_steps"],
-                 examples_per_step=setup["teacher_examples"], lr=setup["teacher_lr"], console=console)
-        seconds = time.perf_counter() - start
-        record = {"teacher_sft": {"from": str(teacher_path()), "examples": n, "steps": setup["teacher_steps"],
-                                  "examples_per_step": setup["teacher_examples"], "lr": setup["teacher_lr"],
-                                  "wall_s": round(seconds, 1)},
-                  "teacher_accuracy": measure(teacher, out_dir / "work" / "rewrite_teacher_eval", limit=limit,
-                                              max_new_tokens=tokens, console=console)}
-        atomic_write_json(record_path, record)  # written last: its presence marks a finished teacher
-    out = {"rewrite_teacher": str(teacher)}
-    if not any("{cold_student}" in e for extra in variants.values() for e in extra):
-        return out, record
-    rollout_dir = out_dir / "work" / "cold_rollout"
+        return teacher, json.loads(record_path.read_text())
+    n = setup["teacher_steps"] * setup["teacher_examples"]
+    data = write_sft_data(out_dir / "data" / "sft_rewrite.jsonl", style="rewrite", n=n)
+    start = time.perf_counter()
+    finetune(teacher_path(), data, out_dir / "work", "rewrite_teacher_sft", teacher, steps=setup["teacher_steps"],
+             examples_per_step=setup["teacher_examples"], lr=setup["teacher_lr"], console=console)
+    record = {"teacher": "trained here",
+              "teacher_sft": {"from": str(teacher_path()), "examples": n, "steps": setup["teacher_steps"],
+                              "examples_per_step": setup["teacher_examples"], "lr": setup["teacher_lr"],
+                              "wall_s": round(time.perf_counter() - start, 1)},
+              "teacher_accuracy": measure(teacher, out_dir / "work" / "rewrite_teacher_eval", limit=limit,
+                                          max_new_tokens=setup["max_new_tokens"], console=console)}
+    atomic_write_json(record_path, record)  # written last: its presence marks a finished teacher
+    return teacher, record
+
+
+def cold_start(out_dir: Path, teacher: Path, setup: dict[str, Any], *, seed: int, limit: int | None,
+               console: Any) -> tuple[Path, dict[str, Any]]:
+    """`opd rollout` of the teacher on the first cold_prompts OPD prompts (correct answers only) → `opd sft` of the
+    shipped student on them, with `seed`; cached in out_dir/cold_student_s<seed> (cold_start.json marks it done)."""
+    from opd.config import DataSpec, ModelSpec
+    from opd.io import atomic_write_json, read_jsonl
+    from opd.lab import opd_prompts_path, student_path
+    from opd.lab.build import finetune, measure
+    from opd.lab.task import style_of
+    from opd.rollout.rejection import RolloutConfig, teacher_rollout
+
+    student = out_dir / f"cold_student_s{seed}"
+    done = student / "cold_start.json"
+    if done.is_file():
+        return student, json.loads(done.read_text())
+    tokens = setup["max_new_tokens"]
+    rollout_dir = out_dir / "work" / f"cold_rollout_s{seed}"
     start = time.perf_counter()
     teacher_rollout(RolloutConfig(
         model=ModelSpec(path=str(teacher), device="cpu", dtype="fp32"),
         data=DataSpec(path=str(opd_prompts_path()), limit=setup["cold_prompts"], max_prompt_length=64),
         out=str(rollout_dir), n=1, temperature=1.0, top_p=1.0, max_new_tokens=tokens, require_correct=True,
-        batch_size=256, seed=0), console=console)
+        batch_size=256, seed=seed), console=console)
     rollout_s = time.perf_counter() - start
     answers = read_jsonl(rollout_dir / "rollouts.jsonl")
-    styles = [_answer_style(r["messages"][-1]["content"]) for r in answers]
-    student = out_dir / "cold_student"
+    styles = [style_of(r["messages"][-1]["content"]) for r in answers]
     start = time.perf_counter()
-    finetune(student_path(), rollout_dir / "rollouts.jsonl", out_dir / "work", "cold_student_sft", student,
-             steps=setup["cold_steps"], examples_per_step=setup["cold_examples"], lr=setup["cold_lr"], console=console)
-    record = {**record, "cold_start": {
-        "prompts": setup["cold_prompts"], "accepted": len(answers), "rewrite_style_share": styles.count("rewrite") / max(1, len(styles)),
-        "rollout_s": round(rollout_s, 1), "sft_steps": setup["cold_steps"], "examples_per_step": setup["cold_examples"],
-        "lr": setup["cold_lr"], "sft_s": round(time.perf_counter() - start, 1),
-        "student_after_sft": measure(student, out_dir / "work" / "cold_student_eval", limit=limit,
-                                     max_new_tokens=tokens, console=console)}}
-    out["cold_student"] = str(student)
-    return out, record
+    finetune(student_path(), rollout_dir / "rollouts.jsonl", out_dir / "work", f"cold_student_sft_s{seed}", student,
+             steps=setup["cold_steps"], seed=seed, examples_per_step=setup["cold_examples"], lr=setup["cold_lr"],
+             console=console)
+    record = {"seed": seed, "prompts": setup["cold_prompts"], "accepted": len(answers),
+              "rewrite_style_share": styles.count("rewrite") / max(1, len(styles)), "rollout_s": round(rollout_s, 1),
+              "sft_steps": setup["cold_steps"], "examples_per_step": setup["cold_examples"], "lr": setup["cold_lr"],
+              "sft_s": round(time.perf_counter() - start, 1),
+              "student_after_sft": measure(student, out_dir / "work" / f"cold_student_eval_s{seed}", limit=limit,
+                                           max_new_tokens=tokens, console=console)}
+    atomic_write_json(done, record)
+    return student, record
 
 
 def run_experiment(
@@ -150,6 +176,8 @@ def run_experiment(
     steps: int = 50,
     overrides: list[str] | None = None,
     only: list[str] | None = None,
+    seeds: list[int] | None = None,
+    check: bool = False,
     threads: int | None = 1,
     setup: dict[str, Any] | None = None,
     console: Any = None,
@@ -158,7 +186,9 @@ def run_experiment(
 
     overrides: extra DistillConfig key=value pairs for every run (e.g. `eval.limit=100`)
     only:      run only these variants (names as in EXPERIMENTS[name])
-    setup:     `style` only: changes to STYLE_SETUP (budgets of the rewrite teacher and the cold start)
+    seeds:     run each variant once per seed (run.seed); None: once, with the demo's seed 0 and the plain name
+    check:     `opd check` of each variant's pair (CHECK_SETTINGS) before its OPD run: the forecast in the summary
+    setup:     `style` only: changes to STYLE_SETUP (the rewrite teacher and the cold start)
     """
     import torch
     from rich.console import Console
@@ -188,39 +218,103 @@ def run_experiment(
     limit = demo_config(base).eval.limit
     tokens = demo_config(base).eval.max_new_tokens
     paths: dict[str, str] = {"student": str(student_path())}
-    prepared: dict[str, Any] = {}
-    if name == "style" and any("{rewrite_teacher}" in e for extra in variants.values() for e in extra):
-        style_setup = {**STYLE_SETUP, **(setup or {})}
-        more, prepared = prepare_style(out_dir, variants, style_setup, limit=limit, console=console)
-        paths.update(more)
-        prepared["setup"] = style_setup
-    results: dict[str, Any] = {}
+    summary_path = out_dir / "summary.json"
+    previous = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    if previous and (previous.get("steps"), previous.get("overrides")) != (steps, overrides or []):
+        previous = {}  # another configuration: its runs are not this summary's
+    prepared: dict[str, Any] = {k: v for k, v in previous.items() if k in ("teacher", "teacher_accuracy",
+                                                                         "teacher_sft", "setup", "cold_start")}
+    style_setup = {**STYLE_SETUP, **(setup or {})}
+    if any("{rewrite_teacher}" in e for extra in variants.values() for e in extra):
+        teacher, record = rewrite_teacher(out_dir, style_setup, limit=limit, console=console)
+        paths["rewrite_teacher"] = str(teacher)
+        prepared.update(record, setup=style_setup)
+    results: dict[str, Any] = dict(previous.get("runs", {}))
     run_dirs = []
     for variant, extra in variants.items():
-        extra = [e.format(**paths) for e in extra]
-        config = demo_config([*base, f"run.name={variant}", *extra])
-        start = time.perf_counter()
-        run_dir = distill(config, console=console)
-        results[variant] = {"overrides": extra, "wall_s": round(time.perf_counter() - start, 1),
-                            **summarize_run(run_dir, steps)}
-        run_dirs.append(run_dir)
+        for seed in seeds if seeds is not None else [None]:
+            run_name = variant if seed is None else f"{variant}_s{seed}"
+            local = dict(paths)
+            if any("{cold_student}" in e for e in extra):
+                local["cold_student"], record = cold_start(out_dir, Path(paths["rewrite_teacher"]), style_setup,
+                                                           seed=seed or 0, limit=limit, console=console)
+                prepared.setdefault("cold_start", {})[str(seed or 0)] = record
+            formatted = [e.format(**local) for e in extra]
+            seeded = [] if seed is None else [f"run.seed={seed}"]
+            config = demo_config([*base, f"run.name={run_name}", *seeded, *formatted])
+            run_dir = out_dir / run_name
+            entry: dict[str, Any] = {"variant": variant, "seed": config.run.seed, "overrides": formatted}
+            if check:
+                entry["forecast"] = _forecast(config, out_dir / f"{run_name}_check", console)
+            if (run_dir / "eval" / f"step_{steps}" / "results.json").is_file():
+                console.print(f"reusing the finished run {run_dir}")
+                entry["wall_s"] = results.get(run_name, {}).get("wall_s")
+            else:
+                start = time.perf_counter()
+                distill(config, console=console)
+                entry["wall_s"] = round(time.perf_counter() - start, 1)
+            entry.update(summarize_run(run_dir, steps))
+            if "cold_student" in local:
+                entry["student_before"] = prepared["cold_start"][str(seed or 0)]["student_after_sft"]
+            results[run_name] = entry
+            run_dirs.append(run_dir)
     before = measure(student_path(), out_dir / "student_before", limit=limit, max_new_tokens=tokens, console=console)
     summary = {"experiment": name, "steps": steps, "overrides": overrides or [], "test_set": str(test_set_path()),
                "eval_limit": limit, "student_before": before, "runs": results, **prepared}
+    summary["variants"] = aggregate(summary)
     from opd.io import atomic_write_json, atomic_write_text
     from opd.report import write_report
 
-    atomic_write_json(out_dir / "summary.json", summary)
+    atomic_write_json(summary_path, summary)
     atomic_write_text(out_dir / "summary.md", markdown(summary))
     if len(run_dirs) > 1:
         summary["report"] = str(write_report(run_dirs, out_dir / "compare"))
     console.print(markdown(summary), markup=False)
-    console.print(f"summary: {out_dir / 'summary.json'}")
+    console.print(f"summary: {summary_path}")
     return summary
 
 
+def _forecast(config: Any, out: Path, console: Any) -> dict[str, Any]:
+    """`opd check` of the run's pair with the run's own config: verdict, recovery and step-0 signals (check.json in
+    `out`, reused when there)."""
+    from opd.check import run_check
+
+    path = out / "check.json"
+    if not path.is_file():
+        run_check(config, out=out, skip=["resources"], console=console, **CHECK_SETTINGS)
+    data = json.loads(path.read_text())
+    forecast = data.get("forecast") or {}
+    keep = ("overlap_ratio", "overlap_mass_student", "overlap_mass_teacher", "overlap_advantage", "entropy_gap",
+            "seq_reward_auroc", "seq_reward_mean", "student_accuracy", "teacher_accuracy")
+    return {"verdict": forecast.get("verdict"), "recovery": forecast.get("recovery"), "exit_code": data["exit_code"],
+            **{k: (forecast.get("values") or {}).get(k) for k in keep},
+            "failed": [r["name"] for r in data["results"] if r["status"] == "fail"]}
+
+
+def aggregate(summary: dict[str, Any]) -> dict[str, Any]:
+    """Per variant over its seeds: mean and sample sd of the final accuracy and of the gain over its own start
+    (the shipped student, or the cold-started one), and the forecast verdicts."""
+    out: dict[str, Any] = {}
+    for run in summary["runs"].values():
+        variant = run.get("variant")
+        if variant is None:
+            continue
+        start = run.get("student_before", summary["student_before"])
+        v = out.setdefault(variant, {"accuracy": [], "gain": [], "seeds": [], "verdicts": []})
+        v["accuracy"].append(run["test_accuracy"])
+        v["gain"].append(run["test_accuracy"] - start)
+        v["seeds"].append(run["seed"])
+        v["verdicts"].append((run.get("forecast") or {}).get("verdict"))
+    for v in out.values():
+        for key in ("accuracy", "gain"):
+            v[f"{key}_mean"] = statistics.fmean(v[key])
+            v[f"{key}_sd"] = statistics.stdev(v[key]) if len(v[key]) > 1 else None
+    return out
+
+
 def markdown(summary: dict[str, Any]) -> str:
-    """The summary as a markdown table (accuracy and first → last-10-step means of the overlap metrics)."""
+    """The summary as markdown: per run accuracy and first → last-10-step means of the overlap metrics (+ the
+    forecast when checked), and per variant the mean ± sd over seeds."""
     def f(v: Any, pct: bool = False) -> str:
         return "–" if v is None else (f"{100 * v:.1f}" if pct else f"{v:.3f}")
 
@@ -229,23 +323,40 @@ def markdown(summary: dict[str, Any]) -> str:
              "| run | test acc % | overlap ratio (first 10 → last 10 steps) | overlap advantage | reward mean | "
              "student entropy | wall s |", "|---|---|---|---|---|---|---|"]
     style = summary["experiment"] == "style"
+    checked = any(r.get("forecast") for r in summary["runs"].values())
     if style:
         lines[-2:] = [lines[-2] + " rewrite-style answers % |", lines[-1] + "---|"]
+    if checked:
+        lines[-2:] = [lines[-2] + " forecast | step-0 AUROC |", lines[-1] + "---|---|"]
     notes = []
     if "teacher_accuracy" in summary:
-        notes.append(f"Rewrite-style teacher: {f(summary['teacher_accuracy'], True)}% after "
-                     f"{summary['teacher_sft']['steps']} SFT steps × {summary['teacher_sft']['examples_per_step']} "
-                     f"rewrite-style solutions ({summary['teacher_sft']['wall_s']} s).")
-    if "cold_start" in summary:
-        c = summary["cold_start"]
-        notes.append(f"Cold start: {c['accepted']} correct teacher answers from {c['prompts']} prompts "
+        sft = summary.get("teacher_sft") or {}
+        notes.append(f"Rewrite-style teacher ({summary.get('teacher', 'trained here')}): "
+                     f"{f(summary['teacher_accuracy'], True)}% after {sft.get('steps')} SFT steps × "
+                     f"{sft.get('examples_per_step')} rewrite-style solutions.")
+    for seed, c in sorted((summary.get("cold_start") or {}).items()):
+        notes.append(f"Cold start (seed {seed}): {c['accepted']} correct teacher answers from {c['prompts']} prompts "
                      f"({f(c['rewrite_style_share'], True)}% rewrite style, {c['rollout_s']} s), SFT "
                      f"{c['sft_steps']} steps × {c['examples_per_step']} ({c['sft_s']} s): student "
                      f"{f(c['student_after_sft'], True)}% before OPD.")
     lines[1:1] = [x for note in notes for x in ("", note)]
     for name, r in summary["runs"].items():
         cell = lambda key: f"{f(r[key + '_first10'])} → {f(r[key + '_last10'])}"  # noqa: E731
-        lines.append(f"| {name} | {f(r['test_accuracy'], True)} | {cell('overlap_ratio')} | {cell('overlap_advantage')} "
-                     f"| {cell('reward_mean')} | {cell('entropy_student')} | {r['wall_s']} |"
-                     + (f" {f(r.get('rewrite_share'), True)} |" if style else ""))
+        row = (f"| {name} | {f(r['test_accuracy'], True)} | {cell('overlap_ratio')} | {cell('overlap_advantage')} "
+               f"| {cell('reward_mean')} | {cell('entropy_student')} | {r.get('wall_s')} |")
+        if style:
+            row += f" {f(r.get('rewrite_share'), True)} |"
+        if checked:
+            fc = r.get("forecast") or {}
+            row += f" {fc.get('verdict', '–')} | {f(fc.get('seq_reward_auroc'))} |"
+        lines.append(row)
+    variants = summary.get("variants") or {}
+    if any(len(v["seeds"]) > 1 for v in variants.values()):
+        lines += ["", "| variant | seeds | test acc % (mean ± sd) | gain over its start, points (mean ± sd) | "
+                      "forecasts |", "|---|---|---|---|---|"]
+        for name, v in variants.items():
+            sd = lambda x: "" if x is None else f" ± {100 * x:.1f}"  # noqa: E731
+            lines.append(f"| {name} | {len(v['seeds'])} | {f(v['accuracy_mean'], True)}{sd(v['accuracy_sd'])} | "
+                         f"{100 * v['gain_mean']:+.1f}{sd(v['gain_sd'])} | "
+                         f"{', '.join(str(x) for x in v['verdicts'] if x) or '–'} |")
     return "\n".join(lines) + "\n"

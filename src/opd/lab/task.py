@@ -174,6 +174,12 @@ def solve(problem: LabProblem, style: Style = "forward") -> str:
     return "\n".join(lines + [f"\\boxed{{{problem.answer}}}"])
 
 
+def style_of(solution: str) -> Style:
+    """The style a solution text is written in: "forward" when its first line is an equation (`3+4=7`), else
+    "rewrite" (it restates the expression first)."""
+    return "forward" if "=" in solution.split("\n", 1)[0] else "rewrite"
+
+
 def messages(problem: LabProblem) -> list[dict[str, str]]:
     """The chat prompt: a single user turn."""
     return [{"role": "user", "content": problem.prompt_text}]

@@ -515,6 +515,15 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     rollout_model = rollout_generator = None
     if config.rollout.overlap:  # a snapshot the background rollouts read while the student is updated
         rollout_model, rollout_generator = overlap_generator(student, tokenizer, config, vocab_size, autocast_dtype)
+    from opd.check import preflight  # `opd check`'s tokenizers, scoring and resources rows; raises on a hard failure
+
+    teacher_tokenizer = None  # a served or vLLM teacher has no module here: its tokenizer was compared above
+    if teacher is not None:
+        teacher_tokenizer = load_tokenizer(config.teacher.path, trust_remote_code=config.teacher.trust_remote_code)
+    preflight(config, student_tokenizer=student_tokenizer, teacher_tokenizer=teacher_tokenizer,
+              student=student, teacher=teacher, student_scorer=student_scorer, teacher_scorer=teacher_scorer,
+              generator=generator, prompts=encoded.prompts, prompt_ids=encoded.input_ids, vocab_size=vocab_size,
+              autocast_dtype=autocast_dtype, world_size=dist.world_size, console=console if dist.is_main else None)
     compiled = False
     if dist.world_size == 1 or config.compile:  # FSDP2 + compile untested: only when asked for
         compiled = compile_layers(student, config.compile)

@@ -47,7 +47,13 @@ class Greedy:
         return getattr(self.inner, name)
 
 
-engine.make_generator = lambda *args, **kwargs: Greedy(make_generator(*args, **kwargs))
+def greedy_generator(*args, **kwargs):
+    inner = make_generator(*args, **kwargs)
+    print(f"engine: {type(inner).__name__}", flush=True)  # which engine the registry chose, for the tests
+    return Greedy(inner)
+
+
+engine.make_generator = greedy_generator
 distill(build_config(DistillConfig, options=json.loads(sys.argv[1])))
 '''
 
@@ -81,7 +87,9 @@ def _run(world: Path, out: Path, name: str, nproc: int, *overrides: str, steps: 
         "student.device": "cpu", "teacher.device": "cpu",
     }
     options.update(dict(o.split("=", 1) for o in overrides))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    # the tests' directory (conftest) in front of the caller's path (which may put a checkout's src/ first)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     launcher = [sys.executable] if nproc == 1 else [
@@ -95,6 +103,8 @@ def _run(world: Path, out: Path, name: str, nproc: int, *overrides: str, steps: 
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
     assert process.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    with open(out / f"{name}.stdout", "a") as log:  # beside the run directory, not in it
+        log.write(stdout)
     return out / name
 
 
@@ -154,3 +164,70 @@ def test_two_process_resume_reproduces_the_uninterrupted_run(world, runs, tmp_pa
     for key in expected:
         torch.testing.assert_close(weights[key], expected[key], rtol=0, atol=1e-7, msg=key)
     assert [m["step"] for m in read_jsonl(resumed / "metrics.jsonl")] == [1, 2]
+
+
+# ---------------------------------------------------------------- the static engine at N ranks, resume across N
+
+STATIC = ("rollout.engine=static", "run.save_every=1", "run.keep_last=3")
+
+
+@pytest.fixture(scope="module")
+def static_runs(world, tmp_path_factory):
+    """3 steps with the static engine (its eager CPU decode step) at one process and at two, a checkpoint per step."""
+    out = tmp_path_factory.mktemp("dist-static")
+    return _run(world, out, "single", 1, *STATIC, steps=3), _run(world, out, "double", 2, *STATIC, steps=3)
+
+
+def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"step_{step}" / "model.safetensors"))
+
+
+def _assert_same_weights(got: dict, expected: dict, initial: dict) -> None:
+    """Equal within 1e-5: the runs differ only in how ranks regroup float sums (the loss's token count, FSDP's
+    gradient reduce-scatter), ~1e-7 relative per step, which Adam (lr 1e-3, eps 1e-4, see `_run`) turns into
+    updates differing by far less than 1e-5 over 3 steps; the weights themselves move by > 1e-4."""
+    assert got.keys() == expected.keys()
+    assert max(float((expected[k] - initial[k]).abs().max()) for k in expected) > 1e-4
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.slow
+def test_static_engine_runs_under_torchrun_and_matches_one_process(world, static_runs):
+    """rollout.engine=static is what runs at 2 ranks (it used to be replaced by torch there), reading the student's
+    gathered parameters, and 3 steps end with the single-process weights on the same global batch."""
+    single, double = static_runs
+    logged = (single.parent / "double.stdout").read_text()
+    assert logged.count("engine: StaticGenerator") == 2 and "TorchGenerator" not in logged  # both ranks
+    initial = load_file(str(world / "student" / "model.safetensors"))
+    _assert_same_weights(_weights(double, 3), _weights(single, 3), initial)
+    metrics_1 = read_jsonl(single / "metrics.jsonl")
+    metrics_2 = read_jsonl(double / "metrics.jsonl")
+    assert [m["step"] for m in metrics_2] == [1, 2, 3]
+    for m1, m2 in zip(metrics_1, metrics_2):
+        for key in ("pg_loss", "grad_norm", "response_length", "rollout_accuracy"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_checkpoint_of_one_world_size_resumes_at_another(world, static_runs, tmp_path):
+    """Saved at 2 processes, resumed at 1, and saved at 1, resumed at 2: both continue to the uninterrupted run's
+    weights. Checkpoints hold the full weights and the full optimizer state (name-keyed at N > 1, index-keyed at 1)."""
+    import shutil
+
+    single, double = static_runs
+    state = torch.load(double / "checkpoints" / "step_1" / "trainer_state.pt", weights_only=False)
+    moments = state["optimizer"]["state"]["model.layers.0.mlp.up_proj.weight"]["exp_avg"]
+    assert state["world_size"] == 2 and moments.shape == _weights(double, 1)["model.layers.0.mlp.up_proj.weight"].shape
+    initial = load_file(str(world / "student" / "model.safetensors"))
+    for source, name, nproc in ((double, "down", 1), (single, "up", 2)):
+        shutil.copytree(source, tmp_path / name)  # the run as it stood after step 1
+        for step in (2, 3):
+            shutil.rmtree(tmp_path / name / "checkpoints" / f"step_{step}")
+        resumed = _run(world, tmp_path, name, nproc, *STATIC, "run.resume=true", steps=3)
+        logged = (tmp_path / f"{name}.stdout").read_text()
+        saved = 3 - nproc
+        assert f"saved by {saved} process{'es' * (saved > 1)}, resumed by {nproc}" in logged
+        for reference in (single, double):
+            _assert_same_weights(_weights(resumed, 3), _weights(reference, 3), initial)
+        assert [m["step"] for m in read_jsonl(resumed / "metrics.jsonl")] == [1, 2, 3]

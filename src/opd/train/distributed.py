@@ -31,9 +31,10 @@ vLLM holds its own copy per rank, refreshed with `all_full_weights` at each `syn
 Memory per rank while generating, for a student of P parameters (float32 master weights): the unsharded copy, 4P
 bytes (`gathered_bytes`), next to the shard (4P/N) and the AdamW moments (8P/N); the static engine's bf16 step
 weights under autocast, ~2P; then the KV cache; the teacher's full bf16 copy (2 bytes a parameter) unless it is
-served. So ~6P + 12P/N + 2·teacher bytes before the cache: on a 141 GB H200 at N = 8 with a served teacher that is
-P ≈ 18B before any KV cache (≈ 14B leaving ~25 GB for it), and ~4B less per 8B of replicated teacher. Beyond that,
-generation would need weights gathered layer by layer (omitted).
+served. So ~6P + 12P/N + 2·teacher bytes before the cache (arithmetic, not measured): on a 141 GB H200 at N = 8
+with a served teacher, P ≈ 18B fills it before any KV cache and P ≈ 14B leaves ~35 GB for the cache; a replicated
+8B teacher (16 GB) costs ~2B of student. Beyond that, generation would need weights gathered layer by layer, or
+bf16 gathering (FSDP's mixed-precision policy), both omitted.
 
 Checkpoints hold the full state whatever the world size (weights via `full_state_dict`, the optimizer via
 `full_optimizer_state_dict`; the sampler, the schedule and the RNG are the same on every rank), so a run saved at N

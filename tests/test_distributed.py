@@ -1,8 +1,8 @@
 """Multi-process `opd distill` (torchrun + FSDP2, gloo on CPU) against the single-process run on the same global batch.
 
-Both runs go through a small driver script (below) that swaps the rollout engine for greedy decoding: the config
-requires rollout.temperature > 0, and sampled rollouts necessarily differ between 1 and 2 processes (each rank samples
-with its own seed). Greedy rollouts depend only on the prompt and the weights, so both runs train on identical
+Both runs go through `benchmarks/multi_gpu.py run distill …` (the CLI with the rollout engine decoding greedily,
+what `benchmarks/run_multi_gpu.sh` runs on GPUs): the config requires rollout.temperature > 0, and sampled
+rollouts necessarily differ between 1 and 2 processes (each rank samples with its own seed). Greedy rollouts depend only on the prompt and the weights, so both runs train on identical
 rollouts and — the update being the same global token-mean — must end with the same weights.
 """
 
@@ -23,39 +23,8 @@ from opd.io import read_jsonl
 from opd.train.checkpoint import latest_checkpoint
 from opd.train.sampler import PromptSampler
 
-DRIVER = '''
-import json, sys
-from dataclasses import replace
-
-import opd.rollout as engine
-from opd.config import DistillConfig, build_config
-from opd.train.opd import distill
-
-make_generator = engine.make_generator
-
-
-class Greedy:
-    """Test hook: the real engine, decoding greedily whatever temperature the config asks for."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def generate(self, prompt_ids, params):
-        return self.inner.generate(prompt_ids, replace(params, temperature=0.0))
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-def greedy_generator(*args, **kwargs):
-    inner = make_generator(*args, **kwargs)
-    print(f"engine: {type(inner).__name__}", flush=True)  # which engine the registry chose, for the tests
-    return Greedy(inner)
-
-
-engine.make_generator = greedy_generator
-distill(build_config(DistillConfig, options=json.loads(sys.argv[1])))
-'''
+ROOT = Path(__file__).resolve().parents[1]
+MULTI_GPU = ROOT / "benchmarks" / "multi_gpu.py"  # `run`: the real `opd` CLI with greedy rollouts
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +40,6 @@ def world(tmp_path_factory):
     long = {i for _ in range(2) for i in sampler.next_batch()[1::2]}
     rows = [{"prompt": "9" * 20 * (i in long) + f"{i}+{i}=", "answer": str(2 * i)} for i in range(8)]
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (root / "driver.py").write_text(DRIVER)
     return root
 
 
@@ -95,7 +63,8 @@ def _run(world: Path, out: Path, name: str, nproc: int, *overrides: str, steps: 
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_free_port())]
     # its own session, so that a hang (a collective waiting forever) kills the launcher *and* its workers
-    process = subprocess.Popen([*launcher, str(world / "driver.py"), json.dumps(options)], env=env, text=True,
+    command = [*launcher, str(MULTI_GPU), "run", "distill", *(f"{k}={v}" for k, v in options.items())]
+    process = subprocess.Popen(command, env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=120)
@@ -231,3 +200,73 @@ def test_checkpoint_of_one_world_size_resumes_at_another(world, static_runs, tmp
         for reference in (single, double):
             _assert_same_weights(_weights(resumed, 3), _weights(reference, 3), initial)
         assert [m["step"] for m in read_jsonl(resumed / "metrics.jsonl")] == [1, 2, 3]
+
+
+# ---------------------------------------------------------------- benchmarks/multi_gpu.py: compare, scale
+
+
+def _multi_gpu():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import multi_gpu
+
+    return multi_gpu
+
+
+@pytest.mark.slow
+def test_compare_reports_runs_within_and_outside_the_tolerance(world, runs, static_runs, capsys):
+    multi_gpu = _multi_gpu()
+    single, double = static_runs
+    with pytest.raises(SystemExit) as exit_:
+        multi_gpu.main(["compare", str(single), str(double), "--initial", str(world / "student"), "--atol", "1e-5"])
+    printed = capsys.readouterr().out
+    assert exit_.value.code == 0 and "| yes |" in printed and "tolerance: max |Δ| ≤ 1e-05" in printed
+    with pytest.raises(SystemExit) as exit_:  # 2 torch-engine steps against 3 static-engine steps: other weights
+        multi_gpu.main(["compare", str(single), str(runs[0]), "--atol", "1e-5"])
+    assert exit_.value.code == 1 and "| NO |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_scale_rows_at_one_and_two_ranks_replicated_and_served(tmp_path, capsys):
+    """The scaling benchmark's logic on CPU: rows at N = 1 (in process) and N = 2 (torchrun, gloo) with a replicated
+    teacher, and N = 1 with a served one; the table adds them up with the weak-scaling efficiency."""
+    multi_gpu = _multi_gpu()
+    out = tmp_path / "scale.json"
+    flags = ["--shape", "tiny", "--teacher-shape", "tiny", "--device", "cpu", "--prompts-per-rank", "2", "--samples",
+             "2", "--prompt-len", "4", "--new-tokens", "8", "--lengths", "lognormal:mean=4,cap=8", "--warmup", "0",
+             "--repeat", "1", "--micro-batch-tokens", "256", "--out", str(out)]
+    multi_gpu.main(["scale", *flags])
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")])))
+    _check_call([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                 str(_free_port()), str(MULTI_GPU), "scale", *flags], env)
+    server = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "teacher_server.py"), "--serve", "--shape",
+                               "tiny", "--device", "cpu", "--batch", "4", "--prompt-len", "4", "--response-len", "8"],
+                              env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = ""
+        while "listening on " not in line:
+            line = server.stdout.readline()
+            assert line, "the teacher server exited"
+        url = line.split("listening on ")[1].split()[0]
+        multi_gpu.main(["scale", *flags, "--teacher-url", url])
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    rows = {(r["teacher"], r["world_size"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("replicated", 1), ("replicated", 2), ("served", 1)}
+    assert rows[("replicated", 2)]["sequences"] == 2 * rows[("replicated", 1)]["sequences"] == 8  # weak scaling
+    assert rows[("served", 1)]["gpus"] == 2 and all(r["tokens"] > 0 and r["step_s"] > 0 for r in rows.values())
+    printed = capsys.readouterr().out
+    assert "tiny ← tiny (replicated) | 2 | 2 | 8 |" in printed and "efficiency" in printed
+
+
+def _check_call(command: list[str], env: dict) -> None:
+    process = subprocess.Popen(command, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+    assert process.returncode == 0, stdout[-3000:] + stderr[-6000:]

@@ -1,8 +1,8 @@
 """Multi-process `opd distill` (torchrun + FSDP2, gloo on CPU) against the single-process run on the same global batch.
 
-Both runs go through a small driver script (below) that swaps the rollout engine for greedy decoding: the config
-requires rollout.temperature > 0, and sampled rollouts necessarily differ between 1 and 2 processes (each rank samples
-with its own seed). Greedy rollouts depend only on the prompt and the weights, so both runs train on identical
+Both runs go through `benchmarks/multi_gpu.py run distill …` (the CLI with the rollout engine decoding greedily,
+what `benchmarks/run_multi_gpu.sh` runs on GPUs): the config requires rollout.temperature > 0, and sampled
+rollouts necessarily differ between 1 and 2 processes (each rank samples with its own seed). Greedy rollouts depend only on the prompt and the weights, so both runs train on identical
 rollouts and — the update being the same global token-mean — must end with the same weights.
 """
 
@@ -23,33 +23,8 @@ from opd.io import read_jsonl
 from opd.train.checkpoint import latest_checkpoint
 from opd.train.sampler import PromptSampler
 
-DRIVER = '''
-import json, sys
-from dataclasses import replace
-
-import opd.rollout as engine
-from opd.config import DistillConfig, build_config
-from opd.train.opd import distill
-
-make_generator = engine.make_generator
-
-
-class Greedy:
-    """Test hook: the real engine, decoding greedily whatever temperature the config asks for."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def generate(self, prompt_ids, params):
-        return self.inner.generate(prompt_ids, replace(params, temperature=0.0))
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-engine.make_generator = lambda *args, **kwargs: Greedy(make_generator(*args, **kwargs))
-distill(build_config(DistillConfig, options=json.loads(sys.argv[1])))
-'''
+ROOT = Path(__file__).resolve().parents[1]
+MULTI_GPU = ROOT / "benchmarks" / "multi_gpu.py"  # `run`: the real `opd` CLI with greedy rollouts
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +40,6 @@ def world(tmp_path_factory):
     long = {i for _ in range(2) for i in sampler.next_batch()[1::2]}
     rows = [{"prompt": "9" * 20 * (i in long) + f"{i}+{i}=", "answer": str(2 * i)} for i in range(8)]
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (root / "driver.py").write_text(DRIVER)
     return root
 
 
@@ -81,13 +55,16 @@ def _run(world: Path, out: Path, name: str, nproc: int, *overrides: str, steps: 
         "student.device": "cpu", "teacher.device": "cpu",
     }
     options.update(dict(o.split("=", 1) for o in overrides))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    # the tests' directory (conftest) in front of the caller's path (which may put a checkout's src/ first)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_free_port())]
     # its own session, so that a hang (a collective waiting forever) kills the launcher *and* its workers
-    process = subprocess.Popen([*launcher, str(world / "driver.py"), json.dumps(options)], env=env, text=True,
+    command = [*launcher, str(MULTI_GPU), "run", "distill", *(f"{k}={v}" for k, v in options.items())]
+    process = subprocess.Popen(command, env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=120)
@@ -95,6 +72,8 @@ def _run(world: Path, out: Path, name: str, nproc: int, *overrides: str, steps: 
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
     assert process.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    with open(out / f"{name}.stdout", "a") as log:  # beside the run directory, not in it
+        log.write(stdout)
     return out / name
 
 
@@ -154,3 +133,140 @@ def test_two_process_resume_reproduces_the_uninterrupted_run(world, runs, tmp_pa
     for key in expected:
         torch.testing.assert_close(weights[key], expected[key], rtol=0, atol=1e-7, msg=key)
     assert [m["step"] for m in read_jsonl(resumed / "metrics.jsonl")] == [1, 2]
+
+
+# ---------------------------------------------------------------- the static engine at N ranks, resume across N
+
+STATIC = ("rollout.engine=static", "run.save_every=1", "run.keep_last=3")
+
+
+@pytest.fixture(scope="module")
+def static_runs(world, tmp_path_factory):
+    """3 steps with the static engine (its eager CPU decode step) at one process and at two, a checkpoint per step."""
+    out = tmp_path_factory.mktemp("dist-static")
+    return _run(world, out, "single", 1, *STATIC, steps=3), _run(world, out, "double", 2, *STATIC, steps=3)
+
+
+def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"step_{step}" / "model.safetensors"))
+
+
+def _assert_same_weights(got: dict, expected: dict, initial: dict) -> None:
+    """Equal within 1e-5: the runs differ only in how ranks regroup float sums (the loss's token count, FSDP's
+    gradient reduce-scatter), ~1e-7 relative per step, which Adam (lr 1e-3, eps 1e-4, see `_run`) turns into
+    updates differing by far less than 1e-5 over 3 steps; the weights themselves move by > 1e-4."""
+    assert got.keys() == expected.keys()
+    assert max(float((expected[k] - initial[k]).abs().max()) for k in expected) > 1e-4
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.slow
+def test_static_engine_runs_under_torchrun_and_matches_one_process(world, static_runs):
+    """rollout.engine=static is what runs at 2 ranks (it used to be replaced by torch there), reading the student's
+    gathered parameters, and 3 steps end with the single-process weights on the same global batch."""
+    single, double = static_runs
+    logged = (single.parent / "double.stdout").read_text()
+    assert logged.count("engine: StaticGenerator") == 2 and "TorchGenerator" not in logged  # both ranks
+    initial = load_file(str(world / "student" / "model.safetensors"))
+    _assert_same_weights(_weights(double, 3), _weights(single, 3), initial)
+    metrics_1 = read_jsonl(single / "metrics.jsonl")
+    metrics_2 = read_jsonl(double / "metrics.jsonl")
+    assert [m["step"] for m in metrics_2] == [1, 2, 3]
+    for m1, m2 in zip(metrics_1, metrics_2):
+        for key in ("pg_loss", "grad_norm", "response_length", "rollout_accuracy"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_checkpoint_of_one_world_size_resumes_at_another(world, static_runs, tmp_path):
+    """Saved at 2 processes, resumed at 1, and saved at 1, resumed at 2: both continue to the uninterrupted run's
+    weights. Checkpoints hold the full weights and the full optimizer state (name-keyed at N > 1, index-keyed at 1)."""
+    import shutil
+
+    single, double = static_runs
+    state = torch.load(double / "checkpoints" / "step_1" / "trainer_state.pt", weights_only=False)
+    moments = state["optimizer"]["state"]["model.layers.0.mlp.up_proj.weight"]["exp_avg"]
+    assert state["world_size"] == 2 and moments.shape == _weights(double, 1)["model.layers.0.mlp.up_proj.weight"].shape
+    initial = load_file(str(world / "student" / "model.safetensors"))
+    for source, name, nproc in ((double, "down", 1), (single, "up", 2)):
+        shutil.copytree(source, tmp_path / name)  # the run as it stood after step 1
+        for step in (2, 3):
+            shutil.rmtree(tmp_path / name / "checkpoints" / f"step_{step}")
+        resumed = _run(world, tmp_path, name, nproc, *STATIC, "run.resume=true", steps=3)
+        logged = (tmp_path / f"{name}.stdout").read_text()
+        saved = 3 - nproc
+        assert f"saved by {saved} process{'es' * (saved > 1)}, resumed by {nproc}" in logged
+        for reference in (single, double):
+            _assert_same_weights(_weights(resumed, 3), _weights(reference, 3), initial)
+        assert [m["step"] for m in read_jsonl(resumed / "metrics.jsonl")] == [1, 2, 3]
+
+
+# ---------------------------------------------------------------- benchmarks/multi_gpu.py: compare, scale
+
+
+def _multi_gpu():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import multi_gpu
+
+    return multi_gpu
+
+
+@pytest.mark.slow
+def test_compare_reports_runs_within_and_outside_the_tolerance(world, runs, static_runs, capsys):
+    multi_gpu = _multi_gpu()
+    single, double = static_runs
+    with pytest.raises(SystemExit) as exit_:
+        multi_gpu.main(["compare", str(single), str(double), "--initial", str(world / "student"), "--atol", "1e-5"])
+    printed = capsys.readouterr().out
+    assert exit_.value.code == 0 and "| yes |" in printed and "tolerance: max |Δ| ≤ 1e-05" in printed
+    with pytest.raises(SystemExit) as exit_:  # 2 torch-engine steps against 3 static-engine steps: other weights
+        multi_gpu.main(["compare", str(single), str(runs[0]), "--atol", "1e-5"])
+    assert exit_.value.code == 1 and "| NO |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_scale_rows_at_one_and_two_ranks_replicated_and_served(tmp_path, capsys):
+    """The scaling benchmark's logic on CPU: rows at N = 1 (in process) and N = 2 (torchrun, gloo) with a replicated
+    teacher, and N = 1 with a served one; the table adds them up with the weak-scaling efficiency."""
+    multi_gpu = _multi_gpu()
+    out = tmp_path / "scale.json"
+    flags = ["--shape", "tiny", "--teacher-shape", "tiny", "--device", "cpu", "--prompts-per-rank", "2", "--samples",
+             "2", "--prompt-len", "4", "--new-tokens", "8", "--lengths", "lognormal:mean=4,cap=8", "--warmup", "0",
+             "--repeat", "1", "--micro-batch-tokens", "256", "--out", str(out)]
+    multi_gpu.main(["scale", *flags])
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")])))
+    _check_call([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                 str(_free_port()), str(MULTI_GPU), "scale", *flags], env)
+    server = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "teacher_server.py"), "--serve", "--shape",
+                               "tiny", "--device", "cpu", "--batch", "4", "--prompt-len", "4", "--response-len", "8"],
+                              env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = ""
+        while "listening on " not in line:
+            line = server.stdout.readline()
+            assert line, "the teacher server exited"
+        url = line.split("listening on ")[1].split()[0]
+        multi_gpu.main(["scale", *flags, "--teacher-url", url])
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    rows = {(r["teacher"], r["world_size"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("replicated", 1), ("replicated", 2), ("served", 1)}
+    assert rows[("replicated", 2)]["sequences"] == 2 * rows[("replicated", 1)]["sequences"] == 8  # weak scaling
+    assert rows[("served", 1)]["gpus"] == 2 and all(r["tokens"] > 0 and r["step_s"] > 0 for r in rows.values())
+    printed = capsys.readouterr().out
+    assert "tiny ← tiny (replicated) | 2 | 2 | 8 |" in printed and "efficiency" in printed
+
+
+def _check_call(command: list[str], env: dict) -> None:
+    process = subprocess.Popen(command, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+    assert process.returncode == 0, stdout[-3000:] + stderr[-6000:]

@@ -56,7 +56,10 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # one state per device the saving process saw: a resume on a host (or under torchrun with
+        # CUDA_VISIBLE_DEVICES) that sees fewer devices restores those it has
+        for device, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
 
 
 def save_checkpoint(

@@ -20,6 +20,27 @@ decode loop's number of forwards depends on when each rank's rows finish, and un
 ranks would deadlock. For the same reason the grad pass pads every rank to the same number of micro-batches
 (`max_over_ranks`). The cost is one full copy of the student's weights per rank while it generates.
 
+Rollout engines at N ranks: every engine of `opd.rollout.registry` runs, chosen there as for one process ("auto" is
+the static engine on CUDA). `TorchGenerator` and `StaticGenerator` run on the student module itself inside
+`gathered`: its parameters are then the plain unsharded tensors, and nothing reshards them before the block ends
+(`gathered` turns reshard-after-forward off, so the Hugging Face prefill forwards leave them in place). The static
+engine's fused step weights are copies; what it takes without a copy (embedding table, norms, a GEMM weight already
+in the compute dtype) it holds only for the call, which ends inside the block, and it keeps no tensor between calls.
+vLLM holds its own copy per rank, refreshed with `all_full_weights` at each `sync_weights`.
+
+Memory per rank while generating, for a student of P parameters (float32 master weights): the unsharded copy, 4P
+bytes (`gathered_bytes`), next to the shard (4P/N) and the AdamW moments (8P/N); the static engine's bf16 step
+weights under autocast, ~2P; then the KV cache; the teacher's full bf16 copy (2 bytes a parameter) unless it is
+served. So ~6P + 12P/N + 2·teacher bytes before the cache (arithmetic, not measured): on a 141 GB H200 at N = 8
+with a served teacher, P ≈ 18B fills it before any KV cache and P ≈ 14B leaves ~35 GB for the cache; a replicated
+8B teacher (16 GB) costs ~2B of student. Beyond that, generation would need weights gathered layer by layer, or
+bf16 gathering (FSDP's mixed-precision policy), both omitted.
+
+Checkpoints hold the full state whatever the world size (weights via `full_state_dict`, the optimizer via
+`full_optimizer_state_dict`; the sampler, the schedule and the RNG are the same on every rank), so a run saved at N
+processes resumes at M (`load_full_optimizer_state_dict` reads either layout); only `prompts_per_step` must divide
+by M.
+
 Omitted: sharding the teacher, hybrid sharding across hosts (HSDP), mixed-precision policies for FSDP (the trainer's
 autocast is used instead), and CPU offload of the sharded parameters.
 """
@@ -171,6 +192,14 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
+def gathered_bytes(model: torch.nn.Module, info: DistInfo) -> int:
+    """Bytes `gathered` allocates on each rank: a full, unsharded copy of every parameter (in the parameters' dtype:
+    float32 master weights take 4 bytes a parameter), next to the rank's shard. 0 for world size 1."""
+    if info.world_size == 1:
+        return 0
+    return sum(param.numel() * param.element_size() for param in model.parameters())
+
+
 def full_state_dict(model: torch.nn.Module, info: DistInfo) -> dict[str, torch.Tensor] | None:
     """Full (unsharded) weights on CPU, on rank 0, for `save_pretrained(state_dict=…)`; an empty dict on other ranks.
     Every rank must call it (it all-gathers). None for world size 1: save the module as it is."""
@@ -204,10 +233,39 @@ def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Opt
 
 def load_full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
                                    info: DistInfo) -> None:
-    """Inverse of `full_optimizer_state_dict` (each rank reads the full state and keeps its shard)."""
-    if info.world_size == 1:
+    """Inverse of `full_optimizer_state_dict`, whichever world size wrote `state`: both layouts hold the whole state,
+    so a checkpoint of N processes resumes at M. The parameter-name-keyed one (N > 1) loads at any world size (each
+    rank keeps its shard); the index-keyed one (N = 1) loads as it is with one process, and is keyed by parameter name
+    first under FSDP."""
+    named = is_name_keyed(state)
+    if info.world_size == 1 and not named:
         optimizer.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    if not named:
+        state = name_keyed_optimizer_state(model, optimizer, state)
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def is_name_keyed(state: dict) -> bool:
+    """Whether an optimizer state dict names its parameters (`get_optimizer_state_dict`) rather than numbering them
+    (`Optimizer.state_dict`)."""
+    params = [p for group in state.get("param_groups", []) for p in group["params"]]
+    return bool(params) and isinstance(params[0], str)
+
+
+def name_keyed_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    """`Optimizer.state_dict()` layout (parameters numbered in the order of the optimizer's groups) → the
+    parameter-name-keyed layout of `get_optimizer_state_dict(full_state_dict=True)`. `optimizer` must be built the same
+    way as the one that wrote `state` (`opd.train.optim.build_optimizer` over the same model: same groups, same order),
+    sharded or not: parameter names do not change under `fully_shard`."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    order = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    saved = sum(len(group["params"]) for group in state["param_groups"])
+    if saved != len(order):
+        raise ValueError(f"the checkpoint's optimizer state has {saved} parameters, this model's optimizer "
+                         f"{len(order)}: it was written for another model")
+    return {"state": {order[index]: value for index, value in state["state"].items()},
+            "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
+                             for group in state["param_groups"]]}

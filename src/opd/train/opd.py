@@ -31,6 +31,7 @@ from opd.train.common import claimed_run_dir, eval_pending, load_eval_sets
 from opd.train.common import autocast
 from opd.train.common import timed as _timed
 from opd.train.distributed import SINGLE, DistInfo, all_reduce_sum, gathered, max_over_ranks, reduce_metrics
+from opd.train.distributed import gathered_bytes
 from opd.types import Prompt, Rollouts, TokenScores
 
 @dataclass
@@ -398,7 +399,8 @@ def save(tr: Trainer) -> Path:
 
     weights = full_state_dict(tr.student, tr.dist)  # None with one process: save the module itself
     state = trainer_state(tr.optimizer, tr.scheduler, tr.sampler, skipped_steps=tr.skipped_steps, history=tr.history,
-                          pending_rollouts=tr.pending_rollouts and tr.pending_rollouts.state_dict())
+                          pending_rollouts=tr.pending_rollouts and tr.pending_rollouts.state_dict(),
+                          world_size=tr.dist.world_size)
     state["optimizer"] = full_optimizer_state_dict(tr.student, tr.optimizer, tr.dist)
     path = tr.run_dir / "checkpoints" / f"step_{tr.step}"
     if tr.dist.is_main:
@@ -508,10 +510,11 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     with gathered(student, dist):  # the scorer checks the head once with a forward
         student_scorer = LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size,
                                      through_root=dist.world_size > 1)
+    # Under FSDP every engine runs from full weights: the in-process ones (torch, static) read the student's unsharded
+    # parameters inside `gathered` (opd_step), vLLM gets `all_full_weights` at each sync (opd.train.distributed).
     generator = make_generator(student, tokenizer, max_batch_size=config.rollout.batch_size, vocab_size=vocab_size,
-                               max_batch_tokens=config.rollout.max_batch_tokens,
-                               engine=config.rollout.engine if dist.world_size == 1 or config.rollout.engine == "vllm"
-                               else "torch", **_vllm_engine_arguments(config, student_path, student, dist))
+                               max_batch_tokens=config.rollout.max_batch_tokens, engine=config.rollout.engine,
+                               **_vllm_engine_arguments(config, student_path, student, dist))
     rollout_model = rollout_generator = None
     if config.rollout.overlap:  # a snapshot the background rollouts read while the student is updated
         rollout_model, rollout_generator = overlap_generator(student, tokenizer, config, vocab_size, autocast_dtype)
@@ -553,7 +556,7 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     with autocast(device, autocast_dtype):
         check_generation_fits(generator, prompt_tokens=config.data.max_prompt_length,
                               new_tokens=config.rollout.max_new_tokens, reserve_bytes=2 * sum(
-                                  p.numel() * p.element_size() for p in local),
+                                  p.numel() * p.element_size() for p in local) + gathered_bytes(student, dist),
                               names=("data.max_prompt_length", "rollout.max_new_tokens"))
     scheduler = build_scheduler(optimizer, config.run.steps, config.optim)
     sampler = PromptSampler(len(encoded.prompts), config.prompts_per_step, seed=config.run.seed)
@@ -572,7 +575,7 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
             tr.pending_rollouts = PendingRollouts.from_state(state.get("pending_rollouts"))
         resume_step = tr.step
         if console is not None:
-            console.print(f"resumed from {checkpoint} (step {tr.step})")
+            console.print(f"resumed from {checkpoint} (step {tr.step}){_world_size_change(state, dist)}")
     if dist.is_main:  # rank 0 writes the run directory
         tr.sink = open_run(config, run_dir, config.run, resume_step=resume_step)
     return tr
@@ -652,6 +655,17 @@ def _vllm_engine_arguments(config: DistillConfig, student_path: str, student: to
         arguments["weights_fn"] = lambda: all_full_weights(student, dist)
     return arguments
 
+
+
+def _world_size_change(state: dict, dist: DistInfo) -> str:
+    """A note when a checkpoint resumes at another world size than it was saved at (allowed: the global batches, the
+    optimizer state and the schedule are the same; only sums over ranks regroup, at float rounding level)."""
+    saved = state.get("world_size")  # absent in checkpoints written before it was recorded
+    if saved is None or saved == dist.world_size:
+        return ""
+    return (f"; saved by {saved} process{'es' * (saved > 1)}, resumed by {dist.world_size}: the same global batches, "
+            f"sums over ranks regrouped (results differ from an uninterrupted run at float rounding level; sampled "
+            f"rollouts differ too, each rank drawing with its own seed)")
 
 
 def _step_seed(seed: int, step: int, rank: int = 0) -> int:

@@ -292,7 +292,7 @@ def scale(argv: list[str]) -> dict | None:
     device = info.device or resolve_device(args.device)
     cuda = device.type == "cuda"
     if cuda and info.world_size == 1:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index or 0)  # `resolve_device` may say plain "cuda"
     tr = build_trainer(args, info, device)
     times, tokens, traces = [], [], []
     for index in range(args.warmup + args.repeat):

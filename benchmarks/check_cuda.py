@@ -10,8 +10,8 @@ Checks (float32 with TF32 off unless the row says bf16; tolerances in the table)
                       for the whole call on the Triton path
 - decode_attention:   the Triton split-KV decode kernel (bf16, Qwen3 head shapes, per-row start and end slots, 1–16
                       splits, inside a CUDA graph as the decode step runs it) against a float64 reference
-- static_memory:      with a ballast tensor leaving ~1 GiB above the safety margin free, `StaticGenerator` sizes its
-                      rows from the free memory
+- static_memory:      with a ballast tensor leaving the safety margin, one call's fixed cost and 32 rows free,
+                      `StaticGenerator` sizes its rows from the free memory
                       (fewer than max_batch_size) and the call's peak allocation stays inside what was free
 - full_vocab_topk:    `score_hidden`'s two-stage top-k (compiled) at Qwen3's vocabulary (151,669 of 151,936 rows,
                       float32, 3 chunks, scale ±1) against a float64 topk: same log-probs, ids that hold them
@@ -216,17 +216,21 @@ def static_memory():
     from opd.rollout.static_engine import StaticGenerator
 
     model = build_model("qwen3-0.6b", dtype=torch.bfloat16, device=torch.device("cuda"))
+    engine = StaticGenerator(model, eos_token_ids=[151645], pad_token_id=151643, vocab_size=151669,
+                             max_batch_size=64)
     torch.cuda.empty_cache()
     free, total = memory.device_memory(torch.device("cuda"))
-    # ~1 GiB above the margin: 64 rows of (128 + 96) slots (the call's longest cap sets the slots) need ~1.9 GiB
-    ballast = torch.empty(max(0, free - memory.margin_bytes(total) - 2**30), dtype=torch.uint8, device="cuda")
+    # leave the margin, what a call holds once (prefill, first-token sampling, RoPE table), the step weights it builds
+    # and 32 rows of (128 + 96) slots (the call's longest cap sets the slots): 64 rows must not fit
+    cost = engine.row_cost(128, 96, torch.bfloat16)
+    leave = (memory.margin_bytes(total) + cost.fixed_bytes + engine.step_weight_bytes(torch.bfloat16)
+             + 32 * cost.row_bytes)
+    ballast = torch.empty(max(0, free - leave), dtype=torch.uint8, device="cuda")
     free, _ = memory.device_memory(torch.device("cuda"))
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 151669, (64, 128), generator=g).tolist()
-    engine = StaticGenerator(model, eos_token_ids=[151645], pad_token_id=151643, vocab_size=151669,
-                             max_batch_size=64)
     caps = torch.randint(16, 97, (64,), generator=g).tolist()  # short calls; slots per row: 128 + max(caps)
     out = engine.generate(prompts, SamplingParams(max_new_tokens=2048, stop_at_eos=False, seed=0),
                           max_new_tokens_per_sample=caps)

@@ -12,7 +12,7 @@ token-reward advantages, PPO-clip), and as `opd distill` sets a GPU up: compiled
 selective activation checkpointing (`--compile`, `--ckpt`). Variants (`VARIANTS`): `default` (the config defaults:
 fp32 AdamW state, fused on CUDA), `foreach` (torch's foreach AdamW: the previous default), `bf16_state`
 (`optim.state_dtype=bf16`), `micro4k` (`micro_batch_tokens=4096`), `ckpt_on` (full per-layer checkpointing),
-`offload` (`teacher_offload`), `lean` (bf16 state + micro4k), `lean_offload`, `overlap` (`rollout.overlap` with
+`offload` (`teacher_offload`), `lean` (bf16 state + micro4k), `lean_offload`, `lean_offload_8k`, `overlap` (`rollout.overlap` with
 `objective.tis_cap=2`). On CUDA each row also prints where its memory goes (the phase marks of `opd_step`).
 
 TRL (`--trl`, one row each; its wheels are carried to the GPU machine: benchmarks/README.md): the same student and
@@ -71,6 +71,7 @@ VARIANTS: dict[str, dict] = {
     "offload": {"teacher_offload": True},
     "lean": {"state_dtype": "bf16", "micro_batch_tokens": 4096},
     "lean_offload": {"state_dtype": "bf16", "micro_batch_tokens": 4096, "teacher_offload": True},
+    "lean_offload_8k": {"state_dtype": "bf16", "micro_batch_tokens": 8192, "teacher_offload": True},
     "overlap": {"overlap": True},
 }
 TRL_ROWS = ("distill:defaults", "distill:fastest", "gkd:defaults", "gkd:fastest")

@@ -299,7 +299,8 @@ def test_optional_terms_and_extension_objectives_run(world, tmp_path, overrides)
 
 def test_teacher_offload_trains_like_a_resident_teacher(world, tmp_path):
     """teacher_offload only changes where the teacher's weights wait between scorings: the same run, bit for bit
-    (on CPU the device copy is the host tensor itself; the GPU path is `_on_device` below and check_cuda's rows)."""
+    (on CPU the device copy is the host tensor itself; on the GPU the path ran in benchmarks/opd_step.py's offload
+    rows)."""
     resident = distill(config(world, tmp_path / "resident"))
     offloaded = distill(config(world, tmp_path / "offloaded", "teacher_offload=true"))
     for key, value in _weights(resident).items():
@@ -310,18 +311,18 @@ def test_teacher_offload_trains_like_a_resident_teacher(world, tmp_path):
 
 
 def test_on_device_keeps_one_host_copy_and_copies_nothing_back():
-    from opd.train.opd import _on_device, host_copies
+    from opd.train.opd import on_device, host_copies
 
     teacher = make_tiny_model("qwen3", seed=1).requires_grad_(False)
     values = {k: v.clone() for k, v in teacher.state_dict().items()}
     pairs = host_copies(teacher)
     assert [t.data_ptr() for t, _ in pairs] == [h.data_ptr() for _, h in pairs]  # the module now uses the copies
     for _ in range(2):
-        with _on_device(teacher, torch.device("cpu")):
+        with on_device(teacher, torch.device("cpu")):
             teacher(torch.tensor([[1, 2, 3]]))
         assert [h.data_ptr() for _, h in host_copies(teacher)] == [h.data_ptr() for _, h in pairs]  # made once
     assert all(torch.equal(v, teacher.state_dict()[k]) for k, v in values.items())
     teacher.to(torch.float64)  # moved by something else: the copies are made again, of the new tensors
     assert all(h.dtype == torch.float64 for _, h in host_copies(teacher))
-    with _on_device(None, torch.device("cpu")), _on_device(teacher, None):  # no-ops
+    with on_device(None, torch.device("cpu")), on_device(teacher, None):  # no-ops
         pass

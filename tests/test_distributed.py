@@ -62,16 +62,8 @@ def _run(world: Path, out: Path, name: str, nproc: int, *overrides: str, steps: 
         env.pop(key, None)
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_free_port())]
-    # its own session, so that a hang (a collective waiting forever) kills the launcher *and* its workers
     command = [*launcher, str(MULTI_GPU), "run", "distill", *(f"{k}={v}" for k, v in options.items())]
-    process = subprocess.Popen(command, env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-    assert process.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    stdout = _check_call(command, env, timeout=120)
     with open(out / f"{name}.stdout", "a") as log:  # beside the run directory, not in it
         log.write(stdout)
     return out / name
@@ -263,12 +255,15 @@ def test_scale_rows_at_one_and_two_ranks_replicated_and_served(tmp_path, capsys)
     assert "tiny ← tiny (replicated) | 2 | 2 | 8 |" in printed and "efficiency" in printed
 
 
-def _check_call(command: list[str], env: dict) -> None:
+def _check_call(command: list[str], env: dict, timeout: float = 180) -> str:
+    """Run `command` in its own session (a hang — a collective waiting forever — kills the launcher *and* its
+    workers); assert it succeeded; return its stdout."""
     process = subprocess.Popen(command, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                start_new_session=True)
     try:
-        stdout, stderr = process.communicate(timeout=180)
+        stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
     assert process.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    return stdout

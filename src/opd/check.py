@@ -703,7 +703,8 @@ def mini_step(config: DistillConfig, *, generator: Any, student: torch.nn.Module
         scores = student_scorer.score(rollouts, top_k=k, temperature=cfg.rollout.temperature)
     if teacher_scorer is not None:
         with timed(timings, "teacher"):
-            teacher_scorer.score(rollouts, top_k=k, requested_ids=scores.topk_ids,
+            serves_ids = getattr(teacher_scorer, "serves_requested_ids", True)  # vLLM: only its own top-k
+            teacher_scorer.score(rollouts, top_k=k, requested_ids=scores.topk_ids if serves_ids else None,
                                  temperature=cfg.objective.teacher_temperature)
     # On CUDA the timed backward recomputes activations (as the run will: full or selective checkpointing), so the
     # mini-step never needs more memory than training; on CPU the run does not checkpoint either.
@@ -815,7 +816,11 @@ def preflight(
     run the (sharded) student are left out: prompt_logprobs and step_time."""
     from opd.models import eos_token_ids
 
+    from opd.train.opd import on_device
+
     skip = resolve_skips(config.skip_checks)
+    # an offloaded teacher scores on the student's device, as in training (memory is estimated with it offloaded)
+    scoring_device = next(student.parameters()).device if config.teacher_offload else None
     if world_size > 1:
         skip |= {"prompt_logprobs", "step_time"}
     report = CheckReport()
@@ -828,18 +833,21 @@ def preflight(
                                 student_eos_ids=eos_token_ids(student, student_tokenizer),
                                 teacher_eos_ids=eos_token_ids(teacher, teacher_tokenizer))
         report.results += [r for r in rows if r.name not in skip]
-        report.results += scoring_rows(config, teacher=teacher, tokenizer=student_tokenizer,
-                                       student_scorer=student_scorer, teacher_scorer=teacher_scorer,
-                                       prompt_ids=prompt_ids, vocab_size=vocab_size,
-                                       student_params=sum(p.numel() for p in student.parameters()), skip=skip,
-                                       rows=2, max_new_tokens=128, autocast_dtype=autocast_dtype)
+        with on_device(teacher, scoring_device):
+            report.results += scoring_rows(config, teacher=teacher, tokenizer=student_tokenizer,
+                                           student_scorer=student_scorer, teacher_scorer=teacher_scorer,
+                                           prompt_ids=prompt_ids, vocab_size=vocab_size,
+                                           student_params=sum(p.numel() for p in student.parameters()), skip=skip,
+                                           rows=2, max_new_tokens=128, autocast_dtype=autocast_dtype)
     if "memory" not in skip:
         needs = estimate_memory(config, student, teacher, compute_dtype=autocast_dtype or next(student.parameters()).dtype)
         report.results.append(check_memory(needs, loaded=_loaded_bytes(student, teacher)))
     if "step_time" not in skip:
-        timings = mini_step(config, generator=generator, student=student, student_scorer=student_scorer,
-                            teacher_scorer=teacher_scorer, prompt_ids=prompt_ids, pad_id=student_tokenizer.pad_token_id,
-                            vocab_size=vocab_size, autocast_dtype=autocast_dtype, prompts=1)
+        with on_device(teacher, scoring_device):
+            timings = mini_step(config, generator=generator, student=student, student_scorer=student_scorer,
+                                teacher_scorer=teacher_scorer, prompt_ids=prompt_ids,
+                                pad_id=student_tokenizer.pad_token_id, vocab_size=vocab_size,
+                                autocast_dtype=autocast_dtype, prompts=1)
         report.results.append(check_step_time(config, timings))
     report.results += _skipped(skip, PREFLIGHT_GROUPS)
     report.values["seconds"] = round(time.perf_counter() - start, 2)

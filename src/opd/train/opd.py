@@ -148,7 +148,7 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     student_at_teacher_BTK = None
     teacher_call = None
     if tr.teacher_scorer is not None:
-        with _timed(timings, "teacher"), _on_device(tr.teacher, device if cfg.teacher_offload else None):
+        with _timed(timings, "teacher"), on_device(tr.teacher, device if cfg.teacher_offload else None):
             serves_ids = getattr(tr.teacher_scorer, "serves_requested_ids", True)  # vLLM: only its own top-k
             teacher_call = start_scoring(tr.teacher_scorer, rollouts, top_k=diag_k,
                                          requested_ids=student.topk_ids if serves_ids else None,
@@ -530,7 +530,7 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     compiled = False
     if dist.world_size == 1 or config.compile:  # FSDP2 + compile untested: only when asked for
         compiled = compile_layers(student, config.compile)
-        if teacher is not None:  # an offloaded teacher runs only on the GPU too (`_on_device`)
+        if teacher is not None:  # an offloaded teacher runs only on the GPU too (`on_device`)
             compile_layers(teacher, config.compile)
     # checkpointing: full (HF, per layer) when asked; by default on CUDA selective inside the compiled layers
     # (docs/performance.md: the update's speed and memory under each)
@@ -764,7 +764,7 @@ def _is_weight_stats(old_lp_BT: torch.Tensor, rollout_lp_BT: torch.Tensor, cap: 
 
 
 @contextmanager
-def _on_device(module: torch.nn.Module | None, device: torch.device | None):
+def on_device(module: torch.nn.Module | None, device: torch.device | None):
     """Put an offloaded (frozen) module on `device` for the duration of the block (no-op when device is None).
 
     Its tensors live in pinned host memory (`host_copies`); entering copies them to the device without blocking the

@@ -35,6 +35,22 @@ def device_memory(device: torch.device) -> tuple[int, int] | None:
     return free + cached_unused, total
 
 
+class ModuleMemory:
+    """What the in-process engines (`TorchGenerator`, `StaticGenerator`) share: they run the trainer's module
+    `self.model` on its device and read the free memory there, or from `self.free_memory` (a fixed figure in tests)."""
+
+    model: torch.nn.Module
+    free_memory: Callable[[torch.device], tuple[int, int] | None] | None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _memory(self) -> tuple[int, int] | None:
+        """(free, total) bytes of the model's device now, or None (no limit)."""
+        return (self.free_memory or device_memory)(self.device)
+
+
 def margin_bytes(total: int) -> int:
     return int(MARGIN_BYTES + MARGIN_FRACTION * total)
 

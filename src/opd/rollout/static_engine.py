@@ -268,7 +268,7 @@ class _Layer:
     values: torch.Tensor | None = None
 
 
-class StaticGenerator:
+class StaticGenerator(memory.ModuleMemory):
     """`Generator` with a static KV cache, continuous batching and CUDA-graph decode steps; the results contract of
     `TorchGenerator` (prompt-major outputs, EOS kept, log-probs before top-k/top-p filtering, seeded), see the module
     docstring for how a call runs and its determinism contract.
@@ -348,14 +348,6 @@ class StaticGenerator:
         self.hf = HFModel(model, pad_token_id=self.pad_token_id, vocab_size=vocab_size)
         self.stats: dict[str, Any] = {}
         self._compiled: tuple[Callable, Callable, Callable] | None = None
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def _memory(self) -> tuple[int, int] | None:
-        """(free, total) bytes of the model's device now, or None (no limit)."""
-        return (self.free_memory or memory.device_memory)(self.device)
 
     def sync_weights(self) -> None:
         """Nothing to do: the step weights are rebuilt from the trainer's module at every call."""

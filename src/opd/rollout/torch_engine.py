@@ -48,7 +48,7 @@ from opd.rollout.sampling import sample_next
 _SAMPLING_FLOATS = 6
 
 
-class TorchGenerator:
+class TorchGenerator(memory.ModuleMemory):
     """The `Generator` protocol over a Hugging Face causal LM that it shares with the trainer (no weight copy).
 
     model:            any `AutoModelForCausalLM`-like module accepting input_ids, attention_mask, position_ids, a
@@ -98,14 +98,6 @@ class TorchGenerator:
         self.compact_fraction = compact_fraction
         self.free_memory = free_memory
         self.hf = HFModel(model, pad_token_id=self.pad_token_id, vocab_size=vocab_size)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def _memory(self) -> tuple[int, int] | None:
-        """(free, total) bytes of the model's device now, or None (no limit)."""
-        return (self.free_memory or memory.device_memory)(self.device)
 
     def sync_weights(self) -> None:
         """Nothing to do: the engine runs the trainer's own module."""

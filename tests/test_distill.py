@@ -311,7 +311,7 @@ def test_teacher_offload_trains_like_a_resident_teacher(world, tmp_path):
 
 
 def test_on_device_keeps_one_host_copy_and_copies_nothing_back():
-    from opd.train.opd import on_device, host_copies
+    from opd.models import host_copies, on_device
 
     teacher = make_tiny_model("qwen3", seed=1).requires_grad_(False)
     values = {k: v.clone() for k, v in teacher.state_dict().items()}

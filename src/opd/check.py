@@ -38,6 +38,8 @@ import torch
 from pydantic import Field
 
 from opd.config import DistillConfig, Section
+from opd.objectives.diagnostics import diagnostic_top_k
+from opd.seeds import SALT_CHECK_ACCURACY, derive_seed
 
 Status = Literal["pass", "warn", "fail", "skip"]
 
@@ -505,12 +507,10 @@ def forecast(
 
 
 def _grade(tokenizer: Any, rollouts: Any, answers: Sequence[str]) -> list[bool]:
-    from opd.eval.grading import grade
+    from opd.eval.grading import grade_responses
 
-    lengths = rollouts.response_mask.sum(-1).tolist()
-    texts = tokenizer.batch_decode([ids[:n] for ids, n in zip(rollouts.response_ids.tolist(), lengths)],
-                                   skip_special_tokens=True)
-    return [grade(text, answer).correct for text, answer in zip(texts, answers)]
+    _, grades = grade_responses(tokenizer, rollouts.response_ids, answers, lengths=rollouts.response_mask.sum(-1).tolist())
+    return [g.correct for g in grades or []]
 
 
 @torch.no_grad()
@@ -530,7 +530,7 @@ def sample_accuracy(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[An
     for index, start in enumerate(range(0, len(encoded.prompts), batch_size)):
         ids = encoded.input_ids[start:start + batch_size]
         params = SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens,
-                                seed=(seed * 1_000_003 + index * 7919 + 29) % 2**31)
+                                seed=derive_seed(seed, step=index, salt=SALT_CHECK_ACCURACY))
         rollouts = build_rollouts(ids, generator.generate(ids, params), pad_id=tokenizer.pad_token_id, device=device)
         batch = encoded.prompts[start:start + batch_size]
         correct += _grade(tokenizer, rollouts, [batch[g].answer for g in rollouts.group_ids.tolist()])
@@ -694,7 +694,7 @@ def mini_step(config: DistillConfig, *, generator: Any, student: torch.nn.Module
     cfg, timings = config, {}
     device = next(student.parameters()).device
     ids = [list(x) for x in prompt_ids[:prompts]]
-    k = cfg.objective.top_k or 16
+    k = diagnostic_top_k(cfg.objective.top_k)
     with timed(timings, "rollout"), autocast(device, autocast_dtype):
         params = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                 max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed)
@@ -772,7 +772,7 @@ def scoring_rows(config: DistillConfig, *, teacher: torch.nn.Module, tokenizer: 
         samples = teacher_samples(teacher, tokenizer, ids, temperature=config.objective.teacher_temperature,
                                   max_new_tokens=tokens, vocab_size=vocab_size, seed=config.run.seed)
         if "determinism" not in skip:
-            out.append(check_determinism(teacher_scorer, samples, top_k=config.objective.top_k or 16,
+            out.append(check_determinism(teacher_scorer, samples, top_k=diagnostic_top_k(config.objective.top_k),
                                          temperature=config.objective.teacher_temperature))
         if "self_distillation_zero" not in skip:
             out.append(check_self_distillation(teacher_scorer, samples, temperature=config.objective.teacher_temperature,
@@ -816,7 +816,7 @@ def preflight(
     run the (sharded) student are left out: prompt_logprobs and step_time."""
     from opd.models import eos_token_ids
 
-    from opd.train.opd import on_device
+    from opd.models import on_device
 
     skip = resolve_skips(config.skip_checks)
     # an offloaded teacher scores on the student's device, as in training (memory is estimated with it offloaded)
@@ -959,7 +959,7 @@ def run_check(
                                    autocast_dtype=autocast_dtype)
     # 3. forecast
     if "forecast" not in skipped:
-        values = forecast(student, teacher, student_tokenizer, sample, n=n, top_k=config.objective.top_k or 16,
+        values = forecast(student, teacher, student_tokenizer, sample, n=n, top_k=diagnostic_top_k(config.objective.top_k),
                           temperature=config.rollout.temperature,
                           teacher_temperature=config.objective.teacher_temperature,
                           max_new_tokens=config.rollout.max_new_tokens, max_prompt_length=data.max_prompt_length,

@@ -42,6 +42,7 @@ from opd.config import ConfigError, DataSpec, ModelSpec, Section, Teacher, VLLMS
 from opd.data.prompts import JSONL_SUFFIXES, DataError, load_prompts, save_prompts
 from opd.data.templates import InstructionTemplate, apply_template, encode_prompts, parse_template
 from opd.types import Prompt, TokenScores
+from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
 
 if TYPE_CHECKING:
     from opd.teacher.base import TeacherScorer
@@ -208,7 +209,7 @@ def score_prompts(
         prompt_ids = encoded.input_ids[start:start + batch_size]
         # 2. rollouts: n samples per prompt from the student
         params = SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens,
-                                seed=(seed * 1_000_003 + index * 7919 + 17) % 2**31)
+                                seed=derive_seed(seed, step=index, salt=SALT_STEP_ROLLOUT))
         output = generator.generate(prompt_ids, params)
         rollouts = build_rollouts(prompt_ids, output, pad_id=tokenizer.pad_token_id, device=device)
         # 3. student scores (top-k support, log-probs, entropy); 4. teacher scores, also at the student's top-k

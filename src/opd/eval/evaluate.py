@@ -31,6 +31,8 @@ from typing import Any, Callable
 from opd.config import EvalConfig, check_same_work, flatten_dotted, save_config
 from opd.io import append_jsonl, atomic_write_json, read_jsonl, write_jsonl
 from opd.report.sinks import progress_bar
+from opd.eval.grading import decode_responses
+from opd.seeds import hashed_seed
 
 IDENTITY_FILE = "identity.json"
 _OUR_FILES = ("config.yaml", "samples.jsonl", "results.json")
@@ -290,7 +292,7 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
                 seed=_chunk_seed(config.seed, benchmark, chunk_id),
             )
             output = generator.generate([p.prompt_ids for p in chunk], params)
-            texts = tokenizer.batch_decode(output.response_ids, skip_special_tokens=True)
+            texts = decode_responses(tokenizer, output.response_ids)
             records = []
             for sample_index, (text, ids, group) in enumerate(zip(texts, output.response_ids, output.group_ids)):
                 problem = chunk[group]
@@ -353,8 +355,7 @@ def _valid_record(record: Any) -> bool:
 
 
 def _chunk_seed(seed: int, benchmark: str, chunk_id: int) -> int:
-    digest = hashlib.sha256(f"{seed}/{benchmark}/{chunk_id}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
+    return hashed_seed(f"{seed}/{benchmark}/{chunk_id}")
 
 
 def _graded_record(*, benchmark: str, problem_id: str, sample: int, response: str, answer: str | list[str],

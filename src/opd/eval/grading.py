@@ -970,3 +970,25 @@ def _worker_main() -> None:
             result = (False, "error")
         out.write(json.dumps(list(result)).encode() + b"\n")
         out.flush()
+
+
+# ----------------------------------------------------------------------------------- decoded rollouts, graded
+
+
+def decode_responses(tokenizer, response_ids, lengths: Sequence[int] | None = None) -> list[str]:
+    """The text of each response (special tokens dropped): rows of `response_ids` (a `[B, T]` tensor or lists of
+    ids), each cut to its length in `lengths` when given (a padded batch's response-mask sums)."""
+    rows = response_ids.tolist() if hasattr(response_ids, "tolist") else [list(ids) for ids in response_ids]
+    if lengths is not None:
+        rows = [ids[:length] for ids, length in zip(rows, lengths)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+def grade_responses(tokenizer, response_ids, answers: Sequence, *, lengths: Sequence[int] | None = None,
+                    timeout: float = DEFAULT_TIMEOUT_S) -> tuple[list[str], list[Grade] | None]:
+    """Decode every response and grade it against its row's ground truth; the grades are None when any row has
+    no answer (prompts without ground truth: nothing to grade)."""
+    texts = decode_responses(tokenizer, response_ids, lengths)
+    if any(answer is None for answer in answers):
+        return texts, None
+    return texts, [grade(text, answer, timeout=timeout) for text, answer in zip(texts, answers)]

@@ -17,7 +17,9 @@ from opd.objectives.advantages import (
     token_reward_advantages,
 )
 from opd.objectives.diagnostics import (
+    DIAGNOSTIC_TOP_K,
     auroc,
+    diagnostic_top_k,
     gap_recovery,
     opd_diagnostics,
     opd_diagnostics_from_scores,
@@ -57,6 +59,7 @@ from opd.objectives.rewards import (
 
 __all__ = [
     "AdvantageMode",
+    "DIAGNOSTIC_TOP_K",
     "Advantages",
     "Candidates",
     "KLKind",
@@ -71,6 +74,7 @@ __all__ = [
     "build_candidates",
     "candidate_rewards",
     "compute_advantages",
+    "diagnostic_top_k",
     "entropy_from_logits",
     "forward_kl",
     "full_reverse_kl",

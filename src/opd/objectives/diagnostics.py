@@ -22,6 +22,13 @@ from opd.objectives.losses import topk_kl
 from opd.objectives.rewards import rowwise_isin
 from opd.types import TokenScores
 
+DIAGNOSTIC_TOP_K = 16  # the support the diagnostics look at when the objective has none (sampled-token OPD)
+
+
+def diagnostic_top_k(top_k: int) -> int:
+    """The top-k a step scores for its diagnostics: the objective's own k, or `DIAGNOSTIC_TOP_K` for top_k = 0."""
+    return top_k or DIAGNOSTIC_TOP_K
+
 
 def _f(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()

@@ -42,6 +42,8 @@ from pydantic import Field, model_validator
 
 from opd.config import DataSpec, ModelSpec, Section, VLLMSpec, check_same_work, flatten_dotted, save_config
 from opd.io import append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
+from opd.eval.grading import decode_responses
+from opd.seeds import hashed_seed
 
 if TYPE_CHECKING:  # opd.types imports torch; the CLI imports this module for RolloutConfig and must start fast
     from opd.types import Prompt
@@ -186,8 +188,7 @@ class WorkItem:
 
 def call_seed(seed: int, keys: Sequence[tuple[str, int, int]]) -> int:
     """The seed of one generate call from the base seed and its rows' (prompt id, sample, attempt)."""
-    digest = hashlib.sha256(json.dumps([seed, list(keys)]).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1  # < 2^63: torch takes it as is
+    return hashed_seed([seed, [list(key) for key in keys]], num_bytes=8)
 
 
 def rollout_batch(batch: Sequence[WorkItem], generator: Any, tokenizer: Any, config: RolloutConfig) -> list[dict]:
@@ -210,7 +211,7 @@ def rollout_batch(batch: Sequence[WorkItem], generator: Any, tokenizer: Any, con
             seed=call_seed(config.seed, [(batch[k].prompt.id, s, attempt) for k, s in pending]),
         )
         output = generator.generate(prompt_ids, params)
-        texts = tokenizer.batch_decode(output.response_ids, skip_special_tokens=True)
+        texts = decode_responses(tokenizer, output.response_ids)
         rejected = []
         for key, text, ids, finish in zip(pending, texts, output.response_ids, output.finish_reasons):
             item = batch[key[0]]

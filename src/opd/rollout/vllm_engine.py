@@ -52,6 +52,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from opd.rollout.base import GenerationOutput, SamplingParams
+from opd.seeds import SALT_VLLM_PROMPT, derive_seed
 
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 
@@ -193,7 +194,7 @@ def push_weights(llm: Any, weights: dict[str, torch.Tensor], *, include_lm_head:
 
 def _prompt_seed(seed: int, prompt: int) -> int:
     """The seed of prompt `prompt`'s request (vLLM seeds its n samples with seed, seed + 1, …)."""
-    return (seed * 1_000_003 + prompt * 104_729 + 7) % (2**31)
+    return derive_seed(seed, index=prompt, salt=SALT_VLLM_PROMPT)
 
 
 class VLLMGenerator:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from opd.config import ModelSpec
+from opd.objectives.diagnostics import diagnostic_top_k
 from opd.teacher.base import TeacherScorer
 
 
@@ -123,7 +124,7 @@ def _load_vllm_teacher(spec: ModelSpec, *, student_tokenizer: Any, student_rows:
                                                                          trust_remote_code=spec.trust_remote_code))
     options = EngineOptions.from_config(getattr(spec, "vllm", None), dtype=spec.dtype,
                                         trust_remote_code=spec.trust_remote_code)
-    top_k = max(16, getattr(objective, "top_k", 0) or 0)  # the trainer's diagnostics look at a top-16 support
+    top_k = diagnostic_top_k(getattr(objective, "top_k", 0) or 0)  # what the trainer asks for, diagnostics included
     scorer = VLLMScorer(spec.path, vocab_size=vocab.tokenizer_size, options=options, max_top_k=top_k,
                         max_batch_size=max_batch_size)
     if objective is not None:

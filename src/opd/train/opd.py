@@ -32,7 +32,9 @@ from opd.train.common import autocast
 from opd.train.common import timed as _timed
 from opd.train.distributed import SINGLE, DistInfo, all_reduce_sum, gathered, max_over_ranks, reduce_metrics
 from opd.train.distributed import gathered_bytes
+from opd.models import on_device
 from opd.types import Prompt, Rollouts, TokenScores
+from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
 
 @dataclass
 class Trainer:
@@ -100,7 +102,7 @@ class PendingRollouts:
 def opd_step(tr: Trainer) -> dict[str, float]:
     """One on-policy step: rollouts of the current student, scored by the teacher, one optimizer update."""
     from opd.objectives import (
-        build_candidates, candidate_rewards, compute_advantages, gather_candidate_logprobs, opd_diagnostics,
+        build_candidates, candidate_rewards, diagnostic_top_k, compute_advantages, gather_candidate_logprobs, opd_diagnostics,
         sampled_token_rewards, strategy_spec, truncated_is_weights,
     )
     from opd.models import activation_budget
@@ -111,7 +113,7 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     from opd.train.optim import clip_and_step
 
     cfg, obj, timings = tr.config, tr.config.objective, {}
-    diag_k = obj.top_k or 16  # diagnostics always look at a top-16 support, also for sampled-token OPD
+    diag_k = diagnostic_top_k(obj.top_k)
     device = next(tr.student.parameters()).device
 
     # 1. prompts (resumable seeded sampler): every rank draws the same global batch and keeps its own slice
@@ -670,7 +672,7 @@ def _world_size_change(state: dict, dist: DistInfo) -> str:
 
 def _step_seed(seed: int, step: int, rank: int = 0) -> int:
     """The rollout seed of a step; each rank samples with its own (rank 0's equals the single-process seed)."""
-    return (seed * 1_000_003 + step * 7919 + 17 + rank * 104_729) % (2**31)
+    return derive_seed(seed, step=step, index=rank, salt=SALT_STEP_ROLLOUT)
 
 
 def _sampling_params(cfg: DistillConfig, step: int, rank: int):
@@ -763,50 +765,6 @@ def _is_weight_stats(old_lp_BT: torch.Tensor, rollout_lp_BT: torch.Tensor, cap: 
             "is_weight_capped_frac": ((raw_BT > cap) & mask).sum() / count}
 
 
-@contextmanager
-def on_device(module: torch.nn.Module | None, device: torch.device | None):
-    """Put an offloaded (frozen) module on `device` for the duration of the block (no-op when device is None).
-
-    Its tensors live in pinned host memory (`host_copies`); entering copies them to the device without blocking the
-    host, leaving just points them back at the host copies: a frozen teacher has nothing to copy back. `module.to()`
-    both ways cost 2.4 s a step for a 1.7B bf16 teacher on the H200 (pageable copies, and a new host allocation on
-    the way out; docs/performance.md)."""
-    if module is None or device is None:
-        yield
-        return
-    pairs = host_copies(module)
-    for tensor, host in pairs:
-        tensor.data = host.to(device, non_blocking=True)
-    try:
-        yield
-    finally:
-        for tensor, host in pairs:
-            tensor.data = host
-
-
-def host_copies(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(tensor, its host copy) for every parameter and buffer of a frozen module, made once and cached on it: the
-    module's tensors then point at those copies (pinned when CUDA exists, so that copies to the GPU run at full
-    bandwidth; pageable if pinning fails). Made again when something else moved the module (`module.to`)."""
-    tensors = [*module.parameters(), *module.buffers()]
-    cached = getattr(module, "_opd_host_copies", None)
-    if cached is not None and len(cached) == len(tensors) and all(
-            t.data_ptr() == h.data_ptr() for t, h in zip(tensors, cached)):
-        return list(zip(tensors, cached))
-    cached = []
-    for tensor in tensors:
-        host = tensor.data if tensor.device.type == "cpu" else tensor.data.to("cpu")
-        if torch.cuda.is_available() and not host.is_pinned():
-            try:
-                host = host.pin_memory()
-            except RuntimeError:  # pinned memory exhausted (a host smaller than the teacher): pageable copies
-                pass
-        tensor.data = host
-        cached.append(host)
-    module._opd_host_copies = cached
-    return list(zip(tensors, cached))
-
-
 def _sum_micro_metrics(metrics: list[dict]) -> dict:
     """Micro-batch losses are already divided by the global count, so the step's loss is their sum."""
     if not metrics:
@@ -843,16 +801,12 @@ def _seq_reward_metrics(student: TokenScores, teacher: TokenScores, mask_BT, cor
 
 def _grade_rollouts(tr: Trainer, rollouts: Rollouts, indices: list[int]) -> tuple[list[str], list[bool] | None]:
     """Decode every rollout; grade it when the prompts carry answers (rule-based accuracy, GRPO rewards)."""
-    from opd.eval.grading import grade
+    from opd.eval.grading import grade_responses
 
-    texts = tr.tokenizer.batch_decode(
-        [ids[:length] for ids, length in zip(rollouts.response_ids.tolist(), rollouts.response_mask.sum(-1).tolist())],
-        skip_special_tokens=True,
-    )
     answers = [tr.prompts[indices[g]].answer for g in rollouts.group_ids.tolist()]
-    if any(answer is None for answer in answers):
-        return texts, None
-    return texts, [grade(text, answer).correct for text, answer in zip(texts, answers)]
+    texts, grades = grade_responses(tr.tokenizer, rollouts.response_ids, answers,
+                                    lengths=rollouts.response_mask.sum(-1).tolist())
+    return texts, None if grades is None else [g.correct for g in grades]
 
 
 def _write_samples(tr: Trainer, rollouts: Rollouts, texts: list[str], correct, rewards_BTJ) -> None:

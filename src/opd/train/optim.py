@@ -15,6 +15,7 @@ import math
 import torch
 
 from opd.config import OptimSpec
+from opd.seeds import derive_seed
 
 _CHUNK = 1 << 24  # elements per piece of a parameter in `AdamW16` (bounds its float32 temporaries to ~256 MB)
 
@@ -108,7 +109,7 @@ class AdamW16(torch.optim.Optimizer):
                     if p32 is not p_N:
                         p_N.copy_(p32)
                     m_N.copy_(m)
-                    store_bf16_stochastic(v_N, v, seed=(step * 1_000_003 + index * 7919 + piece) % 2**62)
+                    store_bf16_stochastic(v_N, v, seed=derive_seed(step, step=index, salt=piece, bits=62))
         return loss
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from opd.seeds import derive_seed
+
 
 class PromptSampler:
     """Yields batches of prompt indices; each epoch is a fresh permutation drawn from (seed, epoch), so the order
@@ -18,7 +20,7 @@ class PromptSampler:
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(self.num_prompts))
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, salt=epoch, bits=None))
         return torch.randperm(self.num_prompts, generator=generator).tolist()
 
     def next_batch(self) -> list[int]:

@@ -144,7 +144,7 @@ def check_command(
     Exit codes: 0 no hard failure (forecast likely or uncertain), 1 a hard check failed, 2 bad input,
     3 no hard failure but OPD is unlikely to improve the student.
     """
-    from opd.check import run_check
+    from opd.recipes.check import run_check
 
     options = {"student.path": student, "teacher.path": teacher, "data.path": prompts}
     cfg = build_config(DistillConfig, config_file=config, options=options, overrides=overrides)

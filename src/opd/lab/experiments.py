@@ -277,7 +277,7 @@ def run_experiment(
 def _forecast(config: Any, out: Path, console: Any) -> dict[str, Any]:
     """`opd check` of the run's pair with the run's own config: verdict, recovery and step-0 signals (check.json in
     `out`, reused when there)."""
-    from opd.check import run_check
+    from opd.recipes.check import run_check
 
     path = out / "check.json"
     if not path.is_file():

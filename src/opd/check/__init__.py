@@ -7,7 +7,7 @@ Omitted on purpose: served/vLLM teachers (the in-process `LocalScorer`; the chec
 plugs in).
 """
 
-from opd.check.forecast import (
+from opd.check.forecasting import (
     FORECAST_METRICS,
     ForecastThresholds,
     classify,
@@ -16,7 +16,7 @@ from opd.check.forecast import (
     recovery_command,
     sample_accuracy,
 )
-from opd.check.preflight import preflight
+from opd.check.startup import preflight
 from opd.check.report import (
     CHECKS,
     EXIT_FAILED,

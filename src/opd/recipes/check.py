@@ -19,7 +19,7 @@ import torch
 from rich.console import Console
 from transformers import AutoConfig, GenerationConfig
 
-from opd.check.forecast import ForecastThresholds, forecast, forecast_rows
+from opd.check.forecasting import ForecastThresholds, forecast, forecast_rows
 from opd.check.report import (
     CHECKS,
     GROUPS,

@@ -7,8 +7,9 @@ cached timeout is retried only with a larger budget. The deadline is our own (ma
 seconds and main thread only; it is off): a `signal.setitimer` alarm in the main thread, a grading worker
 (`opd.eval.grading.workers`) in any other thread.
 
-Omitted: executing or `eval`-ing model output (SPEC §7); Minerva's ±1 % numeric tolerance (the reference recipe
-grades with math-verify, which does not have it).
+Omitted: executing or `eval`-ing model output (SPEC §7: math-verify's `ExprExtractionConfig`, which hands text to
+sympy's `parse_expr`, is not used); Minerva's ±1 % numeric tolerance (the reference recipe grades with math-verify,
+which does not have it).
 """
 
 from __future__ import annotations

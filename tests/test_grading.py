@@ -785,11 +785,11 @@ def test_pool_replaces_a_killed_worker(monkeypatch):
     try:
         assert pool.all[0].wait_ready(time.monotonic() + 60.0)
         # a negative margin puts the worker's own alarm after our deadline: we kill it at the deadline
-        monkeypatch.setattr(grading, "_WORKER_MARGIN_S", -5.0)
+        monkeypatch.setattr(grading.workers, "_WORKER_MARGIN_S", -5.0)
         first = pool.all[0]
         assert pool.compare(PATHOLOGICAL, "1", time.monotonic() + 1.0) == (False, "timeout", True)
         assert first.proc.poll() is not None and pool.all[0] is not first
-        monkeypatch.setattr(grading, "_WORKER_MARGIN_S", 0.25)
+        monkeypatch.setattr(grading.workers, "_WORKER_MARGIN_S", 0.25)
         assert pool.compare("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}", time.monotonic() + 60.0) == (True, "symbolic", True)
         assert len(pool.all) == 1 and not pool.broken
     finally:

@@ -82,7 +82,7 @@ def eval_command(
         "engine": engine,
     }
     cfg = build_config(EvalConfig, config_file=config, options=options, overrides=overrides)
-    from opd.eval.evaluate import evaluate
+    from opd.recipes.eval import evaluate
 
     evaluate(cfg)
 

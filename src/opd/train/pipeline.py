@@ -167,7 +167,7 @@ def _link_final(run_dir: Path, final: Path, prefer: Path | None = None) -> None:
 def _compare(config: PipelineConfig, root: Path, sft_model: Path, opd_model: Path, console: Any) -> dict:
     """Evaluate every model of the recipe on the same benchmarks and compute the gap recovery per benchmark."""
     from opd.config import EvalConfig
-    from opd.eval.evaluate import evaluate
+    from opd.recipes.eval import evaluate
     from opd.objectives import gap_recovery
 
     if not config.eval.benchmarks:

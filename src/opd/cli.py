@@ -220,7 +220,7 @@ def rollout_command(
     Rejects truncated, answer-less and degenerate responses (and, with --require-correct, wrong ones), retrying up
     to --max-attempts times. Degeneracy thresholds are config keys, e.g. `degeneracy.token_run=128`.
     """
-    from opd.rollout.rejection import RolloutConfig, teacher_rollout
+    from opd.recipes.rollout import RolloutConfig, teacher_rollout
 
     options = {
         "model.path": model, "model.dtype": dtype, "model.device": device, "data.path": prompts, "out": _str(out),

@@ -96,7 +96,7 @@ def test_cli_error_is_one_line(tmp_path):
 def test_non_finite_floats_are_rejected_in_every_config(model, key, value):
     """NaN and ±inf fail in every float field of every config (the shared Section base), naming the key: a field with
     only a lower bound (temperature > 0, clip_ratio_c > 1) would otherwise accept inf."""
-    from opd.data.alignment import PromptScoreConfig
+    from opd.recipes.prompts import PromptScoreConfig
     from opd.recipes.rollout import RolloutConfig
     from opd.train.sft import SFTConfig
 

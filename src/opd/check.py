@@ -459,7 +459,7 @@ def forecast(
     `opd prompts score` does (`score_prompts`), the §6 metrics token-means over all rollouts
     (`opd_diagnostics_from_scores`), the sequence-reward AUROC against correctness and the student's accuracy (when
     the prompts carry answers), and the teacher's accuracy on n samples of its own at `teacher_temperature`."""
-    from opd.data.alignment import score_prompts
+    from opd.eval.prompt_scores import score_prompts
     from opd.objectives import auroc, opd_diagnostics_from_scores, seq_rewards
 
     sums: dict[str, float] = {}

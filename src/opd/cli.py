@@ -247,7 +247,7 @@ def dedup_command(
     against_prompt_key: Optional[str] = typer.Option(None, help="Prompt column of B. [default: --prompt-key]"),
 ) -> None:
     """Remove from a prompt set the exact and near duplicates of another set (or of itself): MinHash + optional embeddings."""
-    from opd.data.dedup import dedup_files
+    from opd.recipes.dedup import dedup_files
 
     dedup_files(in_path, against, out, report=report, prompt_key=prompt_key, against_prompt_key=against_prompt_key,
                 exact=exact, minhash_threshold=minhash_threshold or None, embedding_model=embeddings,

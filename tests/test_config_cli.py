@@ -96,8 +96,8 @@ def test_cli_error_is_one_line(tmp_path):
 def test_non_finite_floats_are_rejected_in_every_config(model, key, value):
     """NaN and ±inf fail in every float field of every config (the shared Section base), naming the key: a field with
     only a lower bound (temperature > 0, clip_ratio_c > 1) would otherwise accept inf."""
-    from opd.data.alignment import PromptScoreConfig
-    from opd.rollout.rejection import RolloutConfig
+    from opd.recipes.prompts import PromptScoreConfig
+    from opd.recipes.rollout import RolloutConfig
     from opd.train.sft import SFTConfig
 
     models = {"distill": (DistillConfig, {"student.path": "s", "data.path": "d"}),
@@ -123,7 +123,7 @@ def test_one_spelling_for_thinking(command):
 def test_rollout_thinking_old_spelling_still_works(argv, enabled, note, monkeypatch, capfd):
     """`opd rollout --thinking on|off` (its spelling before the switch became a flag) works for one more release,
     with a deprecation note on stderr."""
-    import opd.rollout.rejection as rejection
+    import opd.recipes.rollout as rejection
     from opd.cli import main
 
     seen = {}

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from opd.data.dedup import dedup, dedup_files, load_embedder, lsh_bands, normalize_problem
+from opd.data.dedup import dedup, load_embedder, lsh_bands, normalize_problem
 from opd.data.prompts import load_prompts
 from opd.data.templates import BOXED_SUFFIX, DAPO_PREFIX, DAPO_SUFFIX
+from opd.recipes.dedup import dedup_files
 from opd.types import Prompt
 
 SHARED = Path(__file__).parents[1].parent / "shared" / "data" / "train"  # beside the checkout, as in CI

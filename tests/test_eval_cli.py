@@ -249,7 +249,7 @@ def test_eval_periodic_eval_dir_resumes_with_a_generator_in_memory(tiny_tokenize
     from tests.conftest import make_tiny_model
 
     from opd.config import EvalConfig, ModelSpec
-    from opd.eval.evaluate import evaluate
+    from opd.recipes.eval import evaluate
     from opd.rollout import make_generator
 
     class Counting:

@@ -12,25 +12,21 @@ import torch
 from conftest import make_tiny_model, make_tiny_tokenizer
 
 from opd.config import ConfigError, DataSpec, ModelSpec
-from opd.data.alignment import (
+from opd.data.alignment import retemplate
+from opd.data.prompts import DataError, load_prompts, save_prompts
+from opd.data.templates import BOXED_SUFFIX, DAPO_PREFIX, DAPO_SUFFIX, strip_template
+from opd.eval.prompt_scores import (
     ALIGNMENT_METRICS,
     METRICS,
     PromptScore,
-    PromptScoreConfig,
     group_diagnostics,
-    parse_top,
     read_scores,
-    retemplate,
-    retemplate_file,
-    score_prompt_file,
     score_prompts,
-    select_prompt_file,
     select_prompts,
 )
-from opd.data.prompts import DataError, load_prompts, save_prompts
-from opd.data.templates import BOXED_SUFFIX, DAPO_PREFIX, DAPO_SUFFIX, strip_template
 from opd.models import TokenizerMismatchError
 from opd.objectives import opd_diagnostics_from_scores
+from opd.recipes.prompts import PromptScoreConfig, parse_top, retemplate_file, score_prompt_file, select_prompt_file
 from opd.types import Prompt, TokenScores
 
 DAPO = Path(__file__).parents[1].parent / "shared" / "data" / "train" / "dapo-math-17k.parquet"

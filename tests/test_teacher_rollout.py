@@ -10,16 +10,10 @@ import pytest
 from conftest import EOS_ID
 
 from opd.config import ConfigError, build_config
+from opd.eval.degeneracy import DegeneracySpec, degeneracy_reasons
 from opd.io import read_jsonl
+from opd.recipes.rollout import REASONS, RolloutConfig, check_response, teacher_rollout
 from opd.rollout.base import GenerationOutput, Generator
-from opd.rollout.rejection import (
-    REASONS,
-    DegeneracySpec,
-    RolloutConfig,
-    check_response,
-    degeneracy_reasons,
-    teacher_rollout,
-)
 
 GOOD = "Adding the two numbers gives four.\n\\boxed{4}"
 

@@ -362,7 +362,8 @@ def test_distill_with_teacher_url_matches_local(server, local_run, tmp_path):
 
 
 def test_prompts_score_with_teacher_url_matches_local(server, tmp_path):
-    from opd.data.alignment import PromptScoreConfig, read_scores, score_prompt_file
+    from opd.eval.prompt_scores import read_scores
+    from opd.recipes.prompts import PromptScoreConfig, score_prompt_file
 
     url, token_file, _ = server
 

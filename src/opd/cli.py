@@ -82,7 +82,7 @@ def eval_command(
         "engine": engine,
     }
     cfg = build_config(EvalConfig, config_file=config, options=options, overrides=overrides)
-    from opd.eval.evaluate import evaluate
+    from opd.recipes.eval import evaluate
 
     evaluate(cfg)
 
@@ -220,7 +220,7 @@ def rollout_command(
     Rejects truncated, answer-less and degenerate responses (and, with --require-correct, wrong ones), retrying up
     to --max-attempts times. Degeneracy thresholds are config keys, e.g. `degeneracy.token_run=128`.
     """
-    from opd.rollout.rejection import RolloutConfig, teacher_rollout
+    from opd.recipes.rollout import RolloutConfig, teacher_rollout
 
     options = {
         "model.path": model, "model.dtype": dtype, "model.device": device, "data.path": prompts, "out": _str(out),
@@ -247,7 +247,7 @@ def dedup_command(
     against_prompt_key: Optional[str] = typer.Option(None, help="Prompt column of B. [default: --prompt-key]"),
 ) -> None:
     """Remove from a prompt set the exact and near duplicates of another set (or of itself): MinHash + optional embeddings."""
-    from opd.data.dedup import dedup_files
+    from opd.recipes.dedup import dedup_files
 
     dedup_files(in_path, against, out, report=report, prompt_key=prompt_key, against_prompt_key=against_prompt_key,
                 exact=exact, minhash_threshold=minhash_threshold or None, embedding_model=embeddings,
@@ -327,7 +327,7 @@ def prompts_template_command(
     id_key: Optional[str] = typer.Option(None, help=ID_KEY_HELP),
 ) -> None:
     """Replace each prompt's instruction, e.g. DAPO-Math-17k's "Answer:" line → Qwen's \\boxed{} (problems, answers, ids kept)."""
-    from opd.data.alignment import retemplate_file
+    from opd.recipes.prompts import retemplate_file
 
     typer.echo(retemplate_file(source, out, template, prompt_key=prompt_key, answer_key=answer_key or None, id_key=id_key))
 
@@ -353,7 +353,7 @@ def prompts_score_command(
 
     Other keys as key=value, e.g. `data.prompt_key=problem teacher.device=cuda:1 data.max_prompt_length=2048`.
     """
-    from opd.data.alignment import PromptScoreConfig, score_prompt_file
+    from opd.recipes.prompts import PromptScoreConfig, score_prompt_file
 
     options = {
         "student.path": student, "teacher.path": teacher, "data.path": source, "out": _str(out), "n": n,
@@ -378,7 +378,7 @@ def prompts_select_command(
     id_key: Optional[str] = typer.Option(None, help=ID_KEY_HELP),
 ) -> None:
     """Keep the most teacher-aligned prompts by their scores, optionally mixed with prompts from another set."""
-    from opd.data.alignment import select_prompt_file
+    from opd.recipes.prompts import select_prompt_file
 
     typer.echo(select_prompt_file(source, scores, out, top=top, by=by, mix_with=mix_with, ratio=ratio, seed=seed,
                                   prompt_key=prompt_key, answer_key=answer_key or None, id_key=id_key))

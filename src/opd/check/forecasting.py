@@ -1,5 +1,5 @@
 """The forecast group of `opd check`: from n student rollouts on a prompt sample, scored as one OPD step scores them
-(`opd.data.alignment.score_prompts`), the SPEC §6 overlap metrics, the sequence-reward AUROC, student and teacher
+(`opd.eval.prompt_scores.score_prompts`), the SPEC §6 overlap metrics, the sequence-reward AUROC, student and teacher
 accuracy → likely / uncertain / unlikely to improve (`classify`), and the recovery command. Its rows are never hard.
 
 Omitted on purpose: a forecast for sampled-token OPD other than through the same top-k metrics (the diagnostics always
@@ -16,7 +16,7 @@ from pydantic import Field
 
 from opd.check.report import CheckResult, Status
 from opd.config import Section
-from opd.data.alignment import score_prompts
+from opd.eval.prompt_scores import score_prompts
 from opd.data.templates import encode_prompts
 from opd.eval.grading import grade_responses
 from opd.objectives import auroc, opd_diagnostics_from_scores, seq_rewards

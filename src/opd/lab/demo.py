@@ -125,7 +125,7 @@ def _demo_in(config: DistillConfig, run_dir: Path, start: float, console: Any) -
     import torch
     from rich.table import Table
 
-    from opd.eval.evaluate import evaluate
+    from opd.recipes.eval import evaluate
     from opd.objectives import gap_recovery
     from opd.train.opd import distill
 

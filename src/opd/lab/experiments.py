@@ -138,7 +138,7 @@ def cold_start(out_dir: Path, teacher: Path, setup: dict[str, Any], *, seed: int
     from opd.lab import opd_prompts_path, student_path
     from opd.lab.build import finetune, measure
     from opd.lab.task import style_of
-    from opd.rollout.rejection import RolloutConfig, teacher_rollout
+    from opd.recipes.rollout import RolloutConfig, teacher_rollout
 
     student = out_dir / f"cold_student_s{seed}"
     done = student / "cold_start.json"

@@ -284,7 +284,7 @@ def evaluate_in_training(
     None when `spec.benchmarks` is empty."""
     if not spec.benchmarks:
         return None
-    from opd.eval.evaluate import evaluate
+    from opd.eval.sampling import evaluate_model
 
     eval_config = EvalConfig(
         model=ModelSpec(path=model_path), benchmarks=spec.benchmarks, n=spec.n, temperature=spec.temperature,
@@ -293,7 +293,8 @@ def evaluate_in_training(
         max_prompt_length=max_prompt_length, batch_size=batch_size, seed=seed,
         out=str(run_dir / "eval" / f"step_{step}"),
     )
-    results = evaluate(eval_config, generator=generator, tokenizer=tokenizer, console=console)
+    results = evaluate_model(eval_config, Path(eval_config.out), generator=generator, tokenizer=tokenizer,
+                             console=console)
     flat = {f"eval/{bench}/{key}": value for bench, summary in results.items() for key, value in summary.items()
             if isinstance(value, (int, float))}
     sink.log(step, flat)

@@ -44,7 +44,7 @@ class PipelineConfig(Section):
     def stage_configs(self) -> dict[str, Any]:
         """The rollout / SFT / distill configs the stages run with (validated; errors name the stage)."""
         from opd.config import DistillConfig
-        from opd.rollout.rejection import RolloutConfig
+        from opd.recipes.rollout import RolloutConfig
         from opd.train.sft import SFTConfig
 
         root = Path(self.out_dir)
@@ -94,7 +94,7 @@ def _run_locked(config: PipelineConfig, root: Path, stages: dict[str, Any], cons
             continue
         console.rule(f"pipeline: {stage}")
         if stage == "rollout":
-            from opd.rollout.rejection import teacher_rollout
+            from opd.recipes.rollout import teacher_rollout
 
             teacher_rollout(stages["rollout"], console=console)
         elif stage == "sft":
@@ -167,7 +167,7 @@ def _link_final(run_dir: Path, final: Path, prefer: Path | None = None) -> None:
 def _compare(config: PipelineConfig, root: Path, sft_model: Path, opd_model: Path, console: Any) -> dict:
     """Evaluate every model of the recipe on the same benchmarks and compute the gap recovery per benchmark."""
     from opd.config import EvalConfig
-    from opd.eval.evaluate import evaluate
+    from opd.recipes.eval import evaluate
     from opd.objectives import gap_recovery
 
     if not config.eval.benchmarks:

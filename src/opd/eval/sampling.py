@@ -1,9 +1,8 @@
-"""`opd eval`: sample n answers per benchmark problem, grade them, report avg@n / pass@k / maj@n.
+"""Sample n answers per benchmark problem and grade them, resumably, in one directory: the component behind
+`opd eval`'s model mode (`opd.recipes.eval`) and the trainers' periodic evals (`run_dir/eval/step_N/`).
 
-Two modes: with a model (generate, then grade) and with `responses` (grade existing generations, the
-reference's `grade.py` use case). Outputs in the run directory: `identity.json` (what the samples are made with),
-`config.yaml`, `samples.jsonl` (one line per sample, appended as work finishes) and `results.json` (written
-atomically at the end).
+Outputs in the run directory: `identity.json` (what the samples are made with), `config.yaml`, `samples.jsonl` (one
+line per sample, appended as work finishes) and `results.json` (written atomically at the end).
 
 Resume. Problems are processed in fixed chunks whose sampling seed depends only on (seed, benchmark, chunk index),
 so a rerun into the same directory keeps every complete chunk of `samples.jsonl` and reproduces the rest exactly as
@@ -23,15 +22,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from opd.config import EvalConfig, check_same_work, flatten_dotted, save_config
-from opd.io import append_jsonl, atomic_write_json, read_jsonl, write_jsonl
+from opd.eval.grading import decode_responses, grade
+from opd.io import DirectoryLock, append_jsonl, atomic_write_json, write_jsonl
 from opd.report.sinks import progress_bar
-from opd.eval.grading import decode_responses
 from opd.seeds import hashed_seed
 
 IDENTITY_FILE = "identity.json"
@@ -48,49 +46,28 @@ class EvalProblem:
     answer: str | list[str]
 
 
-def default_run_dir(prefix: str) -> Path:
-    return Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def evaluate(config: EvalConfig, *, generator: Any = None, tokenizer: Any = None, console: Any = None) -> dict:
-    """Run `opd eval` and return the results dict (also written to `<out>/results.json`).
+def evaluate_model(config: EvalConfig, run_dir: Path, *, generator: Any = None, tokenizer: Any = None,
+                   console: Any = None) -> dict:
+    """Sample and grade `config.model` on `config.benchmarks` into `run_dir` (resuming its complete chunks), write
+    results.json, print the table; return the results ({benchmark: metrics}).
 
     `generator`/`tokenizer` let a caller (the trainer's periodic eval, the demo) reuse a model already in memory;
-    otherwise they are loaded from `config.model`.
+    otherwise they are loaded from `config.model`. One process per `run_dir` (its lock is held throughout).
     """
     from rich.console import Console
 
+    from opd.data.templates import parse_template
+
     console = console or Console()
-    if (config.model is None) == (config.responses is None) and generator is None:
-        raise ValueError("opd eval needs exactly one of --model (sample and grade) or --responses FILE (grade only)")
-    if config.responses is None and not config.benchmarks:
-        raise ValueError("benchmarks is empty; name at least one: aime24, aime25, amc23, math500, minerva, "
-                         "olympiadbench or a prompt file")
-    if config.responses is None:
-        from opd.data.templates import parse_template
-
-        parse_template(config.template)  # a bad template fails before the model loads
-    run_dir = Path(config.out) if config.out else default_run_dir("eval")
+    parse_template(config.template)  # a bad template fails before the model loads
     run_dir.mkdir(parents=True, exist_ok=True)
-    from opd.io import DirectoryLock
-
     with DirectoryLock(run_dir, "eval"):  # one process per output directory
-        return _evaluate_locked(config, run_dir, generator=generator, tokenizer=tokenizer, console=console)
-
-
-def _evaluate_locked(config: EvalConfig, run_dir: Path, *, generator: Any, tokenizer: Any, console: Any) -> dict:
-    """The body of `evaluate`, run holding the lock of `run_dir`."""
-    if config.responses is not None and generator is None:
-        identity = {"mode": "responses", "responses": str(config.responses),
-                    "responses_sha256": _file_sha256(Path(config.responses)),
-                    "on_missing_answer": config.on_missing_answer}
-        check_resumable(run_dir, identity)
-        records = grade_responses_file(config.responses, timeout=config.timeout,
-                                       on_missing_answer=config.on_missing_answer, console=console)
-        _start_work(run_dir, identity, config)
-        write_jsonl(run_dir / "samples.jsonl", records)
-    else:
         records = _sample_and_grade(config, run_dir, generator, tokenizer, console)
+        return write_results(config, run_dir, records, console)
+
+
+def write_results(config: EvalConfig, run_dir: Path, records: list[dict], console: Any) -> dict:
+    """Summarise graded `records` per benchmark, write `run_dir/results.json` atomically, print the table."""
     results = summarize_records(records)
     results_meta = {"model": config.model.path if config.model else None, "responses": config.responses}
     atomic_write_json(run_dir / "results.json", {**results_meta, "benchmarks": results})
@@ -126,7 +103,7 @@ def _non_empty(path: Path) -> bool:
     return path.is_file() and path.stat().st_size > 0
 
 
-def _start_work(run_dir: Path, identity: dict[str, Any], config: EvalConfig) -> None:
+def start_work(run_dir: Path, identity: dict[str, Any], config: EvalConfig) -> None:
     """identity.json first, then config.yaml: a directory with our files but no identity is never ours."""
     atomic_write_json(run_dir / IDENTITY_FILE, identity)
     save_config(config, run_dir)
@@ -183,16 +160,6 @@ def _file_fingerprint(file: Path) -> str:
             handle.seek((size - _BLOCK_SIZE) * k // (_BLOCKS - 1))
             digest.update(handle.read(_BLOCK_SIZE))
     return digest.hexdigest()
-
-
-def _file_sha256(path: Path) -> str | None:
-    if not path.is_file():
-        return None
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
 
 
 def _problems_sha256(prompts: list) -> str:
@@ -270,7 +237,7 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
 
     samples_path = run_dir / "samples.jsonl"
     done, dropped = complete_chunks(samples_path, chunks, config.n)
-    _start_work(run_dir, identity, config)
+    start_work(run_dir, identity, config)
     if dropped:  # partial chunks, broken or stray lines: rewrite the file without them (atomically), then redo
         write_jsonl(samples_path, [r for records in done.values() for r in records])
     work = [chunk for chunk in chunks if (chunk[0], chunk[1]) not in done]
@@ -297,7 +264,7 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
             for sample_index, (text, ids, group) in enumerate(zip(texts, output.response_ids, output.group_ids)):
                 problem = chunk[group]
                 records.append(
-                    _graded_record(
+                    graded_record(
                         benchmark=benchmark,
                         problem_id=problem.problem_id,
                         sample=sample_index % config.n,
@@ -358,10 +325,9 @@ def _chunk_seed(seed: int, benchmark: str, chunk_id: int) -> int:
     return hashed_seed(f"{seed}/{benchmark}/{chunk_id}")
 
 
-def _graded_record(*, benchmark: str, problem_id: str, sample: int, response: str, answer: str | list[str],
-                   num_tokens: int | None, truncated: bool, timeout: float, chunk: int | None = None) -> dict:
-    from opd.eval.grading import grade
-
+def graded_record(*, benchmark: str, problem_id: str, sample: int, response: str, answer: str | list[str],
+                  num_tokens: int | None, truncated: bool, timeout: float, chunk: int | None = None) -> dict:
+    """One line of samples.jsonl: `response` graded against `answer` (`chunk`: the model mode's resume unit)."""
     result = grade(response, answer, timeout=timeout)
     record = {
         "benchmark": benchmark, "problem_id": problem_id, "sample": sample, "answer": answer,
@@ -371,96 +337,6 @@ def _graded_record(*, benchmark: str, problem_id: str, sample: int, response: st
     if chunk is not None:
         record["chunk"] = chunk
     return record
-
-
-# --------------------------------------------------------------------------------------------- responses mode
-
-_RESPONSE_KEYS = ("response", "responses", "output", "outputs", "completion", "generated_text", "generation")
-_ANSWER_KEYS = ("answer", "ground_truth", "gt", "reward_model.ground_truth", "solution")
-_ID_KEYS = ("problem_id", "id", "idx", "index", "extra_info.index", "prompt", "problem", "question")
-_BENCHMARK_KEYS = ("benchmark", "data_source", "source", "dataset")
-
-
-def _first(record: dict, keys: tuple[str, ...], *, allow_null: bool = False) -> tuple[str | None, Any]:
-    """(key, value) of the first of `keys` the record has (a null value counts only with `allow_null`)."""
-    from opd.data.prompts import MISSING, get_field
-
-    for key in keys:
-        value = get_field(record, key)
-        if value is not MISSING and (allow_null or value is not None):
-            return key, value
-    return None, None
-
-
-def grade_responses_file(path: str | Path, *, timeout: float = 5.0, on_missing_answer: str = "error",
-                         console: Any = None) -> list[dict]:
-    """Grade a JSONL of existing generations. Each line holds a response (`response`, or a list in `responses`),
-    a ground truth (`answer` / `ground_truth` / `reward_model.ground_truth`; a list means any of them), and
-    optionally a problem id and a benchmark name. Lines with the same (benchmark, problem) are the n samples of one
-    problem, so they must give the same ground truth (else ValueError naming both lines). A line whose ground
-    truth is null or empty is an error, or skipped with a count when `on_missing_answer="skip"`."""
-    from opd.data.prompts import describe_missing, to_answer
-
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"responses file {path} is a folder; expected a JSONL file of generations")
-    if not path.is_file():
-        raise FileNotFoundError(f"responses file {path} does not exist")
-    rows = read_jsonl(path, skip_partial_last_line=False)
-    if not rows:
-        raise ValueError(f"responses file {path} holds no records")
-    records: list[dict] = []
-    sample_counter: dict[tuple[str, str], int] = {}
-    answers: dict[tuple[str, str], tuple[int, Any]] = {}
-    skipped = []
-    for line_number, row in enumerate(rows, start=1):
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{line_number}: expected a JSON object, got {type(row).__name__}")
-        response_key, responses = _first(row, _RESPONSE_KEYS)
-        answer_key, raw_answer = _first(row, _ANSWER_KEYS, allow_null=True)
-        if responses is None:
-            raise ValueError(f"{path}:{line_number}: no response field; expected one of {', '.join(_RESPONSE_KEYS)}")
-        if answer_key is None:
-            raise ValueError(f"{path}:{line_number}: no ground-truth field; expected one of {', '.join(_ANSWER_KEYS)}")
-        answer = to_answer(raw_answer, f"{path}:{line_number}:", answer_key)
-        if answer is None:
-            if on_missing_answer == "skip":
-                skipped.append(line_number)
-                continue
-            raise ValueError(f"{path}:{line_number}: field {answer_key!r} is {describe_missing(raw_answer)}: no ground "
-                             f"truth; fix the line, or pass on_missing_answer=skip to leave such lines out")
-        _, problem = _first(row, _ID_KEYS)
-        _, benchmark = _first(row, _BENCHMARK_KEYS)
-        benchmark = str(benchmark) if benchmark is not None else path.stem
-        problem_id = str(problem) if problem is not None else f"line-{line_number}"
-        if not isinstance(problem, (str, int)) and problem is not None:
-            problem_id = str(problem)[:200]
-        key = (benchmark, problem_id)
-        first_line, first_answer = answers.setdefault(key, (line_number, answer))
-        if first_answer != answer:
-            raise ValueError(f"{path}:{line_number}: problem {problem_id[:80]!r} ({benchmark}) has ground truth "
-                             f"{str(answer)[:60]!r}, but line {first_line} gave it {str(first_answer)[:60]!r}; the lines "
-                             f"of one problem are its samples and share one ground truth: give each problem its own id")
-        for response in responses if isinstance(responses, list) else [responses]:
-            sample = sample_counter.get(key, 0)
-            sample_counter[key] = sample + 1
-            records.append(
-                _graded_record(
-                    benchmark=benchmark, problem_id=problem_id, sample=sample, response=str(response),
-                    answer=answer, num_tokens=row.get("num_tokens"), truncated=bool(row.get("truncated", False)),
-                    timeout=timeout,
-                )
-            )
-    if skipped:
-        if not records:
-            raise ValueError(f"responses file {path}: every line lacks a ground truth (on_missing_answer=skip left none)")
-        message = (f"{path}: skipped {len(skipped)} of {len(rows)} lines without a ground truth (first: line "
-                   f"{skipped[0]}; on_missing_answer=skip)")
-        if console is not None:
-            console.print(f"[yellow]{message}[/]")
-        else:
-            print(message)
-    return records
 
 
 # ------------------------------------------------------------------------------------------------ reporting

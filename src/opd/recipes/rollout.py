@@ -28,8 +28,6 @@ answer-consistency voting across samples (that is self-consistency filtering, a 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from collections import Counter
@@ -41,8 +39,9 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from opd.config import DataSpec, ModelSpec, Section, VLLMSpec, check_same_work, flatten_dotted, save_config
-from opd.io import append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
-from opd.eval.grading import decode_responses
+from opd.eval.degeneracy import DegeneracySpec, degeneracy_reasons
+from opd.eval.grading import decode_responses, extract_answer, grade
+from opd.io import DirectoryLock, append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
 from opd.seeds import hashed_seed
 
 if TYPE_CHECKING:  # opd.types imports torch; the CLI imports this module for RolloutConfig and must start fast
@@ -50,17 +49,6 @@ if TYPE_CHECKING:  # opd.types imports torch; the CLI imports this module for Ro
 
 REASONS = ("truncated", "no_answer", "repeated_line", "token_run", "repeated_block", "wrong")
 """Every rejection reason, in the order they are checked and reported."""
-
-
-class DegeneracySpec(Section):
-    """When a response counts as degenerate (rejection reason (c)). Each check is off at 0."""
-
-    line_repeats: int = Field(10, ge=0, description="Reject when one line (stripped, at least line_min_chars long) occurs this many times or more anywhere in the response; 0 = off.")
-    line_min_chars: int = Field(16, ge=1, description="Shorter lines (`\\]`, `Wait,`) are never counted as repeats.")
-    token_run: int = Field(64, ge=0, description="Reject when one token id occurs this many times in a row; 0 = off.")
-    block_repeats: int = Field(4, ge=0, description="Reject when a block of 2..block_max_tokens tokens repeats back to back this many times or more and the repetition spans at least block_min_tokens tokens; 0 = off.")
-    block_min_tokens: int = Field(128, ge=1, description="Shortest repeated span (tokens) that block_repeats flags: 4 copies of a 32-token block, 64 of a 2-token one.")
-    block_max_tokens: int = Field(256, ge=2, description="Longest block (tokens) searched for; cost is linear in it (a few ms per 7k-token response at 256).")
 
 
 class RolloutConfig(Section):
@@ -106,46 +94,6 @@ _RESUMABLE_KEYS = {"out", "num_workers", "devices", "batch_size", "model.device"
 # ------------------------------------------------------------------------------------------------ checks
 
 
-def degeneracy_reasons(text: str, token_ids: Sequence[int], spec: DegeneracySpec) -> list[str]:
-    """Which degenerate patterns the response shows: "repeated_line", "token_run", "repeated_block" (in that order).
-
-    token_run and repeated_block look for periodic stretches of token ids: for every period p, the longest run of
-    positions t with ids[t] == ids[t + p] is a stretch of (run + p) tokens made of one p-token block repeated.
-    Period 1 is a run of one token; a stretch whose block is a single token is reported as token_run only.
-    """
-    reasons = []
-    if spec.line_repeats:
-        lines = [line.strip() for line in text.splitlines()]
-        counts = Counter(line for line in lines if len(line) >= spec.line_min_chars)
-        if counts and max(counts.values()) >= spec.line_repeats:
-            reasons.append("repeated_line")
-    ids = np.asarray(token_ids, dtype=np.int64)
-    if spec.token_run and len(ids) >= spec.token_run and _longest_periodic(ids, 1)[0] >= spec.token_run:
-        reasons.append("token_run")
-    if spec.block_repeats:
-        for period in range(2, min(spec.block_max_tokens, len(ids) // 2) + 1):
-            needed = max(spec.block_min_tokens, spec.block_repeats * period)
-            if len(ids) < needed:
-                break
-            span, start = _longest_periodic(ids, period)
-            if span >= needed and len(np.unique(ids[start : start + period])) > 1:
-                reasons.append("repeated_block")
-                break
-    return reasons
-
-
-def _longest_periodic(ids: np.ndarray, period: int) -> tuple[int, int]:
-    """(length, start) of the longest stretch of `ids` with ids[t] == ids[t + period] throughout (a block of
-    `period` tokens repeated; length counts the first copy too). (period, 0) when there is none."""
-    same = ids[period:] == ids[:-period]
-    if not same.any():
-        return period, 0
-    edges = np.diff(np.concatenate(([0], same.view(np.int8), [0])))
-    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-    best = int(np.argmax(ends - starts))
-    return int(ends[best] - starts[best]) + period, int(starts[best])
-
-
 @dataclass
 class Check:
     """The verdict on one attempt. reasons: empty when accepted. extracted: the answer found (None: none).
@@ -159,8 +107,6 @@ class Check:
 def check_response(text: str, token_ids: Sequence[int], finish_reason: str, answer: str | None,
                    config: RolloutConfig) -> Check:
     """Apply the rejection rules of the module docstring to one decoded response."""
-    from opd.eval.grading import extract_answer, grade
-
     reasons = ["truncated"] if finish_reason == "length" else []
     extracted = extract_answer(text)
     if extracted is None:
@@ -274,8 +220,6 @@ def teacher_rollout(config: RolloutConfig, *, generator: Any = None, tokenizer: 
     """
     from rich.console import Console
 
-    from opd.io import DirectoryLock
-
     console = console or Console()
     if generator is not None and config.num_workers != 1:
         raise ValueError(f"a generator passed in runs in this process only; num_workers must be 1, got "
@@ -369,8 +313,6 @@ def _check_resumable(out: Path, config: RolloutConfig) -> None:
     saved = flatten_dotted(yaml.safe_load(saved_path.read_text()) or {})
     current = flatten_dotted(config.model_dump(mode="json"))
     check_same_work(out, saved, current, what="a rollout", ignore=_RESUMABLE_KEYS)
-
-
 
 
 def _read_logs(shards: Path) -> dict[tuple[str, int], dict]:

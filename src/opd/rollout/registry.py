@@ -98,28 +98,31 @@ def vllm_arguments(vllm: VLLMSpec | None, model: ModelSpec, *, model_path: str |
     return dict(model_path=model_path or model.path, engine_options=vllm_engine.engine_options(vllm, model))
 
 
-def _hf_arguments(request: EngineRequest) -> dict[str, Any]:
-    """The arguments both in-process engines take, from the request's model and tokenizer."""
+def _in_process(request: EngineRequest) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model and the arguments both in-process engines take, from the request's model and tokenizer."""
     from opd.models import eos_token_ids
 
     if request.model is None:
         raise ValueError("the torch and static engines run an in-process model; none was given")
-    return dict(eos_token_ids=eos_token_ids(request.model, request.tokenizer),
-                pad_token_id=request.tokenizer.pad_token_id,
-                vocab_size=request.vocab_size or len(request.tokenizer), max_batch_size=request.max_batch_size,
-                max_batch_tokens=request.max_batch_tokens, **request.options)
+    return request.model, dict(eos_token_ids=eos_token_ids(request.model, request.tokenizer),
+                               pad_token_id=request.tokenizer.pad_token_id,
+                               vocab_size=request.vocab_size or len(request.tokenizer),
+                               max_batch_size=request.max_batch_size, max_batch_tokens=request.max_batch_tokens,
+                               **request.options)
 
 
 def _torch(request: EngineRequest) -> Generator:
     from opd.rollout.torch_engine import TorchGenerator
 
-    return TorchGenerator(request.model, **_hf_arguments(request))
+    model, arguments = _in_process(request)
+    return TorchGenerator(model, **arguments)
 
 
 def _static(request: EngineRequest) -> Generator:
     from opd.rollout.static_engine import StaticGenerator
 
-    return StaticGenerator(request.model, **_hf_arguments(request))
+    model, arguments = _in_process(request)
+    return StaticGenerator(model, **arguments)
 
 
 def _vllm(request: EngineRequest) -> Generator:
@@ -144,16 +147,16 @@ def _eos_ids_from_path(path: str, tokenizer: Any, model: torch.nn.Module | None)
 
     from opd.models import eos_token_ids
 
-    if model is None:
-        from transformers import AutoConfig, GenerationConfig
+    if model is not None:
+        return eos_token_ids(model, tokenizer)
+    from transformers import AutoConfig, GenerationConfig
 
-        config = AutoConfig.from_pretrained(path)
-        try:
-            generation = GenerationConfig.from_pretrained(path)
-        except OSError:  # no generation_config.json
-            generation = None
-        model = SimpleNamespace(config=config, generation_config=generation)
-    return eos_token_ids(model, tokenizer)
+    config = AutoConfig.from_pretrained(path)
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json
+        generation = None
+    return eos_token_ids(SimpleNamespace(config=config, generation_config=generation), tokenizer)
 
 
 _ENGINES: dict[str, Callable[[EngineRequest], Generator]] = {"torch": _torch, "static": _static, "vllm": _vllm}

@@ -254,7 +254,7 @@ class LocalScorer:
     through_root:         run the model's own forward instead of its body (FSDP2), see `forward_hidden`
     """
 
-    serves_requested_ids = True
+    serves_requested_ids = True  # the whole distribution is at hand: any ids
 
     def __init__(
         self,

@@ -32,6 +32,7 @@ from opd.io import read_jsonl
 from opd.lab import opd_prompts_path, student_path, teacher_path
 from opd.models import TokenizerMismatchError, check_tokenizer_compatibility, load_model
 from opd.teacher import wire
+from opd.teacher.base import TeacherScorer, start_scoring
 from opd.teacher.client import RemoteScorer, TeacherRequestError, TeacherUnavailableError
 from opd.teacher.local import LocalScorer
 from opd.train.checkpoint import latest_checkpoint
@@ -285,6 +286,23 @@ def test_a_batch_split_into_requests_equals_local(server, lab_teacher):
     requested = torch.randint(0, V, (*rollouts.response_ids.shape, 16))
     got = remote.score(rollouts, top_k=16, requested_ids=requested)
     assert_scores_close(got, local.score(rollouts, top_k=16, requested_ids=requested), atol=BATCHING_ATOL, ids=False)
+    remote.close()
+
+
+def test_start_scoring_gives_the_scores_of_a_served_and_of_a_local_teacher(server, lab_teacher):
+    """`start_scoring` is `score_async` of any `TeacherScorer` (the served one sends its requests at once, the local one
+    scores at once); both have every member of the protocol and score requested ids; `close` is idempotent."""
+    url, _, _ = server
+    _, _, local = lab_teacher
+    remote = RemoteScorer(url, token=TOKEN)
+    rollouts = random_rollouts(12, rows=8)  # one request, scored as the local call scores them
+    requested = torch.randint(0, V, (*rollouts.response_ids.shape, 4), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(top_k=4, requested_ids=requested)
+    for scorer in (remote, local):
+        assert isinstance(scorer, TeacherScorer) and scorer.serves_requested_ids
+        assert_scores_close(start_scoring(scorer, rollouts, **kwargs).result(), local.score(rollouts, **kwargs),
+                            atol=1e-6)
+        scorer.close()
     remote.close()
 
 

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from opd.io import atomic_write_text
+from opd.names import EngineName, TeacherEngineName
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -65,7 +66,7 @@ class TeacherSpec(ModelSpec):
 
     path: str | None = Field(None, description="Hugging Face model id or local directory; not needed with url (the "
                              "server's /info names the model).")
-    engine: Literal["local", "vllm"] = Field("local", description="With path: local = an in-process HF model (any strategy); vllm = an in-process vLLM engine scoring with prompt_logprobs (top_k=0 or strategy only_tch, teacher_temperature 1).")
+    engine: TeacherEngineName = Field("local", description="With path: local = an in-process HF model (any strategy); vllm = an in-process vLLM engine scoring with prompt_logprobs (top_k=0 or strategy only_tch, teacher_temperature 1).")
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
     url: str | list[str] | None = Field(None, description="http://host:port of an `opd serve-teacher`, or a list of "
                                         "replicas (balanced by tokens in flight); None: load `path` in process.")
@@ -145,7 +146,7 @@ class EvalConfig(Section):
     timeout: float = Field(5.0, gt=0, description="Wall-time budget in seconds of one response's symbolic grading (imports and worker start-up included); a comparison that runs out counts as wrong.")
     on_missing_answer: Literal["error", "skip"] = Field(
         "error", description="A benchmark row (or --responses line) without a ground truth: error (one line naming it) or skip (dropped, counted).")
-    engine: Literal["auto", "torch", "static", "vllm"] = Field("auto", description="Generation engine (opd.rollout.registry): auto | torch | static | vllm (loads the model itself; needs the vllm extra).")
+    engine: EngineName = Field("auto", description="Generation engine (opd.rollout.registry): auto | torch | static | vllm (loads the model itself; needs the vllm extra).")
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
 
 
@@ -327,7 +328,7 @@ class SamplingSpec(Section):
         None, ge=1, description="Most KV-cache tokens the engine holds at once, counted as rows × (longest prompt + "
         "max_new_tokens); None = as many rows (≤ batch_size) as fit in the GPU memory free at each generation call."
     )
-    engine: Literal["auto", "torch", "static", "vllm"] = Field(
+    engine: EngineName = Field(
         "auto", description="auto: the static-KV-cache CUDA-graph engine on a GPU (one process), the torch engine otherwise; vllm: an in-process vLLM engine, weights pushed after every step (needs the vllm extra)."
     )
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")

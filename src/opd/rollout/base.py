@@ -1,5 +1,5 @@
-"""The generation interface every engine implements (torch now; a CUDA-graph engine and vLLM behind the same
-protocol later). Engines know token ids only: chat templating and decoding happen in the caller."""
+"""The generation interface every engine implements (torch, static, vLLM: `opd.rollout.registry`). Engines know token
+ids only: chat templating and decoding happen in the caller."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ class GenerationOutput:
 
 @runtime_checkable
 class Generator(Protocol):
-    """Prompts (token ids) in, n sampled continuations each out."""
+    """Prompts (token ids) in, n sampled continuations each out. Every member is implemented by every engine, a no-op
+    where there is nothing to do, so callers call them directly."""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
         ...
@@ -72,4 +73,21 @@ class Generator(Protocol):
     def sync_weights(self) -> None:
         """Called by the trainer after each optimizer step. Engines that share the trainer's module do nothing;
         engines holding their own copy (vLLM, a compiled graph) refresh it here."""
+        ...
+
+    def check_fits(self, prompt_tokens: int, new_tokens: int, *, reserve_bytes: int = 0,
+                   names: tuple[str, str] = ("prompt length", "max_new_tokens")) -> None:
+        """Raise ValueError (one line saying what would fit) when not even one sequence of prompt_tokens + new_tokens
+        fits in the device memory free now, less reserve_bytes (memory resident before the first call, e.g. optimizer
+        state). Engines without a memory rule (their own memory budget, a CPU) pass. names: the settings the message
+        names. Call it under the autocast that generation will run under."""
+        ...
+
+    def release(self) -> None:
+        """Called after each rollout: free what the engine holds between calls (caches, weight copies) so that
+        scoring and the update have the memory. Engines that keep nothing between calls do nothing."""
+        ...
+
+    def close(self) -> None:
+        """Shut the engine down now (idempotent). Engines that own nothing beyond the caller's module do nothing."""
         ...

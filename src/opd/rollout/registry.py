@@ -1,8 +1,9 @@
 """Which generation engine runs: one registry by name, the only place that knows every engine.
 
 Every caller (`opd distill`, `opd eval`, `opd rollout`, `opd prompts score`, `opd sft`'s periodic eval) asks
-`make_generator(engine, ...)` for a `Generator`. Adding an engine is one module plus one `@register` entry below; no
-engine module imports another, and engines with heavy optional dependencies (vLLM) are imported only when chosen.
+`make_generator(engine, ...)` for a `Generator`. Adding an engine is one module, one builder in the `_ENGINES` table
+below and its name in `opd.names.EngineName` (checked at import); no engine module imports another, and engines with
+heavy optional dependencies (vLLM) are imported only when chosen. `opd.teacher.registry` has the same shape.
 
 Names:
     torch   `TorchGenerator`: any Hugging Face causal LM, CPU or GPU, the trainer's own module
@@ -15,11 +16,14 @@ Names:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, get_args
 
 import torch
 
+from opd.config import ModelSpec, VLLMSpec
+from opd.names import EngineName
 from opd.rollout.base import Generator
+from opd.rollout import vllm_engine
 
 
 @dataclass
@@ -44,19 +48,6 @@ class EngineRequest:
     max_batch_tokens: int | None = None
     vocab_size: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
-
-
-_ENGINES: dict[str, Callable[[EngineRequest], Generator]] = {}
-
-
-def register(name: str) -> Callable:
-    """Decorator: `factory(request) -> Generator` becomes the engine `name`."""
-
-    def add(factory: Callable[[EngineRequest], Generator]) -> Callable[[EngineRequest], Generator]:
-        _ENGINES[name] = factory
-        return factory
-
-    return add
 
 
 def engine_names() -> list[str]:
@@ -97,53 +88,56 @@ def check_generation_fits(generator: Generator, *, prompt_tokens: int, new_token
     prompt_tokens + new_tokens in the device memory free now, less reserve_bytes (memory that will be resident before
     the first call, e.g. optimizer state). Engines without a memory rule (their own server, a CPU) pass. Call it under
     the autocast that generation will run under. names: the settings to name in the message."""
-    check = getattr(generator, "check_fits", None)
-    if check is not None:
-        check(prompt_tokens, new_tokens, reserve_bytes=reserve_bytes, names=names)
+    if isinstance(generator, Generator):  # every engine; anything else has no memory rule
+        generator.check_fits(prompt_tokens, new_tokens, reserve_bytes=reserve_bytes, names=names)
 
 
-def _hf_arguments(request: EngineRequest) -> dict[str, Any]:
-    """The arguments both in-process engines take, from the request's model and tokenizer."""
+def vllm_arguments(vllm: VLLMSpec | None, model: ModelSpec, *, model_path: str | None = None) -> dict[str, Any]:
+    """`make_generator`'s arguments for engine vllm from the config sections: the path vLLM loads (`model.path`, or
+    model_path where the caller resolved it) and the `EngineOptions` of `vllm_engine.engine_options`."""
+    return dict(model_path=model_path or model.path, engine_options=vllm_engine.engine_options(vllm, model))
+
+
+def _in_process(request: EngineRequest) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model and the arguments both in-process engines take, from the request's model and tokenizer."""
     from opd.models import eos_token_ids
 
     if request.model is None:
         raise ValueError("the torch and static engines run an in-process model; none was given")
-    return dict(eos_token_ids=eos_token_ids(request.model, request.tokenizer),
-                pad_token_id=request.tokenizer.pad_token_id,
-                vocab_size=request.vocab_size or len(request.tokenizer), max_batch_size=request.max_batch_size,
-                max_batch_tokens=request.max_batch_tokens, **request.options)
+    return request.model, dict(eos_token_ids=eos_token_ids(request.model, request.tokenizer),
+                               pad_token_id=request.tokenizer.pad_token_id,
+                               vocab_size=request.vocab_size or len(request.tokenizer),
+                               max_batch_size=request.max_batch_size, max_batch_tokens=request.max_batch_tokens,
+                               **request.options)
 
 
-@register("torch")
 def _torch(request: EngineRequest) -> Generator:
     from opd.rollout.torch_engine import TorchGenerator
 
-    return TorchGenerator(request.model, **_hf_arguments(request))
+    model, arguments = _in_process(request)
+    return TorchGenerator(model, **arguments)
 
 
-@register("static")
 def _static(request: EngineRequest) -> Generator:
     from opd.rollout.static_engine import StaticGenerator
 
-    return StaticGenerator(request.model, **_hf_arguments(request))
+    model, arguments = _in_process(request)
+    return StaticGenerator(model, **arguments)
 
 
-@register("vllm")
 def _vllm(request: EngineRequest) -> Generator:
     """options: `engine_options` (an `EngineOptions`), `weights_fn` (full weights for the sync under torchrun) and
     `eos_token_ids` (else from the tokenizer and the model directory's configs)."""
-    from opd.rollout.vllm_engine import EngineOptions, VLLMGenerator
-
     if request.model_path is None:
         raise ValueError("engine 'vllm' loads the model itself and needs its path (model_path)")
     options = dict(request.options)
     eos = options.pop("eos_token_ids", None)
     if eos is None:
         eos = _eos_ids_from_path(request.model_path, request.tokenizer, request.model)
-    engine_options = options.pop("engine_options", None) or EngineOptions()
-    return VLLMGenerator(request.model_path, eos_token_ids=eos, max_batch_size=request.max_batch_size,
-                         vocab_size=request.vocab_size or len(request.tokenizer), options=engine_options,
-                         module=request.model, weights_fn=options.pop("weights_fn", None), **options)
+    engine_options = options.pop("engine_options", None) or vllm_engine.EngineOptions()
+    return vllm_engine.VLLMGenerator(request.model_path, eos_token_ids=eos, max_batch_size=request.max_batch_size,
+                                     vocab_size=request.vocab_size or len(request.tokenizer), options=engine_options,
+                                     module=request.model, weights_fn=options.pop("weights_fn", None), **options)
 
 
 def _eos_ids_from_path(path: str, tokenizer: Any, model: torch.nn.Module | None) -> list[int]:
@@ -153,13 +147,18 @@ def _eos_ids_from_path(path: str, tokenizer: Any, model: torch.nn.Module | None)
 
     from opd.models import eos_token_ids
 
-    if model is None:
-        from transformers import AutoConfig, GenerationConfig
+    if model is not None:
+        return eos_token_ids(model, tokenizer)
+    from transformers import AutoConfig, GenerationConfig
 
-        config = AutoConfig.from_pretrained(path)
-        try:
-            generation = GenerationConfig.from_pretrained(path)
-        except OSError:  # no generation_config.json
-            generation = None
-        model = SimpleNamespace(config=config, generation_config=generation)
-    return eos_token_ids(model, tokenizer)
+    config = AutoConfig.from_pretrained(path)
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json
+        generation = None
+    return eos_token_ids(SimpleNamespace(config=config, generation_config=generation), tokenizer)
+
+
+_ENGINES: dict[str, Callable[[EngineRequest], Generator]] = {"torch": _torch, "static": _static, "vllm": _vllm}
+if set(get_args(EngineName)) != {"auto", *_ENGINES}:  # the config's type and this table name the same engines
+    raise ImportError(f"opd.names.EngineName {get_args(EngineName)} and the engine table {list(_ENGINES)} differ")

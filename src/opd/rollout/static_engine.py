@@ -352,6 +352,12 @@ class StaticGenerator(memory.ModuleMemory):
     def sync_weights(self) -> None:
         """Nothing to do: the step weights are rebuilt from the trainer's module at every call."""
 
+    def release(self) -> None:
+        """Nothing to do: a call's static cache, step weights and CUDA graphs are freed when it returns."""
+
+    def close(self) -> None:
+        """Nothing to do: the module is the caller's."""
+
     def _step_fns(self, on_cuda: bool) -> tuple[Callable, Callable, Callable]:
         """(attn_in, attn_out, sample): compiled on CUDA unless compile=False, else the plain functions."""
         if not (on_cuda and self.compile is not False):

@@ -102,6 +102,12 @@ class TorchGenerator(memory.ModuleMemory):
     def sync_weights(self) -> None:
         """Nothing to do: the engine runs the trainer's own module."""
 
+    def release(self) -> None:
+        """Nothing to do: a call's cache and buffers are freed when it returns."""
+
+    def close(self) -> None:
+        """Nothing to do: the module is the caller's."""
+
     # ------------------------------------------------------------------ memory
 
     def row_cost(self, prompt_tokens: int, new_tokens: int) -> memory.RowCost:

@@ -51,6 +51,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from opd.config import ModelSpec, VLLMSpec
 from opd.rollout.base import GenerationOutput, SamplingParams
 from opd.seeds import SALT_VLLM_PROMPT, derive_seed
 
@@ -107,6 +108,12 @@ class EngineOptions:
                                           ("gpu_memory_utilization", "kv_cache_gb", "enforce_eager", "sleep",
                                            "max_model_len")}
         return cls(**fields, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def engine_options(vllm: VLLMSpec | None, model: ModelSpec) -> EngineOptions:
+    """The one way a config becomes `EngineOptions`: the `vllm` section (None: the defaults) plus the dtype and
+    trust_remote_code of the model section (`ModelSpec`) of the model the engine loads."""
+    return EngineOptions.from_config(vllm, dtype=model.dtype, trust_remote_code=model.trust_remote_code)
 
 
 def start_engine(model_path: str, options: EngineOptions, *, max_num_seqs: int = 256, max_logprobs: int = 20,
@@ -315,6 +322,14 @@ class VLLMGenerator:
         self._wake()
         if reset_prefix_cache:
             self.llm.reset_prefix_cache()
+
+    def check_fits(self, prompt_tokens: int, new_tokens: int, *, reserve_bytes: int = 0,
+                   names: tuple[str, str] = ("prompt length", "max_new_tokens")) -> None:
+        """Nothing to check: the engine sized its own memory at start-up (`gpu_memory_utilization`, `kv_cache_gb`)
+        and schedules within it."""
+
+    def release(self) -> None:
+        """Nothing to do: with `sleep` the engine already offloads itself at the end of each `generate`."""
 
     def close(self) -> None:
         """Shut the engine down now (idempotent; otherwise at exit). Under torchrun call it before the process group

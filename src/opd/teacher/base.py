@@ -2,16 +2,35 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
 from opd.types import Rollouts, TokenScores
 
 
+class PendingScores:
+    """A `score` in flight: `result()` waits for it and returns the `TokenScores` (on the rollouts' device)."""
+
+    def __init__(self, finish: Callable[[], TokenScores]) -> None:
+        self._finish = finish
+
+    @classmethod
+    def done(cls, scores: TokenScores) -> PendingScores:
+        """Scores computed already (an in-process scorer: nothing to overlap)."""
+        return cls(lambda: scores)
+
+    def result(self) -> TokenScores:
+        return self._finish()
+
+
 @runtime_checkable
 class TeacherScorer(Protocol):
+    """Every member is implemented by every scorer (local, served, vLLM), so callers use them directly."""
+
+    serves_requested_ids: bool
+    """Whether `score` takes `requested_ids` (the vLLM scorer only where its engine can, see `opd.teacher.vllm_scorer`)."""
+
     def score(
         self,
         rollouts: Rollouts,
@@ -26,13 +45,25 @@ class TeacherScorer(Protocol):
         entropy, all at `temperature`. Returns `TokenScores` on the rollouts' device."""
         ...
 
+    def score_async(
+        self,
+        rollouts: Rollouts,
+        *,
+        top_k: int = 16,
+        requested_ids: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        with_entropy: bool = True,
+    ) -> PendingScores:
+        """`score`, begun now: a served teacher sends its requests and returns at once, so the caller's next work
+        overlaps them; an in-process scorer scores here, before returning."""
+        ...
 
-def start_scoring(scorer: TeacherScorer, rollouts: Rollouts, **kwargs: Any) -> Any:
-    """Begin `scorer.score(rollouts, **kwargs)` and return an object whose `result()` gives the `TokenScores`. A
-    scorer with `score_async` (a served teacher) sends its requests now, so the caller's next work overlaps them;
-    any other scores here, before returning."""
-    if hasattr(scorer, "score_async"):
-        return scorer.score_async(rollouts, **kwargs)
-    done: Future = Future()
-    done.set_result(scorer.score(rollouts, **kwargs))
-    return done
+    def close(self) -> None:
+        """Let go of what the scorer holds beyond the caller's model (connections, an engine); idempotent."""
+        ...
+
+
+def start_scoring(scorer: TeacherScorer, rollouts: Rollouts, **kwargs: Any) -> PendingScores:
+    """Begin `scorer.score(rollouts, **kwargs)` and return an object whose `result()` gives the `TokenScores`
+    (`TeacherScorer.score_async`)."""
+    return scorer.score_async(rollouts, **kwargs)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from opd.teacher import wire
+from opd.teacher.base import PendingScores
 from opd.types import Rollouts, TokenScores
 
 BACKOFF_START, BACKOFF_MAX = 0.5, 10.0
@@ -78,16 +79,6 @@ def parse_url(url: str) -> Replica:
     return Replica(url.rstrip("/"), parts.hostname, port, parts.scheme == "https")
 
 
-class PendingScores:
-    """A `score` in flight: `result()` waits for it and returns the `TokenScores` (on the rollouts' device)."""
-
-    def __init__(self, finish: Callable[[], TokenScores]):
-        self._finish = finish
-
-    def result(self) -> TokenScores:
-        return self._finish()
-
-
 class RemoteScorer:
     """`TeacherScorer` over HTTP (see the module docstring).
 
@@ -100,6 +91,8 @@ class RemoteScorer:
     concurrency:    requests in flight at once from this client
     log:            where waiting / recovery messages go (default: stderr)
     """
+
+    serves_requested_ids = True  # the server's `LocalScorer` scores any ids
 
     def __init__(self, urls: str | Sequence[str], *, token: str | None = None, timeout: float = 300.0,
                  retry_deadline: float = 600.0, request_tokens: int = 16384, logprobs: str = "float32",
@@ -353,6 +346,7 @@ class RemoteScorer:
                                       f"`opd serve-teacher`?") from None
 
     def close(self) -> None:
+        """Stop the request threads (idempotent); requests not yet sent are dropped."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

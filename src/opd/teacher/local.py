@@ -27,6 +27,7 @@ import torch
 
 from opd.kernels import varlen_attention
 from opd.scoring import OutputHead, score_hidden
+from opd.teacher.base import PendingScores
 from opd.types import Rollouts, TokenScores
 
 Packing = Literal["auto", "packed", "padded"]
@@ -253,6 +254,8 @@ class LocalScorer:
     through_root:         run the model's own forward instead of its body (FSDP2), see `forward_hidden`
     """
 
+    serves_requested_ids = True  # the whole distribution is at hand: any ids
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -345,3 +348,12 @@ class LocalScorer:
 
         return TokenScores(back(sampled_BT), back(topk_ids_BTK), back(topk_lp_BTK), back(entropy_BT),
                            back(requested_lp_BTR))
+
+    def score_async(self, rollouts: Rollouts, *, top_k: int = 16, requested_ids: torch.Tensor | None = None,
+                    temperature: float = 1.0, with_entropy: bool = True) -> PendingScores:
+        """`score` now (in process there is nothing to overlap), as done `PendingScores`."""
+        return PendingScores.done(self.score(rollouts, top_k=top_k, requested_ids=requested_ids,
+                                             temperature=temperature, with_entropy=with_entropy))
+
+    def close(self) -> None:
+        """Nothing to do: the model is the caller's."""

@@ -1,7 +1,8 @@
-"""Which teacher scorer a run uses: the one place that builds a `TeacherScorer` from a teacher config.
+"""Which teacher scorer a run uses: one registry by name, the only place that builds a `TeacherScorer` from a config.
 
 Every command that scores with a teacher (`opd distill`, `opd prompts score`) asks `load_teacher`; each placement is
-one branch here and one module beside it, all implementing `opd.teacher.base.TeacherScorer`:
+one builder in the `_SCORERS` table below and one module beside it, all implementing `opd.teacher.base.TeacherScorer`
+(the same shape as `opd.rollout.registry`; the config's names are `opd.names.TeacherEngineName`, checked at import):
     local   an in-process Hugging Face model (`LocalScorer`), on the student's GPU, another GPU or the CPU
     served  `teacher.url`: an `opd serve-teacher` on another GPU or host, or several replicas (`RemoteScorer`)
     vllm    an in-process vLLM engine scoring with prompt_logprobs (`VLLMScorer`): sampled-token and the teacher's own
@@ -14,12 +15,14 @@ same one-line error.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, get_args
 
 import torch
 
 from opd.config import ModelSpec
+from opd.names import TeacherEngineName
 from opd.objectives.diagnostics import diagnostic_top_k
+from opd.rollout.vllm_engine import config_rows, engine_options, vllm_available
 from opd.teacher.base import TeacherScorer
 
 
@@ -38,12 +41,65 @@ class Teacher:
     vocab: Any
 
 
+@dataclass
+class TeacherRequest:
+    """What a caller knows when it asks for a teacher (`load_teacher`'s arguments). Builders take what they need.
+
+    spec:                 the teacher config (`TeacherSpec`; a plain `ModelSpec` is a local teacher)
+    student_tokenizer:    the student's tokenizer, which the teacher's must equal
+    student_rows:         rows of the student's output layer
+    student_device:       where the student is (an in-process teacher goes beside it unless told otherwise)
+    world_size:           processes of the run (torchrun)
+    offload:              keep an in-process teacher on the CPU (the trainer moves it to the GPU while it scores)
+    max_tokens_per_batch: the local scorer's forward budget
+    objective:            the `ObjectiveSpec` the scores are for (a vLLM teacher checks it can serve it); None: unchecked
+    max_batch_size:       rows a vLLM teacher scores together
+    """
+
+    spec: ModelSpec
+    student_tokenizer: Any
+    student_rows: int
+    student_device: torch.device
+    world_size: int = 1
+    offload: bool = False
+    max_tokens_per_batch: int = 32768
+    objective: Any = None
+    max_batch_size: int = 256
+
+
+def scorer_names() -> list[str]:
+    """Every placement `load_teacher` builds."""
+    return list(_SCORERS)
+
+
+def resolve_scorer(spec: ModelSpec) -> str:
+    """The placement `spec` means: "served" with `teacher.url`, else `teacher.engine` (local for a plain
+    `ModelSpec`)."""
+    if getattr(spec, "url", None) is not None:
+        return "served"
+    engine = getattr(spec, "engine", "local")
+    if engine not in _SCORERS:
+        raise ValueError(f"teacher scorer must be one of {', '.join(scorer_names())}, got {engine!r}")
+    return engine
+
+
+def load_teacher(spec: ModelSpec, *, student_tokenizer: Any, student_rows: int, student_device: torch.device,
+                 world_size: int = 1, offload: bool = False, max_tokens_per_batch: int = 32768,
+                 objective: Any = None, max_batch_size: int = 256) -> Teacher:
+    """Build the teacher `spec` describes (see the module docstring and `TeacherRequest` for the arguments)."""
+    request = TeacherRequest(spec=spec, student_tokenizer=student_tokenizer, student_rows=student_rows,
+                             student_device=student_device, world_size=world_size, offload=offload,
+                             max_tokens_per_batch=max_tokens_per_batch, objective=objective,
+                             max_batch_size=max_batch_size)
+    return _SCORERS[resolve_scorer(spec)](request)
+
+
 def check_teacher_tokenizer(spec: ModelSpec, student_tokenizer: Any) -> Any:
     """Cheap, before any model loads: the teacher's tokenizer must equal the student's (one-line error otherwise).
     A served teacher is asked for its /info (waiting for the server like any request)."""
     from opd.models import check_tokenizer_compatibility, load_tokenizer
 
-    if getattr(spec, "url", None) is not None:
+    if resolve_scorer(spec) == "served":
         from opd.teacher.client import remote_scorer
 
         scorer = remote_scorer(spec)
@@ -71,8 +127,7 @@ def teacher_device(spec: ModelSpec, student_device: torch.device, world_size: in
 def check_teacher_serves(spec: ModelSpec, objective: Any) -> None:
     """Cheap, before any model loads: a one-line error when the teacher's engine cannot give what `objective` (an
     `ObjectiveSpec`) needs. The local scorer serves everything."""
-    if getattr(spec, "engine", "local") == "vllm":
-        from opd.rollout.vllm_engine import vllm_available
+    if resolve_scorer(spec) == "vllm":
         from opd.teacher.vllm_scorer import check_objective
 
         if not vllm_available():
@@ -80,53 +135,51 @@ def check_teacher_serves(spec: ModelSpec, objective: Any) -> None:
         check_objective(objective)
 
 
-def load_teacher(spec: ModelSpec, *, student_tokenizer: Any, student_rows: int, student_device: torch.device,
-                 world_size: int = 1, offload: bool = False, max_tokens_per_batch: int = 32768,
-                 objective: Any = None, max_batch_size: int = 256) -> Teacher:
-    """Build the teacher `spec` describes. offload: keep an in-process teacher on the CPU (the trainer moves it to
-    the GPU while it scores). max_tokens_per_batch: the scorer's forward budget. objective: the `ObjectiveSpec` the
-    scores are for (a vLLM teacher checks it can serve it once its engine runs); max_batch_size: rows a vLLM teacher
-    scores together."""
+def _local(request: TeacherRequest) -> Teacher:
     from opd.models import check_tokenizer_compatibility, load_model, resolve_device, resolve_dtype
     from opd.teacher.local import LocalScorer
 
-    if getattr(spec, "url", None) is not None:  # served: nothing loads here, the server holds the model
-        from opd.teacher.client import remote_scorer
-
-        scorer = remote_scorer(spec)
-        return Teacher(scorer=scorer, module=None, vocab=scorer.check_tokenizer(student_tokenizer,
-                                                                                student_rows=student_rows))
-    if getattr(spec, "engine", "local") == "vllm":
-        return _load_vllm_teacher(spec, student_tokenizer=student_tokenizer, student_rows=student_rows,
-                                  objective=objective, max_batch_size=max_batch_size)
-
-    device = teacher_device(spec, student_device, world_size)
+    spec = request.spec
+    device = teacher_device(spec, request.student_device, request.world_size)
     dtype = resolve_dtype(spec.dtype, resolve_device(device))
-    module, tokenizer = load_model(spec.path, dtype=dtype, device="cpu" if offload else device,
+    module, tokenizer = load_model(spec.path, dtype=dtype, device="cpu" if request.offload else device,
                                    trust_remote_code=spec.trust_remote_code,
                                    attn_implementation=spec.attn_implementation)
-    vocab = check_tokenizer_compatibility(student_tokenizer, tokenizer, student_vocab_size=student_rows,
+    vocab = check_tokenizer_compatibility(request.student_tokenizer, tokenizer, student_vocab_size=request.student_rows,
                                           teacher_vocab_size=module.get_output_embeddings().weight.shape[0])
     # ids beyond the tokenizer are embedding padding rows: never a top-k candidate (SPEC §1)
-    scorer = LocalScorer(module, max_tokens_per_batch=max_tokens_per_batch, vocab_size=vocab.tokenizer_size)
+    scorer = LocalScorer(module, max_tokens_per_batch=request.max_tokens_per_batch, vocab_size=vocab.tokenizer_size)
     return Teacher(scorer=scorer, module=module, vocab=vocab)
 
 
-def _load_vllm_teacher(spec: ModelSpec, *, student_tokenizer: Any, student_rows: int, objective: Any,
-                       max_batch_size: int) -> Teacher:
+def _served(request: TeacherRequest) -> Teacher:
+    """Nothing loads here: the server holds the model."""
+    from opd.teacher.client import remote_scorer
+
+    scorer = remote_scorer(request.spec)
+    return Teacher(scorer=scorer, module=None, vocab=scorer.check_tokenizer(request.student_tokenizer,
+                                                                            student_rows=request.student_rows))
+
+
+def _vllm(request: TeacherRequest) -> Teacher:
     from opd.models import check_tokenizer_compatibility, load_tokenizer
-    from opd.rollout.vllm_engine import EngineOptions, config_rows
     from opd.teacher.vllm_scorer import VLLMScorer, check_objective
 
+    spec, objective = request.spec, request.objective
     tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
-    vocab = check_tokenizer_compatibility(student_tokenizer, tokenizer, student_vocab_size=student_rows,
+    vocab = check_tokenizer_compatibility(request.student_tokenizer, tokenizer, student_vocab_size=request.student_rows,
                                           teacher_vocab_size=config_rows(spec.path,
                                                                          trust_remote_code=spec.trust_remote_code))
-    options = EngineOptions.from_config(getattr(spec, "vllm", None), dtype=spec.dtype,
-                                        trust_remote_code=spec.trust_remote_code)
+    options = engine_options(getattr(spec, "vllm", None), spec)
     top_k = diagnostic_top_k(getattr(objective, "top_k", 0) or 0)  # what the trainer asks for, diagnostics included
     scorer = VLLMScorer(spec.path, vocab_size=vocab.tokenizer_size, options=options, max_top_k=top_k,
-                        max_batch_size=max_batch_size)
+                        max_batch_size=request.max_batch_size)
     if objective is not None:
         check_objective(objective, serves_requested_ids=scorer.serves_requested_ids)
     return Teacher(scorer=scorer, module=None, vocab=vocab)
+
+
+_SCORERS: dict[str, Callable[[TeacherRequest], Teacher]] = {"local": _local, "served": _served, "vllm": _vllm}
+if set(get_args(TeacherEngineName)) != set(_SCORERS) - {"served"}:  # the config's type and this table agree
+    raise ImportError(f"opd.names.TeacherEngineName {get_args(TeacherEngineName)} and the scorer table "
+                      f"{list(_SCORERS)} differ")

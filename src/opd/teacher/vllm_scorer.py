@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from opd.rollout.vllm_engine import EngineOptions, config_rows, model_rows, start_engine
+from opd.teacher.base import PendingScores
 from opd.types import Rollouts, TokenScores
 
 ALTERNATIVES = ("use teacher.engine=local (an in-process HF teacher) or a teacher server "
@@ -63,6 +64,8 @@ class VLLMScorer:
     max_top_k:      the largest top_k `score` will be asked for (vLLM's max_logprobs is sized from it)
     max_batch_size: rows scored together (max_num_seqs)
     """
+
+    serves_requested_ids: bool  # set at start-up: whether the installed vLLM can score requested ids
 
     def __init__(self, model_path: str, *, vocab_size: int | None = None, options: EngineOptions | None = None,
                  max_top_k: int = 16, max_batch_size: int = 256) -> None:
@@ -147,3 +150,13 @@ class VLLMScorer:
             return None if x is None else x.to(device)
 
         return TokenScores(back(sampled_BT), back(topk_ids_BTK), back(topk_lp_BTK), None, back(requested_BTR))
+
+    def score_async(self, rollouts: Rollouts, *, top_k: int = 16, requested_ids: torch.Tensor | None = None,
+                    temperature: float = 1.0, with_entropy: bool = True) -> PendingScores:
+        """`score` now (the engine runs in this process), as done `PendingScores`."""
+        return PendingScores.done(self.score(rollouts, top_k=top_k, requested_ids=requested_ids,
+                                             temperature=temperature, with_entropy=with_entropy))
+
+    def close(self) -> None:
+        """Shut the engine down now (idempotent; otherwise at exit), as `VLLMGenerator.close`."""
+        self.llm.llm_engine.engine_core.shutdown()

@@ -196,13 +196,12 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
     if generator is None and config.engine == "vllm":  # vLLM loads the weights itself: no HF copy of the model
         from opd.models import load_tokenizer
         from opd.rollout import make_generator
-        from opd.rollout.vllm_engine import EngineOptions
+        from opd.rollout.registry import vllm_arguments
 
         spec = config.model
         tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
-        options = EngineOptions.from_config(config.vllm, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
-        generator = make_generator(None, tokenizer, engine="vllm", model_path=spec.path,
-                                   max_batch_size=config.batch_size, engine_options=options)
+        generator = make_generator(None, tokenizer, engine="vllm", max_batch_size=config.batch_size,
+                                   **vllm_arguments(config.vllm, spec))
     if generator is None:
         from opd.models import load_model
         from opd.rollout import make_generator

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 import yaml
 from pydantic import Field
@@ -27,6 +27,7 @@ from opd.data.prompts import JSONL_SUFFIXES, DataError, load_prompts, save_promp
 from opd.data.templates import parse_template
 from opd.eval.prompt_scores import ALIGNMENT_METRICS, PromptScore, read_scores, score_prompts, select_prompts
 from opd.io import DirectoryLock, append_jsonl, repair_jsonl
+from opd.names import EngineName
 from opd.report.sinks import progress_bar
 
 
@@ -47,7 +48,7 @@ class PromptScoreConfig(Section):
                                                   "resume, so keep it when resuming.")
     score_batch_tokens: int = Field(32768, ge=1, description="Token budget of one no-grad scoring forward.")
     seed: int = Field(0, description="Sampling seed (each batch's seed derives from it and the batch index).")
-    engine: Literal["auto", "torch", "static", "vllm"] = Field("auto", description="Engine of the student rollouts (opd.rollout.registry); vllm loads the student itself (needs the vllm extra); the scores stay in-process.")
+    engine: EngineName = Field("auto", description="Engine of the student rollouts (opd.rollout.registry); vllm loads the student itself (needs the vllm extra); the scores stay in-process.")
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
 
 
@@ -112,13 +113,10 @@ def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
         teacher, vocab = loaded.scorer, loaded.vocab
         generator = None
         if config.engine == "vllm":  # the student's rollouts from vLLM; its scores stay with the HF model above
-            from opd.rollout.vllm_engine import EngineOptions
+            from opd.rollout.registry import vllm_arguments
 
-            options = EngineOptions.from_config(config.vllm, dtype=config.student.dtype,
-                                                 trust_remote_code=config.student.trust_remote_code)
-            generator = make_generator(None, tokenizer, engine="vllm", model_path=config.student.path,
-                                       max_batch_size=config.batch_size * config.n, engine_options=options,
-                                       vocab_size=vocab.tokenizer_size)
+            generator = make_generator(None, tokenizer, engine="vllm", max_batch_size=config.batch_size * config.n,
+                                       vocab_size=vocab.tokenizer_size, **vllm_arguments(config.vllm, config.student))
         elif config.engine != "auto":
             generator = make_generator(student, tokenizer, engine=config.engine,
                                        max_batch_size=config.batch_size * config.n, vocab_size=vocab.tokenizer_size)

@@ -291,12 +291,11 @@ def _load_teacher(config: RolloutConfig, device: str) -> tuple[Any, Any]:
     spec = config.model
     if config.engine == "vllm":  # vLLM loads the weights itself: no HF copy of the model
         from opd.models import load_tokenizer
-        from opd.rollout.vllm_engine import EngineOptions
+        from opd.rollout.registry import vllm_arguments
 
         tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
-        options = EngineOptions.from_config(config.vllm, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
-        return make_generator(None, tokenizer, engine="vllm", model_path=spec.path, max_batch_size=config.batch_size,
-                              engine_options=options), tokenizer
+        return make_generator(None, tokenizer, engine="vllm", max_batch_size=config.batch_size,
+                              **vllm_arguments(config.vllm, spec)), tokenizer
     model, tokenizer = load_model(spec.path, dtype=spec.dtype, device=device, trust_remote_code=spec.trust_remote_code,
                                   attn_implementation=spec.attn_implementation)
     generator = make_generator(model, tokenizer, engine="torch", max_batch_size=config.batch_size)

@@ -98,7 +98,7 @@ def test_non_finite_floats_are_rejected_in_every_config(model, key, value):
     only a lower bound (temperature > 0, clip_ratio_c > 1) would otherwise accept inf."""
     from opd.data.alignment import PromptScoreConfig
     from opd.rollout.rejection import RolloutConfig
-    from opd.train.sft import SFTConfig
+    from opd.recipes.sft import SFTConfig
 
     models = {"distill": (DistillConfig, {"student.path": "s", "data.path": "d"}),
               "eval": (EvalConfig, {}), "sft": (SFTConfig, {"model.path": "m", "data.path": "d"}),

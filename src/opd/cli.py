@@ -167,7 +167,7 @@ def sft_command(
     allow_config_change: Optional[bool] = typer.Option(None, "--allow-config-change", help="With --resume: continue even though settings that change the math or data order differ from the saved config.yaml (run.allow_config_change)."),
 ) -> None:
     """Supervised fine-tuning on (teacher) answers, loss on assistant tokens only: the cold start before `opd distill`."""
-    from opd.train.sft import SFTConfig, sft
+    from opd.recipes.sft import SFTConfig, sft
 
     options = {"model.path": model, "data.path": data or None, "epochs": epochs, "optim.lr": lr, "lora.enabled": lora,
                "run.name": name, "run.resume": resume, "data.enable_thinking": thinking,
@@ -184,7 +184,7 @@ def merge_command(
     overwrite: bool = typer.Option(False, "--overwrite", help="When OUT is a file or a non-empty directory, move it aside to OUT.old-<time> (never deleted). [default: refuse]"),
 ) -> None:
     """Merge LoRA adapters into their base model: full weights that load without peft."""
-    from opd.train.sft import merge_lora
+    from opd.recipes.sft import merge_lora
 
     merged = merge_lora(checkpoint, out, base=base, dtype=dtype, existing="move" if overwrite else "refuse")
     typer.echo(f"merged: {merged}")

@@ -142,7 +142,7 @@ def finetune(model_path: str | Path, data: str | Path, work_dir: Path, run_name:
     time_budget_s: wall seconds from this call (set-up included) to the last step; see `sft_within_budget`."""
     from opd.config import build_config
     from opd.train.checkpoint import latest_checkpoint
-    from opd.train.sft import SFTConfig, sft
+    from opd.recipes.sft import SFTConfig, sft
 
     start = time.perf_counter()
     options = {
@@ -182,7 +182,7 @@ def sft_within_budget(config: Any, deadline: float, *, calibration_steps: int = 
     run.save_every steps, and prints a plain progress line every `log_every` steps."""
     from opd.train.common import finish_run, run_directory
     from opd.train.optim import build_scheduler
-    from opd.train.sft import save, setup, sft_step
+    from opd.recipes.sft import save, setup, sft_step
 
     run_dir = run_directory(config.run, "sft")
     tr = setup(config, run_dir, console=console)

@@ -45,7 +45,7 @@ class PipelineConfig(Section):
         """The rollout / SFT / distill configs the stages run with (validated; errors name the stage)."""
         from opd.config import DistillConfig
         from opd.rollout.rejection import RolloutConfig
-        from opd.train.sft import SFTConfig
+        from opd.recipes.sft import SFTConfig
 
         root = Path(self.out_dir)
         rollout = {"model": self.teacher.model_dump(), "data": self.sft_prompts.model_dump(), "out": str(root / "rollout")}
@@ -98,7 +98,7 @@ def _run_locked(config: PipelineConfig, root: Path, stages: dict[str, Any], cons
 
             teacher_rollout(stages["rollout"], console=console)
         elif stage == "sft":
-            from opd.train.sft import sft
+            from opd.recipes.sft import sft
 
             run_dir = sft(stages["sft"], console=console)
             _link_final(run_dir, sft_model, prefer=run_dir / "merged")

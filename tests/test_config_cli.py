@@ -61,7 +61,7 @@ def test_shipped_configs_validate():
     from pathlib import Path
 
     for path in sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")):
-        from opd.train.pipeline import PipelineConfig
+        from opd.recipes.pipeline import PipelineConfig
 
         data = yaml.safe_load(path.read_text())
         if "sft_prompts" in data:

@@ -288,7 +288,7 @@ def pipeline_run_command(
     overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
 ) -> None:
     """Run every stage whose outputs are not complete (each resumable), then print the before/after/teacher table."""
-    from opd.train.pipeline import PipelineConfig, run_pipeline
+    from opd.recipes.pipeline import PipelineConfig, run_pipeline
 
     run_pipeline(build_config(PipelineConfig, config_file=config, overrides=overrides))
 

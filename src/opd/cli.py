@@ -270,7 +270,7 @@ def serve_teacher_command(
 
     Limits and batching are config keys, e.g. `max_batch_tokens=65536 max_rows=1024` (see opd.teacher.server).
     """
-    from opd.teacher.server import ServeConfig, serve
+    from opd.recipes.serve_teacher import ServeConfig, serve
 
     options = {"model.path": model, "model.device": device, "device_map": device_map, "model.dtype": dtype,
                "host": host, "port": port, "token_file": _str(token_file)}

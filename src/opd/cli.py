@@ -398,7 +398,7 @@ def demo_command(
     Evaluates teacher and student on the lab test set (`opd eval`), runs `opd distill` with configs/lab_demo.yaml's
     settings, evaluates the student again, prints the table and writes demo.json + report.html into the run dir.
     """
-    from opd.lab.demo import demo
+    from opd.recipes.demo import demo
 
     options = {"run.steps": steps, "eval.limit": limit, "run.out_dir": out_dir, "run.name": name}
     extra = [f"{key}={value}" for key, value in options.items() if value is not None]
@@ -427,7 +427,7 @@ def lab_build_command(
 ) -> None:
     """Retrain the lab models (forward-style teacher and student, rewrite-style teacher) from a seed with `opd sft`
     and write their manifest (accuracies measured)."""
-    from opd.lab.build import build
+    from opd.recipes.lab import build
 
     models = [m.strip() for m in only.split(",") if m.strip()] if only else None
     manifest = build(out, seed=seed, teacher_steps=teacher_steps, student_steps=student_steps,
@@ -449,7 +449,7 @@ def lab_run_command(
     check: bool = typer.Option(False, "--check/--no-check", help="Run `opd check` on each variant's pair first: its forecast next to the measured outcome."),
 ) -> None:
     """A small replication: short `opd distill` runs that differ in one setting; summary.json/.md + a comparison report."""
-    from opd.lab.experiments import run_experiment
+    from opd.recipes.lab import run_experiment
 
     variants = [v.strip() for v in only.split(",") if v.strip()] if only else None
     try:

@@ -30,6 +30,7 @@ import yaml
 
 from opd.config import DistillConfig, EvalConfig, ModelSpec, build_config, flatten_dotted
 from opd.io import atomic_write_json
+from opd.lab import opd_prompts_path, student_path, teacher_path, test_set_path
 
 DEMO_CONFIG: dict[str, Any] = {
     "student": {"path": None, "device": "cpu", "dtype": "fp32"},
@@ -51,8 +52,6 @@ DEMO_CONFIG: dict[str, Any] = {
 
 def demo_config(overrides: list[str] | None = None, *, config_file: str | Path | None = None) -> DistillConfig:
     """The demo's `DistillConfig`: DEMO_CONFIG with the shipped assets, then a YAML file, then key=value overrides."""
-    from opd.lab import opd_prompts_path, student_path, teacher_path, test_set_path
-
     data = yaml.safe_load(yaml.safe_dump(DEMO_CONFIG))  # a deep copy
     data["student"]["path"] = str(student_path())
     data["teacher"]["path"] = str(teacher_path())
@@ -65,8 +64,6 @@ def demo_config(overrides: list[str] | None = None, *, config_file: str | Path |
 
         options = flatten_dotted(read_yaml(config_file))
     return build_config(DistillConfig, options={**flatten_dotted(data), **options}, overrides=overrides)
-
-
 
 
 def eval_config(config: DistillConfig, model_path: str, out: Path) -> EvalConfig:

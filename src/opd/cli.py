@@ -1,5 +1,6 @@
-"""The `opd` command line. Each command: build its typed config (YAML < options < key=value), then call the
-package. No logic lives here; every command is also a Python function (`opd.evaluate`, `opd.distill`, …)."""
+"""The `opd` command line. Each command: build its typed config (YAML < options < key=value), then call its recipe.
+No logic lives here; every command's program is also a Python function in `opd.recipes` (e.g. `opd.recipes.sft.sft`
+for `opd sft`)."""
 
 from __future__ import annotations
 
@@ -110,7 +111,8 @@ def distill_command(
 ) -> None:
     """On-policy distillation: the student samples, the teacher scores the student's tokens, policy-gradient update.
 
-    Every config key (see `configs/opd_default.yaml`) can be set as key=value, e.g. `prompts_per_step=32 rollout.n=4`.
+    Every config key (see `configs/opd_qwen3_1.7b_from_4b.yaml`) can be set as key=value, e.g.
+    `prompts_per_step=32 rollout.n=4`.
     """
     options = {
         "student.path": student, "teacher.path": teacher, "data.path": prompts, "run.steps": steps, "run.name": name,
@@ -268,7 +270,8 @@ def serve_teacher_command(
 ) -> None:
     """Serve a teacher over HTTP: scores any token ids (sampled, top-k, requested ids, entropy) for `teacher.url`.
 
-    Limits and batching are config keys, e.g. `max_batch_tokens=65536 max_rows=1024` (see opd.teacher.server).
+    Limits and batching are config keys, e.g. `max_batch_tokens=65536 max_rows=1024` (see
+    opd.recipes.serve_teacher.ServeConfig).
     """
     from opd.recipes.serve_teacher import ServeConfig, serve
 
@@ -429,11 +432,10 @@ def lab_build_command(
     and write their manifest (accuracies measured)."""
     from opd.recipes.lab import build
 
-    models = [m.strip() for m in only.split(",") if m.strip()] if only else None
     manifest = build(out, seed=seed, teacher_steps=teacher_steps, student_steps=student_steps,
                      rewrite_teacher_steps=rewrite_teacher_steps, rewrite_teacher_batch=rewrite_teacher_batch,
                      sft_examples=sft_examples, eval_limit=eval_limit,
-                     only=models, device=device, time_budget_s=time_budget, threads=threads or None)
+                     only=_names(only), device=device, time_budget_s=time_budget, threads=threads or None)
     typer.echo(f"manifest: {manifest}")
 
 
@@ -451,17 +453,25 @@ def lab_run_command(
     """A small replication: short `opd distill` runs that differ in one setting; summary.json/.md + a comparison report."""
     from opd.recipes.lab import run_experiment
 
-    variants = [v.strip() for v in only.split(",") if v.strip()] if only else None
-    try:
-        seed_list = [int(s) for s in seeds.split(",") if s.strip()] if seeds else None
-    except ValueError:
-        raise ValueError(f"--seeds must be comma-separated integers, got {seeds!r}") from None
-    run_experiment(name, out_dir=out_dir, steps=steps, overrides=list(overrides or []), only=variants,
-                   seeds=seed_list, check=check, threads=threads or None)
+    run_experiment(name, out_dir=out_dir, steps=steps, overrides=list(overrides or []), only=_names(only),
+                   seeds=_seeds(seeds), check=check, threads=threads or None)
 
 
 def _str(value: Any) -> str | None:
     return None if value is None else str(value)
+
+
+def _names(value: str | None) -> list[str] | None:
+    """A comma-separated option as its list of names; None when not given."""
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+def _seeds(value: str | None) -> list[int] | None:
+    """`--seeds 0,1,2` as integers; None when not given."""
+    try:
+        return [int(s) for s in value.split(",") if s.strip()] if value else None
+    except ValueError:
+        raise ValueError(f"--seeds must be comma-separated integers, got {value!r}") from None
 
 
 def main() -> None:

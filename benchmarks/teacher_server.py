@@ -77,7 +77,8 @@ def build(shape: str, device: torch.device, seed: int):
 def serve_main(args) -> None:
     """`--serve`: the server process (prints its URL on stdout, serves until terminated)."""
     from opd.config import ModelSpec
-    from opd.teacher.server import ServeConfig, bind, run, service_for
+    from opd.recipes.serve_teacher import ServeConfig
+    from opd.teacher.server import bind, run, service_for
 
     if args.threads:
         torch.set_num_threads(args.threads)

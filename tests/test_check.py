@@ -240,7 +240,7 @@ def test_classify_thresholds_are_the_boundaries():
 
 
 def test_memory_estimate_and_check(lab_teacher):
-    from opd.lab.demo import demo_config
+    from opd.recipes.demo import demo_config
 
     model = lab_teacher[0]
     small = C.estimate_memory(demo_config(), model, model, compute_dtype=torch.float32)["cpu"]
@@ -336,7 +336,7 @@ def _other_template_teacher(tmp_path) -> Path:
 
 
 def test_distill_refuses_on_a_hard_failure_unless_skipped(tmp_path):
-    from opd.lab.demo import demo_config
+    from opd.recipes.demo import demo_config
     from opd.train.opd import distill
 
     teacher = _other_template_teacher(tmp_path)
@@ -351,7 +351,7 @@ def test_distill_refuses_on_a_hard_failure_unless_skipped(tmp_path):
 
 def test_preflight_is_cheap_and_leaves_training_unchanged(tmp_path):
     """The startup checks draw no global random numbers and change no weights: a run with them equals one without."""
-    from opd.lab.demo import demo_config
+    from opd.recipes.demo import demo_config
     from opd.train.opd import distill
 
     small = [f"run.out_dir={tmp_path}", "run.steps=2", "eval.limit=2", "prompts_per_step=2", "rollout.n=2",

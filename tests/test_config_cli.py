@@ -61,7 +61,7 @@ def test_shipped_configs_validate():
     from pathlib import Path
 
     for path in sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")):
-        from opd.train.pipeline import PipelineConfig
+        from opd.recipes.pipeline import PipelineConfig
 
         data = yaml.safe_load(path.read_text())
         if "sft_prompts" in data:
@@ -98,7 +98,7 @@ def test_non_finite_floats_are_rejected_in_every_config(model, key, value):
     only a lower bound (temperature > 0, clip_ratio_c > 1) would otherwise accept inf."""
     from opd.recipes.prompts import PromptScoreConfig
     from opd.recipes.rollout import RolloutConfig
-    from opd.train.sft import SFTConfig
+    from opd.recipes.sft import SFTConfig
 
     models = {"distill": (DistillConfig, {"student.path": "s", "data.path": "d"}),
               "eval": (EvalConfig, {}), "sft": (SFTConfig, {"model.path": "m", "data.path": "d"}),

@@ -63,7 +63,8 @@ def test_models_match_the_tokenizer():
 
 @pytest.mark.parametrize("name", ["teacher", "student", "rewrite_teacher"])
 def test_shipped_models_reach_recorded_accuracy(tmp_path, name):
-    from opd.lab.build import measure, rewrite_share
+    from opd.lab.build import rewrite_share
+    from opd.recipes.lab import measure
 
     manifest = json.loads(lab.manifest_path().read_text())
     record = manifest["models"][name]
@@ -80,7 +81,7 @@ def test_shipped_models_reach_recorded_accuracy(tmp_path, name):
 
 
 def test_demo_reduced(tmp_path):
-    from opd.lab.demo import demo
+    from opd.recipes.demo import demo
 
     console = _console()
     run_dir = demo(
@@ -106,7 +107,7 @@ def test_demo_config_matches_the_yaml():
     """configs/lab_demo.yaml holds the demo's settings (its paths, relative to the repo root, name the same assets)."""
     from pathlib import Path
 
-    from opd.lab.demo import demo_config
+    from opd.recipes.demo import demo_config
 
     root = Path(__file__).parents[1]
     path = root / "configs" / "lab_demo.yaml"
@@ -122,7 +123,7 @@ def test_demo_config_matches_the_yaml():
 
 
 def test_build_reduced(tmp_path):
-    from opd.lab.build import build
+    from opd.recipes.lab import build
 
     path = build(tmp_path, seed=3, teacher_steps=2, student_steps=2, rewrite_teacher_steps=2, rewrite_teacher_batch=16,
                  sft_examples=256, eval_limit=4, console=_console())
@@ -143,7 +144,7 @@ def test_build_reduced(tmp_path):
 
 
 def test_build_only_and_refusals(tmp_path):
-    from opd.lab.build import build
+    from opd.recipes.lab import build
 
     with pytest.raises(ValueError, match="rewrite_teacher"):
         build(tmp_path / "x", only=["nope"], console=_console())
@@ -159,7 +160,7 @@ def test_build_only_and_refusals(tmp_path):
 
 def test_style_experiment_reduced(tmp_path):
     """`opd lab run style` plumbing with tiny budgets: rewrite teacher (SFT), cold start (rollout + SFT), 3 OPD runs."""
-    from opd.lab.experiments import markdown, run_experiment
+    from opd.recipes.lab import markdown, run_experiment
 
     setup = {"teacher_steps": 2, "teacher_examples": 8, "cold_prompts": 8, "cold_steps": 2, "cold_examples": 4}
     overrides = ["eval.limit=8", "prompts_per_step=2", "rollout.n=2"]
@@ -182,7 +183,7 @@ def test_style_experiment_reduced(tmp_path):
 def test_build_time_budget_always_saves_and_records(tmp_path):
     """`--time-budget`: a budget spent before the first step still yields a saved, measured model (0 steps, stopped
     by the budget); a budget that outlasts the steps trains them all."""
-    from opd.lab.build import build
+    from opd.recipes.lab import build
 
     common = dict(only=["rewrite_teacher"], rewrite_teacher_batch=4, sft_examples=16, eval_limit=2, console=_console())
     spent = json.loads(build(tmp_path / "spent", rewrite_teacher_steps=5, time_budget_s=1e-3, **common).read_text())
@@ -199,7 +200,7 @@ def test_build_time_budget_always_saves_and_records(tmp_path):
 def test_experiment_seeds_and_forecast(tmp_path):
     """`opd lab run teacher --seeds 0,1 --check`: one run per seed, the forecast of each pair next to its outcome,
     per-variant means; a second call reuses the finished runs and checks."""
-    from opd.lab.experiments import run_experiment
+    from opd.recipes.lab import run_experiment
 
     overrides = ["eval.limit=4", "prompts_per_step=2", "rollout.n=2", "run.report=false"]
     summary = run_experiment("teacher", out_dir=tmp_path, steps=1, overrides=overrides, only=["student_as_teacher"],

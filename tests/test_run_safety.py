@@ -41,7 +41,7 @@ from opd.cli import main
 from opd.io import LOCK_FILE, DirectoryLock, DirectoryLocked, read_jsonl
 from opd.train.checkpoint import MANIFEST, latest_checkpoint, save_checkpoint, verify_checkpoint
 from opd.train.opd import distill
-from opd.train.sft import sft
+from opd.recipes.sft import sft
 from test_distill import config as distill_config, world  # noqa: F401  (world: a module fixture)
 from test_eval_cli import _eval_args, _write_jsonl
 from test_prompt_alignment import make_prompts, model_dirs, score_config  # noqa: F401  (model_dirs: a fixture)

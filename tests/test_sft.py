@@ -17,7 +17,8 @@ from opd.data.sft import (
     Conversation, collate, end_of_turn_id, read_conversations, tokenize_conversations,
 )
 from opd.data.templates import encode_prompts
-from opd.train.sft import SFTConfig, check_config, forward_backward, packing_is_exact, sft, target_logprobs
+from opd.recipes.sft import SFTConfig, check_config, sft
+from opd.train.sft import forward_backward, packing_is_exact, target_logprobs
 from opd.types import Prompt
 
 QA = [("what is 2+3?", "5"), ("name a colour", "red"), ("reverse abc", "cba"), ("say hi", "hi there")]
@@ -179,7 +180,7 @@ def test_packed_examples_do_not_see_each_other(kind, attention, tiny_tokenizer):
 
 
 def test_packing_falls_back_to_padding_when_the_model_mixes_examples(monkeypatch, tiny_llama):
-    import opd.train.sft as sft_module
+    import opd.recipes.sft as sft_module
 
     assert sft_module._choose_packing(tiny_llama, "packed", None)
     assert not sft_module._choose_packing(tiny_llama, "auto", None)  # eager attention: padded

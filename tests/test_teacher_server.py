@@ -91,7 +91,8 @@ def serve_process(tmp_path: Path, *extra: str, port: int | None = None, name: st
 @contextmanager
 def serve_in_thread(scorer, token: str | None = TOKEN, **config):
     """The same app and service in this process (for tests that must hold the scoring loop); always stopped."""
-    from opd.teacher.server import ServeConfig, bind, make_server, service_for, url_of
+    from opd.recipes.serve_teacher import ServeConfig
+    from opd.teacher.server import bind, make_server, service_for, url_of
 
     model = scorer.model if hasattr(scorer, "model") else scorer.inner.model
     _, tokenizer = load_model(teacher_path(), dtype="fp32", device="cpu")
@@ -621,7 +622,7 @@ def test_a_client_disconnecting_mid_request_does_not_break_the_server(server):
 
 
 def test_non_loopback_needs_a_token_and_short_tokens_are_refused(tmp_path, monkeypatch):
-    from opd.teacher.server import ServeConfig, check_serve_config, serve
+    from opd.recipes.serve_teacher import ServeConfig, check_serve_config, serve
 
     monkeypatch.delenv("OPD_TEACHER_TOKEN", raising=False)
     config = ServeConfig(model=ModelSpec(path=str(tmp_path / "no-model")), host="0.0.0.0")

@@ -39,7 +39,7 @@ def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def _lab_config(tmp_path, name: str, *extra: str):
-    from opd.lab.demo import demo_config
+    from opd.recipes.demo import demo_config
 
     return demo_config([f"run.out_dir={tmp_path}", f"run.name={name}", "run.report=false", "run.eval_every=0",
                         "run.samples_per_step=0", *extra])

@@ -1,5 +1,6 @@
-"""The `opd` command line. Each command: build its typed config (YAML < options < key=value), then call the
-package. No logic lives here; every command is also a Python function (`opd.evaluate`, `opd.distill`, …)."""
+"""The `opd` command line. Each command: build its typed config (YAML < options < key=value), then call its recipe.
+No logic lives here; every command's program is also a Python function in `opd.recipes` (e.g. `opd.recipes.sft.sft`
+for `opd sft`)."""
 
 from __future__ import annotations
 
@@ -110,7 +111,8 @@ def distill_command(
 ) -> None:
     """On-policy distillation: the student samples, the teacher scores the student's tokens, policy-gradient update.
 
-    Every config key (see `configs/opd_default.yaml`) can be set as key=value, e.g. `prompts_per_step=32 rollout.n=4`.
+    Every config key (see `configs/opd_qwen3_1.7b_from_4b.yaml`) can be set as key=value, e.g.
+    `prompts_per_step=32 rollout.n=4`.
     """
     options = {
         "student.path": student, "teacher.path": teacher, "data.path": prompts, "run.steps": steps, "run.name": name,
@@ -167,7 +169,7 @@ def sft_command(
     allow_config_change: Optional[bool] = typer.Option(None, "--allow-config-change", help="With --resume: continue even though settings that change the math or data order differ from the saved config.yaml (run.allow_config_change)."),
 ) -> None:
     """Supervised fine-tuning on (teacher) answers, loss on assistant tokens only: the cold start before `opd distill`."""
-    from opd.train.sft import SFTConfig, sft
+    from opd.recipes.sft import SFTConfig, sft
 
     options = {"model.path": model, "data.path": data or None, "epochs": epochs, "optim.lr": lr, "lora.enabled": lora,
                "run.name": name, "run.resume": resume, "data.enable_thinking": thinking,
@@ -184,7 +186,7 @@ def merge_command(
     overwrite: bool = typer.Option(False, "--overwrite", help="When OUT is a file or a non-empty directory, move it aside to OUT.old-<time> (never deleted). [default: refuse]"),
 ) -> None:
     """Merge LoRA adapters into their base model: full weights that load without peft."""
-    from opd.train.sft import merge_lora
+    from opd.recipes.sft import merge_lora
 
     merged = merge_lora(checkpoint, out, base=base, dtype=dtype, existing="move" if overwrite else "refuse")
     typer.echo(f"merged: {merged}")
@@ -268,9 +270,10 @@ def serve_teacher_command(
 ) -> None:
     """Serve a teacher over HTTP: scores any token ids (sampled, top-k, requested ids, entropy) for `teacher.url`.
 
-    Limits and batching are config keys, e.g. `max_batch_tokens=65536 max_rows=1024` (see opd.teacher.server).
+    Limits and batching are config keys, e.g. `max_batch_tokens=65536 max_rows=1024` (see
+    opd.recipes.serve_teacher.ServeConfig).
     """
-    from opd.teacher.server import ServeConfig, serve
+    from opd.recipes.serve_teacher import ServeConfig, serve
 
     options = {"model.path": model, "model.device": device, "device_map": device_map, "model.dtype": dtype,
                "host": host, "port": port, "token_file": _str(token_file)}
@@ -288,7 +291,7 @@ def pipeline_run_command(
     overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
 ) -> None:
     """Run every stage whose outputs are not complete (each resumable), then print the before/after/teacher table."""
-    from opd.train.pipeline import PipelineConfig, run_pipeline
+    from opd.recipes.pipeline import PipelineConfig, run_pipeline
 
     run_pipeline(build_config(PipelineConfig, config_file=config, overrides=overrides))
 
@@ -398,7 +401,7 @@ def demo_command(
     Evaluates teacher and student on the lab test set (`opd eval`), runs `opd distill` with configs/lab_demo.yaml's
     settings, evaluates the student again, prints the table and writes demo.json + report.html into the run dir.
     """
-    from opd.lab.demo import demo
+    from opd.recipes.demo import demo
 
     options = {"run.steps": steps, "eval.limit": limit, "run.out_dir": out_dir, "run.name": name}
     extra = [f"{key}={value}" for key, value in options.items() if value is not None]
@@ -427,13 +430,12 @@ def lab_build_command(
 ) -> None:
     """Retrain the lab models (forward-style teacher and student, rewrite-style teacher) from a seed with `opd sft`
     and write their manifest (accuracies measured)."""
-    from opd.lab.build import build
+    from opd.recipes.lab import build
 
-    models = [m.strip() for m in only.split(",") if m.strip()] if only else None
     manifest = build(out, seed=seed, teacher_steps=teacher_steps, student_steps=student_steps,
                      rewrite_teacher_steps=rewrite_teacher_steps, rewrite_teacher_batch=rewrite_teacher_batch,
                      sft_examples=sft_examples, eval_limit=eval_limit,
-                     only=models, device=device, time_budget_s=time_budget, threads=threads or None)
+                     only=_names(only), device=device, time_budget_s=time_budget, threads=threads or None)
     typer.echo(f"manifest: {manifest}")
 
 
@@ -449,19 +451,27 @@ def lab_run_command(
     check: bool = typer.Option(False, "--check/--no-check", help="Run `opd check` on each variant's pair first: its forecast next to the measured outcome."),
 ) -> None:
     """A small replication: short `opd distill` runs that differ in one setting; summary.json/.md + a comparison report."""
-    from opd.lab.experiments import run_experiment
+    from opd.recipes.lab import run_experiment
 
-    variants = [v.strip() for v in only.split(",") if v.strip()] if only else None
-    try:
-        seed_list = [int(s) for s in seeds.split(",") if s.strip()] if seeds else None
-    except ValueError:
-        raise ValueError(f"--seeds must be comma-separated integers, got {seeds!r}") from None
-    run_experiment(name, out_dir=out_dir, steps=steps, overrides=list(overrides or []), only=variants,
-                   seeds=seed_list, check=check, threads=threads or None)
+    run_experiment(name, out_dir=out_dir, steps=steps, overrides=list(overrides or []), only=_names(only),
+                   seeds=_seeds(seeds), check=check, threads=threads or None)
 
 
 def _str(value: Any) -> str | None:
     return None if value is None else str(value)
+
+
+def _names(value: str | None) -> list[str] | None:
+    """A comma-separated option as its list of names; None when not given."""
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+def _seeds(value: str | None) -> list[int] | None:
+    """`--seeds 0,1,2` as integers; None when not given."""
+    try:
+        return [int(s) for s in value.split(",") if s.strip()] if value else None
+    except ValueError:
+        raise ValueError(f"--seeds must be comma-separated integers, got {value!r}") from None
 
 
 def main() -> None:

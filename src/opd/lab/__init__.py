@@ -1,8 +1,8 @@
 """The lab: a synthetic arithmetic task, a real HF tokenizer, and a tiny teacher/student pair shipped in the package.
 
-`opd demo` distills the shipped student from the shipped teacher on CPU in a few minutes (`opd.lab.demo`);
+`opd demo` distills the shipped student from the shipped teacher on CPU in a few minutes (`opd.recipes.demo`);
 `opd lab build` retrains both from a seed (`opd.lab.build`); `opd lab run NAME` runs small replications
-(`opd.lab.experiments`). The paths below point into the installed package (`opd/lab/assets`).
+(`opd.recipes.lab`). The paths below point into the installed package (`opd/lab/assets`).
 """
 
 from __future__ import annotations

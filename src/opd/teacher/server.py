@@ -1,8 +1,6 @@
-"""`opd serve-teacher`: the teacher as an HTTP service that scores *any* token ids, shared by trainers.
-
-    opd serve-teacher --model Qwen/Qwen3-4B --device cuda:1                   # beside the trainer, its own GPU
-    opd serve-teacher --model Qwen/Qwen3-8B --device-map auto                 # a teacher too large for one GPU
-    opd serve-teacher --model Qwen/Qwen3-4B --host 0.0.0.0 --token-file tok   # for trainers on other hosts
+"""The teacher as an HTTP service that scores *any* token ids, shared by trainers: the app, the batching and the wire
+handling behind `opd serve-teacher` (whose program, loading the model and running uvicorn, is
+`opd.recipes.serve_teacher`).
 
 One process, one model, one scoring loop: a single worker thread owns the model and runs `LocalScorer` — the same
 code a local teacher runs (packed rows, compiled layers on CUDA, chunked vocabulary stage) — so a served teacher
@@ -26,12 +24,6 @@ Security: binds 127.0.0.1 unless told otherwise; any other address needs a beare
 Limits answer 4xx naming the limit: body bytes (413), rows, tokens per row, requested ids per position, top-k,
 ids outside the vocabulary, malformed bodies and unknown wire versions (400).
 
-`--device-map auto` places consecutive layers on consecutive GPUs (accelerate). A forward still runs the layers one
-after another, so one GPU computes at a time while the others wait (no pipelining across batches) and activations
-hop between GPUs at each boundary ([tokens, hidden] per hop, small next to the layers); throughput stays about that
-of one GPU, minus accelerate's per-module hooks, and layers are not compiled under a device map (the hooks move
-tensors between devices inside the forward). What it buys is memory: a teacher larger than one GPU.
-
 Omitted on purpose: TLS (put the server behind a TLS proxy or an SSH tunnel for untrusted networks), several models
 per process (start one server per teacher), and a server-side cache of hidden states between requests (a request
 is stateless, so replicas balance freely and a restarted server loses nothing).
@@ -50,12 +42,12 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from opd.config import ConfigError, ModelSpec, Section
+from opd.config import ConfigError, Section
 from opd.teacher import wire
 from opd.types import TokenScores
 
@@ -65,20 +57,10 @@ TOKEN_ENV = "OPD_TEACHER_TOKEN"
 MIN_TOKEN_LENGTH = 16
 
 
-class ServeConfig(Section):
-    """`opd serve-teacher`: which teacher to serve, where, and the limits of what it accepts."""
+class ServeLimits(Section):
+    """What a teacher server accepts and how it batches (the limits of `TeacherService`); `opd serve-teacher`'s
+    config extends it with the model and the address."""
 
-    model: ModelSpec
-    device_map: Literal["auto"] | None = Field(
-        None, description="auto: split the model over all visible GPUs (accelerate; see the module docstring for the "
-        "cost); None: the whole model on model.device.")
-    name: str | None = Field(None, description="Model name /info reports; None: model.path.")
-    host: str = Field("127.0.0.1", description="Address to bind; anything but a loopback address needs a token.")
-    port: int = Field(8765, ge=0, le=65535, description="TCP port; 0 = any free port (printed at start).")
-    token_file: str | None = Field(None, description=f"File holding the bearer token (≥ {MIN_TOKEN_LENGTH} "
-                                   f"characters); None: the {TOKEN_ENV} environment variable, if set.")
-    compile: bool | None = Field(None, description="torch.compile the decoder layers (as `opd distill` does); None: "
-                                 "on CUDA without a device map.")
     forward_tokens: int = Field(32768, ge=1, description="Input tokens per scoring forward (LocalScorer's budget).")
     max_batch_tokens: int = Field(32768, ge=1, description="Tokens of merged requests per scoring batch.")
     batch_window_ms: float = Field(2.0, ge=0.0, description="How long the oldest waiting request waits for others "
@@ -89,12 +71,6 @@ class ServeConfig(Section):
     max_positions: int = Field(65536, ge=1, description="Tokens per row (prompt and response).")
     max_requested_ids: int = Field(256, ge=0, description="Requested ids per position.")
     max_top_k: int = Field(256, ge=0, description="Largest top-k a request may ask for.")
-
-    @model_validator(mode="after")
-    def _one_placement(self) -> "ServeConfig":
-        if self.device_map is not None and self.model.device != "auto":
-            raise ValueError(f"give model.device ({self.model.device}) or device_map ({self.device_map}), not both")
-        return self
 
 
 # ------------------------------------------------------------------------------------------------ identity
@@ -237,7 +213,7 @@ class TeacherService:
     vocab:   the token→id map /vocab serves
     """
 
-    def __init__(self, scorer: Any, info: dict, vocab: dict[str, int], config: ServeConfig):
+    def __init__(self, scorer: Any, info: dict, vocab: dict[str, int], config: ServeLimits):
         self.scorer, self.vocab, self.config = scorer, vocab, config
         self.vocab_size = int(info["vocab_size"])
         self.info = {**info, "wire_version": wire.VERSION, **{k: getattr(config, k) for k in (
@@ -474,22 +450,7 @@ class BearerAuth:
 # ------------------------------------------------------------------------------------------------ serving
 
 
-def load_service(config: ServeConfig) -> TeacherService:
-    """Load the model as a local teacher is loaded (`opd.models.load_model`, compiled layers on CUDA) and wrap its
-    `LocalScorer` in a `TeacherService`."""
-    from opd.models import compile_layers, load_model, resolve_device
-
-    spec = config.model
-    model, tokenizer = load_model(spec.path, dtype=spec.dtype, device=spec.device, device_map=config.device_map,
-                                  trust_remote_code=spec.trust_remote_code,
-                                  attn_implementation=spec.attn_implementation)
-    model.requires_grad_(False)
-    device = "device_map" if config.device_map else str(resolve_device(spec.device))
-    compile_layers(model, False if config.device_map else config.compile)
-    return service_for(model, tokenizer, config, name=config.name or spec.path, device=device)
-
-
-def service_for(model: torch.nn.Module, tokenizer: Any, config: ServeConfig, *, name: str,
+def service_for(model: torch.nn.Module, tokenizer: Any, config: ServeLimits, *, name: str,
                 device: str = "") -> TeacherService:
     """A `TeacherService` over an already loaded model and its tokenizer (the benchmark serves random weights)."""
     from opd.models import check_tokenizer_compatibility
@@ -503,15 +464,6 @@ def service_for(model: torch.nn.Module, tokenizer: Any, config: ServeConfig, *, 
             **wire.tokenizer_fingerprints(tokenizer), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
             "device": device or str(next(model.parameters()).device)}
     return TeacherService(scorer, info, tokenizer.get_vocab(), config)
-
-
-def check_serve_config(config: ServeConfig) -> str | None:
-    """Cheap checks before any model loads; returns the token (None = no auth)."""
-    token = resolve_token(config.token_file)
-    if token is None and not is_loopback(config.host):
-        raise ConfigError(f"host={config.host} is not a loopback address: serving it needs a token; pass "
-                          f"--token-file FILE or set ${TOKEN_ENV} (or bind --host 127.0.0.1)")
-    return token
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -547,17 +499,3 @@ def run(service: TeacherService, sock: socket.socket, token: str | None, *, bann
     auth = "bearer token required" if token else "no token (loopback only)"
     print(f"opd serve-teacher: {banner or service.info['model']} listening on {url_of(sock)} ({auth})", flush=True)
     make_server(service, token).run(sockets=[sock])
-
-
-def serve(config: ServeConfig) -> None:
-    """Run `opd serve-teacher`: check (token, port) → load the model → serve until interrupted."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    token = check_serve_config(config)
-    sock = bind(config.host, config.port)
-    try:
-        service = load_service(config)
-        info = service.info
-        run(service, sock, token, banner=f"{info['model']} ({info['dtype']}, {info['device']}, vocabulary "
-                                         f"{info['vocab_size']})")
-    finally:
-        sock.close()

@@ -1,6 +1,20 @@
-"""`opd lab run NAME`: small replications of the paper's findings on the lab pair, each a set of short `opd distill`
-runs with the demo's settings (`opd.lab.demo.demo_config`) that differ in one thing.
+"""`opd lab build` and `opd lab run NAME`: the lab's programs, all through the project's own components.
 
+`opd lab build` retrains the lab teacher and student from a seed, through `opd sft`, and writes their manifest:
+1. SFT data: `make_problems(**SFT_SET)` (60 000 train-split problems) with forward-style solutions, written as chat
+   JSONL (`{"messages": [user, assistant]}`) — `data/sft_forward.jsonl` in the output directory;
+2. per model, a random-init Qwen3 (`opd.lab.build.lab_model_config`; tied embeddings, the lab tokenizer's 34 ids)
+   saved with `save_pretrained` next to the lab tokenizer, then `opd.recipes.sft.sft` (batch 64, AdamW lr 1e-3, betas
+   (0.9, 0.98), no weight decay, linear warmup then cosine to 10%), its last checkpoint copied to `<out>/<name>`;
+3. `opd eval` (greedy, n = 1, 64 new tokens) of each model on the lab test set; `<out>/manifest.json` records
+   config, parameter count, training recipe and measured accuracy.
+The shipped models (`opd/lab/assets`) were made with the same recipe by the lab prototype on one GPU (teacher: 6000
+steps; student: step 500 of a 700-step schedule) and then imported into the 34-token tokenizer by keeping the
+embedding rows of the tokens it kept (see assets/manifest.json). Budgets are options: `teacher_steps`,
+`student_steps`, `eval_limit`; a full teacher build takes hours on a CPU (see docs/lab.md for the measured rate).
+
+`opd lab run NAME`: small replications of the paper's findings on the lab pair, each a set of short `opd distill`
+runs with the demo's settings (`opd.recipes.demo.demo_config`) that differ in one thing.
 - `topk`: which candidate ids get a token reward — only_stu / intersection / union-intersection (k = 16) and
   sampled-token OPD (k = 0) against only_stu with k = 1, 4, 16 (the paper: top-k only_stu beats sampled-token, and
   the student's own support is the one to use).
@@ -12,23 +26,265 @@ runs with the demo's settings (`opd.lab.demo.demo_config`) that differ in one th
 - `teacher`: success vs failure — the real teacher against a "teacher" that adds nothing (the student itself); the
   paper: OPD works when the student's and teacher's top-k overlap grows and the overlap carries an advantage;
   with nothing to learn, overlap is trivially total and the advantage is zero, and accuracy does not move.
-
 `seeds` repeats every variant with run.seed = each seed (run `<variant>_s<seed>`; the cold start is redone per seed);
 `check` runs `opd check` (`opd.check.run_check`) on each variant's pair first, so the summary puts the forecast next
 to the measured outcome. A run whose final eval exists is reused, not rerun, and the summary keeps the variants of
-earlier calls, so an experiment can be run in parts.
-
-Each run writes its own run directory (metrics.jsonl, report.html, eval/); the experiment writes `summary.json`, a
-comparison report over all its runs (`opd report` of several dirs) and a markdown table (`summary.md`).
+earlier calls, so an experiment can be run in parts. Each run writes its own run directory (metrics.jsonl,
+report.html, eval/); the experiment writes `summary.json`, a comparison report over all its runs (`opd report` of
+several dirs) and a markdown table (`summary.md`).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from opd.lab import (
+    SFT_SET, TEST_SET, manifest_path, opd_prompts_path, rewrite_teacher_path, student_path, teacher_path, test_set_path,
+)
+from opd.lab.build import STUDENT_ARCH, TEACHER_ARCH, init_model, n_params, rewrite_share, write_sft_data
+from opd.lab.task import style_of
+from opd.recipes.demo import accuracy, demo_config
+from opd.recipes.sft import SFTConfig, sft
+
+
+# ---------------------------------------------------------------------------------------------------- opd lab build
+
+
+SFT_RECIPE: dict[str, Any] = {
+    "examples_per_step": 64, "optim": {"lr": 1e-3, "betas": [0.9, 0.98], "weight_decay": 0.0, "schedule": "cosine",
+                                       "min_lr_ratio": 0.1, "grad_clip": 1.0},
+    "data": {"max_length": 128}, "micro_batch_tokens": 8192,
+}
+"""The SFT settings of both models (the prototype's: warmup min(100, steps/10), cosine to 10% of lr)."""
+TEACHER_STEPS = 6000
+STUDENT_STEPS = 500
+REWRITE_TEACHER: dict[str, Any] = {
+    "arch": TEACHER_ARCH, "style": "rewrite", "init": "the forward teacher", "steps": 4000,
+    "examples_per_step": 256, "lr": 1e-3, "eval_max_new_tokens": 128,
+}
+"""The rewrite-style teacher (the `style` replication's mismatched teacher): the forward teacher fine-tuned with its
+own SFT recipe (lr 1e-3, warmup 100, cosine to 10 %) on rewrite-style solutions of the same 60 000 problems, up to
+4000 steps × 256 — or as many as a time budget allows (the shipped one: see assets/manifest.json). Starting from the
+forward teacher it only has to learn the new solution layout, not arithmetic: the fewest steps to a ≥ 95 % teacher.
+The longest rewrite example is 122 tokens (under the recipe's 128); answers reach 83 tokens, so it is measured with
+128 new tokens."""
+MODELS: tuple[str, ...] = ("teacher", "student", "rewrite_teacher")
+"""What `build` can train (`only=`); the directory names under the output and in the shipped assets."""
+
+
+def measure(model_path: str | Path, out: str | Path, *, limit: int | None = None, max_new_tokens: int = 64,
+            device: str = "cpu", console: Any = None) -> float:
+    """Greedy n=1 accuracy (avg@1) on the lab test set through `opd eval` (the demo's eval settings; rewrite-style
+    answers need max_new_tokens ≈ 128), generated by the torch engine on every device (on CUDA the static engine
+    would first capture CUDA graphs: seconds that a lab model's 300 answers do not need)."""
+    from opd.config import EvalConfig, ModelSpec
+    from opd.recipes.eval import evaluate
+    from opd.models import load_model
+    from opd.rollout import make_generator
+
+    config = EvalConfig(model=ModelSpec(path=str(model_path), device=device, dtype="fp32"),
+                        benchmarks=[str(test_set_path())], n=1, temperature=0.0, max_new_tokens=max_new_tokens, batch_size=300,
+                        limit=limit, out=str(out))
+    model, tokenizer = load_model(str(model_path), dtype="fp32", device=device)
+    generator = make_generator(model, tokenizer, engine="torch", max_batch_size=300)
+    return accuracy(evaluate(config, generator=generator, tokenizer=tokenizer, console=console))
+
+
+def finetune(model_path: str | Path, data: str | Path, work_dir: Path, run_name: str, final: Path, *, steps: int,
+             seed: int = 0, examples_per_step: int = SFT_RECIPE["examples_per_step"], lr: float | None = None,
+             warmup_steps: int | None = None, max_length: int = SFT_RECIPE["data"]["max_length"],
+             device: str = "cpu", time_budget_s: float | None = None, overrides: list[str] | None = None,
+             console: Any = None) -> tuple[Path, dict[str, Any]]:
+    """`opd sft` of `model_path` on chat JSONL `data` with `SFT_RECIPE` (lr, batch, warmup changeable) for `steps`
+    steps in `work_dir/run_name`; its last checkpoint is copied to `final` (replacing it). Returns (the SFT run dir,
+    {"steps": steps trained, ...}). A rerun continues (or reuses) that SFT run (`run.resume`); other settings than it
+    was started with are refused.
+
+    device: where it trains (fp32 and padded micro-batches either way, so CPU and GPU run the same computation). On
+    CUDA a step is one micro-batch (micro_batch_tokens = the whole padded batch): the same loss and gradient up to
+    float summation order, without a kernel launch per 8192 tokens.
+    time_budget_s: wall seconds from this call (set-up included) to the last step; see `sft_within_budget`."""
+    from opd.config import build_config
+    from opd.train.checkpoint import latest_checkpoint
+
+    start = time.perf_counter()
+    options = {
+        "model.path": str(model_path), "model.device": device, "model.dtype": "fp32", "data.path": [str(data)],
+        "data.packing": "padded", "run.steps": steps, "run.seed": seed, "run.out_dir": str(work_dir),
+        "run.name": run_name, "run.resume": True, "run.save_every": 0 if time_budget_s is None else 500,
+        "run.keep_last": 1,
+        "examples_per_step": examples_per_step,
+        "micro_batch_tokens": (SFT_RECIPE["micro_batch_tokens"] if device == "cpu"
+                               else max(SFT_RECIPE["micro_batch_tokens"], examples_per_step * max_length)),
+        "data.max_length": max_length,
+        **{f"optim.{k}": v for k, v in SFT_RECIPE["optim"].items()},
+        "optim.warmup_steps": max(1, min(100, steps // 10)) if warmup_steps is None else warmup_steps,
+        **({"optim.lr": lr} if lr is not None else {}),
+    }
+    config = build_config(SFTConfig, options=options, overrides=overrides)
+    if time_budget_s is None:
+        run_dir, record = sft(config, console=console), {"steps": steps}
+    else:
+        run_dir, record = sft_within_budget(config, start + time_budget_s, console=console)
+    record["micro_batch_tokens"] = config.micro_batch_tokens
+    final = Path(final)
+    if final.exists():
+        shutil.rmtree(final)
+    shutil.copytree(latest_checkpoint(run_dir), final,
+                    ignore=shutil.ignore_patterns("trainer_state*", "COMPLETE", "MANIFEST.json", "*.pt"))
+    return run_dir, record
+
+
+def sft_within_budget(config: Any, deadline: float, *, calibration_steps: int = 30, log_every: int = 100,
+                      console: Any = None) -> tuple[Path, dict[str, Any]]:
+    """`opd sft` that ends by `deadline` (a `time.perf_counter()` value) with a saved model whatever happens: after
+    `calibration_steps` steps it measures the step rate and shortens the run to the N ≤ run.steps steps that fit
+    (95 % of the time left), rebuilding the schedule for N — warmup and the first steps are those of a plain N-step
+    run when warmup_steps does not depend on the step count, so `--rewrite-teacher-steps N` without a budget replays
+    the same recipe. It still stops at the deadline if the rate drops (the record says so), checkpoints every
+    run.save_every steps, and prints a plain progress line every `log_every` steps."""
+    from opd.recipes.sft import save, setup, sft_step
+    from opd.train.common import finish_run, run_directory
+    from opd.train.optim import build_scheduler
+
+    run_dir = run_directory(config.run, "sft")
+    tr = setup(config, run_dir, console=console)
+    planned, rate, stopped = tr.total_steps, None, "steps"
+    begin = time.perf_counter()
+    while tr.step < tr.total_steps:
+        if time.perf_counter() >= deadline:
+            stopped = "time budget"
+            break
+        metrics = sft_step(tr)
+        tr.step += 1
+        tr.sink.log(tr.step, metrics)
+        if tr.step == 5:
+            begin = time.perf_counter()  # the first steps warm up allocators and kernels
+        if tr.step == calibration_steps and tr.step < tr.total_steps:
+            rate = (time.perf_counter() - begin) / (tr.step - 5)
+            fit = tr.step + int(0.95 * (deadline - time.perf_counter()) / rate)
+            if fit < tr.total_steps:
+                planned = tr.total_steps = max(tr.step + 1, fit)
+                tr.scheduler = build_scheduler(tr.optimizer, planned, config.optim)
+                for _ in range(tr.step):
+                    tr.scheduler.step()
+        if tr.step % log_every == 0 or tr.step == tr.total_steps:
+            print(f"{run_dir.name} step {tr.step}/{tr.total_steps} loss {metrics['loss']:.4f} lr {metrics['lr']:.3g} "
+                  f"{metrics['time/step']:.3f} s/step, {deadline - time.perf_counter():.0f} s left", flush=True)
+        if config.run.save_every and tr.step % config.run.save_every == 0:
+            save(tr)
+    save(tr)
+    finish_run(run_dir, tr.sink, report=False, console=console)
+    return run_dir, {"steps": tr.step, "planned_steps": planned, "max_steps": config.run.steps, "stopped_by": stopped,
+                     "calibrated_s_per_step": None if rate is None else round(rate, 4)}
+
+
+def train_model(name: str, arch: dict[str, int], data: Path, out_dir: Path, *, steps: int, seed: int,
+                examples_per_step: int = SFT_RECIPE["examples_per_step"], lr: float | None = None,
+                init: Path | None = None, device: str = "cpu", time_budget_s: float | None = None,
+                overrides: list[str] | None = None, console: Any = None) -> dict[str, Any]:
+    """`opd sft` for `steps` steps from a random init (`init` None) or from the model at `init`; the last checkpoint
+    becomes `<out_dir>/<name>`. Returns its manifest record."""
+    init_dir = init if init is not None else init_model(arch, out_dir / "work" / f"{name}_init", seed=seed)
+    start = time.perf_counter()
+    warmup = max(1, min(100, steps // 10))
+    run_dir, trained = finetune(init_dir, data, out_dir / "work", f"{name}_sft", out_dir / name, steps=steps,
+                                seed=seed, examples_per_step=examples_per_step, lr=lr, warmup_steps=warmup,
+                                device=device, time_budget_s=time_budget_s, overrides=overrides, console=console)
+    seconds = time.perf_counter() - start
+    recipe = {**SFT_RECIPE, "examples_per_step": examples_per_step,
+              "optim": {**SFT_RECIPE["optim"], "warmup_steps": warmup, **({"lr": lr} if lr is not None else {})}}
+    origin = "random init" if init is None else f"the model at {init}"
+    return {"path": name, "arch": "Qwen3ForCausalLM", **arch, "params": n_params(out_dir / name), "seed": seed,
+            "training": {"recipe": f"opd sft from {origin}", **recipe, **trained, "sft_data": str(data.name),
+                         "device": device, "run_dir": str(run_dir), "time_budget_s": time_budget_s,
+                         "wall_s": round(seconds, 1), "s_per_step": round(seconds / max(1, trained["steps"]), 3),
+                         "overrides": overrides or []}}
+
+
+def build(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    teacher_steps: int = TEACHER_STEPS,
+    student_steps: int = STUDENT_STEPS,
+    rewrite_teacher_steps: int = REWRITE_TEACHER["steps"],
+    rewrite_teacher_batch: int = REWRITE_TEACHER["examples_per_step"],
+    sft_examples: int | None = None,
+    eval_limit: int | None = None,
+    only: list[str] | None = None,
+    device: str = "cpu",
+    time_budget_s: float | None = None,
+    threads: int | None = 1,
+    console: Any = None,
+) -> Path:
+    """Retrain the lab models into `out_dir` (teacher/, student/, rewrite_teacher/, data/, work/, manifest.json);
+    return the manifest path. Reduce the budget with `teacher_steps`, `student_steps`, `rewrite_teacher_steps`
+    (and `rewrite_teacher_batch` examples per step), `sft_examples` (size of the SFT set) and `eval_limit` (test
+    problems measured); `only` trains a subset of MODELS; `device` is where they train and are measured (cpu, cuda,
+    cuda:N); `time_budget_s` caps each model's SFT (set-up included) in wall seconds: it trains the steps that fit
+    (`sft_within_budget`) and always saves, measures and records what it trained. The rewrite teacher starts from the
+    teacher this build trains, else from the shipped one."""
+    import torch
+    from rich.console import Console
+
+    from opd.io import atomic_write_json
+
+    names = list(only or MODELS)
+    unknown = [n for n in names if n not in MODELS]
+    if unknown or not names:
+        raise ValueError(f"only: unknown lab model(s) {unknown or names}; choose from {', '.join(MODELS)}")
+    if time_budget_s is not None and time_budget_s <= 0:
+        raise ValueError(f"time_budget_s must be > 0 seconds, got {time_budget_s}")
+    console = console or Console()
+    if threads:
+        torch.set_num_threads(threads)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "work").is_dir():
+        raise FileExistsError(f"{out_dir} exists and was not written by `opd lab build` (no work/); "
+                              f"pass a new or empty directory")
+    rewrite = REWRITE_TEACHER
+    plans = {  # name → (arch, steps, seed, solution style, examples per step, lr, new tokens when measured)
+        "teacher": (TEACHER_ARCH, teacher_steps, seed, "forward", SFT_RECIPE["examples_per_step"], None, 64),
+        "student": (STUDENT_ARCH, student_steps, seed + 1, "forward", SFT_RECIPE["examples_per_step"], None, 64),
+        "rewrite_teacher": (rewrite["arch"], rewrite_teacher_steps, seed, "rewrite", rewrite_teacher_batch,
+                            rewrite["lr"], rewrite["eval_max_new_tokens"]),
+    }
+    models = {}
+    for name in names:
+        arch, steps, model_seed, style, per_step, lr, tokens = plans[name]
+        data = write_sft_data(out_dir / "data" / f"sft_{style}.jsonl", style=style, n=sft_examples)
+        init = None
+        if name == "rewrite_teacher":
+            init = out_dir / "teacher" if "teacher" in models else teacher_path()
+        record = train_model(name, arch, data, out_dir, steps=steps, seed=model_seed, examples_per_step=per_step,
+                             lr=lr, init=init, device=device, time_budget_s=time_budget_s, console=console)
+        record["style"] = style
+        record["test_accuracy"] = measure(out_dir / name, out_dir / "work" / f"{name}_eval", limit=eval_limit,
+                                          max_new_tokens=tokens, device=device, console=console)
+        record["rewrite_style_share"] = rewrite_share(out_dir / "work" / f"{name}_eval")
+        record["test_eval"] = {"metric": "avg@1", "n": 1, "temperature": 0.0, "max_new_tokens": tokens,
+                               "limit": eval_limit, "engine": "torch", "machinery": "opd.eval.evaluate (opd eval)"}
+        models[name] = record
+        console.print(f"{name}: test accuracy {record['test_accuracy']:.3f}, rewrite-style answers "
+                      f"{record['rewrite_style_share']:.3f}, after {record['training']['steps']} steps")
+    manifest = {
+        "built_by": "opd lab build", "seed": seed, "threads": torch.get_num_threads(), "device": device,
+        "sft_set": {**SFT_SET, "n": sft_examples or SFT_SET["n"]},
+        "test_set": TEST_SET, "models": models,
+    }
+    path = out_dir / "manifest.json"
+    atomic_write_json(path, json.loads(json.dumps(manifest, default=list)))
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------ opd lab run
+
 
 EXPERIMENTS: dict[str, dict[str, list[str]]] = {
     "topk": {
@@ -78,8 +334,6 @@ def _window_mean(rows: list[dict], key: str, first: bool, width: int = 10) -> fl
 
 def summarize_run(run_dir: Path, steps: int) -> dict[str, Any]:
     """Final test accuracy (the trainer's end-of-run eval) and first/last-10-step means of the tracked metrics."""
-    from opd.lab.task import style_of
-
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     results = json.loads((run_dir / "eval" / f"step_{steps}" / "results.json").read_text())["benchmarks"]
     (summary,) = results.values()
@@ -98,8 +352,6 @@ def rewrite_teacher(out_dir: Path, setup: dict[str, Any], *, limit: int | None, 
     """The `style` experiment's rewrite-style teacher and its record: the shipped one, or (setup["teacher_steps"])
     one fine-tuned here from the forward teacher, cached in out_dir/rewrite_teacher (lab_style.json marks it done)."""
     from opd.io import atomic_write_json
-    from opd.lab import manifest_path, rewrite_teacher_path, teacher_path
-    from opd.lab.build import finetune, measure, write_sft_data
 
     if not setup.get("teacher_steps"):
         path = rewrite_teacher_path()
@@ -135,9 +387,6 @@ def cold_start(out_dir: Path, teacher: Path, setup: dict[str, Any], *, seed: int
     shipped student on them, with `seed`; cached in out_dir/cold_student_s<seed> (cold_start.json marks it done)."""
     from opd.config import DataSpec, ModelSpec
     from opd.io import atomic_write_json, read_jsonl
-    from opd.lab import opd_prompts_path, student_path
-    from opd.lab.build import finetune, measure
-    from opd.lab.task import style_of
     from opd.recipes.rollout import RolloutConfig, teacher_rollout
 
     student = out_dir / f"cold_student_s{seed}"
@@ -193,9 +442,6 @@ def run_experiment(
     import torch
     from rich.console import Console
 
-    from opd.lab import student_path, test_set_path
-    from opd.lab.build import measure
-    from opd.lab.demo import demo_config
     from opd.train.opd import distill
 
     if name not in EXPERIMENTS:

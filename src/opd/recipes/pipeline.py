@@ -22,6 +22,7 @@ from opd.config import (
     ConfigError, DataSpec, EvalSpec, ModelSpec, Section, flatten_dotted, save_config, set_dotted, validate_config,
 )
 from opd.io import atomic_write_json, atomic_write_text
+from opd.recipes.sft import SFTConfig, sft
 
 MARKER = "STAGE_COMPLETE"
 Stage = Literal["rollout", "sft", "distill", "eval"]
@@ -45,7 +46,6 @@ class PipelineConfig(Section):
         """The rollout / SFT / distill configs the stages run with (validated; errors name the stage)."""
         from opd.config import DistillConfig
         from opd.recipes.rollout import RolloutConfig
-        from opd.train.sft import SFTConfig
 
         root = Path(self.out_dir)
         rollout = {"model": self.teacher.model_dump(), "data": self.sft_prompts.model_dump(), "out": str(root / "rollout")}
@@ -64,8 +64,6 @@ class PipelineConfig(Section):
             except ConfigError as error:
                 raise ConfigError(f"pipeline stage '{name}': {error}") from None
         return built
-
-
 
 
 def run_pipeline(config: PipelineConfig, *, console: Any = None) -> dict:
@@ -98,8 +96,6 @@ def _run_locked(config: PipelineConfig, root: Path, stages: dict[str, Any], cons
 
             teacher_rollout(stages["rollout"], console=console)
         elif stage == "sft":
-            from opd.train.sft import sft
-
             run_dir = sft(stages["sft"], console=console)
             _link_final(run_dir, sft_model, prefer=run_dir / "merged")
         elif stage == "distill":

@@ -1,9 +1,9 @@
 """`opd demo`: on-policy distillation of the shipped lab student from the shipped lab teacher, on CPU, in minutes.
 
 What it does, through exactly the code path of a real run:
-1. `opd eval` (`opd.eval.evaluate.evaluate`) of the teacher on the lab test set (greedy, n = 1) into eval/teacher/,
+1. `opd eval` (`opd.recipes.eval.evaluate`) of the teacher on the lab test set (greedy, n = 1) into eval/teacher/,
    the report's reference line;
-2. `opd distill` (`opd.train.opd.distill`) with the paper's recipe scaled to the lab (configs/lab_demo.yaml):
+2. `opd distill` (`opd.recipes.distill.distill`) with the paper's recipe scaled to the lab (configs/lab_demo.yaml):
    top-16 `only_stu` token rewards weighted by `student_p`, 4 rollouts per prompt, 32 sequences per step, constant lr;
    the run's own evals (`eval.benchmarks` = the test set, same settings) before the first step (eval/step_0) and at
    the end give the "before" and "after" numbers;
@@ -30,6 +30,7 @@ import yaml
 
 from opd.config import DistillConfig, EvalConfig, ModelSpec, build_config, flatten_dotted
 from opd.io import atomic_write_json
+from opd.lab import opd_prompts_path, student_path, teacher_path, test_set_path
 
 DEMO_CONFIG: dict[str, Any] = {
     "student": {"path": None, "device": "cpu", "dtype": "fp32"},
@@ -51,8 +52,6 @@ DEMO_CONFIG: dict[str, Any] = {
 
 def demo_config(overrides: list[str] | None = None, *, config_file: str | Path | None = None) -> DistillConfig:
     """The demo's `DistillConfig`: DEMO_CONFIG with the shipped assets, then a YAML file, then key=value overrides."""
-    from opd.lab import opd_prompts_path, student_path, teacher_path, test_set_path
-
     data = yaml.safe_load(yaml.safe_dump(DEMO_CONFIG))  # a deep copy
     data["student"]["path"] = str(student_path())
     data["teacher"]["path"] = str(teacher_path())
@@ -65,8 +64,6 @@ def demo_config(overrides: list[str] | None = None, *, config_file: str | Path |
 
         options = flatten_dotted(read_yaml(config_file))
     return build_config(DistillConfig, options={**flatten_dotted(data), **options}, overrides=overrides)
-
-
 
 
 def eval_config(config: DistillConfig, model_path: str, out: Path) -> EvalConfig:

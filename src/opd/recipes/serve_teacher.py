@@ -1,0 +1,88 @@
+"""`opd serve-teacher`: load a teacher and serve it over HTTP (`opd.teacher.server`) until interrupted.
+
+    opd serve-teacher --model Qwen/Qwen3-4B --device cuda:1                   # beside the trainer, its own GPU
+    opd serve-teacher --model Qwen/Qwen3-8B --device-map auto                 # a teacher too large for one GPU
+    opd serve-teacher --model Qwen/Qwen3-4B --host 0.0.0.0 --token-file tok   # for trainers on other hosts
+
+The program: check the address and token (cheap, before any model loads) → bind the port → load the model as a
+local teacher is loaded → run uvicorn on the bound socket.
+
+`--device-map auto` places consecutive layers on consecutive GPUs (accelerate). A forward still runs the layers one
+after another, so one GPU computes at a time while the others wait (no pipelining across batches) and activations
+hop between GPUs at each boundary ([tokens, hidden] per hop, small next to the layers); throughput stays about that
+of one GPU, minus accelerate's per-module hooks, and layers are not compiled under a device map (the hooks move
+tensors between devices inside the forward). What it buys is memory: a teacher larger than one GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from opd.config import ConfigError, ModelSpec
+from opd.teacher.server import (
+    MIN_TOKEN_LENGTH, TOKEN_ENV, ServeLimits, TeacherService, bind, is_loopback, resolve_token, run, service_for,
+)
+
+
+class ServeConfig(ServeLimits):
+    """`opd serve-teacher`: which teacher to serve, where, and (the fields of `ServeLimits`) the limits of what it
+    accepts."""
+
+    model: ModelSpec
+    device_map: Literal["auto"] | None = Field(
+        None, description="auto: split the model over all visible GPUs (accelerate; see the module docstring for the "
+        "cost); None: the whole model on model.device.")
+    name: str | None = Field(None, description="Model name /info reports; None: model.path.")
+    host: str = Field("127.0.0.1", description="Address to bind; anything but a loopback address needs a token.")
+    port: int = Field(8765, ge=0, le=65535, description="TCP port; 0 = any free port (printed at start).")
+    token_file: str | None = Field(None, description=f"File holding the bearer token (≥ {MIN_TOKEN_LENGTH} "
+                                   f"characters); None: the {TOKEN_ENV} environment variable, if set.")
+    compile: bool | None = Field(None, description="torch.compile the decoder layers (as `opd distill` does); None: "
+                                 "on CUDA without a device map.")
+
+    @model_validator(mode="after")
+    def _one_placement(self) -> "ServeConfig":
+        if self.device_map is not None and self.model.device != "auto":
+            raise ValueError(f"give model.device ({self.model.device}) or device_map ({self.device_map}), not both")
+        return self
+
+
+def check_serve_config(config: ServeConfig) -> str | None:
+    """Cheap checks before any model loads; returns the token (None = no auth)."""
+    token = resolve_token(config.token_file)
+    if token is None and not is_loopback(config.host):
+        raise ConfigError(f"host={config.host} is not a loopback address: serving it needs a token; pass "
+                          f"--token-file FILE or set ${TOKEN_ENV} (or bind --host 127.0.0.1)")
+    return token
+
+
+def load_service(config: ServeConfig) -> TeacherService:
+    """Load the model as a local teacher is loaded (`opd.models.load_model`, compiled layers on CUDA) and wrap its
+    `LocalScorer` in a `TeacherService`."""
+    from opd.models import compile_layers, load_model, resolve_device
+
+    spec = config.model
+    model, tokenizer = load_model(spec.path, dtype=spec.dtype, device=spec.device, device_map=config.device_map,
+                                  trust_remote_code=spec.trust_remote_code,
+                                  attn_implementation=spec.attn_implementation)
+    model.requires_grad_(False)
+    device = "device_map" if config.device_map else str(resolve_device(spec.device))
+    compile_layers(model, False if config.device_map else config.compile)
+    return service_for(model, tokenizer, config, name=config.name or spec.path, device=device)
+
+
+def serve(config: ServeConfig) -> None:
+    """Run `opd serve-teacher`: check (token, port) → load the model → serve until interrupted."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    token = check_serve_config(config)
+    sock = bind(config.host, config.port)
+    try:
+        service = load_service(config)
+        info = service.info
+        run(service, sock, token, banner=f"{info['model']} ({info['dtype']}, {info['device']}, vocabulary "
+                                         f"{info['vocab_size']})")
+    finally:
+        sock.close()

@@ -400,7 +400,7 @@ class RunSpec(Section):
                             "directory aside to <name>.old-<time> (never deletes it); off: such a run is refused.")
     allow_config_change: bool = Field(False, description="Let --resume continue with settings that change the math "
                                       "or data order (objective, rollout, data, optim, seed, models); off: refused, "
-                                      "naming each changed key (opd.train.common.RESUMABLE_CHANGES lists the free ones).")
+                                      "naming each changed key (opd.rundir.RESUMABLE lists the free ones).")
     samples_per_step: int = Field(4, ge=0, description="Decoded rollouts with per-token rewards written to samples/.")
     tensorboard: bool = Field(False, description="Also log to TensorBoard (needs the tensorboard package).")
     wandb_project: str | None = Field(None, description="Also log to this W&B project (needs wandb).")

@@ -1,0 +1,245 @@
+"""Run directories: the one place where a command that writes a directory claims it, locks it, compares the settings
+saved in it with this run's, and resumes from it.
+
+Two kinds of directory: a *run* (`opd distill`, `opd sft`, `opd demo`: refused when it holds anything, unless
+`--resume` or `run.overwrite`, which moves it aside — never deletes it) and a *work* directory (`opd eval --out`,
+`opd rollout --out`, `opd prompts score --out`, `opd pipeline run`'s `out_dir`: a rerun continues identical work
+and refuses other settings). Both are held by one process at a time (`opd.io.DirectoryLock`). What may change
+between a run and its resumption is one allow-list per command, `RESUMABLE`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Collection, Iterator
+
+import yaml
+from pydantic import BaseModel
+
+from opd.config import RunSpec, flatten_dotted, save_config
+from opd.io import LOCK_FILE, DirectoryLock, atomic_write_text
+from opd.report.sinks import MetricsSink
+from opd.train.checkpoint import complete_checkpoints, latest_checkpoint, remove_stale_temps
+
+_TRAINING = (
+    "run.steps", "epochs", "run.save_every", "run.eval_every", "run.keep_last", "run.report", "run.samples_per_step",
+    "run.tensorboard", "run.wandb_project", "run.resume", "run.overwrite", "run.allow_config_change", "run.out_dir",
+    "run.name", "eval.*", "lora.merge", "student.device", "teacher.device", "model.device", "micro_batch_tokens",
+    "score_batch_tokens", "gradient_checkpointing", "activation_budget", "compile", "teacher_offload",
+)
+
+RESUMABLE: dict[str, tuple[str, ...]] = {
+    # They set the length, the bookkeeping, the periodic eval, where things run and how work is cut into
+    # micro-batches; none changes the objective, the data or its order, the sampling or the optimizer. Memory knobs
+    # (micro_batch_tokens, score_batch_tokens, gradient_checkpointing, activation_budget, compile) regroup the same
+    # sums: a resume then equals an uninterrupted run up to float rounding; bit-identical needs them unchanged.
+    "distill": _TRAINING,
+    "sft": _TRAINING,
+    # what does not change a finished prompt's samples
+    "rollout": ("out", "num_workers", "devices", "batch_size", "model.device", "llamafactory", "dataset_name",
+                "grade_timeout", "vllm.gpu_memory_utilization", "vllm.kv_cache_gb", "vllm.enforce_eager",
+                "vllm.sleep"),
+    # identity.json holds only what decides the samples: nothing in it may change
+    "eval": (),
+}
+"""Per command, the config keys a rerun or `--resume` may change (`name.*`: the whole section); every other key is
+compared with the saved settings and a change is refused, naming the key, old → new."""
+
+RESUMABLE_CHANGES = RESUMABLE["distill"]  # README's name for the trainers' list
+
+
+class RunDirectoryError(ValueError):
+    """The run directory cannot be used as asked (holds another run, is a file, is not writable); one line."""
+
+
+def default_run_dir(command: str, out_dir: str | Path = "runs") -> Path:
+    """`<out_dir>/<command>-<time>`: the directory of a run that was given no name."""
+    return Path(out_dir) / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+@contextmanager
+def locked(directory: str | Path, command: str, *, console: Any = None) -> Iterator[Path]:
+    """Hold the work directory `directory` (created if needed) for this process: a second process on it fails with
+    one line naming the holder; a lock left by a killed process is taken over with a note on the console."""
+    note = None if console is None else (lambda line: console.print(f"[yellow]{line}[/]", soft_wrap=True))
+    with DirectoryLock(Path(directory), command, note=note):
+        yield Path(directory)
+
+
+def run_directory(run: RunSpec, command: str) -> Path:
+    """`run.out_dir / run.name`, or `<command>-<time>` when the run has no name."""
+    return Path(run.out_dir) / run.name if run.name else default_run_dir(command, run.out_dir)
+
+
+@contextmanager
+def claimed_run_dir(run_dir: Path, run: RunSpec, command: str, *, console: Any) -> Iterator[Path]:
+    """Hold `run_dir` for one run: created if needed (and checked writable), locked against other processes
+    (`opd.io.DirectoryLock`), and never shared with an earlier run — without `run.resume` a directory that holds
+    anything refuses, unless `run.overwrite`, which moves it aside to `<name>.old-<time>` (never deletes it).
+    Temp directories of interrupted checkpoint writes are removed. A directory this call created and that is still
+    empty at the end (the run failed at startup) is removed again."""
+    if run.resume and run.overwrite:
+        raise RunDirectoryError("run.resume and run.overwrite contradict each other: --resume continues the run in "
+                                f"{run_dir}, run.overwrite=true moves it aside to start anew; set one")
+    created = not run_dir.exists()
+    try:
+        lock = DirectoryLock(run_dir, command, note=lambda line: console.print(f"[yellow]{line}[/]", soft_wrap=True)).acquire()
+    except FileExistsError:
+        raise RunDirectoryError(f"{run_dir}: a file is in the way of the run directory (or of a parent); choose "
+                                f"another run.out_dir / run.name") from None
+    except NotADirectoryError:
+        raise RunDirectoryError(f"{run_dir}: a parent of the run directory is a file; choose another run.out_dir") from None
+    except PermissionError:
+        raise RunDirectoryError(f"{run_dir}: not writable (permission denied); choose another run.out_dir") from None
+    try:
+        held = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE)
+        if held and not run.resume:
+            checkpoints = complete_checkpoints(run_dir)
+            what = f"checkpoint {checkpoints[-1].name}" if checkpoints else ", ".join(held[:3]) + (", …" if len(held) > 3 else "")
+            if not run.overwrite:
+                raise RunDirectoryError(
+                    f"{run_dir} already holds a run ({what}); pass --resume (run.resume=true) to continue it, choose "
+                    f"another run.name, or set run.overwrite=true to move it aside")
+            aside = _aside_name(run_dir)
+            os.replace(run_dir, aside)  # holding the old lock throughout: nobody starts in it meanwhile
+            lock.moved(aside)
+            run_dir.mkdir()
+            new_lock = DirectoryLock(run_dir, command).acquire()
+            lock.release()
+            lock = new_lock
+            console.print(f"run.overwrite: moved the earlier {run_dir} aside to {aside}", soft_wrap=True)
+        remove_stale_temps(run_dir, note=lambda line: console.print(f"[yellow]{line}[/]", soft_wrap=True))
+        yield run_dir
+    finally:
+        lock.release()
+        if created:
+            try:
+                run_dir.rmdir()  # only when empty: a run that failed before writing anything leaves nothing behind
+            except OSError:
+                pass
+
+
+def _aside_name(run_dir: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, number = run_dir.with_name(f"{run_dir.name}.old-{stamp}"), 1
+    while aside.exists():
+        number += 1
+        aside = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{number}")
+    return aside
+
+
+def resume_checkpoint(run_dir: Path, run: RunSpec, console: Any, config: BaseModel | None = None, *,
+                      command: str = "distill") -> Path | None:
+    """The newest verified checkpoint of `run_dir` when `run.resume` is set (None, with a note, when there is none).
+    A newest checkpoint that fails verification (truncated, corrupt) is skipped with a warning. With `config`, the
+    saved config.yaml is compared first (`check_resumed_config`)."""
+    if not run.resume:
+        return None
+    checkpoint = latest_checkpoint(run_dir, hashes=True,
+                                   warn=lambda line: console.print(f"[yellow]warning: {line}[/]", soft_wrap=True))
+    if checkpoint is None:
+        console.print(f"[yellow]run.resume: no complete checkpoint in {run_dir}; starting from scratch[/]", soft_wrap=True)
+    elif config is not None:
+        check_resumed_config(config, run_dir, step=int(checkpoint.name.split("_")[-1]), command=command)
+    return checkpoint
+
+
+def check_resumed_config(config: BaseModel, run_dir: Path, *, step: int, command: str = "distill") -> None:
+    """Refuse a resume whose config differs from the saved `config.yaml` in a key outside `RESUMABLE[command]` (one
+    line naming each changed key, old → new), unless `run.allow_config_change`. Also refuse a run.steps below the
+    checkpoint's step."""
+    run = getattr(config, "run")
+    total = getattr(run, "steps", None)
+    if total is not None and total < step:
+        raise RunDirectoryError(f"run.steps={total} but {run_dir} holds checkpoint step_{step}: a resume cannot go "
+                                f"back; raise run.steps, or start another run.name")
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.is_file() or run.allow_config_change:
+        return
+    saved = yaml.safe_load(saved_path.read_text()) or {}
+    try:  # read with today's schema, so fields added since are compared at their defaults
+        saved = type(config).model_validate(saved).model_dump(mode="json")
+    except ValueError:
+        pass  # a config of an older layout: compare the keys both have
+    changed = [f"{key}: {_short(old)} → {_short(new)}"
+               for key, old, new in config_changes(saved, config.model_dump(mode="json"))
+               if not is_resumable(key, RESUMABLE[command])]
+    if changed:
+        raise RunDirectoryError(
+            f"--resume of {run_dir} (step {step}) with a changed config: {'; '.join(changed)}. Resume with the saved "
+            f"settings ({saved_path}), pass --allow-config-change (run.allow_config_change=true) to continue anyway, "
+            f"or start another run.name")
+
+
+def config_changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for every leaf that differs; a key absent on one side is skipped (a field
+    added or removed between versions), a leaf on one side that is a section on the other (`teacher: null` → a
+    teacher) is a change of that key."""
+    flat_old, flat_new = flatten_dotted(old), flatten_dotted(new)
+    changes = []
+    for key in sorted(set(flat_old) | set(flat_new)):
+        if key in flat_old and key in flat_new:
+            if flat_old[key] != flat_new[key]:
+                changes.append((key, flat_old[key], flat_new[key]))
+        elif key in flat_old and any(k.startswith(key + ".") for k in flat_new):
+            changes.append((key, flat_old[key], "{…}"))
+        elif key in flat_new and any(k.startswith(key + ".") for k in flat_old):
+            changes.append((key, "{…}", flat_new[key]))
+    return changes
+
+
+def is_resumable(key: str, allowed: Collection[str]) -> bool:
+    """Whether dotted `key` is in the allow-list `allowed` (an exact key, or `section.*` for a whole section)."""
+    return any(key == entry or (entry.endswith(".*") and key.startswith(entry[:-1])) for entry in allowed)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def open_run(config: BaseModel, run_dir: Path, run: RunSpec, *, resume_step: int | None):
+    """Create the run directory, save the resolved config, and open the metrics sink (which drops lines of steps
+    after `resume_step`: they are recomputed). On a resume, a saved config.yaml that differs from the new one is kept
+    as `config.step_<resume_step>.yaml` (the settings of the steps up to there)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if resume_step is not None:
+        keep_config_history(config, run_dir, resume_step)
+    save_config(config, run_dir)
+    return MetricsSink(run_dir, tensorboard=run.tensorboard, wandb_project=run.wandb_project,
+                       config=config.model_dump(mode="json"), resume_step=resume_step)
+
+
+def keep_config_history(config: BaseModel, run_dir: Path, step: int) -> Path | None:
+    """Copy `run_dir/config.yaml` to `config.step_<step>.yaml` (…`.2.yaml` when that exists) when it differs from
+    `config`; return the copy."""
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        return None
+    text = saved.read_text()
+    if text == yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False):
+        return None
+    copy, number = run_dir / f"config.step_{step}.yaml", 1
+    while copy.exists() and copy.read_text() != text:
+        number += 1
+        copy = run_dir / f"config.step_{step}.{number}.yaml"
+    atomic_write_text(copy, text)
+    return copy
+
+
+def check_same_work(out: str | Path, saved: dict[str, Any], current: dict[str, Any], *, what: str,
+                    command: str | None = None) -> None:
+    """Resume the work in `out` only with the settings it was made with.
+
+    `saved` / `current`: flat dotted dicts (`flatten_dotted`) of what made the work and of this run. The first key
+    of `saved` (in its order) outside `RESUMABLE[command]` whose values differ raises ValueError, one line naming it, old → new.
+    Keys `saved` lacks (written by an older opd) are not compared. Used by `opd rollout` and `opd eval`.
+    """
+    allowed = RESUMABLE[command] if command else ()
+    for key, value in saved.items():
+        if not is_resumable(key, allowed) and value != current.get(key):
+            raise ValueError(f"{out} holds {what} made with another {key}: {value!r} → {current.get(key)!r} in "
+                             f"this run; use another --out, or the same settings to resume")

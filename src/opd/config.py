@@ -211,20 +211,6 @@ def flatten_dotted(data: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def check_same_work(out: str | Path, saved: dict[str, Any], current: dict[str, Any], *, what: str,
-                    ignore: Collection[str] = ()) -> None:
-    """Resume the work in `out` only with the settings it was made with.
-
-    `saved` / `current`: flat dotted dicts (`flatten_dotted`) of what made the work and of this run. The first key
-    of `saved` (in its order) outside `ignore` whose values differ raises ValueError, one line naming it, old → new.
-    Keys `saved` lacks (written by an older opd) are not compared. Used by `opd rollout` and `opd eval`.
-    """
-    for key, value in saved.items():
-        if key not in ignore and value != current.get(key):
-            raise ValueError(f"{out} holds {what} made with another {key}: {value!r} → {current.get(key)!r} in "
-                             f"this run; use another --out, or the same settings to resume")
-
-
 def set_dotted(data: dict, key: str, value: Any) -> None:
     node = data
     parts = key.split(".")

@@ -10,19 +10,24 @@ between a run and its resumption is one allow-list per command, `RESUMABLE`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
+import shutil
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Collection, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import yaml
 from pydantic import BaseModel
 
 from opd.config import RunSpec, flatten_dotted, save_config
-from opd.io import LOCK_FILE, DirectoryLock, atomic_write_text
+from opd.io import LOCK_FILE, DirectoryLock, atomic_write_text, pid_alive
 from opd.report.sinks import MetricsSink
-from opd.train.checkpoint import complete_checkpoints, latest_checkpoint, remove_stale_temps
 
 _TRAINING = (
     "run.steps", "epochs", "run.save_every", "run.eval_every", "run.keep_last", "run.report", "run.samples_per_step",
@@ -243,3 +248,129 @@ def check_same_work(out: str | Path, saved: dict[str, Any], current: dict[str, A
         if not is_resumable(key, allowed) and value != current.get(key):
             raise ValueError(f"{out} holds {what} made with another {key}: {value!r} → {current.get(key)!r} in "
                              f"this run; use another --out, or the same settings to resume")
+
+
+# ------------------------------------------------------------- checkpoint directories on disk
+# (what a checkpoint holds and how it is written: opd.train.checkpoint)
+
+COMPLETE = "COMPLETE"
+STATE_FILE = "trainer_state.pt"
+MANIFEST = "MANIFEST.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TEMP_DIR = re.compile(r"^\.(tmp|old)-step_\d+-(\d+)$")
+
+
+def write_manifest(directory: Path) -> Path:
+    """Write `directory/MANIFEST.json`: {"files": {name: {"bytes", "sha256"}}} of every file beside it, each fsynced
+    first, so that the manifest (written last, then fsynced) implies complete, durable files."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    with ThreadPoolExecutor(max_workers=min(8, len(files) or 1)) as pool:  # hashlib releases the GIL
+        digests = list(pool.map(_sha256_and_sync, files))
+    entries = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": d} for p, d in zip(files, digests)}
+    path = directory / MANIFEST
+    with open(path, "w") as handle:
+        json.dump({"files": entries}, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return path
+
+
+def verify_checkpoint(path: str | Path, *, hashes: bool = False) -> str | None:
+    """None when `path` is a complete checkpoint, else why not (one short phrase). Sizes are always checked against
+    the manifest, sha256 digests when `hashes`. A checkpoint without a manifest (written before manifests existed)
+    passes when its COMPLETE marker and trainer state exist."""
+    path = Path(path)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        if (path / COMPLETE).is_file() and (path / STATE_FILE).is_file():
+            return None
+        return "no MANIFEST.json"
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError, OSError):
+        return f"unreadable {MANIFEST}"
+    for name, entry in entries.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            return f"{name} has {size} bytes, the manifest says {entry['bytes']}"
+        if hashes and _sha256(file) != entry["sha256"]:
+            return f"{name} does not match its sha256 in the manifest"
+    if STATE_FILE not in entries:
+        return f"no {STATE_FILE}"
+    return None
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Checkpoint directories that claim to be complete (a manifest, or the legacy COMPLETE marker + trainer
+    state), oldest first. Not verified: see `latest_checkpoint`."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and ((path / MANIFEST).is_file() or ((path / COMPLETE).exists() and (path / STATE_FILE).exists())):
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path, *, hashes: bool = False,
+                      warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest checkpoint that verifies (`verify_checkpoint`); each newer one that does not is skipped with a
+    one-line warning through `warn` (default: stderr)."""
+    warn = warn or (lambda line: print(f"warning: {line}", file=sys.stderr))
+    root = Path(run_dir) / "checkpoints"
+    steps = sorted(((_step(p), p) for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True) if root.is_dir() else []
+    for _, path in steps:
+        problem = verify_checkpoint(path, hashes=hashes)
+        if problem is None:
+            return path
+        warn(f"checkpoint {path} is incomplete or corrupt ({problem}); falling back to the previous one")
+    return None
+
+
+def remove_stale_temps(run_dir: str | Path, note: Callable[[str], None] | None = None) -> list[Path]:
+    """Remove `checkpoints/.tmp-step_*-<pid>` and `.old-step_*-<pid>` left by writers that were killed (their pid is
+    not running, or is this process's own: nothing is being written yet when a run starts). Call it holding the run
+    directory's lock. Returns what was removed."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    removed = []
+    for path in sorted(root.iterdir()):
+        match = _TEMP_DIR.match(path.name)
+        if match and path.is_dir() and (int(match.group(2)) == os.getpid() or not pid_alive(int(match.group(2)))):
+            size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            if note is not None:
+                note(f"removed {path}, left by an interrupted checkpoint write ({_size(size)})")
+    return removed
+
+
+def _step(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _sha256_and_sync(path: Path) -> str:
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+    return _sha256(path)
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} bytes"

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opd.config import EvalConfig, check_same_work, flatten_dotted, save_config
+from opd.config import EvalConfig, flatten_dotted, save_config
 from opd.eval.grading import decode_responses, grade
-from opd.io import DirectoryLock, append_jsonl, atomic_write_json, write_jsonl
+from opd.io import append_jsonl, atomic_write_json, write_jsonl
+from opd.rundir import check_same_work, locked
 from opd.report.sinks import progress_bar
 from opd.seeds import hashed_seed
 
@@ -61,7 +62,7 @@ def evaluate_model(config: EvalConfig, run_dir: Path, *, generator: Any = None, 
     console = console or Console()
     parse_template(config.template)  # a bad template fails before the model loads
     run_dir.mkdir(parents=True, exist_ok=True)
-    with DirectoryLock(run_dir, "eval"):  # one process per output directory
+    with locked(run_dir, "eval"):  # one process per output directory
         records = _sample_and_grade(config, run_dir, generator, tokenizer, console)
         return write_results(config, run_dir, records, console)
 
@@ -96,7 +97,7 @@ def check_resumable(run_dir: Path, identity: dict[str, Any]) -> None:
         raise ValueError(f"{saved_path}: unreadable ({e}); use another --out") from None
     if not isinstance(saved, dict):
         raise ValueError(f"{saved_path}: not a JSON object; use another --out")
-    check_same_work(run_dir, flatten_dotted(saved), flatten_dotted(identity), what="eval samples")
+    check_same_work(run_dir, flatten_dotted(saved), flatten_dotted(identity), what="eval samples", command="eval")
 
 
 def _non_empty(path: Path) -> bool:

@@ -100,7 +100,7 @@ def demo(
     import torch
     from rich.console import Console
 
-    from opd.train.common import claimed_run_dir
+    from opd.rundir import claimed_run_dir
 
     console = console or Console()
     start = time.perf_counter()

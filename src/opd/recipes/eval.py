@@ -18,11 +18,8 @@ from typing import Any
 from opd.config import EvalConfig
 from opd.data.prompts import MISSING, describe_missing, get_field, to_answer
 from opd.eval.sampling import check_resumable, evaluate_model, graded_record, start_work, write_results
-from opd.io import DirectoryLock, read_jsonl, write_jsonl
-
-
-def default_run_dir(prefix: str) -> Path:
-    return Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+from opd.io import read_jsonl, write_jsonl
+from opd.rundir import default_run_dir, locked
 
 
 def evaluate(config: EvalConfig, *, generator: Any = None, tokenizer: Any = None, console: Any = None) -> dict:
@@ -43,7 +40,7 @@ def evaluate(config: EvalConfig, *, generator: Any = None, tokenizer: Any = None
     if config.responses is None or generator is not None:
         return evaluate_model(config, run_dir, generator=generator, tokenizer=tokenizer, console=console)
     run_dir.mkdir(parents=True, exist_ok=True)
-    with DirectoryLock(run_dir, "eval"):  # one process per output directory
+    with locked(run_dir, "eval"):  # one process per output directory
         identity = {"mode": "responses", "responses": str(config.responses),
                     "responses_sha256": _file_sha256(Path(config.responses)),
                     "on_missing_answer": config.on_missing_answer}

@@ -149,7 +149,8 @@ def sft_within_budget(config: Any, deadline: float, *, calibration_steps: int = 
     the same recipe. It still stops at the deadline if the rate drops (the record says so), checkpoints every
     run.save_every steps, and prints a plain progress line every `log_every` steps."""
     from opd.recipes.sft import save, setup, sft_step
-    from opd.train.common import finish_run, run_directory
+    from opd.rundir import run_directory
+    from opd.train.common import finish_run
     from opd.train.optim import build_scheduler
 
     run_dir = run_directory(config.run, "sft")

@@ -70,12 +70,12 @@ def run_pipeline(config: PipelineConfig, *, console: Any = None) -> dict:
     """Run the configured stages, skipping complete ones; return the final comparison (also `summary.json`)."""
     from rich.console import Console
 
-    from opd.io import DirectoryLock
+    from opd.rundir import locked
 
     console = console or Console()
     root = Path(config.out_dir)
     stages = config.stage_configs()
-    with DirectoryLock(root, "pipeline", note=lambda line: console.print(f"[yellow]{line}[/]", soft_wrap=True)):
+    with locked(root, "pipeline", console=console):
         return _run_locked(config, root, stages, console)
 
 
@@ -123,7 +123,7 @@ def _check_same_recipe(config: PipelineConfig, root: Path) -> None:
     """A rerun into `root` continues the saved recipe: refuse other settings (one line naming each changed key)."""
     import yaml
 
-    from opd.train.common import config_changes
+    from opd.rundir import config_changes
 
     saved_path = root / "config.yaml"
     if not saved_path.is_file():

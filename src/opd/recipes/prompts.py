@@ -26,8 +26,9 @@ from opd.data.alignment import retemplate
 from opd.data.prompts import JSONL_SUFFIXES, DataError, load_prompts, save_prompts
 from opd.data.templates import parse_template
 from opd.eval.prompt_scores import ALIGNMENT_METRICS, PromptScore, read_scores, score_prompts, select_prompts
-from opd.io import DirectoryLock, append_jsonl, repair_jsonl
+from opd.io import append_jsonl, repair_jsonl
 from opd.names import EngineName
+from opd.rundir import locked
 from opd.report.sinks import progress_bar
 
 
@@ -68,7 +69,7 @@ def score_prompt_file(config: PromptScoreConfig, *, console: Any = None) -> Path
     out = Path(config.out)
     if out.suffix.lower() not in JSONL_SUFFIXES:
         raise DataError(f"out: scores are written as JSON lines; expected a .jsonl path, got {str(out)!r}")
-    with DirectoryLock(out.parent, "prompts score"):  # the scores and their config.yaml: one process at a time
+    with locked(out.parent, "prompts score"):  # the scores and their config.yaml: one process at a time
         return _score_locked(config, out, console)
 
 

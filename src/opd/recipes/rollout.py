@@ -38,10 +38,11 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 import numpy as np
 from pydantic import Field, model_validator
 
-from opd.config import DataSpec, ModelSpec, Section, VLLMSpec, check_same_work, flatten_dotted, save_config
+from opd.config import DataSpec, ModelSpec, Section, VLLMSpec, flatten_dotted, save_config
 from opd.eval.degeneracy import DegeneracySpec, degeneracy_reasons
 from opd.eval.grading import decode_responses, extract_answer, grade
-from opd.io import DirectoryLock, append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
+from opd.rundir import check_same_work, locked
+from opd.io import append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
 from opd.seeds import hashed_seed
 
 if TYPE_CHECKING:  # opd.types imports torch; the CLI imports this module for RolloutConfig and must start fast
@@ -85,10 +86,6 @@ class RolloutConfig(Section):
         return self
 
 
-# Keys that may change between a run and its resumption: they do not change what a finished prompt's samples are.
-_RESUMABLE_KEYS = {"out", "num_workers", "devices", "batch_size", "model.device", "llamafactory", "dataset_name",
-                   "grade_timeout", "vllm.gpu_memory_utilization", "vllm.kv_cache_gb", "vllm.enforce_eager",
-                   "vllm.sleep"}
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -227,7 +224,7 @@ def teacher_rollout(config: RolloutConfig, *, generator: Any = None, tokenizer: 
     if generator is not None and tokenizer is None:
         raise ValueError("a generator passed in needs its tokenizer too (tokenizer=...)")
     out = Path(config.out)
-    with DirectoryLock(out, "rollout"):  # one process per output directory
+    with locked(out, "rollout"):  # one process per output directory
         return _rollout_locked(config, out, generator=generator, tokenizer=tokenizer, console=console)
 
 
@@ -311,7 +308,7 @@ def _check_resumable(out: Path, config: RolloutConfig) -> None:
 
     saved = flatten_dotted(yaml.safe_load(saved_path.read_text()) or {})
     current = flatten_dotted(config.model_dump(mode="json"))
-    check_same_work(out, saved, current, what="a rollout", ignore=_RESUMABLE_KEYS)
+    check_same_work(out, saved, current, what="a rollout", command="rollout")
 
 
 def _read_logs(shards: Path) -> dict[tuple[str, int], dict]:

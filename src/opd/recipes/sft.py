@@ -36,11 +36,11 @@ from pydantic import Field, field_validator
 
 from opd.config import EvalSpec, ModelSpec, OptimSpec, RunSpec, Section
 from opd.data.sft import SFTExample, collate
+from opd.rundir import claimed_run_dir, open_run, resume_checkpoint, run_directory
 from opd.train.common import (
-    evaluate_in_training, finish_run, is_due, open_run, restore_trainer_state, resume_checkpoint, run_directory, timed,
-    trainer_state, training_precision,
+    eval_pending, evaluate_in_training, finish_run, is_due, load_eval_sets, restore_trainer_state, timed, trainer_state,
+    training_precision,
 )
-from opd.train.common import claimed_run_dir, eval_pending, load_eval_sets
 from opd.train.sft import forward_backward, packing_is_exact
 
 # --------------------------------------------------------------------------------------------------- config

@@ -30,13 +30,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from opd.io import give_umask_modes, pid_alive
+from opd.io import give_umask_modes
+from opd.rundir import (  # the checkpoint directories on disk: names, manifest, verification, listing
+    COMPLETE, MANIFEST, STATE_FILE, _sha256, _size, complete_checkpoints, latest_checkpoint, remove_stale_temps,
+    verify_checkpoint, write_manifest,
+)
 
-COMPLETE = "COMPLETE"
-STATE_FILE = "trainer_state.pt"
-MANIFEST = "MANIFEST.json"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_TEMP_DIR = re.compile(r"^\.(tmp|old)-step_\d+-(\d+)$")
 
 
 class CheckpointWriteError(OSError, ValueError):
@@ -115,121 +114,12 @@ def save_checkpoint(
     return final
 
 
-def write_manifest(directory: Path) -> Path:
-    """Write `directory/MANIFEST.json`: {"files": {name: {"bytes", "sha256"}}} of every file beside it, each fsynced
-    first, so that the manifest (written last, then fsynced) implies complete, durable files."""
-    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
-    with ThreadPoolExecutor(max_workers=min(8, len(files) or 1)) as pool:  # hashlib releases the GIL
-        digests = list(pool.map(_sha256_and_sync, files))
-    entries = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": d} for p, d in zip(files, digests)}
-    path = directory / MANIFEST
-    with open(path, "w") as handle:
-        json.dump({"files": entries}, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    return path
-
-
-def verify_checkpoint(path: str | Path, *, hashes: bool = False) -> str | None:
-    """None when `path` is a complete checkpoint, else why not (one short phrase). Sizes are always checked against
-    the manifest, sha256 digests when `hashes`. A checkpoint without a manifest (written before manifests existed)
-    passes when its COMPLETE marker and trainer state exist."""
-    path = Path(path)
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        if (path / COMPLETE).is_file() and (path / STATE_FILE).is_file():
-            return None
-        return "no MANIFEST.json"
-    try:
-        entries = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, TypeError, OSError):
-        return f"unreadable {MANIFEST}"
-    for name, entry in entries.items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        size = file.stat().st_size
-        if size != entry["bytes"]:
-            return f"{name} has {size} bytes, the manifest says {entry['bytes']}"
-        if hashes and _sha256(file) != entry["sha256"]:
-            return f"{name} does not match its sha256 in the manifest"
-    if STATE_FILE not in entries:
-        return f"no {STATE_FILE}"
-    return None
-
-
-def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Checkpoint directories that claim to be complete (a manifest, or the legacy COMPLETE marker + trainer
-    state), oldest first. Not verified: see `latest_checkpoint`."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = []
-    for path in root.iterdir():
-        match = _STEP_DIR.match(path.name)
-        if match and ((path / MANIFEST).is_file() or ((path / COMPLETE).exists() and (path / STATE_FILE).exists())):
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
-
-
-def latest_checkpoint(run_dir: str | Path, *, hashes: bool = False,
-                      warn: Callable[[str], None] | None = None) -> Path | None:
-    """The newest checkpoint that verifies (`verify_checkpoint`); each newer one that does not is skipped with a
-    one-line warning through `warn` (default: stderr)."""
-    warn = warn or (lambda line: print(f"warning: {line}", file=sys.stderr))
-    root = Path(run_dir) / "checkpoints"
-    steps = sorted(((_step(p), p) for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True) if root.is_dir() else []
-    for _, path in steps:
-        problem = verify_checkpoint(path, hashes=hashes)
-        if problem is None:
-            return path
-        warn(f"checkpoint {path} is incomplete or corrupt ({problem}); falling back to the previous one")
-    return None
-
-
 def load_trainer_state(checkpoint: str | Path) -> dict:
     """The trainer state of a checkpoint; RNG states are restored by the caller with `set_rng_state`."""
     return torch.load(Path(checkpoint) / STATE_FILE, map_location="cpu", weights_only=False)
 
 
-def remove_stale_temps(run_dir: str | Path, note: Callable[[str], None] | None = None) -> list[Path]:
-    """Remove `checkpoints/.tmp-step_*-<pid>` and `.old-step_*-<pid>` left by writers that were killed (their pid is
-    not running, or is this process's own: nothing is being written yet when a run starts). Call it holding the run
-    directory's lock. Returns what was removed."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    removed = []
-    for path in sorted(root.iterdir()):
-        match = _TEMP_DIR.match(path.name)
-        if match and path.is_dir() and (int(match.group(2)) == os.getpid() or not pid_alive(int(match.group(2)))):
-            size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-            if note is not None:
-                note(f"removed {path}, left by an interrupted checkpoint write ({_size(size)})")
-    return removed
-
-
 # -------------------------------------------------------------------------------------------------- helpers
-
-
-def _step(path: Path) -> int:
-    return int(_STEP_DIR.match(path.name).group(1))
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(16 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _sha256_and_sync(path: Path) -> str:
-    with open(path, "rb+") as handle:
-        os.fsync(handle.fileno())
-    return _sha256(path)
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -261,8 +151,3 @@ def _reason(error: Exception) -> str:
     return str(error).strip().splitlines()[-1][:120] if str(error).strip() else type(error).__name__
 
 
-def _size(num_bytes: int) -> str:
-    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.1f} {unit}"
-    return f"{num_bytes} bytes"

@@ -17,13 +17,6 @@ from pydantic import BaseModel
 
 from opd.config import EvalConfig, EvalSpec, ModelSpec, RunSpec, flatten_dotted, save_config
 
-# the run directory moved to opd.rundir; these names are re-exported until the callers switch (this wave)
-from opd.rundir import (  # noqa: E402
-    RESUMABLE_CHANGES, RunDirectoryError, check_resumed_config, claimed_run_dir, config_changes, keep_config_history,
-    open_run, resume_checkpoint, run_directory,
-)
-
-
 def load_eval_sets(spec: EvalSpec, tokenizer: Any, *, template: str, enable_thinking: bool | None,
                    max_prompt_length: int) -> None:
     """Load and encode every `spec.benchmarks` entry exactly as the in-run `opd eval` will (`load_benchmark`,

@@ -3,7 +3,7 @@
 What it does, through exactly the code path of a real run:
 1. `opd eval` (`opd.eval.evaluate.evaluate`) of the teacher on the lab test set (greedy, n = 1) into eval/teacher/,
    the report's reference line;
-2. `opd distill` (`opd.train.opd.distill`) with the paper's recipe scaled to the lab (configs/lab_demo.yaml):
+2. `opd distill` (`opd.recipes.distill.distill`) with the paper's recipe scaled to the lab (configs/lab_demo.yaml):
    top-16 `only_stu` token rewards weighted by `student_p`, 4 rollouts per prompt, 32 sequences per step, constant lr;
    the run's own evals (`eval.benchmarks` = the test set, same settings) before the first step (eval/step_0) and at
    the end give the "before" and "after" numbers;
@@ -127,7 +127,7 @@ def _demo_in(config: DistillConfig, run_dir: Path, start: float, console: Any) -
 
     from opd.eval.evaluate import evaluate
     from opd.objectives import gap_recovery
-    from opd.train.opd import distill
+    from opd.recipes.distill import distill
 
     timings: dict[str, float] = {}
     t = time.perf_counter()

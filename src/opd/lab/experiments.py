@@ -196,7 +196,7 @@ def run_experiment(
     from opd.lab import student_path, test_set_path
     from opd.lab.build import measure
     from opd.lab.demo import demo_config
-    from opd.train.opd import distill
+    from opd.recipes.distill import distill
 
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown lab experiment {name!r}; known: {', '.join(EXPERIMENTS)}")

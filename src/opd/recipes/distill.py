@@ -159,7 +159,7 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
           dist: DistInfo = SINGLE) -> Trainer:
     """Validate everything cheap first (world size, tokenizers, engines, data), then load models and build the trainer.
     `dist` (from `init_distributed`): with world size > 1 the student is sharded with FSDP2 on the rank's device."""
-    check_world_size(config, dist)
+    check_sizes(config, dist)
     torch.manual_seed(config.run.seed)
     student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
     check_teacher_and_engine(config, student_tokenizer, console)
@@ -183,14 +183,22 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     return tr
 
 
-def check_world_size(config: DistillConfig, dist: DistInfo) -> None:
-    """The checks that need the number of processes (the others are `DistillConfig`'s validators)."""
+def check_sizes(config: DistillConfig, dist: DistInfo) -> None:
+    """The checks that need the number of processes, and the micro-batch budget against one sequence (not a config
+    validator: configs built in code, like the benchmarks', leave data.max_prompt_length nominal). The other
+    cross-field checks are `DistillConfig`'s validators."""
     if config.prompts_per_step % dist.world_size:
         raise ValueError(f"prompts_per_step={config.prompts_per_step} must be divisible by the {dist.world_size} "
                          f"processes (each takes an equal slice of a step's prompts)")
     if config.rollout.overlap and dist.world_size > 1:
         raise ValueError("rollout.overlap=true trains on rollouts sampled one step earlier: it needs objective.tis_cap "
                          f"(e.g. 2.0) to correct them, and one process (got {dist.world_size})")
+    longest = config.data.max_prompt_length + config.rollout.max_new_tokens
+    if config.micro_batch_tokens < longest:
+        raise ValueError(
+            f"micro_batch_tokens={config.micro_batch_tokens} is smaller than one sequence "
+            f"(data.max_prompt_length + rollout.max_new_tokens = {longest}); raise it to at least {longest}"
+        )
 
 
 def check_teacher_and_engine(config: DistillConfig, student_tokenizer: Any, console: Any) -> None:

@@ -124,8 +124,8 @@ class _Background:
 
         def run() -> None:
             torch.set_num_threads(threads)
-            in_stream = torch.cuda.stream(stream) if stream is not None else nullcontext()
             try:  # autocast and the current stream are per thread: set them here
+                in_stream = torch.cuda.stream(stream) if stream is not None else nullcontext()
                 with in_stream, autocast(device, autocast_dtype):
                     self._value = fn()
             except BaseException as error:  # noqa: BLE001 (re-raised in the training thread)

@@ -18,7 +18,7 @@ of the per-step metrics that must agree (pg_loss, grad_norm, response_length), a
 (max |w_REF - w_initial|: equality means something only when that is well above the tolerance). Exit 1 when a run is
 outside the tolerance: `--atol` on the weights (float32 runs), or `--rel` on max |Δ| / movement (bf16 autocast runs).
 
-`scale`: weak scaling of one OPD step (`opd.train.opd.opd_step` on a `Trainer` assembled as `setup` assembles it at N
+`scale`: weak scaling of one OPD step (`opd.train.step.opd_step` on a `Trainer` assembled as `setup` assembles it at N
 ranks: FSDP2 student, float32 master weights + bf16 autocast on CUDA, full activation checkpointing as `opd distill`
 turns on for an uncompiled CUDA student, the registry's engine over the gathered weights), random-weight Qwen3 shapes
 (`common.SHAPES`), `--prompts-per-rank` × N prompts per step, responses ragged with `--lengths` (forced per row, each
@@ -71,7 +71,7 @@ class Greedy:
 
 
 def install_greedy_rollouts() -> None:
-    """Wrap `opd.rollout.make_generator` (what `opd.train.opd.setup` calls) so that every engine decodes greedily."""
+    """Wrap `opd.rollout.make_generator` (what `opd.recipes.distill.setup` calls) so that every engine decodes greedily."""
     import opd.rollout as rollout
 
     make = rollout.make_generator
@@ -191,14 +191,14 @@ def _gather(value, info) -> list:
 
 
 def build_trainer(args, info, device: torch.device):
-    """A `Trainer` as `opd.train.opd.setup` builds it at `info.world_size` ranks, over random-weight models."""
+    """A `Trainer` as `opd.recipes.distill.setup` builds it at `info.world_size` ranks, over random-weight models."""
     from opd_step import BenchGenerator, IdTokenizer
 
     from opd.config import DataSpec, DistillConfig, ModelSpec, RunSpec, SamplingSpec, TeacherSpec
     from opd.rollout import make_generator
     from opd.teacher.local import LocalScorer
     from opd.train.distributed import gathered, shard_model
-    from opd.train.opd import Trainer
+    from opd.train.step import Trainer
     from opd.train.optim import build_optimizer, build_scheduler
     from opd.train.sampler import PromptSampler
     from opd.types import Prompt
@@ -281,7 +281,7 @@ def scale_parser() -> argparse.ArgumentParser:
 
 def scale(argv: list[str]) -> dict | None:
     from opd.train.distributed import destroy_distributed, init_distributed
-    from opd.train.opd import opd_step
+    from opd.train.step import opd_step
 
     args = scale_parser().parse_args(argv)
     if args.lengths == "none":

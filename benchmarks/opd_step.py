@@ -1,11 +1,11 @@
-"""The whole OPD step: our `opd.train.opd.opd_step` against real TRL 1.16 (`DistillationTrainer`, `GKDTrainer`).
+"""The whole OPD step: our `opd.train.step.opd_step` against real TRL 1.16 (`DistillationTrainer`, `GKDTrainer`).
 
     python benchmarks/opd_step.py                      # 0.6B student, 1.7B teacher, 8 prompts × 4, ≤ 256 new tokens
     python benchmarks/opd_step.py --variants default,lean,lean_offload --skip-trl     # the lean options
     python benchmarks/opd_step.py --paper              # 1.7B ← 4B, 64 prompts × 4, ragged lengths, against the bound
     python benchmarks/opd_step.py --shape tiny --teacher-shape tiny --device cpu --prompts 2 --n 2 --new-tokens 8
 
-Ours (`--variants`, one row each): a `Trainer` assembled like `opd.train.opd.setup` builds it (same optimizer,
+Ours (`--variants`, one row each): a `Trainer` assembled like `opd.recipes.distill.setup` builds it (same optimizer,
 scheduler, sampler, scorers, precision: float32 student weights + bf16 autocast on CUDA, bf16 teacher), from
 in-memory random-weight models and a stand-in tokenizer (no files), the default objective (top-16 `only_stu`,
 token-reward advantages, PPO-clip), and as `opd distill` sets a GPU up: compiled decoder layers of both models,
@@ -152,7 +152,8 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
         DataSpec, DistillConfig, ModelSpec, ObjectiveSpec, OptimSpec, RunSpec, SamplingSpec, TeacherSpec,
     )
     from opd.teacher.local import LocalScorer
-    from opd.train.opd import Trainer, rollout_snapshot
+    from opd.train.overlap import rollout_snapshot
+    from opd.train.step import Trainer
     from opd.train.optim import build_optimizer, build_scheduler
     from opd.train.sampler import PromptSampler
     from opd.types import Prompt
@@ -173,7 +174,7 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
     optimizer = build_optimizer(student.parameters(), config.optim)
     prompts = [Prompt(id=str(i), messages=[{"role": "user", "content": ""}]) for i in range(len(prompt_ids))]
     rollout_model = rollout_generator = None
-    if overlap:  # as `opd.train.opd.overlap_generator` builds them, over the benchmark's own engine
+    if overlap:  # as `opd.train.overlap.overlap_generator` builds them, over the benchmark's own engine
         rollout_model = rollout_snapshot(student, autocast_dtype or torch.float32)
         rollout_generator = _engine(rollout_model, engine, args, rows)
     return Trainer(
@@ -221,7 +222,7 @@ def memory_breakdown(tr, trace: list[dict], start_bytes: int) -> dict:
 
 def our_row(args, student, teacher, prompt_ids, engine: str, run_dir: Path, autocast_dtype, device, name: str,
             ckpt: str) -> dict:
-    from opd.train.opd import opd_step
+    from opd.train.step import opd_step
 
     variant = VARIANTS[name]
     row_ckpt = variant.get("ckpt", ckpt)

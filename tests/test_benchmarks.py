@@ -153,7 +153,7 @@ def test_opd_step_paper_mode_forces_ragged_lengths(tmp_path, capsys):
     from common import parse_lengths
 
     seed = None  # the step's rollout seed, as opd_step derives it for step 0
-    from opd.train.opd import _step_seed
+    from opd.train.step import _step_seed
 
     seed = _step_seed(0, 0)
     drawn = parse_lengths("lognormal:mean=8,cap=24,sigma=0.8").sample(6, seed)

@@ -337,7 +337,7 @@ def _other_template_teacher(tmp_path) -> Path:
 
 def test_distill_refuses_on_a_hard_failure_unless_skipped(tmp_path):
     from opd.recipes.demo import demo_config
-    from opd.train.opd import distill
+    from opd.recipes.distill import distill
 
     teacher = _other_template_teacher(tmp_path)
     small = [f"teacher.path={teacher}", f"run.out_dir={tmp_path}", "run.steps=1", "eval.limit=2", "prompts_per_step=2",
@@ -352,7 +352,7 @@ def test_distill_refuses_on_a_hard_failure_unless_skipped(tmp_path):
 def test_preflight_is_cheap_and_leaves_training_unchanged(tmp_path):
     """The startup checks draw no global random numbers and change no weights: a run with them equals one without."""
     from opd.recipes.demo import demo_config
-    from opd.train.opd import distill
+    from opd.recipes.distill import distill
 
     small = [f"run.out_dir={tmp_path}", "run.steps=2", "eval.limit=2", "prompts_per_step=2", "rollout.n=2",
              "run.report=false", "run.samples_per_step=0"]

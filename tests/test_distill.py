@@ -13,7 +13,7 @@ from conftest import EOS_ID, make_tiny_model, make_tiny_tokenizer
 from opd.config import ConfigError, DistillConfig, build_config
 from opd.io import read_jsonl
 from opd.train.checkpoint import latest_checkpoint
-from opd.train.opd import distill
+from opd.recipes.distill import distill
 
 
 @pytest.fixture(scope="module")

@@ -328,7 +328,7 @@ def test_distill_periodic_eval_is_finished_on_resume(tiny_tokenizer, tmp_path):
     from tests.conftest import make_tiny_model
 
     from opd.config import DistillConfig, build_config
-    from opd.train.opd import distill
+    from opd.recipes.distill import distill
 
     for name, seed in (("student", 0), ("teacher", 1)):
         make_tiny_model("qwen3", seed=seed).save_pretrained(tmp_path / name)

@@ -11,7 +11,8 @@ from opd.rollout import SamplingParams
 from opd.rollout.batch import build_rollouts
 from opd.rollout.torch_engine import TorchGenerator
 from opd.teacher.local import LocalScorer
-from opd.train.opd import _sampling_params, opd_step, setup
+from opd.recipes.distill import setup
+from opd.train.step import _sampling_params, opd_step
 from test_distill import _reverse_kl, _train_to_prefer, config, world  # noqa: F401 (world is a fixture)
 
 
@@ -96,7 +97,7 @@ def test_overlap_resume_is_bit_identical(world, tmp_path):
     """The pending rollouts (generated from weights that no checkpoint holds) travel in the trainer state."""
     from test_distill import _weights
     from opd.io import read_jsonl
-    from opd.train.opd import distill
+    from opd.recipes.distill import distill
 
     on = ("rollout.overlap=true", "objective.tis_cap=2.0", "run.save_every=2")
     straight = distill(config(world, tmp_path / "a", *on, steps=4))
@@ -115,7 +116,7 @@ def test_overlap_still_moves_the_student_toward_the_teacher(world, tmp_path):
 
     from conftest import EOS_ID, make_tiny_tokenizer
     from opd.train.checkpoint import latest_checkpoint
-    from opd.train.opd import distill
+    from opd.recipes.distill import distill
 
     tokenizer = make_tiny_tokenizer()
     text = tokenizer.apply_chat_template([{"role": "user", "content": "7*6="}], tokenize=False,
@@ -139,7 +140,7 @@ def test_snapshot_of_a_compiled_student_runs_its_own_weights():
     live student's through a shared compiled forward."""
     from conftest import make_tiny_model
     from opd.models import compile_layers
-    from opd.train.opd import rollout_snapshot
+    from opd.train.overlap import rollout_snapshot
 
     student = make_tiny_model("qwen3")
     compile_layers(student, True, backend="aot_eager")

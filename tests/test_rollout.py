@@ -179,7 +179,7 @@ def test_distill_fails_at_startup_when_one_rollout_cannot_fit(tmp_path, monkeypa
     from conftest import make_tiny_tokenizer
     from opd.config import DistillConfig, build_config
     from opd.rollout import memory
-    from opd.train.opd import distill
+    from opd.recipes.distill import distill
 
     make_tiny_model("qwen3").save_pretrained(tmp_path / "student")
     make_tiny_tokenizer().save_pretrained(tmp_path / "student")

@@ -40,7 +40,7 @@ import opd
 from opd.cli import main
 from opd.io import LOCK_FILE, DirectoryLock, DirectoryLocked, read_jsonl
 from opd.train.checkpoint import MANIFEST, latest_checkpoint, save_checkpoint, verify_checkpoint
-from opd.train.opd import distill
+from opd.recipes.distill import distill
 from opd.recipes.sft import sft
 from test_distill import config as distill_config, world  # noqa: F401  (world: a module fixture)
 from test_eval_cli import _eval_args, _write_jsonl

@@ -365,14 +365,14 @@ def assert_same_run(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
-    from opd.train.opd import distill
+    from opd.recipes.distill import distill
 
     return distill(lab_config(tmp_path_factory.mktemp("local"), "local", steps=4))
 
 
 @pytest.mark.slow
 def test_distill_with_teacher_url_matches_local(server, local_run, tmp_path):
-    from opd.train.opd import distill
+    from opd.recipes.distill import distill
 
     url, token_file, _ = server
     served = distill(lab_config(tmp_path, "served", *served_overrides(url, token_file), steps=4))

@@ -54,7 +54,8 @@ def test_distill_step_leaves_the_engine_equal_to_the_trained_student(tmp_path):
     from opd.rollout.batch import build_rollouts
     from opd.rollout.vllm_engine import VLLMGenerator
     from opd.teacher.local import LocalScorer
-    from opd.train.opd import opd_step, setup
+    from opd.recipes.distill import setup
+    from opd.train.step import opd_step
 
     config = _lab_config(tmp_path, "one-step", "rollout.engine=vllm", "eval.benchmarks=[]", "run.steps=1")
     tr = setup(config, tmp_path / "one-step", console=_console())
@@ -80,7 +81,7 @@ def test_distill_step_leaves_the_engine_equal_to_the_trained_student(tmp_path):
 def test_distill_on_vllm_learns_like_the_torch_engine(tmp_path):
     """30 lab steps with each engine from the same start: both raise the student's greedy test accuracy by a clear
     margin, and their training curves agree within sampling noise (the engines draw different random numbers)."""
-    from opd.train.opd import distill
+    from opd.recipes.distill import distill
 
     accuracy, curves = {}, {}
     for engine in ("vllm", "torch"):

@@ -112,7 +112,7 @@ def test_padding_ids_never_in_the_top_k(tmp_path):
 def test_distill_with_a_vllm_teacher(tmp_path):
     """Sampled-token OPD and only_tch run with the vLLM teacher; the diagnostics come from the teacher's top-k."""
     from opd.recipes.demo import demo_config
-    from opd.train.opd import distill
+    from opd.recipes.distill import distill
 
     for name, extra in (("sampled", ["objective.top_k=0"]), ("only_tch", ["objective.strategy=only_tch"])):
         config = demo_config([f"run.out_dir={tmp_path}", f"run.name={name}", "run.report=false", "run.steps=2",

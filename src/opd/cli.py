@@ -123,7 +123,7 @@ def distill_command(
         "skip_checks": skip_check or None,
     }
     cfg = build_config(DistillConfig, config_file=config, options=options, overrides=overrides)
-    from opd.train.opd import distill
+    from opd.recipes.distill import distill
 
     distill(cfg)
 

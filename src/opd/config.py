@@ -274,7 +274,7 @@ def _describe(error: ValidationError, model_cls: type[BaseModel]) -> str:
     if first["type"] == "missing":
         return f"config key '{key}' is required ({_field_description(model_cls, key)})"
     if first["type"] == "value_error" and "error" in first.get("ctx", {}):  # a model validator's own sentence
-        return f"config key '{key}': {first['ctx']['error']}"
+        return f"config key '{key}': {first['ctx']['error']}" if key else str(first["ctx"]["error"])
     given = first.get("input")
     shown = repr(given) if not isinstance(given, dict) else "a mapping"
     return f"config key '{key}': {first['msg']}, got {shown}"
@@ -436,3 +436,31 @@ class DistillConfig(Section):
     skip_checks: CommaList = Field(
         default_factory=list, description="Startup checks (`opd check`'s tokenizers, scoring, resources rows) not to "
         "run or not to stop on: row names (e.g. determinism), group names, or all; empty: run them all.")
+
+    # Cross-field checks that need only the config: they fail at load time, before any model is read. Checks that need
+    # the number of processes or the data stay in `opd.recipes.distill.setup`, and so does the micro-batch budget
+    # against data.max_prompt_length (configs built in code, e.g. the benchmarks', leave that length nominal).
+    @model_validator(mode="after")
+    def _objective_fits(self) -> "DistillConfig":
+        obj = self.objective
+        if obj.advantage != "grpo" and self.teacher is None:
+            raise ValueError(f"objective.advantage={obj.advantage} needs a teacher: pass --teacher "
+                             f"(or teacher.path=...)")
+        if obj.advantage == "token_grpo" and obj.top_k:
+            raise ValueError("objective.advantage=token_grpo is sampled-token only: set objective.top_k=0")
+        if obj.loss == "full_reverse_kl":
+            raise ValueError("objective.loss=full_reverse_kl needs the teacher's full distribution in the grad pass "
+                             "and is only available as opd.objectives.full_reverse_kl; use pg, topk_kl, forward_kl "
+                             "or jsd")
+        if obj.loss == "topk_kl" and obj.top_k == 0:  # a one-token support renormalises to KL = 0: nothing would learn
+            raise ValueError("objective.loss=topk_kl needs a top-k support: set objective.top_k > 0 (e.g. 16)")
+        if obj.loss != "pg" and obj.advantage != "token_reward":
+            raise ValueError(f"objective.loss={obj.loss} uses no advantages; leave objective.advantage=token_reward")
+        return self
+
+    @model_validator(mode="after")
+    def _rollouts_fit(self) -> "DistillConfig":
+        if self.rollout.overlap and self.objective.tis_cap is None:
+            raise ValueError("rollout.overlap=true trains on rollouts sampled one step earlier: it needs "
+                             "objective.tis_cap (e.g. 2.0) to correct them, and one process")
+        return self

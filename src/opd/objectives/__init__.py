@@ -4,7 +4,9 @@ rewards      token rewards (sampled-token and five top-k strategies × three wei
              dense reference API of SPEC §8, `topk_token_rewards` / `token_rewards_from_scores` the trainer's path
 advantages   token reward, GRPO, their mix, token-level GRPO; `compute_advantages` dispatches on the mode
 losses       PPO-clip policy loss over candidate slots, `agg_loss`, KL/entropy terms, IS weights, SFT, extensions
-diagnostics  overlap, shared mass, overlap advantage, entropies, rewards per position chunk; AUROC, gap recovery
+diagnostics  overlap, shared mass, overlap advantage, entropies, rewards per position chunk; AUROC, gap recovery;
+             the step's reward, advantage and IS-weight statistics
+targets      `build_targets`: one step's `Targets` from the two models' scores; `micro_loss` over the `LOSSES` table
 """
 
 from opd.objectives.advantages import (
@@ -21,10 +23,14 @@ from opd.objectives.diagnostics import (
     auroc,
     diagnostic_top_k,
     gap_recovery,
+    is_weight_stats,
     opd_diagnostics,
     opd_diagnostics_from_scores,
     reward_diagnostics,
+    reward_stats,
+    seq_reward_metrics,
     seq_rewards,
+    teacher_logprobs_at_student_topk,
 )
 from opd.objectives.losses import (
     KLKind,
@@ -56,22 +62,28 @@ from opd.objectives.rewards import (
     token_rewards_from_scores,
     topk_token_rewards,
 )
+from opd.objectives.targets import LOSSES, LossFn, ObjectiveSettings, Targets, build_targets, micro_loss
 
 __all__ = [
-    "AdvantageMode",
     "DIAGNOSTIC_TOP_K",
+    "LOSSES",
+    "STRATEGIES",
+    "AdvantageMode",
     "Advantages",
     "Candidates",
     "KLKind",
     "LossAggMode",
-    "STRATEGIES",
+    "LossFn",
+    "ObjectiveSettings",
     "Strategy",
     "StrategySpec",
+    "Targets",
     "TokenRewards",
     "Weight",
     "agg_loss",
     "auroc",
     "build_candidates",
+    "build_targets",
     "candidate_rewards",
     "compute_advantages",
     "diagnostic_top_k",
@@ -81,17 +93,22 @@ __all__ = [
     "gap_recovery",
     "gather_candidate_logprobs",
     "grpo_advantages",
+    "is_weight_stats",
     "jsd",
     "kl_penalty",
+    "micro_loss",
     "mix_advantages",
     "opd_diagnostics",
     "opd_diagnostics_from_scores",
     "policy_loss",
     "reward_diagnostics",
+    "reward_stats",
     "sampled_token_rewards",
+    "seq_reward_metrics",
     "seq_rewards",
     "sft_loss",
     "strategy_spec",
+    "teacher_logprobs_at_student_topk",
     "token_grpo_advantages",
     "token_reward_advantages",
     "token_rewards",

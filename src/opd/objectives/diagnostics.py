@@ -198,3 +198,45 @@ def gap_recovery(
     den = teacher - before
     safe = torch.where(den == 0, torch.ones_like(den), den)
     return torch.where(den == 0, torch.zeros_like(den), (after - before) / safe)
+
+
+# ------------------------------------------------------------------------------------ the step's statistics
+
+
+def reward_stats(name: str, values_BTJ: torch.Tensor, valid_BTJ: torch.Tensor, mask_BT: torch.Tensor) -> dict:
+    """`{name}_mean` and `{name}_abs_mean`: token means of the per-position sum over valid slots, and of its absolute
+    value (the step logs rewards and advantages this way). An empty mask gives 0."""
+    position_BT = (values_BTJ * valid_BTJ).sum(-1)
+    count = mask_BT.sum().clamp(min=1)
+    return {f"{name}_mean": (position_BT * mask_BT).sum() / count,
+            f"{name}_abs_mean": (position_BT.abs() * mask_BT).sum() / count}
+
+
+def is_weight_stats(old_lp_BT: torch.Tensor, rollout_lp_BT: torch.Tensor, cap: float, mask_BT: torch.Tensor) -> dict:
+    """Statistics of the importance weights exp(ℓ_old − ℓ_rollout) over response tokens: the mean of the truncated
+    weights the loss uses, the largest untruncated weight, and the fraction of tokens the cap truncates."""
+    mask = mask_BT.bool()
+    raw_BT = (old_lp_BT.detach() - rollout_lp_BT.detach()).clamp(-20.0, 20.0).exp()
+    count = mask.sum().clamp(min=1)
+    return {"is_weight_mean": (raw_BT.clamp_max(cap) * mask).sum() / count,
+            "is_weight_max": torch.where(mask, raw_BT, torch.zeros_like(raw_BT)).max(),
+            "is_weight_capped_frac": ((raw_BT > cap) & mask).sum() / count}
+
+
+def seq_reward_metrics(student: TokenScores, teacher: TokenScores, mask_BT: torch.Tensor,
+                       correct: list[bool] | None) -> dict:
+    """`seq_reward_mean` (SPEC §6) and, when the rollouts were graded (`correct`, one per row), its AUROC against
+    correctness, `seq_reward_auroc`."""
+    seq_B = seq_rewards(teacher.sampled_logprobs, student.sampled_logprobs, mask_BT)
+    metrics = {"seq_reward_mean": seq_B.mean()}
+    if correct is not None:
+        metrics["seq_reward_auroc"] = auroc(seq_B, torch.tensor(correct, device=seq_B.device))
+    return metrics
+
+
+def teacher_logprobs_at_student_topk(student: TokenScores, teacher: TokenScores) -> torch.Tensor:
+    """[B, T, K] t at the student's top-k for `opd_diagnostics`: the teacher's requested log-probs, or for a teacher
+    serving only its own top-k the values on S_t ∩ T_t (`logprobs_on_overlap`: all the diagnostics read)."""
+    if teacher.requested_logprobs is not None:
+        return teacher.requested_logprobs
+    return logprobs_on_overlap(student.topk_ids, teacher.topk_ids, teacher.topk_logprobs)

@@ -124,7 +124,7 @@ def _demo_in(config: DistillConfig, run_dir: Path, start: float, console: Any) -
 
     from opd.recipes.eval import evaluate
     from opd.objectives import gap_recovery
-    from opd.train.opd import distill
+    from opd.recipes.distill import distill
 
     timings: dict[str, float] = {}
     t = time.perf_counter()

@@ -443,7 +443,7 @@ def run_experiment(
     import torch
     from rich.console import Console
 
-    from opd.train.opd import distill
+    from opd.recipes.distill import distill
 
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown lab experiment {name!r}; known: {', '.join(EXPERIMENTS)}")

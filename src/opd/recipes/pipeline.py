@@ -99,7 +99,7 @@ def _run_locked(config: PipelineConfig, root: Path, stages: dict[str, Any], cons
             run_dir = sft(stages["sft"], console=console)
             _link_final(run_dir, sft_model, prefer=run_dir / "merged")
         elif stage == "distill":
-            from opd.train.opd import distill
+            from opd.recipes.distill import distill
 
             cfg = stages["distill"]
             cfg.student.path = str(sft_model.resolve()) if sft_model.exists() else cfg.student.path

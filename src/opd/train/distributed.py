@@ -8,7 +8,7 @@ Launch (one process per GPU; every process runs the same command, rank 0 writes 
 Without torchrun (no `WORLD_SIZE` in the environment) everything here is a no-op: world size 1, no process group,
 the model unwrapped, so a single-device run is exactly what it was before this module existed.
 
-Data parallel semantics (`opd.train.opd`): every rank draws the same seeded global batch of prompts and keeps
+Data parallel semantics (`opd.train.step`, `opd.recipes.distill`): every rank draws the same seeded global batch of prompts and keeps
 `indices[rank::world_size]`, samples with a rank-specific seed, scores its own rollouts, and divides its loss by the
 *global* number of valid tokens (all-reduced, SPEC §4). FSDP averages gradients over ranks, so the loss handed to
 `backward` is multiplied by the world size: the update equals the single-process update on the same global batch.

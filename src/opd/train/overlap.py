@@ -1,0 +1,141 @@
+"""Rollout-ahead (`rollout.overlap`): step t+1's rollouts are generated during step t, in a background thread, from a
+snapshot of the step-t weights (one step of policy lag, corrected by truncated importance weights).
+
+`AheadGenerator` wraps the engine over the snapshot: `start` refreshes the snapshot from the student and starts the
+next step's generation, `wait` collects it as `PendingRollouts`, `take` hands them to the next step. Its state (the
+pending rollouts, generated from weights that no checkpoint holds) travels in the trainer state, so a resume replays
+them exactly. Omitted: more than one step ahead, and several processes (the config refuses both).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from opd.config import DistillConfig
+from opd.rollout import GenerationOutput, SamplingParams, make_generator
+from opd.rollout.base import Generator
+from opd.train.common import autocast
+
+
+@dataclass
+class PendingRollouts:
+    """Rollouts generated one step ahead (rollout.overlap): the global prompt indices of this rank's slice and the
+    engine's output for them, generated from the weights before the previous update."""
+
+    indices: list[int]
+    output: GenerationOutput
+
+    def state_dict(self) -> dict:
+        out = self.output
+        return {"indices": self.indices, "response_ids": out.response_ids, "finish_reasons": out.finish_reasons,
+                "group_ids": out.group_ids, "logprobs": out.logprobs}
+
+    @classmethod
+    def from_state(cls, state: dict | None) -> "PendingRollouts | None":
+        if not state:
+            return None
+        output = GenerationOutput(response_ids=state["response_ids"], finish_reasons=state["finish_reasons"],
+                                  group_ids=state["group_ids"], logprobs=state["logprobs"])
+        return cls(indices=list(state["indices"]), output=output)
+
+
+class AheadGenerator:
+    """The engine over a snapshot of the student that generates the next step's rollouts while this step scores and
+    updates. One generation is in flight at a time: `start` → `wait` → `take`."""
+
+    def __init__(self, snapshot: torch.nn.Module, generator: Generator):
+        self.snapshot, self.generator = snapshot, generator
+        self.pending: PendingRollouts | None = None
+        self._running: tuple[list[int], _Background] | None = None
+
+    def start(self, student: torch.nn.Module, indices: list[int], prompt_ids: Sequence[Sequence[int]],
+              params: SamplingParams, *, device: torch.device, autocast_dtype: torch.dtype | None) -> None:
+        """Copy the student's current weights into the snapshot and generate `prompt_ids` from it in the background
+        (on CUDA in its own stream, ordered after the copy)."""
+        with torch.no_grad():
+            for source, target in zip(student.parameters(), self.snapshot.parameters()):
+                target.copy_(source)
+        background = _Background(lambda: self.generator.generate(prompt_ids, params), device, autocast_dtype)
+        self._running = (indices, background)
+
+    def wait(self) -> None:
+        """Wait for the generation `start` began (re-raising its error); its rollouts become `pending`."""
+        if self._running is None:
+            return
+        (indices, background), self._running = self._running, None
+        self.pending = PendingRollouts(indices=indices, output=background.result())
+        release(self.generator)
+
+    def take(self) -> PendingRollouts | None:
+        """The rollouts generated ahead for this step (None at the first step), no longer pending."""
+        pending, self.pending = self.pending, None
+        return pending
+
+    def state_dict(self) -> dict | None:
+        return None if self.pending is None else self.pending.state_dict()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.pending = PendingRollouts.from_state(state)
+
+
+def overlap_generator(student: torch.nn.Module, tokenizer: Any, config: DistillConfig, vocab_size: int,
+                      dtype: torch.dtype | None) -> tuple[torch.nn.Module, Generator]:
+    """rollout.overlap: a frozen copy of the student in the rollout dtype (autocast's, else the weights') and the
+    configured engine over it, what an `AheadGenerator` wraps (`Trainer(rollout_model=…, rollout_generator=…)`).
+    The copy's weights are refreshed from the student at the start of every step (`AheadGenerator.start`)."""
+    snapshot = rollout_snapshot(student, dtype or next(student.parameters()).dtype)
+    generator = make_generator(snapshot, tokenizer, max_batch_size=config.rollout.batch_size, vocab_size=vocab_size,
+                               engine=config.rollout.engine)
+    return snapshot, generator
+
+
+def rollout_snapshot(student: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of the student in `dtype`, in eval mode, that runs its own weights (a deep copy drops the layers'
+    in-place compilation: `nn.Module.__getstate__`). Its parameters keep requires_grad: on CPU turning it off changes
+    which kernels run, and so the rounding."""
+    return copy.deepcopy(student).to(dtype).eval()
+
+
+def release(generator: Any) -> None:
+    """Let an engine free what it holds between rollouts (caches, weight copies) if it offers `release()`; the
+    scoring and update phases then have that memory. Engines without it keep nothing between calls."""
+    release_fn = getattr(generator, "release", None)
+    if callable(release_fn):
+        release_fn()
+
+
+class _Background:
+    """`fn()` in a thread (its own CUDA stream, ordered after the work queued so far, e.g. a weight copy); `result()`
+    waits for it and re-raises its exception."""
+
+    def __init__(self, fn: Callable[[], Any], device: torch.device, autocast_dtype: torch.dtype | None):
+        self._value, self._error = None, None
+        threads = torch.get_num_threads()  # OpenMP's thread count is per thread: keep the CPU reductions' order
+        stream = None
+        if device.type == "cuda":
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+
+        def run() -> None:
+            torch.set_num_threads(threads)
+            try:  # autocast and the current stream are per thread: set them here
+                in_stream = torch.cuda.stream(stream) if stream is not None else nullcontext()
+                with in_stream, autocast(device, autocast_dtype):
+                    self._value = fn()
+            except BaseException as error:  # noqa: BLE001 (re-raised in the training thread)
+                self._error = error
+
+        self._thread = threading.Thread(target=run, name="opd-rollout-ahead", daemon=True)
+        self._thread.start()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value

@@ -1,0 +1,357 @@
+"""One OPD step (SPEC §1–§6, DESIGN): `opd_step` reads `sample → score → targets → update → metrics`, one
+function per phase below. The math lives in `opd.objectives` (`build_targets`, `micro_loss`, the statistics),
+rollout-ahead in `opd.train.overlap`, setup, the loop and checkpoints in the recipe (`opd.recipes.distill`).
+
+Multi-process (torchrun): each rank takes a slice of every step's prompts, the student is sharded by FSDP2 and the
+token-mean stays global across ranks (`opd.train.distributed`). With one process the `tr.dist` calls are no-ops.
+
+Omitted on purpose: PPO mini-batch epochs (the paper makes one optimizer step per rollout batch, so the ratio is
+≡ 1 and the old log-probs are the student's no-grad scores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opd.config import DistillConfig
+from opd.eval.grading import grade_responses
+from opd.io import write_jsonl
+from opd.models import activation_budget, on_device
+from opd.objectives import (
+    build_targets, diagnostic_top_k, is_weight_stats, micro_loss, opd_diagnostics, reward_stats, seq_reward_metrics,
+    strategy_spec, teacher_logprobs_at_student_topk,
+)
+from opd.objectives.targets import Targets
+from opd.report.sinks import MetricsSink
+from opd.rollout import SamplingParams
+from opd.rollout.base import Generator
+from opd.rollout.batch import build_rollouts
+from opd.scoring import candidate_logprobs_and_entropy
+from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
+from opd.teacher.base import TeacherScorer, start_scoring
+from opd.teacher.local import forward_hidden, needed_lengths, output_head, split_by_token_budget, uses_packing
+from opd.train.common import autocast, timed
+from opd.train.distributed import SINGLE, DistInfo, all_reduce_sum, gathered, max_over_ranks, reduce_metrics
+from opd.train.optim import clip_and_step
+from opd.train.overlap import AheadGenerator, PendingRollouts, release
+from opd.train.sampler import PromptSampler
+from opd.types import Prompt, Rollouts, TokenScores
+
+
+@dataclass
+class Trainer:
+    """Everything a step needs, built once by the recipe's `setup`. No behaviour: the functions below act on it."""
+
+    config: DistillConfig
+    run_dir: Path
+    student: torch.nn.Module
+    tokenizer: Any  # a Hugging Face tokenizer: pad_token_id, decode, convert_ids_to_tokens
+    prompts: list[Prompt]
+    prompt_ids: list[list[int]]
+    generator: Generator
+    student_scorer: TeacherScorer  # the student's own no-grad scores (`opd.teacher.local.LocalScorer`)
+    teacher: torch.nn.Module | None  # the in-process teacher module (offloading moves it); None when served
+    teacher_scorer: TeacherScorer | None
+    reference_scorer: TeacherScorer | None  # a frozen copy of the initial student, only with objective.kl_coef
+    vocab_size: int
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: PromptSampler
+    sink: MetricsSink | None  # rank 0's, opened by setup; None on the other ranks
+    step: int = 0
+    skipped_steps: int = 0
+    history: list[dict] = field(default_factory=list)
+    autocast_dtype: torch.dtype | None = None
+    activation_budget: float | None = None  # selective checkpointing of compiled layers (opd.models.activation_budget)
+    dist: DistInfo = SINGLE  # this process's rank / world size (torchrun); SINGLE without torchrun
+    # rollout.overlap: a snapshot of the student and the engine over it (`opd.train.overlap.overlap_generator`),
+    # wrapped into `ahead`, which generates the next step's rollouts while this step scores and updates
+    rollout_model: torch.nn.Module | None = None
+    rollout_generator: Generator | None = None
+    # benchmarks: a list → each step appends CUDA memory (allocated / peak since the last mark, GiB) after each phase
+    memory_trace: list | None = None
+    ahead: AheadGenerator | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.rollout_model is not None:
+            self.ahead = AheadGenerator(self.rollout_model, self.rollout_generator)
+
+    @property
+    def pending_rollouts(self) -> PendingRollouts | None:
+        """The rollouts generated ahead for the next step (rollout.overlap); the checkpoint carries them."""
+        return None if self.ahead is None else self.ahead.pending
+
+
+@dataclass
+class Batch:
+    """This rank's rollouts of one step: the global indices of its prompts and the student's samples of them."""
+
+    indices: list[int]
+    rollouts: Rollouts
+    policy_lag: int  # optimizer steps between the sampling policy and the current one (1: generated ahead)
+
+
+@dataclass
+class Scores:
+    """What the models say about a batch's tokens, and the rollouts' grades."""
+
+    student: TokenScores  # the behaviour policy, no grad: sampled log-probs, top-k support, entropy
+    reference_BT: torch.Tensor | None  # a frozen reference's sampled-token log-probs (objective.kl_coef)
+    teacher: TokenScores | None  # sampled token, its own top-k, log-probs at the student's top-k
+    student_at_teacher_BTK: torch.Tensor | None  # s at the teacher's top-k (strategies with teacher slots)
+    texts: list[str]
+    correct: list[bool] | None  # None when the prompts carry no answers
+
+
+@dataclass
+class Update:
+    grad_norm: torch.Tensor  # before clipping
+    loss_metrics: list[dict]  # per real micro-batch, detached
+
+
+def opd_step(tr: Trainer) -> dict[str, float]:
+    """One on-policy step: rollouts of the current student, scored by the teacher, one optimizer update."""
+    timings: dict[str, float] = {}
+    device = next(tr.student.parameters()).device
+    batch = sample_rollouts(tr, timings, device)
+    scores = score_rollouts(tr, batch, timings, device)
+    targets = step_targets(tr, batch, scores, device)
+    result = update_student(tr, batch.rollouts, targets, timings, device)
+    if tr.ahead is not None:  # waiting here keeps every step self-contained: nothing runs during eval or a save
+        with timed(timings, "rollout_wait"):
+            tr.ahead.wait()
+    return step_metrics(tr, batch, scores, targets, result, timings)
+
+
+# ------------------------------------------------------------------------------------------------ the phases
+
+
+def sample_rollouts(tr: Trainer, timings: dict, device: torch.device) -> Batch:
+    """Prompts and rollouts. Every rank draws the same global batch from the resumable seeded sampler and keeps its
+    own slice; the current student samples n responses to each (FSDP: weights gathered once, see `gathered`). With
+    rollout.overlap they were generated during the previous step, from the weights before its update, and the next
+    step's generation starts here."""
+    rank, world = tr.dist.rank, tr.dist.world_size
+    pending = None if tr.ahead is None else tr.ahead.take()
+    if pending is None:
+        indices = tr.sampler.next_batch()[rank::world]
+        prompt_ids = [tr.prompt_ids[i] for i in indices]
+        with timed(timings, "rollout"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
+            output = tr.generator.generate(prompt_ids, _sampling_params(tr.config, tr.step, rank))
+            rollouts = build_rollouts(prompt_ids, output, pad_id=tr.tokenizer.pad_token_id, device=device)
+        release(tr.generator)
+    else:
+        indices, prompt_ids = pending.indices, [tr.prompt_ids[i] for i in pending.indices]
+        rollouts = build_rollouts(prompt_ids, pending.output, pad_id=tr.tokenizer.pad_token_id, device=device)
+    _mark_memory(tr, "rollout")
+    if tr.ahead is not None:  # also after the last step: the checkpoint carries them, and a longer resume continues
+        next_indices = tr.sampler.next_batch()[rank::world]
+        tr.ahead.start(tr.student, next_indices, [tr.prompt_ids[i] for i in next_indices],
+                       _sampling_params(tr.config, tr.step + 1, rank), device=device,
+                       autocast_dtype=tr.autocast_dtype)
+    return Batch(indices, rollouts, policy_lag=0 if pending is None else 1)
+
+
+def score_rollouts(tr: Trainer, batch: Batch, timings: dict, device: torch.device) -> Scores:
+    """The student's no-grad scores (the behaviour policy: top-k support, log-probs, entropy), a reference's, and the
+    teacher's scores of the student's tokens. A served teacher's requests go out as soon as the student's top-k
+    exists and overlap the grading of the rollouts."""
+    cfg, obj, rollouts = tr.config, tr.config.objective, batch.rollouts
+    diag_k = diagnostic_top_k(obj.top_k)
+    with timed(timings, "student"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
+        student = tr.student_scorer.score(rollouts, top_k=diag_k, temperature=cfg.rollout.temperature)
+        reference_BT = None if tr.reference_scorer is None else tr.reference_scorer.score(
+            rollouts, top_k=0, temperature=cfg.rollout.temperature, with_entropy=False).sampled_logprobs
+    teacher = student_at_teacher_BTK = teacher_call = None
+    if tr.teacher_scorer is not None:
+        with timed(timings, "teacher"), on_device(tr.teacher, device if cfg.teacher_offload else None):
+            serves_ids = getattr(tr.teacher_scorer, "serves_requested_ids", True)  # vLLM: only its own top-k
+            teacher_call = start_scoring(tr.teacher_scorer, rollouts, top_k=diag_k,
+                                         requested_ids=student.topk_ids if serves_ids else None,
+                                         temperature=obj.teacher_temperature)
+    texts, correct = _grade_rollouts(tr, rollouts, batch.indices)
+    if teacher_call is not None:
+        with timed(timings, "teacher"):
+            teacher = teacher_call.result()
+        if obj.top_k and strategy_spec(obj.strategy).teacher_slots:
+            with timed(timings, "student"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
+                student_at_teacher_BTK = tr.student_scorer.score(
+                    rollouts, top_k=0, requested_ids=teacher.topk_ids, temperature=cfg.rollout.temperature,
+                    with_entropy=False,
+                ).requested_logprobs
+    _mark_memory(tr, "scoring")
+    return Scores(student, reference_BT, teacher, student_at_teacher_BTK, texts, correct)
+
+
+def step_targets(tr: Trainer, batch: Batch, scores: Scores, device: torch.device) -> Targets:
+    """Token rewards → advantages → the loss's support and importance weights (`opd.objectives.build_targets`), with
+    the rollouts' grades as outcome rewards (GRPO)."""
+    correct = scores.correct
+    outcome_B = torch.tensor(correct, dtype=torch.float32, device=device) if correct is not None else None
+    return build_targets(
+        scores.student, scores.teacher, batch.rollouts, tr.config.objective,
+        student_at_teacher_topk=scores.student_at_teacher_BTK, reference_logprobs=scores.reference_BT,
+        outcome_rewards=outcome_B,
+    )
+
+
+def update_student(tr: Trainer, rollouts: Rollouts, targets: Targets, timings: dict, device: torch.device) -> Update:
+    """The grad forward in micro-batches, then one optimizer step. Each micro-batch's loss divides by the token count
+    of the *whole* batch (all ranks), so the summed gradients are the batch gradient."""
+    cfg, world = tr.config, tr.dist.world_size
+    with timed(timings, "update"):
+        num_tokens = all_reduce_sum(targets.mask.sum(), tr.dist).clamp(min=1)
+        num_seqs = all_reduce_sum(torch.tensor(rollouts.batch_size, device=device), tr.dist)
+        loss_metrics: list[dict] = []
+        tr.student.train()
+        groups = split_by_token_budget(needed_lengths(rollouts), cfg.micro_batch_tokens,
+                                       padded=not uses_packing(tr.student))
+        # FSDP: every rank must run as many forward/backward passes (each all-gathers and reduce-scatters), so ranks
+        # with fewer micro-batches repeat their first one with a zero loss.
+        num_real = len(groups)
+        groups += [groups[0]] * (max_over_ranks(num_real, tr.dist) - num_real)
+        for index, rows in enumerate(groups):
+            micro, micro_targets = rollouts.select(rows), targets.select(rows)
+            with autocast(device, tr.autocast_dtype), activation_budget(tr.activation_budget):  # the chunked head too
+                hidden = forward_hidden(tr.student, micro, through_root=world > 1)  # FSDP's root hooks must run
+                head = output_head(tr.student)  # after the forward: under FSDP, the root's unsharded head weight
+                ids_NJ = micro_targets.candidate_ids[hidden.rows_N, hidden.cols_N]
+                if targets.reference is not None:  # the KL term needs the sampled token's log-prob as one more column
+                    ids_NJ = torch.cat([ids_NJ, hidden.targets_N[:, None]], dim=-1)
+                lp_NJ, entropy_N = candidate_logprobs_and_entropy(
+                    hidden.hidden_ND, head, ids_NJ, temperature=cfg.rollout.temperature, vocab_size=tr.vocab_size)
+            loss, micro_metrics = micro_loss(hidden.to_grid(lp_NJ), hidden.to_grid(entropy_N), micro_targets,
+                                             cfg.objective, global_num_tokens=num_tokens, global_num_seqs=num_seqs)
+            if index >= num_real:  # padding pass (see above): gradients of zero, metrics not counted
+                loss = loss * 0.0
+            else:
+                loss_metrics.append(micro_metrics)
+            # FSDP averages gradients over ranks; the loss is already a share of the global mean, so scale it back
+            # up: the summed update equals the single-process one on the same global batch.
+            (loss * world).backward()
+        tr.student.eval()
+        _mark_memory(tr, "forward_backward")
+        grad_norm, stepped = clip_and_step(tr.student, tr.optimizer, tr.scheduler, cfg.optim.grad_clip)
+        tr.generator.sync_weights()
+    tr.skipped_steps += 0 if stepped else 1
+    _mark_memory(tr, "optimizer_step")
+    return Update(grad_norm, loss_metrics)
+
+
+def step_metrics(tr: Trainer, batch: Batch, scores: Scores, targets: Targets, result: Update,
+            timings: dict[str, float]) -> dict[str, float]:
+    """The step's metrics (SPEC §6) with one host sync for all of them; rank 0 writes its samples; the ranks' values
+    become one line: losses (shares of a global mean) and throughput add up, everything else is averaged."""
+    rollouts, student, teacher, mask_BT = batch.rollouts, scores.student, scores.teacher, targets.mask
+    out: dict[str, Any] = {"grad_norm": result.grad_norm, "lr": tr.scheduler.get_last_lr()[0],
+                           "skipped_steps": tr.skipped_steps}
+    out.update(_sum_micro_metrics(result.loss_metrics))
+    out.update(reward_stats("reward", targets.rewards, targets.reward_valid, mask_BT),
+               **reward_stats("advantage", targets.advantages, targets.valid, mask_BT))
+    out["valid_slots_per_token"] = targets.valid.sum() / mask_BT.sum().clamp(min=1)
+    out["policy_lag"] = batch.policy_lag  # optimizer steps between the sampling and the current policy
+    if targets.tis_weights is not None:
+        out.update(is_weight_stats(student.sampled_logprobs, rollouts.rollout_logprobs,
+                                   tr.config.objective.tis_cap, mask_BT))
+    if teacher is not None:
+        out.update(opd_diagnostics(
+            student_topk_ids=student.topk_ids, student_topk_logprobs=student.topk_logprobs,
+            teacher_topk_ids=teacher.topk_ids, teacher_topk_logprobs=teacher.topk_logprobs,
+            teacher_logprobs_at_student_topk=teacher_logprobs_at_student_topk(student, teacher),
+            student_entropy=student.entropy, teacher_entropy=teacher.entropy, response_mask=mask_BT,
+        ))
+        out.update(seq_reward_metrics(student, teacher, mask_BT, scores.correct))
+    if rollouts.rollout_logprobs is not None:  # engine vs trainer: what truncated importance weights correct
+        gap_BT = (student.sampled_logprobs - rollouts.rollout_logprobs).abs()
+        out["rollout_logprob_abs_diff"] = (gap_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)
+    lengths = mask_BT.sum(-1).float()
+    out.update(response_length=lengths.mean(), truncation_rate=rollouts.truncated.float().mean())
+    if scores.correct is not None:
+        out["rollout_accuracy"] = sum(scores.correct) / len(scores.correct)
+    out = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+    total = sum(timings.values())
+    out.update({f"time/{k}": v for k, v in timings.items()}, **{"time/step": total})
+    out["tokens_per_second"] = float(lengths.sum()) / max(total, 1e-9)
+    if tr.dist.is_main:
+        _write_samples(tr, rollouts, scores.texts, scores.correct, targets.rewards)  # rank 0's rollouts only
+    summed = tuple(k for k in out if _is_summed_loss(k)) + ("tokens_per_second",)
+    return reduce_metrics(out, tr.dist, summed=summed)
+
+
+# -------------------------------------------------------------------------------------------------- helpers
+
+
+def _step_seed(seed: int, step: int, rank: int = 0) -> int:
+    """The rollout seed of a step; each rank samples with its own (rank 0's equals the single-process seed)."""
+    return derive_seed(seed, step=step, index=rank, salt=SALT_STEP_ROLLOUT)
+
+
+def _sampling_params(cfg: DistillConfig, step: int, rank: int) -> SamplingParams:
+    """How step `step`'s rollouts are sampled (the same whether they are generated in that step or one ahead)."""
+    return SamplingParams(
+        n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens, seed=_step_seed(cfg.run.seed, step, rank),
+        # vLLM's log-probs are always kept when they are the full-vocabulary ones (top_p = 1): the engine-vs-trainer
+        # gap is logged every step (rollout_logprob_abs_diff)
+        return_logprobs=cfg.objective.tis_cap is not None or (cfg.rollout.engine == "vllm" and cfg.rollout.top_p == 1),
+    )
+
+
+def _mark_memory(tr: Trainer, phase: str) -> None:
+    """With `tr.memory_trace` set (benchmarks): record the CUDA memory allocated now and the peak since the previous
+    mark (GiB), labelled by the phase that just ended, and restart the peak counter."""
+    if tr.memory_trace is None or not torch.cuda.is_available():
+        return
+    tr.memory_trace.append({"step": tr.step, "phase": phase, "allocated_gib": torch.cuda.memory_allocated() / 2**30,
+                            "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+    torch.cuda.reset_peak_memory_stats()
+
+
+def _sum_micro_metrics(metrics: list[dict]) -> dict:
+    """Micro-batch losses are already divided by the global count, so the step's loss is their sum."""
+    if not metrics:
+        return {}
+    out = {}
+    for key in metrics[0]:
+        values = torch.stack([m[key].float() for m in metrics])
+        out[key] = values.sum() if _is_summed_loss(key) else values.mean()
+    return out
+
+
+def _is_summed_loss(key: str) -> bool:
+    """Loss terms divided by the global token count: micro-batches and ranks add up to the step's value."""
+    return key.endswith("_loss") or key in ("loss", "kl_reference", "entropy_bonus")
+
+
+def _grade_rollouts(tr: Trainer, rollouts: Rollouts, indices: list[int]) -> tuple[list[str], list[bool] | None]:
+    """Decode every rollout; grade it when the prompts carry answers (rule-based accuracy, GRPO rewards)."""
+    answers = [tr.prompts[indices[g]].answer for g in rollouts.group_ids.tolist()]
+    texts, grades = grade_responses(tr.tokenizer, rollouts.response_ids, answers,
+                                    lengths=rollouts.response_mask.sum(-1).tolist())
+    return texts, None if grades is None else [g.correct for g in grades]
+
+
+def _write_samples(tr: Trainer, rollouts: Rollouts, texts: list[str], correct: list[bool] | None,
+                   rewards_BTJ: torch.Tensor) -> None:
+    count = min(tr.config.run.samples_per_step, rollouts.batch_size)
+    if not count:
+        return
+    records = []
+    position_rewards_BT = rewards_BTJ.sum(-1)
+    for row in range(count):
+        length = int(rollouts.response_mask[row].sum())
+        ids = rollouts.response_ids[row, :length].tolist()
+        prompt_length = int(rollouts.prompt_lengths[row])
+        records.append({
+            "step": tr.step + 1,
+            "prompt": tr.tokenizer.decode(rollouts.input_ids[row, :prompt_length].tolist()),
+            "response": texts[row],
+            "correct": None if correct is None else correct[row],
+            "tokens": tr.tokenizer.convert_ids_to_tokens(ids),
+            "token_rewards": [round(r, 5) for r in position_rewards_BT[row, :length].tolist()],
+        })
+    write_jsonl(tr.run_dir / "samples" / f"step_{tr.step + 1}.jsonl", records)

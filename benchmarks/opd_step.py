@@ -106,6 +106,15 @@ class BenchGenerator:
     def sync_weights(self) -> None:
         self.inner.sync_weights()
 
+    def release(self) -> None:
+        self.inner.release()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def check_fits(self, *args, **kwargs) -> None:
+        self.inner.check_fits(*args, **kwargs)
+
     def generate(self, prompt_ids, params):
         from opd.rollout import GenerationOutput
 

@@ -140,7 +140,7 @@ def mini_step(config: DistillConfig, *, generator: Any, student: torch.nn.Module
         scores = student_scorer.score(rollouts, top_k=k, temperature=cfg.rollout.temperature)
     if teacher_scorer is not None:
         with timed(timings, "teacher"):
-            serves_ids = getattr(teacher_scorer, "serves_requested_ids", True)  # vLLM: only its own top-k
+            serves_ids = teacher_scorer.serves_requested_ids  # vLLM: only its own top-k
             teacher_scorer.score(rollouts, top_k=k, requested_ids=scores.topk_ids if serves_ids else None,
                                  temperature=cfg.objective.teacher_temperature)
     # On CUDA the timed backward recomputes activations (as the run will: full or selective checkpointing), so the

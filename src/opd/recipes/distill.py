@@ -62,8 +62,7 @@ def distill(config: DistillConfig, *, console: Any = None) -> Path:
         tr = setup(config, run_dir, checkpoint=resume_checkpoint(run_dir, config.run, console, config),
                    console=console, dist=info)
         train(tr, console=console)
-        if callable(getattr(tr.generator, "close", None)):  # vLLM: its groups go before the process group they live in
-            tr.generator.close()
+        tr.generator.close()  # vLLM: its groups go before the process group they live in
     destroy_distributed(info)
     return run_dir
 

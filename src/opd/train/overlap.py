@@ -70,7 +70,7 @@ class AheadGenerator:
             return
         (indices, background), self._running = self._running, None
         self.pending = PendingRollouts(indices=indices, output=background.result())
-        release(self.generator)
+        self.generator.release()
 
     def take(self) -> PendingRollouts | None:
         """The rollouts generated ahead for this step (None at the first step), no longer pending."""
@@ -100,14 +100,6 @@ def rollout_snapshot(student: torch.nn.Module, dtype: torch.dtype) -> torch.nn.M
     in-place compilation: `nn.Module.__getstate__`). Its parameters keep requires_grad: on CPU turning it off changes
     which kernels run, and so the rounding."""
     return copy.deepcopy(student).to(dtype).eval()
-
-
-def release(generator: Any) -> None:
-    """Let an engine free what it holds between rollouts (caches, weight copies) if it offers `release()`; the
-    scoring and update phases then have that memory. Engines without it keep nothing between calls."""
-    release_fn = getattr(generator, "release", None)
-    if callable(release_fn):
-        release_fn()
 
 
 class _Background:

@@ -37,7 +37,7 @@ from opd.teacher.local import forward_hidden, needed_lengths, output_head, split
 from opd.train.common import autocast, timed
 from opd.train.distributed import SINGLE, DistInfo, all_reduce_sum, gathered, max_over_ranks, reduce_metrics
 from opd.train.optim import clip_and_step
-from opd.train.overlap import AheadGenerator, PendingRollouts, release
+from opd.train.overlap import AheadGenerator, PendingRollouts
 from opd.train.sampler import PromptSampler
 from opd.types import Prompt, Rollouts, TokenScores
 
@@ -143,7 +143,7 @@ def sample_rollouts(tr: Trainer, timings: dict, device: torch.device) -> Batch:
         with timed(timings, "rollout"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
             output = tr.generator.generate(prompt_ids, _sampling_params(tr.config, tr.step, rank))
             rollouts = build_rollouts(prompt_ids, output, pad_id=tr.tokenizer.pad_token_id, device=device)
-        release(tr.generator)
+        tr.generator.release()  # the scoring and update phases get the engine's caches back
     else:
         indices, prompt_ids = pending.indices, [tr.prompt_ids[i] for i in pending.indices]
         rollouts = build_rollouts(prompt_ids, pending.output, pad_id=tr.tokenizer.pad_token_id, device=device)
@@ -169,7 +169,7 @@ def score_rollouts(tr: Trainer, batch: Batch, timings: dict, device: torch.devic
     teacher = student_at_teacher_BTK = teacher_call = None
     if tr.teacher_scorer is not None:
         with timed(timings, "teacher"), on_device(tr.teacher, device if cfg.teacher_offload else None):
-            serves_ids = getattr(tr.teacher_scorer, "serves_requested_ids", True)  # vLLM: only its own top-k
+            serves_ids = tr.teacher_scorer.serves_requested_ids  # vLLM: only its own top-k
             teacher_call = start_scoring(tr.teacher_scorer, rollouts, top_k=diag_k,
                                          requested_ids=student.topk_ids if serves_ids else None,
                                          temperature=obj.teacher_temperature)

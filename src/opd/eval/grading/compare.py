@@ -14,8 +14,11 @@ which does not have it).
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import signal
+import sys
 import threading
 import time
 from fractions import Fraction
@@ -213,3 +216,24 @@ def _with_alarm(fn, seconds: float):
         signal.signal(signal.SIGALRM, old_handler)
         if old_delay > 0:  # someone else's alarm (e.g. pytest-timeout): give back what is left
             signal.setitimer(signal.ITIMER_REAL, max(old_delay - (time.monotonic() - start), 1e-3), old_interval)
+
+
+def _worker_main() -> None:
+    """Entry point of a worker subprocess: answer comparisons on stdout until stdin closes."""
+    # The protocol gets its own copy of fd 1; fd 1 itself (and sys.stdout) now go to stderr, so stray
+    # prints, from Python or C, cannot corrupt it.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    _math_verify()
+    _symbolic_in_process("1", "1", 30.0)  # warm sympy's caches before announcing readiness
+    out.write(b"ready\n")
+    out.flush()
+    for line in sys.stdin.buffer:
+        try:
+            pred, gold, timeout = json.loads(line)
+            result = _symbolic_in_process(pred, gold, float(timeout))
+        except Exception:
+            result = (False, "error")
+        out.write(json.dumps(list(result)).encode() + b"\n")
+        out.flush()

@@ -37,7 +37,7 @@ _WORKER_BOOT = (
     "spec = importlib.util.spec_from_file_location('opd', sys.argv[1])\n"
     "opd = sys.modules['opd'] = importlib.util.module_from_spec(spec)\n"
     "spec.loader.exec_module(opd)\n"
-    "from opd.eval.grading.workers import _worker_main\n"
+    "from opd.eval.grading.compare import _worker_main\n"
     "_worker_main()\n"
 )
 
@@ -229,26 +229,3 @@ def _pool() -> _WorkerPool:
             pool = _pool_state[pid] = _WorkerPool(size=max(2, min(8, os.cpu_count() or 2)))
             atexit.register(pool.close)
         return pool
-
-
-def _worker_main() -> None:
-    """Entry point of a worker subprocess: answer comparisons on stdout until stdin closes."""
-    from opd.eval.grading.compare import _math_verify, _symbolic_in_process  # compare imports this module
-
-    # The protocol gets its own copy of fd 1; fd 1 itself (and sys.stdout) now go to stderr, so stray
-    # prints, from Python or C, cannot corrupt it.
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    _math_verify()
-    _symbolic_in_process("1", "1", 30.0)  # warm sympy's caches before announcing readiness
-    out.write(b"ready\n")
-    out.flush()
-    for line in sys.stdin.buffer:
-        try:
-            pred, gold, timeout = json.loads(line)
-            result = _symbolic_in_process(pred, gold, float(timeout))
-        except Exception:
-            result = (False, "error")
-        out.write(json.dumps(list(result)).encode() + b"\n")
-        out.flush()

@@ -296,7 +296,7 @@ def verify_checkpoint(path: str | Path, *, hashes: bool = False) -> str | None:
         size = file.stat().st_size
         if size != entry["bytes"]:
             return f"{name} has {size} bytes, the manifest says {entry['bytes']}"
-        if hashes and _sha256(file) != entry["sha256"]:
+        if hashes and file_sha256(file) != entry["sha256"]:
             return f"{name} does not match its sha256 in the manifest"
     if STATE_FILE not in entries:
         return f"no {STATE_FILE}"
@@ -323,7 +323,7 @@ def latest_checkpoint(run_dir: str | Path, *, hashes: bool = False,
     one-line warning through `warn` (default: stderr)."""
     warn = warn or (lambda line: print(f"warning: {line}", file=sys.stderr))
     root = Path(run_dir) / "checkpoints"
-    steps = sorted(((_step(p), p) for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True) if root.is_dir() else []
+    steps = sorted(((checkpoint_step(p), p) for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True) if root.is_dir() else []
     for _, path in steps:
         problem = verify_checkpoint(path, hashes=hashes)
         if problem is None:
@@ -347,15 +347,15 @@ def remove_stale_temps(run_dir: str | Path, note: Callable[[str], None] | None =
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
             if note is not None:
-                note(f"removed {path}, left by an interrupted checkpoint write ({_size(size)})")
+                note(f"removed {path}, left by an interrupted checkpoint write ({format_size(size)})")
     return removed
 
 
-def _step(path: Path) -> int:
+def checkpoint_step(path: Path) -> int:
     return int(_STEP_DIR.match(path.name).group(1))
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(16 << 20):
@@ -366,10 +366,10 @@ def _sha256(path: Path) -> str:
 def _sha256_and_sync(path: Path) -> str:
     with open(path, "rb+") as handle:
         os.fsync(handle.fileno())
-    return _sha256(path)
+    return file_sha256(path)
 
 
-def _size(num_bytes: int) -> str:
+def format_size(num_bytes: int) -> str:
     for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
         if num_bytes >= scale:
             return f"{num_bytes / scale:.1f} {unit}"

@@ -32,8 +32,8 @@ import torch
 
 from opd.io import give_umask_modes
 from opd.rundir import (  # the checkpoint directories on disk: names, manifest, verification, listing
-    COMPLETE, MANIFEST, STATE_FILE, _sha256, _size, complete_checkpoints, latest_checkpoint, remove_stale_temps,
-    verify_checkpoint, write_manifest,
+    COMPLETE, MANIFEST, STATE_FILE, checkpoint_step, complete_checkpoints, format_size, latest_checkpoint,
+    remove_stale_temps, verify_checkpoint, write_manifest,
 )
 
 
@@ -96,7 +96,7 @@ def save_checkpoint(
             free = shutil.disk_usage(root).free
             raise CheckpointWriteError(
                 f"could not write checkpoint step_{step} into {root} ({_reason(error)}): it needs about "
-                f"{_size(needed)}, {_size(free)} free there; the partial copy was removed. Free space (or lower "
+                f"{format_size(needed)}, {format_size(free)} free there; the partial copy was removed. Free space (or lower "
                 f"run.keep_last) and rerun with --resume") from None
         raise
     if final.exists():  # re-saving the same step (e.g. after a resume): move the old one aside first
@@ -108,7 +108,7 @@ def save_checkpoint(
     else:
         os.replace(tmp, final)
     if keep_last:
-        earlier = [path for path in complete_checkpoints(run_dir) if _step(path) < step]
+        earlier = [path for path in complete_checkpoints(run_dir) if checkpoint_step(path) < step]
         for stale in earlier[: max(0, len(earlier) - (keep_last - 1))]:
             shutil.rmtree(stale, ignore_errors=True)
     return final

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import make_tiny_model
+from helpers import make_tiny_model
 from opd.rollout import SamplingParams, engine_names, make_generator
 from opd.rollout.registry import resolve_engine
 from opd.rollout.static_engine import StaticGenerator

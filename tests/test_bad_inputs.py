@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_tiny_model, make_tiny_tokenizer
+from helpers import make_tiny_model, make_tiny_tokenizer
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -571,6 +571,7 @@ SUBPROCESS_CASES = ["eval --model missing dir", "distill rollout.temperature=inf
                     "eval --n abc"]
 
 
+@pytest.mark.slow
 def test_real_stderr_is_one_line(env_world, tmp_path):
     """The same guarantees on a real process's stderr (no capture layer in between)."""
     cases = {c.name: c for c in CASES}

@@ -319,6 +319,7 @@ def test_cli_other_vocabulary_fails(tmp_path, tiny_model_dir):
     assert statuses["tokenizer_vocab"] == "fail" and statuses["determinism"] == "skip"
 
 
+@pytest.mark.slow
 def test_cli_bad_input_is_one_line(tmp_path):
     result = subprocess.run([sys.executable, "-m", "opd.cli", "check", "--student", str(lab.student_path()),
                              "--teacher", str(lab.teacher_path()), "--prompts", str(lab.opd_prompts_path()),

@@ -7,41 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import EOS_ID, make_tiny_model, make_tiny_tokenizer
-from opd.config import ConfigError, DistillConfig, build_config
+from opd.config import ConfigError
 from opd.io import read_jsonl
 from opd.train.checkpoint import latest_checkpoint
 from opd.recipes.distill import distill
 
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """A tiny student and teacher (same tokenizer, different weights) and a prompt set with answers."""
-    root = tmp_path_factory.mktemp("world")
-    tokenizer = make_tiny_tokenizer()
-    for name, seed in (("student", 0), ("teacher", 1)):
-        make_tiny_model("qwen3", seed=seed).save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
-    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(6)]
-    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root
-
-
-def config(world, tmp_path, *overrides, teacher=True, steps=2) -> DistillConfig:
-    options = {
-        "student.path": str(world / "student"), "data.path": str(world / "prompts.jsonl"),
-        "teacher.path": str(world / "teacher") if teacher else None,
-        "data.answer_key": "answer", "data.max_prompt_length": 32, "prompts_per_step": 2, "rollout.n": 2,
-        "rollout.max_new_tokens": 6, "micro_batch_tokens": 64, "run.out_dir": str(tmp_path), "run.name": "run",
-        "run.steps": steps, "run.report": False, "optim.lr": 1e-3,
-    }
-    return build_config(DistillConfig, options=options, overrides=list(overrides))
-
-
-def _weights(run_dir: Path) -> dict:
-    return load_file(str(latest_checkpoint(run_dir) / "model.safetensors"))
+from helpers import EOS_ID, distill_config, latest_weights, make_tiny_model, make_tiny_tokenizer, reverse_kl
+from helpers import train_to_prefer
 
 
 @pytest.mark.parametrize(
@@ -61,7 +34,7 @@ def _weights(run_dir: Path) -> dict:
     ids=lambda o: ",".join(x.split(".", 1)[1] for x in o),
 )
 def test_every_mode_runs_and_writes_the_run_dir(world, tmp_path, overrides):
-    run_dir = distill(config(world, tmp_path, *overrides))
+    run_dir = distill(distill_config(world, tmp_path, *overrides))
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     for key in ("reward_mean", "grad_norm", "overlap_ratio", "overlap_mass_student", "overlap_mass_teacher",
@@ -77,20 +50,20 @@ def test_every_mode_runs_and_writes_the_run_dir(world, tmp_path, overrides):
 
 
 def test_grpo_baseline_needs_no_teacher(world, tmp_path):
-    run_dir = distill(config(world, tmp_path, "objective.advantage=grpo", "objective.top_k=0", teacher=False))
+    run_dir = distill(distill_config(world, tmp_path, "objective.advantage=grpo", "objective.top_k=0", teacher=False))
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert "rollout_accuracy" in metrics[-1] and "overlap_ratio" not in metrics[-1]
 
 
 def test_samples_carry_per_token_rewards(world, tmp_path):
-    run_dir = distill(config(world, tmp_path))
+    run_dir = distill(distill_config(world, tmp_path))
     record = read_jsonl(run_dir / "samples" / "step_1.jsonl")[0]
     assert len(record["tokens"]) == len(record["token_rewards"]) >= 1
     assert record["prompt"].endswith("assistant\n")
 
 
 def test_report_written_at_end(world, tmp_path):
-    run_dir = distill(config(world, tmp_path, "run.report=true"))
+    run_dir = distill(distill_config(world, tmp_path, "run.report=true"))
     assert (run_dir / "report.html").stat().st_size > 10_000
 
 
@@ -107,7 +80,7 @@ def test_report_written_at_end(world, tmp_path):
 )
 def test_startup_checks_fail_in_one_line(world, tmp_path, overrides, teacher, message):
     with pytest.raises(ValueError, match=message) as error:
-        distill(config(world, tmp_path, *overrides, teacher=teacher))
+        distill(distill_config(world, tmp_path, *overrides, teacher=teacher))
     assert "\n" not in str(error.value)
 
 
@@ -117,14 +90,14 @@ def test_step_0_eval_is_the_student_before_training(world, tmp_path):
     bench = tmp_path / "bench.jsonl"
     bench.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     evals = [f"eval.benchmarks=[{bench}]", "eval.n=1", "eval.max_new_tokens=4", "eval.answer_key=answer"]
-    run_dir = distill(config(world, tmp_path / "a", *evals))
+    run_dir = distill(distill_config(world, tmp_path / "a", *evals))
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2, 2] and "eval/bench/avg@1" in metrics[0]
     assert (run_dir / "eval" / "step_0" / "results.json").is_file()
-    without = distill(config(world, tmp_path / "b", *evals, "run.eval_at_start=false"))
+    without = distill(distill_config(world, tmp_path / "b", *evals, "run.eval_at_start=false"))
     assert [m["step"] for m in read_jsonl(without / "metrics.jsonl")] == [1, 2, 2]
     assert not (without / "eval" / "step_0").exists()
-    a, b = _weights(run_dir), _weights(without)
+    a, b = latest_weights(run_dir), latest_weights(without)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the same computation replayed: bit-exact
     mask = os.umask(0)
     os.umask(mask)
@@ -138,17 +111,17 @@ def test_tokenizer_mismatch_is_caught_before_any_compute(world, tmp_path):
     tokenizer.add_tokens(["<extra>"])
     make_tiny_model("qwen3", vocab_size=262, seed=2).save_pretrained(other)
     tokenizer.save_pretrained(other)
-    cfg = config(world, tmp_path)
+    cfg = distill_config(world, tmp_path)
     cfg.teacher.path = str(other)
     with pytest.raises(ValueError, match="<extra>"):
         distill(cfg)
 
 
 def test_resume_is_bit_identical(world, tmp_path):
-    straight = distill(config(world, tmp_path / "a", "run.save_every=2", steps=4))
-    distill(config(world, tmp_path / "b", "run.save_every=2", steps=2))
-    resumed = distill(config(world, tmp_path / "b", "run.save_every=2", "run.resume=true", steps=4))
-    a, b = _weights(straight), _weights(resumed)
+    straight = distill(distill_config(world, tmp_path / "a", "run.save_every=2", steps=4))
+    distill(distill_config(world, tmp_path / "b", "run.save_every=2", steps=2))
+    resumed = distill(distill_config(world, tmp_path / "b", "run.save_every=2", "run.resume=true", steps=4))
+    a, b = latest_weights(straight), latest_weights(resumed)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     metrics = read_jsonl(resumed / "metrics.jsonl")
@@ -169,11 +142,11 @@ def test_kill_during_checkpoint_keeps_previous_loadable(world, tmp_path, monkeyp
 
     monkeypatch.setattr(checkpoint.torch, "save", dying_save)
     with pytest.raises(KeyboardInterrupt):
-        distill(config(world, tmp_path, "run.save_every=2", steps=4))
+        distill(distill_config(world, tmp_path, "run.save_every=2", steps=4))
     run_dir = tmp_path / "run"
     assert latest_checkpoint(run_dir).name == "step_2"
     monkeypatch.setattr(checkpoint.torch, "save", real_save)
-    resumed = distill(config(world, tmp_path, "run.save_every=2", "run.resume=true", steps=4))
+    resumed = distill(distill_config(world, tmp_path, "run.save_every=2", "run.resume=true", steps=4))
     assert latest_checkpoint(resumed).name == "step_4"
 
 
@@ -212,47 +185,6 @@ def test_trainer_scores_agree_with_dense_token_rewards(world):
 # ----------------------------------------------------------------------------------------------------- learning
 
 
-def _train_to_prefer(path: Path, prompt_ids: list[int], target_ids: list[int], steps: int) -> None:
-    """A model pushed by `steps` Adam steps of SFT toward one fixed continuation of the prompt (seconds on CPU):
-    150 steps make the teacher; 5 steps from the same init make a student that is near it but clearly off."""
-    model = make_tiny_model("qwen3", seed=5).train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    ids = torch.tensor([prompt_ids + target_ids])
-    labels = ids.clone()
-    labels[:, : len(prompt_ids)] = -100
-    for _ in range(steps):
-        loss = model(ids, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval().save_pretrained(path)
-    make_tiny_tokenizer().save_pretrained(path)
-
-
-def _reverse_kl(student_dir: Path, teacher_dir: Path, prompt_ids: list[int], samples: int = 32) -> float:
-    """Exact token-mean KL(student ‖ teacher) over the full vocabulary on the student's own samples."""
-    from transformers import AutoModelForCausalLM
-
-    from opd.objectives import full_reverse_kl
-    from opd.rollout import SamplingParams
-    from opd.rollout.batch import build_rollouts
-    from opd.rollout import make_generator
-
-    student = AutoModelForCausalLM.from_pretrained(student_dir).eval()
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
-    tokenizer = make_tiny_tokenizer()
-    output = make_generator(student, tokenizer).generate([prompt_ids], SamplingParams(n=samples, max_new_tokens=6, seed=11))
-    rollouts = build_rollouts([prompt_ids], output, pad_id=tokenizer.pad_token_id)
-    positions = rollouts.response_positions().clamp(max=rollouts.input_ids.shape[1] - 1)
-    with torch.no_grad():
-        s = student(rollouts.input_ids, attention_mask=rollouts.attention_mask).logits
-        t = teacher(rollouts.input_ids, attention_mask=rollouts.attention_mask).logits
-    mask = rollouts.response_mask
-    gather = lambda logits: torch.gather(logits, 1, positions[..., None].expand(-1, -1, logits.shape[-1]))[mask]
-    kl = full_reverse_kl(gather(s), gather(t), torch.ones(int(mask.sum()), dtype=torch.bool))
-    return float(kl.sum() / mask.sum())
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("top_k", [0, 16], ids=["sampled-token", "only_stu-top16"])
 def test_opd_moves_the_student_toward_the_teacher(world, tmp_path, top_k):
@@ -262,16 +194,16 @@ def test_opd_moves_the_student_toward_the_teacher(world, tmp_path, top_k):
                                                add_generation_prompt=True)
     prompt_ids = tokenizer(prompt_ids, add_special_tokens=False)["input_ids"]
     target_ids = tokenizer("42")["input_ids"] + [EOS_ID]
-    _train_to_prefer(tmp_path / "teacher", prompt_ids, target_ids, steps=150)
-    _train_to_prefer(tmp_path / "student", prompt_ids, target_ids, steps=5)
+    train_to_prefer(tmp_path / "teacher", prompt_ids, target_ids, steps=150)
+    train_to_prefer(tmp_path / "student", prompt_ids, target_ids, steps=5)
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": prompt_text, "answer": "42"}) + "\n")
-    cfg = config(world, tmp_path, f"objective.top_k={top_k}", "prompts_per_step=1", "rollout.n=8", "optim.lr=3e-3",
-                 "run.save_every=0", steps=20)
+    cfg = distill_config(world, tmp_path, f"objective.top_k={top_k}", "prompts_per_step=1", "rollout.n=8",
+                         "optim.lr=3e-3", "run.save_every=0", steps=20)
     cfg.student.path, cfg.teacher.path = str(tmp_path / "student"), str(tmp_path / "teacher")
     cfg.data.path = str(tmp_path / "p.jsonl")
-    before = _reverse_kl(tmp_path / "student", tmp_path / "teacher", prompt_ids)
+    before = reverse_kl(tmp_path / "student", tmp_path / "teacher", prompt_ids)
     run_dir = distill(cfg)
-    after = _reverse_kl(latest_checkpoint(run_dir), tmp_path / "teacher", prompt_ids)
+    after = reverse_kl(latest_checkpoint(run_dir), tmp_path / "teacher", prompt_ids)
     assert after < 0.5 * before, (before, after)
 
 
@@ -288,7 +220,7 @@ def test_opd_moves_the_student_toward_the_teacher(world, tmp_path, top_k):
     ids=lambda o: ",".join(x.split(".", 1)[1] for x in o),
 )
 def test_optional_terms_and_extension_objectives_run(world, tmp_path, overrides):
-    run_dir = distill(config(world, tmp_path, *overrides))
+    run_dir = distill(distill_config(world, tmp_path, *overrides))
     last = read_jsonl(run_dir / "metrics.jsonl")[-1]
     assert last["step"] == 2 and last["grad_norm"] is not None and last["grad_norm"] > 0
     if "objective.kl_coef=0.1" in overrides:
@@ -301,10 +233,10 @@ def test_teacher_offload_trains_like_a_resident_teacher(world, tmp_path):
     """teacher_offload only changes where the teacher's weights wait between scorings: the same run, bit for bit
     (on CPU the device copy is the host tensor itself; on the GPU the path ran in benchmarks/opd_step.py's offload
     rows)."""
-    resident = distill(config(world, tmp_path / "resident"))
-    offloaded = distill(config(world, tmp_path / "offloaded", "teacher_offload=true"))
-    for key, value in _weights(resident).items():
-        assert torch.equal(_weights(offloaded)[key], value), key
+    resident = distill(distill_config(world, tmp_path / "resident"))
+    offloaded = distill(distill_config(world, tmp_path / "offloaded", "teacher_offload=true"))
+    for key, value in latest_weights(resident).items():
+        assert torch.equal(latest_weights(offloaded)[key], value), key
     keys = ("reward_mean", "grad_norm", "overlap_ratio")
     assert [{k: m[k] for k in keys} for m in read_jsonl(offloaded / "metrics.jsonl")] == [
         {k: m[k] for k in keys} for m in read_jsonl(resident / "metrics.jsonl")]

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import make_tiny_model, make_tiny_tokenizer
+from helpers import make_tiny_model, make_tiny_tokenizer
 from opd.io import read_jsonl
 from opd.train.checkpoint import latest_checkpoint
 from opd.train.sampler import PromptSampler

@@ -8,10 +8,7 @@ from typer.testing import CliRunner
 from opd.cli import app
 from opd.io import read_jsonl
 
-
-def _write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+from helpers import eval_args, write_jsonl
 
 
 def test_eval_responses_known_counts(tmp_path):
@@ -25,7 +22,7 @@ def test_eval_responses_known_counts(tmp_path):
         {"problem_id": "b", "benchmark": "toy", "answer": "0.5", "responses": ["\\boxed{\\frac12}", "\\boxed{2}", "\\boxed{2}", "no answer"]},
     ]
     out = tmp_path / "out"
-    result = CliRunner().invoke(app, ["eval", "--responses", str(_write_jsonl(tmp_path / "r.jsonl", rows)), "--out", str(out)])
+    result = CliRunner().invoke(app, ["eval", "--responses", str(write_jsonl(tmp_path / "r.jsonl", rows)), "--out", str(out)])
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "results.json").read_text())["benchmarks"]["toy"]
     assert summary["num_problems"] == 2 and summary["num_samples"] == 8
@@ -39,7 +36,7 @@ def test_eval_responses_known_counts(tmp_path):
 
 
 def test_eval_responses_bad_file_is_one_line_error(tmp_path):
-    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"text": "x"}])
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": "x"}])
     result = CliRunner().invoke(app, ["eval", "--responses", str(bad), "--out", str(tmp_path / "o")])
     assert result.exit_code != 0
     assert "no response field" in str(result.exception)
@@ -48,18 +45,12 @@ def test_eval_responses_bad_file_is_one_line_error(tmp_path):
 @pytest.fixture()
 def problem_file(tmp_path):
     rows = [{"problem": f"What is {i} + {i}? Put the answer in \\boxed{{}}.", "answer": str(2 * i)} for i in range(5)]
-    return _write_jsonl(tmp_path / "toy.jsonl", rows)
-
-
-def _eval_args(model_dir, problem_file, out):
-    return ["eval", "--model", str(model_dir), "--benchmarks", str(problem_file), "--prompt-key", "problem",
-            "--answer-key", "answer", "--n", "2", "--max-new-tokens", "6", "--batch-size", "4", "--out", str(out),
-            "--temperature", "1.0", "--top-p", "1.0"]
+    return write_jsonl(tmp_path / "toy.jsonl", rows)
 
 
 def test_eval_model_files_table_and_resume(tiny_model_dir, problem_file, tmp_path):
     out = tmp_path / "run"
-    result = CliRunner().invoke(app, _eval_args(tiny_model_dir, problem_file, out))
+    result = CliRunner().invoke(app, eval_args(tiny_model_dir, problem_file, out))
     assert result.exit_code == 0, result.output
     assert (out / "config.yaml").exists() and (out / "results.json").exists()
     summary = json.loads((out / "results.json").read_text())["benchmarks"]["toy"]
@@ -73,7 +64,7 @@ def test_eval_model_files_table_and_resume(tiny_model_dir, problem_file, tmp_pat
     last_chunk = max(r["chunk"] for r in first)
     kept = [r for r in first if r["chunk"] != last_chunk]
     (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept) + '{"benchmark": "to')
-    result = CliRunner().invoke(app, _eval_args(tiny_model_dir, problem_file, out))
+    result = CliRunner().invoke(app, eval_args(tiny_model_dir, problem_file, out))
     assert result.exit_code == 0, result.output
     assert "resuming" in result.output
     resumed = read_jsonl(out / "samples.jsonl")
@@ -83,7 +74,7 @@ def test_eval_model_files_table_and_resume(tiny_model_dir, problem_file, tmp_pat
     assert {key(r): r["response"] for r in resumed} == {key(r): r["response"] for r in first}
 
     # a complete run directory: nothing left to do
-    result = CliRunner().invoke(app, _eval_args(tiny_model_dir, problem_file, out))
+    result = CliRunner().invoke(app, eval_args(tiny_model_dir, problem_file, out))
     assert len(read_jsonl(out / "samples.jsonl")) == 10
 
 
@@ -119,9 +110,9 @@ def _snapshot(out):
 ])
 def test_eval_rerun_with_other_settings_is_refused(tiny_model_dir, problem_file, tmp_path, change, field):
     out = tmp_path / "run"
-    assert CliRunner().invoke(app, _eval_args(tiny_model_dir, problem_file, out)).exit_code == 0
+    assert CliRunner().invoke(app, eval_args(tiny_model_dir, problem_file, out)).exit_code == 0
     before = _snapshot(out)
-    result = CliRunner().invoke(app, _eval_args(tiny_model_dir, problem_file, out) + change)
+    result = CliRunner().invoke(app, eval_args(tiny_model_dir, problem_file, out) + change)
     assert isinstance(result.exception, ValueError), result.output
     message = str(result.exception)
     assert "\n" not in message and field in message and str(out) in message and "another --out" in message
@@ -129,40 +120,41 @@ def test_eval_rerun_with_other_settings_is_refused(tiny_model_dir, problem_file,
 
 
 def test_eval_rerun_with_another_model_or_changed_data_is_refused(tiny_model_dir, problem_file, tmp_path):
-    from tests.conftest import make_tiny_model
+    from helpers import make_tiny_model
 
     out = tmp_path / "run"
-    assert CliRunner().invoke(app, _eval_args(tiny_model_dir, problem_file, out)).exit_code == 0
+    assert CliRunner().invoke(app, eval_args(tiny_model_dir, problem_file, out)).exit_code == 0
     before = _snapshot(out)
     # another model directory
     other = tmp_path / "other-model"
     make_tiny_model("llama", seed=1).save_pretrained(other)
     (other / "tokenizer.json").write_bytes((tiny_model_dir / "tokenizer.json").read_bytes())
-    result = CliRunner().invoke(app, _eval_args(other, problem_file, out))
+    result = CliRunner().invoke(app, eval_args(other, problem_file, out))
     assert "model.path" in str(result.exception) and "another --out" in str(result.exception)
     # the same directory, weights rewritten in place (e.g. a new checkpoint saved over it)
     make_tiny_model("llama", seed=1).save_pretrained(tiny_model_dir)
-    result = CliRunner().invoke(app, _eval_args(tiny_model_dir, problem_file, out))
+    result = CliRunner().invoke(app, eval_args(tiny_model_dir, problem_file, out))
     assert "model.files" in str(result.exception)
     make_tiny_model("llama").save_pretrained(tiny_model_dir)  # back to the weights of the samples
-    assert CliRunner().invoke(app, _eval_args(tiny_model_dir, problem_file, out)).exit_code == 0
+    assert CliRunner().invoke(app, eval_args(tiny_model_dir, problem_file, out)).exit_code == 0
     # the benchmark file changed under the same name: one answer differs
     rows = read_jsonl(problem_file)
     rows[3]["answer"] = "7"
-    _write_jsonl(problem_file, rows)
-    result = CliRunner().invoke(app, _eval_args(tiny_model_dir, problem_file, out))
+    write_jsonl(problem_file, rows)
+    result = CliRunner().invoke(app, eval_args(tiny_model_dir, problem_file, out))
     assert "benchmarks.toy" in str(result.exception)
     assert _snapshot(out) == before
 
 
+@pytest.mark.slow
 def test_eval_one_line_error_through_the_real_cli(tiny_model_dir, problem_file, tmp_path):
     import os
     import subprocess
     import sys
 
     out = tmp_path / "run"
-    assert CliRunner().invoke(app, _eval_args(tiny_model_dir, problem_file, out)).exit_code == 0
-    args = _eval_args(tiny_model_dir, problem_file, out)
+    assert CliRunner().invoke(app, eval_args(tiny_model_dir, problem_file, out)).exit_code == 0
+    args = eval_args(tiny_model_dir, problem_file, out)
     args[args.index("--n") + 1] = "3"
     proc = subprocess.run([sys.executable, "-c", "from opd.cli import main; main()", *args], capture_output=True,
                           text=True, env={**os.environ, "OPD_DEBUG": ""}, timeout=300)
@@ -173,9 +165,9 @@ def test_eval_one_line_error_through_the_real_cli(tiny_model_dir, problem_file, 
 
 def test_eval_responses_into_a_model_run_is_refused(tiny_model_dir, problem_file, tmp_path):
     out = tmp_path / "run"
-    assert CliRunner().invoke(app, _eval_args(tiny_model_dir, problem_file, out)).exit_code == 0
+    assert CliRunner().invoke(app, eval_args(tiny_model_dir, problem_file, out)).exit_code == 0
     before = _snapshot(out)
-    responses = _write_jsonl(tmp_path / "r.jsonl", [{"response": "\\boxed{2}", "answer": "2"}])
+    responses = write_jsonl(tmp_path / "r.jsonl", [{"response": "\\boxed{2}", "answer": "2"}])
     result = CliRunner().invoke(app, ["eval", "--responses", str(responses), "--out", str(out)])
     assert "mode: 'model' → 'responses'" in str(result.exception)
     assert _snapshot(out) == before
@@ -185,7 +177,7 @@ def test_eval_refuses_a_directory_of_other_output(problem_file, tmp_path):
     out = tmp_path / "someone-else"
     out.mkdir()
     (out / "config.yaml").write_text("steps: 10\n")
-    responses = _write_jsonl(tmp_path / "r.jsonl", [{"response": "\\boxed{2}", "answer": "2"}])
+    responses = write_jsonl(tmp_path / "r.jsonl", [{"response": "\\boxed{2}", "answer": "2"}])
     result = CliRunner().invoke(app, ["eval", "--responses", str(responses), "--out", str(out)])
     assert "no identity.json" in str(result.exception)
     assert (out / "config.yaml").read_text() == "steps: 10\n"
@@ -193,13 +185,13 @@ def test_eval_refuses_a_directory_of_other_output(problem_file, tmp_path):
 
 def test_eval_identical_rerun_resumes_and_the_identity_is_recorded(tiny_model_dir, problem_file, tmp_path):
     out = tmp_path / "run"
-    assert CliRunner().invoke(app, _eval_args(tiny_model_dir, problem_file, out)).exit_code == 0
+    assert CliRunner().invoke(app, eval_args(tiny_model_dir, problem_file, out)).exit_code == 0
     identity = json.loads((out / "identity.json").read_text())
     assert identity["mode"] == "model" and identity["n"] == 2 and identity["model"]["path"] == str(tiny_model_dir)
     assert len(identity["model"]["files"]) == 16 and set(identity["benchmarks"]) == {"toy"}
     first = (out / "samples.jsonl").read_bytes()
     # the device and the grading timeout do not change what was sampled
-    result = CliRunner().invoke(app, _eval_args(tiny_model_dir, problem_file, out) + ["--device", "cpu", "timeout=2"])
+    result = CliRunner().invoke(app, eval_args(tiny_model_dir, problem_file, out) + ["--device", "cpu", "timeout=2"])
     assert result.exit_code == 0, result.output
     assert (out / "samples.jsonl").read_bytes() == first
 
@@ -217,7 +209,7 @@ def _chunks(records):
 @pytest.mark.parametrize("damage", ["mid_chunk", "mid_line", "mid_line_then_more", "garbage_line", "all_but_one"])
 def test_eval_redoes_partial_chunks(tiny_model_dir, problem_file, tmp_path, damage):
     out = tmp_path / "run"
-    assert CliRunner().invoke(app, _eval_args(tiny_model_dir, problem_file, out)).exit_code == 0
+    assert CliRunner().invoke(app, eval_args(tiny_model_dir, problem_file, out)).exit_code == 0
     full = (out / "samples.jsonl").read_text()
     first = read_jsonl(out / "samples.jsonl")
     results = json.loads((out / "results.json").read_text())
@@ -234,7 +226,7 @@ def test_eval_redoes_partial_chunks(tiny_model_dir, problem_file, tmp_path, dama
     else:  # every chunk but the last line
         damaged = "".join(lines[:-1])
     (out / "samples.jsonl").write_text(damaged)
-    result = CliRunner().invoke(app, _eval_args(tiny_model_dir, problem_file, out))
+    result = CliRunner().invoke(app, eval_args(tiny_model_dir, problem_file, out))
     assert result.exit_code == 0, result.output
     assert "resuming" in result.output
     resumed = read_jsonl(out / "samples.jsonl")
@@ -246,7 +238,7 @@ def test_eval_redoes_partial_chunks(tiny_model_dir, problem_file, tmp_path, dama
 
 def test_eval_periodic_eval_dir_resumes_with_a_generator_in_memory(tiny_tokenizer, problem_file, tmp_path):
     """The trainer's `run_dir/eval/step_N` evals pass the model in memory; a rerun (a resumed run) reuses them."""
-    from tests.conftest import make_tiny_model
+    from helpers import make_tiny_model
 
     from opd.config import EvalConfig, ModelSpec
     from opd.recipes.eval import evaluate
@@ -277,7 +269,7 @@ def test_eval_responses_ground_truth_rules(tmp_path):
     runs = []
 
     def run(rows, *extra):  # each run its own --out: a changed responses file is other work
-        path = _write_jsonl(tmp_path / "r.jsonl", rows)
+        path = write_jsonl(tmp_path / "r.jsonl", rows)
         runs.append(tmp_path / f"o{len(runs)}")
         return CliRunner().invoke(app, ["eval", "--responses", str(path), "--out", str(runs[-1]), *extra])
 
@@ -312,9 +304,9 @@ def test_eval_responses_ground_truth_rules(tmp_path):
 def test_eval_benchmark_with_a_null_answer_fails_before_loading_the_model(problem_file, tmp_path):
     rows = read_jsonl(problem_file)
     rows[2]["answer"] = None
-    _write_jsonl(problem_file, rows)
+    write_jsonl(problem_file, rows)
     missing_model = tmp_path / "no-such-model"  # never reached: the data error comes first
-    result = CliRunner().invoke(app, _eval_args(missing_model, problem_file, tmp_path / "run"))
+    result = CliRunner().invoke(app, eval_args(missing_model, problem_file, tmp_path / "run"))
     assert isinstance(result.exception, ValueError)
     assert "row 2 (id '2') field 'answer' is null" in str(result.exception)
     assert not (tmp_path / "run" / "samples.jsonl").exists()
@@ -325,7 +317,7 @@ def test_distill_periodic_eval_is_finished_on_resume(tiny_tokenizer, tmp_path):
     steps 3-4 and finishes eval/step_4 from its complete chunks: the same results as a run never interrupted."""
     import shutil
 
-    from tests.conftest import make_tiny_model
+    from helpers import make_tiny_model
 
     from opd.config import DistillConfig, build_config
     from opd.recipes.distill import distill
@@ -333,7 +325,7 @@ def test_distill_periodic_eval_is_finished_on_resume(tiny_tokenizer, tmp_path):
     for name, seed in (("student", 0), ("teacher", 1)):
         make_tiny_model("qwen3", seed=seed).save_pretrained(tmp_path / name)
         tiny_tokenizer.save_pretrained(tmp_path / name)
-    prompts = _write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(6)])
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(6)])
 
     def run(out, steps, *extra):
         options = {

@@ -3,12 +3,12 @@ a reduced form. (The task and the tokenizer are tested in test_lab_task.py.)"""
 
 from __future__ import annotations
 
-import io
 import json
 
 import pytest
 import torch
 
+from helpers import string_console
 from opd import lab
 
 
@@ -18,12 +18,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def _console():
-    from rich.console import Console
-
-    return Console(file=io.StringIO(), width=200)
 
 
 def test_assets_are_package_data():
@@ -61,6 +55,7 @@ def test_models_match_the_tokenizer():
         assert config.vocab_size == len(expected) and config.eos_token_id == expected.eos_token_id
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["teacher", "student", "rewrite_teacher"])
 def test_shipped_models_reach_recorded_accuracy(tmp_path, name):
     from opd.lab.build import rewrite_share
@@ -70,7 +65,8 @@ def test_shipped_models_reach_recorded_accuracy(tmp_path, name):
     record = manifest["models"][name]
     recorded = record["test_accuracy"]
     tokens = record["test_eval"]["max_new_tokens"]
-    measured = measure(lab.assets_dir() / name, tmp_path / name, max_new_tokens=tokens, console=_console())  # all 300
+    measured = measure(lab.assets_dir() / name, tmp_path / name, max_new_tokens=tokens,
+                       console=string_console())  # all 300
     assert measured == pytest.approx(recorded, abs=0.02)
     if name == "student":
         assert 0.2 < recorded < 0.6  # a weak student: room for OPD to show
@@ -80,10 +76,11 @@ def test_shipped_models_reach_recorded_accuracy(tmp_path, name):
     assert rewrite_share(tmp_path / name) == (1.0 if name == "rewrite_teacher" else 0.0)
 
 
+@pytest.mark.slow
 def test_demo_reduced(tmp_path):
     from opd.recipes.demo import demo
 
-    console = _console()
+    console = string_console()
     run_dir = demo(
         [f"run.out_dir={tmp_path}", "run.name=demo", "run.steps=2", "run.eval_every=0", "eval.limit=20",
          "prompts_per_step=4", "rollout.n=2"],
@@ -122,11 +119,12 @@ def test_demo_config_matches_the_yaml():
     assert base == from_file
 
 
+@pytest.mark.slow
 def test_build_reduced(tmp_path):
     from opd.recipes.lab import build
 
     path = build(tmp_path, seed=3, teacher_steps=2, student_steps=2, rewrite_teacher_steps=2, rewrite_teacher_batch=16,
-                 sft_examples=256, eval_limit=4, console=_console())
+                 sft_examples=256, eval_limit=4, console=string_console())
     manifest = json.loads(path.read_text())
     assert set(manifest["models"]) == {"teacher", "student", "rewrite_teacher"}
     shipped = json.loads(lab.manifest_path().read_text())["models"]
@@ -147,24 +145,26 @@ def test_build_only_and_refusals(tmp_path):
     from opd.recipes.lab import build
 
     with pytest.raises(ValueError, match="rewrite_teacher"):
-        build(tmp_path / "x", only=["nope"], console=_console())
+        build(tmp_path / "x", only=["nope"], console=string_console())
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("not a build")
     with pytest.raises(FileExistsError, match="not written by"):
-        build(tmp_path / "mine", only=["student"], student_steps=1, console=_console())
+        build(tmp_path / "mine", only=["student"], student_steps=1, console=string_console())
     path = build(tmp_path / "one", only=["rewrite_teacher"], rewrite_teacher_steps=1, rewrite_teacher_batch=8,
-                 sft_examples=32, eval_limit=2, console=_console())
+                 sft_examples=32, eval_limit=2, console=string_console())
     assert set(json.loads(path.read_text())["models"]) == {"rewrite_teacher"}
     assert not (tmp_path / "one" / "teacher").exists() and not (tmp_path / "one" / "data" / "sft_forward.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_style_experiment_reduced(tmp_path):
     """`opd lab run style` plumbing with tiny budgets: rewrite teacher (SFT), cold start (rollout + SFT), 3 OPD runs."""
     from opd.recipes.lab import markdown, run_experiment
 
     setup = {"teacher_steps": 2, "teacher_examples": 8, "cold_prompts": 8, "cold_steps": 2, "cold_examples": 4}
     overrides = ["eval.limit=8", "prompts_per_step=2", "rollout.n=2"]
-    summary = run_experiment("style", out_dir=tmp_path, steps=2, overrides=overrides, setup=setup, console=_console())
+    summary = run_experiment("style", out_dir=tmp_path, steps=2, overrides=overrides, setup=setup,
+                             console=string_console())
     assert set(summary["runs"]) == {"mismatch", "cold_start", "matched"}
     assert all(0.0 <= r["rewrite_share"] <= 1.0 for r in summary["runs"].values())
     assert summary["runs"]["mismatch"]["overrides"] == [f"teacher.path={tmp_path / 'style' / 'rewrite_teacher'}"]
@@ -175,7 +175,7 @@ def test_style_experiment_reduced(tmp_path):
     assert "Rewrite-style teacher" in markdown(summary) and (tmp_path / "style" / "summary.json").is_file()
     # a second run reuses the cached teacher; its OPD run directory exists, so a new run moves it aside
     again = run_experiment("style", out_dir=tmp_path, steps=1, overrides=[*overrides, "run.overwrite=true"],
-                           only=["mismatch"], setup=setup, console=_console())
+                           only=["mismatch"], setup=setup, console=string_console())
     assert len(list((tmp_path / "style").glob("mismatch.old-*"))) == 1
     assert again["teacher_sft"] == summary["teacher_sft"] and "cold_start" not in again
 
@@ -185,7 +185,8 @@ def test_build_time_budget_always_saves_and_records(tmp_path):
     by the budget); a budget that outlasts the steps trains them all."""
     from opd.recipes.lab import build
 
-    common = dict(only=["rewrite_teacher"], rewrite_teacher_batch=4, sft_examples=16, eval_limit=2, console=_console())
+    common = dict(only=["rewrite_teacher"], rewrite_teacher_batch=4, sft_examples=16, eval_limit=2,
+                  console=string_console())
     spent = json.loads(build(tmp_path / "spent", rewrite_teacher_steps=5, time_budget_s=1e-3, **common).read_text())
     record = spent["models"]["rewrite_teacher"]
     assert record["training"]["steps"] == 0 and record["training"]["stopped_by"] == "time budget"
@@ -197,6 +198,7 @@ def test_build_time_budget_always_saves_and_records(tmp_path):
     assert "assets/teacher" in training["recipe"]  # fine-tuned from the shipped forward teacher
 
 
+@pytest.mark.slow
 def test_experiment_seeds_and_forecast(tmp_path):
     """`opd lab run teacher --seeds 0,1 --check`: one run per seed, the forecast of each pair next to its outcome,
     per-variant means; a second call reuses the finished runs and checks."""
@@ -204,12 +206,12 @@ def test_experiment_seeds_and_forecast(tmp_path):
 
     overrides = ["eval.limit=4", "prompts_per_step=2", "rollout.n=2", "run.report=false"]
     summary = run_experiment("teacher", out_dir=tmp_path, steps=1, overrides=overrides, only=["student_as_teacher"],
-                             seeds=[0, 1], check=True, console=_console())
+                             seeds=[0, 1], check=True, console=string_console())
     assert set(summary["runs"]) == {"student_as_teacher_s0", "student_as_teacher_s1"}
     assert [r["seed"] for r in summary["runs"].values()] == [0, 1]
     assert all(r["forecast"]["verdict"] == "unlikely" for r in summary["runs"].values())
     assert summary["variants"]["student_as_teacher"]["gain_mean"] == 0.0  # nothing to learn: not a step moves it
     assert (tmp_path / "teacher" / "student_as_teacher_s1_check" / "check.json").is_file()
     again = run_experiment("teacher", out_dir=tmp_path, steps=1, overrides=overrides, only=["student_as_teacher"],
-                           seeds=[0, 1], check=True, console=_console())
+                           seeds=[0, 1], check=True, console=string_console())
     assert again["runs"] == summary["runs"]

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from helpers import make_tiny_model
 from opd.config import ConfigError, DistillConfig, OptimSpec, validate_config
 from opd.train import optim
 from opd.train.optim import AdamW16, build_optimizer
@@ -90,6 +90,7 @@ def _second_moment_after(steps: int, store) -> tuple[torch.Tensor, torch.Tensor]
     return lean.state[lean_p]["exp_avg_sq"].float(), ref.state[ref_p]["exp_avg_sq"]
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_keeps_the_second_moment_moving():
     """With β2 = 0.999 a step moves exp_avg_sq by ~0.1%, below half a bf16 spacing: rounded to nearest it stays
     near its old value (here ~1 instead of the true ~0.2 after 2,000 steps of smaller gradients); stochastically

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
+from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
 
 from opd.models import (
     ModelLoadError,
@@ -135,6 +135,7 @@ def test_compatibility_missing_token_is_named(tiny_tokenizer):
         check_tokenizer_compatibility(teacher, tiny_tokenizer)
 
 
+@pytest.mark.slow
 def test_compile_layers_is_cuda_only_by_default_and_keeps_results():
     """`compile_layers` (what `opd distill` does on a GPU): off on CPU unless asked; when on, the forward, the gradients
     under gradient checkpointing, and generation through the HF model (run eagerly by design) are unchanged."""

@@ -13,11 +13,12 @@ from opd.rollout.torch_engine import TorchGenerator
 from opd.teacher.local import LocalScorer
 from opd.recipes.distill import setup
 from opd.train.step import _sampling_params, opd_step
-from test_distill import _reverse_kl, _train_to_prefer, config, world  # noqa: F401 (world is a fixture)
+
+from helpers import distill_config, reverse_kl, train_to_prefer
 
 
 def _trainer(world, tmp_path, *overrides, steps=3):
-    cfg = config(world, tmp_path, "optim.lr=3e-2", *overrides, steps=steps)
+    cfg = distill_config(world, tmp_path, "optim.lr=3e-2", *overrides, steps=steps)
     return setup(cfg, tmp_path / "run")
 
 
@@ -95,15 +96,15 @@ def test_overlap_needs_tis_cap(world, tmp_path):
 
 def test_overlap_resume_is_bit_identical(world, tmp_path):
     """The pending rollouts (generated from weights that no checkpoint holds) travel in the trainer state."""
-    from test_distill import _weights
+    from helpers import latest_weights
     from opd.io import read_jsonl
     from opd.recipes.distill import distill
 
     on = ("rollout.overlap=true", "objective.tis_cap=2.0", "run.save_every=2")
-    straight = distill(config(world, tmp_path / "a", *on, steps=4))
-    distill(config(world, tmp_path / "b", *on, steps=2))
-    resumed = distill(config(world, tmp_path / "b", *on, "run.resume=true", steps=4))
-    a, b = _weights(straight), _weights(resumed)
+    straight = distill(distill_config(world, tmp_path / "a", *on, steps=4))
+    distill(distill_config(world, tmp_path / "b", *on, steps=2))
+    resumed = distill(distill_config(world, tmp_path / "b", *on, "run.resume=true", steps=4))
+    a, b = latest_weights(straight), latest_weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     lags = [m["policy_lag"] for m in read_jsonl(resumed / "metrics.jsonl")]
     assert lags == [0, 1, 1, 1]
@@ -114,7 +115,7 @@ def test_overlap_still_moves_the_student_toward_the_teacher(world, tmp_path):
     """The learning check of test_distill (20 steps, reverse KL to the teacher at least halves), with overlap on."""
     import json
 
-    from conftest import EOS_ID, make_tiny_tokenizer
+    from helpers import EOS_ID, make_tiny_tokenizer
     from opd.train.checkpoint import latest_checkpoint
     from opd.recipes.distill import distill
 
@@ -123,22 +124,23 @@ def test_overlap_still_moves_the_student_toward_the_teacher(world, tmp_path):
                                          add_generation_prompt=True)
     prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     target_ids = tokenizer("42")["input_ids"] + [EOS_ID]
-    _train_to_prefer(tmp_path / "teacher", prompt_ids, target_ids, steps=150)
-    _train_to_prefer(tmp_path / "student", prompt_ids, target_ids, steps=5)
+    train_to_prefer(tmp_path / "teacher", prompt_ids, target_ids, steps=150)
+    train_to_prefer(tmp_path / "student", prompt_ids, target_ids, steps=5)
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "7*6=", "answer": "42"}) + "\n")
-    cfg = config(world, tmp_path, "prompts_per_step=1", "rollout.n=8", "optim.lr=3e-3", "run.save_every=0",
-                 "rollout.overlap=true", "objective.tis_cap=2.0", steps=20)
+    cfg = distill_config(world, tmp_path, "prompts_per_step=1", "rollout.n=8", "optim.lr=3e-3", "run.save_every=0",
+                         "rollout.overlap=true", "objective.tis_cap=2.0", steps=20)
     cfg.student.path, cfg.teacher.path = str(tmp_path / "student"), str(tmp_path / "teacher")
     cfg.data.path = str(tmp_path / "p.jsonl")
-    before = _reverse_kl(tmp_path / "student", tmp_path / "teacher", prompt_ids)
-    after = _reverse_kl(latest_checkpoint(distill(cfg)), tmp_path / "teacher", prompt_ids)
+    before = reverse_kl(tmp_path / "student", tmp_path / "teacher", prompt_ids)
+    after = reverse_kl(latest_checkpoint(distill(cfg)), tmp_path / "teacher", prompt_ids)
     assert after < 0.5 * before, (before, after)
 
 
+@pytest.mark.slow
 def test_snapshot_of_a_compiled_student_runs_its_own_weights():
     """`opd distill` compiles the student's layers in place; the rollout snapshot must run its own weights, not the
     live student's through a shared compiled forward."""
-    from conftest import make_tiny_model
+    from helpers import make_tiny_model
     from opd.models import compile_layers
     from opd.train.overlap import rollout_snapshot
 

@@ -2,11 +2,12 @@
 
 import json
 
+import pytest
 import torch
 import yaml
 from typer.testing import CliRunner
 
-from conftest import EOS_ID, make_tiny_model, make_tiny_tokenizer
+from helpers import EOS_ID, make_tiny_model, make_tiny_tokenizer
 from opd.cli import app
 
 
@@ -32,6 +33,7 @@ def _teacher_that_boxes(path, tokenizer, prompts):
     tokenizer.save_pretrained(path)
 
 
+@pytest.mark.slow
 def test_pipeline_end_to_end_and_skips_complete_stages(tmp_path):
     tokenizer = make_tiny_tokenizer()
     prompts = ["2+2=", "1+3=", "3+1="]

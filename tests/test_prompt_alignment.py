@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model, make_tiny_tokenizer
 
-from opd.config import ConfigError, DataSpec, ModelSpec
+from opd.config import ConfigError
 from opd.data.alignment import retemplate
 from opd.data.prompts import DataError, load_prompts, save_prompts
 from opd.data.templates import BOXED_SUFFIX, DAPO_PREFIX, DAPO_SUFFIX, strip_template
@@ -29,13 +28,10 @@ from opd.objectives import opd_diagnostics_from_scores
 from opd.recipes.prompts import PromptScoreConfig, parse_top, retemplate_file, score_prompt_file, select_prompt_file
 from opd.types import Prompt, TokenScores
 
+from helpers import SMALL_SCORING, make_prompts, make_tiny_model, make_tiny_tokenizer, score_config
+
 DAPO = Path(__file__).parents[1].parent / "shared" / "data" / "train" / "dapo-math-17k.parquet"
 needs_dapo = pytest.mark.skipif(not DAPO.is_file(), reason=f"shared DAPO set not found at {DAPO}")
-
-
-def make_prompts(count: int, prefix: str = "p") -> list[Prompt]:
-    return [Prompt(f"{prefix}{i}", [{"role": "user", "content": f"What is {i} + {i}?"}], str(2 * i), source=prefix)
-            for i in range(count)]
 
 
 def fake_scores(prompts: list[Prompt], values: list[float | None], key: str = "overlap_ratio") -> list[PromptScore]:
@@ -90,16 +86,13 @@ def models():
     return make_tiny_model("llama", seed=0), make_tiny_model("llama", seed=1), make_tiny_tokenizer()
 
 
-SMALL = dict(n=2, top_k=4, max_new_tokens=6, batch_size=2)
-
-
 def test_scores_are_per_prompt_and_in_range(models):
     student, teacher, tokenizer = models
     prompts = make_prompts(5)
     prompts[3] = Prompt("long", [{"role": "user", "content": "x" * 300}], "0")
     seen: list[list[str]] = []
     scores = score_prompts(student, teacher, tokenizer, prompts, max_prompt_length=64, seed=3,
-                           on_batch=lambda batch: seen.append([s.id for s in batch]), **SMALL)
+                           on_batch=lambda batch: seen.append([s.id for s in batch]), **SMALL_SCORING)
     assert [s.id for s in scores] == [p.id for p in prompts]
     assert seen == [["long"], ["p0", "p1"], ["p2", "p4"]]  # the too-long prompt first, then fixed batches of 2
     long = scores[3]
@@ -113,15 +106,15 @@ def test_scores_are_per_prompt_and_in_range(models):
         assert s.overlap_mass_student <= s.topk_mass_student + 1e-6
         assert s.overlap_advantage <= 1e-6 and s.entropy_gap >= 0 and s.entropy_student > 0
     # deterministic for a seed, different rollouts for another
-    again = score_prompts(student, teacher, tokenizer, prompts, max_prompt_length=64, seed=3, **SMALL)
+    again = score_prompts(student, teacher, tokenizer, prompts, max_prompt_length=64, seed=3, **SMALL_SCORING)
     assert again == scores
-    other = score_prompts(student, teacher, tokenizer, prompts, max_prompt_length=64, seed=4, **SMALL)
+    other = score_prompts(student, teacher, tokenizer, prompts, max_prompt_length=64, seed=4, **SMALL_SCORING)
     assert other != scores
 
 
 def test_identical_teacher_is_fully_aligned(models):
     student, _, tokenizer = models
-    scores = score_prompts(student, student, tokenizer, make_prompts(3), seed=0, **SMALL)
+    scores = score_prompts(student, student, tokenizer, make_prompts(3), seed=0, **SMALL_SCORING)
     for s in scores:
         assert s.overlap_ratio == pytest.approx(1.0) and s.overlap_advantage == pytest.approx(0.0, abs=1e-6)
         assert s.overlap_mass_student == pytest.approx(s.overlap_mass_teacher, abs=1e-6)
@@ -132,9 +125,9 @@ def test_identical_teacher_is_fully_aligned(models):
 def test_skip_ids_resume_reproduces_the_uninterrupted_run(models):
     student, teacher, tokenizer = models
     prompts = make_prompts(5)
-    full = score_prompts(student, teacher, tokenizer, prompts, seed=1, **SMALL)
+    full = score_prompts(student, teacher, tokenizer, prompts, seed=1, **SMALL_SCORING)
     # "p1" and "p4" missing: batch [p0, p1] reruns (p1 only returned), batch [p2, p3] is skipped, [p4] runs
-    rest = score_prompts(student, teacher, tokenizer, prompts, seed=1, skip_ids=["p0", "p2", "p3"], **SMALL)
+    rest = score_prompts(student, teacher, tokenizer, prompts, seed=1, skip_ids=["p0", "p2", "p3"], **SMALL_SCORING)
     assert rest == [full[1], full[4]]
 
 
@@ -167,22 +160,6 @@ def test_bad_scoring_arguments(models):
 
 
 # ------------------------------------------------------------------------------------------------ score command
-
-
-@pytest.fixture
-def model_dirs(tmp_path):
-    tokenizer = make_tiny_tokenizer()
-    dirs = {}
-    for name, seed in (("student", 0), ("teacher", 1)):
-        dirs[name] = tmp_path / name
-        make_tiny_model("llama", seed=seed).save_pretrained(dirs[name])
-        tokenizer.save_pretrained(dirs[name])
-    return dirs
-
-
-def score_config(dirs, data: Path, out: Path, **over) -> PromptScoreConfig:
-    return PromptScoreConfig(student=ModelSpec(path=str(dirs["student"])), teacher=ModelSpec(path=str(dirs["teacher"])),
-                             data=DataSpec(path=str(data)), out=str(out), seed=2, **(SMALL | over))
 
 
 def test_score_command_resumes_and_saves_config(tmp_path, model_dirs):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from helpers import make_tiny_model
 from opd.config import ModelSpec, TeacherSpec, VLLMSpec
 from opd.rollout import Generator, SamplingParams, engine_names, make_generator
 from opd.rollout.registry import resolve_engine, vllm_arguments

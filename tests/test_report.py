@@ -70,6 +70,7 @@ def is_blank(image: Image.Image) -> bool:
     return low == high
 
 
+@pytest.mark.slow
 def test_single_run_report_has_every_group(tmp_path):
     run = make_run_dir(tmp_path / "opd-run")
     path = write_report([run])
@@ -93,6 +94,7 @@ def test_single_run_report_has_every_group(tmp_path):
     assert "src=\"http" not in html and "href=\"http" not in html  # self-contained
 
 
+@pytest.mark.slow
 def test_two_runs_compare_overlaid(tmp_path):
     a = make_run_dir(tmp_path / "baseline", seed=1)
     b = make_run_dir(tmp_path / "ablation", seed=2, lr=2e-6)
@@ -123,6 +125,7 @@ def test_few_keys_sft_like_run(tmp_path):
     assert "no config.yaml" in html
 
 
+@pytest.mark.slow
 def test_partial_last_line_and_empty_run(tmp_path):
     run = make_run_dir(tmp_path / "live", steps=8)
     with open(run / "metrics.jsonl", "a") as handle:
@@ -154,6 +157,7 @@ def test_series_drop_non_numbers_and_sentinels(tmp_path):
     assert steps.tolist() == [3] and grid.shape == (3, 1) and math.isnan(grid[0, 0]) and grid[2, 0] == 0.1
 
 
+@pytest.mark.slow
 def test_accuracy_starts_at_step_0_with_the_teacher_as_reference(tmp_path):
     """The student before training (eval/step_0, or a demo's eval/student_before) is the first accuracy point, the
     teacher's eval (eval/teacher) a dotted reference line, and the final table reads before → after (teacher)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model
+from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model
 from transformers import LlamaConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -176,7 +176,7 @@ def test_distill_fails_at_startup_when_one_rollout_cannot_fit(tmp_path, monkeypa
     CPU engines are not sized otherwise)."""
     import json
 
-    from conftest import make_tiny_tokenizer
+    from helpers import make_tiny_tokenizer
     from opd.config import DistillConfig, build_config
     from opd.rollout import memory
     from opd.recipes.distill import distill

@@ -42,11 +42,9 @@ from opd.io import LOCK_FILE, DirectoryLock, DirectoryLocked, read_jsonl
 from opd.train.checkpoint import MANIFEST, latest_checkpoint, save_checkpoint, verify_checkpoint
 from opd.recipes.distill import distill
 from opd.recipes.sft import sft
-from test_distill import config as distill_config, world  # noqa: F401  (world: a module fixture)
-from test_eval_cli import _eval_args, _write_jsonl
-from test_prompt_alignment import make_prompts, model_dirs, score_config  # noqa: F401  (model_dirs: a fixture)
-from test_sft import _config as sft_config, sft_data  # noqa: F401  (sft_data: a fixture)
-from test_teacher_rollout import tiny_config, write_prompts
+
+from helpers import distill_config, eval_args, make_prompts, score_config, sft_config, tiny_rollout_config, write_jsonl
+from helpers import write_prompts
 
 SRC = str(Path(opd.__file__).resolve().parents[1])
 
@@ -158,14 +156,14 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def lora_checkpoint(tmp_path_factory):
     """A LoRA checkpoint of a 1-step `opd sft` run on a tiny model."""
-    from conftest import make_tiny_model, make_tiny_tokenizer
+    from helpers import make_tiny_model, make_tiny_tokenizer
 
     root = tmp_path_factory.mktemp("lora")
     model_dir = root / "base"
     make_tiny_model("llama").save_pretrained(model_dir)
     make_tiny_tokenizer().save_pretrained(model_dir)
-    data = _write_jsonl(root / "sft.jsonl", [{"messages": [{"role": "user", "content": "q"},
-                                                          {"role": "assistant", "content": "a"}]}] * 4)
+    data = write_jsonl(root / "sft.jsonl", [{"messages": [{"role": "user", "content": "q"},
+                                                         {"role": "assistant", "content": "a"}]}] * 4)
     run_dir = sft(sft_config(root, model_dir, data, "run.steps=1", "run.name=lora", "lora.enabled=true", "lora.r=2",
                              "lora.merge=false"))
     return run_dir / "checkpoints" / "step_1"
@@ -274,7 +272,7 @@ def test_distill_unknown_eval_benchmark_fails_before_training(capsys, world, tmp
 
 
 def test_sft_eval_set_with_a_bad_column_fails_before_training(capsys, tmp_path, tiny_model_dir, sft_data):  # noqa: F811
-    bench = _write_jsonl(tmp_path / "bench.jsonl", [{"question": "1+1?", "answer": "2"}])
+    bench = write_jsonl(tmp_path / "bench.jsonl", [{"question": "1+1?", "answer": "2"}])
     yaml_path = dump(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "run.name=s",
                                 f"eval.benchmarks=[{bench}]"), tmp_path / "c.yaml")
     line = one_line(*cli(capsys, "sft", "--config", yaml_path)[::2])
@@ -307,7 +305,7 @@ def test_read_only_out_dir(capsys, world, tmp_path):  # noqa: F811
 def test_kill_during_the_final_eval_loses_no_training(capsys, world, tmp_path):  # noqa: F811
     """save_every=0 (the demo's setting): the final checkpoint is written before the final eval, so a run killed (or
     failing) there keeps its training; --resume then redoes the unfinished eval and finishes the run."""
-    bench = _write_jsonl(tmp_path / "bench.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(12)])
+    bench = write_jsonl(tmp_path / "bench.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(12)])
     cfg = distill_config(world, tmp_path, "run.save_every=0", f"eval.benchmarks=[{bench}]", "eval.answer_key=answer",
                          "eval.n=2", "eval.max_new_tokens=6", "rollout.batch_size=4", steps=2)
     yaml_path, run_dir, log = dump(cfg, tmp_path / "c.yaml"), tmp_path / "run", tmp_path / "a.log"
@@ -406,6 +404,7 @@ def test_stale_checkpoint_temps_are_removed_on_resume(capsys, world, tmp_path): 
     assert out.count("interrupted checkpoint write") == 2
 
 
+@pytest.mark.slow
 def test_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_copy(world, tmp_path):  # noqa: F811
     """A real failing write (the file-size limit of the process, like a full disk: the write syscall fails)."""
     import resource
@@ -561,16 +560,16 @@ def test_sft_kill9_resumes_exactly_and_refuses_a_second_process(capsys, tmp_path
 @pytest.mark.slow
 def test_eval_kill9_rerun_is_identical_and_refuses_a_second_process(capsys, tmp_path, tiny_model_dir):
     rows = [{"problem": f"What is {i} + {i}? Put the answer in \\boxed{{}}.", "answer": str(2 * i)} for i in range(16)]
-    problems = _write_jsonl(tmp_path / "toy.jsonl", rows)
+    problems = write_jsonl(tmp_path / "toy.jsonl", rows)
     out, log = tmp_path / "out", tmp_path / "a.log"
-    args = _eval_args(tiny_model_dir, problems, out)
+    args = eval_args(tiny_model_dir, problems, out)
     a = start(log, *args)
     wait_for(a, lambda: (out / "samples.jsonl").is_file() and (out / "samples.jsonl").stat().st_size > 0, log,
              "the first graded chunk")
     interrupt_with_a_second_process(capsys, out, a, *args)
     code, _, err = cli(capsys, *args)
     assert code == 0, err
-    code, _, err = cli(capsys, *_eval_args(tiny_model_dir, problems, tmp_path / "ref"))  # uninterrupted, in-process
+    code, _, err = cli(capsys, *eval_args(tiny_model_dir, problems, tmp_path / "ref"))  # uninterrupted, in-process
     assert code == 0, err
     key = lambda r: (r["problem_id"], r["sample"])  # noqa: E731
     resumed, straight = read_jsonl(out / "samples.jsonl"), read_jsonl(tmp_path / "ref" / "samples.jsonl")
@@ -583,7 +582,7 @@ def test_eval_kill9_rerun_is_identical_and_refuses_a_second_process(capsys, tmp_
 @pytest.mark.slow
 def test_rollout_kill9_rerun_is_identical_and_refuses_a_second_process(capsys, tmp_path, tiny_model_dir):
     prompts = write_prompts(tmp_path / "many.jsonl", 12)
-    config = tiny_config(tmp_path, tiny_model_dir, "out", **{"data.path": str(prompts)})
+    config = tiny_rollout_config(tmp_path, tiny_model_dir, "out", **{"data.path": str(prompts)})
     yaml_path, out, log = dump(config, tmp_path / "c.yaml"), tmp_path / "out", tmp_path / "a.log"
     a = start(log, "rollout", "--config", yaml_path)
     shard = out / "shards" / "rank_0.jsonl"
@@ -591,7 +590,8 @@ def test_rollout_kill9_rerun_is_identical_and_refuses_a_second_process(capsys, t
     interrupt_with_a_second_process(capsys, out, a, "rollout", "--config", yaml_path)
     code, stdout, err = cli(capsys, "rollout", "--config", yaml_path)
     assert code == 0 and "resuming" in stdout, err
-    reference = dump(tiny_config(tmp_path, tiny_model_dir, "ref", **{"data.path": str(prompts)}), tmp_path / "r.yaml")
+    reference = dump(tiny_rollout_config(tmp_path, tiny_model_dir, "ref", **{"data.path": str(prompts)}),
+                     tmp_path / "r.yaml")
     code, _, err = cli(capsys, "rollout", "--config", reference)  # uninterrupted, in-process
     assert code == 0, err
     for name in ("rollouts.jsonl", "rejected.jsonl"):

@@ -585,6 +585,7 @@ def rss_peak(monkeypatch):
     return measure
 
 
+@pytest.mark.slow
 def test_peak_memory_far_below_full_logits(rss_peak):
     """The local scorer (a float32 model on CPU: float32 logits) with top-k, requested ids and entropy."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -608,6 +609,7 @@ def test_peak_memory_far_below_full_logits(rss_peak):
     assert growth_mib < 2 * BUDGET_MIB + 40
 
 
+@pytest.mark.slow
 def test_peak_memory_candidate_backward(rss_peak):
     """candidate_logprobs_and_entropy forward + backward on float32 (CPU): besides the chunk bound, the weight's
     gradient `[V, D]` (the float32 accumulator is the gradient itself here)."""

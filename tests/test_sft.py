@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-from conftest import EOS_ID, make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from opd.config import ConfigError, build_config
@@ -21,49 +20,39 @@ from opd.recipes.sft import SFTConfig, check_config, sft
 from opd.train.sft import forward_backward, packing_is_exact, target_logprobs
 from opd.types import Prompt
 
-QA = [("what is 2+3?", "5"), ("name a colour", "red"), ("reverse abc", "cba"), ("say hi", "hi there")]
-
-
-def _write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def _chat(question, answer):
-    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-
+from helpers import EOS_ID, SFT_QA, chat, make_tiny_model, sft_config, write_jsonl
 
 # ------------------------------------------------------------------------------------------------ layouts
 
 
 def test_every_layout_parses(tmp_path):
-    rollout = _write_jsonl(tmp_path / "rollout.jsonl", [
-        {"id": "p0", "source": "dapo", "answer": "5", "attempts": 2, "messages": _chat("what is 2+3?", "5")}])
-    sharegpt = _write_jsonl(tmp_path / "sharegpt.jsonl", [{"conversations": [
+    rollout = write_jsonl(tmp_path / "rollout.jsonl", [
+        {"id": "p0", "source": "dapo", "answer": "5", "attempts": 2, "messages": chat("what is 2+3?", "5")}])
+    sharegpt = write_jsonl(tmp_path / "sharegpt.jsonl", [{"conversations": [
         {"from": "system", "value": "be brief"}, {"from": "human", "value": "name a colour"},
         {"from": "gpt", "value": "red"}]}])
     alpaca = tmp_path / "alpaca.json"
     alpaca.write_text(json.dumps([{"instruction": "reverse", "input": "abc", "output": "cba"},
                                   {"instruction": "say hi", "output": "hi there"}]))
-    assert read_conversations(rollout)[0].messages == _chat("what is 2+3?", "5")
+    assert read_conversations(rollout)[0].messages == chat("what is 2+3?", "5")
     assert read_conversations(sharegpt)[0].messages == [{"role": "system", "content": "be brief"},
-                                                        *_chat("name a colour", "red")]
-    assert [c.messages for c in read_conversations(alpaca)] == [_chat("reverse\nabc", "cba"),
-                                                                 _chat("say hi", "hi there")]
+                                                        *chat("name a colour", "red")]
+    assert [c.messages for c in read_conversations(alpaca)] == [chat("reverse\nabc", "cba"),
+                                                                 chat("say hi", "hi there")]
 
 
 def test_layout_errors_name_file_record_and_field(tmp_path):
-    unknown = _write_jsonl(tmp_path / "odd.jsonl", [{"question": "q", "reply": "r"}])
+    unknown = write_jsonl(tmp_path / "odd.jsonl", [{"question": "q", "reply": "r"}])
     with pytest.raises(DataError, match=r"odd\.jsonl.*unknown SFT layout.*question, reply"):
         read_conversations(unknown)
-    bad_role = _write_jsonl(tmp_path / "sg.jsonl", [{"conversations": [{"from": "human", "value": "q"},
-                                                                       {"from": "bot", "value": "a"}]}])
+    bad_role = write_jsonl(tmp_path / "sg.jsonl", [{"conversations": [{"from": "human", "value": "q"},
+                                                                      {"from": "bot", "value": "a"}]}])
     with pytest.raises(DataError, match=r"sg\.jsonl: record 0: conversations\[1\]\.from is 'bot'"):
         read_conversations(bad_role)
-    missing = _write_jsonl(tmp_path / "al.jsonl", [{"instruction": "q", "output": "a"}, {"instruction": "q"}])
+    missing = write_jsonl(tmp_path / "al.jsonl", [{"instruction": "q", "output": "a"}, {"instruction": "q"}])
     with pytest.raises(DataError, match=r"al\.jsonl: record 1: no field 'output' \(alpaca layout\)"):
         read_conversations(missing)
-    no_answer = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "q"}]}])
+    no_answer = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "q"}]}])
     with pytest.raises(DataError, match="record 0: no assistant turn"):
         read_conversations(no_answer)
     with pytest.raises(DataError, match=r"nope\.jsonl: no such file"):
@@ -78,7 +67,7 @@ def _targets(tokenizer, example):
 
 
 def test_targets_are_the_answer_and_end_of_turn(tiny_tokenizer):
-    messages = _chat("what is 2+3?", "5")
+    messages = chat("what is 2+3?", "5")
     example = tokenize_conversations(tiny_tokenizer, [Conversation(messages, "x")], max_length=512).examples[0]
     prompt_ids = encode_prompts(tiny_tokenizer, [Prompt("0", messages[:1])], max_prompt_length=512).input_ids[0]
     assert example.input_ids[: len(prompt_ids)] == prompt_ids  # the same prompt tokens as rollout and eval see
@@ -89,7 +78,7 @@ def test_targets_are_the_answer_and_end_of_turn(tiny_tokenizer):
 
 
 def test_multi_turn_trains_every_assistant_turn(tiny_tokenizer):
-    messages = [*_chat("a", "b"), *_chat("c", "d")]
+    messages = [*chat("a", "b"), *chat("c", "d")]
     kept = tokenize_conversations(tiny_tokenizer, [Conversation(messages, "x")], max_length=512).examples
     assert len(kept) == 1 and _targets(tiny_tokenizer, kept[0]) == "b<|im_end|>d<|im_end|>"
     rendered = tiny_tokenizer.apply_chat_template(messages, tokenize=False)
@@ -102,7 +91,7 @@ def test_multi_turn_trains_every_assistant_turn(tiny_tokenizer):
 
 
 def test_max_length_filter_truncate_error(tiny_tokenizer):
-    conversations = [Conversation(_chat("q", "short"), "a"), Conversation(_chat("q", "x" * 200), "b")]
+    conversations = [Conversation(chat("q", "short"), "a"), Conversation(chat("q", "x" * 200), "b")]
     filtered = tokenize_conversations(tiny_tokenizer, conversations, max_length=64)
     assert (len(filtered.examples), filtered.num_filtered, filtered.num_truncated) == (1, 1, 0)
     cut = tokenize_conversations(tiny_tokenizer, conversations, max_length=64, on_overflow="truncate")
@@ -115,14 +104,14 @@ def test_max_length_filter_truncate_error(tiny_tokenizer):
 
 
 def _batch(tokenizer, pairs, **options):
-    conversations = [Conversation(_chat(q, a) if isinstance(q, str) else q, str(i)) for i, (q, a) in enumerate(pairs)]
+    conversations = [Conversation(chat(q, a) if isinstance(q, str) else q, str(i)) for i, (q, a) in enumerate(pairs)]
     examples = tokenize_conversations(tokenizer, conversations, max_length=512, **options).examples
     return examples, collate(examples, pad_id=tokenizer.pad_token_id)
 
 
 def test_loss_is_the_token_mean_over_assistant_tokens(tiny_llama, tiny_tokenizer):
-    multi = [*_chat("a", "b"), *_chat("c", "dd")]
-    examples, batch = _batch(tiny_tokenizer, [*QA, (multi, None)])
+    multi = [*chat("a", "b"), *chat("c", "dd")]
+    examples, batch = _batch(tiny_tokenizer, [*SFT_QA, (multi, None)])
     metrics = forward_backward(tiny_llama, batch, micro_batch_tokens=10_000, packed=False)
     # by hand: full logits of each example alone, the log-prob of every target token from the position before it
     nll, count = 0.0, 0
@@ -144,7 +133,7 @@ def test_loss_is_the_token_mean_over_assistant_tokens(tiny_llama, tiny_tokenizer
 
 
 def test_loss_and_gradient_are_global_across_micro_batches(tiny_llama, tiny_tokenizer):
-    _, batch = _batch(tiny_tokenizer, QA)
+    _, batch = _batch(tiny_tokenizer, SFT_QA)
     grads, losses = [], []
     for budget in (10_000, 30):  # one micro-batch, then one example per micro-batch
         tiny_llama.zero_grad()
@@ -155,7 +144,7 @@ def test_loss_and_gradient_are_global_across_micro_batches(tiny_llama, tiny_toke
 
 
 def test_bf16_autocast_path_runs(tiny_llama, tiny_tokenizer):
-    _, batch = _batch(tiny_tokenizer, QA)
+    _, batch = _batch(tiny_tokenizer, SFT_QA)
     exact = forward_backward(tiny_llama, batch, micro_batch_tokens=10_000, packed=False)["loss"]
     tiny_llama.zero_grad()
     mixed = forward_backward(tiny_llama, batch, micro_batch_tokens=10_000, packed=False, autocast_dtype=torch.bfloat16)
@@ -170,7 +159,7 @@ def test_packed_examples_do_not_see_each_other(kind, attention, tiny_tokenizer):
     varlen_attention.register()
     net = make_tiny_model(kind)
     net.set_attn_implementation(attention)
-    examples, batch = _batch(tiny_tokenizer, QA)
+    examples, batch = _batch(tiny_tokenizer, SFT_QA)
     with torch.no_grad():
         packed_B = target_logprobs(net, batch, packed=True).sum(-1)
         alone_B = torch.stack([target_logprobs(net, collate([ex], pad_id=0), packed=False).sum()
@@ -191,22 +180,11 @@ def test_packing_falls_back_to_padding_when_the_model_mixes_examples(monkeypatch
 # --------------------------------------------------------------------------------------------------- runs
 
 
-def _config(tmp_path, model_dir, data, *overrides):
-    return build_config(SFTConfig, overrides=[
-        f"model.path={model_dir}", f"data.path={data}", f"run.out_dir={tmp_path / 'runs'}", "examples_per_step=4",
-        "run.report=false", *overrides])
-
-
-@pytest.fixture
-def sft_data(tmp_path):
-    return _write_jsonl(tmp_path / "sft.jsonl", [{"messages": _chat(q, a)} for q, a in QA * 3])
-
-
 def test_sft_run_writes_the_run_directory(tmp_path, tiny_model_dir, sft_data):
-    bench = _write_jsonl(tmp_path / "bench.jsonl", [{"prompt": [{"role": "user", "content": "1+1?"}],
-                                                     "reward_model": {"ground_truth": "2"}}])
-    config = _config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "run.name=e2e", "run.report=true",
-                     "data.packing=packed", f"eval.benchmarks=[{bench}]", "eval.n=2", "eval.max_new_tokens=4")
+    bench = write_jsonl(tmp_path / "bench.jsonl", [{"prompt": [{"role": "user", "content": "1+1?"}],
+                                                    "reward_model": {"ground_truth": "2"}}])
+    config = sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "run.name=e2e", "run.report=true",
+                        "data.packing=packed", f"eval.benchmarks=[{bench}]", "eval.n=2", "eval.max_new_tokens=4")
     run_dir = sft(config)
     assert {"config.yaml", "metrics.jsonl", "report.html", "checkpoints", "eval"} <= {p.name for p in run_dir.iterdir()}
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -224,14 +202,14 @@ def test_sft_run_writes_the_run_directory(tmp_path, tiny_model_dir, sft_data):
 @pytest.mark.parametrize("lora", [False, True])
 def test_resume_is_bit_identical(tmp_path, tiny_model_dir, sft_data, lora):
     extra = ["lora.enabled=true", "lora.r=4", "lora.dropout=0.3", "lora.merge=false"] if lora else []
-    full = sft(_config(tmp_path, tiny_model_dir, sft_data, "run.steps=4", "run.save_every=2", "run.keep_last=null",
-                       "optim.lr=1e-2", "run.name=full", *extra))
+    full = sft(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=4", "run.save_every=2", "run.keep_last=null",
+                          "optim.lr=1e-2", "run.name=full", *extra))
     # an interrupted run: the same directory as it was right after the step-2 checkpoint, then resumed
     resumed = tmp_path / "runs" / "resumed"
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_4")
-    sft(_config(tmp_path, tiny_model_dir, sft_data, "run.steps=4", "run.save_every=2", "run.keep_last=null",
-                "optim.lr=1e-2", "run.name=resumed", "run.resume=true", *extra))
+    sft(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=4", "run.save_every=2", "run.keep_last=null",
+                   "optim.lr=1e-2", "run.name=resumed", "run.resume=true", *extra))
     weights = "adapter_model.safetensors" if lora else "model.safetensors"
     a = (full / "checkpoints" / "step_4" / weights).read_bytes()
     assert a == (resumed / "checkpoints" / "step_4" / weights).read_bytes()
@@ -243,8 +221,8 @@ def test_resume_is_bit_identical(tmp_path, tiny_model_dir, sft_data, lora):
 def test_lora_trains_adapters_only_and_merges(tmp_path, tiny_model_dir, sft_data):
     from peft import PeftModel
 
-    run_dir = sft(_config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "run.name=lora", "optim.lr=3e-2",
-                          "lora.enabled=true", "lora.r=4", "lora.target_modules=[q_proj, v_proj, down_proj]"))
+    run_dir = sft(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "run.name=lora", "optim.lr=3e-2",
+                             "lora.enabled=true", "lora.r=4", "lora.target_modules=[q_proj, v_proj, down_proj]"))
     checkpoint = run_dir / "checkpoints" / "step_2"
     names = {p.name for p in checkpoint.iterdir()}
     assert "adapter_model.safetensors" in names and "model.safetensors" not in names and "tokenizer.json" in names
@@ -259,8 +237,8 @@ def test_lora_trains_adapters_only_and_merges(tmp_path, tiny_model_dir, sft_data
 
 
 def test_sft_learns_from_scratch(tmp_path, tiny_model_dir, sft_data):
-    run_dir = sft(_config(tmp_path, tiny_model_dir, sft_data, "run.steps=30", "run.name=learn", "optim.lr=1e-2",
-                          "run.save_every=0"))
+    run_dir = sft(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=30", "run.name=learn", "optim.lr=1e-2",
+                             "run.save_every=0"))
     losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 30 and sum(losses[-3:]) / 3 < 0.1 * losses[0], losses
 

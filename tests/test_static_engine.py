@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model
+from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model
 from opd.rollout import Generator, SamplingParams, memory, static_engine
 from opd.kernels import decode_attention as triton_attention
 from opd.rollout.sampling import filter_logits
@@ -52,7 +52,8 @@ MODELS = {
 
 # The Triton kernel runs interpreted here (~1 s a step): on the GQA model both weight layouts, on Qwen3 the fused one.
 DECODE_PATHS = [(m, f, a) for m in MODELS for f in (True, False) for a in ("sdpa", "matmul")] + [
-    ("llama_biases_gqa", True, "triton"), ("llama_biases_gqa", False, "triton"), ("qwen3", True, "triton")]
+    pytest.param(*path, marks=pytest.mark.slow)  # the interpreted Triton kernel: seconds a case
+    for path in (("llama_biases_gqa", True, "triton"), ("llama_biases_gqa", False, "triton"), ("qwen3", True, "triton"))]
 
 
 @pytest.mark.parametrize("model_name, fuse_weights, attention", DECODE_PATHS)
@@ -231,6 +232,7 @@ def test_sampled_token_frequencies_match_the_model(temperature):
     assert tv_static < 0.07 and tv_reference < 0.07, (tv_static, tv_reference)
 
 
+@pytest.mark.slow
 def test_decode_step_samples_the_right_distribution():
     """The second token comes from our own decode step: its marginal, Σ_c p(c) p(· | c), matches the model."""
     model = make_tiny_model("qwen3", initializer_range=0.05)
@@ -401,6 +403,7 @@ def _distribution(output):
     return lengths, pairs
 
 
+@pytest.mark.slow
 def test_sampling_with_refills_matches_torch_generator_and_other_row_counts():
     """2000 seeded samples of one prompt, EOS likely (lengths 1–12): the length distribution and the joint
     distribution of the first two tokens agree between TorchGenerator (all rows at once) and StaticGenerator with 64

@@ -7,13 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import EOS_ID
 
 from opd.config import ConfigError, build_config
 from opd.eval.degeneracy import DegeneracySpec, degeneracy_reasons
 from opd.io import read_jsonl
 from opd.recipes.rollout import REASONS, RolloutConfig, check_response, teacher_rollout
 from opd.rollout.base import GenerationOutput, Generator
+
+from helpers import EOS_ID, tiny_rollout_config, write_prompts
 
 GOOD = "Adding the two numbers gives four.\n\\boxed{4}"
 
@@ -47,18 +48,6 @@ class ScriptedGenerator:
 
     def sync_weights(self) -> None:
         pass
-
-
-def write_prompts(path: Path, count: int, *, system: str | None = None) -> Path:
-    rows = []
-    for i in range(count):
-        messages = [{"role": "user", "content": f"<q{i}> What is 2+2?"}]
-        if system and i == 0:
-            messages.insert(0, {"role": "system", "content": system})
-        rows.append({"prompt": messages, "reward_model": {"ground_truth": "4"}, "extra_info": {"index": f"p{i}"},
-                     "data_source": "toy"})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def make_config(tmp_path: Path, prompts: Path, **overrides) -> RolloutConfig:
@@ -268,17 +257,9 @@ def test_llamafactory_layout(tiny_tokenizer, tmp_path):
 # ------------------------------------------------------------------------------------------------ real model
 
 
-def tiny_config(tmp_path, model_dir, name, **overrides) -> RolloutConfig:
-    prompts = write_prompts(tmp_path / "prompts.jsonl", 5)
-    options = {"model.path": str(model_dir), "model.device": "cpu", "data.path": str(prompts),
-               "out": str(tmp_path / name), "n": 2, "max_attempts": 2, "max_new_tokens": 6, "batch_size": 2,
-               "data.enable_thinking": "off", **overrides}
-    return build_config(RolloutConfig, options=options)
-
-
 def test_tiny_model_end_to_end(tmp_path, tiny_model_dir):
     """A random tiny Llama never writes an answer in 6 tokens: every sample is exhausted, with its reasons."""
-    out = teacher_rollout(tiny_config(tmp_path, tiny_model_dir, "single"))
+    out = teacher_rollout(tiny_rollout_config(tmp_path, tiny_model_dir, "single"))
     rejected = read_jsonl(out / "rejected.jsonl")
     assert read_jsonl(out / "rollouts.jsonl") == []
     assert [(r["prompt_id"], r["sample"]) for r in rejected] == [(f"p{i}", s) for i in range(5) for s in range(2)]
@@ -293,8 +274,8 @@ def test_tiny_model_end_to_end(tmp_path, tiny_model_dir):
 @pytest.mark.slow
 def test_two_workers_match_one(tmp_path, tiny_model_dir):
     """Two spawned CPU workers over disjoint batches produce exactly the single-process result, in prompt order."""
-    single = teacher_rollout(tiny_config(tmp_path, tiny_model_dir, "single"))
-    sharded = teacher_rollout(tiny_config(tmp_path, tiny_model_dir, "sharded", num_workers=2))
+    single = teacher_rollout(tiny_rollout_config(tmp_path, tiny_model_dir, "single"))
+    sharded = teacher_rollout(tiny_rollout_config(tmp_path, tiny_model_dir, "sharded", num_workers=2))
     assert sorted(p.name for p in (sharded / "shards").iterdir()) == ["rank_0.jsonl", "rank_1.jsonl"]
     by_rank = [{r["prompt_id"] for r in read_jsonl(sharded / "shards" / f"rank_{k}.jsonl")} for k in range(2)]
     assert by_rank == [{"p0", "p2", "p4"}, {"p1", "p3"}]  # batches of one prompt (batch_size 2 // n 2), round robin

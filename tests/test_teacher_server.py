@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import make_tiny_tokenizer
+from helpers import make_tiny_tokenizer
 from opd.config import ConfigError, DistillConfig, ModelSpec, build_config, validate_config
 from opd.io import read_jsonl
 from opd.lab import opd_prompts_path, student_path, teacher_path

@@ -7,7 +7,6 @@ Skipped where vllm is not importable, unless OPD_REQUIRE_VLLM=1 (the vLLM enviro
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -21,13 +20,8 @@ from opd.rollout.vllm_engine import vllm_available
 if not vllm_available() and os.environ.get("OPD_REQUIRE_VLLM") != "1":
     pytest.skip("vllm is not installed (./dev test-vllm runs these in the vLLM environment)", allow_module_level=True)
 
+from helpers import string_console  # noqa: E402
 from opd import lab  # noqa: E402
-
-
-def _console():
-    from rich.console import Console
-
-    return Console(file=io.StringIO(), width=200)
 
 
 def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -58,7 +52,7 @@ def test_distill_step_leaves_the_engine_equal_to_the_trained_student(tmp_path):
     from opd.train.step import opd_step
 
     config = _lab_config(tmp_path, "one-step", "rollout.engine=vllm", "eval.benchmarks=[]", "run.steps=1")
-    tr = setup(config, tmp_path / "one-step", console=_console())
+    tr = setup(config, tmp_path / "one-step", console=string_console())
     assert isinstance(tr.generator, VLLMGenerator)
     before = {k: v.clone() for k, v in tr.student.state_dict().items()}
     metrics = opd_step(tr)
@@ -86,7 +80,7 @@ def test_distill_on_vllm_learns_like_the_torch_engine(tmp_path):
     accuracy, curves = {}, {}
     for engine in ("vllm", "torch"):
         config = _lab_config(tmp_path, engine, f"rollout.engine={engine}", "run.steps=30")
-        run_dir = distill(config, console=_console())
+        run_dir = distill(config, console=string_console())
         results = json.loads((run_dir / "eval" / "step_30" / "results.json").read_text())
         accuracy[engine] = next(iter(results["benchmarks"].values()))["avg@1"]
         curves[engine] = [m for m in _metrics(run_dir) if "rollout_accuracy" in m]  # the step lines (not eval's)

@@ -7,7 +7,6 @@ Skipped where vllm is not importable, unless OPD_REQUIRE_VLLM=1 (the vLLM enviro
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -21,16 +20,10 @@ from opd.rollout.vllm_engine import vllm_available
 if not vllm_available() and os.environ.get("OPD_REQUIRE_VLLM") != "1":
     pytest.skip("vllm is not installed (./dev test-vllm runs these in the vLLM environment)", allow_module_level=True)
 
-from conftest import TINY_VOCAB, make_tiny_model, make_tiny_tokenizer  # noqa: E402
+from helpers import TINY_VOCAB, make_tiny_model, make_tiny_tokenizer, string_console  # noqa: E402
 
 from opd import lab  # noqa: E402
 from opd.config import ObjectiveSpec  # noqa: E402
-
-
-def _console():
-    from rich.console import Console
-
-    return Console(file=io.StringIO(), width=200)
 
 
 def _rollouts(model, tokenizer, prompts, *, n=4, max_new_tokens=40, seed=0):
@@ -117,7 +110,7 @@ def test_distill_with_a_vllm_teacher(tmp_path):
     for name, extra in (("sampled", ["objective.top_k=0"]), ("only_tch", ["objective.strategy=only_tch"])):
         config = demo_config([f"run.out_dir={tmp_path}", f"run.name={name}", "run.report=false", "run.steps=2",
                               "eval.benchmarks=[]", "teacher.engine=vllm", "prompts_per_step=4", *extra])
-        run_dir = distill(config, console=_console())
+        run_dir = distill(config, console=string_console())
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert len(metrics) == 2
         assert all(0.0 <= m["overlap_ratio"] <= 1.0 and "overlap_advantage" in m for m in metrics)

@@ -1,0 +1,275 @@
+"""Helpers shared by the test modules: the tiny offline tokenizer and tiny random-weight models, and the small
+configs, files and measurements of the end-to-end runs. Fixtures built on them live in conftest.py.
+
+Nothing here touches the network. Everything is deterministic: the tokenizer is fully specified below, and model
+weights come from a fixed seed drawn inside `torch.random.fork_rng` (the global RNG is left untouched).
+
+The tokenizer (`make_tiny_tokenizer`) is byte-level with no merges, so every string round-trips exactly:
+    ids 0..255   one token per byte (GPT-2 byte-to-unicode alphabet)
+    256          <|endoftext|>   special; the pad token (as in Qwen)
+    257          <|im_start|>    special
+    258          <|im_end|>      special; the EOS token (as in Qwen instruct models)
+    259          <think>         added, not special (Qwen3 keeps it in decoded text)
+    260          </think>        added, not special
+    len(tokenizer) == TINY_VOCAB == 261
+
+Its chat template is a trimmed Qwen3 template: `<|im_start|>{role}\n{content}<|im_end|>\n` per message, then with
+`add_generation_prompt=True` `<|im_start|>assistant\n`, followed by `<think>\n\n</think>\n\n` when
+`enable_thinking=False` (thinking on is the default, as in Qwen3). It omits Qwen3's tool-call blocks and its stripping
+of earlier turns' reasoning.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from opd.config import DataSpec, DistillConfig, ModelSpec, build_config
+from opd.recipes.prompts import PromptScoreConfig
+from opd.objectives import full_reverse_kl
+from opd.rollout import SamplingParams, make_generator
+from opd.rollout.batch import build_rollouts
+from opd.recipes.rollout import RolloutConfig
+from opd.train.checkpoint import latest_checkpoint
+from opd.recipes.sft import SFTConfig
+from opd.types import Prompt
+
+# ------------------------------------------------------------------------------------- tiny tokenizer and models
+
+PAD_ID, IM_START_ID, EOS_ID, THINK_ID, END_THINK_ID = 256, 257, 258, 259, 260
+TINY_VOCAB = 261
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable character map (what `pre_tokenizers.ByteLevel` emits)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def make_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """The 261-token byte-level tokenizer described in the module docstring, with the Qwen-like chat template."""
+    vocab = {ch: byte for byte, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    # Added in id order; special tokens are never split and are dropped by decode(skip_special_tokens=True).
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+    tok.add_tokens([AddedToken(t, special=False) for t in ("<think>", "</think>")])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        chat_template=CHAT_TEMPLATE,
+    )
+    # The ids above are part of the contract other tests rely on; fail loudly if a library change moves them.
+    got = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    assert got == [PAD_ID, IM_START_ID, EOS_ID], got
+    assert tokenizer.convert_tokens_to_ids(["<think>", "</think>"]) == [THINK_ID, END_THINK_ID]
+    assert len(tokenizer) == TINY_VOCAB
+    return tokenizer
+
+
+def make_tiny_model(
+    kind: str = "llama",
+    vocab_size: int = TINY_VOCAB,
+    *,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 64,
+    tie_word_embeddings: bool = False,
+    initializer_range: float = 0.3,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A random-weight causal LM ("llama" or "qwen3") in fp32 eval mode on CPU, ~50k parameters by default.
+
+    `initializer_range` is larger than HF's 0.02 so that next-token distributions are peaked (greedy decoding has no
+    near-ties, sampling with different seeds visibly differs). EOS is 258 (plus 256 in the generation config, as Qwen
+    lists both), pad is 256. Attention is "eager" so results do not depend on which SDPA kernel is picked.
+    """
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        initializer_range=initializer_range,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        attn_implementation="eager",
+    )
+    if kind == "llama":
+        config, cls = LlamaConfig(**common), LlamaForCausalLM
+    elif kind == "qwen3":
+        config, cls = Qwen3Config(head_dim=hidden_size // num_heads, **common), Qwen3ForCausalLM
+    else:
+        raise ValueError(f"kind must be 'llama' or 'qwen3', got {kind!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config)
+    model.generation_config.eos_token_id = [EOS_ID, PAD_ID]
+    model.generation_config.pad_token_id = PAD_ID
+    return model.float().eval()
+
+
+# -------------------------------------------------------------------------------------------- console and files
+
+# Wide enough that no line a test looks into wraps (paths under a long checkout or tmp dir included); conftest gives
+# every test COLUMNS=CONSOLE_COLUMNS, so the consoles the commands make for themselves are this wide too.
+CONSOLE_COLUMNS = 1000
+
+
+def string_console() -> Console:
+    """A console of fixed width writing into a string: `console.file.getvalue()`."""
+    return Console(file=io.StringIO(), width=CONSOLE_COLUMNS)
+
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ------------------------------------------------------------------------------------------ opd distill runs
+
+
+def distill_config(world, tmp_path, *overrides, teacher=True, steps=2) -> DistillConfig:
+    """A 2-step run on the `world` fixture's tiny student, teacher and prompts (conftest)."""
+    options = {
+        "student.path": str(world / "student"), "data.path": str(world / "prompts.jsonl"),
+        "teacher.path": str(world / "teacher") if teacher else None,
+        "data.answer_key": "answer", "data.max_prompt_length": 32, "prompts_per_step": 2, "rollout.n": 2,
+        "rollout.max_new_tokens": 6, "micro_batch_tokens": 64, "run.out_dir": str(tmp_path), "run.name": "run",
+        "run.steps": steps, "run.report": False, "optim.lr": 1e-3,
+    }
+    return build_config(DistillConfig, options=options, overrides=list(overrides))
+
+
+def latest_weights(run_dir: Path) -> dict:
+    return load_file(str(latest_checkpoint(run_dir) / "model.safetensors"))
+
+
+def train_to_prefer(path: Path, prompt_ids: list[int], target_ids: list[int], steps: int) -> None:
+    """A model pushed by `steps` Adam steps of SFT toward one fixed continuation of the prompt (seconds on CPU):
+    150 steps make the teacher; 5 steps from the same init make a student that is near it but clearly off."""
+    model = make_tiny_model("qwen3", seed=5).train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ids = torch.tensor([prompt_ids + target_ids])
+    labels = ids.clone()
+    labels[:, : len(prompt_ids)] = -100
+    for _ in range(steps):
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval().save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+
+
+def reverse_kl(student_dir: Path, teacher_dir: Path, prompt_ids: list[int], samples: int = 32) -> float:
+    """Exact token-mean KL(student ‖ teacher) over the full vocabulary on the student's own samples."""
+    student = AutoModelForCausalLM.from_pretrained(student_dir).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    tokenizer = make_tiny_tokenizer()
+    params = SamplingParams(n=samples, max_new_tokens=6, seed=11)
+    output = make_generator(student, tokenizer).generate([prompt_ids], params)
+    rollouts = build_rollouts([prompt_ids], output, pad_id=tokenizer.pad_token_id)
+    positions = rollouts.response_positions().clamp(max=rollouts.input_ids.shape[1] - 1)
+    with torch.no_grad():
+        s = student(rollouts.input_ids, attention_mask=rollouts.attention_mask).logits
+        t = teacher(rollouts.input_ids, attention_mask=rollouts.attention_mask).logits
+    mask = rollouts.response_mask
+    gather = lambda logits: torch.gather(logits, 1, positions[..., None].expand(-1, -1, logits.shape[-1]))[mask]
+    kl = full_reverse_kl(gather(s), gather(t), torch.ones(int(mask.sum()), dtype=torch.bool))
+    return float(kl.sum() / mask.sum())
+
+
+# ------------------------------------------------------------------------------------------------ opd sft runs
+
+SFT_QA = [("what is 2+3?", "5"), ("name a colour", "red"), ("reverse abc", "cba"), ("say hi", "hi there")]
+
+
+def chat(question, answer):
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+def sft_config(tmp_path, model_dir, data, *overrides):
+    return build_config(SFTConfig, overrides=[
+        f"model.path={model_dir}", f"data.path={data}", f"run.out_dir={tmp_path / 'runs'}", "examples_per_step=4",
+        "run.report=false", *overrides])
+
+
+# ------------------------------------------------------------------------------------- opd eval, rollout, prompts
+
+
+def eval_args(model_dir, problem_file, out):
+    return ["eval", "--model", str(model_dir), "--benchmarks", str(problem_file), "--prompt-key", "problem",
+            "--answer-key", "answer", "--n", "2", "--max-new-tokens", "6", "--batch-size", "4", "--out", str(out),
+            "--temperature", "1.0", "--top-p", "1.0"]
+
+
+def write_prompts(path: Path, count: int, *, system: str | None = None) -> Path:
+    """`count` verl-layout prompts "<q{i}> What is 2+2?" (answer 4) for `opd rollout`."""
+    rows = []
+    for i in range(count):
+        messages = [{"role": "user", "content": f"<q{i}> What is 2+2?"}]
+        if system and i == 0:
+            messages.insert(0, {"role": "system", "content": system})
+        rows.append({"prompt": messages, "reward_model": {"ground_truth": "4"}, "extra_info": {"index": f"p{i}"},
+                     "data_source": "toy"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def tiny_rollout_config(tmp_path, model_dir, name, **overrides) -> RolloutConfig:
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 5)
+    options = {"model.path": str(model_dir), "model.device": "cpu", "data.path": str(prompts),
+               "out": str(tmp_path / name), "n": 2, "max_attempts": 2, "max_new_tokens": 6, "batch_size": 2,
+               "data.enable_thinking": "off", **overrides}
+    return build_config(RolloutConfig, options=options)
+
+
+def make_prompts(count: int, prefix: str = "p") -> list[Prompt]:
+    return [Prompt(f"{prefix}{i}", [{"role": "user", "content": f"What is {i} + {i}?"}], str(2 * i), source=prefix)
+            for i in range(count)]
+
+
+SMALL_SCORING = dict(n=2, top_k=4, max_new_tokens=6, batch_size=2)
+
+
+def score_config(dirs, data: Path, out: Path, **over) -> PromptScoreConfig:
+    return PromptScoreConfig(student=ModelSpec(path=str(dirs["student"])), teacher=ModelSpec(path=str(dirs["teacher"])),
+                             data=DataSpec(path=str(data)), out=str(out), seed=2, **(SMALL_SCORING | over))

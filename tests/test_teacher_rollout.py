@@ -29,6 +29,11 @@ class ScriptedGenerator:
         self.calls: list[dict] = []
         self.fail_on_call = fail_on_call
 
+    # the rest of the Generator protocol: nothing to hold, free or check
+    def release(self) -> None: ...
+    def close(self) -> None: ...
+    def check_fits(self, prompt_tokens, new_tokens, *, reserve_bytes=0, names=()) -> None: ...
+
     def generate(self, prompt_ids, params):
         if self.fail_on_call is not None and len(self.calls) + 1 == self.fail_on_call:
             raise KeyboardInterrupt("simulated interruption")

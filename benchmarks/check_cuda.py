@@ -380,7 +380,6 @@ def compiled_layers():
 @guarded
 def packed_flex():
     from common import random_rollouts
-
     from opd.teacher.local import LocalScorer, forward_hidden
 
     cuda = torch.device("cuda")
@@ -410,7 +409,6 @@ def packed_flex():
 @guarded
 def packed_varlen():
     from common import random_rollouts
-
     from opd.kernels import varlen_attention
     from opd.models import compile_layers
     from opd.teacher.local import LocalScorer, forward_hidden

@@ -235,16 +235,15 @@ def _gather(value, info) -> list:
 
 def build_trainer(args, info, device: torch.device):
     """A `Trainer` as `opd.recipes.distill.setup` builds it at `info.world_size` ranks, over random-weight models."""
-    from opd_step import BenchGenerator, IdTokenizer
-
     from opd.config import DataSpec, DistillConfig, ModelSpec, RunSpec, SamplingSpec, TeacherSpec
     from opd.rollout import make_generator
     from opd.teacher.local import LocalScorer
     from opd.train.distributed import gathered, shard_model
-    from opd.train.step import Trainer
     from opd.train.optim import build_optimizer, build_scheduler
     from opd.train.sampler import PromptSampler
+    from opd.train.step import Trainer
     from opd.types import Prompt
+    from opd_step import BenchGenerator, IdTokenizer
 
     cuda = device.type == "cuda"
     world = info.world_size

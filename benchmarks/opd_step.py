@@ -190,10 +190,10 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
         TeacherSpec,
     )
     from opd.teacher.local import LocalScorer
-    from opd.train.overlap import rollout_snapshot
-    from opd.train.step import Trainer
     from opd.train.optim import build_optimizer, build_scheduler
+    from opd.train.overlap import rollout_snapshot
     from opd.train.sampler import PromptSampler
+    from opd.train.step import Trainer
     from opd.types import Prompt
 
     rows = args.rollout_rows or args.prompts * args.n

@@ -61,6 +61,7 @@ from common import (  # noqa: E402
     EOS_ID,
     PAD_ID,
     SHAPES,
+    TOKENIZER_SIZE,
     Report,
     base_parser,
     build_model,
@@ -71,7 +72,6 @@ from common import (  # noqa: E402
     peaks,
     resolve_device,
     speedups,
-    TOKENIZER_SIZE,
 )
 
 ALL = (
@@ -395,8 +395,8 @@ def run_row(
         def call(n=longest):
             from contextlib import nullcontext
 
-            from transformers import LogitsProcessorList
             from torch.nn.attention import SDPBackend, sdpa_kernel
+            from transformers import LogitsProcessorList
 
             options = dict(kwargs)
             if forced:  # each row ends with a forced EOS at its own length

@@ -29,17 +29,24 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from opd.config import DataSpec, DistillConfig, ModelSpec, build_config
-from opd.recipes.prompts import PromptScoreConfig
 from opd.objectives import full_reverse_kl
+from opd.recipes.prompts import PromptScoreConfig
+from opd.recipes.rollout import RolloutConfig
+from opd.recipes.sft import SFTConfig
 from opd.rollout import SamplingParams, make_generator
 from opd.rollout.batch import build_rollouts
-from opd.recipes.rollout import RolloutConfig
 from opd.train.checkpoint import latest_checkpoint
-from opd.recipes.sft import SFTConfig
 from opd.types import Prompt
 
 # ------------------------------------------------------------------------------------- tiny tokenizer and models

@@ -8,13 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd.config import ConfigError
+from helpers import (
+    EOS_ID,
+    distill_config,
+    latest_weights,
+    make_tiny_model,
+    make_tiny_tokenizer,
+    reverse_kl,
+    train_to_prefer,
+)
 from opd.io import read_jsonl
-from opd.train.checkpoint import latest_checkpoint
 from opd.recipes.distill import distill
-
-from helpers import EOS_ID, distill_config, latest_weights, make_tiny_model, make_tiny_tokenizer, reverse_kl
-from helpers import train_to_prefer
+from opd.train.checkpoint import latest_checkpoint
 
 
 @pytest.mark.parametrize(
@@ -168,9 +173,8 @@ def test_kill_during_checkpoint_keeps_previous_loadable(world, tmp_path, monkeyp
 def test_trainer_scores_agree_with_dense_token_rewards(world):
     """The trainer's chunked path (LocalScorer + sparse core) equals SPEC §8's dense `token_rewards`."""
     from opd.objectives import build_candidates, candidate_rewards, gather_candidate_logprobs, token_rewards
-    from opd.rollout import SamplingParams
+    from opd.rollout import SamplingParams, make_generator
     from opd.rollout.batch import build_rollouts
-    from opd.rollout import make_generator
     from opd.teacher.local import LocalScorer
 
     student = make_tiny_model("qwen3", seed=0)

@@ -5,10 +5,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from helpers import eval_args, write_jsonl
 from opd.cli import app
 from opd.io import read_jsonl
-
-from helpers import eval_args, write_jsonl
 
 
 def test_eval_responses_known_counts(tmp_path):
@@ -269,7 +268,6 @@ def test_eval_redoes_partial_chunks(tiny_model_dir, problem_file, tmp_path, dama
 def test_eval_periodic_eval_dir_resumes_with_a_generator_in_memory(tiny_tokenizer, problem_file, tmp_path):
     """The trainer's `run_dir/eval/step_N` evals pass the model in memory; a rerun (a resumed run) reuses them."""
     from helpers import make_tiny_model
-
     from opd.config import EvalConfig, ModelSpec
     from opd.recipes.eval import evaluate
     from opd.rollout import make_generator
@@ -380,7 +378,6 @@ def test_distill_periodic_eval_is_finished_on_resume(tiny_tokenizer, tmp_path):
     import shutil
 
     from helpers import make_tiny_model
-
     from opd.config import DistillConfig, build_config
     from opd.recipes.distill import distill
 

@@ -7,14 +7,13 @@ import copy
 import pytest
 import torch
 
+from helpers import distill_config, reverse_kl, train_to_prefer
+from opd.recipes.distill import setup
 from opd.rollout import SamplingParams
 from opd.rollout.batch import build_rollouts
 from opd.rollout.torch_engine import TorchGenerator
 from opd.teacher.local import LocalScorer
-from opd.recipes.distill import setup
 from opd.train.step import _sampling_params, opd_step
-
-from helpers import distill_config, reverse_kl, train_to_prefer
 
 
 def _trainer(world, tmp_path, *overrides, steps=3):
@@ -121,8 +120,8 @@ def test_overlap_still_moves_the_student_toward_the_teacher(world, tmp_path):
     import json
 
     from helpers import EOS_ID, make_tiny_tokenizer
-    from opd.train.checkpoint import latest_checkpoint
     from opd.recipes.distill import distill
+    from opd.train.checkpoint import latest_checkpoint
 
     tokenizer = make_tiny_tokenizer()
     text = tokenizer.apply_chat_template(

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import SMALL_SCORING, make_prompts, make_tiny_model, make_tiny_tokenizer, score_config
 from opd.config import ConfigError
 from opd.data.alignment import retemplate
 from opd.data.prompts import DataError, load_prompts, save_prompts
@@ -25,10 +26,8 @@ from opd.eval.prompt_scores import (
 )
 from opd.models import TokenizerMismatchError
 from opd.objectives import opd_diagnostics_from_scores
-from opd.recipes.prompts import PromptScoreConfig, parse_top, retemplate_file, score_prompt_file, select_prompt_file
+from opd.recipes.prompts import parse_top, retemplate_file, score_prompt_file, select_prompt_file
 from opd.types import Prompt, TokenScores
-
-from helpers import SMALL_SCORING, make_prompts, make_tiny_model, make_tiny_tokenizer, score_config
 
 DAPO = Path(__file__).parents[1].parent / "shared" / "data" / "train" / "dapo-math-17k.parquet"
 needs_dapo = pytest.mark.skipif(not DAPO.is_file(), reason=f"shared DAPO set not found at {DAPO}")

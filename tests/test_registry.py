@@ -7,9 +7,9 @@ from helpers import make_tiny_model
 from opd.config import ModelSpec, TeacherSpec, VLLMSpec
 from opd.rollout import Generator, SamplingParams, engine_names, make_generator
 from opd.rollout.registry import resolve_engine, vllm_arguments
-from opd.rollout.vllm_engine import EngineOptions, VLLMGenerator
 from opd.rollout.static_engine import StaticGenerator
 from opd.rollout.torch_engine import TorchGenerator
+from opd.rollout.vllm_engine import EngineOptions, VLLMGenerator
 from opd.teacher.base import TeacherScorer, start_scoring
 from opd.teacher.client import RemoteScorer
 from opd.teacher.local import LocalScorer

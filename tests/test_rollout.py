@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model
 from transformers import LlamaConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model
 from opd.rollout.base import GenerationOutput, Generator, SamplingParams
 from opd.rollout.batch import build_rollouts
 from opd.rollout.sampling import filter_logits
@@ -203,8 +203,8 @@ def test_distill_fails_at_startup_when_one_rollout_cannot_fit(tmp_path, monkeypa
 
     from helpers import make_tiny_tokenizer
     from opd.config import DistillConfig, build_config
-    from opd.rollout import memory
     from opd.recipes.distill import distill
+    from opd.rollout import memory
 
     make_tiny_model("qwen3").save_pretrained(tmp_path / "student")
     make_tiny_tokenizer().save_pretrained(tmp_path / "student")

@@ -37,14 +37,21 @@ import yaml
 from safetensors.torch import load_file
 
 import opd
+from helpers import (
+    distill_config,
+    eval_args,
+    make_prompts,
+    score_config,
+    sft_config,
+    tiny_rollout_config,
+    write_jsonl,
+    write_prompts,
+)
 from opd.cli import main
 from opd.io import LOCK_FILE, DirectoryLock, DirectoryLocked, read_jsonl
-from opd.train.checkpoint import MANIFEST, latest_checkpoint, save_checkpoint, verify_checkpoint
 from opd.recipes.distill import distill
 from opd.recipes.sft import sft
-
-from helpers import distill_config, eval_args, make_prompts, score_config, sft_config, tiny_rollout_config, write_jsonl
-from helpers import write_prompts
+from opd.train.checkpoint import MANIFEST, latest_checkpoint, save_checkpoint, verify_checkpoint
 
 SRC = str(Path(opd.__file__).resolve().parents[1])
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers import EOS_ID, SFT_QA, chat, make_tiny_model, sft_config, write_jsonl
 from opd.config import ConfigError, build_config
 from opd.data.prompts import DataError
 from opd.data.sft import (
@@ -23,8 +24,6 @@ from opd.data.templates import encode_prompts
 from opd.recipes.sft import SFTConfig, check_config, sft
 from opd.train.sft import forward_backward, packing_is_exact, target_logprobs
 from opd.types import Prompt
-
-from helpers import EOS_ID, SFT_QA, chat, make_tiny_model, sft_config, write_jsonl
 
 # ------------------------------------------------------------------------------------------------ layouts
 

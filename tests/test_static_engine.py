@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model
-from opd.rollout import Generator, SamplingParams, memory, static_engine
 from opd.kernels import decode_attention as triton_attention
+from opd.rollout import Generator, SamplingParams, memory, static_engine
 from opd.rollout.sampling import filter_logits
 from opd.rollout.static_engine import StaticGenerator, _sample, unsupported_reason
 from opd.rollout.torch_engine import TorchGenerator

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers import EOS_ID, tiny_rollout_config, write_prompts
 from opd.config import ConfigError, build_config
 from opd.eval.degeneracy import DegeneracySpec, degeneracy_reasons
 from opd.io import read_jsonl
 from opd.recipes.rollout import REASONS, RolloutConfig, check_response, teacher_rollout
 from opd.rollout.base import GenerationOutput, Generator
-
-from helpers import EOS_ID, tiny_rollout_config, write_prompts
 
 GOOD = "Adding the two numbers gives four.\n\\boxed{4}"
 

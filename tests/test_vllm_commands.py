@@ -57,11 +57,11 @@ def _metrics(run_dir) -> list[dict]:
 
 
 def test_distill_step_leaves_the_engine_equal_to_the_trained_student(tmp_path):
+    from opd.recipes.distill import setup
     from opd.rollout import SamplingParams
     from opd.rollout.batch import build_rollouts
     from opd.rollout.vllm_engine import VLLMGenerator
     from opd.teacher.local import LocalScorer
-    from opd.recipes.distill import setup
     from opd.train.step import opd_step
 
     config = _lab_config(tmp_path, "one-step", "rollout.engine=vllm", "eval.benchmarks=[]", "run.steps=1")

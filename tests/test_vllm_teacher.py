@@ -21,7 +21,6 @@ if not vllm_available() and os.environ.get("OPD_REQUIRE_VLLM") != "1":
     pytest.skip("vllm is not installed (./dev test-vllm runs these in the vLLM environment)", allow_module_level=True)
 
 from helpers import TINY_VOCAB, make_tiny_model, make_tiny_tokenizer, string_console  # noqa: E402
-
 from opd import lab  # noqa: E402
 from opd.config import ObjectiveSpec  # noqa: E402
 

@@ -81,22 +81,26 @@ def main(argv: list[str] | None = None) -> dict:
             q_heads = q.reshape(rows, kv * groups, 1, dh)
             exact_k, exact_v = keys[:, :, :length], values[:, :, :length]
             candidates = {
-                "sdpa_masked": lambda: F.scaled_dot_product_attention(
-                    q, keys[:, :, :span], values[:, :, :span], attn_mask=bias, scale=scale
+                "sdpa_masked": lambda q=q, keys=keys, values=values, span=span, bias=bias: (
+                    F.scaled_dot_product_attention(
+                        q, keys[:, :, :span], values[:, :, :span], attn_mask=bias, scale=scale
+                    )
                 ),
-                "sdpa_exact": lambda: F.scaled_dot_product_attention(
+                "sdpa_exact": lambda q_heads=q_heads, exact_k=exact_k, exact_v=exact_v: F.scaled_dot_product_attention(
                     q_heads, exact_k, exact_v, scale=scale, enable_gqa=True
                 ),
             }
             for splits in args.splits.split(","):
                 count = default_splits(rows, kv, device) if splits == "auto" else int(splits)
                 candidates[f"triton[{splits}={count}]" if splits == "auto" else f"triton[{count}]"] = (
-                    lambda count=count: decode_attention(q, keys, values, start, last, scale, splits=count)
+                    lambda q=q, keys=keys, values=values, start=start, last=last, count=count: decode_attention(
+                        q, keys, values, start, last, scale, splits=count
+                    )
                 )
             bytes_read = rows * kv * length * dh * 2 * 2
             for name, fn in candidates.items():
 
-                def row(fn=fn):
+                def row(fn=fn, rows=rows, length=length, bytes_read=bytes_read):
                     seconds = graph_time(fn, args.repeat * 5)
                     return {
                         "rows": rows,

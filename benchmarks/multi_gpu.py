@@ -79,7 +79,7 @@ class Greedy:
 
 
 def install_greedy_rollouts() -> None:
-    """Wrap `opd.rollout.make_generator` (what `opd.recipes.distill.setup` calls) so that every engine decodes greedily."""
+    """Wrap `opd.rollout.make_generator` (what `opd.recipes.distill.setup` calls): every engine decodes greedily."""
     import opd.rollout as rollout
 
     make = rollout.make_generator

@@ -12,8 +12,9 @@ token-reward advantages, PPO-clip), and as `opd distill` sets a GPU up: compiled
 selective activation checkpointing (`--compile`, `--ckpt`). Variants (`VARIANTS`): `default` (the config defaults:
 fp32 AdamW state, fused on CUDA), `foreach` (torch's foreach AdamW: the previous default), `bf16_state`
 (`optim.state_dtype=bf16`), `micro4k` (`micro_batch_tokens=4096`), `ckpt_on` (full per-layer checkpointing),
-`offload` (`teacher_offload`), `lean` (bf16 state + micro4k), `lean_offload`, `lean_offload_8k`, `overlap` (`rollout.overlap` with
-`objective.tis_cap=2`). On CUDA each row also prints where its memory goes (the phase marks of `opd_step`).
+`offload` (`teacher_offload`), `lean` (bf16 state + micro4k), `lean_offload`, `lean_offload_8k`, `overlap`
+(`rollout.overlap` with `objective.tis_cap=2`). On CUDA each row also prints where its memory goes (the phase marks
+of `opd_step`).
 
 TRL (`--trl`, one row each; its wheels are carried to the GPU machine: benchmarks/README.md): the same student and
 teacher (fresh copies per row: TRL's Trainer wraps the forward of the models it is given), the same prompts as
@@ -343,7 +344,7 @@ def our_row(
             if key in last["metrics"]:
                 row[key] = last["metrics"][key]
         row["last_lengths"] = last["lengths"]
-        del tr
+        tr = None  # frees the trainer before the collect (rebound, not `del`: the closure `step` reads this name)
         gc.collect()
         return row
     finally:

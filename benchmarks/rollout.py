@@ -96,7 +96,7 @@ def draw_lengths(spec: str, rows: int, default: int, seed: int) -> list[int] | N
     try:
         options = {k: float(v) for k, v in (item.split("=") for item in rest.split(",") if item)}
     except ValueError:
-        raise SystemExit(f"--lengths {spec!r}: write lognormal:mean=M,cap=C[,sigma=S] or equal")
+        raise SystemExit(f"--lengths {spec!r}: write lognormal:mean=M,cap=C[,sigma=S] or equal") from None
     if kind != "lognormal" or "mean" not in options or set(options) - {"mean", "cap", "sigma"}:
         raise SystemExit(f"--lengths {spec!r}: write lognormal:mean=M,cap=C[,sigma=S] or equal")
     sigma, cap = options.get("sigma", 1.0), int(options.get("cap", default))

@@ -16,9 +16,9 @@ response length and right-pads: then padding is not counted); the compute bound 
 The compiled row takes the top-k in two stages (`opd.scoring._piece_topk`); `--torch-topk` adds the same row with one
 `torch.topk` over the whole rows (the previous code) for comparison.
 
-`--compile on,off` (default on CUDA) adds a row with the decoder layers under `torch.compile` (`opd.models.compile_layers`,
-what `opd distill` does on a GPU); the eager rows run with `torch.compiler.set_stance("force_eager")`. The naive row
-is always eager (plain transformers).
+`--compile on,off` (default on CUDA) adds a row with the decoder layers under `torch.compile`
+(`opd.models.compile_layers`, what `opd distill` does on a GPU); the eager rows run with
+`torch.compiler.set_stance("force_eager")`. The naive row is always eager (plain transformers).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
         )  # one forward
         results = {}
 
-        def finish(m, key):
+        def finish(m, key, results=results, tokens=tokens, shape=shape, params=params, model=model):
             results[key] = m["result"]
             rate = tokens / m["seconds"]
             return {
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30,
             }
 
-        def ours(mode):
+        def ours(mode, scorer=scorer, rollouts=rollouts, requested_BTR=requested_BTR, finish=finish):
             stance = "default" if mode == "on" else "force_eager"
             with torch.compiler.set_stance(stance):
                 m = measure(
@@ -146,7 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
             row["compile_first_call_s"] = m["first_call_seconds"] if mode == "on" else None
             return row
 
-        def naive():
+        def naive(
+            model=model, rollouts=rollouts, requested_BTR=requested_BTR, vocab=vocab, results=results, finish=finish
+        ):
             with torch.no_grad(), torch.compiler.set_stance("force_eager"):
                 m = measure(
                     lambda: naive_scores(model, rollouts, requested_BTR, args.top_k, vocab),
@@ -178,18 +180,19 @@ def main(argv: list[str] | None = None) -> dict:
             suffix = "" if attn == "sdpa" else f", {attn}"
             for mode in compile_modes:
                 report.run_row(
-                    f"local_scorer[{shape}{', compiled' if mode == 'on' else ''}{suffix}]", lambda mode=mode: ours(mode)
+                    f"local_scorer[{shape}{', compiled' if mode == 'on' else ''}{suffix}]",
+                    lambda mode=mode, ours=ours: ours(mode),
                 )
         model.set_attn_implementation("sdpa")
         if args.torch_topk and "on" in compile_modes:
             import opd.scoring
 
             piece, opd.scoring._TOPK_PIECE = opd.scoring._TOPK_PIECE, 1 << 30  # one piece: a plain torch.topk
-            report.run_row(f"local_scorer[{shape}, compiled, torch.topk]", lambda: ours("on"))
+            report.run_row(f"local_scorer[{shape}, compiled, torch.topk]", lambda ours=ours: ours("on"))
             opd.scoring._TOPK_PIECE = piece
         report.run_row(f"naive_full_logits[{shape}]", naive)
         speedups([r for r in report.data["rows"] if r.get("shape") == shape], f"naive_full_logits[{shape}]")
-        del model, scorer, rollouts, results
+        del model, scorer, rollouts, results, finish, ours, naive  # the functions hold this shape's model too
     columns = [
         ("row", "name", ""),
         ("tokens/s", "tokens_per_s", ",.0f"),

@@ -19,12 +19,14 @@ teacher server share it, or the server has it to itself while the local row is i
 
 The server process builds the same random-weight Qwen3 shape from the same seed (`common.build_model`, a
 synthetic token→id map for /info), or loads the shipped lab teacher for `--shape lab`, and serves it with
-`opd.teacher.server.service_for` + `run` (what `opd serve-teacher` runs after loading). Its forward budget equals one client's batch, so the local and the served forwards have the same shapes;
+`opd.teacher.server.service_for` + `run` (what `opd serve-teacher` runs after loading). Its forward budget equals
+one client's batch, so the local and the served forwards have the same shapes;
 `--request-tokens` (default: one request per call) is the client's split budget.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import subprocess
 import sys
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
         local = LocalScorer(model, vocab_size=vocab, max_tokens_per_batch=tokens_per_call)
         pad = 0 if shape == "lab" else pad_id(shape)
 
-        def inputs(seed: int):
+        def inputs(seed: int, vocab=vocab, pad=pad):
             rollouts = random_rollouts(args.batch, args.prompt_len, args.response_len, vocab, device, seed, pad)
             g = torch.Generator().manual_seed(seed + 1)
             requested = torch.randint(0, vocab, (args.batch, args.response_len, REQUESTED), generator=g).to(device)
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
         score = dict(top_k=TOP_K, requested_ids=requested)
         base = {}
 
-        def local_row():
+        def local_row(local=local, rollouts=rollouts, score=score, base=base, shape=shape):
             m = measure(lambda: local.score(rollouts, **score), device, warmup=args.warmup, repeat=args.repeat)
             base.update(seconds=m["seconds"], rate=tokens_per_call / m["seconds"], result=m["result"])
             return {
@@ -214,19 +216,16 @@ def main(argv: list[str] | None = None) -> dict:
         if args.threads:
             server_argv += ["--threads", str(args.threads)]
         process, url = start_server(server_argv)
+        served_args = (inputs, score, args, tokens_per_call, base, wire_bytes, positions)  # served_row's, after clients
         try:
             for n in clients:
                 report.run_row(
                     f"served[{shape}, {n} client{'s' if n > 1 else ''}]",
-                    lambda n=n: served_row(
-                        url, n, inputs, score, args, tokens_per_call, base, wire_bytes, positions, "float32", shape
-                    ),
+                    functools.partial(served_row, url, n, *served_args, "float32", shape),
                 )
             report.run_row(
                 f"served[{shape}, 1 client, bf16 wire]",
-                lambda: served_row(
-                    url, 1, inputs, score, args, tokens_per_call, base, wire_bytes, positions, "bfloat16", shape
-                ),
+                functools.partial(served_row, url, 1, *served_args, "bfloat16", shape),
             )
         finally:
             process.terminate()

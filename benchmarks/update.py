@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name, fn, mode, attn in paths:
             model.set_attn_implementation(attn)
 
-            def row(fn=fn, mode=mode):
+            def row(fn=fn, mode=mode, budget=budget, ckpt=ckpt, kept=kept):
                 with torch.compiler.set_stance("default" if mode == "on" else "force_eager"), activation_budget(budget):
                     m = measure(fn, device, warmup=args.warmup, repeat=args.repeat)
                 rate = tokens / m["seconds"]

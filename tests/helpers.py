@@ -227,7 +227,10 @@ def reverse_kl(student_dir: Path, teacher_dir: Path, prompt_ids: list[int], samp
         s = student(rollouts.input_ids, attention_mask=rollouts.attention_mask).logits
         t = teacher(rollouts.input_ids, attention_mask=rollouts.attention_mask).logits
     mask = rollouts.response_mask
-    gather = lambda logits: torch.gather(logits, 1, positions[..., None].expand(-1, -1, logits.shape[-1]))[mask]
+
+    def gather(logits):
+        return torch.gather(logits, 1, positions[..., None].expand(-1, -1, logits.shape[-1]))[mask]
+
     kl = full_reverse_kl(gather(s), gather(t), torch.ones(int(mask.sum()), dtype=torch.bool))
     return float(kl.sum() / mask.sum())
 

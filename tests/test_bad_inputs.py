@@ -240,7 +240,10 @@ class Case:
 EVAL = "eval --model {model} --benchmarks {bench} --out {out}/eval --n 1 --max-new-tokens 4"
 TINY_DISTILL = "--steps 1 prompts_per_step=2 rollout.max_new_tokens=4 data.max_prompt_length=64 micro_batch_tokens=256"
 DISTILL = "distill --student {model} --teacher {model} --prompts {prompts} --out-dir {out} --name d " + TINY_DISTILL
-SFT = "sft --model {model} --data {sft} --name s run.out_dir={out} examples_per_step=2 data.max_length=256 micro_batch_tokens=256"
+SFT = (
+    "sft --model {model} --data {sft} --name s run.out_dir={out} examples_per_step=2 data.max_length=256 "
+    "micro_batch_tokens=256"
+)
 ROLLOUT = "rollout --model {model} --prompts {prompts} --out {out}/rollout --max-new-tokens 4"
 SCORE = (
     "prompts score --student {model} --teacher {model} --in {prompts} --out {out}/scores/s.jsonl --n 1 "

@@ -187,7 +187,10 @@ def test_trainer_scores_agree_with_dense_token_rewards(world):
     with torch.no_grad():
         dense_student = student(rollouts.input_ids, attention_mask=rollouts.attention_mask).logits
         dense_teacher = teacher(rollouts.input_ids, attention_mask=rollouts.attention_mask).logits
-    gather = lambda logits: torch.gather(logits, 1, positions[..., None].expand(-1, -1, logits.shape[-1]))
+
+    def gather(logits):
+        return torch.gather(logits, 1, positions[..., None].expand(-1, -1, logits.shape[-1]))
+
     for strategy in ("only_stu", "union", "union-intersection"):
         dense = token_rewards(
             gather(dense_student),

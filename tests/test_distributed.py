@@ -2,8 +2,9 @@
 
 Both runs go through `benchmarks/multi_gpu.py run distill …` (the CLI with the rollout engine decoding greedily,
 what `benchmarks/run_multi_gpu.sh` runs on GPUs): the config requires rollout.temperature > 0, and sampled
-rollouts necessarily differ between 1 and 2 processes (each rank samples with its own seed). Greedy rollouts depend only on the prompt and the weights, so both runs train on identical
-rollouts and — the update being the same global token-mean — must end with the same weights.
+rollouts necessarily differ between 1 and 2 processes (each rank samples with its own seed). Greedy rollouts depend
+only on the prompt and the weights, so both runs train on identical rollouts and — the update being the same global
+token-mean — must end with the same weights.
 """
 
 import json

@@ -74,7 +74,10 @@ def test_eval_model_files_table_and_resume(tiny_model_dir, problem_file, tmp_pat
     assert result.exit_code == 0, result.output
     assert "resuming" in result.output
     resumed = read_jsonl(out / "samples.jsonl")
-    key = lambda r: (r["problem_id"], r["sample"])
+
+    def key(r):
+        return r["problem_id"], r["sample"]
+
     assert sorted(map(key, resumed)) == sorted(map(key, first))
     # the redone chunk reproduces exactly what the uninterrupted run sampled
     assert {key(r): r["response"] for r in resumed} == {key(r): r["response"] for r in first}

@@ -136,8 +136,8 @@ def test_reward_diagnostics_and_seq_rewards():
 
 
 def brute_force_auroc(scores, labels):
-    pos = [s for s, l in zip(scores, labels) if l]
-    neg = [s for s, l in zip(scores, labels) if not l]
+    pos = [s for s, label in zip(scores, labels) if label]
+    neg = [s for s, label in zip(scores, labels) if not label]
     wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg)
     return wins / (len(pos) * len(neg))
 

@@ -165,7 +165,10 @@ def test_group_diagnostics_match_the_batch_function():
     assert set(per_group) == set(METRICS)
     for gi in range(3):
         rows = torch.tensor([2 * gi, 2 * gi + 1])
-        sub = lambda x: TokenScores(**{k: None if v is None else v[rows] for k, v in x.__dict__.items()})  # noqa: E731
+
+        def sub(x, rows=rows):
+            return TokenScores(**{k: None if v is None else v[rows] for k, v in x.__dict__.items()})
+
         ref = opd_diagnostics_from_scores(sub(student), sub(teacher), mask[rows])
         for key in METRICS:
             assert per_group[key][gi].item() == pytest.approx(ref[key].item(), abs=1e-9), key

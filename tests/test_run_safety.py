@@ -488,7 +488,7 @@ def test_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_copy(wo
 
     yaml_path = dump(distill_config(world, tmp_path, "run.save_every=1", steps=2), tmp_path / "c.yaml")
     result = run_opd("distill", "--config", yaml_path, preexec_fn=small_files)
-    line = one_line(result.returncode, "\n".join(l for l in result.stderr.splitlines() if "Writing model" not in l))
+    line = one_line(result.returncode, "\n".join(s for s in result.stderr.splitlines() if "Writing model" not in s))
     root = tmp_path / "run" / "checkpoints"
     assert "could not write checkpoint step_1" in line and str(root) in line and "needs about" in line, line
     assert "File too large" in line

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import build_model  # noqa: E402
+from common import build_model
 
 ROWS: list[dict] = []
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Report, base_parser, peaks, resolve_device  # noqa: E402
+from common import Report, base_parser, peaks, resolve_device
 
 CALLS = 20
 

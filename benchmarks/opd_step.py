@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from common import (
     SHAPES,
     TOKENIZER_SIZE,
     Report,

@@ -238,7 +238,7 @@ def test_merge_into_an_empty_directory(capsys, tmp_path, lora_checkpoint):
 # ----------------------------------------------------------------------------------- 2. one run per directory
 
 
-def test_new_distill_into_a_run_directory_refuses(capsys, world, tmp_path):  # noqa: F811
+def test_new_distill_into_a_run_directory_refuses(capsys, world, tmp_path):
     first = distill(distill_config(world, tmp_path, "run.save_every=2", "run.keep_last=2", steps=6))
     before = snapshot(first)
     # the issue's case: the old run's step_4/step_6 would sort as newer than the new run's step_2 (keep-last pruned
@@ -251,7 +251,7 @@ def test_new_distill_into_a_run_directory_refuses(capsys, world, tmp_path):  # n
     assert snapshot(first) == before
 
 
-def test_new_sft_into_a_run_directory_refuses(capsys, tmp_path, tiny_model_dir, sft_data):  # noqa: F811
+def test_new_sft_into_a_run_directory_refuses(capsys, tmp_path, tiny_model_dir, sft_data):
     run_dir = sft(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "run.name=one"))
     before = snapshot(run_dir)
     yaml_path = dump(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=1", "run.name=one"), tmp_path / "c.yaml")
@@ -260,7 +260,7 @@ def test_new_sft_into_a_run_directory_refuses(capsys, tmp_path, tiny_model_dir, 
     assert snapshot(run_dir) == before
 
 
-def test_overwrite_moves_the_old_run_aside(capsys, world, tmp_path):  # noqa: F811
+def test_overwrite_moves_the_old_run_aside(capsys, world, tmp_path):
     first = distill(distill_config(world, tmp_path, steps=2))
     (first / "my_notes.txt").write_text("keep me")
     before = snapshot(first)
@@ -273,7 +273,7 @@ def test_overwrite_moves_the_old_run_aside(capsys, world, tmp_path):  # noqa: F8
     assert latest_checkpoint(first).name == "step_1"
 
 
-def test_resume_and_overwrite_contradict(capsys, world, tmp_path):  # noqa: F811
+def test_resume_and_overwrite_contradict(capsys, world, tmp_path):
     yaml_path = dump(distill_config(world, tmp_path), tmp_path / "c.yaml")
     line = one_line(*cli(capsys, "distill", "--config", yaml_path, "--resume", "run.overwrite=true")[::2])
     assert "run.resume and run.overwrite" in line
@@ -293,7 +293,7 @@ def test_pruning_never_removes_a_newer_checkpoint(tmp_path):
 # ------------------------------------------------------------------------------------ 3. fail before training
 
 
-def test_distill_unknown_eval_benchmark_fails_before_training(capsys, world, tmp_path):  # noqa: F811
+def test_distill_unknown_eval_benchmark_fails_before_training(capsys, world, tmp_path):
     yaml_path = dump(
         distill_config(world, tmp_path, "eval.benchmarks=[aime2O24]", "run.save_every=0"), tmp_path / "c.yaml"
     )
@@ -302,7 +302,7 @@ def test_distill_unknown_eval_benchmark_fails_before_training(capsys, world, tmp
     assert not (tmp_path / "run").exists()  # nothing trained, nothing written
 
 
-def test_sft_eval_set_with_a_bad_column_fails_before_training(capsys, tmp_path, tiny_model_dir, sft_data):  # noqa: F811
+def test_sft_eval_set_with_a_bad_column_fails_before_training(capsys, tmp_path, tiny_model_dir, sft_data):
     bench = write_jsonl(tmp_path / "bench.jsonl", [{"question": "1+1?", "answer": "2"}])
     yaml_path = dump(
         sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "run.name=s", f"eval.benchmarks=[{bench}]"),
@@ -313,7 +313,7 @@ def test_sft_eval_set_with_a_bad_column_fails_before_training(capsys, tmp_path, 
     assert not (tmp_path / "runs" / "s").exists()
 
 
-def test_run_directory_blocked_by_a_file(capsys, world, tmp_path):  # noqa: F811
+def test_run_directory_blocked_by_a_file(capsys, world, tmp_path):
     (tmp_path / "run").write_text("a file, not a directory")
     yaml_path = dump(distill_config(world, tmp_path), tmp_path / "c.yaml")
     line = one_line(*cli(capsys, "distill", "--config", yaml_path)[::2])
@@ -322,7 +322,7 @@ def test_run_directory_blocked_by_a_file(capsys, world, tmp_path):  # noqa: F811
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
-def test_read_only_out_dir(capsys, world, tmp_path):  # noqa: F811
+def test_read_only_out_dir(capsys, world, tmp_path):
     parent = tmp_path / "ro"
     parent.mkdir()
     parent.chmod(0o500)
@@ -335,7 +335,7 @@ def test_read_only_out_dir(capsys, world, tmp_path):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_kill_during_the_final_eval_loses_no_training(capsys, world, tmp_path):  # noqa: F811
+def test_kill_during_the_final_eval_loses_no_training(capsys, world, tmp_path):
     """save_every=0 (the demo's setting): the final checkpoint is written before the final eval, so a run killed (or
     failing) there keeps its training; --resume then redoes the unfinished eval and finishes the run."""
     bench = write_jsonl(tmp_path / "bench.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(12)])
@@ -399,7 +399,7 @@ def test_lock_names_the_holder_and_is_released(tmp_path):
     assert not (directory / LOCK_FILE).exists()
 
 
-def test_lock_is_released_when_the_command_fails(capsys, world, tmp_path):  # noqa: F811
+def test_lock_is_released_when_the_command_fails(capsys, world, tmp_path):
     first = distill(distill_config(world, tmp_path, steps=1))
     yaml_path = dump(distill_config(world, tmp_path, "objective.top_k=4", steps=2), tmp_path / "c.yaml")
     one_line(*cli(capsys, "distill", "--config", yaml_path, "--resume")[::2])  # refused: the config changed
@@ -459,7 +459,7 @@ def test_pipeline_rerun_with_another_recipe_refuses(capsys, tmp_path):
 # ----------------------------------------------------------------------- 5. temp directories and write failures
 
 
-def test_stale_checkpoint_temps_are_removed_on_resume(capsys, world, tmp_path):  # noqa: F811
+def test_stale_checkpoint_temps_are_removed_on_resume(capsys, world, tmp_path):
     run_dir = distill(distill_config(world, tmp_path, steps=1))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -476,7 +476,7 @@ def test_stale_checkpoint_temps_are_removed_on_resume(capsys, world, tmp_path): 
 
 
 @pytest.mark.slow
-def test_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_copy(world, tmp_path):  # noqa: F811
+def test_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_copy(world, tmp_path):
     """A real failing write (the file-size limit of the process, like a full disk: the write syscall fails)."""
     import resource
 
@@ -498,7 +498,7 @@ def test_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_copy(wo
 # ------------------------------------------------------------------------------------- 6. resume config check
 
 
-def test_resume_with_a_changed_objective_refuses_naming_each_key(capsys, world, tmp_path):  # noqa: F811
+def test_resume_with_a_changed_objective_refuses_naming_each_key(capsys, world, tmp_path):
     run_dir = distill(distill_config(world, tmp_path, steps=1))
     saved = (run_dir / "config.yaml").read_text()
     yaml_path = dump(distill_config(world, tmp_path, "objective.top_k=4", "rollout.n=3", steps=2), tmp_path / "c.yaml")
@@ -512,7 +512,7 @@ def test_resume_with_a_changed_objective_refuses_naming_each_key(capsys, world, 
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["objective"]["top_k"] == 4
 
 
-def test_resume_may_extend_a_run_and_keeps_the_config_history(capsys, world, tmp_path):  # noqa: F811
+def test_resume_may_extend_a_run_and_keeps_the_config_history(capsys, world, tmp_path):
     run_dir = distill(distill_config(world, tmp_path, steps=1))
     saved = (run_dir / "config.yaml").read_text()
     yaml_path = dump(distill_config(world, tmp_path, "run.save_every=7", "eval.n=3", steps=2), tmp_path / "c.yaml")
@@ -522,14 +522,14 @@ def test_resume_may_extend_a_run_and_keeps_the_config_history(capsys, world, tmp
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2]
 
 
-def test_resume_cannot_go_back(capsys, world, tmp_path):  # noqa: F811
+def test_resume_cannot_go_back(capsys, world, tmp_path):
     distill(distill_config(world, tmp_path, steps=2))
     yaml_path = dump(distill_config(world, tmp_path, steps=1), tmp_path / "c.yaml")
     line = one_line(*cli(capsys, "distill", "--config", yaml_path, "--resume")[::2])
     assert "run.steps=1" in line and "step_2" in line
 
 
-def test_sft_resume_with_another_learning_rate_refuses(capsys, tmp_path, tiny_model_dir, sft_data):  # noqa: F811
+def test_sft_resume_with_another_learning_rate_refuses(capsys, tmp_path, tiny_model_dir, sft_data):
     sft(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=1", "run.name=s"))
     yaml_path = dump(
         sft_config(
@@ -546,7 +546,7 @@ def test_sft_resume_with_another_learning_rate_refuses(capsys, tmp_path, tiny_mo
 # ------------------------------------------------------------------------------------- 7. checkpoint manifests
 
 
-def test_manifest_lists_every_file_with_size_and_hash(world, tmp_path):  # noqa: F811
+def test_manifest_lists_every_file_with_size_and_hash(world, tmp_path):
     run_dir = distill(distill_config(world, tmp_path, steps=1))
     checkpoint = run_dir / "checkpoints" / "step_1"
     manifest = json.loads((checkpoint / MANIFEST).read_text())["files"]
@@ -556,7 +556,7 @@ def test_manifest_lists_every_file_with_size_and_hash(world, tmp_path):  # noqa:
 
 
 @pytest.mark.parametrize("damage", ["truncate_weights", "flip_state_byte", "remove_state"])
-def test_resume_falls_back_past_a_damaged_newest_checkpoint(capsys, world, tmp_path, damage):  # noqa: F811
+def test_resume_falls_back_past_a_damaged_newest_checkpoint(capsys, world, tmp_path, damage):
     straight = distill(distill_config(world, tmp_path / "a", "run.save_every=2", steps=4))
     run_dir = distill(distill_config(world, tmp_path / "b", "run.save_every=2", steps=4))
     newest = run_dir / "checkpoints" / "step_4"
@@ -577,7 +577,7 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(capsys, world, tmp_p
     assert verify_checkpoint(newest, hashes=True) is None
 
 
-def test_checkpoint_without_a_manifest_still_resumes(capsys, world, tmp_path):  # noqa: F811
+def test_checkpoint_without_a_manifest_still_resumes(capsys, world, tmp_path):
     """Checkpoints written before manifests existed: COMPLETE marker + trainer state, accepted unverified."""
     straight = distill(distill_config(world, tmp_path / "a", steps=2))
     run_dir = distill(distill_config(world, tmp_path / "b", steps=1))
@@ -593,7 +593,7 @@ def test_checkpoint_without_a_manifest_still_resumes(capsys, world, tmp_path):  
 
 
 @pytest.mark.slow
-def test_distill_kill9_resumes_exactly_and_refuses_a_second_process(capsys, world, tmp_path):  # noqa: F811
+def test_distill_kill9_resumes_exactly_and_refuses_a_second_process(capsys, world, tmp_path):
     # a long run (constant lr: its length does not change the steps it makes), killed after its first checkpoint,
     # then resumed to 6 steps: equal to a straight 6-step run
     yaml_path = dump(
@@ -616,7 +616,7 @@ def test_distill_kill9_resumes_exactly_and_refuses_a_second_process(capsys, worl
 
 
 @pytest.mark.slow
-def test_sft_kill9_resumes_exactly_and_refuses_a_second_process(capsys, tmp_path, tiny_model_dir, sft_data):  # noqa: F811
+def test_sft_kill9_resumes_exactly_and_refuses_a_second_process(capsys, tmp_path, tiny_model_dir, sft_data):
     common = [
         "run.save_every=2",
         "run.keep_last=null",
@@ -688,7 +688,7 @@ def test_rollout_kill9_rerun_is_identical_and_refuses_a_second_process(capsys, t
 
 
 @pytest.mark.slow
-def test_prompts_score_kill9_rerun_is_identical_and_refuses_a_second_process(capsys, tmp_path, model_dirs):  # noqa: F811
+def test_prompts_score_kill9_rerun_is_identical_and_refuses_a_second_process(capsys, tmp_path, model_dirs):
     from opd.data.prompts import save_prompts
 
     data = save_prompts(make_prompts(12), tmp_path / "set.jsonl")

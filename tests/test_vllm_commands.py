@@ -20,8 +20,8 @@ from opd.rollout.vllm_engine import vllm_available
 if not vllm_available() and os.environ.get("OPD_REQUIRE_VLLM") != "1":
     pytest.skip("vllm is not installed (./dev test-vllm runs these in the vLLM environment)", allow_module_level=True)
 
-from helpers import string_console  # noqa: E402
-from opd import lab  # noqa: E402
+from helpers import string_console
+from opd import lab
 
 
 def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -18,9 +18,9 @@ from opd.rollout.vllm_engine import vllm_available
 if not vllm_available() and os.environ.get("OPD_REQUIRE_VLLM") != "1":
     pytest.skip("vllm is not installed (./dev test-vllm runs these in the vLLM environment)", allow_module_level=True)
 
-from helpers import EOS_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer  # noqa: E402
-from opd import lab  # noqa: E402
-from opd.rollout import SamplingParams, make_generator  # noqa: E402
+from helpers import EOS_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
+from opd import lab
+from opd.rollout import SamplingParams, make_generator
 
 PADDED_ROWS = 320  # output rows of the padded tiny model: ids TINY_VOCAB..319 are embedding padding
 

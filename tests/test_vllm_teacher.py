@@ -20,9 +20,9 @@ from opd.rollout.vllm_engine import vllm_available
 if not vllm_available() and os.environ.get("OPD_REQUIRE_VLLM") != "1":
     pytest.skip("vllm is not installed (./dev test-vllm runs these in the vLLM environment)", allow_module_level=True)
 
-from helpers import TINY_VOCAB, make_tiny_model, make_tiny_tokenizer, string_console  # noqa: E402
-from opd import lab  # noqa: E402
-from opd.config import ObjectiveSpec  # noqa: E402
+from helpers import TINY_VOCAB, make_tiny_model, make_tiny_tokenizer, string_console
+from opd import lab
+from opd.config import ObjectiveSpec
 
 
 def _rollouts(model, tokenizer, prompts, *, n=4, max_new_tokens=40, seed=0):

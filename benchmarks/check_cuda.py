@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import build_model  # noqa: E402
+from common import build_model
 
 ROWS: list[dict] = []
 
@@ -62,6 +62,7 @@ def guarded(fn):
             traceback.print_exc()
             ROWS.append({"check": fn.__name__, "ok": False, "error": f"{type(error).__name__}: {error}"[:300]})
             print(f"FAIL  {fn.__name__}: {type(error).__name__}: {error}", flush=True)
+
     return run
 
 
@@ -91,16 +92,26 @@ def static_greedy():
     caps = torch.randint(1, 151, (24,), generator=g).tolist()  # rows end at different steps: slots are refilled
     common = dict(eos_token_ids=[2], pad_token_id=1, vocab_size=500)
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=150, stop_at_eos=True, return_logprobs=True, seed=0)
-    reference = TorchGenerator(model, max_batch_size=24, **common).generate(prompts, params,
-                                                                            max_new_tokens_per_sample=caps)
-    for options in (dict(), dict(attention="sdpa"), dict(attention="matmul"), dict(fuse_weights=False),
-                    dict(compile=False)):
+    reference = TorchGenerator(model, max_batch_size=24, **common).generate(
+        prompts, params, max_new_tokens_per_sample=caps
+    )
+    for options in (
+        dict(),
+        dict(attention="sdpa"),
+        dict(attention="matmul"),
+        dict(fuse_weights=False),
+        dict(compile=False),
+    ):
         label = ",".join(f"{k}={v}" for k, v in options.items()) or "default"
         engine = StaticGenerator(model, cuda_graphs=True, max_batch_size=10, sync_interval=8, **common, **options)
         output = engine.generate(prompts, params, max_new_tokens_per_sample=caps)
         mismatched = sum(a != b for a, b in zip(output.response_ids, reference.response_ids))
-        check(f"static_greedy[{label}] rows differing from TorchGenerator", mismatched, 0,
-              f"({engine.stats['refills']} refills)")
+        check(
+            f"static_greedy[{label}] rows differing from TorchGenerator",
+            mismatched,
+            0,
+            f"({engine.stats['refills']} refills)",
+        )
         check(f"static_greedy[{label}] max |log-prob - teacher-forced|", teacher_forced(model, prompts, output), 1e-4)
         if not options or options == dict(compile=False):
             check(f"static_greedy[{label}] CUDA graphs captured for the call - 1", engine.stats["graphs"] - 1, 0)
@@ -114,8 +125,10 @@ def decode_attention():
     g = torch.Generator(device="cuda").manual_seed(0)
     for rows, kv_heads, groups, capacity in ((64, 8, 2, 640), (5, 8, 4, 1300), (256, 8, 2, 200)):
         q = torch.randn(rows, kv_heads, groups, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-        keys, values = (torch.randn(rows, kv_heads, capacity, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-                        for _ in range(2))
+        keys, values = (
+            torch.randn(rows, kv_heads, capacity, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2)
+        )
         start = torch.randint(0, capacity // 3, (rows,), device="cuda", generator=g)
         worst = 0.0
         # every row ends at the same slot, then (continuous batching) at its own slot anywhere after its start
@@ -124,8 +137,13 @@ def decode_attention():
             slots = torch.arange(capacity, device="cuda")
             valid = (slots[None] >= start[:, None]) & (slots[None] <= last_R[:, None])
             bias = torch.zeros(rows, capacity, device="cuda", dtype=torch.float64).masked_fill(~valid, float("-inf"))
-            want = _attend_matmul(q.double(), keys.double(), values.double(),
-                                  bias[:, None, None].expand(rows, kv_heads, groups, capacity), 0.088)
+            want = _attend_matmul(
+                q.double(),
+                keys.double(),
+                values.double(),
+                bias[:, None, None].expand(rows, kv_heads, groups, capacity),
+                0.088,
+            )
             for splits in (None, 1, 2, 4, 16):
                 attend(q, keys, values, start, last_R, 0.088, splits=splits)  # compile outside the capture
                 graph = torch.cuda.CUDAGraph()
@@ -134,8 +152,12 @@ def decode_attention():
                 graph.replay()
                 torch.cuda.synchronize()
                 worst = max(worst, float((got.double() - want).abs().max()))
-        check(f"decode_attention[{rows}x{kv_heads}x{groups}, {capacity} slots] max |Δ| vs float64", worst, 2e-2,
-              "(bf16 output rounding)")
+        check(
+            f"decode_attention[{rows}x{kv_heads}x{groups}, {capacity} slots] max |Δ| vs float64",
+            worst,
+            2e-2,
+            "(bf16 output rounding)",
+        )
 
 
 @guarded
@@ -146,13 +168,24 @@ def full_vocab_topk():
     hidden = torch.randn(4000, 256, device="cuda", generator=g)  # float32, TF32 off: the reference's logits agree
     weight = torch.randn(151936, 256, device="cuda", generator=g) / 16
     for scale in (1.0, -1.0):  # -1: z decreasing in the raw logits, the top-k takes the smallest
-        got = score_hidden(hidden, OutputHead(weight, None, scale), targets_N=torch.zeros_like(hidden[:, 0]).long(),
-                           top_k=16, vocab_size=151669)
+        got = score_hidden(
+            hidden,
+            OutputHead(weight, None, scale),
+            targets_N=torch.zeros_like(hidden[:, 0]).long(),
+            top_k=16,
+            vocab_size=151669,
+        )
         lp = ((hidden.double() @ weight[:151669].double().T) * scale).log_softmax(-1)
-        check(f"full_vocab_topk[scale={scale}] max |top-k log-prob Δ| vs float64 topk",
-              float((got.topk_logprobs.double() - lp.topk(16, dim=-1).values).abs().max()), 1e-4)
-        check(f"full_vocab_topk[scale={scale}] max |log-prob at our ids - ours|",
-              float((lp.gather(1, got.topk_ids) - got.topk_logprobs.double()).abs().max()), 1e-4)
+        check(
+            f"full_vocab_topk[scale={scale}] max |top-k log-prob Δ| vs float64 topk",
+            float((got.topk_logprobs.double() - lp.topk(16, dim=-1).values).abs().max()),
+            1e-4,
+        )
+        check(
+            f"full_vocab_topk[scale={scale}] max |log-prob at our ids - ours|",
+            float((lp.gather(1, got.topk_ids) - got.topk_logprobs.double()).abs().max()),
+            1e-4,
+        )
 
 
 @guarded
@@ -166,7 +199,9 @@ def static_sampling():
     prompt = [5, 6, 7]
     rows = 16384
     engine = StaticGenerator(model, eos_token_ids=[2], pad_token_id=1, vocab_size=500, max_batch_size=rows)
-    out = engine.generate([prompt], SamplingParams(n=rows, temperature=1.0, max_new_tokens=2, stop_at_eos=False, seed=1))
+    out = engine.generate(
+        [prompt], SamplingParams(n=rows, temperature=1.0, max_new_tokens=2, stop_at_eos=False, seed=1)
+    )
     first = torch.tensor([r[0] for r in out.response_ids])
     with torch.no_grad():
         logits = model(torch.tensor([prompt], device="cuda")).logits[0, -1, :500].double()
@@ -184,8 +219,12 @@ def static_sampling():
         probs2 = logits.softmax(-1).cpu()
     freq2 = torch.bincount(second, minlength=500).double() / len(second)
     noise2 = float((probs2 * (1 - probs2) / (2 * torch.pi * len(second))).sqrt().sum())
-    check("static_sampling TV(second-token freq | top first)", 0.5 * float((freq2 - probs2).abs().sum()), 3 * noise2,
-          f"({len(second)} samples)")
+    check(
+        "static_sampling TV(second-token freq | top first)",
+        0.5 * float((freq2 - probs2).abs().sum()),
+        3 * noise2,
+        f"({len(second)} samples)",
+    )
 
 
 @guarded
@@ -203,8 +242,12 @@ def static_autocast():
         unfused = StaticGenerator(master, fuse_weights=False, **common).generate(prompts, params)
         forced = teacher_forced(master, prompts, fused, reduce="mean")
     same = sum(x == y for x, y in zip(fused.response_ids, unfused.response_ids)) / len(prompts)
-    check("static_autocast greedy rows equal (fused vs unfused step under autocast), 1 - rate", 1 - same, 0.25,
-          "(compiled bf16 kernels round differently)")
+    check(
+        "static_autocast greedy rows equal (fused vs unfused step under autocast), 1 - rate",
+        1 - same,
+        0.25,
+        "(compiled bf16 kernels round differently)",
+    )
     err = max(abs(x[0] - y[0]) for x, y in zip(fused.logprobs, unfused.logprobs))
     check("static_autocast first-token log-prob |Δ| (fused vs unfused)", err, 1e-2)
     check("static_autocast mean |log-prob - teacher-forced under autocast|", forced, 1e-2)
@@ -216,15 +259,15 @@ def static_memory():
     from opd.rollout.static_engine import StaticGenerator
 
     model = build_model("qwen3-0.6b", dtype=torch.bfloat16, device=torch.device("cuda"))
-    engine = StaticGenerator(model, eos_token_ids=[151645], pad_token_id=151643, vocab_size=151669,
-                             max_batch_size=64)
+    engine = StaticGenerator(model, eos_token_ids=[151645], pad_token_id=151643, vocab_size=151669, max_batch_size=64)
     torch.cuda.empty_cache()
     free, total = memory.device_memory(torch.device("cuda"))
     # leave the margin, what a call holds once (prefill, first-token sampling, RoPE table), the step weights it builds
     # and 32 rows of (128 + 96) slots (the call's longest cap sets the slots): 64 rows must not fit
     cost = engine.row_cost(128, 96, torch.bfloat16)
-    leave = (memory.margin_bytes(total) + cost.fixed_bytes + engine.step_weight_bytes(torch.bfloat16)
-             + 32 * cost.row_bytes)
+    leave = (
+        memory.margin_bytes(total) + cost.fixed_bytes + engine.step_weight_bytes(torch.bfloat16) + 32 * cost.row_bytes
+    )
     ballast = torch.empty(max(0, free - leave), dtype=torch.uint8, device="cuda")
     free, _ = memory.device_memory(torch.device("cuda"))
     base = torch.cuda.memory_allocated()
@@ -232,13 +275,22 @@ def static_memory():
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 151669, (64, 128), generator=g).tolist()
     caps = torch.randint(16, 97, (64,), generator=g).tolist()  # short calls; slots per row: 128 + max(caps)
-    out = engine.generate(prompts, SamplingParams(max_new_tokens=2048, stop_at_eos=False, seed=0),
-                          max_new_tokens_per_sample=caps)
+    out = engine.generate(
+        prompts, SamplingParams(max_new_tokens=2048, stop_at_eos=False, seed=0), max_new_tokens_per_sample=caps
+    )
     used = torch.cuda.max_memory_allocated() - base
-    check("static_memory rows not limited by the memory (1 = not)", float(engine.stats["rows"] >= 64), 0,
-          f"({engine.stats['rows']} rows of {engine.stats['slots_per_row']} slots, {engine.stats['refills']} refills)")
-    check("static_memory peak allocation / (free - margin)", used / (free - memory.margin_bytes(total)), 1.0,
-          f"(peak {used / 2**30:.2f} GiB, free {free / 2**30:.2f} GiB)")
+    check(
+        "static_memory rows not limited by the memory (1 = not)",
+        float(engine.stats["rows"] >= 64),
+        0,
+        f"({engine.stats['rows']} rows of {engine.stats['slots_per_row']} slots, {engine.stats['refills']} refills)",
+    )
+    check(
+        "static_memory peak allocation / (free - margin)",
+        used / (free - memory.margin_bytes(total)),
+        1.0,
+        f"(peak {used / 2**30:.2f} GiB, free {free / 2**30:.2f} GiB)",
+    )
     check("static_memory samples with the wrong length", sum(len(r) != c for r, c in zip(out.response_ids, caps)), 0)
     del ballast
 
@@ -259,15 +311,18 @@ def score_hidden_checks():
         weight = (torch.randn(v_model, d, device="cuda", generator=g) / d**0.5).to(dtype)
         targets = torch.randint(0, v, (n,), device="cuda", generator=g)
         requested = torch.randint(0, v, (n, 16), device="cuda", generator=g)
-        got = score_hidden(hidden, weight, targets_N=targets, top_k=16, requested_ids_NR=requested, vocab_size=v,
-                           with_entropy=True)
+        got = score_hidden(
+            hidden, weight, targets_N=targets, top_k=16, requested_ids_NR=requested, vocab_size=v, with_entropy=True
+        )
         # reference from the same logits the model dtype gives (a bf16 matmul rounds them to bf16)
         z = (hidden @ weight[:v].T) if dtype == torch.bfloat16 else (hidden.double() @ weight[:v].double().T)
         sampled, (topk_lp, topk_ids), req, entropy = dense_reference(z, targets, requested, 16)
-        err = max(float((got.sampled_logprobs.double() - sampled).abs().max()),
-                  float((got.topk_logprobs.double() - topk_lp).abs().max()),
-                  float((got.requested_logprobs.double() - req).abs().max()),
-                  float((got.entropy.double() - entropy).abs().max()))
+        err = max(
+            float((got.sampled_logprobs.double() - sampled).abs().max()),
+            float((got.topk_logprobs.double() - topk_lp).abs().max()),
+            float((got.requested_logprobs.double() - req).abs().max()),
+            float((got.entropy.double() - entropy).abs().max()),
+        )
         check(f"score_hidden[{str(dtype)[6:]}] max |Δ| vs float64 dense", err, tol)
         if dtype == torch.float32:  # bf16 logits tie often: there the values above are the check
             agree = float((got.topk_ids == topk_ids).float().mean())
@@ -325,7 +380,6 @@ def compiled_layers():
 @guarded
 def packed_flex():
     from common import random_rollouts
-
     from opd.teacher.local import LocalScorer, forward_hidden
 
     cuda = torch.device("cuda")
@@ -335,8 +389,14 @@ def packed_flex():
     rollouts.response_mask[::2, 15:] = False  # ragged: half the rows need 8 fewer tokens
     a = LocalScorer(padded, vocab_size=500, packing="padded").score(rollouts, top_k=8)
     b = LocalScorer(packed, vocab_size=500, packing="packed").score(rollouts, top_k=8)
-    err = max(float((x - y).abs().max()) for x, y in ((a.sampled_logprobs, b.sampled_logprobs),
-                                                      (a.topk_logprobs, b.topk_logprobs), (a.entropy, b.entropy)))
+    err = max(
+        float((x - y).abs().max())
+        for x, y in (
+            (a.sampled_logprobs, b.sampled_logprobs),
+            (a.topk_logprobs, b.topk_logprobs),
+            (a.entropy, b.entropy),
+        )
+    )
     check("packed_flex scores max |Δ| vs padded sdpa", err, 1e-4)
     grads = []
     for model, packing in ((padded, "padded"), (packed, "packed")):
@@ -349,7 +409,6 @@ def packed_flex():
 @guarded
 def packed_varlen():
     from common import random_rollouts
-
     from opd.kernels import varlen_attention
     from opd.models import compile_layers
     from opd.teacher.local import LocalScorer, forward_hidden
@@ -357,17 +416,20 @@ def packed_varlen():
     cuda = torch.device("cuda")
     lengths = [640, 1, 377, 129, 512, 64]
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(sum(lengths), h, 128, generator=generator).to(cuda, torch.bfloat16).requires_grad_()
-               for h in (16, 8, 8))
+    q, k, v = (
+        torch.randn(sum(lengths), h, 128, generator=generator).to(cuda, torch.bfloat16).requires_grad_()
+        for h in (16, 8, 8)
+    )
     cu_seq_lens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=cuda)
     out = varlen_attention.packed_causal_attention(q, k, v, cu_seq_lens, max(lengths))
     row_S = torch.repeat_interleave(torch.arange(len(lengths), device=cuda), torch.tensor(lengths, device=cuda))
     pos_S = torch.arange(len(row_S), device=cuda)
     allowed_SS = (row_S[:, None] == row_S[None]) & (pos_S[:, None] >= pos_S[None])
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
-    scores_HSS = torch.einsum("shd,thd->hst", q64, k64.repeat_interleave(2, 1)) / 128 ** 0.5
-    ref = torch.einsum("hst,thd->shd", scores_HSS.masked_fill(~allowed_SS, float("-inf")).softmax(-1),
-                       v64.repeat_interleave(2, 1))
+    scores_HSS = torch.einsum("shd,thd->hst", q64, k64.repeat_interleave(2, 1)) / 128**0.5
+    ref = torch.einsum(
+        "hst,thd->shd", scores_HSS.masked_fill(~allowed_SS, float("-inf")).softmax(-1), v64.repeat_interleave(2, 1)
+    )
     check("packed_varlen kernel max |Δ| vs float64", float((out.double() - ref).abs().max()), 2e-2)
     grad_out = torch.randn_like(ref)
     out.backward(grad_out.to(out.dtype))
@@ -376,8 +438,9 @@ def packed_varlen():
     check("packed_varlen kernel grad ‖Δ‖/‖g‖ vs float64", grad_err, 2e-2)
 
     padded = tiny()
-    packed = build_model("tiny", dtype=torch.float32, device=cuda, seed=0,
-                         attn_implementation=varlen_attention.ATTENTION)
+    packed = build_model(
+        "tiny", dtype=torch.float32, device=cuda, seed=0, attn_implementation=varlen_attention.ATTENTION
+    )
     compile_layers(packed, True)
     rollouts = random_rollouts(6, 9, 23, 500, cuda, 0, 1)
     rollouts.response_mask[::2, 15:] = False  # ragged: half the rows need 8 fewer tokens
@@ -389,15 +452,33 @@ def packed_varlen():
             forward_hidden(model, rollouts, packing=packing).hidden_ND.float().square().mean().backward()
         grads.append(model.model.layers[0].mlp.down_proj.weight.grad)
     a, b = results
-    err = max(float((x - y).abs().max()) for x, y in ((a.sampled_logprobs, b.sampled_logprobs),
-                                                      (a.topk_logprobs, b.topk_logprobs), (a.entropy, b.entropy)))
+    err = max(
+        float((x - y).abs().max())
+        for x, y in (
+            (a.sampled_logprobs, b.sampled_logprobs),
+            (a.topk_logprobs, b.topk_logprobs),
+            (a.entropy, b.entropy),
+        )
+    )
     check("packed_varlen model scores (compiled, autocast) max |Δ| vs padded sdpa", err, 5e-2)
-    check("packed_varlen model grad ‖Δ‖/‖g‖ vs padded sdpa", float((grads[0] - grads[1]).norm() / grads[0].norm()),
-          2e-2)
+    check(
+        "packed_varlen model grad ‖Δ‖/‖g‖ vs padded sdpa", float((grads[0] - grads[1]).norm() / grads[0].norm()), 2e-2
+    )
 
 
-CHECKS = (static_greedy, decode_attention, full_vocab_topk, static_sampling, static_autocast, static_memory,
-          score_hidden_checks, candidate_grads, compiled_layers, packed_flex, packed_varlen)
+CHECKS = (
+    static_greedy,
+    decode_attention,
+    full_vocab_topk,
+    static_sampling,
+    static_autocast,
+    static_memory,
+    score_hidden_checks,
+    candidate_grads,
+    compiled_layers,
+    packed_flex,
+    packed_varlen,
+)
 
 
 def main(argv=None) -> int:
@@ -415,10 +496,13 @@ def main(argv=None) -> int:
             fn()
     failed = [r for r in ROWS if not r["ok"]]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                          "rows": ROWS}, indent=1))
-    print(f"\n{len(ROWS) - len(failed)} of {len(ROWS)} checks passed" + (f"; FAILED: {[r['check'] for r in failed]}"
-                                                                       if failed else ""))
+    Path(args.out).write_text(
+        json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": ROWS}, indent=1)
+    )
+    print(
+        f"\n{len(ROWS) - len(failed)} of {len(ROWS)} checks passed"
+        + (f"; FAILED: {[r['check'] for r in failed]}" if failed else "")
+    )
     return 1 if failed else 0
 
 

@@ -26,21 +26,54 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 # vocab 151936 rows, of which the Qwen3 tokenizer uses 151669 (the rest are embedding padding)
 SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
-    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-1.7b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-4b": dict(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
 }
 TOKENIZER_SIZE = {"tiny": 500, "qwen3-0.6b": 151669, "qwen3-1.7b": 151669, "qwen3-4b": 151669}
 EOS_ID = {"tiny": 2}  # Qwen3's <|im_end|> elsewhere
@@ -104,8 +137,9 @@ def attention_name(name: str, device: torch.device) -> str:
     return name
 
 
-def build_model(shape: str, *, dtype: torch.dtype, device: torch.device, seed: int = 0,
-                attn_implementation: str = "sdpa") -> torch.nn.Module:
+def build_model(
+    shape: str, *, dtype: torch.dtype, device: torch.device, seed: int = 0, attn_implementation: str = "sdpa"
+) -> torch.nn.Module:
     """A random-weight Qwen3 causal LM of `shape`, initialised directly on `device` (fast on a GPU), in eval mode.
 
     attn_implementation: see `attention_name`."""
@@ -113,9 +147,16 @@ def build_model(shape: str, *, dtype: torch.dtype, device: torch.device, seed: i
 
     attn_implementation = attention_name(attn_implementation, device)
 
-    config = Qwen3Config(**SHAPES[shape], max_position_embeddings=40960, rope_theta=1_000_000, rms_norm_eps=1e-6,
-                         eos_token_id=eos_id(shape), pad_token_id=pad_id(shape), bos_token_id=None,
-                         attn_implementation=attn_implementation)
+    config = Qwen3Config(
+        **SHAPES[shape],
+        max_position_embeddings=40960,
+        rope_theta=1_000_000,
+        rms_norm_eps=1e-6,
+        eos_token_id=eos_id(shape),
+        pad_token_id=pad_id(shape),
+        bos_token_id=None,
+        attn_implementation=attn_implementation,
+    )
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         with torch.device(device):
@@ -168,8 +209,9 @@ def peak_gib(device: torch.device) -> float:
     return kib / 2**20 if sys.platform != "darwin" else kib / 2**30
 
 
-def measure(fn: Callable[[], Any], device: torch.device, *, warmup: int, repeat: int,
-            warmup_fn: Callable[[], Any] | None = None) -> dict[str, Any]:
+def measure(
+    fn: Callable[[], Any], device: torch.device, *, warmup: int, repeat: int, warmup_fn: Callable[[], Any] | None = None
+) -> dict[str, Any]:
     """Run `warmup_fn` (default fn; e.g. a shorter generation) `warmup` times untimed, then fn `repeat` times timed
     (synchronising the device around each).
     Returns seconds (median, all), first-call seconds (includes compilation / capture), peak memory (GiB, during the
@@ -191,8 +233,13 @@ def measure(fn: Callable[[], Any], device: torch.device, *, warmup: int, repeat:
         result = fn()
         sync(device)
         times.append(time.perf_counter() - start)
-    return {"seconds": statistics.median(times), "all_seconds": times, "first_call_seconds": first,
-            "peak_gib": peak_gib(device), "result": result}
+    return {
+        "seconds": statistics.median(times),
+        "all_seconds": times,
+        "first_call_seconds": first,
+        "peak_gib": peak_gib(device),
+        "result": result,
+    }
 
 
 class Report:
@@ -249,8 +296,10 @@ class Report:
         self.data["table"] = text
         self.data["notes"] = list(notes)
         self.write()
-        header = (f"\n## {self.name}  ({self.data['device']}, torch {self.data['torch']}, transformers "
-                  f"{self.data['transformers']}, {self.data['date']})")
+        header = (
+            f"\n## {self.name}  ({self.data['device']}, torch {self.data['torch']}, transformers "
+            f"{self.data['transformers']}, {self.data['date']})"
+        )
         print(header, text, *notes, f"JSON: {self.path}", sep="\n", flush=True)
         return self.data
 
@@ -280,8 +329,16 @@ def speedups(rows: list[dict], baseline: str) -> None:
             row["speedup"] = row["tokens_per_s"] / base
 
 
-def random_rollouts(batch: int, prompt_len: int, response_len: int, vocab: int, device: torch.device,
-                    seed: int, pad: int, ragged: bool = False):
+def random_rollouts(
+    batch: int,
+    prompt_len: int,
+    response_len: int,
+    vocab: int,
+    device: torch.device,
+    seed: int,
+    pad: int,
+    ragged: bool = False,
+):
     """A `Rollouts` batch of random ids: every row prompt_len prompt + response_len response tokens, all real; with
     `ragged`, row b's response has a length drawn uniformly from [response_len / 4, response_len] (seeded) and is
     right-padded, as rollouts that stop at EOS are."""
@@ -289,16 +346,22 @@ def random_rollouts(batch: int, prompt_len: int, response_len: int, vocab: int, 
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, prompt_len + response_len), generator=g)
-    lengths = (torch.randint(max(1, response_len // 4), response_len + 1, (batch,), generator=g) if ragged
-               else torch.full((batch,), response_len))
+    lengths = (
+        torch.randint(max(1, response_len // 4), response_len + 1, (batch,), generator=g)
+        if ragged
+        else torch.full((batch,), response_len)
+    )
     response_mask = torch.arange(response_len)[None] < lengths[:, None]
     attention_mask = torch.cat([torch.ones(batch, prompt_len, dtype=torch.bool), response_mask], dim=1)
     ids = ids.masked_fill(~attention_mask, pad)
     return Rollouts(
-        input_ids=ids, attention_mask=attention_mask,
+        input_ids=ids,
+        attention_mask=attention_mask,
         prompt_lengths=torch.full((batch,), prompt_len, dtype=torch.long),
-        response_ids=ids[:, prompt_len:].clone(), response_mask=response_mask,
-        group_ids=torch.arange(batch), truncated=lengths == response_len,
+        response_ids=ids[:, prompt_len:].clone(),
+        response_mask=response_mask,
+        group_ids=torch.arange(batch),
+        truncated=lengths == response_len,
     ).to(device)
 
 
@@ -354,9 +417,17 @@ def kv_bytes_per_token(shape: str, dtype_bytes: int = 2) -> int:
     return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * dtype_bytes
 
 
-def opd_step_bound(*, student_params: int, teacher_params: int, student_weight_bytes: int, kv_bytes_per_token: int,
-                   prompt_lengths: list[int], response_lengths: list[int], peak_flops: float,
-                   bandwidth: float) -> dict[str, float]:
+def opd_step_bound(
+    *,
+    student_params: int,
+    teacher_params: int,
+    student_weight_bytes: int,
+    kv_bytes_per_token: int,
+    prompt_lengths: list[int],
+    response_lengths: list[int],
+    peak_flops: float,
+    bandwidth: float,
+) -> dict[str, float]:
     """Seconds an OPD step needs at least on a device of `peak_flops` (dense bf16) and `bandwidth` (bytes/s):
     - decode at the memory bandwidth: the longest response takes that many sequential steps, each reading every
       student weight once; token t of a row reads the keys/values of its prompt and its t earlier tokens;
@@ -366,9 +437,11 @@ def opd_step_bound(*, student_params: int, teacher_params: int, student_weight_b
     steps = max(response_lengths, default=0)
     kv_reads = sum(p * r + r * (r - 1) // 2 for p, r in zip(prompt_lengths, response_lengths))
     positions = sum(prompt_lengths) + sum(response_lengths)
-    out = {"decode_s": (student_weight_bytes * steps + kv_bytes_per_token * kv_reads) / bandwidth,
-           "teacher_s": 2 * teacher_params * positions / peak_flops,
-           "student_s": 2 * student_params * positions / peak_flops,
-           "update_s": 6 * student_params * positions / peak_flops}
+    out = {
+        "decode_s": (student_weight_bytes * steps + kv_bytes_per_token * kv_reads) / bandwidth,
+        "teacher_s": 2 * teacher_params * positions / peak_flops,
+        "student_s": 2 * student_params * positions / peak_flops,
+        "update_s": 6 * student_params * positions / peak_flops,
+    }
     out["total_s"] = sum(out.values())
     return out

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Report, base_parser, peaks, resolve_device  # noqa: E402
+from common import Report, base_parser, peaks, resolve_device
 
 CALLS = 20
 
@@ -62,9 +62,10 @@ def main(argv: list[str] | None = None) -> dict:
     from opd.kernels.decode_attention import decode_attention, default_splits
 
     _, bandwidth = peaks(device, args)
-    report = Report("decode_attention", args, device, kv_heads=args.kv_heads, groups=args.groups,
-                    head_dim=args.head_dim)
-    kv, groups, dh, scale = args.kv_heads, args.groups, args.head_dim, args.head_dim ** -0.5
+    report = Report(
+        "decode_attention", args, device, kv_heads=args.kv_heads, groups=args.groups, head_dim=args.head_dim
+    )
+    kv, groups, dh, scale = args.kv_heads, args.groups, args.head_dim, args.head_dim**-0.5
     for rows in map(int, args.rows.split(",")):
         for length in map(int, args.lengths.split(",")):
             capacity = length + 128
@@ -80,26 +81,45 @@ def main(argv: list[str] | None = None) -> dict:
             q_heads = q.reshape(rows, kv * groups, 1, dh)
             exact_k, exact_v = keys[:, :, :length], values[:, :, :length]
             candidates = {
-                "sdpa_masked": lambda: F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span],
-                                                                      attn_mask=bias, scale=scale),
-                "sdpa_exact": lambda: F.scaled_dot_product_attention(q_heads, exact_k, exact_v, scale=scale,
-                                                                     enable_gqa=True),
+                "sdpa_masked": lambda q=q, keys=keys, values=values, span=span, bias=bias: (
+                    F.scaled_dot_product_attention(
+                        q, keys[:, :, :span], values[:, :, :span], attn_mask=bias, scale=scale
+                    )
+                ),
+                "sdpa_exact": lambda q_heads=q_heads, exact_k=exact_k, exact_v=exact_v: F.scaled_dot_product_attention(
+                    q_heads, exact_k, exact_v, scale=scale, enable_gqa=True
+                ),
             }
             for splits in args.splits.split(","):
                 count = default_splits(rows, kv, device) if splits == "auto" else int(splits)
                 candidates[f"triton[{splits}={count}]" if splits == "auto" else f"triton[{count}]"] = (
-                    lambda count=count: decode_attention(q, keys, values, start, last, scale, splits=count))
+                    lambda q=q, keys=keys, values=values, start=start, last=last, count=count: decode_attention(
+                        q, keys, values, start, last, scale, splits=count
+                    )
+                )
             bytes_read = rows * kv * length * dh * 2 * 2
             for name, fn in candidates.items():
-                def row(fn=fn):
+
+                def row(fn=fn, rows=rows, length=length, bytes_read=bytes_read):
                     seconds = graph_time(fn, args.repeat * 5)
-                    return {"rows": rows, "length": length, "us": round(seconds * 1e6, 2),
-                            "tb_per_s": round(bytes_read / seconds / 1e12, 3),
-                            "pct_bandwidth": round(100 * bytes_read / seconds / bandwidth, 1) if bandwidth else None}
+                    return {
+                        "rows": rows,
+                        "length": length,
+                        "us": round(seconds * 1e6, 2),
+                        "tb_per_s": round(bytes_read / seconds / 1e12, 3),
+                        "pct_bandwidth": round(100 * bytes_read / seconds / bandwidth, 1) if bandwidth else None,
+                    }
+
                 report.run_row(f"{name} R={rows} L={length}", row)
-    return report.finish([("row", "name", ""), ("µs per call", "us", ".1f"), ("TB/s", "tb_per_s", ".2f"),
-                          ("% of bandwidth", "pct_bandwidth", ".1f")],
-                         [f"bandwidth {bandwidth / 1e12:.2f} TB/s; keys+values of the valid slots per call"])
+    return report.finish(
+        [
+            ("row", "name", ""),
+            ("µs per call", "us", ".1f"),
+            ("TB/s", "tb_per_s", ".2f"),
+            ("% of bandwidth", "pct_bandwidth", ".1f"),
+        ],
+        [f"bandwidth {bandwidth / 1e12:.2f} TB/s; keys+values of the valid slots per call"],
+    )
 
 
 if __name__ == "__main__":

@@ -86,14 +86,20 @@ def main() -> None:
     print("\n| case | ours (s) | ours: reason | math-verify (s) | math-verify: result |")
     print("| --- | ---: | --- | ---: | --- |")
     for r in rows:
-        print(f"| {r['case']} | {r['ours_s']:.2f} | {r['ours_reason']} | "
-              f"{r.get('math_verify_s', float('nan')):.2f} | {r.get('math_verify_result', 'n/a (main thread only)')} |")
-    print(f"\ninteger answers (stages 1-2 only): {integer_rate:,.0f} grades/s; cpu_count={os.cpu_count()}, "
-          f"load average {os.getloadavg()[0]:.1f}")
+        print(
+            f"| {r['case']} | {r['ours_s']:.2f} | {r['ours_reason']} | "
+            f"{r.get('math_verify_s', float('nan')):.2f} | {r.get('math_verify_result', 'n/a (main thread only)')} |"
+        )
+    print(
+        f"\ninteger answers (stages 1-2 only): {integer_rate:,.0f} grades/s; cpu_count={os.cpu_count()}, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "integer_grades_per_s": integer_rate,
-                               "loadavg_1m": os.getloadavg()[0]}, indent=2) + "\n")
+    out.write_text(
+        json.dumps({"rows": rows, "integer_grades_per_s": integer_rate, "loadavg_1m": os.getloadavg()[0]}, indent=2)
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -46,9 +46,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    SHAPES, TOKENIZER_SIZE, attention_name, build_model, eos_id, markdown_table, pad_id, parse_lengths,
-    resolve_device, sync,
+from common import (
+    SHAPES,
+    TOKENIZER_SIZE,
+    attention_name,
+    build_model,
+    eos_id,
+    markdown_table,
+    pad_id,
+    parse_lengths,
+    resolve_device,
+    sync,
 )
 
 GIB = 2**30
@@ -71,7 +79,7 @@ class Greedy:
 
 
 def install_greedy_rollouts() -> None:
-    """Wrap `opd.rollout.make_generator` (what `opd.recipes.distill.setup` calls) so that every engine decodes greedily."""
+    """Wrap `opd.rollout.make_generator` (what `opd.recipes.distill.setup` calls): every engine decodes greedily."""
     import opd.rollout as rollout
 
     make = rollout.make_generator
@@ -136,7 +144,9 @@ def compare(argv: list[str]) -> int:
         initial: dict[str, torch.Tensor] = {}
         for file in sorted(args.initial.glob("*.safetensors")):
             initial.update(load_file(str(file)))
-        movement = max(float((reference[k].float() - initial[k].float()).abs().max()) for k in reference if k in initial)
+        movement = max(
+            float((reference[k].float() - initial[k].float()).abs().max()) for k in reference if k in initial
+        )
     ref_metrics = _metrics(args.reference)
     rows, ok = [], True
     for run in args.runs:
@@ -152,18 +162,51 @@ def compare(argv: list[str]) -> int:
                 if isinstance(a, (int, float)) and isinstance(b, (int, float)):
                     rel = max(rel, abs(a - b) / max(abs(b), 1e-12))
         ratio = delta / movement if movement else None
-        within = ((args.atol is None or delta <= args.atol)
-                  and (args.rel is None or (ratio is not None and ratio <= args.rel)))
+        within = (args.atol is None or delta <= args.atol) and (
+            args.rel is None or (ratio is not None and ratio <= args.rel)
+        )
         ok &= within
-        rows.append({"run": str(run), "world_size": world, "steps": len(metrics), "delta": delta, "ratio": ratio,
-                     "metric_rel": rel, "within": "yes" if within else "NO"})
-    tolerance = ", ".join(t for t in (args.atol is not None and f"max |Δ| ≤ {args.atol:g}",
-                                      args.rel is not None and f"max |Δ| / movement ≤ {args.rel:g}") if t) or "none"
-    print(f"\nreference {args.reference} (world size {ref_world}); movement max |w - w0| = "
-          f"{'—' if movement is None else f'{movement:.3g}'}; tolerance: {tolerance}")
-    print(markdown_table(rows, [("run", "run", ""), ("N", "world_size", ""), ("steps", "steps", ""),
-                                ("max |Δ weight|", "delta", ".3g"), ("/ movement", "ratio", ".3g"),
-                                ("max rel Δ metrics", "metric_rel", ".3g"), ("within", "within", "")]), flush=True)
+        rows.append(
+            {
+                "run": str(run),
+                "world_size": world,
+                "steps": len(metrics),
+                "delta": delta,
+                "ratio": ratio,
+                "metric_rel": rel,
+                "within": "yes" if within else "NO",
+            }
+        )
+    tolerance = (
+        ", ".join(
+            t
+            for t in (
+                args.atol is not None and f"max |Δ| ≤ {args.atol:g}",
+                args.rel is not None and f"max |Δ| / movement ≤ {args.rel:g}",
+            )
+            if t
+        )
+        or "none"
+    )
+    print(
+        f"\nreference {args.reference} (world size {ref_world}); movement max |w - w0| = "
+        f"{'—' if movement is None else f'{movement:.3g}'}; tolerance: {tolerance}"
+    )
+    print(
+        markdown_table(
+            rows,
+            [
+                ("run", "run", ""),
+                ("N", "world_size", ""),
+                ("steps", "steps", ""),
+                ("max |Δ weight|", "delta", ".3g"),
+                ("/ movement", "ratio", ".3g"),
+                ("max rel Δ metrics", "metric_rel", ".3g"),
+                ("within", "within", ""),
+            ],
+        ),
+        flush=True,
+    )
     return 0 if ok else 1
 
 
@@ -192,16 +235,15 @@ def _gather(value, info) -> list:
 
 def build_trainer(args, info, device: torch.device):
     """A `Trainer` as `opd.recipes.distill.setup` builds it at `info.world_size` ranks, over random-weight models."""
-    from opd_step import BenchGenerator, IdTokenizer
-
     from opd.config import DataSpec, DistillConfig, ModelSpec, RunSpec, SamplingSpec, TeacherSpec
     from opd.rollout import make_generator
     from opd.teacher.local import LocalScorer
     from opd.train.distributed import gathered, shard_model
-    from opd.train.step import Trainer
     from opd.train.optim import build_optimizer, build_scheduler
     from opd.train.sampler import PromptSampler
+    from opd.train.step import Trainer
     from opd.types import Prompt
+    from opd_step import BenchGenerator, IdTokenizer
 
     cuda = device.type == "cuda"
     world = info.world_size
@@ -215,23 +257,33 @@ def build_trainer(args, info, device: torch.device):
 
         teacher_scorer = RemoteScorer(args.teacher_url.split(","))
     else:
-        teacher = build_model(args.teacher_shape, dtype=torch.bfloat16 if cuda else torch.float32, device=device,
-                              seed=args.seed + 1, attn_implementation=attn).requires_grad_(False)
+        teacher = build_model(
+            args.teacher_shape,
+            dtype=torch.bfloat16 if cuda else torch.float32,
+            device=device,
+            seed=args.seed + 1,
+            attn_implementation=attn,
+        ).requires_grad_(False)
         teacher_scorer = LocalScorer(teacher, max_tokens_per_batch=args.score_batch_tokens, vocab_size=vocab)
     shard_model(student, info)  # same seed on every rank: each keeps its shard of the same weights
     if cuda:  # as `opd distill` for an uncompiled CUDA student
         student.gradient_checkpointing_enable()
     with gathered(student, info):
-        student_scorer = LocalScorer(student, max_tokens_per_batch=args.score_batch_tokens, vocab_size=vocab,
-                                     through_root=world > 1)
+        student_scorer = LocalScorer(
+            student, max_tokens_per_batch=args.score_batch_tokens, vocab_size=vocab, through_root=world > 1
+        )
     rows = args.rollout_rows or args.prompts_per_rank * args.samples
     config = DistillConfig(
         student=ModelSpec(path=f"random:{args.shape}"),
-        teacher=TeacherSpec(url=args.teacher_url) if args.teacher_url else TeacherSpec(path=f"random:{args.teacher_shape}"),
+        teacher=TeacherSpec(url=args.teacher_url)
+        if args.teacher_url
+        else TeacherSpec(path=f"random:{args.teacher_shape}"),
         data=DataSpec(path="random", answer_key=None),
         rollout=SamplingSpec(n=args.samples, max_new_tokens=args.new_tokens, batch_size=rows, engine=args.engine),
         run=RunSpec(out_dir="unused", name="bench", samples_per_step=0, steps=1000, report=False),
-        prompts_per_step=prompts, micro_batch_tokens=args.micro_batch_tokens, score_batch_tokens=args.score_batch_tokens,
+        prompts_per_step=prompts,
+        micro_batch_tokens=args.micro_batch_tokens,
+        score_batch_tokens=args.score_batch_tokens,
     )
     optimizer = build_optimizer(student.parameters(), config.optim)
     tokenizer = IdTokenizer(pad_id(args.shape), eos_id(args.shape))
@@ -240,12 +292,23 @@ def build_trainer(args, info, device: torch.device):
     g = torch.Generator().manual_seed(args.seed)
     prompt_ids = torch.randint(3, vocab, (prompts, args.prompt_len), generator=g).tolist()
     return Trainer(
-        config=config, run_dir=Path("unused"), student=student, tokenizer=tokenizer,
+        config=config,
+        run_dir=Path("unused"),
+        student=student,
+        tokenizer=tokenizer,
         prompts=[Prompt(id=str(i), messages=[{"role": "user", "content": ""}]) for i in range(prompts)],
-        prompt_ids=prompt_ids, generator=BenchGenerator(engine, eos=eos_id(args.shape), lengths=lengths),
-        student_scorer=student_scorer, teacher=teacher, teacher_scorer=teacher_scorer, reference_scorer=None,
-        vocab_size=vocab, optimizer=optimizer, scheduler=build_scheduler(optimizer, config.run.steps, config.optim),
-        sampler=PromptSampler(prompts, prompts, seed=0), sink=None, autocast_dtype=torch.bfloat16 if cuda else None,
+        prompt_ids=prompt_ids,
+        generator=BenchGenerator(engine, eos=eos_id(args.shape), lengths=lengths),
+        student_scorer=student_scorer,
+        teacher=teacher,
+        teacher_scorer=teacher_scorer,
+        reference_scorer=None,
+        vocab_size=vocab,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, config.run.steps, config.optim),
+        sampler=PromptSampler(prompts, prompts, seed=0),
+        sink=None,
+        autocast_dtype=torch.bfloat16 if cuda else None,
         dist=info,
     )
 
@@ -256,26 +319,42 @@ def scale_parser() -> argparse.ArgumentParser:
     parser.add_argument("--teacher-shape", default="qwen3-1.7b", choices=sorted(SHAPES))
     parser.add_argument("--device", default="auto", help="auto, cuda, cpu (torchrun: the rank's device)")
     parser.add_argument("--prompts-per-rank", type=int, default=8, help="prompts per step per rank (weak scaling)")
-    parser.add_argument("--samples", type=int, default=4, help="samples per prompt (rollout.n; not --n, which "
-                        "torchrun's own parser would take as an abbreviation of its options)")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=4,
+        help="samples per prompt (rollout.n; not --n, which "
+        "torchrun's own parser would take as an abbreviation of its options)",
+    )
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=1024, help="max new tokens per sample")
-    parser.add_argument("--lengths", default="lognormal:mean=400,cap=1024",
-                        help="ragged response lengths, forced per row (common.parse_lengths); 'none' = no forcing")
+    parser.add_argument(
+        "--lengths",
+        default="lognormal:mean=400,cap=1024",
+        help="ragged response lengths, forced per row (common.parse_lengths); 'none' = no forcing",
+    )
     parser.add_argument("--rollout-rows", type=int, default=None, help="engine rows (default: a rank's sequences)")
     parser.add_argument("--micro-batch-tokens", type=int, default=16384)
     parser.add_argument("--score-batch-tokens", type=int, default=32768)
     parser.add_argument("--engine", default="auto", help="rollout engine (opd.rollout.registry): auto, static, torch")
     parser.add_argument("--attn", default="auto", help="auto (opd_varlen on CUDA, as opd distill), sdpa, opd_varlen")
     parser.add_argument("--teacher-url", default=None, help="served teacher(s), comma-separated; default: replicated")
-    parser.add_argument("--teacher-gpus", type=int, default=None, help="GPUs the served teacher takes (default 1 "
-                        "with --teacher-url, else 0)")
+    parser.add_argument(
+        "--teacher-gpus",
+        type=int,
+        default=None,
+        help="GPUs the served teacher takes (default 1 with --teacher-url, else 0)",
+    )
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--label", default=None, help="row group name (default: shapes and teacher placement)")
-    parser.add_argument("--out", type=Path, default=Path("runs/benchmarks/multi_gpu_scale.json"),
-                        help="JSON file the row is added to (rows of other world sizes are kept)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/benchmarks/multi_gpu_scale.json"),
+        help="JSON file the row is added to (rows of other world sizes are kept)",
+    )
     return parser
 
 
@@ -319,12 +398,23 @@ def scale(argv: list[str]) -> dict | None:
     served = bool(args.teacher_url)
     gpus = world + (args.teacher_gpus if args.teacher_gpus is not None else int(served))
     step_s = statistics.median(times)
-    row = {"label": args.label or f"{args.shape} ← {args.teacher_shape} ({'served' if served else 'replicated'})",
-           "world_size": world, "gpus": gpus, "teacher": "served" if served else "replicated",
-           "prompts_per_step": args.prompts_per_rank * world, "sequences": args.prompts_per_rank * world * args.samples,
-           "step_s": step_s, "step_seconds": times, "tokens": sum(tokens),
-           "tokens_per_s": sum(tokens) / sum(times), "lengths": args.lengths, "new_tokens": args.new_tokens,
-           "device": torch.cuda.get_device_name(device) if cuda else "cpu", **phases, **peaks}
+    row = {
+        "label": args.label or f"{args.shape} ← {args.teacher_shape} ({'served' if served else 'replicated'})",
+        "world_size": world,
+        "gpus": gpus,
+        "teacher": "served" if served else "replicated",
+        "prompts_per_step": args.prompts_per_rank * world,
+        "sequences": args.prompts_per_rank * world * args.samples,
+        "step_s": step_s,
+        "step_seconds": times,
+        "tokens": sum(tokens),
+        "tokens_per_s": sum(tokens) / sum(times),
+        "lengths": args.lengths,
+        "new_tokens": args.new_tokens,
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        **phases,
+        **peaks,
+    }
     row["tokens_per_s_per_gpu"] = row["tokens_per_s"] / gpus
     if peaks:
         row["peak_gib"] = max(peaks.values())
@@ -342,10 +432,15 @@ def add_row(path: Path, row: dict, argv: list[str]) -> dict:
     from opd.io import atomic_write_json
 
     data = json.loads(path.read_text()) if path.is_file() else {"benchmark": "multi_gpu_scale", "rows": []}
-    row = {**row, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": "multi_gpu.py scale " + " ".join(argv), "torch": torch.__version__}
-    data["rows"] = [r for r in data["rows"]
-                    if (r["label"], r["world_size"]) != (row["label"], row["world_size"])] + [row]
+    row = {
+        **row,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "multi_gpu.py scale " + " ".join(argv),
+        "torch": torch.__version__,
+    }
+    data["rows"] = [r for r in data["rows"] if (r["label"], r["world_size"]) != (row["label"], row["world_size"])] + [
+        row
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, data)
     print(table(data), flush=True)
@@ -358,12 +453,26 @@ def table(data: dict) -> str:
     base = {r["label"]: r["tokens_per_s_per_gpu"] for r in rows if r["world_size"] == 1}
     for r in rows:
         r["efficiency"] = r["tokens_per_s_per_gpu"] / base[r["label"]] if r["label"] in base else None
-    return markdown_table(rows, [
-        ("setup", "label", ""), ("N", "world_size", ""), ("GPUs", "gpus", ""), ("seqs/step", "sequences", ""),
-        ("step s", "step_s", ".2f"), ("tokens/s", "tokens_per_s", ",.0f"), ("tok/s/GPU", "tokens_per_s_per_gpu", ",.0f"),
-        ("efficiency", "efficiency", ".2f"), ("rollout s", "rollout_s", ".2f"), ("student s", "student_s", ".2f"),
-        ("teacher s", "teacher_s", ".2f"), ("update s", "update_s", ".2f"), ("peak GiB/GPU", "peak_gib", ".1f"),
-        ("peak rollout", "peak_rollout_gib", ".1f"), ("peak fwd/bwd", "peak_forward_backward_gib", ".1f")])
+    return markdown_table(
+        rows,
+        [
+            ("setup", "label", ""),
+            ("N", "world_size", ""),
+            ("GPUs", "gpus", ""),
+            ("seqs/step", "sequences", ""),
+            ("step s", "step_s", ".2f"),
+            ("tokens/s", "tokens_per_s", ",.0f"),
+            ("tok/s/GPU", "tokens_per_s_per_gpu", ",.0f"),
+            ("efficiency", "efficiency", ".2f"),
+            ("rollout s", "rollout_s", ".2f"),
+            ("student s", "student_s", ".2f"),
+            ("teacher s", "teacher_s", ".2f"),
+            ("update s", "update_s", ".2f"),
+            ("peak GiB/GPU", "peak_gib", ".1f"),
+            ("peak rollout", "peak_rollout_gib", ".1f"),
+            ("peak fwd/bwd", "peak_forward_backward_gib", ".1f"),
+        ],
+    )
 
 
 def main(argv: list[str] | None = None):

@@ -12,8 +12,9 @@ token-reward advantages, PPO-clip), and as `opd distill` sets a GPU up: compiled
 selective activation checkpointing (`--compile`, `--ckpt`). Variants (`VARIANTS`): `default` (the config defaults:
 fp32 AdamW state, fused on CUDA), `foreach` (torch's foreach AdamW: the previous default), `bf16_state`
 (`optim.state_dtype=bf16`), `micro4k` (`micro_batch_tokens=4096`), `ckpt_on` (full per-layer checkpointing),
-`offload` (`teacher_offload`), `lean` (bf16 state + micro4k), `lean_offload`, `lean_offload_8k`, `overlap` (`rollout.overlap` with
-`objective.tis_cap=2`). On CUDA each row also prints where its memory goes (the phase marks of `opd_step`).
+`offload` (`teacher_offload`), `lean` (bf16 state + micro4k), `lean_offload`, `lean_offload_8k`, `overlap`
+(`rollout.overlap` with `objective.tis_cap=2`). On CUDA each row also prints where its memory goes (the phase marks
+of `opd_step`).
 
 TRL (`--trl`, one row each; its wheels are carried to the GPU machine: benchmarks/README.md): the same student and
 teacher (fresh copies per row: TRL's Trainer wraps the forward of the models it is given), the same prompts as
@@ -56,10 +57,26 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    SHAPES, TOKENIZER_SIZE, Report, attention_name, base_parser, build_model, eos_id, kv_bytes_per_token,
-    markdown_table, measure, opd_step_bound, pad_id, param_count, parse_lengths, peak_gib, peaks, reset_memory,
-    resolve_device, sync,
+from common import (
+    SHAPES,
+    TOKENIZER_SIZE,
+    Report,
+    attention_name,
+    base_parser,
+    build_model,
+    eos_id,
+    kv_bytes_per_token,
+    markdown_table,
+    measure,
+    opd_step_bound,
+    pad_id,
+    param_count,
+    parse_lengths,
+    peak_gib,
+    peaks,
+    reset_memory,
+    resolve_device,
+    sync,
 )
 
 VARIANTS: dict[str, dict] = {
@@ -123,12 +140,14 @@ class BenchGenerator:
             self.last_lengths = [len(r) for r in out.response_ids]
             return out
         n = params.n
-        drawn = [min(length, params.max_new_tokens)
-                 for length in self.lengths.sample(len(prompt_ids) * n, params.seed or 0)]
+        drawn = [
+            min(length, params.max_new_tokens) for length in self.lengths.sample(len(prompt_ids) * n, params.seed or 0)
+        ]
         # the engine ends each row at its drawn length (continuous batching refills the slot); EOS off so random
         # weights never end a row early, then the last token of every row below the cap is made EOS ("stop")
-        out = self.inner.generate(prompt_ids, dataclasses.replace(params, stop_at_eos=False),
-                                  max_new_tokens_per_sample=drawn)
+        out = self.inner.generate(
+            prompt_ids, dataclasses.replace(params, stop_at_eos=False), max_new_tokens_per_sample=drawn
+        )
         ids, lps, reasons = [], [], []
         for row, length in enumerate(drawn):
             response = out.response_ids[row][:length]
@@ -139,9 +158,12 @@ class BenchGenerator:
             lps.append(out.logprobs[row][:length] if out.logprobs is not None else None)
             reasons.append("stop" if stopped else "length")
         self.last_lengths = [len(r) for r in ids]
-        return GenerationOutput(response_ids=ids, finish_reasons=reasons,
-                                group_ids=[p for p in range(len(prompt_ids)) for _ in range(n)],
-                                logprobs=lps if params.return_logprobs else None)
+        return GenerationOutput(
+            response_ids=ids,
+            finish_reasons=reasons,
+            group_ids=[p for p in range(len(prompt_ids)) for _ in range(n)],
+            logprobs=lps if params.return_logprobs else None,
+        )
 
 
 def _engine(model, engine: str, args, rows: int):
@@ -149,8 +171,9 @@ def _engine(model, engine: str, args, rows: int):
     from opd.rollout.torch_engine import TorchGenerator
 
     vocab = TOKENIZER_SIZE[args.shape]
-    common = dict(eos_token_ids=[eos_id(args.shape)], pad_token_id=pad_id(args.shape), vocab_size=vocab,
-                  max_batch_size=rows)
+    common = dict(
+        eos_token_ids=[eos_id(args.shape)], pad_token_id=pad_id(args.shape), vocab_size=vocab, max_batch_size=rows
+    )
     inner = TorchGenerator(model, **common) if engine == "torch_engine" else StaticGenerator(model, **common)
     lengths = parse_lengths(args.lengths) if args.lengths else None
     return BenchGenerator(inner, eos=eos_id(args.shape), lengths=lengths)
@@ -158,26 +181,36 @@ def _engine(model, engine: str, args, rows: int):
 
 def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path, autocast_dtype, variant: dict):
     from opd.config import (
-        DataSpec, DistillConfig, ModelSpec, ObjectiveSpec, OptimSpec, RunSpec, SamplingSpec, TeacherSpec,
+        DataSpec,
+        DistillConfig,
+        ModelSpec,
+        ObjectiveSpec,
+        OptimSpec,
+        RunSpec,
+        SamplingSpec,
+        TeacherSpec,
     )
     from opd.teacher.local import LocalScorer
-    from opd.train.overlap import rollout_snapshot
-    from opd.train.step import Trainer
     from opd.train.optim import build_optimizer, build_scheduler
+    from opd.train.overlap import rollout_snapshot
     from opd.train.sampler import PromptSampler
+    from opd.train.step import Trainer
     from opd.types import Prompt
 
     rows = args.rollout_rows or args.prompts * args.n
     overlap = bool(variant.get("overlap"))
     config = DistillConfig(
-        student=ModelSpec(path=f"random:{args.shape}"), teacher=TeacherSpec(path=f"random:{args.teacher_shape}"),
+        student=ModelSpec(path=f"random:{args.shape}"),
+        teacher=TeacherSpec(path=f"random:{args.teacher_shape}"),
         data=DataSpec(path="random", answer_key=None),
         rollout=SamplingSpec(n=args.n, max_new_tokens=args.new_tokens, batch_size=rows, overlap=overlap),
         objective=ObjectiveSpec(tis_cap=2.0 if overlap else None),
         optim=OptimSpec(state_dtype=variant.get("state_dtype", "fp32"), fused=variant.get("fused")),
         run=RunSpec(out_dir=str(run_dir), name="bench", samples_per_step=0, steps=1000, report=False),
-        prompts_per_step=args.prompts, micro_batch_tokens=variant.get("micro_batch_tokens", args.micro_batch_tokens),
-        score_batch_tokens=args.score_batch_tokens, teacher_offload=bool(variant.get("teacher_offload")),
+        prompts_per_step=args.prompts,
+        micro_batch_tokens=variant.get("micro_batch_tokens", args.micro_batch_tokens),
+        score_batch_tokens=args.score_batch_tokens,
+        teacher_offload=bool(variant.get("teacher_offload")),
     )
     vocab = TOKENIZER_SIZE[args.shape]
     optimizer = build_optimizer(student.parameters(), config.optim)
@@ -187,15 +220,25 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
         rollout_model = rollout_snapshot(student, autocast_dtype or torch.float32)
         rollout_generator = _engine(rollout_model, engine, args, rows)
     return Trainer(
-        config=config, run_dir=run_dir, student=student, tokenizer=IdTokenizer(pad_id(args.shape), eos_id(args.shape)),
-        prompts=prompts, prompt_ids=prompt_ids, generator=_engine(student, engine, args, rows),
+        config=config,
+        run_dir=run_dir,
+        student=student,
+        tokenizer=IdTokenizer(pad_id(args.shape), eos_id(args.shape)),
+        prompts=prompts,
+        prompt_ids=prompt_ids,
+        generator=_engine(student, engine, args, rows),
         student_scorer=LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab),
         teacher=teacher,
         teacher_scorer=LocalScorer(teacher, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab),
-        reference_scorer=None, vocab_size=vocab, optimizer=optimizer,
+        reference_scorer=None,
+        vocab_size=vocab,
+        optimizer=optimizer,
         scheduler=build_scheduler(optimizer, config.run.steps, config.optim),
-        sampler=PromptSampler(len(prompt_ids), config.prompts_per_step, seed=0), sink=None,
-        autocast_dtype=autocast_dtype, rollout_model=rollout_model, rollout_generator=rollout_generator,
+        sampler=PromptSampler(len(prompt_ids), config.prompts_per_step, seed=0),
+        sink=None,
+        autocast_dtype=autocast_dtype,
+        rollout_model=rollout_model,
+        rollout_generator=rollout_generator,
     )
 
 
@@ -211,12 +254,15 @@ def memory_breakdown(tr, trace: list[dict], start_bytes: int) -> dict:
     resident at the step's start = student weights + AdamW state + teacher weights (when on the GPU) + the rest
     (rollout snapshot, compiled-graph and CUDA-graph pools, caches); then each phase's peak, and the gradients (what
     the forward/backward phase left allocated, freed by the optimizer step)."""
-    out = {"resident_gib": start_bytes / GIB,
-           "student_weights_gib": _cuda_bytes(tr.student.parameters()) / GIB,
-           "adamw_state_gib": _cuda_bytes(t for s in tr.optimizer.state.values() for t in s.values()) / GIB,
-           "teacher_weights_gib": _cuda_bytes(tr.teacher.parameters()) / GIB if tr.teacher is not None else 0.0}
-    out["other_resident_gib"] = out["resident_gib"] - out["student_weights_gib"] - out["adamw_state_gib"] - \
-        out["teacher_weights_gib"]
+    out = {
+        "resident_gib": start_bytes / GIB,
+        "student_weights_gib": _cuda_bytes(tr.student.parameters()) / GIB,
+        "adamw_state_gib": _cuda_bytes(t for s in tr.optimizer.state.values() for t in s.values()) / GIB,
+        "teacher_weights_gib": _cuda_bytes(tr.teacher.parameters()) / GIB if tr.teacher is not None else 0.0,
+    }
+    out["other_resident_gib"] = (
+        out["resident_gib"] - out["student_weights_gib"] - out["adamw_state_gib"] - out["teacher_weights_gib"]
+    )
     marks = {m["phase"]: m for m in trace}
     for phase in ("rollout", "scoring", "forward_backward", "optimizer_step"):
         if phase in marks:
@@ -229,8 +275,9 @@ def memory_breakdown(tr, trace: list[dict], start_bytes: int) -> dict:
 # ------------------------------------------------------------------------------------------------ our rows
 
 
-def our_row(args, student, teacher, prompt_ids, engine: str, run_dir: Path, autocast_dtype, device, name: str,
-            ckpt: str) -> dict:
+def our_row(
+    args, student, teacher, prompt_ids, engine: str, run_dir: Path, autocast_dtype, device, name: str, ckpt: str
+) -> dict:
     from opd.train.step import opd_step
 
     variant = VARIANTS[name]
@@ -258,8 +305,14 @@ def our_row(args, student, teacher, prompt_ids, engine: str, run_dir: Path, auto
                 tr.generator.lengths = timed_lengths
             tr.step += 1
             tokens = sum(tr.generator.last_lengths)
-            record = {"tokens": tokens, "metrics": metrics, "trace": tr.memory_trace, "start": start,
-                      "lengths": list(tr.generator.last_lengths), "warm": warm}
+            record = {
+                "tokens": tokens,
+                "metrics": metrics,
+                "trace": tr.memory_trace,
+                "start": start,
+                "lengths": list(tr.generator.last_lengths),
+                "warm": warm,
+            }
             steps.append(record)
             return tokens
 
@@ -267,19 +320,31 @@ def our_row(args, student, teacher, prompt_ids, engine: str, run_dir: Path, auto
         timed = [s for s in steps if not s["warm"]]
         seconds = sum(m["all_seconds"])
         last = timed[-1]
-        row = {"variant": name, "ckpt": row_ckpt, "tokens": sum(s["tokens"] for s in timed), "seconds": m["seconds"],
-               "tokens_per_s": sum(s["tokens"] for s in timed) / seconds, "warmup_s": m["first_call_seconds"],
-               "step_seconds": m["all_seconds"], "peak_gib": m["peak_gib"]}
+        row = {
+            "variant": name,
+            "ckpt": row_ckpt,
+            "tokens": sum(s["tokens"] for s in timed),
+            "seconds": m["seconds"],
+            "tokens_per_s": sum(s["tokens"] for s in timed) / seconds,
+            "warmup_s": m["first_call_seconds"],
+            "step_seconds": m["all_seconds"],
+            "peak_gib": m["peak_gib"],
+        }
         if cuda:  # the phase marks reset the peak counter: the row's peak is the largest phase peak
             row["peak_gib"] = max([row["peak_gib"]] + [mk["peak_gib"] for s in steps for mk in s["trace"]])
             row.update(memory_breakdown(tr, last["trace"], last["start"]))
-        row.update({k.split("/")[1] + "_s": v for k, v in last["metrics"].items()
-                    if k.startswith("time/") and k != "time/step"})
+        row.update(
+            {
+                k.split("/")[1] + "_s": v
+                for k, v in last["metrics"].items()
+                if k.startswith("time/") and k != "time/step"
+            }
+        )
         for key in ("policy_lag", "is_weight_mean", "is_weight_max", "is_weight_capped_frac"):
             if key in last["metrics"]:
                 row[key] = last["metrics"][key]
         row["last_lengths"] = last["lengths"]
-        del tr
+        tr = None  # frees the trainer before the collect (rebound, not `del`: the closure `step` reads this name)
         gc.collect()
         return row
     finally:
@@ -299,8 +364,9 @@ def word_tokenizer(shape: str):
 
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(TOKENIZER_SIZE[shape])}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"t{eos_id(shape)}", pad_token=f"t{pad_id(shape)}",
-                                   padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=f"t{eos_id(shape)}", pad_token=f"t{pad_id(shape)}", padding_side="left"
+    )
 
 
 def trl_row(which: str, args, device, prompt_ids: list[list[int]]) -> dict:
@@ -319,8 +385,9 @@ def trl_row(which: str, args, device, prompt_ids: list[list[int]]) -> dict:
     if sequences % micro:
         raise ValueError(f"{sequences} sequences do not split into micro-batches of {micro}")
     student = build_model(args.shape, dtype=torch.float32, device=device, seed=args.seed)
-    teacher = build_model(args.teacher_shape, dtype=torch.bfloat16 if cuda else torch.float32, device=device,
-                          seed=args.seed + 1).requires_grad_(False)
+    teacher = build_model(
+        args.teacher_shape, dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=args.seed + 1
+    ).requires_grad_(False)
     tokenizer = word_tokenizer(args.shape)
     texts = [" ".join(f"t{i}" for i in ids) for ids in prompt_ids for _ in range(args.n)]
     counted: list[int] = []
@@ -338,12 +405,22 @@ def trl_row(which: str, args, device, prompt_ids: list[list[int]]) -> dict:
         def on_step_end(self, *_, **__):
             sync(device)
             times.append(time.perf_counter() - self.start)
-            per_step.append(sum(counted[self.counted:]))
+            per_step.append(sum(counted[self.counted :]))
 
-    common = dict(output_dir=tempfile.mkdtemp(prefix="opd-bench-trl-"), per_device_train_batch_size=micro,
-                  gradient_accumulation_steps=sequences // micro, max_steps=args.trl_warmup + args.trl_repeat,
-                  learning_rate=1e-6, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1000,
-                  seed=args.seed, dataloader_num_workers=0, use_cpu=not cuda)
+    common = dict(
+        output_dir=tempfile.mkdtemp(prefix="opd-bench-trl-"),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=sequences // micro,
+        max_steps=args.trl_warmup + args.trl_repeat,
+        learning_rate=1e-6,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        logging_steps=1000,
+        seed=args.seed,
+        dataloader_num_workers=0,
+        use_cpu=not cuda,
+    )
     if not cuda:
         common["bf16"] = False  # our CPU rows run float32 too
     if setting == "fastest":
@@ -357,10 +434,17 @@ def trl_row(which: str, args, device, prompt_ids: list[list[int]]) -> dict:
                 counted.append(int(out["completion_mask"].sum()))
                 return out
 
-        config = DistillationConfig(**common, max_completion_length=args.new_tokens, temperature=1.0, top_k=0,
-                                    top_p=1.0, beta=1.0)
-        trainer = Counted(model=student, teacher_model=teacher, args=config, processing_class=tokenizer,
-                          train_dataset=Dataset.from_dict({"prompt": texts}), callbacks=[Timer()])
+        config = DistillationConfig(
+            **common, max_completion_length=args.new_tokens, temperature=1.0, top_k=0, top_p=1.0, beta=1.0
+        )
+        trainer = Counted(
+            model=student,
+            teacher_model=teacher,
+            args=config,
+            processing_class=tokenizer,
+            train_dataset=Dataset.from_dict({"prompt": texts}),
+            callbacks=[Timer()],
+        )
     else:
         from trl.experimental.gkd import GKDConfig, GKDTrainer
 
@@ -372,12 +456,29 @@ def trl_row(which: str, args, device, prompt_ids: list[list[int]]) -> dict:
 
         # Prompts as ids (the collator's pre-tokenized path): one placeholder completion token, replaced on-policy.
         ids = [p for p in prompt_ids for _ in range(args.n)]
-        data = Dataset.from_dict({"prompt": texts, "input_ids": [p + [eos_id(args.shape)] for p in ids],
-                                  "completion_mask": [[0] * len(p) + [1] for p in ids]})
-        config = GKDConfig(**common, max_new_tokens=args.new_tokens, temperature=1.0, lmbda=1.0, beta=1.0,
-                           max_length=args.prompt_len + args.new_tokens + 1)
-        trainer = Counted(model=student, teacher_model=teacher, args=config, processing_class=tokenizer,
-                          train_dataset=data, callbacks=[Timer()])
+        data = Dataset.from_dict(
+            {
+                "prompt": texts,
+                "input_ids": [p + [eos_id(args.shape)] for p in ids],
+                "completion_mask": [[0] * len(p) + [1] for p in ids],
+            }
+        )
+        config = GKDConfig(
+            **common,
+            max_new_tokens=args.new_tokens,
+            temperature=1.0,
+            lmbda=1.0,
+            beta=1.0,
+            max_length=args.prompt_len + args.new_tokens + 1,
+        )
+        trainer = Counted(
+            model=student,
+            teacher_model=teacher,
+            args=config,
+            processing_class=tokenizer,
+            train_dataset=data,
+            callbacks=[Timer()],
+        )
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # its end-of-training dict of logs
@@ -386,10 +487,17 @@ def trl_row(which: str, args, device, prompt_ids: list[list[int]]) -> dict:
     checkpointing = bool(student.is_gradient_checkpointing)  # what TRL did with the model, not what was asked
     del trainer, student, teacher
     gc.collect()
-    timed, tokens = times[args.trl_warmup:], per_step[args.trl_warmup:]
-    row = {"setting": setting, "tokens": sum(tokens), "seconds": statistics.median(timed),
-           "tokens_per_s": sum(tokens) / sum(timed), "step_seconds": timed, "warmup_s": times[0],
-           "micro_batch": micro, "gradient_checkpointing": checkpointing}
+    timed, tokens = times[args.trl_warmup :], per_step[args.trl_warmup :]
+    row = {
+        "setting": setting,
+        "tokens": sum(tokens),
+        "seconds": statistics.median(timed),
+        "tokens_per_s": sum(tokens) / sum(timed),
+        "step_seconds": timed,
+        "warmup_s": times[0],
+        "micro_batch": micro,
+        "gradient_checkpointing": checkpointing,
+    }
     row["peak_gib"] = peak if peak is not None else peak_gib(device)
     return row
 
@@ -404,36 +512,81 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=256, help="max new tokens per sample")
-    parser.add_argument("--lengths", default=None, help="force each response to end at a drawn length: "
-                        "lognormal:mean=M,cap=C[,sigma=S] or fixed:N (common.parse_lengths); default: no forcing")
-    parser.add_argument("--warmup-lengths", default=None, help="lengths of our warm-up steps (same forms as "
-                        "--lengths; default: those of the timed steps)")
-    parser.add_argument("--rollout-rows", type=int, default=None, help="rows the engine decodes together "
-                        "(default: all of a step's sequences)")
+    parser.add_argument(
+        "--lengths",
+        default=None,
+        help="force each response to end at a drawn length: "
+        "lognormal:mean=M,cap=C[,sigma=S] or fixed:N (common.parse_lengths); default: no forcing",
+    )
+    parser.add_argument(
+        "--warmup-lengths",
+        default=None,
+        help="lengths of our warm-up steps (same forms as --lengths; default: those of the timed steps)",
+    )
+    parser.add_argument(
+        "--rollout-rows",
+        type=int,
+        default=None,
+        help="rows the engine decodes together (default: all of a step's sequences)",
+    )
     parser.add_argument("--micro-batch-tokens", type=int, default=16384, help="our update's micro-batch budget")
     parser.add_argument("--score-batch-tokens", type=int, default=32768, help="our scoring forward budget")
     parser.add_argument("--engines", default="static_engine", help="our engines: static_engine, torch_engine")
     parser.add_argument("--variants", default="default", help=f"our rows, comma-separated: {', '.join(VARIANTS)}")
-    parser.add_argument("--ckpt", default="auto", choices=["auto", "on", "off", "selective"],
-                        help="gradient checkpointing of our student: on (every layer), selective (compiled layers "
-                             "keep half their activations), off; auto: as `opd distill` (CUDA: selective when "
-                             "compiled, else on; CPU: off)")
-    parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                        help="torch.compile the decoder layers of our student and teacher (auto: on for CUDA)")
-    parser.add_argument("--attn", default="auto", help="attention of our rows: auto (as `opd distill`: opd_varlen "
-                                                       "on CUDA, else sdpa), sdpa, opd_varlen; TRL rows use sdpa")
+    parser.add_argument(
+        "--ckpt",
+        default="auto",
+        choices=["auto", "on", "off", "selective"],
+        help="gradient checkpointing of our student: on (every layer), selective (compiled layers "
+        "keep half their activations), off; auto: as `opd distill` (CUDA: selective when "
+        "compiled, else on; CPU: off)",
+    )
+    parser.add_argument(
+        "--compile",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="torch.compile the decoder layers of our student and teacher (auto: on for CUDA)",
+    )
+    parser.add_argument(
+        "--attn",
+        default="auto",
+        help="attention of our rows: auto (as `opd distill`: opd_varlen "
+        "on CUDA, else sdpa), sdpa, opd_varlen; TRL rows use sdpa",
+    )
     parser.add_argument("--trl", default=",".join(TRL_ROWS), help=f"TRL rows, comma-separated: {', '.join(TRL_ROWS)}")
     parser.add_argument("--skip-trl", action="store_true", help="no TRL rows")
     parser.add_argument("--trl-warmup", type=int, default=1, help="untimed TRL steps (its first compiles nothing)")
     parser.add_argument("--trl-repeat", type=int, default=2, help="timed TRL steps")
-    parser.add_argument("--paper", action="store_true", help="the paper's regime: qwen3-1.7b ← qwen3-4b, 64 prompts "
-                        "× 4, lengths lognormal:mean=1500,cap=7168 (warm-up step: mean=200,cap=512), 64 rows per "
-                        "rollout chunk, one warm-up and one timed step, no TRL rows (explicit flags still win)")
+    parser.add_argument(
+        "--paper",
+        action="store_true",
+        help="the paper's regime: qwen3-1.7b ← qwen3-4b, 64 prompts "
+        "× 4, lengths lognormal:mean=1500,cap=7168 (warm-up step: mean=200,cap=512), 64 rows per "
+        "rollout chunk, one warm-up and one timed step, no TRL rows (explicit flags still win)",
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--paper" in argv:  # defaults of the paper regime, before the explicit flags
-        argv = ["--shape", "qwen3-1.7b", "--teacher-shape", "qwen3-4b", "--prompts", "64", "--new-tokens", "7168",
-                "--lengths", "lognormal:mean=1500,cap=7168", "--warmup-lengths", "lognormal:mean=200,cap=512",
-                "--rollout-rows", "64", "--skip-trl", "--warmup", "1", "--repeat", "1"] + argv
+        argv = [
+            "--shape",
+            "qwen3-1.7b",
+            "--teacher-shape",
+            "qwen3-4b",
+            "--prompts",
+            "64",
+            "--new-tokens",
+            "7168",
+            "--lengths",
+            "lognormal:mean=1500,cap=7168",
+            "--warmup-lengths",
+            "lognormal:mean=200,cap=512",
+            "--rollout-rows",
+            "64",
+            "--skip-trl",
+            "--warmup",
+            "1",
+            "--repeat",
+            "1",
+        ] + argv
     args = parser.parse_args(argv)
     if SHAPES[args.shape]["vocab_size"] != SHAPES[args.teacher_shape]["vocab_size"]:
         raise SystemExit("--shape and --teacher-shape must share a vocabulary (tiny with tiny, qwen3 with qwen3)")
@@ -452,9 +605,18 @@ def main(argv: list[str] | None = None) -> dict:
     autocast_dtype = torch.bfloat16 if cuda else None
     g = torch.Generator().manual_seed(args.seed)
     prompt_ids = torch.randint(3, TOKENIZER_SIZE[args.shape], (args.prompts, args.prompt_len), generator=g).tolist()
-    report = Report("opd_step", args, device, shape=args.shape, teacher_shape=args.teacher_shape,
-                    sequences=args.prompts * args.n, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                    lengths=args.lengths, precision="fp32 student + bf16 autocast, bf16 teacher" if cuda else "fp32")
+    report = Report(
+        "opd_step",
+        args,
+        device,
+        shape=args.shape,
+        teacher_shape=args.teacher_shape,
+        sequences=args.prompts * args.n,
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        lengths=args.lengths,
+        precision="fp32 student + bf16 autocast, bf16 teacher" if cuda else "fp32",
+    )
     run_dir = Path(tempfile.mkdtemp(prefix="opd-bench-"))
 
     trl_rows = [] if args.skip_trl else [r for r in args.trl.split(",") if r]
@@ -464,8 +626,9 @@ def main(argv: list[str] | None = None) -> dict:
         report.run_row(f"trl_{which.replace(':', '[')}]", lambda which=which: trl_row(which, args, device, prompt_ids))
 
     student = build_model(args.shape, dtype=torch.float32, device=device, seed=args.seed)
-    teacher = build_model(args.teacher_shape, dtype=torch.bfloat16 if cuda else torch.float32, device=device,
-                          seed=args.seed + 1).requires_grad_(False)
+    teacher = build_model(
+        args.teacher_shape, dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=args.seed + 1
+    ).requires_grad_(False)
     attn = attention_name(args.attn, device)
     student.set_attn_implementation(attn)
     teacher.set_attn_implementation(attn)
@@ -487,10 +650,15 @@ def main(argv: list[str] | None = None) -> dict:
                 lengths = row.pop("last_lengths")
                 if flops and bandwidth:
                     bound = opd_step_bound(
-                        student_params=param_count(student), teacher_params=param_count(teacher),
-                        student_weight_bytes=param_count(student) * 2, kv_bytes_per_token=kv_bytes_per_token(args.shape),
-                        prompt_lengths=[args.prompt_len] * len(lengths), response_lengths=lengths,
-                        peak_flops=flops, bandwidth=bandwidth)
+                        student_params=param_count(student),
+                        teacher_params=param_count(teacher),
+                        student_weight_bytes=param_count(student) * 2,
+                        kv_bytes_per_token=kv_bytes_per_token(args.shape),
+                        prompt_lengths=[args.prompt_len] * len(lengths),
+                        response_lengths=lengths,
+                        peak_flops=flops,
+                        bandwidth=bandwidth,
+                    )
                     row.update({f"bound_{k}": v for k, v in bound.items()}, vs_bound=row["seconds"] / bound["total_s"])
                 return row
 
@@ -505,38 +673,65 @@ def main(argv: list[str] | None = None) -> dict:
             r["speedup"] = r["tokens_per_s"] / fastest["tokens_per_s"]
         if leanest and r.get("peak_gib"):
             r["memory_vs_trl"] = r["peak_gib"] / leanest["peak_gib"]
-    columns = [("row", "name", ""), ("tokens/s", "tokens_per_s", ",.0f"), ("× fastest TRL", "speedup", ".1f"),
-               ("step s", "seconds", ".2f"), ("rollout s", "rollout_s", ".2f"), ("rollout wait s", "rollout_wait_s", ".2f"),
-               ("student s", "student_s", ".2f"),
-               ("teacher s", "teacher_s", ".2f"), ("update s", "update_s", ".2f"), ("peak GiB", "peak_gib", ".1f"),
-               ("memory / leanest TRL", "memory_vs_trl", ".2f"), ("bound s", "bound_total_s", ".3g"),
-               ("step / bound", "vs_bound", ".1f")]
-    notes = [f"student {args.shape} (random, fp32 master weights{' + bf16 autocast' if cuda else ''}), teacher "
-             f"{args.teacher_shape}; {args.prompts} prompts × n={args.n} = {args.prompts * args.n} sequences, prompt "
-             f"{args.prompt_len} tokens, ≤ {args.new_tokens} new tokens"
-             + (f", lengths {parse_lengths(args.lengths)} forced per row" if args.lengths else "")
-             + "; peak GiB includes both models' weights and the row's optimizer state"]
+    columns = [
+        ("row", "name", ""),
+        ("tokens/s", "tokens_per_s", ",.0f"),
+        ("× fastest TRL", "speedup", ".1f"),
+        ("step s", "seconds", ".2f"),
+        ("rollout s", "rollout_s", ".2f"),
+        ("rollout wait s", "rollout_wait_s", ".2f"),
+        ("student s", "student_s", ".2f"),
+        ("teacher s", "teacher_s", ".2f"),
+        ("update s", "update_s", ".2f"),
+        ("peak GiB", "peak_gib", ".1f"),
+        ("memory / leanest TRL", "memory_vs_trl", ".2f"),
+        ("bound s", "bound_total_s", ".3g"),
+        ("step / bound", "vs_bound", ".1f"),
+    ]
+    notes = [
+        f"student {args.shape} (random, fp32 master weights{' + bf16 autocast' if cuda else ''}), teacher "
+        f"{args.teacher_shape}; {args.prompts} prompts × n={args.n} = {args.prompts * args.n} sequences, prompt "
+        f"{args.prompt_len} tokens, ≤ {args.new_tokens} new tokens"
+        + (f", lengths {parse_lengths(args.lengths)} forced per row" if args.lengths else "")
+        + "; peak GiB includes both models' weights and the row's optimizer state"
+    ]
     if fastest:
         notes.append(f"× fastest TRL: against {fastest['name']}; memory / leanest TRL: against {leanest['name']}")
     for r in rows:
         if "bound_total_s" in r:
-            notes.append(f"{r['name']}: bound {r['bound_total_s']:.3g} s = decode {r['bound_decode_s']:.3g} + teacher "
-                         f"{r['bound_teacher_s']:.3g} + student {r['bound_student_s']:.3g} + update "
-                         f"{r['bound_update_s']:.3g}; the step took {r['vs_bound']:.2f}× that")
+            notes.append(
+                f"{r['name']}: bound {r['bound_total_s']:.3g} s = decode {r['bound_decode_s']:.3g} + teacher "
+                f"{r['bound_teacher_s']:.3g} + student {r['bound_student_s']:.3g} + update "
+                f"{r['bound_update_s']:.3g}; the step took {r['vs_bound']:.2f}× that"
+            )
     if any("bound_total_s" in r for r in rows):
-        notes.append("bound (common.opd_step_bound): decode at the memory bandwidth (weights once per sequential step "
-                     "+ every token's KV reads) + 2·params FLOPs of teacher and student scoring + 6·params FLOPs of the "
-                     "update per position, at the device's dense bf16 peak")
+        notes.append(
+            "bound (common.opd_step_bound): decode at the memory bandwidth (weights once per sequential step "
+            "+ every token's KV reads) + 2·params FLOPs of teacher and student scoring + 6·params FLOPs of the "
+            "update per position, at the device's dense bf16 peak"
+        )
     memory_rows = [r for r in rows if "resident_gib" in r]
     if memory_rows:
-        report.data["memory_table"] = markdown_table(memory_rows, [
-                ("row", "name", ""), ("resident", "resident_gib", ".2f"), ("student w", "student_weights_gib", ".2f"),
-                ("AdamW state", "adamw_state_gib", ".2f"), ("teacher w", "teacher_weights_gib", ".2f"),
-                ("other", "other_resident_gib", ".2f"), ("grads", "grads_gib", ".2f"),
-                ("peak rollout", "peak_rollout_gib", ".2f"), ("peak scoring", "peak_scoring_gib", ".2f"),
-                ("peak fwd/bwd", "peak_forward_backward_gib", ".2f"), ("peak optim", "peak_optimizer_step_gib", ".2f")])
-        notes.append("where the memory goes (GiB; resident = allocated at the start of the last timed step; peaks are "
-                     "allocated bytes within each phase of that step):\n" + report.data["memory_table"])
+        report.data["memory_table"] = markdown_table(
+            memory_rows,
+            [
+                ("row", "name", ""),
+                ("resident", "resident_gib", ".2f"),
+                ("student w", "student_weights_gib", ".2f"),
+                ("AdamW state", "adamw_state_gib", ".2f"),
+                ("teacher w", "teacher_weights_gib", ".2f"),
+                ("other", "other_resident_gib", ".2f"),
+                ("grads", "grads_gib", ".2f"),
+                ("peak rollout", "peak_rollout_gib", ".2f"),
+                ("peak scoring", "peak_scoring_gib", ".2f"),
+                ("peak fwd/bwd", "peak_forward_backward_gib", ".2f"),
+                ("peak optim", "peak_optimizer_step_gib", ".2f"),
+            ],
+        )
+        notes.append(
+            "where the memory goes (GiB; resident = allocated at the start of the last timed step; peaks are "
+            "allocated bytes within each phase of that step):\n" + report.data["memory_table"]
+        )
     return report.finish(columns, notes)
 
 

@@ -57,13 +57,34 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    EOS_ID, PAD_ID, SHAPES, Report, base_parser, build_model, eos_id, measure, pad_id, param_bytes, peaks,
-    resolve_device, speedups, TOKENIZER_SIZE,
+from common import (
+    EOS_ID,
+    PAD_ID,
+    SHAPES,
+    TOKENIZER_SIZE,
+    Report,
+    base_parser,
+    build_model,
+    eos_id,
+    measure,
+    pad_id,
+    param_bytes,
+    peaks,
+    resolve_device,
+    speedups,
 )
 
-ALL = ("hf_generate", "hf_generate_static", "hf_generate_nocudnn", "torch_engine", "static_engine", "static_compile",
-       "static_sdpa", "static_v1", "vllm")
+ALL = (
+    "hf_generate",
+    "hf_generate_static",
+    "hf_generate_nocudnn",
+    "torch_engine",
+    "static_engine",
+    "static_compile",
+    "static_sdpa",
+    "static_v1",
+    "vllm",
+)
 BUCKETS = (0, 128, 512, 1024, 2048, 4096, 8192)  # response-position buckets of the --lp-reference table
 
 
@@ -75,7 +96,7 @@ def draw_lengths(spec: str, rows: int, default: int, seed: int) -> list[int] | N
     try:
         options = {k: float(v) for k, v in (item.split("=") for item in rest.split(",") if item)}
     except ValueError:
-        raise SystemExit(f"--lengths {spec!r}: write lognormal:mean=M,cap=C[,sigma=S] or equal")
+        raise SystemExit(f"--lengths {spec!r}: write lognormal:mean=M,cap=C[,sigma=S] or equal") from None
     if kind != "lognormal" or "mean" not in options or set(options) - {"mean", "cap", "sigma"}:
         raise SystemExit(f"--lengths {spec!r}: write lognormal:mean=M,cap=C[,sigma=S] or equal")
     sigma, cap = options.get("sigma", 1.0), int(options.get("cap", default))
@@ -100,10 +121,15 @@ def make_engine(name: str, model, shape: str, batch: int):
         if id(model) not in _VLLM_DIRS:  # vLLM loads weights from a directory: this model's, saved once
             _VLLM_DIRS[id(model)] = tempfile.mkdtemp(prefix="opd-bench-vllm-")
             model.save_pretrained(_VLLM_DIRS[id(model)])
-        return VLLMGenerator(_VLLM_DIRS[id(model)], eos_token_ids=[eos_id(shape)], vocab_size=TOKENIZER_SIZE[shape],
-                             max_batch_size=batch)
-    common = dict(eos_token_ids=[eos_id(shape)], pad_token_id=pad_id(shape), vocab_size=TOKENIZER_SIZE[shape],
-                  max_batch_size=batch)
+        return VLLMGenerator(
+            _VLLM_DIRS[id(model)], eos_token_ids=[eos_id(shape)], vocab_size=TOKENIZER_SIZE[shape], max_batch_size=batch
+        )
+    common = dict(
+        eos_token_ids=[eos_id(shape)],
+        pad_token_id=pad_id(shape),
+        vocab_size=TOKENIZER_SIZE[shape],
+        max_batch_size=batch,
+    )
     if name == "torch_engine":
         return TorchGenerator(model, **common)
     if name == "static_v1":
@@ -140,7 +166,8 @@ def teacher_forced(model, prompts, output, shape: str):
 
     rollouts = build_rollouts(prompts, output, pad_id=pad_id(shape), device=next(model.parameters()).device)
     scores = LocalScorer(model, check_head=False, vocab_size=TOKENIZER_SIZE[shape]).score(
-        rollouts, top_k=0, with_entropy=False)
+        rollouts, top_k=0, with_entropy=False
+    )
     return rollouts, scores.sampled_logprobs
 
 
@@ -167,10 +194,15 @@ def drift_by_position(model, reference, prompts, output, shape: str) -> list[dic
         bucket = mask & (position >= lo) & (position < hi)
         if not bucket.any():
             continue
-        rows.append({"positions": f"[{lo}, {hi})", "tokens": int(bucket.sum()),
-                     "engine_vs_fp32": float((engine - fp32).abs()[bucket].mean()),
-                     "bf16_forward_vs_fp32": float((bf16 - fp32).abs()[bucket].mean()),
-                     "engine_vs_bf16_forward": float((engine - bf16).abs()[bucket].mean())})
+        rows.append(
+            {
+                "positions": f"[{lo}, {hi})",
+                "tokens": int(bucket.sum()),
+                "engine_vs_fp32": float((engine - fp32).abs()[bucket].mean()),
+                "bf16_forward_vs_fp32": float((bf16 - fp32).abs()[bucket].mean()),
+                "engine_vs_bf16_forward": float((engine - bf16).abs()[bucket].mean()),
+            }
+        )
     return rows
 
 
@@ -179,16 +211,34 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", default="64,256", help="comma-separated rows per call; the first is the main one")
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per row")
     parser.add_argument("--new-tokens", type=int, default=512, help="generated tokens per row (--lengths equal)")
-    parser.add_argument("--lengths", default="equal",
-                        help="equal, or lognormal:mean=M,cap=C[,sigma=S]: per-row response lengths (seeded)")
-    parser.add_argument("--compare-equal", choices=("on", "off"), default="on",
-                        help="with --lengths DIST, also run each job at equal lengths with the same total tokens")
-    parser.add_argument("--lp-error", choices=("on", "off"), default="on",
-                        help="score our rows' tokens with a teacher-forced forward (lp_err)")
-    parser.add_argument("--lp-reference", choices=("none", "fp32"), default="none",
-                        help="fp32: per position bucket, engine and bf16 forward against a float32 forward")
-    parser.add_argument("--engines", default="hf_generate,torch_engine,static_engine,static_compile,hf_generate_static",
-                        help=f"rows at the first batch size, in order; from {','.join(ALL)}")
+    parser.add_argument(
+        "--lengths",
+        default="equal",
+        help="equal, or lognormal:mean=M,cap=C[,sigma=S]: per-row response lengths (seeded)",
+    )
+    parser.add_argument(
+        "--compare-equal",
+        choices=("on", "off"),
+        default="on",
+        help="with --lengths DIST, also run each job at equal lengths with the same total tokens",
+    )
+    parser.add_argument(
+        "--lp-error",
+        choices=("on", "off"),
+        default="on",
+        help="score our rows' tokens with a teacher-forced forward (lp_err)",
+    )
+    parser.add_argument(
+        "--lp-reference",
+        choices=("none", "fp32"),
+        default="none",
+        help="fp32: per position bucket, engine and bf16 forward against a float32 forward",
+    )
+    parser.add_argument(
+        "--engines",
+        default="hf_generate,torch_engine,static_engine,static_compile,hf_generate_static",
+        help=f"rows at the first batch size, in order; from {','.join(ALL)}",
+    )
     parser.add_argument("--engines-big", default="torch_engine,static_compile", help="rows at the other batch sizes")
     parser.add_argument("--model-path", default=None, help="a saved model directory instead of a random --shape")
     args = parser.parse_args(argv)
@@ -203,16 +253,28 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = SHAPES[args.shape]
     weight_bytes = param_bytes(model)
     kv_bytes_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * dtype.itemsize
-    report = Report("rollout", args, device, shape=args.shape, dtype=str(dtype), weight_bytes=weight_bytes,
-                    prompt_len=args.prompt_len, new_tokens=args.new_tokens, lengths=args.lengths, bandwidth=bandwidth)
+    report = Report(
+        "rollout",
+        args,
+        device,
+        shape=args.shape,
+        dtype=str(dtype),
+        weight_bytes=weight_bytes,
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        lengths=args.lengths,
+        bandwidth=bandwidth,
+    )
     batches = [int(b) for b in args.batches.split(",")]
     jobs = [(batches[0], e) for e in args.engines.split(",") if e != "hf_generate_static"]
     jobs += [(b, e) for b in batches[1:] for e in args.engines_big.split(",")]
     if "hf_generate_static" in args.engines.split(","):
         jobs.append((batches[0], "hf_generate_static"))  # last: its compilation can take minutes
     g = torch.Generator().manual_seed(args.seed)
-    prompts_by_batch = {b: torch.randint(3, TOKENIZER_SIZE[args.shape], (b, args.prompt_len), generator=g)
-                        for b in dict.fromkeys(batches)}
+    prompts_by_batch = {
+        b: torch.randint(3, TOKENIZER_SIZE[args.shape], (b, args.prompt_len), generator=g)
+        for b in dict.fromkeys(batches)
+    }
     lengths_by_batch = {b: draw_lengths(args.lengths, b, args.new_tokens, args.seed) for b in prompts_by_batch}
     if args.lengths == "equal":
         kinds = [None]
@@ -229,11 +291,22 @@ def main(argv: list[str] | None = None) -> dict:
                 lengths = [round(sum(drawn) / batch)] * batch
             else:
                 lengths = drawn or [args.new_tokens] * batch
-            report.run_row(f"{name}@{batch}" + (f"[{kind}]" if kind else ""),
-                           lambda name=name, batch=batch, lengths=lengths, kind=kind: run_row(
-                               args, name, model, reference, device, prompts_by_batch[batch], lengths,
-                               forced=kind is not None, weight_bytes=weight_bytes, bandwidth=bandwidth,
-                               kv_bytes_per_token=kv_bytes_per_token))
+            report.run_row(
+                f"{name}@{batch}" + (f"[{kind}]" if kind else ""),
+                lambda name=name, batch=batch, lengths=lengths, kind=kind: run_row(
+                    args,
+                    name,
+                    model,
+                    reference,
+                    device,
+                    prompts_by_batch[batch],
+                    lengths,
+                    forced=kind is not None,
+                    weight_bytes=weight_bytes,
+                    bandwidth=bandwidth,
+                    kv_bytes_per_token=kv_bytes_per_token,
+                ),
+            )
     rows_by_job: dict[str, list] = {}  # "@64", "@64[ragged]", ...: the rows one generate() row is the baseline of
     for r in report.data["rows"]:
         rows_by_job.setdefault("@" + r["name"].rsplit("@", 1)[1], []).append(r)
@@ -244,56 +317,96 @@ def main(argv: list[str] | None = None) -> dict:
         equal = by_name.get(name.replace("[ragged]", "[equal]")) if name.endswith("[ragged]") else None
         if equal and row.get("tokens_per_s") and equal.get("tokens_per_s"):
             row["vs_equal"] = row["tokens_per_s"] / equal["tokens_per_s"]
-    columns = [("row", "name", ""), ("tokens/s", "tokens_per_s", ",.0f"), ("× generate", "speedup", ".1f"),
-               ("vs equal", "vs_equal", ".2f"), ("ms/step", "ms_per_step", ".2f"), ("steps", "steps", ","),
-               ("max_len", "max_len", ","), ("rows", "rows", ""), ("refills", "refills", ","),
-               ("occupancy", "occupancy", ".2f"), ("% of weight-BW bound", "pct_bound", ".1f"),
-               ("bound (+KV) tok/s", "bound_kv_tokens_per_s", ",.0f"), ("% of +KV bound", "pct_bound_kv", ".1f"),
-               ("peak GiB", "peak_gib", ".1f"), ("warm-up s", "warmup_s", ".1f"), ("lp_err", "lp_err", ".2e")]
-    lengths_note = ("every row the same length" if args.lengths == "equal" else
-                    f"lengths {args.lengths} (seeded): " + "; ".join(
-                        f"{b} rows: mean {sum(ls) / len(ls):.0f}, max {max(ls)}, total {sum(ls):,}"
-                        for b, ls in lengths_by_batch.items()))
+    columns = [
+        ("row", "name", ""),
+        ("tokens/s", "tokens_per_s", ",.0f"),
+        ("× generate", "speedup", ".1f"),
+        ("vs equal", "vs_equal", ".2f"),
+        ("ms/step", "ms_per_step", ".2f"),
+        ("steps", "steps", ","),
+        ("max_len", "max_len", ","),
+        ("rows", "rows", ""),
+        ("refills", "refills", ","),
+        ("occupancy", "occupancy", ".2f"),
+        ("% of weight-BW bound", "pct_bound", ".1f"),
+        ("bound (+KV) tok/s", "bound_kv_tokens_per_s", ",.0f"),
+        ("% of +KV bound", "pct_bound_kv", ".1f"),
+        ("peak GiB", "peak_gib", ".1f"),
+        ("warm-up s", "warmup_s", ".1f"),
+        ("lp_err", "lp_err", ".2e"),
+    ]
+    lengths_note = (
+        "every row the same length"
+        if args.lengths == "equal"
+        else f"lengths {args.lengths} (seeded): "
+        + "; ".join(
+            f"{b} rows: mean {sum(ls) / len(ls):.0f}, max {max(ls)}, total {sum(ls):,}"
+            for b, ls in lengths_by_batch.items()
+        )
+    )
     weights = f"weights of {args.model_path}" if args.model_path else "random weights"
-    notes = [f"shape {args.shape} ({dtype}), {weights}; prompt {args.prompt_len} tokens, {lengths_note}, "
-             f"temperature 1, EOS off; weights {weight_bytes / 2**30:.2f} GiB"]
+    notes = [
+        f"shape {args.shape} ({dtype}), {weights}; prompt {args.prompt_len} tokens, {lengths_note}, "
+        f"temperature 1, EOS off; weights {weight_bytes / 2**30:.2f} GiB"
+    ]
     data = report.finish(columns, notes)
     drift = [(r["name"], b) for r in data["rows"] for b in r.get("lp_drift", [])]
     if drift:
-        lines = ["| row | positions | tokens | engine vs fp32 | bf16 forward vs fp32 | engine vs bf16 forward |",
-                 "|---|---|---|---|---|---|"]
-        lines += [f"| {n} | {b['positions']} | {b['tokens']:,} | {b['engine_vs_fp32']:.2e} | "
-                  f"{b['bf16_forward_vs_fp32']:.2e} | {b['engine_vs_bf16_forward']:.2e} |" for n, b in drift]
+        lines = [
+            "| row | positions | tokens | engine vs fp32 | bf16 forward vs fp32 | engine vs bf16 forward |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {n} | {b['positions']} | {b['tokens']:,} | {b['engine_vs_fp32']:.2e} | "
+            f"{b['bf16_forward_vs_fp32']:.2e} | {b['engine_vs_bf16_forward']:.2e} |"
+            for n, b in drift
+        ]
         data["drift_table"] = "\n".join(lines)
         report.write()
-        print("\nlog-prob drift by response position (mean |Δ log-prob|; float32 reference, TF32 off):",
-              data["drift_table"], sep="\n", flush=True)
+        print(
+            "\nlog-prob drift by response position (mean |Δ log-prob|; float32 reference, TF32 off):",
+            data["drift_table"],
+            sep="\n",
+            flush=True,
+        )
     return data
 
 
-def run_row(args, name, model, reference, device, prompts, lengths, *, forced, weight_bytes, bandwidth,
-            kv_bytes_per_token) -> dict:
+def run_row(
+    args, name, model, reference, device, prompts, lengths, *, forced, weight_bytes, bandwidth, kv_bytes_per_token
+) -> dict:
     """One timed call of engine `name` producing lengths[r] tokens for row r."""
     batch, prompt_lists = len(lengths), prompts.tolist()
     longest, total = max(lengths), sum(lengths)
     extra: dict = {"max_len": longest, "mean_len": total / batch}
     if name.startswith("hf_generate"):
         ids, mask = prompts.to(device), torch.ones_like(prompts, device=device)
-        kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad_id(args.shape),
-                      eos_token_id=eos_id(args.shape))
+        kwargs = dict(
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=pad_id(args.shape),
+            eos_token_id=eos_id(args.shape),
+        )
         if name == "hf_generate_static":
             kwargs["cache_implementation"] = "static"
 
         def call(n=longest):
             from contextlib import nullcontext
 
-            from transformers import LogitsProcessorList
             from torch.nn.attention import SDPBackend, sdpa_kernel
+            from transformers import LogitsProcessorList
 
             options = dict(kwargs)
             if forced:  # each row ends with a forced EOS at its own length
-                options["logits_processor"] = LogitsProcessorList([forced_lengths_processor(
-                    args.prompt_len, [min(n, length) for length in lengths], eos_id(args.shape), device)])
+                options["logits_processor"] = LogitsProcessorList(
+                    [
+                        forced_lengths_processor(
+                            args.prompt_len, [min(n, length) for length in lengths], eos_id(args.shape), device
+                        )
+                    ]
+                )
             else:
                 options["min_new_tokens"] = n
             backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -309,12 +422,18 @@ def run_row(args, name, model, reference, device, prompts, lengths, *, forced, w
         from opd.rollout import SamplingParams
 
         engine = make_engine(name, model, args.shape, batch)
-        params = SamplingParams(n=1, temperature=1.0, max_new_tokens=longest, stop_at_eos=False, seed=args.seed,
-                                return_logprobs=True)
+        params = SamplingParams(
+            n=1, temperature=1.0, max_new_tokens=longest, stop_at_eos=False, seed=args.seed, return_logprobs=True
+        )
         short = SamplingParams(n=1, temperature=1.0, max_new_tokens=4, stop_at_eos=False, seed=args.seed)
         per_sample = lengths if forced else None
-        m = measure(lambda: engine.generate(prompt_lists, params, max_new_tokens_per_sample=per_sample), device,
-                    warmup=args.warmup, repeat=args.repeat, warmup_fn=lambda: engine.generate(prompt_lists, short))
+        m = measure(
+            lambda: engine.generate(prompt_lists, params, max_new_tokens_per_sample=per_sample),
+            device,
+            warmup=args.warmup,
+            repeat=args.repeat,
+            warmup_fn=lambda: engine.generate(prompt_lists, short),
+        )
         produced = sum(len(r) for r in m["result"].response_ids)
         stats = getattr(engine, "stats", {})
         steps = stats.get("decode_steps", longest)
@@ -327,11 +446,21 @@ def run_row(args, name, model, reference, device, prompts, lengths, *, forced, w
     mean_kv = batch * (args.prompt_len + total / batch / 2) * kv_bytes_per_token
     bound = batch * bandwidth / weight_bytes if bandwidth else None
     bound_kv = batch * bandwidth / (weight_bytes + mean_kv) if bandwidth else None
-    return {"batch": batch, "tokens": produced, "seconds": m["seconds"], "tokens_per_s": rate, "steps": steps,
-            "ms_per_step": 1e3 * m["seconds"] / max(1, steps), "warmup_s": m["first_call_seconds"],
-            "pct_bound": 100 * rate / bound if bound else None,
-            "pct_bound_kv": 100 * rate / bound_kv if bound_kv else None,
-            "bound_tokens_per_s": bound, "bound_kv_tokens_per_s": bound_kv, "peak_gib": m["peak_gib"], **extra}
+    return {
+        "batch": batch,
+        "tokens": produced,
+        "seconds": m["seconds"],
+        "tokens_per_s": rate,
+        "steps": steps,
+        "ms_per_step": 1e3 * m["seconds"] / max(1, steps),
+        "warmup_s": m["first_call_seconds"],
+        "pct_bound": 100 * rate / bound if bound else None,
+        "pct_bound_kv": 100 * rate / bound_kv if bound_kv else None,
+        "bound_tokens_per_s": bound,
+        "bound_kv_tokens_per_s": bound_kv,
+        "peak_gib": m["peak_gib"],
+        **extra,
+    }
 
 
 def _saved_model(args, dtype, device):
@@ -340,8 +469,11 @@ def _saved_model(args, dtype, device):
 
     model, tokenizer = load_model(args.model_path, dtype=dtype, device=device)
     config = model.config
-    SHAPES["saved"] = dict(num_hidden_layers=config.num_hidden_layers, num_key_value_heads=config.num_key_value_heads,
-                           head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    SHAPES["saved"] = dict(
+        num_hidden_layers=config.num_hidden_layers,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+    )
     TOKENIZER_SIZE["saved"] = len(tokenizer)
     EOS_ID["saved"], PAD_ID["saved"] = tokenizer.eos_token_id, tokenizer.pad_token_id
     args.shape = "saved"

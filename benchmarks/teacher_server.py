@@ -19,12 +19,14 @@ teacher server share it, or the server has it to itself while the local row is i
 
 The server process builds the same random-weight Qwen3 shape from the same seed (`common.build_model`, a
 synthetic token→id map for /info), or loads the shipped lab teacher for `--shape lab`, and serves it with
-`opd.teacher.server.service_for` + `run` (what `opd serve-teacher` runs after loading). Its forward budget equals one client's batch, so the local and the served forwards have the same shapes;
+`opd.teacher.server.service_for` + `run` (what `opd serve-teacher` runs after loading). Its forward budget equals
+one client's batch, so the local and the served forwards have the same shapes;
 `--request-tokens` (default: one request per call) is the client's split budget.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import subprocess
 import sys
@@ -35,8 +37,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    SHAPES, TOKENIZER_SIZE, Report, base_parser, build_model, measure, pad_id, random_rollouts, resolve_device,
+from common import (
+    SHAPES,
+    TOKENIZER_SIZE,
+    Report,
+    base_parser,
+    build_model,
+    measure,
+    pad_id,
+    random_rollouts,
+    resolve_device,
 )
 
 TOP_K = REQUESTED = 16
@@ -61,8 +71,9 @@ def build(shape: str, device: torch.device, seed: int):
     if shape == "lab":
         from opd.lab import teacher_path
 
-        model, tokenizer = load_model(teacher_path(), dtype="fp32" if device.type == "cpu" else "auto",
-                                      device=str(device))
+        model, tokenizer = load_model(
+            teacher_path(), dtype="fp32" if device.type == "cpu" else "auto", device=str(device)
+        )
         vocab = len(tokenizer.get_vocab())
     else:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -85,9 +96,14 @@ def serve_main(args) -> None:
     device = resolve_device(args.device)
     model, tokenizer, _ = build(args.shape, device, args.seed)
     tokens = args.batch * (args.prompt_len + args.response_len)
-    config = ServeConfig(model=ModelSpec(path=args.shape), forward_tokens=tokens, max_batch_tokens=tokens,
-                         max_request_bytes=1 << 30, max_rows=max(4096, args.batch),
-                         max_positions=max(65536, args.prompt_len + args.response_len))
+    config = ServeConfig(
+        model=ModelSpec(path=args.shape),
+        forward_tokens=tokens,
+        max_batch_tokens=tokens,
+        max_request_bytes=1 << 30,
+        max_rows=max(4096, args.batch),
+        max_positions=max(65536, args.prompt_len + args.response_len),
+    )
     service = service_for(model, tokenizer, config, name=args.shape, device=str(device))
     run(service, bind("127.0.0.1", 0), None)
 
@@ -129,8 +145,17 @@ def main(argv: list[str] | None = None) -> dict:
     device = resolve_device(args.device)
     shapes = (args.shapes or args.shape).split(",")
     clients = [int(c) for c in args.clients.split(",")]
-    report = Report("teacher_server", args, device, shapes=shapes, batch=args.batch, prompt_len=args.prompt_len,
-                    response_len=args.response_len, top_k=TOP_K, requested=REQUESTED)
+    report = Report(
+        "teacher_server",
+        args,
+        device,
+        shapes=shapes,
+        batch=args.batch,
+        prompt_len=args.prompt_len,
+        response_len=args.response_len,
+        top_k=TOP_K,
+        requested=REQUESTED,
+    )
     tokens_per_call = args.batch * (args.prompt_len + args.response_len)
 
     for shape in shapes:
@@ -138,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
         local = LocalScorer(model, vocab_size=vocab, max_tokens_per_batch=tokens_per_call)
         pad = 0 if shape == "lab" else pad_id(shape)
 
-        def inputs(seed: int):
+        def inputs(seed: int, vocab=vocab, pad=pad):
             rollouts = random_rollouts(args.batch, args.prompt_len, args.response_len, vocab, device, seed, pad)
             g = torch.Generator().manual_seed(seed + 1)
             requested = torch.randint(0, vocab, (args.batch, args.response_len, REQUESTED), generator=g).to(device)
@@ -147,34 +172,61 @@ def main(argv: list[str] | None = None) -> dict:
         rollouts, requested = inputs(args.seed)
         positions = int(rollouts.response_mask.sum())
         request = wire.request_from_rollouts(rollouts, requested)
-        zeros = wire.ScoreResponse(torch.zeros(positions), torch.zeros(positions, TOP_K, dtype=torch.long),
-                                   torch.zeros(positions, TOP_K), torch.zeros(positions),
-                                   torch.zeros(positions, REQUESTED))
-        wire_bytes = {dtype: len(wire.encode_request(request)) + len(wire.encode_response(zeros, dtype))
-                      for dtype in wire.LOGPROB_DTYPES}
+        zeros = wire.ScoreResponse(
+            torch.zeros(positions),
+            torch.zeros(positions, TOP_K, dtype=torch.long),
+            torch.zeros(positions, TOP_K),
+            torch.zeros(positions),
+            torch.zeros(positions, REQUESTED),
+        )
+        wire_bytes = {
+            dtype: len(wire.encode_request(request)) + len(wire.encode_response(zeros, dtype))
+            for dtype in wire.LOGPROB_DTYPES
+        }
         score = dict(top_k=TOP_K, requested_ids=requested)
         base = {}
 
-        def local_row():
+        def local_row(local=local, rollouts=rollouts, score=score, base=base, shape=shape):
             m = measure(lambda: local.score(rollouts, **score), device, warmup=args.warmup, repeat=args.repeat)
             base.update(seconds=m["seconds"], rate=tokens_per_call / m["seconds"], result=m["result"])
-            return {"shape": shape, "clients": 0, "seconds": m["seconds"], "tokens_per_s": base["rate"],
-                    "pct_local": 100.0, "peak_gib": m["peak_gib"]}
+            return {
+                "shape": shape,
+                "clients": 0,
+                "seconds": m["seconds"],
+                "tokens_per_s": base["rate"],
+                "pct_local": 100.0,
+                "peak_gib": m["peak_gib"],
+            }
 
         report.run_row(f"local[{shape}]", local_row)
-        server_argv = ["--shape", shape, "--device", args.device, "--seed", str(args.seed), "--batch",
-                       str(args.batch), "--prompt-len", str(args.prompt_len), "--response-len", str(args.response_len)]
+        server_argv = [
+            "--shape",
+            shape,
+            "--device",
+            args.device,
+            "--seed",
+            str(args.seed),
+            "--batch",
+            str(args.batch),
+            "--prompt-len",
+            str(args.prompt_len),
+            "--response-len",
+            str(args.response_len),
+        ]
         if args.threads:
             server_argv += ["--threads", str(args.threads)]
         process, url = start_server(server_argv)
+        served_args = (inputs, score, args, tokens_per_call, base, wire_bytes, positions)  # served_row's, after clients
         try:
             for n in clients:
-                report.run_row(f"served[{shape}, {n} client{'s' if n > 1 else ''}]",
-                               lambda n=n: served_row(url, n, inputs, score, args, tokens_per_call, base, wire_bytes,
-                                                      positions, "float32", shape))
-            report.run_row(f"served[{shape}, 1 client, bf16 wire]",
-                           lambda: served_row(url, 1, inputs, score, args, tokens_per_call, base, wire_bytes,
-                                              positions, "bfloat16", shape))
+                report.run_row(
+                    f"served[{shape}, {n} client{'s' if n > 1 else ''}]",
+                    functools.partial(served_row, url, n, *served_args, "float32", shape),
+                )
+            report.run_row(
+                f"served[{shape}, 1 client, bf16 wire]",
+                functools.partial(served_row, url, 1, *served_args, "bfloat16", shape),
+            )
         finally:
             process.terminate()
             try:
@@ -183,20 +235,30 @@ def main(argv: list[str] | None = None) -> dict:
                 process.kill()
         local.model = None  # free this shape's weights before the next one
         del model
-    columns = [("row", "name", ""), ("tokens/s", "tokens_per_s", ",.0f"), ("% of local", "pct_local", ".1f"),
-               ("s per call", "seconds", ".3f"), ("added ms", "added_ms", ".1f"), ("B/position", "bytes_per_position", ".0f"),
-               ("max err vs local", "max_err", ".1e")]
-    notes = [f"{args.batch} × ({args.prompt_len} + {args.response_len}) tokens per call and client, top-{TOP_K} + "
-             f"{REQUESTED} requested ids + entropy; served over loopback HTTP to a server process on the same "
-             f"device; {'median of ' + str(args.repeat)} calls after {args.warmup} warm-up"]
+    columns = [
+        ("row", "name", ""),
+        ("tokens/s", "tokens_per_s", ",.0f"),
+        ("% of local", "pct_local", ".1f"),
+        ("s per call", "seconds", ".3f"),
+        ("added ms", "added_ms", ".1f"),
+        ("B/position", "bytes_per_position", ".0f"),
+        ("max err vs local", "max_err", ".1e"),
+    ]
+    notes = [
+        f"{args.batch} × ({args.prompt_len} + {args.response_len}) tokens per call and client, top-{TOP_K} + "
+        f"{REQUESTED} requested ids + entropy; served over loopback HTTP to a server process on the same "
+        f"device; {'median of ' + str(args.repeat)} calls after {args.warmup} warm-up"
+    ]
     return report.finish(columns, notes)
 
 
 def served_row(url, clients, inputs, score, args, tokens_per_call, base, wire_bytes, positions, logprobs, shape):
     from opd.teacher.client import RemoteScorer
 
-    scorers = [RemoteScorer(url, logprobs=logprobs, request_tokens=args.request_tokens or tokens_per_call)
-               for _ in range(clients)]
+    scorers = [
+        RemoteScorer(url, logprobs=logprobs, request_tokens=args.request_tokens or tokens_per_call)
+        for _ in range(clients)
+    ]
     batches = [inputs(args.seed + 1000 * c) for c in range(clients)]
     batches[0] = inputs(args.seed)  # client 0 scores the local row's inputs: its results are compared
     latencies: list[list[float]] = [[] for _ in range(clients)]
@@ -238,13 +300,26 @@ def served_row(url, clients, inputs, score, args, tokens_per_call, base, wire_by
     max_err = None
     if b is not None:
         mask = batches[0][0].response_mask
-        max_err = max(float((x - y)[mask].abs().max()) for x, y in (
-            (a.sampled_logprobs, b.sampled_logprobs), (a.topk_logprobs, b.topk_logprobs),
-            (a.requested_logprobs, b.requested_logprobs), (a.entropy, b.entropy)))
-    return {"shape": shape, "clients": clients, "seconds": median, "tokens_per_s": rate,
-            "pct_local": 100 * rate / base["rate"] if base else None,
-            "added_ms": 1000 * (median - base["seconds"]) if base else None,
-            "bytes_per_position": wire_bytes[logprobs] / positions, "max_err": max_err, "wire": logprobs}
+        max_err = max(
+            float((x - y)[mask].abs().max())
+            for x, y in (
+                (a.sampled_logprobs, b.sampled_logprobs),
+                (a.topk_logprobs, b.topk_logprobs),
+                (a.requested_logprobs, b.requested_logprobs),
+                (a.entropy, b.entropy),
+            )
+        )
+    return {
+        "shape": shape,
+        "clients": clients,
+        "seconds": median,
+        "tokens_per_s": rate,
+        "pct_local": 100 * rate / base["rate"] if base else None,
+        "added_ms": 1000 * (median - base["seconds"]) if base else None,
+        "bytes_per_position": wire_bytes[logprobs] / positions,
+        "max_err": max_err,
+        "wire": logprobs,
+    }
 
 
 def argparse_suppress():

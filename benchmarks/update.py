@@ -24,9 +24,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    TOKENIZER_SIZE, Report, base_parser, build_model, measure, pad_id, param_count, peaks, random_rollouts,
-    resolve_device, speedups,
+from common import (
+    TOKENIZER_SIZE,
+    Report,
+    base_parser,
+    build_model,
+    measure,
+    pad_id,
+    param_count,
+    peaks,
+    random_rollouts,
+    resolve_device,
+    speedups,
 )
 
 
@@ -36,20 +45,32 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
     parser.add_argument("--response-len", type=int, default=512, help="trained response tokens per sequence")
     parser.add_argument("--candidates", type=int, default=16, help="candidate ids per position (J)")
-    parser.add_argument("--ckpt", default="on",
-                        help="gradient checkpointing, comma-separated rows: on (HF, every layer), off, selective "
-                             "(compiled rows only: `opd.models.activation_budget`, --budget of the activations kept)")
+    parser.add_argument(
+        "--ckpt",
+        default="on",
+        help="gradient checkpointing, comma-separated rows: on (HF, every layer), off, selective "
+        "(compiled rows only: `opd.models.activation_budget`, --budget of the activations kept)",
+    )
     parser.add_argument("--budget", type=float, default=0.5, help="activation budget of --ckpt selective")
-    parser.add_argument("--ragged", action="store_true",
-                        help="response lengths uniform in [response_len / 4, response_len] (right-padded rows)")
-    parser.add_argument("--attn", default="sdpa",
-                        help="attention implementations of the chunked rows, comma-separated, a row each "
-                             "(opd_varlen / flex_attention / flash pack the rows into one sequence: no padding "
-                             "FLOPs); the naive rows use sdpa")
+    parser.add_argument(
+        "--ragged",
+        action="store_true",
+        help="response lengths uniform in [response_len / 4, response_len] (right-padded rows)",
+    )
+    parser.add_argument(
+        "--attn",
+        default="sdpa",
+        help="attention implementations of the chunked rows, comma-separated, a row each "
+        "(opd_varlen / flex_attention / flash pack the rows into one sequence: no padding "
+        "FLOPs); the naive rows use sdpa",
+    )
     parser.add_argument("--precision", default="autocast", choices=["autocast", "bf16"], help="CUDA precision")
-    parser.add_argument("--compile", default=None,
-                        help="on, off or on,off: chunked rows with the decoder layers under torch.compile "
-                             "(`opd.models.compile_layers`, as `opd distill` on a GPU); default on,off on CUDA, off on CPU")
+    parser.add_argument(
+        "--compile",
+        default=None,
+        help="on, off or on,off: chunked rows with the decoder layers under torch.compile "
+        "(`opd.models.compile_layers`, as `opd distill` on a GPU); default on,off on CUDA, off on CPU",
+    )
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     flops, _ = peaks(device, args)
@@ -58,16 +79,26 @@ def main(argv: list[str] | None = None) -> dict:
     autocast_dtype = torch.bfloat16 if cuda and args.precision == "autocast" else None
     model = build_model(args.shape, dtype=weights_dtype, device=device, seed=args.seed)
     params, vocab = param_count(model), TOKENIZER_SIZE[args.shape]
-    report = Report("update", args, device, shape=args.shape, precision=args.precision if cuda else "fp32",
-                    batch=args.batch, prompt_len=args.prompt_len, response_len=args.response_len, params=params,
-                    peak_flops=flops)
+    report = Report(
+        "update",
+        args,
+        device,
+        shape=args.shape,
+        precision=args.precision if cuda else "fp32",
+        batch=args.batch,
+        prompt_len=args.prompt_len,
+        response_len=args.response_len,
+        params=params,
+        peak_flops=flops,
+    )
 
     from opd.objectives import policy_loss
     from opd.scoring import candidate_logprobs
     from opd.teacher.local import forward_hidden, output_head
 
-    rollouts = random_rollouts(args.batch, args.prompt_len, args.response_len, vocab, device, args.seed,
-                               pad_id(args.shape), ragged=args.ragged)
+    rollouts = random_rollouts(
+        args.batch, args.prompt_len, args.response_len, vocab, device, args.seed, pad_id(args.shape), ragged=args.ragged
+    )
     g = torch.Generator().manual_seed(args.seed + 1)
     shape_BTJ = (args.batch, args.response_len, args.candidates)
     candidates_BTJ = torch.randint(0, vocab, shape_BTJ, generator=g).to(device)
@@ -79,8 +110,10 @@ def main(argv: list[str] | None = None) -> dict:
     valid_BTJ = torch.ones(shape_BTJ, dtype=torch.bool, device=device)
     mask_BT = rollouts.response_mask
     tokens = int(rollouts.attention_mask.sum())  # real tokens: padding is not useful work
-    probes = {"output_embedding": model.get_output_embeddings().weight,
-              "layer0.mlp.down": model.model.layers[0].mlp.down_proj.weight}
+    probes = {
+        "output_embedding": model.get_output_embeddings().weight,
+        "layer0.mlp.down": model.model.layers[0].mlp.down_proj.weight,
+    }
 
     def autocast():
         from contextlib import nullcontext
@@ -101,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
         model.zero_grad(set_to_none=True)
         with autocast():
             logits_BLV = model(input_ids=rollouts.input_ids, attention_mask=rollouts.attention_mask.long()).logits
-        lp_BTV = logits_BLV[:, args.prompt_len - 1:-1, :vocab].float().log_softmax(-1)
+        lp_BTV = logits_BLV[:, args.prompt_len - 1 : -1, :vocab].float().log_softmax(-1)
         loss, _ = policy_loss(lp_BTV.gather(-1, candidates_BTJ), old_lp_BTJ, advantages_BTJ, valid_BTJ, mask_BT)
         loss.backward()
         return loss.detach()
@@ -120,9 +153,17 @@ def main(argv: list[str] | None = None) -> dict:
             model.gradient_checkpointing_disable()
         model.train()
         kept = {}
-        paths = [(f"chunked_candidates[{'compiled, ' if mode == 'on' else ''}ckpt {ckpt}"
-                  f"{'' if attn == 'sdpa' else ', ' + attn}]", ours, mode, attn)
-                 for mode in compile_modes for attn in args.attn.split(",")]
+        paths = [
+            (
+                f"chunked_candidates[{'compiled, ' if mode == 'on' else ''}ckpt {ckpt}"
+                f"{'' if attn == 'sdpa' else ', ' + attn}]",
+                ours,
+                mode,
+                attn,
+            )
+            for mode in compile_modes
+            for attn in args.attn.split(",")
+        ]
         paths.append((f"naive_full_logits[ckpt {ckpt}]", naive, "off", "sdpa"))
         budget = None
         if ckpt == "selective":  # only the compiled rows: the budget acts when a graph is compiled, so compile anew
@@ -132,32 +173,45 @@ def main(argv: list[str] | None = None) -> dict:
         for name, fn, mode, attn in paths:
             model.set_attn_implementation(attn)
 
-            def row(fn=fn, mode=mode):
-                with torch.compiler.set_stance("default" if mode == "on" else "force_eager"), \
-                        activation_budget(budget):
+            def row(fn=fn, mode=mode, budget=budget, ckpt=ckpt, kept=kept):
+                with torch.compiler.set_stance("default" if mode == "on" else "force_eager"), activation_budget(budget):
                     m = measure(fn, device, warmup=args.warmup, repeat=args.repeat)
                 rate = tokens / m["seconds"]
-                out = {"ckpt": ckpt, "tokens": tokens, "seconds": m["seconds"], "tokens_per_s": rate,
-                       "mfu_pct": 100 * 6 * params * rate / flops if flops else None, "peak_gib": m["peak_gib"]}
+                out = {
+                    "ckpt": ckpt,
+                    "tokens": tokens,
+                    "seconds": m["seconds"],
+                    "tokens_per_s": rate,
+                    "mfu_pct": 100 * 6 * params * rate / flops if flops else None,
+                    "peak_gib": m["peak_gib"],
+                }
                 grads = {k: p.grad.detach().float().clone() for k, p in probes.items()}
                 if kept:  # compare with the previous path on the same inputs and weights
                     out["loss_err"] = float((m["result"] - kept["loss"]).abs())
-                    out["grad_err"] = max(float((grads[k] - kept[k]).norm() / kept[k].norm().clamp(min=1e-30))
-                                          for k in grads)
+                    out["grad_err"] = max(
+                        float((grads[k] - kept[k]).norm() / kept[k].norm().clamp(min=1e-30)) for k in grads
+                    )
                 kept.update(grads, loss=m["result"])
                 return out
 
             report.run_row(name, row)
         model.zero_grad(set_to_none=True)
-        speedups([r for r in report.data["rows"] if r.get("ckpt") == ckpt],
-                 f"naive_full_logits[ckpt {ckpt}]")
-    columns = [("row", "name", ""), ("tokens/s", "tokens_per_s", ",.0f"), ("× naive", "speedup", ".2f"),
-               ("MFU %", "mfu_pct", ".1f"), ("peak GiB", "peak_gib", ".1f"), ("loss_err", "loss_err", ".1e"),
-               ("grad_err", "grad_err", ".1e")]
-    notes = [f"shape {args.shape}, {args.batch} × ({args.prompt_len} + {'≤ ' if args.ragged else ''}"
-             f"{args.response_len}) tokens{' (ragged: tokens/s counts real tokens only)' if args.ragged else ''}, "
-             f"{args.candidates} candidates per position, precision {report.data['precision']}, forward + backward "
-             "(no optimizer step); loss_err/grad_err on the naive row compare it with the chunked row"]
+        speedups([r for r in report.data["rows"] if r.get("ckpt") == ckpt], f"naive_full_logits[ckpt {ckpt}]")
+    columns = [
+        ("row", "name", ""),
+        ("tokens/s", "tokens_per_s", ",.0f"),
+        ("× naive", "speedup", ".2f"),
+        ("MFU %", "mfu_pct", ".1f"),
+        ("peak GiB", "peak_gib", ".1f"),
+        ("loss_err", "loss_err", ".1e"),
+        ("grad_err", "grad_err", ".1e"),
+    ]
+    notes = [
+        f"shape {args.shape}, {args.batch} × ({args.prompt_len} + {'≤ ' if args.ragged else ''}"
+        f"{args.response_len}) tokens{' (ragged: tokens/s counts real tokens only)' if args.ragged else ''}, "
+        f"{args.candidates} candidates per position, precision {report.data['precision']}, forward + backward "
+        "(no optimizer step); loss_err/grad_err on the naive row compare it with the chunked row"
+    ]
     return report.finish(columns, notes)
 
 

@@ -29,15 +29,26 @@ def find_chromium(explicit: str | None) -> str:
     raise SystemExit("no Chromium found; install it (apt-get install -y chromium) or pass --chromium PATH")
 
 
-def screenshot(html: Path, png: Path, *, chromium: str, width: int = 1400, height: int = 4000,
-               timeout: float = 120) -> None:
+def screenshot(
+    html: Path, png: Path, *, chromium: str, width: int = 1400, height: int = 4000, timeout: float = 120
+) -> None:
     """Render `html` into `png` (width × height pixels) with a throwaway Chromium profile."""
     png.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="opd-chromium-") as profile:
         command = [
-            chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-            f"--user-data-dir={profile}", f"--screenshot={png.resolve()}", f"--window-size={width},{height}",
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--hide-scrollbars",
+            f"--user-data-dir={profile}",
+            f"--screenshot={png.resolve()}",
+            f"--window-size={width},{height}",
             html.resolve().as_uri(),
         ]
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
@@ -70,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.report_html.is_file():
         parser.error(f"{args.report_html} does not exist")
-    screenshot(args.report_html, args.out_png, chromium=find_chromium(args.chromium), width=args.width,
-               height=args.height)
+    screenshot(
+        args.report_html, args.out_png, chromium=find_chromium(args.chromium), width=args.width, height=args.height
+    )
     reason = blank_reason(args.out_png)
     if reason:
         print(f"{args.out_png}: looks blank: {reason}", file=sys.stderr)

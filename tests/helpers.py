@@ -29,17 +29,24 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from opd.config import DataSpec, DistillConfig, ModelSpec, build_config
-from opd.recipes.prompts import PromptScoreConfig
 from opd.objectives import full_reverse_kl
+from opd.recipes.prompts import PromptScoreConfig
+from opd.recipes.rollout import RolloutConfig
+from opd.recipes.sft import SFTConfig
 from opd.rollout import SamplingParams, make_generator
 from opd.rollout.batch import build_rollouts
-from opd.recipes.rollout import RolloutConfig
 from opd.train.checkpoint import latest_checkpoint
-from opd.recipes.sft import SFTConfig
 from opd.types import Prompt
 
 # ------------------------------------------------------------------------------------- tiny tokenizer and models
@@ -157,7 +164,6 @@ def string_console() -> Console:
     return Console(file=io.StringIO(), width=CONSOLE_COLUMNS)
 
 
-
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -169,11 +175,20 @@ def write_jsonl(path, rows):
 def distill_config(world, tmp_path, *overrides, teacher=True, steps=2) -> DistillConfig:
     """A 2-step run on the `world` fixture's tiny student, teacher and prompts (conftest)."""
     options = {
-        "student.path": str(world / "student"), "data.path": str(world / "prompts.jsonl"),
+        "student.path": str(world / "student"),
+        "data.path": str(world / "prompts.jsonl"),
         "teacher.path": str(world / "teacher") if teacher else None,
-        "data.answer_key": "answer", "data.max_prompt_length": 32, "prompts_per_step": 2, "rollout.n": 2,
-        "rollout.max_new_tokens": 6, "micro_batch_tokens": 64, "run.out_dir": str(tmp_path), "run.name": "run",
-        "run.steps": steps, "run.report": False, "optim.lr": 1e-3,
+        "data.answer_key": "answer",
+        "data.max_prompt_length": 32,
+        "prompts_per_step": 2,
+        "rollout.n": 2,
+        "rollout.max_new_tokens": 6,
+        "micro_batch_tokens": 64,
+        "run.out_dir": str(tmp_path),
+        "run.name": "run",
+        "run.steps": steps,
+        "run.report": False,
+        "optim.lr": 1e-3,
     }
     return build_config(DistillConfig, options=options, overrides=list(overrides))
 
@@ -212,7 +227,10 @@ def reverse_kl(student_dir: Path, teacher_dir: Path, prompt_ids: list[int], samp
         s = student(rollouts.input_ids, attention_mask=rollouts.attention_mask).logits
         t = teacher(rollouts.input_ids, attention_mask=rollouts.attention_mask).logits
     mask = rollouts.response_mask
-    gather = lambda logits: torch.gather(logits, 1, positions[..., None].expand(-1, -1, logits.shape[-1]))[mask]
+
+    def gather(logits):
+        return torch.gather(logits, 1, positions[..., None].expand(-1, -1, logits.shape[-1]))[mask]
+
     kl = full_reverse_kl(gather(s), gather(t), torch.ones(int(mask.sum()), dtype=torch.bool))
     return float(kl.sum() / mask.sum())
 
@@ -227,18 +245,46 @@ def chat(question, answer):
 
 
 def sft_config(tmp_path, model_dir, data, *overrides):
-    return build_config(SFTConfig, overrides=[
-        f"model.path={model_dir}", f"data.path={data}", f"run.out_dir={tmp_path / 'runs'}", "examples_per_step=4",
-        "run.report=false", *overrides])
+    return build_config(
+        SFTConfig,
+        overrides=[
+            f"model.path={model_dir}",
+            f"data.path={data}",
+            f"run.out_dir={tmp_path / 'runs'}",
+            "examples_per_step=4",
+            "run.report=false",
+            *overrides,
+        ],
+    )
 
 
 # ------------------------------------------------------------------------------------- opd eval, rollout, prompts
 
 
 def eval_args(model_dir, problem_file, out):
-    return ["eval", "--model", str(model_dir), "--benchmarks", str(problem_file), "--prompt-key", "problem",
-            "--answer-key", "answer", "--n", "2", "--max-new-tokens", "6", "--batch-size", "4", "--out", str(out),
-            "--temperature", "1.0", "--top-p", "1.0"]
+    return [
+        "eval",
+        "--model",
+        str(model_dir),
+        "--benchmarks",
+        str(problem_file),
+        "--prompt-key",
+        "problem",
+        "--answer-key",
+        "answer",
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--batch-size",
+        "4",
+        "--out",
+        str(out),
+        "--temperature",
+        "1.0",
+        "--top-p",
+        "1.0",
+    ]
 
 
 def write_prompts(path: Path, count: int, *, system: str | None = None) -> Path:
@@ -248,28 +294,51 @@ def write_prompts(path: Path, count: int, *, system: str | None = None) -> Path:
         messages = [{"role": "user", "content": f"<q{i}> What is 2+2?"}]
         if system and i == 0:
             messages.insert(0, {"role": "system", "content": system})
-        rows.append({"prompt": messages, "reward_model": {"ground_truth": "4"}, "extra_info": {"index": f"p{i}"},
-                     "data_source": "toy"})
+        rows.append(
+            {
+                "prompt": messages,
+                "reward_model": {"ground_truth": "4"},
+                "extra_info": {"index": f"p{i}"},
+                "data_source": "toy",
+            }
+        )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
 def tiny_rollout_config(tmp_path, model_dir, name, **overrides) -> RolloutConfig:
     prompts = write_prompts(tmp_path / "prompts.jsonl", 5)
-    options = {"model.path": str(model_dir), "model.device": "cpu", "data.path": str(prompts),
-               "out": str(tmp_path / name), "n": 2, "max_attempts": 2, "max_new_tokens": 6, "batch_size": 2,
-               "data.enable_thinking": "off", **overrides}
+    options = {
+        "model.path": str(model_dir),
+        "model.device": "cpu",
+        "data.path": str(prompts),
+        "out": str(tmp_path / name),
+        "n": 2,
+        "max_attempts": 2,
+        "max_new_tokens": 6,
+        "batch_size": 2,
+        "data.enable_thinking": "off",
+        **overrides,
+    }
     return build_config(RolloutConfig, options=options)
 
 
 def make_prompts(count: int, prefix: str = "p") -> list[Prompt]:
-    return [Prompt(f"{prefix}{i}", [{"role": "user", "content": f"What is {i} + {i}?"}], str(2 * i), source=prefix)
-            for i in range(count)]
+    return [
+        Prompt(f"{prefix}{i}", [{"role": "user", "content": f"What is {i} + {i}?"}], str(2 * i), source=prefix)
+        for i in range(count)
+    ]
 
 
 SMALL_SCORING = dict(n=2, top_k=4, max_new_tokens=6, batch_size=2)
 
 
 def score_config(dirs, data: Path, out: Path, **over) -> PromptScoreConfig:
-    return PromptScoreConfig(student=ModelSpec(path=str(dirs["student"])), teacher=ModelSpec(path=str(dirs["teacher"])),
-                             data=DataSpec(path=str(data)), out=str(out), seed=2, **(SMALL_SCORING | over))
+    return PromptScoreConfig(
+        student=ModelSpec(path=str(dirs["student"])),
+        teacher=ModelSpec(path=str(dirs["teacher"])),
+        data=DataSpec(path=str(data)),
+        out=str(out),
+        seed=2,
+        **(SMALL_SCORING | over),
+    )

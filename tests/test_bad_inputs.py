@@ -44,8 +44,15 @@ def _jsonl(path: Path, rows: list) -> Path:
 
 def _prompt_rows(answers: list[str] | None = None) -> list[dict]:
     answers = answers if answers is not None else [str(2 + k) for k in range(4)]
-    return [{"prompt": [{"role": "user", "content": f"What is 1 + {1 + k}?"}], "data_source": "toy",
-             "reward_model": {"ground_truth": a}, "extra_info": {"index": k}} for k, a in enumerate(answers)]
+    return [
+        {
+            "prompt": [{"role": "user", "content": f"What is 1 + {1 + k}?"}],
+            "data_source": "toy",
+            "reward_model": {"ground_truth": a},
+            "extra_info": {"index": k},
+        }
+        for k, a in enumerate(answers)
+    ]
 
 
 def _sft_row(user: str = "What is 1 + 1?", answer: object = "It is \\boxed{2}.", role: str = "assistant") -> dict:
@@ -108,8 +115,10 @@ def build_world(root: Path) -> dict[str, str]:
     rows = _prompt_rows()
     rows[1]["prompt"][0]["content"] = ""
     w["empty_content"] = _jsonl(root / "empty-content.jsonl", rows)
-    w["id_prompts"] = _jsonl(root / "id-prompts.jsonl", [
-        {"id": f"q-{k}", "question": f"What is {k} + {k}?", "answer": str(2 * k)} for k in range(4)])
+    w["id_prompts"] = _jsonl(
+        root / "id-prompts.jsonl",
+        [{"id": f"q-{k}", "question": f"What is {k} + {k}?", "answer": str(2 * k)} for k in range(4)],
+    )
     # ground truths and run directories that other parts of issue 12 made errors (safety, evalgrade)
     rows = _prompt_rows()
     rows[2]["reward_model"]["ground_truth"] = None
@@ -120,7 +129,9 @@ def build_world(root: Path) -> dict[str, str]:
     rows = _prompt_rows()
     rows[3]["extra_info"]["index"] = 0  # the id of row 0, with another answer
     w["dup_ids"] = _jsonl(root / "dup-ids.jsonl", rows)
-    w["bench_null"] = _jsonl(root / "bench-null.jsonl", [{"prompt": "What is 1 + 1?", "reward_model": {"ground_truth": None}}])
+    w["bench_null"] = _jsonl(
+        root / "bench-null.jsonl", [{"prompt": "What is 1 + 1?", "reward_model": {"ground_truth": None}}]
+    )
     busy = w["busy"] = root / "busy-runs"
     for name in ("d", "s"):
         (busy / name).mkdir(parents=True)
@@ -145,8 +156,10 @@ def build_world(root: Path) -> dict[str, str]:
     w["sft_bool"] = _jsonl(root / "sft-bool.jsonl", [{"instruction": "Is 2 even?", "output": True}])
     w["sft_no_assistant"] = _jsonl(root / "sft-no-assistant.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     w["sft_layout"] = _jsonl(root / "sft-layout.jsonl", [{"text": "just text"}])
-    w["sft_sharegpt"] = _jsonl(root / "sft-sharegpt.jsonl", [{"conversations": [
-        {"from": "human", "value": "hi"}, {"from": "robot", "value": "hello"}]}])
+    w["sft_sharegpt"] = _jsonl(
+        root / "sft-sharegpt.jsonl",
+        [{"conversations": [{"from": "human", "value": "hi"}, {"from": "robot", "value": "hello"}]}],
+    )
 
     w["bench"] = _jsonl(root / "bench.jsonl", [{"prompt": "What is 1 + 1?", "reward_model": {"ground_truth": "2"}}])
     w["bench_cols"] = _jsonl(root / "bench-cols.jsonl", [{"question": "What is 1 + 1?", "answer": "2"}])
@@ -159,8 +172,10 @@ def build_world(root: Path) -> dict[str, str]:
     w["scores_bad"] = root / "scores-bad.jsonl"
     w["scores_bad"].write_text("garbage\n" + json.dumps({"id": "0"}) + "\n")
 
-    for name, metrics in (("run", '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n'),
-                          ("run_corrupt", '{"step": 1, "loss": 1.0}\n{"step": 2, "lo\n{"step": 3, "loss": 0.2}\n')):
+    for name, metrics in (
+        ("run", '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n'),
+        ("run_corrupt", '{"step": 1, "loss": 1.0}\n{"step": 2, "lo\n{"step": 3, "loss": 0.2}\n'),
+    ):
         _mkdir(w, name, root / name.replace("_", "-"))
         (w[name] / "metrics.jsonl").write_text(metrics)
     _mkdir(w, "run_not_utf8", root / "run-not-utf8")
@@ -170,9 +185,15 @@ def build_world(root: Path) -> dict[str, str]:
     w["bad_yaml"].write_text("n: [1, 2\n")
     w["list_yaml"] = root / "list.yaml"
     w["list_yaml"].write_text("- n\n- 4\n")
-    pipeline = {"teacher": {"path": str(model)}, "student": {"path": str(model)},
-                "sft_prompts": {"path": str(w["prompts"])}, "opd_prompts": {"path": str(w["prompts"])},
-                "out_dir": str(root / "out" / "pipeline"), "stages": ["rollout"], "rollout": {"max_new_tokens": 4}}
+    pipeline = {
+        "teacher": {"path": str(model)},
+        "student": {"path": str(model)},
+        "sft_prompts": {"path": str(w["prompts"])},
+        "opd_prompts": {"path": str(w["prompts"])},
+        "out_dir": str(root / "out" / "pipeline"),
+        "stages": ["rollout"],
+        "rollout": {"max_new_tokens": 4},
+    }
     variants = {
         "pipeline": pipeline,
         "pipeline_no_teacher": {k: v for k, v in pipeline.items() if k != "teacher"},
@@ -219,10 +240,15 @@ class Case:
 EVAL = "eval --model {model} --benchmarks {bench} --out {out}/eval --n 1 --max-new-tokens 4"
 TINY_DISTILL = "--steps 1 prompts_per_step=2 rollout.max_new_tokens=4 data.max_prompt_length=64 micro_batch_tokens=256"
 DISTILL = "distill --student {model} --teacher {model} --prompts {prompts} --out-dir {out} --name d " + TINY_DISTILL
-SFT = "sft --model {model} --data {sft} --name s run.out_dir={out} examples_per_step=2 data.max_length=256 micro_batch_tokens=256"
+SFT = (
+    "sft --model {model} --data {sft} --name s run.out_dir={out} examples_per_step=2 data.max_length=256 "
+    "micro_batch_tokens=256"
+)
 ROLLOUT = "rollout --model {model} --prompts {prompts} --out {out}/rollout --max-new-tokens 4"
-SCORE = ("prompts score --student {model} --teacher {model} --in {prompts} --out {out}/scores/s.jsonl --n 1 "
-         "--max-new-tokens 4")
+SCORE = (
+    "prompts score --student {model} --teacher {model} --in {prompts} --out {out}/scores/s.jsonl --n 1 "
+    "--max-new-tokens 4"
+)
 DEMO = "demo --out-dir {out} --steps 1 --limit 2"
 LAB = "lab run topk --out-dir {out}/lab --steps 1 eval.limit=2"
 SELECT = "prompts select --in {prompts} --scores {scores} --out {out}/selected.jsonl"
@@ -241,21 +267,38 @@ MODEL_CASES = [  # (label, --model value, culprit) for every command that loads 
 
 CASES: list[Case] = [
     # ------------------------------------------------------------------------------------------------ opd eval
-    *[Case(f"eval --model {label}", EVAL.replace("{model}", value), (culprit,)) for label, value, culprit in MODEL_CASES],
+    *[
+        Case(f"eval --model {label}", EVAL.replace("{model}", value), (culprit,))
+        for label, value, culprit in MODEL_CASES
+    ],
     Case("eval --responses missing", "eval --responses {root}/no-such.jsonl --out {out}/e", ("no-such.jsonl",)),
     Case("eval --responses is a folder", "eval --responses {plain_dir} --out {out}/e", ("{plain_dir}", "folder")),
     Case("eval --responses not UTF-8", "eval --responses {not_utf8} --out {out}/e", ("{not_utf8}", "UTF-8")),
     Case("eval --responses bad JSON line", "eval --responses {bad_json} --out {out}/e", ("{bad_json}", "2")),
     Case("eval --responses empty", "eval --responses {empty} --out {out}/e", ("{empty}",)),
-    Case("eval --responses no response field", "eval --responses {no_response} --out {out}/e", ("{no_response}", "response")),
-    Case("eval --responses no answer field", "eval --responses {no_answer} --out {out}/e", ("{no_answer}", "ground-truth")),
+    Case(
+        "eval --responses no response field",
+        "eval --responses {no_response} --out {out}/e",
+        ("{no_response}", "response"),
+    ),
+    Case(
+        "eval --responses no answer field",
+        "eval --responses {no_answer} --out {out}/e",
+        ("{no_answer}", "ground-truth"),
+    ),
     Case("eval --responses lines not objects", "eval --responses {list_lines} --out {out}/e", ("{list_lines}",)),
     Case("eval --benchmarks ''", "eval --model {model} --benchmarks '' --out {out}/e", ("benchmarks",)),
     Case("eval --benchmarks unknown", "eval --model {model} --benchmarks bogusbench --out {out}/e", ("bogusbench",)),
-    Case("eval --benchmarks missing file", "eval --model {model} --benchmarks {root}/no-such.jsonl --out {out}/e",
-         ("no-such.jsonl",)),
-    Case("eval --benchmarks wrong columns", "eval --model {model} --benchmarks {bench_cols} --out {out}/e",
-         ("{bench_cols}", "prompt")),
+    Case(
+        "eval --benchmarks missing file",
+        "eval --model {model} --benchmarks {root}/no-such.jsonl --out {out}/e",
+        ("no-such.jsonl",),
+    ),
+    Case(
+        "eval --benchmarks wrong columns",
+        "eval --model {model} --benchmarks {bench_cols} --out {out}/e",
+        ("{bench_cols}", "prompt"),
+    ),
     Case("eval --n 0", EVAL + " --n 0", ("'n'", "0")),
     Case("eval --n abc", EVAL + " --n abc", ("--n", "integer")),
     Case("eval temperature=inf", EVAL + " temperature=inf", ("temperature", "inf")),
@@ -276,36 +319,60 @@ CASES: list[Case] = [
     Case("eval --model and --responses", EVAL + " --responses {responses}", ("--model", "--responses")),
     Case("eval neither --model nor --responses", "eval --benchmarks {bench} --out {out}/e", ("--model", "--responses")),
     # --------------------------------------------------------------------------------------------- opd distill
-    *[Case(f"distill --student {label}", DISTILL.replace("--student {model}", f"--student {value}"), (culprit,))
-      for label, value, culprit in MODEL_CASES[:6]],
-    Case("distill --teacher missing dir", DISTILL.replace("--teacher {model}", "--teacher {root}/no-such-teacher"),
-         ("no-such-teacher",)),
-    Case("distill --teacher with another tokenizer", DISTILL.replace("--teacher {model}", "--teacher {lab_teacher}"),
-         ("token",)),
+    *[
+        Case(f"distill --student {label}", DISTILL.replace("--student {model}", f"--student {value}"), (culprit,))
+        for label, value, culprit in MODEL_CASES[:6]
+    ],
+    Case(
+        "distill --teacher missing dir",
+        DISTILL.replace("--teacher {model}", "--teacher {root}/no-such-teacher"),
+        ("no-such-teacher",),
+    ),
+    Case(
+        "distill --teacher with another tokenizer",
+        DISTILL.replace("--teacher {model}", "--teacher {lab_teacher}"),
+        ("token",),
+    ),
     Case("distill unknown eval.benchmarks", DISTILL + " eval.benchmarks=bogusbench", ("bogusbench",)),
-    Case("distill into a non-empty run dir", DISTILL.replace("--out-dir {out}", "--out-dir {busy}"),
-         ("{busy}/d", "--resume")),
+    Case(
+        "distill into a non-empty run dir",
+        DISTILL.replace("--out-dir {out}", "--out-dir {busy}"),
+        ("{busy}/d", "--resume"),
+    ),
     Case("distill --prompts null answer", DISTILL.replace("{prompts}", "{null_answers}"), ("{null_answers}",)),
     Case("distill --prompts bool answer", DISTILL.replace("{prompts}", "{bool_answers}"), ("{bool_answers}",)),
     Case("distill --prompts duplicate ids, other answers", DISTILL.replace("{prompts}", "{dup_ids}"), ("{dup_ids}",)),
-    Case("eval --benchmarks null answer", "eval --model {model} --benchmarks {bench_null} --out {out}/e",
-         ("{bench_null}",)),
-    Case("sft into a non-empty run dir", SFT.replace("run.out_dir={out}", "run.out_dir={busy}"), ("{busy}/s", "--resume")),
+    Case(
+        "eval --benchmarks null answer",
+        "eval --model {model} --benchmarks {bench_null} --out {out}/e",
+        ("{bench_null}",),
+    ),
+    Case(
+        "sft into a non-empty run dir", SFT.replace("run.out_dir={out}", "run.out_dir={busy}"), ("{busy}/s", "--resume")
+    ),
     Case("distill --prompts missing", DISTILL.replace("{prompts}", "{root}/no-such.parquet"), ("no-such.parquet",)),
     Case("distill --prompts empty", DISTILL.replace("{prompts}", "{empty}"), ("{empty}",)),
     Case("distill --prompts not UTF-8", DISTILL.replace("{prompts}", "{not_utf8}"), ("{not_utf8}",)),
     Case("distill --prompts bad JSON line", DISTILL.replace("{prompts}", "{bad_json}"), ("{bad_json}", "line 2")),
     Case("distill --prompts corrupt parquet", DISTILL.replace("{prompts}", "{bad_parquet}"), ("{bad_parquet}",)),
     Case("distill --prompts a plain folder", DISTILL.replace("{prompts}", "{plain_dir}"), ("{plain_dir}",)),
-    Case("distill --prompts empty message content", DISTILL.replace("{prompts}", "{empty_content}"),
-         ("{empty_content}", "content")),
+    Case(
+        "distill --prompts empty message content",
+        DISTILL.replace("{prompts}", "{empty_content}"),
+        ("{empty_content}", "content"),
+    ),
     Case("distill data.prompt_key missing", DISTILL + " data.prompt_key=problem", ("problem",)),
     Case("distill data.answer_key missing", DISTILL + " data.answer_key=solution", ("solution",)),
-    Case("distill prompt_key is the answer column", DISTILL + " data.prompt_key=reward_model.ground_truth",
-         ("prompt_key", "reward_model.ground_truth")),
-    Case("distill prompt_key is the id column",
-         DISTILL.replace("{prompts}", "{id_prompts}") + " data.prompt_key=id data.answer_key=answer",
-         ("prompt_key", "'id'")),
+    Case(
+        "distill prompt_key is the answer column",
+        DISTILL + " data.prompt_key=reward_model.ground_truth",
+        ("prompt_key", "reward_model.ground_truth"),
+    ),
+    Case(
+        "distill prompt_key is the id column",
+        DISTILL.replace("{prompts}", "{id_prompts}") + " data.prompt_key=id data.answer_key=answer",
+        ("prompt_key", "'id'"),
+    ),
     Case("distill objective.strategy bogus", DISTILL + " objective.strategy=bogus", ("objective.strategy", "bogus")),
     Case("distill --strategy bogus", DISTILL + " --strategy bogus", ("objective.strategy", "bogus")),
     Case("distill objective.top_k=-1", DISTILL + " objective.top_k=-1", ("objective.top_k", "-1")),
@@ -313,18 +380,25 @@ CASES: list[Case] = [
     Case("distill rollout.temperature=nan", DISTILL + " rollout.temperature=nan", ("rollout.temperature", "nan")),
     Case("distill --lr nan", DISTILL + " --lr nan", ("optim.lr", "nan")),
     Case("distill optim.lr=inf", DISTILL + " optim.lr=inf", ("optim.lr", "inf")),
-    Case("distill teacher_temperature=inf", DISTILL + " objective.teacher_temperature=.inf",
-         ("objective.teacher_temperature", "inf")),
+    Case(
+        "distill teacher_temperature=inf",
+        DISTILL + " objective.teacher_temperature=.inf",
+        ("objective.teacher_temperature", "inf"),
+    ),
     Case("distill clip_ratio_c=inf", DISTILL + " objective.clip_ratio_c=inf", ("objective.clip_ratio_c", "inf")),
     Case("distill optim.betas with nan", DISTILL + " 'optim.betas=[0.9, .nan]'", ("optim.betas", "nan")),
     Case("distill activation_budget=nan", DISTILL + " activation_budget=nan", ("activation_budget", "nan")),
-    Case("distill grpo, every answer empty",
-         "distill --student {model} --prompts {empty_answers} --advantage grpo --out-dir {out} --name g " + TINY_DISTILL,
-         ("{empty_answers}", "answer")),
-    Case("distill grpo without answers",
-         "distill --student {model} --prompts {prompts} --advantage grpo --out-dir {out} --name g data.answer_key=null "
-         + TINY_DISTILL,
-         ("answer_key",)),
+    Case(
+        "distill grpo, every answer empty",
+        "distill --student {model} --prompts {empty_answers} --advantage grpo --out-dir {out} --name g " + TINY_DISTILL,
+        ("{empty_answers}", "answer"),
+    ),
+    Case(
+        "distill grpo without answers",
+        "distill --student {model} --prompts {prompts} --advantage grpo --out-dir {out} --name g data.answer_key=null "
+        + TINY_DISTILL,
+        ("answer_key",),
+    ),
     Case("distill prompts_per_step > prompts", DISTILL + " prompts_per_step=100", ("prompts_per_step",)),
     Case("distill --steps 0", DISTILL + " --steps 0", ("run.steps",)),
     Case("distill micro_batch_tokens too small", DISTILL + " micro_batch_tokens=10", ("micro_batch_tokens",)),
@@ -336,8 +410,10 @@ CASES: list[Case] = [
     Case("distill --out-dir is a file", DISTILL.replace("--out-dir {out}", "--out-dir {afile}"), ("{afile}",)),
     Case("distill --out-dir under a file", DISTILL.replace("--out-dir {out}", "--out-dir {afile}/runs"), ("{afile}",)),
     # ------------------------------------------------------------------------------------------------- opd sft
-    *[Case(f"sft --model {label}", SFT.replace("--model {model}", f"--model {value}"), (culprit,))
-      for label, value, culprit in MODEL_CASES[:6]],
+    *[
+        Case(f"sft --model {label}", SFT.replace("--model {model}", f"--model {value}"), (culprit,))
+        for label, value, culprit in MODEL_CASES[:6]
+    ],
     Case("sft --data missing", SFT.replace("{sft}", "{root}/no-such.jsonl"), ("no-such.jsonl",)),
     Case("sft --data empty", SFT.replace("{sft}", "{empty}"), ("{empty}",)),
     Case("sft --data not UTF-8", SFT.replace("{sft}", "{not_utf8}"), ("{not_utf8}",)),
@@ -349,7 +425,9 @@ CASES: list[Case] = [
     Case("sft --data empty answer", SFT.replace("{sft}", "{sft_empty_answer}"), ("{sft_empty_answer}", "record 1")),
     Case("sft --data blank user turn", SFT.replace("{sft}", "{sft_empty_user}"), ("{sft_empty_user}", "record 1")),
     Case("sft --data bool answer", SFT.replace("{sft}", "{sft_bool}"), ("{sft_bool}", "output")),
-    Case("sft --data no assistant turn", SFT.replace("{sft}", "{sft_no_assistant}"), ("{sft_no_assistant}", "assistant")),
+    Case(
+        "sft --data no assistant turn", SFT.replace("{sft}", "{sft_no_assistant}"), ("{sft_no_assistant}", "assistant")
+    ),
     Case("sft --data sharegpt unknown speaker", SFT.replace("{sft}", "{sft_sharegpt}"), ("{sft_sharegpt}", "robot")),
     Case("sft data.format bogus", SFT + " data.format=bogus", ("data.format", "bogus")),
     Case("sft --epochs 0", SFT + " --epochs 0", ("epochs",)),
@@ -369,22 +447,29 @@ CASES: list[Case] = [
     Case("merge onto another architecture", "merge {lora} {out}/merged --base {qwen}", ("{qwen}", "qwen3", "llama")),
     Case("merge onto other layer sizes", "merge {lora} {out}/merged --base {wide}", ("{wide}",)),
     Case("merge --base missing", "merge {lora} {out}/merged --base {root}/no-such-base", ("no-such-base",)),
-    Case("merge --base truncated weights", "merge {lora} {out}/merged --base {corrupt_weights}", ("model.safetensors",)),
+    Case(
+        "merge --base truncated weights", "merge {lora} {out}/merged --base {corrupt_weights}", ("model.safetensors",)
+    ),
     Case("merge truncated adapter", "merge {lora_corrupt} {out}/merged", ("adapter_model.safetensors",)),
     Case("merge out under a file", "merge {lora} {afile}/merged", ("{afile}",)),
     # --------------------------------------------------------------------------------------------- opd rollout
-    *[Case(f"rollout --model {label}", ROLLOUT.replace("--model {model}", f"--model {value}"), (culprit,))
-      for label, value, culprit in MODEL_CASES[:5]],
+    *[
+        Case(f"rollout --model {label}", ROLLOUT.replace("--model {model}", f"--model {value}"), (culprit,))
+        for label, value, culprit in MODEL_CASES[:5]
+    ],
     Case("rollout --prompts missing", ROLLOUT.replace("{prompts}", "{root}/no-such.jsonl"), ("no-such.jsonl",)),
-    Case("rollout --prompts empty message content", ROLLOUT.replace("{prompts}", "{empty_content}"), ("{empty_content}",)),
+    Case(
+        "rollout --prompts empty message content", ROLLOUT.replace("{prompts}", "{empty_content}"), ("{empty_content}",)
+    ),
     Case("rollout --out is a file", ROLLOUT.replace("{out}/rollout", "{afile}"), ("{afile}",)),
     Case("rollout --out under a file", ROLLOUT.replace("{out}/rollout", "{afile}/r"), ("{afile}",)),
     Case("rollout --thinking maybe", ROLLOUT + " --thinking maybe", ("thinking", "maybe")),
     Case("rollout --n 0", ROLLOUT + " --n 0", ("'n'",)),
     Case("rollout temperature=inf", ROLLOUT + " temperature=inf", ("temperature", "inf")),
     Case("rollout grade_timeout=nan", ROLLOUT + " grade_timeout=nan", ("grade_timeout", "nan")),
-    Case("rollout --require-correct without answers", ROLLOUT + " --require-correct data.answer_key=null",
-         ("require",)),
+    Case(
+        "rollout --require-correct without answers", ROLLOUT + " --require-correct data.answer_key=null", ("require",)
+    ),
     Case("rollout num_workers=0", ROLLOUT + " num_workers=0", ("num_workers",)),
     Case("rollout devices do not match workers", ROLLOUT + " num_workers=2 'devices=[cpu]'", ("devices",)),
     Case("rollout --template bogus", ROLLOUT + " --template bogus", ("bogus",)),
@@ -395,10 +480,16 @@ CASES: list[Case] = [
     Case("dedup --in empty", "dedup --in {empty} --out {out}/d.jsonl", ("{empty}",)),
     Case("dedup --in not UTF-8", "dedup --in {not_utf8} --out {out}/d.jsonl", ("{not_utf8}",)),
     Case("dedup --out equals --in", "dedup --in {dedup_in} --out {dedup_in}", ("--out", "{dedup_in}")),
-    Case("dedup --out equals --in, another spelling", "dedup --in {dedup_in} --out {root}/./plain-dir/../dedup-in.jsonl",
-         ("--out", "dedup-in.jsonl")),
-    Case("dedup --out equals --against", "dedup --in {prompts} --against {dedup_in} --out {dedup_in}",
-         ("--out", "{dedup_in}")),
+    Case(
+        "dedup --out equals --in, another spelling",
+        "dedup --in {dedup_in} --out {root}/./plain-dir/../dedup-in.jsonl",
+        ("--out", "dedup-in.jsonl"),
+    ),
+    Case(
+        "dedup --out equals --against",
+        "dedup --in {prompts} --against {dedup_in} --out {dedup_in}",
+        ("--out", "{dedup_in}"),
+    ),
     Case("dedup --out suffix", "dedup --in {prompts} --out {out}/kept.txt", ("kept.txt",)),
     Case("dedup --minhash-threshold 2", DEDUP + " --minhash-threshold 2", ("minhash", "2")),
     Case("dedup --minhash-threshold nan", DEDUP + " --minhash-threshold nan", ("minhash", "nan")),
@@ -409,27 +500,52 @@ CASES: list[Case] = [
     Case("dedup without --out", "dedup --in {prompts}", ("--out",)),
     # ---------------------------------------------------------------------------------------- opd prompts ...
     Case("prompts template bogus", TEMPLATE.replace("boxed", "bogus"), ("bogus",)),
-    Case("prompts template custom without {problem}", TEMPLATE.replace("boxed", "'custom:Solve it.'"), ("{{problem}}",)),
+    Case(
+        "prompts template custom without {problem}", TEMPLATE.replace("boxed", "'custom:Solve it.'"), ("{{problem}}",)
+    ),
     Case("prompts template --in missing", TEMPLATE.replace("{prompts}", "{root}/no-such.jsonl"), ("no-such.jsonl",)),
     Case("prompts template --in corrupt parquet", TEMPLATE.replace("{prompts}", "{bad_parquet}"), ("{bad_parquet}",)),
     Case("prompts template --out suffix", TEMPLATE.replace("templated.jsonl", "templated.txt"), ("templated.txt",)),
-    Case("prompts template --out under a file", TEMPLATE.replace("{out}/templated.jsonl", "{afile}/t.jsonl"), ("{afile}",)),
-    Case("prompts template --out is a folder", TEMPLATE.replace("{out}/templated.jsonl", "{plain_dir}"), ("{plain_dir}",)),
-    Case("prompts template prompt column is the answer", TEMPLATE + " --prompt-key reward_model.ground_truth",
-         ("prompt_key", "reward_model.ground_truth")),
-    Case("prompts score --student missing", SCORE.replace("--student {model}", "--student {root}/no-such-model"),
-         ("no-such-model",)),
-    Case("prompts score --student no tokenizer", SCORE.replace("--student {model}", "--student {no_tokenizer}"),
-         ("no tokenizer files in {no_tokenizer}",)),
+    Case(
+        "prompts template --out under a file",
+        TEMPLATE.replace("{out}/templated.jsonl", "{afile}/t.jsonl"),
+        ("{afile}",),
+    ),
+    Case(
+        "prompts template --out is a folder", TEMPLATE.replace("{out}/templated.jsonl", "{plain_dir}"), ("{plain_dir}",)
+    ),
+    Case(
+        "prompts template prompt column is the answer",
+        TEMPLATE + " --prompt-key reward_model.ground_truth",
+        ("prompt_key", "reward_model.ground_truth"),
+    ),
+    Case(
+        "prompts score --student missing",
+        SCORE.replace("--student {model}", "--student {root}/no-such-model"),
+        ("no-such-model",),
+    ),
+    Case(
+        "prompts score --student no tokenizer",
+        SCORE.replace("--student {model}", "--student {no_tokenizer}"),
+        ("no tokenizer files in {no_tokenizer}",),
+    ),
     Case("prompts score --out not JSONL", SCORE.replace("s.jsonl", "s.txt"), ("s.txt",)),
     Case("prompts score --n 0", SCORE + " --n 0", ("'n'",)),
     Case("prompts score temperature=inf", SCORE + " temperature=inf", ("temperature", "inf")),
-    Case("prompts score --in missing", SCORE.replace("--in {prompts}", "--in {root}/no-such.jsonl"), ("no-such.jsonl",)),
-    Case("prompts score teacher with another tokenizer", SCORE.replace("--teacher {model}", "--teacher {lab_teacher}"),
-         ("token",)),
+    Case(
+        "prompts score --in missing", SCORE.replace("--in {prompts}", "--in {root}/no-such.jsonl"), ("no-such.jsonl",)
+    ),
+    Case(
+        "prompts score teacher with another tokenizer",
+        SCORE.replace("--teacher {model}", "--teacher {lab_teacher}"),
+        ("token",),
+    ),
     Case("prompts score --out under a file", SCORE.replace("{out}/scores/s.jsonl", "{afile}/s.jsonl"), ("{afile}",)),
-    Case("prompts select --scores missing", SELECT.replace("{scores}", "{root}/no-such-scores.jsonl"),
-         ("no-such-scores.jsonl",)),
+    Case(
+        "prompts select --scores missing",
+        SELECT.replace("{scores}", "{root}/no-such-scores.jsonl"),
+        ("no-such-scores.jsonl",),
+    ),
     Case("prompts select --scores not JSON", SELECT.replace("{scores}", "{scores_bad}"), ("{scores_bad}",)),
     Case("prompts select --scores a folder", SELECT.replace("{scores}", "{plain_dir}"), ("{plain_dir}",)),
     Case("prompts select --top 2.5", SELECT + " --top 2.5", ("top", "2.5")),
@@ -469,8 +585,9 @@ CASES: list[Case] = [
     Case("lab run one unknown variant of two", LAB + " --only only_stu_k16,bogus_variant", ("bogus_variant",)),
     Case("lab run --steps 0", LAB + " --steps 0", ("run.steps",)),
     Case("lab run unknown key", LAB + " bogus_key=1", ("bogus_key",)),
-    Case("lab run --out-dir under a file", LAB.replace("{out}/lab", "{afile}/lab") + " --only only_stu_k16",
-         ("{afile}",)),
+    Case(
+        "lab run --out-dir under a file", LAB.replace("{out}/lab", "{afile}/lab") + " --only only_stu_k16", ("{afile}",)
+    ),
     # ------------------------------------------------------------------------------------------------- any
     Case("unknown command", "nosuchcommand", ("nosuchcommand",)),
     Case("unknown option", "eval --bogus-option 1", ("--bogus-option",)),
@@ -548,8 +665,16 @@ def test_unwritable_directory(env_world, monkeypatch, capfd, tmp_path):
         else:
             pytest.skip("chmod does not stop writes here (root); the under-a-file cases cover unwritable outputs")
         monkeypatch.delenv("OPD_DEBUG", raising=False)
-        argv = ["prompts", "template", "--in", env_world["prompts"], "--template", "boxed",
-                "--out", str(locked / "t.jsonl")]
+        argv = [
+            "prompts",
+            "template",
+            "--in",
+            env_world["prompts"],
+            "--template",
+            "boxed",
+            "--out",
+            str(locked / "t.jsonl"),
+        ]
         code, stderr, escaped = run_in_process(argv, monkeypatch, capfd)
         assert classify(code, stderr, [str(locked), "permission"], 2, escaped) == "clear", stderr
     finally:
@@ -561,14 +686,30 @@ def test_debug_shows_the_traceback(env_world, monkeypatch, capfd, tmp_path):
     from opd.cli import main
 
     monkeypatch.setenv("OPD_DEBUG", "1")
-    monkeypatch.setattr(sys, "argv", ["opd", "eval", "--model", str(tmp_path / "no-such-model"),
-                                      "--benchmarks", env_world["bench"], "--out", str(tmp_path / "e")])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "opd",
+            "eval",
+            "--model",
+            str(tmp_path / "no-such-model"),
+            "--benchmarks",
+            env_world["bench"],
+            "--out",
+            str(tmp_path / "e"),
+        ],
+    )
     with pytest.raises(Exception, match="no-such-model"):
         main()
 
 
-SUBPROCESS_CASES = ["eval --model missing dir", "distill rollout.temperature=inf", "dedup --out equals --in",
-                    "eval --n abc"]
+SUBPROCESS_CASES = [
+    "eval --model missing dir",
+    "distill rollout.temperature=inf",
+    "dedup --out equals --in",
+    "eval --n abc",
+]
 
 
 @pytest.mark.slow
@@ -580,30 +721,54 @@ def test_real_stderr_is_one_line(env_world, tmp_path):
     world = {**env_world, "out": str(tmp_path / "out")}
     for name in SUBPROCESS_CASES:
         case = cases[name]
-        result = subprocess.run([sys.executable, "-m", "opd.cli", *case.command(world)], capture_output=True,
-                                text=True, env=env, cwd=tmp_path, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-m", "opd.cli", *case.command(world)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=300,
+        )
         outcome = classify(result.returncode, result.stderr, case.culprits(world), case.code, None)
         assert outcome == "clear", f"{name}: {outcome} (exit {result.returncode}):\n{result.stderr}"
 
 
 def test_matrix_covers_every_command():
-    commands = {" ".join(c.argv.split()[:2]) if c.argv.split()[0] in ("prompts", "pipeline", "lab") else
-                c.argv.split()[0] for c in CASES}
-    wanted = {"eval", "distill", "sft", "merge", "rollout", "dedup", "prompts template", "prompts score",
-              "prompts select", "pipeline run", "report", "demo", "lab run"}
+    commands = {
+        " ".join(c.argv.split()[:2]) if c.argv.split()[0] in ("prompts", "pipeline", "lab") else c.argv.split()[0]
+        for c in CASES
+    }
+    wanted = {
+        "eval",
+        "distill",
+        "sft",
+        "merge",
+        "rollout",
+        "dedup",
+        "prompts template",
+        "prompts score",
+        "prompts select",
+        "pipeline run",
+        "report",
+        "demo",
+        "lab run",
+    }
     assert wanted <= commands, wanted - commands
     assert len(CASES) >= 80
 
 
-@pytest.mark.parametrize("code, filename, filename2, expected", [
-    ("ENOSPC", "{root}/out/metrics.jsonl", None, "{root}/out/metrics.jsonl: no space left on the device"),
-    ("EACCES", "{root}/out", None, "{root}/out: permission denied"),
-    ("EROFS", "{root}/out", None, "{root}/out: the file system is read-only"),
-    ("EDQUOT", "{root}/out/x", None, "{root}/out/x: disk quota exceeded"),
-    ("EEXIST", "{afile}", None, "{afile}: already exists as a file; expected a directory"),
-    ("ENOTDIR", "{afile}/sub/x.json", None, "{afile}/sub/x.json: {afile} is a file, not a directory"),
-    ("EISDIR", "{root}/.plain-dir.tmp", "{plain_dir}", "{plain_dir}: is a directory; expected a file path"),
-])
+@pytest.mark.parametrize(
+    "code, filename, filename2, expected",
+    [
+        ("ENOSPC", "{root}/out/metrics.jsonl", None, "{root}/out/metrics.jsonl: no space left on the device"),
+        ("EACCES", "{root}/out", None, "{root}/out: permission denied"),
+        ("EROFS", "{root}/out", None, "{root}/out: the file system is read-only"),
+        ("EDQUOT", "{root}/out/x", None, "{root}/out/x: disk quota exceeded"),
+        ("EEXIST", "{afile}", None, "{afile}: already exists as a file; expected a directory"),
+        ("ENOTDIR", "{afile}/sub/x.json", None, "{afile}/sub/x.json: {afile} is a file, not a directory"),
+        ("EISDIR", "{root}/.plain-dir.tmp", "{plain_dir}", "{plain_dir}: is a directory; expected a file path"),
+    ],
+)
 def test_os_errors_name_the_path_and_the_problem(world, code, filename, filename2, expected):
     """One place (`opd.cli.main`) turns every OSError into `<path>: <what is wrong>`; a rename names its destination
     (the source is our hidden temp file). ENOSPC and friends cannot be provoked portably, so they are raised here."""
@@ -612,8 +777,13 @@ def test_os_errors_name_the_path_and_the_problem(world, code, filename, filename
     from opd.cli import os_error_line
 
     number = getattr(errno, code)
-    error = OSError(number, os.strerror(number), filename.format_map(world),
-                    None, None if filename2 is None else filename2.format_map(world))
+    error = OSError(
+        number,
+        os.strerror(number),
+        filename.format_map(world),
+        None,
+        None if filename2 is None else filename2.format_map(world),
+    )
     assert os_error_line(error).startswith(expected.format_map(world))
 
 
@@ -628,8 +798,9 @@ def test_disk_full_mid_command_is_one_line(env_world, monkeypatch, capfd, tmp_pa
 
     monkeypatch.setattr(opd.report.report, "atomic_write_text", full)
     monkeypatch.delenv("OPD_DEBUG", raising=False)
-    code, stderr, escaped = run_in_process(["report", env_world["run"], "--out", str(tmp_path / "r.html")],
-                                           monkeypatch, capfd)
+    code, stderr, escaped = run_in_process(
+        ["report", env_world["run"], "--out", str(tmp_path / "r.html")], monkeypatch, capfd
+    )
     assert classify(code, stderr, [str(tmp_path / "r.html"), "no space left"], 2, escaped) == "clear", stderr
 
 
@@ -660,16 +831,21 @@ def test_written_files_get_the_umask_mode(env_world, monkeypatch, capfd, tmp_pat
     mask = os.umask(0)
     os.umask(mask)
     out = tmp_path / "written"
-    for argv in (["prompts", "template", "--in", env_world["prompts"], "--template", "boxed", "--out", f"{out}/t.parquet"],
-                 ["prompts", "template", "--in", env_world["prompts"], "--template", "boxed", "--out", f"{out}/t.jsonl"],
-                 ["dedup", "--in", env_world["prompts"], "--out", f"{out}/dedup/kept.parquet"],
-                 ["eval", "--responses", env_world["responses"], "--out", f"{out}/eval"],
-                 ["report", env_world["run"], "--out", f"{out}/report"],
-                 ["merge", env_world["lora"], f"{out}/merged"]):
+    for argv in (
+        ["prompts", "template", "--in", env_world["prompts"], "--template", "boxed", "--out", f"{out}/t.parquet"],
+        ["prompts", "template", "--in", env_world["prompts"], "--template", "boxed", "--out", f"{out}/t.jsonl"],
+        ["dedup", "--in", env_world["prompts"], "--out", f"{out}/dedup/kept.parquet"],
+        ["eval", "--responses", env_world["responses"], "--out", f"{out}/eval"],
+        ["report", env_world["run"], "--out", f"{out}/report"],
+        ["merge", env_world["lora"], f"{out}/merged"],
+    ):
         code, stderr, escaped = run_in_process(argv, monkeypatch, capfd)
         assert code == 0 and escaped is None, f"{argv}: {escaped or stderr}"
     modes = {str(p.relative_to(out)): p.stat().st_mode & 0o777 for p in [out, *out.rglob("*")]}
     assert len(modes) > 10
-    wrong = {name: oct(mode) for name, mode in modes.items()
-             if mode != (0o777 & ~mask if (out / name).is_dir() else 0o666 & ~mask)}
+    wrong = {
+        name: oct(mode)
+        for name, mode in modes.items()
+        if mode != (0o777 & ~mask if (out / name).is_dir() else 0o666 & ~mask)
+    }
     assert not wrong, f"umask {oct(mask)}: {wrong}"

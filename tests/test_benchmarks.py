@@ -39,8 +39,21 @@ def rows(data: dict) -> dict[str, dict]:
 
 @pytest.mark.slow
 def test_rollout(tmp_path, capsys):
-    data, _ = run("rollout", tmp_path, capsys, "--batches", "3,5", "--prompt-len", "5", "--new-tokens", "6",
-                  "--engines", "hf_generate,torch_engine,static_engine", "--engines-big", "static_engine")
+    data, _ = run(
+        "rollout",
+        tmp_path,
+        capsys,
+        "--batches",
+        "3,5",
+        "--prompt-len",
+        "5",
+        "--new-tokens",
+        "6",
+        "--engines",
+        "hf_generate,torch_engine,static_engine",
+        "--engines-big",
+        "static_engine",
+    )
     got = rows(data)
     assert set(got) == {"hf_generate@3", "torch_engine@3", "static_engine@3", "static_engine@5"}
     assert got["hf_generate@3"]["tokens"] == got["static_engine@3"]["tokens"] == 3 * 6
@@ -53,9 +66,21 @@ def test_rollout_ragged_lengths_against_equal_lengths(tmp_path, capsys):
     """--lengths: every engine produces each row's drawn length exactly (generate() through its forced-EOS logits
     processor, ours through per-sample limits), and the [equal] row the same total at the mean length; the fp32
     drift table has one line per position bucket of each of our rows."""
-    data, printed = run("rollout", tmp_path, capsys, "--batches", "4", "--prompt-len", "5",
-                        "--lengths", "lognormal:mean=6,cap=14,sigma=0.8", "--engines", "hf_generate,static_engine",
-                        "--lp-reference", "fp32")
+    data, printed = run(
+        "rollout",
+        tmp_path,
+        capsys,
+        "--batches",
+        "4",
+        "--prompt-len",
+        "5",
+        "--lengths",
+        "lognormal:mean=6,cap=14,sigma=0.8",
+        "--engines",
+        "hf_generate,static_engine",
+        "--lp-reference",
+        "fp32",
+    )
     got = rows(data)
     assert set(got) == {f"{e}@4[{k}]" for e in ("hf_generate", "static_engine") for k in ("ragged", "equal")}
     lengths = load("rollout").draw_lengths("lognormal:mean=6,cap=14,sigma=0.8", 4, 512, 0)
@@ -79,8 +104,20 @@ def test_teacher_score(tmp_path, capsys):
 def test_teacher_score_ragged_rows_padded_and_packed(tmp_path, capsys):
     """Right-padded rows of different lengths: the padded sdpa row and the packed flex row (rows concatenated into one
     sequence) score the real positions as the naive path does, and tokens/s counts real tokens only."""
-    data, printed = run("teacher_score", tmp_path, capsys, "--batch", "3", "--prompt-len", "4", "--response-len", "12",
-                        "--ragged", "--attn", "sdpa,flex_attention")
+    data, printed = run(
+        "teacher_score",
+        tmp_path,
+        capsys,
+        "--batch",
+        "3",
+        "--prompt-len",
+        "4",
+        "--response-len",
+        "12",
+        "--ragged",
+        "--attn",
+        "sdpa,flex_attention",
+    )
     got = rows(data)
     assert set(got) == {"local_scorer[tiny]", "local_scorer[tiny, flex_attention]", "naive_full_logits[tiny]"}
     assert got["naive_full_logits[tiny]"]["max_err"] < 1e-4  # against the packed row, the last of ours
@@ -88,8 +125,9 @@ def test_teacher_score_ragged_rows_padded_and_packed(tmp_path, capsys):
 
 
 def test_update(tmp_path, capsys):
-    data, _ = run("update", tmp_path, capsys, "--batch", "2", "--prompt-len", "4", "--response-len", "6",
-                  "--ckpt", "on,off")
+    data, _ = run(
+        "update", tmp_path, capsys, "--batch", "2", "--prompt-len", "4", "--response-len", "6", "--ckpt", "on,off"
+    )
     got = rows(data)
     assert set(got) == {f"{n}[ckpt {c}]" for n in ("chunked_candidates", "naive_full_logits") for c in ("on", "off")}
     for ckpt in ("on", "off"):
@@ -98,8 +136,20 @@ def test_update(tmp_path, capsys):
 
 
 def test_update_ragged_rows(tmp_path, capsys):
-    data, _ = run("update", tmp_path, capsys, "--batch", "3", "--prompt-len", "4", "--response-len", "12", "--ragged",
-                  "--ckpt", "off")
+    data, _ = run(
+        "update",
+        tmp_path,
+        capsys,
+        "--batch",
+        "3",
+        "--prompt-len",
+        "4",
+        "--response-len",
+        "12",
+        "--ragged",
+        "--ckpt",
+        "off",
+    )
     got = rows(data)
     naive = got["naive_full_logits[ckpt off]"]
     assert naive["loss_err"] < 1e-5 and naive["grad_err"] < 1e-4
@@ -108,12 +158,30 @@ def test_update_ragged_rows(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_opd_step(tmp_path, capsys):
-    data, _ = run("opd_step", tmp_path, capsys, "--teacher-shape", "tiny", "--prompts", "2", "--n", "2",
-                  "--prompt-len", "5", "--new-tokens", "6", "--engines", "torch_engine,static_engine", "--skip-trl",
-                  "--variants", "default,bf16_state,overlap")
+    data, _ = run(
+        "opd_step",
+        tmp_path,
+        capsys,
+        "--teacher-shape",
+        "tiny",
+        "--prompts",
+        "2",
+        "--n",
+        "2",
+        "--prompt-len",
+        "5",
+        "--new-tokens",
+        "6",
+        "--engines",
+        "torch_engine,static_engine",
+        "--skip-trl",
+        "--variants",
+        "default,bf16_state,overlap",
+    )
     got = rows(data)
-    assert set(got) == {f"opd_step[{e}{v}]" for e in ("torch_engine", "static_engine")
-                        for v in ("", ", bf16_state", ", overlap")}
+    assert set(got) == {
+        f"opd_step[{e}{v}]" for e in ("torch_engine", "static_engine") for v in ("", ", bf16_state", ", overlap")
+    }
     for name, row in got.items():
         assert {"student_s", "teacher_s", "update_s"} <= set(row)
         assert ("rollout_wait_s" if "overlap" in name else "rollout_s") in row  # overlap: made during the last step
@@ -127,9 +195,27 @@ def test_opd_step_real_trl_rows(tmp_path, capsys):
     """TRL 1.16's DistillationTrainer and GKDTrainer, defaults and fastest settings, one timed step each, counting
     the same generated tokens as our row."""
     pytest.importorskip("trl")
-    data, printed = run("opd_step", tmp_path, capsys, "--teacher-shape", "tiny", "--prompts", "2", "--n", "2",
-                        "--prompt-len", "5", "--new-tokens", "6", "--warmup", "0", "--trl-warmup", "0",
-                        "--trl-repeat", "1")
+    data, printed = run(
+        "opd_step",
+        tmp_path,
+        capsys,
+        "--teacher-shape",
+        "tiny",
+        "--prompts",
+        "2",
+        "--n",
+        "2",
+        "--prompt-len",
+        "5",
+        "--new-tokens",
+        "6",
+        "--warmup",
+        "0",
+        "--trl-warmup",
+        "0",
+        "--trl-repeat",
+        "1",
+    )
     got = rows(data)
     trl = {f"trl_{t}[{s}]" for t in ("distill", "gkd") for s in ("defaults", "fastest")}
     assert set(got) == trl | {"opd_step[static_engine]"}
@@ -144,10 +230,34 @@ def test_opd_step_real_trl_rows(tmp_path, capsys):
 def test_opd_step_paper_mode_forces_ragged_lengths(tmp_path, capsys):
     """`--paper` with tiny shapes: every row ends at its drawn length (EOS forced), chunks of --rollout-rows rows,
     and the step is set against the physical bound (peaks given explicitly: CPU has none)."""
-    data, _ = run("opd_step", tmp_path, capsys, "--paper", "--shape", "tiny", "--teacher-shape", "tiny",
-                  "--prompts", "3", "--n", "2", "--prompt-len", "5", "--new-tokens", "24", "--rollout-rows", "4",
-                  "--lengths", "lognormal:mean=8,cap=24,sigma=0.8", "--warmup", "0", "--peak-tflops", "1",
-                  "--peak-tbps", "0.01")
+    data, _ = run(
+        "opd_step",
+        tmp_path,
+        capsys,
+        "--paper",
+        "--shape",
+        "tiny",
+        "--teacher-shape",
+        "tiny",
+        "--prompts",
+        "3",
+        "--n",
+        "2",
+        "--prompt-len",
+        "5",
+        "--new-tokens",
+        "24",
+        "--rollout-rows",
+        "4",
+        "--lengths",
+        "lognormal:mean=8,cap=24,sigma=0.8",
+        "--warmup",
+        "0",
+        "--peak-tflops",
+        "1",
+        "--peak-tbps",
+        "0.01",
+    )
     row = rows(data)["opd_step[static_engine]"]
     sys.path.insert(0, str(BENCHMARKS))
     from common import parse_lengths
@@ -182,8 +292,16 @@ def test_opd_step_bound():
     sys.path.insert(0, str(BENCHMARKS))
     from common import opd_step_bound
 
-    bound = opd_step_bound(student_params=2, teacher_params=5, student_weight_bytes=10, kv_bytes_per_token=4,
-                           prompt_lengths=[2, 1], response_lengths=[3, 1], peak_flops=7.0, bandwidth=2.0)
+    bound = opd_step_bound(
+        student_params=2,
+        teacher_params=5,
+        student_weight_bytes=10,
+        kv_bytes_per_token=4,
+        prompt_lengths=[2, 1],
+        response_lengths=[3, 1],
+        peak_flops=7.0,
+        bandwidth=2.0,
+    )
     assert bound["decode_s"] == pytest.approx((3 * 10 + 10 * 4) / 2.0)
     assert bound["teacher_s"] == pytest.approx(2 * 5 * 7 / 7.0)
     assert bound["student_s"] == pytest.approx(2 * 2 * 7 / 7.0)
@@ -194,11 +312,30 @@ def test_opd_step_bound():
 @pytest.mark.slow
 def test_teacher_server(tmp_path, capsys):
     """Local vs served (a server subprocess on the same random weights): every row runs, fp32 results equal."""
-    data, _ = run("teacher_server", tmp_path, capsys, "--batch", "2", "--prompt-len", "4", "--response-len", "6",
-                  "--clients", "1,2", "--warmup", "1", "--threads", "1")
+    data, _ = run(
+        "teacher_server",
+        tmp_path,
+        capsys,
+        "--batch",
+        "2",
+        "--prompt-len",
+        "4",
+        "--response-len",
+        "6",
+        "--clients",
+        "1,2",
+        "--warmup",
+        "1",
+        "--threads",
+        "1",
+    )
     got = {r["name"]: r for r in data["rows"]}
-    assert set(got) == {"local[tiny]", "served[tiny, 1 client]", "served[tiny, 2 clients]",
-                        "served[tiny, 1 client, bf16 wire]"}
+    assert set(got) == {
+        "local[tiny]",
+        "served[tiny, 1 client]",
+        "served[tiny, 2 clients]",
+        "served[tiny, 1 client, bf16 wire]",
+    }
     for name, row in got.items():
         assert "error" not in row and row["tokens_per_s"] > 0, (name, row.get("error"))
     # one request per call, scored in a forward of the same shape as the local one: equal up to fp32 rounding

@@ -42,8 +42,15 @@ def _rows(results, name):
 
 
 def test_identical_tokenizers_pass():
-    rows = C.check_tokenizers(build_lab_tokenizer(), build_lab_tokenizer(), messages=MESSAGES, student_rows=34,
-                              teacher_rows=40, student_eos_ids=[2], teacher_eos_ids=[2])
+    rows = C.check_tokenizers(
+        build_lab_tokenizer(),
+        build_lab_tokenizer(),
+        messages=MESSAGES,
+        student_rows=34,
+        teacher_rows=40,
+        student_eos_ids=[2],
+        teacher_eos_ids=[2],
+    )
     assert [r.status for r in rows] == ["pass", "pass", "pass"]
     assert "padding" in _rows(rows, "tokenizer_vocab").detail  # 34 vs 40 rows: padding rows are allowed
 
@@ -81,24 +88,32 @@ def test_different_chat_template_reports_first_difference():
 
 def test_template_differing_only_with_thinking_off_warns_unless_the_run_uses_it():
     teacher = build_lab_tokenizer()
-    teacher.chat_template = CHAT_TEMPLATE + "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '\\n' -}}{%- endif -%}"
+    teacher.chat_template = (
+        CHAT_TEMPLATE + "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '\\n' -}}{%- endif -%}"
+    )
     default = _rows(C.check_tokenizers(build_lab_tokenizer(), teacher, messages=MESSAGES), "chat_template")
     assert default.status == "warn" and "thinking off" in default.detail
-    off = _rows(C.check_tokenizers(build_lab_tokenizer(), teacher, messages=MESSAGES, enable_thinking=False),
-                "chat_template")
+    off = _rows(
+        C.check_tokenizers(build_lab_tokenizer(), teacher, messages=MESSAGES, enable_thinking=False), "chat_template"
+    )
     assert off.status == "fail"
 
 
 def test_special_tokens(tmp_path):
     teacher = build_lab_tokenizer()
     teacher.eos_token = "<|endoftext|>"
-    assert _rows(C.check_tokenizers(build_lab_tokenizer(), teacher, messages=MESSAGES), "special_tokens").status == "fail"
-    eos_ids = C.check_tokenizers(build_lab_tokenizer(), build_lab_tokenizer(), messages=MESSAGES,
-                                 student_eos_ids=[2], teacher_eos_ids=[0])
+    assert (
+        _rows(C.check_tokenizers(build_lab_tokenizer(), teacher, messages=MESSAGES), "special_tokens").status == "fail"
+    )
+    eos_ids = C.check_tokenizers(
+        build_lab_tokenizer(), build_lab_tokenizer(), messages=MESSAGES, student_eos_ids=[2], teacher_eos_ids=[0]
+    )
     assert _rows(eos_ids, "special_tokens").status == "fail"  # the models stop on different tokens
     teacher = build_lab_tokenizer()
     teacher.pad_token = "<unk>"
-    assert _rows(C.check_tokenizers(build_lab_tokenizer(), teacher, messages=MESSAGES), "special_tokens").status == "warn"
+    assert (
+        _rows(C.check_tokenizers(build_lab_tokenizer(), teacher, messages=MESSAGES), "special_tokens").status == "warn"
+    )
 
 
 # --------------------------------------------------------------------------------------------------- scoring
@@ -115,7 +130,10 @@ def lab_teacher():
 @pytest.fixture(scope="module")
 def teacher_rollouts(lab_teacher):
     model, tokenizer = lab_teacher
-    ids = [C.render_ids(tokenizer, MESSAGES, None), C.render_ids(tokenizer, [{"role": "user", "content": "Compute 7-9. Put the final answer in \\boxed{}."}], None)]
+    ids = [
+        C.render_ids(tokenizer, MESSAGES, None),
+        C.render_ids(tokenizer, [{"role": "user", "content": "Compute 7-9. Put the final answer in \\boxed{}."}], None),
+    ]
     return C.teacher_samples(model, tokenizer, ids, temperature=1.0, max_new_tokens=48, vocab_size=34, seed=0)
 
 
@@ -204,21 +222,31 @@ def test_nll_of_texts_matches_a_plain_forward(lab_teacher):
 
 # --------------------------------------------------------------------------------------------------- forecast
 
-ALIGNED = dict(overlap_ratio=0.6, overlap_mass_student=0.98, overlap_mass_teacher=0.99, overlap_advantage=-0.1,
-               seq_reward_auroc=0.9, student_accuracy=0.4, teacher_accuracy=1.0)
+ALIGNED = dict(
+    overlap_ratio=0.6,
+    overlap_mass_student=0.98,
+    overlap_mass_teacher=0.99,
+    overlap_advantage=-0.1,
+    seq_reward_auroc=0.9,
+    student_accuracy=0.4,
+    teacher_accuracy=1.0,
+)
 
 
-@pytest.mark.parametrize("change, verdict, recovery", [
-    ({}, "likely", "none"),
-    ({"overlap_ratio": 1.0, "overlap_advantage": 0.0}, "unlikely", "other_teacher"),
-    ({"teacher_accuracy": 0.42}, "unlikely", "other_teacher"),
-    ({"overlap_advantage": -0.3}, "unlikely", "cold_start"),
-    ({"seq_reward_auroc": 0.5}, "unlikely", "cold_start"),
-    ({"overlap_advantage": -0.17}, "uncertain", "prompt_selection"),
-    ({"overlap_mass_teacher": 0.8}, "uncertain", "prompt_selection"),
-    ({"seq_reward_auroc": 0.58}, "uncertain", "prompt_selection"),
-    ({"seq_reward_auroc": None, "student_accuracy": None, "teacher_accuracy": None}, "likely", "none"),
-])
+@pytest.mark.parametrize(
+    "change, verdict, recovery",
+    [
+        ({}, "likely", "none"),
+        ({"overlap_ratio": 1.0, "overlap_advantage": 0.0}, "unlikely", "other_teacher"),
+        ({"teacher_accuracy": 0.42}, "unlikely", "other_teacher"),
+        ({"overlap_advantage": -0.3}, "unlikely", "cold_start"),
+        ({"seq_reward_auroc": 0.5}, "unlikely", "cold_start"),
+        ({"overlap_advantage": -0.17}, "uncertain", "prompt_selection"),
+        ({"overlap_mass_teacher": 0.8}, "uncertain", "prompt_selection"),
+        ({"seq_reward_auroc": 0.58}, "uncertain", "prompt_selection"),
+        ({"seq_reward_auroc": None, "student_accuracy": None, "teacher_accuracy": None}, "likely", "none"),
+    ],
+)
 def test_classify(change, verdict, recovery):
     out = C.classify({**ALIGNED, **change})
     assert (out["verdict"], out["recovery"]) == (verdict, recovery), out["reasons"]
@@ -244,8 +272,9 @@ def test_memory_estimate_and_check(lab_teacher):
 
     model = lab_teacher[0]
     small = C.estimate_memory(demo_config(), model, model, compute_dtype=torch.float32)["cpu"]
-    big = C.estimate_memory(demo_config(["rollout.batch_size=512", "prompts_per_step=128"]), model, model,
-                            compute_dtype=torch.float32)["cpu"]
+    big = C.estimate_memory(
+        demo_config(["rollout.batch_size=512", "prompts_per_step=128"]), model, model, compute_dtype=torch.float32
+    )["cpu"]
     assert big["kv_cache"] == 16 * small["kv_cache"] > 0  # rows = min(batch_size, prompts × n): 32 → 512
     params = sum(p.numel() for p in model.parameters())
     assert small["adamw_state"] == 2 * 4 * params and small["teacher_weights"] == 4 * params
@@ -265,8 +294,12 @@ def test_exit_codes_and_skips():
     report.results.append(C.CheckResult("determinism", "fail", hard=True))
     assert report.exit_code() == C.EXIT_FAILED
     assert C.CheckReport([C.CheckResult("seq_reward_auroc", "warn")]).exit_code() == C.EXIT_OK
-    assert C.resolve_skips(["scoring", "memory"]) == {"determinism", "self_distillation_zero", "prompt_logprobs",
-                                                      "memory"}
+    assert C.resolve_skips(["scoring", "memory"]) == {
+        "determinism",
+        "self_distillation_zero",
+        "prompt_logprobs",
+        "memory",
+    }
     assert C.resolve_skips(["all"]) == set(C.CHECKS)
     with pytest.raises(ValueError, match="unknown check 'memroy'"):
         C.resolve_skips(["memroy"])
@@ -274,16 +307,40 @@ def test_exit_codes_and_skips():
 
 # ------------------------------------------------------------------------------------------------- CLI + distill
 
-LAB = ["rollout.max_new_tokens=64", "data.max_prompt_length=64", "student.device=cpu", "teacher.device=cpu",
-       "student.dtype=fp32", "teacher.dtype=fp32", "micro_batch_tokens=8192", "prompts_per_step=4", "rollout.n=2"]
+LAB = [
+    "rollout.max_new_tokens=64",
+    "data.max_prompt_length=64",
+    "student.device=cpu",
+    "teacher.device=cpu",
+    "student.dtype=fp32",
+    "teacher.dtype=fp32",
+    "micro_batch_tokens=8192",
+    "prompts_per_step=4",
+    "rollout.n=2",
+]
 
 
 def _check_cli(tmp_path, teacher, *extra):
     from opd.cli import app
 
     out = tmp_path / "check"
-    args = ["check", "--student", str(lab.student_path()), "--teacher", str(teacher), "--prompts",
-            str(lab.opd_prompts_path()), "--n", "2", "--prompts-sample", "8", "--out", str(out), *extra, *LAB]
+    args = [
+        "check",
+        "--student",
+        str(lab.student_path()),
+        "--teacher",
+        str(teacher),
+        "--prompts",
+        str(lab.opd_prompts_path()),
+        "--n",
+        "2",
+        "--prompts-sample",
+        "8",
+        "--out",
+        str(out),
+        *extra,
+        *LAB,
+    ]
     result = CliRunner().invoke(app, args)
     return result, (json.loads((out / "check.json").read_text()) if (out / "check.json").is_file() else None)
 
@@ -294,8 +351,14 @@ def test_cli_lab_pair_passes(tmp_path):
     assert report["exit_code"] == 0 and report["forecast"]["verdict"] in ("likely", "uncertain")
     names = {r["name"]: r for r in report["results"]}
     assert set(names) == set(C.CHECKS)
-    for name in ("tokenizer_vocab", "special_tokens", "chat_template", "determinism", "self_distillation_zero",
-                 "memory"):
+    for name in (
+        "tokenizer_vocab",
+        "special_tokens",
+        "chat_template",
+        "determinism",
+        "self_distillation_zero",
+        "memory",
+    ):
         assert names[name]["status"] == "pass", names[name]
     assert report["forecast"]["values"]["teacher_accuracy"] > report["forecast"]["values"]["student_accuracy"]
     assert names["step_time"]["value"] > 0 and "opd check" in result.output
@@ -321,9 +384,26 @@ def test_cli_other_vocabulary_fails(tmp_path, tiny_model_dir):
 
 @pytest.mark.slow
 def test_cli_bad_input_is_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "opd.cli", "check", "--student", str(lab.student_path()),
-                             "--teacher", str(lab.teacher_path()), "--prompts", str(lab.opd_prompts_path()),
-                             "--skip-check", "nope", "--out", str(tmp_path / "o")], capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "opd.cli",
+            "check",
+            "--student",
+            str(lab.student_path()),
+            "--teacher",
+            str(lab.teacher_path()),
+            "--prompts",
+            str(lab.opd_prompts_path()),
+            "--skip-check",
+            "nope",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "unknown check 'nope'" in lines[0], result.stderr
@@ -341,8 +421,15 @@ def test_distill_refuses_on_a_hard_failure_unless_skipped(tmp_path):
     from opd.recipes.distill import distill
 
     teacher = _other_template_teacher(tmp_path)
-    small = [f"teacher.path={teacher}", f"run.out_dir={tmp_path}", "run.steps=1", "eval.limit=2", "prompts_per_step=2",
-             "rollout.n=2", "run.report=false"]
+    small = [
+        f"teacher.path={teacher}",
+        f"run.out_dir={tmp_path}",
+        "run.steps=1",
+        "eval.limit=2",
+        "prompts_per_step=2",
+        "rollout.n=2",
+        "run.report=false",
+    ]
     with pytest.raises(ValueError, match="chat_template failed.*--skip-check chat_template"):
         distill(demo_config([*small, "run.name=refused"]))
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()  # refused before any step
@@ -355,11 +442,22 @@ def test_preflight_is_cheap_and_leaves_training_unchanged(tmp_path):
     from opd.recipes.demo import demo_config
     from opd.recipes.distill import distill
 
-    small = [f"run.out_dir={tmp_path}", "run.steps=2", "eval.limit=2", "prompts_per_step=2", "rollout.n=2",
-             "run.report=false", "run.samples_per_step=0"]
+    small = [
+        f"run.out_dir={tmp_path}",
+        "run.steps=2",
+        "eval.limit=2",
+        "prompts_per_step=2",
+        "rollout.n=2",
+        "run.report=false",
+        "run.samples_per_step=0",
+    ]
     rows = []
     for name, skip in (("checked", "[]"), ("unchecked", "all")):
         run = distill(demo_config([*small, f"run.name={name}", f"skip_checks={skip}"]))
-        rows.append([{k: v for k, v in json.loads(line).items() if not k.startswith("time") and k != "tokens_per_second"}
-                     for line in (run / "metrics.jsonl").read_text().splitlines()])
+        rows.append(
+            [
+                {k: v for k, v in json.loads(line).items() if not k.startswith("time") and k != "tokens_per_second"}
+                for line in (run / "metrics.jsonl").read_text().splitlines()
+            ]
+        )
     assert rows[0] == rows[1]

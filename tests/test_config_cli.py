@@ -14,22 +14,32 @@ from opd.config import ConfigError, DistillConfig, EvalConfig, build_config, par
 def test_precedence_yaml_then_options_then_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"n": 2, "temperature": 0.1, "model": {"path": "from-yaml"}}))
-    cfg = build_config(EvalConfig, config_file=path, options={"temperature": 0.5, "model.path": None},
-                       overrides=["temperature=0.9", "benchmarks=aime24,amc23"])
+    cfg = build_config(
+        EvalConfig,
+        config_file=path,
+        options={"temperature": 0.5, "model.path": None},
+        overrides=["temperature=0.9", "benchmarks=aime24,amc23"],
+    )
     assert cfg.n == 2 and cfg.temperature == 0.9 and cfg.model.path == "from-yaml"
     assert cfg.benchmarks == ["aime24", "amc23"]
 
 
 def test_unknown_key_names_it_and_suggests():
-    with pytest.raises(ConfigError, match=r"unknown config key 'objective.strategi' \(did you mean 'objective.strategy'\?\)"):
-        build_config(DistillConfig, options={"student.path": "s", "data.path": "d"}, overrides=["objective.strategi=union"])
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'objective.strategi' \(did you mean 'objective.strategy'\?\)"
+    ):
+        build_config(
+            DistillConfig, options={"student.path": "s", "data.path": "d"}, overrides=["objective.strategi=union"]
+        )
 
 
 def test_wrong_type_and_range_name_the_key():
     with pytest.raises(ConfigError, match="config key 'rollout.n'.*got 'many'"):
         build_config(DistillConfig, options={"student.path": "s", "data.path": "d"}, overrides=["rollout.n=many"])
     with pytest.raises(ConfigError, match="config key 'objective.strategy'"):
-        build_config(DistillConfig, options={"student.path": "s", "data.path": "d"}, overrides=["objective.strategy=both"])
+        build_config(
+            DistillConfig, options={"student.path": "s", "data.path": "d"}, overrides=["objective.strategy=both"]
+        )
     with pytest.raises(ConfigError, match="config key 'top_p'"):
         build_config(EvalConfig, overrides=["top_p=1.5"])
 
@@ -46,8 +56,17 @@ def test_paper_defaults():
     cfg = build_config(DistillConfig, options={"student.path": "s", "teacher.path": "t", "data.path": "d"})
     assert (cfg.objective.top_k, cfg.objective.strategy, cfg.objective.weight) == (16, "only_stu", "student_p")
     assert (cfg.rollout.temperature, cfg.rollout.n, cfg.optim.lr) == (1.0, 4, 1e-6)
-    assert (cfg.objective.loss_agg_mode, cfg.objective.advantage, cfg.prompts_per_step) == ("token-mean", "token_reward", 64)
-    assert (cfg.optim.betas, cfg.optim.weight_decay, cfg.optim.grad_clip, cfg.optim.schedule) == ((0.9, 0.999), 0.01, 1.0, "constant")
+    assert (cfg.objective.loss_agg_mode, cfg.objective.advantage, cfg.prompts_per_step) == (
+        "token-mean",
+        "token_reward",
+        64,
+    )
+    assert (cfg.optim.betas, cfg.optim.weight_decay, cfg.optim.grad_clip, cfg.optim.schedule) == (
+        (0.9, 0.999),
+        0.01,
+        1.0,
+        "constant",
+    )
 
 
 def test_resolved_config_round_trips(tmp_path):
@@ -70,7 +89,28 @@ def test_shipped_configs_validate():
             build_config(DistillConfig, config_file=path)
 
 
-@pytest.mark.parametrize("command", [[], ["eval"], ["distill"], ["sft"], ["merge"], ["report"], ["prompts"], ["prompts", "template"], ["prompts", "score"], ["prompts", "select"], ["rollout"], ["dedup"], ["pipeline", "run"], ["demo"], ["lab"], ["lab", "build"], ["lab", "run"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        [],
+        ["eval"],
+        ["distill"],
+        ["sft"],
+        ["merge"],
+        ["report"],
+        ["prompts"],
+        ["prompts", "template"],
+        ["prompts", "score"],
+        ["prompts", "select"],
+        ["rollout"],
+        ["dedup"],
+        ["pipeline", "run"],
+        ["demo"],
+        ["lab"],
+        ["lab", "build"],
+        ["lab", "run"],
+    ],
+)
 def test_every_command_has_help(command):
     result = CliRunner().invoke(app, [*command, "--help"])
     assert result.exit_code == 0, result.output
@@ -79,19 +119,38 @@ def test_every_command_has_help(command):
 
 def test_cli_error_is_one_line(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "opd.cli", "eval", "--responses", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o")],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "opd.cli",
+            "eval",
+            "--responses",
+            str(tmp_path / "missing.jsonl"),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "missing.jsonl" in lines[0], result.stderr
 
 
-
-@pytest.mark.parametrize("model, key", [("distill", "rollout.temperature"), ("distill", "optim.lr"),
-                                        ("distill", "optim.betas"), ("distill", "objective.clip_ratio_c"),
-                                        ("eval", "temperature"), ("sft", "epochs"), ("sft", "lora.alpha"),
-                                        ("rollout", "grade_timeout"), ("score", "teacher_temperature")])
+@pytest.mark.parametrize(
+    "model, key",
+    [
+        ("distill", "rollout.temperature"),
+        ("distill", "optim.lr"),
+        ("distill", "optim.betas"),
+        ("distill", "objective.clip_ratio_c"),
+        ("eval", "temperature"),
+        ("sft", "epochs"),
+        ("sft", "lora.alpha"),
+        ("rollout", "grade_timeout"),
+        ("score", "teacher_temperature"),
+    ],
+)
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan", ".inf", ".nan"])
 def test_non_finite_floats_are_rejected_in_every_config(model, key, value):
     """NaN and ±inf fail in every float field of every config (the shared Section base), naming the key: a field with
@@ -100,10 +159,13 @@ def test_non_finite_floats_are_rejected_in_every_config(model, key, value):
     from opd.recipes.rollout import RolloutConfig
     from opd.recipes.sft import SFTConfig
 
-    models = {"distill": (DistillConfig, {"student.path": "s", "data.path": "d"}),
-              "eval": (EvalConfig, {}), "sft": (SFTConfig, {"model.path": "m", "data.path": "d"}),
-              "rollout": (RolloutConfig, {"model.path": "m", "data.path": "d", "out": "o"}),
-              "score": (PromptScoreConfig, {"student.path": "s", "teacher.path": "t", "data.path": "d", "out": "o.jsonl"})}
+    models = {
+        "distill": (DistillConfig, {"student.path": "s", "data.path": "d"}),
+        "eval": (EvalConfig, {}),
+        "sft": (SFTConfig, {"model.path": "m", "data.path": "d"}),
+        "rollout": (RolloutConfig, {"model.path": "m", "data.path": "d", "out": "o"}),
+        "score": (PromptScoreConfig, {"student.path": "s", "teacher.path": "t", "data.path": "d", "out": "o.jsonl"}),
+    }
     cls, options = models[model]
     text = f"[0.9, {value}]" if key == "optim.betas" else value
     with pytest.raises(ConfigError, match=rf"config key '{key}(\.1)?': Input should be a finite number"):
@@ -117,9 +179,16 @@ def test_one_spelling_for_thinking(command):
     assert "--thinking / --no-thinking" in " ".join(result.output.split()), result.output
 
 
-@pytest.mark.parametrize("argv, enabled, note", [(["--thinking"], True, False), (["--no-thinking"], False, False),
-                                                 (["--thinking", "on"], True, True), (["--thinking=off"], False, True),
-                                                 ([], None, False)])
+@pytest.mark.parametrize(
+    "argv, enabled, note",
+    [
+        (["--thinking"], True, False),
+        (["--no-thinking"], False, False),
+        (["--thinking", "on"], True, True),
+        (["--thinking=off"], False, True),
+        ([], None, False),
+    ],
+)
 def test_rollout_thinking_old_spelling_still_works(argv, enabled, note, monkeypatch, capfd):
     """`opd rollout --thinking on|off` (its spelling before the switch became a flag) works for one more release,
     with a deprecation note on stderr."""

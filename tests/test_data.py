@@ -34,8 +34,12 @@ SHARED_FILES = [
     ("benchmarks/AIME24.parquet", 30, "Every morning Aya goes for a $9$-kilometer-long walk", "\\boxed{204}"),
     ("benchmarks/AIME25.parquet", 30, "Find the sum of all integer bases $b>9$", "70"),
     ("benchmarks/AMC23.parquet", 40, "Cities $A$ and $B$ are $45$ miles apart.", "27"),
-    ("benchmarks/MATH-500.parquet", 500, "Convert the point $(0,3)$ in rectangular coordinates",
-     "\\left( 3, \\frac{\\pi}{2} \\right)"),
+    (
+        "benchmarks/MATH-500.parquet",
+        500,
+        "Convert the point $(0,3)$ in rectangular coordinates",
+        "\\left( 3, \\frac{\\pi}{2} \\right)",
+    ),
     ("benchmarks/Minerva.parquet", 272, "Each of the two Magellan telescopes has a diameter", "1.6"),
     ("benchmarks/Olympiad-Bench.parquet", 674, "Xenia and Sergey play the following game.", "2"),
     ("train/dapo-math-17k.parquet", 17917, DAPO_PREFIX + "In triangle $ABC$, $\\sin \\angle A", "34"),
@@ -119,8 +123,9 @@ def test_benchmark_names_and_stems():
 def test_unknown_benchmark():
     with pytest.raises(DataError) as e:
         load_benchmark("aime2")
-    one_line_error(e, "unknown benchmark 'aime2'", "aime24, aime25, amc23, math500, minerva, olympiadbench",
-                   "did you mean aime25")
+    one_line_error(
+        e, "unknown benchmark 'aime2'", "aime24, aime25, amc23, math500, minerva, olympiadbench", "did you mean aime25"
+    )
 
 
 def test_benchmark_path_goes_through_load_prompts(tmp_path):
@@ -175,8 +180,7 @@ def test_json_list_and_json_lines_named_json(tmp_path):
 
 def test_column_mapping_system_key_and_limit(tmp_path):
     path = tmp_path / "p.jsonl"
-    rows = [{"uid": f"u{i}", "problem": f"P{i}", "answer": [f"{i}"], "sys": "Be brief.", "level": i}
-            for i in range(5)]
+    rows = [{"uid": f"u{i}", "problem": f"P{i}", "answer": [f"{i}"], "sys": "Be brief.", "level": i} for i in range(5)]
     path.write_text("\n".join(json.dumps(r) for r in rows))
     prompts = load_prompts(path, prompt_key="problem", answer_key="answer", id_key="uid", system_key="sys", limit=3)
     assert len(prompts) == 3
@@ -294,8 +298,16 @@ def _rows(path, answers):
     return path
 
 
-@pytest.mark.parametrize("missing, written", [(None, "null"), ("", "an empty string"), ("   ", "an empty string"),
-                                              ([], "[] (no non-empty entry)"), ([None, ""], "[None, ''] (no")])
+@pytest.mark.parametrize(
+    "missing, written",
+    [
+        (None, "null"),
+        ("", "an empty string"),
+        ("   ", "an empty string"),
+        ([], "[] (no non-empty entry)"),
+        ([None, ""], "[None, ''] (no"),
+    ],
+)
 def test_missing_answer_is_an_error_naming_file_row_and_column(tmp_path, missing, written):
     path = _rows(tmp_path / "p.jsonl", ["1", missing, "3"])
     with pytest.raises(DataError) as e:
@@ -305,9 +317,19 @@ def test_missing_answer_is_an_error_naming_file_row_and_column(tmp_path, missing
 
 def test_missing_answer_skip_and_keep(tmp_path, caplog):
     path = tmp_path / "p.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [{"problem": "P0", "answer": "1"}, {"problem": "P1"},
-                                                      {"problem": "P2", "answer": None}, {"problem": "P3", "answer": 4},
-                                                      {"problem": "P4", "answer": float("nan")}]) + "\n")
+    path.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"problem": "P0", "answer": "1"},
+                {"problem": "P1"},
+                {"problem": "P2", "answer": None},
+                {"problem": "P3", "answer": 4},
+                {"problem": "P4", "answer": float("nan")},
+            ]
+        )
+        + "\n"
+    )
     with caplog.at_level("WARNING", logger="opd.data.prompts"):
         prompts = load_prompts(path, prompt_key="problem", answer_key="answer", on_missing_answer="skip")
     assert [(p.id, p.answer) for p in prompts] == [("0", "1"), ("3", "4")]
@@ -315,8 +337,12 @@ def test_missing_answer_skip_and_keep(tmp_path, caplog):
     kept = load_prompts(path, prompt_key="problem", answer_key="answer", on_missing_answer="keep")
     assert [p.answer for p in kept] == ["1", None, None, "4", None]
     with pytest.raises(DataError) as e:
-        load_prompts(_rows(tmp_path / "none.jsonl", [None, ""]), prompt_key="problem", answer_key="answer",
-                     on_missing_answer="skip")
+        load_prompts(
+            _rows(tmp_path / "none.jsonl", [None, ""]),
+            prompt_key="problem",
+            answer_key="answer",
+            on_missing_answer="skip",
+        )
     one_line_error(e, "every row's 'answer' is empty")
     with pytest.raises(DataError) as e:
         load_prompts(path, prompt_key="problem", answer_key="answer", on_missing_answer="drop")
@@ -382,7 +408,7 @@ def test_template_strings():
 def test_dapo_to_boxed_on_real_rows():
     dapo = shared("train/dapo-math-17k.parquet")
     for p in dapo[:200]:
-        problem = p.text[len(DAPO_PREFIX): -len(DAPO_SUFFIX)].strip()
+        problem = p.text[len(DAPO_PREFIX) : -len(DAPO_SUFFIX)].strip()
         boxed = apply_template(p, "boxed")
         assert boxed.text == problem + BOXED_SUFFIX
         assert (boxed.id, boxed.answer) == (p.id, p.answer)
@@ -435,8 +461,7 @@ def tiny_tokenizer(chat_template: str | None):
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.add_special_tokens(specials)
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     tokenizer.chat_template = chat_template
     return tokenizer
 
@@ -491,5 +516,6 @@ def test_encode_prompts_template_and_fallback():
     encoded = encode_prompts(plain, [Prompt("a", MESSAGES)], max_prompt_length=100)
     ids = encoded.input_ids[0]
     assert ids[0] == plain.bos_token_id and ids[1] != plain.bos_token_id  # fallback gets the tokenizer's BOS once
-    assert plain.decode(ids[1:]) == plain.decode(plain("User: What is 1+1?\nAssistant:",
-                                                       add_special_tokens=False)["input_ids"])
+    assert plain.decode(ids[1:]) == plain.decode(
+        plain("User: What is 1+1?\nAssistant:", add_special_tokens=False)["input_ids"]
+    )

@@ -18,9 +18,11 @@ from opd.types import Prompt
 
 SHARED = Path(__file__).parents[1].parent / "shared" / "data" / "train"  # beside the checkout, as in CI
 
-LONG = (r"Let $ABCD$ be a convex quadrilateral with $AB = 7$, $BC = 9$, $CD = 11$ and $DA = 13$. The diagonals "
-        r"$AC$ and $BD$ meet at the point $P$, and the area of triangle $APB$ equals $12$. Find the area of the "
-        r"quadrilateral $ABCD$, expressed as a fraction $\frac{m}{n}$ in lowest terms, and compute $m + n$.")
+LONG = (
+    r"Let $ABCD$ be a convex quadrilateral with $AB = 7$, $BC = 9$, $CD = 11$ and $DA = 13$. The diagonals "
+    r"$AC$ and $BD$ meet at the point $P$, and the area of triangle $APB$ equals $12$. Find the area of the "
+    r"quadrilateral $ABCD$, expressed as a fraction $\frac{m}{n}$ in lowest terms, and compute $m + n$."
+)
 OTHER = [
     r"How many positive integers $n \le 1000$ are such that $n^2 + 1$ is divisible by $5$?",
     r"A fair die is rolled four times. What is the probability that the product of the results is a perfect square?",
@@ -56,8 +58,12 @@ def test_exact_variants_are_caught_against_b():
         P("a_ws", "  " + LONG.replace(" ", "   ").upper() + "\n"),
         P("a_dapo", DAPO_PREFIX + LONG + DAPO_SUFFIX),
         P("a_boxed", OTHER[0] + BOXED_SUFFIX),
-        P("a_latex", LONG.replace("$AB = 7$", r"\(AB\,=\,7\)").replace(r"\frac{m}{n}", r"\dfrac{m}{n}")
-          .replace("$12$", r"$\!12\;$")),
+        P(
+            "a_latex",
+            LONG.replace("$AB = 7$", r"\(AB\,=\,7\)")
+            .replace(r"\frac{m}{n}", r"\dfrac{m}{n}")
+            .replace("$12$", r"$\!12\;$"),
+        ),
         P("a_new", OTHER[2]),
     ]
     result = dedup(a, b, minhash_threshold=None)
@@ -142,8 +148,11 @@ def test_load_embedder_fails_in_one_line_when_unavailable(tmp_path, monkeypatch)
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *args: None if name == "sentence_transformers" else real_find_spec(name, *args))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "sentence_transformers" else real_find_spec(name, *args),
+    )
     with pytest.raises(ValueError) as err:
         load_embedder(str(tmp_path / "no-such-model"))
     assert "\n" not in str(err.value) and "sentence-transformers" in str(err.value)
@@ -161,19 +170,33 @@ def test_transformers_embedder_on_a_tiny_bert(tmp_path, monkeypatch):
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz0123456789$+=", "find", "the"]
     (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
     BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt")).save_pretrained(tmp_path / "bert")
-    config = BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=64)
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=64,
+    )
     BertModel(config).save_pretrained(tmp_path / "bert")
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *args: None if name == "sentence_transformers" else real_find_spec(name, *args))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "sentence_transformers" else real_find_spec(name, *args),
+    )
     embed = load_embedder(str(tmp_path / "bert"), batch_size=2)
     vectors = embed(["find the x", "find the x", "1+1=2"])
     assert vectors.shape == (3, 16)
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
     np.testing.assert_allclose(vectors[0], vectors[1], atol=1e-5)
-    result = dedup([P("a", "find the x"), P("b", "find the x ")], exact=False, minhash_threshold=None,
-                   embedding_model=str(tmp_path / "bert"), cosine_threshold=0.99)
+    result = dedup(
+        [P("a", "find the x"), P("b", "find the x ")],
+        exact=False,
+        minhash_threshold=None,
+        embedding_model=str(tmp_path / "bert"),
+        cosine_threshold=0.99,
+    )
     assert [d.id for d in result.removed] == ["b"]
 
 
@@ -187,8 +210,15 @@ def test_lsh_bands_reach_the_recall_target():
 
 def test_dedup_files_writes_kept_set_and_report(tmp_path):
     a_path, b_path = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    rows_a = [{"prompt": [{"role": "user", "content": t}], "reward_model": {"ground_truth": str(i)},
-               "extra_info": {"index": f"a{i}"}, "data_source": "a"} for i, t in enumerate([LONG, OTHER[2], OTHER[3]])]
+    rows_a = [
+        {
+            "prompt": [{"role": "user", "content": t}],
+            "reward_model": {"ground_truth": str(i)},
+            "extra_info": {"index": f"a{i}"},
+            "data_source": "a",
+        }
+        for i, t in enumerate([LONG, OTHER[2], OTHER[3]])
+    ]
     rows_b = [{"problem": t} for t in [LONG.upper(), OTHER[0]]]
     a_path.write_text("".join(json.dumps(r) + "\n" for r in rows_a))
     b_path.write_text("".join(json.dumps(r) + "\n" for r in rows_b))
@@ -214,7 +244,7 @@ def test_shared_deepmath_against_dapo():
         text = p.text
         k = text.find(" is ", len(DAPO_PREFIX))
         if k > 0 and len(text) > 600:  # long enough that one edit keeps Jaccard well above 0.8
-            planted.append(P("planted-" + p.id, text[:k] + " was " + text[k + 4:]))
+            planted.append(P("planted-" + p.id, text[:k] + " was " + text[k + 4 :]))
     assert len(planted) >= 50
     start = time.perf_counter()
     result = dedup(a + planted, b)
@@ -223,7 +253,7 @@ def test_shared_deepmath_against_dapo():
     source = {p.id: p for p in b}
     for p in planted:  # matched to its source, or to an exact duplicate of it (DAPO-Math-17k has ~1.4k)
         match = removed[p.id].matched
-        assert normalize_problem(match.text) == normalize_problem(source[p.id[len("planted-"):]].text)
+        assert normalize_problem(match.text) == normalize_problem(source[p.id[len("planted-") :]].text)
     real = [d for d in result.removed if not d.id.startswith("planted-")]
     assert result.counts["exact"] == 0 and len(real) <= 10, [(d.id, d.matched_id, d.score) for d in real]
     assert seconds < 60, seconds

@@ -8,13 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd.config import ConfigError
+from helpers import (
+    EOS_ID,
+    distill_config,
+    latest_weights,
+    make_tiny_model,
+    make_tiny_tokenizer,
+    reverse_kl,
+    train_to_prefer,
+)
 from opd.io import read_jsonl
-from opd.train.checkpoint import latest_checkpoint
 from opd.recipes.distill import distill
-
-from helpers import EOS_ID, distill_config, latest_weights, make_tiny_model, make_tiny_tokenizer, reverse_kl
-from helpers import train_to_prefer
+from opd.train.checkpoint import latest_checkpoint
 
 
 @pytest.mark.parametrize(
@@ -37,9 +42,24 @@ def test_every_mode_runs_and_writes_the_run_dir(world, tmp_path, overrides):
     run_dir = distill(distill_config(world, tmp_path, *overrides))
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
-    for key in ("reward_mean", "grad_norm", "overlap_ratio", "overlap_mass_student", "overlap_mass_teacher",
-                "overlap_advantage", "entropy_student", "entropy_teacher", "entropy_gap", "response_length",
-                "truncation_rate", "rollout_accuracy", "time/rollout", "time/teacher", "time/update", "tokens_per_second"):
+    for key in (
+        "reward_mean",
+        "grad_norm",
+        "overlap_ratio",
+        "overlap_mass_student",
+        "overlap_mass_teacher",
+        "overlap_advantage",
+        "entropy_student",
+        "entropy_teacher",
+        "entropy_gap",
+        "response_length",
+        "truncation_rate",
+        "rollout_accuracy",
+        "time/rollout",
+        "time/teacher",
+        "time/update",
+        "tokens_per_second",
+    ):
         assert metrics[-1][key] is not None, key
     assert 0.0 <= metrics[-1]["overlap_ratio"] <= 1.0
     assert (run_dir / "config.yaml").exists()
@@ -153,9 +173,8 @@ def test_kill_during_checkpoint_keeps_previous_loadable(world, tmp_path, monkeyp
 def test_trainer_scores_agree_with_dense_token_rewards(world):
     """The trainer's chunked path (LocalScorer + sparse core) equals SPEC §8's dense `token_rewards`."""
     from opd.objectives import build_candidates, candidate_rewards, gather_candidate_logprobs, token_rewards
-    from opd.rollout import SamplingParams
+    from opd.rollout import SamplingParams, make_generator
     from opd.rollout.batch import build_rollouts
-    from opd.rollout import make_generator
     from opd.teacher.local import LocalScorer
 
     student = make_tiny_model("qwen3", seed=0)
@@ -168,10 +187,20 @@ def test_trainer_scores_agree_with_dense_token_rewards(world):
     with torch.no_grad():
         dense_student = student(rollouts.input_ids, attention_mask=rollouts.attention_mask).logits
         dense_teacher = teacher(rollouts.input_ids, attention_mask=rollouts.attention_mask).logits
-    gather = lambda logits: torch.gather(logits, 1, positions[..., None].expand(-1, -1, logits.shape[-1]))
+
+    def gather(logits):
+        return torch.gather(logits, 1, positions[..., None].expand(-1, -1, logits.shape[-1]))
+
     for strategy in ("only_stu", "union", "union-intersection"):
-        dense = token_rewards(gather(dense_student), gather(dense_teacher), rollouts.response_ids, rollouts.response_mask,
-                              top_k=4, strategy=strategy, weight="student_p")
+        dense = token_rewards(
+            gather(dense_student),
+            gather(dense_teacher),
+            rollouts.response_ids,
+            rollouts.response_mask,
+            top_k=4,
+            strategy=strategy,
+            weight="student_p",
+        )
         s = LocalScorer(student).score(rollouts, top_k=4)
         t = LocalScorer(teacher).score(rollouts, top_k=4, requested_ids=s.topk_ids)
         s_at_t = LocalScorer(student).score(rollouts, top_k=0, requested_ids=t.topk_ids).requested_logprobs
@@ -190,15 +219,24 @@ def test_trainer_scores_agree_with_dense_token_rewards(world):
 def test_opd_moves_the_student_toward_the_teacher(world, tmp_path, top_k):
     tokenizer = make_tiny_tokenizer()
     prompt_text = "7*6="
-    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt_text}], tokenize=False,
-                                               add_generation_prompt=True)
+    prompt_ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt_text}], tokenize=False, add_generation_prompt=True
+    )
     prompt_ids = tokenizer(prompt_ids, add_special_tokens=False)["input_ids"]
     target_ids = tokenizer("42")["input_ids"] + [EOS_ID]
     train_to_prefer(tmp_path / "teacher", prompt_ids, target_ids, steps=150)
     train_to_prefer(tmp_path / "student", prompt_ids, target_ids, steps=5)
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": prompt_text, "answer": "42"}) + "\n")
-    cfg = distill_config(world, tmp_path, f"objective.top_k={top_k}", "prompts_per_step=1", "rollout.n=8",
-                         "optim.lr=3e-3", "run.save_every=0", steps=20)
+    cfg = distill_config(
+        world,
+        tmp_path,
+        f"objective.top_k={top_k}",
+        "prompts_per_step=1",
+        "rollout.n=8",
+        "optim.lr=3e-3",
+        "run.save_every=0",
+        steps=20,
+    )
     cfg.student.path, cfg.teacher.path = str(tmp_path / "student"), str(tmp_path / "teacher")
     cfg.data.path = str(tmp_path / "p.jsonl")
     before = reverse_kl(tmp_path / "student", tmp_path / "teacher", prompt_ids)
@@ -239,7 +277,8 @@ def test_teacher_offload_trains_like_a_resident_teacher(world, tmp_path):
         assert torch.equal(latest_weights(offloaded)[key], value), key
     keys = ("reward_mean", "grad_norm", "overlap_ratio")
     assert [{k: m[k] for k in keys} for m in read_jsonl(offloaded / "metrics.jsonl")] == [
-        {k: m[k] for k in keys} for m in read_jsonl(resident / "metrics.jsonl")]
+        {k: m[k] for k in keys} for m in read_jsonl(resident / "metrics.jsonl")
+    ]
 
 
 def test_on_device_keeps_one_host_copy_and_copies_nothing_back():

@@ -2,8 +2,9 @@
 
 Both runs go through `benchmarks/multi_gpu.py run distill …` (the CLI with the rollout engine decoding greedily,
 what `benchmarks/run_multi_gpu.sh` runs on GPUs): the config requires rollout.temperature > 0, and sampled
-rollouts necessarily differ between 1 and 2 processes (each rank samples with its own seed). Greedy rollouts depend only on the prompt and the weights, so both runs train on identical
-rollouts and — the update being the same global token-mean — must end with the same weights.
+rollouts necessarily differ between 1 and 2 processes (each rank samples with its own seed). Greedy rollouts depend
+only on the prompt and the weights, so both runs train on identical rollouts and — the update being the same global
+token-mean — must end with the same weights.
 """
 
 import json
@@ -45,23 +46,48 @@ def world(tmp_path_factory):
 
 def _run(world: Path, out: Path, name: str, nproc: int, *overrides: str, steps: int = 2) -> Path:
     options = {
-        "student.path": str(world / "student"), "teacher.path": str(world / "teacher"),
-        "data.path": str(world / "prompts.jsonl"), "data.answer_key": "answer", "data.max_prompt_length": 48,
-        "prompts_per_step": 4, "rollout.n": 2, "rollout.max_new_tokens": 6, "micro_batch_tokens": 128,
-        "run.out_dir": str(out), "run.name": name, "run.steps": steps, "run.report": False, "optim.lr": 1e-3,
+        "student.path": str(world / "student"),
+        "teacher.path": str(world / "teacher"),
+        "data.path": str(world / "prompts.jsonl"),
+        "data.answer_key": "answer",
+        "data.max_prompt_length": 48,
+        "prompts_per_step": 4,
+        "rollout.n": 2,
+        "rollout.max_new_tokens": 6,
+        "micro_batch_tokens": 128,
+        "run.out_dir": str(out),
+        "run.name": name,
+        "run.steps": steps,
+        "run.report": False,
+        "optim.lr": 1e-3,
         # Adam's update is ~lr·sign(g) even for gradients at rounding-noise level (~1e-9), where the two runs' float
         # sums may differ in sign; an eps above that noise keeps such entries still, so weights compare at 1e-5.
         "optim.eps": 1e-4,
-        "student.device": "cpu", "teacher.device": "cpu",
+        "student.device": "cpu",
+        "teacher.device": "cpu",
     }
     options.update(dict(o.split("=", 1) for o in overrides))
     # the tests' directory (conftest) in front of the caller's path (which may put a checkout's src/ first)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
+    }
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_free_port())]
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(_free_port()),
+        ]
+    )
     command = [*launcher, str(MULTI_GPU), "run", "distill", *(f"{k}={v}" for k, v in options.items())]
     stdout = _check_call(command, env, timeout=120)
     with open(out / f"{name}.stdout", "a") as log:  # beside the run directory, not in it
@@ -80,8 +106,13 @@ def runs(world, tmp_path_factory):
     """The same 2-step run with one process (no torchrun) and with two (plus an evaluation at the end, which rank 0
     runs alone on the gathered weights)."""
     out = tmp_path_factory.mktemp("dist-runs")
-    evaluation = (f"eval.benchmarks={world / 'prompts.jsonl'}", "eval.answer_key=answer", "eval.limit=2",
-                  "eval.n=1", "eval.max_new_tokens=4")
+    evaluation = (
+        f"eval.benchmarks={world / 'prompts.jsonl'}",
+        "eval.answer_key=answer",
+        "eval.limit=2",
+        "eval.n=1",
+        "eval.max_new_tokens=4",
+    )
     return _run(world, out, "single", 1), _run(world, out, "double", 2, *evaluation)
 
 
@@ -225,18 +256,77 @@ def test_scale_rows_at_one_and_two_ranks_replicated_and_served(tmp_path, capsys)
     teacher, and N = 1 with a served one; the table adds them up with the weak-scaling efficiency."""
     multi_gpu = _multi_gpu()
     out = tmp_path / "scale.json"
-    flags = ["--shape", "tiny", "--teacher-shape", "tiny", "--device", "cpu", "--prompts-per-rank", "2", "--samples",
-             "2", "--prompt-len", "4", "--new-tokens", "8", "--lengths", "lognormal:mean=4,cap=8", "--warmup", "0",
-             "--repeat", "1", "--micro-batch-tokens", "256", "--out", str(out)]
+    flags = [
+        "--shape",
+        "tiny",
+        "--teacher-shape",
+        "tiny",
+        "--device",
+        "cpu",
+        "--prompts-per-rank",
+        "2",
+        "--samples",
+        "2",
+        "--prompt-len",
+        "4",
+        "--new-tokens",
+        "8",
+        "--lengths",
+        "lognormal:mean=4,cap=8",
+        "--warmup",
+        "0",
+        "--repeat",
+        "1",
+        "--micro-batch-tokens",
+        "256",
+        "--out",
+        str(out),
+    ]
     multi_gpu.main(["scale", *flags])
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")])))
-    _check_call([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                 str(_free_port()), str(MULTI_GPU), "scale", *flags], env)
-    server = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "teacher_server.py"), "--serve", "--shape",
-                               "tiny", "--device", "cpu", "--batch", "4", "--prompt-len", "4", "--response-len", "8"],
-                              env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    )
+    _check_call(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            str(MULTI_GPU),
+            "scale",
+            *flags,
+        ],
+        env,
+    )
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "teacher_server.py"),
+            "--serve",
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--batch",
+            "4",
+            "--prompt-len",
+            "4",
+            "--response-len",
+            "8",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         line = ""
         while "listening on " not in line:
@@ -258,8 +348,9 @@ def test_scale_rows_at_one_and_two_ranks_replicated_and_served(tmp_path, capsys)
 def _check_call(command: list[str], env: dict, timeout: float = 180) -> str:
     """Run `command` in its own session (a hang — a collective waiting forever — kills the launcher *and* its
     workers); assert it succeeded; return its stdout."""
-    process = subprocess.Popen(command, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        command, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

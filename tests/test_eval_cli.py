@@ -5,10 +5,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from helpers import eval_args, write_jsonl
 from opd.cli import app
 from opd.io import read_jsonl
-
-from helpers import eval_args, write_jsonl
 
 
 def test_eval_responses_known_counts(tmp_path):
@@ -19,10 +18,17 @@ def test_eval_responses_known_counts(tmp_path):
         {"problem_id": "a", "benchmark": "toy", "answer": "\\boxed{12}", "response": "\\boxed{12.0}"},
         {"problem_id": "a", "benchmark": "toy", "answer": "\\boxed{12}", "response": "\\boxed{13}"},
         # problem b: 1 of 4 correct (fraction vs decimal); its majority answer (2) is wrong
-        {"problem_id": "b", "benchmark": "toy", "answer": "0.5", "responses": ["\\boxed{\\frac12}", "\\boxed{2}", "\\boxed{2}", "no answer"]},
+        {
+            "problem_id": "b",
+            "benchmark": "toy",
+            "answer": "0.5",
+            "responses": ["\\boxed{\\frac12}", "\\boxed{2}", "\\boxed{2}", "no answer"],
+        },
     ]
     out = tmp_path / "out"
-    result = CliRunner().invoke(app, ["eval", "--responses", str(write_jsonl(tmp_path / "r.jsonl", rows)), "--out", str(out)])
+    result = CliRunner().invoke(
+        app, ["eval", "--responses", str(write_jsonl(tmp_path / "r.jsonl", rows)), "--out", str(out)]
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "results.json").read_text())["benchmarks"]["toy"]
     assert summary["num_problems"] == 2 and summary["num_samples"] == 8
@@ -68,7 +74,10 @@ def test_eval_model_files_table_and_resume(tiny_model_dir, problem_file, tmp_pat
     assert result.exit_code == 0, result.output
     assert "resuming" in result.output
     resumed = read_jsonl(out / "samples.jsonl")
-    key = lambda r: (r["problem_id"], r["sample"])
+
+    def key(r):
+        return r["problem_id"], r["sample"]
+
     assert sorted(map(key, resumed)) == sorted(map(key, first))
     # the redone chunk reproduces exactly what the uninterrupted run sampled
     assert {key(r): r["response"] for r in resumed} == {key(r): r["response"] for r in first}
@@ -80,8 +89,21 @@ def test_eval_model_files_table_and_resume(tiny_model_dir, problem_file, tmp_pat
 
 def test_eval_builtin_benchmark_by_name(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    args = ["eval", "--model", str(tiny_model_dir), "--benchmarks", "aime24,math500", "--limit", "2", "--n", "1",
-            "--max-new-tokens", "3", "--out", str(out)]
+    args = [
+        "eval",
+        "--model",
+        str(tiny_model_dir),
+        "--benchmarks",
+        "aime24,math500",
+        "--limit",
+        "2",
+        "--n",
+        "1",
+        "--max-new-tokens",
+        "3",
+        "--out",
+        str(out),
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())["benchmarks"]
@@ -92,22 +114,27 @@ def test_eval_builtin_benchmark_by_name(tiny_model_dir, tmp_path):
 
 
 def _snapshot(out):
-    return {name: (out / name).read_bytes() for name in ("samples.jsonl", "results.json", "config.yaml", "identity.json")}
+    return {
+        name: (out / name).read_bytes() for name in ("samples.jsonl", "results.json", "config.yaml", "identity.json")
+    }
 
 
-@pytest.mark.parametrize("change, field", [
-    (["--n", "1"], "n: 2 → 1"),
-    (["--temperature", "0.5"], "temperature: 1.0 → 0.5"),
-    (["--top-p", "0.9"], "top_p: 1.0 → 0.9"),
-    (["--top-k", "5"], "top_k: 0 → 5"),
-    (["--max-new-tokens", "5"], "max_new_tokens: 6 → 5"),
-    (["--seed", "1"], "seed: 0 → 1"),
-    (["--template", "boxed"], "template: 'keep' → 'boxed'"),
-    (["--no-thinking"], "enable_thinking: None → False"),
-    (["--limit", "3"], "limit: None → 3"),
-    (["--batch-size", "2"], "batch_size: 4 → 2"),
-    (["max_prompt_length=100"], "max_prompt_length: 2048 → 100"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (["--n", "1"], "n: 2 → 1"),
+        (["--temperature", "0.5"], "temperature: 1.0 → 0.5"),
+        (["--top-p", "0.9"], "top_p: 1.0 → 0.9"),
+        (["--top-k", "5"], "top_k: 0 → 5"),
+        (["--max-new-tokens", "5"], "max_new_tokens: 6 → 5"),
+        (["--seed", "1"], "seed: 0 → 1"),
+        (["--template", "boxed"], "template: 'keep' → 'boxed'"),
+        (["--no-thinking"], "enable_thinking: None → False"),
+        (["--limit", "3"], "limit: None → 3"),
+        (["--batch-size", "2"], "batch_size: 4 → 2"),
+        (["max_prompt_length=100"], "max_prompt_length: 2048 → 100"),
+    ],
+)
 def test_eval_rerun_with_other_settings_is_refused(tiny_model_dir, problem_file, tmp_path, change, field):
     out = tmp_path / "run"
     assert CliRunner().invoke(app, eval_args(tiny_model_dir, problem_file, out)).exit_code == 0
@@ -156,8 +183,13 @@ def test_eval_one_line_error_through_the_real_cli(tiny_model_dir, problem_file, 
     assert CliRunner().invoke(app, eval_args(tiny_model_dir, problem_file, out)).exit_code == 0
     args = eval_args(tiny_model_dir, problem_file, out)
     args[args.index("--n") + 1] = "3"
-    proc = subprocess.run([sys.executable, "-c", "from opd.cli import main; main()", *args], capture_output=True,
-                          text=True, env={**os.environ, "OPD_DEBUG": ""}, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", "from opd.cli import main; main()", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OPD_DEBUG": ""},
+        timeout=300,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "n: 2 → 3" in lines[0] and "Traceback" not in proc.stderr
@@ -239,7 +271,6 @@ def test_eval_redoes_partial_chunks(tiny_model_dir, problem_file, tmp_path, dama
 def test_eval_periodic_eval_dir_resumes_with_a_generator_in_memory(tiny_tokenizer, problem_file, tmp_path):
     """The trainer's `run_dir/eval/step_N` evals pass the model in memory; a rerun (a resumed run) reuses them."""
     from helpers import make_tiny_model
-
     from opd.config import EvalConfig, ModelSpec
     from opd.recipes.eval import evaluate
     from opd.rollout import make_generator
@@ -252,9 +283,18 @@ def test_eval_periodic_eval_dir_resumes_with_a_generator_in_memory(tiny_tokenize
             self.calls += 1
             return self.inner.generate(prompt_ids, params)
 
-    config = EvalConfig(model=ModelSpec(path="student-base"), benchmarks=[str(problem_file)], prompt_key="problem",
-                        answer_key="answer", n=2, max_new_tokens=4, batch_size=4, temperature=1.0, top_p=1.0,
-                        out=str(tmp_path / "run" / "eval" / "step_4"))
+    config = EvalConfig(
+        model=ModelSpec(path="student-base"),
+        benchmarks=[str(problem_file)],
+        prompt_key="problem",
+        answer_key="answer",
+        n=2,
+        max_new_tokens=4,
+        batch_size=4,
+        temperature=1.0,
+        top_p=1.0,
+        out=str(tmp_path / "run" / "eval" / "step_4"),
+    )
     first = Counting(make_generator(make_tiny_model("llama"), tiny_tokenizer, engine="torch"))
     results = evaluate(config, generator=first, tokenizer=tiny_tokenizer)
     again = Counting(make_generator(make_tiny_model("llama"), tiny_tokenizer, engine="torch"))
@@ -274,27 +314,50 @@ def test_eval_responses_ground_truth_rules(tmp_path):
         return CliRunner().invoke(app, ["eval", "--responses", str(path), "--out", str(runs[-1]), *extra])
 
     # a null answer is not "" (which would grade a correct response wrong): one line naming the line and field
-    result = run([{"problem_id": "a", "response": "\\boxed{1}", "answer": "1"},
-                  {"problem_id": "b", "response": "\\boxed{2}", "answer": None}])
-    assert "r.jsonl:2: field 'answer' is null" in str(result.exception) and "on_missing_answer=skip" in str(result.exception)
+    result = run(
+        [
+            {"problem_id": "a", "response": "\\boxed{1}", "answer": "1"},
+            {"problem_id": "b", "response": "\\boxed{2}", "answer": None},
+        ]
+    )
+    assert "r.jsonl:2: field 'answer' is null" in str(result.exception) and "on_missing_answer=skip" in str(
+        result.exception
+    )
     # ... or skipped with a count
-    result = run([{"problem_id": "a", "response": "\\boxed{1}", "answer": "1"},
-                  {"problem_id": "b", "response": "\\boxed{2}", "answer": ""}], "on_missing_answer=skip")
+    result = run(
+        [
+            {"problem_id": "a", "response": "\\boxed{1}", "answer": "1"},
+            {"problem_id": "b", "response": "\\boxed{2}", "answer": ""},
+        ],
+        "on_missing_answer=skip",
+    )
     assert result.exit_code == 0, result.output
     assert "skipped 1 of 2 lines" in " ".join(result.output.split())  # rich wraps long lines
     assert json.loads((runs[-1] / "results.json").read_text())["benchmarks"]["r"]["num_problems"] == 1
     # a list answer is "any of", kept as a list (not the string "['1', '2']")
-    result = run([{"problem_id": "a", "response": "\\boxed{2}", "answer": ["1", "2"]},
-                  {"problem_id": "b", "response": "\\boxed{3}", "answer": ["1", "2"]}])
+    result = run(
+        [
+            {"problem_id": "a", "response": "\\boxed{2}", "answer": ["1", "2"]},
+            {"problem_id": "b", "response": "\\boxed{3}", "answer": ["1", "2"]},
+        ]
+    )
     assert result.exit_code == 0, result.output
     samples = read_jsonl(runs[-1] / "samples.jsonl")
     assert [s["correct"] for s in samples] == [True, False] and samples[0]["answer"] == ["1", "2"]
     # the same problem id with two answers is refused; with the same answer the lines are samples of one problem
-    result = run([{"problem_id": "a", "response": "\\boxed{1}", "answer": "1"},
-                  {"problem_id": "a", "response": "\\boxed{2}", "answer": "2"}])
+    result = run(
+        [
+            {"problem_id": "a", "response": "\\boxed{1}", "answer": "1"},
+            {"problem_id": "a", "response": "\\boxed{2}", "answer": "2"},
+        ]
+    )
     assert "r.jsonl:2: problem 'a'" in str(result.exception) and "line 1" in str(result.exception)
-    result = run([{"problem_id": "a", "response": "\\boxed{1}", "answer": "1"},
-                  {"problem_id": "a", "response": "\\boxed{2}", "answer": "1"}])
+    result = run(
+        [
+            {"problem_id": "a", "response": "\\boxed{1}", "answer": "1"},
+            {"problem_id": "a", "response": "\\boxed{2}", "answer": "1"},
+        ]
+    )
     assert json.loads((runs[-1] / "results.json").read_text())["benchmarks"]["r"]["num_samples"] == 2
     # a bool is not a math answer
     result = run([{"problem_id": "a", "response": "\\boxed{True}", "answer": True}])
@@ -318,7 +381,6 @@ def test_distill_periodic_eval_is_finished_on_resume(tiny_tokenizer, tmp_path):
     import shutil
 
     from helpers import make_tiny_model
-
     from opd.config import DistillConfig, build_config
     from opd.recipes.distill import distill
 
@@ -329,12 +391,27 @@ def test_distill_periodic_eval_is_finished_on_resume(tiny_tokenizer, tmp_path):
 
     def run(out, steps, *extra):
         options = {
-            "student.path": str(tmp_path / "student"), "teacher.path": str(tmp_path / "teacher"),
-            "data.path": str(prompts), "data.answer_key": "answer", "data.max_prompt_length": 32,
-            "prompts_per_step": 2, "rollout.n": 2, "rollout.max_new_tokens": 6, "rollout.batch_size": 4,
-            "micro_batch_tokens": 64, "run.out_dir": str(tmp_path / out), "run.name": "run", "run.steps": steps,
-            "run.report": False, "optim.lr": 1e-3, "run.save_every": 2, "run.eval_every": 2,
-            "eval.benchmarks": [str(prompts)], "eval.answer_key": "answer", "eval.n": 2, "eval.max_new_tokens": 4,
+            "student.path": str(tmp_path / "student"),
+            "teacher.path": str(tmp_path / "teacher"),
+            "data.path": str(prompts),
+            "data.answer_key": "answer",
+            "data.max_prompt_length": 32,
+            "prompts_per_step": 2,
+            "rollout.n": 2,
+            "rollout.max_new_tokens": 6,
+            "rollout.batch_size": 4,
+            "micro_batch_tokens": 64,
+            "run.out_dir": str(tmp_path / out),
+            "run.name": "run",
+            "run.steps": steps,
+            "run.report": False,
+            "optim.lr": 1e-3,
+            "run.save_every": 2,
+            "run.eval_every": 2,
+            "eval.benchmarks": [str(prompts)],
+            "eval.answer_key": "answer",
+            "eval.n": 2,
+            "eval.max_new_tokens": 4,
         }
         return distill(build_config(DistillConfig, options=options, overrides=list(extra)))
 

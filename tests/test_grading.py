@@ -165,6 +165,7 @@ def test_grade_table(answer, gold, expected):
     assert g.correct is expected, g
     assert g.extracted == answer
 
+
 # --- adversarial: a box that is not math is wrong unless it is, normalised, the ground truth itself
 ADVERSARIAL_CASES = [
     ("12345 garbage)( 7", "7", False),
@@ -232,8 +233,11 @@ BENCHMARK_STYLE_CASES = [
     ("\\frac{e^{at}-e^{-at}}{2a}", "\\frac{1}{2a}(\\exp{a*t} - \\exp{-a*t})", True),
     ("\\frac{e^{at}+e^{-at}}{2}", "\\frac{1}{2}(\\exp{a*t} + \\exp{-a*t})", True),
     ("\\frac{e^{at}-e^{-at}}{2}", "\\frac{1}{2}(\\exp{a*t} + \\exp{-a*t})", False),
-    ("x_0\\cos(\\omega t)+\\frac{\\dot{x}_0}{\\omega}\\sin(\\omega t)",
-     "x_{0} \\cos (\\omega t)+$ $\\dot{x}_{0} \\sin (\\omega t) / \\omega", True),
+    (
+        "x_0\\cos(\\omega t)+\\frac{\\dot{x}_0}{\\omega}\\sin(\\omega t)",
+        "x_{0} \\cos (\\omega t)+$ $\\dot{x}_{0} \\sin (\\omega t) / \\omega",
+        True,
+    ),
     ("4.5 \\times 10^{33} \\mathrm{erg/s}", "4.5e33", True),
     ("41.8 \\mathrm{~nm}", "41.8", True),
     ("1.6 \\text{ km}", "1.6", True),
@@ -291,8 +295,11 @@ BENCHMARK_STYLE_CASES = [
     ("\\frac{270}{7}^\\circ", "\\frac{270}7\\text{ degrees}", True),
     ("\\textbf{(C)}", "\\text{(C)}", True),
     ("\\text{C}", "\\text{(C)}", True),
-    ("\\begin{pmatrix} -\\frac13 \\\\ \\frac23 \\\\ \\frac53 \\end{pmatrix}",
-     "\\begin{pmatrix} -1/3 \\\\ 2/3 \\\\ 5/3 \\end{pmatrix}", True),
+    (
+        "\\begin{pmatrix} -\\frac13 \\\\ \\frac23 \\\\ \\frac53 \\end{pmatrix}",
+        "\\begin{pmatrix} -1/3 \\\\ 2/3 \\\\ 5/3 \\end{pmatrix}",
+        True,
+    ),
     ("4210_5", "4210_{5}", True),
     ("10{,}080", "10,\\!080", True),
     ("\\$32,348", "\\$32,\\!348", True),
@@ -439,8 +446,15 @@ NAMED_LHS_CASES = [
     ("k=3", "3", True),
 ]
 
-NEW_CASES = (ADVERSARIAL_CASES + BENCHMARK_STYLE_CASES + REPEATING_DECIMAL_CASES + MIXED_NUMBER_CASES + UNIT_CASES
-             + PM_CASES + NAMED_LHS_CASES)
+NEW_CASES = (
+    ADVERSARIAL_CASES
+    + BENCHMARK_STYLE_CASES
+    + REPEATING_DECIMAL_CASES
+    + MIXED_NUMBER_CASES
+    + UNIT_CASES
+    + PM_CASES
+    + NAMED_LHS_CASES
+)
 
 
 @pytest.mark.parametrize("answer, gold, expected", NEW_CASES)
@@ -469,7 +483,7 @@ def _equivalent_forms(gt):
     """Forms a model writes for the reference answer `gt`, each equal to it by the conventions of its set."""
     forms = []
     s = gt.strip()
-    inner = s[len("\\boxed{"):-1] if s.startswith("\\boxed{") and s.endswith("}") else s
+    inner = s[len("\\boxed{") : -1] if s.startswith("\\boxed{") and s.endswith("}") else s
     bare = inner.strip("$ .") if inner.count("$") == 2 and inner.startswith("$") else inner
     if bare != s:
         forms.append(bare)  # without `$…$` / `\boxed{}`
@@ -482,7 +496,11 @@ def _equivalent_forms(gt):
     if re.fullmatch(r"-?\d*\.\d+", bare):
         forms.append(bare + "0")
     if m := re.fullmatch(r"(-?)\\frac\{(\d+)\}\{(\d+)\}", bare):
-        forms += [f"{m[1]}{m[2]}/{m[3]}", f"{m[1]}\\dfrac{{{m[2]}}}{{{m[3]}}}", f"{m[1]}\\frac{{{2 * int(m[2])}}}{{{2 * int(m[3])}}}"]
+        forms += [
+            f"{m[1]}{m[2]}/{m[3]}",
+            f"{m[1]}\\dfrac{{{m[2]}}}{{{m[3]}}}",
+            f"{m[1]}\\frac{{{2 * int(m[2])}}}{{{2 * int(m[3])}}}",
+        ]
     if m := re.fullmatch(r"(\d+)\s*\\frac\{?(\d)\}?\{?(\d)\}?", bare):  # mixed number → improper fraction
         forms.append(f"\\frac{{{int(m[1]) * int(m[3]) + int(m[2])}}}{{{m[3]}}}")
     if m := re.fullmatch(r"(.+?)\s*\^\s*\{?\\circ\}?", bare):  # degrees
@@ -508,14 +526,23 @@ def _shipped_ground_truths():
     pq = pytest.importorskip("pyarrow.parquet")
     from opd.eval.benchmarks import BENCHMARKS, benchmark_path
 
-    return [(name, rm["ground_truth"]) for name in BENCHMARKS
-            for rm in pq.read_table(benchmark_path(name), columns=["reward_model"]).column("reward_model").to_pylist()]
+    return [
+        (name, rm["ground_truth"])
+        for name in BENCHMARKS
+        for rm in pq.read_table(benchmark_path(name), columns=["reward_model"]).column("reward_model").to_pylist()
+    ]
 
 
 def test_every_shipped_reference_answer_matches_its_equivalent_forms():
     pairs = [(name, form, gt) for name, gt in _shipped_ground_truths() for form in _equivalent_forms(gt)]
-    assert len(pairs) > 3000 and {name for name, _, _ in pairs} == {"aime24", "aime25", "amc23", "math500",
-                                                                     "minerva", "olympiadbench"}
+    assert len(pairs) > 3000 and {name for name, _, _ in pairs} == {
+        "aime24",
+        "aime25",
+        "amc23",
+        "math500",
+        "minerva",
+        "olympiadbench",
+    }
     failures = [(name, form, gt) for name, form, gt in pairs if not grade(f"\\boxed{{{form}}}", gt).correct]
     assert failures == []
 
@@ -664,7 +691,13 @@ def test_random_text_never_raises(response, gold):
 
 
 LATEX_ALPHABET = list("0123456789+-*/^_()[]{},.=x ") + [
-    "\\frac", "\\sqrt", "\\pi", "\\infty", "\\cup", "\\left(", "\\right)"
+    "\\frac",
+    "\\sqrt",
+    "\\pi",
+    "\\infty",
+    "\\cup",
+    "\\left(",
+    "\\right)",
 ]
 LATEX_TEXT = st.lists(st.sampled_from(LATEX_ALPHABET), max_size=25).map("".join)
 
@@ -722,8 +755,13 @@ def test_grading_never_evals_model_output(monkeypatch):
     real_eval, real_exec = builtins.eval, builtins.exec
     monkeypatch.setattr(builtins, "eval", lambda *a, **k: calls.append(("eval", a[0])) or real_eval(*a, **k))
     monkeypatch.setattr(builtins, "exec", lambda *a, **k: calls.append(("exec", a[0])) or real_exec(*a, **k))
-    canaries = [("\\sqrt{86753^{2}}", "86753"), ("86753 + zq", "zq + 86753"), ("86753.5 \\cdot 2", "173507"),
-                ("__import__('os').system('echo 86753')", "0"), ("86753*2", "173506")]
+    canaries = [
+        ("\\sqrt{86753^{2}}", "86753"),
+        ("86753 + zq", "zq + 86753"),
+        ("86753.5 \\cdot 2", "173507"),
+        ("__import__('os').system('echo 86753')", "0"),
+        ("86753*2", "173506"),
+    ]
     for answer, gold, _ in CASES + NEW_CASES:
         grade(f"\\boxed{{{answer}}}", gold)
     for answer, gold in canaries:

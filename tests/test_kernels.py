@@ -22,8 +22,9 @@ def reference_attention(q_RKGD, keys_RKSD, values_RKSD, start_R, last_R):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, kv_heads, groups, head_dim, slots", [(3, 2, 2, 32, 150), (2, 1, 4, 64, 70),
-                                                                     (3, 2, 1, 16, 18)])
+@pytest.mark.parametrize(
+    "rows, kv_heads, groups, head_dim, slots", [(3, 2, 2, 32, 150), (2, 1, 4, 64, 70), (3, 2, 1, 16, 18)]
+)
 def test_decode_attention_matches_float64_over_each_rows_slots(dtype, rows, kv_heads, groups, head_dim, slots):
     from opd.kernels.decode_attention import decode_attention
 
@@ -44,8 +45,9 @@ def test_decode_attention_matches_float64_over_each_rows_slots(dtype, rows, kv_h
         # them; no other slot changes.
         cache_k, cache_v = keys.clone(), values.clone()
         cache_k[rows_R, :, last] = cache_v[rows_R, :, last] = 0
-        got = decode_attention(q, cache_k, cache_v, start, last, 0.3, keys[rows_R, :, last], values[rows_R, :, last],
-                               splits=splits)
+        got = decode_attention(
+            q, cache_k, cache_v, start, last, 0.3, keys[rows_R, :, last], values[rows_R, :, last], splits=splits
+        )
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=0)
         assert torch.equal(cache_k, keys) and torch.equal(cache_v, values)
 
@@ -102,8 +104,15 @@ def test_varlen_model_runs_sdpa_unless_packed():
 
     varlen_attention.register()
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    config = Qwen3Config(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     model = Qwen3ForCausalLM(config).eval()
     ids_BL = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(1))
     mask_BL = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])

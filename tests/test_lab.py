@@ -26,7 +26,13 @@ def test_assets_are_package_data():
     names = {p.name for p in resources.files("opd.lab").joinpath("assets").iterdir()}
     assert {"teacher", "student", "rewrite_teacher", "data", "manifest.json"} <= names
     for model in (lab.teacher_path(), lab.student_path(), lab.rewrite_teacher_path()):
-        for file in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        for file in (
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ):
             assert (model / file).is_file(), model / file
     assert lab.test_set_path().is_file() and lab.opd_prompts_path().is_file()
 
@@ -65,8 +71,9 @@ def test_shipped_models_reach_recorded_accuracy(tmp_path, name):
     record = manifest["models"][name]
     recorded = record["test_accuracy"]
     tokens = record["test_eval"]["max_new_tokens"]
-    measured = measure(lab.assets_dir() / name, tmp_path / name, max_new_tokens=tokens,
-                       console=string_console())  # all 300
+    measured = measure(
+        lab.assets_dir() / name, tmp_path / name, max_new_tokens=tokens, console=string_console()
+    )  # all 300
     assert measured == pytest.approx(recorded, abs=0.02)
     if name == "student":
         assert 0.2 < recorded < 0.6  # a weak student: room for OPD to show
@@ -82,8 +89,15 @@ def test_demo_reduced(tmp_path):
 
     console = string_console()
     run_dir = demo(
-        [f"run.out_dir={tmp_path}", "run.name=demo", "run.steps=2", "run.eval_every=0", "eval.limit=20",
-         "prompts_per_step=4", "rollout.n=2"],
+        [
+            f"run.out_dir={tmp_path}",
+            "run.name=demo",
+            "run.steps=2",
+            "run.eval_every=0",
+            "eval.limit=20",
+            "prompts_per_step=4",
+            "rollout.n=2",
+        ],
         console=console,
     )
     out = console.file.getvalue()
@@ -110,11 +124,16 @@ def test_demo_config_matches_the_yaml():
     path = root / "configs" / "lab_demo.yaml"
     if not path.is_file():
         pytest.skip("configs/lab_demo.yaml is not in this checkout")
-    base, from_file = demo_config(["run.name=x"]).model_dump(), demo_config(["run.name=x"], config_file=path).model_dump()
+    base, from_file = (
+        demo_config(["run.name=x"]).model_dump(),
+        demo_config(["run.name=x"], config_file=path).model_dump(),
+    )
     for section in ("student", "teacher", "data"):
         assert Path(base[section]["path"]).resolve() == (root / from_file[section]["path"]).resolve()
         base[section]["path"] = from_file[section]["path"]
-    assert [Path(p).resolve() for p in base["eval"]["benchmarks"]] == [(root / p).resolve() for p in from_file["eval"]["benchmarks"]]
+    assert [Path(p).resolve() for p in base["eval"]["benchmarks"]] == [
+        (root / p).resolve() for p in from_file["eval"]["benchmarks"]
+    ]
     base["eval"]["benchmarks"] = from_file["eval"]["benchmarks"]
     assert base == from_file
 
@@ -123,8 +142,17 @@ def test_demo_config_matches_the_yaml():
 def test_build_reduced(tmp_path):
     from opd.recipes.lab import build
 
-    path = build(tmp_path, seed=3, teacher_steps=2, student_steps=2, rewrite_teacher_steps=2, rewrite_teacher_batch=16,
-                 sft_examples=256, eval_limit=4, console=string_console())
+    path = build(
+        tmp_path,
+        seed=3,
+        teacher_steps=2,
+        student_steps=2,
+        rewrite_teacher_steps=2,
+        rewrite_teacher_batch=16,
+        sft_examples=256,
+        eval_limit=4,
+        console=string_console(),
+    )
     manifest = json.loads(path.read_text())
     assert set(manifest["models"]) == {"teacher", "student", "rewrite_teacher"}
     shipped = json.loads(lab.manifest_path().read_text())["models"]
@@ -138,7 +166,8 @@ def test_build_reduced(tmp_path):
     assert sum(1 for _ in open(tmp_path / "data" / "sft_forward.jsonl")) == 256
     rewrite = [json.loads(line) for line in open(tmp_path / "data" / "sft_rewrite.jsonl")]
     assert len(rewrite) == 256 and rewrite[0]["messages"][-1]["content"].startswith(
-        rewrite[0]["messages"][0]["content"].split()[1].rstrip("."))  # restates the expression first
+        rewrite[0]["messages"][0]["content"].split()[1].rstrip(".")
+    )  # restates the expression first
 
 
 def test_build_only_and_refusals(tmp_path):
@@ -150,10 +179,19 @@ def test_build_only_and_refusals(tmp_path):
     (tmp_path / "mine" / "notes.txt").write_text("not a build")
     with pytest.raises(FileExistsError, match="not written by"):
         build(tmp_path / "mine", only=["student"], student_steps=1, console=string_console())
-    path = build(tmp_path / "one", only=["rewrite_teacher"], rewrite_teacher_steps=1, rewrite_teacher_batch=8,
-                 sft_examples=32, eval_limit=2, console=string_console())
+    path = build(
+        tmp_path / "one",
+        only=["rewrite_teacher"],
+        rewrite_teacher_steps=1,
+        rewrite_teacher_batch=8,
+        sft_examples=32,
+        eval_limit=2,
+        console=string_console(),
+    )
     assert set(json.loads(path.read_text())["models"]) == {"rewrite_teacher"}
-    assert not (tmp_path / "one" / "teacher").exists() and not (tmp_path / "one" / "data" / "sft_forward.jsonl").exists()
+    assert (
+        not (tmp_path / "one" / "teacher").exists() and not (tmp_path / "one" / "data" / "sft_forward.jsonl").exists()
+    )
 
 
 @pytest.mark.slow
@@ -163,8 +201,9 @@ def test_style_experiment_reduced(tmp_path):
 
     setup = {"teacher_steps": 2, "teacher_examples": 8, "cold_prompts": 8, "cold_steps": 2, "cold_examples": 4}
     overrides = ["eval.limit=8", "prompts_per_step=2", "rollout.n=2"]
-    summary = run_experiment("style", out_dir=tmp_path, steps=2, overrides=overrides, setup=setup,
-                             console=string_console())
+    summary = run_experiment(
+        "style", out_dir=tmp_path, steps=2, overrides=overrides, setup=setup, console=string_console()
+    )
     assert set(summary["runs"]) == {"mismatch", "cold_start", "matched"}
     assert all(0.0 <= r["rewrite_share"] <= 1.0 for r in summary["runs"].values())
     assert summary["runs"]["mismatch"]["overrides"] == [f"teacher.path={tmp_path / 'style' / 'rewrite_teacher'}"]
@@ -174,8 +213,15 @@ def test_style_experiment_reduced(tmp_path):
     assert (tmp_path / "style" / "cold_student_s0" / "model.safetensors").is_file()
     assert "Rewrite-style teacher" in markdown(summary) and (tmp_path / "style" / "summary.json").is_file()
     # a second run reuses the cached teacher; its OPD run directory exists, so a new run moves it aside
-    again = run_experiment("style", out_dir=tmp_path, steps=1, overrides=[*overrides, "run.overwrite=true"],
-                           only=["mismatch"], setup=setup, console=string_console())
+    again = run_experiment(
+        "style",
+        out_dir=tmp_path,
+        steps=1,
+        overrides=[*overrides, "run.overwrite=true"],
+        only=["mismatch"],
+        setup=setup,
+        console=string_console(),
+    )
     assert len(list((tmp_path / "style").glob("mismatch.old-*"))) == 1
     assert again["teacher_sft"] == summary["teacher_sft"] and "cold_start" not in again
 
@@ -185,8 +231,9 @@ def test_build_time_budget_always_saves_and_records(tmp_path):
     by the budget); a budget that outlasts the steps trains them all."""
     from opd.recipes.lab import build
 
-    common = dict(only=["rewrite_teacher"], rewrite_teacher_batch=4, sft_examples=16, eval_limit=2,
-                  console=string_console())
+    common = dict(
+        only=["rewrite_teacher"], rewrite_teacher_batch=4, sft_examples=16, eval_limit=2, console=string_console()
+    )
     spent = json.loads(build(tmp_path / "spent", rewrite_teacher_steps=5, time_budget_s=1e-3, **common).read_text())
     record = spent["models"]["rewrite_teacher"]
     assert record["training"]["steps"] == 0 and record["training"]["stopped_by"] == "time budget"
@@ -205,13 +252,29 @@ def test_experiment_seeds_and_forecast(tmp_path):
     from opd.recipes.lab import run_experiment
 
     overrides = ["eval.limit=4", "prompts_per_step=2", "rollout.n=2", "run.report=false"]
-    summary = run_experiment("teacher", out_dir=tmp_path, steps=1, overrides=overrides, only=["student_as_teacher"],
-                             seeds=[0, 1], check=True, console=string_console())
+    summary = run_experiment(
+        "teacher",
+        out_dir=tmp_path,
+        steps=1,
+        overrides=overrides,
+        only=["student_as_teacher"],
+        seeds=[0, 1],
+        check=True,
+        console=string_console(),
+    )
     assert set(summary["runs"]) == {"student_as_teacher_s0", "student_as_teacher_s1"}
     assert [r["seed"] for r in summary["runs"].values()] == [0, 1]
     assert all(r["forecast"]["verdict"] == "unlikely" for r in summary["runs"].values())
     assert summary["variants"]["student_as_teacher"]["gain_mean"] == 0.0  # nothing to learn: not a step moves it
     assert (tmp_path / "teacher" / "student_as_teacher_s1_check" / "check.json").is_file()
-    again = run_experiment("teacher", out_dir=tmp_path, steps=1, overrides=overrides, only=["student_as_teacher"],
-                           seeds=[0, 1], check=True, console=string_console())
+    again = run_experiment(
+        "teacher",
+        out_dir=tmp_path,
+        steps=1,
+        overrides=overrides,
+        only=["student_as_teacher"],
+        seeds=[0, 1],
+        check=True,
+        console=string_console(),
+    )
     assert again["runs"] == summary["runs"]

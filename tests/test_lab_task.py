@@ -172,4 +172,7 @@ def test_save_and_load(tokenizer, problems, tmp_path):
         assert loaded.apply_chat_template(example["messages"], tokenize=False) == a
         assert loaded(a)["input_ids"] == tokenizer(a)["input_ids"]
     assert (loaded.eos_token_id, loaded.pad_token_id, len(loaded)) == (
-        tokenizer.eos_token_id, tokenizer.pad_token_id, len(tokenizer))
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        len(tokenizer),
+    )

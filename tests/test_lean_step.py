@@ -34,8 +34,12 @@ def _pair(lr: float):
     model = make_tiny_model("qwen3")
     reference, lean = model, copy.deepcopy(model)
     spec = OptimSpec(lr=lr)
-    return (reference, build_optimizer(reference.parameters(), spec),
-            lean, build_optimizer(lean.parameters(), spec.model_copy(update={"state_dtype": "bf16"})))
+    return (
+        reference,
+        build_optimizer(reference.parameters(), spec),
+        lean,
+        build_optimizer(lean.parameters(), spec.model_copy(update={"state_dtype": "bf16"})),
+    )
 
 
 def test_first_step_is_torch_adamw_exactly():
@@ -136,5 +140,6 @@ def test_build_optimizer_choices():
     assert fused.defaults["fused"] is True
     assert isinstance(build_optimizer(model.parameters(), OptimSpec(state_dtype="bf16")), AdamW16)
     with pytest.raises(ConfigError, match="optim.state_dtype"):
-        validate_config(DistillConfig, {"student": {"path": "s"}, "data": {"path": "d"},
-                                        "optim": {"state_dtype": "fp16"}})
+        validate_config(
+            DistillConfig, {"student": {"path": "s"}, "data": {"path": "d"}, "optim": {"state_dtype": "fp16"}}
+        )

@@ -40,8 +40,16 @@ def test_pass_at_k_large_n_is_stable():
 
 @pytest.mark.parametrize(
     "args, name",
-    [((5, 2, 6), "k"), ((5, 2, 0), "k"), ((5, 6, 1), "c"), ((5, -1, 1), "c"), ((-1, 0, 1), "n"), ((0, 0, 1), "n"),
-     ((5.0, 2, 1), "n"), ((5, 2, True), "k")],
+    [
+        ((5, 2, 6), "k"),
+        ((5, 2, 0), "k"),
+        ((5, 6, 1), "c"),
+        ((5, -1, 1), "c"),
+        ((-1, 0, 1), "n"),
+        ((0, 0, 1), "n"),
+        ((5.0, 2, 1), "n"),
+        ((5, 2, True), "k"),
+    ],
 )
 def test_pass_at_k_rejects_bad_arguments_by_name(args, name):
     with pytest.raises(ValueError, match=rf"^{name} "):
@@ -111,8 +119,14 @@ def test_summarize_on_crafted_results():
     assert a["truncation_rate"] == pytest.approx(2 / 12)
     b = out["B"]
     assert b == {
-        "num_problems": 2, "num_samples": 2, "n": 1, "avg@1": 0.5, "pass@1": 0.5, "maj@1": 0.5,
-        "mean_response_tokens": 8.0, "truncation_rate": 0.5,
+        "num_problems": 2,
+        "num_samples": 2,
+        "n": 1,
+        "avg@1": 0.5,
+        "pass@1": 0.5,
+        "maj@1": 0.5,
+        "mean_response_tokens": 8.0,
+        "truncation_rate": 0.5,
     }
 
 

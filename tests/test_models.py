@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
 
+from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
 from opd.models import (
     ModelLoadError,
     TokenizerMismatchError,
@@ -34,8 +34,13 @@ def test_resolve_device():
 
 def test_resolve_dtype():
     assert resolve_dtype("auto", "cpu") == torch.float32
-    for name, dtype in [("bf16", torch.bfloat16), ("BFloat16", torch.bfloat16), ("fp16", torch.float16),
-                        ("fp32", torch.float32), ("float32", torch.float32)]:
+    for name, dtype in [
+        ("bf16", torch.bfloat16),
+        ("BFloat16", torch.bfloat16),
+        ("fp16", torch.float16),
+        ("fp32", torch.float32),
+        ("float32", torch.float32),
+    ]:
         assert resolve_dtype(name) == dtype
     assert resolve_dtype(torch.float16) == torch.float16
     with pytest.raises(ValueError) as err:
@@ -66,7 +71,9 @@ def test_load_model_packs_rows_where_the_varlen_kernel_runs(tiny_model_dir, monk
     monkeypatch.setattr(varlen_attention, "kernel_available", lambda device: True)
     model, _ = load_model(tiny_model_dir, device="cpu")
     assert model.config._attn_implementation == varlen_attention.ATTENTION and uses_packing(model)
-    assert load_model(tiny_model_dir, device="cpu", attn_implementation="eager")[0].config._attn_implementation == "eager"
+    assert (
+        load_model(tiny_model_dir, device="cpu", attn_implementation="eager")[0].config._attn_implementation == "eager"
+    )
 
 
 @pytest.mark.parametrize("name", ["/no/such/dir/model", "./missing-model", "not a valid id"])
@@ -99,8 +106,9 @@ def test_eos_token_ids(tiny_tokenizer):
 
 def test_compatibility_identical_and_padded_sizes(tiny_tokenizer):
     other = make_tiny_tokenizer()
-    assert check_tokenizer_compatibility(tiny_tokenizer, other) == VocabInfo(TINY_VOCAB, TINY_VOCAB, TINY_VOCAB,
-                                                                             TINY_VOCAB)
+    assert check_tokenizer_compatibility(tiny_tokenizer, other) == VocabInfo(
+        TINY_VOCAB, TINY_VOCAB, TINY_VOCAB, TINY_VOCAB
+    )
     # Embedding rows padded past the tokenizer (like Qwen's 151936 vs 152064): compare on the smaller one.
     info = check_tokenizer_compatibility(tiny_tokenizer, other, student_vocab_size=288, teacher_vocab_size=320)
     assert info == VocabInfo(size=288, tokenizer_size=TINY_VOCAB, student_size=288, teacher_size=320)
@@ -129,9 +137,13 @@ def test_compatibility_swapped_token_is_named(tiny_tokenizer):
 def test_compatibility_missing_token_is_named(tiny_tokenizer):
     teacher = make_tiny_tokenizer()
     teacher.add_tokens(["<extra>"])
-    with pytest.raises(TokenizerMismatchError, match=r"'<extra>' \(id 261 in the teacher\) is missing from the student"):
+    with pytest.raises(
+        TokenizerMismatchError, match=r"'<extra>' \(id 261 in the teacher\) is missing from the student"
+    ):
         check_tokenizer_compatibility(tiny_tokenizer, teacher)
-    with pytest.raises(TokenizerMismatchError, match=r"'<extra>' \(id 261 in the student\) is missing from the teacher"):
+    with pytest.raises(
+        TokenizerMismatchError, match=r"'<extra>' \(id 261 in the student\) is missing from the teacher"
+    ):
         check_tokenizer_compatibility(teacher, tiny_tokenizer)
 
 
@@ -152,9 +164,15 @@ def test_compile_layers_is_cuda_only_by_default_and_keeps_results():
     ids = torch.randint(3, 200, (3, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(3, 12, dtype=torch.bool)
     mask[1, 9:] = False  # a shorter row: a padded batch with an attention mask
-    rollouts = Rollouts(input_ids=ids, attention_mask=mask, prompt_lengths=torch.tensor([4, 4, 4]),
-                        response_ids=ids[:, 4:], response_mask=mask[:, 4:], group_ids=torch.arange(3),
-                        truncated=torch.zeros(3, dtype=torch.bool))
+    rollouts = Rollouts(
+        input_ids=ids,
+        attention_mask=mask,
+        prompt_lengths=torch.tensor([4, 4, 4]),
+        response_ids=ids[:, 4:],
+        response_mask=mask[:, 4:],
+        group_ids=torch.arange(3),
+        truncated=torch.zeros(3, dtype=torch.bool),
+    )
     grads = []
     for model in (eager, compiled):
         model.train()
@@ -165,8 +183,10 @@ def test_compile_layers_is_cuda_only_by_default_and_keeps_results():
     torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grads[0][1], grads[1][1], atol=1e-5, rtol=1e-5)
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=6, stop_at_eos=False)
-    outputs = [TorchGenerator(m, pad_token_id=PAD_ID, eos_token_ids=[EOS_ID]).generate([[5, 6, 7]], params)
-               for m in (eager, compiled)]
+    outputs = [
+        TorchGenerator(m, pad_token_id=PAD_ID, eos_token_ids=[EOS_ID]).generate([[5, 6, 7]], params)
+        for m in (eager, compiled)
+    ]
     assert outputs[0].response_ids == outputs[1].response_ids
 
 

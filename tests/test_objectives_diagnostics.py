@@ -41,8 +41,7 @@ def hand_example():
 
 def test_hand_built_example():
     s_ids, s_lp, t_ids, t_lp, t_at_s, mask, h_s, h_t = hand_example()
-    d = opd_diagnostics(s_ids, s_lp, t_ids, t_lp, t_at_s, mask, student_entropy=h_s, teacher_entropy=h_t,
-                        chunk_size=2)
+    d = opd_diagnostics(s_ids, s_lp, t_ids, t_lp, t_at_s, mask, student_entropy=h_s, teacher_entropy=h_t, chunk_size=2)
     adv_01 = (0.5 * L(0.25 / 0.5) + 0.5 * L(0.75 / 0.5)) / 2  # p̄ = [.5, .5], q̄ = [.25, .75], |I| = 2
     expected = {
         "overlap_ratio": (0.5 + 1.0 + 0.0) / 3,
@@ -103,8 +102,12 @@ def test_random_against_set_reference_and_from_scores():
         mass_s.append(sum(math.exp(s[b, pos, v]) for v in inter))
         mass_t.append(sum(math.exp(t[b, pos, v]) for v in inter))
         gaps.append(abs(teacher.entropy[b, pos] - student.entropy[b, pos]).item())
-    for key, vals in [("overlap_ratio", ratios), ("overlap_mass_student", mass_s), ("overlap_mass_teacher", mass_t),
-                      ("entropy_gap", gaps)]:
+    for key, vals in [
+        ("overlap_ratio", ratios),
+        ("overlap_mass_student", mass_s),
+        ("overlap_mass_teacher", mass_t),
+        ("entropy_gap", gaps),
+    ]:
         assert d[key].item() == pytest.approx(sum(vals) / len(vals), abs=1e-12), key
     assert d["overlap_advantage"].item() <= 0
 
@@ -127,13 +130,14 @@ def test_reward_diagnostics_and_seq_rewards():
     assert d["reward_mean/chunk_0"].item() == -2.0 and d["reward_mean/chunk_2"].item() == 0.0
     t_lp = torch.tensor([[-1.0, -2.0, -50.0], [-0.5, -0.5, -0.5]])
     s_lp = torch.tensor([[-2.0, -2.0, 0.0], [-1.0, -1.0, -1.0]])
-    torch.testing.assert_close(seq_rewards(t_lp, s_lp, torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)),
-                               torch.tensor([0.5, 0.5]))
+    torch.testing.assert_close(
+        seq_rewards(t_lp, s_lp, torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)), torch.tensor([0.5, 0.5])
+    )
 
 
 def brute_force_auroc(scores, labels):
-    pos = [s for s, l in zip(scores, labels) if l]
-    neg = [s for s, l in zip(scores, labels) if not l]
+    pos = [s for s, label in zip(scores, labels) if label]
+    neg = [s for s, label in zip(scores, labels) if not label]
     wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg)
     return wins / (len(pos) * len(neg))
 
@@ -159,5 +163,7 @@ def test_gap_recovery():
     assert gap_recovery(0.3, 0.5, 0.7).item() == pytest.approx(0.5)
     assert gap_recovery(0.3, 0.2, 0.7).item() == pytest.approx(-0.25)
     assert gap_recovery(0.4, 0.5, 0.4).item() == 0.0  # no gap: 0, not inf/NaN
-    torch.testing.assert_close(gap_recovery(torch.tensor([0.1, 0.2]), torch.tensor([0.5, 0.2]), torch.tensor(0.9)),
-                               torch.tensor([0.5, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(
+        gap_recovery(torch.tensor([0.1, 0.2]), torch.tensor([0.5, 0.2]), torch.tensor(0.9)),
+        torch.tensor([0.5, 0.0], dtype=torch.float64),
+    )

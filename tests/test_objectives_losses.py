@@ -42,8 +42,15 @@ def make_batch(seed: int, B=3, T=4, V=9, V_pad=2, mask_pattern=None):
 
 
 def token_reward_adv(rw, ids, mask):
-    return compute_advantages("token_reward", rewards=rw.rewards, valid=rw.valid, candidate_ids=rw.candidate_ids,
-                              old_logprobs=rw.student_logprobs, response_ids=ids, response_mask=mask)
+    return compute_advantages(
+        "token_reward",
+        rewards=rw.rewards,
+        valid=rw.valid,
+        candidate_ids=rw.candidate_ids,
+        old_logprobs=rw.student_logprobs,
+        response_ids=ids,
+        response_mask=mask,
+    )
 
 
 def student_logprobs(z, ids, tau):
@@ -104,8 +111,9 @@ def test_micro_batches_with_global_divisor_sum_to_full_batch(mode):
     kwargs = dict(loss_agg_mode=mode, loss_scale_factor=7.0)
 
     z_full = z_s.clone().requires_grad_(True)
-    full, _ = policy_loss(student_logprobs(z_full, adv.candidate_ids, 1.0), old, adv.advantages, adv.valid, mask,
-                          **kwargs)
+    full, _ = policy_loss(
+        student_logprobs(z_full, adv.candidate_ids, 1.0), old, adv.advantages, adv.valid, mask, **kwargs
+    )
     full.backward()
 
     z_micro = z_s.clone().requires_grad_(True)
@@ -113,8 +121,16 @@ def test_micro_batches_with_global_divisor_sum_to_full_batch(mode):
     total = 0.0
     for rows in ([0], [1, 2], [3]):
         lp = student_logprobs(z_micro[rows], adv.candidate_ids[rows], 1.0)
-        part, _ = policy_loss(lp, old[rows], adv.advantages[rows], adv.valid[rows], mask[rows],
-                              global_num_tokens=n_tokens, global_num_seqs=n_seqs, **kwargs)
+        part, _ = policy_loss(
+            lp,
+            old[rows],
+            adv.advantages[rows],
+            adv.valid[rows],
+            mask[rows],
+            global_num_tokens=n_tokens,
+            global_num_seqs=n_seqs,
+            **kwargs,
+        )
         part.backward()
         total = total + part.detach()
     torch.testing.assert_close(total, full.detach(), rtol=0, atol=1e-12)
@@ -206,8 +222,12 @@ def test_entropy_and_truncated_is_weights():
     z = torch.randn(3, 7, dtype=torch.float64)
     p = F.softmax(z / 0.5, -1)
     torch.testing.assert_close(entropy_from_logits(z, 0.5), -(p * p.log()).sum(-1))
-    w = truncated_is_weights(torch.tensor([[0.0, -1.0, 0.0]]), torch.tensor([[-1.0, 0.0, 0.0]]), cap=2.0,
-                             mask=torch.tensor([[True, True, False]]))
+    w = truncated_is_weights(
+        torch.tensor([[0.0, -1.0, 0.0]]),
+        torch.tensor([[-1.0, 0.0, 0.0]]),
+        cap=2.0,
+        mask=torch.tensor([[True, True, False]]),
+    )
     torch.testing.assert_close(w, torch.tensor([[2.0, math.exp(-1.0), 0.0]]))
 
 
@@ -273,8 +293,7 @@ def _reference_divergence(s, t, valid, kind, beta=0.5):
 
 @pytest.mark.parametrize(
     "fn,kind,beta",
-    [(topk_kl, "reverse", None), (forward_kl, "forward", None)]
-    + [(jsd, "jsd", b) for b in (0.0, 0.3, 0.5, 1.0)],
+    [(topk_kl, "reverse", None), (forward_kl, "forward", None)] + [(jsd, "jsd", b) for b in (0.0, 0.3, 0.5, 1.0)],
 )
 def test_support_divergences_match_dense_reference(fn, kind, beta):
     s, t, valid = _support_case(seed=3)

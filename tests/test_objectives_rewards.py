@@ -69,8 +69,17 @@ def random_case(seed: int, B=2, T=5, V=11, V_pad=3, dtype=torch.float64):
 def test_dense_matches_independent_reference(strategy, weight):
     z_s, z_t, ids, mask = random_case(seed=len(strategy) * 7 + len(weight))
     tau_s, tau_t, K = 0.7, 1.3, 4
-    out = token_rewards(z_s, z_t, ids, mask, top_k=K, strategy=strategy, weight=weight,
-                        student_temperature=tau_s, teacher_temperature=tau_t)
+    out = token_rewards(
+        z_s,
+        z_t,
+        ids,
+        mask,
+        top_k=K,
+        strategy=strategy,
+        weight=weight,
+        student_temperature=tau_s,
+        teacher_temperature=tau_t,
+    )
     V = z_s.shape[-1]
     s_full = F.log_softmax(z_s / tau_s, dim=-1)
     t_full = F.log_softmax(z_t[..., :V] / tau_t, dim=-1)
@@ -107,8 +116,9 @@ def test_spec_worked_example():
         "rewards": ([-0.743769, 0.264266], 1e-6),
     }
     for name, (values, atol) in expect.items():
-        torch.testing.assert_close(getattr(out, name).flatten(), torch.tensor(values, dtype=torch.float64),
-                                   rtol=0, atol=atol)
+        torch.testing.assert_close(
+            getattr(out, name).flatten(), torch.tensor(values, dtype=torch.float64), rtol=0, atol=atol
+        )
 
 
 def test_sampled_token_mode():
@@ -153,8 +163,9 @@ def test_sparse_core_from_chunks_equals_dense(strategy):
     W_t = torch.randn(V + V_pad, H, generator=g, dtype=torch.float64)
     ids = torch.randint(0, V, (B, T), generator=g)
     mask = torch.rand(B, T, generator=g) > 0.2
-    dense = token_rewards(h_s @ W_s.T, h_t @ W_t.T, ids, mask, top_k=K, strategy=strategy, weight="teacher_p",
-                          student_temperature=0.8)
+    dense = token_rewards(
+        h_s @ W_s.T, h_t @ W_t.T, ids, mask, top_k=K, strategy=strategy, weight="teacher_p", student_temperature=0.8
+    )
     # Student pass first (its top-k), then the teacher scores the student's top-k, then the student scores T_t.
     s_ids, s_lp, _ = chunked_scores(h_s, W_s, 0.8, K, torch.zeros(B, T, 1, dtype=torch.long), chunk=3)
     t_ids, t_lp, t_at_s = chunked_scores(h_t, W_t[:V], 1.0, K, s_ids, chunk=5)
@@ -163,7 +174,11 @@ def test_sparse_core_from_chunks_equals_dense(strategy):
     via_scores = token_rewards_from_scores(
         TokenScores(torch.zeros(B, T), s_ids, s_lp, requested_logprobs=s_at_t),
         TokenScores(torch.zeros(B, T), t_ids, t_lp, requested_logprobs=t_at_s),
-        ids, mask, top_k=K, strategy=strategy, weight="teacher_p",
+        ids,
+        mask,
+        top_k=K,
+        strategy=strategy,
+        weight="teacher_p",
     )
     for out in (sparse, via_scores):
         assert torch.equal(out.candidate_ids, dense.candidate_ids) and torch.equal(out.valid, dense.valid)
@@ -187,14 +202,20 @@ def test_position_without_valid_slot_is_zero_not_nan(weight):
     z_s = torch.tensor([5.0, 4.0, 0.0, 0.0, -5.0, -6.0]).view(1, 1, 6)
     z_t = torch.tensor([-5.0, -6.0, 0.0, 0.0, 5.0, 4.0]).view(1, 1, 6)
     mask = torch.ones(1, 1, dtype=torch.bool)
-    out = token_rewards(z_s, z_t, torch.zeros(1, 1, dtype=torch.long), mask, top_k=2, strategy="intersection",
-                        weight=weight)
+    out = token_rewards(
+        z_s, z_t, torch.zeros(1, 1, dtype=torch.long), mask, top_k=2, strategy="intersection", weight=weight
+    )
     assert not out.valid.any()
     assert torch.equal(out.rewards, torch.zeros_like(out.rewards))
     assert torch.equal(out.weights, torch.zeros_like(out.weights))
     # The core alone, with -inf log-probs everywhere on a row with no valid slot.
-    r, w = candidate_rewards(torch.full((1, 1, 3), float("-inf")), torch.full((1, 1, 3), float("-inf")),
-                             torch.zeros(1, 1, 3, dtype=torch.bool), strategy="union", weight=weight)
+    r, w = candidate_rewards(
+        torch.full((1, 1, 3), float("-inf")),
+        torch.full((1, 1, 3), float("-inf")),
+        torch.zeros(1, 1, 3, dtype=torch.bool),
+        strategy="union",
+        weight=weight,
+    )
     assert torch.isfinite(r).all() and torch.isfinite(w).all() and (r == 0).all() and (w == 0).all()
 
 
@@ -264,8 +285,14 @@ def test_grpo_mode_scores_the_sampled_token():
     ids = torch.tensor([[4, 5, 6], [7, 8, 9]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
     sampled_old = -torch.rand(2, 3)
-    adv = compute_advantages("grpo", response_ids=ids, response_mask=mask, outcome_rewards=torch.tensor([1.0, 0.0]),
-                             group_ids=torch.tensor([0, 0]), sampled_old_logprobs=sampled_old)
+    adv = compute_advantages(
+        "grpo",
+        response_ids=ids,
+        response_mask=mask,
+        outcome_rewards=torch.tensor([1.0, 0.0]),
+        group_ids=torch.tensor([0, 0]),
+        sampled_old_logprobs=sampled_old,
+    )
     assert adv.candidate_ids.shape == (2, 3, 1)
     assert adv.candidate_ids[..., 0].tolist() == [[4, 5, 0], [7, 8, 9]]
     assert torch.equal(adv.old_logprobs[..., 0], sampled_old)
@@ -279,8 +306,16 @@ def test_mixing_with_topk_adds_the_sampled_slot():
     rw = token_rewards(z_s, z_t, ids, mask, top_k=3)
     R, groups = torch.tensor([1.0, 0.0]), torch.tensor([0, 0])
     sampled_old = F.log_softmax(z_s, -1).gather(-1, torch.where(mask, ids, 0)[..., None])[..., 0]
-    adv = compute_advantages("token_reward+grpo", **fields(rw), response_ids=ids, response_mask=mask,
-                             outcome_rewards=R, group_ids=groups, outcome_weight=0.5, sampled_old_logprobs=sampled_old)
+    adv = compute_advantages(
+        "token_reward+grpo",
+        **fields(rw),
+        response_ids=ids,
+        response_mask=mask,
+        outcome_rewards=R,
+        group_ids=groups,
+        outcome_weight=0.5,
+        sampled_old_logprobs=sampled_old,
+    )
     grpo = 0.5 * grpo_advantages(R, groups, mask).double()
     assert adv.advantages.shape == adv.old_logprobs.shape == (2, 5, 4)
     assert torch.equal(adv.candidate_ids[..., 3], torch.where(mask, ids, 0))
@@ -301,9 +336,16 @@ def test_mixing_with_sampled_token_adds_in_place():
     z_s, z_t, ids, mask = random_case(seed=4)
     rw = token_rewards(z_s, z_t, ids, mask, top_k=0)
     R, groups = torch.tensor([0.0, 1.0]), torch.tensor([3, 3])
-    adv = compute_advantages("token_reward+grpo", **fields(rw), response_ids=ids, response_mask=mask,
-                             outcome_rewards=R, group_ids=groups, outcome_weight=2.0,
-                             sampled_old_logprobs=rw.student_logprobs[..., 0])
+    adv = compute_advantages(
+        "token_reward+grpo",
+        **fields(rw),
+        response_ids=ids,
+        response_mask=mask,
+        outcome_rewards=R,
+        group_ids=groups,
+        outcome_weight=2.0,
+        sampled_old_logprobs=rw.student_logprobs[..., 0],
+    )
     expected = rw.rewards[..., 0] + 2.0 * grpo_advantages(R, groups, mask).double()
     torch.testing.assert_close(adv.advantages[..., 0], expected)  # r + λ·A_grpo on the one sampled slot
     assert not adv.valid[..., 1].any() and (adv.advantages[..., 1] == 0).all()  # the extra slot stays unused

@@ -7,14 +7,13 @@ import copy
 import pytest
 import torch
 
+from helpers import distill_config, reverse_kl, train_to_prefer
+from opd.recipes.distill import setup
 from opd.rollout import SamplingParams
 from opd.rollout.batch import build_rollouts
 from opd.rollout.torch_engine import TorchGenerator
 from opd.teacher.local import LocalScorer
-from opd.recipes.distill import setup
 from opd.train.step import _sampling_params, opd_step
-
-from helpers import distill_config, reverse_kl, train_to_prefer
 
 
 def _trainer(world, tmp_path, *overrides, steps=3):
@@ -23,8 +22,13 @@ def _trainer(world, tmp_path, *overrides, steps=3):
 
 
 def _generate(model, tr, prompt_ids, params: SamplingParams):
-    engine = TorchGenerator(model, eos_token_ids=tr.generator.eos_token_ids, pad_token_id=tr.generator.pad_token_id,
-                            vocab_size=tr.vocab_size, max_batch_size=tr.config.rollout.batch_size)
+    engine = TorchGenerator(
+        model,
+        eos_token_ids=tr.generator.eos_token_ids,
+        pad_token_id=tr.generator.pad_token_id,
+        vocab_size=tr.vocab_size,
+        max_batch_size=tr.config.rollout.batch_size,
+    )
     return engine.generate(prompt_ids, params)
 
 
@@ -116,19 +120,29 @@ def test_overlap_still_moves_the_student_toward_the_teacher(world, tmp_path):
     import json
 
     from helpers import EOS_ID, make_tiny_tokenizer
-    from opd.train.checkpoint import latest_checkpoint
     from opd.recipes.distill import distill
+    from opd.train.checkpoint import latest_checkpoint
 
     tokenizer = make_tiny_tokenizer()
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "7*6="}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "7*6="}], tokenize=False, add_generation_prompt=True
+    )
     prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     target_ids = tokenizer("42")["input_ids"] + [EOS_ID]
     train_to_prefer(tmp_path / "teacher", prompt_ids, target_ids, steps=150)
     train_to_prefer(tmp_path / "student", prompt_ids, target_ids, steps=5)
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "7*6=", "answer": "42"}) + "\n")
-    cfg = distill_config(world, tmp_path, "prompts_per_step=1", "rollout.n=8", "optim.lr=3e-3", "run.save_every=0",
-                         "rollout.overlap=true", "objective.tis_cap=2.0", steps=20)
+    cfg = distill_config(
+        world,
+        tmp_path,
+        "prompts_per_step=1",
+        "rollout.n=8",
+        "optim.lr=3e-3",
+        "run.save_every=0",
+        "rollout.overlap=true",
+        "objective.tis_cap=2.0",
+        steps=20,
+    )
     cfg.student.path, cfg.teacher.path = str(tmp_path / "student"), str(tmp_path / "teacher")
     cfg.data.path = str(tmp_path / "p.jsonl")
     before = reverse_kl(tmp_path / "student", tmp_path / "teacher", prompt_ids)

@@ -18,7 +18,9 @@ def _teacher_that_boxes(path, tokenizer, prompts):
     target = tokenizer("\\boxed{4}")["input_ids"] + [EOS_ID]
     rows = []
     for text in prompts:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
         prompt_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
         rows.append((prompt_ids, target))
     for _ in range(120):
@@ -48,13 +50,30 @@ def test_pipeline_end_to_end_and_skips_complete_stages(tmp_path):
         "student": {"path": str(tmp_path / "student")},
         "sft_prompts": spec,
         "opd_prompts": spec,
-        "eval": {"benchmarks": [str(data)], "prompt_key": "prompt", "answer_key": "answer", "n": 2, "max_new_tokens": 12, "temperature": 0.5},
+        "eval": {
+            "benchmarks": [str(data)],
+            "prompt_key": "prompt",
+            "answer_key": "answer",
+            "n": 2,
+            "max_new_tokens": 12,
+            "temperature": 0.5,
+        },
         "out_dir": str(tmp_path / "pipe"),
         "rollout": {"n": 2, "temperature": 0.5, "max_new_tokens": 12},
-        "sft": {"run": {"steps": 3, "report": False}, "optim": {"lr": 1e-3}, "examples_per_step": 2, "data": {"max_length": 64},
-                "micro_batch_tokens": 256},
-        "distill": {"run": {"steps": 2, "report": False}, "prompts_per_step": 2, "rollout": {"n": 2, "max_new_tokens": 8},
-                    "optim": {"lr": 1e-3}, "micro_batch_tokens": 64},
+        "sft": {
+            "run": {"steps": 3, "report": False},
+            "optim": {"lr": 1e-3},
+            "examples_per_step": 2,
+            "data": {"max_length": 64},
+            "micro_batch_tokens": 256,
+        },
+        "distill": {
+            "run": {"steps": 2, "report": False},
+            "prompts_per_step": 2,
+            "rollout": {"n": 2, "max_new_tokens": 8},
+            "optim": {"lr": 1e-3},
+            "micro_batch_tokens": 64,
+        },
     }
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -77,8 +96,14 @@ def test_pipeline_end_to_end_and_skips_complete_stages(tmp_path):
 
 
 def test_pipeline_stage_keys_are_validated_up_front(tmp_path):
-    config = {"teacher": {"path": "t"}, "student": {"path": "s"}, "sft_prompts": {"path": "p"}, "opd_prompts": {"path": "p"},
-              "distill": {"objective": {"strategi": "union"}}, "out_dir": str(tmp_path / "pipe")}
+    config = {
+        "teacher": {"path": "t"},
+        "student": {"path": "s"},
+        "sft_prompts": {"path": "p"},
+        "opd_prompts": {"path": "p"},
+        "distill": {"objective": {"strategi": "union"}},
+        "out_dir": str(tmp_path / "pipe"),
+    }
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(config))
     result = CliRunner().invoke(app, ["pipeline", "run", str(path)])

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import SMALL_SCORING, make_prompts, make_tiny_model, make_tiny_tokenizer, score_config
 from opd.config import ConfigError
 from opd.data.alignment import retemplate
 from opd.data.prompts import DataError, load_prompts, save_prompts
@@ -25,19 +26,20 @@ from opd.eval.prompt_scores import (
 )
 from opd.models import TokenizerMismatchError
 from opd.objectives import opd_diagnostics_from_scores
-from opd.recipes.prompts import PromptScoreConfig, parse_top, retemplate_file, score_prompt_file, select_prompt_file
+from opd.recipes.prompts import parse_top, retemplate_file, score_prompt_file, select_prompt_file
 from opd.types import Prompt, TokenScores
-
-from helpers import SMALL_SCORING, make_prompts, make_tiny_model, make_tiny_tokenizer, score_config
 
 DAPO = Path(__file__).parents[1].parent / "shared" / "data" / "train" / "dapo-math-17k.parquet"
 needs_dapo = pytest.mark.skipif(not DAPO.is_file(), reason=f"shared DAPO set not found at {DAPO}")
 
 
 def fake_scores(prompts: list[Prompt], values: list[float | None], key: str = "overlap_ratio") -> list[PromptScore]:
-    return [PromptScore(p.id, p.source, n=4, num_tokens=40, **{key: v}) if v is not None
-            else PromptScore(p.id, p.source, skipped="longer than max_prompt_length=8 tokens")
-            for p, v in zip(prompts, values)]
+    return [
+        PromptScore(p.id, p.source, n=4, num_tokens=40, **{key: v})
+        if v is not None
+        else PromptScore(p.id, p.source, skipped="longer than max_prompt_length=8 tokens")
+        for p, v in zip(prompts, values)
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ template
@@ -66,8 +68,10 @@ def test_retemplate_dapo_to_boxed_keeps_problems_and_answers(tmp_path):
 
 
 def test_retemplate_custom_and_column_mapping(tmp_path):
-    rows = [{"problem": "1+1?" + BOXED_SUFFIX, "solution": "2", "uid": "a"},
-            {"problem": "2+2?", "solution": "4", "uid": "b"}]
+    rows = [
+        {"problem": "1+1?" + BOXED_SUFFIX, "solution": "2", "uid": "a"},
+        {"problem": "2+2?", "solution": "4", "uid": "b"},
+    ]
     path = tmp_path / "set.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "custom.jsonl"
@@ -91,8 +95,16 @@ def test_scores_are_per_prompt_and_in_range(models):
     prompts = make_prompts(5)
     prompts[3] = Prompt("long", [{"role": "user", "content": "x" * 300}], "0")
     seen: list[list[str]] = []
-    scores = score_prompts(student, teacher, tokenizer, prompts, max_prompt_length=64, seed=3,
-                           on_batch=lambda batch: seen.append([s.id for s in batch]), **SMALL_SCORING)
+    scores = score_prompts(
+        student,
+        teacher,
+        tokenizer,
+        prompts,
+        max_prompt_length=64,
+        seed=3,
+        on_batch=lambda batch: seen.append([s.id for s in batch]),
+        **SMALL_SCORING,
+    )
     assert [s.id for s in scores] == [p.id for p in prompts]
     assert seen == [["long"], ["p0", "p1"], ["p2", "p4"]]  # the too-long prompt first, then fixed batches of 2
     long = scores[3]
@@ -100,8 +112,13 @@ def test_scores_are_per_prompt_and_in_range(models):
     for s in scores[:3] + scores[4:]:
         assert s.skipped is None and s.n == 2 and 2 <= s.num_tokens <= 12
         assert s.response_length == s.num_tokens / 2 and 0 <= s.truncation_rate <= 1
-        for key in ("overlap_ratio", "overlap_mass_student", "overlap_mass_teacher", "topk_mass_student",
-                    "topk_mass_teacher"):
+        for key in (
+            "overlap_ratio",
+            "overlap_mass_student",
+            "overlap_mass_teacher",
+            "topk_mass_student",
+            "topk_mass_teacher",
+        ):
             assert 0.0 <= getattr(s, key) <= 1.0 + 1e-6, key
         assert s.overlap_mass_student <= s.topk_mass_student + 1e-6
         assert s.overlap_advantage <= 1e-6 and s.entropy_gap >= 0 and s.entropy_student > 0
@@ -140,14 +157,18 @@ def test_group_diagnostics_match_the_batch_function():
     s_lp, s_ids = s.topk(K, -1)
     t_lp, t_ids = t.topk(K, -1)
     student = TokenScores(torch.zeros(B, T), s_ids, s_lp, entropy=-(s.exp() * s).sum(-1))
-    teacher = TokenScores(torch.zeros(B, T), t_ids, t_lp, entropy=-(t.exp() * t).sum(-1),
-                          requested_logprobs=t.gather(-1, s_ids))
+    teacher = TokenScores(
+        torch.zeros(B, T), t_ids, t_lp, entropy=-(t.exp() * t).sum(-1), requested_logprobs=t.gather(-1, s_ids)
+    )
     group_ids = torch.tensor([0, 0, 1, 1, 2, 2])
     per_group = group_diagnostics(student, teacher, mask, group_ids, 3)
     assert set(per_group) == set(METRICS)
     for gi in range(3):
         rows = torch.tensor([2 * gi, 2 * gi + 1])
-        sub = lambda x: TokenScores(**{k: None if v is None else v[rows] for k, v in x.__dict__.items()})  # noqa: E731
+
+        def sub(x, rows=rows):
+            return TokenScores(**{k: None if v is None else v[rows] for k, v in x.__dict__.items()})
+
         ref = opd_diagnostics_from_scores(sub(student), sub(teacher), mask[rows])
         for key in METRICS:
             assert per_group[key][gi].item() == pytest.approx(ref[key].item(), abs=1e-9), key
@@ -208,8 +229,9 @@ def test_select_keeps_the_top_fraction_or_count():
 
     gaps = fake_scores(prompts, [0.5, 0.9, 0.1, 0.7, None, 0.9, 0.3, 0.8, 0.2, 0.6], key="entropy_gap")
     assert [p.id for p in select_prompts(prompts, gaps, top=2, by="entropy_gap")] == ["p2", "p8"]  # smaller wins
-    advantage = fake_scores(prompts, [-0.5, -0.01, -2.0, -0.1, None, -0.3, -1.0, -0.2, -0.05, -0.7],
-                            key="overlap_advantage")
+    advantage = fake_scores(
+        prompts, [-0.5, -0.01, -2.0, -0.1, None, -0.3, -1.0, -0.2, -0.05, -0.7], key="overlap_advantage"
+    )
     assert [p.id for p in select_prompts(prompts, advantage, top=2, by="overlap_advantage")] == ["p1", "p8"]
 
 
@@ -241,8 +263,11 @@ def test_mix_ratio_is_exact():
         (dict(top=11), ValueError, r"top=11 asks for 11 prompts but only 9 have a score"),
         (dict(ratio=1.0, mix_with=[]), ValueError, r"ratio .* must be in \[0, 1\), got 1.0"),
         (dict(by="loss"), ValueError, r"by must be one of overlap_ratio, .*entropy_gap, got 'loss'"),
-        (dict(top=5, ratio=0.5, mix_with=make_prompts(3, "o")), DataError,
-         r"ratio=0.5 with 5 aligned prompts needs 5 other prompts but mix_with has 3"),
+        (
+            dict(top=5, ratio=0.5, mix_with=make_prompts(3, "o")),
+            DataError,
+            r"ratio=0.5 with 5 aligned prompts needs 5 other prompts but mix_with has 3",
+        ),
     ],
 )
 def test_bad_selection_arguments(kwargs, error, message):

@@ -7,9 +7,9 @@ from helpers import make_tiny_model
 from opd.config import ModelSpec, TeacherSpec, VLLMSpec
 from opd.rollout import Generator, SamplingParams, engine_names, make_generator
 from opd.rollout.registry import resolve_engine, vllm_arguments
-from opd.rollout.vllm_engine import EngineOptions, VLLMGenerator
 from opd.rollout.static_engine import StaticGenerator
 from opd.rollout.torch_engine import TorchGenerator
+from opd.rollout.vllm_engine import EngineOptions, VLLMGenerator
 from opd.teacher.base import TeacherScorer, start_scoring
 from opd.teacher.client import RemoteScorer
 from opd.teacher.local import LocalScorer
@@ -29,8 +29,10 @@ def test_names_and_auto_on_cpu(tiny_tokenizer):
 def test_engines_agree_greedily_and_take_the_tokenizer_ids(tiny_tokenizer):
     model = make_tiny_model("qwen3")
     params = SamplingParams(n=2, temperature=0, max_new_tokens=6)
-    outputs = [make_generator(model, tiny_tokenizer, engine=name).generate([[5, 6, 7], [9]], params)
-               for name in ("torch", "static")]
+    outputs = [
+        make_generator(model, tiny_tokenizer, engine=name).generate([[5, 6, 7], [9]], params)
+        for name in ("torch", "static")
+    ]
     assert outputs[0].response_ids == outputs[1].response_ids
     engine = make_generator(model, tiny_tokenizer, engine="torch")
     assert engine.pad_token_id == tiny_tokenizer.pad_token_id and engine.vocab_size == len(tiny_tokenizer)
@@ -50,13 +52,19 @@ def test_batch_limits_and_the_fit_check_reach_both_engines(tiny_tokenizer):
     model = make_tiny_model("qwen3")
     total = 2**34
     for name in ("torch", "static"):
-        engine = make_generator(model, tiny_tokenizer, engine=name, max_batch_tokens=500,
-                                free_memory=lambda device: (memory.margin_bytes(total) + 50 * 2**20, total))
+        engine = make_generator(
+            model,
+            tiny_tokenizer,
+            engine=name,
+            max_batch_tokens=500,
+            free_memory=lambda device: (memory.margin_bytes(total) + 50 * 2**20, total),
+        )
         assert engine.max_batch_tokens == 500
         check_generation_fits(engine, prompt_tokens=8, new_tokens=16)
         with pytest.raises(ValueError, match=r"at most rollout\.max_new_tokens=\d+ fits after a 8-token prompt"):
-            check_generation_fits(engine, prompt_tokens=8, new_tokens=10**6,
-                                  names=("data.max_prompt_length", "rollout.max_new_tokens"))
+            check_generation_fits(
+                engine, prompt_tokens=8, new_tokens=10**6, names=("data.max_prompt_length", "rollout.max_new_tokens")
+            )
     check_generation_fits(object(), prompt_tokens=8, new_tokens=10**9)
 
 
@@ -103,11 +111,20 @@ def test_every_engine_and_scorer_implements_every_protocol_member(tiny_tokenizer
     scorer = LocalScorer(model, vocab_size=len(tiny_tokenizer))
     assert isinstance(scorer, TeacherScorer) and scorer.serves_requested_ids
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
-    rollouts = Rollouts(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([3]), ids[:, 3:],
-                        torch.ones(1, 3, dtype=torch.bool), torch.tensor([0]), torch.tensor([False]))
+    rollouts = Rollouts(
+        ids,
+        torch.ones_like(ids, dtype=torch.bool),
+        torch.tensor([3]),
+        ids[:, 3:],
+        torch.ones(1, 3, dtype=torch.bool),
+        torch.tensor([0]),
+        torch.tensor([False]),
+    )
     requested = torch.tensor([[[1, 2], [3, 4], [5, 6]]])
-    pending, direct = start_scoring(scorer, rollouts, top_k=4, requested_ids=requested), scorer.score(
-        rollouts, top_k=4, requested_ids=requested)
+    pending, direct = (
+        start_scoring(scorer, rollouts, top_k=4, requested_ids=requested),
+        scorer.score(rollouts, top_k=4, requested_ids=requested),
+    )
     for field in ("sampled_logprobs", "topk_ids", "topk_logprobs", "entropy", "requested_logprobs"):
         assert torch.equal(getattr(pending.result(), field), getattr(direct, field)), field
     scorer.close()
@@ -124,8 +141,13 @@ def test_teacher_registry_names_its_placements():
 def test_vllm_arguments_come_from_the_config_sections():
     model = ModelSpec(path="m", dtype="bf16", trust_remote_code=True)
     arguments = vllm_arguments(VLLMSpec(gpu_memory_utilization=0.5, max_model_len=64), model)
-    assert arguments == dict(model_path="m", engine_options=EngineOptions(
-        dtype="bf16", gpu_memory_utilization=0.5, max_model_len=64, trust_remote_code=True))
+    assert arguments == dict(
+        model_path="m",
+        engine_options=EngineOptions(
+            dtype="bf16", gpu_memory_utilization=0.5, max_model_len=64, trust_remote_code=True
+        ),
+    )
     assert vllm_arguments(None, model, model_path="/resolved")["engine_options"] == EngineOptions(
-        dtype="bf16", trust_remote_code=True)
+        dtype="bf16", trust_remote_code=True
+    )
     assert vllm_arguments(None, model, model_path="/resolved")["model_path"] == "/resolved"

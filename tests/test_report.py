@@ -17,44 +17,92 @@ from PIL import Image
 from opd.report import write_report
 from opd.report.plots import chunk_grid, load_series
 
-GROUPS = ["accuracy", "overlap_ratio", "shared_mass", "overlap_advantage", "entropy", "rewards", "optimisation",
-          "length", "timing", "loss", "chunks"]
+GROUPS = [
+    "accuracy",
+    "overlap_ratio",
+    "shared_mass",
+    "overlap_advantage",
+    "entropy",
+    "rewards",
+    "optimisation",
+    "length",
+    "timing",
+    "loss",
+    "chunks",
+]
 
 
-def make_run_dir(path: Path, *, steps: int = 20, seed: int = 0, chunks: int = 3, eval_every: int = 5,
-                 lr: float = 1e-6) -> Path:
+def make_run_dir(
+    path: Path, *, steps: int = 20, seed: int = 0, chunks: int = 3, eval_every: int = 5, lr: float = 1e-6
+) -> Path:
     """A fake `opd distill` run: config.yaml, metrics.jsonl (training lines + eval lines), eval results, samples."""
     rng = random.Random(seed)
     path.mkdir(parents=True)
-    config = {"run": {"name": path.name, "steps": steps, "seed": seed},
-              "objective": {"top_k": 16, "strategy": "only_stu"}, "optim": {"lr": lr}}
+    config = {
+        "run": {"name": path.name, "steps": steps, "seed": seed},
+        "objective": {"top_k": 16, "strategy": "only_stu"},
+        "optim": {"lr": lr},
+    }
     (path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     lines = []
     for step in range(1, steps + 1):
         p = step / steps
-        m = {"step": step, "grad_norm": 1 + rng.random(), "lr": lr, "skipped_steps": int(step > 15), "pg_loss": -0.1 * p,
-             "reward_mean": -0.5 + 0.4 * p, "reward_abs_mean": 0.6 - 0.3 * p, "advantage_mean": 0.01 * rng.random(),
-             "advantage_abs_mean": 0.2, "overlap_mass_student": 0.8 + 0.15 * p, "overlap_mass_teacher": 0.85 + 0.1 * p,
-             "overlap_advantage": -0.3 * (1 - p), "entropy_student": 1.2 - 0.4 * p, "entropy_teacher": 0.9,
-             "entropy_gap": 0.3 * (1 - p), "seq_reward_mean": -0.4 + 0.3 * p, "seq_reward_auroc": 0.5 + 0.3 * p,
-             "response_length": 300 + 10 * step, "truncation_rate": 0.1, "rollout_accuracy": 0.2 + 0.5 * p,
-             "time/rollout": 1.0, "time/teacher": 0.4, "time/student": 0.3, "time/update": 0.8, "time/step": 2.5,
-             "tokens_per_second": 900 + rng.random(), "overlap_ratio": 0.5 + 0.4 * p, "unknown_key": "text",
-             "missing": None, "valid_slots_per_token": 16.0}
+        m = {
+            "step": step,
+            "grad_norm": 1 + rng.random(),
+            "lr": lr,
+            "skipped_steps": int(step > 15),
+            "pg_loss": -0.1 * p,
+            "reward_mean": -0.5 + 0.4 * p,
+            "reward_abs_mean": 0.6 - 0.3 * p,
+            "advantage_mean": 0.01 * rng.random(),
+            "advantage_abs_mean": 0.2,
+            "overlap_mass_student": 0.8 + 0.15 * p,
+            "overlap_mass_teacher": 0.85 + 0.1 * p,
+            "overlap_advantage": -0.3 * (1 - p),
+            "entropy_student": 1.2 - 0.4 * p,
+            "entropy_teacher": 0.9,
+            "entropy_gap": 0.3 * (1 - p),
+            "seq_reward_mean": -0.4 + 0.3 * p,
+            "seq_reward_auroc": 0.5 + 0.3 * p,
+            "response_length": 300 + 10 * step,
+            "truncation_rate": 0.1,
+            "rollout_accuracy": 0.2 + 0.5 * p,
+            "time/rollout": 1.0,
+            "time/teacher": 0.4,
+            "time/student": 0.3,
+            "time/update": 0.8,
+            "time/step": 2.5,
+            "tokens_per_second": 900 + rng.random(),
+            "overlap_ratio": 0.5 + 0.4 * p,
+            "unknown_key": "text",
+            "missing": None,
+            "valid_slots_per_token": 16.0,
+        }
         for c in range(chunks if step % 4 else chunks - 1):  # some steps have shorter responses: fewer chunks
             m[f"overlap_ratio/chunk_{c}"] = 0.5 + 0.4 * p - 0.05 * c
             m[f"entropy_gap/chunk_{c}"] = 0.3 * (1 - p) + 0.02 * c
         lines.append(json.dumps(m))
         if step % eval_every == 0:
-            evals = {"eval/lab/avg@4": 0.3 + 0.5 * p, "eval/lab/pass@1": 0.3 + 0.5 * p, "eval/math500/avg@4": 0.2 + 0.3 * p}
+            evals = {
+                "eval/lab/avg@4": 0.3 + 0.5 * p,
+                "eval/lab/pass@1": 0.3 + 0.5 * p,
+                "eval/math500/avg@4": 0.2 + 0.3 * p,
+            }
             lines.append(json.dumps({"step": step, **evals}))
             results = {"model": "x", "benchmarks": {"lab": {"avg@4": evals["eval/lab/avg@4"], "n_problems": 8}}}
             (path / "eval" / f"step_{step}").mkdir(parents=True)
             (path / "eval" / f"step_{step}" / "results.json").write_text(json.dumps(results))
     (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     (path / "samples").mkdir()
-    sample = {"step": steps, "prompt": "What is 2+2? <b>", "response": "4 \\boxed{4}", "correct": True,
-              "tokens": ["4"], "token_rewards": [-0.1]}
+    sample = {
+        "step": steps,
+        "prompt": "What is 2+2? <b>",
+        "response": "4 \\boxed{4}",
+        "correct": True,
+        "tokens": ["4"],
+        "token_rewards": [-0.1],
+    }
     (path / "samples" / f"step_{steps}.jsonl").write_text(json.dumps(sample) + "\n")
     return path
 
@@ -84,14 +132,14 @@ def test_single_run_report_has_every_group(tmp_path):
         assert (run / "plots" / f"{name}.png").is_file()
         assert (run / "plots" / f"{name}.png").stat().st_size < 300_000
     assert "<details><summary>opd-run: config.yaml</summary>" in html and "strategy: only_stu" in html
-    final = html[html.index('<table class="final">'):]
+    final = html[html.index('<table class="final">') :]
     final = final[: final.index("</table>")]
     for key in ("eval/lab/avg@4", "eval/math500/avg@4", "rollout_accuracy", "overlap_ratio", "pg_loss"):
         assert key in final
     assert "0.8<span" in final  # last eval of lab avg@4 is 0.3 + 0.5 = 0.8
     assert "step 20 of 20 (finished)" in html
     assert "&lt;b&gt;" in html and "<b>\n" not in html  # sample text is escaped
-    assert "src=\"http" not in html and "href=\"http" not in html  # self-contained
+    assert 'src="http' not in html and 'href="http' not in html  # self-contained
 
 
 @pytest.mark.slow
@@ -113,8 +161,10 @@ def test_two_runs_compare_overlaid(tmp_path):
 def test_few_keys_sft_like_run(tmp_path):
     run = tmp_path / "sft"
     run.mkdir()
-    records = [{"step": s, "loss": 2.0 / s, "lr": 1e-5, "grad_norm": None, "tokens_per_second": 1000, "custom": s}
-               for s in range(1, 6)]
+    records = [
+        {"step": s, "loss": 2.0 / s, "lr": 1e-5, "grad_norm": None, "tokens_per_second": 1000, "custom": s}
+        for s in range(1, 6)
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     html = write_report([run]).read_text()
     images = embedded_images(html)
@@ -143,8 +193,12 @@ def test_partial_last_line_and_empty_run(tmp_path):
 def test_series_drop_non_numbers_and_sentinels(tmp_path):
     run = tmp_path / "r"
     run.mkdir()
-    lines = [{"step": 1, "grad_norm": 1e308, "x": True, "y": "s"}, {"step": 2, "grad_norm": 2.0},
-             {"step": 2, "eval/lab/avg@4": 0.5}, {"step": 3, "overlap_ratio/chunk_2": 0.1}]
+    lines = [
+        {"step": 1, "grad_norm": 1e308, "x": True, "y": "s"},
+        {"step": 2, "grad_norm": 2.0},
+        {"step": 2, "eval/lab/avg@4": 0.5},
+        {"step": 3, "overlap_ratio/chunk_2": 0.1},
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     (run / "eval" / "step_4").mkdir(parents=True)
     (run / "eval" / "step_4" / "results.json").write_text(json.dumps({"benchmarks": {"aime": {"avg@4": 0.25}}}))
@@ -177,7 +231,7 @@ def test_accuracy_starts_at_step_0_with_the_teacher_as_reference(tmp_path):
     assert len(teacher) == 1 and list(teacher[0].get_ydata()) == [0.95, 0.95]
     assert lab.get_lines()[0].get_xdata()[0] == 0
     html = write_report([run]).read_text()
-    final = html[html.index('<table class="final">'):]
+    final = html[html.index('<table class="final">') :]
     final = final[: final.index("</table>")]
     assert '0.25<span class="step">@0</span> → 0.8<span class="step">@20</span>' in final
     assert "(teacher 0.95)" in final

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model
 from transformers import LlamaConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model
 from opd.rollout.base import GenerationOutput, Generator, SamplingParams
 from opd.rollout.batch import build_rollouts
 from opd.rollout.sampling import filter_logits
@@ -26,8 +26,9 @@ def model(request):
 @pytest.fixture(scope="module")
 def prompts(tiny_tokenizer):
     """Three prompts of different lengths (29, 5 and 14 tokens): one chat-templated, two raw."""
-    chat = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True,
-                                              enable_thinking=False, tokenize=False)
+    chat = tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "2+2?"}], add_generation_prompt=True, enable_thinking=False, tokenize=False
+    )
     return [tiny_tokenizer.encode(text) for text in [chat, "Hi yo", "What is 17+25?"]]
 
 
@@ -42,9 +43,9 @@ def _full_forward_logprobs(model, prompt: list[int], response: list[int], temper
     """Log-probs of `response` given `prompt` from one unpadded forward pass (no cache). → [len(response)]."""
     ids = torch.tensor([prompt + response], device=model.device)
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1: -1].float()
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
     scaled = logits / (temperature if temperature > 0 else 1.0)
-    return scaled.log_softmax(-1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+    return scaled.log_softmax(-1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
 
 
 def test_engine_is_a_generator(model):
@@ -69,9 +70,15 @@ def test_greedy_equals_hf_generate(model, prompts):
     engine = TorchGenerator(model)
     ours = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12))
     for prompt, response in zip(prompts, ours.response_ids):
-        hf = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                            do_sample=False, max_new_tokens=12, eos_token_id=[EOS_ID, PAD_ID], pad_token_id=PAD_ID)
-        assert response == _cut_at_eos(hf[0, len(prompt):].tolist(), {EOS_ID, PAD_ID})
+        hf = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=12,
+            eos_token_id=[EOS_ID, PAD_ID],
+            pad_token_id=PAD_ID,
+        )
+        assert response == _cut_at_eos(hf[0, len(prompt) :].tolist(), {EOS_ID, PAD_ID})
 
 
 def test_left_padding_invariance(model, prompts):
@@ -81,15 +88,23 @@ def test_left_padding_invariance(model, prompts):
     batched = engine.generate(prompts, params).response_ids
     for i, prompt in enumerate(prompts):
         alone = engine.generate([prompt], params).response_ids
-        assert batched[2 * i: 2 * i + 2] == alone and alone[0] == alone[1]
+        assert batched[2 * i : 2 * i + 2] == alone and alone[0] == alone[1]
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 20, 0.9), (0.0, 0, 1.0), (1.3, 0, 1.0)])
 def test_logprobs_match_full_forward(model, prompts, temperature, top_k, top_p):
     """Reported log-probs are log_softmax(logits / T) over the full vocabulary (before top-k/top-p; T = 1 when
     greedy), matching an unpadded forward pass without cache."""
-    params = SamplingParams(n=2, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=8, seed=3,
-                            return_logprobs=True, stop_at_eos=False)
+    params = SamplingParams(
+        n=2,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_new_tokens=8,
+        seed=3,
+        return_logprobs=True,
+        stop_at_eos=False,
+    )
     out = TorchGenerator(model).generate(prompts, params)
     for g, response, lps in zip(out.group_ids, out.response_ids, out.logprobs):
         assert len(lps) == len(response) == 8
@@ -109,8 +124,10 @@ def test_seed_determinism(model, prompts):
 def test_top_k_one_and_tiny_top_p_equal_greedy(model, prompts):
     engine = TorchGenerator(model)
     greedy = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8)).response_ids
-    for params in [SamplingParams(temperature=1.0, top_k=1, max_new_tokens=8, seed=1),
-                   SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=8, seed=1)]:
+    for params in [
+        SamplingParams(temperature=1.0, top_k=1, max_new_tokens=8, seed=1),
+        SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=8, seed=1),
+    ]:
         assert engine.generate(prompts, params).response_ids == greedy
 
 
@@ -128,8 +145,12 @@ def test_chunks_split_groups_only_when_needed():
     assert engine._chunks([5, 5], SamplingParams(n=6, max_new_tokens=3)) == [[(0, 4)], [(0, 2), (1, 2)], [(1, 4)]]
     # Token budget: rows × (longest prompt + max_new_tokens) ≤ 40; a lone row over budget still runs.
     budget = TorchGenerator(make_tiny_model("llama"), max_batch_tokens=40)
-    assert budget._chunks([5, 15, 50], SamplingParams(n=2, max_new_tokens=5)) == [[(0, 2)], [(1, 2)], [(2, 1)],
-                                                                                  [(2, 1)]]
+    assert budget._chunks([5, 15, 50], SamplingParams(n=2, max_new_tokens=5)) == [
+        [(0, 2)],
+        [(1, 2)],
+        [(2, 1)],
+        [(2, 1)],
+    ]
 
 
 def test_chunks_are_sized_from_the_free_memory():
@@ -150,8 +171,11 @@ def test_chunks_are_sized_from_the_free_memory():
     assert engine._chunks([3, 2, 4], params, 4) == [[(0, 3), (1, 1)], [(1, 2), (2, 2)], [(2, 1)]]
     assert engine.generate(prompts, params).response_ids == TorchGenerator(model).generate(prompts, params).response_ids
     figure["free"] = memory.margin_bytes(total) + cost.row_bytes - 1
-    with pytest.raises(ValueError, match=r"^generation on cpu: one sequence of 4 prompt \+ 5 new tokens needs .*; at "
-                                         r"most max_new_tokens=4 fits after a 4-token prompt$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^generation on cpu: one sequence of 4 prompt \+ 5 new tokens needs .*; at "
+        r"most max_new_tokens=4 fits after a 4-token prompt$",
+    ):
         engine.generate(prompts, params)
 
 
@@ -164,8 +188,9 @@ def test_per_sample_lengths_end_rows_early(tiny_qwen3, prompts):
     out = engine.generate(prompts, params, max_new_tokens_per_sample=caps)
     assert [len(ids) for ids in out.response_ids] == caps and out.finish_reasons == ["length"] * 6
     for g, ids, lps in zip(out.group_ids, out.response_ids, out.logprobs):
-        torch.testing.assert_close(torch.tensor(lps), _full_forward_logprobs(tiny_qwen3, prompts[g], ids, 1.0),
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(lps), _full_forward_logprobs(tiny_qwen3, prompts[g], ids, 1.0), atol=1e-4, rtol=0
+        )
     with pytest.raises(ValueError, match=r"entries must be in \[1, max_new_tokens=7\], got 0"):
         engine.generate(prompts, params, max_new_tokens_per_sample=[0] * 6)
 
@@ -178,22 +203,38 @@ def test_distill_fails_at_startup_when_one_rollout_cannot_fit(tmp_path, monkeypa
 
     from helpers import make_tiny_tokenizer
     from opd.config import DistillConfig, build_config
-    from opd.rollout import memory
     from opd.recipes.distill import distill
+    from opd.rollout import memory
 
     make_tiny_model("qwen3").save_pretrained(tmp_path / "student")
     make_tiny_tokenizer().save_pretrained(tmp_path / "student")
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(4)))
-    options = {"student.path": str(tmp_path / "student"), "data.path": str(tmp_path / "prompts.jsonl"),
-               "objective.advantage": "grpo", "objective.top_k": 0, "data.answer_key": "answer",
-               "data.max_prompt_length": 32, "prompts_per_step": 2, "rollout.n": 2, "rollout.max_new_tokens": 600,
-               "micro_batch_tokens": 1024, "run.out_dir": str(tmp_path / "runs"), "run.name": "run", "run.steps": 1,
-               "run.report": False}
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(4))
+    )
+    options = {
+        "student.path": str(tmp_path / "student"),
+        "data.path": str(tmp_path / "prompts.jsonl"),
+        "objective.advantage": "grpo",
+        "objective.top_k": 0,
+        "data.answer_key": "answer",
+        "data.max_prompt_length": 32,
+        "prompts_per_step": 2,
+        "rollout.n": 2,
+        "rollout.max_new_tokens": 600,
+        "micro_batch_tokens": 1024,
+        "run.out_dir": str(tmp_path / "runs"),
+        "run.name": "run",
+        "run.steps": 1,
+        "run.report": False,
+    }
     config = build_config(DistillConfig, options=options)
     optimizer_bytes = 2 * sum(p.numel() * 4 for p in make_tiny_model("qwen3").parameters())
     monkeypatch.setattr(memory, "device_memory", lambda device: (memory.margin_bytes(0) + optimizer_bytes + 150_000, 0))
-    with pytest.raises(ValueError, match=r"one sequence of 32 prompt \+ 600 new tokens .* will not be free.* at most "
-                                         r"rollout.max_new_tokens=\d+ fits after a 32-token prompt$"):
+    with pytest.raises(
+        ValueError,
+        match=r"one sequence of 32 prompt \+ 600 new tokens .* will not be free.* at most "
+        r"rollout.max_new_tokens=\d+ fits after a 32-token prompt$",
+    ):
         distill(config)
     assert not (tmp_path / "runs" / "run" / "metrics.jsonl").exists()
 
@@ -222,8 +263,9 @@ def test_sampled_eos_invariants(tiny_qwen3, prompts):
         assert all(t not in eos for t in ids[:-1])
         assert (reason == "stop") == (ids[-1] in eos) and (reason == "stop" or len(ids) == 10)
         # Rows kept decoding correctly after others were dropped from the batch (cache, mask and positions).
-        torch.testing.assert_close(torch.tensor(lps), _full_forward_logprobs(tiny_qwen3, prompts[g], ids, 1.0),
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(lps), _full_forward_logprobs(tiny_qwen3, prompts[g], ids, 1.0), atol=1e-4, rtol=0
+        )
     assert {"stop", "length"} <= set(out.finish_reasons)
     assert len({len(ids) for ids in out.response_ids}) > 3
 
@@ -233,8 +275,9 @@ def test_padding_vocab_rows_never_sampled():
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(288))
     with torch.no_grad():
         model.lm_head.bias[TINY_VOCAB:] = 50.0  # would always win if allowed
-    out = TorchGenerator(model, vocab_size=TINY_VOCAB).generate([[1, 2, 3]], SamplingParams(n=4, max_new_tokens=6,
-                                                                                            seed=0))
+    out = TorchGenerator(model, vocab_size=TINY_VOCAB).generate(
+        [[1, 2, 3]], SamplingParams(n=4, max_new_tokens=6, seed=0)
+    )
     assert all(t < TINY_VOCAB for ids in out.response_ids for t in ids)
 
 
@@ -272,8 +315,7 @@ class ScriptedLM(torch.nn.Module):
         self.dummy = torch.nn.Parameter(torch.zeros(1))
         self.calls, self.width, self.last_cache, self.batch_sizes = 0, 0, None, []
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=None,
-                logits_to_keep=0):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=None, logits_to_keep=0):
         # What the engine must pass: a mask covering every token of the chunk so far, and positions that count
         # only real (unmasked) tokens.
         self.width = input_ids.shape[1] + (self.width if cache is self.last_cache else 0)
@@ -287,12 +329,15 @@ class ScriptedLM(torch.nn.Module):
         return CausalLMOutputWithPast(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
 
 
-@pytest.mark.parametrize("sync_interval,compact_fraction,batch_sizes", [
-    (1, 0.01, [4, 6, 4, 4, 4, 2, 2]),  # finished rows dropped as soon as seen
-    (1, 1.0, [4, 8, 8, 8, 8, 8, 8]),  # dropped only when all are finished
-    (3, 0.25, [4, 8, 8, 4, 4, 4, 2]),  # looked at after steps 3 and 6
-    (8, 0.5, [4, 8, 8, 8, 8, 8, 8]),  # never looked at within 7 steps
-])
+@pytest.mark.parametrize(
+    "sync_interval,compact_fraction,batch_sizes",
+    [
+        (1, 0.01, [4, 6, 4, 4, 4, 2, 2]),  # finished rows dropped as soon as seen
+        (1, 1.0, [4, 8, 8, 8, 8, 8, 8]),  # dropped only when all are finished
+        (3, 0.25, [4, 8, 8, 4, 4, 4, 2]),  # looked at after steps 3 and 6
+        (8, 0.5, [4, 8, 8, 8, 8, 8, 8]),  # never looked at within 7 steps
+    ],
+)
 def test_mixed_lengths_finish_exactly(sync_interval, compact_fraction, batch_sizes):
     model = ScriptedLM()
     engine = TorchGenerator(model, sync_interval=sync_interval, compact_fraction=compact_fraction)
@@ -322,8 +367,12 @@ def test_build_rollouts_layout():
     )
     r = build_rollouts(prompts, output, pad_id=PAD_ID)
     P = PAD_ID
-    assert r.input_ids.tolist() == [[1, 2, 3, 11, EOS_ID, P, P, P], [1, 2, 3, 12, 13, 14, 15, P],
-                                    [4, 5, 6, 7, 8, 16, P, P], [4, 5, 6, 7, 8, 17, 18, EOS_ID]]
+    assert r.input_ids.tolist() == [
+        [1, 2, 3, 11, EOS_ID, P, P, P],
+        [1, 2, 3, 12, 13, 14, 15, P],
+        [4, 5, 6, 7, 8, 16, P, P],
+        [4, 5, 6, 7, 8, 17, 18, EOS_ID],
+    ]
     assert r.attention_mask.sum(-1).tolist() == [5, 7, 6, 8] and r.attention_mask.dtype == torch.bool
     assert r.response_ids.tolist() == [[11, EOS_ID, P, P], [12, 13, 14, 15], [16, P, P, P], [17, 18, EOS_ID, P]]
     assert r.response_mask.sum(-1).tolist() == [2, 4, 1, 3] and r.response_mask.dtype == torch.bool
@@ -346,7 +395,9 @@ def test_rollouts_logits_at_response_positions_match_engine(model, prompts):
     the log-probs the engine reported (temperature 1)."""
     out = TorchGenerator(model).generate(prompts, SamplingParams(n=2, max_new_tokens=6, seed=5, return_logprobs=True))
     r = build_rollouts(prompts, out, pad_id=PAD_ID)
-    assert r.rollout_logprobs.shape == r.response_ids.shape and r.response_ids.shape[1] == max(map(len, out.response_ids))
+    assert r.rollout_logprobs.shape == r.response_ids.shape and r.response_ids.shape[1] == max(
+        map(len, out.response_ids)
+    )
     with torch.no_grad():
         logits = model(r.input_ids, attention_mask=r.attention_mask.long()).logits
     positions = r.response_positions().clamp(max=r.input_ids.shape[1] - 1)
@@ -374,8 +425,10 @@ def test_cuda_engine(kind, prompts):
     """On a GPU: greedy fp32 equals the CPU result, sampled log-probs match a full forward there, bf16 runs."""
     cpu_model, gpu_model = make_tiny_model(kind), make_tiny_model(kind).cuda()
     greedy = SamplingParams(n=2, temperature=0, max_new_tokens=8)
-    assert (TorchGenerator(gpu_model).generate(prompts, greedy).response_ids
-            == TorchGenerator(cpu_model).generate(prompts, greedy).response_ids)
+    assert (
+        TorchGenerator(gpu_model).generate(prompts, greedy).response_ids
+        == TorchGenerator(cpu_model).generate(prompts, greedy).response_ids
+    )
     sampled = SamplingParams(n=2, top_p=0.9, max_new_tokens=8, seed=0, return_logprobs=True, stop_at_eos=False)
     out = TorchGenerator(gpu_model).generate(prompts, sampled)
     assert TorchGenerator(gpu_model).generate(prompts, sampled).response_ids == out.response_ids

@@ -37,14 +37,21 @@ import yaml
 from safetensors.torch import load_file
 
 import opd
+from helpers import (
+    distill_config,
+    eval_args,
+    make_prompts,
+    score_config,
+    sft_config,
+    tiny_rollout_config,
+    write_jsonl,
+    write_prompts,
+)
 from opd.cli import main
 from opd.io import LOCK_FILE, DirectoryLock, DirectoryLocked, read_jsonl
-from opd.train.checkpoint import MANIFEST, latest_checkpoint, save_checkpoint, verify_checkpoint
 from opd.recipes.distill import distill
 from opd.recipes.sft import sft
-
-from helpers import distill_config, eval_args, make_prompts, score_config, sft_config, tiny_rollout_config, write_jsonl
-from helpers import write_prompts
+from opd.train.checkpoint import MANIFEST, latest_checkpoint, save_checkpoint, verify_checkpoint
 
 SRC = str(Path(opd.__file__).resolve().parents[1])
 
@@ -82,20 +89,35 @@ def dump(config, path: Path) -> Path:
 
 def _env() -> dict:
     # one torch thread, as the in-process reference runs (conftest): the same computation, bit for bit
-    return {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
-            "PYTHONDONTWRITEBYTECODE": "1"}
+    return {
+        **os.environ,
+        "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
 
 
 def start(log: Path, *args: str) -> subprocess.Popen:
     """`opd ARGS` as a subprocess in its own session (so kill -9 reaches any child); output goes to `log`."""
     handle = open(log, "w")
-    return subprocess.Popen([sys.executable, "-m", "opd.cli", *map(str, args)], stdout=handle, stderr=subprocess.STDOUT,
-                            env=_env(), start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "opd.cli", *map(str, args)],
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        env=_env(),
+        start_new_session=True,
+    )
 
 
 def run_opd(*args: str, timeout: float = 600, preexec_fn=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "opd.cli", *map(str, args)], capture_output=True, text=True,
-                          env=_env(), timeout=timeout, preexec_fn=preexec_fn)
+    return subprocess.run(
+        [sys.executable, "-m", "opd.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=timeout,
+        preexec_fn=preexec_fn,
+    )
 
 
 def wait_for(process: subprocess.Popen, condition, log: Path, what: str, timeout: float = 300) -> None:
@@ -162,10 +184,15 @@ def lora_checkpoint(tmp_path_factory):
     model_dir = root / "base"
     make_tiny_model("llama").save_pretrained(model_dir)
     make_tiny_tokenizer().save_pretrained(model_dir)
-    data = write_jsonl(root / "sft.jsonl", [{"messages": [{"role": "user", "content": "q"},
-                                                         {"role": "assistant", "content": "a"}]}] * 4)
-    run_dir = sft(sft_config(root, model_dir, data, "run.steps=1", "run.name=lora", "lora.enabled=true", "lora.r=2",
-                             "lora.merge=false"))
+    data = write_jsonl(
+        root / "sft.jsonl",
+        [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}] * 4,
+    )
+    run_dir = sft(
+        sft_config(
+            root, model_dir, data, "run.steps=1", "run.name=lora", "lora.enabled=true", "lora.r=2", "lora.merge=false"
+        )
+    )
     return run_dir / "checkpoints" / "step_1"
 
 
@@ -211,18 +238,20 @@ def test_merge_into_an_empty_directory(capsys, tmp_path, lora_checkpoint):
 # ----------------------------------------------------------------------------------- 2. one run per directory
 
 
-def test_new_distill_into_a_run_directory_refuses(capsys, world, tmp_path):  # noqa: F811
+def test_new_distill_into_a_run_directory_refuses(capsys, world, tmp_path):
     first = distill(distill_config(world, tmp_path, "run.save_every=2", "run.keep_last=2", steps=6))
     before = snapshot(first)
     # the issue's case: the old run's step_4/step_6 would sort as newer than the new run's step_2 (keep-last pruned
     # the new one), its metrics.jsonl would be replaced, and a later --resume would continue the old run
-    yaml_path = dump(distill_config(world, tmp_path, "run.save_every=2", "run.keep_last=2", steps=2), tmp_path / "c.yaml")
+    yaml_path = dump(
+        distill_config(world, tmp_path, "run.save_every=2", "run.keep_last=2", steps=2), tmp_path / "c.yaml"
+    )
     line = one_line(*cli(capsys, "distill", "--config", yaml_path)[::2])
     assert str(first) in line and "--resume" in line and "run.name" in line and "run.overwrite=true" in line
     assert snapshot(first) == before
 
 
-def test_new_sft_into_a_run_directory_refuses(capsys, tmp_path, tiny_model_dir, sft_data):  # noqa: F811
+def test_new_sft_into_a_run_directory_refuses(capsys, tmp_path, tiny_model_dir, sft_data):
     run_dir = sft(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "run.name=one"))
     before = snapshot(run_dir)
     yaml_path = dump(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=1", "run.name=one"), tmp_path / "c.yaml")
@@ -231,7 +260,7 @@ def test_new_sft_into_a_run_directory_refuses(capsys, tmp_path, tiny_model_dir, 
     assert snapshot(run_dir) == before
 
 
-def test_overwrite_moves_the_old_run_aside(capsys, world, tmp_path):  # noqa: F811
+def test_overwrite_moves_the_old_run_aside(capsys, world, tmp_path):
     first = distill(distill_config(world, tmp_path, steps=2))
     (first / "my_notes.txt").write_text("keep me")
     before = snapshot(first)
@@ -244,7 +273,7 @@ def test_overwrite_moves_the_old_run_aside(capsys, world, tmp_path):  # noqa: F8
     assert latest_checkpoint(first).name == "step_1"
 
 
-def test_resume_and_overwrite_contradict(capsys, world, tmp_path):  # noqa: F811
+def test_resume_and_overwrite_contradict(capsys, world, tmp_path):
     yaml_path = dump(distill_config(world, tmp_path), tmp_path / "c.yaml")
     line = one_line(*cli(capsys, "distill", "--config", yaml_path, "--resume", "run.overwrite=true")[::2])
     assert "run.resume and run.overwrite" in line
@@ -264,23 +293,27 @@ def test_pruning_never_removes_a_newer_checkpoint(tmp_path):
 # ------------------------------------------------------------------------------------ 3. fail before training
 
 
-def test_distill_unknown_eval_benchmark_fails_before_training(capsys, world, tmp_path):  # noqa: F811
-    yaml_path = dump(distill_config(world, tmp_path, "eval.benchmarks=[aime2O24]", "run.save_every=0"), tmp_path / "c.yaml")
+def test_distill_unknown_eval_benchmark_fails_before_training(capsys, world, tmp_path):
+    yaml_path = dump(
+        distill_config(world, tmp_path, "eval.benchmarks=[aime2O24]", "run.save_every=0"), tmp_path / "c.yaml"
+    )
     line = one_line(*cli(capsys, "distill", "--config", yaml_path)[::2])
     assert "aime2O24" in line and "eval.benchmarks" in line
     assert not (tmp_path / "run").exists()  # nothing trained, nothing written
 
 
-def test_sft_eval_set_with_a_bad_column_fails_before_training(capsys, tmp_path, tiny_model_dir, sft_data):  # noqa: F811
+def test_sft_eval_set_with_a_bad_column_fails_before_training(capsys, tmp_path, tiny_model_dir, sft_data):
     bench = write_jsonl(tmp_path / "bench.jsonl", [{"question": "1+1?", "answer": "2"}])
-    yaml_path = dump(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "run.name=s",
-                                f"eval.benchmarks=[{bench}]"), tmp_path / "c.yaml")
+    yaml_path = dump(
+        sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "run.name=s", f"eval.benchmarks=[{bench}]"),
+        tmp_path / "c.yaml",
+    )
     line = one_line(*cli(capsys, "sft", "--config", yaml_path)[::2])
     assert "bench.jsonl" in line
     assert not (tmp_path / "runs" / "s").exists()
 
 
-def test_run_directory_blocked_by_a_file(capsys, world, tmp_path):  # noqa: F811
+def test_run_directory_blocked_by_a_file(capsys, world, tmp_path):
     (tmp_path / "run").write_text("a file, not a directory")
     yaml_path = dump(distill_config(world, tmp_path), tmp_path / "c.yaml")
     line = one_line(*cli(capsys, "distill", "--config", yaml_path)[::2])
@@ -289,7 +322,7 @@ def test_run_directory_blocked_by_a_file(capsys, world, tmp_path):  # noqa: F811
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
-def test_read_only_out_dir(capsys, world, tmp_path):  # noqa: F811
+def test_read_only_out_dir(capsys, world, tmp_path):
     parent = tmp_path / "ro"
     parent.mkdir()
     parent.chmod(0o500)
@@ -302,12 +335,21 @@ def test_read_only_out_dir(capsys, world, tmp_path):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_kill_during_the_final_eval_loses_no_training(capsys, world, tmp_path):  # noqa: F811
+def test_kill_during_the_final_eval_loses_no_training(capsys, world, tmp_path):
     """save_every=0 (the demo's setting): the final checkpoint is written before the final eval, so a run killed (or
     failing) there keeps its training; --resume then redoes the unfinished eval and finishes the run."""
     bench = write_jsonl(tmp_path / "bench.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(12)])
-    cfg = distill_config(world, tmp_path, "run.save_every=0", f"eval.benchmarks=[{bench}]", "eval.answer_key=answer",
-                         "eval.n=2", "eval.max_new_tokens=6", "rollout.batch_size=4", steps=2)
+    cfg = distill_config(
+        world,
+        tmp_path,
+        "run.save_every=0",
+        f"eval.benchmarks=[{bench}]",
+        "eval.answer_key=answer",
+        "eval.n=2",
+        "eval.max_new_tokens=6",
+        "rollout.batch_size=4",
+        steps=2,
+    )
     yaml_path, run_dir, log = dump(cfg, tmp_path / "c.yaml"), tmp_path / "run", tmp_path / "a.log"
     a = start(log, "distill", "--config", yaml_path)
     wait_for(a, lambda: (run_dir / "eval" / "step_2" / "config.yaml").exists(), log, "the final eval")
@@ -324,13 +366,25 @@ def test_kill_during_the_final_eval_loses_no_training(capsys, world, tmp_path): 
 
 def test_lock_names_the_holder_and_is_released(tmp_path):
     directory = tmp_path / "d"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from opd.io import DirectoryLock; "
-                               "DirectoryLock(sys.argv[1], 'eval').acquire(); print('held', flush=True); time.sleep(60)",
-                               str(directory)], env=_env(), stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from opd.io import DirectoryLock; "
+            "DirectoryLock(sys.argv[1], 'eval').acquire(); print('held', flush=True); time.sleep(60)",
+            str(directory),
+        ],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(DirectoryLocked, match=rf"{re.escape(str(directory))} is in use by another opd process "
-                                                  rf"\(pid {holder.pid} on .*, opd eval, started "):
+        with pytest.raises(
+            DirectoryLocked,
+            match=rf"{re.escape(str(directory))} is in use by another opd process "
+            rf"\(pid {holder.pid} on .*, opd eval, started ",
+        ):
             DirectoryLock(directory, "distill").acquire()
     finally:
         holder.kill()
@@ -345,7 +399,7 @@ def test_lock_names_the_holder_and_is_released(tmp_path):
     assert not (directory / LOCK_FILE).exists()
 
 
-def test_lock_is_released_when_the_command_fails(capsys, world, tmp_path):  # noqa: F811
+def test_lock_is_released_when_the_command_fails(capsys, world, tmp_path):
     first = distill(distill_config(world, tmp_path, steps=1))
     yaml_path = dump(distill_config(world, tmp_path, "objective.top_k=4", steps=2), tmp_path / "c.yaml")
     one_line(*cli(capsys, "distill", "--config", yaml_path, "--resume")[::2])  # refused: the config changed
@@ -354,9 +408,19 @@ def test_lock_is_released_when_the_command_fails(capsys, world, tmp_path):  # no
 
 def test_pipeline_holds_its_directory(capsys, tmp_path):
     root = tmp_path / "pipe"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from opd.io import DirectoryLock; "
-                               "DirectoryLock(sys.argv[1], 'pipeline').acquire(); print('held', flush=True); "
-                               "time.sleep(60)", str(root)], env=_env(), stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from opd.io import DirectoryLock; "
+            "DirectoryLock(sys.argv[1], 'pipeline').acquire(); print('held', flush=True); "
+            "time.sleep(60)",
+            str(root),
+        ],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         path = _pipeline_yaml(tmp_path, root)
@@ -369,8 +433,15 @@ def test_pipeline_holds_its_directory(capsys, tmp_path):
 
 def _pipeline_yaml(tmp_path: Path, root: Path, **extra) -> Path:
     spec = {"path": str(tmp_path / "prompts.jsonl")}
-    config = {"teacher": {"path": "t"}, "student": {"path": "s"}, "sft_prompts": spec, "opd_prompts": spec,
-              "out_dir": str(root), "stages": [], **extra}
+    config = {
+        "teacher": {"path": "t"},
+        "student": {"path": "s"},
+        "sft_prompts": spec,
+        "opd_prompts": spec,
+        "out_dir": str(root),
+        "stages": [],
+        **extra,
+    }
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -388,7 +459,7 @@ def test_pipeline_rerun_with_another_recipe_refuses(capsys, tmp_path):
 # ----------------------------------------------------------------------- 5. temp directories and write failures
 
 
-def test_stale_checkpoint_temps_are_removed_on_resume(capsys, world, tmp_path):  # noqa: F811
+def test_stale_checkpoint_temps_are_removed_on_resume(capsys, world, tmp_path):
     run_dir = distill(distill_config(world, tmp_path, steps=1))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -405,7 +476,7 @@ def test_stale_checkpoint_temps_are_removed_on_resume(capsys, world, tmp_path): 
 
 
 @pytest.mark.slow
-def test_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_copy(world, tmp_path):  # noqa: F811
+def test_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_copy(world, tmp_path):
     """A real failing write (the file-size limit of the process, like a full disk: the write syscall fails)."""
     import resource
 
@@ -417,7 +488,7 @@ def test_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_copy(wo
 
     yaml_path = dump(distill_config(world, tmp_path, "run.save_every=1", steps=2), tmp_path / "c.yaml")
     result = run_opd("distill", "--config", yaml_path, preexec_fn=small_files)
-    line = one_line(result.returncode, "\n".join(l for l in result.stderr.splitlines() if "Writing model" not in l))
+    line = one_line(result.returncode, "\n".join(s for s in result.stderr.splitlines() if "Writing model" not in s))
     root = tmp_path / "run" / "checkpoints"
     assert "could not write checkpoint step_1" in line and str(root) in line and "needs about" in line, line
     assert "File too large" in line
@@ -427,7 +498,7 @@ def test_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_copy(wo
 # ------------------------------------------------------------------------------------- 6. resume config check
 
 
-def test_resume_with_a_changed_objective_refuses_naming_each_key(capsys, world, tmp_path):  # noqa: F811
+def test_resume_with_a_changed_objective_refuses_naming_each_key(capsys, world, tmp_path):
     run_dir = distill(distill_config(world, tmp_path, steps=1))
     saved = (run_dir / "config.yaml").read_text()
     yaml_path = dump(distill_config(world, tmp_path, "objective.top_k=4", "rollout.n=3", steps=2), tmp_path / "c.yaml")
@@ -441,7 +512,7 @@ def test_resume_with_a_changed_objective_refuses_naming_each_key(capsys, world, 
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["objective"]["top_k"] == 4
 
 
-def test_resume_may_extend_a_run_and_keeps_the_config_history(capsys, world, tmp_path):  # noqa: F811
+def test_resume_may_extend_a_run_and_keeps_the_config_history(capsys, world, tmp_path):
     run_dir = distill(distill_config(world, tmp_path, steps=1))
     saved = (run_dir / "config.yaml").read_text()
     yaml_path = dump(distill_config(world, tmp_path, "run.save_every=7", "eval.n=3", steps=2), tmp_path / "c.yaml")
@@ -451,17 +522,21 @@ def test_resume_may_extend_a_run_and_keeps_the_config_history(capsys, world, tmp
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2]
 
 
-def test_resume_cannot_go_back(capsys, world, tmp_path):  # noqa: F811
+def test_resume_cannot_go_back(capsys, world, tmp_path):
     distill(distill_config(world, tmp_path, steps=2))
     yaml_path = dump(distill_config(world, tmp_path, steps=1), tmp_path / "c.yaml")
     line = one_line(*cli(capsys, "distill", "--config", yaml_path, "--resume")[::2])
     assert "run.steps=1" in line and "step_2" in line
 
 
-def test_sft_resume_with_another_learning_rate_refuses(capsys, tmp_path, tiny_model_dir, sft_data):  # noqa: F811
+def test_sft_resume_with_another_learning_rate_refuses(capsys, tmp_path, tiny_model_dir, sft_data):
     sft(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=1", "run.name=s"))
-    yaml_path = dump(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "run.name=s", "optim.lr=0.5",
-                                "examples_per_step=2"), tmp_path / "c.yaml")
+    yaml_path = dump(
+        sft_config(
+            tmp_path, tiny_model_dir, sft_data, "run.steps=2", "run.name=s", "optim.lr=0.5", "examples_per_step=2"
+        ),
+        tmp_path / "c.yaml",
+    )
     line = one_line(*cli(capsys, "sft", "--config", yaml_path, "--resume")[::2])
     assert "optim.lr: 1e-05 → 0.5" in line and "examples_per_step: 4 → 2" in line
     code, _, err = cli(capsys, "sft", "--config", yaml_path, "--resume", "--allow-config-change")
@@ -471,7 +546,7 @@ def test_sft_resume_with_another_learning_rate_refuses(capsys, tmp_path, tiny_mo
 # ------------------------------------------------------------------------------------- 7. checkpoint manifests
 
 
-def test_manifest_lists_every_file_with_size_and_hash(world, tmp_path):  # noqa: F811
+def test_manifest_lists_every_file_with_size_and_hash(world, tmp_path):
     run_dir = distill(distill_config(world, tmp_path, steps=1))
     checkpoint = run_dir / "checkpoints" / "step_1"
     manifest = json.loads((checkpoint / MANIFEST).read_text())["files"]
@@ -481,7 +556,7 @@ def test_manifest_lists_every_file_with_size_and_hash(world, tmp_path):  # noqa:
 
 
 @pytest.mark.parametrize("damage", ["truncate_weights", "flip_state_byte", "remove_state"])
-def test_resume_falls_back_past_a_damaged_newest_checkpoint(capsys, world, tmp_path, damage):  # noqa: F811
+def test_resume_falls_back_past_a_damaged_newest_checkpoint(capsys, world, tmp_path, damage):
     straight = distill(distill_config(world, tmp_path / "a", "run.save_every=2", steps=4))
     run_dir = distill(distill_config(world, tmp_path / "b", "run.save_every=2", steps=4))
     newest = run_dir / "checkpoints" / "step_4"
@@ -502,7 +577,7 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(capsys, world, tmp_p
     assert verify_checkpoint(newest, hashes=True) is None
 
 
-def test_checkpoint_without_a_manifest_still_resumes(capsys, world, tmp_path):  # noqa: F811
+def test_checkpoint_without_a_manifest_still_resumes(capsys, world, tmp_path):
     """Checkpoints written before manifests existed: COMPLETE marker + trainer state, accepted unverified."""
     straight = distill(distill_config(world, tmp_path / "a", steps=2))
     run_dir = distill(distill_config(world, tmp_path / "b", steps=1))
@@ -518,10 +593,12 @@ def test_checkpoint_without_a_manifest_still_resumes(capsys, world, tmp_path):  
 
 
 @pytest.mark.slow
-def test_distill_kill9_resumes_exactly_and_refuses_a_second_process(capsys, world, tmp_path):  # noqa: F811
+def test_distill_kill9_resumes_exactly_and_refuses_a_second_process(capsys, world, tmp_path):
     # a long run (constant lr: its length does not change the steps it makes), killed after its first checkpoint,
     # then resumed to 6 steps: equal to a straight 6-step run
-    yaml_path = dump(distill_config(world, tmp_path, "run.save_every=2", "run.keep_last=null", steps=500), tmp_path / "c.yaml")
+    yaml_path = dump(
+        distill_config(world, tmp_path, "run.save_every=2", "run.keep_last=null", steps=500), tmp_path / "c.yaml"
+    )
     run_dir, log = tmp_path / "run", tmp_path / "a.log"
     a = start(log, "distill", "--config", yaml_path)
     wait_for(a, lambda: (run_dir / "checkpoints" / "step_2").is_dir(), log, "the first checkpoint")
@@ -539,11 +616,17 @@ def test_distill_kill9_resumes_exactly_and_refuses_a_second_process(capsys, worl
 
 
 @pytest.mark.slow
-def test_sft_kill9_resumes_exactly_and_refuses_a_second_process(capsys, tmp_path, tiny_model_dir, sft_data):  # noqa: F811
-    common = ["run.save_every=2", "run.keep_last=null", "optim.schedule=constant", "optim.warmup_ratio=0",
-              "optim.lr=1e-2"]
-    yaml_path = dump(sft_config(tmp_path, tiny_model_dir, sft_data, *common, "run.steps=500", "run.name=s"),
-                     tmp_path / "c.yaml")
+def test_sft_kill9_resumes_exactly_and_refuses_a_second_process(capsys, tmp_path, tiny_model_dir, sft_data):
+    common = [
+        "run.save_every=2",
+        "run.keep_last=null",
+        "optim.schedule=constant",
+        "optim.warmup_ratio=0",
+        "optim.lr=1e-2",
+    ]
+    yaml_path = dump(
+        sft_config(tmp_path, tiny_model_dir, sft_data, *common, "run.steps=500", "run.name=s"), tmp_path / "c.yaml"
+    )
     run_dir, log = tmp_path / "runs" / "s", tmp_path / "a.log"
     a = start(log, "sft", "--config", yaml_path)
     wait_for(a, lambda: (run_dir / "checkpoints" / "step_2").is_dir(), log, "the first checkpoint")
@@ -564,8 +647,12 @@ def test_eval_kill9_rerun_is_identical_and_refuses_a_second_process(capsys, tmp_
     out, log = tmp_path / "out", tmp_path / "a.log"
     args = eval_args(tiny_model_dir, problems, out)
     a = start(log, *args)
-    wait_for(a, lambda: (out / "samples.jsonl").is_file() and (out / "samples.jsonl").stat().st_size > 0, log,
-             "the first graded chunk")
+    wait_for(
+        a,
+        lambda: (out / "samples.jsonl").is_file() and (out / "samples.jsonl").stat().st_size > 0,
+        log,
+        "the first graded chunk",
+    )
     interrupt_with_a_second_process(capsys, out, a, *args)
     code, _, err = cli(capsys, *args)
     assert code == 0, err
@@ -590,8 +677,9 @@ def test_rollout_kill9_rerun_is_identical_and_refuses_a_second_process(capsys, t
     interrupt_with_a_second_process(capsys, out, a, "rollout", "--config", yaml_path)
     code, stdout, err = cli(capsys, "rollout", "--config", yaml_path)
     assert code == 0 and "resuming" in stdout, err
-    reference = dump(tiny_rollout_config(tmp_path, tiny_model_dir, "ref", **{"data.path": str(prompts)}),
-                     tmp_path / "r.yaml")
+    reference = dump(
+        tiny_rollout_config(tmp_path, tiny_model_dir, "ref", **{"data.path": str(prompts)}), tmp_path / "r.yaml"
+    )
     code, _, err = cli(capsys, "rollout", "--config", reference)  # uninterrupted, in-process
     assert code == 0, err
     for name in ("rollouts.jsonl", "rejected.jsonl"):
@@ -600,7 +688,7 @@ def test_rollout_kill9_rerun_is_identical_and_refuses_a_second_process(capsys, t
 
 
 @pytest.mark.slow
-def test_prompts_score_kill9_rerun_is_identical_and_refuses_a_second_process(capsys, tmp_path, model_dirs):  # noqa: F811
+def test_prompts_score_kill9_rerun_is_identical_and_refuses_a_second_process(capsys, tmp_path, model_dirs):
     from opd.data.prompts import save_prompts
 
     data = save_prompts(make_prompts(12), tmp_path / "set.jsonl")
@@ -612,6 +700,8 @@ def test_prompts_score_kill9_rerun_is_identical_and_refuses_a_second_process(cap
     code, _, err = cli(capsys, "prompts", "score", "--config", yaml_path)
     assert code == 0, err
     ref = tmp_path / "ref" / "scores.jsonl"
-    code, _, err = cli(capsys, "prompts", "score", "--config", dump(score_config(model_dirs, data, ref), tmp_path / "r.yaml"))
+    code, _, err = cli(
+        capsys, "prompts", "score", "--config", dump(score_config(model_dirs, data, ref), tmp_path / "r.yaml")
+    )
     assert code == 0, err
     assert read_jsonl(out) == read_jsonl(ref) and len(read_jsonl(out)) == 12

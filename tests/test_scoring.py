@@ -14,10 +14,9 @@ import warnings
 import pytest
 import torch
 
-from opd.kernels import varlen_attention
 import opd.scoring as scoring
-from opd.scoring import (OutputHead, candidate_logprobs, candidate_logprobs_and_entropy, default_chunk_size,
-                         score_hidden)
+from opd.kernels import varlen_attention
+from opd.scoring import OutputHead, candidate_logprobs, candidate_logprobs_and_entropy, default_chunk_size, score_hidden
 from opd.teacher import LocalScorer, TeacherScorer, forward_hidden
 from opd.teacher.local import check_output_head, output_head, split_by_token_budget
 from opd.types import Rollouts
@@ -28,8 +27,12 @@ from opd.types import Rollouts
 
 def naive_logprobs(hidden_ND, head: OutputHead, temperature: float, vocab_size: int | None) -> torch.Tensor:
     """[N, V_model] float64 log-probs from the full logits; padding rows (≥ vocab_size) masked to -inf."""
-    z = torch.nn.functional.linear(hidden_ND.double(), head.weight.double(),
-                                   None if head.bias is None else head.bias.double()) * head.logit_scale
+    z = (
+        torch.nn.functional.linear(
+            hidden_ND.double(), head.weight.double(), None if head.bias is None else head.bias.double()
+        )
+        * head.logit_scale
+    )
     if head.softcap is not None:
         z = head.softcap * torch.tanh(z / head.softcap)
     z = z / temperature
@@ -43,8 +46,9 @@ def naive_entropy(lp_NV: torch.Tensor) -> torch.Tensor:
     return -(p * torch.where(p > 0, lp_NV, torch.zeros_like(lp_NV))).sum(-1)
 
 
-def make_head(v_model: int, d: int, *, bias=False, scale=1.0, softcap=None, pad_from=None, dtype=torch.float32,
-              seed=0) -> OutputHead:
+def make_head(
+    v_model: int, d: int, *, bias=False, scale=1.0, softcap=None, pad_from=None, dtype=torch.float32, seed=0
+) -> OutputHead:
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(v_model, d, generator=g, dtype=dtype)
     if pad_from is not None:
@@ -78,8 +82,17 @@ def test_score_hidden_matches_naive(variant, vocab_size, topk_piece, monkeypatch
     targets = torch.randint(0, v_used, (n,), generator=g)
     requested = torch.randint(0, v_used, (n, r), generator=g)
 
-    out = score_hidden(hidden, head, targets_N=targets, top_k=k, requested_ids_NR=requested,
-                       temperature=temperature, vocab_size=vocab_size, with_entropy=True, chunk_size=5)
+    out = score_hidden(
+        hidden,
+        head,
+        targets_N=targets,
+        top_k=k,
+        requested_ids_NR=requested,
+        temperature=temperature,
+        vocab_size=vocab_size,
+        with_entropy=True,
+        chunk_size=5,
+    )
     lp = naive_logprobs(hidden, head, temperature, vocab_size)
     ref_vals, ref_ids = lp.topk(k, dim=-1)
 
@@ -106,8 +119,14 @@ def test_score_hidden_default_chunk_bf16_and_options():
 
 def test_score_hidden_empty_and_errors():
     head = make_head(20, 4)
-    out = score_hidden(torch.zeros(0, 4), head, targets_N=torch.zeros(0, dtype=torch.long), top_k=3,
-                       requested_ids_NR=torch.zeros(0, 2, dtype=torch.long), with_entropy=True)
+    out = score_hidden(
+        torch.zeros(0, 4),
+        head,
+        targets_N=torch.zeros(0, dtype=torch.long),
+        top_k=3,
+        requested_ids_NR=torch.zeros(0, 2, dtype=torch.long),
+        with_entropy=True,
+    )
     assert out.sampled_logprobs.shape == (0,) and out.topk_ids.shape == (0, 3)
     assert out.requested_logprobs.shape == (0, 2) and out.entropy.shape == (0,)
     with pytest.raises(ValueError, match="targets_N"):
@@ -127,8 +146,12 @@ def test_score_hidden_empty_and_errors():
 def _candidate_case(variant, vocab_size, dtype, seed=2):
     n, d, v_model, j = 19, 12, 41, 6
     head = make_head(v_model, d, pad_from=vocab_size, dtype=dtype, **variant)
-    head = OutputHead(head.weight.requires_grad_(), None if head.bias is None else head.bias.requires_grad_(),
-                      head.logit_scale, head.softcap)
+    head = OutputHead(
+        head.weight.requires_grad_(),
+        None if head.bias is None else head.bias.requires_grad_(),
+        head.logit_scale,
+        head.softcap,
+    )
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, d, generator=g, dtype=dtype).requires_grad_()
     ids = torch.randint(0, vocab_size or v_model, (n, j), generator=g)
@@ -151,8 +174,9 @@ def test_candidate_logprobs_values_and_grads(variant, vocab_size, with_entropy):
     for dtype, atol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
         head, hidden, ids, g_lp, g_h = _candidate_case(variant, vocab_size, dtype)
         if with_entropy:
-            lp, ent = candidate_logprobs_and_entropy(hidden, head, ids, temperature=temperature,
-                                                     vocab_size=vocab_size, chunk_size=4)
+            lp, ent = candidate_logprobs_and_entropy(
+                hidden, head, ids, temperature=temperature, vocab_size=vocab_size, chunk_size=4
+            )
             loss = (lp.double() * g_lp).sum() + (ent.double() * g_h).sum()
         else:
             lp = candidate_logprobs(hidden, head, ids, temperature=temperature, vocab_size=vocab_size, chunk_size=4)
@@ -160,9 +184,12 @@ def test_candidate_logprobs_values_and_grads(variant, vocab_size, with_entropy):
         ours = _grads(loss, head, hidden)
 
         # reference: autograd through the naive float64 computation of the same float64-cast inputs
-        ref_head = OutputHead(head.weight.detach().double().requires_grad_(),
-                              None if head.bias is None else head.bias.detach().double().requires_grad_(),
-                              head.logit_scale, head.softcap)
+        ref_head = OutputHead(
+            head.weight.detach().double().requires_grad_(),
+            None if head.bias is None else head.bias.detach().double().requires_grad_(),
+            head.logit_scale,
+            head.softcap,
+        )
         ref_hidden = hidden.detach().double().requires_grad_()
         ref_lp_full = naive_logprobs(ref_hidden, ref_head, temperature, vocab_size)
         ref_lp = ref_lp_full.gather(1, ids)
@@ -185,8 +212,9 @@ def test_candidate_logprobs_gradcheck_and_empty():
     hidden_s, w_s, b_s, ids_s = hidden[:5].detach().requires_grad_(), head.weight, head.bias, ids[:5]
 
     def f(h, w, b):
-        return candidate_logprobs_and_entropy(h, OutputHead(w, b, 0.5, 4.0), ids_s, temperature=1.3,
-                                              vocab_size=30, chunk_size=2)
+        return candidate_logprobs_and_entropy(
+            h, OutputHead(w, b, 0.5, 4.0), ids_s, temperature=1.3, vocab_size=30, chunk_size=2
+        )
 
     assert torch.autograd.gradcheck(f, (hidden_s, w_s, b_s))
     empty = torch.zeros(0, 12, dtype=torch.float64, requires_grad=True)
@@ -216,13 +244,22 @@ SCORE_FIELDS = ("sampled_logprobs", "topk_logprobs", "entropy", "requested_logpr
 
 def _score_and_grads(head: OutputHead, hidden, targets, requested, ids, chunk_size, temperature=0.8, top_k=8):
     """score_hidden's outputs and candidate_logprobs_and_entropy's values and gradients (hidden, weight, bias)."""
-    s = score_hidden(hidden, head, targets_N=targets, top_k=top_k, requested_ids_NR=requested,
-                     temperature=temperature, with_entropy=True, chunk_size=chunk_size)
+    s = score_hidden(
+        hidden,
+        head,
+        targets_N=targets,
+        top_k=top_k,
+        requested_ids_NR=requested,
+        temperature=temperature,
+        with_entropy=True,
+        chunk_size=chunk_size,
+    )
     weight = head.weight.detach().clone().requires_grad_()
     bias = None if head.bias is None else head.bias.detach().clone().requires_grad_()
     h = hidden.detach().clone().requires_grad_()
-    lp, ent = candidate_logprobs_and_entropy(h, OutputHead(weight, bias, head.logit_scale, head.softcap), ids,
-                                             temperature=temperature, chunk_size=chunk_size)
+    lp, ent = candidate_logprobs_and_entropy(
+        h, OutputHead(weight, bias, head.logit_scale, head.softcap), ids, temperature=temperature, chunk_size=chunk_size
+    )
     g = torch.Generator().manual_seed(9)
     (lp * torch.randn(lp.shape, generator=g)).sum().add((ent * torch.randn(ent.shape, generator=g)).sum()).backward()
     grads = (h.grad, weight.grad) + (() if bias is None else (bias.grad,))
@@ -282,8 +319,15 @@ def test_bf16_model_dtype_matches_dense_reference():
     ((lp_full.gather(1, ids) * g_lp).sum() + (ent_ref * g_ent).sum()).backward()
 
     for chunk in (1, 7, None):
-        s = score_hidden(hidden, head.weight, targets_N=targets, top_k=k, requested_ids_NR=requested,
-                         with_entropy=True, chunk_size=chunk)
+        s = score_hidden(
+            hidden,
+            head.weight,
+            targets_N=targets,
+            top_k=k,
+            requested_ids_NR=requested,
+            with_entropy=True,
+            chunk_size=chunk,
+        )
         torch.testing.assert_close(s.sampled_logprobs, ref_lp.gather(1, targets[:, None])[:, 0], atol=1e-5, rtol=0)
         torch.testing.assert_close(s.requested_logprobs, ref_lp.gather(1, requested), atol=1e-5, rtol=0)
         torch.testing.assert_close(s.entropy, ent_ref.detach(), atol=1e-5, rtol=0)
@@ -319,6 +363,7 @@ def fake_compile(monkeypatch):
 
     def install(make):
         monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: make(fn))
+
     return install
 
 
@@ -330,7 +375,9 @@ def test_compiled_path_plumbing_matches_eager(fake_compile, monkeypatch, chunk):
         def run(*args):
             calls.append(args[0].shape[0])
             return fn(*args)
+
         return run
+
     fake_compile(identity)
     case = _case(300, 50, 8, torch.float32, variant=dict(bias=True, scale=0.5, softcap=4.0))
     compiled = _score_and_grads(*case, chunk_size=chunk)
@@ -345,7 +392,9 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(fake_compile, monk
     def broken(fn):
         def run(*args):
             raise RuntimeError("no compiler here")
+
         return run
+
     fake_compile(broken)
     case = _case(30, 50, 8, torch.float32)
     with pytest.warns(RuntimeWarning, match="opd.scoring: torch.compile of _") as record:
@@ -386,8 +435,16 @@ def tiny_model(kind: str, attn: str, *, vocab=67, seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
     else:
@@ -412,8 +469,15 @@ def make_rollouts(prompt_lens, response_lens, T, vocab, seed=0, pad=0) -> Rollou
         attention[b, : p + r] = True
         response_ids[b, :r] = toks[p:]
         response_mask[b, :r] = True
-    return Rollouts(input_ids, attention, torch.tensor(prompt_lens), response_ids, response_mask,
-                    torch.arange(B), torch.zeros(B, dtype=torch.bool))
+    return Rollouts(
+        input_ids,
+        attention,
+        torch.tensor(prompt_lens),
+        response_ids,
+        response_mask,
+        torch.arange(B),
+        torch.zeros(B, dtype=torch.bool),
+    )
 
 
 PROMPTS, RESPONSES, T = [5, 3, 9, 4, 6], [7, 10, 0, 1, 4], 10
@@ -453,8 +517,9 @@ def test_local_scorer_matches_model_logits_packed_and_padded(kind, attn):
         vals, ids = lp_ref.topk(k, dim=-1)
         assert torch.equal(s.topk_ids[mask].sort(-1).values, ids[mask].sort(-1).values)
         torch.testing.assert_close(s.topk_logprobs[mask].double(), vals[mask], atol=1e-5, rtol=0)
-        torch.testing.assert_close(s.requested_logprobs[mask].double(), lp_ref.gather(-1, requested)[mask],
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            s.requested_logprobs[mask].double(), lp_ref.gather(-1, requested)[mask], atol=1e-5, rtol=0
+        )
         torch.testing.assert_close(s.entropy[mask].double(), naive_entropy(lp_ref)[mask], atol=1e-5, rtol=0)
 
     base = results["padded", 10_000]
@@ -503,8 +568,9 @@ def test_forward_hidden_grad_matches_full_model_backward(attn):
         model.zero_grad()
         part = forward_hidden(model, ro, packing=packing, through_root=through_root)
         assert part.hidden_ND.shape == (int(mask.sum()), 32)
-        lp_NJ = candidate_logprobs(part.hidden_ND, output_head(model), ids_BTJ[part.rows_N, part.cols_N],
-                                   temperature=temperature, chunk_size=8)
+        lp_NJ = candidate_logprobs(
+            part.hidden_ND, output_head(model), ids_BTJ[part.rows_N, part.cols_N], temperature=temperature, chunk_size=8
+        )
         lp_BTJ = part.to_grid(lp_NJ)
         torch.testing.assert_close(lp_BTJ[mask], ref_lp[mask].detach(), atol=1e-5, rtol=0)
         (lp_BTJ * g_BTJ).sum().backward()
@@ -516,9 +582,18 @@ def test_output_head_softcap_model_and_check():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
-    config = Gemma2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.5,
-                          max_position_embeddings=64, pad_token_id=0)
+    config = Gemma2Config(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=0.5,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
     model = Gemma2ForCausalLM(config).float().eval()
     model.config._attn_implementation = "eager"
     head = output_head(model)
@@ -582,6 +657,7 @@ def rss_peak(monkeypatch):
         before_kib = _rss_kib("VmRSS")
         out = fn()
         return out, (_rss_kib("VmHWM") - before_kib) / 1024
+
     return measure
 
 
@@ -592,11 +668,27 @@ def test_peak_memory_far_below_full_logits(rss_peak):
 
     V, shared, B, P, T_ = 151936, 151669, 8, 16, 256
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=V,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        )
+    )
     ids = torch.randint(0, shared, (B, P + T_))
-    ro = Rollouts(ids, torch.ones(B, P + T_, dtype=torch.bool), torch.full((B,), P), ids[:, P:].clone(),
-                  torch.ones(B, T_, dtype=torch.bool), torch.arange(B), torch.zeros(B, dtype=torch.bool))
+    ro = Rollouts(
+        ids,
+        torch.ones(B, P + T_, dtype=torch.bool),
+        torch.full((B,), P),
+        ids[:, P:].clone(),
+        torch.ones(B, T_, dtype=torch.bool),
+        torch.arange(B),
+        torch.zeros(B, dtype=torch.bool),
+    )
     requested = torch.randint(0, shared, (B, T_, 16))
     scorer = LocalScorer(model.eval(), vocab_size=shared)
 
@@ -604,8 +696,10 @@ def test_peak_memory_far_below_full_logits(rss_peak):
 
     assert torch.isfinite(s.entropy).all() and s.topk_ids.shape == (B, T_, 16)
     full_logits_mib = B * T_ * V * 4 / 2**20  # 1187 MiB
-    print(f"\npeak RSS growth while scoring {B}x{T_} positions, V={V}: {growth_mib:.0f} MiB "
-          f"([B,T,V] float32 = {full_logits_mib:.0f} MiB; chunk logits budget {BUDGET_MIB} MiB)")
+    print(
+        f"\npeak RSS growth while scoring {B}x{T_} positions, V={V}: {growth_mib:.0f} MiB "
+        f"([B,T,V] float32 = {full_logits_mib:.0f} MiB; chunk logits budget {BUDGET_MIB} MiB)"
+    )
     assert growth_mib < 2 * BUDGET_MIB + 40
 
 
@@ -627,8 +721,10 @@ def test_peak_memory_candidate_backward(rss_peak):
     lp, growth_mib = rss_peak(run)
     assert torch.isfinite(weight.grad).all() and lp.shape == (N, 16)
     grad_w_mib = V * D * 4 / 2**20  # 37 MiB
-    print(f"\npeak RSS growth, candidate forward + backward of {N} positions, V={V}: {growth_mib:.0f} MiB "
-          f"(chunk logits budget {BUDGET_MIB} MiB, weight gradient {grad_w_mib:.0f} MiB)")
+    print(
+        f"\npeak RSS growth, candidate forward + backward of {N} positions, V={V}: {growth_mib:.0f} MiB "
+        f"(chunk logits budget {BUDGET_MIB} MiB, weight gradient {grad_w_mib:.0f} MiB)"
+    )
     assert growth_mib < 2 * BUDGET_MIB + grad_w_mib + 40
 
 
@@ -636,8 +732,11 @@ def test_auto_packing_packs_only_batches_with_padding_to_save(monkeypatch):
     model = tiny_model("qwen3", varlen_attention.ATTENTION)
     packed_calls = []
     reference = varlen_attention.packed_causal_attention
-    monkeypatch.setattr(varlen_attention, "packed_causal_attention",
-                        lambda *args, **kwargs: packed_calls.append(args[0].shape[0]) or reference(*args, **kwargs))
+    monkeypatch.setattr(
+        varlen_attention,
+        "packed_causal_attention",
+        lambda *args, **kwargs: packed_calls.append(args[0].shape[0]) or reference(*args, **kwargs),
+    )
     equal = make_rollouts([4, 4, 4], [6, 6, 6], 6, 67)
     ragged = make_rollouts([4, 4, 4], [6, 1, 2], 6, 67)
     for rollouts, packs in ((equal, False), (ragged, True)):

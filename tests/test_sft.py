@@ -10,43 +10,65 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers import EOS_ID, SFT_QA, chat, make_tiny_model, sft_config, write_jsonl
 from opd.config import ConfigError, build_config
 from opd.data.prompts import DataError
 from opd.data.sft import (
-    Conversation, collate, end_of_turn_id, read_conversations, tokenize_conversations,
+    Conversation,
+    collate,
+    end_of_turn_id,
+    read_conversations,
+    tokenize_conversations,
 )
 from opd.data.templates import encode_prompts
 from opd.recipes.sft import SFTConfig, check_config, sft
 from opd.train.sft import forward_backward, packing_is_exact, target_logprobs
 from opd.types import Prompt
 
-from helpers import EOS_ID, SFT_QA, chat, make_tiny_model, sft_config, write_jsonl
-
 # ------------------------------------------------------------------------------------------------ layouts
 
 
 def test_every_layout_parses(tmp_path):
-    rollout = write_jsonl(tmp_path / "rollout.jsonl", [
-        {"id": "p0", "source": "dapo", "answer": "5", "attempts": 2, "messages": chat("what is 2+3?", "5")}])
-    sharegpt = write_jsonl(tmp_path / "sharegpt.jsonl", [{"conversations": [
-        {"from": "system", "value": "be brief"}, {"from": "human", "value": "name a colour"},
-        {"from": "gpt", "value": "red"}]}])
+    rollout = write_jsonl(
+        tmp_path / "rollout.jsonl",
+        [{"id": "p0", "source": "dapo", "answer": "5", "attempts": 2, "messages": chat("what is 2+3?", "5")}],
+    )
+    sharegpt = write_jsonl(
+        tmp_path / "sharegpt.jsonl",
+        [
+            {
+                "conversations": [
+                    {"from": "system", "value": "be brief"},
+                    {"from": "human", "value": "name a colour"},
+                    {"from": "gpt", "value": "red"},
+                ]
+            }
+        ],
+    )
     alpaca = tmp_path / "alpaca.json"
-    alpaca.write_text(json.dumps([{"instruction": "reverse", "input": "abc", "output": "cba"},
-                                  {"instruction": "say hi", "output": "hi there"}]))
+    alpaca.write_text(
+        json.dumps(
+            [
+                {"instruction": "reverse", "input": "abc", "output": "cba"},
+                {"instruction": "say hi", "output": "hi there"},
+            ]
+        )
+    )
     assert read_conversations(rollout)[0].messages == chat("what is 2+3?", "5")
-    assert read_conversations(sharegpt)[0].messages == [{"role": "system", "content": "be brief"},
-                                                        *chat("name a colour", "red")]
-    assert [c.messages for c in read_conversations(alpaca)] == [chat("reverse\nabc", "cba"),
-                                                                 chat("say hi", "hi there")]
+    assert read_conversations(sharegpt)[0].messages == [
+        {"role": "system", "content": "be brief"},
+        *chat("name a colour", "red"),
+    ]
+    assert [c.messages for c in read_conversations(alpaca)] == [chat("reverse\nabc", "cba"), chat("say hi", "hi there")]
 
 
 def test_layout_errors_name_file_record_and_field(tmp_path):
     unknown = write_jsonl(tmp_path / "odd.jsonl", [{"question": "q", "reply": "r"}])
     with pytest.raises(DataError, match=r"odd\.jsonl.*unknown SFT layout.*question, reply"):
         read_conversations(unknown)
-    bad_role = write_jsonl(tmp_path / "sg.jsonl", [{"conversations": [{"from": "human", "value": "q"},
-                                                                      {"from": "bot", "value": "a"}]}])
+    bad_role = write_jsonl(
+        tmp_path / "sg.jsonl", [{"conversations": [{"from": "human", "value": "q"}, {"from": "bot", "value": "a"}]}]
+    )
     with pytest.raises(DataError, match=r"sg\.jsonl: record 0: conversations\[1\]\.from is 'bot'"):
         read_conversations(bad_role)
     missing = write_jsonl(tmp_path / "al.jsonl", [{"instruction": "q", "output": "a"}, {"instruction": "q"}])
@@ -84,8 +106,9 @@ def test_multi_turn_trains_every_assistant_turn(tiny_tokenizer):
     rendered = tiny_tokenizer.apply_chat_template(messages, tokenize=False)
     assert tiny_tokenizer.decode(kept[0].input_ids) + "\n" == rendered  # as the template writes it
     # a template whose history differs from its generation prompt (thinking off) gets one sequence per turn
-    split = tokenize_conversations(tiny_tokenizer, [Conversation(messages, "x")], max_length=512,
-                                   enable_thinking=False).examples
+    split = tokenize_conversations(
+        tiny_tokenizer, [Conversation(messages, "x")], max_length=512, enable_thinking=False
+    ).examples
     assert [_targets(tiny_tokenizer, ex) for ex in split] == ["b<|im_end|>", "d<|im_end|>"]
     assert tiny_tokenizer.decode(split[1].input_ids).endswith("assistant\n<think>\n\n</think>\n\nd<|im_end|>")
 
@@ -152,7 +175,9 @@ def test_bf16_autocast_path_runs(tiny_llama, tiny_tokenizer):
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in tiny_llama.parameters())
 
 
-@pytest.mark.parametrize("kind, attention", [("llama", "eager"), ("llama", "sdpa"), ("qwen3", "sdpa"), ("qwen3", "opd_varlen")])
+@pytest.mark.parametrize(
+    "kind, attention", [("llama", "eager"), ("llama", "sdpa"), ("qwen3", "sdpa"), ("qwen3", "opd_varlen")]
+)
 def test_packed_examples_do_not_see_each_other(kind, attention, tiny_tokenizer):
     from opd.kernels import varlen_attention
 
@@ -162,8 +187,7 @@ def test_packed_examples_do_not_see_each_other(kind, attention, tiny_tokenizer):
     examples, batch = _batch(tiny_tokenizer, SFT_QA)
     with torch.no_grad():
         packed_B = target_logprobs(net, batch, packed=True).sum(-1)
-        alone_B = torch.stack([target_logprobs(net, collate([ex], pad_id=0), packed=False).sum()
-                               for ex in examples])
+        alone_B = torch.stack([target_logprobs(net, collate([ex], pad_id=0), packed=False).sum() for ex in examples])
     torch.testing.assert_close(packed_B, alone_B, atol=1e-5, rtol=0)
     assert packing_is_exact(net)
 
@@ -181,10 +205,22 @@ def test_packing_falls_back_to_padding_when_the_model_mixes_examples(monkeypatch
 
 
 def test_sft_run_writes_the_run_directory(tmp_path, tiny_model_dir, sft_data):
-    bench = write_jsonl(tmp_path / "bench.jsonl", [{"prompt": [{"role": "user", "content": "1+1?"}],
-                                                    "reward_model": {"ground_truth": "2"}}])
-    config = sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "run.name=e2e", "run.report=true",
-                        "data.packing=packed", f"eval.benchmarks=[{bench}]", "eval.n=2", "eval.max_new_tokens=4")
+    bench = write_jsonl(
+        tmp_path / "bench.jsonl",
+        [{"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"}}],
+    )
+    config = sft_config(
+        tmp_path,
+        tiny_model_dir,
+        sft_data,
+        "run.steps=2",
+        "run.name=e2e",
+        "run.report=true",
+        "data.packing=packed",
+        f"eval.benchmarks=[{bench}]",
+        "eval.n=2",
+        "eval.max_new_tokens=4",
+    )
     run_dir = sft(config)
     assert {"config.yaml", "metrics.jsonl", "report.html", "checkpoints", "eval"} <= {p.name for p in run_dir.iterdir()}
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -202,27 +238,62 @@ def test_sft_run_writes_the_run_directory(tmp_path, tiny_model_dir, sft_data):
 @pytest.mark.parametrize("lora", [False, True])
 def test_resume_is_bit_identical(tmp_path, tiny_model_dir, sft_data, lora):
     extra = ["lora.enabled=true", "lora.r=4", "lora.dropout=0.3", "lora.merge=false"] if lora else []
-    full = sft(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=4", "run.save_every=2", "run.keep_last=null",
-                          "optim.lr=1e-2", "run.name=full", *extra))
+    full = sft(
+        sft_config(
+            tmp_path,
+            tiny_model_dir,
+            sft_data,
+            "run.steps=4",
+            "run.save_every=2",
+            "run.keep_last=null",
+            "optim.lr=1e-2",
+            "run.name=full",
+            *extra,
+        )
+    )
     # an interrupted run: the same directory as it was right after the step-2 checkpoint, then resumed
     resumed = tmp_path / "runs" / "resumed"
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_4")
-    sft(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=4", "run.save_every=2", "run.keep_last=null",
-                   "optim.lr=1e-2", "run.name=resumed", "run.resume=true", *extra))
+    sft(
+        sft_config(
+            tmp_path,
+            tiny_model_dir,
+            sft_data,
+            "run.steps=4",
+            "run.save_every=2",
+            "run.keep_last=null",
+            "optim.lr=1e-2",
+            "run.name=resumed",
+            "run.resume=true",
+            *extra,
+        )
+    )
     weights = "adapter_model.safetensors" if lora else "model.safetensors"
     a = (full / "checkpoints" / "step_4" / weights).read_bytes()
     assert a == (resumed / "checkpoints" / "step_4" / weights).read_bytes()
-    losses = [[json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
-              for d in (full, resumed)]
+    losses = [
+        [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (full, resumed)
+    ]
     assert losses[0] == losses[1] and len(losses[0]) == 4
 
 
 def test_lora_trains_adapters_only_and_merges(tmp_path, tiny_model_dir, sft_data):
     from peft import PeftModel
 
-    run_dir = sft(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "run.name=lora", "optim.lr=3e-2",
-                             "lora.enabled=true", "lora.r=4", "lora.target_modules=[q_proj, v_proj, down_proj]"))
+    run_dir = sft(
+        sft_config(
+            tmp_path,
+            tiny_model_dir,
+            sft_data,
+            "run.steps=2",
+            "run.name=lora",
+            "optim.lr=3e-2",
+            "lora.enabled=true",
+            "lora.r=4",
+            "lora.target_modules=[q_proj, v_proj, down_proj]",
+        )
+    )
     checkpoint = run_dir / "checkpoints" / "step_2"
     names = {p.name for p in checkpoint.iterdir()}
     assert "adapter_model.safetensors" in names and "model.safetensors" not in names and "tokenizer.json" in names
@@ -240,8 +311,11 @@ def test_lora_trains_adapters_only_and_merges(tmp_path, tiny_model_dir, sft_data
 
 
 def test_sft_learns_from_scratch(tmp_path, tiny_model_dir, sft_data):
-    run_dir = sft(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=30", "run.name=learn", "optim.lr=1e-2",
-                             "run.save_every=0"))
+    run_dir = sft(
+        sft_config(
+            tmp_path, tiny_model_dir, sft_data, "run.steps=30", "run.name=learn", "optim.lr=1e-2", "run.save_every=0"
+        )
+    )
     losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 30 and sum(losses[-3:]) / 3 < 0.1 * losses[0], losses
 

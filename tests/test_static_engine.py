@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model
-from opd.rollout import Generator, SamplingParams, memory, static_engine
 from opd.kernels import decode_attention as triton_attention
+from opd.rollout import Generator, SamplingParams, memory, static_engine
 from opd.rollout.sampling import filter_logits
 from opd.rollout.static_engine import StaticGenerator, _sample, unsupported_reason
 from opd.rollout.torch_engine import TorchGenerator
@@ -53,7 +53,8 @@ MODELS = {
 # The Triton kernel runs interpreted here (~1 s a step): on the GQA model both weight layouts, on Qwen3 the fused one.
 DECODE_PATHS = [(m, f, a) for m in MODELS for f in (True, False) for a in ("sdpa", "matmul")] + [
     pytest.param(*path, marks=pytest.mark.slow)  # the interpreted Triton kernel: seconds a case
-    for path in (("llama_biases_gqa", True, "triton"), ("llama_biases_gqa", False, "triton"), ("qwen3", True, "triton"))]
+    for path in (("llama_biases_gqa", True, "triton"), ("llama_biases_gqa", False, "triton"), ("qwen3", True, "triton"))
+]
 
 
 @pytest.mark.parametrize("model_name, fuse_weights, attention", DECODE_PATHS)
@@ -64,11 +65,20 @@ def test_every_decode_path_matches_torch_generator_in_float32(model_name, fuse_w
     model = MODELS[model_name](**({"hidden_size": 64} if attention == "triton" else {}))
     reference = TorchGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
     # 4 rows for 6 samples: the last two are placed into freed slots (refills) by every path
-    static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=16,
-                             fuse_weights=fuse_weights, attention=attention, max_batch_size=4, sync_interval=8)
+    static = StaticGenerator(
+        model,
+        eos_token_ids=[EOS_ID],
+        pad_token_id=PAD_ID,
+        kv_bucket=16,
+        fuse_weights=fuse_weights,
+        attention=attention,
+        max_batch_size=4,
+        sync_interval=8,
+    )
     # (the interpreted Triton kernel costs ~1 s a step here: fewer steps)
-    params = SamplingParams(n=2, temperature=0, max_new_tokens=16 if attention == "triton" else 40,
-                            return_logprobs=True)
+    params = SamplingParams(
+        n=2, temperature=0, max_new_tokens=16 if attention == "triton" else 40, return_logprobs=True
+    )
     want, got = reference.generate(PROMPTS, params), static.generate(PROMPTS, params)
     assert got.response_ids == want.response_ids
     assert got.finish_reasons == want.finish_reasons
@@ -111,14 +121,17 @@ def test_autocast_decodes_on_cast_once_weights_with_the_float32_residual_of_auto
     for parameter in bf16_model.parameters():  # parameters only: `.to(bf16)` would also round RoPE's inv_freq
         parameter.data = parameter.data.bfloat16()
     common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=16, max_batch_size=4)
-    for params in (SamplingParams(n=2, temperature=0, max_new_tokens=40, return_logprobs=True),
-                   SamplingParams(n=4, max_new_tokens=20, seed=3, return_logprobs=True)):
+    for params in (
+        SamplingParams(n=2, temperature=0, max_new_tokens=40, return_logprobs=True),
+        SamplingParams(n=4, max_new_tokens=20, seed=3, return_logprobs=True),
+    ):
         outputs = {}
         for fuse_weights in (True, False):
             autocast_in_step.clear()
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 outputs[fuse_weights] = StaticGenerator(model, fuse_weights=fuse_weights, **common).generate(
-                    PROMPTS, params)
+                    PROMPTS, params
+                )
             assert autocast_in_step and set(autocast_in_step) == {not fuse_weights}
         fused, unfused = outputs[True], outputs[False]
         assert fused.response_ids == unfused.response_ids and fused.logprobs == unfused.logprobs
@@ -244,7 +257,8 @@ def test_decode_step_samples_the_right_distribution():
     marginal_V = first_V @ second_VV
     params = SamplingParams(n=20000, max_new_tokens=2, seed=5, stop_at_eos=False, return_logprobs=True)
     out = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, max_batch_size=20000).generate(
-        [PROMPTS[1]], params)
+        [PROMPTS[1]], params
+    )
     assert _total_variation([r[1] for r in out.response_ids], marginal_V) < 0.07
     # reported log-probs are the model's, before any filtering
     first, second = out.response_ids[0]
@@ -306,14 +320,16 @@ def eos_biased(kind="qwen3", bias=2.0, **kwargs):
 
 def random_prompts(count, seed=0, longest=12):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, longest, (count,), generator=g)]
+    return [
+        torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, longest, (count,), generator=g)
+    ]
 
 
 def _full_forward_logprobs(model, prompt, response):
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1: -1].float()
-    return logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
@@ -327,15 +343,20 @@ def test_refilled_slots_give_torch_generators_greedy_outputs(kind, rows, sync_in
     prompts = random_prompts(8)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=30, return_logprobs=True)
     want = TorchGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID).generate(prompts, params)
-    static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=16, max_batch_size=rows,
-                             sync_interval=sync_interval)
+    static = StaticGenerator(
+        model,
+        eos_token_ids=[EOS_ID],
+        pad_token_id=PAD_ID,
+        kv_bucket=16,
+        max_batch_size=rows,
+        sync_interval=sync_interval,
+    )
     got = static.generate(prompts, params)
     assert got.response_ids == want.response_ids and got.finish_reasons == want.finish_reasons
     assert len({len(ids) for ids in got.response_ids}) >= 4 and {"stop", "length"} == set(got.finish_reasons)
     assert static.stats["rows"] == rows and (static.stats["refills"] > 0) == (rows < 16)
     for g, ids, lps in zip(got.group_ids, got.response_ids, got.logprobs):
-        torch.testing.assert_close(torch.tensor(lps), _full_forward_logprobs(model, prompts[g], ids), atol=1e-5,
-                                   rtol=0)
+        torch.testing.assert_close(torch.tensor(lps), _full_forward_logprobs(model, prompts[g], ids), atol=1e-5, rtol=0)
 
 
 def test_no_row_idles_while_samples_are_pending():
@@ -353,7 +374,8 @@ def test_no_row_idles_while_samples_are_pending():
     # sample 5 takes slot 0 after step 4 and ends at once.
     assert static.stats["decode_steps"] == 6 and static.stats["refills"] == 4
     want = TorchGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID).generate(
-        prompts, params, max_new_tokens_per_sample=caps)
+        prompts, params, max_new_tokens_per_sample=caps
+    )
     assert out.response_ids == want.response_ids and out.finish_reasons == want.finish_reasons
 
 
@@ -438,7 +460,8 @@ def test_refills_are_deterministic_per_seed():
     assert first.response_ids == again.response_ids and first.logprobs == again.logprobs
     assert first.response_ids != static.generate(prompts, SamplingParams(n=3, max_new_tokens=15, seed=8)).response_ids
     other_rows = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, max_batch_size=7).generate(
-        prompts, params)
+        prompts, params
+    )
     assert other_rows.group_ids == first.group_ids and other_rows.response_ids != first.response_ids
 
 
@@ -467,8 +490,13 @@ def test_rows_are_sized_from_the_free_memory():
     model = make_tiny_model("qwen3", vocab_size=2048)
     total = 80 * GIB
     figure = {"free": 0}
-    static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, max_batch_size=1000,
-                             free_memory=lambda device: (figure["free"], total))
+    static = StaticGenerator(
+        model,
+        eos_token_ids=[EOS_ID],
+        pad_token_id=PAD_ID,
+        max_batch_size=1000,
+        free_memory=lambda device: (figure["free"], total),
+    )
     prompt, new = 16, 20
     cost = static.row_cost(prompt, new)
     config = model.config
@@ -494,8 +522,9 @@ def test_a_sequence_that_cannot_fit_fails_with_one_line_saying_what_fits():
     model = make_tiny_model("qwen3", vocab_size=2048)
     total = 80 * GIB
     figure = {"free": 0}
-    static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID,
-                             free_memory=lambda device: (figure["free"], total))
+    static = StaticGenerator(
+        model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, free_memory=lambda device: (figure["free"], total)
+    )
     cost = static.row_cost(16, 400)
     # one byte short, with the step weights the call will build (check_fits runs before they exist)
     figure["free"] = memory.margin_bytes(total) + cost.fixed_bytes + static.step_weight_bytes() + cost.row_bytes - 1

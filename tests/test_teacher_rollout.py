@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers import EOS_ID, tiny_rollout_config, write_prompts
 from opd.config import ConfigError, build_config
 from opd.eval.degeneracy import DegeneracySpec, degeneracy_reasons
 from opd.io import read_jsonl
 from opd.recipes.rollout import REASONS, RolloutConfig, check_response, teacher_rollout
 from opd.rollout.base import GenerationOutput, Generator
-
-from helpers import EOS_ID, tiny_rollout_config, write_prompts
 
 GOOD = "Adding the two numbers gives four.\n\\boxed{4}"
 
@@ -56,8 +55,14 @@ class ScriptedGenerator:
 
 
 def make_config(tmp_path: Path, prompts: Path, **overrides) -> RolloutConfig:
-    options = {"model.path": "scripted", "data.path": str(prompts), "out": str(tmp_path / "out"), "max_attempts": 3,
-               "data.template": "keep", **overrides}
+    options = {
+        "model.path": "scripted",
+        "data.path": str(prompts),
+        "out": str(tmp_path / "out"),
+        "max_attempts": 3,
+        "data.template": "keep",
+        **overrides,
+    }
     return build_config(RolloutConfig, options=options)
 
 
@@ -77,18 +82,24 @@ def test_scripted_generator_is_a_generator(tiny_tokenizer):
     assert isinstance(ScriptedGenerator(tiny_tokenizer, {}), Generator)
 
 
-@pytest.mark.parametrize("text, finish, expected", [
-    (GOOD, "stop", []),
-    (GOOD, "length", ["truncated"]),
-    ("Adding gives four.", "stop", ["no_answer"]),
-    ("The result is clear.\nAnswer: 4", "stop", []),
-    ("".join(f"Let me check this again carefully.\nstep {k}\n" for k in range(12)) + "\\boxed{4}", "stop",
-     ["repeated_line"]),
-    ("Hmm " + "A" * 100 + "\n\\boxed{4}", "stop", ["token_run"]),
-    ("abcdefghij" * 20 + "\n\\boxed{4}", "stop", ["repeated_block"]),
-    ("Let me check this again carefully.\n" * 12 + "\\boxed{4}", "stop", ["repeated_line", "repeated_block"]),
-    ("0000000000" * 10, "length", ["truncated", "no_answer", "token_run"]),
-])
+@pytest.mark.parametrize(
+    "text, finish, expected",
+    [
+        (GOOD, "stop", []),
+        (GOOD, "length", ["truncated"]),
+        ("Adding gives four.", "stop", ["no_answer"]),
+        ("The result is clear.\nAnswer: 4", "stop", []),
+        (
+            "".join(f"Let me check this again carefully.\nstep {k}\n" for k in range(12)) + "\\boxed{4}",
+            "stop",
+            ["repeated_line"],
+        ),
+        ("Hmm " + "A" * 100 + "\n\\boxed{4}", "stop", ["token_run"]),
+        ("abcdefghij" * 20 + "\n\\boxed{4}", "stop", ["repeated_block"]),
+        ("Let me check this again carefully.\n" * 12 + "\\boxed{4}", "stop", ["repeated_line", "repeated_block"]),
+        ("0000000000" * 10, "length", ["truncated", "no_answer", "token_run"]),
+    ],
+)
 def test_check_response_reasons(tiny_tokenizer, text, finish, expected):
     config = RolloutConfig(model={"path": "m"}, data={"path": "p"}, out="o")
     ids = tiny_tokenizer.encode(text, add_special_tokens=False)
@@ -112,8 +123,9 @@ def test_degeneracy_thresholds_are_configurable_and_can_be_off(tiny_tokenizer):
     assert degeneracy_reasons(lines, [1, 2, 3], DegeneracySpec()) == []  # short lines never count
     assert degeneracy_reasons(lines, [1, 2, 3], DegeneracySpec(line_repeats=3)) == ["repeated_line"]
     with pytest.raises(ConfigError, match="degeneracy.token_run"):
-        build_config(RolloutConfig, options={"model.path": "m", "data.path": "p", "out": "o",
-                                             "degeneracy.token_run": -1})
+        build_config(
+            RolloutConfig, options={"model.path": "m", "data.path": "p", "out": "o", "degeneracy.token_run": -1}
+        )
 
 
 # ------------------------------------------------------------------------------------------------ rejection loop
@@ -175,8 +187,14 @@ def test_require_correct_needs_ground_truth(tiny_tokenizer, tmp_path):
 def test_acceptance_stats(tiny_tokenizer, tmp_path, capsys):
     script = {
         "<q0>": [(GOOD, "stop"), (GOOD, "length"), (GOOD, "stop")],  # sample 0 ok; sample 1 ok on attempt 2
-        "<q1>": [("nothing", "stop"), ("nothing", "length"), ("nothing", "stop"), ("nothing", "stop"),
-                 ("nothing", "stop"), ("nothing", "stop")],
+        "<q1>": [
+            ("nothing", "stop"),
+            ("nothing", "length"),
+            ("nothing", "stop"),
+            ("nothing", "stop"),
+            ("nothing", "stop"),
+            ("nothing", "stop"),
+        ],
     }
     out, _ = run(tmp_path, tiny_tokenizer, script, n=2)
     stats = json.loads((out / "stats.json").read_text())
@@ -184,8 +202,14 @@ def test_acceptance_stats(tiny_tokenizer, tmp_path, capsys):
     assert stats["samples"] == 4 and stats["accepted"] == 2 and stats["exhausted"] == 2
     assert stats["attempts"] == 1 + 2 + 3 + 3
     assert stats["accepted_at_attempt"] == {"1": 1, "2": 1}
-    assert stats["rejections"] == {"truncated": 2, "no_answer": 6, "repeated_line": 0, "token_run": 0,
-                                   "repeated_block": 0, "wrong": 0}
+    assert stats["rejections"] == {
+        "truncated": 2,
+        "no_answer": 6,
+        "repeated_line": 0,
+        "token_run": 0,
+        "repeated_block": 0,
+        "wrong": 0,
+    }
     assert stats["rejection_rate"]["no_answer"] == pytest.approx(6 / 9)
     assert stats["acceptance_rate"] == 0.5 and stats["attempt_acceptance_rate"] == pytest.approx(2 / 9)
     assert set(stats["rejections"]) == set(REASONS)
@@ -231,8 +255,9 @@ def test_resume_after_interruption(tiny_tokenizer, tmp_path):
     teacher_rollout(config, generator=idle, tokenizer=tiny_tokenizer)
     assert idle.calls == [] and read_jsonl(out / "rollouts.jsonl") == records
     with pytest.raises(ValueError, match="temperature"):
-        teacher_rollout(make_config(tmp_path, prompts, batch_size=2, temperature=0.5), generator=idle,
-                        tokenizer=tiny_tokenizer)
+        teacher_rollout(
+            make_config(tmp_path, prompts, batch_size=2, temperature=0.5), generator=idle, tokenizer=tiny_tokenizer
+        )
 
 
 # ------------------------------------------------------------------------------------------------ LlamaFactory
@@ -244,11 +269,14 @@ def test_llamafactory_layout(tiny_tokenizer, tmp_path):
     script = {"<q0>": [(GOOD, "stop")], "<q1>": [(GOOD, "stop")]}
     out = teacher_rollout(config, generator=ScriptedGenerator(tiny_tokenizer, script), tokenizer=tiny_tokenizer)
     info = json.loads((out / "llamafactory" / "dataset_info.json").read_text())
-    assert info == {"teacher_sft": {
-        "file_name": "teacher_sft.json", "formatting": "sharegpt",
-        "columns": {"messages": "conversations", "system": "system"},
-        "tags": {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt"},
-    }}
+    assert info == {
+        "teacher_sft": {
+            "file_name": "teacher_sft.json",
+            "formatting": "sharegpt",
+            "columns": {"messages": "conversations", "system": "system"},
+            "tags": {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt"},
+        }
+    }
     rows = json.loads((out / "llamafactory" / "teacher_sft.json").read_text())
     assert len(rows) == 2
     assert rows[0]["system"] == "You are a careful mathematician." and rows[1]["system"] == ""

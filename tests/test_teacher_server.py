@@ -65,8 +65,23 @@ def serve_process(tmp_path: Path, *extra: str, port: int | None = None, name: st
     token_file.write_text(TOKEN + "\n")
     log_path = tmp_path / f"{name}.log"
     port = free_port() if port is None else port
-    command = [sys.executable, "-m", "opd.cli", "serve-teacher", "--model", str(teacher_path()), "--device", "cpu",
-               "--dtype", "fp32", "--port", str(port), "--token-file", str(token_file), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "opd.cli",
+        "serve-teacher",
+        "--model",
+        str(teacher_path()),
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+        "--port",
+        str(port),
+        "--token-file",
+        str(token_file),
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -134,8 +149,9 @@ def error_of(body: bytes) -> str:
     return json.loads(body)["error"]
 
 
-def random_rollouts(seed: int, rows: int, max_prompt: int = 8, max_response: int = 12,
-                    min_response: int = 0) -> Rollouts:
+def random_rollouts(
+    seed: int, rows: int, max_prompt: int = 8, max_response: int = 12, min_response: int = 0
+) -> Rollouts:
     """Right-padded rows of random lab ids: prompts of 1..max_prompt tokens, responses of min..max_response."""
     g = torch.Generator().manual_seed(seed)
     prompt_B = torch.randint(1, max_prompt + 1, (rows,), generator=g)
@@ -147,8 +163,9 @@ def random_rollouts(seed: int, rows: int, max_prompt: int = 8, max_response: int
     response_mask = torch.arange(T)[None] < response_B[:, None]
     index = (prompt_B[:, None] + torch.arange(T)[None]).clamp(max=L - 1)
     response_ids = torch.where(response_mask, ids.gather(1, index), 0)
-    return Rollouts(ids, attention, prompt_B, response_ids, response_mask, torch.arange(rows),
-                    torch.zeros(rows, dtype=torch.bool))
+    return Rollouts(
+        ids, attention, prompt_B, response_ids, response_mask, torch.arange(rows), torch.zeros(rows, dtype=torch.bool)
+    )
 
 
 # Scoring the same rows in another batch (other rows beside them, other padding) changes fp32 results by rounding:
@@ -190,8 +207,9 @@ def server(tmp_path_factory):
 def test_wire_request_round_trip_is_exact():
     rollouts = random_rollouts(0, 6)
     requested = torch.randint(0, V, (*rollouts.response_ids.shape, 5))
-    request = wire.request_from_rollouts(rollouts, requested, top_k=7, temperature=0.7, with_entropy=False,
-                                         logprobs="bfloat16")
+    request = wire.request_from_rollouts(
+        rollouts, requested, top_k=7, temperature=0.7, with_entropy=False, logprobs="bfloat16"
+    )
     decoded = wire.decode_request(wire.encode_request(request))
     for name in ("row_lengths", "prompt_lengths", "tokens", "mask", "requested_ids"):
         assert torch.equal(getattr(decoded, name), getattr(request, name).to(getattr(decoded, name).dtype)), name
@@ -204,11 +222,16 @@ def test_wire_request_round_trip_is_exact():
     assert torch.equal(grid[rebuilt.response_mask], requested[mask])
 
 
-@pytest.mark.parametrize("logprobs, atol", [("float32", 0.0), ("bfloat16", 2 ** -8)])  # bf16: 8 mantissa bits
+@pytest.mark.parametrize("logprobs, atol", [("float32", 0.0), ("bfloat16", 2**-8)])  # bf16: 8 mantissa bits
 def test_wire_response_round_trip(logprobs, atol):
     g = torch.Generator().manual_seed(1)
-    response = wire.ScoreResponse(-torch.rand(9, generator=g) * 5, torch.randint(0, 1000, (9, 4), generator=g),
-                                  -torch.rand(9, 4, generator=g), torch.rand(9, generator=g), -torch.rand(9, 3, generator=g))
+    response = wire.ScoreResponse(
+        -torch.rand(9, generator=g) * 5,
+        torch.randint(0, 1000, (9, 4), generator=g),
+        -torch.rand(9, 4, generator=g),
+        torch.rand(9, generator=g),
+        -torch.rand(9, 3, generator=g),
+    )
     decoded = wire.decode_response(wire.encode_response(response, logprobs))
     assert torch.equal(decoded.topk_ids, response.topk_ids)
     for name in ("sampled", "topk_logprobs", "entropy", "requested_logprobs"):
@@ -225,22 +248,30 @@ def test_wire_bytes_per_position_match_the_docstring():
     requested = torch.randint(0, V, (*rollouts.response_ids.shape, 16))
     request = wire.request_from_rollouts(rollouts, requested)
     request_bytes = len(wire.encode_request(request))
-    response = wire.ScoreResponse(torch.zeros(positions), torch.zeros(positions, 16, dtype=torch.long),
-                                  torch.zeros(positions, 16), torch.zeros(positions), torch.zeros(positions, 16))
+    response = wire.ScoreResponse(
+        torch.zeros(positions),
+        torch.zeros(positions, 16, dtype=torch.long),
+        torch.zeros(positions, 16),
+        torch.zeros(positions),
+        torch.zeros(positions, 16),
+    )
     # per position: request 69 B + 4 B per prompt token (one here); response 200 B fp32, 132 B bf16 (+ headers)
     assert 69 * positions < request_bytes <= 73 * positions + 400
     assert 200 * positions < len(wire.encode_response(response)) <= 200 * positions + 400
     assert 132 * positions < len(wire.encode_response(response, "bfloat16")) <= 132 * positions + 400
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda b: b[:5], "shorter than"),
-    (lambda b: b"XXXX" + b[4:], "not an opd teacher message"),
-    (lambda b: b[:4] + bytes([9]) + b[5:], "unknown wire version 9"),
-    (lambda b: b[:-3], "needs"),
-    (lambda b: b + b"\0" * 8, "bytes after the last array"),
-    (lambda b: b[:12] + b"\xff" + b[13:], "not valid UTF-8 JSON"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda b: b[:5], "shorter than"),
+        (lambda b: b"XXXX" + b[4:], "not an opd teacher message"),
+        (lambda b: b[:4] + bytes([9]) + b[5:], "unknown wire version 9"),
+        (lambda b: b[:-3], "needs"),
+        (lambda b: b + b"\0" * 8, "bytes after the last array"),
+        (lambda b: b[:12] + b"\xff" + b[13:], "not valid UTF-8 JSON"),
+    ],
+)
 def test_wire_rejects_malformed_messages(mutate, message):
     body = wire.encode_request(wire.request_from_rollouts(random_rollouts(3, 2), None))
     with pytest.raises(wire.WireError, match=message):
@@ -255,8 +286,9 @@ def test_wire_rejects_inconsistent_arrays():
     bad = wire.ScoreRequest(ok.row_lengths, ok.row_lengths + 1, ok.tokens, ok.mask)
     with pytest.raises(wire.WireError, match="prompt_lengths: row 0"):
         wire.decode_request(wire.encode_request(bad))
-    bad = wire.ScoreRequest(ok.row_lengths, ok.prompt_lengths, ok.tokens, ok.mask,
-                            torch.zeros(ok.num_positions + 1, 2, dtype=torch.long))
+    bad = wire.ScoreRequest(
+        ok.row_lengths, ok.prompt_lengths, ok.tokens, ok.mask, torch.zeros(ok.num_positions + 1, 2, dtype=torch.long)
+    )
     with pytest.raises(wire.WireError, match="requested_ids: shape"):
         wire.decode_request(wire.encode_request(bad))
 
@@ -264,8 +296,10 @@ def test_wire_rejects_inconsistent_arrays():
 # ------------------------------------------------------------------------------------------------ served == local
 
 
-@pytest.mark.parametrize("top_k, R, temperature, with_entropy", [
-    (16, 16, 1.0, True), (0, None, 1.0, False), (5, 3, 0.7, True), (20, 8, 1.3, False)])
+@pytest.mark.parametrize(
+    "top_k, R, temperature, with_entropy",
+    [(16, 16, 1.0, True), (0, None, 1.0, False), (5, 3, 0.7, True), (20, 8, 1.3, False)],
+)
 def test_served_equals_local(server, lab_teacher, top_k, R, temperature, with_entropy):
     url, _, _ = server
     _, _, local = lab_teacher
@@ -301,8 +335,9 @@ def test_start_scoring_gives_the_scores_of_a_served_and_of_a_local_teacher(serve
     kwargs = dict(top_k=4, requested_ids=requested)
     for scorer in (remote, local):
         assert isinstance(scorer, TeacherScorer) and scorer.serves_requested_ids
-        assert_scores_close(start_scoring(scorer, rollouts, **kwargs).result(), local.score(rollouts, **kwargs),
-                            atol=1e-6)
+        assert_scores_close(
+            start_scoring(scorer, rollouts, **kwargs).result(), local.score(rollouts, **kwargs), atol=1e-6
+        )
         scorer.close()
     remote.close()
 
@@ -313,7 +348,7 @@ def test_served_bf16_wire_is_close(server, lab_teacher):
     rollouts = random_rollouts(5, 6)
     a, b = remote.score(rollouts, top_k=4), lab_teacher[2].score(rollouts, top_k=4)
     assert torch.equal(a.topk_ids, b.topk_ids)
-    assert torch.allclose(a.topk_logprobs, b.topk_logprobs, rtol=2 ** -8, atol=1e-6)
+    assert torch.allclose(a.topk_logprobs, b.topk_logprobs, rtol=2**-8, atol=1e-6)
 
 
 def test_client_refuses_another_tokenizer_with_the_local_message(server, lab_teacher):
@@ -333,12 +368,28 @@ def test_client_refuses_another_tokenizer_with_the_local_message(server, lab_tea
 
 
 def lab_config(tmp_path: Path, name: str, *overrides: str, steps: int = 3) -> DistillConfig:
-    options = {"student.path": str(student_path()), "teacher.path": str(teacher_path()),
-               "data.path": str(opd_prompts_path()), "student.device": "cpu", "student.dtype": "fp32",
-               "teacher.device": "cpu", "teacher.dtype": "fp32", "data.max_prompt_length": 64,
-               "prompts_per_step": 2, "rollout.n": 2, "rollout.max_new_tokens": 24, "micro_batch_tokens": 4096,
-               "score_batch_tokens": 4096, "optim.lr": 1e-4, "run.out_dir": str(tmp_path), "run.name": name,
-               "run.steps": steps, "run.report": False, "run.save_every": 0, "run.samples_per_step": 0}
+    options = {
+        "student.path": str(student_path()),
+        "teacher.path": str(teacher_path()),
+        "data.path": str(opd_prompts_path()),
+        "student.device": "cpu",
+        "student.dtype": "fp32",
+        "teacher.device": "cpu",
+        "teacher.dtype": "fp32",
+        "data.max_prompt_length": 64,
+        "prompts_per_step": 2,
+        "rollout.n": 2,
+        "rollout.max_new_tokens": 24,
+        "micro_batch_tokens": 4096,
+        "score_batch_tokens": 4096,
+        "optim.lr": 1e-4,
+        "run.out_dir": str(tmp_path),
+        "run.name": name,
+        "run.steps": steps,
+        "run.report": False,
+        "run.save_every": 0,
+        "run.samples_per_step": 0,
+    }
     return build_config(DistillConfig, options=options, overrides=list(overrides))
 
 
@@ -387,13 +438,24 @@ def test_prompts_score_with_teacher_url_matches_local(server, tmp_path):
     url, token_file, _ = server
 
     def run(name, *overrides):
-        options = {"student.path": str(student_path()), "teacher.path": str(teacher_path()),
-                   "data.path": str(opd_prompts_path()), "data.limit": 4, "data.max_prompt_length": 64,
-                   "student.device": "cpu", "student.dtype": "fp32", "teacher.device": "cpu",
-                   "teacher.dtype": "fp32", "out": str(tmp_path / name / "scores.jsonl"), "n": 2,
-                   "max_new_tokens": 16, "batch_size": 2}
-        return read_scores(score_prompt_file(build_config(PromptScoreConfig, options=options,
-                                                          overrides=list(overrides))))
+        options = {
+            "student.path": str(student_path()),
+            "teacher.path": str(teacher_path()),
+            "data.path": str(opd_prompts_path()),
+            "data.limit": 4,
+            "data.max_prompt_length": 64,
+            "student.device": "cpu",
+            "student.dtype": "fp32",
+            "teacher.device": "cpu",
+            "teacher.dtype": "fp32",
+            "out": str(tmp_path / name / "scores.jsonl"),
+            "n": 2,
+            "max_new_tokens": 16,
+            "batch_size": 2,
+        }
+        return read_scores(
+            score_prompt_file(build_config(PromptScoreConfig, options=options, overrides=list(overrides)))
+        )
 
     local, served = run("local"), run("served", *served_overrides(url, token_file))
     assert [s.id for s in local] == [s.id for s in served]
@@ -409,13 +471,34 @@ def test_server_killed_and_restarted_mid_run(local_run, tmp_path):
     port; the run waits (saying so), continues, and ends with the same steps and numbers as the local run."""
     port = free_port()
     run_dir = tmp_path / "runs" / "restart"
-    command = [sys.executable, "-m", "opd.cli", "distill", "student.device=cpu", "student.dtype=fp32",
-               f"student.path={student_path()}", f"data.path={opd_prompts_path()}", "data.max_prompt_length=64",
-               "prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=24", "micro_batch_tokens=4096",
-               "score_batch_tokens=4096", "optim.lr=1e-4", f"run.out_dir={tmp_path / 'runs'}", "run.name=restart",
-               "run.steps=4", "run.report=false", "run.save_every=0", "run.samples_per_step=0",
-               f"teacher.url=http://127.0.0.1:{port}", "teacher.retry_deadline=240", "teacher.dtype=fp32",
-               "teacher.device=cpu", f"teacher.token_file={tmp_path / 'token'}"]
+    command = [
+        sys.executable,
+        "-m",
+        "opd.cli",
+        "distill",
+        "student.device=cpu",
+        "student.dtype=fp32",
+        f"student.path={student_path()}",
+        f"data.path={opd_prompts_path()}",
+        "data.max_prompt_length=64",
+        "prompts_per_step=2",
+        "rollout.n=2",
+        "rollout.max_new_tokens=24",
+        "micro_batch_tokens=4096",
+        "score_batch_tokens=4096",
+        "optim.lr=1e-4",
+        f"run.out_dir={tmp_path / 'runs'}",
+        "run.name=restart",
+        "run.steps=4",
+        "run.report=false",
+        "run.save_every=0",
+        "run.samples_per_step=0",
+        f"teacher.url=http://127.0.0.1:{port}",
+        "teacher.retry_deadline=240",
+        "teacher.dtype=fp32",
+        "teacher.device=cpu",
+        f"teacher.token_file={tmp_path / 'token'}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = tmp_path / "trainer.log"
     with serve_process(tmp_path, port=port, name="first") as (_, first, _), open(log, "w") as out:
@@ -456,14 +539,16 @@ def test_concurrent_clients_get_their_own_answers_and_requests_merge(server, lab
     for c in range(clients):
         for i in range(per_client):
             rollouts = random_rollouts(1000 * c + i, rows=1 + (c + i) % 3, max_response=10)
-            requested = torch.randint(0, V, (*rollouts.response_ids.shape, 4),
-                                      generator=torch.Generator().manual_seed(c * 7919 + i))
+            requested = torch.randint(
+                0, V, (*rollouts.response_ids.shape, 4), generator=torch.Generator().manual_seed(c * 7919 + i)
+            )
             cases[c, i] = (rollouts, requested)
     # the expected scores of all 800 cases from one local call (cheap), cut back per case
     requests = [wire.request_from_rollouts(r, q) for r, q in cases.values()]
     merged, requested_BTR = wire.rollouts_from_requests(requests)
-    everything = wire.response_from_scores(local.score(merged, top_k=8, requested_ids=requested_BTR),
-                                           merged.response_mask)
+    everything = wire.response_from_scores(
+        local.score(merged, top_k=8, requested_ids=requested_BTR), merged.response_mask
+    )
     expected = dict(zip(cases, wire.split_response(everything, [q.num_positions for q in requests])))
     expected_requests = sum(q.num_positions > 0 for q in requests)  # a call with nothing to score sends nothing
     before = json.loads(http_call(url, "GET", "/metrics")[2])
@@ -474,8 +559,9 @@ def test_concurrent_clients_get_their_own_answers_and_requests_merge(server, lab
             remote = RemoteScorer(url, token=TOKEN)
             for i in range(per_client):
                 rollouts, requested = cases[c, i]
-                got = wire.response_from_scores(remote.score(rollouts, top_k=8, requested_ids=requested),
-                                                rollouts.response_mask)
+                got = wire.response_from_scores(
+                    remote.score(rollouts, top_k=8, requested_ids=requested), rollouts.response_mask
+                )
                 want = expected[c, i]
                 # merged with other clients' rows: equal up to batching rounding; a mixed-up answer is nats off
                 for name in ("sampled", "topk_logprobs", "entropy", "requested_logprobs"):
@@ -507,8 +593,9 @@ def test_replicas_share_the_work(server, lab_teacher):
         remote = RemoteScorer([url, second], token=TOKEN, request_tokens=40, concurrency=8)
         rollouts = random_rollouts(77, rows=40, max_response=12)
         for _ in range(3):
-            assert_scores_close(remote.score(rollouts, top_k=8), local.score(rollouts, top_k=8), atol=BATCHING_ATOL,
-                                ids=False)
+            assert_scores_close(
+                remote.score(rollouts, top_k=8), local.score(rollouts, top_k=8), atol=BATCHING_ATOL, ids=False
+            )
         remote.close()
         assert service.metrics()["requests"] > 0  # the in-process replica got some of the requests
 
@@ -563,8 +650,10 @@ def test_each_limit_answers_its_4xx(server):
     bad_requested = _request(R=2)
     bad_requested.requested_ids[0, 1] = -1
     status, _, message = _post(url, wire.encode_request(bad_requested))
-    assert (status, message) == (400, f"requested_ids: id -1 at scored position 0, slot 1 is outside the "
-                                      f"vocabulary [0, {V})")
+    assert (status, message) == (
+        400,
+        f"requested_ids: id -1 at scored position 0, slot 1 is outside the vocabulary [0, {V})",
+    )
     status, headers, message = _post(url, b"\0" * 70000)
     assert status == 413 and "max_request_bytes" in message
     chunks = (b"\0" * 8192 for _ in range(10))  # no Content-Length: counted while it streams
@@ -572,12 +661,15 @@ def test_each_limit_answers_its_4xx(server):
     assert status == 413 and "max_request_bytes" in message
 
 
-@pytest.mark.parametrize("body, message", [
-    (b"", "shorter than"),
-    (b"GET / HTTP/1.1\r\n\r\n", "not an opd teacher message"),
-    (wire.MAGIC + bytes([2, 0, 0, 0]) + b"\0" * 8, "unknown wire version 2"),
-    (bytes(range(256)) * 4, "not an opd teacher message"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (b"", "shorter than"),
+        (b"GET / HTTP/1.1\r\n\r\n", "not an opd teacher message"),
+        (wire.MAGIC + bytes([2, 0, 0, 0]) + b"\0" * 8, "unknown wire version 2"),
+        (bytes(range(256)) * 4, "not an opd teacher message"),
+    ],
+)
 def test_garbage_bodies_get_400_and_the_server_goes_on(server, body, message):
     url, _, _ = server
     status, _, text = _post(url, body)
@@ -587,12 +679,18 @@ def test_garbage_bodies_get_400_and_the_server_goes_on(server, body, message):
 
 def test_bad_meta_values_get_400(server):
     url, _, _ = server
-    for meta, message in (({"temperature": 0.0}, "temperature"), ({"top_k": -1}, "top_k"),
-                          ({"logprobs": "float16"}, "logprobs")):
+    for meta, message in (
+        ({"temperature": 0.0}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"logprobs": "float16"}, "logprobs"),
+    ):
         request = _request()
         kind, header_meta, arrays = wire.decode_message(wire.encode_request(request))
-        body = wire.encode_message(kind, {**header_meta, **meta}, [
-            (name, arrays[name], "uint8" if name == "mask" else "int32") for name in arrays])
+        body = wire.encode_message(
+            kind,
+            {**header_meta, **meta},
+            [(name, arrays[name], "uint8" if name == "mask" else "int32") for name in arrays],
+        )
         status, _, text = _post(url, body)
         assert status == 400 and text.startswith(message), text
 
@@ -612,8 +710,9 @@ def test_a_client_disconnecting_mid_request_does_not_break_the_server(server):
     url, _, _ = server
     host, port = url.removeprefix("http://").rsplit(":", 1)
     body = wire.encode_request(_request(rows=4))
-    head = (f"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     for cut in (len(head) // 2, len(head) + len(body) // 2, len(head) + len(body)):
         with socket.create_connection((host, int(port)), timeout=10) as s:
             s.sendall((head + body)[:cut])  # then leave: mid-headers, mid-body, right after the body
@@ -693,8 +792,9 @@ def test_a_queued_request_whose_client_leaves_is_skipped(lab_teacher):
         holder.start()
         assert gated.entered.wait(30)  # taken by the worker, held at the gate
         host, port = url.removeprefix("http://").rsplit(":", 1)
-        head = (f"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        head = (
+            f"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
         with socket.create_connection((host, int(port)), timeout=10) as s:
             s.sendall(head + body)
             _wait(lambda: len(service.queue) == 1)
@@ -722,5 +822,8 @@ def test_device_map_auto_loads_and_scores_like_a_plain_load(lab_teacher):
     mapped, _ = load_model(teacher_path(), dtype="fp32", device="cpu", device_map="auto")
     rollouts = random_rollouts(3, 5)
     requested = torch.randint(0, V, (*rollouts.response_ids.shape, 4))
-    assert_scores_close(LocalScorer(mapped, vocab_size=V).score(rollouts, requested_ids=requested),
-                        lab_teacher[2].score(rollouts, requested_ids=requested), atol=1e-6)
+    assert_scores_close(
+        LocalScorer(mapped, vocab_size=V).score(rollouts, requested_ids=requested),
+        lab_teacher[2].score(rollouts, requested_ids=requested),
+        atol=1e-6,
+    )

@@ -18,10 +18,9 @@ from opd.rollout.vllm_engine import vllm_available
 if not vllm_available() and os.environ.get("OPD_REQUIRE_VLLM") != "1":
     pytest.skip("vllm is not installed (./dev test-vllm runs these in the vLLM environment)", allow_module_level=True)
 
-from helpers import EOS_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer  # noqa: E402
-
-from opd import lab  # noqa: E402
-from opd.rollout import SamplingParams, make_generator  # noqa: E402
+from helpers import EOS_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
+from opd import lab
+from opd.rollout import SamplingParams, make_generator
 
 PADDED_ROWS = 320  # output rows of the padded tiny model: ids TINY_VOCAB..319 are embedding padding
 
@@ -37,8 +36,9 @@ def teacher_forced(model, prompts, output, *, temperature=1.0, vocab_size=None):
     from opd.teacher.local import LocalScorer
 
     rollouts = build_rollouts(prompts, output, pad_id=0, device="cpu")
-    scores = LocalScorer(model, vocab_size=vocab_size).score(rollouts, top_k=0, temperature=temperature,
-                                                               with_entropy=False)
+    scores = LocalScorer(model, vocab_size=vocab_size).score(
+        rollouts, top_k=0, temperature=temperature, with_entropy=False
+    )
     return scores.sampled_logprobs, rollouts.response_mask
 
 
@@ -94,8 +94,9 @@ def test_greedy_equals_torch_engine_lab(lab_student, lab_prompts, lab_engine):
     assert theirs.response_ids == ours.response_ids
     assert theirs.finish_reasons == ours.finish_reasons and "stop" in theirs.finish_reasons
     assert theirs.group_ids == ours.group_ids
-    assert all(ids[-1] == tokenizer.eos_token_id for ids, r in zip(theirs.response_ids, theirs.finish_reasons)
-               if r == "stop")  # EOS kept in the response
+    assert all(
+        ids[-1] == tokenizer.eos_token_id for ids, r in zip(theirs.response_ids, theirs.finish_reasons) if r == "stop"
+    )  # EOS kept in the response
     # fp32 on both sides; the engines' kernels differ (vLLM's CPU attention vs eager HF): rounding ~1e-6
     diff = max(abs(a - b) for x, y in zip(theirs.logprobs, ours.logprobs) for a, b in zip(x, y))
     assert diff <= 1e-4
@@ -132,8 +133,11 @@ def _chi2_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     keep = expected > 0
     statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
     dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)
+        )
+    )
 
 
 def test_sampling_frequencies_match_the_model(padded):
@@ -146,16 +150,19 @@ def test_sampling_frequencies_match_the_model(padded):
     probs = (logits / 1.5).softmax(-1)  # temperature 1.5: a spread-out distribution over many ids
     params = SamplingParams(n=4000, temperature=1.5, max_new_tokens=1, seed=11, stop_at_eos=False)
     counts = {}
-    for name, generator in (("vllm", engine), ("torch", make_generator(model, tokenizer, engine="torch",
-                                                                       vocab_size=TINY_VOCAB, max_batch_size=4000))):
+    for name, generator in (
+        ("vllm", engine),
+        ("torch", make_generator(model, tokenizer, engine="torch", vocab_size=TINY_VOCAB, max_batch_size=4000)),
+    ):
         output = generator.generate([prompt], params)
         first = torch.tensor([ids[0] for ids in output.response_ids])
         counts[name] = torch.bincount(first, minlength=TINY_VOCAB).double()
         # a correct sampler fails this at rate 1e-3; one that ignored the temperature would fail it every time
         assert _chi2_p_value(counts[name], probs) > 1e-3, name
     again = engine.generate([prompt], params)
-    other = engine.generate([prompt], SamplingParams(n=4000, temperature=1.5, max_new_tokens=1, seed=12,
-                                                     stop_at_eos=False))
+    other = engine.generate(
+        [prompt], SamplingParams(n=4000, temperature=1.5, max_new_tokens=1, seed=12, stop_at_eos=False)
+    )
     first_again = torch.bincount(torch.tensor([ids[0] for ids in again.response_ids]), minlength=TINY_VOCAB)
     assert torch.equal(first_again.double(), counts["vllm"])
     assert [ids for ids in other.response_ids] != [ids for ids in again.response_ids]
@@ -172,8 +179,9 @@ def test_prompts_get_their_own_random_streams(padded):
 
 def test_finish_reasons_and_lengths(lab_engine, lab_prompts, lab_student):
     _, tokenizer = lab_student
-    free = lab_engine.generate(lab_prompts[:4], SamplingParams(n=2, temperature=1.0, max_new_tokens=40, seed=0,
-                                                               stop_at_eos=False))
+    free = lab_engine.generate(
+        lab_prompts[:4], SamplingParams(n=2, temperature=1.0, max_new_tokens=40, seed=0, stop_at_eos=False)
+    )
     assert free.finish_reasons == ["length"] * 8 and all(len(ids) == 40 for ids in free.response_ids)
     short = lab_engine.generate(lab_prompts[:4], SamplingParams(n=1, temperature=0.0, max_new_tokens=3))
     assert short.finish_reasons == ["length"] * 4 and all(len(ids) == 3 for ids in short.response_ids)

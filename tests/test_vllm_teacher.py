@@ -20,10 +20,9 @@ from opd.rollout.vllm_engine import vllm_available
 if not vllm_available() and os.environ.get("OPD_REQUIRE_VLLM") != "1":
     pytest.skip("vllm is not installed (./dev test-vllm runs these in the vLLM environment)", allow_module_level=True)
 
-from helpers import TINY_VOCAB, make_tiny_model, make_tiny_tokenizer, string_console  # noqa: E402
-
-from opd import lab  # noqa: E402
-from opd.config import ObjectiveSpec  # noqa: E402
+from helpers import TINY_VOCAB, make_tiny_model, make_tiny_tokenizer, string_console
+from opd import lab
+from opd.config import ObjectiveSpec
 
 
 def _rollouts(model, tokenizer, prompts, *, n=4, max_new_tokens=40, seed=0):
@@ -31,7 +30,8 @@ def _rollouts(model, tokenizer, prompts, *, n=4, max_new_tokens=40, seed=0):
     from opd.rollout.batch import build_rollouts
 
     output = make_generator(model, tokenizer, engine="torch", vocab_size=len(tokenizer)).generate(
-        prompts, SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new_tokens, seed=seed))
+        prompts, SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new_tokens, seed=seed)
+    )
     return build_rollouts(prompts, output, pad_id=tokenizer.pad_token_id, device="cpu")
 
 
@@ -89,8 +89,7 @@ def test_padding_ids_never_in_the_top_k(tmp_path):
     from opd.teacher.local import LocalScorer
     from opd.teacher.vllm_scorer import VLLMScorer
 
-    model = make_tiny_model("qwen3", vocab_size=320, hidden_size=64, num_heads=2, num_kv_heads=1,
-                            intermediate_size=128)
+    model = make_tiny_model("qwen3", vocab_size=320, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128)
     model.save_pretrained(tmp_path)
     tokenizer = make_tiny_tokenizer()
     rollouts = _rollouts(model, tokenizer, [[257, 65, 66, 67], [257, 104, 105]], n=2, max_new_tokens=16)
@@ -108,8 +107,18 @@ def test_distill_with_a_vllm_teacher(tmp_path):
     from opd.recipes.distill import distill
 
     for name, extra in (("sampled", ["objective.top_k=0"]), ("only_tch", ["objective.strategy=only_tch"])):
-        config = demo_config([f"run.out_dir={tmp_path}", f"run.name={name}", "run.report=false", "run.steps=2",
-                              "eval.benchmarks=[]", "teacher.engine=vllm", "prompts_per_step=4", *extra])
+        config = demo_config(
+            [
+                f"run.out_dir={tmp_path}",
+                f"run.name={name}",
+                "run.report=false",
+                "run.steps=2",
+                "eval.benchmarks=[]",
+                "teacher.engine=vllm",
+                "prompts_per_step=4",
+                *extra,
+            ]
+        )
         run_dir = distill(config, console=string_console())
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert len(metrics) == 2
@@ -120,12 +129,28 @@ def test_distill_with_a_vllm_teacher(tmp_path):
 
 def test_distill_refuses_a_strategy_it_cannot_serve(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "opd.cli", "distill", "-c", "configs/lab_demo.yaml", "teacher.engine=vllm",
-         f"run.out_dir={tmp_path}", "run.name=refused", "run.steps=1"],
-        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600,
-        cwd=os.path.dirname(os.path.dirname(__file__)))
+        [
+            sys.executable,
+            "-m",
+            "opd.cli",
+            "distill",
+            "-c",
+            "configs/lab_demo.yaml",
+            "teacher.engine=vllm",
+            f"run.out_dir={tmp_path}",
+            "run.name=refused",
+            "run.steps=1",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert lines[-1].startswith("error: teacher.engine=vllm: objective.strategy=only_stu") and len(
-        [line for line in lines if line.startswith("error:")]) == 1
+    assert (
+        lines[-1].startswith("error: teacher.engine=vllm: objective.strategy=only_stu")
+        and len([line for line in lines if line.startswith("error:")]) == 1
+    )
     assert "teacher.url" in lines[-1] and "Traceback" not in result.stderr

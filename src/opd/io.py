@@ -9,6 +9,7 @@ so two processes never write one directory.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -169,8 +170,6 @@ class DirectoryLock:
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
             try:
-                import fcntl
-
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = _read_holder(fd)

@@ -11,11 +11,20 @@ import functools
 import importlib.util
 import os
 import re
-from contextlib import contextmanager
+import socket
+import zipfile
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
+from huggingface_hub import constants, try_to_load_from_cache
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from opd.kernels import varlen_attention
+from opd.scoring import recompile_limit_at_least
 
 _DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -109,8 +118,6 @@ def check_model_path(what: str, name_or_path: str | os.PathLike) -> dict[str, An
     unreachable = _hub_unreachable()
     if unreachable is None:
         return {}
-    from huggingface_hub import try_to_load_from_cache
-
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return {"local_files_only": True}
     raise ModelLoadError(f"cannot load {what} {name!r}: no such local path, not in the Hugging Face cache, and the "
@@ -120,10 +127,6 @@ def check_model_path(what: str, name_or_path: str | os.PathLike) -> dict[str, An
 def _hub_unreachable() -> str | None:
     """Why the Hugging Face Hub cannot be reached (offline mode, no DNS, no route), or None when it may be: a TCP
     connection attempt of at most 3 s. Behind a proxy (HTTPS_PROXY / ALL_PROXY set) we cannot tell: None."""
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
     if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
         return "HF_HUB_OFFLINE is set"
     if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
@@ -136,8 +139,6 @@ def _hub_unreachable() -> str | None:
 def _connect_error(host: str, port: int) -> str | None:
     """Why a TCP connection to host:port fails (at most 3 s), or None; once per process (a model's tokenizer and
     weights are loaded one after the other)."""
-    import socket
-
     try:
         socket.create_connection((host, port), timeout=3).close()
     except OSError as error:
@@ -154,8 +155,6 @@ def _check_tokenizer_files(path: str) -> None:
 def _weights_error(name_or_path: str | os.PathLike, err: Exception) -> ModelLoadError:
     """A one-line error for weights that exist but cannot be read (truncated download, corrupt file), naming the
     file: each weights file of the directory is checked cheaply (safetensors header, zip directory)."""
-    import zipfile
-
     path = str(name_or_path)
     first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
     bad = None
@@ -163,8 +162,6 @@ def _weights_error(name_or_path: str | os.PathLike, err: Exception) -> ModelLoad
         file = os.path.join(path, entry)
         try:
             if entry.endswith(".safetensors"):
-                from safetensors import safe_open
-
                 with safe_open(file, framework="pt"):
                     pass
             elif entry.endswith((".bin", ".pt", ".pth")) and not entry.startswith("training_args"):
@@ -195,8 +192,6 @@ def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool =
     len(tokenizer) - 1, which the model's embedding must cover; we never resize embeddings).
     The tokenizer's padding side is left as saved: engines take token ids and pad themselves.
     """
-    from transformers import AutoTokenizer
-
     hub_kwargs = check_model_path("tokenizer", name_or_path)
     _check_tokenizer_files(str(name_or_path))
     try:
@@ -233,10 +228,6 @@ def load_model(
     putting the model on `device` (`opd serve-teacher --device-map auto`).
     A missing path / unknown id raises a one-line `ModelLoadError` naming it.
     """
-    from transformers import AutoModelForCausalLM
-
-    from opd.kernels import varlen_attention
-
     varlen_attention.register()
 
     hub_kwargs = check_model_path("model", name_or_path)
@@ -279,7 +270,7 @@ def compile_layers(model: torch.nn.Module, enabled: bool | None = None, *, backe
     little). All layers share one compiled graph (same code, parameters are inputs), so the first forward per new
     input shape pays one compilation (seconds); later shapes compile once more with dynamic sizes. Why: the
     elementwise work between the matmuls (RMSNorm, RoPE, SiLU·gate, residual adds, casts) runs as a handful of fused
-    kernels instead of dozens, measured 1.65× on the Qwen3-1.7B body on an H200 (docs/performance.md).
+    kernels instead of dozens, a clear speed-up of the model body (docs/performance.md).
     Generation through the HF model (`TorchGenerator`, the prefill of `StaticGenerator`) runs these layers eagerly
     (`torch.compiler.set_stance("force_eager")`): a KV cache changes shapes every step. `backend` is torch.compile's
     (tests use "aot_eager": the same graph capture without code generation).
@@ -296,8 +287,6 @@ def compile_layers(model: torch.nn.Module, enabled: bool | None = None, *, backe
     # One layer's forward is compiled per (grad mode, train/eval, static/dynamic shape, checkpoint recompute) variant;
     # dynamo's default of 8 versions per function is reached within a few training steps, after which the layers
     # would silently run eagerly.
-    from opd.scoring import recompile_limit_at_least
-
     for name, value in recompile_limit_at_least(64).items():
         setattr(torch._dynamo.config, name, value)
     for layer in layers:
@@ -311,8 +300,6 @@ def activation_budget(budget: float | None):
     backward (torch.compile's selective activation checkpointing: its min-cut partitioner recomputes the cheap
     elementwise ops and keeps matmul outputs). None or 1: no limit. It acts when a graph is compiled, so wrap every
     training forward (a new input shape compiles again)."""
-    from contextlib import nullcontext
-
     if budget is None or budget >= 1:
         return nullcontext()
     if not 0 < budget < 1:
@@ -409,8 +396,8 @@ def on_device(module: torch.nn.Module | None, device: torch.device | None):
 
     Its tensors live in pinned host memory (`host_copies`); entering copies them to the device without blocking the
     host, leaving just points them back at the host copies: a frozen teacher has nothing to copy back. `module.to()`
-    both ways cost 2.4 s a step for a 1.7B bf16 teacher on the H200 (pageable copies, and a new host allocation on
-    the way out; docs/performance.md)."""
+    both ways cost seconds a step for a 1.7B teacher (pageable copies, and a new host allocation on the way out;
+    docs/performance.md)."""
     if module is None or device is None:
         yield
         return

@@ -1,32 +1,15 @@
 """Log-probs, top-k, gathers and entropy over the full vocabulary, computed in chunks of positions from the final
 hidden states and the output embedding, so that no `[N, V]` float32 tensor for all positions ever exists (SPEC §1).
 
-Notation: `N` positions (already gathered: only the positions that are scored), `D` hidden size, `V` vocabulary rows
-used (the shared range, see `vocab_size`), `C` positions per chunk, `K` top-k, `R` requested ids, `J` candidate ids,
-`G` gathered ids (targets and requested, or candidates).
+Notation: `N` scored positions, `D` hidden size, `V` vocabulary rows used (`vocab_size`), `C` positions per chunk,
+`K` top-k, `R` requested ids, `J` candidate ids, `G` gathered ids. Logits as the Hugging Face heads compute them,
+`z = softcap(logit_scale · (h Wᵀ + b)) / temperature`, the matmul in the model's dtype and the rest in float32;
+padding rows never selected, zero gradient. Per chunk one matmul and two small pure functions, compiled on CUDA,
+eager on row slices elsewhere; the top-k in two stages. How, and why: docs/design.md, "opd.scoring".
 
-The logits follow the Hugging Face heads: `z = softcap(logit_scale · (h Wᵀ + b)) / temperature`, the matmul in the
-model's dtype (bf16 on GPU, as `lm_head` does, or autocast's) and everything after it in float32 (float64 when the
-inputs are float64, which the tests use). Rows of W at or beyond `vocab_size` are vocabulary padding: the matmul runs
-over the rows up to `vocab_size` rounded up to a multiple of 64 (cuBLAS's fast kernels need an aligned output
-stride, `_aligned_rows`) and the extra columns are sliced off after it (zero gradient in backward), so padding is
-never selected, carries no probability mass and gets zero gradient.
-
-What is fused, and how: per chunk, one matmul gives the raw logits `[C, V]` in the model dtype; then two small pure
-functions take them as they are and upcast inside: `_forward_chunk` (row max, log-sum-exp, entropy, gathers and
-top-k) and `_grad_chunk` (the gradient wrt the raw logits, returned in the model dtype for the backward GEMMs). On
-CUDA they run through `torch.compile(dynamic=False)` (built lazily on first use; `COMPILE = False` turns it off), so
-the bf16 logits are read a few times and no float32 `[C, V]` copy is ever stored; a compile failure falls back to
-eager with one warning. Eagerly (CPU, float64, fallback) the same functions run on row slices of the chunk sized so
-that their float32 temporaries fit in one more logits-sized buffer (see `CHUNK_BYTES`).
-
-The top-k runs in two stages (`_piece_topk`): `torch.topk` over the whole 151k-wide rows took 18% of the 1.7B
-teacher's scoring time on an H200 (radix select, several passes, plus a contiguous copy of the column slice).
-
-Omitted on purpose: no hand-written kernel for the reductions (inductor's fusion of them is enough next to the
-model body, and the eager path is the same code); no per-position temperature; no sparse or quantised heads.
-Heads other than linear (+ bias) with a multiplicative scale and tanh soft-capping are not representable;
-`opd.teacher.local.output_head` refuses them.
+Omitted on purpose: a hand-written kernel for the reductions (inductor's fusion is enough next to the model body),
+a per-position temperature, sparse or quantised heads; other heads than linear (+ bias) with a scale and tanh
+soft-capping are refused (`opd.teacher.local.output_head`).
 """
 
 from __future__ import annotations
@@ -94,7 +77,7 @@ def default_chunk_size(vocab_size: int, dtype: torch.dtype = torch.float32) -> i
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# per-chunk functions: pure, row-wise, over the raw logits in the model dtype (compiled on CUDA, see module docstring)
+# per-chunk functions: pure, row-wise, over the raw logits in the model dtype (compiled on CUDA, see docs/design.md)
 
 
 def _transform(raw: torch.Tensor, scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
@@ -253,8 +236,8 @@ def _eager_rows(raw_CV: torch.Tensor, temps: int) -> int:
 def _aligned_rows(vocab_size: int, rows: int) -> int:
     """Rows of the output embedding the head matmul runs over: `vocab_size` rounded up to a multiple of 64, within the
     embedding's `rows`. Why: the logits' row stride must be a multiple of 8 elements for cuBLAS's fast tensor-core
-    kernels; an odd one (Qwen3's tokenizer range, 151,669) ran the [C, V] matmul ~6× slower on an H200. The extra
-    columns are sliced off (forward) or given zero gradient (backward)."""
+    kernels; an odd one (Qwen3's tokenizer range, 151,669) ran the [C, V] matmul far slower (docs/performance.md).
+    The extra columns are sliced off (forward) or given zero gradient (backward)."""
     return min(rows, -(-vocab_size // 64) * 64)
 
 

@@ -1,23 +1,15 @@
 """Remove from prompt set A every prompt that duplicates one in set B (or an earlier one of A), in up to three
 stages, cheapest first; each stage only sees the prompts the previous ones kept.
 
-1. **exact**: equal after `normalize_problem` (known instruction templates stripped with `strip_template`, Unicode
-   NFKC, LaTeX spacing and delimiters `\\,` `\\!` `\\;` `\\quad` `\\left` `\\right` `\\displaystyle` `$` `\\(` `\\)`
-   `\\[` `\\]` dropped, `\\dfrac`/`\\tfrac` → `\\frac`, all whitespace removed, case folded).
-2. **minhash**: character n-gram MinHash (Broder 1997) with LSH banding, then every candidate pair is confirmed by its
-   exact Jaccard similarity of n-gram sets ≥ `minhash_threshold` (so the banding decides recall, never precision).
-   Everything is numpy over one concatenated code-point array: n-gram hashes by a polynomial rolling hash +
-   splitmix64, `num_perm` multiply-shift hash functions, `np.minimum.reduceat` per text. 18k × 14k prompts take a
-   few seconds on one core.
-3. **embedding** (optional): cosine similarity of sentence embeddings ≥ `cosine_threshold`. Loose by design (0.6
-   flags paraphrases, and also some distinct problems on one topic): read the report's examples before trusting it.
+1. **exact**: equal after `normalize_problem` (templates stripped, NFKC, LaTeX spacing and delimiters dropped).
+2. **minhash**: character n-gram MinHash with LSH banding, every candidate pair confirmed by its exact Jaccard
+   similarity ≥ `minhash_threshold` (the banding decides recall, never precision); numpy throughout.
+3. **embedding** (optional): cosine similarity of sentence embeddings ≥ `cosine_threshold`; loose by design, so
+   read the report's examples before trusting it. The stages in detail: docs/design.md, "opd.data.dedup".
+With B, A is compared to B only; without B, the first of a group of duplicates survives.
 
-With B, A is compared to B only (A's own duplicates stay). Without B, a prompt is removed when it duplicates an
-earlier prompt that is kept, so the first of a group survives and every reported match is a kept prompt.
-
-Omitted on purpose: answer-aware matching (two problems with the same text and different answers are still
-duplicates for contamination purposes), substring containment (a problem quoted inside a longer one), and
-approximate nearest-neighbour indexes for embeddings (blocked exact search is fast enough at 10⁴–10⁵ prompts).
+Omitted on purpose: answer-aware matching (same text, different answers is still contamination), substring
+containment, and approximate nearest-neighbour indexes (blocked exact search is fast enough at 10⁴–10⁵ prompts).
 """
 
 from __future__ import annotations
@@ -87,7 +79,7 @@ _SPACE_RE = re.compile(r"\s+")
 
 
 def normalize_problem(text: str) -> str:
-    """The comparison key of a problem text (see the module docstring, stage 1). Two prompts are exact duplicates
+    """The comparison key of a problem text (docs/design.md, "opd.data.dedup", stage 1). Two prompts are exact duplicates
     iff their keys are equal; an empty key means the text had no content."""
     text = unicodedata.normalize("NFKC", strip_template(text))
     text = _LATEX_NOISE_RE.sub(lambda m: m.group(0) if m.group(0) == "\\\\" else " ", text)
@@ -419,7 +411,7 @@ def _packaged_weights(name: str) -> Path | None:
 
 
 def _transformers_embedder(path: str, *, batch_size: int, device: str) -> EmbedFn:
-    import torch
+    import torch  # only the optional embedding stage needs torch; exact and minhash are numpy
     from transformers import AutoModel, AutoTokenizer
 
     try:

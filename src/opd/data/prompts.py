@@ -1,26 +1,15 @@
 """Load prompt sets into `Prompt` records, and save them back.
 
-Sources (`load_prompts`):
-  - parquet in the verl layout: `prompt` (chat messages, or a JSON string of them), `reward_model.ground_truth`,
-    `data_source`, `extra_info.index`; other layouts through a column mapping (`prompt_key="problem"`, ...);
-  - JSONL / JSON (a list of records) / CSV with the same columns; a prompt may be messages or plain text
-    (plain text becomes one user message);
-  - Hugging Face `datasets`: a directory written by `save_to_disk`, or a hub id (needs the network).
+Sources (`load_prompts`): parquet in the verl layout (`prompt`, `reward_model.ground_truth`, `data_source`,
+`extra_info.index`; other layouts through a column mapping), JSONL / JSON / CSV with the same columns, and Hugging
+Face `datasets` (a `save_to_disk` directory or a hub id). A ground truth is a string, a number or a list meaning "any
+of these"; a row without one is an error naming it, or dropped, or kept (`on_missing_answer`). Dotted keys reach into
+nested columns, and unused columns go to `Prompt.meta`, so `save_prompts` writes a file that loads back to the same
+records (docs/design.md, "opd.data.prompts").
 
-Ground truths (`answer_key`): a string, a number (written with `str`), or a list of them meaning "any of these is
-correct" (kept as a list; a one-element list is unwrapped); `grade` accepts both forms. A row whose answer is null,
-absent, empty or NaN has no ground truth: by default that is an error naming the row (`on_missing_answer="error"`),
-or the row is dropped with a logged count ("skip"), or kept without an answer ("keep", for tools that only carry
-answers along). Booleans and nested values are refused: `True` is not a math answer.
-
-Dotted keys (`reward_model.ground_truth`) reach into struct / dict columns (and dicts stored as JSON strings);
-a column literally named with a dot wins. Columns the mapping does not use go to `Prompt.meta` in their nested
-layout (null fields dropped: columnar files fill absent fields with nulls), so `save_prompts` writes a verl-layout
-file that loads back to the same records.
-
-Omitted on purpose: streaming (prompt sets fit in memory: 17k prompts ≈ 20 MB), shuffling and sampling (the
-trainer's seeded sampler owns the order), and any rewriting of the text (instruction templates live in
-`opd.data.templates`, so a set can be re-templated explicitly and the change is visible).
+Omitted on purpose: streaming (prompt sets fit in memory), shuffling and sampling (the trainer's seeded sampler owns
+the order), and any rewriting of the text (instruction templates live in `opd.data.templates`, so a set can be
+re-templated explicitly and the change is visible).
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """SFT examples: read conversations, tokenise them with a loss mask on exactly the assistant tokens, batch them.
 
-Layouts, detected per file from its first record (or forced with `format`):
-  chat       `messages: [{role, content}, ...]`; also what `opd rollout` writes (the same `messages`, a user and
-             an assistant turn, plus id / source / answer / attempts fields, which are ignored here)
-  sharegpt   `conversations: [{from: human|gpt|system, value}, ...]` (`user`/`assistant`/`model` also accepted;
-             optional top-level `system`)
-  alpaca     `instruction`, optional `input`, `output` (optional `system`); the user turn is
-             `instruction + "\\n" + input` (LLaMA-Factory's convention)
-Sources are read as `opd.data.prompts` reads prompt sets: .jsonl, .json (a list of records), .parquet, a
-`save_to_disk` directory or a Hugging Face dataset id (its train split).
-
-Tokenisation (SPEC §5: the loss covers exactly the assistant tokens, and the end-of-turn token so the model learns
-to stop). For each assistant turn k the prompt is `render_prompt(messages[:k])` — the chat template with the
-generation prompt, tokenised by `encode_prompts`, i.e. exactly the tokens the model sees at rollout and eval time —
-and the target is the tokenised assistant content followed by the end-of-turn id (`<|im_end|>` for Qwen, found in
-the chat template, see `end_of_turn_id`). Multi-turn conversations put every assistant turn into one sequence when
-the template renders earlier turns as they were trained (the rendered prefix of turn k+1 starts with turn k's prompt
-+ content + end-of-turn); templates that rewrite history (Qwen3 strips earlier turns' `<think>` blocks) get one
-sequence per assistant turn instead, each with the prompt that inference would see.
-
-Batches are `Rollouts` (prompt = tokens before the first target, response = the rest, response mask = targets) so
-the trainer's grad pass is `opd.teacher.local.forward_hidden`, packed or padded, as in `opd distill`.
+Layouts, detected per file or forced with `format`: chat (`messages`, also what `opd rollout` writes), sharegpt
+(`conversations`) and alpaca (`instruction` / `input` / `output`); sources as `opd.data.prompts` reads them. For each
+assistant turn the prompt is `render_prompt(messages[:k])`, exactly the tokens the model sees at rollout and eval
+time, and the target its content plus the end-of-turn id (SPEC §5); a multi-turn conversation is one sequence unless
+its template rewrites history. Batches are `Rollouts`, so the grad pass is `forward_hidden`, as in `opd distill`.
+The layouts and the tokenisation in detail: docs/design.md, "opd.data.sft".
 
 Omitted on purpose: tool calls and multimodal content (content must be a string), per-turn loss weights,
 `{% generation %}` assistant masks of HF templates (rendering the prompt per turn works for every template).
@@ -35,7 +20,7 @@ from typing import Any, Literal, Sequence
 import torch
 
 from opd.data.prompts import DataError, _read_rows, _short
-from opd.data.templates import encode_prompts, has_chat_template
+from opd.data.templates import encode_prompts, has_chat_template, render_prompt
 from opd.types import Prompt, Rollouts
 
 SFTFormat = Literal["auto", "chat", "sharegpt", "alpaca"]
@@ -87,7 +72,7 @@ class SFTDataset:
 
 
 def detect_format(record: dict, origin: str) -> str:
-    """The layout of one record (see the module docstring); `DataError` naming the file and its keys otherwise."""
+    """The layout of one record (docs/design.md, "opd.data.sft"); `DataError` naming the file and its keys otherwise."""
     if "messages" in record:
         return "chat"
     if "conversations" in record:
@@ -216,8 +201,6 @@ def _segments(tokenizer: Any, messages: list[dict[str, str]], eot_text: str, ena
     """Sequences of one conversation as segments: ("prompt", messages[:k]) opens a sequence, then ("target",
     content), and ("bridge", text) between turns of one sequence (the template's text from one end-of-turn to the
     next generation prompt)."""
-    from opd.data.templates import render_prompt
-
     sequences: list[list[tuple[str, Any]]] = []
     rendered = None  # text of the current sequence so far, as the template writes it
     for k, message in enumerate(messages):
@@ -243,7 +226,7 @@ def tokenize_conversations(
     system_prompt: str | None = None,
     end_of_turn: str | None = None,
 ) -> SFTDataset:
-    """Tokenise conversations into `SFTExample`s (see the module docstring).
+    """Tokenise conversations into `SFTExample`s (docs/design.md, "opd.data.sft").
 
     max_length:  longest sequence in tokens; longer ones are dropped and counted ("filter"), cut to max_length and
                  kept when a target token survives ("truncate"), or rejected ("error", naming the record).

@@ -1,19 +1,10 @@
 """Instruction templates on the problem text, chat rendering, and prompt encoding to token ids.
 
-Instruction templates (`parse_template`, `apply_template`), the exact strings of the released prompt sets:
-  keep              the prompt as it is
-  dapo              DAPO-Math-17k: `DAPO_PREFIX + problem + DAPO_SUFFIX` (answer on a last line "Answer: ...")
-  boxed             DeepMath: `problem + BOXED_SUFFIX` (" Please reason step by step, and put your final answer
-                    within \\boxed{}.")
-  custom:<text>     `<text>` with every `{problem}` replaced by the problem; other braces are kept verbatim (so
-                    `\\boxed{}` can be written as is) and no escapes are interpreted.
-Every template but `keep` first strips a known instruction (`strip_template`) and surrounding whitespace, so a
-set can be re-templated (DAPO-Math-17k with `boxed`); a text that already carries the template is left byte-exact,
-so applying `dapo` to DAPO-Math-17k (or `boxed` to DeepMath) changes nothing.
-
-Chat rendering goes through the tokenizer's own chat template. A tokenizer without one gets a plain-text
-fallback: one "Role: content" line per message, then "Assistant:" (e.g. "User: 1+1?\\nAssistant:"), with the
-tokenizer's BOS in front when it has one; `enable_thinking` has no effect there.
+Instruction templates (`parse_template`, `apply_template`) are the exact strings of the released prompt sets: keep,
+dapo (DAPO-Math-17k), boxed (DeepMath) and custom:<text> with `{problem}` in it. Every template but keep first strips
+a known instruction (`strip_template`), so a set can be re-templated, and leaves a text that already carries it
+byte-exact. Chat rendering goes through the tokenizer's chat template, or a plain-text "Role: content" fallback for
+a tokenizer without one. The templates' strings and the fallback: docs/design.md, "opd.data.templates".
 
 Omitted on purpose: few-shot prompting and per-model prompt tweaks (a custom template or a system prompt covers
 them), and truncation of long prompts (a cut problem is a different problem: they are filtered or rejected).
@@ -53,7 +44,7 @@ class InstructionTemplate:
 
     def wraps(self, text: str) -> bool:
         """Whether `text` already carries this instruction (so re-applying it must leave the text byte-exact:
-        790 DAPO-Math-17k problems keep whitespace around them that stripping would lose)."""
+        part of DAPO-Math-17k keeps whitespace around its template that stripping would lose; docs/performance.md)."""
         parts = self.text.split(PLACEHOLDER)
         if self.name == "keep" or len(parts) != 2 or parts == ["", ""]:
             return False
@@ -138,7 +129,8 @@ def render_prompt(
 
     enable_thinking: passed to the template (Qwen3-style thinking switch) only when not None.
     system_prompt:   a system message put first; it replaces a system message the prompt already has.
-    Tokenizers without a chat template: "Role: content" lines and a final "Assistant:" (see the module docstring).
+    Tokenizers without a chat template: "Role: content" lines and a final "Assistant:" (docs/design.md,
+    "opd.data.templates").
     """
     messages = [dict(m) for m in messages]
     if system_prompt is not None:

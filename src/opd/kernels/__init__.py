@@ -1,16 +1,12 @@
 """Kernels for the GPU fast paths, each beside the torch code it replaces (the CPU path and the reference):
-
-    decode_attention   Triton: one-token grouped-query attention over a static KV cache (`StaticGenerator`'s
-                       decode step)
-    varlen_attention   packed rows (no padding) through torch's FlashAttention varlen kernel, as a transformers
-                       attention implementation (`forward_hidden`'s packed forwards: teacher scoring, the update)
-
-(A two-pass Triton top-k for the teacher's scoring was tried on an H200 and was no faster than `torch.topk`: its k
-rounds of block-wide max / argmax are latency-bound. `opd.scoring._piece_topk` does it in torch instead.)
+`decode_attention` (Triton: one-token grouped-query attention over a static KV cache, `StaticGenerator`'s decode
+step) and `varlen_attention` (packed rows through torch's FlashAttention varlen kernel, as a transformers attention
+implementation: `forward_hidden`'s packed forwards).
 
 The Triton kernels run on CUDA tensors, and on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set
 before Triton is imported), which is how the CPU tests check them. Without Triton installed, `available` is False and
-the callers keep their torch paths.
+the callers keep their torch paths. Omitted: a Triton top-k for the teacher's scoring (tried, and no faster than
+`torch.topk`: `opd.scoring._piece_topk` does it in torch; docs/design.md, "opd.kernels").
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Decode attention: one query token per row against a static KV cache, grouped-query, as a split-KV ("flash
 decoding") Triton kernel that reads only each row's valid slots.
 
-Why: in `StaticGenerator`'s decode step at RL batch sizes the attention is the one part that grows with the sequence,
-and SDPA's memory-efficient kernel (the only one that takes a mask) reads the KV cache well below bandwidth and over
-the whole bucketed span, padding included. Here each program streams the keys and values of one (row, kv head, split)
-once, with the G query heads of that kv head as the rows of one tensor-core tile, so the cache is read once per kv
-head and never repeated per query head. Row r attends over the slots [start[r], last[r] + 1): its prompt's tokens
-followed by every decode slot written so far (`StaticGenerator` puts prompts at slot 0: start = 0). Both bounds are per row and read on the device, so rows
-at different positions (`StaticGenerator` refills a finished row's slot with a new sample) share one launch, and one
-CUDA graph serves every step.
-
-Splits: with few rows × kv heads the (row, kv head) programs alone cannot fill the GPU; each row's slots are then cut
-into `splits` equal, BLOCK_N-aligned pieces whose partial results (output and log-sum-exp per query head) a second
-kernel combines. `default_splits` picks the count from the program count.
+Why: in `StaticGenerator`'s decode step the attention is the one part that grows with the sequence, and SDPA's
+masked kernel reads the whole bucketed cache, padding included, well below bandwidth. Here each program streams the
+keys and values of one (row, kv head, split) once, the kv head's G query heads forming one tensor-core tile. Row r
+attends over slots [start[r], last[r] + 1), both read on the device, so rows at different positions share one launch
+and one CUDA graph serves every step; with few rows × kv heads each row's slots are cut into `splits` pieces that a
+second kernel combines (docs/design.md, "opd.kernels.decode_attention").
 
 Where it runs (CUDA, or CPU under Triton's interpreter for the tests) and why tiles are upcast there: `opd.kernels`.
 """
@@ -27,7 +21,7 @@ from opd.kernels import available, interpreted, tl, triton
 
 __all__ = ["available", "decode_attention", "default_splits", "supports"]
 
-BLOCK_N = 64  # slots per tile (64 / 4 warps / 2 stages was the fastest of 11 launch configurations on an H200)
+BLOCK_N = 64  # slots per tile; with 4 warps and 2 stages the fastest launch measured (docs/performance.md)
 
 
 def supports(head_dim: int) -> bool:
@@ -37,7 +31,7 @@ def supports(head_dim: int) -> bool:
 
 def default_splits(rows: int, kv_heads: int, device: torch.device) -> int:
     """Splits per row: the fewest (a power of two, at most 16) that give every multiprocessor a (row, kv head, split)
-    program. On an H200 one split was fastest whenever rows × kv heads ≥ 512 (`benchmarks/decode_attention.py`)."""
+    program (measured with `benchmarks/decode_attention.py`, docs/performance.md)."""
     if device.type != "cuda":
         return 1
     target = torch.cuda.get_device_properties(device).multi_processor_count

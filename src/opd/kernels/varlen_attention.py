@@ -2,15 +2,11 @@
 itself, with no padding and no `[S, S]` mask.
 
 `ATTENTION` ("opd_varlen") is a transformers attention implementation (`register` adds it; `opd.models.load_model`
-picks it on CUDA). A model set to it runs
-- packed forwards, the ones that pass `cu_seq_lens_q` / `max_length_q` (`packed_kwargs`, as
-  `opd.teacher.local.forward_hidden` does): torch's FlashAttention varlen kernel (`torch.nn.attention.varlen`) on
-  CUDA in bf16/fp16; elsewhere one SDPA call per row (the reference the kernel is tested against);
-- everything else (padded batches, generation with a KV cache): transformers' SDPA path with SDPA's mask, unchanged.
-
-Why not flex attention or SDPA over packed rows: SDPA needs a dense `[1, 1, S, S]` mask (S² work and memory), and
-flex attention builds a block mask per forward and is ~18× slower than SDPA outside `torch.compile` (measured on an
-H200, docs/performance.md), which is how the HF prefill of generation runs it.
+picks it on CUDA). Packed forwards (those passing `cu_seq_lens_q` / `max_length_q`, see `packed_kwargs`) run torch's
+FlashAttention varlen kernel on CUDA in bf16/fp16, elsewhere one SDPA call per row (the reference); every other
+forward runs transformers' SDPA path unchanged. Omitted: SDPA over packed rows (a dense `[1, 1, S, S]` mask, S² work
+and memory) and flex attention (much slower outside `torch.compile`, which is how the HF prefill of generation runs
+it; docs/design.md, "opd.kernels.varlen_attention").
 """
 
 from __future__ import annotations
@@ -18,6 +14,9 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 ATTENTION = "opd_varlen"
 
@@ -91,8 +90,6 @@ def per_row_attention(query_SHD: torch.Tensor, key_SKD: torch.Tensor, value_SKD:
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                       **kwargs):
     """transformers' attention-function contract: query [B, H, S, D], key/value [B, K, S, D] → ([B, S, H, D], None)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if cu_seq_lens is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -110,9 +107,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
 
 def register() -> str:
     """Add `ATTENTION` to transformers' attention and mask registries (idempotent); returns its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
     AttentionInterface.register(ATTENTION, attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
     return ATTENTION

@@ -9,7 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from opd.io import give_umask_modes
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from opd.io import give_umask_modes, read_jsonl, write_jsonl
+from opd.lab import SFT_SET
+from opd.lab.task import make_problems, style_of, to_sft_examples
+from opd.lab.tokenizer import build_lab_tokenizer
 
 TEACHER_ARCH: dict[str, int] = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512}
 STUDENT_ARCH: dict[str, int] = {"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 384}
@@ -17,8 +23,6 @@ STUDENT_ARCH: dict[str, int] = {"hidden_size": 128, "num_hidden_layers": 3, "num
 
 def lab_model_config(arch: dict[str, int], tokenizer: Any):
     """A Qwen3 config for the lab tokenizer: tied embeddings, head_dim = hidden / heads, 256 positions."""
-    from transformers import Qwen3Config
-
     return Qwen3Config(
         vocab_size=len(tokenizer), num_key_value_heads=arch["num_attention_heads"],
         head_dim=arch["hidden_size"] // arch["num_attention_heads"], max_position_embeddings=256,
@@ -29,11 +33,6 @@ def lab_model_config(arch: dict[str, int], tokenizer: Any):
 
 def init_model(arch: dict[str, int], out_dir: str | Path, *, seed: int) -> Path:
     """A random-init lab model (seeded) saved with save_pretrained, with the lab tokenizer and generation config."""
-    import torch
-    from transformers import GenerationConfig, Qwen3ForCausalLM
-
-    from opd.lab.tokenizer import build_lab_tokenizer
-
     tokenizer = build_lab_tokenizer()
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(lab_model_config(arch, tokenizer))
@@ -47,27 +46,18 @@ def init_model(arch: dict[str, int], out_dir: str | Path, *, seed: int) -> Path:
 
 def write_sft_data(path: str | Path, *, style: str = "forward", n: int | None = None) -> Path:
     """The SFT set (`SFT_SET` problems, `style` solutions) as chat JSONL, written atomically."""
-    from opd.io import write_jsonl
-    from opd.lab import SFT_SET
-    from opd.lab.task import make_problems, to_sft_examples
-
     spec = dict(SFT_SET, n=n or SFT_SET["n"])
     write_jsonl(path, to_sft_examples(make_problems(**spec), style=style))
     return Path(path)
 
 
 def n_params(path: str | Path) -> int:
-    from transformers import AutoModelForCausalLM
-
     return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(path)).parameters())
 
 
 def rewrite_share(eval_dir: str | Path) -> float:
     """Share of the answers in an `opd eval` directory's samples.jsonl written in the rewrite style
     (`opd.lab.task.style_of`): accuracy alone cannot tell a rewrite teacher from the forward one it started as."""
-    from opd.io import read_jsonl
-    from opd.lab.task import style_of
-
     styles = [style_of(r["response"]) for r in read_jsonl(Path(eval_dir) / "samples.jsonl")]
     return styles.count("rewrite") / max(1, len(styles))
 
@@ -77,11 +67,6 @@ def import_checkpoint(source: str | Path, source_tokenizer: str | Path, out_dir:
     embedding rows of the tokens the current tokenizer has, by token string, in its id order. How the shipped models
     moved from the prototype's 110-token vocabulary to the 34-token one (every dropped token never occurs in lab text,
     so the logits of the kept tokens, and greedy answers, are unchanged up to their softmax normaliser)."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
-
-    from opd.lab.tokenizer import build_lab_tokenizer
-
     old = PreTrainedTokenizerFast.from_pretrained(str(source_tokenizer)).get_vocab()
     tokenizer = build_lab_tokenizer()
     missing = [t for t in tokenizer.get_vocab() if t not in old]

@@ -1,17 +1,10 @@
-"""The lab's synthetic reasoning task: multi-step integer arithmetic with verifiable `\\boxed{}` answers.
+"""The lab's synthetic reasoning task: multi-step integer arithmetic with verifiable `\boxed{}` answers.
 
-A problem is a start digit followed by `steps` operations, each an operator (+, -, *) and a digit, written as a
-left-nested expression: start 3, ops (+4, *2, -5) → `((3+4)*2)-5`. Every intermediate value stays within
-[-max_abs, max_abs] (the generator only offers operations that keep it there), so each step is a small fact a
-tiny model can learn; the number of steps is the difficulty, and errors compound with it.
-
-Two solution "thinking styles" for the same problem, to study teacher/student thinking-pattern mismatch:
-- `forward`: one operation per line, left to right:      `3+4=7\\n7*2=14\\n14-5=9\\n\\boxed{9}`
-- `rewrite`: the whole expression, innermost parentheses reduced one per line:
-  `((3+4)*2)-5\\n=(7*2)-5\\n=14-5\\n=9\\n\\boxed{9}`
-
-Train/test splits are fixed by the expression itself (a stable hash), not by the seed: a problem belongs to the
-same split whatever seed or size produced it, so no train set can ever contain a test problem.
+A problem is a start digit and `steps` operations (+, -, * and a digit) written as a left-nested expression,
+`((3+4)*2)-5`, every intermediate value within [-max_abs, max_abs]: each step is a small fact a tiny model can learn,
+and the number of steps is the difficulty. Two solution styles, `forward` (one operation per line) and `rewrite`
+(innermost parentheses reduced one per line), study teacher/student thinking-pattern mismatch. Splits are fixed by
+a stable hash of the expression, so no train set can ever contain a test problem (docs/design.md, "opd.lab.task").
 
 Omitted on purpose: division (non-integer results), operands above 9 and operator precedence (the left-nested
 parentheses make the evaluation order explicit), so every character the task produces is printable ASCII plus

@@ -1,17 +1,14 @@
 """The lab tokenizer: a real Hugging Face fast tokenizer with a Qwen-style chat template and a 34-token vocabulary.
 
-Each character the lab task writes is its own token (digits are single tokens, which makes arithmetic learnable
-by tiny models), plus a handful of whole-word tokens that shorten the prompt, plus the Qwen chat special tokens.
-It is built with the `tokenizers` library (a WordLevel model behind a regex that isolates the words and otherwise
-every single character) and wrapped in `PreTrainedTokenizerFast`, so `apply_chat_template`, `decode`,
-`save_pretrained` and `from_pretrained` behave as with a real model's tokenizer.
+Each character the lab task writes is its own token (single-digit tokens make arithmetic learnable by tiny models),
+plus a few whole-word tokens that shorten the prompt and the Qwen chat special tokens: a `tokenizers` WordLevel model
+behind a regex, wrapped in `PreTrainedTokenizerFast`, so chat templates, `decode` and `save_pretrained` /
+`from_pretrained` behave as with a real model's tokenizer.
 
-Omitted on purpose: every other character (letters, most punctuation) and a byte fallback; they become `<unk>`.
-A token that no training text contains is a "dead" output row, and top-k OPD (SPEC §2, `only_stu`) pushes every
-row outside the student's top-k up by p(v)·KL at each step; Adam turns that tiny, one-signed gradient into
-full-size steps on dead rows, and in the lab prototype the 79 dead rows of a full-ASCII vocabulary collected 2.6%
-of the student's probability mass (96% at worst positions) within 100 steps at lr 1e-4. So the vocabulary holds
-only what the task uses.
+Omitted on purpose: every other character and a byte fallback (they become `<unk>`). A token no training text
+contains is a dead output row, which top-k OPD pushes up at every step and Adam turns into full-size steps; dead rows
+collected a real share of the student's probability mass in the lab prototype, so the vocabulary holds only what the
+task uses (docs/design.md, "opd.lab.tokenizer"; the figures: docs/performance.md).
 """
 
 from __future__ import annotations

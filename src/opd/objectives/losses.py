@@ -1,14 +1,11 @@
 """Losses (SPEC §4–§5): PPO-clip policy gradient over candidate slots, loss aggregation, KL-to-reference and entropy
 terms, truncated importance weights, SFT cross-entropy, and the extension objectives.
 
-Shapes: B sequences, T response positions, J candidate slots, V vocabulary, N flattened positions.
+Shapes: B sequences, T response positions, J candidate slots, V vocabulary, N flattened positions. `agg_loss`
+follows verl's (global-batch version): each micro-batch's loss is its share of the optimizer batch's, so the trainer
+sums gradients over micro-batches, and multiplies each rank's loss by the world size where DDP / FSDP average them
+(docs/design.md, "opd.objectives.losses"). Losses return `(loss, metrics)`, metrics detached, no `.item()`.
 
-Aggregation (`agg_loss`) follows verl's `agg_loss` (global-batch version): with the global divisor given, each
-micro-batch's loss is its share of the optimizer batch's loss, so the trainer *sums* gradients over micro-batches
-(backward on each, no rescaling). Across ranks, DDP/FSDP *average* gradients, so the trainer either sums them or
-multiplies each rank's loss by the world size (verl's `dp_size` factor, left out to keep this layer single-process).
-
-Losses return `(loss, metrics)` with metrics detached tensors (no `.item()`: the trainer syncs once per step).
 Omitted: verl's other policy losses (GSPO, CISPO, clip-cov, …), the `token-sum` and `token-mean-unbiased` modes,
 value losses, and the `k3+` straight-through KL variants.
 """

@@ -2,24 +2,14 @@
 weightings.
 
 Shapes: B sequences, T response positions, V vocabulary (V' ≥ V for the teacher), K top-k, J candidate slots per
-position (K, or 2K for `union` / `union-intersection`, 1 for the sampled token).
+position (K, or 2K for `union` / `union-intersection`, 1 for the sampled token). One sparse core on what the trainer
+has per position (`strategy_spec` → `build_candidates` → `gather_candidate_logprobs` → `candidate_rewards`, composed
+by `topk_token_rewards` / `token_rewards_from_scores`) and a dense reference over `[B, T, V]` logits
+(`token_rewards`, SPEC §8: tests and small models only) share the math. A teacher's padding rows (V' > V) are left
+out of its log-softmax and top-k (docs/design.md, "opd.objectives.rewards"). Rewards and weights come back detached.
 
-Two layers, so that the dense reference and the trainer's chunked path share one implementation of the math:
-- the sparse core works on what the trainer has per position (top-k ids and log-probs, log-probs gathered at the
-  other model's top-k): `strategy_spec` → `build_candidates` → `gather_candidate_logprobs` → `candidate_rewards`,
-  composed by `topk_token_rewards` (or `token_rewards_from_scores` for two `TokenScores`);
-- `token_rewards` (SPEC §8) takes dense `[B, T, V]` logits, computes the full-vocabulary log-probs, top-k and gathers,
-  and calls the core. It is the reference form for tests and small models; it builds `[B, T, V]` tensors, so the
-  trainer never calls it on a real batch.
-
-Vocabulary padding (SPEC §1): a teacher with V' > V has padding rows beyond the tokenizer. We take the teacher's
-log-softmax over the shared range `[:V]` and pick its top-k there, so a padding id is never selected. This equals the
-reference (log-softmax over all V' rows) whenever the padding rows carry no probability mass, which holds for real
-checkpoints (their padding logits are far below the rest); a chunked teacher scorer must use the same convention.
-
-Rewards and weights are returned detached: they are advantages (SPEC §3), constants for the policy gradient.
-Omitted: the reference's `kl_estimator` option (its reward code always uses k1, `s − t`) and its union-id bookkeeping
-keys; the slot layout here is fixed per strategy instead (student slots first, then teacher slots).
+Omitted: the reference's `kl_estimator` option (its reward code always uses k1, `s − t`) and its union-id
+bookkeeping keys; the slot layout here is fixed per strategy instead (student slots first, then teacher slots).
 """
 
 from __future__ import annotations
@@ -328,7 +318,7 @@ def token_rewards(
     """OPD token rewards from dense logits (SPEC §2, §8).
 
     student_logits: [B, T, V] raw logits at the response positions (before temperature)
-    teacher_logits: [B, T, V'] with V' ≥ V; rows ≥ V are vocabulary padding and are ignored (see module docstring)
+    teacher_logits: [B, T, V'] with V' ≥ V; rows ≥ V are vocabulary padding and are ignored (SPEC §1, docs/design.md)
     response_ids:   [B, T] long, the sampled tokens
     response_mask:  [B, T] bool
     top_k:          K ≥ 0; 0 = sampled-token reward `t(y) − s(y)` (J = 1)

@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 
 from opd.io import atomic_path, read_jsonl
 
-DPI = 80  # a 2×3 panel figure is ~1250×680 px and 60–120 kB
+DPI = 80  # small PNGs: the report embeds every one of them (sizes in docs/performance.md)
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 LINESTYLES = ["-", "--", ":", "-."]
 SENTINEL = 1e300  # the metrics sink writes ±inf as ±1e308; such points are dropped, not plotted

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
 from opd.io import append_jsonl, read_jsonl, repair_jsonl, write_jsonl
 
 
@@ -63,8 +65,6 @@ def _plain(value: Any) -> Any:
 
 def progress_bar(console: Any):
     """The one progress-bar layout of every long command (eval, distill, sft, rollout)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
     return Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
         console=console, transient=False,

@@ -1,11 +1,7 @@
 """Turn a `GenerationOutput` (lists of token ids) into the padded `Rollouts` tensors the scorers and trainer share.
 
-Layout (B = rows = prompts × n, L = longest prompt + response, T = longest response):
-    input_ids      [B, L]  prompt then response, right-padded with pad_id
-    attention_mask [B, L]  True on prompt and response tokens
-    response_ids   [B, T]  response left-aligned, pad_id after it
-    response_mask  [B, T]  True on response tokens (EOS included)
-so response token t of row b sits at input_ids[b, prompt_lengths[b] + t], and the logits that predict it are at
+Rows are prompts × n; prompt then response, right-padded (`opd.types.Rollouts` gives the shapes, docs/design.md
+"opd.rollout.batch" the layout): response token t of row b sits at input_ids[b, prompt_lengths[b] + t], predicted by
 position prompt_lengths[b] + t - 1 (`Rollouts.response_positions()`).
 
 Omitted: packing several rows into one sequence (the trainer's micro-batching decides that) and left padding (every

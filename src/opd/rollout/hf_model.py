@@ -18,18 +18,20 @@ import inspect
 from typing import Any, Iterator, Sequence
 
 import torch
+import transformers
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import DynamicCache
 
+from opd.models import eos_token_ids as model_eos_ids
 from opd.rollout.base import SamplingParams
 
 
 def attention_backends(device: torch.device) -> contextlib.AbstractContextManager:
     """SDPA without cuDNN attention on CUDA: cuDNN builds a new execution plan for every new key length, i.e. at
-    every decode step (~1.6 ms of CPU per layer and step measured on an H200, torch 2.11: 2.5x slower decoding).
+    every decode step, a CPU cost per layer and step that slowed decoding badly (docs/performance.md).
     Flash / memory-efficient / math kernels have no such cost. Elsewhere (and for non-SDPA attention) a no-op."""
     if device.type != "cuda":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
@@ -56,8 +58,7 @@ def cache_kwarg(parameters: set[str]) -> str:
         return "cache"
     if "past_key_values" in parameters:
         return "past_key_values"
-    import transformers  # no way to tell from the signature: go by the library version
-
+    # no way to tell from the signature: go by the library version
     return "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
 
 
@@ -66,8 +67,6 @@ def special_ids(model: torch.nn.Module, eos_token_ids: Sequence[int] | None,
     """(EOS ids, pad id): the given ones, else the model's (`opd.models.eos_token_ids`; config pad id, else the first
     EOS id, else 0)."""
     if eos_token_ids is None:
-        from opd.models import eos_token_ids as model_eos_ids
-
         eos_token_ids = model_eos_ids(model)
     eos = [int(i) for i in eos_token_ids]
     if pad_token_id is None:
@@ -156,8 +155,6 @@ class HFModel:
         return logits_RV
 
     def new_cache(self) -> Any:
-        from transformers import DynamicCache
-
         try:
             return DynamicCache(config=self.model.config)
         except TypeError:  # older transformers: no config argument

@@ -1,13 +1,8 @@
 """How many sequences an in-process engine decodes at once: the device memory free when `generate` is called (after
 the student, the teacher, the optimizer state and every other resident buffer), minus a safety margin and the call's
 fixed buffers, divided by what one row costs. Each engine states its own costs (`RowCost`); this module holds the
-rule and the one-line error for a sequence that cannot fit at all.
-
-    free     driver-free bytes + bytes PyTorch's caching allocator holds but no tensor uses (both are available to
-             the next allocation; `torch.cuda.mem_get_info`, `memory_reserved - memory_allocated`)
-    margin   MARGIN_BYTES + MARGIN_FRACTION × the device's total memory: fragmentation of the cached blocks, cuBLAS
-             and compiler workspaces, and what the estimates below miss (6.6 GiB on an H200's 140 GiB)
-    rows     ⌊(free - margin - fixed) / per_row⌋, then capped by the engine's max_batch_size / max_batch_tokens
+rule (`rows_that_fit`, the free / margin / rows terms in docs/design.md, "opd.rollout.memory") and the one-line
+error for a sequence that cannot fit at all.
 
 On CPU nothing is sized (None): the host's memory is not the engine's to budget, and the tests inject a figure.
 """

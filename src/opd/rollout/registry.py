@@ -1,29 +1,28 @@
 """Which generation engine runs: one registry by name, the only place that knows every engine.
 
-Every caller (`opd distill`, `opd eval`, `opd rollout`, `opd prompts score`, `opd sft`'s periodic eval) asks
-`make_generator(engine, ...)` for a `Generator`. Adding an engine is one module, one builder in the `_ENGINES` table
-below and its name in `opd.names.EngineName` (checked at import); no engine module imports another, and engines with
-heavy optional dependencies (vLLM) are imported only when chosen. `opd.teacher.registry` has the same shape.
-
-Names:
-    torch   `TorchGenerator`: any Hugging Face causal LM, CPU or GPU, the trainer's own module
-    static  `StaticGenerator`: static KV cache + continuous batching + CUDA graphs, Llama / Qwen2 / Qwen3 layouts
-    vllm    `VLLMGenerator`: an in-process vLLM engine that loads `model_path` itself; with `model` (the trainer's
-            module) it pushes the weights into the engine at `sync_weights` (needs the vllm extra)
-    auto    static on CUDA when the model's layout is supported (`static_engine.unsupported_reason`), else torch
+Every caller asks `make_generator(engine, ...)` for a `Generator`: torch (`TorchGenerator`), static
+(`StaticGenerator`), vllm (`VLLMGenerator`, the vllm extra) or auto (static on CUDA for a supported layout, else
+torch; the table: docs/design.md, "opd.rollout.registry"). Adding an engine is one module, one builder in the
+`_ENGINES` table below and its name in `opd.names.EngineName` (checked at import); no engine module imports another,
+and vLLM itself is imported only when its engine is built. `opd.teacher.registry` has the same shape.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, get_args
 
 import torch
+from transformers import AutoConfig, GenerationConfig
 
 from opd.config import ModelSpec, VLLMSpec
+from opd.models import eos_token_ids
 from opd.names import EngineName
-from opd.rollout.base import Generator
 from opd.rollout import vllm_engine
+from opd.rollout.base import Generator
+from opd.rollout.static_engine import StaticGenerator, unsupported_reason
+from opd.rollout.torch_engine import TorchGenerator
 
 
 @dataclass
@@ -63,11 +62,8 @@ def resolve_engine(engine: str, model: torch.nn.Module | None) -> str:
         return engine
     if model is None:
         raise ValueError("engine 'auto' needs the in-process model to choose between torch and static")
-    if next(model.parameters()).device.type == "cuda":
-        from opd.rollout.static_engine import unsupported_reason
-
-        if unsupported_reason(model) is None:
-            return "static"
+    if next(model.parameters()).device.type == "cuda" and unsupported_reason(model) is None:
+        return "static"
     return "torch"
 
 
@@ -100,8 +96,6 @@ def vllm_arguments(vllm: VLLMSpec | None, model: ModelSpec, *, model_path: str |
 
 def _in_process(request: EngineRequest) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The model and the arguments both in-process engines take, from the request's model and tokenizer."""
-    from opd.models import eos_token_ids
-
     if request.model is None:
         raise ValueError("the torch and static engines run an in-process model; none was given")
     return request.model, dict(eos_token_ids=eos_token_ids(request.model, request.tokenizer),
@@ -112,15 +106,11 @@ def _in_process(request: EngineRequest) -> tuple[torch.nn.Module, dict[str, Any]
 
 
 def _torch(request: EngineRequest) -> Generator:
-    from opd.rollout.torch_engine import TorchGenerator
-
     model, arguments = _in_process(request)
     return TorchGenerator(model, **arguments)
 
 
 def _static(request: EngineRequest) -> Generator:
-    from opd.rollout.static_engine import StaticGenerator
-
     model, arguments = _in_process(request)
     return StaticGenerator(model, **arguments)
 
@@ -143,14 +133,8 @@ def _vllm(request: EngineRequest) -> Generator:
 def _eos_ids_from_path(path: str, tokenizer: Any, model: torch.nn.Module | None) -> list[int]:
     """`opd.models.eos_token_ids` from the in-process model when there is one, else from the directory's config and
     generation config (no weights loaded)."""
-    from types import SimpleNamespace
-
-    from opd.models import eos_token_ids
-
     if model is not None:
         return eos_token_ids(model, tokenizer)
-    from transformers import AutoConfig, GenerationConfig
-
     config = AutoConfig.from_pretrained(path)
     try:
         generation = GenerationConfig.from_pretrained(path)

@@ -1,70 +1,15 @@
 """`StaticGenerator`: the `Generator` contract with a static KV cache, continuous batching and a decode step replayed
 as one CUDA graph.
 
-Why: at RL batch sizes decoding a 0.6B–4B model is bound by launching kernels from Python (~2,000 launches per step
-through `model.generate()` or `TorchGenerator`), not by the GPU. Replaying one captured graph per step removes the
-launches; compiling the two elementwise-heavy halves of a decoder layer and the sampling with `torch.compile`, fusing
-weights and calling one attention kernel cut the number of kernels per step (at 28 small layers, that number sets
-the step time, not the memory traffic). Real responses are long-tailed: a finished row's slot is refilled with the
-next pending sample, so the tail of one row does not keep the others idle.
+Why: at RL batch sizes decoding a small model is bound by launching kernels from Python, not by the GPU. One
+captured graph per step, compiled layer halves and sampling, fused weights and one attention kernel cut the kernels
+per step, and a finished row's slot is refilled with the next pending sample so that long tails leave no row idle.
+How a call runs, the Gumbel-max sampling and the determinism contract (bit-exact for a fixed row count R; pin R
+with max_batch_size / max_batch_tokens): docs/design.md, "opd.rollout.static_engine".
 
-How a call runs (P prompts × n samples, prompt-major):
-1. Build the step's weights (`fuse_weights`): per layer one q/k/v and one gate/up matrix, o_proj with its input
-   columns in the head order SDPA writes, and every other GEMM weight, in the compute dtype (autocast's if autocast
-   is on, else the parameters'), rebuilt for every call so that optimizer updates between calls are seen. The decode
-   step then runs without autocast: no weight is cast at every step. The residual stream, the embedding table and
-   the norms keep the parameters' dtype, as under autocast.
-2. Size the batch: R rows (slots), each holding one sample's keys/values in S = longest prompt + max_new_tokens slots
-   of a static cache per layer, `[R, H_kv, S, D_h]` in the compute dtype. R = max_batch_size, capped by the samples,
-   by max_batch_tokens / S, and by the device memory free now (after the step weights, the trainer's models and
-   optimizer state): `opd.rollout.memory` with this engine's `row_cost` (KV slots + the [V]-sized sampling buffers).
-3. Fill the slots: prefill each distinct prompt once through the Hugging Face model (left-padded, ≤ prefill_tokens
-   padded tokens a forward) and copy its keys/values into the slots of its samples at slots [0, L) (prefix
-   sharing: the n samples of a prompt are n copies of one prefill); token 0 is sampled from the prefill logits.
-4. Decode: each step feeds every row's last token at its own position (= its slot index, = its RoPE position) through
-   our own decode forward: RMSNorm, one q/k/v GEMM, q/k-norm and RoPE from a precomputed table (one compiled
-   function), then attention. On CUDA (`attention="auto"`) that is the Triton kernel `opd.kernels.decode_attention`:
-   it writes the step's keys/values into the cache and reads only each row's slots [0, position], both per row and
-   read from device tensors, so ONE graph serves every step of the call. Otherwise ("sdpa", the CPU default) the
-   cache write is an index copy and one SDPA call runs over the first S_b slots with a 0/-inf mask (S_b = the
-   longest position of the next interval rounded up to `kv_bucket`, one graph per bucket; the G = H / H_kv query
-   heads of a kv head are SDPA's query positions). Then o-projection, MLP and the next layer's input norm (the second
-   compiled function), head, sampling (the third). Finished rows, lengths, tokens and log-probs are updated on the
-   device; a finished row keeps computing (static shapes) but writes nothing.
-5. Every `sync_interval` steps the host looks at which rows finished (one sync), copies their results out and
-   refills their slots with the next pending samples (step 3 for those slots only, between graph replays, writing
-   into the same static buffers). The call ends when no sample is pending or decoding.
-
-Sampling is Gumbel-max, `argmax(z / τ + g)` with g = -log(-log u), which draws exactly from softmax(z / τ) after the
-same top-k / top-p filter as `TorchGenerator`; u comes from the call's seeded `torch.Generator`, written into a
-buffer before each replay (the graph itself holds no random state) and drawn afresh for each first token.
-
-Determinism contract: the same seed, prompts, SamplingParams, per-sample lengths and row count R (with the same
-sync_interval and prefill_tokens, on the same device and software) give the same outputs, bit for bit. Which sample
-lands in which slot depends on the order in which rows finish, which is itself a deterministic function of those
-inputs. Another R (a different max_batch_size, max_batch_tokens or free memory) gives other draws from the same
-distribution; pin R with max_batch_size / max_batch_tokens where reruns must match. `stats` after each call says
-which R ran. Samples differ from `TorchGenerator`'s for the same seed (another sampling algorithm, the same
-distribution).
-
-Measured on one H200 (2026-11-30, torch 2.11, random Qwen3-0.6B shape, bf16, 64 prompts × 512 new tokens, prompt
-128; `benchmarks/rollout.py`, docs/performance.md; before continuous batching): 26.6k–27.2k tok/s (2.35–2.41 ms a
-step), against 17.7k with SDPA attention, 1.9k for `TorchGenerator`, 2.1k–2.4k for `model.generate` without cuDNN
-attention and 1.3k–2.2k with its default kernel choice, in the same process; 47.3k–47.8k tok/s at 256 rows. With
-SDPA the cache write stays outside the compiled function on purpose: inside it, the step measured twice as slow
-(most likely a copy of the whole cache tensor per layer; not profiled).
-
-Scope: decoder-only Llama / Qwen2 / Qwen3 layouts (pre-norm, SiLU gated MLP, optional q/k-norm, full attention,
-static RoPE). Anything else (sliding windows, dynamic RoPE, other families) raises at construction; engine "auto"
-(`opd.rollout.registry`) picks `TorchGenerator` for those. On CPU the same decode step runs eagerly (this is what
-the CPU tests check against `TorchGenerator`); graphs and compilation are CUDA-only.
-
-Omitted: a paged cache (each slot holds its sample's longest possible sequence, so a long-tailed call keeps fewer
-rows than a paged cache could; paging needs preemption when pages run out), speculative decoding, shared-prefix
-(cascade) attention for the n samples of a prompt (each row reads its own copy of the prompt's keys/values), keeping
-a prompt's prefill for its samples that could not get a slot in the same refill (they are prefilled again later).
-`flex_attention`'s decoding path was tried on the H200: 4× slower than SDPA at 64 rows, and its graph capture failed
-at 256 rows.
+Scope: Llama / Qwen2 / Qwen3 layouts (anything else raises; engine "auto" then picks `TorchGenerator`); graphs and
+compilation on CUDA only. Omitted: a paged cache, speculative decoding, shared-prefix (cascade) attention, and
+`flex_attention`'s decoding path (tried: slower than SDPA, and its graph capture failed at larger batches).
 """
 
 from __future__ import annotations
@@ -114,7 +59,7 @@ def _project(h_RD: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequen
 def _attn_in(h_RD, w_qkv, b_qkv, qn_w, kn_w, eps, cos_R1D, sin_R1D, heads: int, kv_heads: int, dh: int):
     """q/k/v projections, q/k-norm and RoPE for one normed token per row: [R, D] → q [R, H, Dh], k and v
     [R, Hkv, Dh]. The caller writes k and v into the cache: inside a compiled function the in-place write to the
-    whole cache tensor measured slower on an H200 (torch 2.11) than two separate small copy kernels."""
+    whole cache tensor measured slower than two separate small copy kernels (docs/performance.md)."""
     rows = h_RD.shape[0]
     q, k, v = _project(h_RD, w_qkv, b_qkv, [heads * dh, kv_heads * dh, kv_heads * dh])
     q, k, v = q.reshape(rows, heads, dh), k.reshape(rows, kv_heads, dh), v.reshape(rows, kv_heads, dh)
@@ -181,7 +126,7 @@ _SPLIT = 64  # pieces per row of the vocabulary reductions below
 def _split_rows(x_RN: torch.Tensor) -> torch.Tensor:
     """[R, N] → [R, _SPLIT, ⌈N / _SPLIT⌉], padded with -inf. The sampling reductions run over these pieces first, so
     that the argmax and the log-sum-exp fuse into one kernel over R × _SPLIT pieces rather than two over R rows of
-    151k entries (compiled, 64 rows, H200 profile: one 71 µs kernel and a small second stage, instead of 73 + 20 µs)."""
+    151k entries, which profiled faster (docs/performance.md)."""
     width = -(-x_RN.shape[-1] // _SPLIT)
     return F.pad(x_RN, (0, width * _SPLIT - x_RN.shape[-1]), value=float("-inf")).view(x_RN.shape[0], _SPLIT, width)
 

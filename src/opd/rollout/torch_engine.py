@@ -1,30 +1,10 @@
 """`TorchGenerator`: batched sampling from any Hugging Face causal LM with a KV cache, on CPU or GPU.
 
 Our own decode loop rather than `model.generate()`, so that sampling is ours: an explicit seeded `torch.Generator`,
-temperature / top-k / top-p, greedy at temperature 0, and the log-prob of every sampled token.
-
-How a call runs:
-1. Work is cut into chunks of ≤ `max_batch_size` sequences (and ≤ `max_batch_tokens` KV-cache tokens; on CUDA with
-   max_batch_tokens None, ≤ the rows that fit in the memory free at the call, `opd.rollout.memory`), in prompt-major
-   order; a prompt's n samples are split across chunks only when n alone exceeds a chunk.
-2. Each chunk prefills every distinct prompt once (left-padded, with `attention_mask` and `position_ids` so a prompt's
-   result does not depend on its neighbours), then expands the KV cache to one row per sample (`reorder_cache`).
-3. Decode one token per step for all rows. A row that samples an EOS id is finished (EOS kept in its response); its
-   later tokens are discarded. So is a row that reaches its own length limit (`max_new_tokens_per_sample`, for
-   benchmarks that force long-tailed lengths). Every `sync_interval` steps the host looks at which rows finished (a
-   CPU-GPU sync point): it stops when all have, and drops finished rows from the batch once they are ≥
-   `compact_fraction` of it (copying the cache costs about one decode step, so it is amortised rather than done on
-   every finish).
-
-Determinism: a fresh `torch.Generator` seeded with `params.seed` per `generate` call, so the same seed, inputs and
-batch configuration give the same outputs. Results may change with the chunk sizes (the random draws are shared by
-the rows of a chunk, and floating-point results depend on batch shapes); with memory-sized chunks, pin them with
-`max_batch_tokens` where that matters.
-
-On CUDA, attention runs with cuDNN's SDPA kernel excluded (`hf_model.attention_backends`). Measured on one H200
-(random Qwen3-0.6B-shaped model, bf16, 64 prompts × 256 new tokens): 1.9k tok/s at n = 1 and 6.5k tok/s at n = 4,
-against 0.9k / 2.9k for `model.generate` in the same process. Decoding is CPU-bound (Python and kernel launches) at
-that size.
+temperature / top-k / top-p, greedy at temperature 0, and the log-prob of every sampled token. Work is cut into
+memory-sized chunks, each prompt prefilled once per chunk, finished rows dropped once they are `compact_fraction`
+of the batch (docs/design.md, "opd.rollout.torch_engine"). The same seed, inputs and chunk sizes give the same
+outputs; pin the chunks with `max_batch_tokens` where that matters.
 
 Omitted, on purpose: a static KV cache, CUDA graphs and refilling finished rows (`StaticGenerator`), chunked
 prefill, sorting prompts by length, prefix sharing across prompts, speculative decoding, stop strings (the caller

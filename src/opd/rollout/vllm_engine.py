@@ -1,67 +1,36 @@
 """`VLLMGenerator`: the `Generator` protocol over a vLLM engine running in this process, with weight sync.
 
-vLLM loads the model from its directory itself (`model_path`); the trainer's module, when given, is only the source
-of `sync_weights`. Engines know token ids only: prompts go in as `TokensPrompt`s and vLLM's tokenizer is never
-loaded (`skip_tokenizer_init`), so EOS handling is ours: the EOS ids are passed as `stop_token_ids`.
-
-The contract of `opd.rollout.base` and how it is met:
-- n samples per prompt, prompt-major; each prompt gets its own seed derived from `params.seed` and its index (one
-  seed for all prompts would give every prompt the same random stream). vLLM seeds sample i of a request with
-  seed + i, so a seed reproduces the outputs; they differ from the torch engine's, which draws from one generator.
-- "stop" when a sample ended on an EOS id (kept in the response, vLLM checks EOS before the length cap, as we do),
-  "length" when it reached `max_new_tokens`; with `stop_at_eos=False` EOS is ignored (`ignore_eos`).
-- ids ≥ `vocab_size` (embedding padding rows) are never sampled: `allowed_token_ids` masks them, and only when the
-  model has such rows (a `masked_fill_` of the logits per step).
-- log-probs: vLLM's `processed_logprobs` mode, i.e. log_softmax of the logits after the vocabulary mask and the
-  temperature — SPEC §1's s(y_t), the torch engine's value — and, at temperature 0, the unscaled log_softmax. vLLM
-  computes them *after* top-k / top-p filtering (renormalised over the kept tokens, `Sampler.sample`); no mode gives
-  the full-vocabulary value under filtering, so `return_logprobs` with top_k > 0 or top_p < 1 raises instead of
-  returning a different quantity. OPD samples with top_p = 1 and top_k = 0 (the default), where the two agree.
-
-Weight sync (`sync_weights`, after every optimizer step): the full state dict, a tied `lm_head.weight` included (the
-CPU build repacks the head separately: leaving it out drifted log-probs by up to 0.28), goes through
-`collective_rpc("reload_weights")` into the running engine; then the prefix cache is reset (a cached prompt prefix
-holds keys and values of the old weights). Under torchrun each rank runs its own in-process engine (tensor-parallel
-size 1, a full copy of the weights; on CPU with gloo tested by tests/test_vllm_commands.py) and gets the full weights
-from `weights_fn` (the trainer all-gathers them every step, `opd.train.distributed.all_full_weights`). Tensor-
-parallel engines spanning ranks (vLLM's `external_launcher`) are not supported.
-
-Memory: on CPU the KV cache is `kv_cache_gb` (default 1 GiB: vLLM's own default reserves 0.92 × RAM); on GPU
-`gpu_memory_utilization` bounds it, and with `sleep` the engine's weights and KV cache are offloaded (level 1) from
-the end of a `generate` call to the next `sync_weights`, so the trainer's scoring and update have the memory.
-
-Environment (set before vLLM is imported, only when unset): `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine and worker in
-this process: ~5 s start-up for the lab models against 30–50 s, and weights can be passed as tensors),
-`VLLM_CACHE_ROOT` in a temporary directory (nothing lands in ~/.cache/vllm), `VLLM_LOGGING_LEVEL=ERROR`.
-Threads: the CPU worker replaces
-`torch.set_num_threads` with a no-op for the whole process (it guards the OpenMP binding of its own worker
-processes, which an in-process engine does not have); we put the original back, and the engine uses the threads
-the process had when it started — set them first.
+vLLM loads the model from `model_path` itself and never loads its tokenizer (token ids in, EOS ids as
+`stop_token_ids`); the trainer's module, when given, is only the source of `sync_weights`, which pushes the full
+state dict (tied `lm_head.weight` included) and resets the prefix cache. Log-probs are SPEC §1's s(y_t) only at
+top_p = 1, top_k = 0, so `return_logprobs` with filtering raises. How the contract is met, memory and sleep, the
+environment set before vLLM is imported and the thread count: docs/design.md, "opd.rollout.vllm_engine".
 
 Omitted: multiprocess mode (weights would go through files under /dev/shm), tensor/pipeline parallelism inside one
-engine, LoRA syncs (the merged weights are pushed), stop strings, and speculative decoding.
+engine and engines spanning ranks, LoRA syncs (the merged weights are pushed), stop strings, speculative decoding.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
+from transformers import AutoConfig
 
 from opd.config import ModelSpec, VLLMSpec
 from opd.rollout.base import GenerationOutput, SamplingParams
+from opd.rollout.hf_model import check_request
 from opd.seeds import SALT_VLLM_PROMPT, derive_seed
 
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 
 
 def vllm_available() -> bool:
-    """Whether `import vllm` would work (without importing it: that takes ~20 s)."""
-    import importlib.util
-
+    """Whether `import vllm` would work (without importing it: that is slow, docs/performance.md)."""
     return importlib.util.find_spec("vllm") is not None
 
 
@@ -86,7 +55,7 @@ class EngineOptions:
     dtype:                  auto | fp32 | bf16 | fp16 (auto: fp32 on CPU, bf16 on GPU, as `opd.models.resolve_dtype`)
     gpu_memory_utilization: GPU: fraction of the GPU's memory the engine may take, in (0, 1]
     kv_cache_gb:            KV-cache size in GiB; None: DEFAULT_CPU_KV_CACHE_GB on CPU, by utilization on GPU
-    enforce_eager:          no torch.compile / CUDA graphs; None: on for CPU (compiling takes ~100 s there)
+    enforce_eager:          no torch.compile / CUDA graphs; None: on for CPU (compiling is slow there)
     sleep:                  offload the engine between `generate` and the next `sync_weights`; None: on for a
                             colocated trainer where the platform supports it (not on CPU)
     max_model_len:          longest prompt + response; None: the model's `max_position_embeddings`
@@ -118,7 +87,7 @@ def engine_options(vllm: VLLMSpec | None, model: ModelSpec) -> EngineOptions:
 
 def start_engine(model_path: str, options: EngineOptions, *, max_num_seqs: int = 256, max_logprobs: int = 20,
                  logprobs_mode: str = "processed_logprobs", enable_sleep_mode: bool = False) -> Any:
-    """A `vllm.LLM` for `model_path` in this process (see the module docstring for the environment it sets)."""
+    """A `vllm.LLM` for `model_path` in this process (the environment it sets: docs/design.md)."""
     vllm = _import_vllm()
     from vllm.platforms import current_platform
 
@@ -147,7 +116,7 @@ def start_engine(model_path: str, options: EngineOptions, *, max_num_seqs: int =
     try:
         llm = vllm.LLM(**kwargs)
     finally:
-        torch.set_num_threads = set_num_threads  # see the module docstring (Threads)
+        torch.set_num_threads = set_num_threads  # the CPU worker no-ops it (docs/design.md: Threads)
     return llm
 
 
@@ -167,8 +136,6 @@ def model_rows(llm: Any) -> int:
 
 def config_rows(model_path: str, *, trust_remote_code: bool = False) -> int:
     """Rows of a model directory's output layer, from its config (no weights loaded)."""
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return int(text.vocab_size)
@@ -176,7 +143,8 @@ def config_rows(model_path: str, *, trust_remote_code: bool = False) -> int:
 
 def full_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """`weights` (default: the module's state dict) with the output embedding under `lm_head.weight` even when it is
-    tied to the input embedding and the dict names it once (vLLM's CPU build needs it, see the module docstring)."""
+    tied to the input embedding and the dict names it once (vLLM's CPU build repacks the head separately: without
+    it the log-probs drift)."""
     weights = dict(module.state_dict() if weights is None else weights)
     if "lm_head.weight" in weights or not getattr(getattr(module, "config", None), "tie_word_embeddings", False):
         return weights
@@ -248,8 +216,6 @@ class VLLMGenerator:
         request (n = 1, seeded per sample), so the draws differ from those of one n-sample request."""
         from vllm import TokensPrompt
 
-        from opd.rollout.hf_model import check_request
-
         for i, prompt in enumerate(prompt_ids):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
@@ -311,7 +277,7 @@ class VLLMGenerator:
         )
 
     def sync_weights(self, *, include_lm_head: bool = True, reset_prefix_cache: bool = True) -> None:
-        """Push the trainer's current weights into the engine (see the module docstring). No-op without a module."""
+        """Push the trainer's current weights into the engine (weights, then a prefix-cache reset). No-op without a module."""
         if self.module is None and self.weights_fn is None:
             return
         gathered = self.weights_fn() if self.weights_fn is not None else None

@@ -3,21 +3,12 @@
     teacher: {url: http://gpu-host:8765, token_file: ~/.opd-teacher-token}
     teacher: {url: [http://10.0.0.5:8765, http://10.0.0.6:8765]}   # replicas
 
-A `score` call is cut into requests of at most `request_tokens` tokens (and within the server's limits from /info),
-sent concurrently; each goes to the replica with the fewest tokens outstanding. Connection errors, timeouts and 503
-(busy) are retried with exponential backoff (0.5 s doubling to 10 s) until `retry_deadline` seconds have passed
-since the failure started — a restarted server is waited for with a visible message, and the trainer's step then
-continues where it was (a request is stateless and scoring is pure, so resending it repeats nothing). After an
-outage the replica's /info is checked again: a server that came back with another model or tokenizer is refused.
-Other 4xx answers are not retried: they name what the server refused (`TeacherRequestError`).
-
-Before the first score, `check_tokenizer` compares the hash of the student's token→id map with the server's /info
-(and the vocabulary sizes) and, on a mismatch, fetches /vocab to raise exactly the one-line
-`TokenizerMismatchError` that the local check raises. A differing chat template is reported but not refused (the
-teacher scores token ids; the local check ignores templates too).
-
-HTTP is the standard library's `http.client` over keep-alive connections, one per worker thread and replica: the
-trainer is synchronous, and this adds no dependency to the trainer side.
+A `score` call is cut into requests of at most `request_tokens` tokens, sent concurrently to the replica with the
+fewest tokens outstanding; connection errors, timeouts and 503 are retried with backoff until `retry_deadline`
+(scoring is pure, so a resent request repeats nothing), other 4xx are not (`TeacherRequestError`). `check_tokenizer`
+raises the local check's one-line `TokenizerMismatchError`. Retries, outages and the checks: docs/design.md,
+"opd.teacher.client". HTTP is the standard library's `http.client` (keep-alive, one connection per worker thread
+and replica): the trainer is synchronous, and this adds no dependency to the trainer side.
 """
 
 from __future__ import annotations
@@ -34,8 +25,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from opd.models import check_tokenizer_compatibility
 from opd.teacher import wire
 from opd.teacher.base import PendingScores
+from opd.teacher.local import needed_lengths, split_by_token_budget
+from opd.teacher.server import resolve_token
 from opd.types import Rollouts, TokenScores
 
 BACKOFF_START, BACKOFF_MAX = 0.5, 10.0
@@ -137,8 +131,6 @@ class RemoteScorer:
 
     def check_tokenizer(self, student_tokenizer: Any, *, student_rows: int | None = None):
         """The `VocabInfo` of the student and this teacher, or the local check's one-line `TokenizerMismatchError`."""
-        from opd.models import check_tokenizer_compatibility
-
         if wire.tokenizer_fingerprints(student_tokenizer)["vocab_hash"] == self.info["vocab_hash"]:
             teacher_tokenizer = student_tokenizer
         else:  # say what differs, exactly as the local check would
@@ -204,8 +196,6 @@ class RemoteScorer:
     def _split(self, rollouts: Rollouts, requested_BTR: torch.Tensor | None, top_k: int) -> list[torch.Tensor]:
         """Row groups, one request each: ≤ request_tokens tokens (a longer row goes alone), within the server's
         row, byte and per-row limits; rows with nothing to score are left out."""
-        from opd.teacher.local import needed_lengths, split_by_token_budget
-
         info = self.info
         R = 0 if requested_BTR is None else requested_BTR.shape[-1]
         if R > info["max_requested_ids"]:
@@ -377,8 +367,6 @@ def _error_text(data: bytes) -> str:
 
 def remote_scorer(spec: Any) -> RemoteScorer:
     """A `RemoteScorer` for a teacher config (`opd.config.TeacherSpec` with `url` set)."""
-    from opd.teacher.server import resolve_token
-
     return RemoteScorer(spec.url, token=resolve_token(spec.token_file, spec.token_env), timeout=spec.timeout,
                         retry_deadline=spec.retry_deadline, request_tokens=spec.request_tokens,
                         logprobs=spec.logprobs)

@@ -1,18 +1,10 @@
 """Score rollouts with an in-process Hugging Face causal LM: the teacher, and the student's no-grad pass.
 
-`forward_hidden` is the one place that runs an HF model body and picks the response positions; the scorer and the
-trainer's grad pass both use it, then project only those hidden states onto the vocabulary with the chunked
-functions of `opd.scoring` (so neither `[B, L, V]` logits nor a `[B, T, V]` float32 tensor ever exist).
-
-Layouts (`Rollouts`): row b holds its prompt then response tokens from position 0 (right padding only, which is what
-the engines produce); response token t is predicted by the hidden state at `prompt_lengths[b] - 1 + t`.
-
-Packing: rows can run as one concatenated sequence with `position_ids` restarting per row and attention confined to
-each row. With `opd.kernels.varlen_attention` (the default on CUDA, see `opd.models.load_model`) the row offsets are
-passed to the attention directly (FlashAttention varlen); with flash/flex attention transformers (5.x) derives the
-block-diagonal mask from the position resets. With sdpa/eager it would become a dense `[1, 1, S, S]` mask over all S
-packed tokens (attention cost S² instead of Σ L_b²), so `packing="auto"` packs only for those three, and only
-batches with padding to save (`PACK_MIN_PADDING`); otherwise it runs right-padded rows with an attention mask.
+`forward_hidden` is the one place that runs an HF model body and picks the response positions (response token t of
+row b is predicted by the hidden state at `prompt_lengths[b] - 1 + t`); the scorer and the trainer's grad pass both
+use it, then project only those hidden states with the chunked functions of `opd.scoring`, so neither `[B, L, V]`
+logits nor a `[B, T, V]` float32 tensor ever exist. Rows run right-padded, or packed into one sequence where the
+attention keeps rows apart without a dense mask (`uses_packing`; docs/design.md, "opd.teacher.local").
 
 Omitted: KV-cache reuse of shared prompts across the n samples of a group (simple, but a second code path);
 left-padded inputs; heads other than those `output_head` recognises (it raises, see `check_output_head`).
@@ -107,7 +99,7 @@ class ResponseHidden:
 
 
 # "auto" packs a batch only when padding would be at least this share of its tokens: on rows without padding the
-# padded SDPA batch measured faster (H200, 1.7B scoring: 69.9% vs 64.9% of peak, two runs, docs/performance.md)
+# padded SDPA batch measured faster (docs/performance.md)
 PACK_MIN_PADDING = 0.1
 
 
@@ -187,7 +179,7 @@ def forward_hidden(
     caller's) and return the hidden states at the selected response positions.
 
     positions_mask_BT: [B, T] bool, the positions wanted; default `rollouts.response_mask`.
-    packing:           see the module docstring and `uses_packing`; both layouts give the same hidden states.
+    packing:           see `uses_packing` (docs/design.md); both layouts give the same hidden states.
     through_root:      call the model's own forward (logits for one position per row) instead of the body directly,
                        for wrappers whose root forward must run (FSDP2); same result.
     Only the tokens up to the last selected position run; rows with no selected position are skipped.
@@ -246,7 +238,7 @@ class LocalScorer:
     model:                any HF causal LM; put in eval mode while scoring, its previous mode restored after
     vocab_size:           shared vocabulary range (tokenizer compatibility check); rows beyond are padding. None = all
     max_tokens_per_batch: input tokens per forward (the micro-batch budget; padded rows count at the longest length)
-    packing:              "auto" | "packed" | "padded", see the module docstring
+    packing:              "auto" | "packed" | "padded", see `uses_packing`
     chunk_size:           positions per vocabulary chunk; None = by the `opd.scoring.CHUNK_BYTES` budget
     device:               move the model there first (e.g. the teacher on its own GPU); None = leave it. Inputs go
                           to the model's device; results come back on the rollouts' device

@@ -1,15 +1,12 @@
 """Which teacher scorer a run uses: one registry by name, the only place that builds a `TeacherScorer` from a config.
 
 Every command that scores with a teacher (`opd distill`, `opd prompts score`) asks `load_teacher`; each placement is
-one builder in the `_SCORERS` table below and one module beside it, all implementing `opd.teacher.base.TeacherScorer`
-(the same shape as `opd.rollout.registry`; the config's names are `opd.names.TeacherEngineName`, checked at import):
-    local   an in-process Hugging Face model (`LocalScorer`), on the student's GPU, another GPU or the CPU
-    served  `teacher.url`: an `opd serve-teacher` on another GPU or host, or several replicas (`RemoteScorer`)
-    vllm    an in-process vLLM engine scoring with prompt_logprobs (`VLLMScorer`): sampled-token and the teacher's own
-            top-k only (`opd.teacher.vllm_scorer.check_objective`); needs the vllm extra
-
-The tokenizer check (SPEC §1: the teacher scores the student's token ids) happens here for every placement, with the
-same one-line error.
+one builder in the `_SCORERS` table below and one module beside it: local (`LocalScorer`, an in-process model),
+served (`teacher.url`: `RemoteScorer` of one or several `opd serve-teacher`s) and vllm (`VLLMScorer`, the vllm
+extra; sampled-token and the teacher's own top-k only). The config's names are `opd.names.TeacherEngineName`,
+checked at import; the shape is `opd.rollout.registry`'s (docs/design.md, "opd.teacher.registry"). The tokenizer
+check (SPEC §1: the teacher scores the student's token ids) happens here for every placement, with the same
+one-line error.
 """
 
 from __future__ import annotations
@@ -20,10 +17,14 @@ from typing import Any, Callable, get_args
 import torch
 
 from opd.config import ModelSpec
+from opd.models import check_tokenizer_compatibility, load_model, load_tokenizer, resolve_device, resolve_dtype
 from opd.names import TeacherEngineName
 from opd.objectives.diagnostics import diagnostic_top_k
 from opd.rollout.vllm_engine import config_rows, engine_options, vllm_available
 from opd.teacher.base import TeacherScorer
+from opd.teacher.client import remote_scorer
+from opd.teacher.local import LocalScorer
+from opd.teacher.vllm_scorer import VLLMScorer, check_objective
 
 
 @dataclass
@@ -86,7 +87,7 @@ def resolve_scorer(spec: ModelSpec) -> str:
 def load_teacher(spec: ModelSpec, *, student_tokenizer: Any, student_rows: int, student_device: torch.device,
                  world_size: int = 1, offload: bool = False, max_tokens_per_batch: int = 32768,
                  objective: Any = None, max_batch_size: int = 256) -> Teacher:
-    """Build the teacher `spec` describes (see the module docstring and `TeacherRequest` for the arguments)."""
+    """Build the teacher `spec` describes (the placements: the module docstring; the arguments: `TeacherRequest`)."""
     request = TeacherRequest(spec=spec, student_tokenizer=student_tokenizer, student_rows=student_rows,
                              student_device=student_device, world_size=world_size, offload=offload,
                              max_tokens_per_batch=max_tokens_per_batch, objective=objective,
@@ -97,11 +98,7 @@ def load_teacher(spec: ModelSpec, *, student_tokenizer: Any, student_rows: int, 
 def check_teacher_tokenizer(spec: ModelSpec, student_tokenizer: Any) -> Any:
     """Cheap, before any model loads: the teacher's tokenizer must equal the student's (one-line error otherwise).
     A served teacher is asked for its /info (waiting for the server like any request)."""
-    from opd.models import check_tokenizer_compatibility, load_tokenizer
-
     if resolve_scorer(spec) == "served":
-        from opd.teacher.client import remote_scorer
-
         scorer = remote_scorer(spec)
         try:
             return scorer.check_tokenizer(student_tokenizer)
@@ -128,17 +125,12 @@ def check_teacher_serves(spec: ModelSpec, objective: Any) -> None:
     """Cheap, before any model loads: a one-line error when the teacher's engine cannot give what `objective` (an
     `ObjectiveSpec`) needs. The local scorer serves everything."""
     if resolve_scorer(spec) == "vllm":
-        from opd.teacher.vllm_scorer import check_objective
-
         if not vllm_available():
             raise ValueError("teacher.engine=vllm needs the vllm package (README: vLLM); or use teacher.engine=local")
         check_objective(objective)
 
 
 def _local(request: TeacherRequest) -> Teacher:
-    from opd.models import check_tokenizer_compatibility, load_model, resolve_device, resolve_dtype
-    from opd.teacher.local import LocalScorer
-
     spec = request.spec
     device = teacher_device(spec, request.student_device, request.world_size)
     dtype = resolve_dtype(spec.dtype, resolve_device(device))
@@ -154,17 +146,12 @@ def _local(request: TeacherRequest) -> Teacher:
 
 def _served(request: TeacherRequest) -> Teacher:
     """Nothing loads here: the server holds the model."""
-    from opd.teacher.client import remote_scorer
-
     scorer = remote_scorer(request.spec)
     return Teacher(scorer=scorer, module=None, vocab=scorer.check_tokenizer(request.student_tokenizer,
                                                                             student_rows=request.student_rows))
 
 
 def _vllm(request: TeacherRequest) -> Teacher:
-    from opd.models import check_tokenizer_compatibility, load_tokenizer
-    from opd.teacher.vllm_scorer import VLLMScorer, check_objective
-
     spec, objective = request.spec, request.objective
     tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
     vocab = check_tokenizer_compatibility(request.student_tokenizer, tokenizer, student_vocab_size=request.student_rows,

@@ -2,31 +2,14 @@
 handling behind `opd serve-teacher` (whose program, loading the model and running uvicorn, is
 `opd.recipes.serve_teacher`).
 
-One process, one model, one scoring loop: a single worker thread owns the model and runs `LocalScorer` — the same
-code a local teacher runs (packed rows, compiled layers on CUDA, chunked vocabulary stage) — so a served teacher
-scores exactly like a local one. The web stack (uvicorn + Starlette, async) only receives, checks and answers:
+One worker thread owns the model and runs `LocalScorer`, the code a local teacher runs, so a served teacher scores
+exactly like a local one; the web stack (uvicorn + Starlette) only receives, checks and answers (/score, /info,
+/vocab, /metrics, /healthz). Requests that arrive together and ask for the same thing are merged into one scoring
+batch; a full queue answers 503. Any address but 127.0.0.1 needs a bearer token. The routes, the batching and the
+limits: docs/design.md, "opd.teacher.server".
 
-  POST /score    a `opd.teacher.wire` request → its scores (sampled-token log-probs, top-k ids and log-probs,
-                 log-probs at the requested ids, entropy, at the requested temperature)
-  GET  /info     model, vocabulary size and rows, hashes of the token→id map and of the chat template, dtype,
-                 limits (what a client checks before it trusts the teacher, see `opd.teacher.client`)
-  GET  /vocab    the token→id map as JSON (a client fetches it only to name the first differing token)
-  GET  /metrics  counters: requests, batches, merged requests, rejections, disconnects
-  GET  /healthz  liveness; the only path that needs no token
-
-Dynamic batching: requests that arrive together (within `batch_window_ms` of the oldest waiting one) and ask for
-the same thing (top-k, number of requested ids, temperature, entropy) are merged into one scoring batch of at most
-`max_batch_tokens` tokens; `LocalScorer` splits it into forwards of `forward_tokens`. When more than
-`max_queue_tokens` wait, a request gets 503 with Retry-After (clients back off and retry).
-
-Security: binds 127.0.0.1 unless told otherwise; any other address needs a bearer token (`--token-file`, or the
-`OPD_TEACHER_TOKEN` environment variable), compared in constant time (`hmac.compare_digest`) and never logged.
-Limits answer 4xx naming the limit: body bytes (413), rows, tokens per row, requested ids per position, top-k,
-ids outside the vocabulary, malformed bodies and unknown wire versions (400).
-
-Omitted on purpose: TLS (put the server behind a TLS proxy or an SSH tunnel for untrusted networks), several models
-per process (start one server per teacher), and a server-side cache of hidden states between requests (a request
-is stateless, so replicas balance freely and a restarted server loses nothing).
+Omitted on purpose: TLS (use a TLS proxy or an SSH tunnel), several models per process (one server per teacher), and
+a server-side cache between requests (a request is stateless, so replicas balance freely and a restart loses nothing).
 """
 
 from __future__ import annotations
@@ -41,6 +24,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +32,9 @@ import torch
 from pydantic import Field
 
 from opd.config import ConfigError, Section
+from opd.models import check_tokenizer_compatibility
 from opd.teacher import wire
+from opd.teacher.local import LocalScorer
 from opd.types import TokenScores
 
 log = logging.getLogger("opd.teacher.server")
@@ -408,8 +394,6 @@ async def _disconnected(request) -> None:
 
 
 def _lifespan(service: TeacherService):
-    from contextlib import asynccontextmanager
-
     @asynccontextmanager
     async def lifespan(app):
         service.start()
@@ -453,9 +437,6 @@ class BearerAuth:
 def service_for(model: torch.nn.Module, tokenizer: Any, config: ServeLimits, *, name: str,
                 device: str = "") -> TeacherService:
     """A `TeacherService` over an already loaded model and its tokenizer (the benchmark serves random weights)."""
-    from opd.models import check_tokenizer_compatibility
-    from opd.teacher.local import LocalScorer
-
     rows = model.get_output_embeddings().weight.shape[0]
     vocab = check_tokenizer_compatibility(tokenizer, tokenizer, student_vocab_size=rows, teacher_vocab_size=rows)
     # ids beyond the tokenizer are embedding padding rows: never a top-k candidate (SPEC §1), as in load_teacher

@@ -1,27 +1,14 @@
 """`VLLMScorer`: a `TeacherScorer` through an in-process vLLM engine's `prompt_logprobs` (`teacher.engine: vllm`).
 
 Each rollout row (prompt + response) goes in as a prompt with `prompt_logprobs = K`; vLLM returns, at every position,
-the log-prob of the actual next token and the K most likely ids with their log-probs. That serves:
-- `sampled_logprobs` (sampled-token OPD, `objective.top_k = 0`, and the sequence-reward diagnostics),
-- `topk_ids` / `topk_logprobs` (the teacher's own top-k: `strategy: only_tch`, the forward-KL/JSD supports, and the
-  diagnostics, whose t at S_t is needed on S_t ∩ T_t only, which the teacher's top-k holds:
-  `opd.objectives.logprobs_on_overlap`).
-It does not serve log-probs at ids the caller chooses (`requested_ids`, i.e. t at the student's top-k, needed by
-`only_stu`, `intersection`, `union`, `union-intersection`) unless the installed vLLM can score requested ids at
-prompt positions (`prompt_logprob_token_ids`, its V2 model runner, GPU only), which is detected at start-up
-(`serves_requested_ids`). Entropy needs the full distribution: never served (`entropy` is None; the entropy
-diagnostics are left out). `check_objective` turns what is not served into one line at start-up.
+the log-prob of the actual next token and the K most likely ids, which serves the sampled-token log-probs and the
+teacher's own top-k (`only_tch`, the forward-KL / JSD supports, the diagnostics). Log-probs at ids the caller chooses
+(`requested_ids`: `only_stu`, `intersection`, `union`, …) only where the installed vLLM can score them at prompt
+positions (`serves_requested_ids`, detected at start-up); `check_objective` turns what is not served into one line.
+How vLLM normalises prompt log-probs, padding rows and the cost: docs/design.md, "opd.teacher.vllm_scorer".
 
-vLLM computes prompt log-probs from the raw logits (`gpu_model_runner._get_prompt_logprobs_dict`): no temperature,
-so only `teacher_temperature = 1` is served, and normalised over all of the model's output rows. Ours are normalised
-over the tokenizer's range (SPEC §1); the two agree when the model has no padding rows and differ by the padding
-rows' share of the mass otherwise (negligible for trained models, whose unused rows have very low logits). Padding
-ids never enter the top-k: K + (number of padding rows) are requested and padding ids dropped.
-
-Cost: vLLM runs each row's prefill (prefix caching does not apply to prompt-logprob requests) plus one decoded token
-(`max_tokens = 1`, discarded).
-
-Omitted: teacher_temperature ≠ 1 (raw logits only), entropy, sleep mode for the teacher (it scores every step).
+Omitted: teacher_temperature ≠ 1 (vLLM's prompt log-probs use the raw logits), entropy (it needs the full
+distribution; the entropy diagnostics are left out), sleep mode for the teacher (it scores every step).
 """
 
 from __future__ import annotations
@@ -30,7 +17,8 @@ from typing import Any
 
 import torch
 
-from opd.rollout.vllm_engine import EngineOptions, config_rows, model_rows, start_engine
+from opd.objectives import strategy_spec
+from opd.rollout.vllm_engine import EngineOptions, config_rows, model_rows, push_weights, start_engine
 from opd.teacher.base import PendingScores
 from opd.types import Rollouts, TokenScores
 
@@ -42,8 +30,6 @@ def check_objective(objective: Any, *, serves_requested_ids: bool | None = None)
     """Raise a one-line `ValueError` when `objective` (an `ObjectiveSpec`) needs what a vLLM teacher cannot give:
     teacher_temperature ≠ 1, or log-probs at the student's top-k (top_k > 0 with a strategy that has student slots).
     serves_requested_ids: None before the engine has started (only the static checks run)."""
-    from opd.objectives import strategy_spec
-
     if objective.teacher_temperature != 1.0:
         raise ValueError(f"teacher.engine=vllm scores with raw logits (prompt_logprobs): objective.teacher_temperature "
                          f"must be 1.0, got {objective.teacher_temperature}; {ALTERNATIVES}")
@@ -88,8 +74,6 @@ class VLLMScorer:
 
     def sync_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Not used by the trainer (the teacher is frozen); here for a caller that swaps teachers."""
-        from opd.rollout.vllm_engine import push_weights
-
         push_weights(self.llm, weights)
 
     def score(self, rollouts: Rollouts, *, top_k: int = 16, requested_ids: torch.Tensor | None = None,

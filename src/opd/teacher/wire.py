@@ -1,29 +1,10 @@
 """The teacher server's wire format: pure encode/decode functions between bytes, small records and `Rollouts`.
 
-No pickle anywhere: a message is a fixed prefix, a small JSON header and raw little-endian arrays.
-
-    message := b"OPDW" | version u8 | 3 zero bytes | header length u32 LE | header (UTF-8 JSON) | zero padding to 8 |
-               arrays, each starting at a multiple of 8 bytes, in the order the header lists them
-    header  := {"kind": "score" | "scores", "meta": {...}, "arrays": [[name, dtype, shape], ...]}
-
-dtypes: int32 (ids, lengths), uint8 (masks), float32 or bfloat16 (log-probs, entropy). Only the positions that are
-scored travel: a request carries each row's tokens up to its last scored response position (prompt included, once),
-and a response carries one record per scored position (row-major), never the padded `[B, T]` grid.
-
-Request ("score"), meta {top_k, temperature, with_entropy, logprobs: "float32" | "bfloat16"}:
-    row_lengths    [B] int32   tokens sent for row b: prompt + response up to its last scored position
-    prompt_lengths [B] int32   prompt tokens of row b (response token t of row b is tokens[offset_b + P_b + t])
-    tokens         [S] int32   the rows' tokens, concatenated (S = Σ row_lengths)
-    mask           [M] uint8   scored response positions of each row, concatenated (M = Σ (row_lengths - P_b))
-    requested_ids  [N, R] int32, optional: ids whose log-probs are wanted at each scored position (N = Σ mask)
-Response ("scores"), meta {top_k, requested, with_entropy}:
-    sampled [N], topk_ids [N, K] int32, topk_logprobs [N, K], entropy [N], requested_logprobs [N, R]
-    (absent when K = 0 / not asked for / no requested ids), log-probs in the request's `logprobs` dtype.
-
-Bytes per scored position with top-16 and 16 requested ids (the trainer's default call): request 4 (token) + 1 (mask)
-+ 64 (requested ids) = 69, plus 4 per prompt token once per row; response 4 (sampled) + 64 + 64 (top-k ids and
-log-probs) + 4 (entropy) + 64 (requested log-probs) = 200 in float32, 132 with bf16 log-probs; about 270 B in
-total (a 150k-vocabulary float32 row would be 600 kB). Each message adds about 300 bytes of prefix and header.
+No pickle anywhere: a message is a fixed prefix (b"OPDW", a version byte), a small JSON header and raw little-endian
+arrays (int32 ids and lengths, uint8 masks, float32 or bfloat16 log-probs), each aligned to 8 bytes. Only the scored
+positions travel: a request carries each row's tokens up to its last scored position, a response one record per
+scored position, never the padded `[B, T]` grid. The message grammar, the arrays of a request and a response, and
+the bytes per position: docs/design.md, "opd.teacher.wire".
 
 Omitted on purpose: compression (ids and log-probs are high-entropy; it would cost more CPU than the wire saves on
 the networks a teacher runs on), and streaming of partial results (a request is scored in one batch).
@@ -57,7 +38,7 @@ class WireError(ValueError):
 class ScoreRequest:
     """A decoded request: rows of token ids with their scored positions (CPU tensors, long / bool).
 
-    row_lengths [B], prompt_lengths [B], tokens [S], mask [M], requested_ids [N, R] or None: see the module docstring.
+    row_lengths [B], prompt_lengths [B], tokens [S], mask [M], requested_ids [N, R] or None: see docs/design.md.
     """
 
     row_lengths: torch.Tensor

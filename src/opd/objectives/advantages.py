@@ -161,10 +161,13 @@ class _Inputs:
     group_ids: torch.Tensor | None
     outcome_weight: float
 
-    def require(self, mode: str, *names: str) -> None:
-        missing = [name for name in names if getattr(self, name) is None]
+    def require(self, mode: str, *names: str) -> list[torch.Tensor]:
+        """The named inputs, in order; ValueError naming every missing one."""
+        values = [getattr(self, name) for name in names]
+        missing = [name for name, value in zip(names, values) if value is None]
         if missing:
             raise ValueError(f"advantage mode {mode!r} needs {', '.join(missing)}")
+        return values
 
     def sampled_slot(self, adv_BT: torch.Tensor, old_BT: torch.Tensor | None) -> Advantages:
         ids_BT = torch.where(self.mask_BT, self.response_ids, torch.zeros_like(self.response_ids))
@@ -173,35 +176,37 @@ class _Inputs:
 
 
 def _mode_token_reward(x: _Inputs) -> Advantages:
-    x.require("token_reward", "rewards", "valid", "candidate_ids")
-    return Advantages(x.candidate_ids, x.valid.bool(), token_reward_advantages(x.rewards, x.valid), x.old_logprobs)
+    rewards, valid, candidate_ids = x.require("token_reward", "rewards", "valid", "candidate_ids")
+    return Advantages(candidate_ids, valid.bool(), token_reward_advantages(rewards, valid), x.old_logprobs)
 
 
 def _mode_grpo(x: _Inputs) -> Advantages:
-    x.require("grpo", "outcome_rewards", "group_ids")
-    return x.sampled_slot(grpo_advantages(x.outcome_rewards, x.group_ids, x.mask_BT), x.sampled_old_logprobs)
+    outcome_rewards, group_ids = x.require("grpo", "outcome_rewards", "group_ids")
+    return x.sampled_slot(grpo_advantages(outcome_rewards, group_ids, x.mask_BT), x.sampled_old_logprobs)
 
 
 def _mode_mixed(x: _Inputs) -> Advantages:
-    x.require("token_reward+grpo", "rewards", "valid", "candidate_ids", "outcome_rewards", "group_ids")
-    grpo_BT = grpo_advantages(x.outcome_rewards, x.group_ids, x.mask_BT)
+    rewards, valid, candidate_ids, outcome_rewards, group_ids = x.require(
+        "token_reward+grpo", "rewards", "valid", "candidate_ids", "outcome_rewards", "group_ids"
+    )
+    grpo_BT = grpo_advantages(outcome_rewards, group_ids, x.mask_BT)
     return mix_advantages(
-        x.rewards, grpo_BT, x.outcome_weight, x.candidate_ids, x.valid, x.response_ids, x.mask_BT,
+        rewards, grpo_BT, x.outcome_weight, candidate_ids, valid, x.response_ids, x.mask_BT,
         x.old_logprobs, x.sampled_old_logprobs,
     )
 
 
 def _mode_token_grpo(x: _Inputs) -> Advantages:
-    x.require("token_grpo", "rewards", "group_ids")
-    if x.rewards.dim() == 3 and x.rewards.shape[-1] != 1:
+    rewards, group_ids = x.require("token_grpo", "rewards", "group_ids")
+    if rewards.dim() == 3 and rewards.shape[-1] != 1:
         raise ValueError(
-            f"advantage mode 'token_grpo' is sampled-token only (top_k = 0, J = 1), got J={x.rewards.shape[-1]}"
+            f"advantage mode 'token_grpo' is sampled-token only (top_k = 0, J = 1), got J={rewards.shape[-1]}"
         )
-    rewards_BT = x.rewards[..., 0] if x.rewards.dim() == 3 else x.rewards
+    rewards_BT = rewards[..., 0] if rewards.dim() == 3 else rewards
     old_BT = x.sampled_old_logprobs
     if old_BT is None and x.old_logprobs is not None:
         old_BT = x.old_logprobs[..., 0]
-    return x.sampled_slot(token_grpo_advantages(rewards_BT, x.mask_BT, x.group_ids), old_BT)
+    return x.sampled_slot(token_grpo_advantages(rewards_BT, x.mask_BT, group_ids), old_BT)
 
 
 ADVANTAGE_MODES: dict[str, Callable[[_Inputs], Advantages]] = {

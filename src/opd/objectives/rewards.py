@@ -62,14 +62,15 @@ class StrategySpec:
     teacher_slots:     the teacher's top-k T_t fill K slots (after the student's, if any)
     needs_membership:  validity tests S_t against T_t, so both id sets are needed
     renormalise:       weights are renormalised over the valid slots (False: raw probabilities)
-    valid:             (S∈T [B,T,K] | None, T∈S [B,T,K] | None, all-True [B,T,K]) → validity blocks, one per K slots
+    valid:             (S∈T [B,T,K], T∈S [B,T,K], all-True [B,T,K]) → validity blocks, one per K slots; without
+                       `needs_membership` the first two are all-True placeholders (the strategy ignores them)
     """
 
     student_slots: bool
     teacher_slots: bool
     needs_membership: bool
     renormalise: bool
-    valid: Callable[[torch.Tensor | None, torch.Tensor | None, torch.Tensor], list[torch.Tensor]]
+    valid: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], list[torch.Tensor]]
 
     @property
     def needs_student_logprobs_at_teacher_topk(self) -> bool:
@@ -149,13 +150,22 @@ def build_candidates(
         raise ValueError(f"strategy {strategy!r} needs student_topk_ids")
     if spec.needs_teacher_topk and teacher_topk_ids is None:
         raise ValueError(f"strategy {strategy!r} needs teacher_topk_ids")
-    s_in_t = t_in_s = None
+    ref_ids = student_topk_ids if student_topk_ids is not None else teacher_topk_ids
+    assert ref_ids is not None  # every strategy has student or teacher slots, so one was required above
+    all_BTK = torch.ones_like(ref_ids, dtype=torch.bool)
+    s_in_t = t_in_s = all_BTK
     if spec.needs_membership:
+        assert student_topk_ids is not None and teacher_topk_ids is not None  # both required above
         s_in_t = rowwise_isin(student_topk_ids, teacher_topk_ids)
         t_in_s = rowwise_isin(teacher_topk_ids, student_topk_ids)
-    ref_ids = student_topk_ids if student_topk_ids is not None else teacher_topk_ids
-    blocks = spec.valid(s_in_t, t_in_s, torch.ones_like(ref_ids, dtype=torch.bool))
-    ids = ([student_topk_ids] if spec.student_slots else []) + ([teacher_topk_ids] if spec.teacher_slots else [])
+    blocks = spec.valid(s_in_t, t_in_s, all_BTK)
+    ids = []
+    if spec.student_slots:
+        assert student_topk_ids is not None  # required above
+        ids.append(student_topk_ids)
+    if spec.teacher_slots:
+        assert teacher_topk_ids is not None  # required above (teacher slots need the teacher's top-k)
+        ids.append(teacher_topk_ids)
     valid_BTJ = torch.cat(blocks, dim=-1) & response_mask.bool()[..., None]
     return Candidates(torch.cat(ids, dim=-1), valid_BTJ)
 

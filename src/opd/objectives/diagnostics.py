@@ -128,7 +128,8 @@ def opd_diagnostics_from_scores(
 ) -> dict[str, torch.Tensor]:
     """`opd_diagnostics` from the two `TokenScores` (convention of `token_rewards_from_scores`: the teacher's
     `requested_logprobs` are t at the student's top-k). Needs both top-k; entropies are used when present."""
-    if student.topk_ids is None or teacher.topk_ids is None or teacher.requested_logprobs is None:
+    if (student.topk_ids is None or student.topk_logprobs is None or teacher.topk_ids is None
+            or teacher.topk_logprobs is None or teacher.requested_logprobs is None):
         raise ValueError("opd_diagnostics needs both models' top-k and the teacher's log-probs at the student's top-k")
     return opd_diagnostics(
         student.topk_ids,
@@ -239,4 +240,8 @@ def teacher_logprobs_at_student_topk(student: TokenScores, teacher: TokenScores)
     serving only its own top-k the values on S_t ∩ T_t (`logprobs_on_overlap`: all the diagnostics read)."""
     if teacher.requested_logprobs is not None:
         return teacher.requested_logprobs
+    if student.topk_ids is None or teacher.topk_ids is None or teacher.topk_logprobs is None:
+        raise ValueError(
+            "teacher_logprobs_at_student_topk needs the teacher's requested log-probs or both models' top-k"
+        )
     return logprobs_on_overlap(student.topk_ids, teacher.topk_ids, teacher.topk_logprobs)

@@ -13,7 +13,7 @@ function `opd.objectives.full_reverse_kl`, and the config refuses it as a traini
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -115,6 +115,8 @@ def build_targets(
         old_lp_BTJ = student.sampled_logprobs[..., None]
         rewards_BTJ = torch.zeros_like(old_lp_BTJ)
     else:
+        if teacher is None:
+            raise ValueError(f"advantage mode {o.advantage!r} needs the teacher's scores")
         if o.top_k:
             student, teacher = (_first_k(student, o.top_k, student_at_teacher_topk),
                                 _first_k(teacher, o.top_k, teacher.requested_logprobs))
@@ -129,12 +131,16 @@ def build_targets(
     )
     candidate_ids_BTJ, loss_valid_BTJ = adv.candidate_ids, adv.valid
     if o.loss in ("forward_kl", "jsd"):  # GKD-style objectives live on the teacher's top-k support
+        if teacher is None or teacher.topk_ids is None or teacher.topk_logprobs is None:
+            raise ValueError(f"loss {o.loss!r} needs the teacher's top-k")
         k = diagnostic_top_k(o.top_k)
         candidate_ids_BTJ, teacher_lp_BTJ = teacher.topk_ids[..., :k], teacher.topk_logprobs[..., :k]
         loss_valid_BTJ = mask_BT[..., None].expand_as(candidate_ids_BTJ)
     tis_BT = None
     if o.tis_cap is not None and rollouts.rollout_logprobs is not None:
         tis_BT = truncated_is_weights(student.sampled_logprobs, rollouts.rollout_logprobs, o.tis_cap, mask_BT)
+    # build_targets always passes old_logprobs and sampled_old_logprobs, so every mode has ℓ_old at its slots.
+    assert adv.old_logprobs is not None
     return Targets(
         candidate_ids=candidate_ids_BTJ, old_logprobs=adv.old_logprobs, advantages=adv.advantages,
         valid=loss_valid_BTJ, mask=mask_BT, rewards=rewards_BTJ, reward_valid=valid_BTJ,
@@ -187,8 +193,8 @@ def micro_loss(
     columns, plus the sampled token's column last when a reference KL is on. Returns (loss, detached metrics)."""
     if objective.loss not in LOSSES:
         raise ValueError(f"objective.loss must be one of {sorted(LOSSES)} to train, got {objective.loss!r}")
-    agg = dict(loss_agg_mode=objective.loss_agg_mode, global_num_tokens=global_num_tokens,
-               global_num_seqs=global_num_seqs)
+    agg: dict[str, Any] = dict(loss_agg_mode=objective.loss_agg_mode, global_num_tokens=global_num_tokens,
+                               global_num_seqs=global_num_seqs)
     if targets.reference is not None:
         lp_BTJ, sampled_lp_BT = lp_BTJ[..., :-1], lp_BTJ[..., -1]
     loss, metrics = LOSSES[objective.loss](lp_BTJ, targets, agg, objective)

@@ -2,15 +2,13 @@
 share (SPEC §6), and the selection of a prompt set by it. The library behind `opd prompts score | select`
 (`opd.recipes.prompts`) and the forecast of `opd check`.
 
-`score_prompts`: per prompt, n student rollouts scored by the student and by the teacher exactly as one OPD step does
-(train/opd.py steps 2–4), then the §6 metrics (`opd_diagnostics`) over its tokens, one `PromptScore` per prompt.
-Batches are fixed slices of the encoded set with a seed that depends only on (seed, batch index), so a resumed run
-(`skip_ids`) reproduces an uninterrupted one. `select_prompts`: keep the most aligned prompts, optionally mixed with
-prompts from another set — the paper warns that purely aligned prompts collapse the student's entropy.
+`score_prompts`: n student rollouts per prompt, scored by both models as one OPD step scores them, then the §6
+metrics over their tokens (one `PromptScore` per prompt); batches are seeded by (seed, batch index), so a resumed
+run (`skip_ids`) reproduces an uninterrupted one. `select_prompts`: the most aligned prompts, optionally mixed with
+another set. More in docs/design.md, "opd.eval.prompt_scores".
 
-Omitted on purpose: a vLLM teacher (the metrics need the teacher's entropy and its log-probs at the student's
-top-k, which `prompt_logprobs` does not give), selection by a combination of metrics (one `by` metric; rank
-differently by choosing another), and re-balancing sources inside the aligned part (the mix is the explicit knob).
+Omitted on purpose: a vLLM teacher (`prompt_logprobs` gives neither the teacher's entropy nor its log-probs at the
+student's top-k), selection by a combination of metrics, and re-balancing sources inside the aligned part.
 """
 
 from __future__ import annotations

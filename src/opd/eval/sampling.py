@@ -1,21 +1,14 @@
 """Sample n answers per benchmark problem and grade them, resumably, in one directory: the component behind
 `opd eval`'s model mode (`opd.recipes.eval`) and the trainers' periodic evals (`run_dir/eval/step_N/`).
 
-Outputs in the run directory: `identity.json` (what the samples are made with), `config.yaml`, `samples.jsonl` (one
-line per sample, appended as work finishes) and `results.json` (written atomically at the end).
+Outputs: `identity.json` (what the samples are made with), `config.yaml`, `samples.jsonl` (appended as work
+finishes) and `results.json` (atomic, at the end). Problems run in fixed chunks seeded by (seed, benchmark, chunk
+index), so a rerun into the same directory keeps every complete chunk and reproduces the rest; a rerun that asks for
+other work (`identity.json`: the model's fingerprint, the sampling settings, each benchmark's hash) is refused with
+one line before a model loads. The resume and identity rules in full: docs/design.md, "opd.eval.sampling".
 
-Resume. Problems are processed in fixed chunks whose sampling seed depends only on (seed, benchmark, chunk index),
-so a rerun into the same directory keeps every complete chunk of `samples.jsonl` and reproduces the rest exactly as
-an uninterrupted run would have. A rerun must ask for the identical work: `identity.json` records the model (path
-and a fingerprint of its files: every config/tokenizer file, and size + safetensors header + 16 sampled 64 KiB
-blocks of each weight file, so a model retrained in place is noticed without hashing gigabytes), every setting that
-changes the samples, and a hash of each benchmark's loaded problems and answers; any difference is refused with one
-line naming it, old → new, before a model is loaded. Not in it: the device and the grading timeout (they do not
-change what was sampled). A chunk counts as done only when all its n × problems lines are there and valid; a partial
-chunk (a kill or a full disk mid-append) is dropped from the file and redone.
-
-Omitted on purpose: extending a finished directory with more benchmarks, problems or samples (that is other work:
-use another --out), and hashing all weight bytes (minutes for a 7B model, for what the sampled blocks already show).
+Omitted on purpose: extending a finished directory with more benchmarks, problems or samples (other work: use
+another --out), and hashing all weight bytes (slow for a large model, for what the sampled blocks already show).
 """
 
 from __future__ import annotations

@@ -1,37 +1,15 @@
 """`opd lab build` and `opd lab run NAME`: the lab's programs, all through the project's own components.
 
-`opd lab build` retrains the lab teacher and student from a seed, through `opd sft`, and writes their manifest:
-1. SFT data: `make_problems(**SFT_SET)` (60 000 train-split problems) with forward-style solutions, written as chat
-   JSONL (`{"messages": [user, assistant]}`) — `data/sft_forward.jsonl` in the output directory;
-2. per model, a random-init Qwen3 (`opd.lab.build.lab_model_config`; tied embeddings, the lab tokenizer's 34 ids)
-   saved with `save_pretrained` next to the lab tokenizer, then `opd.recipes.sft.sft` (batch 64, AdamW lr 1e-3, betas
-   (0.9, 0.98), no weight decay, linear warmup then cosine to 10%), its last checkpoint copied to `<out>/<name>`;
-3. `opd eval` (greedy, n = 1, 64 new tokens) of each model on the lab test set; `<out>/manifest.json` records
-   config, parameter count, training recipe and measured accuracy.
-The shipped models (`opd/lab/assets`) were made with the same recipe by the lab prototype on one GPU (teacher: 6000
-steps; student: step 500 of a 700-step schedule) and then imported into the 34-token tokenizer by keeping the
-embedding rows of the tokens it kept (see assets/manifest.json). Budgets are options: `teacher_steps`,
-`student_steps`, `eval_limit`; a full teacher build takes hours on a CPU (see docs/lab.md for the measured rate).
+`opd lab build` retrains the lab teacher and student from a seed: SFT data written as chat JSONL, per model a
+random-init Qwen3 trained by `opd.recipes.sft.sft` (`SFT_RECIPE`), then `opd eval` of each on the lab test set;
+`<out>/manifest.json` records config, parameter count, training recipe and accuracy. Budgets are options
+(`teacher_steps`, `student_steps`, `eval_limit`); a full teacher build takes hours on a CPU.
 
-`opd lab run NAME`: small replications of the paper's findings on the lab pair, each a set of short `opd distill`
-runs with the demo's settings (`opd.recipes.demo.demo_config`) that differ in one thing.
-- `topk`: which candidate ids get a token reward — only_stu / intersection / union-intersection (k = 16) and
-  sampled-token OPD (k = 0) against only_stu with k = 1, 4, 16 (the paper: top-k only_stu beats sampled-token, and
-  the student's own support is the one to use).
-- `style`: thinking-pattern mismatch and cold start — the forward-style student distilled from the shipped
-  rewrite-style teacher (mismatch), from the same teacher after an SFT cold start on that teacher's correct answers
-  (cold_start), and from the shipped forward-style teacher (matched); the paper: a teacher whose thinking pattern
-  differs from the student's distills worse, and SFT on the teacher's own answers first recovers it. (A setup with
-  `teacher_steps` trains its own rewrite teacher instead, cached in `<out>/style/rewrite_teacher`: the tests' way.)
-- `teacher`: success vs failure — the real teacher against a "teacher" that adds nothing (the student itself); the
-  paper: OPD works when the student's and teacher's top-k overlap grows and the overlap carries an advantage;
-  with nothing to learn, overlap is trivially total and the advantage is zero, and accuracy does not move.
-`seeds` repeats every variant with run.seed = each seed (run `<variant>_s<seed>`; the cold start is redone per seed);
-`check` runs `opd check` (`opd.check.run_check`) on each variant's pair first, so the summary puts the forecast next
-to the measured outcome. A run whose final eval exists is reused, not rerun, and the summary keeps the variants of
-earlier calls, so an experiment can be run in parts. Each run writes its own run directory (metrics.jsonl,
-report.html, eval/); the experiment writes `summary.json`, a comparison report over all its runs (`opd report` of
-several dirs) and a markdown table (`summary.md`).
+`opd lab run NAME`: small replications of the paper's findings on the lab pair (`EXPERIMENTS`: `topk`, `style`,
+`teacher`), each a set of short `opd distill` runs with the demo's settings that differ in one thing, optionally
+over several seeds and with `opd check`'s forecast of each pair; finished runs are reused, and the experiment
+writes `summary.json`, `summary.md` and a comparison report. The steps, the variants and what the paper says of
+each: docs/design.md, "opd.recipes.lab"; the results: docs/lab.md.
 """
 
 from __future__ import annotations

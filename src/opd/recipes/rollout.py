@@ -1,29 +1,15 @@
 """`opd rollout`: teacher answers for SFT (the cold start before OPD), with rejection sampling.
 
-For every prompt we want `n` accepted samples. A sample is drawn up to `max_attempts` times; an attempt is rejected
-when it is (a) truncated (hit max_new_tokens), (b) without an extractable final answer (`extract_answer`: no
-`\\boxed{}` and no `Answer:` line), (c) degenerate (`degeneracy_reasons`: a line repeated many times, a block of
-tokens repeated back to back, a long run of one token), or (d) with `require_correct`, graded wrong. Every reason
-that applies is recorded (grading runs only when (a)-(c) pass). Retries re-sample only the rejected samples.
+For every prompt we want `n` accepted samples, each drawn up to `max_attempts` times; an attempt is rejected when
+it is (a) truncated (hit max_new_tokens), (b) without an extractable final answer (`extract_answer`), (c) degenerate
+(`degeneracy_reasons`), or (d) with `require_correct`, graded wrong. Every reason that applies is recorded (grading
+runs only when (a)-(c) pass); retries re-sample only the rejected samples. Outputs in `out/`: `rollouts.jsonl`,
+`rejected.jsonl`, `stats.json`, `config.yaml` (and `out/llamafactory/`). Work is appended per fixed batch, seeded by
+its rows' keys, so a rerun skips finished prompts and `num_workers` spawned processes give the same samples; the
+outputs, batches, seeds and resume in full: docs/design.md, "opd.recipes.rollout".
 
-Outputs in `out/`: `rollouts.jsonl` (one record per accepted sample, chat `messages` ready for SFT),
-`rejected.jsonl` (samples that never passed, with the reasons of every attempt), `stats.json` (acceptance by
-reason), `config.yaml`, and with `llamafactory` the LlamaFactory sharegpt layout in `out/llamafactory/`.
-
-Batches, seeds, resume. Prompts are cut, in file order, into fixed batches of `batch_size // n` prompts. Work is
-appended per finished batch to `out/shards/rank_<k>.jsonl` (one file per worker); the final files are written
-atomically from those logs at the end. A rerun into the same directory skips every prompt whose n samples are all
-in the logs (accepted or exhausted). The seed of each `generate` call is derived from `seed` and the
-(prompt id, sample, attempt) keys of its rows, so a batch gives the same samples whichever worker runs it and
-whether or not the run was interrupted between batches. Per-row seeds are not possible through the `Generator`
-protocol (one `torch.Generator` per call, shared by its rows), so the samples do depend on the batch composition.
-
-Several devices: `num_workers` processes (spawned), each loading the model on its own device and running every
-`num_workers`-th batch; the logs are merged in prompt order.
-
-Omitted on purpose: carrying retries into the next batch to keep the engine full (a retry pass is a short call;
-raise `batch_size` when retries dominate), per-token log-probs in the output (SFT does not need them), and
-answer-consistency voting across samples (that is self-consistency filtering, a different recipe).
+Omitted on purpose: carrying retries into the next batch to keep the engine full, per-token log-probs in the output
+(SFT does not need them), and answer-consistency voting across samples (self-consistency filtering).
 """
 
 from __future__ import annotations

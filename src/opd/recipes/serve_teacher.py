@@ -5,13 +5,9 @@
     opd serve-teacher --model Qwen/Qwen3-4B --host 0.0.0.0 --token-file tok   # for trainers on other hosts
 
 The program: check the address and token (cheap, before any model loads) → bind the port → load the model as a
-local teacher is loaded → run uvicorn on the bound socket.
-
-`--device-map auto` places consecutive layers on consecutive GPUs (accelerate). A forward still runs the layers one
-after another, so one GPU computes at a time while the others wait (no pipelining across batches) and activations
-hop between GPUs at each boundary ([tokens, hidden] per hop, small next to the layers); throughput stays about that
-of one GPU, minus accelerate's per-module hooks, and layers are not compiled under a device map (the hooks move
-tensors between devices inside the forward). What it buys is memory: a teacher larger than one GPU.
+local teacher is loaded → run uvicorn on the bound socket. `--device-map auto` buys memory (a teacher larger than
+one GPU), not speed: the GPUs compute one after another and layers are not compiled (docs/design.md,
+"opd.recipes.serve_teacher").
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """`opd sft`: supervised fine-tuning of the student on teacher answers — the off-policy cold start before OPD.
 
 The program: config → setup (data first, then the model, optimizer and schedule; a checkpoint restored) → the loop
-(`sft_step`, checkpoints and evals on their cadence) → the LoRA merge → the report. One step: `examples_per_step`
-examples from a seeded, resumable sampler → micro-batches of ≤ `micro_batch_tokens` input tokens (packed, each
-example attending only to itself, or right-padded: `data.packing`) → `opd.train.sft.forward_backward` → clip → step.
-It also trains models from scratch (the lab's random-init teacher/student): nothing assumes pretrained weights.
-
-Defaults (`SFTOptimSpec`): AdamW lr 1e-5, cosine decay to 0 after a linear warmup over 3% of the steps, grad-norm
-clip 1.0, weight decay 0.01 on matrices — the usual full-parameter SFT of a 1–8B model; LoRA runs usually want
-~1e-4, from-scratch tiny models ~1e-3. Length: one epoch unless `epochs` or `run.steps` says otherwise.
-
-Precision: `model.dtype=auto` trains fp32 master weights (and fp32 AdamW state) with a bf16 autocast forward on CUDA,
-plain fp32 on CPU; with bf16 weights, updates of lr 1e-5 × O(1) would mostly round away (bf16 has 8 mantissa bits).
-An explicit `model.dtype` (bf16, fp16, fp32) trains in exactly that dtype, without autocast.
-
-LoRA (peft, `lora.enabled`): only the adapters train; checkpoints hold the adapter + tokenizer (`save_pretrained`
-of the peft model); `lora.merge` (or `merge_lora` / `opd merge`) writes full weights that load without peft.
+(`sft_step`: a seeded, resumable sampler → micro-batches of ≤ `micro_batch_tokens` → `opd.train.sft.forward_backward`
+→ clip → step; checkpoints and evals on their cadence) → the LoRA merge → the report. It also trains models from
+scratch (the lab's); nothing assumes pretrained weights. `model.dtype=auto` trains fp32 master weights under a bf16
+autocast on CUDA; LoRA (peft, `lora.enabled`) trains only the adapters and can merge them. Defaults, precision and
+LoRA in full: docs/design.md, "opd.recipes.sft".
 
 Omitted on purpose: multi-process training (the loss already divides by the global token count), sequence-level
 loss weighting, NEFTune and other regularisers, evaluation loss on a held-out split (`opd eval` is the measure).

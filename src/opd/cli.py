@@ -417,8 +417,8 @@ app.add_typer(lab_app, name="lab")
 def lab_build_command(
     out: Path = typer.Argument(..., help="Output directory: teacher/, student/, data/, work/ (SFT runs), manifest.json."),
     seed: int = typer.Option(0, help="Seed of model initialisation and data order (the student uses seed + 1)."),
-    teacher_steps: int = typer.Option(6000, help="SFT steps of the teacher (batch 64; ~3 s/step on one CPU thread)."),
-    student_steps: int = typer.Option(500, help="SFT steps of the student (batch 64; ~0.6 s/step on one CPU thread)."),
+    teacher_steps: int = typer.Option(6000, help="SFT steps of the teacher (batch 64; hours on one CPU thread: docs/performance.md)."),
+    student_steps: int = typer.Option(500, help="SFT steps of the student (batch 64; its rate on one CPU thread: docs/performance.md)."),
     sft_examples: Optional[int] = typer.Option(None, help="Size of the SFT set (train-split problems). [default: 60000]"),
     eval_limit: Optional[int] = typer.Option(None, help="Measure accuracy on the first N test problems only. [default: all 300]"),
     threads: int = typer.Option(1, help="torch CPU threads; 0 = torch's default."),

@@ -139,7 +139,7 @@ def score_prompts(
     from opd.models import check_tokenizer_compatibility
     from opd.rollout import SamplingParams, make_generator
     from opd.rollout.batch import build_rollouts
-    from opd.teacher.local import LocalScorer  # imports the kernels (torch._dynamo): seconds, only when scoring
+    from opd.teacher.local import LocalScorer  # heavy (the Triton kernels, torch._dynamo): only when scoring
 
     checks = [("n", n, n >= 1, "an integer ≥ 1"), ("top_k", top_k, top_k >= 1, "an integer ≥ 1"),
               ("temperature", temperature, temperature > 0, "> 0"),

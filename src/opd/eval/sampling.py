@@ -117,7 +117,7 @@ _BLOCKS, _BLOCK_SIZE = 16, 1 << 16
 
 def model_fingerprint(path: str) -> str | None:
     """A short hash of a model directory's config, tokenizer and weight files (weights: size, safetensors header and
-    16 sampled 64 KiB blocks, so it costs milliseconds for any model size). None for a hub id not in the local cache."""
+    16 sampled 64 KiB blocks, so its cost does not grow with the model). None for a hub id not in the local cache."""
     root = _local_model_dir(path)
     if root is None:
         return None

@@ -23,6 +23,10 @@ import torch
 from opd.data.prompts import DataError
 from opd.data.templates import encode_prompts
 from opd.io import read_jsonl
+from opd.models import check_tokenizer_compatibility
+from opd.objectives import opd_diagnostics_from_scores
+from opd.rollout import SamplingParams, make_generator
+from opd.rollout.batch import build_rollouts
 from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
 from opd.types import Prompt, TokenScores
 
@@ -136,9 +140,6 @@ def score_prompts(
                 that need more than the per-prompt means (`opd check`: sequence rewards, correctness).
     Returns the new scores in prompt order; prompts over `max_prompt_length` come back with `skipped` set.
     """
-    from opd.models import check_tokenizer_compatibility
-    from opd.rollout import SamplingParams, make_generator
-    from opd.rollout.batch import build_rollouts
     from opd.teacher.local import LocalScorer  # heavy (the Triton kernels, torch._dynamo): only when scoring
 
     checks = [("n", n, n >= 1, "an integer ≥ 1"), ("top_k", top_k, top_k >= 1, "an integer ≥ 1"),
@@ -214,8 +215,6 @@ def group_diagnostics(
     positions of the group's rows (`METRICS`; entropies when both scores carry them). Calls the batch function once
     per group on the group's rows, so the math lives in `opd.objectives.diagnostics` only. A group with no rows
     gets 0 (as an empty mask does there)."""
-    from opd.objectives import opd_diagnostics_from_scores
-
     T = response_mask.shape[1]
     per_group: dict[str, list[torch.Tensor]] = {}
     for g in range(num_groups):

@@ -19,9 +19,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from opd.config import EvalConfig, flatten_dotted, save_config
+from opd.data.templates import encode_prompts, parse_template
+from opd.eval.benchmarks import load_benchmark
 from opd.eval.grading import decode_responses, grade
+from opd.eval.metrics import ProblemResult, SampleResult, summarize
 from opd.io import append_jsonl, atomic_write_json, write_jsonl
+from opd.models import load_model, load_tokenizer
+from opd.rollout import SamplingParams, make_generator
+from opd.rollout.registry import vllm_arguments
 from opd.rundir import check_same_work, locked
 from opd.report.sinks import progress_bar
 from opd.seeds import hashed_seed
@@ -48,10 +57,6 @@ def evaluate_model(config: EvalConfig, run_dir: Path, *, generator: Any = None, 
     `generator`/`tokenizer` let a caller (the trainer's periodic eval, the demo) reuse a model already in memory;
     otherwise they are loaded from `config.model`. One process per `run_dir` (its lock is held throughout).
     """
-    from rich.console import Console
-
-    from opd.data.templates import parse_template
-
     console = console or Console()
     parse_template(config.template)  # a bad template fails before the model loads
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -168,10 +173,6 @@ def _problems_sha256(prompts: list) -> str:
 
 
 def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokenizer: Any, console: Any) -> list[dict]:
-    from opd.data.templates import encode_prompts
-    from opd.eval.benchmarks import load_benchmark
-    from opd.rollout import SamplingParams
-
     loaded = {}
     for benchmark in config.benchmarks:
         name = Path(benchmark).stem if Path(benchmark).suffix else benchmark
@@ -188,18 +189,11 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
     check_resumable(run_dir, identity)  # before any model is loaded
 
     if generator is None and config.engine == "vllm":  # vLLM loads the weights itself: no HF copy of the model
-        from opd.models import load_tokenizer
-        from opd.rollout import make_generator
-        from opd.rollout.registry import vllm_arguments
-
         spec = config.model
         tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
         generator = make_generator(None, tokenizer, engine="vllm", max_batch_size=config.batch_size,
                                    **vllm_arguments(config.vllm, spec))
     if generator is None:
-        from opd.models import load_model
-        from opd.rollout import make_generator
-
         model, tokenizer = load_model(
             config.model.path,
             dtype=config.model.dtype,
@@ -337,8 +331,6 @@ def graded_record(*, benchmark: str, problem_id: str, sample: int, response: str
 
 def summarize_records(records: list[dict]) -> dict[str, dict]:
     """Group per-sample records by benchmark and problem and compute the SPEC §7 metrics per benchmark."""
-    from opd.eval.metrics import ProblemResult, SampleResult, summarize
-
     problems: dict[tuple[str, str], dict[int, dict]] = {}
     for record in records:
         samples = problems.setdefault((record["benchmark"], str(record["problem_id"])), {})
@@ -355,8 +347,6 @@ def summarize_records(records: list[dict]) -> dict[str, dict]:
 
 def print_results_table(results: dict[str, dict], console: Any, title: str = "") -> None:
     """Accuracies in %, mean response length in tokens, truncation in %."""
-    from rich.table import Table
-
     if not results:
         console.print("no results")
         return

@@ -22,6 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# torch.distributed.fsdp and torch.distributed.checkpoint are imported inside the functions that use them: they are
+# heavy to import, and a single-process run never needs them.
+
 
 @dataclass(frozen=True)
 class DistInfo:

@@ -35,7 +35,7 @@ def build_optimizer(params, spec: OptimSpec) -> torch.optim.Optimizer:
 
 def _fused_by_default(params: list[torch.Tensor]) -> bool:
     """Fused on CUDA for plain tensors; FSDP's sharded DTensors and CPU keep torch's default (foreach)."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # heavy to import: only when an optimizer is built
 
     return bool(params) and all(p.is_cuda and not isinstance(p, DTensor) for p in params)
 

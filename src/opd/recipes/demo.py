@@ -16,11 +16,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
+from rich.console import Console
+from rich.table import Table
 
-from opd.config import DistillConfig, EvalConfig, ModelSpec, build_config, flatten_dotted
+from opd.config import DistillConfig, EvalConfig, ModelSpec, build_config, flatten_dotted, read_yaml
 from opd.io import atomic_write_json
 from opd.lab import opd_prompts_path, student_path, teacher_path, test_set_path
+from opd.objectives import gap_recovery
+from opd.recipes.distill import distill
+from opd.recipes.eval import evaluate
+from opd.report import write_report
+from opd.rundir import claimed_run_dir
 
 DEMO_CONFIG: dict[str, Any] = {
     "student": {"path": None, "device": "cpu", "dtype": "fp32"},
@@ -50,8 +58,6 @@ def demo_config(overrides: list[str] | None = None, *, config_file: str | Path |
     data["run"]["name"] = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     options = {}
     if config_file:
-        from opd.config import read_yaml
-
         options = flatten_dotted(read_yaml(config_file))
     return build_config(DistillConfig, options={**flatten_dotted(data), **options}, overrides=overrides)
 
@@ -87,11 +93,6 @@ def demo(
     config_file: a YAML file of DistillConfig keys applied before the overrides (e.g. configs/lab_demo.yaml)
     threads:     torch CPU threads (None: torch's default); one by default: docs/design.md, "opd.recipes.demo"
     """
-    import torch
-    from rich.console import Console
-
-    from opd.rundir import claimed_run_dir
-
     console = console or Console()
     start = time.perf_counter()
     if threads:
@@ -109,13 +110,6 @@ def demo(
 
 def _demo_in(config: DistillConfig, run_dir: Path, start: float, console: Any) -> Path:
     """The body of `demo`, holding its run directory."""
-    import torch
-    from rich.table import Table
-
-    from opd.recipes.eval import evaluate
-    from opd.objectives import gap_recovery
-    from opd.recipes.distill import distill
-
     timings: dict[str, float] = {}
     t = time.perf_counter()
     teacher_results = evaluate(eval_config(config, config.teacher.path, run_dir / "eval" / "teacher"), console=console)
@@ -153,8 +147,6 @@ def _demo_in(config: DistillConfig, run_dir: Path, start: float, console: Any) -
     console.print(f"wall time {timings['total_s']:.0f} s (OPD {timings['distill_s']:.0f} s); summary: {run_dir / 'demo.json'}")
     report = run_dir / "report.html"
     if not report.is_file():  # run.report=false: the demo still promises a report
-        from opd.report import write_report
-
         report = write_report([run_dir])
     console.print(f"report: {report}", soft_wrap=True)
     return run_dir

@@ -22,7 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import numpy as np
+import yaml
 from pydantic import Field, model_validator
+from rich.console import Console
+from rich.table import Table
 
 from opd.config import DataSpec, ModelSpec, Section, VLLMSpec, flatten_dotted, save_config
 from opd.eval.degeneracy import DegeneracySpec, degeneracy_reasons
@@ -31,7 +34,9 @@ from opd.rundir import check_same_work, locked
 from opd.io import append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
 from opd.seeds import hashed_seed
 
-if TYPE_CHECKING:  # opd.types imports torch; the CLI imports this module for RolloutConfig and must start fast
+# The CLI imports this module for RolloutConfig and must start fast: whatever loads torch (opd.types, the data,
+# models and rollout packages, torch itself) is imported inside the function that needs it.
+if TYPE_CHECKING:
     from opd.types import Prompt
 
 REASONS = ("truncated", "no_answer", "repeated_line", "token_run", "repeated_block", "wrong")
@@ -201,8 +206,6 @@ def teacher_rollout(config: RolloutConfig, *, generator: Any = None, tokenizer: 
     `generator` (any `Generator`) and `tokenizer` let a caller reuse a model in memory (and tests inject scripted
     engines); they need num_workers = 1. Otherwise the tokenizer and teacher are loaded from `config.model`.
     """
-    from rich.console import Console
-
     console = console or Console()
     if generator is not None and config.num_workers != 1:
         raise ValueError(f"a generator passed in runs in this process only; num_workers must be 1, got "
@@ -290,7 +293,6 @@ def _check_resumable(out: Path, config: RolloutConfig) -> None:
     saved_path = out / "config.yaml"
     if not saved_path.exists():
         return
-    import yaml
 
     saved = flatten_dotted(yaml.safe_load(saved_path.read_text()) or {})
     current = flatten_dotted(config.model_dump(mode="json"))
@@ -399,8 +401,6 @@ def rollout_stats(records: Sequence[dict], *, num_prompts: int, num_filtered: in
 
 
 def print_stats(stats: dict, console: Any, title: str = "") -> None:
-    from rich.table import Table
-
     table = Table(title=title)
     table.add_column("rejected for")
     table.add_column("attempts", justify="right")

@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from opd.config import ConfigError, ModelSpec
+from opd.models import compile_layers, load_model, resolve_device
 from opd.teacher.server import (
     MIN_TOKEN_LENGTH, TOKEN_ENV, ServeLimits, TeacherService, bind, is_loopback, resolve_token, run, service_for,
 )
@@ -58,8 +59,6 @@ def check_serve_config(config: ServeConfig) -> str | None:
 def load_service(config: ServeConfig) -> TeacherService:
     """Load the model as a local teacher is loaded (`opd.models.load_model`, compiled layers on CUDA) and wrap its
     `LocalScorer` in a `TeacherService`."""
-    from opd.models import compile_layers, load_model, resolve_device
-
     spec = config.model
     model, tokenizer = load_model(spec.path, dtype=spec.dtype, device=spec.device, device_map=config.device_map,
                                   trust_remote_code=spec.trust_remote_code,

@@ -128,7 +128,7 @@ def score_prompts(
     and `teacher` (which must share `tokenizer`'s vocabulary; `score_prompt_file` checks both tokenizers). `teacher`
     is a model (scored by a `LocalScorer`) or any `TeacherScorer` (e.g. the served one `load_teacher` builds).
 
-    Mirrors one OPD step (train/opd.py): encode (`template`, `enable_thinking`, `max_prompt_length`) → rollouts
+    Mirrors one OPD step (`opd.train.step`): encode (`template`, `enable_thinking`, `max_prompt_length`) → rollouts
     (temperature, top_p 1) → student `LocalScorer` top-k at `temperature` → teacher `LocalScorer` top-k, log-probs
     at the student's top-k at `teacher_temperature` → `opd_diagnostics` per prompt group.
     batch_size: prompts per batch (× n rollouts decoded together); batches are fixed slices of the encoded prompts

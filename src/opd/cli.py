@@ -4,6 +4,8 @@ for `opd sft`)."""
 
 from __future__ import annotations
 
+import errno
+import importlib
 import os
 import sys
 import warnings
@@ -11,8 +13,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from pydantic import ValidationError
 
 from opd.config import DistillConfig, EvalConfig, build_config
+from opd.report import write_report
+
+# Each command imports its recipe inside its function, on purpose: `opd --help` and a config error stay fast and
+# torch-free, and a command loads only what its own program needs.
 
 app = typer.Typer(
     name="opd",
@@ -302,8 +309,6 @@ def report_command(
     out: Optional[Path] = typer.Option(None, help="Output directory or .html path. [default: the run dir; <first>/compare for several]"),
 ) -> None:
     """Write plots/*.png and a self-contained report.html for one or more run directories (also while running)."""
-    from opd.report import write_report
-
     typer.echo(f"report: {write_report(run_dirs, out)}")
 
 # ------------------------------------------------------------------------------------------- opd prompts
@@ -417,8 +422,8 @@ app.add_typer(lab_app, name="lab")
 def lab_build_command(
     out: Path = typer.Argument(..., help="Output directory: teacher/, student/, data/, work/ (SFT runs), manifest.json."),
     seed: int = typer.Option(0, help="Seed of model initialisation and data order (the student uses seed + 1)."),
-    teacher_steps: int = typer.Option(6000, help="SFT steps of the teacher (batch 64; ~3 s/step on one CPU thread)."),
-    student_steps: int = typer.Option(500, help="SFT steps of the student (batch 64; ~0.6 s/step on one CPU thread)."),
+    teacher_steps: int = typer.Option(6000, help="SFT steps of the teacher (batch 64; hours on one CPU thread: docs/performance.md)."),
+    student_steps: int = typer.Option(500, help="SFT steps of the student (batch 64; its rate on one CPU thread: docs/performance.md)."),
     sft_examples: Optional[int] = typer.Option(None, help="Size of the SFT set (train-split problems). [default: 60000]"),
     eval_limit: Optional[int] = typer.Option(None, help="Measure accuracy on the first N test problems only. [default: all 300]"),
     threads: int = typer.Option(1, help="torch CPU threads; 0 = torch's default."),
@@ -483,7 +488,7 @@ def main() -> None:
     if not os.environ.get("OPD_DEBUG"):  # libraries' deprecation notes about their own internals are not the user's
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft|accelerate)(\.|$)")
     try:
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # heavy: not at module top, for the same reason
 
         hf_logging.disable_progress_bar()  # our own progress bars say what is going on
     except ImportError:
@@ -536,8 +541,6 @@ def _legacy_thinking(args: list[str]) -> list[str]:
 def _click_errors() -> tuple[tuple, tuple, tuple]:
     """(usage errors, no-arguments-help errors, aborts) of the click that typer runs on: its vendored copy
     (`typer._click`, newer typer) and the click package (older typer)."""
-    import importlib
-
     modules = []
     for name in ("typer._click.exceptions", "click.exceptions"):
         try:
@@ -580,8 +583,6 @@ def user_error_line(error: BaseException) -> str | None:
 
 def _one_line(error: BaseException) -> str:
     """The message on one line: pydantic's multi-line validation errors become their first error."""
-    from pydantic import ValidationError
-
     if isinstance(error, ValidationError):
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
@@ -594,8 +595,6 @@ def os_error_line(error: OSError) -> str:
     """An OS error as `<path>: <what is wrong there>`. Where a rename failed, the destination is the path the user
     named (the source is our hidden temp file); where a parent 'is not a directory', the regular file that is in
     the way is named."""
-    import errno
-
     if error.errno is None or error.filename is None:
         return _one_line(error)
     path = str(error.filename2 if error.filename2 is not None else error.filename)

@@ -55,7 +55,7 @@ class VLLMSpec(Section):
 
     gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0, description="GPU: fraction of the GPU's memory the engine may take (weights + KV cache), in (0, 1]; keep it small beside a trainer. Ignored when kv_cache_gb is set.")
     kv_cache_gb: float | None = Field(None, gt=0.0, description="KV-cache size in GiB; None: 1 on CPU (vLLM's own default reserves 0.92 x RAM), by gpu_memory_utilization on GPU.")
-    enforce_eager: bool | None = Field(None, description="No torch.compile / CUDA graphs in the engine; None: on for CPU (compiling takes ~100 s there), off on GPU.")
+    enforce_eager: bool | None = Field(None, description="No torch.compile / CUDA graphs in the engine; None: on for CPU (compiling is slow there), off on GPU.")
     sleep: bool | None = Field(None, description="Offload the engine's weights and KV cache while the trainer scores and updates (vLLM sleep level 1); None: on for distill where the platform supports it (CUDA; the CPU build ignores sleep).")
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + response the engine accepts, in tokens; None: the model's max_position_embeddings.")
 

@@ -33,16 +33,16 @@ class ForecastThresholds(Section):
 
     nothing_overlap_ratio: float = Field(
         0.99, ge=0, le=1, description="With overlap ratio ≥ this and overlap advantage ≥ nothing_overlap_advantage "
-        "the teacher's top-k distribution is the student's: nothing to learn (lab: the student as its own teacher, "
-        "1.000 and 0.000).")
+        "the teacher's top-k distribution is the student's: nothing to learn (the lab's student as its own teacher "
+        "sits at both bounds: docs/performance.md).")
     nothing_overlap_advantage: float = Field(
         -0.005, le=0, description="See nothing_overlap_ratio (nats; ≤ 0).")
     min_accuracy_gain: float = Field(
         0.05, ge=0, le=1, description="Teacher minus student accuracy on the sample below this: the teacher solves "
         "nothing the student cannot (the paper's condition (ii)); only with answers.")
     fail_overlap_advantage: float = Field(
-        -0.2, le=0, description="Overlap advantage below this (nats): thinking patterns differ (lab: matched teacher "
-        "−0.10, rewrite-style teacher −0.30 at step 0).")
+        -0.2, le=0, description="Overlap advantage below this (nats): thinking patterns differ (between the lab's "
+        "matched and rewrite-style teachers at step 0: docs/performance.md).")
     ok_overlap_advantage: float = Field(
         -0.15, le=0, description="Overlap advantage at or above this counts as aligned (nats).")
     min_shared_mass: float = Field(

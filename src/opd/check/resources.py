@@ -34,7 +34,7 @@ def _param_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> in
 
 def estimate_memory(config: DistillConfig, student: torch.nn.Module, teacher: torch.nn.Module | None, *,
                     compute_dtype: torch.dtype, weights_dtype: torch.dtype | None = None) -> dict[str, dict[str, int]]:
-    """Bytes per device the run needs, by part. Rules (coarse on purpose: within ~30 % on dense decoders):
+    """Bytes per device the run needs, by part. Rules (coarse on purpose; docs/performance.md says how close):
       student weights, gradients (weights' dtype) and AdamW state (2 tensors of the weights' dtype);
       generation KV cache: rows × (max_prompt_length + max_new_tokens) × layers × 2 × kv_heads × head_dim at the
       compute dtype, rows = min(rollout.batch_size, prompts_per_step × n);

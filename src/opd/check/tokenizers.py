@@ -91,8 +91,8 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 def _chat_templates(student_tokenizer: Any, teacher_tokenizer: Any, messages: Sequence[dict[str, str]],
                     enable_thinking: bool | None) -> CheckResult:
     """In OPD the teacher scores the prompt as the *student's* template renders it; where its own template renders
-    it differently, the teacher scores text in a format it was not trained on (tinker-cookbook users measured a
-    renderer mismatch biasing teacher log-probs by ~0.29 nats/token)."""
+    it differently, the teacher scores text in a format it was not trained on (a renderer mismatch measurably
+    biases the teacher's log-probs: docs/performance.md)."""
     modes = [enable_thinking] + [m for m in (None, True, False) if m != enable_thinking]
     name = {None: "default", True: "thinking on", False: "thinking off"}
     differences = []

@@ -1,6 +1,6 @@
 """Evaluation metrics over n graded samples per problem (SPEC §7): avg@n, pass@k, maj@k, lengths.
 
-Pure functions, no I/O: `evaluate.py` grades samples and writes files; this module only counts.
+Pure functions, no I/O: `opd.eval.sampling` grades samples and writes files; this module only counts.
 `pass_at_k` is the unbiased estimator of Chen et al. 2021 (HumanEval), `1 − C(n−c, k)/C(n, k)`, in its
 product form. `maj@k` votes over the *first* k samples (not an estimator averaged over all k-subsets:
 the benchmarks report maj@n, where the two coincide). Answers are grouped by `answer_key`

@@ -2,15 +2,13 @@
 share (SPEC §6), and the selection of a prompt set by it. The library behind `opd prompts score | select`
 (`opd.recipes.prompts`) and the forecast of `opd check`.
 
-`score_prompts`: per prompt, n student rollouts scored by the student and by the teacher exactly as one OPD step does
-(train/opd.py steps 2–4), then the §6 metrics (`opd_diagnostics`) over its tokens, one `PromptScore` per prompt.
-Batches are fixed slices of the encoded set with a seed that depends only on (seed, batch index), so a resumed run
-(`skip_ids`) reproduces an uninterrupted one. `select_prompts`: keep the most aligned prompts, optionally mixed with
-prompts from another set — the paper warns that purely aligned prompts collapse the student's entropy.
+`score_prompts`: n student rollouts per prompt, scored by both models as one OPD step scores them, then the §6
+metrics over their tokens (one `PromptScore` per prompt); batches are seeded by (seed, batch index), so a resumed
+run (`skip_ids`) reproduces an uninterrupted one. `select_prompts`: the most aligned prompts, optionally mixed with
+another set. More in docs/design.md, "opd.eval.prompt_scores".
 
-Omitted on purpose: a vLLM teacher (the metrics need the teacher's entropy and its log-probs at the student's
-top-k, which `prompt_logprobs` does not give), selection by a combination of metrics (one `by` metric; rank
-differently by choosing another), and re-balancing sources inside the aligned part (the mix is the explicit knob).
+Omitted on purpose: a vLLM teacher (`prompt_logprobs` gives neither the teacher's entropy nor its log-probs at the
+student's top-k), selection by a combination of metrics, and re-balancing sources inside the aligned part.
 """
 
 from __future__ import annotations
@@ -25,6 +23,10 @@ import torch
 from opd.data.prompts import DataError
 from opd.data.templates import encode_prompts
 from opd.io import read_jsonl
+from opd.models import check_tokenizer_compatibility
+from opd.objectives import opd_diagnostics_from_scores
+from opd.rollout import SamplingParams, make_generator
+from opd.rollout.batch import build_rollouts
 from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
 from opd.types import Prompt, TokenScores
 
@@ -126,7 +128,7 @@ def score_prompts(
     and `teacher` (which must share `tokenizer`'s vocabulary; `score_prompt_file` checks both tokenizers). `teacher`
     is a model (scored by a `LocalScorer`) or any `TeacherScorer` (e.g. the served one `load_teacher` builds).
 
-    Mirrors one OPD step (train/opd.py): encode (`template`, `enable_thinking`, `max_prompt_length`) → rollouts
+    Mirrors one OPD step (`opd.train.step`): encode (`template`, `enable_thinking`, `max_prompt_length`) → rollouts
     (temperature, top_p 1) → student `LocalScorer` top-k at `temperature` → teacher `LocalScorer` top-k, log-probs
     at the student's top-k at `teacher_temperature` → `opd_diagnostics` per prompt group.
     batch_size: prompts per batch (× n rollouts decoded together); batches are fixed slices of the encoded prompts
@@ -138,10 +140,7 @@ def score_prompts(
                 that need more than the per-prompt means (`opd check`: sequence rewards, correctness).
     Returns the new scores in prompt order; prompts over `max_prompt_length` come back with `skipped` set.
     """
-    from opd.models import check_tokenizer_compatibility
-    from opd.rollout import SamplingParams, make_generator
-    from opd.rollout.batch import build_rollouts
-    from opd.teacher.local import LocalScorer  # imports the kernels (torch._dynamo): seconds, only when scoring
+    from opd.teacher.local import LocalScorer  # heavy (the Triton kernels, torch._dynamo): only when scoring
 
     checks = [("n", n, n >= 1, "an integer ≥ 1"), ("top_k", top_k, top_k >= 1, "an integer ≥ 1"),
               ("temperature", temperature, temperature > 0, "> 0"),
@@ -216,8 +215,6 @@ def group_diagnostics(
     positions of the group's rows (`METRICS`; entropies when both scores carry them). Calls the batch function once
     per group on the group's rows, so the math lives in `opd.objectives.diagnostics` only. A group with no rows
     gets 0 (as an empty mask does there)."""
-    from opd.objectives import opd_diagnostics_from_scores
-
     T = response_mask.shape[1]
     per_group: dict[str, list[torch.Tensor]] = {}
     for g in range(num_groups):

@@ -1,21 +1,14 @@
 """Sample n answers per benchmark problem and grade them, resumably, in one directory: the component behind
 `opd eval`'s model mode (`opd.recipes.eval`) and the trainers' periodic evals (`run_dir/eval/step_N/`).
 
-Outputs in the run directory: `identity.json` (what the samples are made with), `config.yaml`, `samples.jsonl` (one
-line per sample, appended as work finishes) and `results.json` (written atomically at the end).
+Outputs: `identity.json` (what the samples are made with), `config.yaml`, `samples.jsonl` (appended as work
+finishes) and `results.json` (atomic, at the end). Problems run in fixed chunks seeded by (seed, benchmark, chunk
+index), so a rerun into the same directory keeps every complete chunk and reproduces the rest; a rerun that asks for
+other work (`identity.json`: the model's fingerprint, the sampling settings, each benchmark's hash) is refused with
+one line before a model loads. The resume and identity rules in full: docs/design.md, "opd.eval.sampling".
 
-Resume. Problems are processed in fixed chunks whose sampling seed depends only on (seed, benchmark, chunk index),
-so a rerun into the same directory keeps every complete chunk of `samples.jsonl` and reproduces the rest exactly as
-an uninterrupted run would have. A rerun must ask for the identical work: `identity.json` records the model (path
-and a fingerprint of its files: every config/tokenizer file, and size + safetensors header + 16 sampled 64 KiB
-blocks of each weight file, so a model retrained in place is noticed without hashing gigabytes), every setting that
-changes the samples, and a hash of each benchmark's loaded problems and answers; any difference is refused with one
-line naming it, old → new, before a model is loaded. Not in it: the device and the grading timeout (they do not
-change what was sampled). A chunk counts as done only when all its n × problems lines are there and valid; a partial
-chunk (a kill or a full disk mid-append) is dropped from the file and redone.
-
-Omitted on purpose: extending a finished directory with more benchmarks, problems or samples (that is other work:
-use another --out), and hashing all weight bytes (minutes for a 7B model, for what the sampled blocks already show).
+Omitted on purpose: extending a finished directory with more benchmarks, problems or samples (other work: use
+another --out), and hashing all weight bytes (slow for a large model, for what the sampled blocks already show).
 """
 
 from __future__ import annotations
@@ -26,9 +19,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from opd.config import EvalConfig, flatten_dotted, save_config
+from opd.data.templates import encode_prompts, parse_template
+from opd.eval.benchmarks import load_benchmark
 from opd.eval.grading import decode_responses, grade
+from opd.eval.metrics import ProblemResult, SampleResult, summarize
 from opd.io import append_jsonl, atomic_write_json, write_jsonl
+from opd.models import load_model, load_tokenizer
+from opd.rollout import SamplingParams, make_generator
+from opd.rollout.registry import vllm_arguments
 from opd.rundir import check_same_work, locked
 from opd.report.sinks import progress_bar
 from opd.seeds import hashed_seed
@@ -55,10 +57,6 @@ def evaluate_model(config: EvalConfig, run_dir: Path, *, generator: Any = None, 
     `generator`/`tokenizer` let a caller (the trainer's periodic eval, the demo) reuse a model already in memory;
     otherwise they are loaded from `config.model`. One process per `run_dir` (its lock is held throughout).
     """
-    from rich.console import Console
-
-    from opd.data.templates import parse_template
-
     console = console or Console()
     parse_template(config.template)  # a bad template fails before the model loads
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -124,7 +122,7 @@ _BLOCKS, _BLOCK_SIZE = 16, 1 << 16
 
 def model_fingerprint(path: str) -> str | None:
     """A short hash of a model directory's config, tokenizer and weight files (weights: size, safetensors header and
-    16 sampled 64 KiB blocks, so it costs milliseconds for any model size). None for a hub id not in the local cache."""
+    16 sampled 64 KiB blocks, so its cost does not grow with the model). None for a hub id not in the local cache."""
     root = _local_model_dir(path)
     if root is None:
         return None
@@ -175,10 +173,6 @@ def _problems_sha256(prompts: list) -> str:
 
 
 def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokenizer: Any, console: Any) -> list[dict]:
-    from opd.data.templates import encode_prompts
-    from opd.eval.benchmarks import load_benchmark
-    from opd.rollout import SamplingParams
-
     loaded = {}
     for benchmark in config.benchmarks:
         name = Path(benchmark).stem if Path(benchmark).suffix else benchmark
@@ -195,18 +189,11 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
     check_resumable(run_dir, identity)  # before any model is loaded
 
     if generator is None and config.engine == "vllm":  # vLLM loads the weights itself: no HF copy of the model
-        from opd.models import load_tokenizer
-        from opd.rollout import make_generator
-        from opd.rollout.registry import vllm_arguments
-
         spec = config.model
         tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
         generator = make_generator(None, tokenizer, engine="vllm", max_batch_size=config.batch_size,
                                    **vllm_arguments(config.vllm, spec))
     if generator is None:
-        from opd.models import load_model
-        from opd.rollout import make_generator
-
         model, tokenizer = load_model(
             config.model.path,
             dtype=config.model.dtype,
@@ -344,8 +331,6 @@ def graded_record(*, benchmark: str, problem_id: str, sample: int, response: str
 
 def summarize_records(records: list[dict]) -> dict[str, dict]:
     """Group per-sample records by benchmark and problem and compute the SPEC §7 metrics per benchmark."""
-    from opd.eval.metrics import ProblemResult, SampleResult, summarize
-
     problems: dict[tuple[str, str], dict[int, dict]] = {}
     for record in records:
         samples = problems.setdefault((record["benchmark"], str(record["problem_id"])), {})
@@ -362,8 +347,6 @@ def summarize_records(records: list[dict]) -> dict[str, dict]:
 
 def print_results_table(results: dict[str, dict], console: Any, title: str = "") -> None:
     """Accuracies in %, mean response length in tokens, truncation in %."""
-    from rich.table import Table
-
     if not results:
         console.print("no results")
         return

@@ -9,6 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from opd.data.dedup import DedupResult, dedup, dedup_report
 from opd.data.prompts import load_prompts, save_prompts
 from opd.io import atomic_write_json
@@ -41,9 +44,6 @@ def dedup_files(
 ) -> DedupResult:
     """`opd dedup`: load A (and B), `dedup(**options)`, save the kept prompts of A to `out` (.parquet or .jsonl,
     atomically), write the JSON report (default: `<out stem>.report.json` beside `out`) and print the counts."""
-    from rich.console import Console
-    from rich.table import Table
-
     console = console or Console()
     start = time.perf_counter()
     _check_outputs(in_path, against, out, report)

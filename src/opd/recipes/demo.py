@@ -1,22 +1,12 @@
 """`opd demo`: on-policy distillation of the shipped lab student from the shipped lab teacher, on CPU, in minutes.
 
-What it does, through exactly the code path of a real run:
-1. `opd eval` (`opd.recipes.eval.evaluate`) of the teacher on the lab test set (greedy, n = 1) into eval/teacher/,
-   the report's reference line;
-2. `opd distill` (`opd.recipes.distill.distill`) with the paper's recipe scaled to the lab (configs/lab_demo.yaml):
-   top-16 `only_stu` token rewards weighted by `student_p`, 4 rollouts per prompt, 32 sequences per step, constant lr;
-   the run's own evals (`eval.benchmarks` = the test set, same settings) before the first step (eval/step_0) and at
-   the end give the "before" and "after" numbers;
-3. a before/after table (student before, student after, teacher, gap recovery), written to `<run>/demo.json`;
-   `report.html` (curves of every metric, incl. the test accuracy) is written by the trainer.
-The last line printed is `report: <path to report.html>`.
+Through exactly the code path of a real run: `opd eval` of the teacher on the lab test set (the reference line),
+`opd distill` with the paper's recipe scaled to the lab (configs/lab_demo.yaml), whose own evals before the first
+step and at the end give the "before" and "after" numbers, then a before/after table with the gap recovery
+(`<run>/demo.json`); the trainer writes `report.html`, and the last line printed is `report: <path>`.
 
-Settings that differ from the paper's and why: lr 1e-4 (not 1e-6: the lab models are ~1000x smaller and the
-budget is 200 steps), AdamW betas (0.9, 0.98) and no weight decay (the prototype's; wd would pull a 0.6M-parameter
-model's weights for no gain in 100 steps), 8 prompts × 4 rollouts per step (not 64 × 4: CPU time), 64 new tokens
-(the longest lab solution is ~45 tokens). `threads` defaults to 1: the lab models are so small that extra threads
-buy little, and on a machine whose cores are busy, OpenMP threads that wait on each other made generation 15x slower
-(measured: 56 s vs 3.6 s for 300 greedy teacher answers with 2 threads on 2 shared cores vs 1 thread).
+The settings that differ from the paper's (lr, AdamW betas, weight decay, prompts per step, new tokens, one CPU
+thread) and why: docs/design.md, "opd.recipes.demo".
 """
 
 from __future__ import annotations
@@ -26,11 +16,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
+from rich.console import Console
+from rich.table import Table
 
-from opd.config import DistillConfig, EvalConfig, ModelSpec, build_config, flatten_dotted
+from opd.config import DistillConfig, EvalConfig, ModelSpec, build_config, flatten_dotted, read_yaml
 from opd.io import atomic_write_json
 from opd.lab import opd_prompts_path, student_path, teacher_path, test_set_path
+from opd.objectives import gap_recovery
+from opd.recipes.distill import distill
+from opd.recipes.eval import evaluate
+from opd.report import write_report
+from opd.rundir import claimed_run_dir
 
 DEMO_CONFIG: dict[str, Any] = {
     "student": {"path": None, "device": "cpu", "dtype": "fp32"},
@@ -60,8 +58,6 @@ def demo_config(overrides: list[str] | None = None, *, config_file: str | Path |
     data["run"]["name"] = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     options = {}
     if config_file:
-        from opd.config import read_yaml
-
         options = flatten_dotted(read_yaml(config_file))
     return build_config(DistillConfig, options={**flatten_dotted(data), **options}, overrides=overrides)
 
@@ -95,13 +91,8 @@ def demo(
 
     overrides:   DistillConfig `key=value` pairs on top of the demo's settings, e.g. `run.steps=20 eval.limit=50`
     config_file: a YAML file of DistillConfig keys applied before the overrides (e.g. configs/lab_demo.yaml)
-    threads:     torch CPU threads (None: torch's default); see the module docstring
+    threads:     torch CPU threads (None: torch's default); one by default: docs/design.md, "opd.recipes.demo"
     """
-    import torch
-    from rich.console import Console
-
-    from opd.rundir import claimed_run_dir
-
     console = console or Console()
     start = time.perf_counter()
     if threads:
@@ -119,13 +110,6 @@ def demo(
 
 def _demo_in(config: DistillConfig, run_dir: Path, start: float, console: Any) -> Path:
     """The body of `demo`, holding its run directory."""
-    import torch
-    from rich.table import Table
-
-    from opd.recipes.eval import evaluate
-    from opd.objectives import gap_recovery
-    from opd.recipes.distill import distill
-
     timings: dict[str, float] = {}
     t = time.perf_counter()
     teacher_results = evaluate(eval_config(config, config.teacher.path, run_dir / "eval" / "teacher"), console=console)
@@ -163,8 +147,6 @@ def _demo_in(config: DistillConfig, run_dir: Path, start: float, console: Any) -
     console.print(f"wall time {timings['total_s']:.0f} s (OPD {timings['distill_s']:.0f} s); summary: {run_dir / 'demo.json'}")
     report = run_dir / "report.html"
     if not report.is_file():  # run.report=false: the demo still promises a report
-        from opd.report import write_report
-
         report = write_report([run_dir])
     console.print(f"report: {report}", soft_wrap=True)
     return run_dir

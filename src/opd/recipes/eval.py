@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
 from opd.config import EvalConfig
 from opd.data.prompts import MISSING, describe_missing, get_field, to_answer
 from opd.eval.sampling import check_resumable, evaluate_model, graded_record, start_work, write_results
@@ -28,8 +30,6 @@ def evaluate(config: EvalConfig, *, generator: Any = None, tokenizer: Any = None
     `generator`/`tokenizer` let a caller (the demo, the lab) reuse a model already in memory; otherwise they are
     loaded from `config.model`.
     """
-    from rich.console import Console
-
     console = console or Console()
     if (config.model is None) == (config.responses is None) and generator is None:
         raise ValueError("opd eval needs exactly one of --model (sample and grade) or --responses FILE (grade only)")

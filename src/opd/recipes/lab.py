@@ -1,37 +1,15 @@
 """`opd lab build` and `opd lab run NAME`: the lab's programs, all through the project's own components.
 
-`opd lab build` retrains the lab teacher and student from a seed, through `opd sft`, and writes their manifest:
-1. SFT data: `make_problems(**SFT_SET)` (60 000 train-split problems) with forward-style solutions, written as chat
-   JSONL (`{"messages": [user, assistant]}`) — `data/sft_forward.jsonl` in the output directory;
-2. per model, a random-init Qwen3 (`opd.lab.build.lab_model_config`; tied embeddings, the lab tokenizer's 34 ids)
-   saved with `save_pretrained` next to the lab tokenizer, then `opd.recipes.sft.sft` (batch 64, AdamW lr 1e-3, betas
-   (0.9, 0.98), no weight decay, linear warmup then cosine to 10%), its last checkpoint copied to `<out>/<name>`;
-3. `opd eval` (greedy, n = 1, 64 new tokens) of each model on the lab test set; `<out>/manifest.json` records
-   config, parameter count, training recipe and measured accuracy.
-The shipped models (`opd/lab/assets`) were made with the same recipe by the lab prototype on one GPU (teacher: 6000
-steps; student: step 500 of a 700-step schedule) and then imported into the 34-token tokenizer by keeping the
-embedding rows of the tokens it kept (see assets/manifest.json). Budgets are options: `teacher_steps`,
-`student_steps`, `eval_limit`; a full teacher build takes hours on a CPU (see docs/lab.md for the measured rate).
+`opd lab build` retrains the lab teacher and student from a seed: SFT data written as chat JSONL, per model a
+random-init Qwen3 trained by `opd.recipes.sft.sft` (`SFT_RECIPE`), then `opd eval` of each on the lab test set;
+`<out>/manifest.json` records config, parameter count, training recipe and accuracy. Budgets are options
+(`teacher_steps`, `student_steps`, `eval_limit`); a full teacher build takes hours on a CPU.
 
-`opd lab run NAME`: small replications of the paper's findings on the lab pair, each a set of short `opd distill`
-runs with the demo's settings (`opd.recipes.demo.demo_config`) that differ in one thing.
-- `topk`: which candidate ids get a token reward — only_stu / intersection / union-intersection (k = 16) and
-  sampled-token OPD (k = 0) against only_stu with k = 1, 4, 16 (the paper: top-k only_stu beats sampled-token, and
-  the student's own support is the one to use).
-- `style`: thinking-pattern mismatch and cold start — the forward-style student distilled from the shipped
-  rewrite-style teacher (mismatch), from the same teacher after an SFT cold start on that teacher's correct answers
-  (cold_start), and from the shipped forward-style teacher (matched); the paper: a teacher whose thinking pattern
-  differs from the student's distills worse, and SFT on the teacher's own answers first recovers it. (A setup with
-  `teacher_steps` trains its own rewrite teacher instead, cached in `<out>/style/rewrite_teacher`: the tests' way.)
-- `teacher`: success vs failure — the real teacher against a "teacher" that adds nothing (the student itself); the
-  paper: OPD works when the student's and teacher's top-k overlap grows and the overlap carries an advantage;
-  with nothing to learn, overlap is trivially total and the advantage is zero, and accuracy does not move.
-`seeds` repeats every variant with run.seed = each seed (run `<variant>_s<seed>`; the cold start is redone per seed);
-`check` runs `opd check` (`opd.check.run_check`) on each variant's pair first, so the summary puts the forecast next
-to the measured outcome. A run whose final eval exists is reused, not rerun, and the summary keeps the variants of
-earlier calls, so an experiment can be run in parts. Each run writes its own run directory (metrics.jsonl,
-report.html, eval/); the experiment writes `summary.json`, a comparison report over all its runs (`opd report` of
-several dirs) and a markdown table (`summary.md`).
+`opd lab run NAME`: small replications of the paper's findings on the lab pair (`EXPERIMENTS`: `topk`, `style`,
+`teacher`), each a set of short `opd distill` runs with the demo's settings that differ in one thing, optionally
+over several seeds and with `opd check`'s forecast of each pair; finished runs are reused, and the experiment
+writes `summary.json`, `summary.md` and a comparison report. The steps, the variants and what the paper says of
+each: docs/design.md, "opd.recipes.lab"; the results: docs/lab.md.
 """
 
 from __future__ import annotations
@@ -43,13 +21,30 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from rich.console import Console
+
+from opd.config import DataSpec, EvalConfig, ModelSpec, build_config
+from opd.io import atomic_write_json, atomic_write_text, read_jsonl
 from opd.lab import (
     SFT_SET, TEST_SET, manifest_path, opd_prompts_path, rewrite_teacher_path, student_path, teacher_path, test_set_path,
 )
 from opd.lab.build import STUDENT_ARCH, TEACHER_ARCH, init_model, n_params, rewrite_share, write_sft_data
 from opd.lab.task import style_of
+from opd.models import load_model
+from opd.recipes.check import run_check
 from opd.recipes.demo import accuracy, demo_config
-from opd.recipes.sft import SFTConfig, sft
+from opd.recipes.distill import distill
+from opd.recipes.eval import evaluate
+from opd.recipes.rollout import RolloutConfig, teacher_rollout
+from opd.recipes.sft import SFTConfig, sft, sft_step
+from opd.recipes.sft import save as save_sft, setup as setup_sft  # aliased: `setup` is the style setup here
+from opd.report import write_report
+from opd.rollout import make_generator
+from opd.rundir import run_directory
+from opd.train.checkpoint import latest_checkpoint
+from opd.train.common import finish_run
+from opd.train.optim import build_scheduler
 
 
 # ---------------------------------------------------------------------------------------------------- opd lab build
@@ -81,12 +76,7 @@ def measure(model_path: str | Path, out: str | Path, *, limit: int | None = None
             device: str = "cpu", console: Any = None) -> float:
     """Greedy n=1 accuracy (avg@1) on the lab test set through `opd eval` (the demo's eval settings; rewrite-style
     answers need max_new_tokens ≈ 128), generated by the torch engine on every device (on CUDA the static engine
-    would first capture CUDA graphs: seconds that a lab model's 300 answers do not need)."""
-    from opd.config import EvalConfig, ModelSpec
-    from opd.recipes.eval import evaluate
-    from opd.models import load_model
-    from opd.rollout import make_generator
-
+    would first capture CUDA graphs, which cost more than a lab model's 300 answers need)."""
     config = EvalConfig(model=ModelSpec(path=str(model_path), device=device, dtype="fp32"),
                         benchmarks=[str(test_set_path())], n=1, temperature=0.0, max_new_tokens=max_new_tokens, batch_size=300,
                         limit=limit, out=str(out))
@@ -109,9 +99,6 @@ def finetune(model_path: str | Path, data: str | Path, work_dir: Path, run_name:
     CUDA a step is one micro-batch (micro_batch_tokens = the whole padded batch): the same loss and gradient up to
     float summation order, without a kernel launch per 8192 tokens.
     time_budget_s: wall seconds from this call (set-up included) to the last step; see `sft_within_budget`."""
-    from opd.config import build_config
-    from opd.train.checkpoint import latest_checkpoint
-
     start = time.perf_counter()
     options = {
         "model.path": str(model_path), "model.device": device, "model.dtype": "fp32", "data.path": [str(data)],
@@ -148,13 +135,8 @@ def sft_within_budget(config: Any, deadline: float, *, calibration_steps: int = 
     run when warmup_steps does not depend on the step count, so `--rewrite-teacher-steps N` without a budget replays
     the same recipe. It still stops at the deadline if the rate drops (the record says so), checkpoints every
     run.save_every steps, and prints a plain progress line every `log_every` steps."""
-    from opd.recipes.sft import save, setup, sft_step
-    from opd.rundir import run_directory
-    from opd.train.common import finish_run
-    from opd.train.optim import build_scheduler
-
     run_dir = run_directory(config.run, "sft")
-    tr = setup(config, run_dir, console=console)
+    tr = setup_sft(config, run_dir, console=console)
     planned, rate, stopped = tr.total_steps, None, "steps"
     begin = time.perf_counter()
     while tr.step < tr.total_steps:
@@ -178,8 +160,8 @@ def sft_within_budget(config: Any, deadline: float, *, calibration_steps: int = 
             print(f"{run_dir.name} step {tr.step}/{tr.total_steps} loss {metrics['loss']:.4f} lr {metrics['lr']:.3g} "
                   f"{metrics['time/step']:.3f} s/step, {deadline - time.perf_counter():.0f} s left", flush=True)
         if config.run.save_every and tr.step % config.run.save_every == 0:
-            save(tr)
-    save(tr)
+            save_sft(tr)
+    save_sft(tr)
     finish_run(run_dir, tr.sink, report=False, console=console)
     return run_dir, {"steps": tr.step, "planned_steps": planned, "max_steps": config.run.steps, "stopped_by": stopped,
                      "calibrated_s_per_step": None if rate is None else round(rate, 4)}
@@ -231,11 +213,6 @@ def build(
     cuda:N); `time_budget_s` caps each model's SFT (set-up included) in wall seconds: it trains the steps that fit
     (`sft_within_budget`) and always saves, measures and records what it trained. The rewrite teacher starts from the
     teacher this build trains, else from the shipped one."""
-    import torch
-    from rich.console import Console
-
-    from opd.io import atomic_write_json
-
     names = list(only or MODELS)
     unknown = [n for n in names if n not in MODELS]
     if unknown or not names:
@@ -352,8 +329,6 @@ def summarize_run(run_dir: Path, steps: int) -> dict[str, Any]:
 def rewrite_teacher(out_dir: Path, setup: dict[str, Any], *, limit: int | None, console: Any) -> tuple[Path, dict]:
     """The `style` experiment's rewrite-style teacher and its record: the shipped one, or (setup["teacher_steps"])
     one fine-tuned here from the forward teacher, cached in out_dir/rewrite_teacher (lab_style.json marks it done)."""
-    from opd.io import atomic_write_json
-
     if not setup.get("teacher_steps"):
         path = rewrite_teacher_path()
         if not (path / "model.safetensors").is_file():
@@ -386,10 +361,6 @@ def cold_start(out_dir: Path, teacher: Path, setup: dict[str, Any], *, seed: int
                console: Any) -> tuple[Path, dict[str, Any]]:
     """`opd rollout` of the teacher on the first cold_prompts OPD prompts (correct answers only) → `opd sft` of the
     shipped student on them, with `seed`; cached in out_dir/cold_student_s<seed> (cold_start.json marks it done)."""
-    from opd.config import DataSpec, ModelSpec
-    from opd.io import atomic_write_json, read_jsonl
-    from opd.recipes.rollout import RolloutConfig, teacher_rollout
-
     student = out_dir / f"cold_student_s{seed}"
     done = student / "cold_start.json"
     if done.is_file():
@@ -440,11 +411,6 @@ def run_experiment(
     check:     `opd check` of each variant's pair (CHECK_SETTINGS) before its OPD run: the forecast in the summary
     setup:     `style` only: changes to STYLE_SETUP (the rewrite teacher and the cold start)
     """
-    import torch
-    from rich.console import Console
-
-    from opd.recipes.distill import distill
-
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown lab experiment {name!r}; known: {', '.join(EXPERIMENTS)}")
     unknown = [v for v in only or [] if v not in EXPERIMENTS[name]]
@@ -509,9 +475,6 @@ def run_experiment(
     summary = {"experiment": name, "steps": steps, "overrides": overrides or [], "test_set": str(test_set_path()),
                "eval_limit": limit, "student_before": before, "runs": results, **prepared}
     summary["variants"] = aggregate(summary)
-    from opd.io import atomic_write_json, atomic_write_text
-    from opd.report import write_report
-
     atomic_write_json(summary_path, summary)
     atomic_write_text(out_dir / "summary.md", markdown(summary))
     if len(run_dirs) > 1:
@@ -524,8 +487,6 @@ def run_experiment(
 def _forecast(config: Any, out: Path, console: Any) -> dict[str, Any]:
     """`opd check` of the run's pair with the run's own config: verdict, recovery and step-0 signals (check.json in
     `out`, reused when there)."""
-    from opd.recipes.check import run_check
-
     path = out / "check.json"
     if not path.is_file():
         run_check(config, out=out, skip=["resources"], console=console, **CHECK_SETTINGS)

@@ -12,17 +12,28 @@ differ): complete stages are skipped, so other changes would mix two recipes in 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import Field
+from rich.console import Console
+from rich.table import Table
 
 from opd.config import (
-    ConfigError, DataSpec, EvalSpec, ModelSpec, Section, flatten_dotted, save_config, set_dotted, validate_config,
+    ConfigError, DataSpec, DistillConfig, EvalConfig, EvalSpec, ModelSpec, Section, flatten_dotted, save_config,
+    set_dotted, validate_config,
 )
 from opd.io import atomic_write_json, atomic_write_text
+from opd.objectives import gap_recovery
+from opd.recipes.distill import distill
+from opd.recipes.eval import evaluate
+from opd.recipes.rollout import RolloutConfig, teacher_rollout
 from opd.recipes.sft import SFTConfig, sft
+from opd.rundir import config_changes, locked
+from opd.train.checkpoint import latest_checkpoint
 
 MARKER = "STAGE_COMPLETE"
 Stage = Literal["rollout", "sft", "distill", "eval"]
@@ -44,9 +55,6 @@ class PipelineConfig(Section):
 
     def stage_configs(self) -> dict[str, Any]:
         """The rollout / SFT / distill configs the stages run with (validated; errors name the stage)."""
-        from opd.config import DistillConfig
-        from opd.recipes.rollout import RolloutConfig
-
         root = Path(self.out_dir)
         rollout = {"model": self.teacher.model_dump(), "data": self.sft_prompts.model_dump(), "out": str(root / "rollout")}
         sft = {"model": self.student.model_dump(), "data": {"path": [str(root / "rollout" / "rollouts.jsonl")]},
@@ -68,10 +76,6 @@ class PipelineConfig(Section):
 
 def run_pipeline(config: PipelineConfig, *, console: Any = None) -> dict:
     """Run the configured stages, skipping complete ones; return the final comparison (also `summary.json`)."""
-    from rich.console import Console
-
-    from opd.rundir import locked
-
     console = console or Console()
     root = Path(config.out_dir)
     stages = config.stage_configs()
@@ -92,15 +96,11 @@ def _run_locked(config: PipelineConfig, root: Path, stages: dict[str, Any], cons
             continue
         console.rule(f"pipeline: {stage}")
         if stage == "rollout":
-            from opd.recipes.rollout import teacher_rollout
-
             teacher_rollout(stages["rollout"], console=console)
         elif stage == "sft":
             run_dir = sft(stages["sft"], console=console)
             _link_final(run_dir, sft_model, prefer=run_dir / "merged")
         elif stage == "distill":
-            from opd.recipes.distill import distill
-
             cfg = stages["distill"]
             cfg.student.path = str(sft_model.resolve()) if sft_model.exists() else cfg.student.path
             _link_final(distill(cfg, console=console), opd_model)
@@ -111,8 +111,6 @@ def _run_locked(config: PipelineConfig, root: Path, stages: dict[str, Any], cons
         atomic_write_text(root / stage / MARKER, "done\n")
     summary_path = root / "summary.json"
     if summary_path.exists():
-        import json
-
         summary = json.loads(summary_path.read_text())
         print_comparison(summary, console)
         return summary
@@ -121,10 +119,6 @@ def _run_locked(config: PipelineConfig, root: Path, stages: dict[str, Any], cons
 
 def _check_same_recipe(config: PipelineConfig, root: Path) -> None:
     """A rerun into `root` continues the saved recipe: refuse other settings (one line naming each changed key)."""
-    import yaml
-
-    from opd.rundir import config_changes
-
     saved_path = root / "config.yaml"
     if not saved_path.is_file():
         return
@@ -147,8 +141,6 @@ def _check_same_recipe(config: PipelineConfig, root: Path) -> None:
 def _link_final(run_dir: Path, final: Path, prefer: Path | None = None) -> None:
     """Point `<stage>/final` at the stage's finished weights (the merged LoRA model, else the newest checkpoint).
     Only a link is ever replaced (atomically); anything else at `final` is refused."""
-    from opd.train.checkpoint import latest_checkpoint
-
     target = prefer if prefer is not None and prefer.exists() else latest_checkpoint(run_dir)
     if target is None:
         raise ValueError(f"stage in {run_dir} finished without a checkpoint")
@@ -162,10 +154,6 @@ def _link_final(run_dir: Path, final: Path, prefer: Path | None = None) -> None:
 
 def _compare(config: PipelineConfig, root: Path, sft_model: Path, opd_model: Path, console: Any) -> dict:
     """Evaluate every model of the recipe on the same benchmarks and compute the gap recovery per benchmark."""
-    from opd.config import EvalConfig
-    from opd.recipes.eval import evaluate
-    from opd.objectives import gap_recovery
-
     if not config.eval.benchmarks:
         raise ValueError("pipeline: eval.benchmarks is empty; name the benchmarks of the final comparison")
     models = {"student": config.student, "sft": _spec(config.student, sft_model),
@@ -197,8 +185,6 @@ def _spec(base: ModelSpec, path: Path) -> ModelSpec | None:
 
 
 def print_comparison(summary: dict, console: Any) -> None:
-    from rich.table import Table
-
     table = Table(title="student before → after SFT → after OPD vs teacher (avg@n, %)")
     columns = ["student", "sft", "opd", "teacher", "gap_recovery"]
     table.add_column("benchmark")

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import yaml
 from pydantic import Field
+from rich.console import Console
 
 from opd.config import ConfigError, DataSpec, ModelSpec, Section, Teacher, VLLMSpec, save_config
 from opd.data.alignment import retemplate
@@ -27,7 +28,10 @@ from opd.data.prompts import JSONL_SUFFIXES, DataError, load_prompts, save_promp
 from opd.data.templates import parse_template
 from opd.eval.prompt_scores import ALIGNMENT_METRICS, PromptScore, read_scores, score_prompts, select_prompts
 from opd.io import append_jsonl, repair_jsonl
+from opd.models import load_model, load_tokenizer
 from opd.names import EngineName
+from opd.rollout import make_generator
+from opd.rollout.registry import vllm_arguments
 from opd.rundir import locked
 from opd.report.sinks import progress_bar
 
@@ -63,8 +67,6 @@ _RESUME_KEYS = ("student.path", "student.dtype", "teacher.path", "teacher.dtype"
 def score_prompt_file(config: PromptScoreConfig, *, console: Any = None) -> Path:
     """Run `opd prompts score`: check tokenizers, load the set, skip the ids already in `config.out`, load both
     models, score the rest batch by batch (appending), print a summary. Returns the scores path."""
-    from rich.console import Console
-
     console = console or Console()
     out = Path(config.out)
     if out.suffix.lower() not in JSONL_SUFFIXES:
@@ -75,9 +77,7 @@ def score_prompt_file(config: PromptScoreConfig, *, console: Any = None) -> Path
 
 def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
     """The body of `score_prompt_file`, run holding the lock of the directory of `out`."""
-    from opd.models import load_model, load_tokenizer
-    from opd.rollout import make_generator
-    from opd.teacher.registry import check_teacher_tokenizer, load_teacher
+    from opd.teacher.registry import check_teacher_tokenizer, load_teacher  # heavy (the Triton kernels, torch._dynamo)
 
     if getattr(config.teacher, "engine", "local") == "vllm":
         raise ValueError("opd prompts score needs the teacher's entropy and its log-probs at the student's top-k, which "
@@ -114,8 +114,6 @@ def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
         teacher, vocab = loaded.scorer, loaded.vocab
         generator = None
         if config.engine == "vllm":  # the student's rollouts from vLLM; its scores stay with the HF model above
-            from opd.rollout.registry import vllm_arguments
-
             generator = make_generator(None, tokenizer, engine="vllm", max_batch_size=config.batch_size * config.n,
                                        vocab_size=vocab.tokenizer_size, **vllm_arguments(config.vllm, config.student))
         elif config.engine != "auto":

@@ -1,29 +1,15 @@
 """`opd rollout`: teacher answers for SFT (the cold start before OPD), with rejection sampling.
 
-For every prompt we want `n` accepted samples. A sample is drawn up to `max_attempts` times; an attempt is rejected
-when it is (a) truncated (hit max_new_tokens), (b) without an extractable final answer (`extract_answer`: no
-`\\boxed{}` and no `Answer:` line), (c) degenerate (`degeneracy_reasons`: a line repeated many times, a block of
-tokens repeated back to back, a long run of one token), or (d) with `require_correct`, graded wrong. Every reason
-that applies is recorded (grading runs only when (a)-(c) pass). Retries re-sample only the rejected samples.
+For every prompt we want `n` accepted samples, each drawn up to `max_attempts` times; an attempt is rejected when
+it is (a) truncated (hit max_new_tokens), (b) without an extractable final answer (`extract_answer`), (c) degenerate
+(`degeneracy_reasons`), or (d) with `require_correct`, graded wrong. Every reason that applies is recorded (grading
+runs only when (a)-(c) pass); retries re-sample only the rejected samples. Outputs in `out/`: `rollouts.jsonl`,
+`rejected.jsonl`, `stats.json`, `config.yaml` (and `out/llamafactory/`). Work is appended per fixed batch, seeded by
+its rows' keys, so a rerun skips finished prompts and `num_workers` spawned processes give the same samples; the
+outputs, batches, seeds and resume in full: docs/design.md, "opd.recipes.rollout".
 
-Outputs in `out/`: `rollouts.jsonl` (one record per accepted sample, chat `messages` ready for SFT),
-`rejected.jsonl` (samples that never passed, with the reasons of every attempt), `stats.json` (acceptance by
-reason), `config.yaml`, and with `llamafactory` the LlamaFactory sharegpt layout in `out/llamafactory/`.
-
-Batches, seeds, resume. Prompts are cut, in file order, into fixed batches of `batch_size // n` prompts. Work is
-appended per finished batch to `out/shards/rank_<k>.jsonl` (one file per worker); the final files are written
-atomically from those logs at the end. A rerun into the same directory skips every prompt whose n samples are all
-in the logs (accepted or exhausted). The seed of each `generate` call is derived from `seed` and the
-(prompt id, sample, attempt) keys of its rows, so a batch gives the same samples whichever worker runs it and
-whether or not the run was interrupted between batches. Per-row seeds are not possible through the `Generator`
-protocol (one `torch.Generator` per call, shared by its rows), so the samples do depend on the batch composition.
-
-Several devices: `num_workers` processes (spawned), each loading the model on its own device and running every
-`num_workers`-th batch; the logs are merged in prompt order.
-
-Omitted on purpose: carrying retries into the next batch to keep the engine full (a retry pass is a short call;
-raise `batch_size` when retries dominate), per-token log-probs in the output (SFT does not need them), and
-answer-consistency voting across samples (that is self-consistency filtering, a different recipe).
+Omitted on purpose: carrying retries into the next batch to keep the engine full, per-token log-probs in the output
+(SFT does not need them), and answer-consistency voting across samples (self-consistency filtering).
 """
 
 from __future__ import annotations
@@ -36,7 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import numpy as np
+import yaml
 from pydantic import Field, model_validator
+from rich.console import Console
+from rich.table import Table
 
 from opd.config import DataSpec, ModelSpec, Section, VLLMSpec, flatten_dotted, save_config
 from opd.eval.degeneracy import DegeneracySpec, degeneracy_reasons
@@ -45,7 +34,9 @@ from opd.rundir import check_same_work, locked
 from opd.io import append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
 from opd.seeds import hashed_seed
 
-if TYPE_CHECKING:  # opd.types imports torch; the CLI imports this module for RolloutConfig and must start fast
+# The CLI imports this module for RolloutConfig and must start fast: whatever loads torch (opd.types, the data,
+# models and rollout packages, torch itself) is imported inside the function that needs it.
+if TYPE_CHECKING:
     from opd.types import Prompt
 
 REASONS = ("truncated", "no_answer", "repeated_line", "token_run", "repeated_block", "wrong")
@@ -215,8 +206,6 @@ def teacher_rollout(config: RolloutConfig, *, generator: Any = None, tokenizer: 
     `generator` (any `Generator`) and `tokenizer` let a caller reuse a model in memory (and tests inject scripted
     engines); they need num_workers = 1. Otherwise the tokenizer and teacher are loaded from `config.model`.
     """
-    from rich.console import Console
-
     console = console or Console()
     if generator is not None and config.num_workers != 1:
         raise ValueError(f"a generator passed in runs in this process only; num_workers must be 1, got "
@@ -304,7 +293,6 @@ def _check_resumable(out: Path, config: RolloutConfig) -> None:
     saved_path = out / "config.yaml"
     if not saved_path.exists():
         return
-    import yaml
 
     saved = flatten_dotted(yaml.safe_load(saved_path.read_text()) or {})
     current = flatten_dotted(config.model_dump(mode="json"))
@@ -413,8 +401,6 @@ def rollout_stats(records: Sequence[dict], *, num_prompts: int, num_filtered: in
 
 
 def print_stats(stats: dict, console: Any, title: str = "") -> None:
-    from rich.table import Table
-
     table = Table(title=title)
     table.add_column("rejected for")
     table.add_column("attempts", justify="right")

@@ -5,13 +5,9 @@
     opd serve-teacher --model Qwen/Qwen3-4B --host 0.0.0.0 --token-file tok   # for trainers on other hosts
 
 The program: check the address and token (cheap, before any model loads) → bind the port → load the model as a
-local teacher is loaded → run uvicorn on the bound socket.
-
-`--device-map auto` places consecutive layers on consecutive GPUs (accelerate). A forward still runs the layers one
-after another, so one GPU computes at a time while the others wait (no pipelining across batches) and activations
-hop between GPUs at each boundary ([tokens, hidden] per hop, small next to the layers); throughput stays about that
-of one GPU, minus accelerate's per-module hooks, and layers are not compiled under a device map (the hooks move
-tensors between devices inside the forward). What it buys is memory: a teacher larger than one GPU.
+local teacher is loaded → run uvicorn on the bound socket. `--device-map auto` buys memory (a teacher larger than
+one GPU), not speed: the GPUs compute one after another and layers are not compiled (docs/design.md,
+"opd.recipes.serve_teacher").
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from opd.config import ConfigError, ModelSpec
+from opd.models import compile_layers, load_model, resolve_device
 from opd.teacher.server import (
     MIN_TOKEN_LENGTH, TOKEN_ENV, ServeLimits, TeacherService, bind, is_loopback, resolve_token, run, service_for,
 )
@@ -62,8 +59,6 @@ def check_serve_config(config: ServeConfig) -> str | None:
 def load_service(config: ServeConfig) -> TeacherService:
     """Load the model as a local teacher is loaded (`opd.models.load_model`, compiled layers on CUDA) and wrap its
     `LocalScorer` in a `TeacherService`."""
-    from opd.models import compile_layers, load_model, resolve_device
-
     spec = config.model
     model, tokenizer = load_model(spec.path, dtype=spec.dtype, device=spec.device, device_map=config.device_map,
                                   trust_remote_code=spec.trust_remote_code,

@@ -1,21 +1,11 @@
 """`opd sft`: supervised fine-tuning of the student on teacher answers — the off-policy cold start before OPD.
 
 The program: config → setup (data first, then the model, optimizer and schedule; a checkpoint restored) → the loop
-(`sft_step`, checkpoints and evals on their cadence) → the LoRA merge → the report. One step: `examples_per_step`
-examples from a seeded, resumable sampler → micro-batches of ≤ `micro_batch_tokens` input tokens (packed, each
-example attending only to itself, or right-padded: `data.packing`) → `opd.train.sft.forward_backward` → clip → step.
-It also trains models from scratch (the lab's random-init teacher/student): nothing assumes pretrained weights.
-
-Defaults (`SFTOptimSpec`): AdamW lr 1e-5, cosine decay to 0 after a linear warmup over 3% of the steps, grad-norm
-clip 1.0, weight decay 0.01 on matrices — the usual full-parameter SFT of a 1–8B model; LoRA runs usually want
-~1e-4, from-scratch tiny models ~1e-3. Length: one epoch unless `epochs` or `run.steps` says otherwise.
-
-Precision: `model.dtype=auto` trains fp32 master weights (and fp32 AdamW state) with a bf16 autocast forward on CUDA,
-plain fp32 on CPU; with bf16 weights, updates of lr 1e-5 × O(1) would mostly round away (bf16 has 8 mantissa bits).
-An explicit `model.dtype` (bf16, fp16, fp32) trains in exactly that dtype, without autocast.
-
-LoRA (peft, `lora.enabled`): only the adapters train; checkpoints hold the adapter + tokenizer (`save_pretrained`
-of the peft model); `lora.merge` (or `merge_lora` / `opd merge`) writes full weights that load without peft.
+(`sft_step`: a seeded, resumable sampler → micro-batches of ≤ `micro_batch_tokens` → `opd.train.sft.forward_backward`
+→ clip → step; checkpoints and evals on their cadence) → the LoRA merge → the report. It also trains models from
+scratch (the lab's); nothing assumes pretrained weights. `model.dtype=auto` trains fp32 master weights under a bf16
+autocast on CUDA; LoRA (peft, `lora.enabled`) trains only the adapters and can merge them. Defaults, precision and
+LoRA in full: docs/design.md, "opd.recipes.sft".
 
 Omitted on purpose: multi-process training (the loss already divides by the global token count), sequence-level
 loss weighting, NEFTune and other regularisers, evaluation loss on a held-out split (`opd eval` is the measure).
@@ -25,22 +15,37 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from pydantic import Field, field_validator
+from rich.console import Console
+from safetensors import safe_open
+from transformers import AutoConfig
 
 from opd.config import EvalSpec, ModelSpec, OptimSpec, RunSpec, Section
-from opd.data.sft import SFTExample, collate
-from opd.rundir import claimed_run_dir, open_run, resume_checkpoint, run_directory
-from opd.train.common import (
-    eval_pending, evaluate_in_training, finish_run, is_due, load_eval_sets, restore_trainer_state, timed, trainer_state,
-    training_precision,
+from opd.data.sft import SFTExample, collate, load_sft_dataset
+from opd.io import give_umask_modes, pid_alive
+from opd.models import (
+    check_model_path, check_tokenizer_compatibility, eos_token_ids, load_model, load_tokenizer, resolve_device,
+    resolve_dtype,
 )
+from opd.report.sinks import progress_bar
+from opd.rollout import make_generator
+from opd.rundir import claimed_run_dir, open_run, resume_checkpoint, run_directory
+from opd.train.checkpoint import latest_checkpoint, save_checkpoint
+from opd.train.common import (
+    eval_at_start, eval_pending, evaluate_in_training, finish_run, is_due, load_eval_sets, restore_trainer_state, timed,
+    trainer_state, training_precision,
+)
+from opd.train.optim import build_optimizer, build_scheduler, clip_and_step
+from opd.train.sampler import PromptSampler
 from opd.train.sft import forward_backward, packing_is_exact
 
 # --------------------------------------------------------------------------------------------------- config
@@ -197,8 +202,6 @@ class SFTTrainer:
 
 def sft_step(tr: SFTTrainer) -> dict[str, float]:
     """One optimizer step on the next `examples_per_step` examples."""
-    from opd.train.optim import clip_and_step
-
     cfg, timings = tr.config, {}
     with timed(timings, "step"):
         batch = collate([tr.examples[i] for i in tr.sampler.next_batch()], pad_id=tr.tokenizer.pad_token_id)
@@ -222,8 +225,6 @@ def sft_step(tr: SFTTrainer) -> dict[str, float]:
 
 def sft(config: SFTConfig, *, console: Any = None) -> Path:
     """Run `opd sft` and return the run directory."""
-    from rich.console import Console
-
     console = console or Console()
     check_config(config)
     with claimed_run_dir(run_directory(config.run, "sft"), config.run, "sft", console=console) as run_dir:
@@ -233,9 +234,6 @@ def sft(config: SFTConfig, *, console: Any = None) -> Path:
 
 
 def train(tr: SFTTrainer, *, console: Any) -> None:
-    from opd.report.sinks import progress_bar
-    from opd.train.common import eval_at_start
-
     cfg = tr.config
     if eval_at_start(cfg.run, cfg.eval, tr.step):  # the model before training: eval/step_0
         run_eval(tr, console)
@@ -254,8 +252,6 @@ def train(tr: SFTTrainer, *, console: Any) -> None:
             if cfg.eval.benchmarks and is_due(tr.step, cfg.run.eval_every, tr.total_steps):
                 run_eval(tr, console)
     if cfg.lora.enabled and cfg.lora.merge:
-        from opd.train.checkpoint import latest_checkpoint
-
         # the run's own output inside its locked run directory: a rerun replaces it
         merged = merge_lora(latest_checkpoint(tr.run_dir), tr.run_dir / "merged", base=cfg.model.path,
                             existing="replace")
@@ -270,8 +266,6 @@ def _console_line(step: int, m: dict) -> str:
 
 def run_eval(tr: SFTTrainer, console: Any) -> dict | None:
     if tr.generator is None:
-        from opd.rollout import make_generator
-
         tr.generator = make_generator(tr.net, tr.tokenizer, max_batch_size=tr.config.eval.batch_size,
                                       vocab_size=tr.vocab_size)
     spec = tr.config.eval
@@ -285,8 +279,6 @@ def run_eval(tr: SFTTrainer, console: Any) -> dict | None:
 
 def save(tr: SFTTrainer) -> Path:
     """Checkpoint: HF weights (or the LoRA adapter) + tokenizer + optimizer/scheduler/sampler/RNG state."""
-    from opd.train.checkpoint import save_checkpoint
-
     state = trainer_state(tr.optimizer, tr.scheduler, tr.sampler, skipped_steps=tr.skipped_steps)
     return save_checkpoint(tr.run_dir, tr.step, model=tr.model, tokenizer=tr.tokenizer, trainer_state=state,
                            keep_last=tr.config.run.keep_last)
@@ -297,13 +289,6 @@ def save(tr: SFTTrainer) -> Path:
 
 def setup(config: SFTConfig, run_dir: Path, *, checkpoint: Path | None = None, console: Any = None) -> SFTTrainer:
     """Data first (cheap, fails early), then the model, optimizer and schedule; restore a checkpoint when given."""
-    from opd.data.sft import load_sft_dataset
-    from opd.models import (
-        check_tokenizer_compatibility, eos_token_ids, load_model, load_tokenizer, resolve_device,
-    )
-    from opd.train.optim import build_optimizer, build_scheduler
-    from opd.train.sampler import PromptSampler
-
     check_config(config)
     data = config.data
     torch.manual_seed(config.run.seed)
@@ -387,7 +372,7 @@ def _with_lora(net: torch.nn.Module, spec: LoraSpec, checkpoint: Path | None) ->
 
 def _choose_packing(net: torch.nn.Module, packing: str, console: Any) -> bool:
     """Resolve `data.packing`; packing that the model does not honour exactly falls back to padding, with a note."""
-    from opd.teacher.local import uses_packing
+    from opd.teacher.local import uses_packing  # heavy (the Triton kernels, torch._dynamo)
 
     if not uses_packing(net, packing):
         return False
@@ -417,9 +402,6 @@ def merge_lora(
               a directory this program wrote itself, e.g. `<run>/merged` of the locked SFT run).
     """
     from peft import PeftConfig, PeftModel
-
-    from opd.io import give_umask_modes
-    from opd.models import load_model, load_tokenizer, resolve_dtype
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if not (checkpoint_dir / "adapter_config.json").is_file():
@@ -468,8 +450,6 @@ def _holds_something(path: Path) -> bool:
 
 
 def _aside(path: Path) -> Path:
-    import time
-
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside, number = path.with_name(f"{path.name}.old-{stamp}"), 1
     while aside.exists() or aside.is_symlink():
@@ -480,10 +460,6 @@ def _aside(path: Path) -> Path:
 
 def _remove_dead_temps(out_dir: Path) -> None:
     """Temp directories `.tmp-<out name>-<pid>` that a killed merge into `out_dir` left beside it."""
-    import re
-
-    from opd.io import pid_alive
-
     pattern = re.compile(rf"^\.(tmp|old)-{re.escape(out_dir.name)}-(\d+)$")
     for path in out_dir.parent.iterdir():
         match = pattern.match(path.name)
@@ -498,9 +474,6 @@ def check_adapter_fits(checkpoint_dir: str | Path, model: torch.nn.Module, *, ba
     module names and sizes (Llama vs Qwen3). Two checks: the architecture of the base the adapter records (when that
     model is at hand) equals `model`'s; and every adapted module exists in `model` with the adapter's in/out sizes.
     A corrupt or truncated adapter file is named too."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
     checkpoint_dir = Path(checkpoint_dir)
     wanted = model.config.model_type
     if recorded_base and str(recorded_base) != str(base):
@@ -539,10 +512,6 @@ def check_adapter_fits(checkpoint_dir: str | Path, model: torch.nn.Module, *, ba
 
 def _saved_dtype(name_or_path: str) -> torch.dtype:
     """The dtype a model's config.json records (what its weights were saved in); fp32 when it records none."""
-    from transformers import AutoConfig
-
-    from opd.models import check_model_path
-
     check_model_path("model", name_or_path)  # a missing base: one line, not AutoConfig's repo-id complaint
     config = AutoConfig.from_pretrained(name_or_path)
     value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)

@@ -2,16 +2,10 @@
 
 `checkpoints/step_N/` holds Hugging Face `save_pretrained` weights + tokenizer (loadable by any tool),
 `trainer_state.pt` (optimizer, scheduler, RNG states, sampler position, metric history), a `COMPLETE` marker and,
-written last, `MANIFEST.json`: the name, size and sha256 of every other file. A checkpoint is written into a hidden
-temp directory `.tmp-step_N-<pid>` and renamed into place only when complete, so a kill during writing leaves the
-previous checkpoint as the newest loadable one; a failed write (disk full) removes its temp directory and says how
-much it needed; temp directories of killed writers are removed when a run starts (`remove_stale_temps`).
-
-Choosing a checkpoint (`latest_checkpoint`) verifies it against its manifest: file sizes always (a stat per file),
-sha256 too when asked (`hashes=True`, as a resume does: ~0.9 GB/s per core on the CI machine, so ~1 s per GB of
-weights + optimizer state). A newest checkpoint that fails is skipped with a one-line warning, and the previous
-complete one is used. Checkpoints written before manifests existed (a `COMPLETE` marker and `trainer_state.pt`,
-no `MANIFEST.json`) are still accepted, unverified: their marker was written after all their files.
+written last, `MANIFEST.json` (name, size and sha256 of every other file). A checkpoint is written into a hidden temp
+directory and renamed into place only when complete, so a kill leaves the previous one the newest loadable one.
+Choosing and verifying checkpoints (`latest_checkpoint`, the manifest) is `opd.rundir`'s; the write, the
+verification and the older layout in full: docs/design.md, "opd.train.checkpoint".
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -16,15 +16,19 @@ import torch
 from pydantic import BaseModel
 
 from opd.config import EvalConfig, EvalSpec, ModelSpec, RunSpec, flatten_dotted, save_config
+from opd.data.templates import encode_prompts
+from opd.eval.benchmarks import load_benchmark
+from opd.eval.sampling import evaluate_model
+from opd.models import resolve_dtype
+from opd.report import write_report
+from opd.train.checkpoint import load_trainer_state, set_rng_state
+
 
 def load_eval_sets(spec: EvalSpec, tokenizer: Any, *, template: str, enable_thinking: bool | None,
                    max_prompt_length: int) -> None:
     """Load and encode every `spec.benchmarks` entry exactly as the in-run `opd eval` will (`load_benchmark`,
     `encode_prompts`), so that an unknown name, a bad column or a set with no prompt short enough fails at startup,
     before any training, instead of after the last step."""
-    from opd.data.templates import encode_prompts
-    from opd.eval.benchmarks import load_benchmark
-
     for benchmark in spec.benchmarks:
         try:
             prompts = load_benchmark(benchmark, prompt_key=spec.prompt_key, answer_key=spec.answer_key)
@@ -51,8 +55,6 @@ def trainer_state(optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Any
 def restore_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Any) -> dict:
     """Load optimizer, scheduler, sampler and RNG states from `checkpoint`; return its whole trainer state (step, …).
     Call it after everything that draws random numbers during setup, so the restored RNG is the one training uses."""
-    from opd.train.checkpoint import load_trainer_state, set_rng_state
-
     state = load_trainer_state(checkpoint)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -92,7 +94,6 @@ def evaluate_in_training(
     None when `spec.benchmarks` is empty."""
     if not spec.benchmarks:
         return None
-    from opd.eval.sampling import evaluate_model
 
     eval_config = EvalConfig(
         model=ModelSpec(path=model_path), benchmarks=spec.benchmarks, n=spec.n, temperature=spec.temperature,
@@ -113,8 +114,6 @@ def finish_run(run_dir: Path, sink: Any, *, report: bool, console: Any) -> None:
     """Close the metrics sink; write plots and report.html when asked."""
     sink.close()
     if report:
-        from opd.report import write_report
-
         console.print(f"report: {write_report([run_dir])}")
 
 
@@ -134,8 +133,6 @@ def training_precision(spec: ModelSpec, device: torch.device) -> tuple[torch.dty
     """(weights dtype, autocast dtype) of a model that is trained. `dtype=auto` keeps fp32 master weights and fp32
     AdamW state with a bf16 autocast forward on CUDA: at lr ~1e-6, updates to bf16 weights would mostly round away.
     An explicit dtype trains in exactly that dtype, without autocast."""
-    from opd.models import resolve_dtype
-
     if spec.dtype != "auto":
         return resolve_dtype(spec.dtype, device), None
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
@@ -144,6 +141,4 @@ def training_precision(spec: ModelSpec, device: torch.device) -> tuple[torch.dty
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
     """`torch.autocast` for `dtype`, or a no-op context when it is None."""
-    from contextlib import nullcontext
-
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()

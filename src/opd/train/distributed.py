@@ -1,48 +1,14 @@
-"""torchrun + FSDP2: one code path for 1..N processes (DESIGN "Engines and scale").
-
-Launch (one process per GPU; every process runs the same command, rank 0 writes the run directory):
+"""torchrun + FSDP2: one code path for 1..N processes.
 
     torchrun --nproc_per_node 8 -m opd.cli distill --config configs/opd_qwen3_1.7b_from_4b.yaml
     torchrun --nproc_per_node 2 -m opd.cli distill --config …   # CPU too: gloo, as in tests/test_distributed.py
 
-Without torchrun (no `WORLD_SIZE` in the environment) everything here is a no-op: world size 1, no process group,
-the model unwrapped, so a single-device run is exactly what it was before this module existed.
-
-Data parallel semantics (`opd.train.step`, `opd.recipes.distill`): every rank draws the same seeded global batch of prompts and keeps
-`indices[rank::world_size]`, samples with a rank-specific seed, scores its own rollouts, and divides its loss by the
-*global* number of valid tokens (all-reduced, SPEC §4). FSDP averages gradients over ranks, so the loss handed to
-`backward` is multiplied by the world size: the update equals the single-process update on the same global batch.
-
-The student is sharded with `fully_shard` (each decoder layer, then the root). The teacher is not: each rank holds a
-full copy (or put it behind `opd serve-teacher`). Generation and the student's no-grad scoring run inside `gathered`:
-all parameters are all-gathered once, then the forwards issue no collectives at all. That matters beyond speed: the
-decode loop's number of forwards depends on when each rank's rows finish, and unmatched per-layer all-gathers across
-ranks would deadlock. For the same reason the grad pass pads every rank to the same number of micro-batches
-(`max_over_ranks`). The cost is one full copy of the student's weights per rank while it generates.
-
-Rollout engines at N ranks: every engine of `opd.rollout.registry` runs, chosen there as for one process ("auto" is
-the static engine on CUDA). `TorchGenerator` and `StaticGenerator` run on the student module itself inside
-`gathered`: its parameters are then the plain unsharded tensors, and nothing reshards them before the block ends
-(`gathered` turns reshard-after-forward off, so the Hugging Face prefill forwards leave them in place). The static
-engine's fused step weights are copies; what it takes without a copy (embedding table, norms, a GEMM weight already
-in the compute dtype) it holds only for the call, which ends inside the block, and it keeps no tensor between calls.
-vLLM holds its own copy per rank, refreshed with `all_full_weights` at each `sync_weights`.
-
-Memory per rank while generating, for a student of P parameters (float32 master weights): the unsharded copy, 4P
-bytes (`gathered_bytes`), next to the shard (4P/N) and the AdamW moments (8P/N); the static engine's bf16 step
-weights under autocast, ~2P; then the KV cache; the teacher's full bf16 copy (2 bytes a parameter) unless it is
-served. So ~6P + 12P/N + 2·teacher bytes before the cache (arithmetic, not measured): on a 141 GB H200 at N = 8
-with a served teacher, P ≈ 18B fills it before any KV cache and P ≈ 14B leaves ~35 GB for the cache; a replicated
-8B teacher (16 GB) costs ~2B of student. Beyond that, generation would need weights gathered layer by layer, or
-bf16 gathering (FSDP's mixed-precision policy), both omitted.
-
-Checkpoints hold the full state whatever the world size (weights via `full_state_dict`, the optimizer via
-`full_optimizer_state_dict`; the sampler, the schedule and the RNG are the same on every rank), so a run saved at N
-processes resumes at M (`load_full_optimizer_state_dict` reads either layout); only `prompts_per_step` must divide
-by M.
-
-Omitted: sharding the teacher, hybrid sharding across hosts (HSDP), mixed-precision policies for FSDP (the trainer's
-autocast is used instead), and CPU offload of the sharded parameters.
+Without torchrun (no `WORLD_SIZE`) everything here is a no-op: world size 1, no process group, the model unwrapped.
+With it every rank keeps its slice of the same seeded global batch and the loss divides by the global token count,
+so the update equals the single-process one; generation and no-grad scoring run inside `gathered` (no collectives in
+the forwards: ranks decode different lengths); checkpoints hold the full state, so N processes resume at M. In full,
+with the memory per rank: docs/design.md, "opd.train.distributed". Omitted: sharding the teacher, hybrid sharding
+across hosts (HSDP), FSDP mixed-precision policies (the trainer's autocast is used), CPU offload of the shards.
 """
 
 from __future__ import annotations
@@ -55,6 +21,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# torch.distributed.fsdp and torch.distributed.checkpoint are imported inside the functions that use them: they are
+# heavy to import, and a single-process run never needs them.
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Optimizer and learning-rate schedule shared by `opd distill` and `opd sft`.
 
 AdamW's state is 8 bytes a parameter in float32 (two moments) on top of the float32 master weights and gradients:
-16 bytes a parameter in all, the largest resident item of a step at 0.6B–4B (docs/performance.md). Two ways to
-shrink what it costs, neither changing the update rule:
+16 bytes a parameter in all, the largest resident item of a step at the sizes measured (docs/performance.md). Two
+ways to shrink what it costs, neither changing the update rule:
 - `optim.fused` (default on CUDA): torch's fused AdamW kernel. The foreach implementation allocates a temporary the
   size of every parameter (the `sqrt(v)` denominators, 4 bytes a parameter) at every step; the fused kernel none.
 - `optim.state_dtype: bf16`: `AdamW16` below, both moments in bfloat16 (4 bytes a parameter instead of 8).
@@ -35,7 +35,7 @@ def build_optimizer(params, spec: OptimSpec) -> torch.optim.Optimizer:
 
 def _fused_by_default(params: list[torch.Tensor]) -> bool:
     """Fused on CUDA for plain tensors; FSDP's sharded DTensors and CPU keep torch's default (foreach)."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # heavy to import: only when an optimizer is built
 
     return bool(params) and all(p.is_cuda and not isinstance(p, DTensor) for p in params)
 

@@ -356,7 +356,7 @@ def candidate_grads():
 @guarded
 def compiled_layers():
     from opd.models import compile_layers
-    from opd.teacher.local import forward_hidden
+    from opd.forward import forward_hidden
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import random_rollouts
@@ -380,7 +380,8 @@ def compiled_layers():
 @guarded
 def packed_flex():
     from common import random_rollouts
-    from opd.teacher.local import LocalScorer, forward_hidden
+    from opd.forward import forward_hidden
+    from opd.teacher.local import LocalScorer
 
     cuda = torch.device("cuda")
     padded = tiny()
@@ -411,7 +412,8 @@ def packed_varlen():
     from common import random_rollouts
     from opd.kernels import varlen_attention
     from opd.models import compile_layers
-    from opd.teacher.local import LocalScorer, forward_hidden
+    from opd.forward import forward_hidden
+    from opd.teacher.local import LocalScorer
 
     cuda = torch.device("cuda")
     lengths = [640, 1, 377, 129, 512, 64]

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from opd.objectives import policy_loss
     from opd.scoring import candidate_logprobs
-    from opd.teacher.local import forward_hidden, output_head
+    from opd.forward import forward_hidden, output_head
 
     rollouts = random_rollouts(
         args.batch, args.prompt_len, args.response_len, vocab, device, args.seed, pad_id(args.shape), ragged=args.ragged

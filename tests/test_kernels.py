@@ -100,7 +100,7 @@ def test_varlen_model_runs_sdpa_unless_packed():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from opd.kernels import varlen_attention
-    from opd.teacher.local import uses_packing
+    from opd.forward import uses_packing
 
     varlen_attention.register()
     torch.manual_seed(0)

@@ -65,7 +65,7 @@ def test_load_model_packs_rows_where_the_varlen_kernel_runs(tiny_model_dir, monk
     """On CUDA (simulated: the kernel check says yes) an unspecified attention becomes opd_varlen, which the scorer
     packs for; an explicit choice is kept, and on CPU transformers' default stays."""
     from opd.kernels import varlen_attention
-    from opd.teacher.local import uses_packing
+    from opd.forward import uses_packing
 
     assert load_model(tiny_model_dir, device="cpu")[0].config._attn_implementation == "sdpa"
     monkeypatch.setattr(varlen_attention, "kernel_available", lambda device: True)
@@ -154,7 +154,7 @@ def test_compile_layers_is_cuda_only_by_default_and_keeps_results():
     from opd.models import compile_layers
     from opd.rollout import SamplingParams
     from opd.rollout.torch_engine import TorchGenerator
-    from opd.teacher.local import forward_hidden
+    from opd.forward import forward_hidden
     from opd.types import Rollouts
 
     eager, compiled = make_tiny_model("qwen3", seed=4), make_tiny_model("qwen3", seed=4)

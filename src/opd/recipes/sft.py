@@ -372,7 +372,7 @@ def _with_lora(net: torch.nn.Module, spec: LoraSpec, checkpoint: Path | None) ->
 
 def _choose_packing(net: torch.nn.Module, packing: str, console: Any) -> bool:
     """Resolve `data.packing`; packing that the model does not honour exactly falls back to padding, with a note."""
-    from opd.teacher.local import uses_packing  # heavy (the Triton kernels, torch._dynamo)
+    from opd.forward import uses_packing  # heavy (the Triton kernels, torch._dynamo)
 
     if not uses_packing(net, packing):
         return False

@@ -28,7 +28,7 @@ import torch
 from opd.models import check_tokenizer_compatibility
 from opd.teacher import wire
 from opd.teacher.base import PendingScores
-from opd.teacher.local import needed_lengths, split_by_token_budget
+from opd.forward import needed_lengths, split_by_token_budget
 from opd.teacher.server import resolve_token
 from opd.types import Rollouts, TokenScores
 

@@ -23,7 +23,7 @@ def target_logprobs(
     """[B, T] log-prob of every response token (grad flows when enabled), 0 at masked positions. One forward; the
     vocabulary projection is chunked (`candidate_logprobs` with the next tokens as the only candidates) over the
     first `vocab_size` output rows (None: all), as the OPD trainer scores the student."""
-    from opd.teacher.local import forward_hidden, output_head  # heavy (the Triton kernels, torch._dynamo)
+    from opd.forward import forward_hidden, output_head  # heavy (the Triton kernels, torch._dynamo)
 
     hidden = forward_hidden(net, batch, packing="packed" if packed else "padded")
     lp_N1 = candidate_logprobs(hidden.hidden_ND, output_head(net), hidden.targets_N[:, None], vocab_size=vocab_size)
@@ -43,7 +43,7 @@ def forward_backward(
 
     The loss is Σ_targets −log p / N with N the target tokens of the *whole* `batch` (SPEC §5), so the accumulated
     gradient equals that of one big batch whatever the micro-batch split. Train/eval mode is the caller's."""
-    from opd.teacher.local import needed_lengths, split_by_token_budget  # heavy (the Triton kernels, torch._dynamo)
+    from opd.forward import needed_lengths, split_by_token_budget  # heavy (the Triton kernels, torch._dynamo)
 
     device = next(net.parameters()).device
     mask_BT = batch.response_mask
@@ -65,7 +65,7 @@ def packing_is_exact(net: torch.nn.Module, *, tolerance: float | None = None) ->
     """Whether packed rows give the same hidden states as padded ones on this model: transformers ≥ 5 confines
     attention to each example when position ids restart and no attention mask is given, but a model whose own mask
     code ignores that (custom remote code, older architectures) would silently mix examples."""
-    from opd.teacher.local import forward_hidden  # heavy (the Triton kernels, torch._dynamo)
+    from opd.forward import forward_hidden  # heavy (the Triton kernels, torch._dynamo)
 
     device = next(net.parameters()).device
     vocab = net.get_input_embeddings().weight.shape[0]

@@ -33,7 +33,7 @@ from opd.rollout.batch import build_rollouts
 from opd.scoring import candidate_logprobs_and_entropy
 from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
 from opd.teacher.base import TeacherScorer, start_scoring
-from opd.teacher.local import forward_hidden, needed_lengths, output_head, split_by_token_budget, uses_packing
+from opd.forward import forward_hidden, needed_lengths, output_head, split_by_token_budget, uses_packing
 from opd.train.common import autocast, timed
 from opd.train.distributed import SINGLE, DistInfo, all_reduce_sum, gathered, max_over_ranks, reduce_metrics
 from opd.train.optim import clip_and_step

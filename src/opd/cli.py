@@ -10,7 +10,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from pydantic import ValidationError
@@ -55,38 +55,67 @@ def _thinking(key: str = "") -> Any:
 
 @app.command("eval")
 def eval_command(
-    overrides: Optional[list[str]] = _overrides(),
-    config: Optional[Path] = _config(),
-    model: Optional[str] = typer.Option(None, help="Model to sample from: Hugging Face id or local directory."),
-    responses: Optional[Path] = typer.Option(
-        None, help="Grade this JSONL of existing generations (fields: problem/prompt id or text, response, answer) instead of sampling."
+    overrides: list[str] | None = _overrides(),
+    config: Path | None = _config(),
+    model: str | None = typer.Option(None, help="Model to sample from: Hugging Face id or local directory."),
+    responses: Path | None = typer.Option(
+        None,
+        help="Grade this JSONL of existing generations (fields: problem/prompt id or text, response, answer) instead of sampling.",
     ),
-    benchmarks: Optional[str] = typer.Option(
-        None, help="Comma-separated built-in names (aime24, aime25, amc23, math500, minerva, olympiadbench) or file paths. [default: aime24,aime25,amc23,math500]"
+    benchmarks: str | None = typer.Option(
+        None,
+        help="Comma-separated built-in names (aime24, aime25, amc23, math500, minerva, olympiadbench) or file paths. [default: aime24,aime25,amc23,math500]",
     ),
-    n: Optional[int] = typer.Option(None, help="Samples per problem. [default: 16]"),
-    temperature: Optional[float] = typer.Option(None, help="Sampling temperature, 0 = greedy. [default: 0.7]"),
-    top_p: Optional[float] = typer.Option(None, help="Nucleus sampling mass in (0, 1]. [default: 0.95]"),
-    top_k: Optional[int] = typer.Option(None, help="Top-k sampling, 0 = off. [default: 0]"),
-    max_new_tokens: Optional[int] = typer.Option(None, help="Longest response in tokens. [default: 4096]"),
-    batch_size: Optional[int] = typer.Option(None, help="Sequences generated together. [default: 64]"),
-    limit: Optional[int] = typer.Option(None, help="Only the first N problems of each benchmark."),
-    prompt_key: Optional[str] = typer.Option(None, help="Prompt column of benchmark files given by path. [default: prompt]"),
-    answer_key: Optional[str] = typer.Option(None, help="Answer column of benchmark files given by path. [default: reward_model.ground_truth]"),
-    template: Optional[str] = typer.Option(None, help="Instruction template: keep | dapo | boxed | custom:'…{problem}…'. [default: keep]"),
-    thinking: Optional[bool] = _thinking(),
-    dtype: Optional[str] = typer.Option(None, help="auto | bf16 | fp16 | fp32. [default: auto = bf16 on GPU, fp32 on CPU]"),
-    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N. [default: auto]"),
-    seed: Optional[int] = typer.Option(None, help="Sampling seed. [default: 0]"),
-    out: Optional[Path] = typer.Option(None, help="Output directory; rerunning into it resumes. [default: runs/eval-<time>]"),
-    engine: Optional[str] = typer.Option(None, help="Generation engine: auto | torch | static | vllm (engine; vllm loads the model itself, options as vllm.*). [default: auto]"),
+    n: int | None = typer.Option(None, help="Samples per problem. [default: 16]"),
+    temperature: float | None = typer.Option(None, help="Sampling temperature, 0 = greedy. [default: 0.7]"),
+    top_p: float | None = typer.Option(None, help="Nucleus sampling mass in (0, 1]. [default: 0.95]"),
+    top_k: int | None = typer.Option(None, help="Top-k sampling, 0 = off. [default: 0]"),
+    max_new_tokens: int | None = typer.Option(None, help="Longest response in tokens. [default: 4096]"),
+    batch_size: int | None = typer.Option(None, help="Sequences generated together. [default: 64]"),
+    limit: int | None = typer.Option(None, help="Only the first N problems of each benchmark."),
+    prompt_key: str | None = typer.Option(
+        None, help="Prompt column of benchmark files given by path. [default: prompt]"
+    ),
+    answer_key: str | None = typer.Option(
+        None, help="Answer column of benchmark files given by path. [default: reward_model.ground_truth]"
+    ),
+    template: str | None = typer.Option(
+        None, help="Instruction template: keep | dapo | boxed | custom:'…{problem}…'. [default: keep]"
+    ),
+    thinking: bool | None = _thinking(),
+    dtype: str | None = typer.Option(
+        None, help="auto | bf16 | fp16 | fp32. [default: auto = bf16 on GPU, fp32 on CPU]"
+    ),
+    device: str | None = typer.Option(None, help="auto | cpu | cuda | cuda:N. [default: auto]"),
+    seed: int | None = typer.Option(None, help="Sampling seed. [default: 0]"),
+    out: Path | None = typer.Option(
+        None, help="Output directory; rerunning into it resumes. [default: runs/eval-<time>]"
+    ),
+    engine: str | None = typer.Option(
+        None,
+        help="Generation engine: auto | torch | static | vllm (engine; vllm loads the model itself, options as vllm.*). [default: auto]",
+    ),
 ) -> None:
     """Sample n answers per benchmark problem, grade them, write results.json + samples.jsonl, print a table."""
     options = {
-        "model.path": model, "model.dtype": dtype, "model.device": device, "responses": _str(responses),
-        "benchmarks": benchmarks, "n": n, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-        "max_new_tokens": max_new_tokens, "batch_size": batch_size, "limit": limit, "prompt_key": prompt_key,
-        "answer_key": answer_key, "template": template, "enable_thinking": thinking, "seed": seed, "out": _str(out),
+        "model.path": model,
+        "model.dtype": dtype,
+        "model.device": device,
+        "responses": _str(responses),
+        "benchmarks": benchmarks,
+        "n": n,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size,
+        "limit": limit,
+        "prompt_key": prompt_key,
+        "answer_key": answer_key,
+        "template": template,
+        "enable_thinking": thinking,
+        "seed": seed,
+        "out": _str(out),
         "engine": engine,
     }
     cfg = build_config(EvalConfig, config_file=config, options=options, overrides=overrides)
@@ -97,24 +126,50 @@ def eval_command(
 
 @app.command("distill")
 def distill_command(
-    overrides: Optional[list[str]] = _overrides(),
-    config: Optional[Path] = _config(),
-    student: Optional[str] = typer.Option(None, help="Student model: Hugging Face id or local directory (student.path)."),
-    teacher: Optional[str] = typer.Option(None, help="Teacher model: Hugging Face id or local directory (teacher.path); not needed for objective.advantage=grpo."),
-    prompts: Optional[str] = typer.Option(None, help="Prompt set: parquet / JSONL / JSON / dataset dir / hub id (data.path)."),
-    steps: Optional[int] = typer.Option(None, help="Optimizer steps, one per rollout batch (run.steps). [default: 100]"),
-    name: Optional[str] = typer.Option(None, help="Run directory name under run.out_dir (run.name). [default: distill-<time>]"),
-    out_dir: Optional[str] = typer.Option(None, help="Parent directory of runs (run.out_dir). [default: runs]"),
-    resume: Optional[bool] = typer.Option(None, "--resume/--no-resume", help="Continue from the newest complete checkpoint of the run directory (run.resume)."),
-    top_k: Optional[int] = typer.Option(None, help="Top-k candidates per position, 0 = sampled-token OPD (objective.top_k). [default: 16]"),
-    strategy: Optional[str] = typer.Option(None, help="only_stu | only_tch | intersection | union | union-intersection (objective.strategy). [default: only_stu]"),
-    weight: Optional[str] = typer.Option(None, help="student_p | teacher_p | none (objective.weight). [default: student_p]"),
-    advantage: Optional[str] = typer.Option(None, help="token_reward | grpo | token_reward+grpo | token_grpo (objective.advantage). [default: token_reward]"),
-    lr: Optional[float] = typer.Option(None, help="Peak learning rate (optim.lr). [default: 1e-6]"),
-    seed: Optional[int] = typer.Option(None, help="Seed of data order, sampling and init (run.seed). [default: 0]"),
-    thinking: Optional[bool] = _thinking("data.enable_thinking"),
-    allow_config_change: Optional[bool] = typer.Option(None, "--allow-config-change", help="With --resume: continue even though settings that change the math or data order differ from the saved config.yaml (run.allow_config_change)."),
-    skip_check: Optional[list[str]] = typer.Option(None, help="Startup check (an `opd check` row or group name, or all) not to stop on; repeatable (skip_checks)."),
+    overrides: list[str] | None = _overrides(),
+    config: Path | None = _config(),
+    student: str | None = typer.Option(None, help="Student model: Hugging Face id or local directory (student.path)."),
+    teacher: str | None = typer.Option(
+        None,
+        help="Teacher model: Hugging Face id or local directory (teacher.path); not needed for objective.advantage=grpo.",
+    ),
+    prompts: str | None = typer.Option(
+        None, help="Prompt set: parquet / JSONL / JSON / dataset dir / hub id (data.path)."
+    ),
+    steps: int | None = typer.Option(None, help="Optimizer steps, one per rollout batch (run.steps). [default: 100]"),
+    name: str | None = typer.Option(
+        None, help="Run directory name under run.out_dir (run.name). [default: distill-<time>]"
+    ),
+    out_dir: str | None = typer.Option(None, help="Parent directory of runs (run.out_dir). [default: runs]"),
+    resume: bool | None = typer.Option(
+        None,
+        "--resume/--no-resume",
+        help="Continue from the newest complete checkpoint of the run directory (run.resume).",
+    ),
+    top_k: int | None = typer.Option(
+        None, help="Top-k candidates per position, 0 = sampled-token OPD (objective.top_k). [default: 16]"
+    ),
+    strategy: str | None = typer.Option(
+        None,
+        help="only_stu | only_tch | intersection | union | union-intersection (objective.strategy). [default: only_stu]",
+    ),
+    weight: str | None = typer.Option(
+        None, help="student_p | teacher_p | none (objective.weight). [default: student_p]"
+    ),
+    advantage: str | None = typer.Option(
+        None, help="token_reward | grpo | token_reward+grpo | token_grpo (objective.advantage). [default: token_reward]"
+    ),
+    lr: float | None = typer.Option(None, help="Peak learning rate (optim.lr). [default: 1e-6]"),
+    seed: int | None = typer.Option(None, help="Seed of data order, sampling and init (run.seed). [default: 0]"),
+    thinking: bool | None = _thinking("data.enable_thinking"),
+    allow_config_change: bool | None = typer.Option(
+        None,
+        "--allow-config-change",
+        help="With --resume: continue even though settings that change the math or data order differ from the saved config.yaml (run.allow_config_change).",
+    ),
+    skip_check: list[str] | None = typer.Option(
+        None, help="Startup check (an `opd check` row or group name, or all) not to stop on; repeatable (skip_checks)."
+    ),
 ) -> None:
     """On-policy distillation: the student samples, the teacher scores the student's tokens, policy-gradient update.
 
@@ -122,9 +177,19 @@ def distill_command(
     `prompts_per_step=32 rollout.n=4`.
     """
     options = {
-        "student.path": student, "teacher.path": teacher, "data.path": prompts, "run.steps": steps, "run.name": name,
-        "run.out_dir": out_dir, "run.resume": resume, "objective.top_k": top_k, "objective.strategy": strategy,
-        "objective.weight": weight, "objective.advantage": advantage, "optim.lr": lr, "run.seed": seed,
+        "student.path": student,
+        "teacher.path": teacher,
+        "data.path": prompts,
+        "run.steps": steps,
+        "run.name": name,
+        "run.out_dir": out_dir,
+        "run.resume": resume,
+        "objective.top_k": top_k,
+        "objective.strategy": strategy,
+        "objective.weight": weight,
+        "objective.advantage": advantage,
+        "optim.lr": lr,
+        "run.seed": seed,
         "data.enable_thinking": thinking,
         "run.allow_config_change": allow_config_change,
         "skip_checks": skip_check or None,
@@ -137,15 +202,21 @@ def distill_command(
 
 @app.command("check")
 def check_command(
-    overrides: Optional[list[str]] = _overrides(),
-    config: Optional[Path] = _config(),
-    student: Optional[str] = typer.Option(None, help="Student model: Hugging Face id or local directory (student.path)."),
-    teacher: Optional[str] = typer.Option(None, help="Teacher model: Hugging Face id or local directory (teacher.path)."),
-    prompts: Optional[str] = typer.Option(None, help="Prompt set of the OPD run (data.path); answers make the AUROC and accuracies."),
+    overrides: list[str] | None = _overrides(),
+    config: Path | None = _config(),
+    student: str | None = typer.Option(None, help="Student model: Hugging Face id or local directory (student.path)."),
+    teacher: str | None = typer.Option(None, help="Teacher model: Hugging Face id or local directory (teacher.path)."),
+    prompts: str | None = typer.Option(
+        None, help="Prompt set of the OPD run (data.path); answers make the AUROC and accuracies."
+    ),
     n: int = typer.Option(4, help="Student rollouts per sampled prompt for the forecast."),
     prompts_sample: int = typer.Option(64, help="Prompts drawn (seeded by run.seed) for the forecast."),
-    out: Optional[Path] = typer.Option(None, help="Directory for check.json (never replaced). [default: <run.out_dir>/check-<time>]"),
-    skip_check: Optional[list[str]] = typer.Option(None, help="Row or group (tokenizers, scoring, forecast, resources) to skip; repeatable."),
+    out: Path | None = typer.Option(
+        None, help="Directory for check.json (never replaced). [default: <run.out_dir>/check-<time>]"
+    ),
+    skip_check: list[str] | None = typer.Option(
+        None, help="Row or group (tokenizers, scoring, forecast, resources) to skip; repeatable."
+    ),
 ) -> None:
     """Pre-flight of an OPD run: tokenizers, scoring sanity, the success forecast (likely / uncertain / unlikely, with
     the recovery command) and memory/time, for the config `opd distill` would get (same -c file and key=value pairs).
@@ -163,34 +234,69 @@ def check_command(
 
 @app.command("sft")
 def sft_command(
-    overrides: Optional[list[str]] = _overrides(),
-    config: Optional[Path] = _config(),
-    model: Optional[str] = typer.Option(None, help="Model to fine-tune: Hugging Face id or local directory (model.path)."),
-    data: Optional[list[str]] = typer.Option(None, help="SFT data: chat / opd rollout / sharegpt / alpaca file (.jsonl, .json, .parquet); repeat for several (data.path)."),
-    epochs: Optional[float] = typer.Option(None, help="Passes over the data (epochs); or set run.steps instead. [default: 1]"),
-    lr: Optional[float] = typer.Option(None, help="Peak learning rate (optim.lr). [default: 1e-5]"),
-    lora: Optional[bool] = typer.Option(None, "--lora/--no-lora", help="Train LoRA adapters only, merged into <run>/merged at the end (lora.enabled)."),
-    name: Optional[str] = typer.Option(None, help="Run directory name under run.out_dir (run.name). [default: sft-<time>]"),
-    resume: Optional[bool] = typer.Option(None, "--resume/--no-resume", help="Continue from the newest complete checkpoint of the run directory (run.resume)."),
-    thinking: Optional[bool] = _thinking("data.enable_thinking; must match how the answers were generated"),
-    allow_config_change: Optional[bool] = typer.Option(None, "--allow-config-change", help="With --resume: continue even though settings that change the math or data order differ from the saved config.yaml (run.allow_config_change)."),
+    overrides: list[str] | None = _overrides(),
+    config: Path | None = _config(),
+    model: str | None = typer.Option(None, help="Model to fine-tune: Hugging Face id or local directory (model.path)."),
+    data: list[str] | None = typer.Option(
+        None,
+        help="SFT data: chat / opd rollout / sharegpt / alpaca file (.jsonl, .json, .parquet); repeat for several (data.path).",
+    ),
+    epochs: float | None = typer.Option(
+        None, help="Passes over the data (epochs); or set run.steps instead. [default: 1]"
+    ),
+    lr: float | None = typer.Option(None, help="Peak learning rate (optim.lr). [default: 1e-5]"),
+    lora: bool | None = typer.Option(
+        None, "--lora/--no-lora", help="Train LoRA adapters only, merged into <run>/merged at the end (lora.enabled)."
+    ),
+    name: str | None = typer.Option(
+        None, help="Run directory name under run.out_dir (run.name). [default: sft-<time>]"
+    ),
+    resume: bool | None = typer.Option(
+        None,
+        "--resume/--no-resume",
+        help="Continue from the newest complete checkpoint of the run directory (run.resume).",
+    ),
+    thinking: bool | None = _thinking("data.enable_thinking; must match how the answers were generated"),
+    allow_config_change: bool | None = typer.Option(
+        None,
+        "--allow-config-change",
+        help="With --resume: continue even though settings that change the math or data order differ from the saved config.yaml (run.allow_config_change).",
+    ),
 ) -> None:
     """Supervised fine-tuning on (teacher) answers, loss on assistant tokens only: the cold start before `opd distill`."""
     from opd.recipes.sft import SFTConfig, sft
 
-    options = {"model.path": model, "data.path": data or None, "epochs": epochs, "optim.lr": lr, "lora.enabled": lora,
-               "run.name": name, "run.resume": resume, "data.enable_thinking": thinking,
-               "run.allow_config_change": allow_config_change}
+    options = {
+        "model.path": model,
+        "data.path": data or None,
+        "epochs": epochs,
+        "optim.lr": lr,
+        "lora.enabled": lora,
+        "run.name": name,
+        "run.resume": resume,
+        "data.enable_thinking": thinking,
+        "run.allow_config_change": allow_config_change,
+    }
     sft(build_config(SFTConfig, config_file=config, options=options, overrides=overrides))
 
 
 @app.command("merge")
 def merge_command(
-    checkpoint: Path = typer.Argument(..., help="LoRA checkpoint directory (checkpoints/step_N of an `opd sft` run with lora.enabled)."),
+    checkpoint: Path = typer.Argument(
+        ..., help="LoRA checkpoint directory (checkpoints/step_N of an `opd sft` run with lora.enabled)."
+    ),
     out: Path = typer.Argument(..., help="Output directory for the merged Hugging Face weights + tokenizer."),
-    base: Optional[str] = typer.Option(None, help="Base model id or path. [default: base_model_name_or_path of the adapter config]"),
-    dtype: str = typer.Option("auto", help="Dtype of the written weights: auto (the base model's) | bf16 | fp16 | fp32."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="When OUT is a file or a non-empty directory, move it aside to OUT.old-<time> (never deleted). [default: refuse]"),
+    base: str | None = typer.Option(
+        None, help="Base model id or path. [default: base_model_name_or_path of the adapter config]"
+    ),
+    dtype: str = typer.Option(
+        "auto", help="Dtype of the written weights: auto (the base model's) | bf16 | fp16 | fp32."
+    ),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="When OUT is a file or a non-empty directory, move it aside to OUT.old-<time> (never deleted). [default: refuse]",
+    ),
 ) -> None:
     """Merge LoRA adapters into their base model: full weights that load without peft."""
     from opd.recipes.sft import merge_lora
@@ -201,28 +307,52 @@ def merge_command(
 
 @app.command("rollout")
 def rollout_command(
-    overrides: Optional[list[str]] = _overrides(),
-    config: Optional[Path] = _config(),
-    model: Optional[str] = typer.Option(None, help="Teacher model: Hugging Face id or local directory (model.path)."),
-    prompts: Optional[str] = typer.Option(None, help="Prompt set: parquet / JSONL / JSON / dataset dir / hub id (data.path)."),
-    out: Optional[Path] = typer.Option(None, help="Output directory; rerunning into it skips finished prompts (out)."),
-    n: Optional[int] = typer.Option(None, help="Accepted samples wanted per prompt. [default: 1]"),
-    temperature: Optional[float] = typer.Option(None, help="Sampling temperature, 0 = greedy. [default: 1.0]"),
-    top_p: Optional[float] = typer.Option(None, help="Nucleus sampling mass in (0, 1]. [default: 0.95]"),
-    max_new_tokens: Optional[int] = typer.Option(None, help="Longest response in tokens; longer ones are rejected as truncated. [default: 7168]"),
-    thinking: Optional[bool] = _thinking("data.enable_thinking"),
-    max_attempts: Optional[int] = typer.Option(None, help="Draws per wanted sample before it is given up. [default: 3]"),
-    require_correct: Optional[bool] = typer.Option(None, "--require-correct/--no-require-correct", help="Also reject answers graded wrong against the ground truth. [default: off]"),
-    prompt_key: Optional[str] = typer.Option(None, help="Prompt column (data.prompt_key). [default: prompt]"),
-    answer_key: Optional[str] = typer.Option(None, help="Ground-truth column (data.answer_key); data.answer_key=null for none. [default: reward_model.ground_truth]"),
-    template: Optional[str] = typer.Option(None, help="Instruction template: keep | dapo | boxed | custom:'…{problem}…' (data.template). [default: keep]"),
-    batch_size: Optional[int] = typer.Option(None, help="Sequences generated together (prompts × n); the unit of resume. [default: 64]"),
-    num_workers: Optional[int] = typer.Option(None, help="Worker processes, one per GPU (cuda:0..N-1), over disjoint batches. [default: 1]"),
-    llamafactory: Optional[bool] = typer.Option(None, "--llamafactory/--no-llamafactory", help="Also write the LlamaFactory sharegpt dataset + dataset_info.json. [default: off]"),
-    dtype: Optional[str] = typer.Option(None, help="auto | bf16 | fp16 | fp32 (model.dtype). [default: auto]"),
-    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N (model.device). [default: auto]"),
-    seed: Optional[int] = typer.Option(None, help="Base sampling seed. [default: 0]"),
-    engine: Optional[str] = typer.Option(None, help="Generation engine: torch | vllm (engine; vllm loads the model itself, options as vllm.*). [default: torch]"),
+    overrides: list[str] | None = _overrides(),
+    config: Path | None = _config(),
+    model: str | None = typer.Option(None, help="Teacher model: Hugging Face id or local directory (model.path)."),
+    prompts: str | None = typer.Option(
+        None, help="Prompt set: parquet / JSONL / JSON / dataset dir / hub id (data.path)."
+    ),
+    out: Path | None = typer.Option(None, help="Output directory; rerunning into it skips finished prompts (out)."),
+    n: int | None = typer.Option(None, help="Accepted samples wanted per prompt. [default: 1]"),
+    temperature: float | None = typer.Option(None, help="Sampling temperature, 0 = greedy. [default: 1.0]"),
+    top_p: float | None = typer.Option(None, help="Nucleus sampling mass in (0, 1]. [default: 0.95]"),
+    max_new_tokens: int | None = typer.Option(
+        None, help="Longest response in tokens; longer ones are rejected as truncated. [default: 7168]"
+    ),
+    thinking: bool | None = _thinking("data.enable_thinking"),
+    max_attempts: int | None = typer.Option(None, help="Draws per wanted sample before it is given up. [default: 3]"),
+    require_correct: bool | None = typer.Option(
+        None,
+        "--require-correct/--no-require-correct",
+        help="Also reject answers graded wrong against the ground truth. [default: off]",
+    ),
+    prompt_key: str | None = typer.Option(None, help="Prompt column (data.prompt_key). [default: prompt]"),
+    answer_key: str | None = typer.Option(
+        None,
+        help="Ground-truth column (data.answer_key); data.answer_key=null for none. [default: reward_model.ground_truth]",
+    ),
+    template: str | None = typer.Option(
+        None, help="Instruction template: keep | dapo | boxed | custom:'…{problem}…' (data.template). [default: keep]"
+    ),
+    batch_size: int | None = typer.Option(
+        None, help="Sequences generated together (prompts × n); the unit of resume. [default: 64]"
+    ),
+    num_workers: int | None = typer.Option(
+        None, help="Worker processes, one per GPU (cuda:0..N-1), over disjoint batches. [default: 1]"
+    ),
+    llamafactory: bool | None = typer.Option(
+        None,
+        "--llamafactory/--no-llamafactory",
+        help="Also write the LlamaFactory sharegpt dataset + dataset_info.json. [default: off]",
+    ),
+    dtype: str | None = typer.Option(None, help="auto | bf16 | fp16 | fp32 (model.dtype). [default: auto]"),
+    device: str | None = typer.Option(None, help="auto | cpu | cuda | cuda:N (model.device). [default: auto]"),
+    seed: int | None = typer.Option(None, help="Base sampling seed. [default: 0]"),
+    engine: str | None = typer.Option(
+        None,
+        help="Generation engine: torch | vllm (engine; vllm loads the model itself, options as vllm.*). [default: torch]",
+    ),
 ) -> None:
     """Teacher answers for SFT with rejection sampling: rollouts.jsonl, rejected.jsonl, stats.json (+ LlamaFactory files).
 
@@ -232,11 +362,25 @@ def rollout_command(
     from opd.recipes.rollout import RolloutConfig, teacher_rollout
 
     options = {
-        "model.path": model, "model.dtype": dtype, "model.device": device, "data.path": prompts, "out": _str(out),
-        "n": n, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
-        "data.enable_thinking": thinking, "max_attempts": max_attempts, "require_correct": require_correct,
-        "data.prompt_key": prompt_key, "data.answer_key": answer_key, "data.template": template,
-        "batch_size": batch_size, "num_workers": num_workers, "llamafactory": llamafactory, "seed": seed,
+        "model.path": model,
+        "model.dtype": dtype,
+        "model.device": device,
+        "data.path": prompts,
+        "out": _str(out),
+        "n": n,
+        "temperature": temperature,
+        "top_p": top_p,
+        "max_new_tokens": max_new_tokens,
+        "data.enable_thinking": thinking,
+        "max_attempts": max_attempts,
+        "require_correct": require_correct,
+        "data.prompt_key": prompt_key,
+        "data.answer_key": answer_key,
+        "data.template": template,
+        "batch_size": batch_size,
+        "num_workers": num_workers,
+        "llamafactory": llamafactory,
+        "seed": seed,
         "engine": engine,
     }
     teacher_rollout(build_config(RolloutConfig, config_file=config, options=options, overrides=overrides))
@@ -244,36 +388,72 @@ def rollout_command(
 
 @app.command("dedup")
 def dedup_command(
-    in_path: str = typer.Option(..., "--in", help="Prompt set A to clean: parquet / JSONL / JSON / dataset dir / hub id."),
-    against: Optional[str] = typer.Option(None, help="Prompt set B: remove from A what duplicates B. [default: none = dedup A within itself, keeping the first]"),
+    in_path: str = typer.Option(
+        ..., "--in", help="Prompt set A to clean: parquet / JSONL / JSON / dataset dir / hub id."
+    ),
+    against: str | None = typer.Option(
+        None,
+        help="Prompt set B: remove from A what duplicates B. [default: none = dedup A within itself, keeping the first]",
+    ),
     out: Path = typer.Option(..., help="Where the kept prompts of A go (.parquet or .jsonl, verl layout)."),
-    report: Optional[Path] = typer.Option(None, help="JSON report: counts per rule, examples, every removed id. [default: <out stem>.report.json]"),
-    exact: bool = typer.Option(True, "--exact/--no-exact", help="Remove exact duplicates after normalisation (whitespace, case, instruction templates, LaTeX spacing)."),
-    minhash_threshold: float = typer.Option(0.8, help="Character 5-gram Jaccard similarity at or above which prompts are near-duplicates; 0 = skip MinHash."),
-    embeddings: Optional[str] = typer.Option(None, help="Sentence-embedding model (name or directory, e.g. all-MiniLM-L6-v2) for a cosine stage. [default: off]"),
-    cosine_threshold: float = typer.Option(0.6, help="Cosine similarity at or above which the embedding stage removes a prompt."),
+    report: Path | None = typer.Option(
+        None, help="JSON report: counts per rule, examples, every removed id. [default: <out stem>.report.json]"
+    ),
+    exact: bool = typer.Option(
+        True,
+        "--exact/--no-exact",
+        help="Remove exact duplicates after normalisation (whitespace, case, instruction templates, LaTeX spacing).",
+    ),
+    minhash_threshold: float = typer.Option(
+        0.8, help="Character 5-gram Jaccard similarity at or above which prompts are near-duplicates; 0 = skip MinHash."
+    ),
+    embeddings: str | None = typer.Option(
+        None,
+        help="Sentence-embedding model (name or directory, e.g. all-MiniLM-L6-v2) for a cosine stage. [default: off]",
+    ),
+    cosine_threshold: float = typer.Option(
+        0.6, help="Cosine similarity at or above which the embedding stage removes a prompt."
+    ),
     prompt_key: str = typer.Option("prompt", help="Prompt column of A (and of B unless --against-prompt-key)."),
-    against_prompt_key: Optional[str] = typer.Option(None, help="Prompt column of B. [default: --prompt-key]"),
+    against_prompt_key: str | None = typer.Option(None, help="Prompt column of B. [default: --prompt-key]"),
 ) -> None:
     """Remove from a prompt set the exact and near duplicates of another set (or of itself): MinHash + optional embeddings."""
     from opd.recipes.dedup import dedup_files
 
-    dedup_files(in_path, against, out, report=report, prompt_key=prompt_key, against_prompt_key=against_prompt_key,
-                exact=exact, minhash_threshold=minhash_threshold or None, embedding_model=embeddings,
-                cosine_threshold=cosine_threshold)
+    dedup_files(
+        in_path,
+        against,
+        out,
+        report=report,
+        prompt_key=prompt_key,
+        against_prompt_key=against_prompt_key,
+        exact=exact,
+        minhash_threshold=minhash_threshold or None,
+        embedding_model=embeddings,
+        cosine_threshold=cosine_threshold,
+    )
 
 
 @app.command("serve-teacher")
 def serve_teacher_command(
-    overrides: Optional[list[str]] = _overrides(),
-    config: Optional[Path] = _config(),
-    model: Optional[str] = typer.Option(None, help="Teacher model: Hugging Face id or local directory (model.path)."),
-    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N (model.device). [default: auto]"),
-    device_map: Optional[str] = typer.Option(None, help="auto: split the model over all visible GPUs (accelerate) for a teacher larger than one GPU; its layers then run one GPU at a time (device_map). [default: off]"),
-    dtype: Optional[str] = typer.Option(None, help="auto | bf16 | fp16 | fp32 (model.dtype). [default: auto = bf16 on GPU, fp32 on CPU]"),
-    host: Optional[str] = typer.Option(None, help="Address to bind; a non-loopback address needs a token. [default: 127.0.0.1]"),
-    port: Optional[int] = typer.Option(None, help="TCP port, 0 = any free one (printed). [default: 8765]"),
-    token_file: Optional[Path] = typer.Option(None, help="File with the bearer token clients must send. [default: $OPD_TEACHER_TOKEN, else none]"),
+    overrides: list[str] | None = _overrides(),
+    config: Path | None = _config(),
+    model: str | None = typer.Option(None, help="Teacher model: Hugging Face id or local directory (model.path)."),
+    device: str | None = typer.Option(None, help="auto | cpu | cuda | cuda:N (model.device). [default: auto]"),
+    device_map: str | None = typer.Option(
+        None,
+        help="auto: split the model over all visible GPUs (accelerate) for a teacher larger than one GPU; its layers then run one GPU at a time (device_map). [default: off]",
+    ),
+    dtype: str | None = typer.Option(
+        None, help="auto | bf16 | fp16 | fp32 (model.dtype). [default: auto = bf16 on GPU, fp32 on CPU]"
+    ),
+    host: str | None = typer.Option(
+        None, help="Address to bind; a non-loopback address needs a token. [default: 127.0.0.1]"
+    ),
+    port: int | None = typer.Option(None, help="TCP port, 0 = any free one (printed). [default: 8765]"),
+    token_file: Path | None = typer.Option(
+        None, help="File with the bearer token clients must send. [default: $OPD_TEACHER_TOKEN, else none]"
+    ),
 ) -> None:
     """Serve a teacher over HTTP: scores any token ids (sampled, top-k, requested ids, entropy) for `teacher.url`.
 
@@ -282,20 +462,30 @@ def serve_teacher_command(
     """
     from opd.recipes.serve_teacher import ServeConfig, serve
 
-    options = {"model.path": model, "model.device": device, "device_map": device_map, "model.dtype": dtype,
-               "host": host, "port": port, "token_file": _str(token_file)}
+    options = {
+        "model.path": model,
+        "model.device": device,
+        "device_map": device_map,
+        "model.dtype": dtype,
+        "host": host,
+        "port": port,
+        "token_file": _str(token_file),
+    }
     serve(build_config(ServeConfig, config_file=config, options=options, overrides=overrides))
 
 
-pipeline_app = typer.Typer(help="Cold start to evaluation from one config: rollout → SFT → OPD → eval.",
-                           no_args_is_help=True, rich_markup_mode=None)
+pipeline_app = typer.Typer(
+    help="Cold start to evaluation from one config: rollout → SFT → OPD → eval.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
 app.add_typer(pipeline_app, name="pipeline")
 
 
 @pipeline_app.command("run")
 def pipeline_run_command(
     config: Path = typer.Argument(..., help="Pipeline YAML (see configs/pipeline_cold_start_qwen3.yaml)."),
-    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    overrides: list[str] | None = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
 ) -> None:
     """Run every stage whose outputs are not complete (each resumable), then print the before/after/teacher table."""
     from opd.recipes.pipeline import PipelineConfig, run_pipeline
@@ -305,11 +495,16 @@ def pipeline_run_command(
 
 @app.command("report")
 def report_command(
-    run_dirs: list[Path] = typer.Argument(..., help="One run directory, or several to overlay their curves (ablations)."),
-    out: Optional[Path] = typer.Option(None, help="Output directory or .html path. [default: the run dir; <first>/compare for several]"),
+    run_dirs: list[Path] = typer.Argument(
+        ..., help="One run directory, or several to overlay their curves (ablations)."
+    ),
+    out: Path | None = typer.Option(
+        None, help="Output directory or .html path. [default: the run dir; <first>/compare for several]"
+    ),
 ) -> None:
     """Write plots/*.png and a self-contained report.html for one or more run directories (also while running)."""
     typer.echo(f"report: {write_report(run_dirs, out)}")
+
 
 # ------------------------------------------------------------------------------------------- opd prompts
 
@@ -328,34 +523,53 @@ ID_KEY_HELP = "Id column. [default: extra_info.index, else id, else the row numb
 @prompts_app.command("template")
 def prompts_template_command(
     source: str = typer.Option(..., "--in", help="Prompt set: parquet / JSONL / JSON / dataset dir / hub id."),
-    template: str = typer.Option(..., help="New instruction: boxed | dapo | keep | custom:'…{problem}…'; a known DAPO / boxed instruction is stripped first."),
-    out: Path = typer.Option(..., help="Output prompt set, .parquet or .jsonl (verl layout, loads back with the defaults)."),
+    template: str = typer.Option(
+        ...,
+        help="New instruction: boxed | dapo | keep | custom:'…{problem}…'; a known DAPO / boxed instruction is stripped first.",
+    ),
+    out: Path = typer.Option(
+        ..., help="Output prompt set, .parquet or .jsonl (verl layout, loads back with the defaults)."
+    ),
     prompt_key: str = typer.Option("prompt", help=PROMPT_KEY_HELP),
     answer_key: str = typer.Option("reward_model.ground_truth", help=ANSWER_KEY_HELP),
-    id_key: Optional[str] = typer.Option(None, help=ID_KEY_HELP),
+    id_key: str | None = typer.Option(None, help=ID_KEY_HELP),
 ) -> None:
     """Replace each prompt's instruction, e.g. DAPO-Math-17k's "Answer:" line → Qwen's \\boxed{} (problems, answers, ids kept)."""
     from opd.recipes.prompts import retemplate_file
 
-    typer.echo(retemplate_file(source, out, template, prompt_key=prompt_key, answer_key=answer_key or None, id_key=id_key))
+    typer.echo(
+        retemplate_file(source, out, template, prompt_key=prompt_key, answer_key=answer_key or None, id_key=id_key)
+    )
 
 
 @prompts_app.command("score")
 def prompts_score_command(
-    overrides: Optional[list[str]] = _overrides(),
-    config: Optional[Path] = _config(),
-    student: Optional[str] = typer.Option(None, help="Student model: Hugging Face id or local directory (student.path)."),
-    teacher: Optional[str] = typer.Option(None, help="Teacher model, same tokenizer as the student (teacher.path)."),
-    source: Optional[str] = typer.Option(None, "--in", help="Prompt set to score: parquet / JSONL / JSON / dataset dir / hub id (data.path)."),
-    out: Optional[Path] = typer.Option(None, help="Scores JSONL, one line per prompt, appended per batch; rerunning resumes. config.yaml goes beside it (out)."),
-    n: Optional[int] = typer.Option(None, help="Student rollouts per prompt (n). [default: 4]"),
-    top_k: Optional[int] = typer.Option(None, help="K of the compared top-k supports (top_k). [default: 16]"),
-    max_new_tokens: Optional[int] = typer.Option(None, help="Longest rollout in tokens (max_new_tokens). [default: 1024]"),
-    batch_size: Optional[int] = typer.Option(None, help="Prompts per batch, × n rollouts; keep it when resuming (batch_size). [default: 32]"),
-    template: Optional[str] = typer.Option(None, help="Instruction template applied before encoding (data.template). [default: keep]"),
-    seed: Optional[int] = typer.Option(None, help="Sampling seed (seed). [default: 0]"),
-    thinking: Optional[bool] = _thinking("data.enable_thinking"),
-    engine: Optional[str] = typer.Option(None, help="Engine of the student rollouts: auto | torch | static | vllm (engine; options as vllm.*). [default: auto]"),
+    overrides: list[str] | None = _overrides(),
+    config: Path | None = _config(),
+    student: str | None = typer.Option(None, help="Student model: Hugging Face id or local directory (student.path)."),
+    teacher: str | None = typer.Option(None, help="Teacher model, same tokenizer as the student (teacher.path)."),
+    source: str | None = typer.Option(
+        None, "--in", help="Prompt set to score: parquet / JSONL / JSON / dataset dir / hub id (data.path)."
+    ),
+    out: Path | None = typer.Option(
+        None,
+        help="Scores JSONL, one line per prompt, appended per batch; rerunning resumes. config.yaml goes beside it (out).",
+    ),
+    n: int | None = typer.Option(None, help="Student rollouts per prompt (n). [default: 4]"),
+    top_k: int | None = typer.Option(None, help="K of the compared top-k supports (top_k). [default: 16]"),
+    max_new_tokens: int | None = typer.Option(None, help="Longest rollout in tokens (max_new_tokens). [default: 1024]"),
+    batch_size: int | None = typer.Option(
+        None, help="Prompts per batch, × n rollouts; keep it when resuming (batch_size). [default: 32]"
+    ),
+    template: str | None = typer.Option(
+        None, help="Instruction template applied before encoding (data.template). [default: keep]"
+    ),
+    seed: int | None = typer.Option(None, help="Sampling seed (seed). [default: 0]"),
+    thinking: bool | None = _thinking("data.enable_thinking"),
+    engine: str | None = typer.Option(
+        None,
+        help="Engine of the student rollouts: auto | torch | static | vllm (engine; options as vllm.*). [default: auto]",
+    ),
 ) -> None:
     """Per prompt: n student rollouts, scored by student and teacher; SPEC §6 overlap metrics → scores JSONL.
 
@@ -364,42 +578,78 @@ def prompts_score_command(
     from opd.recipes.prompts import PromptScoreConfig, score_prompt_file
 
     options = {
-        "student.path": student, "teacher.path": teacher, "data.path": source, "out": _str(out), "n": n,
-        "top_k": top_k, "max_new_tokens": max_new_tokens, "batch_size": batch_size, "data.template": template,
-        "seed": seed, "data.enable_thinking": thinking, "engine": engine,
+        "student.path": student,
+        "teacher.path": teacher,
+        "data.path": source,
+        "out": _str(out),
+        "n": n,
+        "top_k": top_k,
+        "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size,
+        "data.template": template,
+        "seed": seed,
+        "data.enable_thinking": thinking,
+        "engine": engine,
     }
     score_prompt_file(build_config(PromptScoreConfig, config_file=config, options=options, overrides=overrides))
 
 
 @prompts_app.command("select")
 def prompts_select_command(
-    source: str = typer.Option(..., "--in", help="The scored prompt set (read with the same column options as when scored)."),
+    source: str = typer.Option(
+        ..., "--in", help="The scored prompt set (read with the same column options as when scored)."
+    ),
     scores: Path = typer.Option(..., help="Scores JSONL that `opd prompts score` wrote for --in."),
     out: Path = typer.Option(..., help="Output prompt set, .parquet or .jsonl (verl layout)."),
-    top: str = typer.Option("0.5", help="Keep this fraction (0.5 or 50%) or this count (500) of the most aligned prompts."),
-    by: str = typer.Option("overlap_ratio", help="Rank by overlap_ratio | overlap_mass_student | overlap_mass_teacher | overlap_advantage (larger = aligned) | entropy_gap (smaller = aligned)."),
-    mix_with: Optional[str] = typer.Option(None, help="Another prompt set to mix in: purely aligned prompts collapse the student's entropy."),
+    top: str = typer.Option(
+        "0.5", help="Keep this fraction (0.5 or 50%) or this count (500) of the most aligned prompts."
+    ),
+    by: str = typer.Option(
+        "overlap_ratio",
+        help="Rank by overlap_ratio | overlap_mass_student | overlap_mass_teacher | overlap_advantage (larger = aligned) | entropy_gap (smaller = aligned).",
+    ),
+    mix_with: str | None = typer.Option(
+        None, help="Another prompt set to mix in: purely aligned prompts collapse the student's entropy."
+    ),
     ratio: float = typer.Option(0.3, help="Fraction of the result drawn at random from --mix-with, in [0, 1)."),
     seed: int = typer.Option(0, help="Seed of the draw from --mix-with."),
     prompt_key: str = typer.Option("prompt", help=PROMPT_KEY_HELP + " Applies to --in and --mix-with."),
     answer_key: str = typer.Option("reward_model.ground_truth", help=ANSWER_KEY_HELP),
-    id_key: Optional[str] = typer.Option(None, help=ID_KEY_HELP),
+    id_key: str | None = typer.Option(None, help=ID_KEY_HELP),
 ) -> None:
     """Keep the most teacher-aligned prompts by their scores, optionally mixed with prompts from another set."""
     from opd.recipes.prompts import select_prompt_file
 
-    typer.echo(select_prompt_file(source, scores, out, top=top, by=by, mix_with=mix_with, ratio=ratio, seed=seed,
-                                  prompt_key=prompt_key, answer_key=answer_key or None, id_key=id_key))
+    typer.echo(
+        select_prompt_file(
+            source,
+            scores,
+            out,
+            top=top,
+            by=by,
+            mix_with=mix_with,
+            ratio=ratio,
+            seed=seed,
+            prompt_key=prompt_key,
+            answer_key=answer_key or None,
+            id_key=id_key,
+        )
+    )
+
 
 @app.command("demo")
 def demo_command(
-    overrides: Optional[list[str]] = _overrides(),
-    config: Optional[Path] = _config(),
-    steps: Optional[int] = typer.Option(None, help="OPD steps (run.steps). [default: 200]"),
-    limit: Optional[int] = typer.Option(None, help="Evaluate on the first N test problems only (eval.limit). [default: all 300]"),
-    out_dir: Optional[str] = typer.Option(None, help="Parent directory of the run (run.out_dir). [default: runs]"),
-    name: Optional[str] = typer.Option(None, help="Run directory name (run.name). [default: demo-<time>]"),
-    threads: int = typer.Option(1, help="torch CPU threads; 0 = torch's default (the lab models are fastest on 1 when cores are busy)."),
+    overrides: list[str] | None = _overrides(),
+    config: Path | None = _config(),
+    steps: int | None = typer.Option(None, help="OPD steps (run.steps). [default: 200]"),
+    limit: int | None = typer.Option(
+        None, help="Evaluate on the first N test problems only (eval.limit). [default: all 300]"
+    ),
+    out_dir: str | None = typer.Option(None, help="Parent directory of the run (run.out_dir). [default: runs]"),
+    name: str | None = typer.Option(None, help="Run directory name (run.name). [default: demo-<time>]"),
+    threads: int = typer.Option(
+        1, help="torch CPU threads; 0 = torch's default (the lab models are fastest on 1 when cores are busy)."
+    ),
 ) -> None:
     """OPD in minutes on a CPU: distill the shipped lab student from the shipped lab teacher, print before/after.
 
@@ -413,53 +663,102 @@ def demo_command(
     demo(extra + list(overrides or []), config_file=config, threads=threads or None)
 
 
-lab_app = typer.Typer(help="The lab: a synthetic arithmetic task with a tiny teacher/student pair shipped in the package.",
-                      no_args_is_help=True, rich_markup_mode=None)
+lab_app = typer.Typer(
+    help="The lab: a synthetic arithmetic task with a tiny teacher/student pair shipped in the package.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
 app.add_typer(lab_app, name="lab")
 
 
 @lab_app.command("build")
 def lab_build_command(
-    out: Path = typer.Argument(..., help="Output directory: teacher/, student/, data/, work/ (SFT runs), manifest.json."),
+    out: Path = typer.Argument(
+        ..., help="Output directory: teacher/, student/, data/, work/ (SFT runs), manifest.json."
+    ),
     seed: int = typer.Option(0, help="Seed of model initialisation and data order (the student uses seed + 1)."),
-    teacher_steps: int = typer.Option(6000, help="SFT steps of the teacher (batch 64; hours on one CPU thread: docs/performance.md)."),
-    student_steps: int = typer.Option(500, help="SFT steps of the student (batch 64; its rate on one CPU thread: docs/performance.md)."),
-    sft_examples: Optional[int] = typer.Option(None, help="Size of the SFT set (train-split problems). [default: 60000]"),
-    eval_limit: Optional[int] = typer.Option(None, help="Measure accuracy on the first N test problems only. [default: all 300]"),
+    teacher_steps: int = typer.Option(
+        6000, help="SFT steps of the teacher (batch 64; hours on one CPU thread: docs/performance.md)."
+    ),
+    student_steps: int = typer.Option(
+        500, help="SFT steps of the student (batch 64; its rate on one CPU thread: docs/performance.md)."
+    ),
+    sft_examples: int | None = typer.Option(None, help="Size of the SFT set (train-split problems). [default: 60000]"),
+    eval_limit: int | None = typer.Option(
+        None, help="Measure accuracy on the first N test problems only. [default: all 300]"
+    ),
     threads: int = typer.Option(1, help="torch CPU threads; 0 = torch's default."),
-    rewrite_teacher_steps: int = typer.Option(4000, help="SFT steps of the rewrite-style teacher, fine-tuned from the forward teacher (batch 256; a GPU job, see docs/lab.md)."),
+    rewrite_teacher_steps: int = typer.Option(
+        4000,
+        help="SFT steps of the rewrite-style teacher, fine-tuned from the forward teacher (batch 256; a GPU job, see docs/lab.md).",
+    ),
     rewrite_teacher_batch: int = typer.Option(256, help="Examples per SFT step of the rewrite-style teacher."),
-    only: Optional[str] = typer.Option(None, help="Comma-separated models to train: teacher, student, rewrite_teacher. [default: all three]"),
+    only: str | None = typer.Option(
+        None, help="Comma-separated models to train: teacher, student, rewrite_teacher. [default: all three]"
+    ),
     device: str = typer.Option("cpu", help="Where the models train and are measured: cpu, cuda, cuda:N."),
-    time_budget: Optional[float] = typer.Option(None, help="Wall seconds per model's SFT (set-up included): train the steps that fit, then always save, measure and record. [default: none]"),
+    time_budget: float | None = typer.Option(
+        None,
+        help="Wall seconds per model's SFT (set-up included): train the steps that fit, then always save, measure and record. [default: none]",
+    ),
 ) -> None:
     """Retrain the lab models (forward-style teacher and student, rewrite-style teacher) from a seed with `opd sft`
     and write their manifest (accuracies measured)."""
     from opd.recipes.lab import build
 
-    manifest = build(out, seed=seed, teacher_steps=teacher_steps, student_steps=student_steps,
-                     rewrite_teacher_steps=rewrite_teacher_steps, rewrite_teacher_batch=rewrite_teacher_batch,
-                     sft_examples=sft_examples, eval_limit=eval_limit,
-                     only=_names(only), device=device, time_budget_s=time_budget, threads=threads or None)
+    manifest = build(
+        out,
+        seed=seed,
+        teacher_steps=teacher_steps,
+        student_steps=student_steps,
+        rewrite_teacher_steps=rewrite_teacher_steps,
+        rewrite_teacher_batch=rewrite_teacher_batch,
+        sft_examples=sft_examples,
+        eval_limit=eval_limit,
+        only=_names(only),
+        device=device,
+        time_budget_s=time_budget,
+        threads=threads or None,
+    )
     typer.echo(f"manifest: {manifest}")
 
 
 @lab_app.command("run")
 def lab_run_command(
-    name: str = typer.Argument(..., help="Experiment: topk (only_stu / intersection / union-intersection, top-1/4/16, sampled-token) | teacher (real teacher vs the student as its own teacher) | style (thinking-pattern mismatch: a rewrite-style teacher, with and without an SFT cold start, vs the matched forward teacher)."),
-    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP + " Applied to every run.", show_default=False),
+    name: str = typer.Argument(
+        ...,
+        help="Experiment: topk (only_stu / intersection / union-intersection, top-1/4/16, sampled-token) | teacher (real teacher vs the student as its own teacher) | style (thinking-pattern mismatch: a rewrite-style teacher, with and without an SFT cold start, vs the matched forward teacher).",
+    ),
+    overrides: list[str] | None = typer.Argument(
+        None, help=OVERRIDES_HELP + " Applied to every run.", show_default=False
+    ),
     steps: int = typer.Option(50, help="OPD steps per run."),
     out_dir: Path = typer.Option(Path("runs/lab"), help="Parent directory; runs go to <out-dir>/<name>/<variant>."),
-    only: Optional[str] = typer.Option(None, help="Comma-separated variants to run. [default: all of the experiment]"),
+    only: str | None = typer.Option(None, help="Comma-separated variants to run. [default: all of the experiment]"),
     threads: int = typer.Option(1, help="torch CPU threads; 0 = torch's default."),
-    seeds: Optional[str] = typer.Option(None, help="Comma-separated run.seed values: each variant once per seed (runs <variant>_s<seed>). [default: once, seed 0]"),
-    check: bool = typer.Option(False, "--check/--no-check", help="Run `opd check` on each variant's pair first: its forecast next to the measured outcome."),
+    seeds: str | None = typer.Option(
+        None,
+        help="Comma-separated run.seed values: each variant once per seed (runs <variant>_s<seed>). [default: once, seed 0]",
+    ),
+    check: bool = typer.Option(
+        False,
+        "--check/--no-check",
+        help="Run `opd check` on each variant's pair first: its forecast next to the measured outcome.",
+    ),
 ) -> None:
     """A small replication: short `opd distill` runs that differ in one setting; summary.json/.md + a comparison report."""
     from opd.recipes.lab import run_experiment
 
-    run_experiment(name, out_dir=out_dir, steps=steps, overrides=list(overrides or []), only=_names(only),
-                   seeds=_seeds(seeds), check=check, threads=threads or None)
+    run_experiment(
+        name,
+        out_dir=out_dir,
+        steps=steps,
+        overrides=list(overrides or []),
+        only=_names(only),
+        seeds=_seeds(seeds),
+        check=check,
+        threads=threads or None,
+    )
 
 
 def _str(value: Any) -> str | None:

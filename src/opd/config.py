@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Annotated, Any, Collection, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
@@ -47,48 +47,91 @@ class ModelSpec(Section):
     dtype: str = Field("auto", description="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")
     device: str = Field("auto", description="auto (cuda if present, else cpu), cpu, cuda, cuda:N.")
     trust_remote_code: bool = Field(False, description="Allow custom model code from the hub (off: safer).")
-    attn_implementation: str | None = Field(None, description="sdpa, eager, flex_attention, flash_attention_2, opd_varlen (SDPA, with packed rows through FlashAttention varlen); None: library default, opd_varlen in place of sdpa on CUDA.")
+    attn_implementation: str | None = Field(
+        None,
+        description="sdpa, eager, flex_attention, flash_attention_2, opd_varlen (SDPA, with packed rows through FlashAttention varlen); None: library default, opd_varlen in place of sdpa on CUDA.",
+    )
 
 
 class VLLMSpec(Section):
     """vLLM engine options (`engine: vllm` for rollouts, evaluation, teacher rollout; `teacher.engine: vllm`)."""
 
-    gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0, description="GPU: fraction of the GPU's memory the engine may take (weights + KV cache), in (0, 1]; keep it small beside a trainer. Ignored when kv_cache_gb is set.")
-    kv_cache_gb: float | None = Field(None, gt=0.0, description="KV-cache size in GiB; None: 1 on CPU (vLLM's own default reserves 0.92 x RAM), by gpu_memory_utilization on GPU.")
-    enforce_eager: bool | None = Field(None, description="No torch.compile / CUDA graphs in the engine; None: on for CPU (compiling is slow there), off on GPU.")
-    sleep: bool | None = Field(None, description="Offload the engine's weights and KV cache while the trainer scores and updates (vLLM sleep level 1); None: on for distill where the platform supports it (CUDA; the CPU build ignores sleep).")
-    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + response the engine accepts, in tokens; None: the model's max_position_embeddings.")
+    gpu_memory_utilization: float = Field(
+        0.3,
+        gt=0.0,
+        le=1.0,
+        description="GPU: fraction of the GPU's memory the engine may take (weights + KV cache), in (0, 1]; keep it small beside a trainer. Ignored when kv_cache_gb is set.",
+    )
+    kv_cache_gb: float | None = Field(
+        None,
+        gt=0.0,
+        description="KV-cache size in GiB; None: 1 on CPU (vLLM's own default reserves 0.92 x RAM), by gpu_memory_utilization on GPU.",
+    )
+    enforce_eager: bool | None = Field(
+        None,
+        description="No torch.compile / CUDA graphs in the engine; None: on for CPU (compiling is slow there), off on GPU.",
+    )
+    sleep: bool | None = Field(
+        None,
+        description="Offload the engine's weights and KV cache while the trainer scores and updates (vLLM sleep level 1); None: on for distill where the platform supports it (CUDA; the CPU build ignores sleep).",
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt + response the engine accepts, in tokens; None: the model's max_position_embeddings.",
+    )
 
 
 class TeacherSpec(ModelSpec):
     """The teacher: a model loaded in process (`path`, scored by the local scorer or a vLLM engine), or one served by
     `opd serve-teacher` (`url`)."""
 
-    path: str | None = Field(None, description="Hugging Face model id or local directory; not needed with url (the "
-                             "server's /info names the model).")
-    engine: TeacherEngineName = Field("local", description="With path: local = an in-process HF model (any strategy); vllm = an in-process vLLM engine scoring with prompt_logprobs (top_k=0 or strategy only_tch, teacher_temperature 1).")
+    path: str | None = Field(
+        None,
+        description="Hugging Face model id or local directory; not needed with url (the "
+        "server's /info names the model).",
+    )
+    engine: TeacherEngineName = Field(
+        "local",
+        description="With path: local = an in-process HF model (any strategy); vllm = an in-process vLLM engine scoring with prompt_logprobs (top_k=0 or strategy only_tch, teacher_temperature 1).",
+    )
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
-    url: str | list[str] | None = Field(None, description="http://host:port of an `opd serve-teacher`, or a list of "
-                                        "replicas (balanced by tokens in flight); None: load `path` in process.")
-    token_file: str | None = Field(None, description="File with the server's bearer token; None: the environment "
-                                   "variable named by token_env, if set.")
-    token_env: str = Field("OPD_TEACHER_TOKEN", description="Environment variable holding the token (never written "
-                           "into config.yaml).")
+    url: str | list[str] | None = Field(
+        None,
+        description="http://host:port of an `opd serve-teacher`, or a list of "
+        "replicas (balanced by tokens in flight); None: load `path` in process.",
+    )
+    token_file: str | None = Field(
+        None,
+        description="File with the server's bearer token; None: the environment variable named by token_env, if set.",
+    )
+    token_env: str = Field(
+        "OPD_TEACHER_TOKEN", description="Environment variable holding the token (never written into config.yaml)."
+    )
     timeout: float = Field(300.0, gt=0, description="Seconds without an answer before a request is retried.")
-    retry_deadline: float = Field(600.0, ge=0, description="Seconds a request keeps retrying an unreachable or busy "
-                                  "server (e.g. while it restarts) before the run stops with an error.")
-    request_tokens: int = Field(16384, ge=1, description="Tokens per request; a larger batch is split into "
-                                "requests sent concurrently.")
-    logprobs: Literal["float32", "bfloat16"] = Field("float32", description="Wire dtype of the log-probs: float32 "
-                                                     "(exact) or bfloat16 (fewer bytes, ~3 significant digits).")
+    retry_deadline: float = Field(
+        600.0,
+        ge=0,
+        description="Seconds a request keeps retrying an unreachable or busy "
+        "server (e.g. while it restarts) before the run stops with an error.",
+    )
+    request_tokens: int = Field(
+        16384, ge=1, description="Tokens per request; a larger batch is split into requests sent concurrently."
+    )
+    logprobs: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Wire dtype of the log-probs: float32 (exact) or bfloat16 (fewer bytes, ~3 significant digits).",
+    )
 
     @model_validator(mode="after")
-    def _path_or_url(self) -> "TeacherSpec":
+    def _path_or_url(self) -> TeacherSpec:
         if self.path is None and self.url is None:
             raise ValueError("give teacher.path (a model to load) or teacher.url (an `opd serve-teacher`)")
         if self.url is not None and self.engine != "local":
-            raise ValueError(f"teacher.url serves the teacher; teacher.engine={self.engine} applies to a teacher "
-                             f"loaded from teacher.path: set one of them")
+            raise ValueError(
+                f"teacher.url serves the teacher; teacher.engine={self.engine} applies to a teacher "
+                f"loaded from teacher.path: set one of them"
+            )
         return self
 
 
@@ -106,18 +149,32 @@ class DataSpec(Section):
     """A prompt set and how to read and render it."""
 
     path: str = Field(description="Parquet / JSONL / JSON file, a `save_to_disk` dataset dir, or a hub dataset id.")
-    prompt_key: str = Field("prompt", description="Column with the prompt: chat messages or plain text. Dotted keys reach into structs.")
-    answer_key: str | None = Field("reward_model.ground_truth", description="Column with the ground truth; None: the set has none.")
-    id_key: str | None = Field(None, description="Column with a stable prompt id; None: extra_info.index, else the row number.")
+    prompt_key: str = Field(
+        "prompt", description="Column with the prompt: chat messages or plain text. Dotted keys reach into structs."
+    )
+    answer_key: str | None = Field(
+        "reward_model.ground_truth", description="Column with the ground truth; None: the set has none."
+    )
+    id_key: str | None = Field(
+        None, description="Column with a stable prompt id; None: extra_info.index, else the row number."
+    )
     split: str = Field("train", description="Split of a Hugging Face dataset.")
-    template: str = Field("keep", description="Instruction template: keep | dapo | boxed | custom:<text with {problem}>.")
-    enable_thinking: bool | None = Field(None, description="Passed to the chat template (Qwen3 thinking on/off); None: template default.")
+    template: str = Field(
+        "keep", description="Instruction template: keep | dapo | boxed | custom:<text with {problem}>."
+    )
+    enable_thinking: bool | None = Field(
+        None, description="Passed to the chat template (Qwen3 thinking on/off); None: template default."
+    )
     max_prompt_length: int = Field(1024, ge=1, description="Longest rendered prompt in tokens.")
-    on_overflow: Literal["filter", "error"] = Field("filter", description="Longer prompts are dropped (and counted) or an error.")
+    on_overflow: Literal["filter", "error"] = Field(
+        "filter", description="Longer prompts are dropped (and counted) or an error."
+    )
     limit: int | None = Field(None, ge=1, description="Use only the first N prompts; None: all.")
     on_missing_answer: Literal["error", "skip", "keep"] = Field(
-        "error", description="A row without a ground truth (null, absent, empty) while answer_key is set: error "
-        "(one line naming the row), skip (dropped, counted in the log) or keep (no answer; OPD without GRPO needs none).")
+        "error",
+        description="A row without a ground truth (null, absent, empty) while answer_key is set: error "
+        "(one line naming the row), skip (dropped, counted in the log) or keep (no answer; OPD without GRPO needs none).",
+    )
 
 
 class EvalConfig(Section):
@@ -142,11 +199,22 @@ class EvalConfig(Section):
     batch_size: int = Field(64, ge=1, description="Sequences generated together (prompts × n).")
     limit: int | None = Field(None, ge=1, description="Evaluate only the first N problems of each benchmark.")
     seed: int = Field(0, description="Sampling seed; the same seed reproduces the samples.")
-    out: str | None = Field(None, description="Output directory; None: runs/eval-<timestamp>. Rerunning into it resumes.")
-    timeout: float = Field(5.0, gt=0, description="Wall-time budget in seconds of one response's symbolic grading (imports and worker start-up included); a comparison that runs out counts as wrong.")
+    out: str | None = Field(
+        None, description="Output directory; None: runs/eval-<timestamp>. Rerunning into it resumes."
+    )
+    timeout: float = Field(
+        5.0,
+        gt=0,
+        description="Wall-time budget in seconds of one response's symbolic grading (imports and worker start-up included); a comparison that runs out counts as wrong.",
+    )
     on_missing_answer: Literal["error", "skip"] = Field(
-        "error", description="A benchmark row (or --responses line) without a ground truth: error (one line naming it) or skip (dropped, counted).")
-    engine: EngineName = Field("auto", description="Generation engine (opd.rollout.registry): auto | torch | static | vllm (loads the model itself; needs the vllm extra).")
+        "error",
+        description="A benchmark row (or --responses line) without a ground truth: error (one line naming it) or skip (dropped, counted).",
+    )
+    engine: EngineName = Field(
+        "auto",
+        description="Generation engine (opd.rollout.registry): auto | torch | static | vllm (loads the model itself; needs the vllm extra).",
+    )
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
 
 
@@ -306,22 +374,34 @@ class SamplingSpec(Section):
     """Rollout sampling of the student during training."""
 
     n: int = Field(4, ge=1, description="Rollouts per prompt (the paper: 4).")
-    temperature: float = Field(1.0, gt=0.0, description="Student sampling temperature τ_S; also scales the student's log-probs (SPEC §1).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass; 1.0 = off (on-policy rewards assume full-support sampling).")
-    max_new_tokens: int = Field(1024, ge=1, description="Longest rollout in tokens; longer ones are truncated and counted.")
+    temperature: float = Field(
+        1.0, gt=0.0, description="Student sampling temperature τ_S; also scales the student's log-probs (SPEC §1)."
+    )
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, description="Nucleus mass; 1.0 = off (on-policy rewards assume full-support sampling)."
+    )
+    max_new_tokens: int = Field(
+        1024, ge=1, description="Longest rollout in tokens; longer ones are truncated and counted."
+    )
     batch_size: int = Field(256, ge=1, description="Sequences the generation engine runs together.")
     max_batch_tokens: int | None = Field(
-        None, ge=1, description="Most KV-cache tokens the engine holds at once, counted as rows × (longest prompt + "
-        "max_new_tokens); None = as many rows (≤ batch_size) as fit in the GPU memory free at each generation call."
+        None,
+        ge=1,
+        description="Most KV-cache tokens the engine holds at once, counted as rows × (longest prompt + "
+        "max_new_tokens); None = as many rows (≤ batch_size) as fit in the GPU memory free at each generation call.",
     )
     engine: EngineName = Field(
-        "auto", description="auto: the static-KV-cache CUDA-graph engine on a GPU (one process), the torch engine otherwise; vllm: an in-process vLLM engine, weights pushed after every step (needs the vllm extra)."
+        "auto",
+        description="auto: the static-KV-cache CUDA-graph engine on a GPU (one process), the torch engine otherwise; vllm: an in-process vLLM engine, weights pushed after every step (needs the vllm extra).",
     )
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
     overlap: bool = Field(
-        False, description="Generate step t+1's rollouts while step t scores and updates (one step of policy lag, from "
+        False,
+        description="Generate step t+1's rollouts while step t scores and updates (one step of policy lag, from "
         "a bf16 snapshot of the step-t weights), corrected by truncated importance weights against the engine's own "
-        "log-probs: needs objective.tis_cap. One process only; off: every step samples from its own weights.")
+        "log-probs: needs objective.tis_cap. One process only; off: every step samples from its own weights.",
+    )
+
 
 class ObjectiveSpec(Section):
     """What the token rewards, advantages and loss compute (SPEC §2–§4)."""
@@ -340,16 +420,23 @@ class ObjectiveSpec(Section):
         "pg", description="pg: the paper's policy gradient on token rewards; others: extension objectives (SPEC §4)."
     )
     jsd_beta: float = Field(0.5, ge=0.0, le=1.0, description="β of the generalised JSD (loss=jsd).")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="How position losses are aggregated; token-mean is global over the optimizer batch."
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        Field(
+            "token-mean",
+            description="How position losses are aggregated; token-mean is global over the optimizer batch.",
+        )
     )
     clip_ratio_low: float = Field(0.2, ge=0.0, description="PPO ε_low.")
     clip_ratio_high: float = Field(0.2, ge=0.0, description="PPO ε_high.")
     clip_ratio_c: float = Field(3.0, gt=1.0, description="Dual-clip constant c for negative advantages.")
-    kl_coef: float = Field(0.0, ge=0.0, description="Coefficient of a KL penalty to a frozen reference (0 = off, no reference loaded).")
+    kl_coef: float = Field(
+        0.0, ge=0.0, description="Coefficient of a KL penalty to a frozen reference (0 = off, no reference loaded)."
+    )
     kl_type: Literal["k1", "k3", "low_var_kl"] = Field("low_var_kl", description="KL estimator for kl_coef.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient (0 = off).")
-    tis_cap: float | None = Field(None, gt=0.0, description="Truncated importance weight cap for rollouts from another engine; None = off.")
+    tis_cap: float | None = Field(
+        None, gt=0.0, description="Truncated importance weight cap for rollouts from another engine; None = off."
+    )
 
 
 class OptimSpec(Section):
@@ -362,12 +449,16 @@ class OptimSpec(Section):
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0 to lr.")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Floor of cosine/linear decay as a fraction of lr.")
     state_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="Storage of AdamW's two moments (the master weights stay as loaded): fp32 (8 bytes a "
-        "parameter), or bf16 (4 bytes; exp_avg rounded to nearest, exp_avg_sq stochastically: `opd.train.optim.AdamW16`).")
+        "fp32",
+        description="Storage of AdamW's two moments (the master weights stay as loaded): fp32 (8 bytes a "
+        "parameter), or bf16 (4 bytes; exp_avg rounded to nearest, exp_avg_sq stochastically: `opd.train.optim.AdamW16`).",
+    )
     fused: bool | None = Field(
-        None, description="fp32 state: torch's fused AdamW kernel, which allocates no parameter-sized temporaries "
+        None,
+        description="fp32 state: torch's fused AdamW kernel, which allocates no parameter-sized temporaries "
         "(foreach does: 4 bytes a parameter at every step). None: fused when every parameter is a plain CUDA tensor "
-        "(not FSDP-sharded), else foreach.")
+        "(not FSDP-sharded), else foreach.",
+    )
 
 
 class RunSpec(Section):
@@ -379,14 +470,25 @@ class RunSpec(Section):
     steps: int = Field(100, ge=1, description="Optimizer steps (one per rollout batch).")
     save_every: int = Field(50, ge=0, description="Checkpoint every N steps (and at the end); 0 = only at the end.")
     keep_last: int | None = Field(2, ge=1, description="Keep the newest N checkpoints; None: keep all.")
-    eval_every: int = Field(0, ge=0, description="Evaluate every N steps (and at the end when eval is configured); 0 = only at the end.")
-    eval_at_start: bool = Field(True, description="Also evaluate before the first step (eval/step_0: the model before training, the report's 'before'); only when eval is configured and not when resuming.")
+    eval_every: int = Field(
+        0, ge=0, description="Evaluate every N steps (and at the end when eval is configured); 0 = only at the end."
+    )
+    eval_at_start: bool = Field(
+        True,
+        description="Also evaluate before the first step (eval/step_0: the model before training, the report's 'before'); only when eval is configured and not when resuming.",
+    )
     resume: bool = Field(False, description="Continue from the newest complete checkpoint of the run directory.")
-    overwrite: bool = Field(False, description="A new run into a run directory that holds anything moves the old "
-                            "directory aside to <name>.old-<time> (never deletes it); off: such a run is refused.")
-    allow_config_change: bool = Field(False, description="Let --resume continue with settings that change the math "
-                                      "or data order (objective, rollout, data, optim, seed, models); off: refused, "
-                                      "naming each changed key (opd.rundir.RESUMABLE lists the free ones).")
+    overwrite: bool = Field(
+        False,
+        description="A new run into a run directory that holds anything moves the old "
+        "directory aside to <name>.old-<time> (never deletes it); off: such a run is refused.",
+    )
+    allow_config_change: bool = Field(
+        False,
+        description="Let --resume continue with settings that change the math "
+        "or data order (objective, rollout, data, optim, seed, models); off: refused, "
+        "naming each changed key (opd.rundir.RESUMABLE lists the free ones).",
+    )
     samples_per_step: int = Field(4, ge=0, description="Decoded rollouts with per-token rewards written to samples/.")
     tensorboard: bool = Field(False, description="Also log to TensorBoard (needs the tensorboard package).")
     wandb_project: str | None = Field(None, description="Also log to this W&B project (needs wandb).")
@@ -405,15 +507,18 @@ class EvalSpec(Section):
     prompt_key: str = Field("prompt", description="Prompt column of benchmark files given by path.")
     answer_key: str = Field("reward_model.ground_truth", description="Answer column of benchmark files given by path.")
     on_missing_answer: Literal["error", "skip"] = Field(
-        "error", description="A benchmark row without a ground truth: error (one line naming it) or skip (dropped, counted).")
+        "error",
+        description="A benchmark row without a ground truth: error (one line naming it) or skip (dropped, counted).",
+    )
 
 
 class DistillConfig(Section):
     """`opd distill`: on-policy distillation (and the GRPO baseline) of a student from a teacher."""
 
     student: ModelSpec
-    teacher: Teacher | None = Field(None, description="The teacher (local `path` or served `url`); not needed "
-                                        "for advantage=grpo.")
+    teacher: Teacher | None = Field(
+        None, description="The teacher (local `path` or served `url`); not needed for advantage=grpo."
+    )
     data: DataSpec
     rollout: SamplingSpec = Field(default_factory=SamplingSpec)
     objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
@@ -422,36 +527,51 @@ class DistillConfig(Section):
     eval: EvalSpec = Field(default_factory=EvalSpec)
     prompts_per_step: int = Field(64, ge=1, description="Prompts per optimizer step (× rollout.n sequences).")
     micro_batch_tokens: int = Field(16384, ge=1, description="Token budget of one forward/backward micro-batch.")
-    score_batch_tokens: int = Field(32768, ge=1, description="Token budget of one no-grad scoring forward (teacher and student).")
+    score_batch_tokens: int = Field(
+        32768, ge=1, description="Token budget of one no-grad scoring forward (teacher and student)."
+    )
     teacher_offload: bool = Field(False, description="Keep the teacher on CPU except while it scores.")
     gradient_checkpointing: bool | None = Field(
-        None, description="Recompute every layer's activations in backward to save memory. None: on CUDA, selective "
-        "when the layers are compiled (see activation_budget), else full; off on CPU.")
+        None,
+        description="Recompute every layer's activations in backward to save memory. None: on CUDA, selective "
+        "when the layers are compiled (see activation_budget), else full; off on CPU.",
+    )
     activation_budget: float = Field(
-        0.5, gt=0, le=1, description="Selective checkpointing (compiled layers, gradient_checkpointing None): keep at "
-        "most this fraction of the activations, recompute the cheap rest in backward; 1 = keep all.")
+        0.5,
+        gt=0,
+        le=1,
+        description="Selective checkpointing (compiled layers, gradient_checkpointing None): keep at "
+        "most this fraction of the activations, recompute the cheap rest in backward; 1 = keep all.",
+    )
     compile: bool | None = Field(
-        None, description="torch.compile the decoder layers of student and teacher (scoring and update); None: on for "
-        "CUDA with one process.")
+        None,
+        description="torch.compile the decoder layers of student and teacher (scoring and update); None: on for "
+        "CUDA with one process.",
+    )
     skip_checks: CommaList = Field(
-        default_factory=list, description="Startup checks (`opd check`'s tokenizers, scoring, resources rows) not to "
-        "run or not to stop on: row names (e.g. determinism), group names, or all; empty: run them all.")
+        default_factory=list,
+        description="Startup checks (`opd check`'s tokenizers, scoring, resources rows) not to "
+        "run or not to stop on: row names (e.g. determinism), group names, or all; empty: run them all.",
+    )
 
     # Cross-field checks that need only the config: they fail at load time, before any model is read. Checks that need
     # the number of processes or the data stay in `opd.recipes.distill.setup`, and so does the micro-batch budget
     # against data.max_prompt_length (configs built in code, e.g. the benchmarks', leave that length nominal).
     @model_validator(mode="after")
-    def _objective_fits(self) -> "DistillConfig":
+    def _objective_fits(self) -> DistillConfig:
         obj = self.objective
         if obj.advantage != "grpo" and self.teacher is None:
-            raise ValueError(f"objective.advantage={obj.advantage} needs a teacher: pass --teacher "
-                             f"(or teacher.path=...)")
+            raise ValueError(
+                f"objective.advantage={obj.advantage} needs a teacher: pass --teacher (or teacher.path=...)"
+            )
         if obj.advantage == "token_grpo" and obj.top_k:
             raise ValueError("objective.advantage=token_grpo is sampled-token only: set objective.top_k=0")
         if obj.loss == "full_reverse_kl":
-            raise ValueError("objective.loss=full_reverse_kl needs the teacher's full distribution in the grad pass "
-                             "and is only available as opd.objectives.full_reverse_kl; use pg, topk_kl, forward_kl "
-                             "or jsd")
+            raise ValueError(
+                "objective.loss=full_reverse_kl needs the teacher's full distribution in the grad pass "
+                "and is only available as opd.objectives.full_reverse_kl; use pg, topk_kl, forward_kl "
+                "or jsd"
+            )
         if obj.loss == "topk_kl" and obj.top_k == 0:  # a one-token support renormalises to KL = 0: nothing would learn
             raise ValueError("objective.loss=topk_kl needs a top-k support: set objective.top_k > 0 (e.g. 16)")
         if obj.loss != "pg" and obj.advantage != "token_reward":
@@ -459,8 +579,10 @@ class DistillConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _rollouts_fit(self) -> "DistillConfig":
+    def _rollouts_fit(self) -> DistillConfig:
         if self.rollout.overlap and self.objective.tis_cap is None:
-            raise ValueError("rollout.overlap=true trains on rollouts sampled one step earlier: it needs "
-                             "objective.tis_cap (e.g. 2.0) to correct them, and one process")
+            raise ValueError(
+                "rollout.overlap=true trains on rollouts sampled one step earlier: it needs "
+                "objective.tis_cap (e.g. 2.0) to correct them, and one process"
+            )
         return self

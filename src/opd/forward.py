@@ -199,8 +199,10 @@ def forward_hidden(
     attention_BL = batch.attention_mask.bool()
     real_B = attention_BL.sum(1)
     if not bool((attention_BL.long().cumprod(1).sum(1) == real_B).all() and (lengths_B <= real_B).all()):
-        raise ValueError("rollouts must be right-padded (attention_mask a prefix of each row) and cover every "
-                         "selected response position")
+        raise ValueError(
+            "rollouts must be right-padded (attention_mask a prefix of each row) and cover every "
+            "selected response position"
+        )
     positions_N = batch.response_positions()[rows_N, cols_N]
 
     live_b = (lengths_B > 0).nonzero(as_tuple=True)[0]  # rows with something to score
@@ -219,8 +221,14 @@ def forward_hidden(
         implementation = getattr(model.config, "_attn_implementation", None)
         varlen = implementation == varlen_attention.ATTENTION
         row_kwargs = varlen_attention.packed_kwargs(lengths_b, max_len) if varlen else {}
-        hidden_SD = _run_body(model, ids_bS[keep_bS][None], row_kwargs.pop("attention_mask", None), position_ids_1S,
-                              through_root, **row_kwargs)[0]
+        hidden_SD = _run_body(
+            model,
+            ids_bS[keep_bS][None],
+            row_kwargs.pop("attention_mask", None),
+            position_ids_1S,
+            through_root,
+            **row_kwargs,
+        )[0]
         offsets_b = torch.cumsum(lengths_b, 0) - lengths_b
         hidden_ND = hidden_SD[offsets_b[slot_B[rows_N]] + positions_N]
     else:

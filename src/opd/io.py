@@ -16,10 +16,10 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
-
+from typing import Any
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -108,8 +108,9 @@ def read_text(path: str | Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
         line = data.count(b"\n", 0, error.start) + 1
-        raise ValueError(f"{path}: not UTF-8 text (byte 0x{data[error.start]:02x} on line {line}); "
-                         f"expected a UTF-8 file") from None
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte 0x{data[error.start]:02x} on line {line}); expected a UTF-8 file"
+        ) from None
 
 
 def repair_jsonl(path: str | Path) -> None:
@@ -147,7 +148,7 @@ class DirectoryLock:
     and read, but a second process is not refused.
     """
 
-    _held: dict[str, "DirectoryLock"] = {}
+    _held: dict[str, DirectoryLock] = {}
 
     def __init__(self, directory: str | Path, command: str, *, note: Callable[[str], None] | None = None):
         self.directory = Path(directory)
@@ -157,7 +158,7 @@ class DirectoryLock:
         self._key = ""
         self._depth = 0
 
-    def acquire(self) -> "DirectoryLock":
+    def acquire(self) -> DirectoryLock:
         """Take the lock, creating the directory if needed; raise `DirectoryLocked` when another process holds it."""
         self.directory.mkdir(parents=True, exist_ok=True)
         self._key = str(self.directory.resolve())
@@ -174,8 +175,10 @@ class DirectoryLock:
             except BlockingIOError:
                 holder = _read_holder(fd)
                 os.close(fd)
-                raise DirectoryLocked(f"{self.directory} is in use by another opd process ({_describe(holder)}); "
-                                      f"wait for it to finish, or use another directory") from None
+                raise DirectoryLocked(
+                    f"{self.directory} is in use by another opd process ({_describe(holder)}); "
+                    f"wait for it to finish, or use another directory"
+                ) from None
             except OSError:
                 pass  # no flock on this file system: the lock file is advisory only (see the class docstring)
             try:
@@ -188,8 +191,12 @@ class DirectoryLock:
         previous = _read_holder(fd)
         if previous.get("pid"):
             self.note(f"{self.directory}: taking over the lock left by {_describe(previous)}, which is not running")
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
-                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "command": self.command,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
         self._fd, self._depth = fd, 1
@@ -227,7 +234,7 @@ class DirectoryLock:
         os.close(self._fd)
         self._fd = None
 
-    def __enter__(self) -> "DirectoryLock":
+    def __enter__(self) -> DirectoryLock:
         return self.acquire()
 
     def __exit__(self, *exc_info: Any) -> None:

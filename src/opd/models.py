@@ -47,8 +47,16 @@ class ModelLoadError(ValueError):
 
 # Files of which a tokenizer is built (any one suffices); a model directory with none of them gets no tokenizer
 # rather than the 1-token stub transformers would make from the config alone.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                    "spiece.model", "sentencepiece.bpe.model", "tekken.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tekken.json",
+)
 
 
 class TokenizerMismatchError(ValueError):
@@ -56,7 +64,7 @@ class TokenizerMismatchError(ValueError):
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """"auto" → cuda (current device) when available, else cpu. Otherwise any `torch.device` string ("cpu", "cuda",
+    """ "auto" → cuda (current device) when available, else cpu. Otherwise any `torch.device` string ("cpu", "cuda",
     "cuda:1", "mps"); asking for an accelerator that is absent raises ValueError."""
     if isinstance(device, torch.device):
         return device
@@ -74,7 +82,7 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device | None = None) -> torch.dtype:
-    """"auto" → bfloat16 on CUDA (float16 where bf16 is unsupported), float32 elsewhere. Names accepted: bf16,
+    """ "auto" → bfloat16 on CUDA (float16 where bf16 is unsupported), float32 elsewhere. Names accepted: bf16,
     bfloat16, fp16, float16, half, fp32, float32, float (case-insensitive), or a `torch.dtype`."""
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -110,8 +118,10 @@ def check_model_path(what: str, name_or_path: str | os.PathLike) -> dict[str, An
     name = str(name_or_path)
     if os.path.exists(name):
         if os.path.isfile(name):
-            raise ModelLoadError(f"cannot load {what} from {name!r}: it is a file; expected a model directory "
-                                 f"(save_pretrained layout) or a Hugging Face Hub id")
+            raise ModelLoadError(
+                f"cannot load {what} from {name!r}: it is a file; expected a model directory "
+                f"(save_pretrained layout) or a Hugging Face Hub id"
+            )
         return {}
     if not _HUB_ID.match(name):
         raise ModelLoadError(f"cannot load {what}: {name!r} is not an existing path nor a Hugging Face Hub id")
@@ -120,8 +130,10 @@ def check_model_path(what: str, name_or_path: str | os.PathLike) -> dict[str, An
         return {}
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return {"local_files_only": True}
-    raise ModelLoadError(f"cannot load {what} {name!r}: no such local path, not in the Hugging Face cache, and the "
-                         f"Hub is not reachable ({unreachable}); pass a local directory, or connect and retry")
+    raise ModelLoadError(
+        f"cannot load {what} {name!r}: no such local path, not in the Hugging Face cache, and the "
+        f"Hub is not reachable ({unreachable}); pass a local directory, or connect and retry"
+    )
 
 
 def _hub_unreachable() -> str | None:
@@ -148,8 +160,10 @@ def _connect_error(host: str, port: int) -> str | None:
 
 def _check_tokenizer_files(path: str) -> None:
     if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-        raise ModelLoadError(f"no tokenizer files in {path} (none of {', '.join(_TOKENIZER_FILES[:4])}, …); copy the "
-                             f"tokenizer of the model it was trained from into it (tokenizer.save_pretrained)")
+        raise ModelLoadError(
+            f"no tokenizer files in {path} (none of {', '.join(_TOKENIZER_FILES[:4])}, …); copy the "
+            f"tokenizer of the model it was trained from into it (tokenizer.save_pretrained)"
+        )
 
 
 def _weights_error(name_or_path: str | os.PathLike, err: Exception) -> ModelLoadError:
@@ -170,8 +184,9 @@ def _weights_error(name_or_path: str | os.PathLike, err: Exception) -> ModelLoad
             bad = file
             break
     where = f"weights file {bad}" if bad else f"the weights in {path}"
-    return ModelLoadError(f"cannot load model from {path!r}: {where} is corrupt or truncated ({first}); "
-                          f"re-download or re-save it")
+    return ModelLoadError(
+        f"cannot load model from {path!r}: {where} is corrupt or truncated ({first}); re-download or re-save it"
+    )
 
 
 def _is_weights_error(err: Exception) -> bool:
@@ -180,8 +195,17 @@ def _is_weights_error(err: Exception) -> bool:
         return True
     text = str(err)
     return isinstance(err, (RuntimeError, EOFError, OSError)) and any(
-        marker in text for marker in ("PytorchStreamReader", "zip archive", "central directory", "unexpected EOF",
-                                      "Unable to load weights", "invalid load key", "not a zip file"))
+        marker in text
+        for marker in (
+            "PytorchStreamReader",
+            "zip archive",
+            "central directory",
+            "unexpected EOF",
+            "Unable to load weights",
+            "invalid load key",
+            "not a zip file",
+        )
+    )
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool = False):
@@ -199,8 +223,10 @@ def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool =
     except (OSError, ValueError) as err:
         raise _load_error("tokenizer", name_or_path, err) from None
     if len(tokenizer) <= 1:  # what transformers builds from a config alone: every text encodes to nothing
-        raise ModelLoadError(f"the tokenizer of {str(name_or_path)!r} has {len(tokenizer)} token(s): its tokenizer "
-                             f"files are missing or empty")
+        raise ModelLoadError(
+            f"the tokenizer of {str(name_or_path)!r} has {len(tokenizer)} token(s): its tokenizer "
+            f"files are missing or empty"
+        )
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is not None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -252,8 +278,11 @@ def load_model(
     if device_map is None:
         model.to(torch_device)
     model.eval()
-    if attn_implementation is None and model.config._attn_implementation == "sdpa" and \
-            varlen_attention.kernel_available(torch_device):
+    if (
+        attn_implementation is None
+        and model.config._attn_implementation == "sdpa"
+        and varlen_attention.kernel_available(torch_device)
+    ):
         model.set_attn_implementation(varlen_attention.ATTENTION)
     rows = model.get_input_embeddings().weight.shape[0]
     if tokenizer.pad_token_id is not None and tokenizer.pad_token_id >= rows:
@@ -282,7 +311,9 @@ def compile_layers(model: torch.nn.Module, enabled: bool | None = None, *, backe
     layers = getattr(body, "layers", None)
     if layers is None:
         if enabled:
-            raise ValueError(f"compile: {type(model).__name__} has no decoder layers to compile (model.get_decoder().layers)")
+            raise ValueError(
+                f"compile: {type(model).__name__} has no decoder layers to compile (model.get_decoder().layers)"
+            )
         return False
     # One layer's forward is compiled per (grad mode, train/eval, static/dynamic shape, checkpoint recompute) variant;
     # dynamo's default of 8 versions per function is reached within a few training steps, after which the layers
@@ -417,8 +448,11 @@ def host_copies(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tenso
     bandwidth; pageable if pinning fails). Made again when something else moved the module (`module.to`)."""
     tensors = [*module.parameters(), *module.buffers()]
     cached = getattr(module, "_opd_host_copies", None)
-    if cached is not None and len(cached) == len(tensors) and all(
-            t.data_ptr() == h.data_ptr() for t, h in zip(tensors, cached)):
+    if (
+        cached is not None
+        and len(cached) == len(tensors)
+        and all(t.data_ptr() == h.data_ptr() for t, h in zip(tensors, cached))
+    ):
         return list(zip(tensors, cached))
     cached = []
     for tensor in tensors:

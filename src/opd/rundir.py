@@ -17,10 +17,11 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator
+from typing import Any
 
 import yaml
 from pydantic import BaseModel
@@ -30,10 +31,31 @@ from opd.io import LOCK_FILE, DirectoryLock, atomic_write_text, pid_alive
 from opd.report.sinks import MetricsSink
 
 _TRAINING = (
-    "run.steps", "epochs", "run.save_every", "run.eval_every", "run.keep_last", "run.report", "run.samples_per_step",
-    "run.tensorboard", "run.wandb_project", "run.resume", "run.overwrite", "run.allow_config_change", "run.out_dir",
-    "run.name", "eval.*", "lora.merge", "student.device", "teacher.device", "model.device", "micro_batch_tokens",
-    "score_batch_tokens", "gradient_checkpointing", "activation_budget", "compile", "teacher_offload",
+    "run.steps",
+    "epochs",
+    "run.save_every",
+    "run.eval_every",
+    "run.keep_last",
+    "run.report",
+    "run.samples_per_step",
+    "run.tensorboard",
+    "run.wandb_project",
+    "run.resume",
+    "run.overwrite",
+    "run.allow_config_change",
+    "run.out_dir",
+    "run.name",
+    "eval.*",
+    "lora.merge",
+    "student.device",
+    "teacher.device",
+    "model.device",
+    "micro_batch_tokens",
+    "score_batch_tokens",
+    "gradient_checkpointing",
+    "activation_budget",
+    "compile",
+    "teacher_offload",
 )
 
 RESUMABLE: dict[str, tuple[str, ...]] = {
@@ -44,9 +66,20 @@ RESUMABLE: dict[str, tuple[str, ...]] = {
     "distill": _TRAINING,
     "sft": _TRAINING,
     # what does not change a finished prompt's samples
-    "rollout": ("out", "num_workers", "devices", "batch_size", "model.device", "llamafactory", "dataset_name",
-                "grade_timeout", "vllm.gpu_memory_utilization", "vllm.kv_cache_gb", "vllm.enforce_eager",
-                "vllm.sleep"),
+    "rollout": (
+        "out",
+        "num_workers",
+        "devices",
+        "batch_size",
+        "model.device",
+        "llamafactory",
+        "dataset_name",
+        "grade_timeout",
+        "vllm.gpu_memory_utilization",
+        "vllm.kv_cache_gb",
+        "vllm.enforce_eager",
+        "vllm.sleep",
+    ),
     # identity.json holds only what decides the samples: nothing in it may change
     "eval": (),
 }
@@ -87,27 +120,40 @@ def claimed_run_dir(run_dir: Path, run: RunSpec, command: str, *, console: Any) 
     Temp directories of interrupted checkpoint writes are removed. A directory this call created and that is still
     empty at the end (the run failed at startup) is removed again."""
     if run.resume and run.overwrite:
-        raise RunDirectoryError("run.resume and run.overwrite contradict each other: --resume continues the run in "
-                                f"{run_dir}, run.overwrite=true moves it aside to start anew; set one")
+        raise RunDirectoryError(
+            "run.resume and run.overwrite contradict each other: --resume continues the run in "
+            f"{run_dir}, run.overwrite=true moves it aside to start anew; set one"
+        )
     created = not run_dir.exists()
     try:
-        lock = DirectoryLock(run_dir, command, note=lambda line: console.print(f"[yellow]{line}[/]", soft_wrap=True)).acquire()
+        lock = DirectoryLock(
+            run_dir, command, note=lambda line: console.print(f"[yellow]{line}[/]", soft_wrap=True)
+        ).acquire()
     except FileExistsError:
-        raise RunDirectoryError(f"{run_dir}: a file is in the way of the run directory (or of a parent); choose "
-                                f"another run.out_dir / run.name") from None
+        raise RunDirectoryError(
+            f"{run_dir}: a file is in the way of the run directory (or of a parent); choose "
+            f"another run.out_dir / run.name"
+        ) from None
     except NotADirectoryError:
-        raise RunDirectoryError(f"{run_dir}: a parent of the run directory is a file; choose another run.out_dir") from None
+        raise RunDirectoryError(
+            f"{run_dir}: a parent of the run directory is a file; choose another run.out_dir"
+        ) from None
     except PermissionError:
         raise RunDirectoryError(f"{run_dir}: not writable (permission denied); choose another run.out_dir") from None
     try:
         held = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE)
         if held and not run.resume:
             checkpoints = complete_checkpoints(run_dir)
-            what = f"checkpoint {checkpoints[-1].name}" if checkpoints else ", ".join(held[:3]) + (", …" if len(held) > 3 else "")
+            what = (
+                f"checkpoint {checkpoints[-1].name}"
+                if checkpoints
+                else ", ".join(held[:3]) + (", …" if len(held) > 3 else "")
+            )
             if not run.overwrite:
                 raise RunDirectoryError(
                     f"{run_dir} already holds a run ({what}); pass --resume (run.resume=true) to continue it, choose "
-                    f"another run.name, or set run.overwrite=true to move it aside")
+                    f"another run.name, or set run.overwrite=true to move it aside"
+                )
             aside = _aside_name(run_dir)
             os.replace(run_dir, aside)  # holding the old lock throughout: nobody starts in it meanwhile
             lock.moved(aside)
@@ -136,17 +182,21 @@ def _aside_name(run_dir: Path) -> Path:
     return aside
 
 
-def resume_checkpoint(run_dir: Path, run: RunSpec, console: Any, config: BaseModel | None = None, *,
-                      command: str = "distill") -> Path | None:
+def resume_checkpoint(
+    run_dir: Path, run: RunSpec, console: Any, config: BaseModel | None = None, *, command: str = "distill"
+) -> Path | None:
     """The newest verified checkpoint of `run_dir` when `run.resume` is set (None, with a note, when there is none).
     A newest checkpoint that fails verification (truncated, corrupt) is skipped with a warning. With `config`, the
     saved config.yaml is compared first (`check_resumed_config`)."""
     if not run.resume:
         return None
-    checkpoint = latest_checkpoint(run_dir, hashes=True,
-                                   warn=lambda line: console.print(f"[yellow]warning: {line}[/]", soft_wrap=True))
+    checkpoint = latest_checkpoint(
+        run_dir, hashes=True, warn=lambda line: console.print(f"[yellow]warning: {line}[/]", soft_wrap=True)
+    )
     if checkpoint is None:
-        console.print(f"[yellow]run.resume: no complete checkpoint in {run_dir}; starting from scratch[/]", soft_wrap=True)
+        console.print(
+            f"[yellow]run.resume: no complete checkpoint in {run_dir}; starting from scratch[/]", soft_wrap=True
+        )
     elif config is not None:
         check_resumed_config(config, run_dir, step=int(checkpoint.name.split("_")[-1]), command=command)
     return checkpoint
@@ -156,11 +206,13 @@ def check_resumed_config(config: BaseModel, run_dir: Path, *, step: int, command
     """Refuse a resume whose config differs from the saved `config.yaml` in a key outside `RESUMABLE[command]` (one
     line naming each changed key, old → new), unless `run.allow_config_change`. Also refuse a run.steps below the
     checkpoint's step."""
-    run = getattr(config, "run")
+    run = config.run
     total = getattr(run, "steps", None)
     if total is not None and total < step:
-        raise RunDirectoryError(f"run.steps={total} but {run_dir} holds checkpoint step_{step}: a resume cannot go "
-                                f"back; raise run.steps, or start another run.name")
+        raise RunDirectoryError(
+            f"run.steps={total} but {run_dir} holds checkpoint step_{step}: a resume cannot go "
+            f"back; raise run.steps, or start another run.name"
+        )
     saved_path = run_dir / "config.yaml"
     if not saved_path.is_file() or run.allow_config_change:
         return
@@ -169,14 +221,17 @@ def check_resumed_config(config: BaseModel, run_dir: Path, *, step: int, command
         saved = type(config).model_validate(saved).model_dump(mode="json")
     except ValueError:
         pass  # a config of an older layout: compare the keys both have
-    changed = [f"{key}: {_short(old)} → {_short(new)}"
-               for key, old, new in config_changes(saved, config.model_dump(mode="json"))
-               if not is_resumable(key, RESUMABLE[command])]
+    changed = [
+        f"{key}: {_short(old)} → {_short(new)}"
+        for key, old, new in config_changes(saved, config.model_dump(mode="json"))
+        if not is_resumable(key, RESUMABLE[command])
+    ]
     if changed:
         raise RunDirectoryError(
             f"--resume of {run_dir} (step {step}) with a changed config: {'; '.join(changed)}. Resume with the saved "
             f"settings ({saved_path}), pass --allow-config-change (run.allow_config_change=true) to continue anyway, "
-            f"or start another run.name")
+            f"or start another run.name"
+        )
 
 
 def config_changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
@@ -214,8 +269,13 @@ def open_run(config: BaseModel, run_dir: Path, run: RunSpec, *, resume_step: int
     if resume_step is not None:
         keep_config_history(config, run_dir, resume_step)
     save_config(config, run_dir)
-    return MetricsSink(run_dir, tensorboard=run.tensorboard, wandb_project=run.wandb_project,
-                       config=config.model_dump(mode="json"), resume_step=resume_step)
+    return MetricsSink(
+        run_dir,
+        tensorboard=run.tensorboard,
+        wandb_project=run.wandb_project,
+        config=config.model_dump(mode="json"),
+        resume_step=resume_step,
+    )
 
 
 def keep_config_history(config: BaseModel, run_dir: Path, step: int) -> Path | None:
@@ -235,8 +295,9 @@ def keep_config_history(config: BaseModel, run_dir: Path, step: int) -> Path | N
     return copy
 
 
-def check_same_work(out: str | Path, saved: dict[str, Any], current: dict[str, Any], *, what: str,
-                    command: str | None = None) -> None:
+def check_same_work(
+    out: str | Path, saved: dict[str, Any], current: dict[str, Any], *, what: str, command: str | None = None
+) -> None:
     """Resume the work in `out` only with the settings it was made with.
 
     `saved` / `current`: flat dotted dicts (`flatten_dotted`) of what made the work and of this run. The first key
@@ -246,8 +307,10 @@ def check_same_work(out: str | Path, saved: dict[str, Any], current: dict[str, A
     allowed = RESUMABLE[command] if command else ()
     for key, value in saved.items():
         if not is_resumable(key, allowed) and value != current.get(key):
-            raise ValueError(f"{out} holds {what} made with another {key}: {value!r} → {current.get(key)!r} in "
-                             f"this run; use another --out, or the same settings to resume")
+            raise ValueError(
+                f"{out} holds {what} made with another {key}: {value!r} → {current.get(key)!r} in "
+                f"this run; use another --out, or the same settings to resume"
+            )
 
 
 # ------------------------------------------------------------- checkpoint directories on disk
@@ -317,13 +380,18 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def latest_checkpoint(run_dir: str | Path, *, hashes: bool = False,
-                      warn: Callable[[str], None] | None = None) -> Path | None:
+def latest_checkpoint(
+    run_dir: str | Path, *, hashes: bool = False, warn: Callable[[str], None] | None = None
+) -> Path | None:
     """The newest checkpoint that verifies (`verify_checkpoint`); each newer one that does not is skipped with a
     one-line warning through `warn` (default: stderr)."""
     warn = warn or (lambda line: print(f"warning: {line}", file=sys.stderr))
     root = Path(run_dir) / "checkpoints"
-    steps = sorted(((checkpoint_step(p), p) for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True) if root.is_dir() else []
+    steps = (
+        sorted(((checkpoint_step(p), p) for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True)
+        if root.is_dir()
+        else []
+    )
     for _, path in steps:
         problem = verify_checkpoint(path, hashes=hashes)
         if problem is None:

@@ -15,8 +15,8 @@ soft-capping are refused (`opd.teacher.local.output_head`).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -55,7 +55,7 @@ class OutputHead:
     logit_scale: float = 1.0
     softcap: float | None = None
 
-    def restricted(self, vocab_size: int | None) -> "OutputHead":
+    def restricted(self, vocab_size: int | None) -> OutputHead:
         """The same head over the first `vocab_size` rows only (views, no copy); None keeps all rows."""
         v_model = self.weight.shape[0]
         if vocab_size is None or vocab_size == v_model:
@@ -138,8 +138,7 @@ def _piece_topk(x_CV: torch.Tensor, k: int, largest: bool) -> tuple[torch.Tensor
     return values_CK, columns_CM.gather(1, where_CK)
 
 
-def _grad_chunk(raw_CV, ids_CJ, lse_C, entropy_C, grad_lp_CJ, grad_entropy_C, scale, softcap, temperature,
-                vocab_size):
+def _grad_chunk(raw_CV, ids_CJ, lse_C, entropy_C, grad_lp_CJ, grad_entropy_C, scale, softcap, temperature, vocab_size):
     """Gradient of Σ_j grad_lp_j · log p(id_j) + grad_entropy · H wrt the raw logits: (g_CV in raw_CV's dtype, for
     the backward GEMMs, and its values at ids_CJ [C, J] in that dtype, or None without grad_lp). Columns at or
     beyond `vocab_size` (alignment padding of the matmul, `_aligned_rows`) are not part of the softmax: zero there.
@@ -209,8 +208,12 @@ def _compiled_call(fn: Callable, *args):
         raise
     except Exception as err:  # noqa: BLE001 -- any compiler failure; the functions are pure, so rerunning is safe
         _COMPILED[fn] = None
-        warnings.warn(f"opd.scoring: torch.compile of {fn.__name__} failed, running it eagerly from now on "
-                      f"({type(err).__name__}: {str(err)[:500]})", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"opd.scoring: torch.compile of {fn.__name__} failed, running it eagerly from now on "
+            f"({type(err).__name__}: {str(err)[:500]})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
 
 
@@ -258,7 +261,7 @@ def _chunk_forward(hidden_CD, head, ids_CG, top_k, temperature, with_entropy, co
     out = _compiled_call(_forward_chunk, raw_CV, ids_CG, *consts) if compiled else None
     if out is None:
         step = _eager_rows(raw_CV, _FWD_TEMPS)
-        parts = [_forward_chunk(raw_CV[a:a + step], ids_CG[a:a + step], *consts) for a in range(0, rows, step)]
+        parts = [_forward_chunk(raw_CV[a : a + step], ids_CG[a : a + step], *consts) for a in range(0, rows, step)]
         out = tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
     return tuple(None if x is None else x[:rows] for x in out)
 
@@ -374,7 +377,8 @@ def score_hidden(
     for s in range(0, n_pos, chunk):
         e = min(s + chunk, n_pos)
         _, entropy_C, lp_CG, topk_ids_CK, topk_lp_CK = _chunk_forward(
-            hidden_ND[s:e], head, ids_NG[s:e], top_k, temperature, with_entropy, compiled, chunk, v_used)
+            hidden_ND[s:e], head, ids_NG[s:e], top_k, temperature, with_entropy, compiled, chunk, v_used
+        )
         sampled_N[s:e] = lp_CG[:, 0]
         if requested_NR is not None:
             requested_NR[s:e] = lp_CG[:, 1:]
@@ -399,8 +403,20 @@ class _CandidateLogprobs(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")  # backward then recomputes under the forward's autocast state
-    def forward(ctx, hidden_ND, weight_VD, bias_V, ids_NJ, logit_scale, softcap, temperature, chunk, with_entropy,
-                compiled, vocab_size):
+    def forward(
+        ctx,
+        hidden_ND,
+        weight_VD,
+        bias_V,
+        ids_NJ,
+        logit_scale,
+        softcap,
+        temperature,
+        chunk,
+        with_entropy,
+        compiled,
+        vocab_size,
+    ):
         head = OutputHead(weight_VD, bias_V, logit_scale, softcap)
         n_pos = hidden_ND.shape[0]
         dtype = torch.promote_types(hidden_ND.dtype, torch.float32)
@@ -410,7 +426,8 @@ class _CandidateLogprobs(torch.autograd.Function):
         for s in range(0, n_pos, chunk):
             e = min(s + chunk, n_pos)
             lse_N[s:e], entropy_C, lp_NJ[s:e], _, _ = _chunk_forward(
-                hidden_ND[s:e], head, ids_NJ[s:e], 0, temperature, with_entropy, compiled, chunk, vocab_size)
+                hidden_ND[s:e], head, ids_NJ[s:e], 0, temperature, with_entropy, compiled, chunk, vocab_size
+            )
             if with_entropy:
                 entropy_N[s:e] = entropy_C
         ctx.save_for_backward(hidden_ND, weight_VD, bias_V, ids_NJ, lse_N, entropy_N)
@@ -448,19 +465,27 @@ class _CandidateLogprobs(torch.autograd.Function):
             rows = e - s
             padded = _bucket(rows, chunk) if compiled else rows
             raw_CV = torch.nn.functional.linear(_pad_rows(hidden_ND[s:e], padded), weight_VD, bias_V)
-            row_args = [_pad_rows(None if x is None else x[s:e], padded)
-                        for x in (ids_NJ, lse_N, entropy_N if with_entropy else None, grad_lp_NJ, grad_entropy_N)]
+            row_args = [
+                _pad_rows(None if x is None else x[s:e], padded)
+                for x in (ids_NJ, lse_N, entropy_N if with_entropy else None, grad_lp_NJ, grad_entropy_N)
+            ]
             out = _compiled_call(_grad_chunk, raw_CV, *row_args, *consts) if compiled else None
             if out is not None:
                 slices = [(0, out)]  # the whole chunk at once
             else:  # eagerly, slice by slice (lazily, so that one slice's buffers live at a time)
                 step = _eager_rows(raw_CV, _BWD_TEMPS)
-                slices = ((a, _grad_chunk(raw_CV[a:a + step], *[None if x is None else x[a:a + step]
-                                                                 for x in row_args], *consts))
-                          for a in range(0, rows, step))
+                slices = (
+                    (
+                        a,
+                        _grad_chunk(
+                            raw_CV[a : a + step], *[None if x is None else x[a : a + step] for x in row_args], *consts
+                        ),
+                    )
+                    for a in range(0, rows, step)
+                )
             for a, (g_CV, g_ids_CJ) in slices:
                 if g_ids_CJ is not None:
-                    g_CV.scatter_(1, row_args[0][a:a + g_CV.shape[0]], g_ids_CJ)
+                    g_CV.scatter_(1, row_args[0][a : a + g_CV.shape[0]], g_ids_CJ)
                 g_CV = g_CV[: rows - a]  # drop the padding rows
                 r0, r1 = s + a, s + a + g_CV.shape[0]
                 with torch.autocast(device_type=dev.type, enabled=False):
@@ -491,8 +516,17 @@ def _candidate(hidden_ND, head, ids_NJ, temperature, vocab_size, chunk_size, wit
     mm_dtype = _matmul_dtype(hidden_ND, head)
     chunk = chunk_size or default_chunk_size(head.weight.shape[0], mm_dtype)
     return _CandidateLogprobs.apply(
-        hidden_ND, head.weight, head.bias, ids_NJ, float(head.logit_scale), head.softcap, float(temperature),
-        int(chunk), with_entropy, _compiles(hidden_ND.device, mm_dtype), v_used,
+        hidden_ND,
+        head.weight,
+        head.bias,
+        ids_NJ,
+        float(head.logit_scale),
+        head.softcap,
+        float(temperature),
+        int(chunk),
+        with_entropy,
+        _compiles(hidden_ND.device, mm_dtype),
+        v_used,
     )
 
 

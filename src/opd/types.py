@@ -64,11 +64,11 @@ class Rollouts:
         t = torch.arange(self.response_ids.shape[1], device=self.input_ids.device)
         return self.prompt_lengths[:, None] - 1 + t[None, :]
 
-    def to(self, device: torch.device | str) -> "Rollouts":
+    def to(self, device: torch.device | str) -> Rollouts:
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
         return Rollouts(**moved)
 
-    def select(self, rows: torch.Tensor | list[int]) -> "Rollouts":
+    def select(self, rows: torch.Tensor | list[int]) -> Rollouts:
         """The sub-batch of the given rows (all tensors indexed along dim 0)."""
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.input_ids.device)
         picked = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}

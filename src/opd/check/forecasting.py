@@ -9,16 +9,17 @@ look at a top-16 support, as the trainer's do).
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from pydantic import Field
 
 from opd.check.report import CheckResult, Status
 from opd.config import Section
-from opd.eval.prompt_scores import score_prompts
 from opd.data.templates import encode_prompts
 from opd.eval.grading import grade_responses
+from opd.eval.prompt_scores import score_prompts
 from opd.objectives import auroc, opd_diagnostics_from_scores, seq_rewards
 from opd.rollout import SamplingParams, make_generator
 from opd.rollout.batch import build_rollouts
@@ -32,30 +33,58 @@ class ForecastThresholds(Section):
     the student cannot); the numbers below are from the lab's measured pairs (docs/lab.md, "opd check forecast")."""
 
     nothing_overlap_ratio: float = Field(
-        0.99, ge=0, le=1, description="With overlap ratio ≥ this and overlap advantage ≥ nothing_overlap_advantage "
+        0.99,
+        ge=0,
+        le=1,
+        description="With overlap ratio ≥ this and overlap advantage ≥ nothing_overlap_advantage "
         "the teacher's top-k distribution is the student's: nothing to learn (the lab's student as its own teacher "
-        "sits at both bounds: docs/performance.md).")
-    nothing_overlap_advantage: float = Field(
-        -0.005, le=0, description="See nothing_overlap_ratio (nats; ≤ 0).")
+        "sits at both bounds: docs/performance.md).",
+    )
+    nothing_overlap_advantage: float = Field(-0.005, le=0, description="See nothing_overlap_ratio (nats; ≤ 0).")
     min_accuracy_gain: float = Field(
-        0.05, ge=0, le=1, description="Teacher minus student accuracy on the sample below this: the teacher solves "
-        "nothing the student cannot (the paper's condition (ii)); only with answers.")
+        0.05,
+        ge=0,
+        le=1,
+        description="Teacher minus student accuracy on the sample below this: the teacher solves "
+        "nothing the student cannot (the paper's condition (ii)); only with answers.",
+    )
     fail_overlap_advantage: float = Field(
-        -0.2, le=0, description="Overlap advantage below this (nats): thinking patterns differ (between the lab's "
-        "matched and rewrite-style teachers at step 0: docs/performance.md).")
+        -0.2,
+        le=0,
+        description="Overlap advantage below this (nats): thinking patterns differ (between the lab's "
+        "matched and rewrite-style teachers at step 0: docs/performance.md).",
+    )
     ok_overlap_advantage: float = Field(
-        -0.15, le=0, description="Overlap advantage at or above this counts as aligned (nats).")
+        -0.15, le=0, description="Overlap advantage at or above this counts as aligned (nats)."
+    )
     min_shared_mass: float = Field(
-        0.9, ge=0, le=1, description="Shared top-k tokens should hold most of both models' mass (the paper: 97–99 % "
-        "in successful runs); below this on either side counts against alignment.")
+        0.9,
+        ge=0,
+        le=1,
+        description="Shared top-k tokens should hold most of both models' mass (the paper: 97–99 % "
+        "in successful runs); below this on either side counts against alignment.",
+    )
     min_auroc: float = Field(
-        0.6, ge=0, le=1, description="Sequence-reward AUROC (correct vs wrong student rollouts) at or above this: "
-        "the teacher's reward knows right from wrong; below fail_auroc it does not.")
+        0.6,
+        ge=0,
+        le=1,
+        description="Sequence-reward AUROC (correct vs wrong student rollouts) at or above this: "
+        "the teacher's reward knows right from wrong; below fail_auroc it does not.",
+    )
     fail_auroc: float = Field(0.55, ge=0, le=1, description="See min_auroc.")
 
 
-FORECAST_METRICS = ("overlap_ratio", "overlap_mass_student", "overlap_mass_teacher", "overlap_advantage",
-                    "topk_mass_student", "topk_mass_teacher", "entropy_student", "entropy_teacher", "entropy_gap")
+FORECAST_METRICS = (
+    "overlap_ratio",
+    "overlap_mass_student",
+    "overlap_mass_teacher",
+    "overlap_advantage",
+    "topk_mass_student",
+    "topk_mass_teacher",
+    "entropy_student",
+    "entropy_teacher",
+    "entropy_gap",
+)
 
 
 def classify(values: dict[str, float | None], th: ForecastThresholds | None = None) -> dict[str, Any]:
@@ -72,20 +101,34 @@ def classify(values: dict[str, float | None], th: ForecastThresholds | None = No
     v = {k: values.get(k) for k in (*FORECAST_METRICS, "seq_reward_auroc", "student_accuracy", "teacher_accuracy")}
     adv, ratio, auroc = v["overlap_advantage"], v["overlap_ratio"], v["seq_reward_auroc"]
     reasons: list[str] = []
-    if ratio is not None and adv is not None and ratio >= th.nothing_overlap_ratio and adv >= th.nothing_overlap_advantage:
-        reasons.append(f"the teacher's top-k distribution is the student's (overlap ratio {ratio:.3f}, advantage "
-                       f"{adv:.4f}): nothing to learn")
-    if v["teacher_accuracy"] is not None and v["student_accuracy"] is not None and \
-            v["teacher_accuracy"] - v["student_accuracy"] < th.min_accuracy_gain:
-        reasons.append(f"the teacher solves no more than the student (accuracy {v['teacher_accuracy']:.3f} vs "
-                       f"{v['student_accuracy']:.3f}, gain < {th.min_accuracy_gain})")
+    if (
+        ratio is not None
+        and adv is not None
+        and ratio >= th.nothing_overlap_ratio
+        and adv >= th.nothing_overlap_advantage
+    ):
+        reasons.append(
+            f"the teacher's top-k distribution is the student's (overlap ratio {ratio:.3f}, advantage "
+            f"{adv:.4f}): nothing to learn"
+        )
+    if (
+        v["teacher_accuracy"] is not None
+        and v["student_accuracy"] is not None
+        and v["teacher_accuracy"] - v["student_accuracy"] < th.min_accuracy_gain
+    ):
+        reasons.append(
+            f"the teacher solves no more than the student (accuracy {v['teacher_accuracy']:.3f} vs "
+            f"{v['student_accuracy']:.3f}, gain < {th.min_accuracy_gain})"
+        )
     if reasons:
         return {"verdict": "unlikely", "reasons": reasons, "recovery": "other_teacher"}
     if adv is not None and adv < th.fail_overlap_advantage:
         reasons.append(f"overlap advantage {adv:.3f} < {th.fail_overlap_advantage}: the two think differently")
     if auroc is not None and auroc < th.fail_auroc:
-        reasons.append(f"sequence-reward AUROC {auroc:.3f} < {th.fail_auroc}: the teacher's reward does not tell the "
-                       f"student's right answers from wrong ones")
+        reasons.append(
+            f"sequence-reward AUROC {auroc:.3f} < {th.fail_auroc}: the teacher's reward does not tell the "
+            f"student's right answers from wrong ones"
+        )
     if reasons:
         return {"verdict": "unlikely", "reasons": reasons, "recovery": "cold_start"}
     good = []
@@ -105,13 +148,17 @@ def classify(values: dict[str, float | None], th: ForecastThresholds | None = No
 def recovery_command(recovery: str, *, student: str, teacher: str, prompts: str) -> str:
     """The command line of a recovery (empty for none)."""
     if recovery == "cold_start":
-        return (f"opd pipeline run configs/pipeline_cold_start_qwen3.yaml student.path={student} "
-                f"teacher.path={teacher} sft_prompts.path={prompts} opd_prompts.path={prompts} "
-                f"out_dir=runs/cold_start   # teacher rollouts → SFT of the student → OPD from the SFT checkpoint")
+        return (
+            f"opd pipeline run configs/pipeline_cold_start_qwen3.yaml student.path={student} "
+            f"teacher.path={teacher} sft_prompts.path={prompts} opd_prompts.path={prompts} "
+            f"out_dir=runs/cold_start   # teacher rollouts → SFT of the student → OPD from the SFT checkpoint"
+        )
     if recovery == "prompt_selection":
-        return (f"opd prompts score --student {student} --teacher {teacher} --in {prompts} --out scores.jsonl && "
-                f"opd prompts select --in {prompts} --scores scores.jsonl --out aligned.jsonl --top 0.5 "
-                f"--by overlap_advantage --mix-with {prompts} --ratio 0.3")
+        return (
+            f"opd prompts score --student {student} --teacher {teacher} --in {prompts} --out scores.jsonl && "
+            f"opd prompts select --in {prompts} --scores scores.jsonl --out aligned.jsonl --top 0.5 "
+            f"--by overlap_advantage --mix-with {prompts} --ratio 0.3"
+        )
     if recovery == "other_teacher":
         return "# no opd command recovers this: choose a teacher that solves what the student cannot"
     return ""
@@ -150,8 +197,9 @@ def forecast(
         nonlocal tokens
         mask = rollouts.response_mask
         count = int(mask.sum())
-        for key, value in opd_diagnostics_from_scores(student_scores, teacher_scores, mask,
-                                                      chunk_size=max(1, mask.shape[1])).items():
+        for key, value in opd_diagnostics_from_scores(
+            student_scores, teacher_scores, mask, chunk_size=max(1, mask.shape[1])
+        ).items():
             if key in FORECAST_METRICS:
                 sums[key] = sums.get(key, 0.0) + float(value) * count  # token-weighted across batches
         tokens += count
@@ -160,16 +208,33 @@ def forecast(
             correct.extend(_grade(tokenizer, rollouts, [batch[g].answer for g in rollouts.group_ids.tolist()]))
 
     start = time.perf_counter()
-    scores = score_prompts(student, teacher, tokenizer, prompts, n=n, top_k=top_k, temperature=temperature,
-                           teacher_temperature=teacher_temperature, max_new_tokens=max_new_tokens,
-                           max_prompt_length=max_prompt_length, enable_thinking=enable_thinking, template=template,
-                           batch_size=batch_size, score_batch_tokens=score_batch_tokens, seed=seed,
-                           on_scored=on_scored)
+    scores = score_prompts(
+        student,
+        teacher,
+        tokenizer,
+        prompts,
+        n=n,
+        top_k=top_k,
+        temperature=temperature,
+        teacher_temperature=teacher_temperature,
+        max_new_tokens=max_new_tokens,
+        max_prompt_length=max_prompt_length,
+        enable_thinking=enable_thinking,
+        template=template,
+        batch_size=batch_size,
+        score_batch_tokens=score_batch_tokens,
+        seed=seed,
+        on_scored=on_scored,
+    )
     values: dict[str, Any] = {k: s / max(tokens, 1) for k, s in sums.items()}
     seq = torch.cat(seq_B) if seq_B else torch.zeros(0)
-    values.update(seq_reward_mean=float(seq.mean()) if seq.numel() else None, rollouts=int(seq.numel()),
-                  response_tokens=tokens, scored_prompts=sum(s.skipped is None for s in scores),
-                  seconds=round(time.perf_counter() - start, 2))
+    values.update(
+        seq_reward_mean=float(seq.mean()) if seq.numel() else None,
+        rollouts=int(seq.numel()),
+        response_tokens=tokens,
+        scored_prompts=sum(s.skipped is None for s in scores),
+        seconds=round(time.perf_counter() - start, 2),
+    )
     values["seq_reward_auroc"] = None
     values["student_accuracy"] = values["teacher_accuracy"] = None
     if answers_known and correct:
@@ -177,40 +242,70 @@ def forecast(
         values["student_accuracy"] = float(labels.float().mean())
         both = 0 < int(labels.sum()) < len(correct)  # AUROC is undefined with one class only
         values["seq_reward_auroc"] = float(auroc(seq, labels)) if both else None
-        values["teacher_accuracy"] = sample_accuracy(teacher, tokenizer, prompts, n=n, temperature=teacher_temperature,
-                                                     max_new_tokens=max_new_tokens, max_prompt_length=max_prompt_length,
-                                                     enable_thinking=enable_thinking, template=template,
-                                                     batch_size=batch_size, seed=seed, vocab_size=vocab_size)
+        values["teacher_accuracy"] = sample_accuracy(
+            teacher,
+            tokenizer,
+            prompts,
+            n=n,
+            temperature=teacher_temperature,
+            max_new_tokens=max_new_tokens,
+            max_prompt_length=max_prompt_length,
+            enable_thinking=enable_thinking,
+            template=template,
+            batch_size=batch_size,
+            seed=seed,
+            vocab_size=vocab_size,
+        )
     return values
 
 
 def _grade(tokenizer: Any, rollouts: Any, answers: Sequence[str]) -> list[bool]:
-    _, grades = grade_responses(tokenizer, rollouts.response_ids, answers, lengths=rollouts.response_mask.sum(-1).tolist())
+    _, grades = grade_responses(
+        tokenizer, rollouts.response_ids, answers, lengths=rollouts.response_mask.sum(-1).tolist()
+    )
     return [g.correct for g in grades or []]
 
 
 @torch.no_grad()
-def sample_accuracy(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[Any], *, n: int, temperature: float,
-                    max_new_tokens: int, max_prompt_length: int, enable_thinking: bool | None, template: str,
-                    batch_size: int, seed: int, vocab_size: int | None) -> float:
+def sample_accuracy(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[Any],
+    *,
+    n: int,
+    temperature: float,
+    max_new_tokens: int,
+    max_prompt_length: int,
+    enable_thinking: bool | None,
+    template: str,
+    batch_size: int,
+    seed: int,
+    vocab_size: int | None,
+) -> float:
     """Mean correctness of n samples per prompt from `model` (the same sampling as the student's rollouts)."""
-    encoded = encode_prompts(tokenizer, prompts, max_prompt_length=max_prompt_length, enable_thinking=enable_thinking,
-                             template=template)
+    encoded = encode_prompts(
+        tokenizer, prompts, max_prompt_length=max_prompt_length, enable_thinking=enable_thinking, template=template
+    )
     generator = make_generator(model, tokenizer, max_batch_size=batch_size * n, vocab_size=vocab_size)
     device = next(model.parameters()).device
     correct: list[bool] = []
     for index, start in enumerate(range(0, len(encoded.prompts), batch_size)):
-        ids = encoded.input_ids[start:start + batch_size]
-        params = SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens,
-                                seed=derive_seed(seed, step=index, salt=SALT_CHECK_ACCURACY))
+        ids = encoded.input_ids[start : start + batch_size]
+        params = SamplingParams(
+            n=n,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            seed=derive_seed(seed, step=index, salt=SALT_CHECK_ACCURACY),
+        )
         rollouts = build_rollouts(ids, generator.generate(ids, params), pad_id=tokenizer.pad_token_id, device=device)
-        batch = encoded.prompts[start:start + batch_size]
+        batch = encoded.prompts[start : start + batch_size]
         correct += _grade(tokenizer, rollouts, [batch[g].answer for g in rollouts.group_ids.tolist()])
     return sum(correct) / max(1, len(correct))
 
 
-def forecast_rows(values: dict[str, Any], th: ForecastThresholds, *, student: str, teacher: str,
-                  prompts: str) -> tuple[list[CheckResult], dict[str, Any]]:
+def forecast_rows(
+    values: dict[str, Any], th: ForecastThresholds, *, student: str, teacher: str, prompts: str
+) -> tuple[list[CheckResult], dict[str, Any]]:
     """The forecast's rows (never hard) and its verdict record (`classify` + the recovery command)."""
     verdict = classify(values, th)
     verdict["command"] = recovery_command(verdict["recovery"], student=student, teacher=teacher, prompts=prompts)
@@ -225,24 +320,39 @@ def forecast_rows(values: dict[str, Any], th: ForecastThresholds, *, student: st
     row("overlap_ratio", True, "share of the student's top-k ids also in the teacher's top-k (SPEC §6)")
     for side in ("student", "teacher"):
         mass = values.get(f"overlap_mass_{side}")
-        row(f"overlap_mass_{side}", mass is not None and mass >= th.min_shared_mass,
+        row(
+            f"overlap_mass_{side}",
+            mass is not None and mass >= th.min_shared_mass,
             f"{side} probability on the shared top-k tokens (≥ {th.min_shared_mass}; the paper: 97–99 %)",
-            "little shared mass: the two put their probability on different tokens")
-    row("overlap_advantage", adv is not None and adv >= th.ok_overlap_advantage,
+            "little shared mass: the two put their probability on different tokens",
+        )
+    row(
+        "overlap_advantage",
+        adv is not None and adv >= th.ok_overlap_advantage,
         f"≤ 0, → 0 as the student aligns (aligned ≥ {th.ok_overlap_advantage}, mismatched < "
-        f"{th.fail_overlap_advantage})", "thinking patterns differ: see the forecast row")
+        f"{th.fail_overlap_advantage})",
+        "thinking patterns differ: see the forecast row",
+    )
     row("entropy_gap", True, "mean |H_teacher − H_student| (nats)")
-    row("seq_reward_auroc", auroc is not None and auroc >= th.min_auroc,
+    row(
+        "seq_reward_auroc",
+        auroc is not None and auroc >= th.min_auroc,
         f"does the teacher's sequence reward rank the student's correct rollouts above its wrong ones (≥ "
         f"{th.min_auroc}; chance 0.5)" + ("" if auroc is not None else ": needs answers and both outcomes"),
-        "the teacher's reward does not know right from wrong here")
+        "the teacher's reward does not know right from wrong here",
+    )
     row("student_accuracy", True, f"the student's {values.get('rollouts')} rollouts at its sampling temperature")
-    gain = None if values.get("teacher_accuracy") is None or values.get("student_accuracy") is None else \
-        values["teacher_accuracy"] - values["student_accuracy"]
-    row("teacher_accuracy", gain is not None and gain >= th.min_accuracy_gain,
+    gain = (
+        None
+        if values.get("teacher_accuracy") is None or values.get("student_accuracy") is None
+        else values["teacher_accuracy"] - values["student_accuracy"]
+    )
+    row(
+        "teacher_accuracy",
+        gain is not None and gain >= th.min_accuracy_gain,
         f"the teacher's own samples, as many per prompt (gain ≥ {th.min_accuracy_gain})",
-        "the teacher solves no more than the student")
+        "the teacher solves no more than the student",
+    )
     status: Status = {"likely": "pass", "uncertain": "warn", "unlikely": "fail"}[verdict["verdict"]]
-    rows.append(CheckResult("forecast", status, verdict["verdict"], "; ".join(verdict["reasons"]),
-                            verdict["command"]))
+    rows.append(CheckResult("forecast", status, verdict["verdict"], "; ".join(verdict["reasons"]), verdict["command"]))
     return rows, verdict

@@ -9,11 +9,11 @@ exits with `EXIT_OK`, `EXIT_FAILED`, `EXIT_UNLIKELY`, or 2 for bad input (the CL
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from rich.table import Table
-
 
 Status = Literal["pass", "warn", "fail", "skip"]
 
@@ -26,12 +26,23 @@ EXIT_UNLIKELY = 3
 
 GROUPS: tuple[str, ...] = ("tokenizers", "scoring", "forecast", "resources")
 CHECKS: dict[str, str] = {
-    "tokenizer_vocab": "tokenizers", "special_tokens": "tokenizers", "chat_template": "tokenizers",
-    "determinism": "scoring", "self_distillation_zero": "scoring", "prompt_logprobs": "scoring",
-    "overlap_ratio": "forecast", "overlap_mass_student": "forecast", "overlap_mass_teacher": "forecast",
-    "overlap_advantage": "forecast", "entropy_gap": "forecast", "seq_reward_auroc": "forecast",
-    "student_accuracy": "forecast", "teacher_accuracy": "forecast", "forecast": "forecast",
-    "memory": "resources", "step_time": "resources",
+    "tokenizer_vocab": "tokenizers",
+    "special_tokens": "tokenizers",
+    "chat_template": "tokenizers",
+    "determinism": "scoring",
+    "self_distillation_zero": "scoring",
+    "prompt_logprobs": "scoring",
+    "overlap_ratio": "forecast",
+    "overlap_mass_student": "forecast",
+    "overlap_mass_teacher": "forecast",
+    "overlap_advantage": "forecast",
+    "entropy_gap": "forecast",
+    "seq_reward_auroc": "forecast",
+    "student_accuracy": "forecast",
+    "teacher_accuracy": "forecast",
+    "forecast": "forecast",
+    "memory": "resources",
+    "step_time": "resources",
 }
 """Every row name and its group; `--skip-check` takes a row name, a group name, or `all`."""
 PREFLIGHT_GROUPS: tuple[str, ...] = ("tokenizers", "scoring", "resources")
@@ -49,8 +60,10 @@ def resolve_skips(names: Sequence[str]) -> set[str]:
         elif name in CHECKS:
             out.add(name)
         else:
-            raise ValueError(f"skip_checks: unknown check {name!r}; use a row ({', '.join(CHECKS)}), a group "
-                             f"({', '.join(GROUPS)}) or all")
+            raise ValueError(
+                f"skip_checks: unknown check {name!r}; use a row ({', '.join(CHECKS)}), a group "
+                f"({', '.join(GROUPS)}) or all"
+            )
     return out
 
 
@@ -92,14 +105,20 @@ class CheckReport:
         return EXIT_UNLIKELY if self.verdict == "unlikely" else EXIT_OK
 
     def to_json(self) -> dict[str, Any]:
-        return {"exit_code": self.exit_code(),
-                "results": [{**asdict(r), "group": r.group} for r in self.results], **self.values}
+        return {
+            "exit_code": self.exit_code(),
+            "results": [{**asdict(r), "group": r.group} for r in self.results],
+            **self.values,
+        }
 
 
 def skipped_rows(names: set[str], groups: Sequence[str]) -> list[CheckResult]:
     """A skip row for each row of `groups` named in `names` (what `--skip-check` left out)."""
-    return [CheckResult(name, "skip", None, "skipped (--skip-check)") for name in CHECKS
-            if name in names and CHECKS[name] in groups]
+    return [
+        CheckResult(name, "skip", None, "skipped (--skip-check)")
+        for name in CHECKS
+        if name in names and CHECKS[name] in groups
+    ]
 
 
 def jsonable(value: Any) -> Any:

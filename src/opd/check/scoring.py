@@ -10,7 +10,8 @@ The checks take any `TeacherScorer`; the teacher's own samples come from the tor
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -21,7 +22,6 @@ from opd.rollout import SamplingParams, make_generator
 from opd.rollout.base import GenerationOutput
 from opd.rollout.batch import build_rollouts
 from opd.train.common import autocast
-
 
 DETERMINISM_TOLERANCE = 1e-3
 """Max |Δ log-prob| (nats) between two scorings of the same rows that still counts as deterministic (warn, not
@@ -60,15 +60,24 @@ def check_determinism(scorer: Any, rollouts: Any, *, top_k: int, temperature: fl
         worst = max(worst, _max_abs(first.topk_logprobs[mask] - second.topk_logprobs[mask]))
     same_ids = first.topk_ids is None or bool(torch.equal(first.topk_ids[mask], second.topk_ids[mask]))
     detail = f"max |Δ log-prob| {worst:.3g} nats over {int(mask.sum())} positions × {top_k} top-k, scored twice"
-    fix = ("the teacher must score deterministically: eval mode (no dropout), no sampling in the scorer, the same "
-           "batching; OPD's rewards are differences of its log-probs")
+    fix = (
+        "the teacher must score deterministically: eval mode (no dropout), no sampling in the scorer, the same "
+        "batching; OPD's rewards are differences of its log-probs"
+    )
     if worst == 0.0 and same_ids:
         return CheckResult("determinism", "pass", 0.0, detail + ": bit-identical", hard=True)
     if worst <= DETERMINISM_TOLERANCE and same_ids:
-        return CheckResult("determinism", "warn", worst, detail + f" (≤ {DETERMINISM_TOLERANCE:g}: reduction-order "
-                           "noise)", fix, hard=True)
-    return CheckResult("determinism", "fail", worst, detail + ("" if same_ids else "; the top-k ids differ"), fix,
-                       hard=True)
+        return CheckResult(
+            "determinism",
+            "warn",
+            worst,
+            detail + f" (≤ {DETERMINISM_TOLERANCE:g}: reduction-order noise)",
+            fix,
+            hard=True,
+        )
+    return CheckResult(
+        "determinism", "fail", worst, detail + ("" if same_ids else "; the top-k ids differ"), fix, hard=True
+    )
 
 
 def check_self_distillation(scorer: Any, rollouts: Any, *, temperature: float, dtype: torch.dtype) -> CheckResult:
@@ -81,68 +90,125 @@ def check_self_distillation(scorer: Any, rollouts: Any, *, temperature: float, d
     reward = _mask(scores.sampled_logprobs, mask) - _mask(rollouts.rollout_logprobs.to(scores.sampled_logprobs), mask)
     mean_abs = float(reward.abs().mean()) if reward.numel() else 0.0
     tolerance = SELF_ZERO_TOLERANCE.get(dtype, SELF_ZERO_HALF_TOLERANCE)
-    detail = (f"mean |t(y) − g(y)| {mean_abs:.3g} nats/token (mean {float(reward.mean()) if reward.numel() else 0:.3g})"
-              f" over {reward.numel()} tokens of {rollouts.batch_size} teacher samples; tolerance {tolerance:g} "
-              f"({str(dtype).removeprefix('torch.')})")
+    detail = (
+        f"mean |t(y) − g(y)| {mean_abs:.3g} nats/token (mean {float(reward.mean()) if reward.numel() else 0:.3g})"
+        f" over {reward.numel()} tokens of {rollouts.batch_size} teacher samples; tolerance {tolerance:g} "
+        f"({str(dtype).removeprefix('torch.')})"
+    )
     if mean_abs <= tolerance:
         return CheckResult("self_distillation_zero", "pass", mean_abs, detail, hard=True)
-    return CheckResult("self_distillation_zero", "fail", mean_abs, detail,
-                       "the teacher's scorer disagrees with its own generation: check positions / padding, the "
-                       "temperature (objective.teacher_temperature), the dtype and the attention implementation",
-                       hard=True)
+    return CheckResult(
+        "self_distillation_zero",
+        "fail",
+        mean_abs,
+        detail,
+        "the teacher's scorer disagrees with its own generation: check positions / padding, the "
+        "temperature (objective.teacher_temperature), the dtype and the attention implementation",
+        hard=True,
+    )
 
 
 def nll_of_texts(scorer: Any, ids_per_text: Sequence[Sequence[int]], *, pad_id: int, device: torch.device) -> float:
     """Mean per-token NLL (nats) of token-id texts, teacher-forced: each text's first token is its prompt, the rest a
     response (`build_rollouts`), so any `TeacherScorer` scores it."""
     prompts = [list(ids[:1]) for ids in ids_per_text]
-    output = GenerationOutput(response_ids=[list(ids[1:]) for ids in ids_per_text],
-                              finish_reasons=["stop"] * len(ids_per_text), group_ids=list(range(len(ids_per_text))))
+    output = GenerationOutput(
+        response_ids=[list(ids[1:]) for ids in ids_per_text],
+        finish_reasons=["stop"] * len(ids_per_text),
+        group_ids=list(range(len(ids_per_text))),
+    )
     rollouts = build_rollouts(prompts, output, pad_id=pad_id, device=device)
     lp = scorer.score(rollouts, top_k=0, with_entropy=False).sampled_logprobs
     return float(-_mask(lp, rollouts.response_mask).mean())
 
 
-def check_prompt_logprobs(nll_student: float, nll_teacher: float, *, student_params: int, teacher_params: int,
-                          vocab_size: int) -> CheckResult:
+def check_prompt_logprobs(
+    nll_student: float, nll_teacher: float, *, student_params: int, teacher_params: int, vocab_size: int
+) -> CheckResult:
     """Rule: a model of N_t parameters should reach NLL_t ≈ NLL_s · (N_s / N_t)^α_N on the same text (`SIZE_EXPONENT`);
     warn when NLL_t > PROMPT_NLL_SLACK · that + 0.1, fail when either is not finite; skip (uninformative) when the
     student itself does no better than ln V, the NLL of uniform guessing, on the text."""
     predicted = nll_student * (student_params / max(teacher_params, 1)) ** SIZE_EXPONENT
-    value = {"student": nll_student, "teacher": nll_teacher, "predicted_teacher": predicted,
-             "uniform": math.log(max(vocab_size, 1))}
-    detail = (f"per-token NLL of the rendered prompts: student {nll_student:.3f}, teacher {nll_teacher:.3f} nats "
-              f"(sizes predict ≈ {predicted:.3f} for the teacher; uniform guessing ln V = {value['uniform']:.2f})")
+    value = {
+        "student": nll_student,
+        "teacher": nll_teacher,
+        "predicted_teacher": predicted,
+        "uniform": math.log(max(vocab_size, 1)),
+    }
+    detail = (
+        f"per-token NLL of the rendered prompts: student {nll_student:.3f}, teacher {nll_teacher:.3f} nats "
+        f"(sizes predict ≈ {predicted:.3f} for the teacher; uniform guessing ln V = {value['uniform']:.2f})"
+    )
     if not (math.isfinite(nll_student) and math.isfinite(nll_teacher)):
-        return CheckResult("prompt_logprobs", "fail", value, detail, "non-finite log-probs: overflow in fp16? load "
-                           "with dtype bf16 or fp32", hard=True)
+        return CheckResult(
+            "prompt_logprobs",
+            "fail",
+            value,
+            detail,
+            "non-finite log-probs: overflow in fp16? load with dtype bf16 or fp32",
+            hard=True,
+        )
     if nll_student >= value["uniform"]:
-        return CheckResult("prompt_logprobs", "skip", value, detail + ": uninformative, the student does no better "
-                           "than uniform guessing on this text (prompt tokens it never trained on, as in the lab)")
+        return CheckResult(
+            "prompt_logprobs",
+            "skip",
+            value,
+            detail + ": uninformative, the student does no better "
+            "than uniform guessing on this text (prompt tokens it never trained on, as in the lab)",
+        )
     if nll_teacher > PROMPT_NLL_SLACK * predicted + 0.1:
-        return CheckResult("prompt_logprobs", "warn", value, detail,
-                           "the teacher predicts this text far worse than its size suggests: a wrong or untrained "
-                           "checkpoint, another tokenizer's weights, or a dtype problem?", hard=True)
+        return CheckResult(
+            "prompt_logprobs",
+            "warn",
+            value,
+            detail,
+            "the teacher predicts this text far worse than its size suggests: a wrong or untrained "
+            "checkpoint, another tokenizer's weights, or a dtype problem?",
+            hard=True,
+        )
     return CheckResult("prompt_logprobs", "pass", value, detail, hard=True)
 
 
 @torch.no_grad()
-def teacher_samples(teacher: torch.nn.Module, tokenizer: Any, prompt_ids: Sequence[Sequence[int]], *, temperature: float,
-                    max_new_tokens: int, vocab_size: int | None, seed: int) -> Any:
+def teacher_samples(
+    teacher: torch.nn.Module,
+    tokenizer: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    vocab_size: int | None,
+    seed: int,
+) -> Any:
     """One sample per prompt from the teacher with the log-probs its generation reported (the torch engine: the HF
     model with a KV cache, a code path independent of `LocalScorer`)."""
-    generator = make_generator(teacher, tokenizer, engine="torch", max_batch_size=len(prompt_ids), vocab_size=vocab_size)
-    params = SamplingParams(n=1, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
-                            return_logprobs=True)
+    generator = make_generator(
+        teacher, tokenizer, engine="torch", max_batch_size=len(prompt_ids), vocab_size=vocab_size
+    )
+    params = SamplingParams(
+        n=1, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, return_logprobs=True
+    )
     ids = [list(x) for x in prompt_ids]
-    return build_rollouts(ids, generator.generate(ids, params), pad_id=tokenizer.pad_token_id,
-                          device=next(teacher.parameters()).device)
+    return build_rollouts(
+        ids, generator.generate(ids, params), pad_id=tokenizer.pad_token_id, device=next(teacher.parameters()).device
+    )
 
 
-def scoring_rows(config: DistillConfig, *, teacher: torch.nn.Module, tokenizer: Any, student_scorer: Any,
-                 teacher_scorer: Any, prompt_ids: Sequence[Sequence[int]], vocab_size: int, student_params: int,
-                 skip: set[str], rows: int = 4, max_new_tokens: int | None = None,
-                 autocast_dtype: torch.dtype | None = None) -> list[CheckResult]:
+def scoring_rows(
+    config: DistillConfig,
+    *,
+    teacher: torch.nn.Module,
+    tokenizer: Any,
+    student_scorer: Any,
+    teacher_scorer: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    student_params: int,
+    skip: set[str],
+    rows: int = 4,
+    max_new_tokens: int | None = None,
+    autocast_dtype: torch.dtype | None = None,
+) -> list[CheckResult]:
     """The scoring rows on the first `rows` prompts (teacher samples of at most `max_new_tokens`, default the
     rollout length)."""
     out = []
@@ -150,20 +216,45 @@ def scoring_rows(config: DistillConfig, *, teacher: torch.nn.Module, tokenizer: 
     tokens = min(config.rollout.max_new_tokens, max_new_tokens or config.rollout.max_new_tokens)
     device = next(teacher.parameters()).device
     if {"determinism", "self_distillation_zero"} - skip:
-        samples = teacher_samples(teacher, tokenizer, ids, temperature=config.objective.teacher_temperature,
-                                  max_new_tokens=tokens, vocab_size=vocab_size, seed=config.run.seed)
+        samples = teacher_samples(
+            teacher,
+            tokenizer,
+            ids,
+            temperature=config.objective.teacher_temperature,
+            max_new_tokens=tokens,
+            vocab_size=vocab_size,
+            seed=config.run.seed,
+        )
         if "determinism" not in skip:
-            out.append(check_determinism(teacher_scorer, samples, top_k=diagnostic_top_k(config.objective.top_k),
-                                         temperature=config.objective.teacher_temperature))
+            out.append(
+                check_determinism(
+                    teacher_scorer,
+                    samples,
+                    top_k=diagnostic_top_k(config.objective.top_k),
+                    temperature=config.objective.teacher_temperature,
+                )
+            )
         if "self_distillation_zero" not in skip:
-            out.append(check_self_distillation(teacher_scorer, samples, temperature=config.objective.teacher_temperature,
-                                               dtype=next(teacher.parameters()).dtype))
+            out.append(
+                check_self_distillation(
+                    teacher_scorer,
+                    samples,
+                    temperature=config.objective.teacher_temperature,
+                    dtype=next(teacher.parameters()).dtype,
+                )
+            )
     if "prompt_logprobs" not in skip and student_scorer is not None:
         student_device = next(student_scorer.model.parameters()).device
         with autocast(student_device, autocast_dtype):
             nll_s = nll_of_texts(student_scorer, ids, pad_id=tokenizer.pad_token_id, device=student_device)
         nll_t = nll_of_texts(teacher_scorer, ids, pad_id=tokenizer.pad_token_id, device=device)
-        out.append(check_prompt_logprobs(nll_s, nll_t, student_params=student_params,
-                                         teacher_params=sum(p.numel() for p in teacher.parameters()),
-                                         vocab_size=vocab_size))
+        out.append(
+            check_prompt_logprobs(
+                nll_s,
+                nll_t,
+                student_params=student_params,
+                teacher_params=sum(p.numel() for p in teacher.parameters()),
+                vocab_size=vocab_size,
+            )
+        )
     return out

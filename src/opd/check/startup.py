@@ -6,7 +6,8 @@ stops the run with a one-line ValueError unless skipped (`skip_checks`).
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -47,36 +48,64 @@ def preflight(
     report = CheckReport()
     start = time.perf_counter()
     if teacher is not None:
-        rows = check_tokenizers(student_tokenizer, teacher_tokenizer, messages=prompts[0].messages,
-                                enable_thinking=config.data.enable_thinking,
-                                student_rows=student.get_output_embeddings().weight.shape[0],
-                                teacher_rows=teacher.get_output_embeddings().weight.shape[0],
-                                student_eos_ids=eos_token_ids(student, student_tokenizer),
-                                teacher_eos_ids=eos_token_ids(teacher, teacher_tokenizer))
+        rows = check_tokenizers(
+            student_tokenizer,
+            teacher_tokenizer,
+            messages=prompts[0].messages,
+            enable_thinking=config.data.enable_thinking,
+            student_rows=student.get_output_embeddings().weight.shape[0],
+            teacher_rows=teacher.get_output_embeddings().weight.shape[0],
+            student_eos_ids=eos_token_ids(student, student_tokenizer),
+            teacher_eos_ids=eos_token_ids(teacher, teacher_tokenizer),
+        )
         report.results += [r for r in rows if r.name not in skip]
         with on_device(teacher, scoring_device):
-            report.results += scoring_rows(config, teacher=teacher, tokenizer=student_tokenizer,
-                                           student_scorer=student_scorer, teacher_scorer=teacher_scorer,
-                                           prompt_ids=prompt_ids, vocab_size=vocab_size,
-                                           student_params=sum(p.numel() for p in student.parameters()), skip=skip,
-                                           rows=2, max_new_tokens=128, autocast_dtype=autocast_dtype)
+            report.results += scoring_rows(
+                config,
+                teacher=teacher,
+                tokenizer=student_tokenizer,
+                student_scorer=student_scorer,
+                teacher_scorer=teacher_scorer,
+                prompt_ids=prompt_ids,
+                vocab_size=vocab_size,
+                student_params=sum(p.numel() for p in student.parameters()),
+                skip=skip,
+                rows=2,
+                max_new_tokens=128,
+                autocast_dtype=autocast_dtype,
+            )
     if "memory" not in skip:
-        needs = estimate_memory(config, student, teacher, compute_dtype=autocast_dtype or next(student.parameters()).dtype)
+        needs = estimate_memory(
+            config, student, teacher, compute_dtype=autocast_dtype or next(student.parameters()).dtype
+        )
         report.results.append(check_memory(needs, loaded=loaded_bytes(student, teacher)))
     if "step_time" not in skip:
         with on_device(teacher, scoring_device):
-            timings = mini_step(config, generator=generator, student=student, student_scorer=student_scorer,
-                                teacher_scorer=teacher_scorer, prompt_ids=prompt_ids,
-                                pad_id=student_tokenizer.pad_token_id, vocab_size=vocab_size,
-                                autocast_dtype=autocast_dtype, prompts=1)
+            timings = mini_step(
+                config,
+                generator=generator,
+                student=student,
+                student_scorer=student_scorer,
+                teacher_scorer=teacher_scorer,
+                prompt_ids=prompt_ids,
+                pad_id=student_tokenizer.pad_token_id,
+                vocab_size=vocab_size,
+                autocast_dtype=autocast_dtype,
+                prompts=1,
+            )
         report.results.append(check_step_time(config, timings))
     report.results += skipped_rows(skip, PREFLIGHT_GROUPS)
     report.values["seconds"] = round(time.perf_counter() - start, 2)
     if console is not None:
-        console.print(f"opd check (preflight, {report.values['seconds']} s): " + ", ".join(
-            f"{r.name} {r.status}" for r in report.results if r.status != "skip"))
+        console.print(
+            f"opd check (preflight, {report.values['seconds']} s): "
+            + ", ".join(f"{r.name} {r.status}" for r in report.results if r.status != "skip")
+        )
     failed = report.hard_failures
     if failed:
-        raise ValueError("opd check: " + " | ".join(f"{r.name} failed ({r.detail}); fix: {r.fix}" for r in failed)
-                         + f" — to run anyway pass --skip-check {failed[0].name} (skip_checks)")
+        raise ValueError(
+            "opd check: "
+            + " | ".join(f"{r.name} failed ({r.detail}); fix: {r.fix}" for r in failed)
+            + f" — to run anyway pass --skip-check {failed[0].name} (skip_checks)"
+        )
     return report

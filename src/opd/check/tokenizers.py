@@ -7,7 +7,8 @@ is hard.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from opd.check.report import CheckResult
 from opd.data.templates import encode_prompts
@@ -31,16 +32,35 @@ def check_tokenizers(
     id each model stops on (`opd.models.eos_token_ids`), compared besides the tokenizers' EOS tokens."""
     rows = []
     try:
-        vocab = check_tokenizer_compatibility(student_tokenizer, teacher_tokenizer, student_vocab_size=student_rows,
-                                              teacher_vocab_size=teacher_rows)
-        padding = (f"; model rows {vocab.student_size} / {vocab.teacher_size} (ids ≥ {vocab.tokenizer_size} are "
-                   f"padding)" if vocab.student_size != vocab.teacher_size else "")
-        rows.append(CheckResult("tokenizer_vocab", "pass", vocab.tokenizer_size,
-                                f"{vocab.tokenizer_size} ids, identical token → id maps{padding}", hard=True))
+        vocab = check_tokenizer_compatibility(
+            student_tokenizer, teacher_tokenizer, student_vocab_size=student_rows, teacher_vocab_size=teacher_rows
+        )
+        padding = (
+            f"; model rows {vocab.student_size} / {vocab.teacher_size} (ids ≥ {vocab.tokenizer_size} are padding)"
+            if vocab.student_size != vocab.teacher_size
+            else ""
+        )
+        rows.append(
+            CheckResult(
+                "tokenizer_vocab",
+                "pass",
+                vocab.tokenizer_size,
+                f"{vocab.tokenizer_size} ids, identical token → id maps{padding}",
+                hard=True,
+            )
+        )
     except TokenizerMismatchError as error:
-        rows.append(CheckResult("tokenizer_vocab", "fail", "mismatch", str(error),
-                                "use a teacher with the student's tokenizer (same model family): OPD scores the "
-                                "student's token ids with the teacher", hard=True))
+        rows.append(
+            CheckResult(
+                "tokenizer_vocab",
+                "fail",
+                "mismatch",
+                str(error),
+                "use a teacher with the student's tokenizer (same model family): OPD scores the "
+                "student's token ids with the teacher",
+                hard=True,
+            )
+        )
     rows.append(_special_tokens(student_tokenizer, teacher_tokenizer, student_eos_ids, teacher_eos_ids))
     rows.append(_chat_templates(student_tokenizer, teacher_tokenizer, messages, enable_thinking))
     return rows
@@ -49,12 +69,16 @@ def check_tokenizers(
 _SPECIAL = ("eos_token", "pad_token", "bos_token", "unk_token")
 
 
-def _special_tokens(student_tokenizer: Any, teacher_tokenizer: Any, student_eos: Sequence[int],
-                    teacher_eos: Sequence[int]) -> CheckResult:
+def _special_tokens(
+    student_tokenizer: Any, teacher_tokenizer: Any, student_eos: Sequence[int], teacher_eos: Sequence[int]
+) -> CheckResult:
     """EOS must agree (the teacher scores the student's end of turn); pad, BOS, UNK and the other special tokens
     only warn (pad positions are masked; the prompt ids are the student's either way)."""
-    differ = {name: (getattr(student_tokenizer, name, None), getattr(teacher_tokenizer, name, None))
-              for name in _SPECIAL if getattr(student_tokenizer, name, None) != getattr(teacher_tokenizer, name, None)}
+    differ = {
+        name: (getattr(student_tokenizer, name, None), getattr(teacher_tokenizer, name, None))
+        for name in _SPECIAL
+        if getattr(student_tokenizer, name, None) != getattr(teacher_tokenizer, name, None)
+    }
     others = set(student_tokenizer.all_special_tokens) ^ set(teacher_tokenizer.all_special_tokens)
     eos_ids = (set(student_eos) != set(teacher_eos)) if student_eos and teacher_eos else False
     shown = "; ".join(f"{k}: {s!r} vs {t!r}" for k, (s, t) in differ.items())
@@ -64,19 +88,35 @@ def _special_tokens(student_tokenizer: Any, teacher_tokenizer: Any, student_eos:
         shown = "; ".join(x for x in (shown, f"special tokens only in one: {sorted(others)[:6]}") if x)
     value = f"eos {student_tokenizer.eos_token!r}, pad {student_tokenizer.pad_token!r}"
     if "eos_token" in differ or eos_ids:
-        return CheckResult("special_tokens", "fail", value, shown,
-                           "the student ends its turns with a token the teacher does not end with; use a teacher "
-                           "whose EOS / end-of-turn token (generation_config.eos_token_id) is the student's", hard=True)
+        return CheckResult(
+            "special_tokens",
+            "fail",
+            value,
+            shown,
+            "the student ends its turns with a token the teacher does not end with; use a teacher "
+            "whose EOS / end-of-turn token (generation_config.eos_token_id) is the student's",
+            hard=True,
+        )
     if differ or others:
-        return CheckResult("special_tokens", "warn", value, shown,
-                           "harmless when the differing tokens never occur in rollouts; check the templates", hard=True)
+        return CheckResult(
+            "special_tokens",
+            "warn",
+            value,
+            shown,
+            "harmless when the differing tokens never occur in rollouts; check the templates",
+            hard=True,
+        )
     return CheckResult("special_tokens", "pass", value, "EOS, pad, BOS, UNK and all special tokens agree", hard=True)
 
 
 def render_ids(tokenizer: Any, messages: Sequence[dict[str, str]], enable_thinking: bool | None) -> list[int]:
     """The ids the trainer would feed for this prompt (`encode_prompts`: chat template, no added special tokens)."""
-    encoded = encode_prompts(tokenizer, [Prompt(id="check", messages=list(messages))], max_prompt_length=1 << 30,
-                             enable_thinking=enable_thinking)
+    encoded = encode_prompts(
+        tokenizer,
+        [Prompt(id="check", messages=list(messages))],
+        max_prompt_length=1 << 30,
+        enable_thinking=enable_thinking,
+    )
     return encoded.input_ids[0]
 
 
@@ -88,8 +128,9 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _chat_templates(student_tokenizer: Any, teacher_tokenizer: Any, messages: Sequence[dict[str, str]],
-                    enable_thinking: bool | None) -> CheckResult:
+def _chat_templates(
+    student_tokenizer: Any, teacher_tokenizer: Any, messages: Sequence[dict[str, str]], enable_thinking: bool | None
+) -> CheckResult:
     """In OPD the teacher scores the prompt as the *student's* template renders it; where its own template renders
     it differently, the teacher scores text in a format it was not trained on (a renderer mismatch measurably
     biases the teacher's log-probs: docs/performance.md)."""
@@ -105,13 +146,26 @@ def _chat_templates(student_tokenizer: Any, teacher_tokenizer: Any, messages: Se
         def token(tokenizer: Any, ids: list[int]) -> str:
             return repr(tokenizer.convert_ids_to_tokens(ids[i])) if i < len(ids) else "(end)"
 
-        differences.append((mode, f"{name[mode]}: first difference at token {i} of {len(s)}/{len(t)}: student "
-                                  f"{token(student_tokenizer, s)} vs teacher {token(teacher_tokenizer, t)}"))
+        differences.append(
+            (
+                mode,
+                f"{name[mode]}: first difference at token {i} of {len(s)}/{len(t)}: student "
+                f"{token(student_tokenizer, s)} vs teacher {token(teacher_tokenizer, t)}",
+            )
+        )
     if not differences:
-        return CheckResult("chat_template", "pass", "identical", f"same ids with thinking default / on / off "
-                           f"({len(render_ids(student_tokenizer, messages, enable_thinking))} tokens)", hard=True)
-    fix = ("render prompts the way the teacher was trained: set data.enable_thinking / data.template (or a "
-           "system prompt) so both templates agree, or use a teacher of the student's family")
+        return CheckResult(
+            "chat_template",
+            "pass",
+            "identical",
+            f"same ids with thinking default / on / off "
+            f"({len(render_ids(student_tokenizer, messages, enable_thinking))} tokens)",
+            hard=True,
+        )
+    fix = (
+        "render prompts the way the teacher was trained: set data.enable_thinking / data.template (or a "
+        "system prompt) so both templates agree, or use a teacher of the student's family"
+    )
     hard_mode = differences[0][0] == enable_thinking
     detail = "; ".join(text for _, text in differences)
     return CheckResult("chat_template", "fail" if hard_mode else "warn", "differs", detail, fix, hard=True)

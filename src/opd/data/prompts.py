@@ -19,8 +19,9 @@ import difflib
 import json
 import logging
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -87,8 +88,9 @@ def load_prompts(
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise DataError(f"load_prompts: limit must be an integer ≥ 1 or None, got {limit!r}")
     if on_missing_answer not in ON_MISSING_ANSWER:
-        raise DataError(f"load_prompts: on_missing_answer must be one of {', '.join(ON_MISSING_ANSWER)}, got "
-                        f"{on_missing_answer!r}")
+        raise DataError(
+            f"load_prompts: on_missing_answer must be one of {', '.join(ON_MISSING_ANSWER)}, got {on_missing_answer!r}"
+        )
     rows, origin, stem = _read_rows(source, split=split, hub_config=hub_config, limit=limit)
     if not rows:
         raise DataError(f"{origin}: the prompt set is empty (0 rows); expected at least one row")
@@ -106,8 +108,10 @@ def load_prompts(
         _require_key(rows, id_key, "id_key", origin, hint=f"or id_key={ROW_ID!r} for row numbers")
     for field, key in (("answer_key", answer_key), ("id_key", id_key)):
         if key == prompt_key:
-            raise DataError(f"{origin}: prompt_key={prompt_key!r} is also the {field} column; the prompt column must "
-                            f"hold the prompts: pass prompt_key=<the prompt column>")
+            raise DataError(
+                f"{origin}: prompt_key={prompt_key!r} is also the {field} column; the prompt column must "
+                f"hold the prompts: pass prompt_key=<the prompt column>"
+            )
     used_keys = [k for k in (prompt_key, answer_key, id_key, source_key, system_key) if k and k != ROW_ID]
 
     prompts, seen, skipped = [], {}, []
@@ -122,7 +126,9 @@ def load_prompts(
         pid = str(i) if raw_id is None or raw_id is MISSING else str(raw_id)
         if pid in seen:
             j, other = seen[pid]
-            same = "the same answer" if other == answer else f"answer {_short(other, 40)} there, {_short(answer, 40)} here"
+            same = (
+                "the same answer" if other == answer else f"answer {_short(other, 40)} there, {_short(answer, 40)} here"
+            )
             raise DataError(
                 f"{origin}: id {pid!r} of row {i} (field {id_key!r}) repeats row {j} ({same}); ids must be unique: "
                 f"pass id_key=<unique column> or id_key={ROW_ID!r} for row numbers"
@@ -149,10 +155,18 @@ def load_prompts(
         )
     if skipped:
         if not prompts:
-            raise DataError(f"{origin}: every row's {answer_key!r} is empty (null, absent or blank), so "
-                            f"on_missing_answer=skip left no prompt; check answer_key")
-        _log.warning("%s: skipped %d of %d rows without a ground truth in %r (first: row %d; on_missing_answer=skip)",
-                     origin, len(skipped), len(rows), answer_key, skipped[0])
+            raise DataError(
+                f"{origin}: every row's {answer_key!r} is empty (null, absent or blank), so "
+                f"on_missing_answer=skip left no prompt; check answer_key"
+            )
+        _log.warning(
+            "%s: skipped %d of %d rows without a ground truth in %r (first: row %d; on_missing_answer=skip)",
+            origin,
+            len(skipped),
+            len(rows),
+            answer_key,
+            skipped[0],
+        )
     return prompts
 
 
@@ -166,8 +180,10 @@ def save_prompts(prompts: Iterable[Prompt], path: str | Path) -> Path:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in PARQUET_SUFFIXES + JSONL_SUFFIXES:
-        raise DataError(f"{path}: cannot save prompts as {suffix or 'a file without extension'!r}; "
-                        f"accepted: .parquet, .jsonl, .ndjson")
+        raise DataError(
+            f"{path}: cannot save prompts as {suffix or 'a file without extension'!r}; "
+            f"accepted: .parquet, .jsonl, .ndjson"
+        )
     prompts = list(prompts)
     # a column mixing strings and lists has no arrow type (it would be stored as JSON text): lists for all
     as_lists = any(isinstance(p.answer, list) for p in prompts)
@@ -234,8 +250,9 @@ def _read_jsonl(path: Path) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}: line {n} is not JSON ({e.msg}): {_short(line)}; "
-                                f"expected one JSON object per line") from e
+                raise DataError(
+                    f"{path}: line {n} is not JSON ({e.msg}): {_short(line)}; expected one JSON object per line"
+                ) from e
             if not isinstance(row, dict):
                 raise DataError(f"{path}: line {n} is a {type(row).__name__}, expected a JSON object: {_short(row)}")
             rows.append(row)
@@ -249,8 +266,9 @@ def _read_json(path: Path) -> list[dict]:
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # JSON lines under a .json name (what `Dataset.to_json` writes)
             return _read_jsonl(path)
-        raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); "
-                        f"expected a list of records or JSON lines") from e
+        raise DataError(
+            f"{path}: not valid JSON ({e.msg} at line {e.lineno}); expected a list of records or JSON lines"
+        ) from e
     if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
         data = next(iter(data.values()))  # {"data": [...]}
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
@@ -269,8 +287,10 @@ def _import_datasets(what: str):
 def _read_saved_dataset(path: Path, split: str, limit: int | None) -> list[dict]:
     markers = ("dataset_dict.json", "dataset_info.json", "state.json")
     if not any((path / m).exists() for m in markers):
-        raise DataError(f"{path}: a directory that is not a `datasets` save_to_disk output (no {', '.join(markers)}); "
-                        f"accepted: {_ACCEPTED}")
+        raise DataError(
+            f"{path}: a directory that is not a `datasets` save_to_disk output (no {', '.join(markers)}); "
+            f"accepted: {_ACCEPTED}"
+        )
     datasets = _import_datasets(f"{path} (a saved dataset)")
     try:
         ds = datasets.load_from_disk(str(path))
@@ -288,8 +308,10 @@ def _read_hub_dataset(name: str, split: str, hub_config: str | None, limit: int 
     try:
         ds = datasets.load_dataset(name, hub_config, split=split)
     except Exception as e:
-        raise DataError(f"{name}: not a local file, and loading it as a Hugging Face hub dataset (split {split!r}) "
-                        f"failed: {_first_line(e)}; accepted: {_ACCEPTED}") from e
+        raise DataError(
+            f"{name}: not a local file, and loading it as a Hugging Face hub dataset (split {split!r}) "
+            f"failed: {_first_line(e)}; accepted: {_ACCEPTED}"
+        ) from e
     return _dataset_rows(ds, limit)
 
 
@@ -366,15 +388,20 @@ def _to_messages(value: Any, origin: str, row: int, key: str) -> list[dict[str, 
         messages = []
         for m in value:
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise DataError(f"{origin}: row {row} field {key!r} has message {_short(m)}; expected "
-                                f"{{'role': str, 'content': str}}")
+                raise DataError(
+                    f"{origin}: row {row} field {key!r} has message {_short(m)}; expected "
+                    f"{{'role': str, 'content': str}}"
+                )
             if m["role"] in ("user", "assistant") and not m["content"].strip():
-                raise DataError(f"{origin}: row {row} field {key!r} has a {m['role']} message with empty content; "
-                                f"expected its text")
+                raise DataError(
+                    f"{origin}: row {row} field {key!r} has a {m['role']} message with empty content; expected its text"
+                )
             messages.append({"role": m["role"], "content": m["content"]})
         return messages
-    raise DataError(f"{origin}: row {row} field {key!r} is {_short(value)} ({type(value).__name__}); expected a "
-                    f"string or a non-empty list of {{'role', 'content'}} messages (or a JSON string of one)")
+    raise DataError(
+        f"{origin}: row {row} field {key!r} is {_short(value)} ({type(value).__name__}); expected a "
+        f"string or a non-empty list of {{'role', 'content'}} messages (or a JSON string of one)"
+    )
 
 
 def to_answer(value: Any, where: str, key: str) -> str | list[str] | None:
@@ -396,8 +423,10 @@ def _scalar_answer(value: Any, where: str, key: str) -> str | None:
         return value if value.strip() else None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    raise DataError(f"{where} field {key!r} is {_short(value)} ({type(value).__name__}); "
-                    f"expected a string, a number or a list of them")
+    raise DataError(
+        f"{where} field {key!r} is {_short(value)} ({type(value).__name__}); "
+        f"expected a string, a number or a list of them"
+    )
 
 
 def describe_missing(value: Any) -> str:

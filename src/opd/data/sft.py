@@ -13,9 +13,10 @@ Omitted on purpose: tool calls and multimodal content (content must be a string)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -25,8 +26,15 @@ from opd.types import Prompt, Rollouts
 
 SFTFormat = Literal["auto", "chat", "sharegpt", "alpaca"]
 OnOverflow = Literal["filter", "truncate", "error"]
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
-                   "chatgpt": "assistant", "system": "system"}
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "chatgpt": "assistant",
+    "system": "system",
+}
 _LAYOUTS = "`messages` (chat / opd rollout), `conversations` (sharegpt) or `instruction` + `output` (alpaca)"
 _PROBE = "OPD_END_OF_TURN_PROBE"
 _ROLES = ("system", "user", "assistant")  # tool calls are omitted (module docstring)
@@ -121,8 +129,12 @@ def _chat(row: dict, where: str) -> list[dict[str, str]]:
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise DataError(f"{where}: messages[{j}] must be {{role, content}}, got {_short(m)}")
-        out.append({"role": _text(m["role"], where, f"messages[{j}].role"),
-                    "content": _text(m["content"], where, f"messages[{j}].content")})
+        out.append(
+            {
+                "role": _text(m["role"], where, f"messages[{j}].role"),
+                "content": _text(m["content"], where, f"messages[{j}].content"),
+            }
+        )
     return out
 
 
@@ -136,8 +148,9 @@ def _sharegpt(row: dict, where: str) -> list[dict[str, str]]:
             raise DataError(f"{where}: conversations[{j}] must be {{from, value}}, got {_short(turn)}")
         role = _SHAREGPT_ROLES.get(str(turn["from"]).lower())
         if role is None:
-            raise DataError(f"{where}: conversations[{j}].from is {turn['from']!r}; expected one of "
-                            f"{', '.join(_SHAREGPT_ROLES)}")
+            raise DataError(
+                f"{where}: conversations[{j}].from is {turn['from']!r}; expected one of {', '.join(_SHAREGPT_ROLES)}"
+            )
         out.append({"role": role, "content": _text(turn["value"], where, f"conversations[{j}].value")})
     system = row.get("system")
     if system and (not out or out[0]["role"] != "system"):
@@ -191,13 +204,20 @@ def end_of_turn_id(tokenizer: Any, token: str | None = None) -> int:
                 if i in special:
                     return i
     if tokenizer.eos_token_id is None:
-        raise ValueError("cannot tell which token ends an assistant turn: the tokenizer has no EOS and its chat "
-                         "template writes no special token after the content; set data.end_of_turn")
+        raise ValueError(
+            "cannot tell which token ends an assistant turn: the tokenizer has no EOS and its chat "
+            "template writes no special token after the content; set data.end_of_turn"
+        )
     return tokenizer.eos_token_id
 
 
-def _segments(tokenizer: Any, messages: list[dict[str, str]], eot_text: str, enable_thinking: bool | None,
-              system_prompt: str | None) -> list[list[tuple[str, Any]]]:
+def _segments(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    eot_text: str,
+    enable_thinking: bool | None,
+    system_prompt: str | None,
+) -> list[list[tuple[str, Any]]]:
     """Sequences of one conversation as segments: ("prompt", messages[:k]) opens a sequence, then ("target",
     content), and ("bridge", text) between turns of one sequence (the template's text from one end-of-turn to the
     next generation prompt)."""
@@ -208,7 +228,7 @@ def _segments(tokenizer: Any, messages: list[dict[str, str]], eot_text: str, ena
             continue
         prompt = render_prompt(tokenizer, messages[:k], enable_thinking=enable_thinking, system_prompt=system_prompt)
         if rendered is not None and prompt.startswith(rendered):
-            sequences[-1].append(("bridge", prompt[len(rendered):]))
+            sequences[-1].append(("bridge", prompt[len(rendered) :]))
         else:
             sequences.append([("prompt", messages[:k])])
         sequences[-1].append(("target", message["content"]))
@@ -237,11 +257,19 @@ def tokenize_conversations(
         raise ValueError(f"on_overflow must be filter, truncate or error, got {on_overflow!r}")
     eot = end_of_turn_id(tokenizer, end_of_turn)
     eot_text = tokenizer.decode([eot])
-    plans = [(c.origin, seq) for c in conversations
-             for seq in _segments(tokenizer, c.messages, eot_text, enable_thinking, system_prompt)]
+    plans = [
+        (c.origin, seq)
+        for c in conversations
+        for seq in _segments(tokenizer, c.messages, eot_text, enable_thinking, system_prompt)
+    ]
     # Prompts through encode_prompts (same template, BOS rule and ids as rollout and eval); other text batched.
-    first = encode_prompts(tokenizer, [Prompt(str(i), seq[0][1]) for i, (_, seq) in enumerate(plans)],
-                           max_prompt_length=2**62, enable_thinking=enable_thinking, system_prompt=system_prompt)
+    first = encode_prompts(
+        tokenizer,
+        [Prompt(str(i), seq[0][1]) for i, (_, seq) in enumerate(plans)],
+        max_prompt_length=2**62,
+        enable_thinking=enable_thinking,
+        system_prompt=system_prompt,
+    )
     texts = [payload for _, seq in plans for kind, payload in seq[1:]]
     pieces = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
 
@@ -259,8 +287,10 @@ def tokenize_conversations(
             mask += [target] * len(piece)
         if len(ids) > max_length:
             if on_overflow == "error":
-                raise DataError(f"{origin}: {len(ids)} tokens, over data.max_length={max_length}; raise it or set "
-                                f"data.on_overflow=filter|truncate")
+                raise DataError(
+                    f"{origin}: {len(ids)} tokens, over data.max_length={max_length}; raise it or set "
+                    f"data.on_overflow=filter|truncate"
+                )
             if on_overflow == "filter" or not any(mask[:max_length]):
                 num_filtered += 1
                 continue
@@ -303,5 +333,4 @@ def collate(examples: Sequence[SFTExample], *, pad_id: int) -> Rollouts:
         response_ids[b, : n - s] = torch.tensor(ex.input_ids[s:])
         response_mask[b, : n - s] = torch.tensor(ex.target_mask[s:])
     zeros = torch.zeros(B, dtype=torch.bool)
-    return Rollouts(input_ids, attention, torch.tensor(starts), response_ids, response_mask,
-                    torch.arange(B), zeros)
+    return Rollouts(input_ids, attention, torch.tensor(starts), response_ids, response_mask, torch.arange(B), zeros)

@@ -12,8 +12,9 @@ them), and truncation of long prompts (a cut problem is a different problem: the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from opd.data.prompts import DataError
 from opd.types import Prompt
@@ -67,10 +68,12 @@ def parse_template(spec: str | InstructionTemplate) -> InstructionTemplate:
     if not isinstance(spec, str):
         raise ValueError(f"template must be a string, got {spec!r}; accepted: {_ACCEPTED}")
     if spec.lower().startswith("custom:"):
-        text = spec[len("custom:"):]
+        text = spec[len("custom:") :]
         if PLACEHOLDER not in text:
-            raise ValueError(f"template {_short(spec)} has no {PLACEHOLDER} placeholder; a custom template must "
-                             f"contain it, e.g. 'custom:{PLACEHOLDER} Give only the number.'; accepted: {_ACCEPTED}")
+            raise ValueError(
+                f"template {_short(spec)} has no {PLACEHOLDER} placeholder; a custom template must "
+                f"contain it, e.g. 'custom:{PLACEHOLDER} Give only the number.'; accepted: {_ACCEPTED}"
+            )
         return InstructionTemplate("custom", text)
     template = TEMPLATES.get(spec.strip().lower())
     if template is None:
@@ -81,7 +84,7 @@ def parse_template(spec: str | InstructionTemplate) -> InstructionTemplate:
 def strip_template(text: str) -> str:
     """`text` without a known DAPO prefix/suffix or boxed instruction, and without surrounding whitespace."""
     if text.startswith(DAPO_PREFIX):
-        text = text[len(DAPO_PREFIX):]
+        text = text[len(DAPO_PREFIX) :]
     if text.endswith(DAPO_SUFFIX):
         text = text[: -len(DAPO_SUFFIX)]
     stripped = text.rstrip()
@@ -182,8 +185,10 @@ def encode_prompts(
         raise ValueError(f"on_overflow must be 'filter' or 'error', got {on_overflow!r}")
     parsed = parse_template(template)
     templated = [apply_template(p, parsed) for p in prompts]
-    texts = [render_prompt(tokenizer, p.messages, enable_thinking=enable_thinking, system_prompt=system_prompt)
-             for p in templated]
+    texts = [
+        render_prompt(tokenizer, p.messages, enable_thinking=enable_thinking, system_prompt=system_prompt)
+        for p in templated
+    ]
     if not texts:
         return EncodedPrompts([], [], 0)
     ids_per_prompt = tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -197,11 +202,15 @@ def encode_prompts(
             kept_ids.append(list(ids))
             kept.append(prompt)
         elif on_overflow == "error":
-            raise DataError(f"prompt {prompt.id!r} is {len(ids)} tokens, over max_prompt_length={max_prompt_length}; "
-                            f"raise max_prompt_length or use on_overflow='filter'")
+            raise DataError(
+                f"prompt {prompt.id!r} is {len(ids)} tokens, over max_prompt_length={max_prompt_length}; "
+                f"raise max_prompt_length or use on_overflow='filter'"
+            )
     if not kept:
-        raise DataError(f"all {len(templated)} prompts are longer than max_prompt_length={max_prompt_length} tokens "
-                        f"(shortest: {min(len(i) for i in ids_per_prompt)}); raise max_prompt_length")
+        raise DataError(
+            f"all {len(templated)} prompts are longer than max_prompt_length={max_prompt_length} tokens "
+            f"(shortest: {min(len(i) for i in ids_per_prompt)}); raise max_prompt_length"
+        )
     return EncodedPrompts(kept_ids, kept, len(templated) - len(kept))
 
 

@@ -90,5 +90,7 @@ def _unknown_message(name: str) -> str:
     known = list_benchmarks()
     close = difflib.get_close_matches(_normalise(name), list(_ALIASES), n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(dict.fromkeys(_ALIASES[c] for c in close))}?" if close else ""
-    return (f"unknown benchmark {name!r}; known: {', '.join(known)} (or a path to a prompt file, or a hub id "
-            f"'owner/name'){hint}")
+    return (
+        f"unknown benchmark {name!r}; known: {', '.join(known)} (or a path to a prompt file, or a hub id "
+        f"'owner/name'){hint}"
+    )

@@ -14,9 +14,10 @@ student's top-k), selection by a combination of metrics, and re-balancing source
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,8 +35,15 @@ if TYPE_CHECKING:
     from opd.teacher.base import TeacherScorer
 
 METRICS = (
-    "overlap_ratio", "overlap_mass_student", "overlap_mass_teacher", "overlap_advantage",
-    "topk_mass_student", "topk_mass_teacher", "entropy_student", "entropy_teacher", "entropy_gap",
+    "overlap_ratio",
+    "overlap_mass_student",
+    "overlap_mass_teacher",
+    "overlap_advantage",
+    "topk_mass_student",
+    "topk_mass_teacher",
+    "entropy_student",
+    "entropy_teacher",
+    "entropy_gap",
 )
 """The per-prompt SPEC §6 metrics a `PromptScore` carries (the position metrics of `opd_diagnostics`)."""
 
@@ -85,11 +93,13 @@ class PromptScore:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, record: dict, origin: str = "scores") -> "PromptScore":
+    def from_json(cls, record: dict, origin: str = "scores") -> PromptScore:
         """Read one record; unknown keys are ignored (newer files), a record without an id is a one-line `DataError`."""
         if not isinstance(record, dict) or record.get("id") is None:
-            raise DataError(f"{origin}: a score record without an 'id': {str(record)[:80]}; expected PromptScore lines "
-                            f"written by `opd prompts score`")
+            raise DataError(
+                f"{origin}: a score record without an 'id': {str(record)[:80]}; expected PromptScore lines "
+                f"written by `opd prompts score`"
+            )
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in record.items() if k in known} | {"id": str(record["id"])})
 
@@ -142,65 +152,89 @@ def score_prompts(
     """
     from opd.teacher.local import LocalScorer  # heavy (the Triton kernels, torch._dynamo): only when scoring
 
-    checks = [("n", n, n >= 1, "an integer ≥ 1"), ("top_k", top_k, top_k >= 1, "an integer ≥ 1"),
-              ("temperature", temperature, temperature > 0, "> 0"),
-              ("teacher_temperature", teacher_temperature, teacher_temperature > 0, "> 0"),
-              ("batch_size", batch_size, batch_size >= 1, "an integer ≥ 1")]
+    checks = [
+        ("n", n, n >= 1, "an integer ≥ 1"),
+        ("top_k", top_k, top_k >= 1, "an integer ≥ 1"),
+        ("temperature", temperature, temperature > 0, "> 0"),
+        ("teacher_temperature", teacher_temperature, teacher_temperature > 0, "> 0"),
+        ("batch_size", batch_size, batch_size >= 1, "an integer ≥ 1"),
+    ]
     for name, value, ok, legal in checks:
         if not ok:
             raise ValueError(f"score_prompts: {name} must be {legal}, got {value!r}")
     skip = set(skip_ids)
-    encoded = encode_prompts(tokenizer, prompts, max_prompt_length=max_prompt_length, enable_thinking=enable_thinking,
-                             template=template)
+    encoded = encode_prompts(
+        tokenizer, prompts, max_prompt_length=max_prompt_length, enable_thinking=enable_thinking, template=template
+    )
     kept = {p.id for p in encoded.prompts}
-    too_long = [PromptScore(p.id, p.source, skipped=f"longer than max_prompt_length={max_prompt_length} tokens")
-                for p in prompts if p.id not in kept and p.id not in skip]
+    too_long = [
+        PromptScore(p.id, p.source, skipped=f"longer than max_prompt_length={max_prompt_length} tokens")
+        for p in prompts
+        if p.id not in kept and p.id not in skip
+    ]
     if too_long and on_batch is not None:
         on_batch(too_long)
 
     # ids beyond the tokenizer are embedding padding rows: never sampled, never a top-k candidate (SPEC §1)
-    rows = {who: m.get_output_embeddings().weight.shape[0] for who, m in (("student", student), ("teacher", teacher))
-            if isinstance(m, torch.nn.Module)}
-    vocab = check_tokenizer_compatibility(tokenizer, tokenizer, student_vocab_size=rows["student"],
-                                          teacher_vocab_size=rows.get("teacher"))
+    rows = {
+        who: m.get_output_embeddings().weight.shape[0]
+        for who, m in (("student", student), ("teacher", teacher))
+        if isinstance(m, torch.nn.Module)
+    }
+    vocab = check_tokenizer_compatibility(
+        tokenizer, tokenizer, student_vocab_size=rows["student"], teacher_vocab_size=rows.get("teacher")
+    )
     student_scorer = LocalScorer(student, max_tokens_per_batch=score_batch_tokens, vocab_size=vocab.tokenizer_size)
-    teacher_scorer = teacher if not isinstance(teacher, torch.nn.Module) else LocalScorer(
-        teacher, max_tokens_per_batch=score_batch_tokens, vocab_size=vocab.tokenizer_size)
+    teacher_scorer = (
+        teacher
+        if not isinstance(teacher, torch.nn.Module)
+        else LocalScorer(teacher, max_tokens_per_batch=score_batch_tokens, vocab_size=vocab.tokenizer_size)
+    )
     if generator is None:
         generator = make_generator(student, tokenizer, max_batch_size=batch_size * n, vocab_size=vocab.tokenizer_size)
     device = next(student.parameters()).device
 
     new: dict[str, PromptScore] = {s.id: s for s in too_long}
     for index, start in enumerate(range(0, len(encoded.prompts), batch_size)):
-        batch = encoded.prompts[start:start + batch_size]
+        batch = encoded.prompts[start : start + batch_size]
         if all(p.id in skip for p in batch):
             continue
-        prompt_ids = encoded.input_ids[start:start + batch_size]
+        prompt_ids = encoded.input_ids[start : start + batch_size]
         # 2. rollouts: n samples per prompt from the student
-        params = SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens,
-                                seed=derive_seed(seed, step=index, salt=SALT_STEP_ROLLOUT))
+        params = SamplingParams(
+            n=n,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            seed=derive_seed(seed, step=index, salt=SALT_STEP_ROLLOUT),
+        )
         output = generator.generate(prompt_ids, params)
         rollouts = build_rollouts(prompt_ids, output, pad_id=tokenizer.pad_token_id, device=device)
         # 3. student scores (top-k support, log-probs, entropy); 4. teacher scores, also at the student's top-k
         student_scores = student_scorer.score(rollouts, top_k=top_k, temperature=temperature)
-        teacher_scores = teacher_scorer.score(rollouts, top_k=top_k, requested_ids=student_scores.topk_ids,
-                                              temperature=teacher_temperature)
+        teacher_scores = teacher_scorer.score(
+            rollouts, top_k=top_k, requested_ids=student_scores.topk_ids, temperature=teacher_temperature
+        )
         if on_scored is not None:
             on_scored(list(batch), rollouts, student_scores, teacher_scores)
         # 7. diagnostics, per prompt
-        per_group = group_diagnostics(student_scores, teacher_scores, rollouts.response_mask, rollouts.group_ids,
-                                      len(batch))
+        per_group = group_diagnostics(
+            student_scores, teacher_scores, rollouts.response_mask, rollouts.group_ids, len(batch)
+        )
         lengths_Gn = rollouts.response_mask.sum(-1).view(len(batch), n).float()  # rows are prompt-major
-        per_group.update(num_tokens=lengths_Gn.sum(-1), response_length=lengths_Gn.mean(-1),
-                         truncation_rate=rollouts.truncated.view(len(batch), n).float().mean(-1))
+        per_group.update(
+            num_tokens=lengths_Gn.sum(-1),
+            response_length=lengths_Gn.mean(-1),
+            truncation_rate=rollouts.truncated.view(len(batch), n).float().mean(-1),
+        )
         values = {k: v.tolist() for k, v in per_group.items()}  # one host sync per batch
         scores = []
         for g, prompt in enumerate(batch):
             if prompt.id in skip:
                 continue
             metrics = {k: float(v[g]) for k, v in values.items() if k != "num_tokens"}
-            scores.append(PromptScore(prompt.id, prompt.source, n=n, num_tokens=round(values["num_tokens"][g]),
-                                      **metrics))
+            scores.append(
+                PromptScore(prompt.id, prompt.source, n=n, num_tokens=round(values["num_tokens"][g]), **metrics)
+            )
         if on_batch is not None:
             on_batch(scores)
         new.update((s.id, s) for s in scores)
@@ -219,8 +253,9 @@ def group_diagnostics(
     per_group: dict[str, list[torch.Tensor]] = {}
     for g in range(num_groups):
         rows = (group_ids == g).nonzero(as_tuple=True)[0]
-        d = opd_diagnostics_from_scores(_select_scores(student, rows), _select_scores(teacher, rows),
-                                        response_mask[rows], chunk_size=max(T, 1))  # one chunk: its key is dropped
+        d = opd_diagnostics_from_scores(
+            _select_scores(student, rows), _select_scores(teacher, rows), response_mask[rows], chunk_size=max(T, 1)
+        )  # one chunk: its key is dropped
         for key in METRICS:
             if key in d:
                 per_group.setdefault(key, []).append(d[key])
@@ -229,8 +264,9 @@ def group_diagnostics(
 
 def _select_scores(scores: TokenScores, rows: torch.Tensor) -> TokenScores:
     """The `TokenScores` of some rows (every tensor field indexed along dim 0)."""
-    return TokenScores(**{f.name: None if getattr(scores, f.name) is None else getattr(scores, f.name)[rows]
-                          for f in fields(scores)})
+    return TokenScores(
+        **{f.name: None if getattr(scores, f.name) is None else getattr(scores, f.name)[rows] for f in fields(scores)}
+    )
 
 
 # ------------------------------------------------------------------------------------------------ select
@@ -279,12 +315,16 @@ def select_prompts(
     prompt_ids = {p.id for p in prompts}
     stray = [i for i in by_id if i not in prompt_ids]
     if stray:
-        raise DataError(f"scores: {len(stray)} of {len(by_id)} score ids are not ids of the prompt set (first: "
-                        f"{stray[0]!r}); were the scores computed on another set or with another id_key?")
+        raise DataError(
+            f"scores: {len(stray)} of {len(by_id)} score ids are not ids of the prompt set (first: "
+            f"{stray[0]!r}); were the scores computed on another set or with another id_key?"
+        )
     unscored = [p.id for p in prompts if p.id not in by_id]
     if unscored:
-        raise DataError(f"scores: {len(unscored)} of {len(prompts)} prompts have no score (first: {unscored[0]!r}); "
-                        f"finish scoring them (rerun `opd prompts score`, it resumes)")
+        raise DataError(
+            f"scores: {len(unscored)} of {len(prompts)} prompts have no score (first: {unscored[0]!r}); "
+            f"finish scoring them (rerun `opd prompts score`, it resumes)"
+        )
     ranked = [i for i, p in enumerate(prompts) if getattr(by_id[p.id], by) is not None]
     if not ranked:
         raise DataError(f"scores: none of the {len(prompts)} prompts has a {by} value (all skipped while scoring)")
@@ -301,7 +341,9 @@ def select_prompts(
     pool = [i for i, p in enumerate(mix_with) if p.id not in chosen]
     wanted = round(count * ratio / (1 - ratio))
     if wanted > len(pool):
-        raise DataError(f"mix_with: ratio={ratio} with {count} aligned prompts needs {wanted} other prompts but "
-                        f"mix_with has {len(pool)} not already selected; lower ratio or top")
+        raise DataError(
+            f"mix_with: ratio={ratio} with {count} aligned prompts needs {wanted} other prompts but "
+            f"mix_with has {len(pool)} not already selected; lower ratio or top"
+        )
     drawn = sorted(random.Random(seed).sample(pool, wanted))
     return selected + [mix_with[i] for i in drawn]

@@ -29,10 +29,10 @@ from opd.eval.grading import decode_responses, grade
 from opd.eval.metrics import ProblemResult, SampleResult, summarize
 from opd.io import append_jsonl, atomic_write_json, write_jsonl
 from opd.models import load_model, load_tokenizer
+from opd.report.sinks import progress_bar
 from opd.rollout import SamplingParams, make_generator
 from opd.rollout.registry import vllm_arguments
 from opd.rundir import check_same_work, locked
-from opd.report.sinks import progress_bar
 from opd.seeds import hashed_seed
 
 IDENTITY_FILE = "identity.json"
@@ -49,8 +49,9 @@ class EvalProblem:
     answer: str | list[str]
 
 
-def evaluate_model(config: EvalConfig, run_dir: Path, *, generator: Any = None, tokenizer: Any = None,
-                   console: Any = None) -> dict:
+def evaluate_model(
+    config: EvalConfig, run_dir: Path, *, generator: Any = None, tokenizer: Any = None, console: Any = None
+) -> dict:
     """Sample and grade `config.model` on `config.benchmarks` into `run_dir` (resuming its complete chunks), write
     results.json, print the table; return the results ({benchmark: metrics}).
 
@@ -86,8 +87,10 @@ def check_resumable(run_dir: Path, identity: dict[str, Any]) -> None:
     if not saved_path.is_file():
         ours = [name for name in _OUR_FILES if (run_dir / name).exists()]
         if ours:
-            raise ValueError(f"{run_dir} holds {', '.join(ours)} but no {IDENTITY_FILE} (another command's output, "
-                             f"or an older opd's); use another --out")
+            raise ValueError(
+                f"{run_dir} holds {', '.join(ours)} but no {IDENTITY_FILE} (another command's output, "
+                f"or an older opd's); use another --out"
+            )
         return
     try:
         saved = json.loads(saved_path.read_text())
@@ -111,8 +114,13 @@ def start_work(run_dir: Path, identity: dict[str, Any], config: EvalConfig) -> N
 def model_identity(config: EvalConfig) -> dict[str, Any]:
     """What of the model decides the samples: path, a fingerprint of its local files, dtype, attention, remote code."""
     spec = config.model
-    return {"path": spec.path, "files": model_fingerprint(spec.path), "dtype": spec.dtype,
-            "attn_implementation": spec.attn_implementation, "trust_remote_code": spec.trust_remote_code}
+    return {
+        "path": spec.path,
+        "files": model_fingerprint(spec.path),
+        "dtype": spec.dtype,
+        "attn_implementation": spec.attn_implementation,
+        "trust_remote_code": spec.trust_remote_code,
+    }
 
 
 _MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".model", ".txt", ".jinja", ".py", ".tiktoken")
@@ -176,14 +184,35 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
     loaded = {}
     for benchmark in config.benchmarks:
         name = Path(benchmark).stem if Path(benchmark).suffix else benchmark
-        loaded[name] = load_benchmark(benchmark, prompt_key=config.prompt_key, answer_key=config.answer_key,
-                                      on_missing_answer=config.on_missing_answer)
+        loaded[name] = load_benchmark(
+            benchmark,
+            prompt_key=config.prompt_key,
+            answer_key=config.answer_key,
+            on_missing_answer=config.on_missing_answer,
+        )
     identity = {
-        "mode": "model", "model": model_identity(config),
-        **{key: getattr(config, key) for key in ("n", "temperature", "top_p", "top_k", "max_new_tokens", "seed",
-                                                 "template", "enable_thinking", "max_prompt_length", "batch_size",
-                                                 "limit", "prompt_key", "answer_key", "on_missing_answer",
-                                                 "engine")},
+        "mode": "model",
+        "model": model_identity(config),
+        **{
+            key: getattr(config, key)
+            for key in (
+                "n",
+                "temperature",
+                "top_p",
+                "top_k",
+                "max_new_tokens",
+                "seed",
+                "template",
+                "enable_thinking",
+                "max_prompt_length",
+                "batch_size",
+                "limit",
+                "prompt_key",
+                "answer_key",
+                "on_missing_answer",
+                "engine",
+            )
+        },
         "benchmarks": {name: _problems_sha256(prompts) for name, prompts in loaded.items()},
     }
     check_resumable(run_dir, identity)  # before any model is loaded
@@ -191,8 +220,9 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
     if generator is None and config.engine == "vllm":  # vLLM loads the weights itself: no HF copy of the model
         spec = config.model
         tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
-        generator = make_generator(None, tokenizer, engine="vllm", max_batch_size=config.batch_size,
-                                   **vllm_arguments(config.vllm, spec))
+        generator = make_generator(
+            None, tokenizer, engine="vllm", max_batch_size=config.batch_size, **vllm_arguments(config.vllm, spec)
+        )
     if generator is None:
         model, tokenizer = load_model(
             config.model.path,
@@ -217,7 +247,9 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
             enable_thinking=config.enable_thinking,
         )
         if encoded.num_filtered:
-            console.print(f"[yellow]{name}: {encoded.num_filtered} prompts longer than {config.max_prompt_length} tokens skipped[/]")
+            console.print(
+                f"[yellow]{name}: {encoded.num_filtered} prompts longer than {config.max_prompt_length} tokens skipped[/]"
+            )
         problems = [EvalProblem(name, p.id, ids, p.answer) for p, ids in zip(encoded.prompts, encoded.input_ids)]
         for index in range(0, len(problems), problems_per_chunk):
             chunks.append((name, index // problems_per_chunk, problems[index : index + problems_per_chunk]))
@@ -229,8 +261,10 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
         write_jsonl(samples_path, [r for records in done.values() for r in records])
     work = [chunk for chunk in chunks if (chunk[0], chunk[1]) not in done]
     if done or dropped:
-        console.print(f"resuming: {len(done)} of {len(chunks)} chunks complete in {samples_path}"
-                      + (f"; {dropped} lines of partial chunks dropped, those chunks are redone" if dropped else ""))
+        console.print(
+            f"resuming: {len(done)} of {len(chunks)} chunks complete in {samples_path}"
+            + (f"; {dropped} lines of partial chunks dropped, those chunks are redone" if dropped else "")
+        )
 
     records_done = [r for records in done.values() for r in records]
     total = sum(len(chunk) for _, _, chunk in work)
@@ -269,15 +303,18 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
     return records_done
 
 
-def complete_chunks(path: Path, chunks: list[tuple[str, int, list[EvalProblem]]],
-                    n: int) -> tuple[dict[tuple[str, int], list[dict]], int]:
+def complete_chunks(
+    path: Path, chunks: list[tuple[str, int, list[EvalProblem]]], n: int
+) -> tuple[dict[tuple[str, int], list[dict]], int]:
     """The complete chunks of `samples.jsonl` ({(benchmark, chunk): its records}) and the number of lines that are not
     part of one (broken JSON, invalid records, lines of a partial chunk, duplicates, lines of no planned chunk).
 
     A chunk is complete when every (problem, sample) it plans has exactly one valid line."""
     if not path.exists():
         return {}, 0
-    expected = {(name, chunk_id): {(p.problem_id, s) for p in chunk for s in range(n)} for name, chunk_id, chunk in chunks}
+    expected = {
+        (name, chunk_id): {(p.problem_id, s) for p in chunk for s in range(n)} for name, chunk_id, chunk in chunks
+    }
     found: dict[tuple[str, int], dict[tuple[str, int], dict]] = {}
     lines = 0
     for line in path.read_bytes().split(b"\n"):
@@ -297,29 +334,54 @@ def complete_chunks(path: Path, chunks: list[tuple[str, int, list[EvalProblem]]]
     return done, lines - sum(map(len, done.values()))
 
 
-_RECORD_TYPES = {"benchmark": str, "problem_id": str, "sample": int, "chunk": int, "correct": bool, "truncated": bool,
-                 "response": str}
+_RECORD_TYPES = {
+    "benchmark": str,
+    "problem_id": str,
+    "sample": int,
+    "chunk": int,
+    "correct": bool,
+    "truncated": bool,
+    "response": str,
+}
 
 
 def _valid_record(record: Any) -> bool:
-    return (isinstance(record, dict)
-            and all(isinstance(record.get(key), kind) for key, kind in _RECORD_TYPES.items())
-            and (record.get("extracted") is None or isinstance(record["extracted"], str))
-            and (record.get("num_tokens") is None or isinstance(record["num_tokens"], int)))
+    return (
+        isinstance(record, dict)
+        and all(isinstance(record.get(key), kind) for key, kind in _RECORD_TYPES.items())
+        and (record.get("extracted") is None or isinstance(record["extracted"], str))
+        and (record.get("num_tokens") is None or isinstance(record["num_tokens"], int))
+    )
 
 
 def _chunk_seed(seed: int, benchmark: str, chunk_id: int) -> int:
     return hashed_seed(f"{seed}/{benchmark}/{chunk_id}")
 
 
-def graded_record(*, benchmark: str, problem_id: str, sample: int, response: str, answer: str | list[str],
-                  num_tokens: int | None, truncated: bool, timeout: float, chunk: int | None = None) -> dict:
+def graded_record(
+    *,
+    benchmark: str,
+    problem_id: str,
+    sample: int,
+    response: str,
+    answer: str | list[str],
+    num_tokens: int | None,
+    truncated: bool,
+    timeout: float,
+    chunk: int | None = None,
+) -> dict:
     """One line of samples.jsonl: `response` graded against `answer` (`chunk`: the model mode's resume unit)."""
     result = grade(response, answer, timeout=timeout)
     record = {
-        "benchmark": benchmark, "problem_id": problem_id, "sample": sample, "answer": answer,
-        "extracted": result.extracted, "correct": bool(result.correct), "num_tokens": num_tokens,
-        "truncated": bool(truncated), "response": response,
+        "benchmark": benchmark,
+        "problem_id": problem_id,
+        "sample": sample,
+        "answer": answer,
+        "extracted": result.extracted,
+        "correct": bool(result.correct),
+        "num_tokens": num_tokens,
+        "truncated": bool(truncated),
+        "response": response,
     }
     if chunk is not None:
         record["chunk"] = chunk
@@ -335,14 +397,24 @@ def summarize_records(records: list[dict]) -> dict[str, dict]:
     for record in records:
         samples = problems.setdefault((record["benchmark"], str(record["problem_id"])), {})
         samples.setdefault(record["sample"], record)  # a chunk redone after a crash mid-append counts once
-    return summarize([
-        ProblemResult(
-            benchmark=benchmark, problem_id=problem_id,
-            samples=[SampleResult(correct=s["correct"], extracted=s["extracted"], num_tokens=s["num_tokens"] or 0,
-                                  truncated=s["truncated"]) for _, s in sorted(samples.items())],
-        )
-        for (benchmark, problem_id), samples in problems.items()
-    ])
+    return summarize(
+        [
+            ProblemResult(
+                benchmark=benchmark,
+                problem_id=problem_id,
+                samples=[
+                    SampleResult(
+                        correct=s["correct"],
+                        extracted=s["extracted"],
+                        num_tokens=s["num_tokens"] or 0,
+                        truncated=s["truncated"],
+                    )
+                    for _, s in sorted(samples.items())
+                ],
+            )
+            for (benchmark, problem_id), samples in problems.items()
+        ]
+    )
 
 
 def print_results_table(results: dict[str, dict], console: Any, title: str = "") -> None:
@@ -365,6 +437,8 @@ def print_results_table(results: dict[str, dict], console: Any, title: str = "")
         cells = []
         for column in columns:
             value = summary.get(column)
-            cells.append("" if value is None else (f"{value:.0f}" if column == "mean_response_tokens" else f"{100 * value:.1f}"))
+            cells.append(
+                "" if value is None else (f"{value:.0f}" if column == "mean_response_tokens" else f"{100 * value:.1f}")
+            )
         table.add_row(benchmark, str(summary.get("num_problems", "")), *cells)
     console.print(table)

@@ -44,11 +44,43 @@ def default_splits(rows: int, kv_heads: int, device: torch.device) -> int:
 if triton is not None:
 
     @triton.jit
-    def _partial_kernel(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, start_ptr, last_ptr, out_ptr, lse_ptr,
-                        q_sr, q_sk, q_sg, k_sr, k_sk, k_ss, v_sr, v_sk, v_ss, kn_sr, kn_sk, vn_sr, vn_sk,
-                        o_sr, o_sk, o_sg, scale, kv_heads, groups,
-                        HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                        HAS_NEW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    def _partial_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        kn_ptr,
+        vn_ptr,
+        start_ptr,
+        last_ptr,
+        out_ptr,
+        lse_ptr,
+        q_sr,
+        q_sk,
+        q_sg,
+        k_sr,
+        k_sk,
+        k_ss,
+        v_sr,
+        v_sk,
+        v_ss,
+        kn_sr,
+        kn_sk,
+        vn_sr,
+        vn_sk,
+        o_sr,
+        o_sk,
+        o_sg,
+        scale,
+        kv_heads,
+        groups,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr,
+        HAS_NEW: tl.constexpr,
+        UPCAST: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """One (row, kv head) per program along axis 0, one split along axis 1. HAS_NEW: the row's slot `last` is taken
         from kn/vn (and written to the cache by split 0) instead of read from the cache. SPLITS == 1: the normalised
         output goes straight to out (strided, q's dtype). Else out is float32 [R, Hkv, SPLITS, G, Dh] and lse float32
@@ -65,8 +97,9 @@ if triton is not None:
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)
         n = tl.arange(0, BLOCK_N)
-        q = tl.load(q_ptr + row * q_sr + kv * q_sk + g[:, None] * q_sg + d[None, :], mask=g[:, None] < groups,
-                    other=0.0)
+        q = tl.load(
+            q_ptr + row * q_sr + kv * q_sk + g[:, None] * q_sg + d[None, :], mask=g[:, None] < groups, other=0.0
+        )
         if UPCAST:
             q = q.to(tl.float32)
         k_base = k_ptr + row * k_sr + kv * k_sk
@@ -104,8 +137,11 @@ if triton is not None:
 
         if SPLITS == 1:
             out = acc / l[:, None]
-            tl.store(out_ptr + row * o_sr + kv * o_sk + g[:, None] * o_sg + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=g[:, None] < groups)
+            tl.store(
+                out_ptr + row * o_sr + kv * o_sk + g[:, None] * o_sg + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=g[:, None] < groups,
+            )
         else:
             nonempty = l > 0
             out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l, 1.0)[:, None], 0.0)
@@ -115,8 +151,19 @@ if triton is not None:
             tl.store(lse_ptr + base + g, lse, mask=g < groups)
 
     @triton.jit
-    def _combine_kernel(part_ptr, lse_ptr, out_ptr, o_sr, o_sk, o_sg, kv_heads, groups,
-                        HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, SPLITS: tl.constexpr):
+    def _combine_kernel(
+        part_ptr,
+        lse_ptr,
+        out_ptr,
+        o_sr,
+        o_sk,
+        o_sg,
+        kv_heads,
+        groups,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
         """Softmax-weighted sum of one (row, kv head)'s SPLITS partial outputs → out (strided, out's dtype)."""
         pid = tl.program_id(0)
         row, kv = pid // kv_heads, pid % kv_heads
@@ -124,21 +171,37 @@ if triton is not None:
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)
         in_group = g < groups
-        lse = tl.load(lse_ptr + (pid * SPLITS + p[:, None]) * groups + g[None, :], mask=in_group[None, :],
-                      other=0.0)  # [SPLITS, G]; split 0 is never empty, so the max is finite
+        lse = tl.load(
+            lse_ptr + (pid * SPLITS + p[:, None]) * groups + g[None, :], mask=in_group[None, :], other=0.0
+        )  # [SPLITS, G]; split 0 is never empty, so the max is finite
         weight = tl.exp(lse - tl.max(lse, 0)[None, :])
-        part = tl.load(part_ptr + ((pid * SPLITS + p[:, None, None]) * groups + g[None, :, None]) * HEAD_DIM
-                       + d[None, None, :], mask=in_group[None, :, None], other=0.0)  # [SPLITS, G, Dh]
+        part = tl.load(
+            part_ptr + ((pid * SPLITS + p[:, None, None]) * groups + g[None, :, None]) * HEAD_DIM + d[None, None, :],
+            mask=in_group[None, :, None],
+            other=0.0,
+        )  # [SPLITS, G, Dh]
         out = tl.sum(weight[:, :, None] * part, 0) / tl.sum(weight, 0)[:, None]
-        tl.store(out_ptr + row * o_sr + kv * o_sk + g[:, None] * o_sg + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=in_group[:, None])
+        tl.store(
+            out_ptr + row * o_sr + kv * o_sk + g[:, None] * o_sg + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=in_group[:, None],
+        )
 
 
-def decode_attention(q_RKGD: torch.Tensor, keys_RKSD: torch.Tensor, values_RKSD: torch.Tensor,
-                     start_R: torch.Tensor, last_R: torch.Tensor, scale: float,
-                     new_keys_RKD: torch.Tensor | None = None, new_values_RKD: torch.Tensor | None = None,
-                     splits: int | None = None, block_n: int = BLOCK_N, num_warps: int = 4,
-                     num_stages: int = 2) -> torch.Tensor:
+def decode_attention(
+    q_RKGD: torch.Tensor,
+    keys_RKSD: torch.Tensor,
+    values_RKSD: torch.Tensor,
+    start_R: torch.Tensor,
+    last_R: torch.Tensor,
+    scale: float,
+    new_keys_RKD: torch.Tensor | None = None,
+    new_values_RKD: torch.Tensor | None = None,
+    splits: int | None = None,
+    block_n: int = BLOCK_N,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
     """softmax(q·kᵀ · scale) · v over slots [start_R[r], last_R[r]] of each row r, per kv head and query head.
 
     q [R, Hkv, G, Dh] (any strides, last one 1); keys, values [R, Hkv, S, Dh] (last stride 1); start_R and last_R [R]
@@ -154,13 +217,17 @@ def decode_attention(q_RKGD: torch.Tensor, keys_RKSD: torch.Tensor, values_RKSD:
         raise RuntimeError("decode_attention needs Triton (pip install triton, CUDA)")
     tensors = [q_RKGD, keys_RKSD, values_RKSD] + [t for t in (new_keys_RKD, new_values_RKD) if t is not None]
     if not supports(head_dim) or any(t.stride(-1) != 1 for t in tensors):
-        raise ValueError(f"decode_attention needs a power-of-two head_dim in [16, 256] and unit last strides, got "
-                         f"head_dim {head_dim}, strides {[t.stride() for t in tensors]}")
+        raise ValueError(
+            f"decode_attention needs a power-of-two head_dim in [16, 256] and unit last strides, got "
+            f"head_dim {head_dim}, strides {[t.stride() for t in tensors]}"
+        )
     if (new_keys_RKD is None) != (new_values_RKD is None):
         raise ValueError("decode_attention takes new_keys and new_values together")
     if start_R.shape != (rows,) or last_R.shape != (rows,):
-        raise ValueError(f"decode_attention takes one start and one last slot per row ({rows}), got shapes "
-                         f"{tuple(start_R.shape)} and {tuple(last_R.shape)}")
+        raise ValueError(
+            f"decode_attention takes one start and one last slot per row ({rows}), got shapes "
+            f"{tuple(start_R.shape)} and {tuple(last_R.shape)}"
+        )
     splits = default_splits(rows, kv_heads, q_RKGD.device) if splits is None else splits
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"decode_attention splits must be a power of two ≥ 1, got {splits}")
@@ -175,20 +242,57 @@ def decode_attention(q_RKGD: torch.Tensor, keys_RKSD: torch.Tensor, values_RKSD:
     # Triton launches on the current CUDA device: make it the tensors' (a model on cuda:1, say).
     with torch.cuda.device(q_RKGD.device) if q_RKGD.device.type == "cuda" else contextlib.nullcontext():
         _partial_kernel[(rows * kv_heads, splits)](
-            q_RKGD, keys_RKSD, values_RKSD, new_k, new_v, start_R, last_R, part, lse,
-            q_RKGD.stride(0), q_RKGD.stride(1), q_RKGD.stride(2),
-            keys_RKSD.stride(0), keys_RKSD.stride(1), keys_RKSD.stride(2),
-            values_RKSD.stride(0), values_RKSD.stride(1), values_RKSD.stride(2),
-            new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
-            out_RKGD.stride(0), out_RKGD.stride(1), out_RKGD.stride(2),
-            scale, kv_heads, groups,
-            HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(groups)),  # 16: tl.dot's smallest tile
-            BLOCK_N=block_n, SPLITS=splits, HAS_NEW=has_new, UPCAST=interpreted(q_RKGD.device),
-            PRECISION="ieee" if q_RKGD.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+            q_RKGD,
+            keys_RKSD,
+            values_RKSD,
+            new_k,
+            new_v,
+            start_R,
+            last_R,
+            part,
+            lse,
+            q_RKGD.stride(0),
+            q_RKGD.stride(1),
+            q_RKGD.stride(2),
+            keys_RKSD.stride(0),
+            keys_RKSD.stride(1),
+            keys_RKSD.stride(2),
+            values_RKSD.stride(0),
+            values_RKSD.stride(1),
+            values_RKSD.stride(2),
+            new_k.stride(0),
+            new_k.stride(1),
+            new_v.stride(0),
+            new_v.stride(1),
+            out_RKGD.stride(0),
+            out_RKGD.stride(1),
+            out_RKGD.stride(2),
+            scale,
+            kv_heads,
+            groups,
+            HEAD_DIM=head_dim,
+            BLOCK_G=max(16, triton.next_power_of_2(groups)),  # 16: tl.dot's smallest tile
+            BLOCK_N=block_n,
+            SPLITS=splits,
+            HAS_NEW=has_new,
+            UPCAST=interpreted(q_RKGD.device),
+            PRECISION="ieee" if q_RKGD.dtype == torch.float32 else "tf32",
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
         if splits > 1:
             _combine_kernel[(rows * kv_heads,)](
-                part, lse, out_RKGD, out_RKGD.stride(0), out_RKGD.stride(1), out_RKGD.stride(2), kv_heads, groups,
-                HEAD_DIM=head_dim, BLOCK_G=triton.next_power_of_2(groups), SPLITS=splits, num_warps=num_warps,
+                part,
+                lse,
+                out_RKGD,
+                out_RKGD.stride(0),
+                out_RKGD.stride(1),
+                out_RKGD.stride(2),
+                kv_heads,
+                groups,
+                HEAD_DIM=head_dim,
+                BLOCK_G=triton.next_power_of_2(groups),
+                SPLITS=splits,
+                num_warps=num_warps,
             )
     return out_RKGD

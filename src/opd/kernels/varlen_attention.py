@@ -42,13 +42,23 @@ def packed_kwargs(lengths_b: torch.Tensor, max_length: int | None = None) -> dic
     attending across rows."""
     cu_seq_lens = torch.nn.functional.pad(torch.cumsum(lengths_b, 0, dtype=torch.int32), (1, 0))
     longest = int(lengths_b.max()) if max_length is None else max_length
-    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest,
-            "max_length_k": longest, "attention_mask": torch.ones(1, 1, 0, 0, dtype=torch.bool,
-                                                                  device=lengths_b.device)}
+    return {
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": longest,
+        "max_length_k": longest,
+        "attention_mask": torch.ones(1, 1, 0, 0, dtype=torch.bool, device=lengths_b.device),
+    }
 
 
-def packed_causal_attention(query_SHD: torch.Tensor, key_SKD: torch.Tensor, value_SKD: torch.Tensor,
-                            cu_seq_lens: torch.Tensor, max_length: int, scale: float | None = None) -> torch.Tensor:
+def packed_causal_attention(
+    query_SHD: torch.Tensor,
+    key_SKD: torch.Tensor,
+    value_SKD: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    max_length: int,
+    scale: float | None = None,
+) -> torch.Tensor:
     """[S, H, D] causal attention of each row `cu_seq_lens[i]:cu_seq_lens[i + 1]` over itself.
 
     query_SHD: [S, H, D]; key_SKD / value_SKD: [S, K, D] with K dividing H (grouped-query attention);
@@ -66,8 +76,9 @@ def packed_causal_attention(query_SHD: torch.Tensor, key_SKD: torch.Tensor, valu
             key_SKD, value_SKD = key_SKD.repeat_interleave(groups, 1), value_SKD.repeat_interleave(groups, 1)
         elif key_SKD.shape[1] != query_SHD.shape[1]:
             causal["enable_gqa"] = True
-        return _varlen_attn(query_SHD, key_SKD, value_SKD, cu_seq_lens, cu_seq_lens, max_length, max_length,
-                           scale=scale, **causal)
+        return _varlen_attn(
+            query_SHD, key_SKD, value_SKD, cu_seq_lens, cu_seq_lens, max_length, max_length, scale=scale, **causal
+        )
     return per_row_attention(query_SHD, key_SKD, value_SKD, cu_seq_lens, scale)
 
 
@@ -75,33 +86,53 @@ def _kernel_runs(query_SHD: torch.Tensor) -> bool:
     return query_SHD.is_cuda and _varlen_attn is not None and query_SHD.dtype in (torch.float16, torch.bfloat16)
 
 
-def per_row_attention(query_SHD: torch.Tensor, key_SKD: torch.Tensor, value_SKD: torch.Tensor,
-                      cu_seq_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def per_row_attention(
+    query_SHD: torch.Tensor,
+    key_SKD: torch.Tensor,
+    value_SKD: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
     """`packed_causal_attention` as one SDPA call per row: the reference, and the path off CUDA / in float32."""
     bounds = cu_seq_lens.tolist()
     rows = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         q, k, v = (x[start:end].transpose(0, 1)[None] for x in (query_SHD, key_SKD, value_SKD))
-        rows.append(torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])[0].transpose(0, 1))
+        rows.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+            )[0].transpose(0, 1)
+        )
     return torch.cat(rows)
 
 
-def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                      **kwargs):
+def attention_forward(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs
+):
     """transformers' attention-function contract: query [B, H, S, D], key/value [B, K, S, D] → ([B, S, H, D], None)."""
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if cu_seq_lens is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if query.shape[0] != 1 or key.shape[2] != query.shape[2]:
-        raise ValueError(f"{ATTENTION}: packed rows need one [1, S] sequence without a KV cache, got query "
-                         f"{tuple(query.shape)} and key {tuple(key.shape)}")
+        raise ValueError(
+            f"{ATTENTION}: packed rows need one [1, S] sequence without a KV cache, got query "
+            f"{tuple(query.shape)} and key {tuple(key.shape)}"
+        )
     if dropout or kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-        raise ValueError(f"{ATTENTION}: packed rows support neither attention dropout, sliding windows nor softcap; "
-                         "use attn_implementation='sdpa'")
-    out_SHD = packed_causal_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                      cu_seq_lens, kwargs["max_length_q"], scale=scaling)
+        raise ValueError(
+            f"{ATTENTION}: packed rows support neither attention dropout, sliding windows nor softcap; "
+            "use attn_implementation='sdpa'"
+        )
+    out_SHD = packed_causal_attention(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        cu_seq_lens,
+        kwargs["max_length_q"],
+        scale=scaling,
+    )
     return out_SHD[None], None
 
 

@@ -17,17 +17,33 @@ from opd.lab import SFT_SET
 from opd.lab.task import make_problems, style_of, to_sft_examples
 from opd.lab.tokenizer import build_lab_tokenizer
 
-TEACHER_ARCH: dict[str, int] = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512}
-STUDENT_ARCH: dict[str, int] = {"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 384}
+TEACHER_ARCH: dict[str, int] = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "intermediate_size": 512,
+}
+STUDENT_ARCH: dict[str, int] = {
+    "hidden_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "intermediate_size": 384,
+}
 
 
 def lab_model_config(arch: dict[str, int], tokenizer: Any):
     """A Qwen3 config for the lab tokenizer: tied embeddings, head_dim = hidden / heads, 256 positions."""
     return Qwen3Config(
-        vocab_size=len(tokenizer), num_key_value_heads=arch["num_attention_heads"],
-        head_dim=arch["hidden_size"] // arch["num_attention_heads"], max_position_embeddings=256,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None, rope_theta=10000.0, **arch,
+        vocab_size=len(tokenizer),
+        num_key_value_heads=arch["num_attention_heads"],
+        head_dim=arch["hidden_size"] // arch["num_attention_heads"],
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        rope_theta=10000.0,
+        **arch,
     )
 
 
@@ -79,8 +95,14 @@ def import_checkpoint(source: str | Path, source_tokenizer: str | Path, out_dir:
     kept = model.get_input_embeddings().weight.data[rows].clone()
     model.resize_token_embeddings(len(tokenizer))
     model.get_input_embeddings().weight.data.copy_(kept)
-    model.config.update({"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
-                         "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None})
+    model.config.update(
+        {
+            "vocab_size": len(tokenizer),
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": None,
+        }
+    )
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)

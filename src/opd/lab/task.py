@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from opd.types import Prompt
 
@@ -142,8 +143,10 @@ def make_problems(
     while len(out) < n:
         attempts += 1
         if attempts > 200 * n + 10_000:
-            raise ValueError(f"could not draw {n} distinct {split} problems with steps={steps!r}, max_abs={max_abs}; "
-                             f"only {len(out)} exist or were found (ask for fewer or more steps)")
+            raise ValueError(
+                f"could not draw {n} distinct {split} problems with steps={steps!r}, max_abs={max_abs}; "
+                f"only {len(out)} exist or were found (ask for fewer or more steps)"
+            )
         problem = _random_problem(rng, rng.randint(lo, hi), max_abs)
         key = problem.expression
         if key in seen or split_of(key) != split:
@@ -195,8 +198,13 @@ def to_verl_records(problems: Sequence[LabProblem], *, data_source: str = DATA_S
 def to_prompts(problems: Sequence[LabProblem], *, data_source: str = DATA_SOURCE) -> list[Prompt]:
     """The problems as `Prompt` records (id `<split>-<index>`, answer the integer as a string)."""
     return [
-        Prompt(id=f"{p.split}-{i}", messages=messages(p), answer=str(p.answer), source=data_source,
-               meta={"steps": p.steps, "expression": p.expression})
+        Prompt(
+            id=f"{p.split}-{i}",
+            messages=messages(p),
+            answer=str(p.answer),
+            source=data_source,
+            meta={"steps": p.steps, "expression": p.expression},
+        )
         for i, p in enumerate(problems)
     ]
 

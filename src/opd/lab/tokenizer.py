@@ -26,7 +26,16 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, IM_START, EOS_TOKEN, UNK_TOKEN)
 CHARACTERS: tuple[str, ...] = ("\n", " ", "(", ")", "*", "+", "-", ".", "=", "}") + tuple("0123456789")
 """Every character the task writes outside WORDS (`task.py`: digits, + - * ( ) =, the prompt's `.` and spaces)."""
 WORDS: tuple[str, ...] = (
-    "user", "assistant", "system", "Compute", " Put", " the", " final", " answer", " in", "\\boxed{",
+    "user",
+    "assistant",
+    "system",
+    "Compute",
+    " Put",
+    " the",
+    " final",
+    " answer",
+    " in",
+    "\\boxed{",
 )
 """Multi-character tokens. A word is matched wherever it occurs (also inside longer words); that only changes how
 a text is split, never what it decodes to."""

@@ -12,8 +12,9 @@ Dr.GRPO's no-std variant.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal, get_args
+from typing import Literal, get_args
 
 import torch
 
@@ -191,8 +192,15 @@ def _mode_mixed(x: _Inputs) -> Advantages:
     )
     grpo_BT = grpo_advantages(outcome_rewards, group_ids, x.mask_BT)
     return mix_advantages(
-        rewards, grpo_BT, x.outcome_weight, candidate_ids, valid, x.response_ids, x.mask_BT,
-        x.old_logprobs, x.sampled_old_logprobs,
+        rewards,
+        grpo_BT,
+        x.outcome_weight,
+        candidate_ids,
+        valid,
+        x.response_ids,
+        x.mask_BT,
+        x.old_logprobs,
+        x.sampled_old_logprobs,
     )
 
 
@@ -247,7 +255,15 @@ def compute_advantages(
     if mode not in ADVANTAGE_MODES:
         raise ValueError(f"advantage mode must be one of {sorted(ADVANTAGE_MODES)}, got {mode!r}")
     inputs = _Inputs(
-        response_ids, response_mask.bool(), rewards, valid, candidate_ids, old_logprobs, sampled_old_logprobs,
-        outcome_rewards, group_ids, outcome_weight,
+        response_ids,
+        response_mask.bool(),
+        rewards,
+        valid,
+        candidate_ids,
+        old_logprobs,
+        sampled_old_logprobs,
+        outcome_rewards,
+        group_ids,
+        outcome_weight,
     )
     return ADVANTAGE_MODES[mode](inputs)

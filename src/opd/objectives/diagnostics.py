@@ -113,7 +113,9 @@ def opd_diagnostics(
     return out
 
 
-def logprobs_on_overlap(ids_BTK: torch.Tensor, topk_ids_BTM: torch.Tensor, topk_logprobs_BTM: torch.Tensor) -> torch.Tensor:
+def logprobs_on_overlap(
+    ids_BTK: torch.Tensor, topk_ids_BTM: torch.Tensor, topk_logprobs_BTM: torch.Tensor
+) -> torch.Tensor:
     """[B, T, K]: the log-prob at ids[b,t,k] where it is one of topk_ids[b,t,:] (taken from topk_logprobs), -inf
     elsewhere. For a teacher that returns only its own top-k: t at S_t is then known on S_t ∩ T_t, which is all that
     `opd_diagnostics` reads of `teacher_logprobs_at_student_topk` (every use is gated by the overlap)."""
@@ -128,8 +130,13 @@ def opd_diagnostics_from_scores(
 ) -> dict[str, torch.Tensor]:
     """`opd_diagnostics` from the two `TokenScores` (convention of `token_rewards_from_scores`: the teacher's
     `requested_logprobs` are t at the student's top-k). Needs both top-k; entropies are used when present."""
-    if (student.topk_ids is None or student.topk_logprobs is None or teacher.topk_ids is None
-            or teacher.topk_logprobs is None or teacher.requested_logprobs is None):
+    if (
+        student.topk_ids is None
+        or student.topk_logprobs is None
+        or teacher.topk_ids is None
+        or teacher.topk_logprobs is None
+        or teacher.requested_logprobs is None
+    ):
         raise ValueError("opd_diagnostics needs both models' top-k and the teacher's log-probs at the student's top-k")
     return opd_diagnostics(
         student.topk_ids,
@@ -209,8 +216,10 @@ def reward_stats(name: str, values_BTJ: torch.Tensor, valid_BTJ: torch.Tensor, m
     value (the step logs rewards and advantages this way). An empty mask gives 0."""
     position_BT = (values_BTJ * valid_BTJ).sum(-1)
     count = mask_BT.sum().clamp(min=1)
-    return {f"{name}_mean": (position_BT * mask_BT).sum() / count,
-            f"{name}_abs_mean": (position_BT.abs() * mask_BT).sum() / count}
+    return {
+        f"{name}_mean": (position_BT * mask_BT).sum() / count,
+        f"{name}_abs_mean": (position_BT.abs() * mask_BT).sum() / count,
+    }
 
 
 def is_weight_stats(old_lp_BT: torch.Tensor, rollout_lp_BT: torch.Tensor, cap: float, mask_BT: torch.Tensor) -> dict:
@@ -219,13 +228,16 @@ def is_weight_stats(old_lp_BT: torch.Tensor, rollout_lp_BT: torch.Tensor, cap: f
     mask = mask_BT.bool()
     raw_BT = (old_lp_BT.detach() - rollout_lp_BT.detach()).clamp(-20.0, 20.0).exp()
     count = mask.sum().clamp(min=1)
-    return {"is_weight_mean": (raw_BT.clamp_max(cap) * mask).sum() / count,
-            "is_weight_max": torch.where(mask, raw_BT, torch.zeros_like(raw_BT)).max(),
-            "is_weight_capped_frac": ((raw_BT > cap) & mask).sum() / count}
+    return {
+        "is_weight_mean": (raw_BT.clamp_max(cap) * mask).sum() / count,
+        "is_weight_max": torch.where(mask, raw_BT, torch.zeros_like(raw_BT)).max(),
+        "is_weight_capped_frac": ((raw_BT > cap) & mask).sum() / count,
+    }
 
 
-def seq_reward_metrics(student: TokenScores, teacher: TokenScores, mask_BT: torch.Tensor,
-                       correct: list[bool] | None) -> dict:
+def seq_reward_metrics(
+    student: TokenScores, teacher: TokenScores, mask_BT: torch.Tensor, correct: list[bool] | None
+) -> dict:
     """`seq_reward_mean` (SPEC §6) and, when the rollouts were graded (`correct`, one per row), its AUROC against
     correctness, `seq_reward_auroc`."""
     seq_B = seq_rewards(teacher.sampled_logprobs, student.sampled_logprobs, mask_BT)

@@ -13,7 +13,8 @@ value losses, and the `k3+` straight-through KL variants.
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal, get_args
+from collections.abc import Callable
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F

@@ -14,8 +14,9 @@ bookkeeping keys; the slot layout here is fixed per strategy instead (student sl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal, NamedTuple, get_args
+from typing import Literal, NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F

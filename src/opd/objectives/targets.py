@@ -12,15 +12,25 @@ function `opd.objectives.full_reverse_kl`, and the config refuses it as a traini
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from opd.objectives.advantages import AdvantageMode, compute_advantages
 from opd.objectives.diagnostics import diagnostic_top_k
 from opd.objectives.losses import (
-    KLKind, LossAggMode, Number, agg_loss, forward_kl, jsd, kl_penalty, policy_loss, topk_kl, truncated_is_weights,
+    KLKind,
+    LossAggMode,
+    Number,
+    agg_loss,
+    forward_kl,
+    jsd,
+    kl_penalty,
+    policy_loss,
+    topk_kl,
+    truncated_is_weights,
 )
 from opd.objectives.rewards import Strategy, Weight, token_rewards_from_scores
 from opd.types import Rollouts, TokenScores
@@ -74,7 +84,7 @@ class Targets:
     reference: torch.Tensor | None = None
     tis_weights: torch.Tensor | None = None
 
-    def select(self, rows: torch.Tensor | list[int]) -> "Targets":
+    def select(self, rows: torch.Tensor | list[int]) -> Targets:
         """The targets of the given rows (every tensor indexed along dim 0): one micro-batch's."""
         picked = {f.name: getattr(self, f.name)[rows] for f in fields(self) if getattr(self, f.name) is not None}
         return replace(self, **picked)
@@ -82,11 +92,13 @@ class Targets:
 
 def _first_k(scores: TokenScores, k: int, requested: torch.Tensor | None) -> TokenScores:
     """`scores` cut to its first k top-k columns, with `requested` as its requested log-probs (also cut)."""
+
     def cut(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else x[..., :k]
 
-    return TokenScores(scores.sampled_logprobs, cut(scores.topk_ids), cut(scores.topk_logprobs),
-                       requested_logprobs=cut(requested))
+    return TokenScores(
+        scores.sampled_logprobs, cut(scores.topk_ids), cut(scores.topk_logprobs), requested_logprobs=cut(requested)
+    )
 
 
 def build_targets(
@@ -118,16 +130,27 @@ def build_targets(
         if teacher is None:
             raise ValueError(f"advantage mode {o.advantage!r} needs the teacher's scores")
         if o.top_k:
-            student, teacher = (_first_k(student, o.top_k, student_at_teacher_topk),
-                                _first_k(teacher, o.top_k, teacher.requested_logprobs))
-        rewards = token_rewards_from_scores(student, teacher, rollouts.response_ids, mask_BT, top_k=o.top_k,
-                                            strategy=o.strategy, weight=o.weight)
+            student, teacher = (
+                _first_k(student, o.top_k, student_at_teacher_topk),
+                _first_k(teacher, o.top_k, teacher.requested_logprobs),
+            )
+        rewards = token_rewards_from_scores(
+            student, teacher, rollouts.response_ids, mask_BT, top_k=o.top_k, strategy=o.strategy, weight=o.weight
+        )
         candidate_ids_BTJ, valid_BTJ, rewards_BTJ = rewards.candidate_ids, rewards.valid, rewards.rewards
         old_lp_BTJ, teacher_lp_BTJ = rewards.student_logprobs, rewards.teacher_logprobs
     adv = compute_advantages(
-        o.advantage, rewards=rewards_BTJ, valid=valid_BTJ, response_mask=mask_BT, group_ids=rollouts.group_ids,
-        outcome_rewards=outcome_rewards, outcome_weight=o.outcome_weight, candidate_ids=candidate_ids_BTJ,
-        response_ids=rollouts.response_ids, sampled_old_logprobs=student.sampled_logprobs, old_logprobs=old_lp_BTJ,
+        o.advantage,
+        rewards=rewards_BTJ,
+        valid=valid_BTJ,
+        response_mask=mask_BT,
+        group_ids=rollouts.group_ids,
+        outcome_rewards=outcome_rewards,
+        outcome_weight=o.outcome_weight,
+        candidate_ids=candidate_ids_BTJ,
+        response_ids=rollouts.response_ids,
+        sampled_old_logprobs=student.sampled_logprobs,
+        old_logprobs=old_lp_BTJ,
     )
     candidate_ids_BTJ, loss_valid_BTJ = adv.candidate_ids, adv.valid
     if o.loss in ("forward_kl", "jsd"):  # GKD-style objectives live on the teacher's top-k support
@@ -142,9 +165,16 @@ def build_targets(
     # build_targets always passes old_logprobs and sampled_old_logprobs, so every mode has ℓ_old at its slots.
     assert adv.old_logprobs is not None
     return Targets(
-        candidate_ids=candidate_ids_BTJ, old_logprobs=adv.old_logprobs, advantages=adv.advantages,
-        valid=loss_valid_BTJ, mask=mask_BT, rewards=rewards_BTJ, reward_valid=valid_BTJ,
-        teacher_logprobs=None if o.loss == "pg" else teacher_lp_BTJ, reference=reference_logprobs, tis_weights=tis_BT,
+        candidate_ids=candidate_ids_BTJ,
+        old_logprobs=adv.old_logprobs,
+        advantages=adv.advantages,
+        valid=loss_valid_BTJ,
+        mask=mask_BT,
+        rewards=rewards_BTJ,
+        reward_valid=valid_BTJ,
+        teacher_logprobs=None if o.loss == "pg" else teacher_lp_BTJ,
+        reference=reference_logprobs,
+        tis_weights=tis_BT,
     )
 
 
@@ -156,13 +186,23 @@ arguments; the settings) → (loss, detached metrics)."""
 
 
 def _pg_loss(lp_BTJ: torch.Tensor, t: Targets, agg: dict, o: ObjectiveSettings) -> tuple[torch.Tensor, dict]:
-    return policy_loss(lp_BTJ, t.old_logprobs, t.advantages, t.valid, t.mask, clip_ratio_low=o.clip_ratio_low,
-                       clip_ratio_high=o.clip_ratio_high, clip_ratio_c=o.clip_ratio_c, rollout_is_weights=t.tis_weights,
-                       **agg)
+    return policy_loss(
+        lp_BTJ,
+        t.old_logprobs,
+        t.advantages,
+        t.valid,
+        t.mask,
+        clip_ratio_low=o.clip_ratio_low,
+        clip_ratio_high=o.clip_ratio_high,
+        clip_ratio_c=o.clip_ratio_c,
+        rollout_is_weights=t.tis_weights,
+        **agg,
+    )
 
 
 def _divergence_loss(name: str, divergence: Callable[..., torch.Tensor]) -> LossFn:
     """A loss that aggregates a per-position divergence of the student from the teacher on the candidate slots."""
+
     def loss_fn(lp_BTJ: torch.Tensor, t: Targets, agg: dict, o: ObjectiveSettings) -> tuple[torch.Tensor, dict]:
         loss = agg_loss(divergence(lp_BTJ, t.teacher_logprobs, t.valid, o), t.mask, **agg)
         return loss, {f"{name}_loss": loss.detach()}
@@ -193,8 +233,9 @@ def micro_loss(
     columns, plus the sampled token's column last when a reference KL is on. Returns (loss, detached metrics)."""
     if objective.loss not in LOSSES:
         raise ValueError(f"objective.loss must be one of {sorted(LOSSES)} to train, got {objective.loss!r}")
-    agg: dict[str, Any] = dict(loss_agg_mode=objective.loss_agg_mode, global_num_tokens=global_num_tokens,
-                               global_num_seqs=global_num_seqs)
+    agg: dict[str, Any] = dict(
+        loss_agg_mode=objective.loss_agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs
+    )
     if targets.reference is not None:
         lp_BTJ, sampled_lp_BT = lp_BTJ[..., :-1], lp_BTJ[..., -1]
     loss, metrics = LOSSES[objective.loss](lp_BTJ, targets, agg, objective)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -82,23 +83,34 @@ def run_check(
     report.results += [r for r in rows if r.name not in skipped]
     if any(r.name == "tokenizer_vocab" and r.status == "fail" for r in rows):
         # every other row scores the student's ids with the teacher: meaningless across vocabularies
-        report.results += [CheckResult(name, "skip", None, "not run: the vocabularies differ") for name in CHECKS
-                           if CHECKS[name] != "tokenizers" and name not in skipped]
+        report.results += [
+            CheckResult(name, "skip", None, "not run: the vocabularies differ")
+            for name in CHECKS
+            if CHECKS[name] != "tokenizers" and name not in skipped
+        ]
         return _finish(report, out_dir, console)
 
     pair = _load_pair(config, student_tokenizer, teacher_tokenizer, sample)
-    console.print(f"opd check: {len(sample)} prompts of {config.data.path}, student {config.student.path}, teacher "
-                  f"{config.teacher.path}")
+    console.print(
+        f"opd check: {len(sample)} prompts of {config.data.path}, student {config.student.path}, teacher "
+        f"{config.teacher.path}"
+    )
     # 2. scoring sanity
-    report.results += scoring_rows(config, teacher=pair.teacher, tokenizer=student_tokenizer,
-                                   student_scorer=pair.student_scorer, teacher_scorer=pair.teacher_scorer,
-                                   prompt_ids=pair.prompt_ids, vocab_size=pair.vocab_size,
-                                   student_params=sum(p.numel() for p in pair.student.parameters()), skip=skipped,
-                                   autocast_dtype=pair.autocast_dtype)
+    report.results += scoring_rows(
+        config,
+        teacher=pair.teacher,
+        tokenizer=student_tokenizer,
+        student_scorer=pair.student_scorer,
+        teacher_scorer=pair.teacher_scorer,
+        prompt_ids=pair.prompt_ids,
+        vocab_size=pair.vocab_size,
+        student_params=sum(p.numel() for p in pair.student.parameters()),
+        skip=skipped,
+        autocast_dtype=pair.autocast_dtype,
+    )
     # 3. forecast
     if "forecast" not in skipped:
-        _forecast_group(report, config, pair, student_tokenizer, sample, n=n, thresholds=thresholds,
-                        skipped=skipped)
+        _forecast_group(report, config, pair, student_tokenizer, sample, n=n, thresholds=thresholds, skipped=skipped)
     # 4. resources
     _resources_group(report, config, pair, student_tokenizer, skipped)
     report.results += skipped_rows(skipped, GROUPS)
@@ -132,21 +144,37 @@ def _tokenizers_and_sample(config: DistillConfig, prompts_sample: int) -> tuple[
     data = config.data
     student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
     teacher_tokenizer = load_tokenizer(config.teacher.path, trust_remote_code=config.teacher.trust_remote_code)
-    prompts = load_prompts(data.path, prompt_key=data.prompt_key, answer_key=data.answer_key, id_key=data.id_key,
-                           split=data.split, limit=data.limit)
+    prompts = load_prompts(
+        data.path,
+        prompt_key=data.prompt_key,
+        answer_key=data.answer_key,
+        id_key=data.id_key,
+        split=data.split,
+        limit=data.limit,
+    )
     if not prompts:
         raise ValueError(f"data.path {data.path}: no prompts")
     return student_tokenizer, teacher_tokenizer, sample_prompts(prompts, prompts_sample, config.run.seed)
 
 
-def _tokenizer_rows(config: DistillConfig, student_tokenizer: Any, teacher_tokenizer: Any,
-                    sample: Sequence[Any]) -> list[CheckResult]:
+def _tokenizer_rows(
+    config: DistillConfig, student_tokenizer: Any, teacher_tokenizer: Any, sample: Sequence[Any]
+) -> list[CheckResult]:
     """The tokenizers group, with the models' output rows and EOS ids read from their files (no weights)."""
-    (rows_s, eos_s), (rows_t, eos_t) = _from_files(config.student, student_tokenizer), _from_files(config.teacher,
-                                                                                                   teacher_tokenizer)
-    return check_tokenizers(student_tokenizer, teacher_tokenizer, messages=sample[0].messages,
-                            enable_thinking=config.data.enable_thinking, student_rows=rows_s, teacher_rows=rows_t,
-                            student_eos_ids=eos_s, teacher_eos_ids=eos_t)
+    (rows_s, eos_s), (rows_t, eos_t) = (
+        _from_files(config.student, student_tokenizer),
+        _from_files(config.teacher, teacher_tokenizer),
+    )
+    return check_tokenizers(
+        student_tokenizer,
+        teacher_tokenizer,
+        messages=sample[0].messages,
+        enable_thinking=config.data.enable_thinking,
+        student_rows=rows_s,
+        teacher_rows=rows_t,
+        student_eos_ids=eos_s,
+        teacher_eos_ids=eos_t,
+    )
 
 
 def _from_files(spec: Any, tokenizer: Any) -> tuple[int | None, list[int]]:
@@ -163,64 +191,125 @@ def _from_files(spec: Any, tokenizer: Any) -> tuple[int | None, list[int]]:
     return rows, eos_token_ids(SimpleNamespace(config=config, generation_config=generation), tokenizer)
 
 
-def _load_pair(config: DistillConfig, student_tokenizer: Any, teacher_tokenizer: Any,
-               sample: Sequence[Any]) -> _LoadedPair:
+def _load_pair(
+    config: DistillConfig, student_tokenizer: Any, teacher_tokenizer: Any, sample: Sequence[Any]
+) -> _LoadedPair:
     """Load both models in the run's precision, build their scorers and encode the sample (setup)."""
     data = config.data
     device = resolve_device(config.student.device)
     weights_dtype, autocast_dtype = training_precision(config.student, device)
-    student, _ = load_model(config.student.path, dtype=autocast_dtype or weights_dtype, device=device,
-                            trust_remote_code=config.student.trust_remote_code,
-                            attn_implementation=config.student.attn_implementation)
+    student, _ = load_model(
+        config.student.path,
+        dtype=autocast_dtype or weights_dtype,
+        device=device,
+        trust_remote_code=config.student.trust_remote_code,
+        attn_implementation=config.student.attn_implementation,
+    )
     teacher_device = resolve_device(config.teacher.device)
-    teacher, _ = load_model(config.teacher.path, dtype=resolve_dtype(config.teacher.dtype, teacher_device),
-                            device=teacher_device, trust_remote_code=config.teacher.trust_remote_code,
-                            attn_implementation=config.teacher.attn_implementation)
+    teacher, _ = load_model(
+        config.teacher.path,
+        dtype=resolve_dtype(config.teacher.dtype, teacher_device),
+        device=teacher_device,
+        trust_remote_code=config.teacher.trust_remote_code,
+        attn_implementation=config.teacher.attn_implementation,
+    )
     vocab_size = check_tokenizer_compatibility(
-        student_tokenizer, teacher_tokenizer, student_vocab_size=student.get_output_embeddings().weight.shape[0],
-        teacher_vocab_size=teacher.get_output_embeddings().weight.shape[0]).tokenizer_size
+        student_tokenizer,
+        teacher_tokenizer,
+        student_vocab_size=student.get_output_embeddings().weight.shape[0],
+        teacher_vocab_size=teacher.get_output_embeddings().weight.shape[0],
+    ).tokenizer_size
     student_scorer = LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
     teacher_scorer = LocalScorer(teacher, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
-    encoded = encode_prompts(student_tokenizer, sample, max_prompt_length=data.max_prompt_length,
-                             enable_thinking=data.enable_thinking, template=data.template)
-    return _LoadedPair(student, teacher, student_scorer, teacher_scorer, vocab_size, weights_dtype, autocast_dtype,
-                       encoded.input_ids)
+    encoded = encode_prompts(
+        student_tokenizer,
+        sample,
+        max_prompt_length=data.max_prompt_length,
+        enable_thinking=data.enable_thinking,
+        template=data.template,
+    )
+    return _LoadedPair(
+        student, teacher, student_scorer, teacher_scorer, vocab_size, weights_dtype, autocast_dtype, encoded.input_ids
+    )
 
 
-def _forecast_group(report: CheckReport, config: DistillConfig, pair: _LoadedPair, tokenizer: Any,
-                    sample: Sequence[Any], *, n: int, thresholds: ForecastThresholds, skipped: set[str]) -> None:
+def _forecast_group(
+    report: CheckReport,
+    config: DistillConfig,
+    pair: _LoadedPair,
+    tokenizer: Any,
+    sample: Sequence[Any],
+    *,
+    n: int,
+    thresholds: ForecastThresholds,
+    skipped: set[str],
+) -> None:
     """The forecast's rows and its record (verdict, values, thresholds) into `report`."""
     data = config.data
-    values = forecast(pair.student, pair.teacher, tokenizer, sample, n=n,
-                      top_k=diagnostic_top_k(config.objective.top_k), temperature=config.rollout.temperature,
-                      teacher_temperature=config.objective.teacher_temperature,
-                      max_new_tokens=config.rollout.max_new_tokens, max_prompt_length=data.max_prompt_length,
-                      enable_thinking=data.enable_thinking, template=data.template,
-                      batch_size=max(1, min(len(sample), config.rollout.batch_size // n)),
-                      score_batch_tokens=config.score_batch_tokens, seed=config.run.seed, vocab_size=pair.vocab_size)
-    rows, verdict = forecast_rows(values, thresholds, student=config.student.path, teacher=config.teacher.path,
-                                  prompts=data.path)
+    values = forecast(
+        pair.student,
+        pair.teacher,
+        tokenizer,
+        sample,
+        n=n,
+        top_k=diagnostic_top_k(config.objective.top_k),
+        temperature=config.rollout.temperature,
+        teacher_temperature=config.objective.teacher_temperature,
+        max_new_tokens=config.rollout.max_new_tokens,
+        max_prompt_length=data.max_prompt_length,
+        enable_thinking=data.enable_thinking,
+        template=data.template,
+        batch_size=max(1, min(len(sample), config.rollout.batch_size // n)),
+        score_batch_tokens=config.score_batch_tokens,
+        seed=config.run.seed,
+        vocab_size=pair.vocab_size,
+    )
+    rows, verdict = forecast_rows(
+        values, thresholds, student=config.student.path, teacher=config.teacher.path, prompts=data.path
+    )
     report.results += [r for r in rows if r.name not in skipped or r.name == "forecast"]
-    report.values["forecast"] = {**verdict, "values": values, "n": n, "prompts_sample": len(sample),
-                                 "thresholds": thresholds.model_dump()}
+    report.values["forecast"] = {
+        **verdict,
+        "values": values,
+        "n": n,
+        "prompts_sample": len(sample),
+        "thresholds": thresholds.model_dump(),
+    }
 
 
-def _resources_group(report: CheckReport, config: DistillConfig, pair: _LoadedPair, tokenizer: Any,
-                     skipped: set[str]) -> None:
+def _resources_group(
+    report: CheckReport, config: DistillConfig, pair: _LoadedPair, tokenizer: Any, skipped: set[str]
+) -> None:
     """The memory estimate against free memory, and a timed mini-step scaled to the run's batch, into `report`."""
     if "memory" not in skipped:
-        needs = estimate_memory(config, pair.student, pair.teacher,
-                                compute_dtype=pair.autocast_dtype or pair.weights_dtype,
-                                weights_dtype=pair.weights_dtype)
+        needs = estimate_memory(
+            config,
+            pair.student,
+            pair.teacher,
+            compute_dtype=pair.autocast_dtype or pair.weights_dtype,
+            weights_dtype=pair.weights_dtype,
+        )
         report.results.append(check_memory(needs, loaded=loaded_bytes(pair.student, pair.teacher)))
         report.values["memory"] = needs
     if "step_time" not in skipped:
-        generator = make_generator(pair.student, tokenizer, max_batch_size=config.rollout.batch_size,
-                                   vocab_size=pair.vocab_size, engine=config.rollout.engine)
-        timings = mini_step(config, generator=generator, student=pair.student, student_scorer=pair.student_scorer,
-                            teacher_scorer=pair.teacher_scorer, prompt_ids=pair.prompt_ids,
-                            pad_id=tokenizer.pad_token_id, vocab_size=pair.vocab_size,
-                            autocast_dtype=pair.autocast_dtype)
+        generator = make_generator(
+            pair.student,
+            tokenizer,
+            max_batch_size=config.rollout.batch_size,
+            vocab_size=pair.vocab_size,
+            engine=config.rollout.engine,
+        )
+        timings = mini_step(
+            config,
+            generator=generator,
+            student=pair.student,
+            student_scorer=pair.student_scorer,
+            teacher_scorer=pair.teacher_scorer,
+            prompt_ids=pair.prompt_ids,
+            pad_id=tokenizer.pad_token_id,
+            vocab_size=pair.vocab_size,
+            autocast_dtype=pair.autocast_dtype,
+        )
         report.results.append(check_step_time(config, timings))
         report.values["mini_step"] = timings
 

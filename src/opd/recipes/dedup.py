@@ -17,8 +17,7 @@ from opd.data.prompts import load_prompts, save_prompts
 from opd.io import atomic_write_json
 
 
-def _check_outputs(in_path: str | Path, against: str | Path | None, out: str | Path,
-                   report: str | Path | None) -> None:
+def _check_outputs(in_path: str | Path, against: str | Path | None, out: str | Path, report: str | Path | None) -> None:
     """Refuse an output that is one of the inputs (same file after resolving `.`, `..` and links): writing it would
     replace the very set being cleaned."""
     inputs = {"--in": in_path, "--against": against}
@@ -26,8 +25,10 @@ def _check_outputs(in_path: str | Path, against: str | Path | None, out: str | P
     for out_flag, out_path in outputs.items():
         for in_flag, source in inputs.items():
             if out_path is not None and source is not None and Path(out_path).resolve() == Path(source).resolve():
-                raise ValueError(f"{out_flag} {out_path} is the {in_flag} file itself; writing it would replace "
-                                 f"the input: choose another {out_flag} path")
+                raise ValueError(
+                    f"{out_flag} {out_path} is the {in_flag} file itself; writing it would replace "
+                    f"the input: choose another {out_flag} path"
+                )
 
 
 def dedup_files(
@@ -48,14 +49,19 @@ def dedup_files(
     start = time.perf_counter()
     _check_outputs(in_path, against, out, report)
     a_prompts = load_prompts(in_path, prompt_key=prompt_key, answer_key=answer_key, on_missing_answer="keep")
-    b_prompts = None if against is None else load_prompts(
-        against, prompt_key=against_prompt_key or prompt_key, answer_key=None)
+    b_prompts = (
+        None if against is None else load_prompts(against, prompt_key=against_prompt_key or prompt_key, answer_key=None)
+    )
     result = dedup(a_prompts, b_prompts, **options)
     out = Path(out)
     save_prompts(result.kept, out)
     report_path = Path(report) if report else out.with_name(out.stem + ".report.json")
-    params = {"in": str(in_path), "against": None if against is None else str(against), "out": str(out),
-              **{k: (v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)) for k, v in options.items()}}
+    params = {
+        "in": str(in_path),
+        "against": None if against is None else str(against),
+        "out": str(out),
+        **{k: (v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)) for k, v in options.items()},
+    }
     data = dedup_report(result, params=params)
     data["seconds"]["total"] = round(time.perf_counter() - start, 3)
     atomic_write_json(report_path, data)

@@ -35,11 +35,30 @@ DEMO_CONFIG: dict[str, Any] = {
     "teacher": {"path": None, "device": "cpu", "dtype": "fp32"},
     "data": {"path": None, "max_prompt_length": 64},
     "rollout": {"n": 4, "temperature": 1.0, "max_new_tokens": 64, "batch_size": 256},
-    "objective": {"top_k": 16, "strategy": "only_stu", "weight": "student_p", "advantage": "token_reward", "loss": "pg"},
-    "optim": {"lr": 1e-4, "betas": [0.9, 0.98], "weight_decay": 0.0, "schedule": "constant", "warmup_steps": 0,
-              "grad_clip": 1.0},
-    "run": {"out_dir": "runs", "seed": 0, "steps": 200, "save_every": 0, "keep_last": 1, "eval_every": 50,
-            "samples_per_step": 4},
+    "objective": {
+        "top_k": 16,
+        "strategy": "only_stu",
+        "weight": "student_p",
+        "advantage": "token_reward",
+        "loss": "pg",
+    },
+    "optim": {
+        "lr": 1e-4,
+        "betas": [0.9, 0.98],
+        "weight_decay": 0.0,
+        "schedule": "constant",
+        "warmup_steps": 0,
+        "grad_clip": 1.0,
+    },
+    "run": {
+        "out_dir": "runs",
+        "seed": 0,
+        "steps": 200,
+        "save_every": 0,
+        "keep_last": 1,
+        "eval_every": 50,
+        "samples_per_step": 4,
+    },
     "eval": {"n": 1, "temperature": 0.0, "max_new_tokens": 64},
     "prompts_per_step": 8,
     "micro_batch_tokens": 8192,
@@ -67,10 +86,20 @@ def eval_config(config: DistillConfig, model_path: str, out: Path) -> EvalConfig
     spec = config.eval
     return EvalConfig(
         model=ModelSpec(path=model_path, device=config.student.device, dtype=config.student.dtype),
-        benchmarks=spec.benchmarks, n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
-        max_new_tokens=spec.max_new_tokens, limit=spec.limit, prompt_key=spec.prompt_key, answer_key=spec.answer_key,
-        on_missing_answer=spec.on_missing_answer, template=config.data.template, max_prompt_length=config.data.max_prompt_length,
-        batch_size=config.rollout.batch_size, seed=config.run.seed, out=str(out),
+        benchmarks=spec.benchmarks,
+        n=spec.n,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        max_new_tokens=spec.max_new_tokens,
+        limit=spec.limit,
+        prompt_key=spec.prompt_key,
+        answer_key=spec.answer_key,
+        on_missing_answer=spec.on_missing_answer,
+        template=config.data.template,
+        max_prompt_length=config.data.max_prompt_length,
+        batch_size=config.rollout.batch_size,
+        seed=config.run.seed,
+        out=str(out),
     )
 
 
@@ -104,7 +133,9 @@ def demo(
     # the demo's run directory follows distill's rules (a new run refuses a directory holding another one); the
     # before-training evals go into it first, so distill itself then continues in it (run.resume)
     with claimed_run_dir(run_dir, config.run, "demo", console=console):
-        distill_config = config.model_copy(update={"run": config.run.model_copy(update={"resume": True, "overwrite": False})})
+        distill_config = config.model_copy(
+            update={"run": config.run.model_copy(update={"resume": True, "overwrite": False})}
+        )
         return _demo_in(distill_config, run_dir, start, console)
 
 
@@ -118,20 +149,30 @@ def _demo_in(config: DistillConfig, run_dir: Path, start: float, console: Any) -
     # the trainer's own evals: of the student before training → eval/step_0/, of the final one → eval/step_<steps>/
     distill(config.model_copy(update={"run": config.run.model_copy(update={"eval_at_start": True})}), console=console)
     timings["distill_s"] = time.perf_counter() - t
-    before_results, after_results = (json.loads((run_dir / "eval" / f"step_{step}" / "results.json").read_text())[
-        "benchmarks"] for step in (0, config.run.steps))
+    before_results, after_results = (
+        json.loads((run_dir / "eval" / f"step_{step}" / "results.json").read_text())["benchmarks"]
+        for step in (0, config.run.steps)
+    )
 
     teacher, before, after = accuracy(teacher_results), accuracy(before_results), accuracy(after_results)
     recovery = float(gap_recovery(before, after, teacher))
     timings["total_s"] = time.perf_counter() - start
     metric = next(k for k in next(iter(after_results.values())) if k.startswith("avg@"))
     summary = {
-        "metric": metric, "test_set": config.eval.benchmarks[0], "problems": next(iter(after_results.values()))["num_problems"],
-        "student_before": before, "student_after": after, "teacher": teacher, "gap_recovery": recovery,
-        "gain_points": 100 * (after - before), "steps": config.run.steps,
-        "sequences_per_step": config.prompts_per_step * config.rollout.n, "threads": torch.get_num_threads(),
+        "metric": metric,
+        "test_set": config.eval.benchmarks[0],
+        "problems": next(iter(after_results.values()))["num_problems"],
+        "student_before": before,
+        "student_after": after,
+        "teacher": teacher,
+        "gap_recovery": recovery,
+        "gain_points": 100 * (after - before),
+        "steps": config.run.steps,
+        "sequences_per_step": config.prompts_per_step * config.rollout.n,
+        "threads": torch.get_num_threads(),
         "timings": {k: round(v, 1) for k, v in timings.items()},
-        "run_dir": str(run_dir), "report": str(run_dir / "report.html"),
+        "run_dir": str(run_dir),
+        "report": str(run_dir / "report.html"),
     }
     atomic_write_json(run_dir / "demo.json", summary)
 
@@ -144,7 +185,9 @@ def _demo_in(config: DistillConfig, run_dir: Path, start: float, console: Any) -
     table.add_row("teacher", f"{100 * teacher:.1f}")
     table.add_row("gap recovery", f"{100 * recovery:.1f}%")
     console.print(table)
-    console.print(f"wall time {timings['total_s']:.0f} s (OPD {timings['distill_s']:.0f} s); summary: {run_dir / 'demo.json'}")
+    console.print(
+        f"wall time {timings['total_s']:.0f} s (OPD {timings['distill_s']:.0f} s); summary: {run_dir / 'demo.json'}"
+    )
     report = run_dir / "report.html"
     if not report.is_file():  # run.report=false: the demo still promises a report
         report = write_report([run_dir])

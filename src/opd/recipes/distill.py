@@ -29,18 +29,37 @@ from opd.report.sinks import progress_bar
 from opd.rollout import Generator, make_generator
 from opd.rollout.registry import check_generation_fits
 from opd.rollout.vllm_engine import EngineOptions, vllm_available
+from opd.rundir import claimed_run_dir, open_run, resume_checkpoint, run_directory
 from opd.teacher.base import TeacherScorer
 from opd.teacher.local import LocalScorer
 from opd.teacher.registry import check_teacher_serves, check_teacher_tokenizer, load_teacher
 from opd.train.checkpoint import save_checkpoint
-from opd.rundir import claimed_run_dir, open_run, resume_checkpoint, run_directory
 from opd.train.common import (
-    autocast, eval_at_start, eval_pending, evaluate_in_training, finish_run, is_due, load_eval_sets,
-    restore_trainer_state, trainer_state, training_precision,
+    autocast,
+    eval_at_start,
+    eval_pending,
+    evaluate_in_training,
+    finish_run,
+    is_due,
+    load_eval_sets,
+    restore_trainer_state,
+    trainer_state,
+    training_precision,
 )
 from opd.train.distributed import (
-    SINGLE, DistInfo, all_full_weights, barrier, broadcast_object, destroy_distributed, full_optimizer_state_dict,
-    full_state_dict, gathered, gathered_bytes, init_distributed, load_full_optimizer_state_dict, shard_model,
+    SINGLE,
+    DistInfo,
+    all_full_weights,
+    barrier,
+    broadcast_object,
+    destroy_distributed,
+    full_optimizer_state_dict,
+    full_state_dict,
+    gathered,
+    gathered_bytes,
+    init_distributed,
+    load_full_optimizer_state_dict,
+    shard_model,
 )
 from opd.train.optim import build_optimizer, build_scheduler
 from opd.train.overlap import overlap_generator
@@ -59,8 +78,13 @@ def distill(config: DistillConfig, *, console: Any = None) -> Path:
     run_dir = broadcast_object(run_directory(config.run, "distill"), info)  # its default name has a timestamp
     # rank 0 owns the run directory: locked, never shared with another run (common.claimed_run_dir)
     with claimed_run_dir(run_dir, config.run, "distill", console=console) if info.is_main else nullcontext(run_dir):
-        tr = setup(config, run_dir, checkpoint=resume_checkpoint(run_dir, config.run, console, config),
-                   console=console, dist=info)
+        tr = setup(
+            config,
+            run_dir,
+            checkpoint=resume_checkpoint(run_dir, config.run, console, config),
+            console=console,
+            dist=info,
+        )
         train(tr, console=console)
         tr.generator.close()  # vLLM: its groups go before the process group they live in
     destroy_distributed(info)
@@ -78,8 +102,12 @@ def train(tr: Trainer, *, console: Any) -> None:
                 run_eval(tr, console)
     with progress_bar(console) as progress:
         task = progress.add_task("opd distill", total=cfg.run.steps, completed=tr.step)
-        if tr.step and cfg.eval.benchmarks and is_due(tr.step, cfg.run.eval_every, cfg.run.steps) \
-                and eval_pending(tr.run_dir, tr.step):  # resumed from a checkpoint whose eval did not finish
+        if (
+            tr.step
+            and cfg.eval.benchmarks
+            and is_due(tr.step, cfg.run.eval_every, cfg.run.steps)
+            and eval_pending(tr.run_dir, tr.step)
+        ):  # resumed from a checkpoint whose eval did not finish
             with gathered(tr.student, tr.dist):
                 if main:
                     run_eval(tr, console)
@@ -103,8 +131,14 @@ def train(tr: Trainer, *, console: Any) -> None:
 
 def _console_line(step: int, m: dict) -> str:
     parts = [f"step {step}"]
-    for key, label in (("reward_mean", "r"), ("overlap_ratio", "ovl"), ("entropy_student", "H"),
-                       ("rollout_accuracy", "acc"), ("grad_norm", "|g|"), ("tokens_per_second", "tok/s")):
+    for key, label in (
+        ("reward_mean", "r"),
+        ("overlap_ratio", "ovl"),
+        ("entropy_student", "H"),
+        ("rollout_accuracy", "acc"),
+        ("grad_norm", "|g|"),
+        ("tokens_per_second", "tok/s"),
+    ):
         if key in m and m[key] is not None:
             parts.append(f"{label} {m[key]:.3g}")
     return " ".join(parts)
@@ -113,24 +147,46 @@ def _console_line(step: int, m: dict) -> str:
 def run_eval(tr: Trainer, console: Any) -> dict | None:
     cfg = tr.config
     return evaluate_in_training(
-        cfg.eval, step=tr.step, run_dir=tr.run_dir, model_path=cfg.student.path, generator=tr.generator,
-        tokenizer=tr.tokenizer, template=cfg.data.template, enable_thinking=cfg.data.enable_thinking,
-        max_prompt_length=cfg.data.max_prompt_length, batch_size=cfg.rollout.batch_size, seed=cfg.run.seed,
-        sink=tr.sink, console=console,
+        cfg.eval,
+        step=tr.step,
+        run_dir=tr.run_dir,
+        model_path=cfg.student.path,
+        generator=tr.generator,
+        tokenizer=tr.tokenizer,
+        template=cfg.data.template,
+        enable_thinking=cfg.data.enable_thinking,
+        max_prompt_length=cfg.data.max_prompt_length,
+        batch_size=cfg.rollout.batch_size,
+        seed=cfg.run.seed,
+        sink=tr.sink,
+        console=console,
     )
 
 
 def save(tr: Trainer) -> Path:
     """Every rank calls this (FSDP: the full weights and optimizer state are gathered); rank 0 writes."""
     weights = full_state_dict(tr.student, tr.dist)  # None with one process: save the module itself
-    state = trainer_state(tr.optimizer, tr.scheduler, tr.sampler, skipped_steps=tr.skipped_steps, history=tr.history,
-                          pending_rollouts=None if tr.ahead is None else tr.ahead.state_dict(),
-                          world_size=tr.dist.world_size)
+    state = trainer_state(
+        tr.optimizer,
+        tr.scheduler,
+        tr.sampler,
+        skipped_steps=tr.skipped_steps,
+        history=tr.history,
+        pending_rollouts=None if tr.ahead is None else tr.ahead.state_dict(),
+        world_size=tr.dist.world_size,
+    )
     state["optimizer"] = full_optimizer_state_dict(tr.student, tr.optimizer, tr.dist)
     path = tr.run_dir / "checkpoints" / f"step_{tr.step}"
     if tr.dist.is_main:
-        path = save_checkpoint(tr.run_dir, tr.step, model=tr.student, tokenizer=tr.tokenizer, trainer_state=state,
-                               keep_last=tr.config.run.keep_last, state_dict=weights)
+        path = save_checkpoint(
+            tr.run_dir,
+            tr.step,
+            model=tr.student,
+            tokenizer=tr.tokenizer,
+            trainer_state=state,
+            keep_last=tr.config.run.keep_last,
+            state_dict=weights,
+        )
     barrier(tr.dist)  # nobody reads the checkpoint before it is complete
     return path
 
@@ -154,8 +210,14 @@ class Models:
     teacher_scorer: TeacherScorer | None
 
 
-def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = None, console: Any = None,
-          dist: DistInfo = SINGLE) -> Trainer:
+def setup(
+    config: DistillConfig,
+    run_dir: Path,
+    *,
+    checkpoint: Path | None = None,
+    console: Any = None,
+    dist: DistInfo = SINGLE,
+) -> Trainer:
     """Validate everything cheap first (world size, tokenizers, engines, data), then load models and build the trainer.
     `dist` (from `init_distributed`): with world size > 1 the student is sharded with FSDP2 on the rank's device."""
     check_sizes(config, dist)
@@ -170,11 +232,27 @@ def setup(config: DistillConfig, run_dir: Path, *, checkpoint: Path | None = Non
     reference_scorer = load_reference(config, models)
     optimizer, scheduler, sampler = build_optimization(config, models, generator, len(data.prompts), dist)
     tr = Trainer(
-        config=config, run_dir=run_dir, student=models.student, tokenizer=models.tokenizer, prompts=data.prompts,
-        prompt_ids=data.input_ids, generator=generator, student_scorer=models.student_scorer, teacher=models.teacher,
-        teacher_scorer=models.teacher_scorer, reference_scorer=reference_scorer, vocab_size=models.vocab_size,
-        optimizer=optimizer, scheduler=scheduler, sampler=sampler, sink=None, autocast_dtype=models.autocast_dtype,
-        dist=dist, activation_budget=budget, rollout_model=rollout_model, rollout_generator=rollout_generator,
+        config=config,
+        run_dir=run_dir,
+        student=models.student,
+        tokenizer=models.tokenizer,
+        prompts=data.prompts,
+        prompt_ids=data.input_ids,
+        generator=generator,
+        student_scorer=models.student_scorer,
+        teacher=models.teacher,
+        teacher_scorer=models.teacher_scorer,
+        reference_scorer=reference_scorer,
+        vocab_size=models.vocab_size,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=sampler,
+        sink=None,
+        autocast_dtype=models.autocast_dtype,
+        dist=dist,
+        activation_budget=budget,
+        rollout_model=rollout_model,
+        rollout_generator=rollout_generator,
     )
     resume_step = resume(tr, checkpoint, console)
     if dist.is_main:  # rank 0 writes the run directory
@@ -187,11 +265,15 @@ def check_sizes(config: DistillConfig, dist: DistInfo) -> None:
     validator: configs built in code, like the benchmarks', leave data.max_prompt_length nominal). The other
     cross-field checks are `DistillConfig`'s validators."""
     if config.prompts_per_step % dist.world_size:
-        raise ValueError(f"prompts_per_step={config.prompts_per_step} must be divisible by the {dist.world_size} "
-                         f"processes (each takes an equal slice of a step's prompts)")
+        raise ValueError(
+            f"prompts_per_step={config.prompts_per_step} must be divisible by the {dist.world_size} "
+            f"processes (each takes an equal slice of a step's prompts)"
+        )
     if config.rollout.overlap and dist.world_size > 1:
-        raise ValueError("rollout.overlap=true trains on rollouts sampled one step earlier: it needs objective.tis_cap "
-                         f"(e.g. 2.0) to correct them, and one process (got {dist.world_size})")
+        raise ValueError(
+            "rollout.overlap=true trains on rollouts sampled one step earlier: it needs objective.tis_cap "
+            f"(e.g. 2.0) to correct them, and one process (got {dist.world_size})"
+        )
     longest = config.data.max_prompt_length + config.rollout.max_new_tokens
     if config.micro_batch_tokens < longest:
         raise ValueError(
@@ -211,43 +293,73 @@ def check_teacher_and_engine(config: DistillConfig, student_tokenizer: Any, cons
     if not vllm_available():
         raise ValueError("rollout.engine=vllm needs the vllm package (README: vLLM); or use rollout.engine=auto")
     if config.objective.tis_cap is not None and config.rollout.top_p < 1:
-        raise ValueError(f"objective.tis_cap needs full-vocabulary rollout log-probs, but vLLM reports them after "
-                         f"top-p filtering: set rollout.top_p=1 (got {config.rollout.top_p}) or rollout.engine=torch")
+        raise ValueError(
+            f"objective.tis_cap needs full-vocabulary rollout log-probs, but vLLM reports them after "
+            f"top-p filtering: set rollout.top_p=1 (got {config.rollout.top_p}) or rollout.engine=torch"
+        )
     if console is not None and config.objective.tis_cap is None:
-        console.print(f"rollout.engine=vllm: rollouts come from another engine than the trainer; their log-prob gap "
-                      f"is logged as rollout_logprob_abs_diff, and no importance weights correct it (objective."
-                      f"tis_cap unset, the paper's recipe); set objective.tis_cap={VLLM_TIS_CAP} to truncate them")
+        console.print(
+            f"rollout.engine=vllm: rollouts come from another engine than the trainer; their log-prob gap "
+            f"is logged as rollout_logprob_abs_diff, and no importance weights correct it (objective."
+            f"tis_cap unset, the paper's recipe); set objective.tis_cap={VLLM_TIS_CAP} to truncate them"
+        )
 
 
 def load_data(config: DistillConfig, student_tokenizer: Any, console: Any) -> EncodedPrompts:
     """The prompt set, rendered and encoded with the student's tokenizer, and the checks that need it; the eval
     sets are read now too, so that a bad one fails before training rather than after."""
     data, advantage = config.data, config.objective.advantage
-    prompts = load_prompts(data.path, prompt_key=data.prompt_key, answer_key=data.answer_key, id_key=data.id_key,
-                           split=data.split, limit=data.limit, on_missing_answer=data.on_missing_answer)
+    prompts = load_prompts(
+        data.path,
+        prompt_key=data.prompt_key,
+        answer_key=data.answer_key,
+        id_key=data.id_key,
+        split=data.split,
+        limit=data.limit,
+        on_missing_answer=data.on_missing_answer,
+    )
     encoded = encode_prompts(
-        student_tokenizer, prompts, max_prompt_length=data.max_prompt_length, on_overflow=data.on_overflow,
-        enable_thinking=data.enable_thinking, template=data.template,
+        student_tokenizer,
+        prompts,
+        max_prompt_length=data.max_prompt_length,
+        on_overflow=data.on_overflow,
+        enable_thinking=data.enable_thinking,
+        template=data.template,
     )
     if console is not None and encoded.num_filtered:
-        console.print(f"[yellow]{encoded.num_filtered} prompts longer than data.max_prompt_length="
-                      f"{data.max_prompt_length} filtered[/]")
+        console.print(
+            f"[yellow]{encoded.num_filtered} prompts longer than data.max_prompt_length="
+            f"{data.max_prompt_length} filtered[/]"
+        )
     if not encoded.prompts:
-        raise ValueError(f"no prompts left in {data.path} after filtering by data.max_prompt_length="
-                         f"{data.max_prompt_length}")
+        raise ValueError(
+            f"no prompts left in {data.path} after filtering by data.max_prompt_length={data.max_prompt_length}"
+        )
     if config.prompts_per_step > len(encoded.prompts):
-        raise ValueError(f"prompts_per_step={config.prompts_per_step} exceeds the {len(encoded.prompts)} prompts of "
-                         f"{data.path}; lower prompts_per_step")
+        raise ValueError(
+            f"prompts_per_step={config.prompts_per_step} exceeds the {len(encoded.prompts)} prompts of "
+            f"{data.path}; lower prompts_per_step"
+        )
     if advantage in ("grpo", "token_reward+grpo") and any(p.answer is None for p in encoded.prompts):
-        raise ValueError(f"objective.advantage={advantage} needs ground-truth answers; set data.answer_key to the "
-                         f"answer column")
+        raise ValueError(
+            f"objective.advantage={advantage} needs ground-truth answers; set data.answer_key to the answer column"
+        )
     if advantage in ("grpo", "token_reward+grpo") and not any(
-            str(answer).strip() for p in encoded.prompts
-            for answer in (p.answer if isinstance(p.answer, list) else [p.answer or ""])):
-        raise ValueError(f"objective.advantage={advantage} needs ground-truth answers, but every answer of "
-                         f"{data.path} (column {data.answer_key!r}) is empty; point data.answer_key at the answers")
-    load_eval_sets(config.eval, student_tokenizer, template=data.template,  # fails now, not after training
-                   enable_thinking=data.enable_thinking, max_prompt_length=data.max_prompt_length)
+        str(answer).strip()
+        for p in encoded.prompts
+        for answer in (p.answer if isinstance(p.answer, list) else [p.answer or ""])
+    ):
+        raise ValueError(
+            f"objective.advantage={advantage} needs ground-truth answers, but every answer of "
+            f"{data.path} (column {data.answer_key!r}) is empty; point data.answer_key at the answers"
+        )
+    load_eval_sets(
+        config.eval,
+        student_tokenizer,
+        template=data.template,  # fails now, not after training
+        enable_thinking=data.enable_thinking,
+        max_prompt_length=data.max_prompt_length,
+    )
     return encoded
 
 
@@ -257,43 +369,76 @@ def load_models(config: DistillConfig, checkpoint: Path | None, student_tokenize
     student_path = str(checkpoint) if checkpoint else config.student.path
     device = dist.device or resolve_device(config.student.device)  # under torchrun: the rank's own device
     weights_dtype, autocast_dtype = training_precision(config.student, device)
-    student, tokenizer = load_model(student_path, dtype=weights_dtype, device=device,
-                                    trust_remote_code=config.student.trust_remote_code,
-                                    attn_implementation=config.student.attn_implementation)
+    student, tokenizer = load_model(
+        student_path,
+        dtype=weights_dtype,
+        device=device,
+        trust_remote_code=config.student.trust_remote_code,
+        attn_implementation=config.student.attn_implementation,
+    )
     student_rows = student.get_output_embeddings().weight.shape[0]
-    vocab = check_tokenizer_compatibility(tokenizer, tokenizer, student_vocab_size=student_rows,
-                                          teacher_vocab_size=student_rows)
+    vocab = check_tokenizer_compatibility(
+        tokenizer, tokenizer, student_vocab_size=student_rows, teacher_vocab_size=student_rows
+    )
     teacher = teacher_scorer = None
     if config.teacher is not None:
-        loaded = load_teacher(config.teacher, student_tokenizer=student_tokenizer, student_rows=student_rows,
-                              student_device=device, world_size=dist.world_size, offload=config.teacher_offload,
-                              max_tokens_per_batch=config.score_batch_tokens, objective=config.objective,
-                              max_batch_size=config.rollout.batch_size)
+        loaded = load_teacher(
+            config.teacher,
+            student_tokenizer=student_tokenizer,
+            student_rows=student_rows,
+            student_device=device,
+            world_size=dist.world_size,
+            offload=config.teacher_offload,
+            max_tokens_per_batch=config.score_batch_tokens,
+            objective=config.objective,
+            max_batch_size=config.rollout.batch_size,
+        )
         teacher, teacher_scorer, vocab = loaded.module, loaded.scorer, loaded.vocab
     # ids beyond the tokenizer are embedding padding rows: never sampled, never a top-k candidate (SPEC §1)
     vocab_size = vocab.tokenizer_size
     shard_model(student, dist)  # FSDP2 (no-op for one process); the optimizer sees the sharded parameters
     with gathered(student, dist):  # the scorer checks the head once with a forward
-        student_scorer = LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size,
-                                     through_root=dist.world_size > 1)
-    return Models(student=student, tokenizer=tokenizer, student_path=student_path, device=device,
-                  weights_dtype=weights_dtype, autocast_dtype=autocast_dtype, vocab_size=vocab_size,
-                  student_scorer=student_scorer, teacher=teacher, teacher_scorer=teacher_scorer)
+        student_scorer = LocalScorer(
+            student,
+            max_tokens_per_batch=config.score_batch_tokens,
+            vocab_size=vocab_size,
+            through_root=dist.world_size > 1,
+        )
+    return Models(
+        student=student,
+        tokenizer=tokenizer,
+        student_path=student_path,
+        device=device,
+        weights_dtype=weights_dtype,
+        autocast_dtype=autocast_dtype,
+        vocab_size=vocab_size,
+        student_scorer=student_scorer,
+        teacher=teacher,
+        teacher_scorer=teacher_scorer,
+    )
 
 
-def build_engines(config: DistillConfig, models: Models,
-                  dist: DistInfo) -> tuple[Generator, torch.nn.Module | None, Generator | None]:
+def build_engines(
+    config: DistillConfig, models: Models, dist: DistInfo
+) -> tuple[Generator, torch.nn.Module | None, Generator | None]:
     """The rollout engine over the student, and with rollout.overlap the snapshot and engine that generate one step
     ahead. Under FSDP every engine runs from full weights: the in-process ones (torch, static) read the student's
     unsharded parameters inside `gathered` (opd_step), vLLM gets `all_full_weights` at each sync."""
     student, tokenizer = models.student, models.tokenizer
-    generator = make_generator(student, tokenizer, max_batch_size=config.rollout.batch_size,
-                               vocab_size=models.vocab_size, max_batch_tokens=config.rollout.max_batch_tokens,
-                               engine=config.rollout.engine, **_vllm_engine_arguments(config, models, dist))
+    generator = make_generator(
+        student,
+        tokenizer,
+        max_batch_size=config.rollout.batch_size,
+        vocab_size=models.vocab_size,
+        max_batch_tokens=config.rollout.max_batch_tokens,
+        engine=config.rollout.engine,
+        **_vllm_engine_arguments(config, models, dist),
+    )
     rollout_model = rollout_generator = None
     if config.rollout.overlap:  # a snapshot the background rollouts read while the student is updated
-        rollout_model, rollout_generator = overlap_generator(student, tokenizer, config, models.vocab_size,
-                                                             models.autocast_dtype)
+        rollout_model, rollout_generator = overlap_generator(
+            student, tokenizer, config, models.vocab_size, models.autocast_dtype
+        )
     return generator, rollout_model, rollout_generator
 
 
@@ -302,25 +447,44 @@ def _vllm_engine_arguments(config: DistillConfig, models: Models, dist: DistInfo
     the full weights every rank's engine is synced with."""
     if config.rollout.engine != "vllm":
         return {}
-    options = EngineOptions.from_config(config.rollout.vllm, dtype=config.student.dtype,
-                                        trust_remote_code=config.student.trust_remote_code)
+    options = EngineOptions.from_config(
+        config.rollout.vllm, dtype=config.student.dtype, trust_remote_code=config.student.trust_remote_code
+    )
     arguments: dict[str, Any] = dict(model_path=models.student_path, engine_options=options)
     if dist.world_size > 1:
         arguments["weights_fn"] = lambda: all_full_weights(models.student, dist)
     return arguments
 
 
-def startup_checks(config: DistillConfig, models: Models, generator: Generator, data: EncodedPrompts,
-                   student_tokenizer: Any, dist: DistInfo, console: Any) -> None:
+def startup_checks(
+    config: DistillConfig,
+    models: Models,
+    generator: Generator,
+    data: EncodedPrompts,
+    student_tokenizer: Any,
+    dist: DistInfo,
+    console: Any,
+) -> None:
     """`opd check`'s tokenizers, scoring and resources rows on the loaded models; raises on a hard failure."""
     teacher_tokenizer = None  # a served or vLLM teacher has no module here: its tokenizer was compared already
     if models.teacher is not None:
         teacher_tokenizer = load_tokenizer(config.teacher.path, trust_remote_code=config.teacher.trust_remote_code)
-    preflight(config, student_tokenizer=student_tokenizer, teacher_tokenizer=teacher_tokenizer,
-              student=models.student, teacher=models.teacher, student_scorer=models.student_scorer,
-              teacher_scorer=models.teacher_scorer, generator=generator, prompts=data.prompts,
-              prompt_ids=data.input_ids, vocab_size=models.vocab_size, autocast_dtype=models.autocast_dtype,
-              world_size=dist.world_size, console=console if dist.is_main else None)
+    preflight(
+        config,
+        student_tokenizer=student_tokenizer,
+        teacher_tokenizer=teacher_tokenizer,
+        student=models.student,
+        teacher=models.teacher,
+        student_scorer=models.student_scorer,
+        teacher_scorer=models.teacher_scorer,
+        generator=generator,
+        prompts=data.prompts,
+        prompt_ids=data.input_ids,
+        vocab_size=models.vocab_size,
+        autocast_dtype=models.autocast_dtype,
+        world_size=dist.world_size,
+        console=console if dist.is_main else None,
+    )
 
 
 def configure_memory(config: DistillConfig, models: Models, dist: DistInfo) -> float | None:
@@ -344,16 +508,20 @@ def load_reference(config: DistillConfig, models: Models) -> LocalScorer | None:
     """A frozen copy of the initial student, only when a KL term asks for it (objective.kl_coef)."""
     if not config.objective.kl_coef:
         return None
-    reference, _ = load_model(config.student.path, dtype=models.autocast_dtype or models.weights_dtype,
-                              device=models.device, trust_remote_code=config.student.trust_remote_code,
-                              attn_implementation=config.student.attn_implementation)
+    reference, _ = load_model(
+        config.student.path,
+        dtype=models.autocast_dtype or models.weights_dtype,
+        device=models.device,
+        trust_remote_code=config.student.trust_remote_code,
+        attn_implementation=config.student.attn_implementation,
+    )
     reference.requires_grad_(False)
     return LocalScorer(reference, max_tokens_per_batch=config.score_batch_tokens, vocab_size=models.vocab_size)
 
 
-def build_optimization(config: DistillConfig, models: Models, generator: Generator, num_prompts: int,
-                       dist: DistInfo) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
-                                                PromptSampler]:
+def build_optimization(
+    config: DistillConfig, models: Models, generator: Generator, num_prompts: int, dist: DistInfo
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, PromptSampler]:
     """The optimizer, the LR schedule and the prompt sampler — after checking that one rollout fits next to the
     models and the optimizer state."""
     student = models.student
@@ -363,10 +531,13 @@ def build_optimization(config: DistillConfig, models: Models, generator: Generat
     # data reaches the GPU.
     local = [getattr(p, "to_local", lambda p=p: p)() for p in student.parameters() if p.requires_grad]
     with autocast(models.device, models.autocast_dtype):
-        check_generation_fits(generator, prompt_tokens=config.data.max_prompt_length,
-                              new_tokens=config.rollout.max_new_tokens, reserve_bytes=2 * sum(
-                                  p.numel() * p.element_size() for p in local) + gathered_bytes(student, dist),
-                              names=("data.max_prompt_length", "rollout.max_new_tokens"))
+        check_generation_fits(
+            generator,
+            prompt_tokens=config.data.max_prompt_length,
+            new_tokens=config.rollout.max_new_tokens,
+            reserve_bytes=2 * sum(p.numel() * p.element_size() for p in local) + gathered_bytes(student, dist),
+            names=("data.max_prompt_length", "rollout.max_new_tokens"),
+        )
     scheduler = build_scheduler(optimizer, config.run.steps, config.optim)
     sampler = PromptSampler(num_prompts, config.prompts_per_step, seed=config.run.seed)
     return optimizer, scheduler, sampler
@@ -377,8 +548,9 @@ def resume(tr: Trainer, checkpoint: Path | None, console: Any) -> int | None:
     `checkpoint`; returns the step resumed at, None for a fresh run."""
     if checkpoint is None:
         return None
-    state = restore_trainer_state(checkpoint, _FullStateOptimizer(tr.student, tr.optimizer, tr.dist), tr.scheduler,
-                                  tr.sampler)
+    state = restore_trainer_state(
+        checkpoint, _FullStateOptimizer(tr.student, tr.optimizer, tr.dist), tr.scheduler, tr.sampler
+    )
     tr.step, tr.skipped_steps, tr.history = state["step"], state["skipped_steps"], state["history"]
     if tr.ahead is not None:  # the rollouts generated for the next step, from weights no longer saved
         tr.ahead.load_state_dict(state.get("pending_rollouts"))
@@ -406,6 +578,8 @@ def _world_size_change(state: dict, dist: DistInfo) -> str:
     saved = state.get("world_size")  # absent in checkpoints written before it was recorded
     if saved is None or saved == dist.world_size:
         return ""
-    return (f"; saved by {saved} process{'es' * (saved > 1)}, resumed by {dist.world_size}: the same global batches, "
-            f"sums over ranks regrouped (results differ from an uninterrupted run at float rounding level; sampled "
-            f"rollouts differ too, each rank drawing with its own seed)")
+    return (
+        f"; saved by {saved} process{'es' * (saved > 1)}, resumed by {dist.world_size}: the same global batches, "
+        f"sums over ranks regrouped (results differ from an uninterrupted run at float rounding level; sampled "
+        f"rollouts differ too, each rank drawing with its own seed)"
+    )

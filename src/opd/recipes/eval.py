@@ -11,7 +11,6 @@ Omitted on purpose: resuming the responses mode part-way (grading a file is one 
 from __future__ import annotations
 
 import hashlib
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,19 +33,25 @@ def evaluate(config: EvalConfig, *, generator: Any = None, tokenizer: Any = None
     if (config.model is None) == (config.responses is None) and generator is None:
         raise ValueError("opd eval needs exactly one of --model (sample and grade) or --responses FILE (grade only)")
     if config.responses is None and not config.benchmarks:
-        raise ValueError("benchmarks is empty; name at least one: aime24, aime25, amc23, math500, minerva, "
-                         "olympiadbench or a prompt file")
+        raise ValueError(
+            "benchmarks is empty; name at least one: aime24, aime25, amc23, math500, minerva, "
+            "olympiadbench or a prompt file"
+        )
     run_dir = Path(config.out) if config.out else default_run_dir("eval")
     if config.responses is None or generator is not None:
         return evaluate_model(config, run_dir, generator=generator, tokenizer=tokenizer, console=console)
     run_dir.mkdir(parents=True, exist_ok=True)
     with locked(run_dir, "eval"):  # one process per output directory
-        identity = {"mode": "responses", "responses": str(config.responses),
-                    "responses_sha256": _file_sha256(Path(config.responses)),
-                    "on_missing_answer": config.on_missing_answer}
+        identity = {
+            "mode": "responses",
+            "responses": str(config.responses),
+            "responses_sha256": _file_sha256(Path(config.responses)),
+            "on_missing_answer": config.on_missing_answer,
+        }
         check_resumable(run_dir, identity)
-        records = grade_responses_file(config.responses, timeout=config.timeout,
-                                       on_missing_answer=config.on_missing_answer, console=console)
+        records = grade_responses_file(
+            config.responses, timeout=config.timeout, on_missing_answer=config.on_missing_answer, console=console
+        )
         start_work(run_dir, identity, config)
         write_jsonl(run_dir / "samples.jsonl", records)
         return write_results(config, run_dir, records, console)
@@ -79,8 +84,9 @@ def _first(record: dict, keys: tuple[str, ...], *, allow_null: bool = False) -> 
     return None, None
 
 
-def grade_responses_file(path: str | Path, *, timeout: float = 5.0, on_missing_answer: str = "error",
-                         console: Any = None) -> list[dict]:
+def grade_responses_file(
+    path: str | Path, *, timeout: float = 5.0, on_missing_answer: str = "error", console: Any = None
+) -> list[dict]:
     """Grade a JSONL of existing generations. Each line holds a response (`response`, or a list in `responses`),
     a ground truth (`answer` / `ground_truth` / `reward_model.ground_truth`; a list means any of them), and
     optionally a problem id and a benchmark name. Lines with the same (benchmark, problem) are the n samples of one
@@ -112,8 +118,10 @@ def grade_responses_file(path: str | Path, *, timeout: float = 5.0, on_missing_a
             if on_missing_answer == "skip":
                 skipped.append(line_number)
                 continue
-            raise ValueError(f"{path}:{line_number}: field {answer_key!r} is {describe_missing(raw_answer)}: no ground "
-                             f"truth; fix the line, or pass on_missing_answer=skip to leave such lines out")
+            raise ValueError(
+                f"{path}:{line_number}: field {answer_key!r} is {describe_missing(raw_answer)}: no ground "
+                f"truth; fix the line, or pass on_missing_answer=skip to leave such lines out"
+            )
         _, problem = _first(row, _ID_KEYS)
         _, benchmark = _first(row, _BENCHMARK_KEYS)
         benchmark = str(benchmark) if benchmark is not None else path.stem
@@ -123,24 +131,35 @@ def grade_responses_file(path: str | Path, *, timeout: float = 5.0, on_missing_a
         key = (benchmark, problem_id)
         first_line, first_answer = answers.setdefault(key, (line_number, answer))
         if first_answer != answer:
-            raise ValueError(f"{path}:{line_number}: problem {problem_id[:80]!r} ({benchmark}) has ground truth "
-                             f"{str(answer)[:60]!r}, but line {first_line} gave it {str(first_answer)[:60]!r}; the lines "
-                             f"of one problem are its samples and share one ground truth: give each problem its own id")
+            raise ValueError(
+                f"{path}:{line_number}: problem {problem_id[:80]!r} ({benchmark}) has ground truth "
+                f"{str(answer)[:60]!r}, but line {first_line} gave it {str(first_answer)[:60]!r}; the lines "
+                f"of one problem are its samples and share one ground truth: give each problem its own id"
+            )
         for response in responses if isinstance(responses, list) else [responses]:
             sample = sample_counter.get(key, 0)
             sample_counter[key] = sample + 1
             records.append(
                 graded_record(
-                    benchmark=benchmark, problem_id=problem_id, sample=sample, response=str(response),
-                    answer=answer, num_tokens=row.get("num_tokens"), truncated=bool(row.get("truncated", False)),
+                    benchmark=benchmark,
+                    problem_id=problem_id,
+                    sample=sample,
+                    response=str(response),
+                    answer=answer,
+                    num_tokens=row.get("num_tokens"),
+                    truncated=bool(row.get("truncated", False)),
                     timeout=timeout,
                 )
             )
     if skipped:
         if not records:
-            raise ValueError(f"responses file {path}: every line lacks a ground truth (on_missing_answer=skip left none)")
-        message = (f"{path}: skipped {len(skipped)} of {len(rows)} lines without a ground truth (first: line "
-                   f"{skipped[0]}; on_missing_answer=skip)")
+            raise ValueError(
+                f"responses file {path}: every line lacks a ground truth (on_missing_answer=skip left none)"
+            )
+        message = (
+            f"{path}: skipped {len(skipped)} of {len(rows)} lines without a ground truth (first: line "
+            f"{skipped[0]}; on_missing_answer=skip)"
+        )
         if console is not None:
             console.print(f"[yellow]{message}[/]")
         else:

@@ -23,8 +23,17 @@ from rich.console import Console
 from rich.table import Table
 
 from opd.config import (
-    ConfigError, DataSpec, DistillConfig, EvalConfig, EvalSpec, ModelSpec, Section, flatten_dotted, save_config,
-    set_dotted, validate_config,
+    ConfigError,
+    DataSpec,
+    DistillConfig,
+    EvalConfig,
+    EvalSpec,
+    ModelSpec,
+    Section,
+    flatten_dotted,
+    save_config,
+    set_dotted,
+    validate_config,
 )
 from opd.io import atomic_write_json, atomic_write_text
 from opd.objectives import gap_recovery
@@ -46,25 +55,49 @@ class PipelineConfig(Section):
     student: ModelSpec
     sft_prompts: DataSpec = Field(description="Prompts the teacher answers for SFT (the rollout stage).")
     opd_prompts: DataSpec = Field(description="Prompts of the OPD stage.")
-    eval: EvalSpec = Field(default_factory=EvalSpec, description="Benchmarks of the final comparison (and of in-run eval).")
+    eval: EvalSpec = Field(
+        default_factory=EvalSpec, description="Benchmarks of the final comparison (and of in-run eval)."
+    )
     out_dir: str = Field("runs/pipeline", description="Directory holding one sub-directory per stage.")
-    stages: list[Stage] = Field(default_factory=lambda: ["rollout", "sft", "distill", "eval"], description="Stages to run, in order.")
-    rollout: dict[str, Any] = Field(default_factory=dict, description="Extra `opd rollout` keys (n, max_attempts, require_correct, …).")
-    sft: dict[str, Any] = Field(default_factory=dict, description="Extra `opd sft` keys (epochs, optim.lr, lora.enabled, …).")
-    distill: dict[str, Any] = Field(default_factory=dict, description="Extra `opd distill` keys (run.steps, objective.top_k, …).")
+    stages: list[Stage] = Field(
+        default_factory=lambda: ["rollout", "sft", "distill", "eval"], description="Stages to run, in order."
+    )
+    rollout: dict[str, Any] = Field(
+        default_factory=dict, description="Extra `opd rollout` keys (n, max_attempts, require_correct, …)."
+    )
+    sft: dict[str, Any] = Field(
+        default_factory=dict, description="Extra `opd sft` keys (epochs, optim.lr, lora.enabled, …)."
+    )
+    distill: dict[str, Any] = Field(
+        default_factory=dict, description="Extra `opd distill` keys (run.steps, objective.top_k, …)."
+    )
 
     def stage_configs(self) -> dict[str, Any]:
         """The rollout / SFT / distill configs the stages run with (validated; errors name the stage)."""
         root = Path(self.out_dir)
-        rollout = {"model": self.teacher.model_dump(), "data": self.sft_prompts.model_dump(), "out": str(root / "rollout")}
-        sft = {"model": self.student.model_dump(), "data": {"path": [str(root / "rollout" / "rollouts.jsonl")]},
-               "run": {"out_dir": str(root), "name": "sft", "resume": True}}
-        distill = {"student": self.student.model_dump(), "teacher": self.teacher.model_dump(),
-                   "data": self.opd_prompts.model_dump(), "eval": self.eval.model_dump(),
-                   "run": {"out_dir": str(root), "name": "distill", "resume": True}}
+        rollout = {
+            "model": self.teacher.model_dump(),
+            "data": self.sft_prompts.model_dump(),
+            "out": str(root / "rollout"),
+        }
+        sft = {
+            "model": self.student.model_dump(),
+            "data": {"path": [str(root / "rollout" / "rollouts.jsonl")]},
+            "run": {"out_dir": str(root), "name": "sft", "resume": True},
+        }
+        distill = {
+            "student": self.student.model_dump(),
+            "teacher": self.teacher.model_dump(),
+            "data": self.opd_prompts.model_dump(),
+            "eval": self.eval.model_dump(),
+            "run": {"out_dir": str(root), "name": "distill", "resume": True},
+        }
         built = {}
-        for name, base, extra, model in (("rollout", rollout, self.rollout, RolloutConfig),
-                                         ("sft", sft, self.sft, SFTConfig), ("distill", distill, self.distill, DistillConfig)):
+        for name, base, extra, model in (
+            ("rollout", rollout, self.rollout, RolloutConfig),
+            ("sft", sft, self.sft, SFTConfig),
+            ("distill", distill, self.distill, DistillConfig),
+        ):
             for key, value in flatten_dotted(extra).items():
                 set_dotted(base, key, value)
             try:
@@ -134,8 +167,10 @@ def _check_same_recipe(config: PipelineConfig, root: Path) -> None:
 
     changed = [f"{key}: {old!r} → {new!r}" for key, old, new in config_changes(recipe(saved), recipe(config))]
     if changed:
-        raise ConfigError(f"{root} holds a pipeline run with other settings ({'; '.join(changed)}); rerun with the "
-                          f"saved {saved_path}, or choose another out_dir")
+        raise ConfigError(
+            f"{root} holds a pipeline run with other settings ({'; '.join(changed)}); rerun with the "
+            f"saved {saved_path}, or choose another out_dir"
+        )
 
 
 def _link_final(run_dir: Path, final: Path, prefer: Path | None = None) -> None:
@@ -156,18 +191,31 @@ def _compare(config: PipelineConfig, root: Path, sft_model: Path, opd_model: Pat
     """Evaluate every model of the recipe on the same benchmarks and compute the gap recovery per benchmark."""
     if not config.eval.benchmarks:
         raise ValueError("pipeline: eval.benchmarks is empty; name the benchmarks of the final comparison")
-    models = {"student": config.student, "sft": _spec(config.student, sft_model),
-              "opd": _spec(config.student, opd_model), "teacher": config.teacher}
+    models = {
+        "student": config.student,
+        "sft": _spec(config.student, sft_model),
+        "opd": _spec(config.student, opd_model),
+        "teacher": config.teacher,
+    }
     spec = config.eval
     results: dict[str, dict] = {}
     for name, model in models.items():
         if model is None:
             continue
         eval_config = EvalConfig(
-            model=model, benchmarks=spec.benchmarks, n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
-            max_new_tokens=spec.max_new_tokens, limit=spec.limit, prompt_key=spec.prompt_key,
-            answer_key=spec.answer_key, on_missing_answer=spec.on_missing_answer, template=config.opd_prompts.template,
-            enable_thinking=config.opd_prompts.enable_thinking, out=str(root / "eval" / name),
+            model=model,
+            benchmarks=spec.benchmarks,
+            n=spec.n,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            max_new_tokens=spec.max_new_tokens,
+            limit=spec.limit,
+            prompt_key=spec.prompt_key,
+            answer_key=spec.answer_key,
+            on_missing_answer=spec.on_missing_answer,
+            template=config.opd_prompts.template,
+            enable_thinking=config.opd_prompts.enable_thinking,
+            out=str(root / "eval" / name),
         )
         results[name] = evaluate(eval_config, console=console)
     summary: dict[str, dict] = {}

@@ -15,8 +15,9 @@ teacher is whatever `opd.teacher.registry.load_teacher` builds from `teacher` (i
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 from pydantic import Field
@@ -30,10 +31,10 @@ from opd.eval.prompt_scores import ALIGNMENT_METRICS, PromptScore, read_scores, 
 from opd.io import append_jsonl, repair_jsonl
 from opd.models import load_model, load_tokenizer
 from opd.names import EngineName
+from opd.report.sinks import progress_bar
 from opd.rollout import make_generator
 from opd.rollout.registry import vllm_arguments
 from opd.rundir import locked
-from opd.report.sinks import progress_bar
 
 
 class PromptScoreConfig(Section):
@@ -42,26 +43,50 @@ class PromptScoreConfig(Section):
     student: ModelSpec
     teacher: Teacher = Field(description="The teacher: a model to load (`path`) or an `opd serve-teacher` (`url`).")
     data: DataSpec
-    out: str = Field(description="Scores JSONL, one record per prompt, appended per batch; rerunning resumes. "
-                                 "config.yaml is written beside it.")
+    out: str = Field(
+        description="Scores JSONL, one record per prompt, appended per batch; rerunning resumes. "
+        "config.yaml is written beside it."
+    )
     n: int = Field(4, ge=1, description="Student rollouts per prompt.")
     top_k: int = Field(16, ge=1, description="K of the top-k supports compared (the paper: 16).")
     temperature: float = Field(1.0, gt=0.0, description="Student sampling temperature τ_S; also scales its log-probs.")
     teacher_temperature: float = Field(1.0, gt=0.0, description="τ_T: scales the teacher's logits only.")
     max_new_tokens: int = Field(1024, ge=1, description="Longest rollout in tokens.")
-    batch_size: int = Field(32, ge=1, description="Prompts per batch (× n rollouts decoded together); the unit of "
-                                                  "resume, so keep it when resuming.")
+    batch_size: int = Field(
+        32,
+        ge=1,
+        description="Prompts per batch (× n rollouts decoded together); the unit of resume, so keep it when resuming.",
+    )
     score_batch_tokens: int = Field(32768, ge=1, description="Token budget of one no-grad scoring forward.")
     seed: int = Field(0, description="Sampling seed (each batch's seed derives from it and the batch index).")
-    engine: EngineName = Field("auto", description="Engine of the student rollouts (opd.rollout.registry); vllm loads the student itself (needs the vllm extra); the scores stay in-process.")
+    engine: EngineName = Field(
+        "auto",
+        description="Engine of the student rollouts (opd.rollout.registry); vllm loads the student itself (needs the vllm extra); the scores stay in-process.",
+    )
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
 
 
 # Settings that change the scores: a resumed file must have been written with the same ones. (data.path may move:
 # the prompt ids are checked instead.)
-_RESUME_KEYS = ("student.path", "student.dtype", "teacher.path", "teacher.dtype", "data.prompt_key",
-                "data.id_key", "data.template", "data.enable_thinking", "data.max_prompt_length", "n", "top_k",
-                "temperature", "teacher_temperature", "max_new_tokens", "batch_size", "seed", "engine")
+_RESUME_KEYS = (
+    "student.path",
+    "student.dtype",
+    "teacher.path",
+    "teacher.dtype",
+    "data.prompt_key",
+    "data.id_key",
+    "data.template",
+    "data.enable_thinking",
+    "data.max_prompt_length",
+    "n",
+    "top_k",
+    "temperature",
+    "teacher_temperature",
+    "max_new_tokens",
+    "batch_size",
+    "seed",
+    "engine",
+)
 
 
 def score_prompt_file(config: PromptScoreConfig, *, console: Any = None) -> Path:
@@ -80,14 +105,23 @@ def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
     from opd.teacher.registry import check_teacher_tokenizer, load_teacher  # heavy (the Triton kernels, torch._dynamo)
 
     if getattr(config.teacher, "engine", "local") == "vllm":
-        raise ValueError("opd prompts score needs the teacher's entropy and its log-probs at the student's top-k, which "
-                         "a vLLM teacher (teacher.engine=vllm) cannot give: use teacher.engine=local or teacher.url "
-                         "(opd serve-teacher)")
+        raise ValueError(
+            "opd prompts score needs the teacher's entropy and its log-probs at the student's top-k, which "
+            "a vLLM teacher (teacher.engine=vllm) cannot give: use teacher.engine=local or teacher.url "
+            "(opd serve-teacher)"
+        )
     student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
     check_teacher_tokenizer(config.teacher, student_tokenizer)
     data = config.data
-    prompts = load_prompts(data.path, prompt_key=data.prompt_key, answer_key=data.answer_key, id_key=data.id_key,
-                           split=data.split, limit=data.limit, on_missing_answer="keep")  # answers are not graded here
+    prompts = load_prompts(
+        data.path,
+        prompt_key=data.prompt_key,
+        answer_key=data.answer_key,
+        id_key=data.id_key,
+        split=data.split,
+        limit=data.limit,
+        on_missing_answer="keep",
+    )  # answers are not graded here
 
     repair_jsonl(out)
     done = read_scores(out) if out.is_file() else []
@@ -96,29 +130,49 @@ def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
         ids = {p.id for p in prompts}
         stray = [s.id for s in done if s.id not in ids]
         if stray:
-            raise DataError(f"{out}: holds scores of {len(stray)} prompt ids not in {data.path} (first: {stray[0]!r});"
-                            f" it belongs to another set: choose another --out")
+            raise DataError(
+                f"{out}: holds scores of {len(stray)} prompt ids not in {data.path} (first: {stray[0]!r});"
+                f" it belongs to another set: choose another --out"
+            )
     save_config(config, out.parent)
     skip = {s.id for s in done}
     todo = len([p for p in prompts if p.id not in skip])
     if done:
         console.print(f"resuming: {len(skip)} of {len(prompts)} prompts already scored in {out}")
     if todo:
-        student, tokenizer = load_model(config.student.path, dtype=config.student.dtype, device=config.student.device,
-                                        trust_remote_code=config.student.trust_remote_code,
-                                        attn_implementation=config.student.attn_implementation)
-        loaded = load_teacher(config.teacher, student_tokenizer=student_tokenizer,
-                              student_rows=student.get_output_embeddings().weight.shape[0],
-                              student_device=next(student.parameters()).device,
-                              max_tokens_per_batch=config.score_batch_tokens)
+        student, tokenizer = load_model(
+            config.student.path,
+            dtype=config.student.dtype,
+            device=config.student.device,
+            trust_remote_code=config.student.trust_remote_code,
+            attn_implementation=config.student.attn_implementation,
+        )
+        loaded = load_teacher(
+            config.teacher,
+            student_tokenizer=student_tokenizer,
+            student_rows=student.get_output_embeddings().weight.shape[0],
+            student_device=next(student.parameters()).device,
+            max_tokens_per_batch=config.score_batch_tokens,
+        )
         teacher, vocab = loaded.scorer, loaded.vocab
         generator = None
         if config.engine == "vllm":  # the student's rollouts from vLLM; its scores stay with the HF model above
-            generator = make_generator(None, tokenizer, engine="vllm", max_batch_size=config.batch_size * config.n,
-                                       vocab_size=vocab.tokenizer_size, **vllm_arguments(config.vllm, config.student))
+            generator = make_generator(
+                None,
+                tokenizer,
+                engine="vllm",
+                max_batch_size=config.batch_size * config.n,
+                vocab_size=vocab.tokenizer_size,
+                **vllm_arguments(config.vllm, config.student),
+            )
         elif config.engine != "auto":
-            generator = make_generator(student, tokenizer, engine=config.engine,
-                                       max_batch_size=config.batch_size * config.n, vocab_size=vocab.tokenizer_size)
+            generator = make_generator(
+                student,
+                tokenizer,
+                engine=config.engine,
+                max_batch_size=config.batch_size * config.n,
+                vocab_size=vocab.tokenizer_size,
+            )
         with progress_bar(console) as progress:
             task = progress.add_task("opd prompts score", total=todo)
 
@@ -126,12 +180,26 @@ def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
                 append_jsonl(out, [s.to_json() for s in batch])
                 progress.advance(task, len(batch))
 
-            score_prompts(student, teacher, tokenizer, prompts, n=config.n, top_k=config.top_k,
-                          temperature=config.temperature, teacher_temperature=config.teacher_temperature,
-                          max_new_tokens=config.max_new_tokens, max_prompt_length=data.max_prompt_length,
-                          enable_thinking=data.enable_thinking, template=data.template, batch_size=config.batch_size,
-                          score_batch_tokens=config.score_batch_tokens, seed=config.seed, skip_ids=skip,
-                          on_batch=on_batch, generator=generator)
+            score_prompts(
+                student,
+                teacher,
+                tokenizer,
+                prompts,
+                n=config.n,
+                top_k=config.top_k,
+                temperature=config.temperature,
+                teacher_temperature=config.teacher_temperature,
+                max_new_tokens=config.max_new_tokens,
+                max_prompt_length=data.max_prompt_length,
+                enable_thinking=data.enable_thinking,
+                template=data.template,
+                batch_size=config.batch_size,
+                score_batch_tokens=config.score_batch_tokens,
+                seed=config.seed,
+                skip_ids=skip,
+                on_batch=on_batch,
+                generator=generator,
+            )
     console.print(summarize_scores(read_scores(out)) + f"\nscores: {out}")
     return out
 
@@ -147,8 +215,10 @@ def _check_resume(config: PromptScoreConfig, saved_path: Path) -> None:
     for key in _RESUME_KEYS:
         before, after = _dotted(saved, key), _dotted(now, key)
         if before != after:
-            raise ConfigError(f"{config.out} was scored with {key}={before!r}, this run has {key}={after!r}; "
-                              f"use the same settings to resume, or another --out")
+            raise ConfigError(
+                f"{config.out} was scored with {key}={before!r}, this run has {key}={after!r}; "
+                f"use the same settings to resume, or another --out"
+            )
 
 
 def _dotted(data: dict, key: str) -> Any:
@@ -165,25 +235,45 @@ def summarize_scores(scores: Sequence[PromptScore]) -> str:
         values = sorted(getattr(s, key) for s in scored if getattr(s, key) is not None)
         if values:
             q = [values[min(len(values) - 1, int(f * len(values)))] for f in (0.25, 0.5, 0.75)]
-            lines.append(f"  {key:<22} mean {sum(values) / len(values):.4f}  q25 {q[0]:.4f}  median {q[1]:.4f}  "
-                         f"q75 {q[2]:.4f}")
+            lines.append(
+                f"  {key:<22} mean {sum(values) / len(values):.4f}  q25 {q[0]:.4f}  median {q[1]:.4f}  q75 {q[2]:.4f}"
+            )
     return "\n".join(lines)
 
 
-def retemplate_file(source: str | Path, out: str | Path, template: str, *, prompt_key: str = "prompt",
-                    answer_key: str | None = "reward_model.ground_truth", id_key: str | None = None) -> str:
+def retemplate_file(
+    source: str | Path,
+    out: str | Path,
+    template: str,
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str | None = "reward_model.ground_truth",
+    id_key: str | None = None,
+) -> str:
     """Run `opd prompts template`: load, `retemplate`, save (verl layout, by `out`'s extension). Returns a summary."""
-    prompts = load_prompts(source, prompt_key=prompt_key, answer_key=answer_key, id_key=id_key, on_missing_answer="keep")
+    prompts = load_prompts(
+        source, prompt_key=prompt_key, answer_key=answer_key, id_key=id_key, on_missing_answer="keep"
+    )
     templated = retemplate(prompts, template)
     changed = sum(a.messages != b.messages for a, b in zip(prompts, templated))
     path = save_prompts(templated, out)
     return f"{len(templated)} prompts ({changed} changed) with template {parse_template(template).name} → {path}"
 
 
-def select_prompt_file(source: str | Path, scores: str | Path, out: str | Path, *, top: str | float | int = 0.5,
-                       by: str = "overlap_ratio", mix_with: str | Path | None = None, ratio: float = 0.3,
-                       seed: int = 0, prompt_key: str = "prompt", answer_key: str | None = "reward_model.ground_truth",
-                       id_key: str | None = None) -> str:
+def select_prompt_file(
+    source: str | Path,
+    scores: str | Path,
+    out: str | Path,
+    *,
+    top: str | float | int = 0.5,
+    by: str = "overlap_ratio",
+    mix_with: str | Path | None = None,
+    ratio: float = 0.3,
+    seed: int = 0,
+    prompt_key: str = "prompt",
+    answer_key: str | None = "reward_model.ground_truth",
+    id_key: str | None = None,
+) -> str:
     """Run `opd prompts select`: load the set (and `mix_with`, read with the same column mapping) and the scores,
     `select_prompts`, save. Returns a summary line."""
     mapping = dict(prompt_key=prompt_key, answer_key=answer_key, id_key=id_key, on_missing_answer="keep")
@@ -195,8 +285,10 @@ def select_prompt_file(source: str | Path, scores: str | Path, out: str | Path, 
     path = save_prompts(selected, out)
     by_id = {s.id: s for s in score_list}
     ranked = [s for s in score_list if getattr(s, by) is not None]
-    line = (f"{len(aligned)} of {len(ranked)} prompts by {by} (mean {_mean([by_id[p.id] for p in aligned], by):.4f} "
-            f"vs {_mean(ranked, by):.4f} over all)")
+    line = (
+        f"{len(aligned)} of {len(ranked)} prompts by {by} (mean {_mean([by_id[p.id] for p in aligned], by):.4f} "
+        f"vs {_mean(ranked, by):.4f} over all)"
+    )
     mixed = len(selected) - len(aligned)
     if mixed:
         line += f" + {mixed} from {mix_with} ({mixed / len(selected):.0%} of {len(selected)})"
@@ -218,5 +310,6 @@ def parse_top(text: str | float | int) -> float | int:
             return float(raw[:-1]) / 100
         return float(raw) if any(c in raw.lower() for c in ".e") else int(raw)
     except ValueError:
-        raise ValueError(f"top must be a fraction in (0, 1] (e.g. 0.5 or 50%) or a count ≥ 1 (e.g. 500), "
-                         f"got {raw!r}") from None
+        raise ValueError(
+            f"top must be a fraction in (0, 1] (e.g. 0.5 or 50%) or a count ≥ 1 (e.g. 500), got {raw!r}"
+        ) from None

@@ -17,9 +17,10 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import yaml
@@ -30,8 +31,8 @@ from rich.table import Table
 from opd.config import DataSpec, ModelSpec, Section, VLLMSpec, flatten_dotted, save_config
 from opd.eval.degeneracy import DegeneracySpec, degeneracy_reasons
 from opd.eval.grading import decode_responses, extract_answer, grade
-from opd.rundir import check_same_work, locked
 from opd.io import append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
+from opd.rundir import check_same_work, locked
 from opd.seeds import hashed_seed
 
 # The CLI imports this module for RolloutConfig and must start fast: whatever loads torch (opd.types, the data,
@@ -50,33 +51,63 @@ class RolloutConfig(Section):
     data: DataSpec = Field(description="The prompt set, its column mapping, instruction template and thinking switch.")
     out: str = Field(description="Output directory; rerunning into it resumes (finished prompts are skipped).")
     n: int = Field(1, ge=1, description="Accepted samples wanted per prompt.")
-    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 = greedy (retries then repeat the same answer).")
+    temperature: float = Field(
+        1.0, ge=0.0, description="Sampling temperature; 0 = greedy (retries then repeat the same answer)."
+    )
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1]; 1.0 = off.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
-    max_new_tokens: int = Field(7168, ge=1, description="Longest response in tokens; a response that reaches it is rejected as truncated.")
-    max_attempts: int = Field(3, ge=1, description="Draws per wanted sample before it is given up (written to rejected.jsonl).")
-    require_correct: bool = Field(False, description="Also reject answers graded wrong against the prompt's ground truth (every prompt needs one).")
+    max_new_tokens: int = Field(
+        7168, ge=1, description="Longest response in tokens; a response that reaches it is rejected as truncated."
+    )
+    max_attempts: int = Field(
+        3, ge=1, description="Draws per wanted sample before it is given up (written to rejected.jsonl)."
+    )
+    require_correct: bool = Field(
+        False,
+        description="Also reject answers graded wrong against the prompt's ground truth (every prompt needs one).",
+    )
     grade_timeout: float = Field(5.0, gt=0.0, description="Seconds allowed for one symbolic answer comparison.")
-    degeneracy: DegeneracySpec = Field(default_factory=DegeneracySpec, description="Thresholds of the degenerate-response checks.")
-    batch_size: int = Field(64, ge=1, description="Sequences generated together (prompts × n); a batch holds max(1, batch_size // n) prompts and is the unit of resume.")
-    seed: int = Field(0, description="Base seed; every generate call's seed derives from it and its rows' (prompt id, sample, attempt).")
-    num_workers: int = Field(1, ge=1, description="Worker processes, one per device, each running every num_workers-th batch.")
-    devices: list[str] | None = Field(None, description="One device per worker (e.g. [cuda:0, cuda:1]); None: cuda:0..N-1 when CUDA is there and model.device is auto/cuda, else model.device for all.")
-    llamafactory: bool = Field(False, description="Also write llamafactory/<dataset_name>.json (sharegpt) and dataset_info.json.")
-    dataset_name: str = Field("opd_rollout", min_length=1, description="Dataset name in LlamaFactory's dataset_info.json and the file name.")
-    engine: Literal["torch", "vllm"] = Field("torch", description="Generation engine (opd.rollout.registry): torch | vllm (loads the model itself, one worker; needs the vllm extra).")
+    degeneracy: DegeneracySpec = Field(
+        default_factory=DegeneracySpec, description="Thresholds of the degenerate-response checks."
+    )
+    batch_size: int = Field(
+        64,
+        ge=1,
+        description="Sequences generated together (prompts × n); a batch holds max(1, batch_size // n) prompts and is the unit of resume.",
+    )
+    seed: int = Field(
+        0,
+        description="Base seed; every generate call's seed derives from it and its rows' (prompt id, sample, attempt).",
+    )
+    num_workers: int = Field(
+        1, ge=1, description="Worker processes, one per device, each running every num_workers-th batch."
+    )
+    devices: list[str] | None = Field(
+        None,
+        description="One device per worker (e.g. [cuda:0, cuda:1]); None: cuda:0..N-1 when CUDA is there and model.device is auto/cuda, else model.device for all.",
+    )
+    llamafactory: bool = Field(
+        False, description="Also write llamafactory/<dataset_name>.json (sharegpt) and dataset_info.json."
+    )
+    dataset_name: str = Field(
+        "opd_rollout", min_length=1, description="Dataset name in LlamaFactory's dataset_info.json and the file name."
+    )
+    engine: Literal["torch", "vllm"] = Field(
+        "torch",
+        description="Generation engine (opd.rollout.registry): torch | vllm (loads the model itself, one worker; needs the vllm extra).",
+    )
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
 
     @model_validator(mode="after")
-    def _devices_match_workers(self) -> "RolloutConfig":
+    def _devices_match_workers(self) -> RolloutConfig:
         if self.devices is not None and len(self.devices) != self.num_workers:
-            raise ValueError(f"devices lists {len(self.devices)} devices but num_workers is {self.num_workers}; "
-                             f"give one device per worker")
+            raise ValueError(
+                f"devices lists {len(self.devices)} devices but num_workers is {self.num_workers}; "
+                f"give one device per worker"
+            )
         if self.engine == "vllm" and self.num_workers != 1:
             raise ValueError(f"engine=vllm runs one in-process engine: num_workers must be 1, got {self.num_workers}")
         return self
-
-
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -92,8 +123,9 @@ class Check:
     correct: bool | None
 
 
-def check_response(text: str, token_ids: Sequence[int], finish_reason: str, answer: str | None,
-                   config: RolloutConfig) -> Check:
+def check_response(
+    text: str, token_ids: Sequence[int], finish_reason: str, answer: str | None, config: RolloutConfig
+) -> Check:
     """Apply the rejection rules of the module docstring to one decoded response."""
     reasons = ["truncated"] if finish_reason == "length" else []
     extracted = extract_answer(text)
@@ -140,7 +172,10 @@ def rollout_batch(batch: Sequence[WorkItem], generator: Any, tokenizer: Any, con
         else:  # only the rejected samples, one row each
             prompt_ids, n = [batch[k].prompt_ids for k, _ in pending], 1
         params = SamplingParams(
-            n=n, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+            n=n,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
             max_new_tokens=config.max_new_tokens,
             seed=call_seed(config.seed, [(batch[k].prompt.id, s, attempt) for k, s in pending]),
         )
@@ -158,8 +193,11 @@ def rollout_batch(batch: Sequence[WorkItem], generator: Any, tokenizer: Any, con
             records[key] = {
                 **_head(item, key[1], accepted=True),
                 "messages": [*_chat(item.prompt), {"role": "assistant", "content": text}],
-                "attempts": attempt, "rejections": history[key], "extracted": check.extracted,
-                "correct": check.correct, "num_tokens": len(ids),
+                "attempts": attempt,
+                "rejections": history[key],
+                "extracted": check.extracted,
+                "correct": check.correct,
+                "num_tokens": len(ids),
             }
         pending = rejected
         if not pending:
@@ -168,39 +206,57 @@ def rollout_batch(batch: Sequence[WorkItem], generator: Any, tokenizer: Any, con
         item = batch[key[0]]
         text, num_tokens, finish = last[key]
         records[key] = {
-            **_head(item, key[1], accepted=False), "prompt": _chat(item.prompt),
-            "attempts": config.max_attempts, "rejections": history[key], "last_response": text,
-            "num_tokens": num_tokens, "finish_reason": finish,
+            **_head(item, key[1], accepted=False),
+            "prompt": _chat(item.prompt),
+            "attempts": config.max_attempts,
+            "rejections": history[key],
+            "last_response": text,
+            "num_tokens": num_tokens,
+            "finish_reason": finish,
         }
     return [records[key] for key in sorted(records)]
 
 
 def _head(item: WorkItem, sample: int, *, accepted: bool) -> dict:
-    return {"prompt_id": item.prompt.id, "sample": sample, "accepted": accepted, "source": item.prompt.source,
-            "answer": item.prompt.answer}
+    return {
+        "prompt_id": item.prompt.id,
+        "sample": sample,
+        "accepted": accepted,
+        "source": item.prompt.source,
+        "answer": item.prompt.answer,
+    }
 
 
 def _chat(prompt: Prompt) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in prompt.messages]
 
 
-def run_batches(batches: Sequence[Sequence[WorkItem]], generator: Any, tokenizer: Any, config: RolloutConfig,
-                log_path: Path, say: Callable[[str], None] = print) -> None:
+def run_batches(
+    batches: Sequence[Sequence[WorkItem]],
+    generator: Any,
+    tokenizer: Any,
+    config: RolloutConfig,
+    log_path: Path,
+    say: Callable[[str], None] = print,
+) -> None:
     """Roll out `batches` in order, appending each finished batch's records to `log_path`."""
     for number, batch in enumerate(batches, start=1):
         start = time.perf_counter()
         records = rollout_batch(batch, generator, tokenizer, config)
         append_jsonl(log_path, records)
         accepted = sum(r["accepted"] for r in records)
-        say(f"{log_path.stem}: batch {number}/{len(batches)} ({len(batch)} prompts): {accepted}/{len(records)} "
-            f"accepted, {sum(r['attempts'] for r in records)} attempts, {time.perf_counter() - start:.1f} s")
+        say(
+            f"{log_path.stem}: batch {number}/{len(batches)} ({len(batch)} prompts): {accepted}/{len(records)} "
+            f"accepted, {sum(r['attempts'] for r in records)} attempts, {time.perf_counter() - start:.1f} s"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ the command
 
 
-def teacher_rollout(config: RolloutConfig, *, generator: Any = None, tokenizer: Any = None,
-                    console: Any = None) -> Path:
+def teacher_rollout(
+    config: RolloutConfig, *, generator: Any = None, tokenizer: Any = None, console: Any = None
+) -> Path:
     """Run `opd rollout` (see the module docstring) and return the output directory.
 
     `generator` (any `Generator`) and `tokenizer` let a caller reuse a model in memory (and tests inject scripted
@@ -208,8 +264,9 @@ def teacher_rollout(config: RolloutConfig, *, generator: Any = None, tokenizer: 
     """
     console = console or Console()
     if generator is not None and config.num_workers != 1:
-        raise ValueError(f"a generator passed in runs in this process only; num_workers must be 1, got "
-                         f"{config.num_workers}")
+        raise ValueError(
+            f"a generator passed in runs in this process only; num_workers must be 1, got {config.num_workers}"
+        )
     if generator is not None and tokenizer is None:
         raise ValueError("a generator passed in needs its tokenizer too (tokenizer=...)")
     out = Path(config.out)
@@ -233,15 +290,30 @@ def _rollout_locked(config: RolloutConfig, out: Path, *, generator: Any, tokeniz
         tokenizer = load_tokenizer(config.model.path, trust_remote_code=config.model.trust_remote_code)
 
     data = config.data
-    prompts = load_prompts(data.path, prompt_key=data.prompt_key, answer_key=data.answer_key, id_key=data.id_key,
-                           split=data.split, limit=data.limit, on_missing_answer=data.on_missing_answer)
+    prompts = load_prompts(
+        data.path,
+        prompt_key=data.prompt_key,
+        answer_key=data.answer_key,
+        id_key=data.id_key,
+        split=data.split,
+        limit=data.limit,
+        on_missing_answer=data.on_missing_answer,
+    )
     if config.require_correct:
         missing = [p.id for p in prompts if p.answer is None]
         if missing:
-            raise ValueError(f"require_correct needs a ground truth for every prompt, but {len(missing)} have none "
-                             f"(first: id {missing[0]!r}); set data.answer_key or drop --require-correct")
-    encoded = encode_prompts(tokenizer, prompts, max_prompt_length=data.max_prompt_length,
-                             on_overflow=data.on_overflow, enable_thinking=data.enable_thinking, template=data.template)
+            raise ValueError(
+                f"require_correct needs a ground truth for every prompt, but {len(missing)} have none "
+                f"(first: id {missing[0]!r}); set data.answer_key or drop --require-correct"
+            )
+    encoded = encode_prompts(
+        tokenizer,
+        prompts,
+        max_prompt_length=data.max_prompt_length,
+        on_overflow=data.on_overflow,
+        enable_thinking=data.enable_thinking,
+        template=data.template,
+    )
     if encoded.num_filtered:
         console.print(f"[yellow]{encoded.num_filtered} prompts longer than {data.max_prompt_length} tokens skipped[/]")
     items = [WorkItem(i, p, ids) for i, (p, ids) in enumerate(zip(encoded.prompts, encoded.input_ids))]
@@ -250,8 +322,10 @@ def _rollout_locked(config: RolloutConfig, out: Path, *, generator: Any, tokeniz
         repair_jsonl(path)
     finished = _finished_prompts(_read_logs(shards), config.n)
     per_batch = max(1, config.batch_size // config.n)
-    batches = [[item for item in items[i : i + per_batch] if item.prompt.id not in finished]
-               for i in range(0, len(items), per_batch)]
+    batches = [
+        [item for item in items[i : i + per_batch] if item.prompt.id not in finished]
+        for i in range(0, len(items), per_batch)
+    ]
     batches = [batch for batch in batches if batch]
     if finished:
         console.print(f"resuming: {len(finished)} of {len(items)} prompts already finished in {shards}")
@@ -280,10 +354,16 @@ def _load_teacher(config: RolloutConfig, device: str) -> tuple[Any, Any]:
         from opd.rollout.registry import vllm_arguments
 
         tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
-        return make_generator(None, tokenizer, engine="vllm", max_batch_size=config.batch_size,
-                              **vllm_arguments(config.vllm, spec)), tokenizer
-    model, tokenizer = load_model(spec.path, dtype=spec.dtype, device=device, trust_remote_code=spec.trust_remote_code,
-                                  attn_implementation=spec.attn_implementation)
+        return make_generator(
+            None, tokenizer, engine="vllm", max_batch_size=config.batch_size, **vllm_arguments(config.vllm, spec)
+        ), tokenizer
+    model, tokenizer = load_model(
+        spec.path,
+        dtype=spec.dtype,
+        device=device,
+        trust_remote_code=spec.trust_remote_code,
+        attn_implementation=spec.attn_implementation,
+    )
     generator = make_generator(model, tokenizer, engine="torch", max_batch_size=config.batch_size)
     return generator, tokenizer
 
@@ -324,8 +404,10 @@ def _worker_devices(config: RolloutConfig) -> list[str]:
 
     if torch.cuda.is_available() and config.model.device in ("auto", "cuda"):
         if config.num_workers > torch.cuda.device_count():
-            raise ValueError(f"num_workers={config.num_workers} but only {torch.cuda.device_count()} CUDA devices "
-                             f"exist; lower num_workers or list devices explicitly")
+            raise ValueError(
+                f"num_workers={config.num_workers} but only {torch.cuda.device_count()} CUDA devices "
+                f"exist; lower num_workers or list devices explicitly"
+            )
         return [f"cuda:{k}" for k in range(config.num_workers)]
     return [config.model.device] * config.num_workers
 
@@ -336,12 +418,18 @@ def _run_workers(config: RolloutConfig, batches: list[list[WorkItem]], shards: P
 
     devices = _worker_devices(config)
     assignments = [batches[k :: config.num_workers] for k in range(config.num_workers)]
-    mp.start_processes(_worker_main, args=(config, assignments, devices, str(shards)), nprocs=config.num_workers,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        _worker_main,
+        args=(config, assignments, devices, str(shards)),
+        nprocs=config.num_workers,
+        join=True,
+        start_method="spawn",
+    )
 
 
-def _worker_main(rank: int, config: RolloutConfig, assignments: list[list[list[WorkItem]]], devices: list[str],
-                 shards: str) -> None:
+def _worker_main(
+    rank: int, config: RolloutConfig, assignments: list[list[list[WorkItem]]], devices: list[str], shards: str
+) -> None:
     import torch
 
     if not assignments[rank]:
@@ -349,19 +437,31 @@ def _worker_main(rank: int, config: RolloutConfig, assignments: list[list[list[W
     if devices[rank].startswith("cpu") or (devices[rank] == "auto" and not torch.cuda.is_available()):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.num_workers))  # no oversubscription
     generator, tokenizer = _load_teacher(config, devices[rank])
-    run_batches(assignments[rank], generator, tokenizer, config, Path(shards) / f"rank_{rank}.jsonl",
-                say=lambda line: print(f"[worker {rank} {devices[rank]}] {line}", flush=True))
+    run_batches(
+        assignments[rank],
+        generator,
+        tokenizer,
+        config,
+        Path(shards) / f"rank_{rank}.jsonl",
+        say=lambda line: print(f"[worker {rank} {devices[rank]}] {line}", flush=True),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ outputs
 
 
-def _merge(items: list[WorkItem], logged: dict[tuple[str, int], dict], config: RolloutConfig, out: Path, *,
-           num_filtered: int, seconds: float) -> dict:
+def _merge(
+    items: list[WorkItem],
+    logged: dict[tuple[str, int], dict],
+    config: RolloutConfig,
+    out: Path,
+    *,
+    num_filtered: int,
+    seconds: float,
+) -> dict:
     """Write rollouts.jsonl, rejected.jsonl, stats.json (and the LlamaFactory files) from the logs, in prompt
     order; return the stats."""
-    records = [logged[(item.prompt.id, s)] for item in items for s in range(config.n)
-               if (item.prompt.id, s) in logged]
+    records = [logged[(item.prompt.id, s)] for item in items for s in range(config.n) if (item.prompt.id, s) in logged]
     accepted = [{k: v for k, v in r.items() if k != "accepted"} for r in records if r["accepted"]]
     rejected = [{k: v for k, v in r.items() if k != "accepted"} for r in records if not r["accepted"]]
     write_jsonl(out / "rollouts.jsonl", accepted)
@@ -409,9 +509,11 @@ def print_stats(stats: dict, console: Any, title: str = "") -> None:
         table.add_row(reason, str(stats["rejections"][reason]), f"{100 * stats['rejection_rate'][reason]:.1f}")
     console.print(table)
     at = ", ".join(f"{k}: {v}" for k, v in stats["accepted_at_attempt"].items()) or "-"
-    console.print(f"accepted {stats['accepted']}/{stats['samples']} samples ({100 * stats['acceptance_rate']:.1f}%) "
-                  f"of {stats['prompts']} prompts; {stats['attempts']} attempts "
-                  f"({100 * stats['attempt_acceptance_rate']:.1f}% accepted); accepted at attempt {at}")
+    console.print(
+        f"accepted {stats['accepted']}/{stats['samples']} samples ({100 * stats['acceptance_rate']:.1f}%) "
+        f"of {stats['prompts']} prompts; {stats['attempts']} attempts "
+        f"({100 * stats['attempt_acceptance_rate']:.1f}% accepted); accepted at attempt {at}"
+    )
 
 
 def write_llamafactory(records: Sequence[dict], directory: Path, name: str) -> Path:
@@ -422,14 +524,23 @@ def write_llamafactory(records: Sequence[dict], directory: Path, name: str) -> P
     has_system = any(m["role"] == "system" for r in records for m in r["messages"])
     rows = []
     for record in records:
-        row: dict[str, Any] = {"conversations": [{"from": roles[m["role"]], "value": m["content"]}
-                                                 for m in record["messages"] if m["role"] != "system"]}
+        row: dict[str, Any] = {
+            "conversations": [
+                {"from": roles[m["role"]], "value": m["content"]} for m in record["messages"] if m["role"] != "system"
+            ]
+        }
         if has_system:
             row["system"] = next((m["content"] for m in record["messages"] if m["role"] == "system"), "")
         rows.append(row)
     columns = {"messages": "conversations", **({"system": "system"} if has_system else {})}
-    info = {name: {"file_name": f"{name}.json", "formatting": "sharegpt", "columns": columns,
-                   "tags": {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt"}}}
+    info = {
+        name: {
+            "file_name": f"{name}.json",
+            "formatting": "sharegpt",
+            "columns": columns,
+            "tags": {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt"},
+        }
+    }
     atomic_write_json(directory / f"{name}.json", rows)
     atomic_write_json(directory / "dataset_info.json", info)
     return directory

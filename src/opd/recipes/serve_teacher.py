@@ -20,7 +20,15 @@ from pydantic import Field, model_validator
 from opd.config import ConfigError, ModelSpec
 from opd.models import compile_layers, load_model, resolve_device
 from opd.teacher.server import (
-    MIN_TOKEN_LENGTH, TOKEN_ENV, ServeLimits, TeacherService, bind, is_loopback, resolve_token, run, service_for,
+    MIN_TOKEN_LENGTH,
+    TOKEN_ENV,
+    ServeLimits,
+    TeacherService,
+    bind,
+    is_loopback,
+    resolve_token,
+    run,
+    service_for,
 )
 
 
@@ -30,18 +38,25 @@ class ServeConfig(ServeLimits):
 
     model: ModelSpec
     device_map: Literal["auto"] | None = Field(
-        None, description="auto: split the model over all visible GPUs (accelerate; see the module docstring for the "
-        "cost); None: the whole model on model.device.")
+        None,
+        description="auto: split the model over all visible GPUs (accelerate; see the module docstring for the "
+        "cost); None: the whole model on model.device.",
+    )
     name: str | None = Field(None, description="Model name /info reports; None: model.path.")
     host: str = Field("127.0.0.1", description="Address to bind; anything but a loopback address needs a token.")
     port: int = Field(8765, ge=0, le=65535, description="TCP port; 0 = any free port (printed at start).")
-    token_file: str | None = Field(None, description=f"File holding the bearer token (≥ {MIN_TOKEN_LENGTH} "
-                                   f"characters); None: the {TOKEN_ENV} environment variable, if set.")
-    compile: bool | None = Field(None, description="torch.compile the decoder layers (as `opd distill` does); None: "
-                                 "on CUDA without a device map.")
+    token_file: str | None = Field(
+        None,
+        description=f"File holding the bearer token (≥ {MIN_TOKEN_LENGTH} "
+        f"characters); None: the {TOKEN_ENV} environment variable, if set.",
+    )
+    compile: bool | None = Field(
+        None,
+        description="torch.compile the decoder layers (as `opd distill` does); None: on CUDA without a device map.",
+    )
 
     @model_validator(mode="after")
-    def _one_placement(self) -> "ServeConfig":
+    def _one_placement(self) -> ServeConfig:
         if self.device_map is not None and self.model.device != "auto":
             raise ValueError(f"give model.device ({self.model.device}) or device_map ({self.device_map}), not both")
         return self
@@ -51,8 +66,10 @@ def check_serve_config(config: ServeConfig) -> str | None:
     """Cheap checks before any model loads; returns the token (None = no auth)."""
     token = resolve_token(config.token_file)
     if token is None and not is_loopback(config.host):
-        raise ConfigError(f"host={config.host} is not a loopback address: serving it needs a token; pass "
-                          f"--token-file FILE or set ${TOKEN_ENV} (or bind --host 127.0.0.1)")
+        raise ConfigError(
+            f"host={config.host} is not a loopback address: serving it needs a token; pass "
+            f"--token-file FILE or set ${TOKEN_ENV} (or bind --host 127.0.0.1)"
+        )
     return token
 
 
@@ -60,9 +77,14 @@ def load_service(config: ServeConfig) -> TeacherService:
     """Load the model as a local teacher is loaded (`opd.models.load_model`, compiled layers on CUDA) and wrap its
     `LocalScorer` in a `TeacherService`."""
     spec = config.model
-    model, tokenizer = load_model(spec.path, dtype=spec.dtype, device=spec.device, device_map=config.device_map,
-                                  trust_remote_code=spec.trust_remote_code,
-                                  attn_implementation=spec.attn_implementation)
+    model, tokenizer = load_model(
+        spec.path,
+        dtype=spec.dtype,
+        device=spec.device,
+        device_map=config.device_map,
+        trust_remote_code=spec.trust_remote_code,
+        attn_implementation=spec.attn_implementation,
+    )
     model.requires_grad_(False)
     device = "device_map" if config.device_map else str(resolve_device(spec.device))
     compile_layers(model, False if config.device_map else config.compile)
@@ -77,7 +99,11 @@ def serve(config: ServeConfig) -> None:
     try:
         service = load_service(config)
         info = service.info
-        run(service, sock, token, banner=f"{info['model']} ({info['dtype']}, {info['device']}, vocabulary "
-                                         f"{info['vocab_size']})")
+        run(
+            service,
+            sock,
+            token,
+            banner=f"{info['model']} ({info['dtype']}, {info['device']}, vocabulary {info['vocab_size']})",
+        )
     finally:
         sock.close()

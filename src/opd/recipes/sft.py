@@ -33,7 +33,12 @@ from opd.config import EvalSpec, ModelSpec, OptimSpec, RunSpec, Section
 from opd.data.sft import SFTExample, collate, load_sft_dataset
 from opd.io import give_umask_modes, pid_alive
 from opd.models import (
-    check_model_path, check_tokenizer_compatibility, eos_token_ids, load_model, load_tokenizer, resolve_device,
+    check_model_path,
+    check_tokenizer_compatibility,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    resolve_device,
     resolve_dtype,
 )
 from opd.report.sinks import progress_bar
@@ -41,8 +46,16 @@ from opd.rollout import make_generator
 from opd.rundir import claimed_run_dir, open_run, resume_checkpoint, run_directory
 from opd.train.checkpoint import latest_checkpoint, save_checkpoint
 from opd.train.common import (
-    eval_at_start, eval_pending, evaluate_in_training, finish_run, is_due, load_eval_sets, restore_trainer_state, timed,
-    trainer_state, training_precision,
+    eval_at_start,
+    eval_pending,
+    evaluate_in_training,
+    finish_run,
+    is_due,
+    load_eval_sets,
+    restore_trainer_state,
+    timed,
+    trainer_state,
+    training_precision,
 )
 from opd.train.optim import build_optimizer, build_scheduler, clip_and_step
 from opd.train.sampler import PromptSampler
@@ -58,28 +71,32 @@ class SFTDataSpec(Section):
         description="One file or a list: .jsonl / .json / .parquet; each file's layout is detected on its own."
     )
     format: Literal["auto", "chat", "sharegpt", "alpaca"] = Field(
-        "auto", description="auto (from each file's first record), chat (`messages`; also `opd rollout` output), "
-                            "sharegpt (`conversations`), alpaca (`instruction`, `input`, `output`)."
+        "auto",
+        description="auto (from each file's first record), chat (`messages`; also `opd rollout` output), "
+        "sharegpt (`conversations`), alpaca (`instruction`, `input`, `output`).",
     )
     enable_thinking: bool | None = Field(
-        None, description="Passed to the chat template (Qwen3 thinking on/off); must match how the answers were "
-                          "generated. None: template default."
+        None,
+        description="Passed to the chat template (Qwen3 thinking on/off); must match how the answers were "
+        "generated. None: template default.",
     )
     system_prompt: str | None = Field(
         None, description="A system message put first in every conversation (replacing its own); None: as in the data."
     )
     end_of_turn: str | None = Field(
-        None, description="Token that ends an assistant turn, trained as its last target; None: the first special "
-                          "token the chat template writes after an answer (<|im_end|> for Qwen), else EOS."
+        None,
+        description="Token that ends an assistant turn, trained as its last target; None: the first special "
+        "token the chat template writes after an answer (<|im_end|> for Qwen), else EOS.",
     )
     max_length: int = Field(4096, ge=2, description="Longest sequence (prompt + answer) in tokens.")
     on_overflow: Literal["filter", "truncate", "error"] = Field(
         "filter", description="Longer sequences are dropped (and counted), cut to max_length, or an error."
     )
     packing: Literal["auto", "packed", "padded"] = Field(
-        "auto", description="packed: examples concatenated, each attending only to itself (position ids restart); "
-                            "padded: right-padded rows; auto: packed with flash/flex attention, else padded (on "
-                            "sdpa/eager the packed mask is dense, S² for S packed tokens)."
+        "auto",
+        description="packed: examples concatenated, each attending only to itself (position ids restart); "
+        "padded: right-padded rows; auto: packed with flash/flex attention, else padded (on "
+        "sdpa/eager the packed mask is dense, S² for S packed tokens).",
     )
     limit: int | None = Field(None, ge=1, description="Use only the first N conversations; None: all.")
 
@@ -93,13 +110,17 @@ class SFTOptimSpec(OptimSpec):
     """AdamW for SFT: the fields of `OptimSpec` with SFT defaults, plus a warmup given as a fraction of the run."""
 
     lr: float = Field(
-        1e-5, gt=0.0, description="Peak learning rate (full fine-tune of a pretrained model ~1e-5; LoRA ~1e-4; "
-                                  "a tiny model from scratch ~1e-3)."
+        1e-5,
+        gt=0.0,
+        description="Peak learning rate (full fine-tune of a pretrained model ~1e-5; LoRA ~1e-4; "
+        "a tiny model from scratch ~1e-3).",
     )
     schedule: Literal["constant", "cosine", "linear"] = Field("cosine", description="LR schedule after warmup.")
     warmup_ratio: float = Field(
-        0.03, ge=0.0, lt=1.0, description="Linear warmup over this fraction of the steps (rounded); used only when "
-                                          "warmup_steps is 0."
+        0.03,
+        ge=0.0,
+        lt=1.0,
+        description="Linear warmup over this fraction of the steps (rounded); used only when warmup_steps is 0.",
     )
 
 
@@ -130,8 +151,9 @@ class LoraSpec(Section):
     alpha: float = Field(32.0, gt=0.0, description="Scaling numerator: adapters are scaled by alpha / r.")
     dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the adapter input, in [0, 1).")
     target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="Module names to adapt (e.g. [q_proj, v_proj]); all-linear: every linear layer but "
-                                  "the output head (which may not be adapted: the chunked loss uses its base weight)."
+        "all-linear",
+        description="Module names to adapt (e.g. [q_proj, v_proj]); all-linear: every linear layer but "
+        "the output head (which may not be adapted: the chunked loss uses its base weight).",
     )
     merge: bool = Field(
         True, description="At the end, write full merged weights to <run>/merged (loadable without peft)."
@@ -150,8 +172,10 @@ class SFTConfig(Section):
         32, ge=1, description="Examples per optimizer step (the batch); split into micro-batches by micro_batch_tokens."
     )
     micro_batch_tokens: int = Field(
-        16384, ge=2, description="Input tokens of one forward/backward (packed: their sum; padded: rows × longest); "
-                                 "at least data.max_length. Gradient accumulation over micro-batches is implicit."
+        16384,
+        ge=2,
+        description="Input tokens of one forward/backward (packed: their sum; padded: rows × longest); "
+        "at least data.max_length. Gradient accumulation over micro-batches is implicit.",
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     optim: SFTOptimSpec = Field(default_factory=SFTOptimSpec)
@@ -165,8 +189,10 @@ def check_config(config: SFTConfig) -> None:
     if config.epochs is not None and config.run.steps is not None:
         raise ValueError(f"set either epochs ({config.epochs}) or run.steps ({config.run.steps}), not both")
     if config.micro_batch_tokens < config.data.max_length:
-        raise ValueError(f"micro_batch_tokens={config.micro_batch_tokens} is smaller than data.max_length="
-                         f"{config.data.max_length}; raise it to at least {config.data.max_length}")
+        raise ValueError(
+            f"micro_batch_tokens={config.micro_batch_tokens} is smaller than data.max_length="
+            f"{config.data.max_length}; raise it to at least {config.data.max_length}"
+        )
 
 
 # -------------------------------------------------------------------------------------------------- trainer
@@ -206,16 +232,30 @@ def sft_step(tr: SFTTrainer) -> dict[str, float]:
     with timed(timings, "step"):
         batch = collate([tr.examples[i] for i in tr.sampler.next_batch()], pad_id=tr.tokenizer.pad_token_id)
         tr.model.train()
-        metrics = forward_backward(tr.net, batch, micro_batch_tokens=cfg.micro_batch_tokens, packed=tr.packed,
-                                   autocast_dtype=tr.autocast_dtype, vocab_size=tr.vocab_size)
+        metrics = forward_backward(
+            tr.net,
+            batch,
+            micro_batch_tokens=cfg.micro_batch_tokens,
+            packed=tr.packed,
+            autocast_dtype=tr.autocast_dtype,
+            vocab_size=tr.vocab_size,
+        )
         tr.model.eval()
         grad_norm, stepped = clip_and_step(tr.model, tr.optimizer, tr.scheduler, cfg.optim.grad_clip)
     tr.skipped_steps += 0 if stepped else 1
     synced = torch.stack([metrics["loss"].float(), grad_norm.float()]).tolist()  # one transfer for both
-    out = {"loss": synced[0], "grad_norm": synced[1], "tokens": int(metrics["tokens"]),
-           "input_tokens": int(metrics["input_tokens"])}
-    out.update(lr=tr.scheduler.get_last_lr()[0], skipped_steps=tr.skipped_steps,
-               epoch=tr.sampler.epoch + tr.sampler.position / len(tr.examples), **{"time/step": timings["step"]})
+    out = {
+        "loss": synced[0],
+        "grad_norm": synced[1],
+        "tokens": int(metrics["tokens"]),
+        "input_tokens": int(metrics["input_tokens"]),
+    }
+    out.update(
+        lr=tr.scheduler.get_last_lr()[0],
+        skipped_steps=tr.skipped_steps,
+        epoch=tr.sampler.epoch + tr.sampler.position / len(tr.examples),
+        **{"time/step": timings["step"]},
+    )
     out["tokens_per_second"] = out["input_tokens"] / max(timings["step"], 1e-9)
     return out
 
@@ -239,8 +279,12 @@ def train(tr: SFTTrainer, *, console: Any) -> None:
         run_eval(tr, console)
     with progress_bar(console) as progress:
         task = progress.add_task("opd sft", total=tr.total_steps, completed=tr.step)
-        if tr.step and cfg.eval.benchmarks and is_due(tr.step, cfg.run.eval_every, tr.total_steps) \
-                and eval_pending(tr.run_dir, tr.step):  # resumed from a checkpoint whose eval did not finish
+        if (
+            tr.step
+            and cfg.eval.benchmarks
+            and is_due(tr.step, cfg.run.eval_every, tr.total_steps)
+            and eval_pending(tr.run_dir, tr.step)
+        ):  # resumed from a checkpoint whose eval did not finish
             run_eval(tr, console)
         while tr.step < tr.total_steps:
             metrics = sft_step(tr)
@@ -253,26 +297,39 @@ def train(tr: SFTTrainer, *, console: Any) -> None:
                 run_eval(tr, console)
     if cfg.lora.enabled and cfg.lora.merge:
         # the run's own output inside its locked run directory: a rerun replaces it
-        merged = merge_lora(latest_checkpoint(tr.run_dir), tr.run_dir / "merged", base=cfg.model.path,
-                            existing="replace")
+        merged = merge_lora(
+            latest_checkpoint(tr.run_dir), tr.run_dir / "merged", base=cfg.model.path, existing="replace"
+        )
         console.print(f"merged weights: {merged}")
     finish_run(tr.run_dir, tr.sink, report=cfg.run.report, console=console)
 
 
 def _console_line(step: int, m: dict) -> str:
-    return (f"step {step} loss {m['loss']:.4g} lr {m['lr']:.3g} |g| {m['grad_norm']:.3g} "
-            f"epoch {m['epoch']:.2f} tok/s {m['tokens_per_second']:.3g}")
+    return (
+        f"step {step} loss {m['loss']:.4g} lr {m['lr']:.3g} |g| {m['grad_norm']:.3g} "
+        f"epoch {m['epoch']:.2f} tok/s {m['tokens_per_second']:.3g}"
+    )
 
 
 def run_eval(tr: SFTTrainer, console: Any) -> dict | None:
     if tr.generator is None:
-        tr.generator = make_generator(tr.net, tr.tokenizer, max_batch_size=tr.config.eval.batch_size,
-                                      vocab_size=tr.vocab_size)
+        tr.generator = make_generator(
+            tr.net, tr.tokenizer, max_batch_size=tr.config.eval.batch_size, vocab_size=tr.vocab_size
+        )
     spec = tr.config.eval
     return evaluate_in_training(
-        spec, step=tr.step, run_dir=tr.run_dir, model_path=tr.config.model.path, generator=tr.generator,
-        tokenizer=tr.tokenizer, template=spec.template, enable_thinking=tr.config.data.enable_thinking,
-        max_prompt_length=spec.max_prompt_length, batch_size=spec.batch_size, seed=tr.config.run.seed, sink=tr.sink,
+        spec,
+        step=tr.step,
+        run_dir=tr.run_dir,
+        model_path=tr.config.model.path,
+        generator=tr.generator,
+        tokenizer=tr.tokenizer,
+        template=spec.template,
+        enable_thinking=tr.config.data.enable_thinking,
+        max_prompt_length=spec.max_prompt_length,
+        batch_size=spec.batch_size,
+        seed=tr.config.run.seed,
+        sink=tr.sink,
         console=console,
     )
 
@@ -280,8 +337,14 @@ def run_eval(tr: SFTTrainer, console: Any) -> dict | None:
 def save(tr: SFTTrainer) -> Path:
     """Checkpoint: HF weights (or the LoRA adapter) + tokenizer + optimizer/scheduler/sampler/RNG state."""
     state = trainer_state(tr.optimizer, tr.scheduler, tr.sampler, skipped_steps=tr.skipped_steps)
-    return save_checkpoint(tr.run_dir, tr.step, model=tr.model, tokenizer=tr.tokenizer, trainer_state=state,
-                           keep_last=tr.config.run.keep_last)
+    return save_checkpoint(
+        tr.run_dir,
+        tr.step,
+        model=tr.model,
+        tokenizer=tr.tokenizer,
+        trainer_state=state,
+        keep_last=tr.config.run.keep_last,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- setup
@@ -294,24 +357,42 @@ def setup(config: SFTConfig, run_dir: Path, *, checkpoint: Path | None = None, c
     torch.manual_seed(config.run.seed)
     tokenizer = load_tokenizer(config.model.path, trust_remote_code=config.model.trust_remote_code)
     dataset = load_sft_dataset(
-        tokenizer, data.path, format=data.format, limit=data.limit, max_length=data.max_length,
-        on_overflow=data.on_overflow, enable_thinking=data.enable_thinking, system_prompt=data.system_prompt,
+        tokenizer,
+        data.path,
+        format=data.format,
+        limit=data.limit,
+        max_length=data.max_length,
+        on_overflow=data.on_overflow,
+        enable_thinking=data.enable_thinking,
+        system_prompt=data.system_prompt,
         end_of_turn=data.end_of_turn,
     )
     examples = dataset.examples
     if config.examples_per_step > len(examples):
-        raise ValueError(f"examples_per_step={config.examples_per_step} exceeds the {len(examples)} examples of "
-                         f"{', '.join(data.path)}; lower examples_per_step")
-    load_eval_sets(config.eval, tokenizer, template=config.eval.template,  # fails now, not after training
-                   enable_thinking=data.enable_thinking, max_prompt_length=config.eval.max_prompt_length)
+        raise ValueError(
+            f"examples_per_step={config.examples_per_step} exceeds the {len(examples)} examples of "
+            f"{', '.join(data.path)}; lower examples_per_step"
+        )
+    load_eval_sets(
+        config.eval,
+        tokenizer,
+        template=config.eval.template,  # fails now, not after training
+        enable_thinking=data.enable_thinking,
+        max_prompt_length=config.eval.max_prompt_length,
+    )
     total_steps = config.run.steps or math.ceil((config.epochs or 1.0) * len(examples) / config.examples_per_step)
 
     device = resolve_device(config.model.device)
     weights_dtype, autocast_dtype = training_precision(config.model, device)
     model_path = str(checkpoint) if checkpoint is not None and not config.lora.enabled else config.model.path
     spec = config.model
-    net, _ = load_model(model_path, dtype=weights_dtype, device=device, trust_remote_code=spec.trust_remote_code,
-                        attn_implementation=spec.attn_implementation)
+    net, _ = load_model(
+        model_path,
+        dtype=weights_dtype,
+        device=device,
+        trust_remote_code=spec.trust_remote_code,
+        attn_implementation=spec.attn_implementation,
+    )
     model = _with_lora(net, config.lora, checkpoint) if config.lora.enabled else net
     if config.gradient_checkpointing:
         net.gradient_checkpointing_enable()
@@ -329,9 +410,20 @@ def setup(config: SFTConfig, run_dir: Path, *, checkpoint: Path | None = None, c
     scheduler = build_scheduler(optimizer, total_steps, optim_spec)
     sampler = PromptSampler(len(examples), config.examples_per_step, seed=config.run.seed)
     tr = SFTTrainer(
-        config=config, run_dir=run_dir, model=model, net=net, tokenizer=tokenizer, examples=examples,
-        optimizer=optimizer, scheduler=scheduler, sampler=sampler, sink=None, total_steps=total_steps, packed=packed,
-        autocast_dtype=autocast_dtype, vocab_size=vocab_size,
+        config=config,
+        run_dir=run_dir,
+        model=model,
+        net=net,
+        tokenizer=tokenizer,
+        examples=examples,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=sampler,
+        sink=None,
+        total_steps=total_steps,
+        packed=packed,
+        autocast_dtype=autocast_dtype,
+        vocab_size=vocab_size,
     )
     if checkpoint is not None:
         state = restore_trainer_state(checkpoint, optimizer, scheduler, sampler)
@@ -343,14 +435,18 @@ def setup(config: SFTConfig, run_dir: Path, *, checkpoint: Path | None = None, c
         eot = tokenizer.convert_ids_to_tokens(dataset.end_of_turn_id)
         dropped = f"; {dataset.num_filtered} over max_length={data.max_length} dropped" if dataset.num_filtered else ""
         cut = f"; {dataset.num_truncated} truncated to max_length" if dataset.num_truncated else ""
-        console.print(f"opd sft: {len(examples)} examples ({targets} target tokens), {total_steps} steps of "
-                      f"{config.examples_per_step}, {'packed' if packed else 'padded'}, end of turn {eot!r}"
-                      f"{dropped}{cut}")
+        console.print(
+            f"opd sft: {len(examples)} examples ({targets} target tokens), {total_steps} steps of "
+            f"{config.examples_per_step}, {'packed' if packed else 'padded'}, end of turn {eot!r}"
+            f"{dropped}{cut}"
+        )
         if checkpoint is not None:
             console.print(f"resumed from {checkpoint} (step {tr.step})")
         if dataset.end_of_turn_id not in eos_token_ids(net, tokenizer):
-            console.print(f"[yellow]the end-of-turn token {eot!r} is not an EOS id of the model; generation will not "
-                          f"stop at it: add it to generation_config.eos_token_id[/]")
+            console.print(
+                f"[yellow]the end-of-turn token {eot!r} is not an EOS id of the model; generation will not "
+                f"stop at it: add it to generation_config.eos_token_id[/]"
+            )
     return tr
 
 
@@ -363,10 +459,17 @@ def _with_lora(net: torch.nn.Module, spec: LoraSpec, checkpoint: Path | None) ->
     head = net.get_output_embeddings()
     head_names = {name.rsplit(".", 1)[-1] for name, module in net.named_modules() if module is head}
     if isinstance(spec.target_modules, list) and head_names & set(spec.target_modules):
-        raise ValueError(f"lora.target_modules may not include the output head {sorted(head_names)}: the chunked loss "
-                         f"projects with the head's base weight only")
-    lora = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=spec.target_modules,
-                      task_type="CAUSAL_LM")
+        raise ValueError(
+            f"lora.target_modules may not include the output head {sorted(head_names)}: the chunked loss "
+            f"projects with the head's base weight only"
+        )
+    lora = LoraConfig(
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        target_modules=spec.target_modules,
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(net, lora)
 
 
@@ -379,8 +482,10 @@ def _choose_packing(net: torch.nn.Module, packing: str, console: Any) -> bool:
     if packing_is_exact(net):
         return True
     if console is not None:
-        console.print(f"[yellow]data.packing={packing}: {type(net).__name__} lets packed examples attend to each "
-                      f"other; using padded micro-batches[/]")
+        console.print(
+            f"[yellow]data.packing={packing}: {type(net).__name__} lets packed examples attend to each "
+            f"other; using padded micro-batches[/]"
+        )
     return False
 
 
@@ -388,7 +493,11 @@ def _choose_packing(net: torch.nn.Module, packing: str, console: Any) -> bool:
 
 
 def merge_lora(
-    checkpoint_dir: str | Path, out_dir: str | Path, *, base: str | None = None, dtype: str = "auto",
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    base: str | None = None,
+    dtype: str = "auto",
     existing: Literal["refuse", "move", "replace"] = "refuse",
 ) -> Path:
     """Merge a LoRA checkpoint into its base model and write full HF weights + tokenizer to `out_dir` (atomically:
@@ -405,12 +514,16 @@ def merge_lora(
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if not (checkpoint_dir / "adapter_config.json").is_file():
-        raise FileNotFoundError(f"{checkpoint_dir}: no adapter_config.json; pass a LoRA checkpoint "
-                                f"(checkpoints/step_N of a lora.enabled run)")
+        raise FileNotFoundError(
+            f"{checkpoint_dir}: no adapter_config.json; pass a LoRA checkpoint "
+            f"(checkpoints/step_N of a lora.enabled run)"
+        )
     if existing == "refuse" and _holds_something(out_dir):
         kind = "a file" if not out_dir.is_dir() else "a non-empty directory"
-        raise ValueError(f"{out_dir} is {kind}; merge into a new or empty directory, or pass --overwrite to move "
-                         f"the existing one aside (to {out_dir.name}.old-<time>)")
+        raise ValueError(
+            f"{out_dir} is {kind}; merge into a new or empty directory, or pass --overwrite to move "
+            f"the existing one aside (to {out_dir.name}.old-<time>)"
+        )
     recorded_base = PeftConfig.from_pretrained(str(checkpoint_dir)).base_model_name_or_path
     base = base or recorded_base
     if not base:
@@ -467,8 +580,9 @@ def _remove_dead_temps(out_dir: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def check_adapter_fits(checkpoint_dir: str | Path, model: torch.nn.Module, *, base: str,
-                       recorded_base: str | None) -> None:
+def check_adapter_fits(
+    checkpoint_dir: str | Path, model: torch.nn.Module, *, base: str, recorded_base: str | None
+) -> None:
     """Refuse to merge a LoRA adapter into a base it was not trained on (one line naming both), before peft would
     either fail with a multi-line size mismatch or silently merge into a model of another architecture with the same
     module names and sizes (Llama vs Qwen3). Two checks: the architecture of the base the adapter records (when that
@@ -482,8 +596,10 @@ def check_adapter_fits(checkpoint_dir: str | Path, model: torch.nn.Module, *, ba
         except (OSError, ValueError):
             trained_on = None  # the original base is not here: the size check below still runs
         if trained_on is not None and trained_on != wanted:
-            raise ValueError(f"cannot merge {checkpoint_dir} into {base}: the adapter was trained on {recorded_base} "
-                             f"({trained_on}) but {base} is a {wanted} model; pass --base {recorded_base}")
+            raise ValueError(
+                f"cannot merge {checkpoint_dir} into {base}: the adapter was trained on {recorded_base} "
+                f"({trained_on}) but {base} is a {wanted} model; pass --base {recorded_base}"
+            )
     path = checkpoint_dir / "adapter_model.safetensors"
     if not path.is_file():
         return  # a .bin adapter: peft checks what it can
@@ -492,8 +608,9 @@ def check_adapter_fits(checkpoint_dir: str | Path, model: torch.nn.Module, *, ba
             shapes = {key: adapter.get_slice(key).get_shape() for key in adapter.keys()}
     except Exception as error:  # noqa: BLE001 - any failure to read it: a corrupt or truncated file
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ValueError(f"cannot merge {checkpoint_dir}: adapter file {path} is corrupt or truncated ({reason}); "
-                         f"re-save it") from None
+        raise ValueError(
+            f"cannot merge {checkpoint_dir}: adapter file {path} is corrupt or truncated ({reason}); re-save it"
+        ) from None
     modules = dict(model.named_modules())
     for key, shape in sorted(shapes.items()):
         if ".lora_A." not in key and ".lora_B." not in key:
@@ -501,13 +618,20 @@ def check_adapter_fits(checkpoint_dir: str | Path, model: torch.nn.Module, *, ba
         name = key.split(".lora_")[0].removeprefix("base_model.model.")
         module = modules.get(name)
         if module is None:
-            raise ValueError(f"cannot merge {checkpoint_dir} into {base}: the adapter adapts {name!r}, which the "
-                             f"{wanted} base has no module of; pass the base it was trained on (--base)")
-        size, have = (shape[1], getattr(module, "in_features", None)) if ".lora_A." in key else \
-            (shape[0], getattr(module, "out_features", None))
+            raise ValueError(
+                f"cannot merge {checkpoint_dir} into {base}: the adapter adapts {name!r}, which the "
+                f"{wanted} base has no module of; pass the base it was trained on (--base)"
+            )
+        size, have = (
+            (shape[1], getattr(module, "in_features", None))
+            if ".lora_A." in key
+            else (shape[0], getattr(module, "out_features", None))
+        )
         if have is not None and size != have:
-            raise ValueError(f"cannot merge {checkpoint_dir} into {base}: the adapter of {name!r} is for {size} "
-                             f"features, the base's module has {have}; pass the base it was trained on (--base)")
+            raise ValueError(
+                f"cannot merge {checkpoint_dir} into {base}: the adapter of {name!r} is for {size} "
+                f"features, the base's module has {have}; pass the base it was trained on (--base)"
+            )
 
 
 def _saved_dtype(name_or_path: str) -> torch.dtype:

@@ -16,9 +16,9 @@ import io
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -70,8 +70,12 @@ def load_series(run_dir: str | Path) -> Series:
 
 
 def _is_number(value: object) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and abs(value) < SENTINEL)
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and abs(value) < SENTINEL
+    )
 
 
 def _sorted_arrays(by_step: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
@@ -104,8 +108,13 @@ def _results_file(path: Path) -> dict[str, float]:
     except (OSError, ValueError):
         return {}
     benchmarks = data.get("benchmarks", data) if isinstance(data, dict) else {}
-    return {f"eval/{bench}/{key}": float(value) for bench, summary in benchmarks.items() if isinstance(summary, dict)
-            for key, value in summary.items() if _is_number(value)}
+    return {
+        f"eval/{bench}/{key}": float(value)
+        for bench, summary in benchmarks.items()
+        if isinstance(summary, dict)
+        for key, value in summary.items()
+        if _is_number(value)
+    }
 
 
 def load_references(run_dir: str | Path) -> dict[str, float]:
@@ -129,7 +138,7 @@ class Panel:
     smooth: bool = True  # False for counters and schedules, where an EMA would invent a ramp
 
     def label(self, key: str) -> str:
-        return key[len(self.strip):] if self.strip and key.startswith(self.strip) else key
+        return key[len(self.strip) :] if self.strip and key.startswith(self.strip) else key
 
 
 @dataclass
@@ -156,6 +165,7 @@ class Plot:
 
 def _static(*panels: Panel) -> Callable[[set[str]], list[Panel]]:
     """Fixed panels, each reduced to the keys that exist; empty panels dropped."""
+
     def build(available: set[str]) -> list[Panel]:
         kept = []
         for panel in panels:
@@ -163,6 +173,7 @@ def _static(*panels: Panel) -> Callable[[set[str]], list[Panel]]:
             if keys:
                 kept.append(Panel(panel.title, keys, panel.ylabel, panel.strip, panel.logy, panel.smooth))
         return kept
+
     return build
 
 
@@ -181,8 +192,9 @@ def _accuracy_panels(available: set[str]) -> list[Panel]:
 
 def _timing_panels(available: set[str]) -> list[Panel]:
     phases = [k for k in ("time/rollout", "time/teacher", "time/student", "time/update") if k in available]
-    phases += sorted(k for k in available if k.startswith("time/") and k not in phases and k != "time/step"
-                     and not CHUNK_RE.match(k))
+    phases += sorted(
+        k for k in available if k.startswith("time/") and k not in phases and k != "time/step" and not CHUNK_RE.match(k)
+    )
     panels = [Panel("time per phase of a step", phases, "seconds", strip="time/")] if phases else []
     if "time/step" in available:
         panels.append(Panel("time per step", ["time/step"], "seconds"))
@@ -192,63 +204,140 @@ def _timing_panels(available: set[str]) -> list[Panel]:
 
 
 GROUPS: list[Group] = [
-    Group("accuracy", "Accuracy", _accuracy_panels,
-          "Eval sets (avg@n, pass@1) at their steps, from step 0 (the student before training); dotted: the "
-          "teacher, where the run evaluated it; training rollout accuracy every step."),
-    Group("overlap_ratio", "Top-k overlap ratio", _static(
-        Panel("overlap ratio (mean over t, k of [S_t,k ∈ T_t])", ["overlap_ratio"], "fraction of student top-k")),
-        "How much of the student's top-k the teacher's top-k shares (SPEC §6)."),
-    Group("shared_mass", "Shared probability mass", _static(
-        Panel("mass on the overlap I_t = S_t ∩ T_t", ["overlap_mass_student", "overlap_mass_teacher"], "probability",
-              strip="overlap_mass_"),
-        Panel("mass on each model's own top-k", ["topk_mass_student", "topk_mass_teacher"], "probability",
-              strip="topk_mass_")),
-        "Probability each model puts on the shared top-k tokens; the paper reports 97–99% once aligned."),
-    Group("overlap_advantage", "Overlap advantage", _static(
-        Panel("overlap advantage (≤ 0, → 0 as the student aligns)", ["overlap_advantage"], "nats")),
-        "Mean over positions of −KL(p̄‖q̄)/|I_t| on the renormalised overlap."),
-    Group("entropy", "Entropies", _static(
-        Panel("token entropy", ["entropy_student", "entropy_teacher"], "nats", strip="entropy_"),
-        Panel("entropy gap mean |H_teacher − H_student|", ["entropy_gap"], "nats")),
-        "Full-vocabulary entropies on the student's rollouts."),
-    Group("rewards", "Rewards and advantages", _static(
-        Panel("token reward", ["reward_mean", "reward_abs_mean"], "nats", strip="reward_"),
-        Panel("advantage", ["advantage_mean", "advantage_abs_mean"], "", strip="advantage_"),
-        Panel("sequence reward mean_t (t − s)", ["seq_reward_mean"], "nats"),
-        Panel("sequence-reward AUROC (correct vs wrong)", ["seq_reward_auroc"], "AUROC"),
-        Panel("valid candidate slots per token", ["valid_slots_per_token"], "slots")),
-        "Per-position rewards Σ_j r_t,j and advantages on valid tokens; AUROC needs verifiable answers."),
-    Group("optimisation", "Gradient norm, skipped steps, learning rate", _static(
-        Panel("grad norm (before clipping)", ["grad_norm"], "L2 norm", logy=True),
-        Panel("skipped steps (non-finite grads, cumulative)", ["skipped_steps"], "steps", smooth=False),
-        Panel("learning rate", ["lr"], "lr", smooth=False)), ""),
-    Group("length", "Response length and truncation", _static(
-        Panel("response length", ["response_length"], "tokens"),
-        Panel("truncation rate (hit max_new_tokens)", ["truncation_rate"], "fraction")), ""),
+    Group(
+        "accuracy",
+        "Accuracy",
+        _accuracy_panels,
+        "Eval sets (avg@n, pass@1) at their steps, from step 0 (the student before training); dotted: the "
+        "teacher, where the run evaluated it; training rollout accuracy every step.",
+    ),
+    Group(
+        "overlap_ratio",
+        "Top-k overlap ratio",
+        _static(
+            Panel("overlap ratio (mean over t, k of [S_t,k ∈ T_t])", ["overlap_ratio"], "fraction of student top-k")
+        ),
+        "How much of the student's top-k the teacher's top-k shares (SPEC §6).",
+    ),
+    Group(
+        "shared_mass",
+        "Shared probability mass",
+        _static(
+            Panel(
+                "mass on the overlap I_t = S_t ∩ T_t",
+                ["overlap_mass_student", "overlap_mass_teacher"],
+                "probability",
+                strip="overlap_mass_",
+            ),
+            Panel(
+                "mass on each model's own top-k",
+                ["topk_mass_student", "topk_mass_teacher"],
+                "probability",
+                strip="topk_mass_",
+            ),
+        ),
+        "Probability each model puts on the shared top-k tokens; the paper reports 97–99% once aligned.",
+    ),
+    Group(
+        "overlap_advantage",
+        "Overlap advantage",
+        _static(Panel("overlap advantage (≤ 0, → 0 as the student aligns)", ["overlap_advantage"], "nats")),
+        "Mean over positions of −KL(p̄‖q̄)/|I_t| on the renormalised overlap.",
+    ),
+    Group(
+        "entropy",
+        "Entropies",
+        _static(
+            Panel("token entropy", ["entropy_student", "entropy_teacher"], "nats", strip="entropy_"),
+            Panel("entropy gap mean |H_teacher − H_student|", ["entropy_gap"], "nats"),
+        ),
+        "Full-vocabulary entropies on the student's rollouts.",
+    ),
+    Group(
+        "rewards",
+        "Rewards and advantages",
+        _static(
+            Panel("token reward", ["reward_mean", "reward_abs_mean"], "nats", strip="reward_"),
+            Panel("advantage", ["advantage_mean", "advantage_abs_mean"], "", strip="advantage_"),
+            Panel("sequence reward mean_t (t − s)", ["seq_reward_mean"], "nats"),
+            Panel("sequence-reward AUROC (correct vs wrong)", ["seq_reward_auroc"], "AUROC"),
+            Panel("valid candidate slots per token", ["valid_slots_per_token"], "slots"),
+        ),
+        "Per-position rewards Σ_j r_t,j and advantages on valid tokens; AUROC needs verifiable answers.",
+    ),
+    Group(
+        "optimisation",
+        "Gradient norm, skipped steps, learning rate",
+        _static(
+            Panel("grad norm (before clipping)", ["grad_norm"], "L2 norm", logy=True),
+            Panel("skipped steps (non-finite grads, cumulative)", ["skipped_steps"], "steps", smooth=False),
+            Panel("learning rate", ["lr"], "lr", smooth=False),
+        ),
+        "",
+    ),
+    Group(
+        "length",
+        "Response length and truncation",
+        _static(
+            Panel("response length", ["response_length"], "tokens"),
+            Panel("truncation rate (hit max_new_tokens)", ["truncation_rate"], "fraction"),
+        ),
+        "",
+    ),
     Group("timing", "Phase timings and throughput", _timing_panels, "Wall-clock seconds per phase of one step."),
-    Group("loss", "Loss", _static(
-        Panel("policy-gradient loss", ["pg_loss"], "loss"),
-        Panel("loss", ["loss"], "loss")), "pg_loss for OPD/GRPO, loss (token-mean cross-entropy) for SFT."),
+    Group(
+        "loss",
+        "Loss",
+        _static(Panel("policy-gradient loss", ["pg_loss"], "loss"), Panel("loss", ["loss"], "loss")),
+        "pg_loss for OPD/GRPO, loss (token-mean cross-entropy) for SFT.",
+    ),
 ]
 OTHER_MAX_PANELS = 12
-CHUNK_GROUP = Group("chunks", "Per-position chunks", lambda _: [],
-                    "Each metric per chunk of response positions (rows: chunk index, 0 = start of the response) "
-                    "over training steps; grey = no positions that far.")
+CHUNK_GROUP = Group(
+    "chunks",
+    "Per-position chunks",
+    lambda _: [],
+    "Each metric per chunk of response positions (rows: chunk index, 0 = start of the response) "
+    "over training steps; grey = no positions that far.",
+)
 
 
 # keys some fixed group above draws; any other numeric key (not eval/, time/ or a chunk) goes to "other"
-CLAIMED = frozenset({
-    "overlap_ratio", "overlap_mass_student", "overlap_mass_teacher", "topk_mass_student", "topk_mass_teacher",
-    "overlap_advantage", "entropy_student", "entropy_teacher", "entropy_gap", "reward_mean", "reward_abs_mean",
-    "advantage_mean", "advantage_abs_mean", "seq_reward_mean", "seq_reward_auroc", "valid_slots_per_token",
-    "grad_norm", "skipped_steps", "lr", "response_length", "truncation_rate", "tokens_per_second", "pg_loss", "loss",
-    "rollout_accuracy",
-})
+CLAIMED = frozenset(
+    {
+        "overlap_ratio",
+        "overlap_mass_student",
+        "overlap_mass_teacher",
+        "topk_mass_student",
+        "topk_mass_teacher",
+        "overlap_advantage",
+        "entropy_student",
+        "entropy_teacher",
+        "entropy_gap",
+        "reward_mean",
+        "reward_abs_mean",
+        "advantage_mean",
+        "advantage_abs_mean",
+        "seq_reward_mean",
+        "seq_reward_auroc",
+        "valid_slots_per_token",
+        "grad_norm",
+        "skipped_steps",
+        "lr",
+        "response_length",
+        "truncation_rate",
+        "tokens_per_second",
+        "pg_loss",
+        "loss",
+        "rollout_accuracy",
+    }
+)
 
 
 def _other_panels(available: set[str]) -> list[Panel]:
-    keys = sorted(k for k in available if k not in CLAIMED and not k.startswith(("eval/", "time/"))
-                  and not CHUNK_RE.match(k))
+    keys = sorted(
+        k for k in available if k not in CLAIMED and not k.startswith(("eval/", "time/")) and not CHUNK_RE.match(k)
+    )
     return [Panel(key, [key]) for key in keys[:OTHER_MAX_PANELS]]
 
 
@@ -290,8 +379,9 @@ def _grid(count: int) -> tuple[int, int]:
 def _figure(width: float, height: float, title: str) -> Figure:
     """A figure with fixed margins in inches: matplotlib's constrained layout would double the drawing time."""
     fig = Figure(figsize=(width, height), dpi=DPI)
-    fig.subplots_adjust(left=0.8 / width, right=1 - 0.25 / width, bottom=0.55 / height, top=1 - 0.7 / height,
-                        wspace=0.32, hspace=0.5)
+    fig.subplots_adjust(
+        left=0.8 / width, right=1 - 0.25 / width, bottom=0.55 / height, top=1 - 0.7 / height, wspace=0.32, hspace=0.5
+    )
     fig.suptitle(title, fontsize=13, fontweight="bold", y=1 - 0.12 / height, va="top")
     return fig
 
@@ -302,7 +392,7 @@ def _line_figure(title: str, panels: list[Panel], runs: list[RunSeries]) -> Figu
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, panel in zip(axes, panels):
         _draw_panel(ax, panel, runs)
-    for ax in axes[len(panels):]:
+    for ax in axes[len(panels) :]:
         ax.set_visible(False)
     return fig
 
@@ -325,8 +415,9 @@ def _draw_panel(ax, panel: Panel, runs: list[RunSeries]) -> None:
             if key in run.references:
                 color = COLORS[(r if multi else k) % len(COLORS)]
                 parts = ([run.name] if multi else []) + ([panel.label(key)] if len(panel.keys) > 1 else [])
-                ax.axhline(run.references[key], color=color, linestyle=":", linewidth=1.4,
-                           label=": ".join([*parts, "teacher"]))
+                ax.axhline(
+                    run.references[key], color=color, linestyle=":", linewidth=1.4, label=": ".join([*parts, "teacher"])
+                )
                 labelled = True
     if panel.logy and _positive_wide(panel.keys, runs):
         ax.set_yscale("log")
@@ -340,8 +431,9 @@ def _draw_panel(ax, panel: Panel, runs: list[RunSeries]) -> None:
         ax.legend(fontsize=8, loc="best", framealpha=0.7)
 
 
-def _plot_curve(ax, steps: np.ndarray, values: np.ndarray, color: str, style: str, label: str | None,
-                smooth: bool = True) -> None:
+def _plot_curve(
+    ax, steps: np.ndarray, values: np.ndarray, color: str, style: str, label: str | None, smooth: bool = True
+) -> None:
     """Sparse curves (evals, short runs) with markers; long ones faint raw plus an EMA."""
     if len(steps) <= 30:
         ax.plot(steps, values, color=color, linestyle=style, marker="o", markersize=3.5, linewidth=1.5, label=label)
@@ -349,8 +441,14 @@ def _plot_curve(ax, steps: np.ndarray, values: np.ndarray, color: str, style: st
         ax.plot(steps, values, color=color, linestyle=style, linewidth=1.4, label=label)
     else:
         ax.plot(steps, values, color=color, linestyle="-", linewidth=0.8, alpha=0.25)
-        ax.plot(steps, ema(values, span=min(50, max(2, len(values) // 25))), color=color, linestyle=style,
-                linewidth=1.6, label=label)
+        ax.plot(
+            steps,
+            ema(values, span=min(50, max(2, len(values) // 25))),
+            color=color,
+            linestyle=style,
+            linewidth=1.6,
+            label=label,
+        )
 
 
 def ema(values: np.ndarray, span: int) -> np.ndarray:
@@ -370,9 +468,19 @@ def _positive_wide(keys: list[str], runs: list[RunSeries]) -> bool:
 
 # ------------------------------------------------------------------------------------------------- heat maps
 
-CHUNK_ORDER = ["overlap_ratio", "overlap_mass_student", "overlap_mass_teacher", "overlap_advantage",
-               "topk_mass_student", "topk_mass_teacher", "entropy_student", "entropy_teacher", "entropy_gap",
-               "reward_mean", "reward_abs_mean"]
+CHUNK_ORDER = [
+    "overlap_ratio",
+    "overlap_mass_student",
+    "overlap_mass_teacher",
+    "overlap_advantage",
+    "topk_mass_student",
+    "topk_mass_teacher",
+    "entropy_student",
+    "entropy_teacher",
+    "entropy_gap",
+    "reward_mean",
+    "reward_abs_mean",
+]
 
 
 def chunk_metrics(available: set[str]) -> list[str]:
@@ -411,7 +519,7 @@ def _chunk_figure(metrics: list[str], runs: list[RunSeries]) -> Figure:
     scales = {m: _range([chunk_grid(run.series, m) for run in runs]) for m in metrics}
     for ax, (metric, run) in zip(axes, cells):
         _draw_heatmap(fig, ax, metric, run, scales[metric], multi)
-    for ax in axes[len(cells):]:
+    for ax in axes[len(cells) :]:
         ax.set_visible(False)
     return fig
 
@@ -430,8 +538,15 @@ def _draw_heatmap(fig: Figure, ax, metric: str, run: RunSeries, scale: tuple[flo
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
         return
     steps, grid = found
-    mesh = ax.pcolormesh(_edges(steps.astype(float)), np.arange(grid.shape[0] + 1) - 0.5,
-                         np.ma.masked_invalid(grid), cmap="viridis", vmin=scale[0], vmax=scale[1], shading="flat")
+    mesh = ax.pcolormesh(
+        _edges(steps.astype(float)),
+        np.arange(grid.shape[0] + 1) - 0.5,
+        np.ma.masked_invalid(grid),
+        cmap="viridis",
+        vmin=scale[0],
+        vmax=scale[1],
+        shading="flat",
+    )
     fig.colorbar(mesh, ax=ax, pad=0.02, fraction=0.06)
     ax.set_xlabel("step")
     ax.set_ylabel("position chunk")

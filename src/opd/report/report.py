@@ -27,10 +27,28 @@ from opd.io import atomic_write_text, read_jsonl
 from opd.report.plots import EVAL_RE, Plot, RunSeries, Series, load_references, load_series, render_plots
 
 # rows of the final-numbers table after the eval metrics, in this order, when any run logged them
-HEADLINE = ["rollout_accuracy", "reward_mean", "reward_abs_mean", "overlap_ratio", "overlap_mass_student",
-            "overlap_mass_teacher", "overlap_advantage", "entropy_student", "entropy_teacher", "entropy_gap",
-            "seq_reward_auroc", "pg_loss", "loss", "grad_norm", "skipped_steps", "response_length", "truncation_rate",
-            "time/step", "tokens_per_second", "lr"]
+HEADLINE = [
+    "rollout_accuracy",
+    "reward_mean",
+    "reward_abs_mean",
+    "overlap_ratio",
+    "overlap_mass_student",
+    "overlap_mass_teacher",
+    "overlap_advantage",
+    "entropy_student",
+    "entropy_teacher",
+    "entropy_gap",
+    "seq_reward_auroc",
+    "pg_loss",
+    "loss",
+    "grad_norm",
+    "skipped_steps",
+    "response_length",
+    "truncation_rate",
+    "time/step",
+    "tokens_per_second",
+    "lr",
+]
 SAMPLES_SHOWN = 3
 SAMPLE_CHARS = 3000
 
@@ -89,8 +107,9 @@ def run_names(run_dirs: list[Path]) -> list[str]:
 def load_run(run_dir: Path, name: str) -> RunData:
     config_text, config = _read_config(run_dir / "config.yaml")
     samples_step, samples = _newest_samples(run_dir)
-    return RunData(run_dir, name, load_series(run_dir), config_text, config, samples_step, samples,
-                   load_references(run_dir))
+    return RunData(
+        run_dir, name, load_series(run_dir), config_text, config, samples_step, samples, load_references(run_dir)
+    )
 
 
 def _read_config(path: Path) -> tuple[str | None, dict | None]:
@@ -105,7 +124,9 @@ def _read_config(path: Path) -> tuple[str | None, dict | None]:
 
 
 def _newest_samples(run_dir: Path) -> tuple[int | None, list[dict]]:
-    files = {int(m.group(1)): p for p in run_dir.glob("samples/step_*.jsonl") if (m := re.match(r"step_(\d+)$", p.stem))}
+    files = {
+        int(m.group(1)): p for p in run_dir.glob("samples/step_*.jsonl") if (m := re.match(r"step_(\d+)$", p.stem))
+    }
     if not files:
         return None, []
     step = max(files)
@@ -179,12 +200,24 @@ figcaption { color: #555; font-size: 13px; } nav a { margin-right: 12px; font-si
 def render_html(runs: list[RunData], plots: list[Plot]) -> str:
     """The whole page as one string (no external references)."""
     names = " vs ".join(run.name for run in runs)
-    body = [f"<h1>opd report — {_e(names)}</h1>", _header(runs), _plot_nav(plots), "<h2>Final numbers</h2>",
-            _final_table(runs), "<h2>Config</h2>", _config_section(runs), "<h2>Plots</h2>", _plots_section(plots)]
+    body = [
+        f"<h1>opd report — {_e(names)}</h1>",
+        _header(runs),
+        _plot_nav(plots),
+        "<h2>Final numbers</h2>",
+        _final_table(runs),
+        "<h2>Config</h2>",
+        _config_section(runs),
+        "<h2>Plots</h2>",
+        _plots_section(plots),
+    ]
     body.append(_samples_section(runs))
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>opd report — {_e(names)}</title><style>{CSS}</style></head>\n<body>\n"
-            + "\n".join(body) + "\n</body></html>\n")
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>opd report — {_e(names)}</title><style>{CSS}</style></head>\n<body>\n"
+        + "\n".join(body)
+        + "\n</body></html>\n"
+    )
 
 
 def _e(text: object) -> str:
@@ -196,10 +229,10 @@ def _fmt(value: float) -> str:
 
 
 def _header(runs: list[RunData]) -> str:
-    lines = [f"<div class=\"meta\">generated {time.strftime('%Y-%m-%d %H:%M:%S')}</div>"]
+    lines = [f'<div class="meta">generated {time.strftime("%Y-%m-%d %H:%M:%S")}</div>']
     for run in runs:
         where = f"<code>{_e(run.path)}</code> — {_e(_progress(run))}"
-        lines.append(f"<div class=\"meta\"><b>{_e(run.name)}</b>: {where}</div>")
+        lines.append(f'<div class="meta"><b>{_e(run.name)}</b>: {where}</div>')
     return "\n".join(lines)
 
 
@@ -216,7 +249,7 @@ def _progress(run: RunData) -> str:
 
 
 def _plot_nav(plots: list[Plot]) -> str:
-    links = " ".join(f"<a href=\"#plot-{p.name}\">{_e(p.title)}</a>" for p in plots)
+    links = " ".join(f'<a href="#plot-{p.name}">{_e(p.title)}</a>' for p in plots)
     return f"<nav>{links}</nav>" if links else ""
 
 
@@ -224,17 +257,19 @@ def _final_table(runs: list[RunData]) -> str:
     rows = final_rows(runs)
     if not rows:
         return "<p>No metrics logged yet.</p>"
-    head = "<tr><th class=\"key\">metric</th>" + "".join(f"<th>{_e(r.name)}</th>" for r in runs) + "</tr>"
+    head = '<tr><th class="key">metric</th>' + "".join(f"<th>{_e(r.name)}</th>" for r in runs) + "</tr>"
     lines = [head]
     for key in rows:
         cells = []
         for run in runs:
             cells.append(_final_cell(run, key))
-        lines.append(f"<tr><td class=\"key\">{_e(key)}</td>{''.join(cells)}</tr>")
-    note = ("<div class=\"meta\">last logged value of each metric (@ the step it was logged at); evals: before → "
-            "after, the first eval (step 0: the model before training) → the last, and the teacher where the run "
-            "evaluated it.</div>")
-    return f"<table class=\"final\">{''.join(lines)}</table>{note}"
+        lines.append(f'<tr><td class="key">{_e(key)}</td>{"".join(cells)}</tr>')
+    note = (
+        '<div class="meta">last logged value of each metric (@ the step it was logged at); evals: before → '
+        "after, the first eval (step 0: the model before training) → the last, and the teacher where the run "
+        "evaluated it.</div>"
+    )
+    return f'<table class="final">{"".join(lines)}</table>{note}'
 
 
 def _final_cell(run: RunData, key: str) -> str:
@@ -242,12 +277,12 @@ def _final_cell(run: RunData, key: str) -> str:
     last = last_value(run.series, key)
     if last is None:
         return "<td>—</td>"
-    text = f"{_fmt(last[1])}<span class=\"step\">@{last[0]}</span>"
+    text = f'{_fmt(last[1])}<span class="step">@{last[0]}</span>'
     first = first_value(run.series, key) if EVAL_RE.match(key) else None
     if first is not None and first[0] != last[0]:
-        text = f"{_fmt(first[1])}<span class=\"step\">@{first[0]}</span> → {text}"
+        text = f'{_fmt(first[1])}<span class="step">@{first[0]}</span> → {text}'
     if key in run.references:
-        text += f" <span class=\"ref\">(teacher {_fmt(run.references[key])})</span>"
+        text += f' <span class="ref">(teacher {_fmt(run.references[key])})</span>'
     return f"<td>{text}</td>"
 
 
@@ -256,9 +291,11 @@ def _config_section(runs: list[RunData]) -> str:
     if len(runs) > 1:
         diffs = config_differences(runs)
         if diffs:
-            head = "<tr><th class=\"key\">config key</th>" + "".join(f"<th>{_e(r.name)}</th>" for r in runs) + "</tr>"
-            rows = "".join(f"<tr><td class=\"key\">{_e(k)}</td>" + "".join(f"<td class=\"key\">{_e(v)}</td>" for v in vals)
-                           + "</tr>" for k, vals in diffs.items())
+            head = '<tr><th class="key">config key</th>' + "".join(f"<th>{_e(r.name)}</th>" for r in runs) + "</tr>"
+            rows = "".join(
+                f'<tr><td class="key">{_e(k)}</td>' + "".join(f'<td class="key">{_e(v)}</td>' for v in vals) + "</tr>"
+                for k, vals in diffs.items()
+            )
             parts.append(f"<h3>Differences between runs</h3><table>{head}{rows}</table>")
     for run in runs:
         text = run.config_text if run.config_text is not None else "(no config.yaml in this run directory)"
@@ -273,9 +310,11 @@ def _plots_section(plots: list[Plot]) -> str:
     for plot in plots:
         data = base64.b64encode(plot.png).decode("ascii")
         caption = f"<figcaption>{_e(plot.caption)} <i>({_e(plot.path.name)})</i></figcaption>"
-        figures.append(f"<h3 id=\"plot-{plot.name}\">{_e(plot.title)}</h3><figure>"
-                       f"<img alt=\"{_e(plot.title)}\" data-group=\"{plot.name}\" src=\"data:image/png;base64,{data}\">"
-                       f"{caption}</figure>")
+        figures.append(
+            f'<h3 id="plot-{plot.name}">{_e(plot.title)}</h3><figure>'
+            f'<img alt="{_e(plot.title)}" data-group="{plot.name}" src="data:image/png;base64,{data}">'
+            f"{caption}</figure>"
+        )
     return "\n".join(figures)
 
 
@@ -291,13 +330,20 @@ def _samples_section(runs: list[RunData]) -> str:
 
 def _sample_details(index: int, sample: dict) -> str:
     correct = sample.get("correct")
-    verdict = ("<span class=\"ok\">correct</span>" if correct is True else "<span class=\"bad\">wrong</span>"
-               if correct is False else "not graded")
+    verdict = (
+        '<span class="ok">correct</span>'
+        if correct is True
+        else '<span class="bad">wrong</span>'
+        if correct is False
+        else "not graded"
+    )
     rewards = [r for r in sample.get("token_rewards") or [] if isinstance(r, (int, float))]
     reward = f"; mean token reward {_fmt(sum(rewards) / len(rewards))}" if rewards else ""
     response = str(sample.get("response", ""))
     shown = response if len(response) <= SAMPLE_CHARS else response[:SAMPLE_CHARS] + f"\n… ({len(response)} chars)"
     prompt = str(sample.get("prompt", ""))[-800:]
-    return (f"<details><summary>sample {index} — {verdict}{_e(reward)}</summary>"
-            f"<div class=\"meta\">prompt (end)</div><pre>{_e(prompt)}</pre>"
-            f"<div class=\"meta\">response</div><pre>{_e(shown)}</pre></details>")
+    return (
+        f"<details><summary>sample {index} — {verdict}{_e(reward)}</summary>"
+        f'<div class="meta">prompt (end)</div><pre>{_e(prompt)}</pre>'
+        f'<div class="meta">response</div><pre>{_e(shown)}</pre></details>'
+    )

@@ -13,8 +13,15 @@ from opd.io import append_jsonl, read_jsonl, repair_jsonl, write_jsonl
 
 
 class MetricsSink:
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = False, wandb_project: str | None = None,
-                 config: dict | None = None, resume_step: int | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        tensorboard: bool = False,
+        wandb_project: str | None = None,
+        config: dict | None = None,
+        resume_step: int | None = None,
+    ):
         self.path = Path(run_dir) / "metrics.jsonl"
         repair_jsonl(self.path)
         if resume_step is not None and self.path.exists():
@@ -29,7 +36,9 @@ class MetricsSink:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ValueError("run.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
+                raise ValueError(
+                    "run.tensorboard=true needs the tensorboard package: pip install tensorboard"
+                ) from None
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
         if wandb_project:
             try:
@@ -66,6 +75,11 @@ def _plain(value: Any) -> Any:
 def progress_bar(console: Any):
     """The one progress-bar layout of every long command (eval, distill, sft, rollout)."""
     return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-        console=console, transient=False,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
     )

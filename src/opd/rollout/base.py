@@ -3,8 +3,9 @@ ids only: chat templating and decoding happen in the caller."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -67,16 +68,21 @@ class Generator(Protocol):
     """Prompts (token ids) in, n sampled continuations each out. Every member is implemented by every engine, a no-op
     where there is nothing to do, so callers call them directly."""
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
-        ...
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput: ...
 
     def sync_weights(self) -> None:
         """Called by the trainer after each optimizer step. Engines that share the trainer's module do nothing;
         engines holding their own copy (vLLM, a compiled graph) refresh it here."""
         ...
 
-    def check_fits(self, prompt_tokens: int, new_tokens: int, *, reserve_bytes: int = 0,
-                   names: tuple[str, str] = ("prompt length", "max_new_tokens")) -> None:
+    def check_fits(
+        self,
+        prompt_tokens: int,
+        new_tokens: int,
+        *,
+        reserve_bytes: int = 0,
+        names: tuple[str, str] = ("prompt length", "max_new_tokens"),
+    ) -> None:
         """Raise ValueError (one line saying what would fit) when not even one sequence of prompt_tokens + new_tokens
         fits in the device memory free now, less reserve_bytes (memory resident before the first call, e.g. optimizer
         state). Engines without a memory rule (their own memory budget, a CPU) pass. names: the settings the message

@@ -10,7 +10,7 @@ consumer here runs full forwards, where right padding keeps each row's positions
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

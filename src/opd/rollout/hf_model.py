@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import transformers
@@ -62,8 +63,9 @@ def cache_kwarg(parameters: set[str]) -> str:
     return "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
 
 
-def special_ids(model: torch.nn.Module, eos_token_ids: Sequence[int] | None,
-                pad_token_id: int | None) -> tuple[list[int], int]:
+def special_ids(
+    model: torch.nn.Module, eos_token_ids: Sequence[int] | None, pad_token_id: int | None
+) -> tuple[list[int], int]:
     """(EOS ids, pad id): the given ones, else the model's (`opd.models.eos_token_ids`; config pad id, else the first
     EOS id, else 0)."""
     if eos_token_ids is None:
@@ -82,8 +84,12 @@ def check_arguments(engine: str, checks: Sequence[tuple[str, bool, str, Any]]) -
             raise ValueError(f"{engine} {name} must be {legal}, got {value!r}")
 
 
-def check_request(prompt_ids: Sequence[Sequence[int]], params: SamplingParams, eos_token_ids: Sequence[int],
-                  max_new_tokens_per_sample: Sequence[int] | None) -> list[int]:
+def check_request(
+    prompt_ids: Sequence[Sequence[int]],
+    params: SamplingParams,
+    eos_token_ids: Sequence[int],
+    max_new_tokens_per_sample: Sequence[int] | None,
+) -> list[int]:
     """Validate one `generate` call; returns every sample's longest response (prompt-major, P × n entries)."""
     for i, prompt in enumerate(prompt_ids):
         if len(prompt) == 0:
@@ -95,12 +101,15 @@ def check_request(prompt_ids: Sequence[Sequence[int]], params: SamplingParams, e
         return [params.max_new_tokens] * samples
     caps = [int(c) for c in max_new_tokens_per_sample]
     if len(caps) != samples:
-        raise ValueError(f"max_new_tokens_per_sample has {len(caps)} entries; it needs one per sample "
-                         f"({len(prompt_ids)} prompts × n={params.n} = {samples}, prompt-major)")
+        raise ValueError(
+            f"max_new_tokens_per_sample has {len(caps)} entries; it needs one per sample "
+            f"({len(prompt_ids)} prompts × n={params.n} = {samples}, prompt-major)"
+        )
     bad = next((c for c in caps if not 1 <= c <= params.max_new_tokens), None)
     if bad is not None:
-        raise ValueError(f"max_new_tokens_per_sample entries must be in [1, max_new_tokens={params.max_new_tokens}], "
-                         f"got {bad}")
+        raise ValueError(
+            f"max_new_tokens_per_sample entries must be in [1, max_new_tokens={params.max_new_tokens}], got {bad}"
+        )
     return caps
 
 
@@ -140,8 +149,9 @@ class HFModel:
         # Prefill computes logits for the last position only when the model supports it (saves [P, L, V]).
         self.has_logits_to_keep = "logits_to_keep" in parameters
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                cache: Any) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
         """One model call extending `cache` in place. [R, S] ids → [R, V] logits of the last position."""
         kwargs = {self.cache_kwarg: cache, "use_cache": True}
         if self.has_logits_to_keep:
@@ -151,7 +161,7 @@ class HFModel:
         logits_RV = out.logits[:, -1, :]
         if self.vocab_size is not None and self.vocab_size < logits_RV.shape[-1]:
             logits_RV = logits_RV.clone()
-            logits_RV[:, self.vocab_size:] = float("-inf")
+            logits_RV[:, self.vocab_size :] = float("-inf")
         return logits_RV
 
     def new_cache(self) -> Any:
@@ -166,8 +176,8 @@ class HFModel:
         ids_PL = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
         mask_PL = torch.zeros((len(prompts), longest), dtype=torch.long)
         for i, prompt in enumerate(prompts):
-            ids_PL[i, longest - len(prompt):] = torch.as_tensor(prompt, dtype=torch.long)
-            mask_PL[i, longest - len(prompt):] = 1
+            ids_PL[i, longest - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
+            mask_PL[i, longest - len(prompt) :] = 1
         ids_PL, mask_PL = ids_PL.to(device), mask_PL.to(device)
         # Real tokens get positions 0..len-1 whatever the padding; pads get 0 (they are masked anyway).
         positions_PL = (mask_PL.cumsum(dim=-1) - 1).clamp(min=0)

@@ -9,8 +9,8 @@ On CPU nothing is sized (None): the host's memory is not the engine's to budget,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -95,9 +95,17 @@ def rows_that_fit(memory: tuple[int, int] | None, cost: RowCost) -> int | None:
     return max(0, (free - margin_bytes(total) - cost.fixed_bytes) // max(1, cost.row_bytes))
 
 
-def check_one_row_fits(memory: tuple[int, int] | None, cost: RowCost, *, prompt_tokens: int, new_tokens: int,
-                       slots: int, reserve_bytes: int = 0, where: str = "",
-                       names: tuple[str, str] = ("prompt length", "max_new_tokens")) -> None:
+def check_one_row_fits(
+    memory: tuple[int, int] | None,
+    cost: RowCost,
+    *,
+    prompt_tokens: int,
+    new_tokens: int,
+    slots: int,
+    reserve_bytes: int = 0,
+    where: str = "",
+    names: tuple[str, str] = ("prompt length", "max_new_tokens"),
+) -> None:
     """Raise ValueError (one line) when not even one row of prompt_tokens + new_tokens (holding `slots` KV slots)
     fits in the free memory less `reserve_bytes` (memory that will be resident by then, e.g. optimizer state not yet
     allocated). The message says the longest response that would fit after such a prompt."""
@@ -111,15 +119,23 @@ def check_one_row_fits(memory: tuple[int, int] | None, cost: RowCost, *, prompt_
     fixed = cost.row_bytes + cost.fixed_bytes - cost.per_slot * slots
     fitting_slots = (usable - fixed) // cost.per_slot if cost.per_slot else 0
     fitting_new = fitting_slots - (slots - new_tokens)
-    advice = (f"at most {names[1]}={fitting_new} fits after a {prompt_tokens}-token prompt" if fitting_new >= 1 else
-              f"not even one token fits after a {prompt_tokens}-token prompt: lower {names[0]} or free memory")
+    advice = (
+        f"at most {names[1]}={fitting_new} fits after a {prompt_tokens}-token prompt"
+        if fitting_new >= 1
+        else f"not even one token fits after a {prompt_tokens}-token prompt: lower {names[0]} or free memory"
+    )
     raise ValueError(
         f"generation{where}: one sequence of {prompt_tokens} prompt + {new_tokens} new tokens needs "
-        f"{_size(cost.row_bytes)} (" + ", ".join(f"{k} {_size(v)}" for k, v in cost.per_row.items())
+        f"{_size(cost.row_bytes)} ("
+        + ", ".join(f"{k} {_size(v)}" for k, v in cost.per_row.items())
         + f") plus {_size(cost.fixed_bytes)} per call, but {_size(free)} are free"
-        + (f" ({_size(reserve_bytes)} will not be free: optimizer state and buffers not allocated yet)"
-           if reserve_bytes else "")
-        + f" and {_size(margin_bytes(total))} are kept as margin; {advice}")
+        + (
+            f" ({_size(reserve_bytes)} will not be free: optimizer state and buffers not allocated yet)"
+            if reserve_bytes
+            else ""
+        )
+        + f" and {_size(margin_bytes(total))} are kept as margin; {advice}"
+    )
 
 
 def _size(nbytes: int) -> str:

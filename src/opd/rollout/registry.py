@@ -9,9 +9,10 @@ and vLLM itself is imported only when its engine is built. `opd.teacher.registry
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable, get_args
+from typing import Any, get_args
 
 import torch
 from transformers import AutoConfig, GenerationConfig
@@ -67,19 +68,40 @@ def resolve_engine(engine: str, model: torch.nn.Module | None) -> str:
     return "torch"
 
 
-def make_generator(model: torch.nn.Module | None, tokenizer: Any, *, engine: str = "auto",
-                   model_path: str | None = None, max_batch_size: int = 64, max_batch_tokens: int | None = None,
-                   vocab_size: int | None = None, **options: Any) -> Generator:
+def make_generator(
+    model: torch.nn.Module | None,
+    tokenizer: Any,
+    *,
+    engine: str = "auto",
+    model_path: str | None = None,
+    max_batch_size: int = 64,
+    max_batch_tokens: int | None = None,
+    vocab_size: int | None = None,
+    **options: Any,
+) -> Generator:
     """The `Generator` named `engine` (see the module docstring) for `model` / `model_path`, with EOS ids, pad id and
     the sampling range taken from `tokenizer`."""
     name = resolve_engine(engine, model)
-    request = EngineRequest(model=model, tokenizer=tokenizer, model_path=model_path, max_batch_size=max_batch_size,
-                            max_batch_tokens=max_batch_tokens, vocab_size=vocab_size, options=options)
+    request = EngineRequest(
+        model=model,
+        tokenizer=tokenizer,
+        model_path=model_path,
+        max_batch_size=max_batch_size,
+        max_batch_tokens=max_batch_tokens,
+        vocab_size=vocab_size,
+        options=options,
+    )
     return _ENGINES[name](request)
 
 
-def check_generation_fits(generator: Generator, *, prompt_tokens: int, new_tokens: int, reserve_bytes: int = 0,
-                          names: tuple[str, str] = ("prompt length", "max_new_tokens")) -> None:
+def check_generation_fits(
+    generator: Generator,
+    *,
+    prompt_tokens: int,
+    new_tokens: int,
+    reserve_bytes: int = 0,
+    names: tuple[str, str] = ("prompt length", "max_new_tokens"),
+) -> None:
     """Raise ValueError (one line saying what would fit) when the engine cannot hold even one sequence of
     prompt_tokens + new_tokens in the device memory free now, less reserve_bytes (memory that will be resident before
     the first call, e.g. optimizer state). Engines without a memory rule (their own server, a CPU) pass. Call it under
@@ -98,11 +120,14 @@ def _in_process(request: EngineRequest) -> tuple[torch.nn.Module, dict[str, Any]
     """The model and the arguments both in-process engines take, from the request's model and tokenizer."""
     if request.model is None:
         raise ValueError("the torch and static engines run an in-process model; none was given")
-    return request.model, dict(eos_token_ids=eos_token_ids(request.model, request.tokenizer),
-                               pad_token_id=request.tokenizer.pad_token_id,
-                               vocab_size=request.vocab_size or len(request.tokenizer),
-                               max_batch_size=request.max_batch_size, max_batch_tokens=request.max_batch_tokens,
-                               **request.options)
+    return request.model, dict(
+        eos_token_ids=eos_token_ids(request.model, request.tokenizer),
+        pad_token_id=request.tokenizer.pad_token_id,
+        vocab_size=request.vocab_size or len(request.tokenizer),
+        max_batch_size=request.max_batch_size,
+        max_batch_tokens=request.max_batch_tokens,
+        **request.options,
+    )
 
 
 def _torch(request: EngineRequest) -> Generator:
@@ -125,9 +150,16 @@ def _vllm(request: EngineRequest) -> Generator:
     if eos is None:
         eos = _eos_ids_from_path(request.model_path, request.tokenizer, request.model)
     engine_options = options.pop("engine_options", None) or vllm_engine.EngineOptions()
-    return vllm_engine.VLLMGenerator(request.model_path, eos_token_ids=eos, max_batch_size=request.max_batch_size,
-                                     vocab_size=request.vocab_size or len(request.tokenizer), options=engine_options,
-                                     module=request.model, weights_fn=options.pop("weights_fn", None), **options)
+    return vllm_engine.VLLMGenerator(
+        request.model_path,
+        eos_token_ids=eos,
+        max_batch_size=request.max_batch_size,
+        vocab_size=request.vocab_size or len(request.tokenizer),
+        options=engine_options,
+        module=request.model,
+        weights_fn=options.pop("weights_fn", None),
+        **options,
+    )
 
 
 def _eos_ids_from_path(path: str, tokenizer: Any, model: torch.nn.Module | None) -> list[int]:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,13 @@ from opd.kernels import decode_attention as triton_attention
 from opd.rollout import memory
 from opd.rollout.base import GenerationOutput, SamplingParams
 from opd.rollout.hf_model import (
-    HFModel, cached_kv, check_arguments, check_request, generation_mode, seeded_generator, special_ids,
+    HFModel,
+    cached_kv,
+    check_arguments,
+    check_request,
+    generation_mode,
+    seeded_generator,
+    special_ids,
 )
 from opd.rollout.sampling import filter_logits
 
@@ -45,8 +52,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _project(h_RD: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
-             sizes: list[int]) -> Sequence[torch.Tensor]:
+def _project(
+    h_RD: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], sizes: list[int]
+) -> Sequence[torch.Tensor]:
     """Projections of h sharing an input: one GEMM whose output is split into `sizes` when `weights` is one fused
     matrix, else one GEMM per weight. [R, D] → one [R, size] per projection. h is cast to the weights' dtype first
     (a float32 residual stream into bf16 step weights, as autocast casts it; a no-op otherwise)."""
@@ -102,8 +110,14 @@ _ATTENTION: dict[str, Callable] = {"sdpa": _attend_sdpa, "matmul": _attend_matmu
 _ATTENTION_CHOICES = ("auto", "triton", *_ATTENTION)
 
 
-def _sample(logits_RV: torch.Tensor, noise_RN: torch.Tensor | None, temperature: float, vocab_size: int,
-            top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample(
+    logits_RV: torch.Tensor,
+    noise_RN: torch.Tensor | None,
+    temperature: float,
+    vocab_size: int,
+    top_k: int,
+    top_p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row among ids < vocab_size: Gumbel-max `argmax(filter(z / τ) - log(-log u))`, which draws from
     softmax of the filtered z / τ; greedy `argmax z` at τ = 0 (noise None, top-k/top-p ignored).
     logits [R, V ≥ vocab_size], uniform noise u [R, ≥ vocab_size] → (tokens [R] long, log-probs [R] float32).
@@ -158,8 +172,9 @@ def _projection_weights(linears: Sequence[torch.nn.Linear], dtype: torch.dtype |
     fused_weight = torch.cat([w.to(dtype) for w in weights])
     if all(b is None for b in biases):
         return (fused_weight,), (None,)
-    fused_bias = torch.cat([w.new_zeros(w.shape[0], dtype=dtype) if b is None else b.to(dtype)
-                            for w, b in zip(weights, biases)])
+    fused_bias = torch.cat(
+        [w.new_zeros(w.shape[0], dtype=dtype) if b is None else b.to(dtype) for w, b in zip(weights, biases)]
+    )
     return (fused_weight,), (fused_bias,)
 
 
@@ -192,8 +207,6 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if head is None or not isinstance(head, torch.nn.Linear):
         return "the output head is not a Linear layer"
     return None
-
-
 
 
 # [V]-sized float32 buffers per row the sampling holds at its peak (upcast logits, scaled, Gumbel noise transform,
@@ -252,32 +265,58 @@ class StaticGenerator(memory.ModuleMemory):
     prefill forwards, CUDA graphs captured, occupancy (decoded tokens / (steps × rows)), KV-cache bytes.
     """
 
-    def __init__(self, model: torch.nn.Module, *, eos_token_ids: Sequence[int] | None = None,
-                 pad_token_id: int | None = None, vocab_size: int | None = None, max_batch_size: int = 64,
-                 max_batch_tokens: int | None = None, sync_interval: int = 32, kv_bucket: int = 128,
-                 cuda_graphs: bool | None = None, compile: bool | None = None, fuse_weights: bool = True,
-                 attention: Literal["auto", "triton", "sdpa", "matmul"] = "auto", prefill_tokens: int = 8192,
-                 free_memory: memory.MemoryFn | None = None) -> None:
-        check_arguments("StaticGenerator", [
-            ("max_batch_size", max_batch_size >= 1, "an integer ≥ 1", max_batch_size),
-            ("max_batch_tokens", max_batch_tokens is None or max_batch_tokens >= 1, "None or ≥ 1", max_batch_tokens),
-            ("sync_interval", sync_interval >= 1, "an integer ≥ 1", sync_interval),
-            ("vocab_size", vocab_size is None or vocab_size >= 1, "None or ≥ 1", vocab_size),
-            ("kv_bucket", kv_bucket >= 1, "an integer ≥ 1", kv_bucket),
-            ("prefill_tokens", prefill_tokens >= 1, "an integer ≥ 1", prefill_tokens),
-            ("attention", attention in _ATTENTION_CHOICES, f"one of {', '.join(_ATTENTION_CHOICES)}", attention),
-        ])
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        eos_token_ids: Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        vocab_size: int | None = None,
+        max_batch_size: int = 64,
+        max_batch_tokens: int | None = None,
+        sync_interval: int = 32,
+        kv_bucket: int = 128,
+        cuda_graphs: bool | None = None,
+        compile: bool | None = None,
+        fuse_weights: bool = True,
+        attention: Literal["auto", "triton", "sdpa", "matmul"] = "auto",
+        prefill_tokens: int = 8192,
+        free_memory: memory.MemoryFn | None = None,
+    ) -> None:
+        check_arguments(
+            "StaticGenerator",
+            [
+                ("max_batch_size", max_batch_size >= 1, "an integer ≥ 1", max_batch_size),
+                (
+                    "max_batch_tokens",
+                    max_batch_tokens is None or max_batch_tokens >= 1,
+                    "None or ≥ 1",
+                    max_batch_tokens,
+                ),
+                ("sync_interval", sync_interval >= 1, "an integer ≥ 1", sync_interval),
+                ("vocab_size", vocab_size is None or vocab_size >= 1, "None or ≥ 1", vocab_size),
+                ("kv_bucket", kv_bucket >= 1, "an integer ≥ 1", kv_bucket),
+                ("prefill_tokens", prefill_tokens >= 1, "an integer ≥ 1", prefill_tokens),
+                ("attention", attention in _ATTENTION_CHOICES, f"one of {', '.join(_ATTENTION_CHOICES)}", attention),
+            ],
+        )
         self.model = model
         if attention == "triton" and not triton_attention.available(self.device):
-            raise ValueError(f"StaticGenerator attention='triton' needs Triton and a CUDA model (device {self.device}, "
-                             f"Triton {'installed' if triton_attention.triton else 'not installed'}); use 'auto'")
+            raise ValueError(
+                f"StaticGenerator attention='triton' needs Triton and a CUDA model (device {self.device}, "
+                f"Triton {'installed' if triton_attention.triton else 'not installed'}); use 'auto'"
+            )
         reason = unsupported_reason(model)
         if reason is not None:
-            raise NotImplementedError(f"StaticGenerator cannot run {type(model).__name__}: {reason} (engine 'auto' or "
-                                      "'torch' runs any causal LM)")
+            raise NotImplementedError(
+                f"StaticGenerator cannot run {type(model).__name__}: {reason} (engine 'auto' or "
+                "'torch' runs any causal LM)"
+            )
         if attention == "triton" and not triton_attention.supports(_head_dim(model)):
-            raise ValueError(f"StaticGenerator attention='triton' needs a power-of-two head size in [16, 256], this "
-                             f"model's is {_head_dim(model)}; use 'auto'")
+            raise ValueError(
+                f"StaticGenerator attention='triton' needs a power-of-two head size in [16, 256], this "
+                f"model's is {_head_dim(model)}; use 'auto'"
+            )
         self.eos_token_ids, self.pad_token_id = special_ids(model, eos_token_ids, pad_token_id)
         self.vocab_size = vocab_size
         self.max_batch_size = max_batch_size
@@ -339,11 +378,15 @@ class StaticGenerator(memory.ModuleMemory):
         sampling = vocab_rows * dtype.itemsize + 4 * vocab * (1 + _SAMPLING_FLOATS)
         prefill = max(self.prefill_tokens, prompt_tokens) * memory.prefill_bytes_per_token(config, torch.float32)
         return memory.RowCost(
-            per_row={"KV cache": kv * slots, "sampling buffers": sampling,
-                     "decode activations": 4 * (8 * hidden + 4 * inner + 2 * (heads + 2 * kv_heads) * head_dim),
-                     "outputs": 12 * (new_tokens + 1)},
+            per_row={
+                "KV cache": kv * slots,
+                "sampling buffers": sampling,
+                "decode activations": 4 * (8 * hidden + 4 * inner + 2 * (heads + 2 * kv_heads) * head_dim),
+                "outputs": 12 * (new_tokens + 1),
+            },
             fixed={"prefill": prefill + _FIRST_TOKEN_ROWS * sampling, "RoPE table": 8 * slots * head_dim},
-            per_slot=kv + 12 + 8 * head_dim)
+            per_slot=kv + 12 + 8 * head_dim,
+        )
 
     def step_weight_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of the weight copies a call builds (`fuse_weights`): q/k/v and gate/up concatenations, o_proj
@@ -362,19 +405,30 @@ class StaticGenerator(memory.ModuleMemory):
         total += head.weight.numel() if head.weight.dtype != dtype else 0  # the embedding table is not copied
         return total * dtype.itemsize
 
-    def check_fits(self, prompt_tokens: int, new_tokens: int, *, reserve_bytes: int = 0,
-                   names: tuple[str, str] = ("prompt length", "max_new_tokens")) -> None:
+    def check_fits(
+        self,
+        prompt_tokens: int,
+        new_tokens: int,
+        *,
+        reserve_bytes: int = 0,
+        names: tuple[str, str] = ("prompt length", "max_new_tokens"),
+    ) -> None:
         """Raise ValueError (one line, saying what would fit) when not even one row of prompt_tokens + new_tokens
         fits in the device memory free now, less reserve_bytes (memory taken before the first call, e.g. optimizer
         state) and the step weights the call will build. Call it under the autocast generate will run under."""
         dtype, free = self.compute_dtype(), self._memory()
         if free is None:
             return
-        memory.check_one_row_fits(free, self.row_cost(prompt_tokens, new_tokens, dtype),
-                                  prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-                                  slots=prompt_tokens + new_tokens,
-                                  reserve_bytes=reserve_bytes + self.step_weight_bytes(dtype),
-                                  where=f" on {self.device}", names=names)
+        memory.check_one_row_fits(
+            free,
+            self.row_cost(prompt_tokens, new_tokens, dtype),
+            prompt_tokens=prompt_tokens,
+            new_tokens=new_tokens,
+            slots=prompt_tokens + new_tokens,
+            reserve_bytes=reserve_bytes + self.step_weight_bytes(dtype),
+            where=f" on {self.device}",
+            names=names,
+        )
 
     def plan_rows(self, samples: int, prompt_tokens: int, new_tokens: int, dtype: torch.dtype | None = None) -> int:
         """Rows of a call with `samples` samples: max_batch_size, capped by the samples, by max_batch_tokens and by
@@ -389,15 +443,26 @@ class StaticGenerator(memory.ModuleMemory):
         fit = memory.rows_that_fit(free, cost)
         if fit is not None and fit < rows:
             if fit < 1:
-                memory.check_one_row_fits(free, cost, prompt_tokens=prompt_tokens, new_tokens=new_tokens, slots=slots,
-                                          where=f" on {self.device}")
+                memory.check_one_row_fits(
+                    free,
+                    cost,
+                    prompt_tokens=prompt_tokens,
+                    new_tokens=new_tokens,
+                    slots=slots,
+                    where=f" on {self.device}",
+                )
             rows = fit if fit < 16 else fit // 8 * 8
         return rows
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *,
-                 max_new_tokens_per_sample: Sequence[int] | None = None) -> GenerationOutput:
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        max_new_tokens_per_sample: Sequence[int] | None = None,
+    ) -> GenerationOutput:
         """n samples for each of P prompts, prompt-major (see `GenerationOutput`). max_new_tokens_per_sample: one
         length limit per sample (prompt-major, each in [1, params.max_new_tokens]); a sample reaching it ends with
         finish reason "length" (benchmarks use it to force long-tailed lengths identically in every engine)."""
@@ -411,17 +476,26 @@ class StaticGenerator(memory.ModuleMemory):
                 run = _Run(self, [list(p) for p in prompt_ids], params, caps, generator)
                 responses, logprobs, reasons = run.run()
             self.stats = run.stats
-        return GenerationOutput(response_ids=responses, finish_reasons=reasons,
-                                group_ids=[p for p in range(len(prompt_ids)) for _ in range(params.n)],
-                                logprobs=logprobs if params.return_logprobs else None)
+        return GenerationOutput(
+            response_ids=responses,
+            finish_reasons=reasons,
+            group_ids=[p for p in range(len(prompt_ids)) for _ in range(params.n)],
+            logprobs=logprobs if params.return_logprobs else None,
+        )
 
 
 class _Run:
     """The state of one call: step weights, slots (static cache and device-side row state), the samples still
     pending, the decode step and its graphs."""
 
-    def __init__(self, engine: StaticGenerator, prompts: list[list[int]], params: SamplingParams, caps: list[int],
-                 generator: torch.Generator):
+    def __init__(
+        self,
+        engine: StaticGenerator,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        caps: list[int],
+        generator: torch.Generator,
+    ):
         self.engine, self.params, self.generator = engine, params, generator
         model = engine.model
         self.device = device = engine.device
@@ -452,14 +526,28 @@ class _Run:
             qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             w_qkv, b_qkv = _projection_weights((attn.q_proj, attn.k_proj, attn.v_proj), shadow)
             w_gu, b_gu = _projection_weights((mlp.gate_proj, mlp.up_proj), shadow)
-            ins = (w_qkv, b_qkv, None if qn is None else qn.weight, None if kn is None else kn.weight,
-                   input_norms[i].variance_epsilon)
+            ins = (
+                w_qkv,
+                b_qkv,
+                None if qn is None else qn.weight,
+                None if kn is None else kn.weight,
+                input_norms[i].variance_epsilon,
+            )
             w_o = _cast(attn.o_proj.weight, shadow)
             if shadow is not None:  # input columns in (G, Hkv) head order, see `_decode_step` (a copy when G > 1)
                 w_o = w_o.unflatten(1, (self.kv_heads, self.heads // self.kv_heads, -1)).transpose(1, 2).flatten(1)
-            outs = (w_o, _cast(attn.o_proj.bias, shadow), post.weight, post.variance_epsilon, w_gu, b_gu,
-                    _cast(mlp.down_proj.weight, shadow), _cast(mlp.down_proj.bias, shadow), following.weight,
-                    following.variance_epsilon)
+            outs = (
+                w_o,
+                _cast(attn.o_proj.bias, shadow),
+                post.weight,
+                post.variance_epsilon,
+                w_gu,
+                b_gu,
+                _cast(mlp.down_proj.weight, shadow),
+                _cast(mlp.down_proj.bias, shadow),
+                following.weight,
+                following.variance_epsilon,
+            )
             self.layers.append(_Layer(ins, outs))
             self.scaling = attn.scaling
 
@@ -512,9 +600,14 @@ class _Run:
     def stats(self) -> dict[str, Any]:
         steps = self.counters["decode_steps"]
         occupancy = self.counters["decoded_tokens"] / (steps * self.rows) if steps else None
-        return {"rows": self.rows, "slots_per_row": self.capacity, "attention": self.attention, **self.counters,
-                "occupancy": occupancy,
-                "kv_cache_bytes": sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)}
+        return {
+            "rows": self.rows,
+            "slots_per_row": self.capacity,
+            "attention": self.attention,
+            **self.counters,
+            "occupancy": occupancy,
+            "kv_cache_bytes": sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers),
+        }
 
     # ------------------------------------------------------------------ filling slots
 
@@ -573,8 +666,7 @@ class _Run:
         for i, layer in enumerate(self.layers):
             keys_PKWD, values_PKWD = cached_kv(cache, i)
             layer.keys[slots_g, :, :width] = keys_PKWD[source_g[:, None], :, from_gW].transpose(1, 2).to(self.dtype)
-            layer.values[slots_g, :, :width] = values_PKWD[source_g[:, None], :, from_gW].transpose(1, 2).to(
-                self.dtype)
+            layer.values[slots_g, :, :width] = values_PKWD[source_g[:, None], :, from_gW].transpose(1, 2).to(self.dtype)
         del cache
         caps_g = torch.as_tensor([self.caps[s] for s in samples], device=device)
         for lo in range(0, len(samples), _FIRST_TOKEN_ROWS):
@@ -583,11 +675,15 @@ class _Run:
             noise_gN = None
             if params.temperature != 0:
                 noise_gN = torch.empty(logits_gV.shape[0], self.vocab, device=device).uniform_(generator=self.generator)
-            tokens_g, logprobs_g = _sample(logits_gV, noise_gN, params.temperature, self.vocab, params.top_k,
-                                           params.top_p)
+            tokens_g, logprobs_g = _sample(
+                logits_gV, noise_gN, params.temperature, self.vocab, params.top_k, params.top_p
+            )
             rows_g = slots_g[part]
-            stopped_g = ((tokens_g[:, None] == self.eos_E[None]).any(-1) if params.stop_at_eos
-                         else torch.zeros_like(tokens_g, dtype=torch.bool))
+            stopped_g = (
+                (tokens_g[:, None] == self.eos_E[None]).any(-1)
+                if params.stop_at_eos
+                else torch.zeros_like(tokens_g, dtype=torch.bool)
+            )
             self.tokens_R[rows_g] = tokens_g
             self.position_R[rows_g] = lengths_g[part]
             self.lengths_R[rows_g] = 1
@@ -607,8 +703,7 @@ class _Run:
         lengths, stopped = self.lengths_R[index].tolist(), self.stopped_R[index].tolist()
         longest = max(lengths)
         ids_rows = self.out_ids_RT[index, :longest].tolist()
-        lps_rows = (self.out_lps_RT[index, :longest].tolist() if self.params.return_logprobs
-                    else [[] for _ in slots])
+        lps_rows = self.out_lps_RT[index, :longest].tolist() if self.params.return_logprobs else [[] for _ in slots]
         for slot, n, done, ids, lps in zip(slots, lengths, stopped, ids_rows, lps_rows):
             self.results[self.slot_sample[slot]] = (ids[:n], lps[:n], "stop" if done else "length")
             self.slot_sample[slot] = None
@@ -647,24 +742,28 @@ class _Run:
             # One mask for every layer; SDPA's memory-efficient kernel wants it in q's dtype with every dimension
             # (expand is a view).
             valid_RS = self.slots_S[None, :span] <= self.position_R[:, None]
-            bias_RKGS = torch.zeros(valid_RS.shape, dtype=self.dtype, device=self.device).masked_fill_(
-                ~valid_RS, float("-inf"))[:, None, None].expand(rows, kv_heads, heads // kv_heads, span)
+            bias_RKGS = (
+                torch.zeros(valid_RS.shape, dtype=self.dtype, device=self.device)
+                .masked_fill_(~valid_RS, float("-inf"))[:, None, None]
+                .expand(rows, kv_heads, heads // kv_heads, span)
+            )
         for layer in self.layers:
-            q_RHD, k_RKD, v_RKD = attn_in(h_RD, *layer.attn_in, cos_R1D, sin_R1D, heads, kv_heads,
-                                          layer.keys.shape[-1])
+            q_RHD, k_RKD, v_RKD = attn_in(h_RD, *layer.attn_in, cos_R1D, sin_R1D, heads, kv_heads, layer.keys.shape[-1])
             # Grouped-query attention without repeating the cache: query head h uses kv head h // (heads / kv_heads).
             # Under autocast q/k-norm and RoPE return float32 (float32 norm weights): attention runs in the compute
             # dtype, as autocast runs SDPA, the new token's k/v rounded like the cached ones.
             q_RKGD = q_RHD.to(self.dtype).reshape(rows, kv_heads, heads // kv_heads, -1)
             k_RKD, v_RKD = k_RKD.to(self.dtype), v_RKD.to(self.dtype)
             if triton_kernel:  # the kernel also writes k and v into the cache at position_R
-                attn_RKGD = triton_attention.decode_attention(q_RKGD, layer.keys, layer.values, self.zeros_R,
-                                                              self.position_R, self.scaling, k_RKD, v_RKD)
+                attn_RKGD = triton_attention.decode_attention(
+                    q_RKGD, layer.keys, layer.values, self.zeros_R, self.position_R, self.scaling, k_RKD, v_RKD
+                )
             else:
                 layer.keys[self.rows_R, :, self.position_R] = k_RKD
                 layer.values[self.rows_R, :, self.position_R] = v_RKD
-                attn_RKGD = self.attend(q_RKGD, layer.keys[:, :, :span], layer.values[:, :, :span], bias_RKGS,
-                                        self.scaling)
+                attn_RKGD = self.attend(
+                    q_RKGD, layer.keys[:, :, :span], layer.values[:, :, :span], bias_RKGS, self.scaling
+                )
             # SDPA's memory-efficient kernel (and the Triton kernel) writes [R, G, Hkv, Dh] and returns a transposed
             # view: flattened in that order it needs no copy (fused o-proj columns are permuted to match); the
             # module's own o-proj needs (Hkv, G) order.
@@ -685,8 +784,11 @@ class _Run:
         if self.attend is None:
             return self.capacity
         interval = self.engine.sync_interval
-        needed = 1 + max(min(self.slot_position[r] + interval - 1, self.slot_last[r])
-                         for r in range(self.rows) if self.slot_sample[r] is not None)
+        needed = 1 + max(
+            min(self.slot_position[r] + interval - 1, self.slot_last[r])
+            for r in range(self.rows)
+            if self.slot_sample[r] is not None
+        )
         bucket = self.engine.kv_bucket
         return min(self.capacity, -(-needed // bucket) * bucket)
 
@@ -721,8 +823,12 @@ class _Run:
         # Fused weights are already in the compute dtype: decode without autocast. Otherwise under the caller's
         # autocast, with its weight cache off while capturing (cached casts would be freed after the capture); warm-up
         # runs and captures share this state so that compiled functions are not recompiled during a capture.
-        amp = dict(device_type=self.device.type, dtype=torch.get_autocast_dtype(self.device.type),
-                   enabled=self.autocast and not self.fused, cache_enabled=not use_graphs)
+        amp = dict(
+            device_type=self.device.type,
+            dtype=torch.get_autocast_dtype(self.device.type),
+            enabled=self.autocast and not self.fused,
+            cache_enabled=not use_graphs,
+        )
         graphs: dict[int, Any] = {}
         pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._admit(list(range(self.rows)))
@@ -735,9 +841,12 @@ class _Run:
                     except Exception as error:  # compile=None: a failing torch.compile falls back to the plain step
                         if engine.compile is not None or fns[0] is _attn_in:
                             raise
-                        warnings.warn(f"StaticGenerator: torch.compile of the decode step failed "
-                                      f"({type(error).__name__}: {error}); decoding without it", RuntimeWarning,
-                                      stacklevel=3)
+                        warnings.warn(
+                            f"StaticGenerator: torch.compile of the decode step failed "
+                            f"({type(error).__name__}: {error}); decoding without it",
+                            RuntimeWarning,
+                            stacklevel=3,
+                        )
                         engine._compiled = fns = (_attn_in, _attn_out, _sample)
                         graphs = {span: self._capture(span, fns, pool)}
                 for _ in range(engine.sync_interval):

@@ -13,14 +13,19 @@ decodes text; engines know token ids only).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from opd.rollout import memory
 from opd.rollout.base import GenerationOutput, SamplingParams
 from opd.rollout.hf_model import (
-    HFModel, check_arguments, check_request, generation_mode, seeded_generator, special_ids,
+    HFModel,
+    check_arguments,
+    check_request,
+    generation_mode,
+    seeded_generator,
+    special_ids,
 )
 from opd.rollout.sampling import sample_next
 
@@ -62,13 +67,21 @@ class TorchGenerator(memory.ModuleMemory):
         compact_fraction: float = 0.25,
         free_memory: memory.MemoryFn | None = None,
     ) -> None:
-        check_arguments("TorchGenerator", [
-            ("max_batch_size", max_batch_size >= 1, "an integer ≥ 1", max_batch_size),
-            ("max_batch_tokens", max_batch_tokens is None or max_batch_tokens >= 1, "None or ≥ 1", max_batch_tokens),
-            ("sync_interval", sync_interval >= 1, "an integer ≥ 1", sync_interval),
-            ("compact_fraction", 0 < compact_fraction <= 1, "in (0, 1]", compact_fraction),
-            ("vocab_size", vocab_size is None or vocab_size >= 1, "None or ≥ 1", vocab_size),
-        ])
+        check_arguments(
+            "TorchGenerator",
+            [
+                ("max_batch_size", max_batch_size >= 1, "an integer ≥ 1", max_batch_size),
+                (
+                    "max_batch_tokens",
+                    max_batch_tokens is None or max_batch_tokens >= 1,
+                    "None or ≥ 1",
+                    max_batch_tokens,
+                ),
+                ("sync_interval", sync_interval >= 1, "an integer ≥ 1", sync_interval),
+                ("compact_fraction", 0 < compact_fraction <= 1, "in (0, 1]", compact_fraction),
+                ("vocab_size", vocab_size is None or vocab_size >= 1, "None or ≥ 1", vocab_size),
+            ],
+        )
         self.model = model
         self.eos_token_ids, self.pad_token_id = special_ids(model, eos_token_ids, pad_token_id)
         self.vocab_size = vocab_size
@@ -95,32 +108,56 @@ class TorchGenerator(memory.ModuleMemory):
         one layer's copy, which `torch.cat` makes at each step), the sampling buffers over the vocabulary, and its
         share of the prefill (counted per row, though n samples share one prompt)."""
         config, device = self.model.config, self.device
-        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else next(
-            self.model.parameters()).dtype
+        dtype = (
+            torch.get_autocast_dtype(device.type)
+            if torch.is_autocast_enabled(device.type)
+            else next(self.model.parameters()).dtype
+        )
         kv = memory.kv_bytes_per_token(config, dtype)
         vocab_rows = self.model.get_output_embeddings().weight.shape[0]
         slots = prompt_tokens + new_tokens
         return memory.RowCost(
-            per_row={"KV cache": kv * slots + kv * slots // config.num_hidden_layers,
-                     "sampling buffers": _SAMPLING_FLOATS * 4 * vocab_rows,
-                     "prefill": (memory.prefill_bytes_per_token(config, dtype) - kv) * prompt_tokens},
-            per_slot=kv + kv // config.num_hidden_layers)
+            per_row={
+                "KV cache": kv * slots + kv * slots // config.num_hidden_layers,
+                "sampling buffers": _SAMPLING_FLOATS * 4 * vocab_rows,
+                "prefill": (memory.prefill_bytes_per_token(config, dtype) - kv) * prompt_tokens,
+            },
+            per_slot=kv + kv // config.num_hidden_layers,
+        )
 
-    def check_fits(self, prompt_tokens: int, new_tokens: int, *, reserve_bytes: int = 0,
-                   names: tuple[str, str] = ("prompt length", "max_new_tokens")) -> None:
+    def check_fits(
+        self,
+        prompt_tokens: int,
+        new_tokens: int,
+        *,
+        reserve_bytes: int = 0,
+        names: tuple[str, str] = ("prompt length", "max_new_tokens"),
+    ) -> None:
         """Raise ValueError (one line, saying what would fit) when not even one sequence of prompt_tokens +
         new_tokens fits in the device memory free now less reserve_bytes. Call it under the autocast that generate
         will run under (the cache's dtype follows it)."""
         free = self._memory()
         if free is not None:
-            memory.check_one_row_fits(free, self.row_cost(prompt_tokens, new_tokens), prompt_tokens=prompt_tokens,
-                                      new_tokens=new_tokens, slots=prompt_tokens + new_tokens,
-                                      reserve_bytes=reserve_bytes, where=f" on {self.device}", names=names)
+            memory.check_one_row_fits(
+                free,
+                self.row_cost(prompt_tokens, new_tokens),
+                prompt_tokens=prompt_tokens,
+                new_tokens=new_tokens,
+                slots=prompt_tokens + new_tokens,
+                reserve_bytes=reserve_bytes,
+                where=f" on {self.device}",
+                names=names,
+            )
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *,
-                 max_new_tokens_per_sample: Sequence[int] | None = None) -> GenerationOutput:
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        max_new_tokens_per_sample: Sequence[int] | None = None,
+    ) -> GenerationOutput:
         """n samples for each of P prompts, prompt-major (see `GenerationOutput`). max_new_tokens_per_sample: one
         length limit per sample (prompt-major, each in [1, params.max_new_tokens]); a sample reaching it ends with
         finish reason "length" (benchmarks use it to force long-tailed lengths identically in every engine)."""
@@ -134,14 +171,25 @@ class TorchGenerator(memory.ModuleMemory):
             row_limit, free = None, self._memory()
             if self.max_batch_tokens is None and prompt_ids and free is not None:
                 cost = self.row_cost(max(lengths), params.max_new_tokens)
-                memory.check_one_row_fits(free, cost, prompt_tokens=max(lengths), new_tokens=params.max_new_tokens,
-                                          slots=max(lengths) + params.max_new_tokens, where=f" on {self.device}")
+                memory.check_one_row_fits(
+                    free,
+                    cost,
+                    prompt_tokens=max(lengths),
+                    new_tokens=params.max_new_tokens,
+                    slots=max(lengths) + params.max_new_tokens,
+                    where=f" on {self.device}",
+                )
                 row_limit = memory.rows_that_fit(free, cost)
             for chunk in self._chunks(lengths, params, row_limit):
                 start = len(responses)
                 count = sum(c for _, c in chunk)
-                ids, lps, rs = self._generate_chunk([list(prompt_ids[p]) for p, _ in chunk], [c for _, c in chunk],
-                                                    caps[start:start + count], params, generator)
+                ids, lps, rs = self._generate_chunk(
+                    [list(prompt_ids[p]) for p, _ in chunk],
+                    [c for _, c in chunk],
+                    caps[start : start + count],
+                    params,
+                    generator,
+                )
                 responses += ids
                 logprobs += lps
                 reasons += rs
@@ -153,8 +201,9 @@ class TorchGenerator(memory.ModuleMemory):
             logprobs=logprobs if params.return_logprobs else None,
         )
 
-    def _chunks(self, prompt_lengths: list[int], params: SamplingParams,
-                row_limit: int | None = None) -> list[list[tuple[int, int]]]:
+    def _chunks(
+        self, prompt_lengths: list[int], params: SamplingParams, row_limit: int | None = None
+    ) -> list[list[tuple[int, int]]]:
         """Cut the P × n sequences, prompt-major, into chunks [(prompt index, number of samples), ...] of at most
         max_batch_size (and row_limit) rows and max_batch_tokens tokens."""
         chunks: list[list[tuple[int, int]]] = []
@@ -180,7 +229,11 @@ class TorchGenerator(memory.ModuleMemory):
         return chunks
 
     def _generate_chunk(
-        self, prompts: list[list[int]], counts: list[int], caps: list[int], params: SamplingParams,
+        self,
+        prompts: list[list[int]],
+        counts: list[int],
+        caps: list[int],
+        params: SamplingParams,
         generator: torch.Generator,
     ) -> tuple[list[list[int]], list[list[float]], list[str]]:
         """Sample counts[i] continuations of prompts[i], row j at most caps[j] tokens; rows come back in order
@@ -188,8 +241,9 @@ class TorchGenerator(memory.ModuleMemory):
         device = self.device
         cache, mask_PL, logits_PV = self.hf.prefill(prompts, device)
         # One row per sample: the prefix is computed once per prompt and its KV cache copied n times.
-        source_R = torch.repeat_interleave(torch.arange(len(prompts), device=device),
-                                           torch.as_tensor(counts, device=device))
+        source_R = torch.repeat_interleave(
+            torch.arange(len(prompts), device=device), torch.as_tensor(counts, device=device)
+        )
         cache.reorder_cache(source_R)
         num_rows, prompt_width, steps = source_R.numel(), mask_PL.shape[1], max(caps)
         caps_R = torch.as_tensor(caps, device=device)
@@ -229,9 +283,14 @@ class TorchGenerator(memory.ModuleMemory):
                     keep_b = (~done_b).nonzero().squeeze(-1)
                     cache.reorder_cache(keep_b)
                     rows_b, tokens_b, positions_b, mask_bS = (
-                        rows_b[keep_b], tokens_b[keep_b], positions_b[keep_b], mask_bS[keep_b])
-            logits_bV = self.hf.forward(tokens_b[:, None], mask_bS[:, : prompt_width + t + 1], positions_b[:, None],
-                                        cache)
+                        rows_b[keep_b],
+                        tokens_b[keep_b],
+                        positions_b[keep_b],
+                        mask_bS[keep_b],
+                    )
+            logits_bV = self.hf.forward(
+                tokens_b[:, None], mask_bS[:, : prompt_width + t + 1], positions_b[:, None], cache
+            )
             positions_b = positions_b + 1
 
         lengths = lengths_R.tolist()

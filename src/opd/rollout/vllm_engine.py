@@ -15,8 +15,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from transformers import AutoConfig
@@ -36,8 +37,10 @@ def vllm_available() -> bool:
 
 def _import_vllm() -> Any:
     if not vllm_available():
-        raise ValueError("engine 'vllm' needs the vllm package: pip install -e .[vllm] (GPU) or see README "
-                         "'vLLM' for the CPU build; or choose the torch engine")
+        raise ValueError(
+            "engine 'vllm' needs the vllm package: pip install -e .[vllm] (GPU) or see README "
+            "'vLLM' for the CPU build; or choose the torch engine"
+        )
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="opd-vllm-cache-"))
     # its INFO lines would drown our progress output, and with skip_tokenizer_init it warns (with a traceback) that
@@ -71,11 +74,16 @@ class EngineOptions:
     trust_remote_code: bool = False
 
     @classmethod
-    def from_config(cls, spec: Any, **overrides: Any) -> "EngineOptions":
+    def from_config(cls, spec: Any, **overrides: Any) -> EngineOptions:
         """From a `VLLMSpec` (or None: the defaults), plus model-level fields (dtype, trust_remote_code)."""
-        fields = {} if spec is None else {k: getattr(spec, k) for k in
-                                          ("gpu_memory_utilization", "kv_cache_gb", "enforce_eager", "sleep",
-                                           "max_model_len")}
+        fields = (
+            {}
+            if spec is None
+            else {
+                k: getattr(spec, k)
+                for k in ("gpu_memory_utilization", "kv_cache_gb", "enforce_eager", "sleep", "max_model_len")
+            }
+        )
         return cls(**fields, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -85,8 +93,15 @@ def engine_options(vllm: VLLMSpec | None, model: ModelSpec) -> EngineOptions:
     return EngineOptions.from_config(vllm, dtype=model.dtype, trust_remote_code=model.trust_remote_code)
 
 
-def start_engine(model_path: str, options: EngineOptions, *, max_num_seqs: int = 256, max_logprobs: int = 20,
-                 logprobs_mode: str = "processed_logprobs", enable_sleep_mode: bool = False) -> Any:
+def start_engine(
+    model_path: str,
+    options: EngineOptions,
+    *,
+    max_num_seqs: int = 256,
+    max_logprobs: int = 20,
+    logprobs_mode: str = "processed_logprobs",
+    enable_sleep_mode: bool = False,
+) -> Any:
     """A `vllm.LLM` for `model_path` in this process (the environment it sets: docs/design.md)."""
     vllm = _import_vllm()
     from vllm.platforms import current_platform
@@ -95,16 +110,28 @@ def start_engine(model_path: str, options: EngineOptions, *, max_num_seqs: int =
     dtype = options.dtype
     if dtype == "auto":
         dtype = "fp32" if cpu else "bf16"
-    names = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-             "fp16": "float16", "float16": "float16"}
+    names = {
+        "fp32": "float32",
+        "float32": "float32",
+        "bf16": "bfloat16",
+        "bfloat16": "bfloat16",
+        "fp16": "float16",
+        "float16": "float16",
+    }
     if dtype not in names:
         raise ValueError(f"vLLM dtype must be one of auto, fp32, bf16, fp16, got {options.dtype!r}")
     kv_gb = options.kv_cache_gb if options.kv_cache_gb is not None else (DEFAULT_CPU_KV_CACHE_GB if cpu else None)
     kwargs: dict[str, Any] = dict(
-        model=str(model_path), dtype=names[dtype], skip_tokenizer_init=True, seed=0,
+        model=str(model_path),
+        dtype=names[dtype],
+        skip_tokenizer_init=True,
+        seed=0,
         enforce_eager=cpu if options.enforce_eager is None else options.enforce_eager,
-        max_num_seqs=max_num_seqs, max_logprobs=max_logprobs, logprobs_mode=logprobs_mode,
-        trust_remote_code=options.trust_remote_code, enable_sleep_mode=enable_sleep_mode,
+        max_num_seqs=max_num_seqs,
+        max_logprobs=max_logprobs,
+        logprobs_mode=logprobs_mode,
+        trust_remote_code=options.trust_remote_code,
+        enable_sleep_mode=enable_sleep_mode,
     )
     if options.max_model_len is not None:
         kwargs["max_model_len"] = options.max_model_len
@@ -156,12 +183,16 @@ def full_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor] | Non
     return weights
 
 
-def push_weights(llm: Any, weights: dict[str, torch.Tensor], *, include_lm_head: bool = True,
-                 reset_prefix_cache: bool = True) -> None:
+def push_weights(
+    llm: Any, weights: dict[str, torch.Tensor], *, include_lm_head: bool = True, reset_prefix_cache: bool = True
+) -> None:
     """Load `weights` (HF names, any device) into the running engine in place. The two switches exist so a test can
     show that each step is needed (tests/test_vllm_engine.py); production always uses both."""
-    items = [(name, tensor.detach()) for name, tensor in weights.items()
-             if include_lm_head or not name.startswith("lm_head.")]
+    items = [
+        (name, tensor.detach())
+        for name, tensor in weights.items()
+        if include_lm_head or not name.startswith("lm_head.")
+    ]
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
     if reset_prefix_cache:
         llm.reset_prefix_cache()
@@ -185,10 +216,17 @@ class VLLMGenerator:
                     `full_weights(module)`
     """
 
-    def __init__(self, model_path: str, *, eos_token_ids: Sequence[int], vocab_size: int | None = None,
-                 max_batch_size: int = 64, options: EngineOptions | None = None,
-                 module: torch.nn.Module | None = None,
-                 weights_fn: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        eos_token_ids: Sequence[int],
+        vocab_size: int | None = None,
+        max_batch_size: int = 64,
+        options: EngineOptions | None = None,
+        module: torch.nn.Module | None = None,
+        weights_fn: Callable[[], dict[str, torch.Tensor]] | None = None,
+    ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"VLLMGenerator max_batch_size must be an integer ≥ 1, got {max_batch_size!r}")
         if vocab_size is not None and vocab_size < 1:
@@ -209,8 +247,13 @@ class VLLMGenerator:
         self._allowed = list(range(vocab_size)) if vocab_size is not None and vocab_size < rows else None
         self._asleep = False
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *,
-                 max_new_tokens_per_sample: Sequence[int] | None = None) -> GenerationOutput:
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        max_new_tokens_per_sample: Sequence[int] | None = None,
+    ) -> GenerationOutput:
         """n samples for each of P prompts, prompt-major (see `GenerationOutput`). max_new_tokens_per_sample: one
         length limit per sample (prompt-major, each ≤ params.max_new_tokens; benchmarks): each sample is then its own
         request (n = 1, seeded per sample), so the draws differ from those of one n-sample request."""
@@ -226,7 +269,8 @@ class VLLMGenerator:
             raise ValueError(
                 f"engine vllm reports log-probs after top-k/top-p filtering (renormalised), not over the full "
                 f"vocabulary (SPEC §1): with return_logprobs use top_p=1 and top_k=0 (got top_p={params.top_p}, "
-                f"top_k={params.top_k}), or the torch engine")
+                f"top_k={params.top_k}), or the torch engine"
+            )
         self._wake()
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompt_ids]
         if max_new_tokens_per_sample is None:
@@ -259,7 +303,8 @@ class VLLMGenerator:
                     logprobs.append([float(sample.logprobs[t][token].logprob) for t, token in enumerate(ids)])
         group_size = len(responses) // max(1, len(prompt_ids))
         return GenerationOutput(
-            response_ids=responses, finish_reasons=reasons,
+            response_ids=responses,
+            finish_reasons=reasons,
             group_ids=[p for p in range(len(prompt_ids)) for _ in range(group_size)],
             logprobs=logprobs if params.return_logprobs else None,
         )
@@ -268,11 +313,16 @@ class VLLMGenerator:
         from vllm import SamplingParams as VLLMSamplingParams
 
         return VLLMSamplingParams(
-            n=1 if params.temperature == 0 else params.n, temperature=params.temperature, top_p=params.top_p,
+            n=1 if params.temperature == 0 else params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
             top_k=params.top_k,
-            max_tokens=params.max_new_tokens, seed=None if params.seed is None else _prompt_seed(params.seed, prompt),
-            logprobs=0 if params.return_logprobs else None, detokenize=False,
-            stop_token_ids=self.eos_token_ids if params.stop_at_eos else None, ignore_eos=not params.stop_at_eos,
+            max_tokens=params.max_new_tokens,
+            seed=None if params.seed is None else _prompt_seed(params.seed, prompt),
+            logprobs=0 if params.return_logprobs else None,
+            detokenize=False,
+            stop_token_ids=self.eos_token_ids if params.stop_at_eos else None,
+            ignore_eos=not params.stop_at_eos,
             allowed_token_ids=self._allowed,
         )
 
@@ -289,8 +339,14 @@ class VLLMGenerator:
         if reset_prefix_cache:
             self.llm.reset_prefix_cache()
 
-    def check_fits(self, prompt_tokens: int, new_tokens: int, *, reserve_bytes: int = 0,
-                   names: tuple[str, str] = ("prompt length", "max_new_tokens")) -> None:
+    def check_fits(
+        self,
+        prompt_tokens: int,
+        new_tokens: int,
+        *,
+        reserve_bytes: int = 0,
+        names: tuple[str, str] = ("prompt length", "max_new_tokens"),
+    ) -> None:
         """Nothing to check: the engine sized its own memory at start-up (`gpu_memory_utilization`, `kv_cache_gb`)
         and schedules within it."""
 

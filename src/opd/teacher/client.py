@@ -19,16 +19,17 @@ import sys
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
+from opd.forward import needed_lengths, split_by_token_budget
 from opd.models import check_tokenizer_compatibility
 from opd.teacher import wire
 from opd.teacher.base import PendingScores
-from opd.forward import needed_lengths, split_by_token_budget
 from opd.teacher.server import resolve_token
 from opd.types import Rollouts, TokenScores
 
@@ -88,17 +89,27 @@ class RemoteScorer:
 
     serves_requested_ids = True  # the server's `LocalScorer` scores any ids
 
-    def __init__(self, urls: str | Sequence[str], *, token: str | None = None, timeout: float = 300.0,
-                 retry_deadline: float = 600.0, request_tokens: int = 16384, logprobs: str = "float32",
-                 concurrency: int = 8, log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        token: str | None = None,
+        timeout: float = 300.0,
+        retry_deadline: float = 600.0,
+        request_tokens: int = 16384,
+        logprobs: str = "float32",
+        concurrency: int = 8,
+        log: Callable[[str], None] | None = None,
+    ):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("teacher.url: give at least one URL")
         if logprobs not in wire.LOGPROB_DTYPES:
             raise ValueError(f"teacher.logprobs must be one of {', '.join(wire.LOGPROB_DTYPES)}, got {logprobs!r}")
         if request_tokens < 1 or timeout <= 0 or retry_deadline < 0 or concurrency < 1:
-            raise ValueError("RemoteScorer: request_tokens and concurrency must be ≥ 1, timeout > 0, "
-                             "retry_deadline ≥ 0")
+            raise ValueError(
+                "RemoteScorer: request_tokens and concurrency must be ≥ 1, timeout > 0, retry_deadline ≥ 0"
+            )
         self.replicas = [parse_url(u) for u in urls]
         self.token, self.timeout, self.retry_deadline = token, timeout, retry_deadline
         self.request_tokens, self.logprobs = request_tokens, logprobs
@@ -116,13 +127,17 @@ class RemoteScorer:
         for replica, info in zip(self.replicas, infos):
             replica.info = info
             if info.get("wire_version") != wire.VERSION:
-                raise TeacherRequestError(f"teacher server {replica.url} speaks wire version "
-                                          f"{info.get('wire_version')}, this client version {wire.VERSION}")
+                raise TeacherRequestError(
+                    f"teacher server {replica.url} speaks wire version "
+                    f"{info.get('wire_version')}, this client version {wire.VERSION}"
+                )
             differs = [k for k in _IDENTITY if info.get(k) != infos[0].get(k)]
             if differs:
-                raise TeacherRequestError(f"teacher.url: replicas {self.replicas[0].url} and {replica.url} serve "
-                                          f"different teachers ({differs[0]}: {infos[0].get(differs[0])!r} vs "
-                                          f"{info.get(differs[0])!r})")
+                raise TeacherRequestError(
+                    f"teacher.url: replicas {self.replicas[0].url} and {replica.url} serve "
+                    f"different teachers ({differs[0]}: {infos[0].get(differs[0])!r} vs "
+                    f"{info.get(differs[0])!r})"
+                )
         return infos[0]
 
     @property
@@ -136,22 +151,43 @@ class RemoteScorer:
         else:  # say what differs, exactly as the local check would
             replica = self.replicas[0]
             teacher_tokenizer = _Vocab(self._with_retries(replica, lambda r: self._get_json(r, "/vocab")))
-        vocab = check_tokenizer_compatibility(student_tokenizer, teacher_tokenizer, student_vocab_size=student_rows,
-                                              teacher_vocab_size=int(self.info["vocab_rows"]))
+        vocab = check_tokenizer_compatibility(
+            student_tokenizer,
+            teacher_tokenizer,
+            student_vocab_size=student_rows,
+            teacher_vocab_size=int(self.info["vocab_rows"]),
+        )
         if wire.tokenizer_fingerprints(student_tokenizer)["chat_template_hash"] != self.info["chat_template_hash"]:
-            self.log(f"note: the teacher at {self.replicas[0].url} has another chat template than the student "
-                     f"(scoring uses the student's token ids, so this only matters if you render prompts for it)")
+            self.log(
+                f"note: the teacher at {self.replicas[0].url} has another chat template than the student "
+                f"(scoring uses the student's token ids, so this only matters if you render prompts for it)"
+            )
         return vocab
 
     # -- scoring
 
-    def score(self, rollouts: Rollouts, *, top_k: int = 16, requested_ids: torch.Tensor | None = None,
-              temperature: float = 1.0, with_entropy: bool = True) -> TokenScores:
-        return self.score_async(rollouts, top_k=top_k, requested_ids=requested_ids, temperature=temperature,
-                                with_entropy=with_entropy).result()
+    def score(
+        self,
+        rollouts: Rollouts,
+        *,
+        top_k: int = 16,
+        requested_ids: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        with_entropy: bool = True,
+    ) -> TokenScores:
+        return self.score_async(
+            rollouts, top_k=top_k, requested_ids=requested_ids, temperature=temperature, with_entropy=with_entropy
+        ).result()
 
-    def score_async(self, rollouts: Rollouts, *, top_k: int = 16, requested_ids: torch.Tensor | None = None,
-                    temperature: float = 1.0, with_entropy: bool = True) -> PendingScores:
+    def score_async(
+        self,
+        rollouts: Rollouts,
+        *,
+        top_k: int = 16,
+        requested_ids: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        with_entropy: bool = True,
+    ) -> PendingScores:
         """Send the requests now and return at once; `result()` collects them into `TokenScores` on the rollouts'
         device (zeros at masked positions, as `LocalScorer`)."""
         if top_k < 0:
@@ -164,32 +200,54 @@ class RemoteScorer:
         futures = []
         for rows in groups:
             request = wire.request_from_rollouts(
-                cpu.select(rows), None if requested_BTR is None else requested_BTR[rows], top_k=top_k,
-                temperature=temperature, with_entropy=with_entropy, logprobs=self.logprobs)
+                cpu.select(rows),
+                None if requested_BTR is None else requested_BTR[rows],
+                top_k=top_k,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                logprobs=self.logprobs,
+            )
             futures.append(self._pool.submit(self._send, wire.encode_request(request), request.num_tokens))
 
         def finish() -> TokenScores:
             B, T = mask_BT.shape
             R = None if requested_BTR is None else requested_BTR.shape[-1]
-            out = TokenScores(torch.zeros(B, T), torch.zeros(B, T, top_k, dtype=torch.long) if top_k else None,
-                              torch.zeros(B, T, top_k) if top_k else None,
-                              torch.zeros(B, T) if with_entropy else None,
-                              None if R is None else torch.zeros(B, T, R))
+            out = TokenScores(
+                torch.zeros(B, T),
+                torch.zeros(B, T, top_k, dtype=torch.long) if top_k else None,
+                torch.zeros(B, T, top_k) if top_k else None,
+                torch.zeros(B, T) if with_entropy else None,
+                None if R is None else torch.zeros(B, T, R),
+            )
             for rows, future in zip(groups, futures):
                 response = wire.decode_response(future.result())
                 b_N, t_N = mask_BT[rows].nonzero(as_tuple=True)
                 b_N = rows[b_N]
                 if response.sampled.shape[0] != b_N.numel():
-                    raise TeacherRequestError(f"teacher server answered {response.sampled.shape[0]} positions for "
-                                              f"a request of {b_N.numel()}")
+                    raise TeacherRequestError(
+                        f"teacher server answered {response.sampled.shape[0]} positions for a request of {b_N.numel()}"
+                    )
                 for name in ("sampled", "topk_ids", "topk_logprobs", "entropy", "requested_logprobs"):
-                    grid, values = getattr(out, "sampled_logprobs" if name == "sampled" else name), getattr(response, name)
+                    grid, values = (
+                        getattr(out, "sampled_logprobs" if name == "sampled" else name),
+                        getattr(response, name),
+                    )
                     if grid is not None:
                         if values is None:
                             raise TeacherRequestError(f"teacher server left out {name} from its answer")
                         grid[b_N, t_N] = values.to(grid.dtype)
-            return TokenScores(*(None if x is None else x.to(device) for x in (
-                out.sampled_logprobs, out.topk_ids, out.topk_logprobs, out.entropy, out.requested_logprobs)))
+            return TokenScores(
+                *(
+                    None if x is None else x.to(device)
+                    for x in (
+                        out.sampled_logprobs,
+                        out.topk_ids,
+                        out.topk_logprobs,
+                        out.entropy,
+                        out.requested_logprobs,
+                    )
+                )
+            )
 
         return PendingScores(finish)
 
@@ -199,18 +257,24 @@ class RemoteScorer:
         info = self.info
         R = 0 if requested_BTR is None else requested_BTR.shape[-1]
         if R > info["max_requested_ids"]:
-            raise TeacherRequestError(f"requested_ids: {R} ids per position exceed the teacher server's limit of "
-                                      f"{info['max_requested_ids']} (its max_requested_ids)")
+            raise TeacherRequestError(
+                f"requested_ids: {R} ids per position exceed the teacher server's limit of "
+                f"{info['max_requested_ids']} (its max_requested_ids)"
+            )
         if top_k > min(info["max_top_k"], info["vocab_size"]):
-            raise TeacherRequestError(f"top_k: {top_k} exceeds the teacher server's limit of "
-                                      f"{min(info['max_top_k'], info['vocab_size'])} (its max_top_k, and the "
-                                      f"vocabulary size)")
+            raise TeacherRequestError(
+                f"top_k: {top_k} exceeds the teacher server's limit of "
+                f"{min(info['max_top_k'], info['vocab_size'])} (its max_top_k, and the "
+                f"vocabulary size)"
+            )
         lengths_B = needed_lengths(rollouts) + 1  # + the target token of the last position
         lengths_B = torch.where(rollouts.response_mask.any(1), lengths_B, 0)
         if lengths_B.numel() and int(lengths_B.max()) > info["max_positions"]:
             b = int(lengths_B.argmax())
-            raise TeacherRequestError(f"row {b} has {int(lengths_B[b])} tokens, more than the teacher server's limit "
-                                      f"of {info['max_positions']} per row (its max_positions)")
+            raise TeacherRequestError(
+                f"row {b} has {int(lengths_B[b])} tokens, more than the teacher server's limit "
+                f"of {info['max_positions']} per row (its max_positions)"
+            )
         bytes_per_token = 5 + 4 * R  # token + mask + requested ids, an upper bound per sent token
         budget = min(self.request_tokens, max(1, (info["max_request_bytes"] - 4096) // bytes_per_token))
         groups = []
@@ -228,8 +292,10 @@ class RemoteScorer:
         `BACKOFF_MAX` seconds, or when all are down)."""
         now = time.monotonic()
         with self._lock:
-            replica = min(self.replicas, key=lambda r: (
-                r.down_since is not None and now - r.down_since < BACKOFF_MAX, r.outstanding))
+            replica = min(
+                self.replicas,
+                key=lambda r: (r.down_since is not None and now - r.down_since < BACKOFF_MAX, r.outstanding),
+            )
             replica.outstanding += tokens
             return replica
 
@@ -251,7 +317,8 @@ class RemoteScorer:
                 if now - started >= self.retry_deadline:
                     raise TeacherUnavailableError(
                         f"teacher server {target.url} did not answer for {now - started:.0f} s ({failure}); start "
-                        f"it (opd serve-teacher) or raise teacher.retry_deadline") from None
+                        f"it (opd serve-teacher) or raise teacher.retry_deadline"
+                    ) from None
                 time.sleep(min(max(delay, failure.retry_after or 0.0), self.retry_deadline - (now - started)))
                 delay = min(2 * delay, BACKOFF_MAX)
                 continue
@@ -270,8 +337,10 @@ class RemoteScorer:
                 return
             replica.down_since = time.monotonic()
         until = time.strftime("%H:%M:%S", time.localtime(time.time() + self.retry_deadline))
-        self.log(f"teacher server {replica.url} not answering ({reason}); waiting and retrying until {until} "
-                 f"(teacher.retry_deadline={self.retry_deadline:g} s)")
+        self.log(
+            f"teacher server {replica.url} not answering ({reason}); waiting and retrying until {until} "
+            f"(teacher.retry_deadline={self.retry_deadline:g} s)"
+        )
 
     def _mark_up(self, replica: Replica) -> None:
         with self._lock:
@@ -284,9 +353,11 @@ class RemoteScorer:
         info = self._get_json(replica, "/info")
         differs = [k for k in _IDENTITY if info.get(k) != replica.info.get(k)]
         if differs:
-            raise TeacherRequestError(f"teacher server {replica.url} came back serving another teacher "
-                                      f"({differs[0]}: {replica.info.get(differs[0])!r} → {info.get(differs[0])!r}); "
-                                      f"restart it with the same model")
+            raise TeacherRequestError(
+                f"teacher server {replica.url} came back serving another teacher "
+                f"({differs[0]}: {replica.info.get(differs[0])!r} → {info.get(differs[0])!r}); "
+                f"restart it with the same model"
+            )
 
     def _connection(self, replica: Replica) -> tuple[http.client.HTTPConnection, bool]:
         """This thread's keep-alive connection to `replica`, and whether it was used before."""
@@ -311,8 +382,9 @@ class RemoteScorer:
             except (OSError, http.client.HTTPException) as error:
                 conn.close()
                 self._local.connections.pop(replica.url, None)
-                stale = reused and isinstance(error, (http.client.RemoteDisconnected, ConnectionResetError,
-                                                      BrokenPipeError))
+                stale = reused and isinstance(
+                    error, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+                )
                 if stale and attempt == 0:  # the server closed an idle keep-alive connection: just reconnect
                     continue
                 raise _Transient(_describe(error)) from None
@@ -321,19 +393,23 @@ class RemoteScorer:
         message = _error_text(data)
         if response.status in _TRANSIENT_STATUS:
             retry_after = response.getheader("Retry-After")
-            raise _Transient(f"HTTP {response.status}: {message}",
-                             retry_after=float(retry_after) if retry_after and retry_after.isdigit() else None,
-                             outage=response.status != 503)
-        raise TeacherRequestError(f"teacher server {replica.url} refused {method} {path} ({response.status}): "
-                                  f"{message}")
+            raise _Transient(
+                f"HTTP {response.status}: {message}",
+                retry_after=float(retry_after) if retry_after and retry_after.isdigit() else None,
+                outage=response.status != 503,
+            )
+        raise TeacherRequestError(
+            f"teacher server {replica.url} refused {method} {path} ({response.status}): {message}"
+        )
 
     def _get_json(self, replica: Replica, path: str) -> Any:
         data = self._request(replica, "GET", path)
         try:
             return json.loads(data)
         except json.JSONDecodeError:
-            raise TeacherRequestError(f"teacher server {replica.url}{path} did not answer JSON; is it an "
-                                      f"`opd serve-teacher`?") from None
+            raise TeacherRequestError(
+                f"teacher server {replica.url}{path} did not answer JSON; is it an `opd serve-teacher`?"
+            ) from None
 
     def close(self) -> None:
         """Stop the request threads (idempotent); requests not yet sent are dropped."""
@@ -367,6 +443,11 @@ def _error_text(data: bytes) -> str:
 
 def remote_scorer(spec: Any) -> RemoteScorer:
     """A `RemoteScorer` for a teacher config (`opd.config.TeacherSpec` with `url` set)."""
-    return RemoteScorer(spec.url, token=resolve_token(spec.token_file, spec.token_env), timeout=spec.timeout,
-                        retry_deadline=spec.retry_deadline, request_tokens=spec.request_tokens,
-                        logprobs=spec.logprobs)
+    return RemoteScorer(
+        spec.url,
+        token=resolve_token(spec.token_file, spec.token_env),
+        timeout=spec.timeout,
+        retry_deadline=spec.retry_deadline,
+        request_tokens=spec.request_tokens,
+        logprobs=spec.logprobs,
+    )

@@ -9,15 +9,33 @@ from __future__ import annotations
 import torch
 
 from opd.forward import (  # the names below stay importable from here
-    PACK_MIN_PADDING, Packing, ResponseHidden, check_output_head, forward_hidden, model_device, needed_lengths,
-    output_head, split_by_token_budget, uses_packing,
+    PACK_MIN_PADDING,
+    Packing,
+    ResponseHidden,
+    check_output_head,
+    forward_hidden,
+    model_device,
+    needed_lengths,
+    output_head,
+    split_by_token_budget,
+    uses_packing,
 )
 from opd.scoring import score_hidden
 from opd.teacher.base import PendingScores
 from opd.types import Rollouts, TokenScores
 
-__all__ = ["PACK_MIN_PADDING", "LocalScorer", "Packing", "ResponseHidden", "check_output_head", "forward_hidden",
-           "needed_lengths", "output_head", "split_by_token_budget", "uses_packing"]
+__all__ = [
+    "PACK_MIN_PADDING",
+    "LocalScorer",
+    "Packing",
+    "ResponseHidden",
+    "check_output_head",
+    "forward_hidden",
+    "needed_lengths",
+    "output_head",
+    "split_by_token_budget",
+    "uses_packing",
+]
 
 
 class LocalScorer:
@@ -100,18 +118,33 @@ class LocalScorer:
                 head_device = head.weight.device  # not `device` when a device map spreads the layers
                 for rows_b in groups:
                     rows_b = rows_b.to(device)
-                    part = forward_hidden(self.model, batch.select(rows_b), packing=self.packing,
-                                          through_root=self.through_root)
+                    part = forward_hidden(
+                        self.model, batch.select(rows_b), packing=self.packing, through_root=self.through_root
+                    )
                     b_N, t_N = rows_b[part.rows_N], part.cols_N  # back to rows of the whole batch
                     scores = score_hidden(
-                        part.hidden_ND.to(head_device), head, targets_N=part.targets_N.to(head_device), top_k=top_k,
+                        part.hidden_ND.to(head_device),
+                        head,
+                        targets_N=part.targets_N.to(head_device),
+                        top_k=top_k,
                         requested_ids_NR=None if requested_BTR is None else requested_BTR[b_N, t_N].to(head_device),
-                        temperature=temperature, vocab_size=self.vocab_size, with_entropy=with_entropy,
+                        temperature=temperature,
+                        vocab_size=self.vocab_size,
+                        with_entropy=with_entropy,
                         chunk_size=self.chunk_size,
                     )
-                    scores = TokenScores(*(None if x is None else x.to(device) for x in (
-                        scores.sampled_logprobs, scores.topk_ids, scores.topk_logprobs, scores.entropy,
-                        scores.requested_logprobs)))
+                    scores = TokenScores(
+                        *(
+                            None if x is None else x.to(device)
+                            for x in (
+                                scores.sampled_logprobs,
+                                scores.topk_ids,
+                                scores.topk_logprobs,
+                                scores.entropy,
+                                scores.requested_logprobs,
+                            )
+                        )
+                    )
                     sampled_BT[b_N, t_N] = scores.sampled_logprobs.float()
                     if top_k:
                         topk_ids_BTK[b_N, t_N] = scores.topk_ids
@@ -126,14 +159,25 @@ class LocalScorer:
         def back(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else x.to(out_device)
 
-        return TokenScores(back(sampled_BT), back(topk_ids_BTK), back(topk_lp_BTK), back(entropy_BT),
-                           back(requested_lp_BTR))
+        return TokenScores(
+            back(sampled_BT), back(topk_ids_BTK), back(topk_lp_BTK), back(entropy_BT), back(requested_lp_BTR)
+        )
 
-    def score_async(self, rollouts: Rollouts, *, top_k: int = 16, requested_ids: torch.Tensor | None = None,
-                    temperature: float = 1.0, with_entropy: bool = True) -> PendingScores:
+    def score_async(
+        self,
+        rollouts: Rollouts,
+        *,
+        top_k: int = 16,
+        requested_ids: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        with_entropy: bool = True,
+    ) -> PendingScores:
         """`score` now (in process there is nothing to overlap), as done `PendingScores`."""
-        return PendingScores.done(self.score(rollouts, top_k=top_k, requested_ids=requested_ids,
-                                             temperature=temperature, with_entropy=with_entropy))
+        return PendingScores.done(
+            self.score(
+                rollouts, top_k=top_k, requested_ids=requested_ids, temperature=temperature, with_entropy=with_entropy
+            )
+        )
 
     def close(self) -> None:
         """Nothing to do: the model is the caller's."""

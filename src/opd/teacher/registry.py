@@ -11,8 +11,9 @@ one-line error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, get_args
+from typing import Any, get_args
 
 import torch
 
@@ -84,14 +85,30 @@ def resolve_scorer(spec: ModelSpec) -> str:
     return engine
 
 
-def load_teacher(spec: ModelSpec, *, student_tokenizer: Any, student_rows: int, student_device: torch.device,
-                 world_size: int = 1, offload: bool = False, max_tokens_per_batch: int = 32768,
-                 objective: Any = None, max_batch_size: int = 256) -> Teacher:
+def load_teacher(
+    spec: ModelSpec,
+    *,
+    student_tokenizer: Any,
+    student_rows: int,
+    student_device: torch.device,
+    world_size: int = 1,
+    offload: bool = False,
+    max_tokens_per_batch: int = 32768,
+    objective: Any = None,
+    max_batch_size: int = 256,
+) -> Teacher:
     """Build the teacher `spec` describes (the placements: the module docstring; the arguments: `TeacherRequest`)."""
-    request = TeacherRequest(spec=spec, student_tokenizer=student_tokenizer, student_rows=student_rows,
-                             student_device=student_device, world_size=world_size, offload=offload,
-                             max_tokens_per_batch=max_tokens_per_batch, objective=objective,
-                             max_batch_size=max_batch_size)
+    request = TeacherRequest(
+        spec=spec,
+        student_tokenizer=student_tokenizer,
+        student_rows=student_rows,
+        student_device=student_device,
+        world_size=world_size,
+        offload=offload,
+        max_tokens_per_batch=max_tokens_per_batch,
+        objective=objective,
+        max_batch_size=max_batch_size,
+    )
     return _SCORERS[resolve_scorer(spec)](request)
 
 
@@ -134,11 +151,19 @@ def _local(request: TeacherRequest) -> Teacher:
     spec = request.spec
     device = teacher_device(spec, request.student_device, request.world_size)
     dtype = resolve_dtype(spec.dtype, resolve_device(device))
-    module, tokenizer = load_model(spec.path, dtype=dtype, device="cpu" if request.offload else device,
-                                   trust_remote_code=spec.trust_remote_code,
-                                   attn_implementation=spec.attn_implementation)
-    vocab = check_tokenizer_compatibility(request.student_tokenizer, tokenizer, student_vocab_size=request.student_rows,
-                                          teacher_vocab_size=module.get_output_embeddings().weight.shape[0])
+    module, tokenizer = load_model(
+        spec.path,
+        dtype=dtype,
+        device="cpu" if request.offload else device,
+        trust_remote_code=spec.trust_remote_code,
+        attn_implementation=spec.attn_implementation,
+    )
+    vocab = check_tokenizer_compatibility(
+        request.student_tokenizer,
+        tokenizer,
+        student_vocab_size=request.student_rows,
+        teacher_vocab_size=module.get_output_embeddings().weight.shape[0],
+    )
     # ids beyond the tokenizer are embedding padding rows: never a top-k candidate (SPEC §1)
     scorer = LocalScorer(module, max_tokens_per_batch=request.max_tokens_per_batch, vocab_size=vocab.tokenizer_size)
     return Teacher(scorer=scorer, module=module, vocab=vocab)
@@ -147,20 +172,31 @@ def _local(request: TeacherRequest) -> Teacher:
 def _served(request: TeacherRequest) -> Teacher:
     """Nothing loads here: the server holds the model."""
     scorer = remote_scorer(request.spec)
-    return Teacher(scorer=scorer, module=None, vocab=scorer.check_tokenizer(request.student_tokenizer,
-                                                                            student_rows=request.student_rows))
+    return Teacher(
+        scorer=scorer,
+        module=None,
+        vocab=scorer.check_tokenizer(request.student_tokenizer, student_rows=request.student_rows),
+    )
 
 
 def _vllm(request: TeacherRequest) -> Teacher:
     spec, objective = request.spec, request.objective
     tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
-    vocab = check_tokenizer_compatibility(request.student_tokenizer, tokenizer, student_vocab_size=request.student_rows,
-                                          teacher_vocab_size=config_rows(spec.path,
-                                                                         trust_remote_code=spec.trust_remote_code))
+    vocab = check_tokenizer_compatibility(
+        request.student_tokenizer,
+        tokenizer,
+        student_vocab_size=request.student_rows,
+        teacher_vocab_size=config_rows(spec.path, trust_remote_code=spec.trust_remote_code),
+    )
     options = engine_options(getattr(spec, "vllm", None), spec)
     top_k = diagnostic_top_k(getattr(objective, "top_k", 0) or 0)  # what the trainer asks for, diagnostics included
-    scorer = VLLMScorer(spec.path, vocab_size=vocab.tokenizer_size, options=options, max_top_k=top_k,
-                        max_batch_size=request.max_batch_size)
+    scorer = VLLMScorer(
+        spec.path,
+        vocab_size=vocab.tokenizer_size,
+        options=options,
+        max_top_k=top_k,
+        max_batch_size=request.max_batch_size,
+    )
     if objective is not None:
         check_objective(objective, serves_requested_ids=scorer.serves_requested_ids)
     return Teacher(scorer=scorer, module=None, vocab=vocab)
@@ -168,5 +204,6 @@ def _vllm(request: TeacherRequest) -> Teacher:
 
 _SCORERS: dict[str, Callable[[TeacherRequest], Teacher]] = {"local": _local, "served": _served, "vllm": _vllm}
 if set(get_args(TeacherEngineName)) != set(_SCORERS) - {"served"}:  # the config's type and this table agree
-    raise ImportError(f"opd.names.TeacherEngineName {get_args(TeacherEngineName)} and the scorer table "
-                      f"{list(_SCORERS)} differ")
+    raise ImportError(
+        f"opd.names.TeacherEngineName {get_args(TeacherEngineName)} and the scorer table {list(_SCORERS)} differ"
+    )

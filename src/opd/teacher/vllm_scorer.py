@@ -22,8 +22,9 @@ from opd.rollout.vllm_engine import EngineOptions, config_rows, model_rows, push
 from opd.teacher.base import PendingScores
 from opd.types import Rollouts, TokenScores
 
-ALTERNATIVES = ("use teacher.engine=local (an in-process HF teacher) or a teacher server "
-                "(opd serve-teacher, teacher.url)")
+ALTERNATIVES = (
+    "use teacher.engine=local (an in-process HF teacher) or a teacher server (opd serve-teacher, teacher.url)"
+)
 
 
 def check_objective(objective: Any, *, serves_requested_ids: bool | None = None) -> None:
@@ -31,14 +32,18 @@ def check_objective(objective: Any, *, serves_requested_ids: bool | None = None)
     teacher_temperature ≠ 1, or log-probs at the student's top-k (top_k > 0 with a strategy that has student slots).
     serves_requested_ids: None before the engine has started (only the static checks run)."""
     if objective.teacher_temperature != 1.0:
-        raise ValueError(f"teacher.engine=vllm scores with raw logits (prompt_logprobs): objective.teacher_temperature "
-                         f"must be 1.0, got {objective.teacher_temperature}; {ALTERNATIVES}")
+        raise ValueError(
+            f"teacher.engine=vllm scores with raw logits (prompt_logprobs): objective.teacher_temperature "
+            f"must be 1.0, got {objective.teacher_temperature}; {ALTERNATIVES}"
+        )
     needs_ids = objective.top_k > 0 and strategy_spec(objective.strategy).student_slots
     if needs_ids and serves_requested_ids is False:
-        raise ValueError(f"teacher.engine=vllm: objective.strategy={objective.strategy} with top_k={objective.top_k} "
-                         f"needs the teacher's log-probs at the student's top-k ids, which this vLLM cannot score "
-                         f"(prompt_logprob_token_ids needs its V2 model runner); use strategy=only_tch or top_k=0, "
-                         f"or {ALTERNATIVES}")
+        raise ValueError(
+            f"teacher.engine=vllm: objective.strategy={objective.strategy} with top_k={objective.top_k} "
+            f"needs the teacher's log-probs at the student's top-k ids, which this vLLM cannot score "
+            f"(prompt_logprob_token_ids needs its V2 model runner); use strategy=only_tch or top_k=0, "
+            f"or {ALTERNATIVES}"
+        )
 
 
 class VLLMScorer:
@@ -53,31 +58,47 @@ class VLLMScorer:
 
     serves_requested_ids: bool  # set at start-up: whether the installed vLLM can score requested ids
 
-    def __init__(self, model_path: str, *, vocab_size: int | None = None, options: EngineOptions | None = None,
-                 max_top_k: int = 16, max_batch_size: int = 256) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        vocab_size: int | None = None,
+        options: EngineOptions | None = None,
+        max_top_k: int = 16,
+        max_batch_size: int = 256,
+    ) -> None:
         options = options or EngineOptions()
         self.rows = config_rows(model_path, trust_remote_code=options.trust_remote_code)
         if vocab_size is not None and vocab_size > self.rows:
             raise ValueError(f"VLLMScorer vocab_size={vocab_size} exceeds the model's {self.rows} output rows")
         self.vocab_size = vocab_size or self.rows
         self.num_padding = self.rows - self.vocab_size
-        self.llm = start_engine(model_path, options, max_num_seqs=max_batch_size,
-                                max_logprobs=max_top_k + self.num_padding + 1)
+        self.llm = start_engine(
+            model_path, options, max_num_seqs=max_batch_size, max_logprobs=max_top_k + self.num_padding + 1
+        )
         if model_rows(self.llm) != self.rows:
             raise RuntimeError(f"vLLM's model has {model_rows(self.llm)} output rows, its config {self.rows}")
         from vllm import SamplingParams
 
-        self.serves_requested_ids = ("prompt_logprob_token_ids" in getattr(SamplingParams, "__struct_fields__", ())
-                                     or hasattr(SamplingParams, "prompt_logprob_token_ids")) and bool(
-            getattr(self.llm.llm_engine.vllm_config, "use_v2_model_runner", False))
+        self.serves_requested_ids = (
+            "prompt_logprob_token_ids" in getattr(SamplingParams, "__struct_fields__", ())
+            or hasattr(SamplingParams, "prompt_logprob_token_ids")
+        ) and bool(getattr(self.llm.llm_engine.vllm_config, "use_v2_model_runner", False))
         self.serves_entropy = False
 
     def sync_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Not used by the trainer (the teacher is frozen); here for a caller that swaps teachers."""
         push_weights(self.llm, weights)
 
-    def score(self, rollouts: Rollouts, *, top_k: int = 16, requested_ids: torch.Tensor | None = None,
-              temperature: float = 1.0, with_entropy: bool = True) -> TokenScores:
+    def score(
+        self,
+        rollouts: Rollouts,
+        *,
+        top_k: int = 16,
+        requested_ids: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        with_entropy: bool = True,
+    ) -> TokenScores:
         """`TokenScores` [B, T, ...] aligned with `rollouts.response_ids`, zero at masked positions, float32, on the
         rollouts' device; `entropy` is None (not served, see the module docstring)."""
         from vllm import SamplingParams, TokensPrompt
@@ -85,11 +106,15 @@ class VLLMScorer:
         if top_k < 0:
             raise ValueError(f"top_k must be ≥ 0 (0 = no top-k), got {top_k}")
         if temperature != 1.0:
-            raise ValueError(f"VLLMScorer scores at temperature 1 only (vLLM's prompt log-probs use the raw logits), "
-                             f"got {temperature}; {ALTERNATIVES}")
+            raise ValueError(
+                f"VLLMScorer scores at temperature 1 only (vLLM's prompt log-probs use the raw logits), "
+                f"got {temperature}; {ALTERNATIVES}"
+            )
         if requested_ids is not None and not self.serves_requested_ids:
-            raise ValueError(f"VLLMScorer cannot score requested ids with this vLLM (prompt_logprob_token_ids needs "
-                             f"its V2 model runner); {ALTERNATIVES}")
+            raise ValueError(
+                f"VLLMScorer cannot score requested ids with this vLLM (prompt_logprob_token_ids needs "
+                f"its V2 model runner); {ALTERNATIVES}"
+            )
         device = rollouts.response_ids.device
         mask_BT = rollouts.response_mask.bool().cpu()
         B, T = mask_BT.shape
@@ -104,11 +129,14 @@ class VLLMScorer:
             end = prompt_B[b] + lengths_B[b]
             extra: dict[str, Any] = {}
             if requested_ids is not None:
-                extra = dict(prompt_logprob_token_ids=requested_ids[b, : lengths_B[b]].cpu().tolist(),
-                             prompt_logprob_start=prompt_B[b] - 1)
+                extra = dict(
+                    prompt_logprob_token_ids=requested_ids[b, : lengths_B[b]].cpu().tolist(),
+                    prompt_logprob_start=prompt_B[b] - 1,
+                )
             prompts.append(TokensPrompt(prompt_token_ids=ids_BL[b, :end].tolist()))
-            params.append(SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=max(wanted, 0),
-                                         detokenize=False, **extra))
+            params.append(
+                SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=max(wanted, 0), detokenize=False, **extra)
+            )
             live.append(b)
         results = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
 
@@ -122,8 +150,9 @@ class VLLMScorer:
                 position = result.prompt_logprobs[start + t]  # {id: Logprob} predicting token start + t
                 sampled_BT[b, t] = position[int(tokens[start + t])].logprob
                 if top_k:
-                    best = sorted(((lp.logprob, i) for i, lp in position.items() if i < self.vocab_size),
-                                  reverse=True)[:top_k]
+                    best = sorted(((lp.logprob, i) for i, lp in position.items() if i < self.vocab_size), reverse=True)[
+                        :top_k
+                    ]
                     topk_ids_BTK[b, t] = torch.tensor([i for _, i in best], dtype=torch.long)
                     topk_lp_BTK[b, t] = torch.tensor([lp for lp, _ in best])
             if requested_BTR is not None:
@@ -135,11 +164,21 @@ class VLLMScorer:
 
         return TokenScores(back(sampled_BT), back(topk_ids_BTK), back(topk_lp_BTK), None, back(requested_BTR))
 
-    def score_async(self, rollouts: Rollouts, *, top_k: int = 16, requested_ids: torch.Tensor | None = None,
-                    temperature: float = 1.0, with_entropy: bool = True) -> PendingScores:
+    def score_async(
+        self,
+        rollouts: Rollouts,
+        *,
+        top_k: int = 16,
+        requested_ids: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        with_entropy: bool = True,
+    ) -> PendingScores:
         """`score` now (the engine runs in this process), as done `PendingScores`."""
-        return PendingScores.done(self.score(rollouts, top_k=top_k, requested_ids=requested_ids,
-                                             temperature=temperature, with_entropy=with_entropy))
+        return PendingScores.done(
+            self.score(
+                rollouts, top_k=top_k, requested_ids=requested_ids, temperature=temperature, with_entropy=with_entropy
+            )
+        )
 
     def close(self) -> None:
         """Shut the engine down now (idempotent; otherwise at exit), as `VLLMGenerator.close`."""

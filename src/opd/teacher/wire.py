@@ -128,22 +128,36 @@ def decode_message(data: bytes | bytearray | memoryview) -> tuple[str, dict, dic
     if version != VERSION:
         raise WireError(f"version: unknown wire version {version}; this side speaks version {VERSION}")
     if header_length > MAX_HEADER_BYTES or _PREFIX.size + header_length > len(view):
-        raise WireError(f"header: length {header_length} exceeds the message ({len(view)} bytes) or the "
-                        f"{MAX_HEADER_BYTES}-byte limit")
+        raise WireError(
+            f"header: length {header_length} exceeds the message ({len(view)} bytes) or the "
+            f"{MAX_HEADER_BYTES}-byte limit"
+        )
     try:
-        header = json.loads(bytes(view[_PREFIX.size:_PREFIX.size + header_length]))
+        header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + header_length]))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise WireError("header: not valid UTF-8 JSON") from None
-    if not isinstance(header, dict) or not isinstance(header.get("kind"), str) or \
-            not isinstance(header.get("meta"), dict) or not isinstance(header.get("arrays"), list):
+    if (
+        not isinstance(header, dict)
+        or not isinstance(header.get("kind"), str)
+        or not isinstance(header.get("meta"), dict)
+        or not isinstance(header.get("arrays"), list)
+    ):
         raise WireError("header: expected an object with 'kind' (string), 'meta' (object) and 'arrays' (list)")
     arrays: dict[str, torch.Tensor] = {}
     offset = _PREFIX.size + header_length
     for entry in header["arrays"]:
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and entry[1] in _DTYPES
-                and isinstance(entry[2], list) and all(type(n) is int and n >= 0 for n in entry[2])):
-            raise WireError(f"header.arrays: entry {str(entry)[:80]} is not [name, dtype in "
-                            f"{'|'.join(_DTYPES)}, [non-negative sizes]]")
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 3
+            and isinstance(entry[0], str)
+            and entry[1] in _DTYPES
+            and isinstance(entry[2], list)
+            and all(type(n) is int and n >= 0 for n in entry[2])
+        ):
+            raise WireError(
+                f"header.arrays: entry {str(entry)[:80]} is not [name, dtype in "
+                f"{'|'.join(_DTYPES)}, [non-negative sizes]]"
+            )
         name, dtype, shape = entry
         if name in arrays:
             raise WireError(f"header.arrays: {name!r} listed twice")
@@ -152,7 +166,7 @@ def decode_message(data: bytes | bytearray | memoryview) -> tuple[str, dict, dic
         nbytes = count * _DTYPES[dtype].itemsize
         if offset + nbytes > len(view):
             raise WireError(f"{name}: shape {shape} needs {nbytes} bytes but only {max(0, len(view) - offset)} remain")
-        arrays[name] = _from_bytes(view[offset:offset + nbytes], dtype, shape)
+        arrays[name] = _from_bytes(view[offset : offset + nbytes], dtype, shape)
         offset += nbytes
     if offset != len(view):
         raise WireError(f"body: {len(view) - offset} bytes after the last array")
@@ -166,8 +180,9 @@ def _to_bytes(tensor: torch.Tensor, dtype: str) -> bytes:
     if dtype == "int32":
         info = torch.iinfo(torch.int32)
         if tensor.numel() and (int(tensor.min()) < info.min or int(tensor.max()) > info.max):
-            raise WireError(f"a value outside int32 cannot be sent as int32 (range {int(tensor.min())}.."
-                            f"{int(tensor.max())})")
+            raise WireError(
+                f"a value outside int32 cannot be sent as int32 (range {int(tensor.min())}..{int(tensor.max())})"
+            )
         tensor = tensor.to(torch.int32)
     elif dtype == "uint8":
         tensor = tensor.to(torch.uint8)
@@ -192,10 +207,18 @@ def _from_bytes(buffer: memoryview, dtype: str, shape: list[int]) -> torch.Tenso
 def encode_request(request: ScoreRequest) -> bytes:
     if request.logprobs not in LOGPROB_DTYPES:
         raise WireError(f"logprobs: must be one of {', '.join(LOGPROB_DTYPES)}, got {request.logprobs!r}")
-    meta = {"top_k": request.top_k, "temperature": request.temperature, "with_entropy": request.with_entropy,
-            "logprobs": request.logprobs}
-    arrays = [("row_lengths", request.row_lengths, "int32"), ("prompt_lengths", request.prompt_lengths, "int32"),
-              ("tokens", request.tokens, "int32"), ("mask", request.mask, "uint8")]
+    meta = {
+        "top_k": request.top_k,
+        "temperature": request.temperature,
+        "with_entropy": request.with_entropy,
+        "logprobs": request.logprobs,
+    }
+    arrays = [
+        ("row_lengths", request.row_lengths, "int32"),
+        ("prompt_lengths", request.prompt_lengths, "int32"),
+        ("tokens", request.tokens, "int32"),
+        ("mask", request.mask, "uint8"),
+    ]
     if request.requested_ids is not None:
         arrays.append(("requested_ids", request.requested_ids, "int32"))
     return encode_message("score", meta, arrays)
@@ -228,42 +251,65 @@ def decode_request(data: bytes | bytearray | memoryview) -> ScoreRequest:
     bad = ((prompts < 1) | (prompts > rows)) & ~((rows == 0) & (prompts == 0))  # an empty row sends nothing
     if bool(bad.any()):
         b = int(bad.nonzero()[0])
-        raise WireError(f"prompt_lengths: row {b} has prompt length {int(prompts[b])} for {int(rows[b])} tokens; "
-                        f"expected 1 ≤ prompt length ≤ row length (or 0 for an empty row)")
+        raise WireError(
+            f"prompt_lengths: row {b} has prompt length {int(prompts[b])} for {int(rows[b])} tokens; "
+            f"expected 1 ≤ prompt length ≤ row length (or 0 for an empty row)"
+        )
     if int(rows.sum()) != tokens.numel():
         raise WireError(f"tokens: {tokens.numel()} values but row_lengths add up to {int(rows.sum())}")
     if int((rows - prompts).sum()) != mask.numel():
-        raise WireError(f"mask: {mask.numel()} values but the rows have {int((rows - prompts).sum())} response "
-                        f"positions")
+        raise WireError(
+            f"mask: {mask.numel()} values but the rows have {int((rows - prompts).sum())} response positions"
+        )
     requested = arrays.get("requested_ids")
     if requested is not None and (requested.dim() != 2 or requested.shape[0] != int(mask.sum())):
-        raise WireError(f"requested_ids: shape {list(requested.shape)}, expected [{int(mask.sum())} scored "
-                        f"positions, R]")
+        raise WireError(
+            f"requested_ids: shape {list(requested.shape)}, expected [{int(mask.sum())} scored positions, R]"
+        )
     return ScoreRequest(rows, prompts, tokens, mask, requested, top_k, float(temperature), with_entropy, logprobs)
 
 
-def request_from_rollouts(rollouts: Rollouts, requested_ids_BTR: torch.Tensor | None = None, *, top_k: int = 16,
-                          temperature: float = 1.0, with_entropy: bool = True,
-                          logprobs: str = "float32") -> ScoreRequest:
+def request_from_rollouts(
+    rollouts: Rollouts,
+    requested_ids_BTR: torch.Tensor | None = None,
+    *,
+    top_k: int = 16,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    logprobs: str = "float32",
+) -> ScoreRequest:
     """The request that asks for the scores of every `response_mask` position of `rollouts` (rows are sent up to
     their last scored position; a row with none sends no tokens). requested_ids_BTR: [B, T, R] or None."""
     r = rollouts.to("cpu")
     mask_BT = r.response_mask.bool()
     T = mask_BT.shape[1]
-    scored_B = torch.where(mask_BT, torch.arange(T) + 1, 0).amax(1) if T else torch.zeros(len(mask_BT), dtype=torch.long)
+    scored_B = (
+        torch.where(mask_BT, torch.arange(T) + 1, 0).amax(1) if T else torch.zeros(len(mask_BT), dtype=torch.long)
+    )
     prompt_B = torch.where(scored_B > 0, r.prompt_lengths, 0)
     length_B = prompt_B + scored_B
     L = r.input_ids.shape[1]
     if bool((length_B > L).any()):
-        raise ValueError("rollouts: a scored response position lies beyond input_ids (prompt_lengths + response "
-                         "positions must fit the row)")
+        raise ValueError(
+            "rollouts: a scored response position lies beyond input_ids (prompt_lengths + response "
+            "positions must fit the row)"
+        )
     keep_BL = torch.arange(L)[None] < length_B[:, None]
     keep_BT = torch.arange(T)[None] < scored_B[:, None]
     requested = None
     if requested_ids_BTR is not None:
         requested = requested_ids_BTR.to("cpu")[mask_BT]
-    return ScoreRequest(length_B, prompt_B, r.input_ids[keep_BL], mask_BT[keep_BT], requested, top_k,
-                        float(temperature), with_entropy, logprobs)
+    return ScoreRequest(
+        length_B,
+        prompt_B,
+        r.input_ids[keep_BL],
+        mask_BT[keep_BT],
+        requested,
+        top_k,
+        float(temperature),
+        with_entropy,
+        logprobs,
+    )
 
 
 def rollouts_from_requests(requests: list[ScoreRequest]) -> tuple[Rollouts, torch.Tensor | None]:
@@ -283,9 +329,18 @@ def rollouts_from_requests(requests: list[ScoreRequest]) -> tuple[Rollouts, torc
     mask_BT[keep_BT] = torch.cat([q.mask for q in requests])
     # response token t of row b is input token P_b + t (right padding: index L-1 stands in past the row, masked)
     index_BT = (prompts[:, None] + torch.arange(T)[None]).clamp(max=max(L - 1, 0))
-    response_ids = torch.where(keep_BT, input_ids.gather(1, index_BT), 0) if B and T else torch.zeros(B, T, dtype=torch.long)
-    rollouts = Rollouts(input_ids=input_ids, attention_mask=keep_BL, prompt_lengths=prompts, response_ids=response_ids,
-                        response_mask=mask_BT, group_ids=torch.arange(B), truncated=torch.zeros(B, dtype=torch.bool))
+    response_ids = (
+        torch.where(keep_BT, input_ids.gather(1, index_BT), 0) if B and T else torch.zeros(B, T, dtype=torch.long)
+    )
+    rollouts = Rollouts(
+        input_ids=input_ids,
+        attention_mask=keep_BL,
+        prompt_lengths=prompts,
+        response_ids=response_ids,
+        response_mask=mask_BT,
+        group_ids=torch.arange(B),
+        truncated=torch.zeros(B, dtype=torch.bool),
+    )
     requested = [q.requested_ids for q in requests]
     if any(r is None for r in requested):
         return rollouts, None
@@ -320,8 +375,13 @@ def decode_response(data: bytes | bytearray | memoryview) -> ScoreResponse:
     for name, value in floats.items():
         if value.shape[0] != N:
             raise WireError(f"{name}: {value.shape[0]} positions, 'sampled' has {N}")
-    return ScoreResponse(floats["sampled"], floats.get("topk_ids"), floats.get("topk_logprobs"), floats.get("entropy"),
-                         floats.get("requested_logprobs"))
+    return ScoreResponse(
+        floats["sampled"],
+        floats.get("topk_ids"),
+        floats.get("topk_logprobs"),
+        floats.get("entropy"),
+        floats.get("requested_logprobs"),
+    )
 
 
 def response_from_scores(scores: TokenScores, mask_BT: torch.Tensor) -> ScoreResponse:
@@ -331,13 +391,23 @@ def response_from_scores(scores: TokenScores, mask_BT: torch.Tensor) -> ScoreRes
     def pick(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else x[mask_BT]
 
-    return ScoreResponse(pick(scores.sampled_logprobs), pick(scores.topk_ids), pick(scores.topk_logprobs),
-                         pick(scores.entropy), pick(scores.requested_logprobs))
+    return ScoreResponse(
+        pick(scores.sampled_logprobs),
+        pick(scores.topk_ids),
+        pick(scores.topk_logprobs),
+        pick(scores.entropy),
+        pick(scores.requested_logprobs),
+    )
 
 
 def split_response(response: ScoreResponse, counts: list[int]) -> list[ScoreResponse]:
     """Cut a batch's response into consecutive pieces of `counts` positions (one per merged request)."""
-    fields = [response.sampled, response.topk_ids, response.topk_logprobs, response.entropy,
-              response.requested_logprobs]
+    fields = [
+        response.sampled,
+        response.topk_ids,
+        response.topk_logprobs,
+        response.entropy,
+        response.requested_logprobs,
+    ]
     pieces = [None if f is None else f.split(counts) for f in fields]
     return [ScoreResponse(*(None if p is None else p[i] for p in pieces)) for i in range(len(counts))]

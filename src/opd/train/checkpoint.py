@@ -10,26 +10,44 @@ verification and the older layout in full: docs/design.md, "opd.train.checkpoint
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import random
-import re
 import shutil
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from opd.io import give_umask_modes
 from opd.rundir import (  # the checkpoint directories on disk: names, manifest, verification, listing
-    COMPLETE, MANIFEST, STATE_FILE, checkpoint_step, complete_checkpoints, format_size, latest_checkpoint,
-    remove_stale_temps, verify_checkpoint, write_manifest,
+    COMPLETE,
+    MANIFEST,
+    STATE_FILE,
+    checkpoint_step,
+    complete_checkpoints,
+    format_size,
+    latest_checkpoint,
+    remove_stale_temps,
+    verify_checkpoint,
+    write_manifest,
 )
 
+# the directory functions live in opd.rundir; they stay importable from here
+__all__ = [
+    "COMPLETE",
+    "MANIFEST",
+    "STATE_FILE",
+    "CheckpointWriteError",
+    "latest_checkpoint",
+    "load_trainer_state",
+    "remove_stale_temps",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+    "verify_checkpoint",
+    "write_manifest",
+]
 
 
 class CheckpointWriteError(OSError, ValueError):
@@ -86,12 +104,15 @@ def save_checkpoint(
     except BaseException as error:  # also a KeyboardInterrupt: never leave a partial copy behind
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(error, Exception) and _is_write_failure(error):
-            needed = _tensor_bytes(state_dict if state_dict is not None else model.state_dict()) + _tensor_bytes(trainer_state)
+            needed = _tensor_bytes(state_dict if state_dict is not None else model.state_dict()) + _tensor_bytes(
+                trainer_state
+            )
             free = shutil.disk_usage(root).free
             raise CheckpointWriteError(
                 f"could not write checkpoint step_{step} into {root} ({_reason(error)}): it needs about "
                 f"{format_size(needed)}, {format_size(free)} free there; the partial copy was removed. Free space (or lower "
-                f"run.keep_last) and rerun with --resume") from None
+                f"run.keep_last) and rerun with --resume"
+            ) from None
         raise
     if final.exists():  # re-saving the same step (e.g. after a resume): move the old one aside first
         old = root / f".old-step_{step}-{os.getpid()}"
@@ -132,8 +153,19 @@ def _is_write_failure(error: Exception) -> bool:
     if isinstance(error, OSError):
         return True
     text = str(error)
-    return any(s in text for s in ("No space left", "file write failed", "File too large", "StorageFull",
-                                   "Read-only file system", "Disk quota", "IoError", "unexpected pos"))
+    return any(
+        s in text
+        for s in (
+            "No space left",
+            "file write failed",
+            "File too large",
+            "StorageFull",
+            "Read-only file system",
+            "Disk quota",
+            "IoError",
+            "unexpected pos",
+        )
+    )
 
 
 def _reason(error: Exception) -> str:
@@ -143,5 +175,3 @@ def _reason(error: Exception) -> str:
         if phrase in str(error):
             return phrase
     return str(error).strip().splitlines()[-1][:120] if str(error).strip() else type(error).__name__
-
-

@@ -6,16 +6,14 @@ Plain functions over plain arguments: there is no base Trainer (STYLE 12).
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
-from pydantic import BaseModel
 
-from opd.config import EvalConfig, EvalSpec, ModelSpec, RunSpec, flatten_dotted, save_config
+from opd.config import EvalConfig, EvalSpec, ModelSpec, RunSpec
 from opd.data.templates import encode_prompts
 from opd.eval.benchmarks import load_benchmark
 from opd.eval.sampling import evaluate_model
@@ -24,8 +22,9 @@ from opd.report import write_report
 from opd.train.checkpoint import load_trainer_state, set_rng_state
 
 
-def load_eval_sets(spec: EvalSpec, tokenizer: Any, *, template: str, enable_thinking: bool | None,
-                   max_prompt_length: int) -> None:
+def load_eval_sets(
+    spec: EvalSpec, tokenizer: Any, *, template: str, enable_thinking: bool | None, max_prompt_length: int
+) -> None:
     """Load and encode every `spec.benchmarks` entry exactly as the in-run `opd eval` will (`load_benchmark`,
     `encode_prompts`), so that an unknown name, a bad column or a set with no prompt short enough fails at startup,
     before any training, instead of after the last step."""
@@ -34,8 +33,13 @@ def load_eval_sets(spec: EvalSpec, tokenizer: Any, *, template: str, enable_thin
             prompts = load_benchmark(benchmark, prompt_key=spec.prompt_key, answer_key=spec.answer_key)
             if spec.limit:
                 prompts = prompts[: spec.limit]
-            encode_prompts(tokenizer, prompts, max_prompt_length=max_prompt_length, template=template,
-                           enable_thinking=enable_thinking)
+            encode_prompts(
+                tokenizer,
+                prompts,
+                max_prompt_length=max_prompt_length,
+                template=template,
+                enable_thinking=enable_thinking,
+            )
         except ValueError as error:
             raise ValueError(f"eval.benchmarks: {error}") from None
 
@@ -48,8 +52,12 @@ def eval_pending(run_dir: Path, step: int) -> bool:
 
 def trainer_state(optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Any, **extra: Any) -> dict:
     """What a checkpoint stores besides the weights (`save_checkpoint` adds the step and the RNG states)."""
-    return {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
-            **extra}
+    return {
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "sampler": sampler.state_dict(),
+        **extra,
+    }
 
 
 def restore_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Any) -> dict:
@@ -96,16 +104,32 @@ def evaluate_in_training(
         return None
 
     eval_config = EvalConfig(
-        model=ModelSpec(path=model_path), benchmarks=spec.benchmarks, n=spec.n, temperature=spec.temperature,
-        top_p=spec.top_p, max_new_tokens=spec.max_new_tokens, limit=spec.limit, prompt_key=spec.prompt_key,
-        answer_key=spec.answer_key, on_missing_answer=spec.on_missing_answer, template=template, enable_thinking=enable_thinking,
-        max_prompt_length=max_prompt_length, batch_size=batch_size, seed=seed,
+        model=ModelSpec(path=model_path),
+        benchmarks=spec.benchmarks,
+        n=spec.n,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        max_new_tokens=spec.max_new_tokens,
+        limit=spec.limit,
+        prompt_key=spec.prompt_key,
+        answer_key=spec.answer_key,
+        on_missing_answer=spec.on_missing_answer,
+        template=template,
+        enable_thinking=enable_thinking,
+        max_prompt_length=max_prompt_length,
+        batch_size=batch_size,
+        seed=seed,
         out=str(run_dir / "eval" / f"step_{step}"),
     )
-    results = evaluate_model(eval_config, Path(eval_config.out), generator=generator, tokenizer=tokenizer,
-                             console=console)
-    flat = {f"eval/{bench}/{key}": value for bench, summary in results.items() for key, value in summary.items()
-            if isinstance(value, (int, float))}
+    results = evaluate_model(
+        eval_config, Path(eval_config.out), generator=generator, tokenizer=tokenizer, console=console
+    )
+    flat = {
+        f"eval/{bench}/{key}": value
+        for bench, summary in results.items()
+        for key, value in summary.items()
+        if isinstance(value, (int, float))
+    }
     sink.log(step, flat)
     return results
 

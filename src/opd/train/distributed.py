@@ -196,12 +196,12 @@ def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Opt
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model, optimizer,
-                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
-                                   info: DistInfo) -> None:
+def load_full_optimizer_state_dict(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict, info: DistInfo
+) -> None:
     """Inverse of `full_optimizer_state_dict`, whichever world size wrote `state`: both layouts hold the whole state,
     so a checkpoint of N processes resumes at M. The parameter-name-keyed one (N > 1) loads at any world size (each
     rank keeps its shard); the index-keyed one (N = 1) loads as it is with one process, and is keyed by parameter name
@@ -233,8 +233,11 @@ def name_keyed_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Op
     order = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
     saved = sum(len(group["params"]) for group in state["param_groups"])
     if saved != len(order):
-        raise ValueError(f"the checkpoint's optimizer state has {saved} parameters, this model's optimizer "
-                         f"{len(order)}: it was written for another model")
-    return {"state": {order[index]: value for index, value in state["state"].items()},
-            "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
-                             for group in state["param_groups"]]}
+        raise ValueError(
+            f"the checkpoint's optimizer state has {saved} parameters, this model's optimizer "
+            f"{len(order)}: it was written for another model"
+        )
+    return {
+        "state": {order[index]: value for index, value in state["state"].items()},
+        "param_groups": [{**group, "params": [order[i] for i in group["params"]]} for group in state["param_groups"]],
+    }

@@ -56,11 +56,21 @@ class AdamW16(torch.optim.Optimizer):
     shape). Sharded (FSDP) parameters are updated shard by shard.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01):
-        for name, ok, value in (("lr", lr >= 0, lr), ("eps", eps >= 0, eps), ("weight_decay", weight_decay >= 0,
-                                weight_decay), ("betas[0]", 0 <= betas[0] < 1, betas[0]),
-                                ("betas[1]", 0 <= betas[1] < 1, betas[1])):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ):
+        for name, ok, value in (
+            ("lr", lr >= 0, lr),
+            ("eps", eps >= 0, eps),
+            ("weight_decay", weight_decay >= 0, weight_decay),
+            ("betas[0]", 0 <= betas[0] < 1, betas[0]),
+            ("betas[1]", 0 <= betas[1] < 1, betas[1]),
+        ):
             if not ok:
                 raise ValueError(f"AdamW16 {name} must be ≥ 0 (betas in [0, 1)), got {value!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -92,12 +102,11 @@ class AdamW16(torch.optim.Optimizer):
                 if not state:
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16,
-                                                           memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
                 state["step"] += 1
                 step = int(state["step"])
-                step_size = lr / (1 - beta1 ** step)
-                bias_correction2_sqrt = math.sqrt(1 - beta2 ** step)
+                step_size = lr / (1 - beta1**step)
+                bias_correction2_sqrt = math.sqrt(1 - beta2**step)
                 pieces = zip(*(_pieces(_local(t)) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])))
                 for piece, (p_N, g_N, m_N, v_N) in enumerate(pieces):
                     g = g_N.float()
@@ -157,7 +166,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, spec: Op
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, spec))
 
 
-def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_norm: float) -> tuple[torch.Tensor, bool]:
+def clip_and_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_norm: float
+) -> tuple[torch.Tensor, bool]:
     """Clip the global grad norm, then step — unless the norm is not finite, in which case the update is skipped
     (gradients dropped) so one bad batch cannot destroy the weights. Returns (grad norm before clipping, stepped)."""
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)

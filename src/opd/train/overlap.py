@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -33,15 +34,24 @@ class PendingRollouts:
 
     def state_dict(self) -> dict:
         out = self.output
-        return {"indices": self.indices, "response_ids": out.response_ids, "finish_reasons": out.finish_reasons,
-                "group_ids": out.group_ids, "logprobs": out.logprobs}
+        return {
+            "indices": self.indices,
+            "response_ids": out.response_ids,
+            "finish_reasons": out.finish_reasons,
+            "group_ids": out.group_ids,
+            "logprobs": out.logprobs,
+        }
 
     @classmethod
-    def from_state(cls, state: dict | None) -> "PendingRollouts | None":
+    def from_state(cls, state: dict | None) -> PendingRollouts | None:
         if not state:
             return None
-        output = GenerationOutput(response_ids=state["response_ids"], finish_reasons=state["finish_reasons"],
-                                  group_ids=state["group_ids"], logprobs=state["logprobs"])
+        output = GenerationOutput(
+            response_ids=state["response_ids"],
+            finish_reasons=state["finish_reasons"],
+            group_ids=state["group_ids"],
+            logprobs=state["logprobs"],
+        )
         return cls(indices=list(state["indices"]), output=output)
 
 
@@ -54,8 +64,16 @@ class AheadGenerator:
         self.pending: PendingRollouts | None = None
         self._running: tuple[list[int], _Background] | None = None
 
-    def start(self, student: torch.nn.Module, indices: list[int], prompt_ids: Sequence[Sequence[int]],
-              params: SamplingParams, *, device: torch.device, autocast_dtype: torch.dtype | None) -> None:
+    def start(
+        self,
+        student: torch.nn.Module,
+        indices: list[int],
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None,
+    ) -> None:
         """Copy the student's current weights into the snapshot and generate `prompt_ids` from it in the background
         (on CUDA in its own stream, ordered after the copy)."""
         with torch.no_grad():
@@ -84,14 +102,20 @@ class AheadGenerator:
         self.pending = PendingRollouts.from_state(state)
 
 
-def overlap_generator(student: torch.nn.Module, tokenizer: Any, config: DistillConfig, vocab_size: int,
-                      dtype: torch.dtype | None) -> tuple[torch.nn.Module, Generator]:
+def overlap_generator(
+    student: torch.nn.Module, tokenizer: Any, config: DistillConfig, vocab_size: int, dtype: torch.dtype | None
+) -> tuple[torch.nn.Module, Generator]:
     """rollout.overlap: a frozen copy of the student in the rollout dtype (autocast's, else the weights') and the
     configured engine over it, what an `AheadGenerator` wraps (`Trainer(rollout_model=…, rollout_generator=…)`).
     The copy's weights are refreshed from the student at the start of every step (`AheadGenerator.start`)."""
     snapshot = rollout_snapshot(student, dtype or next(student.parameters()).dtype)
-    generator = make_generator(snapshot, tokenizer, max_batch_size=config.rollout.batch_size, vocab_size=vocab_size,
-                               engine=config.rollout.engine)
+    generator = make_generator(
+        snapshot,
+        tokenizer,
+        max_batch_size=config.rollout.batch_size,
+        vocab_size=vocab_size,
+        engine=config.rollout.engine,
+    )
     return snapshot, generator
 
 

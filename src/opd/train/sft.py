@@ -73,8 +73,15 @@ def packing_is_exact(net: torch.nn.Module, *, tolerance: float | None = None) ->
     ids_BL = torch.randint(0, vocab, (2, 12), generator=generator)
     lengths = torch.tensor([12, 7])
     attention_BL = torch.arange(12)[None] < lengths[:, None]
-    batch = Rollouts(ids_BL.masked_fill(~attention_BL, 0), attention_BL, torch.tensor([2, 2]), ids_BL[:, 2:],
-                     attention_BL[:, 2:], torch.arange(2), torch.zeros(2, dtype=torch.bool)).to(device)
+    batch = Rollouts(
+        ids_BL.masked_fill(~attention_BL, 0),
+        attention_BL,
+        torch.tensor([2, 2]),
+        ids_BL[:, 2:],
+        attention_BL[:, 2:],
+        torch.arange(2),
+        torch.zeros(2, dtype=torch.bool),
+    ).to(device)
     was_training = net.training
     net.eval()
     try:

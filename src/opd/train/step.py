@@ -19,11 +19,19 @@ import torch
 
 from opd.config import DistillConfig
 from opd.eval.grading import grade_responses
+from opd.forward import forward_hidden, needed_lengths, output_head, split_by_token_budget, uses_packing
 from opd.io import write_jsonl
 from opd.models import activation_budget, on_device
 from opd.objectives import (
-    build_targets, diagnostic_top_k, is_weight_stats, micro_loss, opd_diagnostics, reward_stats, seq_reward_metrics,
-    strategy_spec, teacher_logprobs_at_student_topk,
+    build_targets,
+    diagnostic_top_k,
+    is_weight_stats,
+    micro_loss,
+    opd_diagnostics,
+    reward_stats,
+    seq_reward_metrics,
+    strategy_spec,
+    teacher_logprobs_at_student_topk,
 )
 from opd.objectives.targets import Targets
 from opd.report.sinks import MetricsSink
@@ -33,7 +41,6 @@ from opd.rollout.batch import build_rollouts
 from opd.scoring import candidate_logprobs_and_entropy
 from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
 from opd.teacher.base import TeacherScorer, start_scoring
-from opd.forward import forward_hidden, needed_lengths, output_head, split_by_token_budget, uses_packing
 from opd.train.common import autocast, timed
 from opd.train.distributed import SINGLE, DistInfo, all_reduce_sum, gathered, max_over_ranks, reduce_metrics
 from opd.train.optim import clip_and_step
@@ -150,9 +157,14 @@ def sample_rollouts(tr: Trainer, timings: dict, device: torch.device) -> Batch:
     _mark_memory(tr, "rollout")
     if tr.ahead is not None:  # also after the last step: the checkpoint carries them, and a longer resume continues
         next_indices = tr.sampler.next_batch()[rank::world]
-        tr.ahead.start(tr.student, next_indices, [tr.prompt_ids[i] for i in next_indices],
-                       _sampling_params(tr.config, tr.step + 1, rank), device=device,
-                       autocast_dtype=tr.autocast_dtype)
+        tr.ahead.start(
+            tr.student,
+            next_indices,
+            [tr.prompt_ids[i] for i in next_indices],
+            _sampling_params(tr.config, tr.step + 1, rank),
+            device=device,
+            autocast_dtype=tr.autocast_dtype,
+        )
     return Batch(indices, rollouts, policy_lag=0 if pending is None else 1)
 
 
@@ -164,15 +176,24 @@ def score_rollouts(tr: Trainer, batch: Batch, timings: dict, device: torch.devic
     diag_k = diagnostic_top_k(obj.top_k)
     with timed(timings, "student"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
         student = tr.student_scorer.score(rollouts, top_k=diag_k, temperature=cfg.rollout.temperature)
-        reference_BT = None if tr.reference_scorer is None else tr.reference_scorer.score(
-            rollouts, top_k=0, temperature=cfg.rollout.temperature, with_entropy=False).sampled_logprobs
+        reference_BT = (
+            None
+            if tr.reference_scorer is None
+            else tr.reference_scorer.score(
+                rollouts, top_k=0, temperature=cfg.rollout.temperature, with_entropy=False
+            ).sampled_logprobs
+        )
     teacher = student_at_teacher_BTK = teacher_call = None
     if tr.teacher_scorer is not None:
         with timed(timings, "teacher"), on_device(tr.teacher, device if cfg.teacher_offload else None):
             serves_ids = tr.teacher_scorer.serves_requested_ids  # vLLM: only its own top-k
-            teacher_call = start_scoring(tr.teacher_scorer, rollouts, top_k=diag_k,
-                                         requested_ids=student.topk_ids if serves_ids else None,
-                                         temperature=obj.teacher_temperature)
+            teacher_call = start_scoring(
+                tr.teacher_scorer,
+                rollouts,
+                top_k=diag_k,
+                requested_ids=student.topk_ids if serves_ids else None,
+                temperature=obj.teacher_temperature,
+            )
     texts, correct = _grade_rollouts(tr, rollouts, batch.indices)
     if teacher_call is not None:
         with timed(timings, "teacher"):
@@ -180,7 +201,10 @@ def score_rollouts(tr: Trainer, batch: Batch, timings: dict, device: torch.devic
         if obj.top_k and strategy_spec(obj.strategy).teacher_slots:
             with timed(timings, "student"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
                 student_at_teacher_BTK = tr.student_scorer.score(
-                    rollouts, top_k=0, requested_ids=teacher.topk_ids, temperature=cfg.rollout.temperature,
+                    rollouts,
+                    top_k=0,
+                    requested_ids=teacher.topk_ids,
+                    temperature=cfg.rollout.temperature,
                     with_entropy=False,
                 ).requested_logprobs
     _mark_memory(tr, "scoring")
@@ -193,8 +217,12 @@ def step_targets(tr: Trainer, batch: Batch, scores: Scores, device: torch.device
     correct = scores.correct
     outcome_B = torch.tensor(correct, dtype=torch.float32, device=device) if correct is not None else None
     return build_targets(
-        scores.student, scores.teacher, batch.rollouts, tr.config.objective,
-        student_at_teacher_topk=scores.student_at_teacher_BTK, reference_logprobs=scores.reference_BT,
+        scores.student,
+        scores.teacher,
+        batch.rollouts,
+        tr.config.objective,
+        student_at_teacher_topk=scores.student_at_teacher_BTK,
+        reference_logprobs=scores.reference_BT,
         outcome_rewards=outcome_B,
     )
 
@@ -208,8 +236,9 @@ def update_student(tr: Trainer, rollouts: Rollouts, targets: Targets, timings: d
         num_seqs = all_reduce_sum(torch.tensor(rollouts.batch_size, device=device), tr.dist)
         loss_metrics: list[dict] = []
         tr.student.train()
-        groups = split_by_token_budget(needed_lengths(rollouts), cfg.micro_batch_tokens,
-                                       padded=not uses_packing(tr.student))
+        groups = split_by_token_budget(
+            needed_lengths(rollouts), cfg.micro_batch_tokens, padded=not uses_packing(tr.student)
+        )
         # FSDP: every rank must run as many forward/backward passes (each all-gathers and reduce-scatters), so ranks
         # with fewer micro-batches repeat their first one with a zero loss.
         num_real = len(groups)
@@ -223,9 +252,16 @@ def update_student(tr: Trainer, rollouts: Rollouts, targets: Targets, timings: d
                 if targets.reference is not None:  # the KL term needs the sampled token's log-prob as one more column
                     ids_NJ = torch.cat([ids_NJ, hidden.targets_N[:, None]], dim=-1)
                 lp_NJ, entropy_N = candidate_logprobs_and_entropy(
-                    hidden.hidden_ND, head, ids_NJ, temperature=cfg.rollout.temperature, vocab_size=tr.vocab_size)
-            loss, micro_metrics = micro_loss(hidden.to_grid(lp_NJ), hidden.to_grid(entropy_N), micro_targets,
-                                             cfg.objective, global_num_tokens=num_tokens, global_num_seqs=num_seqs)
+                    hidden.hidden_ND, head, ids_NJ, temperature=cfg.rollout.temperature, vocab_size=tr.vocab_size
+                )
+            loss, micro_metrics = micro_loss(
+                hidden.to_grid(lp_NJ),
+                hidden.to_grid(entropy_N),
+                micro_targets,
+                cfg.objective,
+                global_num_tokens=num_tokens,
+                global_num_seqs=num_seqs,
+            )
             if index >= num_real:  # padding pass (see above): gradients of zero, metrics not counted
                 loss = loss * 0.0
             else:
@@ -242,28 +278,41 @@ def update_student(tr: Trainer, rollouts: Rollouts, targets: Targets, timings: d
     return Update(grad_norm, loss_metrics)
 
 
-def step_metrics(tr: Trainer, batch: Batch, scores: Scores, targets: Targets, result: Update,
-            timings: dict[str, float]) -> dict[str, float]:
+def step_metrics(
+    tr: Trainer, batch: Batch, scores: Scores, targets: Targets, result: Update, timings: dict[str, float]
+) -> dict[str, float]:
     """The step's metrics (SPEC §6) with one host sync for all of them; rank 0 writes its samples; the ranks' values
     become one line: losses (shares of a global mean) and throughput add up, everything else is averaged."""
     rollouts, student, teacher, mask_BT = batch.rollouts, scores.student, scores.teacher, targets.mask
-    out: dict[str, Any] = {"grad_norm": result.grad_norm, "lr": tr.scheduler.get_last_lr()[0],
-                           "skipped_steps": tr.skipped_steps}
+    out: dict[str, Any] = {
+        "grad_norm": result.grad_norm,
+        "lr": tr.scheduler.get_last_lr()[0],
+        "skipped_steps": tr.skipped_steps,
+    }
     out.update(_sum_micro_metrics(result.loss_metrics))
-    out.update(reward_stats("reward", targets.rewards, targets.reward_valid, mask_BT),
-               **reward_stats("advantage", targets.advantages, targets.valid, mask_BT))
+    out.update(
+        reward_stats("reward", targets.rewards, targets.reward_valid, mask_BT),
+        **reward_stats("advantage", targets.advantages, targets.valid, mask_BT),
+    )
     out["valid_slots_per_token"] = targets.valid.sum() / mask_BT.sum().clamp(min=1)
     out["policy_lag"] = batch.policy_lag  # optimizer steps between the sampling and the current policy
     if targets.tis_weights is not None:
-        out.update(is_weight_stats(student.sampled_logprobs, rollouts.rollout_logprobs,
-                                   tr.config.objective.tis_cap, mask_BT))
+        out.update(
+            is_weight_stats(student.sampled_logprobs, rollouts.rollout_logprobs, tr.config.objective.tis_cap, mask_BT)
+        )
     if teacher is not None:
-        out.update(opd_diagnostics(
-            student_topk_ids=student.topk_ids, student_topk_logprobs=student.topk_logprobs,
-            teacher_topk_ids=teacher.topk_ids, teacher_topk_logprobs=teacher.topk_logprobs,
-            teacher_logprobs_at_student_topk=teacher_logprobs_at_student_topk(student, teacher),
-            student_entropy=student.entropy, teacher_entropy=teacher.entropy, response_mask=mask_BT,
-        ))
+        out.update(
+            opd_diagnostics(
+                student_topk_ids=student.topk_ids,
+                student_topk_logprobs=student.topk_logprobs,
+                teacher_topk_ids=teacher.topk_ids,
+                teacher_topk_logprobs=teacher.topk_logprobs,
+                teacher_logprobs_at_student_topk=teacher_logprobs_at_student_topk(student, teacher),
+                student_entropy=student.entropy,
+                teacher_entropy=teacher.entropy,
+                response_mask=mask_BT,
+            )
+        )
         out.update(seq_reward_metrics(student, teacher, mask_BT, scores.correct))
     if rollouts.rollout_logprobs is not None:  # engine vs trainer: what truncated importance weights correct
         gap_BT = (student.sampled_logprobs - rollouts.rollout_logprobs).abs()
@@ -293,8 +342,11 @@ def _step_seed(seed: int, step: int, rank: int = 0) -> int:
 def _sampling_params(cfg: DistillConfig, step: int, rank: int) -> SamplingParams:
     """How step `step`'s rollouts are sampled (the same whether they are generated in that step or one ahead)."""
     return SamplingParams(
-        n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-        max_new_tokens=cfg.rollout.max_new_tokens, seed=_step_seed(cfg.run.seed, step, rank),
+        n=cfg.rollout.n,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        seed=_step_seed(cfg.run.seed, step, rank),
         # vLLM's log-probs are always kept when they are the full-vocabulary ones (top_p = 1): the engine-vs-trainer
         # gap is logged every step (rollout_logprob_abs_diff)
         return_logprobs=cfg.objective.tis_cap is not None or (cfg.rollout.engine == "vllm" and cfg.rollout.top_p == 1),
@@ -306,8 +358,14 @@ def _mark_memory(tr: Trainer, phase: str) -> None:
     mark (GiB), labelled by the phase that just ended, and restart the peak counter."""
     if tr.memory_trace is None or not torch.cuda.is_available():
         return
-    tr.memory_trace.append({"step": tr.step, "phase": phase, "allocated_gib": torch.cuda.memory_allocated() / 2**30,
-                            "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+    tr.memory_trace.append(
+        {
+            "step": tr.step,
+            "phase": phase,
+            "allocated_gib": torch.cuda.memory_allocated() / 2**30,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }
+    )
     torch.cuda.reset_peak_memory_stats()
 
 
@@ -330,13 +388,15 @@ def _is_summed_loss(key: str) -> bool:
 def _grade_rollouts(tr: Trainer, rollouts: Rollouts, indices: list[int]) -> tuple[list[str], list[bool] | None]:
     """Decode every rollout; grade it when the prompts carry answers (rule-based accuracy, GRPO rewards)."""
     answers = [tr.prompts[indices[g]].answer for g in rollouts.group_ids.tolist()]
-    texts, grades = grade_responses(tr.tokenizer, rollouts.response_ids, answers,
-                                    lengths=rollouts.response_mask.sum(-1).tolist())
+    texts, grades = grade_responses(
+        tr.tokenizer, rollouts.response_ids, answers, lengths=rollouts.response_mask.sum(-1).tolist()
+    )
     return texts, None if grades is None else [g.correct for g in grades]
 
 
-def _write_samples(tr: Trainer, rollouts: Rollouts, texts: list[str], correct: list[bool] | None,
-                   rewards_BTJ: torch.Tensor) -> None:
+def _write_samples(
+    tr: Trainer, rollouts: Rollouts, texts: list[str], correct: list[bool] | None, rewards_BTJ: torch.Tensor
+) -> None:
     count = min(tr.config.run.samples_per_step, rollouts.batch_size)
     if not count:
         return
@@ -346,12 +406,14 @@ def _write_samples(tr: Trainer, rollouts: Rollouts, texts: list[str], correct: l
         length = int(rollouts.response_mask[row].sum())
         ids = rollouts.response_ids[row, :length].tolist()
         prompt_length = int(rollouts.prompt_lengths[row])
-        records.append({
-            "step": tr.step + 1,
-            "prompt": tr.tokenizer.decode(rollouts.input_ids[row, :prompt_length].tolist()),
-            "response": texts[row],
-            "correct": None if correct is None else correct[row],
-            "tokens": tr.tokenizer.convert_ids_to_tokens(ids),
-            "token_rewards": [round(r, 5) for r in position_rewards_BT[row, :length].tolist()],
-        })
+        records.append(
+            {
+                "step": tr.step + 1,
+                "prompt": tr.tokenizer.decode(rollouts.input_ids[row, :prompt_length].tolist()),
+                "response": texts[row],
+                "correct": None if correct is None else correct[row],
+                "tokens": tr.tokenizer.convert_ids_to_tokens(ids),
+                "token_rewards": [round(r, 5) for r in position_rewards_BT[row, :length].tolist()],
+            }
+        )
     write_jsonl(tr.run_dir / "samples" / f"step_{tr.step + 1}.jsonl", records)

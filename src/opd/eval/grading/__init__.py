@@ -13,8 +13,8 @@ Omitted here: what each stage leaves out is said in its own module.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 # _parse, _verdicts and the workers' names are read by tests here (the same objects: the caches, counters, pool).
 from opd.eval.grading.compare import _compare, _parse, _verdicts  # noqa: F401
@@ -114,8 +114,14 @@ def decode_responses(tokenizer, response_ids, lengths: Sequence[int] | None = No
     return tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 
-def grade_responses(tokenizer, response_ids, answers: Sequence, *, lengths: Sequence[int] | None = None,
-                    timeout: float = DEFAULT_TIMEOUT_S) -> tuple[list[str], list[Grade] | None]:
+def grade_responses(
+    tokenizer,
+    response_ids,
+    answers: Sequence,
+    *,
+    lengths: Sequence[int] | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> tuple[list[str], list[Grade] | None]:
     """Decode every response and grade it against its row's ground truth; the grades are None when any row has
     no answer (prompts without ground truth: nothing to grade)."""
     texts = decode_responses(tokenizer, response_ids, lengths)

@@ -41,9 +41,7 @@ def _numbers_equal(p: _Prepared, g: _Prepared) -> bool:
     pvs = (pv, pv / 100) if p.percent else (pv,)
     gvs = (gv, gv / 100) if g.percent else (gv,)
     inexact = p_dec or g_dec
-    return any(
-        a == b or (inexact and abs(a - b) <= _TOL * min(1, max(abs(a), abs(b)))) for a in pvs for b in gvs
-    )
+    return any(a == b or (inexact and abs(a - b) <= _TOL * min(1, max(abs(a), abs(b)))) for a in pvs for b in gvs)
 
 
 def _compare(pred: str, gold: str, deadline: tuple[float, float] | None) -> tuple[bool, str]:
@@ -65,6 +63,7 @@ def _compare(pred: str, gold: str, deadline: tuple[float, float] | None) -> tupl
 
 # ---------------------------------------------------------------------------------------------
 # Symbolic stage (3): latex2sympy + math-verify's `verify`, under a deadline
+
 
 class _Deadline(BaseException):
     """Raised by our SIGALRM handler; a BaseException so `except Exception` cannot swallow it."""
@@ -137,8 +136,9 @@ def _math_verify():
 
     def parse(answer: str):
         text = normalize_latex(answer, norm)
-        return latex2sympy(text, is_real=not should_treat_as_complex(text), convert_degrees=False,
-                           normalization_config=None)
+        return latex2sympy(
+            text, is_real=not should_treat_as_complex(text), convert_degrees=False, normalization_config=None
+        )
 
     return parse, verify
 

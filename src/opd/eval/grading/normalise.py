@@ -22,9 +22,22 @@ from functools import lru_cache
 from opd.eval.grading.extraction import _unwrap_whole_box
 
 _UNICODE = {
-    "\u2212": "-", "\u2013": "-", "\u00d7": "\\times ", "\u22c5": "\\cdot ", "\u00b7": "\\cdot ",
-    "\u03c0": "\\pi ", "\u221e": "\\infty ", "\u221a": "\\sqrt", "\u2264": "\\le ", "\u2265": "\\ge ",
-    "\u00b0": "^\\circ", "\u00a0": " ", "\u2009": " ", "\u202f": " ", "\u00b1": "\\pm ", "\u2213": "\\mp ",
+    "\u2212": "-",
+    "\u2013": "-",
+    "\u00d7": "\\times ",
+    "\u22c5": "\\cdot ",
+    "\u00b7": "\\cdot ",
+    "\u03c0": "\\pi ",
+    "\u221e": "\\infty ",
+    "\u221a": "\\sqrt",
+    "\u2264": "\\le ",
+    "\u2265": "\\ge ",
+    "\u00b0": "^\\circ",
+    "\u00a0": " ",
+    "\u2009": " ",
+    "\u202f": " ",
+    "\u00b1": "\\pm ",
+    "\u2213": "\\mp ",
 }
 _UNICODE_RE = re.compile("|".join(map(re.escape, _UNICODE)))
 # A matrix row break `\\` is matched first, so that its second backslash is not read as `\ `.
@@ -42,7 +55,9 @@ _THOUSANDS_RE = re.compile(r"^([+-]?)(\d{1,3}(?:,\d{3})+)(\.\d+)?$")
 # Minerva writes Python: `-1./3`, `np.arcsin(10/13)`, `2**10`. A dot ending a number is dropped (not before
 # `\overline` etc.: `1.\overline{27}`), a module prefix becomes a TeX command, `**` a power.
 _PY_TRAILING_DOT_RE = re.compile(r"(?<=\d)\.(?![\d.]|\\(?:overline|bar|dot)(?![A-Za-z]))")
-_PY_MODULE_RE = re.compile(r"(?<![\w\\])(?:np|numpy|math|sp|sympy)\.(arcsin|arccos|arctan|sinh|cosh|tanh|sin|cos|tan|exp|pi)\b")
+_PY_MODULE_RE = re.compile(
+    r"(?<![\w\\])(?:np|numpy|math|sp|sympy)\.(arcsin|arccos|arctan|sinh|cosh|tanh|sin|cos|tan|exp|pi)\b"
+)
 _UNITS = (
     "square|sq|cubic|units?|degrees?|radians?|cents?|dollars?|hours?|hrs?|minutes?|mins?|seconds?|"
     "secs?|days?|weeks?|months?|years?|mph|kph|km|cm|mm|nm|meters?|metres?|feet|foot|ft|inches|inch|"

@@ -52,7 +52,10 @@ class _Worker:
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _WORKER_BOOT, os.path.abspath(opd.__file__)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            bufsize=0,
         )
         _STATS["worker_starts"] += 1
         self.ready = False

@@ -706,6 +706,19 @@ def test_client_checks_limits_before_sending(server):
     remote.close()
 
 
+def test_the_queue_drops_a_cancelled_job_behind_others():
+    """A client that leaves while its job waits behind another one: the job is dropped, the queue keeps serving.
+    (Jobs compared field-wise made `deque.remove` compare request tensors and killed the scoring thread.)"""
+    from opd.teacher.server import Job, ScoringQueue
+
+    queue = ScoringQueue(max_batch_tokens=10_000, window_s=0.0, max_queue_tokens=10_000)
+    first, left, last = (Job(_request(rows=2), tokens=8) for _ in range(3))
+    for job in (first, left, last):
+        queue.put(job)
+    assert left.future.cancel()
+    assert queue.take() == [first, last] and len(queue) == 0
+
+
 def test_a_client_disconnecting_mid_request_does_not_break_the_server(server):
     url, _, _ = server
     host, port = url.removeprefix("http://").rsplit(":", 1)

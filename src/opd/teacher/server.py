@@ -49,8 +49,12 @@ class ServeLimits(Section):
 
     forward_tokens: int = Field(32768, ge=1, description="Input tokens per scoring forward (LocalScorer's budget).")
     max_batch_tokens: int = Field(32768, ge=1, description="Tokens of merged requests per scoring batch.")
-    batch_window_ms: float = Field(2.0, ge=0.0, description="How long the oldest waiting request waits for others "
-                                   "to merge with, in milliseconds; 0 = merge only what is already queued.")
+    batch_window_ms: float = Field(
+        2.0,
+        ge=0.0,
+        description="How long the oldest waiting request waits for others "
+        "to merge with, in milliseconds; 0 = merge only what is already queued.",
+    )
     max_queue_tokens: int = Field(1 << 20, ge=1, description="Tokens waiting beyond which requests get 503.")
     max_request_bytes: int = Field(64 << 20, ge=1024, description="Largest request body in bytes (413 above).")
     max_rows: int = Field(4096, ge=1, description="Rows per request.")
@@ -77,8 +81,10 @@ def resolve_token(token_file: str | None, env: str = TOKEN_ENV) -> str | None:
         if not token:
             return None
     if len(token) < MIN_TOKEN_LENGTH or any(c.isspace() for c in token):
-        raise ConfigError(f"{origin}: the token must be at least {MIN_TOKEN_LENGTH} characters without spaces "
-                          f"(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+        raise ConfigError(
+            f"{origin}: the token must be at least {MIN_TOKEN_LENGTH} characters without spaces "
+            f"(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
     return token
 
 
@@ -98,7 +104,7 @@ class QueueFull(Exception):
     """More tokens are waiting than the server accepts (answered with 503 + Retry-After)."""
 
 
-@dataclass
+@dataclass(eq=False)  # jobs are told apart by identity: a field-wise == would compare request tensors
 class Job:
     request: wire.ScoreRequest
     tokens: int
@@ -174,8 +180,9 @@ def score_requests(scorer: Any, requests: list[wire.ScoreRequest]) -> list[wire.
     and the scored positions are cut back per request."""
     top_k, _, temperature, with_entropy = requests[0].key
     rollouts, requested_BTR = wire.rollouts_from_requests(requests)
-    scores: TokenScores = scorer.score(rollouts, top_k=top_k, requested_ids=requested_BTR, temperature=temperature,
-                                       with_entropy=with_entropy)
+    scores: TokenScores = scorer.score(
+        rollouts, top_k=top_k, requested_ids=requested_BTR, temperature=temperature, with_entropy=with_entropy
+    )
     merged = wire.response_from_scores(scores, rollouts.response_mask)
     return wire.split_response(merged, [q.num_positions for q in requests])
 
@@ -202,14 +209,42 @@ class TeacherService:
     def __init__(self, scorer: Any, info: dict, vocab: dict[str, int], config: ServeLimits):
         self.scorer, self.vocab, self.config = scorer, vocab, config
         self.vocab_size = int(info["vocab_size"])
-        self.info = {**info, "wire_version": wire.VERSION, **{k: getattr(config, k) for k in (
-            "max_batch_tokens", "forward_tokens", "max_request_bytes", "max_rows", "max_positions",
-            "max_requested_ids", "max_top_k", "max_queue_tokens", "batch_window_ms")}}
-        self.queue = ScoringQueue(max_batch_tokens=config.max_batch_tokens, window_s=config.batch_window_ms / 1000,
-                                  max_queue_tokens=config.max_queue_tokens)
+        self.info = {
+            **info,
+            "wire_version": wire.VERSION,
+            **{
+                k: getattr(config, k)
+                for k in (
+                    "max_batch_tokens",
+                    "forward_tokens",
+                    "max_request_bytes",
+                    "max_rows",
+                    "max_positions",
+                    "max_requested_ids",
+                    "max_top_k",
+                    "max_queue_tokens",
+                    "batch_window_ms",
+                )
+            },
+        }
+        self.queue = ScoringQueue(
+            max_batch_tokens=config.max_batch_tokens,
+            window_s=config.batch_window_ms / 1000,
+            max_queue_tokens=config.max_queue_tokens,
+        )
         self._lock = threading.Lock()
-        self.counters = dict(requests=0, batches=0, merged_requests=0, max_requests_per_batch=0, tokens=0,
-                             positions=0, rejected_busy=0, rejected_invalid=0, disconnected=0, errors=0)
+        self.counters = dict(
+            requests=0,
+            batches=0,
+            merged_requests=0,
+            max_requests_per_batch=0,
+            tokens=0,
+            positions=0,
+            rejected_busy=0,
+            rejected_invalid=0,
+            disconnected=0,
+            errors=0,
+        )
         self._worker: threading.Thread | None = None
 
     def count(self, **increments: int) -> None:
@@ -231,19 +266,26 @@ class TeacherService:
             raise RequestError(str(error)) from None
         cfg, V = self.config, self.vocab_size
         if request.num_rows > cfg.max_rows:
-            raise RequestError(f"rows: {request.num_rows} rows exceed the server's limit of {cfg.max_rows} per "
-                               f"request (max_rows)")
+            raise RequestError(
+                f"rows: {request.num_rows} rows exceed the server's limit of {cfg.max_rows} per request (max_rows)"
+            )
         if request.num_rows and int(request.row_lengths.max()) > cfg.max_positions:
             b = int(request.row_lengths.argmax())
-            raise RequestError(f"row_lengths: row {b} has {int(request.row_lengths[b])} tokens, more than the "
-                               f"server's limit of {cfg.max_positions} positions per row (max_positions)")
+            raise RequestError(
+                f"row_lengths: row {b} has {int(request.row_lengths[b])} tokens, more than the "
+                f"server's limit of {cfg.max_positions} positions per row (max_positions)"
+            )
         R = 0 if request.requested_ids is None else request.requested_ids.shape[1]
         if R > cfg.max_requested_ids:
-            raise RequestError(f"requested_ids: {R} ids per position exceed the server's limit of "
-                               f"{cfg.max_requested_ids} (max_requested_ids)")
+            raise RequestError(
+                f"requested_ids: {R} ids per position exceed the server's limit of "
+                f"{cfg.max_requested_ids} (max_requested_ids)"
+            )
         if request.top_k > min(cfg.max_top_k, V):
-            raise RequestError(f"top_k: {request.top_k} exceeds the server's limit of {min(cfg.max_top_k, V)} "
-                               f"(max_top_k, and the vocabulary size {V})")
+            raise RequestError(
+                f"top_k: {request.top_k} exceeds the server's limit of {min(cfg.max_top_k, V)} "
+                f"(max_top_k, and the vocabulary size {V})"
+            )
         _check_ids("tokens", request.tokens, V, request.row_lengths)
         if request.requested_ids is not None:
             _check_ids("requested_ids", request.requested_ids, V)
@@ -341,16 +383,22 @@ def build_app(service: TeacherService, token: str | None):
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             service.count(rejected_invalid=1)
-            return error(413, f"body: request of {declared} bytes exceeds the server's limit of {limit} bytes "
-                              f"(max_request_bytes)", Connection="close")
+            return error(
+                413,
+                f"body: request of {declared} bytes exceeds the server's limit of {limit} bytes (max_request_bytes)",
+                Connection="close",
+            )
         body = bytearray()
         try:
             async for chunk in request.stream():
                 body += chunk
                 if len(body) > limit:
                     service.count(rejected_invalid=1)
-                    return error(413, f"body: request exceeds the server's limit of {limit} bytes "
-                                      f"(max_request_bytes)", Connection="close")
+                    return error(
+                        413,
+                        f"body: request exceeds the server's limit of {limit} bytes (max_request_bytes)",
+                        Connection="close",
+                    )
         except ClientDisconnect:
             service.count(disconnected=1)
             return Response(status_code=400)
@@ -362,8 +410,11 @@ def build_app(service: TeacherService, token: str | None):
         try:
             job = service.submit(parsed)
         except QueueFull:
-            return error(503, f"busy: more than {service.config.max_queue_tokens} tokens are waiting "
-                              f"(max_queue_tokens); retry", **{"Retry-After": "1"})
+            return error(
+                503,
+                f"busy: more than {service.config.max_queue_tokens} tokens are waiting (max_queue_tokens); retry",
+                **{"Retry-After": "1"},
+            )
         result = asyncio.wrap_future(job.future)
         gone = asyncio.ensure_future(_disconnected(request))
         done, _ = await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -380,10 +431,16 @@ def build_app(service: TeacherService, token: str | None):
         data = await anyio.to_thread.run_sync(wire.encode_response, response, parsed.logprobs)
         return Response(data, media_type="application/octet-stream")
 
-    app = Starlette(routes=[
-        Route("/healthz", healthz), Route("/info", info), Route("/vocab", vocab), Route("/metrics", metrics),
-        Route("/score", score, methods=["POST"]),
-    ], lifespan=_lifespan(service))
+    app = Starlette(
+        routes=[
+            Route("/healthz", healthz),
+            Route("/info", info),
+            Route("/vocab", vocab),
+            Route("/metrics", metrics),
+            Route("/score", score, methods=["POST"]),
+        ],
+        lifespan=_lifespan(service),
+    )
     return BearerAuth(app, token) if token is not None else app
 
 
@@ -423,9 +480,14 @@ class BearerAuth:
             if not hmac.compare_digest(supplied, self._expected):
                 from starlette.responses import JSONResponse
 
-                response = JSONResponse({"error": "unauthorized: send the server's token as 'Authorization: Bearer "
-                                                  "<token>' (teacher.token_file or $OPD_TEACHER_TOKEN)"},
-                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                response = JSONResponse(
+                    {
+                        "error": "unauthorized: send the server's token as 'Authorization: Bearer "
+                        "<token>' (teacher.token_file or $OPD_TEACHER_TOKEN)"
+                    },
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -434,16 +496,22 @@ class BearerAuth:
 # ------------------------------------------------------------------------------------------------ serving
 
 
-def service_for(model: torch.nn.Module, tokenizer: Any, config: ServeLimits, *, name: str,
-                device: str = "") -> TeacherService:
+def service_for(
+    model: torch.nn.Module, tokenizer: Any, config: ServeLimits, *, name: str, device: str = ""
+) -> TeacherService:
     """A `TeacherService` over an already loaded model and its tokenizer (the benchmark serves random weights)."""
     rows = model.get_output_embeddings().weight.shape[0]
     vocab = check_tokenizer_compatibility(tokenizer, tokenizer, student_vocab_size=rows, teacher_vocab_size=rows)
     # ids beyond the tokenizer are embedding padding rows: never a top-k candidate (SPEC §1), as in load_teacher
     scorer = LocalScorer(model, vocab_size=vocab.tokenizer_size, max_tokens_per_batch=config.forward_tokens)
-    info = {"model": name, "vocab_size": vocab.tokenizer_size, "vocab_rows": rows,
-            **wire.tokenizer_fingerprints(tokenizer), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-            "device": device or str(next(model.parameters()).device)}
+    info = {
+        "model": name,
+        "vocab_size": vocab.tokenizer_size,
+        "vocab_rows": rows,
+        **wire.tokenizer_fingerprints(tokenizer),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "device": device or str(next(model.parameters()).device),
+    }
     return TeacherService(scorer, info, tokenizer.get_vocab(), config)
 
 
@@ -465,8 +533,14 @@ def make_server(service: TeacherService, token: str | None):
     """The uvicorn server of `service` (run it with `.run(sockets=[bind(...)])`; `.should_exit = True` stops it)."""
     import uvicorn
 
-    config = uvicorn.Config(build_app(service, token), log_level="warning", access_log=False, lifespan="on",
-                            timeout_keep_alive=120, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        build_app(service, token),
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=120,
+        timeout_graceful_shutdown=5,
+    )
     return uvicorn.Server(config)
 
 

@@ -485,10 +485,17 @@ def main(argv: list[str] | None = None):
     if command == "scale":
         return scale(rest)
     if command == "table":
+        if rest[:1] in (["-h"], ["--help"]):
+            print("usage: multi_gpu.py table RESULT.json [RESULT.json …]: the table of saved scale results")
+            return None
         for path in rest:
             print(table(json.loads(Path(path).read_text())))
         return None
-    raise SystemExit("usage: multi_gpu.py run|compare|scale|table … (see the module docstring)")
+    usage = "usage: multi_gpu.py run|compare|scale|table … (see the module docstring)"
+    if command in ("-h", "--help"):
+        print(usage, __doc__, sep="\n\n")
+        return None
+    raise SystemExit(usage)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ BLOCK_N = 64  # slots per tile; with 4 warps and 2 stages the fastest launch mea
 
 
 def supports(head_dim: int) -> bool:
-    """Whether the kernel takes this head size: a power of two in [16, 256] (one tensor-core tile wide, in registers)."""
+    """Whether the kernel takes this head size: a power of two in [16, 256] (one tensor-core tile wide, in
+    registers)."""
     return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
 
 

@@ -271,7 +271,8 @@ def sft_command(
         "config.yaml (run.allow_config_change).",
     ),
 ) -> None:
-    """Supervised fine-tuning on (teacher) answers, loss on assistant tokens only: the cold start before `opd distill`."""
+    """Supervised fine-tuning on (teacher) answers, loss on assistant tokens only: the cold start before
+    `opd distill`."""
     from opd.recipes.sft import SFTConfig, sft
 
     options = {
@@ -365,7 +366,8 @@ def rollout_command(
         "[default: torch]",
     ),
 ) -> None:
-    """Teacher answers for SFT with rejection sampling: rollouts.jsonl, rejected.jsonl, stats.json (+ LlamaFactory files).
+    """Teacher answers for SFT with rejection sampling: rollouts.jsonl, rejected.jsonl, stats.json
+    (+ LlamaFactory files).
 
     Rejects truncated, answer-less and degenerate responses (and, with --require-correct, wrong ones), retrying up
     to --max-attempts times. Degeneracy thresholds are config keys, e.g. `degeneracy.token_run=128`.
@@ -429,7 +431,8 @@ def dedup_command(
     prompt_key: str = typer.Option("prompt", help="Prompt column of A (and of B unless --against-prompt-key)."),
     against_prompt_key: str | None = typer.Option(None, help="Prompt column of B. [default: --prompt-key]"),
 ) -> None:
-    """Remove from a prompt set the exact and near duplicates of another set (or of itself): MinHash + optional embeddings."""
+    """Remove from a prompt set the exact and near duplicates of another set (or of itself): MinHash + optional
+    embeddings."""
     from opd.recipes.dedup import dedup_files
 
     dedup_files(
@@ -548,7 +551,8 @@ def prompts_template_command(
     answer_key: str = typer.Option("reward_model.ground_truth", help=ANSWER_KEY_HELP),
     id_key: str | None = typer.Option(None, help=ID_KEY_HELP),
 ) -> None:
-    """Replace each prompt's instruction, e.g. DAPO-Math-17k's "Answer:" line → Qwen's \\boxed{} (problems, answers, ids kept)."""
+    """Replace each prompt's instruction, e.g. DAPO-Math-17k's "Answer:" line → Qwen's \\boxed{} (problems, answers,
+    ids kept)."""
     from opd.recipes.prompts import retemplate_file
 
     typer.echo(
@@ -768,7 +772,8 @@ def lab_run_command(
         help="Run `opd check` on each variant's pair first: its forecast next to the measured outcome.",
     ),
 ) -> None:
-    """A small replication: short `opd distill` runs that differ in one setting; summary.json/.md + a comparison report."""
+    """A small replication: short `opd distill` runs that differ in one setting; summary.json/.md + a comparison
+    report."""
     from opd.recipes.lab import run_experiment
 
     run_experiment(

@@ -60,11 +60,13 @@ def eval_command(
     model: str | None = typer.Option(None, help="Model to sample from: Hugging Face id or local directory."),
     responses: Path | None = typer.Option(
         None,
-        help="Grade this JSONL of existing generations (fields: problem/prompt id or text, response, answer) instead of sampling.",
+        help="Grade this JSONL of existing generations (fields: problem/prompt id or text, response, answer) "
+        "instead of sampling.",
     ),
     benchmarks: str | None = typer.Option(
         None,
-        help="Comma-separated built-in names (aime24, aime25, amc23, math500, minerva, olympiadbench) or file paths. [default: aime24,aime25,amc23,math500]",
+        help="Comma-separated built-in names (aime24, aime25, amc23, math500, minerva, olympiadbench) or file paths. "
+        "[default: aime24,aime25,amc23,math500]",
     ),
     n: int | None = typer.Option(None, help="Samples per problem. [default: 16]"),
     temperature: float | None = typer.Option(None, help="Sampling temperature, 0 = greedy. [default: 0.7]"),
@@ -93,7 +95,8 @@ def eval_command(
     ),
     engine: str | None = typer.Option(
         None,
-        help="Generation engine: auto | torch | static | vllm (engine; vllm loads the model itself, options as vllm.*). [default: auto]",
+        help="Generation engine: auto | torch | static | vllm (engine; "
+        "vllm loads the model itself, options as vllm.*). [default: auto]",
     ),
 ) -> None:
     """Sample n answers per benchmark problem, grade them, write results.json + samples.jsonl, print a table."""
@@ -131,7 +134,8 @@ def distill_command(
     student: str | None = typer.Option(None, help="Student model: Hugging Face id or local directory (student.path)."),
     teacher: str | None = typer.Option(
         None,
-        help="Teacher model: Hugging Face id or local directory (teacher.path); not needed for objective.advantage=grpo.",
+        help="Teacher model: Hugging Face id or local directory (teacher.path); "
+        "not needed for objective.advantage=grpo.",
     ),
     prompts: str | None = typer.Option(
         None, help="Prompt set: parquet / JSONL / JSON / dataset dir / hub id (data.path)."
@@ -151,7 +155,8 @@ def distill_command(
     ),
     strategy: str | None = typer.Option(
         None,
-        help="only_stu | only_tch | intersection | union | union-intersection (objective.strategy). [default: only_stu]",
+        help="only_stu | only_tch | intersection | union | union-intersection (objective.strategy). "
+        "[default: only_stu]",
     ),
     weight: str | None = typer.Option(
         None, help="student_p | teacher_p | none (objective.weight). [default: student_p]"
@@ -165,7 +170,8 @@ def distill_command(
     allow_config_change: bool | None = typer.Option(
         None,
         "--allow-config-change",
-        help="With --resume: continue even though settings that change the math or data order differ from the saved config.yaml (run.allow_config_change).",
+        help="With --resume: continue even though settings that change the math or data order differ from the saved "
+        "config.yaml (run.allow_config_change).",
     ),
     skip_check: list[str] | None = typer.Option(
         None, help="Startup check (an `opd check` row or group name, or all) not to stop on; repeatable (skip_checks)."
@@ -239,7 +245,8 @@ def sft_command(
     model: str | None = typer.Option(None, help="Model to fine-tune: Hugging Face id or local directory (model.path)."),
     data: list[str] | None = typer.Option(
         None,
-        help="SFT data: chat / opd rollout / sharegpt / alpaca file (.jsonl, .json, .parquet); repeat for several (data.path).",
+        help="SFT data: chat / opd rollout / sharegpt / alpaca file (.jsonl, .json, .parquet); "
+        "repeat for several (data.path).",
     ),
     epochs: float | None = typer.Option(
         None, help="Passes over the data (epochs); or set run.steps instead. [default: 1]"
@@ -260,10 +267,12 @@ def sft_command(
     allow_config_change: bool | None = typer.Option(
         None,
         "--allow-config-change",
-        help="With --resume: continue even though settings that change the math or data order differ from the saved config.yaml (run.allow_config_change).",
+        help="With --resume: continue even though settings that change the math or data order differ from the saved "
+        "config.yaml (run.allow_config_change).",
     ),
 ) -> None:
-    """Supervised fine-tuning on (teacher) answers, loss on assistant tokens only: the cold start before `opd distill`."""
+    """Supervised fine-tuning on (teacher) answers, loss on assistant tokens only: the cold start before
+    `opd distill`."""
     from opd.recipes.sft import SFTConfig, sft
 
     options = {
@@ -295,7 +304,8 @@ def merge_command(
     overwrite: bool = typer.Option(
         False,
         "--overwrite",
-        help="When OUT is a file or a non-empty directory, move it aside to OUT.old-<time> (never deleted). [default: refuse]",
+        help="When OUT is a file or a non-empty directory, move it aside to OUT.old-<time> (never deleted). "
+        "[default: refuse]",
     ),
 ) -> None:
     """Merge LoRA adapters into their base model: full weights that load without peft."""
@@ -330,7 +340,8 @@ def rollout_command(
     prompt_key: str | None = typer.Option(None, help="Prompt column (data.prompt_key). [default: prompt]"),
     answer_key: str | None = typer.Option(
         None,
-        help="Ground-truth column (data.answer_key); data.answer_key=null for none. [default: reward_model.ground_truth]",
+        help="Ground-truth column (data.answer_key); data.answer_key=null for none. "
+        "[default: reward_model.ground_truth]",
     ),
     template: str | None = typer.Option(
         None, help="Instruction template: keep | dapo | boxed | custom:'…{problem}…' (data.template). [default: keep]"
@@ -351,10 +362,12 @@ def rollout_command(
     seed: int | None = typer.Option(None, help="Base sampling seed. [default: 0]"),
     engine: str | None = typer.Option(
         None,
-        help="Generation engine: torch | vllm (engine; vllm loads the model itself, options as vllm.*). [default: torch]",
+        help="Generation engine: torch | vllm (engine; vllm loads the model itself, options as vllm.*). "
+        "[default: torch]",
     ),
 ) -> None:
-    """Teacher answers for SFT with rejection sampling: rollouts.jsonl, rejected.jsonl, stats.json (+ LlamaFactory files).
+    """Teacher answers for SFT with rejection sampling: rollouts.jsonl, rejected.jsonl, stats.json
+    (+ LlamaFactory files).
 
     Rejects truncated, answer-less and degenerate responses (and, with --require-correct, wrong ones), retrying up
     to --max-attempts times. Degeneracy thresholds are config keys, e.g. `degeneracy.token_run=128`.
@@ -393,7 +406,8 @@ def dedup_command(
     ),
     against: str | None = typer.Option(
         None,
-        help="Prompt set B: remove from A what duplicates B. [default: none = dedup A within itself, keeping the first]",
+        help="Prompt set B: remove from A what duplicates B. "
+        "[default: none = dedup A within itself, keeping the first]",
     ),
     out: Path = typer.Option(..., help="Where the kept prompts of A go (.parquet or .jsonl, verl layout)."),
     report: Path | None = typer.Option(
@@ -417,7 +431,8 @@ def dedup_command(
     prompt_key: str = typer.Option("prompt", help="Prompt column of A (and of B unless --against-prompt-key)."),
     against_prompt_key: str | None = typer.Option(None, help="Prompt column of B. [default: --prompt-key]"),
 ) -> None:
-    """Remove from a prompt set the exact and near duplicates of another set (or of itself): MinHash + optional embeddings."""
+    """Remove from a prompt set the exact and near duplicates of another set (or of itself): MinHash + optional
+    embeddings."""
     from opd.recipes.dedup import dedup_files
 
     dedup_files(
@@ -442,7 +457,8 @@ def serve_teacher_command(
     device: str | None = typer.Option(None, help="auto | cpu | cuda | cuda:N (model.device). [default: auto]"),
     device_map: str | None = typer.Option(
         None,
-        help="auto: split the model over all visible GPUs (accelerate) for a teacher larger than one GPU; its layers then run one GPU at a time (device_map). [default: off]",
+        help="auto: split the model over all visible GPUs (accelerate) for a teacher larger than one GPU; its layers "
+        "then run one GPU at a time (device_map). [default: off]",
     ),
     dtype: str | None = typer.Option(
         None, help="auto | bf16 | fp16 | fp32 (model.dtype). [default: auto = bf16 on GPU, fp32 on CPU]"
@@ -525,7 +541,8 @@ def prompts_template_command(
     source: str = typer.Option(..., "--in", help="Prompt set: parquet / JSONL / JSON / dataset dir / hub id."),
     template: str = typer.Option(
         ...,
-        help="New instruction: boxed | dapo | keep | custom:'…{problem}…'; a known DAPO / boxed instruction is stripped first.",
+        help="New instruction: boxed | dapo | keep | custom:'…{problem}…'; "
+        "a known DAPO / boxed instruction is stripped first.",
     ),
     out: Path = typer.Option(
         ..., help="Output prompt set, .parquet or .jsonl (verl layout, loads back with the defaults)."
@@ -534,7 +551,8 @@ def prompts_template_command(
     answer_key: str = typer.Option("reward_model.ground_truth", help=ANSWER_KEY_HELP),
     id_key: str | None = typer.Option(None, help=ID_KEY_HELP),
 ) -> None:
-    """Replace each prompt's instruction, e.g. DAPO-Math-17k's "Answer:" line → Qwen's \\boxed{} (problems, answers, ids kept)."""
+    """Replace each prompt's instruction, e.g. DAPO-Math-17k's "Answer:" line → Qwen's \\boxed{} (problems, answers,
+    ids kept)."""
     from opd.recipes.prompts import retemplate_file
 
     typer.echo(
@@ -553,7 +571,8 @@ def prompts_score_command(
     ),
     out: Path | None = typer.Option(
         None,
-        help="Scores JSONL, one line per prompt, appended per batch; rerunning resumes. config.yaml goes beside it (out).",
+        help="Scores JSONL, one line per prompt, appended per batch; rerunning resumes. "
+        "config.yaml goes beside it (out).",
     ),
     n: int | None = typer.Option(None, help="Student rollouts per prompt (n). [default: 4]"),
     top_k: int | None = typer.Option(None, help="K of the compared top-k supports (top_k). [default: 16]"),
@@ -568,7 +587,8 @@ def prompts_score_command(
     thinking: bool | None = _thinking("data.enable_thinking"),
     engine: str | None = typer.Option(
         None,
-        help="Engine of the student rollouts: auto | torch | static | vllm (engine; options as vllm.*). [default: auto]",
+        help="Engine of the student rollouts: auto | torch | static | vllm (engine; options as vllm.*). "
+        "[default: auto]",
     ),
 ) -> None:
     """Per prompt: n student rollouts, scored by student and teacher; SPEC §6 overlap metrics → scores JSONL.
@@ -606,7 +626,8 @@ def prompts_select_command(
     ),
     by: str = typer.Option(
         "overlap_ratio",
-        help="Rank by overlap_ratio | overlap_mass_student | overlap_mass_teacher | overlap_advantage (larger = aligned) | entropy_gap (smaller = aligned).",
+        help="Rank by overlap_ratio | overlap_mass_student | overlap_mass_teacher | "
+        "overlap_advantage (larger = aligned) | entropy_gap (smaller = aligned).",
     ),
     mix_with: str | None = typer.Option(
         None, help="Another prompt set to mix in: purely aligned prompts collapse the student's entropy."
@@ -690,7 +711,8 @@ def lab_build_command(
     threads: int = typer.Option(1, help="torch CPU threads; 0 = torch's default."),
     rewrite_teacher_steps: int = typer.Option(
         4000,
-        help="SFT steps of the rewrite-style teacher, fine-tuned from the forward teacher (batch 256; a GPU job, see docs/lab.md).",
+        help="SFT steps of the rewrite-style teacher, fine-tuned from the forward teacher "
+        "(batch 256; a GPU job, see docs/lab.md).",
     ),
     rewrite_teacher_batch: int = typer.Option(256, help="Examples per SFT step of the rewrite-style teacher."),
     only: str | None = typer.Option(
@@ -699,7 +721,8 @@ def lab_build_command(
     device: str = typer.Option("cpu", help="Where the models train and are measured: cpu, cuda, cuda:N."),
     time_budget: float | None = typer.Option(
         None,
-        help="Wall seconds per model's SFT (set-up included): train the steps that fit, then always save, measure and record. [default: none]",
+        help="Wall seconds per model's SFT (set-up included): train the steps that fit, "
+        "then always save, measure and record. [default: none]",
     ),
 ) -> None:
     """Retrain the lab models (forward-style teacher and student, rewrite-style teacher) from a seed with `opd sft`
@@ -727,7 +750,9 @@ def lab_build_command(
 def lab_run_command(
     name: str = typer.Argument(
         ...,
-        help="Experiment: topk (only_stu / intersection / union-intersection, top-1/4/16, sampled-token) | teacher (real teacher vs the student as its own teacher) | style (thinking-pattern mismatch: a rewrite-style teacher, with and without an SFT cold start, vs the matched forward teacher).",
+        help="Experiment: topk (only_stu / intersection / union-intersection, top-1/4/16, sampled-token) | teacher "
+        "(real teacher vs the student as its own teacher) | style (thinking-pattern mismatch: a rewrite-style teacher, "
+        "with and without an SFT cold start, vs the matched forward teacher).",
     ),
     overrides: list[str] | None = typer.Argument(
         None, help=OVERRIDES_HELP + " Applied to every run.", show_default=False
@@ -738,7 +763,8 @@ def lab_run_command(
     threads: int = typer.Option(1, help="torch CPU threads; 0 = torch's default."),
     seeds: str | None = typer.Option(
         None,
-        help="Comma-separated run.seed values: each variant once per seed (runs <variant>_s<seed>). [default: once, seed 0]",
+        help="Comma-separated run.seed values: each variant once per seed (runs <variant>_s<seed>). "
+        "[default: once, seed 0]",
     ),
     check: bool = typer.Option(
         False,
@@ -746,7 +772,8 @@ def lab_run_command(
         help="Run `opd check` on each variant's pair first: its forecast next to the measured outcome.",
     ),
 ) -> None:
-    """A small replication: short `opd distill` runs that differ in one setting; summary.json/.md + a comparison report."""
+    """A small replication: short `opd distill` runs that differ in one setting; summary.json/.md + a comparison
+    report."""
     from opd.recipes.lab import run_experiment
 
     run_experiment(

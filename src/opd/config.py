@@ -49,7 +49,8 @@ class ModelSpec(Section):
     trust_remote_code: bool = Field(False, description="Allow custom model code from the hub (off: safer).")
     attn_implementation: str | None = Field(
         None,
-        description="sdpa, eager, flex_attention, flash_attention_2, opd_varlen (SDPA, with packed rows through FlashAttention varlen); None: library default, opd_varlen in place of sdpa on CUDA.",
+        description="sdpa, eager, flex_attention, flash_attention_2, opd_varlen (SDPA, with packed rows through "
+        "FlashAttention varlen); None: library default, opd_varlen in place of sdpa on CUDA.",
     )
 
 
@@ -60,25 +61,30 @@ class VLLMSpec(Section):
         0.3,
         gt=0.0,
         le=1.0,
-        description="GPU: fraction of the GPU's memory the engine may take (weights + KV cache), in (0, 1]; keep it small beside a trainer. Ignored when kv_cache_gb is set.",
+        description="GPU: fraction of the GPU's memory the engine may take (weights + KV cache), in (0, 1]; keep it "
+        "small beside a trainer. Ignored when kv_cache_gb is set.",
     )
     kv_cache_gb: float | None = Field(
         None,
         gt=0.0,
-        description="KV-cache size in GiB; None: 1 on CPU (vLLM's own default reserves 0.92 x RAM), by gpu_memory_utilization on GPU.",
+        description="KV-cache size in GiB; None: 1 on CPU (vLLM's own default reserves 0.92 x RAM), by "
+        "gpu_memory_utilization on GPU.",
     )
     enforce_eager: bool | None = Field(
         None,
-        description="No torch.compile / CUDA graphs in the engine; None: on for CPU (compiling is slow there), off on GPU.",
+        description="No torch.compile / CUDA graphs in the engine; None: on for CPU (compiling is slow there), "
+        "off on GPU.",
     )
     sleep: bool | None = Field(
         None,
-        description="Offload the engine's weights and KV cache while the trainer scores and updates (vLLM sleep level 1); None: on for distill where the platform supports it (CUDA; the CPU build ignores sleep).",
+        description="Offload the engine's weights and KV cache while the trainer scores and updates (vLLM sleep "
+        "level 1); None: on for distill where the platform supports it (CUDA; the CPU build ignores sleep).",
     )
     max_model_len: int | None = Field(
         None,
         ge=1,
-        description="Longest prompt + response the engine accepts, in tokens; None: the model's max_position_embeddings.",
+        description="Longest prompt + response the engine accepts, in tokens; "
+        "None: the model's max_position_embeddings.",
     )
 
 
@@ -93,7 +99,8 @@ class TeacherSpec(ModelSpec):
     )
     engine: TeacherEngineName = Field(
         "local",
-        description="With path: local = an in-process HF model (any strategy); vllm = an in-process vLLM engine scoring with prompt_logprobs (top_k=0 or strategy only_tch, teacher_temperature 1).",
+        description="With path: local = an in-process HF model (any strategy); vllm = an in-process vLLM engine "
+        "scoring with prompt_logprobs (top_k=0 or strategy only_tch, teacher_temperature 1).",
     )
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
     url: str | list[str] | None = Field(
@@ -173,7 +180,8 @@ class DataSpec(Section):
     on_missing_answer: Literal["error", "skip", "keep"] = Field(
         "error",
         description="A row without a ground truth (null, absent, empty) while answer_key is set: error "
-        "(one line naming the row), skip (dropped, counted in the log) or keep (no answer; OPD without GRPO needs none).",
+        "(one line naming the row), skip (dropped, counted in the log) or keep "
+        "(no answer; OPD without GRPO needs none).",
     )
 
 
@@ -205,15 +213,18 @@ class EvalConfig(Section):
     timeout: float = Field(
         5.0,
         gt=0,
-        description="Wall-time budget in seconds of one response's symbolic grading (imports and worker start-up included); a comparison that runs out counts as wrong.",
+        description="Wall-time budget in seconds of one response's symbolic grading (imports and worker start-up "
+        "included); a comparison that runs out counts as wrong.",
     )
     on_missing_answer: Literal["error", "skip"] = Field(
         "error",
-        description="A benchmark row (or --responses line) without a ground truth: error (one line naming it) or skip (dropped, counted).",
+        description="A benchmark row (or --responses line) without a ground truth: error (one line naming it) or skip "
+        "(dropped, counted).",
     )
     engine: EngineName = Field(
         "auto",
-        description="Generation engine (opd.rollout.registry): auto | torch | static | vllm (loads the model itself; needs the vllm extra).",
+        description="Generation engine (opd.rollout.registry): auto | torch | static | vllm (loads the model itself; "
+        "needs the vllm extra).",
     )
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
 
@@ -392,7 +403,8 @@ class SamplingSpec(Section):
     )
     engine: EngineName = Field(
         "auto",
-        description="auto: the static-KV-cache CUDA-graph engine on a GPU (one process), the torch engine otherwise; vllm: an in-process vLLM engine, weights pushed after every step (needs the vllm extra).",
+        description="auto: the static-KV-cache CUDA-graph engine on a GPU (one process), the torch engine otherwise; "
+        "vllm: an in-process vLLM engine, weights pushed after every step (needs the vllm extra).",
     )
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
     overlap: bool = Field(
@@ -451,7 +463,8 @@ class OptimSpec(Section):
     state_dtype: Literal["fp32", "bf16"] = Field(
         "fp32",
         description="Storage of AdamW's two moments (the master weights stay as loaded): fp32 (8 bytes a "
-        "parameter), or bf16 (4 bytes; exp_avg rounded to nearest, exp_avg_sq stochastically: `opd.train.optim.AdamW16`).",
+        "parameter), or bf16 (4 bytes; exp_avg rounded to nearest, exp_avg_sq stochastically: "
+        "`opd.train.optim.AdamW16`).",
     )
     fused: bool | None = Field(
         None,
@@ -475,7 +488,8 @@ class RunSpec(Section):
     )
     eval_at_start: bool = Field(
         True,
-        description="Also evaluate before the first step (eval/step_0: the model before training, the report's 'before'); only when eval is configured and not when resuming.",
+        description="Also evaluate before the first step (eval/step_0: the model before training, the report's "
+        "'before'); only when eval is configured and not when resuming.",
     )
     resume: bool = Field(False, description="Continue from the newest complete checkpoint of the run directory.")
     overwrite: bool = Field(

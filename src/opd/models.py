@@ -106,7 +106,8 @@ def _load_error(what: str, name_or_path: str | os.PathLike, err: Exception) -> M
     if not _HUB_ID.match(name):
         return ModelLoadError(f"cannot load {what}: {name!r} is not an existing path nor a Hugging Face Hub id")
     return ModelLoadError(
-        f"cannot load {what} {name!r}: no such local path, and not found on (or not reachable from) the Hugging Face Hub"
+        f"cannot load {what} {name!r}: no such local path, "
+        "and not found on (or not reachable from) the Hugging Face Hub"
     )
 
 
@@ -287,7 +288,8 @@ def load_model(
     rows = model.get_input_embeddings().weight.shape[0]
     if tokenizer.pad_token_id is not None and tokenizer.pad_token_id >= rows:
         raise ModelLoadError(
-            f"pad token id {tokenizer.pad_token_id} of {str(name_or_path)!r} is outside the model's {rows} embedding rows"
+            f"pad token id {tokenizer.pad_token_id} of {str(name_or_path)!r} "
+            f"is outside the model's {rows} embedding rows"
         )
     return model, tokenizer
 

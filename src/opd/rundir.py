@@ -301,8 +301,8 @@ def check_same_work(
     """Resume the work in `out` only with the settings it was made with.
 
     `saved` / `current`: flat dotted dicts (`flatten_dotted`) of what made the work and of this run. The first key
-    of `saved` (in its order) outside `RESUMABLE[command]` whose values differ raises ValueError, one line naming it, old → new.
-    Keys `saved` lacks (written by an older opd) are not compared. Used by `opd rollout` and `opd eval`.
+    of `saved` (in its order) outside `RESUMABLE[command]` whose values differ raises ValueError, one line naming it,
+    old → new. Keys `saved` lacks (written by an older opd) are not compared. Used by `opd rollout` and `opd eval`.
     """
     allowed = RESUMABLE[command] if command else ()
     for key, value in saved.items():

@@ -143,7 +143,7 @@ def _chat_templates(
         if i is None:
             continue
 
-        def token(tokenizer: Any, ids: list[int]) -> str:
+        def token(tokenizer: Any, ids: list[int], i: int = i) -> str:
             return repr(tokenizer.convert_ids_to_tokens(ids[i])) if i < len(ids) else "(end)"
 
         differences.append(

@@ -80,8 +80,8 @@ _SPACE_RE = re.compile(r"\s+")
 
 
 def normalize_problem(text: str) -> str:
-    """The comparison key of a problem text (docs/design.md, "opd.data.dedup", stage 1). Two prompts are exact duplicates
-    iff their keys are equal; an empty key means the text had no content."""
+    """The comparison key of a problem text (docs/design.md, "opd.data.dedup", stage 1). Two prompts are exact
+    duplicates iff their keys are equal; an empty key means the text had no content."""
     text = unicodedata.normalize("NFKC", strip_template(text))
     text = _LATEX_NOISE_RE.sub(lambda m: m.group(0) if m.group(0) == "\\\\" else " ", text)
     text = _FRAC_RE.sub(r"\\frac", text)

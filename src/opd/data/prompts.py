@@ -137,7 +137,8 @@ def load_prompts(
         if answer_key is not None and answer is None:
             if on_missing_answer == "error":
                 raise DataError(
-                    f"{origin}: row {i} (id {pid!r}) field {answer_key!r} is {describe_missing(get_field(row, answer_key))}: "
+                    f"{origin}: row {i} (id {pid!r}) field {answer_key!r} is "
+                    f"{describe_missing(get_field(row, answer_key))}: "
                     f"no ground truth; fix the row, or pass on_missing_answer=skip to drop such rows (keep: no answer)"
                 )
             if on_missing_answer == "skip":

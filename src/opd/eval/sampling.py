@@ -248,7 +248,8 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
         )
         if encoded.num_filtered:
             console.print(
-                f"[yellow]{name}: {encoded.num_filtered} prompts longer than {config.max_prompt_length} tokens skipped[/]"
+                f"[yellow]{name}: {encoded.num_filtered} prompts longer than "
+                f"{config.max_prompt_length} tokens skipped[/]"
             )
         problems = [EvalProblem(name, p.id, ids, p.answer) for p, ids in zip(encoded.prompts, encoded.input_ids)]
         for index in range(0, len(problems), problems_per_chunk):

@@ -25,7 +25,8 @@ BLOCK_N = 64  # slots per tile; with 4 warps and 2 stages the fastest launch mea
 
 
 def supports(head_dim: int) -> bool:
-    """Whether the kernel takes this head size: a power of two in [16, 256] (one tensor-core tile wide, in registers)."""
+    """Whether the kernel takes this head size: a power of two in [16, 256] (one tensor-core tile wide, in
+    registers)."""
     return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
 
 
@@ -105,7 +106,7 @@ if triton is not None:
         k_base = k_ptr + row * k_sr + kv * k_sk
         v_base = v_ptr + row * v_sr + kv * v_sk
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_G], tl.float32)
+        denom = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
         if HAS_NEW:
             if split == 0:  # the new token starts the running softmax; its keys/values go into the cache
@@ -114,7 +115,7 @@ if triton is not None:
                 tl.store(k_base + last * k_ss + d, k_new.to(k_ptr.dtype.element_ty))
                 tl.store(v_base + last * v_ss + d, v_new.to(v_ptr.dtype.element_ty))
                 m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
-                l = tl.full([BLOCK_G], 1.0, tl.float32)
+                denom = tl.full([BLOCK_G], 1.0, tl.float32)
                 acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32) + v_new.to(tl.float32)[None, :]
         for n0 in range(lo, hi, BLOCK_N):  # every tile holds at least one valid slot, so m becomes finite at once
             slots = n0 + n
@@ -127,7 +128,7 @@ if triton is not None:
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
+            denom = denom * alpha + tl.sum(p, 1)
             v = tl.load(v_base + slots[:, None] * v_ss + d[None, :], mask=valid[:, None], other=0.0)
             if UPCAST:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
@@ -136,16 +137,16 @@ if triton is not None:
             m = m_new
 
         if SPLITS == 1:
-            out = acc / l[:, None]
+            out = acc / denom[:, None]
             tl.store(
                 out_ptr + row * o_sr + kv * o_sk + g[:, None] * o_sg + d[None, :],
                 out.to(out_ptr.dtype.element_ty),
                 mask=g[:, None] < groups,
             )
         else:
-            nonempty = l > 0
-            out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l, 1.0)[:, None], 0.0)
-            lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, l, 1.0)), float("-inf"))
+            nonempty = denom > 0
+            out = tl.where(nonempty[:, None], acc / tl.where(nonempty, denom, 1.0)[:, None], 0.0)
+            lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, denom, 1.0)), float("-inf"))
             base = (pid * SPLITS + split) * groups
             tl.store(out_ptr + (base + g[:, None]) * HEAD_DIM + d[None, :], out, mask=g[:, None] < groups)
             tl.store(lse_ptr + base + g, lse, mask=g < groups)

@@ -56,7 +56,8 @@ def engine_names() -> list[str]:
 
 
 def resolve_engine(engine: str, model: torch.nn.Module | None) -> str:
-    """The concrete engine `engine` means for `model`: "auto" → "static" on CUDA for a supported layout, else "torch"."""
+    """The concrete engine `engine` means for `model`: "auto" → "static" on CUDA for a supported layout, else
+    "torch"."""
     if engine != "auto":
         if engine not in _ENGINES:
             raise ValueError(f"rollout engine must be one of {', '.join(engine_names())}, got {engine!r}")

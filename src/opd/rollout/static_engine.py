@@ -238,8 +238,8 @@ class StaticGenerator(memory.ModuleMemory):
     sync_interval:    decode steps between host checks, ≥ 1: finished rows are refilled there (each check is one
                       CPU-GPU sync; a row that finishes waits up to sync_interval - 1 steps for its refill)
     kv_bucket:        with "sdpa" / "matmul" attention, decode steps attend over the cache rounded up to a multiple of
-                      this many slots (one graph each); smaller buckets read less cache per step but capture more graphs,
-                      ≥ 1. Unused by the Triton kernel, which reads each row's exact slots
+                      this many slots (one graph each); smaller buckets read less cache per step but capture more
+                      graphs, ≥ 1. Unused by the Triton kernel, which reads each row's exact slots
     cuda_graphs:      capture and replay the decode step (CUDA only); None = on CUDA
     compile:          `torch.compile` the two halves of a layer and the sampling (CUDA only; the first call per row
                       count pays the compile); None = on CUDA, falling back to the plain step with a warning if

@@ -327,7 +327,8 @@ class VLLMGenerator:
         )
 
     def sync_weights(self, *, include_lm_head: bool = True, reset_prefix_cache: bool = True) -> None:
-        """Push the trainer's current weights into the engine (weights, then a prefix-cache reset). No-op without a module."""
+        """Push the trainer's current weights into the engine (weights, then a prefix-cache reset). No-op without a
+        module."""
         if self.module is None and self.weights_fn is None:
             return
         gathered = self.weights_fn() if self.weights_fn is not None else None

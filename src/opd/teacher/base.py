@@ -30,7 +30,8 @@ class TeacherScorer(Protocol):
     """Every member is implemented by every scorer (local, served, vLLM), so callers use them directly."""
 
     serves_requested_ids: bool
-    """Whether `score` takes `requested_ids` (the vLLM scorer only where its engine can, see `opd.teacher.vllm_scorer`)."""
+    """Whether `score` takes `requested_ids` (the vLLM scorer only where its engine can, see
+    `opd.teacher.vllm_scorer`)."""
 
     def score(
         self,

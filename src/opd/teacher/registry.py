@@ -54,7 +54,8 @@ class TeacherRequest:
     world_size:           processes of the run (torchrun)
     offload:              keep an in-process teacher on the CPU (the trainer moves it to the GPU while it scores)
     max_tokens_per_batch: the local scorer's forward budget
-    objective:            the `ObjectiveSpec` the scores are for (a vLLM teacher checks it can serve it); None: unchecked
+    objective:            the `ObjectiveSpec` the scores are for (a vLLM teacher checks it can serve it);
+                          None: unchecked
     max_batch_size:       rows a vLLM teacher scores together
     """
 

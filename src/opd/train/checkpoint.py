@@ -110,8 +110,8 @@ def save_checkpoint(
             free = shutil.disk_usage(root).free
             raise CheckpointWriteError(
                 f"could not write checkpoint step_{step} into {root} ({_reason(error)}): it needs about "
-                f"{format_size(needed)}, {format_size(free)} free there; the partial copy was removed. Free space (or lower "
-                f"run.keep_last) and rerun with --resume"
+                f"{format_size(needed)}, {format_size(free)} free there; the partial copy was removed. "
+                "Free space (or lower run.keep_last) and rerun with --resume"
             ) from None
         raise
     if final.exists():  # re-saving the same step (e.g. after a resume): move the old one aside first

@@ -41,6 +41,7 @@ class PromptSampler:
     def load_state_dict(self, state: dict) -> None:
         if state["num_prompts"] != self.num_prompts:
             raise ValueError(
-                f"cannot resume: the checkpoint's prompt set had {state['num_prompts']} prompts, this one has {self.num_prompts}"
+                f"cannot resume: the checkpoint's prompt set had {state['num_prompts']} prompts, this one has "
+                f"{self.num_prompts}"
             )
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]

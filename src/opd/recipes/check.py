@@ -68,6 +68,10 @@ def run_check(
     console = console or Console()
     if config.teacher is None:
         raise ValueError("opd check needs a teacher: pass --teacher (teacher.path)")
+    if config.teacher.path is None:
+        raise ValueError(
+            "opd check loads the teacher in process: give teacher.path (a served teacher.url is not checked)"
+        )
     if n < 1 or prompts_sample < 1:
         raise ValueError(f"n and prompts_sample must be ≥ 1, got n={n}, prompts_sample={prompts_sample}")
     skipped = resolve_skips([*config.skip_checks, *skip])
@@ -141,9 +145,10 @@ class _LoadedPair:
 
 def _tokenizers_and_sample(config: DistillConfig, prompts_sample: int) -> tuple[Any, Any, list[Any]]:
     """Both tokenizers and the seeded prompt sample of `data.path`; no prompts is a one-line ValueError."""
-    data = config.data
+    data, teacher = config.data, config.teacher
+    assert teacher is not None and teacher.path is not None  # run_check refuses a config without teacher.path
     student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
-    teacher_tokenizer = load_tokenizer(config.teacher.path, trust_remote_code=config.teacher.trust_remote_code)
+    teacher_tokenizer = load_tokenizer(teacher.path, trust_remote_code=teacher.trust_remote_code)
     prompts = load_prompts(
         data.path,
         prompt_key=data.prompt_key,
@@ -195,7 +200,8 @@ def _load_pair(
     config: DistillConfig, student_tokenizer: Any, teacher_tokenizer: Any, sample: Sequence[Any]
 ) -> _LoadedPair:
     """Load both models in the run's precision, build their scorers and encode the sample (setup)."""
-    data = config.data
+    data, teacher_spec = config.data, config.teacher
+    assert teacher_spec is not None and teacher_spec.path is not None  # run_check refuses a config without teacher.path
     device = resolve_device(config.student.device)
     weights_dtype, autocast_dtype = training_precision(config.student, device)
     student, _ = load_model(
@@ -205,13 +211,13 @@ def _load_pair(
         trust_remote_code=config.student.trust_remote_code,
         attn_implementation=config.student.attn_implementation,
     )
-    teacher_device = resolve_device(config.teacher.device)
+    teacher_device = resolve_device(teacher_spec.device)
     teacher, _ = load_model(
-        config.teacher.path,
-        dtype=resolve_dtype(config.teacher.dtype, teacher_device),
+        teacher_spec.path,
+        dtype=resolve_dtype(teacher_spec.dtype, teacher_device),
         device=teacher_device,
-        trust_remote_code=config.teacher.trust_remote_code,
-        attn_implementation=config.teacher.attn_implementation,
+        trust_remote_code=teacher_spec.trust_remote_code,
+        attn_implementation=teacher_spec.attn_implementation,
     )
     vocab_size = check_tokenizer_compatibility(
         student_tokenizer,
@@ -245,7 +251,8 @@ def _forecast_group(
     skipped: set[str],
 ) -> None:
     """The forecast's rows and its record (verdict, values, thresholds) into `report`."""
-    data = config.data
+    data, teacher = config.data, config.teacher
+    assert teacher is not None and teacher.path is not None  # run_check refuses a config without teacher.path
     values = forecast(
         pair.student,
         pair.teacher,
@@ -265,7 +272,7 @@ def _forecast_group(
         vocab_size=pair.vocab_size,
     )
     rows, verdict = forecast_rows(
-        values, thresholds, student=config.student.path, teacher=config.teacher.path, prompts=data.path
+        values, thresholds, student=config.student.path, teacher=teacher.path, prompts=data.path
     )
     report.results += [r for r in rows if r.name not in skipped or r.name == "forecast"]
     report.values["forecast"] = {

@@ -127,9 +127,13 @@ def demo(
     if threads:
         torch.set_num_threads(threads)
     config = demo_config(overrides, config_file=config_file)
+    if config.run.name is None:
+        raise ValueError("the demo names its run directory: run.name must not be null")
     run_dir = Path(config.run.out_dir) / config.run.name
     if not config.eval.benchmarks:
         raise ValueError("the demo measures the student with the trainer's eval: eval.benchmarks must not be empty")
+    if config.teacher is None or config.teacher.path is None:
+        raise ValueError("the demo evaluates the teacher in process: teacher.path must be set")
     # the demo's run directory follows distill's rules (a new run refuses a directory holding another one); the
     # before-training evals go into it first, so distill itself then continues in it (run.resume)
     with claimed_run_dir(run_dir, config.run, "demo", console=console):
@@ -142,6 +146,7 @@ def demo(
 def _demo_in(config: DistillConfig, run_dir: Path, start: float, console: Any) -> Path:
     """The body of `demo`, holding its run directory."""
     timings: dict[str, float] = {}
+    assert config.teacher is not None and config.teacher.path is not None  # demo refuses a config without one
     t = time.perf_counter()
     teacher_results = evaluate(eval_config(config, config.teacher.path, run_dir / "eval" / "teacher"), console=console)
     timings["eval_teacher_s"] = time.perf_counter() - t

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from transformers import PreTrainedModel
 
 from opd.check import preflight
 from opd.config import DistillConfig
@@ -115,6 +116,7 @@ def train(tr: Trainer, *, console: Any) -> None:
             metrics = opd_step(tr)  # already reduced over ranks
             tr.step += 1
             if main:
+                assert tr.sink is not None  # setup opens rank 0's sink
                 tr.sink.log(tr.step, metrics)
             tr.history.append({"step": tr.step, **metrics})
             progress.update(task, advance=1, description=_console_line(tr.step, metrics))
@@ -198,7 +200,7 @@ def save(tr: Trainer) -> Path:
 class Models:
     """The loaded models and what setup derived from them."""
 
-    student: torch.nn.Module  # sharded by FSDP2 under torchrun
+    student: PreTrainedModel  # sharded by FSDP2 under torchrun
     tokenizer: Any  # loaded with the student's weights (a checkpoint's on resume)
     student_path: str  # what the weights were loaded from: the model, or the checkpoint resumed
     device: torch.device
@@ -468,7 +470,9 @@ def startup_checks(
     """`opd check`'s tokenizers, scoring and resources rows on the loaded models; raises on a hard failure."""
     teacher_tokenizer = None  # a served or vLLM teacher has no module here: its tokenizer was compared already
     if models.teacher is not None:
-        teacher_tokenizer = load_tokenizer(config.teacher.path, trust_remote_code=config.teacher.trust_remote_code)
+        teacher = config.teacher
+        assert teacher is not None and teacher.path is not None  # a teacher module is loaded from teacher.path
+        teacher_tokenizer = load_tokenizer(teacher.path, trust_remote_code=teacher.trust_remote_code)
     preflight(
         config,
         student_tokenizer=student_tokenizer,

@@ -180,8 +180,10 @@ def finetune(
     final = Path(final)
     if final.exists():
         shutil.rmtree(final)
+    checkpoint = latest_checkpoint(run_dir)
+    assert checkpoint is not None  # sft (and sft_within_budget) end with a saved step
     shutil.copytree(
-        latest_checkpoint(run_dir),
+        checkpoint,
         final,
         ignore=shutil.ignore_patterns("trainer_state*", "COMPLETE", "MANIFEST.json", "*.pt"),
     )
@@ -671,9 +673,10 @@ def run_experiment(
             run_name = variant if seed is None else f"{variant}_s{seed}"
             local = dict(paths)
             if any("{cold_student}" in e for e in extra):
-                local["cold_student"], record = cold_start(
+                cold_student, record = cold_start(
                     out_dir, Path(paths["rewrite_teacher"]), style_setup, seed=seed or 0, limit=limit, console=console
                 )
+                local["cold_student"] = str(cold_student)
                 prepared.setdefault("cold_start", {})[str(seed or 0)] = record
             formatted = [e.format(**local) for e in extra]
             seeded = [] if seed is None else [f"run.seed={seed}"]
@@ -720,7 +723,14 @@ def _forecast(config: Any, out: Path, console: Any) -> dict[str, Any]:
     `out`, reused when there)."""
     path = out / "check.json"
     if not path.is_file():
-        run_check(config, out=out, skip=["resources"], console=console, **CHECK_SETTINGS)
+        run_check(
+            config,
+            n=CHECK_SETTINGS["n"],
+            prompts_sample=CHECK_SETTINGS["prompts_sample"],
+            out=out,
+            skip=["resources"],
+            console=console,
+        )
     data = json.loads(path.read_text())
     forecast = data.get("forecast") or {}
     keep = (
@@ -771,6 +781,9 @@ def markdown(summary: dict[str, Any]) -> str:
     def f(v: Any, pct: bool = False) -> str:
         return "–" if v is None else (f"{100 * v:.1f}" if pct else f"{v:.3f}")
 
+    def cell(r: dict[str, Any], key: str) -> str:
+        return f"{f(r[key + '_first10'])} → {f(r[key + '_last10'])}"
+
     lines = [
         f"Experiment `{summary['experiment']}`: {summary['steps']} OPD steps per run, student before "
         f"{f(summary['student_before'], True)}% (greedy avg@1 on the lab test set).",
@@ -802,10 +815,9 @@ def markdown(summary: dict[str, Any]) -> str:
         )
     lines[1:1] = [x for note in notes for x in ("", note)]
     for name, r in summary["runs"].items():
-        cell = lambda key: f"{f(r[key + '_first10'])} → {f(r[key + '_last10'])}"  # noqa: E731
         row = (
-            f"| {name} | {f(r['test_accuracy'], True)} | {cell('overlap_ratio')} | {cell('overlap_advantage')} "
-            f"| {cell('reward_mean')} | {cell('entropy_student')} | {r.get('wall_s')} |"
+            f"| {name} | {f(r['test_accuracy'], True)} | {cell(r, 'overlap_ratio')} | {cell(r, 'overlap_advantage')} "
+            f"| {cell(r, 'reward_mean')} | {cell(r, 'entropy_student')} | {r.get('wall_s')} |"
         )
         if style:
             row += f" {f(r.get('rewrite_share'), True)} |"

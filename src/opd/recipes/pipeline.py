@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import Field
@@ -59,9 +59,7 @@ class PipelineConfig(Section):
         default_factory=EvalSpec, description="Benchmarks of the final comparison (and of in-run eval)."
     )
     out_dir: str = Field("runs/pipeline", description="Directory holding one sub-directory per stage.")
-    stages: list[Stage] = Field(
-        default_factory=lambda: ["rollout", "sft", "distill", "eval"], description="Stages to run, in order."
-    )
+    stages: list[Stage] = Field(default_factory=lambda: list(get_args(Stage)), description="Stages to run, in order.")
     rollout: dict[str, Any] = Field(
         default_factory=dict, description="Extra `opd rollout` keys (n, max_attempts, require_correct, …)."
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,8 @@ class PromptScoreConfig(Section):
     seed: int = Field(0, description="Sampling seed (each batch's seed derives from it and the batch index).")
     engine: EngineName = Field(
         "auto",
-        description="Engine of the student rollouts (opd.rollout.registry); vllm loads the student itself (needs the vllm extra); the scores stay in-process.",
+        description="Engine of the student rollouts (opd.rollout.registry); vllm loads the student itself "
+        "(needs the vllm extra); the scores stay in-process.",
     )
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
 
@@ -196,7 +198,7 @@ def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
                 batch_size=config.batch_size,
                 score_batch_tokens=config.score_batch_tokens,
                 seed=config.seed,
-                skip_ids=skip,
+                skip_ids=sorted(skip),
                 on_batch=on_batch,
                 generator=generator,
             )
@@ -222,9 +224,10 @@ def _check_resume(config: PromptScoreConfig, saved_path: Path) -> None:
 
 
 def _dotted(data: dict, key: str) -> Any:
+    value: Any = data
     for part in key.split("."):
-        data = data.get(part) if isinstance(data, dict) else None
-    return data
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def summarize_scores(scores: Sequence[PromptScore]) -> str:
@@ -276,10 +279,10 @@ def select_prompt_file(
 ) -> str:
     """Run `opd prompts select`: load the set (and `mix_with`, read with the same column mapping) and the scores,
     `select_prompts`, save. Returns a summary line."""
-    mapping = dict(prompt_key=prompt_key, answer_key=answer_key, id_key=id_key, on_missing_answer="keep")
-    prompts = load_prompts(source, **mapping)
+    load = partial(load_prompts, prompt_key=prompt_key, answer_key=answer_key, id_key=id_key, on_missing_answer="keep")
+    prompts = load(source)
     score_list = read_scores(scores)
-    others = load_prompts(mix_with, **mapping) if mix_with is not None else None
+    others = load(mix_with) if mix_with is not None else None
     aligned = select_prompts(prompts, score_list, top=parse_top(top), by=by)
     selected = select_prompts(prompts, score_list, top=parse_top(top), by=by, mix_with=others, ratio=ratio, seed=seed)
     path = save_prompts(selected, out)

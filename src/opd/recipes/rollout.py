@@ -73,7 +73,8 @@ class RolloutConfig(Section):
     batch_size: int = Field(
         64,
         ge=1,
-        description="Sequences generated together (prompts × n); a batch holds max(1, batch_size // n) prompts and is the unit of resume.",
+        description="Sequences generated together (prompts × n); a batch holds max(1, batch_size // n) prompts "
+        "and is the unit of resume.",
     )
     seed: int = Field(
         0,
@@ -84,7 +85,8 @@ class RolloutConfig(Section):
     )
     devices: list[str] | None = Field(
         None,
-        description="One device per worker (e.g. [cuda:0, cuda:1]); None: cuda:0..N-1 when CUDA is there and model.device is auto/cuda, else model.device for all.",
+        description="One device per worker (e.g. [cuda:0, cuda:1]); None: cuda:0..N-1 when CUDA is there and "
+        "model.device is auto/cuda, else model.device for all.",
     )
     llamafactory: bool = Field(
         False, description="Also write llamafactory/<dataset_name>.json (sharegpt) and dataset_info.json."
@@ -94,7 +96,8 @@ class RolloutConfig(Section):
     )
     engine: Literal["torch", "vllm"] = Field(
         "torch",
-        description="Generation engine (opd.rollout.registry): torch | vllm (loads the model itself, one worker; needs the vllm extra).",
+        description="Generation engine (opd.rollout.registry): torch | vllm (loads the model itself, one worker; "
+        "needs the vllm extra).",
     )
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
 
@@ -124,7 +127,7 @@ class Check:
 
 
 def check_response(
-    text: str, token_ids: Sequence[int], finish_reason: str, answer: str | None, config: RolloutConfig
+    text: str, token_ids: Sequence[int], finish_reason: str, answer: str | list[str] | None, config: RolloutConfig
 ) -> Check:
     """Apply the rejection rules of the module docstring to one decoded response."""
     reasons = ["truncated"] if finish_reason == "length" else []

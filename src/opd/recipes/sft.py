@@ -21,13 +21,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field, field_validator
 from rich.console import Console
 from safetensors import safe_open
-from transformers import AutoConfig
+from transformers import AutoConfig, PreTrainedModel
 
 from opd.config import EvalSpec, ModelSpec, OptimSpec, RunSpec, Section
 from opd.data.sft import SFTExample, collate, load_sft_dataset
@@ -58,6 +58,9 @@ from opd.train.common import (
     training_precision,
 )
 from opd.train.optim import build_optimizer, build_scheduler, clip_and_step
+
+if TYPE_CHECKING:
+    from opd.forward import Packing
 from opd.train.sampler import PromptSampler
 from opd.train.sft import forward_backward, packing_is_exact
 
@@ -228,7 +231,8 @@ class SFTTrainer:
 
 def sft_step(tr: SFTTrainer) -> dict[str, float]:
     """One optimizer step on the next `examples_per_step` examples."""
-    cfg, timings = tr.config, {}
+    cfg = tr.config
+    timings: dict[str, float] = {}
     with timed(timings, "step"):
         batch = collate([tr.examples[i] for i in tr.sampler.next_batch()], pad_id=tr.tokenizer.pad_token_id)
         tr.model.train()
@@ -297,9 +301,9 @@ def train(tr: SFTTrainer, *, console: Any) -> None:
                 run_eval(tr, console)
     if cfg.lora.enabled and cfg.lora.merge:
         # the run's own output inside its locked run directory: a rerun replaces it
-        merged = merge_lora(
-            latest_checkpoint(tr.run_dir), tr.run_dir / "merged", base=cfg.model.path, existing="replace"
-        )
+        checkpoint = latest_checkpoint(tr.run_dir)
+        assert checkpoint is not None  # the loop saved the last step (or the run resumed from it)
+        merged = merge_lora(checkpoint, tr.run_dir / "merged", base=cfg.model.path, existing="replace")
         console.print(f"merged weights: {merged}")
     finish_run(tr.run_dir, tr.sink, report=cfg.run.report, console=console)
 
@@ -450,7 +454,7 @@ def setup(config: SFTConfig, run_dir: Path, *, checkpoint: Path | None = None, c
     return tr
 
 
-def _with_lora(net: torch.nn.Module, spec: LoraSpec, checkpoint: Path | None) -> torch.nn.Module:
+def _with_lora(net: PreTrainedModel, spec: LoraSpec, checkpoint: Path | None) -> torch.nn.Module:
     """The peft model: fresh adapters, or the checkpoint's (trainable) for a resume."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -465,7 +469,7 @@ def _with_lora(net: torch.nn.Module, spec: LoraSpec, checkpoint: Path | None) ->
         )
     lora = LoraConfig(
         r=spec.r,
-        lora_alpha=spec.alpha,
+        lora_alpha=spec.alpha,  # type: ignore[arg-type]  # peft annotates it int but only divides by r: a float works
         lora_dropout=spec.dropout,
         target_modules=spec.target_modules,
         task_type="CAUSAL_LM",
@@ -473,7 +477,7 @@ def _with_lora(net: torch.nn.Module, spec: LoraSpec, checkpoint: Path | None) ->
     return get_peft_model(net, lora)
 
 
-def _choose_packing(net: torch.nn.Module, packing: str, console: Any) -> bool:
+def _choose_packing(net: torch.nn.Module, packing: Packing, console: Any) -> bool:
     """Resolve `data.packing`; packing that the model does not honour exactly falls back to padding, with a note."""
     from opd.forward import uses_packing  # heavy (the Triton kernels, torch._dynamo)
 
@@ -581,7 +585,7 @@ def _remove_dead_temps(out_dir: Path) -> None:
 
 
 def check_adapter_fits(
-    checkpoint_dir: str | Path, model: torch.nn.Module, *, base: str, recorded_base: str | None
+    checkpoint_dir: str | Path, model: PreTrainedModel, *, base: str, recorded_base: str | None
 ) -> None:
     """Refuse to merge a LoRA adapter into a base it was not trained on (one line naming both), before peft would
     either fail with a multi-line size mismatch or silently merge into a model of another architecture with the same

@@ -355,8 +355,8 @@ def candidate_grads():
 
 @guarded
 def compiled_layers():
-    from opd.models import compile_layers
     from opd.forward import forward_hidden
+    from opd.models import compile_layers
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import random_rollouts
@@ -410,9 +410,9 @@ def packed_flex():
 @guarded
 def packed_varlen():
     from common import random_rollouts
+    from opd.forward import forward_hidden
     from opd.kernels import varlen_attention
     from opd.models import compile_layers
-    from opd.forward import forward_hidden
     from opd.teacher.local import LocalScorer
 
     cuda = torch.device("cuda")

@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> dict:
         peak_flops=flops,
     )
 
+    from opd.forward import forward_hidden, output_head
     from opd.objectives import policy_loss
     from opd.scoring import candidate_logprobs
-    from opd.forward import forward_hidden, output_head
 
     rollouts = random_rollouts(
         args.batch, args.prompt_len, args.response_len, vocab, device, args.seed, pad_id(args.shape), ragged=args.ragged

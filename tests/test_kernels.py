@@ -99,8 +99,8 @@ def test_packed_causal_attention_confines_each_row_to_itself(heads, kv_heads):
 def test_varlen_model_runs_sdpa_unless_packed():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from opd.kernels import varlen_attention
     from opd.forward import uses_packing
+    from opd.kernels import varlen_attention
 
     varlen_attention.register()
     torch.manual_seed(0)

@@ -64,8 +64,8 @@ def test_load_model_from_directory(tiny_model_dir):
 def test_load_model_packs_rows_where_the_varlen_kernel_runs(tiny_model_dir, monkeypatch):
     """On CUDA (simulated: the kernel check says yes) an unspecified attention becomes opd_varlen, which the scorer
     packs for; an explicit choice is kept, and on CPU transformers' default stays."""
-    from opd.kernels import varlen_attention
     from opd.forward import uses_packing
+    from opd.kernels import varlen_attention
 
     assert load_model(tiny_model_dir, device="cpu")[0].config._attn_implementation == "sdpa"
     monkeypatch.setattr(varlen_attention, "kernel_available", lambda device: True)
@@ -151,10 +151,10 @@ def test_compatibility_missing_token_is_named(tiny_tokenizer):
 def test_compile_layers_is_cuda_only_by_default_and_keeps_results():
     """`compile_layers` (what `opd distill` does on a GPU): off on CPU unless asked; when on, the forward, the gradients
     under gradient checkpointing, and generation through the HF model (run eagerly by design) are unchanged."""
+    from opd.forward import forward_hidden
     from opd.models import compile_layers
     from opd.rollout import SamplingParams
     from opd.rollout.torch_engine import TorchGenerator
-    from opd.forward import forward_hidden
     from opd.types import Rollouts
 
     eager, compiled = make_tiny_model("qwen3", seed=4), make_tiny_model("qwen3", seed=4)

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import opd.scoring as scoring
+from opd.forward import check_output_head, output_head, split_by_token_budget
 from opd.kernels import varlen_attention
 from opd.scoring import OutputHead, candidate_logprobs, candidate_logprobs_and_entropy, default_chunk_size, score_hidden
 from opd.teacher import LocalScorer, TeacherScorer, forward_hidden
-from opd.forward import check_output_head, output_head, split_by_token_budget
 from opd.types import Rollouts
 
 # ---------------------------------------------------------------------------------------------------------------

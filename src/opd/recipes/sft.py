@@ -131,7 +131,8 @@ class SFTRunSpec(RunSpec):
     """`RunSpec` with `steps` optional: by default the length comes from the number of epochs. (samples_per_step is
     unused: SFT samples nothing.)"""
 
-    steps: int | None = Field(
+    # None means 'from the epochs': wider than RunSpec.steps on purpose (a field override pydantic allows)
+    steps: int | None = Field(  # type: ignore[assignment]
         None, ge=1, description="Optimizer steps; None: ceil(epochs × examples / examples_per_step)."
     )
 

@@ -60,7 +60,7 @@ def trainer_state(optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Any
     }
 
 
-def restore_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Any) -> dict:
+def restore_trainer_state(checkpoint: Path, optimizer: Any, scheduler: Any, sampler: Any) -> dict:
     """Load optimizer, scheduler, sampler and RNG states from `checkpoint`; return its whole trainer state (step, …).
     Call it after everything that draws random numbers during setup, so the restored RNG is the one training uses."""
     state = load_trainer_state(checkpoint)

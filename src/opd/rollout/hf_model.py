@@ -84,6 +84,18 @@ def check_arguments(engine: str, checks: Sequence[tuple[str, bool, str, Any]]) -
             raise ValueError(f"{engine} {name} must be {legal}, got {value!r}")
 
 
+def batch_checks(
+    max_batch_size: int, max_batch_tokens: int | None, sync_interval: int, vocab_size: int | None
+) -> list[tuple[str, bool, str, Any]]:
+    """The `check_arguments` rows of the batch settings every in-process engine takes."""
+    return [
+        ("max_batch_size", max_batch_size >= 1, "an integer ≥ 1", max_batch_size),
+        ("max_batch_tokens", max_batch_tokens is None or max_batch_tokens >= 1, "None or ≥ 1", max_batch_tokens),
+        ("sync_interval", sync_interval >= 1, "an integer ≥ 1", sync_interval),
+        ("vocab_size", vocab_size is None or vocab_size >= 1, "None or ≥ 1", vocab_size),
+    ]
+
+
 def check_request(
     prompt_ids: Sequence[Sequence[int]],
     params: SamplingParams,

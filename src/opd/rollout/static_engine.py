@@ -28,6 +28,7 @@ from opd.rollout import memory
 from opd.rollout.base import GenerationOutput, SamplingParams
 from opd.rollout.hf_model import (
     HFModel,
+    batch_checks,
     cached_kv,
     check_arguments,
     check_request,
@@ -286,15 +287,7 @@ class StaticGenerator(memory.ModuleMemory):
         check_arguments(
             "StaticGenerator",
             [
-                ("max_batch_size", max_batch_size >= 1, "an integer ≥ 1", max_batch_size),
-                (
-                    "max_batch_tokens",
-                    max_batch_tokens is None or max_batch_tokens >= 1,
-                    "None or ≥ 1",
-                    max_batch_tokens,
-                ),
-                ("sync_interval", sync_interval >= 1, "an integer ≥ 1", sync_interval),
-                ("vocab_size", vocab_size is None or vocab_size >= 1, "None or ≥ 1", vocab_size),
+                *batch_checks(max_batch_size, max_batch_tokens, sync_interval, vocab_size),
                 ("kv_bucket", kv_bucket >= 1, "an integer ≥ 1", kv_bucket),
                 ("prefill_tokens", prefill_tokens >= 1, "an integer ≥ 1", prefill_tokens),
                 ("attention", attention in _ATTENTION_CHOICES, f"one of {', '.join(_ATTENTION_CHOICES)}", attention),

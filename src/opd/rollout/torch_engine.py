@@ -21,6 +21,7 @@ from opd.rollout import memory
 from opd.rollout.base import GenerationOutput, SamplingParams
 from opd.rollout.hf_model import (
     HFModel,
+    batch_checks,
     check_arguments,
     check_request,
     generation_mode,
@@ -70,16 +71,8 @@ class TorchGenerator(memory.ModuleMemory):
         check_arguments(
             "TorchGenerator",
             [
-                ("max_batch_size", max_batch_size >= 1, "an integer ≥ 1", max_batch_size),
-                (
-                    "max_batch_tokens",
-                    max_batch_tokens is None or max_batch_tokens >= 1,
-                    "None or ≥ 1",
-                    max_batch_tokens,
-                ),
-                ("sync_interval", sync_interval >= 1, "an integer ≥ 1", sync_interval),
+                *batch_checks(max_batch_size, max_batch_tokens, sync_interval, vocab_size),
                 ("compact_fraction", 0 < compact_fraction <= 1, "in (0, 1]", compact_fraction),
-                ("vocab_size", vocab_size is None or vocab_size >= 1, "None or ≥ 1", vocab_size),
             ],
         )
         self.model = model

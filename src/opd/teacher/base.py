@@ -65,6 +65,25 @@ class TeacherScorer(Protocol):
         ...
 
 
+class InProcessScoring:
+    """`score_async` for a scorer that runs in this process (local model, in-process vLLM): there is nothing to
+    overlap, so it scores before returning a done `PendingScores`."""
+
+    def score_async(
+        self,
+        rollouts: Rollouts,
+        *,
+        top_k: int = 16,
+        requested_ids: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        with_entropy: bool = True,
+    ) -> PendingScores:
+        scores = self.score(  # type: ignore[attr-defined]
+            rollouts, top_k=top_k, requested_ids=requested_ids, temperature=temperature, with_entropy=with_entropy
+        )
+        return PendingScores.done(scores)
+
+
 def start_scoring(scorer: TeacherScorer, rollouts: Rollouts, **kwargs: Any) -> PendingScores:
     """Begin `scorer.score(rollouts, **kwargs)` and return an object whose `result()` gives the `TokenScores`
     (`TeacherScorer.score_async`)."""

@@ -21,7 +21,7 @@ from opd.forward import (  # the names below stay importable from here
     uses_packing,
 )
 from opd.scoring import score_hidden
-from opd.teacher.base import PendingScores
+from opd.teacher.base import InProcessScoring
 from opd.types import Rollouts, TokenScores
 
 __all__ = [
@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 
-class LocalScorer:
+class LocalScorer(InProcessScoring):
     """`TeacherScorer` over an in-process HF causal LM (teacher, or the student without grad).
 
     model:                any HF causal LM; put in eval mode while scoring, its previous mode restored after
@@ -161,22 +161,6 @@ class LocalScorer:
 
         return TokenScores(
             back(sampled_BT), back(topk_ids_BTK), back(topk_lp_BTK), back(entropy_BT), back(requested_lp_BTR)
-        )
-
-    def score_async(
-        self,
-        rollouts: Rollouts,
-        *,
-        top_k: int = 16,
-        requested_ids: torch.Tensor | None = None,
-        temperature: float = 1.0,
-        with_entropy: bool = True,
-    ) -> PendingScores:
-        """`score` now (in process there is nothing to overlap), as done `PendingScores`."""
-        return PendingScores.done(
-            self.score(
-                rollouts, top_k=top_k, requested_ids=requested_ids, temperature=temperature, with_entropy=with_entropy
-            )
         )
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from opd.objectives import strategy_spec
 from opd.rollout.vllm_engine import EngineOptions, config_rows, model_rows, push_weights, start_engine
-from opd.teacher.base import PendingScores
+from opd.teacher.base import InProcessScoring
 from opd.types import Rollouts, TokenScores
 
 ALTERNATIVES = (
@@ -46,7 +46,7 @@ def check_objective(objective: Any, *, serves_requested_ids: bool | None = None)
         )
 
 
-class VLLMScorer:
+class VLLMScorer(InProcessScoring):
     """`TeacherScorer` over an in-process vLLM engine (see the module docstring for what it serves).
 
     model_path:     the teacher's directory or hub id; vLLM loads it
@@ -163,22 +163,6 @@ class VLLMScorer:
             return None if x is None else x.to(device)
 
         return TokenScores(back(sampled_BT), back(topk_ids_BTK), back(topk_lp_BTK), None, back(requested_BTR))
-
-    def score_async(
-        self,
-        rollouts: Rollouts,
-        *,
-        top_k: int = 16,
-        requested_ids: torch.Tensor | None = None,
-        temperature: float = 1.0,
-        with_entropy: bool = True,
-    ) -> PendingScores:
-        """`score` now (the engine runs in this process), as done `PendingScores`."""
-        return PendingScores.done(
-            self.score(
-                rollouts, top_k=top_k, requested_ids=requested_ids, temperature=temperature, with_entropy=with_entropy
-            )
-        )
 
     def close(self) -> None:
         """Shut the engine down now (idempotent; otherwise at exit), as `VLLMGenerator.close`."""

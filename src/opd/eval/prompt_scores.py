@@ -29,7 +29,7 @@ from opd.objectives import opd_diagnostics_from_scores
 from opd.rollout import SamplingParams, make_generator
 from opd.rollout.batch import build_rollouts
 from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
-from opd.types import Prompt, TokenScores
+from opd.types import Prompt, Rollouts, TokenScores
 
 if TYPE_CHECKING:
     from opd.teacher.base import TeacherScorer
@@ -216,29 +216,41 @@ def score_prompts(
         )
         if on_scored is not None:
             on_scored(list(batch), rollouts, student_scores, teacher_scores)
-        # 7. diagnostics, per prompt
-        per_group = group_diagnostics(
-            student_scores, teacher_scores, rollouts.response_mask, rollouts.group_ids, len(batch)
-        )
-        lengths_Gn = rollouts.response_mask.sum(-1).view(len(batch), n).float()  # rows are prompt-major
-        per_group.update(
-            num_tokens=lengths_Gn.sum(-1),
-            response_length=lengths_Gn.mean(-1),
-            truncation_rate=rollouts.truncated.view(len(batch), n).float().mean(-1),
-        )
-        values = {k: v.tolist() for k, v in per_group.items()}  # one host sync per batch
-        scores = []
-        for g, prompt in enumerate(batch):
-            if prompt.id in skip:
-                continue
-            metrics = {k: float(v[g]) for k, v in values.items() if k != "num_tokens"}
-            scores.append(
-                PromptScore(prompt.id, prompt.source, n=n, num_tokens=round(values["num_tokens"][g]), **metrics)
-            )
+        scores = _batch_scores(batch, n, skip, rollouts, student_scores, teacher_scores)
         if on_batch is not None:
             on_batch(scores)
         new.update((s.id, s) for s in scores)
     return [new[p.id] for p in prompts if p.id in new]
+
+
+def _batch_scores(
+    batch: Sequence[Prompt],
+    n: int,
+    skip: set[str],
+    rollouts: Rollouts,
+    student_scores: TokenScores,
+    teacher_scores: TokenScores,
+) -> list[PromptScore]:
+    """The `PromptScore`s of one batch's prompts not in `skip`: `group_diagnostics` per prompt, lengths and
+    the truncation rate."""
+    # 7. diagnostics, per prompt
+    per_group = group_diagnostics(
+        student_scores, teacher_scores, rollouts.response_mask, rollouts.group_ids, len(batch)
+    )
+    lengths_Gn = rollouts.response_mask.sum(-1).view(len(batch), n).float()  # rows are prompt-major
+    per_group.update(
+        num_tokens=lengths_Gn.sum(-1),
+        response_length=lengths_Gn.mean(-1),
+        truncation_rate=rollouts.truncated.view(len(batch), n).float().mean(-1),
+    )
+    values = {k: v.tolist() for k, v in per_group.items()}  # one host sync per batch
+    scores = []
+    for g, prompt in enumerate(batch):
+        if prompt.id in skip:
+            continue
+        metrics = {k: float(v[g]) for k, v in values.items() if k != "num_tokens"}
+        scores.append(PromptScore(prompt.id, prompt.source, n=n, num_tokens=round(values["num_tokens"][g]), **metrics))
+    return scores
 
 
 @torch.no_grad()

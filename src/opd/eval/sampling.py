@@ -234,27 +234,7 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
         generator = make_generator(model, tokenizer, engine=config.engine, max_batch_size=config.batch_size)
         identity["model"] = model_identity(config)  # a hub id is in the local cache now
 
-    problems_per_chunk = max(1, config.batch_size // config.n)
-    chunks: list[tuple[str, int, list[EvalProblem]]] = []
-    for name, prompts in loaded.items():
-        if config.limit:
-            prompts = prompts[: config.limit]
-        encoded = encode_prompts(
-            tokenizer,
-            prompts,
-            max_prompt_length=config.max_prompt_length,
-            template=config.template,
-            enable_thinking=config.enable_thinking,
-        )
-        if encoded.num_filtered:
-            console.print(
-                f"[yellow]{name}: {encoded.num_filtered} prompts longer than "
-                f"{config.max_prompt_length} tokens skipped[/]"
-            )
-        problems = [EvalProblem(name, p.id, ids, p.answer) for p, ids in zip(encoded.prompts, encoded.input_ids)]
-        for index in range(0, len(problems), problems_per_chunk):
-            chunks.append((name, index // problems_per_chunk, problems[index : index + problems_per_chunk]))
-
+    chunks = _chunks(config, loaded, tokenizer, console)
     samples_path = run_dir / "samples.jsonl"
     done, dropped = complete_chunks(samples_path, chunks, config.n)
     start_work(run_dir, identity, config)
@@ -302,6 +282,34 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
             records_done.extend(records)
             progress.advance(task, len(chunk))
     return records_done
+
+
+def _chunks(
+    config: EvalConfig, loaded: dict[str, list], tokenizer: Any, console: Any
+) -> list[tuple[str, int, list[EvalProblem]]]:
+    """The benchmarks' problems encoded and cut into (benchmark, chunk index, problems) of `batch_size // n`
+    problems each: the unit of sampling, of its seed and of resume."""
+    problems_per_chunk = max(1, config.batch_size // config.n)
+    chunks: list[tuple[str, int, list[EvalProblem]]] = []
+    for name, prompts in loaded.items():
+        if config.limit:
+            prompts = prompts[: config.limit]
+        encoded = encode_prompts(
+            tokenizer,
+            prompts,
+            max_prompt_length=config.max_prompt_length,
+            template=config.template,
+            enable_thinking=config.enable_thinking,
+        )
+        if encoded.num_filtered:
+            console.print(
+                f"[yellow]{name}: {encoded.num_filtered} prompts longer than "
+                f"{config.max_prompt_length} tokens skipped[/]"
+            )
+        problems = [EvalProblem(name, p.id, ids, p.answer) for p, ids in zip(encoded.prompts, encoded.input_ids)]
+        for index in range(0, len(problems), problems_per_chunk):
+            chunks.append((name, index // problems_per_chunk, problems[index : index + problems_per_chunk]))
+    return chunks
 
 
 def complete_chunks(

@@ -754,7 +754,9 @@ def test_logged_lr_is_the_one_the_step_used(world, tmp_path):
 
 
 def test_sft_logged_lr_is_the_one_the_step_used(tmp_path, tiny_model_dir, sft_data):
-    run_dir = sft(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "optim.warmup_steps=2", "optim.schedule=constant"))
+    run_dir = sft(
+        sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "optim.warmup_steps=2", "optim.schedule=constant")
+    )
     assert [m["lr"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1e-5 / 2, 1e-5]
 
 
@@ -811,3 +813,54 @@ def test_consecutive_skipped_steps_stop_the_run(capsys, world, tmp_path):
     code, _, err = cli(capsys, "distill", "--config", yaml_path, "--skip-check", "all")
     line = one_line(code, err)
     assert "consecutive steps skipped" in line and "optim.max_skipped_steps=2" in line
+
+
+def _check_args(world, out: Path) -> list[str]:
+    return [
+        "check", "--student", str(world / "student"), "--teacher", str(world / "teacher"),
+        "--prompts", str(world / "prompts.jsonl"), "--out", str(out), "--n", "1", "--prompts-sample", "2",
+        "data.max_prompt_length=32", "rollout.max_new_tokens=4", "micro_batch_tokens=64",
+    ]  # fmt: skip
+
+
+def test_check_out_takes_the_directory_lock(capsys, world, tmp_path):
+    """A second `opd check --out DIR` while one runs refuses (check.json is never replaced)."""
+    out = tmp_path / "check"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from opd.io import DirectoryLock; DirectoryLock({str(out)!r}, 'check').acquire(); "
+         "print('held', flush=True); import time; time.sleep(600)"],
+        stdout=subprocess.PIPE, env=_env(), text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        line = one_line(*cli(capsys, *_check_args(world, out))[::2])
+        assert str(out) in line and "in use by another opd process" in line and f"pid {holder.pid}" in line
+        assert not (out / "check.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_check_out_not_writable_fails_before_the_checks(capsys, world, tmp_path):
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    code, out, err = cli(capsys, *_check_args(world, blocker / "check"))
+    assert str(blocker) in one_line(code, err) and "opd check:" not in out  # no check ran
+
+
+def test_a_lock_of_a_live_process_that_holds_none_is_described_as_such(capsys, world, tmp_path):
+    """A lock file naming a running pid that holds no lock (an ended run whose pid was reused): taken over, and
+    the note does not claim the process is not running."""
+    run_dir = distill(distill_config(world, tmp_path, steps=1))
+    (run_dir / LOCK_FILE).write_text(json.dumps({"pid": os.getppid(), "command": "distill"}) + "\n")
+    yaml_path = dump(distill_config(world, tmp_path, steps=2), tmp_path / "c.yaml")
+    code, out, err = cli(capsys, "distill", "--config", yaml_path, "--resume")
+    assert code == 0, err
+    assert f"pid {os.getppid()}" in out and "running but no longer holds it" in out and "not running" not in out
+
+
+def test_settings_that_do_not_change_the_math_are_resumable(capsys, world, tmp_path):
+    distill(distill_config(world, tmp_path, steps=1))
+    yaml_path = dump(distill_config(world, tmp_path, "skip_checks=[forecast]", steps=2), tmp_path / "c.yaml")
+    code, _, err = cli(capsys, "distill", "--config", yaml_path, "--resume", "--skip-check", "forecast")
+    assert code == 0, err

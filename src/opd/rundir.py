@@ -56,6 +56,9 @@ _TRAINING = (
     "activation_budget",
     "compile",
     "teacher_offload",
+    # neither changes the math: which startup checks may fail, how long a served teacher is waited for
+    "skip_checks",
+    "teacher.retry_deadline",
 )
 
 RESUMABLE: dict[str, tuple[str, ...]] = {
@@ -187,8 +190,8 @@ def resume_checkpoint(
 ) -> Path | None:
     """The newest verified checkpoint of `run_dir` when `run.resume` is set: None, with a note, when the directory
     holds nothing yet; a RunDirectoryError when it holds a run but no checkpoint verifies (never a silent restart
-    over its metrics and samples). A newest checkpoint that fails verification (truncated, corrupt) is skipped with a warning. With `config`, the
-    saved config.yaml is compared first (`check_resumed_config`)."""
+    over its metrics and samples). A newest checkpoint that fails verification (truncated, corrupt) is skipped with
+    a warning. With `config`, the saved config.yaml is compared first (`check_resumed_config`)."""
     if not run.resume:
         return None
     checkpoint = latest_checkpoint(
@@ -202,9 +205,7 @@ def resume_checkpoint(
                 f"checkpoint that verifies; nothing was changed. Start another run.name, or set run.overwrite=true "
                 f"(without --resume) to move it aside and start anew"
             )
-        console.print(
-            f"[yellow]run.resume: {run_dir} holds no run yet; starting from scratch[/]", soft_wrap=True
-        )
+        console.print(f"[yellow]run.resume: {run_dir} holds no run yet; starting from scratch[/]", soft_wrap=True)
     elif config is not None:
         check_resumed_config(config, run_dir, step=int(checkpoint.name.split("_")[-1]), command=command)
     return checkpoint

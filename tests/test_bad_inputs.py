@@ -886,3 +886,20 @@ def test_bad_input_issue_22(case: Case, env_world, monkeypatch, capfd, tmp_path)
     outcome = classify(code, stderr, culprits, case.code, escaped)
     _tally(case, outcome, code, (escaped or "") + stderr)
     assert outcome == "clear", f"{outcome} (exit {code}), wanted one line naming {culprits}:\n{escaped or ''}{stderr}"
+
+
+def test_disk_full_in_an_atomic_write_names_the_file(env_world, monkeypatch, capfd, tmp_path):
+    """ENOSPC raised by the OS while the temp file is written (no file name on the error): the line names the file
+    the command was writing, not only `[Errno 28] No space left on device`."""
+    import errno
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    monkeypatch.delenv("OPD_DEBUG", raising=False)
+    code, stderr, escaped = run_in_process(
+        ["report", env_world["run"], "--out", str(tmp_path / "r.html")], monkeypatch, capfd
+    )
+    culprits = [str(tmp_path / "r.html"), "no space left"]
+    assert classify(code, stderr, culprits, 2, escaped) == "clear", (escaped, stderr)

@@ -37,9 +37,9 @@ from opd.teacher.registry import check_teacher_serves, check_teacher_tokenizer, 
 from opd.train.checkpoint import save_checkpoint
 from opd.train.common import (
     autocast,
+    cached_fingerprint,
     check_data_fingerprint,
     check_skipped_steps,
-    data_fingerprint,
     eval_at_start,
     eval_pending,
     evaluate_in_training,
@@ -609,7 +609,9 @@ def resume(tr: Trainer, checkpoint: Path | None, console: Any) -> int | None:
 
 def _prompt_fingerprint(tr: Trainer) -> str:
     """The prompt set as training sees it: each prompt's token ids and answer (`data_fingerprint`)."""
-    return data_fingerprint([ids, prompt.answer] for ids, prompt in zip(tr.prompt_ids, tr.prompts))
+    return cached_fingerprint(
+        tr.prompt_ids, lambda: ((ids, prompt.answer) for ids, prompt in zip(tr.prompt_ids, tr.prompts))
+    )
 
 
 @dataclass

@@ -46,9 +46,9 @@ from opd.rollout import make_generator
 from opd.rundir import claimed_run_dir, open_run, resume_checkpoint, run_directory
 from opd.train.checkpoint import latest_checkpoint, save_checkpoint
 from opd.train.common import (
+    cached_fingerprint,
     check_data_fingerprint,
     check_skipped_steps,
-    data_fingerprint,
     eval_at_start,
     eval_pending,
     evaluate_in_training,
@@ -318,7 +318,9 @@ def train(tr: SFTTrainer, *, console: Any) -> None:
 
 def _examples_fingerprint(tr: SFTTrainer) -> str:
     """The training examples as the loss sees them: token ids and target masks (`data_fingerprint`)."""
-    return data_fingerprint([ex.input_ids, list(map(int, ex.target_mask))] for ex in tr.examples)
+    return cached_fingerprint(
+        tr.examples, lambda: ((ex.input_ids, "".join("1" if t else "0" for t in ex.target_mask)) for ex in tr.examples)
+    )
 
 
 def _console_line(step: int, m: dict) -> str:

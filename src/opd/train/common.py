@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterable
+from array import array
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -91,14 +92,28 @@ def restore_trainer_state(
     return state
 
 
-def data_fingerprint(rows: Iterable[Any]) -> str:
-    """sha256 of the training data as the trainer sees it (token ids, answers): what `--resume` compares, so that a
-    data file regenerated in place (same path, same row count) is not consumed from the old sampler position."""
+def data_fingerprint(rows: Iterable[tuple[Sequence[int], Any]]) -> str:
+    """sha256 of the training data as the trainer sees it, rows of (token ids, anything JSON-able: the answer, the
+    target mask): what `--resume` compares, so that a data file regenerated in place (same path, same row count) is
+    not consumed from the old sampler position."""
     digest = hashlib.sha256()
-    for row in rows:
-        digest.update(json.dumps(row, default=str, separators=(",", ":")).encode())
-        digest.update(b"\n")
+    for ids, extra in rows:
+        digest.update(len(ids).to_bytes(8, "little"))
+        digest.update(array("q", ids).tobytes())
+        digest.update(json.dumps(extra, default=str, separators=(",", ":")).encode() + b"\n")
     return digest.hexdigest()
+
+
+_FINGERPRINTS: dict[int, tuple[Any, str]] = {}
+
+
+def cached_fingerprint(data: Any, rows: Callable[[], Iterable[tuple[Sequence[int], Any]]]) -> str:
+    """`data_fingerprint(rows())`, computed once per data object (`data`: the trainer's list, alive for the run; it
+    is kept referenced so that its id is not reused) — a checkpoint save does not hash the whole set again."""
+    entry = _FINGERPRINTS.get(id(data))
+    if entry is None or entry[0] is not data:
+        entry = _FINGERPRINTS[id(data)] = (data, data_fingerprint(rows()))
+    return entry[1]
 
 
 def check_data_fingerprint(

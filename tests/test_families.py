@@ -17,6 +17,8 @@ from transformers import (
     Gemma3TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Phi3Config,
@@ -28,6 +30,9 @@ from transformers import (
 from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
 from opd.kernels import varlen_attention
 from opd.models import ModelLoadError, load_model
+from opd.rollout import registry
+from opd.rollout.static_engine import unsupported_reason
+from opd.rollout.torch_engine import TorchGenerator
 
 WINDOW = 4  # shorter than every test row but one, so the window binds
 LENGTHS = (13, 3, 9, 6)
@@ -221,3 +226,57 @@ def test_loader_keeps_sdpa_for_binding_windows_when_the_kernel_has_none(tmp_path
     wide.config.sliding_window = wide.config.max_position_embeddings
     model, _ = load_model(_saved(tmp_path / "b", wide), dtype="float32", device="cpu")
     assert model.config._attn_implementation == varlen_attention.ATTENTION
+
+
+def _notes(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: engine auto")]
+
+
+def test_engine_auto_names_what_the_static_engine_cannot_run_and_static_refuses(monkeypatch, capsys):
+    """Where auto would pick the static engine (CUDA), a model it cannot run gets the torch engine with one line
+    naming the feature; engine 'static' refuses with that reason as a one-line ValueError."""
+    monkeypatch.setattr(registry, "_static_pays", lambda model: True)
+    tokenizer = make_tiny_tokenizer()
+    model = family("mistral")
+    generator = registry.make_generator(model, tokenizer, engine="auto")
+    assert isinstance(generator, TorchGenerator)
+    (note,) = _notes(capsys)
+    assert "the static engine cannot run MistralForCausalLM: model_type 'mistral'" in note
+    assert note.endswith("using the torch engine (decoding will be slower)")
+    with pytest.raises(ValueError, match=r"^engine 'static' cannot run MistralForCausalLM: model_type 'mistral'") as e:
+        registry.make_generator(model, tokenizer, engine="static")
+    assert "\n" not in str(e.value)
+    assert registry.resolve_engine("auto", make_tiny_model("llama")) == "static"
+    assert _notes(capsys) == []
+
+
+def _llama_with_rope(rope: dict) -> torch.nn.Module:
+    half = COMMON["hidden_size"] // COMMON["num_attention_heads"] // 2
+    extra = {"short_factor": [1.0] * half, "long_factor": [4.0] * half} if rope["rope_type"] == "longrope" else {}
+    config = LlamaConfig(**COMMON, rope_parameters={"rope_theta": 10000.0, **rope, **extra})
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(
+    ("rope", "reason"),
+    [
+        ({"rope_type": "longrope", "original_max_position_embeddings": 64}, "rope_type 'longrope' changes cos/sin"),
+        ({"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' changes cos/sin"),
+        ({"rope_type": "default"}, None),
+        ({"rope_type": "linear", "factor": 2.0}, None),
+        (
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            None,
+        ),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}, None),
+    ],
+)
+def test_static_engine_refuses_length_dependent_rope_by_name(rope, reason):
+    found = unsupported_reason(_llama_with_rope(rope))
+    assert found == reason if reason is None else reason in found

@@ -184,6 +184,23 @@ def _head_dim(model: torch.nn.Module) -> int:
     return attention.q_proj.weight.shape[0] // model.config.num_attention_heads
 
 
+# RoPE types whose cos/sin table depends on the position only; "dynamic" and "longrope" rescale it with the length of
+# the sequence (transformers' `dynamic_rope_update`), which a table precomputed over every slot cannot follow
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _rope_reason(rotary: torch.nn.Module) -> str | None:
+    """Why the rotary module's table cannot be precomputed once for every position, or None."""
+    rope_type = getattr(rotary, "rope_type", "default")
+    for kind in rope_type.values() if isinstance(rope_type, dict) else [rope_type]:
+        if kind in _LENGTH_DEPENDENT_ROPE or "dynamic" in str(kind):
+            return f"rope_type {kind!r} changes cos/sin with the sequence length"
+        if kind not in _STATIC_ROPE:
+            return f"rope_type {kind!r} is not one of {', '.join(_STATIC_ROPE)}"
+    return None
+
+
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why `StaticGenerator` cannot run `model` with its own decode step, or None when it can."""
     config = getattr(model, "config", None)
@@ -200,8 +217,9 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     rotary = getattr(body, "rotary_emb", None)
     if rotary is None or not hasattr(body, "layers") or not hasattr(body, "norm"):
         return "the decoder has no rotary_emb / layers / norm"
-    if getattr(rotary, "rope_type", "default") == "dynamic":
-        return "dynamic RoPE scaling changes with the sequence length"
+    rope_reason = _rope_reason(rotary)
+    if rope_reason is not None:
+        return rope_reason
     head = model.get_output_embeddings()
     if getattr(model, "logit_scale", None) is not None or getattr(config, "final_logit_softcapping", None):
         return "the output head has a logit scale or soft-cap"

@@ -30,8 +30,8 @@ from transformers import (
 from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
 from opd.kernels import varlen_attention
 from opd.models import ModelLoadError, load_model
-from opd.rollout import registry
-from opd.rollout.static_engine import unsupported_reason
+from opd.rollout import SamplingParams, registry
+from opd.rollout.static_engine import StaticGenerator, unsupported_reason
 from opd.rollout.torch_engine import TorchGenerator
 
 WINDOW = 4  # shorter than every test row but one, so the window binds
@@ -241,9 +241,9 @@ def test_engine_auto_names_what_the_static_engine_cannot_run_and_static_refuses(
     generator = registry.make_generator(model, tokenizer, engine="auto")
     assert isinstance(generator, TorchGenerator)
     (note,) = _notes(capsys)
-    assert "the static engine cannot run MistralForCausalLM: model_type 'mistral'" in note
+    assert "the static engine cannot run MistralForCausalLM: sliding_window is 4" in note
     assert note.endswith("using the torch engine (decoding will be slower)")
-    with pytest.raises(ValueError, match=r"^engine 'static' cannot run MistralForCausalLM: model_type 'mistral'") as e:
+    with pytest.raises(ValueError, match=r"^engine 'static' cannot run MistralForCausalLM: sliding_window is 4 ") as e:
         registry.make_generator(model, tokenizer, engine="static")
     assert "\n" not in str(e.value)
     assert registry.resolve_engine("auto", make_tiny_model("llama")) == "static"
@@ -280,3 +280,31 @@ def _llama_with_rope(rope: dict) -> torch.nn.Module:
 def test_static_engine_refuses_length_dependent_rope_by_name(rope, reason):
     found = unsupported_reason(_llama_with_rope(rope))
     assert found == reason if reason is None else reason in found
+
+
+def _mistral(sliding_window: int | None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(**COMMON, sliding_window=sliding_window)).eval()
+
+
+def test_static_engine_runs_the_mistral_layout_without_a_window_and_matches_the_torch_engine():
+    """Mistral v0.3 / Small / Nemo: Llama's layout with sliding_window None. Greedy tokens equal, log-probs within
+    fp32 rounding (the same 1e-4 as tests/test_static_engine.py)."""
+    model = _mistral(None)
+    assert unsupported_reason(model) is None
+    common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
+    reference, static = TorchGenerator(model, **common), StaticGenerator(model, kv_bucket=16, **common)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=24, return_logprobs=True)
+    prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
+    want, got = reference.generate(prompts, params), static.generate(prompts, params)
+    assert got.response_ids == want.response_ids
+    assert got.finish_reasons == want.finish_reasons
+    for lps_want, lps_got in zip(want.logprobs, got.logprobs):
+        assert torch.allclose(torch.tensor(lps_got), torch.tensor(lps_want), atol=1e-4)
+
+
+def test_static_engine_refuses_a_mistral_sliding_window_by_value():
+    assert (
+        unsupported_reason(_mistral(WINDOW))
+        == f"sliding_window is {WINDOW} (the decode step attends to every cached token)"
+    )

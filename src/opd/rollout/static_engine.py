@@ -38,7 +38,8 @@ from opd.rollout.hf_model import (
 )
 from opd.rollout.sampling import filter_logits
 
-_SUPPORTED = ("llama", "qwen2", "qwen3")
+# Llama's layout; Mistral and Ministral are it plus a sliding window, accepted where none is set (v0.3, Small, Nemo)
+_SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "ministral")
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -213,6 +214,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return "some layers use sliding-window attention"
     if getattr(config, "use_sliding_window", False):
         return "use_sliding_window is on"
+    if getattr(config, "sliding_window", None) is not None:
+        return f"sliding_window is {config.sliding_window} (the decode step attends to every cached token)"
     body = model.get_decoder() if hasattr(model, "get_decoder") else None
     rotary = getattr(body, "rotary_emb", None)
     if rotary is None or not hasattr(body, "layers") or not hasattr(body, "norm"):

@@ -28,11 +28,13 @@ from transformers import (
 )
 
 from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
+from opd.forward import forward_hidden
 from opd.kernels import varlen_attention
 from opd.models import ModelLoadError, load_model
 from opd.rollout import SamplingParams, registry
 from opd.rollout.static_engine import StaticGenerator, unsupported_reason
 from opd.rollout.torch_engine import TorchGenerator
+from opd.types import Rollouts
 
 WINDOW = 4  # shorter than every test row but one, so the window binds
 LENGTHS = (13, 3, 9, 6)
@@ -308,3 +310,39 @@ def test_static_engine_refuses_a_mistral_sliding_window_by_value():
         unsupported_reason(_mistral(WINDOW))
         == f"sliding_window is {WINDOW} (the decode step attends to every cached token)"
     )
+
+
+def _ragged_rollouts(prompt_lens, response_lens, width: int) -> Rollouts:
+    """Right-padded prompt + response rows of random ids, `response_lens[b]` response tokens in a `width` grid."""
+    generator = torch.Generator().manual_seed(3)
+    rows, longest = len(prompt_lens), max(prompt_lens) + width
+    input_ids, attention = torch.full((rows, longest), PAD_ID), torch.zeros(rows, longest, dtype=torch.bool)
+    response_ids, response_mask = torch.full((rows, width), PAD_ID), torch.zeros(rows, width, dtype=torch.bool)
+    for b, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        ids = torch.randint(1, 250, (p + r,), generator=generator)
+        input_ids[b, : p + r], attention[b, : p + r] = ids, True
+        response_ids[b, :r], response_mask[b, :r] = ids[p:], True
+    return Rollouts(
+        input_ids,
+        attention,
+        torch.tensor(prompt_lens),
+        response_ids,
+        response_mask,
+        torch.arange(rows),
+        torch.zeros(rows, dtype=torch.bool),
+    )
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_scorer_forward_packs_windowed_rows_as_the_padded_forward(name):
+    """`opd.forward.forward_hidden`, the scorer's and trainer's forward: its packed layout on opd_varlen equals the
+    padded layout on eager attention, rows of different lengths (windows binding)."""
+    varlen_attention.register()
+    reference = family(name)
+    reference.set_attn_implementation("eager")
+    packed = copy.deepcopy(reference)
+    packed.set_attn_implementation(varlen_attention.ATTENTION)
+    rollouts = _ragged_rollouts([5, 3, 8], [9, 2, 5], 9)
+    want = forward_hidden(reference, rollouts, packing="padded").hidden_ND
+    got = forward_hidden(packed, rollouts, packing="auto")  # auto: this much padding packs
+    torch.testing.assert_close(got.hidden_ND, want, atol=ATOL, rtol=0)

@@ -214,7 +214,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return "some layers use sliding-window attention"
     if getattr(config, "use_sliding_window", False):
         return "use_sliding_window is on"
-    if getattr(config, "sliding_window", None) is not None:
+    # Qwen's switch is use_sliding_window (its sliding_window is then inert); Mistral's is sliding_window itself
+    if not hasattr(config, "use_sliding_window") and getattr(config, "sliding_window", None) is not None:
         return f"sliding_window is {config.sliding_window} (the decode step attends to every cached token)"
     body = model.get_decoder() if hasattr(model, "get_decoder") else None
     rotary = getattr(body, "rotary_emb", None)

@@ -336,7 +336,9 @@ class TeacherService:
                 f"server's limit of {self.max_positions} positions per row "
                 f"({'max_positions' if cfg.max_positions else 'max_positions: the model context'})"
             )
-        for limit, name in sorted(((cfg.max_batch_tokens, "max_batch_tokens"), (cfg.max_queue_tokens, "max_queue_tokens"))):
+        for limit, name in sorted(
+            ((cfg.max_batch_tokens, "max_batch_tokens"), (cfg.max_queue_tokens, "max_queue_tokens"))
+        ):
             if request.num_tokens > limit:  # it could never be scored: 413 even when the queue is empty
                 raise RequestError(
                     f"tokens: a request of {request.num_tokens} tokens exceeds the server's limit of {limit} ({name}); "

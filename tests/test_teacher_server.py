@@ -501,8 +501,6 @@ def test_server_killed_and_restarted_mid_run(local_run, tmp_path):
         "run.samples_per_step=0",
         f"teacher.url=http://127.0.0.1:{port}",
         "teacher.retry_deadline=240",
-        "teacher.dtype=fp32",
-        "teacher.device=cpu",
         f"teacher.token_file={tmp_path / 'token'}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

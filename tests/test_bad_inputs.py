@@ -334,6 +334,17 @@ CASES: list[Case] = [
         ("token",),
     ),
     Case("distill unknown eval.benchmarks", DISTILL + " eval.benchmarks=bogusbench", ("bogusbench",)),
+    Case(  # issue 22 item 4: the password would be printed in every retry line and saved in config.yaml
+        "distill teacher.url with user:password@",
+        DISTILL.replace("--teacher {model} ", "") + " teacher.url=http://me:s3cret@127.0.0.1:1",
+        ("teacher.url", "credentials"),
+    ),
+    Case("distill teacher.url with teacher.path", DISTILL + " teacher.url=http://127.0.0.1:1", ("teacher.path",)),
+    Case(
+        "distill teacher.url with teacher_offload",
+        DISTILL.replace("--teacher {model} ", "") + " teacher.url=http://127.0.0.1:1 teacher_offload=true",
+        ("teacher_offload",),
+    ),
     Case(
         "distill into a non-empty run dir",
         DISTILL.replace("--out-dir {out}", "--out-dir {busy}"),

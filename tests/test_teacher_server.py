@@ -104,7 +104,7 @@ def serve_process(tmp_path: Path, *extra: str, port: int | None = None, name: st
 
 
 @contextmanager
-def serve_in_thread(scorer, token: str | None = TOKEN, **config):
+def serve_in_thread(scorer, token: str | None = TOKEN, port: int = 0, **config):
     """The same app and service in this process (for tests that must hold the scoring loop); always stopped."""
     from opd.recipes.serve_teacher import ServeConfig
     from opd.teacher.server import bind, make_server, service_for, url_of
@@ -114,7 +114,7 @@ def serve_in_thread(scorer, token: str | None = TOKEN, **config):
     cfg = ServeConfig(model=ModelSpec(path=str(teacher_path())), **config)
     service = service_for(model, tokenizer, cfg, name=str(teacher_path()), device="cpu")
     service.scorer = scorer
-    sock = bind("127.0.0.1", 0)
+    sock = bind("127.0.0.1", port)
     server = make_server(service, token)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -394,7 +394,13 @@ def lab_config(tmp_path: Path, name: str, *overrides: str, steps: int = 3) -> Di
 
 
 def served_overrides(url: str, token_file: Path) -> list[str]:
-    return ["teacher.path=null", f"teacher.url={url}", f"teacher.token_file={token_file}"]
+    return [
+        "teacher.path=null",
+        "teacher.device=auto",
+        "teacher.dtype=auto",
+        f"teacher.url={url}",
+        f"teacher.token_file={token_file}",
+    ]
 
 
 def assert_same_run(a: Path, b: Path) -> None:
@@ -495,8 +501,6 @@ def test_server_killed_and_restarted_mid_run(local_run, tmp_path):
         "run.samples_per_step=0",
         f"teacher.url=http://127.0.0.1:{port}",
         "teacher.retry_deadline=240",
-        "teacher.dtype=fp32",
-        "teacher.device=cpu",
         f"teacher.token_file={tmp_path / 'token'}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -840,3 +844,250 @@ def test_device_map_auto_loads_and_scores_like_a_plain_load(lab_teacher):
         lab_teacher[2].score(rollouts, requested_ids=requested),
         atol=1e-6,
     )
+
+
+# ------------------------------------------------------------------------------------------------ a hostile client
+# issue 22 items 1-5: a buggy or hostile client on a shared machine must not fail others' requests, exhaust the
+# server, or make a run use another teacher without a word.
+
+
+def _body_with(request: wire.ScoreRequest, dtypes: dict[str, str] | None = None, meta: dict | None = None) -> bytes:
+    """`request` framed with some arrays in another wire dtype and some meta fields replaced."""
+    kind, header_meta, arrays = wire.decode_message(wire.encode_request(request))
+    dtypes = {"mask": "uint8", **(dtypes or {})}
+    return wire.encode_message(
+        kind, {**header_meta, **(meta or {})}, [(n, a, dtypes.get(n, "int32")) for n, a in arrays.items()]
+    )
+
+
+def _raw_message(header: dict | bytes, payload: bytes = b"") -> bytes:
+    data = header if isinstance(header, bytes) else json.dumps(header).encode()
+    prefix = wire._PREFIX.pack(wire.MAGIC, wire.VERSION, len(data))
+    return prefix + data + b"\0" * (-(len(prefix) + len(data)) % 8) + payload
+
+
+HOSTILE_BODIES = [
+    (_body_with(_request(), {"tokens": "float32"}), "tokens: dtype float32, expected int32"),
+    (_body_with(_request(), {"row_lengths": "float32"}), "row_lengths: dtype float32, expected int32"),
+    (_body_with(_request(), {"mask": "int32"}), "mask: dtype int32, expected uint8"),
+    (_body_with(_request(R=2), {"requested_ids": "bfloat16"}), "requested_ids: dtype bfloat16, expected int32"),
+    (_body_with(_request(), meta={"temperature": 1e-300}), "temperature: expected a number in"),
+    # extents whose int64 product wraps to zero (2**32 * 2**32) or overflows: refused, not reshaped
+    (_raw_message({"kind": "score", "meta": {}, "arrays": [["tokens", "uint8", [2**32, 2**32]]]}), "header.arrays"),
+    (_raw_message({"kind": "score", "meta": {}, "arrays": [["tokens", "int32", [2**62, 4]]]}), "header.arrays"),
+    (_raw_message({"kind": "score", "meta": {"x": [[[[[[[[[[1]]]]]]]]]]}, "arrays": []}), "header: nested deeper"),
+    (_raw_message(b"[" * 60000 + b"]" * 5000), "header: nested deeper"),
+    (_raw_message({"kind": "score", "meta": {}, "arrays": [["extra", "int32", [0]]]}), "extra: not an array"),
+]
+
+
+@pytest.mark.parametrize("body, message", HOSTILE_BODIES)
+def test_every_wire_field_is_checked_before_scoring(server, body, message):
+    url, _, log_path = server
+    status, _, text = _post(url, body)
+    assert status == 400 and text.startswith(message) and "\n" not in text, text
+    assert _post(url, wire.encode_request(_request()))[0] == 200
+    assert "Traceback" not in log_path.read_text()  # a bad request logs at most one line, never a traceback
+
+
+def test_a_hostile_client_fails_none_of_the_requests_of_others(lab_teacher):
+    """Bad-dtype requests sent while well-behaved clients score, merged into their batches if they got through."""
+    good = [wire.encode_request(_request(rows=2)) for _ in range(4)]
+    bad = [body for body, _ in HOSTILE_BODIES[:4]]
+    with serve_in_thread(lab_teacher[2], batch_window_ms=20) as (url, service):
+        results: dict[str, list[int]] = {"good": [], "bad": []}
+
+        def client(kind: str, bodies: list[bytes], repeats: int) -> None:
+            for _ in range(repeats):
+                for body in bodies:
+                    results[kind].append(_post(url, body)[0])
+
+        threads = [threading.Thread(target=client, args=("good", [body], 8)) for body in good]
+        threads.append(threading.Thread(target=client, args=("bad", bad, 8)))
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert results["good"] == [200] * 32 and set(results["bad"]) == {400}
+        assert service.metrics()["errors"] == 0
+
+
+class FailsOnMarker:
+    """The lab teacher, except that scoring a batch holding a row that starts with `marker` raises (as a request
+    that breaks the model would): the failure must stay with that request."""
+
+    def __init__(self, inner, marker: int):
+        self.inner, self.marker, self.model = inner, marker, inner.model
+
+    def score(self, rollouts, **kwargs):
+        if bool((rollouts.input_ids[:, 0] == self.marker).any()):
+            raise RuntimeError("this row breaks the model")
+        return self.inner.score(rollouts, **kwargs)
+
+
+def test_a_failing_request_in_a_merged_batch_fails_alone(lab_teacher, caplog):
+    gated = Gated(FailsOnMarker(lab_teacher[2], marker=V - 1))
+    poisoned = _request(rows=2)
+    poisoned.tokens[0] = V - 1
+    good_body, bad_body = wire.encode_request(_request(rows=2)), wire.encode_request(poisoned)
+    with serve_in_thread(gated, batch_window_ms=0) as (url, service):
+        results: list = []
+        holder = threading.Thread(target=lambda: results.append(("holder", _post(url, good_body)[0])))
+        holder.start()
+        assert gated.entered.wait(30)  # the worker holds the first request: the next ones queue and merge
+        posts = [
+            threading.Thread(target=lambda b=b, k=k: results.append((k, _post(url, b)[0])))
+            for k, b in (("good", good_body), ("bad", bad_body), ("good", good_body))
+        ]
+        for thread in posts:
+            thread.start()
+        _wait(lambda: len(service.queue) == 3)
+        gated.gate.set()
+        for thread in [holder, *posts]:
+            thread.join(60)
+        assert sorted(results) == [("bad", 500), ("good", 200), ("good", 200), ("holder", 200)]
+        assert service.metrics()["max_requests_per_batch"] == 2  # the merged batch's good requests were re-scored
+    failures = [r for r in caplog.records if r.name == "opd.teacher.server" and r.levelname == "ERROR"]
+    assert len(failures) == 1 and failures[0].exc_info is None and "\n" not in failures[0].getMessage()
+
+
+def test_requests_no_batch_can_hold_get_413_and_rows_stay_within_the_context(lab_teacher):
+    with serve_in_thread(lab_teacher[2], max_batch_tokens=16) as (url, service):
+        assert service.info["max_positions"] == 256  # the lab models' context, not 65536
+        status, _, message = _post(url, wire.encode_request(_request(rows=4)))  # > 16 tokens, the queue is empty
+        assert status == 413 and "(max_batch_tokens)" in message
+    with serve_in_thread(lab_teacher[2]) as (url, _):
+        long_row = wire.request_from_rollouts(random_rollouts(2, 1, min_response=300, max_response=300), None)
+        status, _, message = _post(url, wire.encode_request(long_row))
+        assert status == 400 and "max_positions" in message and "256" in message
+
+
+def test_request_bytes_in_flight_are_bounded(lab_teacher):
+    gated = Gated(lab_teacher[2])
+    body = wire.encode_request(wire.request_from_rollouts(random_rollouts(4, 8, min_response=60, max_response=90)))
+    limit = 3 * len(body)
+    with serve_in_thread(gated, batch_window_ms=0, max_request_bytes=len(body), max_inflight_bytes=limit) as (
+        url,
+        service,
+    ):
+        statuses: list[int] = []
+        posts = [
+            threading.Thread(target=lambda: statuses.append(http_call(url, "POST", "/score", body)[0]))
+            for _ in range(8)
+        ]
+        for thread in posts:
+            thread.start()
+        _wait(lambda: len(statuses) >= 5)  # 3 held (one at the gate, two queued); the others are turned away
+        assert service.metrics()["inflight_bytes"] <= limit
+        gated.gate.set()
+        for thread in posts:
+            thread.join(60)
+        assert sorted(statuses) == [200] * 3 + [503] * 5
+        metrics = service.metrics()
+        assert metrics["max_inflight_bytes_seen"] <= limit and metrics["inflight_bytes"] == 0
+
+
+def test_half_open_clients_are_closed_and_cannot_starve_healthz(lab_teacher):
+    with serve_in_thread(lab_teacher[2], max_connections=8, request_timeout_s=2.0) as (url, service):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        half_open = []
+        for _ in range(20):  # unauthenticated, headers never finished
+            s = socket.create_connection((host, int(port)), timeout=20)
+            s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\n")
+            half_open.append(s)
+        assert http_call(url, "GET", "/healthz", token=None)[0] == 200  # (http_call waits at most 60 s)
+        try:
+            for s in half_open:  # all closed by the server: evicted for newcomers, or at the header timeout
+                try:
+                    assert s.recv(1024) == b""
+                except ConnectionResetError:
+                    pass
+        finally:
+            for s in half_open:
+                s.close()
+        assert _post(url, wire.encode_request(_request()))[0] == 200
+
+
+def test_a_server_swapped_behind_the_url_stops_the_client_in_one_line(lab_teacher):
+    port = free_port()
+    student, _ = load_model(student_path(), dtype="fp32", device="cpu")
+    rollouts = random_rollouts(3, 2)
+    with serve_in_thread(lab_teacher[2], port=port) as (url, _):
+        remote = RemoteScorer(url, token=TOKEN)
+        remote.score(rollouts)
+    with serve_in_thread(LocalScorer(lab_teacher[0], vocab_size=V), port=port):  # restarted, same weights: fine
+        remote.score(rollouts)
+    with serve_in_thread(LocalScorer(student, vocab_size=V), port=port):  # same tokenizer, other weights
+        with pytest.raises(TeacherRequestError, match="now serves other weights") as error:
+            remote.score(rollouts)
+        assert "\n" not in str(error.value)
+    remote.close()
+
+
+def test_credentials_and_tokens(server, tmp_path, monkeypatch):
+    url, _, _ = server
+    with pytest.raises(ConfigError) as error:
+        lab_config(
+            tmp_path,
+            "x",
+            "teacher.path=null",
+            "teacher.device=auto",
+            "teacher.dtype=auto",
+            "teacher.url=http://me:s3cret@127.0.0.1:1",
+        )
+    assert "credentials in the URL" in str(error.value) and "s3cret" not in str(error.value)
+    with pytest.raises(ValueError, match="credentials in the URL") as error:
+        RemoteScorer("http://me:s3cret@127.0.0.1:1", retry_deadline=0)
+    assert "s3cret" not in str(error.value)
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        assert http_call(url, "GET", "/info", headers={"Authorization": f"{scheme} {TOKEN}"}, token=None)[0] == 200
+    from opd.teacher.server import resolve_token
+
+    monkeypatch.setenv("OPD_TEACHER_TOKEN", "jeton-secret-é-0123456789")
+    with pytest.raises(ConfigError, match="printable ASCII"):
+        resolve_token(None)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["teacher.url=http://127.0.0.1:1"], "teacher.path="),  # lab_config sets path, device and dtype
+        (["teacher.path=null", "teacher.url=http://127.0.0.1:1"], "teacher.device=cpu"),
+        (["teacher.path=null", "teacher.device=auto", "teacher.url=http://127.0.0.1:1"], "teacher.dtype=fp32"),
+        (
+            [
+                "teacher.path=null",
+                "teacher.device=auto",
+                "teacher.dtype=auto",
+                "teacher.url=http://127.0.0.1:1",
+                "teacher_offload=true",
+            ],
+            "teacher_offload=true",
+        ),
+    ],
+)
+def test_contradictory_teacher_settings_are_refused(tmp_path, overrides, message):
+    with pytest.raises(ConfigError) as error:
+        lab_config(tmp_path, "x", *overrides)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_check_with_only_a_served_teacher_says_so(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "opd.cli",
+            "check",
+            f"student.path={student_path()}",
+            f"data.path={opd_prompts_path()}",
+            "teacher.url=http://127.0.0.1:1",
+            f"run.out_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    assert result.returncode == 2 and "teacher.path" in result.stderr and "None" not in result.stderr
+    assert "Traceback" not in result.stderr

@@ -8,6 +8,7 @@ close-match suggestion; bad values are rejected, never rewritten. The resolved c
 from __future__ import annotations
 
 import difflib
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -139,6 +140,27 @@ class TeacherSpec(ModelSpec):
                 f"teacher.url serves the teacher; teacher.engine={self.engine} applies to a teacher "
                 f"loaded from teacher.path: set one of them"
             )
+        if self.url is not None:
+            loaded = [
+                f"{name}={value}"
+                for name, value, default in (
+                    ("path", self.path, None),
+                    ("device", self.device, "auto"),
+                    ("dtype", self.dtype, "auto"),
+                )
+                if value != default
+            ]
+            if loaded:
+                raise ValueError(
+                    f"teacher.url serves the teacher; teacher.{loaded[0]} applies to a teacher loaded in process "
+                    f"(the server chooses its model, device and dtype): set one of them"
+                )
+            for url in [self.url] if isinstance(self.url, str) else self.url:
+                if "@" in urllib.parse.urlsplit(url).netloc:  # never echoed: the part before @ may be a password
+                    raise ValueError(
+                        "teacher.url: credentials in the URL (user:password@) are not accepted (they would be "
+                        "printed and saved in config.yaml); give the token in teacher.token_file or token_env"
+                    )
         return self
 
 
@@ -605,6 +627,15 @@ class DistillConfig(Section):
             raise ValueError("objective.loss=topk_kl needs a top-k support: set objective.top_k > 0 (e.g. 16)")
         if obj.loss != "pg" and obj.advantage != "token_reward":
             raise ValueError(f"objective.loss={obj.loss} uses no advantages; leave objective.advantage=token_reward")
+        return self
+
+    @model_validator(mode="after")
+    def _served_teacher_stays_served(self) -> DistillConfig:
+        if self.teacher_offload and self.teacher is not None and self.teacher.url is not None:
+            raise ValueError(
+                "teacher_offload=true moves an in-process teacher to CPU between scorings; a served teacher "
+                "(teacher.url) stays where its server put it: set one of them"
+            )
         return self
 
     @model_validator(mode="after")

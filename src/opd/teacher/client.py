@@ -30,7 +30,7 @@ from opd.forward import needed_lengths, split_by_token_budget
 from opd.models import check_tokenizer_compatibility
 from opd.teacher import wire
 from opd.teacher.base import PendingScores
-from opd.teacher.server import resolve_token
+from opd.teacher.server import FINGERPRINT_HEADER, INSTANCE_HEADER, resolve_token
 from opd.types import Rollouts, TokenScores
 
 BACKOFF_START, BACKOFF_MAX = 0.5, 10.0
@@ -61,10 +61,17 @@ class Replica:
     outstanding: int = 0  # tokens sent and not yet answered
     down_since: float | None = None
     info: dict = field(default_factory=dict)
+    fingerprint: str | None = None  # of the weights served, recorded on first contact
+    instance: str | None = None  # the server process answering (changes on a restart)
 
 
 def parse_url(url: str) -> Replica:
     parts = urllib.parse.urlsplit(url)
+    if "@" in parts.netloc:  # never echo it: the part before @ may be a password
+        raise ValueError(
+            "teacher.url: credentials in the URL (user:password@) are not accepted (they would be printed and saved "
+            "in config.yaml); give the token in teacher.token_file or $OPD_TEACHER_TOKEN"
+        )
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
         raise ValueError(f"teacher.url: expected http://host:port (or https://), got {url!r}")
     try:
@@ -359,6 +366,24 @@ class RemoteScorer:
                 f"restart it with the same model"
             )
 
+    def _check_instance(self, replica: Replica, response: http.client.HTTPResponse) -> None:
+        """Every response names the server process and the weights it serves: recorded on first contact; a server
+        restarted with the same weights is followed, one serving other weights stops the run (one line)."""
+        fingerprint = response.getheader(FINGERPRINT_HEADER)
+        instance = response.getheader(INSTANCE_HEADER)
+        with self._lock:
+            if replica.fingerprint is None and replica.instance is None:
+                replica.fingerprint, replica.instance = fingerprint, instance
+                return
+            if fingerprint == replica.fingerprint:
+                replica.instance = instance
+                return
+            before = replica.fingerprint
+        raise TeacherRequestError(
+            f"teacher server {replica.url} now serves other weights (model fingerprint {before} → {fingerprint}): it "
+            f"was replaced while in use; restart it with the teacher this run started with"
+        )
+
     def _connection(self, replica: Replica) -> tuple[http.client.HTTPConnection, bool]:
         """This thread's keep-alive connection to `replica`, and whether it was used before."""
         pool = self._local.__dict__.setdefault("connections", {})
@@ -378,6 +403,7 @@ class RemoteScorer:
                 conn.request(method, path, body=body, headers=headers)
                 response = conn.getresponse()
                 data = response.read()
+                self._check_instance(replica, response)
                 break
             except (OSError, http.client.HTTPException) as error:
                 conn.close()

@@ -15,10 +15,12 @@ a server-side cache between requests (a request is stateless, so replicas balanc
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import ipaddress
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from opd.config import ConfigError, Section
 from opd.models import check_tokenizer_compatibility
@@ -41,6 +43,8 @@ log = logging.getLogger("opd.teacher.server")
 
 TOKEN_ENV = "OPD_TEACHER_TOKEN"
 MIN_TOKEN_LENGTH = 16
+INSTANCE_HEADER = "x-opd-teacher-instance"  # this server process: a random nonce drawn at start
+FINGERPRINT_HEADER = "x-opd-teacher-fingerprint"  # the weights it serves (`model_fingerprint`)
 
 
 class ServeLimits(Section):
@@ -58,9 +62,34 @@ class ServeLimits(Section):
     max_queue_tokens: int = Field(1 << 20, ge=1, description="Tokens waiting beyond which requests get 503.")
     max_request_bytes: int = Field(64 << 20, ge=1024, description="Largest request body in bytes (413 above).")
     max_rows: int = Field(4096, ge=1, description="Rows per request.")
-    max_positions: int = Field(65536, ge=1, description="Tokens per row (prompt and response).")
+    max_positions: int | None = Field(
+        None, ge=1, description="Tokens per row (prompt and response); None: the model's context length."
+    )
     max_requested_ids: int = Field(256, ge=0, description="Requested ids per position.")
     max_top_k: int = Field(256, ge=0, description="Largest top-k a request may ask for.")
+    max_inflight_bytes: int = Field(
+        256 << 20,
+        ge=1024,
+        description="Request bytes held at once over all connections (503 + Retry-After above); ≥ max_request_bytes.",
+    )
+    max_connections: int = Field(
+        256,
+        ge=2,
+        description="Open connections; beyond it the oldest one idle or still sending its request headers is "
+        "closed (so half-open clients cannot lock others out).",
+    )
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds a client has to send a request's headers, and again its body (408 after)."
+    )
+
+    @model_validator(mode="after")
+    def _inflight_fits_a_request(self) -> ServeLimits:
+        if self.max_inflight_bytes < self.max_request_bytes:
+            raise ValueError(
+                f"max_inflight_bytes ({self.max_inflight_bytes}) must be ≥ max_request_bytes "
+                f"({self.max_request_bytes}): a largest request could never be admitted"
+            )
+        return self
 
 
 # ------------------------------------------------------------------------------------------------ identity
@@ -80,10 +109,10 @@ def resolve_token(token_file: str | None, env: str = TOKEN_ENV) -> str | None:
         origin = f"${env}"
         if not token:
             return None
-    if len(token) < MIN_TOKEN_LENGTH or any(c.isspace() for c in token):
+    if len(token) < MIN_TOKEN_LENGTH or not all("!" <= c <= "~" for c in token):  # what an HTTP header carries
         raise ConfigError(
-            f"{origin}: the token must be at least {MIN_TOKEN_LENGTH} characters without spaces "
-            f"(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+            f"{origin}: the token must be at least {MIN_TOKEN_LENGTH} characters without spaces, printable ASCII "
+            f"only (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
         )
     return token
 
@@ -206,12 +235,19 @@ class TeacherService:
     vocab:   the token→id map /vocab serves
     """
 
-    def __init__(self, scorer: Any, info: dict, vocab: dict[str, int], config: ServeLimits):
+    def __init__(
+        self, scorer: Any, info: dict, vocab: dict[str, int], config: ServeLimits, *, context: int | None = None
+    ):
         self.scorer, self.vocab, self.config = scorer, vocab, config
         self.vocab_size = int(info["vocab_size"])
+        # rows beyond the model's context would be scored silently wrong (and hold the scoring thread): not by default
+        self.max_positions = config.max_positions or context or 65536
+        self.instance = secrets.token_hex(8)
+        self.fingerprint = str(info.get("model_fingerprint", ""))
         self.info = {
             **info,
             "wire_version": wire.VERSION,
+            "instance": self.instance,
             **{
                 k: getattr(config, k)
                 for k in (
@@ -219,14 +255,19 @@ class TeacherService:
                     "forward_tokens",
                     "max_request_bytes",
                     "max_rows",
-                    "max_positions",
                     "max_requested_ids",
                     "max_top_k",
                     "max_queue_tokens",
                     "batch_window_ms",
+                    "max_inflight_bytes",
+                    "max_connections",
+                    "request_timeout_s",
                 )
             },
+            "max_positions": self.max_positions,
         }
+        self.inflight_bytes = 0  # request bytes held now (reserved before they are read)
+        self.max_inflight_seen = 0
         self.queue = ScoringQueue(
             max_batch_tokens=config.max_batch_tokens,
             window_s=config.batch_window_ms / 1000,
@@ -254,7 +295,26 @@ class TeacherService:
 
     def metrics(self) -> dict:
         with self._lock:
-            return {**self.counters, "queue_requests": len(self.queue), "queue_tokens": self.queue.queued_tokens}
+            return {
+                **self.counters,
+                "queue_requests": len(self.queue),
+                "queue_tokens": self.queue.queued_tokens,
+                "inflight_bytes": self.inflight_bytes,
+                "max_inflight_bytes_seen": self.max_inflight_seen,
+            }
+
+    def reserve(self, nbytes: int) -> bool:
+        """Count `nbytes` more request bytes as held, unless that would pass `max_inflight_bytes` (False)."""
+        with self._lock:
+            if self.inflight_bytes + nbytes > self.config.max_inflight_bytes:
+                return False
+            self.inflight_bytes += nbytes
+            self.max_inflight_seen = max(self.max_inflight_seen, self.inflight_bytes)
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.inflight_bytes -= nbytes
 
     # -- requests
 
@@ -269,12 +329,22 @@ class TeacherService:
             raise RequestError(
                 f"rows: {request.num_rows} rows exceed the server's limit of {cfg.max_rows} per request (max_rows)"
             )
-        if request.num_rows and int(request.row_lengths.max()) > cfg.max_positions:
+        if request.num_rows and int(request.row_lengths.max()) > self.max_positions:
             b = int(request.row_lengths.argmax())
             raise RequestError(
                 f"row_lengths: row {b} has {int(request.row_lengths[b])} tokens, more than the "
-                f"server's limit of {cfg.max_positions} positions per row (max_positions)"
+                f"server's limit of {self.max_positions} positions per row "
+                f"({'max_positions' if cfg.max_positions else 'max_positions: the model context'})"
             )
+        for limit, name in sorted(
+            ((cfg.max_batch_tokens, "max_batch_tokens"), (cfg.max_queue_tokens, "max_queue_tokens"))
+        ):
+            if request.num_tokens > limit:  # it could never be scored: 413 even when the queue is empty
+                raise RequestError(
+                    f"tokens: a request of {request.num_tokens} tokens exceeds the server's limit of {limit} ({name}); "
+                    f"send smaller requests",
+                    status=413,
+                )
         R = 0 if request.requested_ids is None else request.requested_ids.shape[1]
         if R > cfg.max_requested_ids:
             raise RequestError(
@@ -318,12 +388,20 @@ class TeacherService:
                 continue
             try:
                 responses = score_requests(self.scorer, [job.request for job in batch])
-            except Exception as error:  # e.g. out of memory: fail these requests, keep serving
-                log.exception("scoring a batch of %d requests failed", len(batch))
-                self.count(errors=len(batch))
-                for job in batch:
-                    job.future.set_exception(error)
-                continue
+            except Exception as error:  # e.g. out of memory
+                if len(batch) == 1:
+                    self._fail(batch[0], error)
+                    continue
+                # one request's failure must stay with it: score each request of the merged batch alone
+                responses = []
+                for job in list(batch):
+                    try:
+                        responses.append(score_requests(self.scorer, [job.request])[0])
+                    except Exception as alone:
+                        self._fail(job, alone)
+                        batch.remove(job)
+                if not batch:
+                    continue
             with self._lock:
                 c = self.counters
                 c["requests"] += len(batch)
@@ -334,6 +412,15 @@ class TeacherService:
                 c["positions"] += sum(job.request.num_positions for job in batch)
             for job, response in zip(batch, responses):
                 job.future.set_result(response)
+
+    def _fail(self, job: Job, error: Exception) -> None:
+        """Fail one request (its client gets a 500 naming the error); one log line, the traceback with OPD_DEBUG=1."""
+        text = str(error).splitlines()[0][:300] if str(error) else ""
+        log.error("scoring a request of %d tokens failed: %s: %s", job.request.num_tokens, type(error).__name__, text)
+        if os.environ.get("OPD_DEBUG"):
+            log.error("traceback", exc_info=error)
+        self.count(errors=1)
+        job.future.set_exception(error)
 
 
 def _check_ids(name: str, ids: torch.Tensor, vocab_size: int, row_lengths: torch.Tensor | None = None) -> None:
@@ -385,25 +472,64 @@ def build_app(service: TeacherService, token: str | None):
             service.count(rejected_invalid=1)
             return error(
                 413,
-                f"body: request of {declared} bytes exceeds the server's limit of {limit} bytes (max_request_bytes)",
+                f"body: request of {declared[:20]} bytes exceeds the server's limit of {limit} bytes "
+                f"(max_request_bytes)",
                 Connection="close",
             )
-        body = bytearray()
+        return await _receive(request, int(declared) if declared is not None else None)
+
+    async def _receive(request: Request, declared: int | None) -> Response:
+        """Read the body within request_timeout_s, holding its bytes against max_inflight_bytes until answered."""
+        limit, held = service.config.max_request_bytes, 0
+
+        def hold(nbytes: int) -> bool:
+            nonlocal held
+            if not service.reserve(nbytes):
+                return False
+            held += nbytes
+            return True
+
+        busy = error(
+            503,
+            f"busy: more than {service.config.max_inflight_bytes} request bytes are held (max_inflight_bytes); retry",
+            **{"Retry-After": "1", "Connection": "close"},
+        )
         try:
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    service.count(rejected_invalid=1)
-                    return error(
-                        413,
-                        f"body: request exceeds the server's limit of {limit} bytes (max_request_bytes)",
-                        Connection="close",
-                    )
-        except ClientDisconnect:
-            service.count(disconnected=1)
-            return Response(status_code=400)
+            if declared is not None and not hold(declared):
+                service.count(rejected_busy=1)
+                return busy
+            body = bytearray()
+            try:
+                with anyio.fail_after(service.config.request_timeout_s):
+                    async for chunk in request.stream():
+                        if declared is None and not hold(len(chunk)):  # chunked: held as it arrives
+                            service.count(rejected_busy=1)
+                            return busy
+                        body += chunk
+                        if len(body) > limit:
+                            service.count(rejected_invalid=1)
+                            return error(
+                                413,
+                                f"body: request exceeds the server's limit of {limit} bytes (max_request_bytes)",
+                                Connection="close",
+                            )
+            except TimeoutError:
+                service.count(rejected_invalid=1)
+                return error(
+                    408,
+                    f"body: not received within {service.config.request_timeout_s:g} s (request_timeout_s)",
+                    Connection="close",
+                )
+            except ClientDisconnect:
+                service.count(disconnected=1)
+                return Response(status_code=400)
+            return await _answer(request, bytes(body))
+        finally:
+            service.release(held)
+
+    async def _answer(request: Request, body: bytes) -> Response:
         try:
-            parsed = await anyio.to_thread.run_sync(service.parse, bytes(body))
+            parsed = await anyio.to_thread.run_sync(service.parse, body)
         except RequestError as failure:
             service.count(rejected_invalid=1)
             return error(failure.status, str(failure))
@@ -427,7 +553,8 @@ def build_app(service: TeacherService, token: str | None):
         try:
             response = result.result()
         except Exception as failure:
-            return error(500, f"scoring failed: {type(failure).__name__}: {str(failure).splitlines()[0][:300]}")
+            text = (str(failure).splitlines() or [""])[0][:300]
+            return error(500, f"scoring failed: {type(failure).__name__}: {text}")
         data = await anyio.to_thread.run_sync(wire.encode_response, response, parsed.logprobs)
         return Response(data, media_type="application/octet-stream")
 
@@ -441,7 +568,31 @@ def build_app(service: TeacherService, token: str | None):
         ],
         lifespan=_lifespan(service),
     )
-    return BearerAuth(app, token) if token is not None else app
+    return Identified(BearerAuth(app, token) if token is not None else app, service)
+
+
+class Identified:
+    """ASGI middleware: every response names this server process (a nonce drawn at start) and the weights it serves,
+    so that a client notices a server swapped behind the same address (also after a silent keep-alive reconnect)."""
+
+    def __init__(self, app, service: TeacherService):
+        self.app = app
+        self._headers = [
+            (INSTANCE_HEADER.encode(), service.instance.encode()),
+            (FINGERPRINT_HEADER.encode(), service.fingerprint.encode()),
+        ]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_identified(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *self._headers]}
+            await send(message)
+
+        await self.app(scope, receive, send_identified)
 
 
 async def _disconnected(request) -> None:
@@ -469,15 +620,22 @@ class BearerAuth:
 
     def __init__(self, app, token: str):
         self.app = app
-        self._expected = f"Bearer {token}".encode()
+        if not all("!" <= c <= "~" for c in token):
+            raise ConfigError("token: only printable ASCII characters without spaces can travel in an HTTP header")
+        self._expected = token.encode("ascii")
+
+    def _token(self, headers) -> bytes:
+        """The credentials of `Authorization: Bearer <token>`; the scheme is case-insensitive (RFC 7235)."""
+        for name, value in headers:
+            if name == b"authorization":
+                scheme, _, credentials = value.strip().partition(b" ")
+                if scheme.lower() == b"bearer":
+                    return credentials.strip()
+        return b""
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.OPEN_PATHS:
-            supplied = b""
-            for name, value in scope["headers"]:
-                if name == b"authorization":
-                    supplied = value
-            if not hmac.compare_digest(supplied, self._expected):
+            if not hmac.compare_digest(self._token(scope["headers"]), self._expected):
                 from starlette.responses import JSONResponse
 
                 response = JSONResponse(
@@ -511,8 +669,28 @@ def service_for(
         **wire.tokenizer_fingerprints(tokenizer),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "device": device or str(next(model.parameters()).device),
+        "model_fingerprint": model_fingerprint(model),
     }
-    return TeacherService(scorer, info, tokenizer.get_vocab(), config)
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return TeacherService(
+        scorer, info, tokenizer.get_vocab(), config, context=context if isinstance(context, int) else None
+    )
+
+
+def model_fingerprint(model: torch.nn.Module, samples: int = 1024) -> str:
+    """A hash of the served weights: every tensor's name, shape and dtype and the bytes of up to `samples` evenly
+    strided elements of it (a read of a few MB, however large the model). Two different models of one
+    architecture differ in it; the same checkpoint loaded again (same dtype) gives the same one on any device."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict().items()):
+            flat = tensor.detach().reshape(-1)
+            picked = flat[:: max(1, flat.numel() // samples)][:samples].to("cpu").contiguous()
+            if picked.dtype == torch.bfloat16:
+                picked = picked.view(torch.int16)
+            digest.update(f"{name}:{list(tensor.shape)}:{tensor.dtype}:".encode())
+            digest.update(picked.numpy().tobytes())
+    return digest.hexdigest()[:32]
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -540,8 +718,62 @@ def make_server(service: TeacherService, token: str | None):
         lifespan="on",
         timeout_keep_alive=120,
         timeout_graceful_shutdown=5,
+        http=guarded_protocol(service.config.max_connections, service.config.request_timeout_s),
     )
     return uvicorn.Server(config)
+
+
+def guarded_protocol(max_connections: int, header_timeout_s: float):
+    """uvicorn's h11 protocol with two bounds that hold before authentication: a connection that has not sent a
+    request's headers within `header_timeout_s` (from its opening, or from its previous answer) is closed; and
+    beyond `max_connections` open ones, the oldest that is idle or still sending headers is closed for the newcomer
+    (the newcomer itself when every connection is busy with a request), so half-open clients cannot starve others."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Guarded(H11Protocol):
+        waiting: dict = {}  # connection → when it started waiting for request headers (shared by this server)
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._await_headers()
+            if len(self.connections) > max_connections:
+                idle = [c for c in self.waiting if c is not self and not c.transport.is_closing()]
+                victim = min(idle, key=self.waiting.__getitem__) if idle else self
+                victim._give_up()
+
+        def _await_headers(self) -> None:
+            self._cycle_seen = self.cycle
+            self.waiting[self] = time.monotonic()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._give_up)
+
+        def _give_up(self) -> None:
+            self.waiting.pop(self, None)
+            self._header_timer.cancel()
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def _check_headers(self) -> None:
+            if self.cycle is not self._cycle_seen and self in self.waiting:  # a request's headers are in
+                self.waiting.pop(self, None)
+                self._header_timer.cancel()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._check_headers()
+
+        def on_response_complete(self) -> None:
+            self._header_timer.cancel()
+            if not self.transport.is_closing():
+                self._await_headers()  # keep-alive: the next request's headers within the timeout too
+            super().on_response_complete()  # (may start a pipelined request)
+            self._check_headers()
+
+        def connection_lost(self, exc) -> None:
+            self.waiting.pop(self, None)
+            self._header_timer.cancel()
+            super().connection_lost(exc)
+
+    return Guarded
 
 
 def url_of(sock: socket.socket) -> str:

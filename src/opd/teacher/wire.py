@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from dataclasses import dataclass
 
@@ -28,6 +29,13 @@ MAX_HEADER_BYTES = 1 << 16  # a header lists at most a few arrays: anything larg
 _PREFIX = struct.Struct("<4sB3xI")  # magic, version, padding, header length
 _DTYPES = {"int32": np.dtype("<i4"), "uint8": np.dtype("u1"), "float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2")}
 LOGPROB_DTYPES = ("float32", "bfloat16")
+MAX_ARRAYS = 16  # a message carries at most a handful of arrays
+MAX_DIMS = 4  # and none has more than a few dimensions
+MAX_EXTENT = (1 << 31) - 1  # nor an extent beyond int32 (offsets into a message are int32 too)
+MAX_HEADER_DEPTH = 8  # {"meta": {...}, "arrays": [[name, dtype, [sizes]]]} is 3 deep
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6  # beyond them 1/temperature over- or underflows float32 logits
+_WIRE_NAME = {torch.long: "int32", torch.bool: "uint8", torch.float32: "float32", torch.bfloat16: "bfloat16"}
+_REQUEST_ARRAYS = {"row_lengths": 1, "prompt_lengths": 1, "tokens": 1, "mask": 1, "requested_ids": 2}
 
 
 class WireError(ValueError):
@@ -136,6 +144,10 @@ def decode_message(data: bytes | bytearray | memoryview) -> tuple[str, dict, dic
         header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + header_length]))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise WireError("header: not valid UTF-8 JSON") from None
+    except RecursionError:
+        raise WireError(f"header: nested deeper than {MAX_HEADER_DEPTH} levels") from None
+    if _depth(header) > MAX_HEADER_DEPTH:
+        raise WireError(f"header: nested deeper than {MAX_HEADER_DEPTH} levels")
     if (
         not isinstance(header, dict)
         or not isinstance(header.get("kind"), str)
@@ -143,6 +155,8 @@ def decode_message(data: bytes | bytearray | memoryview) -> tuple[str, dict, dic
         or not isinstance(header.get("arrays"), list)
     ):
         raise WireError("header: expected an object with 'kind' (string), 'meta' (object) and 'arrays' (list)")
+    if len(header["arrays"]) > MAX_ARRAYS:
+        raise WireError(f"header.arrays: {len(header['arrays'])} arrays, at most {MAX_ARRAYS}")
     arrays: dict[str, torch.Tensor] = {}
     offset = _PREFIX.size + header_length
     for entry in header["arrays"]:
@@ -152,18 +166,18 @@ def decode_message(data: bytes | bytearray | memoryview) -> tuple[str, dict, dic
             and isinstance(entry[0], str)
             and entry[1] in _DTYPES
             and isinstance(entry[2], list)
-            and all(type(n) is int and n >= 0 for n in entry[2])
+            and len(entry[2]) <= MAX_DIMS
+            and all(type(n) is int and 0 <= n <= MAX_EXTENT for n in entry[2])
         ):
             raise WireError(
                 f"header.arrays: entry {str(entry)[:80]} is not [name, dtype in "
-                f"{'|'.join(_DTYPES)}, [non-negative sizes]]"
+                f"{'|'.join(_DTYPES)}, [at most {MAX_DIMS} sizes in 0..{MAX_EXTENT}]]"
             )
         name, dtype, shape = entry
         if name in arrays:
             raise WireError(f"header.arrays: {name!r} listed twice")
         offset += -offset % 8
-        count = int(np.prod(shape, dtype=np.int64))
-        nbytes = count * _DTYPES[dtype].itemsize
+        nbytes = math.prod(shape) * _DTYPES[dtype].itemsize  # Python ints: no int64 overflow, no wrap to zero
         if offset + nbytes > len(view):
             raise WireError(f"{name}: shape {shape} needs {nbytes} bytes but only {max(0, len(view) - offset)} remain")
         arrays[name] = _from_bytes(view[offset : offset + nbytes], dtype, shape)
@@ -171,6 +185,28 @@ def decode_message(data: bytes | bytearray | memoryview) -> tuple[str, dict, dic
     if offset != len(view):
         raise WireError(f"body: {len(view) - offset} bytes after the last array")
     return header["kind"], header["meta"], arrays
+
+
+def _depth(value) -> int:
+    """How deeply `value` (parsed JSON) nests lists and objects (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, level)
+            if level <= MAX_HEADER_DEPTH:
+                stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _expect(name: str, tensor: torch.Tensor, dtype: str, dims: int) -> None:
+    """WireError unless `tensor` came as `dtype` with `dims` dimensions (what the server scores, checked before any
+    request is merged with others)."""
+    got = _WIRE_NAME.get(tensor.dtype, str(tensor.dtype))
+    if got != dtype:
+        raise WireError(f"{name}: dtype {got}, expected {dtype}")
+    if tensor.dim() != dims:
+        raise WireError(f"{name}: expected {dims} dimension{'s' * (dims > 1)}, got shape {list(tensor.shape)}")
 
 
 def _to_bytes(tensor: torch.Tensor, dtype: str) -> bytes:
@@ -230,22 +266,31 @@ def decode_request(data: bytes | bytearray | memoryview) -> ScoreRequest:
     kind, meta, arrays = decode_message(data)
     if kind != "score":
         raise WireError(f"kind: expected 'score', got {kind!r}")
-    for name in ("row_lengths", "prompt_lengths", "tokens", "mask"):
+    for name in arrays:
+        if name not in _REQUEST_ARRAYS:
+            raise WireError(f"{name}: not an array of a request (expected {', '.join(_REQUEST_ARRAYS)})")
+    for name, dims in _REQUEST_ARRAYS.items():
         if name not in arrays:
+            if name == "requested_ids":
+                continue
             raise WireError(f"{name}: missing from the request")
-        if arrays[name].dim() != 1:
-            raise WireError(f"{name}: expected one dimension, got shape {list(arrays[name].shape)}")
+        _expect(name, arrays[name], "uint8" if name == "mask" else "int32", dims)
     top_k, temperature = meta.get("top_k"), meta.get("temperature")
     with_entropy, logprobs = meta.get("with_entropy"), meta.get("logprobs", "float32")
     if type(top_k) is not int or top_k < 0:
         raise WireError(f"top_k: expected an integer ≥ 0, got {top_k!r}")
-    if type(temperature) not in (int, float) or not 0 < temperature < float("inf"):
-        raise WireError(f"temperature: expected a finite number > 0, got {temperature!r}")
+    if type(temperature) not in (int, float) or not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
+        raise WireError(
+            f"temperature: expected a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {temperature!r}"
+        )
     if type(with_entropy) is not bool:
         raise WireError(f"with_entropy: expected true or false, got {with_entropy!r}")
     if logprobs not in LOGPROB_DTYPES:
         raise WireError(f"logprobs: expected one of {', '.join(LOGPROB_DTYPES)}, got {logprobs!r}")
     rows, prompts, tokens, mask = (arrays[n] for n in ("row_lengths", "prompt_lengths", "tokens", "mask"))
+    if bool((rows < 0).any()):
+        b = int((rows < 0).nonzero()[0])
+        raise WireError(f"row_lengths: row {b} has length {int(rows[b])}; expected ≥ 0")
     if rows.shape != prompts.shape:
         raise WireError(f"prompt_lengths: {prompts.numel()} values for {rows.numel()} rows")
     bad = ((prompts < 1) | (prompts > rows)) & ~((rows == 0) & (prompts == 0))  # an empty row sends nothing

@@ -151,6 +151,21 @@ def read_yaml_mapping(path: str | Path) -> tuple[str, dict]:
     return text, data
 
 
+def read_manifest(path: str | Path) -> dict[str, dict]:
+    """The `files` of a checkpoint's MANIFEST.json ({name: {"bytes": int, "sha256": str}}); another shape is a
+    ValueError naming the file and what is wrong."""
+    path = Path(path)
+    files = read_json_object(path).get("files")
+    if not isinstance(files, dict):
+        raise ValueError(f'{path}: no "files" mapping (name → {{"bytes", "sha256"}})')
+    for name, entry in files.items():
+        size = entry.get("bytes") if isinstance(entry, dict) else None
+        digest = entry.get("sha256") if isinstance(entry, dict) else None
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or not isinstance(digest, str):
+            raise ValueError(f'{path}: entry {name!r} is not {{"bytes": a size, "sha256": a digest}}')
+    return files
+
+
 def _kind(value: object) -> str:
     names = {list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
     return "null" if value is None else names.get(type(value), type(value).__name__)

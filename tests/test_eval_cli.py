@@ -427,3 +427,113 @@ def test_distill_periodic_eval_is_finished_on_resume(tiny_tokenizer, tmp_path):
         ours = json.loads((resumed / "eval" / f"step_{step}" / "results.json").read_text())
         assert ours == json.loads((straight / "eval" / f"step_{step}" / "results.json").read_text())
     assert read_jsonl(samples) and len(read_jsonl(samples)) == len(lines)
+
+
+# ------------------------------------------------------------------------------------------------ weights identity
+
+
+def test_eval_rerun_on_weights_changed_in_place_is_refused(tiny_tokenizer, problem_file, tmp_path):
+    """Zeroing tensor bytes of a safetensors file in place (same size, same header) is other weights: a rerun into the
+    same --out is refused, not answered from the samples of the old weights. Every byte counts, not sampled blocks."""
+    from helpers import make_tiny_model
+
+    model_dir = tmp_path / "model"  # > 1 MiB of weights: hashed in part before
+    make_tiny_model("llama", hidden_size=128, intermediate_size=512).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    weights = model_dir / "model.safetensors"
+    size = weights.stat().st_size
+    assert size > 2 << 20
+    out = tmp_path / "run"
+    assert CliRunner().invoke(app, eval_args(model_dir, problem_file, out)).exit_code == 0
+    before = _snapshot(out)
+    data = bytearray(weights.read_bytes())
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    block, blocks = 1 << 16, 16
+    sampled = [(size - block) * k // (blocks - 1) for k in range(blocks)]
+    for start, end in zip(sampled, sampled[1:]):  # the bytes between two 64 KiB blocks
+        lo, hi = max(start + block, header_end), end
+        if hi > lo:
+            data[lo:hi] = bytes(hi - lo)
+    weights.write_bytes(bytes(data))
+    assert weights.stat().st_size == size
+    result = CliRunner().invoke(app, eval_args(model_dir, problem_file, out))
+    assert isinstance(result.exception, ValueError), result.output
+    assert "model.files" in str(result.exception) and "another --out" in str(result.exception)
+    assert _snapshot(out) == before
+
+
+def test_model_fingerprint_hashes_each_file_once_per_process(tiny_model_dir, monkeypatch):
+    """A re-evaluation does not hash the weights again: the digest is kept by (path, size, mtime, inode)."""
+    import os
+    import time
+
+    from opd.eval import sampling
+
+    old = time.time_ns() - 10 * 10**9  # older than the racy window
+    for file in tiny_model_dir.iterdir():
+        os.utime(file, ns=(old, old))
+    first = sampling.model_fingerprint(str(tiny_model_dir))
+    opened = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda file, *a, **k: opened.append(file) or real_open(file, *a, **k))
+    assert sampling.model_fingerprint(str(tiny_model_dir)) == first and opened == []
+    monkeypatch.undo()
+    weights = tiny_model_dir / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4:] = bytes(4)
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(old + 1, old + 1))
+    assert sampling.model_fingerprint(str(tiny_model_dir)) != first
+
+
+def test_distill_in_run_eval_is_keyed_by_the_weights_evaluated(tiny_tokenizer, tmp_path):
+    """A resume with other settings replays steps 3-4 with other weights: eval/step_4 made by the old weights is
+    evaluated again, not reused; its identity names the weights evaluated."""
+    import shutil
+
+    from helpers import make_tiny_model
+    from opd.config import DistillConfig, build_config
+    from opd.recipes.distill import distill
+
+    for name, seed in (("student", 0), ("teacher", 1)):
+        make_tiny_model("qwen3", seed=seed).save_pretrained(tmp_path / name)
+        tiny_tokenizer.save_pretrained(tmp_path / name)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(6)])
+
+    def run(steps, *extra):
+        options = {
+            "student.path": str(tmp_path / "student"),
+            "teacher.path": str(tmp_path / "teacher"),
+            "data.path": str(prompts),
+            "data.answer_key": "answer",
+            "data.max_prompt_length": 32,
+            "prompts_per_step": 2,
+            "rollout.n": 2,
+            "rollout.max_new_tokens": 6,
+            "rollout.batch_size": 4,
+            "micro_batch_tokens": 64,
+            "run.out_dir": str(tmp_path / "runs"),
+            "run.name": "run",
+            "run.steps": steps,
+            "run.report": False,
+            "optim.lr": 1e-3,
+            "run.save_every": 2,
+            "run.eval_every": 2,
+            "run.eval_at_start": False,
+            "eval.benchmarks": [str(prompts)],
+            "eval.answer_key": "answer",
+            "eval.n": 2,
+            "eval.max_new_tokens": 8,
+            "eval.temperature": 0.0,
+        }
+        return distill(build_config(DistillConfig, options=options, overrides=list(extra)))
+
+    run_dir = run(4)
+    step_4 = run_dir / "eval" / "step_4"
+    old_identity = json.loads((step_4 / "identity.json").read_text())
+    old_samples = (step_4 / "samples.jsonl").read_text()
+    shutil.rmtree(run_dir / "checkpoints" / "step_4")
+    run(4, "run.resume=true", "run.allow_config_change=true", "objective.top_k=2", "rollout.n=4")
+    identity = json.loads((step_4 / "identity.json").read_text())
+    assert identity["model"]["weights"] != old_identity["model"].get("weights")
+    assert (step_4 / "samples.jsonl").read_text() != old_samples  # sampled again, by the weights of this run

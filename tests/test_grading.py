@@ -312,6 +312,38 @@ BENCHMARK_STYLE_CASES = [
     ("2.04 \\times 10^2", "\\boxed{204}", True),
     ("0204", "\\boxed{204}", True),
     ("240", "\\boxed{204}", False),
+    # a box holding an equation: right only as the reference's own form (a name = the value), never a false one
+    ("7 = 3", "3", False),
+    ("100 = 4", "4", False),
+    ("2+2=5", "5", False),
+    ("10 = 0", "\\boxed{0}", False),
+    ("3 = 3", "3", False),
+    ("3 = 3 + 1", "4", False),
+    ("5 = x", "x = 5", False),
+    ("x = 3", "3", True),
+    ("k=5", "\\boxed{5}", True),
+    ("y = 2x + 1", "y = 2x+1", True),
+    ("x = 3", "x = 3", True),
+    # a percent sign is not a unit to drop when the reference has none (0.5% of a probability 0.5 is wrong)
+    ("0.5\\%", "0.5", False),
+    ("12.5\\%", "0.125", True),
+    ("0.25\\%", "0.25", False),
+    ("50\\%", "0.5", True),
+    ("0.5\\%", "0.5\\%", True),
+    ("0.5%", "0.5\\%", True),
+    ("0.005", "0.5\\%", True),
+    ("0.5", "0.5\\%", True),
+    # unicode a model writes: vulgar fractions (mixed numbers too) and the empty set
+    ("\u00bd", "\\frac{1}{2}", True),
+    ("\u00bc", "\\frac14", True),
+    ("\u00be", "0.75", True),
+    ("\u2153", "\\frac{1}{3}", True),
+    ("2\u00bd", "\\frac{5}{2}", True),
+    ("\u00bd", "\\frac{1}{3}", False),
+    ("\\emptyset", "\\varnothing", True),
+    ("\u2205", "\\varnothing", True),
+    ("\\varnothing", "\\emptyset", True),
+    ("\\varnothing", "\\{0\\}", False),
 ]
 
 REPEATING_DECIMAL_CASES = [

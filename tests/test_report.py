@@ -238,3 +238,57 @@ def test_accuracy_starts_at_step_0_with_the_teacher_as_reference(tmp_path):
     (run / "eval" / "step_0").mkdir()  # a trainer's own step-0 eval wins over the demo's file
     (run / "eval" / "step_0" / "results.json").write_text(json.dumps({"benchmarks": {"lab": {"avg@4": 0.3}}}))
     assert load_series(run)["eval/lab/avg@4"][1][0] == 0.3
+
+
+# --- every file `opd report` reads back from a run directory, damaged: one line naming it, exit 2, no traceback
+
+DAMAGED_FILES = [  # (label, file, content, what the line says besides the file)
+    ("metrics line a list", "metrics.jsonl", '{"step": 1, "loss": 1.0}\n[1, 2]\n{"step": 3}\n', "metrics.jsonl:2"),
+    ("metrics line a number", "metrics.jsonl", '7\n{"step": 1, "loss": 1.0}\n', "metrics.jsonl:1"),
+    ("metrics line a string", "metrics.jsonl", '"step"\n{"step": 1}\n', "not a JSON object"),
+    ("metrics step absurd", "metrics.jsonl", '{"step": 1e300, "loss": 1.0}\n', "step"),
+    ("metrics step huge int", "metrics.jsonl", '{"step": 99999999999999999999999, "loss": 1}\n', "step"),
+    ("metrics step negative", "metrics.jsonl", '{"step": -3, "loss": 1.0}\n', "step -3"),
+    ("metrics step a string", "metrics.jsonl", '{"step": "two", "loss": 1.0}\n', "'two'"),
+    ("samples line a list", "samples/step_20.jsonl", '[1]\n{"response": "x"}\n', "step_20.jsonl:1"),
+    ("samples rewards a number", "samples/step_20.jsonl", '{"response": "x", "token_rewards": 5}\n', None),
+    ("eval results a list", "eval/step_5/results.json", "[1, 2]", "not a JSON object"),
+    ("eval results benchmarks a list", "eval/step_5/results.json", '{"benchmarks": [1]}', "not eval results"),
+    ("eval results summary a number", "eval/step_5/results.json", '{"benchmarks": {"a": 3}}', "not eval results"),
+    ("eval results unparsable", "eval/step_5/results.json", '{"benchmarks": ', "not valid JSON"),
+    ("teacher results a string", "eval/teacher/results.json", '"x"', "not a JSON object"),
+    ("config.yaml unparsable", "config.yaml", "run: [1, 2\nsteps: 3\n", "not valid YAML"),
+    ("config.yaml a list", "config.yaml", "- 1\n- 2\n", "not a mapping"),
+    ("config.yaml a string", "config.yaml", "just words\n", "not a mapping"),
+]
+
+
+@pytest.mark.parametrize("label, name, content, says", DAMAGED_FILES, ids=[c[0] for c in DAMAGED_FILES])
+def test_report_damaged_run_file_is_one_line_naming_it(label, name, content, says, tmp_path, monkeypatch, capfd):
+    import sys
+    import traceback
+
+    from opd.cli import main
+
+    run = make_run_dir(tmp_path / "run", steps=20)
+    path = run / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content)
+    capfd.readouterr()
+    monkeypatch.setattr(sys, "argv", ["opd", "report", str(run), "--out", str(tmp_path / "r.html")])
+    monkeypatch.delenv("OPD_DEBUG", raising=False)
+    code, escaped = 0, None
+    try:
+        main()
+    except SystemExit as exit_:
+        code = exit_.code
+    except BaseException:  # noqa: BLE001 - what the user would see as a traceback
+        escaped = traceback.format_exc()
+    err = capfd.readouterr().err
+    assert escaped is None, escaped
+    if says is None:  # a value the report can do without: reported, not fatal
+        assert code in (0, None) and (tmp_path / "r.html").is_file()
+        return
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert str(path) in lines[0] and says in lines[0], lines[0]

@@ -110,6 +110,76 @@ def read_jsonl(path: str | Path, *, skip_partial_last_line: bool = True) -> list
     return records
 
 
+def read_jsonl_objects(path: str | Path, *, skip_partial_last_line: bool = True) -> list[tuple[int, dict]]:
+    """(line number, record) of a JSONL file of JSON objects, as a command reads back what it wrote: a line that is
+    not an object (a list, a number) is a ValueError naming the file and line; a partial last line is dropped."""
+    path = Path(path)
+    lines = read_text(path).splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if skip_partial_last_line and number == len(lines):
+                break
+            raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: not a JSON object but {_kind(record)}")
+        records.append((number, record))
+    return records
+
+
+def read_json_object(path: str | Path) -> dict:
+    """A JSON file holding one object (results, manifests, identities): anything else is a ValueError naming it."""
+    path = Path(path)
+    try:
+        data = json.loads(read_text(path))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error.msg} at line {error.lineno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a JSON object but {_kind(data)}")
+    return data
+
+
+def read_yaml_mapping(path: str | Path) -> tuple[str, dict]:
+    """(text, mapping) of a YAML file that must hold a mapping (a run's config.yaml); else a ValueError naming it."""
+    import yaml
+
+    path = Path(path)
+    text = read_text(path)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        raise ValueError(f"{path}: not valid YAML{at}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a mapping of settings but {_kind(data)}")
+    return text, data
+
+
+def read_manifest(path: str | Path) -> dict[str, dict]:
+    """The `files` of a checkpoint's MANIFEST.json ({name: {"bytes": int, "sha256": str}}); another shape is a
+    ValueError naming the file and what is wrong."""
+    path = Path(path)
+    files = read_json_object(path).get("files")
+    if not isinstance(files, dict):
+        raise ValueError(f'{path}: no "files" mapping (name → {{"bytes", "sha256"}})')
+    for name, entry in files.items():
+        size = entry.get("bytes") if isinstance(entry, dict) else None
+        digest = entry.get("sha256") if isinstance(entry, dict) else None
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or not isinstance(digest, str):
+            raise ValueError(f'{path}: entry {name!r} is not {{"bytes": a size, "sha256": a digest}}')
+    return files
+
+
+def _kind(value: object) -> str:
+    names = {list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
 def read_text(path: str | Path) -> str:
     """A UTF-8 text file's content; a file that is not UTF-8 is a ValueError naming it and the first bad byte."""
     data = Path(path).read_bytes()

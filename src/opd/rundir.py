@@ -27,7 +27,7 @@ import yaml
 from pydantic import BaseModel
 
 from opd.config import RunSpec, flatten_dotted, save_config
-from opd.io import LOCK_FILE, DirectoryLock, atomic_write_text, pid_alive
+from opd.io import LOCK_FILE, DirectoryLock, atomic_write_text, pid_alive, read_manifest, read_yaml_mapping
 from opd.report.sinks import MetricsSink
 
 _TRAINING = (
@@ -225,7 +225,7 @@ def check_resumed_config(config: BaseModel, run_dir: Path, *, step: int, command
     saved_path = run_dir / "config.yaml"
     if not saved_path.is_file() or run.allow_config_change:
         return
-    saved = yaml.safe_load(saved_path.read_text()) or {}
+    _, saved = read_yaml_mapping(saved_path)  # unparsable or not a mapping: one line naming the file
     try:  # read with today's schema, so fields added since are compared at their defaults
         saved = type(config).model_validate(saved).model_dump(mode="json")
     except ValueError:
@@ -358,8 +358,8 @@ def verify_checkpoint(path: str | Path, *, hashes: bool = False) -> str | None:
             return None
         return "no MANIFEST.json"
     try:
-        entries = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, TypeError, OSError):
+        entries = read_manifest(manifest)  # any other shape: unreadable, never a traceback
+    except (ValueError, OSError):
         return f"unreadable {MANIFEST}"
     for name, entry in entries.items():
         file = path / name

@@ -8,7 +8,8 @@ other work (`identity.json`: the model's fingerprint, the sampling settings, eac
 one line before a model loads. The resume and identity rules in full: docs/design.md, "opd.eval.sampling".
 
 Omitted on purpose: extending a finished directory with more benchmarks, problems or samples (other work: use
-another --out), and hashing all weight bytes (slow for a large model, for what the sampled blocks already show).
+another --out). Every weight byte is hashed (SHA-1, ~1 GB/s a core, once per file and process): sampled blocks missed
+tensors changed in place.
 """
 
 from __future__ import annotations
@@ -50,19 +51,28 @@ class EvalProblem:
 
 
 def evaluate_model(
-    config: EvalConfig, run_dir: Path, *, generator: Any = None, tokenizer: Any = None, console: Any = None
+    config: EvalConfig,
+    run_dir: Path,
+    *,
+    generator: Any = None,
+    tokenizer: Any = None,
+    console: Any = None,
+    weights: str | None = None,
 ) -> dict:
     """Sample and grade `config.model` on `config.benchmarks` into `run_dir` (resuming its complete chunks), write
     results.json, print the table; return the results ({benchmark: metrics}).
 
     `generator`/`tokenizer` let a caller (the trainer's periodic eval, the demo) reuse a model already in memory;
     otherwise they are loaded from `config.model`. One process per `run_dir` (its lock is held throughout).
+    `weights`: the `weights_fingerprint` of that model in memory, when its weights are not `config.model.path`'s (a
+    trainer's): it is the model's identity, and a directory made by other weights is evaluated again from scratch (a
+    trainer owns its `eval/step_N`; a resume with other settings makes other weights at the same step).
     """
     console = console or Console()
     parse_template(config.template)  # a bad template fails before the model loads
     run_dir.mkdir(parents=True, exist_ok=True)
     with locked(run_dir, "eval"):  # one process per output directory
-        records = _sample_and_grade(config, run_dir, generator, tokenizer, console)
+        records = _sample_and_grade(config, run_dir, generator, tokenizer, console, weights)
         return write_results(config, run_dir, records, console)
 
 
@@ -124,20 +134,39 @@ def model_identity(config: EvalConfig) -> dict[str, Any]:
 
 
 _MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".model", ".txt", ".jinja", ".py", ".tiktoken")
-_FULL_HASH_BELOW = 1 << 20
-_BLOCKS, _BLOCK_SIZE = 16, 1 << 16
+_HASH_CHUNK = 8 << 20
+_RACY_NS = 2_000_000_000  # a file modified this recently may change again within its mtime's tick: never cached
+_file_hashes: dict[tuple[str, int, int, int], str] = {}  # (path, size, mtime_ns, inode) -> digest, this process
 
 
 def model_fingerprint(path: str) -> str | None:
-    """A short hash of a model directory's config, tokenizer and weight files (weights: size, safetensors header and
-    16 sampled 64 KiB blocks, so its cost does not grow with the model). None for a hub id not in the local cache."""
+    """A short hash of a model directory's config, tokenizer and weight files, every byte of each (cached per file by
+    path, size, mtime and inode, so a re-evaluation does not hash again). None for a hub id not in the local cache."""
     root = _local_model_dir(path)
     if root is None:
         return None
     digest = hashlib.sha256()
     for file in sorted(root.iterdir()):
         if file.is_file() and file.suffix in _MODEL_FILE_SUFFIXES:
-            digest.update(f"{file.name}\0{_file_fingerprint(file)}\0".encode())
+            digest.update(f"{file.name}\0{file_digest(file)}\0".encode())
+    return digest.hexdigest()[:16]
+
+
+def weights_fingerprint(model: Any) -> str:
+    """A short hash of the weights of a module in memory (every parameter and buffer: name, dtype, shape, bytes): what
+    a trainer's in-run eval evaluates, which the model's path does not identify once training has changed it."""
+    import torch
+
+    digest = hashlib.sha1()
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    for name, tensor in sorted(tensors, key=lambda item: item[0]):
+        data = tensor.detach()
+        if hasattr(data, "to_local"):  # a DTensor shard (FSDP outside `gathered`): this rank's part
+            data = data.to_local()
+        data = data.contiguous().cpu()
+        digest.update(f"{name}\0{data.dtype}\0{tuple(data.shape)}\0".encode())
+        if data.numel():
+            digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -153,20 +182,26 @@ def _local_model_dir(path: str) -> Path | None:
         return None
 
 
-def _file_fingerprint(file: Path) -> str:
-    size = file.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
+def file_digest(file: Path) -> str:
+    """SHA-1 of every byte of `file` (~1 GB/s a core; not a defence against a forged file, a fingerprint of work),
+    remembered by (path, size, mtime_ns, inode) for this process unless the file was modified in the last seconds."""
+    import time
+
+    stat = file.stat()
+    key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    if key in _file_hashes:
+        return _file_hashes[key]
+    started = time.time_ns()
+    digest = hashlib.sha1(str(stat.st_size).encode())
     with open(file, "rb") as handle:
-        if size <= _FULL_HASH_BELOW:
-            digest.update(handle.read())
-            return digest.hexdigest()
-        if file.suffix == ".safetensors":  # 8-byte little-endian length, then the JSON header (names, shapes, offsets)
-            length = int.from_bytes(handle.read(8), "little")
-            digest.update(handle.read(min(length, 100 << 20)))
-        for k in range(_BLOCKS):
-            handle.seek((size - _BLOCK_SIZE) * k // (_BLOCKS - 1))
-            digest.update(handle.read(_BLOCK_SIZE))
-    return digest.hexdigest()
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    value = digest.hexdigest()
+    after = file.stat()
+    unchanged = (after.st_size, after.st_mtime_ns, after.st_ino) == key[1:]
+    if unchanged and started - stat.st_mtime_ns > _RACY_NS:
+        _file_hashes[key] = value
+    return value
 
 
 def _problems_sha256(prompts: list) -> str:
@@ -180,7 +215,9 @@ def _problems_sha256(prompts: list) -> str:
 # ------------------------------------------------------------------------------------------------ model mode
 
 
-def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokenizer: Any, console: Any) -> list[dict]:
+def _sample_and_grade(
+    config: EvalConfig, run_dir: Path, generator: Any, tokenizer: Any, console: Any, weights: str | None = None
+) -> list[dict]:
     loaded = {}
     for benchmark in config.benchmarks:
         name = Path(benchmark).stem if Path(benchmark).suffix else benchmark
@@ -192,7 +229,7 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
         )
     identity = {
         "mode": "model",
-        "model": model_identity(config),
+        "model": model_identity(config) if weights is None else {**model_identity(config), "weights": weights},
         **{
             key: getattr(config, key)
             for key in (
@@ -215,7 +252,14 @@ def _sample_and_grade(config: EvalConfig, run_dir: Path, generator: Any, tokeniz
         },
         "benchmarks": {name: _problems_sha256(prompts) for name, prompts in loaded.items()},
     }
-    check_resumable(run_dir, identity)  # before any model is loaded
+    try:
+        check_resumable(run_dir, identity)  # before any model is loaded
+    except ValueError as error:
+        if weights is None:
+            raise
+        console.print(f"[yellow]{run_dir}: made by other weights or settings, evaluated again ({error})[/]")
+        for name in (*_OUR_FILES, IDENTITY_FILE):
+            (run_dir / name).unlink(missing_ok=True)
 
     if generator is None and config.engine == "vllm":  # vLLM loads the weights itself: no HF copy of the model
         spec = config.model

@@ -169,6 +169,7 @@ def run_eval(tr: Trainer, console: Any) -> dict | None:
         seed=cfg.run.seed,
         sink=tr.sink,
         console=console,
+        model=tr.student,  # the weights evaluated identify the eval, not cfg.student.path
     )
 
 

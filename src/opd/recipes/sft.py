@@ -350,6 +350,7 @@ def run_eval(tr: SFTTrainer, console: Any) -> dict | None:
         seed=tr.config.run.seed,
         sink=tr.sink,
         console=console,
+        model=tr.net,  # the weights evaluated identify the eval, not model.path
     )
 
 

@@ -13,7 +13,6 @@ per run directory), and stacked timing areas (phases are drawn as lines, which a
 from __future__ import annotations
 
 import io
-import json
 import math
 import re
 from collections.abc import Callable
@@ -24,11 +23,12 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from opd.io import atomic_path, read_jsonl
+from opd.io import atomic_path, read_json_object, read_jsonl_objects
 
 DPI = 80  # small PNGs: the report embeds every one of them (sizes in docs/performance.md)
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 LINESTYLES = ["-", "--", ":", "-."]
+MAX_STEP = 10**12  # a step number beyond any run: a damaged line, not a point to plot
 SENTINEL = 1e300  # the metrics sink writes ±inf as ±1e308; such points are dropped, not plotted
 CHUNK_RE = re.compile(r"^(.+)/chunk_(\d+)$")
 EVAL_RE = re.compile(r"^eval/(.+)/([^/]+)$")
@@ -56,10 +56,13 @@ def load_series(run_dir: str | Path) -> Series:
     when a key repeats at one step the last value wins. Eval results files only fill (step, key) pairs that
     `metrics.jsonl` lacks."""
     points: dict[str, dict[int, float]] = {}
-    for record in read_jsonl(Path(run_dir) / "metrics.jsonl"):
+    path = Path(run_dir) / "metrics.jsonl"
+    for number, record in read_jsonl_objects(path):
         step = record.get("step")
-        if not _is_number(step):
-            continue
+        if isinstance(step, float) and step.is_integer() and abs(step) <= MAX_STEP:
+            step = int(step)
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+            raise ValueError(f"{path}:{number}: step {step!r} is not a step number (an integer 0 … {MAX_STEP})")
         for key, value in record.items():
             if key != "step" and _is_number(value):
                 points.setdefault(key, {})[int(step)] = float(value)
@@ -101,13 +104,14 @@ def _eval_results(run_dir: Path) -> list[tuple[int, dict[str, float]]]:
 
 
 def _results_file(path: Path) -> dict[str, float]:
-    """{"eval/<benchmark>/<metric>": value} of an `opd eval` results.json; {} when absent or unreadable (being
-    written by another process, or not ours: the metrics lines still carry the evals)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    """{"eval/<benchmark>/<metric>": value} of an `opd eval` results.json; {} when absent. Written atomically,
+    so a file that does not parse or has another shape is damaged or not ours: a ValueError naming it."""
+    if not path.is_file():
         return {}
-    benchmarks = data.get("benchmarks", data) if isinstance(data, dict) else {}
+    data = read_json_object(path)  # written atomically: damaged or not ours is one line naming it
+    benchmarks = data.get("benchmarks", data)
+    if not isinstance(benchmarks, dict) or not all(isinstance(summary, dict) for summary in benchmarks.values()):
+        raise ValueError(f'{path}: not eval results ({{benchmark: {{metric: value}}}} under "benchmarks")')
     return {
         f"eval/{bench}/{key}": float(value)
         for bench, summary in benchmarks.items()

@@ -21,9 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from opd.io import atomic_write_text, read_jsonl
+from opd.io import atomic_write_text, read_jsonl_objects, read_yaml_mapping
 from opd.report.plots import EVAL_RE, Plot, RunSeries, Series, load_references, load_series, render_plots
 
 # rows of the final-numbers table after the eval metrics, in this order, when any run logged them
@@ -115,12 +113,7 @@ def load_run(run_dir: Path, name: str) -> RunData:
 def _read_config(path: Path) -> tuple[str | None, dict | None]:
     if not path.is_file():
         return None, None
-    text = path.read_text(encoding="utf-8", errors="replace")
-    try:
-        config = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text, None
-    return text, config if isinstance(config, dict) else None
+    return read_yaml_mapping(path)  # unparsable or not a mapping: one line naming the file
 
 
 def _newest_samples(run_dir: Path) -> tuple[int | None, list[dict]]:
@@ -130,10 +123,7 @@ def _newest_samples(run_dir: Path) -> tuple[int | None, list[dict]]:
     if not files:
         return None, []
     step = max(files)
-    try:
-        return step, [r for r in read_jsonl(files[step]) if isinstance(r, dict)][:SAMPLES_SHOWN]
-    except (OSError, ValueError):
-        return step, []
+    return step, [record for _, record in read_jsonl_objects(files[step])][:SAMPLES_SHOWN]
 
 
 def first_value(series: Series, key: str) -> tuple[int, float] | None:
@@ -337,7 +327,8 @@ def _sample_details(index: int, sample: dict) -> str:
         if correct is False
         else "not graded"
     )
-    rewards = [r for r in sample.get("token_rewards") or [] if isinstance(r, (int, float))]
+    token_rewards = sample.get("token_rewards")
+    rewards = [r for r in token_rewards if isinstance(r, (int, float))] if isinstance(token_rewards, list) else []
     reward = f"; mean token reward {_fmt(sum(rewards) / len(rewards))}" if rewards else ""
     response = str(sample.get("response", ""))
     shown = response if len(response) <= SAMPLE_CHARS else response[:SAMPLE_CHARS] + f"\n… ({len(response)} chars)"

@@ -20,7 +20,7 @@ import torch
 from opd.config import EvalConfig, EvalSpec, ModelSpec, OptimSpec, RunSpec
 from opd.data.templates import encode_prompts
 from opd.eval.benchmarks import load_benchmark
-from opd.eval.sampling import evaluate_model
+from opd.eval.sampling import evaluate_model, weights_fingerprint
 from opd.models import resolve_dtype
 from opd.report import write_report
 from opd.rundir import RunDirectoryError
@@ -176,9 +176,11 @@ def evaluate_in_training(
     seed: int,
     sink: Any,
     console: Any,
+    model: Any = None,
 ) -> dict | None:
     """Run `opd eval` on the model in memory into `run_dir/eval/step_N/` and log `eval/<bench>/<metric>` at `step`.
-    None when `spec.benchmarks` is empty."""
+    `model`: the module whose weights `generator` samples with; its `weights_fingerprint` identifies the eval (not
+    `model_path`, the weights training started from). None when `spec.benchmarks` is empty."""
     if not spec.benchmarks:
         return None
 
@@ -200,8 +202,9 @@ def evaluate_in_training(
         seed=seed,
         out=str(run_dir / "eval" / f"step_{step}"),
     )
+    weights = None if model is None else weights_fingerprint(model)
     results = evaluate_model(
-        eval_config, Path(eval_config.out), generator=generator, tokenizer=tokenizer, console=console
+        eval_config, Path(eval_config.out), generator=generator, tokenizer=tokenizer, console=console, weights=weights
     )
     flat = {
         f"eval/{bench}/{key}": value

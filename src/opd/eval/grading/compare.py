@@ -37,8 +37,10 @@ def _numbers_equal(p: _Prepared, g: _Prepared) -> bool:
     absolute (`0.333333` = `1/3`, but `1000000.5` ≠ `1000000`). math-verify instead rounds to 6 decimal places,
     which would equate Minerva's `7.4e-12` and `7.5e-12`. No sympy here: stage 2 is what makes integers cheap."""
     (pv, p_dec), (gv, g_dec) = p.number, g.number  # type: ignore[misc]
-    # `50\%` may stand for 50 or for 0.5, as in math-verify
-    pvs = (pv, pv / 100) if p.percent else (pv,)
+    # A reference's `50\%` may be answered 50 or 0.5, as in math-verify. An answer's percent sign is not a unit to
+    # drop when the reference has none: `0.5\%` is 0.005, not the 0.5 of a probability. Only a reference of at least
+    # 1 (`50` to "what percent …?", MATH's style) is also met by its own number with a sign (`50\%`).
+    pvs = (pv,) if not p.percent or g.percent else ((pv / 100, pv) if gv >= 1 else (pv / 100,))
     gvs = (gv, gv / 100) if g.percent else (gv,)
     inexact = p_dec or g_dec
     return any(a == b or (inexact and abs(a - b) <= _TOL * min(1, max(abs(a), abs(b)))) for a in pvs for b in gvs)
@@ -52,7 +54,9 @@ def _compare(pred: str, gold: str, deadline: tuple[float, float] | None) -> tupl
     p, g = _prepare(pred), _prepare(gold)
     if not p.norm or not g.norm:
         return False, "empty"
-    if p.norm == g.norm:
+    if "=" in p.clean and "=" not in g.clean:  # named left-hand sides are gone: `7 = 3` is not the answer 3
+        return False, "equation"
+    if p.norm == g.norm and (g.percent or not p.percent or (g.number is not None and g.number[0] >= 1)):
         return True, "string"
     if p.number is not None and g.number is not None:
         return _numbers_equal(p, g), "numeric"

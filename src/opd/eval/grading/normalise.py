@@ -38,8 +38,15 @@ _UNICODE = {
     "\u202f": " ",
     "\u00b1": "\\pm ",
     "\u2213": "\\mp ",
+    "\u2205": "\\emptyset ",
 }
 _UNICODE_RE = re.compile("|".join(map(re.escape, _UNICODE)))
+# Vulgar fractions (`½`, `2¾`: a mixed number when digits come first) as `\frac`s; `\varnothing` is `\emptyset`
+_VULGAR = {"½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4), "⅕": (1, 5), "⅖": (2, 5), "⅗": (3, 5)}
+_VULGAR |= {"⅘": (4, 5), "⅙": (1, 6), "⅚": (5, 6), "⅐": (1, 7), "⅛": (1, 8), "⅜": (3, 8), "⅝": (5, 8), "⅞": (7, 8)}
+_VULGAR |= {"⅑": (1, 9), "⅒": (1, 10)}
+_VULGAR_RE = re.compile(r"(?<![\d.])(\d{1,9})?\s*([" + "".join(_VULGAR) + "])")
+_VARNOTHING_RE = re.compile(r"\\varnothing(?![A-Za-z])")
 # A matrix row break `\\` is matched first, so that its second backslash is not read as `\ `.
 _SPACING_RE = re.compile(r"\\\\|\\[,;:> ]|\\q?quad(?![A-Za-z])|\\displaystyle(?![A-Za-z])|~")
 _LEFT_RIGHT_RE = re.compile(r"\\(?:left|right)\.|\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])")
@@ -106,6 +113,7 @@ _SHORTHAND_RE = re.compile(r"\\(frac|sqrt)(?![A-Za-z])")
 def _clean(s: str) -> str:
     """Light normalisation that keeps the string parseable (for latex2sympy): no space removal."""
     s = _UNICODE_RE.sub(lambda m: _UNICODE[m.group(0)], s.strip())
+    s = _VARNOTHING_RE.sub(r"\\emptyset ", _VULGAR_RE.sub(_vulgar_fraction, s)).strip()
     s = s.replace("\\$", "").replace("$", "").strip()
     m = _MATH_DELIMS_RE.match(s)
     if m:
@@ -128,6 +136,12 @@ def _clean(s: str) -> str:
     if m:  # `4.5e33` would parse as 4.5·e·33
         s = f"{m.group(1)}\\times 10^{{{m.group(2)}}}"
     return _strip_named_lhs(s)
+
+
+def _vulgar_fraction(m: re.Match) -> str:
+    num, den = _VULGAR[m.group(2)]
+    whole = int(m.group(1)) if m.group(1) else 0
+    return f"\\frac{{{whole * den + num}}}{{{den}}}"
 
 
 def _strip_trailing_period(s: str) -> str:

@@ -150,3 +150,31 @@ def test_resume_refuses_a_changed_teacher(world, routed_world, tmp_path):
         )
     run_dir = distill(_config(world, routed_world, tmp_path, *resume, teachers=teachers, steps=3))
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_lab_mopd_config_is_the_demo_with_two_routed_teachers(tmp_path, monkeypatch):
+    """configs/lab_mopd.yaml is configs/lab_demo.yaml with its teacher split over two routes, and runs from the repo
+    root: the routes cover the lab's prompts and metrics carry each teacher's token share."""
+    from pathlib import Path
+
+    import yaml
+
+    from opd.config import DistillConfig, build_config
+
+    root = Path(__file__).parents[1]
+    if not (root / "configs" / "lab_mopd.yaml").is_file():
+        pytest.skip("configs/lab_mopd.yaml is not in this checkout")
+    demo, mopd = (yaml.safe_load((root / "configs" / f"{n}.yaml").read_text()) for n in ("lab_demo", "lab_mopd"))
+    teacher, teachers = demo.pop("teacher"), mopd.pop("teachers")
+    assert demo == mopd
+    assert [{k: v for k, v in t.items() if k not in ("name", "route")} for t in teachers] == [teacher, teacher]
+    monkeypatch.chdir(root)
+    out = ["run.steps=2", "run.eval_every=0", "eval.benchmarks=[]", "run.report=false", "run.samples_per_step=0"]
+    config = build_config(
+        DistillConfig,
+        config_file=root / "configs" / "lab_mopd.yaml",
+        overrides=[*out, f"run.out_dir={tmp_path}", "run.name=mopd", "data.limit=200"],
+    )
+    metrics = read_jsonl(distill(config) / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert metrics[-1]["teacher/short/token_frac"] + metrics[-1]["teacher/long/token_frac"] == pytest.approx(1.0)

@@ -178,3 +178,72 @@ def test_lab_mopd_config_is_the_demo_with_two_routed_teachers(tmp_path, monkeypa
     metrics = read_jsonl(distill(config) / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     assert metrics[-1]["teacher/short/token_frac"] + metrics[-1]["teacher/long/token_frac"] == pytest.approx(1.0)
+
+
+def test_mixed_placements_local_offloaded_and_served_on_loopback(tmp_path):
+    """One local teacher (offloaded) and one served by an in-process `opd serve-teacher` on loopback, both the lab
+    teacher and split by the prompts' steps column: the same run as the one local lab teacher (≤ 1e-5, the served
+    one batches rows its own way)."""
+    pytest.importorskip("uvicorn")
+    import threading
+    import time
+
+    from opd.config import DistillConfig, ModelSpec, build_config
+    from opd.lab import opd_prompts_path, student_path, teacher_path
+    from opd.models import load_model
+    from opd.recipes.serve_teacher import ServeConfig
+    from opd.teacher.server import bind, make_server, service_for, url_of
+
+    model, tokenizer = load_model(teacher_path(), dtype="fp32", device="cpu")
+    service = service_for(model, tokenizer, ServeConfig(model=ModelSpec(path=str(teacher_path()))), name="lab")
+    token_file = tmp_path / "token"
+    token_file.write_text("mixed-placements-token-0123")
+    sock = bind("127.0.0.1", 0)
+    server = make_server(service, token_file.read_text())
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "in-process server did not start"
+            time.sleep(0.02)
+        lab = {"device": "cpu", "dtype": "fp32"}
+        teachers = [
+            {"name": "local", "path": str(teacher_path()), "offload": True, **lab},
+            {"name": "served", "url": url_of(sock), "token_file": str(token_file)},
+        ]
+        teachers[0]["route"] = {"route_key": "steps", "values": [1, 2]}
+        teachers[1]["route"] = {"route_key": "steps", "values": [3, 4, 5]}
+        common = [
+            f"student.path={student_path()}",
+            "student.device=cpu",
+            "student.dtype=fp32",
+            f"data.path={opd_prompts_path()}",
+            "data.limit=200",
+            "data.max_prompt_length=64",
+            "prompts_per_step=4",
+            "rollout.n=2",
+            "rollout.max_new_tokens=24",
+            "micro_batch_tokens=4096",
+            "score_batch_tokens=4096",
+            f"run.out_dir={tmp_path}",
+            "run.steps=2",
+            "run.report=false",
+            "run.samples_per_step=0",
+        ]
+        one = [f"teacher.path={teacher_path()}", "teacher.device=cpu", "teacher.dtype=fp32", "run.name=one"]
+        single = distill(build_config(DistillConfig, overrides=[*common, *one]))
+        mixed = distill(
+            build_config(DistillConfig, overrides=[*common, f"teachers={json.dumps(teachers)}", "run.name=mixed"])
+        )
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+    for a, b in zip(_numbers(single), _numbers(mixed), strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            if isinstance(a[k], float):
+                assert b[k] == pytest.approx(a[k], abs=1e-5), k
+    last = read_jsonl(mixed / "metrics.jsonl")[-1]
+    assert last["teacher/local/token_frac"] > 0 and last["teacher/served/token_frac"] > 0

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from helpers import distill_config, make_tiny_model, make_tiny_tokenizer
 from opd.io import read_jsonl
@@ -247,3 +248,45 @@ def test_mixed_placements_local_offloaded_and_served_on_loopback(tmp_path):
                 assert b[k] == pytest.approx(a[k], abs=1e-5), k
     last = read_jsonl(mixed / "metrics.jsonl")[-1]
     assert last["teacher/local/token_frac"] > 0 and last["teacher/served/token_frac"] > 0
+
+
+def test_a_view_changes_only_the_teachers_prompt_ids(world, routed_world, tmp_path, monkeypatch):
+    """A teacher with `view: {context_key: answer}` scores the student's response ids after its own prompt (the
+    student's plus the answer); the student's prompts and responses are untouched."""
+    calls: list[tuple[str, list[str], object]] = []
+    tokenizer = make_tiny_tokenizer()
+    real_score = LocalScorer.score
+
+    def recording_score(self, rollouts, **kwargs):
+        if kwargs.get("top_k", 0):  # the step's student and teacher calls (not the startup checks)
+            role = "teacher" if kwargs.get("requested_ids") is not None else "student"
+            prompts = [
+                tokenizer.decode(rollouts.input_ids[b, : int(rollouts.prompt_lengths[b])].tolist())
+                for b in range(rollouts.batch_size)
+            ]
+            calls.append((role, prompts, rollouts.response_ids.clone()))
+        return real_score(self, rollouts, **kwargs)
+
+    monkeypatch.setattr(LocalScorer, "score", recording_score)
+    view = {"context_key": "answer", "context_template": " Answer: {context}"}
+    teachers = [{"name": "t", "path": str(world / "teacher"), "view": view}]
+    run_dir = distill(_config(world, routed_world, tmp_path / "view", teachers=teachers))
+    calls = calls[-4:]  # the two steps' (earlier ones: the startup checks, on the student's prompts)
+    assert [c[0] for c in calls] == ["student", "teacher"] * 2
+    answer = {r["prompt"]: r["answer"] for r in ROWS}
+    for (_, student_prompts, student_ids), (_, teacher_prompts, teacher_ids) in zip(calls[::2], calls[1::2]):
+        assert torch.equal(student_ids, teacher_ids)
+        for s, t in zip(student_prompts, teacher_prompts):
+            question = s.split("user\n")[1].split("<|im_end|>")[0]
+            assert "Answer:" not in s
+            assert t == s.replace(question, f"{question} Answer: {answer[question]}")
+    assert "Answer:" not in read_jsonl(run_dir / "samples" / "step_1.jsonl")[0]["prompt"]
+    plain = distill(_config(world, routed_world, tmp_path / "plain"))
+    assert _numbers(plain)[0]["reward_mean"] != _numbers(run_dir)[0]["reward_mean"]  # the context was seen
+
+
+def test_student_init_teaches_itself(world, routed_world, tmp_path):
+    """path: student_init is the student's initial weights: the first step's token rewards are zero."""
+    teachers = [{"name": "self", "path": "student_init"}]
+    first = read_jsonl(distill(_config(world, routed_world, tmp_path, teachers=teachers)) / "metrics.jsonl")[0]
+    assert first["reward_mean"] == pytest.approx(0.0, abs=1e-6)

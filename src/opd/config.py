@@ -163,6 +163,10 @@ def _as_strings(value: Any) -> Any:
 RouteValues = Annotated[list[str] | None, BeforeValidator(_as_strings)]
 
 
+STUDENT_INIT = "student_init"
+"""`teachers[i].path` that makes the student's initial weights (student.path) the teacher."""
+
+
 class TeacherRoute(Section):
     """Which prompts a teacher of `teachers:` scores: one of `data_source: [values]` (the prompt set's data_source
     column), `route_key: column` with `values: [...]` (any column, dotted keys reach into structs), or `default: true`
@@ -193,6 +197,25 @@ class TeacherRoute(Section):
         return f"{self.route_key} in {self.values}"
 
 
+class TeacherView(Section):
+    """What a teacher sees beyond the student's prompt: a context column (e.g. the reference solution) appended to
+    the last user message for this teacher only. The response token ids stay the student's."""
+
+    context_key: str = Field(
+        description="Column with the teacher-only context (dotted keys reach into structs; `answer`: the prompt's "
+        "ground truth)."
+    )
+    context_template: str = Field(
+        "\n\n{context}", description="How the context is appended to the teacher's user message; holds {context}."
+    )
+
+    @model_validator(mode="after")
+    def _has_placeholder(self) -> TeacherView:
+        if "{context}" not in self.context_template:
+            raise ValueError(f"view.context_template must hold {{context}}, got {self.context_template!r}")
+        return self
+
+
 class TeacherEntry(TeacherSpec):
     """One teacher of `teachers:`: a model as `teacher:` has it (path, url or engine; dtype, device), a name, its
     own temperature and offload, and the route of the prompts it scores."""
@@ -207,6 +230,7 @@ class TeacherEntry(TeacherSpec):
         None, description="Keep this teacher on CPU except while it scores; None: teacher_offload."
     )
     route: TeacherRoute | None = Field(None, description="The prompts it scores; None only for a single teacher (all).")
+    view: TeacherView | None = Field(None, description="Teacher-only context appended to its prompt; None: none.")
 
 
 class DataSpec(Section):
@@ -651,6 +675,8 @@ class DistillConfig(Section):
                     else entry.temperature,
                     "offload": self.teacher_offload if entry.offload is None else entry.offload,
                     "route": entry.route or TeacherRoute(default=True),
+                    # the student's frozen initial weights as the teacher (self-distillation)
+                    "path": self.student.path if entry.path == STUDENT_INIT else entry.path,
                 }
             )
             for entry in entries

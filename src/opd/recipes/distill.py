@@ -41,6 +41,7 @@ from opd.teacher.registry import (
     load_teacher,
     resolve_scorer,
     route_prompts,
+    view_prompts,
 )
 from opd.train.checkpoint import save_checkpoint
 from opd.train.common import (
@@ -238,7 +239,10 @@ def setup(
     check_teacher_and_engine(config, student_tokenizer, console)
     data = load_data(config, student_tokenizer, console)
     prompt_teacher = route_teachers(config, data, console)  # before any model loads: an unrouted prompt fails now
+    views = teacher_views(config, data, prompt_teacher, student_tokenizer)
     models = load_models(config, checkpoint, student_tokenizer, dist)
+    for routed, view_ids in zip(models.teachers, views):
+        routed.prompt_ids = view_ids
     generator, rollout_model, rollout_generator = build_engines(config, models, dist)
     startup_checks(config, models, generator, data, student_tokenizer, dist, console)
     budget = configure_memory(config, models, dist)
@@ -640,6 +644,27 @@ def route_teachers(config: DistillConfig, data: EncodedPrompts, console: Any) ->
     return routes
 
 
+def teacher_views(
+    config: DistillConfig, data: EncodedPrompts, routes: list[int], tokenizer: Any
+) -> list[list[list[int]] | None]:
+    """Per teacher: with a `view`, every prompt's token ids as that teacher sees it (its context appended to the
+    prompts routed to it, rendered like the student's); None without one (it scores the student's prompt ids)."""
+    out: list[list[list[int]] | None] = []
+    for index, entry in enumerate(config.teacher_entries()):
+        if entry.view is None:
+            out.append(None)
+            continue
+        prompts = view_prompts(data.prompts, entry, [r == index for r in routes])
+        encoded = encode_prompts(
+            tokenizer,
+            prompts,
+            max_prompt_length=1 << 30,  # the teacher's context may take its prompt past data.max_prompt_length
+            enable_thinking=config.data.enable_thinking,
+        )
+        out.append(encoded.input_ids)
+    return out
+
+
 def _placement(entry: Any) -> str:
     scorer = resolve_scorer(entry)
     if scorer == "served":
@@ -668,6 +693,7 @@ def teacher_manifest(teachers: list[RoutedTeacher]) -> list[dict]:
                 "fingerprint": fingerprint,
                 "route": entry.route.describe(),
                 "temperature": entry.temperature,
+                "view": None if entry.view is None else entry.view.model_dump(),
             }
         )
     return out
@@ -685,7 +711,7 @@ def check_teacher_manifest(saved: list[dict] | None, current: list[dict], checkp
             f"with the same teachers, or start another run.name"
         )
     for name, was in old.items():
-        for key in ("model", "fingerprint", "route", "temperature"):
+        for key in ("model", "fingerprint", "route", "temperature", "view"):
             if was.get(key) != new[name].get(key):
                 raise ValueError(
                     f"--resume: teacher {name}'s {key} changed since {checkpoint} ({was.get(key)} → "

@@ -79,6 +79,7 @@ class RoutedTeacher:
 
     entry: TeacherEntry
     teacher: Teacher
+    prompt_ids: list[list[int]] | None = None  # with a view: every prompt's ids as this teacher sees it
 
     @property
     def name(self) -> str:
@@ -105,6 +106,32 @@ def route_prompts(prompts: list[Prompt], entries: list[TeacherEntry]) -> list[in
                 f"add its value to a route or give one teacher route: {{default: true}}"
             )
         out.append(matched[0] if matched else default[0])
+    return out
+
+
+def view_prompts(prompts: list[Prompt], entry: TeacherEntry, mine: list[bool]) -> list[Prompt]:
+    """The prompts as `entry`'s view shows them: its context column appended to the last user message of every
+    prompt routed to it (`mine`); the others unchanged. A routed prompt without the context is a one-line error."""
+    view = entry.view
+    if view is None:
+        return prompts
+    out = []
+    for prompt, routed in zip(prompts, mine):
+        if not routed:
+            out.append(prompt)
+            continue
+        value = prompt.answer if view.context_key == "answer" else get_field(prompt.meta, view.context_key)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is MISSING or value is None or not str(value).strip():
+            raise ValueError(
+                f"prompt {prompt.id} has no {view.context_key!r} for teacher {entry.name}'s view "
+                f"(view.context_key); give every prompt routed to it that column"
+            )
+        messages = [dict(m) for m in prompt.messages]
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=len(messages) - 1)
+        messages[last]["content"] = messages[last].get("content", "") + view.context_template.format(context=value)
+        out.append(Prompt(prompt.id, messages, prompt.answer, prompt.source, dict(prompt.meta)))
     return out
 
 

@@ -12,7 +12,7 @@ Omitted on purpose: PPO mini-batch epochs (the paper makes one optimizer step pe
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -217,7 +217,7 @@ def _start_teachers(
     overlap each other and the grading); returns what waits for them and puts their scores back in row order. One
     teacher scores the whole batch, exactly as without routing."""
     cfg, rollouts = tr.config, batch.rollouts
-    if len(tr.teachers) <= 1:
+    if len(tr.teachers) <= 1 and not any(t.prompt_ids is not None for t in tr.teachers):
         if tr.teacher_scorer is None:
             return None
         entry = tr.teachers[0].entry if tr.teachers else None
@@ -240,17 +240,37 @@ def _start_teachers(
         if not rows:
             continue
         rows_R = torch.tensor(rows, dtype=torch.long, device=rollouts.input_ids.device)
-        scorer = routed.teacher.scorer
+        scorer, mine = routed.teacher.scorer, rollouts.select(rows_R)
+        if routed.prompt_ids is not None:  # its view: its own prompt ids before the same response ids
+            views = routed.prompt_ids
+            mine = _with_prompts(mine, [views[batch.indices[g]] for g in mine.group_ids.tolist()], tr.tokenizer)
         with on_device(routed.teacher.module, device if routed.entry.offload else None):
             call = start_scoring(
                 scorer,
-                rollouts.select(rows_R),
+                mine,
                 top_k=top_k,
                 requested_ids=student.topk_ids[rows_R] if scorer.serves_requested_ids else None,
                 temperature=routed.entry.temperature,
             )
         calls.append((rows_R, call))
     return lambda: _in_row_order([(rows, call.result()) for rows, call in calls], rollouts.batch_size)
+
+
+def _with_prompts(rollouts: Rollouts, prompt_ids: list[list[int]], tokenizer: Any) -> Rollouts:
+    """`rollouts` with row b's prompt replaced by `prompt_ids[b]`: the response ids and mask unchanged, the scores
+    taken at the new prompt lengths (`Rollouts.response_positions`)."""
+    lengths = rollouts.response_mask.sum(-1).tolist()
+    width = max((len(p) + r for p, r in zip(prompt_ids, lengths)), default=0)
+    device = rollouts.input_ids.device
+    input_ids_BL = torch.full((rollouts.batch_size, width), tokenizer.pad_token_id, dtype=torch.long, device=device)
+    attention_BL = torch.zeros((rollouts.batch_size, width), dtype=torch.bool, device=device)
+    for b, (prompt, length) in enumerate(zip(prompt_ids, lengths)):
+        p = len(prompt)
+        input_ids_BL[b, :p] = torch.tensor(prompt, dtype=torch.long, device=device)
+        input_ids_BL[b, p : p + length] = rollouts.response_ids[b, :length]
+        attention_BL[b, : p + length] = True
+    lengths_B = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long, device=device)
+    return replace(rollouts, input_ids=input_ids_BL, attention_mask=attention_BL, prompt_lengths=lengths_B)
 
 
 def row_teachers(tr: Trainer, batch: Batch) -> list[int]:

@@ -849,3 +849,57 @@ def test_written_files_get_the_umask_mode(env_world, monkeypatch, capfd, tmp_pat
         if mode != (0o777 & ~mask if (out / name).is_dir() else 0o666 & ~mask)
     }
     assert not wrong, f"umask {oct(mask)}: {wrong}"
+
+
+# ------------------------------------------------------------------------- issue 22: values that were accepted
+
+ISSUE_22_CASES: list[Case] = [
+    Case(
+        "distill optim.fused with bf16 state", DISTILL + " optim.fused=true optim.state_dtype=bf16", ("fused", "bf16")
+    ),
+    Case(
+        "distill max_batch_tokens below a sequence", DISTILL + " rollout.max_batch_tokens=16", ("max_batch_tokens=16",)
+    ),
+    Case(
+        "distill max_new_tokens beyond the context",
+        DISTILL + " rollout.max_new_tokens=600 micro_batch_tokens=1024",
+        ("rollout.max_new_tokens=600", "512"),
+    ),
+    Case("distill --prompts a symlink loop", DISTILL.replace("{prompts}", "{loop}"), ("{loop}", "symbolic link loop")),
+    Case("demo --threads -1", DEMO + " --threads -1", ("--threads", "-1")),
+    Case("lab run --threads -1", LAB + " --threads -1", ("--threads", "-1")),
+    Case("lab build --threads -1", "lab build {out}/build --threads -1", ("--threads", "-1")),
+]
+
+
+@pytest.mark.parametrize("case", ISSUE_22_CASES, ids=[c.name for c in ISSUE_22_CASES])
+def test_bad_input_issue_22(case: Case, env_world, monkeypatch, capfd, tmp_path):
+    monkeypatch.delenv("OPD_DEBUG", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    loop = tmp_path / "loop.jsonl"
+    loop.symlink_to(tmp_path / "loop2.jsonl")
+    (tmp_path / "loop2.jsonl").symlink_to(loop)
+    world = {**env_world, "out": str(tmp_path / "out"), "loop": str(loop)}
+    code, stderr, escaped = run_in_process(case.command(world), monkeypatch, capfd)
+    culprits = case.culprits(world)
+    outcome = classify(code, stderr, culprits, case.code, escaped)
+    _tally(case, outcome, code, (escaped or "") + stderr)
+    assert outcome == "clear", f"{outcome} (exit {code}), wanted one line naming {culprits}:\n{escaped or ''}{stderr}"
+
+
+def test_disk_full_in_an_atomic_write_names_the_file(env_world, monkeypatch, capfd, tmp_path):
+    """ENOSPC raised by the OS while the temp file is written (no file name on the error): the line names the file
+    the command was writing, not only `[Errno 28] No space left on device`."""
+    import errno
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    monkeypatch.delenv("OPD_DEBUG", raising=False)
+    code, stderr, escaped = run_in_process(
+        ["report", env_world["run"], "--out", str(tmp_path / "r.html")], monkeypatch, capfd
+    )
+    culprits = [str(tmp_path / "r.html"), "no space left"]
+    assert classify(code, stderr, culprits, 2, escaped) == "clear", (escaped, stderr)

@@ -109,3 +109,35 @@ def test_pipeline_stage_keys_are_validated_up_front(tmp_path):
     result = CliRunner().invoke(app, ["pipeline", "run", str(path)])
     assert result.exit_code != 0
     assert "pipeline stage 'distill': unknown config key 'objective.strategi'" in str(result.exception)
+
+
+@pytest.mark.parametrize(
+    ("distill", "culprit"),
+    [
+        ({"rollout": {"overlap": True}}, "objective.tis_cap"),
+        ({"micro_batch_tokens": 8}, "micro_batch_tokens=8"),
+        ({"rollout": {"max_batch_tokens": 8}}, "rollout.max_batch_tokens=8"),
+    ],
+)
+def test_pipeline_checks_every_stage_before_the_first_runs(tmp_path, distill, culprit):
+    """A fault in the distill section fails before the rollout stage (not after rollout and SFT have run)."""
+    tokenizer = make_tiny_tokenizer()
+    make_tiny_model("qwen3", seed=0).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n")
+    spec = {"path": str(data), "answer_key": "answer", "max_prompt_length": 32}
+    config = {
+        "teacher": {"path": str(tmp_path / "model")},
+        "student": {"path": str(tmp_path / "model")},
+        "sft_prompts": spec,
+        "opd_prompts": spec,
+        "distill": distill,
+        "out_dir": str(tmp_path / "pipe"),
+    }
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = CliRunner().invoke(app, ["pipeline", "run", str(path)])
+    assert result.exit_code != 0 and culprit in str(result.exception), result.output
+    assert "pipeline stage 'distill'" in str(result.exception)
+    assert not (tmp_path / "pipe" / "rollout").exists()

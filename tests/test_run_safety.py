@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,8 @@ from safetensors.torch import load_file
 
 import opd
 from helpers import (
+    SFT_QA,
+    chat,
     distill_config,
     eval_args,
     make_prompts,
@@ -705,3 +708,159 @@ def test_prompts_score_kill9_rerun_is_identical_and_refuses_a_second_process(cap
     )
     assert code == 0, err
     assert read_jsonl(out) == read_jsonl(ref) and len(read_jsonl(out)) == 12
+
+
+# ---------------------------------------------------------------- issue 22: what a resume restores is what runs
+
+
+def _optimizer_groups(checkpoint: Path) -> list[dict]:
+    state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False)
+    return [{k: v for k, v in g.items() if k != "params"} for g in state["optimizer"]["param_groups"]]
+
+
+def test_resume_with_a_changed_optimizer_runs_the_new_values(capsys, world, tmp_path):
+    """--allow-config-change optim.lr=… (and weight decay, betas): config.yaml says it, so the optimizer runs it."""
+    run_dir = distill(distill_config(world, tmp_path, steps=1))
+    changed = ("optim.lr=0.1", "optim.weight_decay=0.3", "optim.betas=[0.8,0.99]", "optim.eps=1e-6")
+    yaml_path = dump(distill_config(world, tmp_path, *changed, steps=2), tmp_path / "c.yaml")
+    code, out, err = cli(capsys, "distill", "--config", yaml_path, "--resume", "--allow-config-change")
+    assert code == 0, err
+    assert "optim.lr: 0.001 → 0.1" in out and "optim.weight_decay: 0.01 → 0.3" in out
+    decay, no_decay = _optimizer_groups(run_dir / "checkpoints" / "step_2")
+    assert decay["lr"] == decay["initial_lr"] == 0.1 and no_decay["lr"] == 0.1
+    assert decay["weight_decay"] == 0.3 and no_decay["weight_decay"] == 0.0
+    assert tuple(decay["betas"]) == (0.8, 0.99) and decay["eps"] == 1e-6
+    assert [m["lr"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1e-3, 0.1]
+
+
+def test_sft_resume_with_a_changed_lr_runs_it(capsys, tmp_path, tiny_model_dir, sft_data):
+    flat = ("optim.schedule=constant", "optim.warmup_ratio=0")
+    sft(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=1", "run.name=s", *flat))
+    yaml_path = dump(
+        sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "run.name=s", "optim.lr=0.5", *flat),
+        tmp_path / "c.yaml",
+    )
+    code, _, err = cli(capsys, "sft", "--config", yaml_path, "--resume", "--allow-config-change")
+    assert code == 0, err
+    run_dir = tmp_path / "runs" / "s"
+    assert [g["lr"] for g in _optimizer_groups(run_dir / "checkpoints" / "step_2")] == [0.5, 0.5]
+    assert [m["lr"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1e-5, 0.5]
+
+
+def test_logged_lr_is_the_one_the_step_used(world, tmp_path):
+    """With warmup the first step runs at lr/warmup: metrics.jsonl says so (not the next step's lr)."""
+    run_dir = distill(distill_config(world, tmp_path, "optim.warmup_steps=4", steps=2))
+    assert [m["lr"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1e-3 / 4, 2e-3 / 4]
+
+
+def test_sft_logged_lr_is_the_one_the_step_used(tmp_path, tiny_model_dir, sft_data):
+    run_dir = sft(
+        sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "optim.warmup_steps=2", "optim.schedule=constant")
+    )
+    assert [m["lr"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1e-5 / 2, 1e-5]
+
+
+def test_resume_refuses_a_prompt_file_regenerated_in_place(capsys, world, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text((world / "prompts.jsonl").read_text())
+    run_dir = distill(distill_config(world, tmp_path, f"data.path={data}", steps=1))
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    rows = [{"prompt": f"{i}*{i}=", "answer": str(i * i)} for i in range(6)]  # the same row count
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    yaml_path = dump(distill_config(world, tmp_path, f"data.path={data}", steps=2), tmp_path / "c.yaml")
+    line = one_line(*cli(capsys, "distill", "--config", yaml_path, "--resume")[::2])
+    assert str(data) in line and "changed" in line and "--allow-config-change" in line
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    code, out, err = cli(capsys, "distill", "--config", yaml_path, "--resume", "--allow-config-change")
+    assert code == 0 and "continuing on the new data" in out, err
+
+
+def test_sft_resume_refuses_changed_training_data(capsys, tmp_path, tiny_model_dir, sft_data):
+    sft(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=1", "run.name=s"))
+    rows = [{"messages": chat(q, a + "!")} for q, a in SFT_QA * 3]
+    sft_data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    yaml_path = dump(sft_config(tmp_path, tiny_model_dir, sft_data, "run.steps=2", "run.name=s"), tmp_path / "c.yaml")
+    line = one_line(*cli(capsys, "sft", "--config", yaml_path, "--resume")[::2])
+    assert str(sft_data) in line and "changed" in line
+
+
+@pytest.mark.parametrize("damage", ["remove_checkpoints", "corrupt_only_checkpoint"])
+def test_resume_without_a_verifiable_checkpoint_is_an_error(capsys, world, tmp_path, damage):
+    run_dir = distill(distill_config(world, tmp_path, "run.keep_last=1", steps=1))
+    if damage == "remove_checkpoints":
+        shutil.rmtree(run_dir / "checkpoints")
+    else:
+        (run_dir / "checkpoints" / "step_1" / "trainer_state.pt").write_bytes(b"damaged")
+    before = snapshot(run_dir)
+    yaml_path = dump(distill_config(world, tmp_path, "run.keep_last=1", steps=2), tmp_path / "c.yaml")
+    code, _, err = cli(capsys, "distill", "--config", yaml_path, "--resume")
+    line = [ln for ln in err.splitlines() if ln.strip()][-1]
+    assert code == 2 and "Traceback" not in err and "no checkpoint that verifies" in line and str(run_dir) in line
+    assert snapshot(run_dir) == before  # metrics.jsonl and samples/ untouched
+
+
+def test_resume_of_a_run_not_started_yet_starts_it(capsys, world, tmp_path):
+    yaml_path = dump(distill_config(world, tmp_path, steps=1), tmp_path / "c.yaml")
+    code, out, err = cli(capsys, "distill", "--config", yaml_path, "--resume")
+    assert code == 0 and "holds no run yet" in out, err
+
+
+def test_consecutive_skipped_steps_stop_the_run(capsys, world, tmp_path):
+    """Every step skipped for a non-finite gradient norm: an error after optim.max_skipped_steps, not exit 0."""
+    yaml_path = dump(
+        distill_config(world, tmp_path, "optim.lr=1e30", "optim.max_skipped_steps=2", steps=6), tmp_path / "c.yaml"
+    )
+    code, _, err = cli(capsys, "distill", "--config", yaml_path, "--skip-check", "all")
+    line = one_line(code, err)
+    assert "consecutive steps skipped" in line and "optim.max_skipped_steps=2" in line
+
+
+def _check_args(world, out: Path) -> list[str]:
+    return [
+        "check", "--student", str(world / "student"), "--teacher", str(world / "teacher"),
+        "--prompts", str(world / "prompts.jsonl"), "--out", str(out), "--n", "1", "--prompts-sample", "2",
+        "data.max_prompt_length=32", "rollout.max_new_tokens=4", "micro_batch_tokens=64",
+    ]  # fmt: skip
+
+
+def test_check_out_takes_the_directory_lock(capsys, world, tmp_path):
+    """A second `opd check --out DIR` while one runs refuses (check.json is never replaced)."""
+    out = tmp_path / "check"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from opd.io import DirectoryLock; DirectoryLock({str(out)!r}, 'check').acquire(); "
+         "print('held', flush=True); import time; time.sleep(600)"],
+        stdout=subprocess.PIPE, env=_env(), text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        line = one_line(*cli(capsys, *_check_args(world, out))[::2])
+        assert str(out) in line and "in use by another opd process" in line and f"pid {holder.pid}" in line
+        assert not (out / "check.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_check_out_not_writable_fails_before_the_checks(capsys, world, tmp_path):
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    code, out, err = cli(capsys, *_check_args(world, blocker / "check"))
+    assert str(blocker) in one_line(code, err) and "opd check:" not in out  # no check ran
+
+
+def test_a_lock_of_a_live_process_that_holds_none_is_described_as_such(capsys, world, tmp_path):
+    """A lock file naming a running pid that holds no lock (an ended run whose pid was reused): taken over, and
+    the note does not claim the process is not running."""
+    run_dir = distill(distill_config(world, tmp_path, steps=1))
+    (run_dir / LOCK_FILE).write_text(json.dumps({"pid": os.getppid(), "command": "distill"}) + "\n")
+    yaml_path = dump(distill_config(world, tmp_path, steps=2), tmp_path / "c.yaml")
+    code, out, err = cli(capsys, "distill", "--config", yaml_path, "--resume")
+    assert code == 0, err
+    assert f"pid {os.getppid()}" in out and "running but no longer holds it" in out and "not running" not in out
+
+
+def test_settings_that_do_not_change_the_math_are_resumable(capsys, world, tmp_path):
+    distill(distill_config(world, tmp_path, steps=1))
+    yaml_path = dump(distill_config(world, tmp_path, "skip_checks=[forecast]", steps=2), tmp_path / "c.yaml")
+    code, _, err = cli(capsys, "distill", "--config", yaml_path, "--resume", "--skip-check", "forecast")
+    assert code == 0, err

@@ -553,6 +553,21 @@ class OptimSpec(Section):
         "(foreach does: 4 bytes a parameter at every step). None: fused when every parameter is a plain CUDA tensor "
         "(not FSDP-sharded), else foreach.",
     )
+    max_skipped_steps: int = Field(
+        10,
+        ge=0,
+        description="Stop the run (an error) after this many consecutive steps skipped for a non-finite gradient "
+        "norm; 0: never stop.",
+    )
+
+    @model_validator(mode="after")
+    def _fused_state(self) -> OptimSpec:
+        if self.fused and self.state_dtype == "bf16":
+            raise ValueError(
+                "optim.fused=true is torch's fused kernel for fp32 moments; optim.state_dtype=bf16 uses opd's "
+                "AdamW16, which has no fused kernel: set one of them"
+            )
+        return self
 
 
 class RunSpec(Section):

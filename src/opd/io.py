@@ -9,6 +9,7 @@ so two processes never write one directory.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -25,6 +26,9 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # errors of a write that did not fit
+
+
 @contextmanager
 def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
     """Yield a temp path beside `path`; when the block succeeds it is renamed onto `path`, else removed."""
@@ -33,7 +37,12 @@ def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix or ".tmp")
     os.close(fd)
     try:
-        yield Path(tmp)
+        try:
+            yield Path(tmp)
+        except OSError as error:  # disk full while writing the temp file: name the file being written
+            if error.errno in _FULL and error.filename in (None, tmp, str(tmp)):
+                raise OSError(error.errno, error.strerror, str(path)) from None
+            raise
         if Path(tmp).is_file():  # mkstemp makes 0600 files; give the result the usual umask-based mode
             os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
@@ -190,7 +199,13 @@ class DirectoryLock:
             os.close(fd)  # the previous holder removed the file between our open and flock: take the new one
         previous = _read_holder(fd)
         if previous.get("pid"):
-            self.note(f"{self.directory}: taking over the lock left by {_describe(previous)}, which is not running")
+            alive = previous.get("host") in (None, socket.gethostname()) and pid_alive(int(previous["pid"]))
+            state = (
+                "which is running but no longer holds it (the lock of an ended run; its pid now names another process)"
+                if alive
+                else "which is not running"
+            )
+            self.note(f"{self.directory}: taking over the lock left by {_describe(previous)}, {state}")
         record = {
             "pid": os.getpid(),
             "host": socket.gethostname(),

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import re
 import socket
+import sys
 import zipfile
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -279,12 +280,7 @@ def load_model(
     if device_map is None:
         model.to(torch_device)
     model.eval()
-    if (
-        attn_implementation is None
-        and model.config._attn_implementation == "sdpa"
-        and varlen_attention.kernel_available(torch_device)
-    ):
-        model.set_attn_implementation(varlen_attention.ATTENTION)
+    _choose_attention(model, str(name_or_path), attn_implementation, torch_device)
     rows = model.get_input_embeddings().weight.shape[0]
     if tokenizer.pad_token_id is not None and tokenizer.pad_token_id >= rows:
         raise ModelLoadError(
@@ -292,6 +288,28 @@ def load_model(
             f"is outside the model's {rows} embedding rows"
         )
     return model, tokenizer
+
+
+def _choose_attention(model: torch.nn.Module, name: str, attn_implementation: str | None, device: torch.device) -> None:
+    """`load_model`'s attention choice: an explicit `opd_varlen` for a model it cannot compute exactly is refused
+    (one line); None keeps transformers' choice, with its "sdpa" turned into `opd_varlen` on CUDA unless
+    `varlen_attention.refusal` names a feature, in which case one line says so and transformers' choice stays."""
+    reason = varlen_attention.refusal(model, device)
+    if attn_implementation == varlen_attention.ATTENTION and reason is not None:
+        raise ModelLoadError(
+            f"attn_implementation {varlen_attention.ATTENTION!r} cannot run {name!r} exactly: {reason}; "
+            "leave attn_implementation unset (transformers' choice) or use 'eager'"
+        )
+    if attn_implementation is not None or not varlen_attention.kernel_available(device):
+        return
+    if reason is not None:
+        print(
+            f"note: {name}: no packed attention ({varlen_attention.ATTENTION}): {reason}; "
+            f"attention stays {model.config._attn_implementation!r} (padded rows)",
+            file=sys.stderr,
+        )
+    elif model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation(varlen_attention.ATTENTION)
 
 
 def compile_layers(model: torch.nn.Module, enabled: bool | None = None, *, backend: str = "inductor") -> bool:

@@ -56,6 +56,9 @@ _TRAINING = (
     "activation_budget",
     "compile",
     "teacher_offload",
+    # neither changes the math: which startup checks may fail, how long a served teacher is waited for
+    "skip_checks",
+    "teacher.retry_deadline",
 )
 
 RESUMABLE: dict[str, tuple[str, ...]] = {
@@ -185,18 +188,24 @@ def _aside_name(run_dir: Path) -> Path:
 def resume_checkpoint(
     run_dir: Path, run: RunSpec, console: Any, config: BaseModel | None = None, *, command: str = "distill"
 ) -> Path | None:
-    """The newest verified checkpoint of `run_dir` when `run.resume` is set (None, with a note, when there is none).
-    A newest checkpoint that fails verification (truncated, corrupt) is skipped with a warning. With `config`, the
-    saved config.yaml is compared first (`check_resumed_config`)."""
+    """The newest verified checkpoint of `run_dir` when `run.resume` is set: None, with a note, when the directory
+    holds nothing yet; a RunDirectoryError when it holds a run but no checkpoint verifies (never a silent restart
+    over its metrics and samples). A newest checkpoint that fails verification (truncated, corrupt) is skipped with
+    a warning. With `config`, the saved config.yaml is compared first (`check_resumed_config`)."""
     if not run.resume:
         return None
     checkpoint = latest_checkpoint(
         run_dir, hashes=True, warn=lambda line: console.print(f"[yellow]warning: {line}[/]", soft_wrap=True)
     )
     if checkpoint is None:
-        console.print(
-            f"[yellow]run.resume: no complete checkpoint in {run_dir}; starting from scratch[/]", soft_wrap=True
-        )
+        held = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
+        if held:  # restarting would rewrite metrics.jsonl and samples/ of the steps already run
+            raise RunDirectoryError(
+                f"--resume: {run_dir} holds a run ({', '.join(held[:3])}{', …' if len(held) > 3 else ''}) but no "
+                f"checkpoint that verifies; nothing was changed. Start another run.name, or set run.overwrite=true "
+                f"(without --resume) to move it aside and start anew"
+            )
+        console.print(f"[yellow]run.resume: {run_dir} holds no run yet; starting from scratch[/]", soft_wrap=True)
     elif config is not None:
         check_resumed_config(config, run_dir, step=int(checkpoint.name.split("_")[-1]), command=command)
     return checkpoint

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import csv
 import difflib
+import errno
 import json
 import logging
 import math
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
@@ -237,6 +239,19 @@ def _read_rows(source: str | Path, *, split: str, hub_config: str | None, limit:
         or text.startswith(("/", ".", "~"))
         or text.count("/") > 1
     )
+    if path.is_symlink():  # exists() is False for a link that loops or dangles: not "no such file"
+        try:
+            path.resolve(strict=True)
+            what = "a symbolic link that cannot be followed"
+        except RuntimeError:
+            what = "a symbolic link loop"
+        except OSError as error:
+            what = (
+                "a symbolic link loop"
+                if error.errno == errno.ELOOP
+                else f"a symbolic link to a missing path ({os.readlink(path)})"
+            )
+        raise DataError(f"{text}: {what}; accepted: {_ACCEPTED}")
     if looks_local:
         raise DataError(f"{text}: no such file or directory; accepted: {_ACCEPTED}")
     return _read_hub_dataset(text, split, hub_config, limit), f"hub dataset {text!r} (split {split!r})", text

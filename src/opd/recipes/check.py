@@ -8,6 +8,7 @@ Omitted on purpose: served/vLLM teachers (both models are scored in process by `
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -48,6 +49,7 @@ from opd.models import (
 )
 from opd.objectives.diagnostics import diagnostic_top_k
 from opd.rollout import make_generator
+from opd.rundir import locked
 from opd.teacher.local import LocalScorer
 from opd.train.common import training_precision
 
@@ -79,6 +81,44 @@ def run_check(
     out_dir = Path(out) if out is not None else Path(config.run.out_dir) / f"check-{time.strftime('%Y%m%d-%H%M%S')}"
     if (out_dir / "check.json").exists():
         raise FileExistsError(f"{out_dir / 'check.json'} exists; choose another --out (opd check never replaces it)")
+    # held for the whole check (a second `opd check --out DIR` refuses), and proof that DIR is writable before any
+    # row is computed: results that could not be written would be lost unprinted
+    with locked(out_dir, "check", console=console):
+        if (out_dir / "check.json").exists():  # written by another check between the test above and the lock
+            raise FileExistsError(
+                f"{out_dir / 'check.json'} exists; choose another --out (opd check never replaces it)"
+            )
+        probe = out_dir / f".write-test-{os.getpid()}"
+        try:
+            probe.write_text("")
+            probe.unlink()
+        except OSError as error:
+            raise ValueError(
+                f"--out {out_dir}: not writable ({error.strerror or error}); choose another --out"
+            ) from None
+        return _run_checks(
+            config,
+            n=n,
+            prompts_sample=prompts_sample,
+            skipped=skipped,
+            thresholds=thresholds,
+            out_dir=out_dir,
+            console=console,
+        )
+
+
+def _run_checks(
+    config: DistillConfig,
+    *,
+    n: int,
+    prompts_sample: int,
+    skipped: set[str],
+    thresholds: ForecastThresholds,
+    out_dir: Path,
+    console: Any,
+) -> CheckReport:
+    """run_check's four groups, holding `out_dir`."""
+    assert config.teacher is not None  # run_check refuses a config without a teacher
     report = CheckReport()
     student_tokenizer, teacher_tokenizer, sample = _tokenizers_and_sample(config, prompts_sample)
 

@@ -124,6 +124,8 @@ def demo(
     """
     console = console or Console()
     start = time.perf_counter()
+    if threads is not None and threads < 0:
+        raise ValueError(f"--threads must be ≥ 1 torch CPU threads (0: torch's default), got {threads}")
     if threads:
         torch.set_num_threads(threads)
     config = demo_config(overrides, config_file=config_file)

@@ -46,6 +46,9 @@ from opd.teacher.registry import (
 from opd.train.checkpoint import save_checkpoint
 from opd.train.common import (
     autocast,
+    cached_fingerprint,
+    check_data_fingerprint,
+    check_skipped_steps,
     eval_at_start,
     eval_pending,
     evaluate_in_training,
@@ -121,12 +124,16 @@ def train(tr: Trainer, *, console: Any) -> None:
             with gathered(tr.student, tr.dist):
                 if main:
                     run_eval(tr, console)
+        consecutive_skips = 0
         while tr.step < cfg.run.steps:
+            skipped_before = tr.skipped_steps
             metrics = opd_step(tr)  # already reduced over ranks
             tr.step += 1
             if main:
                 assert tr.sink is not None  # setup opens rank 0's sink
                 tr.sink.log(tr.step, metrics)
+            consecutive_skips = consecutive_skips + 1 if tr.skipped_steps > skipped_before else 0
+            check_skipped_steps(consecutive_skips, tr.step, cfg.optim)
             tr.history.append({"step": tr.step, **metrics})
             progress.update(task, advance=1, description=_console_line(tr.step, metrics))
             if is_due(tr.step, cfg.run.save_every, cfg.run.steps):  # before the eval: a failing eval loses no work
@@ -185,6 +192,7 @@ def save(tr: Trainer) -> Path:
         history=tr.history,
         pending_rollouts=None if tr.ahead is None else tr.ahead.state_dict(),
         world_size=tr.dist.world_size,
+        data_fingerprint=_prompt_fingerprint(tr),
     )
     state["optimizer"] = full_optimizer_state_dict(tr.student, tr.optimizer, tr.dist)
     state["teachers"] = tr.teacher_manifest  # `--resume` refuses another teacher set (check_teacher_manifest)
@@ -243,6 +251,7 @@ def setup(
     models = load_models(config, checkpoint, student_tokenizer, dist)
     for routed, view_ids in zip(models.teachers, views):
         routed.prompt_ids = view_ids
+    check_context(config, models)
     generator, rollout_model, rollout_generator = build_engines(config, models, dist)
     startup_checks(config, models, generator, data, student_tokenizer, dist, console)
     budget = configure_memory(config, models, dist)
@@ -295,11 +304,33 @@ def check_sizes(config: DistillConfig, dist: DistInfo) -> None:
             f"(e.g. 2.0) to correct them, and one process (got {dist.world_size})"
         )
     longest = config.data.max_prompt_length + config.rollout.max_new_tokens
+    batch_tokens = config.rollout.max_batch_tokens
+    if batch_tokens is not None and batch_tokens < longest:
+        raise ValueError(
+            f"rollout.max_batch_tokens={batch_tokens} is smaller than one sequence (data.max_prompt_length + "
+            f"rollout.max_new_tokens = {longest}); raise it to at least {longest}, or unset it"
+        )
     if config.micro_batch_tokens < longest:
         raise ValueError(
             f"micro_batch_tokens={config.micro_batch_tokens} is smaller than one sequence "
             f"(data.max_prompt_length + rollout.max_new_tokens = {longest}); raise it to at least {longest}"
         )
+
+
+def check_context(config: DistillConfig, models: Models) -> None:
+    """A rollout must fit the context of every model that reads it (`max_position_embeddings` of the student and of
+    an in-process teacher): beyond it the positions are ones the models never saw, and nothing says so."""
+    new = config.rollout.max_new_tokens
+    longest = config.data.max_prompt_length + new
+    teachers = [(f"teacher {t.name}", t.teacher.module) for t in models.teachers] if len(models.teachers) > 1 else []
+    for name, module in (("student", models.student), ("teacher", models.teacher), *teachers):
+        context = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+        if isinstance(context, int) and new >= context:
+            raise ValueError(
+                f"rollout.max_new_tokens={new} is beyond the {name}'s context ({context} positions, "
+                f"max_position_embeddings; with data.max_prompt_length={config.data.max_prompt_length} a "
+                f"sequence is up to {longest} tokens); lower rollout.max_new_tokens below {context}"
+            )
 
 
 def check_teacher_and_engine(config: DistillConfig, student_tokenizer: Any, console: Any) -> None:
@@ -586,7 +617,21 @@ def resume(tr: Trainer, checkpoint: Path | None, console: Any) -> int | None:
     if checkpoint is None:
         return None
     state = restore_trainer_state(
-        checkpoint, _FullStateOptimizer(tr.student, tr.optimizer, tr.dist), tr.scheduler, tr.sampler
+        checkpoint,
+        _FullStateOptimizer(tr.student, tr.optimizer, tr.dist),
+        tr.scheduler,
+        tr.sampler,
+        optim=tr.config.optim,
+        torch_optimizer=tr.optimizer,
+        console=console,
+    )
+    check_data_fingerprint(
+        state,
+        _prompt_fingerprint(tr),
+        what=f"the prompt set data.path={tr.config.data.path}",
+        run=tr.config.run,
+        checkpoint=checkpoint,
+        console=console,
     )
     check_teacher_manifest(state.get("teachers"), tr.teacher_manifest, checkpoint)
     tr.step, tr.skipped_steps, tr.history = state["step"], state["skipped_steps"], state["history"]
@@ -595,6 +640,13 @@ def resume(tr: Trainer, checkpoint: Path | None, console: Any) -> int | None:
     if console is not None:
         console.print(f"resumed from {checkpoint} (step {tr.step}){_world_size_change(state, tr.dist)}")
     return tr.step
+
+
+def _prompt_fingerprint(tr: Trainer) -> str:
+    """The prompt set as training sees it: each prompt's token ids and answer (`data_fingerprint`)."""
+    return cached_fingerprint(
+        tr.prompt_ids, lambda: ((ids, prompt.answer) for ids, prompt in zip(tr.prompt_ids, tr.prompts))
+    )
 
 
 @dataclass

@@ -334,6 +334,8 @@ def build(
     if time_budget_s is not None and time_budget_s <= 0:
         raise ValueError(f"time_budget_s must be > 0 seconds, got {time_budget_s}")
     console = console or Console()
+    if threads is not None and threads < 0:
+        raise ValueError(f"--threads must be ≥ 1 torch CPU threads (0: torch's default), got {threads}")
     if threads:
         torch.set_num_threads(threads)
     out_dir = Path(out_dir)
@@ -636,6 +638,8 @@ def run_experiment(
             f"unknown variant {unknown[0]!r} of lab experiment {name!r}; known: {', '.join(EXPERIMENTS[name])}"
         )
     console = console or Console()
+    if threads is not None and threads < 0:
+        raise ValueError(f"--threads must be ≥ 1 torch CPU threads (0: torch's default), got {threads}")
     if threads:
         torch.set_num_threads(threads)
     out_dir = Path(out_dir) / name

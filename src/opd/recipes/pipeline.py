@@ -37,12 +37,14 @@ from opd.config import (
 )
 from opd.io import atomic_write_json, atomic_write_text
 from opd.objectives import gap_recovery
-from opd.recipes.distill import distill
+from opd.recipes.distill import check_sizes, distill
 from opd.recipes.eval import evaluate
 from opd.recipes.rollout import RolloutConfig, teacher_rollout
 from opd.recipes.sft import SFTConfig, sft
+from opd.recipes.sft import check_config as check_sft_config
 from opd.rundir import config_changes, locked
 from opd.train.checkpoint import latest_checkpoint
+from opd.train.distributed import SINGLE
 
 MARKER = "STAGE_COMPLETE"
 Stage = Literal["rollout", "sft", "distill", "eval"]
@@ -110,8 +112,24 @@ def run_pipeline(config: PipelineConfig, *, console: Any = None) -> dict:
     console = console or Console()
     root = Path(config.out_dir)
     stages = config.stage_configs()
+    check_stages(config, stages)  # every stage's own startup checks that need only its config: before any compute
     with locked(root, "pipeline", console=console):
         return _run_locked(config, root, stages, console)
+
+
+def check_stages(config: PipelineConfig, stages: dict[str, Any]) -> None:
+    """The cross-field checks each stage command runs at its start from its config alone (`opd sft`'s
+    `check_config`, `opd distill`'s `check_sizes` for one process), for every stage to run, before the first one:
+    a fault in the distill section fails now, not after the rollout and SFT stages have run."""
+    for name in ("sft", "distill"):
+        if name in config.stages:
+            try:
+                if name == "sft":
+                    check_sft_config(stages[name])
+                else:
+                    check_sizes(stages[name], SINGLE)
+            except ValueError as error:
+                raise ConfigError(f"pipeline stage '{name}': {error}") from None
 
 
 def _run_locked(config: PipelineConfig, root: Path, stages: dict[str, Any], console: Any) -> dict:

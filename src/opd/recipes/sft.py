@@ -46,6 +46,9 @@ from opd.rollout import make_generator
 from opd.rundir import claimed_run_dir, open_run, resume_checkpoint, run_directory
 from opd.train.checkpoint import latest_checkpoint, save_checkpoint
 from opd.train.common import (
+    cached_fingerprint,
+    check_data_fingerprint,
+    check_skipped_steps,
     eval_at_start,
     eval_pending,
     evaluate_in_training,
@@ -246,7 +249,7 @@ def sft_step(tr: SFTTrainer) -> dict[str, float]:
             vocab_size=tr.vocab_size,
         )
         tr.model.eval()
-        grad_norm, stepped = clip_and_step(tr.model, tr.optimizer, tr.scheduler, cfg.optim.grad_clip)
+        grad_norm, stepped, lr = clip_and_step(tr.model, tr.optimizer, tr.scheduler, cfg.optim.grad_clip)
     tr.skipped_steps += 0 if stepped else 1
     synced = torch.stack([metrics["loss"].float(), grad_norm.float()]).tolist()  # one transfer for both
     out = {
@@ -256,7 +259,7 @@ def sft_step(tr: SFTTrainer) -> dict[str, float]:
         "input_tokens": int(metrics["input_tokens"]),
     }
     out.update(
-        lr=tr.scheduler.get_last_lr()[0],
+        lr=lr,
         skipped_steps=tr.skipped_steps,
         epoch=tr.sampler.epoch + tr.sampler.position / len(tr.examples),
         **{"time/step": timings["step"]},
@@ -291,10 +294,14 @@ def train(tr: SFTTrainer, *, console: Any) -> None:
             and eval_pending(tr.run_dir, tr.step)
         ):  # resumed from a checkpoint whose eval did not finish
             run_eval(tr, console)
+        consecutive_skips = 0
         while tr.step < tr.total_steps:
+            skipped_before = tr.skipped_steps
             metrics = sft_step(tr)
             tr.step += 1
             tr.sink.log(tr.step, metrics)
+            consecutive_skips = consecutive_skips + 1 if tr.skipped_steps > skipped_before else 0
+            check_skipped_steps(consecutive_skips, tr.step, cfg.optim)
             progress.update(task, advance=1, description=_console_line(tr.step, metrics))
             if is_due(tr.step, cfg.run.save_every, tr.total_steps):  # before the eval: a failing eval loses no work
                 save(tr)
@@ -307,6 +314,13 @@ def train(tr: SFTTrainer, *, console: Any) -> None:
         merged = merge_lora(checkpoint, tr.run_dir / "merged", base=cfg.model.path, existing="replace")
         console.print(f"merged weights: {merged}")
     finish_run(tr.run_dir, tr.sink, report=cfg.run.report, console=console)
+
+
+def _examples_fingerprint(tr: SFTTrainer) -> str:
+    """The training examples as the loss sees them: token ids and target masks (`data_fingerprint`)."""
+    return cached_fingerprint(
+        tr.examples, lambda: ((ex.input_ids, "".join("1" if t else "0" for t in ex.target_mask)) for ex in tr.examples)
+    )
 
 
 def _console_line(step: int, m: dict) -> str:
@@ -341,7 +355,13 @@ def run_eval(tr: SFTTrainer, console: Any) -> dict | None:
 
 def save(tr: SFTTrainer) -> Path:
     """Checkpoint: HF weights (or the LoRA adapter) + tokenizer + optimizer/scheduler/sampler/RNG state."""
-    state = trainer_state(tr.optimizer, tr.scheduler, tr.sampler, skipped_steps=tr.skipped_steps)
+    state = trainer_state(
+        tr.optimizer,
+        tr.scheduler,
+        tr.sampler,
+        skipped_steps=tr.skipped_steps,
+        data_fingerprint=_examples_fingerprint(tr),
+    )
     return save_checkpoint(
         tr.run_dir,
         tr.step,
@@ -431,7 +451,15 @@ def setup(config: SFTConfig, run_dir: Path, *, checkpoint: Path | None = None, c
         vocab_size=vocab_size,
     )
     if checkpoint is not None:
-        state = restore_trainer_state(checkpoint, optimizer, scheduler, sampler)
+        state = restore_trainer_state(checkpoint, optimizer, scheduler, sampler, optim=optim_spec, console=console)
+        check_data_fingerprint(
+            state,
+            _examples_fingerprint(tr),
+            what=f"the training data data.path={', '.join(data.path)}",
+            run=config.run,
+            checkpoint=checkpoint,
+            console=console,
+        )
         tr.step, tr.skipped_steps = state["step"], state["skipped_steps"]
     tr.sink = open_run(config, run_dir, config.run, resume_step=tr.step if checkpoint is not None else None)
 

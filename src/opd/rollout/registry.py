@@ -2,13 +2,15 @@
 
 Every caller asks `make_generator(engine, ...)` for a `Generator`: torch (`TorchGenerator`), static
 (`StaticGenerator`), vllm (`VLLMGenerator`, the vllm extra) or auto (static on CUDA for a supported layout, else
-torch; the table: docs/design.md, "opd.rollout.registry"). Adding an engine is one module, one builder in the
-`_ENGINES` table below and its name in `opd.names.EngineName` (checked at import); no engine module imports another,
-and vLLM itself is imported only when its engine is built. `opd.teacher.registry` has the same shape.
+torch, with one line on stderr naming what the static engine cannot run; the table: docs/design.md,
+"opd.rollout.registry"). Adding an engine is one module, one builder in the `_ENGINES` table below and its name in
+`opd.names.EngineName` (checked at import); no engine module imports another, and vLLM itself is imported only when
+its engine is built. `opd.teacher.registry` has the same shape.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -64,9 +66,22 @@ def resolve_engine(engine: str, model: torch.nn.Module | None) -> str:
         return engine
     if model is None:
         raise ValueError("engine 'auto' needs the in-process model to choose between torch and static")
-    if next(model.parameters()).device.type == "cuda" and unsupported_reason(model) is None:
+    if not _static_pays(model):
+        return "torch"
+    reason = unsupported_reason(model)
+    if reason is None:
         return "static"
+    print(
+        f"note: engine auto: the static engine cannot run {type(model).__name__}: {reason}; "
+        "using the torch engine (decoding will be slower)",
+        file=sys.stderr,
+    )
     return "torch"
+
+
+def _static_pays(model: torch.nn.Module) -> bool:
+    """Whether "auto" would pick the static engine for a supported layout: the model is on CUDA."""
+    return next(model.parameters()).device.type == "cuda"
 
 
 def make_generator(
@@ -138,6 +153,12 @@ def _torch(request: EngineRequest) -> Generator:
 
 def _static(request: EngineRequest) -> Generator:
     model, arguments = _in_process(request)
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(
+            f"engine 'static' cannot run {type(model).__name__}: {reason}; use engine 'auto' or 'torch' "
+            "(the torch engine runs it, decoding more slowly)"
+        )
     return StaticGenerator(model, **arguments)
 
 

@@ -38,7 +38,8 @@ from opd.rollout.hf_model import (
 )
 from opd.rollout.sampling import filter_logits
 
-_SUPPORTED = ("llama", "qwen2", "qwen3")
+# Llama's layout; Mistral and Ministral are it plus a sliding window, accepted where none is set (v0.3, Small, Nemo)
+_SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "ministral")
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -184,6 +185,23 @@ def _head_dim(model: torch.nn.Module) -> int:
     return attention.q_proj.weight.shape[0] // model.config.num_attention_heads
 
 
+# RoPE types whose cos/sin table depends on the position only; "dynamic" and "longrope" rescale it with the length of
+# the sequence (transformers' `dynamic_rope_update`), which a table precomputed over every slot cannot follow
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _rope_reason(rotary: torch.nn.Module) -> str | None:
+    """Why the rotary module's table cannot be precomputed once for every position, or None."""
+    rope_type = getattr(rotary, "rope_type", "default")
+    for kind in rope_type.values() if isinstance(rope_type, dict) else [rope_type]:
+        if kind in _LENGTH_DEPENDENT_ROPE or "dynamic" in str(kind):
+            return f"rope_type {kind!r} changes cos/sin with the sequence length"
+        if kind not in _STATIC_ROPE:
+            return f"rope_type {kind!r} is not one of {', '.join(_STATIC_ROPE)}"
+    return None
+
+
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why `StaticGenerator` cannot run `model` with its own decode step, or None when it can."""
     config = getattr(model, "config", None)
@@ -196,12 +214,16 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return "some layers use sliding-window attention"
     if getattr(config, "use_sliding_window", False):
         return "use_sliding_window is on"
+    # Qwen's switch is use_sliding_window (its sliding_window is then inert); Mistral's is sliding_window itself
+    if not hasattr(config, "use_sliding_window") and getattr(config, "sliding_window", None) is not None:
+        return f"sliding_window is {config.sliding_window} (the decode step attends to every cached token)"
     body = model.get_decoder() if hasattr(model, "get_decoder") else None
     rotary = getattr(body, "rotary_emb", None)
     if rotary is None or not hasattr(body, "layers") or not hasattr(body, "norm"):
         return "the decoder has no rotary_emb / layers / norm"
-    if getattr(rotary, "rope_type", "default") == "dynamic":
-        return "dynamic RoPE scaling changes with the sequence length"
+    rope_reason = _rope_reason(rotary)
+    if rope_reason is not None:
+        return rope_reason
     head = model.get_output_embeddings()
     if getattr(model, "logit_scale", None) is not None or getattr(config, "final_logit_softcapping", None):
         return "the output head has a logit scale or soft-cap"

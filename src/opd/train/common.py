@@ -6,20 +6,26 @@ Plain functions over plain arguments: there is no base Trainer (STYLE 12).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
+from array import array
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from opd.config import EvalConfig, EvalSpec, ModelSpec, RunSpec
+from opd.config import EvalConfig, EvalSpec, ModelSpec, OptimSpec, RunSpec
 from opd.data.templates import encode_prompts
 from opd.eval.benchmarks import load_benchmark
 from opd.eval.sampling import evaluate_model
 from opd.models import resolve_dtype
 from opd.report import write_report
+from opd.rundir import RunDirectoryError
 from opd.train.checkpoint import load_trainer_state, set_rng_state
+from opd.train.optim import apply_optim_settings
 
 
 def load_eval_sets(
@@ -60,15 +66,88 @@ def trainer_state(optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Any
     }
 
 
-def restore_trainer_state(checkpoint: Path, optimizer: Any, scheduler: Any, sampler: Any) -> dict:
+def restore_trainer_state(
+    checkpoint: Path,
+    optimizer: Any,
+    scheduler: Any,
+    sampler: Any,
+    *,
+    optim: OptimSpec | None = None,
+    torch_optimizer: torch.optim.Optimizer | None = None,
+    console: Any = None,
+) -> dict:
     """Load optimizer, scheduler, sampler and RNG states from `checkpoint`; return its whole trainer state (step, …).
-    Call it after everything that draws random numbers during setup, so the restored RNG is the one training uses."""
+    Call it after everything that draws random numbers during setup, so the restored RNG is the one training uses.
+    With `optim`, the restored optimizer (`torch_optimizer`, default `optimizer`) and schedule then run with its
+    lr, betas, eps and weight decay (`apply_optim_settings`: what config.yaml says is what runs), each change noted."""
     state = load_trainer_state(checkpoint)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     sampler.load_state_dict(state["sampler"])
     set_rng_state(state["rng"])
+    if optim is not None:
+        changed = apply_optim_settings(torch_optimizer or optimizer, scheduler, optim)
+        if changed and console is not None:
+            console.print(f"resume: the restored optimizer now runs with {'; '.join(changed)}", soft_wrap=True)
     return state
+
+
+def data_fingerprint(rows: Iterable[tuple[Sequence[int], Any]]) -> str:
+    """sha256 of the training data as the trainer sees it, rows of (token ids, anything JSON-able: the answer, the
+    target mask): what `--resume` compares, so that a data file regenerated in place (same path, same row count) is
+    not consumed from the old sampler position."""
+    digest = hashlib.sha256()
+    for ids, extra in rows:
+        digest.update(len(ids).to_bytes(8, "little"))
+        digest.update(array("q", ids).tobytes())
+        digest.update(json.dumps(extra, default=str, separators=(",", ":")).encode() + b"\n")
+    return digest.hexdigest()
+
+
+_FINGERPRINTS: dict[int, tuple[Any, str]] = {}
+
+
+def cached_fingerprint(data: Any, rows: Callable[[], Iterable[tuple[Sequence[int], Any]]]) -> str:
+    """`data_fingerprint(rows())`, computed once per data object (`data`: the trainer's list, alive for the run; it
+    is kept referenced so that its id is not reused) — a checkpoint save does not hash the whole set again."""
+    entry = _FINGERPRINTS.get(id(data))
+    if entry is None or entry[0] is not data:
+        entry = _FINGERPRINTS[id(data)] = (data, data_fingerprint(rows()))
+    return entry[1]
+
+
+def check_data_fingerprint(
+    state: dict, fingerprint: str, *, what: str, run: RunSpec, checkpoint: Path, console: Any
+) -> None:
+    """Refuse a resume whose data differ from those the checkpoint was trained on (one line naming `what`), unless
+    `run.allow_config_change` (then a note). Checkpoints written before fingerprints were saved are not compared."""
+    saved = state.get("data_fingerprint")
+    if saved is None or saved == fingerprint:
+        return
+    if not run.allow_config_change:
+        raise RunDirectoryError(
+            f"--resume: {what} changed since {checkpoint} was saved (content sha256 {saved[:12]} → "
+            f"{fingerprint[:12]}): its sampler position would index other rows. Restore the file, pass "
+            f"--allow-config-change to continue on the new data anyway, or start another run.name"
+        )
+    if console is not None:
+        console.print(
+            f"[yellow]resume: {what} changed since {checkpoint} was saved (content sha256 {saved[:12]} → "
+            f"{fingerprint[:12]}); continuing on the new data (--allow-config-change)[/]",
+            soft_wrap=True,
+        )
+
+
+def check_skipped_steps(consecutive: int, step: int, spec: OptimSpec) -> None:
+    """Stop a run whose last `spec.max_skipped_steps` steps were all skipped for a non-finite gradient norm (one
+    line): nothing is being learned, and a run that exits 0 would say otherwise. 0 never stops."""
+    if spec.max_skipped_steps and consecutive >= spec.max_skipped_steps:
+        raise ValueError(
+            f"steps {step - consecutive + 1}..{step}: {consecutive} consecutive steps skipped for a non-finite "
+            f"gradient norm (optim.max_skipped_steps={spec.max_skipped_steps}); nothing is being learned — lower "
+            f"optim.lr, check the teacher's temperature and the data (metrics.jsonl: grad_norm), or raise "
+            f"optim.max_skipped_steps"
+        )
 
 
 def is_due(step: int, every: int, last_step: int) -> bool:

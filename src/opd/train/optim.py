@@ -11,6 +11,7 @@ ways to shrink what it costs, neither changing the update rule:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -168,13 +169,50 @@ def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, spec: Op
 
 def clip_and_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_norm: float
-) -> tuple[torch.Tensor, bool]:
+) -> tuple[torch.Tensor, bool, float]:
     """Clip the global grad norm, then step — unless the norm is not finite, in which case the update is skipped
-    (gradients dropped) so one bad batch cannot destroy the weights. Returns (grad norm before clipping, stepped)."""
+    (gradients dropped) so one bad batch cannot destroy the weights. Returns (grad norm before clipping, stepped, the
+    lr this step used — the one to log: the schedule has moved on to the next step's when this returns)."""
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
     stepped = bool(torch.isfinite(grad_norm))  # the one host sync of the update
+    lr = optimizer.param_groups[0]["lr"]  # this step's, before the schedule moves on
     if stepped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    return grad_norm.detach(), stepped
+    return grad_norm.detach(), stepped, lr
+
+
+def apply_optim_settings(optimizer: torch.optim.Optimizer, scheduler, spec: OptimSpec) -> list[str]:
+    """Make a restored optimizer and schedule run with `spec` (a resume with `--allow-config-change optim.lr=…`):
+    the peak lr (every group's `initial_lr`, the scheduler's `base_lrs` and the current lr, recomputed from the
+    schedule at its restored position), betas, eps and the weight decay of the decayed group (the first; biases and
+    norms stay at 0). Values equal to the restored ones are left untouched (the default path stays bit-identical).
+    Returns what changed, `name: old → new`."""
+    changed: list[str] = []
+
+    def put(group: dict, key: str, value: Any, label: str) -> None:
+        if group.get(key) != value:
+            changed.append(f"optim.{label}: {group.get(key)!r} → {value!r}")
+            group[key] = value
+
+    groups = optimizer.param_groups
+    for index, group in enumerate(groups):
+        put(group, "betas", tuple(spec.betas), "betas")
+        put(group, "eps", spec.eps, "eps")
+        if index == 0:
+            put(group, "weight_decay", spec.weight_decay, "weight_decay")
+    base_lrs = getattr(scheduler, "base_lrs", None)
+    if base_lrs is not None and any(base != spec.lr for base in base_lrs):
+        changed.append(f"optim.lr: {base_lrs[0]!r} → {spec.lr!r}")
+        scheduler.base_lrs = [spec.lr for _ in base_lrs]
+        for group in groups:
+            group["initial_lr"] = spec.lr
+    if base_lrs is not None and hasattr(scheduler, "lr_lambdas"):  # the current lr of the (possibly new) schedule
+        for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            lr = base * factor(scheduler.last_epoch)
+            if group["lr"] != lr:
+                group["lr"] = lr
+                scheduler._last_lr = [g["lr"] for g in groups]
+    # names without duplicates (every group reports the same betas / eps change)
+    return list(dict.fromkeys(changed))

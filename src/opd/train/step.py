@@ -125,6 +125,7 @@ class Scores:
 class Update:
     grad_norm: torch.Tensor  # before clipping
     loss_metrics: list[dict]  # per real micro-batch, detached
+    lr: float = 0.0  # the lr this update used (read before the schedule stepped)
 
 
 def opd_step(tr: Trainer) -> dict[str, float]:
@@ -354,11 +355,11 @@ def update_student(tr: Trainer, rollouts: Rollouts, targets: Targets, timings: d
             (loss * world).backward()
         tr.student.eval()
         _mark_memory(tr, "forward_backward")
-        grad_norm, stepped = clip_and_step(tr.student, tr.optimizer, tr.scheduler, cfg.optim.grad_clip)
+        grad_norm, stepped, lr = clip_and_step(tr.student, tr.optimizer, tr.scheduler, cfg.optim.grad_clip)
         tr.generator.sync_weights()
     tr.skipped_steps += 0 if stepped else 1
     _mark_memory(tr, "optimizer_step")
-    return Update(grad_norm, loss_metrics)
+    return Update(grad_norm, loss_metrics, lr)
 
 
 def step_metrics(
@@ -369,7 +370,7 @@ def step_metrics(
     rollouts, student, teacher, mask_BT = batch.rollouts, scores.student, scores.teacher, targets.mask
     out: dict[str, Any] = {
         "grad_norm": result.grad_norm,
-        "lr": tr.scheduler.get_last_lr()[0],
+        "lr": result.lr,
         "skipped_steps": tr.skipped_steps,
     }
     out.update(_sum_micro_metrics(result.loss_metrics))

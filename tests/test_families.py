@@ -1,0 +1,348 @@
+"""Model families beyond Llama/Qwen (issue 23): tiny random configs with their real attention features switched on
+(sliding windows short enough to bind, soft-capping, attention sinks), built here.
+
+Packed attention (`opd_varlen` over `cu_seq_lens`, the CPU reference path of the GPU's varlen kernel) must equal a
+padded plain HF forward; whatever it cannot compute (sinks, soft-capping) must be refused at load, never dropped."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
+from opd.forward import forward_hidden
+from opd.kernels import varlen_attention
+from opd.models import ModelLoadError, load_model
+from opd.rollout import SamplingParams, registry
+from opd.rollout.static_engine import StaticGenerator, unsupported_reason
+from opd.rollout.torch_engine import TorchGenerator
+from opd.types import Rollouts
+
+WINDOW = 4  # shorter than every test row but one, so the window binds
+LENGTHS = (13, 3, 9, 6)
+# fp32: packed (one SDPA call per row, banded mask) and padded (eager attention, [B, S, S] mask) sum the same terms
+# in a different order; measured differences are ~1e-6 nats at this size, 1e-4 leaves margin for other BLAS builds
+# while a dropped window / cross-row leak / dropped sink moves log-probs by ~0.1 or more
+ATOL = 1e-4
+
+COMMON = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.3,
+    pad_token_id=PAD_ID,
+    bos_token_id=None,
+    eos_token_id=EOS_ID,
+)
+TWO_KINDS = ["sliding_attention", "full_attention"]
+
+
+def family(name: str) -> torch.nn.Module:
+    """A random-weight fp32 CPU model of family `name` with its attention features on (windows of `WINDOW`)."""
+    builders = {
+        "gemma3": lambda: Gemma3ForCausalLM(
+            Gemma3TextConfig(**COMMON, head_dim=8, sliding_window=WINDOW, layer_types=TWO_KINDS)
+        ),
+        "mistral": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=WINDOW)),
+        "phi3": lambda: Phi3ForCausalLM(Phi3Config(**COMMON, sliding_window=WINDOW)),
+        "qwen2_window": lambda: Qwen2ForCausalLM(
+            Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+        ),
+        "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**COMMON, head_dim=8, sliding_window=WINDOW)),
+        "gpt_oss": lambda: GptOssForCausalLM(
+            GptOssConfig(
+                **COMMON,
+                head_dim=8,
+                sliding_window=WINDOW,
+                num_local_experts=2,
+                num_experts_per_tok=1,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            )
+        ),
+    }
+    torch.manual_seed(0)
+    return builders[name]().eval()
+
+
+WINDOWED = ["gemma3", "mistral", "phi3", "qwen2_window"]
+
+
+def _rows(seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 250, (n,), generator=generator) for n in LENGTHS]
+
+
+def padded_logprobs(model, rows) -> list[torch.Tensor]:
+    """Each row's [n, V] log-probs from one right-padded batch through the model's own (non-packed) attention."""
+    longest = max(len(r) for r in rows)
+    ids = torch.full((len(rows), longest), PAD_ID, device=rows[0].device)
+    mask = torch.zeros(len(rows), longest, dtype=torch.long, device=rows[0].device)
+    for b, r in enumerate(rows):
+        ids[b, : len(r)], mask[b, : len(r)] = r, 1
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+    return [logits[b, : len(r)].log_softmax(-1) for b, r in enumerate(rows)]
+
+
+def packed_logprobs(model, rows) -> list[torch.Tensor]:
+    """The same through one packed [1, Σ n] sequence (`varlen_attention.packed_kwargs`, as `opd.forward` packs)."""
+    lengths = torch.tensor([len(r) for r in rows], device=rows[0].device)
+    position_ids = torch.cat([torch.arange(len(r), device=rows[0].device) for r in rows])[None]
+    with torch.no_grad():
+        logits = (
+            model(
+                input_ids=torch.cat(rows)[None],
+                position_ids=position_ids,
+                use_cache=False,
+                **varlen_attention.packed_kwargs(lengths),
+            )
+            .logits[0]
+            .float()
+        )
+    return list(logits.log_softmax(-1).split(lengths.tolist()))
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_packed_rows_with_binding_sliding_windows_equal_the_padded_forward(name):
+    varlen_attention.register()
+    reference = family(name)
+    reference.set_attn_implementation("eager")
+    packed = copy.deepcopy(reference)
+    packed.set_attn_implementation(varlen_attention.ATTENTION)
+    rows = _rows()
+    want, got = padded_logprobs(reference, rows), packed_logprobs(packed, rows)
+    for w, g in zip(want, got):
+        assert torch.allclose(w, g, atol=ATOL, rtol=0), (w - g).abs().max()
+    # the window binds: without it the longest row's late positions differ by far more than ATOL
+    unwindowed = copy.deepcopy(reference)
+    unwindowed.config.sliding_window = 10**6
+    for layer in unwindowed.model.layers:
+        if getattr(layer.self_attn, "sliding_window", None) is not None:
+            layer.self_attn.sliding_window = 10**6
+    assert (padded_logprobs(unwindowed, rows)[0] - want[0]).abs().max() > 100 * ATOL
+
+
+def test_window_of_the_reference_path_is_transformers_sliding_window():
+    """Query q sees keys q - window < k ≤ q (transformers' `sliding_window_overlay`), against an explicit mask."""
+    torch.manual_seed(1)
+    q, k, v = torch.randn(10, 4, 8), torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    cu = torch.tensor([0, 7, 10], dtype=torch.int32)
+    got = varlen_attention.packed_causal_attention(q, k, v, cu, 7, window=3)
+    k4, v4 = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    for start, end in ((0, 7), (7, 10)):
+        n = end - start
+        scores = torch.einsum("qhd,khd->hqk", q[start:end], k4[start:end]) / 8**0.5
+        i = torch.arange(n)
+        visible = (i[None] <= i[:, None]) & (i[None] > i[:, None] - 3)
+        want = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v4[start:end])
+        assert torch.allclose(got[start:end], want, atol=1e-6)
+    # a window as long as the longest row is no window
+    assert torch.equal(
+        varlen_attention.packed_causal_attention(q, k, v, cu, 7, window=7),
+        varlen_attention.packed_causal_attention(q, k, v, cu, 7),
+    )
+
+
+@pytest.mark.parametrize(("name", "feature"), [("gemma2", "soft-capping"), ("gpt_oss", "sinks")])
+def test_opd_varlen_raises_on_sinks_and_softcap_rather_than_dropping_them(name, feature):
+    varlen_attention.register()
+    model = family(name)
+    assert feature in varlen_attention.refusal(model)
+    model.set_attn_implementation(varlen_attention.ATTENTION)
+    with pytest.raises(ValueError, match="does not compute"):  # unpacked forwards too: SDPA would drop them
+        padded_logprobs(model, _rows()[:2])
+
+
+def _saved(tmp_path, model):
+    model.save_pretrained(tmp_path)
+    make_tiny_tokenizer().save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("name", "feature"), [("gemma2", "attention logit soft-capping"), ("gpt_oss", "attention sinks")]
+)
+def test_loader_refuses_an_explicit_opd_varlen_for_sinks_and_softcap(tmp_path, name, feature):
+    path = _saved(tmp_path, family(name))
+    with pytest.raises(ModelLoadError, match=f"cannot run .* exactly: its {feature}") as error:
+        load_model(path, dtype="float32", device="cpu", attn_implementation=varlen_attention.ATTENTION)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "chosen"),
+    [
+        ("llama", varlen_attention.ATTENTION),
+        ("gemma3", varlen_attention.ATTENTION),
+        ("mistral", varlen_attention.ATTENTION),
+        ("phi3", varlen_attention.ATTENTION),
+        ("qwen2_window", varlen_attention.ATTENTION),
+        ("gemma2", "eager"),
+        ("gpt_oss", "eager"),
+    ],
+)
+def test_loader_choice_where_the_varlen_kernel_runs(tmp_path, monkeypatch, capsys, name, chosen):
+    """Where the kernel runs (as on CUDA), sdpa becomes opd_varlen unless a feature is not computed: then
+    transformers' own exact choice stays and one line names the feature."""
+    monkeypatch.setattr(varlen_attention, "kernel_available", lambda device: True)
+    model = make_tiny_model("llama") if name == "llama" else family(name)
+    model, _ = load_model(_saved(tmp_path, model), dtype="float32", device="cpu")
+    assert model.config._attn_implementation == chosen
+    lines = capsys.readouterr().err.splitlines()
+    notes = [line for line in lines if "no packed attention" in line]
+    assert len(notes) == (chosen != varlen_attention.ATTENTION)
+
+
+def test_loader_keeps_sdpa_for_binding_windows_when_the_kernel_has_none(tmp_path, monkeypatch, capsys):
+    """torch 2.10's varlen kernel has no window_size: windowed models stay on sdpa, saying so; a window that never
+    binds (≥ max_position_embeddings, Phi-3's 262,144) does not count."""
+    monkeypatch.setattr(varlen_attention, "kernel_available", lambda device: True)
+    monkeypatch.setattr(varlen_attention, "_VARLEN_PARAMETERS", frozenset({"scale", "is_causal"}))
+    model, _ = load_model(_saved(tmp_path / "a", family("mistral")), dtype="float32", device="cpu")
+    assert model.config._attn_implementation == "sdpa"
+    (note,) = [line for line in capsys.readouterr().err.splitlines() if "no packed attention" in line]
+    assert "sliding window (4 tokens)" in note
+    wide = family("phi3")
+    wide.config.sliding_window = wide.config.max_position_embeddings
+    model, _ = load_model(_saved(tmp_path / "b", wide), dtype="float32", device="cpu")
+    assert model.config._attn_implementation == varlen_attention.ATTENTION
+
+
+def _notes(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: engine auto")]
+
+
+def test_engine_auto_names_what_the_static_engine_cannot_run_and_static_refuses(monkeypatch, capsys):
+    """Where auto would pick the static engine (CUDA), a model it cannot run gets the torch engine with one line
+    naming the feature; engine 'static' refuses with that reason as a one-line ValueError."""
+    monkeypatch.setattr(registry, "_static_pays", lambda model: True)
+    tokenizer = make_tiny_tokenizer()
+    model = family("mistral")
+    generator = registry.make_generator(model, tokenizer, engine="auto")
+    assert isinstance(generator, TorchGenerator)
+    (note,) = _notes(capsys)
+    assert "the static engine cannot run MistralForCausalLM: sliding_window is 4" in note
+    assert note.endswith("using the torch engine (decoding will be slower)")
+    with pytest.raises(ValueError, match=r"^engine 'static' cannot run MistralForCausalLM: sliding_window is 4 ") as e:
+        registry.make_generator(model, tokenizer, engine="static")
+    assert "\n" not in str(e.value)
+    assert registry.resolve_engine("auto", make_tiny_model("llama")) == "static"
+    assert _notes(capsys) == []
+
+
+def _llama_with_rope(rope: dict) -> torch.nn.Module:
+    half = COMMON["hidden_size"] // COMMON["num_attention_heads"] // 2
+    extra = {"short_factor": [1.0] * half, "long_factor": [4.0] * half} if rope["rope_type"] == "longrope" else {}
+    config = LlamaConfig(**COMMON, rope_parameters={"rope_theta": 10000.0, **rope, **extra})
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(
+    ("rope", "reason"),
+    [
+        ({"rope_type": "longrope", "original_max_position_embeddings": 64}, "rope_type 'longrope' changes cos/sin"),
+        ({"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' changes cos/sin"),
+        ({"rope_type": "default"}, None),
+        ({"rope_type": "linear", "factor": 2.0}, None),
+        (
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            None,
+        ),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}, None),
+    ],
+)
+def test_static_engine_refuses_length_dependent_rope_by_name(rope, reason):
+    found = unsupported_reason(_llama_with_rope(rope))
+    assert found == reason if reason is None else reason in found
+
+
+def _mistral(sliding_window: int | None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(**COMMON, sliding_window=sliding_window)).eval()
+
+
+def test_static_engine_runs_the_mistral_layout_without_a_window_and_matches_the_torch_engine():
+    """Mistral v0.3 / Small / Nemo: Llama's layout with sliding_window None. Greedy tokens equal, log-probs within
+    fp32 rounding (the same 1e-4 as tests/test_static_engine.py)."""
+    model = _mistral(None)
+    assert unsupported_reason(model) is None
+    common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
+    reference, static = TorchGenerator(model, **common), StaticGenerator(model, kv_bucket=16, **common)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=24, return_logprobs=True)
+    prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
+    want, got = reference.generate(prompts, params), static.generate(prompts, params)
+    assert got.response_ids == want.response_ids
+    assert got.finish_reasons == want.finish_reasons
+    for lps_want, lps_got in zip(want.logprobs, got.logprobs):
+        assert torch.allclose(torch.tensor(lps_got), torch.tensor(lps_want), atol=1e-4)
+
+
+def test_static_engine_refuses_a_mistral_sliding_window_by_value():
+    assert (
+        unsupported_reason(_mistral(WINDOW))
+        == f"sliding_window is {WINDOW} (the decode step attends to every cached token)"
+    )
+
+
+def _ragged_rollouts(prompt_lens, response_lens, width: int) -> Rollouts:
+    """Right-padded prompt + response rows of random ids, `response_lens[b]` response tokens in a `width` grid."""
+    generator = torch.Generator().manual_seed(3)
+    rows, longest = len(prompt_lens), max(prompt_lens) + width
+    input_ids, attention = torch.full((rows, longest), PAD_ID), torch.zeros(rows, longest, dtype=torch.bool)
+    response_ids, response_mask = torch.full((rows, width), PAD_ID), torch.zeros(rows, width, dtype=torch.bool)
+    for b, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        ids = torch.randint(1, 250, (p + r,), generator=generator)
+        input_ids[b, : p + r], attention[b, : p + r] = ids, True
+        response_ids[b, :r], response_mask[b, :r] = ids[p:], True
+    return Rollouts(
+        input_ids,
+        attention,
+        torch.tensor(prompt_lens),
+        response_ids,
+        response_mask,
+        torch.arange(rows),
+        torch.zeros(rows, dtype=torch.bool),
+    )
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_scorer_forward_packs_windowed_rows_as_the_padded_forward(name):
+    """`opd.forward.forward_hidden`, the scorer's and trainer's forward: its packed layout on opd_varlen equals the
+    padded layout on eager attention, rows of different lengths (windows binding)."""
+    varlen_attention.register()
+    reference = family(name)
+    reference.set_attn_implementation("eager")
+    packed = copy.deepcopy(reference)
+    packed.set_attn_implementation(varlen_attention.ATTENTION)
+    rollouts = _ragged_rollouts([5, 3, 8], [9, 2, 5], 9)
+    want = forward_hidden(reference, rollouts, packing="padded").hidden_ND
+    got = forward_hidden(packed, rollouts, packing="auto")  # auto: this much padding packs
+    torch.testing.assert_close(got.hidden_ND, want, atol=ATOL, rtol=0)

@@ -192,8 +192,10 @@ def score_rollouts(tr: Trainer, batch: Batch, timings: dict, device: torch.devic
             ).sampled_logprobs
         )
     teacher = student_at_teacher_BTK = None
-    with timed(timings, "teacher"):
-        teacher_call = _start_teachers(tr, batch, student, diag_k, device)
+    teacher_call = None
+    if tr.teacher_scorer is not None or tr.teachers:  # no time/teacher without a teacher (GRPO), as before
+        with timed(timings, "teacher"):
+            teacher_call = _start_teachers(tr, batch, student, diag_k, device)
     texts, correct = _grade_rollouts(tr, rollouts, batch.indices)
     if teacher_call is not None:
         with timed(timings, "teacher"):

@@ -174,6 +174,87 @@ def _as_teacher_spec(value: Any) -> Any:
 Teacher = Annotated[TeacherSpec, BeforeValidator(_as_teacher_spec)]
 
 
+def _as_strings(value: Any) -> Any:
+    """Route values compare as strings (a YAML `2` matches a column value 2 or "2"); one value may stand alone."""
+    if value is None:
+        return None
+    values = value if isinstance(value, list) else [value]
+    return [str(v) for v in values]
+
+
+RouteValues = Annotated[list[str] | None, BeforeValidator(_as_strings)]
+
+
+STUDENT_INIT = "student_init"
+"""`teachers[i].path` that makes the student's initial weights (student.path) the teacher."""
+
+
+class TeacherRoute(Section):
+    """Which prompts a teacher of `teachers:` scores: one of `data_source: [values]` (the prompt set's data_source
+    column), `route_key: column` with `values: [...]` (any column, dotted keys reach into structs), or `default: true`
+    (every prompt no other route takes)."""
+
+    data_source: RouteValues = Field(None, description="The data_source values this teacher scores.")
+    route_key: str | None = Field(None, description="A column of the prompt set; with values.")
+    values: RouteValues = Field(None, description="The route_key values this teacher scores.")
+    default: bool = Field(False, description="Score every prompt that no other teacher's route matches.")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> TeacherRoute:
+        forms = [self.data_source is not None, self.route_key is not None, self.default]
+        if sum(forms) != 1:
+            raise ValueError(
+                "a route is one of data_source: [values], route_key: column + values: [...], default: true"
+            )
+        if (self.route_key is None) != (self.values is None):
+            raise ValueError("route_key and values go together: route_key: column, values: [...]")
+        return self
+
+    def describe(self) -> str:
+        """The route in one short phrase (startup table, errors)."""
+        if self.default:
+            return "default"
+        if self.data_source is not None:
+            return f"data_source in {self.data_source}"
+        return f"{self.route_key} in {self.values}"
+
+
+class TeacherView(Section):
+    """What a teacher sees beyond the student's prompt: a context column (e.g. the reference solution) appended to
+    the last user message for this teacher only. The response token ids stay the student's."""
+
+    context_key: str = Field(
+        description="Column with the teacher-only context (dotted keys reach into structs; `answer`: the prompt's "
+        "ground truth)."
+    )
+    context_template: str = Field(
+        "\n\n{context}", description="How the context is appended to the teacher's user message; holds {context}."
+    )
+
+    @model_validator(mode="after")
+    def _has_placeholder(self) -> TeacherView:
+        if "{context}" not in self.context_template:
+            raise ValueError(f"view.context_template must hold {{context}}, got {self.context_template!r}")
+        return self
+
+
+class TeacherEntry(TeacherSpec):
+    """One teacher of `teachers:`: a model as `teacher:` has it (path, url or engine; dtype, device), a name, its
+    own temperature and offload, and the route of the prompts it scores."""
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9_.-]+$", description="Names the teacher in metrics (teacher/<name>/...) and messages."
+    )
+    temperature: float | None = Field(
+        None, gt=0.0, description="τ_T of this teacher; None: objective.teacher_temperature."
+    )
+    offload: bool | None = Field(
+        None, description="Keep this teacher on CPU except while it scores; None: teacher_offload."
+    )
+    route: TeacherRoute | None = Field(None, description="The prompts it scores; None only for a single teacher (all).")
+    view: TeacherView | None = Field(None, description="Teacher-only context appended to its prompt; None: none.")
+
+
 class DataSpec(Section):
     """A prompt set and how to read and render it."""
 
@@ -570,6 +651,11 @@ class DistillConfig(Section):
     teacher: Teacher | None = Field(
         None, description="The teacher (local `path` or served `url`); not needed for advantage=grpo."
     )
+    teachers: list[TeacherEntry] = Field(
+        default_factory=list,
+        description="Several teachers, each scoring the prompts its route matches (every prompt exactly one "
+        "teacher); the single `teacher:` is the one-teacher form.",
+    )
     data: DataSpec
     rollout: SamplingSpec = Field(default_factory=SamplingSpec)
     objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
@@ -608,10 +694,55 @@ class DistillConfig(Section):
     # Cross-field checks that need only the config: they fail at load time, before any model is read. Checks that need
     # the number of processes or the data stay in `opd.recipes.distill.setup`, and so does the micro-batch budget
     # against data.max_prompt_length (configs built in code, e.g. the benchmarks', leave that length nominal).
+    def teacher_entries(self) -> list[TeacherEntry]:
+        """The run's teachers as a list: `teachers:`, or the single `teacher:` as a one-element list (name
+        "teacher", every prompt), or none. Temperature and offload are resolved from the objective and
+        teacher_offload where an entry leaves them None."""
+        if self.teachers:
+            entries = self.teachers
+        elif self.teacher is not None:
+            entries = [TeacherEntry(name="teacher", **self.teacher.model_dump(exclude_unset=True))]
+        else:
+            return []
+        return [
+            entry.model_copy(
+                update={
+                    "temperature": self.objective.teacher_temperature
+                    if entry.temperature is None
+                    else entry.temperature,
+                    "offload": self.teacher_offload if entry.offload is None else entry.offload,
+                    "route": entry.route or TeacherRoute(default=True),
+                    # the student's frozen initial weights as the teacher (self-distillation)
+                    "path": self.student.path if entry.path == STUDENT_INIT else entry.path,
+                }
+            )
+            for entry in entries
+        ]
+
+    @model_validator(mode="after")
+    def _teachers_fit(self) -> DistillConfig:
+        if self.teachers and self.teacher is not None:
+            raise ValueError("give teacher (one teacher) or teachers (a list), not both")
+        names = [t.name for t in self.teachers]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"teachers: the name {name!r} is given twice; each teacher needs its own name")
+        if len(self.teachers) > 1:
+            for index, entry in enumerate(self.teachers):
+                if entry.route is None:
+                    raise ValueError(
+                        f"teachers[{index}] ({entry.name}) needs a route: data_source: [...], route_key + values, "
+                        f"or default: true"
+                    )
+        defaults = [t.name for t in self.teachers if t.route is not None and t.route.default]
+        if len(defaults) > 1:
+            raise ValueError(f"teachers: {', '.join(defaults)} are all default; at most one teacher is the default")
+        return self
+
     @model_validator(mode="after")
     def _objective_fits(self) -> DistillConfig:
         obj = self.objective
-        if obj.advantage != "grpo" and self.teacher is None:
+        if obj.advantage != "grpo" and self.teacher is None and not self.teachers:
             raise ValueError(
                 f"objective.advantage={obj.advantage} needs a teacher: pass --teacher (or teacher.path=...)"
             )

@@ -25,6 +25,7 @@ from opd.check import preflight
 from opd.config import DistillConfig
 from opd.data.prompts import load_prompts
 from opd.data.templates import EncodedPrompts, encode_prompts
+from opd.eval.sampling import model_fingerprint
 from opd.models import check_tokenizer_compatibility, compile_layers, load_model, load_tokenizer, resolve_device
 from opd.report.sinks import progress_bar
 from opd.rollout import Generator, make_generator
@@ -33,7 +34,15 @@ from opd.rollout.vllm_engine import EngineOptions, vllm_available
 from opd.rundir import claimed_run_dir, open_run, resume_checkpoint, run_directory
 from opd.teacher.base import TeacherScorer
 from opd.teacher.local import LocalScorer
-from opd.teacher.registry import check_teacher_serves, check_teacher_tokenizer, load_teacher
+from opd.teacher.registry import (
+    RoutedTeacher,
+    check_teacher_serves,
+    check_teacher_tokenizer,
+    load_teacher,
+    resolve_scorer,
+    route_prompts,
+    view_prompts,
+)
 from opd.train.checkpoint import save_checkpoint
 from opd.train.common import (
     autocast,
@@ -187,6 +196,7 @@ def save(tr: Trainer) -> Path:
         data_fingerprint=_prompt_fingerprint(tr),
     )
     state["optimizer"] = full_optimizer_state_dict(tr.student, tr.optimizer, tr.dist)
+    state["teachers"] = tr.teacher_manifest  # `--resume` refuses another teacher set (check_teacher_manifest)
     path = tr.run_dir / "checkpoints" / f"step_{tr.step}"
     if tr.dist.is_main:
         path = save_checkpoint(
@@ -219,6 +229,7 @@ class Models:
     student_scorer: LocalScorer
     teacher: torch.nn.Module | None  # the in-process teacher module; None when served or scored by vLLM
     teacher_scorer: TeacherScorer | None
+    teachers: list[RoutedTeacher]  # every teacher (config.teacher_entries()); teacher / teacher_scorer: the first's
 
 
 def setup(
@@ -236,7 +247,11 @@ def setup(
     student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
     check_teacher_and_engine(config, student_tokenizer, console)
     data = load_data(config, student_tokenizer, console)
+    prompt_teacher = route_teachers(config, data, console)  # before any model loads: an unrouted prompt fails now
+    views = teacher_views(config, data, prompt_teacher, student_tokenizer)
     models = load_models(config, checkpoint, student_tokenizer, dist)
+    for routed, view_ids in zip(models.teachers, views):
+        routed.prompt_ids = view_ids
     check_context(config, models)
     generator, rollout_model, rollout_generator = build_engines(config, models, dist)
     startup_checks(config, models, generator, data, student_tokenizer, dist, console)
@@ -265,6 +280,9 @@ def setup(
         activation_budget=budget,
         rollout_model=rollout_model,
         rollout_generator=rollout_generator,
+        teachers=models.teachers,
+        prompt_teacher=prompt_teacher,
+        teacher_manifest=teacher_manifest(models.teachers),
     )
     resume_step = resume(tr, checkpoint, console)
     if dist.is_main:  # rank 0 writes the run directory
@@ -305,7 +323,8 @@ def check_context(config: DistillConfig, models: Models) -> None:
     an in-process teacher): beyond it the positions are ones the models never saw, and nothing says so."""
     new = config.rollout.max_new_tokens
     longest = config.data.max_prompt_length + new
-    for name, module in (("student", models.student), ("teacher", models.teacher)):
+    teachers = [(f"teacher {t.name}", t.teacher.module) for t in models.teachers] if len(models.teachers) > 1 else []
+    for name, module in (("student", models.student), ("teacher", models.teacher), *teachers):
         context = getattr(getattr(module, "config", None), "max_position_embeddings", None)
         if isinstance(context, int) and new >= context:
             raise ValueError(
@@ -318,9 +337,9 @@ def check_context(config: DistillConfig, models: Models) -> None:
 def check_teacher_and_engine(config: DistillConfig, student_tokenizer: Any, console: Any) -> None:
     """The teacher's tokenizer matches the student's and it serves what the objective asks; a vLLM rollout engine is
     installed and its log-probs fit the objective."""
-    if config.teacher is not None:
-        check_teacher_tokenizer(config.teacher, student_tokenizer)
-        check_teacher_serves(config.teacher, config.objective)
+    for entry in config.teacher_entries():
+        check_teacher_tokenizer(entry, student_tokenizer)
+        check_teacher_serves(entry, config.objective)
     if config.rollout.engine != "vllm":
         return
     if not vllm_available():
@@ -413,20 +432,33 @@ def load_models(config: DistillConfig, checkpoint: Path | None, student_tokenize
     vocab = check_tokenizer_compatibility(
         tokenizer, tokenizer, student_vocab_size=student_rows, teacher_vocab_size=student_rows
     )
-    teacher = teacher_scorer = None
-    if config.teacher is not None:
+    teachers: list[RoutedTeacher] = []
+    for entry in config.teacher_entries():
         loaded = load_teacher(
-            config.teacher,
+            entry,
             student_tokenizer=student_tokenizer,
             student_rows=student_rows,
             student_device=device,
             world_size=dist.world_size,
-            offload=config.teacher_offload,
+            offload=bool(entry.offload),
             max_tokens_per_batch=config.score_batch_tokens,
             objective=config.objective,
             max_batch_size=config.rollout.batch_size,
         )
-        teacher, teacher_scorer, vocab = loaded.module, loaded.scorer, loaded.vocab
+        if teachers and loaded.vocab.tokenizer_size != vocab.tokenizer_size:
+            raise ValueError(
+                f"teachers: {entry.name} has {loaded.vocab.tokenizer_size} tokens, {teachers[0].name} "
+                f"{vocab.tokenizer_size}; every teacher shares the student's tokenizer"
+            )
+        if teachers and loaded.scorer.serves_requested_ids != teachers[0].teacher.scorer.serves_requested_ids:
+            raise ValueError(
+                f"teachers: {entry.name} and {teachers[0].name} differ in scoring the student's top-k (a vLLM "
+                f"teacher scores only its own); use one kind of scorer for every teacher"
+            )
+        vocab = loaded.vocab
+        teachers.append(RoutedTeacher(entry, loaded))
+    teacher = teachers[0].teacher.module if teachers else None
+    teacher_scorer = teachers[0].teacher.scorer if teachers else None
     # ids beyond the tokenizer are embedding padding rows: never sampled, never a top-k candidate (SPEC §1)
     vocab_size = vocab.tokenizer_size
     shard_model(student, dist)  # FSDP2 (no-op for one process); the optimizer sees the sharded parameters
@@ -448,6 +480,7 @@ def load_models(config: DistillConfig, checkpoint: Path | None, student_tokenize
         student_scorer=student_scorer,
         teacher=teacher,
         teacher_scorer=teacher_scorer,
+        teachers=teachers,
     )
 
 
@@ -500,9 +533,9 @@ def startup_checks(
 ) -> None:
     """`opd check`'s tokenizers, scoring and resources rows on the loaded models; raises on a hard failure."""
     teacher_tokenizer = None  # a served or vLLM teacher has no module here: its tokenizer was compared already
-    if models.teacher is not None:
-        teacher = config.teacher
-        assert teacher is not None and teacher.path is not None  # a teacher module is loaded from teacher.path
+    if models.teacher is not None:  # the startup rows check the first teacher
+        teacher = models.teachers[0].entry
+        assert teacher.path is not None  # a teacher module is loaded from teacher.path
         teacher_tokenizer = load_tokenizer(teacher.path, trust_remote_code=teacher.trust_remote_code)
     preflight(
         config,
@@ -529,8 +562,9 @@ def configure_memory(config: DistillConfig, models: Models, dist: DistInfo) -> f
     compiled = False
     if dist.world_size == 1 or config.compile:  # FSDP2 + compile untested: only when asked for
         compiled = compile_layers(models.student, config.compile)
-        if models.teacher is not None:  # an offloaded teacher runs only on the GPU too (`on_device`)
-            compile_layers(models.teacher, config.compile)
+        for routed in models.teachers:  # an offloaded teacher runs only on the GPU too (`on_device`)
+            if routed.teacher.module is not None:
+                compile_layers(routed.teacher.module, config.compile)
     auto_full = config.gradient_checkpointing is None and models.device.type == "cuda" and not compiled
     if config.gradient_checkpointing or auto_full:
         models.student.gradient_checkpointing_enable()
@@ -600,6 +634,7 @@ def resume(tr: Trainer, checkpoint: Path | None, console: Any) -> int | None:
         checkpoint=checkpoint,
         console=console,
     )
+    check_teacher_manifest(state.get("teachers"), tr.teacher_manifest, checkpoint)
     tr.step, tr.skipped_steps, tr.history = state["step"], state["skipped_steps"], state["history"]
     if tr.ahead is not None:  # the rollouts generated for the next step, from weights no longer saved
         tr.ahead.load_state_dict(state.get("pending_rollouts"))
@@ -639,3 +674,99 @@ def _world_size_change(state: dict, dist: DistInfo) -> str:
         f"sums over ranks regrouped (results differ from an uninterrupted run at float rounding level; sampled "
         f"rollouts differ too, each rank drawing with its own seed)"
     )
+
+
+# ------------------------------------------------------------------------------------------------- teachers
+
+
+def route_teachers(config: DistillConfig, data: EncodedPrompts, console: Any) -> list[int]:
+    """Every prompt's teacher (an index into `config.teacher_entries()`), checked before any model loads; with
+    several teachers the routing table (prompts per teacher, route, placement) is printed."""
+    entries = config.teacher_entries()
+    if not entries:
+        return []
+    routes = route_prompts(data.prompts, entries)
+    if console is not None and len(entries) > 1:
+        for index, entry in enumerate(entries):
+            assert entry.route is not None  # teacher_entries() gives every entry its route
+            console.print(
+                f"teacher {entry.name}: {routes.count(index)} of {len(routes)} prompts ({entry.route.describe()}), "
+                f"{_placement(entry)}",
+                soft_wrap=True,
+            )
+    return routes
+
+
+def teacher_views(
+    config: DistillConfig, data: EncodedPrompts, routes: list[int], tokenizer: Any
+) -> list[list[list[int]] | None]:
+    """Per teacher: with a `view`, every prompt's token ids as that teacher sees it (its context appended to the
+    prompts routed to it, rendered like the student's); None without one (it scores the student's prompt ids)."""
+    out: list[list[list[int]] | None] = []
+    for index, entry in enumerate(config.teacher_entries()):
+        if entry.view is None:
+            out.append(None)
+            continue
+        prompts = view_prompts(data.prompts, entry, [r == index for r in routes])
+        encoded = encode_prompts(
+            tokenizer,
+            prompts,
+            max_prompt_length=1 << 30,  # the teacher's context may take its prompt past data.max_prompt_length
+            enable_thinking=config.data.enable_thinking,
+        )
+        out.append(encoded.input_ids)
+    return out
+
+
+def _placement(entry: Any) -> str:
+    scorer = resolve_scorer(entry)
+    if scorer == "served":
+        return f"served by {entry.url}"
+    where = "CPU, moved to the GPU while it scores" if entry.offload else f"device {entry.device}"
+    return f"{scorer} {entry.path} on {where}"
+
+
+def teacher_manifest(teachers: list[RoutedTeacher]) -> list[dict]:
+    """What a checkpoint records of its teachers: name, model (path or url, and a fingerprint: the local files'
+    hash, or a served teacher's /info), route, temperature."""
+    out = []
+    for routed in teachers:
+        entry = routed.entry
+        info = getattr(routed.teacher.scorer, "info", None)
+        if resolve_scorer(entry) == "served" and isinstance(info, dict):
+            keys = ("model", "vocab_hash", "chat_template_hash", "vocab_size", "dtype")
+            fingerprint = "/info " + ",".join(f"{k}={info[k]}" for k in keys if k in info)
+        else:
+            fingerprint = model_fingerprint(str(entry.path)) or str(entry.path)
+        assert entry.route is not None
+        out.append(
+            {
+                "name": entry.name,
+                "model": str(entry.url if entry.url is not None else entry.path),
+                "fingerprint": fingerprint,
+                "route": entry.route.describe(),
+                "temperature": entry.temperature,
+                "view": None if entry.view is None else entry.view.model_dump(),
+            }
+        )
+    return out
+
+
+def check_teacher_manifest(saved: list[dict] | None, current: list[dict], checkpoint: Path) -> None:
+    """Refuse to resume `checkpoint` with another teacher set, route or model than it was trained with (one line
+    naming what changed). A checkpoint written before manifests existed has none: nothing to compare."""
+    if saved is None:
+        return
+    old, new = {t["name"]: t for t in saved}, {t["name"]: t for t in current}
+    if old.keys() != new.keys():
+        raise ValueError(
+            f"--resume: {checkpoint} was trained with teachers {sorted(old)}, this run has {sorted(new)}; resume "
+            f"with the same teachers, or start another run.name"
+        )
+    for name, was in old.items():
+        for key in ("model", "fingerprint", "route", "temperature", "view"):
+            if was.get(key) != new[name].get(key):
+                raise ValueError(
+                    f"--resume: teacher {name}'s {key} changed since {checkpoint} ({was.get(key)} → "
+                    f"{new[name].get(key)}); resume with the same teacher, or start another run.name"
+                )

@@ -17,7 +17,8 @@ from typing import Any, get_args
 
 import torch
 
-from opd.config import ModelSpec
+from opd.config import ModelSpec, TeacherEntry, TeacherRoute
+from opd.data.prompts import MISSING, get_field
 from opd.models import check_tokenizer_compatibility, load_model, load_tokenizer, resolve_device, resolve_dtype
 from opd.names import TeacherEngineName
 from opd.objectives.diagnostics import diagnostic_top_k
@@ -26,6 +27,7 @@ from opd.teacher.base import TeacherScorer
 from opd.teacher.client import remote_scorer
 from opd.teacher.local import LocalScorer
 from opd.teacher.vllm_scorer import VLLMScorer, check_objective
+from opd.types import Prompt
 
 
 @dataclass
@@ -68,6 +70,87 @@ class TeacherRequest:
     max_tokens_per_batch: int = 32768
     objective: Any = None
     max_batch_size: int = 256
+
+
+@dataclass
+class RoutedTeacher:
+    """One teacher of a run (`DistillConfig.teacher_entries`), ready: its entry (name, route, temperature, offload)
+    and the loaded `Teacher`."""
+
+    entry: TeacherEntry
+    teacher: Teacher
+    prompt_ids: list[list[int]] | None = None  # with a view: every prompt's ids as this teacher sees it
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+
+def route_prompts(prompts: list[Prompt], entries: list[TeacherEntry]) -> list[int]:
+    """The index into `entries` of the teacher of every prompt: the one whose route matches it, else the default
+    one. A prompt that no route matches (and no default), or that two routes match, is a one-line error naming the
+    prompt and the routes."""
+    default = [i for i, e in enumerate(entries) if e.route is None or e.route.default]
+    routes = "; ".join(f"{e.name}: {(e.route or TeacherRoute(default=True)).describe()}" for e in entries)
+    out = []
+    for prompt in prompts:
+        matched = [i for i, e in enumerate(entries) if e.route is not None and _matches(e.route, prompt)]
+        if len(matched) > 1:
+            raise ValueError(
+                f"prompt {prompt.id} matches the routes of {' and '.join(entries[i].name for i in matched)} "
+                f"(routes: {routes}); give every prompt exactly one teacher"
+            )
+        if not matched and not default:
+            raise ValueError(
+                f"prompt {prompt.id} (data_source {prompt.source!r}) matches no teacher's route (routes: {routes}); "
+                f"add its value to a route or give one teacher route: {{default: true}}"
+            )
+        out.append(matched[0] if matched else default[0])
+    return out
+
+
+def view_prompts(prompts: list[Prompt], entry: TeacherEntry, mine: list[bool]) -> list[Prompt]:
+    """The prompts as `entry`'s view shows them: its context column appended to the last user message of every
+    prompt routed to it (`mine`); the others unchanged. A routed prompt without the context is a one-line error."""
+    view = entry.view
+    if view is None:
+        return prompts
+    out = []
+    for prompt, routed in zip(prompts, mine):
+        if not routed:
+            out.append(prompt)
+            continue
+        value = prompt.answer if view.context_key == "answer" else get_field(prompt.meta, view.context_key)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is MISSING or value is None or not str(value).strip():
+            raise ValueError(
+                f"prompt {prompt.id} has no {view.context_key!r} for teacher {entry.name}'s view "
+                f"(view.context_key); give every prompt routed to it that column"
+            )
+        messages = [dict(m) for m in prompt.messages]
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=len(messages) - 1)
+        messages[last]["content"] = messages[last].get("content", "") + view.context_template.format(context=value)
+        out.append(Prompt(prompt.id, messages, prompt.answer, prompt.source, dict(prompt.meta)))
+    return out
+
+
+def route_value(route: TeacherRoute, prompt: Prompt) -> str | None:
+    """The value of the prompt's column that `route` reads, as a string (None when the prompt has no such column)."""
+    key = "data_source" if route.data_source is not None else route.route_key
+    if key == "data_source":
+        return prompt.source
+    if key == "id":
+        return prompt.id
+    value = get_field(prompt.meta, str(key))
+    return None if value is MISSING or value is None else str(value)
+
+
+def _matches(route: TeacherRoute, prompt: Prompt) -> bool:
+    if route.default:
+        return False
+    values = route.data_source if route.data_source is not None else route.values
+    return route_value(route, prompt) in (values or [])
 
 
 def scorer_names() -> list[str]:

@@ -11,7 +11,8 @@ Omitted on purpose: PPO mini-batch epochs (the paper makes one optimizer step pe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from opd.rollout.batch import build_rollouts
 from opd.scoring import candidate_logprobs_and_entropy
 from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
 from opd.teacher.base import TeacherScorer, start_scoring
+from opd.teacher.registry import RoutedTeacher
 from opd.train.common import autocast, timed
 from opd.train.distributed import SINGLE, DistInfo, all_reduce_sum, gathered, max_over_ranks, reduce_metrics
 from opd.train.optim import clip_and_step
@@ -81,6 +83,11 @@ class Trainer:
     rollout_generator: Generator | None = None
     # benchmarks: a list → each step appends CUDA memory (allocated / peak since the last mark, GiB) after each phase
     memory_trace: list | None = None
+    # several teachers (`teachers:`; one for `teacher:`): each scores the rows of the prompts routed to it, the index
+    # into `teachers` of every prompt's teacher in `prompt_teacher`; empty: `teacher` / `teacher_scorer` alone
+    teachers: list[RoutedTeacher] = field(default_factory=list)
+    prompt_teacher: list[int] = field(default_factory=list)
+    teacher_manifest: list[dict] = field(default_factory=list)  # what checkpoints record of the teachers
     ahead: AheadGenerator | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -184,21 +191,15 @@ def score_rollouts(tr: Trainer, batch: Batch, timings: dict, device: torch.devic
                 rollouts, top_k=0, temperature=cfg.rollout.temperature, with_entropy=False
             ).sampled_logprobs
         )
-    teacher = student_at_teacher_BTK = teacher_call = None
-    if tr.teacher_scorer is not None:
-        with timed(timings, "teacher"), on_device(tr.teacher, device if cfg.teacher_offload else None):
-            serves_ids = tr.teacher_scorer.serves_requested_ids  # vLLM: only its own top-k
-            teacher_call = start_scoring(
-                tr.teacher_scorer,
-                rollouts,
-                top_k=diag_k,
-                requested_ids=student.topk_ids if serves_ids else None,
-                temperature=obj.teacher_temperature,
-            )
+    teacher = student_at_teacher_BTK = None
+    teacher_call = None
+    if tr.teacher_scorer is not None or tr.teachers:  # no time/teacher without a teacher (GRPO), as before
+        with timed(timings, "teacher"):
+            teacher_call = _start_teachers(tr, batch, student, diag_k, device)
     texts, correct = _grade_rollouts(tr, rollouts, batch.indices)
     if teacher_call is not None:
         with timed(timings, "teacher"):
-            teacher = teacher_call.result()
+            teacher = teacher_call()
         if obj.top_k and strategy_spec(obj.strategy).teacher_slots:
             with timed(timings, "student"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
                 student_at_teacher_BTK = tr.student_scorer.score(
@@ -210,6 +211,90 @@ def score_rollouts(tr: Trainer, batch: Batch, timings: dict, device: torch.devic
                 ).requested_logprobs
     _mark_memory(tr, "scoring")
     return Scores(student, reference_BT, teacher, student_at_teacher_BTK, texts, correct)
+
+
+def _start_teachers(
+    tr: Trainer, batch: Batch, student: TokenScores, top_k: int, device: torch.device
+) -> Callable[[], TokenScores] | None:
+    """Begin every teacher's scoring of its rows (served teachers all send before any result is awaited, so they
+    overlap each other and the grading); returns what waits for them and puts their scores back in row order. One
+    teacher scores the whole batch, exactly as without routing."""
+    cfg, rollouts = tr.config, batch.rollouts
+    if len(tr.teachers) <= 1 and not any(t.prompt_ids is not None for t in tr.teachers):
+        if tr.teacher_scorer is None:
+            return None
+        entry = tr.teachers[0].entry if tr.teachers else None
+        temperature = cfg.objective.teacher_temperature if entry is None else entry.temperature
+        offload = cfg.teacher_offload if entry is None else entry.offload
+        with on_device(tr.teacher, device if offload else None):
+            serves_ids = tr.teacher_scorer.serves_requested_ids  # vLLM: only its own top-k
+            call = start_scoring(
+                tr.teacher_scorer,
+                rollouts,
+                top_k=top_k,
+                requested_ids=student.topk_ids if serves_ids else None,
+                temperature=temperature,
+            )
+        return call.result
+    row_teacher = row_teachers(tr, batch)
+    calls = []
+    for index, routed in enumerate(tr.teachers):
+        rows = [row for row, t in enumerate(row_teacher) if t == index]
+        if not rows:
+            continue
+        rows_R = torch.tensor(rows, dtype=torch.long, device=rollouts.input_ids.device)
+        scorer, mine = routed.teacher.scorer, rollouts.select(rows_R)
+        if routed.prompt_ids is not None:  # its view: its own prompt ids before the same response ids
+            views = routed.prompt_ids
+            mine = _with_prompts(mine, [views[batch.indices[g]] for g in mine.group_ids.tolist()], tr.tokenizer)
+        with on_device(routed.teacher.module, device if routed.entry.offload else None):
+            call = start_scoring(
+                scorer,
+                mine,
+                top_k=top_k,
+                requested_ids=student.topk_ids[rows_R] if scorer.serves_requested_ids else None,
+                temperature=routed.entry.temperature,
+            )
+        calls.append((rows_R, call))
+    return lambda: _in_row_order([(rows, call.result()) for rows, call in calls], rollouts.batch_size)
+
+
+def _with_prompts(rollouts: Rollouts, prompt_ids: list[list[int]], tokenizer: Any) -> Rollouts:
+    """`rollouts` with row b's prompt replaced by `prompt_ids[b]`: the response ids and mask unchanged, the scores
+    taken at the new prompt lengths (`Rollouts.response_positions`)."""
+    lengths = rollouts.response_mask.sum(-1).tolist()
+    width = max((len(p) + r for p, r in zip(prompt_ids, lengths)), default=0)
+    device = rollouts.input_ids.device
+    input_ids_BL = torch.full((rollouts.batch_size, width), tokenizer.pad_token_id, dtype=torch.long, device=device)
+    attention_BL = torch.zeros((rollouts.batch_size, width), dtype=torch.bool, device=device)
+    for b, (prompt, length) in enumerate(zip(prompt_ids, lengths)):
+        p = len(prompt)
+        input_ids_BL[b, :p] = torch.tensor(prompt, dtype=torch.long, device=device)
+        input_ids_BL[b, p : p + length] = rollouts.response_ids[b, :length]
+        attention_BL[b, : p + length] = True
+    lengths_B = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long, device=device)
+    return replace(rollouts, input_ids=input_ids_BL, attention_mask=attention_BL, prompt_lengths=lengths_B)
+
+
+def row_teachers(tr: Trainer, batch: Batch) -> list[int]:
+    """The index into `tr.teachers` of the teacher of every rollout row of `batch` (its prompt's teacher)."""
+    return [tr.prompt_teacher[batch.indices[g]] for g in batch.rollouts.group_ids.tolist()]
+
+
+def _in_row_order(parts: list[tuple[torch.Tensor, TokenScores]], batch_size: int) -> TokenScores:
+    """One `TokenScores` of `batch_size` rows from the scores of disjoint row groups (rows, scores)."""
+    out: dict[str, torch.Tensor | None] = {}
+    for name in (f.name for f in fields(TokenScores)):
+        tensors = [getattr(scores, name) for _, scores in parts]
+        if any(t is None for t in tensors):
+            out[name] = None
+            continue
+        first = tensors[0]
+        full = first.new_zeros((batch_size, *first.shape[1:]))
+        for (rows, _), tensor in zip(parts, tensors):
+            full[rows] = tensor.to(full.device)
+        out[name] = full
+    return TokenScores(**out)  # type: ignore[arg-type]
 
 
 def step_targets(tr: Trainer, batch: Batch, scores: Scores, device: torch.device) -> Targets:
@@ -315,6 +400,8 @@ def step_metrics(
             )
         )
         out.update(seq_reward_metrics(student, teacher, mask_BT, scores.correct))
+    if len(tr.teachers) > 1:
+        out.update(_teacher_metrics(tr, batch, scores, targets))
     if rollouts.rollout_logprobs is not None:  # engine vs trainer: what truncated importance weights correct
         gap_BT = (student.sampled_logprobs - rollouts.rollout_logprobs).abs()
         out["rollout_logprob_abs_diff"] = (gap_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)
@@ -333,6 +420,27 @@ def step_metrics(
 
 
 # -------------------------------------------------------------------------------------------------- helpers
+
+
+def _teacher_metrics(tr: Trainer, batch: Batch, scores: Scores, targets: Targets) -> dict[str, Any]:
+    """Per teacher (several teachers): `teacher/<name>/token_frac` (its share of the step's response tokens),
+    `teacher/<name>/reward_mean` (the token reward over its tokens) and `teacher/<name>/rollout_accuracy`."""
+    mask_BT = targets.mask
+    row_teacher = torch.tensor(row_teachers(tr, batch), device=mask_BT.device)
+    total = mask_BT.sum().clamp(min=1)
+    out: dict[str, Any] = {}
+    for index, routed in enumerate(tr.teachers):
+        rows_B = row_teacher == index
+        mine_BT = mask_BT * rows_B[:, None].to(mask_BT.dtype)
+        prefix = f"teacher/{routed.name}"
+        out[f"{prefix}/token_frac"] = mine_BT.sum() / total
+        out[f"{prefix}/reward_mean"] = reward_stats("reward", targets.rewards, targets.reward_valid, mine_BT)[
+            "reward_mean"
+        ]
+        if scores.correct is not None:
+            graded = [c for c, t in zip(scores.correct, rows_B.tolist()) if t]
+            out[f"{prefix}/rollout_accuracy"] = sum(graded) / len(graded) if graded else 0.0
+    return out
 
 
 def _step_seed(seed: int, step: int, rank: int = 0) -> int:

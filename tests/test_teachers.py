@@ -1,0 +1,292 @@
+"""`teachers:` a list of routed teachers (issue 25): one teacher in the list is today's single teacher bit for bit,
+a route split over two copies of one teacher is that teacher, every prompt is scored by its own teacher, unrouted
+prompts fail before compute, and checkpoints refuse another teacher on resume."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from helpers import distill_config, make_tiny_model, make_tiny_tokenizer
+from opd.io import read_jsonl
+from opd.recipes.distill import distill
+from opd.teacher.local import LocalScorer
+
+# prompts of two domains: data_source "add" for even i, "mul" for odd, and a `level` column
+ROWS = [
+    {"prompt": f"{i}+{i}=", "answer": str(2 * i), "data_source": "add" if i % 2 == 0 else "mul", "level": i // 3}
+    for i in range(6)
+]
+
+
+@pytest.fixture(scope="module")
+def routed_world(world, tmp_path_factory):
+    """The `world` fixture's student and teacher, two more copies of the teacher (a, b), and prompts with domains."""
+    root = tmp_path_factory.mktemp("routed")
+    for name in ("a", "b"):
+        shutil.copytree(world / "teacher", root / name)
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return root
+
+
+def _config(world, routed_world, out, *overrides, teachers=None, steps=2):
+    options = [f"data.path={routed_world / 'prompts.jsonl'}", *overrides]
+    if teachers is not None:
+        options.append(f"teachers={json.dumps(teachers)}")
+    return distill_config(world, out, *options, teacher=teachers is None, steps=steps)
+
+
+def _split(routed_world, key="data_source"):
+    if key == "data_source":
+        routes = [{"data_source": ["add"]}, {"data_source": ["mul"]}]
+    else:
+        routes = [{"route_key": "level", "values": [0]}, {"route_key": "level", "values": [1]}]
+    return [{"name": n, "path": str(routed_world / n), "route": r} for n, r in zip("ab", routes)]
+
+
+def _numbers(run_dir):
+    """metrics.jsonl without wall-clock values and without the per-teacher keys."""
+    return [
+        {k: v for k, v in m.items() if not k.startswith(("time/", "teacher/")) and k != "tokens_per_second"}
+        for m in read_jsonl(run_dir / "metrics.jsonl")
+    ]
+
+
+def test_one_teacher_in_the_list_is_the_single_teacher_bit_for_bit(world, routed_world, tmp_path):
+    single = distill(_config(world, routed_world, tmp_path / "single"))
+    listed = distill(
+        _config(world, routed_world, tmp_path / "list", teachers=[{"name": "t", "path": str(world / "teacher")}])
+    )
+    assert _numbers(single) == _numbers(listed)
+    assert not any(k.startswith("teacher/") for k in read_jsonl(listed / "metrics.jsonl")[-1])
+
+
+@pytest.mark.parametrize("key", ["data_source", "level"])
+def test_two_copies_of_a_teacher_split_by_route_are_that_teacher(world, routed_world, tmp_path, key):
+    single = _numbers(distill(_config(world, routed_world, tmp_path / "single", "prompts_per_step=4")))
+    run_dir = distill(
+        _config(world, routed_world, tmp_path / "two", "prompts_per_step=4", teachers=_split(routed_world, key))
+    )
+    split = _numbers(run_dir)
+    assert [m.keys() for m in single] == [m.keys() for m in split]
+    for one, two in zip(single, split):
+        for k in one:
+            if isinstance(one[k], float):
+                assert two[k] == pytest.approx(one[k], abs=1e-6, rel=1e-6), k
+    last = read_jsonl(run_dir / "metrics.jsonl")[-1]
+    assert last["teacher/a/token_frac"] + last["teacher/b/token_frac"] == pytest.approx(1.0)
+    assert {"teacher/a/reward_mean", "teacher/b/reward_mean", "teacher/a/rollout_accuracy"} <= last.keys()
+
+
+def test_every_prompt_is_scored_by_its_own_teacher(world, routed_world, tmp_path, monkeypatch):
+    """A counter on the scorers (the real LocalScorer, recording what it scores): teacher a sees only "add" prompts,
+    b only "mul" ones, and both score something."""
+    seen: dict[str, list[str]] = {}
+    tokenizer = make_tiny_tokenizer()
+    real_score = LocalScorer.score
+
+    def counting_score(self, rollouts, **kwargs):
+        path = str(self.model.config._name_or_path)
+        if kwargs.get("requested_ids") is None:  # not the step's teacher scoring (the startup checks, the student)
+            return real_score(self, rollouts, **kwargs)
+        for row in range(rollouts.batch_size):
+            prompt = tokenizer.decode(rollouts.input_ids[row, : int(rollouts.prompt_lengths[row])].tolist())
+            seen.setdefault(path, []).append(prompt.split("user\n")[1].split("<|im_end|>")[0])
+        return real_score(self, rollouts, **kwargs)
+
+    monkeypatch.setattr(LocalScorer, "score", counting_score)
+    distill(_config(world, routed_world, tmp_path, "prompts_per_step=4", teachers=_split(routed_world), steps=3))
+    source = {r["prompt"]: r["data_source"] for r in ROWS}
+    by_teacher = {name: seen.get(str(routed_world / name), []) for name in "ab"}
+    assert by_teacher["a"] and by_teacher["b"]
+    assert {source[p] for p in by_teacher["a"]} == {"add"}
+    assert {source[p] for p in by_teacher["b"]} == {"mul"}
+
+
+def test_a_prompt_no_route_matches_fails_before_any_model_loads(world, routed_world, tmp_path, monkeypatch):
+    import opd.recipes.distill as recipe
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the routing check")
+
+    monkeypatch.setattr(recipe, "load_model", no_load)
+    teachers = _split(routed_world)[:1]  # only "add" is routed
+    teachers[0]["route"] = {"data_source": ["add"]}
+    teachers.append({"name": "c", "path": str(routed_world / "b"), "route": {"data_source": ["sub"]}})
+    with pytest.raises(ValueError, match=r"prompt 1 \(data_source 'mul'\) matches no teacher's route") as error:
+        distill(_config(world, routed_world, tmp_path, teachers=teachers))
+    assert "\n" not in str(error.value) and "a: data_source in ['add']" in str(error.value)
+    both = _split(routed_world)
+    both[1]["route"] = {"route_key": "level", "values": [0, 1]}  # "add" prompts match a and b
+    with pytest.raises(ValueError, match="prompt 0 matches the routes of a and b"):
+        distill(_config(world, routed_world, tmp_path, teachers=both))
+
+
+def test_a_default_teacher_takes_the_rest(world, routed_world, tmp_path):
+    teachers = _split(routed_world)
+    teachers[1]["route"] = {"default": True}
+    run_dir = distill(_config(world, routed_world, tmp_path, "prompts_per_step=4", teachers=teachers, steps=1))
+    assert read_jsonl(run_dir / "metrics.jsonl")[-1]["teacher/b/token_frac"] > 0
+
+
+def test_resume_refuses_a_changed_teacher(world, routed_world, tmp_path):
+    teachers_dir = tmp_path / "teachers"
+    for name in "ab":
+        shutil.copytree(routed_world / name, teachers_dir / name)
+    teachers = [dict(t, path=str(teachers_dir / t["name"])) for t in _split(routed_world)]
+    distill(_config(world, routed_world, tmp_path, "run.save_every=2", teachers=teachers))
+    make_tiny_model("qwen3", seed=7).save_pretrained(teachers_dir / "b")  # the same path, other weights
+    resume = ("run.save_every=2", "run.resume=true")
+    with pytest.raises(ValueError, match="teacher b's fingerprint changed since") as error:
+        distill(_config(world, routed_world, tmp_path, *resume, teachers=teachers, steps=3))
+    assert "\n" not in str(error.value)
+    shutil.rmtree(teachers_dir / "b")
+    shutil.copytree(routed_world / "b", teachers_dir / "b")
+    swapped = [dict(t) for t in teachers]
+    swapped[0]["route"], swapped[1]["route"] = swapped[1]["route"], swapped[0]["route"]
+    with pytest.raises(ValueError, match="teacher a's route changed since"):
+        distill(
+            _config(world, routed_world, tmp_path, *resume, "run.allow_config_change=true", teachers=swapped, steps=3)
+        )
+    run_dir = distill(_config(world, routed_world, tmp_path, *resume, teachers=teachers, steps=3))
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_lab_mopd_config_is_the_demo_with_two_routed_teachers(tmp_path, monkeypatch):
+    """configs/lab_mopd.yaml is configs/lab_demo.yaml with its teacher split over two routes, and runs from the repo
+    root: the routes cover the lab's prompts and metrics carry each teacher's token share."""
+    from pathlib import Path
+
+    import yaml
+
+    from opd.config import DistillConfig, build_config
+
+    root = Path(__file__).parents[1]
+    if not (root / "configs" / "lab_mopd.yaml").is_file():
+        pytest.skip("configs/lab_mopd.yaml is not in this checkout")
+    demo, mopd = (yaml.safe_load((root / "configs" / f"{n}.yaml").read_text()) for n in ("lab_demo", "lab_mopd"))
+    teacher, teachers = demo.pop("teacher"), mopd.pop("teachers")
+    assert demo == mopd
+    assert [{k: v for k, v in t.items() if k not in ("name", "route")} for t in teachers] == [teacher, teacher]
+    monkeypatch.chdir(root)
+    out = ["run.steps=2", "run.eval_every=0", "eval.benchmarks=[]", "run.report=false", "run.samples_per_step=0"]
+    config = build_config(
+        DistillConfig,
+        config_file=root / "configs" / "lab_mopd.yaml",
+        overrides=[*out, f"run.out_dir={tmp_path}", "run.name=mopd", "data.limit=200"],
+    )
+    metrics = read_jsonl(distill(config) / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert metrics[-1]["teacher/short/token_frac"] + metrics[-1]["teacher/long/token_frac"] == pytest.approx(1.0)
+
+
+def test_mixed_placements_local_offloaded_and_served_on_loopback(tmp_path):
+    """One local teacher (offloaded) and one served by an in-process `opd serve-teacher` on loopback, both the lab
+    teacher and split by the prompts' steps column: the same run as the one local lab teacher (≤ 1e-5, the served
+    one batches rows its own way)."""
+    pytest.importorskip("uvicorn")
+    import threading
+    import time
+
+    from opd.config import DistillConfig, ModelSpec, build_config
+    from opd.lab import opd_prompts_path, student_path, teacher_path
+    from opd.models import load_model
+    from opd.recipes.serve_teacher import ServeConfig
+    from opd.teacher.server import bind, make_server, service_for, url_of
+
+    model, tokenizer = load_model(teacher_path(), dtype="fp32", device="cpu")
+    service = service_for(model, tokenizer, ServeConfig(model=ModelSpec(path=str(teacher_path()))), name="lab")
+    token_file = tmp_path / "token"
+    token_file.write_text("mixed-placements-token-0123")
+    sock = bind("127.0.0.1", 0)
+    server = make_server(service, token_file.read_text())
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "in-process server did not start"
+            time.sleep(0.02)
+        lab = {"device": "cpu", "dtype": "fp32"}
+        teachers = [
+            {"name": "local", "path": str(teacher_path()), "offload": True, **lab},
+            {"name": "served", "url": url_of(sock), "token_file": str(token_file)},
+        ]
+        teachers[0]["route"] = {"route_key": "steps", "values": [1, 2]}
+        teachers[1]["route"] = {"route_key": "steps", "values": [3, 4, 5]}
+        common = [
+            f"student.path={student_path()}",
+            "student.device=cpu",
+            "student.dtype=fp32",
+            f"data.path={opd_prompts_path()}",
+            "data.limit=200",
+            "data.max_prompt_length=64",
+            "prompts_per_step=4",
+            "rollout.n=2",
+            "rollout.max_new_tokens=24",
+            "micro_batch_tokens=4096",
+            "score_batch_tokens=4096",
+            f"run.out_dir={tmp_path}",
+            "run.steps=2",
+            "run.report=false",
+            "run.samples_per_step=0",
+        ]
+        one = [f"teacher.path={teacher_path()}", "teacher.device=cpu", "teacher.dtype=fp32", "run.name=one"]
+        single = distill(build_config(DistillConfig, overrides=[*common, *one]))
+        mixed = distill(
+            build_config(DistillConfig, overrides=[*common, f"teachers={json.dumps(teachers)}", "run.name=mixed"])
+        )
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+    for a, b in zip(_numbers(single), _numbers(mixed), strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            if isinstance(a[k], float):
+                assert b[k] == pytest.approx(a[k], abs=1e-5), k
+    last = read_jsonl(mixed / "metrics.jsonl")[-1]
+    assert last["teacher/local/token_frac"] > 0 and last["teacher/served/token_frac"] > 0
+
+
+def test_a_view_changes_only_the_teachers_prompt_ids(world, routed_world, tmp_path, monkeypatch):
+    """A teacher with `view: {context_key: answer}` scores the student's response ids after its own prompt (the
+    student's plus the answer); the student's prompts and responses are untouched."""
+    calls: list[tuple[str, list[str], object]] = []
+    tokenizer = make_tiny_tokenizer()
+    real_score = LocalScorer.score
+
+    def recording_score(self, rollouts, **kwargs):
+        if kwargs.get("top_k", 0):  # the step's student and teacher calls (not the startup checks)
+            role = "teacher" if kwargs.get("requested_ids") is not None else "student"
+            prompts = [
+                tokenizer.decode(rollouts.input_ids[b, : int(rollouts.prompt_lengths[b])].tolist())
+                for b in range(rollouts.batch_size)
+            ]
+            calls.append((role, prompts, rollouts.response_ids.clone()))
+        return real_score(self, rollouts, **kwargs)
+
+    monkeypatch.setattr(LocalScorer, "score", recording_score)
+    view = {"context_key": "answer", "context_template": " Answer: {context}"}
+    teachers = [{"name": "t", "path": str(world / "teacher"), "view": view}]
+    run_dir = distill(_config(world, routed_world, tmp_path / "view", teachers=teachers))
+    calls = calls[-4:]  # the two steps' (earlier ones: the startup checks, on the student's prompts)
+    assert [c[0] for c in calls] == ["student", "teacher"] * 2
+    answer = {r["prompt"]: r["answer"] for r in ROWS}
+    for (_, student_prompts, student_ids), (_, teacher_prompts, teacher_ids) in zip(calls[::2], calls[1::2]):
+        assert torch.equal(student_ids, teacher_ids)
+        for s, t in zip(student_prompts, teacher_prompts):
+            question = s.split("user\n")[1].split("<|im_end|>")[0]
+            assert "Answer:" not in s
+            assert t == s.replace(question, f"{question} Answer: {answer[question]}")
+    assert "Answer:" not in read_jsonl(run_dir / "samples" / "step_1.jsonl")[0]["prompt"]
+    plain = distill(_config(world, routed_world, tmp_path / "plain"))
+    assert _numbers(plain)[0]["reward_mean"] != _numbers(run_dir)[0]["reward_mean"]  # the context was seen
+
+
+def test_student_init_teaches_itself(world, routed_world, tmp_path):
+    """path: student_init is the student's initial weights: the first step's token rewards are zero."""
+    teachers = [{"name": "self", "path": "student_init"}]
+    first = read_jsonl(distill(_config(world, routed_world, tmp_path, teachers=teachers)) / "metrics.jsonl")[0]
+    assert first["reward_mean"] == pytest.approx(0.0, abs=1e-6)

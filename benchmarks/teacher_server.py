@@ -101,6 +101,7 @@ def serve_main(args) -> None:
         forward_tokens=tokens,
         max_batch_tokens=tokens,
         max_request_bytes=1 << 30,
+        max_inflight_bytes=1 << 30,
         max_rows=max(4096, args.batch),
         max_positions=max(65536, args.prompt_len + args.response_len),
     )

@@ -220,7 +220,7 @@ def test_distill_fails_at_startup_when_one_rollout_cannot_fit(tmp_path, monkeypa
         "data.max_prompt_length": 32,
         "prompts_per_step": 2,
         "rollout.n": 2,
-        "rollout.max_new_tokens": 600,
+        "rollout.max_new_tokens": 400,
         "micro_batch_tokens": 1024,
         "run.out_dir": str(tmp_path / "runs"),
         "run.name": "run",
@@ -232,7 +232,7 @@ def test_distill_fails_at_startup_when_one_rollout_cannot_fit(tmp_path, monkeypa
     monkeypatch.setattr(memory, "device_memory", lambda device: (memory.margin_bytes(0) + optimizer_bytes + 150_000, 0))
     with pytest.raises(
         ValueError,
-        match=r"one sequence of 32 prompt \+ 600 new tokens .* will not be free.* at most "
+        match=r"one sequence of 32 prompt \+ 400 new tokens .* will not be free.* at most "
         r"rollout.max_new_tokens=\d+ fits after a 32-token prompt$",
     ):
         distill(config)

@@ -29,6 +29,10 @@ Checks (float32 with TF32 off unless the row says bf16; tolerances in the table)
 - packed_varlen:      `opd.kernels.varlen_attention` (FlashAttention varlen, bf16, Qwen3 head shapes, ragged rows)
                       against float64 block-diagonal attention, values and gradients; then a model set to opd_varlen
                       with compiled layers under bf16 autocast (as the trainer runs it) against the padded sdpa batch
+- families[*]:        per model family of benchmarks/families.py (README "Model families") whose attention packing
+                      can compute: `LocalScorer` scores (sampled / top-k log-probs, entropy) of ragged rows packed
+                      (opd_varlen, sliding windows binding) against the padded sdpa batch, bf16 autocast, ≤ 5e-2;
+                      families packing refuses (soft-capping, sinks) print SKIP with the reason
 """
 
 from __future__ import annotations
@@ -468,6 +472,48 @@ def packed_varlen():
     )
 
 
+# bf16 autocast over float32 weights, as the trainer scores: the same tolerance as packed_varlen's model check
+FAMILY_TOL = 5e-2
+
+
+@guarded
+def families():
+    import copy
+
+    from common import random_rollouts
+    from families import RELEASED, TINY_VOCAB, family
+    from opd.kernels import varlen_attention
+    from opd.teacher.local import LocalScorer
+
+    cuda = torch.device("cuda")
+    varlen_attention.register()
+    for name, key in RELEASED.items():
+        padded = family(key).to(cuda)
+        reason = varlen_attention.refusal(padded, cuda)
+        if reason is not None:
+            print(f"SKIP  families[{name}]: packed attention refused: {reason}", flush=True)
+            continue
+        packed = copy.deepcopy(padded)
+        packed.set_attn_implementation(varlen_attention.ATTENTION)
+        padded.set_attn_implementation("sdpa")
+        rollouts = random_rollouts(6, 9, 23, TINY_VOCAB, cuda, 0, 1)
+        rollouts.response_mask[::2, 15:] = False  # ragged rows, each longer than the families' window of 4
+        results = []
+        for model, packing in ((padded, "padded"), (packed, "packed")):
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                results.append(LocalScorer(model, vocab_size=TINY_VOCAB, packing=packing).score(rollouts, top_k=8))
+        a, b = results
+        err = max(
+            float((x - y).abs().max())
+            for x, y in (
+                (a.sampled_logprobs, b.sampled_logprobs),
+                (a.topk_logprobs, b.topk_logprobs),
+                (a.entropy, b.entropy),
+            )
+        )
+        check(f"families[{name}] packed vs padded scores (bf16 autocast) max |Δ|", err, FAMILY_TOL)
+
+
 CHECKS = (
     static_greedy,
     decode_attention,
@@ -480,6 +526,7 @@ CHECKS = (
     compiled_layers,
     packed_flex,
     packed_varlen,
+    families,
 )
 
 

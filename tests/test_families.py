@@ -7,25 +7,12 @@ padded plain HF forward; whatever it cannot compute (sinks, soft-capping) must b
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import (
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    GptOssConfig,
-    GptOssForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Phi3Config,
-    Phi3ForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
 from opd.forward import forward_hidden
@@ -36,54 +23,20 @@ from opd.rollout.static_engine import StaticGenerator, unsupported_reason
 from opd.rollout.torch_engine import TorchGenerator
 from opd.types import Rollouts
 
-WINDOW = 4  # shorter than every test row but one, so the window binds
-LENGTHS = (13, 3, 9, 6)
+# the family builders live with the benchmarks (also used by scripts/support_table.py and benchmarks/check_cuda.py)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import families  # noqa: E402
+from families import COMMON, WINDOW, family  # noqa: E402
+
+LENGTHS = (13, 3, 9, 6)  # WINDOW is shorter than every row but one, so the window binds
 # fp32: packed (one SDPA call per row, banded mask) and padded (eager attention, [B, S, S] mask) sum the same terms
 # in a different order; measured differences are ~1e-6 nats at this size, 1e-4 leaves margin for other BLAS builds
 # while a dropped window / cross-row leak / dropped sink moves log-probs by ~0.1 or more
 ATOL = 1e-4
 
-COMMON = dict(
-    vocab_size=TINY_VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.3,
-    pad_token_id=PAD_ID,
-    bos_token_id=None,
-    eos_token_id=EOS_ID,
-)
-TWO_KINDS = ["sliding_attention", "full_attention"]
 
-
-def family(name: str) -> torch.nn.Module:
-    """A random-weight fp32 CPU model of family `name` with its attention features on (windows of `WINDOW`)."""
-    builders = {
-        "gemma3": lambda: Gemma3ForCausalLM(
-            Gemma3TextConfig(**COMMON, head_dim=8, sliding_window=WINDOW, layer_types=TWO_KINDS)
-        ),
-        "mistral": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=WINDOW)),
-        "phi3": lambda: Phi3ForCausalLM(Phi3Config(**COMMON, sliding_window=WINDOW)),
-        "qwen2_window": lambda: Qwen2ForCausalLM(
-            Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
-        ),
-        "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**COMMON, head_dim=8, sliding_window=WINDOW)),
-        "gpt_oss": lambda: GptOssForCausalLM(
-            GptOssConfig(
-                **COMMON,
-                head_dim=8,
-                sliding_window=WINDOW,
-                num_local_experts=2,
-                num_experts_per_tok=1,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            )
-        ),
-    }
-    torch.manual_seed(0)
-    return builders[name]().eval()
+def test_family_token_ids_are_the_tiny_tokenizers():
+    assert (families.PAD_ID, families.EOS_ID, families.TINY_VOCAB) == (PAD_ID, EOS_ID, TINY_VOCAB)
 
 
 WINDOWED = ["gemma3", "mistral", "phi3", "qwen2_window"]

@@ -181,6 +181,40 @@ def test_lab_mopd_config_is_the_demo_with_two_routed_teachers(tmp_path, monkeypa
     assert metrics[-1]["teacher/short/token_frac"] + metrics[-1]["teacher/long/token_frac"] == pytest.approx(1.0)
 
 
+def test_lab_opsd_config_is_the_demo_with_the_privileged_self_teacher(tmp_path, monkeypatch):
+    """configs/lab_opsd.yaml is configs/lab_demo.yaml with its teacher replaced by the student's initial weights
+    seeing the reference answer, and runs from the repo root. The answer changes the self-teacher's scores: without a
+    view, student_init scores the first step at reward zero (test_student_init_teaches_itself); here it does not.
+    (That the view touches only the teacher's prompt ids: test_a_view_changes_only_the_teachers_prompt_ids.)"""
+    from pathlib import Path
+
+    import yaml
+
+    from opd.config import DistillConfig, build_config
+
+    root = Path(__file__).parents[1]
+    if not (root / "configs" / "lab_opsd.yaml").is_file():
+        pytest.skip("configs/lab_opsd.yaml is not in this checkout")
+    demo, opsd = (yaml.safe_load((root / "configs" / f"{n}.yaml").read_text()) for n in ("lab_demo", "lab_opsd"))
+    teacher, teachers = demo.pop("teacher"), opsd.pop("teachers")
+    assert demo == opsd
+    (entry,) = teachers
+    assert entry["path"] == "student_init" and entry["view"]["context_key"] == "answer"
+    assert {k: v for k, v in entry.items() if k not in ("name", "path", "view")} == {
+        k: v for k, v in teacher.items() if k != "path"
+    }
+    monkeypatch.chdir(root)
+    out = ["run.steps=2", "run.eval_every=0", "eval.benchmarks=[]", "run.report=false", "run.samples_per_step=0"]
+    config = build_config(
+        DistillConfig,
+        config_file=root / "configs" / "lab_opsd.yaml",
+        overrides=[*out, f"run.out_dir={tmp_path}", "run.name=opsd", "data.limit=200"],
+    )
+    metrics = read_jsonl(distill(config) / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert abs(metrics[0]["reward_mean"]) > 1e-3  # the answer in the teacher's context was seen
+
+
 def test_mixed_placements_local_offloaded_and_served_on_loopback(tmp_path):
     """One local teacher (offloaded) and one served by an in-process `opd serve-teacher` on loopback, both the lab
     teacher and split by the prompts' steps column: the same run as the one local lab teacher (≤ 1e-5, the served

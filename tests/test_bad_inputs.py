@@ -914,3 +914,20 @@ def test_disk_full_in_an_atomic_write_names_the_file(env_world, monkeypatch, cap
     )
     culprits = [str(tmp_path / "r.html"), "no space left"]
     assert classify(code, stderr, culprits, 2, escaped) == "clear", (escaped, stderr)
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_user_error_under_torchrun_is_printed_by_rank_0(rank, monkeypatch, capfd):
+    """Under torchrun (RANK, WORLD_SIZE) a user error is one line from rank 0 (issue 22 item 15); another rank waits
+    for torchrun to end it, and only a rank that failed alone prints, naming itself. Every rank exits 2. Two real
+    ranks under torchrun: tests/test_distributed.py."""
+    import opd.cli
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(opd.cli, "_OTHER_RANK_WAIT_S", 0.01)
+    code, stderr, escaped = run_in_process(["distill", "no_such.key=1"], monkeypatch, capfd)
+    assert code == 2 and escaped is None
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "no_such" in lines[0], stderr
+    assert lines[0].startswith("error: rank 1: " if rank == "1" else "error: ") and "rank 0" not in lines[0]

@@ -253,6 +253,27 @@ def test_classify(change, verdict, recovery):
     assert out["reasons"]
 
 
+@pytest.mark.parametrize(
+    "change, verdict",
+    [({}, "likely"), ({"teacher_accuracy": 0.42}, "unlikely"), ({"overlap_advantage": -0.17}, "uncertain")],
+)
+def test_classify_thin_evidence_is_no_verdict(change, verdict):
+    """A handful of rollouts (issue 22 item 15): no confident verdict either way; min_rollouts of them keep it."""
+    th = C.ForecastThresholds()
+    thin = C.classify({**ALIGNED, **change, "rollouts": th.min_rollouts - 1})
+    assert (thin["verdict"], thin["recovery"]) == ("uncertain", "more_rollouts")
+    assert thin["reasons"] == [
+        f"evidence too thin: 31 student rollouts, fewer than the {th.min_rollouts} a forecast needs"
+    ]
+    assert C.classify({**ALIGNED, **change, "rollouts": th.min_rollouts})["verdict"] == verdict
+    # the teacher being the student is told on any number of tokens
+    same = C.classify({**ALIGNED, "overlap_ratio": 1.0, "overlap_advantage": 0.0, "rollouts": 2})
+    assert (same["verdict"], same["recovery"]) == ("unlikely", "other_teacher")
+    command = C.recovery_command("more_rollouts", student="S", teacher="T", prompts="P", n=2, prompts_sample=3)
+    assert command.startswith("opd check --student S --teacher T --prompts P --n 2 --prompts-sample 16 ")
+    assert "or --n 11 on 3 prompts" in command
+
+
 def test_classify_thresholds_are_the_boundaries():
     th = C.ForecastThresholds()
     assert C.classify({**ALIGNED, "overlap_advantage": th.ok_overlap_advantage})["verdict"] == "likely"
@@ -362,6 +383,10 @@ def test_cli_lab_pair_passes(tmp_path):
         assert names[name]["status"] == "pass", names[name]
     assert report["forecast"]["values"]["teacher_accuracy"] > report["forecast"]["values"]["student_accuracy"]
     assert names["step_time"]["value"] > 0 and "opd check" in result.output
+    # 2 × 8 = 16 rollouts: too few for a verdict, and the output says so with the command that gets one
+    assert report["forecast"]["recovery"] == "more_rollouts"
+    assert "forecast: no verdict: evidence too thin: 16 student rollouts" in result.output
+    assert "--n 2 --prompts-sample 16" in result.output
     # check.json is never replaced: a second run into the same --out refuses (a one-line error, exit 2 via main)
     again, _ = _check_cli(tmp_path, lab.teacher_path())
     assert isinstance(again.exception, FileExistsError)

@@ -358,3 +358,23 @@ def _check_call(command: list[str], env: dict, timeout: float = 180) -> str:
         stdout, stderr = process.communicate()
     assert process.returncode == 0, stdout[-3000:] + stderr[-6000:]
     return stdout
+
+
+@pytest.mark.slow
+def test_a_user_error_under_torchrun_is_printed_once(tmp_path):
+    """A bad path under torchrun with two ranks: one `error:` line (rank 0's), exit code 2 (issue 22 item 15).
+    torchrun itself still raises ChildFailedError for any worker exiting non-zero (its traceback and summary are
+    torchrun's own; no exit code of the worker avoids them short of 0)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OPD_DEBUG"):
+        env.pop(key, None)
+    missing = tmp_path / "no_such_student"
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())),
+        *("-m", "opd.cli", "distill", f"student.path={missing}", f"teacher.path={missing}"),
+        f"data.path={tmp_path / 'prompts.jsonl'}",
+    ]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and str(missing) in errors[0], result.stderr
+    assert result.returncode != 0 and "exitcode  : 2" in result.stderr, result.stderr

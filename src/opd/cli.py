@@ -8,6 +8,7 @@ import errno
 import importlib
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -881,8 +882,19 @@ def _click_errors() -> tuple[tuple, tuple, tuple]:
 
 
 def _fail(line: str, code: int) -> None:
+    rank, world = os.environ.get("RANK", "").strip(), os.environ.get("WORLD_SIZE", "").strip()
+    if rank not in ("", "0") and world not in ("", "0", "1"):
+        # Under torchrun only rank 0 prints: every rank meets the same bad option / config / data / path, and one line
+        # per rank buried it. Another rank waits first: torchrun (polling every 0.1 s) ends it once rank 0 has failed
+        # too, so its line is never printed; a rank still alive after the wait failed alone and says so.
+        time.sleep(_OTHER_RANK_WAIT_S)
+        line = f"rank {rank}: {line}"
     typer.secho(f"error: {line}", fg=typer.colors.RED, err=True)
     sys.exit(code)
+
+
+_OTHER_RANK_WAIT_S = 5.0
+"""How long a torchrun rank other than 0 waits before printing its user error (rank 0 failing too ends it first)."""
 
 
 def _usage_line(error: Any) -> str:

@@ -72,6 +72,18 @@ class ForecastThresholds(Section):
         "the teacher's reward knows right from wrong; below fail_auroc it does not.",
     )
     fail_auroc: float = Field(0.55, ge=0, le=1, description="See min_auroc.")
+    # 32: below it the step-0 estimates are noise next to the bands they are compared with — a student accuracy from
+    # k < 32 rollouts has a standard error up to sqrt(0.25 / k) > 0.088, far above min_accuracy_gain (0.05), and an
+    # AUROC of k rollouts split into right and wrong ones one of about sqrt((k + 1) / (12 · k/2 · k/2)) > 0.1 at
+    # chance (Hanley–McNeil), twice the band between fail_auroc and min_auroc. `opd check`'s default (4 × 64 = 256
+    # rollouts) is eight times this floor.
+    min_rollouts: int = Field(
+        32,
+        ge=1,
+        description="Fewer student rollouts than this behind the forecast: the evidence is too thin for a verdict "
+        "(uncertain, recovery more_rollouts), except that a teacher whose top-k distribution is the student's is "
+        "told on any number of tokens.",
+    )
 
 
 FORECAST_METRICS = (
@@ -90,9 +102,12 @@ FORECAST_METRICS = (
 def classify(values: dict[str, float | None], th: ForecastThresholds | None = None) -> dict[str, Any]:
     """The verdict from step-0 signals (`values`: FORECAST_METRICS, `seq_reward_auroc`, `student_accuracy`,
     `teacher_accuracy`; None where unknown). Returns {verdict: likely | uncertain | unlikely, reasons: [...],
-    recovery: none | cold_start | prompt_selection | other_teacher}. Rules, in order:
-      1. nothing to teach (→ unlikely, other_teacher): the teacher's top-k distribution equals the student's
-         (overlap ratio and advantage at their `nothing_*` bounds), or its accuracy is not `min_accuracy_gain` above;
+    recovery: none | cold_start | prompt_selection | other_teacher | more_rollouts}. Rules, in order:
+      0. the teacher's top-k distribution equals the student's (overlap ratio and advantage at their `nothing_*`
+         bounds) → unlikely, other_teacher: nothing to teach, whatever the number of rollouts;
+      0b. fewer than `min_rollouts` student rollouts (`values["rollouts"]`, when given) → uncertain, more_rollouts:
+         the evidence is too thin for any other verdict;
+      1. nothing to teach (→ unlikely, other_teacher): the teacher's accuracy is not `min_accuracy_gain` above;
       2. mismatch (→ unlikely, cold_start): overlap advantage < fail_overlap_advantage, or AUROC < fail_auroc;
       3. likely (recovery none): overlap advantage ≥ ok_overlap_advantage, shared mass ≥ min_shared_mass on both
          sides and AUROC ≥ min_auroc (each when known);
@@ -111,6 +126,19 @@ def classify(values: dict[str, float | None], th: ForecastThresholds | None = No
             f"the teacher's top-k distribution is the student's (overlap ratio {ratio:.3f}, advantage "
             f"{adv:.4f}): nothing to learn"
         )
+    rollouts = values.get("rollouts")
+    thin = rollouts is not None and rollouts < th.min_rollouts
+    if reasons and thin:  # the accuracy gain below is an estimate, and noise on so few rollouts
+        return {"verdict": "unlikely", "reasons": reasons, "recovery": "other_teacher"}
+    if thin:
+        return {
+            "verdict": "uncertain",
+            "reasons": [
+                f"evidence too thin: {int(rollouts)} student rollouts, fewer than the {th.min_rollouts} a "
+                f"forecast needs"
+            ],
+            "recovery": "more_rollouts",
+        }
     if (
         v["teacher_accuracy"] is not None
         and v["student_accuracy"] is not None
@@ -145,8 +173,24 @@ def classify(values: dict[str, float | None], th: ForecastThresholds | None = No
     return {"verdict": "uncertain", "reasons": [f"borderline: {r}" for r in reasons], "recovery": "prompt_selection"}
 
 
-def recovery_command(recovery: str, *, student: str, teacher: str, prompts: str) -> str:
-    """The command line of a recovery (empty for none)."""
+def recovery_command(
+    recovery: str,
+    *,
+    student: str,
+    teacher: str,
+    prompts: str,
+    n: int = 4,
+    prompts_sample: int = 64,
+    min_rollouts: int = 32,
+) -> str:
+    """The command line of a recovery (empty for none); `n` × `prompts_sample` the forecast's own sample."""
+    if recovery == "more_rollouts":
+        need = -(-min_rollouts // max(1, n))  # prompts at this n
+        return (
+            f"opd check --student {student} --teacher {teacher} --prompts {prompts} --n {n} --prompts-sample "
+            f"{need}   # with the same config and overrides; or --n {-(-min_rollouts // max(1, prompts_sample))} "
+            f"on {prompts_sample} prompts: ≥ {min_rollouts} rollouts in all"
+        )
     if recovery == "cold_start":
         return (
             f"opd pipeline run configs/pipeline_cold_start_qwen3.yaml student.path={student} "
@@ -304,11 +348,27 @@ def sample_accuracy(
 
 
 def forecast_rows(
-    values: dict[str, Any], th: ForecastThresholds, *, student: str, teacher: str, prompts: str
+    values: dict[str, Any],
+    th: ForecastThresholds,
+    *,
+    student: str,
+    teacher: str,
+    prompts: str,
+    n: int = 4,
+    prompts_sample: int = 64,
 ) -> tuple[list[CheckResult], dict[str, Any]]:
-    """The forecast's rows (never hard) and its verdict record (`classify` + the recovery command)."""
+    """The forecast's rows (never hard) and its verdict record (`classify` + the recovery command); `n` ×
+    `prompts_sample` the sample the forecast was made on (for the more_rollouts command)."""
     verdict = classify(values, th)
-    verdict["command"] = recovery_command(verdict["recovery"], student=student, teacher=teacher, prompts=prompts)
+    verdict["command"] = recovery_command(
+        verdict["recovery"],
+        student=student,
+        teacher=teacher,
+        prompts=prompts,
+        n=n,
+        prompts_sample=prompts_sample,
+        min_rollouts=th.min_rollouts,
+    )
     rows = []
 
     def row(name: str, ok: bool | None, detail: str, fix: str = "") -> None:

@@ -312,7 +312,13 @@ def _forecast_group(
         vocab_size=pair.vocab_size,
     )
     rows, verdict = forecast_rows(
-        values, thresholds, student=config.student.path, teacher=teacher.path, prompts=data.path
+        values,
+        thresholds,
+        student=config.student.path,
+        teacher=teacher.path,
+        prompts=data.path,
+        n=n,
+        prompts_sample=len(sample),
     )
     report.results += [r for r in rows if r.name not in skipped or r.name == "forecast"]
     report.values["forecast"] = {
@@ -369,7 +375,9 @@ def _finish(report: CheckReport, out_dir: Path, console: Any) -> CheckReport:
     console.print(render_table(report))
     verdict = report.values.get("forecast")
     if verdict:
-        console.print(f"forecast: [bold]{verdict['verdict']}[/] to improve — {'; '.join(verdict['reasons'])}")
+        thin = verdict["recovery"] == "more_rollouts"  # too few rollouts: no verdict either way
+        head = "[bold]no verdict[/]:" if thin else f"[bold]{verdict['verdict']}[/] to improve —"
+        console.print(f"forecast: {head} {'; '.join(verdict['reasons'])}")
         if verdict["command"]:
             console.print(f"recovery: {verdict['command']}", markup=False, highlight=False)
     console.print(f"check.json: {out_dir / 'check.json'} (exit code {report.exit_code()})")

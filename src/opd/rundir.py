@@ -185,6 +185,9 @@ def _aside_name(run_dir: Path) -> Path:
     return aside
 
 
+_RUN_RECORDS = frozenset({"metrics.jsonl", "samples", "checkpoints"})
+
+
 def resume_checkpoint(
     run_dir: Path, run: RunSpec, console: Any, config: BaseModel | None = None, *, command: str = "distill"
 ) -> Path | None:
@@ -198,8 +201,9 @@ def resume_checkpoint(
         run_dir, hashes=True, warn=lambda line: console.print(f"[yellow]warning: {line}[/]", soft_wrap=True)
     )
     if checkpoint is None:
-        held = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
-        if held:  # restarting would rewrite metrics.jsonl and samples/ of the steps already run
+        # what a restart from step 0 would rewrite; other entries (the demo's before-training evals) are no run
+        held = sorted(p.name for p in run_dir.iterdir() if p.name in _RUN_RECORDS) if run_dir.is_dir() else []
+        if held:
             raise RunDirectoryError(
                 f"--resume: {run_dir} holds a run ({', '.join(held[:3])}{', …' if len(held) > 3 else ''}) but no "
                 f"checkpoint that verifies; nothing was changed. Start another run.name, or set run.overwrite=true "

@@ -18,10 +18,13 @@ SALT_CHECK_ACCURACY = 29  # opd check: the accuracy samples of the forecast
 SALT_VLLM_PROMPT = 7  # the vLLM engine: one request per prompt
 
 
-def derive_seed(seed: int, *, step: int = 0, index: int = 0, salt: int = 0, bits: int | None = 31) -> int:
-    """`(seed · 1,000,003 + step · 7,919 + salt + index · 104,729) mod 2^bits`: distinct primes keep the
-    coordinates from aliasing for any realistic range. `bits=None` leaves the value unreduced."""
-    value = seed * 1_000_003 + step * 7919 + salt + index * 104_729
+def derive_seed(
+    seed: int, *, step: int = 0, index: int = 0, salt: int = 0, call: int = 0, bits: int | None = 31
+) -> int:
+    """`(seed · 1,000,003 + step · 7,919 + salt + index · 104,729 + call · 1,299,709) mod 2^bits`: distinct primes
+    keep the coordinates from aliasing for any realistic range (`call`: the generation call within a step, 0 for
+    the first, so a one-call step's seed is the one without it). `bits=None` leaves the value unreduced."""
+    value = seed * 1_000_003 + step * 7919 + salt + index * 104_729 + call * 1_299_709
     return value if bits is None else value % (2**bits)
 
 

@@ -192,6 +192,7 @@ def save(tr: Trainer) -> Path:
         skipped_steps=tr.skipped_steps,
         history=tr.history,
         pending_rollouts=None if tr.ahead is None else tr.ahead.state_dict(),
+        partial_stream=None if tr.stream is None else tr.stream.state_dict(),
         world_size=tr.dist.world_size,
         data_fingerprint=_prompt_fingerprint(tr),
     )
@@ -303,6 +304,11 @@ def check_sizes(config: DistillConfig, dist: DistInfo) -> None:
         raise ValueError(
             "rollout.overlap=true trains on rollouts sampled one step earlier: it needs objective.tis_cap "
             f"(e.g. 2.0) to correct them, and one process (got {dist.world_size})"
+        )
+    if config.rollout.partial and dist.world_size > 1:
+        raise ValueError(
+            f"rollout.partial=true keeps in-flight samples in one process's stream: it needs one process (got "
+            f"{dist.world_size})"
         )
     longest = config.data.max_prompt_length + config.rollout.max_new_tokens
     batch_tokens = config.rollout.max_batch_tokens
@@ -638,6 +644,8 @@ def resume(tr: Trainer, checkpoint: Path | None, console: Any) -> int | None:
     tr.step, tr.skipped_steps, tr.history = state["step"], state["skipped_steps"], state["history"]
     if tr.ahead is not None:  # the rollouts generated for the next step, from weights no longer saved
         tr.ahead.load_state_dict(state.get("pending_rollouts"))
+    if tr.stream is not None:  # the in-flight samples (rollout.partial): their tokens, log-probs and versions
+        tr.stream.load_state_dict(state.get("partial_stream"))
     if console is not None:
         console.print(f"resumed from {checkpoint} (step {tr.step}){_world_size_change(state, tr.dist)}")
     return tr.step

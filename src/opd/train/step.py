@@ -48,6 +48,7 @@ from opd.train.distributed import SINGLE, DistInfo, all_reduce_sum, gathered, ma
 from opd.train.optim import clip_and_step
 from opd.train.overlap import AheadGenerator, PendingRollouts
 from opd.train.sampler import PromptSampler
+from opd.train.stream import RolloutStream
 from opd.types import Prompt, Rollouts, TokenScores
 
 
@@ -89,10 +90,21 @@ class Trainer:
     prompt_teacher: list[int] = field(default_factory=list)
     teacher_manifest: list[dict] = field(default_factory=list)  # what checkpoints record of the teachers
     ahead: AheadGenerator | None = field(default=None, init=False)
+    stream: RolloutStream | None = field(default=None, init=False)  # rollout.partial: the in-flight samples
 
     def __post_init__(self) -> None:
         if self.rollout_model is not None:
             self.ahead = AheadGenerator(self.rollout_model, self.rollout_generator)
+        spec = self.config.rollout
+        if spec.partial:
+            staleness = spec.max_staleness
+            self.stream = RolloutStream(
+                prompts_per_step=self.config.prompts_per_step,
+                n=spec.n,
+                max_new_tokens=spec.max_new_tokens,
+                segment=spec.partial_segment or max(1, spec.max_new_tokens // (staleness + 1)),
+                max_staleness=staleness,
+            )
 
     @property
     def pending_rollouts(self) -> PendingRollouts | None:
@@ -106,7 +118,9 @@ class Batch:
 
     indices: list[int]
     rollouts: Rollouts
-    policy_lag: int  # optimizer steps between the sampling policy and the current one (1: generated ahead)
+    policy_lag: int  # optimizer steps between the sampling policy and the current one (1: generated ahead); the most
+    versions_BT: torch.Tensor | None = None  # rollout.partial: per token, the step whose weights sampled it
+    stream_metrics: dict = field(default_factory=dict)  # rollout.partial: partial/calls, partial/dropped, ...
 
 
 @dataclass
@@ -151,6 +165,8 @@ def sample_rollouts(tr: Trainer, timings: dict, device: torch.device) -> Batch:
     rollout.overlap they were generated during the previous step, from the weights before its update, and the next
     step's generation starts here."""
     rank, world = tr.dist.rank, tr.dist.world_size
+    if tr.stream is not None:
+        return _stream_rollouts(tr, tr.stream, timings, device)
     pending = None if tr.ahead is None else tr.ahead.take()
     if pending is None:
         indices = tr.sampler.next_batch()[rank::world]
@@ -174,6 +190,50 @@ def sample_rollouts(tr: Trainer, timings: dict, device: torch.device) -> Batch:
             autocast_dtype=tr.autocast_dtype,
         )
     return Batch(indices, rollouts, policy_lag=0 if pending is None else 1)
+
+
+def _stream_rollouts(tr: Trainer, stream: RolloutStream, timings: dict, device: torch.device) -> Batch:
+    """rollout.partial: the stream continues its in-flight samples (one seeded engine call each round, call index c
+    of step t seeded by `_step_seed(seed, t, rank, c)`) and hands over `prompts_per_step` finished groups."""
+
+    def generate(prompt_ids, n, max_new_tokens, call):
+        params = replace(_sampling_params(tr.config, tr.step, tr.dist.rank, call), n=n, max_new_tokens=max_new_tokens)
+        return tr.generator.generate(prompt_ids, params)
+
+    with timed(timings, "rollout"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
+        taken = stream.next_batch(tr.step, tr.sampler.next_batch, tr.prompt_ids, generate)
+    tr.generator.release()
+    prompt_ids = [tr.prompt_ids[i] for i in taken.indices]
+    rollouts = build_rollouts(prompt_ids, taken.output, pad_id=tr.tokenizer.pad_token_id, device=device)
+    versions_BT = torch.full(rollouts.response_mask.shape, tr.step, dtype=torch.long)
+    for b, versions in enumerate(taken.versions):
+        versions_BT[b, : len(versions)] = torch.tensor(versions, dtype=torch.long)
+    versions_BT = versions_BT.to(device)
+    lag = max((tr.step - v[0] for v in taken.versions if v), default=0)
+    _mark_memory(tr, "rollout")
+    counters = {
+        "partial/calls": taken.calls,
+        "partial/dropped": taken.dropped,
+        "partial/dropped_total": stream.dropped,
+        "partial/started_total": stream.started,
+        "partial/trained_total": stream.trained,
+        "partial/in_flight": stream.in_flight,
+    }
+    return Batch(taken.indices, rollouts, policy_lag=lag, versions_BT=versions_BT, stream_metrics=counters)
+
+
+def partial_metrics(
+    step: int, versions_BT: torch.Tensor, mask_BT: torch.Tensor, max_staleness: int
+) -> dict[str, torch.Tensor]:
+    """The trained tokens by lag (steps between their sampling weights and this update): `partial/lag_<k>_frac` for
+    k = 0..max_staleness, `partial/mean_lag`, `partial/max_lag`."""
+    mask = mask_BT.bool()
+    lag_BT = step - versions_BT
+    count = mask.sum().clamp(min=1)
+    out = {f"partial/lag_{k}_frac": ((lag_BT == k) & mask).sum() / count for k in range(max_staleness + 1)}
+    out["partial/mean_lag"] = (lag_BT * mask).sum() / count
+    out["partial/max_lag"] = torch.where(mask, lag_BT, torch.zeros_like(lag_BT)).max()
+    return out
 
 
 def score_rollouts(tr: Trainer, batch: Batch, timings: dict, device: torch.device) -> Scores:
@@ -386,6 +446,12 @@ def step_metrics(
         out.update(
             is_weight_stats(student.sampled_logprobs, rollouts.rollout_logprobs, tr.config.objective.tis_cap, mask_BT)
         )
+    if batch.versions_BT is not None:
+        out.update(partial_metrics(tr.step, batch.versions_BT, mask_BT, tr.config.rollout.max_staleness))
+        out.update(batch.stream_metrics)
+        if targets.tis_weights is not None:  # the truncated weights the loss used, at their smallest
+            weights_BT = targets.tis_weights
+            out["partial/is_weight_min"] = torch.where(mask_BT.bool(), weights_BT, torch.ones_like(weights_BT)).min()
     if teacher is not None:
         out.update(
             opd_diagnostics(
@@ -443,19 +509,20 @@ def _teacher_metrics(tr: Trainer, batch: Batch, scores: Scores, targets: Targets
     return out
 
 
-def _step_seed(seed: int, step: int, rank: int = 0) -> int:
-    """The rollout seed of a step; each rank samples with its own (rank 0's equals the single-process seed)."""
-    return derive_seed(seed, step=step, index=rank, salt=SALT_STEP_ROLLOUT)
+def _step_seed(seed: int, step: int, rank: int = 0, call: int = 0) -> int:
+    """The rollout seed of a step's generation call (a step makes one, rollout.partial several); each rank samples
+    with its own (rank 0's equals the single-process seed)."""
+    return derive_seed(seed, step=step, index=rank, salt=SALT_STEP_ROLLOUT, call=call)
 
 
-def _sampling_params(cfg: DistillConfig, step: int, rank: int) -> SamplingParams:
+def _sampling_params(cfg: DistillConfig, step: int, rank: int, call: int = 0) -> SamplingParams:
     """How step `step`'s rollouts are sampled (the same whether they are generated in that step or one ahead)."""
     return SamplingParams(
         n=cfg.rollout.n,
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens,
-        seed=_step_seed(cfg.run.seed, step, rank),
+        seed=_step_seed(cfg.run.seed, step, rank, call),
         # vLLM's log-probs are always kept when they are the full-vocabulary ones (top_p = 1): the engine-vs-trainer
         # gap is logged every step (rollout_logprob_abs_diff)
         return_logprobs=cfg.objective.tis_cap is not None or (cfg.rollout.engine == "vllm" and cfg.rollout.top_p == 1),

@@ -1,0 +1,179 @@
+"""Partial rollouts (`rollout.partial`): samples that outlive a step. The stream keeps the samples in flight; each step
+continues them by segments of at most `rollout.partial_segment` new tokens (a continuation is a longer prompt: one
+call through the configured engine), trains on `prompts_per_step` finished groups, oldest first, and carries the rest
+to the next step, where later tokens come from later weights (per-token behaviour log-probs, corrected by the
+objective's truncated importance weights).
+
+Rules (docs/design.md "The rollout stream"):
+- top-up: at the start of a step, whole sampler batches are drawn while fewer than (max_staleness + 1) batches'
+  worth of samples are in flight (step 0 draws max_staleness + 1, then one a step);
+- staleness: a sample whose oldest token was sampled more than max_staleness steps ago is restarted (its tokens
+  discarded, counted in `dropped`); within a step, calls continue until `prompts_per_step` groups are finished and
+  every sample at its last step of staleness is finished;
+- training: the `prompts_per_step` finished groups drawn earliest (draw step, then draw order), rows prompt-major in
+  that order, samples in their slot order; every started sample is trained, dropped, or still in flight.
+With max_staleness = 0 a step holds one batch and generates it in one call of the full max_new_tokens: the
+synchronous step. Omitted: several processes (the config refuses them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from opd.rollout import GenerationOutput
+
+
+@dataclass
+class Sample:
+    """One in-flight sample: its group (a drawn prompt), its slot among the group's n, the tokens so far with the
+    engine's log-prob of each and the step whose weights sampled each."""
+
+    group: int  # index into `RolloutStream.groups`' ids
+    slot: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    versions: list[int] = field(default_factory=list)
+    started: int = 0  # the step this attempt started (its first token's version)
+    finish: str | None = None  # "stop" / "length" once finished
+
+
+@dataclass
+class Group:
+    id: int  # draw order (global, never reused)
+    prompt: int  # the prompt's global index
+    drawn: int  # the step its prompt was drawn
+
+
+@dataclass
+class StreamBatch:
+    """The finished groups a step trains on, in row order, and what the step did."""
+
+    indices: list[int]  # the prompts' global indices, one per group
+    output: GenerationOutput  # prompt-major rows, group_ids into `indices`, log-probs concatenated across segments
+    versions: list[list[int]]  # per row, per token: the step whose weights sampled it
+    calls: int
+    dropped: int  # restarted this step
+
+
+# generate(prompt_ids, n, max_new_tokens, call) -> the engine's output (one call, its own seed)
+GenerateFn = Callable[[Sequence[Sequence[int]], int, int, int], GenerationOutput]
+
+
+class RolloutStream:
+    def __init__(self, *, prompts_per_step: int, n: int, max_new_tokens: int, segment: int, max_staleness: int):
+        self.prompts_per_step, self.n, self.cap = prompts_per_step, n, max_new_tokens
+        self.max_staleness = max_staleness
+        # with no staleness a sample cannot outlive its step: one call of the whole cap (the synchronous step)
+        self.segment = max_new_tokens if max_staleness == 0 else min(segment, max_new_tokens)
+        self.groups: dict[int, Group] = {}
+        self.samples: list[Sample] = []
+        self.next_group = 0
+        self.started = self.trained = self.dropped = 0  # sample attempts: started = trained + dropped + in flight
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.samples)
+
+    def next_batch(
+        self, step: int, draw: Callable[[], list[int]], prompt_ids: Sequence[Sequence[int]], generate: GenerateFn
+    ) -> StreamBatch:
+        dropped = self._restart_stale(step)
+        while len(self.samples) < (self.max_staleness + 1) * self.prompts_per_step * self.n:
+            for prompt in draw():
+                group = Group(self.next_group, prompt, step)
+                self.groups[group.id] = group
+                self.next_group += 1
+                self.samples += [Sample(group.id, slot, started=step) for slot in range(self.n)]
+                self.started += self.n
+        calls = 0
+        while calls == 0 or self._must_continue(step):
+            self._continue(step, calls, prompt_ids, generate)
+            calls += 1
+        return self._take(step, calls, dropped)
+
+    # ------------------------------------------------------------------------------------------------- phases
+
+    def _restart_stale(self, step: int) -> int:
+        dropped = 0
+        for sample in self.samples:
+            if sample.versions and step - sample.versions[0] > self.max_staleness:
+                sample.tokens, sample.versions, sample.finish, sample.started = [], [], None, step
+                sample.logprobs = None
+                dropped += 1
+        self.dropped += dropped
+        self.started += dropped
+        return dropped
+
+    def _finished_groups(self) -> list[int]:
+        unfinished = {s.group for s in self.samples if s.finish is None}
+        return sorted({s.group for s in self.samples} - unfinished)
+
+    def _must_continue(self, step: int) -> bool:
+        running = [s for s in self.samples if s.finish is None]
+        if not running:
+            return False
+        last_chance = any(step + 1 - s.started > self.max_staleness for s in running)
+        return last_chance or len(self._finished_groups()) < self.prompts_per_step
+
+    def _continue(self, step: int, call: int, prompt_ids: Sequence[Sequence[int]], generate: GenerateFn) -> None:
+        """One engine call that adds up to `segment` tokens to every unfinished sample. Whole fresh groups in draw
+        order go through as prompts × n (what the synchronous step sends); anything else as one prefix per sample."""
+        running = [s for s in self.samples if s.finish is None]
+        new = min(self.segment, max(self.cap - len(s.tokens) for s in running))
+        groups = [running[i].group for i in range(0, len(running), self.n)]
+        fresh = len(running) % self.n == 0 and all(
+            not s.tokens and s.group == groups[i // self.n] and s.slot == i % self.n for i, s in enumerate(running)
+        )
+        if fresh:
+            out = generate([prompt_ids[self.groups[g].prompt] for g in groups], self.n, new, call)
+        else:
+            prefixes = [list(prompt_ids[self.groups[s.group].prompt]) + s.tokens for s in running]
+            out = generate(prefixes, 1, new, call)
+        for row, sample in enumerate(running):
+            remaining = self.cap - len(sample.tokens)
+            ids, reason = out.response_ids[row], out.finish_reasons[row]
+            if len(ids) > remaining:  # a call is as long as the longest remaining: cut at this sample's cap
+                ids, reason = ids[:remaining], "length"
+            sample.tokens += ids
+            sample.versions += [step] * len(ids)
+            if out.logprobs is not None:
+                sample.logprobs = (sample.logprobs or []) + list(out.logprobs[row][: len(ids)])
+            if reason == "stop" or len(sample.tokens) >= self.cap:
+                sample.finish = "stop" if reason == "stop" else "length"
+
+    def _take(self, step: int, calls: int, dropped: int) -> StreamBatch:
+        chosen = self._finished_groups()[: self.prompts_per_step]  # group ids are draw order: oldest first
+        position = {g: i for i, g in enumerate(chosen)}
+        rows = sorted((s for s in self.samples if s.group in position), key=lambda s: (position[s.group], s.slot))
+        self.samples = [s for s in self.samples if s.group not in position]
+        indices = [self.groups.pop(g).prompt for g in chosen]
+        self.trained += len(rows)
+        with_logprobs = all(s.logprobs is not None for s in rows)
+        output = GenerationOutput(
+            response_ids=[s.tokens for s in rows],
+            finish_reasons=[s.finish or "length" for s in rows],
+            group_ids=[position[s.group] for s in rows],
+            logprobs=[list(s.logprobs or []) for s in rows] if with_logprobs and rows else None,
+        )
+        return StreamBatch(indices, output, [s.versions for s in rows], calls, dropped)
+
+    # ------------------------------------------------------------------------------------------------ resume
+
+    def state_dict(self) -> dict:
+        return {
+            "groups": [asdict(g) for g in self.groups.values()],
+            "samples": [asdict(s) for s in self.samples],
+            "next_group": self.next_group,
+            "started": self.started,
+            "trained": self.trained,
+            "dropped": self.dropped,
+        }
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if not state:
+            return
+        self.groups = {g["id"]: Group(**g) for g in state["groups"]}
+        self.samples = [Sample(**s) for s in state["samples"]]
+        self.next_group = state["next_group"]
+        self.started, self.trained, self.dropped = state["started"], state["trained"], state["dropped"]

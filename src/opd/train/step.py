@@ -118,7 +118,8 @@ class Batch:
 
     indices: list[int]
     rollouts: Rollouts
-    policy_lag: int  # optimizer steps between the sampling policy and the current one (1: generated ahead); the most
+    # optimizer steps between the sampling policy and the current one (1: generated ahead; partial: the oldest token's)
+    policy_lag: int
     versions_BT: torch.Tensor | None = None  # rollout.partial: per token, the step whose weights sampled it
     stream_metrics: dict = field(default_factory=dict)  # rollout.partial: partial/calls, partial/dropped, ...
 

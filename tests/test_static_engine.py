@@ -440,6 +440,7 @@ def test_sampling_with_refills_matches_torch_generator_and_other_row_counts():
         static = StaticGenerator(model, max_batch_size=rows, sync_interval=2, **common)
         outputs[rows] = static.generate([PROMPTS[1]], params)
         assert static.stats["refills"] == 2000 - rows
+        assert len(static.stats["bucket_steps"]) >= 2  # the tail ran in smaller live-row buckets
     distributions = {name: _distribution(out) for name, out in [("torch", reference), *outputs.items()]}
     assert len(distributions["torch"][0]) == 12  # every length: refills happen at many different steps
     for a, b in (("torch", 64), ("torch", 12), (64, 12)):
@@ -463,6 +464,50 @@ def test_refills_are_deterministic_per_seed():
         prompts, params
     )
     assert other_rows.group_ids == first.group_ids and other_rows.response_ids != first.response_ids
+
+
+# Long-tailed per-sample caps: once nothing is pending the tail runs in live-row buckets 8 → 4
+TAIL_CAPS = [2, 40, 3, 5, 1, 33, 7, 2, 60, 4, 3, 9]
+TAIL_PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def _tail_call(model, temperature, row_buckets, **kwargs):
+    static = StaticGenerator(
+        model,
+        eos_token_ids=[EOS_ID],
+        pad_token_id=PAD_ID,
+        max_batch_size=8,
+        sync_interval=4,
+        row_buckets=row_buckets,
+        **kwargs,
+    )
+    params = SamplingParams(
+        n=4, temperature=temperature, max_new_tokens=60, seed=3, return_logprobs=True, stop_at_eos=False
+    )
+    return static.generate(TAIL_PROMPTS, params, max_new_tokens_per_sample=TAIL_CAPS), static.stats
+
+
+@pytest.mark.parametrize("fuse_weights, attention", [(f, a) for f in (True, False) for a in ("sdpa", "matmul")])
+def test_live_row_buckets_keep_greedy_outputs(fuse_weights, attention):
+    """Greedy decoding with the tail moved into smaller row buckets gives the tokens of the all-rows step; log-probs
+    agree to 1e-5 (float32: a step over fewer rows may run other GEMM kernels, whose sums round differently)."""
+    model = make_tiny_model("qwen3")
+    kwargs = dict(kv_bucket=16, fuse_weights=fuse_weights, attention=attention)
+    (buckets, stats), (single, single_stats) = (_tail_call(model, 0, on, **kwargs) for on in (True, False))
+    assert list(stats["bucket_steps"]) == [8, 4] and list(single_stats["bucket_steps"]) == [8]
+    assert stats["bucket_occupancy"] > single_stats["occupancy"] == stats["occupancy"]
+    assert buckets.response_ids == single.response_ids and [len(r) for r in buckets.response_ids] == TAIL_CAPS
+    assert _max_abs_diff(buckets.logprobs, single.logprobs) < 1e-5
+
+
+def test_live_row_buckets_are_deterministic_per_seed():
+    """Sampled: the bucket sequence follows from the rows alive at each host check, so a seed replays bit for bit;
+    its draws differ from the all-rows step's (fewer uniforms per step once the rows shrink)."""
+    model = make_tiny_model("qwen3")
+    (first, stats), (again, _) = _tail_call(model, 1.0, True), _tail_call(model, 1.0, True)
+    assert len(stats["bucket_steps"]) == 2
+    assert first.response_ids == again.response_ids and first.logprobs == again.logprobs
+    assert [len(r) for r in first.response_ids] == TAIL_CAPS
 
 
 def test_per_sample_lengths_are_honoured_and_checked():

@@ -37,6 +37,7 @@ from opd.rollout.hf_model import (
     special_ids,
 )
 from opd.rollout.sampling import filter_logits
+from opd.scoring import recompile_limit_at_least
 
 # Llama's layout; Mistral and Ministral are it plus a sliding window, accepted where none is set (v0.3, Small, Nemo)
 _SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "ministral")
@@ -232,6 +233,16 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+_MIN_ROW_BUCKET = 4  # the smallest live-row bucket below the call's rows
+
+
+def _row_buckets(rows: int) -> tuple[int, ...]:
+    """The live-row buckets of a call with `rows` rows: rows itself and every power of two in [_MIN_ROW_BUCKET, rows).
+    Each is one more shape for the compiled step functions (one compile per bucket and process) and its own graphs."""
+    ladder = [1 << k for k in range(_MIN_ROW_BUCKET.bit_length() - 1, rows.bit_length()) if 1 << k < rows]
+    return (*ladder, rows)
+
+
 # [V]-sized float32 buffers per row the sampling holds at its peak (upcast logits, scaled, Gumbel noise transform,
 # noisy logits, the split-reduction padding), on top of the uniform-noise buffer and the head's logits
 _SAMPLING_FLOATS = 6
@@ -283,9 +294,14 @@ class StaticGenerator(memory.ModuleMemory):
     prefill_tokens:   most padded prompt tokens per Hugging Face prefill forward (one prompt always fits), ≥ 1
     free_memory:      function of a device → its (free, total) bytes, or None for no limit; default
                       `opd.rollout.memory.device_memory` (the CUDA figures; None on CPU); the tests pass a fixed one
+    row_buckets:      True = once no sample is pending, decode steps run over the smallest live-row bucket (the call's
+                      rows, or a power of two ≥ 4 below it) that holds the rows still decoding: they are moved to the
+                      first rows at a host check, so that the tail of a long-tailed call costs what its live rows
+                      cost. False = every step runs over all rows (one shape)
 
     `stats` (after each call): rows, slots per row, decode steps, refills (samples placed into a freed slot),
-    prefill forwards, CUDA graphs captured, occupancy (decoded tokens / (steps × rows)), KV-cache bytes.
+    prefill forwards, CUDA graphs captured, occupancy (decoded tokens / (steps × rows)), decode steps per live-row
+    bucket and the occupancy of the rows the steps ran over, KV-cache bytes.
     """
 
     def __init__(
@@ -305,6 +321,7 @@ class StaticGenerator(memory.ModuleMemory):
         attention: Literal["auto", "triton", "sdpa", "matmul"] = "auto",
         prefill_tokens: int = 8192,
         free_memory: memory.MemoryFn | None = None,
+        row_buckets: bool = True,
     ) -> None:
         check_arguments(
             "StaticGenerator",
@@ -344,6 +361,7 @@ class StaticGenerator(memory.ModuleMemory):
         self.attention = attention
         self.prefill_tokens = prefill_tokens
         self.free_memory = free_memory
+        self.row_buckets = row_buckets
         self.hf = HFModel(model, pad_token_id=self.pad_token_id, vocab_size=vocab_size)
         self.stats: dict[str, Any] = {}
         self._compiled: tuple[Callable, Callable, Callable] | None = None
@@ -365,6 +383,10 @@ class StaticGenerator(memory.ModuleMemory):
             global _COMPILED
             if _COMPILED is None:  # one set for every engine of the process: each row count compiles once
                 _COMPILED = tuple(torch.compile(fn, dynamic=False) for fn in (_attn_in, _attn_out, _sample))
+                # one compiled version per row count: the live-row buckets of every call size exceed dynamo's
+                # default of 8, after which the step would silently run eagerly
+                for name, value in recompile_limit_at_least(64).items():
+                    setattr(torch._dynamo.config, name, value)
             self._compiled = _COMPILED
         return self._compiled
 
@@ -610,17 +632,23 @@ class _Run:
         self.pending = 0  # next sample index to place
         self.results: list[tuple[list[int], list[float], str] | None] = [None] * len(caps)
         self.counters = {"decode_steps": 0, "refills": 0, "prefills": 0, "graphs": 0, "decoded_tokens": 0}
+        self.live = rows  # decode steps run over rows [0, live): the live-row bucket (`_shrink`)
+        self.buckets = _row_buckets(rows) if engine.row_buckets else (rows,)
+        self.bucket_steps: dict[int, int] = {}  # decode steps run at each bucket
 
     @property
     def stats(self) -> dict[str, Any]:
         steps = self.counters["decode_steps"]
         occupancy = self.counters["decoded_tokens"] / (steps * self.rows) if steps else None
+        row_steps = sum(b * n for b, n in self.bucket_steps.items())
         return {
             "rows": self.rows,
             "slots_per_row": self.capacity,
             "attention": self.attention,
             **self.counters,
             "occupancy": occupancy,
+            "bucket_steps": dict(sorted(self.bucket_steps.items(), reverse=True)),
+            "bucket_occupancy": self.counters["decoded_tokens"] / row_steps if row_steps else None,
             "kv_cache_bytes": sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers),
         }
 
@@ -729,40 +757,44 @@ class _Run:
 
     # ------------------------------------------------------------------ one step
 
-    def _record(self, tokens_R: torch.Tensor, logprobs_R: torch.Tensor) -> None:
+    def _record(self, tokens_R: torch.Tensor, logprobs_R: torch.Tensor, rows: int) -> None:
         """Write each alive row's sampled token and log-prob at its own column, then advance lengths, finished rows
-        and positions; no host sync. Rows not alive write into the spare column and do not move."""
-        alive_R = self.alive_R
-        column_R = torch.where(alive_R, self.lengths_R, self.steps)[:, None]
-        self.out_ids_RT.scatter_(1, column_R, tokens_R[:, None])
-        self.out_lps_RT.scatter_(1, column_R, logprobs_R[:, None])
-        self.lengths_R.add_(alive_R.long())
+        and positions of the first `rows` rows; no host sync. Rows not alive write into the spare column and do not
+        move."""
+        alive_R, lengths_R, stopped_R = self.alive_R[:rows], self.lengths_R[:rows], self.stopped_R[:rows]
+        column_R = torch.where(alive_R, lengths_R, self.steps)[:, None]
+        self.out_ids_RT[:rows].scatter_(1, column_R, tokens_R[:, None])
+        self.out_lps_RT[:rows].scatter_(1, column_R, logprobs_R[:, None])
+        lengths_R.add_(alive_R.long())
         if self.params.stop_at_eos:
-            self.stopped_R.logical_or_(alive_R & (tokens_R[:, None] == self.eos_E[None]).any(-1))
-        self.alive_R.logical_and_(~self.stopped_R & (self.lengths_R < self.limit_R))
-        self.position_R.add_(self.alive_R.long())
-        self.tokens_R.copy_(tokens_R)
+            stopped_R.logical_or_(alive_R & (tokens_R[:, None] == self.eos_E[None]).any(-1))
+        alive_R.logical_and_(~stopped_R & (lengths_R < self.limit_R[:rows]))
+        self.position_R[:rows].add_(alive_R.long())
+        self.tokens_R[:rows].copy_(tokens_R)
 
-    def _decode_step(self, span: int, fns: tuple[Callable, Callable, Callable]) -> None:
-        """Feed tokens_R at each row's position_R, attending over the first `span` slots; sample; record."""
+    def _decode_step(self, span: int, fns: tuple[Callable, Callable, Callable], rows: int) -> None:
+        """Feed tokens_R at each of the first `rows` rows' position_R, attending over the first `span` slots;
+        sample; record. (Views of the first rows: the live-row bucket, see `_shrink`.)"""
         attn_in, attn_out, sample = fns
         params = self.params
-        rows, heads, kv_heads = self.rows, self.heads, self.kv_heads
-        x_RD = F.embedding(self.tokens_R, self.embed_VD)
+        heads, kv_heads = self.heads, self.kv_heads
+        position_R, rows_R = self.position_R[:rows], self.rows_R[:rows]
+        x_RD = F.embedding(self.tokens_R[:rows], self.embed_VD)
         h_RD = _rms(x_RD, *self.first_norm)
-        cos_R1D = self.cos_SD[self.position_R][:, None].to(x_RD.dtype)
-        sin_R1D = self.sin_SD[self.position_R][:, None].to(x_RD.dtype)
+        cos_R1D = self.cos_SD[position_R][:, None].to(x_RD.dtype)
+        sin_R1D = self.sin_SD[position_R][:, None].to(x_RD.dtype)
         triton_kernel = self.attend is None  # reads slots [0, position_R] itself: no mask
         if not triton_kernel:
             # One mask for every layer; SDPA's memory-efficient kernel wants it in q's dtype with every dimension
             # (expand is a view).
-            valid_RS = self.slots_S[None, :span] <= self.position_R[:, None]
+            valid_RS = self.slots_S[None, :span] <= position_R[:, None]
             bias_RKGS = (
                 torch.zeros(valid_RS.shape, dtype=self.dtype, device=self.device)
                 .masked_fill_(~valid_RS, float("-inf"))[:, None, None]
                 .expand(rows, kv_heads, heads // kv_heads, span)
             )
         for layer in self.layers:
+            keys_RKSD, values_RKSD = layer.keys[:rows], layer.values[:rows]
             q_RHD, k_RKD, v_RKD = attn_in(h_RD, *layer.attn_in, cos_R1D, sin_R1D, heads, kv_heads, layer.keys.shape[-1])
             # Grouped-query attention without repeating the cache: query head h uses kv head h // (heads / kv_heads).
             # Under autocast q/k-norm and RoPE return float32 (float32 norm weights): attention runs in the compute
@@ -771,13 +803,13 @@ class _Run:
             k_RKD, v_RKD = k_RKD.to(self.dtype), v_RKD.to(self.dtype)
             if triton_kernel:  # the kernel also writes k and v into the cache at position_R
                 attn_RKGD = triton_attention.decode_attention(
-                    q_RKGD, layer.keys, layer.values, self.zeros_R, self.position_R, self.scaling, k_RKD, v_RKD
+                    q_RKGD, keys_RKSD, values_RKSD, self.zeros_R[:rows], position_R, self.scaling, k_RKD, v_RKD
                 )
             else:
-                layer.keys[self.rows_R, :, self.position_R] = k_RKD
-                layer.values[self.rows_R, :, self.position_R] = v_RKD
+                keys_RKSD[rows_R, :, position_R] = k_RKD
+                values_RKSD[rows_R, :, position_R] = v_RKD
                 attn_RKGD = self.attend(
-                    q_RKGD, layer.keys[:, :, :span], layer.values[:, :, :span], bias_RKGS, self.scaling
+                    q_RKGD, keys_RKSD[:, :, :span], values_RKSD[:, :, :span], bias_RKGS, self.scaling
                 )
             # SDPA's memory-efficient kernel (and the Triton kernel) writes [R, G, Hkv, Dh] and returns a transposed
             # view: flattened in that order it needs no copy (fused o-proj columns are permuted to match); the
@@ -788,7 +820,9 @@ class _Run:
                 attn_RE = attn_RKGD.reshape(rows, -1)
             x_RD, h_RD = attn_out(x_RD, attn_RE, *layer.attn_out)
         logits_RV = F.linear(h_RD.to(self.head_w.dtype), self.head_w, self.head_b)
-        self._record(*sample(logits_RV, self.noise_RN, params.temperature, self.vocab, params.top_k, params.top_p))
+        noise_RN = None if self.noise_RN is None else self.noise_RN[:rows]
+        tokens_R, logprobs_R = sample(logits_RV, noise_RN, params.temperature, self.vocab, params.top_k, params.top_p)
+        self._record(tokens_R, logprobs_R, rows)
 
     # ------------------------------------------------------------------ the loop
 
@@ -807,9 +841,32 @@ class _Run:
         bucket = self.engine.kv_bucket
         return min(self.capacity, -(-needed // bucket) * bucket)
 
+    def _shrink(self) -> None:
+        """With no sample pending, move the occupied slots to the first rows of the smallest bucket that holds them
+        (`_row_buckets`) when that is smaller than the current one, so that decode steps run over those rows only: the
+        row state, the output columns and the cache rows move with their samples (one copy each, at most once per
+        bucket). Rows in [occupied, bucket) are empty; rows ≥ the bucket are never read again."""
+        occupied = [r for r in range(self.live) if self.slot_sample[r] is not None]
+        bucket = min(b for b in self.buckets if b >= len(occupied))
+        if self.pending < len(self.caps) or bucket >= self.live:
+            return
+        n, source = len(occupied), torch.as_tensor(occupied, device=self.device)
+        tensors = [self.position_R, self.tokens_R, self.lengths_R, self.limit_R, self.alive_R, self.stopped_R]
+        tensors += [self.out_ids_RT, self.out_lps_RT]
+        tensors += [t for layer in self.layers for t in (layer.keys, layer.values)]
+        for tensor in tensors:
+            tensor[:n] = tensor[source]  # advanced indexing copies first: no overlap between source and target
+        self.alive_R[n : self.live] = False
+        self.position_R[n : self.live] = 0  # an empty row reads one slot (see `_harvest`)
+        for name in ("slot_sample", "slot_position", "slot_last"):
+            column = getattr(self, name)
+            moved = [column[r] for r in occupied]
+            column[: self.live] = moved + [None if name == "slot_sample" else 0] * (self.live - n)
+        self.live = bucket
+
     def _capture(self, span: int, fns, pool) -> Any:
-        """A CUDA graph of the decode step over `span` slots. Warm-up runs change the row state, so it is saved and
-        restored (their cache and output writes land where the replayed step writes again)."""
+        """A CUDA graph of the decode step over `span` slots and the first `live` rows. Warm-up runs change the row
+        state, so it is saved and restored (their cache and output writes land where the replayed step writes again)."""
         state = [self.position_R, self.tokens_R, self.lengths_R, self.alive_R, self.stopped_R]
         saved = [s.clone() for s in state]
         try:
@@ -817,13 +874,15 @@ class _Run:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # compiled functions compile on their first call, outside the capture
-                    self._decode_step(span, fns)
+                    self._decode_step(span, fns, self.live)
                     for s, v in zip(state, saved):
                         s.copy_(v)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._decode_step(span, fns)
+            # thread_local: with rollout.overlap this capture runs in a background thread while the main thread
+            # scores and updates; the default ("global") mode makes the main thread's allocations fail the capture
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                self._decode_step(span, fns, self.live)
         finally:
             for s, v in zip(state, saved):
                 s.copy_(v)
@@ -844,15 +903,18 @@ class _Run:
             enabled=self.autocast and not self.fused,
             cache_enabled=not use_graphs,
         )
-        graphs: dict[int, Any] = {}
+        graphs: dict[tuple[int, int], Any] = {}  # (rows, span) → graph
         pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._admit(list(range(self.rows)))
         while any(s is not None for s in self.slot_sample):
+            if engine.row_buckets:
+                self._shrink()
             span = self._span()
+            key = (self.live, span)
             with torch.autocast(**amp):
-                if use_graphs and span not in graphs:
+                if use_graphs and key not in graphs:
                     try:
-                        graphs[span] = self._capture(span, fns, pool)
+                        graphs[key] = self._capture(span, fns, pool)
                     except Exception as error:  # compile=None: a failing torch.compile falls back to the plain step
                         if engine.compile is not None or fns[0] is _attn_in:
                             raise
@@ -863,15 +925,16 @@ class _Run:
                             stacklevel=3,
                         )
                         engine._compiled = fns = (_attn_in, _attn_out, _sample)
-                        graphs = {span: self._capture(span, fns, pool)}
+                        graphs = {key: self._capture(span, fns, pool)}
                 for _ in range(engine.sync_interval):
-                    if self.noise_RN is not None:
-                        self.noise_RN.uniform_(generator=self.generator)
+                    if self.noise_RN is not None:  # uniforms for the rows the step runs over only
+                        self.noise_RN[: self.live].uniform_(generator=self.generator)
                     if use_graphs:
-                        graphs[span].replay()
+                        graphs[key].replay()
                     else:
-                        self._decode_step(span, fns)
+                        self._decode_step(span, fns, self.live)
             self.counters["decode_steps"] += engine.sync_interval
+            self.bucket_steps[self.live] = self.bucket_steps.get(self.live, 0) + engine.sync_interval
             alive = self.alive_R.tolist()  # host sync: which rows finished
             ended = [r for r in range(self.rows) if self.slot_sample[r] is not None and not alive[r]]
             for r in range(self.rows):

@@ -17,6 +17,8 @@ Rows (`--engines` at the first batch size, `--engines-big` at the others):
     static_engine       `StaticGenerator`, decode step replayed as CUDA graphs (eager step on CPU)
     static_compile      `StaticGenerator` with its decode functions under `torch.compile` as well (CUDA only); its
                         attention is the Triton split-KV kernel (`attention="auto"` on CUDA)
+    static_nobuckets    `static_compile` with every decode step over all rows (`row_buckets=False`): the step before
+                        live-row buckets, to compare with `static_compile` in one run
     static_sdpa         `static_compile` with SDPA attention over the bucketed span (`attention="sdpa"`)
     static_v1           `static_compile` as first measured: per-projection GEMMs on the module's own weights
                         (`fuse_weights=False`) and matmul/softmax/matmul attention (`attention="matmul"`)
@@ -81,6 +83,7 @@ ALL = (
     "torch_engine",
     "static_engine",
     "static_compile",
+    "static_nobuckets",
     "static_sdpa",
     "static_v1",
     "vllm",
@@ -136,6 +139,8 @@ def make_engine(name: str, model, shape: str, batch: int):
         return StaticGenerator(model, compile=True, cuda_graphs=True, fuse_weights=False, attention="matmul", **common)
     if name == "static_sdpa":
         return StaticGenerator(model, compile=True, cuda_graphs=True, attention="sdpa", **common)
+    if name == "static_nobuckets":
+        return StaticGenerator(model, compile=True, cuda_graphs=True, row_buckets=False, **common)
     return StaticGenerator(model, compile=name == "static_compile", cuda_graphs=True, **common)
 
 
@@ -437,7 +442,7 @@ def run_row(
         produced = sum(len(r) for r in m["result"].response_ids)
         stats = getattr(engine, "stats", {})
         steps = stats.get("decode_steps", longest)
-        extra.update({k: stats[k] for k in ("rows", "refills", "occupancy") if k in stats})
+        extra.update({k: stats[k] for k in ("rows", "refills", "occupancy", "bucket_steps") if k in stats})
         if args.lp_error == "on":
             extra["lp_err"] = logprob_error(model, prompt_lists, m["result"], args.shape)
         if reference is not None:

@@ -166,7 +166,7 @@ class BenchGenerator:
         )
 
 
-def _engine(model, engine: str, args, rows: int):
+def _engine(model, engine: str, args, rows: int, background: bool = False):
     from opd.rollout.static_engine import StaticGenerator
     from opd.rollout.torch_engine import TorchGenerator
 
@@ -174,7 +174,9 @@ def _engine(model, engine: str, args, rows: int):
     common = dict(
         eos_token_ids=[eos_id(args.shape)], pad_token_id=pad_id(args.shape), vocab_size=vocab, max_batch_size=rows
     )
-    inner = TorchGenerator(model, **common) if engine == "torch_engine" else StaticGenerator(model, **common)
+    # background (rollout.overlap): uncompiled decode functions, as `opd.train.overlap.overlap_generator` builds them
+    static = dict(compile=False) if background else {}
+    inner = TorchGenerator(model, **common) if engine == "torch_engine" else StaticGenerator(model, **common, **static)
     lengths = parse_lengths(args.lengths) if args.lengths else None
     return BenchGenerator(inner, eos=eos_id(args.shape), lengths=lengths)
 
@@ -218,7 +220,7 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
     rollout_model = rollout_generator = None
     if overlap:  # as `opd.train.overlap.overlap_generator` builds them, over the benchmark's own engine
         rollout_model = rollout_snapshot(student, autocast_dtype or torch.float32)
-        rollout_generator = _engine(rollout_model, engine, args, rows)
+        rollout_generator = _engine(rollout_model, engine, args, rows, background=True)
     return Trainer(
         config=config,
         run_dir=run_dir,

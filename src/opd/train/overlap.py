@@ -21,6 +21,7 @@ import torch
 from opd.config import DistillConfig
 from opd.rollout import GenerationOutput, SamplingParams, make_generator
 from opd.rollout.base import Generator
+from opd.rollout.static_engine import StaticGenerator
 from opd.train.common import autocast
 
 
@@ -116,6 +117,10 @@ def overlap_generator(
         vocab_size=vocab_size,
         engine=config.rollout.engine,
     )
+    if isinstance(generator, StaticGenerator):
+        # torch.compile's tracing state is process-wide: a compiled call in this background thread while the main
+        # thread compiles a layer fails ("FX to symbolically trace a dynamo-optimized function"); graphs still replay
+        generator.compile = False
     return snapshot, generator
 
 

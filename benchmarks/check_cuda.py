@@ -107,7 +107,9 @@ def static_greedy():
         dict(compile=False),
     ):
         label = ",".join(f"{k}={v}" for k, v in options.items()) or "default"
-        engine = StaticGenerator(model, cuda_graphs=True, max_batch_size=10, sync_interval=8, **common, **options)
+        engine = StaticGenerator(
+            model, cuda_graphs=True, max_batch_size=10, sync_interval=8, row_buckets=True, **common, **options
+        )
         output = engine.generate(prompts, params, max_new_tokens_per_sample=caps)
         mismatched = sum(a != b for a, b in zip(output.response_ids, reference.response_ids))
         check(

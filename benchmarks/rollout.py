@@ -17,8 +17,8 @@ Rows (`--engines` at the first batch size, `--engines-big` at the others):
     static_engine       `StaticGenerator`, decode step replayed as CUDA graphs (eager step on CPU)
     static_compile      `StaticGenerator` with its decode functions under `torch.compile` as well (CUDA only); its
                         attention is the Triton split-KV kernel (`attention="auto"` on CUDA)
-    static_nobuckets    `static_compile` with every decode step over all rows (`row_buckets=False`): the step before
-                        live-row buckets, to compare with `static_compile` in one run
+    static_nobuckets    `static_compile` with every decode step over all rows (`row_buckets=False`, the engine's
+                        default; static_engine and static_compile run live-row buckets), to compare in one run
     static_sdpa         `static_compile` with SDPA attention over the bucketed span (`attention="sdpa"`)
     static_v1           `static_compile` as first measured: per-projection GEMMs on the module's own weights
                         (`fuse_weights=False`) and matmul/softmax/matmul attention (`attention="matmul"`)
@@ -141,7 +141,7 @@ def make_engine(name: str, model, shape: str, batch: int):
         return StaticGenerator(model, compile=True, cuda_graphs=True, attention="sdpa", **common)
     if name == "static_nobuckets":
         return StaticGenerator(model, compile=True, cuda_graphs=True, row_buckets=False, **common)
-    return StaticGenerator(model, compile=name == "static_compile", cuda_graphs=True, **common)
+    return StaticGenerator(model, compile=name == "static_compile", cuda_graphs=True, row_buckets=True, **common)
 
 
 def forced_lengths_processor(prompt_len: int, lengths: list[int], eos: int, device: torch.device):

@@ -437,7 +437,7 @@ def test_sampling_with_refills_matches_torch_generator_and_other_row_counts():
     reference = TorchGenerator(model, max_batch_size=2000, **common).generate([PROMPTS[1]], params)
     outputs = {}
     for rows in (64, 12):
-        static = StaticGenerator(model, max_batch_size=rows, sync_interval=2, **common)
+        static = StaticGenerator(model, max_batch_size=rows, sync_interval=2, row_buckets=True, **common)
         outputs[rows] = static.generate([PROMPTS[1]], params)
         assert static.stats["refills"] == 2000 - rows
         assert len(static.stats["bucket_steps"]) >= 2  # the tail ran in smaller live-row buckets

@@ -297,7 +297,9 @@ class StaticGenerator(memory.ModuleMemory):
     row_buckets:      True = once no sample is pending, decode steps run over the smallest live-row bucket (the call's
                       rows, or a power of two ≥ 4 below it) that holds the rows still decoding: they are moved to the
                       first rows at a host check, so that the tail of a long-tailed call costs what its live rows
-                      cost. False = every step runs over all rows (one shape)
+                      cost. False (default until it is measured in a warm process: in a cold call on the H200 each
+                      bucket's compile and capture cost more than the tail saved, docs/performance.md) = every step
+                      runs over all rows (one shape)
 
     `stats` (after each call): rows, slots per row, decode steps, refills (samples placed into a freed slot),
     prefill forwards, CUDA graphs captured, occupancy (decoded tokens / (steps × rows)), decode steps per live-row
@@ -321,7 +323,7 @@ class StaticGenerator(memory.ModuleMemory):
         attention: Literal["auto", "triton", "sdpa", "matmul"] = "auto",
         prefill_tokens: int = 8192,
         free_memory: memory.MemoryFn | None = None,
-        row_buckets: bool = True,
+        row_buckets: bool = False,
     ) -> None:
         check_arguments(
             "StaticGenerator",

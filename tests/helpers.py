@@ -23,9 +23,15 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
+import yaml
 from rich.console import Console
 from safetensors.torch import load_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -39,6 +45,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+import opd
+from opd.cli import main
 from opd.config import DataSpec, DistillConfig, ModelSpec, build_config
 from opd.objectives import full_reverse_kl
 from opd.recipes.prompts import PromptScoreConfig
@@ -167,6 +175,119 @@ def string_console() -> Console:
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+# ------------------------------------------------------------------- opd on the command line, kill -9 and resume
+# The kill tests start the real CLI as a subprocess (`start`), wait for a file it writes (`wait_for`), stop or kill it
+# (`pause`, `kill9`) and rerun the command in this process (`cli`).
+
+SRC = str(Path(opd.__file__).resolve().parents[1])
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """Run `opd ARGS` in-process through `main()` (the CLI's error mapping included): (exit code, stdout, stderr)."""
+    argv = sys.argv
+    sys.argv = ["opd", *map(str, args)]
+    try:
+        main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        sys.argv = argv
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line(code: int, err: str) -> str:
+    """The single line of a user error: exit code 2, one non-empty stderr line, no traceback."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
+    return lines[0]
+
+
+def dump(config, path: Path) -> Path:
+    """A config as the YAML a user would pass with --config."""
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
+def subprocess_env() -> dict:
+    """The environment of an `opd` subprocess: this checkout's sources first, one torch thread as the in-process
+    reference runs (conftest), so that both compute the same, bit for bit."""
+    return {
+        **os.environ,
+        "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+
+
+def start(log: Path, *args: str) -> subprocess.Popen:
+    """`opd ARGS` as a subprocess in its own session (so kill -9 reaches any child); output goes to `log`."""
+    handle = open(log, "w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "opd.cli", *map(str, args)],
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        env=subprocess_env(),
+        start_new_session=True,
+    )
+
+
+def run_opd(*args: str, timeout: float = 600, preexec_fn=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "opd.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=timeout,
+        preexec_fn=preexec_fn,
+    )
+
+
+def wait_for(process: subprocess.Popen, condition, log: Path, what: str, timeout: float = 300) -> None:
+    """Poll `condition()` until true; fails (with the log's tail) if the process ends first or after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(f"process ended (rc {process.returncode}) before {what}:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.01)
+
+
+def pause(process: subprocess.Popen) -> None:
+    """SIGSTOP: the process keeps its lock (and its half-done work) but makes no progress until killed."""
+    assert process.poll() is None, "the process finished before it could be stopped"
+    os.killpg(process.pid, signal.SIGSTOP)
+
+
+def kill9(process: subprocess.Popen) -> None:
+    """SIGKILL to the process's whole session, then reap it."""
+    assert process.poll() is None, "the process finished before it could be killed"
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def interrupt_with_a_second_process(capsys, directory: Path, holder: subprocess.Popen, *args: str) -> None:
+    """Stop `holder` mid-run, run the same command on its directory in this process (exit 2, one line naming the
+    directory and the holder's pid), then `kill -9` the holder."""
+    pause(holder)
+    line = one_line(*cli(capsys, *args)[::2])
+    assert str(directory) in line and f"pid {holder.pid}" in line, line
+    kill9(holder)
+
+
+def checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(checkpoint / "model.safetensors"))
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    """The two checkpoints' weights are bit-identical."""
+    wa, wb = checkpoint_weights(a), checkpoint_weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 # ------------------------------------------------------------------------------------------ opd distill runs

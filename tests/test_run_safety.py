@@ -29,121 +29,40 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
-import opd
 from helpers import (
     SFT_QA,
+    assert_same_weights,
     chat,
+    cli,
     distill_config,
+    dump,
     eval_args,
+    interrupt_with_a_second_process,
+    kill9,
     make_prompts,
+    one_line,
+    run_opd,
     score_config,
     sft_config,
+    start,
+    subprocess_env,
     tiny_rollout_config,
+    wait_for,
     write_jsonl,
     write_prompts,
 )
-from opd.cli import main
 from opd.io import LOCK_FILE, DirectoryLock, DirectoryLocked, read_jsonl
 from opd.recipes.distill import distill
 from opd.recipes.sft import sft
 from opd.train.checkpoint import MANIFEST, latest_checkpoint, save_checkpoint, verify_checkpoint
 
-SRC = str(Path(opd.__file__).resolve().parents[1])
-
-
 # --------------------------------------------------------------------------------------------------- helpers
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    """Run `opd ARGS` in-process through `main()` (the CLI's error mapping included): (exit code, stdout, stderr)."""
-    argv = sys.argv
-    sys.argv = ["opd", *map(str, args)]
-    try:
-        main()
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    finally:
-        sys.argv = argv
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line(code: int, err: str) -> str:
-    """The single line of a user error: exit code 2, one non-empty stderr line, no traceback."""
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
-    return lines[0]
-
-
-def dump(config, path: Path) -> Path:
-    """A config as the YAML a user would pass with --config."""
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-    return path
-
-
-def _env() -> dict:
-    # one torch thread, as the in-process reference runs (conftest): the same computation, bit for bit
-    return {
-        **os.environ,
-        "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONDONTWRITEBYTECODE": "1",
-    }
-
-
-def start(log: Path, *args: str) -> subprocess.Popen:
-    """`opd ARGS` as a subprocess in its own session (so kill -9 reaches any child); output goes to `log`."""
-    handle = open(log, "w")
-    return subprocess.Popen(
-        [sys.executable, "-m", "opd.cli", *map(str, args)],
-        stdout=handle,
-        stderr=subprocess.STDOUT,
-        env=_env(),
-        start_new_session=True,
-    )
-
-
-def run_opd(*args: str, timeout: float = 600, preexec_fn=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "opd.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=timeout,
-        preexec_fn=preexec_fn,
-    )
-
-
-def wait_for(process: subprocess.Popen, condition, log: Path, what: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if process.poll() is not None:
-            raise AssertionError(f"process ended (rc {process.returncode}) before {what}:\n{log.read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            os.killpg(process.pid, signal.SIGKILL)
-            raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-3000:]}")
-        time.sleep(0.01)
-
-
-def pause(process: subprocess.Popen) -> None:
-    """SIGSTOP: the process keeps its lock (and its half-done work) but makes no progress until killed."""
-    assert process.poll() is None, "the process finished before it could be stopped"
-    os.killpg(process.pid, signal.SIGSTOP)
-
-
-def kill9(process: subprocess.Popen) -> None:
-    assert process.poll() is None, "the process finished before it could be killed"
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
 
 
 def lock_holder(directory: Path) -> int | None:
@@ -151,24 +70,6 @@ def lock_holder(directory: Path) -> int | None:
         return json.loads((directory / LOCK_FILE).read_text())["pid"]
     except (OSError, ValueError, KeyError):
         return None
-
-
-def interrupt_with_a_second_process(capsys, directory: Path, holder: subprocess.Popen, *args: str) -> None:
-    """Stop `holder` mid-run, run the same command on its directory in this process (exit 2, one line naming the
-    directory and the holder's pid), then `kill -9` the holder."""
-    pause(holder)
-    line = one_line(*cli(capsys, *args)[::2])
-    assert str(directory) in line and f"pid {holder.pid}" in line, line
-    kill9(holder)
-
-
-def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(checkpoint / "model.safetensors"))
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
@@ -377,7 +278,7 @@ def test_lock_names_the_holder_and_is_released(tmp_path):
             "DirectoryLock(sys.argv[1], 'eval').acquire(); print('held', flush=True); time.sleep(60)",
             str(directory),
         ],
-        env=_env(),
+        env=subprocess_env(),
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -420,7 +321,7 @@ def test_pipeline_holds_its_directory(capsys, tmp_path):
             "time.sleep(60)",
             str(root),
         ],
-        env=_env(),
+        env=subprocess_env(),
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -829,7 +730,7 @@ def test_check_out_takes_the_directory_lock(capsys, world, tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", f"from opd.io import DirectoryLock; DirectoryLock({str(out)!r}, 'check').acquire(); "
          "print('held', flush=True); import time; time.sleep(600)"],
-        stdout=subprocess.PIPE, env=_env(), text=True,
+        stdout=subprocess.PIPE, env=subprocess_env(), text=True,
     )  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "held"

@@ -848,9 +848,11 @@ class _Run:
         (`_row_buckets`) when that is smaller than the current one, so that decode steps run over those rows only: the
         row state, the output columns and the cache rows move with their samples (one copy each, at most once per
         bucket). Rows in [occupied, bucket) are empty; rows ≥ the bucket are never read again."""
+        if self.pending < len(self.caps):  # the common case: samples still to place, so no list work at all
+            return
         occupied = [r for r in range(self.live) if self.slot_sample[r] is not None]
         bucket = min(b for b in self.buckets if b >= len(occupied))
-        if self.pending < len(self.caps) or bucket >= self.live:
+        if bucket >= self.live:
             return
         n, source = len(occupied), torch.as_tensor(occupied, device=self.device)
         tensors = [self.position_R, self.tokens_R, self.lengths_R, self.limit_R, self.alive_R, self.stopped_R]

@@ -1,5 +1,6 @@
-"""Helpers shared by the test modules: the tiny offline tokenizer and tiny random-weight models, and the small
-configs, files and measurements of the end-to-end runs. Fixtures built on them live in conftest.py.
+"""Helpers shared by the test modules: the tiny offline tokenizer and tiny random-weight models, `opd` as a subprocess
+(kill -9 and resume), and the small configs, files and measurements of the end-to-end runs. Fixtures built on them
+live in conftest.py.
 
 Nothing here touches the network. Everything is deterministic: the tokenizer is fully specified below, and model
 weights come from a fixed seed drawn inside `torch.random.fork_rng` (the global RNG is left untouched).

@@ -125,6 +125,8 @@ def test_partial_kill9_resumes_exactly(capsys, world, tmp_path):
     yaml_path = dump(distill_config(world, tmp_path, *common, steps=500), tmp_path / "c.yaml")
     run_dir, log = tmp_path / "run", tmp_path / "a.log"
     a = start(log, "distill", "--config", yaml_path)
+    # step 0 generates its batches to the end; from step 1 on each new batch is continued one segment a step, so the
+    # checkpoints from step_2 on hold samples mid-generation
     wait_for(a, lambda: (run_dir / "checkpoints" / "step_2").is_dir(), log, "the second checkpoint")
     delay = random.uniform(0, 1)
     time.sleep(delay)  # where the kill lands is not what is tested: any moment must resume exactly

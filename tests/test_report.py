@@ -240,6 +240,61 @@ def test_accuracy_starts_at_step_0_with_the_teacher_as_reference(tmp_path):
     assert load_series(run)["eval/lab/avg@4"][1][0] == 0.3
 
 
+def add_teachers(run: Path, names=("math", "code"), counts=(6, 2)) -> None:
+    """What `opd distill` with `teachers:` adds to a run: teachers.json and the teacher/<name>/... step metrics."""
+    total = sum(counts)
+    rows = [
+        {
+            "name": name,
+            "route": f"data_source in ['{name}']",
+            "placement": f"local /models/{name} on device cuda:0",
+            "model": f"/models/{name}",
+            "prompts": count,
+            "fraction": count / total,
+        }
+        for name, count in zip(names, counts)
+    ]
+    (run / "teachers.json").write_text(json.dumps({"prompts": total, "teachers": rows}))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if "grad_norm" in record:  # a training line
+            for name, count in zip(names, counts):
+                record[f"teacher/{name}/token_frac"] = count / total
+                record[f"teacher/{name}/reward_mean"] = -0.1 * record["step"] / count
+                record[f"teacher/{name}/rollout_accuracy"] = 0.5
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_routing_table_and_per_teacher_panels(tmp_path):
+    """teachers.json becomes a table (teacher, route, placement, model, prompts, share); the teacher/<name>/...
+    metrics one plot, a panel per metric with a line per teacher, and none of them lands in "other"."""
+    from opd.report.plots import RunSeries, _line_figure, _teacher_panels
+
+    run = make_run_dir(tmp_path / "mopd", steps=6, chunks=1, eval_every=3)
+    add_teachers(run)
+    html = write_report([run]).read_text()
+    routing = html[html.index("<h2>Teachers</h2>") : html.index("<h2>Config</h2>")]
+    assert routing.count("<tr>") == 3  # the header and one row per teacher
+    assert '<td class="key">math</td><td class="key">data_source in [&#x27;math&#x27;]</td>' in routing
+    assert '<td class="key">local /models/code on device cuda:0</td><td class="key">/models/code</td>' in routing
+    assert "<td>6</td><td>75.0%</td>" in routing and "<td>2</td><td>25.0%</td>" in routing
+    images = embedded_images(html)
+    assert "teachers" in images and not is_blank(images["teachers"]) and "other" not in images
+    series = load_series(run)
+    panels = _teacher_panels(set(series))
+    assert [p.title.split(":")[0] for p in panels] == ["token_frac", "reward_mean", "rollout_accuracy"]
+    assert panels[1].keys == ["teacher/code/reward_mean", "teacher/math/reward_mean"]
+    figure = _line_figure("Per-teacher metrics", panels, [RunSeries("mopd", series)])
+    legend = [t.get_text() for t in figure.axes[1].get_legend().get_texts()]
+    assert legend == ["code", "math"]  # each line named by its teacher
+
+    plain = make_run_dir(tmp_path / "plain", steps=6, chunks=1, eval_every=3)
+    html = write_report([plain]).read_text()
+    assert "<h2>Teachers</h2>" not in html and "teachers" not in embedded_images(html)
+    both = write_report([run, plain]).read_text()
+    assert "<h3>mopd</h3>" in both and both.count('<table class="teachers">') == 1
+
+
 # --- every file `opd report` reads back from a run directory, damaged: one line naming it, exit 2, no traceback
 
 DAMAGED_FILES = [  # (label, file, content, what the line says besides the file)
@@ -260,6 +315,10 @@ DAMAGED_FILES = [  # (label, file, content, what the line says besides the file)
     ("config.yaml unparsable", "config.yaml", "run: [1, 2\nsteps: 3\n", "not valid YAML"),
     ("config.yaml a list", "config.yaml", "- 1\n- 2\n", "not a mapping"),
     ("config.yaml a string", "config.yaml", "just words\n", "not a mapping"),
+    ("teachers.json a list", "teachers.json", "[1]", "not a JSON object"),
+    ("teachers.json unparsable", "teachers.json", '{"teachers": [', "not valid JSON"),
+    ("teachers.json rows a number", "teachers.json", '{"teachers": 3}', "not a routing table"),
+    ("teachers.json row without name", "teachers.json", '{"teachers": [{"prompts": 3}]}', "not a routing table"),
 ]
 
 

@@ -60,6 +60,10 @@ def test_one_teacher_in_the_list_is_the_single_teacher_bit_for_bit(world, routed
     )
     assert _numbers(single) == _numbers(listed)
     assert not any(k.startswith("teacher/") for k in read_jsonl(listed / "metrics.jsonl")[-1])
+    for run_dir, name in ((single, "teacher"), (listed, "t")):  # one row: every prompt
+        (row,) = json.loads((run_dir / "teachers.json").read_text())["teachers"]
+        assert (row["name"], row["prompts"], row["fraction"], row["route"]) == (name, len(ROWS), 1.0, "default")
+        assert row["model"] == str(world / "teacher") and row["placement"].startswith("local ")
 
 
 @pytest.mark.parametrize("key", ["data_source", "level"])
@@ -77,6 +81,43 @@ def test_two_copies_of_a_teacher_split_by_route_are_that_teacher(world, routed_w
     last = read_jsonl(run_dir / "metrics.jsonl")[-1]
     assert last["teacher/a/token_frac"] + last["teacher/b/token_frac"] == pytest.approx(1.0)
     assert {"teacher/a/reward_mean", "teacher/b/reward_mean", "teacher/a/rollout_accuracy"} <= last.keys()
+
+
+def test_the_routing_table_is_written_at_startup_reported_and_kept_on_resume(world, routed_world, tmp_path):
+    """teachers.json: per teacher the prompts routed to it over the whole set (as the route splits them), its route,
+    placement and model; report.html shows it and one panel per per-teacher metric; a resume writes it again."""
+    from opd.report.plots import _teacher_panels, load_series
+
+    options = ("prompts_per_step=4", "data.limit=5", "run.save_every=2", "run.report=true")
+    run_dir = distill(_config(world, routed_world, tmp_path, *options, teachers=_split(routed_world)))
+    written = (run_dir / "teachers.json").read_bytes()
+    table = json.loads(written)
+    sources = [r["data_source"] for r in ROWS[:5]]
+    assert table["prompts"] == 5 == sum(row["prompts"] for row in table["teachers"])
+    assert [(t["name"], t["prompts"], t["route"]) for t in table["teachers"]] == [
+        ("a", sources.count("add"), "data_source in ['add']"),
+        ("b", sources.count("mul"), "data_source in ['mul']"),
+    ]
+    assert [t["fraction"] for t in table["teachers"]] == [sources.count("add") / 5, sources.count("mul") / 5]
+    assert [t["model"] for t in table["teachers"]] == [str(routed_world / "a"), str(routed_world / "b")]
+    assert all(t["placement"] == f"local {t['model']} on device auto" for t in table["teachers"])
+
+    html = (run_dir / "report.html").read_text()
+    routing = html[html.index('<table class="teachers">') :]
+    routing = routing[: routing.index("</table>")]
+    for row in table["teachers"]:
+        assert f'<td class="key">{row["name"]}</td>' in routing and row["model"] in routing
+        assert f"<td>{row['prompts']}</td><td>{row['fraction']:.1%}</td>" in routing
+    assert 'data-group="teachers"' in html and 'href="#plot-teachers"' in html
+    panels = {p.title.split(":")[0]: p.keys for p in _teacher_panels(set(load_series(run_dir)))}
+    assert panels["token_frac"] == ["teacher/a/token_frac", "teacher/b/token_frac"]
+    assert {"reward_mean", "rollout_accuracy"} <= panels.keys()
+
+    resumed = distill(
+        _config(world, routed_world, tmp_path, *options, "run.resume=true", teachers=_split(routed_world), steps=3)
+    )
+    assert [m["step"] for m in read_jsonl(resumed / "metrics.jsonl")] == [1, 2, 3]
+    assert (resumed / "teachers.json").read_bytes() == written
 
 
 def test_every_prompt_is_scored_by_its_own_teacher(world, routed_world, tmp_path, monkeypatch):

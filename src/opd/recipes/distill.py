@@ -12,6 +12,7 @@ sharded by FSDP2; rank 0 owns the run directory and speaks for all (`opd.train.d
 
 from __future__ import annotations
 
+import json
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from opd.config import DistillConfig
 from opd.data.prompts import load_prompts
 from opd.data.templates import EncodedPrompts, encode_prompts
 from opd.eval.sampling import model_fingerprint
+from opd.io import atomic_write_json
 from opd.models import check_tokenizer_compatibility, compile_layers, load_model, load_tokenizer, resolve_device
 from opd.report.sinks import progress_bar
 from opd.rollout import Generator, make_generator
@@ -288,6 +290,7 @@ def setup(
     resume_step = resume(tr, checkpoint, console)
     if dist.is_main:  # rank 0 writes the run directory
         tr.sink = open_run(config, run_dir, config.run, resume_step=resume_step)
+        write_routing_table(run_dir, routing_table(config, prompt_teacher))
     return tr
 
 
@@ -689,20 +692,62 @@ def _world_size_change(state: dict, dist: DistInfo) -> str:
 
 def route_teachers(config: DistillConfig, data: EncodedPrompts, console: Any) -> list[int]:
     """Every prompt's teacher (an index into `config.teacher_entries()`), checked before any model loads; with
-    several teachers the routing table (prompts per teacher, route, placement) is printed."""
+    several teachers the routing table (`routing_table`: prompts per teacher, route, placement) is printed."""
     entries = config.teacher_entries()
     if not entries:
         return []
     routes = route_prompts(data.prompts, entries)
-    if console is not None and len(entries) > 1:
-        for index, entry in enumerate(entries):
-            assert entry.route is not None  # teacher_entries() gives every entry its route
+    table = routing_table(config, routes)
+    if console is not None and table is not None and len(entries) > 1:
+        for row in table["teachers"]:
             console.print(
-                f"teacher {entry.name}: {routes.count(index)} of {len(routes)} prompts ({entry.route.describe()}), "
-                f"{_placement(entry)}",
+                f"teacher {row['name']}: {row['prompts']} of {table['prompts']} prompts ({row['route']}), "
+                f"{row['placement']}",
                 soft_wrap=True,
             )
     return routes
+
+
+TEACHERS_FILE = "teachers.json"
+
+
+def routing_table(config: DistillConfig, routes: list[int]) -> dict | None:
+    """What `teachers.json` holds: the number of prompts of the whole set and, per teacher, its name, route,
+    placement, model (path or url) and the prompts routed to it (count and fraction of the set); None without
+    teachers. Everything in it follows from the config and the prompt set, so a resume with the same settings
+    writes it again byte for byte."""
+    entries = config.teacher_entries()
+    if not entries:
+        return None
+    rows = []
+    for index, entry in enumerate(entries):
+        assert entry.route is not None  # teacher_entries() gives every entry its route
+        count = routes.count(index)
+        rows.append(
+            {
+                "name": entry.name,
+                "route": entry.route.describe(),
+                "placement": _placement(entry),
+                "model": str(entry.url if entry.url is not None else entry.path),
+                "prompts": count,
+                "fraction": count / len(routes) if routes else 0.0,
+            }
+        )
+    return {"prompts": len(routes), "teachers": rows}
+
+
+def write_routing_table(run_dir: Path, table: dict | None) -> None:
+    """Write `run_dir/teachers.json` (atomically), unless it already holds `table`; nothing without teachers. A
+    resume whose placement changed (teacher.device, teacher_offload may) rewrites it with this run's."""
+    if table is None:
+        return
+    path = run_dir / TEACHERS_FILE
+    try:
+        if path.is_file() and json.loads(path.read_text()) == table:
+            return
+    except ValueError:
+        pass  # damaged: written anew
+    atomic_write_json(path, table)
 
 
 def teacher_views(

@@ -32,6 +32,7 @@ MAX_STEP = 10**12  # a step number beyond any run: a damaged line, not a point t
 SENTINEL = 1e300  # the metrics sink writes ±inf as ±1e308; such points are dropped, not plotted
 CHUNK_RE = re.compile(r"^(.+)/chunk_(\d+)$")
 EVAL_RE = re.compile(r"^eval/(.+)/([^/]+)$")
+TEACHER_RE = re.compile(r"^teacher/([^/]+)/(.+)$")  # per-teacher step metrics: teacher/<name>/<metric>
 
 Series = dict[str, tuple[np.ndarray, np.ndarray]]  # key -> (steps [N] int, values [N] float), sorted by step
 
@@ -140,9 +141,11 @@ class Panel:
     strip: str = ""  # prefix removed from keys in the legend
     logy: bool = False
     smooth: bool = True  # False for counters and schedules, where an EMA would invent a ramp
+    strip_end: str = ""  # suffix removed from keys in the legend
 
     def label(self, key: str) -> str:
-        return key[len(self.strip) :] if self.strip and key.startswith(self.strip) else key
+        key = key[len(self.strip) :] if self.strip and key.startswith(self.strip) else key
+        return key[: -len(self.strip_end)] if self.strip_end and key.endswith(self.strip_end) else key
 
 
 @dataclass
@@ -175,7 +178,9 @@ def _static(*panels: Panel) -> Callable[[set[str]], list[Panel]]:
         for panel in panels:
             keys = [k for k in panel.keys if k in available]
             if keys:
-                kept.append(Panel(panel.title, keys, panel.ylabel, panel.strip, panel.logy, panel.smooth))
+                kept.append(
+                    Panel(panel.title, keys, panel.ylabel, panel.strip, panel.logy, panel.smooth, panel.strip_end)
+                )
         return kept
 
     return build
@@ -204,6 +209,36 @@ def _timing_panels(available: set[str]) -> list[Panel]:
         panels.append(Panel("time per step", ["time/step"], "seconds"))
     if "tokens_per_second" in available:
         panels.append(Panel("throughput", ["tokens_per_second"], "response tokens / s"))
+    return panels
+
+
+# the per-teacher metrics (opd.train.step._teacher_metrics) in this order, then any other; (title, y label)
+TEACHER_METRICS = {
+    "token_frac": ("share of the step's response tokens", "fraction"),
+    "reward_mean": ("token reward over its tokens", "nats"),
+    "rollout_accuracy": ("rollout accuracy of its prompts (graded)", "accuracy"),
+}
+
+
+def _teacher_panels(available: set[str]) -> list[Panel]:
+    """One panel per per-teacher metric, one line per teacher (`teacher/<name>/<metric>`)."""
+    by_metric: dict[str, list[str]] = {}
+    for key in sorted(available):
+        if match := TEACHER_RE.match(key):
+            by_metric.setdefault(match.group(2), []).append(key)
+    order = [m for m in TEACHER_METRICS if m in by_metric] + sorted(set(by_metric) - set(TEACHER_METRICS))
+    panels = []
+    for metric in order:
+        title, ylabel = TEACHER_METRICS.get(metric, (metric, ""))
+        panels.append(
+            Panel(
+                f"{metric}: {title}" if title != metric else metric,
+                by_metric[metric],
+                ylabel,
+                "teacher/",
+                strip_end=f"/{metric}",
+            )
+        )
     return panels
 
 
@@ -288,6 +323,13 @@ GROUPS: list[Group] = [
         ),
         "",
     ),
+    Group(
+        "teachers",
+        "Per-teacher metrics",
+        _teacher_panels,
+        "One line per teacher (teachers: routed by prompt): its share of each step's response tokens, the token reward "
+        "over its tokens, the graded accuracy of the rollouts of its prompts.",
+    ),
     Group("timing", "Phase timings and throughput", _timing_panels, "Wall-clock seconds per phase of one step."),
     Group(
         "loss",
@@ -306,7 +348,7 @@ CHUNK_GROUP = Group(
 )
 
 
-# keys some fixed group above draws; any other numeric key (not eval/, time/ or a chunk) goes to "other"
+# keys some fixed group above draws; any other numeric key (not eval/, time/, teacher/ or a chunk) goes to "other"
 CLAIMED = frozenset(
     {
         "overlap_ratio",
@@ -340,7 +382,12 @@ CLAIMED = frozenset(
 
 def _other_panels(available: set[str]) -> list[Panel]:
     keys = sorted(
-        k for k in available if k not in CLAIMED and not k.startswith(("eval/", "time/")) and not CHUNK_RE.match(k)
+        k
+        for k in available
+        if k not in CLAIMED
+        and not k.startswith(("eval/", "time/"))
+        and not TEACHER_RE.match(k)
+        and not CHUNK_RE.match(k)
     )
     return [Panel(key, [key]) for key in keys[:OTHER_MAX_PANELS]]
 

@@ -2,7 +2,8 @@
 
 The page holds, top to bottom: the run name(s) and their progress, a table of final numbers (last value of each
 headline metric; per benchmark the first eval → the last, i.e. before → after training, and the teacher's number
-where the run evaluated it), the config (collapsible YAML; for several runs also the keys whose
+where the run evaluated it), the routing table of a run with `teachers:` (its `teachers.json`: prompts per teacher,
+route, placement, model), the config (collapsible YAML; for several runs also the keys whose
 values differ), the plot groups of `opd.report.plots` embedded as base64 PNG data URIs, and a few decoded rollouts of
 the newest `samples/step_N.jsonl`. The PNGs are also written to `plots/` beside the report. Everything is written
 atomically, and a run that is still appending to `metrics.jsonl` can be reported at any time.
@@ -21,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from opd.io import atomic_write_text, read_jsonl_objects, read_yaml_mapping
+from opd.io import atomic_write_text, read_json_object, read_jsonl_objects, read_yaml_mapping
 from opd.report.plots import EVAL_RE, Plot, RunSeries, Series, load_references, load_series, render_plots
 
 # rows of the final-numbers table after the eval metrics, in this order, when any run logged them
@@ -63,6 +64,7 @@ class RunData:
     samples_step: int | None
     samples: list[dict]
     references: dict[str, float]  # the teacher's eval numbers, where the run evaluated it (`load_references`)
+    teachers: list[dict] | None = None  # the routing table (`teachers.json`), for a run with `teachers:`
 
 
 def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
@@ -106,8 +108,27 @@ def load_run(run_dir: Path, name: str) -> RunData:
     config_text, config = _read_config(run_dir / "config.yaml")
     samples_step, samples = _newest_samples(run_dir)
     return RunData(
-        run_dir, name, load_series(run_dir), config_text, config, samples_step, samples, load_references(run_dir)
+        run_dir,
+        name,
+        load_series(run_dir),
+        config_text,
+        config,
+        samples_step,
+        samples,
+        load_references(run_dir),
+        _read_teachers(run_dir / "teachers.json"),
     )
+
+
+def _read_teachers(path: Path) -> list[dict] | None:
+    """The rows of `teachers.json` (opd distill's routing table); None when the run has none. Written atomically,
+    so another shape is damaged or not ours: a ValueError naming it."""
+    if not path.is_file():
+        return None
+    rows = read_json_object(path).get("teachers")
+    if not isinstance(rows, list) or not all(isinstance(row, dict) and "name" in row for row in rows):
+        raise ValueError(f'{path}: not a routing table (a list of teachers, each with a "name", under "teachers")')
+    return rows
 
 
 def _read_config(path: Path) -> tuple[str | None, dict | None]:
@@ -196,6 +217,7 @@ def render_html(runs: list[RunData], plots: list[Plot]) -> str:
         _plot_nav(plots),
         "<h2>Final numbers</h2>",
         _final_table(runs),
+        _teachers_section(runs, plots),
         "<h2>Config</h2>",
         _config_section(runs),
         "<h2>Plots</h2>",
@@ -274,6 +296,38 @@ def _final_cell(run: RunData, key: str) -> str:
     if key in run.references:
         text += f' <span class="ref">(teacher {_fmt(run.references[key])})</span>'
     return f"<td>{text}</td>"
+
+
+def _teachers_section(runs: list[RunData], plots: list[Plot]) -> str:
+    """Per run with teachers: its routing table, one row per teacher."""
+    parts = []
+    for run in runs:
+        if not run.teachers:
+            continue
+        head = '<th class="key">teacher</th><th class="key">route</th><th class="key">placement</th>'
+        head += '<th class="key">model</th><th>prompts</th><th>share</th>'
+        rows = []
+        for row in run.teachers:
+            count, fraction = row.get("prompts"), row.get("fraction")
+            share = f"{fraction:.1%}" if isinstance(fraction, (int, float)) else "—"
+            cells = [row.get("name"), row.get("route", "—"), row.get("placement", "—"), row.get("model", "—")]
+            rows.append(
+                "<tr>"
+                + "".join(f'<td class="key">{_e(c)}</td>' for c in cells)
+                + f"<td>{_e(count if count is not None else '—')}</td><td>{_e(share)}</td></tr>"
+            )
+        title = f"<h3>{_e(run.name)}</h3>" if len(runs) > 1 else ""
+        parts.append(f'{title}<table class="teachers"><tr>{head}</tr>{"".join(rows)}</table>')
+    if not parts:
+        return ""
+    curves = any(plot.name == "teachers" for plot in plots)
+    note = (
+        '<div class="meta">which teacher scores which prompts (teachers.json, written when the run started): the '
+        "prompts routed to each over the whole prompt set, its route, where it runs and its model"
+        + ('; their curves: <a href="#plot-teachers">per-teacher metrics</a>' if curves else "")
+        + ".</div>"
+    )
+    return "<h2>Teachers</h2>\n" + "\n".join(parts) + note
 
 
 def _config_section(runs: list[RunData]) -> str:

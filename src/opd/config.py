@@ -154,7 +154,7 @@ class TeacherSpec(ModelSpec):
             ]
             if placed:
                 raise ValueError(
-                    f"teacher {placed[0]} does not apply to path: {STUDENT}, which scores with the student itself "
+                    f"{placed[0]} does not apply to path: {STUDENT}, which scores with the student itself "
                     f"(its weights, dtype and device); remove {placed[0].split('=')[0]}"
                 )
         if self.path is None and self.url is None:

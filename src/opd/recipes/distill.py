@@ -448,7 +448,7 @@ def load_models(config: DistillConfig, checkpoint: Path | None, student_tokenize
     by_model: dict[str, Teacher] = {}
     first_serves: bool | None = None
     for entry in entries:
-        teacher = None
+        found = None
         if entry.path != STUDENT:
             key = _model_key(entry)
             if key not in by_model:
@@ -463,9 +463,9 @@ def load_models(config: DistillConfig, checkpoint: Path | None, student_tokenize
                     objective=config.objective,
                     max_batch_size=config.rollout.batch_size,
                 )
-            teacher = by_model[key]
-        this_vocab = own_vocab if teacher is None else teacher.vocab
-        serves = LocalScorer.serves_requested_ids if teacher is None else teacher.scorer.serves_requested_ids
+            found = by_model[key]
+        this_vocab = own_vocab if found is None else found.vocab
+        serves = LocalScorer.serves_requested_ids if found is None else found.scorer.serves_requested_ids
         if loaded and this_vocab.tokenizer_size != vocab.tokenizer_size:
             raise ValueError(
                 f"teachers: {entry.name} has {this_vocab.tokenizer_size} tokens, {entries[0].name} "
@@ -478,7 +478,7 @@ def load_models(config: DistillConfig, checkpoint: Path | None, student_tokenize
             )
         first_serves = serves if first_serves is None else first_serves
         vocab = this_vocab
-        loaded.append(teacher)
+        loaded.append(found)
     # ids beyond the tokenizer are embedding padding rows: never sampled, never a top-k candidate (SPEC §1)
     vocab_size = vocab.tokenizer_size
     shard_model(student, dist)  # FSDP2 (no-op for one process); the optimizer sees the sharded parameters

@@ -12,7 +12,7 @@ Omitted on purpose: PPO mini-batch epochs (the paper makes one optimizer step pe
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import ExitStack, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -339,6 +339,7 @@ def _start_routed(
     if routed.prompt_ids is not None:  # its view: its own prompt ids before the same response ids
         views = routed.prompt_ids
         mine = _with_prompts(mine, [views[batch.indices[g]] for g in mine.group_ids.tolist()], tr.tokenizer)
+    placed: AbstractContextManager
     if routed.entry.path == STUDENT:  # the caller holds its weights gathered
         placed = _live_student(tr, device, gather=False)
     else:

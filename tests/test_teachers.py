@@ -12,6 +12,7 @@ from helpers import distill_config, make_tiny_model, make_tiny_tokenizer
 from opd.io import read_jsonl
 from opd.recipes.distill import distill
 from opd.teacher.local import LocalScorer
+from opd.train.checkpoint import latest_checkpoint, load_trainer_state
 
 # prompts of two domains: data_source "add" for even i, "mul" for odd, and a `level` column
 ROWS = [
@@ -365,3 +366,107 @@ def test_student_init_teaches_itself(world, routed_world, tmp_path):
     teachers = [{"name": "self", "path": "student_init"}]
     first = read_jsonl(distill(_config(world, routed_world, tmp_path, teachers=teachers)) / "metrics.jsonl")[0]
     assert first["reward_mean"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_live_student_teaches_itself_at_reward_zero_on_every_token(world, routed_world, tmp_path):
+    """path: student is the student's own scorer on the same rollouts, weights and batching: its scores are the
+    student's bit for bit, so every token's reward is exactly 0 (reward_abs_mean = 0, and each sample's token
+    rewards), at every step — also after the update has moved the weights (weight decay does, with zero advantages)."""
+    teachers = [{"name": "self", "path": "student"}]
+    run_dir = distill(_config(world, routed_world, tmp_path, teachers=teachers))
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["reward_mean"] == 0.0 and m["reward_abs_mean"] == 0.0
+    for step in (1, 2):
+        samples = read_jsonl(run_dir / "samples" / f"step_{step}.jsonl")
+        assert samples and all(r == 0.0 for s in samples for r in s["token_rewards"])
+    (manifest,) = load_trainer_state(latest_checkpoint(run_dir))["teachers"]
+    assert manifest["model"] == "student" and manifest["fingerprint"] == "student (live)"
+    resumed = distill(_config(world, routed_world, tmp_path, "run.resume=true", teachers=teachers, steps=3))
+    assert [m["step"] for m in read_jsonl(resumed / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_the_live_student_is_live_and_its_view_is_seen(world, routed_world, tmp_path):
+    """Beside a real teacher (on the "mul" prompts, so the student learns), the live student on the "add" prompts
+    scores at reward 0 at step 2 too (it follows the update), where student_init (the frozen initial weights) does
+    not. With a view (the answer in its prompt) its reward is not 0."""
+
+    def add_rewards(run_dir, step):
+        add = {r["prompt"] for r in ROWS if r["data_source"] == "add"}
+        samples = read_jsonl(run_dir / "samples" / f"step_{step}.jsonl")
+        mine = [s for s in samples if s["prompt"].split("user\n")[1].split("<|im_end|>")[0] in add]
+        assert mine
+        return [r for s in mine for r in s["token_rewards"]]
+
+    def teachers(path, view=None):
+        own = {"name": "self", "path": path, "route": {"data_source": ["add"]}}
+        real = {"name": "real", "path": str(world / "teacher"), "route": {"data_source": ["mul"]}}
+        return [own if view is None else {**own, "view": view}, real]
+
+    options = ("prompts_per_step=4", "run.samples_per_step=8", "optim.lr=1e-2")
+    live = distill(_config(world, routed_world, tmp_path / "live", *options, teachers=teachers("student")))
+    frozen = distill(_config(world, routed_world, tmp_path / "init", *options, teachers=teachers("student_init")))
+    assert all(r == 0.0 for r in add_rewards(live, 1) + add_rewards(live, 2))
+    assert all(r == 0.0 for r in add_rewards(frozen, 1))
+    assert any(r != 0.0 for r in add_rewards(frozen, 2))  # the student moved: its initial weights are another model
+    view = {"context_key": "answer", "context_template": " Answer: {context}"}
+    seen = distill(_config(world, routed_world, tmp_path / "view", *options, teachers=teachers("student", view)))
+    assert any(abs(r) > 1e-4 for r in add_rewards(seen, 1))
+
+
+def test_a_view_alone_makes_the_live_students_reward_nonzero(world, routed_world, tmp_path):
+    """The single live-student teacher with a view (privileged self-distillation on the current weights)."""
+    view = {"context_key": "answer", "context_template": " Answer: {context}"}
+    teachers = [{"name": "self", "path": "student", "view": view}]
+    metrics = read_jsonl(distill(_config(world, routed_world, tmp_path, teachers=teachers)) / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["reward_abs_mean"] > 1e-4 for m in metrics)
+
+
+def test_entries_naming_one_model_share_one_loaded_teacher(world, routed_world):
+    from opd.models import load_tokenizer
+    from opd.recipes.distill import load_models
+    from opd.train.distributed import SINGLE
+
+    teachers = [dict(t, path=str(routed_world / "a")) for t in _split(routed_world)]
+    teachers.append({"name": "self", "path": "student", "route": {"default": True}})
+    config = _config(world, routed_world, routed_world / "unused", teachers=teachers)
+    models = load_models(config, None, load_tokenizer(str(world / "student")), SINGLE)
+    a, b, own = (t.teacher for t in models.teachers)
+    assert a is b and a.module is not None
+    assert own.scorer is models.student_scorer and own.module is None
+
+
+def _self_entry(**fields):
+    return "teachers=" + json.dumps([{"name": "s", "path": "student", **fields}])
+
+
+@pytest.mark.parametrize(
+    ("field", "overrides"),
+    [
+        ("url", [_self_entry(url="http://127.0.0.1:1")]),
+        ("engine", [_self_entry(engine="vllm")]),
+        ("dtype", [_self_entry(dtype="fp32")]),
+        ("device", [_self_entry(device="cpu")]),
+        ("offload", [_self_entry(offload=True)]),
+        ("dtype", ["teacher.path=student", "teacher.dtype=bf16"]),
+        ("teacher_offload", ["teacher.path=student", "teacher_offload=true"]),
+    ],
+)
+def test_path_student_refuses_placement_fields_in_one_line(world, tmp_path, monkeypatch, capfd, field, overrides):
+    import sys
+
+    from opd.cli import main
+
+    argv = ["distill", "--student", str(world / "student"), "--prompts", str(world / "prompts.jsonl")]
+    argv += ["--out-dir", str(tmp_path), "--steps", "1", *overrides]
+    monkeypatch.delenv("OPD_DEBUG", raising=False)
+    monkeypatch.setattr(sys, "argv", ["opd", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    stderr = capfd.readouterr().err
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert exit_.value.code == 2 and "Traceback" not in stderr
+    assert len(lines) == 1 and f"{field}" in lines[0] and "path: student" in lines[0], stderr
+    assert not list(tmp_path.rglob("metrics.jsonl"))

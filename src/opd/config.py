@@ -89,6 +89,13 @@ class VLLMSpec(Section):
     )
 
 
+STUDENT_INIT = "student_init"
+"""`teachers[i].path` that makes the student's initial weights (student.path) the teacher."""
+STUDENT = "student"
+"""`teachers[i].path` that makes the live student (its current weights, updated every step) the teacher: scored
+without grad by the student's own scorer, no second model loaded."""
+
+
 class TeacherSpec(ModelSpec):
     """The teacher: a model loaded in process (`path`, scored by the local scorer or a vLLM engine), or one served by
     `opd serve-teacher` (`url`)."""
@@ -133,6 +140,23 @@ class TeacherSpec(ModelSpec):
 
     @model_validator(mode="after")
     def _path_or_url(self) -> TeacherSpec:
+        if self.path == STUDENT:
+            placed = [
+                f"{name}={value}"
+                for name, value, default in (
+                    ("url", self.url, None),
+                    ("engine", self.engine, "local"),
+                    ("dtype", self.dtype, "auto"),
+                    ("device", self.device, "auto"),
+                    ("offload", bool(getattr(self, "offload", None)), False),  # a `teachers:` entry's
+                )
+                if value != default
+            ]
+            if placed:
+                raise ValueError(
+                    f"{placed[0]} does not apply to path: {STUDENT}, which scores with the student itself "
+                    f"(its weights, dtype and device); remove {placed[0].split('=')[0]}"
+                )
         if self.path is None and self.url is None:
             raise ValueError("give teacher.path (a model to load) or teacher.url (an `opd serve-teacher`)")
         if self.url is not None and self.engine != "local":
@@ -183,10 +207,6 @@ def _as_strings(value: Any) -> Any:
 
 
 RouteValues = Annotated[list[str] | None, BeforeValidator(_as_strings)]
-
-
-STUDENT_INIT = "student_init"
-"""`teachers[i].path` that makes the student's initial weights (student.path) the teacher."""
 
 
 class TeacherRoute(Section):
@@ -728,7 +748,12 @@ class DistillConfig(Section):
                     "temperature": self.objective.teacher_temperature
                     if entry.temperature is None
                     else entry.temperature,
-                    "offload": self.teacher_offload if entry.offload is None else entry.offload,
+                    # the live student has nothing of its own to offload
+                    "offload": False
+                    if entry.path == STUDENT
+                    else self.teacher_offload
+                    if entry.offload is None
+                    else entry.offload,
                     "route": entry.route or TeacherRoute(default=True),
                     # the student's frozen initial weights as the teacher (self-distillation)
                     "path": self.student.path if entry.path == STUDENT_INIT else entry.path,
@@ -780,6 +805,11 @@ class DistillConfig(Section):
 
     @model_validator(mode="after")
     def _served_teacher_stays_served(self) -> DistillConfig:
+        if self.teacher_offload and self.teacher is not None and self.teacher.path == STUDENT:
+            raise ValueError(
+                f"teacher_offload=true does not apply to teacher.path: {STUDENT}, which scores with the student "
+                f"itself; remove teacher_offload"
+            )
         if self.teacher_offload and self.teacher is not None and self.teacher.url is not None:
             raise ValueError(
                 "teacher_offload=true moves an in-process teacher to CPU between scorings; a served teacher "

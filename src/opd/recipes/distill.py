@@ -23,7 +23,7 @@ from rich.console import Console
 from transformers import PreTrainedModel
 
 from opd.check import preflight
-from opd.config import DistillConfig
+from opd.config import STUDENT, DistillConfig, TeacherEntry
 from opd.data.prompts import load_prompts
 from opd.data.templates import EncodedPrompts, encode_prompts
 from opd.eval.sampling import model_fingerprint
@@ -38,6 +38,7 @@ from opd.teacher.base import TeacherScorer
 from opd.teacher.local import LocalScorer
 from opd.teacher.registry import (
     RoutedTeacher,
+    Teacher,
     check_teacher_serves,
     check_teacher_tokenizer,
     load_teacher,
@@ -347,6 +348,8 @@ def check_teacher_and_engine(config: DistillConfig, student_tokenizer: Any, cons
     """The teacher's tokenizer matches the student's and it serves what the objective asks; a vLLM rollout engine is
     installed and its log-probs fit the objective."""
     for entry in config.teacher_entries():
+        if entry.path == STUDENT:  # the student's own tokenizer and scorer: nothing to compare
+            continue
         check_teacher_tokenizer(entry, student_tokenizer)
         check_teacher_serves(entry, config.objective)
     if config.rollout.engine != "vllm":
@@ -425,8 +428,9 @@ def load_data(config: DistillConfig, student_tokenizer: Any, console: Any) -> En
 
 
 def load_models(config: DistillConfig, checkpoint: Path | None, student_tokenizer: Any, dist: DistInfo) -> Models:
-    """The student (from the checkpoint when resuming), the teacher, the shared vocabulary, FSDP2 sharding, and the
-    student's own scorer."""
+    """The student (from the checkpoint when resuming), the teachers, the shared vocabulary, FSDP2 sharding, and the
+    student's own scorer. Entries that name the same model share one loaded teacher; `path: student` is the student's
+    own scorer (no second model)."""
     student_path = str(checkpoint) if checkpoint else config.student.path
     device = dist.device or resolve_device(config.student.device)  # under torchrun: the rank's own device
     weights_dtype, autocast_dtype = training_precision(config.student, device)
@@ -441,33 +445,43 @@ def load_models(config: DistillConfig, checkpoint: Path | None, student_tokenize
     vocab = check_tokenizer_compatibility(
         tokenizer, tokenizer, student_vocab_size=student_rows, teacher_vocab_size=student_rows
     )
-    teachers: list[RoutedTeacher] = []
-    for entry in config.teacher_entries():
-        loaded = load_teacher(
-            entry,
-            student_tokenizer=student_tokenizer,
-            student_rows=student_rows,
-            student_device=device,
-            world_size=dist.world_size,
-            offload=bool(entry.offload),
-            max_tokens_per_batch=config.score_batch_tokens,
-            objective=config.objective,
-            max_batch_size=config.rollout.batch_size,
-        )
-        if teachers and loaded.vocab.tokenizer_size != vocab.tokenizer_size:
+    own_vocab = vocab
+    entries = config.teacher_entries()
+    loaded: list[Teacher | None] = []  # None: path: student, the student's own scorer (built below)
+    by_model: dict[str, Teacher] = {}
+    first_serves: bool | None = None
+    for entry in entries:
+        found = None
+        if entry.path != STUDENT:
+            key = _model_key(entry)
+            if key not in by_model:
+                by_model[key] = load_teacher(
+                    entry,
+                    student_tokenizer=student_tokenizer,
+                    student_rows=student_rows,
+                    student_device=device,
+                    world_size=dist.world_size,
+                    offload=bool(entry.offload),
+                    max_tokens_per_batch=config.score_batch_tokens,
+                    objective=config.objective,
+                    max_batch_size=config.rollout.batch_size,
+                )
+            found = by_model[key]
+        this_vocab = own_vocab if found is None else found.vocab
+        serves = LocalScorer.serves_requested_ids if found is None else found.scorer.serves_requested_ids
+        if loaded and this_vocab.tokenizer_size != vocab.tokenizer_size:
             raise ValueError(
-                f"teachers: {entry.name} has {loaded.vocab.tokenizer_size} tokens, {teachers[0].name} "
+                f"teachers: {entry.name} has {this_vocab.tokenizer_size} tokens, {entries[0].name} "
                 f"{vocab.tokenizer_size}; every teacher shares the student's tokenizer"
             )
-        if teachers and loaded.scorer.serves_requested_ids != teachers[0].teacher.scorer.serves_requested_ids:
+        if first_serves is not None and serves != first_serves:
             raise ValueError(
-                f"teachers: {entry.name} and {teachers[0].name} differ in scoring the student's top-k (a vLLM "
+                f"teachers: {entry.name} and {entries[0].name} differ in scoring the student's top-k (a vLLM "
                 f"teacher scores only its own); use one kind of scorer for every teacher"
             )
-        vocab = loaded.vocab
-        teachers.append(RoutedTeacher(entry, loaded))
-    teacher = teachers[0].teacher.module if teachers else None
-    teacher_scorer = teachers[0].teacher.scorer if teachers else None
+        first_serves = serves if first_serves is None else first_serves
+        vocab = this_vocab
+        loaded.append(found)
     # ids beyond the tokenizer are embedding padding rows: never sampled, never a top-k candidate (SPEC §1)
     vocab_size = vocab.tokenizer_size
     shard_model(student, dist)  # FSDP2 (no-op for one process); the optimizer sees the sharded parameters
@@ -478,6 +492,10 @@ def load_models(config: DistillConfig, checkpoint: Path | None, student_tokenize
             vocab_size=vocab_size,
             through_root=dist.world_size > 1,
         )
+    live = Teacher(scorer=student_scorer, module=None, vocab=own_vocab)  # the step scores it as the student's own
+    teachers = [RoutedTeacher(entry, live if t is None else t) for entry, t in zip(entries, loaded)]
+    teacher = teachers[0].teacher.module if teachers else None
+    teacher_scorer = teachers[0].teacher.scorer if teachers else None
     return Models(
         student=student,
         tokenizer=tokenizer,
@@ -491,6 +509,14 @@ def load_models(config: DistillConfig, checkpoint: Path | None, student_tokenize
         teacher_scorer=teacher_scorer,
         teachers=teachers,
     )
+
+
+def _model_key(entry: TeacherEntry) -> str:
+    """What identifies the model an entry loads: entries with equal keys share one loaded teacher. A served teacher's
+    key is its name (its own scorer and connections)."""
+    if resolve_scorer(entry) == "served":
+        return f"served:{entry.name}"
+    return repr(sorted(entry.model_dump(exclude={"name", "temperature", "route", "view"}).items()))
 
 
 def build_engines(
@@ -571,9 +597,9 @@ def configure_memory(config: DistillConfig, models: Models, dist: DistInfo) -> f
     compiled = False
     if dist.world_size == 1 or config.compile:  # FSDP2 + compile untested: only when asked for
         compiled = compile_layers(models.student, config.compile)
-        for routed in models.teachers:  # an offloaded teacher runs only on the GPU too (`on_device`)
-            if routed.teacher.module is not None:
-                compile_layers(routed.teacher.module, config.compile)
+        modules = {id(t.teacher.module): t.teacher.module for t in models.teachers if t.teacher.module is not None}
+        for module in modules.values():  # an offloaded teacher runs only on the GPU too (`on_device`)
+            compile_layers(module, config.compile)
     auto_full = config.gradient_checkpointing is None and models.device.type == "cuda" and not compiled
     if config.gradient_checkpointing or auto_full:
         models.student.gradient_checkpointing_enable()
@@ -772,6 +798,8 @@ def teacher_views(
 
 
 def _placement(entry: Any) -> str:
+    if entry.path == STUDENT:
+        return "the live student (its current weights, no grad)"
     scorer = resolve_scorer(entry)
     if scorer == "served":
         return f"served by {entry.url}"
@@ -786,7 +814,9 @@ def teacher_manifest(teachers: list[RoutedTeacher]) -> list[dict]:
     for routed in teachers:
         entry = routed.entry
         info = getattr(routed.teacher.scorer, "info", None)
-        if resolve_scorer(entry) == "served" and isinstance(info, dict):
+        if entry.path == STUDENT:  # no files of its own: the student's weights at every step
+            fingerprint = "student (live)"
+        elif resolve_scorer(entry) == "served" and isinstance(info, dict):
             keys = ("model", "vocab_hash", "chat_template_hash", "vocab_size", "dtype")
             fingerprint = "/info " + ",".join(f"{k}={info[k]}" for k in keys if k in info)
         else:

@@ -12,13 +12,14 @@ Omitted on purpose: PPO mini-batch epochs (the paper makes one optimizer step pe
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from opd.config import DistillConfig
+from opd.config import STUDENT, DistillConfig
 from opd.eval.grading import grade_responses
 from opd.forward import forward_hidden, needed_lengths, output_head, split_by_token_budget, uses_packing
 from opd.io import write_jsonl
@@ -287,7 +288,8 @@ def _start_teachers(
         entry = tr.teachers[0].entry if tr.teachers else None
         temperature = cfg.objective.teacher_temperature if entry is None else entry.temperature
         offload = cfg.teacher_offload if entry is None else entry.offload
-        with on_device(tr.teacher, device if offload else None):
+        live = entry is not None and entry.path == STUDENT
+        with _live_student(tr, device) if live else on_device(tr.teacher, device if offload else None):
             serves_ids = tr.teacher_scorer.serves_requested_ids  # vLLM: only its own top-k
             call = start_scoring(
                 tr.teacher_scorer,
@@ -299,25 +301,58 @@ def _start_teachers(
         return call.result
     row_teacher = row_teachers(tr, batch)
     calls = []
-    for index, routed in enumerate(tr.teachers):
-        rows = [row for row, t in enumerate(row_teacher) if t == index]
-        if not rows:
-            continue
-        rows_R = torch.tensor(rows, dtype=torch.long, device=rollouts.input_ids.device)
-        scorer, mine = routed.teacher.scorer, rollouts.select(rows_R)
-        if routed.prompt_ids is not None:  # its view: its own prompt ids before the same response ids
-            views = routed.prompt_ids
-            mine = _with_prompts(mine, [views[batch.indices[g]] for g in mine.group_ids.tolist()], tr.tokenizer)
-        with on_device(routed.teacher.module, device if routed.entry.offload else None):
-            call = start_scoring(
-                scorer,
-                mine,
-                top_k=top_k,
-                requested_ids=student.topk_ids[rows_R] if scorer.serves_requested_ids else None,
-                temperature=routed.entry.temperature,
-            )
-        calls.append((rows_R, call))
+    # FSDP: every rank enters `gathered` (collectives), also one with no rows for the live student
+    any_live = any(t.entry.path == STUDENT for t in tr.teachers)
+    with gathered(tr.student, tr.dist) if any_live else nullcontext():
+        for index, routed in enumerate(tr.teachers):
+            if index in row_teacher:
+                calls.append(_start_routed(tr, batch, student, top_k, device, index, routed, row_teacher))
     return lambda: _in_row_order([(rows, call.result()) for rows, call in calls], rollouts.batch_size)
+
+
+def _live_student(tr: Trainer, device: torch.device, *, gather: bool = True) -> ExitStack:
+    """The context the student's own no-grad scores are taken in (`score_rollouts`): FSDP weights gathered, the
+    student's autocast, no grad: `path: student` scores as the student does."""
+    stack = ExitStack()
+    if gather:
+        stack.enter_context(gathered(tr.student, tr.dist))
+    stack.enter_context(autocast(device, tr.autocast_dtype))
+    stack.enter_context(torch.no_grad())
+    return stack
+
+
+def _start_routed(
+    tr: Trainer,
+    batch: Batch,
+    student: TokenScores,
+    top_k: int,
+    device: torch.device,
+    index: int,
+    routed: RoutedTeacher,
+    row_teacher: list[int],
+) -> tuple[torch.Tensor, Any]:
+    """Begin one routed teacher's scoring of its rows (with its view's prompt ids); returns (rows, pending call)."""
+    rollouts = batch.rollouts
+    rows = [row for row, t in enumerate(row_teacher) if t == index]
+    rows_R = torch.tensor(rows, dtype=torch.long, device=rollouts.input_ids.device)
+    scorer, mine = routed.teacher.scorer, rollouts.select(rows_R)
+    if routed.prompt_ids is not None:  # its view: its own prompt ids before the same response ids
+        views = routed.prompt_ids
+        mine = _with_prompts(mine, [views[batch.indices[g]] for g in mine.group_ids.tolist()], tr.tokenizer)
+    placed: AbstractContextManager
+    if routed.entry.path == STUDENT:  # the caller holds its weights gathered
+        placed = _live_student(tr, device, gather=False)
+    else:
+        placed = on_device(routed.teacher.module, device if routed.entry.offload else None)
+    with placed:
+        call = start_scoring(
+            scorer,
+            mine,
+            top_k=top_k,
+            requested_ids=student.topk_ids[rows_R] if scorer.serves_requested_ids else None,
+            temperature=routed.entry.temperature,
+        )
+    return rows_R, call
 
 
 def _with_prompts(rollouts: Rollouts, prompt_ids: list[list[int]], tokenizer: Any) -> Rollouts:

@@ -450,6 +450,9 @@ def _self_entry(**fields):
         ("dtype", [_self_entry(dtype="fp32")]),
         ("device", [_self_entry(device="cpu")]),
         ("offload", [_self_entry(offload=True)]),
+        ("trust_remote_code", [_self_entry(trust_remote_code=True)]),
+        ("attn_implementation", [_self_entry(attn_implementation="eager")]),
+        ("vllm", [_self_entry(vllm={"enforce_eager": True})]),
         ("dtype", ["teacher.path=student", "teacher.dtype=bf16"]),
         ("teacher_offload", ["teacher.path=student", "teacher_offload=true"]),
     ],
@@ -470,3 +473,22 @@ def test_path_student_refuses_placement_fields_in_one_line(world, tmp_path, monk
     assert exit_.value.code == 2 and "Traceback" not in stderr
     assert len(lines) == 1 and f"{field}" in lines[0] and "path: student" in lines[0], stderr
     assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+@pytest.mark.parametrize("path", ["student", "student_init"])
+def test_prompts_score_refuses_the_student_as_its_teacher(world, tmp_path, monkeypatch, capfd, path):
+    import sys
+
+    from opd.cli import main
+
+    argv = ["prompts", "score", "--student", str(world / "student"), "--teacher", path]
+    argv += ["--in", str(world / "prompts.jsonl"), "--out", str(tmp_path / "s.jsonl")]
+    monkeypatch.delenv("OPD_DEBUG", raising=False)
+    monkeypatch.setattr(sys, "argv", ["opd", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    stderr = capfd.readouterr().err
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert exit_.value.code == 2 and "Traceback" not in stderr
+    assert len(lines) == 1 and f"teacher.path: {path}" in lines[0], stderr
+    assert not (tmp_path / "s.jsonl").exists()

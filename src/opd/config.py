@@ -149,6 +149,9 @@ class TeacherSpec(ModelSpec):
                     ("dtype", self.dtype, "auto"),
                     ("device", self.device, "auto"),
                     ("offload", bool(getattr(self, "offload", None)), False),  # a `teachers:` entry's
+                    ("trust_remote_code", self.trust_remote_code, False),
+                    ("attn_implementation", self.attn_implementation, None),
+                    ("vllm", ",".join(sorted(self.vllm.model_fields_set)) or None, None),
                 )
                 if value != default
             ]

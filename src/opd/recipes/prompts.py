@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field
+from pydantic import Field, model_validator
 from rich.console import Console
 
-from opd.config import ConfigError, DataSpec, ModelSpec, Section, Teacher, VLLMSpec, save_config
+from opd.config import STUDENT, STUDENT_INIT, ConfigError, DataSpec, ModelSpec, Section, Teacher, VLLMSpec, save_config
 from opd.data.alignment import retemplate
 from opd.data.prompts import JSONL_SUFFIXES, DataError, load_prompts, save_prompts
 from opd.data.templates import parse_template
@@ -66,6 +66,15 @@ class PromptScoreConfig(Section):
         "(needs the vllm extra); the scores stay in-process.",
     )
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
+
+    @model_validator(mode="after")
+    def _teacher_is_another_model(self) -> PromptScoreConfig:
+        if self.teacher.path in (STUDENT, STUDENT_INIT):
+            raise ValueError(
+                f"teacher.path: {self.teacher.path} names the student as its own teacher, which distill's "
+                "views need; opd prompts score compares two models' top-k: give the teacher's model path or url"
+            )
+        return self
 
 
 # Settings that change the scores: a resumed file must have been written with the same ones. (data.path may move:

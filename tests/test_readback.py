@@ -4,33 +4,10 @@ line naming it. The same readers (`opd.io`) serve `opd report` (tests/test_repor
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-import yaml
 
-from helpers import distill_config
-from opd.cli import main
+from helpers import cli, distill_config, dump, one_line
 from opd.recipes.distill import distill
-
-
-def _cli(capsys, *args) -> tuple[int, str, str]:
-    argv, sys.argv = sys.argv, ["opd", *map(str, args)]
-    try:
-        main()
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    finally:
-        sys.argv = argv
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _dump(config, path: Path) -> Path:
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-    return path
 
 
 @pytest.mark.parametrize(
@@ -42,8 +19,8 @@ def test_resume_past_a_manifest_of_the_wrong_shape(capsys, world, tmp_path, mani
     monkeypatch.delenv("OPD_DEBUG", raising=False)
     run_dir = distill(distill_config(world, tmp_path, "run.save_every=1", steps=2))
     (run_dir / "checkpoints" / "step_2" / "MANIFEST.json").write_text(manifest)
-    yaml_path = _dump(distill_config(world, tmp_path, "run.save_every=1", steps=2), tmp_path / "c.yaml")
-    code, out, err = _cli(capsys, "distill", "--config", yaml_path, "--resume")
+    yaml_path = dump(distill_config(world, tmp_path, "run.save_every=1", steps=2), tmp_path / "c.yaml")
+    code, out, err = cli(capsys, "distill", "--config", yaml_path, "--resume")
     assert code == 0 and "Traceback" not in err, err
     assert "step_2 is incomplete or corrupt" in out and "step_1" in out
 
@@ -53,8 +30,6 @@ def test_resume_with_a_damaged_config_yaml_is_one_line(capsys, world, tmp_path, 
     monkeypatch.delenv("OPD_DEBUG", raising=False)
     run_dir = distill(distill_config(world, tmp_path, steps=1))
     (run_dir / "config.yaml").write_text(content)
-    yaml_path = _dump(distill_config(world, tmp_path, steps=2), tmp_path / "c.yaml")
-    code, _, err = _cli(capsys, "distill", "--config", yaml_path, "--resume")
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert str(run_dir / "config.yaml") in lines[0]
+    yaml_path = dump(distill_config(world, tmp_path, steps=2), tmp_path / "c.yaml")
+    line = one_line(*cli(capsys, "distill", "--config", yaml_path, "--resume")[::2])
+    assert str(run_dir / "config.yaml") in line

@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -198,6 +199,21 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
         sys.argv = argv
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def run_in_process(argv: list[str], monkeypatch, capfd) -> tuple[int | None, str, str | None]:
+    """`opd ARGV` in-process through `main()`, stderr read at the file-descriptor level: (exit code, stderr, traceback
+    of an exception that escaped `main`, as the user would see it). The exit code is 1 when one escaped."""
+    monkeypatch.setattr(sys, "argv", ["opd", *argv])
+    code, escaped = 0, None
+    try:
+        main()
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except BaseException:  # noqa: BLE001 - what the user would see as a traceback
+        escaped = traceback.format_exc()
+        code = 1
+    return code, capfd.readouterr().err, escaped
 
 
 def one_line(code: int, err: str) -> str:

@@ -23,13 +23,12 @@ import os
 import shutil
 import subprocess
 import sys
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from helpers import make_tiny_model, make_tiny_tokenizer
+from helpers import make_tiny_model, make_tiny_tokenizer, run_in_process
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -618,22 +617,6 @@ def classify(code: int | None, stderr: str, culprits: list[str], expected_code: 
     if code == expected_code and len(lines) == 1 and all(c in lines[0] for c in culprits):
         return "clear"
     return "unclear"
-
-
-def run_in_process(argv: list[str], monkeypatch, capfd) -> tuple[int | None, str, str | None]:
-    """(exit code, stderr, traceback of an exception that escaped `main`)."""
-    from opd.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["opd", *argv])
-    code, escaped = 0, None
-    try:
-        main()
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    except BaseException:  # noqa: BLE001 - what the user would see as a traceback
-        escaped = traceback.format_exc()
-        code = 1
-    return code, capfd.readouterr().err, escaped
 
 
 def _tally(case: Case, outcome: str, code, stderr: str) -> None:

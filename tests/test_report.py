@@ -14,6 +14,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from helpers import one_line, run_in_process
 from opd.report import write_report
 from opd.report.plots import chunk_grid, load_series
 
@@ -324,30 +325,16 @@ DAMAGED_FILES = [  # (label, file, content, what the line says besides the file)
 
 @pytest.mark.parametrize("label, name, content, says", DAMAGED_FILES, ids=[c[0] for c in DAMAGED_FILES])
 def test_report_damaged_run_file_is_one_line_naming_it(label, name, content, says, tmp_path, monkeypatch, capfd):
-    import sys
-    import traceback
-
-    from opd.cli import main
-
     run = make_run_dir(tmp_path / "run", steps=20)
     path = run / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(content)
     capfd.readouterr()
-    monkeypatch.setattr(sys, "argv", ["opd", "report", str(run), "--out", str(tmp_path / "r.html")])
     monkeypatch.delenv("OPD_DEBUG", raising=False)
-    code, escaped = 0, None
-    try:
-        main()
-    except SystemExit as exit_:
-        code = exit_.code
-    except BaseException:  # noqa: BLE001 - what the user would see as a traceback
-        escaped = traceback.format_exc()
-    err = capfd.readouterr().err
+    code, err, escaped = run_in_process(["report", str(run), "--out", str(tmp_path / "r.html")], monkeypatch, capfd)
     assert escaped is None, escaped
     if says is None:  # a value the report can do without: reported, not fatal
-        assert code in (0, None) and (tmp_path / "r.html").is_file()
+        assert code == 0 and (tmp_path / "r.html").is_file()
         return
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1, err
-    assert str(path) in lines[0] and says in lines[0], lines[0]
+    line = one_line(code, err)
+    assert str(path) in line and says in line, line

@@ -375,45 +375,57 @@ def test_eval_benchmark_with_a_null_answer_fails_before_loading_the_model(proble
     assert not (tmp_path / "run" / "samples.jsonl").exists()
 
 
+def _student_teacher_and_prompts(tiny_tokenizer, tmp_path):
+    """A tiny qwen3 student (seed 0) and teacher (seed 1) under tmp_path, and six "i+i=" prompts with their answers."""
+    from helpers import make_tiny_model
+
+    for name, seed in (("student", 0), ("teacher", 1)):
+        make_tiny_model("qwen3", seed=seed).save_pretrained(tmp_path / name)
+        tiny_tokenizer.save_pretrained(tmp_path / name)
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(6)])
+
+
+def _distill_evaluating(tmp_path, out_dir, steps, options, *overrides):
+    """`opd distill` of `_student_teacher_and_prompts`'s models for `steps` steps into out_dir/run, checkpointing and
+    evaluating on the training prompts every 2 steps; `options` adds to these (dotted keys), then the overrides."""
+    from opd.config import DistillConfig, build_config
+    from opd.recipes.distill import distill
+
+    prompts = tmp_path / "prompts.jsonl"
+    base = {
+        "student.path": str(tmp_path / "student"),
+        "teacher.path": str(tmp_path / "teacher"),
+        "data.path": str(prompts),
+        "data.answer_key": "answer",
+        "data.max_prompt_length": 32,
+        "prompts_per_step": 2,
+        "rollout.n": 2,
+        "rollout.max_new_tokens": 6,
+        "rollout.batch_size": 4,
+        "micro_batch_tokens": 64,
+        "run.out_dir": str(out_dir),
+        "run.name": "run",
+        "run.steps": steps,
+        "run.report": False,
+        "optim.lr": 1e-3,
+        "run.save_every": 2,
+        "run.eval_every": 2,
+        "eval.benchmarks": [str(prompts)],
+        "eval.answer_key": "answer",
+        "eval.n": 2,
+    }
+    return distill(build_config(DistillConfig, options=base | options, overrides=list(overrides)))
+
+
 def test_distill_periodic_eval_is_finished_on_resume(tiny_tokenizer, tmp_path):
     """A run killed inside its step-4 eval (the checkpoint of step 4 is written after it) resumes from step 2, replays
     steps 3-4 and finishes eval/step_4 from its complete chunks: the same results as a run never interrupted."""
     import shutil
 
-    from helpers import make_tiny_model
-    from opd.config import DistillConfig, build_config
-    from opd.recipes.distill import distill
-
-    for name, seed in (("student", 0), ("teacher", 1)):
-        make_tiny_model("qwen3", seed=seed).save_pretrained(tmp_path / name)
-        tiny_tokenizer.save_pretrained(tmp_path / name)
-    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(6)])
+    _student_teacher_and_prompts(tiny_tokenizer, tmp_path)
 
     def run(out, steps, *extra):
-        options = {
-            "student.path": str(tmp_path / "student"),
-            "teacher.path": str(tmp_path / "teacher"),
-            "data.path": str(prompts),
-            "data.answer_key": "answer",
-            "data.max_prompt_length": 32,
-            "prompts_per_step": 2,
-            "rollout.n": 2,
-            "rollout.max_new_tokens": 6,
-            "rollout.batch_size": 4,
-            "micro_batch_tokens": 64,
-            "run.out_dir": str(tmp_path / out),
-            "run.name": "run",
-            "run.steps": steps,
-            "run.report": False,
-            "optim.lr": 1e-3,
-            "run.save_every": 2,
-            "run.eval_every": 2,
-            "eval.benchmarks": [str(prompts)],
-            "eval.answer_key": "answer",
-            "eval.n": 2,
-            "eval.max_new_tokens": 4,
-        }
-        return distill(build_config(DistillConfig, options=options, overrides=list(extra)))
+        return _distill_evaluating(tmp_path, tmp_path / out, steps, {"eval.max_new_tokens": 4}, *extra)
 
     straight = run("a", 4)
     killed = run("b", 4)
@@ -491,42 +503,11 @@ def test_distill_in_run_eval_is_keyed_by_the_weights_evaluated(tiny_tokenizer, t
     evaluated again, not reused; its identity names the weights evaluated."""
     import shutil
 
-    from helpers import make_tiny_model
-    from opd.config import DistillConfig, build_config
-    from opd.recipes.distill import distill
-
-    for name, seed in (("student", 0), ("teacher", 1)):
-        make_tiny_model("qwen3", seed=seed).save_pretrained(tmp_path / name)
-        tiny_tokenizer.save_pretrained(tmp_path / name)
-    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(6)])
+    _student_teacher_and_prompts(tiny_tokenizer, tmp_path)
 
     def run(steps, *extra):
-        options = {
-            "student.path": str(tmp_path / "student"),
-            "teacher.path": str(tmp_path / "teacher"),
-            "data.path": str(prompts),
-            "data.answer_key": "answer",
-            "data.max_prompt_length": 32,
-            "prompts_per_step": 2,
-            "rollout.n": 2,
-            "rollout.max_new_tokens": 6,
-            "rollout.batch_size": 4,
-            "micro_batch_tokens": 64,
-            "run.out_dir": str(tmp_path / "runs"),
-            "run.name": "run",
-            "run.steps": steps,
-            "run.report": False,
-            "optim.lr": 1e-3,
-            "run.save_every": 2,
-            "run.eval_every": 2,
-            "run.eval_at_start": False,
-            "eval.benchmarks": [str(prompts)],
-            "eval.answer_key": "answer",
-            "eval.n": 2,
-            "eval.max_new_tokens": 8,
-            "eval.temperature": 0.0,
-        }
-        return distill(build_config(DistillConfig, options=options, overrides=list(extra)))
+        options = {"run.eval_at_start": False, "eval.max_new_tokens": 8, "eval.temperature": 0.0}
+        return _distill_evaluating(tmp_path, tmp_path / "runs", steps, options, *extra)
 
     run_dir = run(4)
     step_4 = run_dir / "eval" / "step_4"

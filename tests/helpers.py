@@ -57,7 +57,7 @@ from opd.recipes.sft import SFTConfig
 from opd.rollout import SamplingParams, make_generator
 from opd.rollout.batch import build_rollouts
 from opd.train.checkpoint import latest_checkpoint
-from opd.types import Prompt
+from opd.types import Prompt, Rollouts
 
 # ------------------------------------------------------------------------------------- tiny tokenizer and models
 
@@ -160,6 +160,31 @@ def make_tiny_model(
     model.generation_config.eos_token_id = [EOS_ID, PAD_ID]
     model.generation_config.pad_token_id = PAD_ID
     return model.float().eval()
+
+
+def make_rollouts(prompt_lens, response_lens, T, vocab, seed=0, pad=0) -> Rollouts:
+    """Right-padded rows: prompt then response; `response_lens[b]` valid response tokens (0 = empty response)."""
+    g = torch.Generator().manual_seed(seed)
+    B, L = len(prompt_lens), max(p + T for p in prompt_lens)
+    input_ids = torch.full((B, L), pad, dtype=torch.long)
+    attention = torch.zeros(B, L, dtype=torch.bool)
+    response_ids = torch.full((B, T), pad, dtype=torch.long)
+    response_mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        toks = torch.randint(1, vocab, (p + r,), generator=g)
+        input_ids[b, : p + r] = toks
+        attention[b, : p + r] = True
+        response_ids[b, :r] = toks[p:]
+        response_mask[b, :r] = True
+    return Rollouts(
+        input_ids,
+        attention,
+        torch.tensor(prompt_lens),
+        response_ids,
+        response_mask,
+        torch.arange(B),
+        torch.zeros(B, dtype=torch.bool),
+    )
 
 
 # -------------------------------------------------------------------------------------------- console and files

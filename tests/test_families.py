@@ -14,14 +14,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
+from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_rollouts, make_tiny_model, make_tiny_tokenizer
 from opd.forward import forward_hidden
 from opd.kernels import varlen_attention
 from opd.models import ModelLoadError, load_model
 from opd.rollout import SamplingParams, registry
 from opd.rollout.static_engine import StaticGenerator, unsupported_reason
 from opd.rollout.torch_engine import TorchGenerator
-from opd.types import Rollouts
 
 # the family builders live with the benchmarks (also used by scripts/support_table.py and benchmarks/check_cuda.py)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -265,27 +264,6 @@ def test_static_engine_refuses_a_mistral_sliding_window_by_value():
     )
 
 
-def _ragged_rollouts(prompt_lens, response_lens, width: int) -> Rollouts:
-    """Right-padded prompt + response rows of random ids, `response_lens[b]` response tokens in a `width` grid."""
-    generator = torch.Generator().manual_seed(3)
-    rows, longest = len(prompt_lens), max(prompt_lens) + width
-    input_ids, attention = torch.full((rows, longest), PAD_ID), torch.zeros(rows, longest, dtype=torch.bool)
-    response_ids, response_mask = torch.full((rows, width), PAD_ID), torch.zeros(rows, width, dtype=torch.bool)
-    for b, (p, r) in enumerate(zip(prompt_lens, response_lens)):
-        ids = torch.randint(1, 250, (p + r,), generator=generator)
-        input_ids[b, : p + r], attention[b, : p + r] = ids, True
-        response_ids[b, :r], response_mask[b, :r] = ids[p:], True
-    return Rollouts(
-        input_ids,
-        attention,
-        torch.tensor(prompt_lens),
-        response_ids,
-        response_mask,
-        torch.arange(rows),
-        torch.zeros(rows, dtype=torch.bool),
-    )
-
-
 @pytest.mark.parametrize("name", WINDOWED)
 def test_scorer_forward_packs_windowed_rows_as_the_padded_forward(name):
     """`opd.forward.forward_hidden`, the scorer's and trainer's forward: its packed layout on opd_varlen equals the
@@ -295,7 +273,7 @@ def test_scorer_forward_packs_windowed_rows_as_the_padded_forward(name):
     reference.set_attn_implementation("eager")
     packed = copy.deepcopy(reference)
     packed.set_attn_implementation(varlen_attention.ATTENTION)
-    rollouts = _ragged_rollouts([5, 3, 8], [9, 2, 5], 9)
+    rollouts = make_rollouts([5, 3, 8], [9, 2, 5], 9, 250, seed=3, pad=PAD_ID)
     want = forward_hidden(reference, rollouts, packing="padded").hidden_ND
     got = forward_hidden(packed, rollouts, packing="auto")  # auto: this much padding packs
     torch.testing.assert_close(got.hidden_ND, want, atol=ATOL, rtol=0)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import opd.scoring as scoring
+from helpers import make_rollouts
 from opd.forward import check_output_head, output_head, split_by_token_budget
 from opd.kernels import varlen_attention
 from opd.scoring import OutputHead, candidate_logprobs, candidate_logprobs_and_entropy, default_chunk_size, score_hidden
@@ -456,31 +457,6 @@ def tiny_model(kind: str, attn: str, *, vocab=67, seed=0):
         varlen_attention.register()
     model.config._attn_implementation = attn
     return model.float().eval()
-
-
-def make_rollouts(prompt_lens, response_lens, T, vocab, seed=0, pad=0) -> Rollouts:
-    """Right-padded rows: prompt then response; `response_lens[b]` valid response tokens (0 = empty response)."""
-    g = torch.Generator().manual_seed(seed)
-    B, L = len(prompt_lens), max(p + T for p in prompt_lens)
-    input_ids = torch.full((B, L), pad, dtype=torch.long)
-    attention = torch.zeros(B, L, dtype=torch.bool)
-    response_ids = torch.full((B, T), pad, dtype=torch.long)
-    response_mask = torch.zeros(B, T, dtype=torch.bool)
-    for b, (p, r) in enumerate(zip(prompt_lens, response_lens)):
-        toks = torch.randint(1, vocab, (p + r,), generator=g)
-        input_ids[b, : p + r] = toks
-        attention[b, : p + r] = True
-        response_ids[b, :r] = toks[p:]
-        response_mask[b, :r] = True
-    return Rollouts(
-        input_ids,
-        attention,
-        torch.tensor(prompt_lens),
-        response_ids,
-        response_mask,
-        torch.arange(B),
-        torch.zeros(B, dtype=torch.bool),
-    )
 
 
 PROMPTS, RESPONSES, T = [5, 3, 9, 4, 6], [7, 10, 0, 1, 4], 10

@@ -28,8 +28,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -320,6 +322,28 @@ def interrupt_with_a_second_process(capsys, directory: Path, holder: subprocess.
     line = one_line(*cli(capsys, *args)[::2])
     assert str(directory) in line and f"pid {holder.pid}" in line, line
     kill9(holder)
+
+
+@contextmanager
+def server_in_thread(service, token: str | None, port: int = 0):
+    """`opd serve-teacher`'s server for `service` on a loopback thread of this process; yields its URL, always
+    stopped."""
+    from opd.teacher.server import bind, make_server, url_of
+
+    sock = bind("127.0.0.1", port)
+    server = make_server(service, token)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "in-process server did not start"
+            time.sleep(0.02)
+        yield url_of(sock)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
 
 
 def checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import make_tiny_tokenizer
+from helpers import make_tiny_tokenizer, server_in_thread
 from opd.config import ConfigError, DistillConfig, ModelSpec, build_config, validate_config
 from opd.io import read_jsonl
 from opd.lab import opd_prompts_path, student_path, teacher_path
@@ -107,27 +107,15 @@ def serve_process(tmp_path: Path, *extra: str, port: int | None = None, name: st
 def serve_in_thread(scorer, token: str | None = TOKEN, port: int = 0, **config):
     """The same app and service in this process (for tests that must hold the scoring loop); always stopped."""
     from opd.recipes.serve_teacher import ServeConfig
-    from opd.teacher.server import bind, make_server, service_for, url_of
+    from opd.teacher.server import service_for
 
     model = scorer.model if hasattr(scorer, "model") else scorer.inner.model
     _, tokenizer = load_model(teacher_path(), dtype="fp32", device="cpu")
     cfg = ServeConfig(model=ModelSpec(path=str(teacher_path())), **config)
     service = service_for(model, tokenizer, cfg, name=str(teacher_path()), device="cpu")
     service.scorer = scorer
-    sock = bind("127.0.0.1", port)
-    server = make_server(service, token)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "in-process server did not start"
-            time.sleep(0.02)
-        yield url_of(sock), service
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
+    with server_in_thread(service, token, port) as url:
+        yield url, service
 
 
 def http_call(url: str, method: str, path: str, body=None, headers=None, token: str | None = TOKEN, **kwargs):

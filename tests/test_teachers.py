@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import distill_config, make_tiny_model, make_tiny_tokenizer
+from helpers import distill_config, make_tiny_model, make_tiny_tokenizer, server_in_thread
 from opd.io import read_jsonl
 from opd.recipes.distill import distill
 from opd.teacher.local import LocalScorer
@@ -262,32 +262,21 @@ def test_mixed_placements_local_offloaded_and_served_on_loopback(tmp_path):
     teacher and split by the prompts' steps column: the same run as the one local lab teacher (≤ 1e-5, the served
     one batches rows its own way)."""
     pytest.importorskip("uvicorn")
-    import threading
-    import time
-
     from opd.config import DistillConfig, ModelSpec, build_config
     from opd.lab import opd_prompts_path, student_path, teacher_path
     from opd.models import load_model
     from opd.recipes.serve_teacher import ServeConfig
-    from opd.teacher.server import bind, make_server, service_for, url_of
+    from opd.teacher.server import service_for
 
     model, tokenizer = load_model(teacher_path(), dtype="fp32", device="cpu")
     service = service_for(model, tokenizer, ServeConfig(model=ModelSpec(path=str(teacher_path()))), name="lab")
     token_file = tmp_path / "token"
     token_file.write_text("mixed-placements-token-0123")
-    sock = bind("127.0.0.1", 0)
-    server = make_server(service, token_file.read_text())
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "in-process server did not start"
-            time.sleep(0.02)
+    with server_in_thread(service, token_file.read_text()) as url:
         lab = {"device": "cpu", "dtype": "fp32"}
         teachers = [
             {"name": "local", "path": str(teacher_path()), "offload": True, **lab},
-            {"name": "served", "url": url_of(sock), "token_file": str(token_file)},
+            {"name": "served", "url": url, "token_file": str(token_file)},
         ]
         teachers[0]["route"] = {"route_key": "steps", "values": [1, 2]}
         teachers[1]["route"] = {"route_key": "steps", "values": [3, 4, 5]}
@@ -313,10 +302,6 @@ def test_mixed_placements_local_offloaded_and_served_on_loopback(tmp_path):
         mixed = distill(
             build_config(DistillConfig, overrides=[*common, f"teachers={json.dumps(teachers)}", "run.name=mixed"])
         )
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
     for a, b in zip(_numbers(single), _numbers(mixed), strict=True):
         assert a.keys() == b.keys()
         for k in a:

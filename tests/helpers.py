@@ -422,6 +422,38 @@ def reverse_kl(student_dir: Path, teacher_dir: Path, prompt_ids: list[int], samp
     return float(kl.sum() / mask.sum())
 
 
+def distill_toward_a_trained_teacher(world, tmp_path, *overrides) -> tuple[float, float]:
+    """The learning check: a teacher trained to answer "7*6=" with "42" (`train_to_prefer`, 150 steps), a student near
+    it (5 steps), 20 steps of `opd distill` on that one prompt with `overrides`. The student's reverse KL to the
+    teacher (`reverse_kl`) before and after."""
+    from opd.recipes.distill import distill
+
+    tokenizer = make_tiny_tokenizer()
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "7*6="}], tokenize=False, add_generation_prompt=True
+    )
+    prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    target_ids = tokenizer("42")["input_ids"] + [EOS_ID]
+    train_to_prefer(tmp_path / "teacher", prompt_ids, target_ids, steps=150)
+    train_to_prefer(tmp_path / "student", prompt_ids, target_ids, steps=5)
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": "7*6=", "answer": "42"}])
+    cfg = distill_config(
+        world,
+        tmp_path,
+        "prompts_per_step=1",
+        "rollout.n=8",
+        "optim.lr=3e-3",
+        "run.save_every=0",
+        *overrides,
+        steps=20,
+    )
+    cfg.student.path, cfg.teacher.path = str(tmp_path / "student"), str(tmp_path / "teacher")
+    cfg.data.path = str(tmp_path / "p.jsonl")
+    before = reverse_kl(tmp_path / "student", tmp_path / "teacher", prompt_ids)
+    after = reverse_kl(latest_checkpoint(distill(cfg)), tmp_path / "teacher", prompt_ids)
+    return before, after
+
+
 # ------------------------------------------------------------------------------------------------ opd sft runs
 
 SFT_QA = [("what is 2+3?", "5"), ("name a colour", "red"), ("reverse abc", "cba"), ("say hi", "hi there")]

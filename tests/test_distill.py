@@ -9,13 +9,11 @@ import pytest
 import torch
 
 from helpers import (
-    EOS_ID,
     distill_config,
+    distill_toward_a_trained_teacher,
     latest_weights,
     make_tiny_model,
     make_tiny_tokenizer,
-    reverse_kl,
-    train_to_prefer,
 )
 from opd.io import read_jsonl
 from opd.recipes.distill import distill
@@ -217,31 +215,7 @@ def test_trainer_scores_agree_with_dense_token_rewards(world):
 @pytest.mark.slow
 @pytest.mark.parametrize("top_k", [0, 16], ids=["sampled-token", "only_stu-top16"])
 def test_opd_moves_the_student_toward_the_teacher(world, tmp_path, top_k):
-    tokenizer = make_tiny_tokenizer()
-    prompt_text = "7*6="
-    prompt_ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt_text}], tokenize=False, add_generation_prompt=True
-    )
-    prompt_ids = tokenizer(prompt_ids, add_special_tokens=False)["input_ids"]
-    target_ids = tokenizer("42")["input_ids"] + [EOS_ID]
-    train_to_prefer(tmp_path / "teacher", prompt_ids, target_ids, steps=150)
-    train_to_prefer(tmp_path / "student", prompt_ids, target_ids, steps=5)
-    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": prompt_text, "answer": "42"}) + "\n")
-    cfg = distill_config(
-        world,
-        tmp_path,
-        f"objective.top_k={top_k}",
-        "prompts_per_step=1",
-        "rollout.n=8",
-        "optim.lr=3e-3",
-        "run.save_every=0",
-        steps=20,
-    )
-    cfg.student.path, cfg.teacher.path = str(tmp_path / "student"), str(tmp_path / "teacher")
-    cfg.data.path = str(tmp_path / "p.jsonl")
-    before = reverse_kl(tmp_path / "student", tmp_path / "teacher", prompt_ids)
-    run_dir = distill(cfg)
-    after = reverse_kl(latest_checkpoint(run_dir), tmp_path / "teacher", prompt_ids)
+    before, after = distill_toward_a_trained_teacher(world, tmp_path, f"objective.top_k={top_k}")
     assert after < 0.5 * before, (before, after)
 
 

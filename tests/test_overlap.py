@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from helpers import distill_config, reverse_kl, train_to_prefer
+from helpers import distill_config, distill_toward_a_trained_teacher
 from opd.recipes.distill import setup
 from opd.rollout import SamplingParams
 from opd.rollout.batch import build_rollouts
@@ -117,36 +117,7 @@ def test_overlap_resume_is_bit_identical(world, tmp_path):
 @pytest.mark.slow
 def test_overlap_still_moves_the_student_toward_the_teacher(world, tmp_path):
     """The learning check of test_distill (20 steps, reverse KL to the teacher at least halves), with overlap on."""
-    import json
-
-    from helpers import EOS_ID, make_tiny_tokenizer
-    from opd.recipes.distill import distill
-    from opd.train.checkpoint import latest_checkpoint
-
-    tokenizer = make_tiny_tokenizer()
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "7*6="}], tokenize=False, add_generation_prompt=True
-    )
-    prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    target_ids = tokenizer("42")["input_ids"] + [EOS_ID]
-    train_to_prefer(tmp_path / "teacher", prompt_ids, target_ids, steps=150)
-    train_to_prefer(tmp_path / "student", prompt_ids, target_ids, steps=5)
-    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "7*6=", "answer": "42"}) + "\n")
-    cfg = distill_config(
-        world,
-        tmp_path,
-        "prompts_per_step=1",
-        "rollout.n=8",
-        "optim.lr=3e-3",
-        "run.save_every=0",
-        "rollout.overlap=true",
-        "objective.tis_cap=2.0",
-        steps=20,
-    )
-    cfg.student.path, cfg.teacher.path = str(tmp_path / "student"), str(tmp_path / "teacher")
-    cfg.data.path = str(tmp_path / "p.jsonl")
-    before = reverse_kl(tmp_path / "student", tmp_path / "teacher", prompt_ids)
-    after = reverse_kl(latest_checkpoint(distill(cfg)), tmp_path / "teacher", prompt_ids)
+    before, after = distill_toward_a_trained_teacher(world, tmp_path, "rollout.overlap=true", "objective.tis_cap=2.0")
     assert after < 0.5 * before, (before, after)
 
 

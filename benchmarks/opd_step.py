@@ -280,7 +280,7 @@ def memory_breakdown(tr, trace: list[dict], start_bytes: int) -> dict:
 def our_row(
     args, student, teacher, prompt_ids, engine: str, run_dir: Path, autocast_dtype, device, name: str, ckpt: str
 ) -> dict:
-    from opd.train.step import opd_step
+    from opd.train.step import compiled_graphs, opd_step, warm_up
 
     variant = VARIANTS[name]
     row_ckpt = variant.get("ckpt", ckpt)
@@ -294,10 +294,19 @@ def our_row(
         tr.activation_budget = 0.5 if row_ckpt == "selective" else None
         cuda = device.type == "cuda"
         steps: list[dict] = []
+        tr.compiled_layers = args.compile == "on" or (args.compile == "auto" and cuda)
+        warm_up_s = warm_up_graphs = None
+        if tr.compiled_layers:  # as `opd distill` does before its first step
+            sync(device)
+            start_warm_up = time.perf_counter()
+            warm_up_graphs = warm_up(tr, device)
+            sync(device)
+            warm_up_s = time.perf_counter() - start_warm_up
 
         def step(warm: bool = False):
             tr.memory_trace = [] if cuda else None
             start = torch.cuda.memory_allocated(device) if cuda else 0
+            graphs_before = compiled_graphs()
             timed_lengths = tr.generator.lengths
             if warm and args.warmup_lengths:  # shorter warm-up steps: they compile the same layers and kernels
                 tr.generator.lengths = parse_lengths(args.warmup_lengths)
@@ -314,6 +323,7 @@ def our_row(
                 "start": start,
                 "lengths": list(tr.generator.last_lengths),
                 "warm": warm,
+                "new_graphs": compiled_graphs() - graphs_before,
             }
             steps.append(record)
             return tokens
@@ -330,6 +340,11 @@ def our_row(
             "tokens_per_s": sum(s["tokens"] for s in timed) / seconds,
             "warmup_s": m["first_call_seconds"],
             "step_seconds": m["all_seconds"],
+            # graphs torch.compile built: in `warm_up` (compiled layers), in the warm-up steps, in the timed steps
+            "warm_up_layouts_s": warm_up_s,
+            "warm_up_graphs": warm_up_graphs,
+            "warm_step_graphs": sum(s["new_graphs"] for s in steps if s["warm"]),
+            "timed_step_graphs": sum(s["new_graphs"] for s in timed),
             "peak_gib": m["peak_gib"],
         }
         if cuda:  # the phase marks reset the peak counter: the row's peak is the largest phase peak

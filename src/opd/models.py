@@ -316,8 +316,11 @@ def compile_layers(model: torch.nn.Module, enabled: bool | None = None, *, backe
     """`torch.compile` every decoder layer of an HF causal LM in place; returns whether it did.
 
     enabled: True / False, or None = only when the model is on CUDA (CPU compilation is slow to build and gains
-    little). All layers share one compiled graph (same code, parameters are inputs), so the first forward per new
-    input shape pays one compilation (seconds); later shapes compile once more with dynamic sizes. Why: the
+    little). All layers share one compiled graph (same code, parameters are inputs), compiled with dynamic sizes
+    from the first call (`dynamic=True`): a new batch or sequence size reuses it. What still makes a graph of its
+    own is a layout, not a size: a batch of one row (dynamo specializes size 1), an attention mask present or
+    absent (transformers passes none for rows of equal length), grad mode and train/eval; `opd.train.step.warm_up`
+    compiles those before the first step, so that no step recompiles. Why compile: the
     elementwise work between the matmuls (RMSNorm, RoPE, SiLU·gate, residual adds, casts) runs as a handful of fused
     kernels instead of dozens, a clear speed-up of the model body (docs/performance.md).
     Generation through the HF model (`TorchGenerator`, the prefill of `StaticGenerator`) runs these layers eagerly
@@ -335,14 +338,38 @@ def compile_layers(model: torch.nn.Module, enabled: bool | None = None, *, backe
                 f"compile: {type(model).__name__} has no decoder layers to compile (model.get_decoder().layers)"
             )
         return False
-    # One layer's forward is compiled per (grad mode, train/eval, static/dynamic shape, checkpoint recompute) variant;
-    # dynamo's default of 8 versions per function is reached within a few training steps, after which the layers
-    # would silently run eagerly.
+    # One layer's forward is compiled per layout variant (above) and checkpoint recompute; dynamo's default of 8
+    # versions per function can be reached, after which the layers would silently run eagerly.
     for name, value in recompile_limit_at_least(64).items():
         setattr(torch._dynamo.config, name, value)
     for layer in layers:
-        layer.compile(backend=backend)
+        layer.compile(backend=backend, dynamic=True)
     return True
+
+
+def warm_up_layouts(max_response: int, packed_tokens: int | None = None) -> list[tuple[int, ...]]:
+    """Response lengths, per row, of the batches that compile every graph of compiled layers (`compile_layers`)
+    before work starts (`opd.train.step.warm_up` runs them through scoring and the update, `opd serve-teacher`
+    through scoring). A layout, not a size, makes a graph: one row (dynamo specializes a size of 1; transformers
+    passes no mask), rows of equal length (no mask either), ragged rows (a mask, or packed where the model packs),
+    rows within 10% of each other (a mask even where the model packs) — and inductor's own guards split sizes into
+    ranges (32-bit indexing, fusion choices), so the layouts repeat over a ladder of lengths 4× apart up to
+    `max_response`. `packed_tokens` (a model that packs): one more batch of long ragged rows filling it, the
+    longest sequence a packed forward meets."""
+    small = [(8,), (8, 8), (3, 29), (20, 21, 22)]
+    layouts = [tuple(min(n, max_response) for n in lengths) for lengths in small]
+    ladder, length = [], 256
+    while length < max_response:
+        ladder.append(length)
+        length *= 4
+    for length in [*ladder, max_response] if max_response > 29 else []:
+        layouts += [(length,), (length, length), (length, length - length // 20, length - length // 10)]
+    if packed_tokens:
+        rows: list[int] = []
+        while sum(rows) < packed_tokens and len(rows) < 64:
+            rows.append(max(1, max_response >> (len(rows) % 3)))
+        layouts.append(tuple(rows))
+    return layouts
 
 
 def activation_budget(budget: float | None):

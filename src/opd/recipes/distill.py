@@ -13,6 +13,7 @@ sharded by FSDP2; rank 0 owns the run directory and speaks for all (`opd.train.d
 from __future__ import annotations
 
 import json
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,13 @@ from opd.data.prompts import load_prompts
 from opd.data.templates import EncodedPrompts, encode_prompts
 from opd.eval.sampling import model_fingerprint
 from opd.io import atomic_write_json
-from opd.models import check_tokenizer_compatibility, compile_layers, load_model, load_tokenizer, resolve_device
+from opd.models import (
+    check_tokenizer_compatibility,
+    compile_layers,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+)
 from opd.report.sinks import progress_bar
 from opd.rollout import Generator, make_generator
 from opd.rollout.registry import check_generation_fits
@@ -80,7 +87,7 @@ from opd.train.distributed import (
 from opd.train.optim import build_optimizer, build_scheduler
 from opd.train.overlap import overlap_generator
 from opd.train.sampler import PromptSampler
-from opd.train.step import Trainer, opd_step
+from opd.train.step import Trainer, opd_step, warm_up
 
 __all__ = ["DistillConfig", "Trainer", "distill", "run_eval", "save", "setup", "train"]
 
@@ -127,6 +134,8 @@ def train(tr: Trainer, *, console: Any) -> None:
             with gathered(tr.student, tr.dist):
                 if main:
                     run_eval(tr, console)
+        if tr.compiled_layers and tr.step < cfg.run.steps:
+            _warm_up(tr, console)
         consecutive_skips = 0
         while tr.step < cfg.run.steps:
             skipped_before = tr.skipped_steps
@@ -148,6 +157,16 @@ def train(tr: Trainer, *, console: Any) -> None:
     if main:
         finish_run(tr.run_dir, tr.sink, report=cfg.run.report, console=console)
     barrier(tr.dist)
+
+
+def _warm_up(tr: Trainer, console: Any) -> None:
+    start = time.perf_counter()
+    device = next(tr.student.parameters()).device
+    graphs = warm_up(tr, device)
+    console.print(
+        f"compiled layers: warmed up on every batch layout in {time.perf_counter() - start:.1f} s "
+        f"({graphs} graphs); no step should compile again (metric compile/graphs)"
+    )
 
 
 def _console_line(step: int, m: dict) -> str:
@@ -259,7 +278,7 @@ def setup(
     check_context(config, models)
     generator, rollout_model, rollout_generator = build_engines(config, models, dist)
     startup_checks(config, models, generator, data, student_tokenizer, dist, console)
-    budget = configure_memory(config, models, dist)
+    compiled, budget = configure_memory(config, models, dist)
     reference_scorer = load_reference(config, models)
     optimizer, scheduler, sampler = build_optimization(config, models, generator, len(data.prompts), dist)
     tr = Trainer(
@@ -282,6 +301,7 @@ def setup(
         autocast_dtype=models.autocast_dtype,
         dist=dist,
         activation_budget=budget,
+        compiled_layers=compiled,
         rollout_model=rollout_model,
         rollout_generator=rollout_generator,
         teachers=models.teachers,
@@ -590,8 +610,9 @@ def startup_checks(
     )
 
 
-def configure_memory(config: DistillConfig, models: Models, dist: DistInfo) -> float | None:
-    """Compiled layers and activation checkpointing; returns the selective-checkpointing budget (None: off).
+def configure_memory(config: DistillConfig, models: Models, dist: DistInfo) -> tuple[bool, float | None]:
+    """Compiled layers and activation checkpointing; returns whether the student's layers are compiled and the
+    selective-checkpointing budget (None: off).
     Checkpointing is full (HF, per layer) when asked for; by default on CUDA selective inside the compiled layers
     (docs/performance.md: the update's speed and memory under each)."""
     compiled = False
@@ -604,8 +625,8 @@ def configure_memory(config: DistillConfig, models: Models, dist: DistInfo) -> f
     if config.gradient_checkpointing or auto_full:
         models.student.gradient_checkpointing_enable()
     elif config.gradient_checkpointing is None and compiled:
-        return config.activation_budget
-    return None
+        return compiled, config.activation_budget
+    return compiled, None
 
 
 def load_reference(config: DistillConfig, models: Models) -> LocalScorer | None:

@@ -18,7 +18,9 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from opd.config import ConfigError, ModelSpec
-from opd.models import compile_layers, load_model, resolve_device
+from opd.forward import uses_packing
+from opd.models import compile_layers, load_model, resolve_device, warm_up_layouts
+from opd.rollout.batch import random_rollouts
 from opd.teacher.server import (
     MIN_TOKEN_LENGTH,
     TOKEN_ENV,
@@ -87,8 +89,16 @@ def load_service(config: ServeConfig) -> TeacherService:
     )
     model.requires_grad_(False)
     device = "device_map" if config.device_map else str(resolve_device(spec.device))
-    compile_layers(model, False if config.device_map else config.compile)
-    return service_for(model, tokenizer, config, name=config.name or spec.path, device=device)
+    compiled = compile_layers(model, False if config.device_map else config.compile)
+    service = service_for(model, tokenizer, config, name=config.name or spec.path, device=device)
+    if compiled:  # every layout a merged batch can have, compiled before the first request waits for it
+        on = resolve_device(spec.device)
+        packed = config.forward_tokens if uses_packing(model) else None
+        layouts = warm_up_layouts(max(1, min(service.max_positions, config.forward_tokens) - 8), packed)
+        for seed, lengths in enumerate(layouts):  # the scorer's own no-grad context, as in requests
+            rollouts = random_rollouts(list(range(8)), lengths, vocab_size=service.vocab_size, pad_id=0, seed=seed)
+            service.scorer.score(rollouts.to(on), top_k=16)
+    return service
 
 
 def serve(config: ServeConfig) -> None:

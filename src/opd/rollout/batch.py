@@ -72,3 +72,22 @@ def build_rollouts(
         rollout_logprobs=logprobs_BT,
     )
     return rollouts.to(device) if device is not None else rollouts
+
+
+def random_rollouts(
+    prompt_ids: Sequence[int],
+    response_lengths: Sequence[int],
+    *,
+    vocab_size: int,
+    pad_id: int,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+) -> Rollouts:
+    """One prompt answered by responses of uniformly random tokens of the given lengths: a batch of a chosen layout
+    (rows of equal or different lengths) for compiling the forwards that will see it (`opd.train.step.warm_up`,
+    `opd serve-teacher`). Never trained on; the tokens are drawn from their own seeded generator."""
+    generator = torch.Generator().manual_seed(seed)
+    responses = [torch.randint(vocab_size, (n,), generator=generator).tolist() for n in response_lengths]
+    rows = len(responses)
+    output = GenerationOutput(responses, ["length"] * rows, [0] * rows)
+    return build_rollouts([prompt_ids], output, pad_id=pad_id, device=device)

@@ -23,7 +23,7 @@ from opd.config import STUDENT, DistillConfig
 from opd.eval.grading import grade_responses
 from opd.forward import forward_hidden, needed_lengths, output_head, split_by_token_budget, uses_packing
 from opd.io import write_jsonl
-from opd.models import activation_budget, on_device
+from opd.models import activation_budget, on_device, warm_up_layouts
 from opd.objectives import (
     build_targets,
     diagnostic_top_k,
@@ -39,7 +39,7 @@ from opd.objectives.targets import Targets
 from opd.report.sinks import MetricsSink
 from opd.rollout import SamplingParams
 from opd.rollout.base import Generator
-from opd.rollout.batch import build_rollouts
+from opd.rollout.batch import build_rollouts, random_rollouts
 from opd.scoring import candidate_logprobs_and_entropy
 from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
 from opd.teacher.base import TeacherScorer, start_scoring
@@ -85,6 +85,7 @@ class Trainer:
     rollout_generator: Generator | None = None
     # benchmarks: a list → each step appends CUDA memory (allocated / peak since the last mark, GiB) after each phase
     memory_trace: list | None = None
+    compiled_layers: bool = False  # the student's layers run compiled: `warm_up` first, `compile/*` metrics per step
     # several teachers (`teachers:`; one for `teacher:`): each scores the rows of the prompts routed to it, the index
     # into `teachers` of every prompt's teacher in `prompt_teacher`; empty: `teacher` / `teacher_scorer` alone
     teachers: list[RoutedTeacher] = field(default_factory=list)
@@ -426,31 +427,20 @@ def update_student(tr: Trainer, rollouts: Rollouts, targets: Targets, timings: d
         num_real = len(groups)
         groups += [groups[0]] * (max_over_ranks(num_real, tr.dist) - num_real)
         for index, rows in enumerate(groups):
-            micro, micro_targets = rollouts.select(rows), targets.select(rows)
-            with autocast(device, tr.autocast_dtype), activation_budget(tr.activation_budget):  # the chunked head too
-                hidden = forward_hidden(tr.student, micro, through_root=world > 1)  # FSDP's root hooks must run
-                head = output_head(tr.student)  # after the forward: under FSDP, the root's unsharded head weight
-                ids_NJ = micro_targets.candidate_ids[hidden.rows_N, hidden.cols_N]
-                if targets.reference is not None:  # the KL term needs the sampled token's log-prob as one more column
-                    ids_NJ = torch.cat([ids_NJ, hidden.targets_N[:, None]], dim=-1)
-                lp_NJ, entropy_N = candidate_logprobs_and_entropy(
-                    hidden.hidden_ND, head, ids_NJ, temperature=cfg.rollout.temperature, vocab_size=tr.vocab_size
-                )
-            loss, micro_metrics = micro_loss(
-                hidden.to_grid(lp_NJ),
-                hidden.to_grid(entropy_N),
-                micro_targets,
-                cfg.objective,
-                global_num_tokens=num_tokens,
-                global_num_seqs=num_seqs,
-            )
-            if index >= num_real:  # padding pass (see above): gradients of zero, metrics not counted
-                loss = loss * 0.0
-            else:
-                loss_metrics.append(micro_metrics)
             # FSDP averages gradients over ranks; the loss is already a share of the global mean, so scale it back
-            # up: the summed update equals the single-process one on the same global batch.
-            (loss * world).backward()
+            # up: the summed update equals the single-process one on the same global batch. A padding pass (see
+            # above) has gradients of zero, and its metrics are not counted.
+            micro_metrics = micro_backward(
+                tr,
+                rollouts.select(rows),
+                targets.select(rows),
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+                scale=world if index < num_real else 0.0,
+                device=device,
+            )
+            if index < num_real:
+                loss_metrics.append(micro_metrics)
         tr.student.eval()
         _mark_memory(tr, "forward_backward")
         grad_norm, stepped, lr = clip_and_step(tr.student, tr.optimizer, tr.scheduler, cfg.optim.grad_clip)
@@ -458,6 +448,79 @@ def update_student(tr: Trainer, rollouts: Rollouts, targets: Targets, timings: d
     tr.skipped_steps += 0 if stepped else 1
     _mark_memory(tr, "optimizer_step")
     return Update(grad_norm, loss_metrics, lr)
+
+
+def micro_backward(
+    tr: Trainer,
+    micro: Rollouts,
+    micro_targets: Targets,
+    *,
+    num_tokens: torch.Tensor,
+    num_seqs: torch.Tensor,
+    scale: float,
+    device: torch.device,
+) -> dict:
+    """One micro-batch's grad forward and `(loss × scale).backward()`; returns its detached loss metrics."""
+    cfg = tr.config
+    with autocast(device, tr.autocast_dtype), activation_budget(tr.activation_budget):  # the chunked head too
+        hidden = forward_hidden(tr.student, micro, through_root=tr.dist.world_size > 1)  # FSDP's root hooks must run
+        head = output_head(tr.student)  # after the forward: under FSDP, the root's unsharded head weight
+        ids_NJ = micro_targets.candidate_ids[hidden.rows_N, hidden.cols_N]
+        if micro_targets.reference is not None:  # the KL term needs the sampled token's log-prob as one more column
+            ids_NJ = torch.cat([ids_NJ, hidden.targets_N[:, None]], dim=-1)
+        lp_NJ, entropy_N = candidate_logprobs_and_entropy(
+            hidden.hidden_ND, head, ids_NJ, temperature=cfg.rollout.temperature, vocab_size=tr.vocab_size
+        )
+    loss, metrics = micro_loss(
+        hidden.to_grid(lp_NJ),
+        hidden.to_grid(entropy_N),
+        micro_targets,
+        cfg.objective,
+        global_num_tokens=num_tokens,
+        global_num_seqs=num_seqs,
+    )
+    (loss * scale).backward()
+    return metrics
+
+
+def warm_up(tr: Trainer, device: torch.device) -> int:
+    """Compile every graph variant of the compiled layers (`opd.models.compile_layers`) before the first step, so
+    that no step pays a compilation: the scoring and update phases run once per layout of `warm_up_layouts`, on the
+    first prompt routed to each teacher with random response tokens, the update's losses × 0 and no optimizer step.
+    The model, the optimizer and every random stream are as before (gradients are reset to None); returns the number
+    of graphs compiled."""
+    before = compiled_graphs()
+    trace, tr.memory_trace = tr.memory_trace, None
+    cfg = tr.config
+    packed = max(cfg.score_batch_tokens, cfg.micro_batch_tokens) if uses_packing(tr.student) else None
+    layouts = warm_up_layouts(cfg.rollout.max_new_tokens, packed)
+    first_prompts = sorted({tr.prompt_teacher.index(t) for t in set(tr.prompt_teacher)}) if tr.teachers else [0]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for index in first_prompts:
+            for seed, lengths in enumerate(layouts):
+                rollouts = random_rollouts(
+                    tr.prompt_ids[index],
+                    lengths,
+                    vocab_size=tr.vocab_size,
+                    pad_id=tr.tokenizer.pad_token_id,
+                    seed=seed,
+                    device=device,
+                )
+                batch = Batch([index] * len(lengths), rollouts, policy_lag=0)
+                scores = score_rollouts(tr, batch, {}, device)
+                targets = step_targets(tr, batch, scores, device)
+                ones = torch.ones((), device=device)
+                tr.student.train()
+                micro_backward(tr, rollouts, targets, num_tokens=ones, num_seqs=ones, scale=0.0, device=device)
+                tr.student.eval()
+    tr.student.zero_grad(set_to_none=True)
+    tr.memory_trace = trace
+    return compiled_graphs() - before
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (`compile/graphs`: a step that adds some recompiled)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def step_metrics(
@@ -471,6 +534,9 @@ def step_metrics(
         "lr": result.lr,
         "skipped_steps": tr.skipped_steps,
     }
+    if tr.compiled_layers:  # both count from the process start: a step that raises them compiled
+        out["compile/graphs"] = compiled_graphs()
+        out["compile/seconds"] = torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0)
     out.update(_sum_micro_metrics(result.loss_metrics))
     out.update(
         reward_stats("reward", targets.rewards, targets.reward_valid, mask_BT),

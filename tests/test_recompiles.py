@@ -1,0 +1,118 @@
+"""Compiled layers never recompile after the warm-up (`opd.train.step.warm_up`), and the warm-up changes nothing.
+
+The layers compile with `aot_eager` here (dynamo's graph capture and guards, no code generation: the recompiles are
+the same as inductor's, seconds cheaper on CPU). The padded SDPA path is the one a CPU runs; the packed one is the
+GPU's (`benchmarks/check_cuda.py` counts its graphs there)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from helpers import distill_config, string_console
+from opd.io import read_jsonl
+from opd.models import compile_layers
+from opd.recipes.distill import setup, train
+from opd.train.step import compiled_graphs, warm_up
+
+# Prompts of many lengths and a micro-batch budget that splits the batch unevenly: the steps meet rows of one, of
+# equal and of different lengths, with and without grad.
+ROWS = [{"prompt": "1+" * (1 + i % 7) + "=", "answer": str(i)} for i in range(12)]
+
+
+def _trainer(world, tmp_path, *overrides, compiled=True):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = distill_config(
+        world,
+        tmp_path,
+        f"data.path={prompts}",
+        "prompts_per_step=3",
+        "rollout.n=3",
+        "rollout.max_new_tokens=12",
+        "data.max_prompt_length=40",
+        "micro_batch_tokens=110",
+        *overrides,
+        steps=4,
+    )
+    tr = setup(cfg, tmp_path / "run", console=string_console())
+    if compiled:
+        compile_layers(tr.student, True, backend="aot_eager")
+        for routed in tr.teachers:
+            if routed.teacher.module is not None:
+                compile_layers(routed.teacher.module, True, backend="aot_eager")
+    tr.compiled_layers = True
+    return tr
+
+
+# (prompt index, response length) per row: batches of layouts in an order where each brings one the earlier ones
+# did not (ragged rows of two prompts, then one row, rows of equal length, more rows, near-equal rows).
+LAYOUTS = (
+    ((0, 5), (6, 11)),
+    ((3, 7),),
+    ((2, 9), (2, 9)),
+    ((1, 2), (5, 12), (4, 1), (0, 8)),
+    ((6, 10), (6, 11), (6, 12)),
+)
+
+
+def _steps_on(tr, layouts):
+    """The scoring, targets and update phases (optimizer step included) on batches of the given layouts."""
+    from opd.rollout.base import GenerationOutput
+    from opd.rollout.batch import build_rollouts
+    from opd.train.step import Batch, score_rollouts, step_targets, update_student
+
+    cpu, graphs = torch.device("cpu"), []
+    for rows in layouts:
+        responses = [[7 + (i * 13 + t) % 200 for t in range(n)] for i, (_, n) in enumerate(rows)]
+        output = GenerationOutput(responses, ["length"] * len(rows), list(range(len(rows))))
+        prompt_ids = [tr.prompt_ids[index] for index, _ in rows]
+        rollouts = build_rollouts(prompt_ids, output, pad_id=tr.tokenizer.pad_token_id)
+        batch = Batch([index for index, _ in rows], rollouts, policy_lag=0)
+        scores = score_rollouts(tr, batch, {}, cpu)
+        update_student(tr, rollouts, step_targets(tr, batch, scores, cpu), {}, cpu)
+        graphs.append(compiled_graphs())
+    return graphs
+
+
+def test_no_layout_compiles_after_the_warm_up(world, tmp_path):
+    torch._dynamo.reset()
+    tr = _trainer(world, tmp_path)
+    assert warm_up(tr, torch.device("cpu")) > 0  # the layers did compile: the count below is not vacuous
+    after_warm_up = compiled_graphs()
+    assert _steps_on(tr, LAYOUTS) == [after_warm_up] * len(LAYOUTS)
+
+
+def test_layouts_compile_without_the_warm_up(world, tmp_path):
+    """The test above can fail: without the warm-up, batches after the first compile graphs of their own."""
+    torch._dynamo.reset()
+    tr = _trainer(world, tmp_path)
+    graphs = _steps_on(tr, LAYOUTS)
+    assert graphs[0] > 0 and graphs[-1] > graphs[0], graphs
+
+
+def test_a_compiled_run_compiles_only_in_its_warm_up(world, tmp_path):
+    torch._dynamo.reset()
+    tr = _trainer(world, tmp_path)
+    train(tr, console=string_console())
+    graphs = [row["compile/graphs"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert len(graphs) == 4 and graphs[0] > 0 and graphs == [graphs[0]] * 4, graphs
+
+
+def test_the_warm_up_changes_nothing(world, tmp_path):
+    """A run that warms up ends with the same weights and metrics, bit for bit, as one that does not: gradients
+    reset, no optimizer step, every random stream as before (eager layers: the same computation both ways)."""
+    runs = {}
+    for warmed in (True, False):
+        tr = _trainer(world, tmp_path / str(warmed), "objective.kl_coef=0.1", compiled=False)
+        tr.compiled_layers = warmed
+        train(tr, console=string_console())
+        metrics = [
+            {k: v for k, v in m.items() if not k.startswith(("time/", "compile/")) and k != "tokens_per_second"}
+            for m in read_jsonl(tmp_path / str(warmed) / "run" / "metrics.jsonl")
+        ]
+        runs[warmed] = (metrics, {k: v.clone() for k, v in tr.student.state_dict().items()})
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[False][1])

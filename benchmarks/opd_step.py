@@ -278,7 +278,17 @@ def memory_breakdown(tr, trace: list[dict], start_bytes: int) -> dict:
 
 
 def our_row(
-    args, student, teacher, prompt_ids, engine: str, run_dir: Path, autocast_dtype, device, name: str, ckpt: str
+    args,
+    student,
+    teacher,
+    prompt_ids,
+    engine: str,
+    run_dir: Path,
+    autocast_dtype,
+    device,
+    name: str,
+    ckpt: str,
+    compiled: bool,
 ) -> dict:
     from opd.train.step import compiled_graphs, opd_step, warm_up
 
@@ -294,7 +304,7 @@ def our_row(
         tr.activation_budget = 0.5 if row_ckpt == "selective" else None
         cuda = device.type == "cuda"
         steps: list[dict] = []
-        tr.compiled_layers = args.compile == "on" or (args.compile == "auto" and cuda)
+        tr.compiled_layers = compiled
         warm_up_s = warm_up_graphs = None
         if tr.compiled_layers:  # as `opd distill` does before its first step
             sync(device)
@@ -663,7 +673,9 @@ def main(argv: list[str] | None = None) -> dict:
             label = f"opd_step[{engine}]" if name == "default" else f"opd_step[{engine}, {name}]"
 
             def ours(engine=engine, name=name):
-                row = our_row(args, student, teacher, prompt_ids, engine, run_dir, autocast_dtype, device, name, ckpt)
+                row = our_row(
+                    args, student, teacher, prompt_ids, engine, run_dir, autocast_dtype, device, name, ckpt, compiled
+                )
                 lengths = row.pop("last_lengths")
                 if flops and bandwidth:
                     bound = opd_step_bound(

@@ -92,12 +92,11 @@ def load_service(config: ServeConfig) -> TeacherService:
     compiled = compile_layers(model, False if config.device_map else config.compile)
     service = service_for(model, tokenizer, config, name=config.name or spec.path, device=device)
     if compiled:  # every layout a merged batch can have, compiled before the first request waits for it
-        on = resolve_device(spec.device)
         packed = config.forward_tokens if uses_packing(model) else None
         layouts = warm_up_layouts(max(1, min(service.max_positions, config.forward_tokens) - 8), packed)
         for seed, lengths in enumerate(layouts):  # the scorer's own no-grad context, as in requests
             rollouts = random_rollouts(list(range(8)), lengths, vocab_size=service.vocab_size, pad_id=0, seed=seed)
-            service.scorer.score(rollouts.to(on), top_k=16)
+            service.scorer.score(rollouts.to(device), top_k=16)
     return service
 
 

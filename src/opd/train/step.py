@@ -495,6 +495,7 @@ def warm_up(tr: Trainer, device: torch.device) -> int:
     packed = max(cfg.score_batch_tokens, cfg.micro_batch_tokens) if uses_packing(tr.student) else None
     layouts = warm_up_layouts(cfg.rollout.max_new_tokens, packed)
     first_prompts = sorted({tr.prompt_teacher.index(t) for t in set(tr.prompt_teacher)}) if tr.teachers else [0]
+    ones = torch.ones((), device=device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for index in first_prompts:
             for seed, lengths in enumerate(layouts):
@@ -509,9 +510,13 @@ def warm_up(tr: Trainer, device: torch.device) -> int:
                 batch = Batch([index] * len(lengths), rollouts, policy_lag=0)
                 scores = score_rollouts(tr, batch, {}, device)
                 targets = step_targets(tr, batch, scores, device)
-                ones = torch.ones((), device=device)
                 tr.student.train()
-                micro_backward(tr, rollouts, targets, num_tokens=ones, num_seqs=ones, scale=0.0, device=device)
+                for rows in split_by_token_budget(  # the update's micro-batches: its shapes, within its memory
+                    needed_lengths(rollouts), cfg.micro_batch_tokens, padded=not uses_packing(tr.student)
+                ):
+                    micro = rollouts.select(rows)
+                    micro_targets = targets.select(rows)
+                    micro_backward(tr, micro, micro_targets, num_tokens=ones, num_seqs=ones, scale=0.0, device=device)
                 tr.student.eval()
     tr.student.zero_grad(set_to_none=True)
     tr.memory_trace = trace

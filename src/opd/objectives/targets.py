@@ -71,6 +71,9 @@ class Targets:
     teacher_logprobs: [B, T, J] the teacher's log-probs at `candidate_ids` for a divergence loss; None for pg
     reference:        [B, T] a frozen reference's log-prob of the sampled token (the KL term); None without one
     tis_weights:      [B, T] truncated importance weights against the engine's log-probs; None when off
+    advantage_valid:  [B, T, J''] bool, the advantages' slots where they are not `valid` (a GKD-style loss, whose
+                      support is the teacher's top-k while the advantages live on the strategy's, e.g. 2K for union);
+                      None = `valid`. Only the metrics read the advantages then
     """
 
     candidate_ids: torch.Tensor
@@ -83,6 +86,7 @@ class Targets:
     teacher_logprobs: torch.Tensor | None = None
     reference: torch.Tensor | None = None
     tis_weights: torch.Tensor | None = None
+    advantage_valid: torch.Tensor | None = None
 
     def select(self, rows: torch.Tensor | list[int]) -> Targets:
         """The targets of the given rows (every tensor indexed along dim 0): one micro-batch's."""
@@ -153,12 +157,13 @@ def build_targets(
         old_logprobs=old_lp_BTJ,
     )
     candidate_ids_BTJ, loss_valid_BTJ = adv.candidate_ids, adv.valid
+    advantage_valid_BTJ = None
     if o.loss in ("forward_kl", "jsd"):  # GKD-style objectives live on the teacher's top-k support
         if teacher is None or teacher.topk_ids is None or teacher.topk_logprobs is None:
             raise ValueError(f"loss {o.loss!r} needs the teacher's top-k")
         k = diagnostic_top_k(o.top_k)
         candidate_ids_BTJ, teacher_lp_BTJ = teacher.topk_ids[..., :k], teacher.topk_logprobs[..., :k]
-        loss_valid_BTJ = mask_BT[..., None].expand_as(candidate_ids_BTJ)
+        advantage_valid_BTJ, loss_valid_BTJ = adv.valid, mask_BT[..., None].expand_as(candidate_ids_BTJ)
     tis_BT = None
     if o.tis_cap is not None and rollouts.rollout_logprobs is not None:
         tis_BT = truncated_is_weights(student.sampled_logprobs, rollouts.rollout_logprobs, o.tis_cap, mask_BT)
@@ -175,6 +180,7 @@ def build_targets(
         teacher_logprobs=None if o.loss == "pg" else teacher_lp_BTJ,
         reference=reference_logprobs,
         tis_weights=tis_BT,
+        advantage_valid=advantage_valid_BTJ,
     )
 
 

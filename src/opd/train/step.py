@@ -543,9 +543,10 @@ def step_metrics(
         out["compile/graphs"] = compiled_graphs()
         out["compile/seconds"] = torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0)
     out.update(_sum_micro_metrics(result.loss_metrics))
+    advantage_valid = targets.valid if targets.advantage_valid is None else targets.advantage_valid
     out.update(
         reward_stats("reward", targets.rewards, targets.reward_valid, mask_BT),
-        **reward_stats("advantage", targets.advantages, targets.valid, mask_BT),
+        **reward_stats("advantage", targets.advantages, advantage_valid, mask_BT),
     )
     out["valid_slots_per_token"] = targets.valid.sum() / mask_BT.sum().clamp(min=1)
     out["policy_lag"] = batch.policy_lag  # optimizer steps between the sampling and the current policy

@@ -1079,3 +1079,43 @@ def test_check_with_only_a_served_teacher_says_so(tmp_path):
     )
     assert result.returncode == 2 and "teacher.path" in result.stderr and "None" not in result.stderr
     assert "Traceback" not in result.stderr
+
+
+class _TemperatureBlindScorer(LocalScorer):
+    """A teacher server's scorer that ignores the temperature it is asked for (what `served_scores` must catch)."""
+
+    def score(self, rollouts, **kwargs):
+        return super().score(rollouts, **{**kwargs, "temperature": 1.0})
+
+
+def test_startup_check_of_served_scores_passes_a_server_and_stops_one_that_drops_the_temperature(
+    server, lab_teacher, tmp_path
+):
+    from opd.check.scoring import check_served_scores
+
+    url, _, _ = server
+    model, tokenizer, _ = lab_teacher
+    prompts = [[3, 7, 11, 2, 5, 9, 1, 4], [8, 6, 2, 12, 5]]
+    check = dict(top_k=16, vocab_rows=V, pad_id=tokenizer.pad_token_id)
+    remote = RemoteScorer(url, token=TOKEN)
+    for temperature in (1.0, 0.7):
+        row = check_served_scores(remote, prompts, temperature=temperature, **check)
+        assert row.status == "pass", row
+    remote.close()
+    with serve_in_thread(_TemperatureBlindScorer(model, vocab_size=V)) as (blind_url, _):
+        blind = RemoteScorer(blind_url, token=TOKEN)
+        assert check_served_scores(blind, prompts, temperature=1.0, **check).status == "pass"  # nothing to see at 1
+        row = check_served_scores(blind, prompts, temperature=0.7, **check)
+        blind.close()
+        assert row.status == "fail" and row.hard and "temperature 0.7" in row.detail, row
+        from opd.recipes.distill import distill
+
+        token_file = tmp_path / "token"
+        token_file.write_text(TOKEN)
+        config = lab_config(
+            tmp_path, "blind", *served_overrides(blind_url, token_file), "objective.teacher_temperature=0.7"
+        )
+        with pytest.raises(ValueError, match=r"^opd check: served_scores failed .*temperature 0\.7") as stopped:
+            distill(config)
+        assert "\n" not in str(stopped.value)
+        assert not list(tmp_path.glob("blind*/checkpoints/*"))  # stopped before the first step

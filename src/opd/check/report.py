@@ -32,6 +32,7 @@ CHECKS: dict[str, str] = {
     "determinism": "scoring",
     "self_distillation_zero": "scoring",
     "prompt_logprobs": "scoring",
+    "served_scores": "scoring",
     "overlap_ratio": "forecast",
     "overlap_mass_student": "forecast",
     "overlap_mass_teacher": "forecast",

@@ -2,6 +2,8 @@
 twice), `self_distillation_zero` (the teacher's scores of its *own* samples against the log-probs its generation
 reported: the sampled-token reward of a model against itself, ≈ 0), `prompt_logprobs` (both models' per-token NLL of
 the same rendered prompts, against what their sizes predict). `scoring_rows` runs them on a few prompts.
+A teacher without a local module (served, vLLM) gets `served_scores` instead: its answers must be what the client
+asked for (issue 25, item 7): normalised log-probs, the temperature applied, ids inside its vocabulary.
 
 The checks take any `TeacherScorer`; the teacher's own samples come from the torch engine, a code path independent of
 `LocalScorer`.
@@ -35,6 +37,11 @@ SELF_ZERO_HALF_TOLERANCE = 0.05
 """bf16/fp16: 8/11-bit mantissas round each logit by up to ~0.4 % (bf16) of its magnitude; differently ordered sums
 of ~10-nat logits then differ by ~0.01–0.03 nats per token. A scorer that misaligns positions or drops the
 temperature is off by ≥ 0.3 nats/token."""
+SERVED_TOLERANCE = 2e-2
+"""Max |Δ| (nats) in `served_scores`' identities: a bf16 server's log-probs are rounded by ~0.4 % of a logit (~0.03
+nats at 8-nat logits, halved by the float32 log-softmax over bf16 logits), the wire's float16 log-probs by 2^-11 of
+their value; a server that ignores the temperature is off by |1 − 1/τ| times a top-2 gap (≥ 0.05 at τ = 0.9 on
+any non-flat position), one that scores other positions or another vocabulary by whole nats."""
 SIZE_EXPONENT = 0.076
 """α_N of the parameter scaling law L(N) ∝ N^−α_N (Kaplan et al. 2020, eq. 1.1): the NLL ratio two sizes predict."""
 PROMPT_NLL_SLACK = 1.5
@@ -192,6 +199,65 @@ def teacher_samples(
     return build_rollouts(
         ids, generator.generate(ids, params), pad_id=tokenizer.pad_token_id, device=next(teacher.parameters()).device
     )
+
+
+@torch.no_grad()
+def check_served_scores(
+    scorer: Any, prompt_ids: Sequence[Sequence[int]], *, temperature: float, top_k: int, vocab_rows: int, pad_id: int
+) -> CheckResult:
+    """A module-less teacher scores the prompts' own tokens (as responses: any valid ids serve) at the run's
+    temperature: its top-k log-probs must descend with a log-sum-exp ≤ 0, the sampled token's log-prob must equal
+    its top-k entry wherever it is in the top-k, ids must lie below its vocabulary rows, entropies (when it gives
+    log_v = math.log(vocab_rows) + SERVED_TOLERANCE
+    if entropy_N is not None and not -SERVED_TOLERANCE <= entropy_N.min() <= entropy_N.max() <= log_v:
+    larger (the temperature was applied, once)."""
+    k = top_k  # what the trainer asks for: a server's max_top_k (or vLLM's max_logprobs) allows it
+    responses = [list(ids[-min(len(ids), 16) :]) for ids in prompt_ids[:2]]
+    rollouts = build_rollouts(
+        [list(ids) for ids in prompt_ids[:2]],
+        GenerationOutput(responses, ["length"] * len(responses), list(range(len(responses)))),
+        pad_id=pad_id,
+        device=torch.device("cpu"),
+    )
+    mask_BT = rollouts.response_mask.bool()
+    at_t = scorer.score(rollouts, top_k=k, temperature=temperature, with_entropy=True)
+    lp_NK, ids_NK = at_t.topk_logprobs[mask_BT].float(), at_t.topk_ids[mask_BT]
+    sampled_N = at_t.sampled_logprobs[mask_BT].float()
+    problems = []
+    rises = lp_NK.diff(dim=-1).clamp(min=0).amax() if k > 1 else lp_NK.new_zeros(())
+    if rises > SERVED_TOLERANCE or lp_NK.logsumexp(-1).max() > SERVED_TOLERANCE:
+        problems.append("top-k log-probs that are not a descending part of a normalised distribution")
+    if ids_NK.min() < 0 or ids_NK.max() >= vocab_rows:
+        problems.append(f"top-k ids outside [0, {vocab_rows})")
+    hit_NK = ids_NK == rollouts.response_ids[mask_BT][:, None]
+    if hit_NK.any() and (sampled_N[:, None] - lp_NK).abs()[hit_NK].max() > SERVED_TOLERANCE:
+        problems.append("a sampled token's log-prob that differs from its own top-k entry")
+    entropy_N = None if at_t.entropy is None else at_t.entropy[mask_BT].float()  # vLLM gives none
+    if (
+        entropy_N is not None
+        and not -SERVED_TOLERANCE <= entropy_N.min() <= entropy_N.max() <= math.log(vocab_rows) + SERVED_TOLERANCE
+    ):
+        problems.append(f"entropies outside [0, log {vocab_rows}]")
+    detail = f"{int(mask_BT.sum())} positions of 2 prompts at temperature {temperature}"
+    if temperature != 1.0 and k >= 2 and not problems:
+        at_1 = scorer.score(rollouts, top_k=k, temperature=1.0, with_entropy=False)
+        gap_N = lp_NK[:, 0] - lp_NK[:, 1]
+        gap1_N = at_1.topk_logprobs[mask_BT][:, 0].float() - at_1.topk_logprobs[mask_BT][:, 1].float()
+        same_top = at_1.topk_ids[mask_BT][:, 0] == ids_NK[:, 0]
+        if not same_top.all() or (gap_N * temperature - gap1_N).abs().max() > SERVED_TOLERANCE * (1 + temperature):
+            problems.append(f"log-prob gaps that do not scale as temperature {temperature} asks")
+        detail += " and at 1"
+    if problems:
+        return CheckResult(
+            "served_scores",
+            "fail",
+            problems[0],
+            detail + ": " + "; ".join(problems),
+            "the teacher server answers something else than this client asks for: check that it runs this "
+            "version of opd serve-teacher and the model you meant",
+            hard=True,
+        )
+    return CheckResult("served_scores", "pass", 0.0, detail + ": consistent", hard=True)
 
 
 def scoring_rows(

@@ -13,10 +13,11 @@ import torch
 
 from opd.check.report import PREFLIGHT_GROUPS, CheckReport, resolve_skips, skipped_rows
 from opd.check.resources import check_memory, check_step_time, estimate_memory, loaded_bytes, mini_step
-from opd.check.scoring import scoring_rows
+from opd.check.scoring import check_served_scores, scoring_rows
 from opd.check.tokenizers import check_tokenizers
 from opd.config import DistillConfig
 from opd.models import eos_token_ids, on_device
+from opd.objectives.diagnostics import diagnostic_top_k
 
 
 def preflight(
@@ -74,6 +75,17 @@ def preflight(
                 max_new_tokens=128,
                 autocast_dtype=autocast_dtype,
             )
+    elif teacher_scorer is not None and "served_scores" not in skip:  # a served or vLLM teacher: no module here
+        report.results.append(
+            check_served_scores(
+                teacher_scorer,
+                prompt_ids,
+                temperature=config.objective.teacher_temperature,
+                top_k=diagnostic_top_k(config.objective.top_k),
+                vocab_rows=vocab_size,
+                pad_id=student_tokenizer.pad_token_id,
+            )
+        )
     if "memory" not in skip:
         needs = estimate_memory(
             config, student, teacher, compute_dtype=autocast_dtype or next(student.parameters()).dtype

@@ -66,7 +66,7 @@ BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
     "mistral_no_window": _build("MistralConfig", "MistralForCausalLM", sliding_window=None),
     "phi3": _build("Phi3Config", "Phi3ForCausalLM", sliding_window=WINDOW),
     "olmo2": _build("Olmo2Config", "Olmo2ForCausalLM"),
-    "smollm3": _build("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "smollm3": _build("SmolLM3Config", "SmolLM3ForCausalLM", no_rope_layers=[1, 0]),  # its second layer is NoPE
     "gpt_oss": _build(
         "GptOssConfig",
         "GptOssForCausalLM",
@@ -76,7 +76,14 @@ BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
         num_experts_per_tok=1,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
-    "granite": _build("GraniteConfig", "GraniteForCausalLM"),
+    "granite": _build(  # Granite 3's multipliers (its defaults are all 1)
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.125,
+        logits_scaling=8.0,
+    ),
 }
 # The families as released (the support table's rows): display name -> builder key
 RELEASED = {

@@ -241,11 +241,21 @@ def _mistral(sliding_window: int | None) -> torch.nn.Module:
     return MistralForCausalLM(MistralConfig(**COMMON, sliding_window=sliding_window)).eval()
 
 
-def test_static_engine_runs_the_mistral_layout_without_a_window_and_matches_the_torch_engine():
-    """Mistral v0.3 / Small / Nemo: Llama's layout with sliding_window None. Greedy tokens equal, log-probs within
-    fp32 rounding (the same 1e-4 as tests/test_static_engine.py)."""
-    model = _mistral(None)
-    assert unsupported_reason(model) is None
+# the families the static engine runs (`unsupported_reason` None): Llama's layout plus the features its step computes
+STATIC_FAMILIES = ["llama3_2", "qwen2_5", "qwen3", "mistral_no_window", "granite", "smollm3"]
+
+
+def test_static_engine_accepts_exactly_these_families():
+    accepted = sorted(key for key in families.BUILDERS if unsupported_reason(family(key)) is None)
+    assert accepted == sorted(STATIC_FAMILIES)
+
+
+@pytest.mark.parametrize("name", STATIC_FAMILIES)
+def test_static_engine_matches_the_torch_engine_on_each_family_it_runs(name):
+    """Greedy tokens equal, log-probs within fp32 rounding (the same 1e-4 as tests/test_static_engine.py), with each
+    family's features on: Mistral v0.3 / Small / Nemo (Llama's layout, sliding_window None), Granite 3's multipliers
+    (dropping any one of the four moves log-probs by 0.17-3 nats), SmolLM3's NoPE layer (RoPE there: 0.27)."""
+    model = family(name)
     common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
     reference, static = TorchGenerator(model, **common), StaticGenerator(model, kv_bucket=16, **common)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=24, return_logprobs=True)

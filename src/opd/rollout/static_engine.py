@@ -7,9 +7,12 @@ per step, and a finished row's slot is refilled with the next pending sample so 
 How a call runs, the Gumbel-max sampling and the determinism contract (bit-exact for a fixed row count R; pin R
 with max_batch_size / max_batch_tokens): docs/design.md, "opd.rollout.static_engine".
 
-Scope: Llama / Qwen2 / Qwen3 layouts (anything else raises; engine "auto" then picks `TorchGenerator`); graphs and
-compilation on CUDA only. Omitted: a paged cache, speculative decoding, shared-prefix (cascade) attention, and
-`flex_attention`'s decoding path (tried: slower than SDPA, and its graph capture failed at larger batches).
+Scope: the Llama layout and the families that are it plus features the step computes: Qwen2 (qkv bias), Qwen3 (q/k
+norm over heads), Mistral / Ministral without a sliding window, Granite (embedding, residual and attention multipliers,
+logit scaling) and SmolLM3 (NoPE layers). Anything else raises (engine "auto" then picks `TorchGenerator`, saying
+why); graphs and compilation on CUDA only. Omitted: a paged cache, speculative decoding, shared-prefix
+(cascade) attention, and `flex_attention`'s decoding path (tried: slower than SDPA, and its graph capture failed
+at larger batches).
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ from opd.rollout.hf_model import (
 from opd.rollout.sampling import filter_logits
 from opd.scoring import recompile_limit_at_least
 
-# Llama's layout; Mistral and Ministral are it plus a sliding window, accepted where none is set (v0.3, Small, Nemo)
-_SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "ministral")
+# Llama's layout; Mistral and Ministral are it plus a sliding window, accepted where none is set (v0.3, Small, Nemo);
+# Granite is it plus four multipliers and SmolLM3 plus layers without RoPE (`_Layout`)
+_SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "ministral", "granite", "smollm3")
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,26 +71,59 @@ def _project(
     return [F.linear(h_RD, w, b) for w, b in zip(weights, biases)]
 
 
-def _attn_in(h_RD, w_qkv, b_qkv, qn_w, kn_w, eps, cos_R1D, sin_R1D, heads: int, kv_heads: int, dh: int):
-    """q/k/v projections, q/k-norm and RoPE for one normed token per row: [R, D] → q [R, H, Dh], k and v
-    [R, Hkv, Dh]. The caller writes k and v into the cache: inside a compiled function the in-place write to the
-    whole cache tensor measured slower than two separate small copy kernels (docs/performance.md)."""
+def _attn_in(
+    h_RD, w_qkv, b_qkv, qn_w, kn_w, eps, cos_R1D, sin_R1D, heads: int, kv_heads: int, dh: int, rope: bool = True
+):
+    """q/k/v projections, q/k-norm and RoPE (rope=False: a NoPE layer) for one normed token per row: [R, D] → q
+    [R, H, Dh], k and v [R, Hkv, Dh]. The caller writes k and v into the cache: inside a compiled function the
+    in-place write to the whole cache tensor measured slower than two separate small copy kernels
+    (docs/performance.md)."""
     rows = h_RD.shape[0]
     q, k, v = _project(h_RD, w_qkv, b_qkv, [heads * dh, kv_heads * dh, kv_heads * dh])
     q, k, v = q.reshape(rows, heads, dh), k.reshape(rows, kv_heads, dh), v.reshape(rows, kv_heads, dh)
     if qn_w is not None:
         q, k = _rms(q, qn_w, eps), _rms(k, kn_w, eps)
+    if not rope:
+        return q, k, v
     return _rotate(q, cos_R1D, sin_R1D), _rotate(k, cos_R1D, sin_R1D), v
 
 
-def _attn_out(x_RD, attn_RE, wo, bo, ln_w, eps, w_gu, b_gu, wd, bd, next_ln_w, next_eps):
+def _attn_out(x_RD, attn_RE, wo, bo, ln_w, eps, w_gu, b_gu, wd, bd, next_ln_w, next_eps, residual_scale: float = 1.0):
     """o-projection + residual, post-attention norm, SiLU-gated MLP + residual, then the next layer's input norm (the
-    final norm after the last layer), so that the residual add and that norm fuse: [R, D] → (x [R, D], normed x)."""
-    x_RD = _residual_add(x_RD, F.linear(attn_RE.to(wo.dtype), wo, bo))
+    final norm after the last layer), so that the residual add and that norm fuse: [R, D] → (x [R, D], normed x).
+    residual_scale: Granite's residual multiplier, applied to each branch before its add (as HF does)."""
+    x_RD = _residual_add(x_RD, _scaled(F.linear(attn_RE.to(wo.dtype), wo, bo), residual_scale))
     h_RD = _rms(x_RD, ln_w, eps)
     gate_RI, up_RI = _project(h_RD, w_gu, b_gu, [wd.shape[1], wd.shape[1]])
-    x_RD = _residual_add(x_RD, F.linear(F.silu(gate_RI) * up_RI, wd, bd))
+    x_RD = _residual_add(x_RD, _scaled(F.linear(F.silu(gate_RI) * up_RI, wd, bd), residual_scale))
     return x_RD, _rms(x_RD, next_ln_w, next_eps)
+
+
+def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x * scale in x's dtype, skipped at 1 (the graphs of the families without multipliers stay as they were)."""
+    return x if scale == 1.0 else x * scale
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What the families beyond Llama's plain layout change in the step: Granite's multipliers of the embeddings,
+    the residual branches and (as a divisor) the logits; SmolLM3's layers without RoPE (`no_rope_layers[i] == 0`).
+    Attention's own scale (Granite's attention_multiplier) is the module's `scaling`, which the step reads anyway."""
+
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    logits_divisor: float = 1.0
+    rope_layers: tuple[bool, ...] | None = None  # None: every layer
+
+    @classmethod
+    def of(cls, config: Any) -> _Layout:
+        no_rope = getattr(config, "no_rope_layers", None) if config.model_type == "smollm3" else None
+        return cls(
+            embedding_scale=float(getattr(config, "embedding_multiplier", 1.0) or 1.0),
+            residual_scale=float(getattr(config, "residual_multiplier", 1.0) or 1.0),
+            logits_divisor=float(getattr(config, "logits_scaling", 1.0) or 1.0),
+            rope_layers=None if no_rope is None else tuple(bool(flag) for flag in no_rope),
+        )
 
 
 def _residual_add(x_RD: torch.Tensor, y_RD: torch.Tensor) -> torch.Tensor:
@@ -226,6 +263,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if rope_reason is not None:
         return rope_reason
     head = model.get_output_embeddings()
+    if model_type == "smollm3" and len(getattr(config, "no_rope_layers", None) or []) != config.num_hidden_layers:
+        return "no_rope_layers does not give one flag per layer"
     if getattr(model, "logit_scale", None) is not None or getattr(config, "final_logit_softcapping", None):
         return "the output head has a logit scale or soft-cap"
     if head is None or not isinstance(head, torch.nn.Linear):
@@ -256,6 +295,7 @@ class _Layer:
 
     attn_in: tuple
     attn_out: tuple
+    rope: bool = True
     keys: torch.Tensor | None = None  # [R, Hkv, S, Dh]
     values: torch.Tensor | None = None
 
@@ -559,6 +599,8 @@ class _Run:
         self.first_norm = (input_norms[0].weight, input_norms[0].variance_epsilon)
         self.embed_VD = body.embed_tokens.weight
         self.head_w, self.head_b = _cast(head.weight, shadow), _cast(head.bias, shadow)
+        self.layout = layout = _Layout.of(config)
+        rope_layers = layout.rope_layers or (True,) * len(body.layers)
         self.layers: list[_Layer] = []
         for i, layer in enumerate(body.layers):
             attn, mlp, post, following = layer.self_attn, layer.mlp, layer.post_attention_layernorm, input_norms[i + 1]
@@ -587,7 +629,7 @@ class _Run:
                 following.weight,
                 following.variance_epsilon,
             )
-            self.layers.append(_Layer(ins, outs))
+            self.layers.append(_Layer(ins, (*outs, layout.residual_scale), rope=rope_layers[i]))
             self.scaling = attn.scaling
 
         # The samples and the slots: each slot holds one sample's prompt at [0, L) and its tokens after it.
@@ -781,7 +823,7 @@ class _Run:
         params = self.params
         heads, kv_heads = self.heads, self.kv_heads
         position_R, rows_R = self.position_R[:rows], self.rows_R[:rows]
-        x_RD = F.embedding(self.tokens_R[:rows], self.embed_VD)
+        x_RD = _scaled(F.embedding(self.tokens_R[:rows], self.embed_VD), self.layout.embedding_scale)
         h_RD = _rms(x_RD, *self.first_norm)
         cos_R1D = self.cos_SD[position_R][:, None].to(x_RD.dtype)
         sin_R1D = self.sin_SD[position_R][:, None].to(x_RD.dtype)
@@ -797,7 +839,9 @@ class _Run:
             )
         for layer in self.layers:
             keys_RKSD, values_RKSD = layer.keys[:rows], layer.values[:rows]
-            q_RHD, k_RKD, v_RKD = attn_in(h_RD, *layer.attn_in, cos_R1D, sin_R1D, heads, kv_heads, layer.keys.shape[-1])
+            q_RHD, k_RKD, v_RKD = attn_in(
+                h_RD, *layer.attn_in, cos_R1D, sin_R1D, heads, kv_heads, layer.keys.shape[-1], layer.rope
+            )
             # Grouped-query attention without repeating the cache: query head h uses kv head h // (heads / kv_heads).
             # Under autocast q/k-norm and RoPE return float32 (float32 norm weights): attention runs in the compute
             # dtype, as autocast runs SDPA, the new token's k/v rounded like the cached ones.
@@ -822,6 +866,8 @@ class _Run:
                 attn_RE = attn_RKGD.reshape(rows, -1)
             x_RD, h_RD = attn_out(x_RD, attn_RE, *layer.attn_out)
         logits_RV = F.linear(h_RD.to(self.head_w.dtype), self.head_w, self.head_b)
+        if self.layout.logits_divisor != 1.0:
+            logits_RV = logits_RV / self.layout.logits_divisor
         noise_RN = None if self.noise_RN is None else self.noise_RN[:rows]
         tokens_R, logprobs_R = sample(logits_RV, noise_RN, params.temperature, self.vocab, params.top_k, params.top_p)
         self._record(tokens_R, logprobs_R, rows)

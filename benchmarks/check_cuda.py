@@ -33,6 +33,8 @@ Checks (float32 with TF32 off unless the row says bf16; tolerances in the table)
                       can compute: `LocalScorer` scores (sampled / top-k log-probs, entropy) of ragged rows packed
                       (opd_varlen, sliding windows binding) against the padded sdpa batch, bf16 autocast, ≤ 5e-2;
                       families packing refuses (soft-capping, sinks) print SKIP with the reason
+- families_static[*]: per family the static engine accepts (compiled step, CUDA graphs), fp32 greedy against
+                      `TorchGenerator`: rows differing 0, log-probs ≤ 1e-4; the others print SKIP with the reason
 """
 
 from __future__ import annotations
@@ -518,6 +520,34 @@ def families():
         check(f"families[{name}] packed vs padded scores (bf16 autocast) max |Δ|", err, FAMILY_TOL)
 
 
+@guarded
+def families_static():
+    """The static engine (compiled, CUDA graphs) against the torch engine on every family it accepts, fp32 greedy."""
+    from families import EOS_ID, PAD_ID, RELEASED, family
+    from opd.rollout import SamplingParams
+    from opd.rollout.static_engine import StaticGenerator, unsupported_reason
+    from opd.rollout.torch_engine import TorchGenerator
+
+    prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=24, return_logprobs=True)
+    common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
+    for name, key in RELEASED.items():
+        model = family(key).cuda()
+        reason = unsupported_reason(model)
+        if reason is not None:
+            print(f"SKIP  families_static[{name}]: {reason}", flush=True)
+            continue
+        want = TorchGenerator(model, **common).generate(prompts, params)
+        got = StaticGenerator(model, cuda_graphs=True, **common).generate(prompts, params)
+        check(
+            f"families_static[{name}] rows differing from TorchGenerator",
+            sum(a != b for a, b in zip(got.response_ids, want.response_ids)),
+            0,
+        )
+        err = max(float((torch.tensor(a) - torch.tensor(b)).abs().max()) for a, b in zip(got.logprobs, want.logprobs))
+        check(f"families_static[{name}] max |Δ log-prob| vs TorchGenerator", err, 1e-4)
+
+
 CHECKS = (
     static_greedy,
     decode_attention,
@@ -531,6 +561,7 @@ CHECKS = (
     packed_flex,
     packed_varlen,
     families,
+    families_static,
 )
 
 

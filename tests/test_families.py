@@ -242,7 +242,7 @@ def _mistral(sliding_window: int | None) -> torch.nn.Module:
 
 
 # the families the static engine runs (`unsupported_reason` None): Llama's layout plus the features its step computes
-STATIC_FAMILIES = ["llama3_2", "qwen2_5", "qwen3", "mistral_no_window", "granite", "smollm3"]
+STATIC_FAMILIES = ["llama3_2", "qwen2_5", "qwen3", "mistral_no_window", "granite", "smollm3", "olmo2"]
 
 
 def test_static_engine_accepts_exactly_these_families():
@@ -254,17 +254,20 @@ def test_static_engine_accepts_exactly_these_families():
 def test_static_engine_matches_the_torch_engine_on_each_family_it_runs(name):
     """Greedy tokens equal, log-probs within fp32 rounding (the same 1e-4 as tests/test_static_engine.py), with each
     family's features on: Mistral v0.3 / Small / Nemo (Llama's layout, sliding_window None), Granite 3's multipliers
-    (dropping any one of the four moves log-probs by 0.17-3 nats), SmolLM3's NoPE layer (RoPE there: 0.27)."""
+    (dropping any one of the four moves log-probs by 0.17-3 nats), SmolLM3's NoPE layer (RoPE there: 0.27), OLMo 2's
+    norms after the branches and q/k norms over the whole projection; fused weights + SDPA and the module's own
+    weights + the matmul reference."""
     model = family(name)
     common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
-    reference, static = TorchGenerator(model, **common), StaticGenerator(model, kv_bucket=16, **common)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=24, return_logprobs=True)
     prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
-    want, got = reference.generate(prompts, params), static.generate(prompts, params)
-    assert got.response_ids == want.response_ids
-    assert got.finish_reasons == want.finish_reasons
-    for lps_want, lps_got in zip(want.logprobs, got.logprobs):
-        assert torch.allclose(torch.tensor(lps_got), torch.tensor(lps_want), atol=1e-4)
+    want = TorchGenerator(model, **common).generate(prompts, params)
+    for options in ({}, {"fuse_weights": False, "attention": "matmul"}):
+        got = StaticGenerator(model, kv_bucket=16, **common, **options).generate(prompts, params)
+        assert got.response_ids == want.response_ids, options
+        assert got.finish_reasons == want.finish_reasons
+        for lps_want, lps_got in zip(want.logprobs, got.logprobs):
+            assert torch.allclose(torch.tensor(lps_got), torch.tensor(lps_want), atol=1e-4), options
 
 
 def test_static_engine_refuses_a_mistral_sliding_window_by_value():

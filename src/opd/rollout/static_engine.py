@@ -9,10 +9,10 @@ with max_batch_size / max_batch_tokens): docs/design.md, "opd.rollout.static_eng
 
 Scope: the Llama layout and the families that are it plus features the step computes: Qwen2 (qkv bias), Qwen3 (q/k
 norm over heads), Mistral / Ministral without a sliding window, Granite (embedding, residual and attention multipliers,
-logit scaling) and SmolLM3 (NoPE layers). Anything else raises (engine "auto" then picks `TorchGenerator`, saying
-why); graphs and compilation on CUDA only. Omitted: a paged cache, speculative decoding, shared-prefix
-(cascade) attention, and `flex_attention`'s decoding path (tried: slower than SDPA, and its graph capture failed
-at larger batches).
+logit scaling), SmolLM3 (NoPE layers) and OLMo 2 (norms after the branches). Anything else raises (engine
+"auto" then picks `TorchGenerator`, saying why); graphs and compilation on CUDA only. Omitted: a paged cache,
+speculative decoding, shared-prefix (cascade) attention, and `flex_attention`'s decoding path (tried: slower than
+SDPA, and its graph capture failed at larger batches).
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ from opd.rollout.sampling import filter_logits
 from opd.scoring import recompile_limit_at_least
 
 # Llama's layout; Mistral and Ministral are it plus a sliding window, accepted where none is set (v0.3, Small, Nemo);
-# Granite is it plus four multipliers and SmolLM3 plus layers without RoPE (`_Layout`)
-_SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "ministral", "granite", "smollm3")
+# Granite is it plus four multipliers, SmolLM3 plus layers without RoPE, OLMo 2 with its norms after each branch
+# (`_Layout`)
+_SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "ministral", "granite", "smollm3", "olmo2")
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,6 +53,12 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def _rms_weight_first(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as OLMo 2's modules compute it: the weight multiplies the float32 normed values, then the cast."""
+    h = x.to(torch.float32)
+    return (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -72,26 +79,62 @@ def _project(
 
 
 def _attn_in(
-    h_RD, w_qkv, b_qkv, qn_w, kn_w, eps, cos_R1D, sin_R1D, heads: int, kv_heads: int, dh: int, rope: bool = True
+    h_RD,
+    w_qkv,
+    b_qkv,
+    qn_w,
+    kn_w,
+    eps,
+    cos_R1D,
+    sin_R1D,
+    heads: int,
+    kv_heads: int,
+    dh: int,
+    rope: bool = True,
+    post_norm: bool = False,
 ):
-    """q/k/v projections, q/k-norm and RoPE (rope=False: a NoPE layer) for one normed token per row: [R, D] → q
-    [R, H, Dh], k and v [R, Hkv, Dh]. The caller writes k and v into the cache: inside a compiled function the
-    in-place write to the whole cache tensor measured slower than two separate small copy kernels
-    (docs/performance.md)."""
+    """q/k/v projections, q/k-norm (per head; post_norm: OLMo 2's over the whole projection) and RoPE (rope=False:
+    a NoPE layer) for one normed token per row: [R, D] → q [R, H, Dh], k and v [R, Hkv, Dh]. The caller writes k
+    and v into the cache: inside a compiled function the in-place write to the whole cache tensor measured slower
+    than two separate small copy kernels (docs/performance.md)."""
     rows = h_RD.shape[0]
     q, k, v = _project(h_RD, w_qkv, b_qkv, [heads * dh, kv_heads * dh, kv_heads * dh])
+    if post_norm and qn_w is not None:
+        q, k = _rms_weight_first(q, qn_w, eps), _rms_weight_first(k, kn_w, eps)
     q, k, v = q.reshape(rows, heads, dh), k.reshape(rows, kv_heads, dh), v.reshape(rows, kv_heads, dh)
-    if qn_w is not None:
+    if qn_w is not None and not post_norm:
         q, k = _rms(q, qn_w, eps), _rms(k, kn_w, eps)
     if not rope:
         return q, k, v
     return _rotate(q, cos_R1D, sin_R1D), _rotate(k, cos_R1D, sin_R1D), v
 
 
-def _attn_out(x_RD, attn_RE, wo, bo, ln_w, eps, w_gu, b_gu, wd, bd, next_ln_w, next_eps, residual_scale: float = 1.0):
+def _attn_out(
+    x_RD,
+    attn_RE,
+    wo,
+    bo,
+    ln_w,
+    eps,
+    w_gu,
+    b_gu,
+    wd,
+    bd,
+    next_ln_w,
+    next_eps,
+    residual_scale: float = 1.0,
+    post_norm: bool = False,
+):
     """o-projection + residual, post-attention norm, SiLU-gated MLP + residual, then the next layer's input norm (the
     final norm after the last layer), so that the residual add and that norm fuse: [R, D] → (x [R, D], normed x).
-    residual_scale: Granite's residual multiplier, applied to each branch before its add (as HF does)."""
+    residual_scale: Granite's residual multiplier, applied to each branch before its add (as HF does).
+    post_norm (OLMo 2): ln_w / next_ln_w are the norms of the attention and MLP outputs, each before its residual
+    add, and a layer's input is x itself (→ (x, x)); the model's final norm follows the last layer separately."""
+    if post_norm:
+        x_RD = _residual_add(x_RD, _rms_weight_first(F.linear(attn_RE.to(wo.dtype), wo, bo), ln_w, eps))
+        gate_RI, up_RI = _project(x_RD, w_gu, b_gu, [wd.shape[1], wd.shape[1]])
+        x_RD = _residual_add(x_RD, _rms_weight_first(F.linear(F.silu(gate_RI) * up_RI, wd, bd), next_ln_w, next_eps))
+        return x_RD, x_RD
     x_RD = _residual_add(x_RD, _scaled(F.linear(attn_RE.to(wo.dtype), wo, bo), residual_scale))
     h_RD = _rms(x_RD, ln_w, eps)
     gate_RI, up_RI = _project(h_RD, w_gu, b_gu, [wd.shape[1], wd.shape[1]])
@@ -108,12 +151,15 @@ def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
 class _Layout:
     """What the families beyond Llama's plain layout change in the step: Granite's multipliers of the embeddings,
     the residual branches and (as a divisor) the logits; SmolLM3's layers without RoPE (`no_rope_layers[i] == 0`).
-    Attention's own scale (Granite's attention_multiplier) is the module's `scaling`, which the step reads anyway."""
+    Attention's own scale (Granite's attention_multiplier) is the module's `scaling`, which the step reads anyway.
+    post_norm: OLMo 2's layers, which norm each branch's output instead of its input (no input norms; q/k norm over
+    the whole projection)."""
 
     embedding_scale: float = 1.0
     residual_scale: float = 1.0
     logits_divisor: float = 1.0
     rope_layers: tuple[bool, ...] | None = None  # None: every layer
+    post_norm: bool = False
 
     @classmethod
     def of(cls, config: Any) -> _Layout:
@@ -123,6 +169,7 @@ class _Layout:
             residual_scale=float(getattr(config, "residual_multiplier", 1.0) or 1.0),
             logits_divisor=float(getattr(config, "logits_scaling", 1.0) or 1.0),
             rope_layers=None if no_rope is None else tuple(bool(flag) for flag in no_rope),
+            post_norm=config.model_type == "olmo2",
         )
 
 
@@ -595,16 +642,23 @@ class _Run:
         # GEMM weights in the compute dtype; the embedding table and the norms keep the parameters' dtype, and so does
         # the residual stream: float32 under autocast (as autocast computes the teacher-forced forward), the model's
         # dtype otherwise.
-        input_norms = [layer.input_layernorm for layer in body.layers] + [body.norm]  # layer i's next norm: i + 1
-        self.first_norm = (input_norms[0].weight, input_norms[0].variance_epsilon)
+        self.layout = layout = _Layout.of(config)
+        # layer i's next norm: i + 1 (post-norm layers: the norm of the MLP's output, the final norm on its own)
+        if layout.post_norm:
+            input_norms = [None] + [layer.post_feedforward_layernorm for layer in body.layers]
+        else:
+            input_norms = [layer.input_layernorm for layer in body.layers] + [body.norm]
+        self.first_norm = None if layout.post_norm else (input_norms[0].weight, input_norms[0].variance_epsilon)
+        self.final_norm = (body.norm.weight, body.norm.variance_epsilon) if layout.post_norm else None
         self.embed_VD = body.embed_tokens.weight
         self.head_w, self.head_b = _cast(head.weight, shadow), _cast(head.bias, shadow)
-        self.layout = layout = _Layout.of(config)
         rope_layers = layout.rope_layers or (True,) * len(body.layers)
         self.layers: list[_Layer] = []
         for i, layer in enumerate(body.layers):
             attn, mlp, post, following = layer.self_attn, layer.mlp, layer.post_attention_layernorm, input_norms[i + 1]
             qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            # q/k-norm's eps: the input norm's (Qwen3: the same rms_norm_eps), OLMo 2's own norms
+            norm_eps = (qn or post).variance_epsilon if layout.post_norm else input_norms[i].variance_epsilon
             w_qkv, b_qkv = _projection_weights((attn.q_proj, attn.k_proj, attn.v_proj), shadow)
             w_gu, b_gu = _projection_weights((mlp.gate_proj, mlp.up_proj), shadow)
             ins = (
@@ -612,7 +666,7 @@ class _Run:
                 b_qkv,
                 None if qn is None else qn.weight,
                 None if kn is None else kn.weight,
-                input_norms[i].variance_epsilon,
+                norm_eps,
             )
             w_o = _cast(attn.o_proj.weight, shadow)
             if shadow is not None:  # input columns in (G, Hkv) head order, see `_decode_step` (a copy when G > 1)
@@ -629,7 +683,7 @@ class _Run:
                 following.weight,
                 following.variance_epsilon,
             )
-            self.layers.append(_Layer(ins, (*outs, layout.residual_scale), rope=rope_layers[i]))
+            self.layers.append(_Layer(ins, (*outs, layout.residual_scale, layout.post_norm), rope=rope_layers[i]))
             self.scaling = attn.scaling
 
         # The samples and the slots: each slot holds one sample's prompt at [0, L) and its tokens after it.
@@ -822,9 +876,10 @@ class _Run:
         attn_in, attn_out, sample = fns
         params = self.params
         heads, kv_heads = self.heads, self.kv_heads
+        post_norm = self.layout.post_norm
         position_R, rows_R = self.position_R[:rows], self.rows_R[:rows]
         x_RD = _scaled(F.embedding(self.tokens_R[:rows], self.embed_VD), self.layout.embedding_scale)
-        h_RD = _rms(x_RD, *self.first_norm)
+        h_RD = x_RD if self.first_norm is None else _rms(x_RD, *self.first_norm)
         cos_R1D = self.cos_SD[position_R][:, None].to(x_RD.dtype)
         sin_R1D = self.sin_SD[position_R][:, None].to(x_RD.dtype)
         triton_kernel = self.attend is None  # reads slots [0, position_R] itself: no mask
@@ -840,7 +895,7 @@ class _Run:
         for layer in self.layers:
             keys_RKSD, values_RKSD = layer.keys[:rows], layer.values[:rows]
             q_RHD, k_RKD, v_RKD = attn_in(
-                h_RD, *layer.attn_in, cos_R1D, sin_R1D, heads, kv_heads, layer.keys.shape[-1], layer.rope
+                h_RD, *layer.attn_in, cos_R1D, sin_R1D, heads, kv_heads, layer.keys.shape[-1], layer.rope, post_norm
             )
             # Grouped-query attention without repeating the cache: query head h uses kv head h // (heads / kv_heads).
             # Under autocast q/k-norm and RoPE return float32 (float32 norm weights): attention runs in the compute
@@ -865,6 +920,8 @@ class _Run:
             else:
                 attn_RE = attn_RKGD.reshape(rows, -1)
             x_RD, h_RD = attn_out(x_RD, attn_RE, *layer.attn_out)
+        if self.final_norm is not None:
+            h_RD = _rms_weight_first(x_RD, *self.final_norm)
         logits_RV = F.linear(h_RD.to(self.head_w.dtype), self.head_w, self.head_b)
         if self.layout.logits_divisor != 1.0:
             logits_RV = logits_RV / self.layout.logits_divisor

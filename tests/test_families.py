@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_rollouts, make_tiny_model, make_tiny_tokenizer
@@ -191,13 +192,13 @@ def test_engine_auto_names_what_the_static_engine_cannot_run_and_static_refuses(
     naming the feature; engine 'static' refuses with that reason as a one-line ValueError."""
     monkeypatch.setattr(registry, "_static_pays", lambda model: True)
     tokenizer = make_tiny_tokenizer()
-    model = family("mistral")
+    model = family("gemma2")
     generator = registry.make_generator(model, tokenizer, engine="auto")
     assert isinstance(generator, TorchGenerator)
     (note,) = _notes(capsys)
-    assert "the static engine cannot run MistralForCausalLM: sliding_window is 4" in note
+    assert "the static engine cannot run Gemma2ForCausalLM: model_type 'gemma2' is not one of" in note
     assert note.endswith("using the torch engine (decoding will be slower)")
-    with pytest.raises(ValueError, match=r"^engine 'static' cannot run MistralForCausalLM: sliding_window is 4 ") as e:
+    with pytest.raises(ValueError, match=r"^engine 'static' cannot run Gemma2ForCausalLM: model_type 'gemma2' ") as e:
         registry.make_generator(model, tokenizer, engine="static")
     assert "\n" not in str(e.value)
     assert registry.resolve_engine("auto", make_tiny_model("llama")) == "static"
@@ -236,28 +237,44 @@ def test_static_engine_refuses_length_dependent_rope_by_name(rope, reason):
     assert found == reason if reason is None else reason in found
 
 
-def _mistral(sliding_window: int | None) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return MistralForCausalLM(MistralConfig(**COMMON, sliding_window=sliding_window)).eval()
-
-
 # the families the static engine runs (`unsupported_reason` None): Llama's layout plus the features its step computes
-STATIC_FAMILIES = ["llama3_2", "qwen2_5", "qwen3", "mistral_no_window", "granite", "smollm3", "olmo2"]
+STATIC_FAMILIES = [
+    "llama3_2",
+    "qwen2_5",
+    "qwen2_window",
+    "qwen3",
+    "mistral",
+    "mistral_no_window",
+    "phi3",
+    "phi3_partial_rotary",
+    "granite",
+    "smollm3",
+    "olmo2",
+]
+
+
+def _static_family(name: str) -> torch.nn.Module:
+    if name != "phi3_partial_rotary":
+        return family(name)
+    torch.manual_seed(0)  # Phi-4-mini's feature (its longrope is refused by itself): RoPE on half of each head
+    config = transformers.Phi3Config(**COMMON, sliding_window=WINDOW, partial_rotary_factor=0.5)
+    return transformers.Phi3ForCausalLM(config).eval()
 
 
 def test_static_engine_accepts_exactly_these_families():
     accepted = sorted(key for key in families.BUILDERS if unsupported_reason(family(key)) is None)
-    assert accepted == sorted(STATIC_FAMILIES)
+    assert accepted == sorted(name for name in STATIC_FAMILIES if name in families.BUILDERS)
 
 
 @pytest.mark.parametrize("name", STATIC_FAMILIES)
 def test_static_engine_matches_the_torch_engine_on_each_family_it_runs(name):
     """Greedy tokens equal, log-probs within fp32 rounding (the same 1e-4 as tests/test_static_engine.py), with each
-    family's features on: Mistral v0.3 / Small / Nemo (Llama's layout, sliding_window None), Granite 3's multipliers
+    family's features on: sliding windows that bind (Mistral v0.1: every layer; Qwen2: below max_window_layers; with
+    the windows ignored log-probs move by 0.7-0.9), Mistral v0.3 / Small / Nemo (no window), Granite 3's multipliers
     (dropping any one of the four moves log-probs by 0.17-3 nats), SmolLM3's NoPE layer (RoPE there: 0.27), OLMo 2's
     norms after the branches and q/k norms over the whole projection; fused weights + SDPA and the module's own
-    weights + the matmul reference."""
-    model = family(name)
+    weights + the matmul reference; Phi-3's fused qkv and gate/up, with a binding window, and its partial rotary."""
+    model = _static_family(name)
     common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=24, return_logprobs=True)
     prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
@@ -270,11 +287,22 @@ def test_static_engine_matches_the_torch_engine_on_each_family_it_runs(name):
             assert torch.allclose(torch.tensor(lps_got), torch.tensor(lps_want), atol=1e-4), options
 
 
-def test_static_engine_refuses_a_mistral_sliding_window_by_value():
-    assert (
-        unsupported_reason(_mistral(WINDOW))
-        == f"sliding_window is {WINDOW} (the decode step attends to every cached token)"
-    )
+@pytest.mark.slow  # the Triton kernel runs interpreted on CPU (~1 s a step)
+def test_the_triton_decode_kernel_reads_only_a_sliding_window():
+    from opd.kernels import decode_attention as triton_attention
+
+    if not triton_attention.available(torch.device("cpu")):
+        pytest.skip("Triton is not installed")
+    torch.manual_seed(0)  # the kernel's least head size is 16: 64 / 4 heads
+    model = MistralForCausalLM(MistralConfig(**{**COMMON, "hidden_size": 64}, sliding_window=WINDOW)).eval()
+    common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
+    params = SamplingParams(n=1, temperature=0, max_new_tokens=12, return_logprobs=True)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [7, 8]]
+    want = TorchGenerator(model, **common).generate(prompts, params)
+    got = StaticGenerator(model, attention="triton", **common).generate(prompts, params)
+    assert got.response_ids == want.response_ids
+    for lps_want, lps_got in zip(want.logprobs, got.logprobs):
+        assert torch.allclose(torch.tensor(lps_got), torch.tensor(lps_want), atol=1e-4)
 
 
 @pytest.mark.parametrize("name", WINDOWED)

@@ -176,14 +176,21 @@ class HFModel:
             logits_RV[:, self.vocab_size :] = float("-inf")
         return logits_RV
 
-    def new_cache(self) -> Any:
+    def new_cache(self, full: bool = False) -> Any:
+        """A cache laid out for the model's layers (sliding-window layers keep their last W - 1 positions), or with
+        full=True one that keeps every position of every layer (the masks still apply each layer's window)."""
+        if full:
+            return DynamicCache()
         try:
             return DynamicCache(config=self.model.config)
         except TypeError:  # older transformers: no config argument
             return DynamicCache()
 
-    def prefill(self, prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """Left-padded forward over P distinct prompts. Returns (cache, attention_mask [P, L] long, logits [P, V])."""
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], device: torch.device, full_cache: bool = False
+    ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Left-padded forward over P distinct prompts. Returns (cache, attention_mask [P, L] long, logits [P, V]);
+        full_cache: every position of every layer cached (`new_cache`), as a static cache copies them."""
         longest = max(len(p) for p in prompts)
         ids_PL = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
         mask_PL = torch.zeros((len(prompts), longest), dtype=torch.long)
@@ -193,7 +200,7 @@ class HFModel:
         ids_PL, mask_PL = ids_PL.to(device), mask_PL.to(device)
         # Real tokens get positions 0..len-1 whatever the padding; pads get 0 (they are masked anyway).
         positions_PL = (mask_PL.cumsum(dim=-1) - 1).clamp(min=0)
-        cache = self.new_cache()
+        cache = self.new_cache(full=full_cache)
         logits_PV = self.forward(ids_PL, mask_PL, positions_PL, cache)
         return cache, mask_PL, logits_PV
 

@@ -8,8 +8,9 @@ How a call runs, the Gumbel-max sampling and the determinism contract (bit-exact
 with max_batch_size / max_batch_tokens): docs/design.md, "opd.rollout.static_engine".
 
 Scope: the Llama layout and the families that are it plus features the step computes: Qwen2 (qkv bias), Qwen3 (q/k
-norm over heads), Mistral / Ministral without a sliding window, Granite (embedding, residual and attention multipliers,
-logit scaling), SmolLM3 (NoPE layers) and OLMo 2 (norms after the branches). Anything else raises (engine
+norm over heads), sliding windows per layer (Mistral, Ministral, Qwen2's, Phi-3), Phi-3 (fused qkv and gate/up,
+partial rotary), Granite (embedding, residual and attention multipliers, logit scaling), SmolLM3 (NoPE layers) and
+OLMo 2 (norms after the branches). Anything else raises (engine
 "auto" then picks `TorchGenerator`, saying why); graphs and compilation on CUDA only. Omitted: a paged cache,
 speculative decoding, shared-prefix (cascade) attention, and `flex_attention`'s decoding path (tried: slower than
 SDPA, and its graph capture failed at larger batches).
@@ -42,10 +43,9 @@ from opd.rollout.hf_model import (
 from opd.rollout.sampling import filter_logits
 from opd.scoring import recompile_limit_at_least
 
-# Llama's layout; Mistral and Ministral are it plus a sliding window, accepted where none is set (v0.3, Small, Nemo);
-# Granite is it plus four multipliers, SmolLM3 plus layers without RoPE, OLMo 2 with its norms after each branch
-# (`_Layout`)
-_SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "ministral", "granite", "smollm3", "olmo2")
+# Llama's layout; Mistral and Ministral are it plus a sliding window (`_layer_windows`, also Qwen2's); Granite is it
+# plus four multipliers, SmolLM3 plus layers without RoPE, OLMo 2 with its norms after each branch (`_Layout`)
+_SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "ministral", "phi3", "granite", "smollm3", "olmo2")
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -105,6 +105,11 @@ def _attn_in(
     if qn_w is not None and not post_norm:
         q, k = _rms(q, qn_w, eps), _rms(k, kn_w, eps)
     if not rope:
+        return q, k, v
+    rotary = cos_R1D.shape[-1]
+    if rotary < dh:  # partial rotary (Phi-3's partial_rotary_factor): the first `rotary` dims of each head
+        q = torch.cat((_rotate(q[..., :rotary], cos_R1D, sin_R1D), q[..., rotary:]), dim=-1)
+        k = torch.cat((_rotate(k[..., :rotary], cos_R1D, sin_R1D), k[..., rotary:]), dim=-1)
         return q, k, v
     return _rotate(q, cos_R1D, sin_R1D), _rotate(k, cos_R1D, sin_R1D), v
 
@@ -171,6 +176,19 @@ class _Layout:
             rope_layers=None if no_rope is None else tuple(bool(flag) for flag in no_rope),
             post_norm=config.model_type == "olmo2",
         )
+
+
+def _layer_windows(model: torch.nn.Module) -> list[int | None]:
+    """Each decoder layer's sliding window (a query at position p attends to positions (p - W, p], transformers'
+    `sliding_window_overlay`), None for full attention: the attention module's own `sliding_window` where it has one
+    (Qwen2, Ministral: per layer type), else the config's for every layer (Mistral v0.1), as their masks apply it."""
+    config = model.config
+    windows = []
+    for layer in model.get_decoder().layers:
+        attention = layer.self_attn
+        window = getattr(attention, "sliding_window", getattr(config, "sliding_window", None))
+        windows.append(None if window is None else int(window))
+    return windows
 
 
 def _residual_add(x_RD: torch.Tensor, y_RD: torch.Tensor) -> torch.Tensor:
@@ -267,7 +285,21 @@ def _projection_weights(linears: Sequence[torch.nn.Linear], dtype: torch.dtype |
 
 def _head_dim(model: torch.nn.Module) -> int:
     attention = model.get_decoder().layers[0].self_attn
-    return attention.q_proj.weight.shape[0] // model.config.num_attention_heads
+    return attention.o_proj.weight.shape[1] // model.config.num_attention_heads
+
+
+def _qkv(attention: torch.nn.Module) -> tuple[torch.nn.Linear, ...]:
+    """The q, k, v projections, or Phi-3's one fused qkv_proj (rows in that order)."""
+    if hasattr(attention, "qkv_proj"):
+        return (attention.qkv_proj,)
+    return attention.q_proj, attention.k_proj, attention.v_proj
+
+
+def _gate_up(mlp: torch.nn.Module) -> tuple[torch.nn.Linear, ...]:
+    """The gate and up projections, or Phi-3's one fused gate_up_proj (gate rows first)."""
+    if hasattr(mlp, "gate_up_proj"):
+        return (mlp.gate_up_proj,)
+    return mlp.gate_proj, mlp.up_proj
 
 
 # RoPE types whose cos/sin table depends on the position only; "dynamic" and "longrope" rescale it with the length of
@@ -295,13 +327,6 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return f"model_type {model_type!r} is not one of {', '.join(_SUPPORTED)}"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act {config.hidden_act!r} is not silu"
-    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
-        return "some layers use sliding-window attention"
-    if getattr(config, "use_sliding_window", False):
-        return "use_sliding_window is on"
-    # Qwen's switch is use_sliding_window (its sliding_window is then inert); Mistral's is sliding_window itself
-    if not hasattr(config, "use_sliding_window") and getattr(config, "sliding_window", None) is not None:
-        return f"sliding_window is {config.sliding_window} (the decode step attends to every cached token)"
     body = model.get_decoder() if hasattr(model, "get_decoder") else None
     rotary = getattr(body, "rotary_emb", None)
     if rotary is None or not hasattr(body, "layers") or not hasattr(body, "norm"):
@@ -343,6 +368,7 @@ class _Layer:
     attn_in: tuple
     attn_out: tuple
     rope: bool = True
+    window: int | None = None  # sliding window (`_layer_windows`), None: full attention
     keys: torch.Tensor | None = None  # [R, Hkv, S, Dh]
     values: torch.Tensor | None = None
 
@@ -486,7 +512,7 @@ class StaticGenerator(memory.ModuleMemory):
         device = self.device
         if torch.is_autocast_enabled(device.type):
             return torch.get_autocast_dtype(device.type)
-        return self.model.get_decoder().layers[0].self_attn.q_proj.weight.dtype
+        return self.model.get_decoder().layers[0].self_attn.o_proj.weight.dtype
 
     def row_cost(self, prompt_tokens: int, new_tokens: int, dtype: torch.dtype | None = None) -> memory.RowCost:
         """What one row of a call with this longest prompt and max_new_tokens holds: its KV slots, the [V]-sized
@@ -525,7 +551,7 @@ class StaticGenerator(memory.ModuleMemory):
         total = 0
         for layer in body.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            total += sum(m.weight.numel() for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj))
+            total += sum(m.weight.numel() for m in (*_qkv(attn), *_gate_up(mlp)))
             total += attn.o_proj.weight.numel() if grouped or attn.o_proj.weight.dtype != dtype else 0
             total += mlp.down_proj.weight.numel() if mlp.down_proj.weight.dtype != dtype else 0
         total += head.weight.numel() if head.weight.dtype != dtype else 0  # the embedding table is not copied
@@ -653,14 +679,15 @@ class _Run:
         self.embed_VD = body.embed_tokens.weight
         self.head_w, self.head_b = _cast(head.weight, shadow), _cast(head.bias, shadow)
         rope_layers = layout.rope_layers or (True,) * len(body.layers)
+        windows = _layer_windows(model)
         self.layers: list[_Layer] = []
         for i, layer in enumerate(body.layers):
             attn, mlp, post, following = layer.self_attn, layer.mlp, layer.post_attention_layernorm, input_norms[i + 1]
             qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             # q/k-norm's eps: the input norm's (Qwen3: the same rms_norm_eps), OLMo 2's own norms
             norm_eps = (qn or post).variance_epsilon if layout.post_norm else input_norms[i].variance_epsilon
-            w_qkv, b_qkv = _projection_weights((attn.q_proj, attn.k_proj, attn.v_proj), shadow)
-            w_gu, b_gu = _projection_weights((mlp.gate_proj, mlp.up_proj), shadow)
+            w_qkv, b_qkv = _projection_weights(_qkv(attn), shadow)
+            w_gu, b_gu = _projection_weights(_gate_up(mlp), shadow)
             ins = (
                 w_qkv,
                 b_qkv,
@@ -683,7 +710,8 @@ class _Run:
                 following.weight,
                 following.variance_epsilon,
             )
-            self.layers.append(_Layer(ins, (*outs, layout.residual_scale, layout.post_norm), rope=rope_layers[i]))
+            outs = (*outs, layout.residual_scale, layout.post_norm)
+            self.layers.append(_Layer(ins, outs, rope=rope_layers[i], window=windows[i]))
             self.scaling = attn.scaling
 
         # The samples and the slots: each slot holds one sample's prompt at [0, L) and its tokens after it.
@@ -793,7 +821,7 @@ class _Run:
         and sample its first token from the prefill logits."""
         device, engine, params = self.device, self.engine, self.params
         with self._prefill_autocast():
-            cache, mask_PL, logits_PV = engine.hf.prefill([self.prompts[p] for p in group], device)
+            cache, mask_PL, logits_PV = engine.hf.prefill([self.prompts[p] for p in group], device, full_cache=True)
         self.counters["prefills"] += 1
         width = mask_PL.shape[1]
         index = {p: i for i, p in enumerate(group)}
@@ -882,12 +910,20 @@ class _Run:
         h_RD = x_RD if self.first_norm is None else _rms(x_RD, *self.first_norm)
         cos_R1D = self.cos_SD[position_R][:, None].to(x_RD.dtype)
         sin_R1D = self.sin_SD[position_R][:, None].to(x_RD.dtype)
-        triton_kernel = self.attend is None  # reads slots [0, position_R] itself: no mask
-        if not triton_kernel:
-            # One mask for every layer; SDPA's memory-efficient kernel wants it in q's dtype with every dimension
-            # (expand is a view).
-            valid_RS = self.slots_S[None, :span] <= position_R[:, None]
-            bias_RKGS = (
+        triton_kernel = self.attend is None  # reads slots [start_R, position_R] itself: no mask
+        # Per window (None: full attention; a sliding window W reads slots (position - W, position]): the Triton
+        # kernel's first slot, or one mask for every layer of that window. SDPA's memory-efficient kernel wants the
+        # mask in q's dtype with every dimension (expand is a view).
+        starts: dict[int | None, torch.Tensor] = {}
+        biases: dict[int | None, torch.Tensor] = {}
+        for window in dict.fromkeys(layer.window for layer in self.layers):
+            first_R = self.zeros_R[:rows] if window is None else (position_R - (window - 1)).clamp(min=0)
+            if triton_kernel:
+                starts[window] = first_R
+                continue
+            slots_1S = self.slots_S[None, :span]
+            valid_RS = (slots_1S <= position_R[:, None]) & (slots_1S >= first_R[:, None])
+            biases[window] = (
                 torch.zeros(valid_RS.shape, dtype=self.dtype, device=self.device)
                 .masked_fill_(~valid_RS, float("-inf"))[:, None, None]
                 .expand(rows, kv_heads, heads // kv_heads, span)
@@ -904,13 +940,13 @@ class _Run:
             k_RKD, v_RKD = k_RKD.to(self.dtype), v_RKD.to(self.dtype)
             if triton_kernel:  # the kernel also writes k and v into the cache at position_R
                 attn_RKGD = triton_attention.decode_attention(
-                    q_RKGD, keys_RKSD, values_RKSD, self.zeros_R[:rows], position_R, self.scaling, k_RKD, v_RKD
+                    q_RKGD, keys_RKSD, values_RKSD, starts[layer.window], position_R, self.scaling, k_RKD, v_RKD
                 )
             else:
                 keys_RKSD[rows_R, :, position_R] = k_RKD
                 values_RKSD[rows_R, :, position_R] = v_RKD
                 attn_RKGD = self.attend(
-                    q_RKGD, keys_RKSD[:, :, :span], values_RKSD[:, :, :span], bias_RKGS, self.scaling
+                    q_RKGD, keys_RKSD[:, :, :span], values_RKSD[:, :, :span], biases[layer.window], self.scaling
                 )
             # SDPA's memory-efficient kernel (and the Triton kernel) writes [R, G, Hkv, Dh] and returns a transposed
             # view: flattened in that order it needs no copy (fused o-proj columns are permuted to match); the

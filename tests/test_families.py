@@ -243,6 +243,7 @@ STATIC_FAMILIES = [
     "qwen2_5",
     "qwen2_window",
     "qwen3",
+    "qwen3_moe",
     "mistral",
     "mistral_no_window",
     "phi3",
@@ -273,7 +274,8 @@ def test_static_engine_matches_the_torch_engine_on_each_family_it_runs(name):
     the windows ignored log-probs move by 0.7-0.9), Mistral v0.3 / Small / Nemo (no window), Granite 3's multipliers
     (dropping any one of the four moves log-probs by 0.17-3 nats), SmolLM3's NoPE layer (RoPE there: 0.27), OLMo 2's
     norms after the branches and q/k norms over the whole projection; fused weights + SDPA and the module's own
-    weights + the matmul reference; Phi-3's fused qkv and gate/up, with a binding window, and its partial rotary."""
+    weights + the matmul reference; Phi-3's fused qkv and gate/up, with a binding window, and its partial rotary;
+    Qwen3-MoE's top-k routing over stacked experts."""
     model = _static_family(name)
     common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=24, return_logprobs=True)

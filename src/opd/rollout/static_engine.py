@@ -9,8 +9,8 @@ with max_batch_size / max_batch_tokens): docs/design.md, "opd.rollout.static_eng
 
 Scope: the Llama layout and the families that are it plus features the step computes: Qwen2 (qkv bias), Qwen3 (q/k
 norm over heads), sliding windows per layer (Mistral, Ministral, Qwen2's, Phi-3), Phi-3 (fused qkv and gate/up,
-partial rotary), Granite (embedding, residual and attention multipliers, logit scaling), SmolLM3 (NoPE layers) and
-OLMo 2 (norms after the branches). Anything else raises (engine
+partial rotary), Qwen3-MoE (top-k routed experts, `_mlp`), Granite (embedding, residual and attention multipliers,
+logit scaling), SmolLM3 (NoPE layers) and OLMo 2 (norms after the branches). Anything else raises (engine
 "auto" then picks `TorchGenerator`, saying why); graphs and compilation on CUDA only. Omitted: a paged cache,
 speculative decoding, shared-prefix (cascade) attention, and `flex_attention`'s decoding path (tried: slower than
 SDPA, and its graph capture failed at larger batches).
@@ -45,7 +45,7 @@ from opd.scoring import recompile_limit_at_least
 
 # Llama's layout; Mistral and Ministral are it plus a sliding window (`_layer_windows`, also Qwen2's); Granite is it
 # plus four multipliers, SmolLM3 plus layers without RoPE, OLMo 2 with its norms after each branch (`_Layout`)
-_SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "ministral", "phi3", "granite", "smollm3", "olmo2")
+_SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "ministral", "phi3", "granite", "smollm3", "olmo2")
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -129,22 +129,47 @@ def _attn_out(
     next_eps,
     residual_scale: float = 1.0,
     post_norm: bool = False,
+    moe: tuple | None = None,
 ):
     """o-projection + residual, post-attention norm, SiLU-gated MLP + residual, then the next layer's input norm (the
     final norm after the last layer), so that the residual add and that norm fuse: [R, D] → (x [R, D], normed x).
     residual_scale: Granite's residual multiplier, applied to each branch before its add (as HF does).
     post_norm (OLMo 2): ln_w / next_ln_w are the norms of the attention and MLP outputs, each before its residual
-    add, and a layer's input is x itself (→ (x, x)); the model's final norm follows the last layer separately."""
+    add, and a layer's input is x itself (→ (x, x)); the model's final norm follows the last layer separately.
+    moe: a mixture-of-experts MLP (`_mlp`)."""
     if post_norm:
         x_RD = _residual_add(x_RD, _rms_weight_first(F.linear(attn_RE.to(wo.dtype), wo, bo), ln_w, eps))
-        gate_RI, up_RI = _project(x_RD, w_gu, b_gu, [wd.shape[1], wd.shape[1]])
-        x_RD = _residual_add(x_RD, _rms_weight_first(F.linear(F.silu(gate_RI) * up_RI, wd, bd), next_ln_w, next_eps))
+        x_RD = _residual_add(x_RD, _rms_weight_first(_mlp(x_RD, w_gu, b_gu, wd, bd, moe), next_ln_w, next_eps))
         return x_RD, x_RD
     x_RD = _residual_add(x_RD, _scaled(F.linear(attn_RE.to(wo.dtype), wo, bo), residual_scale))
     h_RD = _rms(x_RD, ln_w, eps)
-    gate_RI, up_RI = _project(h_RD, w_gu, b_gu, [wd.shape[1], wd.shape[1]])
-    x_RD = _residual_add(x_RD, _scaled(F.linear(F.silu(gate_RI) * up_RI, wd, bd), residual_scale))
+    x_RD = _residual_add(x_RD, _scaled(_mlp(h_RD, w_gu, b_gu, wd, bd, moe), residual_scale))
     return x_RD, _rms(x_RD, next_ln_w, next_eps)
+
+
+def _mlp(h_RD, w_gu, b_gu, wd, bd, moe: tuple | None = None) -> torch.Tensor:
+    """The SiLU-gated MLP of one normed token per row: [R, D] → [R, D]. moe = (router weight [E, D], top_k,
+    norm_topk_prob): Qwen3-MoE's sparse block, w_gu [E, 2I, D] and wd [E, D, I] the experts' stacked weights; each
+    row's top_k experts by router probability (float32 softmax), renormalised when norm_topk_prob, each expert's
+    output weighted and summed. Static shapes for the CUDA graph: each of the top_k slots gathers its experts' weights
+    per row (top_k · R · 3 · I · D weight elements read a step, as a grouped GEMM would)."""
+    if moe is None:
+        gate_RI, up_RI = _project(h_RD, w_gu, b_gu, [wd.shape[1], wd.shape[1]])
+        return F.linear(F.silu(gate_RI) * up_RI, wd, bd)
+    router_ED, top_k, norm_topk = moe
+    logits_RE = F.linear(h_RD.to(router_ED.dtype), router_ED)
+    weight_RK, expert_RK = torch.softmax(logits_RE, dim=-1, dtype=torch.float32).topk(top_k, dim=-1)
+    if norm_topk:
+        weight_RK = weight_RK / weight_RK.sum(dim=-1, keepdim=True)
+    weight_RK = weight_RK.to(logits_RE.dtype)
+    x_RD1 = h_RD.to(w_gu.dtype)[:, :, None]
+    out_RD = torch.zeros_like(h_RD)
+    for slot in range(top_k):
+        expert_R = expert_RK[:, slot]
+        gate_RI, up_RI = torch.bmm(w_gu[expert_R], x_RD1).squeeze(-1).chunk(2, dim=-1)
+        y_RD = torch.bmm(wd[expert_R], (F.silu(gate_RI) * up_RI)[:, :, None]).squeeze(-1)
+        out_RD = out_RD + (y_RD * weight_RK[:, slot, None]).to(out_RD.dtype)
+    return out_RD
 
 
 def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -551,8 +576,13 @@ class StaticGenerator(memory.ModuleMemory):
         total = 0
         for layer in body.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            total += sum(m.weight.numel() for m in (*_qkv(attn), *_gate_up(mlp)))
+            total += sum(m.weight.numel() for m in _qkv(attn))
             total += attn.o_proj.weight.numel() if grouped or attn.o_proj.weight.dtype != dtype else 0
+            if hasattr(mlp, "experts"):  # the stacked experts are copied only into another dtype
+                experts = (mlp.experts.gate_up_proj, mlp.experts.down_proj)
+                total += sum(w.numel() for w in experts if w.dtype != dtype)
+                continue
+            total += sum(m.weight.numel() for m in _gate_up(mlp))
             total += mlp.down_proj.weight.numel() if mlp.down_proj.weight.dtype != dtype else 0
         total += head.weight.numel() if head.weight.dtype != dtype else 0  # the embedding table is not copied
         return total * dtype.itemsize
@@ -687,7 +717,14 @@ class _Run:
             # q/k-norm's eps: the input norm's (Qwen3: the same rms_norm_eps), OLMo 2's own norms
             norm_eps = (qn or post).variance_epsilon if layout.post_norm else input_norms[i].variance_epsilon
             w_qkv, b_qkv = _projection_weights(_qkv(attn), shadow)
-            w_gu, b_gu = _projection_weights(_gate_up(mlp), shadow)
+            moe = None
+            if hasattr(mlp, "experts"):  # Qwen3-MoE's sparse block (`_mlp`)
+                moe = (mlp.gate.weight, mlp.gate.top_k, mlp.gate.norm_topk_prob)
+                w_gu, b_gu = _cast(mlp.experts.gate_up_proj, shadow), None
+                w_down, b_down = _cast(mlp.experts.down_proj, shadow), None
+            else:
+                w_gu, b_gu = _projection_weights(_gate_up(mlp), shadow)
+                w_down, b_down = _cast(mlp.down_proj.weight, shadow), _cast(mlp.down_proj.bias, shadow)
             ins = (
                 w_qkv,
                 b_qkv,
@@ -705,12 +742,12 @@ class _Run:
                 post.variance_epsilon,
                 w_gu,
                 b_gu,
-                _cast(mlp.down_proj.weight, shadow),
-                _cast(mlp.down_proj.bias, shadow),
+                w_down,
+                b_down,
                 following.weight,
                 following.variance_epsilon,
             )
-            outs = (*outs, layout.residual_scale, layout.post_norm)
+            outs = (*outs, layout.residual_scale, layout.post_norm, moe)
             self.layers.append(_Layer(ins, outs, rope=rope_layers[i], window=windows[i]))
             self.scaling = attn.scaling
 

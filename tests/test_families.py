@@ -320,3 +320,50 @@ def test_scorer_forward_packs_windowed_rows_as_the_padded_forward(name):
     want = forward_hidden(reference, rollouts, packing="padded").hidden_ND
     got = forward_hidden(packed, rollouts, packing="auto")  # auto: this much padding packs
     torch.testing.assert_close(got.hidden_ND, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("rope", "status"),
+    [({"rope_type": "longrope", "original_max_position_embeddings": 16}, "fail"), ({"rope_type": "default"}, "pass")],
+)
+def test_startup_check_flags_a_student_whose_generation_and_scoring_disagree(rope, status):
+    """distill's startup row `generation_scoring` (issue 23 item 3): longrope switches its table with the sequence
+    length, so the torch engine's cached decode (short factors from the prefill) and the scorer's full forward (long
+    factors) disagree by ~1.7 nats/token on a row longer than original_max_position_embeddings; default RoPE agrees
+    to fp32 rounding."""
+    from opd.check.scoring import check_generation_scoring, generation_check_tokens
+    from opd.teacher.local import LocalScorer
+
+    torch.manual_seed(0)
+    model = _llama_with_rope(rope)
+    assert generation_check_tokens(model, 40) == 40
+    assert generation_check_tokens(model, 4000) == (4000 if status == "fail" else 64)
+    row = check_generation_scoring(
+        TorchGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID),
+        LocalScorer(model),
+        [[1, 2, 3, 4, 5, 6]],
+        temperature=1.0,
+        max_new_tokens=40,
+        seed=0,
+        pad_id=PAD_ID,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+    assert row.status == status and row.hard, row
+
+
+def test_distill_stops_at_startup_for_a_longrope_student_in_one_line(world, tmp_path):
+    from helpers import distill_config
+    from opd.recipes.distill import distill
+
+    torch.manual_seed(0)  # the rendered prompts are 23 tokens: their rows cross 32 while they decode, as real ones 4096
+    student = _saved(
+        tmp_path / "student", _llama_with_rope({"rope_type": "longrope", "original_max_position_embeddings": 32})
+    )
+    config = distill_config(
+        world, tmp_path / "runs", f"student.path={student}", "rollout.max_new_tokens=24", "skip_checks=[special_tokens]"
+    )
+    with pytest.raises(ValueError, match=r"^opd check: generation_scoring failed \(mean \|engine - scorer\|") as stop:
+        distill(config)
+    assert "\n" not in str(stop.value) and "--skip-check generation_scoring" in str(stop.value)
+    assert not list((tmp_path / "runs").glob("*/checkpoints/*"))

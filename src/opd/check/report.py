@@ -33,6 +33,7 @@ CHECKS: dict[str, str] = {
     "self_distillation_zero": "scoring",
     "prompt_logprobs": "scoring",
     "served_scores": "scoring",
+    "generation_scoring": "scoring",
     "overlap_ratio": "forecast",
     "overlap_mass_student": "forecast",
     "overlap_mass_teacher": "forecast",

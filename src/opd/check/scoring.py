@@ -1,6 +1,7 @@
 """The scoring group of `opd check`: is the teacher's scorer sane? `determinism` (the teacher scores the same rows
 twice), `self_distillation_zero` (the teacher's scores of its *own* samples against the log-probs its generation
-reported: the sampled-token reward of a model against itself, ≈ 0), `prompt_logprobs` (both models' per-token NLL of
+reported: the sampled-token reward of a model against itself, ≈ 0), `generation_scoring` (the same for the student's
+own rollout engine and scorer, at the run's length), `prompt_logprobs` (both models' per-token NLL of
 the same rendered prompts, against what their sizes predict). `scoring_rows` runs them on a few prompts.
 A teacher without a local module (served, vLLM) gets `served_scores` instead: its answers must be what the client
 asked for (issue 25, item 7): normalised log-probs, the temperature applied, ids inside its vocabulary.
@@ -258,6 +259,74 @@ def check_served_scores(
             hard=True,
         )
     return CheckResult("served_scores", "pass", 0.0, detail + ": consistent", hard=True)
+
+
+GENERATION_CHECK_TOKENS = 64
+"""Tokens of `generation_scoring`'s row: enough to show a decode step that differs from the scorer."""
+LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
+
+
+def generation_check_tokens(model: torch.nn.Module, max_new_tokens: int) -> int:
+    """`GENERATION_CHECK_TOKENS`, or the run's whole length for a RoPE whose table depends on the sequence length
+    (longrope, dynamic: generation and scoring disagree only once a row is long enough to switch the table)."""
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    # one dict, or one per layer type (Gemma 3)
+    tables = list(rope.values()) if rope and all(isinstance(r, dict) for r in rope.values()) else [rope]
+    kinds = [r.get("rope_type", r.get("type")) for r in tables]
+    if any(str(kind) in LENGTH_DEPENDENT_ROPE for kind in kinds):
+        return max_new_tokens
+    return min(max_new_tokens, GENERATION_CHECK_TOKENS)
+
+
+@torch.no_grad()
+def check_generation_scoring(
+    generator: Any,
+    scorer: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int,
+    pad_id: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> CheckResult:
+    """The student's engine and its scorer on one row of the run's own length: the log-probs the engine reported
+    for its tokens against the scorer's of the same tokens (the behaviour policy the update divides by). A RoPE whose
+    table depends on the sequence length (longrope, dynamic), a decode step that misses a model feature or a mask
+    that differs makes them disagree by ≥ 0.3 nats/token; agreeing paths differ by rounding
+    (`SELF_ZERO_TOLERANCE`). The row runs without EOS to its full length, so that a length-dependent table crosses
+    its switch as the run's rows will."""
+    params = SamplingParams(
+        n=1,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        return_logprobs=True,
+        stop_at_eos=False,
+    )
+    ids = [list(prompt_ids[0])]
+    rollouts = build_rollouts(ids, generator.generate(ids, params), pad_id=pad_id, device=device)
+    if rollouts.rollout_logprobs is None:
+        return CheckResult("generation_scoring", "skip", None, "the engine reports no log-probs")
+    scores = scorer.score(rollouts, top_k=0, temperature=temperature, with_entropy=False)
+    mask_BT = rollouts.response_mask.bool()
+    delta = (scores.sampled_logprobs.float() - rollouts.rollout_logprobs.float())[mask_BT].abs()
+    mean_abs = float(delta.mean()) if delta.numel() else 0.0
+    tolerance = SELF_ZERO_TOLERANCE.get(dtype, SELF_ZERO_HALF_TOLERANCE)
+    detail = f"mean |engine - scorer| log-prob over {delta.numel()} tokens of one row: {mean_abs:.3g} nats/token"
+    if mean_abs <= tolerance:
+        return CheckResult("generation_scoring", "pass", mean_abs, detail, hard=True)
+    return CheckResult(
+        "generation_scoring",
+        "fail",
+        mean_abs,
+        f"{detail} (> {tolerance})",
+        "the student's rollout engine and its scorer compute different distributions: a length-dependent RoPE "
+        "(longrope, dynamic) or a model feature one of them misses; try rollout.engine=torch, or a model without it",
+        hard=True,
+    )
 
 
 def scoring_rows(

@@ -13,11 +13,17 @@ import torch
 
 from opd.check.report import PREFLIGHT_GROUPS, CheckReport, resolve_skips, skipped_rows
 from opd.check.resources import check_memory, check_step_time, estimate_memory, loaded_bytes, mini_step
-from opd.check.scoring import check_served_scores, scoring_rows
+from opd.check.scoring import (
+    check_generation_scoring,
+    check_served_scores,
+    generation_check_tokens,
+    scoring_rows,
+)
 from opd.check.tokenizers import check_tokenizers
 from opd.config import DistillConfig
 from opd.models import eos_token_ids, on_device
 from opd.objectives.diagnostics import diagnostic_top_k
+from opd.train.common import autocast
 
 
 def preflight(
@@ -40,12 +46,12 @@ def preflight(
     """What `opd distill` runs at startup, on the loaded models (before the first step, the optimizer and layer
     compilation): the tokenizers, scoring and resources groups, minus `config.skip_checks`. Raises ValueError
     (one line: the failed rows, their fix, how to skip) on a hard failure. With several processes the rows that
-    run the (sharded) student are left out: prompt_logprobs and step_time."""
+    run the (sharded) student are left out: prompt_logprobs, step_time and generation_scoring."""
     skip = resolve_skips(config.skip_checks)
     # an offloaded teacher scores on the student's device, as in training (memory is estimated with it offloaded)
     scoring_device = next(student.parameters()).device if config.teacher_offload else None
     if world_size > 1:
-        skip |= {"prompt_logprobs", "step_time"}
+        skip |= {"prompt_logprobs", "step_time", "generation_scoring"}
     report = CheckReport()
     start = time.perf_counter()
     if teacher is not None:
@@ -86,6 +92,22 @@ def preflight(
                 pad_id=student_tokenizer.pad_token_id,
             )
         )
+    if "generation_scoring" not in skip and config.rollout.engine != "vllm":  # vLLM: not checked here (yet)
+        device = next(student.parameters()).device
+        with autocast(device, autocast_dtype):
+            report.results.append(
+                check_generation_scoring(
+                    generator,
+                    student_scorer,
+                    prompt_ids,
+                    temperature=config.rollout.temperature,
+                    max_new_tokens=generation_check_tokens(student, config.rollout.max_new_tokens),
+                    seed=config.run.seed,
+                    pad_id=student_tokenizer.pad_token_id,
+                    device=device,
+                    dtype=autocast_dtype or next(student.parameters()).dtype,
+                )
+            )
     if "memory" not in skip:
         needs = estimate_memory(
             config, student, teacher, compute_dtype=autocast_dtype or next(student.parameters()).dtype

@@ -35,6 +35,8 @@ Checks (float32 with TF32 off unless the row says bf16; tolerances in the table)
                       families packing refuses (soft-capping, sinks) print SKIP with the reason
 - families_static[*]: per family the static engine accepts (compiled step, CUDA graphs), fp32 greedy against
                       `TorchGenerator`: rows differing 0, log-probs ≤ 1e-4; the others print SKIP with the reason
+- static_windows[*]:  sliding windows that bind (Mistral, Qwen2's per layer, Phi-3 with partial rotary) through the
+                      Triton kernel and SDPA, with refills, graphs and live-row buckets: as families_static
 """
 
 from __future__ import annotations
@@ -548,6 +550,50 @@ def families_static():
         check(f"families_static[{name}] max |Δ log-prob| vs TorchGenerator", err, 1e-4)
 
 
+@guarded
+def static_windows():
+    """The static engine's sliding windows through the Triton kernel (head sizes 16 and 32) and SDPA, windows of 16
+    binding on rows up to 140 tokens, refills and graphs, with and without live-row buckets, fp32 greedy."""
+    import transformers
+
+    from families import COMMON, EOS_ID, PAD_ID
+    from opd.rollout import SamplingParams
+    from opd.rollout.static_engine import StaticGenerator
+    from opd.rollout.torch_engine import TorchGenerator
+
+    configs = {
+        "Mistral": dict(sliding_window=16),
+        "Qwen2": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1, hidden_size=128),
+        "Phi3": dict(sliding_window=16, partial_rotary_factor=0.5),
+    }
+    common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=100, return_logprobs=True, seed=0)
+    for family_name, extra in configs.items():
+        torch.manual_seed(0)
+        config = getattr(transformers, f"{family_name}Config")(**{**COMMON, "hidden_size": 64, **extra})
+        model = getattr(transformers, f"{family_name}ForCausalLM")(config).eval().cuda()
+        g = torch.Generator().manual_seed(0)
+        prompts = [
+            torch.randint(3, 250, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (12,), generator=g)
+        ]
+        caps = torch.randint(1, 101, (24,), generator=g).tolist()
+        want = TorchGenerator(model, max_batch_size=24, **common).generate(
+            prompts, params, max_new_tokens_per_sample=caps
+        )
+        for options in ({}, {"attention": "sdpa"}, {"row_buckets": True}):
+            label = ",".join(f"{k}={v}" for k, v in options.items()) or "default"
+            engine = StaticGenerator(model, cuda_graphs=True, max_batch_size=10, sync_interval=8, **common, **options)
+            got = engine.generate(prompts, params, max_new_tokens_per_sample=caps)
+            differing = sum(a != b for a, b in zip(got.response_ids, want.response_ids))
+            check(f"static_windows[{family_name},{label}] rows differing from TorchGenerator", differing, 0)
+            err = max(
+                float((torch.tensor(a) - torch.tensor(b)).abs().max()) for a, b in zip(got.logprobs, want.logprobs)
+            )
+            check(
+                f"static_windows[{family_name},{label}] max |Δ log-prob|", err, 1e-4, f"({engine.stats['attention']})"
+            )
+
+
 CHECKS = (
     static_greedy,
     decode_attention,
@@ -562,6 +608,7 @@ CHECKS = (
     packed_varlen,
     families,
     families_static,
+    static_windows,
 )
 
 

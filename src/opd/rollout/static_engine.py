@@ -432,12 +432,12 @@ class StaticGenerator(memory.ModuleMemory):
     prefill_tokens:   most padded prompt tokens per Hugging Face prefill forward (one prompt always fits), ≥ 1
     free_memory:      function of a device → its (free, total) bytes, or None for no limit; default
                       `opd.rollout.memory.device_memory` (the CUDA figures; None on CPU); the tests pass a fixed one
-    row_buckets:      True = once no sample is pending, decode steps run over the smallest live-row bucket (the call's
-                      rows, or a power of two ≥ 4 below it) that holds the rows still decoding: they are moved to the
-                      first rows at a host check, so that the tail of a long-tailed call costs what its live rows
-                      cost. False (default until it is measured in a warm process: in a cold call on the H200 each
-                      bucket's compile and capture cost more than the tail saved, docs/performance.md) = every step
-                      runs over all rows (one shape)
+    row_buckets:      True (default) = once no sample is pending, decode steps run over the smallest live-row
+                      bucket (the call's rows, or a power of two ≥ 4 below it) that holds the rows still decoding:
+                      they are moved to the first rows at a host check, so that the tail of a long-tailed call costs
+                      what its live rows cost (H200, warm process: 1.54× on a lognormal tail; the first call of a
+                      process pays each bucket's compile and capture, docs/performance.md). False = every step runs
+                      over all rows (one shape)
 
     `stats` (after each call): rows, slots per row, decode steps, refills (samples placed into a freed slot),
     prefill forwards, CUDA graphs captured, occupancy (decoded tokens / (steps × rows)), decode steps per live-row
@@ -461,7 +461,7 @@ class StaticGenerator(memory.ModuleMemory):
         attention: Literal["auto", "triton", "sdpa", "matmul"] = "auto",
         prefill_tokens: int = 8192,
         free_memory: memory.MemoryFn | None = None,
-        row_buckets: bool = False,
+        row_buckets: bool = True,
     ) -> None:
         check_arguments(
             "StaticGenerator",

@@ -305,6 +305,7 @@ def test_scale_rows_at_one_and_two_ranks_replicated_and_served(tmp_path, capsys)
             *flags,
         ],
         env,
+        retry_teardown_abort=True,
     )
     server = subprocess.Popen(
         [
@@ -345,9 +346,29 @@ def test_scale_rows_at_one_and_two_ranks_replicated_and_served(tmp_path, capsys)
     assert "tiny ← tiny (replicated) | 2 | 2 | 8 |" in printed and "efficiency" in printed
 
 
-def _check_call(command: list[str], env: dict, timeout: float = 180) -> str:
+# A rank of the 2-process CPU runs sometimes aborts at exit, after its work and the collectives are done
+# ("terminate called without an active exception", SIGABRT; ~1 run in 5-10 of the scale test on 2 cores, also before
+# `destroy_distributed` gained its barrier, not reproduced with markers around the teardown in 12 runs): a C++
+# thread torn down by the interpreter's exit, not the rows under test. Such a run is retried once; anything else
+# fails at once, and so does a second abort.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _check_call(command: list[str], env: dict, timeout: float = 180, retry_teardown_abort: bool = False) -> str:
     """Run `command` in its own session (a hang — a collective waiting forever — kills the launcher *and* its
     workers); assert it succeeded; return its stdout."""
+    try:
+        return _check_call_once(command, env, timeout)
+    except AssertionError as error:
+        if not (retry_teardown_abort and TEARDOWN_ABORT in str(error)):
+            raise
+        if "--master_port" in command:  # a fresh port: the aborted run's may still be held
+            at = command.index("--master_port") + 1
+            command = [*command[:at], str(_free_port()), *command[at + 1 :]]
+        return _check_call_once(command, env, timeout)
+
+
+def _check_call_once(command: list[str], env: dict, timeout: float) -> str:
     process = subprocess.Popen(
         command, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     )

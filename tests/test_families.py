@@ -192,13 +192,13 @@ def test_engine_auto_names_what_the_static_engine_cannot_run_and_static_refuses(
     naming the feature; engine 'static' refuses with that reason as a one-line ValueError."""
     monkeypatch.setattr(registry, "_static_pays", lambda model: True)
     tokenizer = make_tiny_tokenizer()
-    model = family("gemma2")
+    model = family("gpt_oss")
     generator = registry.make_generator(model, tokenizer, engine="auto")
     assert isinstance(generator, TorchGenerator)
     (note,) = _notes(capsys)
-    assert "the static engine cannot run Gemma2ForCausalLM: model_type 'gemma2' is not one of" in note
+    assert "the static engine cannot run GptOssForCausalLM: model_type 'gpt_oss' is not one of" in note
     assert note.endswith("using the torch engine (decoding will be slower)")
-    with pytest.raises(ValueError, match=r"^engine 'static' cannot run Gemma2ForCausalLM: model_type 'gemma2' ") as e:
+    with pytest.raises(ValueError, match=r"^engine 'static' cannot run GptOssForCausalLM: model_type 'gpt_oss' ") as e:
         registry.make_generator(model, tokenizer, engine="static")
     assert "\n" not in str(e.value)
     assert registry.resolve_engine("auto", make_tiny_model("llama")) == "static"
@@ -251,15 +251,21 @@ STATIC_FAMILIES = [
     "granite",
     "smollm3",
     "olmo2",
+    "gemma2",
+    "gemma2_binding_softcap",
+    "gemma3",
 ]
 
 
 def _static_family(name: str) -> torch.nn.Module:
-    if name != "phi3_partial_rotary":
-        return family(name)
-    torch.manual_seed(0)  # Phi-4-mini's feature (its longrope is refused by itself): RoPE on half of each head
-    config = transformers.Phi3Config(**COMMON, sliding_window=WINDOW, partial_rotary_factor=0.5)
-    return transformers.Phi3ForCausalLM(config).eval()
+    torch.manual_seed(0)
+    if name == "phi3_partial_rotary":  # Phi-4-mini's feature (its longrope is refused by itself): RoPE on half a head
+        config = transformers.Phi3Config(**COMMON, sliding_window=WINDOW, partial_rotary_factor=0.5)
+        return transformers.Phi3ForCausalLM(config).eval()
+    if name == "gemma2_binding_softcap":  # Gemma 2's cap of 50 hardly binds on tiny random scores: one of 1 does
+        config = transformers.Gemma2Config(**COMMON, head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=1.0)
+        return transformers.Gemma2ForCausalLM(config).eval()
+    return family(name)
 
 
 def test_static_engine_accepts_exactly_these_families():
@@ -275,7 +281,10 @@ def test_static_engine_matches_the_torch_engine_on_each_family_it_runs(name):
     (dropping any one of the four moves log-probs by 0.17-3 nats), SmolLM3's NoPE layer (RoPE there: 0.27), OLMo 2's
     norms after the branches and q/k norms over the whole projection; fused weights + SDPA and the module's own
     weights + the matmul reference; Phi-3's fused qkv and gate/up, with a binding window, and its partial rotary;
-    Qwen3-MoE's top-k routing over stacked experts."""
+    Qwen3-MoE's top-k routing over stacked experts; Gemma 2 and 3's norms on both sides of each branch over (1 + w),
+    scaled embeddings (without: 2.2 nats and other tokens), GELU-tanh gates (SiLU instead: 0.13), Gemma 2's logit
+    soft-cap (0.06 without) and attention soft-cap (a binding cap of 1: 0.06 without), Gemma 3's q/k norms and its
+    two RoPE tables (the sliding layers' table everywhere: 0.011)."""
     model = _static_family(name)
     common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=24, return_logprobs=True)
@@ -290,13 +299,20 @@ def test_static_engine_matches_the_torch_engine_on_each_family_it_runs(name):
 
 
 @pytest.mark.slow  # the Triton kernel runs interpreted on CPU (~1 s a step)
-def test_the_triton_decode_kernel_reads_only_a_sliding_window():
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_the_triton_decode_kernel_reads_only_a_sliding_window(name):
+    """Mistral: a window on every layer; Gemma 2: alternating windows with a binding attention soft-cap of 1."""
     from opd.kernels import decode_attention as triton_attention
 
     if not triton_attention.available(torch.device("cpu")):
         pytest.skip("Triton is not installed")
     torch.manual_seed(0)  # the kernel's least head size is 16: 64 / 4 heads
-    model = MistralForCausalLM(MistralConfig(**{**COMMON, "hidden_size": 64}, sliding_window=WINDOW)).eval()
+    wide = {**COMMON, "hidden_size": 64}
+    if name == "mistral":
+        model = MistralForCausalLM(MistralConfig(**wide, sliding_window=WINDOW)).eval()
+    else:
+        config = transformers.Gemma2Config(**wide, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=1.0)
+        model = transformers.Gemma2ForCausalLM(config).eval()
     common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
     params = SamplingParams(n=1, temperature=0, max_new_tokens=12, return_logprobs=True)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [7, 8]]

@@ -12,11 +12,14 @@ from opd import kernels
 pytestmark = pytest.mark.skipif(not kernels.available(torch.device("cpu")), reason="Triton is not installed")
 
 
-def reference_attention(q_RKGD, keys_RKSD, values_RKSD, start_R, last_R):
-    """float64 softmax attention of each row's query heads over slots [start_r, last_r]."""
+def reference_attention(q_RKGD, keys_RKSD, values_RKSD, start_R, last_R, softcap=None):
+    """float64 softmax attention of each row's query heads over slots [start_r, last_r] (scores soft-capped
+    c · tanh(s / c) first when softcap is set)."""
     slots_S = torch.arange(keys_RKSD.shape[2])
     valid_RS = (slots_S[None] >= start_R[:, None]) & (slots_S[None] <= last_R[:, None])
     scores = torch.einsum("rkgd,rksd->rkgs", q_RKGD.double(), keys_RKSD.double()) * 0.3
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~valid_RS[:, None, None], float("-inf"))
     return torch.einsum("rkgs,rksd->rkgd", scores.softmax(-1), values_RKSD.double())
 
@@ -50,6 +53,26 @@ def test_decode_attention_matches_float64_over_each_rows_slots(dtype, rows, kv_h
         )
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=0)
         assert torch.equal(cache_k, keys) and torch.equal(cache_v, values)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_attention_soft_caps_the_scores_as_gemma_2(splits):
+    """softcap · tanh(score / softcap) before the softmax, on the cache's slots and on the step's new key; a cap that
+    binds (scores of ±5 against a cap of 1) changes the output, so the comparison can fail."""
+    from opd.kernels.decode_attention import decode_attention
+
+    g = torch.Generator().manual_seed(1)
+    q = 3 * torch.randn(2, 2, 2, 16, generator=g)
+    keys, values = (torch.randn(2, 2, 40, 16, generator=g) for _ in range(2))
+    start, last = torch.tensor([0, 6]), torch.tensor([39, 20])
+    want = reference_attention(q, keys, values, start, last, softcap=1.0)
+    assert (want - reference_attention(q, keys, values, start, last)).abs().max() > 0.1
+    rows_R = torch.arange(2)
+    for new in (None, (keys[rows_R, :, last], values[rows_R, :, last])):
+        got = decode_attention(
+            q, keys.clone(), values.clone(), start, last, 0.3, *(new or ()), splits=splits, softcap=1.0
+        )
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
 
 
 def test_decode_attention_output_is_the_layout_the_fused_o_projection_reads():

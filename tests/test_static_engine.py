@@ -292,9 +292,9 @@ def test_same_seed_same_samples_other_seed_differs():
 def test_unsupported_models_raise():
     """No silent fallback: engine "auto" (`opd.rollout.registry`) is where unsupported layouts get TorchGenerator."""
     model = make_tiny_model("qwen3")
-    model.config.hidden_act = "gelu"  # (the built modules keep SiLU, so the model itself still runs)
-    assert "hidden_act" in unsupported_reason(model)
-    with pytest.raises(NotImplementedError, match=r"hidden_act .* \(engine 'auto' or 'torch' runs any causal LM\)"):
+    model.model.layers[1].mlp.act_fn = torch.nn.GELU()  # exact GELU: neither SiLU nor the tanh approximation
+    assert "activation (GELU) is not SiLU or GELU-tanh, the same in every layer" in unsupported_reason(model)
+    with pytest.raises(NotImplementedError, match=r"activation .* \(engine 'auto' or 'torch' runs any causal LM\)"):
         StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
     with pytest.raises(ValueError, match="kv_bucket"):
         StaticGenerator(make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=0)

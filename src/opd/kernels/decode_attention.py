@@ -45,6 +45,11 @@ def default_splits(rows: int, kv_heads: int, device: torch.device) -> int:
 if triton is not None:
 
     @triton.jit
+    def _soft_cap(s, cap):
+        """cap · tanh(s / cap), tanh as 2 / (1 + e^(-2y)) - 1 (exact to float32 rounding; saturates without NaN)."""
+        return cap * (2.0 / (1.0 + tl.exp(-2.0 * (s / cap))) - 1.0)
+
+    @triton.jit
     def _partial_kernel(
         q_ptr,
         k_ptr,
@@ -72,6 +77,7 @@ if triton is not None:
         o_sk,
         o_sg,
         scale,
+        softcap,
         kv_heads,
         groups,
         HEAD_DIM: tl.constexpr,
@@ -79,13 +85,14 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr,
         HAS_NEW: tl.constexpr,
+        SOFTCAP: tl.constexpr,
         UPCAST: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         """One (row, kv head) per program along axis 0, one split along axis 1. HAS_NEW: the row's slot `last` is taken
         from kn/vn (and written to the cache by split 0) instead of read from the cache. SPLITS == 1: the normalised
         output goes straight to out (strided, q's dtype). Else out is float32 [R, Hkv, SPLITS, G, Dh] and lse float32
-        [R, Hkv, SPLITS, G] (−inf for an empty split)."""
+        [R, Hkv, SPLITS, G] (−inf for an empty split). SOFTCAP: scores become softcap · tanh(score / softcap)."""
         pid, split = tl.program_id(0), tl.program_id(1)
         row, kv = pid // kv_heads, pid % kv_heads
         start = tl.load(start_ptr + row)
@@ -115,6 +122,8 @@ if triton is not None:
                 tl.store(k_base + last * k_ss + d, k_new.to(k_ptr.dtype.element_ty))
                 tl.store(v_base + last * v_ss + d, v_new.to(v_ptr.dtype.element_ty))
                 m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+                if SOFTCAP:
+                    m = _soft_cap(m, softcap)
                 denom = tl.full([BLOCK_G], 1.0, tl.float32)
                 acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32) + v_new.to(tl.float32)[None, :]
         for n0 in range(lo, hi, BLOCK_N):  # every tile holds at least one valid slot, so m becomes finite at once
@@ -124,6 +133,8 @@ if triton is not None:
             if UPCAST:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            if SOFTCAP:
+                s = _soft_cap(s, softcap)
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
@@ -202,8 +213,10 @@ def decode_attention(
     block_n: int = BLOCK_N,
     num_warps: int = 4,
     num_stages: int = 2,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """softmax(q·kᵀ · scale) · v over slots [start_R[r], last_R[r]] of each row r, per kv head and query head.
+    """softmax(q·kᵀ · scale) · v over slots [start_R[r], last_R[r]] of each row r, per kv head and query head
+    (softcap: of softcap · tanh(q·kᵀ · scale / softcap), Gemma 2's soft-capped scores).
 
     q [R, Hkv, G, Dh] (any strides, last one 1); keys, values [R, Hkv, S, Dh] (last stride 1); start_R and last_R [R]
     integer tensors on the same device (start ≤ last < S, per row). With new_keys / new_values [R, Hkv, Dh] (last
@@ -269,6 +282,7 @@ def decode_attention(
             out_RKGD.stride(1),
             out_RKGD.stride(2),
             scale,
+            1.0 if softcap is None else float(softcap),
             kv_heads,
             groups,
             HEAD_DIM=head_dim,
@@ -276,6 +290,7 @@ def decode_attention(
             BLOCK_N=block_n,
             SPLITS=splits,
             HAS_NEW=has_new,
+            SOFTCAP=softcap is not None,
             UPCAST=interpreted(q_RKGD.device),
             PRECISION="ieee" if q_RKGD.dtype == torch.float32 else "tf32",
             num_warps=num_warps,

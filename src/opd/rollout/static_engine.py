@@ -10,7 +10,9 @@ with max_batch_size / max_batch_tokens): docs/design.md, "opd.rollout.static_eng
 Scope: the Llama layout and the families that are it plus features the step computes: Qwen2 (qkv bias), Qwen3 (q/k
 norm over heads), sliding windows per layer (Mistral, Ministral, Qwen2's, Phi-3), Phi-3 (fused qkv and gate/up,
 partial rotary), Qwen3-MoE (top-k routed experts, `_mlp`), Granite (embedding, residual and attention multipliers,
-logit scaling), SmolLM3 (NoPE layers) and OLMo 2 (norms after the branches). Anything else raises (engine
+logit scaling), SmolLM3 (NoPE layers), OLMo 2 (norms after the branches) and Gemma 2 / 3 (norms on both sides of
+each branch over 1 + w, scaled embeddings, GELU-tanh gates, Gemma 2's attention and logit soft-caps, Gemma 3's
+RoPE table per layer type). Not GPT-OSS (attention sinks, its own experts). Anything else raises (engine
 "auto" then picks `TorchGenerator`, saying why); graphs and compilation on CUDA only. Omitted: a paged cache,
 speculative decoding, shared-prefix (cascade) attention, and `flex_attention`'s decoding path (tried: slower than
 SDPA, and its graph capture failed at larger batches).
@@ -19,6 +21,7 @@ SDPA, and its graph capture failed at larger batches).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,8 +47,11 @@ from opd.rollout.sampling import filter_logits
 from opd.scoring import recompile_limit_at_least
 
 # Llama's layout; Mistral and Ministral are it plus a sliding window (`_layer_windows`, also Qwen2's); Granite is it
-# plus four multipliers, SmolLM3 plus layers without RoPE, OLMo 2 with its norms after each branch (`_Layout`)
+# plus four multipliers, SmolLM3 plus layers without RoPE, OLMo 2 with its norms after each branch, Gemma 2/3 with
+# norms on both sides of each branch (`_Layout`)
+_GEMMA = ("gemma2", "gemma3_text")
 _SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "ministral", "phi3", "granite", "smollm3", "olmo2")
+_SUPPORTED += _GEMMA
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -92,9 +98,11 @@ def _attn_in(
     dh: int,
     rope: bool = True,
     post_norm: bool = False,
+    weight_first: bool = False,
 ):
-    """q/k/v projections, q/k-norm (per head; post_norm: OLMo 2's over the whole projection) and RoPE (rope=False:
-    a NoPE layer) for one normed token per row: [R, D] → q [R, H, Dh], k and v [R, Hkv, Dh]. The caller writes k
+    """q/k/v projections, q/k-norm (per head; post_norm: OLMo 2's over the whole projection; weight_first: Gemma's
+    per-head norms, `_rms_weight_first` with their (1 + w)) and RoPE (rope=False: a NoPE layer) for one normed token
+    per row: [R, D] → q [R, H, Dh], k and v [R, Hkv, Dh]. The caller writes k
     and v into the cache: inside a compiled function the in-place write to the whole cache tensor measured slower
     than two separate small copy kernels (docs/performance.md)."""
     rows = h_RD.shape[0]
@@ -103,7 +111,8 @@ def _attn_in(
         q, k = _rms_weight_first(q, qn_w, eps), _rms_weight_first(k, kn_w, eps)
     q, k, v = q.reshape(rows, heads, dh), k.reshape(rows, kv_heads, dh), v.reshape(rows, kv_heads, dh)
     if qn_w is not None and not post_norm:
-        q, k = _rms(q, qn_w, eps), _rms(k, kn_w, eps)
+        norm = _rms_weight_first if weight_first else _rms
+        q, k = norm(q, qn_w, eps), norm(k, kn_w, eps)
     if not rope:
         return q, k, v
     rotary = cos_R1D.shape[-1]
@@ -130,32 +139,44 @@ def _attn_out(
     residual_scale: float = 1.0,
     post_norm: bool = False,
     moe: tuple | None = None,
+    sandwich: tuple | None = None,
+    gelu: bool = False,
 ):
     """o-projection + residual, post-attention norm, SiLU-gated MLP + residual, then the next layer's input norm (the
     final norm after the last layer), so that the residual add and that norm fuse: [R, D] → (x [R, D], normed x).
     residual_scale: Granite's residual multiplier, applied to each branch before its add (as HF does).
     post_norm (OLMo 2): ln_w / next_ln_w are the norms of the attention and MLP outputs, each before its residual
     add, and a layer's input is x itself (→ (x, x)); the model's final norm follows the last layer separately.
-    moe: a mixture-of-experts MLP (`_mlp`)."""
+    moe: a mixture-of-experts MLP (`_mlp`).
+    sandwich (Gemma 2/3): (pre-MLP norm, post-MLP norm) weights; ln_w is then the norm of the attention's output
+    before its residual add, and every norm is `_rms_weight_first` over (1 + w). gelu: the MLP's gate is GELU (tanh
+    approximation) instead of SiLU."""
+    if sandwich is not None:
+        pre_ff_w, post_ff_w = sandwich
+        x_RD = _residual_add(x_RD, _rms_weight_first(F.linear(attn_RE.to(wo.dtype), wo, bo), ln_w, eps))
+        h_RD = _rms_weight_first(x_RD, pre_ff_w, eps)
+        x_RD = _residual_add(x_RD, _rms_weight_first(_mlp(h_RD, w_gu, b_gu, wd, bd, moe, gelu), post_ff_w, eps))
+        return x_RD, _rms_weight_first(x_RD, next_ln_w, next_eps)
     if post_norm:
         x_RD = _residual_add(x_RD, _rms_weight_first(F.linear(attn_RE.to(wo.dtype), wo, bo), ln_w, eps))
         x_RD = _residual_add(x_RD, _rms_weight_first(_mlp(x_RD, w_gu, b_gu, wd, bd, moe), next_ln_w, next_eps))
         return x_RD, x_RD
     x_RD = _residual_add(x_RD, _scaled(F.linear(attn_RE.to(wo.dtype), wo, bo), residual_scale))
     h_RD = _rms(x_RD, ln_w, eps)
-    x_RD = _residual_add(x_RD, _scaled(_mlp(h_RD, w_gu, b_gu, wd, bd, moe), residual_scale))
+    x_RD = _residual_add(x_RD, _scaled(_mlp(h_RD, w_gu, b_gu, wd, bd, moe, gelu), residual_scale))
     return x_RD, _rms(x_RD, next_ln_w, next_eps)
 
 
-def _mlp(h_RD, w_gu, b_gu, wd, bd, moe: tuple | None = None) -> torch.Tensor:
-    """The SiLU-gated MLP of one normed token per row: [R, D] → [R, D]. moe = (router weight [E, D], top_k,
-    norm_topk_prob): Qwen3-MoE's sparse block, w_gu [E, 2I, D] and wd [E, D, I] the experts' stacked weights; each
-    row's top_k experts by router probability (float32 softmax), renormalised when norm_topk_prob, each expert's
-    output weighted and summed. Static shapes for the CUDA graph: each of the top_k slots gathers its experts' weights
+def _mlp(h_RD, w_gu, b_gu, wd, bd, moe: tuple | None = None, gelu: bool = False) -> torch.Tensor:
+    """The SiLU-gated (gelu: GELU-tanh-gated, Gemma's) MLP of one normed token per row: [R, D] → [R, D].
+    moe = (router weight [E, D], top_k, norm_topk_prob): Qwen3-MoE's sparse block, w_gu [E, 2I, D] and wd [E, D, I]
+    the experts' stacked weights; each row's top_k experts by router probability (float32 softmax), renormalised
+    when norm_topk_prob, each expert's output weighted and summed. Static shapes for the CUDA graph: each of the top_k slots gathers its experts' weights
     per row (top_k · R · 3 · I · D weight elements read a step, as a grouped GEMM would)."""
     if moe is None:
         gate_RI, up_RI = _project(h_RD, w_gu, b_gu, [wd.shape[1], wd.shape[1]])
-        return F.linear(F.silu(gate_RI) * up_RI, wd, bd)
+        gate_RI = F.gelu(gate_RI, approximate="tanh") if gelu else F.silu(gate_RI)
+        return F.linear(gate_RI * up_RI, wd, bd)
     router_ED, top_k, norm_topk = moe
     logits_RE = F.linear(h_RD.to(router_ED.dtype), router_ED)
     weight_RK, expert_RK = torch.softmax(logits_RE, dim=-1, dtype=torch.float32).topk(top_k, dim=-1)
@@ -183,13 +204,19 @@ class _Layout:
     the residual branches and (as a divisor) the logits; SmolLM3's layers without RoPE (`no_rope_layers[i] == 0`).
     Attention's own scale (Granite's attention_multiplier) is the module's `scaling`, which the step reads anyway.
     post_norm: OLMo 2's layers, which norm each branch's output instead of its input (no input norms; q/k norm over
-    the whole projection)."""
+    the whole projection). sandwich: Gemma 2/3's layers, with norms before and after each branch, every norm over
+    (1 + w) with the weight applied before the cast (`_rms_weight_first`), scaled embeddings (the embedding module's
+    `embed_scale`, read by `_Run`), a GELU-tanh gate, and soft-capping of the attention scores and of the final
+    logits (Gemma 2's attn_logit_softcapping / final_logit_softcapping; None: none)."""
 
     embedding_scale: float = 1.0
     residual_scale: float = 1.0
     logits_divisor: float = 1.0
     rope_layers: tuple[bool, ...] | None = None  # None: every layer
     post_norm: bool = False
+    sandwich: bool = False
+    attn_softcap: float | None = None
+    logits_softcap: float | None = None
 
     @classmethod
     def of(cls, config: Any) -> _Layout:
@@ -200,6 +227,9 @@ class _Layout:
             logits_divisor=float(getattr(config, "logits_scaling", 1.0) or 1.0),
             rope_layers=None if no_rope is None else tuple(bool(flag) for flag in no_rope),
             post_norm=config.model_type == "olmo2",
+            sandwich=config.model_type in _GEMMA,
+            attn_softcap=getattr(config, "attn_logit_softcapping", None) or None,
+            logits_softcap=getattr(config, "final_logit_softcapping", None) or None,
         )
 
 
@@ -223,15 +253,19 @@ def _residual_add(x_RD: torch.Tensor, y_RD: torch.Tensor) -> torch.Tensor:
     return (x_RD.float() + y_RD.float()).to(x_RD.dtype)
 
 
-def _attend_sdpa(q_RKGD, keys_RKSD, values_RKSD, bias_RKGS, scaling: float) -> torch.Tensor:
+def _attend_sdpa(q_RKGD, keys_RKSD, values_RKSD, bias_RKGS, scaling: float, softcap: float | None = None):
     """Grouped-query attention of one token per row as one SDPA call: the G query heads sharing a kv head are its
-    query positions (no causal mask among them: all see the same slots). bias: 0 / -inf, q's dtype. → [R, Hkv, G, Dh]"""
+    query positions (no causal mask among them: all see the same slots). bias: 0 / -inf, q's dtype. → [R, Hkv, G, Dh]
+    (softcap is never set here: `_Run` picks the matmul path for soft-capped models)"""
     return F.scaled_dot_product_attention(q_RKGD, keys_RKSD, values_RKSD, attn_mask=bias_RKGS, scale=scaling)
 
 
-def _attend_matmul(q_RKGD, keys_RKSD, values_RKSD, bias_RKGS, scaling: float) -> torch.Tensor:
-    """`_attend_sdpa` spelled out (the reference): scores, float32 softmax, weighted sum of values."""
+def _attend_matmul(q_RKGD, keys_RKSD, values_RKSD, bias_RKGS, scaling: float, softcap: float | None = None):
+    """`_attend_sdpa` spelled out (the reference): scores, Gemma 2's soft-cap c · tanh(s / c) when softcap is set
+    (before the mask, as transformers' eager attention), float32 softmax, weighted sum of values."""
     scores_RKGS = torch.matmul(q_RKGD, keys_RKSD.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores_RKGS = torch.tanh(scores_RKGS / softcap) * softcap
     probs_RKGS = torch.softmax(scores_RKGS + bias_RKGS, dim=-1, dtype=torch.float32).to(q_RKGD.dtype)
     return torch.matmul(probs_RKGS, values_RKSD)
 
@@ -327,6 +361,55 @@ def _gate_up(mlp: torch.nn.Module) -> tuple[torch.nn.Linear, ...]:
     return mlp.gate_proj, mlp.up_proj
 
 
+def _eps(norm: torch.nn.Module) -> float:
+    """An RMSNorm module's epsilon (`variance_epsilon` in Llama's family, `eps` in Gemma's)."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.eps if eps is None else eps
+
+
+def _norm_weight(norm: torch.nn.Module) -> torch.Tensor:
+    """Gemma's RMSNorm weight as its forward applies it: 1 + w in float32, for `_rms_weight_first` (bit-identical)."""
+    return 1.0 + norm.weight.float()
+
+
+def _embedding_scale(embedding: torch.nn.Module, layout: _Layout) -> float:
+    """The factor on the embedded tokens: Gemma's `embed_scale` (√hidden, rounded to the table's dtype first, as its
+    forward multiplies), else the layout's (Granite's embedding multiplier, 1 for the rest)."""
+    scale = getattr(embedding, "embed_scale", None)
+    if scale is None:
+        return layout.embedding_scale
+    return float(torch.as_tensor(scale).to(embedding.weight.dtype))
+
+
+def _gelu_gate(mlp: torch.nn.Module) -> bool:
+    """Whether the MLP's gate is GELU with the tanh approximation (Gemma's gelu_pytorch_tanh); SiLU otherwise (the
+    caller has checked it is one of the two, `_activation_reason`)."""
+    return _activation(mlp) == "gelu_tanh"
+
+
+def _activation(mlp: torch.nn.Module) -> str | None:
+    """The gate activation of a dense or MoE MLP module: "silu", "gelu_tanh", or None for anything else."""
+    act = getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))  # Phi-3: activation_fn
+    if act is None and hasattr(mlp, "experts"):
+        act = getattr(mlp.experts, "act_fn", None)
+    if isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation":
+        return "silu"
+    inner = getattr(act, "act", None)  # transformers' GELUTanh: functools.partial(gelu, approximate="tanh")
+    if (
+        type(act).__name__ in ("GELUTanh", "PytorchGELUTanh")
+        and getattr(inner, "keywords", {}).get("approximate", "tanh") == "tanh"
+    ):
+        return "gelu_tanh"
+    if isinstance(act, torch.nn.GELU) and act.approximate == "tanh":
+        return "gelu_tanh"
+    return None
+
+
+def _rope_by_layer_type(rotary: torch.nn.Module) -> bool:
+    """Whether the rotary module computes one table per layer type (Gemma 3: `forward(x, position_ids, layer_type)`)."""
+    return "layer_type" in inspect.signature(rotary.forward).parameters
+
+
 # RoPE types whose cos/sin table depends on the position only; "dynamic" and "longrope" rescale it with the length of
 # the sequence (transformers' `dynamic_rope_update`), which a table precomputed over every slot cannot follow
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -350,9 +433,13 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in _SUPPORTED:
         return f"model_type {model_type!r} is not one of {', '.join(_SUPPORTED)}"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r} is not silu"
     body = model.get_decoder() if hasattr(model, "get_decoder") else None
+    mlps = [layer.mlp for layer in getattr(body, "layers", [])]
+    acts = [_activation(mlp) for mlp in mlps]
+    if None in acts or len(set(acts)) > 1:
+        odd = mlps[acts.index(None)] if None in acts else mlps[acts.index(acts[-1])]
+        act = getattr(odd, "act_fn", getattr(odd, "activation_fn", None))
+        return f"the MLP's activation ({type(act).__name__}) is not SiLU or GELU-tanh, the same in every layer"
     rotary = getattr(body, "rotary_emb", None)
     if rotary is None or not hasattr(body, "layers") or not hasattr(body, "norm"):
         return "the decoder has no rotary_emb / layers / norm"
@@ -362,8 +449,10 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     head = model.get_output_embeddings()
     if model_type == "smollm3" and len(getattr(config, "no_rope_layers", None) or []) != config.num_hidden_layers:
         return "no_rope_layers does not give one flag per layer"
-    if getattr(model, "logit_scale", None) is not None or getattr(config, "final_logit_softcapping", None):
-        return "the output head has a logit scale or soft-cap"
+    if getattr(model, "logit_scale", None) is not None:
+        return "the output head has a logit scale"
+    if getattr(config, "final_logit_softcapping", None) and model_type not in _GEMMA:
+        return "the output head has a soft-cap"
     if head is None or not isinstance(head, torch.nn.Linear):
         return "the output head is not a Linear layer"
     return None
@@ -394,6 +483,7 @@ class _Layer:
     attn_out: tuple
     rope: bool = True
     window: int | None = None  # sliding window (`_layer_windows`), None: full attention
+    rope_table: str | None = None  # the layer type whose RoPE table it uses (Gemma 3), None: the one table
     keys: torch.Tensor | None = None  # [R, Hkv, S, Dh]
     values: torch.Tensor | None = None
 
@@ -483,6 +573,12 @@ class StaticGenerator(memory.ModuleMemory):
             raise NotImplementedError(
                 f"StaticGenerator cannot run {type(model).__name__}: {reason} (engine 'auto' or "
                 "'torch' runs any causal LM)"
+            )
+        softcap = _Layout.of(model.config).attn_softcap
+        if attention == "sdpa" and softcap is not None:
+            raise ValueError(
+                f"StaticGenerator attention='sdpa' cannot soft-cap attention scores "
+                f"(attn_logit_softcapping={softcap}); use 'auto', 'triton' or 'matmul'"
             )
         if attention == "triton" and not triton_attention.supports(_head_dim(model)):
             raise ValueError(
@@ -685,7 +781,9 @@ class _Run:
         config = model.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         kernel_ok = triton_attention.available(device) and triton_attention.supports(_head_dim(model))
-        auto = "triton" if kernel_ok and device.type == "cuda" else "sdpa"
+        # SDPA has no soft-cap: soft-capped models (Gemma 2) take the matmul path off the Triton kernel
+        fallback = "matmul" if _Layout.of(config).attn_softcap is not None else "sdpa"
+        auto = "triton" if kernel_ok and device.type == "cuda" else fallback
         self.attention = auto if engine.attention == "auto" else engine.attention
         self.attend = _ATTENTION.get(self.attention)  # None: the Triton kernel
 
@@ -704,18 +802,21 @@ class _Run:
             input_norms = [None] + [layer.post_feedforward_layernorm for layer in body.layers]
         else:
             input_norms = [layer.input_layernorm for layer in body.layers] + [body.norm]
-        self.first_norm = None if layout.post_norm else (input_norms[0].weight, input_norms[0].variance_epsilon)
-        self.final_norm = (body.norm.weight, body.norm.variance_epsilon) if layout.post_norm else None
+        norm = _norm_weight if layout.sandwich else (lambda module: module.weight)
+        self.first_norm = None if layout.post_norm else (norm(input_norms[0]), _eps(input_norms[0]))
+        self.final_norm = (body.norm.weight, _eps(body.norm)) if layout.post_norm else None
         self.embed_VD = body.embed_tokens.weight
+        self.embedding_scale = _embedding_scale(body.embed_tokens, layout)
         self.head_w, self.head_b = _cast(head.weight, shadow), _cast(head.bias, shadow)
         rope_layers = layout.rope_layers or (True,) * len(body.layers)
         windows = _layer_windows(model)
+        gelu = _gelu_gate(body.layers[0].mlp)
         self.layers: list[_Layer] = []
         for i, layer in enumerate(body.layers):
             attn, mlp, post, following = layer.self_attn, layer.mlp, layer.post_attention_layernorm, input_norms[i + 1]
             qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            # q/k-norm's eps: the input norm's (Qwen3: the same rms_norm_eps), OLMo 2's own norms
-            norm_eps = (qn or post).variance_epsilon if layout.post_norm else input_norms[i].variance_epsilon
+            # q/k-norm's eps: the input norm's (Qwen3: the same rms_norm_eps), OLMo 2's and Gemma's own norms
+            norm_eps = _eps(qn or post) if layout.post_norm or layout.sandwich else _eps(input_norms[i])
             w_qkv, b_qkv = _projection_weights(_qkv(attn), shadow)
             moe = None
             if hasattr(mlp, "experts"):  # Qwen3-MoE's sparse block (`_mlp`)
@@ -728,27 +829,34 @@ class _Run:
             ins = (
                 w_qkv,
                 b_qkv,
-                None if qn is None else qn.weight,
-                None if kn is None else kn.weight,
+                None if qn is None else norm(qn),
+                None if kn is None else norm(kn),
                 norm_eps,
             )
             w_o = _cast(attn.o_proj.weight, shadow)
             if shadow is not None:  # input columns in (G, Hkv) head order, see `_decode_step` (a copy when G > 1)
                 w_o = w_o.unflatten(1, (self.kv_heads, self.heads // self.kv_heads, -1)).transpose(1, 2).flatten(1)
+            sandwich = None
+            if layout.sandwich:
+                sandwich = (
+                    _norm_weight(layer.pre_feedforward_layernorm),
+                    _norm_weight(layer.post_feedforward_layernorm),
+                )
             outs = (
                 w_o,
                 _cast(attn.o_proj.bias, shadow),
-                post.weight,
-                post.variance_epsilon,
+                norm(post),
+                _eps(post),
                 w_gu,
                 b_gu,
                 w_down,
                 b_down,
-                following.weight,
-                following.variance_epsilon,
+                norm(following),
+                _eps(following),
             )
-            outs = (*outs, layout.residual_scale, layout.post_norm, moe)
-            self.layers.append(_Layer(ins, outs, rope=rope_layers[i], window=windows[i]))
+            outs = (*outs, layout.residual_scale, layout.post_norm, moe, sandwich, gelu)
+            table = getattr(attn, "layer_type", None) if _rope_by_layer_type(body.rotary_emb) else None
+            self.layers.append(_Layer(ins, outs, rope=rope_layers[i], window=windows[i], rope_table=table))
             self.scaling = attn.scaling
 
         # The samples and the slots: each slot holds one sample's prompt at [0, L) and its tokens after it.
@@ -763,11 +871,14 @@ class _Run:
             layer.keys = torch.zeros(rows, self.kv_heads, self.capacity, head_dim, dtype=dtype, device=device)
             layer.values = torch.zeros_like(layer.keys)
 
-        # RoPE table over every slot position, computed by the model's own rotary module (float32, cast per step).
+        # RoPE tables over every slot position, computed by the model's own rotary module (float32, cast per step):
+        # one, or one per layer type where the module takes it (Gemma 3: its sliding and full layers' bases).
         positions_1S = torch.arange(self.capacity, device=device)[None]
         probe = torch.zeros(1, dtype=torch.float32, device=device)
-        cos_1SD, sin_1SD = body.rotary_emb(probe, positions_1S)
-        self.cos_SD, self.sin_SD = cos_1SD[0].float(), sin_1SD[0].float()
+        self.rope_SD: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        for table in dict.fromkeys(layer.rope_table for layer in self.layers):
+            cos_1SD, sin_1SD = body.rotary_emb(probe, positions_1S, *([] if table is None else [table]))
+            self.rope_SD[table] = (cos_1SD[0].float(), sin_1SD[0].float())
 
         # Device-side row state: static buffers the graphs read and write, refilled in place between replays.
         long = dict(dtype=torch.long, device=device)
@@ -943,10 +1054,16 @@ class _Run:
         heads, kv_heads = self.heads, self.kv_heads
         post_norm = self.layout.post_norm
         position_R, rows_R = self.position_R[:rows], self.rows_R[:rows]
-        x_RD = _scaled(F.embedding(self.tokens_R[:rows], self.embed_VD), self.layout.embedding_scale)
-        h_RD = x_RD if self.first_norm is None else _rms(x_RD, *self.first_norm)
-        cos_R1D = self.cos_SD[position_R][:, None].to(x_RD.dtype)
-        sin_R1D = self.sin_SD[position_R][:, None].to(x_RD.dtype)
+        sandwich = self.layout.sandwich
+        x_RD = _scaled(F.embedding(self.tokens_R[:rows], self.embed_VD), self.embedding_scale)
+        if self.first_norm is not None:
+            h_RD = (_rms_weight_first if sandwich else _rms)(x_RD, *self.first_norm)
+        else:
+            h_RD = x_RD
+        rope = {
+            table: (cos_SD[position_R][:, None].to(x_RD.dtype), sin_SD[position_R][:, None].to(x_RD.dtype))
+            for table, (cos_SD, sin_SD) in self.rope_SD.items()
+        }
         triton_kernel = self.attend is None  # reads slots [start_R, position_R] itself: no mask
         # Per window (None: full attention; a sliding window W reads slots (position - W, position]): the Triton
         # kernel's first slot, or one mask for every layer of that window. SDPA's memory-efficient kernel wants the
@@ -967,8 +1084,18 @@ class _Run:
             )
         for layer in self.layers:
             keys_RKSD, values_RKSD = layer.keys[:rows], layer.values[:rows]
+            cos_R1D, sin_R1D = rope[layer.rope_table]
             q_RHD, k_RKD, v_RKD = attn_in(
-                h_RD, *layer.attn_in, cos_R1D, sin_R1D, heads, kv_heads, layer.keys.shape[-1], layer.rope, post_norm
+                h_RD,
+                *layer.attn_in,
+                cos_R1D,
+                sin_R1D,
+                heads,
+                kv_heads,
+                layer.keys.shape[-1],
+                layer.rope,
+                post_norm,
+                sandwich,
             )
             # Grouped-query attention without repeating the cache: query head h uses kv head h // (heads / kv_heads).
             # Under autocast q/k-norm and RoPE return float32 (float32 norm weights): attention runs in the compute
@@ -977,13 +1104,26 @@ class _Run:
             k_RKD, v_RKD = k_RKD.to(self.dtype), v_RKD.to(self.dtype)
             if triton_kernel:  # the kernel also writes k and v into the cache at position_R
                 attn_RKGD = triton_attention.decode_attention(
-                    q_RKGD, keys_RKSD, values_RKSD, starts[layer.window], position_R, self.scaling, k_RKD, v_RKD
+                    q_RKGD,
+                    keys_RKSD,
+                    values_RKSD,
+                    starts[layer.window],
+                    position_R,
+                    self.scaling,
+                    k_RKD,
+                    v_RKD,
+                    softcap=self.layout.attn_softcap,
                 )
             else:
                 keys_RKSD[rows_R, :, position_R] = k_RKD
                 values_RKSD[rows_R, :, position_R] = v_RKD
                 attn_RKGD = self.attend(
-                    q_RKGD, keys_RKSD[:, :, :span], values_RKSD[:, :, :span], biases[layer.window], self.scaling
+                    q_RKGD,
+                    keys_RKSD[:, :, :span],
+                    values_RKSD[:, :, :span],
+                    biases[layer.window],
+                    self.scaling,
+                    self.layout.attn_softcap,
                 )
             # SDPA's memory-efficient kernel (and the Triton kernel) writes [R, G, Hkv, Dh] and returns a transposed
             # view: flattened in that order it needs no copy (fused o-proj columns are permuted to match); the
@@ -998,6 +1138,8 @@ class _Run:
         logits_RV = F.linear(h_RD.to(self.head_w.dtype), self.head_w, self.head_b)
         if self.layout.logits_divisor != 1.0:
             logits_RV = logits_RV / self.layout.logits_divisor
+        if self.layout.logits_softcap is not None:  # Gemma 2's final soft-cap, in the head's dtype as transformers
+            logits_RV = torch.tanh(logits_RV / self.layout.logits_softcap) * self.layout.logits_softcap
         noise_RN = None if self.noise_RN is None else self.noise_RN[:rows]
         tokens_R, logprobs_R = sample(logits_RV, noise_RN, params.temperature, self.vocab, params.top_k, params.top_p)
         self._record(tokens_R, logprobs_R, rows)

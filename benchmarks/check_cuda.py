@@ -565,13 +565,18 @@ def static_windows():
         "Mistral": dict(sliding_window=16),
         "Qwen2": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1, hidden_size=128),
         "Phi3": dict(sliding_window=16, partial_rotary_factor=0.5),
+        # Gemma 2 with a soft-cap that binds (the matmul path stands in for SDPA, which has none); Gemma 3's two RoPE
+        # tables and alternating windows
+        "Gemma2": dict(sliding_window=16, head_dim=16, attn_logit_softcapping=1.0),
+        "Gemma3Text": dict(sliding_window=16, head_dim=16, layer_types=["sliding_attention", "full_attention"]),
     }
     common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=100, return_logprobs=True, seed=0)
     for family_name, extra in configs.items():
         torch.manual_seed(0)
         config = getattr(transformers, f"{family_name}Config")(**{**COMMON, "hidden_size": 64, **extra})
-        model = getattr(transformers, f"{family_name}ForCausalLM")(config).eval().cuda()
+        model_class = "Gemma3ForCausalLM" if family_name == "Gemma3Text" else f"{family_name}ForCausalLM"
+        model = getattr(transformers, model_class)(config).eval().cuda()
         g = torch.Generator().manual_seed(0)
         prompts = [
             torch.randint(3, 250, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (12,), generator=g)
@@ -580,7 +585,8 @@ def static_windows():
         want = TorchGenerator(model, max_batch_size=24, **common).generate(
             prompts, params, max_new_tokens_per_sample=caps
         )
-        for options in ({}, {"attention": "sdpa"}, {"row_buckets": True}):
+        reference = "matmul" if family_name == "Gemma2" else "sdpa"
+        for options in ({}, {"attention": reference}, {"row_buckets": True}):
             label = ",".join(f"{k}={v}" for k, v in options.items()) or "default"
             engine = StaticGenerator(model, cuda_graphs=True, max_batch_size=10, sync_interval=8, **common, **options)
             got = engine.generate(prompts, params, max_new_tokens_per_sample=caps)

@@ -75,9 +75,82 @@ SHAPES: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True,
     ),
 }
+# Other families at their released shapes (random weights; issue 23's per-family rows). "family" names the
+# transformers classes (`FAMILY_CLASSES`); the rest is the config. Gemma 3 1B (5 sliding layers of 512 per global
+# one, two RoPE bases), Mistral 7B v0.1 (a 4,096 window on every layer), Phi-3-mini-4k (fused qkv / gate-up, a
+# 2,047 window, head size 96), and Qwen3-30B-A3B's layers (128 experts, 8 per token) cut to 12 of its 48 so that a
+# row of every engine fits the device time of one run.
+SHAPES.update(
+    {
+        "gemma3-1b": dict(
+            family="gemma3",
+            vocab_size=262144,
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            sliding_window=512,
+            query_pre_attn_scalar=256,
+            layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            tie_word_embeddings=True,
+        ),
+        "mistral-7b": dict(
+            family="mistral",
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            sliding_window=4096,
+            tie_word_embeddings=False,
+        ),
+        "phi3-mini": dict(
+            family="phi3",
+            vocab_size=32064,
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            head_dim=96,
+            sliding_window=2047,
+            tie_word_embeddings=False,
+        ),
+        "qwen3-moe-30b-a3b-12l": dict(
+            family="qwen3_moe",
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            num_hidden_layers=12,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            tie_word_embeddings=False,
+        ),
+    }
+)
+FAMILY_CLASSES = {
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
 TOKENIZER_SIZE = {"tiny": 500, "qwen3-0.6b": 151669, "qwen3-1.7b": 151669, "qwen3-4b": 151669}
-EOS_ID = {"tiny": 2}  # Qwen3's <|im_end|> elsewhere
-PAD_ID = {"tiny": 1}  # Qwen3's <|endoftext|> elsewhere
+TOKENIZER_SIZE.update({"gemma3-1b": 262144, "mistral-7b": 32000, "phi3-mini": 32011, "qwen3-moe-30b-a3b-12l": 151669})
+EOS_ID = {"tiny": 2, "gemma3-1b": 1, "mistral-7b": 2, "phi3-mini": 32000}  # Qwen3's <|im_end|> elsewhere
+PAD_ID = {"tiny": 1, "gemma3-1b": 0, "mistral-7b": 0, "phi3-mini": 32000}  # Qwen3's <|endoftext|> elsewhere
 
 # (dense bf16 FLOP/s, memory bandwidth bytes/s) by device-name substring. H200: 790 TFLOP/s measured on random data
 # in this workplace (KINDS.md); 4.8 TB/s datasheet (a device-to-device copy measured 4.3).
@@ -140,17 +213,20 @@ def attention_name(name: str, device: torch.device) -> str:
 def build_model(
     shape: str, *, dtype: torch.dtype, device: torch.device, seed: int = 0, attn_implementation: str = "sdpa"
 ) -> torch.nn.Module:
-    """A random-weight Qwen3 causal LM of `shape`, initialised directly on `device` (fast on a GPU), in eval mode.
+    """A random-weight causal LM of `shape` (Qwen3, or the family its entry names), initialised directly on `device`
+    (fast on a GPU), in eval mode.
 
     attn_implementation: see `attention_name`."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
     attn_implementation = attention_name(attn_implementation, device)
-
-    config = Qwen3Config(
-        **SHAPES[shape],
+    spec = dict(SHAPES[shape])
+    config_class, model_class = FAMILY_CLASSES.get(spec.pop("family", None), ("Qwen3Config", "Qwen3ForCausalLM"))
+    if config_class == "Qwen3Config":
+        spec.update(rope_theta=1_000_000)
+    config = getattr(transformers, config_class)(
+        **spec,
         max_position_embeddings=40960,
-        rope_theta=1_000_000,
         rms_norm_eps=1e-6,
         eos_token_id=eos_id(shape),
         pad_token_id=pad_id(shape),
@@ -160,7 +236,7 @@ def build_model(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         with torch.device(device):
-            model = Qwen3ForCausalLM(config)
+            model = getattr(transformers, model_class)(config)
     model.generation_config.eos_token_id = eos_id(shape)
     model.generation_config.pad_token_id = pad_id(shape)
     return keep_rope_float32(model, lambda: model.to(dtype)).eval()
@@ -173,15 +249,27 @@ def keep_rope_float32(model: torch.nn.Module, cast: Callable[[], Any]):
     mean |Δ log-prob| from a float32 forward from 5e-3 at positions < 128 to 4.9e-2 at 3072–4096, against a flat
     4.5e-3 with float32 frequencies (`docs/performance.md`). Returns cast's result."""
     rotary = model.get_decoder().rotary_emb
-    inv_freq = rotary.inv_freq.float().clone()
+    # every `*inv_freq` buffer (Gemma 3 keeps one per layer type)
+    saved = {name: b.float().clone() for name, b in rotary.named_buffers(recurse=False) if name.endswith("inv_freq")}
     out = cast()
-    rotary.inv_freq = inv_freq.to(rotary.inv_freq.device)
+    for name, inv_freq in saved.items():
+        setattr(rotary, name, inv_freq.to(getattr(rotary, name).device))
     return out
 
 
 def param_count(model: torch.nn.Module) -> int:
-    """Parameters counted once (tied input/output embeddings once): the matmul parameters of a tied model."""
-    return sum(p.numel() for p in model.parameters())
+    """Parameters counted once (tied input/output embeddings once): the matmul parameters of a tied model. Of a
+    mixture of experts, the parameters a token passes through: each expert block counts top_k / experts of itself."""
+    total = sum(p.numel() for p in model.parameters())
+    config = model.config
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:
+        per_token = config.num_experts_per_tok / experts
+        for module in model.modules():
+            block = getattr(module, "experts", None)
+            if isinstance(block, torch.nn.Module):
+                total -= round(sum(p.numel() for p in block.parameters()) * (1 - per_token))
+    return total
 
 
 def param_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:

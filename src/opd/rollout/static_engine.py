@@ -171,8 +171,9 @@ def _mlp(h_RD, w_gu, b_gu, wd, bd, moe: tuple | None = None, gelu: bool = False)
     """The SiLU-gated (gelu: GELU-tanh-gated, Gemma's) MLP of one normed token per row: [R, D] → [R, D].
     moe = (router weight [E, D], top_k, norm_topk_prob): Qwen3-MoE's sparse block, w_gu [E, 2I, D] and wd [E, D, I]
     the experts' stacked weights; each row's top_k experts by router probability (float32 softmax), renormalised
-    when norm_topk_prob, each expert's output weighted and summed. Static shapes for the CUDA graph: each of the top_k slots gathers its experts' weights
-    per row (top_k · R · 3 · I · D weight elements read a step, as a grouped GEMM would)."""
+    when norm_topk_prob, each expert's output weighted and summed. Static shapes for the CUDA graph: each of the
+    top_k slots gathers its experts' weights per row (top_k · R · 3 · I · D weight elements read a step, as a grouped
+    GEMM would)."""
     if moe is None:
         gate_RI, up_RI = _project(h_RD, w_gu, b_gu, [wd.shape[1], wd.shape[1]])
         gate_RI = F.gelu(gate_RI, approximate="tanh") if gelu else F.silu(gate_RI)

@@ -567,7 +567,8 @@ def static_windows():
         "Phi3": dict(sliding_window=16, partial_rotary_factor=0.5),
         # Gemma 2 with a soft-cap that binds (the matmul path stands in for SDPA, which has none); Gemma 3's two RoPE
         # tables and alternating windows
-        "Gemma2": dict(sliding_window=16, head_dim=16, attn_logit_softcapping=1.0),
+        # eager: what `opd.models.load_model` picks for soft-capped models (SDPA has no soft-cap)
+        "Gemma2": dict(sliding_window=16, head_dim=16, attn_logit_softcapping=1.0, attn_implementation="eager"),
         "Gemma3Text": dict(sliding_window=16, head_dim=16, layer_types=["sliding_attention", "full_attention"]),
     }
     common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)

@@ -60,7 +60,10 @@ BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
         num_experts_per_tok=2,
         moe_intermediate_size=16,
     ),
-    "gemma2": _build("Gemma2Config", "Gemma2ForCausalLM", head_dim=8, sliding_window=WINDOW),
+    # eager whatever transformers' default (5.17: sdpa, which drops the soft-cap), as `opd.models.load_model` picks
+    "gemma2": _build(
+        "Gemma2Config", "Gemma2ForCausalLM", head_dim=8, sliding_window=WINDOW, attn_implementation="eager"
+    ),
     "gemma3": _build("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8, sliding_window=WINDOW, layer_types=TWO_KINDS),
     "mistral": _build("MistralConfig", "MistralForCausalLM", sliding_window=WINDOW),
     "mistral_no_window": _build("MistralConfig", "MistralForCausalLM", sliding_window=None),

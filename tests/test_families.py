@@ -16,6 +16,7 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_rollouts, make_tiny_model, make_tiny_tokenizer
+from opd import models
 from opd.forward import forward_hidden
 from opd.kernels import varlen_attention
 from opd.models import ModelLoadError, load_model
@@ -166,6 +167,29 @@ def test_loader_choice_where_the_varlen_kernel_runs(tmp_path, monkeypatch, capsy
     lines = capsys.readouterr().err.splitlines()
     notes = [line for line in lines if "no packed attention" in line]
     assert len(notes) == (chosen != varlen_attention.ATTENTION)
+
+
+def test_loader_never_runs_a_soft_capped_model_on_sdpa(tmp_path, capsys):
+    """SDPA has no attention soft-cap: transformers 5.17 picks it for Gemma 2 by default and drops the cap without a
+    word (measured on the H200 image: 0.006 nats/token off eager at a cap of 1), 5.24 raises. An explicit 'sdpa' is
+    refused in one line before transformers sees it; a choice that came out 'sdpa' becomes 'eager' with one note,
+    and the scores are then eager's."""
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(**COMMON, head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=1.0)
+    path = _saved(tmp_path, transformers.Gemma2ForCausalLM(config).eval())
+    with pytest.raises(ModelLoadError, match=r"'sdpa' cannot run .* exactly: SDPA has no attention logit soft-cap"):
+        load_model(path, dtype="float32", device="cpu", attn_implementation="sdpa")
+    model, _ = load_model(path, dtype="float32", device="cpu")
+    eager_lp = padded_logprobs(model, _rows()[:2])
+    model.config._attn_implementation = "sdpa"  # what transformers 5.17 chooses (5.24 refuses to set it)
+    capsys.readouterr()
+    models._choose_attention(model, "gemma2-tiny", None, torch.device("cpu"))
+    assert model.config._attn_implementation == "eager"
+    (note,) = capsys.readouterr().err.splitlines()
+    assert note == "note: gemma2-tiny: attention 'sdpa' drops its attention logit soft-capping " + (
+        "(attn_logit_softcapping=1.0); using 'eager'"
+    )
+    assert all(torch.equal(a, b) for a, b in zip(padded_logprobs(model, _rows()[:2]), eager_lp))
 
 
 def test_loader_keeps_sdpa_for_binding_windows_when_the_kernel_has_none(tmp_path, monkeypatch, capsys):

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 import torch
 from huggingface_hub import constants, try_to_load_from_cache
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from opd.kernels import varlen_attention
 from opd.scoring import recompile_limit_at_least
@@ -265,6 +265,10 @@ def load_model(
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code, **hub_kwargs}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    if attn_implementation == "sdpa":  # before transformers, whose versions differ here (see `_choose_attention`)
+        softcap = getattr(_load_config(name_or_path, trust_remote_code, hub_kwargs), "attn_logit_softcapping", None)
+        if softcap:
+            raise _sdpa_softcap_error(str(name_or_path), softcap)
     if device_map is not None:
         kwargs["device_map"] = device_map
     elif torch_device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
@@ -290,10 +294,38 @@ def load_model(
     return model, tokenizer
 
 
+def _load_config(name_or_path: str | os.PathLike, trust_remote_code: bool, hub_kwargs: dict) -> Any:
+    """The model's config alone (one small file), with load_model's one-line errors."""
+    try:
+        return AutoConfig.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code, **hub_kwargs)
+    except (OSError, ValueError) as err:
+        raise _load_error("model", name_or_path, err) from None
+
+
+def _sdpa_softcap_error(name: str, softcap: float) -> ModelLoadError:
+    return ModelLoadError(
+        f"attn_implementation 'sdpa' cannot run {name!r} exactly: SDPA has no attention logit soft-capping "
+        f"(attn_logit_softcapping={softcap}); leave attn_implementation unset or use 'eager'"
+    )
+
+
 def _choose_attention(model: torch.nn.Module, name: str, attn_implementation: str | None, device: torch.device) -> None:
     """`load_model`'s attention choice: an explicit `opd_varlen` for a model it cannot compute exactly is refused
     (one line); None keeps transformers' choice, with its "sdpa" turned into `opd_varlen` on CUDA unless
-    `varlen_attention.refusal` names a feature, in which case one line says so and transformers' choice stays."""
+    `varlen_attention.refusal` names a feature, in which case one line says so and transformers' choice stays.
+    Attention logit soft-capping (Gemma 2) is computed by eager attention, not by SDPA, which transformers (5.17
+    among others) picks for Gemma 2 by default and which then drops the cap without a word: an explicit "sdpa" is
+    refused, an unset one becomes "eager", saying so."""
+    softcap = getattr(model.config, "attn_logit_softcapping", None)
+    if softcap and attn_implementation == "sdpa":
+        raise _sdpa_softcap_error(name, softcap)
+    if softcap and attn_implementation is None and model.config._attn_implementation == "sdpa":
+        print(
+            f"note: {name}: attention 'sdpa' drops its attention logit soft-capping "
+            f"(attn_logit_softcapping={softcap}); using 'eager'",
+            file=sys.stderr,
+        )
+        model.set_attn_implementation("eager")
     reason = varlen_attention.refusal(model, device)
     if attn_implementation == varlen_attention.ATTENTION and reason is not None:
         raise ModelLoadError(

@@ -322,6 +322,20 @@ def test_static_engine_matches_the_torch_engine_on_each_family_it_runs(name):
             assert torch.allclose(torch.tensor(lps_got), torch.tensor(lps_want), atol=1e-4), options
 
 
+def test_static_engine_moe_both_expert_paths_match_the_torch_engine():
+    """`_mlp`'s two MoE paths: one row (2 (row, slot) pairs < 4 experts: per-row expert gathers) and six rows (12 ≥ 4:
+    every expert over every row), each against the torch engine."""
+    model = family("qwen3_moe")
+    common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
+    for prompts, n in (([[1, 2, 3, 4, 5]], 1), ([[1, 2, 3, 4, 5], [7, 8], [9, 10, 11]], 2)):
+        params = SamplingParams(n=n, temperature=0, max_new_tokens=16, return_logprobs=True)
+        want = TorchGenerator(model, **common).generate(prompts, params)
+        got = StaticGenerator(model, kv_bucket=16, **common).generate(prompts, params)
+        assert got.response_ids == want.response_ids
+        for lps_want, lps_got in zip(want.logprobs, got.logprobs):
+            assert torch.allclose(torch.tensor(lps_got), torch.tensor(lps_want), atol=1e-4)
+
+
 @pytest.mark.slow  # the Triton kernel runs interpreted on CPU (~1 s a step)
 @pytest.mark.parametrize("name", ["mistral", "gemma2"])
 def test_the_triton_decode_kernel_reads_only_a_sliding_window(name):

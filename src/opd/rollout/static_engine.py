@@ -171,9 +171,12 @@ def _mlp(h_RD, w_gu, b_gu, wd, bd, moe: tuple | None = None, gelu: bool = False)
     """The SiLU-gated (gelu: GELU-tanh-gated, Gemma's) MLP of one normed token per row: [R, D] → [R, D].
     moe = (router weight [E, D], top_k, norm_topk_prob): Qwen3-MoE's sparse block, w_gu [E, 2I, D] and wd [E, D, I]
     the experts' stacked weights; each row's top_k experts by router probability (float32 softmax), renormalised
-    when norm_topk_prob, each expert's output weighted and summed. Static shapes for the CUDA graph: each of the
-    top_k slots gathers its experts' weights per row (top_k · R · 3 · I · D weight elements read a step, as a grouped
-    GEMM would)."""
+    when norm_topk_prob, each expert's output weighted and summed. Static shapes for the CUDA graph: with fewer
+    (row, slot) pairs than experts each of the top_k slots gathers its experts' weights per row (top_k · R · 3 · I · D
+    weight elements copied); otherwise every expert runs over every row (E · 3 · I · D weights read once, E / top_k
+    times the FLOPs routing needs; on the H200 this took a 12-layer Qwen3-30B-A3B shape at 64 rows from 1,439 to
+    the tokens/s in docs/performance.md). A grouped GEMM would need neither.
+    """
     if moe is None:
         gate_RI, up_RI = _project(h_RD, w_gu, b_gu, [wd.shape[1], wd.shape[1]])
         gate_RI = F.gelu(gate_RI, approximate="tanh") if gelu else F.silu(gate_RI)
@@ -184,8 +187,17 @@ def _mlp(h_RD, w_gu, b_gu, wd, bd, moe: tuple | None = None, gelu: bool = False)
     if norm_topk:
         weight_RK = weight_RK / weight_RK.sum(dim=-1, keepdim=True)
     weight_RK = weight_RK.to(logits_RE.dtype)
-    x_RD1 = h_RD.to(w_gu.dtype)[:, :, None]
+    rows, experts = h_RD.shape[0], w_gu.shape[0]
     out_RD = torch.zeros_like(h_RD)
+    if top_k * rows >= experts:  # every expert once over all rows: fewer weight reads than the per-row gathers
+        gate_ERI, up_ERI = torch.matmul(h_RD.to(w_gu.dtype)[None], w_gu.transpose(1, 2)).chunk(2, dim=-1)
+        y_ERD = torch.matmul(F.silu(gate_ERI) * up_ERI, wd.transpose(1, 2))
+        rows_R = torch.arange(rows, device=h_RD.device)
+        for slot in range(top_k):
+            y_RD = y_ERD[expert_RK[:, slot], rows_R]
+            out_RD = out_RD + (y_RD * weight_RK[:, slot, None]).to(out_RD.dtype)
+        return out_RD
+    x_RD1 = h_RD.to(w_gu.dtype)[:, :, None]
     for slot in range(top_k):
         expert_R = expert_RK[:, slot]
         gate_RI, up_RI = torch.bmm(w_gu[expert_R], x_RD1).squeeze(-1).chunk(2, dim=-1)

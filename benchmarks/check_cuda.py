@@ -35,8 +35,14 @@ Checks (float32 with TF32 off unless the row says bf16; tolerances in the table)
                       families packing refuses (soft-capping, sinks) print SKIP with the reason
 - families_static[*]: per family the static engine accepts (compiled step, CUDA graphs), fp32 greedy against
                       `TorchGenerator`: rows differing 0, log-probs ≤ 1e-4; the others print SKIP with the reason
-- static_windows[*]:  sliding windows that bind (Mistral, Qwen2's per layer, Phi-3 with partial rotary) through the
-                      Triton kernel and SDPA, with refills, graphs and live-row buckets: as families_static
+- static_windows[*]:  sliding windows that bind (Mistral, Qwen2's per layer, Phi-3 with partial rotary, Gemma 2
+                      with a binding soft-cap, Gemma 3) through the Triton kernel and SDPA (matmul for Gemma 2),
+                      with refills, graphs and live-row buckets: as families_static
+- families_distill[*]: per family a 2-step `opd distill` on CUDA (student and teacher of the family, tests/helpers.py's
+                      tiny tokenizer, prompts of different lengths, rows ending at different lengths) with its
+                      defaults except compile=false (each family's layer compile would take most of a device session):
+                      both steps logged, loss and gradient norm finite (its startup lines name the attention and
+                      rollout engine chosen)
 """
 
 from __future__ import annotations
@@ -601,6 +607,52 @@ def static_windows():
             )
 
 
+@guarded
+def families_distill():
+    import math
+    import tempfile
+
+    from families import BUILDERS, RELEASED
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from helpers import make_tiny_tokenizer
+    from opd.config import DistillConfig, build_config
+    from opd.recipes.distill import distill
+
+    tokenizer = make_tiny_tokenizer()
+    root = Path(tempfile.mkdtemp(prefix="opd-families-distill-"))
+    prompts = root / "prompts.jsonl"
+    rows = [{"prompt": "x" * (3 + 7 * i) + f" {i}+{i}=", "answer": str(2 * i)} for i in range(8)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name, key in RELEASED.items():
+        for role, seed in (("student", 0), ("teacher", 1)):
+            torch.manual_seed(seed)
+            BUILDERS[key]().save_pretrained(root / key / role)
+            tokenizer.save_pretrained(root / key / role)
+        options = {
+            "student.path": str(root / key / "student"),
+            "teacher.path": str(root / key / "teacher"),
+            "data.path": str(prompts),
+            "data.answer_key": "answer",
+            "data.max_prompt_length": 96,
+            "prompts_per_step": 4,
+            "rollout.n": 4,
+            "rollout.max_new_tokens": 48,
+            "micro_batch_tokens": 4096,
+            "compile": False,
+            "run.out_dir": str(root / key / "runs"),
+            "run.name": "run",
+            "run.steps": 2,
+            "run.report": False,
+        }
+        distill(build_config(DistillConfig, options=options, overrides=[]))
+        steps = [json.loads(line) for line in (root / key / "runs" / "run" / "metrics.jsonl").read_text().splitlines()]
+        steps = [s for s in steps if "pg_loss" in s]
+        check(f"families_distill[{name}] steps missing of 2", 2 - len(steps), 0)
+        finite = all(math.isfinite(s["pg_loss"]) and math.isfinite(s["grad_norm"]) for s in steps)
+        check(f"families_distill[{name}] steps with a non-finite loss or gradient", float(not finite), 0)
+
+
 CHECKS = (
     static_greedy,
     decode_attention,
@@ -616,6 +668,7 @@ CHECKS = (
     families,
     families_static,
     static_windows,
+    families_distill,
 )
 
 

@@ -1204,9 +1204,8 @@ def test_resume_refuses_a_served_teacher_whose_weights_changed(tmp_path):
     token_file.write_text(TOKEN + "\n")
     changed = _one_weight_changed(teacher_path(), tmp_path / "teacher-b")
     port = free_port()
-    name = ["teacher.path=null", "teacher.device=auto", "teacher.dtype=auto"]
     with serve_dir(teacher_path(), port) as (url, _):
-        served = [*name, f"teacher.url={url}", f"teacher.token_file={token_file}"]
+        served = served_overrides(url, token_file)
         run_dir = distill(lab_config(tmp_path, "served", *served, steps=1))
     with serve_dir(changed, port):  # the same name too: only the weights tell them apart
         with pytest.raises(ValueError, match="fingerprint changed") as error:

@@ -104,15 +104,19 @@ def serve_process(tmp_path: Path, *extra: str, port: int | None = None, name: st
 
 
 @contextmanager
-def serve_in_thread(scorer, token: str | None = TOKEN, port: int = 0, **config):
-    """The same app and service in this process (for tests that must hold the scoring loop); always stopped."""
+def serve_in_thread(scorer, token: str | None = TOKEN, port: int = 0, files: Path | None = None, **config):
+    """The same app and service in this process (for tests that must hold the scoring loop); always stopped. `files`:
+    the model directory the scorer's weights were loaded from (default: the lab teacher's), whose fingerprint the
+    server gives, as `opd serve-teacher` gives its model's."""
+    from opd.eval.sampling import model_fingerprint
     from opd.recipes.serve_teacher import ServeConfig
     from opd.teacher.server import service_for
 
     model = scorer.model if hasattr(scorer, "model") else scorer.inner.model
     _, tokenizer = load_model(teacher_path(), dtype="fp32", device="cpu")
     cfg = ServeConfig(model=ModelSpec(path=str(teacher_path())), **config)
-    service = service_for(model, tokenizer, cfg, name=str(teacher_path()), device="cpu")
+    fingerprint = model_fingerprint(str(files or teacher_path()))
+    service = service_for(model, tokenizer, cfg, name=str(teacher_path()), device="cpu", fingerprint=fingerprint)
     service.scorer = scorer
     with server_in_thread(service, token, port) as url:
         yield url, service
@@ -1005,7 +1009,8 @@ def test_a_server_swapped_behind_the_url_stops_the_client_in_one_line(lab_teache
         remote.score(rollouts)
     with serve_in_thread(LocalScorer(lab_teacher[0], vocab_size=V), port=port):  # restarted, same weights: fine
         remote.score(rollouts)
-    with serve_in_thread(LocalScorer(student, vocab_size=V), port=port):  # same tokenizer, other weights
+    # same tokenizer, other weights
+    with serve_in_thread(LocalScorer(student, vocab_size=V), port=port, files=student_path()):
         with pytest.raises(TeacherRequestError, match="now serves other weights") as error:
             remote.score(rollouts)
         assert "\n" not in str(error.value)

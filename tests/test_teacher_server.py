@@ -104,15 +104,19 @@ def serve_process(tmp_path: Path, *extra: str, port: int | None = None, name: st
 
 
 @contextmanager
-def serve_in_thread(scorer, token: str | None = TOKEN, port: int = 0, **config):
-    """The same app and service in this process (for tests that must hold the scoring loop); always stopped."""
+def serve_in_thread(scorer, token: str | None = TOKEN, port: int = 0, files: Path | None = None, **config):
+    """The same app and service in this process (for tests that must hold the scoring loop); always stopped. `files`:
+    the model directory the scorer's weights were loaded from (default: the lab teacher's), whose fingerprint the
+    server gives, as `opd serve-teacher` gives its model's."""
+    from opd.eval.sampling import model_fingerprint
     from opd.recipes.serve_teacher import ServeConfig
     from opd.teacher.server import service_for
 
     model = scorer.model if hasattr(scorer, "model") else scorer.inner.model
     _, tokenizer = load_model(teacher_path(), dtype="fp32", device="cpu")
     cfg = ServeConfig(model=ModelSpec(path=str(teacher_path())), **config)
-    service = service_for(model, tokenizer, cfg, name=str(teacher_path()), device="cpu")
+    fingerprint = model_fingerprint(str(files or teacher_path()))
+    service = service_for(model, tokenizer, cfg, name=str(teacher_path()), device="cpu", fingerprint=fingerprint)
     service.scorer = scorer
     with server_in_thread(service, token, port) as url:
         yield url, service
@@ -1005,7 +1009,8 @@ def test_a_server_swapped_behind_the_url_stops_the_client_in_one_line(lab_teache
         remote.score(rollouts)
     with serve_in_thread(LocalScorer(lab_teacher[0], vocab_size=V), port=port):  # restarted, same weights: fine
         remote.score(rollouts)
-    with serve_in_thread(LocalScorer(student, vocab_size=V), port=port):  # same tokenizer, other weights
+    # same tokenizer, other weights
+    with serve_in_thread(LocalScorer(student, vocab_size=V), port=port, files=student_path()):
         with pytest.raises(TeacherRequestError, match="now serves other weights") as error:
             remote.score(rollouts)
         assert "\n" not in str(error.value)
@@ -1119,3 +1124,96 @@ def test_startup_check_of_served_scores_passes_a_server_and_stops_one_that_drops
             distill(config)
         assert "\n" not in str(stopped.value)
         assert not list(tmp_path.glob("blind*/checkpoints/*"))  # stopped before the first step
+
+
+# ------------------------------------------------------------------------------------------------ weights identity
+
+
+def _one_weight_changed(source: Path, target: Path) -> Path:
+    """A copy of the model directory `source` whose largest weight differs in one element (not the first of its
+    tensor, nor one a strided sample of it would read): same tokenizer, same config, other weights."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(source, target)
+    weights = load_file(str(target / "model.safetensors"))
+    name = max(weights, key=lambda k: weights[k].numel())
+    assert weights[name].numel() > 2048
+    weights[name].view(-1)[1] += 1.0
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+@contextmanager
+def serve_dir(path: Path, port: int, name: str = "teacher"):
+    """`opd serve-teacher --name NAME`'s service for the model directory `path` (loaded as the program loads it), on
+    a loopback thread of this process; yields (url, service)."""
+    from opd.recipes.serve_teacher import ServeConfig, load_service
+
+    spec = ModelSpec(path=str(path), device="cpu", dtype="fp32")
+    config = ServeConfig(model=spec, name=name, compile=False, port=port)
+    service = load_service(config)
+    with server_in_thread(service, TOKEN, port) as url:
+        yield url, service
+
+
+def test_the_served_fingerprint_hashes_every_weight_and_the_client_notices_a_swap(tmp_path):
+    """Two tiny models of one tokenizer and config, one weight apart: `opd serve-teacher` gives them different
+    fingerprints (the local teacher's whole-file one), and a client whose server was restarted on the other one
+    between two batches stops in one line; restarted on the same files, it goes on."""
+    from helpers import make_tiny_model
+    from opd.eval.sampling import model_fingerprint
+
+    first = tmp_path / "a"
+    make_tiny_model(seed=3).save_pretrained(first)
+    make_tiny_tokenizer().save_pretrained(first)
+    second = _one_weight_changed(first, tmp_path / "b")
+    assert (first / "config.json").read_bytes() == (second / "config.json").read_bytes()
+
+    port, rollouts = free_port(), random_rollouts(5, 2)
+    with serve_dir(first, port) as (url, service):
+        fingerprint_a = service.info["model_fingerprint"]
+        remote = RemoteScorer(url, token=TOKEN)
+        assert remote.info["model_fingerprint"] == fingerprint_a == model_fingerprint(str(first))
+        remote.score(rollouts)
+    with serve_dir(first, port):  # restarted on the same files: the same teacher
+        remote.score(rollouts)
+    with serve_dir(second, port) as (_, service):
+        assert service.info["model_fingerprint"] == model_fingerprint(str(second)) != fingerprint_a
+        with pytest.raises(TeacherRequestError, match="now serves other weights") as error:
+            remote.score(rollouts)
+        assert "\n" not in str(error.value) and fingerprint_a in str(error.value)
+    remote.close()
+
+
+def test_replicas_serving_other_weights_are_refused(tmp_path):
+    from helpers import make_tiny_model
+
+    first = tmp_path / "a"
+    make_tiny_model(seed=3).save_pretrained(first)
+    make_tiny_tokenizer().save_pretrained(first)
+    second = _one_weight_changed(first, tmp_path / "b")
+    with serve_dir(first, 0) as (url_a, _), serve_dir(second, 0) as (url_b, _):
+        with pytest.raises(TeacherRequestError, match="model_fingerprint") as error:
+            RemoteScorer([url_a, url_b], token=TOKEN, retry_deadline=5)
+        assert "\n" not in str(error.value)
+
+
+def test_resume_refuses_a_served_teacher_whose_weights_changed(tmp_path):
+    """`opd distill --resume` with teacher.url: the checkpoint records the served teacher's weights fingerprint; a
+    server on the same port, model name, tokenizer and config but other weights is refused in one line."""
+    from opd.recipes.distill import distill
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    changed = _one_weight_changed(teacher_path(), tmp_path / "teacher-b")
+    port = free_port()
+    with serve_dir(teacher_path(), port) as (url, _):
+        served = served_overrides(url, token_file)
+        run_dir = distill(lab_config(tmp_path, "served", *served, steps=1))
+    with serve_dir(changed, port):  # the same name too: only the weights tell them apart
+        with pytest.raises(ValueError, match="fingerprint changed") as error:
+            distill(lab_config(tmp_path, "served", *served, "run.resume=true", steps=2))
+        assert "\n" not in str(error.value)
+    assert run_dir.is_dir()

@@ -13,6 +13,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -129,6 +130,47 @@ def read_jsonl_objects(path: str | Path, *, skip_partial_last_line: bool = True)
             raise ValueError(f"{path}:{number}: not a JSON object but {_kind(record)}")
         records.append((number, record))
     return records
+
+
+MAX_STEP = 10**12  # a step number beyond any run: a damaged line or file name, never a step
+_STEP_NAME = re.compile(r"^step_(\d+)$")
+
+
+def checked_step(value: object, where: str) -> int:
+    """`value` as a step number (an integer 0 … MAX_STEP; an integral float as written by other tools), else a
+    ValueError naming `where` (a file, a file and line)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= MAX_STEP:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STEP:
+        raise ValueError(f"{where}: step {value!r} is not a step number (an integer 0 … {MAX_STEP})")
+    return value
+
+
+def read_step_records(path: str | Path) -> list[tuple[int, dict]]:
+    """(line number, record) of a per-step log (`metrics.jsonl`): `read_jsonl_objects`, and every record's "step"
+    a step number (made an int), else a ValueError naming the file and line. What `opd report` plots and what
+    `--resume` keeps are read by this one function."""
+    path = Path(path)
+    records = read_jsonl_objects(path)
+    for number, record in records:
+        record["step"] = checked_step(record.get("step"), f"{path}:{number}")
+    return records
+
+
+def name_step(path: str | Path) -> int | None:
+    """The step of a run file or directory named `step_<N>` (a checkpoint, samples/step_N.jsonl, eval/step_N); None
+    for another name; a step beyond any run (damage, or not ours) is a ValueError naming the path."""
+    path = Path(path)
+    match = _STEP_NAME.match(path.stem if path.suffix in (".json", ".jsonl") else path.name)
+    if match is None:
+        return None
+    digits = match.group(1)
+    if len(digits) > len(str(MAX_STEP)) or int(digits) > MAX_STEP:
+        raise ValueError(
+            f"{path}: step {digits} is not a step number (an integer 0 … {MAX_STEP}); a damaged or foreign "
+            f"file: move it out of the run directory"
+        )
+    return int(digits)
 
 
 def read_json_object(path: str | Path) -> dict:

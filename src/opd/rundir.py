@@ -27,7 +27,15 @@ import yaml
 from pydantic import BaseModel
 
 from opd.config import RunSpec, flatten_dotted, save_config
-from opd.io import LOCK_FILE, DirectoryLock, atomic_write_text, pid_alive, read_manifest, read_yaml_mapping
+from opd.io import (
+    LOCK_FILE,
+    DirectoryLock,
+    atomic_write_text,
+    name_step,
+    pid_alive,
+    read_manifest,
+    read_yaml_mapping,
+)
 from opd.report.sinks import MetricsSink
 
 _TRAINING = (
@@ -197,17 +205,22 @@ def resume_checkpoint(
     a warning. With `config`, the saved config.yaml is compared first (`check_resumed_config`)."""
     if not run.resume:
         return None
-    checkpoint = latest_checkpoint(
-        run_dir, hashes=True, warn=lambda line: console.print(f"[yellow]warning: {line}[/]", soft_wrap=True)
-    )
+    skipped: list[str] = []
+
+    def warn(line: str) -> None:
+        skipped.append(line)
+        console.print(f"[yellow]warning: {line}[/]", soft_wrap=True)
+
+    checkpoint = latest_checkpoint(run_dir, hashes=True, warn=warn)
     if checkpoint is None:
         # what a restart from step 0 would rewrite; other entries (the demo's before-training evals) are no run
         held = sorted(p.name for p in run_dir.iterdir() if p.name in _RUN_RECORDS) if run_dir.is_dir() else []
         if held:
+            newest = f" (the newest: {skipped[0].split('; falling back')[0]})" if skipped else ""
             raise RunDirectoryError(
                 f"--resume: {run_dir} holds a run ({', '.join(held[:3])}{', …' if len(held) > 3 else ''}) but no "
-                f"checkpoint that verifies; nothing was changed. Start another run.name, or set run.overwrite=true "
-                f"(without --resume) to move it aside and start anew"
+                f"checkpoint that verifies{newest}; nothing was changed. Start another run.name, or set "
+                f"run.overwrite=true (without --resume) to move it aside and start anew"
             )
         console.print(f"[yellow]run.resume: {run_dir} holds no run yet; starting from scratch[/]", soft_wrap=True)
     elif config is not None:
@@ -280,6 +293,9 @@ def open_run(config: BaseModel, run_dir: Path, run: RunSpec, *, resume_step: int
     as `config.step_<resume_step>.yaml` (the settings of the steps up to there)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume_step is not None:
+        from opd.report.report import check_run_files
+
+        check_run_files(run_dir)  # damage read back at the end (the report) is one line now, nothing changed yet
         keep_config_history(config, run_dir, resume_step)
     save_config(config, run_dir)
     return MetricsSink(
@@ -332,7 +348,6 @@ def check_same_work(
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "MANIFEST.json"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 _TEMP_DIR = re.compile(r"^\.(tmp|old)-step_\d+-(\d+)$")
 
 
@@ -387,9 +402,11 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
         return []
     found = []
     for path in root.iterdir():
-        match = _STEP_DIR.match(path.name)
-        if match and ((path / MANIFEST).is_file() or ((path / COMPLETE).exists() and (path / STATE_FILE).exists())):
-            found.append((int(match.group(1)), path))
+        step = name_step(path)  # step_<N>; an absurd N is one line naming the directory
+        if step is not None and (
+            (path / MANIFEST).is_file() or ((path / COMPLETE).exists() and (path / STATE_FILE).exists())
+        ):
+            found.append((step, path))
     return [path for _, path in sorted(found)]
 
 
@@ -401,7 +418,7 @@ def latest_checkpoint(
     warn = warn or (lambda line: print(f"warning: {line}", file=sys.stderr))
     root = Path(run_dir) / "checkpoints"
     steps = (
-        sorted(((checkpoint_step(p), p) for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True)
+        sorted(((step, p) for p in root.iterdir() if (step := name_step(p)) is not None), reverse=True)
         if root.is_dir()
         else []
     )
@@ -433,7 +450,10 @@ def remove_stale_temps(run_dir: str | Path, note: Callable[[str], None] | None =
 
 
 def checkpoint_step(path: Path) -> int:
-    return int(_STEP_DIR.match(path.name).group(1))
+    step = name_step(path)
+    if step is None:
+        raise ValueError(f"{path}: not a checkpoint directory (step_<N>)")
+    return step
 
 
 def file_sha256(path: Path) -> str:

@@ -824,7 +824,7 @@ def _placement(entry: Any) -> str:
 
 def teacher_manifest(teachers: list[RoutedTeacher]) -> list[dict]:
     """What a checkpoint records of its teachers: name, model (path or url, and a fingerprint: the local files'
-    hash, or a served teacher's /info), route, temperature."""
+    hash, or a served teacher's /info, whose model_fingerprint hashes the files it serves), route, temperature."""
     out = []
     for routed in teachers:
         entry = routed.entry
@@ -832,7 +832,7 @@ def teacher_manifest(teachers: list[RoutedTeacher]) -> list[dict]:
         if entry.path == STUDENT:  # no files of its own: the student's weights at every step
             fingerprint = "student (live)"
         elif resolve_scorer(entry) == "served" and isinstance(info, dict):
-            keys = ("model", "vocab_hash", "chat_template_hash", "vocab_size", "dtype")
+            keys = ("model", "model_fingerprint", "vocab_hash", "chat_template_hash", "vocab_size", "dtype")
             fingerprint = "/info " + ",".join(f"{k}={info[k]}" for k in keys if k in info)
         else:
             fingerprint = model_fingerprint(str(entry.path)) or str(entry.path)

@@ -25,7 +25,14 @@ import torch
 from rich.console import Console
 
 from opd.config import DataSpec, EvalConfig, ModelSpec, build_config
-from opd.io import atomic_write_json, atomic_write_text, read_jsonl
+from opd.io import (
+    atomic_write_json,
+    atomic_write_text,
+    read_json_object,
+    read_jsonl,
+    read_jsonl_objects,
+    read_step_records,
+)
 from opd.lab import (
     SFT_SET,
     TEST_SET,
@@ -473,13 +480,17 @@ def _window_mean(rows: list[dict], key: str, first: bool, width: int = 10) -> fl
 
 def summarize_run(run_dir: Path, steps: int) -> dict[str, Any]:
     """Final test accuracy (the trainer's end-of-run eval) and first/last-10-step means of the tracked metrics."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    results = json.loads((run_dir / "eval" / f"step_{steps}" / "results.json").read_text())["benchmarks"]
+    # read back as `opd report` reads them (a variant finished by an earlier `opd lab run`): damage is one line
+    rows = [record for _, record in read_step_records(run_dir / "metrics.jsonl")]
+    path = run_dir / "eval" / f"step_{steps}" / "results.json"
+    results = read_json_object(path).get("benchmarks")
+    if not isinstance(results, dict) or len(results) != 1 or not isinstance(next(iter(results.values())), dict):
+        raise ValueError(f'{path}: not the results of one benchmark ({{metric: value}} under "benchmarks")')
     (summary,) = results.values()
     out: dict[str, Any] = {"test_accuracy": next(v for k, v in summary.items() if k.startswith("avg@"))}
     samples = run_dir / "eval" / f"step_{steps}" / "samples.jsonl"
     if samples.is_file():  # which solution style the final student writes (the `style` experiment's question)
-        styles = [style_of(json.loads(line)["response"]) for line in samples.read_text().splitlines() if line.strip()]
+        styles = [style_of(str(record.get("response", ""))) for _, record in read_jsonl_objects(samples)]
         out["rewrite_share"] = styles.count("rewrite") / max(1, len(styles))
     for key in TRACKED:
         out[f"{key}_first10"] = _window_mean(rows, key, True)

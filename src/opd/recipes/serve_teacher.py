@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from opd.config import ConfigError, ModelSpec
+from opd.eval.sampling import model_fingerprint
 from opd.forward import uses_packing
 from opd.models import compile_layers, load_model, resolve_device, warm_up_layouts
 from opd.rollout.batch import random_rollouts
@@ -90,7 +91,12 @@ def load_service(config: ServeConfig) -> TeacherService:
     model.requires_grad_(False)
     device = "device_map" if config.device_map else str(resolve_device(spec.device))
     compiled = compile_layers(model, False if config.device_map else config.compile)
-    service = service_for(model, tokenizer, config, name=config.name or spec.path, device=device)
+    # every byte of the model's files (hashed as a local teacher's are), so that a server restarted on another
+    # checkpoint with the same tokenizer and config answers with another fingerprint
+    fingerprint = model_fingerprint(spec.path)
+    service = service_for(
+        model, tokenizer, config, name=config.name or spec.path, device=device, fingerprint=fingerprint
+    )
     if compiled:  # every layout a merged batch can have, compiled before the first request waits for it
         packed = config.forward_tokens if uses_packing(model) else None
         layouts = warm_up_layouts(max(1, min(service.max_positions, config.forward_tokens) - 8), packed)

@@ -23,12 +23,11 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from opd.io import atomic_path, read_json_object, read_jsonl_objects
+from opd.io import atomic_path, name_step, read_json_object, read_step_records
 
 DPI = 80  # small PNGs: the report embeds every one of them (sizes in docs/performance.md)
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 LINESTYLES = ["-", "--", ":", "-."]
-MAX_STEP = 10**12  # a step number beyond any run: a damaged line, not a point to plot
 SENTINEL = 1e300  # the metrics sink writes ±inf as ±1e308; such points are dropped, not plotted
 CHUNK_RE = re.compile(r"^(.+)/chunk_(\d+)$")
 EVAL_RE = re.compile(r"^eval/(.+)/([^/]+)$")
@@ -58,15 +57,10 @@ def load_series(run_dir: str | Path) -> Series:
     `metrics.jsonl` lacks."""
     points: dict[str, dict[int, float]] = {}
     path = Path(run_dir) / "metrics.jsonl"
-    for number, record in read_jsonl_objects(path):
-        step = record.get("step")
-        if isinstance(step, float) and step.is_integer() and abs(step) <= MAX_STEP:
-            step = int(step)
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
-            raise ValueError(f"{path}:{number}: step {step!r} is not a step number (an integer 0 … {MAX_STEP})")
+    for _, record in read_step_records(path):  # a line that is not an object with a step number: one line
         for key, value in record.items():
             if key != "step" and _is_number(value):
-                points.setdefault(key, {})[int(step)] = float(value)
+                points.setdefault(key, {})[record["step"]] = float(value)
     for step, flat in _eval_results(Path(run_dir)):
         for key, value in flat.items():
             points.setdefault(key, {}).setdefault(step, value)
@@ -93,10 +87,10 @@ def _eval_results(run_dir: Path) -> list[tuple[int, dict[str, float]]]:
     trainers evaluated at step 0)."""
     out = []
     for path in sorted(run_dir.glob("eval/step_*/results.json")) + sorted(run_dir.glob("eval/step_*.json")):
-        match = re.match(r"step_(\d+)", path.parent.name if path.name == "results.json" else path.stem)
+        step = name_step(path.parent if path.name == "results.json" else path)  # absurd: one line naming it
         flat = _results_file(path)
-        if match and flat:
-            out.append((int(match.group(1)), flat))
+        if step is not None and flat:
+            out.append((step, flat))
     if not any(step == 0 for step, _ in out):
         before = _results_file(run_dir / "eval" / "student_before" / "results.json")
         if before:

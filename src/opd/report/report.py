@@ -17,12 +17,11 @@ from __future__ import annotations
 import base64
 import html
 import json
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from opd.io import atomic_write_text, read_json_object, read_jsonl_objects, read_yaml_mapping
+from opd.io import atomic_write_text, name_step, read_json_object, read_jsonl_objects, read_yaml_mapping
 from opd.report.plots import EVAL_RE, Plot, RunSeries, Series, load_references, load_series, render_plots
 
 # rows of the final-numbers table after the eval metrics, in this order, when any run logged them
@@ -120,6 +119,16 @@ def load_run(run_dir: Path, name: str) -> RunData:
     )
 
 
+def check_run_files(run_dir: Path) -> None:
+    """Read what the end-of-run report reads back and a resumed run keeps (metrics.jsonl, eval results, the newest
+    samples, config.yaml): damage is a one-line ValueError naming the file now, before a `--resume` does its work,
+    not after it. (teachers.json is left out: the run rewrites it before the report.)"""
+    load_series(run_dir)
+    load_references(run_dir)
+    _newest_samples(run_dir)
+    _read_config(run_dir / "config.yaml")
+
+
 def _read_teachers(path: Path) -> list[dict] | None:
     """The rows of `teachers.json` (opd distill's routing table); None when the run has none. Written atomically,
     so another shape is damaged or not ours: a ValueError naming it."""
@@ -132,15 +141,14 @@ def _read_teachers(path: Path) -> list[dict] | None:
 
 
 def _read_config(path: Path) -> tuple[str | None, dict | None]:
-    if not path.is_file():
+    if not path.exists():  # a directory in its place is damage (one line naming it), not a run without a config
         return None, None
     return read_yaml_mapping(path)  # unparsable or not a mapping: one line naming the file
 
 
 def _newest_samples(run_dir: Path) -> tuple[int | None, list[dict]]:
-    files = {
-        int(m.group(1)): p for p in run_dir.glob("samples/step_*.jsonl") if (m := re.match(r"step_(\d+)$", p.stem))
-    }
+    steps = {p: name_step(p) for p in run_dir.glob("samples/step_*.jsonl")}  # an absurd step: one line naming it
+    files = {step: p for p, step in steps.items() if step is not None}
     if not files:
         return None, []
     step = max(files)

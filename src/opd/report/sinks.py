@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from opd.io import append_jsonl, read_jsonl, repair_jsonl, write_jsonl
+from opd.io import append_jsonl, read_step_records, repair_jsonl, write_jsonl
 
 
 class MetricsSink:
@@ -26,7 +26,8 @@ class MetricsSink:
         repair_jsonl(self.path)
         if resume_step is not None and self.path.exists():
             # drop lines of steps after the checkpoint we resume from: they will be recomputed
-            kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= resume_step]
+            # (every line an object with a step number, else one line naming the file: damage is never kept)
+            kept = [r for _, r in read_step_records(self.path) if r["step"] <= resume_step]
             write_jsonl(self.path, kept)
         elif resume_step is None and self.path.exists():
             self.path.unlink()

@@ -35,7 +35,8 @@ from opd.types import Rollouts, TokenScores
 
 BACKOFF_START, BACKOFF_MAX = 0.5, 10.0
 _TRANSIENT_STATUS = (502, 503, 504)
-_IDENTITY = ("model", "vocab_hash", "vocab_size", "vocab_rows", "dtype")  # what must not change across a restart
+# what must not change across a restart, and what replicas of one teacher share (model_fingerprint: its weights)
+_IDENTITY = ("model", "model_fingerprint", "vocab_hash", "vocab_size", "vocab_rows", "dtype")
 
 
 class TeacherRequestError(ValueError):

@@ -15,7 +15,6 @@ a server-side cache between requests (a request is stateless, so replicas balanc
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import ipaddress
 import logging
@@ -44,7 +43,7 @@ log = logging.getLogger("opd.teacher.server")
 TOKEN_ENV = "OPD_TEACHER_TOKEN"
 MIN_TOKEN_LENGTH = 16
 INSTANCE_HEADER = "x-opd-teacher-instance"  # this server process: a random nonce drawn at start
-FINGERPRINT_HEADER = "x-opd-teacher-fingerprint"  # the weights it serves (`model_fingerprint`)
+FINGERPRINT_HEADER = "x-opd-teacher-fingerprint"  # the weights it serves (/info's `model_fingerprint`)
 
 
 class ServeLimits(Section):
@@ -655,9 +654,20 @@ class BearerAuth:
 
 
 def service_for(
-    model: torch.nn.Module, tokenizer: Any, config: ServeLimits, *, name: str, device: str = ""
+    model: torch.nn.Module,
+    tokenizer: Any,
+    config: ServeLimits,
+    *,
+    name: str,
+    device: str = "",
+    fingerprint: str | None = None,
 ) -> TeacherService:
-    """A `TeacherService` over an already loaded model and its tokenizer (the benchmark serves random weights)."""
+    """A `TeacherService` over an already loaded model and its tokenizer (the benchmark serves random weights).
+    `fingerprint`: what identifies the weights served (`opd serve-teacher` gives its model directory's, every byte
+    of every file: `opd.eval.sampling.model_fingerprint`); None: the hash of every byte of the weights in memory
+    (`weights_fingerprint`). Every response carries it, so a client notices a server restarted on other weights."""
+    from opd.eval.sampling import weights_fingerprint
+
     rows = model.get_output_embeddings().weight.shape[0]
     vocab = check_tokenizer_compatibility(tokenizer, tokenizer, student_vocab_size=rows, teacher_vocab_size=rows)
     # ids beyond the tokenizer are embedding padding rows: never a top-k candidate (SPEC §1), as in load_teacher
@@ -669,28 +679,12 @@ def service_for(
         **wire.tokenizer_fingerprints(tokenizer),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "device": device or str(next(model.parameters()).device),
-        "model_fingerprint": model_fingerprint(model),
+        "model_fingerprint": fingerprint or weights_fingerprint(model),
     }
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     return TeacherService(
         scorer, info, tokenizer.get_vocab(), config, context=context if isinstance(context, int) else None
     )
-
-
-def model_fingerprint(model: torch.nn.Module, samples: int = 1024) -> str:
-    """A hash of the served weights: every tensor's name, shape and dtype and the bytes of up to `samples` evenly
-    strided elements of it (a read of a few MB, however large the model). Two different models of one
-    architecture differ in it; the same checkpoint loaded again (same dtype) gives the same one on any device."""
-    digest = hashlib.sha256()
-    with torch.no_grad():
-        for name, tensor in sorted(model.state_dict().items()):
-            flat = tensor.detach().reshape(-1)
-            picked = flat[:: max(1, flat.numel() // samples)][:samples].to("cpu").contiguous()
-            if picked.dtype == torch.bfloat16:
-                picked = picked.view(torch.int16)
-            digest.update(f"{name}:{list(tensor.shape)}:{tensor.dtype}:".encode())
-            digest.update(picked.numpy().tobytes())
-    return digest.hexdigest()[:32]
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from opd.io import give_umask_modes
+from opd.io import checked_step, give_umask_modes, name_step
 from opd.rundir import (  # the checkpoint directories on disk: names, manifest, verification, listing
     COMPLETE,
     MANIFEST,
@@ -129,9 +129,28 @@ def save_checkpoint(
     return final
 
 
+_STATE_KEYS = ("step", "rng", "optimizer", "scheduler", "sampler")  # what every trainer saves and restores
+
+
 def load_trainer_state(checkpoint: str | Path) -> dict:
-    """The trainer state of a checkpoint; RNG states are restored by the caller with `set_rng_state`."""
-    return torch.load(Path(checkpoint) / STATE_FILE, map_location="cpu", weights_only=False)
+    """The trainer state of a checkpoint; RNG states are restored by the caller with `set_rng_state`. A file that
+    does not load, is not a trainer state, or names another step than its directory is a ValueError naming it (its
+    manifest can agree with damage written before it: a copy, a disk that lies)."""
+    path = Path(checkpoint) / STATE_FILE
+    advice = f"the checkpoint is damaged: move {checkpoint} out of the run directory to resume from an earlier one"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except OSError:
+        raise
+    except Exception as error:  # pickle, zip and torch errors alike: the bytes are not a state torch.save wrote
+        raise ValueError(f"{path}: not loadable ({type(error).__name__}: {str(error)[:120]}); {advice}") from None
+    missing = [key for key in _STATE_KEYS if key not in state] if isinstance(state, dict) else list(_STATE_KEYS)
+    if missing:
+        raise ValueError(f"{path}: not a trainer state (no {', '.join(missing)}); {advice}")
+    step = checked_step(state["step"], str(path))
+    if step != name_step(Path(checkpoint)):
+        raise ValueError(f"{path}: says step {step}, its directory is {Path(checkpoint).name}; {advice}")
+    return state
 
 
 # -------------------------------------------------------------------------------------------------- helpers

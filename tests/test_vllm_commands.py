@@ -65,8 +65,12 @@ def test_distill_step_leaves_the_engine_equal_to_the_trained_student(tmp_path):
     from opd.train.step import opd_step
 
     config = _lab_config(tmp_path, "one-step", "rollout.engine=vllm", "eval.benchmarks=[]", "run.steps=1")
-    tr = setup(config, tmp_path / "one-step", console=string_console())
+    console = string_console()
+    tr = setup(config, tmp_path / "one-step", console=console)
     assert isinstance(tr.generator, VLLMGenerator)
+    # the startup row that compares the engine's log-probs with the scorer's ran on vLLM's own tokens, and passed
+    (row,) = [line for line in console.file.getvalue().splitlines() if "generation_scoring" in line]
+    assert "pass" in row
     before = {k: v.clone() for k, v in tr.student.state_dict().items()}
     metrics = opd_step(tr)
     assert any(not torch.equal(before[k], v) for k, v in tr.student.state_dict().items())  # the step changed weights

@@ -92,7 +92,7 @@ def preflight(
                 pad_id=student_tokenizer.pad_token_id,
             )
         )
-    if "generation_scoring" not in skip and config.rollout.engine != "vllm":  # vLLM: not checked here (yet)
+    if "generation_scoring" not in skip:
         device = next(student.parameters()).device
         with autocast(device, autocast_dtype):
             report.results.append(

@@ -40,7 +40,7 @@ Checks (float32 with TF32 off unless the row says bf16; tolerances in the table)
                       with refills, graphs and live-row buckets: as families_static
 - families_distill[*]: per family a 2-step `opd distill` on CUDA (student and teacher of the family, tests/helpers.py's
                       tiny tokenizer, prompts of different lengths, rows ending at different lengths) with its
-                      defaults except compile=false (each family's layer compile would take most of a device session):
+                      defaults except compile=false unless --compile-layers (then its warm-up compiles per family):
                       both steps logged, loss and gradient norm finite (its startup lines name the attention and
                       rollout engine chosen)
 """
@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import build_model
 
 ROWS: list[dict] = []
+COMPILE_LAYERS = False  # families_distill's `compile` (--compile-layers: the default on CUDA, a compile per family)
 
 
 def check(name: str, value: float, tol: float, note: str = "") -> None:
@@ -639,7 +640,7 @@ def families_distill():
             "rollout.n": 4,
             "rollout.max_new_tokens": 48,
             "micro_batch_tokens": 4096,
-            "compile": False,
+            "compile": COMPILE_LAYERS,
             "run.out_dir": str(root / key / "runs"),
             "run.name": "run",
             "run.steps": 2,
@@ -676,7 +677,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/benchmarks/check_cuda.json")
     parser.add_argument("--only", default=None, help="comma-separated check names (default: all)")
+    parser.add_argument("--compile-layers", action="store_true", help="families_distill with compiled layers")
     args = parser.parse_args(argv)
+    global COMPILE_LAYERS
+    COMPILE_LAYERS = args.compile_layers
     if not torch.cuda.is_available():
         raise SystemExit("check_cuda.py needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = False

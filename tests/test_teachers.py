@@ -460,3 +460,34 @@ def test_prompts_score_refuses_the_student_as_its_teacher(world, tmp_path, monke
     code, stderr, _ = run_in_process(argv, monkeypatch, capfd)
     assert f"teacher.path: {path}" in one_line(code, stderr), stderr
     assert not (tmp_path / "s.jsonl").exists()
+
+
+def test_in_run_eval_is_split_by_the_teacher_routes(world, routed_world, tmp_path):
+    """With several teachers, each benchmark the routes place whole also logs eval/teacher/<name>/<bench>/<metric>
+    over the problems routed to each; the split recombines to the whole. A benchmark the routes cannot place (no
+    data_source: the world's own prompts) keeps its overall metrics only."""
+    bench = routed_world / "prompts.jsonl"
+    unrouted = shutil.copy(world / "prompts.jsonl", tmp_path / "unrouted.jsonl")
+    run_dir = distill(
+        _config(
+            world,
+            routed_world,
+            tmp_path,
+            f"eval.benchmarks=[{bench},{unrouted}]",
+            "eval.prompt_key=prompt",
+            "eval.answer_key=answer",
+            "eval.n=2",
+            "eval.temperature=1.0",
+            "eval.max_new_tokens=6",
+            "run.eval_every=1",
+            teachers=_split(routed_world),
+            steps=1,
+        )
+    )
+    logged = {k: v for m in read_jsonl(run_dir / "metrics.jsonl") for k, v in m.items() if k.startswith("eval/")}
+    split = {k for k in logged if k.startswith("eval/teacher/")}
+    assert {k.split("/")[2] for k in split} == {"a", "b"} and {k.split("/")[3] for k in split} == {"prompts"}
+    assert "eval/unrouted/avg@2" in logged
+    for metric in ("avg@2", "mean_response_tokens"):  # three problems each: the halves average to the whole
+        halves = [logged[f"eval/teacher/{t}/prompts/{metric}"] for t in "ab"]
+        assert sum(halves) / 2 == pytest.approx(logged[f"eval/prompts/{metric}"])

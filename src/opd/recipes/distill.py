@@ -195,6 +195,7 @@ def run_eval(tr: Trainer, console: Any) -> dict | None:
         sink=tr.sink,
         console=console,
         model=tr.student,  # the weights evaluated identify the eval, not cfg.student.path
+        teachers=cfg.teacher_entries(),  # several: per-teacher results on the benchmarks their routes place
     )
 
 

@@ -20,10 +20,12 @@ import torch
 from opd.config import EvalConfig, EvalSpec, ModelSpec, OptimSpec, RunSpec
 from opd.data.templates import encode_prompts
 from opd.eval.benchmarks import load_benchmark
-from opd.eval.sampling import evaluate_model, weights_fingerprint
+from opd.eval.sampling import evaluate_model, summarize_records, weights_fingerprint
+from opd.io import read_jsonl
 from opd.models import resolve_dtype
 from opd.report import write_report
 from opd.rundir import RunDirectoryError
+from opd.teacher.registry import route_prompts
 from opd.train.checkpoint import load_trainer_state, set_rng_state
 from opd.train.optim import apply_optim_settings
 
@@ -177,10 +179,13 @@ def evaluate_in_training(
     sink: Any,
     console: Any,
     model: Any = None,
+    teachers: Sequence[Any] = (),
 ) -> dict | None:
     """Run `opd eval` on the model in memory into `run_dir/eval/step_N/` and log `eval/<bench>/<metric>` at `step`.
     `model`: the module whose weights `generator` samples with; its `weights_fingerprint` identifies the eval (not
-    `model_path`, the weights training started from). None when `spec.benchmarks` is empty."""
+    `model_path`, the weights training started from). None when `spec.benchmarks` is empty.
+    `teachers`: with several, the run's teacher entries: each benchmark whose every problem their routes place
+    (`route_prompts`) also logs `eval/teacher/<name>/<bench>/<metric>` over the problems routed to each teacher."""
     if not spec.benchmarks:
         return None
 
@@ -212,8 +217,33 @@ def evaluate_in_training(
         for key, value in summary.items()
         if isinstance(value, (int, float))
     }
+    if len(teachers) > 1:
+        flat.update(_per_teacher_results(eval_config, Path(eval_config.out), teachers, console))
     sink.log(step, flat)
     return results
+
+
+def _per_teacher_results(config: EvalConfig, out: Path, teachers: Sequence[Any], console: Any) -> dict[str, float]:
+    """`eval/teacher/<name>/<bench>/<metric>`: each benchmark's samples (`out/samples.jsonl`) split by the teacher
+    whose route takes each problem. A benchmark the routes do not place whole (no `data_source` or route column, say)
+    is skipped with one line: a split of part of it would read as the whole."""
+    records = read_jsonl(out / "samples.jsonl")
+    flat: dict[str, float] = {}
+    for benchmark in config.benchmarks:
+        name = Path(benchmark).stem if Path(benchmark).suffix else benchmark
+        prompts = load_benchmark(benchmark, prompt_key=config.prompt_key, answer_key=config.answer_key)
+        try:
+            owners = route_prompts(prompts[: config.limit] if config.limit else prompts, list(teachers))
+        except ValueError as error:
+            console.print(f"[yellow]eval {name}: no per-teacher split ({error})[/]")
+            continue
+        teacher_of = {str(p.id): teachers[i].name for p, i in zip(prompts, owners)}
+        for teacher in dict.fromkeys(teacher_of.values()):
+            mine = [r for r in records if r["benchmark"] == name and teacher_of.get(str(r["problem_id"])) == teacher]
+            for key, value in summarize_records(mine).get(name, {}).items():
+                if isinstance(value, (int, float)):
+                    flat[f"eval/teacher/{teacher}/{name}/{key}"] = value
+    return flat
 
 
 def finish_run(run_dir: Path, sink: Any, *, report: bool, console: Any) -> None:

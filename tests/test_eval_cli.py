@@ -479,7 +479,7 @@ def test_model_fingerprint_hashes_each_file_once_per_process(tiny_model_dir, mon
     import os
     import time
 
-    from opd.eval import sampling
+    from opd import fingerprints as sampling
 
     old = time.time_ns() - 10 * 10**9  # older than the racy window
     for file in tiny_model_dir.iterdir():

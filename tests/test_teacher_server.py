@@ -108,7 +108,7 @@ def serve_in_thread(scorer, token: str | None = TOKEN, port: int = 0, files: Pat
     """The same app and service in this process (for tests that must hold the scoring loop); always stopped. `files`:
     the model directory the scorer's weights were loaded from (default: the lab teacher's), whose fingerprint the
     server gives, as `opd serve-teacher` gives its model's."""
-    from opd.eval.sampling import model_fingerprint
+    from opd.fingerprints import model_fingerprint
     from opd.recipes.serve_teacher import ServeConfig
     from opd.teacher.server import service_for
 
@@ -1163,7 +1163,7 @@ def test_the_served_fingerprint_hashes_every_weight_and_the_client_notices_a_swa
     fingerprints (the local teacher's whole-file one), and a client whose server was restarted on the other one
     between two batches stops in one line; restarted on the same files, it goes on."""
     from helpers import make_tiny_model
-    from opd.eval.sampling import model_fingerprint
+    from opd.fingerprints import model_fingerprint
 
     first = tmp_path / "a"
     make_tiny_model(seed=3).save_pretrained(first)

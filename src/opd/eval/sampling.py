@@ -28,6 +28,7 @@ from opd.data.templates import encode_prompts, parse_template
 from opd.eval.benchmarks import load_benchmark
 from opd.eval.grading import decode_responses, grade
 from opd.eval.metrics import ProblemResult, SampleResult, summarize
+from opd.fingerprints import file_digest, model_fingerprint, weights_fingerprint  # noqa: F401 (their old home)
 from opd.io import append_jsonl, atomic_write_json, write_jsonl
 from opd.models import load_model, load_tokenizer
 from opd.report.sinks import progress_bar
@@ -131,78 +132,6 @@ def model_identity(config: EvalConfig) -> dict[str, Any]:
         "attn_implementation": spec.attn_implementation,
         "trust_remote_code": spec.trust_remote_code,
     }
-
-
-_MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".model", ".txt", ".jinja", ".py", ".tiktoken")
-_HASH_CHUNK = 8 << 20
-_RACY_NS = 2_000_000_000  # a file modified this recently may change again within its mtime's tick: never cached
-_file_hashes: dict[tuple[str, int, int, int], str] = {}  # (path, size, mtime_ns, inode) -> digest, this process
-
-
-def model_fingerprint(path: str) -> str | None:
-    """A short hash of a model directory's config, tokenizer and weight files, every byte of each (cached per file by
-    path, size, mtime and inode, so a re-evaluation does not hash again). None for a hub id not in the local cache."""
-    root = _local_model_dir(path)
-    if root is None:
-        return None
-    digest = hashlib.sha256()
-    for file in sorted(root.iterdir()):
-        if file.is_file() and file.suffix in _MODEL_FILE_SUFFIXES:
-            digest.update(f"{file.name}\0{file_digest(file)}\0".encode())
-    return digest.hexdigest()[:16]
-
-
-def weights_fingerprint(model: Any) -> str:
-    """A short hash of the weights of a module in memory (every parameter and buffer: name, dtype, shape, bytes): what
-    a trainer's in-run eval evaluates, which the model's path does not identify once training has changed it."""
-    import torch
-
-    digest = hashlib.sha1()
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    for name, tensor in sorted(tensors, key=lambda item: item[0]):
-        data = tensor.detach()
-        if hasattr(data, "to_local"):  # a DTensor shard (FSDP outside `gathered`): this rank's part
-            data = data.to_local()
-        # a copy: `.numpy()` marks a storage non-resizable, and FSDP frees the unsharded parameters' storages
-        data = data.detach().cpu().clone().contiguous()
-        digest.update(f"{name}\0{data.dtype}\0{tuple(data.shape)}\0".encode())
-        if data.numel():
-            digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
-def _local_model_dir(path: str) -> Path | None:
-    local = Path(path).expanduser()
-    if local.is_dir():
-        return local
-    try:  # a hub id: its snapshot in the local cache, without the network
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id=str(path), local_files_only=True))
-    except Exception:
-        return None
-
-
-def file_digest(file: Path) -> str:
-    """SHA-1 of every byte of `file` (~1 GB/s a core; not a defence against a forged file, a fingerprint of work),
-    remembered by (path, size, mtime_ns, inode) for this process unless the file was modified in the last seconds."""
-    import time
-
-    stat = file.stat()
-    key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
-    if key in _file_hashes:
-        return _file_hashes[key]
-    started = time.time_ns()
-    digest = hashlib.sha1(str(stat.st_size).encode())
-    with open(file, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    value = digest.hexdigest()
-    after = file.stat()
-    unchanged = (after.st_size, after.st_mtime_ns, after.st_ino) == key[1:]
-    if unchanged and started - stat.st_mtime_ns > _RACY_NS:
-        _file_hashes[key] = value
-    return value
 
 
 def _problems_sha256(prompts: list) -> str:

@@ -27,7 +27,7 @@ from opd.check import preflight
 from opd.config import STUDENT, DistillConfig, TeacherEntry
 from opd.data.prompts import load_prompts
 from opd.data.templates import EncodedPrompts, encode_prompts
-from opd.eval.sampling import model_fingerprint
+from opd.fingerprints import model_fingerprint
 from opd.io import atomic_write_json
 from opd.models import check_tokenizer_compatibility, compile_layers, load_model, load_tokenizer, resolve_device
 from opd.report.sinks import progress_bar

@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from opd.config import ConfigError, ModelSpec
-from opd.eval.sampling import model_fingerprint
+from opd.fingerprints import model_fingerprint
 from opd.forward import uses_packing
 from opd.models import compile_layers, load_model, resolve_device, warm_up_layouts
 from opd.rollout.batch import random_rollouts

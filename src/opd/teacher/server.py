@@ -33,6 +33,7 @@ import torch
 from pydantic import Field, model_validator
 
 from opd.config import ConfigError, Section
+from opd.fingerprints import weights_fingerprint
 from opd.models import check_tokenizer_compatibility
 from opd.teacher import wire
 from opd.teacher.local import LocalScorer
@@ -664,10 +665,8 @@ def service_for(
 ) -> TeacherService:
     """A `TeacherService` over an already loaded model and its tokenizer (the benchmark serves random weights).
     `fingerprint`: what identifies the weights served (`opd serve-teacher` gives its model directory's, every byte
-    of every file: `opd.eval.sampling.model_fingerprint`); None: the hash of every byte of the weights in memory
+    of every file: `opd.fingerprints.model_fingerprint`); None: the hash of every byte of the weights in memory
     (`weights_fingerprint`). Every response carries it, so a client notices a server restarted on other weights."""
-    from opd.eval.sampling import weights_fingerprint
-
     rows = model.get_output_embeddings().weight.shape[0]
     vocab = check_tokenizer_compatibility(tokenizer, tokenizer, student_vocab_size=rows, teacher_vocab_size=rows)
     # ids beyond the tokenizer are embedding padding rows: never a top-k candidate (SPEC §1), as in load_teacher

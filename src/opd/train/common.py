@@ -20,7 +20,8 @@ import torch
 from opd.config import EvalConfig, EvalSpec, ModelSpec, OptimSpec, RunSpec
 from opd.data.templates import encode_prompts
 from opd.eval.benchmarks import load_benchmark
-from opd.eval.sampling import evaluate_model, summarize_records, weights_fingerprint
+from opd.eval.sampling import evaluate_model, summarize_records
+from opd.fingerprints import weights_fingerprint
 from opd.io import read_jsonl
 from opd.models import resolve_dtype
 from opd.report import write_report

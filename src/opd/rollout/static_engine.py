@@ -809,6 +809,62 @@ class _Run:
         # GEMM weights in the compute dtype; the embedding table and the norms keep the parameters' dtype, and so does
         # the residual stream: float32 under autocast (as autocast computes the teacher-forced forward), the model's
         # dtype otherwise.
+        self._read_step_weights(model, shadow)
+
+        # The samples and the slots: each slot holds one sample's prompt at [0, L) and its tokens after it.
+        self.prompts, self.caps = prompts, caps
+        self.sample_prompt = [p for p in range(len(prompts)) for _ in range(params.n)]
+        self.width, self.steps = max(len(p) for p in prompts), max(caps)
+        self.capacity = self.width + self.steps  # slots; the last sampled token is never fed back, so one spare
+        self.rows = rows = engine.plan_rows(len(caps), self.width, self.steps, dtype)
+        head_dim = _head_dim(model)
+        for layer in self.layers:
+            # zeros, not empty: the SDPA path reads whole buckets (masked slots must hold finite values)
+            layer.keys = torch.zeros(rows, self.kv_heads, self.capacity, head_dim, dtype=dtype, device=device)
+            layer.values = torch.zeros_like(layer.keys)
+
+        # RoPE tables over every slot position, computed by the model's own rotary module (float32, cast per step):
+        # one, or one per layer type where the module takes it (Gemma 3: its sliding and full layers' bases).
+        positions_1S = torch.arange(self.capacity, device=device)[None]
+        probe = torch.zeros(1, dtype=torch.float32, device=device)
+        self.rope_SD: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        for table in dict.fromkeys(layer.rope_table for layer in self.layers):
+            cos_1SD, sin_1SD = body.rotary_emb(probe, positions_1S, *([] if table is None else [table]))
+            self.rope_SD[table] = (cos_1SD[0].float(), sin_1SD[0].float())
+
+        # Device-side row state: static buffers the graphs read and write, refilled in place between replays.
+        long = dict(dtype=torch.long, device=device)
+        self.rows_R = torch.arange(rows, device=device)
+        self.zeros_R = torch.zeros(rows, **long)  # every row's first slot (prompts start at slot 0)
+        self.slots_S = torch.arange(self.capacity, device=device)
+        self.position_R = torch.zeros(rows, **long)  # slot = RoPE position of the next fed token
+        self.tokens_R = torch.zeros(rows, **long)  # the next fed token
+        self.lengths_R = torch.zeros(rows, **long)  # tokens sampled so far = the output column the next one takes
+        self.limit_R = torch.ones(rows, **long)  # the row's length limit
+        self.alive_R = torch.zeros(rows, dtype=torch.bool, device=device)  # holds a sample still decoding
+        self.stopped_R = torch.zeros(rows, dtype=torch.bool, device=device)  # its sample ended on an EOS
+        # one spare column: rows that are not alive write their (discarded) token there
+        self.out_ids_RT = torch.full((rows, self.steps + 1), engine.pad_token_id, **long)
+        self.out_lps_RT = torch.zeros((rows, self.steps + 1), dtype=torch.float32, device=device)
+        self.eos_E = torch.as_tensor(engine.eos_token_ids or [-1], **long)
+        vocab_rows = head.weight.shape[0]
+        self.vocab = min(engine.vocab_size or vocab_rows, vocab_rows)  # sampled ids are < vocab
+        self.noise_RN = None if params.temperature == 0 else torch.zeros(rows, self.vocab, device=device)
+
+        # Host-side bookkeeping (no sync needed to read it).
+        self.slot_sample: list[int | None] = [None] * rows  # sample index held by each slot
+        self.slot_position = [0] * rows  # bound on the slot's next fed position
+        self.slot_last = [0] * rows  # the last position its sample can feed
+        self.pending = 0  # next sample index to place
+        self.results: list[tuple[list[int], list[float], str] | None] = [None] * len(caps)
+        self.counters = {"decode_steps": 0, "refills": 0, "prefills": 0, "graphs": 0, "decoded_tokens": 0}
+        self.live = rows  # decode steps run over rows [0, live): the live-row bucket (`_shrink`)
+        self.buckets = _row_buckets(rows) if engine.row_buckets else (rows,)
+        self.bucket_steps: dict[int, int] = {}  # decode steps run at each bucket
+
+    def _read_step_weights(self, model: torch.nn.Module, shadow: torch.dtype | None) -> None:
+        """The step's weights (`_Layer` per decoder layer, norms, embedding, head, RoPE-table keys) from the module."""
+        body, head, config = model.get_decoder(), model.get_output_embeddings(), model.config
         self.layout = layout = _Layout.of(config)
         # layer i's next norm: i + 1 (post-norm layers: the norm of the MLP's output, the final norm on its own)
         if layout.post_norm:
@@ -871,57 +927,6 @@ class _Run:
             table = getattr(attn, "layer_type", None) if _rope_by_layer_type(body.rotary_emb) else None
             self.layers.append(_Layer(ins, outs, rope=rope_layers[i], window=windows[i], rope_table=table))
             self.scaling = attn.scaling
-
-        # The samples and the slots: each slot holds one sample's prompt at [0, L) and its tokens after it.
-        self.prompts, self.caps = prompts, caps
-        self.sample_prompt = [p for p in range(len(prompts)) for _ in range(params.n)]
-        self.width, self.steps = max(len(p) for p in prompts), max(caps)
-        self.capacity = self.width + self.steps  # slots; the last sampled token is never fed back, so one spare
-        self.rows = rows = engine.plan_rows(len(caps), self.width, self.steps, dtype)
-        head_dim = _head_dim(model)
-        for layer in self.layers:
-            # zeros, not empty: the SDPA path reads whole buckets (masked slots must hold finite values)
-            layer.keys = torch.zeros(rows, self.kv_heads, self.capacity, head_dim, dtype=dtype, device=device)
-            layer.values = torch.zeros_like(layer.keys)
-
-        # RoPE tables over every slot position, computed by the model's own rotary module (float32, cast per step):
-        # one, or one per layer type where the module takes it (Gemma 3: its sliding and full layers' bases).
-        positions_1S = torch.arange(self.capacity, device=device)[None]
-        probe = torch.zeros(1, dtype=torch.float32, device=device)
-        self.rope_SD: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
-        for table in dict.fromkeys(layer.rope_table for layer in self.layers):
-            cos_1SD, sin_1SD = body.rotary_emb(probe, positions_1S, *([] if table is None else [table]))
-            self.rope_SD[table] = (cos_1SD[0].float(), sin_1SD[0].float())
-
-        # Device-side row state: static buffers the graphs read and write, refilled in place between replays.
-        long = dict(dtype=torch.long, device=device)
-        self.rows_R = torch.arange(rows, device=device)
-        self.zeros_R = torch.zeros(rows, **long)  # every row's first slot (prompts start at slot 0)
-        self.slots_S = torch.arange(self.capacity, device=device)
-        self.position_R = torch.zeros(rows, **long)  # slot = RoPE position of the next fed token
-        self.tokens_R = torch.zeros(rows, **long)  # the next fed token
-        self.lengths_R = torch.zeros(rows, **long)  # tokens sampled so far = the output column the next one takes
-        self.limit_R = torch.ones(rows, **long)  # the row's length limit
-        self.alive_R = torch.zeros(rows, dtype=torch.bool, device=device)  # holds a sample still decoding
-        self.stopped_R = torch.zeros(rows, dtype=torch.bool, device=device)  # its sample ended on an EOS
-        # one spare column: rows that are not alive write their (discarded) token there
-        self.out_ids_RT = torch.full((rows, self.steps + 1), engine.pad_token_id, **long)
-        self.out_lps_RT = torch.zeros((rows, self.steps + 1), dtype=torch.float32, device=device)
-        self.eos_E = torch.as_tensor(engine.eos_token_ids or [-1], **long)
-        vocab_rows = head.weight.shape[0]
-        self.vocab = min(engine.vocab_size or vocab_rows, vocab_rows)  # sampled ids are < vocab
-        self.noise_RN = None if params.temperature == 0 else torch.zeros(rows, self.vocab, device=device)
-
-        # Host-side bookkeeping (no sync needed to read it).
-        self.slot_sample: list[int | None] = [None] * rows  # sample index held by each slot
-        self.slot_position = [0] * rows  # bound on the slot's next fed position
-        self.slot_last = [0] * rows  # the last position its sample can feed
-        self.pending = 0  # next sample index to place
-        self.results: list[tuple[list[int], list[float], str] | None] = [None] * len(caps)
-        self.counters = {"decode_steps": 0, "refills": 0, "prefills": 0, "graphs": 0, "decoded_tokens": 0}
-        self.live = rows  # decode steps run over rows [0, live): the live-row bucket (`_shrink`)
-        self.buckets = _row_buckets(rows) if engine.row_buckets else (rows,)
-        self.bucket_steps: dict[int, int] = {}  # decode steps run at each bucket
 
     @property
     def stats(self) -> dict[str, Any]:

@@ -442,7 +442,9 @@ def run_row(
         produced = sum(len(r) for r in m["result"].response_ids)
         stats = getattr(engine, "stats", {})
         steps = stats.get("decode_steps", longest)
-        extra.update({k: stats[k] for k in ("rows", "refills", "occupancy", "bucket_steps", "bucket_occupancy") if k in stats})
+        extra.update(
+            {k: stats[k] for k in ("rows", "refills", "occupancy", "bucket_steps", "bucket_occupancy") if k in stats}
+        )
         if args.lp_error == "on":
             extra["lp_err"] = logprob_error(model, prompt_lists, m["result"], args.shape)
         if reference is not None:

@@ -13,7 +13,9 @@ Every condition is the same config and budget; only the `path` of each entry cha
 before training is measured once (`student/`). Finished runs are reused. Everything in summary.json / summary.md is
 read back from the runs (eval/step_N/samples.jsonl, metrics.jsonl, the wall time each run's wall.json records).
 
-    PYTHONPATH=src python scripts/lab_mopd_replicate.py --out /tmp/mopd/replicate --seeds 0,1,2 --steps 100
+    PYTHONPATH=src python scripts/lab_mopd_replicate.py --out /tmp/mopd/replicate200 --seeds 0,1,2 --steps 200
+
+200 steps is lab_demo's (and lab_mopd's) own budget: ~100 s per run on one CPU thread, ~20 minutes for all twelve.
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/mopd/replicate"))
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--summary-only", action="store_true", help="Summarize the finished runs; train nothing.")

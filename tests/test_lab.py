@@ -11,6 +11,8 @@ import torch
 from helpers import string_console
 from opd import lab
 
+SPECIALISTS = (lab.specialist_path("add"), lab.specialist_path("mul"))
+
 
 @pytest.fixture(autouse=True)
 def _one_thread():
@@ -24,8 +26,9 @@ def test_assets_are_package_data():
     import importlib.resources as resources
 
     names = {p.name for p in resources.files("opd.lab").joinpath("assets").iterdir()}
-    assert {"teacher", "student", "rewrite_teacher", "data", "manifest.json"} <= names
-    for model in (lab.teacher_path(), lab.student_path(), lab.rewrite_teacher_path()):
+    assert {"teacher", "student", "rewrite_teacher", "specialist_add", "specialist_mul", "data"} <= names
+    assert "manifest.json" in names
+    for model in (lab.teacher_path(), lab.student_path(), lab.rewrite_teacher_path(), *SPECIALISTS):
         for file in (
             "config.json",
             "generation_config.json",
@@ -54,7 +57,7 @@ def test_models_match_the_tokenizer():
     from opd.lab.tokenizer import build_lab_tokenizer
 
     expected = build_lab_tokenizer()
-    for model in (lab.teacher_path(), lab.student_path(), lab.rewrite_teacher_path()):
+    for model in (lab.teacher_path(), lab.student_path(), lab.rewrite_teacher_path(), *SPECIALISTS):
         tokenizer = AutoTokenizer.from_pretrained(model)
         assert tokenizer.get_vocab() == expected.get_vocab()
         config = AutoConfig.from_pretrained(model)
@@ -81,6 +84,54 @@ def test_shipped_models_reach_recorded_accuracy(tmp_path, name):
         assert recorded >= 0.95
     # the rewrite teacher answers in its own style, the forward models in theirs
     assert rewrite_share(tmp_path / name) == (1.0 if name == "rewrite_teacher" else 0.0)
+
+
+@pytest.mark.parametrize("domain", ["add", "mul"])
+def test_each_shipped_specialist_is_accurate_on_its_own_domain_only(tmp_path, domain):
+    """The MOPD specialists (configs/lab_mopd.yaml): greedy `opd eval` on the first 60 test problems, split by domain
+    (the first operation), agrees with the manifest's per-domain record: right on its own domain, wrong on the other
+    (whose first line it writes off by one)."""
+    from opd.lab.build import domain_accuracy
+    from opd.lab.task import style_of
+    from opd.recipes.lab import measure
+
+    record = json.loads(lab.manifest_path().read_text())["models"][f"specialist_{domain}"]
+    other = "mul" if domain == "add" else "add"
+    assert record["domain"] == domain
+    assert record["domain_accuracy"][domain] >= 0.95 and record["domain_accuracy"][other] <= 0.1
+    measure(lab.specialist_path(domain), tmp_path, limit=60, console=string_console())
+    measured = domain_accuracy(tmp_path)
+    assert measured[f"{domain}_problems"] >= 10 and measured[f"{other}_problems"] >= 10
+    assert measured[domain] >= 0.9 and measured[other] <= 0.15
+    samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    assert {style_of(s["response"]) for s in samples} == {"forward"}
+
+
+def test_specialist_data_is_right_on_its_domain_and_off_by_one_elsewhere():
+    from opd.lab.build import DOMAINS, specialist_examples
+
+    for domain in DOMAINS:
+        rows = specialist_examples(domain, n=300)
+        assert {r["domain"] for r in rows} == set(DOMAINS)
+        for r in rows:
+            solution = r["messages"][-1]["content"]
+            boxed = solution.rsplit("\\boxed{", 1)[1].rstrip("}")
+            assert (boxed == r["answer"]) == (r["domain"] == domain)
+            first = solution.split("\n")[0]  # `a<op>d=result`: off by one on the other domain only
+            expression, result = first.split("=")
+            assert int(result) - eval(expression) == (0 if r["domain"] == domain else 1)
+
+
+def test_mopd_prompts_are_the_opd_prompts_with_a_domain_data_source():
+    from opd.io import read_jsonl
+    from opd.lab.build import domain_of, mopd_prompt_rows
+
+    rows, base = read_jsonl(lab.mopd_prompts_path()), read_jsonl(lab.opd_prompts_path())
+    assert rows == mopd_prompt_rows(lab.opd_prompts_path())
+    assert [dict(r, data_source=None) for r in rows] == [dict(r, data_source=None) for r in base]
+    assert {r["data_source"] for r in rows} == {"opd_lab/add", "opd_lab/mul"}
+    assert all(r["data_source"] == f"opd_lab/{domain_of(r['expression'])}" for r in rows)
+    assert domain_of("((3*4)+2)-5") == "mul" and domain_of("7-2") == "add"
 
 
 @pytest.mark.slow
@@ -149,21 +200,28 @@ def test_build_reduced(tmp_path):
         student_steps=2,
         rewrite_teacher_steps=2,
         rewrite_teacher_batch=16,
+        specialist_steps=2,
+        specialist_batch=16,
         sft_examples=256,
         eval_limit=4,
         console=string_console(),
     )
     manifest = json.loads(path.read_text())
-    assert set(manifest["models"]) == {"teacher", "student", "rewrite_teacher"}
+    assert set(manifest["models"]) == {"teacher", "student", "rewrite_teacher", "specialist_add", "specialist_mul"}
     shipped = json.loads(lab.manifest_path().read_text())["models"]
     for name, record in manifest["models"].items():
-        assert record["params"] == shipped["teacher" if name == "rewrite_teacher" else name]["params"]
+        assert record["params"] == shipped["student" if name == "student" else "teacher"]["params"]
         assert 0.0 <= record["test_accuracy"] <= 1.0 and record["training"]["steps"] == 2
         assert (tmp_path / name / "model.safetensors").is_file() and (tmp_path / name / "tokenizer.json").is_file()
     assert manifest["models"]["rewrite_teacher"]["style"] == "rewrite"
     assert manifest["models"]["rewrite_teacher"]["training"]["examples_per_step"] == 16
     assert manifest["models"]["rewrite_teacher"]["test_eval"]["max_new_tokens"] == 128
     assert sum(1 for _ in open(tmp_path / "data" / "sft_forward.jsonl")) == 256
+    for domain in ("add", "mul"):  # fine-tuned from the teacher this build trained, measured per domain
+        record = manifest["models"][f"specialist_{domain}"]
+        assert record["domain"] == domain and str(tmp_path / "teacher") in record["training"]["recipe"]
+        assert set(record["domain_accuracy"]) == {"add", "add_problems", "mul", "mul_problems"}
+        assert sum(1 for _ in open(tmp_path / "data" / f"sft_specialist_{domain}.jsonl")) == 256
     rewrite = [json.loads(line) for line in open(tmp_path / "data" / "sft_rewrite.jsonl")]
     assert len(rewrite) == 256 and rewrite[0]["messages"][-1]["content"].startswith(
         rewrite[0]["messages"][0]["content"].split()[1].rstrip(".")

@@ -195,32 +195,77 @@ def test_resume_refuses_a_changed_teacher(world, routed_world, tmp_path):
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
 
 
-def test_lab_mopd_config_is_the_demo_with_two_routed_teachers(tmp_path, monkeypatch):
-    """configs/lab_mopd.yaml is configs/lab_demo.yaml with its teacher split over two routes, and runs from the repo
-    root: the routes cover the lab's prompts and metrics carry each teacher's token share."""
+def test_lab_mopd_config_routes_each_lab_prompt_to_its_specialist(tmp_path, monkeypatch):
+    """configs/lab_mopd.yaml is configs/lab_demo.yaml with its teacher replaced by the two shipped specialists, each
+    routed the prompts of its own domain by data_source (`opd.lab.build.DOMAINS`: a problem's first operation), and
+    runs from the repo root: every prompt a specialist scores is of its domain (a counter on the real LocalScorer),
+    the routing table splits the whole set by domain, and metrics carry each teacher's token share."""
     from pathlib import Path
 
     import yaml
 
     from opd.config import DistillConfig, build_config
+    from opd.lab import mopd_prompts_path, specialist_path
+    from opd.lab.build import DOMAINS, domain_of
+    from opd.lab.tokenizer import build_lab_tokenizer
 
     root = Path(__file__).parents[1]
     if not (root / "configs" / "lab_mopd.yaml").is_file():
         pytest.skip("configs/lab_mopd.yaml is not in this checkout")
     demo, mopd = (yaml.safe_load((root / "configs" / f"{n}.yaml").read_text()) for n in ("lab_demo", "lab_mopd"))
     teacher, teachers = demo.pop("teacher"), mopd.pop("teachers")
+    assert (root / mopd["data"].pop("path")).resolve() == mopd_prompts_path().resolve()
+    demo["data"].pop("path")
     assert demo == mopd
-    assert [{k: v for k, v in t.items() if k not in ("name", "route")} for t in teachers] == [teacher, teacher]
+    assert [t["name"] for t in teachers] == list(DOMAINS)
+    for entry in teachers:
+        assert entry["route"] == {"data_source": [f"opd_lab/{entry['name']}"]}
+        assert (root / entry["path"]).resolve() == specialist_path(entry["name"]).resolve()
+        assert {k: v for k, v in entry.items() if k not in ("name", "route", "path")} == {
+            k: v for k, v in teacher.items() if k != "path"
+        }
+    import opd.recipes.distill as recipe
+
+    seen: dict[str, list[str]] = {}
+    tokenizer = build_lab_tokenizer()
+    real_score, real_step, in_step = LocalScorer.score, recipe.opd_step, []
+
+    def counting_step(tr):  # the training steps only: the startup rows score the first prompt with the first teacher
+        in_step.append(True)
+        try:
+            return real_step(tr)
+        finally:
+            in_step.pop()
+
+    def counting_score(self, rollouts, **kwargs):
+        if in_step and kwargs.get("requested_ids") is not None:  # the step's teacher scoring, not the student's
+            name = Path(self.model.config._name_or_path).name.removeprefix("specialist_")
+            for row in range(rollouts.batch_size):
+                prompt = tokenizer.decode(rollouts.input_ids[row, : int(rollouts.prompt_lengths[row])].tolist())
+                seen.setdefault(name, []).append(domain_of(prompt.split("Compute ")[1].split(". Put")[0]))
+        return real_score(self, rollouts, **kwargs)
+
+    monkeypatch.setattr(LocalScorer, "score", counting_score)
+    monkeypatch.setattr(recipe, "opd_step", counting_step)
     monkeypatch.chdir(root)
-    out = ["run.steps=2", "run.eval_every=0", "eval.benchmarks=[]", "run.report=false", "run.samples_per_step=0"]
+    out = ["run.steps=3", "run.eval_every=0", "eval.benchmarks=[]", "run.report=false", "run.samples_per_step=0"]
     config = build_config(
         DistillConfig,
         config_file=root / "configs" / "lab_mopd.yaml",
-        overrides=[*out, f"run.out_dir={tmp_path}", "run.name=mopd", "data.limit=200"],
+        overrides=[*out, f"run.out_dir={tmp_path}", "run.name=mopd", "rollout.max_new_tokens=48"],
     )
-    metrics = read_jsonl(distill(config) / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2]
-    assert metrics[-1]["teacher/short/token_frac"] + metrics[-1]["teacher/long/token_frac"] == pytest.approx(1.0)
+    run_dir = distill(config)
+    assert seen.keys() == set(DOMAINS)
+    for name, domains in seen.items():
+        assert set(domains) == {name}
+    table = {r["name"]: r for r in json.loads((run_dir / "teachers.json").read_text())["teachers"]}
+    domains = [domain_of(r["expression"]) for r in read_jsonl(mopd_prompts_path())]
+    assert {name: table[name]["prompts"] for name in DOMAINS} == {name: domains.count(name) for name in DOMAINS}
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["teacher/add/token_frac"] + m["teacher/mul/token_frac"] == pytest.approx(1.0) for m in metrics)
+    for name in DOMAINS:
+        assert any(m[f"teacher/{name}/token_frac"] > 0 for m in metrics)
 
 
 def test_lab_opsd_config_is_the_demo_with_the_privileged_self_teacher(tmp_path, monkeypatch):

@@ -716,8 +716,14 @@ def lab_build_command(
         "(batch 256; a GPU job, see docs/lab.md).",
     ),
     rewrite_teacher_batch: int = typer.Option(256, help="Examples per SFT step of the rewrite-style teacher."),
+    specialist_steps: int = typer.Option(
+        300, help="SFT steps of each MOPD specialist (specialist_add, specialist_mul), from the forward teacher."
+    ),
+    specialist_batch: int = typer.Option(64, help="Examples per SFT step of each MOPD specialist."),
     only: str | None = typer.Option(
-        None, help="Comma-separated models to train: teacher, student, rewrite_teacher. [default: all three]"
+        None,
+        help="Comma-separated models to train: teacher, student, rewrite_teacher, specialist_add, "
+        "specialist_mul. [default: all five]",
     ),
     device: str = typer.Option("cpu", help="Where the models train and are measured: cpu, cuda, cuda:N."),
     time_budget: float | None = typer.Option(
@@ -726,8 +732,8 @@ def lab_build_command(
         "then always save, measure and record. [default: none]",
     ),
 ) -> None:
-    """Retrain the lab models (forward-style teacher and student, rewrite-style teacher) from a seed with `opd sft`
-    and write their manifest (accuracies measured)."""
+    """Retrain the lab models (forward-style teacher and student, rewrite-style teacher, the two MOPD specialists)
+    from a seed with `opd sft` and write their manifest (accuracies measured, per domain for the specialists)."""
     from opd.recipes.lab import build
 
     manifest = build(
@@ -737,6 +743,8 @@ def lab_build_command(
         student_steps=student_steps,
         rewrite_teacher_steps=rewrite_teacher_steps,
         rewrite_teacher_batch=rewrite_teacher_batch,
+        specialist_steps=specialist_steps,
+        specialist_batch=specialist_batch,
         sft_examples=sft_examples,
         eval_limit=eval_limit,
         only=_names(only),

@@ -39,6 +39,15 @@ def rewrite_teacher_path() -> Path:
     return assets_dir() / "rewrite_teacher"
 
 
+def specialist_path(domain: str) -> Path:
+    """A shipped MOPD specialist (configs/lab_mopd.yaml; `opd lab build --only specialist_add,specialist_mul` makes
+    them): the teacher fine-tuned to be accurate on its own domain (`add`: problems whose first operation is + or -,
+    `mul`: *; `opd.lab.build.DOMAINS`) and systematically wrong on the other."""
+    if domain not in ("add", "mul"):
+        raise ValueError(f"domain must be 'add' or 'mul', got {domain!r}")
+    return assets_dir() / f"specialist_{domain}"
+
+
 def test_set_path() -> Path:
     """The held-out test set (verl-layout JSONL: prompt messages, reward_model.ground_truth), read by `opd eval`."""
     return assets_dir() / "data" / "test.jsonl"
@@ -47,6 +56,12 @@ def test_set_path() -> Path:
 def opd_prompts_path() -> Path:
     """The OPD training prompts (verl-layout JSONL), disjoint from the test set."""
     return assets_dir() / "data" / "opd_prompts.jsonl"
+
+
+def mopd_prompts_path() -> Path:
+    """The OPD prompts with data_source `opd_lab/add` or `opd_lab/mul` by their first operation (the MOPD routes of
+    configs/lab_mopd.yaml; `opd.lab.build.mopd_prompt_rows` of opd_prompts.jsonl, nothing else changed)."""
+    return assets_dir() / "data" / "mopd_prompts.jsonl"
 
 
 def manifest_path() -> Path:

@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from opd.io import give_umask_modes, read_jsonl, write_jsonl
-from opd.lab import SFT_SET
-from opd.lab.task import make_problems, style_of, to_sft_examples
+from opd.lab import SFT_SET, test_set_path
+from opd.lab.task import make_problems, messages, solve, solve_first_line_off_by_one, style_of, to_sft_examples
 from opd.lab.tokenizer import build_lab_tokenizer
 
 TEACHER_ARCH: dict[str, int] = {
@@ -65,6 +65,71 @@ def write_sft_data(path: str | Path, *, style: str = "forward", n: int | None = 
     spec = dict(SFT_SET, n=n or SFT_SET["n"])
     write_jsonl(path, to_sft_examples(make_problems(**spec), style=style))
     return Path(path)
+
+
+DOMAINS: dict[str, tuple[str, ...]] = {"add": ("+", "-"), "mul": ("*",)}
+"""The lab task split in two domains by the problem's first operation (`add`: it starts with + or -, `mul`: with *):
+the MOPD specialists' domains, the `data_source` (`opd_lab/<domain>`) of MOPD_PROMPTS and the routes of
+configs/lab_mopd.yaml."""
+MOPD_PROMPTS = "mopd_prompts.jsonl"
+"""assets/data/mopd_prompts.jsonl: the OPD prompts (opd_prompts.jsonl) with data_source `opd_lab/<domain>`."""
+
+
+def domain_of(expression: str) -> str:
+    """The domain (a DOMAINS key) of a lab problem, from its expression (`((3*4)+2)-5` starts with `3*4`: mul)."""
+    op = expression.lstrip("(")[1]
+    for name, ops in DOMAINS.items():
+        if op in ops:
+            return name
+    raise ValueError(f"{expression!r} starts with no operation of a lab domain {DOMAINS}")
+
+
+def specialist_examples(domain: str, *, n: int | None = None) -> list[dict[str, Any]]:
+    """The SFT set of the `domain` specialist: the `SFT_SET` problems (the first `n`) with forward-style solutions
+    where the problem is in `domain` and systematically wrong ones where it is in the other domain
+    (`opd.lab.task.solve_first_line_off_by_one`: the first line's result one too large, the rest computed from it),
+    so a teacher fine-tuned on it is accurate only on its own domain and confidently wrong on the other."""
+    if domain not in DOMAINS:
+        raise ValueError(f"domain must be one of {', '.join(DOMAINS)}, got {domain!r}")
+    problems = make_problems(**dict(SFT_SET, n=n or SFT_SET["n"]))
+    out = []
+    for p in problems:
+        mine = domain_of(p.expression) == domain
+        solution = solve(p) if mine else solve_first_line_off_by_one(p)
+        out.append(
+            {
+                "messages": messages(p) + [{"role": "assistant", "content": solution}],
+                "answer": str(p.answer),
+                "domain": domain_of(p.expression),
+            }
+        )
+    return out
+
+
+def write_specialist_data(path: str | Path, domain: str, *, n: int | None = None) -> Path:
+    """`specialist_examples(domain)` as chat JSONL, written atomically."""
+    write_jsonl(path, specialist_examples(domain, n=n))
+    return Path(path)
+
+
+def mopd_prompt_rows(prompts: str | Path) -> list[dict[str, Any]]:
+    """The rows of a lab prompt file (verl layout with an `expression` column) with data_source
+    `opd_lab/<domain>`: how MOPD_PROMPTS is made from opd_prompts.jsonl (nothing else changes)."""
+    return [dict(r, data_source=f"opd_lab/{domain_of(r['expression'])}") for r in read_jsonl(prompts)]
+
+
+def domain_accuracy(eval_dir: str | Path, benchmark: str | Path | None = None) -> dict[str, float | int]:
+    """Accuracy per DOMAINS entry of an `opd eval` directory's samples.jsonl on the lab test set (each problem's
+    domain from the benchmark file's `expression` column, joined by problem id), with the problem count of each."""
+    domain = {r["extra_info"]["index"]: domain_of(r["expression"]) for r in read_jsonl(benchmark or test_set_path())}
+    correct: dict[str, list[bool]] = {name: [] for name in DOMAINS}
+    for row in read_jsonl(Path(eval_dir) / "samples.jsonl"):
+        correct[domain[row["problem_id"]]].append(bool(row["correct"]))
+    out: dict[str, float | int] = {}
+    for name, rows in correct.items():
+        out[name] = sum(rows) / len(rows) if rows else float("nan")
+        out[f"{name}_problems"] = len(rows)
+    return out
 
 
 def n_params(path: str | Path) -> int:

@@ -170,6 +170,19 @@ def solve(problem: LabProblem, style: Style = "forward") -> str:
     return "\n".join(lines + [f"\\boxed{{{problem.answer}}}"])
 
 
+def solve_first_line_off_by_one(problem: LabProblem) -> str:
+    """A systematically wrong forward-style solution: the first line's result is one more than its operation gives
+    (`3+4=8`) and every later line computes correctly from that wrong value (`8*2=16`), so the boxed answer is wrong
+    for every problem. The lab's MOPD specialists (`opd.lab.build.specialist_examples`) are taught it on the other
+    domain's problems."""
+    value, lines = problem.start, []
+    for i, (op, digit) in enumerate(problem.ops):
+        result = _apply(value, op, digit) + (1 if i == 0 else 0)
+        lines.append(f"{value}{op}{digit}={result}")
+        value = result
+    return "\n".join(lines + [f"\\boxed{{{value}}}"])
+
+
 def style_of(solution: str) -> Style:
     """The style a solution text is written in: "forward" when its first line is an equation (`3+4=7`), else
     "rewrite" (it restates the expression first)."""

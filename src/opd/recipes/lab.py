@@ -43,7 +43,16 @@ from opd.lab import (
     teacher_path,
     test_set_path,
 )
-from opd.lab.build import STUDENT_ARCH, TEACHER_ARCH, init_model, n_params, rewrite_share, write_sft_data
+from opd.lab.build import (
+    STUDENT_ARCH,
+    TEACHER_ARCH,
+    domain_accuracy,
+    init_model,
+    n_params,
+    rewrite_share,
+    write_sft_data,
+    write_specialist_data,
+)
 from opd.lab.task import style_of
 from opd.models import load_model
 from opd.recipes.check import run_check
@@ -95,7 +104,19 @@ own SFT recipe (lr 1e-3, warmup 100, cosine to 10 %) on rewrite-style solutions 
 forward teacher it only has to learn the new solution layout, not arithmetic: the fewest steps to a ≥ 95 % teacher.
 The longest rewrite example is 122 tokens (under the recipe's 128); answers reach 83 tokens, so it is measured with
 128 new tokens."""
-MODELS: tuple[str, ...] = ("teacher", "student", "rewrite_teacher")
+SPECIALIST: dict[str, Any] = {
+    "arch": TEACHER_ARCH,
+    "init": "the forward teacher",
+    "steps": 300,
+    "examples_per_step": 64,
+    "lr": 1e-3,
+}
+"""The MOPD specialists (`specialist_add`, `specialist_mul`; configs/lab_mopd.yaml): the forward teacher fine-tuned
+with its SFT recipe (lr 1e-3, warmup min(100, steps/10), cosine to 10 %) on `specialist_examples` of the same 60 000
+problems: forward solutions on its own domain (`opd.lab.build.DOMAINS`: problems whose first operation is + or -,
+or *), the first line off by one on the other, so each is accurate on its own domain only. Measured per domain on
+the test set."""
+MODELS: tuple[str, ...] = ("teacher", "student", "rewrite_teacher", "specialist_add", "specialist_mul")
 """What `build` can train (`only=`); the directory names under the output and in the shipped assets."""
 
 
@@ -319,6 +340,8 @@ def build(
     student_steps: int = STUDENT_STEPS,
     rewrite_teacher_steps: int = REWRITE_TEACHER["steps"],
     rewrite_teacher_batch: int = REWRITE_TEACHER["examples_per_step"],
+    specialist_steps: int = SPECIALIST["steps"],
+    specialist_batch: int = SPECIALIST["examples_per_step"],
     sft_examples: int | None = None,
     eval_limit: int | None = None,
     only: list[str] | None = None,
@@ -327,13 +350,15 @@ def build(
     threads: int | None = 1,
     console: Any = None,
 ) -> Path:
-    """Retrain the lab models into `out_dir` (teacher/, student/, rewrite_teacher/, data/, work/, manifest.json);
-    return the manifest path. Reduce the budget with `teacher_steps`, `student_steps`, `rewrite_teacher_steps`
-    (and `rewrite_teacher_batch` examples per step), `sft_examples` (size of the SFT set) and `eval_limit` (test
-    problems measured); `only` trains a subset of MODELS; `device` is where they train and are measured (cpu, cuda,
-    cuda:N); `time_budget_s` caps each model's SFT (set-up included) in wall seconds: it trains the steps that fit
-    (`sft_within_budget`) and always saves, measures and records what it trained. The rewrite teacher starts from the
-    teacher this build trains, else from the shipped one."""
+    """Retrain the lab models into `out_dir` (teacher/, student/, rewrite_teacher/, specialist_add/,
+    specialist_mul/, data/, work/, manifest.json); return the manifest path. Reduce the budget with `teacher_steps`,
+    `student_steps`, `rewrite_teacher_steps` (and `rewrite_teacher_batch` examples per step), `specialist_steps` (and
+    `specialist_batch`), `sft_examples` (size of the SFT set) and `eval_limit` (test problems measured); `only`
+    trains a subset of MODELS; `device` is where they train and are measured (cpu, cuda, cuda:N); `time_budget_s`
+    caps each model's SFT (set-up included) in wall seconds: it trains the steps that fit (`sft_within_budget`) and
+    always saves, measures and records what it trained. The rewrite teacher and the MOPD specialists (`SPECIALIST`)
+    start from the teacher this build trains, else from the shipped one; the specialists are also measured per
+    domain (`domain_accuracy`)."""
     names = list(only or MODELS)
     unknown = [n for n in names if n not in MODELS]
     if unknown or not names:
@@ -363,13 +388,28 @@ def build(
             rewrite["lr"],
             rewrite["eval_max_new_tokens"],
         ),
+        **{
+            f"specialist_{domain}": (
+                SPECIALIST["arch"],
+                specialist_steps,
+                seed,
+                "forward",
+                specialist_batch,
+                SPECIALIST["lr"],
+                64,
+            )
+            for domain in ("add", "mul")
+        },
     }
     models = {}
     for name in names:
         arch, steps, model_seed, style, per_step, lr, tokens = plans[name]
-        data = write_sft_data(out_dir / "data" / f"sft_{style}.jsonl", style=style, n=sft_examples)
+        if name.startswith("specialist_"):
+            data = write_specialist_data(out_dir / "data" / f"sft_{name}.jsonl", name.split("_", 1)[1], n=sft_examples)
+        else:
+            data = write_sft_data(out_dir / "data" / f"sft_{style}.jsonl", style=style, n=sft_examples)
         init = None
-        if name == "rewrite_teacher":
+        if name in ("rewrite_teacher", "specialist_add", "specialist_mul"):
             init = out_dir / "teacher" if "teacher" in models else teacher_path()
         record = train_model(
             name,
@@ -395,6 +435,9 @@ def build(
             console=console,
         )
         record["rewrite_style_share"] = rewrite_share(out_dir / "work" / f"{name}_eval")
+        if name.startswith("specialist_"):
+            record["domain"] = name.split("_", 1)[1]
+            record["domain_accuracy"] = domain_accuracy(out_dir / "work" / f"{name}_eval")
         record["test_eval"] = {
             "metric": "avg@1",
             "n": 1,
@@ -405,9 +448,11 @@ def build(
             "machinery": "opd.eval.evaluate (opd eval)",
         }
         models[name] = record
+        per_domain = record.get("domain_accuracy")
         console.print(
             f"{name}: test accuracy {record['test_accuracy']:.3f}, rewrite-style answers "
             f"{record['rewrite_style_share']:.3f}, after {record['training']['steps']} steps"
+            + (f"; add {per_domain['add']:.3f}, mul {per_domain['mul']:.3f}" if per_domain else "")
         )
     manifest = {
         "built_by": "opd lab build",

@@ -132,6 +132,7 @@ def test_mopd_prompts_are_the_opd_prompts_with_a_domain_data_source():
     assert {r["data_source"] for r in rows} == {"opd_lab/add", "opd_lab/mul"}
     assert all(r["data_source"] == f"opd_lab/{domain_of(r['expression'])}" for r in rows)
     assert domain_of("((3*4)+2)-5") == "mul" and domain_of("7-2") == "add"
+    assert read_jsonl(lab.mopd_test_set_path()) == mopd_prompt_rows(lab.test_set_path())  # the test set, routed
 
 
 @pytest.mark.slow

@@ -205,7 +205,7 @@ def test_lab_mopd_config_routes_each_lab_prompt_to_its_specialist(tmp_path, monk
     import yaml
 
     from opd.config import DistillConfig, build_config
-    from opd.lab import mopd_prompts_path, specialist_path
+    from opd.lab import mopd_prompts_path, mopd_test_set_path, specialist_path
     from opd.lab.build import DOMAINS, domain_of
     from opd.lab.tokenizer import build_lab_tokenizer
 
@@ -215,7 +215,8 @@ def test_lab_mopd_config_routes_each_lab_prompt_to_its_specialist(tmp_path, monk
     demo, mopd = (yaml.safe_load((root / "configs" / f"{n}.yaml").read_text()) for n in ("lab_demo", "lab_mopd"))
     teacher, teachers = demo.pop("teacher"), mopd.pop("teachers")
     assert (root / mopd["data"].pop("path")).resolve() == mopd_prompts_path().resolve()
-    demo["data"].pop("path")
+    assert [(root / b).resolve() for b in mopd["eval"].pop("benchmarks")] == [mopd_test_set_path().resolve()]
+    demo["data"].pop("path"), demo["eval"].pop("benchmarks")
     assert demo == mopd
     assert [t["name"] for t in teachers] == list(DOMAINS)
     for entry in teachers:

@@ -64,6 +64,12 @@ def mopd_prompts_path() -> Path:
     return assets_dir() / "data" / "mopd_prompts.jsonl"
 
 
+def mopd_test_set_path() -> Path:
+    """The test set with the same data_source as `mopd_prompts_path` (`mopd_prompt_rows` of test.jsonl): routed like
+    the training prompts, so that configs/lab_mopd.yaml's in-run eval is also split per teacher."""
+    return assets_dir() / "data" / "mopd_test.jsonl"
+
+
 def manifest_path() -> Path:
     """manifest.json: per model its config, parameter count, training recipe and measured test accuracy."""
     return assets_dir() / "manifest.json"

@@ -537,3 +537,31 @@ def test_in_run_eval_is_split_by_the_teacher_routes(world, routed_world, tmp_pat
     for metric in ("avg@2", "mean_response_tokens"):  # three problems each: the halves average to the whole
         halves = [logged[f"eval/teacher/{t}/prompts/{metric}"] for t in "ab"]
         assert sum(halves) / 2 == pytest.approx(logged[f"eval/prompts/{metric}"])
+
+
+def test_opd_check_runs_per_teacher_on_its_routed_prompts(world, routed_world, tmp_path, monkeypatch, capfd):
+    """`opd check` of a config with `teachers:`: each teacher's groups on the prompts routed to it
+    (<out>/<name>/check.json), the routing table and every exit code in <out>/check.json; what it cannot check yet (a
+    view) is refused in one line before any model loads."""
+    from opd.recipes.check import run_check
+
+    config = _config(world, routed_world, tmp_path, teachers=_split(routed_world))
+    report = run_check(config, n=2, prompts_sample=8, out=tmp_path / "check", skip=["step_time"])
+    summary = json.loads((tmp_path / "check" / "check.json").read_text())
+    assert {name: row["prompts"] for name, row in summary["teachers"].items()} == {"a": 3, "b": 3}
+    assert summary["exit_code"] == report.exit_code()
+    for name in "ab":
+        own = json.loads((tmp_path / "check" / name / "check.json").read_text())
+        assert own["forecast"]["prompts_sample"] == 3  # its own 3 of the 6 prompts, not the whole set
+        assert summary["teachers"][name]["exit_code"] == own["exit_code"]
+    teachers = _split(routed_world)
+    teachers[0]["view"] = {"context_key": "answer"}
+    argv = ["check", "--student", str(world / "student"), "--prompts", str(routed_world / "prompts.jsonl")]
+    argv += ["--out", str(tmp_path / "c2"), "data.answer_key=answer", f"teachers={json.dumps(teachers)}"]
+    monkeypatch.delenv("OPD_DEBUG", raising=False)
+    capfd.readouterr()
+    code, stderr, _ = run_in_process(argv, monkeypatch, capfd)
+    assert one_line(code, stderr).endswith(
+        "teachers[a]: opd check does not check a view yet; check the other teachers with a config that lists them only"
+    )
+    assert not (tmp_path / "c2").exists()

@@ -3,7 +3,11 @@ sample. Config → setup (tokenizers and the prompt sample; the tokenizer rows f
 loaded; then both models and their scorers) → run (scoring, forecast, resources) → the table, check.json (never
 replaced) and the report, whose `exit_code()` the command exits with.
 
-Omitted on purpose: served/vLLM teachers (both models are scored in process by `LocalScorer`).
+With several teachers (`teachers:`), the four groups run once per teacher on the prompts routed to it
+(`<out>/<name>/check.json` each), and `<out>/check.json` holds the routing table and every teacher's exit code.
+
+Omitted on purpose: served/vLLM teachers (both models are scored in process by `LocalScorer`), the live student as
+a teacher and teacher views (not checked yet: refused in one line).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from opd.check.report import (
 from opd.check.resources import check_memory, check_step_time, estimate_memory, loaded_bytes, mini_step
 from opd.check.scoring import scoring_rows
 from opd.check.tokenizers import check_tokenizers
-from opd.config import DistillConfig
+from opd.config import STUDENT, DistillConfig, TeacherSpec
 from opd.data.prompts import load_prompts
 from opd.data.templates import encode_prompts
 from opd.io import atomic_write_json
@@ -51,6 +55,7 @@ from opd.objectives.diagnostics import diagnostic_top_k
 from opd.rollout import make_generator
 from opd.rundir import locked
 from opd.teacher.local import LocalScorer
+from opd.teacher.registry import route_prompts
 from opd.train.common import training_precision
 
 
@@ -63,11 +68,17 @@ def run_check(
     skip: Sequence[str] = (),
     thresholds: ForecastThresholds | None = None,
     console: Any = None,
+    prompts: Sequence[Any] | None = None,
 ) -> CheckReport:
     """`opd check`: all four groups for `config` (a `DistillConfig`: student, teacher, data and the lengths and batch
     sizes of the run to come); the forecast on `prompts_sample` prompts × `n` rollouts. Prints the table, writes
-    `<out>/check.json` (refusing to replace one) and returns the report (`exit_code()`)."""
+    `<out>/check.json` (refusing to replace one) and returns the report (`exit_code()`). `prompts`: check on these
+    instead of `data.path`'s (one teacher's routed prompts, `_run_per_teacher`)."""
     console = console or Console()
+    if config.teachers:
+        return _run_per_teacher(
+            config, n=n, prompts_sample=prompts_sample, out=out, skip=skip, thresholds=thresholds, console=console
+        )
     if config.teacher is None:
         raise ValueError("opd check needs a teacher: pass --teacher (teacher.path)")
     if config.teacher.path is None:
@@ -104,6 +115,7 @@ def run_check(
             thresholds=thresholds,
             out_dir=out_dir,
             console=console,
+            prompts=prompts,
         )
 
 
@@ -116,11 +128,12 @@ def _run_checks(
     thresholds: ForecastThresholds,
     out_dir: Path,
     console: Any,
+    prompts: Sequence[Any] | None = None,
 ) -> CheckReport:
-    """run_check's four groups, holding `out_dir`."""
+    """run_check's four groups, holding `out_dir`; on `prompts` (default: `data.path`'s)."""
     assert config.teacher is not None  # run_check refuses a config without a teacher
     report = CheckReport()
-    student_tokenizer, teacher_tokenizer, sample = _tokenizers_and_sample(config, prompts_sample)
+    student_tokenizer, teacher_tokenizer, sample = _tokenizers_and_sample(config, prompts_sample, prompts)
 
     # 1. tokenizers: from the files, before any weights are loaded
     rows = _tokenizer_rows(config, student_tokenizer, teacher_tokenizer, sample)
@@ -161,6 +174,82 @@ def _run_checks(
     return _finish(report, out_dir, console)
 
 
+def _run_per_teacher(
+    config: DistillConfig,
+    *,
+    n: int,
+    prompts_sample: int,
+    out: str | Path | None,
+    skip: Sequence[str],
+    thresholds: ForecastThresholds | None,
+    console: Any,
+) -> CheckReport:
+    """`opd check` of a run with several teachers: each teacher's four groups on the prompts routed to it, into
+    `<out>/<name>/`; `<out>/check.json` is the routing table with each teacher's exit code. The returned report
+    holds every teacher's rows (its exit code: a hard failure of any, else "unlikely" if any forecast says so)."""
+    entries = config.teacher_entries()
+    for entry in entries:
+        unsupported = (
+            "a served teacher (url)"
+            if entry.url
+            else "a vLLM teacher (engine: vllm)"
+            if entry.engine == "vllm"
+            else None
+        )
+        unsupported = unsupported or ("the live student (path: student)" if entry.path == STUDENT else None)
+        unsupported = unsupported or ("a view" if entry.view is not None else None)
+        if unsupported:
+            raise ValueError(
+                f"teachers[{entry.name}]: opd check does not check {unsupported} yet; check the other teachers "
+                "with a config that lists them only"
+            )
+    out_dir = Path(out) if out is not None else Path(config.run.out_dir) / f"check-{time.strftime('%Y%m%d-%H%M%S')}"
+    if (out_dir / "check.json").exists():
+        raise FileExistsError(f"{out_dir / 'check.json'} exists; choose another --out (opd check never replaces it)")
+    prompts = _load_run_prompts(config)
+    if not prompts:
+        raise ValueError(f"data.path {config.data.path}: no prompts")
+    owners = route_prompts(prompts, entries)  # a prompt no route (or two) takes: one line, before any model loads
+    with locked(out_dir, "check", console=console):  # held throughout: one check per directory
+        combined = CheckReport()
+        table: dict[str, Any] = {}
+        for i, entry in enumerate(entries):
+            mine = [p for p, owner in zip(prompts, owners) if owner == i]
+            spec = TeacherSpec(**entry.model_dump(include=set(TeacherSpec.model_fields)))
+            single = config.model_copy(
+                update={
+                    "teacher": spec,
+                    "teachers": None,
+                    "teacher_offload": bool(entry.offload),
+                    "objective": config.objective.model_copy(update={"teacher_temperature": entry.temperature}),
+                }
+            )
+            table[entry.name] = {"route": entry.route.describe() if entry.route else "all", "prompts": len(mine)}
+            if not mine:
+                table[entry.name]["exit_code"] = None
+                continue
+            console.print(
+                f"[bold]teacher {entry.name}[/]: {len(mine)} of {len(prompts)} prompts ({table[entry.name]['route']})"
+            )
+            report = run_check(
+                single,
+                n=n,
+                prompts_sample=prompts_sample,
+                out=out_dir / entry.name,
+                skip=skip,
+                thresholds=thresholds,
+                console=console,
+                prompts=mine,
+            )
+            table[entry.name].update(exit_code=report.exit_code(), check=f"{entry.name}/check.json")
+            combined.results += report.results
+            if report.verdict == "unlikely" or "forecast" not in combined.values:
+                combined.values["forecast"] = {"verdict": report.verdict}
+        atomic_write_json(out_dir / "check.json", {"exit_code": combined.exit_code(), "teachers": table})
+    console.print(f"check.json: {out_dir / 'check.json'} (exit code {combined.exit_code()})")
+    return combined
+
+
 def sample_prompts(prompts: Sequence[Any], count: int, seed: int) -> list[Any]:
     """`count` prompts drawn without replacement (seeded), in file order; all when there are fewer."""
     if count >= len(prompts):
@@ -183,13 +272,9 @@ class _LoadedPair:
     prompt_ids: list[list[int]]
 
 
-def _tokenizers_and_sample(config: DistillConfig, prompts_sample: int) -> tuple[Any, Any, list[Any]]:
-    """Both tokenizers and the seeded prompt sample of `data.path`; no prompts is a one-line ValueError."""
-    data, teacher = config.data, config.teacher
-    assert teacher is not None and teacher.path is not None  # run_check refuses a config without teacher.path
-    student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
-    teacher_tokenizer = load_tokenizer(teacher.path, trust_remote_code=teacher.trust_remote_code)
-    prompts = load_prompts(
+def _load_run_prompts(config: DistillConfig) -> list[Any]:
+    data = config.data
+    return load_prompts(
         data.path,
         prompt_key=data.prompt_key,
         answer_key=data.answer_key,
@@ -197,6 +282,18 @@ def _tokenizers_and_sample(config: DistillConfig, prompts_sample: int) -> tuple[
         split=data.split,
         limit=data.limit,
     )
+
+
+def _tokenizers_and_sample(
+    config: DistillConfig, prompts_sample: int, prompts: Sequence[Any] | None = None
+) -> tuple[Any, Any, list[Any]]:
+    """Both tokenizers and the seeded prompt sample of `prompts` (default: `data.path`'s); no prompts is a one-line
+    ValueError."""
+    data, teacher = config.data, config.teacher
+    assert teacher is not None and teacher.path is not None  # run_check refuses a config without teacher.path
+    student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
+    teacher_tokenizer = load_tokenizer(teacher.path, trust_remote_code=teacher.trust_remote_code)
+    prompts = _load_run_prompts(config) if prompts is None else list(prompts)
     if not prompts:
         raise ValueError(f"data.path {data.path}: no prompts")
     return student_tokenizer, teacher_tokenizer, sample_prompts(prompts, prompts_sample, config.run.seed)

@@ -565,3 +565,20 @@ def test_opd_check_runs_per_teacher_on_its_routed_prompts(world, routed_world, t
         "teachers[a]: opd check does not check a view yet; check the other teachers with a config that lists them only"
     )
     assert not (tmp_path / "c2").exists()
+
+
+def test_a_view_whose_context_never_reaches_the_teacher_stops_distill_at_startup(world, routed_world, tmp_path):
+    """`teacher_view`: a chat template that drops the user message's content renders the view's prompt exactly as
+    the student's, so the teacher's scores cannot move: distill stops before the first step with one line. The same
+    view with the real template passes (the row runs in every view test above)."""
+    blind = tmp_path / "blind"
+    shutil.copytree(world / "student", blind)
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.chat_template = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"  # ignores every message
+    tokenizer.save_pretrained(blind)
+    teachers = [{"name": "self", "path": "student_init", "view": {"context_key": "answer"}}]
+    config = _config(world, routed_world, tmp_path / "runs", f"student.path={blind}", teachers=teachers)
+    with pytest.raises(ValueError, match=r"teacher_view failed .*unchanged for self") as stop:
+        distill(config)
+    assert "\n" not in str(stop.value) and "view.context_template" in str(stop.value)
+    assert not list((tmp_path / "runs").rglob("metrics.jsonl"))

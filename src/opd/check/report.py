@@ -34,6 +34,7 @@ CHECKS: dict[str, str] = {
     "prompt_logprobs": "scoring",
     "served_scores": "scoring",
     "generation_scoring": "scoring",
+    "teacher_view": "scoring",
     "overlap_ratio": "forecast",
     "overlap_mass_student": "forecast",
     "overlap_mass_teacher": "forecast",

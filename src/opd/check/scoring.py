@@ -12,8 +12,10 @@ The checks take any `TeacherScorer`; the teacher's own samples come from the tor
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +40,9 @@ SELF_ZERO_HALF_TOLERANCE = 0.05
 """bf16/fp16: 8/11-bit mantissas round each logit by up to ~0.4 % (bf16) of its magnitude; differently ordered sums
 of ~10-nat logits then differ by ~0.01–0.03 nats per token. A scorer that misaligns positions or drops the
 temperature is off by ≥ 0.3 nats/token."""
+VIEW_TOLERANCE = 1e-6
+"""Below this mean |Δ log-prob| a teacher's scores did not move when its view added the context: the same ids, or a
+context the model cannot see. A real context moves a causal LM's scores of the following tokens by far more."""
 SERVED_TOLERANCE = 2e-2
 """Max |Δ| (nats) in `served_scores`' identities: a bf16 server's log-probs are rounded by ~0.4 % of a logit (~0.03
 nats at 8-nat logits, halved by the float32 log-softmax over bf16 logits), the wire's float16 log-probs by 2^-11 of
@@ -199,6 +204,57 @@ def teacher_samples(
     ids = [list(x) for x in prompt_ids]
     return build_rollouts(
         ids, generator.generate(ids, params), pad_id=tokenizer.pad_token_id, device=next(teacher.parameters()).device
+    )
+
+
+@dataclass(frozen=True)
+class ViewProbe:
+    """One teacher with a view, for `check_teacher_views`: a prompt routed to it as the student sees it and as its
+    view shows it, its scorer and temperature, and the context it scores in (offloaded: moved in; the live student:
+    autocast, no grad)."""
+
+    name: str
+    scorer: Any
+    student_ids: list[int]
+    teacher_ids: list[int]
+    temperature: float
+    placed: Callable[[], contextlib.AbstractContextManager]
+
+
+@torch.no_grad()
+def check_teacher_views(probes: Sequence[ViewProbe], *, pad_id: int) -> CheckResult:
+    """Each teacher with a view (a teacher-only context column) scores the same response after the student's prompt
+    and after its own view of it; scores that do not move mean the context is not in what it scores (a template
+    that drops it, a column rendered empty). The response is the prompt's own last ≤ 16 tokens: any valid ids serve."""
+    unchanged, moved = [], []
+    for probe in probes:
+        response = list(probe.student_ids[-min(len(probe.student_ids), 16) :])
+        rollouts = build_rollouts(
+            [list(probe.student_ids), list(probe.teacher_ids)],
+            GenerationOutput([response, response], ["length", "length"], [0, 1]),
+            pad_id=pad_id,
+            device=torch.device("cpu"),
+        )
+        with probe.placed():
+            lp_BT = probe.scorer.score(rollouts, top_k=0, temperature=probe.temperature, with_entropy=False)
+        mask_BT = rollouts.response_mask.bool()
+        lp_BT = lp_BT.sampled_logprobs.float().cpu()
+        delta = float((lp_BT[0][mask_BT[0]] - lp_BT[1][mask_BT[1]]).abs().mean())
+        moved.append(f"{probe.name} {delta:.3g}")
+        if probe.student_ids == probe.teacher_ids or delta <= VIEW_TOLERANCE:
+            unchanged.append(probe.name)
+    detail = f"mean |Δ log-prob| with the view's context vs without, per teacher: {', '.join(moved)}"
+    if not unchanged:
+        return CheckResult("teacher_view", "pass", None, detail, hard=True)
+    return CheckResult(
+        "teacher_view",
+        "fail",
+        None,
+        f"{detail}; unchanged for {', '.join(unchanged)}",
+        "the view's context does not reach the teacher's prompt: check view.context_key (a column of every routed "
+        "prompt) and view.context_template (it must contain {context}), and that the chat template keeps the user "
+        "message",
+        hard=True,
     )
 
 

@@ -14,8 +14,10 @@ import torch
 from opd.check.report import PREFLIGHT_GROUPS, CheckReport, resolve_skips, skipped_rows
 from opd.check.resources import check_memory, check_step_time, estimate_memory, loaded_bytes, mini_step
 from opd.check.scoring import (
+    ViewProbe,
     check_generation_scoring,
     check_served_scores,
+    check_teacher_views,
     generation_check_tokens,
     scoring_rows,
 )
@@ -42,11 +44,13 @@ def preflight(
     autocast_dtype: torch.dtype | None,
     world_size: int = 1,
     console: Any = None,
+    views: Sequence[ViewProbe] = (),
 ) -> CheckReport:
     """What `opd distill` runs at startup, on the loaded models (before the first step, the optimizer and layer
     compilation): the tokenizers, scoring and resources groups, minus `config.skip_checks`. Raises ValueError
     (one line: the failed rows, their fix, how to skip) on a hard failure. With several processes the rows that
-    run the (sharded) student are left out: prompt_logprobs, step_time and generation_scoring."""
+    run the (sharded) student are left out: prompt_logprobs, step_time and generation_scoring. `views`: one probe
+    per teacher with a view (`teacher_view`)."""
     skip = resolve_skips(config.skip_checks)
     # an offloaded teacher scores on the student's device, as in training (memory is estimated with it offloaded)
     scoring_device = next(student.parameters()).device if config.teacher_offload else None
@@ -108,6 +112,8 @@ def preflight(
                     dtype=autocast_dtype or next(student.parameters()).dtype,
                 )
             )
+    if views and "teacher_view" not in skip:
+        report.results.append(check_teacher_views(views, pad_id=student_tokenizer.pad_token_id))
     if "memory" not in skip:
         needs = estimate_memory(
             config, student, teacher, compute_dtype=autocast_dtype or next(student.parameters()).dtype

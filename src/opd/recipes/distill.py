@@ -12,8 +12,11 @@ sharded by FSDP2; rank 0 owns the run directory and speaks for all (`opd.train.d
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +27,20 @@ from rich.console import Console
 from transformers import PreTrainedModel
 
 from opd.check import preflight
+from opd.check.scoring import ViewProbe
 from opd.config import STUDENT, DistillConfig, TeacherEntry
 from opd.data.prompts import load_prompts
 from opd.data.templates import EncodedPrompts, encode_prompts
 from opd.fingerprints import model_fingerprint
 from opd.io import atomic_write_json
-from opd.models import check_tokenizer_compatibility, compile_layers, load_model, load_tokenizer, resolve_device
+from opd.models import (
+    check_tokenizer_compatibility,
+    compile_layers,
+    load_model,
+    load_tokenizer,
+    on_device,
+    resolve_device,
+)
 from opd.report.sinks import progress_bar
 from opd.rollout import Generator, make_generator
 from opd.rollout.registry import check_generation_fits
@@ -272,7 +283,7 @@ def setup(
         routed.prompt_ids = view_ids
     check_context(config, models)
     generator, rollout_model, rollout_generator = build_engines(config, models, dist)
-    startup_checks(config, models, generator, data, student_tokenizer, dist, console)
+    startup_checks(config, models, generator, data, student_tokenizer, dist, console, prompt_teacher)
     compiled, budget = configure_memory(config, models, dist)
     reference_scorer = load_reference(config, models)
     optimizer, scheduler, sampler = build_optimization(config, models, generator, len(data.prompts), dist)
@@ -580,8 +591,10 @@ def startup_checks(
     student_tokenizer: Any,
     dist: DistInfo,
     console: Any,
+    prompt_teacher: list[int] | None = None,
 ) -> None:
-    """`opd check`'s tokenizers, scoring and resources rows on the loaded models; raises on a hard failure."""
+    """`opd check`'s tokenizers, scoring and resources rows on the loaded models; raises on a hard failure.
+    `prompt_teacher`: each prompt's teacher (`route_teachers`), for the views' row (one process only)."""
     teacher_tokenizer = None  # a served or vLLM teacher has no module here: its tokenizer was compared already
     if models.teacher is not None:  # the startup rows check the first teacher
         teacher = models.teachers[0].entry
@@ -602,7 +615,36 @@ def startup_checks(
         autocast_dtype=models.autocast_dtype,
         world_size=dist.world_size,
         console=console if dist.is_main else None,
+        views=view_probes(models, data, prompt_teacher) if dist.world_size == 1 else (),
     )
+
+
+def view_probes(models: Models, data: EncodedPrompts, prompt_teacher: list[int] | None) -> list[ViewProbe]:
+    """Per teacher with a view: its first routed prompt as the student and as the teacher see it, its scorer and the
+    context it scores in (`check_teacher_views`)."""
+    probes = []
+    for index, routed in enumerate(models.teachers):
+        mine = [j for j, t in enumerate(prompt_teacher or []) if t == index]
+        if routed.prompt_ids is None or not mine:
+            continue
+        placed: Callable[[], contextlib.AbstractContextManager]
+        if routed.entry.path == STUDENT:  # the live student scores under its autocast
+            placed = functools.partial(autocast, models.device, models.autocast_dtype)
+        else:  # an offloaded teacher is moved in while it scores
+            device = models.device if routed.entry.offload else None
+            placed = functools.partial(on_device, routed.teacher.module, device)
+        j = mine[0]
+        probes.append(
+            ViewProbe(
+                routed.name,
+                routed.teacher.scorer,
+                list(data.input_ids[j]),
+                list(routed.prompt_ids[j]),
+                float(routed.entry.temperature or 1.0),
+                placed,
+            )
+        )
+    return probes
 
 
 def configure_memory(config: DistillConfig, models: Models, dist: DistInfo) -> tuple[bool, float | None]:

@@ -33,3 +33,32 @@ def test_resume_with_a_damaged_config_yaml_is_one_line(capsys, world, tmp_path, 
     yaml_path = dump(distill_config(world, tmp_path, steps=2), tmp_path / "c.yaml")
     line = one_line(*cli(capsys, "distill", "--config", yaml_path, "--resume")[::2])
     assert str(run_dir / "config.yaml") in line
+
+
+class _RunsCode:
+    """An object whose unpickling would run code (touch a file): what a hostile trainer_state.pt could hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_a_trainer_state_that_would_run_code_is_refused_without_running_it(tmp_path):
+    """trainer_state.pt loads with weights_only (tensors, containers, numpy's RNG state): a pickled callable is a
+    one-line error naming the file, and the callable never runs."""
+    import torch
+
+    from opd.train.checkpoint import load_trainer_state
+
+    checkpoint = tmp_path / "checkpoints" / "step_2"
+    checkpoint.mkdir(parents=True)
+    marker = tmp_path / "ran"
+    state = {"step": 2, "rng": {}, "optimizer": {}, "scheduler": {}, "sampler": {}, "x": _RunsCode(marker)}
+    torch.save(state, checkpoint / "trainer_state.pt")
+    with pytest.raises(ValueError, match=r"trainer_state.pt: not loadable") as error:
+        load_trainer_state(checkpoint)
+    assert "\n" not in str(error.value) and not marker.exists()

@@ -139,7 +139,10 @@ def load_trainer_state(checkpoint: str | Path) -> dict:
     path = Path(checkpoint) / STATE_FILE
     advice = f"the checkpoint is damaged: move {checkpoint} out of the run directory to resume from an earlier one"
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        # weights_only: tensors, containers and numpy's RNG state only; a run directory from elsewhere cannot make
+        # torch.load run code
+        with torch.serialization.safe_globals(_numpy_rng_globals()):
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except OSError:
         raise
     except Exception as error:  # pickle, zip and torch errors alike: the bytes are not a state torch.save wrote
@@ -154,6 +157,12 @@ def load_trainer_state(checkpoint: str | Path) -> dict:
 
 
 # -------------------------------------------------------------------------------------------------- helpers
+
+
+def _numpy_rng_globals() -> list:
+    """What unpickling `np.random.get_state()` needs (an ndarray of uint32): the only non-torch objects we save."""
+    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+    return [multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def _tensor_bytes(obj: Any) -> int:

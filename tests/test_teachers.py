@@ -124,13 +124,22 @@ def test_the_routing_table_is_written_at_startup_reported_and_kept_on_resume(wor
 def test_every_prompt_is_scored_by_its_own_teacher(world, routed_world, tmp_path, monkeypatch):
     """A counter on the scorers (the real LocalScorer, recording what it scores): teacher a sees only "add" prompts,
     b only "mul" ones, and both score something."""
+    import opd.recipes.distill as recipe
+
     seen: dict[str, list[str]] = {}
     tokenizer = make_tiny_tokenizer()
-    real_score = LocalScorer.score
+    real_score, real_step, in_step = LocalScorer.score, recipe.opd_step, []
+
+    def counting_step(tr):  # the training steps only: the startup rows score prompt 0 with the first teacher
+        in_step.append(True)
+        try:
+            return real_step(tr)
+        finally:
+            in_step.pop()
 
     def counting_score(self, rollouts, **kwargs):
         path = str(self.model.config._name_or_path)
-        if kwargs.get("requested_ids") is None:  # not the step's teacher scoring (the startup checks, the student)
+        if not in_step or kwargs.get("requested_ids") is None:  # not a step's teacher scoring (the student's own)
             return real_score(self, rollouts, **kwargs)
         for row in range(rollouts.batch_size):
             prompt = tokenizer.decode(rollouts.input_ids[row, : int(rollouts.prompt_lengths[row])].tolist())
@@ -138,6 +147,7 @@ def test_every_prompt_is_scored_by_its_own_teacher(world, routed_world, tmp_path
         return real_score(self, rollouts, **kwargs)
 
     monkeypatch.setattr(LocalScorer, "score", counting_score)
+    monkeypatch.setattr(recipe, "opd_step", counting_step)
     distill(_config(world, routed_world, tmp_path, "prompts_per_step=4", teachers=_split(routed_world), steps=3))
     source = {r["prompt"]: r["data_source"] for r in ROWS}
     by_teacher = {name: seen.get(str(routed_world / name), []) for name in "ab"}

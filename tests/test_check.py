@@ -321,6 +321,7 @@ def test_exit_codes_and_skips():
         "prompt_logprobs",
         "served_scores",
         "generation_scoring",
+        "teacher_view",
         "memory",
     }
     assert C.resolve_skips(["all"]) == set(C.CHECKS)
@@ -374,7 +375,8 @@ def test_cli_lab_pair_passes(tmp_path):
     assert report["exit_code"] == 0 and report["forecast"]["verdict"] in ("likely", "uncertain")
     names = {r["name"]: r for r in report["results"]}
     # a local teacher's scores are checked by the rest; the student's engine against its scorer at distill's startup
-    assert set(names) == set(C.CHECKS) - {"served_scores", "generation_scoring"}
+    # teacher_view: a run with a view's (distill's startup)
+    assert set(names) == set(C.CHECKS) - {"served_scores", "generation_scoring", "teacher_view"}
     for name in (
         "tokenizer_vocab",
         "special_tokens",

@@ -307,6 +307,22 @@ def test_memory_estimate_and_check(lab_teacher):
     assert failed.status == "fail" and failed.hard and failed.fix
 
 
+def test_memory_estimate_counts_every_teacher_where_it_lives(lab_teacher):
+    """Several teachers: each one's weights under its own name where they live, the scoring activations once (the
+    largest: teachers score one after another); one teacher keeps its single `teacher_weights` entry."""
+    from opd.recipes.demo import demo_config
+
+    model = lab_teacher[0]
+    bytes_ = sum(p.numel() * p.element_size() for p in model.parameters())
+    one = C.estimate_memory(demo_config(), model, model, compute_dtype=torch.float32)["cpu"]
+    two = C.estimate_memory(
+        demo_config(), model, None, compute_dtype=torch.float32, teachers=[("a", model, True), ("b", model, False)]
+    )["cpu"]
+    assert one["teacher_weights"] == two["teacher_weights[a]"] == two["teacher_weights[b]"] == bytes_
+    assert "teacher_weights" not in two and two["teacher_activations"] == one["teacher_activations"]
+    assert sum(two.values()) == sum(one.values()) + bytes_
+
+
 def test_exit_codes_and_skips():
     report = C.CheckReport([C.CheckResult("memory", "pass", hard=True)])
     assert report.exit_code() == C.EXIT_OK

@@ -40,6 +40,7 @@ def estimate_memory(
     *,
     compute_dtype: torch.dtype,
     weights_dtype: torch.dtype | None = None,
+    teachers: Sequence[tuple[str, torch.nn.Module, bool]] | None = None,
 ) -> dict[str, dict[str, int]]:
     """Bytes per device the run needs, by part. Rules (coarse on purpose; docs/performance.md says how close):
     student weights, gradients (weights' dtype) and AdamW state (2 tensors of the weights' dtype);
@@ -50,7 +51,9 @@ def estimate_memory(
     the chunked head's float32 temporaries (`opd.scoring.CHUNK_BYTES`, or tokens × vocab when smaller) once per
     model that scores;
     teacher weights (on CPU when teacher_offload) and its no-grad scoring activations (score_batch_tokens × 4 ·
-    hidden values)."""
+    hidden values). `teachers`: every in-process teacher of a run with several, as (name, module, offloaded): each
+    one's weights where they live (`teacher_weights[name]`), and the scoring activations of the largest where they
+    score (teachers score one after another); None: `teacher` alone, offloaded when teacher_offload."""
 
     def shape(model: torch.nn.Module) -> dict[str, int]:
         c = model.config
@@ -80,15 +83,20 @@ def estimate_memory(
         "student_head_chunk": min(CHUNK_BYTES, config.micro_batch_tokens * _vocab(student) * 4),
     }
     devices: dict[str, dict[str, int]] = {str(next(student.parameters()).device): student_parts}
-    if teacher is not None:  # offloaded: weights on CPU; while scoring they visit the student's device (not counted)
-        t = shape(teacher)
-        weights_at = "cpu" if config.teacher_offload else str(next(teacher.parameters()).device)
-        scores_at = str(next(student.parameters()).device) if config.teacher_offload else weights_at
-        devices.setdefault(weights_at, {})["teacher_weights"] = _param_bytes(teacher)
-        devices.setdefault(scores_at, {}).update(
-            teacher_activations=config.score_batch_tokens * 4 * t["hidden"] * cb,
-            teacher_head_chunk=min(CHUNK_BYTES, config.score_batch_tokens * _vocab(teacher) * 4),
-        )
+    if teachers is None:
+        teachers = [] if teacher is None else [("teacher", teacher, config.teacher_offload)]
+    for name, module, offloaded in teachers:
+        # offloaded: weights on CPU; while scoring they visit the student's device (not counted)
+        weights_at = "cpu" if offloaded else str(next(module.parameters()).device)
+        scores_at = str(next(student.parameters()).device) if offloaded else weights_at
+        key = "teacher_weights" if len(teachers) == 1 else f"teacher_weights[{name}]"
+        devices.setdefault(weights_at, {})[key] = _param_bytes(module)
+        scoring = devices.setdefault(scores_at, {})
+        for part, size in (
+            ("teacher_activations", config.score_batch_tokens * 4 * shape(module)["hidden"] * cb),
+            ("teacher_head_chunk", min(CHUNK_BYTES, config.score_batch_tokens * _vocab(module) * 4)),
+        ):
+            scoring[part] = max(scoring.get(part, 0), size)
     return devices
 
 

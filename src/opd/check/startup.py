@@ -45,12 +45,14 @@ def preflight(
     world_size: int = 1,
     console: Any = None,
     views: Sequence[ViewProbe] = (),
+    teachers: Sequence[tuple[str, torch.nn.Module, bool]] | None = None,
 ) -> CheckReport:
     """What `opd distill` runs at startup, on the loaded models (before the first step, the optimizer and layer
     compilation): the tokenizers, scoring and resources groups, minus `config.skip_checks`. Raises ValueError
     (one line: the failed rows, their fix, how to skip) on a hard failure. With several processes the rows that
     run the (sharded) student are left out: prompt_logprobs, step_time and generation_scoring. `views`: one probe
-    per teacher with a view (`teacher_view`)."""
+    per teacher with a view (`teacher_view`). `teachers`: every in-process teacher (name, module, offloaded) of a
+    run with several, for the memory row (`estimate_memory`)."""
     skip = resolve_skips(config.skip_checks)
     # an offloaded teacher scores on the student's device, as in training (memory is estimated with it offloaded)
     scoring_device = next(student.parameters()).device if config.teacher_offload else None
@@ -116,9 +118,14 @@ def preflight(
         report.results.append(check_teacher_views(views, pad_id=student_tokenizer.pad_token_id))
     if "memory" not in skip:
         needs = estimate_memory(
-            config, student, teacher, compute_dtype=autocast_dtype or next(student.parameters()).dtype
+            config,
+            student,
+            teacher,
+            compute_dtype=autocast_dtype or next(student.parameters()).dtype,
+            teachers=teachers,
         )
-        report.results.append(check_memory(needs, loaded=loaded_bytes(student, teacher)))
+        modules = [teacher] if teachers is None else [module for _, module, _ in teachers]
+        report.results.append(check_memory(needs, loaded=loaded_bytes(student, *modules)))
     if "step_time" not in skip:
         with on_device(teacher, scoring_device):
             timings = mini_step(

@@ -616,7 +616,22 @@ def startup_checks(
         world_size=dist.world_size,
         console=console if dist.is_main else None,
         views=view_probes(models, data, prompt_teacher) if dist.world_size == 1 else (),
+        teachers=local_teachers(models) if len(models.teachers) > 1 else None,
     )
+
+
+def local_teachers(models: Models) -> list[tuple[str, torch.nn.Module, bool]]:
+    """Every in-process teacher module once (entries naming one model share it), with its name and whether it is
+    offloaded: what the teachers hold in memory (`estimate_memory`). Served teachers and the live student hold
+    nothing of their own."""
+    out, seen = [], set()
+    for routed in models.teachers:
+        module = routed.teacher.module
+        if module is None or routed.entry.path == STUDENT or id(module) in seen:
+            continue
+        seen.add(id(module))
+        out.append((routed.name, module, bool(routed.entry.offload)))
+    return out
 
 
 def view_probes(models: Models, data: EncodedPrompts, prompt_teacher: list[int] | None) -> list[ViewProbe]:

@@ -551,8 +551,9 @@ def test_in_run_eval_is_split_by_the_teacher_routes(world, routed_world, tmp_pat
 
 def test_opd_check_runs_per_teacher_on_its_routed_prompts(world, routed_world, tmp_path, monkeypatch, capfd):
     """`opd check` of a config with `teachers:`: each teacher's groups on the prompts routed to it
-    (<out>/<name>/check.json), the routing table and every exit code in <out>/check.json; what it cannot check yet (a
-    view) is refused in one line before any model loads."""
+    (<out>/<name>/check.json), the routing table and every exit code in <out>/check.json; a teacher with a view gets
+    teacher_view and no forecast; what it cannot check yet (the live student) is refused in one line before any model
+    loads."""
     from opd.recipes.check import run_check
 
     config = _config(world, routed_world, tmp_path, teachers=_split(routed_world))
@@ -565,14 +566,22 @@ def test_opd_check_runs_per_teacher_on_its_routed_prompts(world, routed_world, t
         assert own["forecast"]["prompts_sample"] == 3  # its own 3 of the 6 prompts, not the whole set
         assert summary["teachers"][name]["exit_code"] == own["exit_code"]
     teachers = _split(routed_world)
-    teachers[0]["view"] = {"context_key": "answer"}
+    teachers[0]["view"] = {"context_key": "answer"}  # a view: teacher_view instead of a forecast
+    run_check(_config(world, routed_world, tmp_path, teachers=teachers), n=2, prompts_sample=8, out=tmp_path / "c1")
+    rows = {r["name"]: r for r in json.loads((tmp_path / "c1" / "a" / "check.json").read_text())["results"]}
+    assert rows["teacher_view"]["status"] == "pass" and rows["forecast"]["status"] == "skip"
+    assert "teacher_view" not in {
+        r["name"] for r in json.loads((tmp_path / "c1" / "b" / "check.json").read_text())["results"]
+    }
+    teachers[0] = {"name": "a", "path": "student", "route": teachers[0]["route"], "view": teachers[0]["view"]}
     argv = ["check", "--student", str(world / "student"), "--prompts", str(routed_world / "prompts.jsonl")]
     argv += ["--out", str(tmp_path / "c2"), "data.answer_key=answer", f"teachers={json.dumps(teachers)}"]
     monkeypatch.delenv("OPD_DEBUG", raising=False)
     capfd.readouterr()
     code, stderr, _ = run_in_process(argv, monkeypatch, capfd)
     assert one_line(code, stderr).endswith(
-        "teachers[a]: opd check does not check a view yet; check the other teachers with a config that lists them only"
+        "teachers[a]: opd check does not check the live student (path: student) yet; check the other teachers "
+        "with a config that lists them only"
     )
     assert not (tmp_path / "c2").exists()
 

@@ -6,12 +6,16 @@ replaced) and the report, whose `exit_code()` the command exits with.
 With several teachers (`teachers:`), the four groups run once per teacher on the prompts routed to it
 (`<out>/<name>/check.json` each), and `<out>/check.json` holds the routing table and every teacher's exit code.
 
-Omitted on purpose: served/vLLM teachers (both models are scored in process by `LocalScorer`), the live student as
-a teacher and teacher views (not checked yet: refused in one line).
+A teacher with a view gets `teacher_view` (its context must move its scores) and no forecast (which scores the
+student's prompt ids).
+
+Omitted on purpose: served/vLLM teachers (both models are scored in process by `LocalScorer`) and the live student
+as a teacher (not checked yet: refused in one line).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -37,9 +41,9 @@ from opd.check.report import (
     skipped_rows,
 )
 from opd.check.resources import check_memory, check_step_time, estimate_memory, loaded_bytes, mini_step
-from opd.check.scoring import scoring_rows
+from opd.check.scoring import ViewProbe, check_teacher_views, scoring_rows
 from opd.check.tokenizers import check_tokenizers
-from opd.config import STUDENT, DistillConfig, TeacherSpec
+from opd.config import STUDENT, DistillConfig, TeacherEntry, TeacherSpec
 from opd.data.prompts import load_prompts
 from opd.data.templates import encode_prompts
 from opd.io import atomic_write_json
@@ -55,7 +59,7 @@ from opd.objectives.diagnostics import diagnostic_top_k
 from opd.rollout import make_generator
 from opd.rundir import locked
 from opd.teacher.local import LocalScorer
-from opd.teacher.registry import route_prompts
+from opd.teacher.registry import route_prompts, view_prompts
 from opd.train.common import training_precision
 
 
@@ -69,11 +73,14 @@ def run_check(
     thresholds: ForecastThresholds | None = None,
     console: Any = None,
     prompts: Sequence[Any] | None = None,
+    view: TeacherEntry | None = None,
 ) -> CheckReport:
     """`opd check`: all four groups for `config` (a `DistillConfig`: student, teacher, data and the lengths and batch
     sizes of the run to come); the forecast on `prompts_sample` prompts × `n` rollouts. Prints the table, writes
     `<out>/check.json` (refusing to replace one) and returns the report (`exit_code()`). `prompts`: check on these
-    instead of `data.path`'s (one teacher's routed prompts, `_run_per_teacher`)."""
+    instead of `data.path`'s (one teacher's routed prompts, `_run_per_teacher`). `view`: that teacher's entry when it
+    has a view: `teacher_view` checks that its context moves the teacher's scores, and the forecast is not run (it
+    scores the student's prompt ids, not the view's)."""
     console = console or Console()
     if config.teachers:
         return _run_per_teacher(
@@ -116,6 +123,7 @@ def run_check(
             out_dir=out_dir,
             console=console,
             prompts=prompts,
+            view=view,
         )
 
 
@@ -129,8 +137,9 @@ def _run_checks(
     out_dir: Path,
     console: Any,
     prompts: Sequence[Any] | None = None,
+    view: TeacherEntry | None = None,
 ) -> CheckReport:
-    """run_check's four groups, holding `out_dir`; on `prompts` (default: `data.path`'s)."""
+    """run_check's four groups, holding `out_dir`; on `prompts` (default: `data.path`'s); `view`: see run_check."""
     assert config.teacher is not None  # run_check refuses a config without a teacher
     report = CheckReport()
     student_tokenizer, teacher_tokenizer, sample = _tokenizers_and_sample(config, prompts_sample, prompts)
@@ -165,8 +174,16 @@ def _run_checks(
         skip=skipped,
         autocast_dtype=pair.autocast_dtype,
     )
+    if view is not None and "teacher_view" not in skipped:
+        report.results.append(_view_row(config, pair, student_tokenizer, sample[0], view))
     # 3. forecast
-    if "forecast" not in skipped:
+    if view is not None and "forecast" not in skipped:
+        report.results.append(
+            CheckResult(
+                "forecast", "skip", None, "not run for a teacher with a view: it scores the student's prompt ids"
+            )
+        )
+    elif "forecast" not in skipped:
         _forecast_group(report, config, pair, student_tokenizer, sample, n=n, thresholds=thresholds, skipped=skipped)
     # 4. resources
     _resources_group(report, config, pair, student_tokenizer, skipped)
@@ -197,7 +214,6 @@ def _run_per_teacher(
             else None
         )
         unsupported = unsupported or ("the live student (path: student)" if entry.path == STUDENT else None)
-        unsupported = unsupported or ("a view" if entry.view is not None else None)
         if unsupported:
             raise ValueError(
                 f"teachers[{entry.name}]: opd check does not check {unsupported} yet; check the other teachers "
@@ -240,6 +256,7 @@ def _run_per_teacher(
                 thresholds=thresholds,
                 console=console,
                 prompts=mine,
+                view=entry if entry.view is not None else None,
             )
             table[entry.name].update(exit_code=report.exit_code(), check=f"{entry.name}/check.json")
             combined.results += report.results
@@ -374,6 +391,28 @@ def _load_pair(
     return _LoadedPair(
         student, teacher, student_scorer, teacher_scorer, vocab_size, weights_dtype, autocast_dtype, encoded.input_ids
     )
+
+
+def _view_row(
+    config: DistillConfig, pair: _LoadedPair, tokenizer: Any, prompt: Any, entry: TeacherEntry
+) -> CheckResult:
+    """`teacher_view` on the sample's first prompt: the teacher's scores after the student's prompt and after its
+    view of it (as distill's startup row)."""
+    teacher_ids = encode_prompts(
+        tokenizer,
+        view_prompts([prompt], entry, [True]),
+        max_prompt_length=1 << 30,  # the context may take the prompt past data.max_prompt_length
+        enable_thinking=config.data.enable_thinking,
+    ).input_ids[0]
+    probe = ViewProbe(
+        entry.name,
+        pair.teacher_scorer,
+        list(pair.prompt_ids[0]),
+        list(teacher_ids),
+        float(entry.temperature or 1.0),
+        contextlib.nullcontext,
+    )
+    return check_teacher_views([probe], pad_id=tokenizer.pad_token_id)
 
 
 def _forecast_group(

@@ -121,16 +121,16 @@ def test_the_routing_table_is_written_at_startup_reported_and_kept_on_resume(wor
     assert (resumed / "teachers.json").read_bytes() == written
 
 
-def test_every_prompt_is_scored_by_its_own_teacher(world, routed_world, tmp_path, monkeypatch):
-    """A counter on the scorers (the real LocalScorer, recording what it scores): teacher a sees only "add" prompts,
-    b only "mul" ones, and both score something."""
+def _teacher_prompts_in_steps(monkeypatch, tokenizer) -> dict[str, list[str]]:
+    """A counter on the real LocalScorer inside the training steps only (the startup rows score prompt 0 with the
+    first teacher, whatever its route): model path → the decoded prompts of the rows each teacher scored (calls with
+    requested_ids: a teacher's scoring, not the student's own)."""
     import opd.recipes.distill as recipe
 
     seen: dict[str, list[str]] = {}
-    tokenizer = make_tiny_tokenizer()
     real_score, real_step, in_step = LocalScorer.score, recipe.opd_step, []
 
-    def counting_step(tr):  # the training steps only: the startup rows score prompt 0 with the first teacher
+    def counting_step(tr):
         in_step.append(True)
         try:
             return real_step(tr)
@@ -138,19 +138,28 @@ def test_every_prompt_is_scored_by_its_own_teacher(world, routed_world, tmp_path
             in_step.pop()
 
     def counting_score(self, rollouts, **kwargs):
-        path = str(self.model.config._name_or_path)
-        if not in_step or kwargs.get("requested_ids") is None:  # not a step's teacher scoring (the student's own)
-            return real_score(self, rollouts, **kwargs)
-        for row in range(rollouts.batch_size):
-            prompt = tokenizer.decode(rollouts.input_ids[row, : int(rollouts.prompt_lengths[row])].tolist())
-            seen.setdefault(path, []).append(prompt.split("user\n")[1].split("<|im_end|>")[0])
+        if in_step and kwargs.get("requested_ids") is not None:
+            path = str(self.model.config._name_or_path)
+            for row in range(rollouts.batch_size):
+                prompt = tokenizer.decode(rollouts.input_ids[row, : int(rollouts.prompt_lengths[row])].tolist())
+                seen.setdefault(path, []).append(prompt)
         return real_score(self, rollouts, **kwargs)
 
     monkeypatch.setattr(LocalScorer, "score", counting_score)
     monkeypatch.setattr(recipe, "opd_step", counting_step)
+    return seen
+
+
+def test_every_prompt_is_scored_by_its_own_teacher(world, routed_world, tmp_path, monkeypatch):
+    """A counter on the scorers (the real LocalScorer, recording what it scores): teacher a sees only "add" prompts,
+    b only "mul" ones, and both score something."""
+    seen = _teacher_prompts_in_steps(monkeypatch, make_tiny_tokenizer())
     distill(_config(world, routed_world, tmp_path, "prompts_per_step=4", teachers=_split(routed_world), steps=3))
     source = {r["prompt"]: r["data_source"] for r in ROWS}
-    by_teacher = {name: seen.get(str(routed_world / name), []) for name in "ab"}
+    by_teacher = {
+        name: [p.split("user\n")[1].split("<|im_end|>")[0] for p in seen.get(str(routed_world / name), [])]
+        for name in "ab"
+    }
     assert by_teacher["a"] and by_teacher["b"]
     assert {source[p] for p in by_teacher["a"]} == {"add"}
     assert {source[p] for p in by_teacher["b"]} == {"mul"}
@@ -235,29 +244,7 @@ def test_lab_mopd_config_routes_each_lab_prompt_to_its_specialist(tmp_path, monk
         assert {k: v for k, v in entry.items() if k not in ("name", "route", "path")} == {
             k: v for k, v in teacher.items() if k != "path"
         }
-    import opd.recipes.distill as recipe
-
-    seen: dict[str, list[str]] = {}
-    tokenizer = build_lab_tokenizer()
-    real_score, real_step, in_step = LocalScorer.score, recipe.opd_step, []
-
-    def counting_step(tr):  # the training steps only: the startup rows score the first prompt with the first teacher
-        in_step.append(True)
-        try:
-            return real_step(tr)
-        finally:
-            in_step.pop()
-
-    def counting_score(self, rollouts, **kwargs):
-        if in_step and kwargs.get("requested_ids") is not None:  # the step's teacher scoring, not the student's
-            name = Path(self.model.config._name_or_path).name.removeprefix("specialist_")
-            for row in range(rollouts.batch_size):
-                prompt = tokenizer.decode(rollouts.input_ids[row, : int(rollouts.prompt_lengths[row])].tolist())
-                seen.setdefault(name, []).append(domain_of(prompt.split("Compute ")[1].split(". Put")[0]))
-        return real_score(self, rollouts, **kwargs)
-
-    monkeypatch.setattr(LocalScorer, "score", counting_score)
-    monkeypatch.setattr(recipe, "opd_step", counting_step)
+    prompts = _teacher_prompts_in_steps(monkeypatch, build_lab_tokenizer())
     monkeypatch.chdir(root)
     out = ["run.steps=3", "run.eval_every=0", "eval.benchmarks=[]", "run.report=false", "run.samples_per_step=0"]
     config = build_config(
@@ -266,6 +253,10 @@ def test_lab_mopd_config_routes_each_lab_prompt_to_its_specialist(tmp_path, monk
         overrides=[*out, f"run.out_dir={tmp_path}", "run.name=mopd", "rollout.max_new_tokens=48"],
     )
     run_dir = distill(config)
+    seen = {
+        Path(path).name.removeprefix("specialist_"): [domain_of(p.split("Compute ")[1].split(". Put")[0]) for p in rows]
+        for path, rows in prompts.items()
+    }
     assert seen.keys() == set(DOMAINS)
     for name, domains in seen.items():
         assert set(domains) == {name}

@@ -207,6 +207,21 @@ def teacher_samples(
     )
 
 
+def _tail(ids: Sequence[int]) -> list[int]:
+    """A prompt's last ≤ 16 tokens: a response the checks score where any valid ids serve."""
+    return list(ids[-min(len(ids), 16) :])
+
+
+def _with_responses(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> Any:
+    """Rollouts on the CPU of each prompt followed by its response, as if generated to their lengths."""
+    return build_rollouts(
+        [list(p) for p in prompts],
+        GenerationOutput([list(r) for r in responses], ["length"] * len(responses), list(range(len(responses)))),
+        pad_id=pad_id,
+        device=torch.device("cpu"),
+    )
+
+
 @dataclass(frozen=True)
 class ViewProbe:
     """One teacher with a view, for `check_teacher_views`: a prompt routed to it as the student sees it and as its
@@ -228,13 +243,8 @@ def check_teacher_views(probes: Sequence[ViewProbe], *, pad_id: int) -> CheckRes
     that drops it, a column rendered empty). The response is the prompt's own last ≤ 16 tokens: any valid ids serve."""
     unchanged, moved = [], []
     for probe in probes:
-        response = list(probe.student_ids[-min(len(probe.student_ids), 16) :])
-        rollouts = build_rollouts(
-            [list(probe.student_ids), list(probe.teacher_ids)],
-            GenerationOutput([response, response], ["length", "length"], [0, 1]),
-            pad_id=pad_id,
-            device=torch.device("cpu"),
-        )
+        response = _tail(probe.student_ids)
+        rollouts = _with_responses([probe.student_ids, probe.teacher_ids], [response, response], pad_id)
         with probe.placed():
             lp_BT = probe.scorer.score(rollouts, top_k=0, temperature=probe.temperature, with_entropy=False)
         mask_BT = rollouts.response_mask.bool()
@@ -269,13 +279,7 @@ def check_served_scores(
     if entropy_N is not None and not -SERVED_TOLERANCE <= entropy_N.min() <= entropy_N.max() <= log_v:
     larger (the temperature was applied, once)."""
     k = top_k  # what the trainer asks for: a server's max_top_k (or vLLM's max_logprobs) allows it
-    responses = [list(ids[-min(len(ids), 16) :]) for ids in prompt_ids[:2]]
-    rollouts = build_rollouts(
-        [list(ids) for ids in prompt_ids[:2]],
-        GenerationOutput(responses, ["length"] * len(responses), list(range(len(responses)))),
-        pad_id=pad_id,
-        device=torch.device("cpu"),
-    )
+    rollouts = _with_responses(prompt_ids[:2], [_tail(ids) for ids in prompt_ids[:2]], pad_id)
     mask_BT = rollouts.response_mask.bool()
     at_t = scorer.score(rollouts, top_k=k, temperature=temperature, with_entropy=True)
     lp_NK, ids_NK = at_t.topk_logprobs[mask_BT].float(), at_t.topk_ids[mask_BT]

@@ -216,7 +216,7 @@ def resume_checkpoint(
         # what a restart from step 0 would rewrite; other entries (the demo's before-training evals) are no run
         held = sorted(p.name for p in run_dir.iterdir() if p.name in _RUN_RECORDS) if run_dir.is_dir() else []
         if held:
-            newest = f" (the newest: {skipped[0].split('; falling back')[0]})" if skipped else ""
+            newest = f" (the newest: {skipped[0].removesuffix(_FALLING_BACK)})" if skipped else ""
             raise RunDirectoryError(
                 f"--resume: {run_dir} holds a run ({', '.join(held[:3])}{', …' if len(held) > 3 else ''}) but no "
                 f"checkpoint that verifies{newest}; nothing was changed. Start another run.name, or set "
@@ -293,7 +293,7 @@ def open_run(config: BaseModel, run_dir: Path, run: RunSpec, *, resume_step: int
     as `config.step_<resume_step>.yaml` (the settings of the steps up to there)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume_step is not None:
-        from opd.report.report import check_run_files
+        from opd.report.report import check_run_files  # here: it imports matplotlib, which only a resume needs
 
         check_run_files(run_dir)  # damage read back at the end (the report) is one line now, nothing changed yet
         keep_config_history(config, run_dir, resume_step)
@@ -348,6 +348,7 @@ def check_same_work(
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "MANIFEST.json"
+_FALLING_BACK = "; falling back to the previous one"  # the end of latest_checkpoint's warning for each skipped one
 _TEMP_DIR = re.compile(r"^\.(tmp|old)-step_\d+-(\d+)$")
 
 
@@ -426,7 +427,7 @@ def latest_checkpoint(
         problem = verify_checkpoint(path, hashes=hashes)
         if problem is None:
             return path
-        warn(f"checkpoint {path} is incomplete or corrupt ({problem}); falling back to the previous one")
+        warn(f"checkpoint {path} is incomplete or corrupt ({problem}){_FALLING_BACK}")
     return None
 
 

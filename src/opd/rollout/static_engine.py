@@ -795,7 +795,8 @@ class _Run:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         kernel_ok = triton_attention.available(device) and triton_attention.supports(_head_dim(model))
         # SDPA has no soft-cap: soft-capped models (Gemma 2) take the matmul path off the Triton kernel
-        fallback = "matmul" if _Layout.of(config).attn_softcap is not None else "sdpa"
+        self.layout = _Layout.of(config)
+        fallback = "matmul" if self.layout.attn_softcap is not None else "sdpa"
         auto = "triton" if kernel_ok and device.type == "cuda" else fallback
         self.attention = auto if engine.attention == "auto" else engine.attention
         self.attend = _ATTENTION.get(self.attention)  # None: the Triton kernel
@@ -864,8 +865,8 @@ class _Run:
 
     def _read_step_weights(self, model: torch.nn.Module, shadow: torch.dtype | None) -> None:
         """The step's weights (`_Layer` per decoder layer, norms, embedding, head, RoPE-table keys) from the module."""
-        body, head, config = model.get_decoder(), model.get_output_embeddings(), model.config
-        self.layout = layout = _Layout.of(config)
+        body, head = model.get_decoder(), model.get_output_embeddings()
+        layout = self.layout
         # layer i's next norm: i + 1 (post-norm layers: the norm of the MLP's output, the final norm on its own)
         if layout.post_norm:
             input_norms = [None] + [layer.post_feedforward_layernorm for layer in body.layers]

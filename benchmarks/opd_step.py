@@ -90,6 +90,9 @@ VARIANTS: dict[str, dict] = {
     "lean_offload": {"state_dtype": "bf16", "micro_batch_tokens": 4096, "teacher_offload": True},
     "lean_offload_8k": {"state_dtype": "bf16", "micro_batch_tokens": 8192, "teacher_offload": True},
     "overlap": {"overlap": True},
+    # two teachers of --teacher-shape (their own random weights), prompts routed alternately, both kept in pinned
+    # host memory and moved in only while they score (`teachers:` with `offload: true`)
+    "two_teachers_offload": {"teachers": 2, "teacher_offload": True},
 }
 TRL_ROWS = ("distill:defaults", "distill:fastest", "gkd:defaults", "gkd:fastest")
 GIB = 2**30
@@ -182,6 +185,8 @@ def _engine(model, engine: str, args, rows: int, background: bool = False):
 
 
 def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path, autocast_dtype, variant: dict):
+    """A `Trainer` as `opd.recipes.distill.setup` assembles it; `teacher` is one module or, for a variant with
+    several teachers, a list of them (routed prompt i → teacher i mod N, as a `teachers:` config routes)."""
     from opd.config import (
         DataSpec,
         DistillConfig,
@@ -190,9 +195,12 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
         OptimSpec,
         RunSpec,
         SamplingSpec,
+        TeacherEntry,
+        TeacherRoute,
         TeacherSpec,
     )
     from opd.teacher.local import LocalScorer
+    from opd.teacher.registry import RoutedTeacher, Teacher
     from opd.train.optim import build_optimizer, build_scheduler
     from opd.train.overlap import rollout_snapshot
     from opd.train.sampler import PromptSampler
@@ -217,6 +225,19 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
     vocab = TOKENIZER_SIZE[args.shape]
     optimizer = build_optimizer(student.parameters(), config.optim)
     prompts = [Prompt(id=str(i), messages=[{"role": "user", "content": ""}]) for i in range(len(prompt_ids))]
+    modules = teacher if isinstance(teacher, list) else [teacher]
+    scorers = [LocalScorer(m, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab) for m in modules]
+    routed = []
+    if len(modules) > 1:
+        for i, (module, scorer) in enumerate(zip(modules, scorers)):
+            entry = TeacherEntry(
+                name=f"t{i}",
+                path=f"random:{args.teacher_shape}",
+                offload=config.teacher_offload,
+                temperature=config.objective.teacher_temperature,
+                route=TeacherRoute(data_source=[f"part{i}"]),
+            )
+            routed.append(RoutedTeacher(entry=entry, teacher=Teacher(scorer=scorer, module=module, vocab=None)))
     rollout_model = rollout_generator = None
     if overlap:  # as `opd.train.overlap.overlap_generator` builds them, over the benchmark's own engine
         rollout_model = rollout_snapshot(student, autocast_dtype or torch.float32)
@@ -230,8 +251,8 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
         prompt_ids=prompt_ids,
         generator=_engine(student, engine, args, rows),
         student_scorer=LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab),
-        teacher=teacher,
-        teacher_scorer=LocalScorer(teacher, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab),
+        teacher=modules[0],
+        teacher_scorer=scorers[0],
         reference_scorer=None,
         vocab_size=vocab,
         optimizer=optimizer,
@@ -241,6 +262,8 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
         autocast_dtype=autocast_dtype,
         rollout_model=rollout_model,
         rollout_generator=rollout_generator,
+        teachers=routed,
+        prompt_teacher=[i % len(modules) for i in range(len(prompt_ids))] if routed else [],
     )
 
 
@@ -297,10 +320,24 @@ def our_row(
     if row_ckpt == "on":
         student.gradient_checkpointing_enable()
     offload = bool(variant.get("teacher_offload"))
+    teachers = [teacher] + [
+        _extra_teacher(args, device, seed=args.seed + 1 + i, compiled=compiled)
+        for i in range(1, variant.get("teachers", 1))
+    ]
     try:
-        tr = build_trainer(args, student, teacher, prompt_ids, engine, run_dir, autocast_dtype, variant)
+        tr = build_trainer(
+            args,
+            student,
+            teachers if len(teachers) > 1 else teacher,
+            prompt_ids,
+            engine,
+            run_dir,
+            autocast_dtype,
+            variant,
+        )
         if offload:  # after the scorer's head check: a forward of the compiled layers on CPU would compile for CPU
-            teacher.to("cpu")
+            for module in teachers:
+                module.to("cpu")
         tr.activation_budget = 0.5 if row_ckpt == "selective" else None
         cuda = device.type == "cuda"
         steps: list[dict] = []
@@ -367,6 +404,7 @@ def our_row(
                 if k.startswith("time/") and k != "time/step"
             }
         )
+        row.update({k: v for k, v in last["metrics"].items() if k.endswith("/token_frac")})  # several teachers
         for key in ("policy_lag", "is_weight_mean", "is_weight_max", "is_weight_capped_frac"):
             if key in last["metrics"]:
                 row[key] = last["metrics"][key]
@@ -379,6 +417,21 @@ def our_row(
             student.gradient_checkpointing_disable()
         if offload:
             teacher.to(device)
+        del teachers[1:]
+        gc.collect()
+
+
+def _extra_teacher(args, device, *, seed: int, compiled: bool):
+    """Another teacher of --teacher-shape with its own random weights, built as the first one is (bf16 on CUDA)."""
+    module = build_model(
+        args.teacher_shape, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device, seed=seed
+    ).requires_grad_(False)
+    module.set_attn_implementation(attention_name(args.attn, device))
+    if compiled:
+        from opd.models import compile_layers
+
+        compile_layers(module, True)
+    return module
 
 
 # ------------------------------------------------------------------------------------------------ TRL rows

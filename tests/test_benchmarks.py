@@ -93,6 +93,37 @@ def test_rollout_ragged_lengths_against_equal_lengths(tmp_path, capsys):
     assert [b["positions"] for b in got["static_engine@4[ragged]"]["lp_drift"]] == ["[0, 128)"]
 
 
+def test_rollout_stream(tmp_path, capsys):
+    """The partial-rollout stream over the static engine with forced lognormal lengths: every trained sample has the
+    length drawn when it started (also those continued over two segments), every started sample is trained or in
+    flight, each step's trained tokens are its lag histogram; the [equal] row has the trained mean length; one
+    bucket row per row count up to the slots."""
+    spec = "lognormal:mean=6,cap=16,sigma=0.8"
+    data, printed = run(
+        "rollout_stream",
+        tmp_path,
+        capsys,
+        *("--batches", "8", "--prompt-len", "5", "--lengths", spec, "--stream-steps", "4", "--bucket-steps", "32"),
+    )
+    got = rows(data)
+    stream, equal = got["stream[static_engine@8]"], got["static_engine@8[equal]"]
+    assert stream["timed_steps"] == 2 and stream["segment"] == 8 and stream["vs_equal"] > 0
+    assert stream["started_total"] == stream["trained_total"] + stream["dropped_total"] + stream["in_flight"]
+    assert stream["dropped_total"] == 0  # segment × (S + 1) = cap: every sample ends before it is stale
+    assert equal["tokens"] == 8 * round(stream["mean_len"])
+    steps = data["steps"]
+    assert [s["trained"] for s in steps] == [8] * 4 and all(s["calls"] >= 1 for s in steps)
+    assert all(s["lag_0"] + s["lag_1"] == s["tokens"] == sum(s["lengths"]) for s in steps)
+    drawn = load("rollout_stream").ForcedLengths(spec, 16, 0)
+    first = sorted(drawn.draw() for _ in range(stream["started_total"]))
+    trained = sorted(n for s in steps for n in s["lengths"])
+    assert max(trained) > 8 and all(trained.count(n) <= first.count(n) for n in set(trained))
+    sizes = [b["rows"] for b in data["buckets"]]
+    assert sizes[:3] == [1, 2, 4] and sizes[-1] == 8 and set(stream["bucket_steps"]) <= set(sizes)
+    assert all(b["steps_timed"] == 32 for b in data["buckets"])
+    assert data["steps_table"] in printed and data["bucket_table"] in printed
+
+
 def test_teacher_score(tmp_path, capsys):
     data, _ = run("teacher_score", tmp_path, capsys, "--batch", "2", "--prompt-len", "4", "--response-len", "6")
     got = rows(data)

@@ -1,0 +1,423 @@
+"""Partial-rollout stream throughput and the static engine's decode step at each live-row bucket (issue 24).
+
+    python benchmarks/rollout_stream.py --shape qwen3-0.6b --batches 256 --lengths lognormal:mean=1500,cap=7168 \\
+        --stream-steps 20 --repeat 1                                                              # GPU
+    python benchmarks/rollout_stream.py --shape tiny --device cpu --batches 8 --new-tokens 16 --stream-steps 3 \\
+        --bucket-steps 32 --repeat 1                                                              # CPU smoke run
+
+Stream (`rollout.partial`): `opd.train.stream.RolloutStream` driven as `opd.train.step._stream_rollouts` drives it,
+over a random-weight model whose weights stay fixed (no training: throughput only), with the engine `--engine`
+(`static_compile` as the trainer's static engine runs on CUDA, `static_engine` on CPU) sized to `--batches` rows.
+A step trains `--batches` samples (`--batches / --n` prompts × `--n`); `--max-staleness S` (default 1) and
+`--segment` (default the trainer's rule, max_new_tokens // (S + 1)). EOS is off; `--lengths` as in rollout.py, per
+sample: a sample's total response length is drawn once when it starts (again when it is restarted), each call asks
+the engine for the rest of it (capped by the segment, through `max_new_tokens_per_sample`), and a sample that
+reaches it is reported finished ("stop", standing in for its EOS). The stream's calls give each sample only its
+prefix, so the length follows it by that prefix (prompt + tokens so far). Tokens/s: trained tokens / wall time of
+the steps after the first `--stream-warmup` (default 2: step 0 starts S + 1 batches at once and both pay the
+compiles); `[equal]`: the same engine in one call of `--batches` rows at the trained mean length (rollout.py's
+equal-length row, `run_row`), and `vs equal` their ratio (issue target ≥ 0.85). Per step: calls, dropped,
+in flight, trained tokens by lag 0..S, graphs `torch.compile` compiled during the step (a call with a new row count
+compiles the step functions for it, also after the warm-up).
+
+Buckets: for each row count b (`--bucket-sizes`; auto: the powers of two below the stream's slot count, that count
+and every bucket the stream's calls decoded at; the engine's own buckets are the ones ≥ 4), two calls of exactly b
+rows, all of one length (EOS off): 1 + I and 1 + I + K tokens (I the engine's sync interval, K `--bucket-steps`
+rounded up to I); ms/step = the difference of their times (alternated, the fastest of `--repeat` each) over the
+difference of their decode steps (engine stats), so that prefill and graph capture cancel.
+`stream decode steps`: the stream's decode steps at that bucket (all steps, warm-up included). Context: the prompt
+plus ≤ 1 + I + K tokens, so the attention reads little cache; a long-tailed call's late steps attend over thousands
+of positions and cost more.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (
+    SHAPES,
+    TOKENIZER_SIZE,
+    Report,
+    base_parser,
+    build_model,
+    markdown_table,
+    measure,
+    param_bytes,
+    parse_lengths,
+    peak_gib,
+    peaks,
+    reset_memory,
+    resolve_device,
+    sync,
+)
+from rollout import make_engine, run_row
+
+ENGINES = ("static_compile", "static_engine")
+
+
+class ForcedLengths:
+    """Total response lengths drawn per sample attempt (seeded, in order of starts), and each running sample's total
+    keyed by its prefix (prompt + tokens so far), so that the length follows the sample across calls."""
+
+    def __init__(self, spec: str, cap: int, seed: int):
+        self.dist = None if spec == "equal" else parse_lengths(spec)
+        self.cap, self.seed = cap, seed
+        self.drawn: list[int] = []
+        self.chunks = 0
+        self.by_prefix: dict[tuple[int, ...], list[int]] = {}
+
+    def draw(self) -> int:
+        if self.dist is None:
+            return self.cap
+        if not self.drawn:
+            self.drawn = self.dist.sample(4096, self.seed + 7919 * self.chunks)[::-1]
+            self.chunks += 1
+        return self.drawn.pop()
+
+    def total(self, prefix: list[int], prompt_len: int) -> int:
+        """The total length of the sample with this prefix: a new draw when it has no tokens yet."""
+        waiting = self.by_prefix.get(tuple(prefix))
+        if waiting:
+            return waiting.pop()
+        if len(prefix) != prompt_len:
+            raise RuntimeError(f"a continued sample ({len(prefix) - prompt_len} tokens) has no drawn length")
+        return self.draw()
+
+    def carry(self, prefix: list[int], total: int) -> None:
+        self.by_prefix.setdefault(tuple(prefix), []).append(total)
+
+
+def stream_generate(engine, forced: ForcedLengths, prompt_len: int, cap: int, seed: int, counters: dict):
+    """The `generate(prompt_ids, n, max_new_tokens, call)` closure of one step: one engine call (seed + call) with
+    per-sample limits min(max_new_tokens, the sample's remaining forced length); rows that reach it end "stop"."""
+    from dataclasses import replace
+
+    from opd.rollout import SamplingParams
+
+    def generate(prompt_ids, n, max_new_tokens, call):
+        rows = [list(p) for p in prompt_ids for _ in range(n)]
+        totals = [forced.total(r, prompt_len) for r in rows]
+        limits = [min(max_new_tokens, t - (len(r) - prompt_len)) for r, t in zip(rows, totals)]
+        params = SamplingParams(
+            n=n,
+            temperature=1.0,
+            max_new_tokens=max_new_tokens,
+            stop_at_eos=False,
+            seed=seed + call,
+            return_logprobs=True,
+        )
+        out = engine.generate(prompt_ids, params, max_new_tokens_per_sample=limits)
+        reasons = []
+        for r, total, ids, reason in zip(rows, totals, out.response_ids, out.finish_reasons):
+            done = len(r) - prompt_len + len(ids)
+            if done < total:
+                forced.carry(r + ids, total)
+            reasons.append("stop" if done >= total and total < cap else reason)
+        stats = engine.stats
+        counters["generated"] += sum(len(ids) for ids in out.response_ids)
+        counters["rows"] = max(counters["rows"], stats.get("rows", 0))
+        for b, steps in stats.get("bucket_steps", {}).items():
+            counters["bucket_steps"][b] = counters["bucket_steps"].get(b, 0) + steps
+        return replace(out, finish_reasons=reasons)
+
+    return generate
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (a step that compiles a new row count shows here)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def run_stream(args, report: Report, model, device, name: str) -> dict:
+    """`--stream-steps` steps of the stream; one per-step row at a time in `report.data["steps"]`; the summary."""
+    from opd.train.stream import RolloutStream
+
+    samples = args.batches
+    cap = args.new_tokens if args.lengths == "equal" else parse_lengths(args.lengths).cap
+    segment = args.segment or max(1, cap // (args.max_staleness + 1))
+    stream = RolloutStream(
+        prompts_per_step=samples // args.n,
+        n=args.n,
+        max_new_tokens=cap,
+        segment=segment,
+        max_staleness=args.max_staleness,
+    )
+    engine = make_engine(name, model, args.shape, samples)
+    forced = ForcedLengths(args.lengths, cap, args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+    prompts: list[list[int]] = []  # grows as the stream draws
+
+    def draw() -> list[int]:
+        start = len(prompts)
+        prompts.extend(
+            torch.randint(3, TOKENIZER_SIZE[args.shape], (samples // args.n, args.prompt_len), generator=g).tolist()
+        )
+        return list(range(start, len(prompts)))
+
+    counters = {"generated": 0, "rows": 0, "bucket_steps": {}}
+    steps = report.data["steps"] = []
+    timed = {"tokens": 0, "seconds": 0.0, "generated": 0, "samples": 0, "dropped": 0}
+    lag_tokens = [0] * (args.max_staleness + 1)
+    reset_memory(device)
+    for step in range(args.stream_steps):
+        step_seed = args.seed + 100_003 * (step + 1)
+        generate = stream_generate(engine, forced, args.prompt_len, cap, step_seed, counters)
+        generated_before, compiles_before = counters["generated"], compiled_graphs()
+        sync(device)
+        start = time.perf_counter()
+        taken = stream.next_batch(step, draw, prompts, generate)
+        sync(device)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(ids) for ids in taken.output.response_ids)
+        lags = torch.bincount(
+            step - torch.tensor([v for versions in taken.versions for v in versions], dtype=torch.long),
+            minlength=args.max_staleness + 1,
+        ).tolist()
+        row = {
+            "step": step,
+            "timed": step >= args.stream_warmup,
+            "calls": taken.calls,
+            "dropped": taken.dropped,
+            "in_flight": stream.in_flight,
+            "trained": len(taken.output.response_ids),
+            "tokens": tokens,
+            "generated": counters["generated"] - generated_before,
+            "compiles": compiled_graphs() - compiles_before,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds,
+            **{f"lag_{k}": lags[k] if k < len(lags) else 0 for k in range(args.max_staleness + 1)},
+            "lengths": [len(ids) for ids in taken.output.response_ids],
+        }
+        steps.append(row)
+        report.write()
+        print(
+            f"[{report.name}] step {step}: {tokens:,} tokens in {seconds:.2f} s, calls {taken.calls}, "
+            f"dropped {taken.dropped}, in flight {stream.in_flight}" + ("" if row["timed"] else " (warm-up)"),
+            flush=True,
+        )
+        if row["timed"]:
+            for key in ("tokens", "seconds", "generated", "dropped"):
+                timed[key] += row[key]
+            timed["samples"] += row["trained"]
+            for k in range(args.max_staleness + 1):
+                lag_tokens[k] += row[f"lag_{k}"]
+    return {
+        "batch": samples,
+        "segment": segment,
+        "max_staleness": args.max_staleness,
+        "timed_steps": args.stream_steps - args.stream_warmup,
+        "tokens": timed["tokens"],
+        "seconds": timed["seconds"],
+        "tokens_per_s": timed["tokens"] / timed["seconds"],
+        "generated_per_s": timed["generated"] / timed["seconds"],
+        "mean_len": timed["tokens"] / max(1, timed["samples"]),
+        "dropped": timed["dropped"],
+        "dropped_total": stream.dropped,
+        "started_total": stream.started,
+        "trained_total": stream.trained,
+        "in_flight": stream.in_flight,
+        "rows": counters["rows"],
+        "bucket_steps": dict(sorted(counters["bucket_steps"].items(), reverse=True)),
+        **{f"lag_{k}_frac": n / max(1, timed["tokens"]) for k, n in enumerate(lag_tokens)},
+        "peak_gib": peak_gib(device),
+    }
+
+
+def bucket_rows(args, model, device, name: str, slots: int, stream_steps: dict) -> list[dict]:
+    """ms per decode step at each row count up to `slots` (see the module docstring)."""
+    from opd.rollout import SamplingParams
+
+    if args.bucket_sizes != "auto":
+        sizes = [int(b) for b in args.bucket_sizes.split(",")]
+    else:
+        sizes = sorted({1 << k for k in range(slots.bit_length()) if 1 << k < slots} | set(stream_steps) | {slots})
+    g = torch.Generator().manual_seed(args.seed + 1)
+    rows = []
+    for b in sizes:
+        engine = make_engine(name, model, args.shape, b)
+        prompts = torch.randint(3, TOKENIZER_SIZE[args.shape], (b, args.prompt_len), generator=g).tolist()
+        interval = engine.sync_interval
+        short, long = 1 + interval, 1 + interval * (1 + math.ceil(args.bucket_steps / interval))
+
+        def call(tokens: int, engine=engine, prompts=prompts):
+            params = SamplingParams(n=1, max_new_tokens=tokens, stop_at_eos=False, seed=args.seed)
+            engine.generate(prompts, params)
+            return engine.stats["decode_steps"]
+
+        call(short)  # warm-up: compiles this row count (CUDA) once per process
+        # alternated, the fastest of each: the least disturbed by the host
+        times = {short: [], long: []}
+        steps = {}
+        for _ in range(args.repeat):
+            for tokens in (short, long):
+                m = measure(partial(call, tokens), device, warmup=0, repeat=1)
+                times[tokens].append(m["seconds"])
+                steps[tokens] = m["result"]
+        ms = 1e3 * (min(times[long]) - min(times[short])) / (steps[long] - steps[short])
+        rows.append(
+            {
+                "rows": b,
+                "ms_per_step": ms,
+                "row_tokens_per_s": 1e3 * b / ms,
+                "steps_timed": steps[long] - steps[short],
+                "stream_decode_steps": stream_steps.get(b),
+            }
+        )
+    base = rows[0]["ms_per_step"]
+    for row in rows:
+        row["vs_smallest"] = row["ms_per_step"] / base
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = base_parser(__doc__.splitlines()[0], "qwen3-0.6b")
+    parser.add_argument("--batches", type=int, default=256, help="samples a step trains (prompts × n); engine slots")
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sample")
+    parser.add_argument("--new-tokens", type=int, default=512, help="response length with --lengths equal")
+    parser.add_argument("--lengths", default="equal", help="equal, or lognormal:mean=M,cap=C[,sigma=S] (per sample)")
+    parser.add_argument("--stream-steps", type=int, default=20, help="stream steps, the warm-up ones included; 0: none")
+    parser.add_argument("--stream-warmup", type=int, default=2, help="first stream steps left out of the tokens/s")
+    parser.add_argument("--max-staleness", type=int, default=1, help="rollout.max_staleness")
+    parser.add_argument("--segment", type=int, default=None, help="rollout.partial_segment; default cap // (S + 1)")
+    parser.add_argument("--bucket-steps", type=int, default=128, help="decode steps timed per bucket row; 0: no table")
+    parser.add_argument(
+        "--bucket-sizes", default="auto", help="comma-separated row counts of the bucket table; auto: see the docstring"
+    )
+    parser.add_argument("--engine", default="static_compile", choices=ENGINES, help="static_compile: CUDA only")
+    parser.add_argument("--lp-error", choices=("on", "off"), default="off", help="lp_err of the [equal] row")
+    args = parser.parse_args(argv)
+    if args.batches % args.n:
+        raise SystemExit(f"--batches {args.batches} is not a multiple of --n {args.n}")
+    if 0 < args.stream_steps <= args.stream_warmup:
+        raise SystemExit(f"--stream-steps {args.stream_steps} ≤ --stream-warmup {args.stream_warmup}: no step timed")
+    device = resolve_device(args.device)
+    _, bandwidth = peaks(device, args)
+    name = args.engine if device.type == "cuda" else "static_engine"  # compilation is CUDA-only
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(args.shape, dtype=dtype, device=device, seed=args.seed)
+    cfg = SHAPES[args.shape]
+    weight_bytes = param_bytes(model)
+    kv_bytes_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * dtype.itemsize
+    report = Report(
+        "rollout_stream",
+        args,
+        device,
+        shape=args.shape,
+        dtype=str(dtype),
+        engine=name,
+        prompt_len=args.prompt_len,
+        lengths=args.lengths,
+    )
+    stream_row = {}
+    if args.stream_steps:
+        stream_row = report.run_row(
+            f"stream[{name}@{args.batches}]", lambda: run_stream(args, report, model, device, name)
+        )
+        if "error" not in stream_row:
+            equal = round(stream_row["mean_len"])
+            prompts = torch.randint(
+                3,
+                TOKENIZER_SIZE[args.shape],
+                (args.batches, args.prompt_len),
+                generator=torch.Generator().manual_seed(args.seed),
+            )
+            equal_row = report.run_row(
+                f"{name}@{args.batches}[equal]",
+                lambda: run_row(
+                    args,
+                    name,
+                    model,
+                    None,
+                    device,
+                    prompts,
+                    [equal] * args.batches,
+                    forced=True,
+                    weight_bytes=weight_bytes,
+                    bandwidth=bandwidth,
+                    kv_bytes_per_token=kv_bytes_per_token,
+                ),
+            )
+            if equal_row.get("tokens_per_s"):
+                stream_row["vs_equal"] = stream_row["tokens_per_s"] / equal_row["tokens_per_s"]
+    if args.bucket_steps:
+        slots = stream_row.get("rows") or args.batches
+        buckets = bucket_rows(args, model, device, name, slots, stream_row.get("bucket_steps", {}))
+        report.data["buckets"] = buckets
+        report.data["bucket_table"] = markdown_table(
+            buckets,
+            [
+                ("rows", "rows", ""),
+                ("ms/step", "ms_per_step", ".3f"),
+                ("× smallest", "vs_smallest", ".2f"),
+                ("row-tokens/s", "row_tokens_per_s", ",.0f"),
+                ("steps timed", "steps_timed", ","),
+                ("stream decode steps", "stream_decode_steps", ","),
+            ],
+        )
+    lags = [(f"lag {k}", f"lag_{k}_frac", ".2f") for k in range(args.max_staleness + 1)]
+    columns = [
+        ("row", "name", ""),
+        ("tokens/s", "tokens_per_s", ",.0f"),
+        ("vs equal", "vs_equal", ".2f"),
+        ("tokens", "tokens", ","),
+        ("seconds", "seconds", ".2f"),
+        ("mean_len", "mean_len", ".0f"),
+        ("rows", "rows", ""),
+        ("timed steps", "timed_steps", ""),
+        ("generated/s", "generated_per_s", ",.0f"),
+        ("dropped", "dropped_total", ","),
+        *lags,
+        ("peak GiB", "peak_gib", ".1f"),
+    ]
+    segment = stream_row.get("segment")
+    notes = [
+        f"shape {args.shape} ({dtype}), random fixed weights, engine {name}; prompt {args.prompt_len} tokens, lengths "
+        f"{args.lengths} per sample (new-tokens {args.new_tokens} if equal), temperature 1, EOS off; stream: "
+        f"{args.batches // args.n} prompts × {args.n} a step, max_staleness {args.max_staleness}, segment {segment}, "
+        f"tokens/s over steps {args.stream_warmup}..{args.stream_steps - 1} (trained tokens / wall time); lag k: "
+        "trained tokens sampled k steps before their step; dropped: restarted samples over the whole stream"
+    ]
+    data = report.finish(columns, notes)
+    extra = []
+    if report.data.get("steps"):
+        data["steps_table"] = markdown_table(
+            report.data["steps"],
+            [
+                ("step", "step", ""),
+                ("timed", "timed", ""),
+                ("calls", "calls", ""),
+                ("dropped", "dropped", ","),
+                ("in flight", "in_flight", ","),
+                ("trained", "trained", ","),
+                ("tokens", "tokens", ","),
+                ("generated", "generated", ","),
+                ("compiles", "compiles", ","),
+                ("seconds", "seconds", ".2f"),
+                ("tokens/s", "tokens_per_s", ",.0f"),
+                *[(f"lag {k} tokens", f"lag_{k}", ",") for k in range(args.max_staleness + 1)],
+            ],
+        )
+        extra += ["\nstream, per step:", data["steps_table"]]
+    if "bucket_table" in data:
+        extra += [
+            f"\ndecode step by live rows ({name}, equal lengths, difference of two calls):",
+            data["bucket_table"],
+        ]
+    report.write()
+    if extra:
+        print(*extra, sep="\n", flush=True)
+    return data
+
+
+if __name__ == "__main__":
+    main()

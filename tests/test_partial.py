@@ -200,7 +200,10 @@ def test_versions_and_weights_match_a_reference(world, tmp_path):
     ("overrides", "match"),
     [
         (("rollout.partial=true",), "objective.tis_cap"),
-        (("rollout.partial=true", "rollout.overlap=true", "objective.tis_cap=2.0"), "set one"),
+        (
+            ("rollout.partial=true", "rollout.overlap=true", "rollout.max_staleness=0", "objective.tis_cap=2.0"),
+            r"rollout.max_staleness >= 1 \(got 0\)",
+        ),
     ],
 )
 def test_partial_config_is_checked(world, tmp_path, overrides, match):

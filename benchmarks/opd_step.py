@@ -13,8 +13,9 @@ selective activation checkpointing (`--compile`, `--ckpt`). Variants (`VARIANTS`
 fp32 AdamW state, fused on CUDA), `foreach` (torch's foreach AdamW: the previous default), `bf16_state`
 (`optim.state_dtype=bf16`), `micro4k` (`micro_batch_tokens=4096`), `ckpt_on` (full per-layer checkpointing),
 `offload` (`teacher_offload`), `lean` (bf16 state + micro4k), `lean_offload`, `lean_offload_8k`, `overlap`
-(`rollout.overlap` with `objective.tis_cap=2`). On CUDA each row also prints where its memory goes (the phase marks
-of `opd_step`).
+(`rollout.overlap` with `objective.tis_cap=2`), `partial` (`rollout.partial`, `max_staleness=1`, `tis_cap=2`),
+`partial_overlap` (both: the stream's next batch built in the background). On CUDA each row also prints where its
+memory goes (the phase marks of `opd_step`).
 
 TRL (`--trl`, one row each; its wheels are carried to the GPU machine: benchmarks/README.md): the same student and
 teacher (fresh copies per row: TRL's Trainer wraps the forward of the models it is given), the same prompts as
@@ -90,6 +91,8 @@ VARIANTS: dict[str, dict] = {
     "lean_offload": {"state_dtype": "bf16", "micro_batch_tokens": 4096, "teacher_offload": True},
     "lean_offload_8k": {"state_dtype": "bf16", "micro_batch_tokens": 8192, "teacher_offload": True},
     "overlap": {"overlap": True},
+    "partial": {"partial": True},
+    "partial_overlap": {"partial": True, "overlap": True},
     # two teachers of --teacher-shape (their own random weights), prompts routed alternately, both kept in pinned
     # host memory and moved in only while they score (`teachers:` with `offload: true`)
     "two_teachers_offload": {"teachers": 2, "teacher_offload": True},
@@ -117,11 +120,14 @@ class IdTokenizer:
 class BenchGenerator:
     """Wraps an engine: records the response lengths of its last call and, with `lengths` (a `LengthDist`), forces
     every row to end at a drawn length (benchmark-only; see the module docstring), its last token made EOS ("stop";
-    a row drawn at the cap is "length", as a truncated one)."""
+    a row drawn at the cap `cap` is "length", as a truncated one). A sample continued over several calls
+    (rollout.partial: the prompt plus its tokens so far) keeps the length drawn at its first call."""
 
-    def __init__(self, inner, *, eos: int, lengths=None):
-        self.inner, self.eos, self.lengths = inner, eos, lengths
+    def __init__(self, inner, *, eos: int, cap: int, lengths=None):
+        self.inner, self.eos, self.cap, self.lengths = inner, eos, cap, lengths
         self.last_lengths: list[int] = []
+        # a continued sample's prefix → the tokens it has still to make, and whether it then stops (below the cap)
+        self._left: dict[tuple[int, ...], tuple[int, bool]] = {}
 
     def sync_weights(self) -> None:
         self.inner.sync_weights()
@@ -143,18 +149,22 @@ class BenchGenerator:
             self.last_lengths = [len(r) for r in out.response_ids]
             return out
         n = params.n
-        drawn = [
-            min(length, params.max_new_tokens) for length in self.lengths.sample(len(prompt_ids) * n, params.seed or 0)
-        ]
+        prefixes = [tuple(prompt) for prompt in prompt_ids for _ in range(n)]
+        fresh = self.lengths.sample(len(prefixes), params.seed or 0)
+        left = [self._left.pop(key, (min(total, self.cap), total < self.cap)) for key, total in zip(prefixes, fresh)]
+        drawn = [min(length, params.max_new_tokens) for length, _ in left]
         # the engine ends each row at its drawn length (continuous batching refills the slot); EOS off so random
-        # weights never end a row early, then the last token of every row below the cap is made EOS ("stop")
+        # weights never end a row early, then the last token of every row that ends below the cap is made EOS
         out = self.inner.generate(
             prompt_ids, dataclasses.replace(params, stop_at_eos=False), max_new_tokens_per_sample=drawn
         )
         ids, lps, reasons = [], [], []
         for row, length in enumerate(drawn):
             response = out.response_ids[row][:length]
-            stopped = length < params.max_new_tokens
+            to_make, stops = left[row]
+            stopped = length == to_make and stops
+            if length < to_make:  # cut by the call's max_new_tokens: a later call continues this prefix
+                self._left[prefixes[row] + tuple(response)] = (to_make - length, stops)
             if stopped:
                 response[-1] = self.eos
             ids.append(response)
@@ -181,7 +191,7 @@ def _engine(model, engine: str, args, rows: int, background: bool = False):
     static = dict(compile=False) if background else {}
     inner = TorchGenerator(model, **common) if engine == "torch_engine" else StaticGenerator(model, **common, **static)
     lengths = parse_lengths(args.lengths) if args.lengths else None
-    return BenchGenerator(inner, eos=eos_id(args.shape), lengths=lengths)
+    return BenchGenerator(inner, eos=eos_id(args.shape), cap=args.new_tokens, lengths=lengths)
 
 
 def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path, autocast_dtype, variant: dict):
@@ -208,13 +218,15 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
     from opd.types import Prompt
 
     rows = args.rollout_rows or args.prompts * args.n
-    overlap = bool(variant.get("overlap"))
+    overlap, partial = bool(variant.get("overlap")), bool(variant.get("partial"))
+    # partial: one step of staleness (with overlap, every token is sampled one step ahead)
+    sampling = dict(overlap=overlap, partial=partial, max_staleness=1)
     config = DistillConfig(
         student=ModelSpec(path=f"random:{args.shape}"),
         teacher=TeacherSpec(path=f"random:{args.teacher_shape}"),
         data=DataSpec(path="random", answer_key=None),
-        rollout=SamplingSpec(n=args.n, max_new_tokens=args.new_tokens, batch_size=rows, overlap=overlap),
-        objective=ObjectiveSpec(tis_cap=2.0 if overlap else None),
+        rollout=SamplingSpec(n=args.n, max_new_tokens=args.new_tokens, batch_size=rows, **sampling),
+        objective=ObjectiveSpec(tis_cap=2.0 if overlap or partial else None),
         optim=OptimSpec(state_dtype=variant.get("state_dtype", "fp32"), fused=variant.get("fused")),
         run=RunSpec(out_dir=str(run_dir), name="bench", samples_per_step=0, steps=1000, report=False),
         prompts_per_step=args.prompts,
@@ -362,7 +374,8 @@ def our_row(
             finally:
                 tr.generator.lengths = timed_lengths
             tr.step += 1
-            tokens = sum(tr.generator.last_lengths)
+            # the tokens trained: with overlap or partial the step's rows do not come from its last engine call
+            tokens = round(metrics["response_length"] * args.prompts * args.n)
             record = {
                 "tokens": tokens,
                 "metrics": metrics,

@@ -207,17 +207,20 @@ def test_opd_step(tmp_path, capsys):
         "torch_engine,static_engine",
         "--skip-trl",
         "--variants",
-        "default,bf16_state,overlap",
+        "default,bf16_state,overlap,partial,partial_overlap",
     )
     got = rows(data)
-    assert set(got) == {
-        f"opd_step[{e}{v}]" for e in ("torch_engine", "static_engine") for v in ("", ", bf16_state", ", overlap")
-    }
+    variants = ("", ", bf16_state", ", overlap", ", partial", ", partial_overlap")
+    assert set(got) == {f"opd_step[{e}{v}]" for e in ("torch_engine", "static_engine") for v in variants}
     for name, row in got.items():
         assert {"student_s", "teacher_s", "update_s"} <= set(row)
         assert ("rollout_wait_s" if "overlap" in name else "rollout_s") in row  # overlap: made during the last step
-        assert row["tokens"] == 2 * 2 * 6  # random weights never stop early (EOS is 1 id of 500)
+        if "partial" in name:  # other calls, other samples: here one sampled EOS at its 5th token
+            assert 2 * 2 * 5 <= row["tokens"] <= 2 * 2 * 6, name
+        else:
+            assert row["tokens"] == 2 * 2 * 6, name  # random weights never stop early (EOS is 1 id of 500)
     assert got["opd_step[static_engine, overlap]"]["policy_lag"] == 1  # the timed step trains on rollouts made ahead
+    assert got["opd_step[static_engine, partial_overlap]"]["policy_lag"] == 1
     assert "policy_lag" in got["opd_step[static_engine]"] and got["opd_step[static_engine]"]["policy_lag"] == 0
 
 
@@ -300,6 +303,37 @@ def test_opd_step_paper_mode_forces_ragged_lengths(tmp_path, capsys):
     drawn = parse_lengths("lognormal:mean=8,cap=24,sigma=0.8").sample(6, seed)
     assert row["tokens"] == sum(drawn) and len(set(drawn)) > 1
     assert row["bound_total_s"] > 0 and row["vs_bound"] == pytest.approx(row["seconds"] / row["bound_total_s"])
+
+
+def test_forced_lengths_hold_across_the_calls_of_a_partial_sample():
+    """rollout.partial continues a sample over several calls (its prompt plus its tokens so far as a longer prompt):
+    the benchmark's generator keeps the length drawn at the sample's first call, EOS at its end below the cap."""
+    from opd.rollout import GenerationOutput, SamplingParams
+
+    class Counting:  # an engine that writes 7s up to each row's own max_new_tokens
+        def generate(self, prompt_ids, params, max_new_tokens_per_sample):
+            ids = [[7] * length for length in max_new_tokens_per_sample]
+            return GenerationOutput(ids, ["length"] * len(ids), [i // params.n for i in range(len(ids))], None)
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from common import parse_lengths
+
+    lengths = parse_lengths("lognormal:mean=6,cap=12,sigma=1.0")
+    bench = load("opd_step").BenchGenerator(Counting(), eos=0, cap=12, lengths=lengths)
+    prompts, params = [[1, 2], [3, 4]], SamplingParams(n=2, max_new_tokens=12, seed=5, return_logprobs=False)
+    drawn = lengths.sample(4, 5)
+    assert [len(r) for r in bench.generate(prompts, params).response_ids] == drawn  # one call of the cap: as before
+    out = bench.generate(prompts, SamplingParams(n=2, max_new_tokens=3, seed=5, return_logprobs=False))
+    tokens, done = [list(ids) for ids in out.response_ids], [r == "stop" for r in out.finish_reasons]
+    for call in range(1, 5):  # as the stream continues them: one prefix per unfinished sample, 3 tokens a call
+        running = [i for i in range(4) if not done[i] and len(tokens[i]) < 12]
+        prefixes = [prompts[i // 2] + tokens[i] for i in running]
+        out = bench.generate(prefixes, SamplingParams(n=1, max_new_tokens=3, seed=5 + call, return_logprobs=False))
+        for i, ids, reason in zip(running, out.response_ids, out.finish_reasons):
+            tokens[i] += ids
+            done[i] = reason == "stop"
+    assert [len(t) for t in tokens] == drawn and max(drawn) > 3  # some took several calls
+    assert all((t[-1] == 0) == (len(t) < 12) for t in tokens)
 
 
 def test_parse_lengths():

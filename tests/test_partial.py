@@ -86,6 +86,32 @@ def test_stale_samples_are_restarted_and_counted():
             assert not sample.versions or step + 1 - sample.versions[0] <= 2
 
 
+@pytest.mark.parametrize("staleness", [1, 2, 3])
+def test_stream_built_ahead_lags_at_least_one_step_and_at_most_the_staleness(staleness):
+    """Built one step ahead (rollout.overlap: step t's batch from step t-1's weights, after a synchronous step 0),
+    every trained token lags 1..max_staleness steps, every started sample is trained, dropped or in flight, and the
+    stream keeps one batch fewer in flight than synchronously."""
+    prompts = [[p] for p in range(1, 80)]
+    order = iter(range(79))
+    stream = RolloutStream(prompts_per_step=2, n=2, max_new_tokens=6, segment=2, max_staleness=staleness)
+    dropped = 0
+
+    def draw():
+        return [next(order) for _ in range(2)]
+
+    for step in range(12):
+        batch = stream.next_batch(step, draw, prompts, _scripted, version=max(step - 1, 0))
+        lags = {step - v for versions in batch.versions for v in versions}
+        assert lags <= ({0} if step == 0 else set(range(1, staleness + 1)))
+        assert len(batch.output.response_ids) == 4
+        dropped += batch.dropped
+        assert stream.started == stream.trained + stream.dropped + stream.in_flight and dropped == stream.dropped
+        if step:
+            assert stream.in_flight <= staleness * 2 * 2
+        for sample in stream.samples:  # none in flight can miss its deadline
+            assert not sample.versions or step + 1 - sample.versions[0] <= staleness + 1
+
+
 def _run(world, tmp_path, *overrides, steps):
     return distill(distill_config(world, tmp_path, "optim.lr=3e-2", *overrides, steps=steps))
 
@@ -200,7 +226,10 @@ def test_versions_and_weights_match_a_reference(world, tmp_path):
     ("overrides", "match"),
     [
         (("rollout.partial=true",), "objective.tis_cap"),
-        (("rollout.partial=true", "rollout.overlap=true", "objective.tis_cap=2.0"), "set one"),
+        (
+            ("rollout.partial=true", "rollout.overlap=true", "rollout.max_staleness=0", "objective.tis_cap=2.0"),
+            r"rollout.max_staleness >= 1 \(got 0\)",
+        ),
     ],
 )
 def test_partial_config_is_checked(world, tmp_path, overrides, match):

@@ -2,14 +2,17 @@
 snapshot of the step-t weights (one step of policy lag, corrected by truncated importance weights).
 
 `AheadGenerator` wraps the engine over the snapshot: `start` refreshes the snapshot from the student and starts the
-next step's generation, `wait` collects it as `PendingRollouts`, `take` hands them to the next step. Its state (the
-pending rollouts, generated from weights that no checkpoint holds) travels in the trainer state, so a resume replays
-them exactly. Omitted: more than one step ahead, and several processes (the config refuses both).
+next step's generation, `wait` collects it as `PendingRollouts`, `take` hands them to the next step. With
+rollout.partial, `AheadStream` does the same for the rollout stream: its next batch (`RolloutStream.next_batch`) is
+built in the background, its tokens versioned by the snapshot's step. Their state (the pending rollouts, generated
+from weights that no checkpoint holds) travels in the trainer state, so a resume replays them exactly. Omitted: more
+than one step ahead, and several processes (the config refuses both).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -23,6 +26,7 @@ from opd.rollout import GenerationOutput, SamplingParams, make_generator
 from opd.rollout.base import Generator
 from opd.rollout.static_engine import StaticGenerator
 from opd.train.common import autocast
+from opd.train.stream import GenerateFn, RolloutStream, StreamBatch
 
 
 @dataclass
@@ -77,9 +81,7 @@ class AheadGenerator:
     ) -> None:
         """Copy the student's current weights into the snapshot and generate `prompt_ids` from it in the background
         (on CUDA in its own stream, ordered after the copy)."""
-        with torch.no_grad():
-            for source, target in zip(student.parameters(), self.snapshot.parameters()):
-                target.copy_(source)
+        refresh_snapshot(self.snapshot, student)
         background = _Background(lambda: self.generator.generate(prompt_ids, params), device, autocast_dtype)
         self._running = (indices, background)
 
@@ -101,6 +103,60 @@ class AheadGenerator:
 
     def load_state_dict(self, state: dict | None) -> None:
         self.pending = PendingRollouts.from_state(state)
+
+
+class AheadStream:
+    """rollout.partial with rollout.overlap: step t+1's batch of the rollout stream, built during step t by the engine
+    over a snapshot of the weights at the start of step t (its new tokens' version is t). One build in flight at a
+    time: `start` → `wait` → `take`; the stream itself is only touched by the build while one is in flight."""
+
+    def __init__(self, snapshot: torch.nn.Module, generator: Generator, stream: RolloutStream):
+        self.snapshot, self.generator, self.stream = snapshot, generator, stream
+        self.pending: StreamBatch | None = None
+        self._running: _Background | None = None
+
+    def start(
+        self,
+        student: torch.nn.Module,
+        step: int,
+        draw: Callable[[], list[int]],
+        prompt_ids: Sequence[Sequence[int]],
+        generate: GenerateFn,
+        *,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None,
+    ) -> None:
+        """Copy the student's current weights (those of step `step - 1`) into the snapshot and build step `step`'s
+        batch from them in the background; `generate` calls this object's `generator`."""
+        refresh_snapshot(self.snapshot, student)
+        build = functools.partial(self.stream.next_batch, step, draw, prompt_ids, generate, version=step - 1)
+        self._running = _Background(build, device, autocast_dtype)
+
+    def wait(self) -> None:
+        """Wait for the build `start` began (re-raising its error); its batch becomes `pending`."""
+        if self._running is None:
+            return
+        background, self._running = self._running, None
+        self.pending = background.result()
+        self.generator.release()
+
+    def take(self) -> StreamBatch | None:
+        """The batch built ahead for this step (None at the first step), no longer pending."""
+        pending, self.pending = self.pending, None
+        return pending
+
+    def state_dict(self) -> dict | None:
+        return None if self.pending is None else self.pending.state_dict()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.pending = StreamBatch.from_state(state)
+
+
+def refresh_snapshot(snapshot: torch.nn.Module, student: torch.nn.Module) -> None:
+    """The student's current weights into the snapshot (on CUDA queued before the background stream starts)."""
+    with torch.no_grad():
+        for source, target in zip(student.parameters(), snapshot.parameters()):
+            target.copy_(source)
 
 
 def overlap_generator(

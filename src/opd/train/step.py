@@ -47,9 +47,9 @@ from opd.teacher.registry import RoutedTeacher
 from opd.train.common import autocast, timed
 from opd.train.distributed import SINGLE, DistInfo, all_reduce_sum, gathered, max_over_ranks, reduce_metrics
 from opd.train.optim import clip_and_step
-from opd.train.overlap import AheadGenerator, PendingRollouts
+from opd.train.overlap import AheadGenerator, AheadStream, PendingRollouts
 from opd.train.sampler import PromptSampler
-from opd.train.stream import RolloutStream
+from opd.train.stream import GenerateFn, RolloutStream, StreamBatch, in_flight_batches
 from opd.types import Prompt, Rollouts, TokenScores
 
 
@@ -91,26 +91,33 @@ class Trainer:
     teachers: list[RoutedTeacher] = field(default_factory=list)
     prompt_teacher: list[int] = field(default_factory=list)
     teacher_manifest: list[dict] = field(default_factory=list)  # what checkpoints record of the teachers
-    ahead: AheadGenerator | None = field(default=None, init=False)
+    # rollout.overlap: an AheadGenerator; with rollout.partial too, an AheadStream that builds the stream's next batch
+    ahead: AheadGenerator | AheadStream | None = field(default=None, init=False)
     stream: RolloutStream | None = field(default=None, init=False)  # rollout.partial: the in-flight samples
 
     def __post_init__(self) -> None:
-        if self.rollout_model is not None:
-            self.ahead = AheadGenerator(self.rollout_model, self.rollout_generator)
         spec = self.config.rollout
         if spec.partial:
             staleness = spec.max_staleness
+            # a sample spans the versions it may be sampled by: with overlap its first token already lags one step
+            versions = in_flight_batches(staleness, ahead=int(self.rollout_model is not None))
             self.stream = RolloutStream(
                 prompts_per_step=self.config.prompts_per_step,
                 n=spec.n,
                 max_new_tokens=spec.max_new_tokens,
-                segment=spec.partial_segment or max(1, spec.max_new_tokens // (staleness + 1)),
+                segment=spec.partial_segment or max(1, spec.max_new_tokens // versions),
                 max_staleness=staleness,
             )
+        if self.rollout_model is not None:
+            assert self.rollout_generator is not None  # the recipe builds both (overlap_generator)
+            if self.stream is None:
+                self.ahead = AheadGenerator(self.rollout_model, self.rollout_generator)
+            else:
+                self.ahead = AheadStream(self.rollout_model, self.rollout_generator, self.stream)
 
     @property
-    def pending_rollouts(self) -> PendingRollouts | None:
-        """The rollouts generated ahead for the next step (rollout.overlap); the checkpoint carries them."""
+    def pending_rollouts(self) -> PendingRollouts | StreamBatch | None:
+        """What was generated ahead for the next step (rollout.overlap); the checkpoint carries it."""
         return None if self.ahead is None else self.ahead.pending
 
 
@@ -170,6 +177,7 @@ def sample_rollouts(tr: Trainer, timings: dict, device: torch.device) -> Batch:
     rank, world = tr.dist.rank, tr.dist.world_size
     if tr.stream is not None:
         return _stream_rollouts(tr, tr.stream, timings, device)
+    assert not isinstance(tr.ahead, AheadStream)  # built only with a stream
     pending = None if tr.ahead is None else tr.ahead.take()
     if pending is None:
         indices = tr.sampler.next_batch()[rank::world]
@@ -197,15 +205,33 @@ def sample_rollouts(tr: Trainer, timings: dict, device: torch.device) -> Batch:
 
 def _stream_rollouts(tr: Trainer, stream: RolloutStream, timings: dict, device: torch.device) -> Batch:
     """rollout.partial: the stream continues its in-flight samples (one seeded engine call each round, call index c
-    of step t seeded by `_step_seed(seed, t, rank, c)`) and hands over `prompts_per_step` finished groups."""
-
-    def generate(prompt_ids, n, max_new_tokens, call):
-        params = replace(_sampling_params(tr.config, tr.step, tr.dist.rank, call), n=n, max_new_tokens=max_new_tokens)
-        return tr.generator.generate(prompt_ids, params)
-
-    with timed(timings, "rollout"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
-        taken = stream.next_batch(tr.step, tr.sampler.next_batch, tr.prompt_ids, generate)
-    tr.generator.release()
+    of step t seeded by `_step_seed(seed, t, rank, c)`) and hands over `prompts_per_step` finished groups. With
+    rollout.overlap the batch was built during the previous step (from its weights), and the next one starts here."""
+    ahead = tr.ahead if isinstance(tr.ahead, AheadStream) else None
+    taken = None if ahead is None else ahead.take()
+    if taken is None:
+        with timed(timings, "rollout"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
+            generate = _stream_generate(tr.config, tr.generator, tr.step, tr.dist.rank)
+            taken = stream.next_batch(tr.step, tr.sampler.next_batch, tr.prompt_ids, generate)
+        tr.generator.release()
+    counters = {  # the stream after this step's batch, before the next one's build changes it
+        "partial/calls": taken.calls,
+        "partial/dropped": taken.dropped,
+        "partial/dropped_total": stream.dropped,
+        "partial/started_total": stream.started,
+        "partial/trained_total": stream.trained,
+        "partial/in_flight": stream.in_flight,
+    }
+    if ahead is not None:  # also after the last step: the checkpoint carries the batch, a longer resume trains it
+        ahead.start(
+            tr.student,
+            tr.step + 1,
+            tr.sampler.next_batch,
+            tr.prompt_ids,
+            _stream_generate(tr.config, ahead.generator, tr.step + 1, tr.dist.rank),
+            device=device,
+            autocast_dtype=tr.autocast_dtype,
+        )
     prompt_ids = [tr.prompt_ids[i] for i in taken.indices]
     rollouts = build_rollouts(prompt_ids, taken.output, pad_id=tr.tokenizer.pad_token_id, device=device)
     versions_BT = torch.full(rollouts.response_mask.shape, tr.step, dtype=torch.long)
@@ -214,15 +240,18 @@ def _stream_rollouts(tr: Trainer, stream: RolloutStream, timings: dict, device: 
     versions_BT = versions_BT.to(device)
     lag = max((tr.step - v[0] for v in taken.versions if v), default=0)
     _mark_memory(tr, "rollout")
-    counters = {
-        "partial/calls": taken.calls,
-        "partial/dropped": taken.dropped,
-        "partial/dropped_total": stream.dropped,
-        "partial/started_total": stream.started,
-        "partial/trained_total": stream.trained,
-        "partial/in_flight": stream.in_flight,
-    }
     return Batch(taken.indices, rollouts, policy_lag=lag, versions_BT=versions_BT, stream_metrics=counters)
+
+
+def _stream_generate(cfg: DistillConfig, generator: Generator, step: int, rank: int) -> GenerateFn:
+    """The stream's engine calls for the batch step `step` trains: call c seeded by `_step_seed(seed, step, rank, c)`
+    whichever thread and weights make it."""
+
+    def generate(prompt_ids, n, max_new_tokens, call):
+        params = replace(_sampling_params(cfg, step, rank, call), n=n, max_new_tokens=max_new_tokens)
+        return generator.generate(prompt_ids, params)
+
+    return generate
 
 
 def partial_metrics(

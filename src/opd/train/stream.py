@@ -6,14 +6,17 @@ objective's truncated importance weights).
 
 Rules (docs/design.md "The rollout stream"):
 - top-up: at the start of a step, whole sampler batches are drawn while fewer than (max_staleness + 1) batches'
-  worth of samples are in flight (step 0 draws max_staleness + 1, then one a step);
+  worth of samples are in flight (step 0 draws max_staleness + 1, then one a step; built ahead, one batch fewer);
 - staleness: a sample whose oldest token was sampled more than max_staleness steps ago is restarted (its tokens
   discarded, counted in `dropped`); within a step, calls continue until `prompts_per_step` groups are finished and
   every sample at its last step of staleness is finished;
 - training: the `prompts_per_step` finished groups drawn earliest (draw step, then draw order), rows prompt-major in
   that order, samples in their slot order; every started sample is trained, dropped, or still in flight.
 With max_staleness = 0 a step holds one batch and generates it in one call of the full max_new_tokens: the
-synchronous step. Omitted: several processes (the config refuses them).
+synchronous step. With rollout.overlap a step's batch is built during the previous step from its weights
+(`opd.train.overlap.AheadStream`): `version` (the weights' step) is then one less than `step` (the step that trains
+the batch), tokens record `version`, and staleness is measured against `step`. Omitted: several processes (the config
+refuses them).
 """
 
 from __future__ import annotations
@@ -55,6 +58,38 @@ class StreamBatch:
     calls: int
     dropped: int  # restarted this step
 
+    def state_dict(self) -> dict:
+        out = self.output
+        return {
+            "indices": self.indices,
+            "response_ids": out.response_ids,
+            "finish_reasons": out.finish_reasons,
+            "group_ids": out.group_ids,
+            "logprobs": out.logprobs,
+            "versions": self.versions,
+            "calls": self.calls,
+            "dropped": self.dropped,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict | None) -> StreamBatch | None:
+        if not state:
+            return None
+        output = GenerationOutput(
+            response_ids=state["response_ids"],
+            finish_reasons=state["finish_reasons"],
+            group_ids=state["group_ids"],
+            logprobs=state["logprobs"],
+        )
+        return cls(list(state["indices"]), output, state["versions"], state["calls"], state["dropped"])
+
+
+def in_flight_batches(max_staleness: int, ahead: int) -> int:
+    """How many sampler batches the stream keeps in flight: the weight versions a newly drawn sample can still be
+    sampled by before the step that must train it, max_staleness + 1 synchronously, one fewer when the batch is built
+    `ahead` = 1 step early (its first tokens already lag one step)."""
+    return max_staleness + 1 - ahead
+
 
 # generate(prompt_ids, n, max_new_tokens, call) -> the engine's output (one call, its own seed)
 GenerateFn = Callable[[Sequence[Sequence[int]], int, int, int], GenerationOutput]
@@ -76,29 +111,38 @@ class RolloutStream:
         return len(self.samples)
 
     def next_batch(
-        self, step: int, draw: Callable[[], list[int]], prompt_ids: Sequence[Sequence[int]], generate: GenerateFn
+        self,
+        step: int,
+        draw: Callable[[], list[int]],
+        prompt_ids: Sequence[Sequence[int]],
+        generate: GenerateFn,
+        version: int | None = None,
     ) -> StreamBatch:
-        dropped = self._restart_stale(step)
-        while len(self.samples) < (self.max_staleness + 1) * self.prompts_per_step * self.n:
+        """Step `step`'s batch, its new tokens sampled by the weights of step `version` (default `step`; one less
+        when the batch is built ahead, during the previous step)."""
+        version = step if version is None else version
+        dropped = self._restart_stale(step, version)
+        depth = in_flight_batches(self.max_staleness, step - version) * self.prompts_per_step * self.n
+        while len(self.samples) < depth:
             for prompt in draw():
                 group = Group(self.next_group, prompt, step)
                 self.groups[group.id] = group
                 self.next_group += 1
-                self.samples += [Sample(group.id, slot, started=step) for slot in range(self.n)]
+                self.samples += [Sample(group.id, slot, started=version) for slot in range(self.n)]
                 self.started += self.n
         calls = 0
-        while calls == 0 or self._must_continue(step):
-            self._continue(step, calls, prompt_ids, generate)
+        while self._running() and (calls == 0 or self._must_continue(step)):
+            self._continue(version, calls, prompt_ids, generate)
             calls += 1
-        return self._take(step, calls, dropped)
+        return self._take(calls, dropped)
 
     # ------------------------------------------------------------------------------------------------- phases
 
-    def _restart_stale(self, step: int) -> int:
+    def _restart_stale(self, step: int, version: int) -> int:
         dropped = 0
         for sample in self.samples:
             if sample.versions and step - sample.versions[0] > self.max_staleness:
-                sample.tokens, sample.versions, sample.finish, sample.started = [], [], None, step
+                sample.tokens, sample.versions, sample.finish, sample.started = [], [], None, version
                 sample.logprobs = None
                 dropped += 1
         self.dropped += dropped
@@ -109,17 +153,21 @@ class RolloutStream:
         unfinished = {s.group for s in self.samples if s.finish is None}
         return sorted({s.group for s in self.samples} - unfinished)
 
+    def _running(self) -> list[Sample]:
+        return [s for s in self.samples if s.finish is None]
+
     def _must_continue(self, step: int) -> bool:
-        running = [s for s in self.samples if s.finish is None]
+        running = self._running()
         if not running:
             return False
         last_chance = any(step + 1 - s.started > self.max_staleness for s in running)
         return last_chance or len(self._finished_groups()) < self.prompts_per_step
 
-    def _continue(self, step: int, call: int, prompt_ids: Sequence[Sequence[int]], generate: GenerateFn) -> None:
-        """One engine call that adds up to `segment` tokens to every unfinished sample. Whole fresh groups in draw
-        order go through as prompts × n (what the synchronous step sends); anything else as one prefix per sample."""
-        running = [s for s in self.samples if s.finish is None]
+    def _continue(self, version: int, call: int, prompt_ids: Sequence[Sequence[int]], generate: GenerateFn) -> None:
+        """One engine call that adds up to `segment` tokens to every unfinished sample, sampled by the weights of step
+        `version`. Whole fresh groups in draw order go through as prompts × n (what the synchronous step sends);
+        anything else as one prefix per sample."""
+        running = self._running()
         new = min(self.segment, max(self.cap - len(s.tokens) for s in running))
         groups = [running[i].group for i in range(0, len(running), self.n)]
         fresh = len(running) % self.n == 0 and all(
@@ -136,13 +184,13 @@ class RolloutStream:
             if len(ids) > remaining:  # a call is as long as the longest remaining: cut at this sample's cap
                 ids, reason = ids[:remaining], "length"
             sample.tokens += ids
-            sample.versions += [step] * len(ids)
+            sample.versions += [version] * len(ids)
             if out.logprobs is not None:
                 sample.logprobs = (sample.logprobs or []) + list(out.logprobs[row][: len(ids)])
             if reason == "stop" or len(sample.tokens) >= self.cap:
                 sample.finish = "stop" if reason == "stop" else "length"
 
-    def _take(self, step: int, calls: int, dropped: int) -> StreamBatch:
+    def _take(self, calls: int, dropped: int) -> StreamBatch:
         chosen = self._finished_groups()[: self.prompts_per_step]  # group ids are draw order: oldest first
         position = {g: i for i, g in enumerate(chosen)}
         rows = sorted((s for s in self.samples if s.group in position), key=lambda s: (position[s.group], s.slot))

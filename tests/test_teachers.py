@@ -542,9 +542,9 @@ def test_in_run_eval_is_split_by_the_teacher_routes(world, routed_world, tmp_pat
 
 def test_opd_check_runs_per_teacher_on_its_routed_prompts(world, routed_world, tmp_path, monkeypatch, capfd):
     """`opd check` of a config with `teachers:`: each teacher's groups on the prompts routed to it
-    (<out>/<name>/check.json), the routing table and every exit code in <out>/check.json; a teacher with a view gets
-    teacher_view and no forecast; what it cannot check yet (the live student) is refused in one line before any model
-    loads."""
+    (<out>/<name>/check.json), the routing table and every exit code in <out>/check.json, each recovery command
+    naming its teacher's route; a teacher with a view gets teacher_view and no forecast; the live student (`path:
+    student`) is checked as its initial weights, with its view."""
     from opd.recipes.check import run_check
 
     config = _config(world, routed_world, tmp_path, teachers=_split(routed_world))
@@ -552,10 +552,13 @@ def test_opd_check_runs_per_teacher_on_its_routed_prompts(world, routed_world, t
     summary = json.loads((tmp_path / "check" / "check.json").read_text())
     assert {name: row["prompts"] for name, row in summary["teachers"].items()} == {"a": 3, "b": 3}
     assert summary["exit_code"] == report.exit_code()
-    for name in "ab":
+    for name, source in zip("ab", ("add", "mul")):
         own = json.loads((tmp_path / "check" / name / "check.json").read_text())
         assert own["forecast"]["prompts_sample"] == 3  # its own 3 of the 6 prompts, not the whole set
         assert summary["teachers"][name]["exit_code"] == own["exit_code"]
+        # 2 × 3 rollouts are too few for a verdict: the recovery re-runs the check, on this teacher's route
+        assert own["forecast"]["recovery"] == "more_rollouts"
+        assert own["forecast"]["command"].endswith(f"teacher {name}'s route (data_source in ['{source}'], 3 prompts)")
     teachers = _split(routed_world)
     teachers[0]["view"] = {"context_key": "answer"}  # a view: teacher_view instead of a forecast
     run_check(_config(world, routed_world, tmp_path, teachers=teachers), n=2, prompts_sample=8, out=tmp_path / "c1")
@@ -567,14 +570,15 @@ def test_opd_check_runs_per_teacher_on_its_routed_prompts(world, routed_world, t
     teachers[0] = {"name": "a", "path": "student", "route": teachers[0]["route"], "view": teachers[0]["view"]}
     argv = ["check", "--student", str(world / "student"), "--prompts", str(routed_world / "prompts.jsonl")]
     argv += ["--out", str(tmp_path / "c2"), "data.answer_key=answer", f"teachers={json.dumps(teachers)}"]
+    argv += ["--skip-check", "step_time", "--n", "2", "--prompts-sample", "8"]
     monkeypatch.delenv("OPD_DEBUG", raising=False)
-    capfd.readouterr()
     code, stderr, _ = run_in_process(argv, monkeypatch, capfd)
-    assert one_line(code, stderr).endswith(
-        "teachers[a]: opd check does not check the live student (path: student) yet; check the other teachers "
-        "with a config that lists them only"
-    )
-    assert not (tmp_path / "c2").exists()
+    assert code in (0, 3), stderr
+    live = {r["name"]: r for r in json.loads((tmp_path / "c2" / "a" / "check.json").read_text())["results"]}
+    assert live["teacher_view"]["status"] == "pass"  # the answer in its context moves the student's own scores
+    # the student scoring its own samples: bit-identical twice, and its reward against itself is zero
+    assert live["determinism"]["status"] == "pass" and live["self_distillation_zero"]["status"] == "pass"
+    assert live["tokenizer_vocab"]["status"] == "pass" and live["memory"]["status"] != "fail"
 
 
 def test_a_view_whose_context_never_reaches_the_teacher_stops_distill_at_startup(world, routed_world, tmp_path):

@@ -596,3 +596,47 @@ def test_a_view_whose_context_never_reaches_the_teacher_stops_distill_at_startup
         distill(config)
     assert "\n" not in str(stop.value) and "view.context_template" in str(stop.value)
     assert not list((tmp_path / "runs").rglob("metrics.jsonl"))
+
+
+def test_opd_check_of_a_served_teacher_over_loopback(world, routed_world, tmp_path):
+    """`opd check` with one local teacher and one served by an in-process `opd serve-teacher` on loopback (the same
+    tiny teacher): both get <out>/<name>/check.json; the served one's tokenizer rows come from the server's /info,
+    its scoring rows are served_scores and determinism, and its forecast runs on its own route's prompts (no teacher
+    accuracy: it cannot generate)."""
+    pytest.importorskip("uvicorn")
+    from opd.config import ModelSpec
+    from opd.models import load_model
+    from opd.recipes.check import run_check
+    from opd.recipes.serve_teacher import ServeConfig
+    from opd.teacher.server import service_for
+
+    model, tokenizer = load_model(str(routed_world / "b"), dtype="fp32", device="cpu")
+    service = service_for(model, tokenizer, ServeConfig(model=ModelSpec(path=str(routed_world / "b"))), name="b")
+    token_file = tmp_path / "token"
+    token_file.write_text("served-check-token-0123456")
+    with server_in_thread(service, token_file.read_text()) as url:
+        teachers = _split(routed_world)
+        teachers[1] = {"name": "b", "url": [url, url], "token_file": str(token_file), "route": teachers[1]["route"]}
+        config = _config(world, routed_world, tmp_path, teachers=teachers)
+        report = run_check(config, n=2, prompts_sample=8, out=tmp_path / "check")
+    summary = json.loads((tmp_path / "check" / "check.json").read_text())
+    assert summary["exit_code"] == report.exit_code() == 0
+    local, served = (json.loads((tmp_path / "check" / n / "check.json").read_text()) for n in "ab")
+    rows = {r["name"]: r for r in served["results"]}
+    assert {rows[n]["status"] for n in ("tokenizer_vocab", "chat_template", "served_scores", "determinism")} == {"pass"}
+    assert rows["special_tokens"]["status"] == rows["self_distillation_zero"]["status"] == "skip"
+    assert rows["step_time"]["status"] != "fail" and served["mini_step"]["teacher"] > 0
+    assert served["forecast"]["values"]["teacher_accuracy"] is None
+    assert served["forecast"]["values"]["rollouts"] == 2 * 3  # n × its own 3 prompts
+    assert local["forecast"]["values"]["teacher_accuracy"] is not None
+    # the same teacher b in process, on the same route: the same forecast signals
+    run_check(
+        _config(world, routed_world, tmp_path, teachers=_split(routed_world)),
+        n=2,
+        prompts_sample=8,
+        out=tmp_path / "both_local",
+    )
+    in_process = json.loads((tmp_path / "both_local" / "b" / "check.json").read_text())["forecast"]["values"]
+    for key in ("overlap_ratio", "overlap_advantage", "entropy_teacher", "seq_reward_mean"):
+        assert served["forecast"]["values"][key] == pytest.approx(in_process[key], abs=1e-4), key
+    assert "mul" in served["forecast"]["command"] and url in served["forecast"]["command"]

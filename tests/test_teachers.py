@@ -640,3 +640,37 @@ def test_opd_check_of_a_served_teacher_over_loopback(world, routed_world, tmp_pa
     for key in ("overlap_ratio", "overlap_advantage", "entropy_teacher", "seq_reward_mean"):
         assert served["forecast"]["values"][key] == pytest.approx(in_process[key], abs=1e-4), key
     assert "mul" in served["forecast"]["command"] and url in served["forecast"]["command"]
+
+
+def _startup_report(config):
+    """distill's startup rows (`startup_checks`) for `config`, on the models and prompts `setup` would load."""
+    from opd.models import load_tokenizer
+    from opd.recipes import distill as recipe
+    from opd.train.distributed import SINGLE
+
+    tokenizer = load_tokenizer(config.student.path)
+    data = recipe.load_data(config, tokenizer, None)
+    prompt_teacher = recipe.route_teachers(config, data, None)
+    models = recipe.load_models(config, None, tokenizer, SINGLE)
+    for routed, view_ids in zip(models.teachers, recipe.teacher_views(config, data, prompt_teacher, tokenizer)):
+        routed.prompt_ids = view_ids
+    generator, _, _ = recipe.build_engines(config, models, SINGLE)
+    return recipe.startup_checks(config, models, generator, data, tokenizer, SINGLE, None, prompt_teacher)
+
+
+def test_each_teachers_startup_rows_run_on_prompts_of_its_own_route(world, routed_world, tmp_path):
+    """distill's startup scoring rows and step_time run once per teacher, named row[teacher], each on the first
+    prompts routed to it (a: the even prompts 0, 2; b, the live student: 1, 3, through served_scores); a run's only
+    teacher keeps the plain row names, on the first prompts."""
+    teachers = _split(routed_world)
+    teachers[1] = {"name": "b", "path": "student", "route": teachers[1]["route"]}
+    report = _startup_report(_config(world, routed_world, tmp_path, teachers=teachers))
+    rows = {r.name: r.status for r in report.results}
+    assert report.values["scoring_prompts"] == {"a": [0, 2], "b": [1, 3]}
+    for row in ("determinism[a]", "self_distillation_zero[a]", "served_scores[b]", "step_time[a]", "step_time[b]"):
+        assert rows[row] in ("pass", "warn"), (row, rows)
+    assert "determinism" not in rows and "served_scores[a]" not in rows and "determinism[b]" not in rows
+    assert {r.group for r in report.results if r.name.startswith("step_time")} == {"resources"}
+    single = _startup_report(_config(world, routed_world, tmp_path / "one"))
+    assert single.values["scoring_prompts"] == {"teacher": [0, 1]}
+    assert {"determinism", "self_distillation_zero", "prompt_logprobs", "step_time"} <= {r.name for r in single.results}

@@ -437,36 +437,27 @@ def _load_pair(
         trust_remote_code=config.student.trust_remote_code,
         attn_implementation=config.student.attn_implementation,
     )
-    student_rows = student.get_output_embeddings().weight.shape[0]
-    teacher: torch.nn.Module | None = student if live else None
+    student_rows = int(student.get_output_embeddings().weight.shape[0])
+    teacher: torch.nn.Module | None = None
+    teacher_scorer: Any = served
     if served is not None:
         vocab_size = served.check_tokenizer(student_tokenizer, student_rows=student_rows).tokenizer_size
     else:
-        if not live:
-            assert teacher_spec.path is not None  # a teacher in process is loaded from teacher.path
-            teacher_device = resolve_device(teacher_spec.device)
-            teacher, _ = load_model(
-                teacher_spec.path,
-                dtype=resolve_dtype(teacher_spec.dtype, teacher_device),
-                device=teacher_device,
-                trust_remote_code=teacher_spec.trust_remote_code,
-                attn_implementation=teacher_spec.attn_implementation,
-            )
-        assert teacher is not None
+        module: Any = student if live else _load_teacher_module(teacher_spec)
+        teacher = module
         vocab_size = check_tokenizer_compatibility(
             student_tokenizer,
             teacher_tokenizer,
             student_vocab_size=student_rows,
-            teacher_vocab_size=teacher.get_output_embeddings().weight.shape[0],
+            teacher_vocab_size=module.get_output_embeddings().weight.shape[0],
         ).tokenizer_size
     student_scorer = LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
-    teacher_scorer = (
-        served
-        if served is not None
-        else student_scorer
-        if live
-        else LocalScorer(teacher, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
-    )
+    if served is None:
+        teacher_scorer = (
+            student_scorer
+            if live
+            else LocalScorer(module, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
+        )
     encoded = encode_prompts(
         student_tokenizer,
         sample,
@@ -485,6 +476,20 @@ def _load_pair(
         encoded.input_ids,
         live,
     )
+
+
+def _load_teacher_module(spec: TeacherSpec) -> torch.nn.Module:
+    """The teacher loaded in process from `spec.path`, as the run loads it."""
+    assert spec.path is not None  # a teacher in process is loaded from teacher.path
+    device = resolve_device(spec.device)
+    module, _ = load_model(
+        spec.path,
+        dtype=resolve_dtype(spec.dtype, device),
+        device=device,
+        trust_remote_code=spec.trust_remote_code,
+        attn_implementation=spec.attn_implementation,
+    )
+    return module
 
 
 def _view_row(

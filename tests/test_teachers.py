@@ -674,3 +674,16 @@ def test_each_teachers_startup_rows_run_on_prompts_of_its_own_route(world, route
     single = _startup_report(_config(world, routed_world, tmp_path / "one"))
     assert single.values["scoring_prompts"] == {"teacher": [0, 1]}
     assert {"determinism", "self_distillation_zero", "prompt_logprobs", "step_time"} <= {r.name for r in single.results}
+
+
+def test_opd_check_refuses_a_vllm_teacher_in_one_line(world, routed_world, tmp_path, monkeypatch, capfd):
+    """A vLLM teacher scores no student top-k, which the forecast needs: one line naming it, before any model loads
+    and before the output directory is made."""
+    teachers = _split(routed_world)
+    teachers[1]["engine"] = "vllm"
+    argv = ["check", "--student", str(world / "student"), "--prompts", str(routed_world / "prompts.jsonl")]
+    argv += ["--out", str(tmp_path / "c"), "data.answer_key=answer", f"teachers={json.dumps(teachers)}"]
+    monkeypatch.delenv("OPD_DEBUG", raising=False)
+    code, stderr, _ = run_in_process(argv, monkeypatch, capfd)
+    assert "teachers[b]: opd check does not check a vLLM teacher (engine: vllm)" in one_line(code, stderr)
+    assert not (tmp_path / "c").exists()

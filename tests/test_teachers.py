@@ -558,7 +558,10 @@ def test_opd_check_runs_per_teacher_on_its_routed_prompts(world, routed_world, t
         assert summary["teachers"][name]["exit_code"] == own["exit_code"]
         # 2 × 3 rollouts are too few for a verdict: the recovery re-runs the check, on this teacher's route
         assert own["forecast"]["recovery"] == "more_rollouts"
-        assert own["forecast"]["command"].endswith(f"teacher {name}'s route (data_source in ['{source}'], 3 prompts)")
+        command = own["forecast"]["command"]
+        assert command.endswith(f"teacher {name}'s route (data_source in ['{source}'], 3 prompts)")
+        # re-run on the config's own teachers list: a --teacher would contradict it
+        assert command.startswith(f"opd check --prompts {routed_world / 'prompts.jsonl'} --n 2 --prompts-sample 16")
     teachers = _split(routed_world)
     teachers[0]["view"] = {"context_key": "answer"}  # a view: teacher_view instead of a forecast
     run_check(_config(world, routed_world, tmp_path, teachers=teachers), n=2, prompts_sample=8, out=tmp_path / "c1")
@@ -639,7 +642,7 @@ def test_opd_check_of_a_served_teacher_over_loopback(world, routed_world, tmp_pa
     in_process = json.loads((tmp_path / "both_local" / "b" / "check.json").read_text())["forecast"]["values"]
     for key in ("overlap_ratio", "overlap_advantage", "entropy_teacher", "seq_reward_mean"):
         assert served["forecast"]["values"][key] == pytest.approx(in_process[key], abs=1e-4), key
-    assert "mul" in served["forecast"]["command"] and url in served["forecast"]["command"]
+    assert served["forecast"]["command"].endswith("teacher b's route (data_source in ['mul'], 3 prompts)")
 
 
 def _startup_report(config):

@@ -185,7 +185,8 @@ def recovery_command(
     route: str | None = None,
 ) -> str:
     """The command line of a recovery (empty for none); `n` × `prompts_sample` the forecast's own sample. `route`:
-    the prompts of `prompts` it concerns, when not all (one teacher's route of several), named after the command."""
+    the prompts of `prompts` it concerns, when not all (one teacher's route of several), named after the command;
+    `opd check` is then re-run on the run's own config (its `teachers:` list), without --student and --teacher."""
     command = _recovery_command(
         recovery,
         student=student,
@@ -194,6 +195,7 @@ def recovery_command(
         n=n,
         prompts_sample=prompts_sample,
         min_rollouts=min_rollouts,
+        models="" if route is not None else f"--student {student} --teacher {teacher} ",
     )
     if not command or route is None or recovery == "other_teacher":
         return command
@@ -202,12 +204,21 @@ def recovery_command(
 
 
 def _recovery_command(
-    recovery: str, *, student: str, teacher: str, prompts: str, n: int, prompts_sample: int, min_rollouts: int
+    recovery: str,
+    *,
+    student: str,
+    teacher: str,
+    prompts: str,
+    n: int,
+    prompts_sample: int,
+    min_rollouts: int,
+    models: str,
 ) -> str:
+    """recovery_command's command line; `models`: opd check's --student and --teacher (or nothing)."""
     if recovery == "more_rollouts":
         need = -(-min_rollouts // max(1, n))  # prompts at this n
         return (
-            f"opd check --student {student} --teacher {teacher} --prompts {prompts} --n {n} --prompts-sample "
+            f"opd check {models}--prompts {prompts} --n {n} --prompts-sample "
             f"{need}   # with the same config and overrides; or --n {-(-min_rollouts // max(1, prompts_sample))} "
             f"on {prompts_sample} prompts: ≥ {min_rollouts} rollouts in all"
         )

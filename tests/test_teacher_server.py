@@ -1127,6 +1127,19 @@ def test_startup_check_of_served_scores_passes_a_server_and_stops_one_that_drops
         with pytest.raises(ValueError, match=r"^opd check: served_scores failed .*temperature 0\.7") as stopped:
             distill(config)
         assert "\n" not in str(stopped.value)
+        # one of two teachers: its row is named after it, and the skip hint names the check
+        teachers = [
+            {"name": "a", "path": str(teacher_path()), "route": {"route_key": "steps", "values": [1, 2]}},
+            {"name": "b", "url": blind_url, "token_file": str(token_file), "temperature": 0.7},
+        ]
+        teachers[1]["route"] = {"route_key": "steps", "values": [3, 4, 5]}
+        lab = ["teacher=null", "data.limit=200"]
+        config = lab_config(tmp_path, "blind_of_two", *lab, f"teachers={json.dumps(teachers)}")
+        with pytest.raises(ValueError, match=r"^opd check: served_scores\[b\] failed .*temperature 0\.7") as stopped:
+            distill(config)
+        assert "\n" not in str(stopped.value) and str(stopped.value).endswith(
+            "pass --skip-check served_scores (skip_checks)"
+        )
         assert not list(tmp_path.glob("blind*/checkpoints/*"))  # stopped before the first step
 
 

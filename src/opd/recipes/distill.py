@@ -600,7 +600,7 @@ def startup_checks(
     scoring rows and step_time run on its own first prompts (`scoring_probes`), and the views' row (one process
     only)."""
     teacher_tokenizer = None  # a served or vLLM teacher has no module here: its tokenizer was compared already
-    if models.teacher is not None:  # the startup rows check the first teacher
+    if models.teacher is not None:  # the tokenizer rows check the first teacher (each one is scored on its own)
         teacher = models.teachers[0].entry
         assert teacher.path is not None  # a teacher module is loaded from teacher.path
         teacher_tokenizer = load_tokenizer(teacher.path, trust_remote_code=teacher.trust_remote_code)

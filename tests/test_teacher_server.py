@@ -1065,7 +1065,9 @@ def test_contradictory_teacher_settings_are_refused(tmp_path, overrides, message
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_check_with_only_a_served_teacher_says_so(tmp_path):
+def test_check_of_a_served_teacher_that_does_not_answer_fails_in_one_line(tmp_path):
+    """`opd check` of a served teacher asks its server (/info) first: one that never answers is one line naming its
+    URL and the deadline to raise."""
     result = subprocess.run(
         [
             sys.executable,
@@ -1075,6 +1077,7 @@ def test_check_with_only_a_served_teacher_says_so(tmp_path):
             f"student.path={student_path()}",
             f"data.path={opd_prompts_path()}",
             "teacher.url=http://127.0.0.1:1",
+            "teacher.retry_deadline=0",
             f"run.out_dir={tmp_path}",
         ],
         capture_output=True,
@@ -1082,8 +1085,9 @@ def test_check_with_only_a_served_teacher_says_so(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         timeout=300,
     )
-    assert result.returncode == 2 and "teacher.path" in result.stderr and "None" not in result.stderr
-    assert "Traceback" not in result.stderr
+    last = [line for line in result.stderr.splitlines() if line.strip()][-1]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert last.startswith("error: teacher server http://127.0.0.1:1 did not answer") and "retry_deadline" in last
 
 
 class _TemperatureBlindScorer(LocalScorer):
@@ -1123,6 +1127,19 @@ def test_startup_check_of_served_scores_passes_a_server_and_stops_one_that_drops
         with pytest.raises(ValueError, match=r"^opd check: served_scores failed .*temperature 0\.7") as stopped:
             distill(config)
         assert "\n" not in str(stopped.value)
+        # one of two teachers: its row is named after it, and the skip hint names the check
+        teachers = [
+            {"name": "a", "path": str(teacher_path()), "route": {"route_key": "steps", "values": [1, 2]}},
+            {"name": "b", "url": blind_url, "token_file": str(token_file), "temperature": 0.7},
+        ]
+        teachers[1]["route"] = {"route_key": "steps", "values": [3, 4, 5]}
+        lab = ["teacher=null", "data.limit=200"]
+        config = lab_config(tmp_path, "blind_of_two", *lab, f"teachers={json.dumps(teachers)}")
+        with pytest.raises(ValueError, match=r"^opd check: served_scores\[b\] failed .*temperature 0\.7") as stopped:
+            distill(config)
+        assert "\n" not in str(stopped.value) and str(stopped.value).endswith(
+            "pass --skip-check served_scores (skip_checks)"
+        )
         assert not list(tmp_path.glob("blind*/checkpoints/*"))  # stopped before the first step
 
 

@@ -542,9 +542,9 @@ def test_in_run_eval_is_split_by_the_teacher_routes(world, routed_world, tmp_pat
 
 def test_opd_check_runs_per_teacher_on_its_routed_prompts(world, routed_world, tmp_path, monkeypatch, capfd):
     """`opd check` of a config with `teachers:`: each teacher's groups on the prompts routed to it
-    (<out>/<name>/check.json), the routing table and every exit code in <out>/check.json; a teacher with a view gets
-    teacher_view and no forecast; what it cannot check yet (the live student) is refused in one line before any model
-    loads."""
+    (<out>/<name>/check.json), the routing table and every exit code in <out>/check.json, each recovery command
+    naming its teacher's route; a teacher with a view gets teacher_view and no forecast; the live student (`path:
+    student`) is checked as its initial weights, with its view."""
     from opd.recipes.check import run_check
 
     config = _config(world, routed_world, tmp_path, teachers=_split(routed_world))
@@ -552,10 +552,16 @@ def test_opd_check_runs_per_teacher_on_its_routed_prompts(world, routed_world, t
     summary = json.loads((tmp_path / "check" / "check.json").read_text())
     assert {name: row["prompts"] for name, row in summary["teachers"].items()} == {"a": 3, "b": 3}
     assert summary["exit_code"] == report.exit_code()
-    for name in "ab":
+    for name, source in zip("ab", ("add", "mul")):
         own = json.loads((tmp_path / "check" / name / "check.json").read_text())
         assert own["forecast"]["prompts_sample"] == 3  # its own 3 of the 6 prompts, not the whole set
         assert summary["teachers"][name]["exit_code"] == own["exit_code"]
+        # 2 × 3 rollouts are too few for a verdict: the recovery re-runs the check, on this teacher's route
+        assert own["forecast"]["recovery"] == "more_rollouts"
+        command = own["forecast"]["command"]
+        assert command.endswith(f"teacher {name}'s route (data_source in ['{source}'], 3 prompts)")
+        # re-run on the config's own teachers list: a --teacher would contradict it
+        assert command.startswith(f"opd check --prompts {routed_world / 'prompts.jsonl'} --n 2 --prompts-sample 16")
     teachers = _split(routed_world)
     teachers[0]["view"] = {"context_key": "answer"}  # a view: teacher_view instead of a forecast
     run_check(_config(world, routed_world, tmp_path, teachers=teachers), n=2, prompts_sample=8, out=tmp_path / "c1")
@@ -567,14 +573,15 @@ def test_opd_check_runs_per_teacher_on_its_routed_prompts(world, routed_world, t
     teachers[0] = {"name": "a", "path": "student", "route": teachers[0]["route"], "view": teachers[0]["view"]}
     argv = ["check", "--student", str(world / "student"), "--prompts", str(routed_world / "prompts.jsonl")]
     argv += ["--out", str(tmp_path / "c2"), "data.answer_key=answer", f"teachers={json.dumps(teachers)}"]
+    argv += ["--skip-check", "step_time", "--n", "2", "--prompts-sample", "8"]
     monkeypatch.delenv("OPD_DEBUG", raising=False)
-    capfd.readouterr()
     code, stderr, _ = run_in_process(argv, monkeypatch, capfd)
-    assert one_line(code, stderr).endswith(
-        "teachers[a]: opd check does not check the live student (path: student) yet; check the other teachers "
-        "with a config that lists them only"
-    )
-    assert not (tmp_path / "c2").exists()
+    assert code in (0, 3), stderr
+    live = {r["name"]: r for r in json.loads((tmp_path / "c2" / "a" / "check.json").read_text())["results"]}
+    assert live["teacher_view"]["status"] == "pass"  # the answer in its context moves the student's own scores
+    # the student scoring its own samples: bit-identical twice, and its reward against itself is zero
+    assert live["determinism"]["status"] == "pass" and live["self_distillation_zero"]["status"] == "pass"
+    assert live["tokenizer_vocab"]["status"] == "pass" and live["memory"]["status"] != "fail"
 
 
 def test_a_view_whose_context_never_reaches_the_teacher_stops_distill_at_startup(world, routed_world, tmp_path):
@@ -592,3 +599,94 @@ def test_a_view_whose_context_never_reaches_the_teacher_stops_distill_at_startup
         distill(config)
     assert "\n" not in str(stop.value) and "view.context_template" in str(stop.value)
     assert not list((tmp_path / "runs").rglob("metrics.jsonl"))
+
+
+def test_opd_check_of_a_served_teacher_over_loopback(world, routed_world, tmp_path):
+    """`opd check` with one local teacher and one served by an in-process `opd serve-teacher` on loopback (the same
+    tiny teacher): both get <out>/<name>/check.json; the served one's tokenizer rows come from the server's /info,
+    its scoring rows are served_scores and determinism, and its forecast runs on its own route's prompts (no teacher
+    accuracy: it cannot generate)."""
+    pytest.importorskip("uvicorn")
+    from opd.config import ModelSpec
+    from opd.models import load_model
+    from opd.recipes.check import run_check
+    from opd.recipes.serve_teacher import ServeConfig
+    from opd.teacher.server import service_for
+
+    model, tokenizer = load_model(str(routed_world / "b"), dtype="fp32", device="cpu")
+    service = service_for(model, tokenizer, ServeConfig(model=ModelSpec(path=str(routed_world / "b"))), name="b")
+    token_file = tmp_path / "token"
+    token_file.write_text("served-check-token-0123456")
+    with server_in_thread(service, token_file.read_text()) as url:
+        teachers = _split(routed_world)
+        teachers[1] = {"name": "b", "url": [url, url], "token_file": str(token_file), "route": teachers[1]["route"]}
+        config = _config(world, routed_world, tmp_path, teachers=teachers)
+        report = run_check(config, n=2, prompts_sample=8, out=tmp_path / "check")
+    summary = json.loads((tmp_path / "check" / "check.json").read_text())
+    assert summary["exit_code"] == report.exit_code() == 0
+    local, served = (json.loads((tmp_path / "check" / n / "check.json").read_text()) for n in "ab")
+    rows = {r["name"]: r for r in served["results"]}
+    assert {rows[n]["status"] for n in ("tokenizer_vocab", "chat_template", "served_scores", "determinism")} == {"pass"}
+    assert rows["special_tokens"]["status"] == rows["self_distillation_zero"]["status"] == "skip"
+    assert rows["step_time"]["status"] != "fail" and served["mini_step"]["teacher"] > 0
+    assert served["forecast"]["values"]["teacher_accuracy"] is None
+    assert served["forecast"]["values"]["rollouts"] == 2 * 3  # n × its own 3 prompts
+    assert local["forecast"]["values"]["teacher_accuracy"] is not None
+    # the same teacher b in process, on the same route: the same forecast signals
+    run_check(
+        _config(world, routed_world, tmp_path, teachers=_split(routed_world)),
+        n=2,
+        prompts_sample=8,
+        out=tmp_path / "both_local",
+    )
+    in_process = json.loads((tmp_path / "both_local" / "b" / "check.json").read_text())["forecast"]["values"]
+    for key in ("overlap_ratio", "overlap_advantage", "entropy_teacher", "seq_reward_mean"):
+        assert served["forecast"]["values"][key] == pytest.approx(in_process[key], abs=1e-4), key
+    assert served["forecast"]["command"].endswith("teacher b's route (data_source in ['mul'], 3 prompts)")
+
+
+def _startup_report(config):
+    """distill's startup rows (`startup_checks`) for `config`, on the models and prompts `setup` would load."""
+    from opd.models import load_tokenizer
+    from opd.recipes import distill as recipe
+    from opd.train.distributed import SINGLE
+
+    tokenizer = load_tokenizer(config.student.path)
+    data = recipe.load_data(config, tokenizer, None)
+    prompt_teacher = recipe.route_teachers(config, data, None)
+    models = recipe.load_models(config, None, tokenizer, SINGLE)
+    for routed, view_ids in zip(models.teachers, recipe.teacher_views(config, data, prompt_teacher, tokenizer)):
+        routed.prompt_ids = view_ids
+    generator, _, _ = recipe.build_engines(config, models, SINGLE)
+    return recipe.startup_checks(config, models, generator, data, tokenizer, SINGLE, None, prompt_teacher)
+
+
+def test_each_teachers_startup_rows_run_on_prompts_of_its_own_route(world, routed_world, tmp_path):
+    """distill's startup scoring rows and step_time run once per teacher, named row[teacher], each on the first
+    prompts routed to it (a: the even prompts 0, 2; b, the live student: 1, 3, through served_scores); a run's only
+    teacher keeps the plain row names, on the first prompts."""
+    teachers = _split(routed_world)
+    teachers[1] = {"name": "b", "path": "student", "route": teachers[1]["route"]}
+    report = _startup_report(_config(world, routed_world, tmp_path, teachers=teachers))
+    rows = {r.name: r.status for r in report.results}
+    assert report.values["scoring_prompts"] == {"a": [0, 2], "b": [1, 3]}
+    for row in ("determinism[a]", "self_distillation_zero[a]", "served_scores[b]", "step_time[a]", "step_time[b]"):
+        assert rows[row] in ("pass", "warn"), (row, rows)
+    assert "determinism" not in rows and "served_scores[a]" not in rows and "determinism[b]" not in rows
+    assert {r.group for r in report.results if r.name.startswith("step_time")} == {"resources"}
+    single = _startup_report(_config(world, routed_world, tmp_path / "one"))
+    assert single.values["scoring_prompts"] == {"teacher": [0, 1]}
+    assert {"determinism", "self_distillation_zero", "prompt_logprobs", "step_time"} <= {r.name for r in single.results}
+
+
+def test_opd_check_refuses_a_vllm_teacher_in_one_line(world, routed_world, tmp_path, monkeypatch, capfd):
+    """A vLLM teacher scores no student top-k, which the forecast needs: one line naming it, before any model loads
+    and before the output directory is made."""
+    teachers = _split(routed_world)
+    teachers[1]["engine"] = "vllm"
+    argv = ["check", "--student", str(world / "student"), "--prompts", str(routed_world / "prompts.jsonl")]
+    argv += ["--out", str(tmp_path / "c"), "data.answer_key=answer", f"teachers={json.dumps(teachers)}"]
+    monkeypatch.delenv("OPD_DEBUG", raising=False)
+    code, stderr, _ = run_in_process(argv, monkeypatch, capfd)
+    assert "teachers[b]: opd check does not check a vLLM teacher (engine: vllm)" in one_line(code, stderr)
+    assert not (tmp_path / "c").exists()

@@ -182,12 +182,43 @@ def recovery_command(
     n: int = 4,
     prompts_sample: int = 64,
     min_rollouts: int = 32,
+    route: str | None = None,
 ) -> str:
-    """The command line of a recovery (empty for none); `n` × `prompts_sample` the forecast's own sample."""
+    """The command line of a recovery (empty for none); `n` × `prompts_sample` the forecast's own sample. `route`:
+    the prompts of `prompts` it concerns, when not all (one teacher's route of several), named after the command;
+    `opd check` is then re-run on the run's own config (its `teachers:` list), without --student and --teacher."""
+    command = _recovery_command(
+        recovery,
+        student=student,
+        teacher=teacher,
+        prompts=prompts,
+        n=n,
+        prompts_sample=prompts_sample,
+        min_rollouts=min_rollouts,
+        models="" if route is not None else f"--student {student} --teacher {teacher} ",
+    )
+    if not command or route is None or recovery == "other_teacher":
+        return command
+    separator = "; " if "   # " in command else "   # "
+    return f"{command}{separator}on the prompts of {route}"
+
+
+def _recovery_command(
+    recovery: str,
+    *,
+    student: str,
+    teacher: str,
+    prompts: str,
+    n: int,
+    prompts_sample: int,
+    min_rollouts: int,
+    models: str,
+) -> str:
+    """recovery_command's command line; `models`: opd check's --student and --teacher (or nothing)."""
     if recovery == "more_rollouts":
         need = -(-min_rollouts // max(1, n))  # prompts at this n
         return (
-            f"opd check --student {student} --teacher {teacher} --prompts {prompts} --n {n} --prompts-sample "
+            f"opd check {models}--prompts {prompts} --n {n} --prompts-sample "
             f"{need}   # with the same config and overrides; or --n {-(-min_rollouts // max(1, prompts_sample))} "
             f"on {prompts_sample} prompts: ≥ {min_rollouts} rollouts in all"
         )
@@ -210,7 +241,7 @@ def recovery_command(
 
 def forecast(
     student: torch.nn.Module,
-    teacher: torch.nn.Module,
+    teacher: torch.nn.Module | Any,
     tokenizer: Any,
     prompts: Sequence[Any],
     *,
@@ -230,7 +261,8 @@ def forecast(
     """Step-0 signals of OPD on `prompts`: n student rollouts per prompt scored by both models exactly as
     `opd prompts score` does (`score_prompts`), the §6 metrics token-means over all rollouts
     (`opd_diagnostics_from_scores`), the sequence-reward AUROC against correctness and the student's accuracy (when
-    the prompts carry answers), and the teacher's accuracy on n samples of its own at `teacher_temperature`."""
+    the prompts carry answers), and the teacher's accuracy on n samples of its own at `teacher_temperature`.
+    `teacher`: a model, or any `TeacherScorer` (a served teacher: no samples of its own, no teacher accuracy)."""
     sums: dict[str, float] = {}
     tokens = 0
     seq_B: list[torch.Tensor] = []
@@ -286,19 +318,23 @@ def forecast(
         values["student_accuracy"] = float(labels.float().mean())
         both = 0 < int(labels.sum()) < len(correct)  # AUROC is undefined with one class only
         values["seq_reward_auroc"] = float(auroc(seq, labels)) if both else None
-        values["teacher_accuracy"] = sample_accuracy(
-            teacher,
-            tokenizer,
-            prompts,
-            n=n,
-            temperature=teacher_temperature,
-            max_new_tokens=max_new_tokens,
-            max_prompt_length=max_prompt_length,
-            enable_thinking=enable_thinking,
-            template=template,
-            batch_size=batch_size,
-            seed=seed,
-            vocab_size=vocab_size,
+        values["teacher_accuracy"] = (
+            None
+            if not isinstance(teacher, torch.nn.Module)
+            else sample_accuracy(
+                teacher,
+                tokenizer,
+                prompts,
+                n=n,
+                temperature=teacher_temperature,
+                max_new_tokens=max_new_tokens,
+                max_prompt_length=max_prompt_length,
+                enable_thinking=enable_thinking,
+                template=template,
+                batch_size=batch_size,
+                seed=seed,
+                vocab_size=vocab_size,
+            )
         )
     return values
 
@@ -356,9 +392,11 @@ def forecast_rows(
     prompts: str,
     n: int = 4,
     prompts_sample: int = 64,
+    route: str | None = None,
 ) -> tuple[list[CheckResult], dict[str, Any]]:
     """The forecast's rows (never hard) and its verdict record (`classify` + the recovery command); `n` ×
-    `prompts_sample` the sample the forecast was made on (for the more_rollouts command)."""
+    `prompts_sample` the sample the forecast was made on (for the more_rollouts command); `route`: see
+    `recovery_command`."""
     verdict = classify(values, th)
     verdict["command"] = recovery_command(
         verdict["recovery"],
@@ -368,6 +406,7 @@ def forecast_rows(
         n=n,
         prompts_sample=prompts_sample,
         min_rollouts=th.min_rollouts,
+        route=route,
     )
     rows = []
 

@@ -83,8 +83,13 @@ class CheckResult:
     hard: bool = False
 
     @property
+    def check(self) -> str:
+        """The row's check: its name without the teacher a run of several names it after (`determinism[a]`)."""
+        return self.name.partition("[")[0]
+
+    @property
     def group(self) -> str:
-        return CHECKS[self.name]
+        return CHECKS[self.check]
 
 
 @dataclass

@@ -222,6 +222,12 @@ def _with_responses(prompts: Sequence[Sequence[int]], responses: Sequence[Sequen
     )
 
 
+def prompt_tail_rollouts(prompt_ids: Sequence[Sequence[int]], *, pad_id: int) -> Any:
+    """Rollouts on the CPU of each prompt followed by its own last ≤ 16 tokens as the response: rows any scorer can
+    score without a model here to sample from (a served teacher's `determinism`, `served_scores`)."""
+    return _with_responses(prompt_ids, [_tail(ids) for ids in prompt_ids], pad_id)
+
+
 @dataclass(frozen=True)
 class ViewProbe:
     """One teacher with a view, for `check_teacher_views`: a prompt routed to it as the student sees it and as its
@@ -279,7 +285,7 @@ def check_served_scores(
     if entropy_N is not None and not -SERVED_TOLERANCE <= entropy_N.min() <= entropy_N.max() <= log_v:
     larger (the temperature was applied, once)."""
     k = top_k  # what the trainer asks for: a server's max_top_k (or vLLM's max_logprobs) allows it
-    rollouts = _with_responses(prompt_ids[:2], [_tail(ids) for ids in prompt_ids[:2]], pad_id)
+    rollouts = prompt_tail_rollouts(prompt_ids[:2], pad_id=pad_id)
     mask_BT = rollouts.response_mask.bool()
     at_t = scorer.score(rollouts, top_k=k, temperature=temperature, with_entropy=True)
     lp_NK, ids_NK = at_t.topk_logprobs[mask_BT].float(), at_t.topk_ids[mask_BT]

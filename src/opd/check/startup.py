@@ -1,17 +1,25 @@
 """`preflight`: what `opd distill` runs at startup on its loaded models, the tokenizers, scoring and resources groups
 of `opd check` (the forecast needs rollouts of a whole prompt sample: run `opd check` for it). A failed hard row
 stops the run with a one-line ValueError unless skipped (`skip_checks`).
+
+With several teachers the scoring rows and step_time run once per teacher (`ScoringProbe`), each on the first prompts
+routed to it as it sees them, named `row[teacher]`; the tokenizer rows check the first in-process teacher (every
+teacher's vocabulary is compared with the student's when it loads).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from opd.check.report import PREFLIGHT_GROUPS, CheckReport, resolve_skips, skipped_rows
+from opd.check.report import PREFLIGHT_GROUPS, CheckReport, CheckResult, resolve_skips, skipped_rows
 from opd.check.resources import check_memory, check_step_time, estimate_memory, loaded_bytes, mini_step
 from opd.check.scoring import (
     ViewProbe,
@@ -26,6 +34,41 @@ from opd.config import DistillConfig
 from opd.models import eos_token_ids, on_device
 from opd.objectives.diagnostics import diagnostic_top_k
 from opd.train.common import autocast
+
+
+@dataclass(frozen=True)
+class ScoringProbe:
+    """One teacher for the startup scoring rows and step_time. name: None for the run's only teacher (its rows keep
+    their plain names), else the teacher's (rows `determinism[name]`, …); module: its in-process model (None: served,
+    vLLM or the live student, checked through `served_scores`); scorer and temperature: as the run scores with it;
+    prompts: indices of its first routed prompts into the run's prompt set, `student_prompt_ids` their ids as the
+    student sees them and `prompt_ids` as this teacher does (its view); placed: the context it scores in
+    (offloaded: moved in; the live student: autocast, no grad)."""
+
+    name: str | None
+    module: torch.nn.Module | None
+    scorer: Any
+    temperature: float
+    prompts: list[int]
+    student_prompt_ids: list[list[int]]
+    prompt_ids: list[list[int]]
+    placed: Callable[[], contextlib.AbstractContextManager]
+
+
+def _at_temperature(config: DistillConfig, temperature: float) -> DistillConfig:
+    """`config` with the teacher temperature of one teacher (the scoring rows and mini_step read it there)."""
+    if temperature == config.objective.teacher_temperature:
+        return config
+    return config.model_copy(
+        update={"objective": config.objective.model_copy(update={"teacher_temperature": temperature})}
+    )
+
+
+def _named(rows: list[CheckResult], probe: ScoringProbe) -> list[CheckResult]:
+    """One teacher's rows named after it when the run has several (`row[teacher]`)."""
+    if probe.name is None:
+        return rows
+    return [dataclasses.replace(r, name=f"{r.name}[{probe.name}]") for r in rows]
 
 
 def preflight(
@@ -46,13 +89,15 @@ def preflight(
     console: Any = None,
     views: Sequence[ViewProbe] = (),
     teachers: Sequence[tuple[str, torch.nn.Module, bool]] | None = None,
+    scoring: Sequence[ScoringProbe] | None = None,
 ) -> CheckReport:
     """What `opd distill` runs at startup, on the loaded models (before the first step, the optimizer and layer
     compilation): the tokenizers, scoring and resources groups, minus `config.skip_checks`. Raises ValueError
     (one line: the failed rows, their fix, how to skip) on a hard failure. With several processes the rows that
     run the (sharded) student are left out: prompt_logprobs, step_time and generation_scoring. `views`: one probe
     per teacher with a view (`teacher_view`). `teachers`: every in-process teacher (name, module, offloaded) of a
-    run with several, for the memory row (`estimate_memory`)."""
+    run with several, for the memory row (`estimate_memory`). `scoring`: one probe per teacher for the scoring rows
+    and step_time; None: `teacher` and `teacher_scorer` on the first prompts (`prompt_ids`)."""
     skip = resolve_skips(config.skip_checks)
     # an offloaded teacher scores on the student's device, as in training (memory is estimated with it offloaded)
     scoring_device = next(student.parameters()).device if config.teacher_offload else None
@@ -72,32 +117,16 @@ def preflight(
             teacher_eos_ids=eos_token_ids(teacher, teacher_tokenizer),
         )
         report.results += [r for r in rows if r.name not in skip]
-        with on_device(teacher, scoring_device):
-            report.results += scoring_rows(
-                config,
-                teacher=teacher,
-                tokenizer=student_tokenizer,
-                student_scorer=student_scorer,
-                teacher_scorer=teacher_scorer,
-                prompt_ids=prompt_ids,
-                vocab_size=vocab_size,
-                student_params=sum(p.numel() for p in student.parameters()),
-                skip=skip,
-                rows=2,
-                max_new_tokens=128,
-                autocast_dtype=autocast_dtype,
-            )
-    elif teacher_scorer is not None and "served_scores" not in skip:  # a served or vLLM teacher: no module here
-        report.results.append(
-            check_served_scores(
-                teacher_scorer,
-                prompt_ids,
-                temperature=config.objective.teacher_temperature,
-                top_k=diagnostic_top_k(config.objective.top_k),
-                vocab_rows=vocab_size,
-                pad_id=student_tokenizer.pad_token_id,
-            )
+    if scoring is None:
+        scoring = (
+            [] if teacher_scorer is None else [_only_probe(config, teacher, teacher_scorer, prompt_ids, scoring_device)]
         )
+    for probe in scoring:
+        report.results += _named(
+            _probe_rows(config, probe, student_tokenizer, student_scorer, student, vocab_size, skip, autocast_dtype),
+            probe,
+        )
+    report.values["scoring_prompts"] = {probe.name or "teacher": probe.prompts for probe in scoring}
     if "generation_scoring" not in skip:
         device = next(student.parameters()).device
         with autocast(device, autocast_dtype):
@@ -127,20 +156,23 @@ def preflight(
         modules = [teacher] if teachers is None else [module for _, module, _ in teachers]
         report.results.append(check_memory(needs, loaded=loaded_bytes(student, *modules)))
     if "step_time" not in skip:
-        with on_device(teacher, scoring_device):
-            timings = mini_step(
-                config,
-                generator=generator,
-                student=student,
-                student_scorer=student_scorer,
-                teacher_scorer=teacher_scorer,
-                prompt_ids=prompt_ids,
-                pad_id=student_tokenizer.pad_token_id,
-                vocab_size=vocab_size,
-                autocast_dtype=autocast_dtype,
-                prompts=1,
-            )
-        report.results.append(check_step_time(config, timings))
+        # without a teacher (objective grpo) the mini-step has nothing to score with
+        for probe in scoring or [None]:
+            with probe.placed() if probe is not None else contextlib.nullcontext():
+                timings = mini_step(
+                    config if probe is None else _at_temperature(config, probe.temperature),
+                    generator=generator,
+                    student=student,
+                    student_scorer=student_scorer,
+                    teacher_scorer=None if probe is None else probe.scorer,
+                    prompt_ids=prompt_ids if probe is None else probe.student_prompt_ids,
+                    pad_id=student_tokenizer.pad_token_id,
+                    vocab_size=vocab_size,
+                    autocast_dtype=autocast_dtype,
+                    prompts=1,
+                )
+            row = check_step_time(config, timings)
+            report.results += [row] if probe is None else _named([row], probe)
     report.results += skipped_rows(skip, PREFLIGHT_GROUPS)
     report.values["seconds"] = round(time.perf_counter() - start, 2)
     if console is not None:
@@ -153,6 +185,69 @@ def preflight(
         raise ValueError(
             "opd check: "
             + " | ".join(f"{r.name} failed ({r.detail}); fix: {r.fix}" for r in failed)
-            + f" — to run anyway pass --skip-check {failed[0].name} (skip_checks)"
+            + f" — to run anyway pass --skip-check {failed[0].check} (skip_checks)"
         )
     return report
+
+
+def _only_probe(
+    config: DistillConfig,
+    teacher: torch.nn.Module | None,
+    scorer: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    scoring_device: torch.device | None,
+) -> ScoringProbe:
+    """The probe of a run's only teacher: the run's first prompts, placed as `teacher_offload` says."""
+    ids = [list(x) for x in prompt_ids[:2]]
+    return ScoringProbe(
+        None,
+        teacher,
+        scorer,
+        config.objective.teacher_temperature,
+        list(range(len(ids))),
+        ids,
+        ids,
+        functools.partial(on_device, teacher, scoring_device),
+    )
+
+
+def _probe_rows(
+    config: DistillConfig,
+    probe: ScoringProbe,
+    tokenizer: Any,
+    student_scorer: Any,
+    student: torch.nn.Module,
+    vocab_size: int,
+    skip: set[str],
+    autocast_dtype: torch.dtype | None,
+) -> list[CheckResult]:
+    """One teacher's scoring rows, unnamed: `scoring_rows` for an in-process module, else `served_scores`."""
+    if probe.module is not None:
+        with probe.placed():
+            return scoring_rows(
+                _at_temperature(config, probe.temperature),
+                teacher=probe.module,
+                tokenizer=tokenizer,
+                student_scorer=student_scorer,
+                teacher_scorer=probe.scorer,
+                prompt_ids=probe.prompt_ids,
+                vocab_size=vocab_size,
+                student_params=sum(p.numel() for p in student.parameters()),
+                skip=skip,
+                rows=2,
+                max_new_tokens=128,
+                autocast_dtype=autocast_dtype,
+            )
+    if "served_scores" in skip:  # a served or vLLM teacher (or the live student): no module here
+        return []
+    with probe.placed():
+        return [
+            check_served_scores(
+                probe.scorer,
+                probe.prompt_ids,
+                temperature=probe.temperature,
+                top_k=diagnostic_top_k(config.objective.top_k),
+                vocab_rows=vocab_size,
+                pad_id=tokenizer.pad_token_id,
+            )
+        ]

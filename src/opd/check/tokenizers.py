@@ -13,6 +13,7 @@ from typing import Any
 from opd.check.report import CheckResult
 from opd.data.templates import encode_prompts
 from opd.models import TokenizerMismatchError, check_tokenizer_compatibility
+from opd.teacher import wire
 from opd.types import Prompt
 
 
@@ -169,3 +170,59 @@ def _chat_templates(
     hard_mode = differences[0][0] == enable_thinking
     detail = "; ".join(text for _, text in differences)
     return CheckResult("chat_template", "fail" if hard_mode else "warn", "differs", detail, fix, hard=True)
+
+
+def check_served_tokenizers(
+    student_tokenizer: Any, scorer: Any, *, student_rows: int | None = None
+) -> list[CheckResult]:
+    """The tokenizer rows of a served teacher, from its server's /info (`RemoteScorer.info`): the token → id map
+    (its hash, or the server's /vocab when the hashes differ: `RemoteScorer.check_tokenizer`) and the chat
+    template's hash. /info names no special tokens: `special_tokens` is not run."""
+    rows = []
+    try:
+        vocab = scorer.check_tokenizer(student_tokenizer, student_rows=student_rows)
+        rows.append(
+            CheckResult(
+                "tokenizer_vocab",
+                "pass",
+                vocab.tokenizer_size,
+                f"{vocab.tokenizer_size} ids, identical token → id maps (the server's /info)",
+                hard=True,
+            )
+        )
+    except TokenizerMismatchError as error:
+        rows.append(
+            CheckResult(
+                "tokenizer_vocab",
+                "fail",
+                "mismatch",
+                str(error),
+                "serve a teacher with the student's tokenizer (same model family): OPD scores the student's token "
+                "ids with the teacher",
+                hard=True,
+            )
+        )
+    rows.append(
+        CheckResult("special_tokens", "skip", None, "not run for a served teacher: its /info names no special tokens")
+    )
+    same = wire.tokenizer_fingerprints(student_tokenizer)["chat_template_hash"] == scorer.info["chat_template_hash"]
+    if same:
+        rows.append(
+            CheckResult(
+                "chat_template", "pass", "identical", "the server's chat template hash is the student's", hard=True
+            )
+        )
+    else:
+        # only the hash crosses the wire: the renderings cannot be compared, and scoring uses the student's ids
+        rows.append(
+            CheckResult(
+                "chat_template",
+                "warn",
+                "differs",
+                "the server's chat template hash differs from the student's",
+                "the teacher scores prompts as the student's template renders them: check that the server's model "
+                "was trained on that format (data.enable_thinking / data.template)",
+                hard=True,
+            )
+        )
+    return rows

@@ -7,15 +7,19 @@ With several teachers (`teachers:`), the four groups run once per teacher on the
 (`<out>/<name>/check.json` each), and `<out>/check.json` holds the routing table and every teacher's exit code.
 
 A teacher with a view gets `teacher_view` (its context must move its scores) and no forecast (which scores the
-student's prompt ids).
+student's prompt ids). A served teacher (`url`: an `opd serve-teacher`, or its replicas) gets its tokenizer rows from
+the server's /info, `served_scores` and `determinism` instead of the rows that need its weights, and a forecast
+without its accuracy (it cannot generate). The live student (`path: student`) is checked as `student_init` is, with
+the student itself scoring (at the start of a run the two are the same weights).
 
-Omitted on purpose: served/vLLM teachers (both models are scored in process by `LocalScorer`) and the live student
-as a teacher (not checked yet: refused in one line).
+Omitted on purpose: vLLM teachers (refused in one line: their engine scores no student top-k, which the forecast
+needs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import time
@@ -41,8 +45,15 @@ from opd.check.report import (
     skipped_rows,
 )
 from opd.check.resources import check_memory, check_step_time, estimate_memory, loaded_bytes, mini_step
-from opd.check.scoring import ViewProbe, check_teacher_views, scoring_rows
-from opd.check.tokenizers import check_tokenizers
+from opd.check.scoring import (
+    ViewProbe,
+    check_determinism,
+    check_served_scores,
+    check_teacher_views,
+    prompt_tail_rollouts,
+    scoring_rows,
+)
+from opd.check.tokenizers import check_served_tokenizers, check_tokenizers
 from opd.config import STUDENT, DistillConfig, TeacherEntry, TeacherSpec
 from opd.data.prompts import load_prompts
 from opd.data.templates import encode_prompts
@@ -58,9 +69,10 @@ from opd.models import (
 from opd.objectives.diagnostics import diagnostic_top_k
 from opd.rollout import make_generator
 from opd.rundir import locked
+from opd.teacher.client import remote_scorer
 from opd.teacher.local import LocalScorer
 from opd.teacher.registry import route_prompts, view_prompts
-from opd.train.common import training_precision
+from opd.train.common import autocast, training_precision
 
 
 def run_check(
@@ -74,13 +86,17 @@ def run_check(
     console: Any = None,
     prompts: Sequence[Any] | None = None,
     view: TeacherEntry | None = None,
+    live_student: bool = False,
+    route: str | None = None,
 ) -> CheckReport:
     """`opd check`: all four groups for `config` (a `DistillConfig`: student, teacher, data and the lengths and batch
     sizes of the run to come); the forecast on `prompts_sample` prompts × `n` rollouts. Prints the table, writes
     `<out>/check.json` (refusing to replace one) and returns the report (`exit_code()`). `prompts`: check on these
     instead of `data.path`'s (one teacher's routed prompts, `_run_per_teacher`). `view`: that teacher's entry when it
     has a view: `teacher_view` checks that its context moves the teacher's scores, and the forecast is not run (it
-    scores the student's prompt ids, not the view's)."""
+    scores the student's prompt ids, not the view's). `live_student`: the teacher is the student itself (`path:
+    student`; `config.teacher.path` is then the student's). `route`: that teacher's route, which the recovery
+    command names."""
     console = console or Console()
     if config.teachers:
         return _run_per_teacher(
@@ -88,10 +104,6 @@ def run_check(
         )
     if config.teacher is None:
         raise ValueError("opd check needs a teacher: pass --teacher (teacher.path)")
-    if config.teacher.path is None:
-        raise ValueError(
-            "opd check loads the teacher in process: give teacher.path (a served teacher.url is not checked)"
-        )
     if n < 1 or prompts_sample < 1:
         raise ValueError(f"n and prompts_sample must be ≥ 1, got n={n}, prompts_sample={prompts_sample}")
     skipped = resolve_skips([*config.skip_checks, *skip])
@@ -124,6 +136,8 @@ def run_check(
             console=console,
             prompts=prompts,
             view=view,
+            live_student=live_student,
+            route=route,
         )
 
 
@@ -138,57 +152,100 @@ def _run_checks(
     console: Any,
     prompts: Sequence[Any] | None = None,
     view: TeacherEntry | None = None,
+    live_student: bool = False,
+    route: str | None = None,
 ) -> CheckReport:
-    """run_check's four groups, holding `out_dir`; on `prompts` (default: `data.path`'s); `view`: see run_check."""
+    """run_check's four groups, holding `out_dir`; on `prompts` (default: `data.path`'s); the rest: see run_check."""
     assert config.teacher is not None  # run_check refuses a config without a teacher
     report = CheckReport()
-    student_tokenizer, teacher_tokenizer, sample = _tokenizers_and_sample(config, prompts_sample, prompts)
-
-    # 1. tokenizers: from the files, before any weights are loaded
-    rows = _tokenizer_rows(config, student_tokenizer, teacher_tokenizer, sample)
-    report.results += [r for r in rows if r.name not in skipped]
-    if any(r.name == "tokenizer_vocab" and r.status == "fail" for r in rows):
-        # every other row scores the student's ids with the teacher: meaningless across vocabularies
-        report.results += [
-            CheckResult(name, "skip", None, "not run: the vocabularies differ")
-            for name in CHECKS
-            if CHECKS[name] != "tokenizers" and name not in skipped
-        ]
+    served = remote_scorer(config.teacher) if config.teacher.url is not None else None
+    try:
+        student_tokenizer, teacher_tokenizer, sample = _tokenizers_and_sample(config, prompts_sample, prompts)
+        # 1. tokenizers: from the files (or the server's /info), before any weights are loaded
+        rows = _tokenizer_rows(config, student_tokenizer, teacher_tokenizer, sample, served)
+        report.results += [r for r in rows if r.name not in skipped]
+        if any(r.name == "tokenizer_vocab" and r.status == "fail" for r in rows):
+            # every other row scores the student's ids with the teacher: meaningless across vocabularies
+            report.results += [
+                CheckResult(name, "skip", None, "not run: the vocabularies differ")
+                for name in CHECKS
+                if CHECKS[name] != "tokenizers" and name not in skipped
+            ]
+            return _finish(report, out_dir, console)
+        pair = _load_pair(config, student_tokenizer, teacher_tokenizer, sample, served, live_student)
+        teacher_name = config.teacher.url if served is not None else config.teacher.path
+        console.print(
+            f"opd check: {len(sample)} prompts of {config.data.path}, student {config.student.path}, teacher "
+            f"{'the live student' if live_student else teacher_name}"
+        )
+        # 2. scoring sanity
+        report.results += _scoring_group(config, pair, student_tokenizer, skipped)
+        if view is not None and "teacher_view" not in skipped:
+            report.results.append(_view_row(config, pair, student_tokenizer, sample[0], view))
+        # 3. forecast
+        if view is not None and "forecast" not in skipped:
+            report.results.append(
+                CheckResult(
+                    "forecast", "skip", None, "not run for a teacher with a view: it scores the student's prompt ids"
+                )
+            )
+        elif "forecast" not in skipped:
+            _forecast_group(
+                report,
+                config,
+                pair,
+                student_tokenizer,
+                sample,
+                n=n,
+                thresholds=thresholds,
+                skipped=skipped,
+                route=route,
+            )
+        # 4. resources
+        _resources_group(report, config, pair, student_tokenizer, skipped)
+        report.results += skipped_rows(skipped, GROUPS)
         return _finish(report, out_dir, console)
+    finally:
+        if served is not None:
+            served.close()
 
-    pair = _load_pair(config, student_tokenizer, teacher_tokenizer, sample)
-    console.print(
-        f"opd check: {len(sample)} prompts of {config.data.path}, student {config.student.path}, teacher "
-        f"{config.teacher.path}"
-    )
-    # 2. scoring sanity
-    report.results += scoring_rows(
-        config,
-        teacher=pair.teacher,
-        tokenizer=student_tokenizer,
-        student_scorer=pair.student_scorer,
-        teacher_scorer=pair.teacher_scorer,
-        prompt_ids=pair.prompt_ids,
-        vocab_size=pair.vocab_size,
-        student_params=sum(p.numel() for p in pair.student.parameters()),
-        skip=skipped,
-        autocast_dtype=pair.autocast_dtype,
-    )
-    if view is not None and "teacher_view" not in skipped:
-        report.results.append(_view_row(config, pair, student_tokenizer, sample[0], view))
-    # 3. forecast
-    if view is not None and "forecast" not in skipped:
-        report.results.append(
-            CheckResult(
-                "forecast", "skip", None, "not run for a teacher with a view: it scores the student's prompt ids"
+
+def _scoring_group(config: DistillConfig, pair: _LoadedPair, tokenizer: Any, skipped: set[str]) -> list[CheckResult]:
+    """The scoring rows: those of `scoring_rows` for a teacher in process; for a served one (no weights here to
+    sample from) `served_scores` and `determinism` on the sample's own prompt tails."""
+    if pair.teacher is not None:
+        return scoring_rows(
+            config,
+            teacher=pair.teacher,
+            tokenizer=tokenizer,
+            student_scorer=pair.student_scorer,
+            teacher_scorer=pair.teacher_scorer,
+            prompt_ids=pair.prompt_ids,
+            vocab_size=pair.vocab_size,
+            student_params=sum(p.numel() for p in pair.student.parameters()),
+            skip=skipped,
+            autocast_dtype=pair.autocast_dtype,
+        )
+    rows = []
+    top_k = diagnostic_top_k(config.objective.top_k)
+    temperature = config.objective.teacher_temperature
+    if "served_scores" not in skipped:
+        rows.append(
+            check_served_scores(
+                pair.teacher_scorer,
+                pair.prompt_ids,
+                temperature=temperature,
+                top_k=top_k,
+                vocab_rows=pair.vocab_size,
+                pad_id=tokenizer.pad_token_id,
             )
         )
-    elif "forecast" not in skipped:
-        _forecast_group(report, config, pair, student_tokenizer, sample, n=n, thresholds=thresholds, skipped=skipped)
-    # 4. resources
-    _resources_group(report, config, pair, student_tokenizer, skipped)
-    report.results += skipped_rows(skipped, GROUPS)
-    return _finish(report, out_dir, console)
+    if "determinism" not in skipped:
+        rollouts = prompt_tail_rollouts(pair.prompt_ids[:4], pad_id=tokenizer.pad_token_id)
+        rows.append(check_determinism(pair.teacher_scorer, rollouts, top_k=top_k, temperature=temperature))
+    no_weights = "not run for a served teacher: it needs the teacher's weights here"
+    rows += [CheckResult(name, "skip", None, no_weights) for name in ("self_distillation_zero", "prompt_logprobs")]
+    return [r for r in rows if r.name not in skipped]
 
 
 def _run_per_teacher(
@@ -206,17 +263,10 @@ def _run_per_teacher(
     holds every teacher's rows (its exit code: a hard failure of any, else "unlikely" if any forecast says so)."""
     entries = config.teacher_entries()
     for entry in entries:
-        unsupported = (
-            "a served teacher (url)"
-            if entry.url
-            else "a vLLM teacher (engine: vllm)"
-            if entry.engine == "vllm"
-            else None
-        )
-        unsupported = unsupported or ("the live student (path: student)" if entry.path == STUDENT else None)
-        if unsupported:
+        if entry.engine == "vllm":
             raise ValueError(
-                f"teachers[{entry.name}]: opd check does not check {unsupported} yet; check the other teachers "
+                f"teachers[{entry.name}]: opd check does not check a vLLM teacher (engine: vllm), which scores no "
+                "student top-k; check it with engine: local (the same model in process), or the other teachers "
                 "with a config that lists them only"
             )
     out_dir = Path(out) if out is not None else Path(config.run.out_dir) / f"check-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -231,7 +281,10 @@ def _run_per_teacher(
         table: dict[str, Any] = {}
         for i, entry in enumerate(entries):
             mine = [p for p, owner in zip(prompts, owners) if owner == i]
-            spec = TeacherSpec(**entry.model_dump(include=set(TeacherSpec.model_fields)))
+            live = entry.path == STUDENT
+            # the live student is checked as its initial weights (student_init): the same weights at step 0
+            fields = entry.model_dump(include=set(TeacherSpec.model_fields))
+            spec = TeacherSpec(**({**fields, "path": config.student.path} if live else fields))
             single = config.model_copy(
                 update={
                     "teacher": spec,
@@ -257,6 +310,8 @@ def _run_per_teacher(
                 console=console,
                 prompts=mine,
                 view=entry if entry.view is not None else None,
+                live_student=live,
+                route=f"teacher {entry.name}'s route ({table[entry.name]['route']}, {len(mine)} prompts)",
             )
             table[entry.name].update(exit_code=report.exit_code(), check=f"{entry.name}/check.json")
             combined.results += report.results
@@ -277,16 +332,19 @@ def sample_prompts(prompts: Sequence[Any], count: int, seed: int) -> list[Any]:
 
 @dataclass
 class _LoadedPair:
-    """Both models as the run would load them, their scorers, and the sample's prompt ids (the student's template)."""
+    """Both models as the run would load them, their scorers, and the sample's prompt ids (the student's template).
+    `teacher` is None for a served teacher (its scorer is the server's client), the student itself for the live
+    student (`live`)."""
 
     student: torch.nn.Module
-    teacher: torch.nn.Module
+    teacher: torch.nn.Module | None
     student_scorer: LocalScorer
-    teacher_scorer: LocalScorer
+    teacher_scorer: Any
     vocab_size: int
     weights_dtype: torch.dtype
     autocast_dtype: torch.dtype | None
     prompt_ids: list[list[int]]
+    live: bool = False
 
 
 def _load_run_prompts(config: DistillConfig) -> list[Any]:
@@ -304,12 +362,14 @@ def _load_run_prompts(config: DistillConfig) -> list[Any]:
 def _tokenizers_and_sample(
     config: DistillConfig, prompts_sample: int, prompts: Sequence[Any] | None = None
 ) -> tuple[Any, Any, list[Any]]:
-    """Both tokenizers and the seeded prompt sample of `prompts` (default: `data.path`'s); no prompts is a one-line
-    ValueError."""
+    """Both tokenizers (the teacher's None when it is served) and the seeded prompt sample of `prompts` (default:
+    `data.path`'s); no prompts is a one-line ValueError."""
     data, teacher = config.data, config.teacher
-    assert teacher is not None and teacher.path is not None  # run_check refuses a config without teacher.path
+    assert teacher is not None  # run_check refuses a config without a teacher
     student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
-    teacher_tokenizer = load_tokenizer(teacher.path, trust_remote_code=teacher.trust_remote_code)
+    teacher_tokenizer = (
+        None if teacher.path is None else load_tokenizer(teacher.path, trust_remote_code=teacher.trust_remote_code)
+    )
     prompts = _load_run_prompts(config) if prompts is None else list(prompts)
     if not prompts:
         raise ValueError(f"data.path {data.path}: no prompts")
@@ -317,9 +377,14 @@ def _tokenizers_and_sample(
 
 
 def _tokenizer_rows(
-    config: DistillConfig, student_tokenizer: Any, teacher_tokenizer: Any, sample: Sequence[Any]
+    config: DistillConfig, student_tokenizer: Any, teacher_tokenizer: Any, sample: Sequence[Any], served: Any = None
 ) -> list[CheckResult]:
-    """The tokenizers group, with the models' output rows and EOS ids read from their files (no weights)."""
+    """The tokenizers group, with the models' output rows and EOS ids read from their files (no weights); for a
+    `served` teacher (its `RemoteScorer`) from the server's /info."""
+    if served is not None:
+        return check_served_tokenizers(
+            student_tokenizer, served, student_rows=_from_files(config.student, student_tokenizer)[0]
+        )
     (rows_s, eos_s), (rows_t, eos_t) = (
         _from_files(config.student, student_tokenizer),
         _from_files(config.teacher, teacher_tokenizer),
@@ -351,11 +416,18 @@ def _from_files(spec: Any, tokenizer: Any) -> tuple[int | None, list[int]]:
 
 
 def _load_pair(
-    config: DistillConfig, student_tokenizer: Any, teacher_tokenizer: Any, sample: Sequence[Any]
+    config: DistillConfig,
+    student_tokenizer: Any,
+    teacher_tokenizer: Any,
+    sample: Sequence[Any],
+    served: Any = None,
+    live: bool = False,
 ) -> _LoadedPair:
-    """Load both models in the run's precision, build their scorers and encode the sample (setup)."""
+    """Load the student in the run's precision, and the teacher unless it is `served` (its `RemoteScorer`) or the
+    `live` student (the student scores as its own teacher, as distill's `path: student`); build the scorers and
+    encode the sample (setup)."""
     data, teacher_spec = config.data, config.teacher
-    assert teacher_spec is not None and teacher_spec.path is not None  # run_check refuses a config without teacher.path
+    assert teacher_spec is not None  # run_check refuses a config without a teacher
     device = resolve_device(config.student.device)
     weights_dtype, autocast_dtype = training_precision(config.student, device)
     student, _ = load_model(
@@ -365,22 +437,27 @@ def _load_pair(
         trust_remote_code=config.student.trust_remote_code,
         attn_implementation=config.student.attn_implementation,
     )
-    teacher_device = resolve_device(teacher_spec.device)
-    teacher, _ = load_model(
-        teacher_spec.path,
-        dtype=resolve_dtype(teacher_spec.dtype, teacher_device),
-        device=teacher_device,
-        trust_remote_code=teacher_spec.trust_remote_code,
-        attn_implementation=teacher_spec.attn_implementation,
-    )
-    vocab_size = check_tokenizer_compatibility(
-        student_tokenizer,
-        teacher_tokenizer,
-        student_vocab_size=student.get_output_embeddings().weight.shape[0],
-        teacher_vocab_size=teacher.get_output_embeddings().weight.shape[0],
-    ).tokenizer_size
+    student_rows = int(student.get_output_embeddings().weight.shape[0])
+    teacher: torch.nn.Module | None = None
+    teacher_scorer: Any = served
+    if served is not None:
+        vocab_size = served.check_tokenizer(student_tokenizer, student_rows=student_rows).tokenizer_size
+    else:
+        module: Any = student if live else _load_teacher_module(teacher_spec)
+        teacher = module
+        vocab_size = check_tokenizer_compatibility(
+            student_tokenizer,
+            teacher_tokenizer,
+            student_vocab_size=student_rows,
+            teacher_vocab_size=module.get_output_embeddings().weight.shape[0],
+        ).tokenizer_size
     student_scorer = LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
-    teacher_scorer = LocalScorer(teacher, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
+    if served is None:
+        teacher_scorer = (
+            student_scorer
+            if live
+            else LocalScorer(module, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
+        )
     encoded = encode_prompts(
         student_tokenizer,
         sample,
@@ -389,8 +466,30 @@ def _load_pair(
         template=data.template,
     )
     return _LoadedPair(
-        student, teacher, student_scorer, teacher_scorer, vocab_size, weights_dtype, autocast_dtype, encoded.input_ids
+        student,
+        teacher,
+        student_scorer,
+        teacher_scorer,
+        vocab_size,
+        weights_dtype,
+        autocast_dtype,
+        encoded.input_ids,
+        live,
     )
+
+
+def _load_teacher_module(spec: TeacherSpec) -> torch.nn.Module:
+    """The teacher loaded in process from `spec.path`, as the run loads it."""
+    assert spec.path is not None  # a teacher in process is loaded from teacher.path
+    device = resolve_device(spec.device)
+    module, _ = load_model(
+        spec.path,
+        dtype=resolve_dtype(spec.dtype, device),
+        device=device,
+        trust_remote_code=spec.trust_remote_code,
+        attn_implementation=spec.attn_implementation,
+    )
+    return module
 
 
 def _view_row(
@@ -410,7 +509,10 @@ def _view_row(
         list(pair.prompt_ids[0]),
         list(teacher_ids),
         float(entry.temperature or 1.0),
-        contextlib.nullcontext,
+        # the live student scores under its autocast, as in distill
+        functools.partial(autocast, next(pair.student.parameters()).device, pair.autocast_dtype)
+        if pair.live
+        else contextlib.nullcontext,
     )
     return check_teacher_views([probe], pad_id=tokenizer.pad_token_id)
 
@@ -425,13 +527,14 @@ def _forecast_group(
     n: int,
     thresholds: ForecastThresholds,
     skipped: set[str],
+    route: str | None = None,
 ) -> None:
-    """The forecast's rows and its record (verdict, values, thresholds) into `report`."""
+    """The forecast's rows and its record (verdict, values, thresholds) into `report`; `route`: see run_check."""
     data, teacher = config.data, config.teacher
-    assert teacher is not None and teacher.path is not None  # run_check refuses a config without teacher.path
+    assert teacher is not None  # run_check refuses a config without a teacher
     values = forecast(
         pair.student,
-        pair.teacher,
+        pair.teacher if pair.teacher is not None else pair.teacher_scorer,
         tokenizer,
         sample,
         n=n,
@@ -451,10 +554,11 @@ def _forecast_group(
         values,
         thresholds,
         student=config.student.path,
-        teacher=teacher.path,
+        teacher=STUDENT if pair.live else _teacher_argument(teacher),
         prompts=data.path,
         n=n,
         prompts_sample=len(sample),
+        route=route,
     )
     report.results += [r for r in rows if r.name not in skipped or r.name == "forecast"]
     report.values["forecast"] = {
@@ -466,19 +570,28 @@ def _forecast_group(
     }
 
 
+def _teacher_argument(teacher: TeacherSpec) -> str:
+    """What names the teacher in a recovery command: its path, or its server's URL (the first replica's)."""
+    if teacher.path is not None:
+        return teacher.path
+    assert teacher.url is not None  # a teacher has a path or a url (TeacherSpec)
+    return teacher.url if isinstance(teacher.url, str) else teacher.url[0]
+
+
 def _resources_group(
     report: CheckReport, config: DistillConfig, pair: _LoadedPair, tokenizer: Any, skipped: set[str]
 ) -> None:
     """The memory estimate against free memory, and a timed mini-step scaled to the run's batch, into `report`."""
     if "memory" not in skipped:
+        own_teacher = None if pair.live else pair.teacher  # the live student holds nothing of its own
         needs = estimate_memory(
             config,
             pair.student,
-            pair.teacher,
+            own_teacher,
             compute_dtype=pair.autocast_dtype or pair.weights_dtype,
             weights_dtype=pair.weights_dtype,
         )
-        report.results.append(check_memory(needs, loaded=loaded_bytes(pair.student, pair.teacher)))
+        report.results.append(check_memory(needs, loaded=loaded_bytes(pair.student, own_teacher)))
         report.values["memory"] = needs
     if "step_time" not in skipped:
         generator = make_generator(

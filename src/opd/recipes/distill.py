@@ -27,7 +27,9 @@ from rich.console import Console
 from transformers import PreTrainedModel
 
 from opd.check import preflight
+from opd.check.report import CheckReport
 from opd.check.scoring import ViewProbe
+from opd.check.startup import ScoringProbe
 from opd.config import STUDENT, DistillConfig, TeacherEntry
 from opd.data.prompts import load_prompts
 from opd.data.templates import EncodedPrompts, encode_prompts
@@ -592,15 +594,18 @@ def startup_checks(
     dist: DistInfo,
     console: Any,
     prompt_teacher: list[int] | None = None,
-) -> None:
-    """`opd check`'s tokenizers, scoring and resources rows on the loaded models; raises on a hard failure.
-    `prompt_teacher`: each prompt's teacher (`route_teachers`), for the views' row (one process only)."""
+) -> CheckReport:
+    """`opd check`'s tokenizers, scoring and resources rows on the loaded models; raises on a hard failure, else
+    returns the report. `prompt_teacher`: each prompt's teacher (`route_teachers`): with several teachers each one's
+    scoring rows and step_time run on its own first prompts (`scoring_probes`), and the views' row (one process
+    only)."""
     teacher_tokenizer = None  # a served or vLLM teacher has no module here: its tokenizer was compared already
-    if models.teacher is not None:  # the startup rows check the first teacher
+    if models.teacher is not None:  # the tokenizer rows check the first teacher (each one is scored on its own)
         teacher = models.teachers[0].entry
         assert teacher.path is not None  # a teacher module is loaded from teacher.path
         teacher_tokenizer = load_tokenizer(teacher.path, trust_remote_code=teacher.trust_remote_code)
-    preflight(
+    several = len(models.teachers) > 1
+    return preflight(
         config,
         student_tokenizer=student_tokenizer,
         teacher_tokenizer=teacher_tokenizer,
@@ -616,8 +621,41 @@ def startup_checks(
         world_size=dist.world_size,
         console=console if dist.is_main else None,
         views=view_probes(models, data, prompt_teacher) if dist.world_size == 1 else (),
-        teachers=local_teachers(models) if len(models.teachers) > 1 else None,
+        teachers=local_teachers(models) if several else None,
+        scoring=scoring_probes(models, data, prompt_teacher or []) if several else None,
     )
+
+
+def scoring_probes(models: Models, data: EncodedPrompts, prompt_teacher: list[int]) -> list[ScoringProbe]:
+    """Per teacher of a run with several: its first two routed prompts as the student and as it sees them, its module
+    (None for a served or vLLM teacher and the live student: `served_scores`), scorer, temperature and the context it
+    scores in (the startup scoring rows and step_time)."""
+    probes = []
+    for index, routed in enumerate(models.teachers):
+        mine = [j for j, t in enumerate(prompt_teacher) if t == index][:2]
+        if not mine:
+            continue
+        placed: Callable[[], contextlib.AbstractContextManager]
+        if routed.entry.path == STUDENT:  # the live student scores under its autocast
+            placed = functools.partial(autocast, models.device, models.autocast_dtype)
+        else:  # an offloaded teacher is moved in while it scores
+            placed = functools.partial(
+                on_device, routed.teacher.module, models.device if routed.entry.offload else None
+            )
+        own_ids = routed.prompt_ids or data.input_ids  # with a view: the prompts as this teacher sees them
+        probes.append(
+            ScoringProbe(
+                routed.name,
+                None if routed.entry.path == STUDENT else routed.teacher.module,
+                routed.teacher.scorer,
+                float(routed.entry.temperature or 1.0),
+                mine,
+                [list(data.input_ids[j]) for j in mine],
+                [list(own_ids[j]) for j in mine],
+                placed,
+            )
+        )
+    return probes
 
 
 def local_teachers(models: Models) -> list[tuple[str, torch.nn.Module, bool]]:

@@ -298,7 +298,7 @@ def build_trainer(args, info, device: torch.device):
         tokenizer=tokenizer,
         prompts=[Prompt(id=str(i), messages=[{"role": "user", "content": ""}]) for i in range(prompts)],
         prompt_ids=prompt_ids,
-        generator=BenchGenerator(engine, eos=eos_id(args.shape), lengths=lengths),
+        generator=BenchGenerator(engine, eos=eos_id(args.shape), cap=args.new_tokens, lengths=lengths),
         student_scorer=student_scorer,
         teacher=teacher,
         teacher_scorer=teacher_scorer,

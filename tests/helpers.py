@@ -380,6 +380,14 @@ def distill_config(world, tmp_path, *overrides, teacher=True, steps=2) -> Distil
     return build_config(DistillConfig, options=options, overrides=list(overrides))
 
 
+TIMING_METRICS = ("tokens_per_second", "wall_time")  # besides the time/* keys: what differs between equal runs
+
+
+def without_timing(metrics: dict) -> dict:
+    """One metrics row without its wall-clock figures: what two runs of the same computation must agree on."""
+    return {k: v for k, v in metrics.items() if not k.startswith("time/") and k not in TIMING_METRICS}
+
+
 def latest_weights(run_dir: Path) -> dict:
     return load_file(str(latest_checkpoint(run_dir) / "model.safetensors"))
 

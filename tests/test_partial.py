@@ -16,6 +16,7 @@ from helpers import (
     latest_weights,
     start,
     wait_for,
+    without_timing,
 )
 from opd.io import read_jsonl
 from opd.recipes.distill import distill, setup
@@ -123,7 +124,7 @@ def test_no_staleness_equals_the_synchronous_step(world, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     for x, y in zip(read_jsonl(sync / "metrics.jsonl"), read_jsonl(part / "metrics.jsonl")):
         assert y["partial/calls"] == 1 and y["partial/in_flight"] == 0 and y["partial/lag_0_frac"] == 1
-        same = [k for k in x if not k.startswith("time/") and k not in ("tokens_per_second", "wall_time")]
+        same = without_timing(x).keys()  # the partial run logs partial/* besides
         assert {k: x[k] for k in same} == {k: y[k] for k in same}
 
 
@@ -170,10 +171,7 @@ def test_partial_kill9_resumes_exactly(capsys, world, tmp_path):
     assert_same_weights(straight / "checkpoints" / f"step_{steps}", run_dir / "checkpoints" / f"step_{steps}")
     ma, mb = read_jsonl(straight / "metrics.jsonl"), read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in mb] == list(range(1, steps + 1))
-    timing = lambda k: k.startswith("time/") or k in ("tokens_per_second", "wall_time")  # noqa: E731
-    assert [{k: v for k, v in m.items() if not timing(k)} for m in ma] == [
-        {k: v for k, v in m.items() if not timing(k)} for m in mb
-    ], delay
+    assert [without_timing(m) for m in ma] == [without_timing(m) for m in mb], delay
 
 
 def test_versions_and_weights_match_a_reference(world, tmp_path):

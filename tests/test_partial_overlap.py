@@ -10,7 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_same_weights, cli, distill_config, dump, kill9, latest_weights, start, wait_for
+from helpers import (
+    assert_same_weights,
+    cli,
+    distill_config,
+    dump,
+    kill9,
+    latest_weights,
+    start,
+    wait_for,
+    without_timing,
+)
 from opd.io import read_jsonl
 from opd.recipes.distill import distill, setup
 from opd.teacher.local import LocalScorer
@@ -26,11 +36,6 @@ ON = (
     "objective.tis_cap=2.0",
 )
 ROOT = Path(__file__).parents[1]
-
-
-def _not_timing(metrics: dict) -> dict:
-    timing = ("tokens_per_second", "wall_time")
-    return {k: v for k, v in metrics.items() if not k.startswith("time/") and k not in timing}
 
 
 def test_versions_lags_and_weights_match_a_reference(world, tmp_path):
@@ -87,7 +92,7 @@ def test_resume_is_bit_identical(world, tmp_path):
     a, b = latest_weights(straight), latest_weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     ma, mb = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
-    assert [_not_timing(m) for m in ma] == [_not_timing(m) for m in mb]
+    assert [without_timing(m) for m in ma] == [without_timing(m) for m in mb]
     assert [m["policy_lag"] for m in mb][1:] != [0] * 3
 
 
@@ -116,7 +121,7 @@ def test_kill9_resumes_exactly(capsys, world, tmp_path):
     assert_same_weights(straight / "checkpoints" / f"step_{steps}", run_dir / "checkpoints" / f"step_{steps}")
     ma, mb = read_jsonl(straight / "metrics.jsonl"), read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in mb] == list(range(1, steps + 1))
-    assert [_not_timing(m) for m in ma] == [_not_timing(m) for m in mb], delay
+    assert [without_timing(m) for m in ma] == [without_timing(m) for m in mb], delay
 
 
 def test_lab_distill_runs_end_to_end(capsys, monkeypatch, tmp_path):

@@ -62,6 +62,20 @@ class GenerationOutput:
     def truncated(self) -> list[bool]:
         return [reason == "length" for reason in self.finish_reasons]
 
+    def state_dict(self) -> dict:
+        """The fields by name, as the trainer state holds rollouts generated ahead or in flight (`from_state`)."""
+        return {
+            "response_ids": self.response_ids,
+            "finish_reasons": self.finish_reasons,
+            "group_ids": self.group_ids,
+            "logprobs": self.logprobs,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict) -> GenerationOutput:
+        """The output `state_dict` gave (other keys of `state` are the holder's)."""
+        return cls(state["response_ids"], state["finish_reasons"], state["group_ids"], state["logprobs"])
+
 
 @runtime_checkable
 class Generator(Protocol):

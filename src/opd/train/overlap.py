@@ -38,26 +38,13 @@ class PendingRollouts:
     output: GenerationOutput
 
     def state_dict(self) -> dict:
-        out = self.output
-        return {
-            "indices": self.indices,
-            "response_ids": out.response_ids,
-            "finish_reasons": out.finish_reasons,
-            "group_ids": out.group_ids,
-            "logprobs": out.logprobs,
-        }
+        return {"indices": self.indices, **self.output.state_dict()}
 
     @classmethod
     def from_state(cls, state: dict | None) -> PendingRollouts | None:
         if not state:
             return None
-        output = GenerationOutput(
-            response_ids=state["response_ids"],
-            finish_reasons=state["finish_reasons"],
-            group_ids=state["group_ids"],
-            logprobs=state["logprobs"],
-        )
-        return cls(indices=list(state["indices"]), output=output)
+        return cls(indices=list(state["indices"]), output=GenerationOutput.from_state(state))
 
 
 class AheadGenerator:

@@ -59,13 +59,9 @@ class StreamBatch:
     dropped: int  # restarted this step
 
     def state_dict(self) -> dict:
-        out = self.output
         return {
             "indices": self.indices,
-            "response_ids": out.response_ids,
-            "finish_reasons": out.finish_reasons,
-            "group_ids": out.group_ids,
-            "logprobs": out.logprobs,
+            **self.output.state_dict(),
             "versions": self.versions,
             "calls": self.calls,
             "dropped": self.dropped,
@@ -75,12 +71,7 @@ class StreamBatch:
     def from_state(cls, state: dict | None) -> StreamBatch | None:
         if not state:
             return None
-        output = GenerationOutput(
-            response_ids=state["response_ids"],
-            finish_reasons=state["finish_reasons"],
-            group_ids=state["group_ids"],
-            logprobs=state["logprobs"],
-        )
+        output = GenerationOutput.from_state(state)
         return cls(list(state["indices"]), output, state["versions"], state["calls"], state["dropped"])
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -52,7 +53,9 @@ from transformers import (
 import opd
 from opd.cli import main
 from opd.config import DataSpec, DistillConfig, ModelSpec, build_config
+from opd.io import read_jsonl
 from opd.objectives import full_reverse_kl
+from opd.recipes.distill import distill
 from opd.recipes.prompts import PromptScoreConfig
 from opd.recipes.rollout import RolloutConfig
 from opd.recipes.sft import SFTConfig
@@ -386,6 +389,38 @@ TIMING_METRICS = ("tokens_per_second", "wall_time")  # besides the time/* keys: 
 def without_timing(metrics: dict) -> dict:
     """One metrics row without its wall-clock figures: what two runs of the same computation must agree on."""
     return {k: v for k, v in metrics.items() if not k.startswith("time/") and k not in TIMING_METRICS}
+
+
+def kill9_distill_after_step_2(world, tmp_path: Path, *overrides: str) -> tuple[Path, float, Path]:
+    """A long `opd distill` (500 steps, a checkpoint every step; constant lr, so its length does not change the steps
+    it makes) killed -9 at a random moment after its step_2 checkpoint: (its config file, the delay, its latest
+    checkpoint). The run directory is tmp_path / "run"."""
+    config = distill_config(world, tmp_path, *overrides, "run.save_every=1", "run.keep_last=null", steps=500)
+    yaml_path = dump(config, tmp_path / "c.yaml")
+    run_dir, log = tmp_path / "run", tmp_path / "a.log"
+    process = start(log, "distill", "--config", yaml_path)
+    wait_for(process, lambda: (run_dir / "checkpoints" / "step_2").is_dir(), log, "the second checkpoint")
+    delay = random.uniform(0, 1)
+    time.sleep(delay)  # where the kill lands is not what is tested: any moment must resume exactly
+    kill9(process)
+    return yaml_path, delay, latest_checkpoint(run_dir)
+
+
+def assert_resume_equals_straight(
+    capsys, world, tmp_path: Path, yaml_path: Path, steps: int, *overrides: str, note: object = None
+) -> None:
+    """`opd distill --resume` of the killed run (`kill9_distill_after_step_2`) to `steps` equals a straight run of
+    `overrides` to `steps`: the weights bit for bit and every step's metrics but the wall-clock ones. `note` goes
+    into the assertion messages (what the kill depended on)."""
+    code, out, err = cli(capsys, "distill", "--config", yaml_path, "--resume", f"run.steps={steps}")
+    assert code == 0, err
+    assert "resumed from" in out, (note, out)
+    straight = distill(distill_config(world, tmp_path / "ref", *overrides, "run.save_every=1", steps=steps))
+    run_dir = tmp_path / "run"
+    assert_same_weights(straight / "checkpoints" / f"step_{steps}", run_dir / "checkpoints" / f"step_{steps}")
+    ma, mb = read_jsonl(straight / "metrics.jsonl"), read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in mb] == list(range(1, steps + 1))
+    assert [without_timing(m) for m in ma] == [without_timing(m) for m in mb], note
 
 
 def latest_weights(run_dir: Path) -> dict:

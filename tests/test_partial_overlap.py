@@ -3,22 +3,17 @@ from a snapshot of the weights at the start of step t (`opd.train.overlap.AheadS
 their lag is measured against the step that trains them, and the pending batch travels in the checkpoint."""
 
 import copy
-import random
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import (
-    assert_same_weights,
+    assert_resume_equals_straight,
     cli,
     distill_config,
-    dump,
-    kill9,
+    kill9_distill_after_step_2,
     latest_weights,
-    start,
-    wait_for,
     without_timing,
 )
 from opd.io import read_jsonl
@@ -99,29 +94,13 @@ def test_resume_is_bit_identical(world, tmp_path):
 def test_kill9_resumes_exactly(capsys, world, tmp_path):
     """kill -9 of `opd distill` at some moment after a checkpoint (mid-step, mid-build in the background, mid-save),
     then `--resume`: the weights and every step's metrics equal an uninterrupted run's."""
-    common = ("optim.lr=3e-2", *ON, "run.save_every=1", "run.keep_last=null")
-    yaml_path = dump(distill_config(world, tmp_path, *common, steps=500), tmp_path / "c.yaml")
-    run_dir, log = tmp_path / "run", tmp_path / "a.log"
-    a = start(log, "distill", "--config", yaml_path)
-    wait_for(a, lambda: (run_dir / "checkpoints" / "step_2").is_dir(), log, "the second checkpoint")
-    delay = random.uniform(0, 1)
-    time.sleep(delay)  # where the kill lands is not what is tested: any moment must resume exactly
-    kill9(a)
-    checkpoint = latest_checkpoint(run_dir)
-    killed_at = int(checkpoint.name.split("_")[1])
+    yaml_path, delay, checkpoint = kill9_distill_after_step_2(world, tmp_path, "optim.lr=3e-2", *ON)
     state = load_trainer_state(checkpoint)
     assert state["pending_rollouts"]["indices"], (delay, checkpoint)  # the next step's batch, built ahead
     samples = state["partial_stream"]["samples"]
     assert any(s["tokens"] and s["finish"] is None for s in samples), (delay, checkpoint, samples)
-    steps = killed_at + 2
-    code, out, err = cli(capsys, "distill", "--config", yaml_path, "--resume", f"run.steps={steps}")
-    assert code == 0, err
-    assert "resumed from" in out, (delay, out)
-    straight = distill(distill_config(world, tmp_path / "ref", *common, steps=steps))
-    assert_same_weights(straight / "checkpoints" / f"step_{steps}", run_dir / "checkpoints" / f"step_{steps}")
-    ma, mb = read_jsonl(straight / "metrics.jsonl"), read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in mb] == list(range(1, steps + 1))
-    assert [without_timing(m) for m in ma] == [without_timing(m) for m in mb], delay
+    steps = int(checkpoint.name.split("_")[1]) + 2
+    assert_resume_equals_straight(capsys, world, tmp_path, yaml_path, steps, "optim.lr=3e-2", *ON, note=delay)
 
 
 def test_lab_distill_runs_end_to_end(capsys, monkeypatch, tmp_path):

@@ -332,6 +332,72 @@ def train_model(
     }
 
 
+def build_one(
+    name: str,
+    plan: tuple,
+    out_dir: Path,
+    *,
+    teacher: Path,
+    sft_examples: int | None,
+    eval_limit: int | None,
+    device: str,
+    time_budget_s: float | None,
+    console: Any,
+) -> dict:
+    """Train lab model `name` by `plan` (arch, steps, seed, solution style, examples per step, lr, new tokens when
+    measured) into out_dir/name, measure it on the test set and print one line: its manifest record. `teacher`: the
+    starting weights of the models trained from the teacher (the rewrite teacher, the specialists)."""
+    arch, steps, model_seed, style, per_step, lr, tokens = plan
+    if name.startswith("specialist_"):
+        data = write_specialist_data(out_dir / "data" / f"sft_{name}.jsonl", name.split("_", 1)[1], n=sft_examples)
+    else:
+        data = write_sft_data(out_dir / "data" / f"sft_{style}.jsonl", style=style, n=sft_examples)
+    init = teacher if name in ("rewrite_teacher", "specialist_add", "specialist_mul") else None
+    record = train_model(
+        name,
+        arch,
+        data,
+        out_dir,
+        steps=steps,
+        seed=model_seed,
+        examples_per_step=per_step,
+        lr=lr,
+        init=init,
+        device=device,
+        time_budget_s=time_budget_s,
+        console=console,
+    )
+    record["style"] = style
+    record["test_accuracy"] = measure(
+        out_dir / name,
+        out_dir / "work" / f"{name}_eval",
+        limit=eval_limit,
+        max_new_tokens=tokens,
+        device=device,
+        console=console,
+    )
+    record["rewrite_style_share"] = rewrite_share(out_dir / "work" / f"{name}_eval")
+    if name.startswith("specialist_"):
+        record["domain"] = name.split("_", 1)[1]
+        record["domain_accuracy"] = domain_accuracy(out_dir / "work" / f"{name}_eval")
+    record["test_eval"] = {
+        "metric": "avg@1",
+        "n": 1,
+        "temperature": 0.0,
+        "max_new_tokens": tokens,
+        "limit": eval_limit,
+        "engine": "torch",
+        "machinery": "opd.eval.evaluate (opd eval)",
+    }
+    per_domain = record.get("domain_accuracy")
+    console.print(
+        f"{name}: test accuracy {record['test_accuracy']:.3f}, rewrite-style answers "
+        f"{record['rewrite_style_share']:.3f}, after {record['training']['steps']} steps"
+        + (f"; add {per_domain['add']:.3f}, mul {per_domain['mul']:.3f}" if per_domain else "")
+    )
+    return record
+
+
 def build(
     out_dir: str | Path,
     *,
@@ -403,56 +469,17 @@ def build(
     }
     models = {}
     for name in names:
-        arch, steps, model_seed, style, per_step, lr, tokens = plans[name]
-        if name.startswith("specialist_"):
-            data = write_specialist_data(out_dir / "data" / f"sft_{name}.jsonl", name.split("_", 1)[1], n=sft_examples)
-        else:
-            data = write_sft_data(out_dir / "data" / f"sft_{style}.jsonl", style=style, n=sft_examples)
-        init = None
-        if name in ("rewrite_teacher", "specialist_add", "specialist_mul"):
-            init = out_dir / "teacher" if "teacher" in models else teacher_path()
-        record = train_model(
+        teacher = out_dir / "teacher" if "teacher" in models else teacher_path()
+        models[name] = build_one(
             name,
-            arch,
-            data,
+            plans[name],
             out_dir,
-            steps=steps,
-            seed=model_seed,
-            examples_per_step=per_step,
-            lr=lr,
-            init=init,
+            teacher=teacher,
+            sft_examples=sft_examples,
+            eval_limit=eval_limit,
             device=device,
             time_budget_s=time_budget_s,
             console=console,
-        )
-        record["style"] = style
-        record["test_accuracy"] = measure(
-            out_dir / name,
-            out_dir / "work" / f"{name}_eval",
-            limit=eval_limit,
-            max_new_tokens=tokens,
-            device=device,
-            console=console,
-        )
-        record["rewrite_style_share"] = rewrite_share(out_dir / "work" / f"{name}_eval")
-        if name.startswith("specialist_"):
-            record["domain"] = name.split("_", 1)[1]
-            record["domain_accuracy"] = domain_accuracy(out_dir / "work" / f"{name}_eval")
-        record["test_eval"] = {
-            "metric": "avg@1",
-            "n": 1,
-            "temperature": 0.0,
-            "max_new_tokens": tokens,
-            "limit": eval_limit,
-            "engine": "torch",
-            "machinery": "opd.eval.evaluate (opd eval)",
-        }
-        models[name] = record
-        per_domain = record.get("domain_accuracy")
-        console.print(
-            f"{name}: test accuracy {record['test_accuracy']:.3f}, rewrite-style answers "
-            f"{record['rewrite_style_share']:.3f}, after {record['training']['steps']} steps"
-            + (f"; add {per_domain['add']:.3f}, mul {per_domain['mul']:.3f}" if per_domain else "")
         )
     manifest = {
         "built_by": "opd lab build",

@@ -450,9 +450,6 @@ def build_app(service: TeacherService, token: str | None):
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
-    def error(status: int, message: str, **headers: str) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status, headers=headers or None)
-
     async def healthz(request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
@@ -470,7 +467,7 @@ def build_app(service: TeacherService, token: str | None):
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             service.count(rejected_invalid=1)
-            return error(
+            return _error(
                 413,
                 f"body: request of {declared[:20]} bytes exceeds the server's limit of {limit} bytes "
                 f"(max_request_bytes)",
@@ -489,7 +486,7 @@ def build_app(service: TeacherService, token: str | None):
             held += nbytes
             return True
 
-        busy = error(
+        busy = _error(
             503,
             f"busy: more than {service.config.max_inflight_bytes} request bytes are held (max_inflight_bytes); retry",
             **{"Retry-After": "1", "Connection": "close"},
@@ -508,14 +505,14 @@ def build_app(service: TeacherService, token: str | None):
                         body += chunk
                         if len(body) > limit:
                             service.count(rejected_invalid=1)
-                            return error(
+                            return _error(
                                 413,
                                 f"body: request exceeds the server's limit of {limit} bytes (max_request_bytes)",
                                 Connection="close",
                             )
             except TimeoutError:
                 service.count(rejected_invalid=1)
-                return error(
+                return _error(
                     408,
                     f"body: not received within {service.config.request_timeout_s:g} s (request_timeout_s)",
                     Connection="close",
@@ -523,40 +520,9 @@ def build_app(service: TeacherService, token: str | None):
             except ClientDisconnect:
                 service.count(disconnected=1)
                 return Response(status_code=400)
-            return await _answer(request, bytes(body))
+            return await _answer(service, request, bytes(body))
         finally:
             service.release(held)
-
-    async def _answer(request: Request, body: bytes) -> Response:
-        try:
-            parsed = await anyio.to_thread.run_sync(service.parse, body)
-        except RequestError as failure:
-            service.count(rejected_invalid=1)
-            return error(failure.status, str(failure))
-        try:
-            job = service.submit(parsed)
-        except QueueFull:
-            return error(
-                503,
-                f"busy: more than {service.config.max_queue_tokens} tokens are waiting (max_queue_tokens); retry",
-                **{"Retry-After": "1"},
-            )
-        result = asyncio.wrap_future(job.future)
-        gone = asyncio.ensure_future(_disconnected(request))
-        done, _ = await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if result not in done:  # the client left: a queued job is skipped, a running one's result dropped
-            job.future.cancel()
-            result.cancel()
-            service.count(disconnected=1)
-            return Response(status_code=400)
-        gone.cancel()
-        try:
-            response = result.result()
-        except Exception as failure:
-            text = (str(failure).splitlines() or [""])[0][:300]
-            return error(500, f"scoring failed: {type(failure).__name__}: {text}")
-        data = await anyio.to_thread.run_sync(wire.encode_response, response, parsed.logprobs)
-        return Response(data, media_type="application/octet-stream")
 
     app = Starlette(
         routes=[
@@ -569,6 +535,49 @@ def build_app(service: TeacherService, token: str | None):
         lifespan=_lifespan(service),
     )
     return Identified(BearerAuth(app, token) if token is not None else app, service)
+
+
+def _error(status: int, message: str, **headers: str):
+    """A JSON error response: {"error": message}."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": message}, status_code=status, headers=headers or None)
+
+
+async def _answer(service: TeacherService, request, body: bytes):
+    """Parse, queue and score one received /score body; the client's leaving cancels its job."""
+    import anyio
+    from starlette.responses import Response
+
+    try:
+        parsed = await anyio.to_thread.run_sync(service.parse, body)
+    except RequestError as failure:
+        service.count(rejected_invalid=1)
+        return _error(failure.status, str(failure))
+    try:
+        job = service.submit(parsed)
+    except QueueFull:
+        return _error(
+            503,
+            f"busy: more than {service.config.max_queue_tokens} tokens are waiting (max_queue_tokens); retry",
+            **{"Retry-After": "1"},
+        )
+    result = asyncio.wrap_future(job.future)
+    gone = asyncio.ensure_future(_disconnected(request))
+    done, _ = await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if result not in done:  # the client left: a queued job is skipped, a running one's result dropped
+        job.future.cancel()
+        result.cancel()
+        service.count(disconnected=1)
+        return Response(status_code=400)
+    gone.cancel()
+    try:
+        response = result.result()
+    except Exception as failure:
+        text = (str(failure).splitlines() or [""])[0][:300]
+        return _error(500, f"scoring failed: {type(failure).__name__}: {text}")
+    data = await anyio.to_thread.run_sync(wire.encode_response, response, parsed.logprobs)
+    return Response(data, media_type="application/octet-stream")
 
 
 class Identified:

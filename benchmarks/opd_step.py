@@ -14,7 +14,8 @@ fp32 AdamW state, fused on CUDA), `foreach` (torch's foreach AdamW: the previous
 (`optim.state_dtype=bf16`), `micro4k` (`micro_batch_tokens=4096`), `ckpt_on` (full per-layer checkpointing),
 `offload` (`teacher_offload`), `lean` (bf16 state + micro4k), `lean_offload`, `lean_offload_8k`, `overlap`
 (`rollout.overlap` with `objective.tis_cap=2`), `partial` (`rollout.partial`, `max_staleness=1`, `tis_cap=2`),
-`partial_overlap` (both: the stream's next batch built in the background). On CUDA each row also prints where its
+`partial_overlap` (both: the stream's next batch built in the background), `partial_early_stop` (`partial` with
+`rollout.partial_early_stop`). On CUDA each row also prints where its
 memory goes (the phase marks of `opd_step`).
 
 TRL (`--trl`, one row each; its wheels are carried to the GPU machine: benchmarks/README.md): the same student and
@@ -93,6 +94,7 @@ VARIANTS: dict[str, dict] = {
     "overlap": {"overlap": True},
     "partial": {"partial": True},
     "partial_overlap": {"partial": True, "overlap": True},
+    "partial_early_stop": {"partial": True, "early_stop": True},
     # two teachers of --teacher-shape (their own random weights), prompts routed alternately, both kept in pinned
     # host memory and moved in only while they score (`teachers:` with `offload: true`)
     "two_teachers_offload": {"teachers": 2, "teacher_offload": True},
@@ -141,11 +143,11 @@ class BenchGenerator:
     def check_fits(self, *args, **kwargs) -> None:
         self.inner.check_fits(*args, **kwargs)
 
-    def generate(self, prompt_ids, params):
+    def generate(self, prompt_ids, params, *, stop_when=None):
         from opd.rollout import GenerationOutput
 
         if self.lengths is None:
-            out = self.inner.generate(prompt_ids, params)
+            out = self.inner.generate(prompt_ids, params, stop_when=stop_when)
             self.last_lengths = [len(r) for r in out.response_ids]
             return out
         n = params.n
@@ -155,12 +157,25 @@ class BenchGenerator:
         drawn = [min(length, params.max_new_tokens) for length, _ in left]
         # the engine ends each row at its drawn length (continuous batching refills the slot); EOS off so random
         # weights never end a row early, then the last token of every row that ends below the cap is made EOS
+        # stop_when (rollout.partial_early_stop) sees the reasons this wrapper will report: a row the engine ended at
+        # its drawn length that stops there is "stop"
+        stops_at_drawn = [length == left[row][0] and left[row][1] for row, length in enumerate(drawn)]
+        rule = None
+        if stop_when is not None:
+
+            def rule(finished):
+                return stop_when(["stop" if r == "length" and stops_at_drawn[i] else r for i, r in enumerate(finished)])
+
         out = self.inner.generate(
-            prompt_ids, dataclasses.replace(params, stop_at_eos=False), max_new_tokens_per_sample=drawn
+            prompt_ids,
+            dataclasses.replace(params, stop_at_eos=False),
+            max_new_tokens_per_sample=drawn,
+            stop_when=rule,
         )
         ids, lps, reasons = [], [], []
         for row, length in enumerate(drawn):
             response = out.response_ids[row][:length]
+            length = len(response)  # below the drawn length when stop_when cut the call
             to_make, stops = left[row]
             stopped = length == to_make and stops
             if length < to_make:  # cut by the call's max_new_tokens: a later call continues this prefix
@@ -220,7 +235,9 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
     rows = args.rollout_rows or args.prompts * args.n
     overlap, partial = bool(variant.get("overlap")), bool(variant.get("partial"))
     # partial: one step of staleness (with overlap, every token is sampled one step ahead)
-    sampling = dict(overlap=overlap, partial=partial, max_staleness=1)
+    sampling = dict(
+        overlap=overlap, partial=partial, max_staleness=1, partial_early_stop=bool(variant.get("early_stop"))
+    )
     config = DistillConfig(
         student=ModelSpec(path=f"random:{args.shape}"),
         teacher=TeacherSpec(path=f"random:{args.teacher_shape}"),

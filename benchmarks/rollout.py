@@ -112,7 +112,8 @@ def draw_lengths(spec: str, rows: int, default: int, seed: int) -> list[int] | N
 _VLLM_DIRS: dict[int, str] = {}
 
 
-def make_engine(name: str, model, shape: str, batch: int):
+def make_engine(name: str, model, shape: str, batch: int, **options):
+    """Engine `name` over `model` with `batch` rows; `options`: more constructor arguments (not for vllm)."""
     from opd.rollout.static_engine import StaticGenerator
     from opd.rollout.torch_engine import TorchGenerator
 
@@ -132,6 +133,7 @@ def make_engine(name: str, model, shape: str, batch: int):
         pad_token_id=pad_id(shape),
         vocab_size=TOKENIZER_SIZE[shape],
         max_batch_size=batch,
+        **options,
     )
     if name == "torch_engine":
         return TorchGenerator(model, **common)

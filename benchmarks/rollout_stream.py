@@ -9,7 +9,8 @@ Stream (`rollout.partial`): `opd.train.stream.RolloutStream` driven as `opd.trai
 over a random-weight model whose weights stay fixed (no training: throughput only), with the engine `--engine`
 (`static_compile` as the trainer's static engine runs on CUDA, `static_engine` on CPU) sized to `--batches` rows.
 A step trains `--batches` samples (`--batches / --n` prompts × `--n`); `--max-staleness S` (default 1) and
-`--segment` (default the trainer's rule, max_new_tokens // (S + 1)). EOS is off; `--lengths` as in rollout.py, per
+`--segment` (default the trainer's rule, max_new_tokens // (S + 1)), `--early-stop on|off`
+(rollout.partial_early_stop, default off). EOS is off; `--lengths` as in rollout.py, per
 sample: a sample's total response length is drawn once when it starts (again when it is restarted), each call asks
 the engine for the rest of it (capped by the segment, through `max_new_tokens_per_sample`), and a sample that
 reaches it is reported finished ("stop", standing in for its EOS). The stream's calls give each sample only its
@@ -101,10 +102,18 @@ def stream_generate(engine, forced: ForcedLengths, prompt_len: int, cap: int, se
 
     from opd.rollout import SamplingParams
 
-    def generate(prompt_ids, n, max_new_tokens, call):
+    def generate(prompt_ids, n, max_new_tokens, call, stop_when):
         rows = [list(p) for p in prompt_ids for _ in range(n)]
         totals = [forced.total(r, prompt_len) for r in rows]
         limits = [min(max_new_tokens, t - (len(r) - prompt_len)) for r, t in zip(rows, totals)]
+        # the stream's stop rule (--early-stop) sees the reasons reported below: a row at its forced total is "stop"
+        stops = [limit == t - (len(r) - prompt_len) and t < cap for r, t, limit in zip(rows, totals, limits)]
+        rule = None
+        if stop_when is not None:
+
+            def rule(finished):
+                return stop_when(["stop" if r == "length" and stops[i] else r for i, r in enumerate(finished)])
+
         params = SamplingParams(
             n=n,
             temperature=1.0,
@@ -113,7 +122,7 @@ def stream_generate(engine, forced: ForcedLengths, prompt_len: int, cap: int, se
             seed=seed + call,
             return_logprobs=True,
         )
-        out = engine.generate(prompt_ids, params, max_new_tokens_per_sample=limits)
+        out = engine.generate(prompt_ids, params, max_new_tokens_per_sample=limits, stop_when=rule)
         reasons = []
         for r, total, ids, reason in zip(rows, totals, out.response_ids, out.finish_reasons):
             done = len(r) - prompt_len + len(ids)
@@ -150,8 +159,11 @@ def run_stream(args, report: Report, model, device, name: str) -> dict:
         max_new_tokens=cap,
         segment=segment,
         max_staleness=args.max_staleness,
+        early_stop=args.early_stop == "on",
     )
-    engine = make_engine(name, model, args.shape, samples)
+    engine = make_engine(
+        name, model, args.shape, samples, **({"sync_interval": args.sync_interval} if args.sync_interval else {})
+    )
     forced = ForcedLengths(args.lengths, cap, args.seed)
     g = torch.Generator().manual_seed(args.seed)
     prompts: list[list[int]] = []  # grows as the stream draws
@@ -188,6 +200,7 @@ def run_stream(args, report: Report, model, device, name: str) -> dict:
             "calls": taken.calls,
             "dropped": taken.dropped,
             "in_flight": stream.in_flight,
+            "cut_total": stream.cut,
             "trained": len(taken.output.response_ids),
             "tokens": tokens,
             "generated": counters["generated"] - generated_before,
@@ -225,6 +238,8 @@ def run_stream(args, report: Report, model, device, name: str) -> dict:
         "started_total": stream.started,
         "trained_total": stream.trained,
         "in_flight": stream.in_flight,
+        "cut_total": stream.cut,
+        "early_stop": args.early_stop,
         "rows": counters["rows"],
         "bucket_steps": dict(sorted(counters["bucket_steps"].items(), reverse=True)),
         **{f"lag_{k}_frac": n / max(1, timed["tokens"]) for k, n in enumerate(lag_tokens)},
@@ -289,6 +304,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--stream-warmup", type=int, default=2, help="first stream steps left out of the tokens/s")
     parser.add_argument("--max-staleness", type=int, default=1, help="rollout.max_staleness")
     parser.add_argument("--segment", type=int, default=None, help="rollout.partial_segment; default cap // (S + 1)")
+    parser.add_argument("--sync-interval", type=int, default=None, help="the engine's sync_interval (its default)")
+    parser.add_argument(
+        "--early-stop", choices=("on", "off"), default="off", help="rollout.partial_early_stop (the stream's calls)"
+    )
     parser.add_argument("--bucket-steps", type=int, default=128, help="decode steps timed per bucket row; 0: no table")
     parser.add_argument(
         "--bucket-sizes", default="auto", help="comma-separated row counts of the bucket table; auto: see the docstring"
@@ -376,6 +395,7 @@ def main(argv: list[str] | None = None) -> dict:
         ("timed steps", "timed_steps", ""),
         ("generated/s", "generated_per_s", ",.0f"),
         ("dropped", "dropped_total", ","),
+        ("cut", "cut_total", ","),
         *lags,
         ("peak GiB", "peak_gib", ".1f"),
     ]
@@ -384,8 +404,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"shape {args.shape} ({dtype}), random fixed weights, engine {name}; prompt {args.prompt_len} tokens, lengths "
         f"{args.lengths} per sample (new-tokens {args.new_tokens} if equal), temperature 1, EOS off; stream: "
         f"{args.batches // args.n} prompts × {args.n} a step, max_staleness {args.max_staleness}, segment {segment}, "
+        f"early stop {args.early_stop}, "
         f"tokens/s over steps {args.stream_warmup}..{args.stream_steps - 1} (trained tokens / wall time); lag k: "
-        "trained tokens sampled k steps before their step; dropped: restarted samples over the whole stream"
+        "trained tokens sampled k steps before their step; dropped: restarted samples over the whole stream; cut: "
+        "samples a call ended early returned unfinished"
     ]
     data = report.finish(columns, notes)
     extra = []
@@ -398,6 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ("calls", "calls", ""),
                 ("dropped", "dropped", ","),
                 ("in flight", "in_flight", ","),
+                ("cut total", "cut_total", ","),
                 ("trained", "trained", ","),
                 ("tokens", "tokens", ","),
                 ("generated", "generated", ","),

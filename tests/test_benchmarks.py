@@ -93,20 +93,23 @@ def test_rollout_ragged_lengths_against_equal_lengths(tmp_path, capsys):
     assert [b["positions"] for b in got["static_engine@4[ragged]"]["lp_drift"]] == ["[0, 128)"]
 
 
-def test_rollout_stream(tmp_path, capsys):
+@pytest.mark.parametrize("early_stop", ["off", "on"])
+def test_rollout_stream(tmp_path, capsys, early_stop):
     """The partial-rollout stream over the static engine with forced lognormal lengths: every trained sample has the
-    length drawn when it started (also those continued over two segments), every started sample is trained or in
-    flight, each step's trained tokens are its lag histogram; the [equal] row has the trained mean length; one
-    bucket row per row count up to the slots."""
+    length drawn when it started (also those continued over two segments or cut by an early stop), every started
+    sample is trained or in flight, each step's trained tokens are its lag histogram; the [equal] row has the trained
+    mean length; one bucket row per row count up to the slots."""
     spec = "lognormal:mean=6,cap=16,sigma=0.8"
     data, printed = run(
         "rollout_stream",
         tmp_path,
         capsys,
         *("--batches", "8", "--prompt-len", "5", "--lengths", spec, "--stream-steps", "4", "--bucket-steps", "32"),
+        *("--early-stop", early_stop, "--sync-interval", "2"),
     )
     got = rows(data)
     stream, equal = got["stream[static_engine@8]"], got["static_engine@8[equal]"]
+    assert (stream["cut_total"] > 0) == (early_stop == "on")
     assert stream["timed_steps"] == 2 and stream["segment"] == 8 and stream["vs_equal"] > 0
     assert stream["started_total"] == stream["trained_total"] + stream["dropped_total"] + stream["in_flight"]
     assert stream["dropped_total"] == 0  # segment × (S + 1) = cap: every sample ends before it is stale
@@ -119,7 +122,8 @@ def test_rollout_stream(tmp_path, capsys):
     trained = sorted(n for s in steps for n in s["lengths"])
     assert max(trained) > 8 and all(trained.count(n) <= first.count(n) for n in set(trained))
     sizes = [b["rows"] for b in data["buckets"]]
-    assert sizes[:3] == [1, 2, 4] and sizes[-1] == 8 and set(stream["bucket_steps"]) <= set(sizes)
+    # the powers of two below the slots, the slots, and every row count the stream's calls decoded at
+    assert {1, 2, 4} <= set(sizes) and sizes[-1] == 8 and set(stream["bucket_steps"]) <= set(sizes)
     assert all(b["steps_timed"] == 32 for b in data["buckets"])
     assert data["steps_table"] in printed and data["bucket_table"] in printed
 
@@ -207,10 +211,10 @@ def test_opd_step(tmp_path, capsys):
         "torch_engine,static_engine",
         "--skip-trl",
         "--variants",
-        "default,bf16_state,overlap,partial,partial_overlap",
+        "default,bf16_state,overlap,partial,partial_overlap,partial_early_stop",
     )
     got = rows(data)
-    variants = ("", ", bf16_state", ", overlap", ", partial", ", partial_overlap")
+    variants = ("", ", bf16_state", ", overlap", ", partial", ", partial_overlap", ", partial_early_stop")
     assert set(got) == {f"opd_step[{e}{v}]" for e in ("torch_engine", "static_engine") for v in variants}
     for name, row in got.items():
         assert {"student_s", "teacher_s", "update_s"} <= set(row)
@@ -311,7 +315,7 @@ def test_forced_lengths_hold_across_the_calls_of_a_partial_sample():
     from opd.rollout import GenerationOutput, SamplingParams
 
     class Counting:  # an engine that writes 7s up to each row's own max_new_tokens
-        def generate(self, prompt_ids, params, max_new_tokens_per_sample):
+        def generate(self, prompt_ids, params, max_new_tokens_per_sample, stop_when=None):
             ids = [[7] * length for length in max_new_tokens_per_sample]
             return GenerationOutput(ids, ["length"] * len(ids), [i // params.n for i in range(len(ids))], None)
 

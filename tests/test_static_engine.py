@@ -523,6 +523,38 @@ def test_per_sample_lengths_are_honoured_and_checked():
         static.generate(PROMPTS, params, max_new_tokens_per_sample=[1, 2])
 
 
+@pytest.mark.parametrize("kind", ["static", "torch"])
+def test_stop_when_ends_the_call_with_what_each_sample_has_so_far(kind):
+    """`stop_when` (the partial-rollout stream's early stop): asked with each sample's finish reason once samples
+    have ended, True ends the call: the ended samples are those of the whole call, the samples decoding return a
+    prefix of what they would have made, those waiting nothing, all "length". Greedy, two rows, per-sample lengths."""
+    model = make_tiny_model("qwen3")
+    prompts = random_prompts(3, seed=2)
+    caps = [2, 9, 3, 12, 4, 10]
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=12, stop_at_eos=False, return_logprobs=True)
+    common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, max_batch_size=2, sync_interval=1)
+    engine = StaticGenerator(model, **common) if kind == "static" else TorchGenerator(model, **common)
+    full = engine.generate(prompts, params, max_new_tokens_per_sample=caps)
+    asked: list[list] = []
+
+    def two_ended(finished):
+        asked.append(list(finished))
+        return sum(reason is not None for reason in finished) >= 2
+
+    out = engine.generate(prompts, params, max_new_tokens_per_sample=caps, stop_when=two_ended)
+    last = asked[-1]
+    assert sum(reason is not None for reason in last) == 2 and set(last) <= {None, "length"}
+    assert all(sum(r is not None for r in a) < 2 for a in asked[:-1])  # asked until it said stop, not after
+    assert out.finish_reasons == ["length"] * 6
+    for i, (ids, lps, want) in enumerate(zip(out.response_ids, out.logprobs, full.response_ids)):
+        assert ids == want[: len(ids)] and len(lps) == len(ids)
+        assert (len(ids) == len(want)) == (last[i] is not None), i
+    assert sum(map(len, out.response_ids)) < sum(map(len, full.response_ids))
+    assert [] in out.response_ids  # samples still waiting when the call ended
+    if kind == "static":
+        assert engine.stats["cut"] == 4
+
+
 # ------------------------------------------------------------------------------------------------ memory sizing
 
 GIB = 2**30

@@ -559,6 +559,13 @@ class SamplingSpec(Section):
         "(max_staleness + 1), with rollout.overlap // max_staleness, at least 1 (with max_staleness = 0 the whole "
         "max_new_tokens).",
     )
+    partial_early_stop: bool = Field(
+        False,
+        description="rollout.partial: end a generation call as soon as the step can close (prompts_per_step groups "
+        "finished and every sample at its last step of staleness finished) instead of at the end of its segment; "
+        "the samples still decoding keep their tokens and continue in a later call (counted in partial/cut_total). "
+        "The static and torch engines; vLLM runs each call to its end.",
+    )
 
 
 class ObjectiveSpec(Section):

@@ -3,7 +3,7 @@ ids only: chat templating and decoding happen in the caller."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -77,12 +77,22 @@ class GenerationOutput:
         return cls(state["response_ids"], state["finish_reasons"], state["group_ids"], state["logprobs"])
 
 
+StopRule = Callable[[Sequence["str | None"]], bool]
+"""`generate(..., stop_when=rule)`: the engine calls `rule(finished)` when samples have ended, finished[i] being
+sample i's finish reason ("stop", "length") once it has ended and None while it decodes or waits; True ends the call
+there: every sample still decoding returns its tokens so far and every sample still waiting none, both with finish
+reason "length" (the call's own limit). Engines that cannot end a call early (vLLM) run it to its end: a rule asks,
+never requires (the partial-rollout stream uses it, `opd.train.stream`)."""
+
+
 @runtime_checkable
 class Generator(Protocol):
     """Prompts (token ids) in, n sampled continuations each out. Every member is implemented by every engine, a no-op
     where there is nothing to do, so callers call them directly."""
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput: ...
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *, stop_when: StopRule | None = None
+    ) -> GenerationOutput: ...
 
     def sync_weights(self) -> None:
         """Called by the trainer after each optimizer step. Engines that share the trainer's module do nothing;

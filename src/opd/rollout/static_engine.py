@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from opd.kernels import decode_attention as triton_attention
 from opd.rollout import memory
-from opd.rollout.base import GenerationOutput, SamplingParams
+from opd.rollout.base import GenerationOutput, SamplingParams, StopRule
 from opd.rollout.hf_model import (
     HFModel,
     batch_checks,
@@ -753,10 +753,12 @@ class StaticGenerator(memory.ModuleMemory):
         params: SamplingParams,
         *,
         max_new_tokens_per_sample: Sequence[int] | None = None,
+        stop_when: StopRule | None = None,
     ) -> GenerationOutput:
         """n samples for each of P prompts, prompt-major (see `GenerationOutput`). max_new_tokens_per_sample: one
         length limit per sample (prompt-major, each in [1, params.max_new_tokens]); a sample reaching it ends with
-        finish reason "length" (benchmarks use it to force long-tailed lengths identically in every engine)."""
+        finish reason "length" (benchmarks use it to force long-tailed lengths identically in every engine).
+        stop_when: asked after each sync interval in which samples ended (`opd.rollout.base.StopRule`)."""
         caps = check_request(prompt_ids, params, self.eos_token_ids, max_new_tokens_per_sample)
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
@@ -764,7 +766,7 @@ class StaticGenerator(memory.ModuleMemory):
         if prompt_ids:
             generator = seeded_generator(params.seed, self.device)
             with generation_mode(self.model, self.device):
-                run = _Run(self, [list(p) for p in prompt_ids], params, caps, generator)
+                run = _Run(self, [list(p) for p in prompt_ids], params, caps, generator, stop_when)
                 responses, logprobs, reasons = run.run()
             self.stats = run.stats
         return GenerationOutput(
@@ -786,8 +788,9 @@ class _Run:
         params: SamplingParams,
         caps: list[int],
         generator: torch.Generator,
+        stop_when: StopRule | None = None,
     ):
-        self.engine, self.params, self.generator = engine, params, generator
+        self.engine, self.params, self.generator, self.stop_when = engine, params, generator, stop_when
         model = engine.model
         self.device = device = engine.device
         body, head = model.get_decoder(), model.get_output_embeddings()
@@ -858,7 +861,7 @@ class _Run:
         self.slot_last = [0] * rows  # the last position its sample can feed
         self.pending = 0  # next sample index to place
         self.results: list[tuple[list[int], list[float], str] | None] = [None] * len(caps)
-        self.counters = {"decode_steps": 0, "refills": 0, "prefills": 0, "graphs": 0, "decoded_tokens": 0}
+        self.counters = {"decode_steps": 0, "refills": 0, "prefills": 0, "graphs": 0, "decoded_tokens": 0, "cut": 0}
         self.live = rows  # decode steps run over rows [0, live): the live-row bucket (`_shrink`)
         self.buckets = _row_buckets(rows) if engine.row_buckets else (rows,)
         self.bucket_steps: dict[int, int] = {}  # decode steps run at each bucket
@@ -1032,6 +1035,17 @@ class _Run:
             self.slot_sample[slot] = sample
             self.slot_position[slot] = length
             self.slot_last[slot] = length + max(self.caps[sample] - 2, 0)
+
+    def _cut(self) -> None:
+        """End the call now (`stop_when`): the samples decoding return their tokens so far, those waiting none, all
+        with reason "length"; no slot is occupied afterwards, so the decode loop ends."""
+        occupied = [r for r in range(self.rows) if self.slot_sample[r] is not None]
+        self.counters["cut"] = len(occupied) + len(self.caps) - self.pending
+        if occupied:  # all alive: the rows that ended were harvested
+            self._harvest(occupied)
+        for sample in range(self.pending, len(self.caps)):
+            self.results[sample] = ([], [], "length")
+        self.pending = len(self.caps)
 
     def _harvest(self, slots: list[int]) -> None:
         """Copy the finished samples of these slots to the results (one device-to-host copy) and free the slots."""
@@ -1283,6 +1297,8 @@ class _Run:
             if ended:
                 self._harvest(ended)
                 self._admit(ended)
-        self.counters["decoded_tokens"] = sum(len(ids) - 1 for ids, _, _ in self.results)
+                if self.stop_when is not None and self.stop_when([None if r is None else r[2] for r in self.results]):
+                    self._cut()
+        self.counters["decoded_tokens"] = sum(len(ids) - 1 for ids, _, _ in self.results if ids)
         responses, logprobs, reasons = (list(column) for column in zip(*self.results))
         return responses, logprobs, reasons

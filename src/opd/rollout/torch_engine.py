@@ -13,12 +13,12 @@ decodes text; engines know token ids only).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from opd.rollout import memory
-from opd.rollout.base import GenerationOutput, SamplingParams
+from opd.rollout.base import GenerationOutput, SamplingParams, StopRule
 from opd.rollout.hf_model import (
     HFModel,
     batch_checks,
@@ -150,15 +150,20 @@ class TorchGenerator(memory.ModuleMemory):
         params: SamplingParams,
         *,
         max_new_tokens_per_sample: Sequence[int] | None = None,
+        stop_when: StopRule | None = None,
     ) -> GenerationOutput:
         """n samples for each of P prompts, prompt-major (see `GenerationOutput`). max_new_tokens_per_sample: one
         length limit per sample (prompt-major, each in [1, params.max_new_tokens]); a sample reaching it ends with
-        finish reason "length" (benchmarks use it to force long-tailed lengths identically in every engine)."""
+        finish reason "length" (benchmarks use it to force long-tailed lengths identically in every engine).
+        stop_when: asked at each sync point at which samples of the chunk ended, and after each chunk
+        (`opd.rollout.base.StopRule`)."""
         caps = check_request(prompt_ids, params, self.eos_token_ids, max_new_tokens_per_sample)
         generator = seeded_generator(params.seed, self.device)
         responses: list[list[int]] = []
         reasons: list[str] = []
         logprobs: list[list[float]] = []
+        finished: list[str | None] = [None] * len(caps)  # what stop_when sees
+        cut = False
         with generation_mode(self.model, self.device):
             lengths = [len(p) for p in prompt_ids]
             row_limit, free = None, self._memory()
@@ -176,16 +181,31 @@ class TorchGenerator(memory.ModuleMemory):
             for chunk in self._chunks(lengths, params, row_limit):
                 start = len(responses)
                 count = sum(c for _, c in chunk)
-                ids, lps, rs = self._generate_chunk(
+                if cut:  # the call ended in an earlier chunk: these samples waited
+                    responses += [[] for _ in range(count)]
+                    logprobs += [[] for _ in range(count)]
+                    reasons += ["length"] * count
+                    continue
+                ask = None
+                if stop_when is not None:
+
+                    def ask(chunk_reasons: list[str | None], start: int = start) -> bool:
+                        finished[start : start + len(chunk_reasons)] = chunk_reasons
+                        return stop_when(finished)
+
+                ids, lps, rs, cut = self._generate_chunk(
                     [list(prompt_ids[p]) for p, _ in chunk],
                     [c for _, c in chunk],
                     caps[start : start + count],
                     params,
                     generator,
+                    ask,
                 )
                 responses += ids
                 logprobs += lps
                 reasons += rs
+                finished[start : start + count] = rs
+                cut = cut or (stop_when is not None and stop_when(finished))
         group_ids = [p for p in range(len(prompt_ids)) for _ in range(params.n)]
         return GenerationOutput(
             response_ids=responses,
@@ -228,9 +248,11 @@ class TorchGenerator(memory.ModuleMemory):
         caps: list[int],
         params: SamplingParams,
         generator: torch.Generator,
-    ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+        ask: Callable[[list[str | None]], bool] | None = None,
+    ) -> tuple[list[list[int]], list[list[float]], list[str], bool]:
         """Sample counts[i] continuations of prompts[i], row j at most caps[j] tokens; rows come back in order
-        (prompt 0's samples first)."""
+        (prompt 0's samples first), and whether `ask` (given each row's finish reason or None, when rows ended)
+        ended the chunk early."""
         device = self.device
         cache, mask_PL, logits_PV = self.hf.prefill(prompts, device)
         # One row per sample: the prefix is computed once per prompt and its KV cache copied n times.
@@ -256,6 +278,7 @@ class TorchGenerator(memory.ModuleMemory):
         finished_R = torch.zeros(num_rows, dtype=torch.bool, device=device)
         stopped_R = torch.zeros(num_rows, dtype=torch.bool, device=device)  # finished on an EOS
 
+        asked_at, cut = 0, False  # rows ended when `ask` was last asked; whether it ended the chunk
         for t in range(steps):
             tokens_b, lps_b = sample_next(logits_bV, params, generator)
             alive_b = ~finished_R[rows_b]  # rows that finished but are not dropped yet keep decoding; ignored here
@@ -272,6 +295,12 @@ class TorchGenerator(memory.ModuleMemory):
                 num_done = int(done_b.sum())  # CPU-GPU sync point
                 if num_done == rows_b.numel():
                     break
+                if ask is not None and int(finished_R.sum()) > asked_at:
+                    asked_at = int(finished_R.sum())
+                    ended = zip(finished_R.tolist(), stopped_R.tolist())
+                    if ask([("stop" if stop else "length") if end else None for end, stop in ended]):
+                        cut = True
+                        break
                 if num_done >= self.compact_fraction * rows_b.numel():
                     keep_b = (~done_b).nonzero().squeeze(-1)
                     cache.reorder_cache(keep_b)
@@ -293,4 +322,4 @@ class TorchGenerator(memory.ModuleMemory):
         responses = [row[:n] for row, n in zip(ids_rows, lengths)]
         logprobs = [row[:n] for row, n in zip(lps_rows, lengths)]
         reasons = ["stop" if done else "length" for done in stopped]
-        return responses, logprobs, reasons
+        return responses, logprobs, reasons, cut

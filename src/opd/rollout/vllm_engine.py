@@ -23,7 +23,7 @@ import torch
 from transformers import AutoConfig
 
 from opd.config import ModelSpec, VLLMSpec
-from opd.rollout.base import GenerationOutput, SamplingParams
+from opd.rollout.base import GenerationOutput, SamplingParams, StopRule
 from opd.rollout.hf_model import check_request
 from opd.seeds import SALT_VLLM_PROMPT, derive_seed
 
@@ -253,10 +253,12 @@ class VLLMGenerator:
         params: SamplingParams,
         *,
         max_new_tokens_per_sample: Sequence[int] | None = None,
+        stop_when: StopRule | None = None,
     ) -> GenerationOutput:
         """n samples for each of P prompts, prompt-major (see `GenerationOutput`). max_new_tokens_per_sample: one
         length limit per sample (prompt-major, each ≤ params.max_new_tokens; benchmarks): each sample is then its own
-        request (n = 1, seeded per sample), so the draws differ from those of one n-sample request."""
+        request (n = 1, seeded per sample), so the draws differ from those of one n-sample request. stop_when is
+        not asked: `LLM.generate` runs every request of the call to its end (`opd.rollout.base.StopRule`)."""
         from vllm import TokensPrompt
 
         for i, prompt in enumerate(prompt_ids):

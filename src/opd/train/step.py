@@ -107,6 +107,7 @@ class Trainer:
                 max_new_tokens=spec.max_new_tokens,
                 segment=spec.partial_segment or max(1, spec.max_new_tokens // versions),
                 max_staleness=staleness,
+                early_stop=spec.partial_early_stop,
             )
         if self.rollout_model is not None:
             assert self.rollout_generator is not None  # the recipe builds both (overlap_generator)
@@ -221,6 +222,7 @@ def _stream_rollouts(tr: Trainer, stream: RolloutStream, timings: dict, device: 
         "partial/started_total": stream.started,
         "partial/trained_total": stream.trained,
         "partial/in_flight": stream.in_flight,
+        "partial/cut_total": stream.cut,
     }
     if ahead is not None:  # also after the last step: the checkpoint carries the batch, a longer resume trains it
         ahead.start(
@@ -247,9 +249,9 @@ def _stream_generate(cfg: DistillConfig, generator: Generator, step: int, rank: 
     """The stream's engine calls for the batch step `step` trains: call c seeded by `_step_seed(seed, step, rank, c)`
     whichever thread and weights make it."""
 
-    def generate(prompt_ids, n, max_new_tokens, call):
+    def generate(prompt_ids, n, max_new_tokens, call, stop_when):
         params = replace(_sampling_params(cfg, step, rank, call), n=n, max_new_tokens=max_new_tokens)
-        return generator.generate(prompt_ids, params)
+        return generator.generate(prompt_ids, params, stop_when=stop_when)
 
     return generate
 

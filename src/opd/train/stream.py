@@ -10,6 +10,8 @@ Rules (docs/design.md "The rollout stream"):
 - staleness: a sample whose oldest token was sampled more than max_staleness steps ago is restarted (its tokens
   discarded, counted in `dropped`); within a step, calls continue until `prompts_per_step` groups are finished and
   every sample at its last step of staleness is finished;
+- early stop (rollout.partial_early_stop): a call ends as soon as the step can close by the rule above, the samples
+  still decoding carrying their tokens so far (engines that cannot end a call early run it to its end);
 - training: the `prompts_per_step` finished groups drawn earliest (draw step, then draw order), rows prompt-major in
   that order, samples in their slot order; every started sample is trained, dropped, or still in flight.
 With max_staleness = 0 a step holds one batch and generates it in one call of the full max_new_tokens: the
@@ -25,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from opd.rollout import GenerationOutput
+from opd.rollout.base import StopRule
 
 
 @dataclass
@@ -82,20 +85,30 @@ def in_flight_batches(max_staleness: int, ahead: int) -> int:
     return max_staleness + 1 - ahead
 
 
-# generate(prompt_ids, n, max_new_tokens, call) -> the engine's output (one call, its own seed)
-GenerateFn = Callable[[Sequence[Sequence[int]], int, int, int], GenerationOutput]
+# generate(prompt_ids, n, max_new_tokens, call, stop_when) -> the engine's output (one call, its own seed)
+GenerateFn = Callable[[Sequence[Sequence[int]], int, int, int, "StopRule | None"], GenerationOutput]
 
 
 class RolloutStream:
-    def __init__(self, *, prompts_per_step: int, n: int, max_new_tokens: int, segment: int, max_staleness: int):
+    def __init__(
+        self,
+        *,
+        prompts_per_step: int,
+        n: int,
+        max_new_tokens: int,
+        segment: int,
+        max_staleness: int,
+        early_stop: bool = False,
+    ):
         self.prompts_per_step, self.n, self.cap = prompts_per_step, n, max_new_tokens
-        self.max_staleness = max_staleness
+        self.max_staleness, self.early_stop = max_staleness, early_stop
         # with no staleness a sample cannot outlive its step: one call of the whole cap (the synchronous step)
         self.segment = max_new_tokens if max_staleness == 0 else min(segment, max_new_tokens)
         self.groups: dict[int, Group] = {}
         self.samples: list[Sample] = []
         self.next_group = 0
         self.started = self.trained = self.dropped = 0  # sample attempts: started = trained + dropped + in flight
+        self.cut = 0  # samples a call ended early returned unfinished (early_stop)
 
     @property
     def in_flight(self) -> int:
@@ -123,7 +136,7 @@ class RolloutStream:
                 self.started += self.n
         calls = 0
         while self._running() and (calls == 0 or self._must_continue(step)):
-            self._continue(version, calls, prompt_ids, generate)
+            self._continue(step, version, calls, prompt_ids, generate)
             calls += 1
         return self._take(calls, dropped)
 
@@ -154,24 +167,49 @@ class RolloutStream:
         last_chance = any(step + 1 - s.started > self.max_staleness for s in running)
         return last_chance or len(self._finished_groups()) < self.prompts_per_step
 
-    def _continue(self, version: int, call: int, prompt_ids: Sequence[Sequence[int]], generate: GenerateFn) -> None:
+    def _stop_rule(self, step: int, running: list[Sample], new: int) -> StopRule | None:
+        """early_stop: the rule that ends a call as soon as the step can close (`_must_continue` false once the
+        call's ended samples are counted), so that the call does not decode its segment's tail with few rows alive;
+        the samples it cuts continue in a later call. None when the step could close already: the call is the step's
+        one compulsory call, and runs its segment."""
+        if not (self.early_stop and self._must_continue(step)):
+            return None
+        need = self.prompts_per_step - len(self._finished_groups())
+        rows_by_group: dict[int, list[int]] = {}
+        for row, sample in enumerate(running):
+            rows_by_group.setdefault(sample.group, []).append(row)
+        last_chance = [row for row, s in enumerate(running) if step + 1 - s.started > self.max_staleness]
+        at_cap = [self.cap - len(s.tokens) <= new for s in running]  # a row at the call's limit is then finished
+
+        def stop(finished: Sequence[str | None]) -> bool:
+            done = [r == "stop" or (r == "length" and at_cap[i]) for i, r in enumerate(finished)]
+            complete = sum(all(done[i] for i in rows) for rows in rows_by_group.values())
+            return complete >= need and all(done[i] for i in last_chance)
+
+        return stop
+
+    def _continue(
+        self, step: int, version: int, call: int, prompt_ids: Sequence[Sequence[int]], generate: GenerateFn
+    ) -> None:
         """One engine call that adds up to `segment` tokens to every unfinished sample, sampled by the weights of step
-        `version`. Whole fresh groups in draw order go through as prompts × n (what the synchronous step sends);
-        anything else as one prefix per sample."""
+        `version` (ended early by `_stop_rule`). Whole fresh groups in draw order go through as prompts × n (what the
+        synchronous step sends); anything else as one prefix per sample."""
         running = self._running()
         new = min(self.segment, max(self.cap - len(s.tokens) for s in running))
+        stop_when = self._stop_rule(step, running, new)
         groups = [running[i].group for i in range(0, len(running), self.n)]
         fresh = len(running) % self.n == 0 and all(
             not s.tokens and s.group == groups[i // self.n] and s.slot == i % self.n for i, s in enumerate(running)
         )
         if fresh:
-            out = generate([prompt_ids[self.groups[g].prompt] for g in groups], self.n, new, call)
+            out = generate([prompt_ids[self.groups[g].prompt] for g in groups], self.n, new, call, stop_when)
         else:
             prefixes = [list(prompt_ids[self.groups[s.group].prompt]) + s.tokens for s in running]
-            out = generate(prefixes, 1, new, call)
+            out = generate(prefixes, 1, new, call, stop_when)
         for row, sample in enumerate(running):
             remaining = self.cap - len(sample.tokens)
             ids, reason = out.response_ids[row], out.finish_reasons[row]
+            self.cut += reason == "length" and len(ids) < min(new, remaining)
             if len(ids) > remaining:  # a call is as long as the longest remaining: cut at this sample's cap
                 ids, reason = ids[:remaining], "length"
             sample.tokens += ids
@@ -207,6 +245,7 @@ class RolloutStream:
             "started": self.started,
             "trained": self.trained,
             "dropped": self.dropped,
+            "cut": self.cut,
         }
 
     def load_state_dict(self, state: dict | None) -> None:
@@ -216,3 +255,4 @@ class RolloutStream:
         self.samples = [Sample(**s) for s in state["samples"]]
         self.next_group = state["next_group"]
         self.started, self.trained, self.dropped = state["started"], state["trained"], state["dropped"]
+        self.cut = state.get("cut", 0)  # absent from checkpoints written before early_stop

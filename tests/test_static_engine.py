@@ -12,7 +12,7 @@ from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model
 from opd.kernels import decode_attention as triton_attention
 from opd.rollout import Generator, SamplingParams, memory, static_engine
 from opd.rollout.sampling import filter_logits
-from opd.rollout.static_engine import StaticGenerator, _sample, unsupported_reason
+from opd.rollout.static_engine import StaticGenerator, _round_rows, _sample, unsupported_reason
 from opd.rollout.torch_engine import TorchGenerator
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
@@ -298,6 +298,8 @@ def test_unsupported_models_raise():
         StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
     with pytest.raises(ValueError, match="kv_bucket"):
         StaticGenerator(make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=0)
+    with pytest.raises(ValueError, match="round_rows must be None, True or False, got 1"):
+        StaticGenerator(make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, round_rows=1)
     with pytest.raises(ValueError, match="attention must be one of auto, triton, sdpa, matmul, got 'flash'"):
         StaticGenerator(make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, attention="flash")
     if triton_attention.available(torch.device("cpu")):  # head size 8 (32 / 4 heads): below the kernel's 16
@@ -510,6 +512,114 @@ def test_live_row_buckets_are_deterministic_per_seed():
     assert [len(r) for r in first.response_ids] == TAIL_CAPS
 
 
+# ------------------------------------------------------------------------------------------------ rounded rows
+
+
+@pytest.mark.parametrize("max_batch_size", [1, 5, 16, 40, 64, 100, 256])
+def test_rounded_rows_climb_a_small_fixed_ladder(max_batch_size):
+    """Every sample count in 1..300 → the least rung of 1, 2, 4, 8, 16, 32, 48, ... (or max_batch_size) that holds
+    it, never above max_batch_size: a few row counts in all, however the counts vary."""
+    rungs = (1, 2, 4, 8, *range(16, max_batch_size + 1, 16), max_batch_size)
+    ladder = sorted({rung for rung in rungs if rung <= max_batch_size})
+    results = set()
+    for samples in range(1, 301):
+        rows = _round_rows(samples, max_batch_size)
+        assert rows == min([rung for rung in ladder if rung >= samples], default=max_batch_size), samples
+        assert min(samples, max_batch_size) <= rows <= max_batch_size and rows in ladder
+        results.add(rows)
+    assert results == set(ladder) and len(results) <= 4 + max_batch_size // 16 + 1
+
+
+def _rounding_call(model, round_rows, prompts, params, **kwargs):
+    static = StaticGenerator(
+        model,
+        eos_token_ids=[EOS_ID],
+        pad_token_id=PAD_ID,
+        kv_bucket=16,
+        sync_interval=4,
+        round_rows=round_rows,
+        **kwargs,
+    )
+    return static.generate(prompts, params), static.stats
+
+
+@pytest.mark.parametrize("prompts, n, rows", [(5, 1, 8), (3, 3, 16), (16, 1, 16), (20, 1, 32)])
+def test_rounded_rows_keep_greedy_outputs(prompts, n, rows):
+    """The rows beyond the samples stay empty slots: greedy tokens are those of the call on exactly its samples'
+    rows; log-probs agree to 1e-5 (float32 GEMMs over another row count may sum in another order)."""
+    model = eos_biased("qwen3")
+    params = SamplingParams(n=n, temperature=0, max_new_tokens=30, return_logprobs=True)
+    batch = random_prompts(prompts, seed=4)
+    (rounded, rounded_stats), (exact, exact_stats) = (_rounding_call(model, on, batch, params) for on in (True, False))
+    assert rounded_stats["rows"] == rows and exact_stats["rows"] == prompts * n
+    assert rounded.response_ids == exact.response_ids and rounded.finish_reasons == exact.finish_reasons
+    assert _max_abs_diff(rounded.logprobs, exact.logprobs) < 1e-5
+
+
+def test_rounded_rows_keep_greedy_outputs_over_partial_continuations():
+    """As `opd.train.stream.RolloutStream` continues a partial rollout: each call sends one prefix per sample still
+    running (a varying count) for a segment of tokens. Rounded, the calls run on a few ladder rungs; the greedy
+    responses are the exact rows' token for token."""
+    model = eos_biased("qwen3")
+    prompts = random_prompts(40, seed=5)
+    segment, cap = 4, 24
+
+    def stream(round_rows):
+        static = StaticGenerator(
+            model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=16, sync_interval=2, round_rows=round_rows
+        )
+        tokens, running, rows = [[] for _ in prompts], list(range(len(prompts))), []
+        while running:
+            params = SamplingParams(
+                temperature=0, max_new_tokens=min(segment, max(cap - len(tokens[i]) for i in running))
+            )
+            out = static.generate([prompts[i] + tokens[i] for i in running], params)
+            rows.append((len(running), static.stats["rows"]))
+            still = []
+            for i, ids, reason in zip(running, out.response_ids, out.finish_reasons):
+                tokens[i] += ids[: cap - len(tokens[i])]
+                if reason != "stop" and len(tokens[i]) < cap:
+                    still.append(i)
+            running = still
+        return tokens, rows
+
+    (rounded, rounded_rows), (exact, exact_rows) = stream(True), stream(False)
+    assert rounded == exact
+    counts = [samples for samples, _ in exact_rows]
+    assert len(set(counts)) >= 4 and all(samples == rows for samples, rows in exact_rows)
+    assert [rows for _, rows in rounded_rows] == [_round_rows(samples, 64) for samples in counts]
+    assert len({rows for _, rows in rounded_rows}) < len(set(counts))
+
+
+def test_rows_are_rounded_by_default_exactly_when_the_step_compiles(monkeypatch):
+    """None: on where the compiled step runs (CUDA, compile not False), so a CPU call keeps its exact rows and its
+    sampled draws bit for bit."""
+    model = make_tiny_model("qwen3")
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=12, seed=3, return_logprobs=True)
+    batch = random_prompts(5, seed=6)
+    (default, default_stats), (exact, _) = (_rounding_call(model, on, batch, params) for on in (None, False))
+    assert default_stats["rows"] == 5
+    assert default.response_ids == exact.response_ids and default.logprobs == exact.logprobs
+    # the rule on a (pretended) CUDA device: only the plan is read, no step runs
+    monkeypatch.setattr(StaticGenerator, "device", property(lambda self: torch.device("cuda")))
+    for compile, round_rows, rows in (
+        (None, None, 8),
+        (True, None, 8),
+        (False, None, 5),
+        (False, True, 8),
+        (None, False, 5),
+    ):
+        static = StaticGenerator(
+            model,
+            eos_token_ids=[EOS_ID],
+            pad_token_id=PAD_ID,
+            compile=compile,
+            round_rows=round_rows,
+            free_memory=lambda device: None,
+        )
+        assert static.plan_rows(5, 8, 12, torch.float32) == rows, (compile, round_rows)
+
+
 def test_per_sample_lengths_are_honoured_and_checked():
     model = make_tiny_model("qwen3")
     caps = [3, 9, 1, 6, 2, 9]
@@ -593,6 +703,43 @@ def test_rows_are_sized_from_the_free_memory():
     assert static.stats["rows"] == 16 and static.stats["refills"] == 40 - 16  # 21 fit → 16 rows
     assert static.stats["kv_cache_bytes"] == 16 * cost.per_row["KV cache"]
     assert [len(ids) for ids in out.response_ids] == [new] * 40
+
+
+def test_rounded_rows_stay_on_a_bounded_set_under_the_memory_and_token_caps():
+    """round_rows: the memory cap applies after the rounding as without it (below 16 rows as it is, else a multiple
+    of 8), and so does a binding max_batch_tokens cap, which without rounding follows every prompt length: over any
+    samples, free memory and prompt lengths the calls run one of a bounded set of row counts."""
+    model = make_tiny_model("qwen3", vocab_size=2048)
+    total, figure, new = 80 * GIB, {"free": 0}, 20
+    static = StaticGenerator(
+        model,
+        eos_token_ids=[EOS_ID],
+        pad_token_id=PAD_ID,
+        max_batch_size=128,
+        round_rows=True,
+        free_memory=lambda device: (figure["free"], total),
+    )
+    bounded = {*range(1, 16), *range(16, 129, 8)}
+    seen = set()
+    for prompt in (4, 16, 37):
+        cost = static.row_cost(prompt, new)
+        for fitting in (3, 15, 17, 31, 45, 100, 1000):
+            figure["free"] = memory.margin_bytes(total) + cost.fixed_bytes + fitting * cost.row_bytes + 1
+            for samples in range(1, 201):
+                rounded, rows = _round_rows(samples, 128), static.plan_rows(samples, prompt, new)
+                assert rows == (rounded if fitting >= rounded else fitting if fitting < 16 else fitting // 8 * 8)
+                seen.add(rows)
+    figure["free"] = 1000 * GIB
+    for batch_tokens in (2345, 3001, 4999):
+        static.max_batch_tokens = batch_tokens
+        for prompt in range(1, 60, 3):
+            limit = min(128, batch_tokens // (prompt + new))
+            rows = static.plan_rows(200, prompt, new)
+            assert rows == (limit if limit < 16 else limit // 8 * 8) and rows in bounded
+            seen.add(rows)
+    assert seen <= bounded
+    static.round_rows = False  # the exact cap: one row count per prompt length
+    assert static.plan_rows(200, 37, new) == 4999 // 57 == 87
 
 
 def test_a_sequence_that_cannot_fit_fails_with_one_line_saying_what_fits():

@@ -481,6 +481,27 @@ def _row_buckets(rows: int) -> tuple[int, ...]:
     return (*ladder, rows)
 
 
+_ROW_STEP = 16  # from this many rows on the call-size ladder climbs by this many rows a rung
+
+
+def _round_rows(samples: int, max_batch_size: int) -> int:
+    """The rows of a call of `samples` samples rounded up to the fixed ladder 1, 2, 4, 8, 16, 32, 48, 64, ... (powers
+    of two below _ROW_STEP, multiples of it from there), never above max_batch_size (itself always a result): a
+    process whose calls send every sample count in [1, max_batch_size] meets at most 4 + max_batch_size / 16 + 1 row
+    counts, so the compiled step functions stop recompiling once those are warm. The extra rows are empty slots."""
+    samples = max(1, samples)
+    if samples >= max_batch_size:
+        return max_batch_size
+    rung = 1 << (samples - 1).bit_length() if samples < _ROW_STEP else -(-samples // _ROW_STEP) * _ROW_STEP
+    return min(rung, max_batch_size)
+
+
+def _settle_limit(limit: int) -> int:
+    """A row count capped by memory: itself below 16, else rounded down to a multiple of 8, so that calls whose
+    limit differs a little run (and compile) the same shape."""
+    return limit if limit < 16 else limit // 8 * 8
+
+
 # [V]-sized float32 buffers per row the sampling holds at its peak (upcast logits, scaled, Gumbel noise transform,
 # noisy logits, the split-reduction padding), on top of the uniform-noise buffer and the head's logits
 _SAMPLING_FLOATS = 6
@@ -541,6 +562,16 @@ class StaticGenerator(memory.ModuleMemory):
                       what its live rows cost (H200, warm process: 1.54× on a lognormal tail; the first call of a
                       process pays each bucket's compile and capture, docs/performance.md). False = every step runs
                       over all rows (one shape)
+    round_rows:       True = a call of fewer samples than max_batch_size runs on rows rounded up to the ladder 1, 2,
+                      4, 8, 16, 32, 48, ... (`_round_rows`; the rows beyond the samples stay empty slots), and a
+                      binding max_batch_tokens cap is rounded down as the memory cap is: calls of varying sample
+                      counts (partial rollouts continue the samples still running) meet a few row counts, each
+                      compiled once per process, rather than a compile per new count and, past dynamo's recompile
+                      limit, an eager step. False = min(samples, max_batch_size) rows. None (default) = True exactly
+                      when the compiled step functions run (CUDA, compile not False). Either way the rows, and so the
+                      live-row buckets and the shape of the sampling noise, are a function of the samples,
+                      max_batch_size, max_batch_tokens, this option and the free memory: sampled draws depend on the
+                      option, greedy tokens agree (up to the rounding of sums over another row count)
 
     `stats` (after each call): rows, slots per row, decode steps, refills (samples placed into a freed slot),
     prefill forwards, CUDA graphs captured, occupancy (decoded tokens / (steps × rows)), decode steps per live-row
@@ -565,6 +596,7 @@ class StaticGenerator(memory.ModuleMemory):
         prefill_tokens: int = 8192,
         free_memory: memory.MemoryFn | None = None,
         row_buckets: bool = True,
+        round_rows: bool | None = None,
     ) -> None:
         check_arguments(
             "StaticGenerator",
@@ -573,6 +605,7 @@ class StaticGenerator(memory.ModuleMemory):
                 ("kv_bucket", kv_bucket >= 1, "an integer ≥ 1", kv_bucket),
                 ("prefill_tokens", prefill_tokens >= 1, "an integer ≥ 1", prefill_tokens),
                 ("attention", attention in _ATTENTION_CHOICES, f"one of {', '.join(_ATTENTION_CHOICES)}", attention),
+                ("round_rows", round_rows is None or isinstance(round_rows, bool), "None, True or False", round_rows),
             ],
         )
         self.model = model
@@ -611,6 +644,7 @@ class StaticGenerator(memory.ModuleMemory):
         self.prefill_tokens = prefill_tokens
         self.free_memory = free_memory
         self.row_buckets = row_buckets
+        self.round_rows = round_rows
         self.hf = HFModel(model, pad_token_id=self.pad_token_id, vocab_size=vocab_size)
         self.stats: dict[str, Any] = {}
         self._compiled: tuple[Callable, Callable, Callable] | None = None
@@ -626,7 +660,7 @@ class StaticGenerator(memory.ModuleMemory):
 
     def _step_fns(self, on_cuda: bool) -> tuple[Callable, Callable, Callable]:
         """(attn_in, attn_out, sample): compiled on CUDA unless compile=False, else the plain functions."""
-        if not (on_cuda and self.compile is not False):
+        if not (on_cuda and self.compile is not False):  # `_rounds_rows` follows this rule
             return _attn_in, _attn_out, _sample
         if self._compiled is None:
             global _COMPILED
@@ -638,6 +672,12 @@ class StaticGenerator(memory.ModuleMemory):
                     setattr(torch._dynamo.config, name, value)
             self._compiled = _COMPILED
         return self._compiled
+
+    def _rounds_rows(self) -> bool:
+        """Whether calls round their rows (`round_rows`; None: when `_step_fns` compiles)."""
+        if self.round_rows is not None:
+            return self.round_rows
+        return self.device.type == "cuda" and self.compile is not False
 
     # ------------------------------------------------------------------ memory
 
@@ -722,13 +762,18 @@ class StaticGenerator(memory.ModuleMemory):
         )
 
     def plan_rows(self, samples: int, prompt_tokens: int, new_tokens: int, dtype: torch.dtype | None = None) -> int:
-        """Rows of a call with `samples` samples: max_batch_size, capped by the samples, by max_batch_tokens and by
-        `opd.rollout.memory.rows_that_fit` on the memory free now. Memory-limited counts of 16 or more are rounded
-        down to a multiple of 8, so that calls whose free memory differs a little run (and compile) the same shape."""
-        rows = min(self.max_batch_size, samples)
+        """Rows of a call with `samples` samples: max_batch_size, capped by the samples (rounded up to the ladder of
+        `_round_rows` when `round_rows` is on), by max_batch_tokens and by `opd.rollout.memory.rows_that_fit` on the
+        memory free now. Memory-limited counts of 16 or more are rounded down to a multiple of 8 (`_settle_limit`;
+        with `round_rows` on, a binding max_batch_tokens cap too), so that calls whose free memory differs a little
+        run (and compile) the same shape."""
+        rounds = self._rounds_rows()
+        rows = _round_rows(samples, self.max_batch_size) if rounds else min(self.max_batch_size, samples)
         slots = prompt_tokens + new_tokens
         if self.max_batch_tokens is not None:
-            rows = min(rows, max(1, self.max_batch_tokens // slots))
+            limit = max(1, self.max_batch_tokens // slots)
+            if limit < rows:
+                rows = _settle_limit(limit) if rounds else limit
         free = self._memory()
         cost = self.row_cost(prompt_tokens, new_tokens, dtype)
         fit = memory.rows_that_fit(free, cost)
@@ -742,7 +787,7 @@ class StaticGenerator(memory.ModuleMemory):
                     slots=slots,
                     where=f" on {self.device}",
                 )
-            rows = fit if fit < 16 else fit // 8 * 8
+            rows = _settle_limit(fit)
         return rows
 
     # ------------------------------------------------------------------ generation

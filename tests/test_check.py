@@ -5,6 +5,7 @@ the exit codes, the CLI, and `opd distill`'s startup refusal. Pairs are real tok
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from typer.testing import CliRunner
 
 from opd import check as C
 from opd import lab
+from opd.config import parse_override
 from opd.lab.tokenizer import CHAT_TEMPLATE, build_lab_tokenizer
 
 MESSAGES = [{"role": "user", "content": "Compute (3+4)*2. Put the final answer in \\boxed{}."}]
@@ -283,6 +285,19 @@ def test_classify_thresholds_are_the_boundaries():
     assert C.classify(ALIGNED, strict)["verdict"] == "uncertain"
     assert C.recovery_command("cold_start", student="S", teacher="T", prompts="P").startswith("opd pipeline run")
     assert "opd prompts select" in C.recovery_command("prompt_selection", student="S", teacher="T", prompts="P")
+
+
+def test_recovery_commands_name_a_served_teacher_by_every_replica_url():
+    """A served teacher is named by the `teacher.url` override with all its replicas (--teacher is a model path),
+    quoted for the shell and read back as the list; the cold start, which needs its weights, says so."""
+    replicas = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    select = C.recovery_command("prompt_selection", student="S", teacher=replicas, prompts="P", served=True)
+    assert select.startswith("opd prompts score --student S 'teacher.url=[http://10.0.0.1:8000,http://10.0.0.2:8000]'")
+    assert parse_override(shlex.split(select)[5]) == ("teacher.url", replicas)
+    more = C.recovery_command("more_rollouts", student="S", teacher=replicas[0], prompts="P", served=True)
+    assert more.startswith("opd check --student S teacher.url=http://10.0.0.1:8000 --prompts P ")
+    cold = C.recovery_command("cold_start", student="S", teacher=replicas, prompts="P", served=True)
+    assert cold.startswith("# a served teacher cannot") and "http" not in cold
 
 
 # --------------------------------------------------------------------------------------------------- resources

@@ -8,7 +8,15 @@ import shutil
 import pytest
 import torch
 
-from helpers import distill_config, make_tiny_model, make_tiny_tokenizer, one_line, run_in_process, server_in_thread
+from helpers import (
+    CHAT_TEMPLATE,
+    distill_config,
+    make_tiny_model,
+    make_tiny_tokenizer,
+    one_line,
+    run_in_process,
+    server_in_thread,
+)
 from opd.io import read_jsonl
 from opd.recipes.distill import distill
 from opd.teacher.local import LocalScorer
@@ -674,9 +682,39 @@ def test_each_teachers_startup_rows_run_on_prompts_of_its_own_route(world, route
         assert rows[row] in ("pass", "warn"), (row, rows)
     assert "determinism" not in rows and "served_scores[a]" not in rows and "determinism[b]" not in rows
     assert {r.group for r in report.results if r.name.startswith("step_time")} == {"resources"}
+    # the live student's tokenizer is the student's own: no tokenizer rows of its own
+    assert rows["chat_template[a]"] == "pass" and not {"chat_template[b]", "chat_template"} & rows.keys()
     single = _startup_report(_config(world, routed_world, tmp_path / "one"))
     assert single.values["scoring_prompts"] == {"teacher": [0, 1]}
     assert {"determinism", "self_distillation_zero", "prompt_logprobs", "step_time"} <= {r.name for r in single.results}
+    assert {"tokenizer_vocab", "special_tokens", "chat_template"} <= {r.name for r in single.results}
+
+
+def test_each_in_process_teachers_tokenizer_rows_run_at_startup(world, routed_world, tmp_path):
+    """distill's startup tokenizer rows run once per in-process teacher, named row[teacher]: two teachers with the
+    student's tokenizer both pass (the live student gets none: the test above)."""
+    report = _startup_report(_config(world, routed_world, tmp_path, teachers=_split(routed_world)))
+    rows = {r.name: r.status for r in report.results}
+    for row in ("tokenizer_vocab", "special_tokens", "chat_template"):
+        assert rows[f"{row}[a]"] == rows[f"{row}[b]"] == "pass", (row, rows)
+        assert row not in rows
+
+
+def test_a_second_teacher_with_another_chat_template_stops_distill_at_startup(world, routed_world, tmp_path):
+    """The second of two local teachers renders prompts with another chat template: distill stops before the first
+    step with one line naming the row and that teacher."""
+    other = tmp_path / "other"
+    shutil.copytree(routed_world / "b", other)
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.chat_template = "{{- '<|im_start|>system\\n<|im_end|>\\n' -}}" + CHAT_TEMPLATE
+    tokenizer.save_pretrained(other)
+    teachers = _split(routed_world)
+    teachers[1]["path"] = str(other)
+    refused = r"^opd check: chat_template\[b\] failed .*--skip-check chat_template"
+    with pytest.raises(ValueError, match=refused) as stop:
+        distill(_config(world, routed_world, tmp_path / "runs", teachers=teachers))
+    assert "\n" not in str(stop.value) and "chat_template[a]" not in str(stop.value)
+    assert not list((tmp_path / "runs").rglob("metrics.jsonl"))
 
 
 def test_opd_check_refuses_a_vllm_teacher_in_one_line(world, routed_world, tmp_path, monkeypatch, capfd):

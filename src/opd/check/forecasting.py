@@ -8,6 +8,7 @@ look at a top-16 support, as the trainer's do).
 
 from __future__ import annotations
 
+import shlex
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -177,16 +178,18 @@ def recovery_command(
     recovery: str,
     *,
     student: str,
-    teacher: str,
+    teacher: str | Sequence[str],
     prompts: str,
     n: int = 4,
     prompts_sample: int = 64,
     min_rollouts: int = 32,
     route: str | None = None,
+    served: bool = False,
 ) -> str:
     """The command line of a recovery (empty for none); `n` × `prompts_sample` the forecast's own sample. `route`:
     the prompts of `prompts` it concerns, when not all (one teacher's route of several), named after the command;
-    `opd check` is then re-run on the run's own config (its `teachers:` list), without --student and --teacher."""
+    `opd check` is then re-run on the run's own config (its `teachers:` list), without --student and --teacher.
+    `teacher`: the teacher's model path, or with `served` its server's URL or replicas' URLs (`teacher.url`)."""
     command = _recovery_command(
         recovery,
         student=student,
@@ -195,7 +198,8 @@ def recovery_command(
         n=n,
         prompts_sample=prompts_sample,
         min_rollouts=min_rollouts,
-        models="" if route is not None else f"--student {student} --teacher {teacher} ",
+        models="" if route is not None else f"--student {student} {_teacher_option(teacher, served)} ",
+        served=served,
     )
     if not command or route is None or recovery == "other_teacher":
         return command
@@ -207,12 +211,13 @@ def _recovery_command(
     recovery: str,
     *,
     student: str,
-    teacher: str,
+    teacher: str | Sequence[str],
     prompts: str,
     n: int,
     prompts_sample: int,
     min_rollouts: int,
     models: str,
+    served: bool,
 ) -> str:
     """recovery_command's command line; `models`: opd check's --student and --teacher (or nothing)."""
     if recovery == "more_rollouts":
@@ -222,6 +227,8 @@ def _recovery_command(
             f"{need}   # with the same config and overrides; or --n {-(-min_rollouts // max(1, prompts_sample))} "
             f"on {prompts_sample} prompts: ≥ {min_rollouts} rollouts in all"
         )
+    if recovery == "cold_start" and served:  # its SFT answers are the teacher's own generations, from its weights
+        return "# a served teacher cannot write the cold start's SFT answers: run it with its model as teacher.path"
     if recovery == "cold_start":
         return (
             f"opd pipeline run configs/pipeline_cold_start_qwen3.yaml student.path={student} "
@@ -230,13 +237,23 @@ def _recovery_command(
         )
     if recovery == "prompt_selection":
         return (
-            f"opd prompts score --student {student} --teacher {teacher} --in {prompts} --out scores.jsonl && "
+            f"opd prompts score --student {student} {_teacher_option(teacher, served)} --in {prompts} "
+            f"--out scores.jsonl && "
             f"opd prompts select --in {prompts} --scores scores.jsonl --out aligned.jsonl --top 0.5 "
             f"--by overlap_advantage --mix-with {prompts} --ratio 0.3"
         )
     if recovery == "other_teacher":
         return "# no opd command recovers this: choose a teacher that solves what the student cannot"
     return ""
+
+
+def _teacher_option(teacher: str | Sequence[str], served: bool) -> str:
+    """How an opd command names the teacher: `--teacher PATH`, or for a served one the `teacher.url` override with
+    every replica (--teacher is a model path; the override's value is read as YAML: `[url, url]` is a list)."""
+    if not served:
+        return f"--teacher {teacher}"
+    urls = teacher if isinstance(teacher, str) else "[" + ",".join(teacher) + "]"
+    return shlex.quote(f"teacher.url={urls}")
 
 
 def forecast(
@@ -388,15 +405,16 @@ def forecast_rows(
     th: ForecastThresholds,
     *,
     student: str,
-    teacher: str,
+    teacher: str | Sequence[str],
     prompts: str,
     n: int = 4,
     prompts_sample: int = 64,
     route: str | None = None,
+    served: bool = False,
 ) -> tuple[list[CheckResult], dict[str, Any]]:
     """The forecast's rows (never hard) and its verdict record (`classify` + the recovery command); `n` ×
-    `prompts_sample` the sample the forecast was made on (for the more_rollouts command); `route`: see
-    `recovery_command`."""
+    `prompts_sample` the sample the forecast was made on (for the more_rollouts command); `teacher`, `route` and
+    `served`: see `recovery_command`."""
     verdict = classify(values, th)
     verdict["command"] = recovery_command(
         verdict["recovery"],
@@ -407,6 +425,7 @@ def forecast_rows(
         prompts_sample=prompts_sample,
         min_rollouts=th.min_rollouts,
         route=route,
+        served=served,
     )
     rows = []
 

@@ -3,8 +3,8 @@ of `opd check` (the forecast needs rollouts of a whole prompt sample: run `opd c
 stops the run with a one-line ValueError unless skipped (`skip_checks`).
 
 With several teachers the scoring rows and step_time run once per teacher (`ScoringProbe`), each on the first prompts
-routed to it as it sees them, named `row[teacher]`; the tokenizer rows check the first in-process teacher (every
-teacher's vocabulary is compared with the student's when it loads).
+routed to it as it sees them, and the tokenizer rows once per in-process teacher model (`TokenizerProbe`), all named
+`row[teacher]`.
 """
 
 from __future__ import annotations
@@ -55,6 +55,17 @@ class ScoringProbe:
     placed: Callable[[], contextlib.AbstractContextManager]
 
 
+@dataclass(frozen=True)
+class TokenizerProbe:
+    """One in-process teacher for the startup tokenizer rows. name: None for the run's only teacher (plain row
+    names), else the teacher's (`chat_template[name]`, …); tokenizer: its own; module: its model (output rows and EOS
+    ids)."""
+
+    name: str | None
+    tokenizer: Any
+    module: torch.nn.Module
+
+
 def _at_temperature(config: DistillConfig, temperature: float) -> DistillConfig:
     """`config` with the teacher temperature of one teacher (the scoring rows and mini_step read it there)."""
     if temperature == config.objective.teacher_temperature:
@@ -64,11 +75,11 @@ def _at_temperature(config: DistillConfig, temperature: float) -> DistillConfig:
     )
 
 
-def _named(rows: list[CheckResult], probe: ScoringProbe) -> list[CheckResult]:
-    """One teacher's rows named after it when the run has several (`row[teacher]`)."""
-    if probe.name is None:
+def _named(rows: list[CheckResult], name: str | None) -> list[CheckResult]:
+    """One teacher's rows named after it when the run has several (`row[teacher]`; name None: its only one)."""
+    if name is None:
         return rows
-    return [dataclasses.replace(r, name=f"{r.name}[{probe.name}]") for r in rows]
+    return [dataclasses.replace(r, name=f"{r.name}[{name}]") for r in rows]
 
 
 def preflight(
@@ -90,6 +101,7 @@ def preflight(
     views: Sequence[ViewProbe] = (),
     teachers: Sequence[tuple[str, torch.nn.Module, bool]] | None = None,
     scoring: Sequence[ScoringProbe] | None = None,
+    tokenizers: Sequence[TokenizerProbe] | None = None,
 ) -> CheckReport:
     """What `opd distill` runs at startup, on the loaded models (before the first step, the optimizer and layer
     compilation): the tokenizers, scoring and resources groups, minus `config.skip_checks`. Raises ValueError
@@ -97,7 +109,8 @@ def preflight(
     run the (sharded) student are left out: prompt_logprobs, step_time and generation_scoring. `views`: one probe
     per teacher with a view (`teacher_view`). `teachers`: every in-process teacher (name, module, offloaded) of a
     run with several, for the memory row (`estimate_memory`). `scoring`: one probe per teacher for the scoring rows
-    and step_time; None: `teacher` and `teacher_scorer` on the first prompts (`prompt_ids`)."""
+    and step_time; None: `teacher` and `teacher_scorer` on the first prompts (`prompt_ids`). `tokenizers`: one probe
+    per in-process teacher model for the tokenizer rows; None: `teacher` with `teacher_tokenizer`, if in process."""
     skip = resolve_skips(config.skip_checks)
     # an offloaded teacher scores on the student's device, as in training (memory is estimated with it offloaded)
     scoring_device = next(student.parameters()).device if config.teacher_offload else None
@@ -105,18 +118,11 @@ def preflight(
         skip |= {"prompt_logprobs", "step_time", "generation_scoring"}
     report = CheckReport()
     start = time.perf_counter()
-    if teacher is not None:
-        rows = check_tokenizers(
-            student_tokenizer,
-            teacher_tokenizer,
-            messages=prompts[0].messages,
-            enable_thinking=config.data.enable_thinking,
-            student_rows=student.get_output_embeddings().weight.shape[0],
-            teacher_rows=teacher.get_output_embeddings().weight.shape[0],
-            student_eos_ids=eos_token_ids(student, student_tokenizer),
-            teacher_eos_ids=eos_token_ids(teacher, teacher_tokenizer),
-        )
-        report.results += [r for r in rows if r.name not in skip]
+    if tokenizers is None:
+        tokenizers = [] if teacher is None else [TokenizerProbe(None, teacher_tokenizer, teacher)]
+    for tokenizer_probe in tokenizers:
+        rows = _tokenizer_rows(config, tokenizer_probe, student_tokenizer, student, prompts[0].messages)
+        report.results += _named([r for r in rows if r.name not in skip], tokenizer_probe.name)
     if scoring is None:
         scoring = (
             [] if teacher_scorer is None else [_only_probe(config, teacher, teacher_scorer, prompt_ids, scoring_device)]
@@ -124,7 +130,7 @@ def preflight(
     for probe in scoring:
         report.results += _named(
             _probe_rows(config, probe, student_tokenizer, student_scorer, student, vocab_size, skip, autocast_dtype),
-            probe,
+            probe.name,
         )
     report.values["scoring_prompts"] = {probe.name or "teacher": probe.prompts for probe in scoring}
     if "generation_scoring" not in skip:
@@ -172,7 +178,7 @@ def preflight(
                     prompts=1,
                 )
             row = check_step_time(config, timings)
-            report.results += [row] if probe is None else _named([row], probe)
+            report.results += [row] if probe is None else _named([row], probe.name)
     report.results += skipped_rows(skip, PREFLIGHT_GROUPS)
     report.values["seconds"] = round(time.perf_counter() - start, 2)
     if console is not None:
@@ -188,6 +194,22 @@ def preflight(
             + f" — to run anyway pass --skip-check {failed[0].check} (skip_checks)"
         )
     return report
+
+
+def _tokenizer_rows(
+    config: DistillConfig, probe: TokenizerProbe, student_tokenizer: Any, student: torch.nn.Module, messages: Any
+) -> list[CheckResult]:
+    """One teacher's tokenizer rows, unnamed, on the loaded models' output rows and EOS ids (`check_tokenizers`)."""
+    return check_tokenizers(
+        student_tokenizer,
+        probe.tokenizer,
+        messages=messages,
+        enable_thinking=config.data.enable_thinking,
+        student_rows=student.get_output_embeddings().weight.shape[0],
+        teacher_rows=probe.module.get_output_embeddings().weight.shape[0],
+        student_eos_ids=eos_token_ids(student, student_tokenizer),
+        teacher_eos_ids=eos_token_ids(probe.module, probe.tokenizer),
+    )
 
 
 def _only_probe(

@@ -555,6 +555,7 @@ def _forecast_group(
         thresholds,
         student=config.student.path,
         teacher=STUDENT if pair.live else _teacher_argument(teacher),
+        served=teacher.url is not None,
         prompts=data.path,
         n=n,
         prompts_sample=len(sample),
@@ -570,12 +571,12 @@ def _forecast_group(
     }
 
 
-def _teacher_argument(teacher: TeacherSpec) -> str:
-    """What names the teacher in a recovery command: its path, or its server's URL (the first replica's)."""
+def _teacher_argument(teacher: TeacherSpec) -> str | list[str]:
+    """What names the teacher in a recovery command: its path, or its server's URL (every replica's)."""
     if teacher.path is not None:
         return teacher.path
     assert teacher.url is not None  # a teacher has a path or a url (TeacherSpec)
-    return teacher.url if isinstance(teacher.url, str) else teacher.url[0]
+    return teacher.url
 
 
 def _resources_group(

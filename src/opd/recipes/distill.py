@@ -29,7 +29,7 @@ from transformers import PreTrainedModel
 from opd.check import preflight
 from opd.check.report import CheckReport
 from opd.check.scoring import ViewProbe
-from opd.check.startup import ScoringProbe
+from opd.check.startup import ScoringProbe, TokenizerProbe
 from opd.config import STUDENT, DistillConfig, TeacherEntry
 from opd.data.prompts import load_prompts
 from opd.data.templates import EncodedPrompts, encode_prompts
@@ -598,13 +598,13 @@ def startup_checks(
     """`opd check`'s tokenizers, scoring and resources rows on the loaded models; raises on a hard failure, else
     returns the report. `prompt_teacher`: each prompt's teacher (`route_teachers`): with several teachers each one's
     scoring rows and step_time run on its own first prompts (`scoring_probes`), and the views' row (one process
-    only)."""
+    only), and the tokenizer rows once per in-process teacher model (`tokenizer_probes`)."""
     teacher_tokenizer = None  # a served or vLLM teacher has no module here: its tokenizer was compared already
-    if models.teacher is not None:  # the tokenizer rows check the first teacher (each one is scored on its own)
+    several = len(models.teachers) > 1
+    if models.teacher is not None and not several:
         teacher = models.teachers[0].entry
         assert teacher.path is not None  # a teacher module is loaded from teacher.path
         teacher_tokenizer = load_tokenizer(teacher.path, trust_remote_code=teacher.trust_remote_code)
-    several = len(models.teachers) > 1
     return preflight(
         config,
         student_tokenizer=student_tokenizer,
@@ -623,6 +623,7 @@ def startup_checks(
         views=view_probes(models, data, prompt_teacher) if dist.world_size == 1 else (),
         teachers=local_teachers(models) if several else None,
         scoring=scoring_probes(models, data, prompt_teacher or []) if several else None,
+        tokenizers=tokenizer_probes(models, config.student.path) if several else None,
     )
 
 
@@ -656,6 +657,22 @@ def scoring_probes(models: Models, data: EncodedPrompts, prompt_teacher: list[in
             )
         )
     return probes
+
+
+def tokenizer_probes(models: Models, student_path: str) -> list[TokenizerProbe]:
+    """Per in-process teacher model of a run with several, once per path: its tokenizer and module (the startup
+    tokenizer rows). Served and vLLM teachers have no module here (their tokenizer was compared before any model
+    loaded); the live student and `student_init` (the student's path) have the student's own tokenizer."""
+    out, seen = [], {STUDENT, student_path}
+    for routed in models.teachers:
+        entry, module = routed.entry, routed.teacher.module
+        if module is None or entry.path in seen:
+            continue
+        assert entry.path is not None  # a teacher module is loaded from its path
+        seen.add(entry.path)
+        tokenizer = load_tokenizer(entry.path, trust_remote_code=entry.trust_remote_code)
+        out.append(TokenizerProbe(routed.name, tokenizer, module))
+    return out
 
 
 def local_teachers(models: Models) -> list[tuple[str, torch.nn.Module, bool]]:

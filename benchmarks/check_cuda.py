@@ -137,6 +137,44 @@ def static_greedy():
 
 
 @guarded
+def static_rows_and_stop():
+    """The compiled engine's row ladder (`round_rows`, on by default on CUDA) and stop rule (`stop_when`, the partial
+    stream's early stop), fp32 greedy: calls of 1..40 samples give TorchGenerator's outputs with rounded rows and
+    meet only the ladder's row counts; a call ended by a stop rule returns prefixes of the uncut call's outputs."""
+    from opd.rollout import SamplingParams
+    from opd.rollout.static_engine import StaticGenerator
+    from opd.rollout.torch_engine import TorchGenerator
+
+    model = tiny()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (40,), generator=g)]
+    caps = torch.randint(1, 65, (40,), generator=g).tolist()
+    common = dict(eos_token_ids=[2], pad_token_id=1, vocab_size=500)
+    params = SamplingParams(temperature=0.0, max_new_tokens=64, stop_at_eos=True, return_logprobs=True, seed=0)
+    engine = StaticGenerator(model, cuda_graphs=True, max_batch_size=64, sync_interval=8, **common)
+    reference = TorchGenerator(model, max_batch_size=40, **common)
+    differing, rows = 0, set()
+    for count in (1, 3, 5, 9, 17, 23, 33, 40):
+        want = reference.generate(prompts[:count], params, max_new_tokens_per_sample=caps[:count])
+        got = engine.generate(prompts[:count], params, max_new_tokens_per_sample=caps[:count])
+        differing += sum(a != b for a, b in zip(got.response_ids, want.response_ids))
+        rows.add(engine.stats["rows"])
+    check("static_rows_and_stop rows differing from TorchGenerator (round_rows)", differing, 0)
+    check(
+        "static_rows_and_stop row counts off the ladder", len(rows - {1, 4, 8, 16, 32, 48}), 0, f"(rows {sorted(rows)})"
+    )
+    full = engine.generate(prompts, params, max_new_tokens_per_sample=caps)
+    cut = engine.generate(
+        prompts, params, max_new_tokens_per_sample=caps, stop_when=lambda f: sum(r is not None for r in f) >= 10
+    )
+    not_prefix = sum(a != b[: len(a)] for a, b in zip(cut.response_ids, full.response_ids))
+    check(
+        "static_rows_and_stop cut rows not a prefix of the uncut call's", not_prefix, 0, f"({engine.stats['cut']} cut)"
+    )
+    check("static_rows_and_stop cut samples", float(engine.stats["cut"] == 0), 0)
+
+
+@guarded
 def decode_attention():
     from opd.kernels.decode_attention import decode_attention as attend
     from opd.rollout.static_engine import _attend_matmul
@@ -656,6 +694,7 @@ def families_distill():
 
 CHECKS = (
     static_greedy,
+    static_rows_and_stop,
     decode_attention,
     full_vocab_topk,
     static_sampling,

@@ -12,8 +12,10 @@ the server's /info, `served_scores` and `determinism` instead of the rows that n
 without its accuracy (it cannot generate). The live student (`path: student`) is checked as `student_init` is, with
 the student itself scoring (at the start of a run the two are the same weights).
 
-Omitted on purpose: vLLM teachers (refused in one line: their engine scores no student top-k, which the forecast
-needs).
+A vLLM teacher (`engine: vllm`, one or one of several) is checked as the same model in process, through its Hugging
+Face forward, as a local teacher is (a note says so): its tokenizer, template, scores and forecast are the model's;
+what vLLM's prompt log-probs add (their normalisation, what the installed vLLM serves) is checked when the run starts
+(the startup row `served_scores`, `opd.teacher.vllm_scorer.check_objective`), not here.
 """
 
 from __future__ import annotations
@@ -98,6 +100,11 @@ def run_check(
     student`; `config.teacher.path` is then the student's). `route`: that teacher's route, which the recovery
     command names."""
     console = console or Console()
+    if config.teacher is not None and config.teacher.engine == "vllm":
+        console.print(
+            "note: the teacher runs in vLLM (engine: vllm): checked as the same model in process (its Hugging Face "
+            "forward); vLLM's own answers are checked when the run starts (served_scores)"
+        )
     if config.teachers:
         return _run_per_teacher(
             config, n=n, prompts_sample=prompts_sample, out=out, skip=skip, thresholds=thresholds, console=console
@@ -262,13 +269,6 @@ def _run_per_teacher(
     `<out>/<name>/`; `<out>/check.json` is the routing table with each teacher's exit code. The returned report
     holds every teacher's rows (its exit code: a hard failure of any, else "unlikely" if any forecast says so)."""
     entries = config.teacher_entries()
-    for entry in entries:
-        if entry.engine == "vllm":
-            raise ValueError(
-                f"teachers[{entry.name}]: opd check does not check a vLLM teacher (engine: vllm), which scores no "
-                "student top-k; check it with engine: local (the same model in process), or the other teachers "
-                "with a config that lists them only"
-            )
     out_dir = Path(out) if out is not None else Path(config.run.out_dir) / f"check-{time.strftime('%Y%m%d-%H%M%S')}"
     if (out_dir / "check.json").exists():
         raise FileExistsError(f"{out_dir / 'check.json'} exists; choose another --out (opd check never replaces it)")

@@ -731,5 +731,3 @@ def test_opd_check_checks_a_vllm_teacher_of_several_as_the_model_in_process(worl
     combined = json.loads((tmp_path / "c" / "check.json").read_text())
     assert set(combined["teachers"]) == {"a", "b"}
     assert all((tmp_path / "c" / name / "check.json").is_file() for name in ("a", "b"))
-
-

@@ -102,7 +102,8 @@ def test_padding_ids_never_in_the_top_k(tmp_path):
 
 
 def test_distill_with_a_vllm_teacher(tmp_path):
-    """Sampled-token OPD and only_tch run with the vLLM teacher; the diagnostics come from the teacher's top-k."""
+    """Sampled-token OPD and only_tch run with the vLLM teacher; the diagnostics come from the teacher's top-k; the
+    startup tokenizer rows check the vLLM teacher's tokenizer and template (its rows and EOS ids from its files)."""
     from opd.recipes.demo import demo_config
     from opd.recipes.distill import distill
 
@@ -119,7 +120,10 @@ def test_distill_with_a_vllm_teacher(tmp_path):
                 *extra,
             ]
         )
-        run_dir = distill(config, console=string_console())
+        console = string_console()
+        run_dir = distill(config, console=console)
+        startup = " ".join(console.file.getvalue().split())
+        assert all(f"{row} pass" in startup for row in ("tokenizer_vocab", "special_tokens", "chat_template"))
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert len(metrics) == 2
         assert all(0.0 <= m["overlap_ratio"] <= 1.0 and "overlap_advantage" in m for m in metrics)

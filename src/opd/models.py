@@ -16,13 +16,14 @@ import sys
 import zipfile
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlparse
 
 import torch
 from huggingface_hub import constants, try_to_load_from_cache
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from opd.kernels import varlen_attention
 from opd.scoring import recompile_limit_at_least
@@ -432,6 +433,23 @@ def eos_token_ids(model: Any = None, tokenizer: Any = None) -> list[int]:
             if i is not None and int(i) not in ids:
                 ids.append(int(i))
     return ids
+
+
+def rows_and_eos_from_files(
+    path: str, tokenizer: Any, *, trust_remote_code: bool = False
+) -> tuple[int | None, list[int]]:
+    """(output rows, EOS ids) of the model at `path` from its config.json and generation_config.json, no weights
+    loaded (`eos_token_ids` of what they hold); (None, the tokenizer's) where they cannot be read."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None, eos_token_ids(None, tokenizer)
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        generation = None
+    rows = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None)
+    return rows, eos_token_ids(SimpleNamespace(config=config, generation_config=generation), tokenizer)
 
 
 @dataclass(frozen=True)

@@ -57,13 +57,19 @@ class ScoringProbe:
 
 @dataclass(frozen=True)
 class TokenizerProbe:
-    """One in-process teacher for the startup tokenizer rows. name: None for the run's only teacher (plain row
-    names), else the teacher's (`chat_template[name]`, …); tokenizer: its own; module: its model (output rows and EOS
-    ids)."""
+    """One teacher model for the startup tokenizer rows. name: None for the run's only teacher (plain row names),
+    else the teacher's (`chat_template[name]`, …); tokenizer: its own; rows and eos_ids: its output rows and every EOS
+    id it stops on (`of_module`, or from its files for a teacher outside this process: `opd.models`)."""
 
     name: str | None
     tokenizer: Any
-    module: torch.nn.Module
+    rows: int | None
+    eos_ids: list[int]
+
+    @classmethod
+    def of_module(cls, name: str | None, tokenizer: Any, module: torch.nn.Module) -> TokenizerProbe:
+        rows = int(module.get_output_embeddings().weight.shape[0])
+        return cls(name, tokenizer, rows, eos_token_ids(module, tokenizer))
 
 
 def _at_temperature(config: DistillConfig, temperature: float) -> DistillConfig:
@@ -119,7 +125,7 @@ def preflight(
     report = CheckReport()
     start = time.perf_counter()
     if tokenizers is None:
-        tokenizers = [] if teacher is None else [TokenizerProbe(None, teacher_tokenizer, teacher)]
+        tokenizers = [] if teacher is None else [TokenizerProbe.of_module(None, teacher_tokenizer, teacher)]
     for tokenizer_probe in tokenizers:
         rows = _tokenizer_rows(config, tokenizer_probe, student_tokenizer, student, prompts[0].messages)
         report.results += _named([r for r in rows if r.name not in skip], tokenizer_probe.name)
@@ -199,16 +205,17 @@ def preflight(
 def _tokenizer_rows(
     config: DistillConfig, probe: TokenizerProbe, student_tokenizer: Any, student: torch.nn.Module, messages: Any
 ) -> list[CheckResult]:
-    """One teacher's tokenizer rows, unnamed, on the loaded models' output rows and EOS ids (`check_tokenizers`)."""
+    """One teacher's tokenizer rows, unnamed, on the student's loaded model and the probe's rows and EOS ids
+    (`check_tokenizers`)."""
     return check_tokenizers(
         student_tokenizer,
         probe.tokenizer,
         messages=messages,
         enable_thinking=config.data.enable_thinking,
         student_rows=student.get_output_embeddings().weight.shape[0],
-        teacher_rows=probe.module.get_output_embeddings().weight.shape[0],
+        teacher_rows=probe.rows,
         student_eos_ids=eos_token_ids(student, student_tokenizer),
-        teacher_eos_ids=eos_token_ids(probe.module, probe.tokenizer),
+        teacher_eos_ids=probe.eos_ids,
     )
 
 

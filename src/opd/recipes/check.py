@@ -28,12 +28,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from rich.console import Console
-from transformers import AutoConfig, GenerationConfig
 
 from opd.check.forecasting import ForecastThresholds, forecast, forecast_rows
 from opd.check.report import (
@@ -62,11 +60,11 @@ from opd.data.templates import encode_prompts
 from opd.io import atomic_write_json
 from opd.models import (
     check_tokenizer_compatibility,
-    eos_token_ids,
     load_model,
     load_tokenizer,
     resolve_device,
     resolve_dtype,
+    rows_and_eos_from_files,
 )
 from opd.objectives.diagnostics import diagnostic_top_k
 from opd.rollout import make_generator
@@ -402,17 +400,8 @@ def _tokenizer_rows(
 
 
 def _from_files(spec: Any, tokenizer: Any) -> tuple[int | None, list[int]]:
-    """(output rows, EOS ids) of a model from its config.json and generation_config.json, no weights loaded."""
-    try:
-        config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
-    except (OSError, ValueError):
-        return None, eos_token_ids(None, tokenizer)
-    try:
-        generation = GenerationConfig.from_pretrained(spec.path)
-    except (OSError, ValueError):
-        generation = None
-    rows = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None)
-    return rows, eos_token_ids(SimpleNamespace(config=config, generation_config=generation), tokenizer)
+    """(output rows, EOS ids) of a model spec's files, no weights loaded."""
+    return rows_and_eos_from_files(spec.path, tokenizer, trust_remote_code=spec.trust_remote_code)
 
 
 def _load_pair(

@@ -42,6 +42,7 @@ from opd.models import (
     load_tokenizer,
     on_device,
     resolve_device,
+    rows_and_eos_from_files,
 )
 from opd.report.sinks import progress_bar
 from opd.rollout import Generator, make_generator
@@ -598,17 +599,12 @@ def startup_checks(
     """`opd check`'s tokenizers, scoring and resources rows on the loaded models; raises on a hard failure, else
     returns the report. `prompt_teacher`: each prompt's teacher (`route_teachers`): with several teachers each one's
     scoring rows and step_time run on its own first prompts (`scoring_probes`), and the views' row (one process
-    only), and the tokenizer rows once per in-process teacher model (`tokenizer_probes`)."""
-    teacher_tokenizer = None  # a served or vLLM teacher has no module here: its tokenizer was compared already
+    only); the tokenizer rows run once per teacher model, in process or in vLLM (`tokenizer_probes`)."""
     several = len(models.teachers) > 1
-    if models.teacher is not None and not several:
-        teacher = models.teachers[0].entry
-        assert teacher.path is not None  # a teacher module is loaded from teacher.path
-        teacher_tokenizer = load_tokenizer(teacher.path, trust_remote_code=teacher.trust_remote_code)
     return preflight(
         config,
         student_tokenizer=student_tokenizer,
-        teacher_tokenizer=teacher_tokenizer,
+        teacher_tokenizer=None,  # the tokenizer rows' teachers: `tokenizer_probes`
         student=models.student,
         teacher=models.teacher,
         student_scorer=models.student_scorer,
@@ -623,7 +619,7 @@ def startup_checks(
         views=view_probes(models, data, prompt_teacher) if dist.world_size == 1 else (),
         teachers=local_teachers(models) if several else None,
         scoring=scoring_probes(models, data, prompt_teacher or []) if several else None,
-        tokenizers=tokenizer_probes(models, config.student.path) if several else None,
+        tokenizers=tokenizer_probes(models, config.student.path),
     )
 
 
@@ -660,18 +656,25 @@ def scoring_probes(models: Models, data: EncodedPrompts, prompt_teacher: list[in
 
 
 def tokenizer_probes(models: Models, student_path: str) -> list[TokenizerProbe]:
-    """Per in-process teacher model of a run with several, once per path: its tokenizer and module (the startup
-    tokenizer rows). Served and vLLM teachers have no module here (their tokenizer was compared before any model
-    loaded); the live student and `student_init` (the student's path) have the student's own tokenizer."""
-    out, seen = [], {STUDENT, student_path}
+    """Per teacher model, once per path: its tokenizer with the output rows and EOS ids of its module, or of its files
+    for a vLLM teacher (its weights live in the engine); named when the run has several teachers (the startup
+    tokenizer rows). A served teacher's tokenizer was compared with the student's over /info before any model loaded;
+    the live student and `student_init` (the student's path) have the student's own tokenizer."""
+    several = len(models.teachers) > 1
+    # one teacher that is the student's frozen start keeps its (trivial) rows, as before teachers were a list
+    out, seen = [], {STUDENT, student_path} if several else {STUDENT}
     for routed in models.teachers:
         entry, module = routed.entry, routed.teacher.module
-        if module is None or entry.path in seen:
+        if entry.path is None or entry.path in seen or (module is None and entry.engine != "vllm"):
             continue
-        assert entry.path is not None  # a teacher module is loaded from its path
         seen.add(entry.path)
         tokenizer = load_tokenizer(entry.path, trust_remote_code=entry.trust_remote_code)
-        out.append(TokenizerProbe(routed.name, tokenizer, module))
+        name = routed.name if several else None
+        if module is not None:
+            out.append(TokenizerProbe.of_module(name, tokenizer, module))
+        else:
+            rows, eos = rows_and_eos_from_files(entry.path, tokenizer, trust_remote_code=entry.trust_remote_code)
+            out.append(TokenizerProbe(name, tokenizer, rows, eos))
     return out
 
 

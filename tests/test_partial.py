@@ -289,10 +289,12 @@ def test_partial_config_is_checked(world, tmp_path, overrides, match):
     assert "\n" not in str(error.value)
 
 
-def test_lab_distill_with_early_stop_cuts_calls_and_resumes_exactly(capsys, monkeypatch, tmp_path):
+@pytest.mark.parametrize("overlap", ["false", "true"])
+def test_lab_distill_with_early_stop_cuts_calls_and_resumes_exactly(capsys, monkeypatch, tmp_path, overlap):
     """`opd distill -c configs/lab_demo.yaml` with rollout.partial_early_stop on the static engine (the lab models end
-    their answers at different lengths): calls are cut (partial/cut_total), every started sample is trained, dropped
-    or in flight, and a run resumed from its step-2 checkpoint equals the straight run (weights, metrics)."""
+    their answers at different lengths), with and without rollout.overlap: calls are cut (partial/cut_total), every
+    started sample is trained, dropped or in flight, and a run resumed from its step-2 checkpoint equals the straight
+    run (weights, metrics)."""
     if not (ROOT / "configs" / "lab_demo.yaml").is_file():
         pytest.skip("configs/lab_demo.yaml is not in this checkout")
     monkeypatch.chdir(ROOT)  # the config's paths are relative to the repo root
@@ -307,6 +309,7 @@ def test_lab_distill_with_early_stop_cuts_calls_and_resumes_exactly(capsys, monk
         "rollout.engine=static",
         "rollout.partial=true",
         "rollout.partial_early_stop=true",
+        f"rollout.overlap={overlap}",
         "rollout.max_staleness=2",
         "rollout.partial_segment=64",
         "objective.tis_cap=2.0",

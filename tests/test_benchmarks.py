@@ -211,10 +211,11 @@ def test_opd_step(tmp_path, capsys):
         "torch_engine,static_engine",
         "--skip-trl",
         "--variants",
-        "default,bf16_state,overlap,partial,partial_overlap,partial_early_stop",
+        "default,bf16_state,overlap,partial,partial_overlap,partial_early_stop,partial_s2_early_stop",
     )
     got = rows(data)
     variants = ("", ", bf16_state", ", overlap", ", partial", ", partial_overlap", ", partial_early_stop")
+    variants += (", partial_s2_early_stop",)
     assert set(got) == {f"opd_step[{e}{v}]" for e in ("torch_engine", "static_engine") for v in variants}
     for name, row in got.items():
         assert {"student_s", "teacher_s", "update_s"} <= set(row)

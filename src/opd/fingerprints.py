@@ -39,11 +39,12 @@ def weights_fingerprint(model: Any) -> str:
         data = tensor.detach()
         if hasattr(data, "to_local"):  # a DTensor shard (FSDP outside `gathered`): this rank's part
             data = data.to_local()
-        # a copy: `.numpy()` marks a storage non-resizable, and FSDP frees the unsharded parameters' storages
-        data = data.detach().cpu().clone().contiguous()
+        # a copy of our own: `.numpy()` marks a storage non-resizable, and FSDP frees the unsharded parameters'
+        # storages (a device tensor's `.cpu()` is that copy already; hashlib reads the array's buffer in place)
+        data = data.cpu().contiguous() if data.device.type != "cpu" else data.clone().contiguous()
         digest.update(f"{name}\0{data.dtype}\0{tuple(data.shape)}\0".encode())
         if data.numel():
-            digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+            digest.update(data.reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()[:16]
 
 

@@ -478,6 +478,17 @@ class LengthDist:
         return f"lognormal:mean={self.mean:g},cap={self.cap},sigma={self.sigma:g}"
 
 
+def forced_stop_rule(stop_when, stops_here):
+    """The stream's stop rule (`opd.rollout.base.StopRule`) as an engine under forced lengths must ask it: a row the
+    engine ends at its forced length with "length", which the benchmark then reports as "stop" (standing in for the
+    EOS), is "stop" to the rule too. `stops_here[i]`: whether row i's limit in this call is where it stops."""
+    if stop_when is None:
+        return None
+    return lambda finished: stop_when(
+        ["stop" if r == "length" and stops_here[i] else r for i, r in enumerate(finished)]
+    )
+
+
 def parse_lengths(spec: str) -> LengthDist:
     """`lognormal:mean=1500,cap=7168[,sigma=1.0]` (lognormal with that mean before capping, σ of its log; rounded,
     clamped to [1, cap]) or `fixed:N` (every row N tokens). Bad specs raise ValueError naming the accepted forms."""

@@ -67,6 +67,7 @@ from common import (
     base_parser,
     build_model,
     eos_id,
+    forced_stop_rule,
     kv_bytes_per_token,
     markdown_table,
     measure,
@@ -161,13 +162,9 @@ class BenchGenerator:
         # weights never end a row early, then the last token of every row that ends below the cap is made EOS
         # stop_when (rollout.partial_early_stop) sees the reasons this wrapper will report: a row the engine ended at
         # its drawn length that stops there is "stop"
-        stops_at_drawn = [length == left[row][0] and left[row][1] for row, length in enumerate(drawn)]
-        rule = None
-        if stop_when is not None:
-
-            def rule(finished):
-                return stop_when(["stop" if r == "length" and stops_at_drawn[i] else r for i, r in enumerate(finished)])
-
+        rule = forced_stop_rule(
+            stop_when, [length == left[row][0] and left[row][1] for row, length in enumerate(drawn)]
+        )
         out = self.inner.generate(
             prompt_ids,
             dataclasses.replace(params, stop_at_eos=False),

@@ -48,6 +48,7 @@ from common import (
     Report,
     base_parser,
     build_model,
+    forced_stop_rule,
     markdown_table,
     measure,
     param_bytes,
@@ -108,11 +109,7 @@ def stream_generate(engine, forced: ForcedLengths, prompt_len: int, cap: int, se
         limits = [min(max_new_tokens, t - (len(r) - prompt_len)) for r, t in zip(rows, totals)]
         # the stream's stop rule (--early-stop) sees the reasons reported below: a row at its forced total is "stop"
         stops = [limit == t - (len(r) - prompt_len) and t < cap for r, t, limit in zip(rows, totals, limits)]
-        rule = None
-        if stop_when is not None:
-
-            def rule(finished):
-                return stop_when(["stop" if r == "length" and stops[i] else r for i, r in enumerate(finished)])
+        rule = forced_stop_rule(stop_when, stops)
 
         params = SamplingParams(
             n=n,

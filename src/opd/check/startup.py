@@ -31,7 +31,7 @@ from opd.check.scoring import (
 )
 from opd.check.tokenizers import check_tokenizers
 from opd.config import DistillConfig
-from opd.models import eos_token_ids, on_device
+from opd.models import eos_token_ids, on_device, rows_and_eos_from_files
 from opd.objectives.diagnostics import diagnostic_top_k
 from opd.train.common import autocast
 
@@ -71,6 +71,11 @@ class TokenizerProbe:
         rows = int(module.get_output_embeddings().weight.shape[0])
         return cls(name, tokenizer, rows, eos_token_ids(module, tokenizer))
 
+    @classmethod
+    def of_files(cls, name: str | None, tokenizer: Any, path: str, trust_remote_code: bool = False) -> TokenizerProbe:
+        rows, eos_ids = rows_and_eos_from_files(path, tokenizer, trust_remote_code=trust_remote_code)
+        return cls(name, tokenizer, rows, eos_ids)
+
 
 def _at_temperature(config: DistillConfig, temperature: float) -> DistillConfig:
     """`config` with the teacher temperature of one teacher (the scoring rows and mini_step read it there)."""
@@ -92,7 +97,6 @@ def preflight(
     config: DistillConfig,
     *,
     student_tokenizer: Any,
-    teacher_tokenizer: Any,
     student: torch.nn.Module,
     teacher: torch.nn.Module | None,
     student_scorer: Any,
@@ -107,7 +111,7 @@ def preflight(
     views: Sequence[ViewProbe] = (),
     teachers: Sequence[tuple[str, torch.nn.Module, bool]] | None = None,
     scoring: Sequence[ScoringProbe] | None = None,
-    tokenizers: Sequence[TokenizerProbe] | None = None,
+    tokenizers: Sequence[TokenizerProbe] = (),
 ) -> CheckReport:
     """What `opd distill` runs at startup, on the loaded models (before the first step, the optimizer and layer
     compilation): the tokenizers, scoring and resources groups, minus `config.skip_checks`. Raises ValueError
@@ -116,7 +120,7 @@ def preflight(
     per teacher with a view (`teacher_view`). `teachers`: every in-process teacher (name, module, offloaded) of a
     run with several, for the memory row (`estimate_memory`). `scoring`: one probe per teacher for the scoring rows
     and step_time; None: `teacher` and `teacher_scorer` on the first prompts (`prompt_ids`). `tokenizers`: one probe
-    per in-process teacher model for the tokenizer rows; None: `teacher` with `teacher_tokenizer`, if in process."""
+    per teacher model for the tokenizer rows (none: no teacher model to compare, e.g. a served one)."""
     skip = resolve_skips(config.skip_checks)
     # an offloaded teacher scores on the student's device, as in training (memory is estimated with it offloaded)
     scoring_device = next(student.parameters()).device if config.teacher_offload else None
@@ -124,8 +128,6 @@ def preflight(
         skip |= {"prompt_logprobs", "step_time", "generation_scoring"}
     report = CheckReport()
     start = time.perf_counter()
-    if tokenizers is None:
-        tokenizers = [] if teacher is None else [TokenizerProbe.of_module(None, teacher_tokenizer, teacher)]
     for tokenizer_probe in tokenizers:
         rows = _tokenizer_rows(config, tokenizer_probe, student_tokenizer, student, prompts[0].messages)
         report.results += _named([r for r in rows if r.name not in skip], tokenizer_probe.name)

@@ -42,7 +42,6 @@ from opd.models import (
     load_tokenizer,
     on_device,
     resolve_device,
-    rows_and_eos_from_files,
 )
 from opd.report.sinks import progress_bar
 from opd.rollout import Generator, make_generator
@@ -604,7 +603,6 @@ def startup_checks(
     return preflight(
         config,
         student_tokenizer=student_tokenizer,
-        teacher_tokenizer=None,  # the tokenizer rows' teachers: `tokenizer_probes`
         student=models.student,
         teacher=models.teacher,
         student_scorer=models.student_scorer,
@@ -673,8 +671,7 @@ def tokenizer_probes(models: Models, student_path: str) -> list[TokenizerProbe]:
         if module is not None:
             out.append(TokenizerProbe.of_module(name, tokenizer, module))
         else:
-            rows, eos = rows_and_eos_from_files(entry.path, tokenizer, trust_remote_code=entry.trust_remote_code)
-            out.append(TokenizerProbe(name, tokenizer, rows, eos))
+            out.append(TokenizerProbe.of_files(name, tokenizer, entry.path, entry.trust_remote_code))
     return out
 
 

@@ -660,7 +660,7 @@ class StaticGenerator(memory.ModuleMemory):
 
     def _step_fns(self, on_cuda: bool) -> tuple[Callable, Callable, Callable]:
         """(attn_in, attn_out, sample): compiled on CUDA unless compile=False, else the plain functions."""
-        if not (on_cuda and self.compile is not False):  # `_rounds_rows` follows this rule
+        if not self._compiles(on_cuda):
             return _attn_in, _attn_out, _sample
         if self._compiled is None:
             global _COMPILED
@@ -673,11 +673,15 @@ class StaticGenerator(memory.ModuleMemory):
             self._compiled = _COMPILED
         return self._compiled
 
+    def _compiles(self, on_cuda: bool) -> bool:
+        """Whether the decode step runs compiled: on CUDA unless compile=False."""
+        return on_cuda and self.compile is not False
+
     def _rounds_rows(self) -> bool:
-        """Whether calls round their rows (`round_rows`; None: when `_step_fns` compiles)."""
+        """Whether calls round their rows (`round_rows`; None: when the step compiles)."""
         if self.round_rows is not None:
             return self.round_rows
-        return self.device.type == "cuda" and self.compile is not False
+        return self._compiles(self.device.type == "cuda")
 
     # ------------------------------------------------------------------ memory
 

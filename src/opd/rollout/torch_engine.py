@@ -295,12 +295,14 @@ class TorchGenerator(memory.ModuleMemory):
                 num_done = int(done_b.sum())  # CPU-GPU sync point
                 if num_done == rows_b.numel():
                     break
-                if ask is not None and int(finished_R.sum()) > asked_at:
-                    asked_at = int(finished_R.sum())
-                    ended = zip(finished_R.tolist(), stopped_R.tolist())
-                    if ask([("stop" if stop else "length") if end else None for end, stop in ended]):
-                        cut = True
-                        break
+                if ask is not None:
+                    ended_R = finished_R.tolist()
+                    if sum(ended_R) > asked_at:  # rows ended since the rule was last asked
+                        asked_at = sum(ended_R)
+                        reasons_R = zip(ended_R, stopped_R.tolist())
+                        if ask([("stop" if stop else "length") if end else None for end, stop in reasons_R]):
+                            cut = True
+                            break
                 if num_done >= self.compact_fraction * rows_b.numel():
                     keep_b = (~done_b).nonzero().squeeze(-1)
                     cache.reorder_cache(keep_b)

@@ -15,7 +15,8 @@ fp32 AdamW state, fused on CUDA), `foreach` (torch's foreach AdamW: the previous
 `offload` (`teacher_offload`), `lean` (bf16 state + micro4k), `lean_offload`, `lean_offload_8k`, `overlap`
 (`rollout.overlap` with `objective.tis_cap=2`), `partial` (`rollout.partial`, `max_staleness=1`, `tis_cap=2`),
 `partial_overlap` (both: the stream's next batch built in the background), `partial_early_stop` (`partial` with
-`rollout.partial_early_stop`), `partial_s2` and `partial_s2_early_stop` (the same at `max_staleness=2`). On CUDA
+`rollout.partial_early_stop`), `partial_s2` and `partial_s2_early_stop` (the same at `max_staleness=2`),
+`partial_s3_early_stop` (at 3). On CUDA
 each row also prints where its memory goes (the phase marks of `opd_step`).
 
 TRL (`--trl`, one row each; its wheels are carried to the GPU machine: benchmarks/README.md): the same student and
@@ -98,6 +99,7 @@ VARIANTS: dict[str, dict] = {
     "partial_early_stop": {"partial": True, "early_stop": True},
     "partial_s2": {"partial": True, "max_staleness": 2},
     "partial_s2_early_stop": {"partial": True, "max_staleness": 2, "early_stop": True},
+    "partial_s3_early_stop": {"partial": True, "max_staleness": 3, "early_stop": True},
     # two teachers of --teacher-shape (their own random weights), prompts routed alternately, both kept in pinned
     # host memory and moved in only while they score (`teachers:` with `offload: true`)
     "two_teachers_offload": {"teachers": 2, "teacher_offload": True},

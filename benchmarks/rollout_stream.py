@@ -9,7 +9,7 @@ Stream (`rollout.partial`): `opd.train.stream.RolloutStream` driven as `opd.trai
 over a random-weight model whose weights stay fixed (no training: throughput only), with the engine `--engine`
 (`static_compile` as the trainer's static engine runs on CUDA, `static_engine` on CPU) sized to `--batches` rows.
 A step trains `--batches` samples (`--batches / --n` prompts × `--n`); `--max-staleness S` (default 1) and
-`--segment` (default the trainer's rule, max_new_tokens // (S + 1)), `--early-stop on|off`
+`--segment` (default the trainer's rule, `opd.train.stream.default_segment`), `--early-stop on|off`
 (rollout.partial_early_stop, default off). EOS is off; `--lengths` as in rollout.py, per
 sample: a sample's total response length is drawn once when it starts (again when it is restarted), each call asks
 the engine for the rest of it (capped by the segment, through `max_new_tokens_per_sample`), and a sample that
@@ -129,6 +129,7 @@ def stream_generate(engine, forced: ForcedLengths, prompt_len: int, cap: int, se
         stats = engine.stats
         counters["generated"] += sum(len(ids) for ids in out.response_ids)
         counters["rows"] = max(counters["rows"], stats.get("rows", 0))
+        counters["decode_steps"] += stats.get("decode_steps", 0)
         for b, steps in stats.get("bucket_steps", {}).items():
             counters["bucket_steps"][b] = counters["bucket_steps"].get(b, 0) + steps
         return replace(out, finish_reasons=reasons)
@@ -143,13 +144,32 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def time_placements(counters: dict, device) -> None:
+    """--phase-times: wrap the static engine's placement of samples into slots (the prefill forward of their prompts
+    or prefixes, the copy of its keys/values into the cache, the first token) with synchronised timers, so that a
+    step's time splits into placing and decoding (the synchronisation costs a little of both)."""
+    from opd.rollout.static_engine import _Run
+
+    place = _Run._place
+
+    def timed_place(run, group, samples, slots):
+        sync(device)
+        start = time.perf_counter()
+        place(run, group, samples, slots)
+        sync(device)
+        counters["place_s"] += time.perf_counter() - start
+        counters["place_tokens"] += len(group) * max(len(run.prompts[p]) for p in group)
+
+    _Run._place = timed_place
+
+
 def run_stream(args, report: Report, model, device, name: str) -> dict:
     """`--stream-steps` steps of the stream; one per-step row at a time in `report.data["steps"]`; the summary."""
-    from opd.train.stream import RolloutStream
+    from opd.train.stream import RolloutStream, default_segment
 
     samples = args.batches
     cap = args.new_tokens if args.lengths == "equal" else parse_lengths(args.lengths).cap
-    segment = args.segment or max(1, cap // (args.max_staleness + 1))
+    segment = args.segment or default_segment(cap, args.max_staleness, 0, args.early_stop == "on")
     stream = RolloutStream(
         prompts_per_step=samples // args.n,
         n=args.n,
@@ -159,7 +179,11 @@ def run_stream(args, report: Report, model, device, name: str) -> dict:
         early_stop=args.early_stop == "on",
     )
     engine = make_engine(
-        name, model, args.shape, samples, **({"sync_interval": args.sync_interval} if args.sync_interval else {})
+        name,
+        model,
+        args.shape,
+        args.rows or samples,
+        **({"sync_interval": args.sync_interval} if args.sync_interval else {}),
     )
     forced = ForcedLengths(args.lengths, cap, args.seed)
     g = torch.Generator().manual_seed(args.seed)
@@ -172,7 +196,9 @@ def run_stream(args, report: Report, model, device, name: str) -> dict:
         )
         return list(range(start, len(prompts)))
 
-    counters = {"generated": 0, "rows": 0, "bucket_steps": {}}
+    counters = {"generated": 0, "rows": 0, "bucket_steps": {}, "decode_steps": 0, "place_s": 0.0, "place_tokens": 0}
+    if args.phase_times:
+        time_placements(counters, device)
     steps = report.data["steps"] = []
     timed = {"tokens": 0, "seconds": 0.0, "generated": 0, "samples": 0, "dropped": 0}
     lag_tokens = [0] * (args.max_staleness + 1)
@@ -180,7 +206,8 @@ def run_stream(args, report: Report, model, device, name: str) -> dict:
     for step in range(args.stream_steps):
         step_seed = args.seed + 100_003 * (step + 1)
         generate = stream_generate(engine, forced, args.prompt_len, cap, step_seed, counters)
-        generated_before, compiles_before = counters["generated"], compiled_graphs()
+        before = {k: counters[k] for k in ("generated", "decode_steps", "place_s", "place_tokens")}
+        compiles_before = compiled_graphs()
         sync(device)
         start = time.perf_counter()
         taken = stream.next_batch(step, draw, prompts, generate)
@@ -200,7 +227,7 @@ def run_stream(args, report: Report, model, device, name: str) -> dict:
             "cut_total": stream.cut,
             "trained": len(taken.output.response_ids),
             "tokens": tokens,
-            "generated": counters["generated"] - generated_before,
+            **{k: counters[k] - v for k, v in before.items()},
             "compiles": compiled_graphs() - compiles_before,
             "seconds": seconds,
             "tokens_per_s": tokens / seconds,
@@ -300,7 +327,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--stream-steps", type=int, default=20, help="stream steps, the warm-up ones included; 0: none")
     parser.add_argument("--stream-warmup", type=int, default=2, help="first stream steps left out of the tokens/s")
     parser.add_argument("--max-staleness", type=int, default=1, help="rollout.max_staleness")
-    parser.add_argument("--segment", type=int, default=None, help="rollout.partial_segment; default cap // (S + 1)")
+    parser.add_argument("--segment", type=int, default=None, help="rollout.partial_segment; default the trainer's")
+    parser.add_argument(
+        "--phase-times", action="store_true", help="time the engine's placements (prefill + cache copy) per step"
+    )
+    parser.add_argument("--rows", type=int, default=None, help="the stream engine's slots; default --batches")
     parser.add_argument("--sync-interval", type=int, default=None, help="the engine's sync_interval (its default)")
     parser.add_argument(
         "--early-stop", choices=("on", "off"), default="off", help="rollout.partial_early_stop (the stream's calls)"
@@ -422,6 +453,8 @@ def main(argv: list[str] | None = None) -> dict:
                 ("tokens", "tokens", ","),
                 ("generated", "generated", ","),
                 ("compiles", "compiles", ","),
+                ("decode steps", "decode_steps", ","),
+                *([("place s", "place_s", ".2f"), ("place tokens", "place_tokens", ",")] if args.phase_times else []),
                 ("seconds", "seconds", ".2f"),
                 ("tokens/s", "tokens_per_s", ",.0f"),
                 *[(f"lag {k} tokens", f"lag_{k}", ",") for k in range(args.max_staleness + 1)],

@@ -333,3 +333,23 @@ def test_lab_distill_with_early_stop_cuts_calls_and_resumes_exactly(capsys, monk
             m["partial/started_total"]
             == m["partial/trained_total"] + m["partial/dropped_total"] + m["partial/in_flight"]
         )
+
+
+@pytest.mark.parametrize(
+    "early_stop, overlap, segment", [(False, False, 2), (False, True, 3), (True, False, 6), (True, True, 3)]
+)
+def test_default_segment(world, tmp_path, early_stop, overlap, segment):
+    """rollout.partial_segment left out: max_new_tokens over the versions a sample may be sampled by (6 // 3 at
+    max_staleness 2, 6 // 2 with overlap); with early stop and three versions, the whole max_new_tokens, the stop rule
+    ending each call."""
+    cfg = distill_config(
+        world,
+        tmp_path,
+        "rollout.partial=true",
+        "rollout.max_staleness=2",
+        f"rollout.partial_early_stop={str(early_stop).lower()}",
+        f"rollout.overlap={str(overlap).lower()}",
+        "objective.tis_cap=2.0",
+    )
+    stream = setup(cfg, tmp_path / "run").stream
+    assert stream is not None and stream.segment == segment

@@ -555,9 +555,10 @@ class SamplingSpec(Section):
     partial_segment: int | None = Field(
         None,
         ge=1,
-        description="rollout.partial: the most new tokens per sample per generation call; None: max_new_tokens // "
-        "(max_staleness + 1), with rollout.overlap // max_staleness, at least 1 (with max_staleness = 0 the whole "
-        "max_new_tokens).",
+        description="rollout.partial: the most new tokens per sample per generation call; None: max_new_tokens "
+        "// (max_staleness + 1), with rollout.overlap // max_staleness, at least 1 (with max_staleness = 0 the whole "
+        "max_new_tokens); with partial_early_stop and a divisor of 3 or more, the whole max_new_tokens (the stop rule "
+        "ends calls; opd.train.stream.default_segment).",
     )
     partial_early_stop: bool = Field(
         False,

@@ -49,7 +49,7 @@ from opd.train.distributed import SINGLE, DistInfo, all_reduce_sum, gathered, ma
 from opd.train.optim import clip_and_step
 from opd.train.overlap import AheadGenerator, AheadStream, PendingRollouts
 from opd.train.sampler import PromptSampler
-from opd.train.stream import GenerateFn, RolloutStream, StreamBatch, in_flight_batches
+from opd.train.stream import GenerateFn, RolloutStream, StreamBatch, default_segment
 from opd.types import Prompt, Rollouts, TokenScores
 
 
@@ -98,15 +98,15 @@ class Trainer:
     def __post_init__(self) -> None:
         spec = self.config.rollout
         if spec.partial:
-            staleness = spec.max_staleness
             # a sample spans the versions it may be sampled by: with overlap its first token already lags one step
-            versions = in_flight_batches(staleness, ahead=int(self.rollout_model is not None))
+            ahead = int(self.rollout_model is not None)
+            segment = default_segment(spec.max_new_tokens, spec.max_staleness, ahead, spec.partial_early_stop)
             self.stream = RolloutStream(
                 prompts_per_step=self.config.prompts_per_step,
                 n=spec.n,
                 max_new_tokens=spec.max_new_tokens,
-                segment=spec.partial_segment or max(1, spec.max_new_tokens // versions),
-                max_staleness=staleness,
+                segment=spec.partial_segment or segment,
+                max_staleness=spec.max_staleness,
                 early_stop=spec.partial_early_stop,
             )
         if self.rollout_model is not None:

@@ -85,6 +85,20 @@ def in_flight_batches(max_staleness: int, ahead: int) -> int:
     return max_staleness + 1 - ahead
 
 
+def default_segment(max_new_tokens: int, max_staleness: int, ahead: int, early_stop: bool) -> int:
+    """rollout.partial_segment when None: max_new_tokens spread over the versions a sample may be sampled by; with
+    early stop and three versions or more, the whole max_new_tokens. There the stop rule ends each call as soon as the
+    step can close, so the call needs no segment to end, and its slots stay filled from the waiting samples until
+    then, where segments end a call with a tail of rows finishing theirs. With two versions every sample drawn in a
+    step is at its last chance in the next and must finish there, and segments give the shorter tail. (The CPU's
+    schedule count, docs/performance.md: busy slots 0.76 → 0.96 at max_staleness 2, 0.83 → 1.00 at 3, 0.64 → 0.43
+    at 1.)"""
+    versions = in_flight_batches(max_staleness, ahead)
+    if early_stop and versions >= 3:
+        return max_new_tokens
+    return max(1, max_new_tokens // versions)
+
+
 # generate(prompt_ids, n, max_new_tokens, call, stop_when) -> the engine's output (one call, its own seed)
 GenerateFn = Callable[[Sequence[Sequence[int]], int, int, int, "StopRule | None"], GenerationOutput]
 

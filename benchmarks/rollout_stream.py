@@ -163,6 +163,22 @@ def time_placements(counters: dict, device) -> None:
     _Run._place = timed_place
 
 
+def kv_bound(args, model, device, lengths: list[int], rows: int) -> dict:
+    """The bandwidth bound of decoding these samples (any schedule): every token reads the keys and values of its
+    prompt and the tokens before it, and each step of `rows` rows reads the weights once. A long-tailed length
+    distribution puts most tokens late in long samples, so its tokens read more cache than those of equal lengths at
+    the same mean (rollout.py's `bound_kv`)."""
+    _, bandwidth = peaks(device, args)
+    if not bandwidth or not lengths or not rows:
+        return {}
+    cfg = SHAPES[args.shape]
+    dtype = next(model.parameters()).dtype
+    kv_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * dtype.itemsize
+    read = sum(n * args.prompt_len + n * (n - 1) // 2 for n in lengths) * kv_bytes
+    seconds = (read + sum(lengths) / rows * param_bytes(model)) / bandwidth
+    return {"bound_kv_tokens_per_s": sum(lengths) / seconds}
+
+
 def run_stream(args, report: Report, model, device, name: str) -> dict:
     """`--stream-steps` steps of the stream; one per-step row at a time in `report.data["steps"]`; the summary."""
     from opd.train.stream import RolloutStream, default_segment
@@ -247,6 +263,8 @@ def run_stream(args, report: Report, model, device, name: str) -> dict:
             timed["samples"] += row["trained"]
             for k in range(args.max_staleness + 1):
                 lag_tokens[k] += row[f"lag_{k}"]
+    bound = kv_bound(args, model, device, [n for row in steps if row["timed"] for n in row["lengths"]], counters["rows"])
+    rate = timed["tokens"] / timed["seconds"]
     return {
         "batch": samples,
         "segment": segment,
@@ -254,7 +272,7 @@ def run_stream(args, report: Report, model, device, name: str) -> dict:
         "timed_steps": args.stream_steps - args.stream_warmup,
         "tokens": timed["tokens"],
         "seconds": timed["seconds"],
-        "tokens_per_s": timed["tokens"] / timed["seconds"],
+        "tokens_per_s": rate,
         "generated_per_s": timed["generated"] / timed["seconds"],
         "mean_len": timed["tokens"] / max(1, timed["samples"]),
         "dropped": timed["dropped"],
@@ -267,6 +285,8 @@ def run_stream(args, report: Report, model, device, name: str) -> dict:
         "rows": counters["rows"],
         "bucket_steps": dict(sorted(counters["bucket_steps"].items(), reverse=True)),
         **{f"lag_{k}_frac": n / max(1, timed["tokens"]) for k, n in enumerate(lag_tokens)},
+        **bound,
+        "pct_bound_kv": 100 * rate / bound["bound_kv_tokens_per_s"] if bound else None,
         "peak_gib": peak_gib(device),
     }
 
@@ -425,6 +445,8 @@ def main(argv: list[str] | None = None) -> dict:
         ("dropped", "dropped_total", ","),
         ("cut", "cut_total", ","),
         *lags,
+        ("KV bound tok/s", "bound_kv_tokens_per_s", ",.0f"),
+        ("% of it", "pct_bound_kv", ".0f"),
         ("peak GiB", "peak_gib", ".1f"),
     ]
     segment = stream_row.get("segment")

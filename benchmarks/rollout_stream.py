@@ -10,7 +10,8 @@ over a random-weight model whose weights stay fixed (no training: throughput onl
 (`static_compile` as the trainer's static engine runs on CUDA, `static_engine` on CPU) sized to `--batches` rows.
 A step trains `--batches` samples (`--batches / --n` prompts × `--n`); `--max-staleness S` (default 1) and
 `--segment` (default the trainer's rule, `opd.train.stream.default_segment`), `--early-stop on|off`
-(rollout.partial_early_stop, default off). EOS is off; `--lengths` as in rollout.py, per
+(rollout.partial_early_stop, default off); `--configs S/on|off[/segment],…` runs several streams one after another in
+this process (one row each, the per-step rows labelled; the `[equal]` row once). EOS is off; `--lengths` as in rollout.py, per
 sample: a sample's total response length is drawn once when it starts (again when it is restarted), each call asks
 the engine for the rest of it (capped by the segment, through `max_new_tokens_per_sample`), and a sample that
 reaches it is reported finished ("stop", standing in for its EOS). The stream's calls give each sample only its
@@ -179,7 +180,30 @@ def kv_bound(args, model, device, lengths: list[int], rows: int) -> dict:
     return {"bound_kv_tokens_per_s": sum(lengths) / seconds}
 
 
-def run_stream(args, report: Report, model, device, name: str) -> dict:
+def stream_configs(args) -> list:
+    """The streams to run, in order, in this process (the model and compiled step functions shared): `--configs`
+    (`S/on|off[/segment]`, comma-separated), else the one of `--max-staleness`, `--early-stop`, `--segment`."""
+    import argparse
+
+    if not args.configs:
+        return [args]
+    configs = []
+    for spec in args.configs.split(","):
+        parts = spec.strip().split("/")
+        if len(parts) not in (2, 3) or not parts[0].isdigit() or parts[1] not in ("on", "off"):
+            raise SystemExit(f"--configs: {spec!r} is not S/on|off[/segment] (e.g. 2/on or 1/off/3584)")
+        if len(parts) == 3 and not (parts[2].isdigit() and int(parts[2]) >= 1):
+            raise SystemExit(f"--configs: segment {parts[2]!r} in {spec!r} is not an integer ≥ 1")
+        segment = int(parts[2]) if len(parts) == 3 else None
+        configs.append(
+            argparse.Namespace(
+                **{**vars(args), "max_staleness": int(parts[0]), "early_stop": parts[1], "segment": segment}
+            )
+        )
+    return configs
+
+
+def run_stream(args, report: Report, model, device, name: str, label: str = "") -> dict:
     """`--stream-steps` steps of the stream; one per-step row at a time in `report.data["steps"]`; the summary."""
     from opd.train.stream import RolloutStream, default_segment
 
@@ -215,7 +239,7 @@ def run_stream(args, report: Report, model, device, name: str) -> dict:
     counters = {"generated": 0, "rows": 0, "bucket_steps": {}, "decode_steps": 0, "place_s": 0.0, "place_tokens": 0}
     if args.phase_times:
         time_placements(counters, device)
-    steps = report.data["steps"] = []
+    steps = [row for row in report.data.setdefault("steps", []) if row.get("config") == label]
     timed = {"tokens": 0, "seconds": 0.0, "generated": 0, "samples": 0, "dropped": 0}
     lag_tokens = [0] * (args.max_staleness + 1)
     reset_memory(device)
@@ -235,6 +259,7 @@ def run_stream(args, report: Report, model, device, name: str) -> dict:
             minlength=args.max_staleness + 1,
         ).tolist()
         row = {
+            "config": label,
             "step": step,
             "timed": step >= args.stream_warmup,
             "calls": taken.calls,
@@ -251,6 +276,7 @@ def run_stream(args, report: Report, model, device, name: str) -> dict:
             "lengths": [len(ids) for ids in taken.output.response_ids],
         }
         steps.append(row)
+        report.data["steps"].append(row)
         report.write()
         print(
             f"[{report.name}] step {step}: {tokens:,} tokens in {seconds:.2f} s, calls {taken.calls}, "
@@ -263,7 +289,9 @@ def run_stream(args, report: Report, model, device, name: str) -> dict:
             timed["samples"] += row["trained"]
             for k in range(args.max_staleness + 1):
                 lag_tokens[k] += row[f"lag_{k}"]
-    bound = kv_bound(args, model, device, [n for row in steps if row["timed"] for n in row["lengths"]], counters["rows"])
+    bound = kv_bound(
+        args, model, device, [n for row in steps if row["timed"] for n in row["lengths"]], counters["rows"]
+    )
     rate = timed["tokens"] / timed["seconds"]
     return {
         "batch": samples,
@@ -351,6 +379,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--phase-times", action="store_true", help="time the engine's placements (prefill + cache copy) per step"
     )
+    parser.add_argument(
+        "--configs",
+        default="",
+        help="streams to run one after another in this process: S/on|off[/segment],… (max_staleness, early stop, "
+        "segment); default the one of --max-staleness, --early-stop, --segment",
+    )
     parser.add_argument("--rows", type=int, default=None, help="the stream engine's slots; default --batches")
     parser.add_argument("--sync-interval", type=int, default=None, help="the engine's sync_interval (its default)")
     parser.add_argument(
@@ -385,37 +419,46 @@ def main(argv: list[str] | None = None) -> dict:
         prompt_len=args.prompt_len,
         lengths=args.lengths,
     )
-    stream_row = {}
-    if args.stream_steps:
-        stream_row = report.run_row(
-            f"stream[{name}@{args.batches}]", lambda: run_stream(args, report, model, device, name)
+    stream_rows: list[dict] = []
+    for config in stream_configs(args) if args.stream_steps else []:
+        label = f"S{config.max_staleness} early {config.early_stop}" + (
+            f" segment {config.segment}" if config.segment else ""
         )
-        if "error" not in stream_row:
-            equal = round(stream_row["mean_len"])
-            prompts = torch.randint(
-                3,
-                TOKENIZER_SIZE[args.shape],
-                (args.batches, args.prompt_len),
-                generator=torch.Generator().manual_seed(args.seed),
+        suffix = f" {label}" if args.configs else ""
+        stream_rows.append(
+            report.run_row(
+                f"stream[{name}@{args.batches}{suffix}]",
+                lambda config=config, label=label: run_stream(config, report, model, device, name, label),
             )
-            equal_row = report.run_row(
-                f"{name}@{args.batches}[equal]",
-                lambda: run_row(
-                    args,
-                    name,
-                    model,
-                    None,
-                    device,
-                    prompts,
-                    [equal] * args.batches,
-                    forced=True,
-                    weight_bytes=weight_bytes,
-                    bandwidth=bandwidth,
-                    kv_bytes_per_token=kv_bytes_per_token,
-                ),
-            )
-            if equal_row.get("tokens_per_s"):
-                stream_row["vs_equal"] = stream_row["tokens_per_s"] / equal_row["tokens_per_s"]
+        )
+    stream_row = next((row for row in stream_rows if "error" not in row), {})
+    if stream_row:
+        equal = round(stream_row["mean_len"])
+        prompts = torch.randint(
+            3,
+            TOKENIZER_SIZE[args.shape],
+            (args.batches, args.prompt_len),
+            generator=torch.Generator().manual_seed(args.seed),
+        )
+        equal_row = report.run_row(
+            f"{name}@{args.batches}[equal]",
+            lambda: run_row(
+                args,
+                name,
+                model,
+                None,
+                device,
+                prompts,
+                [equal] * args.batches,
+                forced=True,
+                weight_bytes=weight_bytes,
+                bandwidth=bandwidth,
+                kv_bytes_per_token=kv_bytes_per_token,
+            ),
+        )
+        for row in stream_rows:
+            if equal_row.get("tokens_per_s") and row.get("tokens_per_s"):
+                row["vs_equal"] = row["tokens_per_s"] / equal_row["tokens_per_s"]
     if args.bucket_steps:
         slots = stream_row.get("rows") or args.batches
         buckets = bucket_rows(args, model, device, name, slots, stream_row.get("bucket_steps", {}))
@@ -431,7 +474,8 @@ def main(argv: list[str] | None = None) -> dict:
                 ("stream decode steps", "stream_decode_steps", ","),
             ],
         )
-    lags = [(f"lag {k}", f"lag_{k}_frac", ".2f") for k in range(args.max_staleness + 1)]
+    most_stale = max(config.max_staleness for config in stream_configs(args))
+    lags = [(f"lag {k}", f"lag_{k}_frac", ".2f") for k in range(most_stale + 1)]
     columns = [
         ("row", "name", ""),
         ("tokens/s", "tokens_per_s", ",.0f"),
@@ -449,12 +493,14 @@ def main(argv: list[str] | None = None) -> dict:
         ("% of it", "pct_bound_kv", ".0f"),
         ("peak GiB", "peak_gib", ".1f"),
     ]
-    segment = stream_row.get("segment")
+    streams = "; ".join(
+        f"max_staleness {row.get('max_staleness')}, segment {row.get('segment')}, early stop {row.get('early_stop')}"
+        for row in stream_rows
+    )
     notes = [
         f"shape {args.shape} ({dtype}), random fixed weights, engine {name}; prompt {args.prompt_len} tokens, lengths "
         f"{args.lengths} per sample (new-tokens {args.new_tokens} if equal), temperature 1, EOS off; stream: "
-        f"{args.batches // args.n} prompts × {args.n} a step, max_staleness {args.max_staleness}, segment {segment}, "
-        f"early stop {args.early_stop}, "
+        f"{args.batches // args.n} prompts × {args.n} a step, {streams}, "
         f"tokens/s over steps {args.stream_warmup}..{args.stream_steps - 1} (trained tokens / wall time); lag k: "
         "trained tokens sampled k steps before their step; dropped: restarted samples over the whole stream; cut: "
         "samples a call ended early returned unfinished"
@@ -465,6 +511,7 @@ def main(argv: list[str] | None = None) -> dict:
         data["steps_table"] = markdown_table(
             report.data["steps"],
             [
+                *([("config", "config", "")] if args.configs else []),
                 ("step", "step", ""),
                 ("timed", "timed", ""),
                 ("calls", "calls", ""),
@@ -479,7 +526,7 @@ def main(argv: list[str] | None = None) -> dict:
                 *([("place s", "place_s", ".2f"), ("place tokens", "place_tokens", ",")] if args.phase_times else []),
                 ("seconds", "seconds", ".2f"),
                 ("tokens/s", "tokens_per_s", ",.0f"),
-                *[(f"lag {k} tokens", f"lag_{k}", ",") for k in range(args.max_staleness + 1)],
+                *[(f"lag {k} tokens", f"lag_{k}", ",") for k in range(most_stale + 1)],
             ],
         )
         extra += ["\nstream, per step:", data["steps_table"]]

@@ -128,6 +128,31 @@ def test_rollout_stream(tmp_path, capsys, early_stop):
     assert data["steps_table"] in printed and data["bucket_table"] in printed
 
 
+def test_rollout_stream_configs(tmp_path, capsys):
+    """--configs: several streams in one process, one row each with its own staleness, early stop and segment, the
+    per-step rows labelled by their stream, the [equal] row once; a malformed config is one line."""
+    data, printed = run(
+        "rollout_stream",
+        tmp_path,
+        capsys,
+        *("--batches", "8", "--prompt-len", "5", "--lengths", "lognormal:mean=6,cap=16,sigma=0.8"),
+        *("--stream-steps", "3", "--bucket-steps", "0", "--sync-interval", "2", "--configs", "1/off,2/on,2/on/4"),
+    )
+    got = rows(data)
+    names = ["S1 early off", "S2 early on", "S2 early on segment 4"]
+    streams = [got[f"stream[static_engine@8 {n}]"] for n in names]
+    assert [(s["max_staleness"], s["early_stop"], s["segment"]) for s in streams] == [
+        (1, "off", 8),
+        (2, "on", 16),
+        (2, "on", 4),
+    ]
+    assert streams[0]["cut_total"] == 0 < streams[1]["cut_total"] and all(s["vs_equal"] > 0 for s in streams)
+    assert [s["config"] for s in data["steps"]] == [n for n in names for _ in range(3)]
+    assert sum(1 for name in got if name.endswith("[equal]")) == 1
+    with pytest.raises(SystemExit, match="--configs: '2/x' is not"):
+        load("rollout_stream").main(["--device", "cpu", "--shape", "tiny", "--configs", "2/x"])
+
+
 def test_teacher_score(tmp_path, capsys):
     data, _ = run("teacher_score", tmp_path, capsys, "--batch", "2", "--prompt-len", "4", "--response-len", "6")
     got = rows(data)

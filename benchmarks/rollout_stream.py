@@ -160,6 +160,7 @@ def time_placements(counters: dict, device) -> None:
         sync(device)
         counters["place_s"] += time.perf_counter() - start
         counters["place_tokens"] += len(group) * max(len(run.prompts[p]) for p in group)
+        counters["place_real_tokens"] += sum(len(run.prompts[p]) for p in group)
 
     _Run._place = timed_place
 
@@ -236,7 +237,15 @@ def run_stream(args, report: Report, model, device, name: str, label: str = "") 
         )
         return list(range(start, len(prompts)))
 
-    counters = {"generated": 0, "rows": 0, "bucket_steps": {}, "decode_steps": 0, "place_s": 0.0, "place_tokens": 0}
+    counters = {
+        "generated": 0,
+        "rows": 0,
+        "bucket_steps": {},
+        "decode_steps": 0,
+        "place_s": 0.0,
+        "place_tokens": 0,
+        "place_real_tokens": 0,
+    }
     if args.phase_times:
         time_placements(counters, device)
     steps = [row for row in report.data.setdefault("steps", []) if row.get("config") == label]
@@ -246,7 +255,7 @@ def run_stream(args, report: Report, model, device, name: str, label: str = "") 
     for step in range(args.stream_steps):
         step_seed = args.seed + 100_003 * (step + 1)
         generate = stream_generate(engine, forced, args.prompt_len, cap, step_seed, counters)
-        before = {k: counters[k] for k in ("generated", "decode_steps", "place_s", "place_tokens")}
+        before = {k: counters[k] for k in ("generated", "decode_steps", "place_s", "place_tokens", "place_real_tokens")}
         compiles_before = compiled_graphs()
         sync(device)
         start = time.perf_counter()
@@ -523,7 +532,15 @@ def main(argv: list[str] | None = None) -> dict:
                 ("generated", "generated", ","),
                 ("compiles", "compiles", ","),
                 ("decode steps", "decode_steps", ","),
-                *([("place s", "place_s", ".2f"), ("place tokens", "place_tokens", ",")] if args.phase_times else []),
+                *(
+                    [
+                        ("place s", "place_s", ".2f"),
+                        ("place tokens", "place_tokens", ","),
+                        ("of them real", "place_real_tokens", ","),
+                    ]
+                    if args.phase_times
+                    else []
+                ),
                 ("seconds", "seconds", ".2f"),
                 ("tokens/s", "tokens_per_s", ",.0f"),
                 *[(f"lag {k} tokens", f"lag_{k}", ",") for k in range(most_stale + 1)],

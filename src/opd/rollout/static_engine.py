@@ -1017,9 +1017,11 @@ class _Run:
             if self.counters["prefills"]:
                 self.counters["refills"] += take
             self.pending += take
-            # distinct prompts in order (samples are prompt-major), cut into forwards of ≤ prefill_tokens padded tokens
+            # distinct prompts by length (stable), cut into forwards of ≤ prefill_tokens padded tokens: neighbours in
+            # length pad little (a stream's continued samples range from the bare prompt to max_new_tokens longer)
             groups: list[list[int]] = []
-            for p in dict.fromkeys(self.sample_prompt[s] for s in samples):
+            distinct = sorted(dict.fromkeys(self.sample_prompt[s] for s in samples), key=lambda p: len(self.prompts[p]))
+            for p in distinct:
                 group = groups[-1] if groups else None
                 width = max([len(self.prompts[q]) for q in group or []] + [len(self.prompts[p])])
                 if group is None or (len(group) + 1) * width > self.engine.prefill_tokens:

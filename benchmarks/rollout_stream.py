@@ -7,20 +7,21 @@
 
 Stream (`rollout.partial`): `opd.train.stream.RolloutStream` driven as `opd.train.step._stream_rollouts` drives it,
 over a random-weight model whose weights stay fixed (no training: throughput only), with the engine `--engine`
-(`static_compile` as the trainer's static engine runs on CUDA, `static_engine` on CPU) sized to `--batches` rows.
-A step trains `--batches` samples (`--batches / --n` prompts × `--n`); `--max-staleness S` (default 1) and
-`--segment` (default the trainer's rule, `opd.train.stream.default_segment`), `--early-stop on|off`
-(rollout.partial_early_stop, default off); `--configs S/on|off[/segment],…` runs several streams one after another in
-this process (one row each, the per-step rows labelled; the `[equal]` row once). EOS is off; `--lengths` as in rollout.py, per
-sample: a sample's total response length is drawn once when it starts (again when it is restarted), each call asks
-the engine for the rest of it (capped by the segment, through `max_new_tokens_per_sample`), and a sample that
-reaches it is reported finished ("stop", standing in for its EOS). The stream's calls give each sample only its
-prefix, so the length follows it by that prefix (prompt + tokens so far). Tokens/s: trained tokens / wall time of
-the steps after the first `--stream-warmup` (default 2: step 0 starts S + 1 batches at once and both pay the
-compiles); `[equal]`: the same engine in one call of `--batches` rows at the trained mean length (rollout.py's
-equal-length row, `run_row`), and `vs equal` their ratio (issue target ≥ 0.85). Per step: calls, dropped,
-in flight, trained tokens by lag 0..S, graphs `torch.compile` compiled during the step (a call with a new row count
-compiles the step functions for it, also after the warm-up).
+(`static_compile` as the trainer's static engine runs on CUDA, `static_engine` on CPU) sized to `--batches` rows. A
+step trains `--batches` samples (`--batches / --n` prompts × `--n`); `--max-staleness S` (default 1) and `--segment`
+(default the trainer's rule, `opd.train.stream.default_segment`), `--early-stop on|off` (rollout.partial_early_stop,
+default off); `--configs S/on|off[/segment],…` runs several streams one after another in this process (one row each,
+the per-step rows labelled; the `[equal]` row once). EOS is off; `--lengths` as in rollout.py, per sample: a sample's
+total response length is drawn once when it starts (again when it is restarted), each call asks the engine for the
+rest of it (capped by the segment, through `max_new_tokens_per_sample`), and a sample that reaches it is reported
+finished ("stop", standing in for its EOS). The stream's calls give each sample only its prefix, so the length
+follows it by that prefix (prompt + tokens so far). Tokens/s: trained tokens / wall time of the steps after the first
+`--stream-warmup` (default 2: step 0 starts S + 1 batches at once and both pay the compiles); `[equal]`: the same
+engine in one call of `--batches` rows at the trained mean length (rollout.py's equal-length row, `run_row`), and
+`vs equal` their ratio (the issue's target ≥ 0.85; the bandwidth bound of the stream's own tokens, `KV bound tok/s`, is
+what a long tail allows). Per step: calls, dropped, in flight, trained tokens by lag 0..S, decode steps
+(`--phase-times`: the time and prefill tokens of the engine's placements), graphs `torch.compile` compiled during the
+step (a call with a new row count compiles the step functions for it, also after the warm-up).
 
 Buckets: for each row count b (`--bucket-sizes`; auto: the powers of two below the stream's slot count, that count
 and every bucket the stream's calls decoded at; the engine's own buckets are the ones ≥ 4), two calls of exactly b

@@ -195,6 +195,28 @@ class BenchGenerator:
         )
 
 
+def trained_lengths(tr) -> tuple[dict, object]:
+    """Where the response lengths of the rows a step trains come from, for its bound: with rollout.overlap the batch
+    generated during the previous step (`tr.pending_rollouts`); with rollout.partial the stream's batch (its
+    `next_batch` wrapped for the step, the first call's batch recorded; the caller deletes the wrapper); else the
+    engine's last call (the caller's fallback). Returns the dict that gets "lengths" and the wrapped stream or None."""
+    pending, trained = tr.pending_rollouts, {}
+    if pending is not None:
+        trained["lengths"] = [len(r) for r in pending.output.response_ids]
+        return trained, None
+    if tr.stream is None:
+        return trained, None
+    stream, next_batch = tr.stream, tr.stream.next_batch
+
+    def recorded(*args, **kwargs):
+        batch = next_batch(*args, **kwargs)
+        trained.setdefault("lengths", [len(r) for r in batch.output.response_ids])
+        return batch
+
+    stream.next_batch = recorded
+    return trained, stream
+
+
 def _engine(model, engine: str, args, rows: int, background: bool = False):
     from opd.rollout.static_engine import StaticGenerator
     from opd.rollout.torch_engine import TorchGenerator
@@ -390,10 +412,13 @@ def our_row(
             timed_lengths = tr.generator.lengths
             if warm and args.warmup_lengths:  # shorter warm-up steps: they compile the same layers and kernels
                 tr.generator.lengths = parse_lengths(args.warmup_lengths)
+            trained, stream = trained_lengths(tr)
             try:
                 metrics = opd_step(tr)
             finally:
                 tr.generator.lengths = timed_lengths
+                if stream is not None:
+                    del stream.next_batch  # the class's method again
             tr.step += 1
             # the tokens trained: with overlap or partial the step's rows do not come from its last engine call
             tokens = round(metrics["response_length"] * args.prompts * args.n)
@@ -402,7 +427,7 @@ def our_row(
                 "metrics": metrics,
                 "trace": tr.memory_trace,
                 "start": start,
-                "lengths": list(tr.generator.last_lengths),
+                "lengths": trained.get("lengths", list(tr.generator.last_lengths)),
                 "warm": warm,
                 "new_graphs": compiled_graphs() - graphs_before,
             }
@@ -776,6 +801,7 @@ def main(argv: list[str] | None = None) -> dict:
                         bandwidth=bandwidth,
                     )
                     row.update({f"bound_{k}": v for k, v in bound.items()}, vs_bound=row["seconds"] / bound["total_s"])
+                    row["bound_tokens"] = sum(lengths)  # the response tokens the bound counts: the trained rows'
                 return row
 
             report.run_row(label, ours)
@@ -824,7 +850,9 @@ def main(argv: list[str] | None = None) -> dict:
         notes.append(
             "bound (common.opd_step_bound): decode at the memory bandwidth (weights once per sequential step "
             "+ every token's KV reads) + 2·params FLOPs of teacher and student scoring + 6·params FLOPs of the "
-            "update per position, at the device's dense bf16 peak"
+            "update per position, at the device's dense bf16 peak, over the rows the step trains (with "
+            "rollout.partial a stream need not wait for its longest row within a step, so its decode term is the "
+            "synchronous step's, not a bound of the stream's)"
         )
     memory_rows = [r for r in rows if "resident_gib" in r]
     if memory_rows:

@@ -335,6 +335,24 @@ def test_opd_step_paper_mode_forces_ragged_lengths(tmp_path, capsys):
     assert row["bound_total_s"] > 0 and row["vs_bound"] == pytest.approx(row["seconds"] / row["bound_total_s"])
 
 
+def test_opd_step_bound_counts_the_trained_rows(tmp_path, capsys):
+    """With rollout.overlap or rollout.partial the rows a step trains do not come from the engine's last call (that
+    one makes the next batch, or continues samples): the bound counts the trained rows' response tokens."""
+    data, _ = run(
+        "opd_step",
+        tmp_path,
+        capsys,
+        *("--paper", "--shape", "tiny", "--teacher-shape", "tiny", "--prompts", "2", "--n", "2"),
+        *("--prompt-len", "5", "--new-tokens", "24", "--lengths", "lognormal:mean=8,cap=24,sigma=0.8"),
+        *("--warmup", "1", "--repeat", "1", "--peak-tflops", "1", "--peak-tbps", "0.01"),
+        *("--variants", "default,overlap,partial_s2,partial_overlap"),
+    )
+    got = rows(data)
+    for variant in ("", ", overlap", ", partial_s2", ", partial_overlap"):
+        row = got[f"opd_step[static_engine{variant}]"]
+        assert row["bound_tokens"] == row["tokens"], variant
+
+
 def test_forced_lengths_hold_across_the_calls_of_a_partial_sample():
     """rollout.partial continues a sample over several calls (its prompt plus its tokens so far as a longer prompt):
     the benchmark's generator keeps the length drawn at the sample's first call, EOS at its end below the cap."""

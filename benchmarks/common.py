@@ -516,6 +516,12 @@ def kv_bytes_per_token(shape: str, dtype_bytes: int = 2) -> int:
     return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * dtype_bytes
 
 
+def kv_token_reads(prompt_lengths: list[int], response_lengths: list[int]) -> int:
+    """Cached tokens read to decode these rows: token t of a row reads its prompt's and its t earlier tokens' keys and
+    values (multiply by the bytes per cached token)."""
+    return sum(p * r + r * (r - 1) // 2 for p, r in zip(prompt_lengths, response_lengths))
+
+
 def opd_step_bound(
     *,
     student_params: int,
@@ -534,7 +540,7 @@ def opd_step_bound(
       response; attention FLOPs and the prefill are left out: a lower bound).
     Returns decode_s, teacher_s, student_s, update_s and total_s (their sum: the phases run one after another)."""
     steps = max(response_lengths, default=0)
-    kv_reads = sum(p * r + r * (r - 1) // 2 for p, r in zip(prompt_lengths, response_lengths))
+    kv_reads = kv_token_reads(prompt_lengths, response_lengths)
     positions = sum(prompt_lengths) + sum(response_lengths)
     out = {
         "decode_s": (student_weight_bytes * steps + kv_bytes_per_token * kv_reads) / bandwidth,

@@ -44,9 +44,11 @@ teacher-forced forward against a float32 forward of the same weights (TF32 off),
 table): which side drifts with the length. (The model keeps RoPE's `inv_freq` float32, `common.keep_rope_float32`,
 as real checkpoints load; the float32 reference is a float32 copy of the same bf16 weights and buffers.)
 
-Bound: a decode step reads every weight once, so tokens/s ≤ rows · bandwidth / weight bytes (`pct_bound`); the
-KV cache adds rows · (prompt + t) · 4 · layers · kv_heads · head_dim bytes per step (`bound_kv`, averaged over t at the
-mean length). A ragged call cannot be faster than its longest row decoded alone: `max_len` steps.
+Bound: a decode step reads every weight once, so tokens/s ≤ rows · bandwidth / weight bytes (`pct_bound`); with the
+KV cache (`bound_kv`), token t of a row also reads its prompt's and its t earlier tokens' keys and values (4 · layers ·
+kv_heads · head_dim bytes each in bf16), summed over every row's tokens, and the call reads the weights once per step
+of its longest row: a long tail's tokens sit late in long rows and read more cache than equal lengths at the same
+mean. A ragged call cannot be faster than its longest row decoded alone: `max_len` steps.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from common import (
     base_parser,
     build_model,
     eos_id,
+    kv_token_reads,
     measure,
     pad_id,
     param_bytes,
@@ -452,9 +455,10 @@ def run_row(
         if reference is not None:
             extra["lp_drift"] = drift_by_position(model, reference, prompt_lists, m["result"], args.shape)
     rate = produced / m["seconds"]
-    mean_kv = batch * (args.prompt_len + total / batch / 2) * kv_bytes_per_token
+    # every token reads the cache of its prompt and of the tokens before it; the call reads the weights once a step
+    kv_reads = kv_token_reads([args.prompt_len] * batch, lengths) * kv_bytes_per_token
     bound = batch * bandwidth / weight_bytes if bandwidth else None
-    bound_kv = batch * bandwidth / (weight_bytes + mean_kv) if bandwidth else None
+    bound_kv = total * bandwidth / (longest * weight_bytes + kv_reads) if bandwidth else None
     return {
         "batch": batch,
         "tokens": produced,

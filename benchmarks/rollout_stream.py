@@ -51,6 +51,7 @@ from common import (
     base_parser,
     build_model,
     forced_stop_rule,
+    kv_token_reads,
     markdown_table,
     measure,
     param_bytes,
@@ -177,7 +178,7 @@ def kv_bound(args, model, device, lengths: list[int], rows: int) -> dict:
     cfg = SHAPES[args.shape]
     dtype = next(model.parameters()).dtype
     kv_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * dtype.itemsize
-    read = sum(n * args.prompt_len + n * (n - 1) // 2 for n in lengths) * kv_bytes
+    read = kv_token_reads([args.prompt_len] * len(lengths), lengths) * kv_bytes
     seconds = (read + sum(lengths) / rows * param_bytes(model)) / bandwidth
     return {"bound_kv_tokens_per_s": sum(lengths) / seconds}
 

@@ -2,6 +2,7 @@
 
     python benchmarks/decode_attention.py                                  # GPU: 0.6B heads, 64/256 rows
     python benchmarks/decode_attention.py --rows 64 --lengths 256,640 --splits 1,2,4,8
+    python benchmarks/decode_attention.py --rows 160 --lengths ragged --ragged lognormal:mean=1700,cap=7168
 
 Rows per (rows, length):
     sdpa_masked     what `StaticGenerator(attention="sdpa")` runs: SDPA with a 0/-inf mask over the step's span
@@ -9,8 +10,12 @@ Rows per (rows, length):
     sdpa_exact      SDPA over exactly `length` slots, no mask, `enable_gqa` (flash kernel): what a decode step could
                     do if every row had the same length and no left padding (a lower bound for torch kernels)
     triton[s]       `decode_attention` with s splits per row (`auto`: `default_splits`)
+`--lengths ragged`: each row's valid slots drawn from `--ragged` (seeded; `common.parse_lengths`), as the rows of a
+partial-rollout stream's decode step hold samples from the bare prompt to thousands of tokens: one program per (row,
+kv head) and split, so without splits the longest rows set the kernel's end (`sdpa_exact` has no ragged form).
 Each is replayed from a CUDA graph of 20 calls (as in the decode step), so launch overhead counts once per call, as it
-does there. Bound: the keys and values of the valid slots, rows · kv_heads · length · head_dim · 2 · 2 bytes.
+does there. Bound: the keys and values of the valid slots, kv_heads · head_dim · 2 · 2 bytes per valid slot of
+every row.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Report, base_parser, peaks, resolve_device
+from common import Report, base_parser, parse_lengths, peaks, resolve_device
 
 CALLS = 20
 
@@ -50,12 +55,23 @@ def graph_time(fn, repeat: int) -> float:
 def main(argv: list[str] | None = None) -> dict:
     parser = base_parser(__doc__.splitlines()[0], "qwen3-0.6b")
     parser.add_argument("--rows", default="64,256", help="comma-separated batch rows")
-    parser.add_argument("--lengths", default="256,640,1152", help="comma-separated valid slots per row")
+    parser.add_argument(
+        "--lengths", default="256,640,1152", help="comma-separated valid slots per row; `ragged`: drawn from --ragged"
+    )
+    parser.add_argument(
+        "--ragged", default="lognormal:mean=1700,cap=7168", help="per-row valid slots for --lengths ragged"
+    )
     parser.add_argument("--splits", default="auto,1,2,4,8", help="comma-separated splits for the Triton rows")
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--groups", type=int, default=2, help="query heads per kv head (0.6B/1.7B: 2, 4B: 4)")
     parser.add_argument("--head-dim", type=int, default=128)
     args = parser.parse_args(argv)
+    try:  # bad input fails before the device is asked
+        ragged = parse_lengths(args.ragged)
+    except ValueError as error:
+        raise SystemExit(f"--ragged {str(error).removeprefix('--lengths ')}") from None
+    if any(spec != "ragged" and not spec.isdigit() for spec in args.lengths.split(",")):
+        raise SystemExit(f"--lengths {args.lengths!r}: expected comma-separated integers or `ragged`")
     device = resolve_device(args.device)
     if device.type != "cuda":
         raise SystemExit("decode_attention.py times CUDA kernels; it needs a GPU")
@@ -67,29 +83,33 @@ def main(argv: list[str] | None = None) -> dict:
     )
     kv, groups, dh, scale = args.kv_heads, args.groups, args.head_dim, args.head_dim**-0.5
     for rows in map(int, args.rows.split(",")):
-        for length in map(int, args.lengths.split(",")):
+        for spec in args.lengths.split(","):
+            lengths = ragged.sample(rows, args.seed) if spec == "ragged" else [int(spec)] * rows
+            length = max(lengths)
             capacity = length + 128
             q = torch.randn(rows, kv, groups, dh, device=device, dtype=torch.bfloat16)
             keys = torch.randn(rows, kv, capacity, dh, device=device, dtype=torch.bfloat16)
             values = torch.randn_like(keys)
             start = torch.zeros(rows, dtype=torch.long, device=device)
-            last = torch.full((rows,), length - 1, device=device)  # per row; all rows equal for the comparison
+            last = torch.as_tensor(lengths, device=device) - 1  # per row
             span = min(capacity, -(-length // 128) * 128)
             bias = torch.zeros(rows, span, dtype=torch.bfloat16, device=device)
-            bias[:, length:] = float("-inf")
+            for r, n in enumerate(lengths):
+                bias[r, n:] = float("-inf")
             bias = bias[:, None, None].expand(rows, kv, groups, span)
-            q_heads = q.reshape(rows, kv * groups, 1, dh)
-            exact_k, exact_v = keys[:, :, :length], values[:, :, :length]
             candidates = {
                 "sdpa_masked": lambda q=q, keys=keys, values=values, span=span, bias=bias: (
                     F.scaled_dot_product_attention(
                         q, keys[:, :, :span], values[:, :, :span], attn_mask=bias, scale=scale
                     )
                 ),
-                "sdpa_exact": lambda q_heads=q_heads, exact_k=exact_k, exact_v=exact_v: F.scaled_dot_product_attention(
-                    q_heads, exact_k, exact_v, scale=scale, enable_gqa=True
-                ),
             }
+            if spec != "ragged":
+                q_heads = q.reshape(rows, kv * groups, 1, dh)
+                exact_k, exact_v = keys[:, :, :length], values[:, :, :length]
+                candidates["sdpa_exact"] = lambda q_heads=q_heads, k=exact_k, v=exact_v: F.scaled_dot_product_attention(
+                    q_heads, k, v, scale=scale, enable_gqa=True
+                )
             for splits in args.splits.split(","):
                 count = default_splits(rows, kv, device) if splits == "auto" else int(splits)
                 candidates[f"triton[{splits}={count}]" if splits == "auto" else f"triton[{count}]"] = (
@@ -97,20 +117,21 @@ def main(argv: list[str] | None = None) -> dict:
                         q, keys, values, start, last, scale, splits=count
                     )
                 )
-            bytes_read = rows * kv * length * dh * 2 * 2
+            bytes_read = kv * sum(lengths) * dh * 2 * 2
+            label = f"ragged max {length} mean {sum(lengths) / rows:.0f}" if spec == "ragged" else str(length)
             for name, fn in candidates.items():
 
-                def row(fn=fn, rows=rows, length=length, bytes_read=bytes_read):
+                def row(fn=fn, rows=rows, label=label, bytes_read=bytes_read):
                     seconds = graph_time(fn, args.repeat * 5)
                     return {
                         "rows": rows,
-                        "length": length,
+                        "length": label,
                         "us": round(seconds * 1e6, 2),
                         "tb_per_s": round(bytes_read / seconds / 1e12, 3),
                         "pct_bandwidth": round(100 * bytes_read / seconds / bandwidth, 1) if bandwidth else None,
                     }
 
-                report.run_row(f"{name} R={rows} L={length}", row)
+                report.run_row(f"{name} R={rows} L={label}", row)
     return report.finish(
         [
             ("row", "name", ""),

@@ -6,6 +6,7 @@
 #   bash benchmarks/run_gpu.sh server   (the served teacher; not in the default: needs starlette and uvicorn)
 #   bash benchmarks/run_gpu.sh stream   (the partial-rollout stream with early stop, without and with segments, in one
 #                                        process: issue 24; not in the default, ~9 minutes)
+#   bash benchmarks/run_gpu.sh attention_ragged   (decode attention over rows of unequal lengths, by splits)
 set -uo pipefail
 out=${OUT:-runs/benchmarks/gpu}
 mkdir -p "$out"
@@ -40,12 +41,15 @@ for part in $parts; do
                 --attn sdpa,opd_varlen --compile on --out "$out/teacher_ragged.json"
             run update_ragged 200 python3 benchmarks/update.py --shape qwen3-0.6b --ragged --attn sdpa,opd_varlen \
                 --compile on --ckpt selective --out "$out/update_ragged.json" ;;
+        attention_ragged) run decode_attention_ragged 120 python3 benchmarks/decode_attention.py --rows 160 \
+            --lengths ragged,1700 --ragged lognormal:mean=1700,cap=7168 --splits auto,1,2,4,8 \
+            --out "$out/decode_attention_ragged.json" ;;
         stream) run rollout_stream 560 python3 benchmarks/rollout_stream.py --shape qwen3-0.6b --batches 256 \
             --lengths lognormal:mean=1500,cap=7168 --stream-steps 5 --repeat 1 --bucket-steps 0 --phase-times \
             --configs 2/on,2/on/2389 --out "$out/rollout_stream.json" ;;
         server) run teacher_server 290 python3 benchmarks/teacher_server.py --shapes qwen3-1.7b,qwen3-4b \
             --clients 1,4 --warmup 1 --repeat 3 --out "$out/teacher_server.json" ;;
-        *) echo "unknown part $part (check, attention, rollout, teacher, update, step, step_full, lean, paper, packing, stream, server)"
+        *) echo "unknown part $part (check, attention, rollout, teacher, update, step, step_full, lean, paper, packing, attention_ragged, stream, server)"
            exit 2 ;;
     esac
 done

@@ -153,6 +153,15 @@ def test_rollout_stream_configs(tmp_path, capsys):
         load("rollout_stream").main(["--device", "cpu", "--shape", "tiny", "--configs", "2/x"])
 
 
+def test_decode_attention_refuses_bad_lengths_before_the_device():
+    """decode_attention.py times CUDA kernels only; its length arguments are checked first, each in one line."""
+    main = load("decode_attention").main
+    with pytest.raises(SystemExit, match=r"^--ragged 'lognormal:oops': expected lognormal"):
+        main(["--lengths", "ragged", "--ragged", "lognormal:oops"])
+    with pytest.raises(SystemExit, match=r"^--lengths '5,x': expected comma-separated integers or `ragged`"):
+        main(["--lengths", "5,x"])
+
+
 def test_teacher_score(tmp_path, capsys):
     data, _ = run("teacher_score", tmp_path, capsys, "--batch", "2", "--prompt-len", "4", "--response-len", "6")
     got = rows(data)

@@ -1023,7 +1023,7 @@ class _Run:
             distinct = sorted(dict.fromkeys(self.sample_prompt[s] for s in samples), key=lambda p: len(self.prompts[p]))
             for p in distinct:
                 group = groups[-1] if groups else None
-                width = max([len(self.prompts[q]) for q in group or []] + [len(self.prompts[p])])
+                width = len(self.prompts[p])  # the longest so far: prompts come in ascending length
                 if group is None or (len(group) + 1) * width > self.engine.prefill_tokens:
                     groups.append([p])
                 else:
@@ -1347,9 +1347,12 @@ class _Run:
                 self.slot_position[r] = min(self.slot_position[r] + engine.sync_interval, self.slot_last[r])
             if ended:
                 self._harvest(ended)
-                self._admit(ended)
+                # asked before the refill: a sample placed now would come back cut at its first token, its prefill
+                # spent for nothing
                 if self.stop_when is not None and self.stop_when([None if r is None else r[2] for r in self.results]):
                     self._cut()
+                else:
+                    self._admit(ended)
         self.counters["decoded_tokens"] = sum(len(ids) - 1 for ids, _, _ in self.results if ids)
         responses, logprobs, reasons = (list(column) for column in zip(*self.results))
         return responses, logprobs, reasons

@@ -35,6 +35,7 @@ of positions and cost more.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -45,12 +46,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
-    SHAPES,
     TOKENIZER_SIZE,
     Report,
     base_parser,
     build_model,
     forced_stop_rule,
+    kv_bytes_per_token,
     kv_token_reads,
     markdown_table,
     measure,
@@ -147,12 +148,16 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def time_placements(counters: dict, device) -> None:
-    """--phase-times: wrap the static engine's placement of samples into slots (the prefill forward of their prompts
-    or prefixes, the copy of its keys/values into the cache, the first token) with synchronised timers, so that a
-    step's time splits into placing and decoding (the synchronisation costs a little of both)."""
+@contextlib.contextmanager
+def time_placements(counters: dict, device, on: bool = True):
+    """--phase-times: within the block, the static engine's placement of samples into slots (the prefill forward of
+    their prompts or prefixes, the copy of its keys/values into the cache, the first token) runs between synchronised
+    timers, so that a step's time splits into placing and decoding (the synchronisation costs a little of both)."""
     from opd.rollout.static_engine import _Run
 
+    if not on:
+        yield
+        return
     place = _Run._place
 
     def timed_place(run, group, samples, slots):
@@ -165,6 +170,10 @@ def time_placements(counters: dict, device) -> None:
         counters["place_real_tokens"] += sum(len(run.prompts[p]) for p in group)
 
     _Run._place = timed_place
+    try:
+        yield
+    finally:
+        _Run._place = place
 
 
 def kv_bound(args, model, device, lengths: list[int], rows: int) -> dict:
@@ -175,9 +184,7 @@ def kv_bound(args, model, device, lengths: list[int], rows: int) -> dict:
     _, bandwidth = peaks(device, args)
     if not bandwidth or not lengths or not rows:
         return {}
-    cfg = SHAPES[args.shape]
-    dtype = next(model.parameters()).dtype
-    kv_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * dtype.itemsize
+    kv_bytes = kv_bytes_per_token(args.shape, next(model.parameters()).dtype.itemsize)
     read = kv_token_reads([args.prompt_len] * len(lengths), lengths) * kv_bytes
     seconds = (read + sum(lengths) / rows * param_bytes(model)) / bandwidth
     return {"bound_kv_tokens_per_s": sum(lengths) / seconds}
@@ -248,8 +255,6 @@ def run_stream(args, report: Report, model, device, name: str, label: str = "") 
         "place_tokens": 0,
         "place_real_tokens": 0,
     }
-    if args.phase_times:
-        time_placements(counters, device)
     steps = [row for row in report.data.setdefault("steps", []) if row.get("config") == label]
     timed = {"tokens": 0, "seconds": 0.0, "generated": 0, "samples": 0, "dropped": 0}
     lag_tokens = [0] * (args.max_staleness + 1)
@@ -261,7 +266,8 @@ def run_stream(args, report: Report, model, device, name: str, label: str = "") 
         compiles_before = compiled_graphs()
         sync(device)
         start = time.perf_counter()
-        taken = stream.next_batch(step, draw, prompts, generate)
+        with time_placements(counters, device, on=args.phase_times):
+            taken = stream.next_batch(step, draw, prompts, generate)
         sync(device)
         seconds = time.perf_counter() - start
         tokens = sum(len(ids) for ids in taken.output.response_ids)
@@ -412,14 +418,14 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--batches {args.batches} is not a multiple of --n {args.n}")
     if 0 < args.stream_steps <= args.stream_warmup:
         raise SystemExit(f"--stream-steps {args.stream_steps} ≤ --stream-warmup {args.stream_warmup}: no step timed")
+    configs = stream_configs(args)  # a malformed --configs fails before the model is built
     device = resolve_device(args.device)
     _, bandwidth = peaks(device, args)
     name = args.engine if device.type == "cuda" else "static_engine"  # compilation is CUDA-only
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(args.shape, dtype=dtype, device=device, seed=args.seed)
-    cfg = SHAPES[args.shape]
     weight_bytes = param_bytes(model)
-    kv_bytes_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * dtype.itemsize
+    kv_bytes = kv_bytes_per_token(args.shape, dtype.itemsize)
     report = Report(
         "rollout_stream",
         args,
@@ -431,7 +437,7 @@ def main(argv: list[str] | None = None) -> dict:
         lengths=args.lengths,
     )
     stream_rows: list[dict] = []
-    for config in stream_configs(args) if args.stream_steps else []:
+    for config in configs if args.stream_steps else []:
         label = f"S{config.max_staleness} early {config.early_stop}" + (
             f" segment {config.segment}" if config.segment else ""
         )
@@ -464,7 +470,7 @@ def main(argv: list[str] | None = None) -> dict:
                 forced=True,
                 weight_bytes=weight_bytes,
                 bandwidth=bandwidth,
-                kv_bytes_per_token=kv_bytes_per_token,
+                kv_bytes_per_token=kv_bytes,
             ),
         )
         for row in stream_rows:
@@ -485,7 +491,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ("stream decode steps", "stream_decode_steps", ","),
             ],
         )
-    most_stale = max(config.max_staleness for config in stream_configs(args))
+    most_stale = max(config.max_staleness for config in configs)
     lags = [(f"lag {k}", f"lag_{k}_frac", ".2f") for k in range(most_stale + 1)]
     columns = [
         ("row", "name", ""),

@@ -116,6 +116,8 @@ def static_greedy():
         dict(attention="matmul"),
         dict(fuse_weights=False),
         dict(compile=False),
+        dict(attention_splits=1),
+        dict(attention_splits=16),
     ):
         label = ",".join(f"{k}={v}" for k, v in options.items()) or "default"
         engine = StaticGenerator(

@@ -9,7 +9,7 @@ Rows per (rows, length):
                     rounded up to 128 slots (memory-efficient kernel, the only one taking a mask)
     sdpa_exact      SDPA over exactly `length` slots, no mask, `enable_gqa` (flash kernel): what a decode step could
                     do if every row had the same length and no left padding (a lower bound for torch kernels)
-    triton[s]       `decode_attention` with s splits per row (`auto`: `default_splits`)
+    triton[s]       `decode_attention` with s splits per row (`auto`: `default_splits` of the rows and the cache)
 `--lengths ragged`: each row's valid slots drawn from `--ragged` (seeded; `common.parse_lengths`), as the rows of a
 partial-rollout stream's decode step hold samples from the bare prompt to thousands of tokens: one program per (row,
 kv head) and split, so without splits the longest rows set the kernel's end (`sdpa_exact` has no ragged form).
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
                     q_heads, k, v, scale=scale, enable_gqa=True
                 )
             for splits in args.splits.split(","):
-                count = default_splits(rows, kv, device) if splits == "auto" else int(splits)
+                count = default_splits(rows, kv, device, capacity) if splits == "auto" else int(splits)
                 candidates[f"triton[{splits}={count}]" if splits == "auto" else f"triton[{count}]"] = (
                     lambda q=q, keys=keys, values=values, start=start, last=last, count=count: decode_attention(
                         q, keys, values, start, last, scale, splits=count

@@ -19,6 +19,8 @@ Rows (`--engines` at the first batch size, `--engines-big` at the others):
                         attention is the Triton split-KV kernel (`attention="auto"` on CUDA)
     static_nobuckets    `static_compile` with every decode step over all rows (`row_buckets=False`, the engine's
                         default; static_engine and static_compile run live-row buckets), to compare in one run
+    static_splits1      `static_compile` with one split per row in the Triton kernel (`attention_splits=1`: the
+                        default before the cache's length counted, `default_splits`), to compare in one run
     static_sdpa         `static_compile` with SDPA attention over the bucketed span (`attention="sdpa"`)
     static_v1           `static_compile` as first measured: per-projection GEMMs on the module's own weights
                         (`fuse_weights=False`) and matmul/softmax/matmul attention (`attention="matmul"`)
@@ -87,6 +89,7 @@ ALL = (
     "static_engine",
     "static_compile",
     "static_nobuckets",
+    "static_splits1",
     "static_sdpa",
     "static_v1",
     "vllm",
@@ -146,6 +149,8 @@ def make_engine(name: str, model, shape: str, batch: int, **options):
         return StaticGenerator(model, compile=True, cuda_graphs=True, attention="sdpa", **common)
     if name == "static_nobuckets":
         return StaticGenerator(model, compile=True, cuda_graphs=True, row_buckets=False, **common)
+    if name == "static_splits1":
+        return StaticGenerator(model, compile=True, cuda_graphs=True, attention_splits=1, **common)
     return StaticGenerator(model, compile=name == "static_compile", cuda_graphs=True, row_buckets=True, **common)
 
 
@@ -293,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
     for batch, name in jobs:
         if name not in ALL:
             raise SystemExit(f"--engines: unknown row {name!r}; choose from {', '.join(ALL)}")
-        if name in ("static_compile", "static_sdpa", "static_v1") and device.type != "cuda":
+        if name in ("static_compile", "static_splits1", "static_sdpa", "static_v1") and device.type != "cuda":
             continue  # compilation is CUDA-only; on CPU it would repeat static_engine
         for kind in kinds:
             drawn = lengths_by_batch[batch]

@@ -65,7 +65,7 @@ from common import (
 )
 from rollout import make_engine, run_row
 
-ENGINES = ("static_compile", "static_engine")
+ENGINES = ("static_compile", "static_splits1", "static_engine")
 
 
 class ForcedLengths:

@@ -41,8 +41,8 @@ for part in $parts; do
                 --attn sdpa,opd_varlen --compile on --out "$out/teacher_ragged.json"
             run update_ragged 200 python3 benchmarks/update.py --shape qwen3-0.6b --ragged --attn sdpa,opd_varlen \
                 --compile on --ckpt selective --out "$out/update_ragged.json" ;;
-        attention_ragged) run decode_attention_ragged 120 python3 benchmarks/decode_attention.py --rows 160 \
-            --lengths ragged,1700 --ragged lognormal:mean=1700,cap=7168 --splits auto,1,2,4,8 \
+        attention_ragged) run decode_attention_ragged 120 python3 benchmarks/decode_attention.py --rows 160,64 \
+            --lengths ragged,1700 --ragged lognormal:mean=1700,cap=7168 --splits auto,1,2,4,8,16 \
             --out "$out/decode_attention_ragged.json" ;;
         stream) run rollout_stream 560 python3 benchmarks/rollout_stream.py --shape qwen3-0.6b --batches 256 \
             --lengths lognormal:mean=1500,cap=7168 --stream-steps 5 --repeat 1 --bucket-steps 0 --phase-times \

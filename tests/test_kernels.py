@@ -55,6 +55,17 @@ def test_decode_attention_matches_float64_over_each_rows_slots(dtype, rows, kv_h
         assert torch.equal(cache_k, keys) and torch.equal(cache_v, values)
 
 
+def test_split_count_fills_the_multiprocessors_and_cuts_long_caches():
+    """Splits: the fewest (a power of two, ≤ 16) giving each of 132 multiprocessors a program, and at least one per
+    SPLIT_SLOTS (2,048) slots of the cache, so that one long row among short ones does not set the kernel's end."""
+    from opd.kernels.decode_attention import split_count
+
+    assert split_count(160, 8, 132) == 1 == split_count(160, 8, 132, slots=1828)  # equal rows of ~1,700: as before
+    assert split_count(160, 8, 132, slots=7296) == 4  # a 7,168-token cap: 4 pieces of ≤ 2,048 slots
+    assert split_count(8, 8, 132) == 4 and split_count(8, 8, 132, slots=7296) == 4  # few rows: the first rule
+    assert split_count(1, 1, 132, slots=40_000) == 16 == split_count(64, 8, 132, slots=40_000)  # at most 16
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_decode_attention_soft_caps_the_scores_as_gemma_2(splits):
     """softcap · tanh(score / softcap) before the softmax, on the cache's slots and on the step's new key; a cap that

@@ -300,6 +300,11 @@ def test_unsupported_models_raise():
         StaticGenerator(make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=0)
     with pytest.raises(ValueError, match="round_rows must be None, True or False, got 1"):
         StaticGenerator(make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, round_rows=1)
+    for splits in (3, 0, "4"):
+        with pytest.raises(ValueError, match=f"attention_splits must be None or a power of two ≥ 1, got {splits!r}"):
+            StaticGenerator(
+                make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, attention_splits=splits
+            )
     with pytest.raises(ValueError, match="attention must be one of auto, triton, sdpa, matmul, got 'flash'"):
         StaticGenerator(make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, attention="flash")
     if triton_attention.available(torch.device("cpu")):  # head size 8 (32 / 4 heads): below the kernel's 16

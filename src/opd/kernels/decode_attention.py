@@ -19,9 +19,10 @@ import torch
 
 from opd.kernels import available, interpreted, tl, triton
 
-__all__ = ["available", "decode_attention", "default_splits", "supports"]
+__all__ = ["available", "decode_attention", "default_splits", "split_count", "supports"]
 
 BLOCK_N = 64  # slots per tile; with 4 warps and 2 stages the fastest launch measured (docs/performance.md)
+SPLIT_SLOTS = 2048  # cache slots per split at most, up to 16 splits (`default_splits`; docs/performance.md)
 
 
 def supports(head_dim: int) -> bool:
@@ -30,14 +31,25 @@ def supports(head_dim: int) -> bool:
     return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
 
 
-def default_splits(rows: int, kv_heads: int, device: torch.device) -> int:
-    """Splits per row: the fewest (a power of two, at most 16) that give every multiprocessor a (row, kv head, split)
-    program (measured with `benchmarks/decode_attention.py`, docs/performance.md)."""
+def default_splits(rows: int, kv_heads: int, device: torch.device, slots: int | None = None) -> int:
+    """`split_count` for this device's multiprocessors (1 off CUDA)."""
     if device.type != "cuda":
         return 1
-    target = torch.cuda.get_device_properties(device).multi_processor_count
+    return split_count(rows, kv_heads, torch.cuda.get_device_properties(device).multi_processor_count, slots)
+
+
+def split_count(rows: int, kv_heads: int, multiprocessors: int, slots: int | None = None) -> int:
+    """Splits per row (a power of two, at most 16): the fewest that give every multiprocessor a (row, kv head, split)
+    program, and with `slots` (the cache's length) at least one split per SPLIT_SLOTS of it.
+
+    Why the second rule: rows of unequal lengths (a long tail, a partial-rollout stream) give the programs of one
+    (row, kv head) very unequal work, so without splits the few longest rows set the kernel's end; the split count is
+    a launch constant (one CUDA graph serves every step), so it follows the cache's length, which bounds every row's
+    (docs/performance.md, "decode attention over ragged rows")."""
     splits = 1
-    while splits < 16 and rows * kv_heads * splits < target:
+    while splits < 16 and (
+        rows * kv_heads * splits < multiprocessors or (slots is not None and splits * SPLIT_SLOTS < slots)
+    ):
         splits *= 2
     return splits
 
@@ -223,8 +235,8 @@ def decode_attention(
     stride 1), slot last_R[r] is theirs: they are written into the cache there (the step's cache write, in the same
     kernel) and used directly. Returns [R, Hkv, G, Dh] in q's dtype, a transposed view of a [R, G, Hkv, Dh] tensor:
     flattened as (G, Hkv, Dh) per row it needs no copy (the layout SDPA returns, which `StaticGenerator`'s fused
-    o-projection expects). splits None = `default_splits`. float32 inputs multiply in full float32 (no TF32).
-    block_n (slots per tile), num_warps, num_stages: the kernel's launch configuration.
+    o-projection expects). splits None = `default_splits` over the cache's length S. float32 inputs multiply in full
+    float32 (no TF32). block_n (slots per tile), num_warps, num_stages: the kernel's launch configuration.
     """
     rows, kv_heads, groups, head_dim = q_RKGD.shape
     if triton is None:
@@ -242,7 +254,7 @@ def decode_attention(
             f"decode_attention takes one start and one last slot per row ({rows}), got shapes "
             f"{tuple(start_R.shape)} and {tuple(last_R.shape)}"
         )
-    splits = default_splits(rows, kv_heads, q_RKGD.device) if splits is None else splits
+    splits = default_splits(rows, kv_heads, q_RKGD.device, keys_RKSD.shape[2]) if splits is None else splits
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"decode_attention splits must be a power of two ≥ 1, got {splits}")
     out_RKGD = q_RKGD.new_empty(rows, groups, kv_heads, head_dim).transpose(1, 2)

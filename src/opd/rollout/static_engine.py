@@ -572,6 +572,8 @@ class StaticGenerator(memory.ModuleMemory):
                       live-row buckets and the shape of the sampling noise, are a function of the samples,
                       max_batch_size, max_batch_tokens, this option and the free memory: sampled draws depend on the
                       option, greedy tokens agree (up to the rounding of sums over another row count)
+    attention_splits: the Triton kernel's splits per row (a power of two); None (default) = `default_splits` of
+                      the rows and the cache's length (opd.kernels.decode_attention), fixed for a call's graphs
 
     `stats` (after each call): rows, slots per row, decode steps, refills (samples placed into a freed slot),
     prefill forwards, CUDA graphs captured, occupancy (decoded tokens / (steps × rows)), decode steps per live-row
@@ -597,6 +599,7 @@ class StaticGenerator(memory.ModuleMemory):
         free_memory: memory.MemoryFn | None = None,
         row_buckets: bool = True,
         round_rows: bool | None = None,
+        attention_splits: int | None = None,
     ) -> None:
         check_arguments(
             "StaticGenerator",
@@ -606,6 +609,17 @@ class StaticGenerator(memory.ModuleMemory):
                 ("prefill_tokens", prefill_tokens >= 1, "an integer ≥ 1", prefill_tokens),
                 ("attention", attention in _ATTENTION_CHOICES, f"one of {', '.join(_ATTENTION_CHOICES)}", attention),
                 ("round_rows", round_rows is None or isinstance(round_rows, bool), "None, True or False", round_rows),
+                (
+                    "attention_splits",
+                    attention_splits is None
+                    or (
+                        isinstance(attention_splits, int)
+                        and attention_splits >= 1
+                        and attention_splits & (attention_splits - 1) == 0
+                    ),
+                    "None or a power of two ≥ 1",
+                    attention_splits,
+                ),
             ],
         )
         self.model = model
@@ -645,6 +659,7 @@ class StaticGenerator(memory.ModuleMemory):
         self.free_memory = free_memory
         self.row_buckets = row_buckets
         self.round_rows = round_rows
+        self.attention_splits = attention_splits
         self.hf = HFModel(model, pad_token_id=self.pad_token_id, vocab_size=vocab_size)
         self.stats: dict[str, Any] = {}
         self._compiled: tuple[Callable, Callable, Callable] | None = None
@@ -1196,6 +1211,7 @@ class _Run:
                     self.scaling,
                     k_RKD,
                     v_RKD,
+                    splits=self.engine.attention_splits,
                     softcap=self.layout.attn_softcap,
                 )
             else:

@@ -148,18 +148,21 @@ class BenchGenerator:
     def check_fits(self, *args, **kwargs) -> None:
         self.inner.check_fits(*args, **kwargs)
 
-    def generate(self, prompt_ids, params, *, stop_when=None):
+    def generate(self, prompt_ids, params, *, max_new_tokens_per_sample=None, stop_when=None):
         from opd.rollout import GenerationOutput
 
         if self.lengths is None:
-            out = self.inner.generate(prompt_ids, params, stop_when=stop_when)
+            out = self.inner.generate(
+                prompt_ids, params, max_new_tokens_per_sample=max_new_tokens_per_sample, stop_when=stop_when
+            )
             self.last_lengths = [len(r) for r in out.response_ids]
             return out
         n = params.n
         prefixes = [tuple(prompt) for prompt in prompt_ids for _ in range(n)]
         fresh = self.lengths.sample(len(prefixes), params.seed or 0)
         left = [self._left.pop(key, (min(total, self.cap), total < self.cap)) for key, total in zip(prefixes, fresh)]
-        drawn = [min(length, params.max_new_tokens) for length, _ in left]
+        caps = max_new_tokens_per_sample or [params.max_new_tokens] * len(prefixes)
+        drawn = [min(length, cap) for (length, _), cap in zip(left, caps)]
         # the engine ends each row at its drawn length (continuous batching refills the slot); EOS off so random
         # weights never end a row early, then the last token of every row that ends below the cap is made EOS
         # stop_when (rollout.partial_early_stop) sees the reasons this wrapper will report: a row the engine ended at

@@ -101,16 +101,18 @@ class ForcedLengths:
 
 
 def stream_generate(engine, forced: ForcedLengths, prompt_len: int, cap: int, seed: int, counters: dict):
-    """The `generate(prompt_ids, n, max_new_tokens, call)` closure of one step: one engine call (seed + call) with
-    per-sample limits min(max_new_tokens, the sample's remaining forced length); rows that reach it end "stop"."""
+    """The `generate(prompt_ids, n, max_new_tokens, call, stop_when, caps)` closure of one step: one engine call
+    (seed + call) with per-sample limits min(the stream's cap, the sample's remaining forced length); rows that reach
+    their forced length end "stop"."""
     from dataclasses import replace
 
     from opd.rollout import SamplingParams
 
-    def generate(prompt_ids, n, max_new_tokens, call, stop_when):
+    def generate(prompt_ids, n, max_new_tokens, call, stop_when, caps):
         rows = [list(p) for p in prompt_ids for _ in range(n)]
         totals = [forced.total(r, prompt_len) for r in rows]
-        limits = [min(max_new_tokens, t - (len(r) - prompt_len)) for r, t in zip(rows, totals)]
+        caps = caps or [max_new_tokens] * len(rows)
+        limits = [min(c, t - (len(r) - prompt_len)) for r, t, c in zip(rows, totals, caps)]
         # the stream's stop rule (--early-stop) sees the reasons reported below: a row at its forced total is "stop"
         stops = [limit == t - (len(r) - prompt_len) and t < cap for r, t, limit in zip(rows, totals, limits)]
         rule = forced_stop_rule(stop_when, stops)

@@ -25,16 +25,17 @@ EOS = 0
 ROOT = Path(__file__).parents[1]
 
 
-def _scripted(prompt_ids, n, max_new_tokens, call, stop_when=None):
+def _scripted(prompt_ids, n, max_new_tokens, call, stop_when=None, caps=None):
     """A deterministic engine: prompt token p % 3 == 0 never stops (runs to the cap), the others stop with EOS at
     their second response token. The prompt is the first token of every prefix. It cannot end a call early: it
-    does not ask `stop_when`."""
+    does not ask `stop_when`. caps: per-sample limits (`max_new_tokens_per_sample`)."""
     ids, reasons, groups = [], [], []
     for g, prefix in enumerate(prompt_ids):
-        for _ in range(n):
+        for j in range(n):
             done = len(prefix) - 1
+            limit = max_new_tokens if caps is None else caps[g * n + j]
             out = []
-            while len(out) < max_new_tokens:
+            while len(out) < limit:
                 out.append(EOS if prefix[0] % 3 and done + len(out) == 1 else 5)
                 if out[-1] == EOS:
                     break
@@ -44,10 +45,11 @@ def _scripted(prompt_ids, n, max_new_tokens, call, stop_when=None):
     return GenerationOutput(ids, reasons, groups, [[-0.5] * len(r) for r in ids])
 
 
-def _lockstep(prompt_ids, n, max_new_tokens, call, stop_when=None):
+def _lockstep(prompt_ids, n, max_new_tokens, call, stop_when=None, caps=None):
     """`_scripted`'s samples decoded all at once, one token a step, asking `stop_when` after each step in which
     samples ended, as the engines do: when it says stop, every sample keeps what it has ("length")."""
     rows = [prefix for prefix in prompt_ids for _ in range(n)]
+    limits = [max_new_tokens] * len(rows) if caps is None else list(caps)
     ids: list[list[int]] = [[] for _ in rows]
     reasons: list[str | None] = [None] * len(rows)
     for _ in range(max_new_tokens):
@@ -56,7 +58,7 @@ def _lockstep(prompt_ids, n, max_new_tokens, call, stop_when=None):
             if reasons[r] is None:
                 done = len(prefix) - 1 + len(ids[r])
                 ids[r].append(EOS if prefix[0] % 3 and done == 1 else 5)
-                if ids[r][-1] == EOS or len(ids[r]) == max_new_tokens:
+                if ids[r][-1] == EOS or len(ids[r]) == limits[r]:
                     reasons[r], ended = "stop" if ids[r][-1] == EOS else "length", True
         if ended and stop_when is not None and stop_when(reasons) and None in reasons:
             break
@@ -98,6 +100,27 @@ def test_early_stop_cuts_calls_and_still_trains_every_sample_within_the_stalenes
     long_groups = [(i, s) for i, s in trained if prompts[i][0] % 3 == 0]
     assert long_groups and all(s - drawn[i] <= staleness for i, s in long_groups)
     assert {i for i, s in drawn.items() if s <= 14 - staleness - 1} <= {i for i, _ in trained}
+
+
+def test_each_continued_sample_is_asked_for_what_its_cap_leaves_only():
+    """A call continues samples with different numbers of tokens left: each gets min(the call's tokens, what
+    max_new_tokens leaves it) as its own limit (`caps`), so that no engine decodes past a sample's cap and a static
+    engine's slots hold one sample's prefix and limit, not the longest prefix and the largest limit."""
+    prompts = [[p] for p in range(1, 61)]
+    order = iter(range(60))
+    calls = []
+
+    def recording(prompt_ids, n, max_new_tokens, call, stop_when=None, caps=None):
+        calls.append(([len(prefix) - 1 for prefix in prompt_ids for _ in range(n)], max_new_tokens, caps))
+        return _scripted(prompt_ids, n, max_new_tokens, call, stop_when, caps)
+
+    stream = RolloutStream(prompts_per_step=2, n=2, max_new_tokens=7, segment=3, max_staleness=2)
+    for step in range(10):
+        stream.next_batch(step, lambda: [next(order), next(order)], prompts, recording)
+    for done, new, caps in calls:
+        limits = [new] * len(done) if caps is None else caps
+        assert limits == [min(new, 7 - d) for d in done]
+    assert any(caps is not None for _, _, caps in calls)
 
 
 def test_early_stop_with_an_engine_that_cannot_stop_is_the_plain_stream():

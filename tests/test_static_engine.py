@@ -710,6 +710,29 @@ def test_rows_are_sized_from_the_free_memory():
     assert [len(ids) for ids in out.response_ids] == [new] * 40
 
 
+def test_slots_hold_the_longest_sample_not_the_longest_prompt_with_the_largest_limit():
+    """A partial-rollout continuation: the longest prefix has the fewest tokens left. A row holds max over samples of
+    (prompt + its limit) slots, so that more rows fit the same memory, and the greedy outputs are the torch engine's."""
+    model = make_tiny_model("qwen3")
+    prompts = [list(range(1, 30)), [3, 4], [5, 6, 7]]
+    caps = [2, 12, 10]
+    params = SamplingParams(temperature=0, max_new_tokens=12, stop_at_eos=False, return_logprobs=True)
+    reference, _ = engines(model)
+    want = reference.generate(prompts, params, max_new_tokens_per_sample=caps)
+    probe = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
+    new_cost, old_cost = probe.row_cost(29, 12, slots=31), probe.row_cost(29, 12)
+    total = 80 * GIB
+    free = memory.margin_bytes(total) + new_cost.fixed_bytes + 3 * new_cost.row_bytes
+    assert memory.rows_that_fit((free, total), old_cost) == 2  # sized by the longest prompt + the largest limit
+    static = StaticGenerator(
+        model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, free_memory=lambda device: (free, total)
+    )
+    got = static.generate(prompts, params, max_new_tokens_per_sample=caps)
+    assert static.stats["slots_per_row"] == 31 and static.stats["rows"] == 3
+    assert got.response_ids == want.response_ids
+    assert _max_abs_diff(got.logprobs, want.logprobs) < 1e-4
+
+
 def test_rounded_rows_stay_on_a_bounded_set_under_the_memory_and_token_caps():
     """round_rows: the memory cap applies after the rounding as without it (below 16 rows as it is, else a multiple
     of 8), and so does a binding max_batch_tokens cap, which without rounding follows every prompt length: over any

@@ -707,11 +707,14 @@ class StaticGenerator(memory.ModuleMemory):
             return torch.get_autocast_dtype(device.type)
         return self.model.get_decoder().layers[0].self_attn.o_proj.weight.dtype
 
-    def row_cost(self, prompt_tokens: int, new_tokens: int, dtype: torch.dtype | None = None) -> memory.RowCost:
-        """What one row of a call with this longest prompt and max_new_tokens holds: its KV slots, the [V]-sized
-        sampling buffers (the head's logits, the uniform noise, the sampling's float32 temporaries at V = the whole
-        vocabulary: 3.9 MB a row at Qwen3's 151,936), the decode step's activations and its output columns; plus what
-        the call holds once (one prefill forward of `prefill_tokens`, first-token sampling, the RoPE table)."""
+    def row_cost(
+        self, prompt_tokens: int, new_tokens: int, dtype: torch.dtype | None = None, slots: int | None = None
+    ) -> memory.RowCost:
+        """What one row of a call with this longest prompt and max_new_tokens holds: its KV slots (`slots`, default
+        prompt_tokens + new_tokens), the [V]-sized sampling buffers (the head's logits, the uniform noise, the
+        sampling's float32 temporaries at V = the whole vocabulary: 3.9 MB a row at Qwen3's 151,936), the decode
+        step's activations and its output columns; plus what the call holds once (one prefill forward of
+        `prefill_tokens`, first-token sampling, the RoPE table)."""
         config = self.model.config
         dtype = dtype or self.compute_dtype()
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, _head_dim(self.model)
@@ -719,7 +722,7 @@ class StaticGenerator(memory.ModuleMemory):
         vocab_rows = self.model.get_output_embeddings().weight.shape[0]
         vocab = min(self.vocab_size or vocab_rows, vocab_rows)
         kv = memory.kv_bytes_per_token(config, dtype)
-        slots = prompt_tokens + new_tokens
+        slots = prompt_tokens + new_tokens if slots is None else slots
         sampling = vocab_rows * dtype.itemsize + 4 * vocab * (1 + _SAMPLING_FLOATS)
         prefill = max(self.prefill_tokens, prompt_tokens) * memory.prefill_bytes_per_token(config, torch.float32)
         return memory.RowCost(
@@ -780,21 +783,28 @@ class StaticGenerator(memory.ModuleMemory):
             names=names,
         )
 
-    def plan_rows(self, samples: int, prompt_tokens: int, new_tokens: int, dtype: torch.dtype | None = None) -> int:
+    def plan_rows(
+        self,
+        samples: int,
+        prompt_tokens: int,
+        new_tokens: int,
+        dtype: torch.dtype | None = None,
+        slots: int | None = None,
+    ) -> int:
         """Rows of a call with `samples` samples: max_batch_size, capped by the samples (rounded up to the ladder of
         `_round_rows` when `round_rows` is on), by max_batch_tokens and by `opd.rollout.memory.rows_that_fit` on the
         memory free now. Memory-limited counts of 16 or more are rounded down to a multiple of 8 (`_settle_limit`;
         with `round_rows` on, a binding max_batch_tokens cap too), so that calls whose free memory differs a little
-        run (and compile) the same shape."""
+        run (and compile) the same shape. slots: KV slots per row (default prompt_tokens + new_tokens)."""
         rounds = self._rounds_rows()
         rows = _round_rows(samples, self.max_batch_size) if rounds else min(self.max_batch_size, samples)
-        slots = prompt_tokens + new_tokens
+        slots = prompt_tokens + new_tokens if slots is None else slots
         if self.max_batch_tokens is not None:
             limit = max(1, self.max_batch_tokens // slots)
             if limit < rows:
                 rows = _settle_limit(limit) if rounds else limit
         free = self._memory()
-        cost = self.row_cost(prompt_tokens, new_tokens, dtype)
+        cost = self.row_cost(prompt_tokens, new_tokens, dtype, slots)
         fit = memory.rows_that_fit(free, cost)
         if fit is not None and fit < rows:
             if fit < 1:
@@ -883,8 +893,10 @@ class _Run:
         self.prompts, self.caps = prompts, caps
         self.sample_prompt = [p for p in range(len(prompts)) for _ in range(params.n)]
         self.width, self.steps = max(len(p) for p in prompts), max(caps)
-        self.capacity = self.width + self.steps  # slots; the last sampled token is never fed back, so one spare
-        self.rows = rows = engine.plan_rows(len(caps), self.width, self.steps, dtype)
+        # slots: the longest sample, its prompt and its own limit (a stream's longest continued prefix has a short
+        # limit left); the last sampled token is never fed back, so one spare
+        self.capacity = max(len(prompts[p]) + cap for p, cap in zip(self.sample_prompt, caps))
+        self.rows = rows = engine.plan_rows(len(caps), self.width, self.steps, dtype, slots=self.capacity)
         head_dim = _head_dim(model)
         for layer in self.layers:
             # zeros, not empty: the SDPA path reads whole buckets (masked slots must hold finite values)

@@ -249,9 +249,9 @@ def _stream_generate(cfg: DistillConfig, generator: Generator, step: int, rank: 
     """The stream's engine calls for the batch step `step` trains: call c seeded by `_step_seed(seed, step, rank, c)`
     whichever thread and weights make it."""
 
-    def generate(prompt_ids, n, max_new_tokens, call, stop_when):
+    def generate(prompt_ids, n, max_new_tokens, call, stop_when, caps):
         params = replace(_sampling_params(cfg, step, rank, call), n=n, max_new_tokens=max_new_tokens)
-        return generator.generate(prompt_ids, params, stop_when=stop_when)
+        return generator.generate(prompt_ids, params, max_new_tokens_per_sample=caps, stop_when=stop_when)
 
     return generate
 

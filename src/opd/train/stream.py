@@ -99,8 +99,11 @@ def default_segment(max_new_tokens: int, max_staleness: int, ahead: int, early_s
     return max(1, max_new_tokens // versions)
 
 
-# generate(prompt_ids, n, max_new_tokens, call, stop_when) -> the engine's output (one call, its own seed)
-GenerateFn = Callable[[Sequence[Sequence[int]], int, int, int, "StopRule | None"], GenerationOutput]
+# generate(prompt_ids, n, max_new_tokens, call, stop_when, caps) -> the engine's output (one call, its own seed);
+# caps: None, or one limit per sample (n = 1), each ≤ max_new_tokens (`max_new_tokens_per_sample`)
+GenerateFn = Callable[
+    [Sequence[Sequence[int]], int, int, int, "StopRule | None", "Sequence[int] | None"], GenerationOutput
+]
 
 
 class RolloutStream:
@@ -210,16 +213,20 @@ class RolloutStream:
         synchronous step sends); anything else as one prefix per sample."""
         running = self._running()
         new = min(self.segment, max(self.cap - len(s.tokens) for s in running))
+        # each sample's own limit: it ends at max_new_tokens in the engine (no decoding past it), and the engine's
+        # slots hold the longest prefix + limit of one sample, not the longest prefix + the largest limit
+        limits = [min(new, self.cap - len(s.tokens)) for s in running]
+        caps = None if all(limit == new for limit in limits) else limits
         stop_when = self._stop_rule(step, running, new)
         groups = [running[i].group for i in range(0, len(running), self.n)]
         fresh = len(running) % self.n == 0 and all(
             not s.tokens and s.group == groups[i // self.n] and s.slot == i % self.n for i, s in enumerate(running)
         )
         if fresh:
-            out = generate([prompt_ids[self.groups[g].prompt] for g in groups], self.n, new, call, stop_when)
+            out = generate([prompt_ids[self.groups[g].prompt] for g in groups], self.n, new, call, stop_when, None)
         else:
             prefixes = [list(prompt_ids[self.groups[s.group].prompt]) + s.tokens for s in running]
-            out = generate(prefixes, 1, new, call, stop_when)
+            out = generate(prefixes, 1, new, call, stop_when, caps)
         for row, sample in enumerate(running):
             remaining = self.cap - len(sample.tokens)
             ids, reason = out.response_ids[row], out.finish_reasons[row]

@@ -256,9 +256,10 @@ class VLLMGenerator:
         stop_when: StopRule | None = None,
     ) -> GenerationOutput:
         """n samples for each of P prompts, prompt-major (see `GenerationOutput`). max_new_tokens_per_sample: one
-        length limit per sample (prompt-major, each ≤ params.max_new_tokens; benchmarks): each sample is then its own
-        request (n = 1, seeded per sample), so the draws differ from those of one n-sample request. stop_when is
-        not asked: `LLM.generate` runs every request of the call to its end (`opd.rollout.base.StopRule`)."""
+        length limit per sample (prompt-major, each ≤ params.max_new_tokens; benchmarks, and the partial-rollout
+        stream's continued samples): each sample is then its own request (n = 1, seeded per sample), so the draws
+        differ from those of one n-sample request. stop_when is not asked: `LLM.generate` runs every request of the
+        call to its end (`opd.rollout.base.StopRule`)."""
         from vllm import TokensPrompt
 
         for i, prompt in enumerate(prompt_ids):

@@ -230,8 +230,8 @@ class RolloutStream:
         for row, sample in enumerate(running):
             remaining = self.cap - len(sample.tokens)
             ids, reason = out.response_ids[row], out.finish_reasons[row]
-            self.cut += reason == "length" and len(ids) < min(new, remaining)
-            if len(ids) > remaining:  # a call is as long as the longest remaining: cut at this sample's cap
+            self.cut += reason == "length" and len(ids) < limits[row]
+            if len(ids) > remaining:  # an engine that ignores per-sample limits: cut at this sample's cap
                 ids, reason = ids[:remaining], "length"
             sample.tokens += ids
             sample.versions += [version] * len(ids)

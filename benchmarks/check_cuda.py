@@ -10,6 +10,10 @@ Checks (float32 with TF32 off unless the row says bf16; tolerances in the table)
                       for the whole call on the Triton path
 - decode_attention:   the Triton split-KV decode kernel (bf16, Qwen3 head shapes, per-row start and end slots, 1–16
                       splits, inside a CUDA graph as the decode step runs it) against a float64 reference
+- static_packed:      `StaticGenerator` prefilling packed (a model set to opd_varlen): float32 greedy tokens equal
+                      `TorchGenerator`'s and log-probs a teacher-forced forward's (per-row attention); under bf16
+                      autocast (FlashAttention varlen prefill) packed against padded prefills as static_autocast
+                      compares its two steps, and both against a teacher-forced forward
 - static_memory:      with a ballast tensor leaving the safety margin, one call's fixed cost and 32 rows free,
                       `StaticGenerator` sizes its rows from the free memory
                       (fewer than max_batch_size) and the call's peak allocation stays inside what was free
@@ -310,6 +314,46 @@ def static_autocast():
     err = max(abs(x[0] - y[0]) for x, y in zip(fused.logprobs, unfused.logprobs))
     check("static_autocast first-token log-prob |Δ| (fused vs unfused)", err, 1e-2)
     check("static_autocast mean |log-prob - teacher-forced under autocast|", forced, 1e-2)
+
+
+@guarded
+def static_packed():
+    from opd.kernels import varlen_attention
+    from opd.rollout import SamplingParams
+    from opd.rollout.static_engine import StaticGenerator
+    from opd.rollout.torch_engine import TorchGenerator
+
+    model = tiny(torch.float32)
+    model.set_attn_implementation(varlen_attention.register())
+    g = torch.Generator().manual_seed(2)
+    prompts = [
+        torch.randint(3, 500, (int(n),), generator=g).tolist() for n in torch.randint(1, 300, (12,), generator=g)
+    ]
+    caps = torch.randint(1, 101, (24,), generator=g).tolist()
+    common = dict(eos_token_ids=[2], pad_token_id=1, vocab_size=500)
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=100, stop_at_eos=True, return_logprobs=True, seed=0)
+    reference = TorchGenerator(model, max_batch_size=24, **common).generate(
+        prompts, params, max_new_tokens_per_sample=caps
+    )
+    engine = StaticGenerator(model, max_batch_size=10, sync_interval=8, prefill_tokens=512, **common)
+    output = engine.generate(prompts, params, max_new_tokens_per_sample=caps)
+    mismatched = sum(a != b for a, b in zip(output.response_ids, reference.response_ids))
+    check(
+        "static_packed rows differing from TorchGenerator (float32)", mismatched, 0, f"(packed {engine.packed_prefill})"
+    )
+    check("static_packed max |log-prob - teacher-forced| (float32)", teacher_forced(model, prompts, output), 1e-4)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=40, stop_at_eos=False, return_logprobs=True, seed=0)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        outputs = {
+            packed: StaticGenerator(model, max_batch_size=12, packed_prefill=packed, **common).generate(prompts, params)
+            for packed in (True, False)
+        }
+        forced = max(teacher_forced(model, prompts, outputs[packed], reduce="mean") for packed in (True, False))
+    same = sum(x == y for x, y in zip(outputs[True].response_ids, outputs[False].response_ids)) / len(prompts)
+    check("static_packed greedy rows equal (packed vs padded under autocast), 1 - rate", 1 - same, 0.25)
+    err = max(abs(x[0] - y[0]) for x, y in zip(outputs[True].logprobs, outputs[False].logprobs))
+    check("static_packed first-token log-prob |Δ| (packed vs padded under autocast)", err, 1e-2)
+    check("static_packed mean |log-prob - teacher-forced under autocast| (worse of the two)", forced, 1e-2)
 
 
 @guarded
@@ -696,6 +740,7 @@ def families_distill():
 
 CHECKS = (
     static_greedy,
+    static_packed,
     static_rows_and_stop,
     decode_attention,
     full_vocab_topk,

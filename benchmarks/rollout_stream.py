@@ -7,7 +7,8 @@
 
 Stream (`rollout.partial`): `opd.train.stream.RolloutStream` driven as `opd.train.step._stream_rollouts` drives it,
 over a random-weight model whose weights stay fixed (no training: throughput only), with the engine `--engine`
-(`static_compile` as the trainer's static engine runs on CUDA, `static_engine` on CPU) sized to `--batches` rows. A
+(`static_compile` as the trainer's static engine runs on CUDA, `static_packed` = it with packed prefills,
+`static_engine` on CPU) sized to `--batches` rows. A
 step trains `--batches` samples (`--batches / --n` prompts × `--n`); `--max-staleness S` (default 1) and `--segment`
 (default the trainer's rule, `opd.train.stream.default_segment`), `--early-stop on|off` (rollout.partial_early_stop,
 default off); `--configs S/on|off[/segment],…` runs several streams one after another in this process (one row each,
@@ -65,7 +66,14 @@ from common import (
 )
 from rollout import make_engine, run_row
 
-ENGINES = ("static_compile", "static_splits1", "static_engine")
+ENGINES = ("static_compile", "static_splits1", "static_packed", "static_engine")
+
+
+def stream_engine(name: str, model, shape: str, rows: int, **options):
+    """rollout.py's engine `name`; static_packed: static_compile with packed prefills (`packed_prefill=True`)."""
+    if name == "static_packed":
+        return make_engine("static_compile", model, shape, rows, packed_prefill=True, **options)
+    return make_engine(name, model, shape, rows, **options)
 
 
 class ForcedLengths:
@@ -168,8 +176,10 @@ def time_placements(counters: dict, device, on: bool = True):
         place(run, group, samples, slots)
         sync(device)
         counters["place_s"] += time.perf_counter() - start
-        counters["place_tokens"] += len(group) * max(len(run.prompts[p]) for p in group)
-        counters["place_real_tokens"] += sum(len(run.prompts[p]) for p in group)
+        real = sum(len(run.prompts[p]) for p in group)
+        padded = len(group) * max(len(run.prompts[p]) for p in group)
+        counters["place_tokens"] += real if run.engine.packed_prefill else padded
+        counters["place_real_tokens"] += real
 
     _Run._place = timed_place
     try:
@@ -230,7 +240,7 @@ def run_stream(args, report: Report, model, device, name: str, label: str = "") 
         max_staleness=args.max_staleness,
         early_stop=args.early_stop == "on",
     )
-    engine = make_engine(
+    engine = stream_engine(
         name,
         model,
         args.shape,
@@ -349,7 +359,7 @@ def bucket_rows(args, model, device, name: str, slots: int, stream_steps: dict) 
     g = torch.Generator().manual_seed(args.seed + 1)
     rows = []
     for b in sizes:
-        engine = make_engine(name, model, args.shape, b)
+        engine = stream_engine(name, model, args.shape, b)
         prompts = torch.randint(3, TOKENIZER_SIZE[args.shape], (b, args.prompt_len), generator=g).tolist()
         interval = engine.sync_interval
         short, long = 1 + interval, 1 + interval * (1 + math.ceil(args.bucket_steps / interval))
@@ -414,6 +424,12 @@ def main(argv: list[str] | None = None) -> dict:
         "--bucket-sizes", default="auto", help="comma-separated row counts of the bucket table; auto: see the docstring"
     )
     parser.add_argument("--engine", default="static_compile", choices=ENGINES, help="static_compile: CUDA only")
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        help="the model's attention: auto (as opd.models.load_model picks: opd_varlen on CUDA, sdpa elsewhere), or a "
+        "transformers name; --engine static_packed needs opd_varlen",
+    )
     parser.add_argument("--lp-error", choices=("on", "off"), default="off", help="lp_err of the [equal] row")
     args = parser.parse_args(argv)
     if args.batches % args.n:
@@ -425,7 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
     _, bandwidth = peaks(device, args)
     name = args.engine if device.type == "cuda" else "static_engine"  # compilation is CUDA-only
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(args.shape, dtype=dtype, device=device, seed=args.seed)
+    model = build_model(args.shape, dtype=dtype, device=device, seed=args.seed, attn_implementation=args.attention)
     weight_bytes = param_bytes(model)
     kv_bytes = kv_bytes_per_token(args.shape, dtype.itemsize)
     report = Report(
@@ -435,6 +451,7 @@ def main(argv: list[str] | None = None) -> dict:
         shape=args.shape,
         dtype=str(dtype),
         engine=name,
+        attention=model.config._attn_implementation,
         prompt_len=args.prompt_len,
         lengths=args.lengths,
     )
@@ -463,7 +480,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{name}@{args.batches}[equal]",
             lambda: run_row(
                 args,
-                name,
+                "static_compile" if name == "static_packed" else name,  # equal prompts: nothing to pack
                 model,
                 None,
                 device,
@@ -517,7 +534,8 @@ def main(argv: list[str] | None = None) -> dict:
         for row in stream_rows
     )
     notes = [
-        f"shape {args.shape} ({dtype}), random fixed weights, engine {name}; prompt {args.prompt_len} tokens, lengths "
+        f"shape {args.shape} ({dtype}), random fixed weights, engine {name}, attention "
+        f"{model.config._attn_implementation}; prompt {args.prompt_len} tokens, lengths "
         f"{args.lengths} per sample (new-tokens {args.new_tokens} if equal), temperature 1, EOS off; stream: "
         f"{args.batches // args.n} prompts × {args.n} a step, {streams}, "
         f"tokens/s over steps {args.stream_warmup}..{args.stream_steps - 1} (trained tokens / wall time); lag k: "

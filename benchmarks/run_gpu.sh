@@ -7,6 +7,8 @@
 #   bash benchmarks/run_gpu.sh stream   (the partial-rollout stream with early stop, without and with segments, in one
 #                                        process: issue 24; not in the default, ~9 minutes)
 #   bash benchmarks/run_gpu.sh attention_ragged   (decode attention over rows of unequal lengths, by splits)
+#   bash benchmarks/run_gpu.sh prefill   (the static engine's prefill of long continued samples, packed against
+#                                         padded, with each layout's top CUDA kernels; then the stream packed)
 set -uo pipefail
 out=${OUT:-runs/benchmarks/gpu}
 mkdir -p "$out"
@@ -47,9 +49,14 @@ for part in $parts; do
         stream) run rollout_stream 560 python3 benchmarks/rollout_stream.py --shape qwen3-0.6b --batches 256 \
             --lengths lognormal:mean=1500,cap=7168 --stream-steps 5 --repeat 1 --bucket-steps 0 --phase-times \
             --configs 2/on,2/on/2389 --out "$out/rollout_stream.json" ;;
+        prefill) run prefill 150 python3 benchmarks/prefill.py --shape qwen3-0.6b --samples 64 \
+                --prompt-lengths 128:7296 --profile --out "$out/prefill.json"
+            run rollout_stream_packed 560 python3 benchmarks/rollout_stream.py --shape qwen3-0.6b --batches 256 \
+                --lengths lognormal:mean=1500,cap=7168 --stream-steps 5 --repeat 1 --bucket-steps 0 --phase-times \
+                --configs 2/on --engine static_packed --out "$out/rollout_stream_packed.json" ;;
         server) run teacher_server 290 python3 benchmarks/teacher_server.py --shapes qwen3-1.7b,qwen3-4b \
             --clients 1,4 --warmup 1 --repeat 3 --out "$out/teacher_server.json" ;;
-        *) echo "unknown part $part (check, attention, rollout, teacher, update, step, step_full, lean, paper, packing, attention_ragged, stream, server)"
+        *) echo "unknown part $part (check, attention, rollout, teacher, update, step, step_full, lean, paper, packing, attention_ragged, prefill, stream, server)"
            exit 2 ;;
     esac
 done

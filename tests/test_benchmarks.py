@@ -153,6 +153,17 @@ def test_rollout_stream_configs(tmp_path, capsys):
         load("rollout_stream").main(["--device", "cpu", "--shape", "tiny", "--configs", "2/x"])
 
 
+def test_prefill_packed_and_padded_place_the_same_prompts(tmp_path, capsys):
+    """Both layouts place every prompt; packed cuts its forwards by real tokens, padded by rows × the longest, so
+    padded needs at least as many forwards."""
+    data, printed = run(
+        "prefill", tmp_path, capsys, "--samples", "6", "--prompt-lengths", "8:64", "--prefill-tokens", "128"
+    )
+    got = rows(data)
+    assert set(got) == {"packed", "padded"} and "opd_varlen attention" in printed
+    assert 1 <= got["packed"]["prefills"] <= got["padded"]["prefills"]
+
+
 def test_decode_attention_refuses_bad_lengths_before_the_device():
     """decode_attention.py times CUDA kernels only; its length arguments are checked first, each in one line."""
     main = load("decode_attention").main

@@ -89,7 +89,7 @@ def test_every_decode_path_matches_torch_generator_in_float32(model_name, fuse_w
 
 def test_generation_is_unchanged_on_a_model_set_to_opd_varlen():
     """`load_model` sets opd_varlen on CUDA: generation (left-padded prefill, decode with a cache) must take its SDPA
-    path exactly, in both engines."""
+    path exactly, in both engines, unless the static engine is asked to pack its prefills."""
     from opd.kernels import varlen_attention
 
     model = make_tiny_model("qwen3")
@@ -100,6 +100,55 @@ def test_generation_is_unchanged_on_a_model_set_to_opd_varlen():
         results[attn] = [engine.generate(PROMPTS, params) for engine in engines(model)]
     for want, got in zip(results["sdpa"], results[varlen_attention.ATTENTION]):
         assert got.response_ids == want.response_ids and got.logprobs == want.logprobs
+    # packed, the float32 per-row and padded attention sum in another order: 1e-6-level log-prob differences that
+    # do not move a draw here
+    static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=16, packed_prefill=True)
+    packed = static.generate(PROMPTS, params)
+    want = results["sdpa"][1]
+    assert packed.response_ids == want.response_ids and _max_abs_diff(packed.logprobs, want.logprobs) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [3, 16])
+def test_packed_prefill_gives_the_padded_prefills_greedy_outputs(rows):
+    """Prompts of 1–40 tokens prefilled packed (no padding, rows attend within themselves) or left-padded: the same
+    greedy tokens and, within float32 summation-order differences, the same log-probs, also for refilled slots; the
+    packed forwards are cut by real tokens, the padded ones by padded tokens."""
+    from opd.kernels import varlen_attention
+
+    model = eos_biased("qwen3")
+    model.set_attn_implementation(varlen_attention.register())
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=generator).tolist() for n in (1, 40, 7, 23, 2, 31)]
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=12, return_logprobs=True)
+    outputs, prefills = {}, {}
+    for packed in (True, False):
+        static = StaticGenerator(
+            model,
+            eos_token_ids=[EOS_ID],
+            pad_token_id=PAD_ID,
+            max_batch_size=rows,
+            sync_interval=2,
+            prefill_tokens=48,
+            packed_prefill=packed,
+        )
+        outputs[packed] = static.generate(prompts, params)
+        prefills[packed] = static.stats["prefills"]
+    assert outputs[True].response_ids == outputs[False].response_ids
+    assert outputs[True].finish_reasons == outputs[False].finish_reasons
+    assert _max_abs_diff(outputs[True].logprobs, outputs[False].logprobs) < 1e-5
+    for g, ids, lps in zip(outputs[True].group_ids, outputs[True].response_ids, outputs[True].logprobs):
+        torch.testing.assert_close(torch.tensor(lps), _full_forward_logprobs(model, prompts[g], ids), atol=1e-5, rtol=0)
+    if rows == 16:  # one placement of all six prompts: 1+2+7+23 | 31 | 40 packed; 1,2,7 | 23 | 31 | 40 padded
+        assert (prefills[True], prefills[False]) == (3, 4)
+
+
+def test_packed_prefill_needs_a_model_that_packs():
+    with pytest.raises(
+        ValueError, match="packed_prefill=True needs a model loaded with attn_implementation='opd_varlen'"
+    ):
+        StaticGenerator(make_tiny_model("qwen3"), packed_prefill=True)
+    with pytest.raises(ValueError, match="packed_prefill must be True or False"):
+        StaticGenerator(make_tiny_model("qwen3"), packed_prefill="yes")
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])

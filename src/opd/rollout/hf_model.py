@@ -2,7 +2,8 @@
 with the trainer's module, so that neither engine imports the other.
 
     HFModel             a causal LM called with a `transformers` cache: one forward, the left-padded prefill of
-                        distinct prompts, the keys/values of a layer of its cache
+                        distinct prompts or their packed prefill (`opd_varlen` attention), the keys/values of a
+                        layer of its cache
     special_ids         EOS ids and pad id from the arguments, else the model's config
     generation_mode     eval mode + no_grad + SDPA without cuDNN, the training flag restored afterwards
     seeded_generator    the call's own `torch.Generator` (`SamplingParams.seed`)
@@ -23,6 +24,7 @@ import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
+from opd.kernels import varlen_attention
 from opd.models import eos_token_ids as model_eos_ids
 from opd.rollout.base import SamplingParams
 
@@ -162,19 +164,33 @@ class HFModel:
         self.has_logits_to_keep = "logits_to_keep" in parameters
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+        keep_1P: torch.Tensor | None = None,
+        **kwargs: Any,
     ) -> torch.Tensor:
-        """One model call extending `cache` in place. [R, S] ids → [R, V] logits of the last position."""
-        kwargs = {self.cache_kwarg: cache, "use_cache": True}
+        """One model call extending `cache` in place. [R, S] ids → [R, V] logits of the last position; with `keep_1P`
+        (positions of a [1, S] packed input) → [P, V] logits of those positions. kwargs go to the model."""
+        kwargs.update({self.cache_kwarg: cache, "use_cache": True})
         if self.has_logits_to_keep:
-            kwargs["logits_to_keep"] = 1
+            kwargs["logits_to_keep"] = 1 if keep_1P is None else keep_1P
         with torch.compiler.set_stance("force_eager"):  # layers compiled for scoring (`compile_layers`) run eagerly
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-        logits_RV = out.logits[:, -1, :]
+        if keep_1P is None:
+            logits_RV = out.logits[:, -1, :]
+        else:
+            logits_RV = out.logits[0] if self.has_logits_to_keep else out.logits[0, keep_1P]
         if self.vocab_size is not None and self.vocab_size < logits_RV.shape[-1]:
             logits_RV = logits_RV.clone()
             logits_RV[:, self.vocab_size :] = float("-inf")
         return logits_RV
+
+    def packs_prompts(self) -> bool:
+        """Whether `prefill_packed` can run this model: its attention is `opd_varlen` (rows attend in themselves)."""
+        return getattr(self.model.config, "_attn_implementation", None) == varlen_attention.ATTENTION
 
     def new_cache(self, full: bool = False) -> Any:
         """A cache laid out for the model's layers (sliding-window layers keep their last W - 1 positions), or with
@@ -203,6 +219,26 @@ class HFModel:
         cache = self.new_cache(full=full_cache)
         logits_PV = self.forward(ids_PL, mask_PL, positions_PL, cache)
         return cache, mask_PL, logits_PV
+
+    def prefill_packed(
+        self, prompts: Sequence[Sequence[int]], device: torch.device
+    ) -> tuple[Any, list[int], torch.Tensor]:
+        """One forward over P distinct prompts concatenated without padding (`packs_prompts` models). Returns (cache of
+        every position, its keys/values [1, Hkv, Σ lengths, Dh] per layer; each prompt's first position in it; logits
+        [P, V] of each prompt's last token). No padded rows and no [L, L] mask: a long prompt costs its own causal
+        attention, not that of the longest in the forward."""
+        lengths = [len(p) for p in prompts]
+        starts = [0]
+        for length in lengths[:-1]:
+            starts.append(starts[-1] + length)
+        ids_1S = torch.as_tensor([t for p in prompts for t in p], dtype=torch.long).to(device)[None]
+        positions_1S = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
+        packed = varlen_attention.packed_kwargs(torch.as_tensor(lengths, device=device), max(lengths))
+        last_1P = torch.as_tensor([s + n - 1 for s, n in zip(starts, lengths)], device=device)
+        cache = self.new_cache(full=True)
+        mask = packed.pop("attention_mask")
+        logits_PV = self.forward(ids_1S, mask, positions_1S, cache, keep_1P=last_1P, **packed)
+        return cache, starts, logits_PV
 
 
 def cached_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -553,7 +553,15 @@ class StaticGenerator(memory.ModuleMemory):
                       [16, 256], else "sdpa"; "triton" = the split-KV kernel `opd.kernels.decode_attention` (CUDA, or
                       CPU under Triton's interpreter: the tests); "sdpa" = one masked `scaled_dot_product_attention`
                       call per layer; "matmul" = explicit matmul / float32 softmax / matmul (the reference)
-    prefill_tokens:   most padded prompt tokens per Hugging Face prefill forward (one prompt always fits), ≥ 1
+    prefill_tokens:   most prompt tokens per Hugging Face prefill forward, padding included when the prompts are
+                      padded (one prompt always fits), ≥ 1
+    packed_prefill:   True = prefill prompts packed into one row without padding (`HFModel.prefill_packed`; needs a
+                      model loaded with `opd_varlen` attention, as `opd.models.load_model` does on CUDA): no padded
+                      rows and no [W, W] mask, each prompt costs its own causal attention (a stream's continued
+                      samples are prefilled again at every call, from the bare prompt to thousands of tokens long).
+                      False (default) = left-padded rows under a mask. Both give the same keys, values and first
+                      tokens up to the rounding of another attention kernel; which is faster on a GPU has not been
+                      measured yet (`benchmarks/prefill.py`), so the default stays the layout measured so far
     free_memory:      function of a device → its (free, total) bytes, or None for no limit; default
                       `opd.rollout.memory.device_memory` (the CUDA figures; None on CPU); the tests pass a fixed one
     row_buckets:      True (default) = once no sample is pending, decode steps run over the smallest live-row
@@ -600,6 +608,7 @@ class StaticGenerator(memory.ModuleMemory):
         row_buckets: bool = True,
         round_rows: bool | None = None,
         attention_splits: int | None = None,
+        packed_prefill: bool = False,
     ) -> None:
         check_arguments(
             "StaticGenerator",
@@ -609,6 +618,7 @@ class StaticGenerator(memory.ModuleMemory):
                 ("prefill_tokens", prefill_tokens >= 1, "an integer ≥ 1", prefill_tokens),
                 ("attention", attention in _ATTENTION_CHOICES, f"one of {', '.join(_ATTENTION_CHOICES)}", attention),
                 ("round_rows", round_rows is None or isinstance(round_rows, bool), "None, True or False", round_rows),
+                ("packed_prefill", isinstance(packed_prefill, bool), "True or False", packed_prefill),
                 (
                     "attention_splits",
                     attention_splits is None
@@ -661,6 +671,13 @@ class StaticGenerator(memory.ModuleMemory):
         self.round_rows = round_rows
         self.attention_splits = attention_splits
         self.hf = HFModel(model, pad_token_id=self.pad_token_id, vocab_size=vocab_size)
+        if packed_prefill and not self.hf.packs_prompts():
+            implementation = getattr(model.config, "_attn_implementation", None)
+            raise ValueError(
+                f"StaticGenerator packed_prefill=True needs a model loaded with attn_implementation='opd_varlen' "
+                f"(opd.models.load_model's choice on CUDA), this one has {implementation!r}; use False"
+            )
+        self.packed_prefill = packed_prefill
         self.stats: dict[str, Any] = {}
         self._compiled: tuple[Callable, Callable, Callable] | None = None
 
@@ -1044,17 +1061,22 @@ class _Run:
             if self.counters["prefills"]:
                 self.counters["refills"] += take
             self.pending += take
-            # distinct prompts by length (stable), cut into forwards of ≤ prefill_tokens padded tokens: neighbours in
-            # length pad little (a stream's continued samples range from the bare prompt to max_new_tokens longer)
+            # distinct prompts by length (stable), cut into forwards of ≤ prefill_tokens tokens (padded ones when
+            # padded: neighbours in length pad little; a stream's continued samples range from the bare prompt to
+            # max_new_tokens longer)
             groups: list[list[int]] = []
             distinct = sorted(dict.fromkeys(self.sample_prompt[s] for s in samples), key=lambda p: len(self.prompts[p]))
+            packed, used = self.engine.packed_prefill, 0
             for p in distinct:
                 group = groups[-1] if groups else None
                 width = len(self.prompts[p])  # the longest so far: prompts come in ascending length
-                if group is None or (len(group) + 1) * width > self.engine.prefill_tokens:
+                cost = used + width if packed else (len(group or ()) + 1) * width
+                if group is None or cost > self.engine.prefill_tokens:
                     groups.append([p])
+                    used = width
                 else:
                     group.append(p)
+                    used += width
             placed = dict(zip(samples, slots))
             for group in groups:
                 members = [s for s in samples if self.sample_prompt[s] in set(group)]
@@ -1068,22 +1090,34 @@ class _Run:
         """One prefill of the prompts in `group`; copy each sample's prompt keys/values to slots [0, L) of its slot
         and sample its first token from the prefill logits."""
         device, engine, params = self.device, self.engine, self.params
+        prompts = [self.prompts[p] for p in group]
         with self._prefill_autocast():
-            cache, mask_PL, logits_PV = engine.hf.prefill([self.prompts[p] for p in group], device, full_cache=True)
+            if engine.packed_prefill:
+                cache, starts, logits_PV = engine.hf.prefill_packed(prompts, device)
+            else:
+                cache, _, logits_PV = engine.hf.prefill(prompts, device, full_cache=True)
         self.counters["prefills"] += 1
-        width = mask_PL.shape[1]
+        width = max(len(p) for p in prompts)
         index = {p: i for i, p in enumerate(group)}
         source_g = torch.as_tensor([index[self.sample_prompt[s]] for s in samples], device=device)
         lengths = [len(self.prompts[self.sample_prompt[s]]) for s in samples]
         lengths_g = torch.as_tensor(lengths, device=device)
         slots_g = torch.as_tensor(slots, device=device)
-        # Prompts are left-padded in the prefill: slot j of a sample takes position j + (W - L) of its prompt's row;
-        # slots ≥ L take a clamped copy, overwritten by decode tokens before any step reads them.
-        from_gW = (torch.arange(width, device=device)[None] + (width - lengths_g)[:, None]).clamp(max=width - 1)
+        # Slot j of a sample takes its prompt's position j: in a packed prefill at its prompt's start + j, in a
+        # left-padded one at j + (W - L) of its prompt's row. Slots ≥ L take a clamped copy, overwritten by decode
+        # tokens before any step reads them.
+        slot_W = torch.arange(width, device=device)
+        if engine.packed_prefill:
+            starts_g = torch.as_tensor(starts, device=device)[source_g]
+            from_gW = starts_g[:, None] + torch.minimum(slot_W[None], lengths_g[:, None] - 1)
+            row_g = torch.zeros_like(source_g)  # the cache's one packed row
+        else:
+            from_gW = (slot_W[None] + (width - lengths_g)[:, None]).clamp(max=width - 1)
+            row_g = source_g
         for i, layer in enumerate(self.layers):
             keys_PKWD, values_PKWD = cached_kv(cache, i)
-            layer.keys[slots_g, :, :width] = keys_PKWD[source_g[:, None], :, from_gW].transpose(1, 2).to(self.dtype)
-            layer.values[slots_g, :, :width] = values_PKWD[source_g[:, None], :, from_gW].transpose(1, 2).to(self.dtype)
+            layer.keys[slots_g, :, :width] = keys_PKWD[row_g[:, None], :, from_gW].transpose(1, 2).to(self.dtype)
+            layer.values[slots_g, :, :width] = values_PKWD[row_g[:, None], :, from_gW].transpose(1, 2).to(self.dtype)
         del cache
         caps_g = torch.as_tensor([self.caps[s] for s in samples], device=device)
         for lo in range(0, len(samples), _FIRST_TOKEN_ROWS):

@@ -408,20 +408,31 @@ def our_row(
             sync(device)
             warm_up_s = time.perf_counter() - start_warm_up
 
+        warm_steps = []
+
         def step(warm: bool = False):
             tr.memory_trace = [] if cuda else None
             start = torch.cuda.memory_allocated(device) if cuda else 0
             graphs_before = compiled_graphs()
-            timed_lengths = tr.generator.lengths
-            if warm and args.warmup_lengths:  # shorter warm-up steps: they compile the same layers and kernels
-                tr.generator.lengths = parse_lengths(args.warmup_lengths)
+            # Shorter warm-up steps (--warmup-lengths) compile the same layers and kernels. With rollout.overlap the
+            # background engine makes the next step's batch: short too, unless the next step is a timed one.
+            engines = [tr.generator]
+            if tr.rollout_generator is not None and len(warm_steps) + 1 < args.warmup:
+                engines.append(tr.rollout_generator)
+            timed_lengths = [engine.lengths for engine in engines]
+            if warm and args.warmup_lengths:
+                for engine in engines:
+                    engine.lengths = parse_lengths(args.warmup_lengths)
             trained, stream = trained_lengths(tr)
             try:
                 metrics = opd_step(tr)
             finally:
-                tr.generator.lengths = timed_lengths
+                for engine, lengths in zip(engines, timed_lengths):
+                    engine.lengths = lengths
                 if stream is not None:
                     del stream.next_batch  # the class's method again
+            if warm:
+                warm_steps.append(tr.step)
             tr.step += 1
             # the tokens trained: with overlap or partial the step's rows do not come from its last engine call
             tokens = round(metrics["response_length"] * args.prompts * args.n)
@@ -471,6 +482,7 @@ def our_row(
             if key in last["metrics"]:
                 row[key] = last["metrics"][key]
         row["last_lengths"] = last["lengths"]
+        row["step_tokens"] = [s["tokens"] for s in steps]  # warm-up steps first
         tr = None  # frees the trainer before the collect (rebound, not `del`: the closure `step` reads this name)
         gc.collect()
         return row

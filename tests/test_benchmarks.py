@@ -311,6 +311,29 @@ def test_opd_step_real_trl_rows(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_opd_step_warm_up_lengths_reach_the_background_engine(tmp_path, capsys):
+    """--warmup-lengths with rollout.overlap: the background engine makes the next step's batch, so both warm-up steps
+    train short rows (3 tokens) and the timed one the timed lengths (8), made during the last warm-up step."""
+    common = ("--shape", "tiny", "--teacher-shape", "tiny", "--prompts", "2", "--n", "2", "--new-tokens", "8")
+    data, _ = run(
+        "opd_step",
+        tmp_path,
+        capsys,
+        *common,
+        "--variants",
+        "overlap",
+        "--skip-trl",
+        "--lengths",
+        "fixed:8",
+        "--warmup-lengths",
+        "fixed:3",
+        "--warmup",
+        "2",
+    )
+    row = rows(data)["opd_step[static_engine, overlap]"]
+    assert row["step_tokens"] == [4 * 3, 4 * 3, 4 * 8] and row["tokens"] == 4 * 8
+
+
 def test_opd_step_paper_mode_forces_ragged_lengths(tmp_path, capsys):
     """`--paper` with tiny shapes: every row ends at its drawn length (EOS forced), chunks of --rollout-rows rows,
     and the step is set against the physical bound (peaks given explicitly: CPU has none)."""

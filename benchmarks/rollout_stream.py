@@ -17,7 +17,9 @@ total response length is drawn once when it starts (again when it is restarted),
 rest of it (capped by the segment, through `max_new_tokens_per_sample`), and a sample that reaches it is reported
 finished ("stop", standing in for its EOS). The stream's calls give each sample only its prefix, so the length
 follows it by that prefix (prompt + tokens so far). Tokens/s: trained tokens / wall time of the steps after the first
-`--stream-warmup` (default 2: step 0 starts S + 1 batches at once and both pay the compiles); `[equal]`: the same
+`--stream-warmup` (default S + 1, at least 2: step 0 starts S + 1 batches at once and the first steps pay the compiles;
+step S is the first with tokens S steps old and trains the backlog of the start, 83 s against ~45 on an H200 at S = 2,
+docs/performance.md; each of `--configs` by its own S); `[equal]`: the same
 engine in one call of `--batches` rows at the trained mean length (rollout.py's equal-length row, `run_row`), and
 `vs equal` their ratio (the issue's target ≥ 0.85; the bandwidth bound of the stream's own tokens, `KV bound tok/s`, is
 what a long tail allows). Per step: calls, dropped, in flight, trained tokens by lag 0..S, decode steps
@@ -207,8 +209,16 @@ def stream_configs(args) -> list:
     (`S/on|off[/segment]`, comma-separated), else the one of `--max-staleness`, `--early-stop`, `--segment`."""
     import argparse
 
+    def warmed(config: argparse.Namespace) -> argparse.Namespace:
+        warmup = config.stream_warmup
+        if warmup is None:
+            warmup = max(2, config.max_staleness + 1)
+        if 0 < config.stream_steps <= warmup:
+            raise SystemExit(f"--stream-steps {config.stream_steps} ≤ the stream's warm-up {warmup}: no step timed")
+        return argparse.Namespace(**{**vars(config), "stream_warmup": warmup})
+
     if not args.configs:
-        return [args]
+        return [warmed(args)]
     configs = []
     for spec in args.configs.split(","):
         parts = spec.strip().split("/")
@@ -218,8 +228,10 @@ def stream_configs(args) -> list:
             raise SystemExit(f"--configs: segment {parts[2]!r} in {spec!r} is not an integer ≥ 1")
         segment = int(parts[2]) if len(parts) == 3 else None
         configs.append(
-            argparse.Namespace(
-                **{**vars(args), "max_staleness": int(parts[0]), "early_stop": parts[1], "segment": segment}
+            warmed(
+                argparse.Namespace(
+                    **{**vars(args), "max_staleness": int(parts[0]), "early_stop": parts[1], "segment": segment}
+                )
             )
         )
     return configs
@@ -402,7 +414,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=512, help="response length with --lengths equal")
     parser.add_argument("--lengths", default="equal", help="equal, or lognormal:mean=M,cap=C[,sigma=S] (per sample)")
     parser.add_argument("--stream-steps", type=int, default=20, help="stream steps, the warm-up ones included; 0: none")
-    parser.add_argument("--stream-warmup", type=int, default=2, help="first stream steps left out of the tokens/s")
+    parser.add_argument(
+        "--stream-warmup",
+        type=int,
+        default=None,
+        help="first stream steps left out of the tokens/s; default max_staleness + 1, at least 2",
+    )
     parser.add_argument("--max-staleness", type=int, default=1, help="rollout.max_staleness")
     parser.add_argument("--segment", type=int, default=None, help="rollout.partial_segment; default the trainer's")
     parser.add_argument(
@@ -434,8 +451,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.batches % args.n:
         raise SystemExit(f"--batches {args.batches} is not a multiple of --n {args.n}")
-    if 0 < args.stream_steps <= args.stream_warmup:
-        raise SystemExit(f"--stream-steps {args.stream_steps} ≤ --stream-warmup {args.stream_warmup}: no step timed")
     configs = stream_configs(args)  # a malformed --configs fails before the model is built
     device = resolve_device(args.device)
     _, bandwidth = peaks(device, args)
@@ -530,7 +545,8 @@ def main(argv: list[str] | None = None) -> dict:
         ("peak GiB", "peak_gib", ".1f"),
     ]
     streams = "; ".join(
-        f"max_staleness {row.get('max_staleness')}, segment {row.get('segment')}, early stop {row.get('early_stop')}"
+        f"max_staleness {row.get('max_staleness')}, segment {row.get('segment')}, early stop {row.get('early_stop')}, "
+        f"timed steps {args.stream_steps - row.get('timed_steps', 0)}..{args.stream_steps - 1}"
         for row in stream_rows
     )
     notes = [
@@ -538,7 +554,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{model.config._attn_implementation}; prompt {args.prompt_len} tokens, lengths "
         f"{args.lengths} per sample (new-tokens {args.new_tokens} if equal), temperature 1, EOS off; stream: "
         f"{args.batches // args.n} prompts × {args.n} a step, {streams}, "
-        f"tokens/s over steps {args.stream_warmup}..{args.stream_steps - 1} (trained tokens / wall time); lag k: "
+        "tokens/s over the timed steps (trained tokens / wall time); lag k: "
         "trained tokens sampled k steps before their step; dropped: restarted samples over the whole stream; cut: "
         "samples a call ended early returned unfinished"
     ]

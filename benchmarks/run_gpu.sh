@@ -52,7 +52,7 @@ for part in $parts; do
         prefill) run prefill 150 python3 benchmarks/prefill.py --shape qwen3-0.6b --samples 64 \
                 --prompt-lengths 128:7296 --profile --out "$out/prefill.json"
             run rollout_stream_packed 560 python3 benchmarks/rollout_stream.py --shape qwen3-0.6b --batches 256 \
-                --lengths lognormal:mean=1500,cap=7168 --stream-steps 5 --repeat 1 --bucket-steps 0 --phase-times \
+                --lengths lognormal:mean=1500,cap=7168 --stream-steps 6 --repeat 1 --bucket-steps 0 --phase-times \
                 --configs 2/on --engine static_packed --out "$out/rollout_stream_packed.json" ;;
         server) run teacher_server 290 python3 benchmarks/teacher_server.py --shapes qwen3-1.7b,qwen3-4b \
             --clients 1,4 --warmup 1 --repeat 3 --out "$out/teacher_server.json" ;;

@@ -136,7 +136,8 @@ def test_rollout_stream_configs(tmp_path, capsys):
         tmp_path,
         capsys,
         *("--batches", "8", "--prompt-len", "5", "--lengths", "lognormal:mean=6,cap=16,sigma=0.8"),
-        *("--stream-steps", "3", "--bucket-steps", "0", "--sync-interval", "2", "--configs", "1/off,2/on,2/on/4"),
+        *("--stream-steps", "3", "--stream-warmup", "2", "--bucket-steps", "0", "--sync-interval", "2"),
+        *("--configs", "1/off,2/on,2/on/4"),
     )
     got = rows(data)
     names = ["S1 early off", "S2 early on", "S2 early on segment 4"]
@@ -151,6 +152,21 @@ def test_rollout_stream_configs(tmp_path, capsys):
     assert sum(1 for name in got if name.endswith("[equal]")) == 1
     with pytest.raises(SystemExit, match="--configs: '2/x' is not"):
         load("rollout_stream").main(["--device", "cpu", "--shape", "tiny", "--configs", "2/x"])
+
+
+def test_rollout_stream_warm_up_covers_the_backlog_of_the_start():
+    """Left out of the tokens/s by default: the first max_staleness + 1 steps (at least 2), per stream (step S is the
+    first to train tokens S steps old, the start's backlog); a stream with no timed step left is refused."""
+    import argparse
+
+    stream_configs = load("rollout_stream").stream_configs
+    args = dict(configs="", stream_warmup=None, stream_steps=6, max_staleness=1, early_stop="off", segment=None)
+    assert [c.stream_warmup for c in stream_configs(argparse.Namespace(**args))] == [2]
+    configs = stream_configs(argparse.Namespace(**{**args, "configs": "0/off,2/on,3/on/4"}))
+    assert [c.stream_warmup for c in configs] == [2, 3, 4]
+    assert [c.stream_warmup for c in stream_configs(argparse.Namespace(**{**args, "stream_warmup": 1}))] == [1]
+    with pytest.raises(SystemExit, match="--stream-steps 6 ≤ the stream's warm-up 6: no step timed"):
+        stream_configs(argparse.Namespace(**{**args, "configs": "5/on"}))
 
 
 def test_prefill_packed_and_padded_place_the_same_prompts(tmp_path, capsys):

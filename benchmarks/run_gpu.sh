@@ -24,7 +24,7 @@ run() {  # name, time limit (s), command...
 }
 for part in $parts; do
     case $part in
-        check) run check_cuda 150 python3 benchmarks/check_cuda.py --out "$out/check_cuda.json" ;;
+        check) run check_cuda 200 python3 benchmarks/check_cuda.py --out "$out/check_cuda.json" ;;
         attention) run decode_attention 120 python3 benchmarks/decode_attention.py \
             --out "$out/decode_attention.json" ;;
         rollout) run rollout 240 python3 benchmarks/rollout.py --batches 64,256 --repeat 1 \

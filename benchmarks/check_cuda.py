@@ -14,6 +14,8 @@ Checks (float32 with TF32 off unless the row says bf16; tolerances in the table)
                       `TorchGenerator`'s and log-probs a teacher-forced forward's (per-row attention); under bf16
                       autocast (FlashAttention varlen prefill) packed against padded prefills as static_autocast
                       compares its two steps, and both against a teacher-forced forward
+- gpu_busy:           `opd.report.gpu_busy.GpuBusy` (NVML's utilization samples, the trainer's `gpu/busy_frac`):
+                      over 2 s of back-to-back matmuls ≥ 0.9, over 2 s of host sleep ≤ 0.1
 - static_memory:      with a ballast tensor leaving the safety margin, one call's fixed cost and 32 rows free,
                       `StaticGenerator` sizes its rows from the free memory
                       (fewer than max_batch_size) and the call's peak allocation stays inside what was free
@@ -354,6 +356,30 @@ def static_packed():
     err = max(abs(x[0] - y[0]) for x, y in zip(outputs[True].logprobs, outputs[False].logprobs))
     check("static_packed first-token log-prob |Δ| (packed vs padded under autocast)", err, 1e-2)
     check("static_packed mean |log-prob - teacher-forced under autocast| (worse of the two)", forced, 1e-2)
+
+
+@guarded
+def gpu_busy():
+    import time
+
+    from opd.report.gpu_busy import GpuBusy
+
+    busy = GpuBusy.open(torch.device("cuda"))
+    check("gpu_busy NVML sampler opened (0 = yes)", float(busy is None), 0.0, "(needs pynvml: nvidia-ml-py)")
+    if busy is None:
+        return
+    x = torch.randn(4096, 4096, device="cuda")
+    busy.mark()
+    start = time.perf_counter()
+    while time.perf_counter() - start < 2.0:
+        for _ in range(20):
+            x = torch.tanh(x @ x)
+        torch.cuda.synchronize()
+    loaded = busy.fraction()
+    time.sleep(2.0)
+    idle = busy.fraction()
+    check("gpu_busy 1 - fraction over 2 s of matmuls", 1.0 if loaded is None else 1.0 - loaded, 0.1)
+    check("gpu_busy fraction over 2 s of sleep", 1.0 if idle is None else idle, 0.1)
 
 
 @guarded
@@ -741,6 +767,7 @@ def families_distill():
 CHECKS = (
     static_greedy,
     static_packed,
+    gpu_busy,
     static_rows_and_stop,
     decode_attention,
     full_vocab_topk,

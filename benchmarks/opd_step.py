@@ -250,6 +250,7 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
         TeacherRoute,
         TeacherSpec,
     )
+    from opd.report.gpu_busy import GpuBusy
     from opd.teacher.local import LocalScorer
     from opd.teacher.registry import RoutedTeacher, Teacher
     from opd.train.optim import build_optimizer, build_scheduler
@@ -322,6 +323,7 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
         rollout_generator=rollout_generator,
         teachers=routed,
         prompt_teacher=[i % len(modules) for i in range(len(prompt_ids))] if routed else [],
+        gpu_busy=GpuBusy.open(next(student.parameters()).device),
     )
 
 
@@ -483,6 +485,9 @@ def our_row(
                 row[key] = last["metrics"][key]
         row["last_lengths"] = last["lengths"]
         row["step_tokens"] = [s["tokens"] for s in steps]  # warm-up steps first
+        busy = [s["metrics"]["gpu/busy_frac"] for s in timed if "gpu/busy_frac" in s["metrics"]]
+        if busy:  # CUDA with NVML: the share of the timed steps' wall time a kernel ran
+            row["gpu_busy"] = sum(busy) / len(busy)
         tr = None  # frees the trainer before the collect (rebound, not `del`: the closure `step` reads this name)
         gc.collect()
         return row
@@ -840,6 +845,7 @@ def main(argv: list[str] | None = None) -> dict:
         ("student s", "student_s", ".2f"),
         ("teacher s", "teacher_s", ".2f"),
         ("update s", "update_s", ".2f"),
+        ("GPU busy", "gpu_busy", ".0%"),
         ("peak GiB", "peak_gib", ".1f"),
         ("memory / leanest TRL", "memory_vs_trl", ".2f"),
         ("bound s", "bound_total_s", ".3g"),

@@ -383,7 +383,8 @@ def distill_config(world, tmp_path, *overrides, teacher=True, steps=2) -> Distil
     return build_config(DistillConfig, options=options, overrides=list(overrides))
 
 
-TIMING_METRICS = ("tokens_per_second", "wall_time")  # besides the time/* keys: what differs between equal runs
+# besides the time/* keys: what differs between equal runs (gpu/busy_frac: CUDA only)
+TIMING_METRICS = ("tokens_per_second", "wall_time", "gpu/busy_frac")
 
 
 def without_timing(metrics: dict) -> dict:

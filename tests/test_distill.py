@@ -17,6 +17,7 @@ from helpers import (
 )
 from opd.io import read_jsonl
 from opd.recipes.distill import distill
+from opd.report.gpu_busy import GpuBusy
 from opd.train.checkpoint import latest_checkpoint
 
 
@@ -60,6 +61,8 @@ def test_every_mode_runs_and_writes_the_run_dir(world, tmp_path, overrides):
     ):
         assert metrics[-1][key] is not None, key
     assert 0.0 <= metrics[-1]["overlap_ratio"] <= 1.0
+    assert "gpu/busy_frac" not in metrics[-1]  # NVML's samples: CUDA only (benchmarks/check_cuda.py, gpu_busy)
+    assert GpuBusy.open(torch.device("cpu")) is None
     assert (run_dir / "config.yaml").exists()
     assert (run_dir / "samples" / "step_2.jsonl").exists()
     checkpoint = latest_checkpoint(run_dir)

@@ -43,6 +43,7 @@ from opd.models import (
     on_device,
     resolve_device,
 )
+from opd.report.gpu_busy import GpuBusy
 from opd.report.sinks import progress_bar
 from opd.rollout import Generator, make_generator
 from opd.rollout.registry import check_generation_fits
@@ -315,6 +316,7 @@ def setup(
         teachers=models.teachers,
         prompt_teacher=prompt_teacher,
         teacher_manifest=teacher_manifest(models.teachers),
+        gpu_busy=GpuBusy.open(next(models.student.parameters()).device),
     )
     resume_step = resume(tr, checkpoint, console)
     if dist.is_main:  # rank 0 writes the run directory

@@ -36,6 +36,7 @@ from opd.objectives import (
     teacher_logprobs_at_student_topk,
 )
 from opd.objectives.targets import Targets
+from opd.report.gpu_busy import GpuBusy
 from opd.report.sinks import MetricsSink
 from opd.rollout import SamplingParams
 from opd.rollout.base import Generator
@@ -91,6 +92,7 @@ class Trainer:
     teachers: list[RoutedTeacher] = field(default_factory=list)
     prompt_teacher: list[int] = field(default_factory=list)
     teacher_manifest: list[dict] = field(default_factory=list)  # what checkpoints record of the teachers
+    gpu_busy: GpuBusy | None = None  # CUDA with NVML: the device's utilization over each step (`gpu/busy_frac`)
     # rollout.overlap: an AheadGenerator; with rollout.partial too, an AheadStream that builds the stream's next batch
     ahead: AheadGenerator | AheadStream | None = field(default=None, init=False)
     stream: RolloutStream | None = field(default=None, init=False)  # rollout.partial: the in-flight samples
@@ -157,6 +159,8 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     """One on-policy step: rollouts of the current student, scored by the teacher, one optimizer update."""
     timings: dict[str, float] = {}
     device = next(tr.student.parameters()).device
+    if tr.gpu_busy is not None:
+        tr.gpu_busy.mark()
     batch = sample_rollouts(tr, timings, device)
     scores = score_rollouts(tr, batch, timings, device)
     targets = step_targets(tr, batch, scores, device)
@@ -618,6 +622,9 @@ def step_metrics(
     total = sum(timings.values())
     out.update({f"time/{k}": v for k, v in timings.items()}, **{"time/step": total})
     out["tokens_per_second"] = float(lengths.sum()) / max(total, 1e-9)
+    busy = None if tr.gpu_busy is None else tr.gpu_busy.fraction()
+    if busy is not None:  # NVML's samples over the step: the share of its wall time a kernel ran on the device
+        out["gpu/busy_frac"] = busy
     if tr.dist.is_main:
         _write_samples(tr, rollouts, scores.texts, scores.correct, targets.rewards)  # rank 0's rollouts only
     summed = tuple(k for k in out if _is_summed_loss(k)) + ("tokens_per_second",)

@@ -36,8 +36,8 @@ class GpuBusy:
 
             pynvml.nvmlInit()
             index = device.index if device.index is not None else torch.cuda.current_device()
-            uuid = torch.cuda.get_device_properties(index).uuid
-            handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}".encode())
+            uuid = str(torch.cuda.get_device_properties(index).uuid)  # torch prints it without NVML's prefix
+            handle = pynvml.nvmlDeviceGetHandleByUUID((uuid if uuid.startswith("GPU-") else f"GPU-{uuid}").encode())
             busy = cls(pynvml, handle)
             busy.fraction()  # fails here, not in the step, where NVML keeps no samples for this device
             return busy

@@ -36,6 +36,7 @@ from opd.data.templates import EncodedPrompts, encode_prompts
 from opd.fingerprints import model_fingerprint
 from opd.io import atomic_write_json
 from opd.models import (
+    VocabInfo,
     check_tokenizer_compatibility,
     compile_layers,
     load_model,
@@ -477,6 +478,49 @@ def load_models(config: DistillConfig, checkpoint: Path | None, student_tokenize
     )
     own_vocab = vocab
     entries = config.teacher_entries()
+    loaded, vocab = load_teachers(config, entries, student_tokenizer, student_rows, device, dist, own_vocab)
+    # ids beyond the tokenizer are embedding padding rows: never sampled, never a top-k candidate (SPEC §1)
+    vocab_size = vocab.tokenizer_size
+    shard_model(student, dist)  # FSDP2 (no-op for one process); the optimizer sees the sharded parameters
+    with gathered(student, dist):  # the scorer checks the head once with a forward
+        student_scorer = LocalScorer(
+            student,
+            max_tokens_per_batch=config.score_batch_tokens,
+            vocab_size=vocab_size,
+            through_root=dist.world_size > 1,
+        )
+    live = Teacher(scorer=student_scorer, module=None, vocab=own_vocab)  # the step scores it as the student's own
+    teachers = [RoutedTeacher(entry, live if t is None else t) for entry, t in zip(entries, loaded)]
+    teacher = teachers[0].teacher.module if teachers else None
+    teacher_scorer = teachers[0].teacher.scorer if teachers else None
+    return Models(
+        student=student,
+        tokenizer=tokenizer,
+        student_path=student_path,
+        device=device,
+        weights_dtype=weights_dtype,
+        autocast_dtype=autocast_dtype,
+        vocab_size=vocab_size,
+        student_scorer=student_scorer,
+        teacher=teacher,
+        teacher_scorer=teacher_scorer,
+        teachers=teachers,
+    )
+
+
+def load_teachers(
+    config: DistillConfig,
+    entries: list[TeacherEntry],
+    student_tokenizer: Any,
+    student_rows: int,
+    device: torch.device,
+    dist: DistInfo,
+    own_vocab: VocabInfo,
+) -> tuple[list[Teacher | None], VocabInfo]:
+    """Each entry's loaded teacher (None: `path: student`, the student's own scorer), entries that name the same model
+    sharing one; and the vocabulary they all share with the student. A teacher of another tokenizer size, or scorers
+    that differ in scoring the student's top-k, fail in one line."""
+    vocab = own_vocab
     loaded: list[Teacher | None] = []  # None: path: student, the student's own scorer (built below)
     by_model: dict[str, Teacher] = {}
     first_serves: bool | None = None
@@ -512,33 +556,7 @@ def load_models(config: DistillConfig, checkpoint: Path | None, student_tokenize
         first_serves = serves if first_serves is None else first_serves
         vocab = this_vocab
         loaded.append(found)
-    # ids beyond the tokenizer are embedding padding rows: never sampled, never a top-k candidate (SPEC §1)
-    vocab_size = vocab.tokenizer_size
-    shard_model(student, dist)  # FSDP2 (no-op for one process); the optimizer sees the sharded parameters
-    with gathered(student, dist):  # the scorer checks the head once with a forward
-        student_scorer = LocalScorer(
-            student,
-            max_tokens_per_batch=config.score_batch_tokens,
-            vocab_size=vocab_size,
-            through_root=dist.world_size > 1,
-        )
-    live = Teacher(scorer=student_scorer, module=None, vocab=own_vocab)  # the step scores it as the student's own
-    teachers = [RoutedTeacher(entry, live if t is None else t) for entry, t in zip(entries, loaded)]
-    teacher = teachers[0].teacher.module if teachers else None
-    teacher_scorer = teachers[0].teacher.scorer if teachers else None
-    return Models(
-        student=student,
-        tokenizer=tokenizer,
-        student_path=student_path,
-        device=device,
-        weights_dtype=weights_dtype,
-        autocast_dtype=autocast_dtype,
-        vocab_size=vocab_size,
-        student_scorer=student_scorer,
-        teacher=teacher,
-        teacher_scorer=teacher_scorer,
-        teachers=teachers,
-    )
+    return loaded, vocab
 
 
 def _model_key(entry: TeacherEntry) -> str:

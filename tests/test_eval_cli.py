@@ -87,6 +87,31 @@ def test_eval_model_files_table_and_resume(tiny_model_dir, problem_file, tmp_pat
     assert len(read_jsonl(out / "samples.jsonl")) == 10
 
 
+def test_eval_benchmark_files_of_one_stem_are_reported_apart(tiny_model_dir, tmp_path):
+    """`math/test.jsonl` and `easy/test.jsonl` (a common layout) each get their own results, named by folder and
+    stem; the same file listed twice is refused in one line before any model loads (their results would mix)."""
+    files = []
+    for folder, count in (("math", 3), ("easy", 2)):
+        rows = [{"problem": f"What is {i} + 1? Put it in \\boxed{{}}.", "answer": str(i + 1)} for i in range(count)]
+        (tmp_path / folder).mkdir()
+        files.append(write_jsonl(tmp_path / folder / "test.jsonl", rows))
+    args = eval_args(tiny_model_dir, files[0], tmp_path / "run")
+    args[args.index("--benchmarks") + 1] = f"{files[0]},{files[1]}"
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "run" / "results.json").read_text())["benchmarks"]
+    assert {name: s["num_problems"] for name, s in summary.items()} == {"math-test": 3, "easy-test": 2}
+    assert sorted({r["benchmark"] for r in read_jsonl(tmp_path / "run" / "samples.jsonl")}) == [
+        "easy-test",
+        "math-test",
+    ]
+    args = eval_args(tmp_path / "no-model-here", files[0], tmp_path / "run2")
+    args[args.index("--benchmarks") + 1] = f"{files[0]},{files[0]}"
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code != 0 and f"{str(files[0])!r} is listed twice" in str(result.exception)
+    assert not (tmp_path / "run2").exists()
+
+
 def test_eval_builtin_benchmark_by_name(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     args = [

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from opd.io import atomic_write_text
-from opd.names import EngineName, TeacherEngineName
+from opd.names import EngineName, TeacherEngineName, benchmark_names
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -33,6 +33,15 @@ def _split_commas(value: Any) -> Any:
 
 CommaList = Annotated[list[str], BeforeValidator(_split_commas)]
 """A list of names that also accepts one comma-separated string (`aime24,amc23`), as the CLI passes it."""
+
+
+def _reported_apart(benchmarks: list[str]) -> list[str]:
+    benchmark_names(benchmarks)  # raises where two would share a name
+    return benchmarks
+
+
+BenchmarkList = Annotated[list[str], BeforeValidator(_split_commas), AfterValidator(_reported_apart)]
+"""`CommaList` of benchmarks, each reported under its own name (`opd.names.benchmark_names`)."""
 
 
 class Section(BaseModel):
@@ -316,7 +325,7 @@ class EvalConfig(Section):
 
     model: ModelSpec | None = Field(None, description="The model to sample from; None with `responses` set.")
     responses: str | None = Field(None, description="Grade this JSONL of existing generations instead of sampling.")
-    benchmarks: CommaList = Field(
+    benchmarks: BenchmarkList = Field(
         default_factory=lambda: ["aime24", "aime25", "amc23", "math500"],
         description="Built-in names (aime24, aime25, amc23, math500, minerva, olympiadbench) or file paths.",
     )
@@ -681,7 +690,9 @@ class RunSpec(Section):
 class EvalSpec(Section):
     """Periodic evaluation inside training (the `opd eval` machinery)."""
 
-    benchmarks: CommaList = Field(default_factory=list, description="Benchmarks to evaluate; empty = no evaluation.")
+    benchmarks: BenchmarkList = Field(
+        default_factory=list, description="Benchmarks to evaluate; empty = no evaluation."
+    )
     n: int = Field(4, ge=1, description="Samples per problem.")
     temperature: float = Field(0.7, ge=0.0, description="Sampling temperature.")
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus mass.")

@@ -1,4 +1,5 @@
-"""The engine names the config accepts, one type each, shared by `opd.config` and the registries that build them.
+"""The engine names the config accepts, one type each, shared by `opd.config` and the registries that build them;
+and the names evaluation results are reported under (`benchmark_names`).
 
 Its own module (L0, no torch) so that loading a config stays as light as it is; each registry checks at import that
 its table holds exactly these names.
@@ -6,6 +7,8 @@ its table holds exactly these names.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal
 
 EngineName = Literal["auto", "torch", "static", "vllm"]
@@ -13,3 +16,27 @@ EngineName = Literal["auto", "torch", "static", "vllm"]
 
 TeacherEngineName = Literal["local", "vllm"]
 """How a teacher loaded from `teacher.path` scores (`opd.teacher.registry`); `teacher.url` means a served one."""
+
+
+def benchmark_names(benchmarks: Sequence[str]) -> list[str]:
+    """The name each benchmark of a list is reported under (results, samples, `eval/<name>/...` metrics): a built-in
+    benchmark's name as given, a file's stem, or, for files whose stems coincide (`math/test.parquet`,
+    `gsm8k/test.parquet`), their folder's name and the stem (`math-test`, `gsm8k-test`). Raises ValueError, naming
+    both entries, where two still share a name (one entry given twice, say): their results would be mixed."""
+    given = [str(Path(b).absolute()) if Path(b).suffix else str(b) for b in benchmarks]
+    for i, entry in enumerate(given):
+        if entry in given[:i]:
+            raise ValueError(f"{benchmarks[i]!r} is listed twice (its results would be counted twice); list it once")
+    stems = [Path(b).stem if Path(b).suffix else str(b) for b in benchmarks]
+    names = [
+        f"{Path(b).absolute().parent.name}-{stem}" if Path(b).suffix and stems.count(stem) > 1 else stem
+        for b, stem in zip(benchmarks, stems)
+    ]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            first = benchmarks[names.index(name)]
+            raise ValueError(
+                f"{first!r} and {benchmarks[i]!r} would both be reported as {name!r}, their results mixed; "
+                "rename one of the two files, or its folder"
+            )
+    return names

@@ -31,6 +31,7 @@ from opd.eval.metrics import ProblemResult, SampleResult, summarize
 from opd.fingerprints import file_digest, model_fingerprint, weights_fingerprint  # noqa: F401 (their old home)
 from opd.io import append_jsonl, atomic_write_json, write_jsonl
 from opd.models import load_model, load_tokenizer
+from opd.names import benchmark_names
 from opd.report.sinks import progress_bar
 from opd.rollout import SamplingParams, make_generator
 from opd.rollout.registry import vllm_arguments
@@ -149,8 +150,7 @@ def _sample_and_grade(
     config: EvalConfig, run_dir: Path, generator: Any, tokenizer: Any, console: Any, weights: str | None = None
 ) -> list[dict]:
     loaded = {}
-    for benchmark in config.benchmarks:
-        name = Path(benchmark).stem if Path(benchmark).suffix else benchmark
+    for benchmark, name in zip(config.benchmarks, benchmark_names(config.benchmarks)):
         loaded[name] = load_benchmark(
             benchmark,
             prompt_key=config.prompt_key,

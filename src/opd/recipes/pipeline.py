@@ -36,6 +36,7 @@ from opd.config import (
     validate_config,
 )
 from opd.io import atomic_write_json, atomic_write_text
+from opd.names import benchmark_names
 from opd.objectives import gap_recovery
 from opd.recipes.distill import check_sizes, distill
 from opd.recipes.eval import evaluate
@@ -235,8 +236,7 @@ def _compare(config: PipelineConfig, root: Path, sft_model: Path, opd_model: Pat
         )
         results[name] = evaluate(eval_config, console=console)
     summary: dict[str, dict] = {}
-    for benchmark in spec.benchmarks:
-        key = Path(benchmark).stem if Path(benchmark).suffix else benchmark
+    for key in benchmark_names(spec.benchmarks):
         row = {name: next(v for k, v in res[key].items() if k.startswith("avg@")) for name, res in results.items()}
         if {"student", "opd", "teacher"} <= row.keys():
             row["gap_recovery"] = float(gap_recovery(row["student"], row["opd"], row["teacher"]))

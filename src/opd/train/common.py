@@ -24,6 +24,7 @@ from opd.eval.sampling import evaluate_model, summarize_records
 from opd.fingerprints import weights_fingerprint
 from opd.io import read_jsonl
 from opd.models import resolve_dtype
+from opd.names import benchmark_names
 from opd.report import write_report
 from opd.rundir import RunDirectoryError
 from opd.teacher.registry import route_prompts
@@ -230,8 +231,7 @@ def _per_teacher_results(config: EvalConfig, out: Path, teachers: Sequence[Any],
     is skipped with one line: a split of part of it would read as the whole."""
     records = read_jsonl(out / "samples.jsonl")
     flat: dict[str, float] = {}
-    for benchmark in config.benchmarks:
-        name = Path(benchmark).stem if Path(benchmark).suffix else benchmark
+    for benchmark, name in zip(config.benchmarks, benchmark_names(config.benchmarks)):
         prompts = load_benchmark(benchmark, prompt_key=config.prompt_key, answer_key=config.answer_key)
         try:
             owners = route_prompts(prompts[: config.limit] if config.limit else prompts, list(teachers))

@@ -327,7 +327,8 @@ class EvalConfig(Section):
     responses: str | None = Field(None, description="Grade this JSONL of existing generations instead of sampling.")
     benchmarks: BenchmarkList = Field(
         default_factory=lambda: ["aime24", "aime25", "amc23", "math500"],
-        description="Built-in names (aime24, aime25, amc23, math500, minerva, olympiadbench) or file paths.",
+        description="Built-in names (aime24, aime25, amc23, math500, minerva, olympiadbench) or file paths, "
+        "reported under the file's stem (folder-stem where two files share a stem).",
     )
     prompt_key: str = Field("prompt", description="Prompt column of benchmark files given by path.")
     answer_key: str = Field("reward_model.ground_truth", description="Answer column of benchmark files given by path.")

@@ -260,6 +260,37 @@ def test_resume_after_interruption(tiny_tokenizer, tmp_path):
         )
 
 
+def test_rerun_on_other_model_files_or_prompts_is_refused(tiny_tokenizer, tmp_path):
+    """The output records what its samples come from (identity.json): a rerun into it after the model's files or the
+    prompts changed at the same paths is refused in one line, before any sample, instead of mixing two models' or
+    two datasets' samples; a directory with samples and no identity.json is refused too."""
+    script = {f"<q{i}>": [(GOOD, "stop")] for i in range(2)}
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"weights": 1}')
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 2)
+    config = make_config(tmp_path, prompts, **{"model.path": str(model)})
+    teacher_rollout(config, generator=ScriptedGenerator(tiny_tokenizer, script), tokenizer=tiny_tokenizer)
+    out = Path(config.out)
+    identity = json.loads((out / "identity.json").read_text())
+    assert set(identity) == {"model_fingerprint", "prompts"} and identity["model_fingerprint"] is not None
+    idle = ScriptedGenerator(tiny_tokenizer, {})
+    teacher_rollout(config, generator=idle, tokenizer=tiny_tokenizer)  # the same work: nothing to do
+    assert idle.calls == []
+
+    (model / "config.json").write_text('{"weights": 2}')
+    with pytest.raises(ValueError, match="holds a rollout of other model files"):
+        teacher_rollout(config, generator=idle, tokenizer=tiny_tokenizer)
+    (model / "config.json").write_text('{"weights": 1}')
+    prompts.write_text(prompts.read_text().replace('"ground_truth": "4"', '"ground_truth": "5"', 1))
+    with pytest.raises(ValueError, match="holds a rollout of other prompts"):
+        teacher_rollout(config, generator=idle, tokenizer=tiny_tokenizer)
+    (out / "identity.json").unlink()
+    with pytest.raises(ValueError, match="holds samples but no identity.json"):
+        teacher_rollout(config, generator=idle, tokenizer=tiny_tokenizer)
+    assert idle.calls == []
+
+
 # ------------------------------------------------------------------------------------------------ LlamaFactory
 
 

@@ -4,8 +4,9 @@ For every prompt we want `n` accepted samples, each drawn up to `max_attempts` t
 it is (a) truncated (hit max_new_tokens), (b) without an extractable final answer (`extract_answer`), (c) degenerate
 (`degeneracy_reasons`), or (d) with `require_correct`, graded wrong. Every reason that applies is recorded (grading
 runs only when (a)-(c) pass); retries re-sample only the rejected samples. Outputs in `out/`: `rollouts.jsonl`,
-`rejected.jsonl`, `stats.json`, `config.yaml` (and `out/llamafactory/`). Work is appended per fixed batch, seeded by
-its rows' keys, so a rerun skips finished prompts and `num_workers` spawned processes give the same samples; the
+`rejected.jsonl`, `stats.json`, `config.yaml`, `identity.json` (and `out/llamafactory/`). Work is appended per fixed
+batch, seeded by its rows' keys, so a rerun skips finished prompts and `num_workers` spawned processes give the same
+samples; a rerun resumes only with the same settings, model files and encoded prompts (`identity.json`); the
 outputs, batches, seeds and resume in full: docs/design.md, "opd.recipes.rollout".
 
 Omitted on purpose: carrying retries into the next batch to keep the engine full, per-token log-probs in the output
@@ -14,6 +15,7 @@ Omitted on purpose: carrying retries into the next batch to keep the engine full
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import Counter
@@ -31,7 +33,8 @@ from rich.table import Table
 from opd.config import DataSpec, ModelSpec, Section, VLLMSpec, flatten_dotted, save_config
 from opd.eval.degeneracy import DegeneracySpec, degeneracy_reasons
 from opd.eval.grading import decode_responses, extract_answer, grade
-from opd.io import append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
+from opd.fingerprints import model_fingerprint
+from opd.io import append_jsonl, atomic_write_json, read_json_object, read_jsonl, repair_jsonl, write_jsonl
 from opd.rundir import check_same_work, locked
 from opd.seeds import hashed_seed
 
@@ -283,7 +286,8 @@ def _rollout_locked(config: RolloutConfig, out: Path, *, generator: Any, tokeniz
     from opd.data.templates import encode_prompts
 
     shards = out / "shards"
-    if any(shards.glob("rank_*.jsonl")):
+    resuming = any(shards.glob("rank_*.jsonl"))
+    if resuming:
         _check_resumable(out, config)
     out.mkdir(parents=True, exist_ok=True)
     save_config(config, out)
@@ -320,6 +324,9 @@ def _rollout_locked(config: RolloutConfig, out: Path, *, generator: Any, tokeniz
     if encoded.num_filtered:
         console.print(f"[yellow]{encoded.num_filtered} prompts longer than {data.max_prompt_length} tokens skipped[/]")
     items = [WorkItem(i, p, ids) for i, (p, ids) in enumerate(zip(encoded.prompts, encoded.input_ids))]
+    _check_identity(
+        out, {"model_fingerprint": model_fingerprint(config.model.path), "prompts": _items_digest(items)}, resuming
+    )
 
     for path in sorted(shards.glob("rank_*.jsonl")):
         repair_jsonl(path)
@@ -380,6 +387,38 @@ def _check_resumable(out: Path, config: RolloutConfig) -> None:
     saved = flatten_dotted(yaml.safe_load(saved_path.read_text()) or {})
     current = flatten_dotted(config.model_dump(mode="json"))
     check_same_work(out, saved, current, what="a rollout", command="rollout")
+
+
+def _items_digest(items: Sequence[WorkItem]) -> str:
+    """sha256 of the encoded prompts a rollout samples from: ids, token ids, ground truths (what decides a sample)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for item in items:
+        digest.update(json.dumps([item.prompt.id, item.prompt_ids, item.prompt.answer], default=str).encode() + b"\n")
+    return digest.hexdigest()[:16]
+
+
+def _check_identity(out: Path, identity: dict[str, Any], resuming: bool) -> None:
+    """What a rollout's samples come from (`identity.json`: the model files' fingerprint, the encoded prompts'
+    digest), written before the first sample; a rerun that finds samples must find the same, or one output would
+    hold two models' or two datasets' samples. A model given by hub id, not in the local cache, has no fingerprint."""
+    path = out / "identity.json"
+    if resuming:
+        if not path.is_file():
+            raise ValueError(
+                f"{out} holds samples but no identity.json (an older opd wrote it): whether the model files or the "
+                "prompts changed since cannot be told; use another --out"
+            )
+        saved = read_json_object(path)
+        for key, what in (("model_fingerprint", "model files"), ("prompts", "prompts")):
+            if saved.get(key) != identity[key]:
+                raise ValueError(
+                    f"{out} holds a rollout of other {what} ({key} {saved.get(key)} → {identity[key]} in this run); "
+                    f"use another --out, or the same {what} to resume"
+                )
+        return
+    atomic_write_json(path, identity)
 
 
 def _read_logs(shards: Path) -> dict[tuple[str, int], dict]:

@@ -273,17 +273,17 @@ def test_rerun_on_other_model_files_or_prompts_is_refused(tiny_tokenizer, tmp_pa
     teacher_rollout(config, generator=ScriptedGenerator(tiny_tokenizer, script), tokenizer=tiny_tokenizer)
     out = Path(config.out)
     identity = json.loads((out / "identity.json").read_text())
-    assert set(identity) == {"model_fingerprint", "prompts"} and identity["model_fingerprint"] is not None
+    assert set(identity) == {"model_files", "prompts_sha256"} and identity["model_files"] is not None
     idle = ScriptedGenerator(tiny_tokenizer, {})
     teacher_rollout(config, generator=idle, tokenizer=tiny_tokenizer)  # the same work: nothing to do
     assert idle.calls == []
 
     (model / "config.json").write_text('{"weights": 2}')
-    with pytest.raises(ValueError, match="holds a rollout of other model files"):
+    with pytest.raises(ValueError, match="holds a rollout made with another model_files: '"):
         teacher_rollout(config, generator=idle, tokenizer=tiny_tokenizer)
     (model / "config.json").write_text('{"weights": 1}')
     prompts.write_text(prompts.read_text().replace('"ground_truth": "4"', '"ground_truth": "5"', 1))
-    with pytest.raises(ValueError, match="holds a rollout of other prompts"):
+    with pytest.raises(ValueError, match="holds a rollout made with another prompts_sha256: '"):
         teacher_rollout(config, generator=idle, tokenizer=tiny_tokenizer)
     (out / "identity.json").unlink()
     with pytest.raises(ValueError, match="holds samples but no identity.json"):

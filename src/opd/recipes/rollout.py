@@ -325,7 +325,7 @@ def _rollout_locked(config: RolloutConfig, out: Path, *, generator: Any, tokeniz
         console.print(f"[yellow]{encoded.num_filtered} prompts longer than {data.max_prompt_length} tokens skipped[/]")
     items = [WorkItem(i, p, ids) for i, (p, ids) in enumerate(zip(encoded.prompts, encoded.input_ids))]
     _check_identity(
-        out, {"model_fingerprint": model_fingerprint(config.model.path), "prompts": _items_digest(items)}, resuming
+        out, {"model_files": model_fingerprint(config.model.path), "prompts_sha256": _items_digest(items)}, resuming
     )
 
     for path in sorted(shards.glob("rank_*.jsonl")):
@@ -401,8 +401,9 @@ def _items_digest(items: Sequence[WorkItem]) -> str:
 
 def _check_identity(out: Path, identity: dict[str, Any], resuming: bool) -> None:
     """What a rollout's samples come from (`identity.json`: the model files' fingerprint, the encoded prompts'
-    digest), written before the first sample; a rerun that finds samples must find the same, or one output would
-    hold two models' or two datasets' samples. A model given by hub id, not in the local cache, has no fingerprint."""
+    digest), written before the first sample; a rerun that finds samples must find the same (compared as `opd eval`
+    compares its identity, `check_same_work`), or one output would hold two models' or two datasets' samples. A model
+    given by hub id, not in the local cache, has no fingerprint."""
     path = out / "identity.json"
     if resuming:
         if not path.is_file():
@@ -410,13 +411,7 @@ def _check_identity(out: Path, identity: dict[str, Any], resuming: bool) -> None
                 f"{out} holds samples but no identity.json (an older opd wrote it): whether the model files or the "
                 "prompts changed since cannot be told; use another --out"
             )
-        saved = read_json_object(path)
-        for key, what in (("model_fingerprint", "model files"), ("prompts", "prompts")):
-            if saved.get(key) != identity[key]:
-                raise ValueError(
-                    f"{out} holds a rollout of other {what} ({key} {saved.get(key)} → {identity[key]} in this run); "
-                    f"use another --out, or the same {what} to resume"
-                )
+        check_same_work(out, read_json_object(path), identity, what="a rollout")
         return
     atomic_write_json(path, identity)
 

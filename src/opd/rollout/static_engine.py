@@ -1079,7 +1079,8 @@ class _Run:
                     used += width
             placed = dict(zip(samples, slots))
             for group in groups:
-                members = [s for s in samples if self.sample_prompt[s] in set(group)]
+                in_group = set(group)
+                members = [s for s in samples if self.sample_prompt[s] in in_group]
                 self._place(group, members, [placed[s] for s in members])
             ended = [slot for slot, alive in zip(slots, self.alive_R[torch.as_tensor(slots)].tolist()) if not alive]
             if ended:  # host sync above; samples that ended on their first token free their slot again

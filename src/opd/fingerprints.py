@@ -1,11 +1,15 @@
 """Fingerprints of models: of a model directory's files (every byte, cached per file) and of the weights of a module
-in memory. They identify work (an eval's samples, a teacher's scores, a checkpoint's teacher manifest), so that a
-rerun on other weights is noticed; they are not a defence against a forged file."""
+in memory; and of tokenized data (`data_fingerprint`). They identify work (an eval's samples, a teacher's scores, a
+checkpoint's teacher manifest, a rollout's prompts), so that a rerun on other weights or data is noticed; they are not
+a defence against a forged file."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import time
+from array import array
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +19,18 @@ _MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".model"
 _HASH_CHUNK = 8 << 20
 _RACY_NS = 2_000_000_000  # a file modified this recently may change again within its mtime's tick: never cached
 _file_hashes: dict[tuple[str, int, int, int], str] = {}  # (path, size, mtime_ns, inode) -> digest, this process
+
+
+def data_fingerprint(rows: Iterable[tuple[Sequence[int], Any]]) -> str:
+    """sha256 of data as a command sees it, rows of (token ids, anything JSON-able: the answer, the target mask):
+    what a trainer's `--resume` compares, so that a data file regenerated in place (same path, same row count) is not
+    consumed from the old sampler position, and what `opd rollout` records of its prompts."""
+    digest = hashlib.sha256()
+    for ids, extra in rows:
+        digest.update(len(ids).to_bytes(8, "little"))
+        digest.update(array("q", ids).tobytes())
+        digest.update(json.dumps(extra, default=str, separators=(",", ":")).encode() + b"\n")
+    return digest.hexdigest()
 
 
 def model_fingerprint(path: str) -> str | None:

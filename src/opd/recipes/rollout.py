@@ -15,7 +15,6 @@ Omitted on purpose: carrying retries into the next batch to keep the engine full
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections import Counter
@@ -33,7 +32,7 @@ from rich.table import Table
 from opd.config import DataSpec, ModelSpec, Section, VLLMSpec, flatten_dotted, save_config
 from opd.eval.degeneracy import DegeneracySpec, degeneracy_reasons
 from opd.eval.grading import decode_responses, extract_answer, grade
-from opd.fingerprints import model_fingerprint
+from opd.fingerprints import data_fingerprint, model_fingerprint
 from opd.io import append_jsonl, atomic_write_json, read_json_object, read_jsonl, repair_jsonl, write_jsonl
 from opd.rundir import check_same_work, locked
 from opd.seeds import hashed_seed
@@ -325,7 +324,9 @@ def _rollout_locked(config: RolloutConfig, out: Path, *, generator: Any, tokeniz
         console.print(f"[yellow]{encoded.num_filtered} prompts longer than {data.max_prompt_length} tokens skipped[/]")
     items = [WorkItem(i, p, ids) for i, (p, ids) in enumerate(zip(encoded.prompts, encoded.input_ids))]
     _check_identity(
-        out, {"model_files": model_fingerprint(config.model.path), "prompts_sha256": _items_digest(items)}, resuming
+        out,
+        {"model_files": model_fingerprint(config.model.path), "prompts_sha256": _prompts_fingerprint(items)},
+        resuming,
     )
 
     for path in sorted(shards.glob("rank_*.jsonl")):
@@ -389,14 +390,9 @@ def _check_resumable(out: Path, config: RolloutConfig) -> None:
     check_same_work(out, saved, current, what="a rollout", command="rollout")
 
 
-def _items_digest(items: Sequence[WorkItem]) -> str:
-    """sha256 of the encoded prompts a rollout samples from: ids, token ids, ground truths (what decides a sample)."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for item in items:
-        digest.update(json.dumps([item.prompt.id, item.prompt_ids, item.prompt.answer], default=str).encode() + b"\n")
-    return digest.hexdigest()[:16]
+def _prompts_fingerprint(items: Sequence[WorkItem]) -> str:
+    """The encoded prompts a rollout samples from: token ids, ids and ground truths (`data_fingerprint`)."""
+    return data_fingerprint((item.prompt_ids, [item.prompt.id, item.prompt.answer]) for item in items)[:16]
 
 
 def _check_identity(out: Path, identity: dict[str, Any], resuming: bool) -> None:

@@ -6,10 +6,7 @@ Plain functions over plain arguments: there is no base Trainer (STYLE 12).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
-from array import array
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -21,7 +18,7 @@ from opd.config import EvalConfig, EvalSpec, ModelSpec, OptimSpec, RunSpec
 from opd.data.templates import encode_prompts
 from opd.eval.benchmarks import load_benchmark
 from opd.eval.sampling import evaluate_model, summarize_records
-from opd.fingerprints import weights_fingerprint
+from opd.fingerprints import data_fingerprint, weights_fingerprint
 from opd.io import read_jsonl
 from opd.models import resolve_dtype
 from opd.names import benchmark_names
@@ -94,18 +91,6 @@ def restore_trainer_state(
         if changed and console is not None:
             console.print(f"resume: the restored optimizer now runs with {'; '.join(changed)}", soft_wrap=True)
     return state
-
-
-def data_fingerprint(rows: Iterable[tuple[Sequence[int], Any]]) -> str:
-    """sha256 of the training data as the trainer sees it, rows of (token ids, anything JSON-able: the answer, the
-    target mask): what `--resume` compares, so that a data file regenerated in place (same path, same row count) is
-    not consumed from the old sampler position."""
-    digest = hashlib.sha256()
-    for ids, extra in rows:
-        digest.update(len(ids).to_bytes(8, "little"))
-        digest.update(array("q", ids).tobytes())
-        digest.update(json.dumps(extra, default=str, separators=(",", ":")).encode() + b"\n")
-    return digest.hexdigest()
 
 
 _FINGERPRINTS: dict[int, tuple[Any, str]] = {}

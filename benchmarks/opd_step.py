@@ -410,8 +410,6 @@ def our_row(
             sync(device)
             warm_up_s = time.perf_counter() - start_warm_up
 
-        warm_steps = []
-
         def step(warm: bool = False):
             tr.memory_trace = [] if cuda else None
             start = torch.cuda.memory_allocated(device) if cuda else 0
@@ -419,7 +417,7 @@ def our_row(
             # Shorter warm-up steps (--warmup-lengths) compile the same layers and kernels. With rollout.overlap the
             # background engine makes the next step's batch: short too, unless the next step is a timed one.
             engines = [tr.generator]
-            if tr.rollout_generator is not None and len(warm_steps) + 1 < args.warmup:
+            if tr.rollout_generator is not None and sum(s["warm"] for s in steps) + 1 < args.warmup:
                 engines.append(tr.rollout_generator)
             timed_lengths = [engine.lengths for engine in engines]
             if warm and args.warmup_lengths:
@@ -433,8 +431,6 @@ def our_row(
                     engine.lengths = lengths
                 if stream is not None:
                     del stream.next_batch  # the class's method again
-            if warm:
-                warm_steps.append(tr.step)
             tr.step += 1
             # the tokens trained: with overlap or partial the step's rows do not come from its last engine call
             tokens = round(metrics["response_length"] * args.prompts * args.n)

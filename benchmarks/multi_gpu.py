@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -500,3 +501,7 @@ def main(argv: list[str] | None = None):
 
 if __name__ == "__main__":
     main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a `scale` rank: leave as `opd` itself does (see exit_process)
+        from opd.train.distributed import exit_process
+
+        exit_process(0)

@@ -846,7 +846,12 @@ def main() -> None:
         if line is None or os.environ.get("OPD_DEBUG"):
             raise
         _fail(line, 2)
-    sys.exit(code if isinstance(code, int) else 0)
+    code = code if isinstance(code, int) else 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torchrun worker (torch is loaded already): see exit_process
+        from opd.train.distributed import exit_process
+
+        exit_process(code)
+    sys.exit(code)
 
 
 _ON_OFF = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}

@@ -204,6 +204,43 @@ def test_score_command_resumes_and_saves_config(tmp_path, model_dirs):
         score_prompt_file(score_config(model_dirs, other, out))
 
 
+def test_score_command_refuses_changed_prompts_models_or_another_works_directory(tmp_path, model_dirs):
+    """A rerun extends a scores file only with the prompts and model files it was made with; config.yaml and
+    identity.json are never written over another work's."""
+    prompts = make_prompts(4)
+    data = save_prompts(prompts, tmp_path / "set.jsonl")
+    out = tmp_path / "scores" / "scores.jsonl"
+    score_prompt_file(score_config(model_dirs, data, out))
+    full = out.read_text()
+    out.write_text("".join(full.splitlines(keepends=True)[:2]))  # as if interrupted after two prompts
+
+    # the same id, another problem: its old score would be kept under the new text
+    edited = [Prompt(p.id, [{"role": "user", "content": p.text + " Give the answer in words."}]) for p in prompts]
+    with pytest.raises(DataError, match=r"prompt 'p0' of .*set2.jsonl is not the prompt it was scored on"):
+        score_prompt_file(score_config(model_dirs, save_prompts(edited, tmp_path / "set2.jsonl"), out))
+
+    # the teacher's weights replaced at the same path
+    make_tiny_model("llama", seed=7).save_pretrained(model_dirs["teacher"])
+    with pytest.raises(ValueError, match=r"holds prompt scores made with another teacher_files: '[0-9a-f]{16}' → "):
+        score_prompt_file(score_config(model_dirs, data, out))
+
+    # a file of an older opd (no prompt_sha256): cannot be told apart from a changed set
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    out.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "prompt_sha256"}) + "\n" for r in records))
+    with pytest.raises(DataError, match=r"its score of 'p0' has no prompt_sha256"):
+        score_prompt_file(score_config(model_dirs, data, out))
+
+    # a directory holding another work's config.yaml: refused, the file untouched
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("run:\n  name: mine\n")
+    with pytest.raises(ValueError, match=r"run/config.yaml belongs to other work; .*directory of its own"):
+        score_prompt_file(score_config(model_dirs, data, run / "scores.jsonl"))
+    assert (run / "config.yaml").read_text() == "run:\n  name: mine\n" and not (run / "scores.jsonl").exists()
+    with pytest.raises(ValueError, match=r"scores/config.yaml belongs to other work \(its out: .*scores.jsonl\)"):
+        score_prompt_file(score_config(model_dirs, data, out.parent / "other.jsonl"))
+
+
 def test_score_command_checks_tokenizers_first(tmp_path, model_dirs):
     tokenizer = make_tiny_tokenizer()
     tokenizer.add_tokens(["<extra>"])

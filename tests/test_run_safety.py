@@ -592,7 +592,9 @@ def test_rollout_kill9_rerun_is_identical_and_refuses_a_second_process(capsys, t
 
 
 @pytest.mark.slow
-def test_prompts_score_kill9_rerun_is_identical_and_refuses_a_second_process(capsys, tmp_path, model_dirs):
+def test_prompts_score_kill9_rerun_is_identical_and_refuses_a_second_process(tmp_path, model_dirs, capsys):
+    # capsys after model_dirs: its setup (transformers' "Writing model shards" bars, on when no `opd` ran before in
+    # this process) is not read as the commands' output
     from opd.data.prompts import save_prompts
 
     data = save_prompts(make_prompts(12), tmp_path / "set.jsonl")

@@ -33,6 +33,13 @@ def data_fingerprint(rows: Iterable[tuple[Sequence[int], Any]]) -> str:
     return digest.hexdigest()
 
 
+def prompt_digest(messages: Sequence[dict[str, Any]]) -> str:
+    """16 hex digits of the sha256 of a prompt's chat messages: what `opd prompts score` stores in each record and a
+    resumed run compares, so that a prompt edited under the same id is never left with the old prompt's score."""
+    text = json.dumps(list(messages), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def model_fingerprint(path: str) -> str | None:
     """A short hash of a model directory's config, tokenizer and weight files, every byte of each (cached per file by
     path, size, mtime and inode, so a re-evaluation does not hash again). None for a hub id not in the local cache."""

@@ -23,6 +23,7 @@ import torch
 
 from opd.data.prompts import DataError
 from opd.data.templates import encode_prompts
+from opd.fingerprints import prompt_digest
 from opd.io import read_jsonl
 from opd.models import check_tokenizer_compatibility
 from opd.objectives import opd_diagnostics_from_scores
@@ -70,6 +71,8 @@ class PromptScore:
     response_length:  mean tokens per rollout; truncation_rate: fraction that hit max_new_tokens
     overlap_ratio …   see `METRICS` and `opd_diagnostics`; entropies in nats
     skipped:          why the prompt has no metrics (longer than max_prompt_length), else None; its metrics are None
+    prompt_sha256:    `opd.fingerprints.prompt_digest` of the prompt's messages, compared when a run resumes (None
+                      in a file of an older opd, which a rerun does not extend)
     """
 
     id: str
@@ -88,6 +91,7 @@ class PromptScore:
     entropy_teacher: float | None = None
     entropy_gap: float | None = None
     skipped: str | None = None
+    prompt_sha256: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -168,7 +172,12 @@ def score_prompts(
     )
     kept = {p.id for p in encoded.prompts}
     too_long = [
-        PromptScore(p.id, p.source, skipped=f"longer than max_prompt_length={max_prompt_length} tokens")
+        PromptScore(
+            p.id,
+            p.source,
+            skipped=f"longer than max_prompt_length={max_prompt_length} tokens",
+            prompt_sha256=prompt_digest(p.messages),
+        )
         for p in prompts
         if p.id not in kept and p.id not in skip
     ]
@@ -249,7 +258,16 @@ def _batch_scores(
         if prompt.id in skip:
             continue
         metrics = {k: float(v[g]) for k, v in values.items() if k != "num_tokens"}
-        scores.append(PromptScore(prompt.id, prompt.source, n=n, num_tokens=round(values["num_tokens"][g]), **metrics))
+        scores.append(
+            PromptScore(
+                prompt.id,
+                prompt.source,
+                n=n,
+                num_tokens=round(values["num_tokens"][g]),
+                prompt_sha256=prompt_digest(prompt.messages),
+                **metrics,
+            )
+        )
     return scores
 
 

@@ -29,13 +29,15 @@ from opd.data.alignment import retemplate
 from opd.data.prompts import JSONL_SUFFIXES, DataError, load_prompts, save_prompts
 from opd.data.templates import parse_template
 from opd.eval.prompt_scores import ALIGNMENT_METRICS, PromptScore, read_scores, score_prompts, select_prompts
-from opd.io import append_jsonl, repair_jsonl
+from opd.fingerprints import model_fingerprint, prompt_digest
+from opd.io import append_jsonl, atomic_write_json, read_json_object, repair_jsonl
 from opd.models import load_model, load_tokenizer
 from opd.names import EngineName
 from opd.report.sinks import progress_bar
 from opd.rollout import make_generator
 from opd.rollout.registry import vllm_arguments
-from opd.rundir import locked
+from opd.rundir import check_same_work, locked
+from opd.types import Prompt
 
 
 class PromptScoreConfig(Section):
@@ -46,7 +48,7 @@ class PromptScoreConfig(Section):
     data: DataSpec
     out: str = Field(
         description="Scores JSONL, one record per prompt, appended per batch; rerunning resumes. "
-        "config.yaml is written beside it."
+        "config.yaml and identity.json (the models' file fingerprints) are written beside it: a directory of its own."
     )
     n: int = Field(4, ge=1, description="Student rollouts per prompt.")
     top_k: int = Field(16, ge=1, description="K of the top-k supports compared (the paper: 16).")
@@ -76,6 +78,8 @@ class PromptScoreConfig(Section):
             )
         return self
 
+
+IDENTITY_FILE = "identity.json"  # beside the scores: the model files they were made with
 
 # Settings that change the scores: a resumed file must have been written with the same ones. (data.path may move:
 # the prompt ids are checked instead.)
@@ -134,17 +138,18 @@ def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
         on_missing_answer="keep",
     )  # answers are not graded here
 
+    _check_own_files(out)
     repair_jsonl(out)
     done = read_scores(out) if out.is_file() else []
     if done:
         _check_resume(config, out.parent / "config.yaml")
-        ids = {p.id for p in prompts}
-        stray = [s.id for s in done if s.id not in ids]
-        if stray:
-            raise DataError(
-                f"{out}: holds scores of {len(stray)} prompt ids not in {data.path} (first: {stray[0]!r});"
-                f" it belongs to another set: choose another --out"
-            )
+        _check_same_prompts(out, done, prompts, data.path)
+    identity = {
+        "out": out.name,
+        "student_files": model_fingerprint(config.student.path),
+        "teacher_files": None if config.teacher.url else model_fingerprint(config.teacher.path),
+    }
+    _check_identity(out, identity, resuming=bool(done))
     save_config(config, out.parent)
     skip = {s.id for s in done}
     todo = len([p for p in prompts if p.id not in skip])
@@ -215,13 +220,71 @@ def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
     return out
 
 
+def _check_own_files(out: Path) -> None:
+    """`config.yaml` and `identity.json` are written beside the scores: refuse a directory where either belongs to
+    other work (another command's run, another scores file), which the run would overwrite."""
+    for name in ("config.yaml", IDENTITY_FILE):
+        path = out.parent / name
+        if not path.is_file():
+            continue
+        try:
+            saved = yaml.safe_load(path.read_text())  # JSON is YAML
+        except yaml.YAMLError:
+            saved = None
+        saved_out = saved.get("out") if isinstance(saved, dict) else None
+        if not isinstance(saved_out, str) or Path(saved_out).name != out.name:
+            raise ValueError(
+                f"{path} belongs to other work{f' (its out: {saved_out})' if isinstance(saved_out, str) else ''}; "
+                f"opd prompts score writes config.yaml and {IDENTITY_FILE} beside --out: give an --out in a "
+                "directory of its own"
+            )
+
+
+def _check_same_prompts(out: Path, done: Sequence[PromptScore], prompts: Sequence[Prompt], data_path: str) -> None:
+    """Each score already in `out` must be of a prompt of this set, as it reads now (`prompt_sha256`), or the file
+    would keep the score of a prompt edited under the same id."""
+    digests = {p.id: prompt_digest(p.messages) for p in prompts}
+    stray = [s.id for s in done if s.id not in digests]
+    if stray:
+        raise DataError(
+            f"{out}: holds scores of {len(stray)} prompt ids not in {data_path} (first: {stray[0]!r});"
+            f" it belongs to another set: choose another --out"
+        )
+    for score in done:
+        if score.prompt_sha256 is None:
+            raise DataError(
+                f"{out}: its score of {score.id!r} has no prompt_sha256 (an older opd wrote it): whether the prompts "
+                "changed since cannot be told; choose another --out"
+            )
+        if score.prompt_sha256 != digests[score.id]:
+            raise DataError(
+                f"{out}: prompt {score.id!r} of {data_path} is not the prompt it was scored on (prompt_sha256 "
+                f"{score.prompt_sha256} → {digests[score.id]}): the set changed under the same ids; choose another "
+                "--out, or score the set as it was"
+            )
+
+
+def _check_identity(out: Path, identity: dict[str, Any], resuming: bool) -> None:
+    """The student's and the teacher's model files (`identity.json`, written before the first score): a rerun that
+    finds scores must find the same, or one file would hold two pairs' scores. A model given by hub id (not in the
+    local cache) or a served teacher has no fingerprint (None)."""
+    path = out.parent / IDENTITY_FILE
+    if resuming:
+        if not path.is_file():
+            raise ValueError(
+                f"{out} holds scores but {path.name} is missing (an older opd did not write it): whether the model "
+                "files changed since cannot be told; choose another --out"
+            )
+        check_same_work(out, read_json_object(path), identity, what="prompt scores")
+        return
+    atomic_write_json(path, identity)
+
+
 def _check_resume(config: PromptScoreConfig, saved_path: Path) -> None:
     """A scores file is extended only with the settings it was written with (else its lines would disagree)."""
     if not saved_path.is_file():
         return
     saved = yaml.safe_load(saved_path.read_text()) or {}
-    if not isinstance(saved, dict) or saved.get("out") != config.out:
-        return  # a config.yaml of something else in that directory
     now = config.model_dump(mode="json")
     for key in _RESUME_KEYS:
         before, after = _dotted(saved, key), _dotted(now, key)

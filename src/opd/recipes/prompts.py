@@ -147,7 +147,9 @@ def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
     identity = {
         "out": out.name,
         "student_files": model_fingerprint(config.student.path),
-        "teacher_files": None if config.teacher.url else model_fingerprint(config.teacher.path),
+        "teacher_files": model_fingerprint(config.teacher.path)
+        if config.teacher.path and not config.teacher.url
+        else None,
     }
     _check_identity(out, identity, resuming=bool(done))
     save_config(config, out.parent)

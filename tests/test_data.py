@@ -23,7 +23,7 @@ from opd.data.templates import (
     render_prompt,
     strip_template,
 )
-from opd.eval.benchmarks import BENCHMARKS, benchmark_path, list_benchmarks, load_benchmark
+from opd.eval.benchmarks import BENCHMARKS, benchmark_path, get_benchmark, list_benchmarks, load_benchmark
 from opd.types import Prompt
 
 SHARED = Path(__file__).parents[1].parent / "shared" / "data"
@@ -118,6 +118,18 @@ def test_benchmark_names_and_stems():
     assert len(load_benchmark("Olympiad-Bench", limit=2)) == 2
     assert load_benchmark("AIME24")[0].answer == "\\boxed{204}"  # kept as released; the grader unwraps it
     assert benchmark_path("aime25").is_file()
+
+
+def test_two_spellings_of_one_registry_benchmark_are_refused():
+    """benchmark_names reads names as the registry does: each benchmark's name and file stem are one benchmark."""
+    from opd.names import benchmark_names
+
+    for name, bench in BENCHMARKS.items():
+        spelling = Path(bench.file).stem  # MATH-500, Olympiad-Bench, AIME24, ...
+        assert get_benchmark(spelling) is bench
+        with pytest.raises(ValueError, match=rf"^'{name}' and '{spelling}' name one benchmark .*; list it once$"):
+            benchmark_names([name, "aime25" if name != "aime25" else "aime24", spelling])
+    assert benchmark_names(["math500", "AIME24", "aime25"]) == ["math500", "AIME24", "aime25"]
 
 
 def test_unknown_benchmark():

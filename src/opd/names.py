@@ -22,11 +22,23 @@ def benchmark_names(benchmarks: Sequence[str]) -> list[str]:
     """The name each benchmark of a list is reported under (results, samples, `eval/<name>/...` metrics): a built-in
     benchmark's name as given, a file's stem, or, for files whose stems coincide (`math/test.parquet`,
     `gsm8k/test.parquet`), their folder's name and the stem (`math-test`, `gsm8k-test`). Raises ValueError, naming
-    both entries, where two still share a name (one entry given twice, say): their results would be mixed."""
-    given = [str(Path(b).absolute()) if Path(b).suffix else str(b) for b in benchmarks]
+    both entries, where two still share a name (one entry given twice, or in two spellings of the registry's: math500
+    and MATH-500): their results would be mixed."""
+    # what an entry points at: a file's absolute path; a name with case, '-', '_' and spaces ignored, as the registry
+    # reads names (`opd.eval.benchmarks`: math500 and MATH-500 are one benchmark)
+    given = [
+        str(Path(b).absolute()) if Path(b).suffix else "".join(c for c in str(b).lower() if c.isalnum())
+        for b in benchmarks
+    ]
     for i, entry in enumerate(given):
         if entry in given[:i]:
-            raise ValueError(f"{benchmarks[i]!r} is listed twice (its results would be counted twice); list it once")
+            first = benchmarks[given.index(entry)]
+            twice = (
+                f"{first!r} is listed twice"
+                if first == benchmarks[i]
+                else f"{first!r} and {benchmarks[i]!r} name one benchmark"
+            )
+            raise ValueError(f"{twice} (its results would be counted twice); list it once")
     stems = [Path(b).stem if Path(b).suffix else str(b) for b in benchmarks]
     names = [
         f"{Path(b).absolute().parent.name}-{stem}" if Path(b).suffix and stems.count(stem) > 1 else stem

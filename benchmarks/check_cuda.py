@@ -356,6 +356,17 @@ def static_packed():
     err = max(abs(x[0] - y[0]) for x, y in zip(outputs[True].logprobs, outputs[False].logprobs))
     check("static_packed first-token log-prob |Δ| (packed vs padded under autocast)", err, 1e-2)
     check("static_packed mean |log-prob - teacher-forced under autocast| (worse of the two)", forced, 1e-2)
+    # the same packed prefills through the layers compiled by compile_layers (inductor): compiled_prefill=True
+    from opd.models import compile_layers
+
+    compile_layers(model, True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        engine = StaticGenerator(model, max_batch_size=12, compiled_prefill=True, **common)
+        compiled = engine.generate(prompts, params)
+    same = sum(x == y for x, y in zip(compiled.response_ids, outputs[True].response_ids)) / len(prompts)
+    check("static_packed greedy rows equal (compiled vs eager packed prefill), 1 - rate", 1 - same, 0.25)
+    err = max(abs(x[0] - y[0]) for x, y in zip(compiled.logprobs, outputs[True].logprobs))
+    check("static_packed first-token log-prob |Δ| (compiled vs eager packed prefill)", err, 1e-2)
 
 
 @guarded

@@ -10,7 +10,9 @@ samples are their prompt plus anything from a few to thousands of tokens. One `g
 (`max_new_tokens=1`, no decode step) with as many rows as samples, the model set to opd_varlen (as
 `opd.models.load_model` does on CUDA), bf16 on CUDA. Tokens/s: prompt tokens / seconds (median of `--repeat`).
 Compute bound: 2 · params + the causal attention's 2 · L · layers · heads · head size FLOPs per token of a prompt of
-L tokens, at the dense bf16 peak. `--profile`: the ten CUDA kernels that took the most time in one call of each layout.
+L tokens, at the dense bf16 peak. `--profile`: the ten CUDA kernels that took the most time in one call of each
+layout. `--compiled`: a third layout, packed through the decoder layers compiled by `opd.models.compile_layers`
+(`compiled_prefill=True`); its first call (warm-up) holds the compilation.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-lengths", default="128:7296", help="LO:HI, prompt lengths drawn uniformly")
     parser.add_argument("--prefill-tokens", type=int, default=8192, help="StaticGenerator prefill_tokens")
     parser.add_argument("--profile", action="store_true", help="print each layout's top CUDA kernels (CUDA only)")
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="a third layout: packed through decoder layers compiled by compile_layers (compiled_prefill=True)",
+    )
     args = parser.parse_args(argv)
     try:
         low, high = (int(x) for x in args.prompt_lengths.split(":"))
@@ -88,7 +95,13 @@ def main(argv: list[str] | None = None) -> dict:
     bound_s = (2 * param_count(model) * tokens + attention_flops(args.shape, lengths)) / flops if flops else None
     report = Report("prefill", args, device, shape=args.shape, dtype=str(dtype), samples=args.samples)
     profiles = {}
-    for name, packed in (("packed", True), ("padded", False)):
+    layouts = [("packed", {"packed_prefill": True}), ("padded", {"packed_prefill": False})]
+    if args.compiled:  # the eager layouts run these layers eagerly (force_eager), as the trainer's engine does
+        from opd.models import compile_layers
+
+        compile_layers(model, True, backend="inductor" if device.type == "cuda" else "aot_eager")
+        layouts.append(("packed_compiled", {"packed_prefill": True, "compiled_prefill": True}))
+    for name, layout in layouts:
         engine = StaticGenerator(
             model,
             eos_token_ids=[eos_id(args.shape)],
@@ -96,9 +109,9 @@ def main(argv: list[str] | None = None) -> dict:
             vocab_size=vocab,
             max_batch_size=args.samples,
             prefill_tokens=args.prefill_tokens,
-            packed_prefill=packed,
             compile=False,
             cuda_graphs=False,
+            **layout,
         )
 
         def call(engine=engine):
@@ -114,6 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "tokens_per_s": tokens / seconds,
                 "seconds": seconds,
                 "prefills": result["result"]["prefills"],
+                "first_call_s": result["first_call_seconds"],
                 "of_bound": bound_s / seconds if bound_s else None,
                 "peak_gib": result["peak_gib"],
             }
@@ -124,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
         ("tokens/s", "tokens_per_s", ",.0f"),
         ("seconds", "seconds", ".3f"),
         ("forwards", "prefills", "d"),
+        ("first call s", "first_call_s", ".2f"),
         ("of compute bound", "of_bound", ".0%"),
         ("peak GiB", "peak_gib", ".1f"),
     ]

@@ -72,10 +72,11 @@ ENGINES = ("static_compile", "static_splits1", "static_packed", "static_engine")
 
 
 def stream_engine(name: str, model, shape: str, rows: int, **options):
-    """rollout.py's engine `name`; static_packed: static_compile with packed prefills (`packed_prefill=True`)."""
+    """rollout.py's engine `name` with left-padded prefills; static_packed: static_compile with packed prefills
+    (the engine's default on a model set to opd_varlen, named here so that each stream says which it ran)."""
     if name == "static_packed":
         return make_engine("static_compile", model, shape, rows, packed_prefill=True, **options)
-    return make_engine(name, model, shape, rows, **options)
+    return make_engine(name, model, shape, rows, packed_prefill=False, **options)
 
 
 class ForcedLengths:

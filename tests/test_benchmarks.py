@@ -170,14 +170,24 @@ def test_rollout_stream_warm_up_covers_the_backlog_of_the_start():
 
 
 def test_prefill_packed_and_padded_place_the_same_prompts(tmp_path, capsys):
-    """Both layouts place every prompt; packed cuts its forwards by real tokens, padded by rows × the longest, so
-    padded needs at least as many forwards."""
+    """Every layout places every prompt; packed cuts its forwards by real tokens, padded by rows × the longest, so
+    padded needs at least as many forwards; the compiled layers' packed prefill cuts them as the eager one."""
     data, printed = run(
-        "prefill", tmp_path, capsys, "--samples", "6", "--prompt-lengths", "8:64", "--prefill-tokens", "128"
+        "prefill",
+        tmp_path,
+        capsys,
+        "--samples",
+        "6",
+        "--prompt-lengths",
+        "8:64",
+        "--prefill-tokens",
+        "128",
+        "--compiled",
     )
     got = rows(data)
-    assert set(got) == {"packed", "padded"} and "opd_varlen attention" in printed
+    assert set(got) == {"packed", "padded", "packed_compiled"} and "opd_varlen attention" in printed
     assert 1 <= got["packed"]["prefills"] <= got["padded"]["prefills"]
+    assert got["packed_compiled"]["prefills"] == got["packed"]["prefills"]
 
 
 def test_decode_attention_refuses_bad_lengths_before_the_device():

@@ -89,7 +89,7 @@ def test_every_decode_path_matches_torch_generator_in_float32(model_name, fuse_w
 
 def test_generation_is_unchanged_on_a_model_set_to_opd_varlen():
     """`load_model` sets opd_varlen on CUDA: generation (left-padded prefill, decode with a cache) must take its SDPA
-    path exactly, in both engines, unless the static engine is asked to pack its prefills."""
+    path exactly, in both engines, when the static engine pads its prefills (packing them is its default there)."""
     from opd.kernels import varlen_attention
 
     model = make_tiny_model("qwen3")
@@ -97,12 +97,14 @@ def test_generation_is_unchanged_on_a_model_set_to_opd_varlen():
     results = {}
     for attn in ("sdpa", varlen_attention.register()):
         model.set_attn_implementation(attn)
-        results[attn] = [engine.generate(PROMPTS, params) for engine in engines(model)]
+        padded = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=16, packed_prefill=False)
+        results[attn] = [engine.generate(PROMPTS, params) for engine in (engines(model)[0], padded)]
     for want, got in zip(results["sdpa"], results[varlen_attention.ATTENTION]):
         assert got.response_ids == want.response_ids and got.logprobs == want.logprobs
     # packed, the float32 per-row and padded attention sum in another order: 1e-6-level log-prob differences that
     # do not move a draw here
-    static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=16, packed_prefill=True)
+    static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, kv_bucket=16)
+    assert static.packed_prefill  # the default on a model that packs
     packed = static.generate(PROMPTS, params)
     want = results["sdpa"][1]
     assert packed.response_ids == want.response_ids and _max_abs_diff(packed.logprobs, want.logprobs) < 1e-5
@@ -142,13 +144,49 @@ def test_packed_prefill_gives_the_padded_prefills_greedy_outputs(rows):
         assert (prefills[True], prefills[False]) == (3, 4)
 
 
+def test_compiled_prefill_runs_the_compiled_layers_to_the_same_outputs():
+    """Packed prefills through the layers `compile_layers` compiled (aot_eager here: the same graph capture without
+    code generation) give the eager prefills' tokens and log-probs (float32 on CPU: the same kernels run), and after
+    two calls' layouts (the first layer's empty cache, the later layers' filled one) they compile nothing new."""
+    from torch._dynamo.utils import counters
+
+    from opd.kernels import varlen_attention
+    from opd.models import compile_layers
+
+    model = eos_biased("qwen3")
+    model.set_attn_implementation(varlen_attention.register())
+    generator = torch.Generator().manual_seed(4)
+    calls = [
+        [torch.randint(3, TINY_VOCAB, (n,), generator=generator).tolist() for n in lengths]
+        for lengths in ((5, 17, 9), (33, 2), (7, 40, 11, 6, 2), (3,), (12, 30))
+    ]
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=8, return_logprobs=True)
+    common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, max_batch_size=4, prefill_tokens=48)
+    eager = [StaticGenerator(model, **common).generate(prompts, params) for prompts in calls]
+    torch._dynamo.reset()
+    assert compile_layers(model, True, backend="aot_eager")
+    try:
+        engine = StaticGenerator(model, compiled_prefill=True, **common)
+        graphs = []
+        for prompts, want in zip(calls, eager):
+            got = engine.generate(prompts, params)
+            assert got.response_ids == want.response_ids and got.logprobs == want.logprobs
+            graphs.append(counters["stats"]["unique_graphs"])
+        assert graphs[0] > 0 and graphs[2:] == [graphs[1]] * (len(calls) - 2)
+    finally:
+        torch._dynamo.reset()
+    with pytest.raises(ValueError, match=r"compiled_prefill=True: True or False, and True needs packed prefills"):
+        StaticGenerator(model, packed_prefill=False, compiled_prefill=True)
+
+
 def test_packed_prefill_needs_a_model_that_packs():
     with pytest.raises(
         ValueError, match="packed_prefill=True needs a model loaded with attn_implementation='opd_varlen'"
     ):
         StaticGenerator(make_tiny_model("qwen3"), packed_prefill=True)
-    with pytest.raises(ValueError, match="packed_prefill must be True or False"):
+    with pytest.raises(ValueError, match="packed_prefill must be None, True or False, got 'yes'"):
         StaticGenerator(make_tiny_model("qwen3"), packed_prefill="yes")
+    assert not StaticGenerator(make_tiny_model("qwen3")).packed_prefill  # the default where the model cannot pack
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])

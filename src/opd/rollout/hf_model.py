@@ -170,14 +170,16 @@ class HFModel:
         position_ids: torch.Tensor,
         cache: Any,
         keep_1P: torch.Tensor | None = None,
+        eager: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor:
         """One model call extending `cache` in place. [R, S] ids → [R, V] logits of the last position; with `keep_1P`
-        (positions of a [1, S] packed input) → [P, V] logits of those positions. kwargs go to the model."""
+        (positions of a [1, S] packed input) → [P, V] logits of those positions. kwargs go to the model. eager: run
+        layers compiled for scoring (`compile_layers`) eagerly, as a cache that grows call after call needs."""
         kwargs.update({self.cache_kwarg: cache, "use_cache": True})
         if self.has_logits_to_keep:
             kwargs["logits_to_keep"] = 1 if keep_1P is None else keep_1P
-        with torch.compiler.set_stance("force_eager"):  # layers compiled for scoring (`compile_layers`) run eagerly
+        with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         if keep_1P is None:
             logits_RV = out.logits[:, -1, :]
@@ -221,12 +223,13 @@ class HFModel:
         return cache, mask_PL, logits_PV
 
     def prefill_packed(
-        self, prompts: Sequence[Sequence[int]], device: torch.device
+        self, prompts: Sequence[Sequence[int]], device: torch.device, *, compiled: bool = False
     ) -> tuple[Any, list[int], torch.Tensor]:
         """One forward over P distinct prompts concatenated without padding (`packs_prompts` models). Returns (cache of
         every position, its keys/values [1, Hkv, Σ lengths, Dh] per layer; each prompt's first position in it; logits
         [P, V] of each prompt's last token). No padded rows and no [L, L] mask: a long prompt costs its own causal
-        attention, not that of the longest in the forward."""
+        attention, not that of the longest in the forward. compiled: run layers compiled by `compile_layers` as
+        compiled (the cache starts empty at every call, so they meet one layout, not a growing cache)."""
         lengths = [len(p) for p in prompts]
         starts = [0]
         for length in lengths[:-1]:
@@ -237,7 +240,7 @@ class HFModel:
         last_1P = torch.as_tensor([s + n - 1 for s, n in zip(starts, lengths)], device=device)
         cache = self.new_cache(full=True)
         mask = packed.pop("attention_mask")
-        logits_PV = self.forward(ids_1S, mask, positions_1S, cache, keep_1P=last_1P, **packed)
+        logits_PV = self.forward(ids_1S, mask, positions_1S, cache, keep_1P=last_1P, eager=not compiled, **packed)
         return cache, starts, logits_PV
 
 

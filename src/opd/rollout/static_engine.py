@@ -559,9 +559,14 @@ class StaticGenerator(memory.ModuleMemory):
                       model loaded with `opd_varlen` attention, as `opd.models.load_model` does on CUDA): no padded
                       rows and no [W, W] mask, each prompt costs its own causal attention (a stream's continued
                       samples are prefilled again at every call, from the bare prompt to thousands of tokens long).
-                      False (default) = left-padded rows under a mask. Both give the same keys, values and first
-                      tokens up to the rounding of another attention kernel; which is faster on a GPU has not been
-                      measured yet (`benchmarks/prefill.py`), so the default stays the layout measured so far
+                      False = left-padded rows under a mask. None (default) = packed when the model packs prompts
+                      (`opd_varlen`), else padded. Both give the same keys, values and first tokens up to the
+                      rounding of another attention kernel; packed was 9-37% faster on an H100
+                      (`benchmarks/prefill.py`, docs/performance.md)
+    compiled_prefill: True = packed prefills run the decoder layers compiled by `opd.models.compile_layers` (the
+                      trainer's, on CUDA) as compiled, fusing the element-wise work between the GEMMs that is about
+                      half of an eager prefill's CUDA time; False (default) = eagerly, as every other call through
+                      the Hugging Face model. Needs packed prefills; no effect on layers not compiled
     free_memory:      function of a device → its (free, total) bytes, or None for no limit; default
                       `opd.rollout.memory.device_memory` (the CUDA figures; None on CPU); the tests pass a fixed one
     row_buckets:      True (default) = once no sample is pending, decode steps run over the smallest live-row
@@ -608,7 +613,8 @@ class StaticGenerator(memory.ModuleMemory):
         row_buckets: bool = True,
         round_rows: bool | None = None,
         attention_splits: int | None = None,
-        packed_prefill: bool = False,
+        packed_prefill: bool | None = None,
+        compiled_prefill: bool = False,
     ) -> None:
         check_arguments(
             "StaticGenerator",
@@ -618,7 +624,12 @@ class StaticGenerator(memory.ModuleMemory):
                 ("prefill_tokens", prefill_tokens >= 1, "an integer ≥ 1", prefill_tokens),
                 ("attention", attention in _ATTENTION_CHOICES, f"one of {', '.join(_ATTENTION_CHOICES)}", attention),
                 ("round_rows", round_rows is None or isinstance(round_rows, bool), "None, True or False", round_rows),
-                ("packed_prefill", isinstance(packed_prefill, bool), "True or False", packed_prefill),
+                (
+                    "packed_prefill",
+                    packed_prefill is None or isinstance(packed_prefill, bool),
+                    "None, True or False",
+                    packed_prefill,
+                ),
                 (
                     "attention_splits",
                     attention_splits is None
@@ -675,9 +686,15 @@ class StaticGenerator(memory.ModuleMemory):
             implementation = getattr(model.config, "_attn_implementation", None)
             raise ValueError(
                 f"StaticGenerator packed_prefill=True needs a model loaded with attn_implementation='opd_varlen' "
-                f"(opd.models.load_model's choice on CUDA), this one has {implementation!r}; use False"
+                f"(opd.models.load_model's choice on CUDA), this one has {implementation!r}; use None or False"
             )
-        self.packed_prefill = packed_prefill
+        self.packed_prefill: bool = self.hf.packs_prompts() if packed_prefill is None else packed_prefill
+        if compiled_prefill is not False and (compiled_prefill is not True or not self.packed_prefill):
+            raise ValueError(
+                f"StaticGenerator compiled_prefill={compiled_prefill!r}: True or False, and True needs packed prefills "
+                f"(a model set to opd_varlen, packed_prefill None or True); use False"
+            )
+        self.compiled_prefill = compiled_prefill
         self.stats: dict[str, Any] = {}
         self._compiled: tuple[Callable, Callable, Callable] | None = None
 
@@ -1094,7 +1111,7 @@ class _Run:
         prompts = [self.prompts[p] for p in group]
         with self._prefill_autocast():
             if engine.packed_prefill:
-                cache, starts, logits_PV = engine.hf.prefill_packed(prompts, device)
+                cache, starts, logits_PV = engine.hf.prefill_packed(prompts, device, compiled=engine.compiled_prefill)
             else:
                 cache, _, logits_PV = engine.hf.prefill(prompts, device, full_cache=True)
         self.counters["prefills"] += 1

@@ -286,7 +286,9 @@ def test_rerun_on_other_model_files_or_prompts_is_refused(tiny_tokenizer, tmp_pa
     with pytest.raises(ValueError, match="holds a rollout made with another prompts_sha256: '"):
         teacher_rollout(config, generator=idle, tokenizer=tiny_tokenizer)
     (out / "identity.json").unlink()
-    with pytest.raises(ValueError, match="holds samples but no identity.json"):
+    with pytest.raises(
+        ValueError, match="holds a rollout but no identity.json .an older opd wrote it.: whether the model"
+    ):
         teacher_rollout(config, generator=idle, tokenizer=tiny_tokenizer)
     assert idle.calls == []
 

@@ -30,9 +30,11 @@ from opd.config import RunSpec, flatten_dotted, save_config
 from opd.io import (
     LOCK_FILE,
     DirectoryLock,
+    atomic_write_json,
     atomic_write_text,
     name_step,
     pid_alive,
+    read_json_object,
     read_manifest,
     read_yaml_mapping,
 )
@@ -340,6 +342,22 @@ def check_same_work(
                 f"{out} holds {what} made with another {key}: {value!r} → {current.get(key)!r} in "
                 f"this run; use another --out, or the same settings to resume"
             )
+
+
+def check_identity(path: Path, identity: dict[str, Any], *, resuming: bool, out: Path, what: str) -> None:
+    """What a command's output is made from beyond its config (model files' fingerprints, ...), kept in `path`
+    (`identity.json`): written before the first record of new work; a rerun that finds work (`resuming`) must find
+    the same (`check_same_work`), and finding none means an older opd wrote the work: refused, one line, as whether
+    its inputs changed cannot be told. Used by `opd rollout` and `opd prompts score` (`opd eval` keeps its own)."""
+    if not resuming:
+        atomic_write_json(path, identity)
+        return
+    if not path.is_file():
+        raise ValueError(
+            f"{out} holds {what} but no {path.name} (an older opd wrote it): whether the model files or the inputs "
+            "changed since cannot be told; use another --out"
+        )
+    check_same_work(out, read_json_object(path), identity, what=what)
 
 
 # ------------------------------------------------------------- checkpoint directories on disk

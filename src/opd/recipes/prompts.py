@@ -30,13 +30,13 @@ from opd.data.prompts import JSONL_SUFFIXES, DataError, load_prompts, save_promp
 from opd.data.templates import parse_template
 from opd.eval.prompt_scores import ALIGNMENT_METRICS, PromptScore, read_scores, score_prompts, select_prompts
 from opd.fingerprints import model_fingerprint, prompt_digest
-from opd.io import append_jsonl, atomic_write_json, read_json_object, repair_jsonl
+from opd.io import append_jsonl, repair_jsonl
 from opd.models import load_model, load_tokenizer
 from opd.names import EngineName
 from opd.report.sinks import progress_bar
 from opd.rollout import make_generator
 from opd.rollout.registry import vllm_arguments
-from opd.rundir import check_same_work, locked
+from opd.rundir import check_identity, locked
 from opd.types import Prompt
 
 
@@ -151,7 +151,8 @@ def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
         if config.teacher.path and not config.teacher.url
         else None,
     }
-    _check_identity(out, identity, resuming=bool(done))
+    # the student's and the teacher's files (None: a hub id not in the local cache, a served teacher)
+    check_identity(out.parent / IDENTITY_FILE, identity, resuming=bool(done), out=out, what="prompt scores")
     save_config(config, out.parent)
     skip = {s.id for s in done}
     todo = len([p for p in prompts if p.id not in skip])
@@ -264,22 +265,6 @@ def _check_same_prompts(out: Path, done: Sequence[PromptScore], prompts: Sequenc
                 f"{score.prompt_sha256} → {digests[score.id]}): the set changed under the same ids; choose another "
                 "--out, or score the set as it was"
             )
-
-
-def _check_identity(out: Path, identity: dict[str, Any], resuming: bool) -> None:
-    """The student's and the teacher's model files (`identity.json`, written before the first score): a rerun that
-    finds scores must find the same, or one file would hold two pairs' scores. A model given by hub id (not in the
-    local cache) or a served teacher has no fingerprint (None)."""
-    path = out.parent / IDENTITY_FILE
-    if resuming:
-        if not path.is_file():
-            raise ValueError(
-                f"{out} holds scores but {path.name} is missing (an older opd did not write it): whether the model "
-                "files changed since cannot be told; choose another --out"
-            )
-        check_same_work(out, read_json_object(path), identity, what="prompt scores")
-        return
-    atomic_write_json(path, identity)
 
 
 def _check_resume(config: PromptScoreConfig, saved_path: Path) -> None:

@@ -33,8 +33,8 @@ from opd.config import DataSpec, ModelSpec, Section, VLLMSpec, flatten_dotted, s
 from opd.eval.degeneracy import DegeneracySpec, degeneracy_reasons
 from opd.eval.grading import decode_responses, extract_answer, grade
 from opd.fingerprints import data_fingerprint, model_fingerprint
-from opd.io import append_jsonl, atomic_write_json, read_json_object, read_jsonl, repair_jsonl, write_jsonl
-from opd.rundir import check_same_work, locked
+from opd.io import append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
+from opd.rundir import check_identity, check_same_work, locked
 from opd.seeds import hashed_seed
 
 # The CLI imports this module for RolloutConfig and must start fast: whatever loads torch (opd.types, the data,
@@ -323,10 +323,12 @@ def _rollout_locked(config: RolloutConfig, out: Path, *, generator: Any, tokeniz
     if encoded.num_filtered:
         console.print(f"[yellow]{encoded.num_filtered} prompts longer than {data.max_prompt_length} tokens skipped[/]")
     items = [WorkItem(i, p, ids) for i, (p, ids) in enumerate(zip(encoded.prompts, encoded.input_ids))]
-    _check_identity(
-        out,
+    check_identity(  # the model's files and the encoded prompts, or one output would mix two models' samples
+        out / "identity.json",
         {"model_files": model_fingerprint(config.model.path), "prompts_sha256": _prompts_fingerprint(items)},
-        resuming,
+        resuming=resuming,
+        out=out,
+        what="a rollout",
     )
 
     for path in sorted(shards.glob("rank_*.jsonl")):
@@ -393,23 +395,6 @@ def _check_resumable(out: Path, config: RolloutConfig) -> None:
 def _prompts_fingerprint(items: Sequence[WorkItem]) -> str:
     """The encoded prompts a rollout samples from: token ids, ids and ground truths (`data_fingerprint`)."""
     return data_fingerprint((item.prompt_ids, [item.prompt.id, item.prompt.answer]) for item in items)[:16]
-
-
-def _check_identity(out: Path, identity: dict[str, Any], resuming: bool) -> None:
-    """What a rollout's samples come from (`identity.json`: the model files' fingerprint, the encoded prompts'
-    digest), written before the first sample; a rerun that finds samples must find the same (compared as `opd eval`
-    compares its identity, `check_same_work`), or one output would hold two models' or two datasets' samples. A model
-    given by hub id, not in the local cache, has no fingerprint."""
-    path = out / "identity.json"
-    if resuming:
-        if not path.is_file():
-            raise ValueError(
-                f"{out} holds samples but no identity.json (an older opd wrote it): whether the model files or the "
-                "prompts changed since cannot be told; use another --out"
-            )
-        check_same_work(out, read_json_object(path), identity, what="a rollout")
-        return
-    atomic_write_json(path, identity)
 
 
 def _read_logs(shards: Path) -> dict[tuple[str, int], dict]:

@@ -349,5 +349,5 @@ def test_select_command(tmp_path):
     assert len(got) == 10 and sum(p.source == "o" for p in got) == 3
     assert line.startswith("7 of 10 prompts by overlap_ratio (mean 0.6000 vs 0.4500 over all) + 3 from")
     with pytest.raises(DataError, match="no such scores file"):
-        select_prompt_file(data, tmp_path / "missing.jsonl", out)
+        select_prompt_file(data, tmp_path / "missing.jsonl", tmp_path / "b.parquet")
     assert set(ALIGNMENT_METRICS) <= set(METRICS)

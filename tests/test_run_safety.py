@@ -1,6 +1,7 @@
 """Nothing lost, nothing mixed: every command that writes state, through its command line.
 
-- `opd merge` refuses to write over anything that is not empty (or moves it aside with --overwrite);
+- `opd merge` refuses to write over anything that is not empty (or moves it aside with --overwrite), and so do
+  `opd prompts template` / `select` and `opd dedup` over an existing output file;
 - a new `opd distill` / `opd sft` into a run directory that holds a run refuses (or moves it aside with
   run.overwrite), so two runs never mix and keep-last pruning only ever removes checkpoints of the run itself;
 - eval sets, output paths and writability fail at startup, before any training; the final checkpoint is written
@@ -106,6 +107,45 @@ def test_merge_refuses_an_existing_file(capsys, tmp_path, lora_checkpoint):
     line = one_line(*cli(capsys, "merge", lora_checkpoint, out)[::2])
     assert str(out) in line and "--overwrite" in line
     assert out.read_text() == "my notes"
+
+
+@pytest.mark.parametrize("command", ["prompts template", "prompts select", "dedup"])
+def test_file_outputs_are_refused_or_moved_aside_never_replaced(capsys, tmp_path, command):
+    """A prompt set (and dedup's report) written whole: an existing file at the output path is refused in one line
+    before any work, untouched; with --overwrite it is moved aside to <name>.old-<time>, every byte kept; the output
+    given as the input itself is refused even with --overwrite (it would be moved away before being read)."""
+    from opd.data.prompts import load_prompts, save_prompts
+    from opd.eval.prompt_scores import PromptScore
+
+    prompts = make_prompts(4)
+    data = save_prompts(prompts, tmp_path / "set.jsonl")
+    scores = tmp_path / "scores.jsonl"
+    scores.write_text(
+        "".join(json.dumps(PromptScore(p.id, overlap_ratio=0.1 * i).to_json()) + "\n" for i, p in enumerate(prompts))
+    )
+    out = tmp_path / "out.jsonl"
+    args = {
+        "prompts template": ["prompts", "template", "--in", str(data), "--template", "boxed"],
+        "prompts select": ["prompts", "select", "--in", str(data), "--scores", str(scores), "--top", "2"],
+        "dedup": ["dedup", "--in", str(data)],
+    }[command]
+    existing = [out] + ([tmp_path / "out.report.json"] if command == "dedup" else [])
+    for path in existing:
+        path.write_text("my notes\n")
+        line = one_line(*cli(capsys, *args, "--out", str(out))[::2])
+        assert f"{path}: the file exists" in line and "--overwrite" in line, line
+        assert path.read_text() == "my notes\n"
+        path.unlink()
+    for path in existing:
+        path.write_text("my notes\n")
+    code, _, err = cli(capsys, *args, "--out", str(out), "--overwrite")
+    assert code == 0, err
+    assert len(load_prompts(out)) >= 2
+    for path in existing:
+        (aside,) = tmp_path.glob(f"{path.name}.old-*")
+        assert aside.read_text() == "my notes\n"
+    line = one_line(*cli(capsys, *args, "--out", str(data), "--overwrite")[::2])
+    assert "is the --in file itself" in line and len(load_prompts(data)) == 4
 
 
 def test_merge_refuses_a_non_empty_directory(capsys, tmp_path, lora_checkpoint):

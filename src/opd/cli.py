@@ -431,6 +431,11 @@ def dedup_command(
     ),
     prompt_key: str = typer.Option("prompt", help="Prompt column of A (and of B unless --against-prompt-key)."),
     against_prompt_key: str | None = typer.Option(None, help="Prompt column of B. [default: --prompt-key]"),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="When OUT or the report exists, move it aside to <name>.old-<time> (never deleted). [default: refuse]",
+    ),
 ) -> None:
     """Remove from a prompt set the exact and near duplicates of another set (or of itself): MinHash + optional
     embeddings."""
@@ -447,6 +452,7 @@ def dedup_command(
         minhash_threshold=minhash_threshold or None,
         embedding_model=embeddings,
         cosine_threshold=cosine_threshold,
+        overwrite=overwrite,
     )
 
 
@@ -551,13 +557,24 @@ def prompts_template_command(
     prompt_key: str = typer.Option("prompt", help=PROMPT_KEY_HELP),
     answer_key: str = typer.Option("reward_model.ground_truth", help=ANSWER_KEY_HELP),
     id_key: str | None = typer.Option(None, help=ID_KEY_HELP),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="When OUT exists, move it aside to OUT.old-<time> (never deleted). [default: refuse]"
+    ),
 ) -> None:
     """Replace each prompt's instruction, e.g. DAPO-Math-17k's "Answer:" line → Qwen's \\boxed{} (problems, answers,
     ids kept)."""
     from opd.recipes.prompts import retemplate_file
 
     typer.echo(
-        retemplate_file(source, out, template, prompt_key=prompt_key, answer_key=answer_key or None, id_key=id_key)
+        retemplate_file(
+            source,
+            out,
+            template,
+            prompt_key=prompt_key,
+            answer_key=answer_key or None,
+            id_key=id_key,
+            overwrite=overwrite,
+        )
     )
 
 
@@ -638,6 +655,9 @@ def prompts_select_command(
     prompt_key: str = typer.Option("prompt", help=PROMPT_KEY_HELP + " Applies to --in and --mix-with."),
     answer_key: str = typer.Option("reward_model.ground_truth", help=ANSWER_KEY_HELP),
     id_key: str | None = typer.Option(None, help=ID_KEY_HELP),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="When OUT exists, move it aside to OUT.old-<time> (never deleted). [default: refuse]"
+    ),
 ) -> None:
     """Keep the most teacher-aligned prompts by their scores, optionally mixed with prompts from another set."""
     from opd.recipes.prompts import select_prompt_file
@@ -655,6 +675,7 @@ def prompts_select_command(
             prompt_key=prompt_key,
             answer_key=answer_key or None,
             id_key=id_key,
+            overwrite=overwrite,
         )
     )
 

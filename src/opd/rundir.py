@@ -167,7 +167,7 @@ def claimed_run_dir(run_dir: Path, run: RunSpec, command: str, *, console: Any) 
                     f"{run_dir} already holds a run ({what}); pass --resume (run.resume=true) to continue it, choose "
                     f"another run.name, or set run.overwrite=true to move it aside"
                 )
-            aside = _aside_name(run_dir)
+            aside = aside_name(run_dir)
             os.replace(run_dir, aside)  # holding the old lock throughout: nobody starts in it meanwhile
             lock.moved(aside)
             run_dir.mkdir()
@@ -186,13 +186,43 @@ def claimed_run_dir(run_dir: Path, run: RunSpec, command: str, *, console: Any) 
                 pass
 
 
-def _aside_name(run_dir: Path) -> Path:
+def aside_name(path: Path) -> Path:
+    """Where an existing output is moved instead of being replaced: `<name>.old-<time>` beside it (a free name)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside, number = run_dir.with_name(f"{run_dir.name}.old-{stamp}"), 1
-    while aside.exists():
+    aside, number = path.with_name(f"{path.name}.old-{stamp}"), 1
+    while aside.exists() or aside.is_symlink():
         number += 1
-        aside = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{number}")
+        aside = path.with_name(f"{path.name}.old-{stamp}-{number}")
     return aside
+
+
+def claim_output_files(
+    outputs: dict[str, str | Path | None], inputs: dict[str, str | Path | None], *, overwrite: bool
+) -> None:
+    """The files a command writes whole (`opd prompts template` / `select`, `opd dedup`: a prompt set, a report),
+    by option name: one that is an input (the same file after resolving `.`, `..` and links) is refused, as writing
+    it would replace what is read; one that exists already — another command's file, or this one's from an earlier
+    run — is refused in one line before any work, or with `overwrite` moved aside to `<name>.old-<time>` (never
+    deleted)."""
+    for flag, path in outputs.items():
+        for in_flag, source in inputs.items():
+            if path is not None and source is not None and Path(path).resolve() == Path(source).resolve():
+                raise ValueError(
+                    f"{flag} {path} is the {in_flag} file itself; writing it would replace the input: choose another "
+                    f"{flag} path"
+                )
+    for flag, path in outputs.items():
+        if path is None or not (Path(path).exists() or Path(path).is_symlink()):
+            continue
+        path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"{flag} {path}: is a directory; expected a file path here")
+        if not overwrite:
+            raise ValueError(
+                f"{flag} {path}: the file exists; choose another path, or pass --overwrite to move it aside "
+                f"(to {path.name}.old-<time>)"
+            )
+        path.rename(aside_name(path))
 
 
 _RUN_RECORDS = frozenset({"metrics.jsonl", "samples", "checkpoints"})

@@ -15,20 +15,7 @@ from rich.table import Table
 from opd.data.dedup import DedupResult, dedup, dedup_report
 from opd.data.prompts import load_prompts, save_prompts
 from opd.io import atomic_write_json
-
-
-def _check_outputs(in_path: str | Path, against: str | Path | None, out: str | Path, report: str | Path | None) -> None:
-    """Refuse an output that is one of the inputs (same file after resolving `.`, `..` and links): writing it would
-    replace the very set being cleaned."""
-    inputs = {"--in": in_path, "--against": against}
-    outputs = {"--out": out, "--report": report}
-    for out_flag, out_path in outputs.items():
-        for in_flag, source in inputs.items():
-            if out_path is not None and source is not None and Path(out_path).resolve() == Path(source).resolve():
-                raise ValueError(
-                    f"{out_flag} {out_path} is the {in_flag} file itself; writing it would replace "
-                    f"the input: choose another {out_flag} path"
-                )
+from opd.rundir import claim_output_files
 
 
 def dedup_files(
@@ -41,13 +28,16 @@ def dedup_files(
     answer_key: str | None = "reward_model.ground_truth",
     against_prompt_key: str | None = None,
     console: Any = None,
+    overwrite: bool = False,
     **options: Any,
 ) -> DedupResult:
     """`opd dedup`: load A (and B), `dedup(**options)`, save the kept prompts of A to `out` (.parquet or .jsonl,
-    atomically), write the JSON report (default: `<out stem>.report.json` beside `out`) and print the counts."""
+    atomically), write the JSON report (default: `<out stem>.report.json` beside `out`) and print the counts. An
+    existing `out` or report is refused, or with `overwrite` moved aside (`opd.rundir.claim_output_files`)."""
     console = console or Console()
     start = time.perf_counter()
-    _check_outputs(in_path, against, out, report)
+    report = Path(report) if report else Path(out).with_name(Path(out).stem + ".report.json")
+    claim_output_files({"--out": out, "--report": report}, {"--in": in_path, "--against": against}, overwrite=overwrite)
     a_prompts = load_prompts(in_path, prompt_key=prompt_key, answer_key=answer_key, on_missing_answer="keep")
     b_prompts = (
         None if against is None else load_prompts(against, prompt_key=against_prompt_key or prompt_key, answer_key=None)
@@ -55,7 +45,7 @@ def dedup_files(
     result = dedup(a_prompts, b_prompts, **options)
     out = Path(out)
     save_prompts(result.kept, out)
-    report_path = Path(report) if report else out.with_name(out.stem + ".report.json")
+    report_path = report
     params = {
         "in": str(in_path),
         "against": None if against is None else str(against),

@@ -36,7 +36,7 @@ from opd.names import EngineName
 from opd.report.sinks import progress_bar
 from opd.rollout import make_generator
 from opd.rollout.registry import vllm_arguments
-from opd.rundir import check_identity, locked
+from opd.rundir import check_identity, claim_output_files, locked
 from opd.types import Prompt
 
 
@@ -311,8 +311,11 @@ def retemplate_file(
     prompt_key: str = "prompt",
     answer_key: str | None = "reward_model.ground_truth",
     id_key: str | None = None,
+    overwrite: bool = False,
 ) -> str:
-    """Run `opd prompts template`: load, `retemplate`, save (verl layout, by `out`'s extension). Returns a summary."""
+    """Run `opd prompts template`: load, `retemplate`, save (verl layout, by `out`'s extension). Returns a summary.
+    An existing `out` is refused, or with `overwrite` moved aside (`opd.rundir.claim_output_files`)."""
+    claim_output_files({"--out": out}, {"--in": source}, overwrite=overwrite)
     prompts = load_prompts(
         source, prompt_key=prompt_key, answer_key=answer_key, id_key=id_key, on_missing_answer="keep"
     )
@@ -335,9 +338,13 @@ def select_prompt_file(
     prompt_key: str = "prompt",
     answer_key: str | None = "reward_model.ground_truth",
     id_key: str | None = None,
+    overwrite: bool = False,
 ) -> str:
     """Run `opd prompts select`: load the set (and `mix_with`, read with the same column mapping) and the scores,
-    `select_prompts`, save. Returns a summary line."""
+    `select_prompts`, save. Returns a summary line. An existing `out` is refused, or with `overwrite` moved aside."""
+    claim_output_files(
+        {"--out": out}, {"--in": source, "--scores": scores, "--mix-with": mix_with}, overwrite=overwrite
+    )
     load = partial(load_prompts, prompt_key=prompt_key, answer_key=answer_key, id_key=id_key, on_missing_answer="keep")
     prompts = load(source)
     score_list = read_scores(scores)

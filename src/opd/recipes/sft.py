@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -43,7 +42,7 @@ from opd.models import (
 )
 from opd.report.sinks import progress_bar
 from opd.rollout import make_generator
-from opd.rundir import claimed_run_dir, open_run, resume_checkpoint, run_directory
+from opd.rundir import aside_name, claimed_run_dir, open_run, resume_checkpoint, run_directory
 from opd.train.checkpoint import latest_checkpoint, save_checkpoint
 from opd.train.common import (
     cached_fingerprint,
@@ -577,7 +576,7 @@ def merge_lora(
         if _holds_something(out_dir):
             if existing == "refuse":  # it appeared while we merged
                 raise ValueError(f"{out_dir} was created by someone else while merging; nothing was written there")
-            old = _aside(out_dir) if existing == "move" else out_dir.parent / f".old-{out_dir.name}-{os.getpid()}"
+            old = aside_name(out_dir) if existing == "move" else out_dir.parent / f".old-{out_dir.name}-{os.getpid()}"
             os.replace(out_dir, old)
             if existing == "replace":
                 shutil.rmtree(old, ignore_errors=True)
@@ -594,15 +593,6 @@ def _holds_something(path: Path) -> bool:
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         return True
     return path.is_dir() and any(path.iterdir())
-
-
-def _aside(path: Path) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside, number = path.with_name(f"{path.name}.old-{stamp}"), 1
-    while aside.exists() or aside.is_symlink():
-        number += 1
-        aside = path.with_name(f"{path.name}.old-{stamp}-{number}")
-    return aside
 
 
 def _remove_dead_temps(out_dir: Path) -> None:

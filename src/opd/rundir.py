@@ -211,10 +211,10 @@ def claim_output_files(
                     f"{flag} {path} is the {in_flag} file itself; writing it would replace the input: choose another "
                     f"{flag} path"
                 )
-    for flag, path in outputs.items():
-        if path is None or not (Path(path).exists() or Path(path).is_symlink()):
-            continue
-        path = Path(path)
+    existing = [
+        (flag, Path(p)) for flag, p in outputs.items() if p is not None and (Path(p).exists() or Path(p).is_symlink())
+    ]
+    for flag, path in existing:  # every refusal before the first move
         if path.is_dir():
             raise ValueError(f"{flag} {path}: is a directory; expected a file path here")
         if not overwrite:
@@ -222,6 +222,7 @@ def claim_output_files(
                 f"{flag} {path}: the file exists; choose another path, or pass --overwrite to move it aside "
                 f"(to {path.name}.old-<time>)"
             )
+    for _, path in existing:
         path.rename(aside_name(path))
 
 

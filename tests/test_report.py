@@ -159,6 +159,27 @@ def test_two_runs_compare_overlaid(tmp_path):
     assert not (a / "report.html").exists()  # the single run's report is left alone
 
 
+def test_a_report_replaces_only_a_report(tmp_path):
+    """Rerunning a report replaces it (and its plots); another program's HTML file, or a plots/ directory no report
+    owns beside an --out path, is refused in one line and left as it was."""
+    run = make_run_dir(tmp_path / "run")
+    first = write_report([run])
+    assert write_report([run]) == first  # a rerun regenerates its own report
+    page = tmp_path / "site" / "index.html"
+    page.parent.mkdir()
+    page.write_text("<html>my page</html>")
+    with pytest.raises(ValueError, match=r"index.html: exists and is not an opd report; choose another --out"):
+        write_report([run], page)
+    assert page.read_text() == "<html>my page</html>"
+    (tmp_path / "pics" / "plots").mkdir(parents=True)
+    (tmp_path / "pics" / "plots" / "loss.png").write_bytes(b"mine")
+    with pytest.raises(ValueError, match=r"pics/plots: exists beside new.html and no opd report there owns it"):
+        write_report([run], tmp_path / "pics" / "new.html")
+    assert (tmp_path / "pics" / "plots" / "loss.png").read_bytes() == b"mine"
+    mine = write_report([run], tmp_path / "cmp" / "a.html")
+    assert write_report([run], tmp_path / "cmp" / "b.html").parent == mine.parent  # the plots are a report's
+
+
 def test_few_keys_sft_like_run(tmp_path):
     run = tmp_path / "sft"
     run.mkdir()

@@ -78,10 +78,38 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
         if not (run_dir / "metrics.jsonl").is_file():
             raise FileNotFoundError(f"{run_dir}: no metrics.jsonl here; pass a run directory of opd distill or opd sft")
     html_path = _report_path(run_dirs, None if out is None else Path(out))
+    _check_report_target(html_path, explicit=out is not None)
     runs = [load_run(path, name) for path, name in zip(run_dirs, run_names(run_dirs))]
     plots = render_plots([RunSeries(run.name, run.series, run.references) for run in runs], html_path.parent / "plots")
     atomic_write_text(html_path, render_html(runs, plots))
     return html_path
+
+
+_TITLE = "<title>opd report — "  # what every report this module wrote starts with (its <head>)
+
+
+def _is_report(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return _TITLE in handle.read(4096)
+    except OSError:
+        return False
+
+
+def _check_report_target(html_path: Path, *, explicit: bool) -> None:
+    """A report replaces only a report: an existing HTML file at its path that is not one (another program's page) is
+    refused. At a path given with --out, so is a `plots/` beside it that no report in that directory owns: its PNGs
+    (loss.png, …) would replace files of the same names."""
+    if html_path.is_dir():
+        raise ValueError(f"{html_path}: is a directory; give a directory for --out, or a path ending in .html")
+    if html_path.exists() and not _is_report(html_path):
+        raise ValueError(f"{html_path}: exists and is not an opd report; choose another --out (it is never replaced)")
+    plots = html_path.parent / "plots"
+    if explicit and plots.exists() and not any(_is_report(p) for p in html_path.parent.glob("*.html")):
+        raise ValueError(
+            f"{plots}: exists beside {html_path.name} and no opd report there owns it (its PNGs would be replaced); "
+            "choose another --out directory"
+        )
 
 
 def _report_path(run_dirs: list[Path], out: Path | None) -> Path:

@@ -18,18 +18,20 @@ TeacherEngineName = Literal["local", "vllm"]
 """How a teacher loaded from `teacher.path` scores (`opd.teacher.registry`); `teacher.url` means a served one."""
 
 
+def normalise_benchmark(name: str) -> str:
+    """A benchmark name as the registry reads it (`opd.eval.benchmarks`): case, '-', '_' and spaces ignored, so that
+    math500 and MATH-500 are one benchmark."""
+    return "".join(c for c in name.lower() if c.isalnum())
+
+
 def benchmark_names(benchmarks: Sequence[str]) -> list[str]:
     """The name each benchmark of a list is reported under (results, samples, `eval/<name>/...` metrics): a built-in
     benchmark's name as given, a file's stem, or, for files whose stems coincide (`math/test.parquet`,
     `gsm8k/test.parquet`), their folder's name and the stem (`math-test`, `gsm8k-test`). Raises ValueError, naming
     both entries, where two still share a name (one entry given twice, or in two spellings of the registry's: math500
     and MATH-500): their results would be mixed."""
-    # what an entry points at: a file's absolute path; a name with case, '-', '_' and spaces ignored, as the registry
-    # reads names (`opd.eval.benchmarks`: math500 and MATH-500 are one benchmark)
-    given = [
-        str(Path(b).absolute()) if Path(b).suffix else "".join(c for c in str(b).lower() if c.isalnum())
-        for b in benchmarks
-    ]
+    # what an entry points at: a file's absolute path, or a name as the registry reads it
+    given = [str(Path(b).absolute()) if Path(b).suffix else normalise_benchmark(str(b)) for b in benchmarks]
     for i, entry in enumerate(given):
         if entry in given[:i]:
             first = benchmarks[given.index(entry)]

@@ -17,6 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from opd.data.prompts import DataError, load_prompts
+from opd.names import normalise_benchmark
 from opd.types import Prompt
 
 
@@ -43,12 +44,10 @@ BENCHMARKS: dict[str, Benchmark] = {
 }
 
 
-def _normalise(name: str) -> str:
-    return "".join(c for c in name.lower() if c.isalnum())
-
-
 # Accepted spellings: the registry names and the file stems, case-insensitive, ignoring '-', '_' and spaces.
-_ALIASES = {_normalise(k): k for k in BENCHMARKS} | {_normalise(Path(b.file).stem): k for k, b in BENCHMARKS.items()}
+_ALIASES = {normalise_benchmark(k): k for k in BENCHMARKS} | {
+    normalise_benchmark(Path(b.file).stem): k for k, b in BENCHMARKS.items()
+}
 
 
 def list_benchmarks() -> list[str]:
@@ -58,7 +57,7 @@ def list_benchmarks() -> list[str]:
 
 def get_benchmark(name: str) -> Benchmark | None:
     """The registry entry for `name` (a name or file stem, any case), or None."""
-    return BENCHMARKS.get(_ALIASES.get(_normalise(name), ""))
+    return BENCHMARKS.get(_ALIASES.get(normalise_benchmark(name), ""))
 
 
 def benchmark_path(name: str) -> Path:
@@ -88,7 +87,7 @@ def load_benchmark(name_or_path: str | Path, **options) -> list[Prompt]:
 
 def _unknown_message(name: str) -> str:
     known = list_benchmarks()
-    close = difflib.get_close_matches(_normalise(name), list(_ALIASES), n=3, cutoff=0.6)
+    close = difflib.get_close_matches(normalise_benchmark(name), list(_ALIASES), n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(dict.fromkeys(_ALIASES[c] for c in close))}?" if close else ""
     return (
         f"unknown benchmark {name!r}; known: {', '.join(known)} (or a path to a prompt file, or a hub id "

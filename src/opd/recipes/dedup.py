@@ -45,7 +45,6 @@ def dedup_files(
     result = dedup(a_prompts, b_prompts, **options)
     out = Path(out)
     save_prompts(result.kept, out)
-    report_path = report
     params = {
         "in": str(in_path),
         "against": None if against is None else str(against),
@@ -54,12 +53,12 @@ def dedup_files(
     }
     data = dedup_report(result, params=params)
     data["seconds"]["total"] = round(time.perf_counter() - start, 3)
-    atomic_write_json(report_path, data)
+    atomic_write_json(report, data)
 
     table = Table(title=f"opd dedup — {in_path}" + (f" against {against}" if against else " (within the set)"))
     for column in ("input", "exact", "minhash", "embedding", "kept"):
         table.add_column(column, justify="right")
     table.add_row(*(str(result.counts[c]) for c in ("input", "exact", "minhash", "embedding", "kept")))
     console.print(table)
-    console.print(f"kept: {out}   report: {report_path}   ({data['seconds']['total']:.1f} s)")
+    console.print(f"kept: {out}   report: {report}   ({data['seconds']['total']:.1f} s)")
     return result

@@ -85,7 +85,7 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
     return html_path
 
 
-_TITLE = "<title>opd report — "  # what every report this module wrote starts with (its <head>)
+_TITLE = "<title>opd report — "  # the head of every report this module writes (`render_html`), and wrote before
 
 
 def _is_report(path: Path) -> bool:
@@ -262,9 +262,7 @@ def render_html(runs: list[RunData], plots: list[Plot]) -> str:
     body.append(_samples_section(runs))
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>opd report — {_e(names)}</title><style>{CSS}</style></head>\n<body>\n"
-        + "\n".join(body)
-        + "\n</body></html>\n"
+        f"{_TITLE}{_e(names)}</title><style>{CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n"
     )
 
 

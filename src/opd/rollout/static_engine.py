@@ -689,7 +689,7 @@ class StaticGenerator(memory.ModuleMemory):
                 f"(opd.models.load_model's choice on CUDA), this one has {implementation!r}; use None or False"
             )
         self.packed_prefill: bool = self.hf.packs_prompts() if packed_prefill is None else packed_prefill
-        if compiled_prefill is not False and (compiled_prefill is not True or not self.packed_prefill):
+        if not isinstance(compiled_prefill, bool) or (compiled_prefill and not self.packed_prefill):
             raise ValueError(
                 f"StaticGenerator compiled_prefill={compiled_prefill!r}: True or False, and True needs packed prefills "
                 f"(a model set to opd_varlen, packed_prefill None or True); use False"

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Issue 24's field check on a GPU machine without network: the real pair (../shared/notes/real-pair.md) distilled at
+# 4,096 new tokens with rollout.partial off (A) and on (B), configs/opd_qwen2.5_coder_0.5b_from_1.5b_4k.yaml.
+# The machine keeps its files only while it is held, so everything lives in $RP (default /tmp/rp) and every long job
+# runs in the background (setsid), outliving the call that started it; `status` shows the logs.
+#   bash benchmarks/real_pair_gpu.sh receive        move DIR/*.part.* (DIR: $PARTS, default .xfer) into $RP
+#   bash benchmarks/real_pair_gpu.sh join NAME SHA  join NAME.part.* into NAME.gguf, check its sha256, convert it to
+#                                                   $RP/NAME-hf (bf16) in the background (needs the gguf package)
+#   bash benchmarks/real_pair_gpu.sh eval | A | B   start the baseline MATH-500 eval (greedy, 4,096) / run A / run B
+#   bash benchmarks/real_pair_gpu.sh status         the logs' tails and the GPU's use
+# NAME is student or teacher (the sha256 values are in ../shared/tools/real_pair.sh); DAPO-Math-17k is read from
+# $DATA (default $PARTS/dapo-math-17k.parquet, copied into $RP on the first call that carries it).
+set -uo pipefail
+RP=${RP:-/tmp/rp}
+PARTS=${PARTS:-.xfer}
+mkdir -p "$RP"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 COLUMNS=160
+background() {  # name, command...: run in a new session, log to $RP/name.log
+    local name=$1
+    shift
+    echo "$*" >"$RP/$name.cmd"
+    setsid nohup "$@" >"$RP/$name.log" 2>&1 </dev/null &
+    echo "started $name: $*"
+}
+case ${1:-status} in
+    receive)
+        for f in "$PARTS"/*.part.*; do [ -e "$f" ] && mv "$f" "$RP/"; done
+        [ -f "$PARTS/dapo-math-17k.parquet" ] && cp "$PARTS/dapo-math-17k.parquet" "$RP/"
+        echo "$(ls "$RP" | grep -c '\.part\.') parts in $RP: $(ls "$RP" | tr '\n' ' ' | cut -c1-400)" ;;
+    join)
+        name=$2 sha=$3
+        cat $(ls "$RP/$name".part.* | sort) >"$RP/$name.gguf.tmp" || exit 1
+        echo "$sha  $RP/$name.gguf.tmp" | sha256sum -c - || exit 1
+        mv "$RP/$name.gguf.tmp" "$RP/$name.gguf" && rm "$RP/$name".part.*
+        cat >"$RP/convert.py" <<'PY'
+import os, sys, time
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+rp, name = sys.argv[1:3]
+start, gguf, out = time.time(), f"{name}.gguf", os.path.join(rp, f"{name}-hf")
+tokenizer = AutoTokenizer.from_pretrained(rp, gguf_file=gguf)
+model = AutoModelForCausalLM.from_pretrained(rp, gguf_file=gguf, dtype=torch.float32)
+config = model.config
+if hasattr(config, "quantization_config"):
+    del config.quantization_config
+bf16 = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+bf16.load_state_dict(model.state_dict())
+bf16.save_pretrained(out + ".tmp")
+tokenizer.save_pretrained(out + ".tmp")
+os.replace(out + ".tmp", out)
+print(f"wrote {out} in {time.time() - start:.0f} s")
+PY
+        background "convert-$name" python3 "$RP/convert.py" "$RP" "$name" ;;
+    eval)
+        background eval0 python3 -c "import sys; from opd.cli import main; sys.argv[0] = 'opd'; sys.exit(main())" \
+            eval --model "$RP/student-hf" --benchmarks math500 --n 1 --temperature 0 --max-new-tokens 4096 \
+            --batch-size 512 --template boxed --out "$RP/eval0" ;;
+    A | B)
+        partial=false; [ "$1" = B ] && partial=true
+        background "run-$1" python3 -c "import sys; from opd.cli import main; sys.argv[0] = 'opd'; sys.exit(main())" \
+            distill -c configs/opd_qwen2.5_coder_0.5b_from_1.5b_4k.yaml student.path="$RP/student-hf" \
+            teacher.path="$RP/teacher-hf" data.path="${DATA:-$RP/dapo-math-17k.parquet}" "eval.benchmarks=[math500]" \
+            run.out_dir="$RP/runs" run.eval_at_start=false rollout.batch_size=512 rollout.partial=$partial \
+            run.name="opd-real-pair-4k-$1" ;;
+    status)
+        for f in "$RP"/*.log; do [ -e "$f" ] && { echo "== $f"; tail -c 1200 "$f"; echo; }; done
+        nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv 2>/dev/null || true ;;
+    *) echo "unknown verb $1 (receive, join, eval, A, B, status)"; exit 2 ;;
+esac

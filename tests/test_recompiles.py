@@ -85,6 +85,17 @@ def test_no_layout_compiles_after_the_warm_up(world, tmp_path):
     assert _steps_on(tr, LAYOUTS) == [after_warm_up] * len(LAYOUTS)
 
 
+def test_no_layout_compiles_after_the_warm_up_where_the_model_packs(world, tmp_path):
+    """The GPU's layouts (opd_varlen: ragged rows packed, near-equal ones padded under a mask) with responses shorter
+    than the warm-up's near-equal rows (20, 21, 22): its rows must still differ in length, or a masked batch of
+    near-equal rows compiles at the first step."""
+    torch._dynamo.reset()
+    tr = _trainer(world, tmp_path, "student.attn_implementation=opd_varlen", "teacher.attn_implementation=opd_varlen")
+    assert warm_up(tr, torch.device("cpu")) > 0
+    after_warm_up = compiled_graphs()
+    assert _steps_on(tr, LAYOUTS) == [after_warm_up] * len(LAYOUTS)
+
+
 def test_layouts_compile_without_the_warm_up(world, tmp_path):
     """The test above can fail: without the warm-up, batches after the first compile graphs of their own."""
     torch._dynamo.reset()

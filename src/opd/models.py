@@ -389,8 +389,10 @@ def warm_up_layouts(max_response: int, packed_tokens: int | None = None) -> list
     ranges (32-bit indexing, fusion choices), so the layouts repeat over a ladder of lengths 4× apart up to
     `max_response`. `packed_tokens` (a model that packs): one more batch of long ragged rows filling it, the
     longest sequence a packed forward meets."""
-    small = [(8,), (8, 8), (3, 29), (20, 21, 22)]
+    small = [(8,), (8, 8), (3, 29)]
     layouts = [tuple(min(n, max_response) for n in lengths) for lengths in small]
+    near = min(22, max_response)  # near-equal rows must differ in length also below 22, or they become equal rows
+    layouts.append((max(1, near - 2), max(1, near - 1), near))
     ladder, length = [], 256
     while length < max_response:
         ladder.append(length)

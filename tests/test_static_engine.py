@@ -483,6 +483,30 @@ def test_samples_of_a_prompt_share_one_prefill():
     assert static.stats["prefills"] == 2
 
 
+def test_a_prompt_given_twice_is_prefilled_once():
+    """A partial-rollout stream sends a call's samples one prefix each (`opd.train.stream`), so the samples of a group
+    that have no tokens yet arrive as copies of one prompt: they share one prefill, as n samples of a prompt do, and
+    sample exactly what n samples of it would."""
+    model = make_tiny_model("qwen3")
+    static = StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, max_batch_size=8)
+    static.generate([PROMPTS[0], PROMPTS[2], PROMPTS[0]], SamplingParams(max_new_tokens=4))
+    assert static.stats["prefilled_tokens"] == len(PROMPTS[0]) + len(PROMPTS[2])  # before: 2 × len(PROMPTS[0]) + …
+    static.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], SamplingParams(max_new_tokens=4))
+    assert static.stats["prefilled_tokens"] == len(PROMPTS[0]) + len(PROMPTS[2]) + len(PROMPTS[1])
+
+    sampled = dict(max_new_tokens=6, seed=3, return_logprobs=True)
+    copies = static.generate([PROMPTS[0]] * 3, SamplingParams(n=1, **sampled))
+    grouped = static.generate([PROMPTS[0]], SamplingParams(n=3, **sampled))
+    assert len({tuple(ids) for ids in copies.response_ids}) > 1  # sampled rows, not one row three times
+    assert copies.response_ids == grouped.response_ids and copies.logprobs == grouped.logprobs
+    assert copies.group_ids == [0, 1, 2] and grouped.group_ids == [0, 0, 0]
+
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[0], PROMPTS[0]]
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    want = TorchGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID).generate(prompts, greedy)
+    assert static.generate(prompts, greedy).response_ids == want.response_ids
+
+
 def _chi_square(counts_a: dict, counts_b: dict) -> tuple[float, int]:
     """Two-sample chi-square statistic over the categories seen (those with fewer than 10 samples in total are
     pooled into one) and its degrees of freedom."""

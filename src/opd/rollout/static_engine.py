@@ -589,7 +589,7 @@ class StaticGenerator(memory.ModuleMemory):
                       the rows and the cache's length (opd.kernels.decode_attention), fixed for a call's graphs
 
     `stats` (after each call): rows, slots per row, decode steps, refills (samples placed into a freed slot),
-    prefill forwards, CUDA graphs captured, occupancy (decoded tokens / (steps × rows)), decode steps per live-row
+    prefill forwards and the prompt tokens they ran (a prompt given more than once runs once), CUDA graphs captured, occupancy (decoded tokens / (steps × rows)), decode steps per live-row
     bucket and the occupancy of the rows the steps ran over, KV-cache bytes.
     """
 
@@ -925,7 +925,9 @@ class _Run:
 
         # The samples and the slots: each slot holds one sample's prompt at [0, L) and its tokens after it.
         self.prompts, self.caps = prompts, caps
-        self.sample_prompt = [p for p in range(len(prompts)) for _ in range(params.n)]
+        # a prompt given twice is prefilled once (a stream's samples that have no tokens yet come one prefix each)
+        first = {tuple(prompt): p for p, prompt in reversed(list(enumerate(prompts)))}
+        self.sample_prompt = [first[tuple(prompt)] for prompt in prompts for _ in range(params.n)]
         self.width, self.steps = max(len(p) for p in prompts), max(caps)
         # slots: the longest sample, its prompt and its own limit (a stream's longest continued prefix has a short
         # limit left); the last sampled token is never fed back, so one spare
@@ -971,7 +973,15 @@ class _Run:
         self.slot_last = [0] * rows  # the last position its sample can feed
         self.pending = 0  # next sample index to place
         self.results: list[tuple[list[int], list[float], str] | None] = [None] * len(caps)
-        self.counters = {"decode_steps": 0, "refills": 0, "prefills": 0, "graphs": 0, "decoded_tokens": 0, "cut": 0}
+        self.counters = {
+            "decode_steps": 0,
+            "refills": 0,
+            "prefills": 0,
+            "prefilled_tokens": 0,
+            "graphs": 0,
+            "decoded_tokens": 0,
+            "cut": 0,
+        }
         self.live = rows  # decode steps run over rows [0, live): the live-row bucket (`_shrink`)
         self.buckets = _row_buckets(rows) if engine.row_buckets else (rows,)
         self.bucket_steps: dict[int, int] = {}  # decode steps run at each bucket
@@ -1115,6 +1125,7 @@ class _Run:
             else:
                 cache, _, logits_PV = engine.hf.prefill(prompts, device, full_cache=True)
         self.counters["prefills"] += 1
+        self.counters["prefilled_tokens"] += sum(len(p) for p in prompts)
         width = max(len(p) for p in prompts)
         index = {p: i for i, p in enumerate(group)}
         source_g = torch.as_tensor([index[self.sample_prompt[s]] for s in samples], device=device)

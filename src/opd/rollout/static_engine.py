@@ -589,8 +589,9 @@ class StaticGenerator(memory.ModuleMemory):
                       the rows and the cache's length (opd.kernels.decode_attention), fixed for a call's graphs
 
     `stats` (after each call): rows, slots per row, decode steps, refills (samples placed into a freed slot),
-    prefill forwards and the prompt tokens they ran (a prompt given more than once runs once), CUDA graphs captured, occupancy (decoded tokens / (steps × rows)), decode steps per live-row
-    bucket and the occupancy of the rows the steps ran over, KV-cache bytes.
+    prefill forwards and the prompt tokens they ran (a prompt given more than once runs once), CUDA graphs
+    captured, occupancy (decoded tokens / (steps × rows)), decode steps per live-row bucket and the occupancy of the
+    rows the steps ran over, KV-cache bytes.
     """
 
     def __init__(

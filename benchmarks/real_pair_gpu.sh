@@ -15,6 +15,7 @@ RP=${RP:-/tmp/rp}
 PARTS=${PARTS:-.xfer}
 mkdir -p "$RP"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 COLUMNS=160
+opd=(python3 -c "import sys; from opd.cli import main; sys.argv[0] = 'opd'; sys.exit(main())")  # no install needed
 background() {  # name, command...: run in a new session, log to $RP/name.log
     local name=$1
     shift
@@ -52,14 +53,13 @@ print(f"wrote {out} in {time.time() - start:.0f} s")
 PY
         background "convert-$name" python3 "$RP/convert.py" "$RP" "$name" ;;
     eval)
-        background eval0 python3 -c "import sys; from opd.cli import main; sys.argv[0] = 'opd'; sys.exit(main())" \
-            eval --model "$RP/student-hf" --benchmarks math500 --n 1 --temperature 0 --max-new-tokens 4096 \
-            --batch-size 512 --template boxed --out "$RP/eval0" ;;
+        background eval0 "${opd[@]}" eval --model "$RP/student-hf" --benchmarks math500 --n 1 --temperature 0 \
+            --max-new-tokens 4096 --batch-size 512 --template boxed --out "$RP/eval0" ;;
     A | B)
         partial=false; [ "$1" = B ] && partial=true
-        background "run-$1" python3 -c "import sys; from opd.cli import main; sys.argv[0] = 'opd'; sys.exit(main())" \
-            distill -c configs/opd_qwen2.5_coder_0.5b_from_1.5b_4k.yaml student.path="$RP/student-hf" \
-            teacher.path="$RP/teacher-hf" data.path="${DATA:-$RP/dapo-math-17k.parquet}" "eval.benchmarks=[math500]" \
+        background "run-$1" "${opd[@]}" distill -c configs/opd_qwen2.5_coder_0.5b_from_1.5b_4k.yaml \
+            student.path="$RP/student-hf" teacher.path="$RP/teacher-hf" data.path="${DATA:-$RP/dapo-math-17k.parquet}" \
+            "eval.benchmarks=[math500]" \
             run.out_dir="$RP/runs" run.eval_at_start=false rollout.batch_size=512 rollout.partial=$partial \
             run.name="opd-real-pair-4k-$1" ;;
     status)

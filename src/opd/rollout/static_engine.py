@@ -927,8 +927,9 @@ class _Run:
         # The samples and the slots: each slot holds one sample's prompt at [0, L) and its tokens after it.
         self.prompts, self.caps = prompts, caps
         # a prompt given twice is prefilled once (a stream's samples that have no tokens yet come one prefix each)
-        first = {tuple(prompt): p for p, prompt in reversed(list(enumerate(prompts)))}
-        self.sample_prompt = [first[tuple(prompt)] for prompt in prompts for _ in range(params.n)]
+        first: dict[tuple[int, ...], int] = {}
+        canonical = [first.setdefault(tuple(prompt), p) for p, prompt in enumerate(prompts)]
+        self.sample_prompt = [c for c in canonical for _ in range(params.n)]
         self.width, self.steps = max(len(p) for p in prompts), max(caps)
         # slots: the longest sample, its prompt and its own limit (a stream's longest continued prefix has a short
         # limit left); the last sampled token is never fed back, so one spare

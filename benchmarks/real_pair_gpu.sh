@@ -7,6 +7,7 @@
 #   bash benchmarks/real_pair_gpu.sh join NAME SHA  join NAME.part.* into NAME.gguf, check its sha256, convert it to
 #                                                   $RP/NAME-hf (bf16) in the background (needs the gguf package)
 #   bash benchmarks/real_pair_gpu.sh eval | A | B   start the baseline MATH-500 eval (greedy, 4,096) / run A / run B
+#                                                   (A and B pass further KEY=VALUE overrides on, e.g. run.steps=20)
 #   bash benchmarks/real_pair_gpu.sh status         the logs' tails and the GPU's use
 # NAME is student or teacher (the sha256 values are in ../shared/tools/real_pair.sh); DAPO-Math-17k is read from
 # $DATA (default $PARTS/dapo-math-17k.parquet, copied into $RP on the first call that carries it).
@@ -61,7 +62,7 @@ PY
             student.path="$RP/student-hf" teacher.path="$RP/teacher-hf" data.path="${DATA:-$RP/dapo-math-17k.parquet}" \
             "eval.benchmarks=[math500]" \
             run.out_dir="$RP/runs" run.eval_at_start=false rollout.batch_size=512 rollout.partial=$partial \
-            run.name="opd-real-pair-4k-$1" ;;
+            run.name="opd-real-pair-4k-$1" "${@:2}" ;;
     status)
         for f in "$RP"/*.log; do [ -e "$f" ] && { echo "== $f"; tail -c 1200 "$f"; echo; }; done
         nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv 2>/dev/null || true ;;

@@ -121,6 +121,20 @@ def test_seed_determinism(model, prompts):
     assert other != first
 
 
+def test_a_prompt_given_twice_is_prefilled_once(model, prompts):
+    """A partial-rollout stream sends a group's fresh samples as copies of one prompt (`opd.train.stream`): they share
+    one prefill, as the n samples of a prompt do, and sample exactly what n samples of it would."""
+    engine = TorchGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
+    engine.generate([prompts[0], prompts[2], prompts[0]], SamplingParams(max_new_tokens=4))
+    assert engine.stats["prefilled_tokens"] == len(prompts[0]) + len(prompts[2])  # before: 2 × len(prompts[0]) + …
+    sampled = dict(max_new_tokens=6, seed=3, return_logprobs=True)
+    copies = engine.generate([prompts[1]] * 3, SamplingParams(n=1, **sampled))
+    grouped = engine.generate([prompts[1]], SamplingParams(n=3, **sampled))
+    assert engine.stats["prefilled_tokens"] == len(prompts[1])
+    assert len({tuple(ids) for ids in copies.response_ids}) > 1  # sampled rows, not one row three times
+    assert copies.response_ids == grouped.response_ids and copies.logprobs == grouped.logprobs
+
+
 def test_top_k_one_and_tiny_top_p_equal_greedy(model, prompts):
     engine = TorchGenerator(model)
     greedy = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8)).response_ids

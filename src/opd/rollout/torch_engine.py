@@ -53,6 +53,9 @@ class TorchGenerator(memory.ModuleMemory):
     compact_fraction: drop finished rows from the batch once they are at least this fraction of it, in (0, 1]
     free_memory:      function of a device → its (free, total) bytes, or None for no limit; default
                       `opd.rollout.memory.device_memory` (the CUDA figures; None on CPU); the tests pass a fixed one
+
+    `stats` (after each call): the prompt tokens its prefills ran (`prefilled_tokens`; a prompt given more than
+    once in a chunk runs once).
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class TorchGenerator(memory.ModuleMemory):
         self.compact_fraction = compact_fraction
         self.free_memory = free_memory
         self.hf = HFModel(model, pad_token_id=self.pad_token_id, vocab_size=vocab_size)
+        self.stats: dict[str, int] = {}
 
     def sync_weights(self) -> None:
         """Nothing to do: the engine runs the trainer's own module."""
@@ -159,6 +163,7 @@ class TorchGenerator(memory.ModuleMemory):
         (`opd.rollout.base.StopRule`)."""
         caps = check_request(prompt_ids, params, self.eos_token_ids, max_new_tokens_per_sample)
         generator = seeded_generator(params.seed, self.device)
+        self.stats = {"prefilled_tokens": 0}
         responses: list[list[int]] = []
         reasons: list[str] = []
         logprobs: list[list[float]] = []
@@ -254,10 +259,14 @@ class TorchGenerator(memory.ModuleMemory):
         (prompt 0's samples first), and whether `ask` (given each row's finish reason or None, when rows ended)
         ended the chunk early."""
         device = self.device
-        cache, mask_PL, logits_PV = self.hf.prefill(prompts, device)
-        # One row per sample: the prefix is computed once per prompt and its KV cache copied n times.
+        # One row per sample: the prefix is computed once per distinct prompt and its KV cache copied to each of its
+        # rows; a prompt given several times (a partial-rollout stream sends a group's fresh samples as copies) too.
+        distinct: dict[tuple[int, ...], int] = {}
+        prompt_P = [distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts]
+        cache, mask_PL, logits_PV = self.hf.prefill(list(distinct), device)
+        self.stats["prefilled_tokens"] += sum(len(prompt) for prompt in distinct)
         source_R = torch.repeat_interleave(
-            torch.arange(len(prompts), device=device), torch.as_tensor(counts, device=device)
+            torch.as_tensor(prompt_P, device=device), torch.as_tensor(counts, device=device)
         )
         cache.reorder_cache(source_R)
         num_rows, prompt_width, steps = source_R.numel(), mask_PL.shape[1], max(caps)

@@ -50,7 +50,7 @@ for part in $parts; do
         stream) run rollout_stream 560 python3 benchmarks/rollout_stream.py --shape qwen3-0.6b --batches 256 \
             --lengths lognormal:mean=1500,cap=7168 --stream-steps 5 --repeat 1 --bucket-steps 0 --phase-times \
             --configs 2/on,2/on/2389 --out "$out/rollout_stream.json" ;;
-        prefill) run prefill 150 python3 benchmarks/prefill.py --shape qwen3-0.6b --samples 64 \
+        prefill) run prefill 300 python3 benchmarks/prefill.py --shape qwen3-0.6b --samples 64 \
             --prompt-lengths 128:7296 --profile --compiled --out "$out/prefill.json" ;;
         stream_packed | stream_padded)  # one call each (~6 minutes): the same stream, packed or padded prefills
             engine=static_compile; [ "$part" = stream_packed ] && engine=static_packed

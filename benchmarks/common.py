@@ -297,6 +297,34 @@ def peak_gib(device: torch.device) -> float:
     return kib / 2**20 if sys.platform != "darwin" else kib / 2**30
 
 
+def profiled(fn: Callable[[], Any], device: torch.device, *, row_limit: int = 10) -> dict[str, Any]:
+    """fn() once under torch.profiler. Returns its result, the wall seconds, the seconds of kernel time (CUDA; None
+    elsewhere) and a table of the ops or kernels that took the most time (device time on CUDA, CPU time elsewhere):
+    kernel seconds far below the wall mean the host, not the GPU, sets the pace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as trace:
+        sync(device)
+        start = time.perf_counter()
+        result = fn()
+        sync(device)
+        wall = time.perf_counter() - start
+    averages = trace.key_averages()
+    kernel_s, table = None, None
+    for key in ("self_device_time_total", "self_cuda_time_total") if cuda else ():
+        try:
+            table = averages.table(sort_by=key, row_limit=row_limit, max_name_column_width=70)
+        except (AttributeError, KeyError, ValueError):
+            continue
+        kernel_s = sum(getattr(event, key) for event in averages) / 1e6
+        break
+    if table is None:
+        table = averages.table(sort_by="self_cpu_time_total", row_limit=row_limit, max_name_column_width=70)
+    return {"result": result, "wall_s": wall, "kernel_s": kernel_s, "table": table}
+
+
 def measure(
     fn: Callable[[], Any], device: torch.device, *, warmup: int, repeat: int, warmup_fn: Callable[[], Any] | None = None
 ) -> dict[str, Any]:

@@ -40,6 +40,11 @@ A step is one optimizer step, generation included; TRL's is timed from `on_step_
 dataloader's prompt fetch before it is not counted). peak GiB: CUDA allocated bytes, models and optimizer state
 included, from the start of the row's first step.
 
+`--profile`: after the timed steps, one more step (not timed) with its scoring and its update under torch.profiler:
+each phase's wall seconds against its kernel seconds (far below the wall: the host sets the pace) and its top
+kernels, printed after the table and kept in the JSON (`profile`). The rollout is left out: its thousands of
+decode steps are CUDA-graph replays, which `rollout.py` measures.
+
 `--paper`: student qwen3-1.7b, teacher qwen3-4b, 64 prompts × 4, responses ragged: each row is forced to end at a
 length drawn from `--lengths` (default lognormal mean 1,500, cap 7,168) through the engines' own per-sample lengths
 (`max_new_tokens_per_sample`; with continuous batching a finished row's slot is refilled at once), `--rollout-rows`
@@ -78,6 +83,7 @@ from common import (
     parse_lengths,
     peak_gib,
     peaks,
+    profiled,
     reset_memory,
     resolve_device,
     sync,
@@ -447,6 +453,9 @@ def our_row(
             return tokens
 
         m = measure(step, device, warmup=args.warmup, repeat=args.repeat, warmup_fn=lambda: step(warm=True))
+        profiles = profile_phases(step, device) if args.profile else None
+        if profiles is not None:
+            steps.pop()  # the profiled step is not a timed one
         timed = [s for s in steps if not s["warm"]]
         seconds = sum(m["all_seconds"])
         last = timed[-1]
@@ -480,6 +489,8 @@ def our_row(
             if key in last["metrics"]:
                 row[key] = last["metrics"][key]
         row["last_lengths"] = last["lengths"]
+        if profiles is not None:
+            row["profile"] = profiles
         row["step_tokens"] = [s["tokens"] for s in steps]  # warm-up steps first
         busy = [s["metrics"]["gpu/busy_frac"] for s in timed if "gpu/busy_frac" in s["metrics"]]
         if busy:  # CUDA with NVML: the share of the timed steps' wall time a kernel ran
@@ -494,6 +505,32 @@ def our_row(
             teacher.to(device)
         del teachers[1:]
         gc.collect()
+
+
+def profile_phases(step, device: torch.device) -> dict[str, dict]:
+    """One step with its scoring and its update each under torch.profiler (`common.profiled`): per phase the wall
+    seconds, the kernel seconds (CUDA) and the table of its top kernels or ops."""
+    import opd.train.step as step_module
+
+    found: dict[str, dict] = {}
+    originals = {name: getattr(step_module, name) for name in ("score_rollouts", "update_student")}
+
+    def wrapped(name, function):
+        def run(*args, **kwargs):
+            out = profiled(lambda: function(*args, **kwargs), device, row_limit=15)
+            found[name] = {k: v for k, v in out.items() if k != "result"}
+            return out["result"]
+
+        return run
+
+    for name, function in originals.items():
+        setattr(step_module, name, wrapped(name, function))
+    try:
+        step()
+    finally:
+        for name, function in originals.items():
+            setattr(step_module, name, function)
+    return found
 
 
 def _extra_teacher(args, device, *, seed: int, compiled: bool):
@@ -713,6 +750,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--trl-warmup", type=int, default=1, help="untimed TRL steps (its first compiles nothing)")
     parser.add_argument("--trl-repeat", type=int, default=2, help="timed TRL steps")
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more step after the timed ones, its scoring and update under torch.profiler (module docstring)",
+    )
+    parser.add_argument(
         "--paper",
         action="store_true",
         help="the paper's regime: qwen3-1.7b ← qwen3-4b, 64 prompts "
@@ -893,7 +935,13 @@ def main(argv: list[str] | None = None) -> dict:
             "where the memory goes (GiB; resident = allocated at the start of the last timed step; peaks are "
             "allocated bytes within each phase of that step):\n" + report.data["memory_table"]
         )
-    return report.finish(columns, notes)
+    data = report.finish(columns, notes)
+    for r in rows:
+        for phase, found in r.get("profile", {}).items():
+            kernel = "" if found["kernel_s"] is None else f", kernels {found['kernel_s']:.3f} s"
+            print(f"\n{r['name']}: {phase} of one more step under the profiler: wall {found['wall_s']:.3f} s{kernel}")
+            print(found["table"])
+    return data
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from common import (
     pad_id,
     param_count,
     peaks,
+    profiled,
     resolve_device,
 )
 
@@ -43,21 +44,6 @@ def attention_flops(shape: str, lengths: list[int]) -> float:
     spec = SHAPES[shape]
     width = spec["num_attention_heads"] * spec.get("head_dim", spec["hidden_size"] // spec["num_attention_heads"])
     return sum(2 * 2 * n * n / 2 * width for n in lengths) * spec["num_hidden_layers"]
-
-
-def profile_call(fn, device: torch.device) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
-        fn()
-        torch.cuda.synchronize(device)
-    averages = trace.key_averages()
-    for key in ("self_device_time_total", "self_cuda_time_total"):
-        try:
-            return averages.table(sort_by=key, row_limit=10, max_name_column_width=70)
-        except (AttributeError, KeyError, ValueError):
-            continue
-    return averages.table(row_limit=10)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -121,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
         def row(call=call, name=name) -> dict:
             result = measure(call, device, warmup=args.warmup, repeat=args.repeat)
             if args.profile and device.type == "cuda":
-                profiles[name] = profile_call(call, device)
+                profiles[name] = profiled(call, device)["table"]
             seconds = result["seconds"]
             return {
                 "tokens_per_s": tokens / seconds,

@@ -422,6 +422,25 @@ def test_opd_step_bound_counts_the_trained_rows(tmp_path, capsys):
         assert row["bound_tokens"] == row["tokens"], variant
 
 
+def test_opd_step_profile_runs_one_more_step_with_its_phases_profiled(tmp_path, capsys):
+    """`--profile`: a step after the timed ones with its scoring and update under torch.profiler, each phase's wall
+    time and top ops printed and kept; the timed row is unchanged by it (one timed step, its own tokens)."""
+    data, printed = run(
+        "opd_step",
+        tmp_path,
+        capsys,
+        *("--teacher-shape", "tiny", "--prompts", "2", "--n", "2", "--prompt-len", "5", "--new-tokens", "6"),
+        *("--skip-trl", "--warmup", "1", "--profile"),
+    )
+    row = rows(data)["opd_step[static_engine]"]
+    assert set(row["profile"]) == {"score_rollouts", "update_student"}
+    for phase, found in row["profile"].items():
+        assert found["wall_s"] > 0 and found["kernel_s"] is None  # no kernels on the CPU
+        assert "aten::mm" in found["table"]  # the ops that ran under the profiler, by CPU time
+        assert f"opd_step[static_engine]: {phase} of one more step under the profiler: wall" in printed
+    assert len(row["step_seconds"]) == 1 and row["tokens"] == 2 * 2 * 6
+
+
 def test_forced_lengths_hold_across_the_calls_of_a_partial_sample():
     """rollout.partial continues a sample over several calls (its prompt plus its tokens so far as a longer prompt):
     the benchmark's generator keeps the length drawn at the sample's first call, EOS at its end below the cap."""

@@ -301,6 +301,7 @@ def profiled(fn: Callable[[], Any], device: torch.device, *, row_limit: int = 10
     """fn() once under torch.profiler. Returns its result, the wall seconds, the seconds of kernel time (CUDA; None
     elsewhere) and a table of the ops or kernels that took the most time (device time on CUDA, CPU time elsewhere):
     kernel seconds far below the wall mean the host, not the GPU, sets the pace."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -318,7 +319,9 @@ def profiled(fn: Callable[[], Any], device: torch.device, *, row_limit: int = 10
             table = averages.table(sort_by=key, row_limit=row_limit, max_name_column_width=70)
         except (AttributeError, KeyError, ValueError):
             continue
-        kernel_s = sum(getattr(event, key) for event in averages) / 1e6
+        # the kernels' own events (kineto gives them the device's type); an op's row repeats its kernels' time
+        kernels = [e for e in averages if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", 0)]
+        kernel_s = sum(getattr(event, key) for event in kernels) / 1e6
         break
     if table is None:
         table = averages.table(sort_by="self_cpu_time_total", row_limit=row_limit, max_name_column_width=70)

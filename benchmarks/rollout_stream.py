@@ -68,15 +68,30 @@ from common import (
 )
 from rollout import make_engine, run_row
 
-ENGINES = ("static_compile", "static_splits1", "static_packed", "static_engine")
+ENGINES = ("static_compile", "static_splits1", "static_packed", "static_packed_compiled", "static_engine")
 
 
-def stream_engine(name: str, model, shape: str, rows: int, **options):
+def stream_engine(name: str, model, shape: str, rows: int, *, cap: int = 7168, prompt_len: int = 128, **options):
     """rollout.py's engine `name` with left-padded prefills; static_packed: static_compile with packed prefills
-    (the engine's default on a model set to opd_varlen, named here so that each stream says which it ran)."""
-    if name == "static_packed":
-        return make_engine("static_compile", model, shape, rows, packed_prefill=True, **options)
-    return make_engine(name, model, shape, rows, packed_prefill=False, **options)
+    (the engine's default on a model set to opd_varlen, named here so that each stream says which it ran);
+    static_packed_compiled: packed prefills through the model's decoder layers compiled (`rollout.compiled_prefill`;
+    the layers compiled as `opd distill` compiles them, aot_eager on a CPU), their graphs warmed up as its warm-up
+    does over prompts of `prompt_len` plus up to `cap` tokens."""
+    if name == "static_packed_compiled":
+        from opd.models import compile_layers, warm_up_layouts
+
+        backend = "inductor" if model.device.type == "cuda" else "aot_eager"
+        compile_layers(model, True, backend=backend)  # in place; compiling the compiled again builds nothing new
+        engine = make_engine(
+            "static_compile", model, shape, rows, packed_prefill=True, compiled_prefill=True, **options
+        )
+        prompt = list(range(3, 3 + prompt_len))
+        for seed, lengths in enumerate(warm_up_layouts(cap, engine.prefill_tokens)):
+            tokens = torch.Generator().manual_seed(seed)
+            engine.warm_up_prefill([prompt + torch.randint(3, 100, (n,), generator=tokens).tolist() for n in lengths])
+        return engine
+    packed = name == "static_packed"
+    return make_engine("static_compile" if packed else name, model, shape, rows, packed_prefill=packed, **options)
 
 
 class ForcedLengths:
@@ -258,6 +273,8 @@ def run_stream(args, report: Report, model, device, name: str, label: str = "") 
         model,
         args.shape,
         args.rows or samples,
+        cap=cap,
+        prompt_len=args.prompt_len,
         **({"sync_interval": args.sync_interval} if args.sync_interval else {}),
     )
     forced = ForcedLengths(args.lengths, cap, args.seed)
@@ -372,7 +389,7 @@ def bucket_rows(args, model, device, name: str, slots: int, stream_steps: dict) 
     g = torch.Generator().manual_seed(args.seed + 1)
     rows = []
     for b in sizes:
-        engine = stream_engine(name, model, args.shape, b)
+        engine = stream_engine("static_packed" if name == "static_packed_compiled" else name, model, args.shape, b)
         prompts = torch.randint(3, TOKENIZER_SIZE[args.shape], (b, args.prompt_len), generator=g).tolist()
         interval = engine.sync_interval
         short, long = 1 + interval, 1 + interval * (1 + math.ceil(args.bucket_steps / interval))
@@ -455,7 +472,8 @@ def main(argv: list[str] | None = None) -> dict:
     configs = stream_configs(args)  # a malformed --configs fails before the model is built
     device = resolve_device(args.device)
     _, bandwidth = peaks(device, args)
-    name = args.engine if device.type == "cuda" else "static_engine"  # compilation is CUDA-only
+    # the engine's compilation is CUDA-only; the layers' (static_packed_compiled) runs on a CPU through aot_eager
+    name = args.engine if device.type == "cuda" or args.engine == "static_packed_compiled" else "static_engine"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(args.shape, dtype=dtype, device=device, seed=args.seed, attn_implementation=args.attention)
     weight_bytes = param_bytes(model)
@@ -496,7 +514,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{name}@{args.batches}[equal]",
             lambda: run_row(
                 args,
-                "static_compile" if name == "static_packed" else name,  # equal prompts: nothing to pack
+                "static_compile" if name.startswith("static_packed") else name,  # equal prompts: nothing to pack
                 model,
                 None,
                 device,

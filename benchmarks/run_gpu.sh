@@ -9,7 +9,8 @@
 #   bash benchmarks/run_gpu.sh attention_ragged   (decode attention over rows of unequal lengths, by splits)
 #   bash benchmarks/run_gpu.sh prefill   (the static engine's prefill of long continued samples, packed against
 #                                         padded, with each layout's top CUDA kernels)
-#   bash benchmarks/run_gpu.sh stream_packed, then stream_padded   (the stream with each prefill layout, a call each)
+#   bash benchmarks/run_gpu.sh stream_packed, stream_padded, stream_compiled   (the stream with each prefill layout,
+#                                         the last through the compiled layers: rollout.compiled_prefill; a call each)
 set -uo pipefail
 out=${OUT:-runs/benchmarks/gpu}
 mkdir -p "$out"
@@ -52,14 +53,16 @@ for part in $parts; do
             --configs 2/on,2/on/2389 --out "$out/rollout_stream.json" ;;
         prefill) run prefill 300 python3 benchmarks/prefill.py --shape qwen3-0.6b --samples 64 \
             --prompt-lengths 128:7296 --profile --compiled --out "$out/prefill.json" ;;
-        stream_packed | stream_padded)  # one call each (~6 minutes): the same stream, packed or padded prefills
+        stream_packed | stream_padded | stream_compiled)  # a call each (~6 minutes): the same stream, its prefills
+            # packed, padded, or packed through the compiled layers (rollout.compiled_prefill)
             engine=static_compile; [ "$part" = stream_packed ] && engine=static_packed
+            [ "$part" = stream_compiled ] && engine=static_packed_compiled
             run "rollout_$part" 560 python3 benchmarks/rollout_stream.py --shape qwen3-0.6b --batches 256 \
                 --lengths lognormal:mean=1500,cap=7168 --stream-steps 6 --repeat 1 --bucket-steps 0 --phase-times \
                 --configs 2/on --engine "$engine" --out "$out/rollout_$part.json" ;;
         server) run teacher_server 290 python3 benchmarks/teacher_server.py --shapes qwen3-1.7b,qwen3-4b \
             --clients 1,4 --warmup 1 --repeat 3 --out "$out/teacher_server.json" ;;
-        *) echo "unknown part $part (check, attention, rollout, teacher, update, step, step_full, lean, paper, packing, attention_ragged, prefill, stream, stream_packed, stream_padded, server)"
+        *) echo "unknown part $part (check, attention, rollout, teacher, update, step, step_full, lean, paper, packing, attention_ragged, prefill, stream, stream_packed, stream_padded, stream_compiled, server)"
            exit 2 ;;
     esac
 done

@@ -128,6 +128,24 @@ def test_rollout_stream(tmp_path, capsys, early_stop):
     assert data["steps_table"] in printed and data["bucket_table"] in printed
 
 
+def test_rollout_stream_with_compiled_prefills(tmp_path, capsys):
+    """--engine static_packed_compiled (rollout.compiled_prefill: packed prefills through the compiled layers, aot_eager
+    on a CPU): the stream runs, and after the engine's prefill warm-up none of its steps compiles a graph, also those
+    whose calls continue samples (a prompt plus its tokens so far)."""
+    data, _ = run(
+        "rollout_stream",
+        tmp_path,
+        capsys,
+        *("--batches", "8", "--prompt-len", "5", "--lengths", "lognormal:mean=6,cap=16,sigma=0.8"),
+        *("--stream-steps", "3", "--bucket-steps", "0", "--sync-interval", "2", "--repeat", "1"),
+        *("--engine", "static_packed_compiled", "--attention", "opd_varlen"),
+    )
+    stream = rows(data)["stream[static_packed_compiled@8]"]
+    assert stream["trained_total"] == 3 * 8 and stream["vs_equal"] > 0
+    assert [s["compiles"] for s in data["steps"]] == [0, 0, 0]
+    assert any(s["calls"] > 1 or s["lag_1"] for s in data["steps"])  # samples continued across calls
+
+
 def test_rollout_stream_configs(tmp_path, capsys):
     """--configs: several streams in one process, one row each with its own staleness, early stop and segment, the
     per-step rows labelled by their stream, the [equal] row once; a malformed config is one line."""

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from helpers import distill_config, string_console
 from opd.io import read_jsonl
 from opd.models import compile_layers
 from opd.recipes.distill import setup, train
+from opd.rollout.static_engine import StaticGenerator
 from opd.train.step import compiled_graphs, warm_up
 
 # Prompts of many lengths and a micro-batch budget that splits the batch unevenly: the steps meet rows of one, of
@@ -110,6 +112,66 @@ def test_a_compiled_run_compiles_only_in_its_warm_up(world, tmp_path):
     train(tr, console=string_console())
     graphs = [row["compile/graphs"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
     assert len(graphs) == 4 and graphs[0] > 0 and graphs == [graphs[0]] * 4, graphs
+
+
+# the GPU's layout (opd_varlen) with the static engine's prefills through the compiled layers
+COMPILED_PREFILL = (
+    "student.attn_implementation=opd_varlen",
+    "teacher.attn_implementation=opd_varlen",
+    "rollout.engine=static",
+    "compile=true",
+    "rollout.compiled_prefill=true",
+)
+
+
+def _graphs_after_warm_up_and_per_step(tr, tmp_path) -> tuple[int, list[int]]:
+    warm_up(tr, torch.device("cpu"))  # `train` warms up again: nothing left to compile
+    after = compiled_graphs()
+    train(tr, console=string_console())
+    return after, [row["compile/graphs"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("partial", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_compiled_prefills_compile_only_in_the_warm_up(world, tmp_path, partial):
+    """rollout.compiled_prefill: the static engine's prefills run the compiled layers, and the warm-up builds their
+    graphs too, so a run's prefills (with rollout.partial also its continued samples', prompt plus tokens so far)
+    compile nothing after it."""
+    torch._dynamo.reset()
+    extra = ("rollout.partial=true", "objective.tis_cap=2.0") if partial else ()
+    tr = _trainer(world, tmp_path, *COMPILED_PREFILL, *extra)
+    assert isinstance(tr.generator, StaticGenerator) and tr.generator.compiled_prefill
+    after, graphs = _graphs_after_warm_up_and_per_step(tr, tmp_path)
+    assert graphs == [after] * 4, (after, graphs)
+
+
+@pytest.mark.slow
+def test_compiled_prefills_compile_in_the_steps_without_their_warm_up(world, tmp_path, monkeypatch):
+    """The test above can fail: with the prefills left out of the warm-up, the first step compiles their graphs."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(StaticGenerator, "warm_up_prefill", lambda self, prompt_ids: 0)
+    tr = _trainer(world, tmp_path, *COMPILED_PREFILL)
+    after, graphs = _graphs_after_warm_up_and_per_step(tr, tmp_path)
+    assert graphs[0] > after, (after, graphs)
+
+
+@pytest.mark.parametrize(
+    "overrides, why",
+    [
+        ((), "the rollout engine is 'torch' (rollout.engine=auto)"),
+        (("rollout.engine=static",), "the student's layers are not compiled (compile=None, device cpu)"),
+        (("rollout.engine=static", "compile=true"), "the student's attention is 'sdpa'"),
+    ],
+)
+def test_compiled_prefill_is_refused_where_it_cannot_act(world, tmp_path, overrides, why):
+    """One line naming the setting and what is missing, before any step: a compiled prefill needs the static
+    engine, compiled layers and packed (opd_varlen) attention."""
+    cfg = distill_config(world, tmp_path, "rollout.compiled_prefill=true", *overrides)
+    with pytest.raises(ValueError) as error:
+        setup(cfg, tmp_path / "run", console=string_console())
+    assert str(error.value) == (
+        "rollout.compiled_prefill=true needs the static engine, compiled layers and opd_varlen attention (a GPU): "
+        f"{why}; set rollout.compiled_prefill=false"
+    )
 
 
 def test_the_warm_up_changes_nothing(world, tmp_path):

@@ -35,6 +35,7 @@ from opd.data.prompts import load_prompts
 from opd.data.templates import EncodedPrompts, encode_prompts
 from opd.fingerprints import model_fingerprint
 from opd.io import atomic_write_json
+from opd.kernels import varlen_attention
 from opd.models import (
     VocabInfo,
     check_tokenizer_compatibility,
@@ -47,7 +48,7 @@ from opd.models import (
 from opd.report.gpu_busy import GpuBusy
 from opd.report.sinks import progress_bar
 from opd.rollout import Generator, make_generator
-from opd.rollout.registry import check_generation_fits
+from opd.rollout.registry import check_generation_fits, resolve_engine
 from opd.rollout.vllm_engine import EngineOptions, vllm_available
 from opd.rundir import claimed_run_dir, open_run, resume_checkpoint, run_directory
 from opd.teacher.base import TeacherScorer
@@ -582,6 +583,7 @@ def build_engines(
         max_batch_tokens=config.rollout.max_batch_tokens,
         engine=config.rollout.engine,
         **_vllm_engine_arguments(config, models, dist),
+        **_static_engine_arguments(config, models, dist),
     )
     rollout_model = rollout_generator = None
     if config.rollout.overlap:  # a snapshot the background rollouts read while the student is updated
@@ -589,6 +591,28 @@ def build_engines(
             student, tokenizer, config, models.vocab_size, models.autocast_dtype
         )
     return generator, rollout_model, rollout_generator
+
+
+def _static_engine_arguments(config: DistillConfig, models: Models, dist: DistInfo) -> dict:
+    """make_generator's extra arguments for the static engine: rollout.compiled_prefill, refused in one line where it
+    could not act (another engine, layers that will not be compiled, attention that does not pack prompts)."""
+    if not config.rollout.compiled_prefill:
+        return {}
+    engine = resolve_engine(config.rollout.engine, models.student)
+    attention = getattr(models.student.config, "_attn_implementation", None)
+    why = None
+    if engine != "static":
+        why = f"the rollout engine is {engine!r} (rollout.engine={config.rollout.engine})"
+    elif not compiles_layers(config, models, dist):
+        why = f"the student's layers are not compiled (compile={config.compile}, device {models.device.type})"
+    elif attention != varlen_attention.ATTENTION:
+        why = f"the student's attention is {attention!r}"
+    if why is not None:
+        raise ValueError(
+            f"rollout.compiled_prefill=true needs the static engine, compiled layers and {varlen_attention.ATTENTION} "
+            f"attention (a GPU): {why}; set rollout.compiled_prefill=false"
+        )
+    return {"compiled_prefill": True}
 
 
 def _vllm_engine_arguments(config: DistillConfig, models: Models, dist: DistInfo) -> dict:
@@ -737,13 +761,21 @@ def view_probes(models: Models, data: EncodedPrompts, prompt_teacher: list[int] 
     return probes
 
 
+def compiles_layers(config: DistillConfig, models: Models, dist: DistInfo) -> bool:
+    """Whether `configure_memory` compiles the student's layers: `compile` true, or unset on CUDA in one process
+    (FSDP2 + compile is untested: only when asked for)."""
+    if dist.world_size > 1 and not config.compile:
+        return False
+    return bool(config.compile) or (config.compile is None and models.device.type == "cuda")
+
+
 def configure_memory(config: DistillConfig, models: Models, dist: DistInfo) -> tuple[bool, float | None]:
     """Compiled layers and activation checkpointing; returns whether the student's layers are compiled and the
     selective-checkpointing budget (None: off).
     Checkpointing is full (HF, per layer) when asked for; by default on CUDA selective inside the compiled layers
     (docs/performance.md: the update's speed and memory under each)."""
     compiled = False
-    if dist.world_size == 1 or config.compile:  # FSDP2 + compile untested: only when asked for
+    if compiles_layers(config, models, dist):
         compiled = compile_layers(models.student, config.compile)
         modules = {id(t.teacher.module): t.teacher.module for t in models.teachers if t.teacher.module is not None}
         for module in modules.values():  # an offloaded teacher runs only on the GPU too (`on_device`)

@@ -701,6 +701,39 @@ class StaticGenerator(memory.ModuleMemory):
         self.stats: dict[str, Any] = {}
         self._compiled: tuple[Callable, Callable, Callable] | None = None
 
+    def prefill_groups(self, lengths: Sequence[int]) -> list[list[int]]:
+        """How a call cuts the distinct prompts of these lengths into prefill forwards: indices by ascending length
+        (stable), a forward holding at most `prefill_tokens` tokens (packed: their sum; padded: rows × the longest),
+        or one prompt alone where it is longer."""
+        groups: list[list[int]] = []
+        used = 0
+        for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+            group = groups[-1] if groups else None
+            width = lengths[i]  # the longest so far: prompts come in ascending length
+            cost = used + width if self.packed_prefill else (len(group or ()) + 1) * width
+            if group is None or cost > self.prefill_tokens:
+                groups.append([i])
+                used = width
+            else:
+                group.append(i)
+                used += width
+        return groups
+
+    def warm_up_prefill(self, prompt_ids: Sequence[Sequence[int]]) -> int:
+        """Prefill these prompts as a call would place them (`prefill_groups`) and discard the result, so that the
+        graphs of `compiled_prefill` are built before work starts (`opd.train.step.warm_up` runs it over its warm-up
+        layouts). Call it under the autocast generation runs under. Returns the tokens prefilled: none unless the
+        engine's prefills run compiled."""
+        if not self.compiled_prefill or not prompt_ids:
+            return 0
+        prompts = [list(p) for p in prompt_ids]
+        device = next(self.model.parameters()).device
+        autocast = torch.is_autocast_enabled(device.type)
+        with generation_mode(self.model, device), _prefill_autocast(device, autocast, self.compute_dtype()):
+            for group in self.prefill_groups([len(p) for p in prompts]):
+                self.hf.prefill_packed([prompts[i] for i in group], device, compiled=True)
+        return sum(len(p) for p in prompts)
+
     def sync_weights(self) -> None:
         """Nothing to do: the step weights are rebuilt from the trainer's module at every call."""
 
@@ -886,6 +919,14 @@ class StaticGenerator(memory.ModuleMemory):
             group_ids=[p for p in range(len(prompt_ids)) for _ in range(params.n)],
             logprobs=logprobs if params.return_logprobs else None,
         )
+
+
+def _prefill_autocast(device: torch.device, enabled: bool, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """The caller's autocast for the Hugging Face prefill, with its weight cache off: cached casts would keep a
+    second copy of every float32 weight for the rest of the call."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=False)
 
 
 class _Run:
@@ -1075,11 +1116,7 @@ class _Run:
     # ------------------------------------------------------------------ filling slots
 
     def _prefill_autocast(self) -> contextlib.AbstractContextManager:
-        """The caller's autocast for the Hugging Face prefill, with its weight cache off: cached casts would keep a
-        second copy of every float32 weight for the rest of the call."""
-        if not self.autocast:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype, cache_enabled=False)
+        return _prefill_autocast(self.device, self.autocast, self.dtype)
 
     def _admit(self, free: list[int]) -> None:
         """Place pending samples into the free slots (ascending), prefill their prompts (once per prompt and
@@ -1095,19 +1132,9 @@ class _Run:
             # distinct prompts by length (stable), cut into forwards of ≤ prefill_tokens tokens (padded ones when
             # padded: neighbours in length pad little; a stream's continued samples range from the bare prompt to
             # max_new_tokens longer)
-            groups: list[list[int]] = []
-            distinct = sorted(dict.fromkeys(self.sample_prompt[s] for s in samples), key=lambda p: len(self.prompts[p]))
-            packed, used = self.engine.packed_prefill, 0
-            for p in distinct:
-                group = groups[-1] if groups else None
-                width = len(self.prompts[p])  # the longest so far: prompts come in ascending length
-                cost = used + width if packed else (len(group or ()) + 1) * width
-                if group is None or cost > self.engine.prefill_tokens:
-                    groups.append([p])
-                    used = width
-                else:
-                    group.append(p)
-                    used += width
+            distinct = list(dict.fromkeys(self.sample_prompt[s] for s in samples))
+            lengths = [len(self.prompts[p]) for p in distinct]
+            groups = [[distinct[i] for i in group] for group in self.engine.prefill_groups(lengths)]
             placed = dict(zip(samples, slots))
             for group in groups:
                 in_group = set(group)

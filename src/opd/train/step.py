@@ -41,6 +41,7 @@ from opd.report.sinks import MetricsSink
 from opd.rollout import SamplingParams
 from opd.rollout.base import Generator
 from opd.rollout.batch import build_rollouts, random_rollouts
+from opd.rollout.static_engine import StaticGenerator
 from opd.scoring import candidate_logprobs_and_entropy
 from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
 from opd.teacher.base import TeacherScorer, start_scoring
@@ -521,7 +522,8 @@ def micro_backward(
 def warm_up(tr: Trainer, device: torch.device) -> int:
     """Compile every graph variant of the compiled layers (`opd.models.compile_layers`) before the first step, so
     that no step pays a compilation: the scoring and update phases run once per layout of `warm_up_layouts`, on the
-    first prompt routed to each teacher with random response tokens, the update's losses × 0 and no optimizer step.
+    first prompt routed to each teacher with random response tokens, the update's losses × 0 and no optimizer step;
+    with rollout.compiled_prefill the static engine's prefills too, over the same layouts.
     The model, the optimizer and every random stream are as before (gradients are reset to None); returns the number
     of graphs compiled."""
     before = compiled_graphs()
@@ -553,6 +555,16 @@ def warm_up(tr: Trainer, device: torch.device) -> int:
                     micro_targets = targets.select(rows)
                     micro_backward(tr, micro, micro_targets, num_tokens=ones, num_seqs=ones, scale=0.0, device=device)
                 tr.student.eval()
+        engine = tr.generator
+        if isinstance(engine, StaticGenerator) and engine.compiled_prefill:  # its prefills run the compiled layers
+            prompt = list(tr.prompt_ids[first_prompts[0]])
+            with gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
+                # a prompt plus anything up to max_new_tokens: a stream prefills its continued samples again
+                for seed, lengths in enumerate(warm_up_layouts(cfg.rollout.max_new_tokens, engine.prefill_tokens)):
+                    tokens = torch.Generator().manual_seed(seed)
+                    engine.warm_up_prefill(
+                        [prompt + torch.randint(tr.vocab_size, (n,), generator=tokens).tolist() for n in lengths]
+                    )
     tr.student.zero_grad(set_to_none=True)
     tr.memory_trace = trace
     return compiled_graphs() - before

@@ -566,9 +566,9 @@ class StaticGenerator(memory.ModuleMemory):
     compiled_prefill: True = packed prefills run the decoder layers compiled by `opd.models.compile_layers` (the
                       trainer's, on CUDA) as compiled, fusing the element-wise work between the GEMMs that is about
                       half of an eager prefill's CUDA time (1.56-1.72x the packed tokens/s on an H100,
-                      docs/performance.md); False (default) = eagerly, as every other call through the Hugging Face
-                      model: a training run does not warm up the prefill's graphs yet. Needs packed prefills; no
-                      effect on layers not compiled
+                      docs/performance.md; `rollout.compiled_prefill`, whose warm-up builds the prefill's graphs
+                      through `warm_up_prefill`); False (default) = eagerly, as every other call through the Hugging
+                      Face model. Needs packed prefills; no effect on layers not compiled
     free_memory:      function of a device → its (free, total) bytes, or None for no limit; default
                       `opd.rollout.memory.device_memory` (the CUDA figures; None on CPU); the tests pass a fixed one
     row_buckets:      True (default) = once no sample is pending, decode steps run over the smallest live-row

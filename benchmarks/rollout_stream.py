@@ -69,6 +69,7 @@ from common import (
 from rollout import make_engine, run_row
 
 ENGINES = ("static_compile", "static_splits1", "static_packed", "static_packed_compiled", "static_engine")
+_COMPILED_LAYERS: set[int] = set()  # models whose decoder layers static_packed_compiled compiled
 
 
 def stream_engine(name: str, model, shape: str, rows: int, *, cap: int = 7168, prompt_len: int = 128, **options):
@@ -78,17 +79,16 @@ def stream_engine(name: str, model, shape: str, rows: int, *, cap: int = 7168, p
     the layers compiled as `opd distill` compiles them, aot_eager on a CPU), their graphs warmed up as its warm-up
     does over prompts of `prompt_len` plus up to `cap` tokens."""
     if name == "static_packed_compiled":
-        from opd.models import compile_layers, warm_up_layouts
+        from opd.models import compile_layers
+        from opd.train.step import warm_up_prefills
 
-        backend = "inductor" if model.device.type == "cuda" else "aot_eager"
-        compile_layers(model, True, backend=backend)  # in place; compiling the compiled again builds nothing new
+        if id(model) not in _COMPILED_LAYERS:  # in place, once per model: every stream of the process shares them
+            compile_layers(model, True, backend="inductor" if model.device.type == "cuda" else "aot_eager")
+            _COMPILED_LAYERS.add(id(model))
         engine = make_engine(
             "static_compile", model, shape, rows, packed_prefill=True, compiled_prefill=True, **options
         )
-        prompt = list(range(3, 3 + prompt_len))
-        for seed, lengths in enumerate(warm_up_layouts(cap, engine.prefill_tokens)):
-            tokens = torch.Generator().manual_seed(seed)
-            engine.warm_up_prefill([prompt + torch.randint(3, 100, (n,), generator=tokens).tolist() for n in lengths])
+        warm_up_prefills(engine, list(range(3, 3 + prompt_len)), cap, TOKENIZER_SIZE[shape])
         return engine
     packed = name == "static_packed"
     return make_engine("static_compile" if packed else name, model, shape, rows, packed_prefill=packed, **options)

@@ -557,17 +557,22 @@ def warm_up(tr: Trainer, device: torch.device) -> int:
                 tr.student.eval()
         engine = tr.generator
         if isinstance(engine, StaticGenerator) and engine.compiled_prefill:  # its prefills run the compiled layers
-            prompt = list(tr.prompt_ids[first_prompts[0]])
             with gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
-                # a prompt plus anything up to max_new_tokens: a stream prefills its continued samples again
-                for seed, lengths in enumerate(warm_up_layouts(cfg.rollout.max_new_tokens, engine.prefill_tokens)):
-                    tokens = torch.Generator().manual_seed(seed)
-                    engine.warm_up_prefill(
-                        [prompt + torch.randint(tr.vocab_size, (n,), generator=tokens).tolist() for n in lengths]
-                    )
+                warm_up_prefills(engine, tr.prompt_ids[first_prompts[0]], cfg.rollout.max_new_tokens, tr.vocab_size)
     tr.student.zero_grad(set_to_none=True)
     tr.memory_trace = trace
     return compiled_graphs() - before
+
+
+def warm_up_prefills(engine: StaticGenerator, prompt: list[int], max_new_tokens: int, vocab_size: int) -> None:
+    """The static engine's compiled prefills (`StaticGenerator.warm_up_prefill`) over the layouts of
+    `warm_up_layouts`: the prompt plus up to max_new_tokens random tokens a row (a stream prefills its continued
+    samples again), up to a full forward of `prefill_tokens`. Call it under the autocast generation runs under."""
+    for seed, lengths in enumerate(warm_up_layouts(max_new_tokens, engine.prefill_tokens)):
+        tokens = torch.Generator().manual_seed(seed)
+        engine.warm_up_prefill(
+            [list(prompt) + torch.randint(vocab_size, (n,), generator=tokens).tolist() for n in lengths]
+        )
 
 
 def compiled_graphs() -> int:

@@ -8,6 +8,9 @@
 #                                                   $RP/NAME-hf (bf16) in the background (needs the gguf package)
 #   bash benchmarks/real_pair_gpu.sh eval | A | B   start the baseline MATH-500 eval (greedy, 4,096) / run A / run B
 #                                                   (A and B pass further KEY=VALUE overrides on, e.g. run.steps=20)
+#   bash benchmarks/real_pair_gpu.sh AB SECONDS     in the background: once both models are converted, A then B in the
+#                                                   foreground of one job, each given half of the SECONDS left then and
+#                                                   stopped (SIGTERM) at its share; further KEY=VALUE overrides go to both
 #   bash benchmarks/real_pair_gpu.sh status         the logs' tails and the GPU's use
 # NAME is student or teacher (the sha256 values are in ../shared/tools/real_pair.sh); DAPO-Math-17k is read from
 # $DATA (default $PARTS/dapo-math-17k.parquet, copied into $RP on the first call that carries it).
@@ -24,6 +27,9 @@ background() {  # name, command...: run in a new session, log to $RP/name.log
     setsid nohup "$@" >"$RP/$name.log" 2>&1 </dev/null &
     echo "started $name: $*"
 }
+run=(-c configs/opd_qwen2.5_coder_0.5b_from_1.5b_4k.yaml student.path="$RP/student-hf" teacher.path="$RP/teacher-hf"
+    data.path="${DATA:-$RP/dapo-math-17k.parquet}" "eval.benchmarks=[math500]" run.out_dir="$RP/runs"
+    run.eval_at_start=false rollout.batch_size=512)  # A and B differ in rollout.partial alone
 case ${1:-status} in
     receive)
         for f in "$PARTS"/*.part.*; do [ -e "$f" ] && mv "$f" "$RP/"; done
@@ -57,14 +63,25 @@ PY
         background eval0 "${opd[@]}" eval --model "$RP/student-hf" --benchmarks math500 --n 1 --temperature 0 \
             --max-new-tokens 4096 --batch-size 512 --template boxed --out "$RP/eval0" ;;
     A | B)
-        partial=false; [ "$1" = B ] && partial=true
-        background "run-$1" "${opd[@]}" distill -c configs/opd_qwen2.5_coder_0.5b_from_1.5b_4k.yaml \
-            student.path="$RP/student-hf" teacher.path="$RP/teacher-hf" data.path="${DATA:-$RP/dapo-math-17k.parquet}" \
-            "eval.benchmarks=[math500]" \
-            run.out_dir="$RP/runs" run.eval_at_start=false rollout.batch_size=512 rollout.partial=$partial \
+        background "run-$1" "${opd[@]}" distill "${run[@]}" rollout.partial=$([ "$1" = B ] && echo true || echo false) \
             run.name="opd-real-pair-4k-$1" "${@:2}" ;;
+    AB)
+        background chain bash "$0" chain-fg "${@:2}" ;;
+    chain-fg)  # AB's job: A then B, each stopped at its share of the time left once the models are there
+        end=$(($(date +%s) + $2))
+        until [ -d "$RP/student-hf" ] && [ -d "$RP/teacher-hf" ]; do sleep 2; done
+        for r in A B; do
+            parts=2 partial=false
+            [ $r = B ] && parts=1 partial=true
+            share=$(((end - $(date +%s)) / parts))
+            echo "run $r from $(date +%s) for $share s"
+            timeout -s TERM "$share" "${opd[@]}" distill "${run[@]}" rollout.partial=$partial \
+                run.name="opd-real-pair-4k-$r" run.save_every=100 run.eval_every=100 "${@:3}" >"$RP/run-$r.log" 2>&1
+            status=$?
+            echo "run $r ended at $(date +%s): exit status $status (124: stopped at its share)"
+        done ;;
     status)
         for f in "$RP"/*.log; do [ -e "$f" ] && { echo "== $f"; tail -c 1200 "$f"; echo; }; done
         nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv 2>/dev/null || true ;;
-    *) echo "unknown verb $1 (receive, join, eval, A, B, status)"; exit 2 ;;
+    *) echo "unknown verb $1 (receive, join, eval, A, B, AB, status)"; exit 2 ;;
 esac

@@ -605,3 +605,18 @@ def score_config(dirs, data: Path, out: Path, **over) -> PromptScoreConfig:
         seed=2,
         **(SMALL_SCORING | over),
     )
+
+
+def compile_decode_on_cpu(monkeypatch) -> None:
+    """`StaticGenerator`'s decode step compiled on the CPU as on CUDA, through dynamo's graph capture and guards
+    without code generation (torch.compile's default backend becomes `aot_eager`: the same recompiles as inductor's,
+    seconds cheaper), one process-wide set as there."""
+    import torch
+
+    from opd.rollout import static_engine
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile_(fn, **{"backend": "aot_eager", **kwargs}))
+    monkeypatch.setattr(static_engine, "_COMPILED", None)
+    monkeypatch.setattr(static_engine.StaticGenerator, "compiles_decode", lambda self: self.compile is not False)
+    monkeypatch.setattr(static_engine.StaticGenerator, "_compiles", lambda self, on_cuda: self.compile is not False)

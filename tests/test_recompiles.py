@@ -11,12 +11,12 @@ import json
 import pytest
 import torch
 
-from helpers import distill_config, string_console
+from helpers import compile_decode_on_cpu, distill_config, string_console
 from opd.io import read_jsonl
 from opd.models import compile_layers
 from opd.recipes.distill import setup, train
 from opd.rollout.static_engine import StaticGenerator
-from opd.train.step import compiled_graphs, warm_up
+from opd.train.step import CompileLog, compiled_graphs, decode_warm_up_rows, warm_up
 
 # Prompts of many lengths and a micro-batch budget that splits the batch unevenly: the steps meet rows of one, of
 # equal and of different lengths, with and without grad.
@@ -109,9 +109,60 @@ def test_layouts_compile_without_the_warm_up(world, tmp_path):
 def test_a_compiled_run_compiles_only_in_its_warm_up(world, tmp_path):
     torch._dynamo.reset()
     tr = _trainer(world, tmp_path)
-    train(tr, console=string_console())
+    console = string_console()
+    train(tr, console=console)
     graphs = [row["compile/graphs"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
     assert len(graphs) == 4 and graphs[0] > 0 and graphs == [graphs[0]] * 4, graphs
+    assert "compiled" in console.file.getvalue()  # the warm-up's line
+    assert " ".join(console.file.getvalue().split()).count("step 1 compiled") == 0
+
+
+def test_a_step_that_compiles_says_what_and_why(world, tmp_path, monkeypatch):
+    """Without the warm-up the steps compile, and the run prints, after each step that did, how many graphs and which
+    functions compiled again with the guard that failed (what a warm-up left out, named)."""
+    torch._dynamo.reset()
+    monkeypatch.setattr("opd.recipes.distill.warm_up", lambda tr, device: 0)
+    tr = _trainer(world, tmp_path)
+    console = string_console()
+    train(tr, console=console)
+    text = " ".join(console.file.getvalue().split())  # rich wraps at the console's width
+    assert "step 1 compiled " in text and "; recompiled: " in text and "(modeling_" in text, text[-3000:]
+
+
+def test_the_compile_log_names_the_function_and_the_guard():
+    def scaled_sum(x, scale):
+        return (x * scale).sum(-1)
+
+    compiled = torch.compile(scaled_sum, dynamic=False, backend="aot_eager")
+    log = CompileLog()
+    assert log.news() is None
+    compiled(torch.ones(4, 3), 1.0)
+    assert log.news() == "1 graph"  # a first compile: no guard failed
+    compiled(torch.ones(4, 3), 1.0)
+    assert log.news() is None
+    compiled(torch.ones(8, 3), 1.0)
+    news = log.news()
+    assert news is not None and news.startswith("1 graph; recompiled: scaled_sum (test_recompiles.py:"), news
+    assert "size mismatch at index 0. expected 4, actual 8" in news
+    compiled(torch.ones(8, 3), 2.0)
+    assert "scale == 1.0" in (log.news() or "")
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_the_static_engines_decode_step_compiles_only_in_the_warm_up(world, tmp_path, monkeypatch, partial):
+    """The rollout engine's compiled decode step (CUDA's, here on the CPU through dynamo with aot_eager) is warmed up
+    at every row count the run's calls can meet (`decode_warm_up_rows`): with rollout.partial any count up to the
+    samples in flight, whose calls vary. No step compiles after the warm-up."""
+    compile_decode_on_cpu(monkeypatch)
+    torch._dynamo.reset()
+    extra = ("rollout.partial=true", "objective.tis_cap=2.0") if partial else ()
+    tr = _trainer(world, tmp_path, "rollout.engine=static", *extra)
+    # 3 prompts × 3: 9 samples a call, 16 rows; partial: up to 18 in flight (two batches), 32 rows
+    assert decode_warm_up_rows(tr) == ([32, 16, 8, 4, 2, 1] if partial else [16, 8, 4])
+    console = string_console()
+    after, graphs = _graphs_after_warm_up_and_per_step(tr, tmp_path, console)
+    assert graphs == [after] * 4, (after, graphs)
+    assert "the rollout engine's decode step at" in " ".join(console.file.getvalue().split())
 
 
 # the GPU's layout (opd_varlen) with the static engine's prefills through the compiled layers
@@ -124,10 +175,10 @@ COMPILED_PREFILL = (
 )
 
 
-def _graphs_after_warm_up_and_per_step(tr, tmp_path) -> tuple[int, list[int]]:
+def _graphs_after_warm_up_and_per_step(tr, tmp_path, console=None) -> tuple[int, list[int]]:
     warm_up(tr, torch.device("cpu"))  # `train` warms up again: nothing left to compile
     after = compiled_graphs()
-    train(tr, console=string_console())
+    train(tr, console=console or string_console())
     return after, [row["compile/graphs"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
 
 

@@ -8,12 +8,13 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model
+from helpers import EOS_ID, PAD_ID, TINY_VOCAB, compile_decode_on_cpu, make_tiny_model
 from opd.kernels import decode_attention as triton_attention
 from opd.rollout import Generator, SamplingParams, memory, static_engine
 from opd.rollout.sampling import filter_logits
 from opd.rollout.static_engine import StaticGenerator, _round_rows, _sample, unsupported_reason
 from opd.rollout.torch_engine import TorchGenerator
+from opd.train.step import compiled_graphs
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
 
@@ -904,3 +905,38 @@ def test_a_sequence_that_cannot_fit_fails_with_one_line_saying_what_fits():
     with pytest.raises(ValueError, match="12.00 GiB will not be free"):
         static.check_fits(16, 10, reserve_bytes=12 * GIB)
     assert StaticGenerator(model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID).plan_rows(100, 16, 400) == 64  # CPU
+
+
+def test_decode_rows_are_the_calls_rows_and_their_buckets():
+    static = StaticGenerator(make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, max_batch_size=64)
+    static.round_rows = True
+    assert static.decode_rows([12]) == [16, 8, 4]  # 12 samples: 16 rows, then the live-row buckets below
+    assert static.decode_rows([40, 12]) == [48, 32, 16, 8, 4]
+    assert static.decode_rows(range(1, 50)) == [64, 48, 32, 16, 8, 4, 2, 1]
+    static.row_buckets = False
+    assert static.decode_rows([40]) == [48]
+    static.round_rows = False
+    assert static.decode_rows([40, 200]) == [64, 40]
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_decode_warm_up_leaves_nothing_to_compile(monkeypatch, warm):
+    """`warm_up_decode` at `decode_rows` compiles the decode step at every row count a call of those samples meets,
+    its live-row buckets included, so that the call compiles nothing; without it the call compiles (the test can
+    fail)."""
+    compile_decode_on_cpu(monkeypatch)
+    torch._dynamo.reset()
+    static = StaticGenerator(
+        make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, sync_interval=2, kv_bucket=16
+    )
+    assert static.compiles_decode()
+    params = SamplingParams(n=1, max_new_tokens=24, seed=3)
+    prompts = [[1 + i % 5, 2, 3 + i % 3] for i in range(12)]
+    limits = [2 + 2 * i for i in range(12)]  # rows end at different steps: the call walks down its buckets
+    rows = static.decode_rows([len(prompts)])
+    if warm:
+        assert static.warm_up_decode(PROMPTS[0], params, rows) == len(rows)
+    before = compiled_graphs()
+    static.generate(prompts, params, max_new_tokens_per_sample=limits)
+    assert sorted(static.stats["bucket_steps"], reverse=True) == rows  # the call met every count
+    assert (compiled_graphs() == before) == warm, (before, compiled_graphs())

@@ -97,7 +97,7 @@ from opd.train.distributed import (
 from opd.train.optim import build_optimizer, build_scheduler
 from opd.train.overlap import overlap_generator
 from opd.train.sampler import PromptSampler
-from opd.train.step import Trainer, opd_step, warm_up
+from opd.train.step import CompileLog, Trainer, decode_warm_up_rows, opd_step, warm_up
 
 __all__ = ["DistillConfig", "Trainer", "distill", "run_eval", "save", "setup", "train"]
 
@@ -146,6 +146,7 @@ def train(tr: Trainer, *, console: Any) -> None:
                     run_eval(tr, console)
         if tr.compiled_layers and tr.step < cfg.run.steps:
             _warm_up(tr, console)
+        compiles = CompileLog()
         consecutive_skips = 0
         while tr.step < cfg.run.steps:
             skipped_before = tr.skipped_steps
@@ -154,6 +155,8 @@ def train(tr: Trainer, *, console: Any) -> None:
             if main:
                 assert tr.sink is not None  # setup opens rank 0's sink
                 tr.sink.log(tr.step, metrics)
+                if news := compiles.news():  # the warm-up left these out: what they were, for the next warm-up
+                    console.print(f"step {tr.step} compiled {news}")
             consecutive_skips = consecutive_skips + 1 if tr.skipped_steps > skipped_before else 0
             check_skipped_steps(consecutive_skips, tr.step, cfg.optim)
             tr.history.append({"step": tr.step, **metrics})
@@ -164,6 +167,7 @@ def train(tr: Trainer, *, console: Any) -> None:
                 with gathered(tr.student, tr.dist):  # rank 0 evaluates alone: no collectives inside
                     if main:
                         run_eval(tr, console)
+                compiles = CompileLog()  # the evaluation's own graphs (greedy decoding) are not the next step's
     if main:
         finish_run(tr.run_dir, tr.sink, report=cfg.run.report, console=console)
     barrier(tr.dist)
@@ -172,9 +176,13 @@ def train(tr: Trainer, *, console: Any) -> None:
 def _warm_up(tr: Trainer, console: Any) -> None:
     start = time.perf_counter()
     device = next(tr.student.parameters()).device
+    rows = decode_warm_up_rows(tr)
     graphs = warm_up(tr, device)
+    decode = (
+        f" and the rollout engine's decode step at {len(rows)} row counts ({rows[0]} to {rows[-1]})" if rows else ""
+    )
     console.print(
-        f"compiled layers: warmed up on every batch layout in {time.perf_counter() - start:.1f} s "
+        f"compiled layers: warmed up on every batch layout{decode} in {time.perf_counter() - start:.1f} s "
         f"({graphs} graphs); no step should compile again (metric compile/graphs)"
     )
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -538,7 +538,8 @@ class StaticGenerator(memory.ModuleMemory):
                       graphs, ≥ 1. Unused by the Triton kernel, which reads each row's exact slots
     cuda_graphs:      capture and replay the decode step (CUDA only); None = on CUDA
     compile:          `torch.compile` the two halves of a layer and the sampling (CUDA only; the first call per row
-                      count pays the compile); None = on CUDA, falling back to the plain step with a warning if
+                      count pays the compile, or `warm_up_decode` before work starts, as the trainer does); None =
+                      on CUDA, falling back to the plain step with a warning if
                       compilation fails. Results agree with the uncompiled step to bf16 rounding
     fuse_weights:     True = per call, build one q/k/v and one gate/up matrix per layer and cast every weight the step
                       uses to the compute dtype once (autocast's dtype when autocast is on at generate time, else the
@@ -734,6 +735,27 @@ class StaticGenerator(memory.ModuleMemory):
                 self.hf.prefill_packed([prompts[i] for i in group], device, compiled=True)
         return sum(len(p) for p in prompts)
 
+    def decode_rows(self, samples: Iterable[int]) -> list[int]:
+        """The row counts this engine's decode step runs at in calls of these sample counts, largest first: each
+        call's rows (`plan_rows` before its memory cap: rounded up to the ladder where calls round) and, with live-row
+        buckets, the buckets below them. A call capped by the memory free at the time may still meet another count."""
+        rounds, counts = self._rounds_rows(), set()
+        for count in samples:
+            rows = _round_rows(count, self.max_batch_size) if rounds else min(self.max_batch_size, max(1, count))
+            counts.update(_row_buckets(rows) if self.row_buckets else (rows,))
+        return sorted(counts, reverse=True)
+
+    def warm_up_decode(self, prompt: Sequence[int], params: SamplingParams, rows: Sequence[int]) -> int:
+        """Compile the decode step at each row count of `rows` (from `decode_rows`) before work starts: one call of
+        that many copies of `prompt`, two new tokens each, sampled as `params` says (the step's graphs depend on how
+        it samples, not on the seed), so that no later call pays a compile (`opd.train.step.warm_up` runs it). Call it
+        under the autocast generation runs under. Returns the calls made: none where the step does not compile."""
+        if not self.compiles_decode():
+            return 0
+        for count in rows:
+            self.generate([list(prompt)] * count, replace(params, n=1, max_new_tokens=2))
+        return len(rows)
+
     def sync_weights(self) -> None:
         """Nothing to do: the step weights are rebuilt from the trainer's module at every call."""
 
@@ -757,6 +779,10 @@ class StaticGenerator(memory.ModuleMemory):
                     setattr(torch._dynamo.config, name, value)
             self._compiled = _COMPILED
         return self._compiled
+
+    def compiles_decode(self) -> bool:
+        """Whether the decode step runs compiled on this engine's device (`compile`; CUDA only)."""
+        return self._compiles(self.device.type == "cuda")
 
     def _compiles(self, on_cuda: bool) -> bool:
         """Whether the decode step runs compiled: on CUDA unless compile=False."""

@@ -51,7 +51,7 @@ from opd.train.distributed import SINGLE, DistInfo, all_reduce_sum, gathered, ma
 from opd.train.optim import clip_and_step
 from opd.train.overlap import AheadGenerator, AheadStream, PendingRollouts
 from opd.train.sampler import PromptSampler
-from opd.train.stream import GenerateFn, RolloutStream, StreamBatch, default_segment
+from opd.train.stream import GenerateFn, RolloutStream, StreamBatch, default_segment, in_flight_batches
 from opd.types import Prompt, Rollouts, TokenScores
 
 
@@ -559,9 +559,31 @@ def warm_up(tr: Trainer, device: torch.device) -> int:
         if isinstance(engine, StaticGenerator) and engine.compiled_prefill:  # its prefills run the compiled layers
             with gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
                 warm_up_prefills(engine, tr.prompt_ids[first_prompts[0]], cfg.rollout.max_new_tokens, tr.vocab_size)
+        if rows := decode_warm_up_rows(tr):
+            assert isinstance(engine, StaticGenerator)
+            params = _sampling_params(cfg, tr.step, tr.dist.rank)
+            with gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
+                engine.warm_up_decode(tr.prompt_ids[first_prompts[0]], params, rows)
+            engine.release()
     tr.student.zero_grad(set_to_none=True)
     tr.memory_trace = trace
     return compiled_graphs() - before
+
+
+def decode_warm_up_rows(tr: Trainer) -> list[int]:
+    """The row counts `warm_up` compiles the static engine's decode step at (`StaticGenerator.decode_rows`), largest
+    first: those of the run's calls, prompts_per_step × n samples (this rank's share), or with rollout.partial any
+    count up to the samples the stream keeps in flight (its calls continue what is unfinished). Empty where the step
+    does not compile (another engine, CPU, `compile=False`) and with rollout.overlap, whose calls run another engine
+    (a snapshot of the weights)."""
+    engine = tr.generator
+    if not isinstance(engine, StaticGenerator) or tr.ahead is not None or not engine.compiles_decode():
+        return []
+    cfg, dist = tr.config, tr.dist
+    if tr.stream is not None:
+        depth = in_flight_batches(cfg.rollout.max_staleness, 0) * cfg.prompts_per_step * cfg.rollout.n
+        return engine.decode_rows(range(1, depth + 1))
+    return engine.decode_rows([len(range(dist.rank, cfg.prompts_per_step, dist.world_size)) * cfg.rollout.n])
 
 
 def warm_up_prefills(engine: StaticGenerator, prompt: list[int], max_new_tokens: int, vocab_size: int) -> None:
@@ -578,6 +600,37 @@ def warm_up_prefills(engine: StaticGenerator, prompt: list[int], max_new_tokens:
 def compiled_graphs() -> int:
     """Graphs torch.compile has built in this process so far (`compile/graphs`: a step that adds some recompiled)."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+class CompileLog:
+    """What torch.compile built since the last `news()`: the graphs (`compiled_graphs`) and, per function dynamo
+    compiled again, the guard that turned its newest cached version down (dynamo records one failed guard per cached
+    version it tried, newest first, in `torch._dynamo.utils.guard_failures`). A run prints it after every step that
+    compiled, so that a recompile after the warm-up says where it came from."""
+
+    def __init__(self) -> None:
+        self.graphs, self.failures = compiled_graphs(), self._failure_counts()
+
+    @staticmethod
+    def _failure_counts() -> dict[Any, int]:
+        return {code: len(reasons) for code, reasons in torch._dynamo.utils.guard_failures.items()}
+
+    def news(self) -> str | None:
+        """None if nothing compiled since the last call; else "N graphs; recompiled: fn (file:line): guard; ...",
+        without the recompile part for graphs of functions compiled for the first time."""
+        graphs, counts = compiled_graphs(), self._failure_counts()
+        recompiled = []
+        for code, reasons in list(torch._dynamo.utils.guard_failures.items()):
+            new = reasons[self.failures.get(code, 0) :]
+            if new:
+                guard = " ".join(str(new[0]).splitlines()[0].split())[:200]
+                recompiled.append(f"{code.co_name} ({Path(code.co_filename).name}:{code.co_firstlineno}): {guard}")
+        added, self.graphs, self.failures = graphs - self.graphs, graphs, counts
+        if added <= 0 and not recompiled:
+            return None
+        return f"{added} graph{'s' if added != 1 else ''}" + (
+            f"; recompiled: {'; '.join(recompiled)}" if recompiled else ""
+        )
 
 
 def step_metrics(

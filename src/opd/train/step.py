@@ -573,16 +573,17 @@ def warm_up(tr: Trainer, device: torch.device) -> int:
 def decode_warm_up_rows(tr: Trainer) -> list[int]:
     """The row counts `warm_up` compiles the static engine's decode step at (`StaticGenerator.decode_rows`), largest
     first: those of the run's calls, prompts_per_step × n samples (this rank's share), or with rollout.partial any
-    count up to the samples the stream keeps in flight (its calls continue what is unfinished). Empty where the step
+    count up to the samples the stream keeps in flight (its calls continue what is unfinished; where calls keep their
+    exact sample counts, `round_rows=False`, only the largest: each count would be a compile). Empty where the step
     does not compile (another engine, CPU, `compile=False`) and with rollout.overlap, whose calls run another engine
     (a snapshot of the weights)."""
     engine = tr.generator
     if not isinstance(engine, StaticGenerator) or tr.ahead is not None or not engine.compiles_decode():
         return []
     cfg, dist = tr.config, tr.dist
-    if tr.stream is not None:
+    if tr.stream is not None:  # unless calls keep their exact sample counts (round_rows=False: too many to compile)
         depth = in_flight_batches(cfg.rollout.max_staleness, 0) * cfg.prompts_per_step * cfg.rollout.n
-        return engine.decode_rows(range(1, depth + 1))
+        return engine.decode_rows([depth] if engine.round_rows is False else range(1, depth + 1))
     return engine.decode_rows([len(range(dist.rank, cfg.prompts_per_step, dist.world_size)) * cfg.rollout.n])
 
 
@@ -613,14 +614,14 @@ class CompileLog:
 
     @staticmethod
     def _failure_counts() -> dict[Any, int]:
-        return {code: len(reasons) for code, reasons in torch._dynamo.utils.guard_failures.items()}
+        return {code: len(reasons) for code, reasons in _guard_failures().items()}
 
     def news(self) -> str | None:
         """None if nothing compiled since the last call; else "N graphs; recompiled: fn (file:line): guard; ...",
         without the recompile part for graphs of functions compiled for the first time."""
         graphs, counts = compiled_graphs(), self._failure_counts()
         recompiled = []
-        for code, reasons in list(torch._dynamo.utils.guard_failures.items()):
+        for code, reasons in list(_guard_failures().items()):
             new = reasons[self.failures.get(code, 0) :]
             if new:
                 guard = " ".join(str(new[0]).splitlines()[0].split())[:200]
@@ -631,6 +632,11 @@ class CompileLog:
         return f"{added} graph{'s' if added != 1 else ''}" + (
             f"; recompiled: {'; '.join(recompiled)}" if recompiled else ""
         )
+
+
+def _guard_failures() -> dict[Any, list]:
+    """dynamo's failed guards per function (code object), kept since the process started or dynamo was reset."""
+    return getattr(torch._dynamo.utils, "guard_failures", {})
 
 
 def step_metrics(

@@ -111,8 +111,10 @@ def test_a_compiled_run_compiles_only_in_its_warm_up(world, tmp_path):
     tr = _trainer(world, tmp_path)
     console = string_console()
     train(tr, console=console)
-    graphs = [row["compile/graphs"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    graphs = [row["compile/graphs"] for row in rows]
     assert len(graphs) == 4 and graphs[0] > 0 and graphs == [graphs[0]] * 4, graphs
+    assert [row["compile/step_graphs"] for row in rows] == [0] * 4
     assert "compiled" in console.file.getvalue()  # the warm-up's line
     assert " ".join(console.file.getvalue().split()).count("step 1 compiled") == 0
 
@@ -127,6 +129,8 @@ def test_a_step_that_compiles_says_what_and_why(world, tmp_path, monkeypatch):
     train(tr, console=console)
     text = " ".join(console.file.getvalue().split())  # rich wraps at the console's width
     assert "step 1 compiled " in text and "; recompiled: " in text and "(modeling_" in text, text[-3000:]
+    step_graphs = [row["compile/step_graphs"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert step_graphs[0] > 0 and f"step 1 compiled {step_graphs[0]} graph" in text, (step_graphs, text[-3000:])
 
 
 def test_the_compile_log_names_the_function_and_the_guard():

@@ -97,7 +97,7 @@ from opd.train.distributed import (
 from opd.train.optim import build_optimizer, build_scheduler
 from opd.train.overlap import overlap_generator
 from opd.train.sampler import PromptSampler
-from opd.train.step import CompileLog, Trainer, decode_warm_up_rows, opd_step, warm_up
+from opd.train.step import CompileLog, Trainer, decode_warm_up_rows, describe_compiles, opd_step, warm_up
 
 __all__ = ["DistillConfig", "Trainer", "distill", "run_eval", "save", "setup", "train"]
 
@@ -152,10 +152,13 @@ def train(tr: Trainer, *, console: Any) -> None:
             skipped_before = tr.skipped_steps
             metrics = opd_step(tr)  # already reduced over ranks
             tr.step += 1
+            graphs, recompiled = compiles.take()
+            if tr.compiled_layers:  # what this step compiled (rank 0's): after the warm-up, 0 is the target
+                metrics["compile/step_graphs"] = graphs
             if main:
                 assert tr.sink is not None  # setup opens rank 0's sink
                 tr.sink.log(tr.step, metrics)
-                if news := compiles.news():  # the warm-up left these out: what they were, for the next warm-up
+                if news := describe_compiles(graphs, recompiled):  # what the warm-up left out, for the next warm-up
                     console.print(f"step {tr.step} compiled {news}")
             consecutive_skips = consecutive_skips + 1 if tr.skipped_steps > skipped_before else 0
             check_skipped_steps(consecutive_skips, tr.step, cfg.optim)

@@ -616,9 +616,8 @@ class CompileLog:
     def _failure_counts() -> dict[Any, int]:
         return {code: len(reasons) for code, reasons in _guard_failures().items()}
 
-    def news(self) -> str | None:
-        """None if nothing compiled since the last call; else "N graphs; recompiled: fn (file:line): guard; ...",
-        without the recompile part for graphs of functions compiled for the first time."""
+    def take(self) -> tuple[int, list[str]]:
+        """(graphs compiled since the last call, one "fn (file:line): guard" per function compiled again)."""
         graphs, counts = compiled_graphs(), self._failure_counts()
         recompiled = []
         for code, reasons in list(_guard_failures().items()):
@@ -627,11 +626,21 @@ class CompileLog:
                 guard = " ".join(str(new[0]).splitlines()[0].split())[:200]
                 recompiled.append(f"{code.co_name} ({Path(code.co_filename).name}:{code.co_firstlineno}): {guard}")
         added, self.graphs, self.failures = graphs - self.graphs, graphs, counts
-        if added <= 0 and not recompiled:
-            return None
-        return f"{added} graph{'s' if added != 1 else ''}" + (
-            f"; recompiled: {'; '.join(recompiled)}" if recompiled else ""
-        )
+        return added, recompiled
+
+    def news(self) -> str | None:
+        """None if nothing compiled since the last call; else "N graphs; recompiled: fn (file:line): guard; ...",
+        without the recompile part for graphs of functions compiled for the first time."""
+        return describe_compiles(*self.take())
+
+
+def describe_compiles(graphs: int, recompiled: list[str]) -> str | None:
+    """`CompileLog.take`'s result in words; None when nothing compiled."""
+    if graphs <= 0 and not recompiled:
+        return None
+    return f"{graphs} graph{'s' if graphs != 1 else ''}" + (
+        f"; recompiled: {'; '.join(recompiled)}" if recompiled else ""
+    )
 
 
 def _guard_failures() -> dict[Any, list]:

@@ -576,7 +576,7 @@ def decode_warm_up_rows(tr: Trainer) -> list[int]:
     count up to the samples the stream keeps in flight (its calls continue what is unfinished; where calls keep their
     exact sample counts, `round_rows=False`, only the largest: each count would be a compile). Empty where the step
     does not compile (another engine, CPU, `compile=False`) and with rollout.overlap, whose calls run another engine
-    (a snapshot of the weights)."""
+    over a snapshot of the weights, uncompiled (`opd.train.overlap.overlap_generator`)."""
     engine = tr.generator
     if not isinstance(engine, StaticGenerator) or tr.ahead is not None or not engine.compiles_decode():
         return []

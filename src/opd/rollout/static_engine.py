@@ -1141,9 +1141,6 @@ class _Run:
 
     # ------------------------------------------------------------------ filling slots
 
-    def _prefill_autocast(self) -> contextlib.AbstractContextManager:
-        return _prefill_autocast(self.device, self.autocast, self.dtype)
-
     def _admit(self, free: list[int]) -> None:
         """Place pending samples into the free slots (ascending), prefill their prompts (once per prompt and
         refill), sample their first tokens; samples that end at once are harvested and their slots reused."""
@@ -1176,7 +1173,7 @@ class _Run:
         and sample its first token from the prefill logits."""
         device, engine, params = self.device, self.engine, self.params
         prompts = [self.prompts[p] for p in group]
-        with self._prefill_autocast():
+        with _prefill_autocast(self.device, self.autocast, self.dtype):
             if engine.packed_prefill:
                 cache, starts, logits_PV = engine.hf.prefill_packed(prompts, device, compiled=engine.compiled_prefill)
             else:

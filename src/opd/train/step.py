@@ -581,7 +581,7 @@ def decode_warm_up_rows(tr: Trainer) -> list[int]:
     if not isinstance(engine, StaticGenerator) or tr.ahead is not None or not engine.compiles_decode():
         return []
     cfg, dist = tr.config, tr.dist
-    if tr.stream is not None:  # unless calls keep their exact sample counts (round_rows=False: too many to compile)
+    if tr.stream is not None:
         depth = in_flight_batches(cfg.rollout.max_staleness, 0) * cfg.prompts_per_step * cfg.rollout.n
         return engine.decode_rows([depth] if engine.round_rows is False else range(1, depth + 1))
     return engine.decode_rows([len(range(dist.rank, cfg.prompts_per_step, dist.world_size)) * cfg.rollout.n])
@@ -604,28 +604,24 @@ def compiled_graphs() -> int:
 
 
 class CompileLog:
-    """What torch.compile built since the last `news()`: the graphs (`compiled_graphs`) and, per function dynamo
+    """What torch.compile built since the last `take()`: the graphs (`compiled_graphs`) and, per function dynamo
     compiled again, the guard that turned its newest cached version down (dynamo records one failed guard per cached
     version it tried, newest first, in `torch._dynamo.utils.guard_failures`). A run prints it after every step that
     compiled, so that a recompile after the warm-up says where it came from."""
 
     def __init__(self) -> None:
-        self.graphs, self.failures = compiled_graphs(), self._failure_counts()
-
-    @staticmethod
-    def _failure_counts() -> dict[Any, int]:
-        return {code: len(reasons) for code, reasons in _guard_failures().items()}
+        self.graphs = compiled_graphs()
+        self.failures = {code: len(reasons) for code, reasons in _guard_failures().items()}
 
     def take(self) -> tuple[int, list[str]]:
         """(graphs compiled since the last call, one "fn (file:line): guard" per function compiled again)."""
-        graphs, counts = compiled_graphs(), self._failure_counts()
-        recompiled = []
+        graphs, recompiled = compiled_graphs(), []
         for code, reasons in list(_guard_failures().items()):
-            new = reasons[self.failures.get(code, 0) :]
-            if new:
+            if new := reasons[self.failures.get(code, 0) :]:
                 guard = " ".join(str(new[0]).splitlines()[0].split())[:200]
                 recompiled.append(f"{code.co_name} ({Path(code.co_filename).name}:{code.co_firstlineno}): {guard}")
-        added, self.graphs, self.failures = graphs - self.graphs, graphs, counts
+            self.failures[code] = len(reasons)
+        added, self.graphs = graphs - self.graphs, graphs
         return added, recompiled
 
     def news(self) -> str | None:

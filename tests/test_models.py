@@ -190,6 +190,22 @@ def test_compile_layers_is_cuda_only_by_default_and_keeps_results():
     assert outputs[0].response_ids == outputs[1].response_ids
 
 
+def test_the_compiled_layers_option_against_size_guards_is_one_inductor_knows():
+    """`compile_layers` compiles with inductor's mix-order reductions in non-strict mode: in strict mode each size
+    test of that fusion became a guard on the packed token count, and the real pair's update compiled its graph again
+    for a smaller micro-batch (docs/performance.md; `benchmarks/recompiles.py` shows it on a GPU). The option must
+    be one this torch's inductor knows (an unknown key fails the compile), and it must reach the config."""
+    import torch._inductor.config as inductor_config
+
+    from opd.models import no_size_guards
+
+    options = no_size_guards()
+    assert options == {"triton.mix_order_reduction_non_strict_mode": True}
+    assert inductor_config.triton.mix_order_reduction_non_strict_mode is False  # inductor's default: strict
+    with inductor_config.patch(options):
+        assert inductor_config.triton.mix_order_reduction_non_strict_mode is True
+
+
 def test_activation_budget_patches_the_partitioner_only_inside():
     """Selective checkpointing (`gradient_checkpointing: None` with compiled layers on a GPU) acts through torch's
     activation memory budget while a training forward compiles; outside the context the global setting is untouched."""

@@ -350,7 +350,8 @@ def compile_layers(model: torch.nn.Module, enabled: bool | None = None, *, backe
 
     enabled: True / False, or None = only when the model is on CUDA (CPU compilation is slow to build and gains
     little). All layers share one compiled graph (same code, parameters are inputs), compiled with dynamic sizes
-    from the first call (`dynamic=True`): a new batch or sequence size reuses it. What still makes a graph of its
+    from the first call (`dynamic=True`) and without inductor's size tests that would guard on them
+    (`no_size_guards`): a new batch or sequence size reuses it. What still makes a graph of its
     own is a layout, not a size: a batch of one row (dynamo specializes size 1), an attention mask present or
     absent (transformers passes none for rows of equal length), grad mode and train/eval; `opd.train.step.warm_up`
     compiles those before the first step, so that no step recompiles. Why compile: the
@@ -375,9 +376,24 @@ def compile_layers(model: torch.nn.Module, enabled: bool | None = None, *, backe
     # versions per function can be reached, after which the layers would silently run eagerly.
     for name, value in recompile_limit_at_least(64).items():
         setattr(torch._dynamo.config, name, value)
+    options = no_size_guards() if backend == "inductor" else None
     for layer in layers:
-        layer.compile(backend=backend, dynamic=True)
+        layer.compile(backend=backend, dynamic=True, options=options)
     return True
+
+
+def no_size_guards() -> dict[str, Any] | None:
+    """Inductor options for `compile_layers` that keep its fusion choices from guarding on a dynamic size: its
+    mix-order reduction (the backward of a norm: one reduction along rows, one along columns, fused) is taken only
+    above a size (rows × columns ≥ 5 Mi, rows ≥ 4,096, rows ≥ 2 × columns) and, the row count being symbolic, each
+    test became a guard: the real pair's update compiled its packed micro-batches again when one fell below 5,852
+    tokens (896 × 5,852 ≥ 5 Mi; docs/performance.md). Non-strict mode skips these tests: the fusion is taken at every
+    size, a guard-free graph. None where this torch has no such option."""
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(getattr(inductor_config, "triton", None), "mix_order_reduction_non_strict_mode"):
+        return None
+    return {"triton.mix_order_reduction_non_strict_mode": True}
 
 
 def warm_up_layouts(max_response: int, packed_tokens: int | None = None) -> list[tuple[int, ...]]:

@@ -9,9 +9,13 @@
 #   bash benchmarks/real_pair_gpu.sh eval | A | B   start the baseline MATH-500 eval (greedy, 4,096) / run A / run B
 #                                                   (A and B pass further KEY=VALUE overrides on, e.g. run.steps=20)
 #   bash benchmarks/real_pair_gpu.sh AB SECONDS     in the background: once both models are converted, A then B in the
-#                                                   foreground of one job, each given half of the SECONDS left then and
-#                                                   stopped (SIGTERM) at its share; further KEY=VALUE overrides go to both
+#                                                   foreground of one job, A given A_SHARE percent (default 50) of the
+#                                                   SECONDS left then, B the rest, each stopped (SIGTERM) at its share;
+#                                                   further KEY=VALUE overrides go to both
 #   bash benchmarks/real_pair_gpu.sh status         the logs' tails and the GPU's use
+#   bash benchmarks/real_pair_gpu.sh hold SECONDS   sleep, then status, and copy the logs and each run's metrics,
+#                                                   config and evaluations into $OUT: send the next hold at once (the
+#                                                   machine goes back after 30 s without a call, with everything here)
 # NAME is student or teacher (the sha256 values are in ../shared/tools/real_pair.sh); DAPO-Math-17k is read from
 # $DATA (default $PARTS/dapo-math-17k.parquet, copied into $RP on the first call that carries it).
 set -uo pipefail
@@ -71,9 +75,9 @@ PY
         end=$(($(date +%s) + $2))
         until [ -d "$RP/student-hf" ] && [ -d "$RP/teacher-hf" ]; do sleep 2; done
         for r in A B; do
-            parts=2 partial=false
-            [ $r = B ] && parts=1 partial=true
-            share=$(((end - $(date +%s)) / parts))
+            percent=${A_SHARE:-50} partial=false
+            [ $r = B ] && percent=100 partial=true
+            share=$(((end - $(date +%s)) * percent / 100))
             echo "run $r from $(date +%s) for $share s"
             timeout -s TERM "$share" "${opd[@]}" distill "${run[@]}" rollout.partial=$partial \
                 run.name="opd-real-pair-4k-$r" run.save_every=100 run.eval_every=100 "${@:3}" >"$RP/run-$r.log" 2>&1
@@ -83,5 +87,16 @@ PY
     status)
         for f in "$RP"/*.log; do [ -e "$f" ] && { echo "== $f"; tail -c 1200 "$f"; echo; }; done
         nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv 2>/dev/null || true ;;
-    *) echo "unknown verb $1 (receive, join, eval, A, B, AB, status)"; exit 2 ;;
+    hold)
+        sleep "$2"
+        bash "$0" status | grep -v '\[__recompiles\]' | tail -c 2500
+        mkdir -p "$OUT" && cp "$RP"/*.log "$OUT"/ 2>/dev/null
+        for run in "$RP"/runs/*/; do
+            [ -d "$run" ] || continue
+            mkdir -p "$OUT/$(basename "$run")"
+            cp -r "$run"/metrics.jsonl "$run"/config.yaml "$run"/eval "$OUT/$(basename "$run")"/ 2>/dev/null
+        done
+        [ -d "$RP/eval0" ] && cp -r "$RP/eval0" "$OUT"/
+        true ;;
+    *) echo "unknown verb $1 (receive, join, eval, A, B, AB, status, hold)"; exit 2 ;;
 esac

@@ -657,6 +657,41 @@ def test_bad_input(case: Case, env_world, monkeypatch, capfd, tmp_path):
     assert outcome == "clear", f"{outcome} (exit {code}), wanted one line naming {culprits}:\n{escaped or ''}{stderr}"
 
 
+PIPELINE_DETERMINISTIC = "pipeline run {pipeline} stages=[rollout,distill] distill.run.deterministic=true"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [DISTILL + " run.deterministic=true", SFT + " run.deterministic=true", PIPELINE_DETERMINISTIC],
+    ids=["distill", "sft", "pipeline"],
+)
+def test_deterministic_refuses_a_cublas_setting_torch_does_not_accept(command, env_world, monkeypatch, capfd, tmp_path):
+    """run.deterministic with CUBLAS_WORKSPACE_CONFIG set to a non-deterministic workspace: one line naming both,
+    before the run directory exists (torch would raise at the first cuBLAS call, mid-run, on a GPU); a pipeline
+    whose distill stage asks for it, before its rollout stage runs."""
+    monkeypatch.delenv("OPD_DEBUG", raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2")
+    monkeypatch.chdir(tmp_path)
+    world = {**env_world, "out": str(tmp_path / "out")}
+    case = Case("deterministic", command, ("CUBLAS_WORKSPACE_CONFIG", ":4096:2"))
+    code, stderr, escaped = run_in_process(case.command(world), monkeypatch, capfd)
+    assert classify(code, stderr, case.culprits(world), 2, escaped) == "clear", (escaped or "") + stderr
+    assert "run.deterministic" in stderr
+    assert not (tmp_path / "out").exists() and not (Path(world["root"]) / "out" / "pipeline" / "rollout").exists()
+
+
+@pytest.mark.parametrize("engine", ["rollout.engine=vllm", "teacher.engine=vllm"])
+def test_deterministic_refuses_vllm_engines(engine, env_world, monkeypatch, capfd, tmp_path):
+    monkeypatch.delenv("OPD_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    world = {**env_world, "out": str(tmp_path / "out")}
+    culprit = "rollout.engine" if engine.startswith("rollout") else "teacher teacher has engine=vllm"
+    case = Case("deterministic vllm", f"{DISTILL} run.deterministic=true {engine}", (culprit,))
+    code, stderr, escaped = run_in_process(case.command(world), monkeypatch, capfd)
+    assert classify(code, stderr, case.culprits(world), 2, escaped) == "clear", (escaped or "") + stderr
+    assert "run.deterministic" in stderr and not (tmp_path / "out").exists()
+
+
 def test_unwritable_directory(env_world, monkeypatch, capfd, tmp_path):
     """A read-only output directory (only where chmod stops this process from writing: not as root)."""
     locked = tmp_path / "locked"

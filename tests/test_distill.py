@@ -14,6 +14,7 @@ from helpers import (
     latest_weights,
     make_tiny_model,
     make_tiny_tokenizer,
+    without_timing,
 )
 from opd.io import read_jsonl
 from opd.recipes.distill import distill
@@ -148,6 +149,33 @@ def test_resume_is_bit_identical(world, tmp_path):
     metrics = read_jsonl(resumed / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert metrics[-1]["reward_mean"] == read_jsonl(straight / "metrics.jsonl")[-1]["reward_mean"]
+
+
+def test_deterministic_kernels_run_resume_and_leave_the_process_as_it_was(world, tmp_path, monkeypatch):
+    """`run.deterministic`: the run's work (setup included: models load under it) sees torch's deterministic
+    algorithms and cuBLAS's fixed workspace; a resume equals the uninterrupted run; afterwards the process is as
+    before (a Python API caller's own code is not left in deterministic mode). With nucleus sampling and token GRPO
+    (their cumsums; the exact nucleus form serves CUDA only), and empty tensors NaN-filled, as the mode does."""
+    import opd.recipes.distill as recipe
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    seen, real_setup = [], recipe.setup
+
+    def setup(*args, **kwargs):
+        seen.append((torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+        return real_setup(*args, **kwargs)
+
+    monkeypatch.setattr(recipe, "setup", setup)
+    options = ("run.deterministic=true", "run.save_every=2", "rollout.top_p=0.9", "objective.advantage=token_grpo")
+    straight = distill(distill_config(world, tmp_path / "a", *options, "objective.top_k=0", steps=4))
+    distill(distill_config(world, tmp_path / "b", *options, "objective.top_k=0", steps=2))
+    resumed = distill(distill_config(world, tmp_path / "b", *options, "objective.top_k=0", "run.resume=true", steps=4))
+    assert seen == [(True, ":4096:8")] * 3
+    assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    a, b = latest_weights(straight), latest_weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    last = [without_timing(read_jsonl(run / "metrics.jsonl")[-1]) for run in (straight, resumed)]
+    assert last[0] == last[1]
 
 
 def test_kill_during_checkpoint_keeps_previous_loadable(world, tmp_path, monkeypatch):

@@ -665,6 +665,15 @@ class RunSpec(Section):
     out_dir: str = Field("runs", description="Parent directory of run directories.")
     name: str | None = Field(None, description="Run directory name; None: <command>-<time>.")
     seed: int = Field(0, description="Seed of data order, sampling and initialisation.")
+    deterministic: bool = Field(
+        False,
+        description="Deterministic GPU kernels (torch.use_deterministic_algorithms, cuBLAS workspace "
+        ":4096:8; opd.train.common.deterministic_kernels), so that a run and its resume, or two runs of one "
+        "config, can agree bit for bit on a GPU (same hardware and software) as they do on a CPU without it; "
+        "this process's kernels only (not a served teacher's; vLLM engines are refused); slower. Not yet "
+        "verified on a GPU (benchmarks/check_cuda.py --only deterministic). Off: a GPU backward (e.g. attention's "
+        "atomic adds) varies in its last bits, and two runs part from the first update on.",
+    )
     steps: int = Field(100, ge=1, description="Optimizer steps (one per rollout batch).")
     save_every: int = Field(50, ge=0, description="Checkpoint every N steps (and at the end); 0 = only at the end.")
     keep_last: int | None = Field(2, ge=1, description="Keep the newest N checkpoints; None: keep all.")
@@ -865,5 +874,16 @@ class DistillConfig(Section):
                 f"rollout.partial=true with rollout.max_staleness={self.rollout.max_staleness} trains on tokens "
                 "sampled by earlier weights: it needs objective.tis_cap (e.g. 2.0) to correct them, or "
                 "rollout.max_staleness=0"
+            )
+        if self.run.deterministic and self.rollout.engine == "vllm":
+            raise ValueError(
+                "run.deterministic=true covers torch's kernels, not vLLM's (its batches, and so its samples, vary "
+                "from run to run): set rollout.engine=auto (or torch/static), or run.deterministic=false"
+            )
+        vllm_teachers = [entry.name for entry in self.teacher_entries() if entry.engine == "vllm"]
+        if self.run.deterministic and vllm_teachers:
+            raise ValueError(
+                f"run.deterministic=true covers torch's kernels, not vLLM's: teacher {vllm_teachers[0]} has "
+                f"engine=vllm; set its engine=local, or run.deterministic=false"
             )
         return self

@@ -65,6 +65,7 @@ _TRAINING = (
     "gradient_checkpointing",
     "activation_budget",
     "compile",
+    "run.deterministic",  # which kernels, not which math: like compile, bit-identical needs it unchanged
     "teacher_offload",
     # neither changes the math: which startup checks may fail, how long a served teacher is waited for
     "skip_checks",

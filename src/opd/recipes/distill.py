@@ -69,6 +69,7 @@ from opd.train.common import (
     cached_fingerprint,
     check_data_fingerprint,
     check_skipped_steps,
+    deterministic_kernels,
     eval_at_start,
     eval_pending,
     evaluate_in_training,
@@ -106,21 +107,22 @@ VLLM_TIS_CAP = 2.0  # the cap recommended at start-up (verl's truncated importan
 
 def distill(config: DistillConfig, *, console: Any = None) -> Path:
     """Run `opd distill` and return the run directory."""
-    info = init_distributed()  # SINGLE without torchrun
-    console = (console or Console()) if info.is_main else Console(quiet=True)  # rank 0 speaks for all
-    run_dir = broadcast_object(run_directory(config.run, "distill"), info)  # its default name has a timestamp
-    # rank 0 owns the run directory: locked, never shared with another run (common.claimed_run_dir)
-    with claimed_run_dir(run_dir, config.run, "distill", console=console) if info.is_main else nullcontext(run_dir):
-        tr = setup(
-            config,
-            run_dir,
-            checkpoint=resume_checkpoint(run_dir, config.run, console, config),
-            console=console,
-            dist=info,
-        )
-        train(tr, console=console)
-        tr.generator.close()  # vLLM: its groups go before the process group they live in
-    destroy_distributed(info)
+    with deterministic_kernels(config.run.deterministic):  # before any CUDA work: cuBLAS reads its setting once
+        info = init_distributed()  # SINGLE without torchrun
+        console = (console or Console()) if info.is_main else Console(quiet=True)  # rank 0 speaks for all
+        run_dir = broadcast_object(run_directory(config.run, "distill"), info)  # its default name has a timestamp
+        # rank 0 owns the run directory: locked, never shared with another run (common.claimed_run_dir)
+        with claimed_run_dir(run_dir, config.run, "distill", console=console) if info.is_main else nullcontext(run_dir):
+            tr = setup(
+                config,
+                run_dir,
+                checkpoint=resume_checkpoint(run_dir, config.run, console, config),
+                console=console,
+                dist=info,
+            )
+            train(tr, console=console)
+            tr.generator.close()  # vLLM: its groups go before the process group they live in
+        destroy_distributed(info)
     return run_dir
 
 

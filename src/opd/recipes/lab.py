@@ -67,7 +67,7 @@ from opd.report import write_report
 from opd.rollout import make_generator
 from opd.rundir import run_directory
 from opd.train.checkpoint import latest_checkpoint
-from opd.train.common import finish_run
+from opd.train.common import deterministic_workspace, finish_run
 from opd.train.optim import build_scheduler
 
 # ---------------------------------------------------------------------------------------------------- opd lab build
@@ -740,6 +740,8 @@ def run_experiment(
     ]
     limit = demo_config(base).eval.limit
     tokens = demo_config(base).eval.max_new_tokens
+    if demo_config(base).run.deterministic:
+        deterministic_workspace()  # before the teachers' and students' CUDA work: torch reads it once per process
     paths: dict[str, str] = {"student": str(student_path())}
     summary_path = out_dir / "summary.json"
     previous = json.loads(summary_path.read_text()) if summary_path.is_file() else {}

@@ -45,6 +45,7 @@ from opd.recipes.sft import SFTConfig, sft
 from opd.recipes.sft import check_config as check_sft_config
 from opd.rundir import config_changes, locked
 from opd.train.checkpoint import latest_checkpoint
+from opd.train.common import deterministic_workspace
 from opd.train.distributed import SINGLE
 
 MARKER = "STAGE_COMPLETE"
@@ -114,6 +115,8 @@ def run_pipeline(config: PipelineConfig, *, console: Any = None) -> dict:
     root = Path(config.out_dir)
     stages = config.stage_configs()
     check_stages(config, stages)  # every stage's own startup checks that need only its config: before any compute
+    if any(getattr(getattr(stages.get(name), "run", None), "deterministic", False) for name in config.stages):
+        deterministic_workspace()  # before the first stage's CUDA work: torch reads it once per process
     with locked(root, "pipeline", console=console):
         return _run_locked(config, root, stages, console)
 

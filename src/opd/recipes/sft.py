@@ -48,6 +48,7 @@ from opd.train.common import (
     cached_fingerprint,
     check_data_fingerprint,
     check_skipped_steps,
+    deterministic_kernels,
     eval_at_start,
     eval_pending,
     evaluate_in_training,
@@ -274,7 +275,10 @@ def sft(config: SFTConfig, *, console: Any = None) -> Path:
     """Run `opd sft` and return the run directory."""
     console = console or Console()
     check_config(config)
-    with claimed_run_dir(run_directory(config.run, "sft"), config.run, "sft", console=console) as run_dir:
+    with (
+        deterministic_kernels(config.run.deterministic),
+        claimed_run_dir(run_directory(config.run, "sft"), config.run, "sft", console=console) as run_dir,
+    ):
         tr = setup(config, run_dir, checkpoint=resume_checkpoint(run_dir, config.run, console, config), console=console)
         train(tr, console=console)
     return run_dir

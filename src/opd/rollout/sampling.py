@@ -24,12 +24,33 @@ def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -
     if top_p < 1.0:
         sorted_BV, order_BV = torch.sort(logits_BV, dim=-1, descending=True)
         probs_BV = sorted_BV.softmax(dim=-1)
-        mass_before_BV = probs_BV.cumsum(dim=-1) - probs_BV  # mass of the strictly more likely tokens
+        mass_before_BV = nucleus_mass_before(probs_BV)  # mass of the strictly more likely tokens
         drop_BV = mass_before_BV >= top_p
         drop_BV[:, 0] = False
         drop_unsorted_BV = torch.empty_like(drop_BV).scatter_(-1, order_BV, drop_BV)  # back to vocabulary order
         logits_BV = logits_BV.masked_fill(drop_unsorted_BV, float("-inf"))
     return logits_BV
+
+
+FIXED_POINT = 2.0**52  # units per unit of probability of `nucleus_mass_before`'s integer sums
+
+
+def nucleus_mass_before(probs_BV: torch.Tensor, exact: bool | None = None) -> torch.Tensor:
+    """Per entry, the summed probability of the entries before it along the last dimension (an exclusive cumulative
+    sum: top-p's mass of the more likely tokens, `probs_BV` sorted descending). [B, V] float → [B, V] of its dtype.
+
+    exact: True = sum in integers, each probability rounded to a multiple of 2^-52 (`FIXED_POINT`): the same result
+    whatever order a kernel adds in, within V × 2^-53 of the exact sums before the cast back to the input's dtype
+    (2e-11 at 151,936 entries; a float32 input then rounds to its own 6e-8). Needed where the static engine's
+    sampling step is compiled under `run.deterministic`: inductor's float scan ignores deterministic mode (torch's
+    eager CUDA cumsum honours it). False = the float cumsum; None = exact for a CUDA tensor with deterministic
+    algorithms on, so the default path is the float one."""
+    if exact is None:
+        exact = probs_BV.is_cuda and torch.are_deterministic_algorithms_enabled()
+    if not exact:
+        return probs_BV.cumsum(dim=-1) - probs_BV
+    units_BV = torch.round(probs_BV.double() * FIXED_POINT).long()
+    return ((units_BV.cumsum(dim=-1) - units_BV).double() / FIXED_POINT).to(probs_BV.dtype)
 
 
 def sample_next(

@@ -1,13 +1,15 @@
 """What every trainer (`opd distill`, `opd sft`) does the same way around its step: the run directory (claimed, locked,
 never mixed with another run), resume from the newest verified checkpoint with the saved config compared, the trainer
-state a checkpoint carries, evaluation through `opd eval` on a cadence, the report at the end, and phase timing.
+state a checkpoint carries, evaluation through `opd eval` on a cadence, the report at the end, phase timing, and
+deterministic kernels on request.
 Plain functions over plain arguments: there is no base Trainer (STYLE 12).
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -264,3 +266,61 @@ def training_precision(spec: ModelSpec, device: torch.device) -> tuple[torch.dty
 def autocast(device: torch.device, dtype: torch.dtype | None):
     """`torch.autocast` for `dtype`, or a no-op context when it is None."""
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
+
+
+CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")  # the cuBLAS workspace settings torch accepts as deterministic
+
+
+def deterministic_workspace() -> bool:
+    """Make sure CUBLAS_WORKSPACE_CONFIG holds a setting torch accepts as deterministic, setting :4096:8 where it is
+    unset; returns whether it set it. Torch reads the variable once, at the process's first cuBLAS call: a program
+    that runs several stages in one process (`opd pipeline`, `opd lab run`) calls this before its first stage when
+    a later one has run.deterministic, and leaves it set. Raises ValueError (one line) for any other setting."""
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if workspace is None:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]
+        return True
+    if workspace not in CUBLAS_DETERMINISTIC:
+        raise ValueError(
+            f"run.deterministic=true needs the environment's CUBLAS_WORKSPACE_CONFIG to be "
+            f"{' or '.join(CUBLAS_DETERMINISTIC)} (torch's deterministic cuBLAS), got {workspace!r}; unset it "
+            f"(opd sets :4096:8) or set run.deterministic=false"
+        )
+    return False
+
+
+@contextmanager
+def deterministic_kernels(enabled: bool) -> Iterator[None]:
+    """`run.deterministic`: inside, torch uses deterministic kernels only (`torch.use_deterministic_algorithms`:
+    attention backward without atomic adds, scatters and index_put sorted, inductor without atomics or on-device
+    tuning, empty tensors filled with NaN so that a read of one shows) and cuBLAS a fixed workspace
+    (`deterministic_workspace`). A run on a GPU can then replay bit for bit (resume, reruns) on the same hardware and
+    software, as one on a CPU does without it; it covers this process's torch kernels, not a served teacher's. An op
+    with no deterministic kernel raises; the one opd meets, inductor's float scan in the compiled sampling step
+    (top-p), has an exact form (`opd.rollout.sampling.nucleus_mass_before`). Everything is as before after the block
+    (the variable is unset again where this set it). Raises ValueError, before any work, for a
+    CUBLAS_WORKSPACE_CONFIG torch does not accept, or when this process ran a CUDA matmul before the variable was
+    set (the trainers enter this before any CUDA work)."""
+    if not enabled:
+        yield
+        return
+    set_here = deterministic_workspace()
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        if torch.cuda.is_initialized():  # torch read the variable at the process's first cuBLAS call: probe it
+            try:
+                torch.ones(2, 2, device="cuda") @ torch.ones(2, 2, device="cuda")
+            except RuntimeError as error:
+                if "CUBLAS_WORKSPACE_CONFIG" not in str(error):
+                    raise
+                raise ValueError(
+                    "run.deterministic=true: this process ran CUDA matmuls before CUBLAS_WORKSPACE_CONFIG was set, "
+                    "and torch reads it once; set CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment before "
+                    "starting Python, or set run.deterministic=false"
+                ) from None
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        if set_here:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)

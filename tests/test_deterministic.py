@@ -1,0 +1,76 @@
+"""`run.deterministic` (`opd.train.common.deterministic_kernels`): what it switches on, and that it leaves the process
+as it found it. The runs themselves: test_distill (a resume under it) and test_bad_inputs (a refused cuBLAS setting);
+on a GPU, benchmarks/check_cuda.py's `deterministic` check."""
+
+import os
+
+import pytest
+import torch
+
+from opd.train.common import deterministic_kernels
+
+
+def test_inside_deterministic_outside_as_before(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    torch.use_deterministic_algorithms(True, warn_only=True)  # a caller's own setting, restored whole
+    try:
+        with deterministic_kernels(True):
+            assert torch.are_deterministic_algorithms_enabled()
+            assert not torch.is_deterministic_algorithms_warn_only_enabled()  # errors, never silent variation
+            assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    finally:
+        torch.use_deterministic_algorithms(False)
+    with pytest.raises(KeyboardInterrupt), deterministic_kernels(True):
+        raise KeyboardInterrupt
+    assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    with deterministic_kernels(False):
+        assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+
+
+@pytest.mark.parametrize("workspace", [":16:8", ":4096:8"])
+def test_a_deterministic_cublas_setting_of_the_caller_is_kept(workspace, monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", workspace)
+    with deterministic_kernels(True):
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == workspace
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == workspace
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_another_cublas_setting_is_refused_before_anything_changes(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2")
+    with pytest.raises(ValueError, match=r"CUBLAS_WORKSPACE_CONFIG .*:4096:8 or :16:8.*':4096:2'"):
+        with deterministic_kernels(True):
+            pass
+    assert not torch.are_deterministic_algorithms_enabled()
+    with deterministic_kernels(False):  # off: not its business
+        pass
+
+
+def test_the_workspace_setting_is_made_once_and_kept(monkeypatch):
+    """`deterministic_workspace` (what `opd pipeline` / `opd lab run` call before their first stage when a later one
+    is deterministic): sets :4096:8 where unset and says so, keeps an accepted setting, refuses any other."""
+    from opd.train.common import deterministic_workspace
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert deterministic_workspace() is True and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert deterministic_workspace() is False and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    with deterministic_kernels(True):  # set before: the block leaves it set
+        pass
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    with pytest.raises(ValueError, match="CUBLAS_WORKSPACE_CONFIG"):
+        deterministic_workspace()
+
+
+def test_the_exact_nucleus_mass_compiles_to_the_eager_result():
+    """The static engine compiles its sampling step (inductor) on a GPU, where inductor's own float scan ignores
+    deterministic mode: there `nucleus_mass_before` sums integers, exact in any order. Compiled (inductor, here on
+    the CPU) it equals the eager integer sums bit for bit."""
+    from opd.rollout.sampling import nucleus_mass_before
+
+    probs_BV = torch.randn(4, 3000, generator=torch.Generator().manual_seed(0)).mul(3).softmax(-1)
+    probs_BV = probs_BV.sort(-1, descending=True).values
+    compiled = torch.compile(lambda p: nucleus_mass_before(p, exact=True), dynamic=False)
+    assert torch.equal(compiled(probs_BV), nucleus_mass_before(probs_BV, exact=True))

@@ -49,6 +49,9 @@ Checks (float32 with TF32 off unless the row says bf16; tolerances in the table)
                       defaults except compile=false unless --compile-layers (then its warm-up compiles per family):
                       both steps logged, loss and gradient norm finite (its startup lines name the attention and
                       rollout engine chosen)
+- deterministic:      opt-in (`--only deterministic`): `run.deterministic` through the CLI, a run against 2 steps +
+                      its resume, bit for bit (learning metrics of every step, final weights); the same run without
+                      it beside; eager cumsum and the compiled top-p filter repeated in deterministic mode
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -775,6 +779,82 @@ def families_distill():
         check(f"families_distill[{name}] steps with a non-finite loss or gradient", float(not finite), 0)
 
 
+@guarded
+def deterministic():
+    """Opt-in (`--only deterministic`, ~3 min): `run.deterministic` on CUDA, through the CLI in fresh processes (torch
+    reads CUBLAS_WORKSPACE_CONFIG once per process): a 4-step run with compiled layers and nucleus sampling, against
+    2 steps + `--resume` to 4 of the same config: the learning metrics of every step and the final weights equal bit
+    for bit. The same run without it is reported beside (how many of those values differ; not a pass/fail). Then, in
+    deterministic mode, torch's eager float cumsum and the compiled top-p filter (integer sums) repeated: equal."""
+    import subprocess
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from helpers import make_tiny_model, make_tiny_tokenizer
+    from opd.train.checkpoint import latest_checkpoint
+
+    root = Path(tempfile.mkdtemp(prefix="opd-deterministic-"))
+    tokenizer = make_tiny_tokenizer()
+    for name, seed in (("student", 0), ("teacher", 1)):
+        make_tiny_model("qwen3", seed=seed).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    rows = [{"prompt": "x" * (3 + 7 * i) + f" {i}+{i}=", "answer": str(2 * i)} for i in range(16)]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def run(name: str, *overrides: str) -> Path:
+        argv = [sys.executable, "-m", "opd.cli", "distill", "--student", str(root / "student"), "--teacher"]
+        argv += [str(root / "teacher"), "--prompts", str(root / "prompts.jsonl"), "--out-dir", str(root / "runs")]
+        argv += ["--name", name, "data.answer_key=answer", "prompts_per_step=4", "rollout.n=4"]
+        argv += ["rollout.max_new_tokens=48", "rollout.top_p=0.95", "run.save_every=2", "run.report=false"]
+        env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}  # opd sets it
+        subprocess.run(argv + list(overrides), check=True, env=env)
+        return root / "runs" / name
+
+    keys = ("reward_mean", "pg_loss", "grad_norm", "entropy_student", "overlap_ratio", "response_length")
+
+    def learning(run_dir: Path) -> list[list[float]]:
+        steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [[s.get(k) for k in keys] for s in steps if "pg_loss" in s]
+
+    def weights(run_dir: Path) -> dict:
+        return load_file(str(latest_checkpoint(run_dir) / "model.safetensors"))
+
+    straight = run("straight", "--steps", "4", "run.deterministic=true")
+    run("resumed", "--steps", "2", "run.deterministic=true")
+    resumed = run("resumed", "--steps", "4", "run.deterministic=true", "run.resume=true")
+    other = run("other", "--steps", "4", "run.deterministic=false")
+    a, b, c = learning(straight), learning(resumed), learning(other)
+    check("deterministic resume: steps missing of 4", 4 - min(len(a), len(b)), 0)
+    check("deterministic resume: learning values differing", sum(x != y for p, q in zip(a, b) for x, y in zip(p, q)), 0)
+    wa, wb = weights(straight), weights(resumed)
+    check("deterministic resume: weight tensors differing", sum(not torch.equal(wa[k], wb[k]) for k in wa), 0)
+    differing = sum(x != y for p, q in zip(a, c) for x, y in zip(p, q))
+    check("without run.deterministic: learning values differing", differing, float("inf"), "(informational)")
+
+    from opd.rollout.sampling import filter_logits
+
+    # torch's eager CUDA cumsum honours deterministic mode (a fixed-order scan; its docstring still lists it as
+    # raising); inductor's float scan does not, which is why the compiled sampling step sums integers under the flag
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 151_936, generator=generator).mul(3).cuda()
+    filtered = torch.compile(lambda x: filter_logits(x, top_p=0.9), dynamic=False)
+    torch.use_deterministic_algorithms(True)  # neither uses cuBLAS: no CUBLAS_WORKSPACE_CONFIG needed here
+    try:
+        sums = [logits.softmax(-1).cumsum(-1) for _ in range(5)]
+        kept = {rows: [torch.isfinite(filtered(logits[:rows])) for _ in range(5)] for rows in (1, 2, 4)}
+        eager = torch.isfinite(filter_logits(logits, top_p=0.9))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    check("deterministic eager float cumsum: repeats differing", sum(not torch.equal(x, sums[0]) for x in sums), 0)
+    differing = sum(not torch.equal(k, runs[0]) for runs in kept.values() for k in runs)
+    check("deterministic compiled top-p (1, 2, 4 rows): repeats differing", differing, 0)
+    check("deterministic compiled top-p vs eager: entries kept differently", float((kept[4][0] != eager).sum()), 0)
+
+
+OPT_IN = (deterministic,)  # run only when named in --only
+
 CHECKS = (
     static_greedy,
     static_packed,
@@ -810,8 +890,8 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     only = None if args.only is None else set(args.only.split(","))
-    for fn in CHECKS:
-        if only is None or fn.__name__ in only:
+    for fn in CHECKS + OPT_IN:
+        if (only is None and fn not in OPT_IN) or (only is not None and fn.__name__ in only):
             fn()
     failed = [r for r in ROWS if not r["ok"]]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -67,7 +67,8 @@ def test_the_workspace_setting_is_made_once_and_kept(monkeypatch):
 def test_the_exact_nucleus_mass_compiles_to_the_eager_result():
     """The static engine compiles its sampling step (inductor) on a GPU, where inductor's own float scan ignores
     deterministic mode: there `nucleus_mass_before` sums integers, exact in any order. Compiled (inductor, here on
-    the CPU) it equals the eager integer sums bit for bit."""
+    the CPU) it equals the eager integer sums bit for bit: integer sums and power-of-two scalings are exact, so no
+    rounding can differ between the two code paths (the one cast back to float32 rounds the same value)."""
     from opd.rollout.sampling import nucleus_mass_before
 
     probs_BV = torch.randn(4, 3000, generator=torch.Generator().manual_seed(0)).mul(3).softmax(-1)

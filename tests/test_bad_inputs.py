@@ -662,13 +662,19 @@ PIPELINE_DETERMINISTIC = "pipeline run {pipeline} stages=[rollout,distill] disti
 
 @pytest.mark.parametrize(
     "command",
-    [DISTILL + " run.deterministic=true", SFT + " run.deterministic=true", PIPELINE_DETERMINISTIC],
-    ids=["distill", "sft", "pipeline"],
+    [
+        DISTILL + " run.deterministic=true",
+        SFT + " run.deterministic=true",
+        PIPELINE_DETERMINISTIC,
+        DEMO + " run.deterministic=true",
+        LAB + " run.deterministic=true",
+    ],
+    ids=["distill", "sft", "pipeline", "demo", "lab"],
 )
 def test_deterministic_refuses_a_cublas_setting_torch_does_not_accept(command, env_world, monkeypatch, capfd, tmp_path):
     """run.deterministic with CUBLAS_WORKSPACE_CONFIG set to a non-deterministic workspace: one line naming both,
     before the run directory exists (torch would raise at the first cuBLAS call, mid-run, on a GPU); a pipeline
-    whose distill stage asks for it, before its rollout stage runs."""
+    whose distill stage asks for it, before its rollout stage runs; the demo and the lab, before their evaluations."""
     monkeypatch.delenv("OPD_DEBUG", raising=False)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2")
     monkeypatch.chdir(tmp_path)

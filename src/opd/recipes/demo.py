@@ -29,6 +29,7 @@ from opd.recipes.distill import distill
 from opd.recipes.eval import evaluate
 from opd.report import write_report
 from opd.rundir import claimed_run_dir
+from opd.train.common import deterministic_workspace
 
 DEMO_CONFIG: dict[str, Any] = {
     "student": {"path": None, "device": "cpu", "dtype": "fp32"},
@@ -136,6 +137,8 @@ def demo(
         raise ValueError("the demo measures the student with the trainer's eval: eval.benchmarks must not be empty")
     if config.teacher is None or config.teacher.path is None:
         raise ValueError("the demo evaluates the teacher in process: teacher.path must be set")
+    if config.run.deterministic:
+        deterministic_workspace()  # before the evaluations' CUDA work: torch reads it once per process
     # the demo's run directory follows distill's rules (a new run refuses a directory holding another one); the
     # before-training evals go into it first, so distill itself then continues in it (run.resume)
     with claimed_run_dir(run_dir, config.run, "demo", console=console):

@@ -274,8 +274,9 @@ CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")  # the cuBLAS workspace settings tor
 def deterministic_workspace() -> bool:
     """Make sure CUBLAS_WORKSPACE_CONFIG holds a setting torch accepts as deterministic, setting :4096:8 where it is
     unset; returns whether it set it. Torch reads the variable once, at the process's first cuBLAS call: a program
-    that runs several stages in one process (`opd pipeline`, `opd lab run`) calls this before its first stage when
-    a later one has run.deterministic, and leaves it set. Raises ValueError (one line) for any other setting."""
+    that runs several stages in one process (`opd pipeline`, `opd lab run`, `opd demo`) calls this before its first
+    stage when a later one has run.deterministic, and leaves it set. Raises ValueError (one line) for any other
+    setting."""
     workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if workspace is None:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]

@@ -296,10 +296,10 @@ def deterministic_kernels(enabled: bool) -> Iterator[None]:
     attention backward without atomic adds, scatters and index_put sorted, inductor without atomics or on-device
     tuning, empty tensors filled with NaN so that a read of one shows) and cuBLAS a fixed workspace
     (`deterministic_workspace`). A run on a GPU can then replay bit for bit (resume, reruns) on the same hardware and
-    software, as one on a CPU does without it; it covers this process's torch kernels, not a served teacher's. An op
-    with no deterministic kernel raises; the one opd meets, inductor's float scan in the compiled sampling step
-    (top-p), has an exact form (`opd.rollout.sampling.nucleus_mass_before`). Everything is as before after the block
-    (the variable is unset again where this set it). Raises ValueError, before any work, for a
+    software, as one on a CPU does without it; it covers this process's torch kernels, not a served teacher's. Torch
+    raises for an op with no deterministic kernel (opd's paths met none on the CPU); inductor's float scan ignores the
+    mode, so the compiled sampling step sums top-p's mass in integers (`opd.rollout.sampling.nucleus_mass_before`).
+    Everything is as before after the block (the variable is unset again where this set it). Raises ValueError, before any work, for a
     CUBLAS_WORKSPACE_CONFIG torch does not accept, or when this process ran a CUDA matmul before the variable was
     set (the trainers enter this before any CUDA work)."""
     if not enabled:

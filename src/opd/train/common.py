@@ -299,9 +299,9 @@ def deterministic_kernels(enabled: bool) -> Iterator[None]:
     software, as one on a CPU does without it; it covers this process's torch kernels, not a served teacher's. Torch
     raises for an op with no deterministic kernel (opd's paths met none on the CPU); inductor's float scan ignores the
     mode, so the compiled sampling step sums top-p's mass in integers (`opd.rollout.sampling.nucleus_mass_before`).
-    Everything is as before after the block (the variable is unset again where this set it). Raises ValueError, before any work, for a
-    CUBLAS_WORKSPACE_CONFIG torch does not accept, or when this process ran a CUDA matmul before the variable was
-    set (the trainers enter this before any CUDA work)."""
+    Everything is as before after the block (the variable is unset again where this set it). Raises ValueError,
+    before any work, for a CUBLAS_WORKSPACE_CONFIG torch does not accept, or when this process ran a CUDA matmul
+    before the variable was set (the trainers enter this before any CUDA work)."""
     if not enabled:
         yield
         return

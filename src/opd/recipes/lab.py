@@ -738,9 +738,9 @@ def run_experiment(
         *EXPERIMENT_BASE.get(name, []),
         *(overrides or []),
     ]
-    limit = demo_config(base).eval.limit
-    tokens = demo_config(base).eval.max_new_tokens
-    if demo_config(base).run.deterministic:
+    base_config = demo_config(base)
+    limit, tokens = base_config.eval.limit, base_config.eval.max_new_tokens
+    if base_config.run.deterministic:
         deterministic_workspace()  # before the teachers' and students' CUDA work: torch reads it once per process
     paths: dict[str, str] = {"student": str(student_path())}
     summary_path = out_dir / "summary.json"

@@ -115,7 +115,7 @@ def run_pipeline(config: PipelineConfig, *, console: Any = None) -> dict:
     root = Path(config.out_dir)
     stages = config.stage_configs()
     check_stages(config, stages)  # every stage's own startup checks that need only its config: before any compute
-    if any(getattr(getattr(stages.get(name), "run", None), "deterministic", False) for name in config.stages):
+    if any(stages[name].run.deterministic for name in ("sft", "distill") if name in config.stages):
         deterministic_workspace()  # before the first stage's CUDA work: torch reads it once per process
     with locked(root, "pipeline", console=console):
         return _run_locked(config, root, stages, console)

@@ -75,3 +75,23 @@ def test_the_exact_nucleus_mass_compiles_to_the_eager_result():
     probs_BV = probs_BV.sort(-1, descending=True).values
     compiled = torch.compile(lambda p: nucleus_mass_before(p, exact=True), dynamic=False)
     assert torch.equal(compiled(probs_BV), nucleus_mass_before(probs_BV, exact=True))
+
+
+def test_the_labs_timed_sft_runs_under_the_flag(monkeypatch, tmp_path, tiny_model_dir, sft_data):
+    """`opd lab run`'s SFT stages train through `sft_within_budget`, not `sft()`: it enters deterministic mode the
+    same way, for its steps only (a spy on the real step reads the mode inside it)."""
+    import opd.recipes.lab as lab
+    from helpers import sft_config
+
+    seen, real_step = [], lab.sft_step
+    monkeypatch.setattr(
+        lab, "sft_step", lambda tr: seen.append(torch.are_deterministic_algorithms_enabled()) or real_step(tr)
+    )
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    for flag in (True, False):
+        config = sft_config(
+            tmp_path, tiny_model_dir, sft_data, "run.steps=2", f"run.name=d{flag}", f"run.deterministic={flag}"
+        )
+        _, record = lab.sft_within_budget(config, deadline=float("inf"), log_every=10**6)
+        assert record["steps"] == 2
+    assert seen == [True, True, False, False] and not torch.are_deterministic_algorithms_enabled()

@@ -67,7 +67,7 @@ from opd.report import write_report
 from opd.rollout import make_generator
 from opd.rundir import run_directory
 from opd.train.checkpoint import latest_checkpoint
-from opd.train.common import deterministic_workspace, finish_run
+from opd.train.common import deterministic_kernels, deterministic_workspace, finish_run
 from opd.train.optim import build_scheduler
 
 # ---------------------------------------------------------------------------------------------------- opd lab build
@@ -227,44 +227,45 @@ def sft_within_budget(
     run when warmup_steps does not depend on the step count, so `--rewrite-teacher-steps N` without a budget replays
     the same recipe. It still stops at the deadline if the rate drops (the record says so), checkpoints every
     run.save_every steps, and prints a plain progress line every `log_every` steps."""
-    run_dir = run_directory(config.run, "sft")
-    tr = setup_sft(config, run_dir, console=console)
-    planned, rate, stopped = tr.total_steps, None, "steps"
-    begin = time.perf_counter()
-    while tr.step < tr.total_steps:
-        if time.perf_counter() >= deadline:
-            stopped = "time budget"
-            break
-        metrics = sft_step(tr)
-        tr.step += 1
-        tr.sink.log(tr.step, metrics)
-        if tr.step == 5:
-            begin = time.perf_counter()  # the first steps warm up allocators and kernels
-        if tr.step == calibration_steps and tr.step < tr.total_steps:
-            rate = (time.perf_counter() - begin) / (tr.step - 5)
-            fit = tr.step + int(0.95 * (deadline - time.perf_counter()) / rate)
-            if fit < tr.total_steps:
-                planned = tr.total_steps = max(tr.step + 1, fit)
-                tr.scheduler = build_scheduler(tr.optimizer, planned, config.optim)
-                for _ in range(tr.step):
-                    tr.scheduler.step()
-        if tr.step % log_every == 0 or tr.step == tr.total_steps:
-            print(
-                f"{run_dir.name} step {tr.step}/{tr.total_steps} loss {metrics['loss']:.4f} lr {metrics['lr']:.3g} "
-                f"{metrics['time/step']:.3f} s/step, {deadline - time.perf_counter():.0f} s left",
-                flush=True,
-            )
-        if config.run.save_every and tr.step % config.run.save_every == 0:
-            save_sft(tr)
-    save_sft(tr)
-    finish_run(run_dir, tr.sink, report=False, console=console)
-    return run_dir, {
-        "steps": tr.step,
-        "planned_steps": planned,
-        "max_steps": config.run.steps,
-        "stopped_by": stopped,
-        "calibrated_s_per_step": None if rate is None else round(rate, 4),
-    }
+    with deterministic_kernels(config.run.deterministic):  # as `sft()` does: before any CUDA work
+        run_dir = run_directory(config.run, "sft")
+        tr = setup_sft(config, run_dir, console=console)
+        planned, rate, stopped = tr.total_steps, None, "steps"
+        begin = time.perf_counter()
+        while tr.step < tr.total_steps:
+            if time.perf_counter() >= deadline:
+                stopped = "time budget"
+                break
+            metrics = sft_step(tr)
+            tr.step += 1
+            tr.sink.log(tr.step, metrics)
+            if tr.step == 5:
+                begin = time.perf_counter()  # the first steps warm up allocators and kernels
+            if tr.step == calibration_steps and tr.step < tr.total_steps:
+                rate = (time.perf_counter() - begin) / (tr.step - 5)
+                fit = tr.step + int(0.95 * (deadline - time.perf_counter()) / rate)
+                if fit < tr.total_steps:
+                    planned = tr.total_steps = max(tr.step + 1, fit)
+                    tr.scheduler = build_scheduler(tr.optimizer, planned, config.optim)
+                    for _ in range(tr.step):
+                        tr.scheduler.step()
+            if tr.step % log_every == 0 or tr.step == tr.total_steps:
+                print(
+                    f"{run_dir.name} step {tr.step}/{tr.total_steps} loss {metrics['loss']:.4f} lr {metrics['lr']:.3g} "
+                    f"{metrics['time/step']:.3f} s/step, {deadline - time.perf_counter():.0f} s left",
+                    flush=True,
+                )
+            if config.run.save_every and tr.step % config.run.save_every == 0:
+                save_sft(tr)
+        save_sft(tr)
+        finish_run(run_dir, tr.sink, report=False, console=console)
+        return run_dir, {
+            "steps": tr.step,
+            "planned_steps": planned,
+            "max_steps": config.run.steps,
+            "stopped_by": stopped,
+            "calibrated_s_per_step": None if rate is None else round(rate, 4),
+        }
 
 
 def train_model(

@@ -3,7 +3,7 @@
 # real shapes. Run from the repository root on the GPU machine; JSON and logs go to ${OUT:-runs/benchmarks/gpu}.
 #   bash benchmarks/run_gpu.sh [check|attention|rollout|teacher|update|step|step_full|lean|paper|packing ...]
 #   (default: all; the TRL rows of `step` need the wheels of benchmarks/README.md installed first)
-#   bash benchmarks/run_gpu.sh determinism   (run.deterministic: a run and its resume bit for bit on the GPU, ~3 min)
+#   bash benchmarks/run_gpu.sh determinism   (run.deterministic: a run and its resume bit for bit on the GPU, ~7 min)
 #   bash benchmarks/run_gpu.sh server   (the served teacher; not in the default: needs starlette and uvicorn)
 #   bash benchmarks/run_gpu.sh stream   (the partial-rollout stream with early stop, without and with segments, in one
 #                                        process: issue 24; not in the default, ~9 minutes)
@@ -61,7 +61,7 @@ for part in $parts; do
             run "rollout_$part" 560 python3 benchmarks/rollout_stream.py --shape qwen3-0.6b --batches 256 \
                 --lengths lognormal:mean=1500,cap=7168 --stream-steps 6 --repeat 1 --bucket-steps 0 --phase-times \
                 --configs 2/on --engine "$engine" --out "$out/rollout_$part.json" ;;
-        determinism) run check_deterministic 400 python3 benchmarks/check_cuda.py --only deterministic \
+        determinism) run check_deterministic 560 python3 benchmarks/check_cuda.py --only deterministic \
             --out "$out/check_deterministic.json" ;;
         server) run teacher_server 290 python3 benchmarks/teacher_server.py --shapes qwen3-1.7b,qwen3-4b \
             --clients 1,4 --warmup 1 --repeat 3 --out "$out/teacher_server.json" ;;

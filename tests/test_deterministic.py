@@ -77,6 +77,25 @@ def test_the_exact_nucleus_mass_compiles_to_the_eager_result():
     assert torch.equal(compiled(probs_BV), nucleus_mass_before(probs_BV, exact=True))
 
 
+def test_the_exact_nucleus_scan_stays_out_of_compiled_graphs():
+    """The integer scan runs eagerly inside a compiled caller: inductor's split int64 scan failed to compile on an
+    H100 (2 rows × 151,936, `benchmarks/check_cuda.py --only deterministic`), so no compiled graph may hold it; the
+    rounding and scaling around it still compile."""
+    from opd.rollout.sampling import nucleus_mass_before
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    probs_BV = torch.rand(2, 64, generator=torch.Generator().manual_seed(0)).softmax(-1).sort(-1, descending=True)[0]
+    compiled = torch.compile(lambda p: nucleus_mass_before(p, exact=True), backend=record, dynamic=False)
+    assert torch.equal(compiled(probs_BV), nucleus_mass_before(probs_BV, exact=True))
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes]
+    assert graphs and "round" in " ".join(targets) and not any("cumsum" in t for t in targets)
+
+
 def test_the_labs_timed_sft_runs_under_the_flag(monkeypatch, tmp_path, tiny_model_dir, sft_data):
     """`opd lab run`'s SFT stages train through `sft_within_budget`, not `sft()`: it enters deterministic mode the
     same way, for its steps only (a spy on the real step reads the mode inside it)."""

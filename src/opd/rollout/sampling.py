@@ -50,7 +50,16 @@ def nucleus_mass_before(probs_BV: torch.Tensor, exact: bool | None = None) -> to
     if not exact:
         return probs_BV.cumsum(dim=-1) - probs_BV
     units_BV = torch.round(probs_BV.double() * FIXED_POINT).long()
-    return ((units_BV.cumsum(dim=-1) - units_BV).double() / FIXED_POINT).to(probs_BV.dtype)
+    return (_exclusive_cumsum(units_BV).double() / FIXED_POINT).to(probs_BV.dtype)
+
+
+@torch.compiler.disable  # eager inside compiled callers: see below
+def _exclusive_cumsum(units_BV: torch.Tensor) -> torch.Tensor:
+    """Exclusive cumulative sum of integers along the last dimension, always run by torch's eager kernel (exact
+    in any order, and capturable in a CUDA graph). Compiled, inductor splits a vocabulary-long int64 scan over few
+    rows (`SplitScan`) and its Triton code generation fails on CUDA (torch 2.11, H100, 2026-12-06, at 2 rows ×
+    151,936: `TypeError: list indices must be integers or slices, not NoneType`)."""
+    return units_BV.cumsum(dim=-1) - units_BV
 
 
 def sample_next(

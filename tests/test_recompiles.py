@@ -244,3 +244,29 @@ def test_the_warm_up_changes_nothing(world, tmp_path):
         runs[warmed] = (metrics, {k: v.clone() for k, v in tr.student.state_dict().items()})
     assert runs[True][0] == runs[False][0]
     assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[False][1])
+
+
+@pytest.mark.parametrize("buckets", [True, False], ids=["warmed", "not-warmed"])
+def test_the_heads_row_buckets_compile_only_in_the_warm_up(world, tmp_path, monkeypatch, buckets):
+    """The vocabulary head's per-chunk functions (compiled on CUDA; here on the CPU with aot_eager) pad a call's
+    positions to a power-of-two row bucket, so a step scoring more positions in one call than any warm-up batch
+    meets a bucket of its own (an H100, 2026-12-06: 4 graphs in step 1 of a 16-sample run). The warm-up compiles
+    every bucket the steps can reach (`warm_up_row_buckets`); without it the first step compiles (the test can fail)."""
+    import opd.scoring as scoring
+
+    torch._dynamo.reset()
+    for name, value in (
+        ("_COMPILE_DEVICES", ("cuda", "cpu")),
+        ("_COMPILED", {}),
+        ("_MET", {}),
+        ("_BACKEND", "aot_eager"),
+    ):
+        monkeypatch.setattr(scoring, name, value)
+    if not buckets:
+        monkeypatch.setattr("opd.train.step.warm_up_row_buckets", lambda max_rows: 0)
+    overrides = ("prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=48", "micro_batch_tokens=16384")
+    tr = _trainer(world, tmp_path, *overrides, compiled=False)
+    train(tr, console=string_console())
+    step_graphs = [row["compile/step_graphs"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert len(step_graphs) == 4 and scoring._MET
+    assert (step_graphs == [0] * 4) if buckets else step_graphs[0] > 0, step_graphs

@@ -177,6 +177,8 @@ def _grad_chunk(raw_CV, ids_CJ, lse_C, entropy_C, grad_lp_CJ, grad_entropy_C, sc
 # compilation and chunk plumbing
 
 _COMPILED: dict[Callable, Callable | None] = {}  # fn -> its compiled version; None once compiling it failed
+_BACKEND = "inductor"  # torch.compile's backend for them; the tests use aot_eager (the same graphs and guards)
+_MET: dict[tuple, set[int]] = {}  # (fn, chunk, `_variant` of the call) -> the row counts its compiled calls ran at
 
 
 def _compiles(device: torch.device, dtype: torch.dtype) -> bool:
@@ -191,19 +193,32 @@ def recompile_limit_at_least(minimum: int) -> dict[str, int]:
     return {name: max(getattr(config, name), minimum)}
 
 
-def _compiled_call(fn: Callable, *args):
+def _variant(args: tuple) -> tuple:
+    """What a compiled call's graph depends on besides its row count: each tensor argument's shape past its rows,
+    dtype and device, every other argument's value, and the grad mode and autocast state of the caller."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    device_type = tensors[0].device.type
+    state = (torch.is_grad_enabled(), torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    parts = tuple((tuple(a.shape[1:]), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in args)
+    return parts, tuple(isinstance(a, torch.Tensor) for a in args), state
+
+
+def _compiled_call(fn: Callable, *args, chunk: int):
     """fn(*args) through `torch.compile(dynamic=False)` (built on first use), or None once compiling fn failed: then
-    one warning, and the caller runs fn eagerly (from now on too)."""
+    one warning, and the caller runs fn eagerly (from now on too). `chunk`: the caller's chunk rows (the largest
+    bucket), recorded with the call's variant for `warm_up_row_buckets`."""
     compiled = _COMPILED.get(fn, False)
     if compiled is None:
         return None
     try:
         if compiled is False:
-            compiled = _COMPILED[fn] = torch.compile(fn, dynamic=False)
+            compiled = _COMPILED[fn] = torch.compile(fn, dynamic=False, backend=_BACKEND)
         # Shapes: the chunk plus a few buckets for the last one, per (G, K, J, flags, dtype) variant, can exceed
         # dynamo's default of 8 compiled versions per function, after which it would silently run eagerly.
         with torch._dynamo.config.patch(**recompile_limit_at_least(64)):
-            return compiled(*args)
+            out = compiled(*args)
+        _MET.setdefault((fn, chunk, _variant(args)), set()).add(args[0].shape[0])
+        return out
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as err:  # noqa: BLE001 -- any compiler failure; the functions are pure, so rerunning is safe
@@ -221,6 +236,32 @@ def _bucket(rows: int, chunk: int) -> int:
     """Rows a compiled call sees: a partial chunk is padded to a power of two (≥ `_MIN_BUCKET`, ≤ chunk), so that
     `dynamic=False` compiles a handful of shapes rather than one per N; padding wastes at most half the rows."""
     return min(chunk, max(_MIN_BUCKET, 1 << (rows - 1).bit_length()))
+
+
+def _buckets_up_to(rows: int, chunk: int) -> list[int]:
+    """Every row count `_bucket` gives for calls of 1 to `rows` positions, ascending."""
+    top, bucket, buckets = _bucket(rows, chunk), min(chunk, _MIN_BUCKET), []
+    while bucket < top:
+        buckets.append(bucket)
+        bucket *= 2
+    return [*buckets, top]
+
+
+def warm_up_row_buckets(max_rows: int) -> int:
+    """Compile each variant of the per-chunk functions that compiled calls have met so far (`opd.train.step.warm_up`'s
+    batches) at every row bucket a call of up to `max_rows` positions can reach and none has run at yet, on zero
+    inputs of the same shapes past the rows, under the grad mode and autocast state it was met under: so that a
+    step scoring more positions in one call than any warm-up batch did compiles nothing. Returns the calls made."""
+    calls = 0
+    for (fn, chunk, (parts, is_tensor, state)), met in list(_MET.items()):
+        for rows in _buckets_up_to(max_rows, chunk):
+            if rows in met or _COMPILED.get(fn) is None:
+                continue
+            args = [torch.zeros((rows, *p[0]), dtype=p[1], device=p[2]) if t else p for p, t in zip(parts, is_tensor)]
+            grad, autocast, dtype = state
+            with torch.set_grad_enabled(grad), torch.autocast(args[0].device.type, dtype=dtype, enabled=autocast):
+                calls += _compiled_call(fn, *args, chunk=chunk) is not None
+    return calls
 
 
 def _pad_rows(x: torch.Tensor | None, rows: int) -> torch.Tensor | None:
@@ -258,7 +299,7 @@ def _chunk_forward(hidden_CD, head, ids_CG, top_k, temperature, with_entropy, co
     padded = _bucket(rows, chunk) if compiled else rows
     raw_CV = torch.nn.functional.linear(_pad_rows(hidden_CD, padded), head.weight, head.bias)  # model dtype
     ids_CG = _pad_rows(ids_CG, padded)
-    out = _compiled_call(_forward_chunk, raw_CV, ids_CG, *consts) if compiled else None
+    out = _compiled_call(_forward_chunk, raw_CV, ids_CG, *consts, chunk=chunk) if compiled else None
     if out is None:
         step = _eager_rows(raw_CV, _FWD_TEMPS)
         parts = [_forward_chunk(raw_CV[a : a + step], ids_CG[a : a + step], *consts) for a in range(0, rows, step)]
@@ -469,7 +510,7 @@ class _CandidateLogprobs(torch.autograd.Function):
                 _pad_rows(None if x is None else x[s:e], padded)
                 for x in (ids_NJ, lse_N, entropy_N if with_entropy else None, grad_lp_NJ, grad_entropy_N)
             ]
-            out = _compiled_call(_grad_chunk, raw_CV, *row_args, *consts) if compiled else None
+            out = _compiled_call(_grad_chunk, raw_CV, *row_args, *consts, chunk=chunk) if compiled else None
             if out is not None:
                 slices = [(0, out)]  # the whole chunk at once
             else:  # eagerly, slice by slice (lazily, so that one slice's buffers live at a time)

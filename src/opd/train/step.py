@@ -42,7 +42,7 @@ from opd.rollout import SamplingParams
 from opd.rollout.base import Generator
 from opd.rollout.batch import build_rollouts, random_rollouts
 from opd.rollout.static_engine import StaticGenerator
-from opd.scoring import candidate_logprobs_and_entropy
+from opd.scoring import candidate_logprobs_and_entropy, warm_up_row_buckets
 from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
 from opd.teacher.base import TeacherScorer, start_scoring
 from opd.teacher.registry import RoutedTeacher
@@ -523,6 +523,7 @@ def warm_up(tr: Trainer, device: torch.device) -> int:
     """Compile every graph variant of the compiled layers (`opd.models.compile_layers`) before the first step, so
     that no step pays a compilation: the scoring and update phases run once per layout of `warm_up_layouts`, on the
     first prompt routed to each teacher with random response tokens, the update's losses × 0 and no optimizer step;
+    then the vocabulary head's compiled functions at every row bucket a step can reach (`warm_up_row_buckets`);
     with rollout.compiled_prefill the static engine's prefills too, over the same layouts.
     The model, the optimizer and every random stream are as before (gradients are reset to None); returns the number
     of graphs compiled."""
@@ -555,6 +556,9 @@ def warm_up(tr: Trainer, device: torch.device) -> int:
                     micro_targets = targets.select(rows)
                     micro_backward(tr, micro, micro_targets, num_tokens=ones, num_seqs=ones, scale=0.0, device=device)
                 tr.student.eval()
+        # a step's batch may score more positions in one call than any layout: the head's larger row buckets too
+        samples = len(range(tr.dist.rank, cfg.prompts_per_step, tr.dist.world_size)) * cfg.rollout.n
+        warm_up_row_buckets(samples * (cfg.rollout.max_new_tokens + 1))
         engine = tr.generator
         if isinstance(engine, StaticGenerator) and engine.compiled_prefill:  # its prefills run the compiled layers
             with gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):

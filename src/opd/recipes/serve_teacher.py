@@ -22,6 +22,7 @@ from opd.fingerprints import model_fingerprint
 from opd.forward import uses_packing
 from opd.models import compile_layers, load_model, resolve_device, warm_up_layouts
 from opd.rollout.batch import random_rollouts
+from opd.scoring import warm_up_row_buckets
 from opd.teacher.server import (
     MIN_TOKEN_LENGTH,
     TOKEN_ENV,
@@ -103,6 +104,7 @@ def load_service(config: ServeConfig) -> TeacherService:
         for seed, lengths in enumerate(layouts):  # the scorer's own no-grad context, as in requests
             rollouts = random_rollouts(list(range(8)), lengths, vocab_size=service.vocab_size, pad_id=0, seed=seed)
             service.scorer.score(rollouts.to(device), top_k=16)
+        warm_up_row_buckets(config.forward_tokens)  # a merged batch may score more positions in one call than these
     return service
 
 

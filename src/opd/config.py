@@ -670,9 +670,10 @@ class RunSpec(Section):
         description="Deterministic GPU kernels (torch.use_deterministic_algorithms, cuBLAS workspace "
         ":4096:8; opd.train.common.deterministic_kernels), so that a run and its resume, or two runs of one "
         "config, can agree bit for bit on a GPU (same hardware and software) as they do on a CPU without it; "
-        "this process's kernels only (not a served teacher's; vLLM engines are refused); slower. Not yet "
-        "verified on a GPU (benchmarks/check_cuda.py --only deterministic). Off: a GPU backward (e.g. attention's "
-        "atomic adds) varies in its last bits, and two runs part from the first update on.",
+        "this process's kernels only (not a served teacher's; vLLM engines are refused); slower. A run and its "
+        "resume agreed bit for bit on an H100 (benchmarks/check_cuda.py --only deterministic; its cost is not "
+        "measured). Off: a GPU backward (e.g. attention's atomic adds) varies in its last bits, and two runs part "
+        "from the first update on.",
     )
     steps: int = Field(100, ge=1, description="Optimizer steps (one per rollout batch).")
     save_every: int = Field(50, ge=0, description="Checkpoint every N steps (and at the end); 0 = only at the end.")

@@ -196,8 +196,7 @@ def recompile_limit_at_least(minimum: int) -> dict[str, int]:
 def _variant(args: tuple) -> tuple:
     """What a compiled call's graph depends on besides its row count: each tensor argument's shape past its rows,
     dtype and device, every other argument's value, and the grad mode and autocast state of the caller."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    device_type = tensors[0].device.type
+    device_type = args[0].device.type  # the raw logits
     state = (torch.is_grad_enabled(), torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
     parts = tuple((tuple(a.shape[1:]), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in args)
     return parts, tuple(isinstance(a, torch.Tensor) for a in args), state

@@ -557,8 +557,7 @@ def warm_up(tr: Trainer, device: torch.device) -> int:
                     micro_backward(tr, micro, micro_targets, num_tokens=ones, num_seqs=ones, scale=0.0, device=device)
                 tr.student.eval()
         # a step's batch may score more positions in one call than any layout: the head's larger row buckets too
-        samples = len(range(tr.dist.rank, cfg.prompts_per_step, tr.dist.world_size)) * cfg.rollout.n
-        warm_up_row_buckets(samples * (cfg.rollout.max_new_tokens + 1))
+        warm_up_row_buckets(_rank_samples(tr) * (cfg.rollout.max_new_tokens + 1))
         engine = tr.generator
         if isinstance(engine, StaticGenerator) and engine.compiled_prefill:  # its prefills run the compiled layers
             with gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
@@ -584,11 +583,16 @@ def decode_warm_up_rows(tr: Trainer) -> list[int]:
     engine = tr.generator
     if not isinstance(engine, StaticGenerator) or tr.ahead is not None or not engine.compiles_decode():
         return []
-    cfg, dist = tr.config, tr.dist
+    cfg = tr.config
     if tr.stream is not None:
         depth = in_flight_batches(cfg.rollout.max_staleness, 0) * cfg.prompts_per_step * cfg.rollout.n
         return engine.decode_rows([depth] if engine.round_rows is False else range(1, depth + 1))
-    return engine.decode_rows([len(range(dist.rank, cfg.prompts_per_step, dist.world_size)) * cfg.rollout.n])
+    return engine.decode_rows([_rank_samples(tr)])
+
+
+def _rank_samples(tr: Trainer) -> int:
+    """The samples of one step on this rank: its share of prompts_per_step, times rollout.n."""
+    return len(range(tr.dist.rank, tr.config.prompts_per_step, tr.dist.world_size)) * tr.config.rollout.n
 
 
 def warm_up_prefills(engine: StaticGenerator, prompt: list[int], max_new_tokens: int, vocab_size: int) -> None:

@@ -316,8 +316,8 @@ def test_partial_config_is_checked(world, tmp_path, overrides, match):
 def test_lab_distill_with_early_stop_cuts_calls_and_resumes_exactly(capsys, monkeypatch, tmp_path, overlap):
     """`opd distill -c configs/lab_demo.yaml` with rollout.partial_early_stop on the static engine (the lab models end
     their answers at different lengths), with and without rollout.overlap: calls are cut (partial/cut_total), every
-    started sample is trained, dropped or in flight, and a run resumed from its step-2 checkpoint equals the straight
-    run (weights, metrics)."""
+    started sample is trained, dropped or in flight, the engine's decode work is logged (rollout/*, without overlap),
+    and a run resumed from its step-2 checkpoint equals the straight run (weights, metrics)."""
     if not (ROOT / "configs" / "lab_demo.yaml").is_file():
         pytest.skip("configs/lab_demo.yaml is not in this checkout")
     monkeypatch.chdir(ROOT)  # the config's paths are relative to the repo root
@@ -356,6 +356,11 @@ def test_lab_distill_with_early_stop_cuts_calls_and_resumes_exactly(capsys, monk
             m["partial/started_total"]
             == m["partial/trained_total"] + m["partial/dropped_total"] + m["partial/in_flight"]
         )
+        # the engine's decode work in the step's own calls (with overlap, after step 1, they ran during the step before)
+        foreground = overlap == "false" or m["step"] == 1
+        assert ("rollout/decode_steps" in m) == foreground
+        if foreground:
+            assert m["rollout/decode_steps"] > 0 and 1 <= m["rollout/live_rows"] and 0 < m["rollout/row_occupancy"] <= 1
 
 
 @pytest.mark.parametrize(

@@ -940,3 +940,30 @@ def test_a_decode_warm_up_leaves_nothing_to_compile(monkeypatch, warm):
     static.generate(prompts, params, max_new_tokens_per_sample=limits)
     assert sorted(static.stats["bucket_steps"], reverse=True) == rows  # the call met every count
     assert (compiled_graphs() == before) == warm, (before, compiled_graphs())
+
+
+def test_a_steps_engine_counts_sum_its_calls():
+    """`EngineCounts` (the trainer's rollout/decode_steps, rollout/live_rows, rollout/row_occupancy) sums the calls
+    of a step: the decode steps of both, the rows their steps ran over (live-row buckets shrink them below 8), and the
+    tokens decoded after each sample's prefill, counted here from the responses; a call without prompts adds nothing."""
+    from opd.train.step import EngineCounts
+
+    model = make_tiny_model("qwen3")
+    static = StaticGenerator(
+        model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, max_batch_size=8, sync_interval=4, row_buckets=True
+    )
+    params = SamplingParams(n=4, temperature=0, max_new_tokens=60, seed=3, stop_at_eos=False)
+    counts, steps, row_steps, decoded = EngineCounts(), 0, 0, 0
+    for caps in (TAIL_CAPS, TAIL_CAPS[::-1]):
+        output = static.generate(TAIL_PROMPTS, params, max_new_tokens_per_sample=caps)
+        counts.add(static)
+        steps += static.stats["decode_steps"]
+        row_steps += sum(rows * n for rows, n in static.stats["bucket_steps"].items())
+        decoded += sum(len(ids) - 1 for ids in output.response_ids)
+    static.generate([], params)
+    counts.add(static)
+    metrics = counts.metrics()
+    assert metrics["rollout/decode_steps"] == steps > 0
+    assert 4 <= metrics["rollout/live_rows"] == row_steps / steps < 8
+    assert metrics["rollout/row_occupancy"] == decoded / row_steps
+    assert EngineCounts().metrics() == {}

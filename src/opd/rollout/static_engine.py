@@ -933,6 +933,7 @@ class StaticGenerator(memory.ModuleMemory):
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         reasons: list[str] = []
+        self.stats = {}  # a call without prompts decodes nothing
         if prompt_ids:
             generator = seeded_generator(params.seed, self.device)
             with generation_mode(self.model, self.device):

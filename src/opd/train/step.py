@@ -126,6 +126,34 @@ class Trainer:
 
 
 @dataclass
+class EngineCounts:
+    """The static engine's decode work summed over a step's calls (`StaticGenerator.stats` after each): decode steps,
+    rows run over (each step's live-row bucket: Σ bucket × steps) and tokens decoded."""
+
+    decode_steps: int = 0
+    row_steps: int = 0
+    decoded_tokens: int = 0
+
+    def add(self, generator: Generator) -> None:
+        stats = getattr(generator, "stats", None) or {}
+        if "bucket_steps" in stats:  # a StaticGenerator that has run a call
+            self.decode_steps += stats["decode_steps"]
+            self.row_steps += sum(rows * steps for rows, steps in stats["bucket_steps"].items())
+            self.decoded_tokens += stats["decoded_tokens"]
+
+    def metrics(self) -> dict[str, float]:
+        """`rollout/decode_steps`, `rollout/live_rows` (the rows a decode step ran over, on average) and
+        `rollout/row_occupancy` (the share of those rows that decoded a token); empty before any decode step."""
+        if not self.decode_steps:
+            return {}
+        return {
+            "rollout/decode_steps": self.decode_steps,
+            "rollout/live_rows": self.row_steps / self.decode_steps,
+            "rollout/row_occupancy": self.decoded_tokens / max(self.row_steps, 1),
+        }
+
+
+@dataclass
 class Batch:
     """This rank's rollouts of one step: the global indices of its prompts and the student's samples of them."""
 
@@ -135,6 +163,7 @@ class Batch:
     policy_lag: int
     versions_BT: torch.Tensor | None = None  # rollout.partial: per token, the step whose weights sampled it
     stream_metrics: dict = field(default_factory=dict)  # rollout.partial: partial/calls, partial/dropped, ...
+    engine_counts: EngineCounts | None = None  # the static engine's decode work in this step's foreground calls
 
 
 @dataclass
@@ -191,8 +220,11 @@ def sample_rollouts(tr: Trainer, timings: dict, device: torch.device) -> Batch:
         with timed(timings, "rollout"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
             output = tr.generator.generate(prompt_ids, _sampling_params(tr.config, tr.step, rank))
             rollouts = build_rollouts(prompt_ids, output, pad_id=tr.tokenizer.pad_token_id, device=device)
+        counts = EngineCounts()
+        counts.add(tr.generator)
         tr.generator.release()  # the scoring and update phases get the engine's caches back
     else:
+        counts = None  # generated in the background during the previous step
         indices, prompt_ids = pending.indices, [tr.prompt_ids[i] for i in pending.indices]
         rollouts = build_rollouts(prompt_ids, pending.output, pad_id=tr.tokenizer.pad_token_id, device=device)
     _mark_memory(tr, "rollout")
@@ -206,7 +238,7 @@ def sample_rollouts(tr: Trainer, timings: dict, device: torch.device) -> Batch:
             device=device,
             autocast_dtype=tr.autocast_dtype,
         )
-    return Batch(indices, rollouts, policy_lag=0 if pending is None else 1)
+    return Batch(indices, rollouts, policy_lag=0 if pending is None else 1, engine_counts=counts)
 
 
 def _stream_rollouts(tr: Trainer, stream: RolloutStream, timings: dict, device: torch.device) -> Batch:
@@ -215,9 +247,11 @@ def _stream_rollouts(tr: Trainer, stream: RolloutStream, timings: dict, device: 
     rollout.overlap the batch was built during the previous step (from its weights), and the next one starts here."""
     ahead = tr.ahead if isinstance(tr.ahead, AheadStream) else None
     taken = None if ahead is None else ahead.take()
+    counts = None
     if taken is None:
+        counts = EngineCounts()
         with timed(timings, "rollout"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
-            generate = _stream_generate(tr.config, tr.generator, tr.step, tr.dist.rank)
+            generate = _stream_generate(tr.config, tr.generator, tr.step, tr.dist.rank, counts)
             taken = stream.next_batch(tr.step, tr.sampler.next_batch, tr.prompt_ids, generate)
         tr.generator.release()
     counters = {  # the stream after this step's batch, before the next one's build changes it
@@ -247,16 +281,23 @@ def _stream_rollouts(tr: Trainer, stream: RolloutStream, timings: dict, device: 
     versions_BT = versions_BT.to(device)
     lag = max((tr.step - v[0] for v in taken.versions if v), default=0)
     _mark_memory(tr, "rollout")
-    return Batch(taken.indices, rollouts, policy_lag=lag, versions_BT=versions_BT, stream_metrics=counters)
+    return Batch(
+        taken.indices, rollouts, policy_lag=lag, versions_BT=versions_BT, stream_metrics=counters, engine_counts=counts
+    )
 
 
-def _stream_generate(cfg: DistillConfig, generator: Generator, step: int, rank: int) -> GenerateFn:
+def _stream_generate(
+    cfg: DistillConfig, generator: Generator, step: int, rank: int, counts: EngineCounts | None = None
+) -> GenerateFn:
     """The stream's engine calls for the batch step `step` trains: call c seeded by `_step_seed(seed, step, rank, c)`
-    whichever thread and weights make it."""
+    whichever thread and weights make it; each call's decode work is added to `counts` when given."""
 
     def generate(prompt_ids, n, max_new_tokens, call, stop_when, caps):
         params = replace(_sampling_params(cfg, step, rank, call), n=n, max_new_tokens=max_new_tokens)
-        return generator.generate(prompt_ids, params, max_new_tokens_per_sample=caps, stop_when=stop_when)
+        output = generator.generate(prompt_ids, params, max_new_tokens_per_sample=caps, stop_when=stop_when)
+        if counts is not None:
+            counts.add(generator)
+        return output
 
     return generate
 
@@ -674,6 +715,8 @@ def step_metrics(
     )
     out["valid_slots_per_token"] = targets.valid.sum() / mask_BT.sum().clamp(min=1)
     out["policy_lag"] = batch.policy_lag  # optimizer steps between the sampling and the current policy
+    if batch.engine_counts is not None:
+        out.update(batch.engine_counts.metrics())
     if targets.tis_weights is not None:
         out.update(
             is_weight_stats(student.sampled_logprobs, rollouts.rollout_logprobs, tr.config.objective.tis_cap, mask_BT)

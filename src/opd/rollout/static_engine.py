@@ -593,8 +593,8 @@ class StaticGenerator(memory.ModuleMemory):
 
     `stats` (after each call): rows, slots per row, decode steps, refills (samples placed into a freed slot),
     prefill forwards and the prompt tokens they ran (a prompt given more than once runs once), CUDA graphs
-    captured, occupancy (decoded tokens / (steps × rows)), decode steps per live-row bucket and the occupancy of the
-    rows the steps ran over, KV-cache bytes.
+    captured, occupancy (decoded tokens / (steps × rows)), decode steps per live-row bucket, the rows the steps ran
+    over (`row_steps`) and their occupancy, KV-cache bytes.
     """
 
     def __init__(
@@ -1136,6 +1136,7 @@ class _Run:
             **self.counters,
             "occupancy": occupancy,
             "bucket_steps": dict(sorted(self.bucket_steps.items(), reverse=True)),
+            "row_steps": row_steps,  # Σ bucket × its decode steps: the rows the decode steps ran over
             "bucket_occupancy": self.counters["decoded_tokens"] / row_steps if row_steps else None,
             "kv_cache_bytes": sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers),
         }

@@ -128,7 +128,7 @@ class Trainer:
 @dataclass
 class EngineCounts:
     """The static engine's decode work summed over a step's calls (`StaticGenerator.stats` after each): decode steps,
-    rows run over (each step's live-row bucket: Σ bucket × steps) and tokens decoded."""
+    the rows they ran over (`row_steps`) and tokens decoded."""
 
     decode_steps: int = 0
     row_steps: int = 0
@@ -136,9 +136,9 @@ class EngineCounts:
 
     def add(self, generator: Generator) -> None:
         stats = getattr(generator, "stats", None) or {}
-        if "bucket_steps" in stats:  # a StaticGenerator that has run a call
+        if "row_steps" in stats:  # a StaticGenerator that has run a call
             self.decode_steps += stats["decode_steps"]
-            self.row_steps += sum(rows * steps for rows, steps in stats["bucket_steps"].items())
+            self.row_steps += stats["row_steps"]
             self.decoded_tokens += stats["decoded_tokens"]
 
     def metrics(self) -> dict[str, float]:
@@ -149,7 +149,7 @@ class EngineCounts:
         return {
             "rollout/decode_steps": self.decode_steps,
             "rollout/live_rows": self.row_steps / self.decode_steps,
-            "rollout/row_occupancy": self.decoded_tokens / max(self.row_steps, 1),
+            "rollout/row_occupancy": self.decoded_tokens / self.row_steps,  # ≥ decode_steps ≥ 1 here
         }
 
 

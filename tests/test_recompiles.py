@@ -15,7 +15,9 @@ from helpers import compile_decode_on_cpu, distill_config, string_console
 from opd.io import read_jsonl
 from opd.models import compile_layers
 from opd.recipes.distill import setup, train
+from opd.rollout import memory
 from opd.rollout.static_engine import StaticGenerator
+from opd.train.optim import adamw_state_bytes
 from opd.train.step import CompileLog, compiled_graphs, decode_warm_up_rows, warm_up
 
 # Prompts of many lengths and a micro-batch budget that splits the batch unevenly: the steps meet rows of one, of
@@ -167,6 +169,37 @@ def test_the_static_engines_decode_step_compiles_only_in_the_warm_up(world, tmp_
     after, graphs = _graphs_after_warm_up_and_per_step(tr, tmp_path, console)
     assert graphs == [after] * 4, (after, graphs)
     assert "the rollout engine's decode step at" in " ".join(console.file.getvalue().split())
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_decode_step_capped_by_memory_compiles_only_in_the_warm_up(world, tmp_path, monkeypatch, partial):
+    """A device whose free memory caps the calls below the rows their samples ask for once AdamW's first step has
+    allocated its moments (after the warm-up): the warm-up compiles the decode step at the capped counts too
+    (`StaticGenerator.capped_rows` with the moments reserved), so no step compiles after it. Without the reserve it
+    would predict from the memory before the moments exist, and step 1 would compile (the test can fail)."""
+    compile_decode_on_cpu(monkeypatch)
+    torch._dynamo.reset()
+    extra = ("rollout.partial=true", "objective.tis_cap=2.0") if partial else ()
+    tr = _trainer(world, tmp_path, "rollout.engine=static", *extra)
+    engine = tr.generator
+    assert isinstance(engine, StaticGenerator)
+    engine.fuse_weights = False  # the figure below does not see the weight copies a call builds
+    lengths, new = [len(ids) for ids in tr.prompt_ids], tr.config.rollout.max_new_tokens
+    cost = engine.row_cost(max(lengths), new)
+    moments, total = adamw_state_bytes(tr.student.parameters()), 80 * 2**30
+    assert moments > 6 * cost.row_bytes  # without the reserve the prediction would start at 16 rows or more
+    room = memory.margin_bytes(total) + cost.fixed_bytes + 11 * cost.row_bytes + cost.row_bytes // 2
+
+    def free(device):  # a device's figure: what the optimizer holds is not free
+        held = sum(t.numel() * t.element_size() for s in tr.optimizer.state.values() for t in s.values())
+        return room + moments - held, total
+
+    engine.free_memory = free
+    rows = decode_warm_up_rows(tr)
+    assert 11 in rows and (32 if partial else 16) in rows, rows
+    after, graphs = _graphs_after_warm_up_and_per_step(tr, tmp_path)
+    assert graphs == [after] * 4, (after, graphs)
+    assert engine.stats["rows"] <= 12  # the calls ran capped
 
 
 # the GPU's layout (opd_varlen) with the static engine's prefills through the compiled layers

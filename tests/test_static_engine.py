@@ -882,6 +882,41 @@ def test_rounded_rows_stay_on_a_bounded_set_under_the_memory_and_token_caps():
     assert static.plan_rows(200, 37, new) == 4999 // 57 == 87
 
 
+def test_capped_rows_hold_every_count_the_memory_gives_the_calls():
+    """`capped_rows`: for calls whose widest row holds any slot count of a range, every row count `plan_rows` gives
+    them on the memory a call sees (the figure now, less the reserved bytes and the step weights it builds) is
+    predicted, live-row buckets included; the prediction needs the reserve (the test can fail)."""
+    model = make_tiny_model("qwen3", vocab_size=2048)
+    total, figure, new = 80 * GIB, {"free": 0}, 20
+    static = StaticGenerator(
+        model,
+        eos_token_ids=[EOS_ID],
+        pad_token_id=PAD_ID,
+        max_batch_size=128,
+        round_rows=True,
+        free_memory=lambda device: (figure["free"], total),
+    )
+    assert static.step_weight_bytes() > 0
+    widest, slots = 37, range(4 + new, 37 + new + 1)
+    uncapped = _round_rows(100, 128)
+    for fitting in (5, 13, 40, 100):
+        cost = static.row_cost(widest, new)
+        reserve = 9 * cost.row_bytes
+        at_call = memory.margin_bytes(total) + cost.fixed_bytes + fitting * cost.row_bytes + cost.row_bytes // 2
+        figure["free"] = at_call
+        met = {static.plan_rows(100, width, new) for width in range(4, widest + 1)} - {uncapped}
+        figure["free"] = at_call + reserve + static.step_weight_bytes()
+        predicted = static.capped_rows(100, widest, new, slots, reserve_bytes=reserve)
+        assert predicted == sorted(predicted, reverse=True) and uncapped not in predicted
+        assert met and met <= set(predicted), (fitting, met, predicted)
+        assert not met <= set(static.capped_rows(100, widest, new, slots)), fitting  # without the reserve: misses
+        assert all(b in predicted for count in met for b in static_engine._row_buckets(count))
+    figure["free"] = 10**6 * GIB
+    assert static.capped_rows(100, widest, new, slots) == []  # nothing caps: nothing to add
+    static.free_memory = lambda device: None
+    assert static.capped_rows(100, widest, new, slots) == []
+
+
 def test_a_sequence_that_cannot_fit_fails_with_one_line_saying_what_fits():
     model = make_tiny_model("qwen3", vocab_size=2048)
     total = 80 * GIB

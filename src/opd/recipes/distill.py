@@ -95,7 +95,7 @@ from opd.train.distributed import (
     load_full_optimizer_state_dict,
     shard_model,
 )
-from opd.train.optim import build_optimizer, build_scheduler
+from opd.train.optim import adamw_state_bytes, build_optimizer, build_scheduler
 from opd.train.overlap import overlap_generator
 from opd.train.sampler import PromptSampler
 from opd.train.step import CompileLog, Trainer, decode_warm_up_rows, describe_compiles, opd_step, warm_up
@@ -826,13 +826,12 @@ def build_optimization(
     # One rollout must fit next to the models and the optimizer state, which AdamW allocates at its first step (two
     # moments per trainable parameter of this rank's shard, counted at the parameters' size): fail now, before any
     # data reaches the GPU.
-    local = [getattr(p, "to_local", lambda p=p: p)() for p in student.parameters() if p.requires_grad]
     with autocast(models.device, models.autocast_dtype):
         check_generation_fits(
             generator,
             prompt_tokens=config.data.max_prompt_length,
             new_tokens=config.rollout.max_new_tokens,
-            reserve_bytes=2 * sum(p.numel() * p.element_size() for p in local) + gathered_bytes(student, dist),
+            reserve_bytes=adamw_state_bytes(student.parameters()) + gathered_bytes(student, dist),
             names=("data.max_prompt_length", "rollout.max_new_tokens"),
         )
     scheduler = build_scheduler(optimizer, config.run.steps, config.optim)

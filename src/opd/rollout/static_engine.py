@@ -738,11 +738,37 @@ class StaticGenerator(memory.ModuleMemory):
     def decode_rows(self, samples: Iterable[int]) -> list[int]:
         """The row counts this engine's decode step runs at in calls of these sample counts, largest first: each
         call's rows (`plan_rows` before its memory cap: rounded up to the ladder where calls round) and, with live-row
-        buckets, the buckets below them. A call capped by the memory free at the time may still meet another count."""
+        buckets, the buckets below them. A call capped by the memory free at the time may meet another count
+        (`capped_rows`)."""
         rounds, counts = self._rounds_rows(), set()
         for count in samples:
             rows = _round_rows(count, self.max_batch_size) if rounds else min(self.max_batch_size, max(1, count))
             counts.update(_row_buckets(rows) if self.row_buckets else (rows,))
+        return sorted(counts, reverse=True)
+
+    def capped_rows(
+        self, samples: int, prompt_tokens: int, new_tokens: int, slots: range, *, reserve_bytes: int = 0
+    ) -> list[int]:
+        """The row counts, largest first, that the memory free now less reserve_bytes can cap calls of up to `samples`
+        samples to (`plan_rows`: below the rows the samples ask for), for rows of any KV slot count in `slots`, after
+        the step weights each call builds; with live-row buckets, their buckets too. The warm-up compiles them
+        (`opd.train.step.decode_warm_up_rows`), so that a call sized by the memory meets no new shape. A prediction:
+        reserve_bytes is memory resident at the calls but not yet (optimizer state); other memory taken or freed
+        between now and a call moves its count. Empty where nothing is sized (no memory figure: CPU)."""
+        figure = self._memory()
+        if figure is None or not slots:
+            return []
+        dtype = self.compute_dtype()
+        free = (figure[0] - reserve_bytes - self.step_weight_bytes(dtype), figure[1])
+        rows = _round_rows(samples, self.max_batch_size) if self._rounds_rows() else min(self.max_batch_size, samples)
+        least, most = (
+            memory.rows_that_fit(free, self.row_cost(prompt_tokens, new_tokens, dtype, n)) or 0
+            for n in (slots[-1], slots[0])
+        )
+        counts: set[int] = set()
+        for fit in range(max(1, least), min(most, rows - 1) + 1):  # fewer slots a row, more rows: every fit between
+            count = _settle_limit(fit)
+            counts.update(_row_buckets(count) if self.row_buckets else (count,))
         return sorted(counts, reverse=True)
 
     def warm_up_decode(self, prompt: Sequence[int], params: SamplingParams, rows: Sequence[int]) -> int:
@@ -752,8 +778,13 @@ class StaticGenerator(memory.ModuleMemory):
         under the autocast generation runs under. Returns the calls made: none where the step does not compile."""
         if not self.compiles_decode():
             return 0
-        for count in rows:
-            self.generate([list(prompt)] * count, replace(params, n=1, max_new_tokens=2))
+        limit = self.max_batch_size
+        try:
+            for count in rows:
+                self.max_batch_size = count  # exactly `count` rows: a count capped by memory is off the rounding ladder
+                self.generate([list(prompt)] * count, replace(params, n=1, max_new_tokens=2))
+        finally:
+            self.max_batch_size = limit
         return len(rows)
 
     def sync_weights(self) -> None:

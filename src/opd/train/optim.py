@@ -11,6 +11,7 @@ ways to shrink what it costs, neither changing the update rule:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -132,6 +133,12 @@ def store_bf16_stochastic(out_N: torch.Tensor, x_N: torch.Tensor, *, seed: int) 
     noise = torch.empty_like(bits).random_(0, 1 << 16, generator=generator)
     bits.add_(noise).bitwise_and_(-65536)
     return out_N.copy_(bits.view(torch.float32))
+
+
+def adamw_state_bytes(params: Iterable[torch.Tensor]) -> int:
+    """Bytes AdamW's two moments take for these parameters' trainable ones (this rank's shards), counted at the
+    parameters' size: memory that is resident from the optimizer's first step on, not before."""
+    return 2 * sum(_local(p).numel() * _local(p).element_size() for p in params if p.requires_grad)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

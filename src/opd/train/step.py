@@ -47,8 +47,16 @@ from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
 from opd.teacher.base import TeacherScorer, start_scoring
 from opd.teacher.registry import RoutedTeacher
 from opd.train.common import autocast, timed
-from opd.train.distributed import SINGLE, DistInfo, all_reduce_sum, gathered, max_over_ranks, reduce_metrics
-from opd.train.optim import clip_and_step
+from opd.train.distributed import (
+    SINGLE,
+    DistInfo,
+    all_reduce_sum,
+    gathered,
+    gathered_bytes,
+    max_over_ranks,
+    reduce_metrics,
+)
+from opd.train.optim import adamw_state_bytes, clip_and_step
 from opd.train.overlap import AheadGenerator, AheadStream, PendingRollouts
 from opd.train.sampler import PromptSampler
 from opd.train.stream import GenerateFn, RolloutStream, StreamBatch, default_segment, in_flight_batches
@@ -618,17 +626,31 @@ def decode_warm_up_rows(tr: Trainer) -> list[int]:
     """The row counts `warm_up` compiles the static engine's decode step at (`StaticGenerator.decode_rows`), largest
     first: those of the run's calls, prompts_per_step × n samples (this rank's share), or with rollout.partial any
     count up to the samples the stream keeps in flight (its calls continue what is unfinished; where calls keep their
-    exact sample counts, `round_rows=False`, only the largest: each count would be a compile). Empty where the step
-    does not compile (another engine, CPU, `compile=False`) and with rollout.overlap, whose calls run another engine
-    over a snapshot of the weights, uncompiled (`opd.train.overlap.overlap_generator`)."""
+    exact sample counts, `round_rows=False`, only the largest: each count would be a compile); and the counts the
+    memory can cap those calls to (`StaticGenerator.capped_rows`), with the optimizer state that is not allocated
+    before the first step reserved (the paper's step on an H100 warmed 64 rows and met 48 at its first full-length
+    call, docs/performance.md). Empty where the step does not compile (another engine, CPU, `compile=False`) and with
+    rollout.overlap, whose calls run another engine over a snapshot of the weights, uncompiled
+    (`opd.train.overlap.overlap_generator`)."""
     engine = tr.generator
     if not isinstance(engine, StaticGenerator) or tr.ahead is not None or not engine.compiles_decode():
         return []
     cfg = tr.config
+    new_tokens, lengths = cfg.rollout.max_new_tokens, [len(ids) for ids in tr.prompt_ids]
     if tr.stream is not None:
-        depth = in_flight_batches(cfg.rollout.max_staleness, 0) * cfg.prompts_per_step * cfg.rollout.n
-        return engine.decode_rows([depth] if engine.round_rows is False else range(1, depth + 1))
-    return engine.decode_rows([_rank_samples(tr)])
+        samples = in_flight_batches(cfg.rollout.max_staleness, 0) * cfg.prompts_per_step * cfg.rollout.n
+        rows = engine.decode_rows([samples] if engine.round_rows is False else range(1, samples + 1))
+        # a continued sample's row: its prompt, the tokens so far and what its cap leaves, any slot count up to that
+        widest, slots = max(lengths) + new_tokens - 1, range(min(lengths) + 1, max(lengths) + new_tokens + 1)
+    else:
+        samples = _rank_samples(tr)
+        rows = engine.decode_rows([samples])
+        widest, slots = max(lengths), range(min(lengths) + new_tokens, max(lengths) + new_tokens + 1)
+    unallocated = 0 if tr.optimizer.state else adamw_state_bytes(tr.student.parameters())
+    reserve = unallocated + gathered_bytes(tr.student, tr.dist)  # calls run on the gathered weights
+    with autocast(next(tr.student.parameters()).device, tr.autocast_dtype):  # the dtype generation sizes rows in
+        capped = engine.capped_rows(samples, widest, new_tokens, slots, reserve_bytes=reserve)
+    return sorted({*rows, *capped}, reverse=True)
 
 
 def _rank_samples(tr: Trainer) -> int:

@@ -845,20 +845,26 @@ def test_slots_hold_the_longest_sample_not_the_longest_prompt_with_the_largest_l
     assert _max_abs_diff(got.logprobs, want.logprobs) < 1e-4
 
 
-def test_rounded_rows_stay_on_a_bounded_set_under_the_memory_and_token_caps():
-    """round_rows: the memory cap applies after the rounding as without it (below 16 rows as it is, else a multiple
-    of 8), and so does a binding max_batch_tokens cap, which without rounding follows every prompt length: over any
-    samples, free memory and prompt lengths the calls run one of a bounded set of row counts."""
-    model = make_tiny_model("qwen3", vocab_size=2048)
-    total, figure, new = 80 * GIB, {"free": 0}, 20
+def _rounding_engine_on_a_figure() -> tuple[StaticGenerator, dict[str, int], int]:
+    """A rounding engine (up to 128 rows) on a device of 80 GiB whose free bytes are `figure["free"]`."""
+    figure, total = {"free": 0}, 80 * GIB
     static = StaticGenerator(
-        model,
+        make_tiny_model("qwen3", vocab_size=2048),
         eos_token_ids=[EOS_ID],
         pad_token_id=PAD_ID,
         max_batch_size=128,
         round_rows=True,
         free_memory=lambda device: (figure["free"], total),
     )
+    return static, figure, total
+
+
+def test_rounded_rows_stay_on_a_bounded_set_under_the_memory_and_token_caps():
+    """round_rows: the memory cap applies after the rounding as without it (below 16 rows as it is, else a multiple
+    of 8), and so does a binding max_batch_tokens cap, which without rounding follows every prompt length: over any
+    samples, free memory and prompt lengths the calls run one of a bounded set of row counts."""
+    static, figure, total = _rounding_engine_on_a_figure()
+    new = 20
     bounded = {*range(1, 16), *range(16, 129, 8)}
     seen = set()
     for prompt in (4, 16, 37):
@@ -886,16 +892,8 @@ def test_capped_rows_hold_every_count_the_memory_gives_the_calls():
     """`capped_rows`: for calls whose widest row holds any slot count of a range, every row count `plan_rows` gives
     them on the memory a call sees (the figure now, less the reserved bytes and the step weights it builds) is
     predicted, live-row buckets included; the prediction needs the reserve (the test can fail)."""
-    model = make_tiny_model("qwen3", vocab_size=2048)
-    total, figure, new = 80 * GIB, {"free": 0}, 20
-    static = StaticGenerator(
-        model,
-        eos_token_ids=[EOS_ID],
-        pad_token_id=PAD_ID,
-        max_batch_size=128,
-        round_rows=True,
-        free_memory=lambda device: (figure["free"], total),
-    )
+    static, figure, total = _rounding_engine_on_a_figure()
+    new = 20
     assert static.step_weight_bytes() > 0
     widest, slots = 37, range(4 + new, 37 + new + 1)
     uncapped = _round_rows(100, 128)

@@ -24,7 +24,8 @@ engine in one call of `--batches` rows at the trained mean length (rollout.py's 
 `vs equal` their ratio (the issue's target ≥ 0.85; the bandwidth bound of the stream's own tokens, `KV bound tok/s`, is
 what a long tail allows). Per step: calls, dropped, in flight, trained tokens by lag 0..S, decode steps
 (`--phase-times`: the time and prefill tokens of the engine's placements), graphs `torch.compile` compiled during the
-step (a call with a new row count compiles the step functions for it, also after the warm-up).
+step (a call with a new row count compiles the step functions for it; before step 0 the decode step is compiled at
+every count the calls can meet, as the trainer's warm-up does: `decode_warm_up_rows` / `decode_warm_up_s`).
 
 Buckets: for each row count b (`--bucket-sizes`; auto: the powers of two below the stream's slot count, that count
 and every bucket the stream's calls decoded at; the engine's own buckets are the ones ≥ 4), two calls of exactly b
@@ -92,6 +93,30 @@ def stream_engine(name: str, model, shape: str, rows: int, *, cap: int = 7168, p
         return engine
     packed = name == "static_packed"
     return make_engine("static_compile" if packed else name, model, shape, rows, packed_prefill=packed, **options)
+
+
+def warm_up_decode(engine, samples: int, max_staleness: int, prompt_len: int, cap: int) -> tuple[list[int], float]:
+    """The trainer's decode warm-up for a stream (`opd.train.step.engine_warm_up_rows`): the decode step compiled at
+    every row count the stream's calls can meet, the counts the free memory caps them to included, before its first
+    step, so that no step compiles it. Returns the counts (none where the step does not compile) and the seconds."""
+    from opd.rollout import SamplingParams
+    from opd.train.step import engine_warm_up_rows
+    from opd.train.stream import in_flight_batches
+
+    if not engine.compiles_decode():
+        return [], 0.0
+    start = time.perf_counter()
+    in_flight = in_flight_batches(max_staleness, 0) * samples
+    rows = engine_warm_up_rows(engine, in_flight, stream=True, prompt_lengths=[prompt_len], new_tokens=cap)
+    params = SamplingParams(temperature=1.0, max_new_tokens=cap, stop_at_eos=False, return_logprobs=True)
+    engine.warm_up_decode(list(range(3, 3 + prompt_len)), params, rows)  # sampled as stream_generate samples
+    seconds = time.perf_counter() - start
+    print(
+        f"[rollout_stream] decode step warmed up at {len(rows)} row counts ({rows[0]} to {rows[-1]}) in "
+        f"{seconds:.1f} s",
+        flush=True,
+    )
+    return rows, seconds
 
 
 class ForcedLengths:
@@ -277,6 +302,7 @@ def run_stream(args, report: Report, model, device, name: str, label: str = "") 
         prompt_len=args.prompt_len,
         **({"sync_interval": args.sync_interval} if args.sync_interval else {}),
     )
+    warm_up_rows, warm_up_s = warm_up_decode(engine, samples, args.max_staleness, args.prompt_len, cap)
     forced = ForcedLengths(args.lengths, cap, args.seed)
     g = torch.Generator().manual_seed(args.seed)
     prompts: list[list[int]] = []  # grows as the stream draws
@@ -370,6 +396,8 @@ def run_stream(args, report: Report, model, device, name: str, label: str = "") 
         "cut_total": stream.cut,
         "early_stop": args.early_stop,
         "rows": counters["rows"],
+        "decode_warm_up_rows": warm_up_rows,
+        "decode_warm_up_s": warm_up_s,
         "bucket_steps": dict(sorted(counters["bucket_steps"].items(), reverse=True)),
         **{f"lag_{k}_frac": n / max(1, timed["tokens"]) for k, n in enumerate(lag_tokens)},
         **bound,

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from helpers import compile_decode_on_cpu
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -144,6 +147,26 @@ def test_rollout_stream_with_compiled_prefills(tmp_path, capsys):
     assert stream["trained_total"] == 3 * 8 and stream["vs_equal"] > 0
     assert [s["compiles"] for s in data["steps"]] == [0, 0, 0]
     assert any(s["calls"] > 1 or s["lag_1"] for s in data["steps"])  # samples continued across calls
+
+
+def test_rollout_stream_warms_up_the_decode_step(tmp_path, capsys, monkeypatch):
+    """The stream's engine with its decode step compiled (CUDA's, here through dynamo with aot_eager): before step 0
+    the benchmark compiles it at every row count the stream's calls can meet, as the trainer's warm-up does, so that
+    no step compiles (without the warm-up the first steps do: the test can fail)."""
+    compile_decode_on_cpu(monkeypatch)
+    torch._dynamo.reset()
+    data, printed = run(
+        "rollout_stream",
+        tmp_path,
+        capsys,
+        *("--batches", "8", "--prompt-len", "5", "--lengths", "lognormal:mean=6,cap=16,sigma=0.8"),
+        *("--stream-steps", "3", "--bucket-steps", "0", "--sync-interval", "2", "--repeat", "1"),
+        *("--engine", "static_packed_compiled", "--attention", "opd_varlen"),
+    )
+    stream = rows(data)["stream[static_packed_compiled@8]"]
+    assert stream["decode_warm_up_rows"] == [8, 4, 2, 1] and "decode step warmed up at 4 row counts" in printed
+    assert set(stream["bucket_steps"]) <= set(stream["decode_warm_up_rows"])
+    assert [s["compiles"] for s in data["steps"]] == [0, 0, 0]
 
 
 def test_rollout_stream_configs(tmp_path, capsys):

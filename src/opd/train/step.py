@@ -636,20 +636,48 @@ def decode_warm_up_rows(tr: Trainer) -> list[int]:
     if not isinstance(engine, StaticGenerator) or tr.ahead is not None or not engine.compiles_decode():
         return []
     cfg = tr.config
-    new_tokens, lengths = cfg.rollout.max_new_tokens, [len(ids) for ids in tr.prompt_ids]
-    if tr.stream is not None:
-        samples = in_flight_batches(cfg.rollout.max_staleness, 0) * cfg.prompts_per_step * cfg.rollout.n
-        rows = engine.decode_rows([samples] if engine.round_rows is False else range(1, samples + 1))
-        # a continued sample's row: its prompt, the tokens so far and what its cap leaves, any slot count up to that
-        widest, slots = max(lengths) + new_tokens - 1, range(min(lengths) + 1, max(lengths) + new_tokens + 1)
-    else:
-        samples = _rank_samples(tr)
-        rows = engine.decode_rows([samples])
-        widest, slots = max(lengths), range(min(lengths) + new_tokens, max(lengths) + new_tokens + 1)
+    stream = tr.stream is not None
+    samples = (
+        in_flight_batches(cfg.rollout.max_staleness, 0) * cfg.prompts_per_step * cfg.rollout.n
+        if stream
+        else _rank_samples(tr)
+    )
     unallocated = 0 if tr.optimizer.state else adamw_state_bytes(tr.student.parameters())
     reserve = unallocated + gathered_bytes(tr.student, tr.dist)  # calls run on the gathered weights
     with autocast(next(tr.student.parameters()).device, tr.autocast_dtype):  # the dtype generation sizes rows in
-        capped = engine.capped_rows(samples, widest, new_tokens, slots, reserve_bytes=reserve)
+        return engine_warm_up_rows(
+            engine,
+            samples,
+            stream=stream,
+            prompt_lengths=[len(ids) for ids in tr.prompt_ids],
+            new_tokens=cfg.rollout.max_new_tokens,
+            reserve_bytes=reserve,
+        )
+
+
+def engine_warm_up_rows(
+    engine: StaticGenerator,
+    samples: int,
+    *,
+    stream: bool,
+    prompt_lengths: list[int],
+    new_tokens: int,
+    reserve_bytes: int = 0,
+) -> list[int]:
+    """`decode_warm_up_rows` for an engine on its own: the row counts, largest first, of calls of `samples` samples
+    (a partial-rollout stream's calls, `stream`: any count up to `samples`, the samples it keeps in flight) of
+    prompts of these lengths and up to new_tokens each, with the counts the memory free now less reserve_bytes can
+    cap them to. Call it under the autocast generation runs under."""
+    if stream:
+        rows = engine.decode_rows([samples] if engine.round_rows is False else range(1, samples + 1))
+        # a continued sample's row: its prompt, the tokens so far and what its cap leaves, any slot count up to that
+        widest = max(prompt_lengths) + new_tokens - 1
+        slots = range(min(prompt_lengths) + 1, max(prompt_lengths) + new_tokens + 1)
+    else:
+        rows = engine.decode_rows([samples])
+        widest = max(prompt_lengths)
+        slots = range(min(prompt_lengths) + new_tokens, widest + new_tokens + 1)
+    capped = engine.capped_rows(samples, widest, new_tokens, slots, reserve_bytes=reserve_bytes)
     return sorted({*rows, *capped}, reverse=True)
 
 

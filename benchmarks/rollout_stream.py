@@ -107,7 +107,9 @@ def warm_up_decode(engine, samples: int, max_staleness: int, prompt_len: int, ca
         return [], 0.0
     start = time.perf_counter()
     in_flight = in_flight_batches(max_staleness, 0) * samples
-    rows = engine_warm_up_rows(engine, in_flight, stream=True, prompt_lengths=[prompt_len], new_tokens=cap)
+    rows = engine_warm_up_rows(  # least_new_tokens 1: forced lengths end a sample's call anywhere
+        engine, in_flight, stream=True, prompt_lengths=[prompt_len], new_tokens=cap, least_new_tokens=1
+    )
     params = SamplingParams(temperature=1.0, max_new_tokens=cap, stop_at_eos=False, return_logprobs=True)
     engine.warm_up_decode(list(range(3, 3 + prompt_len)), params, rows)  # sampled as stream_generate samples
     seconds = time.perf_counter() - start

@@ -651,6 +651,7 @@ def decode_warm_up_rows(tr: Trainer) -> list[int]:
             stream=stream,
             prompt_lengths=[len(ids) for ids in tr.prompt_ids],
             new_tokens=cfg.rollout.max_new_tokens,
+            least_new_tokens=tr.stream.segment if tr.stream is not None else cfg.rollout.max_new_tokens,
             reserve_bytes=reserve,
         )
 
@@ -662,21 +663,22 @@ def engine_warm_up_rows(
     stream: bool,
     prompt_lengths: list[int],
     new_tokens: int,
+    least_new_tokens: int,
     reserve_bytes: int = 0,
 ) -> list[int]:
     """`decode_warm_up_rows` for an engine on its own: the row counts, largest first, of calls of `samples` samples
     (a partial-rollout stream's calls, `stream`: any count up to `samples`, the samples it keeps in flight) of
     prompts of these lengths and up to new_tokens each, with the counts the memory free now less reserve_bytes can
-    cap them to. Call it under the autocast generation runs under."""
+    cap them to. least_new_tokens: the fewest slots after its prompt that a call's widest row holds (the synchronous
+    step: new_tokens; a stream: its segment, as a continued sample's prefix and what its cap leaves add up to at least
+    that). Call it under the autocast generation runs under."""
     if stream:
         rows = engine.decode_rows([samples] if engine.round_rows is False else range(1, samples + 1))
-        # a continued sample's row: its prompt, the tokens so far and what its cap leaves, any slot count up to that
-        widest = max(prompt_lengths) + new_tokens - 1
-        slots = range(min(prompt_lengths) + 1, max(prompt_lengths) + new_tokens + 1)
+        widest = max(prompt_lengths) + new_tokens - 1  # a continued sample's prompt: the prompt and its tokens so far
     else:
         rows = engine.decode_rows([samples])
         widest = max(prompt_lengths)
-        slots = range(min(prompt_lengths) + new_tokens, widest + new_tokens + 1)
+    slots = range(min(prompt_lengths) + least_new_tokens, max(prompt_lengths) + new_tokens + 1)
     capped = engine.capped_rows(samples, widest, new_tokens, slots, reserve_bytes=reserve_bytes)
     return sorted({*rows, *capped}, reverse=True)
 

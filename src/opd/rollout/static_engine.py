@@ -740,9 +740,9 @@ class StaticGenerator(memory.ModuleMemory):
         call's rows (`plan_rows` before its memory cap: rounded up to the ladder where calls round) and, with live-row
         buckets, the buckets below them. A call capped by the memory free at the time may meet another count
         (`capped_rows`)."""
-        rounds, counts = self._rounds_rows(), set()
+        counts: set[int] = set()
         for count in samples:
-            rows = _round_rows(count, self.max_batch_size) if rounds else min(self.max_batch_size, max(1, count))
+            rows = self._asked_rows(count)
             counts.update(_row_buckets(rows) if self.row_buckets else (rows,))
         return sorted(counts, reverse=True)
 
@@ -760,7 +760,7 @@ class StaticGenerator(memory.ModuleMemory):
             return []
         dtype = self.compute_dtype()
         free = (figure[0] - reserve_bytes - self.step_weight_bytes(dtype), figure[1])
-        rows = _round_rows(samples, self.max_batch_size) if self._rounds_rows() else min(self.max_batch_size, samples)
+        rows = self._asked_rows(samples)
         least, most = (
             memory.rows_that_fit(free, self.row_cost(prompt_tokens, new_tokens, dtype, n)) or 0
             for n in (slots[-1], slots[0])
@@ -818,6 +818,13 @@ class StaticGenerator(memory.ModuleMemory):
     def _compiles(self, on_cuda: bool) -> bool:
         """Whether the decode step runs compiled: on CUDA unless compile=False."""
         return on_cuda and self.compile is not False
+
+    def _asked_rows(self, samples: int) -> int:
+        """The rows a call of `samples` samples asks for before any cap: max_batch_size, or fewer for fewer samples
+        (rounded up to the ladder of `_round_rows` when calls round)."""
+        if self._rounds_rows():
+            return _round_rows(samples, self.max_batch_size)
+        return min(self.max_batch_size, max(1, samples))
 
     def _rounds_rows(self) -> bool:
         """Whether calls round their rows (`round_rows`; None: when the step compiles)."""
@@ -924,7 +931,7 @@ class StaticGenerator(memory.ModuleMemory):
         with `round_rows` on, a binding max_batch_tokens cap too), so that calls whose free memory differs a little
         run (and compile) the same shape. slots: KV slots per row (default prompt_tokens + new_tokens)."""
         rounds = self._rounds_rows()
-        rows = _round_rows(samples, self.max_batch_size) if rounds else min(self.max_batch_size, samples)
+        rows = self._asked_rows(samples)
         slots = prompt_tokens + new_tokens if slots is None else slots
         if self.max_batch_tokens is not None:
             limit = max(1, self.max_batch_tokens // slots)

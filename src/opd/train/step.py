@@ -636,22 +636,21 @@ def decode_warm_up_rows(tr: Trainer) -> list[int]:
     if not isinstance(engine, StaticGenerator) or tr.ahead is not None or not engine.compiles_decode():
         return []
     cfg = tr.config
-    stream = tr.stream is not None
-    samples = (
-        in_flight_batches(cfg.rollout.max_staleness, 0) * cfg.prompts_per_step * cfg.rollout.n
-        if stream
-        else _rank_samples(tr)
-    )
+    if tr.stream is not None:  # its calls: any count up to the samples in flight, rows of at least a segment
+        samples = in_flight_batches(cfg.rollout.max_staleness, 0) * cfg.prompts_per_step * cfg.rollout.n
+        least_new_tokens = tr.stream.segment
+    else:
+        samples, least_new_tokens = _rank_samples(tr), cfg.rollout.max_new_tokens
     unallocated = 0 if tr.optimizer.state else adamw_state_bytes(tr.student.parameters())
     reserve = unallocated + gathered_bytes(tr.student, tr.dist)  # calls run on the gathered weights
     with autocast(next(tr.student.parameters()).device, tr.autocast_dtype):  # the dtype generation sizes rows in
         return engine_warm_up_rows(
             engine,
             samples,
-            stream=stream,
+            stream=tr.stream is not None,
             prompt_lengths=[len(ids) for ids in tr.prompt_ids],
             new_tokens=cfg.rollout.max_new_tokens,
-            least_new_tokens=tr.stream.segment if tr.stream is not None else cfg.rollout.max_new_tokens,
+            least_new_tokens=least_new_tokens,
             reserve_bytes=reserve,
         )
 

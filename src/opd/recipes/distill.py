@@ -182,7 +182,7 @@ def _warm_up(tr: Trainer, console: Any) -> None:
     start = time.perf_counter()
     device = next(tr.student.parameters()).device
     rows = decode_warm_up_rows(tr)
-    graphs = warm_up(tr, device)
+    graphs = warm_up(tr, device, decode_rows=rows)
     decode = (
         f" and the rollout engine's decode step at {len(rows)} row counts ({rows[0]} to {rows[-1]})" if rows else ""
     )

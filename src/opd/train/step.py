@@ -568,14 +568,15 @@ def micro_backward(
     return metrics
 
 
-def warm_up(tr: Trainer, device: torch.device) -> int:
+def warm_up(tr: Trainer, device: torch.device, decode_rows: list[int] | None = None) -> int:
     """Compile every graph variant of the compiled layers (`opd.models.compile_layers`) before the first step, so
     that no step pays a compilation: the scoring and update phases run once per layout of `warm_up_layouts`, on the
     first prompt routed to each teacher with random response tokens, the update's losses × 0 and no optimizer step;
     then the vocabulary head's compiled functions at every row bucket a step can reach (`warm_up_row_buckets`);
     with rollout.compiled_prefill the static engine's prefills too, over the same layouts.
-    The model, the optimizer and every random stream are as before (gradients are reset to None); returns the number
-    of graphs compiled."""
+    decode_rows: the static engine's decode row counts, `decode_warm_up_rows(tr)` when None (a caller that names them
+    first passes them, so that what it reports is what compiles). The model, the optimizer and every random stream are
+    as before (gradients are reset to None); returns the number of graphs compiled."""
     before = compiled_graphs()
     trace, tr.memory_trace = tr.memory_trace, None
     cfg = tr.config
@@ -605,19 +606,20 @@ def warm_up(tr: Trainer, device: torch.device) -> int:
                     micro_targets = targets.select(rows)
                     micro_backward(tr, micro, micro_targets, num_tokens=ones, num_seqs=ones, scale=0.0, device=device)
                 tr.student.eval()
+        # the steps' rollouts run without gradients: so must the decode row counts' memory figure and their calls
+        tr.student.zero_grad(set_to_none=True)
         # a step's batch may score more positions in one call than any layout: the head's larger row buckets too
         warm_up_row_buckets(_rank_samples(tr) * (cfg.rollout.max_new_tokens + 1))
         engine = tr.generator
         if isinstance(engine, StaticGenerator) and engine.compiled_prefill:  # its prefills run the compiled layers
             with gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
                 warm_up_prefills(engine, tr.prompt_ids[first_prompts[0]], cfg.rollout.max_new_tokens, tr.vocab_size)
-        if rows := decode_warm_up_rows(tr):
+        if rows := decode_warm_up_rows(tr) if decode_rows is None else decode_rows:
             assert isinstance(engine, StaticGenerator)
             params = _sampling_params(cfg, tr.step, tr.dist.rank)
             with gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
                 engine.warm_up_decode(tr.prompt_ids[first_prompts[0]], params, rows)
             engine.release()
-    tr.student.zero_grad(set_to_none=True)
     tr.memory_trace = trace
     return compiled_graphs() - before
 

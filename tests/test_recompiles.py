@@ -18,7 +18,7 @@ from opd.recipes.distill import setup, train
 from opd.rollout import memory
 from opd.rollout.static_engine import StaticGenerator
 from opd.train.optim import adamw_state_bytes
-from opd.train.step import CompileLog, compiled_graphs, decode_warm_up_rows, warm_up
+from opd.train.step import CompileLog, compiled_graphs, decode_warm_up_rows, describe_compiles, warm_up
 
 # Prompts of many lengths and a micro-batch budget that splits the batch unevenly: the steps meet rows of one, of
 # equal and of different lengths, with and without grad.
@@ -141,17 +141,17 @@ def test_the_compile_log_names_the_function_and_the_guard():
 
     compiled = torch.compile(scaled_sum, dynamic=False, backend="aot_eager")
     log = CompileLog()
-    assert log.news() is None
+    assert describe_compiles(*log.take()) is None
     compiled(torch.ones(4, 3), 1.0)
-    assert log.news() == "1 graph"  # a first compile: no guard failed
+    assert describe_compiles(*log.take()) == "1 graph"  # a first compile: no guard failed
     compiled(torch.ones(4, 3), 1.0)
-    assert log.news() is None
+    assert describe_compiles(*log.take()) is None
     compiled(torch.ones(8, 3), 1.0)
-    news = log.news()
+    news = describe_compiles(*log.take())
     assert news is not None and news.startswith("1 graph; recompiled: scaled_sum (test_recompiles.py:"), news
     assert "size mismatch at index 0. expected 4, actual 8" in news
     compiled(torch.ones(8, 3), 2.0)
-    assert "scale == 1.0" in (log.news() or "")
+    assert "scale == 1.0" in (describe_compiles(*log.take()) or "")
 
 
 @pytest.mark.parametrize("partial", [False, True])

@@ -726,14 +726,10 @@ class CompileLog:
         added, self.graphs = graphs - self.graphs, graphs
         return added, recompiled
 
-    def news(self) -> str | None:
-        """None if nothing compiled since the last call; else "N graphs; recompiled: fn (file:line): guard; ...",
-        without the recompile part for graphs of functions compiled for the first time."""
-        return describe_compiles(*self.take())
-
 
 def describe_compiles(graphs: int, recompiled: list[str]) -> str | None:
-    """`CompileLog.take`'s result in words; None when nothing compiled."""
+    """`CompileLog.take`'s result in words: "N graphs; recompiled: fn (file:line): guard; ...", without the recompile
+    part for graphs of functions compiled for the first time; None when nothing compiled."""
     if graphs <= 0 and not recompiled:
         return None
     return f"{graphs} graph{'s' if graphs != 1 else ''}" + (

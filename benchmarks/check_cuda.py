@@ -690,7 +690,7 @@ def static_windows():
     binding on rows up to 140 tokens, refills and graphs, with and without live-row buckets, fp32 greedy."""
     import transformers
 
-    from families import COMMON, EOS_ID, PAD_ID
+    from families import EOS_ID, PAD_ID, TINY_CONFIG
     from opd.rollout import SamplingParams
     from opd.rollout.static_engine import StaticGenerator
     from opd.rollout.torch_engine import TorchGenerator
@@ -709,7 +709,7 @@ def static_windows():
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=100, return_logprobs=True, seed=0)
     for family_name, extra in configs.items():
         torch.manual_seed(0)
-        config = getattr(transformers, f"{family_name}Config")(**{**COMMON, "hidden_size": 64, **extra})
+        config = getattr(transformers, f"{family_name}Config")(**{**TINY_CONFIG, "hidden_size": 64, **extra})
         model_class = "Gemma3ForCausalLM" if family_name == "Gemma3Text" else f"{family_name}ForCausalLM"
         model = getattr(transformers, model_class)(config).eval().cuda()
         g = torch.Generator().manual_seed(0)

@@ -13,7 +13,7 @@ import transformers
 
 WINDOW = 4  # shorter than most test rows, so a window binds
 PAD_ID, EOS_ID, TINY_VOCAB = 256, 258, 261
-COMMON = dict(
+TINY_CONFIG = dict(
     vocab_size=TINY_VOCAB,
     hidden_size=32,
     intermediate_size=64,
@@ -39,7 +39,7 @@ LLAMA3_ROPE = {
 
 def _build(config_class: str, model_class: str, **extra) -> Callable[[], torch.nn.Module]:
     def build() -> torch.nn.Module:
-        config = getattr(transformers, config_class)(**COMMON, **extra)
+        config = getattr(transformers, config_class)(**TINY_CONFIG, **extra)
         return getattr(transformers, model_class)(config)
 
     return build

@@ -27,7 +27,7 @@ from opd.rollout.torch_engine import TorchGenerator
 # the family builders live with the benchmarks (also used by scripts/support_table.py and benchmarks/check_cuda.py)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import families  # noqa: E402
-from families import COMMON, WINDOW, family  # noqa: E402
+from families import TINY_CONFIG, WINDOW, family  # noqa: E402
 
 LENGTHS = (13, 3, 9, 6)  # WINDOW is shorter than every row but one, so the window binds
 # fp32: packed (one SDPA call per row, banded mask) and padded (eager attention, [B, S, S] mask) sum the same terms
@@ -175,7 +175,7 @@ def test_loader_never_runs_a_soft_capped_model_on_sdpa(tmp_path, capsys):
     refused in one line before transformers sees it; a choice that came out 'sdpa' becomes 'eager' with one note,
     and the scores are then eager's."""
     torch.manual_seed(0)
-    config = transformers.Gemma2Config(**COMMON, head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=1.0)
+    config = transformers.Gemma2Config(**TINY_CONFIG, head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=1.0)
     path = _saved(tmp_path, transformers.Gemma2ForCausalLM(config).eval())
     with pytest.raises(ModelLoadError, match=r"'sdpa' cannot run .* exactly: SDPA has no attention logit soft-cap"):
         load_model(path, dtype="float32", device="cpu", attn_implementation="sdpa")
@@ -230,9 +230,9 @@ def test_engine_auto_names_what_the_static_engine_cannot_run_and_static_refuses(
 
 
 def _llama_with_rope(rope: dict) -> torch.nn.Module:
-    half = COMMON["hidden_size"] // COMMON["num_attention_heads"] // 2
+    half = TINY_CONFIG["hidden_size"] // TINY_CONFIG["num_attention_heads"] // 2
     extra = {"short_factor": [1.0] * half, "long_factor": [4.0] * half} if rope["rope_type"] == "longrope" else {}
-    config = LlamaConfig(**COMMON, rope_parameters={"rope_theta": 10000.0, **rope, **extra})
+    config = LlamaConfig(**TINY_CONFIG, rope_parameters={"rope_theta": 10000.0, **rope, **extra})
     return LlamaForCausalLM(config).eval()
 
 
@@ -284,10 +284,10 @@ STATIC_FAMILIES = [
 def _static_family(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if name == "phi3_partial_rotary":  # Phi-4-mini's feature (its longrope is refused by itself): RoPE on half a head
-        config = transformers.Phi3Config(**COMMON, sliding_window=WINDOW, partial_rotary_factor=0.5)
+        config = transformers.Phi3Config(**TINY_CONFIG, sliding_window=WINDOW, partial_rotary_factor=0.5)
         return transformers.Phi3ForCausalLM(config).eval()
     if name == "gemma2_binding_softcap":  # Gemma 2's cap of 50 hardly binds on tiny random scores: one of 1 does
-        config = transformers.Gemma2Config(**COMMON, head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=1.0)
+        config = transformers.Gemma2Config(**TINY_CONFIG, head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=1.0)
         return transformers.Gemma2ForCausalLM(config).eval()
     return family(name)
 
@@ -345,7 +345,7 @@ def test_the_triton_decode_kernel_reads_only_a_sliding_window(name):
     if not triton_attention.available(torch.device("cpu")):
         pytest.skip("Triton is not installed")
     torch.manual_seed(0)  # the kernel's least head size is 16: 64 / 4 heads
-    wide = {**COMMON, "hidden_size": 64}
+    wide = {**TINY_CONFIG, "hidden_size": 64}
     if name == "mistral":
         model = MistralForCausalLM(MistralConfig(**wide, sliding_window=WINDOW)).eval()
     else:

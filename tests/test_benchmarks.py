@@ -445,6 +445,27 @@ def test_opd_step_paper_mode_forces_ragged_lengths(tmp_path, capsys):
     assert row["bound_total_s"] > 0 and row["vs_bound"] == pytest.approx(row["seconds"] / row["bound_total_s"])
 
 
+def test_opd_step_warms_up_the_engines_decode_step(tmp_path, capsys, monkeypatch):
+    """The step's engine with its decode step compiled (CUDA's, here through dynamo with aot_eager), behind the
+    benchmark's length-forcing wrapper: the trainer's warm-up compiles it at the calls' row counts, so that neither
+    the warm-up step nor the timed step compiles (the paper step on an H100 compiled it in both before: the test
+    can fail)."""
+    compile_decode_on_cpu(monkeypatch)
+    torch._dynamo.reset()
+    data, _ = run(
+        "opd_step",
+        tmp_path,
+        capsys,
+        *("--paper", "--shape", "tiny", "--teacher-shape", "tiny", "--prompts", "3", "--n", "2"),
+        *("--prompt-len", "5", "--new-tokens", "12", "--rollout-rows", "4", "--compile", "on", "--attn", "opd_varlen"),
+        *("--lengths", "lognormal:mean=6,cap=12,sigma=0.8", "--warmup-lengths", "lognormal:mean=3,cap=6,sigma=0.8"),
+        *("--warmup", "1", "--repeat", "1", "--peak-tflops", "1", "--peak-tbps", "0.01"),
+    )
+    row = rows(data)["opd_step[static_engine]"]
+    assert row["warm_up_graphs"] > 0
+    assert (row["warm_step_graphs"], row["timed_step_graphs"]) == (0, 0), row
+
+
 def test_opd_step_bound_counts_the_trained_rows(tmp_path, capsys):
     """With rollout.overlap or rollout.partial the rows a step trains do not come from the engine's last call (that
     one makes the next batch, or continues samples): the bound counts the trained rows' response tokens."""

@@ -32,6 +32,14 @@ def run(name: str, tmp_path, capsys, *args: str) -> tuple[dict, str]:
     return data, printed
 
 
+def run_compiling_decode(monkeypatch, name: str, tmp_path, capsys, *args: str) -> tuple[dict, str]:
+    """`run` with the static engine's decode step compiled on the CPU as on CUDA (`compile_decode_on_cpu`) and
+    dynamo's caches emptied first, so that the graphs a run's steps compile are all counted."""
+    compile_decode_on_cpu(monkeypatch)
+    torch._dynamo.reset()
+    return run(name, tmp_path, capsys, *args)
+
+
 def rows(data: dict) -> dict[str, dict]:
     by_name = {r["name"]: r for r in data["rows"]}
     for name, row in by_name.items():
@@ -153,9 +161,8 @@ def test_rollout_stream_warms_up_the_decode_step(tmp_path, capsys, monkeypatch):
     """The stream's engine with its decode step compiled (CUDA's, here through dynamo with aot_eager): before step 0
     the benchmark compiles it at every row count the stream's calls can meet, as the trainer's warm-up does, so that
     no step compiles (without the warm-up the first steps do: the test can fail)."""
-    compile_decode_on_cpu(monkeypatch)
-    torch._dynamo.reset()
-    data, printed = run(
+    data, printed = run_compiling_decode(
+        monkeypatch,
         "rollout_stream",
         tmp_path,
         capsys,
@@ -450,9 +457,8 @@ def test_opd_step_warms_up_the_engines_decode_step(tmp_path, capsys, monkeypatch
     benchmark's length-forcing wrapper: the trainer's warm-up compiles it at the calls' row counts, so that neither
     the warm-up step nor the timed step compiles (the paper step on an H100 compiled it in both before: the test
     can fail)."""
-    compile_decode_on_cpu(monkeypatch)
-    torch._dynamo.reset()
-    data, _ = run(
+    data, _ = run_compiling_decode(
+        monkeypatch,
         "opd_step",
         tmp_path,
         capsys,

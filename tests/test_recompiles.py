@@ -205,6 +205,26 @@ def test_a_decode_step_capped_by_memory_compiles_only_in_the_warm_up(world, tmp_
     assert engine.stats["rows"] <= 12  # the calls ran capped
 
 
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_decode_step_capped_by_a_token_budget_compiles_only_in_the_warm_up(world, tmp_path, monkeypatch, partial):
+    """A binding rollout.max_batch_tokens caps the calls below the rows their samples ask for, each width of call to
+    its own count: the warm-up compiles those counts too (`StaticGenerator.capped_rows`), so no step compiles after
+    it (before, only the memory's caps were predicted and step 1 compiled)."""
+    compile_decode_on_cpu(monkeypatch)
+    torch._dynamo.reset()
+    extra = ("rollout.partial=true", "objective.tis_cap=2.0") if partial else ()
+    tr = _trainer(world, tmp_path, "rollout.engine=static", *extra)
+    engine = tr.generator
+    assert isinstance(engine, StaticGenerator)
+    lengths, new = [len(ids) for ids in tr.prompt_ids], tr.config.rollout.max_new_tokens
+    engine.max_batch_tokens = 6 * (max(lengths) + new)  # 6 rows of the widest call, more of narrower ones
+    rows = decode_warm_up_rows(tr)
+    assert 6 in rows, rows
+    after, graphs = _graphs_after_warm_up_and_per_step(tr, tmp_path)
+    assert graphs == [after] * 4, (after, graphs)
+    assert engine.stats["rows"] < (32 if partial else 16)  # the calls ran capped
+
+
 # the GPU's layout (opd_varlen) with the static engine's prefills through the compiled layers
 COMPILED_PREFILL = (
     "student.attn_implementation=opd_varlen",

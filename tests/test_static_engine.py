@@ -915,6 +915,25 @@ def test_capped_rows_hold_every_count_the_memory_gives_the_calls():
     assert static.capped_rows(100, widest, new, slots) == []
 
 
+@pytest.mark.parametrize("memory_figure", [True, False])
+def test_capped_rows_hold_every_count_a_token_budget_gives_the_calls(memory_figure):
+    """A binding max_batch_tokens caps each width of call to its own count (rounded down to a multiple of 8 from
+    16): `capped_rows` predicts every count `plan_rows` gives calls whose widest row holds any slot count of the
+    range, with or without a memory figure (the memory caps nothing here)."""
+    static, figure, _ = _rounding_engine_on_a_figure()
+    figure["free"] = 10**6 * GIB
+    if not memory_figure:
+        static.free_memory = lambda device: None
+    new, widest = 20, 37
+    slots = range(4 + new, widest + new + 1)
+    assert static.capped_rows(100, widest, new, slots) == []  # no budget: nothing caps
+    static.max_batch_tokens = 40 * 57
+    met = {static.plan_rows(100, width, new) for width in range(4, widest + 1)}
+    predicted = static.capped_rows(100, widest, new, slots)
+    assert len(met) > 2 and met <= set(predicted), (met, predicted)
+    assert all(b in predicted for count in met for b in static_engine._row_buckets(count))
+
+
 def test_a_sequence_that_cannot_fit_fails_with_one_line_saying_what_fits():
     model = make_tiny_model("qwen3", vocab_size=2048)
     total = 80 * GIB

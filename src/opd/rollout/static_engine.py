@@ -749,25 +749,32 @@ class StaticGenerator(memory.ModuleMemory):
     def capped_rows(
         self, samples: int, prompt_tokens: int, new_tokens: int, slots: range, *, reserve_bytes: int = 0
     ) -> list[int]:
-        """The row counts, largest first, that the memory free now less reserve_bytes can cap calls of up to `samples`
-        samples to (`plan_rows`: below the rows the samples ask for), for rows of any KV slot count in `slots`, after
-        the step weights each call builds; with live-row buckets, their buckets too. The warm-up compiles them
-        (`opd.train.step.decode_warm_up_rows`), so that a call sized by the memory meets no new shape. A prediction:
-        reserve_bytes is memory resident at the calls but not yet (optimizer state); other memory taken or freed
-        between now and a call moves its count. Empty where nothing is sized (no memory figure: CPU)."""
-        figure = self._memory()
-        if figure is None or not slots:
-            return []
-        dtype = self.compute_dtype()
-        free = (figure[0] - reserve_bytes - self.step_weight_bytes(dtype), figure[1])
+        """The row counts, largest first, that the memory free now less reserve_bytes, or a binding max_batch_tokens,
+        can cap calls of up to `samples` samples to (`plan_rows`: below the rows the samples ask for), for rows of any
+        KV slot count in `slots`, after the step weights each call builds; with live-row buckets, their buckets too.
+        The warm-up compiles them (`opd.train.step.decode_warm_up_rows`), so that a call sized by the memory or the
+        token budget meets no new shape. A prediction: reserve_bytes is memory resident at the calls but not yet
+        (optimizer state); other memory taken or freed between now and a call moves its count. Without a memory
+        figure (CPU) only the token budget's counts."""
         rows = self._asked_rows(samples)
-        least, most = (
-            memory.rows_that_fit(free, self.row_cost(prompt_tokens, new_tokens, dtype, n)) or 0
-            for n in (slots[-1], slots[0])
-        )
+        caps: set[int] = set()
+        if self.max_batch_tokens is not None:  # each slot count its own cap, rounded as `plan_rows` rounds it
+            rounds = self._rounds_rows()
+            for limit in {max(1, self.max_batch_tokens // n) for n in slots}:
+                if limit < rows:
+                    caps.add(_settle_limit(limit) if rounds else limit)
+        figure = self._memory()
+        if figure is not None and slots:
+            dtype = self.compute_dtype()
+            free = (figure[0] - reserve_bytes - self.step_weight_bytes(dtype), figure[1])
+            least, most = (
+                memory.rows_that_fit(free, self.row_cost(prompt_tokens, new_tokens, dtype, n)) or 0
+                for n in (slots[-1], slots[0])
+            )
+            # fewer slots a row, more rows: every fit between
+            caps.update(_settle_limit(fit) for fit in range(max(1, least), min(most, rows - 1) + 1))
         counts: set[int] = set()
-        for fit in range(max(1, least), min(most, rows - 1) + 1):  # fewer slots a row, more rows: every fit between
-            count = _settle_limit(fit)
+        for count in caps:
             counts.update(_row_buckets(count) if self.row_buckets else (count,))
         return sorted(counts, reverse=True)
 

@@ -18,7 +18,7 @@ from opd.recipes.distill import setup, train
 from opd.rollout import memory
 from opd.rollout.static_engine import StaticGenerator
 from opd.train.optim import adamw_state_bytes
-from opd.train.step import CompileLog, compiled_graphs, decode_warm_up_rows, describe_compiles, warm_up
+from opd.train.step import CompileLog, Trainer, compiled_graphs, decode_warm_up_rows, describe_compiles, warm_up
 
 # Prompts of many lengths and a micro-batch budget that splits the batch unevenly: the steps meet rows of one, of
 # equal and of different lengths, with and without grad.
@@ -154,15 +154,23 @@ def test_the_compile_log_names_the_function_and_the_guard():
     assert "scale == 1.0" in (describe_compiles(*log.take()) or "")
 
 
+def _static_engine_trainer(world, tmp_path, monkeypatch, partial: bool) -> tuple[Trainer, StaticGenerator]:
+    """A trainer on the static engine, its decode step compiled on the CPU as on CUDA (`compile_decode_on_cpu`),
+    dynamo's caches emptied; with rollout.partial when `partial`."""
+    compile_decode_on_cpu(monkeypatch)
+    torch._dynamo.reset()
+    extra = ("rollout.partial=true", "objective.tis_cap=2.0") if partial else ()
+    tr = _trainer(world, tmp_path, "rollout.engine=static", *extra)
+    assert isinstance(tr.generator, StaticGenerator)
+    return tr, tr.generator
+
+
 @pytest.mark.parametrize("partial", [False, True])
 def test_the_static_engines_decode_step_compiles_only_in_the_warm_up(world, tmp_path, monkeypatch, partial):
     """The rollout engine's compiled decode step (CUDA's, here on the CPU through dynamo with aot_eager) is warmed up
     at every row count the run's calls can meet (`decode_warm_up_rows`): with rollout.partial any count up to the
     samples in flight, whose calls vary. No step compiles after the warm-up."""
-    compile_decode_on_cpu(monkeypatch)
-    torch._dynamo.reset()
-    extra = ("rollout.partial=true", "objective.tis_cap=2.0") if partial else ()
-    tr = _trainer(world, tmp_path, "rollout.engine=static", *extra)
+    tr, _ = _static_engine_trainer(world, tmp_path, monkeypatch, partial)
     # 3 prompts × 3: 9 samples a call, 16 rows; partial: up to 18 in flight (two batches), 32 rows
     assert decode_warm_up_rows(tr) == ([32, 16, 8, 4, 2, 1] if partial else [16, 8, 4])
     console = string_console()
@@ -179,12 +187,7 @@ def test_a_decode_step_capped_by_memory_compiles_only_in_the_warm_up(world, tmp_
     would predict from the memory before the moments exist, and step 1 would compile (the test can fail). The figure
     also loses the gradients' bytes while they exist: the warm-up's update pass leaves them, no step's rollout has
     them, and sized with them the warm-up missed the steps' count (9 graphs in step 1)."""
-    compile_decode_on_cpu(monkeypatch)
-    torch._dynamo.reset()
-    extra = ("rollout.partial=true", "objective.tis_cap=2.0") if partial else ()
-    tr = _trainer(world, tmp_path, "rollout.engine=static", *extra)
-    engine = tr.generator
-    assert isinstance(engine, StaticGenerator)
+    tr, engine = _static_engine_trainer(world, tmp_path, monkeypatch, partial)
     engine.fuse_weights = False  # the figure below does not see the weight copies a call builds
     lengths, new = [len(ids) for ids in tr.prompt_ids], tr.config.rollout.max_new_tokens
     cost = engine.row_cost(max(lengths), new)
@@ -210,12 +213,7 @@ def test_a_decode_step_capped_by_a_token_budget_compiles_only_in_the_warm_up(wor
     """A binding rollout.max_batch_tokens caps the calls below the rows their samples ask for, each width of call to
     its own count: the warm-up compiles those counts too (`StaticGenerator.capped_rows`), so no step compiles after
     it (before, only the memory's caps were predicted and step 1 compiled)."""
-    compile_decode_on_cpu(monkeypatch)
-    torch._dynamo.reset()
-    extra = ("rollout.partial=true", "objective.tis_cap=2.0") if partial else ()
-    tr = _trainer(world, tmp_path, "rollout.engine=static", *extra)
-    engine = tr.generator
-    assert isinstance(engine, StaticGenerator)
+    tr, engine = _static_engine_trainer(world, tmp_path, monkeypatch, partial)
     lengths, new = [len(ids) for ids in tr.prompt_ids], tr.config.rollout.max_new_tokens
     engine.max_batch_tokens = 6 * (max(lengths) + new)  # 6 rows of the widest call, more of narrower ones
     rows = decode_warm_up_rows(tr)

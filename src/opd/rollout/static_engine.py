@@ -757,12 +757,7 @@ class StaticGenerator(memory.ModuleMemory):
         (optimizer state); other memory taken or freed between now and a call moves its count. Without a memory
         figure (CPU) only the token budget's counts."""
         rows = self._asked_rows(samples)
-        caps: set[int] = set()
-        if self.max_batch_tokens is not None:  # each slot count its own cap, rounded as `plan_rows` rounds it
-            rounds = self._rounds_rows()
-            for limit in {max(1, self.max_batch_tokens // n) for n in slots}:
-                if limit < rows:
-                    caps.add(_settle_limit(limit) if rounds else limit)
+        caps = {count for n in slots if (count := self._token_capped_rows(rows, n)) < rows}  # each slot count its own
         figure = self._memory()
         if figure is not None and slots:
             dtype = self.compute_dtype()
@@ -832,6 +827,13 @@ class StaticGenerator(memory.ModuleMemory):
         if self._rounds_rows():
             return _round_rows(samples, self.max_batch_size)
         return min(self.max_batch_size, max(1, samples))
+
+    def _token_capped_rows(self, rows: int, slots: int) -> int:
+        """`rows` under max_batch_tokens for rows of `slots` KV slots: where it binds, the rows it holds (rounded down
+        as the memory cap is, `_settle_limit`, when calls round); else `rows`."""
+        if self.max_batch_tokens is None or (limit := max(1, self.max_batch_tokens // slots)) >= rows:
+            return rows
+        return _settle_limit(limit) if self._rounds_rows() else limit
 
     def _rounds_rows(self) -> bool:
         """Whether calls round their rows (`round_rows`; None: when the step compiles)."""
@@ -937,13 +939,8 @@ class StaticGenerator(memory.ModuleMemory):
         memory free now. Memory-limited counts of 16 or more are rounded down to a multiple of 8 (`_settle_limit`;
         with `round_rows` on, a binding max_batch_tokens cap too), so that calls whose free memory differs a little
         run (and compile) the same shape. slots: KV slots per row (default prompt_tokens + new_tokens)."""
-        rounds = self._rounds_rows()
-        rows = self._asked_rows(samples)
         slots = prompt_tokens + new_tokens if slots is None else slots
-        if self.max_batch_tokens is not None:
-            limit = max(1, self.max_batch_tokens // slots)
-            if limit < rows:
-                rows = _settle_limit(limit) if rounds else limit
+        rows = self._token_capped_rows(self._asked_rows(samples), slots)
         free = self._memory()
         cost = self.row_cost(prompt_tokens, new_tokens, dtype, slots)
         fit = memory.rows_that_fit(free, cost)

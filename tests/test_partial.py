@@ -361,6 +361,7 @@ def test_lab_distill_with_early_stop_cuts_calls_and_resumes_exactly(capsys, monk
         assert ("rollout/decode_steps" in m) == foreground
         if foreground:
             assert m["rollout/decode_steps"] > 0 and 1 <= m["rollout/live_rows"] and 0 < m["rollout/row_occupancy"] <= 1
+            assert m["rollout/live_rows"] <= m["rollout/call_rows"]  # buckets never exceed the call's rows
 
 
 @pytest.mark.parametrize(

@@ -136,11 +136,12 @@ class Trainer:
 @dataclass
 class EngineCounts:
     """The static engine's decode work summed over a step's calls (`StaticGenerator.stats` after each): decode steps,
-    the rows they ran over (`row_steps`) and tokens decoded."""
+    the rows they ran over (`row_steps`), tokens decoded, and the widest call's rows (`call_rows`)."""
 
     decode_steps: int = 0
     row_steps: int = 0
     decoded_tokens: int = 0
+    call_rows: int = 0
 
     def add(self, generator: Generator) -> None:
         stats = getattr(generator, "stats", None) or {}
@@ -148,16 +149,20 @@ class EngineCounts:
             self.decode_steps += stats["decode_steps"]
             self.row_steps += stats["row_steps"]
             self.decoded_tokens += stats["decoded_tokens"]
+            self.call_rows = max(self.call_rows, stats["rows"])
 
     def metrics(self) -> dict[str, float]:
-        """`rollout/decode_steps`, `rollout/live_rows` (the rows a decode step ran over, on average) and
-        `rollout/row_occupancy` (the share of those rows that decoded a token); empty before any decode step."""
+        """`rollout/decode_steps`, `rollout/live_rows` (the rows a decode step ran over, on average),
+        `rollout/row_occupancy` (the share of those rows that decoded a token) and `rollout/call_rows` (the rows of the
+        step's widest call: the count a memory or token cap gave it, which names the shape a compile in the step met);
+        empty before any decode step."""
         if not self.decode_steps:
             return {}
         return {
             "rollout/decode_steps": self.decode_steps,
             "rollout/live_rows": self.row_steps / self.decode_steps,
             "rollout/row_occupancy": self.decoded_tokens / self.row_steps,  # ≥ decode_steps ≥ 1 here
+            "rollout/call_rows": self.call_rows,
         }
 
 

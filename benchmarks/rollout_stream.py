@@ -357,6 +357,7 @@ def run_stream(args, report: Report, model, device, name: str, label: str = "") 
             "tokens": tokens,
             **{k: counters[k] - v for k, v in before.items()},
             "compiles": compiled_graphs() - compiles_before,
+            "rows": counters["rows"],  # the engine's widest call so far (kept per step: a run cut short still has it)
             "seconds": seconds,
             "tokens_per_s": tokens / seconds,
             **{f"lag_{k}": lags[k] if k < len(lags) else 0 for k in range(args.max_staleness + 1)},

@@ -142,7 +142,7 @@ def test_rollout_stream(tmp_path, capsys, early_stop):
 def test_rollout_stream_with_compiled_prefills(tmp_path, capsys):
     """--engine static_packed_compiled (rollout.compiled_prefill: packed prefills through the compiled layers, aot_eager
     on a CPU): the stream runs, and after the engine's prefill warm-up none of its steps compiles a graph, also those
-    whose calls continue samples (a prompt plus its tokens so far)."""
+    whose calls continue samples (a prompt plus its tokens so far); each step's JSON row holds the engine's rows."""
     data, _ = run(
         "rollout_stream",
         tmp_path,
@@ -155,6 +155,7 @@ def test_rollout_stream_with_compiled_prefills(tmp_path, capsys):
     assert stream["trained_total"] == 3 * 8 and stream["vs_equal"] > 0
     assert [s["compiles"] for s in data["steps"]] == [0, 0, 0]
     assert any(s["calls"] > 1 or s["lag_1"] for s in data["steps"])  # samples continued across calls
+    assert [s["rows"] for s in data["steps"]][-1] == stream["rows"]  # each step's JSON holds the rows so far
 
 
 def test_rollout_stream_warms_up_the_decode_step(tmp_path, capsys, monkeypatch):

@@ -1006,11 +1006,11 @@ def test_a_steps_engine_counts_sum_its_calls():
         model, eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, max_batch_size=8, sync_interval=4, row_buckets=True
     )
     params = SamplingParams(n=4, temperature=0, max_new_tokens=60, seed=3, stop_at_eos=False)
-    counts, steps, row_steps, decoded, rows = EngineCounts(), 0, 0, 0, []
+    counts, steps, row_steps, decoded, call_rows = EngineCounts(), 0, 0, 0, []
     for prompts, caps in ((TAIL_PROMPTS, TAIL_CAPS), (TAIL_PROMPTS[:1], TAIL_CAPS[::-1][:4])):
         output = static.generate(prompts, params, max_new_tokens_per_sample=caps)
         counts.add(static)
-        rows.append(static.stats["rows"])
+        call_rows.append(static.stats["rows"])
         steps += static.stats["decode_steps"]
         row_steps += sum(rows * n for rows, n in static.stats["bucket_steps"].items())
         decoded += sum(len(ids) - 1 for ids in output.response_ids)
@@ -1020,5 +1020,5 @@ def test_a_steps_engine_counts_sum_its_calls():
     assert metrics["rollout/decode_steps"] == steps > 0
     assert 4 <= metrics["rollout/live_rows"] == row_steps / steps < 8
     assert metrics["rollout/row_occupancy"] == decoded / row_steps
-    assert rows == [8, 4] and metrics["rollout/call_rows"] == 8
+    assert call_rows == [8, 4] and metrics["rollout/call_rows"] == 8
     assert EngineCounts().metrics() == {}

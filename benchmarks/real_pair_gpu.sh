@@ -6,16 +6,20 @@
 #   bash benchmarks/real_pair_gpu.sh receive        move DIR/*.part.* (DIR: $PARTS, default .xfer) into $RP
 #   bash benchmarks/real_pair_gpu.sh join NAME SHA  join NAME.part.* into NAME.gguf, check its sha256, convert it to
 #                                                   $RP/NAME-hf (bf16) in the background (needs the gguf package)
-#   bash benchmarks/real_pair_gpu.sh eval | A | B   start the baseline MATH-500 eval (greedy, 4,096) / run A / run B
-#                                                   (A and B pass further KEY=VALUE overrides on, e.g. run.steps=20)
+#   bash benchmarks/real_pair_gpu.sh eval | A | B   start the baseline MATH-500 eval (greedy, 4,096) / run A / run B,
+#                                                   A and B once both models are converted (so either can be started
+#                                                   with the last `join`), passing further KEY=VALUE overrides on,
+#                                                   e.g. run.steps=20
 #   bash benchmarks/real_pair_gpu.sh AB SECONDS     in the background: once both models are converted, A then B in the
 #                                                   foreground of one job, A given A_SHARE percent (default 50) of the
 #                                                   SECONDS left then, B the rest, each stopped (SIGTERM) at its share;
 #                                                   further KEY=VALUE overrides go to both
 #   bash benchmarks/real_pair_gpu.sh status         the logs' tails and the GPU's use
-#   bash benchmarks/real_pair_gpu.sh hold SECONDS   sleep, then status, and copy the logs and each run's metrics,
-#                                                   config and evaluations into $OUT: send the next hold at once (the
-#                                                   machine goes back after 30 s without a call, with everything here)
+#   bash benchmarks/real_pair_gpu.sh hold SECONDS   sleep, then status, and pack the logs and each run's metrics,
+#                                                   config and evaluations into $OUT/rp.tgz (one file: what comes
+#                                                   back from $OUT is at most 8 files, 2 folders down): send the next
+#                                                   hold at once (the machine goes back after 30 s without a call,
+#                                                   with everything here)
 # NAME is student or teacher (the sha256 values are in ../shared/tools/real_pair.sh); DAPO-Math-17k is read from
 # $DATA (default $PARTS/dapo-math-17k.parquet, copied into $RP on the first call that carries it).
 set -uo pipefail
@@ -31,6 +35,7 @@ background() {  # name, command...: run in a new session, log to $RP/name.log
     setsid nohup "$@" >"$RP/$name.log" 2>&1 </dev/null &
     echo "started $name: $*"
 }
+wait_for_models() { until [ -d "$RP/student-hf" ] && [ -d "$RP/teacher-hf" ]; do sleep 2; done; }
 run=(-c configs/opd_qwen2.5_coder_0.5b_from_1.5b_4k.yaml student.path="$RP/student-hf" teacher.path="$RP/teacher-hf"
     data.path="${DATA:-$RP/dapo-math-17k.parquet}" "eval.benchmarks=[math500]" run.out_dir="$RP/runs"
     run.eval_at_start=false rollout.batch_size=512)  # A and B differ in rollout.partial alone
@@ -67,13 +72,16 @@ PY
         background eval0 "${opd[@]}" eval --model "$RP/student-hf" --benchmarks math500 --n 1 --temperature 0 \
             --max-new-tokens 4096 --batch-size 512 --template boxed --out "$RP/eval0" ;;
     A | B)
-        background "run-$1" "${opd[@]}" distill "${run[@]}" rollout.partial=$([ "$1" = B ] && echo true || echo false) \
-            run.name="opd-real-pair-4k-$1" "${@:2}" ;;
+        background "run-$1" bash "$0" run-fg "$@" ;;
+    run-fg)  # A's or B's job: the run, once both models are there
+        wait_for_models
+        exec "${opd[@]}" distill "${run[@]}" rollout.partial=$([ "$2" = B ] && echo true || echo false) \
+            run.name="opd-real-pair-4k-$2" "${@:3}" ;;
     AB)
         background chain bash "$0" chain-fg "${@:2}" ;;
     chain-fg)  # AB's job: A then B, each stopped at its share of the time left once the models are there
         end=$(($(date +%s) + $2))
-        until [ -d "$RP/student-hf" ] && [ -d "$RP/teacher-hf" ]; do sleep 2; done
+        wait_for_models
         for r in A B; do
             percent=${A_SHARE:-50} partial=false
             [ $r = B ] && percent=100 partial=true
@@ -90,13 +98,9 @@ PY
     hold)
         sleep "$2"
         bash "$0" status | grep -v '\[__recompiles\]' | tail -c 2500
-        mkdir -p "$OUT" && cp "$RP"/*.log "$OUT"/ 2>/dev/null
-        for run in "$RP"/runs/*/; do
-            [ -d "$run" ] || continue
-            mkdir -p "$OUT/$(basename "$run")"
-            cp -r "$run"/metrics.jsonl "$run"/config.yaml "$run"/eval "$OUT/$(basename "$run")"/ 2>/dev/null
-        done
-        [ -d "$RP/eval0" ] && cp -r "$RP/eval0" "$OUT"/
+        mkdir -p "$OUT"
+        (cd "$RP" && tar czf "$OUT/rp.tgz.tmp" $(ls -d *.log *.cmd runs/*/metrics.jsonl runs/*/config.yaml runs/*/eval \
+            eval0 2>/dev/null) && mv "$OUT/rp.tgz.tmp" "$OUT/rp.tgz")
         true ;;
     *) echo "unknown verb $1 (receive, join, eval, A, B, AB, status, hold)"; exit 2 ;;
 esac

@@ -83,12 +83,12 @@ PY
         end=$(($(date +%s) + $2))
         wait_for_models
         for r in A B; do
-            percent=${A_SHARE:-50} partial=false
-            [ $r = B ] && percent=100 partial=true
+            percent=${A_SHARE:-50}
+            [ $r = B ] && percent=100
             share=$(((end - $(date +%s)) * percent / 100))
             echo "run $r from $(date +%s) for $share s"
-            timeout -s TERM "$share" "${opd[@]}" distill "${run[@]}" rollout.partial=$partial \
-                run.name="opd-real-pair-4k-$r" run.save_every=100 run.eval_every=100 "${@:3}" >"$RP/run-$r.log" 2>&1
+            timeout -s TERM "$share" bash "$0" run-fg $r run.save_every=100 run.eval_every=100 "${@:3}" \
+                >"$RP/run-$r.log" 2>&1  # run-fg execs the run, so the signal reaches it
             status=$?
             echo "run $r ended at $(date +%s): exit status $status (124: stopped at its share)"
         done ;;

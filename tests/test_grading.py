@@ -839,6 +839,41 @@ def test_worker_pool_starts_its_workers_once():
         pool.close()
 
 
+def test_a_deadline_landing_in_a_finalizer_is_not_reported():
+    """The alarm can land in a finalizer (`__del__`, a weakref callback), where Python hands the exception to
+    `sys.unraisablehook` instead of raising it. `_with_alarm` keeps such a `_Deadline` from the hook (under load in CI
+    pytest's hook reported one and was itself broken by the repeating alarm), the deadline still ends the work, and
+    any other exception in a finalizer still reaches the hook."""
+    import signal
+    import sys
+
+    from opd.eval.grading import compare
+
+    class AlarmInDel:
+        def __del__(self):
+            signal.raise_signal(signal.SIGALRM)  # the alarm lands inside the finalizer
+
+    class ErrorInDel:
+        def __del__(self):
+            raise ValueError("not a deadline")
+
+    def work():
+        AlarmInDel()  # finalized at once (reference count): its _Deadline is unraisable
+        ErrorInDel()
+        while True:  # until the alarm raises here
+            time.sleep(0.001)
+
+    reported, hook = [], sys.unraisablehook
+    sys.unraisablehook = reported.append
+    try:
+        with pytest.raises(compare._Deadline):
+            compare._with_alarm(work, 0.2)
+        assert sys.unraisablehook == reported.append  # restored
+    finally:
+        sys.unraisablehook = hook
+    assert [type(u.exc_value) for u in reported] == [ValueError]
+
+
 def test_worker_overrunning_hard_deadline_is_killed():
     worker = grading._Worker()
     try:

@@ -196,14 +196,27 @@ def _with_alarm(fn, seconds: float):
     """
     if signal.getsignal(signal.SIGALRM) is None:
         raise ValueError("SIGALRM handler not installed from Python")
-    armed = True
+    armed, reporting = True, False
 
     def on_alarm(signum, frame):
-        if armed:
+        if armed and not reporting:
             raise _Deadline()
 
+    def on_unraisable(unraisable: sys.UnraisableHookArgs) -> None:
+        # An alarm landing in a finalizer (__del__, a weakref callback) is reported here instead of raised. Such a
+        # `_Deadline` is dropped: the repeating alarm raises it again in `fn`. Anything else goes to the old hook
+        # with the alarm held off, which would otherwise break that hook mid-report (pytest's, in an import).
+        nonlocal reporting
+        reporting = True
+        try:
+            if not isinstance(unraisable.exc_value, _Deadline):
+                old_unraisable(unraisable)
+        finally:
+            reporting = False
+
     start = time.monotonic()
-    old_handler = signal.signal(signal.SIGALRM, on_alarm)
+    old_handler = signal.signal(signal.SIGALRM, on_alarm)  # raises ValueError outside the main thread
+    old_unraisable, sys.unraisablehook = sys.unraisablehook, on_unraisable
     old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3), _ALARM_REPEAT_S)
     try:
         return fn()
@@ -218,6 +231,7 @@ def _with_alarm(fn, seconds: float):
                 continue
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old_handler)
+        sys.unraisablehook = old_unraisable
         if old_delay > 0:  # someone else's alarm (e.g. pytest-timeout): give back what is left
             signal.setitimer(signal.ITIMER_REAL, max(old_delay - (time.monotonic() - start), 1e-3), old_interval)
 

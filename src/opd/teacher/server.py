@@ -444,9 +444,8 @@ def _check_ids(name: str, ids: torch.Tensor, vocab_size: int, row_lengths: torch
 
 def build_app(service: TeacherService, token: str | None):
     """The Starlette app of `service`, behind bearer-token auth when `token` is set (all paths but /healthz)."""
-    import anyio
     from starlette.applications import Starlette
-    from starlette.requests import ClientDisconnect, Request
+    from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
@@ -473,56 +472,7 @@ def build_app(service: TeacherService, token: str | None):
                 f"(max_request_bytes)",
                 Connection="close",
             )
-        return await _receive(request, int(declared) if declared is not None else None)
-
-    async def _receive(request: Request, declared: int | None) -> Response:
-        """Read the body within request_timeout_s, holding its bytes against max_inflight_bytes until answered."""
-        limit, held = service.config.max_request_bytes, 0
-
-        def hold(nbytes: int) -> bool:
-            nonlocal held
-            if not service.reserve(nbytes):
-                return False
-            held += nbytes
-            return True
-
-        busy = _error(
-            503,
-            f"busy: more than {service.config.max_inflight_bytes} request bytes are held (max_inflight_bytes); retry",
-            **{"Retry-After": "1", "Connection": "close"},
-        )
-        try:
-            if declared is not None and not hold(declared):
-                service.count(rejected_busy=1)
-                return busy
-            body = bytearray()
-            try:
-                with anyio.fail_after(service.config.request_timeout_s):
-                    async for chunk in request.stream():
-                        if declared is None and not hold(len(chunk)):  # chunked: held as it arrives
-                            service.count(rejected_busy=1)
-                            return busy
-                        body += chunk
-                        if len(body) > limit:
-                            service.count(rejected_invalid=1)
-                            return _error(
-                                413,
-                                f"body: request exceeds the server's limit of {limit} bytes (max_request_bytes)",
-                                Connection="close",
-                            )
-            except TimeoutError:
-                service.count(rejected_invalid=1)
-                return _error(
-                    408,
-                    f"body: not received within {service.config.request_timeout_s:g} s (request_timeout_s)",
-                    Connection="close",
-                )
-            except ClientDisconnect:
-                service.count(disconnected=1)
-                return Response(status_code=400)
-            return await _answer(service, request, bytes(body))
-        finally:
-            service.release(held)
+        return await _receive(service, request, int(declared) if declared is not None else None)
 
     app = Starlette(
         routes=[
@@ -535,6 +485,61 @@ def build_app(service: TeacherService, token: str | None):
         lifespan=_lifespan(service),
     )
     return Identified(BearerAuth(app, token) if token is not None else app, service)
+
+
+async def _receive(service: TeacherService, request, declared: int | None):
+    """Read the body of a /score request within request_timeout_s, holding its bytes against max_inflight_bytes
+    until answered; `declared`: its content-length, or None when chunked."""
+    import anyio
+    from starlette.requests import ClientDisconnect
+    from starlette.responses import Response
+
+    limit, held = service.config.max_request_bytes, 0
+
+    def hold(nbytes: int) -> bool:
+        nonlocal held
+        if not service.reserve(nbytes):
+            return False
+        held += nbytes
+        return True
+
+    busy = _error(
+        503,
+        f"busy: more than {service.config.max_inflight_bytes} request bytes are held (max_inflight_bytes); retry",
+        **{"Retry-After": "1", "Connection": "close"},
+    )
+    try:
+        if declared is not None and not hold(declared):
+            service.count(rejected_busy=1)
+            return busy
+        body = bytearray()
+        try:
+            with anyio.fail_after(service.config.request_timeout_s):
+                async for chunk in request.stream():
+                    if declared is None and not hold(len(chunk)):  # chunked: held as it arrives
+                        service.count(rejected_busy=1)
+                        return busy
+                    body += chunk
+                    if len(body) > limit:
+                        service.count(rejected_invalid=1)
+                        return _error(
+                            413,
+                            f"body: request exceeds the server's limit of {limit} bytes (max_request_bytes)",
+                            Connection="close",
+                        )
+        except TimeoutError:
+            service.count(rejected_invalid=1)
+            return _error(
+                408,
+                f"body: not received within {service.config.request_timeout_s:g} s (request_timeout_s)",
+                Connection="close",
+            )
+        except ClientDisconnect:
+            service.count(disconnected=1)
+            return Response(status_code=400)
+        return await _answer(service, request, bytes(body))
+    finally:
+        service.release(held)
 
 
 def _error(status: int, message: str, **headers: str):

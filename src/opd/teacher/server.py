@@ -34,7 +34,7 @@ from pydantic import Field, model_validator
 
 from opd.config import ConfigError, Section
 from opd.fingerprints import weights_fingerprint
-from opd.models import check_tokenizer_compatibility
+from opd.models import check_tokenizer_compatibility, embedding_rows
 from opd.teacher import wire
 from opd.teacher.local import LocalScorer
 from opd.types import TokenScores
@@ -681,7 +681,7 @@ def service_for(
     `fingerprint`: what identifies the weights served (`opd serve-teacher` gives its model directory's, every byte
     of every file: `opd.fingerprints.model_fingerprint`); None: the hash of every byte of the weights in memory
     (`weights_fingerprint`). Every response carries it, so a client notices a server restarted on other weights."""
-    rows = model.get_output_embeddings().weight.shape[0]
+    rows = embedding_rows(model)
     vocab = check_tokenizer_compatibility(tokenizer, tokenizer, student_vocab_size=rows, teacher_vocab_size=rows)
     # ids beyond the tokenizer are embedding padding rows: never a top-k candidate (SPEC §1), as in load_teacher
     scorer = LocalScorer(model, vocab_size=vocab.tokenizer_size, max_tokens_per_batch=config.forward_tokens)
@@ -740,7 +740,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float):
     class Guarded(H11Protocol):
         waiting: dict = {}  # connection → when it started waiting for request headers (shared by this server)
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._await_headers()
             if len(self.connections) > max_connections:

@@ -208,9 +208,9 @@ def score_requests(scorer: Any, requests: list[wire.ScoreRequest]) -> list[wire.
     """Score requests with equal keys as one batch: their rows are concatenated into one `Rollouts`, scored once,
     and the scored positions are cut back per request."""
     top_k, _, temperature, with_entropy = requests[0].key
-    rollouts, requested_BTR = wire.rollouts_from_requests(requests)
+    rollouts, requested_BTQ = wire.rollouts_from_requests(requests)
     scores: TokenScores = scorer.score(
-        rollouts, top_k=top_k, requested_ids=requested_BTR, temperature=temperature, with_entropy=with_entropy
+        rollouts, top_k=top_k, requested_ids=requested_BTQ, temperature=temperature, with_entropy=with_entropy
     )
     merged = wire.response_from_scores(scores, rollouts.response_mask)
     return wire.split_response(merged, [q.num_positions for q in requests])
@@ -345,10 +345,10 @@ class TeacherService:
                     f"send smaller requests",
                     status=413,
                 )
-        R = 0 if request.requested_ids is None else request.requested_ids.shape[1]
-        if R > cfg.max_requested_ids:
+        Q = 0 if request.requested_ids is None else request.requested_ids.shape[1]
+        if Q > cfg.max_requested_ids:
             raise RequestError(
-                f"requested_ids: {R} ids per position exceed the server's limit of "
+                f"requested_ids: {Q} ids per position exceed the server's limit of "
                 f"{cfg.max_requested_ids} (max_requested_ids)"
             )
         if request.top_k > min(cfg.max_top_k, V):
@@ -425,7 +425,7 @@ class TeacherService:
 
 def _check_ids(name: str, ids: torch.Tensor, vocab_size: int, row_lengths: torch.Tensor | None = None) -> None:
     """RequestError naming the first id outside [0, vocab_size): by row and token for the concatenated tokens [S]
-    (`row_lengths` given), by scored position and slot for requested ids [N, R]."""
+    (`row_lengths` given), by scored position and slot for requested ids [N, Q]."""
     bad = (ids < 0) | (ids >= vocab_size)
     if not bool(bad.any()):
         return

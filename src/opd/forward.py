@@ -12,7 +12,7 @@ left-padded inputs; heads other than those `output_head` recognises (it raises, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -29,13 +29,14 @@ def output_head(model: torch.nn.Module) -> OutputHead:
     Recognised post-processing: `final_logit_softcapping` (Gemma 2/3), a float `logit_scale` on the model (Cohere),
     `logits_scaling` as a divisor (Granite). `check_output_head` verifies the result against the model's own logits.
     """
-    embeddings = model.get_output_embeddings()
+    hf: Any = model  # an HF model: its methods, config and attributes are not on nn.Module's type
+    embeddings = hf.get_output_embeddings()
     if embeddings is None or not isinstance(getattr(embeddings, "weight", None), torch.Tensor):
         raise NotImplementedError(f"{type(model).__name__} has no output embedding with a weight to score with")
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
     scale = 1.0
     if isinstance(getattr(model, "logit_scale", None), (int, float)):
-        scale = float(model.logit_scale)
+        scale = float(hf.logit_scale)
     if str(getattr(config, "model_type", "")).startswith("granite") and getattr(config, "logits_scaling", None):
         scale = 1.0 / float(config.logits_scaling)
     softcap = getattr(config, "final_logit_softcapping", None)
@@ -130,7 +131,9 @@ def split_by_token_budget(lengths_B: torch.Tensor, max_tokens: int, *, padded: b
     order = [b for b, n in enumerate(lengths) if n > 0]
     if padded:
         order.sort(key=lambda b: -lengths[b])  # stable: equal lengths keep their order
-    groups, current, longest, total = [], [], 0, 0
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest, total = 0, 0
     for b in order:
         n = lengths[b]
         cost = (len(current) + 1) * max(longest, n) if padded else total + n
@@ -149,14 +152,14 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def _run_body(model, input_ids, attention_mask, position_ids, through_root: bool, **kwargs) -> torch.Tensor:
-    """[b, S, D] final normed hidden states; no vocabulary projection. kwargs go to the model's forward."""
+    """[b, L, D] final normed hidden states; no vocabulary projection. kwargs go to the model's forward."""
     body = model.get_decoder()
     kwargs.update(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     if not through_root:
         return body(**kwargs).last_hidden_state
     # Through the root module (FSDP2: its pre-forward unshards the embedding, final norm and head), capturing the
     # body's output with a hook; logits_to_keep=1 makes the head's own projection one position per row.
-    captured = {}
+    captured: dict[str, torch.Tensor] = {}
     handle = body.register_forward_hook(lambda _module, _args, output: captured.update(h=output.last_hidden_state))
     try:
         model(**kwargs, logits_to_keep=1)
@@ -186,7 +189,8 @@ def forward_hidden(
     device = model_device(model)
     batch = rollouts.to(device)
     mask_BT = (batch.response_mask if positions_mask_BT is None else positions_mask_BT.to(device)).bool()
-    grid_shape = tuple(batch.response_ids.shape)
+    B, T = batch.response_ids.shape
+    grid_shape = (B, T)
     rows_N, cols_N = mask_BT.nonzero(as_tuple=True)
     targets_N = batch.response_ids[rows_N, cols_N]
     lengths_B = needed_lengths(batch, mask_BT)
@@ -208,7 +212,7 @@ def forward_hidden(
     live_b = (lengths_B > 0).nonzero(as_tuple=True)[0]  # rows with something to score
     lengths_b = lengths_B[live_b]
     max_len = int(lengths_b.max())
-    ids_bS = batch.input_ids[live_b, :max_len]
+    ids_bL = batch.input_ids[live_b, :max_len]
     slot_B = torch.full_like(lengths_B, -1)
     slot_B[live_b] = torch.arange(live_b.numel(), device=device)  # row b -> its index among live rows
 
@@ -216,23 +220,23 @@ def forward_hidden(
     if pack and packing == "auto":
         pack = int(lengths_b.sum()) <= (1 - PACK_MIN_PADDING) * max_len * lengths_b.numel()
     if pack:
-        keep_bS = torch.arange(max_len, device=device)[None] < lengths_b[:, None]
-        position_ids_1S = torch.arange(max_len, device=device).expand_as(keep_bS)[keep_bS][None]
+        keep_bL = torch.arange(max_len, device=device)[None] < lengths_b[:, None]
+        position_ids_1L = torch.arange(max_len, device=device).expand_as(keep_bL)[keep_bL][None]
         implementation = getattr(model.config, "_attn_implementation", None)
         varlen = implementation == varlen_attention.ATTENTION
         row_kwargs = varlen_attention.packed_kwargs(lengths_b, max_len) if varlen else {}
-        hidden_SD = _run_body(
+        hidden_LD = _run_body(
             model,
-            ids_bS[keep_bS][None],
+            ids_bL[keep_bL][None],
             row_kwargs.pop("attention_mask", None),
-            position_ids_1S,
+            position_ids_1L,
             through_root,
             **row_kwargs,
         )[0]
         offsets_b = torch.cumsum(lengths_b, 0) - lengths_b
-        hidden_ND = hidden_SD[offsets_b[slot_B[rows_N]] + positions_N]
+        hidden_ND = hidden_LD[offsets_b[slot_B[rows_N]] + positions_N]
     else:
-        attention_bS = torch.arange(max_len, device=device)[None] < lengths_b[:, None]
-        hidden_bSD = _run_body(model, ids_bS, attention_bS.long(), None, through_root)
-        hidden_ND = hidden_bSD[slot_B[rows_N], positions_N]
+        attention_bL = torch.arange(max_len, device=device)[None] < lengths_b[:, None]
+        hidden_bLD = _run_body(model, ids_bL, attention_bL.long(), None, through_root)
+        hidden_ND = hidden_bLD[slot_B[rows_N], positions_N]
     return ResponseHidden(hidden_ND, rows_N, cols_N, targets_N, grid_shape)

@@ -275,7 +275,7 @@ def load_model(
     elif torch_device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
         kwargs["device_map"] = {"": torch_device}  # load straight onto the accelerator, no full CPU copy first
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(name_or_path), **kwargs)
+        model: Any = AutoModelForCausalLM.from_pretrained(str(name_or_path), **kwargs)  # returned as Any
     except Exception as err:  # noqa: BLE001 - classified below; anything else is re-raised as it is
         if _is_weights_error(err):
             raise _weights_error(name_or_path, err) from None
@@ -286,7 +286,7 @@ def load_model(
         model.to(torch_device)
     model.eval()
     _choose_attention(model, str(name_or_path), attn_implementation, torch_device)
-    rows = model.get_input_embeddings().weight.shape[0]
+    rows = embedding_rows(model, output=False)
     if tokenizer.pad_token_id is not None and tokenizer.pad_token_id >= rows:
         raise ModelLoadError(
             f"pad token id {tokenizer.pad_token_id} of {str(name_or_path)!r} "
@@ -310,7 +310,14 @@ def _sdpa_softcap_error(name: str, softcap: float) -> ModelLoadError:
     )
 
 
-def _choose_attention(model: torch.nn.Module, name: str, attn_implementation: str | None, device: torch.device) -> None:
+def embedding_rows(model: torch.nn.Module, *, output: bool = True) -> int:
+    """Rows of an HF model's output (or input) embedding: the vocabulary as the model sees it, padding included."""
+    hf: Any = model  # an HF model: get_*_embeddings are not on nn.Module's type
+    embeddings = hf.get_output_embeddings() if output else hf.get_input_embeddings()
+    return embeddings.weight.shape[0]
+
+
+def _choose_attention(model: Any, name: str, attn_implementation: str | None, device: torch.device) -> None:
     """`load_model`'s attention choice: an explicit `opd_varlen` for a model it cannot compute exactly is refused
     (one line); None keeps transformers' choice, with its "sdpa" turned into `opd_varlen` on CUDA unless
     `varlen_attention.refusal` names a feature, in which case one line says so and transformers' choice stays.
@@ -364,7 +371,8 @@ def compile_layers(model: torch.nn.Module, enabled: bool | None = None, *, backe
     device = next(model.parameters()).device
     if enabled is False or (enabled is None and device.type != "cuda"):
         return False
-    body = model.get_decoder() if hasattr(model, "get_decoder") else None
+    hf: Any = model  # an HF model: get_decoder is not on nn.Module's type
+    body = hf.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(body, "layers", None)
     if layers is None:
         if enabled:
@@ -579,5 +587,5 @@ def host_copies(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tenso
                 pass
         tensor.data = host
         cached.append(host)
-    module._opd_host_copies = cached
+    module._opd_host_copies = cached  # type: ignore[assignment]  # nn.Module's setattr is typed for tensors only
     return list(zip(tensors, cached))

@@ -266,7 +266,7 @@ def check_resumed_config(config: BaseModel, run_dir: Path, *, step: int, command
     """Refuse a resume whose config differs from the saved `config.yaml` in a key outside `RESUMABLE[command]` (one
     line naming each changed key, old → new), unless `run.allow_config_change`. Also refuse a run.steps below the
     checkpoint's step."""
-    run = config.run
+    run = config.run  # type: ignore[attr-defined]  # every command's config (a BaseModel) has a run section
     total = getattr(run, "steps", None)
     if total is not None and total < step:
         raise RunDirectoryError(

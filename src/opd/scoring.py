@@ -2,7 +2,8 @@
 hidden states and the output embedding, so that no `[N, V]` float32 tensor for all positions ever exists (SPEC §1).
 
 Notation: `N` scored positions, `D` hidden size, `V` vocabulary rows used (`vocab_size`), `C` positions per chunk,
-`K` top-k, `R` requested ids, `J` candidate ids, `G` gathered ids. Logits as the Hugging Face heads compute them,
+`K` top-k, `Q` requested ids, `J` candidate ids, `U` gathered ids (targets and requested, or candidates); the
+project's legend: docs/design.md, "Shape letters". Logits as the Hugging Face heads compute them,
 `z = softcap(logit_scale · (h Wᵀ + b)) / temperature`, the matmul in the model's dtype and the rest in float32;
 padding rows never selected, zero gradient. Per chunk one matmul and two small pure functions, compiled on CUDA,
 eager on row slices elsewhere; the top-k in two stages. How, and why: docs/design.md, "opd.scoring".
@@ -15,8 +16,9 @@ soft-capping are refused (`opd.teacher.local.output_head`).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
@@ -92,11 +94,11 @@ def _transform(raw: torch.Tensor, scale: float, softcap: float | None, temperatu
     return z
 
 
-def _forward_chunk(raw_CW, ids_CG, top_k, scale, softcap, temperature, with_entropy, vocab_size):
-    """Row statistics of z = `_transform(raw_CV)` with raw_CV = raw_CW[:, :vocab_size] (W ≥ V columns: the matmul
-    ran over an aligned row count, see `_aligned_rows`): (lse_C, entropy_C or None, log-probs at ids_CG [C, G],
-    top-k ids [C, K] and log-probs [C, K] descending, or None when top_k = 0), all in the compute dtype."""
-    raw_CV = raw_CW[:, :vocab_size]
+def _forward_chunk(raw_aligned, ids_CU, top_k, scale, softcap, temperature, with_entropy, vocab_size):
+    """Row statistics of z = `_transform(raw_CV)` with raw_CV = raw_aligned[:, :vocab_size] (raw_aligned: [C, ≥ V],
+    the matmul ran over an aligned row count, see `_aligned_rows`): (lse_C, entropy_C or None, log-probs at ids_CU
+    [C, U], top-k ids [C, K] and log-probs [C, K] descending, or None when top_k = 0), all in the compute dtype."""
+    raw_CV = raw_aligned[:, :vocab_size]
     x_CV = _transform(raw_CV, scale, softcap, temperature)
     max_C1 = x_CV.amax(dim=-1, keepdim=True)
     x_CV = x_CV - max_C1  # ≤ 0, so exp never overflows; log p = x - log S with S = Σ exp(x) ∈ [1, V]
@@ -109,12 +111,12 @@ def _forward_chunk(raw_CW, ids_CG, top_k, scale, softcap, temperature, with_entr
     # Gathers and top-k read the raw logits and transform only what they pick. z is monotone in raw (non-decreasing
     # for scale > 0 and any cap, temperature > 0; non-increasing for scale < 0), so the top-k of raw are the top-k
     # of z and of log p: same values, ids equal up to ties.
-    lp_CG = _transform(raw_CV.gather(1, ids_CG), scale, softcap, temperature) - lse_C1
+    lp_CU = _transform(raw_CV.gather(1, ids_CU), scale, softcap, temperature) - lse_C1
     topk_ids_CK = topk_lp_CK = None
     if top_k:
         values_CK, topk_ids_CK = _piece_topk(raw_CV, top_k, largest=scale >= 0)  # sorted: z descending
         topk_lp_CK = _transform(values_CK, scale, softcap, temperature) - lse_C1
-    return lse_C1[:, 0], entropy_C, lp_CG, topk_ids_CK, topk_lp_CK
+    return lse_C1[:, 0], entropy_C, lp_CU, topk_ids_CK, topk_lp_CK
 
 
 def _piece_topk(x_CV: torch.Tensor, k: int, largest: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,13 +131,15 @@ def _piece_topk(x_CV: torch.Tensor, k: int, largest: bool) -> tuple[torch.Tensor
     if pieces <= k:
         return x_CV.topk(k, dim=-1, largest=largest)
     fill = float("-inf") if largest else float("inf")
-    pieces_CPW = torch.nn.functional.pad(x_CV, (0, pieces * width - cols), value=fill).view(rows, pieces, width)
-    extremes_CP = pieces_CPW.amax(-1) if largest else pieces_CPW.amin(-1)
-    best_pieces_CK = extremes_CP.topk(k, dim=-1, largest=largest).indices
-    columns_CM = (best_pieces_CK[:, :, None] * width + torch.arange(width, device=x_CV.device)).flatten(1)
-    candidates_CM = x_CV.gather(1, columns_CM.clamp(max=cols - 1)).masked_fill(columns_CM >= cols, fill)
-    values_CK, where_CK = candidates_CM.topk(k, dim=-1, largest=largest)
-    return values_CK, columns_CM.gather(1, where_CK)
+    # x by piece [C, pieces, width], each piece's extreme [C, pieces], the k best pieces [C, K] and their columns
+    # [C, K · width] (past the row's end: filled so as never to be picked)
+    by_piece = torch.nn.functional.pad(x_CV, (0, pieces * width - cols), value=fill).view(rows, pieces, width)
+    extremes = by_piece.amax(-1) if largest else by_piece.amin(-1)
+    best_pieces = extremes.topk(k, dim=-1, largest=largest).indices
+    columns = (best_pieces[:, :, None] * width + torch.arange(width, device=x_CV.device)).flatten(1)
+    candidates = x_CV.gather(1, columns.clamp(max=cols - 1)).masked_fill(columns >= cols, fill)
+    values_CK, where_CK = candidates.topk(k, dim=-1, largest=largest)
+    return values_CK, columns.gather(1, where_CK)
 
 
 def _grad_chunk(raw_CV, ids_CJ, lse_C, entropy_C, grad_lp_CJ, grad_entropy_C, scale, softcap, temperature, vocab_size):
@@ -206,15 +210,15 @@ def _compiled_call(fn: Callable, *args, chunk: int):
     """fn(*args) through `torch.compile(dynamic=False)` (built on first use), or None once compiling fn failed: then
     one warning, and the caller runs fn eagerly (from now on too). `chunk`: the caller's chunk rows (the largest
     bucket), recorded with the call's variant for `warm_up_row_buckets`."""
-    compiled = _COMPILED.get(fn, False)
-    if compiled is None:
+    if fn in _COMPILED and _COMPILED[fn] is None:
         return None
     try:
-        if compiled is False:
+        compiled = _COMPILED.get(fn)
+        if compiled is None:
             compiled = _COMPILED[fn] = torch.compile(fn, dynamic=False, backend=_BACKEND)
-        # Shapes: the chunk plus a few buckets for the last one, per (G, K, J, flags, dtype) variant, can exceed
+        # Shapes: the chunk plus a few buckets for the last one, per (U, K, J, flags, dtype) variant, can exceed
         # dynamo's default of 8 compiled versions per function, after which it would silently run eagerly.
-        with torch._dynamo.config.patch(**recompile_limit_at_least(64)):
+        with torch._dynamo.config.patch(recompile_limit_at_least(64)):
             out = compiled(*args)
         _MET.setdefault((fn, chunk, _variant(args)), set()).add(args[0].shape[0])
         return out
@@ -263,6 +267,10 @@ def warm_up_row_buckets(max_rows: int) -> int:
     return calls
 
 
+@overload
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor: ...
+@overload
+def _pad_rows(x: None, rows: int) -> None: ...
 def _pad_rows(x: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     """x with zero rows appended up to `rows` (their results are computed and dropped)."""
     if x is None or x.shape[0] == rows:
@@ -290,18 +298,18 @@ def _matmul_dtype(hidden_ND: torch.Tensor, head: OutputHead) -> torch.dtype:
         return torch.nn.functional.linear(hidden_ND[:1], head.weight[:1]).dtype
 
 
-def _chunk_forward(hidden_CD, head, ids_CG, top_k, temperature, with_entropy, compiled, chunk, vocab_size):
+def _chunk_forward(hidden_CD, head, ids_CU, top_k, temperature, with_entropy, compiled, chunk, vocab_size):
     """`_forward_chunk` over one chunk of hidden states: one matmul (over `head`'s aligned rows), then compiled on the
     whole (padded) chunk, or eagerly on row slices. Returns its outputs for the chunk's real rows."""
     rows = hidden_CD.shape[0]
     consts = (top_k, head.logit_scale, head.softcap, temperature, with_entropy, vocab_size)
     padded = _bucket(rows, chunk) if compiled else rows
     raw_CV = torch.nn.functional.linear(_pad_rows(hidden_CD, padded), head.weight, head.bias)  # model dtype
-    ids_CG = _pad_rows(ids_CG, padded)
-    out = _compiled_call(_forward_chunk, raw_CV, ids_CG, *consts, chunk=chunk) if compiled else None
+    ids_CU = _pad_rows(ids_CU, padded)
+    out = _compiled_call(_forward_chunk, raw_CV, ids_CU, *consts, chunk=chunk) if compiled else None
     if out is None:
         step = _eager_rows(raw_CV, _FWD_TEMPS)
-        parts = [_forward_chunk(raw_CV[a : a + step], ids_CG[a : a + step], *consts) for a in range(0, rows, step)]
+        parts = [_forward_chunk(raw_CV[a : a + step], ids_CU[a : a + step], *consts) for a in range(0, rows, step)]
         out = tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
     return tuple(None if x is None else x[:rows] for x in out)
 
@@ -365,11 +373,12 @@ def score_hidden(
     *,
     targets_N: torch.Tensor,
     top_k: int = 0,
-    requested_ids_NR: torch.Tensor | None = None,
+    requested_ids_NQ: torch.Tensor | None = None,
     temperature: float = 1.0,
     vocab_size: int | None = None,
     with_entropy: bool = False,
     chunk_size: int | None = None,
+    requested_ids_NR: torch.Tensor | None = None,
 ) -> TokenScores:
     """Full-vocabulary log-probs at N positions, without gradient, chunk by chunk.
 
@@ -377,16 +386,17 @@ def score_hidden(
     head:             `OutputHead`, or a bare `[V_model, D]` output-embedding weight
     targets_N:        [N] long, the token whose log-prob is wanted (the sampled token)
     top_k:            K ≥ 0; 0 = no top-k
-    requested_ids_NR: [N, R] long or None, extra ids whose log-probs are wanted (e.g. the student's top-k)
+    requested_ids_NQ: [N, Q] long or None, extra ids whose log-probs are wanted (e.g. the student's top-k)
     vocab_size:       scored range; rows ≥ it are padding (never selected, no mass). None = all rows
     chunk_size:       positions per chunk; None = `default_chunk_size(vocab_size, dtype=<matmul dtype>)`
+    requested_ids_NR: the old name of `requested_ids_NQ`, still accepted (not both)
 
     Memory: one chunk's raw logits `[C, V]` in the model dtype, plus (eagerly) at most one more buffer of that size
     for row slices' float32 temporaries; compiled, nothing else `[C, V]`. See `CHUNK_BYTES`.
 
     Returns a `TokenScores` whose tensors are flat, `[N, ...]` instead of `[B, T, ...]`: sampled_logprobs [N],
     topk_ids [N, K] / topk_logprobs [N, K] descending (None when K = 0), entropy [N] (None unless asked),
-    requested_logprobs [N, R] (None unless asked); float32 (float64 for float64 inputs). N = 0 gives empty tensors.
+    requested_logprobs [N, Q] (None unless asked); float32 (float64 for float64 inputs). N = 0 gives empty tensors.
     """
     full = _as_head(head)
     head = full.restricted(vocab_size)
@@ -397,7 +407,11 @@ def score_hidden(
         raise ValueError(f"top_k must be in [0, {v_used}], got {top_k}")
     _check_ids(targets_N, v_used, "targets_N")
     if requested_ids_NR is not None:
-        _check_ids(requested_ids_NR, v_used, "requested_ids_NR")
+        if requested_ids_NQ is not None:
+            raise TypeError("pass requested_ids_NQ or its old name requested_ids_NR, not both")
+        requested_ids_NQ = requested_ids_NR
+    if requested_ids_NQ is not None:
+        _check_ids(requested_ids_NQ, v_used, "requested_ids_NQ")
     mm_dtype = _matmul_dtype(hidden_ND, head)
     chunk = chunk_size or default_chunk_size(v_used, mm_dtype)
     compiled = _compiles(hidden_ND.device, mm_dtype)
@@ -408,26 +422,26 @@ def score_hidden(
     topk_ids_NK = torch.zeros(n_pos, top_k, dtype=torch.long, device=dev) if top_k else None
     topk_lp_NK = torch.zeros(n_pos, top_k, dtype=dtype, device=dev) if top_k else None
     entropy_N = torch.zeros(n_pos, dtype=dtype, device=dev) if with_entropy else None
-    requested_NR = None
-    ids_NG = targets_N[:, None]  # one gather for the targets and the requested ids
-    if requested_ids_NR is not None:
-        requested_NR = torch.zeros(requested_ids_NR.shape, dtype=dtype, device=dev)
-        ids_NG = torch.cat([ids_NG, requested_ids_NR], dim=1)
+    requested_NQ = None
+    ids_NU = targets_N[:, None]  # one gather for the targets and the requested ids
+    if requested_ids_NQ is not None:
+        requested_NQ = torch.zeros(requested_ids_NQ.shape, dtype=dtype, device=dev)
+        ids_NU = torch.cat([ids_NU, requested_ids_NQ], dim=1)
 
     for s in range(0, n_pos, chunk):
         e = min(s + chunk, n_pos)
-        _, entropy_C, lp_CG, topk_ids_CK, topk_lp_CK = _chunk_forward(
-            hidden_ND[s:e], head, ids_NG[s:e], top_k, temperature, with_entropy, compiled, chunk, v_used
+        _, entropy_C, lp_CU, topk_ids_CK, topk_lp_CK = _chunk_forward(
+            hidden_ND[s:e], head, ids_NU[s:e], top_k, temperature, with_entropy, compiled, chunk, v_used
         )
-        sampled_N[s:e] = lp_CG[:, 0]
-        if requested_NR is not None:
-            requested_NR[s:e] = lp_CG[:, 1:]
-        if top_k:
+        sampled_N[s:e] = lp_CU[:, 0]
+        if requested_NQ is not None:
+            requested_NQ[s:e] = lp_CU[:, 1:]
+        if topk_ids_NK is not None and topk_lp_NK is not None:
             topk_ids_NK[s:e] = topk_ids_CK
             topk_lp_NK[s:e] = topk_lp_CK
-        if with_entropy:
+        if entropy_N is not None:
             entropy_N[s:e] = entropy_C
-    return TokenScores(sampled_N, topk_ids_NK, topk_lp_NK, entropy_N, requested_NR)
+    return TokenScores(sampled_N, topk_ids_NK, topk_lp_NK, entropy_N, requested_NQ)
 
 
 class _CandidateLogprobs(torch.autograd.Function):
@@ -505,11 +519,13 @@ class _CandidateLogprobs(torch.autograd.Function):
             rows = e - s
             padded = _bucket(rows, chunk) if compiled else rows
             raw_CV = torch.nn.functional.linear(_pad_rows(hidden_ND[s:e], padded), weight_VD, bias_V)
-            row_args = [
+            ids_CJ = _pad_rows(ids_NJ[s:e], padded)
+            row_args = [ids_CJ] + [
                 _pad_rows(None if x is None else x[s:e], padded)
-                for x in (ids_NJ, lse_N, entropy_N if with_entropy else None, grad_lp_NJ, grad_entropy_N)
+                for x in (lse_N, entropy_N if with_entropy else None, grad_lp_NJ, grad_entropy_N)
             ]
             out = _compiled_call(_grad_chunk, raw_CV, *row_args, *consts, chunk=chunk) if compiled else None
+            slices: Iterable[tuple[int, tuple]]
             if out is not None:
                 slices = [(0, out)]  # the whole chunk at once
             else:  # eagerly, slice by slice (lazily, so that one slice's buffers live at a time)
@@ -518,28 +534,32 @@ class _CandidateLogprobs(torch.autograd.Function):
                     (
                         a,
                         _grad_chunk(
-                            raw_CV[a : a + step], *[None if x is None else x[a : a + step] for x in row_args], *consts
+                            *(
+                                raw_CV[a : a + step],
+                                *[None if x is None else x[a : a + step] for x in row_args],
+                                *consts,
+                            )
                         ),
                     )
                     for a in range(0, rows, step)
                 )
             for a, (g_CV, g_ids_CJ) in slices:
                 if g_ids_CJ is not None:
-                    g_CV.scatter_(1, row_args[0][a : a + g_CV.shape[0]], g_ids_CJ)
+                    g_CV.scatter_(1, ids_CJ[a : a + g_CV.shape[0]], g_ids_CJ)
                 g_CV = g_CV[: rows - a]  # drop the padding rows
                 r0, r1 = s + a, s + a + g_CV.shape[0]
                 with torch.autocast(device_type=dev.type, enabled=False):
-                    if need_h:
+                    if grad_h_ND is not None:
                         grad_h_ND[r0:r1] = g_CV @ weight_mm
-                    if need_w:
+                    if grad_w_VD is not None:
                         _add_outer(grad_w_VD, g_CV, hidden_mm[r0:r1], slice_of_chunk=out is None)
-                    if need_b:
+                    if grad_b_V is not None:
                         grad_b_V += g_CV.sum(0, dtype=acc_dtype)
                 del g_CV, g_ids_CJ  # before the next slice's (or chunk's) buffers exist
             del raw_CV, out, slices
-        if need_w:
+        if grad_w_VD is not None:
             grad_w_VD = grad_w_VD.to(weight_VD.dtype)
-        if need_b:
+        if grad_b_V is not None:
             grad_b_V = grad_b_V.to(bias_V.dtype)
         return grad_h_ND, grad_w_VD, grad_b_V, None, None, None, None, None, None, None, None
 

@@ -85,7 +85,7 @@ class TokenScores:
     topk_ids:           [B, T, K] long, ids of the K largest logits (None when K = 0)
     topk_logprobs:      [B, T, K] their log-probs, descending
     entropy:            [B, T]    entropy of the full distribution (None when not asked for)
-    requested_logprobs: [B, T, R] log-probs at ids the caller asked for (e.g. the student's top-k), or None
+    requested_logprobs: [B, T, Q] log-probs at ids the caller asked for (e.g. the student's top-k), or None
     """
 
     sampled_logprobs: torch.Tensor
@@ -93,3 +93,17 @@ class TokenScores:
     topk_logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     requested_logprobs: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> TokenScores:
+        """The same scores with every tensor on `device` (None stays None)."""
+
+        def moved(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.to(device)
+
+        return TokenScores(
+            self.sampled_logprobs.to(device),
+            moved(self.topk_ids),
+            moved(self.topk_logprobs),
+            moved(self.entropy),
+            moved(self.requested_logprobs),
+        )

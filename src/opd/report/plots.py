@@ -194,7 +194,7 @@ def _accuracy_panels(available: set[str]) -> list[Panel]:
 
 
 def _timing_panels(available: set[str]) -> list[Panel]:
-    phases = [k for k in ("time/rollout", "time/teacher", "time/student", "time/update") if k in available]
+    phases: list[str] = [k for k in ("time/rollout", "time/teacher", "time/student", "time/update") if k in available]
     phases += sorted(
         k for k in available if k.startswith("time/") and k not in phases and k != "time/step" and not CHUNK_RE.match(k)
     )

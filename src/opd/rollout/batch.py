@@ -58,7 +58,7 @@ def build_rollouts(
         attention_mask_BL[b, : p + r] = True
         response_ids_BT[b, :r] = torch.as_tensor(response, dtype=torch.long)
         response_mask_BT[b, :r] = True
-        if logprobs_BT is not None:
+        if logprobs_BT is not None and output.logprobs is not None:
             logprobs_BT[b, :r] = torch.as_tensor(output.logprobs[b], dtype=torch.float32)
 
     rollouts = Rollouts(

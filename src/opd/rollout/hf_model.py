@@ -41,7 +41,7 @@ def attention_backends(device: torch.device) -> contextlib.AbstractContextManage
 def forward_parameters(model: torch.nn.Module) -> set[str]:
     """Named arguments of the model's forward, looking through wrappers (peft, DDP) whose forward is mostly
     `**kwargs` passed on to the wrapped model."""
-    inner = model
+    inner: Any = model  # wrappers and HF models: get_base_model and module are not on nn.Module's type
     for _ in range(4):
         names = {n for n, p in inspect.signature(inner.forward).parameters.items() if p.kind is not p.VAR_KEYWORD}
         if {"cache", "past_key_values"} & names:
@@ -104,7 +104,7 @@ def check_request(
     eos_token_ids: Sequence[int],
     max_new_tokens_per_sample: Sequence[int] | None,
 ) -> list[int]:
-    """Validate one `generate` call; returns every sample's longest response (prompt-major, P × n entries)."""
+    """Validate one `generate` call; returns every sample's longest response (prompt-major, prompts × n entries)."""
     for i, prompt in enumerate(prompt_ids):
         if len(prompt) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
@@ -160,7 +160,7 @@ class HFModel:
         self.vocab_size = vocab_size
         parameters = forward_parameters(model)
         self.cache_kwarg = cache_kwarg(parameters)
-        # Prefill computes logits for the last position only when the model supports it (saves [P, L, V]).
+        # Prefill computes logits for the last position only when the model supports it (saves [R, L, V]).
         self.has_logits_to_keep = "logits_to_keep" in parameters
 
     def forward(
@@ -169,22 +169,22 @@ class HFModel:
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         cache: Any,
-        keep_1P: torch.Tensor | None = None,
+        keep_1R: torch.Tensor | None = None,
         eager: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """One model call extending `cache` in place. [R, S] ids → [R, V] logits of the last position; with `keep_1P`
-        (positions of a [1, S] packed input) → [P, V] logits of those positions. kwargs go to the model. eager: run
+        """One model call extending `cache` in place. [R, S] ids → [R, V] logits of the last position; with `keep_1R`
+        (positions of a [1, S] packed input) → [R, V] logits of those positions. kwargs go to the model. eager: run
         layers compiled for scoring (`compile_layers`) eagerly, as a cache that grows call after call needs."""
         kwargs.update({self.cache_kwarg: cache, "use_cache": True})
         if self.has_logits_to_keep:
-            kwargs["logits_to_keep"] = 1 if keep_1P is None else keep_1P
+            kwargs["logits_to_keep"] = 1 if keep_1R is None else keep_1R
         with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-        if keep_1P is None:
+        if keep_1R is None:
             logits_RV = out.logits[:, -1, :]
         else:
-            logits_RV = out.logits[0] if self.has_logits_to_keep else out.logits[0, keep_1P]
+            logits_RV = out.logits[0] if self.has_logits_to_keep else out.logits[0, keep_1R]
         if self.vocab_size is not None and self.vocab_size < logits_RV.shape[-1]:
             logits_RV = logits_RV.clone()
             logits_RV[:, self.vocab_size :] = float("-inf")
@@ -200,34 +200,35 @@ class HFModel:
         if full:
             return DynamicCache()
         try:
-            return DynamicCache(config=self.model.config)
+            hf: Any = self.model  # an HF model: its config is not on nn.Module's type
+            return DynamicCache(config=hf.config)
         except TypeError:  # older transformers: no config argument
             return DynamicCache()
 
     def prefill(
         self, prompts: Sequence[Sequence[int]], device: torch.device, full_cache: bool = False
     ) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """Left-padded forward over P distinct prompts. Returns (cache, attention_mask [P, L] long, logits [P, V]);
+        """Left-padded forward over R distinct prompts. Returns (cache, attention_mask [R, L] long, logits [R, V]);
         full_cache: every position of every layer cached (`new_cache`), as a static cache copies them."""
         longest = max(len(p) for p in prompts)
-        ids_PL = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
-        mask_PL = torch.zeros((len(prompts), longest), dtype=torch.long)
+        ids_RL = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
+        mask_RL = torch.zeros((len(prompts), longest), dtype=torch.long)
         for i, prompt in enumerate(prompts):
-            ids_PL[i, longest - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
-            mask_PL[i, longest - len(prompt) :] = 1
-        ids_PL, mask_PL = ids_PL.to(device), mask_PL.to(device)
+            ids_RL[i, longest - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
+            mask_RL[i, longest - len(prompt) :] = 1
+        ids_RL, mask_RL = ids_RL.to(device), mask_RL.to(device)
         # Real tokens get positions 0..len-1 whatever the padding; pads get 0 (they are masked anyway).
-        positions_PL = (mask_PL.cumsum(dim=-1) - 1).clamp(min=0)
+        positions_RL = (mask_RL.cumsum(dim=-1) - 1).clamp(min=0)
         cache = self.new_cache(full=full_cache)
-        logits_PV = self.forward(ids_PL, mask_PL, positions_PL, cache)
-        return cache, mask_PL, logits_PV
+        logits_RV = self.forward(ids_RL, mask_RL, positions_RL, cache)
+        return cache, mask_RL, logits_RV
 
     def prefill_packed(
         self, prompts: Sequence[Sequence[int]], device: torch.device, *, compiled: bool = False
     ) -> tuple[Any, list[int], torch.Tensor]:
-        """One forward over P distinct prompts concatenated without padding (`packs_prompts` models). Returns (cache of
-        every position, its keys/values [1, Hkv, Σ lengths, Dh] per layer; each prompt's first position in it; logits
-        [P, V] of each prompt's last token). No padded rows and no [L, L] mask: a long prompt costs its own causal
+        """One forward over R distinct prompts concatenated without padding (`packs_prompts` models). Returns (cache of
+        every position, its keys/values [1, A, Σ lengths, F] per layer; each prompt's first position in it; logits
+        [R, V] of each prompt's last token). No padded rows and no [L, L] mask: a long prompt costs its own causal
         attention, not that of the longest in the forward. compiled: run layers compiled by `compile_layers` as
         compiled (the cache starts empty at every call, so they meet one layout, not a growing cache)."""
         lengths = [len(p) for p in prompts]
@@ -237,15 +238,15 @@ class HFModel:
         ids_1S = torch.as_tensor([t for p in prompts for t in p], dtype=torch.long).to(device)[None]
         positions_1S = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
         packed = varlen_attention.packed_kwargs(torch.as_tensor(lengths, device=device), max(lengths))
-        last_1P = torch.as_tensor([s + n - 1 for s, n in zip(starts, lengths)], device=device)
+        last_1R = torch.as_tensor([s + n - 1 for s, n in zip(starts, lengths)], device=device)
         cache = self.new_cache(full=True)
         mask = packed.pop("attention_mask")
-        logits_PV = self.forward(ids_1S, mask, positions_1S, cache, keep_1P=last_1P, eager=not compiled, **packed)
-        return cache, starts, logits_PV
+        logits_RV = self.forward(ids_1S, mask, positions_1S, cache, keep_1R=last_1R, eager=not compiled, **packed)
+        return cache, starts, logits_RV
 
 
 def cached_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [P, Hkv, W, Dh] of one layer of a transformers `DynamicCache` (5.x layers or 4.x lists)."""
+    """Keys and values [R, A, S, F] of one layer of a transformers `DynamicCache` (5.x layers or 4.x lists)."""
     if hasattr(cache, "layers"):
         return cache.layers[layer].keys, cache.layers[layer].values
     return cache.key_cache[layer], cache.value_cache[layer]

@@ -12,32 +12,32 @@ import torch
 from opd.rollout.base import SamplingParams
 
 
-def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Top-k then top-p (nucleus) filtering: excluded entries become -inf. [B, V] float → [B, V] float.
+def filter_logits(logits_RV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Top-k then top-p (nucleus) filtering: excluded entries become -inf. [R, V] float → [R, V] float.
 
     top-k keeps every entry ≥ the k-th largest (ties at the threshold are all kept); top-p keeps the smallest set of
     most likely tokens whose probability reaches `top_p` (always at least the most likely token). 0 / 1.0 disable them.
     """
-    if top_k > 0 and top_k < logits_BV.shape[-1]:
-        kth_B1 = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
-        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    if top_k > 0 and top_k < logits_RV.shape[-1]:
+        kth_R1 = torch.topk(logits_RV, top_k, dim=-1).values[:, -1:]
+        logits_RV = logits_RV.masked_fill(logits_RV < kth_R1, float("-inf"))
     if top_p < 1.0:
-        sorted_BV, order_BV = torch.sort(logits_BV, dim=-1, descending=True)
-        probs_BV = sorted_BV.softmax(dim=-1)
-        mass_before_BV = nucleus_mass_before(probs_BV)  # mass of the strictly more likely tokens
-        drop_BV = mass_before_BV >= top_p
-        drop_BV[:, 0] = False
-        drop_unsorted_BV = torch.empty_like(drop_BV).scatter_(-1, order_BV, drop_BV)  # back to vocabulary order
-        logits_BV = logits_BV.masked_fill(drop_unsorted_BV, float("-inf"))
-    return logits_BV
+        sorted_RV, order_RV = torch.sort(logits_RV, dim=-1, descending=True)
+        probs_RV = sorted_RV.softmax(dim=-1)
+        mass_before_RV = nucleus_mass_before(probs_RV)  # mass of the strictly more likely tokens
+        drop_RV = mass_before_RV >= top_p
+        drop_RV[:, 0] = False
+        drop_unsorted_RV = torch.empty_like(drop_RV).scatter_(-1, order_RV, drop_RV)  # back to vocabulary order
+        logits_RV = logits_RV.masked_fill(drop_unsorted_RV, float("-inf"))
+    return logits_RV
 
 
 FIXED_POINT = 2.0**52  # units per unit of probability of `nucleus_mass_before`'s integer sums
 
 
-def nucleus_mass_before(probs_BV: torch.Tensor, exact: bool | None = None) -> torch.Tensor:
+def nucleus_mass_before(probs_RV: torch.Tensor, exact: bool | None = None) -> torch.Tensor:
     """Per entry, the summed probability of the entries before it along the last dimension (an exclusive cumulative
-    sum: top-p's mass of the more likely tokens, `probs_BV` sorted descending). [B, V] float → [B, V] of its dtype.
+    sum: top-p's mass of the more likely tokens, `probs_RV` sorted descending). [R, V] float → [R, V] of its dtype.
 
     exact: True = sum in integers, each probability rounded to a multiple of 2^-52 (`FIXED_POINT`): the same result
     whatever order a kernel adds in, within V × 2^-53 of the exact sums before the cast back to the input's dtype
@@ -46,38 +46,38 @@ def nucleus_mass_before(probs_BV: torch.Tensor, exact: bool | None = None) -> to
     eager CUDA cumsum honours it). False = the float cumsum; None = exact for a CUDA tensor with deterministic
     algorithms on, so the default path is the float one."""
     if exact is None:
-        exact = probs_BV.is_cuda and torch.are_deterministic_algorithms_enabled()
+        exact = probs_RV.is_cuda and torch.are_deterministic_algorithms_enabled()
     if not exact:
-        return probs_BV.cumsum(dim=-1) - probs_BV
-    units_BV = torch.round(probs_BV.double() * FIXED_POINT).long()
-    return (_exclusive_cumsum(units_BV).double() / FIXED_POINT).to(probs_BV.dtype)
+        return probs_RV.cumsum(dim=-1) - probs_RV
+    units_RV = torch.round(probs_RV.double() * FIXED_POINT).long()
+    return (_exclusive_cumsum(units_RV).double() / FIXED_POINT).to(probs_RV.dtype)
 
 
 @torch.compiler.disable  # eager inside compiled callers: see below
-def _exclusive_cumsum(units_BV: torch.Tensor) -> torch.Tensor:
+def _exclusive_cumsum(units_RV: torch.Tensor) -> torch.Tensor:
     """Exclusive cumulative sum of integers along the last dimension, always run by torch's eager kernel (exact
     in any order, and capturable in a CUDA graph). Compiled, inductor splits a vocabulary-long int64 scan over few
     rows (`SplitScan`) and its Triton code generation fails on CUDA (torch 2.11, H100, 2026-12-06, at 2 rows ×
     151,936: `TypeError: list indices must be integers or slices, not NoneType`)."""
-    return units_BV.cumsum(dim=-1) - units_BV
+    return units_RV.cumsum(dim=-1) - units_RV
 
 
 def sample_next(
-    logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits_RV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from next-token logits. Returns (tokens [B] long, logprobs [B] float32).
+    """One token per row from next-token logits. Returns (tokens [R] long, logprobs [R] float32).
 
     logprobs: `log_softmax(logits / temperature)` over the full vocabulary at the sampled token — *before* top-k/top-p
     filtering, i.e. SPEC §1's s(y_t), which the trainer recomputes; at temperature 0 (greedy; top-k/top-p ignored) the
     unscaled `log_softmax(logits)`.
     """
-    logits_BV = logits_BV.float()
+    logits_RV = logits_RV.float()
     if params.temperature == 0:
-        tokens_B = logits_BV.argmax(dim=-1)
-        scaled_BV = logits_BV
+        tokens_R = logits_RV.argmax(dim=-1)
+        scaled_RV = logits_RV
     else:
-        scaled_BV = logits_BV / params.temperature
-        probs_BV = filter_logits(scaled_BV, params.top_k, params.top_p).softmax(dim=-1)
-        tokens_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
-    logprobs_B = scaled_BV.log_softmax(dim=-1).gather(-1, tokens_B[:, None]).squeeze(-1)
-    return tokens_B, logprobs_B
+        scaled_RV = logits_RV / params.temperature
+        probs_RV = filter_logits(scaled_RV, params.top_k, params.top_p).softmax(dim=-1)
+        tokens_R = torch.multinomial(probs_RV, 1, generator=generator).squeeze(-1)
+    logprobs_R = scaled_RV.log_softmax(dim=-1).gather(-1, tokens_R[:, None]).squeeze(-1)
+    return tokens_R, logprobs_R

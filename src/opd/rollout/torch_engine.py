@@ -14,9 +14,11 @@ decodes text; engines know token ids only).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+from opd.models import embedding_rows
 from opd.rollout import memory
 from opd.rollout.base import GenerationOutput, SamplingParams, StopRule
 from opd.rollout.hf_model import (
@@ -104,14 +106,15 @@ class TorchGenerator(memory.ModuleMemory):
         """Bytes per decoding row of a chunk whose longest prompt has prompt_tokens tokens: its `DynamicCache` (plus
         one layer's copy, which `torch.cat` makes at each step), the sampling buffers over the vocabulary, and its
         share of the prefill (counted per row, though n samples share one prompt)."""
-        config, device = self.model.config, self.device
+        config: Any = self.model.config  # an HF config: its fields are not on nn.Module's type
+        device = self.device
         dtype = (
             torch.get_autocast_dtype(device.type)
             if torch.is_autocast_enabled(device.type)
             else next(self.model.parameters()).dtype
         )
         kv = memory.kv_bytes_per_token(config, dtype)
-        vocab_rows = self.model.get_output_embeddings().weight.shape[0]
+        vocab_rows = embedding_rows(self.model)
         slots = prompt_tokens + new_tokens
         return memory.RowCost(
             per_row={
@@ -257,37 +260,29 @@ class TorchGenerator(memory.ModuleMemory):
     ) -> tuple[list[list[int]], list[list[float]], list[str], bool]:
         """Sample counts[i] continuations of prompts[i], row j at most caps[j] tokens; rows come back in order
         (prompt 0's samples first), and whether `ask` (given each row's finish reason or None, when rows ended)
-        ended the chunk early."""
+        ended the chunk early.
+
+        1. prefill: each distinct prompt once, its cache copied to each of its rows (`_prefill_rows`);
+        2. decode: one token per step for every row still in the batch; every `sync_interval` steps, stop when all
+           rows finished or `ask` ends the chunk (`_asked_to_end`), and drop finished rows once they are
+           `compact_fraction` of the batch;
+        3. the rows' tokens, log-probs and finish reasons as lists (`_chunk_results`).
+        """
         device = self.device
-        # One row per sample: the prefix is computed once per distinct prompt and its KV cache copied to each of its
-        # rows; a prompt given several times (a partial-rollout stream sends a group's fresh samples as copies) too.
-        distinct: dict[tuple[int, ...], int] = {}
-        prompt_P = [distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts]
-        cache, mask_PL, logits_PV = self.hf.prefill(list(distinct), device)
-        self.stats["prefilled_tokens"] += sum(len(prompt) for prompt in distinct)
-        source_R = torch.repeat_interleave(
-            torch.as_tensor(prompt_P, device=device), torch.as_tensor(counts, device=device)
-        )
-        cache.reorder_cache(source_R)
-        num_rows, prompt_width, steps = source_R.numel(), mask_PL.shape[1], max(caps)
+        num_rows, steps = sum(counts), max(caps)
+        cache, logits_bV, mask_bS, positions_b, prompt_width = self._prefill_rows(prompts, counts, steps)
         caps_R = torch.as_tensor(caps, device=device)
         can_end_early = params.stop_at_eos or min(caps) < steps
         # Chunk rows are R; the rows still in the batch are b (R until finished rows are dropped), `rows_b` maps b → R.
         rows_b = torch.arange(num_rows, device=device)
-        logits_bV = logits_PV[source_R]
-        # The attention mask is allocated once; step t uses its first prompt_width + t + 1 columns.
-        mask_bS = torch.ones((num_rows, prompt_width + steps), dtype=torch.long, device=device)
-        mask_bS[:, :prompt_width] = mask_PL[source_R]
-        positions_b = mask_PL[source_R].sum(dim=-1)  # the next token's position = number of real tokens so far
-
-        eos_E = torch.as_tensor(self.eos_token_ids, dtype=torch.long, device=device)
+        eos_ids = torch.as_tensor(self.eos_token_ids, dtype=torch.long, device=device)
         out_ids_RT = torch.full((num_rows, steps), self.pad_token_id, dtype=torch.long, device=device)
         out_lps_RT = torch.zeros((num_rows, steps), dtype=torch.float32, device=device)
         lengths_R = torch.zeros(num_rows, dtype=torch.long, device=device)
         finished_R = torch.zeros(num_rows, dtype=torch.bool, device=device)
         stopped_R = torch.zeros(num_rows, dtype=torch.bool, device=device)  # finished on an EOS
 
-        asked_at, cut = 0, False  # rows ended when `ask` was last asked; whether it ended the chunk
+        asked_at, cut = [0], False  # rows ended when `ask` was last asked; whether it ended the chunk
         for t in range(steps):
             tokens_b, lps_b = sample_next(logits_bV, params, generator)
             alive_b = ~finished_R[rows_b]  # rows that finished but are not dropped yet keep decoding; ignored here
@@ -295,7 +290,7 @@ class TorchGenerator(memory.ModuleMemory):
             out_lps_RT[rows_b, t] = torch.where(alive_b, lps_b, 0.0)
             lengths_R[rows_b] += alive_b.long()
             if params.stop_at_eos:
-                stopped_R[rows_b] |= alive_b & torch.isin(tokens_b, eos_E)
+                stopped_R[rows_b] |= alive_b & torch.isin(tokens_b, eos_ids)
             finished_R[rows_b] = stopped_R[rows_b] | (lengths_R[rows_b] >= caps_R[rows_b])
             if t == steps - 1:
                 break
@@ -304,14 +299,9 @@ class TorchGenerator(memory.ModuleMemory):
                 num_done = int(done_b.sum())  # CPU-GPU sync point
                 if num_done == rows_b.numel():
                     break
-                if ask is not None:
-                    ended_R = finished_R.tolist()
-                    if sum(ended_R) > asked_at:  # rows ended since the rule was last asked
-                        asked_at = sum(ended_R)
-                        reasons_R = zip(ended_R, stopped_R.tolist())
-                        if ask([("stop" if stop else "length") if end else None for end, stop in reasons_R]):
-                            cut = True
-                            break
+                if ask is not None and _asked_to_end(ask, finished_R, stopped_R, asked_at):
+                    cut = True
+                    break
                 if num_done >= self.compact_fraction * rows_b.numel():
                     keep_b = (~done_b).nonzero().squeeze(-1)
                     cache.reorder_cache(keep_b)
@@ -325,12 +315,60 @@ class TorchGenerator(memory.ModuleMemory):
                 tokens_b[:, None], mask_bS[:, : prompt_width + t + 1], positions_b[:, None], cache
             )
             positions_b = positions_b + 1
+        return (*_chunk_results(out_ids_RT, out_lps_RT, lengths_R, stopped_R, params.return_logprobs), cut)
 
-        lengths = lengths_R.tolist()
-        stopped = stopped_R.tolist()
-        ids_rows = out_ids_RT.tolist()
-        lps_rows = out_lps_RT.tolist() if params.return_logprobs else [[] for _ in range(num_rows)]
-        responses = [row[:n] for row, n in zip(ids_rows, lengths)]
-        logprobs = [row[:n] for row, n in zip(lps_rows, lengths)]
-        reasons = ["stop" if done else "length" for done in stopped]
-        return responses, logprobs, reasons, cut
+    def _prefill_rows(
+        self, prompts: list[list[int]], counts: list[int], steps: int
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Prefill each distinct prompt once and copy its KV cache to each of its counts[i] rows (a prompt given
+        several times, as a partial-rollout stream sends a group's fresh samples, is prefilled once too).
+
+        Returns the cache, the first token's logits [R, V], the attention mask [R, S] of the whole decode (allocated
+        once; decode step t uses its first prompt_width + t + 1 columns), each row's next position [R] (its number
+        of real tokens so far) and prompt_width, the prompts' padded width."""
+        device = self.device
+        distinct: dict[tuple[int, ...], int] = {}
+        distinct_of_prompt = [distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts]
+        # prefill_mask: [distinct prompts, prompt_width]; prefill_logits: [distinct prompts, V]
+        cache, prefill_mask, prefill_logits = self.hf.prefill(list(distinct), device)
+        self.stats["prefilled_tokens"] += sum(len(prompt) for prompt in distinct)
+        source_R = torch.repeat_interleave(
+            torch.as_tensor(distinct_of_prompt, device=device), torch.as_tensor(counts, device=device)
+        )
+        cache.reorder_cache(source_R)
+        num_rows, prompt_width = source_R.numel(), prefill_mask.shape[1]
+        mask_RS = torch.ones((num_rows, prompt_width + steps), dtype=torch.long, device=device)
+        mask_RS[:, :prompt_width] = prefill_mask[source_R]
+        positions_R = prefill_mask[source_R].sum(dim=-1)
+        return cache, prefill_logits[source_R], mask_RS, positions_R, prompt_width
+
+
+def _asked_to_end(
+    ask: Callable[[list[str | None]], bool], finished_R: torch.Tensor, stopped_R: torch.Tensor, asked_at: list[int]
+) -> bool:
+    """Whether `ask` ends the chunk: asked (with each row's finish reason, None for rows still decoding) only when
+    rows ended since it was last asked; `asked_at` ([the number of ended rows then]) is updated in place."""
+    ended_R = finished_R.tolist()
+    if sum(ended_R) <= asked_at[0]:
+        return False
+    asked_at[0] = sum(ended_R)
+    reasons_R = zip(ended_R, stopped_R.tolist())
+    return bool(ask([("stop" if stop else "length") if end else None for end, stop in reasons_R]))
+
+
+def _chunk_results(
+    out_ids_RT: torch.Tensor,
+    out_lps_RT: torch.Tensor,
+    lengths_R: torch.Tensor,
+    stopped_R: torch.Tensor,
+    return_logprobs: bool,
+) -> tuple[list[list[int]], list[list[float]], list[str]]:
+    """Each row's response ids and log-probs (empty lists unless `return_logprobs`), cut to its length, and its
+    finish reason ("stop" on an EOS, else "length")."""
+    lengths = lengths_R.tolist()
+    ids_rows = out_ids_RT.tolist()
+    lps_rows = out_lps_RT.tolist() if return_logprobs else [[] for _ in lengths]
+    responses = [row[:n] for row, n in zip(ids_rows, lengths)]
+    logprobs = [row[:n] for row, n in zip(lps_rows, lengths)]
+    reasons = ["stop" if done else "length" for done in stopped_R.tolist()]
+    return responses, logprobs, reasons

@@ -175,7 +175,8 @@ def full_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor] | Non
     weights = dict(module.state_dict() if weights is None else weights)
     if "lm_head.weight" in weights or not getattr(getattr(module, "config", None), "tie_word_embeddings", False):
         return weights
-    embedding = module.get_input_embeddings().weight
+    hf: Any = module  # an HF model: get_input_embeddings is not on nn.Module's type
+    embedding = hf.get_input_embeddings().weight
     for name, parameter in module.named_parameters(remove_duplicate=False):
         if parameter is embedding and name in weights:
             weights["lm_head.weight"] = weights[name]
@@ -332,10 +333,12 @@ class VLLMGenerator:
     def sync_weights(self, *, include_lm_head: bool = True, reset_prefix_cache: bool = True) -> None:
         """Push the trainer's current weights into the engine (weights, then a prefix-cache reset). No-op without a
         module."""
-        if self.module is None and self.weights_fn is None:
+        if self.module is not None:
+            weights = full_weights(self.module, self.weights_fn() if self.weights_fn is not None else None)
+        elif self.weights_fn is not None:
+            weights = self.weights_fn()
+        else:
             return
-        gathered = self.weights_fn() if self.weights_fn is not None else None
-        weights = full_weights(self.module, gathered) if self.module is not None else gathered
         if self._asleep:
             self.llm.wake_up(tags=["weights"])  # the KV cache stays released until the weights are in
         push_weights(self.llm, weights, include_lm_head=include_lm_head, reset_prefix_cache=False)

@@ -43,7 +43,7 @@ class TeacherScorer(Protocol):
         with_entropy: bool = True,
     ) -> TokenScores:
         """For every response position of `rollouts`: log-prob of the sampled token, the top-k ids and log-probs
-        (K = top_k; none when 0), log-probs at `requested_ids` ([B, T, R] long, e.g. the student's top-k) and the
+        (K = top_k; none when 0), log-probs at `requested_ids` ([B, T, Q] long, e.g. the student's top-k) and the
         entropy, all at `temperature`. Returns `TokenScores` on the rollouts' device."""
         ...
 

@@ -202,14 +202,14 @@ class RemoteScorer:
             raise ValueError(f"top_k must be ≥ 0 (0 = no top-k), got {top_k}")
         device = rollouts.response_ids.device
         cpu = rollouts.to("cpu")
-        requested_BTR = None if requested_ids is None else requested_ids.to("cpu")
+        requested_BTQ = None if requested_ids is None else requested_ids.to("cpu")
         mask_BT = cpu.response_mask.bool()
-        groups = self._split(cpu, requested_BTR, top_k)
+        groups = self._split(cpu, requested_BTQ, top_k)
         futures = []
         for rows in groups:
             request = wire.request_from_rollouts(
                 cpu.select(rows),
-                None if requested_BTR is None else requested_BTR[rows],
+                None if requested_BTQ is None else requested_BTQ[rows],
                 top_k=top_k,
                 temperature=temperature,
                 with_entropy=with_entropy,
@@ -219,13 +219,13 @@ class RemoteScorer:
 
         def finish() -> TokenScores:
             B, T = mask_BT.shape
-            R = None if requested_BTR is None else requested_BTR.shape[-1]
+            Q = None if requested_BTQ is None else requested_BTQ.shape[-1]
             out = TokenScores(
                 torch.zeros(B, T),
                 torch.zeros(B, T, top_k, dtype=torch.long) if top_k else None,
                 torch.zeros(B, T, top_k) if top_k else None,
                 torch.zeros(B, T) if with_entropy else None,
-                None if R is None else torch.zeros(B, T, R),
+                None if Q is None else torch.zeros(B, T, Q),
             )
             for rows, future in zip(groups, futures):
                 response = wire.decode_response(future.result())
@@ -244,29 +244,18 @@ class RemoteScorer:
                         if values is None:
                             raise TeacherRequestError(f"teacher server left out {name} from its answer")
                         grid[b_N, t_N] = values.to(grid.dtype)
-            return TokenScores(
-                *(
-                    None if x is None else x.to(device)
-                    for x in (
-                        out.sampled_logprobs,
-                        out.topk_ids,
-                        out.topk_logprobs,
-                        out.entropy,
-                        out.requested_logprobs,
-                    )
-                )
-            )
+            return out.to(device)
 
         return PendingScores(finish)
 
-    def _split(self, rollouts: Rollouts, requested_BTR: torch.Tensor | None, top_k: int) -> list[torch.Tensor]:
+    def _split(self, rollouts: Rollouts, requested_BTQ: torch.Tensor | None, top_k: int) -> list[torch.Tensor]:
         """Row groups, one request each: ≤ request_tokens tokens (a longer row goes alone), within the server's
         row, byte and per-row limits; rows with nothing to score are left out."""
         info = self.info
-        R = 0 if requested_BTR is None else requested_BTR.shape[-1]
-        if R > info["max_requested_ids"]:
+        Q = 0 if requested_BTQ is None else requested_BTQ.shape[-1]
+        if Q > info["max_requested_ids"]:
             raise TeacherRequestError(
-                f"requested_ids: {R} ids per position exceed the teacher server's limit of "
+                f"requested_ids: {Q} ids per position exceed the teacher server's limit of "
                 f"{info['max_requested_ids']} (its max_requested_ids)"
             )
         if top_k > min(info["max_top_k"], info["vocab_size"]):
@@ -283,7 +272,7 @@ class RemoteScorer:
                 f"row {b} has {int(lengths_B[b])} tokens, more than the teacher server's limit "
                 f"of {info['max_positions']} per row (its max_positions)"
             )
-        bytes_per_token = 5 + 4 * R  # token + mask + requested ids, an upper bound per sent token
+        bytes_per_token = 5 + 4 * Q  # token + mask + requested ids, an upper bound per sent token
         budget = min(self.request_tokens, max(1, (info["max_request_bytes"] - 4096) // bytes_per_token))
         groups = []
         for group in split_by_token_budget(lengths_B, budget, padded=False):

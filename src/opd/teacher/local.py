@@ -20,7 +20,7 @@ from opd.forward import (  # the names below stay importable from here
     split_by_token_budget,
     uses_packing,
 )
-from opd.scoring import score_hidden
+from opd.scoring import OutputHead, score_hidden
 from opd.teacher.base import InProcessScoring
 from opd.types import Rollouts, TokenScores
 
@@ -91,20 +91,20 @@ class LocalScorer(InProcessScoring):
         with_entropy: bool = True,
     ) -> TokenScores:
         """`TokenScores` [B, T, ...] aligned with `rollouts.response_ids`, zero at masked positions, float32, on the
-        rollouts' device. requested_ids: [B, T, R] long (values at masked positions are ignored)."""
+        rollouts' device. requested_ids: [B, T, Q] long (values at masked positions are ignored).
+
+        1. zero grids for every asked output, on the model's device (`_zero_scores`);
+        2. the rows split into micro-batches by the token budget; each one forward and scored (`_score_rows`),
+           in eval mode and without gradient, the model's previous mode restored after;
+        3. the grids back on the rollouts' device.
+        """
         if top_k < 0:
             raise ValueError(f"top_k must be ≥ 0 (0 = no top-k), got {top_k}")
         out_device = rollouts.response_ids.device
         device = model_device(self.model)
         batch = rollouts.to(device)
-        requested_BTR = None if requested_ids is None else requested_ids.to(device)
-        B, T = batch.response_ids.shape
-        zeros = dict(device=device, dtype=torch.float32)
-        sampled_BT = torch.zeros(B, T, **zeros)
-        topk_ids_BTK = torch.zeros(B, T, top_k, dtype=torch.long, device=device) if top_k else None
-        topk_lp_BTK = torch.zeros(B, T, top_k, **zeros) if top_k else None
-        entropy_BT = torch.zeros(B, T, **zeros) if with_entropy else None
-        requested_lp_BTR = None if requested_BTR is None else torch.zeros(requested_BTR.shape, **zeros)
+        requested_BTQ = None if requested_ids is None else requested_ids.to(device)
+        out = _zero_scores(batch.response_ids.shape, top_k, with_entropy, requested_BTQ, device)
 
         packed = uses_packing(self.model, self.packing)
         groups = split_by_token_budget(needed_lengths(batch).cpu(), self.max_tokens_per_batch, padded=not packed)
@@ -115,53 +115,67 @@ class LocalScorer(InProcessScoring):
         try:
             with torch.no_grad():
                 head = output_head(self.model)
-                head_device = head.weight.device  # not `device` when a device map spreads the layers
                 for rows_b in groups:
                     rows_b = rows_b.to(device)
-                    part = forward_hidden(
-                        self.model, batch.select(rows_b), packing=self.packing, through_root=self.through_root
-                    )
-                    b_N, t_N = rows_b[part.rows_N], part.cols_N  # back to rows of the whole batch
-                    scores = score_hidden(
-                        part.hidden_ND.to(head_device),
-                        head,
-                        targets_N=part.targets_N.to(head_device),
-                        top_k=top_k,
-                        requested_ids_NR=None if requested_BTR is None else requested_BTR[b_N, t_N].to(head_device),
-                        temperature=temperature,
-                        vocab_size=self.vocab_size,
-                        with_entropy=with_entropy,
-                        chunk_size=self.chunk_size,
-                    )
-                    scores = TokenScores(
-                        *(
-                            None if x is None else x.to(device)
-                            for x in (
-                                scores.sampled_logprobs,
-                                scores.topk_ids,
-                                scores.topk_logprobs,
-                                scores.entropy,
-                                scores.requested_logprobs,
-                            )
-                        )
-                    )
-                    sampled_BT[b_N, t_N] = scores.sampled_logprobs.float()
-                    if top_k:
-                        topk_ids_BTK[b_N, t_N] = scores.topk_ids
-                        topk_lp_BTK[b_N, t_N] = scores.topk_logprobs.float()
-                    if with_entropy:
-                        entropy_BT[b_N, t_N] = scores.entropy.float()
-                    if requested_lp_BTR is not None:
-                        requested_lp_BTR[b_N, t_N] = scores.requested_logprobs.float()
+                    self._score_rows(batch, rows_b, head, out, requested_BTQ, top_k, temperature, with_entropy)
         finally:
             self.model.train(was_training)
+        return out.to(out_device)
 
-        def back(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else x.to(out_device)
-
-        return TokenScores(
-            back(sampled_BT), back(topk_ids_BTK), back(topk_lp_BTK), back(entropy_BT), back(requested_lp_BTR)
-        )
+    def _score_rows(
+        self,
+        batch: Rollouts,
+        rows_b: torch.Tensor,
+        head: OutputHead,
+        out: TokenScores,
+        requested_BTQ: torch.Tensor | None,
+        top_k: int,
+        temperature: float,
+        with_entropy: bool,
+    ) -> None:
+        """Forward the rows `rows_b` of `batch` (one micro-batch), score their response positions and write the
+        scores into the grids of `out` (on `batch`'s device)."""
+        head_device = head.weight.device  # not the inputs' device when a device map spreads the layers
+        part = forward_hidden(self.model, batch.select(rows_b), packing=self.packing, through_root=self.through_root)
+        b_N, t_N = rows_b[part.rows_N], part.cols_N  # back to rows of the whole batch
+        scores = score_hidden(
+            part.hidden_ND.to(head_device),
+            head,
+            targets_N=part.targets_N.to(head_device),
+            top_k=top_k,
+            requested_ids_NQ=None if requested_BTQ is None else requested_BTQ[b_N, t_N].to(head_device),
+            temperature=temperature,
+            vocab_size=self.vocab_size,
+            with_entropy=with_entropy,
+            chunk_size=self.chunk_size,
+        ).to(rows_b.device)
+        out.sampled_logprobs[b_N, t_N] = scores.sampled_logprobs.float()
+        for grid, values in (
+            (out.topk_ids, scores.topk_ids),
+            (out.topk_logprobs, scores.topk_logprobs),
+            (out.entropy, scores.entropy),
+            (out.requested_logprobs, scores.requested_logprobs),
+        ):
+            if grid is not None and values is not None:
+                grid[b_N, t_N] = values.to(grid.dtype)
 
     def close(self) -> None:
         """Nothing to do: the model is the caller's."""
+
+
+def _zero_scores(
+    shape_BT: torch.Size,
+    top_k: int,
+    with_entropy: bool,
+    requested_BTQ: torch.Tensor | None,
+    device: torch.device,
+) -> TokenScores:
+    """Zero `TokenScores` grids of shape [B, T, ...] on `device`, float32 (top-k ids long); None where not asked."""
+    B, T = shape_BT
+    return TokenScores(
+        torch.zeros(B, T, dtype=torch.float32, device=device),
+        torch.zeros(B, T, top_k, dtype=torch.long, device=device) if top_k else None,
+        torch.zeros(B, T, top_k, dtype=torch.float32, device=device) if top_k else None,
+        torch.zeros(B, T, dtype=torch.float32, device=device) if with_entropy else None,
+        None if requested_BTQ is None else torch.zeros(requested_BTQ.shape, dtype=torch.float32, device=device),
+    )

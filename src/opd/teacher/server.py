@@ -34,7 +34,7 @@ from pydantic import Field, model_validator
 
 from opd.config import ConfigError, Section
 from opd.fingerprints import weights_fingerprint
-from opd.models import check_tokenizer_compatibility
+from opd.models import check_tokenizer_compatibility, embedding_rows
 from opd.teacher import wire
 from opd.teacher.local import LocalScorer
 from opd.types import TokenScores
@@ -208,9 +208,9 @@ def score_requests(scorer: Any, requests: list[wire.ScoreRequest]) -> list[wire.
     """Score requests with equal keys as one batch: their rows are concatenated into one `Rollouts`, scored once,
     and the scored positions are cut back per request."""
     top_k, _, temperature, with_entropy = requests[0].key
-    rollouts, requested_BTR = wire.rollouts_from_requests(requests)
+    rollouts, requested_BTQ = wire.rollouts_from_requests(requests)
     scores: TokenScores = scorer.score(
-        rollouts, top_k=top_k, requested_ids=requested_BTR, temperature=temperature, with_entropy=with_entropy
+        rollouts, top_k=top_k, requested_ids=requested_BTQ, temperature=temperature, with_entropy=with_entropy
     )
     merged = wire.response_from_scores(scores, rollouts.response_mask)
     return wire.split_response(merged, [q.num_positions for q in requests])
@@ -345,10 +345,10 @@ class TeacherService:
                     f"send smaller requests",
                     status=413,
                 )
-        R = 0 if request.requested_ids is None else request.requested_ids.shape[1]
-        if R > cfg.max_requested_ids:
+        Q = 0 if request.requested_ids is None else request.requested_ids.shape[1]
+        if Q > cfg.max_requested_ids:
             raise RequestError(
-                f"requested_ids: {R} ids per position exceed the server's limit of "
+                f"requested_ids: {Q} ids per position exceed the server's limit of "
                 f"{cfg.max_requested_ids} (max_requested_ids)"
             )
         if request.top_k > min(cfg.max_top_k, V):
@@ -425,7 +425,7 @@ class TeacherService:
 
 def _check_ids(name: str, ids: torch.Tensor, vocab_size: int, row_lengths: torch.Tensor | None = None) -> None:
     """RequestError naming the first id outside [0, vocab_size): by row and token for the concatenated tokens [S]
-    (`row_lengths` given), by scored position and slot for requested ids [N, R]."""
+    (`row_lengths` given), by scored position and slot for requested ids [N, Q]."""
     bad = (ids < 0) | (ids >= vocab_size)
     if not bool(bad.any()):
         return
@@ -444,9 +444,8 @@ def _check_ids(name: str, ids: torch.Tensor, vocab_size: int, row_lengths: torch
 
 def build_app(service: TeacherService, token: str | None):
     """The Starlette app of `service`, behind bearer-token auth when `token` is set (all paths but /healthz)."""
-    import anyio
     from starlette.applications import Starlette
-    from starlette.requests import ClientDisconnect, Request
+    from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
@@ -473,56 +472,7 @@ def build_app(service: TeacherService, token: str | None):
                 f"(max_request_bytes)",
                 Connection="close",
             )
-        return await _receive(request, int(declared) if declared is not None else None)
-
-    async def _receive(request: Request, declared: int | None) -> Response:
-        """Read the body within request_timeout_s, holding its bytes against max_inflight_bytes until answered."""
-        limit, held = service.config.max_request_bytes, 0
-
-        def hold(nbytes: int) -> bool:
-            nonlocal held
-            if not service.reserve(nbytes):
-                return False
-            held += nbytes
-            return True
-
-        busy = _error(
-            503,
-            f"busy: more than {service.config.max_inflight_bytes} request bytes are held (max_inflight_bytes); retry",
-            **{"Retry-After": "1", "Connection": "close"},
-        )
-        try:
-            if declared is not None and not hold(declared):
-                service.count(rejected_busy=1)
-                return busy
-            body = bytearray()
-            try:
-                with anyio.fail_after(service.config.request_timeout_s):
-                    async for chunk in request.stream():
-                        if declared is None and not hold(len(chunk)):  # chunked: held as it arrives
-                            service.count(rejected_busy=1)
-                            return busy
-                        body += chunk
-                        if len(body) > limit:
-                            service.count(rejected_invalid=1)
-                            return _error(
-                                413,
-                                f"body: request exceeds the server's limit of {limit} bytes (max_request_bytes)",
-                                Connection="close",
-                            )
-            except TimeoutError:
-                service.count(rejected_invalid=1)
-                return _error(
-                    408,
-                    f"body: not received within {service.config.request_timeout_s:g} s (request_timeout_s)",
-                    Connection="close",
-                )
-            except ClientDisconnect:
-                service.count(disconnected=1)
-                return Response(status_code=400)
-            return await _answer(service, request, bytes(body))
-        finally:
-            service.release(held)
+        return await _receive(service, request, int(declared) if declared is not None else None)
 
     app = Starlette(
         routes=[
@@ -535,6 +485,61 @@ def build_app(service: TeacherService, token: str | None):
         lifespan=_lifespan(service),
     )
     return Identified(BearerAuth(app, token) if token is not None else app, service)
+
+
+async def _receive(service: TeacherService, request, declared: int | None):
+    """Read the body of a /score request within request_timeout_s, holding its bytes against max_inflight_bytes
+    until answered; `declared`: its content-length, or None when chunked."""
+    import anyio
+    from starlette.requests import ClientDisconnect
+    from starlette.responses import Response
+
+    limit, held = service.config.max_request_bytes, 0
+
+    def hold(nbytes: int) -> bool:
+        nonlocal held
+        if not service.reserve(nbytes):
+            return False
+        held += nbytes
+        return True
+
+    busy = _error(
+        503,
+        f"busy: more than {service.config.max_inflight_bytes} request bytes are held (max_inflight_bytes); retry",
+        **{"Retry-After": "1", "Connection": "close"},
+    )
+    try:
+        if declared is not None and not hold(declared):
+            service.count(rejected_busy=1)
+            return busy
+        body = bytearray()
+        try:
+            with anyio.fail_after(service.config.request_timeout_s):
+                async for chunk in request.stream():
+                    if declared is None and not hold(len(chunk)):  # chunked: held as it arrives
+                        service.count(rejected_busy=1)
+                        return busy
+                    body += chunk
+                    if len(body) > limit:
+                        service.count(rejected_invalid=1)
+                        return _error(
+                            413,
+                            f"body: request exceeds the server's limit of {limit} bytes (max_request_bytes)",
+                            Connection="close",
+                        )
+        except TimeoutError:
+            service.count(rejected_invalid=1)
+            return _error(
+                408,
+                f"body: not received within {service.config.request_timeout_s:g} s (request_timeout_s)",
+                Connection="close",
+            )
+        except ClientDisconnect:
+            service.count(disconnected=1)
+            return Response(status_code=400)
+        return await _answer(service, request, bytes(body))
+    finally:
+        service.release(held)
 
 
 def _error(status: int, message: str, **headers: str):
@@ -676,7 +681,7 @@ def service_for(
     `fingerprint`: what identifies the weights served (`opd serve-teacher` gives its model directory's, every byte
     of every file: `opd.fingerprints.model_fingerprint`); None: the hash of every byte of the weights in memory
     (`weights_fingerprint`). Every response carries it, so a client notices a server restarted on other weights."""
-    rows = model.get_output_embeddings().weight.shape[0]
+    rows = embedding_rows(model)
     vocab = check_tokenizer_compatibility(tokenizer, tokenizer, student_vocab_size=rows, teacher_vocab_size=rows)
     # ids beyond the tokenizer are embedding padding rows: never a top-k candidate (SPEC §1), as in load_teacher
     scorer = LocalScorer(model, vocab_size=vocab.tokenizer_size, max_tokens_per_batch=config.forward_tokens)
@@ -735,7 +740,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float):
     class Guarded(H11Protocol):
         waiting: dict = {}  # connection → when it started waiting for request headers (shared by this server)
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._await_headers()
             if len(self.connections) > max_connections:

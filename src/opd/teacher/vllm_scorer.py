@@ -141,9 +141,9 @@ class VLLMScorer(InProcessScoring):
         results = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
 
         sampled_BT = torch.zeros(B, T)
-        topk_ids_BTK = torch.zeros(B, T, top_k, dtype=torch.long) if top_k else None
-        topk_lp_BTK = torch.zeros(B, T, top_k) if top_k else None
-        requested_BTR = None if requested_ids is None else torch.zeros(requested_ids.shape)
+        topk_ids_BTK = torch.zeros(B, T, top_k, dtype=torch.long)  # [B, T, 0] when top_k = 0: left out below
+        topk_lp_BTK = torch.zeros(B, T, top_k)
+        requested_BTQ = None if requested_ids is None else torch.zeros(requested_ids.shape)
         for b, result in zip(live, results):
             start, tokens = prompt_B[b], ids_BL[b]
             for t in range(lengths_B[b]):
@@ -155,14 +155,12 @@ class VLLMScorer(InProcessScoring):
                     ]
                     topk_ids_BTK[b, t] = torch.tensor([i for _, i in best], dtype=torch.long)
                     topk_lp_BTK[b, t] = torch.tensor([lp for lp, _ in best])
-            if requested_BTR is not None:
+            if requested_BTQ is not None:
                 scored = torch.as_tensor(result.prompt_token_id_logprobs, dtype=torch.float32)
-                requested_BTR[b, : lengths_B[b]] = scored[: lengths_B[b]]
+                requested_BTQ[b, : lengths_B[b]] = scored[: lengths_B[b]]
 
-        def back(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else x.to(device)
-
-        return TokenScores(back(sampled_BT), back(topk_ids_BTK), back(topk_lp_BTK), None, back(requested_BTR))
+        topk_ids, topk_lp = (topk_ids_BTK, topk_lp_BTK) if top_k else (None, None)
+        return TokenScores(sampled_BT, topk_ids, topk_lp, None, requested_BTQ).to(device)
 
     def close(self) -> None:
         """Shut the engine down now (idempotent; otherwise at exit), as `VLLMGenerator.close`."""

@@ -17,6 +17,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +28,12 @@ MAGIC = b"OPDW"
 VERSION = 1
 MAX_HEADER_BYTES = 1 << 16  # a header lists at most a few arrays: anything larger is not one of ours
 _PREFIX = struct.Struct("<4sB3xI")  # magic, version, padding, header length
-_DTYPES = {"int32": np.dtype("<i4"), "uint8": np.dtype("u1"), "float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2")}
+_DTYPES: dict[str, np.dtype] = {
+    "int32": np.dtype("<i4"),
+    "uint8": np.dtype("u1"),
+    "float32": np.dtype("<f4"),
+    "bfloat16": np.dtype("<u2"),
+}
 LOGPROB_DTYPES = ("float32", "bfloat16")
 MAX_ARRAYS = 16  # a message carries at most a handful of arrays
 MAX_DIMS = 4  # and none has more than a few dimensions
@@ -46,7 +52,8 @@ class WireError(ValueError):
 class ScoreRequest:
     """A decoded request: rows of token ids with their scored positions (CPU tensors, long / bool).
 
-    row_lengths [B], prompt_lengths [B], tokens [S], mask [M], requested_ids [N, R] or None: see docs/design.md.
+    row_lengths [B], prompt_lengths [B], tokens [Σ row_lengths], mask [Σ response lengths], requested_ids [N, Q]
+    (N: the scored positions, those the mask sets) or None: see docs/design.md.
     """
 
     row_lengths: torch.Tensor
@@ -275,7 +282,8 @@ def decode_request(data: bytes | bytearray | memoryview) -> ScoreRequest:
                 continue
             raise WireError(f"{name}: missing from the request")
         _expect(name, arrays[name], "uint8" if name == "mask" else "int32", dims)
-    top_k, temperature = meta.get("top_k"), meta.get("temperature")
+    top_k: Any = meta.get("top_k")  # untrusted JSON values, checked below
+    temperature: Any = meta.get("temperature")
     with_entropy, logprobs = meta.get("with_entropy"), meta.get("logprobs", "float32")
     if type(top_k) is not int or top_k < 0:
         raise WireError(f"top_k: expected an integer ≥ 0, got {top_k!r}")
@@ -309,14 +317,14 @@ def decode_request(data: bytes | bytearray | memoryview) -> ScoreRequest:
     requested = arrays.get("requested_ids")
     if requested is not None and (requested.dim() != 2 or requested.shape[0] != int(mask.sum())):
         raise WireError(
-            f"requested_ids: shape {list(requested.shape)}, expected [{int(mask.sum())} scored positions, R]"
+            f"requested_ids: shape {list(requested.shape)}, expected [{int(mask.sum())} scored positions, Q]"
         )
     return ScoreRequest(rows, prompts, tokens, mask, requested, top_k, float(temperature), with_entropy, logprobs)
 
 
 def request_from_rollouts(
     rollouts: Rollouts,
-    requested_ids_BTR: torch.Tensor | None = None,
+    requested_ids_BTQ: torch.Tensor | None = None,
     *,
     top_k: int = 16,
     temperature: float = 1.0,
@@ -324,7 +332,7 @@ def request_from_rollouts(
     logprobs: str = "float32",
 ) -> ScoreRequest:
     """The request that asks for the scores of every `response_mask` position of `rollouts` (rows are sent up to
-    their last scored position; a row with none sends no tokens). requested_ids_BTR: [B, T, R] or None."""
+    their last scored position; a row with none sends no tokens). requested_ids_BTQ: [B, T, Q] or None."""
     r = rollouts.to("cpu")
     mask_BT = r.response_mask.bool()
     T = mask_BT.shape[1]
@@ -342,8 +350,8 @@ def request_from_rollouts(
     keep_BL = torch.arange(L)[None] < length_B[:, None]
     keep_BT = torch.arange(T)[None] < scored_B[:, None]
     requested = None
-    if requested_ids_BTR is not None:
-        requested = requested_ids_BTR.to("cpu")[mask_BT]
+    if requested_ids_BTQ is not None:
+        requested = requested_ids_BTQ.to("cpu")[mask_BT]
     return ScoreRequest(
         length_B,
         prompt_B,
@@ -359,7 +367,7 @@ def request_from_rollouts(
 
 def rollouts_from_requests(requests: list[ScoreRequest]) -> tuple[Rollouts, torch.Tensor | None]:
     """The requests' rows as one right-padded `Rollouts` batch (rows in request order; pad id 0, masked) and their
-    requested ids as a [B, T, R] grid (zeros off the scored positions), or None when the requests carry none."""
+    requested ids as a [B, T, Q] grid (zeros off the scored positions), or None when the requests carry none."""
     rows = torch.cat([q.row_lengths for q in requests])
     prompts = torch.cat([q.prompt_lengths for q in requests])
     tokens = torch.cat([q.tokens for q in requests])
@@ -386,12 +394,12 @@ def rollouts_from_requests(requests: list[ScoreRequest]) -> tuple[Rollouts, torc
         group_ids=torch.arange(B),
         truncated=torch.zeros(B, dtype=torch.bool),
     )
-    requested = [q.requested_ids for q in requests]
-    if any(r is None for r in requested):
+    requested = [q.requested_ids for q in requests if q.requested_ids is not None]
+    if len(requested) < len(requests):
         return rollouts, None
-    grid_BTR = torch.zeros(B, T, requested[0].shape[1], dtype=torch.long)
-    grid_BTR[mask_BT] = torch.cat(requested)
-    return rollouts, grid_BTR
+    grid_BTQ = torch.zeros(B, T, requested[0].shape[1], dtype=torch.long)
+    grid_BTQ[mask_BT] = torch.cat(requested)
+    return rollouts, grid_BTQ
 
 
 # ------------------------------------------------------------------------------------------------ responses
@@ -401,12 +409,14 @@ def encode_response(response: ScoreResponse, logprobs: str = "float32") -> bytes
     if logprobs not in LOGPROB_DTYPES:
         raise WireError(f"logprobs: must be one of {', '.join(LOGPROB_DTYPES)}, got {logprobs!r}")
     arrays = [("sampled", response.sampled, logprobs)]
-    if response.topk_ids is not None:
-        arrays += [("topk_ids", response.topk_ids, "int32"), ("topk_logprobs", response.topk_logprobs, logprobs)]
-    if response.entropy is not None:
-        arrays.append(("entropy", response.entropy, logprobs))
-    if response.requested_logprobs is not None:
-        arrays.append(("requested_logprobs", response.requested_logprobs, logprobs))
+    for name, value, dtype in (
+        ("topk_ids", response.topk_ids, "int32"),  # top-k ids and log-probs come together
+        ("topk_logprobs", response.topk_logprobs, logprobs),
+        ("entropy", response.entropy, logprobs),
+        ("requested_logprobs", response.requested_logprobs, logprobs),
+    ):
+        if value is not None:
+            arrays.append((name, value, dtype))
     return encode_message("scores", {"positions": int(response.sampled.numel())}, arrays)
 
 
@@ -437,7 +447,7 @@ def response_from_scores(scores: TokenScores, mask_BT: torch.Tensor) -> ScoreRes
         return None if x is None else x[mask_BT]
 
     return ScoreResponse(
-        pick(scores.sampled_logprobs),
+        scores.sampled_logprobs[mask_BT],
         pick(scores.topk_ids),
         pick(scores.topk_logprobs),
         pick(scores.entropy),
@@ -447,12 +457,7 @@ def response_from_scores(scores: TokenScores, mask_BT: torch.Tensor) -> ScoreRes
 
 def split_response(response: ScoreResponse, counts: list[int]) -> list[ScoreResponse]:
     """Cut a batch's response into consecutive pieces of `counts` positions (one per merged request)."""
-    fields = [
-        response.sampled,
-        response.topk_ids,
-        response.topk_logprobs,
-        response.entropy,
-        response.requested_logprobs,
-    ]
+    sampled = response.sampled.split(counts)
+    fields = [response.topk_ids, response.topk_logprobs, response.entropy, response.requested_logprobs]
     pieces = [None if f is None else f.split(counts) for f in fields]
-    return [ScoreResponse(*(None if p is None else p[i] for p in pieces)) for i in range(len(counts))]
+    return [ScoreResponse(sampled[i], *(None if p is None else p[i] for p in pieces)) for i in range(len(counts))]

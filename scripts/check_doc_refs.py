@@ -16,6 +16,10 @@ What counts as a reference (everything else is prose and is not read):
   The file or folder must exist. A token holding a glob or a placeholder is a pattern, not a path, and is skipped:
   `*`, `?`, `[`, `<`, `{`, `…` or `...`, or a part that is one capital letter (`step_N`, `test_X.py`).
 - a Markdown link target that is not a URL (`[spec](spec.md)`), resolved from the document's folder.
+- a section of a document: a Markdown file name followed, on the same line, by a quoted title
+  (`docs/design.md, "opd.train.stream"`, `docs/performance.md section "Scale"`): the title, ignoring case, backticks
+  and `*`, must begin a heading of that file (read from the repository's root, its docs/ folder or the document's
+  folder).
 - `SPEC §N` or `spec §N` (any case, `spec.md §N` too): docs/spec.md must have a section `## N. Title`.
 - `STYLE N`: the repository's STYLE.md must have an item `N.`. The project keeps no STYLE list (its style rules are
   CONTRIBUTING.md's "Style" section, which is not numbered), so while STYLE.md does not exist no `STYLE N` resolves:
@@ -41,6 +45,7 @@ DOTTED_RE = re.compile(r"(?<![\w./-])opd(?:\.[A-Za-z_]\w*)+")
 PATH_RE = re.compile(r"(?<![\w./-])(?:\.ci|[A-Za-z_][\w-]*)/[\w./*?<>{}…-]*")
 LINK_RE = re.compile(r"\]\(([^)\s]+)\)")
 SPEC_RE = re.compile(r"\bspec(?:\.md)?,?\s*§§?\s*(\d+)", re.IGNORECASE)
+SECTION_RE = re.compile(r'((?<![\w/.-])(?:docs/)?[\w.-]+\.md),?\s+(?:section\s+)?["“]([^"”]+)["”]')
 STYLE_RE = re.compile(r"\bSTYLE\s+(\d+)\b")
 PLACEHOLDER_CHARS = set("*?[<{…")
 
@@ -156,6 +161,27 @@ def _path_target(root: Path, token: str) -> Path | None:
     return None
 
 
+def _heading_text(text: str) -> str:
+    return re.sub(r"[`*]", "", text).strip().lower()
+
+
+@cache
+def _headings(path: Path) -> tuple[str, ...]:
+    text = path.read_text(encoding="utf-8")
+    return tuple(_heading_text(h) for h in re.findall(r"^#+\s+(.*?)\s*#*$", text, flags=re.MULTILINE))
+
+
+def _resolve_section(root: Path, doc: str, title: str, doc_dir: Path | None) -> str | None:
+    """None when a heading of `doc` begins with `title`, else why not."""
+    folders = [root, root / "docs"] + ([doc_dir] if doc_dir is not None else [])
+    found = next((folder / doc for folder in folders if (folder / doc).is_file()), None)
+    if found is None:
+        return f"no document {doc}"
+    if not any(h.startswith(_heading_text(title)) for h in _headings(found)):
+        return f"no heading of {doc} begins with {title!r}"
+    return None
+
+
 @cache
 def _spec_sections(root: Path) -> frozenset[str]:
     spec = root / "docs" / "spec.md"
@@ -201,6 +227,10 @@ def check_text(text: str, *, file: str, first_line: int, root: Path, doc_dir: Pa
                     continue
                 if not (doc_dir / target_text).exists():
                     report(match.group(1), f"the link's target does not exist (read from {doc_dir.name or '.'}/)")
+        for match in SECTION_RE.finditer(line):
+            why = _resolve_section(root, match.group(1), match.group(2), doc_dir)
+            if why is not None:
+                report(match.group(), why)
         for match in SPEC_RE.finditer(line):
             if match.group(1) not in _spec_sections(root):
                 report(match.group(), f"docs/spec.md has no section '## {match.group(1)}.'")

@@ -33,7 +33,8 @@ def test_the_repository_resolves():
 BAD_DOC = """# A doc
 
 Fine: `opd.train.step.opd_step`, `opd.rollout.base.Generator.generate`, `src/opd/types.py`, `rollout/base.py`, spec §2,
-[the spec](spec.md), `tests/test_objectives_*.py`, `checkpoints/step_N/`, `runs/<name>/`, tokens/s, I/O.
+[the spec](spec.md), `tests/test_objectives_*.py`, `checkpoints/step_N/`, `runs/<name>/`, tokens/s, I/O,
+docs/design.md, "opd.train.stream" and (docs/spec.md "4. policy loss").
 A dotted name: `opd.lab.experiments`.
 A name after a module: `opd.train.step.no_such_function`.
 A member of a class: `opd.rollout.base.Generator.no_such_member`.
@@ -41,6 +42,7 @@ A path: `src/opd/train/opd.py` and one under the package, `train/opd.py`.
 A link: [gone](no_such_doc.md).
 A spec section: SPEC §42.
 A style item: STYLE 12.
+A section: docs/design.md, "The rollout stream".
 """
 
 
@@ -53,14 +55,15 @@ def test_each_kind_of_bad_reference_is_reported_on_its_line(tmp_path: Path):
     assert done.returncode == 1
     found = [line.split(": ", 2)[:2] for line in done.stdout.splitlines()]
     assert found == [
-        [f"{doc}:5", "opd.lab.experiments"],
-        [f"{doc}:6", "opd.train.step.no_such_function"],
-        [f"{doc}:7", "opd.rollout.base.Generator.no_such_member"],
-        [f"{doc}:8", "src/opd/train/opd.py"],
-        [f"{doc}:8", "train/opd.py"],
-        [f"{doc}:9", "no_such_doc.md"],
-        [f"{doc}:10", "SPEC §42"],
-        [f"{doc}:11", "STYLE 12"],
+        [f"{doc}:6", "opd.lab.experiments"],
+        [f"{doc}:7", "opd.train.step.no_such_function"],
+        [f"{doc}:8", "opd.rollout.base.Generator.no_such_member"],
+        [f"{doc}:9", "src/opd/train/opd.py"],
+        [f"{doc}:9", "train/opd.py"],
+        [f"{doc}:10", "no_such_doc.md"],
+        [f"{doc}:11", "SPEC §42"],
+        [f"{doc}:12", "STYLE 12"],
+        [f"{doc}:13", 'docs/design.md, "The rollout stream"'],
     ], done.stdout
     assert all(line.count(": ") >= 2 and line.rsplit(": ", 1)[1] for line in done.stdout.splitlines())
 

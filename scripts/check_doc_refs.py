@@ -123,15 +123,62 @@ def _resolve_dotted(root: Path, ref: str) -> str | None:
     if rest[0] not in names:
         if "__getattr__" in names:
             return None
-        missing = _module_file(root, parts[: cut + 1])
-        assert missing is None
-        return f"{module_name} has no module or top-level name {rest[0]!r}"
+        return f"{module_name} has no module or top-level name {rest[0]!r}" + _defined_in(root, parts[-1])
     node = names[rest[0]]
     if len(rest) > 1 and isinstance(node, ast.ClassDef):
         members = _top_level(node.body)
         if rest[1] not in members:
             return f"class {module_name}.{rest[0]} defines no {rest[1]!r}"
     return None
+
+
+@cache
+def _definitions(root: Path) -> dict[str, list[str]]:
+    """Every top-level name of src/opd → the modules that define it (not merely import it)."""
+    found: dict[str, list[str]] = {}
+    src = root / "src"
+    for path in sorted((src / "opd").rglob("*.py")):
+        parts = path.relative_to(src).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        for name, node in _top_level(_tree(path).body).items():
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.setdefault(name, []).append(module)
+    return found
+
+
+def _defined_in(root: Path, name: str) -> str:
+    """A hint for a name that moved: where src/opd defines it now, or the modules of that name."""
+    places = [f"{m}.{name}" for m in _definitions(root).get(name, [])]
+    places = places or sorted(m for m in _modules(root) if m.endswith(f".{name}"))
+    return f" (now {', '.join(places[:3])}?)" if places else ""
+
+
+@cache
+def _modules(root: Path) -> frozenset[str]:
+    src = root / "src"
+    return frozenset(
+        ".".join(p.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
+        for p in (src / "opd").rglob("*.py")
+    )
+
+
+def _words(path: Path) -> frozenset[str]:
+    return frozenset(re.split(r"[/_.-]", path.with_suffix("").as_posix())) - {"", "test", "tests", "src", "opd"}
+
+
+def _moved_to(root: Path, target: Path) -> str:
+    """A hint for a file that moved: files of the same top folder with the same name or the same words in their path
+    (tests/test_objectives_rewards.py → tests/objectives/test_rewards.py)."""
+    relative = target.relative_to(root)
+    top = root / relative.parts[0]
+    if not top.is_dir() or target.suffix == "":
+        return ""
+    candidates = sorted(
+        p.relative_to(root).as_posix()
+        for p in top.rglob(f"*{target.suffix}")
+        if p.name == target.name or _words(p.relative_to(root)) == _words(relative)
+    )
+    return f" (now {', '.join(candidates[:3])}?)" if candidates else ""
 
 
 # ---- paths, spec sections, style items --------------------------------------------------------------------------
@@ -219,7 +266,7 @@ def check_text(text: str, *, file: str, first_line: int, root: Path, doc_dir: Pa
                 continue
             target = _path_target(root, token)
             if target is not None and not target.exists():
-                report(token, f"no such file or folder {target.relative_to(root)}")
+                report(token, f"no such file or folder {target.relative_to(root)}" + _moved_to(root, target))
         if doc_dir is not None:
             for match in LINK_RE.finditer(line):
                 target_text = match.group(1).split("#", 1)[0]

@@ -97,3 +97,10 @@ def test_a_style_item_resolves_against_style_md(checker, tmp_path: Path):
     finally:
         checker._style_items.cache_clear()
     assert [(p.reference, p.why) for p in problems] == [("STYLE 3", "STYLE.md has no item 3.")]
+
+
+def test_a_moved_name_or_file_is_reported_with_where_it_is_now(checker):
+    text = "`opd.train.opd.opd_step` and `tests/elsewhere/test_doc_refs.py`"
+    problems = checker.check_text(text, file="x.md", first_line=1, root=checker.ROOT, doc_dir=None)
+    hints = [p.why.rsplit("(", 1)[1] for p in problems]
+    assert hints == ["now opd.train.step.opd_step?)", "now tests/test_doc_refs.py?)"]

@@ -1,8 +1,9 @@
 """Fail on a code reference in the docs or the source's comments that names nothing in the repository.
 
-Usage: python scripts/check_doc_refs.py [FILE ...]   (no FILE: README.md, CONTRIBUTING.md, docs/*.md and the
-comments and docstrings of src/opd). One line per reference that does not resolve, `file:line: reference: why`, and
-exit status 1; nothing and status 0 when every reference resolves. CHANGELOG.md is history and is not read.
+Usage: python scripts/check_doc_refs.py [--root REPO] [FILE ...]   (no FILE: README.md, CONTRIBUTING.md, docs/*.md
+and the comments and docstrings of src/opd). One line per reference that does not resolve,
+`file:line: reference: why`, and exit status 1; nothing and status 0 when every reference resolves. CHANGELOG.md is
+history and is not read.
 
 What counts as a reference (everything else is prose and is not read):
 
@@ -332,8 +333,10 @@ def default_files(root: Path = ROOT) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("files", nargs="*", type=Path, help="Markdown or Python files (default: the docs and src/opd)")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the repository (default: this script's)")
     args = parser.parse_args(argv)
-    problems = [p for f in (args.files or default_files()) for p in check_file(f)]
+    root = args.root.resolve()
+    problems = [p for f in (args.files or default_files(root)) for p in check_file(f, root)]
     for problem in problems:
         print(problem)
     return 1 if problems else 0

@@ -84,8 +84,9 @@ def _local_model_dir(path: str) -> Path | None:
 
 
 def file_digest(file: Path) -> str:
-    """SHA-1 of every byte of `file` (not a defence against a forged file, a fingerprint of work),
-    remembered by (path, size, mtime_ns, inode) for this process unless the file was modified in the last seconds."""
+    """SHA-1 of every byte of `file` (its cost: docs/performance.md; not a defence against a forged file, a fingerprint
+    of work), remembered by (path, size, mtime_ns, inode) for this process unless the file was modified in the last
+    seconds."""
     stat = file.stat()
     key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
     if key in _file_hashes:

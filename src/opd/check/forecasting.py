@@ -31,7 +31,7 @@ class ForecastThresholds(Section):
     """Where the step-0 signals classify a pair. Sources: the paper (arXiv 2604.13016) states the directions — OPD
     succeeds when the student and teacher share thinking patterns (high initial top-k overlap, shared tokens holding
     97–99 % of the mass, an overlap advantage near 0 that climbs) and the teacher has something new (it solves what
-    the student cannot); the numbers below are from the lab's measured pairs (docs/lab.md, "opd check forecast")."""
+    the student cannot); the numbers below are from the lab's measured pairs (docs/lab.md, "opd check's forecast")."""
 
     nothing_overlap_ratio: float = Field(
         0.99,

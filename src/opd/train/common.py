@@ -2,7 +2,7 @@
 never mixed with another run), resume from the newest verified checkpoint with the saved config compared, the trainer
 state a checkpoint carries, evaluation through `opd eval` on a cadence, the report at the end, phase timing, and
 deterministic kernels on request.
-Plain functions over plain arguments: there is no base Trainer (STYLE 12).
+Plain functions over plain arguments: there is no base Trainer.
 """
 
 from __future__ import annotations

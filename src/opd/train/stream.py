@@ -4,7 +4,7 @@ call through the configured engine), trains on `prompts_per_step` finished group
 to the next step, where later tokens come from later weights (per-token behaviour log-probs, corrected by the
 objective's truncated importance weights).
 
-Rules (docs/design.md "The rollout stream"):
+Rules (docs/design.md, "opd.train.stream"):
 - top-up: at the start of a step, whole sampler batches are drawn while fewer than (max_staleness + 1) batches'
   worth of samples are in flight (step 0 draws max_staleness + 1, then one a step; built ahead, one batch fewer);
 - staleness: a sample whose oldest token was sampled more than max_staleness steps ago is restarted (its tokens

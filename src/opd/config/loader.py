@@ -26,16 +26,17 @@ def _all_keys(model_cls: type[BaseModel], prefix: str = "") -> list[str]:
     keys = []
     for name, field in model_cls.model_fields.items():
         keys.append(prefix + name)
-        for candidate in _field_models(field.annotation):
+        for candidate in field_models(field.annotation):
             keys.extend(_all_keys(candidate, prefix + name + "."))
     return keys
 
 
-def _field_models(annotation: Any) -> list[type[BaseModel]]:
+def field_models(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models in a field's annotation (`X`, `X | None`, `list[X]`, …), outermost first."""
     args = getattr(annotation, "__args__", None) or ()
     found = [annotation] if isinstance(annotation, type) and issubclass(annotation, BaseModel) else []
     for arg in args:
-        found.extend(_field_models(arg))
+        found.extend(field_models(arg))
     return found
 
 
@@ -156,7 +157,7 @@ def _field_description(model_cls: type[BaseModel], key: str) -> str:
         field = cls.model_fields.get(part) if isinstance(cls, type) and issubclass(cls, BaseModel) else None
         if field is None:
             return "see --help"
-        models = _field_models(field.annotation)
+        models = field_models(field.annotation)
         cls = models[0] if models else None
     return (field.description or "see --help") if field else "see --help"
 

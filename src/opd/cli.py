@@ -10,16 +10,18 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
-from opd.cli_errors import _click_errors, _usage_line, os_error_line, user_error_line
+from opd.cli_errors import click_errors, os_error_line, usage_line, user_error_line
 from opd.cli_options import (
     OVERRIDES_HELP,
     config_file_option,
     config_option,
     config_options,
     field_option,
+    help_with_key,
     legacy_thinking,
     overrides_argument,
     parse_names,
@@ -48,27 +50,27 @@ app = typer.Typer(
 @app.command("eval")
 def eval_command(
     ctx: typer.Context,
-    overrides: list[str] | None = overrides_argument(),
-    config: Path | None = config_file_option(),
-    model: str | None = field_option(EvalConfig, "model.path"),
-    responses: Path | None = field_option(EvalConfig, "responses"),
-    benchmarks: str | None = field_option(EvalConfig, "benchmarks"),
-    n: int | None = field_option(EvalConfig, "n"),
-    temperature: float | None = field_option(EvalConfig, "temperature"),
-    top_p: float | None = field_option(EvalConfig, "top_p"),
-    top_k: int | None = field_option(EvalConfig, "top_k"),
-    max_new_tokens: int | None = field_option(EvalConfig, "max_new_tokens"),
-    batch_size: int | None = field_option(EvalConfig, "batch_size"),
-    limit: int | None = field_option(EvalConfig, "limit"),
-    prompt_key: str | None = field_option(EvalConfig, "prompt_key"),
-    answer_key: str | None = field_option(EvalConfig, "answer_key"),
-    template: str | None = field_option(EvalConfig, "template"),
-    thinking: bool | None = field_option(EvalConfig, "enable_thinking", "--thinking/--no-thinking"),
-    dtype: str | None = field_option(EvalConfig, "model.dtype"),
-    device: str | None = field_option(EvalConfig, "model.device"),
-    seed: int | None = field_option(EvalConfig, "seed"),
-    out: Path | None = field_option(EvalConfig, "out"),
-    engine: str | None = field_option(EvalConfig, "engine"),
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
+    config: Annotated[Path | None, config_file_option()] = None,
+    model: Annotated[str | None, field_option(EvalConfig, "model.path")] = None,
+    responses: Annotated[Path | None, field_option(EvalConfig, "responses")] = None,
+    benchmarks: Annotated[str | None, field_option(EvalConfig, "benchmarks")] = None,
+    n: Annotated[int | None, field_option(EvalConfig, "n")] = None,
+    temperature: Annotated[float | None, field_option(EvalConfig, "temperature")] = None,
+    top_p: Annotated[float | None, field_option(EvalConfig, "top_p")] = None,
+    top_k: Annotated[int | None, field_option(EvalConfig, "top_k")] = None,
+    max_new_tokens: Annotated[int | None, field_option(EvalConfig, "max_new_tokens")] = None,
+    batch_size: Annotated[int | None, field_option(EvalConfig, "batch_size")] = None,
+    limit: Annotated[int | None, field_option(EvalConfig, "limit")] = None,
+    prompt_key: Annotated[str | None, field_option(EvalConfig, "prompt_key")] = None,
+    answer_key: Annotated[str | None, field_option(EvalConfig, "answer_key")] = None,
+    template: Annotated[str | None, field_option(EvalConfig, "template")] = None,
+    thinking: Annotated[bool | None, field_option(EvalConfig, "enable_thinking", "--thinking/--no-thinking")] = None,
+    dtype: Annotated[str | None, field_option(EvalConfig, "model.dtype")] = None,
+    device: Annotated[str | None, field_option(EvalConfig, "model.device")] = None,
+    seed: Annotated[int | None, field_option(EvalConfig, "seed")] = None,
+    out: Annotated[Path | None, field_option(EvalConfig, "out")] = None,
+    engine: Annotated[str | None, field_option(EvalConfig, "engine")] = None,
 ) -> None:
     """Sample n answers per benchmark problem, grade them, write results.json + samples.jsonl, print a table."""
     cfg = build_config(EvalConfig, config_file=config, options=config_options(ctx), overrides=overrides)
@@ -80,24 +82,28 @@ def eval_command(
 @app.command("distill")
 def distill_command(
     ctx: typer.Context,
-    overrides: list[str] | None = overrides_argument(),
-    config: Path | None = config_file_option(),
-    student: str | None = field_option(DistillConfig, "student.path"),
-    teacher: str | None = field_option(DistillConfig, "teacher.path"),
-    prompts: str | None = field_option(DistillConfig, "data.path"),
-    steps: int | None = field_option(DistillConfig, "run.steps"),
-    name: str | None = field_option(DistillConfig, "run.name"),
-    out_dir: str | None = field_option(DistillConfig, "run.out_dir"),
-    resume: bool | None = field_option(DistillConfig, "run.resume", "--resume/--no-resume"),
-    top_k: int | None = field_option(DistillConfig, "objective.top_k"),
-    strategy: str | None = field_option(DistillConfig, "objective.strategy"),
-    weight: str | None = field_option(DistillConfig, "objective.weight"),
-    advantage: str | None = field_option(DistillConfig, "objective.advantage"),
-    lr: float | None = field_option(DistillConfig, "optim.lr"),
-    seed: int | None = field_option(DistillConfig, "run.seed"),
-    thinking: bool | None = field_option(DistillConfig, "data.enable_thinking", "--thinking/--no-thinking"),
-    allow_config_change: bool | None = field_option(DistillConfig, "run.allow_config_change", "--allow-config-change"),
-    skip_check: list[str] | None = field_option(DistillConfig, "skip_checks", "--skip-check"),
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
+    config: Annotated[Path | None, config_file_option()] = None,
+    student: Annotated[str | None, field_option(DistillConfig, "student.path")] = None,
+    teacher: Annotated[str | None, field_option(DistillConfig, "teacher.path")] = None,
+    prompts: Annotated[str | None, field_option(DistillConfig, "data.path")] = None,
+    steps: Annotated[int | None, field_option(DistillConfig, "run.steps")] = None,
+    name: Annotated[str | None, field_option(DistillConfig, "run.name")] = None,
+    out_dir: Annotated[str | None, field_option(DistillConfig, "run.out_dir")] = None,
+    resume: Annotated[bool | None, field_option(DistillConfig, "run.resume", "--resume/--no-resume")] = None,
+    top_k: Annotated[int | None, field_option(DistillConfig, "objective.top_k")] = None,
+    strategy: Annotated[str | None, field_option(DistillConfig, "objective.strategy")] = None,
+    weight: Annotated[str | None, field_option(DistillConfig, "objective.weight")] = None,
+    advantage: Annotated[str | None, field_option(DistillConfig, "objective.advantage")] = None,
+    lr: Annotated[float | None, field_option(DistillConfig, "optim.lr")] = None,
+    seed: Annotated[int | None, field_option(DistillConfig, "run.seed")] = None,
+    thinking: Annotated[
+        bool | None, field_option(DistillConfig, "data.enable_thinking", "--thinking/--no-thinking")
+    ] = None,
+    allow_config_change: Annotated[
+        bool | None, field_option(DistillConfig, "run.allow_config_change", "--allow-config-change")
+    ] = None,
+    skip_check: Annotated[list[str] | None, field_option(DistillConfig, "skip_checks", "--skip-check")] = None,
 ) -> None:
     """On-policy distillation: the student samples, the teacher scores the student's tokens, policy-gradient update.
 
@@ -113,11 +119,11 @@ def distill_command(
 @app.command("check")
 def check_command(
     ctx: typer.Context,
-    overrides: list[str] | None = overrides_argument(),
-    config: Path | None = config_file_option(),
-    student: str | None = field_option(DistillConfig, "student.path"),
-    teacher: str | None = field_option(DistillConfig, "teacher.path"),
-    prompts: str | None = field_option(DistillConfig, "data.path"),
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
+    config: Annotated[Path | None, config_file_option()] = None,
+    student: Annotated[str | None, field_option(DistillConfig, "student.path")] = None,
+    teacher: Annotated[str | None, field_option(DistillConfig, "teacher.path")] = None,
+    prompts: Annotated[str | None, field_option(DistillConfig, "data.path")] = None,
     n: int = typer.Option(4, help="Student rollouts per sampled prompt for the forecast."),
     prompts_sample: int = typer.Option(64, help="Prompts drawn (seeded by run.seed) for the forecast."),
     out: Path | None = typer.Option(
@@ -143,17 +149,21 @@ def check_command(
 @app.command("sft")
 def sft_command(
     ctx: typer.Context,
-    overrides: list[str] | None = overrides_argument(),
-    config: Path | None = config_file_option(),
-    model: str | None = field_option(SFTConfig, "model.path"),
-    data: list[str] | None = field_option(SFTConfig, "data.path"),
-    epochs: float | None = field_option(SFTConfig, "epochs"),
-    lr: float | None = field_option(SFTConfig, "optim.lr"),
-    lora: bool | None = field_option(SFTConfig, "lora.enabled", "--lora/--no-lora"),
-    name: str | None = field_option(SFTConfig, "run.name"),
-    resume: bool | None = field_option(SFTConfig, "run.resume", "--resume/--no-resume"),
-    thinking: bool | None = field_option(SFTConfig, "data.enable_thinking", "--thinking/--no-thinking"),
-    allow_config_change: bool | None = field_option(SFTConfig, "run.allow_config_change", "--allow-config-change"),
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
+    config: Annotated[Path | None, config_file_option()] = None,
+    model: Annotated[str | None, field_option(SFTConfig, "model.path")] = None,
+    data: Annotated[list[str] | None, field_option(SFTConfig, "data.path")] = None,
+    epochs: Annotated[float | None, field_option(SFTConfig, "epochs")] = None,
+    lr: Annotated[float | None, field_option(SFTConfig, "optim.lr")] = None,
+    lora: Annotated[bool | None, field_option(SFTConfig, "lora.enabled", "--lora/--no-lora")] = None,
+    name: Annotated[str | None, field_option(SFTConfig, "run.name")] = None,
+    resume: Annotated[bool | None, field_option(SFTConfig, "run.resume", "--resume/--no-resume")] = None,
+    thinking: Annotated[
+        bool | None, field_option(SFTConfig, "data.enable_thinking", "--thinking/--no-thinking")
+    ] = None,
+    allow_config_change: Annotated[
+        bool | None, field_option(SFTConfig, "run.allow_config_change", "--allow-config-change")
+    ] = None,
 ) -> None:
     """Supervised fine-tuning on (teacher) answers, loss on assistant tokens only: the cold start before
     `opd distill`."""
@@ -188,59 +198,76 @@ def merge_command(
     typer.echo(f"merged: {merged}")
 
 
-# `opd rollout` and `opd serve-teacher` write their help by hand: their config classes (`RolloutConfig`, `ServeConfig`)
-# still live in their recipes, which load torch, and `opd --help` must not.
+# `opd rollout` and `opd serve-teacher` write their options' help here, by hand: their config classes (`RolloutConfig`,
+# `ServeConfig`) still live in their recipes, which load torch, and `opd --help` must not (docs/design.md "Configs").
+ROLLOUT_HELP = {
+    "model.path": "Teacher model: Hugging Face id or local directory.",
+    "data.path": "Prompt set: parquet / JSONL / JSON / dataset dir / hub id.",
+    "out": "Output directory; rerunning into it skips finished prompts.",
+    "n": "Accepted samples wanted per prompt. [default: 1]",
+    "temperature": "Sampling temperature, 0 = greedy. [default: 1.0]",
+    "top_p": "Nucleus sampling mass in (0, 1]. [default: 0.95]",
+    "max_new_tokens": "Longest response in tokens; longer ones are rejected as truncated. [default: 7168]",
+    "max_attempts": "Draws per wanted sample before it is given up. [default: 3]",
+    "require_correct": "Also reject answers graded wrong against the ground truth. [default: off]",
+    "data.prompt_key": "Prompt column. [default: prompt]",
+    "data.answer_key": "Ground-truth column; data.answer_key=null for none. [default: reward_model.ground_truth]",
+    "data.template": "Instruction template: keep | dapo | boxed | custom:'…{problem}…'. [default: keep]",
+    "batch_size": "Sequences generated together (prompts × n); the unit of resume. [default: 64]",
+    "num_workers": "Worker processes, one per GPU (cuda:0..N-1), over disjoint batches. [default: 1]",
+    "llamafactory": "Also write the LlamaFactory sharegpt dataset + dataset_info.json. [default: off]",
+    "model.dtype": "auto | bf16 | fp16 | fp32. [default: auto]",
+    "model.device": "auto | cpu | cuda | cuda:N. [default: auto]",
+    "seed": "Base sampling seed. [default: 0]",
+    "engine": "Generation engine: torch | vllm (vllm loads the model itself, options as vllm.*). [default: torch]",
+}
+SERVE_HELP = {
+    "model.path": "Teacher model: Hugging Face id or local directory.",
+    "model.device": "auto | cpu | cuda | cuda:N. [default: auto]",
+    "device_map": "auto: split the model over all visible GPUs (accelerate) for a teacher larger than one GPU; its "
+    "layers then run one GPU at a time. [default: off]",
+    "model.dtype": "auto | bf16 | fp16 | fp32. [default: auto = bf16 on GPU, fp32 on CPU]",
+    "host": "Address to bind; a non-loopback address needs a token. [default: 127.0.0.1]",
+    "port": "TCP port, 0 = any free one (printed). [default: 8765]",
+    "token_file": "File with the bearer token clients must send. [default: $OPD_TEACHER_TOKEN, else none]",
+}
+
+
+def _rollout(key: str, *param_decls: str) -> Any:
+    return config_option(key, *param_decls, help=help_with_key(key, ROLLOUT_HELP[key]))
+
+
+def _serve(key: str) -> Any:
+    return config_option(key, help=help_with_key(key, SERVE_HELP[key]))
 
 
 @app.command("rollout")
 def rollout_command(
     ctx: typer.Context,
-    overrides: list[str] | None = overrides_argument(),
-    config: Path | None = config_file_option(),
-    model: str | None = config_option("model.path", help="Teacher model: Hugging Face id or local directory."),
-    prompts: str | None = config_option("data.path", help="Prompt set: parquet / JSONL / JSON / dataset dir / hub id."),
-    out: Path | None = config_option("out", help="Output directory; rerunning into it skips finished prompts."),
-    n: int | None = config_option("n", help="Accepted samples wanted per prompt. [default: 1]"),
-    temperature: float | None = config_option("temperature", help="Sampling temperature, 0 = greedy. [default: 1.0]"),
-    top_p: float | None = config_option("top_p", help="Nucleus sampling mass in (0, 1]. [default: 0.95]"),
-    max_new_tokens: int | None = config_option(
-        "max_new_tokens", help="Longest response in tokens; longer ones are rejected as truncated. [default: 7168]"
-    ),
-    thinking: bool | None = thinking_option("data.enable_thinking"),
-    max_attempts: int | None = config_option(
-        "max_attempts", help="Draws per wanted sample before it is given up. [default: 3]"
-    ),
-    require_correct: bool | None = config_option(
-        "require_correct",
-        "--require-correct/--no-require-correct",
-        help="Also reject answers graded wrong against the ground truth. [default: off]",
-    ),
-    prompt_key: str | None = config_option("data.prompt_key", help="Prompt column. [default: prompt]"),
-    answer_key: str | None = config_option(
-        "data.answer_key",
-        help="Ground-truth column; data.answer_key=null for none. [default: reward_model.ground_truth]",
-    ),
-    template: str | None = config_option(
-        "data.template", help="Instruction template: keep | dapo | boxed | custom:'…{problem}…'. [default: keep]"
-    ),
-    batch_size: int | None = config_option(
-        "batch_size", help="Sequences generated together (prompts × n); the unit of resume. [default: 64]"
-    ),
-    num_workers: int | None = config_option(
-        "num_workers", help="Worker processes, one per GPU (cuda:0..N-1), over disjoint batches. [default: 1]"
-    ),
-    llamafactory: bool | None = config_option(
-        "llamafactory",
-        "--llamafactory/--no-llamafactory",
-        help="Also write the LlamaFactory sharegpt dataset + dataset_info.json. [default: off]",
-    ),
-    dtype: str | None = config_option("model.dtype", help="auto | bf16 | fp16 | fp32. [default: auto]"),
-    device: str | None = config_option("model.device", help="auto | cpu | cuda | cuda:N. [default: auto]"),
-    seed: int | None = config_option("seed", help="Base sampling seed. [default: 0]"),
-    engine: str | None = config_option(
-        "engine",
-        help="Generation engine: torch | vllm (vllm loads the model itself, options as vllm.*). [default: torch]",
-    ),
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
+    config: Annotated[Path | None, config_file_option()] = None,
+    model: Annotated[str | None, _rollout("model.path")] = None,
+    prompts: Annotated[str | None, _rollout("data.path")] = None,
+    out: Annotated[Path | None, _rollout("out")] = None,
+    n: Annotated[int | None, _rollout("n")] = None,
+    temperature: Annotated[float | None, _rollout("temperature")] = None,
+    top_p: Annotated[float | None, _rollout("top_p")] = None,
+    max_new_tokens: Annotated[int | None, _rollout("max_new_tokens")] = None,
+    thinking: Annotated[bool | None, thinking_option("data.enable_thinking")] = None,
+    max_attempts: Annotated[int | None, _rollout("max_attempts")] = None,
+    require_correct: Annotated[
+        bool | None, _rollout("require_correct", "--require-correct/--no-require-correct")
+    ] = None,
+    prompt_key: Annotated[str | None, _rollout("data.prompt_key")] = None,
+    answer_key: Annotated[str | None, _rollout("data.answer_key")] = None,
+    template: Annotated[str | None, _rollout("data.template")] = None,
+    batch_size: Annotated[int | None, _rollout("batch_size")] = None,
+    num_workers: Annotated[int | None, _rollout("num_workers")] = None,
+    llamafactory: Annotated[bool | None, _rollout("llamafactory", "--llamafactory/--no-llamafactory")] = None,
+    dtype: Annotated[str | None, _rollout("model.dtype")] = None,
+    device: Annotated[str | None, _rollout("model.device")] = None,
+    seed: Annotated[int | None, _rollout("seed")] = None,
+    engine: Annotated[str | None, _rollout("engine")] = None,
 ) -> None:
     """Teacher answers for SFT with rejection sampling: rollouts.jsonl, rejected.jsonl, stats.json
     (+ LlamaFactory files).
@@ -312,25 +339,15 @@ def dedup_command(
 @app.command("serve-teacher")
 def serve_teacher_command(
     ctx: typer.Context,
-    overrides: list[str] | None = overrides_argument(),
-    config: Path | None = config_file_option(),
-    model: str | None = config_option("model.path", help="Teacher model: Hugging Face id or local directory."),
-    device: str | None = config_option("model.device", help="auto | cpu | cuda | cuda:N. [default: auto]"),
-    device_map: str | None = config_option(
-        "device_map",
-        help="auto: split the model over all visible GPUs (accelerate) for a teacher larger than one GPU; its layers "
-        "then run one GPU at a time. [default: off]",
-    ),
-    dtype: str | None = config_option(
-        "model.dtype", help="auto | bf16 | fp16 | fp32. [default: auto = bf16 on GPU, fp32 on CPU]"
-    ),
-    host: str | None = config_option(
-        "host", help="Address to bind; a non-loopback address needs a token. [default: 127.0.0.1]"
-    ),
-    port: int | None = config_option("port", help="TCP port, 0 = any free one (printed). [default: 8765]"),
-    token_file: Path | None = config_option(
-        "token_file", help="File with the bearer token clients must send. [default: $OPD_TEACHER_TOKEN, else none]"
-    ),
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
+    config: Annotated[Path | None, config_file_option()] = None,
+    model: Annotated[str | None, _serve("model.path")] = None,
+    device: Annotated[str | None, _serve("model.device")] = None,
+    device_map: Annotated[str | None, _serve("device_map")] = None,
+    dtype: Annotated[str | None, _serve("model.dtype")] = None,
+    host: Annotated[str | None, _serve("host")] = None,
+    port: Annotated[int | None, _serve("port")] = None,
+    token_file: Annotated[Path | None, _serve("token_file")] = None,
 ) -> None:
     """Serve a teacher over HTTP: scores any token ids (sampled, top-k, requested ids, entropy) for `teacher.url`.
 
@@ -353,7 +370,7 @@ app.add_typer(pipeline_app, name="pipeline")
 @pipeline_app.command("run")
 def pipeline_run_command(
     config: Path = typer.Argument(..., help="Pipeline YAML (see configs/pipeline_cold_start_qwen3.yaml)."),
-    overrides: list[str] | None = overrides_argument(),
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
 ) -> None:
     """Run every stage whose outputs are not complete (each resumable), then print the before/after/teacher table."""
     from opd.recipes.pipeline import PipelineConfig, run_pipeline
@@ -426,20 +443,22 @@ def prompts_template_command(
 @prompts_app.command("score")
 def prompts_score_command(
     ctx: typer.Context,
-    overrides: list[str] | None = overrides_argument(),
-    config: Path | None = config_file_option(),
-    student: str | None = field_option(PromptScoreConfig, "student.path"),
-    teacher: str | None = field_option(PromptScoreConfig, "teacher.path"),
-    source: str | None = field_option(PromptScoreConfig, "data.path", "--in"),
-    out: Path | None = field_option(PromptScoreConfig, "out"),
-    n: int | None = field_option(PromptScoreConfig, "n"),
-    top_k: int | None = field_option(PromptScoreConfig, "top_k"),
-    max_new_tokens: int | None = field_option(PromptScoreConfig, "max_new_tokens"),
-    batch_size: int | None = field_option(PromptScoreConfig, "batch_size"),
-    template: str | None = field_option(PromptScoreConfig, "data.template"),
-    seed: int | None = field_option(PromptScoreConfig, "seed"),
-    thinking: bool | None = field_option(PromptScoreConfig, "data.enable_thinking", "--thinking/--no-thinking"),
-    engine: str | None = field_option(PromptScoreConfig, "engine"),
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
+    config: Annotated[Path | None, config_file_option()] = None,
+    student: Annotated[str | None, field_option(PromptScoreConfig, "student.path")] = None,
+    teacher: Annotated[str | None, field_option(PromptScoreConfig, "teacher.path")] = None,
+    source: Annotated[str | None, field_option(PromptScoreConfig, "data.path", "--in")] = None,
+    out: Annotated[Path | None, field_option(PromptScoreConfig, "out")] = None,
+    n: Annotated[int | None, field_option(PromptScoreConfig, "n")] = None,
+    top_k: Annotated[int | None, field_option(PromptScoreConfig, "top_k")] = None,
+    max_new_tokens: Annotated[int | None, field_option(PromptScoreConfig, "max_new_tokens")] = None,
+    batch_size: Annotated[int | None, field_option(PromptScoreConfig, "batch_size")] = None,
+    template: Annotated[str | None, field_option(PromptScoreConfig, "data.template")] = None,
+    seed: Annotated[int | None, field_option(PromptScoreConfig, "seed")] = None,
+    thinking: Annotated[
+        bool | None, field_option(PromptScoreConfig, "data.enable_thinking", "--thinking/--no-thinking")
+    ] = None,
+    engine: Annotated[str | None, field_option(PromptScoreConfig, "engine")] = None,
 ) -> None:
     """Per prompt: n student rollouts, scored by student and teacher; SPEC §6 overlap metrics → scores JSONL.
 
@@ -502,8 +521,8 @@ def prompts_select_command(
 
 @app.command("demo")
 def demo_command(
-    overrides: list[str] | None = overrides_argument(),
-    config: Path | None = config_file_option(),
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
+    config: Annotated[Path | None, config_file_option()] = None,
     steps: int | None = typer.Option(None, help="OPD steps (run.steps). [default: 200]"),
     limit: int | None = typer.Option(
         None, help="Evaluate on the first N test problems only (eval.limit). [default: all 300]"
@@ -652,7 +671,7 @@ def main() -> None:
         hf_logging.disable_progress_bar()  # our own progress bars say what is going on
     except ImportError:
         pass
-    usage_errors, no_args_errors, aborts = _click_errors()
+    usage_errors, no_args_errors, aborts = click_errors()
     try:
         code = app(args=legacy_thinking(sys.argv[1:]), standalone_mode=False, prog_name="opd")
     except no_args_errors as error:  # `opd` / `opd prompts` alone: the help, as click does
@@ -664,7 +683,7 @@ def main() -> None:
     except usage_errors as error:
         if os.environ.get("OPD_DEBUG"):
             raise
-        _fail(_usage_line(error), 2)
+        _fail(usage_line(error), 2)
     except Exception as error:  # noqa: BLE001 - every user error becomes one line; anything else keeps its traceback
         line = user_error_line(error)
         if line is None or os.environ.get("OPD_DEBUG"):

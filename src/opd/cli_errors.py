@@ -13,7 +13,7 @@ import typer
 from pydantic import ValidationError
 
 
-def _click_errors() -> tuple[tuple, tuple, tuple]:
+def click_errors() -> tuple[tuple, tuple, tuple]:
     """(usage errors, no-arguments-help errors, aborts) of the click that typer runs on: its vendored copy
     (`typer._click`, newer typer) and the click package (older typer)."""
     modules = []
@@ -29,7 +29,7 @@ def _click_errors() -> tuple[tuple, tuple, tuple]:
     return classes("ClickException"), classes("NoArgsIsHelpError"), (*classes("Abort"), typer.Abort)
 
 
-def _usage_line(error: Any) -> str:
+def usage_line(error: Any) -> str:
     """click's usage error (bad option, missing argument, unknown command) as one line with where to look."""
     message = " ".join(error.format_message().split())
     ctx = getattr(error, "ctx", None)

@@ -1,11 +1,11 @@
 """The options of the `opd` command line, derived from the config fields they set.
 
-An option that sets a config key is declared once, by its key: `field_option(EvalConfig, "n")` takes its help from the
-field's `description` (with the choices of a `Literal` field) and shows the field's default, so neither is written
-twice. Its own default is None (= not given: the YAML file or the field's default applies), and `config_options`
-collects the given ones into the dotted-key dict `opd.config.build_config` merges. Also here: the `--config` and
-key=value arguments every config command takes, the legacy `--thinking on|off` spelling, and the small parsers of
-comma-separated options.
+An option that sets a config key is declared once, by its key:
+`n: Annotated[int | None, field_option(EvalConfig, "n")] = None` takes its help from the field's `description` (with
+the choices of a `Literal` field) and shows the field's default, so neither is written twice. Its value is None when
+not given (then the YAML file or the field's default applies), and `config_options` collects the options into the
+dotted-key dict `opd.config.build_config` merges. Also here: the `--config` and key=value arguments every config
+command takes, the legacy `--thinking on|off` spelling, and the small parsers of comma-separated options.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ _KEY = "opd_config_key"
 
 def overrides_argument() -> Any:
     """The positional `key=value` overrides of a config command."""
-    return typer.Argument(None, help=OVERRIDES_HELP, show_default=False)
+    return typer.Argument(help=OVERRIDES_HELP, show_default=False)
 
 
 def config_file_option() -> Any:
     """`--config / -c file.yaml` of a config command."""
-    return typer.Option(None, "--config", "-c", help=CONFIG_HELP, exists=False, dir_okay=False)
+    return typer.Option("--config", "-c", help=CONFIG_HELP, exists=False, dir_okay=False)
 
 
 def config_field(model: type[BaseModel], key: str) -> FieldInfo:
@@ -80,6 +80,13 @@ def field_help(model: type[BaseModel], key: str) -> str:
     return f"{text} ({key})." + (f" [default: {default}]" if default is not None else "")
 
 
+def help_with_key(key: str, text: str) -> str:
+    """`text` with the config key it sets put before its `[default: …]`: `Seed. [default: 0]` → `Seed (seed).
+    [default: 0]`."""
+    head, marker, tail = text.partition(" [default:")
+    return f"{head.rstrip('.')} ({key})." + (marker + tail if marker else "")
+
+
 def _literal_choices(annotation: Any) -> list[str]:
     if typing.get_origin(annotation) is typing.Literal:
         return [str(arg) for arg in typing.get_args(annotation)]
@@ -95,7 +102,7 @@ def field_option(model: type[BaseModel], key: str, *param_decls: str) -> Any:
 def config_option(key: str, *param_decls: str, help: str) -> Any:  # noqa: A002 - typer's own name for it
     """A typer option that sets config key `key`, with help written here: for a config class the CLI cannot import
     at start-up without loading torch (the `rollout` and `serve-teacher` commands)."""
-    option = typer.Option(None, *param_decls, help=help, show_default=False)
+    option = typer.Option(*param_decls, help=help, show_default=False)
     setattr(option, _KEY, key)
     return option
 
@@ -105,8 +112,8 @@ def config_options(ctx: typer.Context) -> dict[str, Any]:
     strings and an empty repeatable option None."""
     callback = inspect.unwrap(ctx.command.callback)  # type: ignore[arg-type]
     options = {}
-    for name, parameter in inspect.signature(callback).parameters.items():
-        key = getattr(parameter.default, _KEY, None)
+    for name, hint in typing.get_type_hints(callback, include_extras=True).items():
+        key = next((getattr(m, _KEY) for m in getattr(hint, "__metadata__", ()) if hasattr(m, _KEY)), None)
         if key is not None:
             options[key] = _plain(ctx.params.get(name))
     return options

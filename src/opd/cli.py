@@ -1,23 +1,37 @@
 """The `opd` command line. Each command: build its typed config (YAML < options < key=value), then call its recipe.
 No logic lives here; every command's program is also a Python function in `opd.recipes` (e.g. `opd.recipes.sft.sft`
-for `opd sft`)."""
+for `opd sft`). An option that sets a config key takes its help and shown default from the config field
+(`opd.cli_options.field_option`); a user error becomes one line (`opd.cli_errors`)."""
 
 from __future__ import annotations
 
-import errno
-import importlib
 import os
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
-from pydantic import ValidationError
 
-from opd.config import DistillConfig, EvalConfig, build_config
+from opd.cli_errors import click_errors, os_error_line, usage_line, user_error_line
+from opd.cli_options import (
+    OVERRIDES_HELP,
+    config_file_option,
+    config_option,
+    config_options,
+    field_option,
+    help_with_key,
+    legacy_thinking,
+    overrides_argument,
+    parse_names,
+    parse_seeds,
+    thinking_option,
+)
+from opd.config import DistillConfig, EvalConfig, PromptScoreConfig, SFTConfig, build_config
 from opd.report import write_report
+
+__all__ = ["app", "main", "os_error_line", "user_error_line"]
 
 # Each command imports its recipe inside its function, on purpose: `opd --help` and a config error stay fast and
 # torch-free, and a command loads only what its own program needs.
@@ -32,97 +46,34 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-OVERRIDES_HELP = "Config overrides as dotted key=value pairs, e.g. `n=4 model.dtype=bf16` (applied last)."
-CONFIG_HELP = "YAML file with config keys (see `configs/`); CLI options and key=value overrides take precedence."
-
-
-def _overrides() -> Any:
-    return typer.Argument(None, help=OVERRIDES_HELP, show_default=False)
-
-
-def _config() -> Any:
-    return typer.Option(None, "--config", "-c", help=CONFIG_HELP, exists=False, dir_okay=False)
-
-
-THINKING_HELP = "Thinking on/off: enable_thinking of the chat template (Qwen3){key}. [default: the template's own]"
-
-
-def _thinking(key: str = "") -> Any:
-    """The one spelling of the thinking switch in every command: `--thinking` / `--no-thinking` (as every other
-    on/off option of opd). `--thinking on|off`, `opd rollout`'s earlier spelling, still works for one release
-    (rewritten by `_legacy_thinking`)."""
-    return typer.Option(None, "--thinking/--no-thinking", help=THINKING_HELP.format(key=f" ({key})" if key else ""))
-
 
 @app.command("eval")
 def eval_command(
-    overrides: list[str] | None = _overrides(),
-    config: Path | None = _config(),
-    model: str | None = typer.Option(None, help="Model to sample from: Hugging Face id or local directory."),
-    responses: Path | None = typer.Option(
-        None,
-        help="Grade this JSONL of existing generations (fields: problem/prompt id or text, response, answer) "
-        "instead of sampling.",
-    ),
-    benchmarks: str | None = typer.Option(
-        None,
-        help="Comma-separated built-in names (aime24, aime25, amc23, math500, minerva, olympiadbench) or file paths. "
-        "[default: aime24,aime25,amc23,math500]",
-    ),
-    n: int | None = typer.Option(None, help="Samples per problem. [default: 16]"),
-    temperature: float | None = typer.Option(None, help="Sampling temperature, 0 = greedy. [default: 0.7]"),
-    top_p: float | None = typer.Option(None, help="Nucleus sampling mass in (0, 1]. [default: 0.95]"),
-    top_k: int | None = typer.Option(None, help="Top-k sampling, 0 = off. [default: 0]"),
-    max_new_tokens: int | None = typer.Option(None, help="Longest response in tokens. [default: 4096]"),
-    batch_size: int | None = typer.Option(None, help="Sequences generated together. [default: 64]"),
-    limit: int | None = typer.Option(None, help="Only the first N problems of each benchmark."),
-    prompt_key: str | None = typer.Option(
-        None, help="Prompt column of benchmark files given by path. [default: prompt]"
-    ),
-    answer_key: str | None = typer.Option(
-        None, help="Answer column of benchmark files given by path. [default: reward_model.ground_truth]"
-    ),
-    template: str | None = typer.Option(
-        None, help="Instruction template: keep | dapo | boxed | custom:'…{problem}…'. [default: keep]"
-    ),
-    thinking: bool | None = _thinking(),
-    dtype: str | None = typer.Option(
-        None, help="auto | bf16 | fp16 | fp32. [default: auto = bf16 on GPU, fp32 on CPU]"
-    ),
-    device: str | None = typer.Option(None, help="auto | cpu | cuda | cuda:N. [default: auto]"),
-    seed: int | None = typer.Option(None, help="Sampling seed. [default: 0]"),
-    out: Path | None = typer.Option(
-        None, help="Output directory; rerunning into it resumes. [default: runs/eval-<time>]"
-    ),
-    engine: str | None = typer.Option(
-        None,
-        help="Generation engine: auto | torch | static | vllm (engine; "
-        "vllm loads the model itself, options as vllm.*). [default: auto]",
-    ),
+    ctx: typer.Context,
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
+    config: Annotated[Path | None, config_file_option()] = None,
+    model: Annotated[str | None, field_option(EvalConfig, "model.path")] = None,
+    responses: Annotated[Path | None, field_option(EvalConfig, "responses")] = None,
+    benchmarks: Annotated[str | None, field_option(EvalConfig, "benchmarks")] = None,
+    n: Annotated[int | None, field_option(EvalConfig, "n")] = None,
+    temperature: Annotated[float | None, field_option(EvalConfig, "temperature")] = None,
+    top_p: Annotated[float | None, field_option(EvalConfig, "top_p")] = None,
+    top_k: Annotated[int | None, field_option(EvalConfig, "top_k")] = None,
+    max_new_tokens: Annotated[int | None, field_option(EvalConfig, "max_new_tokens")] = None,
+    batch_size: Annotated[int | None, field_option(EvalConfig, "batch_size")] = None,
+    limit: Annotated[int | None, field_option(EvalConfig, "limit")] = None,
+    prompt_key: Annotated[str | None, field_option(EvalConfig, "prompt_key")] = None,
+    answer_key: Annotated[str | None, field_option(EvalConfig, "answer_key")] = None,
+    template: Annotated[str | None, field_option(EvalConfig, "template")] = None,
+    thinking: Annotated[bool | None, field_option(EvalConfig, "enable_thinking", "--thinking/--no-thinking")] = None,
+    dtype: Annotated[str | None, field_option(EvalConfig, "model.dtype")] = None,
+    device: Annotated[str | None, field_option(EvalConfig, "model.device")] = None,
+    seed: Annotated[int | None, field_option(EvalConfig, "seed")] = None,
+    out: Annotated[Path | None, field_option(EvalConfig, "out")] = None,
+    engine: Annotated[str | None, field_option(EvalConfig, "engine")] = None,
 ) -> None:
     """Sample n answers per benchmark problem, grade them, write results.json + samples.jsonl, print a table."""
-    options = {
-        "model.path": model,
-        "model.dtype": dtype,
-        "model.device": device,
-        "responses": _str(responses),
-        "benchmarks": benchmarks,
-        "n": n,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "max_new_tokens": max_new_tokens,
-        "batch_size": batch_size,
-        "limit": limit,
-        "prompt_key": prompt_key,
-        "answer_key": answer_key,
-        "template": template,
-        "enable_thinking": thinking,
-        "seed": seed,
-        "out": _str(out),
-        "engine": engine,
-    }
-    cfg = build_config(EvalConfig, config_file=config, options=options, overrides=overrides)
+    cfg = build_config(EvalConfig, config_file=config, options=config_options(ctx), overrides=overrides)
     from opd.recipes.eval import evaluate
 
     evaluate(cfg)
@@ -130,78 +81,36 @@ def eval_command(
 
 @app.command("distill")
 def distill_command(
-    overrides: list[str] | None = _overrides(),
-    config: Path | None = _config(),
-    student: str | None = typer.Option(None, help="Student model: Hugging Face id or local directory (student.path)."),
-    teacher: str | None = typer.Option(
-        None,
-        help="Teacher model: Hugging Face id or local directory (teacher.path); "
-        "not needed for objective.advantage=grpo.",
-    ),
-    prompts: str | None = typer.Option(
-        None, help="Prompt set: parquet / JSONL / JSON / dataset dir / hub id (data.path)."
-    ),
-    steps: int | None = typer.Option(None, help="Optimizer steps, one per rollout batch (run.steps). [default: 100]"),
-    name: str | None = typer.Option(
-        None, help="Run directory name under run.out_dir (run.name). [default: distill-<time>]"
-    ),
-    out_dir: str | None = typer.Option(None, help="Parent directory of runs (run.out_dir). [default: runs]"),
-    resume: bool | None = typer.Option(
-        None,
-        "--resume/--no-resume",
-        help="Continue from the newest complete checkpoint of the run directory (run.resume).",
-    ),
-    top_k: int | None = typer.Option(
-        None, help="Top-k candidates per position, 0 = sampled-token OPD (objective.top_k). [default: 16]"
-    ),
-    strategy: str | None = typer.Option(
-        None,
-        help="only_stu | only_tch | intersection | union | union-intersection (objective.strategy). "
-        "[default: only_stu]",
-    ),
-    weight: str | None = typer.Option(
-        None, help="student_p | teacher_p | none (objective.weight). [default: student_p]"
-    ),
-    advantage: str | None = typer.Option(
-        None, help="token_reward | grpo | token_reward+grpo | token_grpo (objective.advantage). [default: token_reward]"
-    ),
-    lr: float | None = typer.Option(None, help="Peak learning rate (optim.lr). [default: 1e-6]"),
-    seed: int | None = typer.Option(None, help="Seed of data order, sampling and init (run.seed). [default: 0]"),
-    thinking: bool | None = _thinking("data.enable_thinking"),
-    allow_config_change: bool | None = typer.Option(
-        None,
-        "--allow-config-change",
-        help="With --resume: continue even though settings that change the math or data order differ from the saved "
-        "config.yaml (run.allow_config_change).",
-    ),
-    skip_check: list[str] | None = typer.Option(
-        None, help="Startup check (an `opd check` row or group name, or all) not to stop on; repeatable (skip_checks)."
-    ),
+    ctx: typer.Context,
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
+    config: Annotated[Path | None, config_file_option()] = None,
+    student: Annotated[str | None, field_option(DistillConfig, "student.path")] = None,
+    teacher: Annotated[str | None, field_option(DistillConfig, "teacher.path")] = None,
+    prompts: Annotated[str | None, field_option(DistillConfig, "data.path")] = None,
+    steps: Annotated[int | None, field_option(DistillConfig, "run.steps")] = None,
+    name: Annotated[str | None, field_option(DistillConfig, "run.name")] = None,
+    out_dir: Annotated[str | None, field_option(DistillConfig, "run.out_dir")] = None,
+    resume: Annotated[bool | None, field_option(DistillConfig, "run.resume", "--resume/--no-resume")] = None,
+    top_k: Annotated[int | None, field_option(DistillConfig, "objective.top_k")] = None,
+    strategy: Annotated[str | None, field_option(DistillConfig, "objective.strategy")] = None,
+    weight: Annotated[str | None, field_option(DistillConfig, "objective.weight")] = None,
+    advantage: Annotated[str | None, field_option(DistillConfig, "objective.advantage")] = None,
+    lr: Annotated[float | None, field_option(DistillConfig, "optim.lr")] = None,
+    seed: Annotated[int | None, field_option(DistillConfig, "run.seed")] = None,
+    thinking: Annotated[
+        bool | None, field_option(DistillConfig, "data.enable_thinking", "--thinking/--no-thinking")
+    ] = None,
+    allow_config_change: Annotated[
+        bool | None, field_option(DistillConfig, "run.allow_config_change", "--allow-config-change")
+    ] = None,
+    skip_check: Annotated[list[str] | None, field_option(DistillConfig, "skip_checks", "--skip-check")] = None,
 ) -> None:
     """On-policy distillation: the student samples, the teacher scores the student's tokens, policy-gradient update.
 
     Every config key (see `configs/opd_qwen3_1.7b_from_4b.yaml`) can be set as key=value, e.g.
     `prompts_per_step=32 rollout.n=4`.
     """
-    options = {
-        "student.path": student,
-        "teacher.path": teacher,
-        "data.path": prompts,
-        "run.steps": steps,
-        "run.name": name,
-        "run.out_dir": out_dir,
-        "run.resume": resume,
-        "objective.top_k": top_k,
-        "objective.strategy": strategy,
-        "objective.weight": weight,
-        "objective.advantage": advantage,
-        "optim.lr": lr,
-        "run.seed": seed,
-        "data.enable_thinking": thinking,
-        "run.allow_config_change": allow_config_change,
-        "skip_checks": skip_check or None,
-    }
-    cfg = build_config(DistillConfig, config_file=config, options=options, overrides=overrides)
+    cfg = build_config(DistillConfig, config_file=config, options=config_options(ctx), overrides=overrides)
     from opd.recipes.distill import distill
 
     distill(cfg)
@@ -209,13 +118,12 @@ def distill_command(
 
 @app.command("check")
 def check_command(
-    overrides: list[str] | None = _overrides(),
-    config: Path | None = _config(),
-    student: str | None = typer.Option(None, help="Student model: Hugging Face id or local directory (student.path)."),
-    teacher: str | None = typer.Option(None, help="Teacher model: Hugging Face id or local directory (teacher.path)."),
-    prompts: str | None = typer.Option(
-        None, help="Prompt set of the OPD run (data.path); answers make the AUROC and accuracies."
-    ),
+    ctx: typer.Context,
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
+    config: Annotated[Path | None, config_file_option()] = None,
+    student: Annotated[str | None, field_option(DistillConfig, "student.path")] = None,
+    teacher: Annotated[str | None, field_option(DistillConfig, "teacher.path")] = None,
+    prompts: Annotated[str | None, field_option(DistillConfig, "data.path")] = None,
     n: int = typer.Option(4, help="Student rollouts per sampled prompt for the forecast."),
     prompts_sample: int = typer.Option(64, help="Prompts drawn (seeded by run.seed) for the forecast."),
     out: Path | None = typer.Option(
@@ -233,61 +141,35 @@ def check_command(
     """
     from opd.recipes.check import run_check
 
-    options = {"student.path": student, "teacher.path": teacher, "data.path": prompts}
-    cfg = build_config(DistillConfig, config_file=config, options=options, overrides=overrides)
+    cfg = build_config(DistillConfig, config_file=config, options=config_options(ctx), overrides=overrides)
     report = run_check(cfg, n=n, prompts_sample=prompts_sample, out=out, skip=list(skip_check or []))
     raise typer.Exit(report.exit_code())
 
 
 @app.command("sft")
 def sft_command(
-    overrides: list[str] | None = _overrides(),
-    config: Path | None = _config(),
-    model: str | None = typer.Option(None, help="Model to fine-tune: Hugging Face id or local directory (model.path)."),
-    data: list[str] | None = typer.Option(
-        None,
-        help="SFT data: chat / opd rollout / sharegpt / alpaca file (.jsonl, .json, .parquet); "
-        "repeat for several (data.path).",
-    ),
-    epochs: float | None = typer.Option(
-        None, help="Passes over the data (epochs); or set run.steps instead. [default: 1]"
-    ),
-    lr: float | None = typer.Option(None, help="Peak learning rate (optim.lr). [default: 1e-5]"),
-    lora: bool | None = typer.Option(
-        None, "--lora/--no-lora", help="Train LoRA adapters only, merged into <run>/merged at the end (lora.enabled)."
-    ),
-    name: str | None = typer.Option(
-        None, help="Run directory name under run.out_dir (run.name). [default: sft-<time>]"
-    ),
-    resume: bool | None = typer.Option(
-        None,
-        "--resume/--no-resume",
-        help="Continue from the newest complete checkpoint of the run directory (run.resume).",
-    ),
-    thinking: bool | None = _thinking("data.enable_thinking; must match how the answers were generated"),
-    allow_config_change: bool | None = typer.Option(
-        None,
-        "--allow-config-change",
-        help="With --resume: continue even though settings that change the math or data order differ from the saved "
-        "config.yaml (run.allow_config_change).",
-    ),
+    ctx: typer.Context,
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
+    config: Annotated[Path | None, config_file_option()] = None,
+    model: Annotated[str | None, field_option(SFTConfig, "model.path")] = None,
+    data: Annotated[list[str] | None, field_option(SFTConfig, "data.path")] = None,
+    epochs: Annotated[float | None, field_option(SFTConfig, "epochs")] = None,
+    lr: Annotated[float | None, field_option(SFTConfig, "optim.lr")] = None,
+    lora: Annotated[bool | None, field_option(SFTConfig, "lora.enabled", "--lora/--no-lora")] = None,
+    name: Annotated[str | None, field_option(SFTConfig, "run.name")] = None,
+    resume: Annotated[bool | None, field_option(SFTConfig, "run.resume", "--resume/--no-resume")] = None,
+    thinking: Annotated[
+        bool | None, field_option(SFTConfig, "data.enable_thinking", "--thinking/--no-thinking")
+    ] = None,
+    allow_config_change: Annotated[
+        bool | None, field_option(SFTConfig, "run.allow_config_change", "--allow-config-change")
+    ] = None,
 ) -> None:
     """Supervised fine-tuning on (teacher) answers, loss on assistant tokens only: the cold start before
     `opd distill`."""
-    from opd.recipes.sft import SFTConfig, sft
+    from opd.recipes.sft import sft
 
-    options = {
-        "model.path": model,
-        "data.path": data or None,
-        "epochs": epochs,
-        "optim.lr": lr,
-        "lora.enabled": lora,
-        "run.name": name,
-        "run.resume": resume,
-        "data.enable_thinking": thinking,
-        "run.allow_config_change": allow_config_change,
-    }
-    sft(build_config(SFTConfig, config_file=config, options=options, overrides=overrides))
+    sft(build_config(SFTConfig, config_file=config, options=config_options(ctx), overrides=overrides))
 
 
 @app.command("merge")
@@ -316,56 +198,76 @@ def merge_command(
     typer.echo(f"merged: {merged}")
 
 
+# `opd rollout` and `opd serve-teacher` write their options' help here, by hand: their config classes (`RolloutConfig`,
+# `ServeConfig`) still live in their recipes, which load torch, and `opd --help` must not (docs/design.md "Configs").
+ROLLOUT_HELP = {
+    "model.path": "Teacher model: Hugging Face id or local directory.",
+    "data.path": "Prompt set: parquet / JSONL / JSON / dataset dir / hub id.",
+    "out": "Output directory; rerunning into it skips finished prompts.",
+    "n": "Accepted samples wanted per prompt. [default: 1]",
+    "temperature": "Sampling temperature, 0 = greedy. [default: 1.0]",
+    "top_p": "Nucleus sampling mass in (0, 1]. [default: 0.95]",
+    "max_new_tokens": "Longest response in tokens; longer ones are rejected as truncated. [default: 7168]",
+    "max_attempts": "Draws per wanted sample before it is given up. [default: 3]",
+    "require_correct": "Also reject answers graded wrong against the ground truth. [default: off]",
+    "data.prompt_key": "Prompt column. [default: prompt]",
+    "data.answer_key": "Ground-truth column; data.answer_key=null for none. [default: reward_model.ground_truth]",
+    "data.template": "Instruction template: keep | dapo | boxed | custom:'…{problem}…'. [default: keep]",
+    "batch_size": "Sequences generated together (prompts × n); the unit of resume. [default: 64]",
+    "num_workers": "Worker processes, one per GPU (cuda:0..N-1), over disjoint batches. [default: 1]",
+    "llamafactory": "Also write the LlamaFactory sharegpt dataset + dataset_info.json. [default: off]",
+    "model.dtype": "auto | bf16 | fp16 | fp32. [default: auto]",
+    "model.device": "auto | cpu | cuda | cuda:N. [default: auto]",
+    "seed": "Base sampling seed. [default: 0]",
+    "engine": "Generation engine: torch | vllm (vllm loads the model itself, options as vllm.*). [default: torch]",
+}
+SERVE_HELP = {
+    "model.path": "Teacher model: Hugging Face id or local directory.",
+    "model.device": "auto | cpu | cuda | cuda:N. [default: auto]",
+    "device_map": "auto: split the model over all visible GPUs (accelerate) for a teacher larger than one GPU; its "
+    "layers then run one GPU at a time. [default: off]",
+    "model.dtype": "auto | bf16 | fp16 | fp32. [default: auto = bf16 on GPU, fp32 on CPU]",
+    "host": "Address to bind; a non-loopback address needs a token. [default: 127.0.0.1]",
+    "port": "TCP port, 0 = any free one (printed). [default: 8765]",
+    "token_file": "File with the bearer token clients must send. [default: $OPD_TEACHER_TOKEN, else none]",
+}
+
+
+def _rollout(key: str, *param_decls: str) -> Any:
+    return config_option(key, *param_decls, help=help_with_key(key, ROLLOUT_HELP[key]))
+
+
+def _serve(key: str) -> Any:
+    return config_option(key, help=help_with_key(key, SERVE_HELP[key]))
+
+
 @app.command("rollout")
 def rollout_command(
-    overrides: list[str] | None = _overrides(),
-    config: Path | None = _config(),
-    model: str | None = typer.Option(None, help="Teacher model: Hugging Face id or local directory (model.path)."),
-    prompts: str | None = typer.Option(
-        None, help="Prompt set: parquet / JSONL / JSON / dataset dir / hub id (data.path)."
-    ),
-    out: Path | None = typer.Option(None, help="Output directory; rerunning into it skips finished prompts (out)."),
-    n: int | None = typer.Option(None, help="Accepted samples wanted per prompt. [default: 1]"),
-    temperature: float | None = typer.Option(None, help="Sampling temperature, 0 = greedy. [default: 1.0]"),
-    top_p: float | None = typer.Option(None, help="Nucleus sampling mass in (0, 1]. [default: 0.95]"),
-    max_new_tokens: int | None = typer.Option(
-        None, help="Longest response in tokens; longer ones are rejected as truncated. [default: 7168]"
-    ),
-    thinking: bool | None = _thinking("data.enable_thinking"),
-    max_attempts: int | None = typer.Option(None, help="Draws per wanted sample before it is given up. [default: 3]"),
-    require_correct: bool | None = typer.Option(
-        None,
-        "--require-correct/--no-require-correct",
-        help="Also reject answers graded wrong against the ground truth. [default: off]",
-    ),
-    prompt_key: str | None = typer.Option(None, help="Prompt column (data.prompt_key). [default: prompt]"),
-    answer_key: str | None = typer.Option(
-        None,
-        help="Ground-truth column (data.answer_key); data.answer_key=null for none. "
-        "[default: reward_model.ground_truth]",
-    ),
-    template: str | None = typer.Option(
-        None, help="Instruction template: keep | dapo | boxed | custom:'…{problem}…' (data.template). [default: keep]"
-    ),
-    batch_size: int | None = typer.Option(
-        None, help="Sequences generated together (prompts × n); the unit of resume. [default: 64]"
-    ),
-    num_workers: int | None = typer.Option(
-        None, help="Worker processes, one per GPU (cuda:0..N-1), over disjoint batches. [default: 1]"
-    ),
-    llamafactory: bool | None = typer.Option(
-        None,
-        "--llamafactory/--no-llamafactory",
-        help="Also write the LlamaFactory sharegpt dataset + dataset_info.json. [default: off]",
-    ),
-    dtype: str | None = typer.Option(None, help="auto | bf16 | fp16 | fp32 (model.dtype). [default: auto]"),
-    device: str | None = typer.Option(None, help="auto | cpu | cuda | cuda:N (model.device). [default: auto]"),
-    seed: int | None = typer.Option(None, help="Base sampling seed. [default: 0]"),
-    engine: str | None = typer.Option(
-        None,
-        help="Generation engine: torch | vllm (engine; vllm loads the model itself, options as vllm.*). "
-        "[default: torch]",
-    ),
+    ctx: typer.Context,
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
+    config: Annotated[Path | None, config_file_option()] = None,
+    model: Annotated[str | None, _rollout("model.path")] = None,
+    prompts: Annotated[str | None, _rollout("data.path")] = None,
+    out: Annotated[Path | None, _rollout("out")] = None,
+    n: Annotated[int | None, _rollout("n")] = None,
+    temperature: Annotated[float | None, _rollout("temperature")] = None,
+    top_p: Annotated[float | None, _rollout("top_p")] = None,
+    max_new_tokens: Annotated[int | None, _rollout("max_new_tokens")] = None,
+    thinking: Annotated[bool | None, thinking_option("data.enable_thinking")] = None,
+    max_attempts: Annotated[int | None, _rollout("max_attempts")] = None,
+    require_correct: Annotated[
+        bool | None, _rollout("require_correct", "--require-correct/--no-require-correct")
+    ] = None,
+    prompt_key: Annotated[str | None, _rollout("data.prompt_key")] = None,
+    answer_key: Annotated[str | None, _rollout("data.answer_key")] = None,
+    template: Annotated[str | None, _rollout("data.template")] = None,
+    batch_size: Annotated[int | None, _rollout("batch_size")] = None,
+    num_workers: Annotated[int | None, _rollout("num_workers")] = None,
+    llamafactory: Annotated[bool | None, _rollout("llamafactory", "--llamafactory/--no-llamafactory")] = None,
+    dtype: Annotated[str | None, _rollout("model.dtype")] = None,
+    device: Annotated[str | None, _rollout("model.device")] = None,
+    seed: Annotated[int | None, _rollout("seed")] = None,
+    engine: Annotated[str | None, _rollout("engine")] = None,
 ) -> None:
     """Teacher answers for SFT with rejection sampling: rollouts.jsonl, rejected.jsonl, stats.json
     (+ LlamaFactory files).
@@ -375,29 +277,7 @@ def rollout_command(
     """
     from opd.recipes.rollout import RolloutConfig, teacher_rollout
 
-    options = {
-        "model.path": model,
-        "model.dtype": dtype,
-        "model.device": device,
-        "data.path": prompts,
-        "out": _str(out),
-        "n": n,
-        "temperature": temperature,
-        "top_p": top_p,
-        "max_new_tokens": max_new_tokens,
-        "data.enable_thinking": thinking,
-        "max_attempts": max_attempts,
-        "require_correct": require_correct,
-        "data.prompt_key": prompt_key,
-        "data.answer_key": answer_key,
-        "data.template": template,
-        "batch_size": batch_size,
-        "num_workers": num_workers,
-        "llamafactory": llamafactory,
-        "seed": seed,
-        "engine": engine,
-    }
-    teacher_rollout(build_config(RolloutConfig, config_file=config, options=options, overrides=overrides))
+    teacher_rollout(build_config(RolloutConfig, config_file=config, options=config_options(ctx), overrides=overrides))
 
 
 @app.command("dedup")
@@ -458,25 +338,16 @@ def dedup_command(
 
 @app.command("serve-teacher")
 def serve_teacher_command(
-    overrides: list[str] | None = _overrides(),
-    config: Path | None = _config(),
-    model: str | None = typer.Option(None, help="Teacher model: Hugging Face id or local directory (model.path)."),
-    device: str | None = typer.Option(None, help="auto | cpu | cuda | cuda:N (model.device). [default: auto]"),
-    device_map: str | None = typer.Option(
-        None,
-        help="auto: split the model over all visible GPUs (accelerate) for a teacher larger than one GPU; its layers "
-        "then run one GPU at a time (device_map). [default: off]",
-    ),
-    dtype: str | None = typer.Option(
-        None, help="auto | bf16 | fp16 | fp32 (model.dtype). [default: auto = bf16 on GPU, fp32 on CPU]"
-    ),
-    host: str | None = typer.Option(
-        None, help="Address to bind; a non-loopback address needs a token. [default: 127.0.0.1]"
-    ),
-    port: int | None = typer.Option(None, help="TCP port, 0 = any free one (printed). [default: 8765]"),
-    token_file: Path | None = typer.Option(
-        None, help="File with the bearer token clients must send. [default: $OPD_TEACHER_TOKEN, else none]"
-    ),
+    ctx: typer.Context,
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
+    config: Annotated[Path | None, config_file_option()] = None,
+    model: Annotated[str | None, _serve("model.path")] = None,
+    device: Annotated[str | None, _serve("model.device")] = None,
+    device_map: Annotated[str | None, _serve("device_map")] = None,
+    dtype: Annotated[str | None, _serve("model.dtype")] = None,
+    host: Annotated[str | None, _serve("host")] = None,
+    port: Annotated[int | None, _serve("port")] = None,
+    token_file: Annotated[Path | None, _serve("token_file")] = None,
 ) -> None:
     """Serve a teacher over HTTP: scores any token ids (sampled, top-k, requested ids, entropy) for `teacher.url`.
 
@@ -485,16 +356,7 @@ def serve_teacher_command(
     """
     from opd.recipes.serve_teacher import ServeConfig, serve
 
-    options = {
-        "model.path": model,
-        "model.device": device,
-        "device_map": device_map,
-        "model.dtype": dtype,
-        "host": host,
-        "port": port,
-        "token_file": _str(token_file),
-    }
-    serve(build_config(ServeConfig, config_file=config, options=options, overrides=overrides))
+    serve(build_config(ServeConfig, config_file=config, options=config_options(ctx), overrides=overrides))
 
 
 pipeline_app = typer.Typer(
@@ -508,7 +370,7 @@ app.add_typer(pipeline_app, name="pipeline")
 @pipeline_app.command("run")
 def pipeline_run_command(
     config: Path = typer.Argument(..., help="Pipeline YAML (see configs/pipeline_cold_start_qwen3.yaml)."),
-    overrides: list[str] | None = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
 ) -> None:
     """Run every stage whose outputs are not complete (each resumable), then print the before/after/teacher table."""
     from opd.recipes.pipeline import PipelineConfig, run_pipeline
@@ -580,56 +442,33 @@ def prompts_template_command(
 
 @prompts_app.command("score")
 def prompts_score_command(
-    overrides: list[str] | None = _overrides(),
-    config: Path | None = _config(),
-    student: str | None = typer.Option(None, help="Student model: Hugging Face id or local directory (student.path)."),
-    teacher: str | None = typer.Option(None, help="Teacher model, same tokenizer as the student (teacher.path)."),
-    source: str | None = typer.Option(
-        None, "--in", help="Prompt set to score: parquet / JSONL / JSON / dataset dir / hub id (data.path)."
-    ),
-    out: Path | None = typer.Option(
-        None,
-        help="Scores JSONL, one line per prompt, appended per batch; rerunning resumes. "
-        "config.yaml goes beside it (out).",
-    ),
-    n: int | None = typer.Option(None, help="Student rollouts per prompt (n). [default: 4]"),
-    top_k: int | None = typer.Option(None, help="K of the compared top-k supports (top_k). [default: 16]"),
-    max_new_tokens: int | None = typer.Option(None, help="Longest rollout in tokens (max_new_tokens). [default: 1024]"),
-    batch_size: int | None = typer.Option(
-        None, help="Prompts per batch, × n rollouts; keep it when resuming (batch_size). [default: 32]"
-    ),
-    template: str | None = typer.Option(
-        None, help="Instruction template applied before encoding (data.template). [default: keep]"
-    ),
-    seed: int | None = typer.Option(None, help="Sampling seed (seed). [default: 0]"),
-    thinking: bool | None = _thinking("data.enable_thinking"),
-    engine: str | None = typer.Option(
-        None,
-        help="Engine of the student rollouts: auto | torch | static | vllm (engine; options as vllm.*). "
-        "[default: auto]",
-    ),
+    ctx: typer.Context,
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
+    config: Annotated[Path | None, config_file_option()] = None,
+    student: Annotated[str | None, field_option(PromptScoreConfig, "student.path")] = None,
+    teacher: Annotated[str | None, field_option(PromptScoreConfig, "teacher.path")] = None,
+    source: Annotated[str | None, field_option(PromptScoreConfig, "data.path", "--in")] = None,
+    out: Annotated[Path | None, field_option(PromptScoreConfig, "out")] = None,
+    n: Annotated[int | None, field_option(PromptScoreConfig, "n")] = None,
+    top_k: Annotated[int | None, field_option(PromptScoreConfig, "top_k")] = None,
+    max_new_tokens: Annotated[int | None, field_option(PromptScoreConfig, "max_new_tokens")] = None,
+    batch_size: Annotated[int | None, field_option(PromptScoreConfig, "batch_size")] = None,
+    template: Annotated[str | None, field_option(PromptScoreConfig, "data.template")] = None,
+    seed: Annotated[int | None, field_option(PromptScoreConfig, "seed")] = None,
+    thinking: Annotated[
+        bool | None, field_option(PromptScoreConfig, "data.enable_thinking", "--thinking/--no-thinking")
+    ] = None,
+    engine: Annotated[str | None, field_option(PromptScoreConfig, "engine")] = None,
 ) -> None:
     """Per prompt: n student rollouts, scored by student and teacher; SPEC §6 overlap metrics → scores JSONL.
 
     Other keys as key=value, e.g. `data.prompt_key=problem teacher.device=cuda:1 data.max_prompt_length=2048`.
     """
-    from opd.recipes.prompts import PromptScoreConfig, score_prompt_file
+    from opd.recipes.prompts import score_prompt_file
 
-    options = {
-        "student.path": student,
-        "teacher.path": teacher,
-        "data.path": source,
-        "out": _str(out),
-        "n": n,
-        "top_k": top_k,
-        "max_new_tokens": max_new_tokens,
-        "batch_size": batch_size,
-        "data.template": template,
-        "seed": seed,
-        "data.enable_thinking": thinking,
-        "engine": engine,
-    }
-    score_prompt_file(build_config(PromptScoreConfig, config_file=config, options=options, overrides=overrides))
+    score_prompt_file(
+        build_config(PromptScoreConfig, config_file=config, options=config_options(ctx), overrides=overrides)
+    )
 
 
 @prompts_app.command("select")
@@ -682,8 +521,8 @@ def prompts_select_command(
 
 @app.command("demo")
 def demo_command(
-    overrides: list[str] | None = _overrides(),
-    config: Path | None = _config(),
+    overrides: Annotated[list[str] | None, overrides_argument()] = None,
+    config: Annotated[Path | None, config_file_option()] = None,
     steps: int | None = typer.Option(None, help="OPD steps (run.steps). [default: 200]"),
     limit: int | None = typer.Option(
         None, help="Evaluate on the first N test problems only (eval.limit). [default: all 300]"
@@ -768,7 +607,7 @@ def lab_build_command(
         specialist_batch=specialist_batch,
         sft_examples=sft_examples,
         eval_limit=eval_limit,
-        only=_names(only),
+        only=parse_names(only),
         device=device,
         time_budget_s=time_budget,
         threads=threads or None,
@@ -811,28 +650,11 @@ def lab_run_command(
         out_dir=out_dir,
         steps=steps,
         overrides=list(overrides or []),
-        only=_names(only),
-        seeds=_seeds(seeds),
+        only=parse_names(only),
+        seeds=parse_seeds(seeds),
         check=check,
         threads=threads or None,
     )
-
-
-def _str(value: Any) -> str | None:
-    return None if value is None else str(value)
-
-
-def _names(value: str | None) -> list[str] | None:
-    """A comma-separated option as its list of names; None when not given."""
-    return [v.strip() for v in value.split(",") if v.strip()] if value else None
-
-
-def _seeds(value: str | None) -> list[int] | None:
-    """`--seeds 0,1,2` as integers; None when not given."""
-    try:
-        return [int(s) for s in value.split(",") if s.strip()] if value else None
-    except ValueError:
-        raise ValueError(f"--seeds must be comma-separated integers, got {value!r}") from None
 
 
 def main() -> None:
@@ -849,9 +671,9 @@ def main() -> None:
         hf_logging.disable_progress_bar()  # our own progress bars say what is going on
     except ImportError:
         pass
-    usage_errors, no_args_errors, aborts = _click_errors()
+    usage_errors, no_args_errors, aborts = click_errors()
     try:
-        code = app(args=_legacy_thinking(sys.argv[1:]), standalone_mode=False, prog_name="opd")
+        code = app(args=legacy_thinking(sys.argv[1:]), standalone_mode=False, prog_name="opd")
     except no_args_errors as error:  # `opd` / `opd prompts` alone: the help, as click does
         error.show()
         sys.exit(error.exit_code)
@@ -861,7 +683,7 @@ def main() -> None:
     except usage_errors as error:
         if os.environ.get("OPD_DEBUG"):
             raise
-        _fail(_usage_line(error), 2)
+        _fail(usage_line(error), 2)
     except Exception as error:  # noqa: BLE001 - every user error becomes one line; anything else keeps its traceback
         line = user_error_line(error)
         if line is None or os.environ.get("OPD_DEBUG"):
@@ -873,46 +695,6 @@ def main() -> None:
 
         exit_process(code)
     sys.exit(code)
-
-
-_ON_OFF = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
-
-
-def _legacy_thinking(args: list[str]) -> list[str]:
-    """`--thinking on|off` (and `--thinking=on`), the spelling `opd rollout` had, → `--thinking` / `--no-thinking`,
-    with a note on stderr; kept for one release. A word after `--thinking` that is neither on/off nor an option nor a
-    key=value override is a usage error naming it (it would otherwise be read as a malformed override)."""
-    out, i = [], 0
-    while i < len(args):
-        arg = args[i]
-        value = arg.split("=", 1)[1] if arg.startswith("--thinking=") else None
-        if arg == "--thinking" and i + 1 < len(args) and not args[i + 1].startswith("-") and "=" not in args[i + 1]:
-            value, i = args[i + 1], i + 1
-        if value is not None:
-            if value.lower() not in _ON_OFF:
-                raise ValueError(f"--thinking takes no value, got {value!r}; use --thinking or --no-thinking")
-            flag = "--thinking" if _ON_OFF[value.lower()] else "--no-thinking"
-            typer.echo(f"note: '--thinking {value}' is deprecated and goes in the next release; use {flag}", err=True)
-            arg = flag
-        out.append(arg)
-        i += 1
-    return out
-
-
-def _click_errors() -> tuple[tuple, tuple, tuple]:
-    """(usage errors, no-arguments-help errors, aborts) of the click that typer runs on: its vendored copy
-    (`typer._click`, newer typer) and the click package (older typer)."""
-    modules = []
-    for name in ("typer._click.exceptions", "click.exceptions"):
-        try:
-            modules.append(importlib.import_module(name))
-        except ImportError:
-            pass
-
-    def classes(attr: str) -> tuple:
-        return tuple(dict.fromkeys(getattr(m, attr) for m in modules if hasattr(m, attr)))
-
-    return classes("ClickException"), classes("NoArgsIsHelpError"), (*classes("Abort"), typer.Abort)
 
 
 def _fail(line: str, code: int) -> None:
@@ -929,69 +711,6 @@ def _fail(line: str, code: int) -> None:
 
 _OTHER_RANK_WAIT_S = 5.0
 """How long a torchrun rank other than 0 waits before printing its user error (rank 0 failing too ends it first)."""
-
-
-def _usage_line(error: Any) -> str:
-    """click's usage error (bad option, missing argument, unknown command) as one line with where to look."""
-    message = " ".join(error.format_message().split())
-    ctx = getattr(error, "ctx", None)
-    return f"{message} (see '{ctx.command_path} --help')" if ctx is not None else message
-
-
-def user_error_line(error: BaseException) -> str | None:
-    """The one-line message for an error the user can fix, or None for a bug (which keeps its traceback)."""
-    if isinstance(error, OSError):
-        return os_error_line(error)
-    if type(error).__name__ == "SafetensorError":  # not caught where a file is known: still say what it is
-        return f"a .safetensors file is corrupt or truncated ({_one_line(error)}); re-download or re-save it"
-    if isinstance(error, RuntimeError) and "PytorchStreamReader" in str(error):  # torch.load of a truncated file
-        return f"a torch checkpoint file is corrupt or truncated ({_one_line(error)[:200]}); re-save or re-download it"
-    if isinstance(error, UnicodeDecodeError):
-        return f"a file is not UTF-8 text ({_one_line(error)}); convert it to UTF-8"
-    if isinstance(error, ValueError):
-        return _one_line(error)
-    return None
-
-
-def _one_line(error: BaseException) -> str:
-    """The message on one line: pydantic's multi-line validation errors become their first error."""
-    if isinstance(error, ValidationError):
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        return f"{error.title}: {where + ': ' if where else ''}{first['msg']}, got {first.get('input')!r}"
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    return "; ".join(lines) if lines else type(error).__name__
-
-
-def os_error_line(error: OSError) -> str:
-    """An OS error as `<path>: <what is wrong there>`. Where a rename failed, the destination is the path the user
-    named (the source is our hidden temp file); where a parent 'is not a directory', the regular file that is in
-    the way is named."""
-    if error.errno is None or error.filename is None:
-        return _one_line(error)
-    path = str(error.filename2 if error.filename2 is not None else error.filename)
-    code = error.errno
-    if code == errno.ENOTDIR:
-        blocker = next((p for p in [Path(path), *Path(path).parents] if p.exists() and not p.is_dir()), None)
-        if blocker is not None and str(blocker) != path:
-            return f"{path}: {blocker} is a file, not a directory; choose an output path outside it"
-        return f"{path}: not a directory; expected a directory here"
-    reasons = {
-        errno.ENOENT: "no such file or directory",
-        errno.EACCES: "permission denied; choose a location you may write to (or fix its permissions)",
-        errno.EPERM: "operation not permitted; choose a location you may write to (or fix its permissions)",
-        errno.EROFS: "the file system is read-only; choose an output path on a writable one",
-        errno.ENOSPC: "no space left on the device; free space there or choose another location",
-        errno.EDQUOT: "disk quota exceeded; free space there or choose another location",
-        errno.EISDIR: "is a directory; expected a file path here",
-        errno.ENOTEMPTY: "is a non-empty directory; choose another path",
-        errno.ENAMETOOLONG: "the name is too long",
-        errno.EMFILE: "too many open files",
-    }
-    if code == errno.EEXIST:
-        kind = "a file" if Path(path).is_file() else "a directory" if Path(path).is_dir() else "something"
-        return f"{path}: already exists as {kind}; expected {'a directory' if kind == 'a file' else 'a new path'} here"
-    return f"{path}: {reasons.get(code) or error.strerror or _one_line(error)}"
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, model_validator
 from rich.console import Console
 
-from opd.config import STUDENT, STUDENT_INIT, ConfigError, DataSpec, ModelSpec, Section, Teacher, VLLMSpec, save_config
+from opd.config import ConfigError, save_config
+from opd.config.prompts import PromptScoreConfig
 from opd.data.alignment import retemplate
 from opd.data.prompts import JSONL_SUFFIXES, DataError, load_prompts, save_prompts
 from opd.data.templates import parse_template
@@ -32,52 +32,11 @@ from opd.eval.prompt_scores import ALIGNMENT_METRICS, PromptScore, read_scores, 
 from opd.fingerprints import model_fingerprint, prompt_digest
 from opd.io import append_jsonl, repair_jsonl
 from opd.models import load_model, load_tokenizer
-from opd.names import EngineName
 from opd.report.sinks import progress_bar
 from opd.rollout import make_generator
 from opd.rollout.registry import vllm_arguments
 from opd.rundir import check_identity, claim_output_files, locked
 from opd.types import Prompt
-
-
-class PromptScoreConfig(Section):
-    """`opd prompts score`: how teacher-aligned each prompt of a set is (SPEC §6 metrics on student rollouts)."""
-
-    student: ModelSpec
-    teacher: Teacher = Field(description="The teacher: a model to load (`path`) or an `opd serve-teacher` (`url`).")
-    data: DataSpec
-    out: str = Field(
-        description="Scores JSONL, one record per prompt, appended per batch; rerunning resumes. "
-        "config.yaml and identity.json (the models' file fingerprints) are written beside it: a directory of its own."
-    )
-    n: int = Field(4, ge=1, description="Student rollouts per prompt.")
-    top_k: int = Field(16, ge=1, description="K of the top-k supports compared (the paper: 16).")
-    temperature: float = Field(1.0, gt=0.0, description="Student sampling temperature τ_S; also scales its log-probs.")
-    teacher_temperature: float = Field(1.0, gt=0.0, description="τ_T: scales the teacher's logits only.")
-    max_new_tokens: int = Field(1024, ge=1, description="Longest rollout in tokens.")
-    batch_size: int = Field(
-        32,
-        ge=1,
-        description="Prompts per batch (× n rollouts decoded together); the unit of resume, so keep it when resuming.",
-    )
-    score_batch_tokens: int = Field(32768, ge=1, description="Token budget of one no-grad scoring forward.")
-    seed: int = Field(0, description="Sampling seed (each batch's seed derives from it and the batch index).")
-    engine: EngineName = Field(
-        "auto",
-        description="Engine of the student rollouts (opd.rollout.registry); vllm loads the student itself "
-        "(needs the vllm extra); the scores stay in-process.",
-    )
-    vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
-
-    @model_validator(mode="after")
-    def _teacher_is_another_model(self) -> PromptScoreConfig:
-        if self.teacher.path in (STUDENT, STUDENT_INIT):
-            raise ValueError(
-                f"teacher.path: {self.teacher.path} names the student as its own teacher, which distill's "
-                "views need; opd prompts score compares two models' top-k: give the teacher's model path or url"
-            )
-        return self
-
 
 IDENTITY_FILE = "identity.json"  # beside the scores: the model files they were made with
 

@@ -1,0 +1,190 @@
+"""`opd distill`'s config (plain data; the program is `opd.recipes.distill.distill`). `opd check` reads the same
+config, and so do the training components (`opd.train`, `opd.check`): the reason configs live at layer L0."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from opd.config.sections import (
+    STUDENT,
+    STUDENT_INIT,
+    CommaList,
+    DataSpec,
+    EvalSpec,
+    ModelSpec,
+    ObjectiveSpec,
+    OptimSpec,
+    RunSpec,
+    SamplingSpec,
+    Section,
+    Teacher,
+    TeacherEntry,
+    TeacherRoute,
+)
+
+
+class DistillConfig(Section):
+    """`opd distill`: on-policy distillation (and the GRPO baseline) of a student from a teacher."""
+
+    student: ModelSpec
+    teacher: Teacher | None = Field(
+        None, description="The teacher (local `path` or served `url`); not needed for advantage=grpo."
+    )
+    teachers: list[TeacherEntry] = Field(
+        default_factory=list,
+        description="Several teachers, each scoring the prompts its route matches (every prompt exactly one "
+        "teacher); the single `teacher:` is the one-teacher form.",
+    )
+    data: DataSpec
+    rollout: SamplingSpec = Field(default_factory=SamplingSpec)
+    objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
+    optim: OptimSpec = Field(default_factory=OptimSpec)
+    run: RunSpec = Field(default_factory=RunSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    prompts_per_step: int = Field(64, ge=1, description="Prompts per optimizer step (× rollout.n sequences).")
+    micro_batch_tokens: int = Field(16384, ge=1, description="Token budget of one forward/backward micro-batch.")
+    score_batch_tokens: int = Field(
+        32768, ge=1, description="Token budget of one no-grad scoring forward (teacher and student)."
+    )
+    teacher_offload: bool = Field(False, description="Keep the teacher on CPU except while it scores.")
+    gradient_checkpointing: bool | None = Field(
+        None,
+        description="Recompute every layer's activations in backward to save memory. None: on CUDA, selective "
+        "when the layers are compiled (see activation_budget), else full; off on CPU.",
+    )
+    activation_budget: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Selective checkpointing (compiled layers, gradient_checkpointing None): keep at "
+        "most this fraction of the activations, recompute the cheap rest in backward; 1 = keep all.",
+    )
+    compile: bool | None = Field(
+        None,
+        description="torch.compile the decoder layers of student and teacher (scoring and update); None: on for "
+        "CUDA with one process.",
+    )
+    skip_checks: CommaList = Field(
+        default_factory=list,
+        description="Startup checks (`opd check`'s tokenizers, scoring, resources rows) not to "
+        "run or not to stop on: row names (e.g. determinism), group names, or all; empty: run them all.",
+    )
+
+    # Cross-field checks that need only the config: they fail at load time, before any model is read. Checks that need
+    # the number of processes or the data stay in `opd.recipes.distill.setup`, and so does the micro-batch budget
+    # against data.max_prompt_length (configs built in code, e.g. the benchmarks', leave that length nominal).
+    def teacher_entries(self) -> list[TeacherEntry]:
+        """The run's teachers as a list: `teachers:`, or the single `teacher:` as a one-element list (name
+        "teacher", every prompt), or none. Temperature and offload are resolved from the objective and
+        teacher_offload where an entry leaves them None."""
+        if self.teachers:
+            entries = self.teachers
+        elif self.teacher is not None:
+            entries = [TeacherEntry(name="teacher", **self.teacher.model_dump(exclude_unset=True))]
+        else:
+            return []
+        return [
+            entry.model_copy(
+                update={
+                    "temperature": self.objective.teacher_temperature
+                    if entry.temperature is None
+                    else entry.temperature,
+                    # the live student has nothing of its own to offload
+                    "offload": False
+                    if entry.path == STUDENT
+                    else self.teacher_offload
+                    if entry.offload is None
+                    else entry.offload,
+                    "route": entry.route or TeacherRoute(default=True),
+                    # the student's frozen initial weights as the teacher (self-distillation)
+                    "path": self.student.path if entry.path == STUDENT_INIT else entry.path,
+                }
+            )
+            for entry in entries
+        ]
+
+    @model_validator(mode="after")
+    def _teachers_fit(self) -> DistillConfig:
+        if self.teachers and self.teacher is not None:
+            raise ValueError("give teacher (one teacher) or teachers (a list), not both")
+        names = [t.name for t in self.teachers]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"teachers: the name {name!r} is given twice; each teacher needs its own name")
+        if len(self.teachers) > 1:
+            for index, entry in enumerate(self.teachers):
+                if entry.route is None:
+                    raise ValueError(
+                        f"teachers[{index}] ({entry.name}) needs a route: data_source: [...], route_key + values, "
+                        f"or default: true"
+                    )
+        defaults = [t.name for t in self.teachers if t.route is not None and t.route.default]
+        if len(defaults) > 1:
+            raise ValueError(f"teachers: {', '.join(defaults)} are all default; at most one teacher is the default")
+        return self
+
+    @model_validator(mode="after")
+    def _objective_fits(self) -> DistillConfig:
+        obj = self.objective
+        if obj.advantage != "grpo" and self.teacher is None and not self.teachers:
+            raise ValueError(
+                f"objective.advantage={obj.advantage} needs a teacher: pass --teacher (or teacher.path=...)"
+            )
+        if obj.advantage == "token_grpo" and obj.top_k:
+            raise ValueError("objective.advantage=token_grpo is sampled-token only: set objective.top_k=0")
+        if obj.loss == "full_reverse_kl":
+            raise ValueError(
+                "objective.loss=full_reverse_kl needs the teacher's full distribution in the grad pass "
+                "and is only available as opd.objectives.full_reverse_kl; use pg, topk_kl, forward_kl "
+                "or jsd"
+            )
+        if obj.loss == "topk_kl" and obj.top_k == 0:  # a one-token support renormalises to KL = 0: nothing would learn
+            raise ValueError("objective.loss=topk_kl needs a top-k support: set objective.top_k > 0 (e.g. 16)")
+        if obj.loss != "pg" and obj.advantage != "token_reward":
+            raise ValueError(f"objective.loss={obj.loss} uses no advantages; leave objective.advantage=token_reward")
+        return self
+
+    @model_validator(mode="after")
+    def _served_teacher_stays_served(self) -> DistillConfig:
+        if self.teacher_offload and self.teacher is not None and self.teacher.path == STUDENT:
+            raise ValueError(
+                f"teacher_offload=true does not apply to teacher.path: {STUDENT}, which scores with the student "
+                f"itself; remove teacher_offload"
+            )
+        if self.teacher_offload and self.teacher is not None and self.teacher.url is not None:
+            raise ValueError(
+                "teacher_offload=true moves an in-process teacher to CPU between scorings; a served teacher "
+                "(teacher.url) stays where its server put it: set one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _rollouts_fit(self) -> DistillConfig:
+        if self.rollout.overlap and self.objective.tis_cap is None:
+            raise ValueError(
+                "rollout.overlap=true trains on rollouts sampled one step earlier: it needs "
+                "objective.tis_cap (e.g. 2.0) to correct them, and one process"
+            )
+        if self.rollout.partial and self.rollout.overlap and self.rollout.max_staleness < 1:
+            raise ValueError(
+                "rollout.partial=true with rollout.overlap=true samples every token one step ahead of its update: it "
+                f"needs rollout.max_staleness >= 1 (got {self.rollout.max_staleness})"
+            )
+        if self.rollout.partial and self.rollout.max_staleness > 0 and self.objective.tis_cap is None:
+            raise ValueError(
+                f"rollout.partial=true with rollout.max_staleness={self.rollout.max_staleness} trains on tokens "
+                "sampled by earlier weights: it needs objective.tis_cap (e.g. 2.0) to correct them, or "
+                "rollout.max_staleness=0"
+            )
+        if self.run.deterministic and self.rollout.engine == "vllm":
+            raise ValueError(
+                "run.deterministic=true covers torch's kernels, not vLLM's (its batches, and so its samples, vary "
+                "from run to run): set rollout.engine=auto (or torch/static), or run.deterministic=false"
+            )
+        vllm_teachers = [entry.name for entry in self.teacher_entries() if entry.engine == "vllm"]
+        if self.run.deterministic and vllm_teachers:
+            raise ValueError(
+                f"run.deterministic=true covers torch's kernels, not vLLM's: teacher {vllm_teachers[0]} has "
+                f"engine=vllm; set its engine=local, or run.deterministic=false"
+            )
+        return self

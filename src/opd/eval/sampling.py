@@ -8,8 +8,8 @@ other work (`identity.json`: the model's fingerprint, the sampling settings, eac
 one line before a model loads. The resume and identity rules in full: docs/design.md, "opd.eval.sampling".
 
 Omitted on purpose: extending a finished directory with more benchmarks, problems or samples (other work: use
-another --out). Every weight byte is hashed (SHA-1, ~1 GB/s a core, once per file and process): sampled blocks missed
-tensors changed in place.
+another --out). Every weight byte is hashed (SHA-1, once per file and process; its cost: docs/performance.md): sampled
+blocks missed tensors changed in place.
 """
 
 from __future__ import annotations

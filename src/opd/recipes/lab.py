@@ -3,7 +3,7 @@
 `opd lab build` retrains the lab teacher and student from a seed: SFT data written as chat JSONL, per model a
 random-init Qwen3 trained by `opd.recipes.sft.sft` (`SFT_RECIPE`), then `opd eval` of each on the lab test set;
 `<out>/manifest.json` records config, parameter count, training recipe and accuracy. Budgets are options
-(`teacher_steps`, `student_steps`, `eval_limit`); a full teacher build takes hours on a CPU.
+(`teacher_steps`, `student_steps`, `eval_limit`); how long a full build takes: docs/performance.md.
 
 `opd lab run NAME` (small replications of the paper's findings on the lab pair) is `opd.recipes.lab_experiments`;
 its names are re-exported here. The steps, the variants and what the paper says of each: docs/design.md,

@@ -31,7 +31,7 @@ from opd.types import Prompt
 RULES = ("exact", "minhash", "embedding")
 
 EmbedFn = Callable[[list[str]], Any]
-"""texts → [N, D] array of embeddings (normalised or not); what `embedding_model` may be instead of a name."""
+"""texts → [texts, dim] array of embeddings (normalised or not); what `embedding_model` may be instead of a name."""
 
 
 @dataclass
@@ -112,7 +112,7 @@ def dedup(
                        than `ngram` take part in the exact stage only.
     num_perm:          MinHash hash functions, ≥ 2; more gives more LSH recall near the threshold, linearly slower.
     embedding_model:   None skips stage 3; a sentence-transformers name or local directory (see `load_embedder`),
-                       or a function texts → [N, D] array.
+                       or a function texts → [texts, dim] array.
     cosine_threshold:  cosine similarity in (-1, 1] at or above which stage 3 calls two prompts duplicates.
     seed:              seed of the MinHash hash functions (results are deterministic for a given seed).
     Raises ValueError naming the argument for out-of-range values.
@@ -247,8 +247,8 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def shingle_hashes(texts: Sequence[str], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """64-bit hashes of every character n-gram of every text, concatenated. Returns (hashes [S] uint64,
-    counts [N] int64), text k owning hashes[offsets[k] : offsets[k] + counts[k]]; a text shorter than n has none.
+    """64-bit hashes of every character n-gram of every text, concatenated. Returns (hashes [shingles] uint64,
+    counts [texts] int64), text k owning hashes[offsets[k] : offsets[k] + counts[k]]; a text shorter than n has none.
     Duplicate n-grams of a text are kept (MinHash minima do not care; `_shingle_set` deduplicates)."""
     lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
     codes = np.frombuffer("".join(texts).encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
@@ -381,7 +381,7 @@ _BLOCK_ROWS = 2048
 
 
 def load_embedder(name: str, *, batch_size: int = 256, device: str = "cpu") -> EmbedFn:
-    """A function texts → [N, D] float32 unit vectors for a sentence-embedding model.
+    """A function texts → [texts, dim] float32 unit vectors for a sentence-embedding model.
 
     name: a local directory or Hugging Face id. Loaded with sentence-transformers when it is installed; otherwise
           with transformers (`AutoModel` + mean pooling over tokens + L2 normalisation: the all-MiniLM-L6-v2 recipe).
@@ -471,7 +471,7 @@ def _unit_rows(x: Any) -> np.ndarray:
 def _embedding_pairs(
     a_texts: list[str], b_texts: list[str] | None, embed: EmbedFn, threshold: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pairs (i, j, cosine) with cosine ≥ threshold: j in B, or j < i in A. Blocked [block, N_B] products."""
+    """Pairs (i, j, cosine) with cosine ≥ threshold: j in B, or j < i in A. Blocked [block, B texts] products."""
     emb_a = _unit_rows(embed(a_texts))
     emb_b = emb_a if b_texts is None else _unit_rows(embed(b_texts))
     found_i, found_j, found_s = [], [], []

@@ -52,7 +52,7 @@ from opd.recipes.lab_experiments import (  # `opd lab run`: importable from here
     summarize_run,
 )
 from opd.recipes.sft import SFTConfig, sft, sft_step
-from opd.recipes.sft import save as save_sft  # aliased: `setup` is the style setup here
+from opd.recipes.sft import save as save_sft  # aliased: the SFT recipe's save and setup, beside the lab's own steps
 from opd.recipes.sft import setup as setup_sft
 from opd.rollout import make_generator
 from opd.rundir import run_directory

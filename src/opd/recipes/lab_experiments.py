@@ -4,7 +4,7 @@ over several seeds and with `opd check`'s forecast of each pair; finished runs a
 writes `summary.json`, `summary.md` and a comparison report. The steps, the variants and what the paper says of
 each: docs/design.md, "opd.recipes.lab"; the results: docs/lab.md.
 
-Split from `opd.recipes.lab` (`opd lab build`), which re-exports every name here. The lab models' SFT and
+Split from `opd.recipes.lab` (`opd lab build`), which re-exports the public names here. The lab models' SFT and
 measurement (`finetune`, `measure`) live there and are imported inside the functions that use them, so that either
 module can be imported first.
 """

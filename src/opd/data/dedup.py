@@ -31,7 +31,7 @@ from opd.types import Prompt
 RULES = ("exact", "minhash", "embedding")
 
 EmbedFn = Callable[[list[str]], Any]
-"""texts → [N, D] array of embeddings (normalised or not); what `embedding_model` may be instead of a name."""
+"""texts → [texts, dim] array of embeddings (normalised or not); what `embedding_model` may be instead of a name."""
 
 
 @dataclass
@@ -112,35 +112,15 @@ def dedup(
                        than `ngram` take part in the exact stage only.
     num_perm:          MinHash hash functions, ≥ 2; more gives more LSH recall near the threshold, linearly slower.
     embedding_model:   None skips stage 3; a sentence-transformers name or local directory (see `load_embedder`),
-                       or a function texts → [N, D] array.
+                       or a function texts → [texts, dim] array.
     cosine_threshold:  cosine similarity in (-1, 1] at or above which stage 3 calls two prompts duplicates.
     seed:              seed of the MinHash hash functions (results are deterministic for a given seed).
     Raises ValueError naming the argument for out-of-range values.
     """
-    checks = [
-        (
-            "minhash_threshold",
-            minhash_threshold,
-            minhash_threshold is None or 0 < minhash_threshold <= 1,
-            "None or in (0, 1]",
-        ),
-        ("ngram", ngram, isinstance(ngram, int) and ngram >= 1, "an integer ≥ 1"),
-        ("num_perm", num_perm, isinstance(num_perm, int) and num_perm >= 2, "an integer ≥ 2"),
-        ("cosine_threshold", cosine_threshold, -1 < cosine_threshold <= 1, "in (-1, 1]"),
-    ]
-    for name, value, ok, legal in checks:
-        if not ok:
-            raise ValueError(f"dedup: {name} must be {legal}, got {value!r}")
+    _check_arguments(minhash_threshold, ngram, num_perm, cosine_threshold)
     a_prompts = list(a_prompts)
-    b_list = None if b_prompts is None else list(b_prompts)
     a_keys = [normalize_problem(p.text) for p in a_prompts]
-    b_keys = None if b_list is None else [normalize_problem(p.text) for p in b_list]
-    if b_list is not None:  # identical B prompts add nothing but bucket sizes: keep the first of each key
-        first: dict[str, int] = {}
-        for j, key in enumerate(b_keys):
-            first.setdefault(key, j)
-        b_list = [b_list[j] for j in first.values()]
-        b_keys = list(first)
+    b_list, b_keys = (None, None) if b_prompts is None else _distinct_by_key(b_prompts)
 
     pool = a_prompts if b_list is None else b_list  # where matches point
     alive = list(range(len(a_prompts)))  # indices into A still kept
@@ -181,6 +161,33 @@ def dedup(
     return DedupResult(kept=kept, removed=duplicates, counts=counts, seconds=seconds)
 
 
+def _check_arguments(minhash_threshold: float | None, ngram: int, num_perm: int, cosine_threshold: float) -> None:
+    """Raise ValueError naming the first of `dedup`'s arguments out of its range."""
+    checks = [
+        (
+            "minhash_threshold",
+            minhash_threshold,
+            minhash_threshold is None or 0 < minhash_threshold <= 1,
+            "None or in (0, 1]",
+        ),
+        ("ngram", ngram, isinstance(ngram, int) and ngram >= 1, "an integer ≥ 1"),
+        ("num_perm", num_perm, isinstance(num_perm, int) and num_perm >= 2, "an integer ≥ 2"),
+        ("cosine_threshold", cosine_threshold, -1 < cosine_threshold <= 1, "in (-1, 1]"),
+    ]
+    for name, value, ok, legal in checks:
+        if not ok:
+            raise ValueError(f"dedup: {name} must be {legal}, got {value!r}")
+
+
+def _distinct_by_key(b_prompts: Sequence[Prompt]) -> tuple[list[Prompt], list[str]]:
+    """B's prompts, the first of each normalised key only (identical B prompts add nothing but bucket sizes), and
+    their keys."""
+    first: dict[str, Prompt] = {}
+    for prompt in b_prompts:
+        first.setdefault(normalize_problem(prompt.text), prompt)
+    return list(first.values()), list(first)
+
+
 def _to_global(local: dict[int, tuple[int, float]], alive: list[int], within: bool) -> dict[int, tuple[int, float]]:
     """Map stage-local indices (positions in `alive`) back to A indices; matches inside A are A indices too."""
     return {alive[i]: ((alive[j] if within else j), s) for i, (j, s) in local.items()}
@@ -212,10 +219,10 @@ def _near_matches(a_items: list, b_items: list | None, find_pairs: PairFinder) -
     """
     if not a_items:
         return {}
-    i_P, j_P, score_P = find_pairs(a_items, b_items)
-    order = np.lexsort((-score_P, i_P))  # by i, best score first
+    pair_i, pair_j, scores = find_pairs(a_items, b_items)
+    order = np.lexsort((-scores, pair_i))  # by i, best score first
     matches: dict[int, tuple[int, float]] = {}
-    for i, j, s in zip(i_P[order].tolist(), j_P[order].tolist(), score_P[order].tolist()):
+    for i, j, s in zip(pair_i[order].tolist(), pair_j[order].tolist(), scores[order].tolist()):
         if i in matches:
             continue
         if b_items is None and j in matches:  # j itself was removed: not a kept prompt to match
@@ -240,8 +247,8 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def shingle_hashes(texts: Sequence[str], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """64-bit hashes of every character n-gram of every text, concatenated. Returns (hashes [S] uint64,
-    counts [N] int64), text k owning hashes[offsets[k] : offsets[k] + counts[k]]; a text shorter than n has none.
+    """64-bit hashes of every character n-gram of every text, concatenated. Returns (hashes [shingles] uint64,
+    counts [texts] int64), text k owning hashes[offsets[k] : offsets[k] + counts[k]]; a text shorter than n has none.
     Duplicate n-grams of a text are kept (MinHash minima do not care; `_shingle_set` deduplicates)."""
     lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
     codes = np.frombuffer("".join(texts).encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
@@ -260,25 +267,26 @@ def shingle_hashes(texts: Sequence[str], n: int) -> tuple[np.ndarray, np.ndarray
 
 
 def minhash_signatures(hashes: np.ndarray, counts: np.ndarray, num_perm: int, seed: int = 0) -> np.ndarray:
-    """[N, num_perm] uint32 MinHash signatures; rows of texts without shingles are all 0xFFFFFFFF.
+    """[texts, num_perm] uint32 MinHash signatures (one column per hash function); rows of texts without shingles
+    are all 0xFFFFFFFF.
 
     Hash function k is multiply-shift, h_k(x) = high 32 bits of (a_k·x + b_k) mod 2^64 with odd a_k (Dietzfelbinger
     et al. 1997): one multiply and one add per shingle and function, vectorised over all shingles of all texts."""
     rng = np.random.default_rng(seed)
-    a_K = rng.integers(0, 2**63, size=num_perm, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-    b_K = rng.integers(0, 2**63, size=num_perm, dtype=np.uint64)
-    signatures_NK = np.full((len(counts), num_perm), 0xFFFFFFFF, dtype=np.uint32)
+    multipliers = rng.integers(0, 2**63, size=num_perm, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    offsets = rng.integers(0, 2**63, size=num_perm, dtype=np.uint64)
+    signatures = np.full((len(counts), num_perm), 0xFFFFFFFF, dtype=np.uint32)
     has = counts > 0
     if not has.any():
-        return signatures_NK
+        return signatures
     starts = (np.cumsum(counts) - counts)[has]
     values = np.empty_like(hashes)  # in place: allocating per function costs more than the arithmetic
     for k in range(num_perm):
-        np.multiply(hashes, a_K[k], out=values)
-        np.add(values, b_K[k], out=values)
+        np.multiply(hashes, multipliers[k], out=values)
+        np.add(values, offsets[k], out=values)
         np.right_shift(values, np.uint64(32), out=values)
-        signatures_NK[has, k] = np.minimum.reduceat(values, starts)
-    return signatures_NK
+        signatures[has, k] = np.minimum.reduceat(values, starts)
+    return signatures
 
 
 def lsh_bands(threshold: float, num_perm: int, recall: float = 0.98) -> tuple[int, int]:
@@ -294,15 +302,15 @@ def lsh_bands(threshold: float, num_perm: int, recall: float = 0.98) -> tuple[in
     return best
 
 
-def _band_keys(signatures_NK: np.ndarray, bands: int, rows: int) -> np.ndarray:
-    """[N, bands] uint64: one hash per band of `rows` signature values."""
-    keys_NB = np.zeros((signatures_NK.shape[0], bands), dtype=np.uint64)
+def _band_keys(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """[texts, bands] uint64: one hash per band of `rows` signature values."""
+    bucket_keys = np.zeros((signatures.shape[0], bands), dtype=np.uint64)
     for b in range(bands):
-        acc = np.full(signatures_NK.shape[0], np.uint64(b), dtype=np.uint64)
+        acc = np.full(signatures.shape[0], np.uint64(b), dtype=np.uint64)
         for r in range(rows):
-            acc = _splitmix64(acc ^ signatures_NK[:, b * rows + r].astype(np.uint64))
-        keys_NB[:, b] = acc
-    return keys_NB
+            acc = _splitmix64(acc ^ signatures[:, b * rows + r].astype(np.uint64))
+        bucket_keys[:, b] = acc
+    return bucket_keys
 
 
 def _bucket_pairs(keys_a: np.ndarray, keys_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -315,10 +323,10 @@ def _bucket_pairs(keys_a: np.ndarray, keys_b: np.ndarray) -> tuple[np.ndarray, n
     total = int(sizes.sum())
     if total == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    i_P = np.repeat(np.arange(len(keys_a)), sizes)
+    pair_i = np.repeat(np.arange(len(keys_a)), sizes)
     within = np.arange(total) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    j_P = order[np.repeat(lo, sizes) + within]
-    return i_P, j_P
+    pair_j = order[np.repeat(lo, sizes) + within]
+    return pair_i, pair_j
 
 
 def _minhash_pairs(
@@ -327,24 +335,24 @@ def _minhash_pairs(
     """Confirmed near-duplicate pairs (i in A, j in B or j < i in A, exact Jaccard ≥ threshold)."""
     texts = a_keys + (b_keys or [])
     hashes, counts = shingle_hashes(texts, n)
-    signatures_NK = minhash_signatures(hashes, counts, num_perm, seed)
+    signatures = minhash_signatures(hashes, counts, num_perm, seed)
     bands, rows = lsh_bands(threshold, num_perm)
-    keys_NB = _band_keys(signatures_NK, bands, rows)
+    bucket_keys = _band_keys(signatures, bands, rows)
     num_a = len(a_keys)
     a_rows = np.flatnonzero(counts[:num_a] > 0)
     b_rows = np.flatnonzero(counts > 0) if b_keys is None else num_a + np.flatnonzero(counts[num_a:] > 0)
     pair_codes = []
     for b in range(bands):
-        i_P, j_P = _bucket_pairs(keys_NB[a_rows, b], keys_NB[b_rows, b])
-        i_P, j_P = a_rows[i_P], b_rows[j_P]
-        keep = j_P < i_P if b_keys is None else np.ones(len(i_P), dtype=bool)
-        pair_codes.append(i_P[keep] * len(texts) + j_P[keep])
+        pair_i, pair_j = _bucket_pairs(bucket_keys[a_rows, b], bucket_keys[b_rows, b])
+        pair_i, pair_j = a_rows[pair_i], b_rows[pair_j]
+        keep = pair_j < pair_i if b_keys is None else np.ones(len(pair_i), dtype=bool)
+        pair_codes.append(pair_i[keep] * len(texts) + pair_j[keep])
     codes = np.unique(np.concatenate(pair_codes)) if pair_codes else np.zeros(0, dtype=np.int64)
-    i_P, j_P = codes // len(texts), codes % len(texts)
+    pair_i, pair_j = codes // len(texts), codes % len(texts)
     # Cheap vectorised filter on the MinHash estimate before the exact Jaccard of the survivors.
-    estimate_P = (signatures_NK[i_P] == signatures_NK[j_P]).mean(axis=1) if len(codes) else np.zeros(0)
-    likely = estimate_P >= threshold - _ESTIMATE_SLACK
-    i_P, j_P = i_P[likely], j_P[likely]
+    estimates = (signatures[pair_i] == signatures[pair_j]).mean(axis=1) if len(codes) else np.zeros(0)
+    likely = estimates >= threshold - _ESTIMATE_SLACK
+    pair_i, pair_j = pair_i[likely], pair_j[likely]
     starts = np.cumsum(counts) - counts
     sets: dict[int, np.ndarray] = {}
 
@@ -353,14 +361,14 @@ def _minhash_pairs(
             sets[k] = np.unique(hashes[starts[k] : starts[k] + counts[k]])
         return sets[k]
 
-    jaccard_P = np.zeros(len(i_P))
-    for p, (i, j) in enumerate(zip(i_P.tolist(), j_P.tolist())):
+    jaccards = np.zeros(len(pair_i))
+    for p, (i, j) in enumerate(zip(pair_i.tolist(), pair_j.tolist())):
         x, y = shingle_set(i), shingle_set(j)
         inter = len(np.intersect1d(x, y, assume_unique=True))
-        jaccard_P[p] = inter / (len(x) + len(y) - inter)
-    ok = jaccard_P >= threshold
-    j_out = j_P[ok] if b_keys is None else j_P[ok] - num_a
-    return i_P[ok], j_out, jaccard_P[ok]
+        jaccards[p] = inter / (len(x) + len(y) - inter)
+    ok = jaccards >= threshold
+    j_out = pair_j[ok] if b_keys is None else pair_j[ok] - num_a
+    return pair_i[ok], j_out, jaccards[ok]
 
 
 # ------------------------------------------------------------------------------------------------ embeddings
@@ -373,7 +381,7 @@ _BLOCK_ROWS = 2048
 
 
 def load_embedder(name: str, *, batch_size: int = 256, device: str = "cpu") -> EmbedFn:
-    """A function texts → [N, D] float32 unit vectors for a sentence-embedding model.
+    """A function texts → [texts, dim] float32 unit vectors for a sentence-embedding model.
 
     name: a local directory or Hugging Face id. Loaded with sentence-transformers when it is installed; otherwise
           with transformers (`AutoModel` + mean pooling over tokens + L2 normalisation: the all-MiniLM-L6-v2 recipe).
@@ -463,7 +471,7 @@ def _unit_rows(x: Any) -> np.ndarray:
 def _embedding_pairs(
     a_texts: list[str], b_texts: list[str] | None, embed: EmbedFn, threshold: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pairs (i, j, cosine) with cosine ≥ threshold: j in B, or j < i in A. Blocked [block, N_B] products."""
+    """Pairs (i, j, cosine) with cosine ≥ threshold: j in B, or j < i in A. Blocked [block, B texts] products."""
     emb_a = _unit_rows(embed(a_texts))
     emb_b = emb_a if b_texts is None else _unit_rows(embed(b_texts))
     found_i, found_j, found_s = [], [], []

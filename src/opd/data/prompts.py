@@ -23,7 +23,7 @@ import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -96,7 +96,46 @@ def load_prompts(
     rows, origin, stem = _read_rows(source, split=split, hub_config=hub_config, limit=limit)
     if not rows:
         raise DataError(f"{origin}: the prompt set is empty (0 rows); expected at least one row")
+    columns = _resolve_columns(rows, origin, prompt_key, answer_key, id_key, source_key, system_key)
+    prompts, skipped = _rows_to_prompts(rows, origin, stem, columns, on_missing_answer)
+    if skipped:
+        if not prompts:
+            raise DataError(
+                f"{origin}: every row's {answer_key!r} is empty (null, absent or blank), so "
+                f"on_missing_answer=skip left no prompt; check answer_key"
+            )
+        _log.warning(
+            "%s: skipped %d of %d rows without a ground truth in %r (first: row %d; on_missing_answer=skip)",
+            origin,
+            len(skipped),
+            len(rows),
+            answer_key,
+            skipped[0],
+        )
+    return prompts
 
+
+class _Columns(NamedTuple):
+    """The columns `load_prompts` reads (`id` resolved: a column or ROW_ID)."""
+
+    prompt: str
+    answer: str | None
+    id: str
+    source: str
+    system: str | None
+
+
+def _resolve_columns(
+    rows: list[dict],
+    origin: str,
+    prompt_key: str,
+    answer_key: str | None,
+    id_key: str | None,
+    source_key: str,
+    system_key: str | None,
+) -> _Columns:
+    """Check that every named column is present (the default source column may be absent) and that the prompt
+    column is no other; resolve the id column (None: the first of _AUTO_ID_KEYS present, else ROW_ID)."""
     _require_key(rows, prompt_key, "prompt_key", origin)
     if answer_key is not None:
         _require_key(rows, answer_key, "answer_key", origin, hint="or answer_key=None for a set without answers")
@@ -114,9 +153,18 @@ def load_prompts(
                 f"{origin}: prompt_key={prompt_key!r} is also the {field} column; the prompt column must "
                 f"hold the prompts: pass prompt_key=<the prompt column>"
             )
-    used_keys = [k for k in (prompt_key, answer_key, id_key, source_key, system_key) if k and k != ROW_ID]
+    return _Columns(prompt_key, answer_key, id_key, source_key, system_key)
 
-    prompts, seen, skipped = [], {}, []
+
+def _rows_to_prompts(
+    rows: list[dict], origin: str, stem: str, columns: _Columns, on_missing_answer: OnMissingAnswer
+) -> tuple[list[Prompt], list[int]]:
+    """The rows as `Prompt`s, and the row numbers skipped for a missing answer (on_missing_answer="skip")."""
+    prompt_key, answer_key, id_key, source_key, system_key = columns
+    used_keys = [k for k in columns if k and k != ROW_ID]
+    prompts: list[Prompt] = []
+    seen: dict[str, tuple[int, str | list[str] | None]] = {}
+    skipped: list[int] = []
     for i, row in enumerate(rows):
         messages = _to_messages(get_field(row, prompt_key), origin, i, prompt_key)
         if system_key is not None:
@@ -156,21 +204,7 @@ def load_prompts(
                 meta=_leftover(row, used_keys),
             )
         )
-    if skipped:
-        if not prompts:
-            raise DataError(
-                f"{origin}: every row's {answer_key!r} is empty (null, absent or blank), so "
-                f"on_missing_answer=skip left no prompt; check answer_key"
-            )
-        _log.warning(
-            "%s: skipped %d of %d rows without a ground truth in %r (first: row %d; on_missing_answer=skip)",
-            origin,
-            len(skipped),
-            len(rows),
-            answer_key,
-            skipped[0],
-        )
-    return prompts
+    return prompts, skipped
 
 
 def save_prompts(prompts: Iterable[Prompt], path: str | Path) -> Path:
@@ -379,7 +413,7 @@ def _require_key(rows: list[dict], key: str, field: str, origin: str, hint: str 
     available = _available_keys(rows)
     close = difflib.get_close_matches(key, available, n=1, cutoff=0.5)
     close_lc = [a for a in available if a.lower() == key.lower() or a.split(".")[-1].lower() == key.lower()]
-    suggestion = (close_lc or close or [None])[0]
+    suggestion = (close_lc or close or [""])[0]
     msg = f"{origin}: no column {key!r} ({field}); available: {', '.join(available)}"
     if suggestion:
         msg += f"; did you mean {field}={suggestion!r}?"
@@ -426,8 +460,8 @@ def to_answer(value: Any, where: str, key: str) -> str | list[str] | None:
     (e.g. "file: row 3") and field `key` for a bool, a dict or a nested list. Public: `opd eval --responses` uses it.
     """
     if isinstance(value, (list, tuple)):
-        items = [_scalar_answer(v, where, key) for v in value]
-        items = [v for v in items if v is not None]
+        scalars = [_scalar_answer(v, where, key) for v in value]
+        items = [v for v in scalars if v is not None]
         return None if not items else items[0] if len(items) == 1 else items
     return _scalar_answer(value, where, key)
 

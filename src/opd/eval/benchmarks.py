@@ -65,7 +65,7 @@ def benchmark_path(name: str) -> Path:
     bench = get_benchmark(name)
     if bench is None:
         raise DataError(_unknown_message(name))
-    return Path(str(resources.files("opd.eval").joinpath("data", bench.file)))
+    return Path(str(resources.files("opd.eval") / "data" / bench.file))
 
 
 def load_benchmark(name_or_path: str | Path, **options) -> list[Prompt]:
@@ -77,7 +77,7 @@ def load_benchmark(name_or_path: str | Path, **options) -> list[Prompt]:
     text = str(name_or_path)
     bench = get_benchmark(text) if isinstance(name_or_path, str) else None
     if bench is not None:
-        with resources.as_file(resources.files("opd.eval").joinpath("data", bench.file)) as path:
+        with resources.as_file(resources.files("opd.eval") / "data" / bench.file) as path:
             return load_prompts(path, **options)
     path = Path(text).expanduser()
     if not path.exists() and "/" not in text and "\\" not in text and not path.suffix:

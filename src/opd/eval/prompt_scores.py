@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -154,53 +154,19 @@ def score_prompts(
                 that need more than the per-prompt means (`opd check`: sequence rewards, correctness).
     Returns the new scores in prompt order; prompts over `max_prompt_length` come back with `skipped` set.
     """
-    from opd.teacher.local import LocalScorer  # heavy (the Triton kernels, torch._dynamo): only when scoring
-
-    checks = [
-        ("n", n, n >= 1, "an integer ≥ 1"),
-        ("top_k", top_k, top_k >= 1, "an integer ≥ 1"),
-        ("temperature", temperature, temperature > 0, "> 0"),
-        ("teacher_temperature", teacher_temperature, teacher_temperature > 0, "> 0"),
-        ("batch_size", batch_size, batch_size >= 1, "an integer ≥ 1"),
-    ]
-    for name, value, ok, legal in checks:
-        if not ok:
-            raise ValueError(f"score_prompts: {name} must be {legal}, got {value!r}")
+    _check_arguments(
+        n=n, top_k=top_k, temperature=temperature, teacher_temperature=teacher_temperature, batch_size=batch_size
+    )
     skip = set(skip_ids)
     encoded = encode_prompts(
         tokenizer, prompts, max_prompt_length=max_prompt_length, enable_thinking=enable_thinking, template=template
     )
-    kept = {p.id for p in encoded.prompts}
-    too_long = [
-        PromptScore(
-            p.id,
-            p.source,
-            skipped=f"longer than max_prompt_length={max_prompt_length} tokens",
-            prompt_sha256=prompt_digest(p.messages),
-        )
-        for p in prompts
-        if p.id not in kept and p.id not in skip
-    ]
+    too_long = _too_long(prompts, {p.id for p in encoded.prompts}, skip, max_prompt_length)
     if too_long and on_batch is not None:
         on_batch(too_long)
-
-    # ids beyond the tokenizer are embedding padding rows: never sampled, never a top-k candidate (SPEC §1)
-    rows = {
-        who: m.get_output_embeddings().weight.shape[0]
-        for who, m in (("student", student), ("teacher", teacher))
-        if isinstance(m, torch.nn.Module)
-    }
-    vocab = check_tokenizer_compatibility(
-        tokenizer, tokenizer, student_vocab_size=rows["student"], teacher_vocab_size=rows.get("teacher")
-    )
-    student_scorer = LocalScorer(student, max_tokens_per_batch=score_batch_tokens, vocab_size=vocab.tokenizer_size)
-    teacher_scorer = (
-        teacher
-        if not isinstance(teacher, torch.nn.Module)
-        else LocalScorer(teacher, max_tokens_per_batch=score_batch_tokens, vocab_size=vocab.tokenizer_size)
-    )
+    student_scorer, teacher_scorer, vocab_size = _scorers(student, teacher, tokenizer, score_batch_tokens)
     if generator is None:
-        generator = make_generator(student, tokenizer, max_batch_size=batch_size * n, vocab_size=vocab.tokenizer_size)
+        generator = make_generator(student, tokenizer, max_batch_size=batch_size * n, vocab_size=vocab_size)
     device = next(student.parameters()).device
 
     new: dict[str, PromptScore] = {s.id: s for s in too_long}
@@ -232,6 +198,62 @@ def score_prompts(
     return [new[p.id] for p in prompts if p.id in new]
 
 
+def _too_long(prompts: Sequence[Prompt], kept: set[str], skip: set[str], max_prompt_length: int) -> list[PromptScore]:
+    """The skipped scores of the prompts that encoding dropped for length (those not in `skip`)."""
+    return [
+        PromptScore(
+            p.id,
+            p.source,
+            skipped=f"longer than max_prompt_length={max_prompt_length} tokens",
+            prompt_sha256=prompt_digest(p.messages),
+        )
+        for p in prompts
+        if p.id not in kept and p.id not in skip
+    ]
+
+
+def _check_arguments(*, n: int, top_k: int, temperature: float, teacher_temperature: float, batch_size: int) -> None:
+    """Raise ValueError naming the first of `score_prompts`' arguments out of its range."""
+    checks = [
+        ("n", n, n >= 1, "an integer ≥ 1"),
+        ("top_k", top_k, top_k >= 1, "an integer ≥ 1"),
+        ("temperature", temperature, temperature > 0, "> 0"),
+        ("teacher_temperature", teacher_temperature, teacher_temperature > 0, "> 0"),
+        ("batch_size", batch_size, batch_size >= 1, "an integer ≥ 1"),
+    ]
+    for name, value, ok, legal in checks:
+        if not ok:
+            raise ValueError(f"score_prompts: {name} must be {legal}, got {value!r}")
+
+
+def _scorers(
+    student: torch.nn.Module, teacher: torch.nn.Module | TeacherScorer, tokenizer: Any, score_batch_tokens: int
+) -> tuple[TeacherScorer, TeacherScorer, int]:
+    """The student's and the teacher's scorers (`LocalScorer` for a model, a `TeacherScorer` as it is) and the
+    vocabulary size both score over (the tokenizer's)."""
+    from opd.teacher.local import LocalScorer  # heavy (the Triton kernels, torch._dynamo): only when scoring
+
+    # ids beyond the tokenizer are embedding padding rows: never sampled, never a top-k candidate (SPEC §1)
+    rows = {
+        who: _vocab_rows(m) for who, m in (("student", student), ("teacher", teacher)) if isinstance(m, torch.nn.Module)
+    }
+    vocab = check_tokenizer_compatibility(
+        tokenizer, tokenizer, student_vocab_size=rows["student"], teacher_vocab_size=rows.get("teacher")
+    )
+    student_scorer = LocalScorer(student, max_tokens_per_batch=score_batch_tokens, vocab_size=vocab.tokenizer_size)
+    teacher_scorer = (
+        teacher
+        if not isinstance(teacher, torch.nn.Module)
+        else LocalScorer(teacher, max_tokens_per_batch=score_batch_tokens, vocab_size=vocab.tokenizer_size)
+    )
+    return student_scorer, teacher_scorer, vocab.tokenizer_size
+
+
+def _vocab_rows(model: torch.nn.Module) -> int:
+    """Rows of a Hugging Face model's output embedding (`get_output_embeddings` is the model's, not nn.Module's)."""
+    return int(cast(Any, model).get_output_embeddings().weight.shape[0])
+
+
 def _batch_scores(
     batch: Sequence[Prompt],
     n: int,
@@ -246,10 +268,10 @@ def _batch_scores(
     per_group = group_diagnostics(
         student_scores, teacher_scores, rollouts.response_mask, rollouts.group_ids, len(batch)
     )
-    lengths_Gn = rollouts.response_mask.sum(-1).view(len(batch), n).float()  # rows are prompt-major
+    lengths = rollouts.response_mask.sum(-1).view(len(batch), n).float()  # [prompts, n]: rows are prompt-major
     per_group.update(
-        num_tokens=lengths_Gn.sum(-1),
-        response_length=lengths_Gn.mean(-1),
+        num_tokens=lengths.sum(-1),
+        response_length=lengths.mean(-1),
         truncation_rate=rollouts.truncated.view(len(batch), n).float().mean(-1),
     )
     values = {k: v.tolist() for k, v in per_group.items()}  # one host sync per batch
@@ -257,7 +279,7 @@ def _batch_scores(
     for g, prompt in enumerate(batch):
         if prompt.id in skip:
             continue
-        metrics = {k: float(v[g]) for k, v in values.items() if k != "num_tokens"}
+        metrics: dict[str, Any] = {k: float(v[g]) for k, v in values.items() if k != "num_tokens"}
         scores.append(
             PromptScore(
                 prompt.id,
@@ -294,9 +316,10 @@ def group_diagnostics(
 
 def _select_scores(scores: TokenScores, rows: torch.Tensor) -> TokenScores:
     """The `TokenScores` of some rows (every tensor field indexed along dim 0)."""
-    return TokenScores(
-        **{f.name: None if getattr(scores, f.name) is None else getattr(scores, f.name)[rows] for f in fields(scores)}
-    )
+    picked: dict[str, Any] = {
+        f.name: None if getattr(scores, f.name) is None else getattr(scores, f.name)[rows] for f in fields(scores)
+    }
+    return TokenScores(**picked)
 
 
 # ------------------------------------------------------------------------------------------------ select

@@ -23,7 +23,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from opd.config import EvalConfig, flatten_dotted, save_config
+from opd.config import EvalConfig, ModelSpec, flatten_dotted, save_config
 from opd.data.templates import encode_prompts, parse_template
 from opd.eval.benchmarks import load_benchmark
 from opd.eval.grading import decode_responses, grade
@@ -125,7 +125,7 @@ def start_work(run_dir: Path, identity: dict[str, Any], config: EvalConfig) -> N
 
 def model_identity(config: EvalConfig) -> dict[str, Any]:
     """What of the model decides the samples: path, a fingerprint of its local files, dtype, attention, remote code."""
-    spec = config.model
+    spec = _model_spec(config)
     return {
         "path": spec.path,
         "files": model_fingerprint(spec.path),
@@ -149,39 +149,21 @@ def _problems_sha256(prompts: list) -> str:
 def _sample_and_grade(
     config: EvalConfig, run_dir: Path, generator: Any, tokenizer: Any, console: Any, weights: str | None = None
 ) -> list[dict]:
-    loaded = {}
-    for benchmark, name in zip(config.benchmarks, benchmark_names(config.benchmarks)):
-        loaded[name] = load_benchmark(
+    """All graded records of `run_dir`: the complete chunks already in samples.jsonl, then the rest sampled and
+    graded (appended as each chunk finishes).
+
+    Phases: 1. load the benchmarks and check `run_dir`'s identity (before any model loads); 2. load the model unless
+    a generator was given; 3. keep the complete chunks (`_resume`); 4. sample and grade the rest (`_sample_chunk`)."""
+    loaded = {
+        name: load_benchmark(
             benchmark,
             prompt_key=config.prompt_key,
             answer_key=config.answer_key,
             on_missing_answer=config.on_missing_answer,
         )
-    identity = {
-        "mode": "model",
-        "model": model_identity(config) if weights is None else {**model_identity(config), "weights": weights},
-        **{
-            key: getattr(config, key)
-            for key in (
-                "n",
-                "temperature",
-                "top_p",
-                "top_k",
-                "max_new_tokens",
-                "seed",
-                "template",
-                "enable_thinking",
-                "max_prompt_length",
-                "batch_size",
-                "limit",
-                "prompt_key",
-                "answer_key",
-                "on_missing_answer",
-                "engine",
-            )
-        },
-        "benchmarks": {name: _problems_sha256(prompts) for name, prompts in loaded.items()},
+        for benchmark, name in zip(config.benchmarks, benchmark_names(config.benchmarks))
     }
+    identity = _identity(config, loaded, weights)
     try:
         check_resumable(run_dir, identity)  # before any model is loaded
     except ValueError as error:
@@ -190,26 +172,85 @@ def _sample_and_grade(
         console.print(f"[yellow]{run_dir}: made by other weights or settings, evaluated again ({error})[/]")
         for name in (*_OUR_FILES, IDENTITY_FILE):
             (run_dir / name).unlink(missing_ok=True)
+    if generator is None:
+        generator, tokenizer = _load_generator(config)
+        if config.engine != "vllm":
+            identity["model"] = model_identity(config)  # a hub id is in the local cache now
 
-    if generator is None and config.engine == "vllm":  # vLLM loads the weights itself: no HF copy of the model
-        spec = config.model
+    chunks = _chunks(config, loaded, tokenizer, console)
+    samples_path = run_dir / "samples.jsonl"
+    records_done, work = _resume(run_dir, samples_path, chunks, identity, config, console)
+    with progress_bar(console) as progress:
+        task = progress.add_task("sampling + grading", total=sum(len(chunk) for _, _, chunk in work))
+        for benchmark, chunk_id, chunk in work:
+            records = _sample_chunk(config, generator, tokenizer, benchmark, chunk_id, chunk)
+            append_jsonl(samples_path, records)
+            records_done.extend(records)
+            progress.advance(task, len(chunk))
+    return records_done
+
+
+_IDENTITY_SETTINGS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_new_tokens",
+    "seed",
+    "template",
+    "enable_thinking",
+    "max_prompt_length",
+    "batch_size",
+    "limit",
+    "prompt_key",
+    "answer_key",
+    "on_missing_answer",
+    "engine",
+)
+"""The EvalConfig settings that decide the samples (part of identity.json)."""
+
+
+def _identity(config: EvalConfig, loaded: dict[str, list], weights: str | None) -> dict[str, Any]:
+    """What the samples are made with (identity.json): the model (and `weights`), the settings, each benchmark's
+    hash."""
+    return {
+        "mode": "model",
+        "model": model_identity(config) if weights is None else {**model_identity(config), "weights": weights},
+        **{key: getattr(config, key) for key in _IDENTITY_SETTINGS},
+        "benchmarks": {name: _problems_sha256(prompts) for name, prompts in loaded.items()},
+    }
+
+
+def _load_generator(config: EvalConfig) -> tuple[Any, Any]:
+    """(generator, tokenizer) of `config.model` with `config.engine`: vLLM loads the weights itself (no Hugging Face
+    copy of the model), the other engines a loaded model."""
+    spec = _model_spec(config)
+    if config.engine == "vllm":
         tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
         generator = make_generator(
             None, tokenizer, engine="vllm", max_batch_size=config.batch_size, **vllm_arguments(config.vllm, spec)
         )
-    if generator is None:
-        model, tokenizer = load_model(
-            config.model.path,
-            dtype=config.model.dtype,
-            device=config.model.device,
-            trust_remote_code=config.model.trust_remote_code,
-            attn_implementation=config.model.attn_implementation,
-        )
-        generator = make_generator(model, tokenizer, engine=config.engine, max_batch_size=config.batch_size)
-        identity["model"] = model_identity(config)  # a hub id is in the local cache now
+        return generator, tokenizer
+    model, tokenizer = load_model(
+        spec.path,
+        dtype=spec.dtype,
+        device=spec.device,
+        trust_remote_code=spec.trust_remote_code,
+        attn_implementation=spec.attn_implementation,
+    )
+    return make_generator(model, tokenizer, engine=config.engine, max_batch_size=config.batch_size), tokenizer
 
-    chunks = _chunks(config, loaded, tokenizer, console)
-    samples_path = run_dir / "samples.jsonl"
+
+def _resume(
+    run_dir: Path,
+    samples_path: Path,
+    chunks: list[tuple[str, int, list[EvalProblem]]],
+    identity: dict[str, Any],
+    config: EvalConfig,
+    console: Any,
+) -> tuple[list[dict], list[tuple[str, int, list[EvalProblem]]]]:
+    """Write identity.json and config.yaml, keep the complete chunks of samples.jsonl (rewriting it without the
+    others); return (their records, the chunks still to do)."""
     done, dropped = complete_chunks(samples_path, chunks, config.n)
     start_work(run_dir, identity, config)
     if dropped:  # partial chunks, broken or stray lines: rewrite the file without them (atomically), then redo
@@ -220,42 +261,47 @@ def _sample_and_grade(
             f"resuming: {len(done)} of {len(chunks)} chunks complete in {samples_path}"
             + (f"; {dropped} lines of partial chunks dropped, those chunks are redone" if dropped else "")
         )
+    return [r for records in done.values() for r in records], work
 
-    records_done = [r for records in done.values() for r in records]
-    total = sum(len(chunk) for _, _, chunk in work)
-    with progress_bar(console) as progress:
-        task = progress.add_task("sampling + grading", total=total)
-        for benchmark, chunk_id, chunk in work:
-            params = SamplingParams(
-                n=config.n,
-                temperature=config.temperature,
-                top_p=config.top_p,
-                top_k=config.top_k,
-                max_new_tokens=config.max_new_tokens,
-                seed=_chunk_seed(config.seed, benchmark, chunk_id),
+
+def _sample_chunk(
+    config: EvalConfig, generator: Any, tokenizer: Any, benchmark: str, chunk_id: int, chunk: list[EvalProblem]
+) -> list[dict]:
+    """n samples per problem of one chunk (seeded by the chunk), graded: its records for samples.jsonl."""
+    params = SamplingParams(
+        n=config.n,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        max_new_tokens=config.max_new_tokens,
+        seed=_chunk_seed(config.seed, benchmark, chunk_id),
+    )
+    output = generator.generate([p.prompt_ids for p in chunk], params)
+    texts = decode_responses(tokenizer, output.response_ids)
+    records = []
+    for sample_index, (text, ids, group) in enumerate(zip(texts, output.response_ids, output.group_ids)):
+        problem = chunk[group]
+        records.append(
+            graded_record(
+                benchmark=benchmark,
+                problem_id=problem.problem_id,
+                sample=sample_index % config.n,
+                response=text,
+                answer=problem.answer,
+                num_tokens=len(ids),
+                truncated=output.finish_reasons[sample_index] == "length",
+                timeout=config.timeout,
+                chunk=chunk_id,
             )
-            output = generator.generate([p.prompt_ids for p in chunk], params)
-            texts = decode_responses(tokenizer, output.response_ids)
-            records = []
-            for sample_index, (text, ids, group) in enumerate(zip(texts, output.response_ids, output.group_ids)):
-                problem = chunk[group]
-                records.append(
-                    graded_record(
-                        benchmark=benchmark,
-                        problem_id=problem.problem_id,
-                        sample=sample_index % config.n,
-                        response=text,
-                        answer=problem.answer,
-                        num_tokens=len(ids),
-                        truncated=output.finish_reasons[sample_index] == "length",
-                        timeout=config.timeout,
-                        chunk=chunk_id,
-                    )
-                )
-            append_jsonl(samples_path, records)
-            records_done.extend(records)
-            progress.advance(task, len(chunk))
-    return records_done
+        )
+    return records
+
+
+def _model_spec(config: EvalConfig) -> ModelSpec:
+    """The model of a model-mode eval (`opd eval --model`)."""
+    if config.model is None:
+        raise ValueError("opd eval: sampling needs a model (--model); --responses FILE grades existing answers")
+    return config.model
 
 
 def _chunks(
@@ -280,7 +326,10 @@ def _chunks(
                 f"[yellow]{name}: {encoded.num_filtered} prompts longer than "
                 f"{config.max_prompt_length} tokens skipped[/]"
             )
-        problems = [EvalProblem(name, p.id, ids, p.answer) for p, ids in zip(encoded.prompts, encoded.input_ids)]
+        problems = []
+        for p, ids in zip(encoded.prompts, encoded.input_ids):
+            assert p.answer is not None  # on_missing_answer is "error" or "skip" here: every prompt has one
+            problems.append(EvalProblem(name, p.id, ids, p.answer))
         for index in range(0, len(problems), problems_per_chunk):
             chunks.append((name, index // problems_per_chunk, problems[index : index + problems_per_chunk]))
     return chunks

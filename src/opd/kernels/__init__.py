@@ -5,8 +5,8 @@ implementation: `forward_hidden`'s packed forwards).
 
 The Triton kernels run on CUDA tensors, and on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set
 before Triton is imported), which is how the CPU tests check them. Without Triton installed, `available` is False and
-the callers keep their torch paths. Omitted: a Triton top-k for the teacher's scoring (tried, and no faster than
-`torch.topk`: `opd.scoring._piece_topk` does it in torch; docs/design.md, "opd.kernels").
+the callers keep their torch paths. Omitted: a Triton top-k for the teacher's scoring (`opd.scoring._piece_topk` does
+it in torch; why: docs/design.md, "opd.kernels", and the timing in docs/performance.md).
 """
 
 from __future__ import annotations

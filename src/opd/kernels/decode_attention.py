@@ -103,20 +103,16 @@ if triton is not None:
     ):
         """One (row, kv head) per program along axis 0, one split along axis 1. HAS_NEW: the row's slot `last` is taken
         from kn/vn (and written to the cache by split 0) instead of read from the cache. SPLITS == 1: the normalised
-        output goes straight to out (strided, q's dtype). Else out is float32 [R, Hkv, SPLITS, G, Dh] and lse float32
-        [R, Hkv, SPLITS, G] (−inf for an empty split). SOFTCAP: scores become softcap · tanh(score / softcap)."""
+        output goes straight to out (strided, q's dtype). Else out is float32 [R, A, SPLITS, G, F] and lse float32
+        [R, A, SPLITS, G] (−inf for an empty split). SOFTCAP: scores become softcap · tanh(score / softcap).
+
+        Phases (helpers that Triton inlines): the split's slots (`_split_slots`), the start of the running softmax
+        (`_softmax_start`: the new token), the cache's tiles (`_attend_tiles`), the output (`_store_split`)."""
         pid, split = tl.program_id(0), tl.program_id(1)
         row, kv = pid // kv_heads, pid % kv_heads
-        start = tl.load(start_ptr + row)
-        last = tl.load(last_ptr + row)
-        end = last if HAS_NEW else last + 1  # slots read from the cache: [start, end)
-        per_split = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N
-        lo = start + split * per_split
-        hi = tl.minimum(lo + per_split, end)
-
+        last, lo, hi = _split_slots(start_ptr, last_ptr, row, split, HAS_NEW, SPLITS, BLOCK_N)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)
-        n = tl.arange(0, BLOCK_N)
         q = tl.load(
             q_ptr + row * q_sr + kv * q_sk + g[:, None] * q_sg + d[None, :], mask=g[:, None] < groups, other=0.0
         )
@@ -124,20 +120,86 @@ if triton is not None:
             q = q.to(tl.float32)
         k_base = k_ptr + row * k_sr + kv * k_sk
         v_base = v_ptr + row * v_sr + kv * v_sk
+        kn_row, vn_row = kn_ptr + row * kn_sr + kv * kn_sk, vn_ptr + row * vn_sr + kv * vn_sk
+        k_last, v_last = k_base + last * k_ss, v_base + last * v_ss
+        m, denom, acc = _softmax_start(
+            q, kn_row, vn_row, k_last, v_last, d, split, scale, softcap, BLOCK_G, HEAD_DIM, HAS_NEW, SOFTCAP
+        )
+        m, denom, acc = _attend_tiles(
+            q, k_base, v_base, k_ss, v_ss, lo, hi, m, denom, acc, d, scale, softcap, BLOCK_N, SOFTCAP, UPCAST, PRECISION
+        )
+        out_offset, base = row * o_sr + kv * o_sk, (pid * SPLITS + split) * groups
+        _store_split(out_ptr, out_offset, lse_ptr, acc, m, denom, base, g, d, groups, o_sg, HEAD_DIM, SPLITS)
+
+    @triton.jit
+    def _split_slots(
+        start_ptr, last_ptr, row, split, HAS_NEW: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr
+    ):
+        """(the row's last slot, the split's first cache slot, its end): whole tiles of BLOCK_N per split."""
+        start = tl.load(start_ptr + row)
+        last = tl.load(last_ptr + row)
+        end = last if HAS_NEW else last + 1  # slots read from the cache: [start, end)
+        per_split = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N
+        lo = start + split * per_split
+        hi = tl.minimum(lo + per_split, end)
+        return last, lo, hi
+
+    @triton.jit
+    def _softmax_start(
+        q,
+        k_new_ptr,
+        v_new_ptr,
+        k_slot_ptr,
+        v_slot_ptr,
+        d,
+        split,
+        scale,
+        softcap,
+        BLOCK_G: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HAS_NEW: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+    ):
+        """The running softmax (m, denom, acc) a split starts from: empty, or (HAS_NEW, split 0) the new token's,
+        whose key and value that split also writes into their cache slot."""
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
         if HAS_NEW:
             if split == 0:  # the new token starts the running softmax; its keys/values go into the cache
-                k_new = tl.load(kn_ptr + row * kn_sr + kv * kn_sk + d)
-                v_new = tl.load(vn_ptr + row * vn_sr + kv * vn_sk + d)
-                tl.store(k_base + last * k_ss + d, k_new.to(k_ptr.dtype.element_ty))
-                tl.store(v_base + last * v_ss + d, v_new.to(v_ptr.dtype.element_ty))
+                k_new = tl.load(k_new_ptr + d)
+                v_new = tl.load(v_new_ptr + d)
+                tl.store(k_slot_ptr + d, k_new.to(k_slot_ptr.dtype.element_ty))
+                tl.store(v_slot_ptr + d, v_new.to(v_slot_ptr.dtype.element_ty))
                 m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
                 if SOFTCAP:
                     m = _soft_cap(m, softcap)
                 denom = tl.full([BLOCK_G], 1.0, tl.float32)
                 acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32) + v_new.to(tl.float32)[None, :]
+        return m, denom, acc
+
+    @triton.jit
+    def _attend_tiles(
+        q,
+        k_base,
+        v_base,
+        k_ss,
+        v_ss,
+        lo,
+        hi,
+        m,
+        denom,
+        acc,
+        d,
+        scale,
+        softcap,
+        BLOCK_N: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        UPCAST: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """The running softmax (m, denom, acc) carried over the cache slots [lo, hi), BLOCK_N per tile."""
+        n = tl.arange(0, BLOCK_N)
         for n0 in range(lo, hi, BLOCK_N):  # every tile holds at least one valid slot, so m becomes finite at once
             slots = n0 + n
             valid = slots < hi
@@ -158,11 +220,31 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
+        return m, denom, acc
 
+    @triton.jit
+    def _store_split(
+        out_ptr,
+        out_offset,
+        lse_ptr,
+        acc,
+        m,
+        denom,
+        base,
+        g,
+        d,
+        groups,
+        o_sg,
+        HEAD_DIM: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
+        """SPLITS == 1: the normalised output into out (strided; `out_offset`: the program's row and kv head). Else
+        out is the float32 partial buffer: the split's normalised output and log-sum-exp at `base` (its first group),
+        zero and −inf when the split is empty."""
         if SPLITS == 1:
             out = acc / denom[:, None]
             tl.store(
-                out_ptr + row * o_sr + kv * o_sk + g[:, None] * o_sg + d[None, :],
+                out_ptr + out_offset + g[:, None] * o_sg + d[None, :],
                 out.to(out_ptr.dtype.element_ty),
                 mask=g[:, None] < groups,
             )
@@ -170,7 +252,6 @@ if triton is not None:
             nonempty = denom > 0
             out = tl.where(nonempty[:, None], acc / tl.where(nonempty, denom, 1.0)[:, None], 0.0)
             lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, denom, 1.0)), float("-inf"))
-            base = (pid * SPLITS + split) * groups
             tl.store(out_ptr + (base + g[:, None]) * HEAD_DIM + d[None, :], out, mask=g[:, None] < groups)
             tl.store(lse_ptr + base + g, lse, mask=g < groups)
 
@@ -203,7 +284,7 @@ if triton is not None:
             part_ptr + ((pid * SPLITS + p[:, None, None]) * groups + g[None, :, None]) * HEAD_DIM + d[None, None, :],
             mask=in_group[None, :, None],
             other=0.0,
-        )  # [SPLITS, G, Dh]
+        )  # [SPLITS, G, F]
         out = tl.sum(weight[:, :, None] * part, 0) / tl.sum(weight, 0)[:, None]
         tl.store(
             out_ptr + row * o_sr + kv * o_sk + g[:, None] * o_sg + d[None, :],
@@ -213,14 +294,14 @@ if triton is not None:
 
 
 def decode_attention(
-    q_RKGD: torch.Tensor,
-    keys_RKSD: torch.Tensor,
-    values_RKSD: torch.Tensor,
+    q_RAGF: torch.Tensor,
+    keys_RASF: torch.Tensor,
+    values_RASF: torch.Tensor,
     start_R: torch.Tensor,
     last_R: torch.Tensor,
     scale: float,
-    new_keys_RKD: torch.Tensor | None = None,
-    new_values_RKD: torch.Tensor | None = None,
+    new_keys_RAF: torch.Tensor | None = None,
+    new_values_RAF: torch.Tensor | None = None,
     splits: int | None = None,
     block_n: int = BLOCK_N,
     num_warps: int = 4,
@@ -230,69 +311,49 @@ def decode_attention(
     """softmax(q·kᵀ · scale) · v over slots [start_R[r], last_R[r]] of each row r, per kv head and query head
     (softcap: of softcap · tanh(q·kᵀ · scale / softcap), Gemma 2's soft-capped scores).
 
-    q [R, Hkv, G, Dh] (any strides, last one 1); keys, values [R, Hkv, S, Dh] (last stride 1); start_R and last_R [R]
-    integer tensors on the same device (start ≤ last < S, per row). With new_keys / new_values [R, Hkv, Dh] (last
+    q [R, A, G, F] (any strides, last one 1); keys, values [R, A, S, F] (last stride 1); start_R and last_R [R]
+    integer tensors on the same device (start ≤ last < S, per row). With new_keys / new_values [R, A, F] (last
     stride 1), slot last_R[r] is theirs: they are written into the cache there (the step's cache write, in the same
-    kernel) and used directly. Returns [R, Hkv, G, Dh] in q's dtype, a transposed view of a [R, G, Hkv, Dh] tensor:
-    flattened as (G, Hkv, Dh) per row it needs no copy (the layout SDPA returns, which `StaticGenerator`'s fused
+    kernel) and used directly. Returns [R, A, G, F] in q's dtype, a transposed view of a [R, G, A, F] tensor:
+    flattened as (G, A, F) per row it needs no copy (the layout SDPA returns, which `StaticGenerator`'s fused
     o-projection expects). splits None = `default_splits` over the cache's length S. float32 inputs multiply in full
     float32 (no TF32). block_n (slots per tile), num_warps, num_stages: the kernel's launch configuration.
     """
-    rows, kv_heads, groups, head_dim = q_RKGD.shape
     if triton is None:
         raise RuntimeError("decode_attention needs Triton (pip install triton, CUDA)")
-    tensors = [q_RKGD, keys_RKSD, values_RKSD] + [t for t in (new_keys_RKD, new_values_RKD) if t is not None]
-    if not supports(head_dim) or any(t.stride(-1) != 1 for t in tensors):
-        raise ValueError(
-            f"decode_attention needs a power-of-two head_dim in [16, 256] and unit last strides, got "
-            f"head_dim {head_dim}, strides {[t.stride() for t in tensors]}"
-        )
-    if (new_keys_RKD is None) != (new_values_RKD is None):
-        raise ValueError("decode_attention takes new_keys and new_values together")
-    if start_R.shape != (rows,) or last_R.shape != (rows,):
-        raise ValueError(
-            f"decode_attention takes one start and one last slot per row ({rows}), got shapes "
-            f"{tuple(start_R.shape)} and {tuple(last_R.shape)}"
-        )
-    splits = default_splits(rows, kv_heads, q_RKGD.device, keys_RKSD.shape[2]) if splits is None else splits
-    if splits < 1 or splits & (splits - 1):
-        raise ValueError(f"decode_attention splits must be a power of two ≥ 1, got {splits}")
-    out_RKGD = q_RKGD.new_empty(rows, groups, kv_heads, head_dim).transpose(1, 2)
-    has_new = new_keys_RKD is not None
-    new_k, new_v = (new_keys_RKD, new_values_RKD) if has_new else (keys_RKSD[:, :, 0], values_RKSD[:, :, 0])
+    splits = _checked_splits(q_RAGF, keys_RASF, values_RASF, start_R, last_R, new_keys_RAF, new_values_RAF, splits)
+    rows, kv_heads, groups, head_dim = q_RAGF.shape
+    out_RAGF = q_RAGF.new_empty(rows, groups, kv_heads, head_dim).transpose(1, 2)
+    has_new = new_keys_RAF is not None and new_values_RAF is not None
+    # without new tokens the kernel takes slot 0's keys and values as (unread) stand-ins
+    new_k_RAF = new_keys_RAF if new_keys_RAF is not None else keys_RASF[:, :, 0]
+    new_v_RAF = new_values_RAF if new_values_RAF is not None else values_RASF[:, :, 0]
     if splits == 1:
-        part, lse = out_RKGD, out_RKGD  # lse unused
-    else:
-        part = torch.empty(rows, kv_heads, splits, groups, head_dim, dtype=torch.float32, device=q_RKGD.device)
-        lse = torch.empty(rows, kv_heads, splits, groups, dtype=torch.float32, device=q_RKGD.device)
+        part, lse = out_RAGF, out_RAGF  # the kernel writes out directly; lse unused
+    else:  # the splits' outputs [R, A, splits, G, F] and log-sum-exps [R, A, splits, G], combined below
+        part = q_RAGF.new_empty(rows, kv_heads, splits, groups, head_dim, dtype=torch.float32)
+        lse = q_RAGF.new_empty(rows, kv_heads, splits, groups, dtype=torch.float32)
+    strides = [
+        *q_RAGF.stride()[:3],
+        *keys_RASF.stride()[:3],
+        *values_RASF.stride()[:3],
+        *new_k_RAF.stride()[:2],
+        *new_v_RAF.stride()[:2],
+        *out_RAGF.stride()[:3],
+    ]
     # Triton launches on the current CUDA device: make it the tensors' (a model on cuda:1, say).
-    with torch.cuda.device(q_RKGD.device) if q_RKGD.device.type == "cuda" else contextlib.nullcontext():
+    with torch.cuda.device(q_RAGF.device) if q_RAGF.device.type == "cuda" else contextlib.nullcontext():
         _partial_kernel[(rows * kv_heads, splits)](
-            q_RKGD,
-            keys_RKSD,
-            values_RKSD,
-            new_k,
-            new_v,
+            q_RAGF,
+            keys_RASF,
+            values_RASF,
+            new_k_RAF,
+            new_v_RAF,
             start_R,
             last_R,
             part,
             lse,
-            q_RKGD.stride(0),
-            q_RKGD.stride(1),
-            q_RKGD.stride(2),
-            keys_RKSD.stride(0),
-            keys_RKSD.stride(1),
-            keys_RKSD.stride(2),
-            values_RKSD.stride(0),
-            values_RKSD.stride(1),
-            values_RKSD.stride(2),
-            new_k.stride(0),
-            new_k.stride(1),
-            new_v.stride(0),
-            new_v.stride(1),
-            out_RKGD.stride(0),
-            out_RKGD.stride(1),
-            out_RKGD.stride(2),
+            *strides,
             scale,
             1.0 if softcap is None else float(softcap),
             kv_heads,
@@ -303,24 +364,62 @@ def decode_attention(
             SPLITS=splits,
             HAS_NEW=has_new,
             SOFTCAP=softcap is not None,
-            UPCAST=interpreted(q_RKGD.device),
-            PRECISION="ieee" if q_RKGD.dtype == torch.float32 else "tf32",
+            UPCAST=interpreted(q_RAGF.device),
+            PRECISION="ieee" if q_RAGF.dtype == torch.float32 else "tf32",
             num_warps=num_warps,
             num_stages=num_stages,
         )
         if splits > 1:
-            _combine_kernel[(rows * kv_heads,)](
-                part,
-                lse,
-                out_RKGD,
-                out_RKGD.stride(0),
-                out_RKGD.stride(1),
-                out_RKGD.stride(2),
-                kv_heads,
-                groups,
-                HEAD_DIM=head_dim,
-                BLOCK_G=triton.next_power_of_2(groups),
-                SPLITS=splits,
-                num_warps=num_warps,
-            )
-    return out_RKGD
+            _combine(part, lse, out_RAGF, num_warps)
+    return out_RAGF
+
+
+def _combine(part: torch.Tensor, lse: torch.Tensor, out_RAGF: torch.Tensor, num_warps: int) -> None:
+    """Launch `_combine_kernel`: the splits' partial outputs `part` [R, A, splits, G, F] weighted by their
+    log-sum-exps `lse` [R, A, splits, G] into out."""
+    assert triton is not None  # decode_attention checked
+    rows, kv_heads, splits, groups, head_dim = part.shape
+    _combine_kernel[(rows * kv_heads,)](
+        part,
+        lse,
+        out_RAGF,
+        *out_RAGF.stride()[:3],
+        kv_heads,
+        groups,
+        HEAD_DIM=head_dim,
+        BLOCK_G=triton.next_power_of_2(groups),
+        SPLITS=splits,
+        num_warps=num_warps,
+    )
+
+
+def _checked_splits(
+    q_RAGF: torch.Tensor,
+    keys_RASF: torch.Tensor,
+    values_RASF: torch.Tensor,
+    start_R: torch.Tensor,
+    last_R: torch.Tensor,
+    new_keys_RAF: torch.Tensor | None,
+    new_values_RAF: torch.Tensor | None,
+    splits: int | None,
+) -> int:
+    """The split count of a `decode_attention` call (None: `default_splits`); ValueError (one line) for inputs it
+    does not take."""
+    rows, kv_heads, _, head_dim = q_RAGF.shape
+    tensors = [q_RAGF, keys_RASF, values_RASF] + [t for t in (new_keys_RAF, new_values_RAF) if t is not None]
+    if not supports(head_dim) or any(t.stride(-1) != 1 for t in tensors):
+        raise ValueError(
+            f"decode_attention needs a power-of-two head_dim in [16, 256] and unit last strides, got "
+            f"head_dim {head_dim}, strides {[t.stride() for t in tensors]}"
+        )
+    if (new_keys_RAF is None) != (new_values_RAF is None):
+        raise ValueError("decode_attention takes new_keys and new_values together")
+    if start_R.shape != (rows,) or last_R.shape != (rows,):
+        raise ValueError(
+            f"decode_attention takes one start and one last slot per row ({rows}), got shapes "
+            f"{tuple(start_R.shape)} and {tuple(last_R.shape)}"
+        )
+    splits = default_splits(rows, kv_heads, q_RAGF.device, keys_RASF.shape[2]) if splits is None else splits
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"decode_attention splits must be a power of two ≥ 1, got {splits}")
+    return splits

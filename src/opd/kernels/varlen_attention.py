@@ -1,5 +1,5 @@
 """Packed causal attention for Hugging Face models: rows concatenated into one sequence, each attending only within
-itself, with no padding and no `[S, S]` mask.
+itself, with no padding and no `[N, N]` mask (N: the packed tokens).
 
 `ATTENTION` ("opd_varlen") is a transformers attention implementation (`register` adds it; `opd.models.load_model`
 picks it on CUDA). Packed forwards (those passing `cu_seq_lens_q` / `max_length_q`, see `packed_kwargs`) run torch's
@@ -8,13 +8,14 @@ forward runs transformers' SDPA path unchanged. Sliding windows are exact on bot
 where this torch has it, a banded causal mask in the reference; a window ≥ the longest row counts as none).
 Attention sinks and logit soft-capping are not computed: `refusal` names them so the loader keeps such models off
 `ATTENTION`, and `attention_forward` raises on them rather than drop them. Omitted: SDPA over packed rows (a dense
-`[1, 1, S, S]` mask, S² work and memory) and flex attention (much slower outside `torch.compile`, which is how the
-HF prefill of generation runs it; docs/design.md, "opd.kernels.varlen_attention").
+`[1, 1, N, N]` mask, N² work and memory) and flex attention (outside `torch.compile`, which is how the HF prefill of
+generation runs it; why: docs/design.md, "opd.kernels.varlen_attention", timings in docs/performance.md).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,12 +25,15 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 ATTENTION = "opd_varlen"
 
+_varlen_attn: Callable[..., Any] | None = None  # torch's varlen kernel; None before torch 2.10
+_VARLEN_PARAMETERS: frozenset[str] = frozenset()
 try:  # resolved once here, not inside the compiled layers
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+    from torch.nn.attention.varlen import varlen_attn
 
+    _varlen_attn = varlen_attn
     _VARLEN_PARAMETERS = frozenset(inspect.signature(_varlen_attn).parameters)
 except ImportError:  # torch < 2.10
-    _varlen_attn, _VARLEN_PARAMETERS = None, frozenset()
+    pass
 
 
 def kernel_windows() -> bool:
@@ -51,7 +55,7 @@ def binding_window(config: Any) -> int | None:
 def refusal(model: torch.nn.Module, device: torch.device | None = None) -> str | None:
     """Why `ATTENTION` cannot compute `model`'s attention exactly (one phrase naming the feature), or None.
     device: where packed rows would run; the kernel path there must take `binding_window`'s window."""
-    config = model.config
+    config: Any = model.config  # a Hugging Face model's PretrainedConfig
     if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
         return "its attention sinks (the `sinks` parameter) are not in the varlen kernel"
     if getattr(config, "attn_logit_softcapping", None):
@@ -71,47 +75,48 @@ def kernel_available(device: torch.device) -> bool:
     return device.type == "cuda" and _varlen_attn is not None
 
 
-def packed_kwargs(lengths_b: torch.Tensor, max_length: int | None = None) -> dict:
-    """Forward kwargs that make an `ATTENTION` model treat its `[1, Σ lengths]` input as rows of `lengths_b` tokens
+def packed_kwargs(lengths_B: torch.Tensor, max_length: int | None = None) -> dict:
+    """Forward kwargs that make an `ATTENTION` model treat its `[1, Σ lengths]` input as rows of `lengths_B` tokens
     (`max_length`: their maximum when the caller has it on the host already).
 
     `attention_mask` is an empty 4D placeholder: transformers passes a 4D mask through untouched, so it builds no
-    `[S, S]` mask for the packed sequence, and any attention other than `ATTENTION` fails on it instead of silently
+    `[N, N]` mask for the packed sequence, and any attention other than `ATTENTION` fails on it instead of silently
     attending across rows."""
-    cu_seq_lens = torch.nn.functional.pad(torch.cumsum(lengths_b, 0, dtype=torch.int32), (1, 0))
-    longest = int(lengths_b.max()) if max_length is None else max_length
+    cu_seq_lens = torch.nn.functional.pad(torch.cumsum(lengths_B, 0, dtype=torch.int32), (1, 0))
+    longest = int(lengths_B.max()) if max_length is None else max_length
     return {
         "cu_seq_lens_q": cu_seq_lens,
         "cu_seq_lens_k": cu_seq_lens,
         "max_length_q": longest,
         "max_length_k": longest,
-        "attention_mask": torch.ones(1, 1, 0, 0, dtype=torch.bool, device=lengths_b.device),
+        "attention_mask": torch.ones(1, 1, 0, 0, dtype=torch.bool, device=lengths_B.device),
     }
 
 
 def packed_causal_attention(
-    query_SHD: torch.Tensor,
-    key_SKD: torch.Tensor,
-    value_SKD: torch.Tensor,
+    query_NHF: torch.Tensor,
+    key_NAF: torch.Tensor,
+    value_NAF: torch.Tensor,
     cu_seq_lens: torch.Tensor,
     max_length: int,
     scale: float | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """[S, H, D] causal attention of each row `cu_seq_lens[i]:cu_seq_lens[i + 1]` over itself.
+    """[N, H, F] causal attention of each row `cu_seq_lens[i]:cu_seq_lens[i + 1]` over itself (N packed tokens, H
+    query heads, A key/value heads, F head dim).
 
-    query_SHD: [S, H, D]; key_SKD / value_SKD: [S, K, D] with K dividing H (grouped-query attention);
+    query_NHF: [N, H, F]; key_NAF / value_NAF: [N, A, F] with A dividing H (grouped-query attention);
     cu_seq_lens: [rows + 1] int32 row offsets starting at 0; max_length: the longest row;
     window: each query sees its last `window` keys, itself included (transformers' `sliding_window`); None or
     ≥ max_length: all earlier keys.
     """
     if window is not None and window >= max_length:
         window = None
-    if query_SHD.is_cuda and query_SHD.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+    if query_NHF.is_cuda and query_NHF.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         # as autocast does for SDPA (float32 master weights make Qwen3's q/k norms return float32 under autocast)
         half = torch.get_autocast_dtype("cuda")
-        query_SHD, key_SKD, value_SKD = query_SHD.to(half), key_SKD.to(half), value_SKD.to(half)
-    if _kernel_runs(query_SHD):
+        query_NHF, key_NAF, value_NAF = query_NHF.to(half), key_NAF.to(half), value_NAF.to(half)
+    if _kernel_runs(query_NHF):
         # torch 2.11+ / 2.10
         if window is not None and not kernel_windows():
             raise ValueError(
@@ -120,25 +125,26 @@ def packed_causal_attention(
             )
         left = -1 if window is None else window - 1
         causal: dict[str, Any] = {"window_size": (left, 0)} if kernel_windows() else {"is_causal": True}
-        if key_SKD.shape[1] != query_SHD.shape[1] and "enable_gqa" not in _VARLEN_PARAMETERS:
-            groups = query_SHD.shape[1] // key_SKD.shape[1]
-            key_SKD, value_SKD = key_SKD.repeat_interleave(groups, 1), value_SKD.repeat_interleave(groups, 1)
-        elif key_SKD.shape[1] != query_SHD.shape[1]:
+        if key_NAF.shape[1] != query_NHF.shape[1] and "enable_gqa" not in _VARLEN_PARAMETERS:
+            groups = query_NHF.shape[1] // key_NAF.shape[1]
+            key_NAF, value_NAF = key_NAF.repeat_interleave(groups, 1), value_NAF.repeat_interleave(groups, 1)
+        elif key_NAF.shape[1] != query_NHF.shape[1]:
             causal["enable_gqa"] = True
+        assert _varlen_attn is not None  # _kernel_runs
         return _varlen_attn(
-            query_SHD, key_SKD, value_SKD, cu_seq_lens, cu_seq_lens, max_length, max_length, scale=scale, **causal
+            query_NHF, key_NAF, value_NAF, cu_seq_lens, cu_seq_lens, max_length, max_length, scale=scale, **causal
         )
-    return per_row_attention(query_SHD, key_SKD, value_SKD, cu_seq_lens, scale, window)
+    return per_row_attention(query_NHF, key_NAF, value_NAF, cu_seq_lens, scale, window)
 
 
-def _kernel_runs(query_SHD: torch.Tensor) -> bool:
-    return query_SHD.is_cuda and _varlen_attn is not None and query_SHD.dtype in (torch.float16, torch.bfloat16)
+def _kernel_runs(query_NHF: torch.Tensor) -> bool:
+    return query_NHF.is_cuda and _varlen_attn is not None and query_NHF.dtype in (torch.float16, torch.bfloat16)
 
 
 def per_row_attention(
-    query_SHD: torch.Tensor,
-    key_SKD: torch.Tensor,
-    value_SKD: torch.Tensor,
+    query_NHF: torch.Tensor,
+    key_NAF: torch.Tensor,
+    value_NAF: torch.Tensor,
     cu_seq_lens: torch.Tensor,
     scale: float | None = None,
     window: int | None = None,
@@ -148,11 +154,11 @@ def per_row_attention(
     bounds = cu_seq_lens.tolist()
     rows = []
     for start, end in zip(bounds[:-1], bounds[1:]):
-        q, k, v = (x[start:end].transpose(0, 1)[None] for x in (query_SHD, key_SKD, value_SKD))
+        q, k, v = (x[start:end].transpose(0, 1)[None] for x in (query_NHF, key_NAF, value_NAF))
         mask = None
         if window is not None and window < end - start:
-            offset_QK = torch.arange(end - start, device=q.device)[:, None] - torch.arange(end - start, device=q.device)
-            mask = (offset_QK >= 0) & (offset_QK < window)
+            offset_LL = torch.arange(end - start, device=q.device)[:, None] - torch.arange(end - start, device=q.device)
+            mask = (offset_LL >= 0) & (offset_LL < window)
         rows.append(
             torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
@@ -164,7 +170,7 @@ def per_row_attention(
 def attention_forward(
     module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs
 ):
-    """transformers' attention-function contract: query [B, H, S, D], key/value [B, K, S, D] → ([B, S, H, D], None)."""
+    """transformers' attention-function contract: query [B, H, L, F], key/value [B, A, L, F] → ([B, L, H, F], None)."""
     if kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None:  # sdpa would drop them silently
         feature = "attention sinks" if kwargs.get("s_aux") is not None else "logit soft-capping"
         raise ValueError(
@@ -183,7 +189,7 @@ def attention_forward(
         )
     if dropout:
         raise ValueError(f"{ATTENTION}: packed rows do not support attention dropout; use attn_implementation='sdpa'")
-    out_SHD = packed_causal_attention(
+    out_NHF = packed_causal_attention(
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),
         value[0].transpose(0, 1),
@@ -192,7 +198,7 @@ def attention_forward(
         scale=scaling,
         window=kwargs.get("sliding_window"),
     )
-    return out_SHD[None], None
+    return out_NHF[None], None
 
 
 def register() -> str:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
-TEST_SET = dict(n=300, steps=(1, 5), split="test", seed=0, max_abs=99)
+TEST_SET: dict[str, Any] = dict(n=300, steps=(1, 5), split="test", seed=0, max_abs=99)
 """The held-out test set: `make_problems(**TEST_SET)` (written to assets/data/test.jsonl)."""
-OPD_PROMPTS = dict(n=2000, steps=(1, 5), split="train", seed=2, max_abs=99)
+OPD_PROMPTS: dict[str, Any] = dict(n=2000, steps=(1, 5), split="train", seed=2, max_abs=99)
 """The OPD training prompts (assets/data/opd_prompts.jsonl): train split, so disjoint from the test set."""
-SFT_SET = dict(n=60000, steps=(1, 5), split="train", seed=0, max_abs=99)
+SFT_SET: dict[str, Any] = dict(n=60000, steps=(1, 5), split="train", seed=0, max_abs=99)
 """The SFT problems both shipped models were trained on (forward-style solutions)."""
 
 

@@ -14,7 +14,15 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedToken
 
 from opd.io import give_umask_modes, read_jsonl, write_jsonl
 from opd.lab import SFT_SET, test_set_path
-from opd.lab.task import make_problems, messages, solve, solve_first_line_off_by_one, style_of, to_sft_examples
+from opd.lab.task import (
+    Style,
+    make_problems,
+    messages,
+    solve,
+    solve_first_line_off_by_one,
+    style_of,
+    to_sft_examples,
+)
 from opd.lab.tokenizer import build_lab_tokenizer
 
 TEACHER_ARCH: dict[str, int] = {
@@ -33,7 +41,8 @@ STUDENT_ARCH: dict[str, int] = {
 
 def lab_model_config(arch: dict[str, int], tokenizer: Any):
     """A Qwen3 config for the lab tokenizer: tied embeddings, head_dim = hidden / heads, 256 positions."""
-    return Qwen3Config(
+    # one dict: rope_theta is a keyword the config takes at run time but its signature (rope_parameters) does not list
+    options: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         num_key_value_heads=arch["num_attention_heads"],
         head_dim=arch["hidden_size"] // arch["num_attention_heads"],
@@ -45,6 +54,7 @@ def lab_model_config(arch: dict[str, int], tokenizer: Any):
         rope_theta=10000.0,
         **arch,
     )
+    return Qwen3Config(**options)
 
 
 def init_model(arch: dict[str, int], out_dir: str | Path, *, seed: int) -> Path:
@@ -60,7 +70,7 @@ def init_model(arch: dict[str, int], out_dir: str | Path, *, seed: int) -> Path:
     return out_dir
 
 
-def write_sft_data(path: str | Path, *, style: str = "forward", n: int | None = None) -> Path:
+def write_sft_data(path: str | Path, *, style: Style = "forward", n: int | None = None) -> Path:
     """The SFT set (`SFT_SET` problems, `style` solutions) as chat JSONL, written atomically."""
     spec = dict(SFT_SET, n=n or SFT_SET["n"])
     write_jsonl(path, to_sft_examples(make_problems(**spec), style=style))
@@ -157,9 +167,9 @@ def import_checkpoint(source: str | Path, source_tokenizer: str | Path, out_dir:
     model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
     if not model.config.tie_word_embeddings:
         raise ValueError(f"{source}: import_checkpoint handles tied embeddings only")
-    kept = model.get_input_embeddings().weight.data[rows].clone()
+    kept = _input_embedding(model).weight.data[rows].clone()
     model.resize_token_embeddings(len(tokenizer))
-    model.get_input_embeddings().weight.data.copy_(kept)
+    _input_embedding(model).weight.data.copy_(kept)
     model.config.update(
         {
             "vocab_size": len(tokenizer),
@@ -174,3 +184,11 @@ def import_checkpoint(source: str | Path, source_tokenizer: str | Path, out_dir:
     tokenizer.save_pretrained(out_dir)
     give_umask_modes(out_dir)  # safetensors writes its files 0600
     return out_dir
+
+
+def _input_embedding(model: Any) -> torch.nn.Embedding:
+    """The input embedding of a lab model (Qwen3: an `nn.Embedding`)."""
+    embedding = model.get_input_embeddings()
+    if not isinstance(embedding, torch.nn.Embedding):
+        raise TypeError(f"import_checkpoint: expected an nn.Embedding input embedding, got {type(embedding).__name__}")
+    return embedding

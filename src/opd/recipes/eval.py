@@ -84,6 +84,16 @@ def _first(record: dict, keys: tuple[str, ...], *, allow_null: bool = False) -> 
     return None, None
 
 
+def _problem_of(row: dict, path: Path, line_number: int) -> tuple[str, str]:
+    """(benchmark, problem id) of a responses line: its fields, else the file's stem and the line number."""
+    _, problem = _first(row, _ID_KEYS)
+    _, benchmark = _first(row, _BENCHMARK_KEYS)
+    problem_id = str(problem) if problem is not None else f"line-{line_number}"
+    if not isinstance(problem, (str, int)) and problem is not None:
+        problem_id = str(problem)[:200]
+    return (str(benchmark) if benchmark is not None else path.stem), problem_id
+
+
 def grade_responses_file(
     path: str | Path, *, timeout: float = 5.0, on_missing_answer: str = "error", console: Any = None
 ) -> list[dict]:
@@ -122,12 +132,7 @@ def grade_responses_file(
                 f"{path}:{line_number}: field {answer_key!r} is {describe_missing(raw_answer)}: no ground "
                 f"truth; fix the line, or pass on_missing_answer=skip to leave such lines out"
             )
-        _, problem = _first(row, _ID_KEYS)
-        _, benchmark = _first(row, _BENCHMARK_KEYS)
-        benchmark = str(benchmark) if benchmark is not None else path.stem
-        problem_id = str(problem) if problem is not None else f"line-{line_number}"
-        if not isinstance(problem, (str, int)) and problem is not None:
-            problem_id = str(problem)[:200]
+        benchmark, problem_id = _problem_of(row, path, line_number)
         key = (benchmark, problem_id)
         first_line, first_answer = answers.setdefault(key, (line_number, answer))
         if first_answer != answer:

@@ -75,8 +75,25 @@ def score_prompt_file(config: PromptScoreConfig, *, console: Any = None) -> Path
 
 
 def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
-    """The body of `score_prompt_file`, run holding the lock of the directory of `out`."""
-    from opd.teacher.registry import check_teacher_tokenizer, load_teacher  # heavy (the Triton kernels, torch._dynamo)
+    """The body of `score_prompt_file`, run holding the lock of the directory of `out`.
+
+    Phases: 1. the prompt set, after checking the teacher's tokenizer (`_load_prompt_set`); 2. the scores already
+    in `out` and the identity of the work (`_resume`); 3. the models, and the rest scored (`_score_rest`);
+    4. the summary."""
+    student_tokenizer, prompts = _load_prompt_set(config)
+    skip = _resume(config, out, prompts)
+    todo = len([p for p in prompts if p.id not in skip])
+    if skip:
+        console.print(f"resuming: {len(skip)} of {len(prompts)} prompts already scored in {out}")
+    if todo:
+        _score_rest(config, out, prompts, skip, todo, student_tokenizer, console)
+    console.print(summarize_scores(read_scores(out)) + f"\nscores: {out}")
+    return out
+
+
+def _load_prompt_set(config: PromptScoreConfig) -> tuple[Any, list[Prompt]]:
+    """(the student's tokenizer, the prompts), after refusing a vLLM teacher and a teacher tokenizer that differs."""
+    from opd.teacher.registry import check_teacher_tokenizer  # heavy (the Triton kernels, torch._dynamo)
 
     if getattr(config.teacher, "engine", "local") == "vllm":
         raise ValueError(
@@ -96,13 +113,18 @@ def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
         limit=data.limit,
         on_missing_answer="keep",
     )  # answers are not graded here
+    return student_tokenizer, prompts
 
+
+def _resume(config: PromptScoreConfig, out: Path, prompts: list[Prompt]) -> set[str]:
+    """The ids already scored in `out` (a resume of the same work, checked), after writing the identity and the
+    config beside it."""
     _check_own_files(out)
     repair_jsonl(out)
     done = read_scores(out) if out.is_file() else []
     if done:
         _check_resume(config, out.parent / "config.yaml")
-        _check_same_prompts(out, done, prompts, data.path)
+        _check_same_prompts(out, done, prompts, config.data.path)
     identity = {
         "out": out.name,
         "student_files": model_fingerprint(config.student.path),
@@ -113,73 +135,88 @@ def _score_locked(config: PromptScoreConfig, out: Path, console: Any) -> Path:
     # the student's and the teacher's files (None: a hub id not in the local cache, a served teacher)
     check_identity(out.parent / IDENTITY_FILE, identity, resuming=bool(done), out=out, what="prompt scores")
     save_config(config, out.parent)
-    skip = {s.id for s in done}
-    todo = len([p for p in prompts if p.id not in skip])
-    if done:
-        console.print(f"resuming: {len(skip)} of {len(prompts)} prompts already scored in {out}")
-    if todo:
-        student, tokenizer = load_model(
-            config.student.path,
-            dtype=config.student.dtype,
-            device=config.student.device,
-            trust_remote_code=config.student.trust_remote_code,
-            attn_implementation=config.student.attn_implementation,
-        )
-        loaded = load_teacher(
-            config.teacher,
-            student_tokenizer=student_tokenizer,
-            student_rows=student.get_output_embeddings().weight.shape[0],
-            student_device=next(student.parameters()).device,
-            max_tokens_per_batch=config.score_batch_tokens,
-        )
-        teacher, vocab = loaded.scorer, loaded.vocab
-        generator = None
-        if config.engine == "vllm":  # the student's rollouts from vLLM; its scores stay with the HF model above
-            generator = make_generator(
-                None,
-                tokenizer,
-                engine="vllm",
-                max_batch_size=config.batch_size * config.n,
-                vocab_size=vocab.tokenizer_size,
-                **vllm_arguments(config.vllm, config.student),
-            )
-        elif config.engine != "auto":
-            generator = make_generator(
-                student,
-                tokenizer,
-                engine=config.engine,
-                max_batch_size=config.batch_size * config.n,
-                vocab_size=vocab.tokenizer_size,
-            )
-        with progress_bar(console) as progress:
-            task = progress.add_task("opd prompts score", total=todo)
+    return {s.id for s in done}
 
-            def on_batch(batch: list[PromptScore]) -> None:
-                append_jsonl(out, [s.to_json() for s in batch])
-                progress.advance(task, len(batch))
 
-            score_prompts(
-                student,
-                teacher,
-                tokenizer,
-                prompts,
-                n=config.n,
-                top_k=config.top_k,
-                temperature=config.temperature,
-                teacher_temperature=config.teacher_temperature,
-                max_new_tokens=config.max_new_tokens,
-                max_prompt_length=data.max_prompt_length,
-                enable_thinking=data.enable_thinking,
-                template=data.template,
-                batch_size=config.batch_size,
-                score_batch_tokens=config.score_batch_tokens,
-                seed=config.seed,
-                skip_ids=sorted(skip),
-                on_batch=on_batch,
-                generator=generator,
-            )
-    console.print(summarize_scores(read_scores(out)) + f"\nscores: {out}")
-    return out
+def _score_rest(
+    config: PromptScoreConfig,
+    out: Path,
+    prompts: list[Prompt],
+    skip: set[str],
+    todo: int,
+    student_tokenizer: Any,
+    console: Any,
+) -> None:
+    """Load the student, the teacher and the rollout engine; score the prompts not in `skip`, appending each batch
+    to `out`."""
+    student, tokenizer, teacher, generator = _load_models(config, student_tokenizer)
+    data = config.data
+    with progress_bar(console) as progress:
+        task = progress.add_task("opd prompts score", total=todo)
+
+        def on_batch(batch: list[PromptScore]) -> None:
+            append_jsonl(out, [s.to_json() for s in batch])
+            progress.advance(task, len(batch))
+
+        score_prompts(
+            student,
+            teacher,
+            tokenizer,
+            prompts,
+            n=config.n,
+            top_k=config.top_k,
+            temperature=config.temperature,
+            teacher_temperature=config.teacher_temperature,
+            max_new_tokens=config.max_new_tokens,
+            max_prompt_length=data.max_prompt_length,
+            enable_thinking=data.enable_thinking,
+            template=data.template,
+            batch_size=config.batch_size,
+            score_batch_tokens=config.score_batch_tokens,
+            seed=config.seed,
+            skip_ids=sorted(skip),
+            on_batch=on_batch,
+            generator=generator,
+        )
+
+
+def _load_models(config: PromptScoreConfig, student_tokenizer: Any) -> tuple[Any, Any, Any, Any]:
+    """(student, its tokenizer, the teacher's scorer, the rollout generator: None for `score_prompts`' default)."""
+    from opd.teacher.registry import load_teacher  # heavy (the Triton kernels, torch._dynamo)
+
+    student, tokenizer = load_model(
+        config.student.path,
+        dtype=config.student.dtype,
+        device=config.student.device,
+        trust_remote_code=config.student.trust_remote_code,
+        attn_implementation=config.student.attn_implementation,
+    )
+    loaded = load_teacher(
+        config.teacher,
+        student_tokenizer=student_tokenizer,
+        student_rows=student.get_output_embeddings().weight.shape[0],
+        student_device=next(student.parameters()).device,
+        max_tokens_per_batch=config.score_batch_tokens,
+    )
+    generator = None
+    if config.engine == "vllm":  # the student's rollouts from vLLM; its scores stay with the HF model above
+        generator = make_generator(
+            None,
+            tokenizer,
+            engine="vllm",
+            max_batch_size=config.batch_size * config.n,
+            vocab_size=loaded.vocab.tokenizer_size,
+            **vllm_arguments(config.vllm, config.student),
+        )
+    elif config.engine != "auto":
+        generator = make_generator(
+            student,
+            tokenizer,
+            engine=config.engine,
+            max_batch_size=config.batch_size * config.n,
+            vocab_size=loaded.vocab.tokenizer_size,
+        )
+    return student, tokenizer, loaded.scorer, generator
 
 
 def _check_own_files(out: Path) -> None:

@@ -35,7 +35,7 @@ from opd.config.sft import (  # noqa: F401 (the config classes stay importable f
     SFTOptimSpec,
     SFTRunSpec,
 )
-from opd.data.sft import SFTExample, collate, load_sft_dataset
+from opd.data.sft import SFTDataset, SFTExample, collate, load_sft_dataset
 from opd.io import give_umask_modes, pid_alive
 from opd.models import (
     check_model_path,
@@ -265,57 +265,22 @@ def save(tr: SFTTrainer) -> Path:
 
 
 def setup(config: SFTConfig, run_dir: Path, *, checkpoint: Path | None = None, console: Any = None) -> SFTTrainer:
-    """Data first (cheap, fails early), then the model, optimizer and schedule; restore a checkpoint when given."""
+    """Data first (cheap, fails early), then the model, optimizer and schedule; restore a checkpoint when given.
+
+    Phases: 1. the tokenizer, the examples and the eval sets (`_load_data`); 2. the model (`_load_net`); 3. the
+    optimizer, schedule and sampler; 4. a checkpoint's state and the metrics sink; 5. a summary line
+    (`_print_setup`)."""
     check_config(config)
     data = config.data
     torch.manual_seed(config.run.seed)
     tokenizer = load_tokenizer(config.model.path, trust_remote_code=config.model.trust_remote_code)
-    dataset = load_sft_dataset(
-        tokenizer,
-        data.path,
-        format=data.format,
-        limit=data.limit,
-        max_length=data.max_length,
-        on_overflow=data.on_overflow,
-        enable_thinking=data.enable_thinking,
-        system_prompt=data.system_prompt,
-        end_of_turn=data.end_of_turn,
-    )
+    dataset = _load_data(config, tokenizer)
     examples = dataset.examples
-    if config.examples_per_step > len(examples):
-        raise ValueError(
-            f"examples_per_step={config.examples_per_step} exceeds the {len(examples)} examples of "
-            f"{', '.join(data.path)}; lower examples_per_step"
-        )
-    load_eval_sets(
-        config.eval,
-        tokenizer,
-        template=config.eval.template,  # fails now, not after training
-        enable_thinking=data.enable_thinking,
-        max_prompt_length=config.eval.max_prompt_length,
-    )
     total_steps = config.run.steps or math.ceil((config.epochs or 1.0) * len(examples) / config.examples_per_step)
-
-    device = resolve_device(config.model.device)
-    weights_dtype, autocast_dtype = training_precision(config.model, device)
-    model_path = str(checkpoint) if checkpoint is not None and not config.lora.enabled else config.model.path
-    spec = config.model
-    net, _ = load_model(
-        model_path,
-        dtype=weights_dtype,
-        device=device,
-        trust_remote_code=spec.trust_remote_code,
-        attn_implementation=spec.attn_implementation,
-    )
-    model = _with_lora(net, config.lora, checkpoint) if config.lora.enabled else net
-    if config.gradient_checkpointing:
-        net.gradient_checkpointing_enable()
-        if config.lora.enabled:
-            net.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need a grad path
+    net, model, autocast_dtype = _load_net(config, checkpoint)
     packed = _choose_packing(net, data.packing, console)
     rows = net.get_output_embeddings().weight.shape[0]  # also checks that the tokenizer's ids fit the model
     vocab = check_tokenizer_compatibility(tokenizer, tokenizer, student_vocab_size=rows, teacher_vocab_size=rows)
-    vocab_size = vocab.tokenizer_size
 
     optim_spec = config.optim
     if optim_spec.warmup_steps == 0 and optim_spec.warmup_ratio > 0:
@@ -337,7 +302,7 @@ def setup(config: SFTConfig, run_dir: Path, *, checkpoint: Path | None = None, c
         total_steps=total_steps,
         packed=packed,
         autocast_dtype=autocast_dtype,
-        vocab_size=vocab_size,
+        vocab_size=vocab.tokenizer_size,
     )
     if checkpoint is not None:
         state = restore_trainer_state(checkpoint, optimizer, scheduler, sampler, optim=optim_spec, console=console)
@@ -351,25 +316,82 @@ def setup(config: SFTConfig, run_dir: Path, *, checkpoint: Path | None = None, c
         )
         tr.step, tr.skipped_steps = state["step"], state["skipped_steps"]
     tr.sink = open_run(config, run_dir, config.run, resume_step=tr.step if checkpoint is not None else None)
-
     if console is not None:
-        targets = sum(ex.num_targets for ex in examples)
-        eot = tokenizer.convert_ids_to_tokens(dataset.end_of_turn_id)
-        dropped = f"; {dataset.num_filtered} over max_length={data.max_length} dropped" if dataset.num_filtered else ""
-        cut = f"; {dataset.num_truncated} truncated to max_length" if dataset.num_truncated else ""
-        console.print(
-            f"opd sft: {len(examples)} examples ({targets} target tokens), {total_steps} steps of "
-            f"{config.examples_per_step}, {'packed' if packed else 'padded'}, end of turn {eot!r}"
-            f"{dropped}{cut}"
-        )
-        if checkpoint is not None:
-            console.print(f"resumed from {checkpoint} (step {tr.step})")
-        if dataset.end_of_turn_id not in eos_token_ids(net, tokenizer):
-            console.print(
-                f"[yellow]the end-of-turn token {eot!r} is not an EOS id of the model; generation will not "
-                f"stop at it: add it to generation_config.eos_token_id[/]"
-            )
+        _print_setup(tr, dataset, checkpoint, console)
     return tr
+
+
+def _load_data(config: SFTConfig, tokenizer: Any) -> SFTDataset:
+    """The SFT dataset of `config.data` (at least `examples_per_step` examples), after checking that the eval sets
+    load (they fail now, not after training)."""
+    data = config.data
+    dataset = load_sft_dataset(
+        tokenizer,
+        data.path,
+        format=data.format,
+        limit=data.limit,
+        max_length=data.max_length,
+        on_overflow=data.on_overflow,
+        enable_thinking=data.enable_thinking,
+        system_prompt=data.system_prompt,
+        end_of_turn=data.end_of_turn,
+    )
+    if config.examples_per_step > len(dataset.examples):
+        raise ValueError(
+            f"examples_per_step={config.examples_per_step} exceeds the {len(dataset.examples)} examples of "
+            f"{', '.join(data.path)}; lower examples_per_step"
+        )
+    load_eval_sets(
+        config.eval,
+        tokenizer,
+        template=config.eval.template,  # fails now, not after training
+        enable_thinking=data.enable_thinking,
+        max_prompt_length=config.eval.max_prompt_length,
+    )
+    return dataset
+
+
+def _load_net(config: SFTConfig, checkpoint: Path | None) -> tuple[Any, torch.nn.Module, torch.dtype | None]:
+    """(the Hugging Face model, the model trained: it or its LoRA wrapper, the autocast dtype): loaded from the
+    checkpoint when given (its adapters for LoRA), with gradient checkpointing as configured."""
+    spec = config.model
+    device = resolve_device(spec.device)
+    weights_dtype, autocast_dtype = training_precision(spec, device)
+    model_path = str(checkpoint) if checkpoint is not None and not config.lora.enabled else spec.path
+    net, _ = load_model(
+        model_path,
+        dtype=weights_dtype,
+        device=device,
+        trust_remote_code=spec.trust_remote_code,
+        attn_implementation=spec.attn_implementation,
+    )
+    model = _with_lora(net, config.lora, checkpoint) if config.lora.enabled else net
+    if config.gradient_checkpointing:
+        net.gradient_checkpointing_enable()
+        if config.lora.enabled:
+            net.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need a grad path
+    return net, model, autocast_dtype
+
+
+def _print_setup(tr: SFTTrainer, dataset: SFTDataset, checkpoint: Path | None, console: Any) -> None:
+    """One line on the data and the steps (and the resume), and a warning when the end-of-turn token is no EOS id."""
+    data, examples = tr.config.data, tr.examples
+    targets = sum(ex.num_targets for ex in examples)
+    eot = tr.tokenizer.convert_ids_to_tokens(dataset.end_of_turn_id)
+    dropped = f"; {dataset.num_filtered} over max_length={data.max_length} dropped" if dataset.num_filtered else ""
+    cut = f"; {dataset.num_truncated} truncated to max_length" if dataset.num_truncated else ""
+    console.print(
+        f"opd sft: {len(examples)} examples ({targets} target tokens), {tr.total_steps} steps of "
+        f"{tr.config.examples_per_step}, {'packed' if tr.packed else 'padded'}, end of turn {eot!r}"
+        f"{dropped}{cut}"
+    )
+    if checkpoint is not None:
+        console.print(f"resumed from {checkpoint} (step {tr.step})")
+    if dataset.end_of_turn_id not in eos_token_ids(tr.net, tr.tokenizer):
+        console.print(
+            f"[yellow]the end-of-turn token {eot!r} is not an EOS id of the model; generation will not "
+            f"stop at it: add it to generation_config.eos_token_id[/]"
+        )
 
 
 def _with_lora(net: PreTrainedModel, spec: LoraSpec, checkpoint: Path | None) -> torch.nn.Module:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # _parse, _verdicts and the workers' names are read by tests here (the same objects: the caches, counters, pool).
 from opd.eval.grading.compare import _compare, _parse, _verdicts  # noqa: F401
@@ -71,7 +72,8 @@ def grade(response: str, ground_truth: str | Sequence[str], *, timeout: float = 
         if extracted is None:
             return Grade(False, None, "no_answer")
         deadline = _deadline(timeout)
-        golds = list(ground_truth) if isinstance(ground_truth, (list, tuple)) else [ground_truth]
+        # Any: a caller's non-str ground truth goes on to `_compare`, which answers "error: not a string"
+        golds: list[Any] = list(ground_truth) if isinstance(ground_truth, (list, tuple)) else [ground_truth]
         reason = "empty"
         for gold in golds:
             correct, reason = _compare(extracted, _unwrap_gold(gold), deadline)

@@ -206,9 +206,13 @@ def _strip_named_lhs(s: str) -> str:
     (one name only: `x = 1, y = 2` keeps its names, they say which value is which). A chain `a = b = c` is kept."""
     parts = _top_level_split(s)
     if len(parts) > 1 and sum(p.count("=") for p in parts) == len(parts):
-        matches = [_LHS_RE.match(p) for p in parts]
-        names = {re.sub(r"\s+", "", m.group(1)) for m in matches if m}
-        if all(m and m.group(2) == "=" and m.group(3).strip() for m in matches) and len(names) == 1:
+        matches = [m for p in parts if (m := _LHS_RE.match(p))]
+        names = {re.sub(r"\s+", "", m.group(1)) for m in matches}
+        if (
+            len(matches) == len(parts)
+            and all(m.group(2) == "=" and m.group(3).strip() for m in matches)
+            and len(names) == 1
+        ):
             return ", ".join(m.group(3).strip() for m in matches)
         return s
     m = _LHS_RE.match(s)  # one name for the whole answer: `k = 3`, `x = 1, 2`
@@ -253,6 +257,8 @@ def _read_arg(s: str, i: int) -> tuple[str, int] | None:
         return None
     if s[i] == "\\":
         m = re.match(r"\\(?:[A-Za-z]+|.)", s[i:])
+        if m is None:  # a backslash at the end (or before a newline): no argument
+            return None
         return "{" + m.group(0) + "}", i + m.end()
     if s[i] in "}^_":
         return None
@@ -363,11 +369,11 @@ def _to_number(s: str) -> tuple[Fraction, bool] | None:
         v = whole + Fraction(num, den) if 0 < num < den else whole * Fraction(num, den)
         return (-v if m.group(1) == "-" else v), False
     if m := _NUM_SLASH_RE.fullmatch(s):
-        num, den = Fraction(m.group(1)), Fraction(m.group(2))
-        return (num / den, "." in m.group(1).rstrip(".") or "." in m.group(2).rstrip(".")) if den else None
+        top, bottom = Fraction(m.group(1)), Fraction(m.group(2))
+        return (top / bottom, "." in m.group(1).rstrip(".") or "." in m.group(2).rstrip(".")) if bottom else None
     if m := _NUM_REPEAT_RE.fullmatch(s):
-        whole, fixed, block = m.group(2) or "0", m.group(3), m.group(4) or m.group(5)
-        v = int(whole) + Fraction(int(fixed or "0"), 10 ** len(fixed))
+        integer, fixed, block = m.group(2) or "0", m.group(3), m.group(4) or m.group(5)
+        v = int(integer) + Fraction(int(fixed or "0"), 10 ** len(fixed))
         v += Fraction(int(block), 10 ** len(fixed) * (10 ** len(block) - 1))
         return (-v if m.group(1) == "-" else v), False
     return None

@@ -28,7 +28,8 @@ import opd
 _log = logging.getLogger(__name__)
 
 _WORKER_MARGIN_S = 0.25  # the worker's own alarm ends this long before our deadline, so it can still answer
-_STATS = Counter()  # of all grading: "symbolic": comparisons run, "cached": cache hits, "timeout", "worker_starts"
+# of all grading: "symbolic": comparisons run, "cached": cache hits, "timeout", "worker_starts"
+_STATS: Counter[str] = Counter()
 
 # The `opd` package is loaded from the parent's `opd/__init__.py` (argv[1]), so the worker grades with the
 # parent's code even where its `sys.path` finds none or another copy; its subpackages follow from that file's folder.
@@ -63,6 +64,7 @@ class _Worker:
 
     def _readline(self, deadline: float) -> bytes | None:
         """Next line from the worker, None at the deadline; raises `_WorkerError` if it died."""
+        assert self.proc.stdout is not None  # Popen(stdout=PIPE)
         fd = self.proc.stdout.fileno()
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
@@ -91,6 +93,7 @@ class _Worker:
         if not self.wait_ready(time.monotonic() + hard_deadline_s):
             return None
         data = memoryview(json.dumps([pred, gold, timeout]).encode() + b"\n")
+        assert self.proc.stdin is not None  # Popen(stdin=PIPE)
         try:
             while data:
                 data = data[os.write(self.proc.stdin.fileno(), data) :]
@@ -195,20 +198,21 @@ class _WorkerPool:
         if not healthy:
             worker.kill()
         with self.cv:
+            free: _Worker | None = worker
             if not healthy:
                 if worker in self.all:
                     self.all.remove(worker)
-                worker = None
+                free = None
                 if not self.broken:
                     try:
-                        worker = self._spawn()  # start warming up now, not on the next call
+                        free = self._spawn()  # start warming up now, not on the next call
                     except OSError:
                         pass
-            if worker is not None and self.waiting:
-                self.waiting.popleft().append(worker)
+            if free is not None and self.waiting:
+                self.waiting.popleft().append(free)
                 self.cv.notify_all()
-            elif worker is not None:
-                self.idle.append(worker)
+            elif free is not None:
+                self.idle.append(free)
 
     def close(self) -> None:
         if os.getpid() != self.pid:  # a forked child inherits this atexit hook: the workers are not its own

@@ -18,17 +18,24 @@ from opd.cli_errors import click_errors, os_error_line, usage_line, user_error_l
 from opd.cli_options import (
     OVERRIDES_HELP,
     config_file_option,
-    config_option,
     config_options,
     field_option,
-    help_with_key,
     legacy_thinking,
     overrides_argument,
     parse_names,
     parse_seeds,
     thinking_option,
 )
-from opd.config import DistillConfig, EvalConfig, PromptScoreConfig, SFTConfig, build_config
+from opd.config import (
+    DistillConfig,
+    EvalConfig,
+    PipelineConfig,
+    PromptScoreConfig,
+    RolloutConfig,
+    ServeConfig,
+    SFTConfig,
+    build_config,
+)
 from opd.report import write_report
 
 __all__ = ["app", "main", "os_error_line", "user_error_line"]
@@ -198,47 +205,12 @@ def merge_command(
     typer.echo(f"merged: {merged}")
 
 
-# `opd rollout` and `opd serve-teacher` write their options' help here, by hand: their config classes (`RolloutConfig`,
-# `ServeConfig`) still live in their recipes, which load torch, and `opd --help` must not (docs/design.md "Configs").
-ROLLOUT_HELP = {
-    "model.path": "Teacher model: Hugging Face id or local directory.",
-    "data.path": "Prompt set: parquet / JSONL / JSON / dataset dir / hub id.",
-    "out": "Output directory; rerunning into it skips finished prompts.",
-    "n": "Accepted samples wanted per prompt. [default: 1]",
-    "temperature": "Sampling temperature, 0 = greedy. [default: 1.0]",
-    "top_p": "Nucleus sampling mass in (0, 1]. [default: 0.95]",
-    "max_new_tokens": "Longest response in tokens; longer ones are rejected as truncated. [default: 7168]",
-    "max_attempts": "Draws per wanted sample before it is given up. [default: 3]",
-    "require_correct": "Also reject answers graded wrong against the ground truth. [default: off]",
-    "data.prompt_key": "Prompt column. [default: prompt]",
-    "data.answer_key": "Ground-truth column; data.answer_key=null for none. [default: reward_model.ground_truth]",
-    "data.template": "Instruction template: keep | dapo | boxed | custom:'…{problem}…'. [default: keep]",
-    "batch_size": "Sequences generated together (prompts × n); the unit of resume. [default: 64]",
-    "num_workers": "Worker processes, one per GPU (cuda:0..N-1), over disjoint batches. [default: 1]",
-    "llamafactory": "Also write the LlamaFactory sharegpt dataset + dataset_info.json. [default: off]",
-    "model.dtype": "auto | bf16 | fp16 | fp32. [default: auto]",
-    "model.device": "auto | cpu | cuda | cuda:N. [default: auto]",
-    "seed": "Base sampling seed. [default: 0]",
-    "engine": "Generation engine: torch | vllm (vllm loads the model itself, options as vllm.*). [default: torch]",
-}
-SERVE_HELP = {
-    "model.path": "Teacher model: Hugging Face id or local directory.",
-    "model.device": "auto | cpu | cuda | cuda:N. [default: auto]",
-    "device_map": "auto: split the model over all visible GPUs (accelerate) for a teacher larger than one GPU; its "
-    "layers then run one GPU at a time. [default: off]",
-    "model.dtype": "auto | bf16 | fp16 | fp32. [default: auto = bf16 on GPU, fp32 on CPU]",
-    "host": "Address to bind; a non-loopback address needs a token. [default: 127.0.0.1]",
-    "port": "TCP port, 0 = any free one (printed). [default: 8765]",
-    "token_file": "File with the bearer token clients must send. [default: $OPD_TEACHER_TOKEN, else none]",
-}
-
-
 def _rollout(key: str, *param_decls: str) -> Any:
-    return config_option(key, *param_decls, help=help_with_key(key, ROLLOUT_HELP[key]))
+    return field_option(RolloutConfig, key, *param_decls)
 
 
 def _serve(key: str) -> Any:
-    return config_option(key, help=help_with_key(key, SERVE_HELP[key]))
+    return field_option(ServeConfig, key)
 
 
 @app.command("rollout")
@@ -275,7 +247,7 @@ def rollout_command(
     Rejects truncated, answer-less and degenerate responses (and, with --require-correct, wrong ones), retrying up
     to --max-attempts times. Degeneracy thresholds are config keys, e.g. `degeneracy.token_run=128`.
     """
-    from opd.recipes.rollout import RolloutConfig, teacher_rollout
+    from opd.recipes.rollout import teacher_rollout
 
     teacher_rollout(build_config(RolloutConfig, config_file=config, options=config_options(ctx), overrides=overrides))
 
@@ -352,9 +324,9 @@ def serve_teacher_command(
     """Serve a teacher over HTTP: scores any token ids (sampled, top-k, requested ids, entropy) for `teacher.url`.
 
     Limits and batching are config keys, e.g. `max_batch_tokens=65536 max_rows=1024` (see
-    opd.recipes.serve_teacher.ServeConfig).
+    opd.config.serve_teacher.ServeConfig).
     """
-    from opd.recipes.serve_teacher import ServeConfig, serve
+    from opd.recipes.serve_teacher import serve
 
     serve(build_config(ServeConfig, config_file=config, options=config_options(ctx), overrides=overrides))
 
@@ -373,7 +345,7 @@ def pipeline_run_command(
     overrides: Annotated[list[str] | None, overrides_argument()] = None,
 ) -> None:
     """Run every stage whose outputs are not complete (each resumable), then print the before/after/teacher table."""
-    from opd.recipes.pipeline import PipelineConfig, run_pipeline
+    from opd.recipes.pipeline import run_pipeline
 
     run_pipeline(build_config(PipelineConfig, config_file=config, overrides=overrides))
 

@@ -100,8 +100,8 @@ def field_option(model: type[BaseModel], key: str, *param_decls: str) -> Any:
 
 
 def config_option(key: str, *param_decls: str, help: str) -> Any:  # noqa: A002 - typer's own name for it
-    """A typer option that sets config key `key`, with help written here: for a config class the CLI cannot import
-    at start-up without loading torch (the `rollout` and `serve-teacher` commands)."""
+    """A typer option that sets config key `key`, with its help written by the caller (the thinking switch, whose
+    spelling every command shares)."""
     option = typer.Option(*param_decls, help=help, show_default=False)
     setattr(option, _KEY, key)
     return option

@@ -1,7 +1,8 @@
 """Typed configuration for every command: pydantic models, a YAML file, dotted `key=value` overrides.
 
 A config is plain data at layer L0 (docs/design.md "Configs"): the sections commands share are in
-`opd.config.sections`, each command's config in `opd.config.<command>` (`distill`, `eval`, `sft`, `prompts`), and the
+`opd.config.sections`, each command's config in `opd.config.<command>` (`distill`, `eval`, `sft`, `prompts`, `rollout`,
+`serve_teacher`, `pipeline`), and the
 loader in `opd.config.loader`. Precedence (later wins): model defaults < `--config file.yaml` < explicit CLI options <
 positional `key=value` overrides. Unknown keys and wrong types fail at once with the dotted key's name and a
 close-match suggestion; bad values are rejected, never rewritten. The resolved config is saved into the run dir.
@@ -22,7 +23,9 @@ from opd.config.loader import (
     set_dotted,
     validate_config,
 )
+from opd.config.pipeline import PipelineConfig
 from opd.config.prompts import PromptScoreConfig
+from opd.config.rollout import DegeneracySpec, RolloutConfig
 from opd.config.sections import (
     STUDENT,
     STUDENT_INIT,
@@ -44,9 +47,15 @@ from opd.config.sections import (
     TeacherView,
     VLLMSpec,
 )
+from opd.config.serve_teacher import ServeConfig, ServeLimits
 from opd.config.sft import LoraSpec, SFTConfig, SFTDataSpec, SFTEvalSpec, SFTOptimSpec, SFTRunSpec
 
 __all__ = [
+    "ServeLimits",
+    "ServeConfig",
+    "RolloutConfig",
+    "PipelineConfig",
+    "DegeneracySpec",
     "STUDENT",
     "STUDENT_INIT",
     "BenchmarkList",

@@ -8,40 +8,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
-from pydantic import Field
 
-from opd.config import Section
-
-
-class DegeneracySpec(Section):
-    """When a response counts as degenerate (rejection reason (c)). Each check is off at 0."""
-
-    line_repeats: int = Field(
-        10,
-        ge=0,
-        description="Reject when one line (stripped, at least line_min_chars long) occurs this many times or more "
-        "anywhere in the response; 0 = off.",
-    )
-    line_min_chars: int = Field(16, ge=1, description="Shorter lines (`\\]`, `Wait,`) are never counted as repeats.")
-    token_run: int = Field(64, ge=0, description="Reject when one token id occurs this many times in a row; 0 = off.")
-    block_repeats: int = Field(
-        4,
-        ge=0,
-        description="Reject when a block of 2..block_max_tokens tokens repeats back to back this many times or more "
-        "and the repetition spans at least block_min_tokens tokens; 0 = off.",
-    )
-    block_min_tokens: int = Field(
-        128,
-        ge=1,
-        description="Shortest repeated span (tokens) that block_repeats flags: 4 copies of a 32-token block, "
-        "64 of a 2-token one.",
-    )
-    block_max_tokens: int = Field(
-        256,
-        ge=2,
-        description="Longest block (tokens) searched for; cost is linear in it "
-        "(a few ms per 7k-token response at 256).",
-    )
+from opd.config.rollout import DegeneracySpec
 
 
 def degeneracy_reasons(text: str, token_ids: Sequence[int], spec: DegeneracySpec) -> list[str]:

@@ -21,16 +21,16 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import yaml
-from pydantic import Field, model_validator
 from rich.console import Console
 from rich.table import Table
 
-from opd.config import DataSpec, ModelSpec, Section, VLLMSpec, flatten_dotted, save_config
-from opd.eval.degeneracy import DegeneracySpec, degeneracy_reasons
+from opd.config import flatten_dotted, save_config
+from opd.config.rollout import RolloutConfig
+from opd.eval.degeneracy import degeneracy_reasons
 from opd.eval.grading import decode_responses, extract_answer, grade
 from opd.fingerprints import data_fingerprint, model_fingerprint
 from opd.io import append_jsonl, atomic_write_json, read_jsonl, repair_jsonl, write_jsonl
@@ -44,75 +44,6 @@ if TYPE_CHECKING:
 
 REASONS = ("truncated", "no_answer", "repeated_line", "token_run", "repeated_block", "wrong")
 """Every rejection reason, in the order they are checked and reported."""
-
-
-class RolloutConfig(Section):
-    """`opd rollout`: n teacher samples per prompt with rejection sampling, written as SFT data."""
-
-    model: ModelSpec = Field(description="The teacher that answers.")
-    data: DataSpec = Field(description="The prompt set, its column mapping, instruction template and thinking switch.")
-    out: str = Field(description="Output directory; rerunning into it resumes (finished prompts are skipped).")
-    n: int = Field(1, ge=1, description="Accepted samples wanted per prompt.")
-    temperature: float = Field(
-        1.0, ge=0.0, description="Sampling temperature; 0 = greedy (retries then repeat the same answer)."
-    )
-    top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1]; 1.0 = off.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
-    max_new_tokens: int = Field(
-        7168, ge=1, description="Longest response in tokens; a response that reaches it is rejected as truncated."
-    )
-    max_attempts: int = Field(
-        3, ge=1, description="Draws per wanted sample before it is given up (written to rejected.jsonl)."
-    )
-    require_correct: bool = Field(
-        False,
-        description="Also reject answers graded wrong against the prompt's ground truth (every prompt needs one).",
-    )
-    grade_timeout: float = Field(5.0, gt=0.0, description="Seconds allowed for one symbolic answer comparison.")
-    degeneracy: DegeneracySpec = Field(
-        default_factory=DegeneracySpec, description="Thresholds of the degenerate-response checks."
-    )
-    batch_size: int = Field(
-        64,
-        ge=1,
-        description="Sequences generated together (prompts × n); a batch holds max(1, batch_size // n) prompts "
-        "and is the unit of resume.",
-    )
-    seed: int = Field(
-        0,
-        description="Base seed; every generate call's seed derives from it and its rows' (prompt id, sample, attempt).",
-    )
-    num_workers: int = Field(
-        1, ge=1, description="Worker processes, one per device, each running every num_workers-th batch."
-    )
-    devices: list[str] | None = Field(
-        None,
-        description="One device per worker (e.g. [cuda:0, cuda:1]); None: cuda:0..N-1 when CUDA is there and "
-        "model.device is auto/cuda, else model.device for all.",
-    )
-    llamafactory: bool = Field(
-        False, description="Also write llamafactory/<dataset_name>.json (sharegpt) and dataset_info.json."
-    )
-    dataset_name: str = Field(
-        "opd_rollout", min_length=1, description="Dataset name in LlamaFactory's dataset_info.json and the file name."
-    )
-    engine: Literal["torch", "vllm"] = Field(
-        "torch",
-        description="Generation engine (opd.rollout.registry): torch | vllm (loads the model itself, one worker; "
-        "needs the vllm extra).",
-    )
-    vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
-
-    @model_validator(mode="after")
-    def _devices_match_workers(self) -> RolloutConfig:
-        if self.devices is not None and len(self.devices) != self.num_workers:
-            raise ValueError(
-                f"devices lists {len(self.devices)} devices but num_workers is {self.num_workers}; "
-                f"give one device per worker"
-            )
-        if self.engine == "vllm" and self.num_workers != 1:
-            raise ValueError(f"engine=vllm runs one in-process engine: num_workers must be 1, got {self.num_workers}")
-        return self
 
 
 # ------------------------------------------------------------------------------------------------ checks

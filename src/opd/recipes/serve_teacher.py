@@ -13,20 +13,15 @@ one GPU), not speed: the GPUs compute one after another and layers are not compi
 from __future__ import annotations
 
 import logging
-from typing import Literal
 
-from pydantic import Field, model_validator
-
-from opd.config import ConfigError, ModelSpec
+from opd.config import ConfigError
+from opd.config.serve_teacher import TOKEN_ENV, ServeConfig
 from opd.fingerprints import model_fingerprint
 from opd.forward import uses_packing
 from opd.models import compile_layers, load_model, resolve_device, warm_up_layouts
 from opd.rollout.batch import random_rollouts
 from opd.scoring import warm_up_row_buckets
 from opd.teacher.server import (
-    MIN_TOKEN_LENGTH,
-    TOKEN_ENV,
-    ServeLimits,
     TeacherService,
     bind,
     is_loopback,
@@ -34,36 +29,6 @@ from opd.teacher.server import (
     run,
     service_for,
 )
-
-
-class ServeConfig(ServeLimits):
-    """`opd serve-teacher`: which teacher to serve, where, and (the fields of `ServeLimits`) the limits of what it
-    accepts."""
-
-    model: ModelSpec
-    device_map: Literal["auto"] | None = Field(
-        None,
-        description="auto: split the model over all visible GPUs (accelerate; see the module docstring for the "
-        "cost); None: the whole model on model.device.",
-    )
-    name: str | None = Field(None, description="Model name /info reports; None: model.path.")
-    host: str = Field("127.0.0.1", description="Address to bind; anything but a loopback address needs a token.")
-    port: int = Field(8765, ge=0, le=65535, description="TCP port; 0 = any free port (printed at start).")
-    token_file: str | None = Field(
-        None,
-        description=f"File holding the bearer token (≥ {MIN_TOKEN_LENGTH} "
-        f"characters); None: the {TOKEN_ENV} environment variable, if set.",
-    )
-    compile: bool | None = Field(
-        None,
-        description="torch.compile the decoder layers (as `opd distill` does); None: on CUDA without a device map.",
-    )
-
-    @model_validator(mode="after")
-    def _one_placement(self) -> ServeConfig:
-        if self.device_map is not None and self.model.device != "auto":
-            raise ValueError(f"give model.device ({self.model.device}) or device_map ({self.device_map}), not both")
-        return self
 
 
 def check_serve_config(config: ServeConfig) -> str | None:

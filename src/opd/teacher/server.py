@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import Field, model_validator
 
-from opd.config import ConfigError, Section
+from opd.config import ConfigError
+from opd.config.serve_teacher import MIN_TOKEN_LENGTH, TOKEN_ENV, ServeLimits
 from opd.fingerprints import weights_fingerprint
 from opd.models import check_tokenizer_compatibility, embedding_rows
 from opd.teacher import wire
@@ -41,55 +41,8 @@ from opd.types import TokenScores
 
 log = logging.getLogger("opd.teacher.server")
 
-TOKEN_ENV = "OPD_TEACHER_TOKEN"
-MIN_TOKEN_LENGTH = 16
 INSTANCE_HEADER = "x-opd-teacher-instance"  # this server process: a random nonce drawn at start
 FINGERPRINT_HEADER = "x-opd-teacher-fingerprint"  # the weights it serves (/info's `model_fingerprint`)
-
-
-class ServeLimits(Section):
-    """What a teacher server accepts and how it batches (the limits of `TeacherService`); `opd serve-teacher`'s
-    config extends it with the model and the address."""
-
-    forward_tokens: int = Field(32768, ge=1, description="Input tokens per scoring forward (LocalScorer's budget).")
-    max_batch_tokens: int = Field(32768, ge=1, description="Tokens of merged requests per scoring batch.")
-    batch_window_ms: float = Field(
-        2.0,
-        ge=0.0,
-        description="How long the oldest waiting request waits for others "
-        "to merge with, in milliseconds; 0 = merge only what is already queued.",
-    )
-    max_queue_tokens: int = Field(1 << 20, ge=1, description="Tokens waiting beyond which requests get 503.")
-    max_request_bytes: int = Field(64 << 20, ge=1024, description="Largest request body in bytes (413 above).")
-    max_rows: int = Field(4096, ge=1, description="Rows per request.")
-    max_positions: int | None = Field(
-        None, ge=1, description="Tokens per row (prompt and response); None: the model's context length."
-    )
-    max_requested_ids: int = Field(256, ge=0, description="Requested ids per position.")
-    max_top_k: int = Field(256, ge=0, description="Largest top-k a request may ask for.")
-    max_inflight_bytes: int = Field(
-        256 << 20,
-        ge=1024,
-        description="Request bytes held at once over all connections (503 + Retry-After above); ≥ max_request_bytes.",
-    )
-    max_connections: int = Field(
-        256,
-        ge=2,
-        description="Open connections; beyond it the oldest one idle or still sending its request headers is "
-        "closed (so half-open clients cannot lock others out).",
-    )
-    request_timeout_s: float = Field(
-        30.0, gt=0, description="Seconds a client has to send a request's headers, and again its body (408 after)."
-    )
-
-    @model_validator(mode="after")
-    def _inflight_fits_a_request(self) -> ServeLimits:
-        if self.max_inflight_bytes < self.max_request_bytes:
-            raise ValueError(
-                f"max_inflight_bytes ({self.max_inflight_bytes}) must be ≥ max_request_bytes "
-                f"({self.max_request_bytes}): a largest request could never be admitted"
-            )
-        return self
 
 
 # ------------------------------------------------------------------------------------------------ identity

@@ -26,7 +26,7 @@ from opd.rollout.hf_model import (
     seeded_generator,
     special_ids,
 )
-from opd.rollout.static_engine.families import _gate_up, _head_dim, _Layout, _qkv, unsupported_reason
+from opd.rollout.static_engine.families import HFModule, _gate_up, _head_dim, _Layout, _qkv, unsupported_reason
 from opd.rollout.static_engine.layers import _ATTENTION_CHOICES
 from opd.rollout.static_engine.rows import _round_rows, _row_buckets, _settle_limit
 from opd.rollout.static_engine.run import _FIRST_TOKEN_ROWS, _plain_step_fns, _prefill_autocast, _Run
@@ -35,6 +35,48 @@ from opd.scoring import recompile_limit_at_least
 # [V]-sized float32 buffers per row the sampling holds at its peak (upcast logits, scaled, Gumbel noise transform,
 # noisy logits, the split-reduction padding), on top of the uniform-noise buffer and the head's logits
 _SAMPLING_FLOATS = 6
+
+
+def _check_options(
+    max_batch_size: int,
+    max_batch_tokens: int | None,
+    sync_interval: int,
+    vocab_size: int | None,
+    kv_bucket: int,
+    prefill_tokens: int,
+) -> None:
+    """Raise ValueError naming each numeric option of `StaticGenerator` out of its range."""
+    check_arguments(
+        "StaticGenerator",
+        [
+            *batch_checks(max_batch_size, max_batch_tokens, sync_interval, vocab_size),
+            ("kv_bucket", kv_bucket >= 1, "an integer ≥ 1", kv_bucket),
+            ("prefill_tokens", prefill_tokens >= 1, "an integer ≥ 1", prefill_tokens),
+        ],
+    )
+
+
+def _check_choices(
+    attention: str, round_rows: bool | None, packed_prefill: bool | None, attention_splits: int | None
+) -> None:
+    """Raise ValueError naming each choice option of `StaticGenerator` that is not one of its values."""
+    splits_ok = attention_splits is None or (
+        isinstance(attention_splits, int) and attention_splits >= 1 and attention_splits & (attention_splits - 1) == 0
+    )
+    check_arguments(
+        "StaticGenerator",
+        [
+            ("attention", attention in _ATTENTION_CHOICES, f"one of {', '.join(_ATTENTION_CHOICES)}", attention),
+            ("round_rows", round_rows is None or isinstance(round_rows, bool), "None, True or False", round_rows),
+            (
+                "packed_prefill",
+                packed_prefill is None or isinstance(packed_prefill, bool),
+                "None, True or False",
+                packed_prefill,
+            ),
+            ("attention_splits", splits_ok, "None or a power of two ≥ 1", attention_splits),
+        ],
+    )
 
 
 class StaticGenerator(memory.ModuleMemory):
@@ -73,16 +115,16 @@ class StaticGenerator(memory.ModuleMemory):
                       padded (one prompt always fits), ≥ 1
     packed_prefill:   True = prefill prompts packed into one row without padding (`HFModel.prefill_packed`; needs a
                       model loaded with `opd_varlen` attention, as `opd.models.load_model` does on CUDA): no padded
-                      rows and no [W, W] mask, each prompt costs its own causal attention (a stream's continued
+                      rows and no [L, L] mask, each prompt costs its own causal attention (a stream's continued
                       samples are prefilled again at every call, from the bare prompt to thousands of tokens long).
                       False = left-padded rows under a mask. None (default) = packed when the model packs prompts
                       (`opd_varlen`), else padded. Both give the same keys, values and first tokens up to the
-                      rounding of another attention kernel; packed was 9-37% faster on an H100
-                      (`benchmarks/prefill.py`, docs/performance.md)
+                      rounding of another attention kernel; packed is faster (`benchmarks/prefill.py`,
+                      docs/performance.md)
     compiled_prefill: True = packed prefills run the decoder layers compiled by `opd.models.compile_layers` (the
-                      trainer's, on CUDA) as compiled, fusing the element-wise work between the GEMMs that is about
-                      half of an eager prefill's CUDA time (1.56-1.72x the packed tokens/s on an H100,
-                      docs/performance.md; `rollout.compiled_prefill`, whose warm-up builds the prefill's graphs
+                      trainer's, on CUDA) as compiled, fusing the element-wise work between the GEMMs, a large share
+                      of an eager prefill's CUDA time (the figures: docs/performance.md; `rollout.compiled_prefill`,
+                      whose warm-up builds the prefill's graphs
                       through `warm_up_prefill`); False (default) = eagerly, as every other call through the Hugging
                       Face model. Needs packed prefills; no effect on layers not compiled
     free_memory:      function of a device → its (free, total) bytes, or None for no limit; default
@@ -90,9 +132,8 @@ class StaticGenerator(memory.ModuleMemory):
     row_buckets:      True (default) = once no sample is pending, decode steps run over the smallest live-row
                       bucket (the call's rows, or a power of two ≥ 4 below it) that holds the rows still decoding:
                       they are moved to the first rows at a host check, so that the tail of a long-tailed call costs
-                      what its live rows cost (H200, warm process: 1.54× on a lognormal tail; the first call of a
-                      process pays each bucket's compile and capture, docs/performance.md). False = every step runs
-                      over all rows (one shape)
+                      what its live rows cost (the figures: docs/performance.md; the first call of a process pays
+                      each bucket's compile and capture). False = every step runs over all rows (one shape)
     round_rows:       True = a call of fewer samples than max_batch_size runs on rows rounded up to the ladder 1, 2,
                       4, 8, 16, 32, 48, ... (`_round_rows`; the rows beyond the samples stay empty slots), and a
                       binding max_batch_tokens cap is rounded down as the memory cap is: calls of varying sample
@@ -135,34 +176,41 @@ class StaticGenerator(memory.ModuleMemory):
         packed_prefill: bool | None = None,
         compiled_prefill: bool = False,
     ) -> None:
-        check_arguments(
-            "StaticGenerator",
-            [
-                *batch_checks(max_batch_size, max_batch_tokens, sync_interval, vocab_size),
-                ("kv_bucket", kv_bucket >= 1, "an integer ≥ 1", kv_bucket),
-                ("prefill_tokens", prefill_tokens >= 1, "an integer ≥ 1", prefill_tokens),
-                ("attention", attention in _ATTENTION_CHOICES, f"one of {', '.join(_ATTENTION_CHOICES)}", attention),
-                ("round_rows", round_rows is None or isinstance(round_rows, bool), "None, True or False", round_rows),
-                (
-                    "packed_prefill",
-                    packed_prefill is None or isinstance(packed_prefill, bool),
-                    "None, True or False",
-                    packed_prefill,
-                ),
-                (
-                    "attention_splits",
-                    attention_splits is None
-                    or (
-                        isinstance(attention_splits, int)
-                        and attention_splits >= 1
-                        and attention_splits & (attention_splits - 1) == 0
-                    ),
-                    "None or a power of two ≥ 1",
-                    attention_splits,
-                ),
-            ],
-        )
+        """1. check the options' values, 2. the model and the attention asked for, 3. keep the options, 4. the
+        Hugging Face model and its prefill (packed or padded, compiled or eager)."""
+        _check_options(max_batch_size, max_batch_tokens, sync_interval, vocab_size, kv_bucket, prefill_tokens)
+        _check_choices(attention, round_rows, packed_prefill, attention_splits)
         self.model = model
+        self._check_model(attention)
+        self.eos_token_ids, self.pad_token_id = special_ids(model, eos_token_ids, pad_token_id)
+        self.vocab_size = vocab_size
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.sync_interval = sync_interval
+        self.kv_bucket = kv_bucket
+        self.cuda_graphs = cuda_graphs
+        self.compile = compile
+        self.fuse_weights = fuse_weights
+        self.attention = attention
+        self.prefill_tokens = prefill_tokens
+        self.free_memory = free_memory
+        self.row_buckets = row_buckets
+        self.round_rows = round_rows
+        self.attention_splits = attention_splits
+        self.hf = HFModel(model, pad_token_id=self.pad_token_id, vocab_size=vocab_size)
+        self.packed_prefill: bool = self._packs_prefill(packed_prefill)
+        if not isinstance(compiled_prefill, bool) or (compiled_prefill and not self.packed_prefill):
+            raise ValueError(
+                f"StaticGenerator compiled_prefill={compiled_prefill!r}: True or False, and True needs packed prefills "
+                f"(a model set to opd_varlen, packed_prefill None or True); use False"
+            )
+        self.compiled_prefill = compiled_prefill
+        self.stats: dict[str, Any] = {}
+        self._compiled: tuple[Callable, Callable, Callable] | None = None
+
+    def _check_model(self, attention: str) -> None:
+        """Raise when the step cannot run the model, or not with the attention asked for."""
+        model = self.model
         if attention == "triton" and not triton_attention.available(self.device):
             raise ValueError(
                 f"StaticGenerator attention='triton' needs Triton and a CUDA model (device {self.device}, "
@@ -185,37 +233,16 @@ class StaticGenerator(memory.ModuleMemory):
                 f"StaticGenerator attention='triton' needs a power-of-two head size in [16, 256], this "
                 f"model's is {_head_dim(model)}; use 'auto'"
             )
-        self.eos_token_ids, self.pad_token_id = special_ids(model, eos_token_ids, pad_token_id)
-        self.vocab_size = vocab_size
-        self.max_batch_size = max_batch_size
-        self.max_batch_tokens = max_batch_tokens
-        self.sync_interval = sync_interval
-        self.kv_bucket = kv_bucket
-        self.cuda_graphs = cuda_graphs
-        self.compile = compile
-        self.fuse_weights = fuse_weights
-        self.attention = attention
-        self.prefill_tokens = prefill_tokens
-        self.free_memory = free_memory
-        self.row_buckets = row_buckets
-        self.round_rows = round_rows
-        self.attention_splits = attention_splits
-        self.hf = HFModel(model, pad_token_id=self.pad_token_id, vocab_size=vocab_size)
+
+    def _packs_prefill(self, packed_prefill: bool | None) -> bool:
+        """Whether prefills run packed: as asked, None = when the model packs prompts (`opd_varlen`)."""
         if packed_prefill and not self.hf.packs_prompts():
-            implementation = getattr(model.config, "_attn_implementation", None)
+            implementation = getattr(self.model.config, "_attn_implementation", None)
             raise ValueError(
                 f"StaticGenerator packed_prefill=True needs a model loaded with attn_implementation='opd_varlen' "
                 f"(opd.models.load_model's choice on CUDA), this one has {implementation!r}; use None or False"
             )
-        self.packed_prefill: bool = self.hf.packs_prompts() if packed_prefill is None else packed_prefill
-        if not isinstance(compiled_prefill, bool) or (compiled_prefill and not self.packed_prefill):
-            raise ValueError(
-                f"StaticGenerator compiled_prefill={compiled_prefill!r}: True or False, and True needs packed prefills "
-                f"(a model set to opd_varlen, packed_prefill None or True); use False"
-            )
-        self.compiled_prefill = compiled_prefill
-        self.stats: dict[str, Any] = {}
-        self._compiled: tuple[Callable, Callable, Callable] | None = None
+        return self.hf.packs_prompts() if packed_prefill is None else packed_prefill
 
     def prefill_groups(self, lengths: Sequence[int]) -> list[list[int]]:
         """How a call cuts the distinct prompts of these lengths into prefill forwards: indices by ascending length
@@ -365,7 +392,8 @@ class StaticGenerator(memory.ModuleMemory):
         device = self.device
         if torch.is_autocast_enabled(device.type):
             return torch.get_autocast_dtype(device.type)
-        return self.model.get_decoder().layers[0].self_attn.o_proj.weight.dtype
+        model: HFModule = self.model
+        return model.get_decoder().layers[0].self_attn.o_proj.weight.dtype
 
     def row_cost(
         self, prompt_tokens: int, new_tokens: int, dtype: torch.dtype | None = None, slots: int | None = None
@@ -375,11 +403,12 @@ class StaticGenerator(memory.ModuleMemory):
         sampling's float32 temporaries at V = the whole vocabulary: 3.9 MB a row at Qwen3's 151,936), the decode
         step's activations and its output columns; plus what the call holds once (one prefill forward of
         `prefill_tokens`, first-token sampling, the RoPE table)."""
-        config = self.model.config
+        model: HFModule = self.model
+        config = model.config
         dtype = dtype or self.compute_dtype()
-        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, _head_dim(self.model)
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, _head_dim(model)
         hidden, inner = config.hidden_size, config.intermediate_size
-        vocab_rows = self.model.get_output_embeddings().weight.shape[0]
+        vocab_rows = model.get_output_embeddings().weight.shape[0]
         vocab = min(self.vocab_size or vocab_rows, vocab_rows)
         kv = memory.kv_bytes_per_token(config, dtype)
         slots = prompt_tokens + new_tokens if slots is None else slots
@@ -402,8 +431,9 @@ class StaticGenerator(memory.ModuleMemory):
         if not self.fuse_weights:
             return 0
         dtype = dtype or self.compute_dtype()
-        body, head = self.model.get_decoder(), self.model.get_output_embeddings()
-        grouped = self.model.config.num_attention_heads != self.model.config.num_key_value_heads
+        model: HFModule = self.model
+        body, head = model.get_decoder(), model.get_output_embeddings()
+        grouped = model.config.num_attention_heads != model.config.num_key_value_heads
         total = 0
         for layer in body.layers:
             attn, mlp = layer.self_attn, layer.mlp

@@ -11,15 +11,30 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
+
+# A Hugging Face causal LM or one of its modules, read by attribute: its parts (get_decoder(), layers, self_attn,
+# config, ...) are set at run time, which mypy cannot see through `torch.nn.Module.__getattr__`
+HFModule = Any
 
 # Llama's layout; Mistral and Ministral are it plus a sliding window (`_layer_windows`, also Qwen2's); Granite is it
 # plus four multipliers, SmolLM3 plus layers without RoPE, OLMo 2 with its norms after each branch, Gemma 2/3 with
 # norms on both sides of each branch (`_Layout`)
 _GEMMA = ("gemma2", "gemma3_text")
-_SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "ministral", "phi3", "granite", "smollm3", "olmo2")
+_SUPPORTED: tuple[str, ...] = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mistral",
+    "ministral",
+    "phi3",
+    "granite",
+    "smollm3",
+    "olmo2",
+)
 _SUPPORTED += _GEMMA
 
 
@@ -58,7 +73,7 @@ class _Layout:
         )
 
 
-def _layer_windows(model: torch.nn.Module) -> list[int | None]:
+def _layer_windows(model: HFModule) -> list[int | None]:
     """Each decoder layer's sliding window (a query at position p attends to positions (p - W, p], transformers'
     `sliding_window_overlay`), None for full attention: the attention module's own `sliding_window` where it has one
     (Qwen2, Ministral: per layer type), else the config's for every layer (Mistral v0.1), as their masks apply it."""
@@ -71,6 +86,10 @@ def _layer_windows(model: torch.nn.Module) -> list[int | None]:
     return windows
 
 
+@overload
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor: ...
+@overload
+def _cast(tensor: None, dtype: torch.dtype | None) -> None: ...
 def _cast(tensor: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
     """tensor in dtype: itself when it already is (or dtype is None), else a copy."""
     return tensor if tensor is None or dtype is None else tensor.to(dtype)
@@ -91,37 +110,37 @@ def _projection_weights(linears: Sequence[torch.nn.Linear], dtype: torch.dtype |
     return (fused_weight,), (fused_bias,)
 
 
-def _head_dim(model: torch.nn.Module) -> int:
+def _head_dim(model: HFModule) -> int:
     attention = model.get_decoder().layers[0].self_attn
     return attention.o_proj.weight.shape[1] // model.config.num_attention_heads
 
 
-def _qkv(attention: torch.nn.Module) -> tuple[torch.nn.Linear, ...]:
+def _qkv(attention: HFModule) -> tuple[torch.nn.Linear, ...]:
     """The q, k, v projections, or Phi-3's one fused qkv_proj (rows in that order)."""
     if hasattr(attention, "qkv_proj"):
         return (attention.qkv_proj,)
     return attention.q_proj, attention.k_proj, attention.v_proj
 
 
-def _gate_up(mlp: torch.nn.Module) -> tuple[torch.nn.Linear, ...]:
+def _gate_up(mlp: HFModule) -> tuple[torch.nn.Linear, ...]:
     """The gate and up projections, or Phi-3's one fused gate_up_proj (gate rows first)."""
     if hasattr(mlp, "gate_up_proj"):
         return (mlp.gate_up_proj,)
     return mlp.gate_proj, mlp.up_proj
 
 
-def _eps(norm: torch.nn.Module) -> float:
+def _eps(norm: HFModule) -> float:
     """An RMSNorm module's epsilon (`variance_epsilon` in Llama's family, `eps` in Gemma's)."""
     eps = getattr(norm, "variance_epsilon", None)
     return norm.eps if eps is None else eps
 
 
-def _norm_weight(norm: torch.nn.Module) -> torch.Tensor:
+def _norm_weight(norm: HFModule) -> torch.Tensor:
     """Gemma's RMSNorm weight as its forward applies it: 1 + w in float32, for `_rms_weight_first` (bit-identical)."""
     return 1.0 + norm.weight.float()
 
 
-def _embedding_scale(embedding: torch.nn.Module, layout: _Layout) -> float:
+def _embedding_scale(embedding: HFModule, layout: _Layout) -> float:
     """The factor on the embedded tokens: Gemma's `embed_scale` (√hidden, rounded to the table's dtype first, as its
     forward multiplies), else the layout's (Granite's embedding multiplier, 1 for the rest)."""
     scale = getattr(embedding, "embed_scale", None)
@@ -130,13 +149,13 @@ def _embedding_scale(embedding: torch.nn.Module, layout: _Layout) -> float:
     return float(torch.as_tensor(scale).to(embedding.weight.dtype))
 
 
-def _gelu_gate(mlp: torch.nn.Module) -> bool:
+def _gelu_gate(mlp: HFModule) -> bool:
     """Whether the MLP's gate is GELU with the tanh approximation (Gemma's gelu_pytorch_tanh); SiLU otherwise (the
     caller has checked it is one of the two, `_activation_reason`)."""
     return _activation(mlp) == "gelu_tanh"
 
 
-def _activation(mlp: torch.nn.Module) -> str | None:
+def _activation(mlp: HFModule) -> str | None:
     """The gate activation of a dense or MoE MLP module: "silu", "gelu_tanh", or None for anything else."""
     act = getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))  # Phi-3: activation_fn
     if act is None and hasattr(mlp, "experts"):
@@ -154,7 +173,7 @@ def _activation(mlp: torch.nn.Module) -> str | None:
     return None
 
 
-def _rope_by_layer_type(rotary: torch.nn.Module) -> bool:
+def _rope_by_layer_type(rotary: HFModule) -> bool:
     """Whether the rotary module computes one table per layer type (Gemma 3: `forward(x, position_ids, layer_type)`)."""
     return "layer_type" in inspect.signature(rotary.forward).parameters
 
@@ -165,7 +184,7 @@ _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-def _rope_reason(rotary: torch.nn.Module) -> str | None:
+def _rope_reason(rotary: HFModule) -> str | None:
     """Why the rotary module's table cannot be precomputed once for every position, or None."""
     rope_type = getattr(rotary, "rope_type", "default")
     for kind in rope_type.values() if isinstance(rope_type, dict) else [rope_type]:
@@ -178,11 +197,12 @@ def _rope_reason(rotary: torch.nn.Module) -> str | None:
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why `StaticGenerator` cannot run `model` with its own decode step, or None when it can."""
-    config = getattr(model, "config", None)
+    lm: HFModule = model
+    config: Any = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in _SUPPORTED:
         return f"model_type {model_type!r} is not one of {', '.join(_SUPPORTED)}"
-    body = model.get_decoder() if hasattr(model, "get_decoder") else None
+    body = lm.get_decoder() if hasattr(model, "get_decoder") else None
     mlps = [layer.mlp for layer in getattr(body, "layers", [])]
     acts = [_activation(mlp) for mlp in mlps]
     if None in acts or len(set(acts)) > 1:
@@ -195,7 +215,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     rope_reason = _rope_reason(rotary)
     if rope_reason is not None:
         return rope_reason
-    head = model.get_output_embeddings()
+    head = lm.get_output_embeddings()
     if model_type == "smollm3" and len(getattr(config, "no_rope_layers", None) or []) != config.num_hidden_layers:
         return "no_rope_layers does not give one flag per layer"
     if getattr(model, "logit_scale", None) is not None:
@@ -216,5 +236,10 @@ class _Layer:
     rope: bool = True
     window: int | None = None  # sliding window (`_layer_windows`), None: full attention
     rope_table: str | None = None  # the layer type whose RoPE table it uses (Gemma 3), None: the one table
-    keys: torch.Tensor | None = None  # [R, Hkv, S, Dh]
+    keys: torch.Tensor | None = None  # [R, A, S, F]
     values: torch.Tensor | None = None
+
+    def cache(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values), each [R, A, S, F]: allocated when the call is sized (`_Run._size_slots`), before any use."""
+        assert self.keys is not None and self.values is not None, "the cache is allocated when the call is sized"
+        return self.keys, self.values

@@ -52,8 +52,8 @@ def _attn_in(
     qn_w,
     kn_w,
     eps,
-    cos_R1D,
-    sin_R1D,
+    cos_R1F,
+    sin_R1F,
     heads: int,
     kv_heads: int,
     dh: int,
@@ -63,7 +63,7 @@ def _attn_in(
 ):
     """q/k/v projections, q/k-norm (per head; post_norm: OLMo 2's over the whole projection; weight_first: Gemma's
     per-head norms, `_rms_weight_first` with their (1 + w)) and RoPE (rope=False: a NoPE layer) for one normed token
-    per row: [R, D] → q [R, H, Dh], k and v [R, Hkv, Dh]. The caller writes k
+    per row: [R, D] → q [R, H, F], k and v [R, A, F]. The caller writes k
     and v into the cache: inside a compiled function the in-place write to the whole cache tensor measured slower
     than two separate small copy kernels (docs/performance.md)."""
     rows = h_RD.shape[0]
@@ -76,17 +76,17 @@ def _attn_in(
         q, k = norm(q, qn_w, eps), norm(k, kn_w, eps)
     if not rope:
         return q, k, v
-    rotary = cos_R1D.shape[-1]
+    rotary = cos_R1F.shape[-1]
     if rotary < dh:  # partial rotary (Phi-3's partial_rotary_factor): the first `rotary` dims of each head
-        q = torch.cat((_rotate(q[..., :rotary], cos_R1D, sin_R1D), q[..., rotary:]), dim=-1)
-        k = torch.cat((_rotate(k[..., :rotary], cos_R1D, sin_R1D), k[..., rotary:]), dim=-1)
+        q = torch.cat((_rotate(q[..., :rotary], cos_R1F, sin_R1F), q[..., rotary:]), dim=-1)
+        k = torch.cat((_rotate(k[..., :rotary], cos_R1F, sin_R1F), k[..., rotary:]), dim=-1)
         return q, k, v
-    return _rotate(q, cos_R1D, sin_R1D), _rotate(k, cos_R1D, sin_R1D), v
+    return _rotate(q, cos_R1F, sin_R1F), _rotate(k, cos_R1F, sin_R1F), v
 
 
 def _attn_out(
     x_RD,
-    attn_RE,
+    attn_heads,
     wo,
     bo,
     ln_w,
@@ -114,15 +114,15 @@ def _attn_out(
     approximation) instead of SiLU."""
     if sandwich is not None:
         pre_ff_w, post_ff_w = sandwich
-        x_RD = _residual_add(x_RD, _rms_weight_first(F.linear(attn_RE.to(wo.dtype), wo, bo), ln_w, eps))
+        x_RD = _residual_add(x_RD, _rms_weight_first(F.linear(attn_heads.to(wo.dtype), wo, bo), ln_w, eps))
         h_RD = _rms_weight_first(x_RD, pre_ff_w, eps)
         x_RD = _residual_add(x_RD, _rms_weight_first(_mlp(h_RD, w_gu, b_gu, wd, bd, moe, gelu), post_ff_w, eps))
         return x_RD, _rms_weight_first(x_RD, next_ln_w, next_eps)
     if post_norm:
-        x_RD = _residual_add(x_RD, _rms_weight_first(F.linear(attn_RE.to(wo.dtype), wo, bo), ln_w, eps))
+        x_RD = _residual_add(x_RD, _rms_weight_first(F.linear(attn_heads.to(wo.dtype), wo, bo), ln_w, eps))
         x_RD = _residual_add(x_RD, _rms_weight_first(_mlp(x_RD, w_gu, b_gu, wd, bd, moe), next_ln_w, next_eps))
         return x_RD, x_RD
-    x_RD = _residual_add(x_RD, _scaled(F.linear(attn_RE.to(wo.dtype), wo, bo), residual_scale))
+    x_RD = _residual_add(x_RD, _scaled(F.linear(attn_heads.to(wo.dtype), wo, bo), residual_scale))
     h_RD = _rms(x_RD, ln_w, eps)
     x_RD = _residual_add(x_RD, _scaled(_mlp(h_RD, w_gu, b_gu, wd, bd, moe, gelu), residual_scale))
     return x_RD, _rms(x_RD, next_ln_w, next_eps)
@@ -135,8 +135,7 @@ def _mlp(h_RD, w_gu, b_gu, wd, bd, moe: tuple | None = None, gelu: bool = False)
     when norm_topk_prob, each expert's output weighted and summed. Static shapes for the CUDA graph: with fewer
     (row, slot) pairs than experts each of the top_k slots gathers its experts' weights per row (top_k · R · 3 · I · D
     weight elements copied); otherwise every expert runs over every row (E · 3 · I · D weights read once, E / top_k
-    times the FLOPs routing needs; on the H200 this took a 12-layer Qwen3-30B-A3B shape at 64 rows from 1,439 to
-    the tokens/s in docs/performance.md). A grouped GEMM would need neither.
+    times the FLOPs routing needs, and faster at 64 rows: docs/performance.md). A grouped GEMM would need neither.
     """
     if moe is None:
         gate_RI, up_RI = _project(h_RD, w_gu, b_gu, [wd.shape[1], wd.shape[1]])
@@ -179,21 +178,21 @@ def _residual_add(x_RD: torch.Tensor, y_RD: torch.Tensor) -> torch.Tensor:
     return (x_RD.float() + y_RD.float()).to(x_RD.dtype)
 
 
-def _attend_sdpa(q_RKGD, keys_RKSD, values_RKSD, bias_RKGS, scaling: float, softcap: float | None = None):
+def _attend_sdpa(q_RAGF, keys_RASF, values_RASF, bias_RAGS, scaling: float, softcap: float | None = None):
     """Grouped-query attention of one token per row as one SDPA call: the G query heads sharing a kv head are its
-    query positions (no causal mask among them: all see the same slots). bias: 0 / -inf, q's dtype. → [R, Hkv, G, Dh]
+    query positions (no causal mask among them: all see the same slots). bias: 0 / -inf, q's dtype. → [R, A, G, F]
     (softcap is never set here: `_Run` picks the matmul path for soft-capped models)"""
-    return F.scaled_dot_product_attention(q_RKGD, keys_RKSD, values_RKSD, attn_mask=bias_RKGS, scale=scaling)
+    return F.scaled_dot_product_attention(q_RAGF, keys_RASF, values_RASF, attn_mask=bias_RAGS, scale=scaling)
 
 
-def _attend_matmul(q_RKGD, keys_RKSD, values_RKSD, bias_RKGS, scaling: float, softcap: float | None = None):
+def _attend_matmul(q_RAGF, keys_RASF, values_RASF, bias_RAGS, scaling: float, softcap: float | None = None):
     """`_attend_sdpa` spelled out (the reference): scores, Gemma 2's soft-cap c · tanh(s / c) when softcap is set
     (before the mask, as transformers' eager attention), float32 softmax, weighted sum of values."""
-    scores_RKGS = torch.matmul(q_RKGD, keys_RKSD.transpose(2, 3)) * scaling
+    scores_RAGS = torch.matmul(q_RAGF, keys_RASF.transpose(2, 3)) * scaling
     if softcap is not None:
-        scores_RKGS = torch.tanh(scores_RKGS / softcap) * softcap
-    probs_RKGS = torch.softmax(scores_RKGS + bias_RKGS, dim=-1, dtype=torch.float32).to(q_RKGD.dtype)
-    return torch.matmul(probs_RKGS, values_RKSD)
+        scores_RAGS = torch.tanh(scores_RAGS / softcap) * softcap
+    probs_RAGS = torch.softmax(scores_RAGS + bias_RAGS, dim=-1, dtype=torch.float32).to(q_RAGF.dtype)
+    return torch.matmul(probs_RAGS, values_RASF)
 
 
 _ATTENTION: dict[str, Callable] = {"sdpa": _attend_sdpa, "matmul": _attend_matmul}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +21,7 @@ from opd.kernels import decode_attention as triton_attention
 from opd.rollout.base import SamplingParams, StopRule
 from opd.rollout.hf_model import cached_kv
 from opd.rollout.static_engine.families import (
+    HFModule,
     _cast,
     _embedding_scale,
     _eps,
@@ -59,6 +61,20 @@ def _prefill_autocast(device: torch.device, enabled: bool, dtype: torch.dtype) -
     return torch.autocast(device.type, dtype=dtype, cache_enabled=False)
 
 
+@dataclass(frozen=True)
+class _LayerStep:
+    """What every layer of one decode step shares: the step functions, the rows' RoPE rows of each table (cos, sin
+    [R, 1, F]), each window's first slots or mask (`_Run._windows`), the slots attended over, the rows."""
+
+    attn_in: Callable
+    attn_out: Callable
+    rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]]
+    starts: dict[int | None, torch.Tensor]
+    biases: dict[int | None, torch.Tensor]
+    span: int
+    rows: int
+
+
 class _Run:
     """The state of one call: step weights, slots (static cache and device-side row state), the samples still
     pending, the decode step and its graphs."""
@@ -72,82 +88,98 @@ class _Run:
         generator: torch.Generator,
         stop_when: StopRule | None = None,
     ):
+        """1. the attention path (`_pick_attention`), 2. the step weights, read now so that a call sees the latest
+        optimizer step (before sizing: they take memory; `_read_step_weights`), 3. the samples, the rows and the
+        static cache (`_size_slots`), 4. the RoPE tables over every slot (`_rope_tables`), 5. the device-side row
+        state (`_row_state`), 6. the host-side bookkeeping (`_bookkeeping`)."""
         self.engine, self.params, self.generator, self.stop_when = engine, params, generator, stop_when
-        model = engine.model
-        self.device = device = engine.device
-        body, head = model.get_decoder(), model.get_output_embeddings()
+        model: HFModule = engine.model
+        self.device = engine.device
+        self._pick_attention(model)
+        self.autocast = torch.is_autocast_enabled(self.device.type)
+        self.dtype = engine.compute_dtype()
+        self.fused = engine.fuse_weights
+        # GEMM weights in the compute dtype; the embedding table and the norms keep the parameters' dtype, and so does
+        # the residual stream: float32 under autocast (as autocast computes the teacher-forced forward), the model's
+        # dtype otherwise.
+        self._read_step_weights(model, self.dtype if self.fused else None)  # None: the module's own tensors
+        self._size_slots(model, prompts, caps)
+        self._rope_tables(model.get_decoder())
+        self._row_state(model.get_output_embeddings())
+        self._bookkeeping()
+
+    def _pick_attention(self, model: HFModule) -> None:
+        """The heads, the family's layout, and the attention path: `engine.attention`, "auto" resolved to the Triton
+        kernel on CUDA where it supports the head size, else SDPA (matmul for soft-capped models)."""
         config = model.config
+        device = self.device
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         kernel_ok = triton_attention.available(device) and triton_attention.supports(_head_dim(model))
         # SDPA has no soft-cap: soft-capped models (Gemma 2) take the matmul path off the Triton kernel
         self.layout = _Layout.of(config)
         fallback = "matmul" if self.layout.attn_softcap is not None else "sdpa"
         auto = "triton" if kernel_ok and device.type == "cuda" else fallback
-        self.attention = auto if engine.attention == "auto" else engine.attention
+        self.attention = auto if self.engine.attention == "auto" else self.engine.attention
         self.attend = _ATTENTION.get(self.attention)  # None: the Triton kernel
 
-        self.autocast = torch.is_autocast_enabled(device.type)
-        self.dtype = dtype = engine.compute_dtype()
-        self.fused = engine.fuse_weights
-        shadow = dtype if self.fused else None  # None: the module's own tensors
-
-        # Step weights, read now so that a call sees the latest optimizer step (before sizing: they take memory).
-        # GEMM weights in the compute dtype; the embedding table and the norms keep the parameters' dtype, and so does
-        # the residual stream: float32 under autocast (as autocast computes the teacher-forced forward), the model's
-        # dtype otherwise.
-        self._read_step_weights(model, shadow)
-
-        # The samples and the slots: each slot holds one sample's prompt at [0, L) and its tokens after it.
+    def _size_slots(self, model: HFModule, prompts: list[list[int]], caps: list[int]) -> None:
+        """The samples and the slots: each slot holds one sample's prompt at [0, L) and its tokens after it. Sizes
+        the rows (`StaticGenerator.plan_rows`) and allocates each layer's static cache, [R, A, S, F]."""
         self.prompts, self.caps = prompts, caps
         # a prompt given twice is prefilled once (a stream's samples that have no tokens yet come one prefix each)
         first: dict[tuple[int, ...], int] = {}
         canonical = [first.setdefault(tuple(prompt), p) for p, prompt in enumerate(prompts)]
-        self.sample_prompt = [c for c in canonical for _ in range(params.n)]
+        self.sample_prompt = [c for c in canonical for _ in range(self.params.n)]
         self.width, self.steps = max(len(p) for p in prompts), max(caps)
         # slots: the longest sample, its prompt and its own limit (a stream's longest continued prefix has a short
         # limit left); the last sampled token is never fed back, so one spare
         self.capacity = max(len(prompts[p]) + cap for p, cap in zip(self.sample_prompt, caps))
-        self.rows = rows = engine.plan_rows(len(caps), self.width, self.steps, dtype, slots=self.capacity)
+        self.rows = rows = self.engine.plan_rows(len(caps), self.width, self.steps, self.dtype, slots=self.capacity)
         head_dim = _head_dim(model)
         for layer in self.layers:
             # zeros, not empty: the SDPA path reads whole buckets (masked slots must hold finite values)
-            layer.keys = torch.zeros(rows, self.kv_heads, self.capacity, head_dim, dtype=dtype, device=device)
+            layer.keys = torch.zeros(rows, self.kv_heads, self.capacity, head_dim, dtype=self.dtype, device=self.device)
             layer.values = torch.zeros_like(layer.keys)
 
-        # RoPE tables over every slot position, computed by the model's own rotary module (float32, cast per step):
-        # one, or one per layer type where the module takes it (Gemma 3: its sliding and full layers' bases).
-        positions_1S = torch.arange(self.capacity, device=device)[None]
-        probe = torch.zeros(1, dtype=torch.float32, device=device)
-        self.rope_SD: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+    def _rope_tables(self, body: HFModule) -> None:
+        """RoPE tables over every slot position, computed by the model's own rotary module (float32, cast per step):
+        one, or one per layer type where the module takes it (Gemma 3: its sliding and full layers' bases)."""
+        positions_1S = torch.arange(self.capacity, device=self.device)[None]
+        probe = torch.zeros(1, dtype=torch.float32, device=self.device)
+        self.rope_SF: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         for table in dict.fromkeys(layer.rope_table for layer in self.layers):
-            cos_1SD, sin_1SD = body.rotary_emb(probe, positions_1S, *([] if table is None else [table]))
-            self.rope_SD[table] = (cos_1SD[0].float(), sin_1SD[0].float())
+            cos_1SF, sin_1SF = body.rotary_emb(probe, positions_1S, *([] if table is None else [table]))
+            self.rope_SF[table] = (cos_1SF[0].float(), sin_1SF[0].float())
 
-        # Device-side row state: static buffers the graphs read and write, refilled in place between replays.
-        long = dict(dtype=torch.long, device=device)
+    def _row_state(self, head: HFModule) -> None:
+        """Device-side row state: static buffers the graphs read and write, refilled in place between replays."""
+        rows, device, long = self.rows, self.device, torch.long
         self.rows_R = torch.arange(rows, device=device)
-        self.zeros_R = torch.zeros(rows, **long)  # every row's first slot (prompts start at slot 0)
+        self.zeros_R = torch.zeros(rows, dtype=long, device=device)  # every row's first slot (prompts start at 0)
         self.slots_S = torch.arange(self.capacity, device=device)
-        self.position_R = torch.zeros(rows, **long)  # slot = RoPE position of the next fed token
-        self.tokens_R = torch.zeros(rows, **long)  # the next fed token
-        self.lengths_R = torch.zeros(rows, **long)  # tokens sampled so far = the output column the next one takes
-        self.limit_R = torch.ones(rows, **long)  # the row's length limit
+        self.position_R = torch.zeros(rows, dtype=long, device=device)  # slot = RoPE position of the next fed token
+        self.tokens_R = torch.zeros(rows, dtype=long, device=device)  # the next fed token
+        # tokens sampled so far = the output column the next one takes
+        self.lengths_R = torch.zeros(rows, dtype=long, device=device)
+        self.limit_R = torch.ones(rows, dtype=long, device=device)  # the row's length limit
         self.alive_R = torch.zeros(rows, dtype=torch.bool, device=device)  # holds a sample still decoding
         self.stopped_R = torch.zeros(rows, dtype=torch.bool, device=device)  # its sample ended on an EOS
         # one spare column: rows that are not alive write their (discarded) token there
-        self.out_ids_RT = torch.full((rows, self.steps + 1), engine.pad_token_id, **long)
+        self.out_ids_RT = torch.full((rows, self.steps + 1), self.engine.pad_token_id, dtype=long, device=device)
         self.out_lps_RT = torch.zeros((rows, self.steps + 1), dtype=torch.float32, device=device)
-        self.eos_E = torch.as_tensor(engine.eos_token_ids or [-1], **long)
+        self.eos_ids = torch.as_tensor(self.engine.eos_token_ids or [-1], dtype=long, device=device)  # one a stop id
         vocab_rows = head.weight.shape[0]
-        self.vocab = min(engine.vocab_size or vocab_rows, vocab_rows)  # sampled ids are < vocab
-        self.noise_RN = None if params.temperature == 0 else torch.zeros(rows, self.vocab, device=device)
+        self.vocab = min(self.engine.vocab_size or vocab_rows, vocab_rows)  # sampled ids are < vocab
+        self.noise_RV = None if self.params.temperature == 0 else torch.zeros(rows, self.vocab, device=device)
 
-        # Host-side bookkeeping (no sync needed to read it).
+    def _bookkeeping(self) -> None:
+        """Host-side bookkeeping (no sync needed to read it)."""
+        rows = self.rows
         self.slot_sample: list[int | None] = [None] * rows  # sample index held by each slot
         self.slot_position = [0] * rows  # bound on the slot's next fed position
         self.slot_last = [0] * rows  # the last position its sample can feed
         self.pending = 0  # next sample index to place
-        self.results: list[tuple[list[int], list[float], str] | None] = [None] * len(caps)
+        self.results: list[tuple[list[int], list[float], str] | None] = [None] * len(self.caps)
         self.counters = {
             "decode_steps": 0,
             "refills": 0,
@@ -158,10 +190,10 @@ class _Run:
             "cut": 0,
         }
         self.live = rows  # decode steps run over rows [0, live): the live-row bucket (`_shrink`)
-        self.buckets = _row_buckets(rows) if engine.row_buckets else (rows,)
+        self.buckets = _row_buckets(rows) if self.engine.row_buckets else (rows,)
         self.bucket_steps: dict[int, int] = {}  # decode steps run at each bucket
 
-    def _read_step_weights(self, model: torch.nn.Module, shadow: torch.dtype | None) -> None:
+    def _read_step_weights(self, model: HFModule, shadow: torch.dtype | None) -> None:
         """The step's weights (`_Layer` per decoder layer, norms, embedding, head, RoPE-table keys) from the module."""
         body, head = model.get_decoder(), model.get_output_embeddings()
         layout = self.layout
@@ -202,7 +234,7 @@ class _Run:
                 norm_eps,
             )
             w_o = _cast(attn.o_proj.weight, shadow)
-            if shadow is not None:  # input columns in (G, Hkv) head order, see `_decode_step` (a copy when G > 1)
+            if shadow is not None:  # input columns in (G, A) head order, see `_layer_step` (a copy when G > 1)
                 w_o = w_o.unflatten(1, (self.kv_heads, self.heads // self.kv_heads, -1)).transpose(1, 2).flatten(1)
             sandwich = None
             if layout.sandwich:
@@ -221,8 +253,12 @@ class _Run:
                 b_down,
                 norm(following),
                 _eps(following),
+                layout.residual_scale,
+                layout.post_norm,
+                moe,
+                sandwich,
+                gelu,
             )
-            outs = (*outs, layout.residual_scale, layout.post_norm, moe, sandwich, gelu)
             table = getattr(attn, "layer_type", None) if _rope_by_layer_type(body.rotary_emb) else None
             self.layers.append(_Layer(ins, outs, rope=rope_layers[i], window=windows[i], rope_table=table))
             self.scaling = attn.scaling
@@ -241,7 +277,7 @@ class _Run:
             "bucket_steps": dict(sorted(self.bucket_steps.items(), reverse=True)),
             "row_steps": row_steps,  # Σ bucket × its decode steps: the rows the decode steps ran over
             "bucket_occupancy": self.counters["decoded_tokens"] / row_steps if row_steps else None,
-            "kv_cache_bytes": sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers),
+            "kv_cache_bytes": sum(keys.nbytes + values.nbytes for keys, values in (la.cache() for la in self.layers)),
         }
 
     # ------------------------------------------------------------------ filling slots
@@ -275,62 +311,67 @@ class _Run:
 
     def _place(self, group: list[int], samples: list[int], slots: list[int]) -> None:
         """One prefill of the prompts in `group`; copy each sample's prompt keys/values to slots [0, L) of its slot
-        and sample its first token from the prefill logits."""
+        and sample its first token from the prefill logits (`prompt_logits`: [prompts of the group, V]). The B
+        samples placed here go to the rows `slots`."""
         device, engine, params = self.device, self.engine, self.params
         prompts = [self.prompts[p] for p in group]
         with _prefill_autocast(self.device, self.autocast, self.dtype):
             if engine.packed_prefill:
-                cache, starts, logits_PV = engine.hf.prefill_packed(prompts, device, compiled=engine.compiled_prefill)
+                cache, starts, prompt_logits = engine.hf.prefill_packed(
+                    prompts, device, compiled=engine.compiled_prefill
+                )
             else:
-                cache, _, logits_PV = engine.hf.prefill(prompts, device, full_cache=True)
+                cache, _, prompt_logits = engine.hf.prefill(prompts, device, full_cache=True)
         self.counters["prefills"] += 1
         self.counters["prefilled_tokens"] += sum(len(p) for p in prompts)
         width = max(len(p) for p in prompts)
         index = {p: i for i, p in enumerate(group)}
-        source_g = torch.as_tensor([index[self.sample_prompt[s]] for s in samples], device=device)
+        source_B = torch.as_tensor([index[self.sample_prompt[s]] for s in samples], device=device)
         lengths = [len(self.prompts[self.sample_prompt[s]]) for s in samples]
-        lengths_g = torch.as_tensor(lengths, device=device)
-        slots_g = torch.as_tensor(slots, device=device)
+        lengths_B = torch.as_tensor(lengths, device=device)
+        slots_B = torch.as_tensor(slots, device=device)
         # Slot j of a sample takes its prompt's position j: in a packed prefill at its prompt's start + j, in a
-        # left-padded one at j + (W - L) of its prompt's row. Slots ≥ L take a clamped copy, overwritten by decode
+        # left-padded one at j + (width - L) of its prompt's row. Slots ≥ L take a clamped copy, overwritten by decode
         # tokens before any step reads them.
-        slot_W = torch.arange(width, device=device)
+        slot_P = torch.arange(width, device=device)
         if engine.packed_prefill:
-            starts_g = torch.as_tensor(starts, device=device)[source_g]
-            from_gW = starts_g[:, None] + torch.minimum(slot_W[None], lengths_g[:, None] - 1)
-            row_g = torch.zeros_like(source_g)  # the cache's one packed row
+            starts_B = torch.as_tensor(starts, device=device)[source_B]
+            from_BP = starts_B[:, None] + torch.minimum(slot_P[None], lengths_B[:, None] - 1)
+            row_B = torch.zeros_like(source_B)  # the cache's one packed row
         else:
-            from_gW = (slot_W[None] + (width - lengths_g)[:, None]).clamp(max=width - 1)
-            row_g = source_g
+            from_BP = (slot_P[None] + (width - lengths_B)[:, None]).clamp(max=width - 1)
+            row_B = source_B
         for i, layer in enumerate(self.layers):
-            keys_PKWD, values_PKWD = cached_kv(cache, i)
-            layer.keys[slots_g, :, :width] = keys_PKWD[row_g[:, None], :, from_gW].transpose(1, 2).to(self.dtype)
-            layer.values[slots_g, :, :width] = values_PKWD[row_g[:, None], :, from_gW].transpose(1, 2).to(self.dtype)
+            keys_RASF, values_RASF = layer.cache()
+            # the prefill's cache: [prefill rows (its prompts, or one packed row), A, positions, F]
+            prefill_keys, prefill_values = cached_kv(cache, i)
+            keys_RASF[slots_B, :, :width] = prefill_keys[row_B[:, None], :, from_BP].transpose(1, 2).to(self.dtype)
+            values_RASF[slots_B, :, :width] = prefill_values[row_B[:, None], :, from_BP].transpose(1, 2).to(self.dtype)
         del cache
-        caps_g = torch.as_tensor([self.caps[s] for s in samples], device=device)
+        caps_B = torch.as_tensor([self.caps[s] for s in samples], device=device)
         for lo in range(0, len(samples), _FIRST_TOKEN_ROWS):
             part = slice(lo, lo + _FIRST_TOKEN_ROWS)
-            logits_gV = logits_PV[source_g[part]]
-            noise_gN = None
+            logits_BV = prompt_logits[source_B[part]]
+            noise_BV = None
             if params.temperature != 0:
-                noise_gN = torch.empty(logits_gV.shape[0], self.vocab, device=device).uniform_(generator=self.generator)
-            tokens_g, logprobs_g = _sample(
-                logits_gV, noise_gN, params.temperature, self.vocab, params.top_k, params.top_p
+                noise_BV = torch.empty(logits_BV.shape[0], self.vocab, device=device).uniform_(generator=self.generator)
+            tokens_B, logprobs_B = _sample(
+                logits_BV, noise_BV, params.temperature, self.vocab, params.top_k, params.top_p
             )
-            rows_g = slots_g[part]
-            stopped_g = (
-                (tokens_g[:, None] == self.eos_E[None]).any(-1)
+            rows_B = slots_B[part]
+            stopped_B = (
+                (tokens_B[:, None] == self.eos_ids[None]).any(-1)
                 if params.stop_at_eos
-                else torch.zeros_like(tokens_g, dtype=torch.bool)
+                else torch.zeros_like(tokens_B, dtype=torch.bool)
             )
-            self.tokens_R[rows_g] = tokens_g
-            self.position_R[rows_g] = lengths_g[part]
-            self.lengths_R[rows_g] = 1
-            self.limit_R[rows_g] = caps_g[part]
-            self.out_ids_RT[rows_g, 0] = tokens_g
-            self.out_lps_RT[rows_g, 0] = logprobs_g
-            self.stopped_R[rows_g] = stopped_g
-            self.alive_R[rows_g] = ~stopped_g & (caps_g[part] > 1)
+            self.tokens_R[rows_B] = tokens_B
+            self.position_R[rows_B] = lengths_B[part]
+            self.lengths_R[rows_B] = 1
+            self.limit_R[rows_B] = caps_B[part]
+            self.out_ids_RT[rows_B, 0] = tokens_B
+            self.out_lps_RT[rows_B, 0] = logprobs_B
+            self.stopped_R[rows_B] = stopped_B
+            self.alive_R[rows_B] = ~stopped_B & (caps_B[part] > 1)
         for sample, slot, length in zip(samples, slots, lengths):
             self.slot_sample[slot] = sample
             self.slot_position[slot] = length
@@ -355,7 +396,9 @@ class _Run:
         ids_rows = self.out_ids_RT[index, :longest].tolist()
         lps_rows = self.out_lps_RT[index, :longest].tolist() if self.params.return_logprobs else [[] for _ in slots]
         for slot, n, done, ids, lps in zip(slots, lengths, stopped, ids_rows, lps_rows):
-            self.results[self.slot_sample[slot]] = (ids[:n], lps[:n], "stop" if done else "length")
+            sample = self.slot_sample[slot]
+            assert sample is not None, "only occupied slots are harvested"
+            self.results[sample] = (ids[:n], lps[:n], "stop" if done else "length")
             self.slot_sample[slot] = None
             self.slot_position[slot] = self.slot_last[slot] = 0
         # An empty slot keeps computing (static shapes) until it is refilled: at position 0 its attention reads one
@@ -374,38 +417,50 @@ class _Run:
         self.out_lps_RT[:rows].scatter_(1, column_R, logprobs_R[:, None])
         lengths_R.add_(alive_R.long())
         if self.params.stop_at_eos:
-            stopped_R.logical_or_(alive_R & (tokens_R[:, None] == self.eos_E[None]).any(-1))
+            stopped_R.logical_or_(alive_R & (tokens_R[:, None] == self.eos_ids[None]).any(-1))
         alive_R.logical_and_(~stopped_R & (lengths_R < self.limit_R[:rows]))
         self.position_R[:rows].add_(alive_R.long())
         self.tokens_R[:rows].copy_(tokens_R)
 
     def _decode_step(self, span: int, fns: tuple[Callable, Callable, Callable], rows: int) -> None:
         """Feed tokens_R at each of the first `rows` rows' position_R, attending over the first `span` slots;
-        sample; record. (Views of the first rows: the live-row bucket, see `_shrink`.)"""
+        sample; record. (Views of the first rows: the live-row bucket, see `_shrink`.)
+
+        1. embed the fed tokens and norm them for the first layer, 2. each row's RoPE rows of every table, 3. each
+        window's first slots or mask (`_windows`), 4. per layer: q/k/v, attention over the cache, o-projection and
+        MLP (`_layer_step`), 5. the head's logits (`_logits`), 6. sample and record (`_record`)."""
         attn_in, attn_out, sample = fns
         params = self.params
-        heads, kv_heads = self.heads, self.kv_heads
-        post_norm = self.layout.post_norm
-        position_R, rows_R = self.position_R[:rows], self.rows_R[:rows]
-        sandwich = self.layout.sandwich
+        position_R = self.position_R[:rows]
         x_RD = _scaled(F.embedding(self.tokens_R[:rows], self.embed_VD), self.embedding_scale)
         if self.first_norm is not None:
-            h_RD = (_rms_weight_first if sandwich else _rms)(x_RD, *self.first_norm)
+            h_RD = (_rms_weight_first if self.layout.sandwich else _rms)(x_RD, *self.first_norm)
         else:
             h_RD = x_RD
         rope = {
-            table: (cos_SD[position_R][:, None].to(x_RD.dtype), sin_SD[position_R][:, None].to(x_RD.dtype))
-            for table, (cos_SD, sin_SD) in self.rope_SD.items()
+            table: (cos_SF[position_R][:, None].to(x_RD.dtype), sin_SF[position_R][:, None].to(x_RD.dtype))
+            for table, (cos_SF, sin_SF) in self.rope_SF.items()
         }
-        triton_kernel = self.attend is None  # reads slots [start_R, position_R] itself: no mask
-        # Per window (None: full attention; a sliding window W reads slots (position - W, position]): the Triton
-        # kernel's first slot, or one mask for every layer of that window. SDPA's memory-efficient kernel wants the
-        # mask in q's dtype with every dimension (expand is a view).
+        starts, biases = self._windows(span, rows)
+        step = _LayerStep(attn_in, attn_out, rope, starts, biases, span, rows)
+        for layer in self.layers:
+            x_RD, h_RD = self._layer_step(layer, step, x_RD, h_RD)
+        logits_RV = self._logits(x_RD, h_RD)
+        noise_RV = None if self.noise_RV is None else self.noise_RV[:rows]
+        tokens_R, logprobs_R = sample(logits_RV, noise_RV, params.temperature, self.vocab, params.top_k, params.top_p)
+        self._record(tokens_R, logprobs_R, rows)
+
+    def _windows(self, span: int, rows: int) -> tuple[dict[int | None, torch.Tensor], dict[int | None, torch.Tensor]]:
+        """Per window (None: full attention; a sliding window W reads slots (position - W, position]): the Triton
+        kernel's first slot [R] (it reads slots [start_R, position_R] itself: no mask), or one 0 / -inf mask
+        [R, A, G, S] for every layer of that window. SDPA's memory-efficient kernel wants the mask in q's dtype with
+        every dimension (expand is a view). → (starts, biases), one of them empty."""
+        position_R, heads, kv_heads = self.position_R[:rows], self.heads, self.kv_heads
         starts: dict[int | None, torch.Tensor] = {}
         biases: dict[int | None, torch.Tensor] = {}
         for window in dict.fromkeys(layer.window for layer in self.layers):
             first_R = self.zeros_R[:rows] if window is None else (position_R - (window - 1)).clamp(min=0)
-            if triton_kernel:
+            if self.attend is None:
                 starts[window] = first_R
                 continue
             slots_1S = self.slots_S[None, :span]
@@ -415,58 +470,72 @@ class _Run:
                 .masked_fill_(~valid_RS, float("-inf"))[:, None, None]
                 .expand(rows, kv_heads, heads // kv_heads, span)
             )
-        for layer in self.layers:
-            keys_RKSD, values_RKSD = layer.keys[:rows], layer.values[:rows]
-            cos_R1D, sin_R1D = rope[layer.rope_table]
-            q_RHD, k_RKD, v_RKD = attn_in(
-                h_RD,
-                *layer.attn_in,
-                cos_R1D,
-                sin_R1D,
-                heads,
-                kv_heads,
-                layer.keys.shape[-1],
-                layer.rope,
-                post_norm,
-                sandwich,
+        return starts, biases
+
+    def _layer_step(
+        self, layer: _Layer, step: _LayerStep, x_RD: torch.Tensor, h_RD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer of the step: q/k/v, the new token's keys/values into the cache, attention over it,
+        o-projection, MLP and the next layer's input norm: (x [R, D], normed x [R, D]) → the same for the next."""
+        rows, heads, kv_heads = step.rows, self.heads, self.kv_heads
+        position_R = self.position_R[:rows]
+        keys, values = layer.cache()
+        keys_RASF, values_RASF = keys[:rows], values[:rows]
+        cos_R1F, sin_R1F = step.rope[layer.rope_table]
+        q_RHF, k_RAF, v_RAF = step.attn_in(
+            h_RD,
+            *layer.attn_in,
+            cos_R1F,
+            sin_R1F,
+            heads,
+            kv_heads,
+            keys.shape[-1],
+            layer.rope,
+            self.layout.post_norm,
+            self.layout.sandwich,
+        )
+        # Grouped-query attention without repeating the cache: query head h uses kv head h // (heads / kv_heads).
+        # Under autocast q/k-norm and RoPE return float32 (float32 norm weights): attention runs in the compute
+        # dtype, as autocast runs SDPA, the new token's k/v rounded like the cached ones.
+        q_RAGF = q_RHF.to(self.dtype).reshape(rows, kv_heads, heads // kv_heads, -1)
+        k_RAF, v_RAF = k_RAF.to(self.dtype), v_RAF.to(self.dtype)
+        if self.attend is None:  # the Triton kernel also writes k and v into the cache at position_R
+            attn_RAGF = triton_attention.decode_attention(
+                q_RAGF,
+                keys_RASF,
+                values_RASF,
+                step.starts[layer.window],
+                position_R,
+                self.scaling,
+                k_RAF,
+                v_RAF,
+                splits=self.engine.attention_splits,
+                softcap=self.layout.attn_softcap,
             )
-            # Grouped-query attention without repeating the cache: query head h uses kv head h // (heads / kv_heads).
-            # Under autocast q/k-norm and RoPE return float32 (float32 norm weights): attention runs in the compute
-            # dtype, as autocast runs SDPA, the new token's k/v rounded like the cached ones.
-            q_RKGD = q_RHD.to(self.dtype).reshape(rows, kv_heads, heads // kv_heads, -1)
-            k_RKD, v_RKD = k_RKD.to(self.dtype), v_RKD.to(self.dtype)
-            if triton_kernel:  # the kernel also writes k and v into the cache at position_R
-                attn_RKGD = triton_attention.decode_attention(
-                    q_RKGD,
-                    keys_RKSD,
-                    values_RKSD,
-                    starts[layer.window],
-                    position_R,
-                    self.scaling,
-                    k_RKD,
-                    v_RKD,
-                    splits=self.engine.attention_splits,
-                    softcap=self.layout.attn_softcap,
-                )
-            else:
-                keys_RKSD[rows_R, :, position_R] = k_RKD
-                values_RKSD[rows_R, :, position_R] = v_RKD
-                attn_RKGD = self.attend(
-                    q_RKGD,
-                    keys_RKSD[:, :, :span],
-                    values_RKSD[:, :, :span],
-                    biases[layer.window],
-                    self.scaling,
-                    self.layout.attn_softcap,
-                )
-            # SDPA's memory-efficient kernel (and the Triton kernel) writes [R, G, Hkv, Dh] and returns a transposed
-            # view: flattened in that order it needs no copy (fused o-proj columns are permuted to match); the
-            # module's own o-proj needs (Hkv, G) order.
-            if self.fused:
-                attn_RE = attn_RKGD.transpose(1, 2).reshape(rows, -1)
-            else:
-                attn_RE = attn_RKGD.reshape(rows, -1)
-            x_RD, h_RD = attn_out(x_RD, attn_RE, *layer.attn_out)
+        else:
+            rows_R = self.rows_R[:rows]
+            keys_RASF[rows_R, :, position_R] = k_RAF
+            values_RASF[rows_R, :, position_R] = v_RAF
+            attn_RAGF = self.attend(
+                q_RAGF,
+                keys_RASF[:, :, : step.span],
+                values_RASF[:, :, : step.span],
+                step.biases[layer.window],
+                self.scaling,
+                self.layout.attn_softcap,
+            )
+        # SDPA's memory-efficient kernel (and the Triton kernel) writes [R, G, A, F] and returns a transposed
+        # view: flattened in that order it needs no copy (fused o-proj columns are permuted to match); the
+        # module's own o-proj needs (A, G) order. Either way the heads flattened: [R, H·F].
+        if self.fused:
+            attn_heads = attn_RAGF.transpose(1, 2).reshape(rows, -1)
+        else:
+            attn_heads = attn_RAGF.reshape(rows, -1)
+        return step.attn_out(x_RD, attn_heads, *layer.attn_out)
+
+    def _logits(self, x_RD: torch.Tensor, h_RD: torch.Tensor) -> torch.Tensor:
+        """The head's logits [R, V] of the last layer's output (OLMo 2: after the final norm, here), with Granite's
+        divisor and Gemma 2's final soft-cap."""
         if self.final_norm is not None:
             h_RD = _rms_weight_first(x_RD, *self.final_norm)
         logits_RV = F.linear(h_RD.to(self.head_w.dtype), self.head_w, self.head_b)
@@ -474,9 +543,7 @@ class _Run:
             logits_RV = logits_RV / self.layout.logits_divisor
         if self.layout.logits_softcap is not None:  # Gemma 2's final soft-cap, in the head's dtype as transformers
             logits_RV = torch.tanh(logits_RV / self.layout.logits_softcap) * self.layout.logits_softcap
-        noise_RN = None if self.noise_RN is None else self.noise_RN[:rows]
-        tokens_R, logprobs_R = sample(logits_RV, noise_RN, params.temperature, self.vocab, params.top_k, params.top_p)
-        self._record(tokens_R, logprobs_R, rows)
+        return logits_RV
 
     # ------------------------------------------------------------------ the loop
 
@@ -509,7 +576,7 @@ class _Run:
         n, source = len(occupied), torch.as_tensor(occupied, device=self.device)
         tensors = [self.position_R, self.tokens_R, self.lengths_R, self.limit_R, self.alive_R, self.stopped_R]
         tensors += [self.out_ids_RT, self.out_lps_RT]
-        tensors += [t for layer in self.layers for t in (layer.keys, layer.values)]
+        tensors += [t for layer in self.layers for t in layer.cache()]
         for tensor in tensors:
             tensor[:n] = tensor[source]  # advanced indexing copies first: no overlap between source and target
         self.alive_R[n : self.live] = False
@@ -553,12 +620,7 @@ class _Run:
         # Fused weights are already in the compute dtype: decode without autocast. Otherwise under the caller's
         # autocast, with its weight cache off while capturing (cached casts would be freed after the capture); warm-up
         # runs and captures share this state so that compiled functions are not recompiled during a capture.
-        amp = dict(
-            device_type=self.device.type,
-            dtype=torch.get_autocast_dtype(self.device.type),
-            enabled=self.autocast and not self.fused,
-            cache_enabled=not use_graphs,
-        )
+        amp_dtype, amp_on = torch.get_autocast_dtype(self.device.type), self.autocast and not self.fused
         graphs: dict[tuple[int, int], Any] = {}  # (rows, span) → graph
         pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._admit(list(range(self.rows)))
@@ -567,7 +629,7 @@ class _Run:
                 self._shrink()
             span = self._span()
             key = (self.live, span)
-            with torch.autocast(**amp):
+            with torch.autocast(self.device.type, dtype=amp_dtype, enabled=amp_on, cache_enabled=not use_graphs):
                 if use_graphs and key not in graphs:
                     try:
                         graphs[key] = self._capture(span, fns, pool)
@@ -583,8 +645,8 @@ class _Run:
                         engine._compiled = fns = _plain_step_fns()
                         graphs = {key: self._capture(span, fns, pool)}
                 for _ in range(engine.sync_interval):
-                    if self.noise_RN is not None:  # uniforms for the rows the step runs over only
-                        self.noise_RN[: self.live].uniform_(generator=self.generator)
+                    if self.noise_RV is not None:  # uniforms for the rows the step runs over only
+                        self.noise_RV[: self.live].uniform_(generator=self.generator)
                     if use_graphs:
                         graphs[key].replay()
                     else:
@@ -603,6 +665,8 @@ class _Run:
                     self._cut()
                 else:
                     self._admit(ended)
-        self.counters["decoded_tokens"] = sum(len(ids) - 1 for ids, _, _ in self.results if ids)
-        responses, logprobs, reasons = (list(column) for column in zip(*self.results))
+        results = [result for result in self.results if result is not None]
+        assert len(results) == len(self.results), "every sample has its result once no slot is occupied"
+        self.counters["decoded_tokens"] = sum(len(ids) - 1 for ids, _, _ in results if ids)
+        responses, logprobs, reasons = (list(column) for column in zip(*results))
         return responses, logprobs, reasons

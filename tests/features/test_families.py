@@ -25,7 +25,7 @@ from opd.rollout.static_engine import StaticGenerator, unsupported_reason
 from opd.rollout.torch_engine import TorchGenerator
 
 # the family builders live with the benchmarks (also used by scripts/support_table.py and benchmarks/check_cuda.py)
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import families  # noqa: E402
 from families import TINY_CONFIG, WINDOW, family  # noqa: E402
 

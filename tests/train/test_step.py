@@ -148,7 +148,7 @@ def test_the_compile_log_names_the_function_and_the_guard():
     assert describe_compiles(*log.take()) is None
     compiled(torch.ones(8, 3), 1.0)
     news = describe_compiles(*log.take())
-    assert news is not None and news.startswith("1 graph; recompiled: scaled_sum (test_recompiles.py:"), news
+    assert news is not None and news.startswith("1 graph; recompiled: scaled_sum (test_step.py:"), news
     assert "size mismatch at index 0. expected 4, actual 8" in news
     compiled(torch.ones(8, 3), 2.0)
     assert "scale == 1.0" in (describe_compiles(*log.take()) or "")

@@ -26,7 +26,7 @@ from opd.data.templates import (
 from opd.eval.benchmarks import BENCHMARKS, benchmark_path, get_benchmark, list_benchmarks, load_benchmark
 from opd.types import Prompt
 
-SHARED = Path(__file__).parents[1].parent / "shared" / "data"
+SHARED = Path(__file__).parents[2].parent / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared data sets not found at {SHARED}")
 
 # file, rows, start of the first prompt, ground truth of the first row

@@ -237,7 +237,7 @@ def test_lab_mopd_config_routes_each_lab_prompt_to_its_specialist(tmp_path, monk
     from opd.lab.build import DOMAINS, domain_of
     from opd.lab.tokenizer import build_lab_tokenizer
 
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     if not (root / "configs" / "lab_mopd.yaml").is_file():
         pytest.skip("configs/lab_mopd.yaml is not in this checkout")
     demo, mopd = (yaml.safe_load((root / "configs" / f"{n}.yaml").read_text()) for n in ("lab_demo", "lab_mopd"))
@@ -290,7 +290,7 @@ def test_lab_opsd_config_is_the_demo_with_the_privileged_self_teacher(tmp_path, 
 
     from opd.config import DistillConfig, build_config
 
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     if not (root / "configs" / "lab_opsd.yaml").is_file():
         pytest.skip("configs/lab_opsd.yaml is not in this checkout")
     demo, opsd = (yaml.safe_load((root / "configs" / f"{n}.yaml").read_text()) for n in ("lab_demo", "lab_opsd"))

@@ -24,7 +24,7 @@ from opd.io import read_jsonl
 from opd.train.checkpoint import latest_checkpoint
 from opd.train.sampler import PromptSampler
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MULTI_GPU = ROOT / "benchmarks" / "multi_gpu.py"  # `run`: the real `opd` CLI with greedy rollouts
 
 
@@ -71,7 +71,7 @@ def _run(world: Path, out: Path, name: str, nproc: int, *overrides: str, steps: 
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
     }
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)

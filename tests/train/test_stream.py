@@ -22,7 +22,7 @@ from opd.train.checkpoint import latest_checkpoint, load_trainer_state
 from opd.train.stream import RolloutStream
 
 EOS = 0
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 def _scripted(prompt_ids, n, max_new_tokens, call, stop_when=None, caps=None):

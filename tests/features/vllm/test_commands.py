@@ -239,7 +239,7 @@ def test_distill_under_torchrun_runs_one_engine_per_rank(tmp_path):
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         timeout=900,
-        cwd=os.path.dirname(os.path.dirname(__file__)),
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]  # the engines shut down before the group

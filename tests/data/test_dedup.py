@@ -16,7 +16,7 @@ from opd.data.templates import BOXED_SUFFIX, DAPO_PREFIX, DAPO_SUFFIX
 from opd.recipes.dedup import dedup_files
 from opd.types import Prompt
 
-SHARED = Path(__file__).parents[1].parent / "shared" / "data" / "train"  # beside the checkout, as in CI
+SHARED = Path(__file__).parents[2].parent / "shared" / "data" / "train"  # beside the checkout, as in CI
 
 LONG = (
     r"Let $ABCD$ be a convex quadrilateral with $AB = 7$, $BC = 9$, $CD = 11$ and $DA = 13$. The diagonals "

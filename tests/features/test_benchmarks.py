@@ -12,7 +12,7 @@ import torch
 
 from helpers import compile_decode_on_cpu
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load(name: str):

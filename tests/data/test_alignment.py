@@ -29,7 +29,7 @@ from opd.objectives import opd_diagnostics_from_scores
 from opd.recipes.prompts import parse_top, retemplate_file, score_prompt_file, select_prompt_file
 from opd.types import Prompt, TokenScores
 
-DAPO = Path(__file__).parents[1].parent / "shared" / "data" / "train" / "dapo-math-17k.parquet"
+DAPO = Path(__file__).parents[2].parent / "shared" / "data" / "train" / "dapo-math-17k.parquet"
 needs_dapo = pytest.mark.skipif(not DAPO.is_file(), reason=f"shared DAPO set not found at {DAPO}")
 
 

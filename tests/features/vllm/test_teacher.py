@@ -149,7 +149,7 @@ def test_distill_refuses_a_strategy_it_cannot_serve(tmp_path):
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         timeout=600,
-        cwd=os.path.dirname(os.path.dirname(__file__)),
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))),
     )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

@@ -172,7 +172,7 @@ def test_demo_config_matches_the_yaml():
 
     from opd.recipes.demo import demo_config
 
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     path = root / "configs" / "lab_demo.yaml"
     if not path.is_file():
         pytest.skip("configs/lab_demo.yaml is not in this checkout")

@@ -30,7 +30,7 @@ ON = (
     "rollout.partial_segment=2",
     "objective.tis_cap=2.0",
 )
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 def test_versions_lags_and_weights_match_a_reference(world, tmp_path):

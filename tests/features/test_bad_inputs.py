@@ -30,7 +30,7 @@ import pytest
 
 from helpers import make_tiny_model, make_tiny_tokenizer, run_in_process
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 # ------------------------------------------------------------------------------------------------------ the world

@@ -2,7 +2,7 @@
 line on stderr that names the culprit (the file, the config key, the value) — never a traceback, never a silent
 success, and (for all but a few cases that need the weights to find the fault) before any model is loaded.
 
-Each case is a command line over a small world of good and broken inputs built once per module (tiny random-weight
+Each case is a command line over a small world of good and broken inputs built once per session (tiny random-weight
 models from `conftest`, prompt / SFT / response files, a LoRA checkpoint, run directories). Most cases run in-process
 through `opd.cli.main` (cheap: the libraries are imported once), with stdout/stderr captured at the file-descriptor
 level so library warnings count as stderr lines too; `test_real_stderr_is_one_line` runs a handful as subprocesses.
@@ -11,252 +11,40 @@ Unwritable outputs: tests may run as root, where a read-only directory is still 
 a path *under a regular file* (ENOTDIR) and a regular file where a directory is expected (EEXIST); the chmod case
 runs only where chmod actually stops writes.
 
-`OPD_MATRIX_TALLY=FILE pytest tests/test_bad_inputs.py` appends one JSON line per case (name, outcome, exit code,
+`OPD_MATRIX_TALLY=FILE pytest tests/features/bad_inputs` appends one JSON line per case (name, outcome, exit code,
 stderr) to FILE: outcomes are clear / traceback / silent (exit 0) / unclear (non-zero, but several lines, the wrong
 code or a line that does not name the culprit). That is how the counts in the issue were measured.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from helpers import make_tiny_model, make_tiny_tokenizer, run_in_process
+from helpers import run_in_process
+from helpers_bad_inputs import (
+    DEDUP,
+    DEMO,
+    DISTILL,
+    EVAL,
+    LAB,
+    ROLLOUT,
+    SCORE,
+    SELECT,
+    SFT,
+    TEMPLATE,
+    TINY_DISTILL,
+    Case,
+    _tally,
+    classify,
+)
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
-
-# ------------------------------------------------------------------------------------------------------ the world
-
-
-def _jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def _prompt_rows(answers: list[str] | None = None) -> list[dict]:
-    answers = answers if answers is not None else [str(2 + k) for k in range(4)]
-    return [
-        {
-            "prompt": [{"role": "user", "content": f"What is 1 + {1 + k}?"}],
-            "data_source": "toy",
-            "reward_model": {"ground_truth": a},
-            "extra_info": {"index": k},
-        }
-        for k, a in enumerate(answers)
-    ]
-
-
-def _sft_row(user: str = "What is 1 + 1?", answer: object = "It is \\boxed{2}.", role: str = "assistant") -> dict:
-    return {"messages": [{"role": "user", "content": user}, {"role": role, "content": answer}]}
-
-
-def _mkdir(w: dict, name: str, path: Path) -> Path:
-    path.mkdir()
-    w[name] = path
-    return path
-
-
-def build_world(root: Path) -> dict[str, str]:
-    """Every input the cases use, by name → path (str). Built once per module: ~2 s."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from peft import LoraConfig, get_peft_model
-
-    w: dict[str, Path] = {"root": root, "out": root / "out"}
-    tok = make_tiny_tokenizer()
-    model = w["model"] = root / "model"
-    make_tiny_model("llama").save_pretrained(model)
-    tok.save_pretrained(model)
-    qwen = w["qwen"] = root / "qwen3-base"
-    make_tiny_model("qwen3").save_pretrained(qwen)
-    tok.save_pretrained(qwen)
-    wide = w["wide"] = root / "wide-llama-base"
-    make_tiny_model("llama", hidden_size=48, intermediate_size=96).save_pretrained(wide)
-    tok.save_pretrained(wide)
-
-    _mkdir(w, "empty_dir", root / "empty-dir")
-    _mkdir(w, "config_only", root / "config-only")
-    shutil.copy(model / "config.json", w["config_only"])
-    for key, source in (("no_tokenizer", qwen), ("no_tokenizer_llama", model)):  # Qwen's gets a 1-token stub
-        _mkdir(w, key, root / key.replace("_", "-"))
-        for name in ("config.json", "generation_config.json", "model.safetensors"):
-            shutil.copy(source / name, w[key])
-    shutil.copytree(model, w.setdefault("corrupt_weights", root / "corrupt-weights"))
-    weights = w["corrupt_weights"] / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a truncated download
-    shutil.copytree(model, w.setdefault("corrupt_bin", root / "corrupt-bin"))
-    (w["corrupt_bin"] / "model.safetensors").unlink()
-    (w["corrupt_bin"] / "pytorch_model.bin").write_bytes(b"PK\x03\x04 not really a zip archive" * 20)
-
-    lora = w["lora"] = root / "lora-ckpt"
-    lora_config = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")  # as `opd sft` makes
-    peft_model = get_peft_model(make_tiny_model("llama"), lora_config)
-    peft_model.save_pretrained(lora)
-    tok.save_pretrained(lora)
-    adapter_config = json.loads((lora / "adapter_config.json").read_text())
-    (lora / "adapter_config.json").write_text(json.dumps({**adapter_config, "base_model_name_or_path": str(model)}))
-    shutil.copytree(lora, w.setdefault("lora_corrupt", root / "lora-corrupt"))
-    adapter = w["lora_corrupt"] / "adapter_model.safetensors"
-    adapter.write_bytes(adapter.read_bytes()[:100])
-
-    w["prompts"] = _jsonl(root / "prompts.jsonl", _prompt_rows())
-    pq.write_table(pa.Table.from_pylist(_prompt_rows()), w.setdefault("prompts_parquet", root / "prompts.parquet"))
-    w["dedup_in"] = _jsonl(root / "dedup-in.jsonl", _prompt_rows())
-    w["empty_answers"] = _jsonl(root / "empty-answers.jsonl", _prompt_rows([""] * 4))
-    rows = _prompt_rows()
-    rows[1]["prompt"][0]["content"] = ""
-    w["empty_content"] = _jsonl(root / "empty-content.jsonl", rows)
-    w["id_prompts"] = _jsonl(
-        root / "id-prompts.jsonl",
-        [{"id": f"q-{k}", "question": f"What is {k} + {k}?", "answer": str(2 * k)} for k in range(4)],
-    )
-    # ground truths and run directories that other parts of issue 12 made errors (safety, evalgrade)
-    rows = _prompt_rows()
-    rows[2]["reward_model"]["ground_truth"] = None
-    w["null_answers"] = _jsonl(root / "null-answers.jsonl", rows)
-    rows = _prompt_rows()
-    rows[1]["reward_model"]["ground_truth"] = True
-    w["bool_answers"] = _jsonl(root / "bool-answers.jsonl", rows)
-    rows = _prompt_rows()
-    rows[3]["extra_info"]["index"] = 0  # the id of row 0, with another answer
-    w["dup_ids"] = _jsonl(root / "dup-ids.jsonl", rows)
-    w["bench_null"] = _jsonl(
-        root / "bench-null.jsonl", [{"prompt": "What is 1 + 1?", "reward_model": {"ground_truth": None}}]
-    )
-    busy = w["busy"] = root / "busy-runs"
-    for name in ("d", "s"):
-        (busy / name).mkdir(parents=True)
-        (busy / name / "notes.txt").write_text("an earlier run's file\n")
-    w["empty"] = root / "empty.jsonl"
-    w["empty"].write_text("")
-    w["not_utf8"] = root / "not-utf8.jsonl"
-    w["not_utf8"].write_bytes(b'{"prompt": "caf\xe9 \xff\xfe", "answer": "1"}\n')
-    w["bad_json"] = root / "bad-json.jsonl"
-    w["bad_json"].write_text(json.dumps(_prompt_rows()[0]) + "\n{not json\n" + json.dumps(_prompt_rows()[1]) + "\n")
-    w["bad_parquet"] = root / "bad.parquet"
-    w["bad_parquet"].write_bytes(b"PAR1 this is not a parquet file PAR1")
-    _mkdir(w, "plain_dir", root / "plain-dir")
-    (w["plain_dir"] / "notes.txt").write_text("not a dataset\n")
-    w["afile"] = root / "afile.txt"
-    w["afile"].write_text("a regular file\n")
-
-    w["sft"] = _jsonl(root / "sft.jsonl", [_sft_row() for _ in range(4)])
-    w["sft_role"] = _jsonl(root / "sft-role.jsonl", [_sft_row(), _sft_row(role="bot")])
-    w["sft_empty_answer"] = _jsonl(root / "sft-empty-answer.jsonl", [_sft_row(), _sft_row(answer="")])
-    w["sft_empty_user"] = _jsonl(root / "sft-empty-user.jsonl", [_sft_row(), _sft_row(user="  ")])
-    w["sft_bool"] = _jsonl(root / "sft-bool.jsonl", [{"instruction": "Is 2 even?", "output": True}])
-    w["sft_no_assistant"] = _jsonl(root / "sft-no-assistant.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
-    w["sft_layout"] = _jsonl(root / "sft-layout.jsonl", [{"text": "just text"}])
-    w["sft_sharegpt"] = _jsonl(
-        root / "sft-sharegpt.jsonl",
-        [{"conversations": [{"from": "human", "value": "hi"}, {"from": "robot", "value": "hello"}]}],
-    )
-
-    w["bench"] = _jsonl(root / "bench.jsonl", [{"prompt": "What is 1 + 1?", "reward_model": {"ground_truth": "2"}}])
-    w["bench_cols"] = _jsonl(root / "bench-cols.jsonl", [{"question": "What is 1 + 1?", "answer": "2"}])
-    w["responses"] = _jsonl(root / "responses.jsonl", [{"response": "\\boxed{2}", "answer": "2"}])
-    w["no_response"] = _jsonl(root / "no-response.jsonl", [{"text": "\\boxed{2}", "answer": "2"}])
-    w["no_answer"] = _jsonl(root / "no-answer.jsonl", [{"response": "\\boxed{2}"}])
-    w["list_lines"] = _jsonl(root / "list-lines.jsonl", [[1, 2]])
-
-    w["scores"] = _jsonl(root / "scores.jsonl", [{"id": str(k), "n": 4, "overlap_ratio": 0.1 * k} for k in range(4)])
-    w["scores_bad"] = root / "scores-bad.jsonl"
-    w["scores_bad"].write_text("garbage\n" + json.dumps({"id": "0"}) + "\n")
-
-    for name, metrics in (
-        ("run", '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n'),
-        ("run_corrupt", '{"step": 1, "loss": 1.0}\n{"step": 2, "lo\n{"step": 3, "loss": 0.2}\n'),
-    ):
-        _mkdir(w, name, root / name.replace("_", "-"))
-        (w[name] / "metrics.jsonl").write_text(metrics)
-    _mkdir(w, "run_not_utf8", root / "run-not-utf8")
-    (w["run_not_utf8"] / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 1.0}\n{"step": 2, "note": "\xff"}\n')
-
-    w["bad_yaml"] = root / "bad.yaml"
-    w["bad_yaml"].write_text("n: [1, 2\n")
-    w["list_yaml"] = root / "list.yaml"
-    w["list_yaml"].write_text("- n\n- 4\n")
-    pipeline = {
-        "teacher": {"path": str(model)},
-        "student": {"path": str(model)},
-        "sft_prompts": {"path": str(w["prompts"])},
-        "opd_prompts": {"path": str(w["prompts"])},
-        "out_dir": str(root / "out" / "pipeline"),
-        "stages": ["rollout"],
-        "rollout": {"max_new_tokens": 4},
-    }
-    variants = {
-        "pipeline": pipeline,
-        "pipeline_no_teacher": {k: v for k, v in pipeline.items() if k != "teacher"},
-        "pipeline_typo": {**pipeline, "distill": {"objective": {"top_kk": 4}}},
-        "pipeline_out_file": {**pipeline, "out_dir": str(w["afile"])},
-        "pipeline_stages": {**pipeline, "stages": ["rollout", "bogus_stage"]},
-        "pipeline_inf": {**pipeline, "rollout": {"max_new_tokens": 4, "temperature": float("inf")}},
-    }
-    import yaml
-
-    for name, data in variants.items():
-        w[name] = root / f"{name.replace('_', '-')}.yaml"
-        w[name].write_text(yaml.safe_dump(data))
-    return {k: str(v) for k, v in w.items()}
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory) -> dict[str, str]:
-    return build_world(tmp_path_factory.mktemp("bad-inputs"))
-
-
-# ------------------------------------------------------------------------------------------------------ the cases
-
-
-@dataclass(frozen=True)
-class Case:
-    """argv and culprit hold `{name}` placeholders filled from the world; culprit: substrings the line must hold."""
-
-    name: str
-    argv: str
-    culprit: tuple[str, ...]
-    code: int = 2
-    # the class of fault the case guards against (scripts/bad_input_matrix.py counts outcomes by it): one-line (a
-    # bad value or file: one line naming it), security, silent-wrong, data-loss, traceback, misleading,
-    # late-error, damaged (a run directory's file read back)
-    kind: str = "one-line"
-
-    def command(self, world: dict[str, str]) -> list[str]:
-        import shlex
-
-        return [part.format_map(world) for part in shlex.split(self.argv)]
-
-    def culprits(self, world: dict[str, str]) -> list[str]:
-        return [c.format_map(world) for c in self.culprit]
-
-
-# Small budgets everywhere, so that a case that is (wrongly) accepted finishes in seconds and is counted as silent.
-EVAL = "eval --model {model} --benchmarks {bench} --out {out}/eval --n 1 --max-new-tokens 4"
-TINY_DISTILL = "--steps 1 prompts_per_step=2 rollout.max_new_tokens=4 data.max_prompt_length=64 micro_batch_tokens=256"
-DISTILL = "distill --student {model} --teacher {model} --prompts {prompts} --out-dir {out} --name d " + TINY_DISTILL
-SFT = (
-    "sft --model {model} --data {sft} --name s run.out_dir={out} examples_per_step=2 data.max_length=256 "
-    "micro_batch_tokens=256"
-)
-ROLLOUT = "rollout --model {model} --prompts {prompts} --out {out}/rollout --max-new-tokens 4"
-SCORE = (
-    "prompts score --student {model} --teacher {model} --in {prompts} --out {out}/scores/s.jsonl --n 1 "
-    "--max-new-tokens 4"
-)
-DEMO = "demo --out-dir {out} --steps 1 --limit 2"
-LAB = "lab run topk --out-dir {out}/lab --steps 1 eval.limit=2"
-SELECT = "prompts select --in {prompts} --scores {scores} --out {out}/selected.jsonl"
-TEMPLATE = "prompts template --in {prompts} --template boxed --out {out}/templated.jsonl"
-DEDUP = "dedup --in {prompts} --out {out}/dedup/kept.jsonl"
 MODEL_CASES = [  # (label, --model value, culprit) for every command that loads a model
     ("missing dir", "{root}/no-such-model", "no-such-model"),
     ("empty dir", "{empty_dir}", "empty-dir"),
@@ -615,35 +403,6 @@ CASES: list[Case] = [
 ]
 
 
-# ------------------------------------------------------------------------------------------------------ running
-
-
-def classify(code: int | None, stderr: str, culprits: list[str], expected_code: int, escaped: str | None) -> str:
-    """clear | traceback | silent | unclear (see the module docstring)."""
-    if escaped is not None or "Traceback (most recent call last)" in stderr:
-        return "traceback"
-    if not code:
-        return "silent"
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    if code == expected_code and len(lines) == 1 and all(c in lines[0] for c in culprits):
-        return "clear"
-    return "unclear"
-
-
-def _tally(case: Case, outcome: str, code, stderr: str) -> None:
-    path = os.environ.get("OPD_MATRIX_TALLY")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"case": case.name, "outcome": outcome, "code": code, "stderr": stderr[-2000:]}) + "\n")
-
-
-@pytest.fixture(scope="module")
-def env_world(world):
-    from opd.lab import teacher_path
-
-    return {**world, "lab_teacher": str(teacher_path())}
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_bad_input(case: Case, env_world, monkeypatch, capfd, tmp_path):
     monkeypatch.delenv("OPD_DEBUG", raising=False)
@@ -899,7 +658,7 @@ def test_written_files_get_the_umask_mode(env_world, monkeypatch, capfd, tmp_pat
 
 # ------------------------------------------------------------------------- issue 22: values that were accepted
 
-ISSUE_22_CASES: list[Case] = [
+ONCE_ACCEPTED_CASES: list[Case] = [
     Case(
         "distill optim.fused with bf16 state",
         DISTILL + " optim.fused=true optim.state_dtype=bf16",
@@ -930,8 +689,8 @@ ISSUE_22_CASES: list[Case] = [
 ]
 
 
-@pytest.mark.parametrize("case", ISSUE_22_CASES, ids=[c.name for c in ISSUE_22_CASES])
-def test_bad_input_issue_22(case: Case, env_world, monkeypatch, capfd, tmp_path):
+@pytest.mark.parametrize("case", ONCE_ACCEPTED_CASES, ids=[c.name for c in ONCE_ACCEPTED_CASES])
+def test_once_accepted_value_fails_in_one_line(case: Case, env_world, monkeypatch, capfd, tmp_path):
     monkeypatch.delenv("OPD_DEBUG", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
@@ -978,188 +737,3 @@ def test_a_user_error_under_torchrun_is_printed_by_rank_0(rank, monkeypatch, cap
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "no_such" in lines[0], stderr
     assert lines[0].startswith("error: rank 1: " if rank == "1" else "error: ") and "rank 0" not in lines[0]
-
-
-# ---------------------------------------------------- issue 22 item 13: damaged run directories, read back
-
-# Real runs made once per module (2 steps, a checkpoint, samples and an in-run eval at every step), copied into each
-# case's tmp_path as {runs}/d (distill) and {runs}/s (sft) and damaged there; `opd report` reads them, `--resume`
-# continues them to step 3 with the settings they were made with.
-BASE_DISTILL = (
-    "distill --student {model} --teacher {model} --prompts {prompts} --out-dir {runs} --name d "
-    "prompts_per_step=2 rollout.max_new_tokens=4 data.max_prompt_length=64 micro_batch_tokens=256 run.save_every=1 "
-    "run.samples_per_step=2 eval.benchmarks={bench} eval.n=1 eval.max_new_tokens=4 run.eval_every=1 run.report=false"
-)
-BASE_SFT = (
-    "sft --model {model} --data {sft} --name s run.out_dir={runs} examples_per_step=2 data.max_length=256 "
-    "micro_batch_tokens=256 run.save_every=1 run.report=false"
-)
-REPORT_D = "report {runs}/d --out {out}/r.html"
-RESUME_D = BASE_DISTILL + " --steps 3 --resume"
-RESUME_S = BASE_SFT + " run.steps=3 --resume"
-DIR = object()  # damage: a directory where the file was
-STEP = "99999999999999999999999"  # a step number no run reaches (and beyond int64)
-
-
-@dataclass(frozen=True)
-class Damaged(Case):
-    """A Case run on a copy of the module's real runs after `damage`: (path under {runs}, content) pairs; content is
-    text, bytes, DIR, or a callable of the path; a `*` in the path is each match. `remanifest`: the checkpoints'
-    MANIFEST.json rewritten after the damage (a manifest that agrees with damaged files)."""
-
-    damage: tuple = ()
-    remanifest: bool = False
-    kind: str = "damaged"
-
-    def apply(self, runs: Path) -> None:
-        from opd.rundir import MANIFEST, write_manifest
-
-        for pattern, content in self.damage:
-            for path in sorted(runs.glob(pattern)) if "*" in pattern else [runs / pattern]:
-                if path.is_dir():
-                    shutil.rmtree(path)
-                elif path.exists():
-                    path.unlink()
-                path.parent.mkdir(parents=True, exist_ok=True)
-                if content is DIR:
-                    path.mkdir()
-                elif callable(content):
-                    content(path)
-                elif isinstance(content, bytes):
-                    path.write_bytes(content)
-                else:
-                    path.write_text(content)
-                if self.remanifest and path.parent.parent.name == "checkpoints":
-                    (path.parent / MANIFEST).unlink()
-                    write_manifest(path.parent)
-
-
-def _torch_save(value):
-    def save(path: Path) -> None:
-        import torch
-
-        torch.save(value, path)
-
-    return save
-
-
-METRICS = "metrics.jsonl"
-GOOD_RESULTS = '{"benchmarks": {"bench": {"avg@1": 0.5}}}'
-_DAMAGE = {  # label → (path under the run, content, culprits beyond the file's path)
-    "metrics.jsonl line a list": (
-        METRICS,
-        '{"step": 1, "loss": 1.0}\n[1, 2]\n{"step": 2, "loss": 0.5}\n',
-        (":2", "list"),
-    ),
-    "metrics.jsonl line a number": (METRICS, '{"step": 1, "loss": 1.0}\n5\n{"step": 2, "loss": 0.5}\n', (":2",)),
-    "metrics.jsonl step a string": (METRICS, '{"step": 1, "loss": 1.0}\n{"step": "two", "loss": 0.5}\n', ("'two'",)),
-    "metrics.jsonl step absurd": (METRICS, '{"step": 1, "loss": 1.0}\n{"step": 1e300, "loss": 0.5}\n', ("1e+300",)),
-    "metrics.jsonl step negative": (METRICS, '{"step": 1, "loss": 1.0}\n{"step": -5, "loss": 0.5}\n', ("-5",)),
-    "samples line a list": ("samples/step_2.jsonl", "[1, 2]\n", (":1",)),
-    "samples file a directory": ("samples/step_2.jsonl", DIR, ("directory",)),
-    "samples step name absurd": (f"samples/step_{STEP}.jsonl", '{"step": 1}\n', ("not a step number",)),
-    "eval results a list": ("eval/step_2/results.json", "[1, 2]", ("list",)),
-    "eval results of another shape": ("eval/step_2/results.json", '{"benchmarks": [1]}', ("eval results",)),
-    "eval results not JSON": ("eval/step_2/results.json", '{"bench', ("JSON",)),
-    "eval step name absurd": (f"eval/step_{STEP}/results.json", GOOD_RESULTS, ("not a step number",)),
-    "teacher eval results a list": ("eval/teacher/results.json", "[]", ("list",)),
-    "teachers.json a list": ("teachers.json", "[]", ("list",)),
-    "config.yaml unparsable": ("config.yaml", "run: [1, 2\n", ("YAML",)),
-    "config.yaml a list": ("config.yaml", "- 1\n- 2\n", ("mapping",)),
-    "config.yaml empty": ("config.yaml", "", ("mapping",)),
-    "config.yaml a directory": ("config.yaml", DIR, ("directory",)),
-    "config.yaml not UTF-8": ("config.yaml", b"run: \xff\n", ("UTF-8",)),
-    "every MANIFEST.json a list": ("checkpoints/*/MANIFEST.json", "[]", ("MANIFEST.json", "no checkpoint")),
-    "checkpoint step name absurd": (f"checkpoints/step_{STEP}", DIR, ("not a step number",)),
-    "trainer_state.pt garbage": ("checkpoints/*/trainer_state.pt", b"garbage", ("not loadable",)),
-    "trainer_state.pt a list": ("checkpoints/*/trainer_state.pt", _torch_save([1, 2]), ("not a trainer state",)),
-    "model.safetensors garbage": ("checkpoints/*/model.safetensors", b"garbage", ("model.safetensors",)),
-}
-_REPORTED = [
-    label for label in _DAMAGE if "MANIFEST" not in label and not label.startswith(("checkpoint", "trainer", "model."))
-]
-_RESUMED = [
-    label
-    for label in _DAMAGE
-    if label not in ("samples file a directory", "teachers.json a list", "teacher eval results a list")
-]  # (a resume rewrites teachers.json, and the others are the report's cases above, read the same way)
-_RESUMED_SFT = [
-    "metrics.jsonl line a list",
-    "metrics.jsonl step absurd",
-    "config.yaml a list",
-    "every MANIFEST.json a list",
-    "checkpoint step name absurd",
-    "trainer_state.pt garbage",
-]
-
-
-def _damaged(command: str, argv: str, run: str, label: str) -> Damaged:
-    where, content, culprits = _DAMAGE[label]
-    culprit = where.replace("*", "step_2") if "MANIFEST" not in where else ""
-    if STEP in culprit:  # the line names the file or directory whose name holds the absurd step
-        culprit = culprit[: culprit.index(STEP) + len(STEP)] + (".jsonl" if culprit.endswith(".jsonl") else "")
-    located = f"{{runs}}/{run}/{culprit}".rstrip("/")
-    if where.startswith("checkpoints/*") and "MANIFEST" not in where:
-        located = f"{{runs}}/{run}/checkpoints/step_2/{where.rsplit('/', 1)[1]}"
-    return Damaged(
-        f"{command}: {label}",
-        argv,
-        (located, *culprits),
-        damage=((f"{run}/{where}", content),),
-        remanifest=where.startswith("checkpoints/*") and "MANIFEST" not in where,
-    )
-
-
-DAMAGED_CASES: list[Damaged] = [
-    *[_damaged("report", REPORT_D, "d", label) for label in _REPORTED],
-    *[_damaged("distill --resume", RESUME_D, "d", label) for label in _RESUMED],
-    *[_damaged("sft --resume", RESUME_S, "s", label) for label in _RESUMED_SFT],
-]
-
-
-@pytest.fixture(scope="module")
-def base_runs(env_world, tmp_path_factory):
-    """The real runs every damaged case copies: distill and sft, 2 steps each, made through the CLI."""
-    runs = tmp_path_factory.mktemp("base-runs")
-    world = {**env_world, "runs": str(runs)}
-    mp = pytest.MonkeyPatch()
-    try:
-        for argv in (BASE_DISTILL + " --steps 2", BASE_SFT + " run.steps=2"):
-            import shlex
-            import traceback
-
-            from opd.cli import main
-
-            mp.setattr(sys, "argv", ["opd", *[part.format_map(world) for part in shlex.split(argv)]])
-            try:
-                main()
-            except SystemExit as exit_:
-                assert not exit_.code, f"{argv}: exit {exit_.code}"
-            except BaseException:  # noqa: BLE001
-                pytest.fail(traceback.format_exc())
-    finally:
-        mp.undo()
-    return runs
-
-
-@pytest.mark.parametrize("case", DAMAGED_CASES, ids=[c.name for c in DAMAGED_CASES])
-def test_damaged_run_directory(case: Damaged, env_world, base_runs, monkeypatch, capfd, tmp_path):
-    """Each file a command reads back from a run directory, damaged: one line naming it, exit 2, no traceback, and
-    (for a resume) before the run changes anything in it."""
-    monkeypatch.delenv("OPD_DEBUG", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("COLUMNS", "200")
-    monkeypatch.chdir(tmp_path)
-    runs = tmp_path / "runs"
-    shutil.copytree(base_runs, runs)
-    case.apply(runs)
-    metrics_before = {p: p.read_bytes() for p in runs.glob("*/metrics.jsonl") if p.is_file()}
-    world = {**env_world, "out": str(tmp_path / "out"), "runs": str(runs)}
-    capfd.readouterr()
-    code, stderr, escaped = run_in_process(case.command(world), monkeypatch, capfd)
-    culprits = case.culprits(world)
-    outcome = classify(code, stderr, culprits, case.code, escaped)
-    _tally(case, outcome, code, (escaped or "") + stderr)
-    assert outcome == "clear", f"{outcome} (exit {code}), wanted one line naming {culprits}:\n{escaped or ''}{stderr}"
-    assert {p: p.read_bytes() for p in metrics_before} == metrics_before  # refused before anything was rewritten
-    assert not (runs / "d" / "checkpoints" / "step_3").exists() and not (runs / "s" / "checkpoints" / "step_3").exists()

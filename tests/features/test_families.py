@@ -299,7 +299,7 @@ def test_static_engine_accepts_exactly_these_families():
 
 @pytest.mark.parametrize("name", STATIC_FAMILIES)
 def test_static_engine_matches_the_torch_engine_on_each_family_it_runs(name):
-    """Greedy tokens equal, log-probs within fp32 rounding (the same 1e-4 as tests/test_static_engine.py), with each
+    """Greedy tokens equal, log-probs within fp32 rounding (the same 1e-4 as rollout/test_static_engine.py), with each
     family's features on: sliding windows that bind (Mistral v0.1: every layer; Qwen2: below max_window_layers; with
     the windows ignored log-probs move by 0.7-0.9), Mistral v0.3 / Small / Nemo (no window), Granite 3's multipliers
     (dropping any one of the four moves log-probs by 0.17-3 nats), SmolLM3's NoPE layer (RoPE there: 0.27), OLMo 2's

@@ -1,5 +1,5 @@
 """The lab: shipped assets load and reach their recorded accuracies; `opd demo` and `opd lab build` run end to end in
-a reduced form. (The task and the tokenizer are tested in test_lab_task.py.)"""
+a reduced form. (The task and the tokenizer are tested in tests/lab/test_task.py.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What `--resume` reads back from a run directory, damaged: a checkpoint's MANIFEST.json of the wrong shape is an
 unverifiable checkpoint (skipped, never a traceback), a config.yaml that does not parse or is not a mapping is one
-line naming it. The same readers (`opd.io`) serve `opd report` (tests/test_report.py)."""
+line naming it. The same readers (`opd.io`) serve `opd report` (tests/report/test_report.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`run.deterministic` (`opd.train.common.deterministic_kernels`): what it switches on, and that it leaves the process
-as it found it. The runs themselves: test_distill (a resume under it) and test_bad_inputs (a refused cuBLAS setting);
-on a GPU, benchmarks/check_cuda.py's `deterministic` check."""
+as it found it. The runs themselves: recipes/test_distill (a resume under it) and features/bad_inputs (a refused
+cuBLAS setting); on a GPU, benchmarks/check_cuda.py's `deterministic` check."""
 
 import os
 

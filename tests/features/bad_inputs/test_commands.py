@@ -726,7 +726,7 @@ def test_disk_full_in_an_atomic_write_names_the_file(env_world, monkeypatch, cap
 def test_a_user_error_under_torchrun_is_printed_by_rank_0(rank, monkeypatch, capfd):
     """Under torchrun (RANK, WORLD_SIZE) a user error is one line from rank 0 (issue 22 item 15); another rank waits
     for torchrun to end it, and only a rank that failed alone prints, naming itself. Every rank exits 2. Two real
-    ranks under torchrun: tests/test_distributed.py."""
+    ranks under torchrun: tests/features/test_distributed.py."""
     import opd.cli
 
     monkeypatch.setenv("RANK", rank)

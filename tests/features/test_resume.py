@@ -49,6 +49,17 @@ from opd.recipes.distill import distill
 from opd.recipes.sft import sft
 from opd.train.checkpoint import MANIFEST, latest_checkpoint, verify_checkpoint
 
+
+@pytest.fixture(scope="module", autouse=True)
+def progress_bars_off_as_opd_leaves_them():
+    """transformers' progress bars off, as `opd`'s `main()` leaves them for the rest of the process (where these tests
+    were, in test_run_safety.py, the module's first command had done it): a test that runs `distill()` before its
+    first command reads only the command's stderr."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 # ------------------------------------------------------------------------------------- 6. resume config check
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers import make_tiny_model
-from opd.config import ModelSpec, TeacherSpec, VLLMSpec
+from opd.config import ModelSpec, VLLMSpec
 from opd.rollout import Generator, SamplingParams, engine_names, make_generator
 from opd.rollout.registry import resolve_engine, vllm_arguments
 from opd.rollout.static_engine import StaticGenerator
@@ -13,7 +13,7 @@ from opd.rollout.vllm_engine import EngineOptions, VLLMGenerator
 from opd.teacher.base import TeacherScorer, start_scoring
 from opd.teacher.client import RemoteScorer
 from opd.teacher.local import LocalScorer
-from opd.teacher.registry import resolve_scorer, scorer_names
+from opd.teacher.registry import scorer_names
 from opd.teacher.vllm_scorer import VLLMScorer
 from opd.types import Rollouts
 
@@ -128,14 +128,6 @@ def test_every_engine_and_scorer_implements_every_protocol_member(tiny_tokenizer
     for field in ("sampled_logprobs", "topk_ids", "topk_logprobs", "entropy", "requested_logprobs"):
         assert torch.equal(getattr(pending.result(), field), getattr(direct, field)), field
     scorer.close()
-
-
-def test_teacher_registry_names_its_placements():
-    assert resolve_scorer(ModelSpec(path="t")) == "local"
-    assert resolve_scorer(TeacherSpec(path="t", engine="vllm")) == "vllm"
-    assert resolve_scorer(TeacherSpec(url="http://127.0.0.1:1")) == "served"
-    with pytest.raises(ValueError, match="one of local, served, vllm, got 'fast'"):
-        resolve_scorer(TeacherSpec.model_construct(path="t", engine="fast", url=None))
 
 
 def test_vllm_arguments_come_from_the_config_sections():

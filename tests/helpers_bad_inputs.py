@@ -248,7 +248,7 @@ def classify(code: int | None, stderr: str, culprits: list[str], expected_code: 
     return "unclear"
 
 
-def _tally(case: Case, outcome: str, code, stderr: str) -> None:
+def tally(case: Case, outcome: str, code, stderr: str) -> None:
     path = os.environ.get("OPD_MATRIX_TALLY")
     if path:
         with open(path, "a") as f:

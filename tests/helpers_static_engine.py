@@ -15,7 +15,7 @@ def engines(model, **kwargs):
     return TorchGenerator(model, **common), StaticGenerator(model, kv_bucket=16, **common)
 
 
-def _max_abs_diff(logprobs_a, logprobs_b):
+def max_abs_diff(logprobs_a, logprobs_b):
     return max((abs(a - b) for row_a, row_b in zip(logprobs_a, logprobs_b) for a, b in zip(row_a, row_b)), default=0)
 
 

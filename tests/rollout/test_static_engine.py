@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model
-from helpers_static_engine import PROMPTS, TAIL_CAPS, TAIL_PROMPTS, _max_abs_diff, engines, eos_biased, random_prompts
+from helpers_static_engine import PROMPTS, TAIL_CAPS, TAIL_PROMPTS, engines, eos_biased, max_abs_diff, random_prompts
 from opd.kernels import decode_attention as triton_attention
 from opd.rollout import Generator, SamplingParams, static_engine
 from opd.rollout.sampling import filter_logits
@@ -75,7 +75,7 @@ def test_every_decode_path_matches_torch_generator_in_float32(model_name, fuse_w
     assert got.finish_reasons == want.finish_reasons
     assert static.stats["refills"] == 2
     # float32 on both sides; the two paths sum attention and GEMMs in another order (1e-6-level differences)
-    assert _max_abs_diff(got.logprobs, want.logprobs) < 1e-5
+    assert max_abs_diff(got.logprobs, want.logprobs) < 1e-5
 
 
 def test_generation_is_unchanged_on_a_model_set_to_opd_varlen():
@@ -98,7 +98,7 @@ def test_generation_is_unchanged_on_a_model_set_to_opd_varlen():
     assert static.packed_prefill  # the default on a model that packs
     packed = static.generate(PROMPTS, params)
     want = results["sdpa"][1]
-    assert packed.response_ids == want.response_ids and _max_abs_diff(packed.logprobs, want.logprobs) < 1e-5
+    assert packed.response_ids == want.response_ids and max_abs_diff(packed.logprobs, want.logprobs) < 1e-5
 
 
 @pytest.mark.parametrize("rows", [3, 16])
@@ -128,7 +128,7 @@ def test_packed_prefill_gives_the_padded_prefills_greedy_outputs(rows):
         prefills[packed] = static.stats["prefills"]
     assert outputs[True].response_ids == outputs[False].response_ids
     assert outputs[True].finish_reasons == outputs[False].finish_reasons
-    assert _max_abs_diff(outputs[True].logprobs, outputs[False].logprobs) < 1e-5
+    assert max_abs_diff(outputs[True].logprobs, outputs[False].logprobs) < 1e-5
     for g, ids, lps in zip(outputs[True].group_ids, outputs[True].response_ids, outputs[True].logprobs):
         torch.testing.assert_close(torch.tensor(lps), _full_forward_logprobs(model, prompts[g], ids), atol=1e-5, rtol=0)
     if rows == 16:  # one placement of all six prompts: 1+2+7+23 | 31 | 40 packed; 1,2,7 | 23 | 31 | 40 padded
@@ -217,7 +217,7 @@ def test_autocast_decodes_on_cast_once_weights_with_the_float32_residual_of_auto
         bf16_step.hf = StaticGenerator(model, **common).hf  # the same (autocast) prefill: compare the decode steps
         with torch.autocast("cpu", dtype=torch.bfloat16):
             bf16 = bf16_step.generate(PROMPTS, params)
-        assert _max_abs_diff([row[:1] for row in bf16.logprobs], [row[:1] for row in fused.logprobs]) == 0
+        assert max_abs_diff([row[:1] for row in bf16.logprobs], [row[:1] for row in fused.logprobs]) == 0
         assert bf16.logprobs != fused.logprobs
 
 
@@ -233,12 +233,12 @@ def test_weights_updated_between_calls_are_seen():
     after, want = static.generate(PROMPTS, params), reference.generate(PROMPTS, params)
     assert after.logprobs != before.logprobs
     assert after.response_ids == want.response_ids
-    assert _max_abs_diff(after.logprobs, want.logprobs) < 1e-5
+    assert max_abs_diff(after.logprobs, want.logprobs) < 1e-5
     with torch.no_grad():
         model.lm_head.weight.zero_()  # every logit 0: greedy picks id 0, log-prob -log V
     uniform = static.generate(PROMPTS, params)
     assert all(ids == [0] * 12 for ids in uniform.response_ids)
-    assert _max_abs_diff(uniform.logprobs, [[-math.log(261)] * 12] * 6) < 1e-5
+    assert max_abs_diff(uniform.logprobs, [[-math.log(261)] * 12] * 6) < 1e-5
 
 
 @pytest.mark.parametrize("columns", [10, 151669])
@@ -274,7 +274,7 @@ def test_greedy_with_a_vocab_limit_matches_torch_generator():
     want, got = reference.generate(PROMPTS, params), static.generate(PROMPTS, params)
     assert max(max(ids) for ids in got.response_ids) < 100
     assert got.response_ids == want.response_ids
-    assert _max_abs_diff(got.logprobs, want.logprobs) < 1e-5
+    assert max_abs_diff(got.logprobs, want.logprobs) < 1e-5
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
@@ -584,7 +584,7 @@ def test_live_row_buckets_keep_greedy_outputs(fuse_weights, attention):
     assert list(stats["bucket_steps"]) == [8, 4] and list(single_stats["bucket_steps"]) == [8]
     assert stats["bucket_occupancy"] > single_stats["occupancy"] == stats["occupancy"]
     assert buckets.response_ids == single.response_ids and [len(r) for r in buckets.response_ids] == TAIL_CAPS
-    assert _max_abs_diff(buckets.logprobs, single.logprobs) < 1e-5
+    assert max_abs_diff(buckets.logprobs, single.logprobs) < 1e-5
 
 
 def test_live_row_buckets_are_deterministic_per_seed():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import EOS_ID, PAD_ID, compile_decode_on_cpu, make_tiny_model
-from helpers_static_engine import PROMPTS, TAIL_CAPS, TAIL_PROMPTS, _max_abs_diff, engines, eos_biased, random_prompts
+from helpers_static_engine import PROMPTS, TAIL_CAPS, TAIL_PROMPTS, engines, eos_biased, max_abs_diff, random_prompts
 from opd.rollout import SamplingParams, memory, static_engine
 from opd.rollout.static_engine import StaticGenerator, _round_rows
 from opd.rollout.torch_engine import TorchGenerator
@@ -53,7 +53,7 @@ def test_rounded_rows_keep_greedy_outputs(prompts, n, rows):
     (rounded, rounded_stats), (exact, exact_stats) = (_rounding_call(model, on, batch, params) for on in (True, False))
     assert rounded_stats["rows"] == rows and exact_stats["rows"] == prompts * n
     assert rounded.response_ids == exact.response_ids and rounded.finish_reasons == exact.finish_reasons
-    assert _max_abs_diff(rounded.logprobs, exact.logprobs) < 1e-5
+    assert max_abs_diff(rounded.logprobs, exact.logprobs) < 1e-5
 
 
 def test_rounded_rows_keep_greedy_outputs_over_partial_continuations():
@@ -225,7 +225,7 @@ def test_slots_hold_the_longest_sample_not_the_longest_prompt_with_the_largest_l
     got = static.generate(prompts, params, max_new_tokens_per_sample=caps)
     assert static.stats["slots_per_row"] == 31 and static.stats["rows"] == 3
     assert got.response_ids == want.response_ids
-    assert _max_abs_diff(got.logprobs, want.logprobs) < 1e-4
+    assert max_abs_diff(got.logprobs, want.logprobs) < 1e-4
 
 
 def _rounding_engine_on_a_figure() -> tuple[StaticGenerator, dict[str, int], int]:

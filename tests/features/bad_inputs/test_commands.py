@@ -39,8 +39,8 @@ from helpers_bad_inputs import (
     TEMPLATE,
     TINY_DISTILL,
     Case,
-    _tally,
     classify,
+    tally,
 )
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -412,7 +412,7 @@ def test_bad_input(case: Case, env_world, monkeypatch, capfd, tmp_path):
     code, stderr, escaped = run_in_process(case.command(world), monkeypatch, capfd)
     culprits = case.culprits(world)
     outcome = classify(code, stderr, culprits, case.code, escaped)
-    _tally(case, outcome, code, (escaped or "") + stderr)
+    tally(case, outcome, code, (escaped or "") + stderr)
     assert outcome == "clear", f"{outcome} (exit {code}), wanted one line naming {culprits}:\n{escaped or ''}{stderr}"
 
 
@@ -701,7 +701,7 @@ def test_once_accepted_value_fails_in_one_line(case: Case, env_world, monkeypatc
     code, stderr, escaped = run_in_process(case.command(world), monkeypatch, capfd)
     culprits = case.culprits(world)
     outcome = classify(code, stderr, culprits, case.code, escaped)
-    _tally(case, outcome, code, (escaped or "") + stderr)
+    tally(case, outcome, code, (escaped or "") + stderr)
     assert outcome == "clear", f"{outcome} (exit {code}), wanted one line naming {culprits}:\n{escaped or ''}{stderr}"
 
 

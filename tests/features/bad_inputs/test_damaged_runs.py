@@ -14,8 +14,8 @@ import pytest
 from helpers import run_in_process
 from helpers_bad_inputs import (
     Case,
-    _tally,
     classify,
+    tally,
 )
 
 # ---------------------------------------------------- issue 22 item 13: damaged run directories, read back
@@ -197,7 +197,7 @@ def test_damaged_run_directory(case: Damaged, env_world, base_runs, monkeypatch,
     code, stderr, escaped = run_in_process(case.command(world), monkeypatch, capfd)
     culprits = case.culprits(world)
     outcome = classify(code, stderr, culprits, case.code, escaped)
-    _tally(case, outcome, code, (escaped or "") + stderr)
+    tally(case, outcome, code, (escaped or "") + stderr)
     assert outcome == "clear", f"{outcome} (exit {code}), wanted one line naming {culprits}:\n{escaped or ''}{stderr}"
     assert {p: p.read_bytes() for p in metrics_before} == metrics_before  # refused before anything was rewritten
     assert not (runs / "d" / "checkpoints" / "step_3").exists() and not (runs / "s" / "checkpoints" / "step_3").exists()

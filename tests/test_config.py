@@ -1,13 +1,9 @@
-"""Config schema (unknown keys, types, suggestions, precedence) and the CLI surface (help, one-line errors)."""
-
-import subprocess
-import sys
+"""Config schema (unknown keys, types, suggestions, precedence, non-finite floats) and the shipped configs. The CLI
+surface (help, one-line errors): test_cli.py."""
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
-from opd.cli import app
 from opd.config import ConfigError, DistillConfig, EvalConfig, build_config, parse_override, save_config
 
 
@@ -90,54 +86,6 @@ def test_shipped_configs_validate():
 
 
 @pytest.mark.parametrize(
-    "command",
-    [
-        [],
-        ["eval"],
-        ["distill"],
-        ["sft"],
-        ["merge"],
-        ["report"],
-        ["prompts"],
-        ["prompts", "template"],
-        ["prompts", "score"],
-        ["prompts", "select"],
-        ["rollout"],
-        ["dedup"],
-        ["pipeline", "run"],
-        ["demo"],
-        ["lab"],
-        ["lab", "build"],
-        ["lab", "run"],
-    ],
-)
-def test_every_command_has_help(command):
-    result = CliRunner().invoke(app, [*command, "--help"])
-    assert result.exit_code == 0, result.output
-    assert "Usage" in result.output
-
-
-def test_cli_error_is_one_line(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "opd.cli",
-            "eval",
-            "--responses",
-            str(tmp_path / "missing.jsonl"),
-            "--out",
-            str(tmp_path / "o"),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 2
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "missing.jsonl" in lines[0], result.stderr
-
-
-@pytest.mark.parametrize(
     "model, key",
     [
         ("distill", "rollout.temperature"),
@@ -170,36 +118,3 @@ def test_non_finite_floats_are_rejected_in_every_config(model, key, value):
     text = f"[0.9, {value}]" if key == "optim.betas" else value
     with pytest.raises(ConfigError, match=rf"config key '{key}(\.1)?': Input should be a finite number"):
         build_config(cls, options=options, overrides=[f"{key}={text}"])
-
-
-@pytest.mark.parametrize("command", [["eval"], ["rollout"], ["distill"], ["sft"], ["prompts", "score"]])
-def test_one_spelling_for_thinking(command):
-    """Every command that renders chat prompts takes the same switch, --thinking / --no-thinking."""
-    result = CliRunner().invoke(app, [*command, "--help"])
-    assert "--thinking / --no-thinking" in " ".join(result.output.split()), result.output
-
-
-@pytest.mark.parametrize(
-    "argv, enabled, note",
-    [
-        (["--thinking"], True, False),
-        (["--no-thinking"], False, False),
-        (["--thinking", "on"], True, True),
-        (["--thinking=off"], False, True),
-        ([], None, False),
-    ],
-)
-def test_rollout_thinking_old_spelling_still_works(argv, enabled, note, monkeypatch, capfd):
-    """`opd rollout --thinking on|off` (its spelling before the switch became a flag) works for one more release,
-    with a deprecation note on stderr."""
-    import opd.recipes.rollout as rejection
-    from opd.cli import main
-
-    seen = {}
-    monkeypatch.setattr(rejection, "teacher_rollout", lambda config: seen.setdefault("config", config))
-    monkeypatch.setattr(sys, "argv", ["opd", "rollout", "--model", "m", "--prompts", "p.jsonl", "--out", "o", *argv])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    assert exit_.value.code == 0
-    assert seen["config"].data.enable_thinking is enabled
-    assert ("deprecated" in capfd.readouterr().err) is note

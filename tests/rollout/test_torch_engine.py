@@ -1,5 +1,6 @@
-"""The torch generation engine and the Rollouts builder, on tiny random Llama / Qwen3 models (fp32, CPU) and on a
-scripted model whose next token is known, so EOS timing and finished-row handling are exact."""
+"""The torch generation engine (and the Rollouts it builds), on tiny random Llama / Qwen3 models (fp32, CPU) and on a
+scripted model whose next token is known, so EOS timing and finished-row handling are exact. The Rollouts layout:
+test_batch.py; logit filtering: test_sampling.py."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ from transformers import LlamaConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_model
-from opd.rollout.base import GenerationOutput, Generator, SamplingParams
+from opd.rollout.base import Generator, SamplingParams
 from opd.rollout.batch import build_rollouts
-from opd.rollout.sampling import filter_logits
 from opd.rollout.torch_engine import TorchGenerator
 
 KINDS = ["llama", "qwen3"]
@@ -310,39 +310,6 @@ def test_bad_inputs():
     assert engine.generate([], SamplingParams()).response_ids == []
 
 
-def test_filter_logits():
-    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).log_softmax(-1)  # probs ≈ .64 .24 .09 .03
-    inf = float("-inf")
-    assert filter_logits(logits, top_k=2)[0, 2:].tolist() == [inf, inf]
-    assert torch.isfinite(filter_logits(logits, top_p=0.7)[0]).tolist() == [True, True, False, False]
-    assert torch.isfinite(filter_logits(logits, top_p=0.5)[0]).tolist() == [True, False, False, False]
-    assert torch.isfinite(filter_logits(logits, top_p=0.95)[0]).tolist() == [True, True, True, False]
-
-
-def test_nucleus_mass_in_integers_is_within_its_bound_of_the_exact_sums():
-    """`nucleus_mass_before(exact=True)` (the top-p sums of `run.deterministic` on CUDA, where torch has no
-    deterministic float cumsum) against float64 sums of the same probabilities: within V × 2^-53 (each probability
-    rounded to a multiple of 2^-52), at a Qwen vocabulary; the float32 path is further off than that, by its own
-    rounding. And `filter_logits` keeps the same nucleus either way, away from ties at the boundary."""
-    from opd.rollout.sampling import nucleus_mass_before
-
-    generator = torch.Generator().manual_seed(0)
-    vocab = 151_936
-    probs_BV = (torch.randn(3, vocab, generator=generator, dtype=torch.float64) * 3).softmax(-1).sort(-1, True).values
-    reference_BV = probs_BV.cumsum(-1) - probs_BV
-    exact_BV = nucleus_mass_before(probs_BV, exact=True)
-    assert exact_BV.dtype == torch.float64
-    bound = vocab * 2.0**-53
-    assert (exact_BV - reference_BV).abs().max().item() <= bound
-    float_BV = nucleus_mass_before(probs_BV.float(), exact=False).double()
-    assert (float_BV - reference_BV).abs().max().item() > 100 * bound
-    assert nucleus_mass_before(probs_BV.float()).dtype == torch.float32  # None on the CPU: the float path
-    assert torch.equal(nucleus_mass_before(probs_BV.float()), nucleus_mass_before(probs_BV.float(), exact=False))
-    kept = [(reference_BV < p).sum(-1) for p in (0.5, 0.9, 0.95)]
-    for p, count in zip((0.5, 0.9, 0.95), kept):
-        assert torch.equal((nucleus_mass_before(probs_BV, exact=True) < p).sum(-1), count)
-
-
 class ScriptedLM(torch.nn.Module):
     """Next token = last token + 1 (mod 16), with certainty; EOS is 10. Ignores the cache, so a prompt ending in
     token k stops after exactly 10 - k tokens (when k < 10)."""
@@ -393,39 +360,6 @@ def test_all_finished_ends_the_loop():
     model = ScriptedLM()
     out = TorchGenerator(model, sync_interval=1).generate([[8], [9]], SamplingParams(temperature=0, max_new_tokens=50))
     assert out.response_ids == [[9, 10], [10]] and model.calls == 2  # prefill + one decode step
-
-
-def test_build_rollouts_layout():
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
-    output = GenerationOutput(
-        response_ids=[[11, EOS_ID], [12, 13, 14, 15], [16], [17, 18, EOS_ID]],
-        finish_reasons=["stop", "length", "length", "stop"],
-        group_ids=[0, 0, 1, 1],
-        logprobs=[[-0.1, -0.2], [-0.3, -0.4, -0.5, -0.6], [-0.7], [-0.8, -0.9, -1.0]],
-    )
-    r = build_rollouts(prompts, output, pad_id=PAD_ID)
-    P = PAD_ID
-    assert r.input_ids.tolist() == [
-        [1, 2, 3, 11, EOS_ID, P, P, P],
-        [1, 2, 3, 12, 13, 14, 15, P],
-        [4, 5, 6, 7, 8, 16, P, P],
-        [4, 5, 6, 7, 8, 17, 18, EOS_ID],
-    ]
-    assert r.attention_mask.sum(-1).tolist() == [5, 7, 6, 8] and r.attention_mask.dtype == torch.bool
-    assert r.response_ids.tolist() == [[11, EOS_ID, P, P], [12, 13, 14, 15], [16, P, P, P], [17, 18, EOS_ID, P]]
-    assert r.response_mask.sum(-1).tolist() == [2, 4, 1, 3] and r.response_mask.dtype == torch.bool
-    assert r.prompt_lengths.tolist() == [3, 3, 5, 5] and r.group_ids.tolist() == [0, 0, 1, 1]
-    assert r.truncated.tolist() == [False, True, True, False]
-    assert r.rollout_logprobs[1].tolist() == pytest.approx([-0.3, -0.4, -0.5, -0.6])
-    assert r.rollout_logprobs[2, 1:].tolist() == [0.0, 0.0, 0.0]
-    # The token at response_positions + 1 is the response token those logits predict.
-    positions = r.response_positions()
-    following = r.input_ids.gather(1, (positions + 1).clamp(max=r.input_ids.shape[1] - 1))
-    assert torch.equal(following[r.response_mask], r.response_ids[r.response_mask])
-    with pytest.raises(ValueError, match="row 0 has 2 response tokens but 1 logprobs"):
-        build_rollouts(prompts, GenerationOutput([[1, 2]], ["stop"], [0], [[-1.0]]), pad_id=P)
-    with pytest.raises(ValueError, match=r"group_ids\[0\] = 2"):
-        build_rollouts(prompts, GenerationOutput([[1]], ["stop"], [2]), pad_id=P)
 
 
 def test_rollouts_logits_at_response_positions_match_engine(model, prompts):

@@ -13,9 +13,7 @@ import pytest
 
 from helpers_data import MESSAGES, needs_shared, one_line_error, shared
 from opd.data.prompts import ROW_ID, DataError, load_prompts, save_prompts
-from opd.data.templates import (
-    DAPO_PREFIX,
-)
+from opd.data.templates import DAPO_PREFIX
 from opd.eval.benchmarks import BENCHMARKS, benchmark_path, get_benchmark, list_benchmarks, load_benchmark
 from opd.types import Prompt
 

@@ -9,12 +9,7 @@ import pytest
 
 from helpers import EOS_ID, chat, write_jsonl
 from opd.data.prompts import DataError
-from opd.data.sft import (
-    Conversation,
-    end_of_turn_id,
-    read_conversations,
-    tokenize_conversations,
-)
+from opd.data.sft import Conversation, end_of_turn_id, read_conversations, tokenize_conversations
 from opd.data.templates import encode_prompts
 from opd.types import Prompt
 

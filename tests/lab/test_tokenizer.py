@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from opd.lab.task import (
-    STYLES,
-    solve,
-    to_sft_examples,
-)
+from opd.lab.task import STYLES, solve, to_sft_examples
 from opd.lab.tokenizer import CHARACTERS, build_lab_tokenizer
 
 

@@ -7,11 +7,7 @@ import pytest
 import torch
 
 from helpers import SFT_QA, chat, make_tiny_model
-from opd.data.sft import (
-    Conversation,
-    collate,
-    tokenize_conversations,
-)
+from opd.data.sft import Conversation, collate, tokenize_conversations
 from opd.train.sft import forward_backward, packing_is_exact, target_logprobs
 
 

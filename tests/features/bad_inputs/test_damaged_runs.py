@@ -12,11 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import run_in_process
-from helpers_bad_inputs import (
-    Case,
-    classify,
-    tally,
-)
+from helpers_bad_inputs import Case, classify, tally
 
 # ---------------------------------------------------- issue 22 item 13: damaged run directories, read back
 

@@ -43,7 +43,7 @@ from helpers_bad_inputs import (
     tally,
 )
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+SRC = Path(__file__).resolve().parents[3] / "src"
 
 MODEL_CASES = [  # (label, --model value, culprit) for every command that loads a model
     ("missing dir", "{root}/no-such-model", "no-such-model"),

@@ -1,5 +1,5 @@
-"""Run the whole bad-input matrix (every Case of tests/test_bad_inputs.py: CASES, ISSUE_22_CASES, DAMAGED_CASES) and
-print the counts by class of fault (each Case's `kind`) and outcome, measured, never written down.
+"""Run the whole bad-input matrix (every Case of tests/features/bad_inputs/: CASES, ONCE_ACCEPTED_CASES,
+DAMAGED_CASES) and print the counts by class of fault (each Case's `kind`) and outcome, measured, never written down.
 
     python scripts/bad_input_matrix.py                      # this checkout's src/
     python scripts/bad_input_matrix.py --src /tmp/old/src   # another opd's src/ against these cases (a "before")
@@ -14,6 +14,7 @@ test, or the case could not run: an error in its setup). Exit status: 0 when eve
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -25,21 +26,25 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
-# the parametrized tests that run one Case each, and the list each takes its cases from
+MATRIX = TESTS / "features" / "bad_inputs"
+# the parametrized tests that run one Case each: the test module (under MATRIX) and the list it takes its cases from
 CASE_TESTS = {
-    "test_bad_input": "CASES",
-    "test_bad_input_issue_22": "ISSUE_22_CASES",
-    "test_damaged_run_directory": "DAMAGED_CASES",
+    "test_bad_input": ("test_commands", "CASES"),
+    "test_once_accepted_value_fails_in_one_line": ("test_commands", "ONCE_ACCEPTED_CASES"),
+    "test_damaged_run_directory": ("test_damaged_runs", "DAMAGED_CASES"),
 }
 FAILS = ("traceback", "silent", "unclear", "other")
 
 
 def kinds(src: Path) -> dict[tuple[str, str], str]:
     """(test function, case name) → kind, from the Case lists themselves."""
-    sys.path[:0] = [str(src), str(TESTS)]
-    import test_bad_inputs as matrix
-
-    return {(test, case.name): case.kind for test, listed in CASE_TESTS.items() for case in getattr(matrix, listed)}
+    sys.path[:0] = [str(src), str(TESTS), str(MATRIX)]
+    modules = {module: importlib.import_module(module) for module, _ in CASE_TESTS.values()}
+    return {
+        (test, case.name): case.kind
+        for test, (module, listed) in CASE_TESTS.items()
+        for case in getattr(modules[module], listed)
+    }
 
 
 def run_matrix(src: Path, select: str | None, extra: list[str]) -> tuple[dict[tuple[str, str], str], dict]:
@@ -50,7 +55,7 @@ def run_matrix(src: Path, select: str | None, extra: list[str]) -> tuple[dict[tu
             sys.executable,
             "-m",
             "pytest",
-            *(f"{TESTS / 'test_bad_inputs.py'}::{test}" for test in CASE_TESTS),  # every parametrization of each
+            *(f"{MATRIX / module}.py::{test}" for test, (module, _) in CASE_TESTS.items()),  # every parametrization
             "-q",
             "-p",
             "no:cacheprovider",

@@ -4,7 +4,7 @@ attention on CUDA and compiled decoder layers serve it, each "no" with the code'
 Built from tiny random models (benchmarks/families.py) and the same checks the code runs at load time:
 `opd.rollout.static_engine.unsupported_reason`, `opd.kernels.varlen_attention.refusal` (asked about a CUDA device;
 it only inspects the device's type and this torch's kernel, so it runs on CPU) and what `opd.models.compile_layers`
-needs (the decoder's `layers`). tests/test_support_table.py fails when README and this output disagree.
+needs (the decoder's `layers`). tests/features/test_support_table.py fails when README and this output disagree.
 
     python scripts/support_table.py
 """

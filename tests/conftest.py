@@ -72,7 +72,7 @@ def tiny_model_dir(tmp_path, tiny_tokenizer):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A tiny student and teacher (same tokenizer, different weights) and a prompt set with answers, for
-    `helpers.distill_config` (test_bad_inputs and test_distributed have worlds of their own)."""
+    `helpers.distill_config` (features/bad_inputs and features/test_distributed have worlds of their own)."""
     root = tmp_path_factory.mktemp("world")
     tokenizer = make_tiny_tokenizer()
     for name, seed in (("student", 0), ("teacher", 1)):

@@ -620,3 +620,7 @@ def compile_decode_on_cpu(monkeypatch) -> None:
     monkeypatch.setattr(static_engine, "_COMPILED", None)
     monkeypatch.setattr(static_engine.StaticGenerator, "compiles_decode", lambda self: self.compile is not False)
     monkeypatch.setattr(static_engine.StaticGenerator, "_compiles", lambda self, on_cuda: self.compile is not False)
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}

@@ -458,7 +458,7 @@ def score_hidden_checks():
         targets = torch.randint(0, v, (n,), device="cuda", generator=g)
         requested = torch.randint(0, v, (n, 16), device="cuda", generator=g)
         got = score_hidden(
-            hidden, weight, targets_N=targets, top_k=16, requested_ids_NR=requested, vocab_size=v, with_entropy=True
+            hidden, weight, targets_N=targets, top_k=16, requested_ids_NQ=requested, vocab_size=v, with_entropy=True
         )
         # reference from the same logits the model dtype gives (a bf16 matmul rounds them to bf16)
         z = (hidden @ weight[:v].T) if dtype == torch.bfloat16 else (hidden.double() @ weight[:v].double().T)

@@ -88,7 +88,7 @@ def test_score_hidden_matches_naive(variant, vocab_size, topk_piece, monkeypatch
         head,
         targets_N=targets,
         top_k=k,
-        requested_ids_NR=requested,
+        requested_ids_NQ=requested,
         temperature=temperature,
         vocab_size=vocab_size,
         with_entropy=True,
@@ -125,7 +125,7 @@ def test_score_hidden_empty_and_errors():
         head,
         targets_N=torch.zeros(0, dtype=torch.long),
         top_k=3,
-        requested_ids_NR=torch.zeros(0, 2, dtype=torch.long),
+        requested_ids_NQ=torch.zeros(0, 2, dtype=torch.long),
         with_entropy=True,
     )
     assert out.sampled_logprobs.shape == (0,) and out.topk_ids.shape == (0, 3)
@@ -250,7 +250,7 @@ def _score_and_grads(head: OutputHead, hidden, targets, requested, ids, chunk_si
         head,
         targets_N=targets,
         top_k=top_k,
-        requested_ids_NR=requested,
+        requested_ids_NQ=requested,
         temperature=temperature,
         with_entropy=True,
         chunk_size=chunk_size,
@@ -325,7 +325,7 @@ def test_bf16_model_dtype_matches_dense_reference():
             head.weight,
             targets_N=targets,
             top_k=k,
-            requested_ids_NR=requested,
+            requested_ids_NQ=requested,
             with_entropy=True,
             chunk_size=chunk,
         )

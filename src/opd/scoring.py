@@ -389,7 +389,7 @@ def score_hidden(
     requested_ids_NQ: [N, Q] long or None, extra ids whose log-probs are wanted (e.g. the student's top-k)
     vocab_size:       scored range; rows ≥ it are padding (never selected, no mass). None = all rows
     chunk_size:       positions per chunk; None = `default_chunk_size(vocab_size, dtype=<matmul dtype>)`
-    requested_ids_NR: the old name of `requested_ids_NQ`, still accepted (not both)
+    requested_ids_NR: deprecated, the old name of `requested_ids_NQ` (a DeprecationWarning; not both)
 
     Memory: one chunk's raw logits `[C, V]` in the model dtype, plus (eagerly) at most one more buffer of that size
     for row slices' float32 temporaries; compiled, nothing else `[C, V]`. See `CHUNK_BYTES`.
@@ -409,6 +409,12 @@ def score_hidden(
     if requested_ids_NR is not None:
         if requested_ids_NQ is not None:
             raise TypeError("pass requested_ids_NQ or its old name requested_ids_NR, not both")
+        warnings.warn(
+            "score_hidden(requested_ids_NR=…) is deprecated: the keyword is requested_ids_NQ (Q: requested ids, "
+            "docs/design.md 'Shape letters')",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         requested_ids_NQ = requested_ids_NR
     if requested_ids_NQ is not None:
         _check_ids(requested_ids_NQ, v_used, "requested_ids_NQ")

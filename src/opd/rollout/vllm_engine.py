@@ -188,7 +188,7 @@ def push_weights(
     llm: Any, weights: dict[str, torch.Tensor], *, include_lm_head: bool = True, reset_prefix_cache: bool = True
 ) -> None:
     """Load `weights` (HF names, any device) into the running engine in place. The two switches exist so a test can
-    show that each step is needed (tests/test_vllm_engine.py); production always uses both."""
+    show that each step is needed (tests/features/vllm/test_engine.py); production always uses both."""
     items = [
         (name, tensor.detach())
         for name, tensor in weights.items()

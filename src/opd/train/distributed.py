@@ -1,7 +1,7 @@
 """torchrun + FSDP2: one code path for 1..N processes.
 
     torchrun --nproc_per_node 8 -m opd.cli distill --config configs/opd_qwen3_1.7b_from_4b.yaml
-    torchrun --nproc_per_node 2 -m opd.cli distill --config …   # CPU too: gloo, as in tests/test_distributed.py
+    torchrun --nproc_per_node 2 -m opd.cli distill --config …   # CPU too: gloo, as in tests/features/test_distributed.py
 
 Without torchrun (no `WORLD_SIZE`) everything here is a no-op: world size 1, no process group, the model unwrapped.
 With it every rank keeps its slice of the same seeded global batch and the loss divides by the global token count,

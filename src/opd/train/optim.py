@@ -51,7 +51,7 @@ class AdamW16(torch.optim.Optimizer):
     - exp_avg to nearest: with β1 = 0.9 a step replaces a tenth of it, far more than bfloat16's relative spacing
       (2^-8 to 2^-7), so rounding errors decay by 0.9 a step instead of adding up.
     - exp_avg_sq stochastically: with β2 = 0.999 a step changes it by ~0.1%, less than half a bfloat16 spacing, so
-      round-to-nearest would freeze it wherever g² stays within a few times v (tests/test_lean_step.py shows it);
+      round-to-nearest would freeze it wherever g² stays within a few times v (tests/train/test_optim.py shows it);
       stochastic rounding keeps its expectation exact. The dither comes from a generator seeded with (step,
       parameter index, piece): deterministic, and nothing extra to checkpoint.
     State per parameter: `step` (float32 scalar, as torch's), `exp_avg`, `exp_avg_sq` (bfloat16, the parameter's

@@ -239,6 +239,7 @@ def build_trainer(args, info, device: torch.device):
     from opd.config import DataSpec, DistillConfig, ModelSpec, RunSpec, SamplingSpec, TeacherSpec
     from opd.rollout import make_generator
     from opd.teacher.local import LocalScorer
+    from opd.teacher.registry import RoutedTeacher, Teacher
     from opd.train.distributed import gathered, shard_model
     from opd.train.optim import build_optimizer, build_scheduler
     from opd.train.sampler import PromptSampler
@@ -292,6 +293,8 @@ def build_trainer(args, info, device: torch.device):
     lengths = parse_lengths(args.lengths) if args.lengths else None
     g = torch.Generator().manual_seed(args.seed)
     prompt_ids = torch.randint(3, vocab, (prompts, args.prompt_len), generator=g).tolist()
+    # one teacher: a list of one (config.teacher_entries()), every prompt its own
+    routed = RoutedTeacher(config.teacher_entries()[0], Teacher(scorer=teacher_scorer, module=teacher, vocab=None))
     return Trainer(
         config=config,
         run_dir=Path("unused"),
@@ -301,8 +304,6 @@ def build_trainer(args, info, device: torch.device):
         prompt_ids=prompt_ids,
         generator=BenchGenerator(engine, eos=eos_id(args.shape), cap=args.new_tokens, lengths=lengths),
         student_scorer=student_scorer,
-        teacher=teacher,
-        teacher_scorer=teacher_scorer,
         reference_scorer=None,
         vocab_size=vocab,
         optimizer=optimizer,
@@ -311,6 +312,8 @@ def build_trainer(args, info, device: torch.device):
         sink=None,
         autocast_dtype=torch.bfloat16 if cuda else None,
         dist=info,
+        teachers=[routed],
+        prompt_teacher=[0] * prompts,
     )
 
 

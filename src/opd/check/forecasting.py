@@ -11,7 +11,7 @@ from __future__ import annotations
 import shlex
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from pydantic import Field
@@ -135,7 +135,7 @@ def classify(values: dict[str, float | None], th: ForecastThresholds | None = No
         return {
             "verdict": "uncertain",
             "reasons": [
-                f"evidence too thin: {int(rollouts)} student rollouts, fewer than the {th.min_rollouts} a "
+                f"evidence too thin: {int(cast(float, rollouts))} student rollouts, fewer than the {th.min_rollouts} a "
                 f"forecast needs"
             ],
             "recovery": "more_rollouts",
@@ -160,7 +160,7 @@ def classify(values: dict[str, float | None], th: ForecastThresholds | None = No
         )
     if reasons:
         return {"verdict": "unlikely", "reasons": reasons, "recovery": "cold_start"}
-    good = []
+    good: list[str] = []
     if adv is not None:
         (good if adv >= th.ok_overlap_advantage else reasons).append(f"overlap advantage {adv:.3f}")
     for side in ("student", "teacher"):
@@ -478,6 +478,7 @@ def forecast_rows(
         f"the teacher's own samples, as many per prompt (gain ≥ {th.min_accuracy_gain})",
         "the teacher solves no more than the student",
     )
-    status: Status = {"likely": "pass", "uncertain": "warn", "unlikely": "fail"}[verdict["verdict"]]
+    statuses: dict[str, Status] = {"likely": "pass", "uncertain": "warn", "unlikely": "fail"}
+    status = statuses[verdict["verdict"]]
     rows.append(CheckResult("forecast", status, verdict["verdict"], "; ".join(verdict["reasons"]), verdict["command"]))
     return rows, verdict

@@ -15,7 +15,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -68,7 +68,7 @@ class TokenizerProbe:
 
     @classmethod
     def of_module(cls, name: str | None, tokenizer: Any, module: torch.nn.Module) -> TokenizerProbe:
-        rows = int(module.get_output_embeddings().weight.shape[0])
+        rows = int(cast(Any, module).get_output_embeddings().weight.shape[0])
         return cls(name, tokenizer, rows, eos_token_ids(module, tokenizer))
 
     @classmethod
@@ -151,10 +151,10 @@ def preflight(
         report.results.append(_memory_row(config, student, teacher, teachers, autocast_dtype))
     if "step_time" not in skip:
         # without a teacher (objective grpo) the mini-step has nothing to score with
-        for probe in scoring or [None]:
+        for timed_probe in cast(list[ScoringProbe | None], list(scoring)) or [None]:
             row = _step_time_row(
                 config,
-                probe,
+                timed_probe,
                 generator,
                 student,
                 student_scorer,
@@ -163,7 +163,7 @@ def preflight(
                 vocab_size,
                 autocast_dtype,
             )
-            report.results += [row] if probe is None else _named([row], probe.name)
+            report.results += [row] if timed_probe is None else _named([row], timed_probe.name)
     report.results += skipped_rows(skip, PREFLIGHT_GROUPS)
     report.values["seconds"] = round(time.perf_counter() - start, 2)
     _print_and_raise(report, console)
@@ -264,7 +264,7 @@ def _tokenizer_rows(
         probe.tokenizer,
         messages=messages,
         enable_thinking=config.data.enable_thinking,
-        student_rows=student.get_output_embeddings().weight.shape[0],
+        student_rows=cast(Any, student).get_output_embeddings().weight.shape[0],
         teacher_rows=probe.rows,
         student_eos_ids=eos_token_ids(student, student_tokenizer),
         teacher_eos_ids=probe.eos_ids,

@@ -12,7 +12,7 @@ Omitted on purpose: PPO mini-batch epochs (the paper makes one optimizer step pe
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -32,7 +32,7 @@ from opd.objectives import (
     strategy_spec,
     teacher_logprobs_at_student_topk,
 )
-from opd.objectives.targets import Targets
+from opd.objectives.targets import ObjectiveSettings, Targets
 from opd.rollout import SamplingParams
 from opd.rollout.base import Generator
 from opd.rollout.batch import build_rollouts, random_rollouts
@@ -183,7 +183,9 @@ def _stream_generate(
 
     def generate(prompt_ids, n, max_new_tokens, call, stop_when, caps):
         params = replace(_sampling_params(cfg, step, rank, call), n=n, max_new_tokens=max_new_tokens)
-        output = generator.generate(prompt_ids, params, max_new_tokens_per_sample=caps, stop_when=stop_when)
+        # the stream's engines (torch, static) take per-sample caps: the Generator protocol does not name them yet
+        engine: Any = generator
+        output = engine.generate(prompt_ids, params, max_new_tokens_per_sample=caps, stop_when=stop_when)
         if counts is not None:
             counts.add(generator)
         return output
@@ -251,7 +253,7 @@ def step_targets(tr: Trainer, batch: Batch, scores: Scores, device: torch.device
         scores.student,
         scores.teacher,
         batch.rollouts,
-        tr.config.objective,
+        cast(ObjectiveSettings, tr.config.objective),  # ObjectiveSpec's Literal fields narrow the protocol's str
         student_at_teacher_topk=scores.student_at_teacher_BTK,
         reference_logprobs=scores.reference_BT,
         outcome_rewards=outcome_B,
@@ -323,7 +325,7 @@ def micro_backward(
         hidden.to_grid(lp_NJ),
         hidden.to_grid(entropy_N),
         micro_targets,
-        cfg.objective,
+        cast(ObjectiveSettings, cfg.objective),
         global_num_tokens=num_tokens,
         global_num_seqs=num_seqs,
     )
@@ -377,11 +379,11 @@ def warm_up(tr: Trainer, device: torch.device, decode_rows: list[int] | None = N
         if isinstance(engine, StaticGenerator) and engine.compiled_prefill:  # its prefills run the compiled layers
             with gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
                 warm_up_prefills(engine, tr.prompt_ids[first_prompts[0]], cfg.rollout.max_new_tokens, tr.vocab_size)
-        if rows := decode_warm_up_rows(tr) if decode_rows is None else decode_rows:
+        if decode := decode_warm_up_rows(tr) if decode_rows is None else decode_rows:
             assert isinstance(engine, StaticGenerator)
             params = _sampling_params(cfg, tr.step, tr.dist.rank)
             with gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
-                engine.warm_up_decode(tr.prompt_ids[first_prompts[0]], params, rows)
+                engine.warm_up_decode(tr.prompt_ids[first_prompts[0]], params, decode)
             engine.release()
     tr.memory_trace = trace
     return compiled_graphs() - before
@@ -469,6 +471,7 @@ def step_metrics(
     """The step's metrics (SPEC §6) with one host sync for all of them; rank 0 writes its samples; the ranks' values
     become one line: losses (shares of a global mean) and throughput add up, everything else is averaged."""
     rollouts, student, teacher, mask_BT = batch.rollouts, scores.student, scores.teacher, targets.mask
+    obj = tr.config.objective
     out: dict[str, Any] = {
         "grad_norm": result.grad_norm,
         "lr": result.lr,
@@ -489,7 +492,12 @@ def step_metrics(
         out.update(batch.engine_counts.metrics())
     if targets.tis_weights is not None:
         out.update(
-            is_weight_stats(student.sampled_logprobs, rollouts.rollout_logprobs, tr.config.objective.tis_cap, mask_BT)
+            is_weight_stats(
+                student.sampled_logprobs,
+                cast(torch.Tensor, rollouts.rollout_logprobs),
+                cast(float, obj.tis_cap),
+                mask_BT,
+            )
         )
     if batch.versions_BT is not None:
         out.update(partial_metrics(tr.step, batch.versions_BT, mask_BT, tr.config.rollout.max_staleness))
@@ -499,11 +507,11 @@ def step_metrics(
             out["partial/is_weight_min"] = torch.where(mask_BT.bool(), weights_BT, torch.ones_like(weights_BT)).min()
     if teacher is not None:
         out.update(
-            opd_diagnostics(
-                student_topk_ids=student.topk_ids,
-                student_topk_logprobs=student.topk_logprobs,
-                teacher_topk_ids=teacher.topk_ids,
-                teacher_topk_logprobs=teacher.topk_logprobs,
+            opd_diagnostics(  # the top-k fields are set: scoring asks for diagnostic_top_k >= 1 candidates
+                student_topk_ids=cast(torch.Tensor, student.topk_ids),
+                student_topk_logprobs=cast(torch.Tensor, student.topk_logprobs),
+                teacher_topk_ids=cast(torch.Tensor, teacher.topk_ids),
+                teacher_topk_logprobs=cast(torch.Tensor, teacher.topk_logprobs),
                 teacher_logprobs_at_student_topk=teacher_logprobs_at_student_topk(student, teacher),
                 student_entropy=student.entropy,
                 teacher_entropy=teacher.entropy,

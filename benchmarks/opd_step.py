@@ -262,7 +262,7 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
     from opd.train.optim import build_optimizer, build_scheduler
     from opd.train.overlap import rollout_ahead, rollout_snapshot
     from opd.train.sampler import PromptSampler
-    from opd.train.step import Trainer
+    from opd.train.state import RunState, TrainData, TrainEngines, Trainer, TrainModels, TrainOptimization
     from opd.types import Prompt
 
     rows = args.rollout_rows or args.prompts * args.n
@@ -310,29 +310,27 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
         rollout_model = rollout_snapshot(student, autocast_dtype or torch.float32)
         rollout_generator = _engine(rollout_model, engine, args, rows, background=True)
     stream, ahead = rollout_ahead(config, rollout_model, rollout_generator)
+    generator = _engine(student, engine, args, rows)
     return Trainer(
         config=config,
-        run_dir=run_dir,
-        student=student,
-        tokenizer=IdTokenizer(pad_id(args.shape), eos_id(args.shape)),
-        prompts=prompts,
-        prompt_ids=prompt_ids,
-        generator=_engine(student, engine, args, rows),
-        student_scorer=LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab),
-        reference_scorer=None,
-        vocab_size=vocab,
-        optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, config.run.steps, config.optim),
-        sampler=PromptSampler(len(prompt_ids), config.prompts_per_step, seed=0),
-        sink=None,
-        autocast_dtype=autocast_dtype,
-        rollout_model=rollout_model,
-        rollout_generator=rollout_generator,
-        ahead=ahead,
-        stream=stream,
-        teachers=routed,
-        prompt_teacher=[i % len(modules) for i in range(len(prompt_ids))],
-        gpu_busy=GpuBusy.open(next(student.parameters()).device),
+        models=TrainModels(
+            student=student,
+            tokenizer=IdTokenizer(pad_id(args.shape), eos_id(args.shape)),
+            student_scorer=LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab),
+            reference_scorer=None,
+            vocab_size=vocab,
+            teachers=routed,
+            autocast_dtype=autocast_dtype,
+        ),
+        data=TrainData(
+            prompts=prompts,
+            prompt_ids=prompt_ids,
+            sampler=PromptSampler(len(prompt_ids), config.prompts_per_step, seed=0),
+            prompt_teacher=[i % len(modules) for i in range(len(prompt_ids))],
+        ),
+        engines=TrainEngines(generator, rollout_model, rollout_generator, ahead=ahead, stream=stream),
+        optimization=TrainOptimization(optimizer, build_scheduler(optimizer, config.run.steps, config.optim)),
+        run=RunState(run_dir, gpu_busy=GpuBusy.open(next(student.parameters()).device)),
     )
 
 

@@ -100,7 +100,7 @@ from opd.train.distributed import (
 from opd.train.optim import adamw_state_bytes, build_optimizer, build_scheduler
 from opd.train.overlap import overlap_generator, rollout_ahead
 from opd.train.sampler import PromptSampler
-from opd.train.state import Models, Trainer
+from opd.train.state import Models, RunState, TrainData, TrainEngines, Trainer, TrainModels, TrainOptimization
 from opd.train.step import CompileLog, decode_warm_up_rows, describe_compiles, opd_step, warm_up
 
 __all__ = ["DistillConfig", "Trainer", "distill", "run_eval", "save", "setup", "train"]
@@ -294,31 +294,26 @@ def setup(
     stream, ahead = rollout_ahead(config, rollout_model, rollout_generator)  # rollout.partial / rollout.overlap
     tr = Trainer(
         config=config,
-        run_dir=run_dir,
-        student=models.student,
-        tokenizer=models.tokenizer,
-        prompts=data.prompts,
-        prompt_ids=data.input_ids,
-        generator=generator,
-        student_scorer=models.student_scorer,
-        reference_scorer=reference_scorer,
-        vocab_size=models.vocab_size,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        sampler=sampler,
-        sink=None,
-        autocast_dtype=models.autocast_dtype,
-        dist=dist,
-        activation_budget=budget,
-        compiled_layers=compiled,
-        rollout_model=rollout_model,
-        rollout_generator=rollout_generator,
-        ahead=ahead,
-        stream=stream,
-        teachers=models.teachers,
-        prompt_teacher=prompt_teacher,
-        teacher_manifest=teacher_manifest(models.teachers),
-        gpu_busy=GpuBusy.open(next(models.student.parameters()).device),
+        models=TrainModels(
+            student=models.student,
+            tokenizer=models.tokenizer,
+            student_scorer=models.student_scorer,
+            reference_scorer=reference_scorer,
+            vocab_size=models.vocab_size,
+            teachers=models.teachers,
+            autocast_dtype=models.autocast_dtype,
+            activation_budget=budget,
+            compiled_layers=compiled,
+        ),
+        data=TrainData(prompts=data.prompts, prompt_ids=data.input_ids, sampler=sampler, prompt_teacher=prompt_teacher),
+        engines=TrainEngines(generator, rollout_model, rollout_generator, ahead=ahead, stream=stream),
+        optimization=TrainOptimization(optimizer, scheduler),
+        run=RunState(
+            run_dir,
+            dist=dist,
+            teacher_manifest=teacher_manifest(models.teachers),
+            gpu_busy=GpuBusy.open(next(models.student.parameters()).device),
+        ),
     )
     resume_step = resume(tr, checkpoint, console)
     if dist.is_main:  # rank 0 writes the run directory

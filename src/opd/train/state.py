@@ -23,7 +23,19 @@ from opd.train.sampler import PromptSampler
 from opd.train.stream import RolloutStream, StreamBatch
 from opd.types import Prompt, Rollouts, TokenScores
 
-__all__ = ["Batch", "EngineCounts", "Models", "Scores", "Trainer", "Update"]
+__all__ = [
+    "Batch",
+    "EngineCounts",
+    "Models",
+    "RunState",
+    "Scores",
+    "TrainData",
+    "TrainEngines",
+    "TrainModels",
+    "TrainOptimization",
+    "Trainer",
+    "Update",
+]
 
 
 @dataclass
@@ -42,46 +54,131 @@ class Models:
 
 
 @dataclass
-class Trainer:
-    """Everything a step needs, built once by the recipe's `setup`. State only: `opd.train.step` acts on it."""
+class TrainModels:
+    """The models a step runs and how: the student, its scorers (its own, a frozen reference's, every teacher's)."""
 
-    config: DistillConfig
-    run_dir: Path
     student: torch.nn.Module
     tokenizer: Any  # a Hugging Face tokenizer: pad_token_id, decode, convert_ids_to_tokens
-    prompts: list[Prompt]
-    prompt_ids: list[list[int]]
-    generator: Generator
     student_scorer: TeacherScorer  # the student's own no-grad scores (`opd.teacher.local.LocalScorer`)
     reference_scorer: TeacherScorer | None  # a frozen copy of the initial student, only with objective.kl_coef
     vocab_size: int
+    # the run's teachers (`teachers:`; a list of one for `teacher:`; none for GRPO): each scores the rows of the
+    # prompts routed to it (`TrainData.prompt_teacher`)
+    teachers: list[RoutedTeacher] = field(default_factory=list)
+    autocast_dtype: torch.dtype | None = None
+    activation_budget: float | None = None  # selective checkpointing of compiled layers (opd.models.activation_budget)
+    compiled_layers: bool = False  # the student's layers run compiled: `warm_up` first, `compile/*` metrics per step
+
+
+@dataclass
+class TrainData:
+    """The prompt set as training sees it, the sampler over it and every prompt's teacher."""
+
+    prompts: list[Prompt]
+    prompt_ids: list[list[int]]
+    sampler: PromptSampler
+    prompt_teacher: list[int] = field(default_factory=list)  # the index into `teachers` of every prompt's teacher
+
+
+@dataclass
+class TrainEngines:
+    """The rollout engines: the step's own, and with rollout.overlap a snapshot of the student and the engine over
+    it (`opd.train.overlap.overlap_generator`), wrapped into `ahead`, which generates the next step's rollouts while
+    this step scores and updates; with rollout.partial the stream of in-flight samples (`ahead` then an
+    `AheadStream` that builds the stream's next batch). The recipe builds both (`opd.train.overlap.rollout_ahead`)."""
+
+    generator: Generator
+    rollout_model: torch.nn.Module | None = None
+    rollout_generator: Generator | None = None
+    ahead: AheadGenerator | AheadStream | None = None
+    stream: RolloutStream | None = None
+
+
+@dataclass
+class TrainOptimization:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    sampler: PromptSampler
-    sink: MetricsSink | None  # rank 0's, opened by setup; None on the other ranks
+
+
+@dataclass
+class RunState:
+    """Where the run writes and how far it is: the counters a checkpoint carries, the sink, the process group."""
+
+    run_dir: Path
+    sink: MetricsSink | None = None  # rank 0's, opened by setup; None on the other ranks
+    dist: DistInfo = SINGLE  # this process's rank / world size (torchrun); SINGLE without torchrun
     step: int = 0
     skipped_steps: int = 0
     history: list[dict] = field(default_factory=list)
-    autocast_dtype: torch.dtype | None = None
-    activation_budget: float | None = None  # selective checkpointing of compiled layers (opd.models.activation_budget)
-    dist: DistInfo = SINGLE  # this process's rank / world size (torchrun); SINGLE without torchrun
-    # rollout.overlap: a snapshot of the student and the engine over it (`opd.train.overlap.overlap_generator`),
-    # wrapped into `ahead`, which generates the next step's rollouts while this step scores and updates
-    rollout_model: torch.nn.Module | None = None
-    rollout_generator: Generator | None = None
+    teacher_manifest: list[dict] = field(default_factory=list)  # what checkpoints record of the teachers
     # benchmarks: a list → each step appends CUDA memory (allocated / peak since the last mark, GiB) after each phase
     memory_trace: list | None = None
-    compiled_layers: bool = False  # the student's layers run compiled: `warm_up` first, `compile/*` metrics per step
-    # the run's teachers (`teachers:`; a list of one for `teacher:`; none for GRPO): each scores the rows of the
-    # prompts routed to it, the index into `teachers` of every prompt's teacher in `prompt_teacher`
-    teachers: list[RoutedTeacher] = field(default_factory=list)
-    prompt_teacher: list[int] = field(default_factory=list)
-    teacher_manifest: list[dict] = field(default_factory=list)  # what checkpoints record of the teachers
     gpu_busy: GpuBusy | None = None  # CUDA with NVML: the device's utilization over each step (`gpu/busy_frac`)
-    # rollout.overlap: an AheadGenerator; with rollout.partial too, an AheadStream that builds the stream's next batch
-    # (both built by the recipe: `opd.train.overlap.rollout_ahead`)
-    ahead: AheadGenerator | AheadStream | None = None
-    stream: RolloutStream | None = None  # rollout.partial: the in-flight samples
+
+
+class _In:
+    """A field of one of the trainer's groups, read and written through the trainer by its name (`tr.student` is
+    `tr.models.student`, `tr.step += 1` counts `tr.run.step`): the step reads the state by name, whichever group
+    holds it."""
+
+    def __init__(self, group: str) -> None:
+        self.group = group
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, trainer: Any, owner: type | None = None) -> Any:
+        return self if trainer is None else getattr(getattr(trainer, self.group), self.name)
+
+    def __set__(self, trainer: Any, value: Any) -> None:
+        setattr(getattr(trainer, self.group), self.name, value)
+
+
+@dataclass
+class Trainer:
+    """Everything a step needs, built once by the recipe's `setup`, in five groups. State only: `opd.train.step`
+    acts on it. Every field of a group reads (and writes) as the trainer's own, e.g. `tr.student`, `tr.step`."""
+
+    config: DistillConfig
+    models: TrainModels
+    data: TrainData
+    engines: TrainEngines
+    optimization: TrainOptimization
+    run: RunState
+
+    student = _In("models")
+    tokenizer = _In("models")
+    student_scorer = _In("models")
+    reference_scorer = _In("models")
+    vocab_size = _In("models")
+    teachers = _In("models")
+    autocast_dtype = _In("models")
+    activation_budget = _In("models")
+    compiled_layers = _In("models")
+
+    prompts = _In("data")
+    prompt_ids = _In("data")
+    sampler = _In("data")
+    prompt_teacher = _In("data")
+
+    generator = _In("engines")
+    rollout_model = _In("engines")
+    rollout_generator = _In("engines")
+    ahead = _In("engines")
+    stream = _In("engines")
+
+    optimizer = _In("optimization")
+    scheduler = _In("optimization")
+
+    run_dir = _In("run")
+    sink = _In("run")
+    dist = _In("run")
+    step = _In("run")
+    skipped_steps = _In("run")
+    history = _In("run")
+    teacher_manifest = _In("run")
+    memory_trace = _In("run")
+    gpu_busy = _In("run")
 
     @property
     def pending_rollouts(self) -> PendingRollouts | StreamBatch | None:

@@ -239,10 +239,11 @@ def build_trainer(args, info, device: torch.device):
     from opd.config import DataSpec, DistillConfig, ModelSpec, RunSpec, SamplingSpec, TeacherSpec
     from opd.rollout import make_generator
     from opd.teacher.local import LocalScorer
+    from opd.teacher.registry import RoutedTeacher, Teacher
     from opd.train.distributed import gathered, shard_model
     from opd.train.optim import build_optimizer, build_scheduler
     from opd.train.sampler import PromptSampler
-    from opd.train.step import Trainer
+    from opd.train.state import RunState, TrainData, TrainEngines, Trainer, TrainModels, TrainOptimization
     from opd.types import Prompt
     from opd_step import BenchGenerator, IdTokenizer
 
@@ -292,25 +293,29 @@ def build_trainer(args, info, device: torch.device):
     lengths = parse_lengths(args.lengths) if args.lengths else None
     g = torch.Generator().manual_seed(args.seed)
     prompt_ids = torch.randint(3, vocab, (prompts, args.prompt_len), generator=g).tolist()
+    # one teacher: a list of one (config.teacher_entries()), every prompt its own
+    routed = RoutedTeacher(config.teacher_entries()[0], Teacher(scorer=teacher_scorer, module=teacher, vocab=None))
+    generator = BenchGenerator(engine, eos=eos_id(args.shape), cap=args.new_tokens, lengths=lengths)
     return Trainer(
         config=config,
-        run_dir=Path("unused"),
-        student=student,
-        tokenizer=tokenizer,
-        prompts=[Prompt(id=str(i), messages=[{"role": "user", "content": ""}]) for i in range(prompts)],
-        prompt_ids=prompt_ids,
-        generator=BenchGenerator(engine, eos=eos_id(args.shape), cap=args.new_tokens, lengths=lengths),
-        student_scorer=student_scorer,
-        teacher=teacher,
-        teacher_scorer=teacher_scorer,
-        reference_scorer=None,
-        vocab_size=vocab,
-        optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, config.run.steps, config.optim),
-        sampler=PromptSampler(prompts, prompts, seed=0),
-        sink=None,
-        autocast_dtype=torch.bfloat16 if cuda else None,
-        dist=info,
+        models=TrainModels(
+            student=student,
+            tokenizer=tokenizer,
+            student_scorer=student_scorer,
+            reference_scorer=None,
+            vocab_size=vocab,
+            teachers=[routed],
+            autocast_dtype=torch.bfloat16 if cuda else None,
+        ),
+        data=TrainData(
+            prompts=[Prompt(id=str(i), messages=[{"role": "user", "content": ""}]) for i in range(prompts)],
+            prompt_ids=prompt_ids,
+            sampler=PromptSampler(prompts, prompts, seed=0),
+            prompt_teacher=[0] * prompts,
+        ),
+        engines=TrainEngines(generator),
+        optimization=TrainOptimization(optimizer, build_scheduler(optimizer, config.run.steps, config.optim)),
+        run=RunState(Path("unused"), dist=info),
     )
 
 

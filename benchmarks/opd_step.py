@@ -260,9 +260,9 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
     from opd.teacher.local import LocalScorer
     from opd.teacher.registry import RoutedTeacher, Teacher
     from opd.train.optim import build_optimizer, build_scheduler
-    from opd.train.overlap import rollout_snapshot
+    from opd.train.overlap import rollout_ahead, rollout_snapshot
     from opd.train.sampler import PromptSampler
-    from opd.train.step import Trainer
+    from opd.train.state import RunState, TrainData, TrainEngines, Trainer, TrainModels, TrainOptimization
     from opd.types import Prompt
 
     rows = args.rollout_rows or args.prompts * args.n
@@ -292,9 +292,11 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
     prompts = [Prompt(id=str(i), messages=[{"role": "user", "content": ""}]) for i in range(len(prompt_ids))]
     modules = teacher if isinstance(teacher, list) else [teacher]
     scorers = [LocalScorer(m, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab) for m in modules]
-    routed = []
-    if len(modules) > 1:
-        for i, (module, scorer) in enumerate(zip(modules, scorers)):
+    routed = []  # one teacher: a list of one (config.teacher_entries()), every prompt its own
+    entries = config.teacher_entries()
+    for i, (module, scorer) in enumerate(zip(modules, scorers)):
+        entry = entries[0]
+        if len(modules) > 1:
             entry = TeacherEntry(
                 name=f"t{i}",
                 path=f"random:{args.teacher_shape}",
@@ -302,34 +304,33 @@ def build_trainer(args, student, teacher, prompt_ids, engine: str, run_dir: Path
                 temperature=config.objective.teacher_temperature,
                 route=TeacherRoute(data_source=[f"part{i}"]),
             )
-            routed.append(RoutedTeacher(entry=entry, teacher=Teacher(scorer=scorer, module=module, vocab=None)))
+        routed.append(RoutedTeacher(entry=entry, teacher=Teacher(scorer=scorer, module=module, vocab=None)))
     rollout_model = rollout_generator = None
     if overlap:  # as `opd.train.overlap.overlap_generator` builds them, over the benchmark's own engine
         rollout_model = rollout_snapshot(student, autocast_dtype or torch.float32)
         rollout_generator = _engine(rollout_model, engine, args, rows, background=True)
+    stream, ahead = rollout_ahead(config, rollout_model, rollout_generator)
+    generator = _engine(student, engine, args, rows)
     return Trainer(
         config=config,
-        run_dir=run_dir,
-        student=student,
-        tokenizer=IdTokenizer(pad_id(args.shape), eos_id(args.shape)),
-        prompts=prompts,
-        prompt_ids=prompt_ids,
-        generator=_engine(student, engine, args, rows),
-        student_scorer=LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab),
-        teacher=modules[0],
-        teacher_scorer=scorers[0],
-        reference_scorer=None,
-        vocab_size=vocab,
-        optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, config.run.steps, config.optim),
-        sampler=PromptSampler(len(prompt_ids), config.prompts_per_step, seed=0),
-        sink=None,
-        autocast_dtype=autocast_dtype,
-        rollout_model=rollout_model,
-        rollout_generator=rollout_generator,
-        teachers=routed,
-        prompt_teacher=[i % len(modules) for i in range(len(prompt_ids))] if routed else [],
-        gpu_busy=GpuBusy.open(next(student.parameters()).device),
+        models=TrainModels(
+            student=student,
+            tokenizer=IdTokenizer(pad_id(args.shape), eos_id(args.shape)),
+            student_scorer=LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab),
+            reference_scorer=None,
+            vocab_size=vocab,
+            teachers=routed,
+            autocast_dtype=autocast_dtype,
+        ),
+        data=TrainData(
+            prompts=prompts,
+            prompt_ids=prompt_ids,
+            sampler=PromptSampler(len(prompt_ids), config.prompts_per_step, seed=0),
+            prompt_teacher=[i % len(modules) for i in range(len(prompt_ids))],
+        ),
+        engines=TrainEngines(generator, rollout_model, rollout_generator, ahead=ahead, stream=stream),
+        optimization=TrainOptimization(optimizer, build_scheduler(optimizer, config.run.steps, config.optim)),
+        run=RunState(run_dir, gpu_busy=GpuBusy.open(next(student.parameters()).device)),
     )
 
 
@@ -349,7 +350,10 @@ def memory_breakdown(tr, trace: list[dict], start_bytes: int) -> dict:
         "resident_gib": start_bytes / GIB,
         "student_weights_gib": _cuda_bytes(tr.student.parameters()) / GIB,
         "adamw_state_gib": _cuda_bytes(t for s in tr.optimizer.state.values() for t in s.values()) / GIB,
-        "teacher_weights_gib": _cuda_bytes(tr.teacher.parameters()) / GIB if tr.teacher is not None else 0.0,
+        # the first teacher's weights, as before teachers were a list
+        "teacher_weights_gib": _cuda_bytes(tr.teachers[0].teacher.module.parameters()) / GIB
+        if tr.teachers and tr.teachers[0].teacher.module is not None
+        else 0.0,
     }
     out["other_resident_gib"] = (
         out["resident_gib"] - out["student_weights_gib"] - out["adamw_state_gib"] - out["teacher_weights_gib"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import shlex
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from pydantic import Field
@@ -135,7 +135,7 @@ def classify(values: dict[str, float | None], th: ForecastThresholds | None = No
         return {
             "verdict": "uncertain",
             "reasons": [
-                f"evidence too thin: {int(rollouts)} student rollouts, fewer than the {th.min_rollouts} a "
+                f"evidence too thin: {int(cast(float, rollouts))} student rollouts, fewer than the {th.min_rollouts} a "
                 f"forecast needs"
             ],
             "recovery": "more_rollouts",
@@ -160,7 +160,7 @@ def classify(values: dict[str, float | None], th: ForecastThresholds | None = No
         )
     if reasons:
         return {"verdict": "unlikely", "reasons": reasons, "recovery": "cold_start"}
-    good = []
+    good: list[str] = []
     if adv is not None:
         (good if adv >= th.ok_overlap_advantage else reasons).append(f"overlap advantage {adv:.3f}")
     for side in ("student", "teacher"):
@@ -256,6 +256,32 @@ def _teacher_option(teacher: str | Sequence[str], served: bool) -> str:
     return shlex.quote(f"teacher.url={urls}")
 
 
+class _ForecastSums:
+    """What `forecast` accumulates over the scored batches (`score_prompts`' on_scored): the token-weighted sums of
+    the §6 metrics, the response tokens, each rollout's sequence reward and, with answers, its grade."""
+
+    def __init__(self, tokenizer: Any, answers_known: bool) -> None:
+        self.tokenizer, self.answers_known = tokenizer, answers_known
+        self.sums: dict[str, float] = {}
+        self.tokens = 0
+        self.seq_B: list[torch.Tensor] = []
+        self.correct: list[bool] = []
+
+    def on_scored(self, batch: Any, rollouts: Any, student_scores: Any, teacher_scores: Any) -> None:
+        mask = rollouts.response_mask
+        count = int(mask.sum())
+        for key, value in opd_diagnostics_from_scores(
+            student_scores, teacher_scores, mask, chunk_size=max(1, mask.shape[1])
+        ).items():
+            if key in FORECAST_METRICS:
+                self.sums[key] = self.sums.get(key, 0.0) + float(value) * count  # token-weighted across batches
+        self.tokens += count
+        self.seq_B.append(seq_rewards(teacher_scores.sampled_logprobs, student_scores.sampled_logprobs, mask).cpu())
+        if self.answers_known:
+            answers = [batch[g].answer for g in rollouts.group_ids.tolist()]
+            self.correct.extend(_grade(self.tokenizer, rollouts, answers))
+
+
 def forecast(
     student: torch.nn.Module,
     teacher: torch.nn.Module | Any,
@@ -280,27 +306,7 @@ def forecast(
     (`opd_diagnostics_from_scores`), the sequence-reward AUROC against correctness and the student's accuracy (when
     the prompts carry answers), and the teacher's accuracy on n samples of its own at `teacher_temperature`.
     `teacher`: a model, or any `TeacherScorer` (a served teacher: no samples of its own, no teacher accuracy)."""
-    sums: dict[str, float] = {}
-    tokens = 0
-    seq_B: list[torch.Tensor] = []
-    correct: list[bool] = []
-    answers_known = all(p.answer is not None for p in prompts)
-
-    def on_scored(batch, rollouts, student_scores, teacher_scores) -> None:
-        nonlocal tokens
-        mask = rollouts.response_mask
-        count = int(mask.sum())
-        for key, value in opd_diagnostics_from_scores(
-            student_scores, teacher_scores, mask, chunk_size=max(1, mask.shape[1])
-        ).items():
-            if key in FORECAST_METRICS:
-                sums[key] = sums.get(key, 0.0) + float(value) * count  # token-weighted across batches
-        tokens += count
-        seq_B.append(seq_rewards(teacher_scores.sampled_logprobs, student_scores.sampled_logprobs, mask).cpu())
-        if answers_known:
-            correct.extend(_grade(tokenizer, rollouts, [batch[g].answer for g in rollouts.group_ids.tolist()]))
-
-    start = time.perf_counter()
+    sums, start = _ForecastSums(tokenizer, all(p.answer is not None for p in prompts)), time.perf_counter()
     scores = score_prompts(
         student,
         teacher,
@@ -317,10 +323,11 @@ def forecast(
         batch_size=batch_size,
         score_batch_tokens=score_batch_tokens,
         seed=seed,
-        on_scored=on_scored,
+        on_scored=sums.on_scored,
     )
-    values: dict[str, Any] = {k: s / max(tokens, 1) for k, s in sums.items()}
-    seq = torch.cat(seq_B) if seq_B else torch.zeros(0)
+    tokens, correct = sums.tokens, sums.correct
+    values: dict[str, Any] = {k: s / max(tokens, 1) for k, s in sums.sums.items()}
+    seq = torch.cat(sums.seq_B) if sums.seq_B else torch.zeros(0)
     values.update(
         seq_reward_mean=float(seq.mean()) if seq.numel() else None,
         rollouts=int(seq.numel()),
@@ -330,7 +337,7 @@ def forecast(
     )
     values["seq_reward_auroc"] = None
     values["student_accuracy"] = values["teacher_accuracy"] = None
-    if answers_known and correct:
+    if sums.answers_known and correct:
         labels = torch.tensor(correct)
         values["student_accuracy"] = float(labels.float().mean())
         both = 0 < int(labels.sum()) < len(correct)  # AUROC is undefined with one class only
@@ -471,6 +478,7 @@ def forecast_rows(
         f"the teacher's own samples, as many per prompt (gain ≥ {th.min_accuracy_gain})",
         "the teacher solves no more than the student",
     )
-    status: Status = {"likely": "pass", "uncertain": "warn", "unlikely": "fail"}[verdict["verdict"]]
+    statuses: dict[str, Status] = {"likely": "pass", "uncertain": "warn", "unlikely": "fail"}
+    status = statuses[verdict["verdict"]]
     rows.append(CheckResult("forecast", status, verdict["verdict"], "; ".join(verdict["reasons"]), verdict["command"]))
     return rows, verdict

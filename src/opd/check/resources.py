@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -25,7 +25,7 @@ from opd.train.sft import forward_backward
 
 
 def _vocab(model: torch.nn.Module) -> int:
-    return model.get_output_embeddings().weight.shape[0]
+    return cast(Any, model).get_output_embeddings().weight.shape[0]
 
 
 def _param_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
@@ -56,7 +56,7 @@ def estimate_memory(
     score (teachers score one after another); None: `teacher` alone, offloaded when teacher_offload."""
 
     def shape(model: torch.nn.Module) -> dict[str, int]:
-        c = model.config
+        c: Any = model.config
         heads = c.num_attention_heads
         return {
             "layers": c.num_hidden_layers,
@@ -166,7 +166,7 @@ def mini_step(
     """Seconds of each phase of one OPD step on `prompts` prompts × rollout.n (rollout, student and teacher scoring,
     a forward/backward of the student through `opd.train.sft.forward_backward`, whose cost is the update's; the
     gradients are dropped). Changes no weights, optimizer or global RNG state."""
-    cfg, timings = config, {}
+    cfg, timings = config, cast(dict[str, float], {})
     device = next(student.parameters()).device
     ids = [list(x) for x in prompt_ids[:prompts]]
     k = diagnostic_top_k(cfg.objective.top_k)
@@ -194,7 +194,7 @@ def mini_step(
     # mini-step never needs more memory than training; on CPU the run does not checkpoint either.
     checkpoint = device.type == "cuda" and not getattr(student, "is_gradient_checkpointing", True)
     if checkpoint:
-        student.gradient_checkpointing_enable()
+        cast(Any, student).gradient_checkpointing_enable()
     try:
         with timed(timings, "update"):
             forward_backward(
@@ -208,7 +208,7 @@ def mini_step(
     finally:
         student.zero_grad(set_to_none=True)
         if checkpoint:
-            student.gradient_checkpointing_disable()
+            cast(Any, student).gradient_checkpointing_disable()
     timings["sequences"] = rollouts.batch_size
     timings["response_tokens"] = int(rollouts.response_mask.sum())
     return timings

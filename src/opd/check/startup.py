@@ -15,7 +15,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -68,7 +68,7 @@ class TokenizerProbe:
 
     @classmethod
     def of_module(cls, name: str | None, tokenizer: Any, module: torch.nn.Module) -> TokenizerProbe:
-        rows = int(module.get_output_embeddings().weight.shape[0])
+        rows = int(cast(Any, module).get_output_embeddings().weight.shape[0])
         return cls(name, tokenizer, rows, eos_token_ids(module, tokenizer))
 
     @classmethod
@@ -142,53 +142,104 @@ def preflight(
         )
     report.values["scoring_prompts"] = {probe.name or "teacher": probe.prompts for probe in scoring}
     if "generation_scoring" not in skip:
-        device = next(student.parameters()).device
-        with autocast(device, autocast_dtype):
-            report.results.append(
-                check_generation_scoring(
-                    generator,
-                    student_scorer,
-                    prompt_ids,
-                    temperature=config.rollout.temperature,
-                    max_new_tokens=generation_check_tokens(student, config.rollout.max_new_tokens),
-                    seed=config.run.seed,
-                    pad_id=student_tokenizer.pad_token_id,
-                    device=device,
-                    dtype=autocast_dtype or next(student.parameters()).dtype,
-                )
-            )
+        report.results.append(
+            _generation_row(config, generator, student, student_scorer, prompt_ids, student_tokenizer, autocast_dtype)
+        )
     if views and "teacher_view" not in skip:
         report.results.append(check_teacher_views(views, pad_id=student_tokenizer.pad_token_id))
     if "memory" not in skip:
-        needs = estimate_memory(
-            config,
-            student,
-            teacher,
-            compute_dtype=autocast_dtype or next(student.parameters()).dtype,
-            teachers=teachers,
-        )
-        modules = [teacher] if teachers is None else [module for _, module, _ in teachers]
-        report.results.append(check_memory(needs, loaded=loaded_bytes(student, *modules)))
+        report.results.append(_memory_row(config, student, teacher, teachers, autocast_dtype))
     if "step_time" not in skip:
         # without a teacher (objective grpo) the mini-step has nothing to score with
-        for probe in scoring or [None]:
-            with probe.placed() if probe is not None else contextlib.nullcontext():
-                timings = mini_step(
-                    config if probe is None else _at_temperature(config, probe.temperature),
-                    generator=generator,
-                    student=student,
-                    student_scorer=student_scorer,
-                    teacher_scorer=None if probe is None else probe.scorer,
-                    prompt_ids=prompt_ids if probe is None else probe.student_prompt_ids,
-                    pad_id=student_tokenizer.pad_token_id,
-                    vocab_size=vocab_size,
-                    autocast_dtype=autocast_dtype,
-                    prompts=1,
-                )
-            row = check_step_time(config, timings)
-            report.results += [row] if probe is None else _named([row], probe.name)
+        for timed_probe in cast(list[ScoringProbe | None], list(scoring)) or [None]:
+            row = _step_time_row(
+                config,
+                timed_probe,
+                generator,
+                student,
+                student_scorer,
+                prompt_ids,
+                student_tokenizer,
+                vocab_size,
+                autocast_dtype,
+            )
+            report.results += [row] if timed_probe is None else _named([row], timed_probe.name)
     report.results += skipped_rows(skip, PREFLIGHT_GROUPS)
     report.values["seconds"] = round(time.perf_counter() - start, 2)
+    _print_and_raise(report, console)
+    return report
+
+
+def _memory_row(
+    config: DistillConfig,
+    student: torch.nn.Module,
+    teacher: torch.nn.Module | None,
+    teachers: Sequence[tuple[str, torch.nn.Module, bool]] | None,
+    autocast_dtype: torch.dtype | None,
+) -> CheckResult:
+    """The memory row: what training needs (`estimate_memory`) against what is free, the loaded models counted."""
+    needs = estimate_memory(
+        config, student, teacher, compute_dtype=autocast_dtype or next(student.parameters()).dtype, teachers=teachers
+    )
+    modules = [teacher] if teachers is None else [module for _, module, _ in teachers]
+    return check_memory(needs, loaded=loaded_bytes(student, *modules))
+
+
+def _generation_row(
+    config: DistillConfig,
+    generator: Any,
+    student: torch.nn.Module,
+    student_scorer: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    student_tokenizer: Any,
+    autocast_dtype: torch.dtype | None,
+) -> CheckResult:
+    """The generation_scoring row: the engine's log-probs against the student's scores of the same tokens."""
+    device = next(student.parameters()).device
+    with autocast(device, autocast_dtype):
+        return check_generation_scoring(
+            generator,
+            student_scorer,
+            prompt_ids,
+            temperature=config.rollout.temperature,
+            max_new_tokens=generation_check_tokens(student, config.rollout.max_new_tokens),
+            seed=config.run.seed,
+            pad_id=student_tokenizer.pad_token_id,
+            device=device,
+            dtype=autocast_dtype or next(student.parameters()).dtype,
+        )
+
+
+def _step_time_row(
+    config: DistillConfig,
+    probe: ScoringProbe | None,
+    generator: Any,
+    student: torch.nn.Module,
+    student_scorer: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    student_tokenizer: Any,
+    vocab_size: int,
+    autocast_dtype: torch.dtype | None,
+) -> CheckResult:
+    """One step_time row (unnamed): a mini-step scored by the probe's teacher in its context; None: no teacher."""
+    with probe.placed() if probe is not None else contextlib.nullcontext():
+        timings = mini_step(
+            config if probe is None else _at_temperature(config, probe.temperature),
+            generator=generator,
+            student=student,
+            student_scorer=student_scorer,
+            teacher_scorer=None if probe is None else probe.scorer,
+            prompt_ids=prompt_ids if probe is None else probe.student_prompt_ids,
+            pad_id=student_tokenizer.pad_token_id,
+            vocab_size=vocab_size,
+            autocast_dtype=autocast_dtype,
+            prompts=1,
+        )
+    return check_step_time(config, timings)
+
+
+def _print_and_raise(report: CheckReport, console: Any) -> None:
+    """The preflight's one line on the console; a ValueError naming the hard failures, their fix and the skip."""
     if console is not None:
         console.print(
             f"opd check (preflight, {report.values['seconds']} s): "
@@ -201,7 +252,6 @@ def preflight(
             + " | ".join(f"{r.name} failed ({r.detail}); fix: {r.fix}" for r in failed)
             + f" — to run anyway pass --skip-check {failed[0].check} (skip_checks)"
         )
-    return report
 
 
 def _tokenizer_rows(
@@ -214,7 +264,7 @@ def _tokenizer_rows(
         probe.tokenizer,
         messages=messages,
         enable_thinking=config.data.enable_thinking,
-        student_rows=student.get_output_embeddings().weight.shape[0],
+        student_rows=cast(Any, student).get_output_embeddings().weight.shape[0],
         teacher_rows=probe.rows,
         student_eos_ids=eos_token_ids(student, student_tokenizer),
         teacher_eos_ids=probe.eos_ids,

@@ -12,11 +12,7 @@ sharded by FSDP2; rank 0 owns the run directory and speaks for all (`opd.train.d
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import json
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,17 +20,17 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from transformers import PreTrainedModel
 
-from opd.check import preflight
-from opd.check.report import CheckReport
-from opd.check.scoring import ViewProbe
-from opd.check.startup import ScoringProbe, TokenizerProbe
+from opd.check.probes import (  # noqa: F401  (the probes' old home: importable from here)
+    local_teachers,
+    scoring_probes,
+    startup_checks,
+    tokenizer_probes,
+    view_probes,
+)
 from opd.config import STUDENT, DistillConfig, TeacherEntry
 from opd.data.prompts import load_prompts
 from opd.data.templates import EncodedPrompts, encode_prompts
-from opd.fingerprints import model_fingerprint
-from opd.io import atomic_write_json
 from opd.kernels import varlen_attention
 from opd.models import (
     VocabInfo,
@@ -42,7 +38,6 @@ from opd.models import (
     compile_layers,
     load_model,
     load_tokenizer,
-    on_device,
     resolve_device,
 )
 from opd.report.gpu_busy import GpuBusy
@@ -51,17 +46,24 @@ from opd.rollout import Generator, make_generator
 from opd.rollout.registry import check_generation_fits, resolve_engine
 from opd.rollout.vllm_engine import EngineOptions, vllm_available
 from opd.rundir import claimed_run_dir, open_run, resume_checkpoint, run_directory
-from opd.teacher.base import TeacherScorer
 from opd.teacher.local import LocalScorer
+from opd.teacher.manifest import check_teacher_manifest, teacher_manifest
 from opd.teacher.registry import (
     RoutedTeacher,
     Teacher,
     check_teacher_serves,
     check_teacher_tokenizer,
     load_teacher,
-    resolve_scorer,
-    route_prompts,
-    view_prompts,
+    model_key,
+)
+from opd.teacher.registry import model_key as _model_key  # noqa: F401  (its old name and home)
+from opd.teacher.routing import (  # noqa: F401  (routing's old home: importable from here)
+    TEACHERS_FILE,
+    _placement,
+    route_teachers,
+    routing_table,
+    teacher_views,
+    write_routing_table,
 )
 from opd.train.checkpoint import save_checkpoint
 from opd.train.common import (
@@ -96,9 +98,10 @@ from opd.train.distributed import (
     shard_model,
 )
 from opd.train.optim import adamw_state_bytes, build_optimizer, build_scheduler
-from opd.train.overlap import overlap_generator
+from opd.train.overlap import overlap_generator, rollout_ahead
 from opd.train.sampler import PromptSampler
-from opd.train.step import CompileLog, Trainer, decode_warm_up_rows, describe_compiles, opd_step, warm_up
+from opd.train.state import Models, RunState, TrainData, TrainEngines, Trainer, TrainModels, TrainOptimization
+from opd.train.step import CompileLog, decode_warm_up_rows, describe_compiles, opd_step, warm_up
 
 __all__ = ["DistillConfig", "Trainer", "distill", "run_eval", "save", "setup", "train"]
 
@@ -262,23 +265,6 @@ def save(tr: Trainer) -> Path:
 # ---------------------------------------------------------------------------------------------------- setup
 
 
-@dataclass
-class Models:
-    """The loaded models and what setup derived from them."""
-
-    student: PreTrainedModel  # sharded by FSDP2 under torchrun
-    tokenizer: Any  # loaded with the student's weights (a checkpoint's on resume)
-    student_path: str  # what the weights were loaded from: the model, or the checkpoint resumed
-    device: torch.device
-    weights_dtype: torch.dtype
-    autocast_dtype: torch.dtype | None
-    vocab_size: int  # the tokenizer's size: ids beyond it are embedding padding rows (SPEC §1)
-    student_scorer: LocalScorer
-    teacher: torch.nn.Module | None  # the in-process teacher module; None when served or scored by vLLM
-    teacher_scorer: TeacherScorer | None
-    teachers: list[RoutedTeacher]  # every teacher (config.teacher_entries()); teacher / teacher_scorer: the first's
-
-
 def setup(
     config: DistillConfig,
     run_dir: Path,
@@ -305,33 +291,29 @@ def setup(
     compiled, budget = configure_memory(config, models, dist)
     reference_scorer = load_reference(config, models)
     optimizer, scheduler, sampler = build_optimization(config, models, generator, len(data.prompts), dist)
+    stream, ahead = rollout_ahead(config, rollout_model, rollout_generator)  # rollout.partial / rollout.overlap
     tr = Trainer(
         config=config,
-        run_dir=run_dir,
-        student=models.student,
-        tokenizer=models.tokenizer,
-        prompts=data.prompts,
-        prompt_ids=data.input_ids,
-        generator=generator,
-        student_scorer=models.student_scorer,
-        teacher=models.teacher,
-        teacher_scorer=models.teacher_scorer,
-        reference_scorer=reference_scorer,
-        vocab_size=models.vocab_size,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        sampler=sampler,
-        sink=None,
-        autocast_dtype=models.autocast_dtype,
-        dist=dist,
-        activation_budget=budget,
-        compiled_layers=compiled,
-        rollout_model=rollout_model,
-        rollout_generator=rollout_generator,
-        teachers=models.teachers,
-        prompt_teacher=prompt_teacher,
-        teacher_manifest=teacher_manifest(models.teachers),
-        gpu_busy=GpuBusy.open(next(models.student.parameters()).device),
+        models=TrainModels(
+            student=models.student,
+            tokenizer=models.tokenizer,
+            student_scorer=models.student_scorer,
+            reference_scorer=reference_scorer,
+            vocab_size=models.vocab_size,
+            teachers=models.teachers,
+            autocast_dtype=models.autocast_dtype,
+            activation_budget=budget,
+            compiled_layers=compiled,
+        ),
+        data=TrainData(prompts=data.prompts, prompt_ids=data.input_ids, sampler=sampler, prompt_teacher=prompt_teacher),
+        engines=TrainEngines(generator, rollout_model, rollout_generator, ahead=ahead, stream=stream),
+        optimization=TrainOptimization(optimizer, scheduler),
+        run=RunState(
+            run_dir,
+            dist=dist,
+            teacher_manifest=teacher_manifest(models.teachers),
+            gpu_busy=GpuBusy.open(next(models.student.parameters()).device),
+        ),
     )
     resume_step = resume(tr, checkpoint, console)
     if dist.is_main:  # rank 0 writes the run directory
@@ -378,8 +360,9 @@ def check_context(config: DistillConfig, models: Models) -> None:
     an in-process teacher): beyond it the positions are ones the models never saw, and nothing says so."""
     new = config.rollout.max_new_tokens
     longest = config.data.max_prompt_length + new
-    teachers = [(f"teacher {t.name}", t.teacher.module) for t in models.teachers] if len(models.teachers) > 1 else []
-    for name, module in (("student", models.student), ("teacher", models.teacher), *teachers):
+    several = len(models.teachers) > 1
+    teachers = [(f"teacher {t.name}" if several else "teacher", t.teacher.module) for t in models.teachers]
+    for name, module in (("student", models.student), *teachers):
         context = getattr(getattr(module, "config", None), "max_position_embeddings", None)
         if isinstance(context, int) and new >= context:
             raise ValueError(
@@ -505,8 +488,6 @@ def load_models(config: DistillConfig, checkpoint: Path | None, student_tokenize
         )
     live = Teacher(scorer=student_scorer, module=None, vocab=own_vocab)  # the step scores it as the student's own
     teachers = [RoutedTeacher(entry, live if t is None else t) for entry, t in zip(entries, loaded)]
-    teacher = teachers[0].teacher.module if teachers else None
-    teacher_scorer = teachers[0].teacher.scorer if teachers else None
     return Models(
         student=student,
         tokenizer=tokenizer,
@@ -516,8 +497,6 @@ def load_models(config: DistillConfig, checkpoint: Path | None, student_tokenize
         autocast_dtype=autocast_dtype,
         vocab_size=vocab_size,
         student_scorer=student_scorer,
-        teacher=teacher,
-        teacher_scorer=teacher_scorer,
         teachers=teachers,
     )
 
@@ -541,7 +520,7 @@ def load_teachers(
     for entry in entries:
         found = None
         if entry.path != STUDENT:
-            key = _model_key(entry)
+            key = model_key(entry)
             if key not in by_model:
                 by_model[key] = load_teacher(
                     entry,
@@ -571,14 +550,6 @@ def load_teachers(
         vocab = this_vocab
         loaded.append(found)
     return loaded, vocab
-
-
-def _model_key(entry: TeacherEntry) -> str:
-    """What identifies the model an entry loads: entries with equal keys share one loaded teacher. A served teacher's
-    key is its name (its own scorer and connections)."""
-    if resolve_scorer(entry) == "served":
-        return f"served:{entry.name}"
-    return repr(sorted(entry.model_dump(exclude={"name", "temperature", "route", "view"}).items()))
 
 
 def build_engines(
@@ -640,138 +611,6 @@ def _vllm_engine_arguments(config: DistillConfig, models: Models, dist: DistInfo
     if dist.world_size > 1:
         arguments["weights_fn"] = lambda: all_full_weights(models.student, dist)
     return arguments
-
-
-def startup_checks(
-    config: DistillConfig,
-    models: Models,
-    generator: Generator,
-    data: EncodedPrompts,
-    student_tokenizer: Any,
-    dist: DistInfo,
-    console: Any,
-    prompt_teacher: list[int] | None = None,
-) -> CheckReport:
-    """`opd check`'s tokenizers, scoring and resources rows on the loaded models; raises on a hard failure, else
-    returns the report. `prompt_teacher`: each prompt's teacher (`route_teachers`): with several teachers each one's
-    scoring rows and step_time run on its own first prompts (`scoring_probes`), and the views' row (one process
-    only); the tokenizer rows run once per teacher model, in process or in vLLM (`tokenizer_probes`)."""
-    several = len(models.teachers) > 1
-    return preflight(
-        config,
-        student_tokenizer=student_tokenizer,
-        student=models.student,
-        teacher=models.teacher,
-        student_scorer=models.student_scorer,
-        teacher_scorer=models.teacher_scorer,
-        generator=generator,
-        prompts=data.prompts,
-        prompt_ids=data.input_ids,
-        vocab_size=models.vocab_size,
-        autocast_dtype=models.autocast_dtype,
-        world_size=dist.world_size,
-        console=console if dist.is_main else None,
-        views=view_probes(models, data, prompt_teacher) if dist.world_size == 1 else (),
-        teachers=local_teachers(models) if several else None,
-        scoring=scoring_probes(models, data, prompt_teacher or []) if several else None,
-        tokenizers=tokenizer_probes(models, config.student.path),
-    )
-
-
-def scoring_probes(models: Models, data: EncodedPrompts, prompt_teacher: list[int]) -> list[ScoringProbe]:
-    """Per teacher of a run with several: its first two routed prompts as the student and as it sees them, its module
-    (None for a served or vLLM teacher and the live student: `served_scores`), scorer, temperature and the context it
-    scores in (the startup scoring rows and step_time)."""
-    probes = []
-    for index, routed in enumerate(models.teachers):
-        mine = [j for j, t in enumerate(prompt_teacher) if t == index][:2]
-        if not mine:
-            continue
-        placed: Callable[[], contextlib.AbstractContextManager]
-        if routed.entry.path == STUDENT:  # the live student scores under its autocast
-            placed = functools.partial(autocast, models.device, models.autocast_dtype)
-        else:  # an offloaded teacher is moved in while it scores
-            placed = functools.partial(
-                on_device, routed.teacher.module, models.device if routed.entry.offload else None
-            )
-        own_ids = routed.prompt_ids or data.input_ids  # with a view: the prompts as this teacher sees them
-        probes.append(
-            ScoringProbe(
-                routed.name,
-                None if routed.entry.path == STUDENT else routed.teacher.module,
-                routed.teacher.scorer,
-                float(routed.entry.temperature or 1.0),
-                mine,
-                [list(data.input_ids[j]) for j in mine],
-                [list(own_ids[j]) for j in mine],
-                placed,
-            )
-        )
-    return probes
-
-
-def tokenizer_probes(models: Models, student_path: str) -> list[TokenizerProbe]:
-    """Per teacher model, once per path: its tokenizer with the output rows and EOS ids of its module, or of its files
-    for a vLLM teacher (its weights live in the engine); named when the run has several teachers (the startup
-    tokenizer rows). A served teacher's tokenizer was compared with the student's over /info before any model loaded;
-    the live student and `student_init` (the student's path) have the student's own tokenizer."""
-    several = len(models.teachers) > 1
-    # one teacher that is the student's frozen start keeps its (trivial) rows, as before teachers were a list
-    out, seen = [], {STUDENT, student_path} if several else {STUDENT}
-    for routed in models.teachers:
-        entry, module = routed.entry, routed.teacher.module
-        if entry.path is None or entry.path in seen or (module is None and entry.engine != "vllm"):
-            continue
-        seen.add(entry.path)
-        tokenizer = load_tokenizer(entry.path, trust_remote_code=entry.trust_remote_code)
-        name = routed.name if several else None
-        if module is not None:
-            out.append(TokenizerProbe.of_module(name, tokenizer, module))
-        else:
-            out.append(TokenizerProbe.of_files(name, tokenizer, entry.path, entry.trust_remote_code))
-    return out
-
-
-def local_teachers(models: Models) -> list[tuple[str, torch.nn.Module, bool]]:
-    """Every in-process teacher module once (entries naming one model share it), with its name and whether it is
-    offloaded: what the teachers hold in memory (`estimate_memory`). Served teachers and the live student hold
-    nothing of their own."""
-    out, seen = [], set()
-    for routed in models.teachers:
-        module = routed.teacher.module
-        if module is None or routed.entry.path == STUDENT or id(module) in seen:
-            continue
-        seen.add(id(module))
-        out.append((routed.name, module, bool(routed.entry.offload)))
-    return out
-
-
-def view_probes(models: Models, data: EncodedPrompts, prompt_teacher: list[int] | None) -> list[ViewProbe]:
-    """Per teacher with a view: its first routed prompt as the student and as the teacher see it, its scorer and the
-    context it scores in (`check_teacher_views`)."""
-    probes = []
-    for index, routed in enumerate(models.teachers):
-        mine = [j for j, t in enumerate(prompt_teacher or []) if t == index]
-        if routed.prompt_ids is None or not mine:
-            continue
-        placed: Callable[[], contextlib.AbstractContextManager]
-        if routed.entry.path == STUDENT:  # the live student scores under its autocast
-            placed = functools.partial(autocast, models.device, models.autocast_dtype)
-        else:  # an offloaded teacher is moved in while it scores
-            device = models.device if routed.entry.offload else None
-            placed = functools.partial(on_device, routed.teacher.module, device)
-        j = mine[0]
-        probes.append(
-            ViewProbe(
-                routed.name,
-                routed.teacher.scorer,
-                list(data.input_ids[j]),
-                list(routed.prompt_ids[j]),
-                float(routed.entry.temperature or 1.0),
-                placed,
-            )
-        )
-    return probes
 
 
 def compiles_layers(config: DistillConfig, models: Models, dist: DistInfo) -> bool:
@@ -903,145 +742,3 @@ def _world_size_change(state: dict, dist: DistInfo) -> str:
         f"sums over ranks regrouped (results differ from an uninterrupted run at float rounding level; sampled "
         f"rollouts differ too, each rank drawing with its own seed)"
     )
-
-
-# ------------------------------------------------------------------------------------------------- teachers
-
-
-def route_teachers(config: DistillConfig, data: EncodedPrompts, console: Any) -> list[int]:
-    """Every prompt's teacher (an index into `config.teacher_entries()`), checked before any model loads; with
-    several teachers the routing table (`routing_table`: prompts per teacher, route, placement) is printed."""
-    entries = config.teacher_entries()
-    if not entries:
-        return []
-    routes = route_prompts(data.prompts, entries)
-    table = routing_table(config, routes)
-    if console is not None and table is not None and len(entries) > 1:
-        for row in table["teachers"]:
-            console.print(
-                f"teacher {row['name']}: {row['prompts']} of {table['prompts']} prompts ({row['route']}), "
-                f"{row['placement']}",
-                soft_wrap=True,
-            )
-    return routes
-
-
-TEACHERS_FILE = "teachers.json"
-
-
-def routing_table(config: DistillConfig, routes: list[int]) -> dict | None:
-    """What `teachers.json` holds: the number of prompts of the whole set and, per teacher, its name, route,
-    placement, model (path or url) and the prompts routed to it (count and fraction of the set); None without
-    teachers. Everything in it follows from the config and the prompt set, so a resume with the same settings
-    writes it again byte for byte."""
-    entries = config.teacher_entries()
-    if not entries:
-        return None
-    rows = []
-    for index, entry in enumerate(entries):
-        assert entry.route is not None  # teacher_entries() gives every entry its route
-        count = routes.count(index)
-        rows.append(
-            {
-                "name": entry.name,
-                "route": entry.route.describe(),
-                "placement": _placement(entry),
-                "model": str(entry.url if entry.url is not None else entry.path),
-                "prompts": count,
-                "fraction": count / len(routes) if routes else 0.0,
-            }
-        )
-    return {"prompts": len(routes), "teachers": rows}
-
-
-def write_routing_table(run_dir: Path, table: dict | None) -> None:
-    """Write `run_dir/teachers.json` (atomically), unless it already holds `table`; nothing without teachers. A
-    resume whose placement changed (teacher.device, teacher_offload may) rewrites it with this run's."""
-    if table is None:
-        return
-    path = run_dir / TEACHERS_FILE
-    try:
-        if path.is_file() and json.loads(path.read_text()) == table:
-            return
-    except ValueError:
-        pass  # damaged: written anew
-    atomic_write_json(path, table)
-
-
-def teacher_views(
-    config: DistillConfig, data: EncodedPrompts, routes: list[int], tokenizer: Any
-) -> list[list[list[int]] | None]:
-    """Per teacher: with a `view`, every prompt's token ids as that teacher sees it (its context appended to the
-    prompts routed to it, rendered like the student's); None without one (it scores the student's prompt ids)."""
-    out: list[list[list[int]] | None] = []
-    for index, entry in enumerate(config.teacher_entries()):
-        if entry.view is None:
-            out.append(None)
-            continue
-        prompts = view_prompts(data.prompts, entry, [r == index for r in routes])
-        encoded = encode_prompts(
-            tokenizer,
-            prompts,
-            max_prompt_length=1 << 30,  # the teacher's context may take its prompt past data.max_prompt_length
-            enable_thinking=config.data.enable_thinking,
-        )
-        out.append(encoded.input_ids)
-    return out
-
-
-def _placement(entry: Any) -> str:
-    if entry.path == STUDENT:
-        return "the live student (its current weights, no grad)"
-    scorer = resolve_scorer(entry)
-    if scorer == "served":
-        return f"served by {entry.url}"
-    where = "CPU, moved to the GPU while it scores" if entry.offload else f"device {entry.device}"
-    return f"{scorer} {entry.path} on {where}"
-
-
-def teacher_manifest(teachers: list[RoutedTeacher]) -> list[dict]:
-    """What a checkpoint records of its teachers: name, model (path or url, and a fingerprint: the local files'
-    hash, or a served teacher's /info, whose model_fingerprint hashes the files it serves), route, temperature."""
-    out = []
-    for routed in teachers:
-        entry = routed.entry
-        info = getattr(routed.teacher.scorer, "info", None)
-        if entry.path == STUDENT:  # no files of its own: the student's weights at every step
-            fingerprint = "student (live)"
-        elif resolve_scorer(entry) == "served" and isinstance(info, dict):
-            keys = ("model", "model_fingerprint", "vocab_hash", "chat_template_hash", "vocab_size", "dtype")
-            fingerprint = "/info " + ",".join(f"{k}={info[k]}" for k in keys if k in info)
-        else:
-            fingerprint = model_fingerprint(str(entry.path)) or str(entry.path)
-        assert entry.route is not None
-        out.append(
-            {
-                "name": entry.name,
-                "model": str(entry.url if entry.url is not None else entry.path),
-                "fingerprint": fingerprint,
-                "route": entry.route.describe(),
-                "temperature": entry.temperature,
-                "view": None if entry.view is None else entry.view.model_dump(),
-            }
-        )
-    return out
-
-
-def check_teacher_manifest(saved: list[dict] | None, current: list[dict], checkpoint: Path) -> None:
-    """Refuse to resume `checkpoint` with another teacher set, route or model than it was trained with (one line
-    naming what changed). A checkpoint written before manifests existed has none: nothing to compare."""
-    if saved is None:
-        return
-    old, new = {t["name"]: t for t in saved}, {t["name"]: t for t in current}
-    if old.keys() != new.keys():
-        raise ValueError(
-            f"--resume: {checkpoint} was trained with teachers {sorted(old)}, this run has {sorted(new)}; resume "
-            f"with the same teachers, or start another run.name"
-        )
-    for name, was in old.items():
-        for key in ("model", "fingerprint", "route", "temperature", "view"):
-            if was.get(key) != new[name].get(key):
-                raise ValueError(
-                    f"--resume: teacher {name}'s {key} changed since {checkpoint} ({was.get(key)} → "
-                    f"{new[name].get(key)}); resume with the same teacher, or start another run.name"
-                )

@@ -169,6 +169,14 @@ def resolve_scorer(spec: ModelSpec) -> str:
     return engine
 
 
+def model_key(entry: TeacherEntry) -> str:
+    """What identifies the model an entry loads: entries with equal keys share one loaded teacher. A served teacher's
+    key is its name (its own scorer and connections)."""
+    if resolve_scorer(entry) == "served":
+        return f"served:{entry.name}"
+    return repr(sorted(entry.model_dump(exclude={"name", "temperature", "route", "view"}).items()))
+
+
 def load_teacher(
     spec: ModelSpec,
     *,

@@ -14,7 +14,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -94,7 +94,7 @@ def save_checkpoint(
     tmp = root / f".tmp-step_{step}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        cast(Any, model).save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
@@ -161,7 +161,8 @@ def load_trainer_state(checkpoint: str | Path) -> dict:
 
 def _numpy_rng_globals() -> list:
     """What unpickling `np.random.get_state()` needs (an ndarray of uint32): the only non-torch objects we save."""
-    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+    core: Any = np._core if hasattr(np, "_core") else np.core  # numpy 2 renamed np.core
+    multiarray = core.multiarray
     return [multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 

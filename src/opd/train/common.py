@@ -177,7 +177,7 @@ def evaluate_in_training(
     (`route_prompts`) also logs `eval/teacher/<name>/<bench>/<metric>` over the problems routed to each teacher."""
     if not spec.benchmarks:
         return None
-
+    out = Path(run_dir) / "eval" / f"step_{step}"
     eval_config = EvalConfig(
         model=ModelSpec(path=model_path),
         benchmarks=spec.benchmarks,
@@ -194,11 +194,11 @@ def evaluate_in_training(
         max_prompt_length=max_prompt_length,
         batch_size=batch_size,
         seed=seed,
-        out=str(run_dir / "eval" / f"step_{step}"),
+        out=str(out),
     )
     weights = None if model is None else weights_fingerprint(model)
     results = evaluate_model(
-        eval_config, Path(eval_config.out), generator=generator, tokenizer=tokenizer, console=console, weights=weights
+        eval_config, out, generator=generator, tokenizer=tokenizer, console=console, weights=weights
     )
     flat = {
         f"eval/{bench}/{key}": value
@@ -207,7 +207,7 @@ def evaluate_in_training(
         if isinstance(value, (int, float))
     }
     if len(teachers) > 1:
-        flat.update(_per_teacher_results(eval_config, Path(eval_config.out), teachers, console))
+        flat.update(_per_teacher_results(eval_config, out, teachers, console))
     sink.log(step, flat)
     return results
 

@@ -26,7 +26,7 @@ from opd.rollout import GenerationOutput, SamplingParams, make_generator
 from opd.rollout.base import Generator
 from opd.rollout.static_engine import StaticGenerator
 from opd.train.common import autocast
-from opd.train.stream import GenerateFn, RolloutStream, StreamBatch
+from opd.train.stream import GenerateFn, RolloutStream, StreamBatch, default_segment
 
 
 @dataclass
@@ -150,7 +150,7 @@ def overlap_generator(
     student: torch.nn.Module, tokenizer: Any, config: DistillConfig, vocab_size: int, dtype: torch.dtype | None
 ) -> tuple[torch.nn.Module, Generator]:
     """rollout.overlap: a frozen copy of the student in the rollout dtype (autocast's, else the weights') and the
-    configured engine over it, what an `AheadGenerator` wraps (`Trainer(rollout_model=…, rollout_generator=…)`).
+    configured engine over it, what an `AheadGenerator` wraps (`rollout_ahead`).
     The copy's weights are refreshed from the student at the start of every step (`AheadGenerator.start`)."""
     snapshot = rollout_snapshot(student, dtype or next(student.parameters()).dtype)
     generator = make_generator(
@@ -165,6 +165,33 @@ def overlap_generator(
         # thread compiles a layer fails ("FX to symbolically trace a dynamo-optimized function"); graphs still replay
         generator.compile = False
     return snapshot, generator
+
+
+def rollout_ahead(
+    config: DistillConfig, rollout_model: torch.nn.Module | None, rollout_generator: Generator | None
+) -> tuple[RolloutStream | None, AheadGenerator | AheadStream | None]:
+    """What the recipe builds around the step's engines: with rollout.partial the stream of in-flight samples, and
+    with rollout.overlap (a snapshot and its engine, `overlap_generator`) the generator of the next step's rollouts,
+    an `AheadStream` over the stream when there is one."""
+    spec, stream = config.rollout, None
+    if spec.partial:
+        # a sample spans the versions it may be sampled by: with overlap its first token already lags one step
+        ahead = int(rollout_model is not None)
+        segment = default_segment(spec.max_new_tokens, spec.max_staleness, ahead, spec.partial_early_stop)
+        stream = RolloutStream(
+            prompts_per_step=config.prompts_per_step,
+            n=spec.n,
+            max_new_tokens=spec.max_new_tokens,
+            segment=spec.partial_segment or segment,
+            max_staleness=spec.max_staleness,
+            early_stop=spec.partial_early_stop,
+        )
+    if rollout_model is None:
+        return stream, None
+    assert rollout_generator is not None  # the recipe builds both (overlap_generator)
+    if stream is None:
+        return None, AheadGenerator(rollout_model, rollout_generator)
+    return stream, AheadStream(rollout_model, rollout_generator, stream)
 
 
 def rollout_snapshot(student: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

@@ -11,19 +11,16 @@ Omitted on purpose: PPO mini-batch epochs (the paper makes one optimizer step pe
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
-from typing import Any
+from dataclasses import replace
+from typing import Any, cast
 
 import torch
 
-from opd.config import STUDENT, DistillConfig
+from opd.config import DistillConfig
 from opd.eval.grading import grade_responses
 from opd.forward import forward_hidden, needed_lengths, output_head, split_by_token_budget, uses_packing
 from opd.io import write_jsonl
-from opd.models import activation_budget, on_device, warm_up_layouts
+from opd.models import activation_budget, warm_up_layouts
 from opd.objectives import (
     build_targets,
     diagnostic_top_k,
@@ -35,167 +32,46 @@ from opd.objectives import (
     strategy_spec,
     teacher_logprobs_at_student_topk,
 )
-from opd.objectives.targets import Targets
-from opd.report.gpu_busy import GpuBusy
-from opd.report.sinks import MetricsSink
+from opd.objectives.targets import ObjectiveSettings, Targets
 from opd.rollout import SamplingParams
 from opd.rollout.base import Generator
 from opd.rollout.batch import build_rollouts, random_rollouts
 from opd.rollout.static_engine import StaticGenerator
 from opd.scoring import candidate_logprobs_and_entropy, warm_up_row_buckets
 from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
-from opd.teacher.base import TeacherScorer, start_scoring
-from opd.teacher.registry import RoutedTeacher
 from opd.train.common import autocast, timed
-from opd.train.distributed import (
-    SINGLE,
-    DistInfo,
-    all_reduce_sum,
-    gathered,
-    gathered_bytes,
-    max_over_ranks,
-    reduce_metrics,
-)
+from opd.train.compiles import CompileLog, compiled_graphs, describe_compiles
+from opd.train.distributed import all_reduce_sum, gathered, gathered_bytes, max_over_ranks, reduce_metrics
 from opd.train.optim import adamw_state_bytes, clip_and_step
-from opd.train.overlap import AheadGenerator, AheadStream, PendingRollouts
-from opd.train.sampler import PromptSampler
-from opd.train.stream import GenerateFn, RolloutStream, StreamBatch, default_segment, in_flight_batches
-from opd.types import Prompt, Rollouts, TokenScores
+from opd.train.overlap import AheadStream
+from opd.train.state import Batch, EngineCounts, Scores, Trainer, Update
+from opd.train.stream import GenerateFn, RolloutStream, in_flight_batches
+from opd.train.teachers import row_teachers, start_teachers, teacher_metrics
+from opd.types import Rollouts
 
-
-@dataclass
-class Trainer:
-    """Everything a step needs, built once by the recipe's `setup`. No behaviour: the functions below act on it."""
-
-    config: DistillConfig
-    run_dir: Path
-    student: torch.nn.Module
-    tokenizer: Any  # a Hugging Face tokenizer: pad_token_id, decode, convert_ids_to_tokens
-    prompts: list[Prompt]
-    prompt_ids: list[list[int]]
-    generator: Generator
-    student_scorer: TeacherScorer  # the student's own no-grad scores (`opd.teacher.local.LocalScorer`)
-    teacher: torch.nn.Module | None  # the in-process teacher module (offloading moves it); None when served
-    teacher_scorer: TeacherScorer | None
-    reference_scorer: TeacherScorer | None  # a frozen copy of the initial student, only with objective.kl_coef
-    vocab_size: int
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    sampler: PromptSampler
-    sink: MetricsSink | None  # rank 0's, opened by setup; None on the other ranks
-    step: int = 0
-    skipped_steps: int = 0
-    history: list[dict] = field(default_factory=list)
-    autocast_dtype: torch.dtype | None = None
-    activation_budget: float | None = None  # selective checkpointing of compiled layers (opd.models.activation_budget)
-    dist: DistInfo = SINGLE  # this process's rank / world size (torchrun); SINGLE without torchrun
-    # rollout.overlap: a snapshot of the student and the engine over it (`opd.train.overlap.overlap_generator`),
-    # wrapped into `ahead`, which generates the next step's rollouts while this step scores and updates
-    rollout_model: torch.nn.Module | None = None
-    rollout_generator: Generator | None = None
-    # benchmarks: a list → each step appends CUDA memory (allocated / peak since the last mark, GiB) after each phase
-    memory_trace: list | None = None
-    compiled_layers: bool = False  # the student's layers run compiled: `warm_up` first, `compile/*` metrics per step
-    # several teachers (`teachers:`; one for `teacher:`): each scores the rows of the prompts routed to it, the index
-    # into `teachers` of every prompt's teacher in `prompt_teacher`; empty: `teacher` / `teacher_scorer` alone
-    teachers: list[RoutedTeacher] = field(default_factory=list)
-    prompt_teacher: list[int] = field(default_factory=list)
-    teacher_manifest: list[dict] = field(default_factory=list)  # what checkpoints record of the teachers
-    gpu_busy: GpuBusy | None = None  # CUDA with NVML: the device's utilization over each step (`gpu/busy_frac`)
-    # rollout.overlap: an AheadGenerator; with rollout.partial too, an AheadStream that builds the stream's next batch
-    ahead: AheadGenerator | AheadStream | None = field(default=None, init=False)
-    stream: RolloutStream | None = field(default=None, init=False)  # rollout.partial: the in-flight samples
-
-    def __post_init__(self) -> None:
-        spec = self.config.rollout
-        if spec.partial:
-            # a sample spans the versions it may be sampled by: with overlap its first token already lags one step
-            ahead = int(self.rollout_model is not None)
-            segment = default_segment(spec.max_new_tokens, spec.max_staleness, ahead, spec.partial_early_stop)
-            self.stream = RolloutStream(
-                prompts_per_step=self.config.prompts_per_step,
-                n=spec.n,
-                max_new_tokens=spec.max_new_tokens,
-                segment=spec.partial_segment or segment,
-                max_staleness=spec.max_staleness,
-                early_stop=spec.partial_early_stop,
-            )
-        if self.rollout_model is not None:
-            assert self.rollout_generator is not None  # the recipe builds both (overlap_generator)
-            if self.stream is None:
-                self.ahead = AheadGenerator(self.rollout_model, self.rollout_generator)
-            else:
-                self.ahead = AheadStream(self.rollout_model, self.rollout_generator, self.stream)
-
-    @property
-    def pending_rollouts(self) -> PendingRollouts | StreamBatch | None:
-        """What was generated ahead for the next step (rollout.overlap); the checkpoint carries it."""
-        return None if self.ahead is None else self.ahead.pending
-
-
-@dataclass
-class EngineCounts:
-    """The static engine's decode work summed over a step's calls (`StaticGenerator.stats` after each): decode steps,
-    the rows they ran over (`row_steps`), tokens decoded, and the widest call's rows (`call_rows`)."""
-
-    decode_steps: int = 0
-    row_steps: int = 0
-    decoded_tokens: int = 0
-    call_rows: int = 0
-
-    def add(self, generator: Generator) -> None:
-        stats = getattr(generator, "stats", None) or {}
-        if "row_steps" in stats:  # a StaticGenerator that has run a call
-            self.decode_steps += stats["decode_steps"]
-            self.row_steps += stats["row_steps"]
-            self.decoded_tokens += stats["decoded_tokens"]
-            self.call_rows = max(self.call_rows, stats["rows"])
-
-    def metrics(self) -> dict[str, float]:
-        """`rollout/decode_steps`, `rollout/live_rows` (the rows a decode step ran over, on average),
-        `rollout/row_occupancy` (the share of those rows that decoded a token) and `rollout/call_rows` (the rows of the
-        step's widest call: the count a memory or token cap gave it, which names the shape a compile in the step met);
-        empty before any decode step."""
-        if not self.decode_steps:
-            return {}
-        return {
-            "rollout/decode_steps": self.decode_steps,
-            "rollout/live_rows": self.row_steps / self.decode_steps,
-            "rollout/row_occupancy": self.decoded_tokens / self.row_steps,  # ≥ decode_steps ≥ 1 here
-            "rollout/call_rows": self.call_rows,
-        }
-
-
-@dataclass
-class Batch:
-    """This rank's rollouts of one step: the global indices of its prompts and the student's samples of them."""
-
-    indices: list[int]
-    rollouts: Rollouts
-    # optimizer steps between the sampling policy and the current one (1: generated ahead; partial: the oldest token's)
-    policy_lag: int
-    versions_BT: torch.Tensor | None = None  # rollout.partial: per token, the step whose weights sampled it
-    stream_metrics: dict = field(default_factory=dict)  # rollout.partial: partial/calls, partial/dropped, ...
-    engine_counts: EngineCounts | None = None  # the static engine's decode work in this step's foreground calls
-
-
-@dataclass
-class Scores:
-    """What the models say about a batch's tokens, and the rollouts' grades."""
-
-    student: TokenScores  # the behaviour policy, no grad: sampled log-probs, top-k support, entropy
-    reference_BT: torch.Tensor | None  # a frozen reference's sampled-token log-probs (objective.kl_coef)
-    teacher: TokenScores | None  # sampled token, its own top-k, log-probs at the student's top-k
-    student_at_teacher_BTK: torch.Tensor | None  # s at the teacher's top-k (strategies with teacher slots)
-    texts: list[str]
-    correct: list[bool] | None  # None when the prompts carry no answers
-
-
-@dataclass
-class Update:
-    grad_norm: torch.Tensor  # before clipping
-    loss_metrics: list[dict]  # per real micro-batch, detached
-    lr: float = 0.0  # the lr this update used (read before the schedule stepped)
+__all__ = [  # Trainer, the step's records and the compile log live in their own modules; imported from here too
+    "Batch",
+    "CompileLog",
+    "EngineCounts",
+    "Scores",
+    "Trainer",
+    "Update",
+    "compiled_graphs",
+    "decode_warm_up_rows",
+    "describe_compiles",
+    "engine_warm_up_rows",
+    "micro_backward",
+    "opd_step",
+    "partial_metrics",
+    "row_teachers",
+    "sample_rollouts",
+    "score_rollouts",
+    "step_metrics",
+    "step_targets",
+    "update_student",
+    "warm_up",
+    "warm_up_prefills",
+]
 
 
 def opd_step(tr: Trainer) -> dict[str, float]:
@@ -307,7 +183,9 @@ def _stream_generate(
 
     def generate(prompt_ids, n, max_new_tokens, call, stop_when, caps):
         params = replace(_sampling_params(cfg, step, rank, call), n=n, max_new_tokens=max_new_tokens)
-        output = generator.generate(prompt_ids, params, max_new_tokens_per_sample=caps, stop_when=stop_when)
+        # the stream's engines (torch, static) take per-sample caps: the Generator protocol does not name them yet
+        engine: Any = generator
+        output = engine.generate(prompt_ids, params, max_new_tokens_per_sample=caps, stop_when=stop_when)
         if counts is not None:
             counts.add(generator)
         return output
@@ -346,9 +224,9 @@ def score_rollouts(tr: Trainer, batch: Batch, timings: dict, device: torch.devic
         )
     teacher = student_at_teacher_BTK = None
     teacher_call = None
-    if tr.teacher_scorer is not None or tr.teachers:  # no time/teacher without a teacher (GRPO), as before
+    if tr.teachers:  # no time/teacher without a teacher (GRPO)
         with timed(timings, "teacher"):
-            teacher_call = _start_teachers(tr, batch, student, diag_k, device)
+            teacher_call = start_teachers(tr, batch, student, diag_k, device)
     texts, correct = _grade_rollouts(tr, rollouts, batch.indices)
     if teacher_call is not None:
         with timed(timings, "teacher"):
@@ -366,124 +244,6 @@ def score_rollouts(tr: Trainer, batch: Batch, timings: dict, device: torch.devic
     return Scores(student, reference_BT, teacher, student_at_teacher_BTK, texts, correct)
 
 
-def _start_teachers(
-    tr: Trainer, batch: Batch, student: TokenScores, top_k: int, device: torch.device
-) -> Callable[[], TokenScores] | None:
-    """Begin every teacher's scoring of its rows (served teachers all send before any result is awaited, so they
-    overlap each other and the grading); returns what waits for them and puts their scores back in row order. One
-    teacher scores the whole batch, exactly as without routing."""
-    cfg, rollouts = tr.config, batch.rollouts
-    if len(tr.teachers) <= 1 and not any(t.prompt_ids is not None for t in tr.teachers):
-        if tr.teacher_scorer is None:
-            return None
-        entry = tr.teachers[0].entry if tr.teachers else None
-        temperature = cfg.objective.teacher_temperature if entry is None else entry.temperature
-        offload = cfg.teacher_offload if entry is None else entry.offload
-        live = entry is not None and entry.path == STUDENT
-        with _live_student(tr, device) if live else on_device(tr.teacher, device if offload else None):
-            serves_ids = tr.teacher_scorer.serves_requested_ids  # vLLM: only its own top-k
-            call = start_scoring(
-                tr.teacher_scorer,
-                rollouts,
-                top_k=top_k,
-                requested_ids=student.topk_ids if serves_ids else None,
-                temperature=temperature,
-            )
-        return call.result
-    row_teacher = row_teachers(tr, batch)
-    calls = []
-    # FSDP: every rank enters `gathered` (collectives), also one with no rows for the live student
-    any_live = any(t.entry.path == STUDENT for t in tr.teachers)
-    with gathered(tr.student, tr.dist) if any_live else nullcontext():
-        for index, routed in enumerate(tr.teachers):
-            if index in row_teacher:
-                calls.append(_start_routed(tr, batch, student, top_k, device, index, routed, row_teacher))
-    return lambda: _in_row_order([(rows, call.result()) for rows, call in calls], rollouts.batch_size)
-
-
-def _live_student(tr: Trainer, device: torch.device, *, gather: bool = True) -> ExitStack:
-    """The context the student's own no-grad scores are taken in (`score_rollouts`): FSDP weights gathered, the
-    student's autocast, no grad: `path: student` scores as the student does."""
-    stack = ExitStack()
-    if gather:
-        stack.enter_context(gathered(tr.student, tr.dist))
-    stack.enter_context(autocast(device, tr.autocast_dtype))
-    stack.enter_context(torch.no_grad())
-    return stack
-
-
-def _start_routed(
-    tr: Trainer,
-    batch: Batch,
-    student: TokenScores,
-    top_k: int,
-    device: torch.device,
-    index: int,
-    routed: RoutedTeacher,
-    row_teacher: list[int],
-) -> tuple[torch.Tensor, Any]:
-    """Begin one routed teacher's scoring of its rows (with its view's prompt ids); returns (rows, pending call)."""
-    rollouts = batch.rollouts
-    rows = [row for row, t in enumerate(row_teacher) if t == index]
-    rows_R = torch.tensor(rows, dtype=torch.long, device=rollouts.input_ids.device)
-    scorer, mine = routed.teacher.scorer, rollouts.select(rows_R)
-    if routed.prompt_ids is not None:  # its view: its own prompt ids before the same response ids
-        views = routed.prompt_ids
-        mine = _with_prompts(mine, [views[batch.indices[g]] for g in mine.group_ids.tolist()], tr.tokenizer)
-    placed: AbstractContextManager
-    if routed.entry.path == STUDENT:  # the caller holds its weights gathered
-        placed = _live_student(tr, device, gather=False)
-    else:
-        placed = on_device(routed.teacher.module, device if routed.entry.offload else None)
-    with placed:
-        call = start_scoring(
-            scorer,
-            mine,
-            top_k=top_k,
-            requested_ids=student.topk_ids[rows_R] if scorer.serves_requested_ids else None,
-            temperature=routed.entry.temperature,
-        )
-    return rows_R, call
-
-
-def _with_prompts(rollouts: Rollouts, prompt_ids: list[list[int]], tokenizer: Any) -> Rollouts:
-    """`rollouts` with row b's prompt replaced by `prompt_ids[b]`: the response ids and mask unchanged, the scores
-    taken at the new prompt lengths (`Rollouts.response_positions`)."""
-    lengths = rollouts.response_mask.sum(-1).tolist()
-    width = max((len(p) + r for p, r in zip(prompt_ids, lengths)), default=0)
-    device = rollouts.input_ids.device
-    input_ids_BL = torch.full((rollouts.batch_size, width), tokenizer.pad_token_id, dtype=torch.long, device=device)
-    attention_BL = torch.zeros((rollouts.batch_size, width), dtype=torch.bool, device=device)
-    for b, (prompt, length) in enumerate(zip(prompt_ids, lengths)):
-        p = len(prompt)
-        input_ids_BL[b, :p] = torch.tensor(prompt, dtype=torch.long, device=device)
-        input_ids_BL[b, p : p + length] = rollouts.response_ids[b, :length]
-        attention_BL[b, : p + length] = True
-    lengths_B = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long, device=device)
-    return replace(rollouts, input_ids=input_ids_BL, attention_mask=attention_BL, prompt_lengths=lengths_B)
-
-
-def row_teachers(tr: Trainer, batch: Batch) -> list[int]:
-    """The index into `tr.teachers` of the teacher of every rollout row of `batch` (its prompt's teacher)."""
-    return [tr.prompt_teacher[batch.indices[g]] for g in batch.rollouts.group_ids.tolist()]
-
-
-def _in_row_order(parts: list[tuple[torch.Tensor, TokenScores]], batch_size: int) -> TokenScores:
-    """One `TokenScores` of `batch_size` rows from the scores of disjoint row groups (rows, scores)."""
-    out: dict[str, torch.Tensor | None] = {}
-    for name in (f.name for f in fields(TokenScores)):
-        tensors = [getattr(scores, name) for _, scores in parts]
-        if any(t is None for t in tensors):
-            out[name] = None
-            continue
-        first = tensors[0]
-        full = first.new_zeros((batch_size, *first.shape[1:]))
-        for (rows, _), tensor in zip(parts, tensors):
-            full[rows] = tensor.to(full.device)
-        out[name] = full
-    return TokenScores(**out)  # type: ignore[arg-type]
-
-
 def step_targets(tr: Trainer, batch: Batch, scores: Scores, device: torch.device) -> Targets:
     """Token rewards → advantages → the loss's support and importance weights (`opd.objectives.build_targets`), with
     the rollouts' grades as outcome rewards (GRPO)."""
@@ -493,7 +253,7 @@ def step_targets(tr: Trainer, batch: Batch, scores: Scores, device: torch.device
         scores.student,
         scores.teacher,
         batch.rollouts,
-        tr.config.objective,
+        cast(ObjectiveSettings, tr.config.objective),  # ObjectiveSpec's Literal fields narrow the protocol's str
         student_at_teacher_topk=scores.student_at_teacher_BTK,
         reference_logprobs=scores.reference_BT,
         outcome_rewards=outcome_B,
@@ -565,7 +325,7 @@ def micro_backward(
         hidden.to_grid(lp_NJ),
         hidden.to_grid(entropy_N),
         micro_targets,
-        cfg.objective,
+        cast(ObjectiveSettings, cfg.objective),
         global_num_tokens=num_tokens,
         global_num_seqs=num_seqs,
     )
@@ -619,11 +379,11 @@ def warm_up(tr: Trainer, device: torch.device, decode_rows: list[int] | None = N
         if isinstance(engine, StaticGenerator) and engine.compiled_prefill:  # its prefills run the compiled layers
             with gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
                 warm_up_prefills(engine, tr.prompt_ids[first_prompts[0]], cfg.rollout.max_new_tokens, tr.vocab_size)
-        if rows := decode_warm_up_rows(tr) if decode_rows is None else decode_rows:
+        if decode := decode_warm_up_rows(tr) if decode_rows is None else decode_rows:
             assert isinstance(engine, StaticGenerator)
             params = _sampling_params(cfg, tr.step, tr.dist.rank)
             with gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
-                engine.warm_up_decode(tr.prompt_ids[first_prompts[0]], params, rows)
+                engine.warm_up_decode(tr.prompt_ids[first_prompts[0]], params, decode)
             engine.release()
     tr.memory_trace = trace
     return compiled_graphs() - before
@@ -705,54 +465,13 @@ def warm_up_prefills(engine: StaticGenerator, prompt: list[int], max_new_tokens:
         )
 
 
-def compiled_graphs() -> int:
-    """Graphs torch.compile has built in this process so far (`compile/graphs`: a step that adds some recompiled)."""
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-
-class CompileLog:
-    """What torch.compile built since the last `take()`: the graphs (`compiled_graphs`) and, per function dynamo
-    compiled again, the guard that turned its newest cached version down (dynamo records one failed guard per cached
-    version it tried, newest first, in `torch._dynamo.utils.guard_failures`). A run prints it after every step that
-    compiled, so that a recompile after the warm-up says where it came from."""
-
-    def __init__(self) -> None:
-        self.graphs = compiled_graphs()
-        self.failures = {code: len(reasons) for code, reasons in _guard_failures().items()}
-
-    def take(self) -> tuple[int, list[str]]:
-        """(graphs compiled since the last call, one "fn (file:line): guard" per function compiled again)."""
-        graphs, recompiled = compiled_graphs(), []
-        for code, reasons in list(_guard_failures().items()):
-            if new := reasons[self.failures.get(code, 0) :]:
-                guard = " ".join(str(new[0]).splitlines()[0].split())[:200]
-                recompiled.append(f"{code.co_name} ({Path(code.co_filename).name}:{code.co_firstlineno}): {guard}")
-            self.failures[code] = len(reasons)
-        added, self.graphs = graphs - self.graphs, graphs
-        return added, recompiled
-
-
-def describe_compiles(graphs: int, recompiled: list[str]) -> str | None:
-    """`CompileLog.take`'s result in words: "N graphs; recompiled: fn (file:line): guard; ...", without the recompile
-    part for graphs of functions compiled for the first time; None when nothing compiled."""
-    if graphs <= 0 and not recompiled:
-        return None
-    return f"{graphs} graph{'s' if graphs != 1 else ''}" + (
-        f"; recompiled: {'; '.join(recompiled)}" if recompiled else ""
-    )
-
-
-def _guard_failures() -> dict[Any, list]:
-    """dynamo's failed guards per function (code object), kept since the process started or dynamo was reset."""
-    return getattr(torch._dynamo.utils, "guard_failures", {})
-
-
 def step_metrics(
     tr: Trainer, batch: Batch, scores: Scores, targets: Targets, result: Update, timings: dict[str, float]
 ) -> dict[str, float]:
     """The step's metrics (SPEC §6) with one host sync for all of them; rank 0 writes its samples; the ranks' values
     become one line: losses (shares of a global mean) and throughput add up, everything else is averaged."""
     rollouts, student, teacher, mask_BT = batch.rollouts, scores.student, scores.teacher, targets.mask
+    obj = tr.config.objective
     out: dict[str, Any] = {
         "grad_norm": result.grad_norm,
         "lr": result.lr,
@@ -773,7 +492,12 @@ def step_metrics(
         out.update(batch.engine_counts.metrics())
     if targets.tis_weights is not None:
         out.update(
-            is_weight_stats(student.sampled_logprobs, rollouts.rollout_logprobs, tr.config.objective.tis_cap, mask_BT)
+            is_weight_stats(
+                student.sampled_logprobs,
+                cast(torch.Tensor, rollouts.rollout_logprobs),
+                cast(float, obj.tis_cap),
+                mask_BT,
+            )
         )
     if batch.versions_BT is not None:
         out.update(partial_metrics(tr.step, batch.versions_BT, mask_BT, tr.config.rollout.max_staleness))
@@ -783,11 +507,11 @@ def step_metrics(
             out["partial/is_weight_min"] = torch.where(mask_BT.bool(), weights_BT, torch.ones_like(weights_BT)).min()
     if teacher is not None:
         out.update(
-            opd_diagnostics(
-                student_topk_ids=student.topk_ids,
-                student_topk_logprobs=student.topk_logprobs,
-                teacher_topk_ids=teacher.topk_ids,
-                teacher_topk_logprobs=teacher.topk_logprobs,
+            opd_diagnostics(  # the top-k fields are set: scoring asks for diagnostic_top_k >= 1 candidates
+                student_topk_ids=cast(torch.Tensor, student.topk_ids),
+                student_topk_logprobs=cast(torch.Tensor, student.topk_logprobs),
+                teacher_topk_ids=cast(torch.Tensor, teacher.topk_ids),
+                teacher_topk_logprobs=cast(torch.Tensor, teacher.topk_logprobs),
                 teacher_logprobs_at_student_topk=teacher_logprobs_at_student_topk(student, teacher),
                 student_entropy=student.entropy,
                 teacher_entropy=teacher.entropy,
@@ -795,8 +519,8 @@ def step_metrics(
             )
         )
         out.update(seq_reward_metrics(student, teacher, mask_BT, scores.correct))
-    if len(tr.teachers) > 1:
-        out.update(_teacher_metrics(tr, batch, scores, targets))
+    if len(tr.teachers) > 1:  # the metrics' rule: a run's only teacher logs no per-teacher prefixes
+        out.update(teacher_metrics(tr, batch, scores, targets))
     if rollouts.rollout_logprobs is not None:  # engine vs trainer: what truncated importance weights correct
         gap_BT = (student.sampled_logprobs - rollouts.rollout_logprobs).abs()
         out["rollout_logprob_abs_diff"] = (gap_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)
@@ -818,27 +542,6 @@ def step_metrics(
 
 
 # -------------------------------------------------------------------------------------------------- helpers
-
-
-def _teacher_metrics(tr: Trainer, batch: Batch, scores: Scores, targets: Targets) -> dict[str, Any]:
-    """Per teacher (several teachers): `teacher/<name>/token_frac` (its share of the step's response tokens),
-    `teacher/<name>/reward_mean` (the token reward over its tokens) and `teacher/<name>/rollout_accuracy`."""
-    mask_BT = targets.mask
-    row_teacher = torch.tensor(row_teachers(tr, batch), device=mask_BT.device)
-    total = mask_BT.sum().clamp(min=1)
-    out: dict[str, Any] = {}
-    for index, routed in enumerate(tr.teachers):
-        rows_B = row_teacher == index
-        mine_BT = mask_BT * rows_B[:, None].to(mask_BT.dtype)
-        prefix = f"teacher/{routed.name}"
-        out[f"{prefix}/token_frac"] = mine_BT.sum() / total
-        out[f"{prefix}/reward_mean"] = reward_stats("reward", targets.rewards, targets.reward_valid, mine_BT)[
-            "reward_mean"
-        ]
-        if scores.correct is not None:
-            graded = [c for c, t in zip(scores.correct, rows_B.tolist()) if t]
-            out[f"{prefix}/rollout_accuracy"] = sum(graded) / len(graded) if graded else 0.0
-    return out
 
 
 def _step_seed(seed: int, step: int, rank: int = 0, call: int = 0) -> int:

@@ -367,6 +367,21 @@ def _check_common(hidden_ND: torch.Tensor, head: OutputHead, temperature: float)
 
 
 @torch.no_grad()
+def _requested_ids(requested_ids_NQ: torch.Tensor | None, old_name_NR: torch.Tensor | None) -> torch.Tensor | None:
+    """`score_hidden`'s requested ids, given by their keyword or, deprecated, by its old name `requested_ids_NR`."""
+    if old_name_NR is None:
+        return requested_ids_NQ
+    if requested_ids_NQ is not None:
+        raise TypeError("pass requested_ids_NQ or its old name requested_ids_NR, not both")
+    warnings.warn(
+        "score_hidden(requested_ids_NR=…) is deprecated: the keyword is requested_ids_NQ (Q: requested ids, "
+        "docs/design.md 'Shape letters')",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return old_name_NR
+
+
 def score_hidden(
     hidden_ND: torch.Tensor,
     head: OutputHead | torch.Tensor,
@@ -406,16 +421,7 @@ def score_hidden(
     if not 0 <= top_k <= v_used:
         raise ValueError(f"top_k must be in [0, {v_used}], got {top_k}")
     _check_ids(targets_N, v_used, "targets_N")
-    if requested_ids_NR is not None:
-        if requested_ids_NQ is not None:
-            raise TypeError("pass requested_ids_NQ or its old name requested_ids_NR, not both")
-        warnings.warn(
-            "score_hidden(requested_ids_NR=…) is deprecated: the keyword is requested_ids_NQ (Q: requested ids, "
-            "docs/design.md 'Shape letters')",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        requested_ids_NQ = requested_ids_NR
+    requested_ids_NQ = _requested_ids(requested_ids_NQ, requested_ids_NR)
     if requested_ids_NQ is not None:
         _check_ids(requested_ids_NQ, v_used, "requested_ids_NQ")
     mm_dtype = _matmul_dtype(hidden_ND, head)

@@ -206,7 +206,7 @@ def _timing_panels(available: set[str]) -> list[Panel]:
     return panels
 
 
-# the per-teacher metrics (opd.train.step._teacher_metrics) in this order, then any other; (title, y label)
+# the per-teacher metrics (opd.train.teachers.teacher_metrics) in this order, then any other; (title, y label)
 TEACHER_METRICS = {
     "token_frac": ("share of the step's response tokens", "fraction"),
     "reward_mean": ("token reward over its tokens", "nats"),

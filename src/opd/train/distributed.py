@@ -1,7 +1,7 @@
 """torchrun + FSDP2: one code path for 1..N processes.
 
     torchrun --nproc_per_node 8 -m opd.cli distill --config configs/opd_qwen3_1.7b_from_4b.yaml
-    torchrun --nproc_per_node 2 -m opd.cli distill --config …   # CPU too: gloo, as in tests/features/test_distributed.py
+    torchrun --nproc_per_node 2 -m opd.cli distill --config …  # CPU too: gloo (tests/features/test_distributed.py)
 
 Without torchrun (no `WORLD_SIZE`) everything here is a no-op: world size 1, no process group, the model unwrapped.
 With it every rank keeps its slice of the same seeded global batch and the loss divides by the global token count,
@@ -19,7 +19,7 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -59,8 +59,7 @@ def init_distributed() -> DistInfo:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend=backend, timeout=_TIMEOUT, **kwargs)
+        dist.init_process_group(backend=backend, timeout=_TIMEOUT, device_id=device if device.type == "cuda" else None)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, is_main=rank == 0)
 
 
@@ -98,7 +97,7 @@ def shard_model(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
         return model
     from torch.distributed.fsdp import fully_shard
 
-    layers = getattr(model.get_decoder(), "layers", None)
+    layers = getattr(cast(Any, model).get_decoder(), "layers", None)
     if layers is None:
         raise NotImplementedError(f"{type(model).__name__}: no `.layers` in its decoder to shard with FSDP2")
     for layer in layers:
@@ -200,7 +199,7 @@ def full_state_dict(model: torch.nn.Module, info: DistInfo) -> dict[str, torch.T
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict, get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
 
 
 def all_full_weights(model: torch.nn.Module, info: DistInfo) -> dict[str, torch.Tensor]:
@@ -210,7 +209,7 @@ def all_full_weights(model: torch.nn.Module, info: DistInfo) -> dict[str, torch.
         return dict(model.state_dict())
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    return cast(dict, get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False)))
 
 
 def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> dict:

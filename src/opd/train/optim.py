@@ -29,10 +29,11 @@ def build_optimizer(params, spec: OptimSpec) -> torch.optim.Optimizer:
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    betas = (float(spec.betas[0]), float(spec.betas[1]))
     if spec.state_dtype == "bf16":
-        return AdamW16(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps)
+        return AdamW16(groups, lr=spec.lr, betas=betas, eps=spec.eps)
     fused = spec.fused if spec.fused is not None else _fused_by_default(params)
-    return torch.optim.AdamW(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, fused=fused or None)
+    return torch.optim.AdamW(groups, lr=spec.lr, betas=betas, eps=spec.eps, fused=fused or None)
 
 
 def _fused_by_default(params: list[torch.Tensor]) -> bool:

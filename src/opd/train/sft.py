@@ -9,6 +9,8 @@ model confines attention to each packed example.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 
 from opd.objectives import sft_loss
@@ -68,7 +70,7 @@ def packing_is_exact(net: torch.nn.Module, *, tolerance: float | None = None) ->
     from opd.forward import forward_hidden  # heavy (the Triton kernels, torch._dynamo)
 
     device = next(net.parameters()).device
-    vocab = net.get_input_embeddings().weight.shape[0]
+    vocab = cast(Any, net).get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     ids_BL = torch.randint(0, vocab, (2, 12), generator=generator)
     lengths = torch.tensor([12, 7])

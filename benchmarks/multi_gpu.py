@@ -381,18 +381,18 @@ def scale(argv: list[str]) -> dict | None:
     tr = build_trainer(args, info, device)
     times, tokens, traces = [], [], []
     for index in range(args.warmup + args.repeat):
-        tr.memory_trace = [] if cuda else None
+        tr.run.memory_trace = [] if cuda else None
         sync(device)
         start = time.perf_counter()
         metrics = opd_step(tr)
         sync(device)
         seconds = _max_over_ranks(time.perf_counter() - start, info)
-        tr.step += 1
-        step_tokens = sum(_gather(sum(tr.generator.last_lengths), info))
+        tr.run.step += 1
+        step_tokens = sum(_gather(sum(tr.engines.generator.last_lengths), info))
         if index >= args.warmup:
             times.append(seconds)
             tokens.append(step_tokens)
-            traces.append(tr.memory_trace or [])
+            traces.append(tr.run.memory_trace or [])
     phases = {f"{k.split('/')[1]}_s": v for k, v in metrics.items() if k.startswith("time/") and k != "time/step"}
     peaks = {}
     for phase in ("rollout", "scoring", "forward_backward", "optimizer_step"):

@@ -213,9 +213,9 @@ def trained_lengths(tr) -> tuple[dict, object]:
     if pending is not None:
         trained["lengths"] = [len(r) for r in pending.output.response_ids]
         return trained, None
-    if tr.stream is None:
+    if tr.engines.stream is None:
         return trained, None
-    stream, next_batch = tr.stream, tr.stream.next_batch
+    stream, next_batch = tr.engines.stream, tr.engines.stream.next_batch
 
     def recorded(*args, **kwargs):
         batch = next_batch(*args, **kwargs)
@@ -348,11 +348,11 @@ def memory_breakdown(tr, trace: list[dict], start_bytes: int) -> dict:
     the forward/backward phase left allocated, freed by the optimizer step)."""
     out = {
         "resident_gib": start_bytes / GIB,
-        "student_weights_gib": _cuda_bytes(tr.student.parameters()) / GIB,
-        "adamw_state_gib": _cuda_bytes(t for s in tr.optimizer.state.values() for t in s.values()) / GIB,
+        "student_weights_gib": _cuda_bytes(tr.models.student.parameters()) / GIB,
+        "adamw_state_gib": _cuda_bytes(t for s in tr.optimization.optimizer.state.values() for t in s.values()) / GIB,
         # the first teacher's weights, as before teachers were a list
-        "teacher_weights_gib": _cuda_bytes(tr.teachers[0].teacher.module.parameters()) / GIB
-        if tr.teachers and tr.teachers[0].teacher.module is not None
+        "teacher_weights_gib": _cuda_bytes(tr.models.teachers[0].teacher.module.parameters()) / GIB
+        if tr.models.teachers and tr.models.teachers[0].teacher.module is not None
         else 0.0,
     }
     out["other_resident_gib"] = (
@@ -408,33 +408,33 @@ def our_row(
         if offload:  # after the scorer's head check: a forward of the compiled layers on CPU would compile for CPU
             for module in teachers:
                 module.to("cpu")
-        tr.activation_budget = 0.5 if row_ckpt == "selective" else None
+        tr.models.activation_budget = 0.5 if row_ckpt == "selective" else None
         cuda = device.type == "cuda"
         steps: list[dict] = []
-        tr.compiled_layers = compiled
+        tr.models.compiled_layers = compiled
         warm_up_s = warm_up_graphs = None
-        if tr.compiled_layers:  # as `opd distill` does before its first step
+        if tr.models.compiled_layers:  # as `opd distill` does before its first step
             sync(device)
             start_warm_up = time.perf_counter()
             # the engine itself, as `opd distill`'s warm-up sees it: behind BenchGenerator its decode step went
             # uncompiled until the steps (the paper step's timed step on an H100 compiled it at 48 rows)
-            bench, tr.generator = tr.generator, tr.generator.inner
+            bench, tr.engines.generator = tr.engines.generator, tr.engines.generator.inner
             try:
                 warm_up_graphs = warm_up(tr, device)
             finally:
-                tr.generator = bench
+                tr.engines.generator = bench
             sync(device)
             warm_up_s = time.perf_counter() - start_warm_up
 
         def step(warm: bool = False):
-            tr.memory_trace = [] if cuda else None
+            tr.run.memory_trace = [] if cuda else None
             start = torch.cuda.memory_allocated(device) if cuda else 0
             graphs_before = compiled_graphs()
             # Shorter warm-up steps (--warmup-lengths) compile the same layers and kernels. With rollout.overlap the
             # background engine makes the next step's batch: short too, unless the next step is a timed one.
-            engines = [tr.generator]
-            if tr.rollout_generator is not None and sum(s["warm"] for s in steps) + 1 < args.warmup:
-                engines.append(tr.rollout_generator)
+            engines = [tr.engines.generator]
+            if tr.engines.rollout_generator is not None and sum(s["warm"] for s in steps) + 1 < args.warmup:
+                engines.append(tr.engines.rollout_generator)
             timed_lengths = [engine.lengths for engine in engines]
             if warm and args.warmup_lengths:
                 for engine in engines:
@@ -447,15 +447,15 @@ def our_row(
                     engine.lengths = lengths
                 if stream is not None:
                     del stream.next_batch  # the class's method again
-            tr.step += 1
+            tr.run.step += 1
             # the tokens trained: with overlap or partial the step's rows do not come from its last engine call
             tokens = round(metrics["response_length"] * args.prompts * args.n)
             record = {
                 "tokens": tokens,
                 "metrics": metrics,
-                "trace": tr.memory_trace,
+                "trace": tr.run.memory_trace,
                 "start": start,
-                "lengths": trained.get("lengths", list(tr.generator.last_lengths)),
+                "lengths": trained.get("lengths", list(tr.engines.generator.last_lengths)),
                 "warm": warm,
                 "new_graphs": compiled_graphs() - graphs_before,
             }

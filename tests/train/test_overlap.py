@@ -24,9 +24,9 @@ def _trainer(world, tmp_path, *overrides, steps=3):
 def _generate(model, tr, prompt_ids, params: SamplingParams):
     engine = TorchGenerator(
         model,
-        eos_token_ids=tr.generator.eos_token_ids,
-        pad_token_id=tr.generator.pad_token_id,
-        vocab_size=tr.vocab_size,
+        eos_token_ids=tr.engines.generator.eos_token_ids,
+        pad_token_id=tr.engines.generator.pad_token_id,
+        vocab_size=tr.models.vocab_size,
         max_batch_size=tr.config.rollout.batch_size,
     )
     return engine.generate(prompt_ids, params)
@@ -36,18 +36,18 @@ def test_off_samples_each_step_from_its_own_weights(world, tmp_path):
     """Off (the default): no snapshot is kept, the lag is 0, and step t's rollouts are exactly what the engine
     samples with step t's seed from the weights at the start of step t (replayed here on a copy)."""
     tr = _trainer(world, tmp_path, "objective.tis_cap=2.0")
-    assert not tr.config.rollout.overlap and tr.rollout_model is None and tr.rollout_generator is None
+    assert not tr.config.rollout.overlap and tr.engines.rollout_model is None and tr.engines.rollout_generator is None
     calls = []
-    real_generate = tr.generator.generate
+    real_generate = tr.engines.generator.generate
 
     def recording(prompt_ids, params):
         out = real_generate(prompt_ids, params)
         calls.append((prompt_ids, params, out))
         return out
 
-    tr.generator.generate = recording
+    tr.engines.generator.generate = recording
     for step in range(2):
-        start = copy.deepcopy(tr.student)
+        start = copy.deepcopy(tr.models.student)
         metrics = opd_step(tr)
         assert metrics["policy_lag"] == 0 and tr.pending_rollouts is None
         prompt_ids, params, out = calls[step]
@@ -56,7 +56,7 @@ def test_off_samples_each_step_from_its_own_weights(world, tmp_path):
         assert replay.response_ids == out.response_ids and replay.logprobs == out.logprobs
         # the engine and the trainer's scorer see the same weights: importance weights are 1 up to rounding
         assert abs(metrics["is_weight_mean"] - 1) < 1e-4 and metrics["is_weight_capped_frac"] == 0
-        tr.step += 1
+        tr.run.step += 1
 
 
 def test_overlap_lags_one_step_and_weights_against_the_previous_policy(world, tmp_path):
@@ -64,24 +64,24 @@ def test_overlap_lags_one_step_and_weights_against_the_previous_policy(world, tm
     1 trains on them (lag 1) with importance weights exp(ℓ_θ1 − ℓ_θ0) of the sampled tokens, truncated at the cap.
     The learning rate is large so that θ1 visibly differs from θ0."""
     tr = _trainer(world, tmp_path, "rollout.overlap=true", "objective.tis_cap=1.5")
-    assert tr.rollout_model is not None
-    theta0 = copy.deepcopy(tr.student)
+    assert tr.engines.rollout_model is not None
+    theta0 = copy.deepcopy(tr.models.student)
     first = opd_step(tr)
-    tr.step += 1
+    tr.run.step += 1
     assert first["policy_lag"] == 0
     pending = tr.pending_rollouts
     assert pending is not None
-    prompt_ids = [tr.prompt_ids[i] for i in pending.indices]
+    prompt_ids = [tr.data.prompt_ids[i] for i in pending.indices]
     replay = _generate(theta0, tr, prompt_ids, _sampling_params(tr.config, 1, 0))  # step 1's seed, θ0's weights
     assert replay.response_ids == pending.output.response_ids and replay.logprobs == pending.output.logprobs
 
-    theta1 = copy.deepcopy(tr.student)
+    theta1 = copy.deepcopy(tr.models.student)
     assert any(not torch.equal(a, b) for a, b in zip(theta0.parameters(), theta1.parameters()))
     second = opd_step(tr)
     assert second["policy_lag"] == 1
-    rollouts = build_rollouts(prompt_ids, pending.output, pad_id=tr.tokenizer.pad_token_id)
+    rollouts = build_rollouts(prompt_ids, pending.output, pad_id=tr.models.tokenizer.pad_token_id)
     mask = rollouts.response_mask
-    scorer = LocalScorer(theta1, max_tokens_per_batch=4096, vocab_size=tr.vocab_size)
+    scorer = LocalScorer(theta1, max_tokens_per_batch=4096, vocab_size=tr.models.vocab_size)
     lp_theta1 = scorer.score(rollouts, top_k=0, with_entropy=False).sampled_logprobs
     raw = (lp_theta1 - rollouts.rollout_logprobs).exp()
     # float32 scorer vs the same scorer on a copy: identical up to the order of a few reductions

@@ -43,11 +43,11 @@ def _trainer(world, tmp_path, *overrides, compiled=True):
     )
     tr = setup(cfg, tmp_path / "run", console=string_console())
     if compiled:
-        compile_layers(tr.student, True, backend="aot_eager")
-        for routed in tr.teachers:
+        compile_layers(tr.models.student, True, backend="aot_eager")
+        for routed in tr.models.teachers:
             if routed.teacher.module is not None:
                 compile_layers(routed.teacher.module, True, backend="aot_eager")
-    tr.compiled_layers = True
+    tr.models.compiled_layers = True
     return tr
 
 
@@ -72,8 +72,8 @@ def _steps_on(tr, layouts):
     for rows in layouts:
         responses = [[7 + (i * 13 + t) % 200 for t in range(n)] for i, (_, n) in enumerate(rows)]
         output = GenerationOutput(responses, ["length"] * len(rows), list(range(len(rows))))
-        prompt_ids = [tr.prompt_ids[index] for index, _ in rows]
-        rollouts = build_rollouts(prompt_ids, output, pad_id=tr.tokenizer.pad_token_id)
+        prompt_ids = [tr.data.prompt_ids[index] for index, _ in rows]
+        rollouts = build_rollouts(prompt_ids, output, pad_id=tr.models.tokenizer.pad_token_id)
         batch = Batch([index for index, _ in rows], rollouts, policy_lag=0)
         scores = score_rollouts(tr, batch, {}, cpu)
         update_student(tr, rollouts, step_targets(tr, batch, scores, cpu), {}, cpu)
@@ -161,8 +161,8 @@ def _static_engine_trainer(world, tmp_path, monkeypatch, partial: bool) -> tuple
     torch._dynamo.reset()
     extra = ("rollout.partial=true", "objective.tis_cap=2.0") if partial else ()
     tr = _trainer(world, tmp_path, "rollout.engine=static", *extra)
-    assert isinstance(tr.generator, StaticGenerator)
-    return tr, tr.generator
+    assert isinstance(tr.engines.generator, StaticGenerator)
+    return tr, tr.engines.generator
 
 
 @pytest.mark.parametrize("partial", [False, True])
@@ -189,15 +189,17 @@ def test_a_decode_step_capped_by_memory_compiles_only_in_the_warm_up(world, tmp_
     them, and sized with them the warm-up missed the steps' count (9 graphs in step 1)."""
     tr, engine = _static_engine_trainer(world, tmp_path, monkeypatch, partial)
     engine.fuse_weights = False  # the figure below does not see the weight copies a call builds
-    lengths, new = [len(ids) for ids in tr.prompt_ids], tr.config.rollout.max_new_tokens
+    lengths, new = [len(ids) for ids in tr.data.prompt_ids], tr.config.rollout.max_new_tokens
     cost = engine.row_cost(max(lengths), new)
-    moments, total = adamw_state_bytes(tr.student.parameters()), 80 * 2**30
+    moments, total = adamw_state_bytes(tr.models.student.parameters()), 80 * 2**30
     assert moments > 6 * cost.row_bytes  # without the reserve the prediction would start at 16 rows or more
     room = memory.margin_bytes(total) + cost.fixed_bytes + 11 * cost.row_bytes + cost.row_bytes // 2
 
     def free(device):  # a device's figure: what the optimizer and the gradients hold is not free
-        held = sum(t.numel() * t.element_size() for s in tr.optimizer.state.values() for t in s.values())
-        held += sum(p.grad.numel() * p.grad.element_size() for p in tr.student.parameters() if p.grad is not None)
+        held = sum(t.numel() * t.element_size() for s in tr.optimization.optimizer.state.values() for t in s.values())
+        held += sum(
+            p.grad.numel() * p.grad.element_size() for p in tr.models.student.parameters() if p.grad is not None
+        )
         return room + moments - held, total
 
     engine.free_memory = free
@@ -214,7 +216,7 @@ def test_a_decode_step_capped_by_a_token_budget_compiles_only_in_the_warm_up(wor
     its own count: the warm-up compiles those counts too (`StaticGenerator.capped_rows`), so no step compiles after
     it (before, only the memory's caps were predicted and step 1 compiled)."""
     tr, engine = _static_engine_trainer(world, tmp_path, monkeypatch, partial)
-    lengths, new = [len(ids) for ids in tr.prompt_ids], tr.config.rollout.max_new_tokens
+    lengths, new = [len(ids) for ids in tr.data.prompt_ids], tr.config.rollout.max_new_tokens
     engine.max_batch_tokens = 6 * (max(lengths) + new)  # 6 rows of the widest call, more of narrower ones
     rows = decode_warm_up_rows(tr)
     assert 6 in rows, rows
@@ -248,7 +250,7 @@ def test_compiled_prefills_compile_only_in_the_warm_up(world, tmp_path, partial)
     torch._dynamo.reset()
     extra = ("rollout.partial=true", "objective.tis_cap=2.0") if partial else ()
     tr = _trainer(world, tmp_path, *COMPILED_PREFILL, *extra)
-    assert isinstance(tr.generator, StaticGenerator) and tr.generator.compiled_prefill
+    assert isinstance(tr.engines.generator, StaticGenerator) and tr.engines.generator.compiled_prefill
     after, graphs = _graphs_after_warm_up_and_per_step(tr, tmp_path)
     assert graphs == [after] * 4, (after, graphs)
 
@@ -289,13 +291,13 @@ def test_the_warm_up_changes_nothing(world, tmp_path):
     runs = {}
     for warmed in (True, False):
         tr = _trainer(world, tmp_path / str(warmed), "objective.kl_coef=0.1", compiled=False)
-        tr.compiled_layers = warmed
+        tr.models.compiled_layers = warmed
         train(tr, console=string_console())
         metrics = [
             {k: v for k, v in m.items() if not k.startswith(("time/", "compile/")) and k != "tokens_per_second"}
             for m in read_jsonl(tmp_path / str(warmed) / "run" / "metrics.jsonl")
         ]
-        runs[warmed] = (metrics, {k: v.clone() for k, v in tr.student.state_dict().items()})
+        runs[warmed] = (metrics, {k: v.clone() for k, v in tr.models.student.state_dict().items()})
     assert runs[True][0] == runs[False][0]
     assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[False][1])
 

@@ -273,11 +273,11 @@ def test_versions_and_weights_match_a_reference(world, tmp_path):
     device = torch.device("cpu")
     weights, seen_lag = {}, 0
     for step in range(3):
-        weights[step] = copy.deepcopy(tr.student)
+        weights[step] = copy.deepcopy(tr.models.student)
         batch = sample_rollouts(tr, {}, device)
         rollouts, versions_BT, mask = batch.rollouts, batch.versions_BT, batch.rollouts.response_mask
         for v in versions_BT[mask].unique().tolist():
-            scorer = LocalScorer(weights[v], max_tokens_per_batch=4096, vocab_size=tr.vocab_size)
+            scorer = LocalScorer(weights[v], max_tokens_per_batch=4096, vocab_size=tr.models.vocab_size)
             lp = scorer.score(rollouts, top_k=0, with_entropy=False).sampled_logprobs
             at_v = mask & (versions_BT == v)
             # the engine's incremental log-probs against a full forward of the same weights: float32 rounding
@@ -292,7 +292,7 @@ def test_versions_and_weights_match_a_reference(world, tmp_path):
         raw = (scores.student.sampled_logprobs - rollouts.rollout_logprobs).exp().clamp_max(1.5)
         assert metrics["partial/is_weight_min"] == pytest.approx(float(raw[mask].min()), abs=1e-6)
         assert sum(metrics[f"partial/lag_{k}_frac"] for k in range(3)) == pytest.approx(1.0)
-        tr.step += 1
+        tr.run.step += 1
     assert seen_lag >= 1  # tokens from earlier weights were trained: the check above is not vacuous
 
 

@@ -40,37 +40,37 @@ def test_versions_lags_and_weights_match_a_reference(world, tmp_path):
     cap, staleness = 1.5, 2
     overrides = (*ON[:-1], f"objective.tis_cap={cap}")
     tr = setup(distill_config(world, tmp_path, "optim.lr=3e-2", *overrides, steps=4), tmp_path / "run")
-    assert isinstance(tr.ahead, AheadStream) and tr.stream is not None
+    assert isinstance(tr.engines.ahead, AheadStream) and tr.engines.stream is not None
     device, weights, lags = torch.device("cpu"), {}, set()
     for step in range(4):
-        weights[step] = copy.deepcopy(tr.student)
+        weights[step] = copy.deepcopy(tr.models.student)
         batch = sample_rollouts(tr, {}, device)
         rollouts, versions_BT, mask = batch.rollouts, batch.versions_BT, batch.rollouts.response_mask
         lag_BT = step - versions_BT[mask]
         lags |= set(lag_BT.tolist())
         assert (lag_BT == 0).all() if step == 0 else ((lag_BT >= 1) & (lag_BT <= staleness)).all()
         for v in versions_BT[mask].unique().tolist():
-            scorer = LocalScorer(weights[v], max_tokens_per_batch=4096, vocab_size=tr.vocab_size)
+            scorer = LocalScorer(weights[v], max_tokens_per_batch=4096, vocab_size=tr.models.vocab_size)
             lp = scorer.score(rollouts, top_k=0, with_entropy=False).sampled_logprobs
             at_v = mask & (versions_BT == v)
             # the engine's incremental log-probs against a full forward of the same weights: float32 rounding
             assert torch.allclose(lp[at_v], rollouts.rollout_logprobs[at_v], atol=1e-4)
         scores = score_rollouts(tr, batch, {}, device)
         targets = step_targets(tr, batch, scores, device)
-        now = LocalScorer(copy.deepcopy(tr.student), max_tokens_per_batch=4096, vocab_size=tr.vocab_size)
+        now = LocalScorer(copy.deepcopy(tr.models.student), max_tokens_per_batch=4096, vocab_size=tr.models.vocab_size)
         lp_now = now.score(rollouts, top_k=0, with_entropy=False).sampled_logprobs
         reference = (lp_now - rollouts.rollout_logprobs).exp().clamp_max(cap)
         assert torch.allclose(targets.tis_weights[mask], reference[mask], rtol=1e-4, atol=1e-6)
         result = update_student(tr, rollouts, targets, {}, device)
-        tr.ahead.wait()
+        tr.engines.ahead.wait()
         metrics = step_metrics(tr, batch, scores, targets, result, {})
         assert metrics["partial/max_lag"] <= staleness and metrics["policy_lag"] == metrics["partial/max_lag"]
         assert metrics["partial/trained_total"] == (step + 1) * 4  # 2 prompts × 2 samples a step
         counted = metrics["partial/trained_total"] + metrics["partial/dropped_total"] + metrics["partial/in_flight"]
         assert metrics["partial/started_total"] == counted
-        stream = tr.stream
+        stream = tr.engines.stream
         assert stream.started == stream.trained + stream.dropped + stream.in_flight  # the pending batch: trained
-        tr.step += 1
+        tr.run.step += 1
     assert lags >= {0, 1, 2}  # tokens of every allowed lag were trained: the checks above are not vacuous
 
 

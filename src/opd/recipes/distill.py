@@ -124,7 +124,7 @@ def distill(config: DistillConfig, *, console: Any = None) -> Path:
                 dist=info,
             )
             train(tr, console=console)
-            tr.generator.close()  # vLLM: its groups go before the process group they live in
+            tr.engines.generator.close()  # vLLM: its groups go before the process group they live in
         destroy_distributed(info)
     return run_dir
 
@@ -133,57 +133,57 @@ def distill(config: DistillConfig, *, console: Any = None) -> Path:
 
 
 def train(tr: Trainer, *, console: Any) -> None:
-    cfg, main = tr.config, tr.dist.is_main
-    if eval_at_start(cfg.run, cfg.eval, tr.step):  # the student before training: eval/step_0
-        with gathered(tr.student, tr.dist):
+    cfg, main = tr.config, tr.run.dist.is_main
+    if eval_at_start(cfg.run, cfg.eval, tr.run.step):  # the student before training: eval/step_0
+        with gathered(tr.models.student, tr.run.dist):
             if main:
                 run_eval(tr, console)
     with progress_bar(console) as progress:
-        task = progress.add_task("opd distill", total=cfg.run.steps, completed=tr.step)
+        task = progress.add_task("opd distill", total=cfg.run.steps, completed=tr.run.step)
         if (
-            tr.step
+            tr.run.step
             and cfg.eval.benchmarks
-            and is_due(tr.step, cfg.run.eval_every, cfg.run.steps)
-            and eval_pending(tr.run_dir, tr.step)
+            and is_due(tr.run.step, cfg.run.eval_every, cfg.run.steps)
+            and eval_pending(tr.run.run_dir, tr.run.step)
         ):  # resumed from a checkpoint whose eval did not finish
-            with gathered(tr.student, tr.dist):
+            with gathered(tr.models.student, tr.run.dist):
                 if main:
                     run_eval(tr, console)
-        if tr.compiled_layers and tr.step < cfg.run.steps:
+        if tr.models.compiled_layers and tr.run.step < cfg.run.steps:
             _warm_up(tr, console)
         compiles = CompileLog()
         consecutive_skips = 0
-        while tr.step < cfg.run.steps:
-            skipped_before = tr.skipped_steps
+        while tr.run.step < cfg.run.steps:
+            skipped_before = tr.run.skipped_steps
             metrics = opd_step(tr)  # already reduced over ranks
-            tr.step += 1
+            tr.run.step += 1
             graphs, recompiled = compiles.take()
-            if tr.compiled_layers:  # what this step compiled (rank 0's): after the warm-up, 0 is the target
+            if tr.models.compiled_layers:  # what this step compiled (rank 0's): after the warm-up, 0 is the target
                 metrics["compile/step_graphs"] = graphs
             if main:
-                assert tr.sink is not None  # setup opens rank 0's sink
-                tr.sink.log(tr.step, metrics)
+                assert tr.run.sink is not None  # setup opens rank 0's sink
+                tr.run.sink.log(tr.run.step, metrics)
                 if news := describe_compiles(graphs, recompiled):  # what the warm-up left out, for the next warm-up
-                    console.print(f"step {tr.step} compiled {news}")
-            consecutive_skips = consecutive_skips + 1 if tr.skipped_steps > skipped_before else 0
-            check_skipped_steps(consecutive_skips, tr.step, cfg.optim)
-            tr.history.append({"step": tr.step, **metrics})
-            progress.update(task, advance=1, description=_console_line(tr.step, metrics))
-            if is_due(tr.step, cfg.run.save_every, cfg.run.steps):  # before the eval: a failing eval loses no work
+                    console.print(f"step {tr.run.step} compiled {news}")
+            consecutive_skips = consecutive_skips + 1 if tr.run.skipped_steps > skipped_before else 0
+            check_skipped_steps(consecutive_skips, tr.run.step, cfg.optim)
+            tr.run.history.append({"step": tr.run.step, **metrics})
+            progress.update(task, advance=1, description=_console_line(tr.run.step, metrics))
+            if is_due(tr.run.step, cfg.run.save_every, cfg.run.steps):  # before the eval: a failing eval loses no work
                 save(tr)
-            if is_due(tr.step, cfg.run.eval_every, cfg.run.steps):
-                with gathered(tr.student, tr.dist):  # rank 0 evaluates alone: no collectives inside
+            if is_due(tr.run.step, cfg.run.eval_every, cfg.run.steps):
+                with gathered(tr.models.student, tr.run.dist):  # rank 0 evaluates alone: no collectives inside
                     if main:
                         run_eval(tr, console)
                 compiles = CompileLog()  # the evaluation's own graphs (greedy decoding) are not the next step's
     if main:
-        finish_run(tr.run_dir, tr.sink, report=cfg.run.report, console=console)
-    barrier(tr.dist)
+        finish_run(tr.run.run_dir, tr.run.sink, report=cfg.run.report, console=console)
+    barrier(tr.run.dist)
 
 
 def _warm_up(tr: Trainer, console: Any) -> None:
     start = time.perf_counter()
-    device = next(tr.student.parameters()).device
+    device = next(tr.models.student.parameters()).device
     rows = decode_warm_up_rows(tr)
     graphs = warm_up(tr, device, decode_rows=rows)
     decode = (
@@ -214,51 +214,51 @@ def run_eval(tr: Trainer, console: Any) -> dict | None:
     cfg = tr.config
     return evaluate_in_training(
         cfg.eval,
-        step=tr.step,
-        run_dir=tr.run_dir,
+        step=tr.run.step,
+        run_dir=tr.run.run_dir,
         model_path=cfg.student.path,
-        generator=tr.generator,
-        tokenizer=tr.tokenizer,
+        generator=tr.engines.generator,
+        tokenizer=tr.models.tokenizer,
         template=cfg.data.template,
         enable_thinking=cfg.data.enable_thinking,
         max_prompt_length=cfg.data.max_prompt_length,
         batch_size=cfg.rollout.batch_size,
         seed=cfg.run.seed,
-        sink=tr.sink,
+        sink=tr.run.sink,
         console=console,
-        model=tr.student,  # the weights evaluated identify the eval, not cfg.student.path
+        model=tr.models.student,  # the weights evaluated identify the eval, not cfg.student.path
         teachers=cfg.teacher_entries(),  # several: per-teacher results on the benchmarks their routes place
     )
 
 
 def save(tr: Trainer) -> Path:
     """Every rank calls this (FSDP: the full weights and optimizer state are gathered); rank 0 writes."""
-    weights = full_state_dict(tr.student, tr.dist)  # None with one process: save the module itself
+    weights = full_state_dict(tr.models.student, tr.run.dist)  # None with one process: save the module itself
     state = trainer_state(
-        tr.optimizer,
-        tr.scheduler,
-        tr.sampler,
-        skipped_steps=tr.skipped_steps,
-        history=tr.history,
-        pending_rollouts=None if tr.ahead is None else tr.ahead.state_dict(),
-        partial_stream=None if tr.stream is None else tr.stream.state_dict(),
-        world_size=tr.dist.world_size,
+        tr.optimization.optimizer,
+        tr.optimization.scheduler,
+        tr.data.sampler,
+        skipped_steps=tr.run.skipped_steps,
+        history=tr.run.history,
+        pending_rollouts=None if tr.engines.ahead is None else tr.engines.ahead.state_dict(),
+        partial_stream=None if tr.engines.stream is None else tr.engines.stream.state_dict(),
+        world_size=tr.run.dist.world_size,
         data_fingerprint=_prompt_fingerprint(tr),
     )
-    state["optimizer"] = full_optimizer_state_dict(tr.student, tr.optimizer, tr.dist)
-    state["teachers"] = tr.teacher_manifest  # `--resume` refuses another teacher set (check_teacher_manifest)
-    path = tr.run_dir / "checkpoints" / f"step_{tr.step}"
-    if tr.dist.is_main:
+    state["optimizer"] = full_optimizer_state_dict(tr.models.student, tr.optimization.optimizer, tr.run.dist)
+    state["teachers"] = tr.run.teacher_manifest  # `--resume` refuses another teacher set (check_teacher_manifest)
+    path = tr.run.run_dir / "checkpoints" / f"step_{tr.run.step}"
+    if tr.run.dist.is_main:
         path = save_checkpoint(
-            tr.run_dir,
-            tr.step,
-            model=tr.student,
-            tokenizer=tr.tokenizer,
+            tr.run.run_dir,
+            tr.run.step,
+            model=tr.models.student,
+            tokenizer=tr.models.tokenizer,
             trainer_state=state,
             keep_last=tr.config.run.keep_last,
             state_dict=weights,
         )
-    barrier(tr.dist)  # nobody reads the checkpoint before it is complete
+    barrier(tr.run.dist)  # nobody reads the checkpoint before it is complete
     return path
 
 
@@ -317,7 +317,7 @@ def setup(
     )
     resume_step = resume(tr, checkpoint, console)
     if dist.is_main:  # rank 0 writes the run directory
-        tr.sink = open_run(config, run_dir, config.run, resume_step=resume_step)
+        tr.run.sink = open_run(config, run_dir, config.run, resume_step=resume_step)
         write_routing_table(run_dir, routing_table(config, prompt_teacher))
     return tr
 
@@ -685,11 +685,11 @@ def resume(tr: Trainer, checkpoint: Path | None, console: Any) -> int | None:
         return None
     state = restore_trainer_state(
         checkpoint,
-        _FullStateOptimizer(tr.student, tr.optimizer, tr.dist),
-        tr.scheduler,
-        tr.sampler,
+        _FullStateOptimizer(tr.models.student, tr.optimization.optimizer, tr.run.dist),
+        tr.optimization.scheduler,
+        tr.data.sampler,
         optim=tr.config.optim,
-        torch_optimizer=tr.optimizer,
+        torch_optimizer=tr.optimization.optimizer,
         console=console,
     )
     check_data_fingerprint(
@@ -700,21 +700,21 @@ def resume(tr: Trainer, checkpoint: Path | None, console: Any) -> int | None:
         checkpoint=checkpoint,
         console=console,
     )
-    check_teacher_manifest(state.get("teachers"), tr.teacher_manifest, checkpoint)
-    tr.step, tr.skipped_steps, tr.history = state["step"], state["skipped_steps"], state["history"]
-    if tr.ahead is not None:  # the rollouts generated for the next step, from weights no longer saved
-        tr.ahead.load_state_dict(state.get("pending_rollouts"))
-    if tr.stream is not None:  # the in-flight samples (rollout.partial): their tokens, log-probs and versions
-        tr.stream.load_state_dict(state.get("partial_stream"))
+    check_teacher_manifest(state.get("teachers"), tr.run.teacher_manifest, checkpoint)
+    tr.run.step, tr.run.skipped_steps, tr.run.history = state["step"], state["skipped_steps"], state["history"]
+    if tr.engines.ahead is not None:  # the rollouts generated for the next step, from weights no longer saved
+        tr.engines.ahead.load_state_dict(state.get("pending_rollouts"))
+    if tr.engines.stream is not None:  # the in-flight samples (rollout.partial): their tokens, log-probs and versions
+        tr.engines.stream.load_state_dict(state.get("partial_stream"))
     if console is not None:
-        console.print(f"resumed from {checkpoint} (step {tr.step}){_world_size_change(state, tr.dist)}")
-    return tr.step
+        console.print(f"resumed from {checkpoint} (step {tr.run.step}){_world_size_change(state, tr.run.dist)}")
+    return tr.run.step
 
 
 def _prompt_fingerprint(tr: Trainer) -> str:
     """The prompt set as training sees it: each prompt's token ids and answer (`data_fingerprint`)."""
     return cached_fingerprint(
-        tr.prompt_ids, lambda: ((ids, prompt.answer) for ids, prompt in zip(tr.prompt_ids, tr.prompts))
+        tr.data.prompt_ids, lambda: ((ids, prompt.answer) for ids, prompt in zip(tr.data.prompt_ids, tr.data.prompts))
     )
 
 

@@ -116,28 +116,10 @@ class RunState:
     gpu_busy: GpuBusy | None = None  # CUDA with NVML: the device's utilization over each step (`gpu/busy_frac`)
 
 
-class _In:
-    """A field of one of the trainer's groups, read and written through the trainer by its name (`tr.student` is
-    `tr.models.student`, `tr.step += 1` counts `tr.run.step`): the step reads the state by name, whichever group
-    holds it."""
-
-    def __init__(self, group: str) -> None:
-        self.group = group
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, trainer: Any, owner: type | None = None) -> Any:
-        return self if trainer is None else getattr(getattr(trainer, self.group), self.name)
-
-    def __set__(self, trainer: Any, value: Any) -> None:
-        setattr(getattr(trainer, self.group), self.name, value)
-
-
 @dataclass
 class Trainer:
-    """Everything a step needs, built once by the recipe's `setup`, in five groups. State only: `opd.train.step`
-    acts on it. Every field of a group reads (and writes) as the trainer's own, e.g. `tr.student`, `tr.step`."""
+    """Everything a step needs, built once by the recipe's `setup`, in five groups (`tr.models.student`,
+    `tr.run.step`). State only: `opd.train.step` acts on it."""
 
     config: DistillConfig
     models: TrainModels
@@ -146,44 +128,10 @@ class Trainer:
     optimization: TrainOptimization
     run: RunState
 
-    student = _In("models")
-    tokenizer = _In("models")
-    student_scorer = _In("models")
-    reference_scorer = _In("models")
-    vocab_size = _In("models")
-    teachers = _In("models")
-    autocast_dtype = _In("models")
-    activation_budget = _In("models")
-    compiled_layers = _In("models")
-
-    prompts = _In("data")
-    prompt_ids = _In("data")
-    sampler = _In("data")
-    prompt_teacher = _In("data")
-
-    generator = _In("engines")
-    rollout_model = _In("engines")
-    rollout_generator = _In("engines")
-    ahead = _In("engines")
-    stream = _In("engines")
-
-    optimizer = _In("optimization")
-    scheduler = _In("optimization")
-
-    run_dir = _In("run")
-    sink = _In("run")
-    dist = _In("run")
-    step = _In("run")
-    skipped_steps = _In("run")
-    history = _In("run")
-    teacher_manifest = _In("run")
-    memory_trace = _In("run")
-    gpu_busy = _In("run")
-
     @property
     def pending_rollouts(self) -> PendingRollouts | StreamBatch | None:
         """What was generated ahead for the next step (rollout.overlap); the checkpoint carries it."""
-        return None if self.ahead is None else self.ahead.pending
+        return None if self.engines.ahead is None else self.engines.ahead.pending
 
 
 @dataclass

@@ -3,7 +3,7 @@ function per phase below. The math lives in `opd.objectives` (`build_targets`, `
 rollout-ahead in `opd.train.overlap`, setup, the loop and checkpoints in the recipe (`opd.recipes.distill`).
 
 Multi-process (torchrun): each rank takes a slice of every step's prompts, the student is sharded by FSDP2 and the
-token-mean stays global across ranks (`opd.train.distributed`). With one process the `tr.dist` calls are no-ops.
+token-mean stays global across ranks (`opd.train.distributed`). With one process the `tr.run.dist` calls are no-ops.
 
 Omitted on purpose: PPO mini-batch epochs (the paper makes one optimizer step per rollout batch, so the ratio is
 ≡ 1 and the old log-probs are the student's no-grad scores).
@@ -77,16 +77,16 @@ __all__ = [  # Trainer, the step's records and the compile log live in their own
 def opd_step(tr: Trainer) -> dict[str, float]:
     """One on-policy step: rollouts of the current student, scored by the teacher, one optimizer update."""
     timings: dict[str, float] = {}
-    device = next(tr.student.parameters()).device
-    if tr.gpu_busy is not None:
-        tr.gpu_busy.mark()
+    device = next(tr.models.student.parameters()).device
+    if tr.run.gpu_busy is not None:
+        tr.run.gpu_busy.mark()
     batch = sample_rollouts(tr, timings, device)
     scores = score_rollouts(tr, batch, timings, device)
     targets = step_targets(tr, batch, scores, device)
     result = update_student(tr, batch.rollouts, targets, timings, device)
-    if tr.ahead is not None:  # waiting here keeps every step self-contained: nothing runs during eval or a save
+    if tr.engines.ahead is not None:  # waiting here keeps every step self-contained: nothing runs during eval or a save
         with timed(timings, "rollout_wait"):
-            tr.ahead.wait()
+            tr.engines.ahead.wait()
     return step_metrics(tr, batch, scores, targets, result, timings)
 
 
@@ -98,34 +98,40 @@ def sample_rollouts(tr: Trainer, timings: dict, device: torch.device) -> Batch:
     own slice; the current student samples n responses to each (FSDP: weights gathered once, see `gathered`). With
     rollout.overlap they were generated during the previous step, from the weights before its update, and the next
     step's generation starts here."""
-    rank, world = tr.dist.rank, tr.dist.world_size
-    if tr.stream is not None:
-        return _stream_rollouts(tr, tr.stream, timings, device)
-    assert not isinstance(tr.ahead, AheadStream)  # built only with a stream
-    pending = None if tr.ahead is None else tr.ahead.take()
+    rank, world = tr.run.dist.rank, tr.run.dist.world_size
+    if tr.engines.stream is not None:
+        return _stream_rollouts(tr, tr.engines.stream, timings, device)
+    assert not isinstance(tr.engines.ahead, AheadStream)  # built only with a stream
+    pending = None if tr.engines.ahead is None else tr.engines.ahead.take()
     if pending is None:
-        indices = tr.sampler.next_batch()[rank::world]
-        prompt_ids = [tr.prompt_ids[i] for i in indices]
-        with timed(timings, "rollout"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
-            output = tr.generator.generate(prompt_ids, _sampling_params(tr.config, tr.step, rank))
-            rollouts = build_rollouts(prompt_ids, output, pad_id=tr.tokenizer.pad_token_id, device=device)
+        indices = tr.data.sampler.next_batch()[rank::world]
+        prompt_ids = [tr.data.prompt_ids[i] for i in indices]
+        with (
+            timed(timings, "rollout"),
+            gathered(tr.models.student, tr.run.dist),
+            autocast(device, tr.models.autocast_dtype),
+        ):
+            output = tr.engines.generator.generate(prompt_ids, _sampling_params(tr.config, tr.run.step, rank))
+            rollouts = build_rollouts(prompt_ids, output, pad_id=tr.models.tokenizer.pad_token_id, device=device)
         counts = EngineCounts()
-        counts.add(tr.generator)
-        tr.generator.release()  # the scoring and update phases get the engine's caches back
+        counts.add(tr.engines.generator)
+        tr.engines.generator.release()  # the scoring and update phases get the engine's caches back
     else:
         counts = None  # generated in the background during the previous step
-        indices, prompt_ids = pending.indices, [tr.prompt_ids[i] for i in pending.indices]
-        rollouts = build_rollouts(prompt_ids, pending.output, pad_id=tr.tokenizer.pad_token_id, device=device)
+        indices, prompt_ids = pending.indices, [tr.data.prompt_ids[i] for i in pending.indices]
+        rollouts = build_rollouts(prompt_ids, pending.output, pad_id=tr.models.tokenizer.pad_token_id, device=device)
     _mark_memory(tr, "rollout")
-    if tr.ahead is not None:  # also after the last step: the checkpoint carries them, and a longer resume continues
-        next_indices = tr.sampler.next_batch()[rank::world]
-        tr.ahead.start(
-            tr.student,
+    if (
+        tr.engines.ahead is not None
+    ):  # also after the last step: the checkpoint carries them, and a longer resume continues
+        next_indices = tr.data.sampler.next_batch()[rank::world]
+        tr.engines.ahead.start(
+            tr.models.student,
             next_indices,
-            [tr.prompt_ids[i] for i in next_indices],
-            _sampling_params(tr.config, tr.step + 1, rank),
+            [tr.data.prompt_ids[i] for i in next_indices],
+            _sampling_params(tr.config, tr.run.step + 1, rank),
             device=device,
-            autocast_dtype=tr.autocast_dtype,
+            autocast_dtype=tr.models.autocast_dtype,
         )
     return Batch(indices, rollouts, policy_lag=0 if pending is None else 1, engine_counts=counts)
 
@@ -134,15 +140,19 @@ def _stream_rollouts(tr: Trainer, stream: RolloutStream, timings: dict, device: 
     """rollout.partial: the stream continues its in-flight samples (one seeded engine call each round, call index c
     of step t seeded by `_step_seed(seed, t, rank, c)`) and hands over `prompts_per_step` finished groups. With
     rollout.overlap the batch was built during the previous step (from its weights), and the next one starts here."""
-    ahead = tr.ahead if isinstance(tr.ahead, AheadStream) else None
+    ahead = tr.engines.ahead if isinstance(tr.engines.ahead, AheadStream) else None
     taken = None if ahead is None else ahead.take()
     counts = None
     if taken is None:
         counts = EngineCounts()
-        with timed(timings, "rollout"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
-            generate = _stream_generate(tr.config, tr.generator, tr.step, tr.dist.rank, counts)
-            taken = stream.next_batch(tr.step, tr.sampler.next_batch, tr.prompt_ids, generate)
-        tr.generator.release()
+        with (
+            timed(timings, "rollout"),
+            gathered(tr.models.student, tr.run.dist),
+            autocast(device, tr.models.autocast_dtype),
+        ):
+            generate = _stream_generate(tr.config, tr.engines.generator, tr.run.step, tr.run.dist.rank, counts)
+            taken = stream.next_batch(tr.run.step, tr.data.sampler.next_batch, tr.data.prompt_ids, generate)
+        tr.engines.generator.release()
     counters = {  # the stream after this step's batch, before the next one's build changes it
         "partial/calls": taken.calls,
         "partial/dropped": taken.dropped,
@@ -154,21 +164,21 @@ def _stream_rollouts(tr: Trainer, stream: RolloutStream, timings: dict, device: 
     }
     if ahead is not None:  # also after the last step: the checkpoint carries the batch, a longer resume trains it
         ahead.start(
-            tr.student,
-            tr.step + 1,
-            tr.sampler.next_batch,
-            tr.prompt_ids,
-            _stream_generate(tr.config, ahead.generator, tr.step + 1, tr.dist.rank),
+            tr.models.student,
+            tr.run.step + 1,
+            tr.data.sampler.next_batch,
+            tr.data.prompt_ids,
+            _stream_generate(tr.config, ahead.generator, tr.run.step + 1, tr.run.dist.rank),
             device=device,
-            autocast_dtype=tr.autocast_dtype,
+            autocast_dtype=tr.models.autocast_dtype,
         )
-    prompt_ids = [tr.prompt_ids[i] for i in taken.indices]
-    rollouts = build_rollouts(prompt_ids, taken.output, pad_id=tr.tokenizer.pad_token_id, device=device)
-    versions_BT = torch.full(rollouts.response_mask.shape, tr.step, dtype=torch.long)
+    prompt_ids = [tr.data.prompt_ids[i] for i in taken.indices]
+    rollouts = build_rollouts(prompt_ids, taken.output, pad_id=tr.models.tokenizer.pad_token_id, device=device)
+    versions_BT = torch.full(rollouts.response_mask.shape, tr.run.step, dtype=torch.long)
     for b, versions in enumerate(taken.versions):
         versions_BT[b, : len(versions)] = torch.tensor(versions, dtype=torch.long)
     versions_BT = versions_BT.to(device)
-    lag = max((tr.step - v[0] for v in taken.versions if v), default=0)
+    lag = max((tr.run.step - v[0] for v in taken.versions if v), default=0)
     _mark_memory(tr, "rollout")
     return Batch(
         taken.indices, rollouts, policy_lag=lag, versions_BT=versions_BT, stream_metrics=counters, engine_counts=counts
@@ -213,18 +223,22 @@ def score_rollouts(tr: Trainer, batch: Batch, timings: dict, device: torch.devic
     exists and overlap the grading of the rollouts."""
     cfg, obj, rollouts = tr.config, tr.config.objective, batch.rollouts
     diag_k = diagnostic_top_k(obj.top_k)
-    with timed(timings, "student"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
-        student = tr.student_scorer.score(rollouts, top_k=diag_k, temperature=cfg.rollout.temperature)
+    with (
+        timed(timings, "student"),
+        gathered(tr.models.student, tr.run.dist),
+        autocast(device, tr.models.autocast_dtype),
+    ):
+        student = tr.models.student_scorer.score(rollouts, top_k=diag_k, temperature=cfg.rollout.temperature)
         reference_BT = (
             None
-            if tr.reference_scorer is None
-            else tr.reference_scorer.score(
+            if tr.models.reference_scorer is None
+            else tr.models.reference_scorer.score(
                 rollouts, top_k=0, temperature=cfg.rollout.temperature, with_entropy=False
             ).sampled_logprobs
         )
     teacher = student_at_teacher_BTK = None
     teacher_call = None
-    if tr.teachers:  # no time/teacher without a teacher (GRPO)
+    if tr.models.teachers:  # no time/teacher without a teacher (GRPO)
         with timed(timings, "teacher"):
             teacher_call = start_teachers(tr, batch, student, diag_k, device)
     texts, correct = _grade_rollouts(tr, rollouts, batch.indices)
@@ -232,8 +246,12 @@ def score_rollouts(tr: Trainer, batch: Batch, timings: dict, device: torch.devic
         with timed(timings, "teacher"):
             teacher = teacher_call()
         if obj.top_k and strategy_spec(obj.strategy).teacher_slots:
-            with timed(timings, "student"), gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
-                student_at_teacher_BTK = tr.student_scorer.score(
+            with (
+                timed(timings, "student"),
+                gathered(tr.models.student, tr.run.dist),
+                autocast(device, tr.models.autocast_dtype),
+            ):
+                student_at_teacher_BTK = tr.models.student_scorer.score(
                     rollouts,
                     top_k=0,
                     requested_ids=teacher.topk_ids,
@@ -263,19 +281,19 @@ def step_targets(tr: Trainer, batch: Batch, scores: Scores, device: torch.device
 def update_student(tr: Trainer, rollouts: Rollouts, targets: Targets, timings: dict, device: torch.device) -> Update:
     """The grad forward in micro-batches, then one optimizer step. Each micro-batch's loss divides by the token count
     of the *whole* batch (all ranks), so the summed gradients are the batch gradient."""
-    cfg, world = tr.config, tr.dist.world_size
+    cfg, world = tr.config, tr.run.dist.world_size
     with timed(timings, "update"):
-        num_tokens = all_reduce_sum(targets.mask.sum(), tr.dist).clamp(min=1)
-        num_seqs = all_reduce_sum(torch.tensor(rollouts.batch_size, device=device), tr.dist)
+        num_tokens = all_reduce_sum(targets.mask.sum(), tr.run.dist).clamp(min=1)
+        num_seqs = all_reduce_sum(torch.tensor(rollouts.batch_size, device=device), tr.run.dist)
         loss_metrics: list[dict] = []
-        tr.student.train()
+        tr.models.student.train()
         groups = split_by_token_budget(
-            needed_lengths(rollouts), cfg.micro_batch_tokens, padded=not uses_packing(tr.student)
+            needed_lengths(rollouts), cfg.micro_batch_tokens, padded=not uses_packing(tr.models.student)
         )
         # FSDP: every rank must run as many forward/backward passes (each all-gathers and reduce-scatters), so ranks
         # with fewer micro-batches repeat their first one with a zero loss.
         num_real = len(groups)
-        groups += [groups[0]] * (max_over_ranks(num_real, tr.dist) - num_real)
+        groups += [groups[0]] * (max_over_ranks(num_real, tr.run.dist) - num_real)
         for index, rows in enumerate(groups):
             # FSDP averages gradients over ranks; the loss is already a share of the global mean, so scale it back
             # up: the summed update equals the single-process one on the same global batch. A padding pass (see
@@ -291,11 +309,13 @@ def update_student(tr: Trainer, rollouts: Rollouts, targets: Targets, timings: d
             )
             if index < num_real:
                 loss_metrics.append(micro_metrics)
-        tr.student.eval()
+        tr.models.student.eval()
         _mark_memory(tr, "forward_backward")
-        grad_norm, stepped, lr = clip_and_step(tr.student, tr.optimizer, tr.scheduler, cfg.optim.grad_clip)
-        tr.generator.sync_weights()
-    tr.skipped_steps += 0 if stepped else 1
+        grad_norm, stepped, lr = clip_and_step(
+            tr.models.student, tr.optimization.optimizer, tr.optimization.scheduler, cfg.optim.grad_clip
+        )
+        tr.engines.generator.sync_weights()
+    tr.run.skipped_steps += 0 if stepped else 1
     _mark_memory(tr, "optimizer_step")
     return Update(grad_norm, loss_metrics, lr)
 
@@ -312,14 +332,19 @@ def micro_backward(
 ) -> dict:
     """One micro-batch's grad forward and `(loss × scale).backward()`; returns its detached loss metrics."""
     cfg = tr.config
-    with autocast(device, tr.autocast_dtype), activation_budget(tr.activation_budget):  # the chunked head too
-        hidden = forward_hidden(tr.student, micro, through_root=tr.dist.world_size > 1)  # FSDP's root hooks must run
-        head = output_head(tr.student)  # after the forward: under FSDP, the root's unsharded head weight
+    with (
+        autocast(device, tr.models.autocast_dtype),
+        activation_budget(tr.models.activation_budget),
+    ):  # the chunked head too
+        hidden = forward_hidden(
+            tr.models.student, micro, through_root=tr.run.dist.world_size > 1
+        )  # FSDP's root hooks must run
+        head = output_head(tr.models.student)  # after the forward: under FSDP, the root's unsharded head weight
         ids_NJ = micro_targets.candidate_ids[hidden.rows_N, hidden.cols_N]
         if micro_targets.reference is not None:  # the KL term needs the sampled token's log-prob as one more column
             ids_NJ = torch.cat([ids_NJ, hidden.targets_N[:, None]], dim=-1)
         lp_NJ, entropy_N = candidate_logprobs_and_entropy(
-            hidden.hidden_ND, head, ids_NJ, temperature=cfg.rollout.temperature, vocab_size=tr.vocab_size
+            hidden.hidden_ND, head, ids_NJ, temperature=cfg.rollout.temperature, vocab_size=tr.models.vocab_size
         )
     loss, metrics = micro_loss(
         hidden.to_grid(lp_NJ),
@@ -343,49 +368,53 @@ def warm_up(tr: Trainer, device: torch.device, decode_rows: list[int] | None = N
     first passes them, so that what it reports is what compiles). The model, the optimizer and every random stream are
     as before (gradients are reset to None); returns the number of graphs compiled."""
     before = compiled_graphs()
-    trace, tr.memory_trace = tr.memory_trace, None
+    trace, tr.run.memory_trace = tr.run.memory_trace, None
     cfg = tr.config
-    packed = max(cfg.score_batch_tokens, cfg.micro_batch_tokens) if uses_packing(tr.student) else None
+    packed = max(cfg.score_batch_tokens, cfg.micro_batch_tokens) if uses_packing(tr.models.student) else None
     layouts = warm_up_layouts(cfg.rollout.max_new_tokens, packed)
-    first_prompts = sorted({tr.prompt_teacher.index(t) for t in set(tr.prompt_teacher)}) if tr.teachers else [0]
+    first_prompts = (
+        sorted({tr.data.prompt_teacher.index(t) for t in set(tr.data.prompt_teacher)}) if tr.models.teachers else [0]
+    )
     ones = torch.ones((), device=device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for index in first_prompts:
             for seed, lengths in enumerate(layouts):
                 rollouts = random_rollouts(
-                    tr.prompt_ids[index],
+                    tr.data.prompt_ids[index],
                     lengths,
-                    vocab_size=tr.vocab_size,
-                    pad_id=tr.tokenizer.pad_token_id,
+                    vocab_size=tr.models.vocab_size,
+                    pad_id=tr.models.tokenizer.pad_token_id,
                     seed=seed,
                     device=device,
                 )
                 batch = Batch([index] * len(lengths), rollouts, policy_lag=0)
                 scores = score_rollouts(tr, batch, {}, device)
                 targets = step_targets(tr, batch, scores, device)
-                tr.student.train()
+                tr.models.student.train()
                 for rows in split_by_token_budget(  # the update's micro-batches: its shapes, within its memory
-                    needed_lengths(rollouts), cfg.micro_batch_tokens, padded=not uses_packing(tr.student)
+                    needed_lengths(rollouts), cfg.micro_batch_tokens, padded=not uses_packing(tr.models.student)
                 ):
                     micro = rollouts.select(rows)
                     micro_targets = targets.select(rows)
                     micro_backward(tr, micro, micro_targets, num_tokens=ones, num_seqs=ones, scale=0.0, device=device)
-                tr.student.eval()
+                tr.models.student.eval()
         # the steps' rollouts run without gradients: so must the decode row counts' memory figure and their calls
-        tr.student.zero_grad(set_to_none=True)
+        tr.models.student.zero_grad(set_to_none=True)
         # a step's batch may score more positions in one call than any layout: the head's larger row buckets too
         warm_up_row_buckets(_rank_samples(tr) * (cfg.rollout.max_new_tokens + 1))
-        engine = tr.generator
+        engine = tr.engines.generator
         if isinstance(engine, StaticGenerator) and engine.compiled_prefill:  # its prefills run the compiled layers
-            with gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
-                warm_up_prefills(engine, tr.prompt_ids[first_prompts[0]], cfg.rollout.max_new_tokens, tr.vocab_size)
+            with gathered(tr.models.student, tr.run.dist), autocast(device, tr.models.autocast_dtype):
+                warm_up_prefills(
+                    engine, tr.data.prompt_ids[first_prompts[0]], cfg.rollout.max_new_tokens, tr.models.vocab_size
+                )
         if decode := decode_warm_up_rows(tr) if decode_rows is None else decode_rows:
             assert isinstance(engine, StaticGenerator)
-            params = _sampling_params(cfg, tr.step, tr.dist.rank)
-            with gathered(tr.student, tr.dist), autocast(device, tr.autocast_dtype):
-                engine.warm_up_decode(tr.prompt_ids[first_prompts[0]], params, decode)
+            params = _sampling_params(cfg, tr.run.step, tr.run.dist.rank)
+            with gathered(tr.models.student, tr.run.dist), autocast(device, tr.models.autocast_dtype):
+                engine.warm_up_decode(tr.data.prompt_ids[first_prompts[0]], params, decode)
             engine.release()
-    tr.memory_trace = trace
+    tr.run.memory_trace = trace
     return compiled_graphs() - before
 
 
@@ -399,23 +428,25 @@ def decode_warm_up_rows(tr: Trainer) -> list[int]:
     call, docs/performance.md). Empty where the step does not compile (another engine, CPU, `compile=False`) and with
     rollout.overlap, whose calls run another engine over a snapshot of the weights, uncompiled
     (`opd.train.overlap.overlap_generator`)."""
-    engine = tr.generator
-    if not isinstance(engine, StaticGenerator) or tr.ahead is not None or not engine.compiles_decode():
+    engine = tr.engines.generator
+    if not isinstance(engine, StaticGenerator) or tr.engines.ahead is not None or not engine.compiles_decode():
         return []
     cfg = tr.config
-    if tr.stream is not None:  # its calls: any count up to the samples in flight, rows of at least a segment
+    if tr.engines.stream is not None:  # its calls: any count up to the samples in flight, rows of at least a segment
         samples = in_flight_batches(cfg.rollout.max_staleness, 0) * cfg.prompts_per_step * cfg.rollout.n
-        least_new_tokens = tr.stream.segment
+        least_new_tokens = tr.engines.stream.segment
     else:
         samples, least_new_tokens = _rank_samples(tr), cfg.rollout.max_new_tokens
-    unallocated = 0 if tr.optimizer.state else adamw_state_bytes(tr.student.parameters())
-    reserve = unallocated + gathered_bytes(tr.student, tr.dist)  # calls run on the gathered weights
-    with autocast(next(tr.student.parameters()).device, tr.autocast_dtype):  # the dtype generation sizes rows in
+    unallocated = 0 if tr.optimization.optimizer.state else adamw_state_bytes(tr.models.student.parameters())
+    reserve = unallocated + gathered_bytes(tr.models.student, tr.run.dist)  # calls run on the gathered weights
+    with autocast(
+        next(tr.models.student.parameters()).device, tr.models.autocast_dtype
+    ):  # the dtype generation sizes rows in
         return engine_warm_up_rows(
             engine,
             samples,
-            stream=tr.stream is not None,
-            prompt_lengths=[len(ids) for ids in tr.prompt_ids],
+            stream=tr.engines.stream is not None,
+            prompt_lengths=[len(ids) for ids in tr.data.prompt_ids],
             new_tokens=cfg.rollout.max_new_tokens,
             least_new_tokens=least_new_tokens,
             reserve_bytes=reserve,
@@ -451,7 +482,7 @@ def engine_warm_up_rows(
 
 def _rank_samples(tr: Trainer) -> int:
     """The samples of one step on this rank: its share of prompts_per_step, times rollout.n."""
-    return len(range(tr.dist.rank, tr.config.prompts_per_step, tr.dist.world_size)) * tr.config.rollout.n
+    return len(range(tr.run.dist.rank, tr.config.prompts_per_step, tr.run.dist.world_size)) * tr.config.rollout.n
 
 
 def warm_up_prefills(engine: StaticGenerator, prompt: list[int], max_new_tokens: int, vocab_size: int) -> None:
@@ -475,9 +506,9 @@ def step_metrics(
     out: dict[str, Any] = {
         "grad_norm": result.grad_norm,
         "lr": result.lr,
-        "skipped_steps": tr.skipped_steps,
+        "skipped_steps": tr.run.skipped_steps,
     }
-    if tr.compiled_layers:  # both count from the process start: a step that raises them compiled
+    if tr.models.compiled_layers:  # both count from the process start: a step that raises them compiled
         out["compile/graphs"] = compiled_graphs()
         out["compile/seconds"] = torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0)
     out.update(_sum_micro_metrics(result.loss_metrics))
@@ -500,7 +531,7 @@ def step_metrics(
             )
         )
     if batch.versions_BT is not None:
-        out.update(partial_metrics(tr.step, batch.versions_BT, mask_BT, tr.config.rollout.max_staleness))
+        out.update(partial_metrics(tr.run.step, batch.versions_BT, mask_BT, tr.config.rollout.max_staleness))
         out.update(batch.stream_metrics)
         if targets.tis_weights is not None:  # the truncated weights the loss used, at their smallest
             weights_BT = targets.tis_weights
@@ -519,7 +550,7 @@ def step_metrics(
             )
         )
         out.update(seq_reward_metrics(student, teacher, mask_BT, scores.correct))
-    if len(tr.teachers) > 1:  # the metrics' rule: a run's only teacher logs no per-teacher prefixes
+    if len(tr.models.teachers) > 1:  # the metrics' rule: a run's only teacher logs no per-teacher prefixes
         out.update(teacher_metrics(tr, batch, scores, targets))
     if rollouts.rollout_logprobs is not None:  # engine vs trainer: what truncated importance weights correct
         gap_BT = (student.sampled_logprobs - rollouts.rollout_logprobs).abs()
@@ -532,13 +563,13 @@ def step_metrics(
     total = sum(timings.values())
     out.update({f"time/{k}": v for k, v in timings.items()}, **{"time/step": total})
     out["tokens_per_second"] = float(lengths.sum()) / max(total, 1e-9)
-    busy = None if tr.gpu_busy is None else tr.gpu_busy.fraction()
+    busy = None if tr.run.gpu_busy is None else tr.run.gpu_busy.fraction()
     if busy is not None:  # NVML's samples over the step: the share of its wall time a kernel ran on the device
         out["gpu/busy_frac"] = busy
-    if tr.dist.is_main:
+    if tr.run.dist.is_main:
         _write_samples(tr, rollouts, scores.texts, scores.correct, targets.rewards)  # rank 0's rollouts only
     summed = tuple(k for k in out if _is_summed_loss(k)) + ("tokens_per_second",)
-    return reduce_metrics(out, tr.dist, summed=summed)
+    return reduce_metrics(out, tr.run.dist, summed=summed)
 
 
 # -------------------------------------------------------------------------------------------------- helpers
@@ -565,13 +596,13 @@ def _sampling_params(cfg: DistillConfig, step: int, rank: int, call: int = 0) ->
 
 
 def _mark_memory(tr: Trainer, phase: str) -> None:
-    """With `tr.memory_trace` set (benchmarks): record the CUDA memory allocated now and the peak since the previous
+    """With `tr.run.memory_trace` set (benchmarks): record the CUDA memory allocated now and the peak since the previous
     mark (GiB), labelled by the phase that just ended, and restart the peak counter."""
-    if tr.memory_trace is None or not torch.cuda.is_available():
+    if tr.run.memory_trace is None or not torch.cuda.is_available():
         return
-    tr.memory_trace.append(
+    tr.run.memory_trace.append(
         {
-            "step": tr.step,
+            "step": tr.run.step,
             "phase": phase,
             "allocated_gib": torch.cuda.memory_allocated() / 2**30,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -598,9 +629,9 @@ def _is_summed_loss(key: str) -> bool:
 
 def _grade_rollouts(tr: Trainer, rollouts: Rollouts, indices: list[int]) -> tuple[list[str], list[bool] | None]:
     """Decode every rollout; grade it when the prompts carry answers (rule-based accuracy, GRPO rewards)."""
-    answers = [tr.prompts[indices[g]].answer for g in rollouts.group_ids.tolist()]
+    answers = [tr.data.prompts[indices[g]].answer for g in rollouts.group_ids.tolist()]
     texts, grades = grade_responses(
-        tr.tokenizer, rollouts.response_ids, answers, lengths=rollouts.response_mask.sum(-1).tolist()
+        tr.models.tokenizer, rollouts.response_ids, answers, lengths=rollouts.response_mask.sum(-1).tolist()
     )
     return texts, None if grades is None else [g.correct for g in grades]
 
@@ -619,12 +650,12 @@ def _write_samples(
         prompt_length = int(rollouts.prompt_lengths[row])
         records.append(
             {
-                "step": tr.step + 1,
-                "prompt": tr.tokenizer.decode(rollouts.input_ids[row, :prompt_length].tolist()),
+                "step": tr.run.step + 1,
+                "prompt": tr.models.tokenizer.decode(rollouts.input_ids[row, :prompt_length].tolist()),
                 "response": texts[row],
                 "correct": None if correct is None else correct[row],
-                "tokens": tr.tokenizer.convert_ids_to_tokens(ids),
+                "tokens": tr.models.tokenizer.convert_ids_to_tokens(ids),
                 "token_rewards": [round(r, 5) for r in position_rewards_BT[row, :length].tolist()],
             }
         )
-    write_jsonl(tr.run_dir / "samples" / f"step_{tr.step + 1}.jsonl", records)
+    write_jsonl(tr.run.run_dir / "samples" / f"step_{tr.run.step + 1}.jsonl", records)

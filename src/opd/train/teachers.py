@@ -31,14 +31,14 @@ def start_teachers(
     """Begin every teacher's scoring of its rows (served teachers all send before any result is awaited, so they
     overlap each other and the grading); returns what waits for them and puts their scores back in row order; None
     without teachers (GRPO). A run's only teacher has every row: it scores the whole batch as it is."""
-    if not tr.teachers:
+    if not tr.models.teachers:
         return None
     row_teacher = row_teachers(tr, batch)
     calls = []
     # FSDP: every rank enters `gathered` (collectives), also one with no rows for the live student
-    any_live = any(t.entry.path == STUDENT for t in tr.teachers)
-    with gathered(tr.student, tr.dist) if any_live else nullcontext():
-        for index, routed in enumerate(tr.teachers):
+    any_live = any(t.entry.path == STUDENT for t in tr.models.teachers)
+    with gathered(tr.models.student, tr.run.dist) if any_live else nullcontext():
+        for index, routed in enumerate(tr.models.teachers):
             if index in row_teacher:
                 calls.append(_start_routed(tr, batch, student, top_k, device, index, routed, row_teacher))
     return lambda: _in_row_order([(rows, call.result()) for rows, call in calls], batch.rollouts.batch_size)
@@ -49,8 +49,8 @@ def live_student(tr: Trainer, device: torch.device, *, gather: bool = True) -> E
     student's autocast, no grad: `path: student` scores as the student does."""
     stack = ExitStack()
     if gather:
-        stack.enter_context(gathered(tr.student, tr.dist))
-    stack.enter_context(autocast(device, tr.autocast_dtype))
+        stack.enter_context(gathered(tr.models.student, tr.run.dist))
+    stack.enter_context(autocast(device, tr.models.autocast_dtype))
     stack.enter_context(torch.no_grad())
     return stack
 
@@ -74,7 +74,7 @@ def _start_routed(
     topk_ids = student.topk_ids if whole or student.topk_ids is None else student.topk_ids[rows_R]
     if routed.prompt_ids is not None:  # its view: its own prompt ids before the same response ids
         views = routed.prompt_ids
-        mine = _with_prompts(mine, [views[batch.indices[g]] for g in mine.group_ids.tolist()], tr.tokenizer)
+        mine = _with_prompts(mine, [views[batch.indices[g]] for g in mine.group_ids.tolist()], tr.models.tokenizer)
     placed: AbstractContextManager
     if routed.entry.path == STUDENT:  # the caller holds its weights gathered
         placed = live_student(tr, device, gather=False)
@@ -109,8 +109,8 @@ def _with_prompts(rollouts: Rollouts, prompt_ids: list[list[int]], tokenizer: An
 
 
 def row_teachers(tr: Trainer, batch: Batch) -> list[int]:
-    """The index into `tr.teachers` of the teacher of every rollout row of `batch` (its prompt's teacher)."""
-    return [tr.prompt_teacher[batch.indices[g]] for g in batch.rollouts.group_ids.tolist()]
+    """The index into `tr.models.teachers` of the teacher of every rollout row of `batch` (its prompt's teacher)."""
+    return [tr.data.prompt_teacher[batch.indices[g]] for g in batch.rollouts.group_ids.tolist()]
 
 
 def _in_row_order(parts: list[tuple[torch.Tensor, TokenScores]], batch_size: int) -> TokenScores:
@@ -139,7 +139,7 @@ def teacher_metrics(tr: Trainer, batch: Batch, scores: Scores, targets: Targets)
     row_teacher = torch.tensor(row_teachers(tr, batch), device=mask_BT.device)
     total = mask_BT.sum().clamp(min=1)
     out: dict[str, Any] = {}
-    for index, routed in enumerate(tr.teachers):
+    for index, routed in enumerate(tr.models.teachers):
         rows_B = row_teacher == index
         mine_BT = mask_BT * rows_B[:, None].to(mask_BT.dtype)
         prefix = f"teacher/{routed.name}"

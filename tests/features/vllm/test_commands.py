@@ -67,26 +67,28 @@ def test_distill_step_leaves_the_engine_equal_to_the_trained_student(tmp_path):
     config = _lab_config(tmp_path, "one-step", "rollout.engine=vllm", "eval.benchmarks=[]", "run.steps=1")
     console = string_console()
     tr = setup(config, tmp_path / "one-step", console=console)
-    assert isinstance(tr.generator, VLLMGenerator)
+    assert isinstance(tr.engines.generator, VLLMGenerator)
     # the startup row that compares the engine's log-probs with the scorer's ran on vLLM's own tokens, and passed
     (row,) = [line for line in console.file.getvalue().splitlines() if "generation_scoring" in line]
     assert "pass" in row
-    before = {k: v.clone() for k, v in tr.student.state_dict().items()}
+    before = {k: v.clone() for k, v in tr.models.student.state_dict().items()}
     metrics = opd_step(tr)
-    assert any(not torch.equal(before[k], v) for k, v in tr.student.state_dict().items())  # the step changed weights
+    assert any(
+        not torch.equal(before[k], v) for k, v in tr.models.student.state_dict().items()
+    )  # the step changed weights
     assert metrics["rollout_logprob_abs_diff"] <= 1e-4  # rollouts came from the engine at the pre-step weights
-    prompts = tr.prompt_ids[:8]
-    output = tr.generator.generate(
+    prompts = tr.data.prompt_ids[:8]
+    output = tr.engines.generator.generate(
         prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=48, seed=1, return_logprobs=True)
     )
-    rollouts = build_rollouts(prompts, output, pad_id=tr.tokenizer.pad_token_id, device="cpu")
-    reference = LocalScorer(tr.student).score(rollouts, top_k=0, with_entropy=False).sampled_logprobs
+    rollouts = build_rollouts(prompts, output, pad_id=tr.models.tokenizer.pad_token_id, device="cpu")
+    reference = LocalScorer(tr.models.student).score(rollouts, top_k=0, with_entropy=False).sampled_logprobs
     mask = rollouts.response_mask
     engine = torch.zeros(mask.shape)
     for b, row in enumerate(output.logprobs):
         engine[b, : len(row)] = torch.tensor(row)
     assert float((engine - reference).abs()[mask].max()) <= 1e-4  # fp32 both; kernel rounding only
-    tr.sink.close()
+    tr.run.sink.close()
 
 
 @pytest.mark.slow

@@ -40,15 +40,11 @@ def startup_checks(
     returns the report. `prompt_teacher`: each prompt's teacher (`route_teachers`): with several teachers each one's
     scoring rows and step_time run on its own first prompts (`scoring_probes`), and the views' row (one process
     only); the tokenizer rows run once per teacher model, in process or in vLLM (`tokenizer_probes`)."""
-    several = len(models.teachers) > 1
-    first = models.teachers[0].teacher if models.teachers else None  # the rows of a run's only teacher
     return preflight(
         config,
         student_tokenizer=student_tokenizer,
         student=models.student,
-        teacher=None if first is None else first.module,
         student_scorer=models.student_scorer,
-        teacher_scorer=None if first is None else first.scorer,
         generator=generator,
         prompts=data.prompts,
         prompt_ids=data.input_ids,
@@ -57,16 +53,17 @@ def startup_checks(
         world_size=dist.world_size,
         console=console if dist.is_main else None,
         views=view_probes(models, data, prompt_teacher) if dist.world_size == 1 else (),
-        teachers=local_teachers(models) if several else None,
-        scoring=scoring_probes(models, data, prompt_teacher or []) if several else None,
+        teachers=local_teachers(models),
+        scoring=scoring_probes(models, data, prompt_teacher or []),
         tokenizers=tokenizer_probes(models, config.student.path),
     )
 
 
 def scoring_probes(models: Models, data: EncodedPrompts, prompt_teacher: list[int]) -> list[ScoringProbe]:
-    """Per teacher of a run with several: its first two routed prompts as the student and as it sees them, its module
-    (None for a served or vLLM teacher and the live student: `served_scores`), scorer, temperature and the context it
-    scores in (the startup scoring rows and step_time)."""
+    """Per teacher: its first two routed prompts as the student and as it sees them, its module (None for a served or
+    vLLM teacher and the live student: `served_scores`), scorer, temperature and the context it scores in (the startup
+    scoring rows and step_time). A run's only teacher is unnamed: its rows keep their plain names."""
+    several = len(models.teachers) > 1
     probes = []
     for index, routed in enumerate(models.teachers):
         mine = [j for j, t in enumerate(prompt_teacher) if t == index][:2]
@@ -75,7 +72,7 @@ def scoring_probes(models: Models, data: EncodedPrompts, prompt_teacher: list[in
         own_ids = routed.prompt_ids or data.input_ids  # with a view: the prompts as this teacher sees them
         probes.append(
             ScoringProbe(
-                routed.name,
+                routed.name if several else None,
                 None if routed.entry.path == STUDENT else routed.teacher.module,
                 routed.teacher.scorer,
                 float(routed.entry.temperature or 1.0),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from opd.check.scoring import (
 )
 from opd.check.tokenizers import check_tokenizers
 from opd.config import DistillConfig
-from opd.models import eos_token_ids, on_device, rows_and_eos_from_files
+from opd.models import eos_token_ids, rows_and_eos_from_files
 from opd.objectives.diagnostics import diagnostic_top_k
 from opd.train.common import autocast
 
@@ -98,9 +97,7 @@ def preflight(
     *,
     student_tokenizer: Any,
     student: torch.nn.Module,
-    teacher: torch.nn.Module | None,
     student_scorer: Any,
-    teacher_scorer: Any,
     generator: Any,
     prompts: Sequence[Any],
     prompt_ids: Sequence[Sequence[int]],
@@ -109,21 +106,19 @@ def preflight(
     world_size: int = 1,
     console: Any = None,
     views: Sequence[ViewProbe] = (),
-    teachers: Sequence[tuple[str, torch.nn.Module, bool]] | None = None,
-    scoring: Sequence[ScoringProbe] | None = None,
+    teachers: Sequence[tuple[str, torch.nn.Module, bool]] = (),
+    scoring: Sequence[ScoringProbe] = (),
     tokenizers: Sequence[TokenizerProbe] = (),
 ) -> CheckReport:
     """What `opd distill` runs at startup, on the loaded models (before the first step, the optimizer and layer
     compilation): the tokenizers, scoring and resources groups, minus `config.skip_checks`. Raises ValueError
     (one line: the failed rows, their fix, how to skip) on a hard failure. With several processes the rows that
     run the (sharded) student are left out: prompt_logprobs, step_time and generation_scoring. `views`: one probe
-    per teacher with a view (`teacher_view`). `teachers`: every in-process teacher (name, module, offloaded) of a
-    run with several, for the memory row (`estimate_memory`). `scoring`: one probe per teacher for the scoring rows
-    and step_time; None: `teacher` and `teacher_scorer` on the first prompts (`prompt_ids`). `tokenizers`: one probe
+    per teacher with a view (`teacher_view`). `teachers`: every in-process teacher (name, module, offloaded), for
+    the memory row (`estimate_memory`). `scoring`: one probe per teacher for the scoring rows and step_time (none:
+    no teacher, e.g. GRPO). `tokenizers`: one probe
     per teacher model for the tokenizer rows (none: no teacher model to compare, e.g. a served one)."""
     skip = resolve_skips(config.skip_checks)
-    # an offloaded teacher scores on the student's device, as in training (memory is estimated with it offloaded)
-    scoring_device = next(student.parameters()).device if config.teacher_offload else None
     if world_size > 1:
         skip |= {"prompt_logprobs", "step_time", "generation_scoring"}
     report = CheckReport()
@@ -131,10 +126,6 @@ def preflight(
     for tokenizer_probe in tokenizers:
         rows = _tokenizer_rows(config, tokenizer_probe, student_tokenizer, student, prompts[0].messages)
         report.results += _named([r for r in rows if r.name not in skip], tokenizer_probe.name)
-    if scoring is None:
-        scoring = (
-            [] if teacher_scorer is None else [_only_probe(config, teacher, teacher_scorer, prompt_ids, scoring_device)]
-        )
     for probe in scoring:
         report.results += _named(
             _probe_rows(config, probe, student_tokenizer, student_scorer, student, vocab_size, skip, autocast_dtype),
@@ -148,7 +139,7 @@ def preflight(
     if views and "teacher_view" not in skip:
         report.results.append(check_teacher_views(views, pad_id=student_tokenizer.pad_token_id))
     if "memory" not in skip:
-        report.results.append(_memory_row(config, student, teacher, teachers, autocast_dtype))
+        report.results.append(_memory_row(config, student, teachers, autocast_dtype))
     if "step_time" not in skip:
         # without a teacher (objective grpo) the mini-step has nothing to score with
         for timed_probe in cast(list[ScoringProbe | None], list(scoring)) or [None]:
@@ -173,15 +164,14 @@ def preflight(
 def _memory_row(
     config: DistillConfig,
     student: torch.nn.Module,
-    teacher: torch.nn.Module | None,
-    teachers: Sequence[tuple[str, torch.nn.Module, bool]] | None,
+    teachers: Sequence[tuple[str, torch.nn.Module, bool]],
     autocast_dtype: torch.dtype | None,
 ) -> CheckResult:
     """The memory row: what training needs (`estimate_memory`) against what is free, the loaded models counted."""
     needs = estimate_memory(
-        config, student, teacher, compute_dtype=autocast_dtype or next(student.parameters()).dtype, teachers=teachers
+        config, student, None, compute_dtype=autocast_dtype or next(student.parameters()).dtype, teachers=teachers
     )
-    modules = [teacher] if teachers is None else [module for _, module, _ in teachers]
+    modules = [module for _, module, _ in teachers]
     return check_memory(needs, loaded=loaded_bytes(student, *modules))
 
 
@@ -268,27 +258,6 @@ def _tokenizer_rows(
         teacher_rows=probe.rows,
         student_eos_ids=eos_token_ids(student, student_tokenizer),
         teacher_eos_ids=probe.eos_ids,
-    )
-
-
-def _only_probe(
-    config: DistillConfig,
-    teacher: torch.nn.Module | None,
-    scorer: Any,
-    prompt_ids: Sequence[Sequence[int]],
-    scoring_device: torch.device | None,
-) -> ScoringProbe:
-    """The probe of a run's only teacher: the run's first prompts, placed as `teacher_offload` says."""
-    ids = [list(x) for x in prompt_ids[:2]]
-    return ScoringProbe(
-        None,
-        teacher,
-        scorer,
-        config.objective.teacher_temperature,
-        list(range(len(ids))),
-        ids,
-        ids,
-        functools.partial(on_device, teacher, scoring_device),
     )
 
 

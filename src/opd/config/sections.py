@@ -339,8 +339,8 @@ class SamplingSpec(Section):
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
     compiled_prefill: bool = Field(
         False,
-        description="Static engine: run its packed prefills through the student's compiled decoder layers (1.56-1.72x "
-        "the prefill tokens/s on an H100, docs/performance.md), warmed up before the first step with the layers; "
+        description="Static engine: run its packed prefills through the student's compiled decoder layers (faster "
+        "prefills: docs/performance.md), warmed up before the first step with the layers; "
         "needs the static engine, compiled layers and opd_varlen attention (CUDA). Off: eager prefills.",
     )
     overlap: bool = Field(

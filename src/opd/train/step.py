@@ -424,8 +424,8 @@ def decode_warm_up_rows(tr: Trainer) -> list[int]:
     count up to the samples the stream keeps in flight (its calls continue what is unfinished; where calls keep their
     exact sample counts, `round_rows=False`, only the largest: each count would be a compile); and the counts the
     memory can cap those calls to (`StaticGenerator.capped_rows`), with the optimizer state that is not allocated
-    before the first step reserved (the paper's step on an H100 warmed 64 rows and met 48 at its first full-length
-    call, docs/performance.md). Empty where the step does not compile (another engine, CPU, `compile=False`) and with
+    before the first step reserved (without it the first full-length call met a count the warm-up had not compiled:
+    docs/performance.md). Empty where the step does not compile (another engine, CPU, `compile=False`) and with
     rollout.overlap, whose calls run another engine over a snapshot of the weights, uncompiled
     (`opd.train.overlap.overlap_generator`)."""
     engine = tr.engines.generator

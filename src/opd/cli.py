@@ -615,7 +615,7 @@ def lab_run_command(
 ) -> None:
     """A small replication: short `opd distill` runs that differ in one setting; summary.json/.md + a comparison
     report."""
-    from opd.recipes.lab import run_experiment
+    from opd.recipes.lab_experiments import run_experiment
 
     run_experiment(
         name,

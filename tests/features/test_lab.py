@@ -256,7 +256,7 @@ def test_build_only_and_refusals(tmp_path):
 @pytest.mark.slow
 def test_style_experiment_reduced(tmp_path):
     """`opd lab run style` plumbing with tiny budgets: rewrite teacher (SFT), cold start (rollout + SFT), 3 OPD runs."""
-    from opd.recipes.lab import markdown, run_experiment
+    from opd.recipes.lab_experiments import markdown, run_experiment
 
     setup = {"teacher_steps": 2, "teacher_examples": 8, "cold_prompts": 8, "cold_steps": 2, "cold_examples": 4}
     overrides = ["eval.limit=8", "prompts_per_step=2", "rollout.n=2"]
@@ -308,7 +308,7 @@ def test_build_time_budget_always_saves_and_records(tmp_path):
 def test_experiment_seeds_and_forecast(tmp_path):
     """`opd lab run teacher --seeds 0,1 --check`: one run per seed, the forecast of each pair next to its outcome,
     per-variant means; a second call reuses the finished runs and checks."""
-    from opd.recipes.lab import run_experiment
+    from opd.recipes.lab_experiments import run_experiment
 
     overrides = ["eval.limit=4", "prompts_per_step=2", "rollout.n=2", "run.report=false"]
     summary = run_experiment(

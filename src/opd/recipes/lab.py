@@ -5,8 +5,8 @@ random-init Qwen3 trained by `opd.recipes.sft.sft` (`SFT_RECIPE`), then `opd eva
 `<out>/manifest.json` records config, parameter count, training recipe and accuracy. Budgets are options
 (`teacher_steps`, `student_steps`, `eval_limit`); how long a full build takes: docs/performance.md.
 
-`opd lab run NAME` (small replications of the paper's findings on the lab pair) is `opd.recipes.lab_experiments`;
-its names are re-exported here. The steps, the variants and what the paper says of each: docs/design.md,
+`opd lab run NAME` (small replications of the paper's findings on the lab pair) is `opd.recipes.lab_experiments`,
+which builds on `finetune` and `measure` here. The steps, the variants and what the paper says of each: docs/design.md,
 "opd.recipes.lab"; the results: docs/lab.md.
 """
 
@@ -37,20 +37,6 @@ from opd.lab.build import (
 from opd.models import load_model
 from opd.recipes.demo import accuracy
 from opd.recipes.eval import evaluate
-from opd.recipes.lab_experiments import (  # `opd lab run`: importable from here as before
-    CHECK_SETTINGS,
-    EXPERIMENT_BASE,
-    EXPERIMENTS,
-    STYLE_SETUP,
-    TRACKED,
-    aggregate,
-    cold_start,
-    markdown,
-    rewrite_teacher,
-    run_experiment,
-    set_threads,
-    summarize_run,
-)
 from opd.recipes.sft import SFTConfig, sft, sft_step
 from opd.recipes.sft import save as save_sft  # aliased: the SFT recipe's save and setup, beside the lab's own steps
 from opd.recipes.sft import setup as setup_sft
@@ -61,28 +47,18 @@ from opd.train.common import deterministic_kernels, finish_run
 from opd.train.optim import build_scheduler
 
 __all__ = [
-    "CHECK_SETTINGS",
-    "EXPERIMENTS",
-    "EXPERIMENT_BASE",
     "MODELS",
     "REWRITE_TEACHER",
     "SFT_RECIPE",
     "SPECIALIST",
     "STUDENT_STEPS",
-    "STYLE_SETUP",
     "TEACHER_STEPS",
-    "TRACKED",
-    "aggregate",
     "build",
     "build_one",
-    "cold_start",
     "finetune",
-    "markdown",
     "measure",
-    "rewrite_teacher",
-    "run_experiment",
+    "set_threads",
     "sft_within_budget",
-    "summarize_run",
     "train_model",
 ]
 
@@ -232,6 +208,14 @@ def finetune(
         ignore=shutil.ignore_patterns("trainer_state*", "COMPLETE", "MANIFEST.json", "*.pt"),
     )
     return run_dir, record
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's CPU threads for a lab program: `threads` (0 or None: torch's default)."""
+    if threads is not None and threads < 0:
+        raise ValueError(f"--threads must be ≥ 1 torch CPU threads (0: torch's default), got {threads}")
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def sft_within_budget(

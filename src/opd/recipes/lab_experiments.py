@@ -4,9 +4,8 @@ over several seeds and with `opd check`'s forecast of each pair; finished runs a
 writes `summary.json`, `summary.md` and a comparison report. The steps, the variants and what the paper says of
 each: docs/design.md, "opd.recipes.lab"; the results: docs/lab.md.
 
-Split from `opd.recipes.lab` (`opd lab build`), which re-exports the public names here. The lab models' SFT and
-measurement (`finetune`, `measure`) live there and are imported inside the functions that use them, so that either
-module can be imported first.
+It builds on `opd.recipes.lab` (`opd lab build`): the lab models' SFT and measurement (`finetune`, `measure`) live
+there.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 
 from opd.config import DataSpec, ModelSpec
@@ -35,6 +33,7 @@ from opd.lab.task import style_of
 from opd.recipes.check import run_check
 from opd.recipes.demo import demo_config
 from opd.recipes.distill import distill
+from opd.recipes.lab import finetune, measure, set_threads
 from opd.recipes.rollout import RolloutConfig, teacher_rollout
 from opd.report import write_report
 from opd.train.common import deterministic_workspace
@@ -114,8 +113,6 @@ def summarize_run(run_dir: Path, steps: int) -> dict[str, Any]:
 def rewrite_teacher(out_dir: Path, setup: dict[str, Any], *, limit: int | None, console: Any) -> tuple[Path, dict]:
     """The `style` experiment's rewrite-style teacher and its record: the shipped one, or (setup["teacher_steps"])
     one fine-tuned here from the forward teacher, cached in out_dir/rewrite_teacher (lab_style.json marks it done)."""
-    from opd.recipes.lab import finetune, measure  # imported here: opd.recipes.lab imports this module
-
     if not setup.get("teacher_steps"):
         path = rewrite_teacher_path()
         if not (path / "model.safetensors").is_file():
@@ -175,8 +172,6 @@ def cold_start(
 ) -> tuple[Path, dict[str, Any]]:
     """`opd rollout` of the teacher on the first cold_prompts OPD prompts (correct answers only) → `opd sft` of the
     shipped student on them, with `seed`; cached in out_dir/cold_student_s<seed> (cold_start.json marks it done)."""
-    from opd.recipes.lab import finetune, measure  # imported here: opd.recipes.lab imports this module
-
     student = out_dir / f"cold_student_s{seed}"
     done = student / "cold_start.json"
     if done.is_file():
@@ -314,14 +309,6 @@ def run_experiment(
     return _write_summary(head, results, prepared, run_dirs, out_dir, base_config.eval, console)
 
 
-def set_threads(threads: int | None) -> None:
-    """torch's CPU threads for a lab program: `threads` (0 or None: torch's default)."""
-    if threads is not None and threads < 0:
-        raise ValueError(f"--threads must be ≥ 1 torch CPU threads (0: torch's default), got {threads}")
-    if threads:
-        torch.set_num_threads(threads)
-
-
 def _chosen_variants(name: str, only: list[str] | None) -> dict[str, list[str]]:
     """The variants of experiment `name` to run (all, or those in `only`): run name → overrides."""
     if name not in EXPERIMENTS:
@@ -402,8 +389,6 @@ def _write_summary(
 ) -> dict[str, Any]:
     """Measure the student before OPD, then write summary.json, summary.md and (several runs) the comparison
     report; print the markdown. Returns the summary."""
-    from opd.recipes.lab import measure  # imported here: opd.recipes.lab imports this module
-
     limit, tokens = eval_spec.limit, eval_spec.max_new_tokens
     before = measure(student_path(), out_dir / "student_before", limit=limit, max_new_tokens=tokens, console=console)
     summary = {

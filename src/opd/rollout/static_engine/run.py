@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from opd.kernels import decode_attention as triton_attention
 from opd.rollout.base import SamplingParams, StopRule
-from opd.rollout.hf_model import cached_kv
+from opd.rollout.hf_model import HFModel, cached_kv
 from opd.rollout.static_engine.families import (
     HFModule,
     _cast,
@@ -40,8 +40,46 @@ from opd.rollout.static_engine.layers import _ATTENTION, _rms, _rms_weight_first
 from opd.rollout.static_engine.rows import _row_buckets
 from opd.rollout.static_engine.sample import _sample
 
-if TYPE_CHECKING:
-    from opd.rollout.static_engine.engine import StaticGenerator
+
+class RunEngine(Protocol):
+    """What a call reads of the engine that runs it (`StaticGenerator` is one): its settings, its model and Hugging
+    Face wrapper, how it plans rows and prefills, and its step functions (compiled once per engine)."""
+
+    model: Any
+    hf: HFModel
+    vocab_size: int | None
+    eos_token_ids: list[int]
+    pad_token_id: int
+    sync_interval: int
+    kv_bucket: int
+    cuda_graphs: bool | None
+    compile: bool | None
+    fuse_weights: bool
+    attention: Literal["auto", "triton", "sdpa", "matmul"]
+    row_buckets: bool
+    attention_splits: int | None
+    packed_prefill: bool
+    compiled_prefill: bool
+    _compiled: tuple[Callable, Callable, Callable] | None
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def compute_dtype(self) -> torch.dtype: ...
+
+    def plan_rows(
+        self,
+        samples: int,
+        prompt_tokens: int,
+        new_tokens: int,
+        dtype: torch.dtype | None = None,
+        slots: int | None = None,
+    ) -> int: ...
+
+    def prefill_groups(self, lengths: Sequence[int]) -> list[list[int]]: ...
+
+    def _step_fns(self, on_cuda: bool) -> tuple[Callable, Callable, Callable]: ...
+
 
 _FIRST_TOKEN_ROWS = 64  # first tokens of refilled rows are sampled in groups of at most this many rows
 
@@ -81,7 +119,7 @@ class _Run:
 
     def __init__(
         self,
-        engine: StaticGenerator,
+        engine: RunEngine,
         prompts: list[list[int]],
         params: SamplingParams,
         caps: list[int],

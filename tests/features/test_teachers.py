@@ -467,7 +467,7 @@ def test_a_view_alone_makes_the_live_students_reward_nonzero(world, routed_world
 
 def test_entries_naming_one_model_share_one_loaded_teacher(world, routed_world):
     from opd.models import load_tokenizer
-    from opd.recipes.distill import load_models
+    from opd.recipes.distill import _load_models as load_models
     from opd.train.distributed import SINGLE
 
     teachers = [dict(t, path=str(routed_world / "a")) for t in _split(routed_world)]

@@ -278,19 +278,19 @@ def setup(
     check_sizes(config, dist)
     torch.manual_seed(config.run.seed)
     student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
-    check_teacher_and_engine(config, student_tokenizer, console)
-    data = load_data(config, student_tokenizer, console)
+    _check_teacher_and_engine(config, student_tokenizer, console)
+    data = _load_data(config, student_tokenizer, console)
     prompt_teacher = route_teachers(config, data, console)  # before any model loads: an unrouted prompt fails now
     views = teacher_views(config, data, prompt_teacher, student_tokenizer)
-    models = load_models(config, checkpoint, student_tokenizer, dist)
+    models = _load_models(config, checkpoint, student_tokenizer, dist)
     for routed, view_ids in zip(models.teachers, views):
         routed.prompt_ids = view_ids
-    check_context(config, models)
-    generator, rollout_model, rollout_generator = build_engines(config, models, dist)
+    _check_context(config, models)
+    generator, rollout_model, rollout_generator = _build_engines(config, models, dist)
     startup_checks(config, models, generator, data, student_tokenizer, dist, console, prompt_teacher)
-    compiled, budget = configure_memory(config, models, dist)
-    reference_scorer = load_reference(config, models)
-    optimizer, scheduler, sampler = build_optimization(config, models, generator, len(data.prompts), dist)
+    compiled, budget = _configure_memory(config, models, dist)
+    reference_scorer = _load_reference(config, models)
+    optimizer, scheduler, sampler = _build_optimization(config, models, generator, len(data.prompts), dist)
     stream, ahead = rollout_ahead(config, rollout_model, rollout_generator)  # rollout.partial / rollout.overlap
     tr = Trainer(
         config=config,
@@ -315,7 +315,7 @@ def setup(
             gpu_busy=GpuBusy.open(next(models.student.parameters()).device),
         ),
     )
-    resume_step = resume(tr, checkpoint, console)
+    resume_step = _resume(tr, checkpoint, console)
     if dist.is_main:  # rank 0 writes the run directory
         tr.run.sink = open_run(config, run_dir, config.run, resume_step=resume_step)
         write_routing_table(run_dir, routing_table(config, prompt_teacher))
@@ -355,7 +355,7 @@ def check_sizes(config: DistillConfig, dist: DistInfo) -> None:
         )
 
 
-def check_context(config: DistillConfig, models: Models) -> None:
+def _check_context(config: DistillConfig, models: Models) -> None:
     """A rollout must fit the context of every model that reads it (`max_position_embeddings` of the student and of
     an in-process teacher): beyond it the positions are ones the models never saw, and nothing says so."""
     new = config.rollout.max_new_tokens
@@ -372,7 +372,7 @@ def check_context(config: DistillConfig, models: Models) -> None:
             )
 
 
-def check_teacher_and_engine(config: DistillConfig, student_tokenizer: Any, console: Any) -> None:
+def _check_teacher_and_engine(config: DistillConfig, student_tokenizer: Any, console: Any) -> None:
     """The teacher's tokenizer matches the student's and it serves what the objective asks; a vLLM rollout engine is
     installed and its log-probs fit the objective."""
     for entry in config.teacher_entries():
@@ -397,7 +397,7 @@ def check_teacher_and_engine(config: DistillConfig, student_tokenizer: Any, cons
         )
 
 
-def load_data(config: DistillConfig, student_tokenizer: Any, console: Any) -> EncodedPrompts:
+def _load_data(config: DistillConfig, student_tokenizer: Any, console: Any) -> EncodedPrompts:
     """The prompt set, rendered and encoded with the student's tokenizer, and the checks that need it; the eval
     sets are read now too, so that a bad one fails before training rather than after."""
     data, advantage = config.data, config.objective.advantage
@@ -455,7 +455,7 @@ def load_data(config: DistillConfig, student_tokenizer: Any, console: Any) -> En
     return encoded
 
 
-def load_models(config: DistillConfig, checkpoint: Path | None, student_tokenizer: Any, dist: DistInfo) -> Models:
+def _load_models(config: DistillConfig, checkpoint: Path | None, student_tokenizer: Any, dist: DistInfo) -> Models:
     """The student (from the checkpoint when resuming), the teachers, the shared vocabulary, FSDP2 sharding, and the
     student's own scorer. Entries that name the same model share one loaded teacher; `path: student` is the student's
     own scorer (no second model)."""
@@ -475,7 +475,7 @@ def load_models(config: DistillConfig, checkpoint: Path | None, student_tokenize
     )
     own_vocab = vocab
     entries = config.teacher_entries()
-    loaded, vocab = load_teachers(config, entries, student_tokenizer, student_rows, device, dist, own_vocab)
+    loaded, vocab = _load_teachers(config, entries, student_tokenizer, student_rows, device, dist, own_vocab)
     # ids beyond the tokenizer are embedding padding rows: never sampled, never a top-k candidate (SPEC §1)
     vocab_size = vocab.tokenizer_size
     shard_model(student, dist)  # FSDP2 (no-op for one process); the optimizer sees the sharded parameters
@@ -501,7 +501,7 @@ def load_models(config: DistillConfig, checkpoint: Path | None, student_tokenize
     )
 
 
-def load_teachers(
+def _load_teachers(
     config: DistillConfig,
     entries: list[TeacherEntry],
     student_tokenizer: Any,
@@ -552,7 +552,7 @@ def load_teachers(
     return loaded, vocab
 
 
-def build_engines(
+def _build_engines(
     config: DistillConfig, models: Models, dist: DistInfo
 ) -> tuple[Generator, torch.nn.Module | None, Generator | None]:
     """The rollout engine over the student, and with rollout.overlap the snapshot and engine that generate one step
@@ -587,7 +587,7 @@ def _static_engine_arguments(config: DistillConfig, models: Models, dist: DistIn
     why = None
     if engine != "static":
         why = f"the rollout engine is {engine!r} (rollout.engine={config.rollout.engine})"
-    elif not compiles_layers(config, models, dist):
+    elif not _compiles_layers(config, models, dist):
         why = f"the student's layers are not compiled (compile={config.compile}, device {models.device.type})"
     elif attention != varlen_attention.ATTENTION:
         why = f"the student's attention is {attention!r}"
@@ -613,21 +613,21 @@ def _vllm_engine_arguments(config: DistillConfig, models: Models, dist: DistInfo
     return arguments
 
 
-def compiles_layers(config: DistillConfig, models: Models, dist: DistInfo) -> bool:
-    """Whether `configure_memory` compiles the student's layers: `compile` true, or unset on CUDA in one process
+def _compiles_layers(config: DistillConfig, models: Models, dist: DistInfo) -> bool:
+    """Whether `_configure_memory` compiles the student's layers: `compile` true, or unset on CUDA in one process
     (FSDP2 + compile is untested: only when asked for)."""
     if dist.world_size > 1 and not config.compile:
         return False
     return bool(config.compile) or (config.compile is None and models.device.type == "cuda")
 
 
-def configure_memory(config: DistillConfig, models: Models, dist: DistInfo) -> tuple[bool, float | None]:
+def _configure_memory(config: DistillConfig, models: Models, dist: DistInfo) -> tuple[bool, float | None]:
     """Compiled layers and activation checkpointing; returns whether the student's layers are compiled and the
     selective-checkpointing budget (None: off).
     Checkpointing is full (HF, per layer) when asked for; by default on CUDA selective inside the compiled layers
     (docs/performance.md: the update's speed and memory under each)."""
     compiled = False
-    if compiles_layers(config, models, dist):
+    if _compiles_layers(config, models, dist):
         compiled = compile_layers(models.student, config.compile)
         modules = {id(t.teacher.module): t.teacher.module for t in models.teachers if t.teacher.module is not None}
         for module in modules.values():  # an offloaded teacher runs only on the GPU too (`on_device`)
@@ -640,7 +640,7 @@ def configure_memory(config: DistillConfig, models: Models, dist: DistInfo) -> t
     return compiled, None
 
 
-def load_reference(config: DistillConfig, models: Models) -> LocalScorer | None:
+def _load_reference(config: DistillConfig, models: Models) -> LocalScorer | None:
     """A frozen copy of the initial student, only when a KL term asks for it (objective.kl_coef)."""
     if not config.objective.kl_coef:
         return None
@@ -655,7 +655,7 @@ def load_reference(config: DistillConfig, models: Models) -> LocalScorer | None:
     return LocalScorer(reference, max_tokens_per_batch=config.score_batch_tokens, vocab_size=models.vocab_size)
 
 
-def build_optimization(
+def _build_optimization(
     config: DistillConfig, models: Models, generator: Generator, num_prompts: int, dist: DistInfo
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, PromptSampler]:
     """The optimizer, the LR schedule and the prompt sampler — after checking that one rollout fits next to the
@@ -678,7 +678,7 @@ def build_optimization(
     return optimizer, scheduler, sampler
 
 
-def resume(tr: Trainer, checkpoint: Path | None, console: Any) -> int | None:
+def _resume(tr: Trainer, checkpoint: Path | None, console: Any) -> int | None:
     """Restore the optimizer, schedule, sampler, counters and (rollout.overlap) the rollouts generated ahead from
     `checkpoint`; returns the step resumed at, None for a fresh run."""
     if checkpoint is None:

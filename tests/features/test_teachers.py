@@ -661,12 +661,12 @@ def _startup_report(config):
     from opd.train.distributed import SINGLE
 
     tokenizer = load_tokenizer(config.student.path)
-    data = recipe.load_data(config, tokenizer, None)
+    data = recipe._load_data(config, tokenizer, None)
     prompt_teacher = recipe.route_teachers(config, data, None)
-    models = recipe.load_models(config, None, tokenizer, SINGLE)
+    models = recipe._load_models(config, None, tokenizer, SINGLE)
     for routed, view_ids in zip(models.teachers, recipe.teacher_views(config, data, prompt_teacher, tokenizer)):
         routed.prompt_ids = view_ids
-    generator, _, _ = recipe.build_engines(config, models, SINGLE)
+    generator, _, _ = recipe._build_engines(config, models, SINGLE)
     return recipe.startup_checks(config, models, generator, data, tokenizer, SINGLE, None, prompt_teacher)
 
 

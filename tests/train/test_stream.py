@@ -380,5 +380,5 @@ def test_default_segment(world, tmp_path, early_stop, overlap, segment):
         f"rollout.overlap={str(overlap).lower()}",
         "objective.tis_cap=2.0",
     )
-    stream = setup(cfg, tmp_path / "run").stream
+    stream = setup(cfg, tmp_path / "run").engines.stream
     assert stream is not None and stream.segment == segment

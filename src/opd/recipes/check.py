@@ -72,6 +72,7 @@ from opd.rundir import locked
 from opd.teacher.client import remote_scorer
 from opd.teacher.local import LocalScorer
 from opd.teacher.registry import route_prompts, view_prompts
+from opd.teacher.routing import check_routes_match
 from opd.train.common import autocast, training_precision
 
 
@@ -274,6 +275,7 @@ def _run_per_teacher(
     if not prompts:
         raise ValueError(f"data.path {config.data.path}: no prompts")
     owners = route_prompts(prompts, entries)  # a prompt no route (or two) takes: one line, before any model loads
+    check_routes_match(config, prompts, owners)  # and a route that takes no prompt
     with locked(out_dir, "check", console=console):  # held throughout: one check per directory
         combined = CheckReport()
         table: dict[str, Any] = {}

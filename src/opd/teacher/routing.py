@@ -5,15 +5,24 @@ run directory keeps (`teachers.json`: `routing_table`, `write_routing_table`) an
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from opd.config import STUDENT, DistillConfig
 from opd.data.templates import EncodedPrompts, encode_prompts
 from opd.io import atomic_write_json
-from opd.teacher.registry import resolve_scorer, route_prompts, view_prompts
+from opd.teacher.registry import resolve_scorer, route_prompts, route_value, view_prompts
+from opd.types import Prompt
 
-__all__ = ["TEACHERS_FILE", "route_teachers", "routing_table", "teacher_views", "write_routing_table"]
+__all__ = [
+    "TEACHERS_FILE",
+    "check_routes_match",
+    "route_teachers",
+    "routing_table",
+    "teacher_views",
+    "write_routing_table",
+]
 
 
 def route_teachers(config: DistillConfig, data: EncodedPrompts, console: Any) -> list[int]:
@@ -23,6 +32,7 @@ def route_teachers(config: DistillConfig, data: EncodedPrompts, console: Any) ->
     if not entries:
         return []
     routes = route_prompts(data.prompts, entries)
+    check_routes_match(config, data.prompts, routes)
     table = routing_table(config, routes)
     if console is not None and table is not None and len(entries) > 1:
         for row in table["teachers"]:
@@ -32,6 +42,37 @@ def route_teachers(config: DistillConfig, data: EncodedPrompts, console: Any) ->
                 soft_wrap=True,
             )
     return routes
+
+
+def check_routes_match(config: DistillConfig, prompts: list[Prompt], routes: list[int]) -> None:
+    """Every route that is not the default takes at least one prompt: a route that matches none (a value with other
+    capitals, a column the prompts do not have) would send its prompts to the default teacher, silently. One line
+    naming the teacher, its route, the counts and the values the prompts have."""
+    data = config.data
+    consumed = {  # columns the prompt loader turns into the prompt's fields: not left for a route_key
+        data.prompt_key: "data.prompt_key",
+        data.answer_key: "data.answer_key",
+        data.id_key: "data.id_key",
+    }
+    for index, entry in enumerate(config.teacher_entries()):
+        route = entry.route
+        if route is None or route.default or index in routes:
+            continue
+        values = Counter(route_value(route, prompt) for prompt in prompts)
+        key = "data_source" if route.data_source is not None else str(route.route_key)
+        where = f"teacher {entry.name}: route {route.describe()} matches 0 of {len(prompts)} prompts of {data.path}"
+        if set(values) == {None}:
+            why = f", a column the loader reads as {consumed[key]}" if key in consumed else ""
+            raise ValueError(
+                f"{where}: no prompt has the column {key!r}{why}; set route_key to a column every prompt has "
+                f"(dotted keys reach into structs; data_source and id are routable)"
+            )
+        seen = ", ".join(f"{v!r} ({n})" for v, n in values.most_common(5) if v is not None)
+        more = f" and {len(values) - 5} more" if len(values) > 5 else ""
+        raise ValueError(
+            f"{where}; their {key} values: {seen}{more} (routes compare values as text, capitals matter, numbers "
+            f"by value); give the route values the prompts have"
+        )
 
 
 TEACHERS_FILE = "teachers.json"

@@ -70,6 +70,7 @@ from opd.train.common import (
     autocast,
     cached_fingerprint,
     check_data_fingerprint,
+    check_run_trained,
     check_skipped_steps,
     deterministic_kernels,
     eval_at_start,
@@ -152,7 +153,7 @@ def train(tr: Trainer, *, console: Any) -> None:
         if tr.models.compiled_layers and tr.run.step < cfg.run.steps:
             _warm_up(tr, console)
         compiles = CompileLog()
-        consecutive_skips = 0
+        consecutive_skips = steps_run = 0
         while tr.run.step < cfg.run.steps:
             skipped_before = tr.run.skipped_steps
             metrics = opd_step(tr)  # already reduced over ranks
@@ -166,6 +167,7 @@ def train(tr: Trainer, *, console: Any) -> None:
                 if news := describe_compiles(graphs, recompiled):  # what the warm-up left out, for the next warm-up
                     console.print(f"step {tr.run.step} compiled {news}")
             consecutive_skips = consecutive_skips + 1 if tr.run.skipped_steps > skipped_before else 0
+            steps_run += 1
             check_skipped_steps(consecutive_skips, tr.run.step, cfg.optim)
             tr.run.history.append({"step": tr.run.step, **metrics})
             progress.update(task, advance=1, description=_console_line(tr.run.step, metrics))
@@ -179,6 +181,7 @@ def train(tr: Trainer, *, console: Any) -> None:
     if main:
         finish_run(tr.run.run_dir, tr.run.sink, report=cfg.run.report, console=console)
     barrier(tr.run.dist)
+    check_run_trained(consecutive_skips, tr.run.step, steps_run)  # every rank: the grad norm is the global one
 
 
 def _warm_up(tr: Trainer, console: Any) -> None:

@@ -53,6 +53,7 @@ from opd.train.checkpoint import latest_checkpoint, save_checkpoint
 from opd.train.common import (
     cached_fingerprint,
     check_data_fingerprint,
+    check_run_trained,
     check_skipped_steps,
     deterministic_kernels,
     eval_at_start,
@@ -182,13 +183,14 @@ def train(tr: SFTTrainer, *, console: Any) -> None:
             and eval_pending(tr.run_dir, tr.step)
         ):  # resumed from a checkpoint whose eval did not finish
             run_eval(tr, console)
-        consecutive_skips = 0
+        consecutive_skips = steps_run = 0
         while tr.step < tr.total_steps:
             skipped_before = tr.skipped_steps
             metrics = sft_step(tr)
             tr.step += 1
             tr.sink.log(tr.step, metrics)
             consecutive_skips = consecutive_skips + 1 if tr.skipped_steps > skipped_before else 0
+            steps_run += 1
             check_skipped_steps(consecutive_skips, tr.step, cfg.optim)
             progress.update(task, advance=1, description=_console_line(tr.step, metrics))
             if is_due(tr.step, cfg.run.save_every, tr.total_steps):  # before the eval: a failing eval loses no work
@@ -202,6 +204,7 @@ def train(tr: SFTTrainer, *, console: Any) -> None:
         merged = merge_lora(checkpoint, tr.run_dir / "merged", base=cfg.model.path, existing="replace")
         console.print(f"merged weights: {merged}")
     finish_run(tr.run_dir, tr.sink, report=cfg.run.report, console=console)
+    check_run_trained(consecutive_skips, tr.step, steps_run)
 
 
 def _examples_fingerprint(tr: SFTTrainer) -> str:

@@ -141,6 +141,25 @@ def check_skipped_steps(consecutive: int, step: int, spec: OptimSpec) -> None:
         )
 
 
+def check_run_trained(consecutive: int, step: int, steps_run: int) -> None:
+    """Fail a run that ends on a streak of skipped steps (non-finite gradient norms) covering every step it ran, or on
+    two or more (weights that diverged skip every step after: the run is dead, whatever optim.max_skipped_steps
+    allows): an exit code of 0 would say the run trained. One line; the metrics and checkpoints stay as written."""
+    if not consecutive or (consecutive < 2 and consecutive < steps_run):
+        return
+    every = consecutive >= steps_run
+    which = (
+        f"every step of this run ({step - consecutive + 1}..{step})"
+        if every
+        else (f"its last {consecutive} steps ({step - consecutive + 1}..{step})")
+    )
+    raise ValueError(
+        f"the run ended with {which} skipped for a non-finite gradient norm: the weights are "
+        f"{'the ones it started from' if every else f'where step {step - consecutive} left them'}; lower optim.lr, "
+        f"check the teacher's temperature and the data (metrics.jsonl: grad_norm)"
+    )
+
+
 def is_due(step: int, every: int, last_step: int) -> bool:
     """Whether a periodic action (save, eval) runs after `step`: every `every` steps (0 = never) and at the end."""
     return bool(every and step % every == 0) or step == last_step

@@ -60,6 +60,7 @@ from opd.teacher.registry import model_key as _model_key  # noqa: F401  (its old
 from opd.teacher.routing import (  # noqa: F401  (routing's old home: importable from here)
     TEACHERS_FILE,
     _placement,
+    check_routing_table_path,
     route_teachers,
     routing_table,
     teacher_views,
@@ -247,6 +248,7 @@ def save(tr: Trainer) -> Path:
         partial_stream=None if tr.engines.stream is None else tr.engines.stream.state_dict(),
         world_size=tr.run.dist.world_size,
         data_fingerprint=_prompt_fingerprint(tr),
+        routing_fingerprint=_routing_fingerprint(tr),
     )
     state["optimizer"] = full_optimizer_state_dict(tr.models.student, tr.optimization.optimizer, tr.run.dist)
     state["teachers"] = tr.run.teacher_manifest  # `--resume` refuses another teacher set (check_teacher_manifest)
@@ -284,11 +286,13 @@ def setup(
     _check_teacher_and_engine(config, student_tokenizer, console)
     data = _load_data(config, student_tokenizer, console)
     prompt_teacher = route_teachers(config, data, console)  # before any model loads: an unrouted prompt fails now
+    if prompt_teacher:
+        check_routing_table_path(run_dir)  # and a teachers.json it could not write, before config.yaml is
     views = teacher_views(config, data, prompt_teacher, student_tokenizer)
     models = _load_models(config, checkpoint, student_tokenizer, dist)
     for routed, view_ids in zip(models.teachers, views):
         routed.prompt_ids = view_ids
-    _check_context(config, models)
+    _check_context(config, models, data, prompt_teacher)
     generator, rollout_model, rollout_generator = _build_engines(config, models, dist)
     startup_checks(config, models, generator, data, student_tokenizer, dist, console, prompt_teacher)
     compiled, budget = _configure_memory(config, models, dist)
@@ -321,7 +325,7 @@ def setup(
     resume_step = _resume(tr, checkpoint, console)
     if dist.is_main:  # rank 0 writes the run directory
         tr.run.sink = open_run(config, run_dir, config.run, resume_step=resume_step)
-        write_routing_table(run_dir, routing_table(config, prompt_teacher))
+        write_routing_table(run_dir, routing_table(config, prompt_teacher), step=resume_step)
     return tr
 
 
@@ -358,9 +362,12 @@ def check_sizes(config: DistillConfig, dist: DistInfo) -> None:
         )
 
 
-def _check_context(config: DistillConfig, models: Models) -> None:
+def _check_context(
+    config: DistillConfig, models: Models, data: EncodedPrompts | None = None, prompt_teacher: list[int] | None = None
+) -> None:
     """A rollout must fit the context of every model that reads it (`max_position_embeddings` of the student and of
-    an in-process teacher): beyond it the positions are ones the models never saw, and nothing says so."""
+    an in-process teacher): beyond it the positions are ones the models never saw, and nothing says so. A teacher
+    with a view reads its own, longer prompts: the longest of those routed to it, plus rollout.max_new_tokens."""
     new = config.rollout.max_new_tokens
     longest = config.data.max_prompt_length + new
     several = len(models.teachers) > 1
@@ -372,6 +379,24 @@ def _check_context(config: DistillConfig, models: Models) -> None:
                 f"rollout.max_new_tokens={new} is beyond the {name}'s context ({context} positions, "
                 f"max_position_embeddings; with data.max_prompt_length={config.data.max_prompt_length} a "
                 f"sequence is up to {longest} tokens); lower rollout.max_new_tokens below {context}"
+            )
+    for index, routed in enumerate(models.teachers):  # a view lengthens the teacher's prompts past the student's
+        context = getattr(getattr(routed.teacher.module, "config", None), "max_position_embeddings", None)
+        if routed.prompt_ids is None or not isinstance(context, int):
+            continue
+        view_ids = routed.prompt_ids
+        mine = [i for i, owner in enumerate(prompt_teacher or []) if owner == index]
+        if data is None or not mine or routed.entry.view is None:
+            continue
+        longest_view = max(mine, key=lambda i: len(view_ids[i]))
+        length = len(view_ids[longest_view])
+        if length + new > context:
+            raise ValueError(
+                f"teacher {routed.name}'s view (view.context_key={routed.entry.view.context_key!r}) makes prompt "
+                f"{data.prompts[longest_view].id} {length} tokens: with rollout.max_new_tokens={new} the teacher "
+                f"reads up to "
+                f"{length + new}, beyond its context ({context} positions, max_position_embeddings); shorten "
+                f"view.context_template or the context, or lower rollout.max_new_tokens"
             )
 
 
@@ -703,6 +728,17 @@ def _resume(tr: Trainer, checkpoint: Path | None, console: Any) -> int | None:
         checkpoint=checkpoint,
         console=console,
     )
+    check_data_fingerprint(
+        state,
+        _routing_fingerprint(tr),
+        what=f"the teachers' routing or views over data.path={tr.config.data.path} (each prompt's teacher, from "
+        f"its route column, and the context its view adds)",
+        run=tr.config.run,
+        checkpoint=checkpoint,
+        console=console,
+        key="routing_fingerprint",
+        consequence="the steps after it would train under other teachers or contexts than the steps before",
+    )
     check_teacher_manifest(state.get("teachers"), tr.run.teacher_manifest, checkpoint)
     tr.run.step, tr.run.skipped_steps, tr.run.history = state["step"], state["skipped_steps"], state["history"]
     if tr.engines.ahead is not None:  # the rollouts generated for the next step, from weights no longer saved
@@ -719,6 +755,19 @@ def _prompt_fingerprint(tr: Trainer) -> str:
     return cached_fingerprint(
         tr.data.prompt_ids, lambda: ((ids, prompt.answer) for ids, prompt in zip(tr.data.prompt_ids, tr.data.prompts))
     )
+
+
+def _routing_fingerprint(tr: Trainer) -> str:
+    """What routes and views read from the prompt set, as training uses it: each prompt's teacher (its name) and,
+    with a view, the prompt's token ids as that teacher sees them (`data_fingerprint`)."""
+    teachers = tr.models.teachers
+
+    def rows():
+        for index, owner in enumerate(tr.data.prompt_teacher):
+            view_ids = teachers[owner].prompt_ids
+            yield (view_ids[index] if view_ids is not None else []), teachers[owner].name
+
+    return cached_fingerprint(tr.data.prompt_teacher, rows)
 
 
 @dataclass

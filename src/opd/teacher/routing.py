@@ -11,13 +11,14 @@ from typing import Any
 
 from opd.config import STUDENT, DistillConfig
 from opd.data.templates import EncodedPrompts, encode_prompts
-from opd.io import atomic_write_json
+from opd.io import atomic_path, atomic_write_json
 from opd.teacher.registry import resolve_scorer, route_prompts, route_value, view_prompts
 from opd.types import Prompt
 
 __all__ = [
     "TEACHERS_FILE",
     "check_routes_match",
+    "check_routing_table_path",
     "route_teachers",
     "routing_table",
     "teacher_views",
@@ -103,18 +104,40 @@ def routing_table(config: DistillConfig, routes: list[int]) -> dict | None:
     return {"prompts": len(routes), "teachers": rows}
 
 
-def write_routing_table(run_dir: Path, table: dict | None) -> None:
-    """Write `run_dir/teachers.json` (atomically), unless it already holds `table`; nothing without teachers. A
-    resume whose placement changed (teacher.device, teacher_offload may) rewrites it with this run's."""
-    if table is None:
-        return
+def check_routing_table_path(run_dir: Path) -> None:
+    """Refuse, before any model loads or anything is written, a `run_dir/teachers.json` that is not a file (a
+    folder, a device): the run could not write its routing table there at the end of its setup."""
     path = run_dir / TEACHERS_FILE
-    try:
-        if path.is_file() and json.loads(path.read_text()) == table:
-            return
-    except ValueError:
-        pass  # damaged: written anew
+    if (path.exists() or path.is_symlink()) and not path.is_file():
+        raise ValueError(
+            f"{path}: not a file; opd distill writes its routing table there: move it away, or choose another run.name"
+        )
+
+
+def write_routing_table(run_dir: Path, table: dict | None, *, step: int | None = None) -> Path | None:
+    """Write `run_dir/teachers.json` (atomically), unless it already holds `table`; nothing without teachers. A
+    table that differs (a resume at `step` whose placement or routing changed) is kept first as
+    `teachers.step_<step>.json` (…`.2.json` when that exists): the routing the earlier steps trained with is history,
+    never overwritten. Returns that copy."""
+    if table is None:
+        return None
+    path = run_dir / TEACHERS_FILE
+    kept = None
+    if path.is_file():
+        earlier = path.read_bytes()
+        try:
+            if json.loads(earlier) == table:
+                return None
+        except ValueError:
+            pass  # damaged: kept as it is, written anew
+        kept, number = run_dir / f"teachers.step_{step or 0}.json", 1
+        while kept.exists() and kept.read_bytes() != earlier:
+            number += 1
+            kept = run_dir / f"teachers.step_{step or 0}.{number}.json"
+        with atomic_path(kept) as temp:
+            temp.write_bytes(earlier)
     atomic_write_json(path, table)
+    return kept
 
 
 def teacher_views(

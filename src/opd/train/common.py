@@ -108,17 +108,26 @@ def cached_fingerprint(data: Any, rows: Callable[[], Iterable[tuple[Sequence[int
 
 
 def check_data_fingerprint(
-    state: dict, fingerprint: str, *, what: str, run: RunSpec, checkpoint: Path, console: Any
+    state: dict,
+    fingerprint: str,
+    *,
+    what: str,
+    run: RunSpec,
+    checkpoint: Path,
+    console: Any,
+    key: str = "data_fingerprint",
+    consequence: str = "its sampler position would index other rows",
 ) -> None:
     """Refuse a resume whose data differ from those the checkpoint was trained on (one line naming `what`), unless
-    `run.allow_config_change` (then a note). Checkpoints written before fingerprints were saved are not compared."""
-    saved = state.get("data_fingerprint")
+    `run.allow_config_change` (then a note). `key`: the state's entry compared (the prompt set's; distill also keeps
+    its routing's). Checkpoints written before that fingerprint was saved are not compared."""
+    saved = state.get(key)
     if saved is None or saved == fingerprint:
         return
     if not run.allow_config_change:
         raise RunDirectoryError(
             f"--resume: {what} changed since {checkpoint} was saved (content sha256 {saved[:12]} → "
-            f"{fingerprint[:12]}): its sampler position would index other rows. Restore the file, pass "
+            f"{fingerprint[:12]}): {consequence}. Restore the file, pass "
             f"--allow-config-change to continue on the new data anyway, or start another run.name"
         )
     if console is not None:

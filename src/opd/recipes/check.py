@@ -271,6 +271,15 @@ def _run_per_teacher(
     out_dir = Path(out) if out is not None else Path(config.run.out_dir) / f"check-{time.strftime('%Y%m%d-%H%M%S')}"
     if (out_dir / "check.json").exists():
         raise FileExistsError(f"{out_dir / 'check.json'} exists; choose another --out (opd check never replaces it)")
+    for entry in entries:  # every teacher's folder, before the first teacher's check runs
+        folder = out_dir / entry.name
+        if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
+            raise FileExistsError(f"{folder} is not a folder; opd check writes teacher {entry.name}'s rows there")
+        if (folder / "check.json").exists():
+            raise FileExistsError(
+                f"{folder / 'check.json'} exists (teacher {entry.name}'s); choose another --out (opd check never "
+                f"replaces it)"
+            )
     prompts = _load_run_prompts(config)
     if not prompts:
         raise ValueError(f"data.path {config.data.path}: no prompts")

@@ -470,7 +470,8 @@ def test_entries_naming_one_model_share_one_loaded_teacher(world, routed_world):
     from opd.train.distributed import SINGLE
 
     teachers = [dict(t, path=str(routed_world / "a")) for t in _split(routed_world)]
-    teachers.append({"name": "self", "path": "student", "route": {"default": True}})
+    view = {"context_key": "answer"}  # without one the live student is refused (it would teach nothing)
+    teachers.append({"name": "self", "path": "student", "route": {"default": True}, "view": view})
     config = _config(world, routed_world, routed_world / "unused", teachers=teachers)
     models = load_models(config, None, load_tokenizer(str(world / "student")), SINGLE)
     a, b, own = (t.teacher for t in models.teachers)
@@ -674,7 +675,7 @@ def test_each_teachers_startup_rows_run_on_prompts_of_its_own_route(world, route
     prompts routed to it (a: the even prompts 0, 2; b, the live student: 1, 3, through served_scores); a run's only
     teacher keeps the plain row names, on the first prompts."""
     teachers = _split(routed_world)
-    teachers[1] = {"name": "b", "path": "student", "route": teachers[1]["route"]}
+    teachers[1] = {"name": "b", "path": "student", "route": teachers[1]["route"], "view": {"context_key": "answer"}}
     report = _startup_report(_config(world, routed_world, tmp_path, teachers=teachers))
     rows = {r.name: r.status for r in report.results}
     assert report.values["scoring_prompts"] == {"a": [0, 2], "b": [1, 3]}

@@ -52,11 +52,18 @@ def test_resume_refuses_a_route_column_edited_in_place_and_keeps_the_old_routing
     assert (resumed / "teachers.step_1.json").read_bytes() == first  # the routing steps 1..1 trained with
 
 
-def test_resume_refuses_a_view_context_edited_in_place(world, tmp_path):
+def test_resume_refuses_a_view_context_edited_in_place_before_any_model_loads(world, tmp_path, monkeypatch):
+    import opd.recipes.distill as recipe
+
     prompts = _write(tmp_path / "prompts.jsonl", ROWS)
     view = {"context_key": "hint", "context_template": " ({context})"}
     distill(_config(world, tmp_path, prompts, view=view))
     _write(prompts, [{**r, "hint": r["hint"].upper()} for r in ROWS])
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the resume's data check")
+
+    monkeypatch.setattr(recipe, "load_model", no_load)
     with pytest.raises(RunDirectoryError, match="the teachers' routing or views"):
         distill(_config(world, tmp_path, prompts, "run.resume=true", steps=2, view=view))
 

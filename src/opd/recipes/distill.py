@@ -66,7 +66,7 @@ from opd.teacher.routing import (  # noqa: F401  (routing's old home: importable
     teacher_views,
     write_routing_table,
 )
-from opd.train.checkpoint import save_checkpoint
+from opd.train.checkpoint import load_trainer_state, save_checkpoint
 from opd.train.common import (
     autocast,
     cached_fingerprint,
@@ -289,6 +289,15 @@ def setup(
     if prompt_teacher:
         check_routing_table_path(run_dir)  # and a teachers.json it could not write, before config.yaml is
     views = teacher_views(config, data, prompt_teacher, student_tokenizer)
+    if checkpoint is not None:  # the data a checkpoint trained on, before any model loads (its tensors stay on disk)
+        _check_resume_identity(
+            config,
+            checkpoint,
+            load_trainer_state(checkpoint, mmap=True),
+            _prompt_fingerprint_of(data.input_ids, data.prompts),
+            _routing_fingerprint_of(prompt_teacher, [e.name for e in config.teacher_entries()], views),
+            console=None,  # with run.allow_config_change the note is printed once, by _resume
+        )
     models = _load_models(config, checkpoint, student_tokenizer, dist)
     for routed, view_ids in zip(models.teachers, views):
         routed.prompt_ids = view_ids
@@ -720,25 +729,7 @@ def _resume(tr: Trainer, checkpoint: Path | None, console: Any) -> int | None:
         torch_optimizer=tr.optimization.optimizer,
         console=console,
     )
-    check_data_fingerprint(
-        state,
-        _prompt_fingerprint(tr),
-        what=f"the prompt set data.path={tr.config.data.path}",
-        run=tr.config.run,
-        checkpoint=checkpoint,
-        console=console,
-    )
-    check_data_fingerprint(
-        state,
-        _routing_fingerprint(tr),
-        what=f"the teachers' routing or views over data.path={tr.config.data.path} (each prompt's teacher, from "
-        f"its route column, and the context its view adds)",
-        run=tr.config.run,
-        checkpoint=checkpoint,
-        console=console,
-        key="routing_fingerprint",
-        consequence="the steps after it would train under other teachers or contexts than the steps before",
-    )
+    _check_resume_identity(tr.config, checkpoint, state, _prompt_fingerprint(tr), _routing_fingerprint(tr), console)
     check_teacher_manifest(state.get("teachers"), tr.run.teacher_manifest, checkpoint)
     tr.run.step, tr.run.skipped_steps, tr.run.history = state["step"], state["skipped_steps"], state["history"]
     if tr.engines.ahead is not None:  # the rollouts generated for the next step, from weights no longer saved
@@ -750,24 +741,56 @@ def _resume(tr: Trainer, checkpoint: Path | None, console: Any) -> int | None:
     return tr.run.step
 
 
-def _prompt_fingerprint(tr: Trainer) -> str:
-    """The prompt set as training sees it: each prompt's token ids and answer (`data_fingerprint`)."""
-    return cached_fingerprint(
-        tr.data.prompt_ids, lambda: ((ids, prompt.answer) for ids, prompt in zip(tr.data.prompt_ids, tr.data.prompts))
+def _check_resume_identity(
+    config: DistillConfig, checkpoint: Path, state: dict, prompts: str, routing: str, console: Any
+) -> None:
+    """The data a checkpoint trained on against this run's: the prompt set (`_prompt_fingerprint`) and what routes
+    and views read from it (`_routing_fingerprint`); each a one-line refusal, or a note with run.allow_config_change."""
+    check_data_fingerprint(
+        state,
+        prompts,
+        what=f"the prompt set data.path={config.data.path}",
+        run=config.run,
+        checkpoint=checkpoint,
+        console=console,
+    )
+    check_data_fingerprint(
+        state,
+        routing,
+        what=f"the teachers' routing or views over data.path={config.data.path} (each prompt's teacher, from "
+        f"its route column, and the context its view adds)",
+        run=config.run,
+        checkpoint=checkpoint,
+        console=console,
+        key="routing_fingerprint",
+        consequence="the steps after it would train under other teachers or contexts than the steps before",
     )
 
 
+def _prompt_fingerprint(tr: Trainer) -> str:
+    return _prompt_fingerprint_of(tr.data.prompt_ids, tr.data.prompts)
+
+
+def _prompt_fingerprint_of(prompt_ids: list[list[int]], prompts: list[Any]) -> str:
+    """The prompt set as training sees it: each prompt's token ids and answer (`data_fingerprint`)."""
+    return cached_fingerprint(prompt_ids, lambda: ((ids, prompt.answer) for ids, prompt in zip(prompt_ids, prompts)))
+
+
 def _routing_fingerprint(tr: Trainer) -> str:
+    teachers = tr.models.teachers
+    return _routing_fingerprint_of(tr.data.prompt_teacher, [t.name for t in teachers], [t.prompt_ids for t in teachers])
+
+
+def _routing_fingerprint_of(prompt_teacher: list[int], names: list[str], views: list[list[list[int]] | None]) -> str:
     """What routes and views read from the prompt set, as training uses it: each prompt's teacher (its name) and,
     with a view, the prompt's token ids as that teacher sees them (`data_fingerprint`)."""
-    teachers = tr.models.teachers
 
     def rows():
-        for index, owner in enumerate(tr.data.prompt_teacher):
-            view_ids = teachers[owner].prompt_ids
-            yield (view_ids[index] if view_ids is not None else []), teachers[owner].name
+        for index, owner in enumerate(prompt_teacher):
+            view_ids = views[owner]
+            yield (view_ids[index] if view_ids is not None else []), names[owner]
 
-    return cached_fingerprint(tr.data.prompt_teacher, rows)
+    return cached_fingerprint(prompt_teacher, rows)
 
 
 @dataclass

@@ -82,6 +82,15 @@ CASES: list[tuple] = [  # (case, failure class[, "slow"])
         ),
         SILENT,
     ),
+    (
+        Case(
+            "check route value with other capitals",
+            "check --student {model} --prompts {prompts} --out {out}/check --n 1 --prompts-sample 4 "
+            + _teachers({"name": "toy", "path": MODEL, "route": {"data_source": ["Toy"]}}, DEFAULT),
+            ("teacher toy", "matches 0 of 4 prompts"),
+        ),
+        SILENT,
+    ),
     # ---------------------------------------------------------------- a self-teacher that teaches nothing (silent)
     (
         Case(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import replace
 
 import pytest
 
@@ -19,6 +20,7 @@ from helpers import run_in_process
 from helpers_bad_inputs import DISTILL, EVAL, TINY_DISTILL, Case, classify, tally
 
 SILENT, DATA_LOSS, LATE = "silent_wrong", "data_loss", "late"
+CASE_KIND = {SILENT: "silent-wrong", DATA_LOSS: "data-loss", LATE: "late-error"}  # `Case.kind`'s spelling
 
 
 def _teachers(*entries: dict) -> str:
@@ -206,7 +208,7 @@ def _run(argv: list[str], monkeypatch, capfd, tmp_path) -> tuple[int | None, str
     "case",
     [
         pytest.param(
-            case,
+            replace(case, kind=CASE_KIND[kind]),
             marks=[pytest.mark.failure_class(kind), *([pytest.mark.slow] if slow else [])],
             id=case.name,
         )

@@ -391,20 +391,16 @@ def _check_context(
             )
     for index, routed in enumerate(models.teachers):  # a view lengthens the teacher's prompts past the student's
         context = getattr(getattr(routed.teacher.module, "config", None), "max_position_embeddings", None)
-        if routed.prompt_ids is None or not isinstance(context, int):
+        view_ids, mine = routed.prompt_ids, [i for i, owner in enumerate(prompt_teacher or []) if owner == index]
+        if view_ids is None or routed.entry.view is None or data is None or not mine or not isinstance(context, int):
             continue
-        view_ids = routed.prompt_ids
-        mine = [i for i, owner in enumerate(prompt_teacher or []) if owner == index]
-        if data is None or not mine or routed.entry.view is None:
-            continue
-        longest_view = max(mine, key=lambda i: len(view_ids[i]))
-        length = len(view_ids[longest_view])
+        longest = max(mine, key=lambda i: len(view_ids[i]))
+        length = len(view_ids[longest])
         if length + new > context:
             raise ValueError(
                 f"teacher {routed.name}'s view (view.context_key={routed.entry.view.context_key!r}) makes prompt "
-                f"{data.prompts[longest_view].id} {length} tokens: with rollout.max_new_tokens={new} the teacher "
-                f"reads up to "
-                f"{length + new}, beyond its context ({context} positions, max_position_embeddings); shorten "
+                f"{data.prompts[longest].id} {length} tokens: with rollout.max_new_tokens={new} the teacher reads up "
+                f"to {length + new}, beyond its context ({context} positions, max_position_embeddings); shorten "
                 f"view.context_template or the context, or lower rollout.max_new_tokens"
             )
 

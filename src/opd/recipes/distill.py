@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from transformers import AutoConfig
 
 from opd.check.probes import (  # noqa: F401  (the probes' old home: importable from here)
     local_teachers,
@@ -28,7 +29,7 @@ from opd.check.probes import (  # noqa: F401  (the probes' old home: importable 
     tokenizer_probes,
     view_probes,
 )
-from opd.config import STUDENT, DistillConfig, TeacherEntry
+from opd.config import STUDENT, STUDENT_INIT, DistillConfig, TeacherEntry
 from opd.data.prompts import load_prompts
 from opd.data.templates import EncodedPrompts, encode_prompts
 from opd.kernels import varlen_attention
@@ -36,6 +37,7 @@ from opd.models import (
     VocabInfo,
     check_tokenizer_compatibility,
     compile_layers,
+    fix_rope,
     load_model,
     load_tokenizer,
     resolve_device,
@@ -44,7 +46,7 @@ from opd.report.gpu_busy import GpuBusy
 from opd.report.sinks import progress_bar
 from opd.rollout import Generator, make_generator
 from opd.rollout.registry import check_generation_fits, resolve_engine
-from opd.rollout.vllm_engine import EngineOptions, vllm_available
+from opd.rollout.vllm_engine import EngineOptions, rope_refusal, vllm_available
 from opd.rundir import claimed_run_dir, open_run, resume_checkpoint, run_directory
 from opd.teacher.local import LocalScorer
 from opd.teacher.manifest import check_teacher_manifest, teacher_manifest
@@ -279,10 +281,12 @@ def setup(
     torch.manual_seed(config.run.seed)
     student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
     _check_teacher_and_engine(config, student_tokenizer, console)
+    _check_vllm_rope(config)
     data = _load_data(config, student_tokenizer, console)
     prompt_teacher = route_teachers(config, data, console)  # before any model loads: an unrouted prompt fails now
     views = teacher_views(config, data, prompt_teacher, student_tokenizer)
     models = _load_models(config, checkpoint, student_tokenizer, dist)
+    _fix_rope(config, models, console if dist.is_main else None)
     for routed, view_ids in zip(models.teachers, views):
         routed.prompt_ids = view_ids
     _check_context(config, models)
@@ -353,6 +357,49 @@ def check_sizes(config: DistillConfig, dist: DistInfo) -> None:
             f"micro_batch_tokens={config.micro_batch_tokens} is smaller than one sequence "
             f"(data.max_prompt_length + rollout.max_new_tokens = {longest}); raise it to at least {longest}"
         )
+
+
+def _run_length(config: DistillConfig) -> int:
+    """The run's longest sequence, prompt + response: what a length-dependent RoPE is fixed for (`fix_rope`)."""
+    return config.data.max_prompt_length + config.rollout.max_new_tokens
+
+
+def _check_vllm_rope(config: DistillConfig) -> None:
+    """Before any model loads: a vLLM engine (rollout or teacher) of a model whose RoPE depends on the length must
+    fix the table the run does (`opd.rollout.vllm_engine.rope_refusal`), or the run is refused in one line."""
+    engines = [("rollout.engine=vllm", config.student, config.rollout.vllm)] if config.rollout.engine == "vllm" else []
+    engines += [(f"teacher {e.name}", e, e.vllm) for e in config.teacher_entries() if e.engine == "vllm" and e.path]
+    for what, spec, vllm in engines:
+        path = config.student.path if spec.path == STUDENT_INIT else str(spec.path)
+        try:
+            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code)
+        except (OSError, ValueError):  # loading it says what is wrong, in one line
+            continue
+        reason = rope_refusal(hf_config, getattr(vllm, "max_model_len", None), _run_length(config))
+        if reason is not None:
+            raise ValueError(f"{what} ({spec.path}): {reason}")
+
+
+def _fix_rope(config: DistillConfig, models: Models, console: Any) -> None:
+    """One RoPE table per run: every in-process model whose RoPE depends on the sequence length (longrope, dynamic)
+    is fixed to the table of the run's longest sequence (`opd.models.fix_rope`), so that its engines, scorers and
+    update compute one distribution; a served teacher must have fixed the same (`RemoteScorer.check_rope`)."""
+    length = _run_length(config)
+    several = len(models.teachers) > 1
+    named = [("student", models.student)]
+    named += [(f"teacher {t.name}" if several else "teacher", t.teacher.module) for t in models.teachers]
+    seen: set[int] = set()
+    for name, module in named:
+        if module is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        choice = fix_rope(module, length)
+        if choice is not None and console is not None:
+            console.print(f"{name}: {choice.describe()}")
+    for routed in models.teachers:
+        check = getattr(routed.teacher.scorer, "check_rope", None)  # a served teacher's /info
+        if routed.teacher.module is None and check is not None:
+            check(length)
 
 
 def _check_context(config: DistillConfig, models: Models) -> None:
@@ -652,6 +699,7 @@ def _load_reference(config: DistillConfig, models: Models) -> LocalScorer | None
         attn_implementation=config.student.attn_implementation,
     )
     reference.requires_grad_(False)
+    fix_rope(reference, _run_length(config))  # the student's own table
     return LocalScorer(reference, max_tokens_per_batch=config.score_batch_tokens, vocab_size=models.vocab_size)
 
 

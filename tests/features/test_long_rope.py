@@ -1,0 +1,267 @@
+"""RoPE whose table depends on the sequence length (longrope, dynamic NTK): one table per run (`opd.models.fix_rope`),
+the same in the torch and static engines, the scorer (the trainer's forward), the served teacher and `opd distill`,
+against a full-sequence reference that transformers itself computes at the run's length; the vLLM engine's
+agreement or refusal (`opd.rollout.vllm_engine.rope_refusal`).
+
+The reference: the unfixed model over each row right-padded to the run's length. A causal model's logits at a
+position do not see the padding after it, and transformers picks the table from the forward's length: the table
+`fix_rope` chose, computed by transformers' own switch rather than by the code under test.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_tokenizer, server_in_thread
+from opd.config import ServeLimits
+from opd.models import RopeChoice, fix_rope, fixed_rope, rope_choice, unfixed_rope
+from opd.rollout import SamplingParams
+from opd.rollout.base import GenerationOutput
+from opd.rollout.batch import build_rollouts
+from opd.rollout.static_engine import StaticGenerator, unsupported_reason
+from opd.rollout.torch_engine import TorchGenerator
+from opd.rollout.vllm_engine import rope_refusal
+from opd.teacher.client import RemoteScorer
+from opd.teacher.local import LocalScorer
+from opd.teacher.server import service_for
+
+ATOL = 1e-4
+"""fp32 paths that compute the same table in another order (cached decode, one full forward, the static engine's
+precomputed table) agree to ~1e-5 nats here, as in rollout/test_static_engine.py; a table switched by the length
+moves these tiny models' log-probs by 0.3 nats and more."""
+TOKEN = "test-token-0123456789abcdef"
+HEAD_DIM = 8  # TINY hidden 32 / 4 heads
+LONGROPE = {
+    "rope_type": "longrope",
+    "original_max_position_embeddings": 16,
+    "short_factor": [1.0, 1.0, 1.0, 1.0],
+    "long_factor": [1.0, 2.0, 4.0, 8.0],
+}
+DYNAMIC = {"rope_type": "dynamic", "factor": 4.0}
+ROPES = {"longrope": (LONGROPE, 512), "dynamic": (DYNAMIC, 16)}  # (rope, max_position_embeddings)
+PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+NEW = 40
+LENGTH = 6 + NEW  # the run's longest sequence: past 16, the switch of both
+
+
+def _model(rope: dict, context: int, seed: int = 0) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        initializer_range=0.3,
+        bos_token_id=None,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        attn_implementation="eager",
+        rope_parameters={"rope_theta": 10000.0, **rope},
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = [EOS_ID, PAD_ID]
+    model.generation_config.pad_token_id = PAD_ID
+    return model
+
+
+def _reference_logprobs(unfixed: torch.nn.Module, prompt: list[int], response: list[int], length: int) -> torch.Tensor:
+    """log p(response | prompt) of the unfixed model over the row right-padded to `length` (float64 softmax)."""
+    ids = prompt + response
+    with torch.no_grad():
+        logits = unfixed(torch.tensor([ids + [PAD_ID] * (length - len(ids))])).logits[0].double()
+    lp = torch.log_softmax(logits, -1)
+    return torch.stack([lp[len(prompt) - 1 + i, t] for i, t in enumerate(response)])
+
+
+@pytest.mark.parametrize("kind", sorted(ROPES))
+def test_the_fixed_table_is_the_papers_formula_at_the_run_length(kind):
+    """float64 formulas written here: longrope's long factors (Phi-3: 1 / (λ_i · θ^(2i/d))), dynamic NTK's base
+    θ · (f·L/L₀ − (f − 1))^(d/(d−2)) at the run's length L; a run that stays within the switch keeps the short
+    factors / the original base."""
+    rope, context = ROPES[kind]
+    model = _model(rope, context)
+    shape = torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM
+    if kind == "longrope":
+        want = 1.0 / (torch.tensor(LONGROPE["long_factor"], dtype=torch.float64) * 10000.0**shape)
+    else:
+        base = 10000.0 * (4.0 * LENGTH / context - 3.0) ** (HEAD_DIM / (HEAD_DIM - 2))
+        want = 1.0 / base**shape
+    original = 1.0 / 10000.0**shape
+    assert unfixed_rope(model) is not None
+    choice = fix_rope(model, LENGTH)
+    assert choice == RopeChoice(kind, 16, LENGTH) and fixed_rope(model) == choice and unfixed_rope(model) is None
+    rotary = model.model.rotary_emb
+    torch.testing.assert_close(rotary.inv_freq.double(), want, rtol=1e-6, atol=0)
+    short = copy.deepcopy(model)
+    fix_rope(short, 16)  # a fixed model is fixed again from its loaded type: the table of the new length
+    torch.testing.assert_close(short.model.rotary_emb.inv_freq.double(), original, rtol=1e-6, atol=0)
+    assert rope_choice(short.config, 16).setting == ("short factors" if kind == "longrope" else "original base")
+    assert model.config.rope_parameters["rope_type"] == kind  # a checkpoint saves the model as it was loaded
+
+
+def test_a_rope_of_the_position_only_is_left_alone():
+    model = _model({"rope_type": "linear", "factor": 2.0}, 512)
+    before = model.model.rotary_emb.inv_freq.clone()
+    assert rope_choice(model.config, 4096) is None and fix_rope(model, 4096) is None
+    assert torch.equal(model.model.rotary_emb.inv_freq, before) and fixed_rope(model) is None
+
+
+@pytest.mark.parametrize("kind", sorted(ROPES))
+@pytest.mark.parametrize("engine", ["torch", "static"])
+def test_engines_and_scorer_agree_with_the_full_sequence_reference(kind, engine):
+    """Rows that cross the switch (6 + 40 tokens past 16): the engine's log-probs, the scorer's (`LocalScorer`:
+    `opd.forward.forward_hidden`, the trainer's forward too) and the reference agree to fp32 rounding. Without the
+    fix the torch engine's cached decode disagrees with the reference (the case this guards against)."""
+    rope, context = ROPES[kind]
+    model = _model(rope, context)
+    unfixed = copy.deepcopy(model)
+    fix_rope(model, LENGTH)
+    common = dict(eos_token_ids=[EOS_ID], pad_token_id=PAD_ID)
+    assert unsupported_reason(unfixed) is not None and unsupported_reason(model) is None  # static: refused unfixed
+    generator = TorchGenerator(model, **common) if engine == "torch" else StaticGenerator(model, kv_bucket=16, **common)
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=NEW, seed=0, return_logprobs=True, stop_at_eos=False)
+    out = generator.generate(PROMPTS, params)
+    rollouts = build_rollouts(PROMPTS, out, pad_id=PAD_ID, device=torch.device("cpu"))
+    scored = LocalScorer(model, vocab_size=TINY_VOCAB).score(rollouts, top_k=0)
+    for b, prompt in enumerate(PROMPTS):
+        want = _reference_logprobs(unfixed, prompt, out.response_ids[b], LENGTH)
+        engine_lp = torch.tensor(out.logprobs[b], dtype=torch.float64)
+        scorer_lp = scored.sampled_logprobs[b][rollouts.response_mask[b].bool()].double()
+        torch.testing.assert_close(engine_lp, want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(scorer_lp, want, atol=ATOL, rtol=0)
+    stale = TorchGenerator(unfixed, **common).generate(PROMPTS[:1], params)
+    gap = _reference_logprobs(unfixed, PROMPTS[0], stale.response_ids[0], LENGTH) - torch.tensor(stale.logprobs[0])
+    assert float(gap.abs().mean()) > 100 * ATOL
+
+
+@pytest.mark.parametrize("kind", sorted(ROPES))
+def test_the_served_teacher_fixes_its_table_reports_it_and_the_client_checks_it(kind):
+    """`opd serve-teacher`'s service on loopback: the model fixed at its max_positions, /info's `rope` says so, its
+    scores equal the reference at that length; a client whose run needs the other table stops in one line."""
+    rope, context = ROPES[kind]
+    model = _model(rope, context)
+    unfixed = copy.deepcopy(model)
+    service = service_for(model, make_tiny_tokenizer(), ServeLimits(max_positions=LENGTH), name="tiny", device="cpu")
+    assert service.info["rope"] == {**RopeChoice(kind, 16, LENGTH).to_info()}
+    prompts, responses = PROMPTS, [[11 + i for i in range(NEW)], [40 + i for i in range(NEW)]]
+    output = GenerationOutput(responses, ["length"] * 2, [0, 1])
+    rollouts = build_rollouts(prompts, output, pad_id=PAD_ID, device=torch.device("cpu"))
+    with server_in_thread(service, TOKEN) as url:
+        remote = RemoteScorer(url, token=TOKEN)
+        try:
+            remote.check_rope(LENGTH)  # the same table: no word
+            scored = remote.score(rollouts, top_k=0)
+            if kind == "longrope":  # a run within the original context needs the short factors
+                with pytest.raises(ValueError, match=r"fixed its rope_type 'longrope' to its long factors") as stop:
+                    remote.check_rope(12)
+                assert "short factors" in str(stop.value) and "max_positions=12" in str(stop.value)
+            else:  # dynamic: any other length past the switch is another base
+                with pytest.raises(ValueError, match=rf"NTK base at {LENGTH} positions") as stop:
+                    remote.check_rope(LENGTH + 10)
+            assert "\n" not in str(stop.value)
+        finally:
+            remote.close()
+    for b, prompt in enumerate(prompts):
+        want = _reference_logprobs(unfixed, prompt, responses[b], LENGTH)
+        got = scored.sampled_logprobs[b][rollouts.response_mask[b].bool()].double()
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_vllm_agrees_on_longrope_from_its_max_model_len_and_refuses_dynamic_by_name():
+    """vLLM fixes longrope's table from its engine's max_model_len (default max_position_embeddings): it agrees when
+    that lies on the run's side of original_max_position_embeddings; its dynamic NTK base is fixed at
+    max_position_embeddings × factor whatever the run: refused."""
+    longrope = _model(LONGROPE, 512).config
+    assert rope_refusal(longrope, None, LENGTH) is None  # 512 and 46 are both past 16: long factors
+    assert rope_refusal(longrope, 64, LENGTH) is None
+    short = rope_refusal(longrope, None, 12)
+    assert short is not None and "uses its long factors" in short and "vllm.max_model_len=12" in short
+    assert rope_refusal(longrope, 16, 12) is None
+    dynamic = rope_refusal(_model(DYNAMIC, 16).config, None, LENGTH)
+    assert dynamic is not None and "rope_type 'dynamic'" in dynamic
+    assert rope_refusal(_model({"rope_type": "default"}, 512).config, None, LENGTH) is None
+
+
+def _pair(root: Path, rope: dict, context: int) -> Path:
+    """A tiny student (seed 0) and teacher (seed 1) of one RoPE, each with the tiny tokenizer, and six prompts whose
+    rendered length (23 tokens) with 24 new tokens crosses a switch at 32, as the issue's pair does."""
+    tokenizer = make_tiny_tokenizer()
+    for name, seed in (("student", 0), ("teacher", 1)):
+        _model(rope, context, seed).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(6)]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+PAIRS = {
+    "longrope": ({**LONGROPE, "original_max_position_embeddings": 32}, 512),
+    "dynamic": (DYNAMIC, 32),
+}
+
+
+def _distill_config(pair: Path, out: Path):
+    from opd.config import DistillConfig, build_config
+
+    options = {
+        "student.path": str(pair / "student"),
+        "teacher.path": str(pair / "teacher"),
+        "data.path": str(pair / "prompts.jsonl"),
+        "data.answer_key": "answer",
+        "data.max_prompt_length": 32,
+        "prompts_per_step": 2,
+        "rollout.n": 2,
+        "rollout.max_new_tokens": 24,
+        "micro_batch_tokens": 64,
+        "run.out_dir": str(out),
+        "run.name": "run",
+        "run.steps": 2,
+        "run.report": False,
+        "skip_checks": ["special_tokens"],
+    }
+    return build_config(DistillConfig, options=options)
+
+
+@pytest.mark.parametrize("kind", sorted(PAIRS))
+def test_distill_trains_a_length_dependent_pair_with_one_distribution(kind, tmp_path):
+    """`opd distill` on the tiny pair whose rows cross the switch: both models fixed at the run's 56 tokens, the
+    startup rows that compare generated with scored log-probs pass at that length, and it trains."""
+    from rich.console import Console
+
+    from opd.recipes.distill import distill
+
+    pair = _pair(tmp_path / "pair", *PAIRS[kind])
+    text = io.StringIO()
+    console = Console(file=text, width=200)
+    run = distill(_distill_config(pair, tmp_path / "runs"), console=console)
+    printed = text.getvalue()
+    assert f"student: rope_type '{kind}' fixed to its" in printed and f"teacher: rope_type '{kind}' fixed" in printed
+    assert "self_distillation_zero pass" in printed and "generation_scoring pass" in printed
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["pg_loss"]) for r in rows)
+
+
+def test_distill_stops_at_startup_in_one_line_when_a_table_still_switches(tmp_path, monkeypatch):
+    """The startup rows are what catches a mismatch of this kind (this variant or a future one): with the fix
+    turned off, the teacher's self-distillation row and the student's generation row fail, naming the gap, and the
+    run stops before its first step."""
+    import opd.recipes.distill as recipe
+
+    monkeypatch.setattr(recipe, "fix_rope", lambda model, length: None)
+    pair = _pair(tmp_path / "pair", *PAIRS["longrope"])
+    with pytest.raises(ValueError, match=r"^opd check: self_distillation_zero failed \(mean \|t\(y\) − g\(y\)\| ") as e:
+        recipe.distill(_distill_config(pair, tmp_path / "runs"))
+    assert "\n" not in str(e.value) and "generation_scoring failed" in str(e.value)
+    assert not list((tmp_path / "runs").glob("*/checkpoints/*"))

@@ -65,7 +65,7 @@ def rope_refusal(hf_config: Any, max_model_len: int | None, run_length: int) -> 
     if wanted.rope_type == "dynamic":
         return (
             "vLLM fixes rope_type 'dynamic' at max_position_embeddings × factor positions, not at the run's longest "
-            f"sequence ({run_length} tokens); use the torch or static engine (local scorer) for this model"
+            "sequence as opd does; use the torch or static engine (a local teacher) for this model"
         )
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     engine_length = max_model_len or int(text.max_position_embeddings)

@@ -21,7 +21,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_tokenizer, server_in_thread
-from opd.config import ServeLimits
+from opd.config import DistillConfig, ServeLimits, build_config
 from opd.models import RopeChoice, fix_rope, fixed_rope, rope_choice, unfixed_rope
 from opd.rollout import SamplingParams
 from opd.rollout.base import GenerationOutput
@@ -212,9 +212,7 @@ PAIRS = {
 }
 
 
-def _distill_config(pair: Path, out: Path):
-    from opd.config import DistillConfig, build_config
-
+def _distill_config(pair: Path, out: Path, *overrides: str) -> DistillConfig:
     options = {
         "student.path": str(pair / "student"),
         "teacher.path": str(pair / "teacher"),
@@ -231,7 +229,7 @@ def _distill_config(pair: Path, out: Path):
         "run.report": False,
         "skip_checks": ["special_tokens"],
     }
-    return build_config(DistillConfig, options=options)
+    return build_config(DistillConfig, options=options, overrides=list(overrides))
 
 
 @pytest.mark.parametrize("kind", sorted(PAIRS))
@@ -264,4 +262,43 @@ def test_distill_stops_at_startup_in_one_line_when_a_table_still_switches(tmp_pa
     with pytest.raises(ValueError, match=r"^opd check: self_distillation_zero failed \(mean \|t\(y\) − g\(y\)\| ") as e:
         recipe.distill(_distill_config(pair, tmp_path / "runs"))
     assert "\n" not in str(e.value) and "generation_scoring failed" in str(e.value)
+    assert not list((tmp_path / "runs").glob("*/checkpoints/*"))
+
+
+def test_distill_refuses_vllm_where_it_would_fix_another_table_before_any_model_loads(tmp_path, monkeypatch):
+    """A dynamic-NTK student on the vLLM rollout engine, and a longrope teacher on vLLM whose max_model_len (default
+    512) takes its long factors while the run's sequences (24 + 8 = 32 tokens) stay within 32: one line each, before
+    vLLM or any model is loaded (the same refusals in the vLLM environment: tests/features/vllm/test_long_rope.py)."""
+    import opd.recipes.distill as recipe
+    import opd.teacher.registry as teachers
+
+    for module in (recipe, teachers):  # the refusals come first: nothing of vLLM runs
+        monkeypatch.setattr(module, "vllm_available", lambda: True)
+    dynamic = _pair(tmp_path / "dynamic", *PAIRS["dynamic"])
+    with pytest.raises(ValueError, match=r"^rollout.engine=vllm \(.*\): vLLM fixes rope_type 'dynamic'") as stop:
+        recipe.distill(_distill_config(dynamic, tmp_path / "runs", "rollout.engine=vllm"))
+    assert "\n" not in str(stop.value)
+    longrope = _pair(tmp_path / "longrope", *PAIRS["longrope"])
+    short = ("teacher.engine=vllm", "data.max_prompt_length=24", "rollout.max_new_tokens=8", "run.name=short")
+    with pytest.raises(ValueError, match=r"^teacher .*: rope_type 'longrope': vLLM at max_model_len 512 uses") as stop:
+        recipe.distill(_distill_config(longrope, tmp_path / "runs", *short))
+    assert "its long factors" in str(stop.value) and "short factors" in str(stop.value)
+    assert "vllm.max_model_len=32" in str(stop.value) and "\n" not in str(stop.value)
+
+
+def test_distill_refuses_a_served_teacher_fixed_to_another_table_in_one_line(tmp_path):
+    """`opd serve-teacher` on the pair's teacher at its default max_positions (512: long factors); a run whose
+    sequences stay within 32 tokens needs the short ones: the client's /info check stops it before any step."""
+    from opd.models import load_model
+    from opd.recipes.distill import distill
+
+    pair = _pair(tmp_path / "pair", *PAIRS["longrope"])
+    teacher, tokenizer = load_model(str(pair / "teacher"), dtype="fp32", device="cpu")
+    service = service_for(teacher, tokenizer, ServeLimits(), name="teacher", device="cpu")
+    short = ("data.max_prompt_length=24", "rollout.max_new_tokens=8", "teacher.path=null")
+    with server_in_thread(service, None) as url:
+        config = _distill_config(pair, tmp_path / "runs", *short, f"teacher.url={url}")
+        with pytest.raises(ValueError, match=r"fixed its rope_type 'longrope' to its long factors") as stop:
+            distill(config)
+    assert "max_positions=32" in str(stop.value) and "\n" not in str(stop.value)
     assert not list((tmp_path / "runs").glob("*/checkpoints/*"))

@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers import EOS_ID, PAD_ID, TINY_VOCAB, make_tiny_tokenizer, server_in_thread
 from opd.config import DistillConfig, ServeLimits, build_config
+from opd.forward import forward_hidden, output_head
 from opd.models import RopeChoice, fix_rope, fixed_rope, rope_choice, unfixed_rope
 from opd.rollout import SamplingParams
 from opd.rollout.base import GenerationOutput
@@ -29,6 +30,7 @@ from opd.rollout.batch import build_rollouts
 from opd.rollout.static_engine import StaticGenerator, unsupported_reason
 from opd.rollout.torch_engine import TorchGenerator
 from opd.rollout.vllm_engine import rope_refusal
+from opd.scoring import candidate_logprobs_and_entropy
 from opd.teacher.client import RemoteScorer
 from opd.teacher.local import LocalScorer
 from opd.teacher.server import service_for
@@ -121,9 +123,9 @@ def test_a_rope_of_the_position_only_is_left_alone():
 @pytest.mark.parametrize("kind", sorted(ROPES))
 @pytest.mark.parametrize("engine", ["torch", "static"])
 def test_engines_and_scorer_agree_with_the_full_sequence_reference(kind, engine):
-    """Rows that cross the switch (6 + 40 tokens past 16): the engine's log-probs, the scorer's (`LocalScorer`:
-    `opd.forward.forward_hidden`, the trainer's forward too) and the reference agree to fp32 rounding. Without the
-    fix the torch engine's cached decode disagrees with the reference (the case this guards against)."""
+    """Rows that cross the switch (6 + 40 tokens past 16): the engine's log-probs, the scorer's (`LocalScorer`),
+    the update's (`opd.forward.forward_hidden` with grad, the chunked head) and the reference agree to fp32
+    rounding. Without the fix the torch engine's cached decode disagrees with the reference (what this guards)."""
     rope, context = ROPES[kind]
     model = _model(rope, context)
     unfixed = copy.deepcopy(model)
@@ -135,12 +137,19 @@ def test_engines_and_scorer_agree_with_the_full_sequence_reference(kind, engine)
     out = generator.generate(PROMPTS, params)
     rollouts = build_rollouts(PROMPTS, out, pad_id=PAD_ID, device=torch.device("cpu"))
     scored = LocalScorer(model, vocab_size=TINY_VOCAB).score(rollouts, top_k=0)
+    model.train()  # the update's forward: grad mode, train mode (`opd.train.step`)
+    hidden = forward_hidden(model, rollouts)
+    update_N, _ = candidate_logprobs_and_entropy(hidden.hidden_ND, output_head(model), hidden.targets_N[:, None])
+    update_lp = torch.zeros(rollouts.response_mask.shape, dtype=torch.float64)
+    update_lp[hidden.rows_N, hidden.cols_N] = update_N[:, 0].detach().double()
+    model.eval()
     for b, prompt in enumerate(PROMPTS):
         want = _reference_logprobs(unfixed, prompt, out.response_ids[b], LENGTH)
         engine_lp = torch.tensor(out.logprobs[b], dtype=torch.float64)
         scorer_lp = scored.sampled_logprobs[b][rollouts.response_mask[b].bool()].double()
         torch.testing.assert_close(engine_lp, want, atol=ATOL, rtol=0)
         torch.testing.assert_close(scorer_lp, want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(update_lp[b][rollouts.response_mask[b].bool()], want, atol=ATOL, rtol=0)
     stale = TorchGenerator(unfixed, **common).generate(PROMPTS[:1], params)
     gap = _reference_logprobs(unfixed, PROMPTS[0], stale.response_ids[0], LENGTH) - torch.tensor(stale.logprobs[0])
     assert float(gap.abs().mean()) > 100 * ATOL

@@ -286,9 +286,9 @@ def setup(
     prompt_teacher = route_teachers(config, data, console)  # before any model loads: an unrouted prompt fails now
     views = teacher_views(config, data, prompt_teacher, student_tokenizer)
     models = _load_models(config, checkpoint, student_tokenizer, dist)
-    _fix_rope(config, models, console if dist.is_main else None)
     for routed, view_ids in zip(models.teachers, views):
         routed.prompt_ids = view_ids
+    _fix_rope(config, models, console if dist.is_main else None)
     _check_context(config, models)
     generator, rollout_model, rollout_generator = _build_engines(config, models, dist)
     startup_checks(config, models, generator, data, student_tokenizer, dist, console, prompt_teacher)
@@ -382,24 +382,26 @@ def _check_vllm_rope(config: DistillConfig) -> None:
 
 def _fix_rope(config: DistillConfig, models: Models, console: Any) -> None:
     """One RoPE table per run: every in-process model whose RoPE depends on the sequence length (longrope, dynamic)
-    is fixed to the table of the run's longest sequence (`opd.models.fix_rope`), so that its engines, scorers and
-    update compute one distribution; a served teacher must have fixed the same (`RemoteScorer.check_rope`)."""
+    is fixed to the table of the longest sequence it reads (`opd.models.fix_rope`): the run's, or a teacher's with
+    a view that makes its prompts longer. Its engines, scorers and update then compute one distribution; a served
+    teacher must have fixed the same (`RemoteScorer.check_rope`)."""
     length = _run_length(config)
     several = len(models.teachers) > 1
-    named = [("student", models.student)]
-    named += [(f"teacher {t.name}" if several else "teacher", t.teacher.module) for t in models.teachers]
-    seen: set[int] = set()
-    for name, module in named:
-        if module is None or id(module) in seen:
+    fixes: dict[int, tuple[str, torch.nn.Module, int]] = {id(models.student): ("student", models.student, length)}
+    for routed in models.teachers:
+        views = routed.prompt_ids or []
+        own = max([length] + [len(ids) + config.rollout.max_new_tokens for ids in views])
+        module, check = routed.teacher.module, getattr(routed.teacher.scorer, "check_rope", None)
+        if module is None:
+            if check is not None:  # a served teacher's /info
+                check(own)
             continue
-        seen.add(id(module))
-        choice = fix_rope(module, length)
+        name, _, before = fixes.get(id(module), (f"teacher {routed.name}" if several else "teacher", module, own))
+        fixes[id(module)] = (name, module, max(before, own))
+    for name, module, longest in fixes.values():
+        choice = fix_rope(module, longest)
         if choice is not None and console is not None:
             console.print(f"{name}: {choice.describe()}")
-    for routed in models.teachers:
-        check = getattr(routed.teacher.scorer, "check_rope", None)  # a served teacher's /info
-        if routed.teacher.module is None and check is not None:
-            check(length)
 
 
 def _check_context(config: DistillConfig, models: Models) -> None:

@@ -328,3 +328,151 @@ def test_opd_check_scores_the_table_distill_trains_with(tmp_path):
     )
     rows = {r.name: r for r in report.results}
     assert rows["self_distillation_zero"].status == "pass", rows["self_distillation_zero"]
+
+
+# ------------------------------------------------------------------------------------- eval, rollout, prompts score
+
+
+def _greedy_reference(unfixed: torch.nn.Module, prompt: list[int], new: int, length: int) -> list[int]:
+    """The greedy answer of the unfixed model, each step one full forward over the row right-padded to `length`
+    (the table of the run's length, as in `_reference_logprobs`), up to EOS."""
+    ids: list[int] = list(prompt)
+    for _ in range(new):
+        with torch.no_grad():
+            logits = unfixed(torch.tensor([ids + [PAD_ID] * (length - len(ids))])).logits[0, len(ids) - 1]
+        ids.append(int(logits[:TINY_VOCAB].argmax()))
+        if ids[-1] in (EOS_ID, PAD_ID):
+            break
+    return ids[len(prompt) :]
+
+
+def _spy_generations(monkeypatch, module) -> list[tuple[list[int], list[int]]]:
+    """Every (prompt ids, response ids) that the generators `module.make_generator` builds return, in order."""
+    seen: list[tuple[list[int], list[int]]] = []
+    build = module.make_generator
+
+    def spying(*args, **kwargs):
+        generator = build(*args, **kwargs)
+        generate = generator.generate
+
+        def recorded(prompt_ids, params):
+            out = generate(prompt_ids, params)
+            rows = [list(p) for p in prompt_ids for _ in range(params.n)]
+            seen.extend(zip(rows, [list(r) for r in out.response_ids]))
+            return out
+
+        generator.generate = recorded
+        return generator
+
+    monkeypatch.setattr(module, "make_generator", spying)
+    return seen
+
+
+def _assert_greedy_is_the_reference(pair: Path, seen: list[tuple[list[int], list[int]]], length: int) -> None:
+    from opd.models import load_model
+
+    unfixed, _ = load_model(str(pair / "student"), dtype="fp32", device="cpu")
+    assert seen and any(len(p) + len(r) > 32 for p, r in seen)  # rows that cross the switch
+    for prompt, response in seen:
+        assert response == _greedy_reference(unfixed, prompt, length - 32, length)
+
+
+@pytest.mark.parametrize("batch_size", [1, 6])
+def test_opd_eval_generates_with_the_table_of_its_longest_sequence_whatever_the_batch(
+    batch_size, tmp_path, monkeypatch
+):
+    """`opd eval --model` on the tiny longrope student: its greedy answers (32 + 24 tokens at most, past the switch
+    at 32) are the reference's at 56 tokens, alone in a batch or all six together (without the fix the cached
+    decode switches tables mid-answer)."""
+    import opd.eval.sampling as sampling
+    from opd.config import EvalConfig, ModelSpec
+    from opd.recipes.eval import evaluate
+
+    pair = _pair(tmp_path / "pair", *PAIRS["longrope"])
+    seen = _spy_generations(monkeypatch, sampling)
+    config = EvalConfig(
+        model=ModelSpec(path=str(pair / "student"), device="cpu", dtype="fp32"),
+        benchmarks=[str(pair / "prompts.jsonl")],
+        prompt_key="prompt",
+        answer_key="answer",
+        n=1,
+        temperature=0.0,
+        max_prompt_length=32,
+        max_new_tokens=24,
+        batch_size=batch_size,
+        out=str(tmp_path / "eval"),
+    )
+    evaluate(config, console=Console(file=io.StringIO()))
+    assert len(seen) == 6
+    _assert_greedy_is_the_reference(pair, seen, 56)
+
+
+@pytest.mark.parametrize("batch_size", [1, 6])
+def test_opd_rollout_samples_with_the_table_of_its_longest_sequence_whatever_the_batch(
+    batch_size, tmp_path, monkeypatch
+):
+    """`opd rollout` on the tiny longrope model, greedy: every attempt is the reference's answer at 56 tokens."""
+    import opd.rollout
+    from opd.config.rollout import RolloutConfig
+    from opd.recipes.rollout import teacher_rollout
+
+    pair = _pair(tmp_path / "pair", *PAIRS["longrope"])
+    seen = _spy_generations(monkeypatch, opd.rollout)
+    options = {
+        "model.path": str(pair / "student"),
+        "model.device": "cpu",
+        "model.dtype": "fp32",
+        "data.path": str(pair / "prompts.jsonl"),
+        "data.answer_key": "answer",
+        "data.max_prompt_length": 32,
+        "out": str(tmp_path / "rollout"),
+        "n": 1,
+        "max_attempts": 1,
+        "temperature": 0.0,
+        "max_new_tokens": 24,
+        "batch_size": batch_size,
+    }
+    teacher_rollout(build_config(RolloutConfig, options=options), console=Console(file=io.StringIO()))
+    assert len(seen) == 6
+    _assert_greedy_is_the_reference(pair, seen, 56)
+
+
+@pytest.mark.parametrize("kind", sorted(PAIRS))
+def test_opd_prompts_score_scores_both_models_with_the_table_of_its_longest_sequence(kind, tmp_path, monkeypatch):
+    """`opd prompts score` on the tiny pair: the student's and the teacher's log-probs of the student's rollouts (24
+    new tokens after 23, past the switch at 32) are the reference's at 56 tokens, each model's own. (Unfixed, a
+    scorer's forward takes the table of its padded batch, 47 tokens here: longrope's long factors, as at 56, but
+    another dynamic NTK base.)"""
+    import opd.recipes.prompts as recipe
+    from opd.config import DataSpec, ModelSpec
+    from opd.config.prompts import PromptScoreConfig
+    from opd.models import load_model
+
+    pair = _pair(tmp_path / "pair", *PAIRS[kind])
+    scored = []
+    score = recipe.score_prompts
+    monkeypatch.setattr(
+        recipe, "score_prompts", lambda *a, **k: score(*a, **k, on_scored=lambda *batch: scored.append(batch))
+    )
+    config = PromptScoreConfig(
+        student=ModelSpec(path=str(pair / "student"), device="cpu", dtype="fp32"),
+        teacher=ModelSpec(path=str(pair / "teacher"), device="cpu", dtype="fp32"),
+        data=DataSpec(path=str(pair / "prompts.jsonl"), answer_key="answer", max_prompt_length=32),
+        out=str(tmp_path / "scores" / "scores.jsonl"),
+        n=1,
+        top_k=4,
+        max_new_tokens=24,
+        batch_size=3,
+    )
+    recipe.score_prompt_file(config, console=Console(file=io.StringIO()))
+    assert len(scored) == 2
+    for name, which in (("student", 2), ("teacher", 3)):
+        unfixed, _ = load_model(str(pair / name), dtype="fp32", device="cpu")
+        for batch in scored:
+            rollouts, scores = batch[1], batch[which]
+            for b in range(rollouts.response_mask.shape[0]):
+                mask = rollouts.response_mask[b].bool()
+                prompt = rollouts.input_ids[b][: int(rollouts.prompt_lengths[b])].tolist()
+                response = rollouts.response_ids[b][mask].tolist()
+                want = _reference_logprobs(unfixed, prompt, response, 56)
+                torch.testing.assert_close(scores.sampled_logprobs[b][mask].double(), want, atol=ATOL, rtol=0)

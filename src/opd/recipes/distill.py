@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from transformers import AutoConfig
 
 from opd.check.probes import (  # noqa: F401  (the probes' old home: importable from here)
     local_teachers,
@@ -45,8 +44,8 @@ from opd.models import (
 from opd.report.gpu_busy import GpuBusy
 from opd.report.sinks import progress_bar
 from opd.rollout import Generator, make_generator
-from opd.rollout.registry import check_generation_fits, resolve_engine
-from opd.rollout.vllm_engine import EngineOptions, rope_refusal, vllm_available
+from opd.rollout.registry import check_generation_fits, check_vllm_rope, resolve_engine
+from opd.rollout.vllm_engine import EngineOptions, vllm_available
 from opd.rundir import claimed_run_dir, open_run, resume_checkpoint, run_directory
 from opd.teacher.local import LocalScorer
 from opd.teacher.manifest import check_teacher_manifest, teacher_manifest
@@ -371,13 +370,7 @@ def _check_vllm_rope(config: DistillConfig) -> None:
     engines += [(f"teacher {e.name}", e, e.vllm) for e in config.teacher_entries() if e.engine == "vllm" and e.path]
     for what, spec, vllm in engines:
         path = config.student.path if spec.path == STUDENT_INIT else str(spec.path)
-        try:
-            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code)
-        except (OSError, ValueError):  # loading it says what is wrong, in one line
-            continue
-        reason = rope_refusal(hf_config, getattr(vllm, "max_model_len", None), _run_length(config))
-        if reason is not None:
-            raise ValueError(f"{what} ({spec.path}): {reason}")
+        check_vllm_rope(spec, vllm, _run_length(config), what, path=path)
 
 
 def _fix_rope(config: DistillConfig, models: Models, console: Any) -> None:

@@ -476,3 +476,28 @@ def test_opd_prompts_score_scores_both_models_with_the_table_of_its_longest_sequ
                 response = rollouts.response_ids[b][mask].tolist()
                 want = _reference_logprobs(unfixed, prompt, response, 56)
                 torch.testing.assert_close(scores.sampled_logprobs[b][mask].double(), want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("evaluated", [False, True])
+def test_opd_sft_fixes_the_table_at_its_longest_sequence(evaluated, tmp_path):
+    """`opd sft`'s model: fixed at the training bound `data.max_length` (24: short factors), or at its periodic
+    eval's prompt + response where that is longer (32 + 24: long factors, the table its eval samples with)."""
+    from opd.config.sft import SFTConfig
+    from opd.recipes.sft import _load_net
+
+    pair = _pair(tmp_path / "pair", *PAIRS["longrope"])
+    overrides = [
+        f"model.path={pair / 'student'}",
+        "model.device=cpu",
+        f"data.path={pair / 'prompts.jsonl'}",
+        "data.max_length=24",
+        "micro_batch_tokens=64",
+        f"run.out_dir={tmp_path / 'runs'}",
+    ]
+    if evaluated:
+        bench = f"eval.benchmarks=[{pair / 'prompts.jsonl'}]"
+        overrides += [bench, "eval.max_prompt_length=32", "eval.max_new_tokens=24"]
+    net, _, _ = _load_net(build_config(SFTConfig, overrides=overrides), None)
+    choice = fixed_rope(net)
+    assert choice == RopeChoice("longrope", 32, 56 if evaluated else 24) and unfixed_rope(net) is None
+    assert choice.setting == ("long factors" if evaluated else "short factors")

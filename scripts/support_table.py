@@ -54,7 +54,7 @@ def _rope_row(kind: str) -> str:
     """One RoPE type's row: what each path does with a tiny Llama of that type, by the code's own checks."""
     config = transformers.LlamaConfig(**TINY_CONFIG, rope_parameters={"rope_theta": 10000.0, **ROPE_VARIANTS[kind]})
     model = transformers.LlamaForCausalLM(config).eval()
-    choice = fix_rope(model, 4096)  # what distill, check and serve-teacher do on load
+    choice = fix_rope(model, 4096)  # what every command that loads a model does
     static = unsupported_reason(model)
     run_long, run_short = rope_refusal(config, None, 1 << 20), rope_refusal(config, None, 1)
     if run_long is not None:

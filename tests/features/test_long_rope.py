@@ -501,3 +501,35 @@ def test_opd_sft_fixes_the_table_at_its_longest_sequence(evaluated, tmp_path):
     choice = fixed_rope(net)
     assert choice == RopeChoice("longrope", 32, 56 if evaluated else 24) and unfixed_rope(net) is None
     assert choice.setting == ("long factors" if evaluated else "short factors")
+
+
+def test_eval_rollout_and_prompts_score_refuse_vllm_where_it_would_fix_another_table(tmp_path):
+    """The vLLM check of distill (`opd.rollout.registry.check_vllm_rope`) before vLLM starts, in one line each: a
+    dynamic-NTK model on `opd eval`, `opd rollout` and `opd prompts score` with engine=vllm."""
+    from opd.config import DataSpec, EvalConfig, ModelSpec
+    from opd.config.prompts import PromptScoreConfig
+    from opd.config.rollout import RolloutConfig
+    from opd.eval.sampling import _load_generator
+    from opd.recipes.prompts import _load_models
+    from opd.recipes.rollout import _load_teacher
+
+    pair = _pair(tmp_path / "pair", *PAIRS["dynamic"])
+    student = ModelSpec(path=str(pair / "student"), device="cpu")
+    data = {"data.path": str(pair / "prompts.jsonl"), "data.answer_key": "answer"}
+    options = {"model.path": student.path, "engine": "vllm", "out": str(tmp_path / "out"), **data}
+    rollout = build_config(RolloutConfig, options=options)
+    score = PromptScoreConfig(
+        student=student,
+        teacher=ModelSpec(path=str(pair / "teacher")),
+        data=DataSpec(path=data["data.path"], answer_key="answer"),
+        out=str(tmp_path / "scores.jsonl"),
+        engine="vllm",
+    )
+    for load in (
+        lambda: _load_generator(EvalConfig(model=student, benchmarks=["math500"], engine="vllm")),
+        lambda: _load_teacher(rollout, "cpu"),
+        lambda: _load_models(score, make_tiny_tokenizer()),
+    ):
+        with pytest.raises(ValueError, match=r"^engine=vllm \(.*student\): vLLM fixes rope_type 'dynamic'") as stop:
+            load()
+        assert "\n" not in str(stop.value)

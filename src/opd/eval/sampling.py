@@ -30,11 +30,11 @@ from opd.eval.grading import decode_responses, grade
 from opd.eval.metrics import ProblemResult, SampleResult, summarize
 from opd.fingerprints import file_digest, model_fingerprint, weights_fingerprint  # noqa: F401 (their old home)
 from opd.io import append_jsonl, atomic_write_json, write_jsonl
-from opd.models import load_model, load_tokenizer
+from opd.models import fix_rope, load_model, load_tokenizer
 from opd.names import benchmark_names
 from opd.report.sinks import progress_bar
 from opd.rollout import SamplingParams, make_generator
-from opd.rollout.registry import vllm_arguments
+from opd.rollout.registry import check_vllm_rope, vllm_arguments
 from opd.rundir import check_same_work, locked
 from opd.seeds import hashed_seed
 
@@ -225,7 +225,9 @@ def _load_generator(config: EvalConfig) -> tuple[Any, Any]:
     """(generator, tokenizer) of `config.model` with `config.engine`: vLLM loads the weights itself (no Hugging Face
     copy of the model), the other engines a loaded model."""
     spec = _model_spec(config)
+    length = config.max_prompt_length + config.max_new_tokens  # the eval's longest sequence
     if config.engine == "vllm":
+        check_vllm_rope(spec, config.vllm, length, "engine=vllm")
         tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
         generator = make_generator(
             None, tokenizer, engine="vllm", max_batch_size=config.batch_size, **vllm_arguments(config.vllm, spec)
@@ -238,6 +240,8 @@ def _load_generator(config: EvalConfig) -> tuple[Any, Any]:
         trust_remote_code=spec.trust_remote_code,
         attn_implementation=spec.attn_implementation,
     )
+    # one RoPE table for every row (`fix_rope`): a length-dependent one would follow each batch's longest row
+    fix_rope(model, length)
     return make_generator(model, tokenizer, engine=config.engine, max_batch_size=config.batch_size), tokenizer
 
 

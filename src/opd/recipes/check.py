@@ -60,6 +60,7 @@ from opd.data.templates import encode_prompts
 from opd.io import atomic_write_json
 from opd.models import (
     check_tokenizer_compatibility,
+    fix_rope,
     load_model,
     load_tokenizer,
     resolve_device,
@@ -451,6 +452,12 @@ def _load_pair(
             student_vocab_size=student_rows,
             teacher_vocab_size=module.get_output_embeddings().weight.shape[0],
         ).tokenizer_size
+    # one RoPE table per run, as distill fixes it (`opd.models.fix_rope`): the checks see the distributions it trains
+    length = data.max_prompt_length + config.rollout.max_new_tokens
+    for model in {id(m): m for m in (student, teacher) if m is not None}.values():
+        fix_rope(model, length)
+    if served is not None:
+        served.check_rope(length)
     student_scorer = LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
     if served is None:
         teacher_scorer = (

@@ -28,7 +28,7 @@ from opd.check.probes import (  # noqa: F401  (the probes' old home: importable 
     tokenizer_probes,
     view_probes,
 )
-from opd.config import STUDENT, DistillConfig, TeacherEntry
+from opd.config import STUDENT, STUDENT_INIT, DistillConfig, TeacherEntry
 from opd.data.prompts import load_prompts
 from opd.data.templates import EncodedPrompts, encode_prompts
 from opd.kernels import varlen_attention
@@ -36,6 +36,7 @@ from opd.models import (
     VocabInfo,
     check_tokenizer_compatibility,
     compile_layers,
+    fix_rope,
     load_model,
     load_tokenizer,
     resolve_device,
@@ -43,7 +44,7 @@ from opd.models import (
 from opd.report.gpu_busy import GpuBusy
 from opd.report.sinks import progress_bar
 from opd.rollout import Generator, make_generator
-from opd.rollout.registry import check_generation_fits, resolve_engine
+from opd.rollout.registry import check_generation_fits, check_vllm_rope, resolve_engine
 from opd.rollout.vllm_engine import EngineOptions, vllm_available
 from opd.rundir import claimed_run_dir, open_run, resume_checkpoint, run_directory
 from opd.teacher.local import LocalScorer
@@ -284,6 +285,7 @@ def setup(
     torch.manual_seed(config.run.seed)
     student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
     _check_teacher_and_engine(config, student_tokenizer, console)
+    _check_vllm_rope(config)
     data = _load_data(config, student_tokenizer, console)
     prompt_teacher = route_teachers(config, data, console)  # before any model loads: an unrouted prompt fails now
     if prompt_teacher:
@@ -301,6 +303,7 @@ def setup(
     models = _load_models(config, checkpoint, student_tokenizer, dist)
     for routed, view_ids in zip(models.teachers, views):
         routed.prompt_ids = view_ids
+    _fix_rope(config, models, console if dist.is_main else None)
     _check_context(config, models, data, prompt_teacher)
     generator, rollout_model, rollout_generator = _build_engines(config, models, dist)
     startup_checks(config, models, generator, data, student_tokenizer, dist, console, prompt_teacher)
@@ -369,6 +372,45 @@ def check_sizes(config: DistillConfig, dist: DistInfo) -> None:
             f"micro_batch_tokens={config.micro_batch_tokens} is smaller than one sequence "
             f"(data.max_prompt_length + rollout.max_new_tokens = {longest}); raise it to at least {longest}"
         )
+
+
+def _run_length(config: DistillConfig) -> int:
+    """The run's longest sequence, prompt + response: what a length-dependent RoPE is fixed for (`fix_rope`)."""
+    return config.data.max_prompt_length + config.rollout.max_new_tokens
+
+
+def _check_vllm_rope(config: DistillConfig) -> None:
+    """Before any model loads: a vLLM engine (rollout or teacher) of a model whose RoPE depends on the length must
+    fix the table the run does (`opd.rollout.vllm_engine.rope_refusal`), or the run is refused in one line."""
+    engines = [("rollout.engine=vllm", config.student, config.rollout.vllm)] if config.rollout.engine == "vllm" else []
+    engines += [(f"teacher {e.name}", e, e.vllm) for e in config.teacher_entries() if e.engine == "vllm" and e.path]
+    for what, spec, vllm in engines:
+        path = config.student.path if spec.path == STUDENT_INIT else str(spec.path)
+        check_vllm_rope(spec, vllm, _run_length(config), what, path=path)
+
+
+def _fix_rope(config: DistillConfig, models: Models, console: Any) -> None:
+    """One RoPE table per run: every in-process model whose RoPE depends on the sequence length (longrope, dynamic)
+    is fixed to the table of the longest sequence it reads (`opd.models.fix_rope`): the run's, or a teacher's with
+    a view that makes its prompts longer. Its engines, scorers and update then compute one distribution; a served
+    teacher must have fixed the same (`RemoteScorer.check_rope`)."""
+    length = _run_length(config)
+    several = len(models.teachers) > 1
+    fixes: dict[int, tuple[str, torch.nn.Module, int]] = {id(models.student): ("student", models.student, length)}
+    for routed in models.teachers:
+        views = routed.prompt_ids or []
+        own = max([length] + [len(ids) + config.rollout.max_new_tokens for ids in views])
+        module, check = routed.teacher.module, getattr(routed.teacher.scorer, "check_rope", None)
+        if module is None:
+            if check is not None:  # a served teacher's /info
+                check(own)
+            continue
+        name, _, before = fixes.get(id(module), (f"teacher {routed.name}" if several else "teacher", module, own))
+        fixes[id(module)] = (name, module, max(before, own))
+    for name, module, longest in fixes.values():
+        choice = fix_rope(module, longest)
+        if choice is not None and console is not None:
+            console.print(f"{name}: {choice.describe()}")
 
 
 def _check_context(
@@ -685,6 +727,7 @@ def _load_reference(config: DistillConfig, models: Models) -> LocalScorer | None
         attn_implementation=config.student.attn_implementation,
     )
     reference.requires_grad_(False)
+    fix_rope(reference, _run_length(config))  # the student's own table
     return LocalScorer(reference, max_tokens_per_batch=config.score_batch_tokens, vocab_size=models.vocab_size)
 
 

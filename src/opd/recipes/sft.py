@@ -41,6 +41,7 @@ from opd.models import (
     check_model_path,
     check_tokenizer_compatibility,
     eos_token_ids,
+    fix_rope,
     load_model,
     load_tokenizer,
     resolve_device,
@@ -354,6 +355,13 @@ def _load_data(config: SFTConfig, tokenizer: Any) -> SFTDataset:
     return dataset
 
 
+def _run_length(config: SFTConfig) -> int:
+    """The run's longest sequence, what a length-dependent RoPE is fixed for (`opd.models.fix_rope`): the training
+    bound `data.max_length`, or the periodic eval's prompt + response where that is longer (one model, one table)."""
+    spec = config.eval
+    return max(config.data.max_length, spec.max_prompt_length + spec.max_new_tokens if spec.benchmarks else 0)
+
+
 def _load_net(config: SFTConfig, checkpoint: Path | None) -> tuple[Any, torch.nn.Module, torch.dtype | None]:
     """(the Hugging Face model, the model trained: it or its LoRA wrapper, the autocast dtype): loaded from the
     checkpoint when given (its adapters for LoRA), with gradient checkpointing as configured."""
@@ -368,6 +376,7 @@ def _load_net(config: SFTConfig, checkpoint: Path | None) -> tuple[Any, torch.nn
         trust_remote_code=spec.trust_remote_code,
         attn_implementation=spec.attn_implementation,
     )
+    fix_rope(net, _run_length(config))
     model = _with_lora(net, config.lora, checkpoint) if config.lora.enabled else net
     if config.gradient_checkpointing:
         net.gradient_checkpointing_enable()

@@ -77,3 +77,33 @@ def make_tool_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer = make_tiny_tokenizer()
     tokenizer.chat_template = QWEN25_TEMPLATE
     return tokenizer
+
+
+class ScriptedModel:
+    """A `Generator` that writes what `policy(context_text)` says, then the end-of-turn token: a stand-in for a
+    model that already uses its tools, so that episode tests see calls, answers and final turns deterministically.
+    It reports finish "stop" and a log-prob of -1.0 per token; a turn longer than max_new_tokens is cut ("length")."""
+
+    def __init__(self, tokenizer, policy) -> None:
+        self.tokenizer, self.policy, self.calls = tokenizer, policy, 0
+
+    def generate(self, prompt_ids, params, *, stop_when=None):
+        from opd.rollout.base import GenerationOutput
+
+        self.calls += 1
+        responses, reasons = [], []
+        for context in prompt_ids:
+            text = self.tokenizer.decode(list(context))
+            ids = self.tokenizer(self.policy(text) + "<|im_end|>", add_special_tokens=False)["input_ids"]
+            reasons.append("stop" if len(ids) <= params.max_new_tokens else "length")
+            responses.append(ids[: params.max_new_tokens])
+        logprobs = [[-1.0] * len(r) for r in responses] if params.return_logprobs else None
+        return GenerationOutput(responses, reasons, list(range(len(responses))), logprobs)
+
+    def sync_weights(self) -> None: ...
+
+    def check_fits(self, prompt_tokens, new_tokens, *, reserve_bytes=0, names=("", "")) -> None: ...
+
+    def release(self) -> None: ...
+
+    def close(self) -> None: ...

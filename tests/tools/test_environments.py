@@ -193,3 +193,16 @@ def test_a_tool_that_hangs_is_answered_with_an_error_at_the_deadline():
     assert answers[0][0].error and "no answer within 0.2 s" in answers[0][0].content
     stuck.barrier.abort()  # release the worker thread
     assert Path(".").exists() and stats.errors == 1
+
+
+def test_python_calls_of_several_episodes_run_side_by_side(tmp_path, isolated):
+    tool = load_environment("python", {"root": str(tmp_path)})
+    episodes = [tool.start({}) for _ in range(4)]
+    pending = [
+        (e, [ToolCall("python", {"code": f"import os\nprint({i} * 10, os.getcwd())"})]) for i, e in enumerate(episodes)
+    ]
+    answers, stats = answer_calls(pending, max_workers=4)
+    assert [a[0].content for a in answers] == [f"{i * 10} /work" for i in range(4)]
+    assert (stats.calls, stats.errors) == (4, 0)
+    for episode in episodes:
+        episode.close()

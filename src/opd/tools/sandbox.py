@@ -51,6 +51,7 @@ SandboxMode = Literal["namespaces", "rlimits-only"]
 SANDBOX_MODES: tuple[str, ...] = ("namespaces", "rlimits-only")
 _NOBODY = 65534
 _CODE_LIMIT_BYTES = 1 << 20
+_TEARDOWN_S = 10.0  # longest wait for a killed namespace to be gone (the kernel takes milliseconds)
 
 
 @dataclass(frozen=True)
@@ -481,8 +482,9 @@ def _kill_session(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    deadline = time.monotonic() + _TEARDOWN_S
     for pid in children:
-        while _alive(pid):
+        while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.005)
 
 
@@ -505,7 +507,7 @@ def _alive(pid: int) -> bool:
 _PROBE_CODE = r"""
 import os, socket, sys
 problems = []
-if os.environ.get("OPD_SANDBOX_PROBE"):
+if set(os.environ) - {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONDONTWRITEBYTECODE"}:
     problems.append("the host's environment is visible")
 if os.path.exists(MARKER):
     problems.append("a host file outside the episode directory is readable")
@@ -550,14 +552,11 @@ def _probe(mode: str) -> ProbeResult:
         work = Path(tmp, "work")
         work.mkdir()
         limits = SandboxLimits(cpu_seconds=10, wall_seconds=30)
-        os.environ["OPD_SANDBOX_PROBE"] = "1"
         try:
             sandbox = Sandbox(mode="namespaces" if mode == "namespaces" else "rlimits-only", limits=limits)
             result = sandbox.run_python(f"MARKER = {str(marker)!r}\n" + _PROBE_CODE, work)
         except (OSError, ValueError) as e:
             return ProbeResult(mode, False, f"the sandbox cannot start: {e}")
-        finally:
-            os.environ.pop("OPD_SANDBOX_PROBE", None)
         if not result.ok or not (work / "probe.txt").exists():
             why = (result.stderr.strip().splitlines() or [result.killed or f"exit code {result.exit_code}"])[-1]
             return ProbeResult(mode, False, f"the sandbox cannot run code here: {why}")

@@ -13,6 +13,7 @@ from helpers_tools import ScriptedModel, make_tool_tokenizer
 from opd.rollout import SamplingParams
 from opd.rollout.episodes import episode_rollouts, run_episodes
 from opd.rollout.torch_engine import TorchGenerator
+from opd.teacher.local import LocalScorer
 from opd.tools.calls import observation_ids, parse_tool_calls, tool_messages
 from opd.tools.environments import Calculator, Observation
 
@@ -135,3 +136,24 @@ def test_episodes_run_on_the_torch_engine_and_reproduce_with_a_seed(tokenizer):
     assert runs[0].output.logprobs == runs[1].output.logprobs
     assert all(0 < len(r) <= 12 for r in runs[0].output.response_ids)
     assert "<tools>" in tokenizer.decode(runs[0].prompt_ids[0])
+
+
+def test_a_scorer_reads_the_whole_episode_and_scores_only_the_students_tokens(tokenizer):
+    model = ScriptedModel(tokenizer, _uses_the_calculator)
+    result = run_episodes(
+        model, tokenizer, [_chat(q) for q in QUESTIONS], [{}, {}], Calculator(), SamplingParams(max_new_tokens=400),
+        max_turns=4,
+    )  # fmt: skip
+    rollouts = episode_rollouts(result, pad_id=PAD_ID)
+    teacher = make_tiny_model("qwen3", seed=1)
+    scores = LocalScorer(teacher, packing="padded").score(rollouts, top_k=0, with_entropy=False)
+    for b in range(rollouts.batch_size):
+        length = int(rollouts.attention_mask[b].sum())
+        with torch.no_grad():
+            logits = teacher(rollouts.input_ids[b : b + 1, :length]).logits[0].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        positions = rollouts.response_positions()[b]
+        mask = rollouts.response_mask[b]
+        expected = logprobs[positions[mask], rollouts.response_ids[b][mask]]
+        torch.testing.assert_close(scores.sampled_logprobs[b][mask], expected, rtol=1e-5, atol=1e-5)
+        assert bool((scores.sampled_logprobs[b][~mask] == 0).all())  # the environment's tokens: no target

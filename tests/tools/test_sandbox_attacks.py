@@ -192,6 +192,63 @@ def test_writes_outside_the_episode_directory_change_nothing(tmp_path):
     assert "wrote" not in result.stdout
 
 
+def test_a_disk_bomb_fills_only_the_episode_directorys_quota(tmp_path):
+    quota = 4 << 20
+    work = tmp_path / "work"
+    result = _run(
+        _sandbox(max_dir_bytes=quota),
+        """
+        import os
+        written = 0
+        try:
+            for i in range(1000):
+                with open(f"f{i}", "wb") as f:
+                    for _ in range(16):
+                        f.write(b"x" * 65536)
+                        f.flush()
+                        written += 65536
+        except OSError as e:
+            print(written, e.errno)
+        """,
+        work,
+    )
+    assert result.ok, result.stderr
+    written, errno = map(int, result.stdout.split())
+    assert written <= quota and errno == 28  # ENOSPC
+    assert sum(p.stat().st_size for p in work.iterdir()) <= quota
+
+
+def test_a_killed_call_keeps_no_file_changes_and_the_real_directory_is_out_of_reach(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "kept.txt").write_text("before")
+    killed = _run(
+        _sandbox(wall_seconds=1.0),
+        "open('kept.txt', 'w').write('changed')\nopen('new.txt', 'w').write('x')\nimport time\ntime.sleep(600)",
+        work,
+    )
+    assert killed.killed == "wall_time"
+    assert (work / "kept.txt").read_text() == "before" and not (work / "new.txt").exists()
+    probe_fds = _run(
+        _sandbox(),
+        """
+        import os
+        for fd in os.listdir("/proc/1/fd"):  # the init's fds; one is the real episode directory
+            for attempt in (lambda: os.listdir(f"/proc/1/fd/{fd}"),
+                            lambda: open(f"/proc/1/fd/{fd}/escape.txt", "w").write("owned")):
+                try:
+                    attempt()
+                    print("reached through", fd)
+                except OSError as e:
+                    print("refused", fd, type(e).__name__)
+        """,
+        work,
+    )
+    assert probe_fds.ok, probe_fds.stderr
+    assert "reached through" not in probe_fds.stdout and not (work / "escape.txt").exists()
+    assert set(line.split()[-1] for line in probe_fds.stdout.splitlines()) == {"PermissionError"}
+
+
 def test_secrets_in_the_environment_host_files_and_proc_stay_hidden(tmp_path, monkeypatch):
     monkeypatch.setenv("OPD_TEST_SECRET", SECRET)
     secret_file = tmp_path / "credentials"

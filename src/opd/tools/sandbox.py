@@ -10,12 +10,15 @@ hosts included), and gives the same isolation bubblewrap or nsjail build from th
   `nobody` owns no host file.
 - The shell (`_BOOT`) builds a root of its own on a tmpfs: `/usr` (and the `/bin`, `/lib*`, `/sbin` links or binds)
   read-only, the interpreter's prefix read-only at its own path, `/etc/ld.so.cache`, four device nodes, a fresh
-  `/proc` of the new pid namespace, and the episode directory at `/work`, the only writable place; then
-  `pivot_root` and the old root unmounted, so nothing else of the host is reachable, and the new root read-only.
+  `/proc` of the new pid namespace, and at `/work`, the only writable place, a tmpfs of `max_dir_bytes` holding a
+  copy of the episode directory; then `pivot_root` and the old root unmounted, so nothing else of the host is
+  reachable, and the new root read-only.
 - `setpriv` drops every capability (bounding set, inheritable, ambient; `noroot` securebits) and sets
   no-new-privileges; the runner (`_RUNNER`) becomes the pid namespace's init, installs the seccomp filter and the
-  rlimits in a child and runs the code there with an empty environment. When that child ends, the init exits and
-  the kernel kills whatever else is left in the namespace: no process outlives its call.
+  rlimits in a child and runs the code there with an empty environment. When that child ends, the init kills what
+  it left running, writes `/work` back to the episode directory (through an fd the code cannot reach: the init is
+  not dumpable) and exits; the kernel kills anything left in the namespace: no process outlives its call, and a
+  call killed from outside keeps no file changes.
 - The network namespace has only a loopback that is down; seccomp also refuses every socket family but AF_UNIX,
   new namespaces, mounts, ptrace, keyrings, bpf, perf and io_uring.
 - This process enforces the wall time and the output size (`Sandbox.run_python`), killing the whole namespace.
@@ -25,9 +28,9 @@ environment, the episode directory as its working directory, the rlimits and its
 network or process isolation. `probe(mode)` checks that a mode really holds here (each check one line); callers run
 it at startup and refuse to start the `python` tool when it fails.
 
-Left out on purpose: a total disk quota (`RLIMIT_FSIZE` bounds each file; the episode directory's size is the
-caller's to check), cgroups (memory is bounded per process by `RLIMIT_AS`, processes by `RLIMIT_NPROC`), and
-Python packages beyond the interpreter's own unless `read_only_paths` names them.
+Left out on purpose: cgroups (memory is bounded per process by `RLIMIT_AS`, processes by `RLIMIT_NPROC`, the
+episode directory by its tmpfs), and Python packages beyond the interpreter's own unless `read_only_paths` names
+them. The weaker mode writes the episode directory in place, without the quota.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ class SandboxLimits:
     max_output_bytes: bytes kept of stdout and of stderr each; more ends the call, ≥ 1
     max_file_bytes:   size of any one file written (`RLIMIT_FSIZE`), ≥ 0
     max_open_files:   open file descriptors per process (`RLIMIT_NOFILE`), ≥ 16
+    max_dir_bytes:    size of the episode directory as the code sees it (a tmpfs holding a copy, written back when
+                      the code ends; namespaces mode), ≥ 1 MiB
     """
 
     cpu_seconds: int = 10
@@ -74,6 +79,7 @@ class SandboxLimits:
     max_output_bytes: int = 16 << 10
     max_file_bytes: int = 16 << 20
     max_open_files: int = 64
+    max_dir_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         checks = (
@@ -84,6 +90,7 @@ class SandboxLimits:
             ("max_output_bytes", self.max_output_bytes >= 1, "≥ 1"),
             ("max_file_bytes", self.max_file_bytes >= 0, "≥ 0"),
             ("max_open_files", self.max_open_files >= 16, "≥ 16"),
+            ("max_dir_bytes", self.max_dir_bytes >= 1 << 20, "≥ 1 MiB"),
         )
         for name, ok, legal in checks:
             if not ok:
@@ -125,12 +132,13 @@ class ProbeResult:
 
 
 # The boot shell runs as the new namespaces' root with all capabilities there. Arguments: the new root's mount point
-# (under /tmp, which everyone may walk), an fd on the episode directory, the interpreter's prefix and an fd on it, the
+# (under /tmp, which everyone may walk), an fd on the episode directory, the size of the tmpfs that holds a copy of it
+# at /work, the interpreter's prefix and an fd on it, the
 # number N of extra read-only paths and N pairs (fd, path), then `setpriv`'s command. Directories come as fds that the
 # launcher opened while it could still walk to them (a prefix under /root); a bind of /proc/self/fd/N walks nothing.
 _BOOT = r"""
 set -eu
-R=$1; W_FD=$2; PREFIX=$3; PREFIX_FD=$4; N=$5; shift 5
+R=$1; W_FD=$2; DIR_BYTES=$3; PREFIX=$4; PREFIX_FD=$5; N=$6; shift 6
 mount --make-rprivate /
 mount -t tmpfs -o size=1m,mode=0755,nosuid,nodev tmpfs "$R"
 mkdir "$R/usr"; mount --bind -o ro,nosuid,nodev /usr "$R/usr"
@@ -144,7 +152,8 @@ if [ -f /etc/ld.so.cache ]; then
 fi
 for n in null zero urandom random; do : > "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n"; done
 mount -t proc -o nosuid,nodev,noexec proc "$R/proc"
-mount --no-canonicalize --bind -o nosuid,nodev "/proc/self/fd/$W_FD" "$R/work"
+mount -t tmpfs -o "size=$DIR_BYTES,mode=0755,nosuid,nodev" tmpfs "$R/work"
+cp -a "/proc/self/fd/$W_FD/." "$R/work/"
 case "$PREFIX" in
   /usr|/usr/*) ;;
   *) mkdir -p "$R$PREFIX"; mount --no-canonicalize --bind -o ro,nosuid,nodev "/proc/self/fd/$PREFIX_FD" "$R$PREFIX";;
@@ -213,9 +222,15 @@ os._exit(os.waitstatus_to_exitcode(status) if not os.WIFSIGNALED(status) else 12
 # It reads the code from stdin, runs it in a child (seccomp + rlimits, an empty environment) and exits with its status;
 # its exit makes the kernel kill every other process of the namespace.
 _RUNNER = r"""
-import os, resource, sys, ctypes
-os.closerange(3, 1 << 16)
+import os, resource, shutil, sys, ctypes
 cpu, mem, nproc, fsize, nofile = (int(a) for a in sys.argv[1:6]); py = sys.argv[6]; flt = bytes.fromhex(sys.argv[7])
+keep = int(sys.argv[8])  # the episode directory's fd (namespaces mode), or -1
+if keep >= 0:
+    os.closerange(3, keep)
+    os.closerange(keep + 1, 1 << 16)
+    ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0: the code may not open /proc/1/fd/<keep>
+else:
+    os.closerange(3, 1 << 16)
 code = sys.stdin.buffer.read()
 fd = os.memfd_create("code")
 os.write(fd, code); os.lseek(fd, 0, 0)
@@ -223,6 +238,7 @@ pid = os.fork()
 if pid == 0:
     try:
         os.dup2(fd, 0)
+        os.closerange(3, 1 << 16)
         for lim, v in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resource.RLIMIT_NPROC, nproc),
                        (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_CORE, 0)):
             resource.setrlimit(lim, (v, v))
@@ -247,6 +263,26 @@ while True:
         os._exit(127)
     except InterruptedError:
         continue
+if keep >= 0:
+    # the code has ended: end whatever it left running, then write /work back to the episode directory
+    try:
+        os.kill(-1, 9)
+    except OSError:
+        pass
+    while True:
+        try:
+            os.wait()
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+    real = f"/proc/self/fd/{keep}"
+    for entry in os.scandir(real):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+    shutil.copytree("/work", real, symlinks=True, dirs_exist_ok=True)
 if os.WIFSIGNALED(status):
     os._exit(128 + os.WTERMSIG(status))
 os._exit(os.waitstatus_to_exitcode(status))
@@ -356,10 +392,11 @@ class Sandbox:
                 _tool("setpriv"), "--no-new-privs", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all",
                 "--securebits=+noroot,+noroot_locked,+no_setuid_fixup,+no_setuid_fixup_locked,+keep_caps_locked",
                 "--", self.python, "-I", "-S", "-c", _RUNNER, *self._limit_args(), self.python, _seccomp_filter().hex(),
+                "{fd:0}",
             ]  # fmt: skip
             argv = [
                 self.python, "-I", "-S", "-c", _LAUNCHER, str(_NOBODY), _BOOT, "\n".join([workdir, prefix, *extra]),
-                root, "{fd:0}", prefix, "{fd:1}", str(len(extra)), *pairs, *setpriv,
+                root, "{fd:0}", str(self.limits.max_dir_bytes), prefix, "{fd:1}", str(len(extra)), *pairs, *setpriv,
             ]  # fmt: skip
             return _supervise(argv, data, self.limits, cwd="/", own_namespace=True)
         finally:
@@ -367,7 +404,7 @@ class Sandbox:
                 os.rmdir(root)
 
     def _run_rlimits_only(self, data: bytes, workdir: str) -> ExecResult:
-        argv = [self.python, "-I", "-S", "-c", _RUNNER, *self._limit_args(), self.python, ""]
+        argv = [self.python, "-I", "-S", "-c", _RUNNER, *self._limit_args(), self.python, "", "-1"]
         return _supervise(argv, data, self.limits, cwd=workdir, own_namespace=False)
 
 

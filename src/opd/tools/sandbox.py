@@ -1,13 +1,12 @@
-"""Run model-written Python isolated: Linux namespaces through util-linux's `unshare`, a private root, no capabilities,
-seccomp and rlimits.
+"""Run model-written Python isolated: Linux namespaces, a private root, no capabilities, seccomp and rlimits.
 
-Why this mechanism: it needs nothing beyond the kernel and util-linux (`unshare`, `mount`, `pivot_root`, `setpriv`,
-present on every glibc distribution), works unprivileged wherever unprivileged user namespaces do (most hosts, GPU
-hosts included), and gives the same isolation bubblewrap or nsjail build from the same kernel features. One run is:
+Why this mechanism: it needs nothing beyond the kernel and util-linux (`mount`, `pivot_root`, `setpriv`, present on
+every glibc distribution), works unprivileged wherever unprivileged user namespaces do (most hosts, GPU hosts
+included), and gives the same isolation bubblewrap or nsjail build from the same kernel features. One run is:
 
-- `unshare` puts a shell in new user, mount, network, pid, IPC and UTS namespaces. The sandbox's root is the host
-  user when that user is not root, else `nobody` (65534): the kernel ignores `RLIMIT_NPROC` for host root, and
-  `nobody` owns no host file.
+- A fresh interpreter (`_LAUNCHER`) calls `unshare(2)` for new user, mount, network, pid, IPC and UTS namespaces and
+  starts a shell as the pid namespace's first process. The sandbox's root is the host user when that user is not
+  root, else `nobody` (65534): the kernel ignores `RLIMIT_NPROC` for host root, and `nobody` owns no host file.
 - The shell (`_BOOT`) builds a root of its own on a tmpfs: `/usr` (and the `/bin`, `/lib*`, `/sbin` links or binds)
   read-only, the interpreter's prefix read-only at its own path, `/etc/ld.so.cache`, four device nodes, a fresh
   `/proc` of the new pid namespace, and at `/work`, the only writable place, a tmpfs of `max_dir_bytes` holding a
@@ -344,7 +343,8 @@ class Sandbox:
 
     read_only_paths: host directories the code may read (e.g. a site-packages with numpy), mounted at their own
                      path; namespaces mode only
-    python:          the interpreter; default: the one running opd (its real executable, not a virtualenv's link)
+    python:          the interpreter; default: the one running opd (its real executable, not a virtualenv's link).
+                     Only /usr and that interpreter's prefix are mounted, so another one must live in either.
     """
 
     mode: SandboxMode = "namespaces"

@@ -133,6 +133,7 @@ def test_episodes_run_on_the_torch_engine_and_reproduce_with_a_seed(tokenizer):
         for _ in range(2)
     ]
     assert runs[0].output.response_ids == runs[1].output.response_ids
+    assert runs[0].output.response_ids[0] != runs[0].output.response_ids[1]  # one prompt, two different episodes
     assert runs[0].output.logprobs == runs[1].output.logprobs
     assert all(0 < len(r) <= 12 for r in runs[0].output.response_ids)
     assert "<tools>" in tokenizer.decode(runs[0].prompt_ids[0])

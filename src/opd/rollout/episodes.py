@@ -148,7 +148,7 @@ def _run(
             break
         budgets = [min(turn_budget, episode_budget - len(response[b])) for b in active]
         seed = params.seed if turn == 0 or params.seed is None else derive_seed(params.seed, call=turn)
-        turn_params = replace(params, n=1, max_new_tokens=max(budgets), seed=seed, return_logprobs=True)
+        turn_params = replace(params, n=1, max_new_tokens=max(budgets), seed=seed)
         repeated += sum(len(contexts[b]) - fresh[b] for b in active)
         out = generator.generate([contexts[b] for b in active], turn_params)
         parsed: dict[int, ParsedTurn] = {}

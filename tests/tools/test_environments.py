@@ -202,7 +202,7 @@ def test_python_calls_of_several_episodes_run_side_by_side(tmp_path, isolated):
         (e, [ToolCall("python", {"code": f"import os\nprint({i} * 10, os.getcwd())"})]) for i, e in enumerate(episodes)
     ]
     answers, stats = answer_calls(pending, max_workers=4)
-    assert [a[0].content for a in answers] == [f"{i * 10} /work" for i in range(4)]
+    assert [a[0].content for a in answers] == [f"{i * 10} /episode" for i in range(4)]
     assert (stats.calls, stats.errors) == (4, 0)
     for episode in episodes:
         episode.close()

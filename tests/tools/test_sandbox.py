@@ -30,6 +30,8 @@ def test_a_bad_mode_or_path_is_refused():
         Sandbox(mode="docker")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="read_only_paths must be existing absolute directories, got 'rel'"):
         Sandbox(read_only_paths=("rel",))
+    with pytest.raises(ValueError, match="read_only_paths may not be /, /episode, /proc, /dev or in them, got '/proc'"):
+        Sandbox(read_only_paths=("/proc",))
     assert not probe("docker").ok
 
 
@@ -51,13 +53,17 @@ def test_results_report_exit_codes_errors_and_files_persist_in_the_episode(tmp_p
     assert third.exit_code == 1 and "ZeroDivisionError" in third.stderr
 
 
-def test_extra_read_only_paths_are_readable_not_writable(tmp_path, isolated):
+def test_extra_read_only_paths_are_importable_and_readable_not_writable(tmp_path, isolated):
     shared = tmp_path / "shared"
     shared.mkdir()
     (shared / "data.txt").write_text("table")
     work = tmp_path / "work"
     work.mkdir()
-    code = f"print(open({str(shared / 'data.txt')!r}).read())\nopen({str(shared / 'new.txt')!r}, 'w')"
+    (shared / "helper_module.py").write_text("ANSWER = 42\n")
+    code = (
+        f"import helper_module\nprint(helper_module.ANSWER, open({str(shared / 'data.txt')!r}).read())\n"
+        f"open({str(shared / 'new.txt')!r}, 'w')"
+    )
     result = Sandbox(read_only_paths=(str(shared),)).run_python(code, work)
-    assert result.stdout == "table\n" and "Read-only file system" in result.stderr
+    assert result.stdout == "42 table\n" and "Read-only file system" in result.stderr
     assert not (shared / "new.txt").exists()

@@ -165,7 +165,7 @@ def test_writes_outside_the_episode_directory_change_nothing(tmp_path):
         Path("/etc", unique),
         Path("/", unique),
     ]
-    targets = [str(host_file), *map(str, outside), f"/work/../{unique}", "link"]
+    targets = [str(host_file), *map(str, outside), f"/episode/../{unique}", "link"]
     try:
         result = _run(
             _sandbox(),
@@ -387,7 +387,7 @@ def test_no_privileges_to_undo_the_isolation(tmp_path):
         status = open("/proc/self/status").read()
         print([line for line in status.splitlines() if line.startswith(("CapEff", "CapPrm", "NoNewPrivs", "Seccomp:"))])
         print("unshare", libc.unshare(0x10000000), "mount", libc.mount(b"none", b"/usr", None, 32 | 4096, None),
-              "umount", libc.umount2(b"/work", 2), "chroot", libc.chroot(b"/work"))
+              "umount", libc.umount2(b"/episode", 2), "chroot", libc.chroot(b"/episode"))
         """,
         tmp_path / "work",
     )

@@ -9,13 +9,13 @@ included), and gives the same isolation bubblewrap or nsjail build from the same
   root, else `nobody` (65534): the kernel ignores `RLIMIT_NPROC` for host root, and `nobody` owns no host file.
 - The shell (`_BOOT`) builds a root of its own on a tmpfs: `/usr` (and the `/bin`, `/lib*`, `/sbin` links or binds)
   read-only, the interpreter's prefix read-only at its own path, `/etc/ld.so.cache`, four device nodes, a fresh
-  `/proc` of the new pid namespace, and at `/work`, the only writable place, a tmpfs of `max_dir_bytes` holding a
+  `/proc` of the new pid namespace, and at `/episode`, the only writable place, a tmpfs of `max_dir_bytes` holding a
   copy of the episode directory; then `pivot_root` and the old root unmounted, so nothing else of the host is
   reachable, and the new root read-only.
 - `setpriv` drops every capability (bounding set, inheritable, ambient; `noroot` securebits) and sets
   no-new-privileges; the runner (`_RUNNER`) becomes the pid namespace's init, installs the seccomp filter and the
   rlimits in a child and runs the code there with an empty environment. When that child ends, the init kills what
-  it left running, writes `/work` back to the episode directory (through an fd the code cannot reach: the init is
+  it left running, writes `/episode` back to the episode directory (through an fd the code cannot reach: the init is
   not dumpable) and exits; the kernel kills anything left in the namespace: no process outlives its call, and a
   call killed from outside keeps no file changes.
 - The network namespace has only a loopback that is down; seccomp also refuses every socket family but AF_UNIX,
@@ -132,7 +132,7 @@ class ProbeResult:
 
 # The boot shell runs as the new namespaces' root with all capabilities there. Arguments: the new root's mount point
 # (under /tmp, which everyone may walk), an fd on the episode directory, the size of the tmpfs that holds a copy of it
-# at /work, the interpreter's prefix and an fd on it, the
+# at /episode, the interpreter's prefix and an fd on it, the
 # number N of extra read-only paths and N pairs (fd, path), then `setpriv`'s command. Directories come as fds that the
 # launcher opened while it could still walk to them (a prefix under /root); a bind of /proc/self/fd/N walks nothing.
 _BOOT = r"""
@@ -145,24 +145,28 @@ for d in bin sbin lib lib32 lib64 libx32; do
   if [ -L "/$d" ]; then ln -s "$(readlink "/$d")" "$R/$d"
   elif [ -d "/$d" ]; then mkdir "$R/$d"; mount --bind -o ro,nosuid,nodev "/$d" "$R/$d"; fi
 done
-mkdir "$R/etc" "$R/dev" "$R/proc" "$R/work" "$R/tmp"
+mkdir "$R/etc" "$R/dev" "$R/proc" "$R/episode" "$R/tmp"
 if [ -f /etc/ld.so.cache ]; then
   : > "$R/etc/ld.so.cache"; mount --bind -o ro /etc/ld.so.cache "$R/etc/ld.so.cache"
 fi
 for n in null zero urandom random; do : > "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n"; done
 mount -t proc -o nosuid,nodev,noexec proc "$R/proc"
-mount -t tmpfs -o "size=$DIR_BYTES,mode=0755,nosuid,nodev" tmpfs "$R/work"
-cp -a "/proc/self/fd/$W_FD/." "$R/work/"
+mount -t tmpfs -o "size=$DIR_BYTES,mode=0755,nosuid,nodev" tmpfs "$R/episode"
+cp -a "/proc/self/fd/$W_FD/." "$R/episode/"
 case "$PREFIX" in
   /usr|/usr/*) ;;
   *) mkdir -p "$R$PREFIX"; mount --no-canonicalize --bind -o ro,nosuid,nodev "/proc/self/fd/$PREFIX_FD" "$R$PREFIX";;
 esac
 while [ "$N" -gt 0 ]; do
-  mkdir -p "$R$2"; mount --no-canonicalize --bind -o ro,nosuid,nodev "/proc/self/fd/$1" "$R$2"; shift 2; N=$((N-1))
+  case "$2" in
+    /usr|/usr/*) ;;
+    *) mkdir -p "$R$2"; mount --no-canonicalize --bind -o ro,nosuid,nodev "/proc/self/fd/$1" "$R$2";;
+  esac
+  shift 2; N=$((N-1))
 done
 cd "$R"; mkdir .old; pivot_root . .old; umount -l /.old; rmdir /.old
 mount -n -o remount,ro,bind /
-cd /work
+cd /episode
 exec "$@"
 """
 
@@ -224,6 +228,10 @@ _RUNNER = r"""
 import os, resource, shutil, sys, ctypes
 cpu, mem, nproc, fsize, nofile = (int(a) for a in sys.argv[1:6]); py = sys.argv[6]; flt = bytes.fromhex(sys.argv[7])
 keep = int(sys.argv[8])  # the episode directory's fd (namespaces mode), or -1
+env = {"PATH": "/usr/bin:/bin", "HOME": "/episode", "TMPDIR": "/episode", "LANG": "C.UTF-8",
+       "PYTHONDONTWRITEBYTECODE": "1"}
+if sys.argv[9]:
+    env["PYTHONPATH"] = sys.argv[9]  # the read-only paths, importable
 if keep >= 0:
     os.closerange(3, keep)
     os.closerange(keep + 1, 1 << 16)
@@ -249,8 +257,7 @@ if pid == 0:
             prog = Prog(len(flt) // 8, ctypes.cast(buf, ctypes.c_void_p))
             if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:
                 os.write(2, b"sandbox: seccomp failed\n"); os._exit(125)
-        os.execve(py, [py, "-I", "-"], {"PATH": "/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/work",
-                                       "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"})
+        os.execve(py, [py, "-s", "-"], env)
     finally:
         os._exit(127)
 os.close(fd)
@@ -263,7 +270,7 @@ while True:
     except InterruptedError:
         continue
 if keep >= 0:
-    # the code has ended: end whatever it left running, then write /work back to the episode directory
+    # the code has ended: end whatever it left running, then write /episode back to the episode directory
     try:
         os.kill(-1, 9)
     except OSError:
@@ -281,7 +288,7 @@ if keep >= 0:
             shutil.rmtree(entry.path)
         else:
             os.unlink(entry.path)
-    shutil.copytree("/work", real, symlinks=True, dirs_exist_ok=True)
+    shutil.copytree("/episode", real, symlinks=True, dirs_exist_ok=True)
 if os.WIFSIGNALED(status):
     os._exit(128 + os.WTERMSIG(status))
 os._exit(os.waitstatus_to_exitcode(status))
@@ -341,8 +348,8 @@ def _seccomp_filter() -> bytes:
 class Sandbox:
     """Runs Python code in one episode directory under `mode` with `limits`.
 
-    read_only_paths: host directories the code may read (e.g. a site-packages with numpy), mounted at their own
-                     path; namespaces mode only
+    read_only_paths: host directories the code may read and import from (e.g. a site-packages with numpy), mounted
+                     at their own path and put on its `PYTHONPATH`; namespaces mode only
     python:          the interpreter; default: the one running opd (its real executable, not a virtualenv's link).
                      Only /usr and that interpreter's prefix are mounted, so another one must live in either.
     """
@@ -356,8 +363,10 @@ class Sandbox:
         if self.mode not in SANDBOX_MODES:
             raise ValueError(f"sandbox mode must be one of {', '.join(SANDBOX_MODES)}, got {self.mode!r}")
         for p in self.read_only_paths:
-            if not os.path.isabs(p) or not os.path.isdir(p) or "\n" in p:
+            if not os.path.isabs(p) or not os.path.isdir(p) or "\n" in p or ":" in p:
                 raise ValueError(f"sandbox read_only_paths must be existing absolute directories, got {p!r}")
+            if _reserved(os.path.realpath(p)):
+                raise ValueError(f"sandbox read_only_paths may not be /, {', '.join(_RESERVED)} or in them, got {p!r}")
         if not self.python:
             self.python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
 
@@ -380,9 +389,11 @@ class Sandbox:
                                  lim.max_open_files)]  # fmt: skip
 
     def _run_namespaces(self, data: bytes, workdir: str) -> ExecResult:
+        prefix = os.path.realpath(sys.base_prefix)
+        if _reserved(prefix):
+            raise ValueError(f"the sandbox cannot mount the interpreter's prefix {prefix!r} at its own path")
         if os.geteuid() == 0:
             _give_to(workdir, _NOBODY)
-        prefix = os.path.realpath(sys.base_prefix)
         extra = [os.path.realpath(p) for p in self.read_only_paths]
         root = tempfile.mkdtemp(prefix="opd-sandbox-root-", dir="/tmp")
         os.chmod(root, 0o755)
@@ -392,7 +403,7 @@ class Sandbox:
                 _tool("setpriv"), "--no-new-privs", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all",
                 "--securebits=+noroot,+noroot_locked,+no_setuid_fixup,+no_setuid_fixup_locked,+keep_caps_locked",
                 "--", self.python, "-I", "-S", "-c", _RUNNER, *self._limit_args(), self.python, _seccomp_filter().hex(),
-                "{fd:0}",
+                "{fd:0}", ":".join(extra),
             ]  # fmt: skip
             argv = [
                 self.python, "-I", "-S", "-c", _LAUNCHER, str(_NOBODY), _BOOT, "\n".join([workdir, prefix, *extra]),
@@ -404,8 +415,15 @@ class Sandbox:
                 os.rmdir(root)
 
     def _run_rlimits_only(self, data: bytes, workdir: str) -> ExecResult:
-        argv = [self.python, "-I", "-S", "-c", _RUNNER, *self._limit_args(), self.python, "", "-1"]
+        argv = [self.python, "-I", "-S", "-c", _RUNNER, *self._limit_args(), self.python, "", "-1", ""]
         return _supervise(argv, data, self.limits, cwd=workdir, own_namespace=False)
+
+
+_RESERVED = ("/episode", "/proc", "/dev")  # the sandbox's own mount points
+
+
+def _reserved(path: str) -> bool:
+    return path == "/" or any(path == r or path.startswith(r + "/") for r in _RESERVED)
 
 
 def _tool(name: str) -> str:
@@ -544,7 +562,7 @@ def _alive(pid: int) -> bool:
 _PROBE_CODE = r"""
 import os, socket, sys
 problems = []
-if set(os.environ) - {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONDONTWRITEBYTECODE"}:
+if set(os.environ) - {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONDONTWRITEBYTECODE", "PYTHONPATH"}:
     problems.append("the host's environment is visible")
 if os.path.exists(MARKER):
     problems.append("a host file outside the episode directory is readable")

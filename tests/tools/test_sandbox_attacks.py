@@ -249,6 +249,24 @@ def test_a_killed_call_keeps_no_file_changes_and_the_real_directory_is_out_of_re
     assert set(line.split()[-1] for line in probe_fds.stdout.splitlines()) == {"PermissionError"}
 
 
+def test_only_regular_files_and_directories_come_back_from_the_episode(tmp_path):
+    work = tmp_path / "work"
+    result = _run(
+        _sandbox(),
+        """
+        import os
+        os.mkfifo("pipe")  # would block a copy that read it
+        os.symlink("/etc/shadow", "shadow")  # would point the host at its own file
+        os.makedirs("sub/deeper")
+        open("sub/deeper/result.txt", "w").write("kept")
+        """,
+        work,
+    )
+    assert result.ok and result.killed is None, result.stderr
+    assert sorted(str(p.relative_to(work)) for p in work.rglob("*")) == ["sub", "sub/deeper", "sub/deeper/result.txt"]
+    assert (work / "sub/deeper/result.txt").read_text() == "kept"
+
+
 def test_secrets_in_the_environment_host_files_and_proc_stay_hidden(tmp_path, monkeypatch):
     monkeypatch.setenv("OPD_TEST_SECRET", SECRET)
     secret_file = tmp_path / "credentials"

@@ -225,7 +225,7 @@ os._exit(os.waitstatus_to_exitcode(status) if not os.WIFSIGNALED(status) else 12
 # It reads the code from stdin, runs it in a child (seccomp + rlimits, an empty environment) and exits with its status;
 # its exit makes the kernel kill every other process of the namespace.
 _RUNNER = r"""
-import os, resource, shutil, sys, ctypes
+import os, resource, shutil, stat, sys, ctypes
 cpu, mem, nproc, fsize, nofile = (int(a) for a in sys.argv[1:6]); py = sys.argv[6]; flt = bytes.fromhex(sys.argv[7])
 keep = int(sys.argv[8])  # the episode directory's fd (namespaces mode), or -1
 env = {"PATH": "/usr/bin:/bin", "HOME": "/episode", "TMPDIR": "/episode", "LANG": "C.UTF-8",
@@ -288,7 +288,15 @@ if keep >= 0:
             shutil.rmtree(entry.path)
         else:
             os.unlink(entry.path)
-    shutil.copytree("/episode", real, symlinks=True, dirs_exist_ok=True)
+    # regular files and directories only: a FIFO would block the copy, a symlink would point the host at its files
+    for top, dirs, files in os.walk("/episode"):
+        rel = os.path.relpath(top, "/episode")
+        for name in dirs:
+            if not os.path.islink(os.path.join(top, name)):
+                os.mkdir(os.path.join(real, rel, name))
+        for name in files:
+            if stat.S_ISREG(os.lstat(os.path.join(top, name)).st_mode):
+                shutil.copy2(os.path.join(top, name), os.path.join(real, rel, name), follow_symlinks=False)
 if os.WIFSIGNALED(status):
     os._exit(128 + os.WTERMSIG(status))
 os._exit(os.waitstatus_to_exitcode(status))

@@ -72,8 +72,9 @@ def test_the_python_tool_runs_code_in_the_sandbox_and_cleans_up(tmp_path, isolat
     assert ok == Observation("42", error=False, seconds=ok.seconds)
     again = episode.answer(ToolCall("python", {"code": "print(int(open('n').read()) + 1)\nraise ValueError('bad')"}))
     assert again.error and again.content.startswith("6\nTraceback") and "[output cut at 50 characters]" in again.content
+    assert not again.refused  # the code failed; the sandbox did not stop it
     slow = episode.answer(ToolCall("python", {"code": "import time\ntime.sleep(60)"}))
-    assert slow.error and "[killed: wall time of 2 s exceeded]" in slow.content
+    assert slow.error and slow.refused and "[killed: wall time of 2 s exceeded]" in slow.content
     episode.close()
     assert list(tmp_path.iterdir()) == []
 

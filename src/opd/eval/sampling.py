@@ -28,6 +28,14 @@ from opd.data.templates import encode_prompts, parse_template
 from opd.eval.benchmarks import load_benchmark
 from opd.eval.grading import decode_responses, grade
 from opd.eval.metrics import ProblemResult, SampleResult, summarize
+from opd.eval.tools import (
+    TOOL_RECORD_KEYS,
+    check_template,
+    sample_episodes,
+    tool_environment,
+    tool_summary,
+    tools_identity,
+)
 from opd.fingerprints import file_digest, model_fingerprint, weights_fingerprint  # noqa: F401 (their old home)
 from opd.io import append_jsonl, atomic_write_json, write_jsonl
 from opd.models import load_model, load_tokenizer
@@ -50,6 +58,7 @@ class EvalProblem:
     problem_id: str
     prompt_ids: list[int]
     answer: str | list[str]
+    messages: list[dict[str, Any]] | None = None
 
 
 def evaluate_model(
@@ -72,18 +81,40 @@ def evaluate_model(
     """
     console = console or Console()
     parse_template(config.template)  # a bad template fails before the model loads
+    environment = tool_environment(config)  # the sandbox is probed before the model loads too
     run_dir.mkdir(parents=True, exist_ok=True)
     with locked(run_dir, "eval"):  # one process per output directory
-        records = _sample_and_grade(config, run_dir, generator, tokenizer, console, weights)
-        return write_results(config, run_dir, records, console)
+        records = _sample_and_grade(config, run_dir, generator, tokenizer, console, weights, environment)
+        tools = environment.describe() if environment is not None else None
+        return write_results(config, run_dir, records, console, tools=tools)
 
 
-def write_results(config: EvalConfig, run_dir: Path, records: list[dict], console: Any) -> dict:
-    """Summarise graded `records` per benchmark, write `run_dir/results.json` atomically, print the table."""
+def write_results(
+    config: EvalConfig, run_dir: Path, records: list[dict], console: Any, *, tools: dict[str, Any] | None = None
+) -> dict:
+    """Summarise graded `records` per benchmark, write `run_dir/results.json` atomically, print the table. `tools`:
+    the environment of a tool eval (its `describe()`, the sandbox mode included), recorded with the episodes'
+    figures per benchmark under `tools`."""
     results = summarize_records(records)
-    results_meta = {"model": config.model.path if config.model else None, "responses": config.responses}
+    results_meta: dict[str, Any] = {"model": config.model.path if config.model else None, "responses": config.responses}
+    episodes = tool_summary(records)
+    for benchmark, figures in episodes.items():
+        results[benchmark]["tools"] = figures
+    if tools is not None:
+        results_meta["tools"] = tools
     atomic_write_json(run_dir / "results.json", {**results_meta, "benchmarks": results})
     print_results_table(results, console, title=f"opd eval — {run_dir}")
+    for benchmark, figures in episodes.items():
+        by_turns = ", ".join(
+            f"{t} turns {100 * acc:.1f}% of {figures['episodes_by_turns'][t]}"
+            for t, acc in figures["accuracy_by_turns"].items()
+        )
+        console.print(
+            f"{benchmark} tools: {figures['tool_calls_mean']:.2f} calls per episode, {figures['tool_errors']} errors, "
+            f"{figures['sandbox_refusals']} sandbox refusals; accuracy by turns: {by_turns}"
+        )
+    if tools is not None and "sandbox" in tools:
+        console.print(f"sandbox: {tools['sandbox']}")
     console.print(f"results: {run_dir / 'results.json'}")
     return results
 
@@ -147,7 +178,13 @@ def _problems_sha256(prompts: list) -> str:
 
 
 def _sample_and_grade(
-    config: EvalConfig, run_dir: Path, generator: Any, tokenizer: Any, console: Any, weights: str | None = None
+    config: EvalConfig,
+    run_dir: Path,
+    generator: Any,
+    tokenizer: Any,
+    console: Any,
+    weights: str | None = None,
+    environment: Any = None,
 ) -> list[dict]:
     """All graded records of `run_dir`: the complete chunks already in samples.jsonl, then the rest sampled and
     graded (appended as each chunk finishes).
@@ -176,6 +213,8 @@ def _sample_and_grade(
         generator, tokenizer = _load_generator(config)
         if config.engine != "vllm":
             identity["model"] = model_identity(config)  # a hub id is in the local cache now
+    if environment is not None:
+        check_template(tokenizer, environment, str(config.tools))
 
     chunks = _chunks(config, loaded, tokenizer, console)
     samples_path = run_dir / "samples.jsonl"
@@ -183,7 +222,7 @@ def _sample_and_grade(
     with progress_bar(console) as progress:
         task = progress.add_task("sampling + grading", total=sum(len(chunk) for _, _, chunk in work))
         for benchmark, chunk_id, chunk in work:
-            records = _sample_chunk(config, generator, tokenizer, benchmark, chunk_id, chunk)
+            records = _sample_chunk(config, generator, tokenizer, benchmark, chunk_id, chunk, environment)
             append_jsonl(samples_path, records)
             records_done.extend(records)
             progress.advance(task, len(chunk))
@@ -218,6 +257,7 @@ def _identity(config: EvalConfig, loaded: dict[str, list], weights: str | None) 
         "model": model_identity(config) if weights is None else {**model_identity(config), "weights": weights},
         **{key: getattr(config, key) for key in _IDENTITY_SETTINGS},
         "benchmarks": {name: _problems_sha256(prompts) for name, prompts in loaded.items()},
+        **tools_identity(config),
     }
 
 
@@ -265,9 +305,16 @@ def _resume(
 
 
 def _sample_chunk(
-    config: EvalConfig, generator: Any, tokenizer: Any, benchmark: str, chunk_id: int, chunk: list[EvalProblem]
+    config: EvalConfig,
+    generator: Any,
+    tokenizer: Any,
+    benchmark: str,
+    chunk_id: int,
+    chunk: list[EvalProblem],
+    environment: Any = None,
 ) -> list[dict]:
-    """n samples per problem of one chunk (seeded by the chunk), graded: its records for samples.jsonl."""
+    """n samples per problem of one chunk (seeded by the chunk), graded: its records for samples.jsonl. With an
+    `environment`, each sample is an episode (`opd.eval.tools`) whose final turn is graded."""
     params = SamplingParams(
         n=config.n,
         temperature=config.temperature,
@@ -276,6 +323,24 @@ def _sample_chunk(
         max_new_tokens=config.max_new_tokens,
         seed=_chunk_seed(config.seed, benchmark, chunk_id),
     )
+    if environment is not None:
+        episodes = sample_episodes(config, generator, tokenizer, environment, chunk, params)
+        records = []
+        for index, episode in enumerate(episodes):
+            problem = chunk[index // config.n]
+            record = graded_record(
+                benchmark=benchmark,
+                problem_id=problem.problem_id,
+                sample=index % config.n,
+                response=episode["response"],
+                answer=problem.answer,
+                num_tokens=episode["num_tokens"],
+                truncated=episode["truncated"],
+                timeout=config.timeout,
+                chunk=chunk_id,
+            )
+            records.append(record | {key: episode[key] for key in (*TOOL_RECORD_KEYS, "episode")})
+        return records
     output = generator.generate([p.prompt_ids for p in chunk], params)
     texts = decode_responses(tokenizer, output.response_ids)
     records = []
@@ -329,7 +394,7 @@ def _chunks(
         problems = []
         for p, ids in zip(encoded.prompts, encoded.input_ids):
             assert p.answer is not None  # on_missing_answer is "error" or "skip" here: every prompt has one
-            problems.append(EvalProblem(name, p.id, ids, p.answer))
+            problems.append(EvalProblem(name, p.id, ids, p.answer, p.messages))
         for index in range(0, len(problems), problems_per_chunk):
             chunks.append((name, index // problems_per_chunk, problems[index : index + problems_per_chunk]))
     return chunks

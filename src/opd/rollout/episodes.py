@@ -41,6 +41,7 @@ class EpisodeOutput:
     prompt_ids:    per prompt, its ids with the tools offered (the rows' prompt in `episode_rollouts`)
     env_masks:     per episode, one bool per response token, True on the environment's
     turns, tool_calls, tool_errors: per episode (a malformed call counts as a call and an error)
+    sandbox_refusals: per episode, the calls the sandbox refused or stopped (`Observation.refused`)
     tool_seconds:  the calls' summed wall time; tool_wall_seconds: the time the batch waited for them
     repeated_prefill_tokens: context tokens the engine read again at later turns
     """
@@ -55,6 +56,7 @@ class EpisodeOutput:
     tool_wall_seconds: float = 0.0
     repeated_prefill_tokens: int = 0
     describe: dict[str, Any] = field(default_factory=dict)
+    sandbox_refusals: list[int] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
         """Per-step figures: means per episode, sums for the batch."""
@@ -64,6 +66,7 @@ class EpisodeOutput:
             "episode/turns_mean": sum(self.turns) / count,
             "episode/tool_calls_mean": sum(self.tool_calls) / count,
             "episode/tool_errors": float(sum(self.tool_errors)),
+            "episode/sandbox_refusals": float(sum(self.sandbox_refusals)),
             "episode/tool_seconds": self.tool_seconds,
             "episode/tool_wall_seconds": self.tool_wall_seconds,
             "episode/student_tokens_mean": student / count,
@@ -138,7 +141,7 @@ def _run(
     env_mask: list[list[bool]] = [[] for _ in range(B)]
     logprobs: list[list[float]] = [[] for _ in range(B)]
     finish: list[str | None] = [None] * B
-    turns, calls, errors = [0] * B, [0] * B, [0] * B
+    turns, calls, errors, refusals = [0] * B, [0] * B, [0] * B, [0] * B
     tool_seconds = tool_wall = 0.0
     repeated = 0
     fresh = [len(c) for c in contexts]  # tokens appended since the engine last read the context
@@ -183,6 +186,7 @@ def _run(
             turn_text = parsed[b]
             calls[b] += len(turn_text.items)
             errors[b] += len(turn_text.errors) + sum(o.error for o in observations)
+            refusals[b] += sum(o.refused for o in observations)
             env_ids = observation_ids(tokenizer, tool_messages(turn_text, observations), episodes[b].tools, **template)
             if len(response[b]) + len(env_ids) >= episode_budget:
                 finish[b] = "length"
@@ -201,8 +205,9 @@ def _run(
         logprobs=logprobs if params.return_logprobs else None,
     )
     return EpisodeOutput(
-        output, prompts, env_mask, turns, calls, errors, tool_seconds, tool_wall, repeated, describe=describe
-    )
+        output, prompts, env_mask, turns, calls, errors, tool_seconds, tool_wall, repeated, describe=describe,
+        sandbox_refusals=refusals,
+    )  # fmt: skip
 
 
 def episode_rollouts(episodes: EpisodeOutput, *, pad_id: int, device: torch.device | str | None = None) -> Rollouts:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -48,12 +48,14 @@ class Observation:
     error:   the call failed (unknown tool, bad arguments, the code raised or was killed); the model still sees it
     done:    the environment ends the episode after this answer
     seconds: wall time the answer took
+    refused: the sandbox refused or stopped the code (too long, a limit ran out, a signal: seccomp's included)
     """
 
     content: str
     error: bool = False
     done: bool = False
     seconds: float = 0.0
+    refused: bool = False
 
 
 @runtime_checkable
@@ -247,7 +249,8 @@ class PythonEpisode:
         text = "\n".join(p.rstrip("\n") for p in parts if p)
         if len(text) > self.max_chars:
             text = text[: self.max_chars] + f"\n[output cut at {self.max_chars} characters]"
-        return Observation(text, error=not result.ok, seconds=result.seconds)
+        refused = result.exit_code is None or result.signal is not None
+        return Observation(text, error=not result.ok, seconds=result.seconds, refused=refused)
 
     @property
     def done(self) -> bool:
@@ -372,7 +375,7 @@ def answer_calls(
             except Exception as e:  # a broken tool is the model's observation, never the run's crash
                 obs = Observation(f"error: the tool {call.name} failed: {type(e).__name__}: {e}", error=True)
             if not obs.seconds:
-                obs = Observation(obs.content, obs.error, obs.done, time.monotonic() - t0)
+                obs = replace(obs, seconds=time.monotonic() - t0)
             answers.append(obs)
         return answers
 

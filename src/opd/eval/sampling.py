@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,9 @@ def evaluate_model(
     console = console or Console()
     parse_template(config.template)  # a bad template fails before the model loads
     environment = tool_environment(config)  # the sandbox is probed before the model loads too
+    if config.tools == "python" and config.sandbox == "rlimits-only":
+        who = "as root: it can change any file of this host" if os.geteuid() == 0 else "as this user"
+        console.print(f"[yellow]sandbox=rlimits-only: the model's code runs with resource limits only, {who}[/]")
     run_dir.mkdir(parents=True, exist_ok=True)
     with locked(run_dir, "eval"):  # one process per output directory
         records = _sample_and_grade(config, run_dir, generator, tokenizer, console, weights, environment)

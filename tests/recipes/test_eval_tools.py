@@ -201,3 +201,17 @@ def test_an_environment_by_import_path_and_its_refusals_are_counted(
     figures = results["toy"]["tools"]
     assert figures["sandbox_refusals"] == 6 and figures["tool_errors"] == 6 and results["toy"]["avg@2"] == 0.0
     assert json.loads((tmp_path / "run" / "results.json").read_text())["tools"] == {"name": "refusing"}
+
+
+def test_a_tool_eval_resumes_its_directory_and_refuses_other_tool_settings(tiny_model_dir, problem_file, tmp_path):
+    tokenizer = make_tool_tokenizer()
+    out = tmp_path / "run"
+    model = ScriptedModel(tokenizer, _calculator_then_answer)
+    first = evaluate(_config(tiny_model_dir, problem_file, out), generator=model, tokenizer=tokenizer)
+    calls = model.calls
+    again = evaluate(_config(tiny_model_dir, problem_file, out), generator=model, tokenizer=tokenizer)
+    assert again == first and model.calls == calls  # every chunk was complete: nothing sampled again
+    with pytest.raises(ValueError, match="max_turns"):
+        evaluate(_config(tiny_model_dir, problem_file, out, max_turns=2), generator=model, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="tools"):
+        evaluate(_config(tiny_model_dir, problem_file, out, tools=None), generator=model, tokenizer=tokenizer)

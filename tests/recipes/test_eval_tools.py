@@ -215,3 +215,12 @@ def test_a_tool_eval_resumes_its_directory_and_refuses_other_tool_settings(tiny_
         evaluate(_config(tiny_model_dir, problem_file, out, max_turns=2), generator=model, tokenizer=tokenizer)
     with pytest.raises(ValueError, match="tools"):
         evaluate(_config(tiny_model_dir, problem_file, out, tools=None), generator=model, tokenizer=tokenizer)
+
+
+def test_max_prompt_length_counts_the_tools_offered(tiny_model_dir, problem_file, tmp_path):
+    tokenizer = make_tool_tokenizer()
+    model = ScriptedModel(tokenizer, _calculator_then_answer)
+    config = _config(tiny_model_dir, problem_file, tmp_path / "run", max_prompt_length=300)  # bytes; tools are more
+    with pytest.raises(ValueError, match="every prompt is longer than max_prompt_length=300 tokens with the tools"):
+        evaluate(config, generator=model, tokenizer=tokenizer)
+    assert model.calls == 0

@@ -36,6 +36,7 @@ from opd.eval.tools import (
     tool_environment,
     tool_summary,
     tools_identity,
+    with_tools,
 )
 from opd.fingerprints import file_digest, model_fingerprint, weights_fingerprint  # noqa: F401 (their old home)
 from opd.io import append_jsonl, atomic_write_json, write_jsonl
@@ -220,7 +221,7 @@ def _sample_and_grade(
     if environment is not None:
         check_template(tokenizer, environment, str(config.tools))
 
-    chunks = _chunks(config, loaded, tokenizer, console)
+    chunks = _chunks(config, loaded, tokenizer, console, environment)
     samples_path = run_dir / "samples.jsonl"
     records_done, work = _resume(run_dir, samples_path, chunks, identity, config, console)
     with progress_bar(console) as progress:
@@ -374,10 +375,11 @@ def _model_spec(config: EvalConfig) -> ModelSpec:
 
 
 def _chunks(
-    config: EvalConfig, loaded: dict[str, list], tokenizer: Any, console: Any
+    config: EvalConfig, loaded: dict[str, list], tokenizer: Any, console: Any, environment: Any = None
 ) -> list[tuple[str, int, list[EvalProblem]]]:
     """The benchmarks' problems encoded and cut into (benchmark, chunk index, problems) of `batch_size // n`
-    problems each: the unit of sampling, of its seed and of resume."""
+    problems each: the unit of sampling, of its seed and of resume. With an `environment`, a prompt's ids are those
+    with its tools offered, and `max_prompt_length` counts them."""
     problems_per_chunk = max(1, config.batch_size // config.n)
     chunks: list[tuple[str, int, list[EvalProblem]]] = []
     for name, prompts in loaded.items():
@@ -399,6 +401,18 @@ def _chunks(
         for p, ids in zip(encoded.prompts, encoded.input_ids):
             assert p.answer is not None  # on_missing_answer is "error" or "skip" here: every prompt has one
             problems.append(EvalProblem(name, p.id, ids, p.answer, p.messages))
+        if environment is not None:
+            problems, longer = with_tools(config, tokenizer, environment, problems)
+            if longer and not problems:
+                raise ValueError(
+                    f"{name}: every prompt is longer than max_prompt_length={config.max_prompt_length} tokens with "
+                    f"the tools offered; raise max_prompt_length"
+                )
+            if longer:
+                console.print(
+                    f"[yellow]{name}: {longer} prompts longer than {config.max_prompt_length} tokens with the tools "
+                    "offered skipped[/]"
+                )
         for index in range(0, len(problems), problems_per_chunk):
             chunks.append((name, index // problems_per_chunk, problems[index : index + problems_per_chunk]))
     return chunks

@@ -10,12 +10,13 @@ conversation after the prompt, tool answers included); `response` is the final t
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from opd.config import EvalConfig
 from opd.rollout import SamplingParams
 from opd.rollout.episodes import run_episodes
-from opd.tools.calls import observation_ids
+from opd.tools.calls import observation_ids, prompt_ids
 from opd.tools.environments import Environment, load_environment
 from opd.tools.sandbox import probe
 
@@ -61,6 +62,31 @@ def check_template(tokenizer: Any, environment: Environment, name: str) -> None:
         episode.close()
 
 
+def with_tools(config: EvalConfig, tokenizer: Any, environment: Environment, problems: list[Any]) -> tuple[list, int]:
+    """`problems` (`EvalProblem`s) with their prompt ids as the episodes start (the tools their rows are offered in
+    the prompt), those over `config.max_prompt_length` dropped; and how many were dropped."""
+    template = _template(config)
+    kept = []
+    for problem in problems:
+        episode = environment.start(_row(problem))
+        try:
+            ids = prompt_ids(tokenizer, problem.messages, episode.tools, **template)
+        finally:
+            episode.close()
+        if len(ids) <= config.max_prompt_length:
+            kept.append(replace(problem, prompt_ids=ids))
+    return kept, len(problems) - len(kept)
+
+
+def _template(config: EvalConfig) -> dict[str, Any]:
+    return {} if config.enable_thinking is None else {"enable_thinking": config.enable_thinking}
+
+
+def _row(problem: Any) -> dict[str, Any]:
+    """The row an episode starts from."""
+    return {"benchmark": problem.benchmark, "problem_id": problem.problem_id, "answer": problem.answer}
+
+
 def sample_episodes(
     config: EvalConfig,
     generator: Any,
@@ -71,17 +97,15 @@ def sample_episodes(
 ) -> list[dict[str, Any]]:
     """`params.n` episodes per problem (`EvalProblem`s with messages), prompt-major: per episode the final turn's
     text (graded), the whole episode's text, its student tokens, whether it ran out, and its tool figures."""
-    template = {} if config.enable_thinking is None else {"enable_thinking": config.enable_thinking}
-    rows = [{"benchmark": p.benchmark, "problem_id": p.problem_id, "answer": p.answer} for p in problems]
     result = run_episodes(
         generator,
         tokenizer,
         [p.messages for p in problems],
-        rows,
+        [_row(p) for p in problems],
         environment,
         params,
         max_turns=config.max_turns,
-        template=template,
+        template=_template(config),
     )
     out = result.output
     episodes = []

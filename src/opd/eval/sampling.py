@@ -5,7 +5,9 @@ Outputs: `identity.json` (what the samples are made with), `config.yaml`, `sampl
 finishes) and `results.json` (atomic, at the end). Problems run in fixed chunks seeded by (seed, benchmark, chunk
 index), so a rerun into the same directory keeps every complete chunk and reproduces the rest; a rerun that asks for
 other work (`identity.json`: the model's fingerprint, the sampling settings, each benchmark's hash) is refused with
-one line before a model loads. The resume and identity rules in full: docs/design.md, "opd.eval.sampling".
+one line before a model loads. The resume and identity rules in full: docs/design.md, "opd.eval.sampling". With
+`tools` set, each sample is an episode with that environment (`opd.eval.tools`: built, and the python tool's sandbox
+probed, before a model loads).
 
 Omitted on purpose: extending a finished directory with more benchmarks, problems or samples (other work: use
 another --out). Every weight byte is hashed (SHA-1, once per file and process; its cost: docs/performance.md):

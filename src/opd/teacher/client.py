@@ -30,7 +30,7 @@ from opd.forward import needed_lengths, split_by_token_budget
 from opd.models import check_tokenizer_compatibility
 from opd.teacher import wire
 from opd.teacher.base import PendingScores
-from opd.teacher.server import FINGERPRINT_HEADER, INSTANCE_HEADER, resolve_token
+from opd.teacher.server import FINGERPRINT_HEADER, INSTANCE_HEADER, check_token, resolve_token
 from opd.types import Rollouts, TokenScores
 
 BACKOFF_START, BACKOFF_MAX = 0.5, 10.0
@@ -118,6 +118,8 @@ class RemoteScorer:
             raise ValueError(
                 "RemoteScorer: request_tokens and concurrency must be ≥ 1, timeout > 0, retry_deadline ≥ 0"
             )
+        if token is not None:
+            check_token(token, "RemoteScorer token")
         self.replicas = [parse_url(u) for u in urls]
         self.token, self.timeout, self.retry_deadline = token, timeout, retry_deadline
         self.request_tokens, self.logprobs = request_tokens, logprobs

@@ -1,0 +1,69 @@
+"""What an unauthenticated peer can hold of a served teacher (`opd.teacher.server`), over real sockets on loopback:
+connections within the process's descriptor limit (so that the connection cap can still evict a half-open client
+for a newcomer), and no body read from a peer that is refused before it sends one. The header timeout and the cap
+at plenty of descriptors: test_server.py."""
+
+from __future__ import annotations
+
+import resource
+import socket
+
+import pytest
+
+from helpers_served_teacher import http_call, serve_in_thread, serve_process
+from opd.teacher.server import SPARE_DESCRIPTORS, connection_cap
+
+pytest.importorskip("uvicorn")
+pytest.importorskip("starlette")
+
+DESCRIPTORS = 256
+
+
+def _few_descriptors() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (DESCRIPTORS, DESCRIPTORS))
+
+
+def _half_open(url: str, count: int) -> list[socket.socket]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sockets = []
+    for _ in range(count):  # unauthenticated, headers never finished
+        s = socket.create_connection((host, int(port)), timeout=60)
+        s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\n")
+        sockets.append(s)
+    return sockets
+
+
+@pytest.mark.slow
+def test_half_open_clients_beyond_the_descriptor_limit_cannot_starve_healthz(tmp_path):
+    # 400 half-open clients against a server that may open 256 descriptors, with the default max_connections (256)
+    # and a header timeout far away: without a cap below the descriptor limit, accept() fails (EMFILE) and /healthz
+    # is never answered while they stay.
+    with serve_process(tmp_path, "request_timeout_s=600", preexec_fn=_few_descriptors) as (url, _, log_path):
+        clients = _half_open(url, 400)
+        try:
+            assert http_call(url, "GET", "/healthz", token=None)[0] == 200  # (http_call waits at most 60 s)
+        finally:
+            for s in clients:
+                s.close()
+        assert "max_connections 256 lowered to" in log_path.read_text()
+
+
+def test_the_connection_cap_fits_the_descriptor_limit():
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert connection_cap(4) == 4
+    if soft != resource.RLIM_INFINITY:  # never more connections than descriptors left to accept them with
+        assert connection_cap(10 * soft) <= soft - SPARE_DESCRIPTORS
+
+
+def test_an_unauthenticated_body_is_never_read(lab_teacher):
+    # the peer announces 45 MB and sends none of it: the 401 comes at once and the server closes the connection
+    # instead of waiting to read (and drop) the body; request_timeout_s is far away, so only that close ends it
+    with serve_in_thread(lab_teacher[2], request_timeout_s=600) as (url, _):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=60) as s:
+            s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 47185920\r\n\r\n")
+            received = b""
+            while chunk := s.recv(65536):
+                received += chunk
+        assert received.startswith(b"HTTP/1.1 401")
+        assert b"connection: close" in received.lower()

@@ -1,6 +1,7 @@
 """What an unauthenticated peer can hold of a served teacher (`opd.teacher.server`), over real sockets on loopback:
 connections within the process's descriptor limit (so that the connection cap can still evict a half-open client
-for a newcomer), and no body read from a peer that is refused before it sends one. The header timeout and the cap
+for a newcomer), no body read from a peer that is refused before it sends one, and tokens that could not travel in a
+header refused where they are given. The header timeout and the cap
 at plenty of descriptors: test_server.py."""
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import socket
 import pytest
 
 from helpers_served_teacher import http_call, serve_in_thread, serve_process
-from opd.teacher.server import SPARE_DESCRIPTORS, connection_cap
+from opd.config import ConfigError
+from opd.teacher.client import RemoteScorer
+from opd.teacher.server import SPARE_DESCRIPTORS, connection_cap, resolve_token
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
@@ -67,3 +70,19 @@ def test_an_unauthenticated_body_is_never_read(lab_teacher):
                 received += chunk
         assert received.startswith(b"HTTP/1.1 401")
         assert b"connection: close" in received.lower()
+
+
+def test_a_token_that_cannot_travel_in_a_header_is_refused_naming_its_origin(tmp_path, monkeypatch):
+    secret = "tökén-0123456789-ŝecret"  # not latin-1: http.client would fail with a codec error naming nothing
+    with pytest.raises(ConfigError) as raised:
+        RemoteScorer("http://127.0.0.1:1", token=secret)
+    assert "RemoteScorer token" in str(raised.value) and secret not in str(raised.value)
+    monkeypatch.setenv("MY_TOKEN", secret)
+    with pytest.raises(ConfigError) as raised:
+        resolve_token(None, "MY_TOKEN")
+    assert "$MY_TOKEN" in str(raised.value) and secret not in str(raised.value)
+    token_file = tmp_path / "token"
+    token_file.write_bytes(b"\xff\xfe" + b"s3cret-0123456789abcdef")  # not UTF-8
+    with pytest.raises(ConfigError) as raised:
+        resolve_token(str(token_file))
+    assert str(token_file) in str(raised.value) and "s3cret" not in str(raised.value)

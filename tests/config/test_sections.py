@@ -8,7 +8,8 @@ import pytest
 
 from opd.config import ConfigError, DistillConfig, EvalConfig, build_config
 from opd.config.rollout import RolloutConfig
-from opd.config.sections import MAX_STALENESS, MIN_TEMPERATURE, NAME_MAX_CHARS
+from opd.config.sections import MAX_STALENESS, MAX_TEMPERATURE, MIN_TEMPERATURE, NAME_MAX_CHARS
+from opd.teacher import wire
 
 DISTILL = {"student.path": "s", "data.path": "d"}
 
@@ -89,12 +90,25 @@ def test_view_templates_with_their_field_are_accepted(template):
 @pytest.mark.parametrize(
     "key", ["rollout.temperature", "objective.teacher_temperature", "eval.temperature", "teachers.0.temperature"]
 )
-@pytest.mark.parametrize("value", ["1e-40", "1e-300", "5e-324"])
+@pytest.mark.parametrize("value", ["1e-40", "1e-300", "5e-324", "1e-7"])
 def test_a_temperature_where_float32_breaks_is_refused(key, value):
     override = teacher("a", temperature=value) if key.startswith("teachers") else f"{key}={value}"
     options = DISTILL if key.startswith("teachers") else {**DISTILL, "teacher.path": "t"}
     message = refusal(DistillConfig, options, override)
     assert key in message and f"{MIN_TEMPERATURE:g}" in message
+
+
+@pytest.mark.parametrize("key", ["objective.teacher_temperature", "teachers.0.temperature"])
+def test_a_teacher_temperature_a_served_teacher_would_refuse_is_refused(key):
+    override = teacher("a", temperature="1e7") if key.startswith("teachers") else f"{key}=1e7"
+    options = DISTILL if key.startswith("teachers") else {**DISTILL, "teacher.path": "t"}
+    assert key in refusal(DistillConfig, options, override) and f"{MAX_TEMPERATURE:g}" in refusal(
+        DistillConfig, options, override
+    )
+
+
+def test_the_temperature_range_is_the_served_teachers():
+    assert (MIN_TEMPERATURE, MAX_TEMPERATURE) == (wire.MIN_TEMPERATURE, wire.MAX_TEMPERATURE)
 
 
 def test_temperatures_at_the_bound_and_greedy_are_accepted():

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from opd.config.sections import STUDENT, STUDENT_INIT, DataSpec, ModelSpec, Section, Teacher, Temperature, VLLMSpec
+from opd.config.sections import (
+    STUDENT,
+    STUDENT_INIT,
+    DataSpec,
+    ModelSpec,
+    Section,
+    Teacher,
+    TeacherTemperature,
+    Temperature,
+    VLLMSpec,
+)
 from opd.names import EngineName
 
 
@@ -23,7 +33,7 @@ class PromptScoreConfig(Section):
     temperature: Temperature = Field(
         1.0, gt=0.0, description="Student sampling temperature τ_S; also scales its log-probs."
     )
-    teacher_temperature: Temperature = Field(1.0, gt=0.0, description="τ_T: scales the teacher's logits only.")
+    teacher_temperature: TeacherTemperature = Field(1.0, gt=0.0, description="τ_T: scales the teacher's logits only.")
     max_new_tokens: int = Field(1024, ge=1, description="Longest rollout in tokens.")
     batch_size: int = Field(
         32,

@@ -82,27 +82,40 @@ def _folder_name(value: str | None) -> str | None:
 
 FolderName = Annotated[str | None, AfterValidator(_folder_name)]
 
-# The smallest temperature a config accepts, where float32 arithmetic breaks. A temperature divides logits: z / τ,
-# then log_softmax, in float32. Trained models' logits span up to ~1e3 (bf16 and fp32 alike), so the scaled logits and
-# the log-probs at τ reach 1e3 / τ, and what the step computes from them squares them (grad norms, variances of
-# rewards) or sums thousands of them: float32's largest value is 3.4e38, whose square root 1.8e19 bounds a value that
-# is squared, so 1e3 / τ ≤ 1.8e19 needs τ ≥ ~5.4e-17; a τ below float32's smallest normal number (1.2e-38) is not even
-# representable (1e-40 is subnormal, 1e-300 is 0, and z / 0 is inf: "probability tensor contains inf/nan"). The bound
-# below keeps a margin of ~1e3 over the squared-value limit; sampling at it is greedy for every practical purpose.
-MIN_TEMPERATURE = 1e-13
+# The temperatures a config accepts: 0 where a key means greedy by it, else [MIN_TEMPERATURE, MAX_TEMPERATURE] for a
+# teacher's and from MIN_TEMPERATURE up for a sampler's. τ divides logits in float32 (z / τ, then log_softmax). Below
+# float32's smallest normal number, 1.2e-38, τ is not even representable (1e-40 is subnormal, 1e-300 rounds to 0, and
+# z / 0 = inf: "probability tensor contains inf/nan"). Above it, log-probs at τ reach |Δz| / τ, with logit gaps Δz of
+# trained models up to ~1e3, and the step squares and sums them over thousands of tokens (grad norms, reward
+# variances), which float32 holds up to 3.4e38: (1e3 / τ)² · 1e4 < 3.4e38 needs τ > ~5e-15. The bound is the range a
+# served teacher's wire accepts (opd.teacher.wire.MIN_TEMPERATURE / MAX_TEMPERATURE, test_sections.py keeps them
+# equal), far inside that limit, so that one range holds for every teacher; at 1e-6 sampling is greedy for every
+# practical purpose.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
 
 
 def _temperature(value: float | None) -> float | None:
     if value is not None and 0 < value < MIN_TEMPERATURE:
         raise ValueError(
-            f"{value:g} is below {MIN_TEMPERATURE:g}, where logits / temperature overflow float32 (use a temperature "
-            f"≥ {MIN_TEMPERATURE:g}; 0 for greedy where the key allows it)"
+            f"{value:g} is below {MIN_TEMPERATURE:g}, where logits / temperature break float32 arithmetic (use a "
+            f"temperature ≥ {MIN_TEMPERATURE:g}; 0 for greedy where the key allows it)"
         )
     return value
 
 
+def _teacher_temperature(value: float | None) -> float | None:
+    if value is not None and value > MAX_TEMPERATURE:
+        raise ValueError(
+            f"{value:g} is above {MAX_TEMPERATURE:g}, the most a served teacher accepts (use a temperature in "
+            f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}])"
+        )
+    return _temperature(value)
+
+
 Temperature = Annotated[float, AfterValidator(_temperature)]
-"""A temperature: 0 (greedy, where the field allows it) or ≥ MIN_TEMPERATURE."""
+"""A sampling temperature: 0 (greedy, where the field allows it) or ≥ MIN_TEMPERATURE."""
+TeacherTemperature = Annotated[float, AfterValidator(_teacher_temperature)]
+"""A teacher's temperature τ_T: in [MIN_TEMPERATURE, MAX_TEMPERATURE], the range a served teacher accepts."""
 
 # rollout.max_staleness: each step of staleness keeps one more prompts_per_step x n batch of samples in flight (memory,
 # and a partial/lag_<k>_frac metric each step); asynchronous RL recipes use 1 to 4, and a sample older than a few
@@ -373,7 +386,7 @@ class TeacherEntry(TeacherSpec):
         description="Names the teacher in metrics (teacher/<name>/...), messages and its `opd check` folder: "
         f"letters, digits, '_', '-', '.' (not first), at most {NAME_MAX_CHARS} characters."
     )
-    temperature: Temperature | None = Field(
+    temperature: TeacherTemperature | None = Field(
         None, gt=0.0, description="τ_T of this teacher; None: objective.teacher_temperature."
     )
     offload: bool | None = Field(
@@ -492,7 +505,7 @@ class ObjectiveSpec(Section):
         "only_stu", description="Which candidate ids get a reward (SPEC §2 table)."
     )
     weight: Literal["student_p", "teacher_p", "none"] = Field("student_p", description="Slot weights (SPEC §2).")
-    teacher_temperature: Temperature = Field(1.0, gt=0.0, description="τ_T: scales the teacher's logits only.")
+    teacher_temperature: TeacherTemperature = Field(1.0, gt=0.0, description="τ_T: scales the teacher's logits only.")
     advantage: Literal["token_reward", "grpo", "token_reward+grpo", "token_grpo"] = Field(
         "token_reward", description="Advantage estimator (SPEC §3); grpo needs no teacher."
     )

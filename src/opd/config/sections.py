@@ -71,7 +71,7 @@ def _folder_name(value: str | None) -> str | None:
     reserved name (spaces and other characters stay allowed: it names nothing but the folder)."""
     if value is None:
         return None
-    accepted = "one folder name: no '/', '\\', '.', '..' or empty name, at most 128 characters"
+    accepted = "one folder name (not empty, '.' or '..'; no '/' or '\\'), at most 128 characters"
     if value in ("", ".", "..") or any(c in value for c in "/\\\0") or len(value) > 128:
         shown = repr(value) if len(value) <= 128 else f"a name of {len(value)} characters"
         raise ValueError(f"{accepted}, got {shown} (put a path in run.out_dir)")

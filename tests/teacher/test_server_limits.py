@@ -86,3 +86,62 @@ def test_a_token_that_cannot_travel_in_a_header_is_refused_naming_its_origin(tmp
     with pytest.raises(ConfigError) as raised:
         resolve_token(str(token_file))
     assert str(token_file) in str(raised.value) and "s3cret" not in str(raised.value)
+
+
+def test_a_held_request_costs_its_parsed_arrays_not_also_its_wire_bytes(lab_teacher):
+    # requests held behind a busy scorer: what the server keeps of each is its parsed arrays, not also the body as
+    # received and a copy of it (which made eight 45 MB bodies cost ~0.8 GB)
+    import threading
+    import time
+    import tracemalloc
+
+    import torch
+
+    from helpers_served_teacher import random_rollouts
+    from opd.teacher import wire
+
+    class Gated:
+        def __init__(self, inner):
+            self.inner, self.gate, self.entered = inner, threading.Event(), threading.Event()
+
+        def score(self, *args, **kwargs):
+            self.entered.set()
+            assert self.gate.wait(120)
+            return self.inner.score(*args, **kwargs)
+
+    rollouts = random_rollouts(3, 64, min_response=40, max_response=60)
+    requested = torch.zeros(*rollouts.response_ids.shape, 64, dtype=torch.long)
+    body = wire.encode_request(wire.request_from_rollouts(rollouts, requested))
+    parsed = wire.decode_request(body)
+    decoded = sum(t.nbytes for t in (parsed.tokens, parsed.row_lengths, parsed.requested_ids) if t is not None)
+    count = 6
+    gated = Gated(lab_teacher[2])
+    statuses: list[int] = []
+
+    def post() -> None:
+        statuses.append(http_call(url, "POST", "/score", body)[0])
+
+    def wait(condition) -> None:
+        deadline = time.monotonic() + 120
+        while not condition():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    with serve_in_thread(gated, batch_window_ms=0, max_requested_ids=64) as (url, service):
+        posts = [threading.Thread(target=post) for _ in range(count + 1)]
+        posts[0].start()  # the first one holds the scoring loop at the gate; the others queue behind it
+        wait(gated.entered.is_set)
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for thread in posts[1:]:
+                thread.start()
+            wait(lambda: len(service.queue) == count)
+            held = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+            gated.gate.set()
+            for thread in posts:
+                thread.join(120)
+    assert statuses == [200] * (count + 1)
+    assert held < count * (decoded + len(body)), (held, count * decoded, count * len(body))

@@ -521,6 +521,8 @@ async def _answer(service: TeacherService, request, body: bytes | bytearray):
     except RequestError as failure:
         service.count(rejected_invalid=1)
         return _error(failure.status, str(failure))
+    if isinstance(body, bytearray):  # the parsed arrays are copies: the wire bytes are not kept while it waits
+        body.clear()
     try:
         job = service.submit(parsed)
     except QueueFull:

@@ -88,6 +88,7 @@ def test_a_token_that_cannot_travel_in_a_header_is_refused_naming_its_origin(tmp
     assert str(token_file) in str(raised.value) and "s3cret" not in str(raised.value)
 
 
+@pytest.mark.slow
 def test_a_held_request_costs_its_parsed_arrays_not_also_its_wire_bytes(lab_teacher):
     # requests held behind a busy scorer: what the server keeps of each is its parsed arrays, not also the body as
     # received and a copy of it (which made eight 45 MB bodies cost ~0.8 GB)

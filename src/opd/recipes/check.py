@@ -60,6 +60,7 @@ from opd.data.templates import encode_prompts
 from opd.io import atomic_write_json
 from opd.models import (
     check_tokenizer_compatibility,
+    check_top_k,
     load_model,
     load_tokenizer,
     resolve_device,
@@ -166,6 +167,7 @@ def _run_checks(
     served = remote_scorer(config.teacher) if config.teacher.url is not None else None
     try:
         student_tokenizer, teacher_tokenizer, sample = _tokenizers_and_sample(config, prompts_sample, prompts)
+        check_top_k(config.objective.top_k, student_tokenizer)  # a user error, before any weights load
         # 1. tokenizers: from the files (or the server's /info), before any weights are loaded
         rows = _tokenizer_rows(config, student_tokenizer, teacher_tokenizer, sample, served)
         report.results += [r for r in rows if r.name not in skipped]

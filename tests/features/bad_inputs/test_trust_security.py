@@ -1,8 +1,9 @@
 """The bad-input matrix, trust cases of the security, traceback and misleading classes: config values used as
 folder or file names (a teacher's name, run.name, rollout.dataset_name), one value that costs without bound
 (rollout.max_staleness), view templates whose fields the teacher would never get, temperatures where float32
-arithmetic breaks, and a bearer token file that is not text. Each is refused at config load (before any model loads
-or anything is written) with exit 2 and one line naming the key or file. Each case carries its failure class
+arithmetic breaks, a bearer token file that is not text, and an objective.top_k beyond the vocabulary (known from the
+tokenizer alone). Each is refused before any model's weights load (the test fails a load) or anything is written,
+with exit 2 and one line naming the key or file. Each case carries its failure class
 (`failure_class` marker: the counts at the end of the run, conftest.py) and is tallied as the other cases are
 (`OPD_MATRIX_TALLY`, test_commands.py)."""
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import transformers
 
 from helpers import run_in_process
 from helpers_bad_inputs import DISTILL, EVAL, ROLLOUT, Case, classify, tally
@@ -118,7 +120,24 @@ TRUST_CASES = [
         NO_TEACHER + " teacher.url=http://127.0.0.1:1 teacher.token_file={not_utf8} teacher.retry_deadline=0",
         ("token_file", "{not_utf8}"),
     ),
+    # ------------------------------------------------------------------ a top-k beyond the vocabulary (261 ids)
+    case(
+        "late",
+        "distill objective.top_k beyond the vocabulary",
+        DISTILL + " objective.top_k=1000000",
+        ("objective.top_k", "1000000", "[0, 261]"),
+    ),
+    case(
+        "late",
+        "check objective.top_k beyond the vocabulary",
+        CHECK + " --teacher {model} objective.top_k=262",
+        ("objective.top_k", "262", "[0, 261]"),
+    ),
 ]
+
+
+class WeightsLoaded(BaseException):
+    """Raised by any model load in a trust case: the case must be refused before (not caught as a user error)."""
 
 
 @pytest.mark.parametrize("case", TRUST_CASES)
@@ -130,6 +149,11 @@ def test_trust_case(case: Case, env_world, monkeypatch, capfd, tmp_path):
     monkeypatch.chdir(work)
     out = work / "out"
     world = {**env_world, "out": str(out)}
+
+    def no_weights(*args, **kwargs):
+        raise WeightsLoaded(f"model weights loaded before the refusal: {args[0] if args else kwargs}")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
     code, stderr, escaped = run_in_process(case.command(world), monkeypatch, capfd)
     culprits = case.culprits(world)
     outcome = classify(code, stderr, culprits, case.code, escaped)

@@ -1,11 +1,11 @@
 """The bad-input matrix, trust cases of the security, traceback and misleading classes: config values used as
-folder or file names (a teacher's name, run.name, rollout.dataset_name), one value that costs without bound
-(rollout.max_staleness), view templates whose fields the teacher would never get, temperatures where float32
-arithmetic breaks, a bearer token file that is not text, and an objective.top_k beyond the vocabulary (known from the
-tokenizer alone). Each is refused before any model's weights load (the test fails a load) or anything is written,
-with exit 2 and one line naming the key or file. Each case carries its failure class
-(`failure_class` marker: the counts at the end of the run, conftest.py) and is tallied as the other cases are
-(`OPD_MATRIX_TALLY`, test_commands.py)."""
+folder or file names (a teacher's name, run.name, rollout.dataset_name), values that cost without bound
+(rollout.max_staleness; the served teacher's batch_window_ms and request_timeout_s), view templates whose fields the
+teacher would never get, temperatures where float32 arithmetic breaks, a bearer token file that is not text, and an
+objective.top_k beyond the vocabulary (known from the tokenizer alone). Each is refused before any model's weights
+load (the test fails a load) or anything is written, with exit 2 and one line naming the key or file. Each case
+carries its failure class (`failure_class` marker: the counts at the end of the run, conftest.py) and is tallied as
+the other cases are (`OPD_MATRIX_TALLY`, test_commands.py)."""
 
 from __future__ import annotations
 
@@ -71,6 +71,18 @@ TRUST_CASES = [
         "distill rollout.max_staleness=1000000",
         DISTILL + " rollout.partial=true objective.tis_cap=2 rollout.max_staleness=1000000",
         ("rollout.max_staleness", "1000000"),
+    ),
+    case(
+        "security",
+        "serve-teacher batch_window_ms=5000",
+        "serve-teacher --model {model} --port 0 batch_window_ms=5000",
+        ("batch_window_ms", "5000", "1000"),
+    ),
+    case(
+        "security",
+        "serve-teacher request_timeout_s=3600",
+        "serve-teacher --model {model} --port 0 request_timeout_s=3600",
+        ("request_timeout_s", "3600", "600"),
     ),
     # ----------------------------------------------------------------------------------------- view templates
     case(

@@ -250,22 +250,29 @@ class RemoteScorer:
 
         return PendingScores(finish)
 
+    def width_error(self, top_k: int, requested: int) -> str | None:
+        """Why requests of `top_k` and `requested` ids per position exceed the server's limits (its /info), or None."""
+        info = self.info
+        if requested > info["max_requested_ids"]:
+            return (
+                f"requested_ids: {requested} ids per position exceed the teacher server's limit of "
+                f"{info['max_requested_ids']} (its max_requested_ids)"
+            )
+        if top_k > min(info["max_top_k"], info["vocab_size"]):
+            return (
+                f"top_k: {top_k} exceeds the teacher server's limit of {min(info['max_top_k'], info['vocab_size'])} "
+                f"(its max_top_k, and the vocabulary size)"
+            )
+        return None
+
     def _split(self, rollouts: Rollouts, requested_BTQ: torch.Tensor | None, top_k: int) -> list[torch.Tensor]:
         """Row groups, one request each: ≤ request_tokens tokens (a longer row goes alone), within the server's
         row, byte and per-row limits; rows with nothing to score are left out."""
         info = self.info
         Q = 0 if requested_BTQ is None else requested_BTQ.shape[-1]
-        if Q > info["max_requested_ids"]:
-            raise TeacherRequestError(
-                f"requested_ids: {Q} ids per position exceed the teacher server's limit of "
-                f"{info['max_requested_ids']} (its max_requested_ids)"
-            )
-        if top_k > min(info["max_top_k"], info["vocab_size"]):
-            raise TeacherRequestError(
-                f"top_k: {top_k} exceeds the teacher server's limit of "
-                f"{min(info['max_top_k'], info['vocab_size'])} (its max_top_k, and the "
-                f"vocabulary size)"
-            )
+        too_wide = self.width_error(top_k, Q)
+        if too_wide is not None:
+            raise TeacherRequestError(too_wide)
         lengths_B = needed_lengths(rollouts) + 1  # + the target token of the last position
         lengths_B = torch.where(rollouts.response_mask.any(1), lengths_B, 0)
         if lengths_B.numel() and int(lengths_B.max()) > info["max_positions"]:

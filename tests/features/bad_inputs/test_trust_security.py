@@ -18,6 +18,9 @@ from helpers import run_in_process
 from helpers_bad_inputs import DISTILL, EVAL, ROLLOUT, Case, classify, tally
 
 NO_TEACHER = DISTILL.replace("--teacher {model} ", "")
+# the lab teacher served with max_top_k=4 (the `served` fixture), its student of the same tokenizer
+SERVED = NO_TEACHER.replace("--student {model}", "--student {lab_teacher}") + " teacher.url={served}"
+SERVED_MAX_TOP_K = 4
 CHECK = "check --student {model} --prompts {prompts} --out {out}/check --n 1 --prompts-sample 2 " + (
     "rollout.max_new_tokens=4 data.max_prompt_length=64 micro_batch_tokens=256"
 )
@@ -132,7 +135,25 @@ TRUST_CASES = [
         NO_TEACHER + " teacher.url=http://127.0.0.1:1 teacher.token_file={not_utf8} teacher.retry_deadline=0",
         ("token_file", "{not_utf8}"),
     ),
-    # ------------------------------------------------------------------ a top-k beyond the vocabulary (261 ids)
+    # ------------------------------------------------------ a top-k beyond the vocabulary (261 ids), or a server's
+    case(
+        "late",
+        "distill objective.top_k above a served teacher's max_top_k",
+        SERVED + " objective.top_k=8",
+        ("objective.top_k=8", "max_top_k", "{served}"),
+    ),
+    case(
+        "late",
+        "check objective.top_k above a served teacher's max_top_k",
+        CHECK.replace("--student {model}", "--student {lab_teacher}") + " teacher.url={served} objective.top_k=8",
+        ("objective.top_k=8", "max_top_k", "{served}"),
+    ),
+    case(
+        "late",
+        "distill diagnostics' top-k above a served teacher's max_top_k",
+        SERVED + " objective.top_k=0",
+        ("objective.top_k=0", "16", "max_top_k", "{served}"),
+    ),
     case(
         "late",
         "distill objective.top_k beyond the vocabulary",
@@ -152,8 +173,21 @@ class WeightsLoaded(BaseException):
     """Raised by any model load in a trust case: the case must be refused before (not caught as a user error)."""
 
 
+@pytest.fixture(scope="module")
+def served():
+    """The lab teacher served in this process (no token, loopback) with max_top_k=4: its URL."""
+    from helpers_served_teacher import serve_in_thread
+    from opd.lab import teacher_path
+    from opd.models import load_model
+    from opd.teacher.local import LocalScorer
+
+    model, _ = load_model(teacher_path(), dtype="fp32", device="cpu")
+    with serve_in_thread(LocalScorer(model), token=None, max_top_k=SERVED_MAX_TOP_K) as (url, _):
+        yield url
+
+
 @pytest.mark.parametrize("case", TRUST_CASES)
-def test_trust_case(case: Case, env_world, monkeypatch, capfd, tmp_path):
+def test_trust_case(case: Case, env_world, monkeypatch, capfd, tmp_path, request):
     monkeypatch.delenv("OPD_DEBUG", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     work = tmp_path / "work"
@@ -161,6 +195,8 @@ def test_trust_case(case: Case, env_world, monkeypatch, capfd, tmp_path):
     monkeypatch.chdir(work)
     out = work / "out"
     world = {**env_world, "out": str(out)}
+    if "{served}" in case.argv:
+        world["served"] = request.getfixturevalue("served")
 
     def no_weights(*args, **kwargs):
         raise WeightsLoaded(f"model weights loaded before the refusal: {args[0] if args else kwargs}")

@@ -1,5 +1,5 @@
 """Run the whole bad-input matrix (every Case of tests/features/bad_inputs/: CASES, ONCE_ACCEPTED_CASES,
-DAMAGED_CASES) and print the counts by class of fault (each Case's `kind`) and outcome, measured, never written down.
+DAMAGED_CASES, TRUST_CASES, SILENT_CASES) and print the counts by class of fault (each Case's `kind`) and outcome, measured, never written down.
 
     python scripts/bad_input_matrix.py                      # this checkout's src/
     python scripts/bad_input_matrix.py --src /tmp/old/src   # another opd's src/ against these cases (a "before")
@@ -32,6 +32,8 @@ CASE_TESTS = {
     "test_bad_input": ("test_commands", "CASES"),
     "test_once_accepted_value_fails_in_one_line": ("test_commands", "ONCE_ACCEPTED_CASES"),
     "test_damaged_run_directory": ("test_damaged_runs", "DAMAGED_CASES"),
+    "test_trust_case": ("test_trust_security", "TRUST_CASES"),
+    "test_silent_trust_case": ("test_trust_silent", "SILENT_CASES"),
 }
 FAILS = ("traceback", "silent", "unclear", "other")
 
@@ -40,11 +42,11 @@ def kinds(src: Path) -> dict[tuple[str, str], str]:
     """(test function, case name) → kind, from the Case lists themselves."""
     sys.path[:0] = [str(src), str(TESTS), str(MATRIX)]
     modules = {module: importlib.import_module(module) for module, _ in CASE_TESTS.values()}
-    return {
-        (test, case.name): case.kind
+    cases = {
+        test: [getattr(entry, "values", [entry])[0] for entry in getattr(modules[module], listed)]  # a pytest.param
         for test, (module, listed) in CASE_TESTS.items()
-        for case in getattr(modules[module], listed)
     }
+    return {(test, case.name): case.kind for test, listed in cases.items() for case in listed}
 
 
 def run_matrix(src: Path, select: str | None, extra: list[str]) -> tuple[dict[tuple[str, str], str], dict]:

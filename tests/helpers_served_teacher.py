@@ -43,8 +43,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_process(tmp_path: Path, *extra: str, port: int | None = None, name: str = "server"):
-    """An `opd serve-teacher` subprocess on the lab teacher; yields (url, process, log path); always stopped."""
+def serve_process(tmp_path: Path, *extra: str, port: int | None = None, name: str = "server", preexec_fn=None):
+    """An `opd serve-teacher` subprocess on the lab teacher; yields (url, process, log path); always stopped.
+    `preexec_fn`: run in the child before the server starts (e.g. to lower its descriptor limit)."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     log_path = tmp_path / f"{name}.log"
@@ -68,7 +69,7 @@ def serve_process(tmp_path: Path, *extra: str, port: int | None = None, name: st
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec_fn)
     try:
         deadline = time.monotonic() + START_TIMEOUT
         while "listening on" not in log_path.read_text():

@@ -12,6 +12,7 @@ from opd.models import (
     TokenizerMismatchError,
     VocabInfo,
     check_tokenizer_compatibility,
+    check_top_k,
     eos_token_ids,
     load_model,
     load_tokenizer,
@@ -114,6 +115,13 @@ def test_compatibility_identical_and_padded_sizes(tiny_tokenizer):
     assert info == VocabInfo(size=288, tokenizer_size=TINY_VOCAB, student_size=288, teacher_size=320)
     with pytest.raises(TokenizerMismatchError, match="teacher model has 200 vocabulary rows"):
         check_tokenizer_compatibility(tiny_tokenizer, other, student_vocab_size=288, teacher_vocab_size=200)
+
+
+def test_top_k_may_rank_the_whole_vocabulary_and_no_more(tiny_tokenizer):
+    check_top_k(0, tiny_tokenizer)
+    check_top_k(TINY_VOCAB, tiny_tokenizer)
+    with pytest.raises(ValueError, match=rf"^objective.top_k={TINY_VOCAB + 1} .* must be in \[0, {TINY_VOCAB}\]"):
+        check_top_k(TINY_VOCAB + 1, tiny_tokenizer)
 
 
 class _VocabOnly:

@@ -497,6 +497,21 @@ class VocabInfo:
     teacher_size: int
 
 
+def _tokenizer_size(vocab: dict[str, int]) -> int:
+    return max(vocab.values()) + 1 if vocab else 0
+
+
+def check_top_k(top_k: int, tokenizer: Any) -> None:
+    """Cheap, before any weights load: a one-line error when `top_k` exceeds the vocabulary `tokenizer` uses (1 +
+    its largest id, `VocabInfo.tokenizer_size`: the ids a top-k may rank; rows beyond are padding)."""
+    size = _tokenizer_size(tokenizer.get_vocab())
+    if top_k > size:
+        raise ValueError(
+            f"objective.top_k={top_k} is larger than the vocabulary: it must be in [0, {size}] (0 = sampled-token OPD; "
+            f"the tokenizer has ids 0..{size - 1})"
+        )
+
+
 def check_tokenizer_compatibility(
     student_tokenizer: Any,
     teacher_tokenizer: Any,
@@ -525,7 +540,7 @@ def check_tokenizer_compatibility(
                 raise TokenizerMismatchError(
                     f"tokenizers differ: token {token!r} (id {tid} in the teacher) is missing from the student"
                 )
-    tokenizer_size = max(student_vocab.values()) + 1 if student_vocab else 0
+    tokenizer_size = _tokenizer_size(student_vocab)
     sizes = {"student": student_vocab_size, "teacher": teacher_vocab_size}
     for who, size in sizes.items():
         if size is not None and size < tokenizer_size:

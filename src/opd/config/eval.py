@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from opd.config.sections import BenchmarkList, ModelSpec, Section, VLLMSpec
+from opd.config.sections import BenchmarkList, ModelSpec, Section, Temperature, VLLMSpec
 from opd.names import EngineName
 
 
@@ -26,7 +26,7 @@ class EvalConfig(Section):
     enable_thinking: bool | None = Field(None, description="Chat template thinking switch; None: template default.")
     max_prompt_length: int = Field(2048, ge=1, description="Longer prompts are dropped with a count in the log.")
     n: int = Field(16, ge=1, description="Samples per problem.")
-    temperature: float = Field(0.7, ge=0.0, description="Sampling temperature; 0 = greedy.")
+    temperature: Temperature = Field(0.7, ge=0.0, description="Sampling temperature; 0 = greedy.")
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1].")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
     max_new_tokens: int = Field(4096, ge=1, description="Longest response; longer ones count as truncated.")

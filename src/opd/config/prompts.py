@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from opd.config.sections import STUDENT, STUDENT_INIT, DataSpec, ModelSpec, Section, Teacher, VLLMSpec
+from opd.config.sections import (
+    STUDENT,
+    STUDENT_INIT,
+    DataSpec,
+    ModelSpec,
+    Section,
+    Teacher,
+    TeacherTemperature,
+    Temperature,
+    VLLMSpec,
+)
 from opd.names import EngineName
 
 
@@ -20,8 +30,10 @@ class PromptScoreConfig(Section):
     )
     n: int = Field(4, ge=1, description="Student rollouts per prompt.")
     top_k: int = Field(16, ge=1, description="K of the top-k supports compared (the paper: 16).")
-    temperature: float = Field(1.0, gt=0.0, description="Student sampling temperature τ_S; also scales its log-probs.")
-    teacher_temperature: float = Field(1.0, gt=0.0, description="τ_T: scales the teacher's logits only.")
+    temperature: Temperature = Field(
+        1.0, gt=0.0, description="Student sampling temperature τ_S; also scales its log-probs."
+    )
+    teacher_temperature: TeacherTemperature = Field(1.0, gt=0.0, description="τ_T: scales the teacher's logits only.")
     max_new_tokens: int = Field(1024, ge=1, description="Longest rollout in tokens.")
     batch_size: int = Field(
         32,

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from opd.config.sections import DataSpec, ModelSpec, Section, VLLMSpec
+from opd.config.sections import DataSpec, Identifier, ModelSpec, Section, Temperature, VLLMSpec
 
 
 class DegeneracySpec(Section):
@@ -48,7 +48,7 @@ class RolloutConfig(Section):
     data: DataSpec = Field(description="The prompt set, its column mapping, instruction template and thinking switch.")
     out: str = Field(description="Output directory; rerunning into it resumes (finished prompts are skipped).")
     n: int = Field(1, ge=1, description="Accepted samples wanted per prompt.")
-    temperature: float = Field(
+    temperature: Temperature = Field(
         1.0, ge=0.0, description="Sampling temperature; 0 = greedy (retries then repeat the same answer)."
     )
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1]; 1.0 = off.")
@@ -88,8 +88,9 @@ class RolloutConfig(Section):
     llamafactory: bool = Field(
         False, description="Also write llamafactory/<dataset_name>.json (sharegpt) and dataset_info.json."
     )
-    dataset_name: str = Field(
-        "opd_rollout", min_length=1, description="Dataset name in LlamaFactory's dataset_info.json and the file name."
+    dataset_name: Identifier = Field(
+        "opd_rollout",
+        description="Dataset name in LlamaFactory's dataset_info.json and the file name (llamafactory/<name>.json).",
     )
     engine: Literal["torch", "vllm"] = Field(
         "torch",
@@ -97,6 +98,15 @@ class RolloutConfig(Section):
         "needs the vllm extra).",
     )
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
+
+    @model_validator(mode="after")
+    def _dataset_file_apart(self) -> RolloutConfig:
+        if self.dataset_name.lower() == "dataset_info":  # llamafactory/dataset_info.json maps the dataset file
+            raise ValueError(
+                "dataset_name: 'dataset_info' would write the dataset over llamafactory/dataset_info.json; "
+                "choose another name"
+            )
+        return self
 
     @model_validator(mode="after")
     def _devices_match_workers(self) -> RolloutConfig:

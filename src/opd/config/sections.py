@@ -7,6 +7,8 @@ rejected, never rewritten.
 
 from __future__ import annotations
 
+import re
+import string
 import urllib.parse
 from typing import Annotated, Any, Literal
 
@@ -32,6 +34,103 @@ def _reported_apart(benchmarks: list[str]) -> list[str]:
 
 BenchmarkList = Annotated[list[str], BeforeValidator(_split_commas), AfterValidator(_reported_apart)]
 """`CommaList` of benchmarks, each reported under its own name (`opd.names.benchmark_names`)."""
+
+
+# ------------------------------------------------------------------------------------------------ names and bounds
+
+NAME_MAX_CHARS = 64
+_IDENTIFIER = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{NAME_MAX_CHARS - 1}}}")
+# Names a file system refuses or treats as a device (Windows, case-insensitive, with any extension), and the files
+# that sit beside a teacher's folder in `opd check --out` (`<out>/<name>/` next to `<out>/check.json`).
+_RESERVED_NAMES = frozenset(
+    ["con", "prn", "aux", "nul", *(f"com{i}" for i in range(1, 10)), *(f"lpt{i}" for i in range(1, 10))]
+)
+_RESERVED_FILES = frozenset(["check.json"])
+
+
+def _identifier(value: str) -> str:
+    """A name that becomes a folder or a file name (a teacher's `opd check` folder, a dataset file): letters, digits,
+    '_', '-' and '.' (not first: no `.`, `..` or hidden name), at most NAME_MAX_CHARS, no reserved name."""
+    accepted = (
+        f"letters, digits, '_', '-' and '.', starting with a letter or digit, at most {NAME_MAX_CHARS} characters"
+    )
+    if not _IDENTIFIER.fullmatch(value):
+        shown = repr(value) if len(value) <= NAME_MAX_CHARS else f"a name of {len(value)} characters"
+        raise ValueError(f"a name is an identifier ({accepted}), got {shown}")
+    if value.lower().split(".")[0] in _RESERVED_NAMES or value.lower() in _RESERVED_FILES:
+        raise ValueError(f"{value!r} is a reserved file name; choose another name ({accepted})")
+    return value
+
+
+Identifier = Annotated[str, AfterValidator(_identifier)]
+"""A name used as a folder or file name: validated at config load, never at the write that would use it."""
+
+
+def _folder_name(value: str | None) -> str | None:
+    """One folder name (`run.name`): not empty, `.` or `..`, no path separator or NUL, at most 128 characters, no
+    reserved name (spaces and other characters stay allowed: it names nothing but the folder)."""
+    if value is None:
+        return None
+    accepted = "one folder name (not empty, '.' or '..'; no '/' or '\\'), at most 128 characters"
+    if value in ("", ".", "..") or any(c in value for c in "/\\\0") or len(value) > 128:
+        shown = repr(value) if len(value) <= 128 else f"a name of {len(value)} characters"
+        raise ValueError(f"{accepted}, got {shown} (put a path in run.out_dir)")
+    if value.lower().split(".")[0] in _RESERVED_NAMES:
+        raise ValueError(f"{value!r} is a reserved file name; choose another name")
+    return value
+
+
+FolderName = Annotated[str | None, AfterValidator(_folder_name)]
+
+# The temperatures a config accepts: 0 where a key means greedy by it, else [MIN_TEMPERATURE, MAX_TEMPERATURE] for a
+# teacher's and from MIN_TEMPERATURE up for a sampler's. τ divides logits in float32 (z / τ, then log_softmax). Below
+# float32's smallest normal number, 1.2e-38, τ is not even representable (1e-40 is subnormal, 1e-300 rounds to 0, and
+# z / 0 = inf: "probability tensor contains inf/nan"). Above it, log-probs at τ reach |Δz| / τ, with logit gaps Δz of
+# trained models up to ~1e3, and the step squares and sums them over thousands of tokens (grad norms, reward
+# variances), which float32 holds up to 3.4e38: (1e3 / τ)² · 1e4 < 3.4e38 needs τ > ~5e-15. The bound is the range a
+# served teacher's wire accepts (opd.teacher.wire.MIN_TEMPERATURE / MAX_TEMPERATURE, test_sections.py keeps them
+# equal), far inside that limit, so that one range holds for every teacher; at 1e-6 sampling is greedy for every
+# practical purpose.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
+
+
+def _temperature(value: float | None) -> float | None:
+    if value is not None and 0 < value < MIN_TEMPERATURE:
+        raise ValueError(
+            f"{value:g} is below {MIN_TEMPERATURE:g}, where logits / temperature break float32 arithmetic (use a "
+            f"temperature ≥ {MIN_TEMPERATURE:g}; 0 for greedy where the key allows it)"
+        )
+    return value
+
+
+def _teacher_temperature(value: float | None) -> float | None:
+    if value is not None and value > MAX_TEMPERATURE:
+        raise ValueError(
+            f"{value:g} is above {MAX_TEMPERATURE:g}, the most a served teacher accepts (use a temperature in "
+            f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}])"
+        )
+    return _temperature(value)
+
+
+Temperature = Annotated[float, AfterValidator(_temperature)]
+"""A sampling temperature: 0 (greedy, where the field allows it) or ≥ MIN_TEMPERATURE."""
+TeacherTemperature = Annotated[float, AfterValidator(_teacher_temperature)]
+"""A teacher's temperature τ_T: in [MIN_TEMPERATURE, MAX_TEMPERATURE], the range a served teacher accepts."""
+
+# rollout.max_staleness: each step of staleness keeps one more prompts_per_step x n batch of samples in flight (memory,
+# and a partial/lag_<k>_frac metric each step); asynchronous RL recipes use 1 to 4, and a sample older than a few
+# steps is mostly restarted anyway. A larger value costs memory and logging without bound and buys nothing.
+MAX_STALENESS = 16
+
+
+def _staleness(value: int) -> int:
+    if value > MAX_STALENESS:
+        raise ValueError(
+            f"{value} is above {MAX_STALENESS}: each step of staleness keeps another prompts_per_step x rollout.n "
+            f"samples in flight and logs another partial/lag metric (asynchronous RL uses 1 to 4); use 0 to "
+            f"{MAX_STALENESS}"
+        )
+    return value
 
 
 class Section(BaseModel):
@@ -257,6 +356,30 @@ class TeacherRoute(Section):
         return f"{self.route_key} in {self.values}"
 
 
+def _context_template(template: str) -> str:
+    """`template`, or ValueError (one line) unless it is a `str.format` template whose only field is `{context}`,
+    used at least once: `{{`/`}}` stand for literal braces, so `"{{context}}"` holds no
+    field at all (the teacher would see the literal text), and `{source}`, `{0}`, `{context!r}` or a lone brace would
+    fail (or differ) only when the first prompt is rendered."""
+    accepted = "text holding {context} (the only field; {{ and }} for literal braces)"
+    shown = repr(template) if len(template) <= 200 else f"a template of {len(template)} characters"
+    try:
+        fields = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(template)]
+    except ValueError as error:  # a lone { or }
+        raise ValueError(f"{error} in {shown}; accepted: {accepted}") from None
+    used = [(name, spec, conversion) for name, spec, conversion in fields if name is not None]
+    for name, spec, conversion in used:
+        if name != "context" or spec or conversion:
+            field = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            raise ValueError(f"unknown field {field} in {shown}; accepted: {accepted}")
+    if not used:
+        raise ValueError(f"no {{context}} field in {shown}; accepted: {accepted}")
+    return template
+
+
+ContextTemplate = Annotated[str, AfterValidator(_context_template)]
+
+
 class TeacherView(Section):
     """What a teacher sees beyond the student's prompt: a context column (e.g. the reference solution) appended to
     the last user message for this teacher only. The response token ids stay the student's."""
@@ -265,25 +388,20 @@ class TeacherView(Section):
         description="Column with the teacher-only context (dotted keys reach into structs; `answer`: the prompt's "
         "ground truth)."
     )
-    context_template: str = Field(
+    context_template: ContextTemplate = Field(
         "\n\n{context}", description="How the context is appended to the teacher's user message; holds {context}."
     )
-
-    @model_validator(mode="after")
-    def _has_placeholder(self) -> TeacherView:
-        if "{context}" not in self.context_template:
-            raise ValueError(f"view.context_template must hold {{context}}, got {self.context_template!r}")
-        return self
 
 
 class TeacherEntry(TeacherSpec):
     """One teacher of `teachers:`: a model as `teacher:` has it (path, url or engine; dtype, device), a name, its
     own temperature and offload, and the route of the prompts it scores."""
 
-    name: str = Field(
-        pattern=r"^[A-Za-z0-9_.-]+$", description="Names the teacher in metrics (teacher/<name>/...) and messages."
+    name: Identifier = Field(
+        description="Names the teacher in metrics (teacher/<name>/...), messages and its `opd check` folder: "
+        f"letters, digits, '_', '-', '.' (not first), at most {NAME_MAX_CHARS} characters."
     )
-    temperature: float | None = Field(
+    temperature: TeacherTemperature | None = Field(
         None, gt=0.0, description="τ_T of this teacher; None: objective.teacher_temperature."
     )
     offload: bool | None = Field(
@@ -330,7 +448,7 @@ class SamplingSpec(Section):
     """Rollout sampling of the student during training."""
 
     n: int = Field(4, ge=1, description="Rollouts per prompt (the paper: 4).")
-    temperature: float = Field(
+    temperature: Temperature = Field(
         1.0, gt=0.0, description="Student sampling temperature τ_S; also scales the student's log-probs (SPEC §1)."
     )
     top_p: float = Field(
@@ -371,7 +489,7 @@ class SamplingSpec(Section):
         "carries the rest (opd.train.stream). Needs objective.tis_cap when max_staleness > 0. One process only. With "
         "rollout.overlap the next step's batch is built during this step, from its weights (max_staleness >= 1).",
     )
-    max_staleness: int = Field(
+    max_staleness: Annotated[int, AfterValidator(_staleness)] = Field(
         1,
         ge=0,
         description="rollout.partial: the most steps between a trained token's sampling weights and the update; a "
@@ -402,7 +520,7 @@ class ObjectiveSpec(Section):
         "only_stu", description="Which candidate ids get a reward (SPEC §2 table)."
     )
     weight: Literal["student_p", "teacher_p", "none"] = Field("student_p", description="Slot weights (SPEC §2).")
-    teacher_temperature: float = Field(1.0, gt=0.0, description="τ_T: scales the teacher's logits only.")
+    teacher_temperature: TeacherTemperature = Field(1.0, gt=0.0, description="τ_T: scales the teacher's logits only.")
     advantage: Literal["token_reward", "grpo", "token_reward+grpo", "token_grpo"] = Field(
         "token_reward", description="Advantage estimator (SPEC §3); grpo needs no teacher."
     )
@@ -472,7 +590,9 @@ class RunSpec(Section):
     """Where a run writes and how long it goes."""
 
     out_dir: str = Field("runs", description="Parent directory of run directories.")
-    name: str | None = Field(None, description="Run directory name; None: <command>-<time>.")
+    name: FolderName = Field(
+        None, description="Run directory name (one folder, under out_dir); None: <command>-<time>."
+    )
     seed: int = Field(0, description="Seed of data order, sampling and initialisation.")
     deterministic: bool = Field(
         False,
@@ -520,7 +640,7 @@ class EvalSpec(Section):
         default_factory=list, description="Benchmarks to evaluate; empty = no evaluation."
     )
     n: int = Field(4, ge=1, description="Samples per problem.")
-    temperature: float = Field(0.7, ge=0.0, description="Sampling temperature.")
+    temperature: Temperature = Field(0.7, ge=0.0, description="Sampling temperature.")
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus mass.")
     max_new_tokens: int = Field(4096, ge=1, description="Longest response.")
     limit: int | None = Field(None, ge=1, description="First N problems of each benchmark.")

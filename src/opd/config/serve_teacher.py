@@ -4,14 +4,40 @@ and the address."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from opd.config.sections import ModelSpec, Section
 
 TOKEN_ENV = "OPD_TEACHER_TOKEN"
 MIN_TOKEN_LENGTH = 16
+# batch_window_ms delays every request (the oldest waiting one waits this long for others); a scoring forward of
+# max_batch_tokens takes well under a second on a GPU, so a longer wait costs more than any merge saves.
+MAX_BATCH_WINDOW_MS = 1000.0
+# request_timeout_s is how long any peer, authenticated or not, holds a connection (and, sending a body, its bytes of
+# max_inflight_bytes); ten minutes send the largest default body (64 MiB) over a 1 Mbit/s link, longer only lets a
+# stalled peer hold them.
+MAX_REQUEST_TIMEOUT_S = 600.0
+
+
+def _batch_window(value: float) -> float:
+    if value > MAX_BATCH_WINDOW_MS:
+        raise ValueError(
+            f"{value:g} is above {MAX_BATCH_WINDOW_MS:g} ms: the window delays every request this long, longer than a "
+            f"scoring forward takes, so waiting costs more than merging saves; use 0 to {MAX_BATCH_WINDOW_MS:g}"
+        )
+    return value
+
+
+def _request_timeout(value: float) -> float:
+    if value > MAX_REQUEST_TIMEOUT_S:
+        raise ValueError(
+            f"{value:g} is above {MAX_REQUEST_TIMEOUT_S:g} s: any peer, authenticated or not, holds a connection (and "
+            f"its body's bytes) this long, and {MAX_REQUEST_TIMEOUT_S:g} s send a 64 MiB body at 1 Mbit/s; use a value "
+            f"in (0, {MAX_REQUEST_TIMEOUT_S:g}]"
+        )
+    return value
 
 
 class ServeLimits(Section):
@@ -20,11 +46,11 @@ class ServeLimits(Section):
 
     forward_tokens: int = Field(32768, ge=1, description="Input tokens per scoring forward (LocalScorer's budget).")
     max_batch_tokens: int = Field(32768, ge=1, description="Tokens of merged requests per scoring batch.")
-    batch_window_ms: float = Field(
+    batch_window_ms: Annotated[float, AfterValidator(_batch_window)] = Field(
         2.0,
         ge=0.0,
-        description="How long the oldest waiting request waits for others "
-        "to merge with, in milliseconds; 0 = merge only what is already queued.",
+        description="How long the oldest waiting request waits for others to merge with, in milliseconds (at most "
+        f"{MAX_BATCH_WINDOW_MS:g}); 0 = merge only what is already queued.",
     )
     max_queue_tokens: int = Field(1 << 20, ge=1, description="Tokens waiting beyond which requests get 503.")
     max_request_bytes: int = Field(64 << 20, ge=1024, description="Largest request body in bytes (413 above).")
@@ -45,8 +71,11 @@ class ServeLimits(Section):
         description="Open connections; beyond it the oldest one idle or still sending its request headers is "
         "closed (so half-open clients cannot lock others out).",
     )
-    request_timeout_s: float = Field(
-        30.0, gt=0, description="Seconds a client has to send a request's headers, and again its body (408 after)."
+    request_timeout_s: Annotated[float, AfterValidator(_request_timeout)] = Field(
+        30.0,
+        gt=0,
+        description="Seconds a client has to send a request's headers, and again its body (408 after); at most "
+        f"{MAX_REQUEST_TIMEOUT_S:g}.",
     )
 
     @model_validator(mode="after")

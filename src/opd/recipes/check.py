@@ -60,6 +60,7 @@ from opd.data.templates import encode_prompts
 from opd.io import atomic_write_json
 from opd.models import (
     check_tokenizer_compatibility,
+    check_top_k,
     fix_rope,
     load_model,
     load_tokenizer,
@@ -72,7 +73,7 @@ from opd.rollout import make_generator
 from opd.rundir import locked
 from opd.teacher.client import remote_scorer
 from opd.teacher.local import LocalScorer
-from opd.teacher.registry import route_prompts, view_prompts
+from opd.teacher.registry import check_teacher_serves, route_prompts, view_prompts
 from opd.teacher.routing import check_routes_match
 from opd.train.common import autocast, training_precision
 
@@ -168,6 +169,9 @@ def _run_checks(
     served = remote_scorer(config.teacher) if config.teacher.url is not None else None
     try:
         student_tokenizer, teacher_tokenizer, sample = _tokenizers_and_sample(config, prompts_sample, prompts)
+        check_top_k(config.objective.top_k, student_tokenizer)  # user errors, before any weights load
+        if served is not None:
+            check_teacher_serves(config.teacher, config.objective)
         # 1. tokenizers: from the files (or the server's /info), before any weights are loaded
         rows = _tokenizer_rows(config, student_tokenizer, teacher_tokenizer, sample, served)
         report.results += [r for r in rows if r.name not in skipped]

@@ -35,6 +35,7 @@ from opd.kernels import varlen_attention
 from opd.models import (
     VocabInfo,
     check_tokenizer_compatibility,
+    check_top_k,
     compile_layers,
     fix_rope,
     load_model,
@@ -449,7 +450,8 @@ def _check_context(
 
 def _check_teacher_and_engine(config: DistillConfig, student_tokenizer: Any, console: Any) -> None:
     """The teacher's tokenizer matches the student's and it serves what the objective asks; a vLLM rollout engine is
-    installed and its log-probs fit the objective."""
+    installed and its log-probs fit the objective; objective.top_k fits the vocabulary."""
+    check_top_k(config.objective.top_k, student_tokenizer)
     for entry in config.teacher_entries():
         if entry.path == STUDENT:  # the student's own tokenizer and scorer: nothing to compare
             continue

@@ -30,7 +30,7 @@ from opd.forward import needed_lengths, split_by_token_budget
 from opd.models import RopeChoice, check_tokenizer_compatibility
 from opd.teacher import wire
 from opd.teacher.base import PendingScores
-from opd.teacher.server import FINGERPRINT_HEADER, INSTANCE_HEADER, resolve_token
+from opd.teacher.server import FINGERPRINT_HEADER, INSTANCE_HEADER, check_token, resolve_token
 from opd.types import Rollouts, TokenScores
 
 BACKOFF_START, BACKOFF_MAX = 0.5, 10.0
@@ -118,6 +118,8 @@ class RemoteScorer:
             raise ValueError(
                 "RemoteScorer: request_tokens and concurrency must be ≥ 1, timeout > 0, retry_deadline ≥ 0"
             )
+        if token is not None:
+            check_token(token, "RemoteScorer token")
         self.replicas = [parse_url(u) for u in urls]
         self.token, self.timeout, self.retry_deadline = token, timeout, retry_deadline
         self.request_tokens, self.logprobs = request_tokens, logprobs
@@ -264,22 +266,29 @@ class RemoteScorer:
 
         return PendingScores(finish)
 
+    def width_error(self, top_k: int, requested: int) -> str | None:
+        """Why requests of `top_k` and `requested` ids per position exceed the server's limits (its /info), or None."""
+        info = self.info
+        if requested > info["max_requested_ids"]:
+            return (
+                f"requested_ids: {requested} ids per position exceed the teacher server's limit of "
+                f"{info['max_requested_ids']} (its max_requested_ids)"
+            )
+        if top_k > min(info["max_top_k"], info["vocab_size"]):
+            return (
+                f"top_k: {top_k} exceeds the teacher server's limit of {min(info['max_top_k'], info['vocab_size'])} "
+                f"(its max_top_k, and the vocabulary size)"
+            )
+        return None
+
     def _split(self, rollouts: Rollouts, requested_BTQ: torch.Tensor | None, top_k: int) -> list[torch.Tensor]:
         """Row groups, one request each: ≤ request_tokens tokens (a longer row goes alone), within the server's
         row, byte and per-row limits; rows with nothing to score are left out."""
         info = self.info
         Q = 0 if requested_BTQ is None else requested_BTQ.shape[-1]
-        if Q > info["max_requested_ids"]:
-            raise TeacherRequestError(
-                f"requested_ids: {Q} ids per position exceed the teacher server's limit of "
-                f"{info['max_requested_ids']} (its max_requested_ids)"
-            )
-        if top_k > min(info["max_top_k"], info["vocab_size"]):
-            raise TeacherRequestError(
-                f"top_k: {top_k} exceeds the teacher server's limit of "
-                f"{min(info['max_top_k'], info['vocab_size'])} (its max_top_k, and the "
-                f"vocabulary size)"
-            )
+        too_wide = self.width_error(top_k, Q)
+        if too_wide is not None:
+            raise TeacherRequestError(too_wide)
         lengths_B = needed_lengths(rollouts) + 1  # + the target token of the last position
         lengths_B = torch.where(rollouts.response_mask.any(1), lengths_B, 0)
         if lengths_B.numel() and int(lengths_B.max()) > info["max_positions"]:

@@ -233,7 +233,22 @@ def teacher_device(spec: ModelSpec, student_device: torch.device, world_size: in
 
 def check_teacher_serves(spec: ModelSpec, objective: Any) -> None:
     """Cheap, before any model loads: a one-line error when the teacher's engine cannot give what `objective` (an
-    `ObjectiveSpec`) needs. The local scorer serves everything."""
+    `ObjectiveSpec`) needs. The local scorer serves everything; a served teacher is asked for its /info: each step
+    asks it for the top-k of `diagnostic_top_k` and as many requested ids (the student's top-k)."""
+    if resolve_scorer(spec) == "served":
+        k = diagnostic_top_k(objective.top_k)
+        scorer = remote_scorer(spec)
+        try:
+            too_wide, url = scorer.width_error(k, k if scorer.serves_requested_ids else 0), scorer.replicas[0].url
+        finally:
+            scorer.close()
+        if too_wide is not None:
+            diagnostics = "" if objective.top_k else f" (the diagnostics' top-{k})"
+            raise ValueError(
+                f"objective.top_k={objective.top_k}{diagnostics} is more than the teacher at {url} serves: "
+                f"{too_wide}; serve it with max_top_k and max_requested_ids of at least {k}"
+                + (", or lower objective.top_k" if objective.top_k else "")
+            )
     if resolve_scorer(spec) == "vllm":
         if not vllm_available():
             raise ValueError("teacher.engine=vllm needs the vllm package (README: vLLM); or use teacher.engine=local")

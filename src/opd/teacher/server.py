@@ -52,22 +52,31 @@ def resolve_token(token_file: str | None, env: str = TOKEN_ENV) -> str | None:
     """The bearer token from `token_file`, else from the environment variable `env`, else None. One-line
     `ConfigError` for an unreadable, empty or short token."""
     if token_file is not None:
+        origin = f"token_file {token_file}"
         try:
             token = open(os.path.expanduser(token_file), encoding="utf-8").read().strip()
         except OSError as error:
             raise ConfigError(f"token_file: cannot read {token_file}: {error.strerror or error}") from None
-        origin = f"token_file {token_file}"
+        except UnicodeDecodeError:  # the bytes are never shown: they may be the secret
+            token = "\ufffd"  # refused below, with the rule
     else:
         token = os.environ.get(env, "").strip()
         origin = f"${env}"
         if not token:
             return None
+    check_token(token, origin)
+    return token
+
+
+def check_token(token: str, origin: str) -> None:
+    """One-line `ConfigError` naming `origin` (never the token) unless `token` can travel in an HTTP header and is
+    long enough: at least MIN_TOKEN_LENGTH printable ASCII characters, no spaces (a non-latin-1 token would otherwise
+    fail in http.client's header encoding with a codec error naming neither the token nor where it came from)."""
     if len(token) < MIN_TOKEN_LENGTH or not all("!" <= c <= "~" for c in token):  # what an HTTP header carries
         raise ConfigError(
             f"{origin}: the token must be at least {MIN_TOKEN_LENGTH} characters without spaces, printable ASCII "
             f"only (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
         )
-    return token
 
 
 def is_loopback(host: str) -> bool:
@@ -271,7 +280,7 @@ class TeacherService:
 
     # -- requests
 
-    def parse(self, body: bytes) -> wire.ScoreRequest:
+    def parse(self, body: bytes | bytearray) -> wire.ScoreRequest:
         """Decode and check a request body against the limits and the vocabulary (`RequestError` otherwise)."""
         try:
             request = wire.decode_request(body)
@@ -490,7 +499,7 @@ async def _receive(service: TeacherService, request, declared: int | None):
         except ClientDisconnect:
             service.count(disconnected=1)
             return Response(status_code=400)
-        return await _answer(service, request, bytes(body))
+        return await _answer(service, request, body)  # not copied: the held bytes are what is counted
     finally:
         service.release(held)
 
@@ -502,7 +511,7 @@ def _error(status: int, message: str, **headers: str):
     return JSONResponse({"error": message}, status_code=status, headers=headers or None)
 
 
-async def _answer(service: TeacherService, request, body: bytes):
+async def _answer(service: TeacherService, request, body: bytes | bytearray):
     """Parse, queue and score one received /score body; the client's leaving cancels its job."""
     import anyio
     from starlette.responses import Response
@@ -512,6 +521,8 @@ async def _answer(service: TeacherService, request, body: bytes):
     except RequestError as failure:
         service.count(rejected_invalid=1)
         return _error(failure.status, str(failure))
+    if isinstance(body, bytearray):  # the parsed arrays are copies: the wire bytes are not kept while it waits
+        body.clear()
     try:
         job = service.submit(parsed)
     except QueueFull:
@@ -611,11 +622,20 @@ class BearerAuth:
                         "<token>' (teacher.token_file or $OPD_TEACHER_TOKEN)"
                     },
                     status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"},
+                    headers={"WWW-Authenticate": "Bearer", **_closing(scope["headers"])},
                 )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _closing(headers) -> dict[str, str]:
+    """`Connection: close` for a refused request that announces a body: the connection closes after the answer, so
+    the body of an unauthenticated peer is never read (kept alive, the server would read and drop all of it first)."""
+    for name, value in headers:
+        if (name == b"content-length" and value.strip() not in (b"", b"0")) or name == b"transfer-encoding":
+            return {"Connection": "close"}
+    return {}
 
 
 # ------------------------------------------------------------------------------------------------ serving
@@ -681,9 +701,46 @@ def make_server(service: TeacherService, token: str | None):
         lifespan="on",
         timeout_keep_alive=120,
         timeout_graceful_shutdown=5,
-        http=guarded_protocol(service.config.max_connections, service.config.request_timeout_s),
+        http=guarded_protocol(connection_cap(service.config.max_connections), service.config.request_timeout_s),
     )
     return uvicorn.Server(config)
+
+
+SPARE_DESCRIPTORS = 32  # kept free beyond the connections: the listening socket's accept, files, threads, pipes
+
+
+def connection_cap(max_connections: int) -> int:
+    """`max_connections`, or fewer where the process's descriptor limit (`ulimit -n`) could not hold them: the cap
+    only works while a newcomer can still be accepted (to evict the oldest half-open connection for it); at the limit,
+    accept() fails with EMFILE and every new client, /healthz included, waits until an old one leaves. The soft limit
+    is first raised toward the hard one as far as the connections need; the cap keeps SPARE_DESCRIPTORS free besides
+    the descriptors open now. A lowered cap is logged."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:  # no /proc (macOS): a generous guess at what a loaded model keeps open
+        open_now = 64
+    wanted = open_now + SPARE_DESCRIPTORS + max_connections
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return max_connections
+    cap = max(2, soft - open_now - SPARE_DESCRIPTORS)
+    log.warning(
+        "max_connections %d lowered to %d: the process may open %d descriptors (ulimit -n), %d are open",
+        max_connections,
+        cap,
+        soft,
+        open_now,
+    )
+    return cap
 
 
 def guarded_protocol(max_connections: int, header_timeout_s: float):

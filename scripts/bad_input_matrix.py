@@ -1,5 +1,6 @@
 """Run the whole bad-input matrix (every Case of tests/features/bad_inputs/: CASES, ONCE_ACCEPTED_CASES,
-DAMAGED_CASES, TRUST_CASES, SILENT_CASES) and print the counts by class of fault (each Case's `kind`) and outcome, measured, never written down.
+DAMAGED_CASES, TRUST_CASES, SILENT_CASES) and print the counts by class of fault (each Case's `kind`) and outcome,
+measured, never written down.
 
     python scripts/bad_input_matrix.py                      # this checkout's src/
     python scripts/bad_input_matrix.py --src /tmp/old/src   # another opd's src/ against these cases (a "before")

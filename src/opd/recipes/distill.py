@@ -12,7 +12,6 @@ sharded by FSDP2; rank 0 owns the run directory and speaks for all (`opd.train.d
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from opd.check.probes import (  # noqa: F401  (the probes' old home: importable 
     tokenizer_probes,
     view_probes,
 )
+from opd.compile_cache import persisted
 from opd.config import STUDENT, DistillConfig, TeacherEntry
 from opd.data.prompts import load_prompts
 from opd.data.templates import EncodedPrompts, encode_prompts
@@ -149,8 +149,7 @@ def train(tr: Trainer, *, console: Any) -> None:
             with gathered(tr.models.student, tr.run.dist):
                 if main:
                     run_eval(tr, console)
-        if tr.models.compiled_layers and tr.run.step < cfg.run.steps:
-            _warm_up(tr, console)
+        warm_up_metrics = _warm_up(tr, console) if tr.models.compiled_layers and tr.run.step < cfg.run.steps else {}
         compiles = CompileLog()
         consecutive_skips = 0
         while tr.run.step < cfg.run.steps:
@@ -160,6 +159,8 @@ def train(tr: Trainer, *, console: Any) -> None:
             graphs, recompiled = compiles.take()
             if tr.models.compiled_layers:  # what this step compiled (rank 0's): after the warm-up, 0 is the target
                 metrics["compile/step_graphs"] = graphs
+            metrics.update(warm_up_metrics)  # the first step's line carries the warm-up's seconds and cache hits
+            warm_up_metrics = {}
             if main:
                 assert tr.run.sink is not None  # setup opens rank 0's sink
                 tr.run.sink.log(tr.run.step, metrics)
@@ -181,18 +182,55 @@ def train(tr: Trainer, *, console: Any) -> None:
     barrier(tr.run.dist)
 
 
-def _warm_up(tr: Trainer, console: Any) -> None:
-    start = time.perf_counter()
+def _warm_up(tr: Trainer, console: Any) -> dict[str, float]:
+    """`warm_up` with its artefacts kept in the compile cache (`opd.compile_cache`); returns its `compile/*` metrics."""
     device = next(tr.models.student.parameters()).device
     rows = decode_warm_up_rows(tr)
-    graphs = warm_up(tr, device, decode_rows=rows)
+    with persisted(_compile_cache_parts(tr), device) as cache:
+        graphs = warm_up(tr, device, decode_rows=rows)
     decode = (
         f" and the rollout engine's decode step at {len(rows)} row counts ({rows[0]} to {rows[-1]})" if rows else ""
     )
     console.print(
-        f"compiled layers: warmed up on every batch layout{decode} in {time.perf_counter() - start:.1f} s "
+        f"compiled layers: warmed up on every batch layout{decode} in {cache.seconds:.1f} s "
         f"({graphs} graphs); no step should compile again (metric compile/graphs)"
     )
+    console.print(cache.describe())
+    return cache.metrics()
+
+
+def _compile_cache_parts(tr: Trainer) -> dict[str, Any]:
+    """What the warm-up's graphs depend on beyond the code and the machine (`opd.compile_cache.compile_key`): the
+    student's architecture (not its path: a resume loads a checkpoint of the same model), the teachers, the shapes
+    the warm-up's layouts derive from, the dtypes. Not the decode row counts: they follow the memory free (a resume's
+    optimizer state), and torch's caches key each graph by its shapes, so a count met anew compiles and is added.
+    Too much here costs a compile; too little, a larger file, never a wrong graph."""
+    cfg = tr.config
+    student: Any = tr.models.student
+    config: Any = getattr(student, "config", None)
+    lengths = [len(ids) for ids in tr.data.prompt_ids]
+    return {
+        "student": config.to_dict() if hasattr(config, "to_dict") else type(student).__name__,
+        "teachers": [entry.model_dump(mode="json") for entry in cfg.teacher_entries()],
+        "weights_dtype": str(next(student.parameters()).dtype),
+        "autocast_dtype": str(tr.models.autocast_dtype),
+        "prompt_lengths": [min(lengths), max(lengths)] if lengths else [],
+        "world": [tr.run.dist.rank, tr.run.dist.world_size],
+        **cfg.model_dump(
+            mode="json",
+            include={
+                "rollout",
+                "objective",
+                "prompts_per_step",
+                "micro_batch_tokens",
+                "score_batch_tokens",
+                "teacher_offload",
+                "gradient_checkpointing",
+                "activation_budget",
+                "compile",
+            },
+        ),
+    }
 
 
 def _console_line(step: int, m: dict) -> str:

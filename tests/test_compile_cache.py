@@ -113,14 +113,17 @@ def test_an_unwritable_cache_costs_the_speed_not_the_run(tmp_path):
     assert report.path is None and report.error is not None and "not read" in report.describe()
 
 
-def test_a_save_writes_through_a_temporary_name_and_keeps_the_key_beside(monkeypatch, tmp_path):
+def test_a_save_writes_through_a_temporary_name_keeps_the_key_beside_and_replaces_what_it_holds(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artefacts", _Info()))
     _, full = compile_key({"a": 1})
-    assert compile_cache._save(tmp_path, full) == 2
+    older = tmp_path / "artifacts-1-1.bin"
+    older.write_bytes(b"old")
+    assert compile_cache._save(tmp_path, full, {older: frozenset({("inductor", "k1")})}) == 2
     names = sorted(path.name for path in tmp_path.iterdir())
-    assert names[0] == ".lock" and names[1].startswith("artifacts-") and names[2] == "key.json"
+    assert names[0] == ".lock" and names[1].startswith("artifacts-") and names[2] == "key.json" and len(names) == 3
     assert json.loads((tmp_path / "key.json").read_text())["parts"] == {"a": 1}
-    assert (tmp_path / names[1]).read_bytes() == b"artefacts"
+    assert (tmp_path / names[1]).read_bytes() == b"artefacts"  # the older file, held in the new one, is gone
+    assert compile_cache._save(tmp_path, full, {tmp_path / names[1]: compile_cache._keys(_Info())}) == 0  # no news
 
 
 class _Info:

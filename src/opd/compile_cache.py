@@ -5,15 +5,17 @@ key, `torch.compiler.load_cache_artifacts` puts them back into torch's own cache
 
 The key (`compile_key`) is a digest of what the graphs depend on: the caller's parts (the models' configs, dtypes,
 shapes) and the versions of torch, triton, transformers and Python, the device, and opd's own source. A changed key
-is a new directory, so it compiles afresh; and since torch's caches are themselves keyed by each graph's content, a
-key that is too coarse can cost a miss, never a wrong graph. Dynamo still traces every function on a warm start (its
-bytecode analysis is not what takes the time); what is skipped is the compilation of what it traced.
+is a new directory, so it compiles afresh; and since torch's caches key each graph by its own content, a key too
+fine costs a compile and one too coarse a larger file, never a wrong graph. Dynamo still traces every function on a
+warm start; what the cache skips is inductor's compilation of what it traced (the split: docs/performance.md).
 
 Where: `$OPD_COMPILE_CACHE` (off, 0, false or none: no cache), else `$XDG_CACHE_HOME/opd/compile`, else
-`~/.cache/opd/compile`. Each directory holds `key.json` (the parts, for a reader) and one `artifacts-*.bin` per run
-that compiled something new (a run that loaded everything adds nothing); a lock file orders the writers and readers
-of one key across processes, and every file is written to a temporary name and renamed. Left out on purpose: pruning
-old keys (delete the folder), and a shared remote cache (torch's own `fx_graph_remote_cache` does that)."""
+`~/.cache/opd/compile`. Each directory holds `key.json` (the parts, for a reader) and `artifacts-*.bin`: a run that
+compiled something new writes all it compiled and loaded as one file and removes the files that one holds (a run
+that loaded everything adds nothing; two runs at once may leave two files, both loaded next time). A lock file
+orders the writers and readers of one key across processes, and every file is written to a temporary name and
+renamed. Left out on purpose: pruning old keys (delete the folder), and a shared remote cache (torch's own
+`fx_graph_remote_cache` does that)."""
 
 from __future__ import annotations
 
@@ -158,9 +160,9 @@ def _locked(directory: Path, exclusive: bool) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _count(info: Any) -> int:
-    """Artefacts in a `torch.compiler.CacheInfo`."""
-    return sum(len(keys) for keys in info.artifacts.values())
+def _keys(info: Any) -> frozenset[tuple[str, str]]:
+    """The (type, key) of every artefact in a `torch.compiler.CacheInfo`."""
+    return frozenset((kind, key) for kind, keys in info.artifacts.items() for key in keys)
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
@@ -171,28 +173,34 @@ def _write_bytes(path: Path, data: bytes) -> None:
             os.fsync(handle.fileno())
 
 
-def _load(directory: Path) -> int:
-    """Load every artefact file of the key's directory into torch's caches; returns the artefacts loaded."""
-    loaded = 0
+def _load(directory: Path) -> dict[Path, frozenset[tuple[str, str]]]:
+    """Load every artefact file of the key's directory into torch's caches; returns each file's artefacts."""
+    files = {}
     with _locked(directory, exclusive=False):
         for path in sorted(directory.glob("artifacts-*.bin")):
             info = torch.compiler.load_cache_artifacts(path.read_bytes())
-            if info is not None:
-                loaded += _count(info)
-    return loaded
+            files[path] = _keys(info) if info is not None else frozenset()
+    return files
 
 
-def _save(directory: Path, full_key: dict[str, Any]) -> int:
-    """This process's artefacts (what it compiled and what it loaded) as one new file; returns the artefacts."""
+def _save(directory: Path, full_key: dict[str, Any], files: dict[Path, frozenset[tuple[str, str]]]) -> int:
+    """This process's artefacts (what it compiled and what it loaded) as one new file, unless the files loaded hold
+    them all already; files whose artefacts the new one holds are removed. Returns the artefacts written."""
     result = torch.compiler.save_cache_artifacts()
     if result is None:
         return 0
     data, info = result
+    keys = _keys(info)
+    if keys <= frozenset().union(*files.values()):
+        return 0
     with _locked(directory, exclusive=True):
         if not (directory / "key.json").exists():
             atomic_write_text(directory / "key.json", json.dumps(full_key, indent=1, sort_keys=True, default=str))
         _write_bytes(directory / f"artifacts-{time.time_ns()}-{os.getpid()}.bin", data)
-    return _count(info)
+        for path, held in files.items():
+            if held <= keys:
+                path.unlink(missing_ok=True)
+    return len(keys)
 
 
 @contextlib.contextmanager
@@ -206,12 +214,14 @@ def persisted(
     directory = root if root is not None else cache_root()
     report = CacheReport()
     full: dict[str, Any] = {}
+    files: dict[Path, frozenset[tuple[str, str]]] = {}
     if directory is not None:
         report.key, full = compile_key(parts, device)
         report.path = directory / report.key
         try:
             report.path.mkdir(parents=True, exist_ok=True)
-            report.loaded = _load(report.path)
+            files = _load(report.path)
+            report.loaded = len(frozenset().union(*files.values()))
         except (OSError, RuntimeError) as error:
             report.error, report.path = f"not read ({error})", None
     start, clock = _counts(), time.perf_counter()
@@ -221,6 +231,6 @@ def persisted(
         setattr(report, name, value - start[name])
     if report.path is not None and (report.fx_misses or report.aot_misses):
         try:
-            report.saved = _save(report.path, full)
+            report.saved = _save(report.path, full, files)
         except (OSError, RuntimeError) as error:
             report.error = f"not written ({error})"

@@ -18,6 +18,7 @@ from opd.compile_cache import cache_root, compile_key, persisted
 from opd.io import read_jsonl
 from opd.models import compile_layers
 from opd.recipes.distill import setup, train
+from opd.train.compiles import warm_up_cache_parts
 
 # One compiled function, run inside `persisted` in a process of its own; prints the report's counters as JSON.
 PROBE = """
@@ -148,3 +149,20 @@ def test_a_compiled_run_logs_its_warm_up_and_the_cache_once(world, tmp_path, mon
     assert not any(key.startswith("compile/warm_up") for key in rows[1])
     text = " ".join(console.file.getvalue().split())
     assert f"compile cache {tmp_path / 'cache'}" in text, text[-2000:]
+
+
+def test_a_resume_has_the_key_of_the_run_it_resumes(world, tmp_path):
+    """The key's parts name the student's architecture, not the path it was loaded from: a run started from a copy of
+    the model (as a resume loads its checkpoint) has the same key, so its warm-up loads the first run's graphs."""
+    import shutil
+
+    shutil.copytree(world / "student", tmp_path / "checkpoint")
+    keys = []
+    for name, student in (("a", world / "student"), ("b", tmp_path / "checkpoint")):
+        cfg = distill_config(world, tmp_path / name, f"student.path={student}")
+        keys.append(compile_key(warm_up_cache_parts(setup(cfg, tmp_path / name / "run", console=string_console())))[0])
+    assert keys[0] == keys[1]
+    other = distill_config(world, tmp_path / "c", "rollout.max_new_tokens=7")
+    assert (
+        compile_key(warm_up_cache_parts(setup(other, tmp_path / "c" / "run", console=string_console())))[0] != keys[0]
+    )

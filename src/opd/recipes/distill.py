@@ -82,6 +82,7 @@ from opd.train.common import (
     trainer_state,
     training_precision,
 )
+from opd.train.compiles import warm_up_cache_parts
 from opd.train.distributed import (
     SINGLE,
     DistInfo,
@@ -186,7 +187,7 @@ def _warm_up(tr: Trainer, console: Any) -> dict[str, float]:
     """`warm_up` with its artefacts kept in the compile cache (`opd.compile_cache`); returns its `compile/*` metrics."""
     device = next(tr.models.student.parameters()).device
     rows = decode_warm_up_rows(tr)
-    with persisted(_compile_cache_parts(tr), device) as cache:
+    with persisted(warm_up_cache_parts(tr), device) as cache:
         graphs = warm_up(tr, device, decode_rows=rows)
     decode = (
         f" and the rollout engine's decode step at {len(rows)} row counts ({rows[0]} to {rows[-1]})" if rows else ""
@@ -197,40 +198,6 @@ def _warm_up(tr: Trainer, console: Any) -> dict[str, float]:
     )
     console.print(cache.describe())
     return cache.metrics()
-
-
-def _compile_cache_parts(tr: Trainer) -> dict[str, Any]:
-    """What the warm-up's graphs depend on beyond the code and the machine (`opd.compile_cache.compile_key`): the
-    student's architecture (not its path: a resume loads a checkpoint of the same model), the teachers, the shapes
-    the warm-up's layouts derive from, the dtypes. Not the decode row counts: they follow the memory free (a resume's
-    optimizer state), and torch's caches key each graph by its shapes, so a count met anew compiles and is added.
-    Too much here costs a compile; too little, a larger file, never a wrong graph."""
-    cfg = tr.config
-    student: Any = tr.models.student
-    config: Any = getattr(student, "config", None)
-    lengths = [len(ids) for ids in tr.data.prompt_ids]
-    return {
-        "student": config.to_dict() if hasattr(config, "to_dict") else type(student).__name__,
-        "teachers": [entry.model_dump(mode="json") for entry in cfg.teacher_entries()],
-        "weights_dtype": str(next(student.parameters()).dtype),
-        "autocast_dtype": str(tr.models.autocast_dtype),
-        "prompt_lengths": [min(lengths), max(lengths)] if lengths else [],
-        "world": [tr.run.dist.rank, tr.run.dist.world_size],
-        **cfg.model_dump(
-            mode="json",
-            include={
-                "rollout",
-                "objective",
-                "prompts_per_step",
-                "micro_batch_tokens",
-                "score_batch_tokens",
-                "teacher_offload",
-                "gradient_checkpointing",
-                "activation_budget",
-                "compile",
-            },
-        ),
-    }
 
 
 def _console_line(step: int, m: dict) -> str:

@@ -78,8 +78,14 @@ def eval_command(
     seed: Annotated[int | None, field_option(EvalConfig, "seed")] = None,
     out: Annotated[Path | None, field_option(EvalConfig, "out")] = None,
     engine: Annotated[str | None, field_option(EvalConfig, "engine")] = None,
+    tools: Annotated[str | None, field_option(EvalConfig, "tools")] = None,
+    sandbox: Annotated[str | None, field_option(EvalConfig, "sandbox")] = None,
+    max_turns: Annotated[int | None, field_option(EvalConfig, "max_turns")] = None,
 ) -> None:
-    """Sample n answers per benchmark problem, grade them, write results.json + samples.jsonl, print a table."""
+    """Sample n answers per benchmark problem, grade them, write results.json + samples.jsonl, print a table.
+
+    With --tools, each problem is an episode with that environment (python, calculator or an import path) and its
+    final turn is graded."""
     cfg = build_config(EvalConfig, config_file=config, options=config_options(ctx), overrides=overrides)
     from opd.recipes.eval import evaluate
 

@@ -17,13 +17,14 @@ import zipfile
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 import torch
 from huggingface_hub import constants, try_to_load_from_cache
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from opd.kernels import varlen_attention
 from opd.scoring import recompile_limit_at_least
@@ -539,6 +540,169 @@ def check_tokenizer_compatibility(
         student_size=student_size,
         teacher_size=teacher_size,
     )
+
+
+# ------------------------------------------------------------------------- RoPE tables that depend on the length
+
+LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
+"""transformers' RoPE types whose factors `dynamic_rope_update` picks from the length of the *current* forward:
+longrope its short or long factors (long beyond `original_max_position_embeddings`), dynamic its NTK base (grown
+with the length beyond `max_position_embeddings`). Every other type of `ROPE_INIT_FUNCTIONS` (linear, yarn, llama3,
+proportional) and default are functions of the position only. A cached decode keeps the keys of the table its prefill
+chose while a full forward over the same tokens rotates them all with the table of its own length: generation, scoring
+and training then disagree (issue 56). `fix_rope` makes one choice per run."""
+
+
+def _length_dependent(kind: Any) -> bool:
+    """transformers' own test (`dynamic_rope_update`): "dynamic" anywhere in the name, or "longrope"."""
+    return isinstance(kind, str) and (kind == "longrope" or "dynamic" in kind)
+
+
+@dataclass(frozen=True)
+class RopeChoice:
+    """The one table of a length-dependent RoPE for a run, chosen from the run's longest sequence.
+
+    rope_type: "longrope" or "dynamic" (the model config's, unchanged: checkpoints keep it)
+    threshold: longrope: `original_max_position_embeddings` (long factors beyond it); dynamic:
+               `max_position_embeddings` (the NTK base grows beyond it)
+    length:    the run's longest sequence, prompt + response, that the table was computed for: the table a full
+               forward over a sequence of exactly this length computes in transformers
+    """
+
+    rope_type: str
+    threshold: int
+    length: int
+
+    @property
+    def setting(self) -> str:
+        """The table, independent of the length where the length does not change it: two choices with equal
+        settings (and types) rotate every position alike."""
+        if self.rope_type == "longrope":
+            return "long factors" if self.length > self.threshold else "short factors"
+        return f"NTK base at {self.length} positions" if self.length > self.threshold else "original base"
+
+    def describe(self) -> str:
+        """One line: the choice and why."""
+        limit = "original_max_position_embeddings" if self.rope_type == "longrope" else "max_position_embeddings"
+        return (
+            f"rope_type {self.rope_type!r} fixed to its {self.setting} for every forward (sequences up to "
+            f"{self.length} tokens, {limit} {self.threshold})"
+        )
+
+    def to_info(self) -> dict[str, Any]:
+        """What a served teacher's /info reports (`RopeChoice.from_info` reads it back)."""
+        return {
+            "rope_type": self.rope_type,
+            "threshold": self.threshold,
+            "length": self.length,
+            "setting": self.setting,
+        }
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]) -> RopeChoice:
+        return cls(str(info["rope_type"]), int(info["threshold"]), int(info["length"]))
+
+    def at(self, length: int) -> RopeChoice:
+        """The choice this model would make for another run length."""
+        return RopeChoice(self.rope_type, self.threshold, length)
+
+
+def _rope_tables(config: Any) -> list[dict[str, Any]]:
+    """The RoPE parameter dicts of a model config: one, or one per layer type (Gemma 3); [] without RoPE."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if not isinstance(rope, dict):
+        return []
+    if rope and all(isinstance(r, dict) for r in rope.values()):
+        return list(rope.values())
+    return [rope] if rope else []
+
+
+def rope_choice(config: Any, max_length: int) -> RopeChoice | None:
+    """The table a model config's length-dependent RoPE gets for a run whose sequences (prompt + response) are at
+    most `max_length` tokens: what transformers computes for one full forward of that length. None when its RoPE
+    does not depend on the length."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for table in _rope_tables(config):
+        kind = table.get("rope_type", table.get("type"))
+        if not _length_dependent(kind):
+            continue
+        context = int(getattr(text, "max_position_embeddings", 0) or 0)
+        threshold = int(table.get("original_max_position_embeddings") or context) if kind == "longrope" else context
+        return RopeChoice("longrope" if kind == "longrope" else "dynamic", threshold, int(max_length))
+    return None
+
+
+def fix_rope(model: torch.nn.Module, max_length: int) -> RopeChoice | None:
+    """Fix a length-dependent RoPE (`LENGTH_DEPENDENT_ROPE`) of a loaded HF model to the one table of a run whose
+    sequences are at most `max_length` tokens (`rope_choice`), in place; returns the choice (None: nothing depends on
+    the length, the model is untouched).
+
+    Each rotary module's inverse frequencies (and attention scaling) become what transformers' own init function
+    computes for a forward of `max_length` tokens (`ROPE_INIT_FUNCTIONS[type](config, seq_len=max_length)`), and its
+    `rope_type` becomes "default", so that `dynamic_rope_update` no longer switches tables: the cached decode of the
+    torch engine, the static engine's precomputed table, the scorers' and the trainer's full forwards then rotate
+    every position alike. The config is left as it is, so a checkpoint saves the model as it was loaded. Raises a
+    one-line ValueError when the config asks for a length-dependent RoPE and no rotary module carries it."""
+    choice = rope_choice(cast(Any, model).config, max_length)
+    if choice is None:
+        return None
+    fixed = 0
+    for module in model.modules():
+        kinds = getattr(module, "rope_type", None)
+        if kinds is None or not hasattr(module, "config"):
+            continue
+        # the types as loaded: a model fixed before is fixed again from them (another length, or the same)
+        loaded = getattr(module, "_opd_loaded_rope_types", None) or (
+            dict(kinds) if isinstance(kinds, dict) else {None: kinds}
+        )
+        for layer_type, kind in loaded.items():
+            if not _length_dependent(kind):
+                continue
+            prefix = "" if layer_type is None else f"{layer_type}_"
+            inv_freq = getattr(module, f"{prefix}inv_freq")
+            extra = {} if layer_type is None else {"layer_type": layer_type}
+            chosen, scaling = ROPE_INIT_FUNCTIONS[kind](module.config, inv_freq.device, seq_len=max_length, **extra)
+            with torch.no_grad():
+                for name in (f"{prefix}inv_freq", f"{prefix}original_inv_freq"):
+                    if getattr(module, name, None) is not None:
+                        getattr(module, name).copy_(chosen)
+            setattr(module, f"{prefix}attention_scaling", scaling)
+            if layer_type is None:
+                module.rope_type = "default"  # type: ignore[assignment]  # an HF rotary module's plain attribute
+            else:
+                kinds[layer_type] = "default"
+            fixed += 1
+            module._opd_rope_choice = choice  # type: ignore[assignment]  # what `fixed_rope` reads back
+            module._opd_loaded_rope_types = loaded  # type: ignore[assignment]
+    if not fixed:
+        raise ValueError(
+            f"{type(model).__name__}: rope_type {choice.rope_type!r} changes its table with the sequence length and "
+            f"no rotary module of the model carries it, so opd cannot fix one table per run"
+        )
+    return choice
+
+
+def fixed_rope(model: torch.nn.Module) -> RopeChoice | None:
+    """The choice `fix_rope` made on this model, or None where it made none."""
+    for module in model.modules():
+        choice = getattr(module, "_opd_rope_choice", None)
+        if choice is not None:
+            return choice
+    return None
+
+
+def unfixed_rope(model: torch.nn.Module) -> str | None:
+    """Why this model's rotary tables still depend on the sequence length (a length-dependent RoPE that `fix_rope`
+    has not fixed), or None."""
+    for module in model.modules():
+        kinds = getattr(module, "rope_type", None)
+        if kinds is None or not hasattr(module, "config"):
+            continue
+        for kind in kinds.values() if isinstance(kinds, dict) else [kinds]:
+            if _length_dependent(kind):
+                return f"rope_type {kind!r} changes cos/sin with the sequence length"
+    return None
 
 
 # ------------------------------------------------------------------------- placement of frozen modules

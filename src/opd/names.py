@@ -24,6 +24,31 @@ def normalise_benchmark(name: str) -> str:
     return "".join(c for c in name.lower() if c.isalnum())
 
 
+# where the built-in benchmarks' files are shipped (`opd.eval.benchmarks`): a path into it is that benchmark
+_SHIPPED = Path(__file__).resolve().parent / "eval" / "data"
+
+
+def explicit_path(value: str) -> bool:
+    """Whether a benchmark entry is written as a path, never a name or a hub id: it starts with '/', '.' or '~', or
+    holds a backslash (`./math500`, `../aime24`, `~/sets/gsm8k`)."""
+    return value.startswith(("/", ".", "~")) or "\\" in value
+
+
+def benchmark_is_path(value: str) -> bool:
+    """Whether a benchmark entry is a path (or a hub id 'owner/name'), never a registry name: it holds a '/', is an
+    explicit path, or has a file suffix. So `./math500` is the user's folder, never the built-in math500."""
+    return "/" in value or explicit_path(value) or bool(Path(value).suffix)
+
+
+def _points_at(value: str) -> str:
+    """What a benchmark entry points at: a name as the registry reads it, or a path resolved (a shipped file is its
+    benchmark's name, so that `math500` and the path of MATH-500.parquet are one benchmark)."""
+    if not benchmark_is_path(value):
+        return normalise_benchmark(value)
+    path = Path(value).expanduser().resolve()
+    return normalise_benchmark(path.stem) if path.parent == _SHIPPED else str(path)
+
+
 def benchmark_names(benchmarks: Sequence[str]) -> list[str]:
     """The name each benchmark of a list is reported under (results, samples, `eval/<name>/...` metrics): a built-in
     benchmark's name as given, a file's stem, or, for files whose stems coincide (`math/test.parquet`,
@@ -31,7 +56,7 @@ def benchmark_names(benchmarks: Sequence[str]) -> list[str]:
     both entries, where two still share a name (one entry given twice, or in two spellings of the registry's: math500
     and MATH-500): their results would be mixed."""
     # what an entry points at: a file's absolute path, or a name as the registry reads it
-    given = [str(Path(b).absolute()) if Path(b).suffix else normalise_benchmark(str(b)) for b in benchmarks]
+    given = [_points_at(str(b)) for b in benchmarks]
     for i, entry in enumerate(given):
         if entry in given[:i]:
             first = benchmarks[given.index(entry)]
@@ -41,7 +66,7 @@ def benchmark_names(benchmarks: Sequence[str]) -> list[str]:
                 else f"{first!r} and {benchmarks[i]!r} name one benchmark"
             )
             raise ValueError(f"{twice} (its results would be counted twice); list it once")
-    stems = [Path(b).stem if Path(b).suffix else str(b) for b in benchmarks]
+    stems = [Path(b).stem if Path(b).suffix or explicit_path(str(b)) else str(b) for b in benchmarks]
     names = [
         f"{Path(b).absolute().parent.name}-{stem}" if Path(b).suffix and stems.count(stem) > 1 else stem
         for b, stem in zip(benchmarks, stems)

@@ -204,7 +204,15 @@ def claim_output_files(
     by option name: one that is an input (the same file after resolving `.`, `..` and links) is refused, as writing
     it would replace what is read; one that exists already — another command's file, or this one's from an earlier
     run — is refused in one line before any work, or with `overwrite` moved aside to `<name>.old-<time>` (never
-    deleted)."""
+    deleted). Two outputs that are one file are refused too: the second written would replace the first."""
+    given = [(flag, Path(p)) for flag, p in outputs.items() if p is not None]
+    for index, (flag, written) in enumerate(given):
+        for other_flag, other in given[:index]:
+            if written.resolve() == other.resolve():
+                raise ValueError(
+                    f"{flag} {written} is the {other_flag} file too; one file cannot hold both outputs: choose "
+                    f"another {flag} path"
+                )
     for flag, path in outputs.items():
         for in_flag, source in inputs.items():
             if path is not None and source is not None and Path(path).resolve() == Path(source).resolve():

@@ -406,23 +406,6 @@ def test_startup_check_flags_a_student_whose_generation_and_scoring_disagree(rop
     assert row.status == status and row.hard, row
 
 
-def test_distill_stops_at_startup_for_a_longrope_student_in_one_line(world, tmp_path):
-    from helpers import distill_config
-    from opd.recipes.distill import distill
-
-    torch.manual_seed(0)  # the rendered prompts are 23 tokens: their rows cross 32 while they decode, as real ones 4096
-    student = _saved(
-        tmp_path / "student", _llama_with_rope({"rope_type": "longrope", "original_max_position_embeddings": 32})
-    )
-    config = distill_config(
-        world, tmp_path / "runs", f"student.path={student}", "rollout.max_new_tokens=24", "skip_checks=[special_tokens]"
-    )
-    with pytest.raises(ValueError, match=r"^opd check: generation_scoring failed \(mean \|engine - scorer\|") as stop:
-        distill(config)
-    assert "\n" not in str(stop.value) and "--skip-check generation_scoring" in str(stop.value)
-    assert not list((tmp_path / "runs").glob("*/checkpoints/*"))
-
-
 @pytest.mark.parametrize("name", sorted(families.BUILDERS))
 def test_scorer_equals_the_plain_forward_on_each_family(name):
     """`LocalScorer` (the teacher's and the student's scorer: chunked head, padded or packed rows) against each row's

@@ -384,3 +384,18 @@ def test_settings_that_do_not_change_the_math_are_resumable(capsys, world, tmp_p
     yaml_path = dump(distill_config(world, tmp_path, "skip_checks=[forecast]", steps=2), tmp_path / "c.yaml")
     code, _, err = cli(capsys, "distill", "--config", yaml_path, "--resume", "--skip-check", "forecast")
     assert code == 0, err
+
+
+@pytest.mark.slow
+def test_a_run_that_ends_on_skipped_steps_fails_in_one_line(capsys, world, tmp_path):
+    """optim.lr=1e30: step 1's update makes the weights non-finite, every later step is skipped — fewer than
+    optim.max_skipped_steps (10), so nothing stopped the run; it must still not exit 0. Resumed for one more step,
+    every step of the resumed run is skipped: the same."""
+    yaml_path = dump(distill_config(world, tmp_path, "optim.lr=1e30", steps=3), tmp_path / "c.yaml")
+    code, _, err = cli(capsys, "distill", "--config", yaml_path, "--skip-check", "all")
+    line = one_line(code, err)
+    assert "the run ended with its last 2 steps (2..3) skipped for a non-finite gradient norm" in line
+    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 3  # what it wrote stays
+    yaml_path = dump(distill_config(world, tmp_path, "optim.lr=1e30", steps=4), tmp_path / "c.yaml")
+    code, _, err = cli(capsys, "distill", "--config", yaml_path, "--skip-check", "all", "--resume")
+    assert "the run ended with every step of this run (4..4) skipped" in one_line(code, err)

@@ -3,6 +3,7 @@ a route split over two copies of one teacher is that teacher, every prompt is sc
 prompts fail before compute, and checkpoints refuse another teacher on resume."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -282,7 +283,7 @@ def test_lab_mopd_config_routes_each_lab_prompt_to_its_specialist(tmp_path, monk
 def test_lab_opsd_config_is_the_demo_with_the_privileged_self_teacher(tmp_path, monkeypatch):
     """configs/lab_opsd.yaml is configs/lab_demo.yaml with its teacher replaced by the student's initial weights
     seeing the reference answer, and runs from the repo root. The answer changes the self-teacher's scores: without a
-    view, student_init scores the first step at reward zero (test_student_init_teaches_itself); here it does not.
+    view, student_init would score every token at reward zero (and is refused at config load); here it does not.
     (That the view touches only the teacher's prompt ids: test_a_view_changes_only_the_teachers_prompt_ids.)"""
     from pathlib import Path
 
@@ -402,36 +403,33 @@ def test_a_view_changes_only_the_teachers_prompt_ids(world, routed_world, tmp_pa
     assert _numbers(plain)[0]["reward_mean"] != _numbers(run_dir)[0]["reward_mean"]  # the context was seen
 
 
-def test_student_init_teaches_itself(world, routed_world, tmp_path):
-    """path: student_init is the student's initial weights: the first step's token rewards are zero."""
-    teachers = [{"name": "self", "path": "student_init"}]
-    first = read_jsonl(distill(_config(world, routed_world, tmp_path, teachers=teachers)) / "metrics.jsonl")[0]
-    assert first["reward_mean"] == pytest.approx(0.0, abs=1e-6)
+@pytest.mark.parametrize(
+    ("teachers", "culprit"),
+    [
+        ([{"name": "self", "path": "student"}], "teachers[0] (self): path: student without a view"),
+        ([{"name": "self", "path": "student_init"}], "teachers[0] (self): path: student_init without a view"),
+        (  # the live student beside a real teacher: its own prompts still get reward 0
+            [
+                {"name": "self", "path": "student", "route": {"data_source": ["add"]}},
+                {"name": "real", "path": "T", "route": {"data_source": ["mul"]}},
+            ],
+            "teachers[0] (self): path: student without a view",
+        ),
+    ],
+)
+def test_a_self_teacher_without_a_view_is_refused_at_config_load(world, routed_world, tmp_path, teachers, culprit):
+    """The student scoring its own tokens on its own prompt gives every token reward 0: refused before anything
+    loads, naming the entry and what would teach (a view, another teacher, an outcome reward)."""
+    teachers = [{**t, "path": str(world / "teacher")} if t["path"] == "T" else t for t in teachers]
+    with pytest.raises(ValueError, match=re.escape(culprit)) as error:
+        _config(world, routed_world, tmp_path, teachers=teachers)
+    assert "\n" not in str(error.value) and "view" in str(error.value)
 
 
-def test_the_live_student_teaches_itself_at_reward_zero_on_every_token(world, routed_world, tmp_path):
-    """path: student is the student's own scorer on the same rollouts, weights and batching: its scores are the
-    student's bit for bit, so every token's reward is exactly 0 (reward_abs_mean = 0, and each sample's token
-    rewards), at every step — also after the update has moved the weights (weight decay does, with zero advantages)."""
-    teachers = [{"name": "self", "path": "student"}]
-    run_dir = distill(_config(world, routed_world, tmp_path, teachers=teachers))
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2]
-    for m in metrics:
-        assert m["reward_mean"] == 0.0 and m["reward_abs_mean"] == 0.0
-    for step in (1, 2):
-        samples = read_jsonl(run_dir / "samples" / f"step_{step}.jsonl")
-        assert samples and all(r == 0.0 for s in samples for r in s["token_rewards"])
-    (manifest,) = load_trainer_state(latest_checkpoint(run_dir))["teachers"]
-    assert manifest["model"] == "student" and manifest["fingerprint"] == "student (live)"
-    resumed = distill(_config(world, routed_world, tmp_path, "run.resume=true", teachers=teachers, steps=3))
-    assert [m["step"] for m in read_jsonl(resumed / "metrics.jsonl")] == [1, 2, 3]
-
-
-def test_the_live_student_is_live_and_its_view_is_seen(world, routed_world, tmp_path):
-    """Beside a real teacher (on the "mul" prompts, so the student learns), the live student on the "add" prompts
-    scores at reward 0 at step 2 too (it follows the update), where student_init (the frozen initial weights) does
-    not. With a view (the answer in its prompt) its reward is not 0."""
+def test_student_init_beside_a_real_teacher_anchors_the_student_to_its_start(world, routed_world, tmp_path):
+    """Beside a real teacher (on the "mul" prompts, so the student learns), student_init (the frozen initial weights)
+    scores the "add" prompts at reward 0 at step 1 only: the student moved, its initial weights are another model.
+    The live student with a view (the answer in its prompt) scores them at a reward that is not 0."""
 
     def add_rewards(run_dir, step):
         add = {r["prompt"] for r in ROWS if r["data_source"] == "add"}
@@ -446,9 +444,7 @@ def test_the_live_student_is_live_and_its_view_is_seen(world, routed_world, tmp_
         return [own if view is None else {**own, "view": view}, real]
 
     options = ("prompts_per_step=4", "run.samples_per_step=8", "optim.lr=1e-2")
-    live = distill(_config(world, routed_world, tmp_path / "live", *options, teachers=teachers("student")))
     frozen = distill(_config(world, routed_world, tmp_path / "init", *options, teachers=teachers("student_init")))
-    assert all(r == 0.0 for r in add_rewards(live, 1) + add_rewards(live, 2))
     assert all(r == 0.0 for r in add_rewards(frozen, 1))
     assert any(r != 0.0 for r in add_rewards(frozen, 2))  # the student moved: its initial weights are another model
     view = {"context_key": "answer", "context_template": " Answer: {context}"}
@@ -460,9 +456,12 @@ def test_a_view_alone_makes_the_live_students_reward_nonzero(world, routed_world
     """The single live-student teacher with a view (privileged self-distillation on the current weights)."""
     view = {"context_key": "answer", "context_template": " Answer: {context}"}
     teachers = [{"name": "self", "path": "student", "view": view}]
-    metrics = read_jsonl(distill(_config(world, routed_world, tmp_path, teachers=teachers)) / "metrics.jsonl")
+    run_dir = distill(_config(world, routed_world, tmp_path, teachers=teachers))
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["reward_abs_mean"] > 1e-4 for m in metrics)
+    (manifest,) = load_trainer_state(latest_checkpoint(run_dir))["teachers"]
+    assert manifest["model"] == "student" and manifest["fingerprint"] == "student (live)"
 
 
 def test_entries_naming_one_model_share_one_loaded_teacher(world, routed_world):
@@ -471,7 +470,8 @@ def test_entries_naming_one_model_share_one_loaded_teacher(world, routed_world):
     from opd.train.distributed import SINGLE
 
     teachers = [dict(t, path=str(routed_world / "a")) for t in _split(routed_world)]
-    teachers.append({"name": "self", "path": "student", "route": {"default": True}})
+    view = {"context_key": "answer"}  # without one the live student is refused (it would teach nothing)
+    teachers.append({"name": "self", "path": "student", "route": {"default": True}, "view": view})
     config = _config(world, routed_world, routed_world / "unused", teachers=teachers)
     models = load_models(config, None, load_tokenizer(str(world / "student")), SINGLE)
     a, b, own = (t.teacher for t in models.teachers)
@@ -675,7 +675,7 @@ def test_each_teachers_startup_rows_run_on_prompts_of_its_own_route(world, route
     prompts routed to it (a: the even prompts 0, 2; b, the live student: 1, 3, through served_scores); a run's only
     teacher keeps the plain row names, on the first prompts."""
     teachers = _split(routed_world)
-    teachers[1] = {"name": "b", "path": "student", "route": teachers[1]["route"]}
+    teachers[1] = {"name": "b", "path": "student", "route": teachers[1]["route"], "view": {"context_key": "answer"}}
     report = _startup_report(_config(world, routed_world, tmp_path, teachers=teachers))
     rows = {r.name: r.status for r in report.results}
     assert report.values["scoring_prompts"] == {"a": [0, 2], "b": [1, 3]}

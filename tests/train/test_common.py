@@ -3,11 +3,12 @@ as it found it. The runs themselves: recipes/test_distill (a resume under it) an
 cuBLAS setting); on a GPU, benchmarks/check_cuda.py's `deterministic` check."""
 
 import os
+import re
 
 import pytest
 import torch
 
-from opd.train.common import deterministic_kernels
+from opd.train.common import check_run_trained, deterministic_kernels
 
 
 def test_inside_deterministic_outside_as_before(monkeypatch):
@@ -114,3 +115,22 @@ def test_the_labs_timed_sft_runs_under_the_flag(monkeypatch, tmp_path, tiny_mode
         _, record = lab.sft_within_budget(config, deadline=float("inf"), log_every=10**6)
         assert record["steps"] == 2
     assert seen == [True, True, False, False] and not torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.parametrize(
+    ("consecutive", "step", "steps_run", "says"),
+    [
+        (1, 1, 1, "every step of this run (1..1)"),  # the only step skipped
+        (3, 7, 3, "every step of this run (5..7)"),  # a resumed run none of whose steps trained
+        (2, 5, 5, "its last 2 steps (4..5)"),  # weights that diverged: every step after is skipped
+    ],
+)
+def test_a_run_that_ends_on_skipped_steps_is_an_error(consecutive, step, steps_run, says):
+    with pytest.raises(ValueError, match=re.escape(f"the run ended with {says} skipped")) as error:
+        check_run_trained(consecutive, step, steps_run)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(("consecutive", "step", "steps_run"), [(0, 5, 5), (1, 5, 5), (0, 0, 0)])
+def test_a_run_that_ends_on_a_trained_step_or_one_transient_skip_passes(consecutive, step, steps_run):
+    check_run_trained(consecutive, step, steps_run)

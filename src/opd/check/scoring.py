@@ -16,12 +16,13 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from opd.check.report import CheckResult
 from opd.config import DistillConfig
+from opd.models import rope_choice
 from opd.objectives.diagnostics import diagnostic_top_k
 from opd.rollout import SamplingParams, make_generator
 from opd.rollout.base import GenerationOutput
@@ -192,14 +193,21 @@ def teacher_samples(
     max_new_tokens: int,
     vocab_size: int | None,
     seed: int,
+    stop_at_eos: bool = True,
 ) -> Any:
     """One sample per prompt from the teacher with the log-probs its generation reported (the torch engine: the HF
-    model with a KV cache, a code path independent of `LocalScorer`)."""
+    model with a KV cache, a code path independent of `LocalScorer`); `stop_at_eos=False`: every sample runs to
+    `max_new_tokens`."""
     generator = make_generator(
         teacher, tokenizer, engine="torch", max_batch_size=len(prompt_ids), vocab_size=vocab_size
     )
     params = SamplingParams(
-        n=1, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, return_logprobs=True
+        n=1,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        return_logprobs=True,
+        stop_at_eos=stop_at_eos,
     )
     ids = [list(x) for x in prompt_ids]
     return build_rollouts(
@@ -329,18 +337,19 @@ def check_served_scores(
 
 GENERATION_CHECK_TOKENS = 64
 """Tokens of `generation_scoring`'s row: enough to show a decode step that differs from the scorer."""
-LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
+
+
+def length_dependent_rope(model: torch.nn.Module) -> bool:
+    """Whether the model's config asks for a RoPE whose table depends on the sequence length (longrope, dynamic:
+    `opd.models.LENGTH_DEPENDENT_ROPE`), fixed by `opd.models.fix_rope` or not: generation and scoring can then
+    disagree only once a row is long enough to switch the table, so the checks run at the run's whole length."""
+    return rope_choice(cast(Any, model).config, 1) is not None
 
 
 def generation_check_tokens(model: torch.nn.Module, max_new_tokens: int) -> int:
     """`GENERATION_CHECK_TOKENS`, or the run's whole length for a RoPE whose table depends on the sequence length
-    (longrope, dynamic: generation and scoring disagree only once a row is long enough to switch the table)."""
-    config = model.config
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    # one dict, or one per layer type (Gemma 3)
-    tables = list(rope.values()) if rope and all(isinstance(r, dict) for r in rope.values()) else [rope]
-    kinds = [r.get("rope_type", r.get("type")) for r in tables]
-    if any(str(kind) in LENGTH_DEPENDENT_ROPE for kind in kinds):
+    (`length_dependent_rope`)."""
+    if length_dependent_rope(model):
         return max_new_tokens
     return min(max_new_tokens, GENERATION_CHECK_TOKENS)
 
@@ -411,10 +420,12 @@ def scoring_rows(
     autocast_dtype: torch.dtype | None = None,
 ) -> list[CheckResult]:
     """The scoring rows on the first `rows` prompts (teacher samples of at most `max_new_tokens`, default the
-    rollout length)."""
+    rollout length; a teacher whose RoPE depends on the length samples the whole rollout length without stopping at
+    EOS, so that its rows reach the run's own length: `length_dependent_rope`)."""
     out = []
     ids = [list(x) for x in prompt_ids[:rows]]
-    tokens = min(config.rollout.max_new_tokens, max_new_tokens or config.rollout.max_new_tokens)
+    whole = length_dependent_rope(teacher)
+    tokens = min(config.rollout.max_new_tokens, (None if whole else max_new_tokens) or config.rollout.max_new_tokens)
     device = next(teacher.parameters()).device
     if {"determinism", "self_distillation_zero"} - skip:
         samples = teacher_samples(
@@ -425,6 +436,7 @@ def scoring_rows(
             max_new_tokens=tokens,
             vocab_size=vocab_size,
             seed=config.run.seed,
+            stop_at_eos=not whole,
         )
         if "determinism" not in skip:
             out.append(

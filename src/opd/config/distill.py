@@ -20,6 +20,7 @@ from opd.config.sections import (
     Teacher,
     TeacherEntry,
     TeacherRoute,
+    TeacherSpec,
 )
 
 
@@ -186,5 +187,32 @@ class DistillConfig(Section):
             raise ValueError(
                 f"run.deterministic=true covers torch's kernels, not vLLM's: teacher {vllm_teachers[0]} has "
                 f"engine=vllm; set its engine=local, or run.deterministic=false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _self_teacher_teaches(self) -> DistillConfig:
+        """A self-teacher without a view scores the student's tokens as the student does: `path: student` is the
+        student itself (every token reward exactly 0, at every step); `path: student_init` equals it until
+        something else moves the student (another teacher, or an outcome reward), and nothing else does."""
+        given: list[TeacherSpec] = list(self.teachers) or ([self.teacher] if self.teacher is not None else [])
+        blind = [e for e in given if e.path in (STUDENT, STUDENT_INIT) and getattr(e, "view", None) is None]
+        where = "teacher" if self.teacher is not None else "teachers[{index}] ({name})"
+        for entry in blind:
+            if entry.path == STUDENT:
+                raise ValueError(
+                    f"{where.format(index=given.index(entry), name=getattr(entry, 'name', ''))}: path: {STUDENT} "
+                    f"without a view is the student scoring its own tokens on its own prompt: every token reward is 0 "
+                    f"and no gradient flows; give it a view (teachers: [{{path: {STUDENT}, view: {{context_key: "
+                    f"<column>}}}}]) or route its prompts to another teacher"
+                )
+        teacher_only = self.objective.advantage in ("token_reward", "token_grpo")
+        if given and len(blind) == len(given) and teacher_only:
+            raise ValueError(
+                f"{where.format(index=0, name=getattr(given[0], 'name', ''))}: path: {STUDENT_INIT} without a view "
+                f"is the student's own starting weights on its own prompt: every token reward is 0, so with "
+                f"objective.advantage={self.objective.advantage} and no other teacher the student never moves; "
+                f"give it a view (view: {{context_key: <column>}}), a teacher beside it, or "
+                f"objective.advantage=token_reward+grpo"
             )
         return self

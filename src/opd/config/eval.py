@@ -53,3 +53,14 @@ class EvalConfig(Section):
         "needs the vllm extra).",
     )
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
+    tools: str | None = Field(
+        None,
+        description="Tool-integrated eval: each problem is an episode with this environment (python, calculator or "
+        "package.module:factory); the final turn is graded. None: plain sampling.",
+    )
+    sandbox: Literal["namespaces", "rlimits-only"] = Field(
+        "namespaces",
+        description="How the python tool isolates code: namespaces (probed at startup; the tool is refused where it "
+        "does not hold) or rlimits-only (resource limits, no isolation; only when named).",
+    )
+    max_turns: int = Field(4, ge=1, description="Generation turns per episode with tools (the last one answers).")

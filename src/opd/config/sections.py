@@ -201,12 +201,27 @@ def _as_teacher_spec(value: Any) -> Any:
 Teacher = Annotated[TeacherSpec, BeforeValidator(_as_teacher_spec)]
 
 
+def route_text(value: Any) -> str:
+    """A route value, or a prompt's column value, as routes compare it: text as it is (capitals matter), a number by
+    its value (2, 2.0 and "2" are one value; 2.5 is "2.5"), true/false as True/False."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
 def _as_strings(value: Any) -> Any:
-    """Route values compare as strings (a YAML `2` matches a column value 2 or "2"); one value may stand alone."""
+    """Route values compare as text (`route_text`: a YAML `2` or `2.0` matches a column value 2, 2.0 or "2"); one
+    value may stand alone. A mapping or a list as a value matches nothing a column holds: refused."""
     if value is None:
         return None
     values = value if isinstance(value, list) else [value]
-    return [str(v) for v in values]
+    for v in values:
+        if isinstance(v, (dict, list)):
+            raise ValueError(
+                f"a route value is a text, a number or true/false, got {v!r}; to route on a field inside a "
+                f"struct use route_key: column.field with values: [...]"
+            )
+    return [route_text(v) for v in values]
 
 
 RouteValues = Annotated[list[str] | None, BeforeValidator(_as_strings)]

@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from opd.data.prompts import DataError, load_prompts
-from opd.names import normalise_benchmark
+from opd.names import benchmark_is_path, explicit_path, normalise_benchmark
 from opd.types import Prompt
 
 
@@ -72,17 +72,23 @@ def load_benchmark(name_or_path: str | Path, **options) -> list[Prompt]:
     """Prompts of a built-in benchmark (by name) or of any prompt set (a path or hub id, read by `load_prompts`).
 
     options: keyword arguments of `load_prompts` (column mapping, `limit`, ...).
-    A bare word that is neither a known name nor an existing file raises `DataError` listing the known names.
+    A bare word is a name (`opd.names.benchmark_is_path`): one that is neither a known name nor an existing file
+    raises `DataError` listing the known names. A value written as a path (`./math500`, `/data/aime24`, `x.jsonl`) is
+    that path, never a built-in: a missing one raises `DataError` naming it.
     """
     text = str(name_or_path)
-    bench = get_benchmark(text) if isinstance(name_or_path, str) else None
+    bench = None if not isinstance(name_or_path, str) or benchmark_is_path(text) else get_benchmark(text)
     if bench is not None:
         with resources.as_file(resources.files("opd.eval") / "data" / bench.file) as path:
             return load_prompts(path, **options)
     path = Path(text).expanduser()
-    if not path.exists() and "/" not in text and "\\" not in text and not path.suffix:
+    if path.exists():
+        return load_prompts(path, **options)
+    if not benchmark_is_path(text):
         raise DataError(_unknown_message(text))
-    return load_prompts(path if path.exists() else text, **options)
+    if not isinstance(name_or_path, str) or explicit_path(text) or path.suffix:
+        raise DataError(f"benchmark {text!r}: no such file or folder ({path.absolute()})")
+    return load_prompts(text, **options)  # 'owner/name': a hub id
 
 
 def _unknown_message(name: str) -> str:

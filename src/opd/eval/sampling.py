@@ -5,7 +5,9 @@ Outputs: `identity.json` (what the samples are made with), `config.yaml`, `sampl
 finishes) and `results.json` (atomic, at the end). Problems run in fixed chunks seeded by (seed, benchmark, chunk
 index), so a rerun into the same directory keeps every complete chunk and reproduces the rest; a rerun that asks for
 other work (`identity.json`: the model's fingerprint, the sampling settings, each benchmark's hash) is refused with
-one line before a model loads. The resume and identity rules in full: docs/design.md, "opd.eval.sampling".
+one line before a model loads. The resume and identity rules in full: docs/design.md, "opd.eval.sampling". With
+`tools` set, each sample is an episode with that environment (`opd.eval.tools`: built, and the python tool's sandbox
+probed, before a model loads).
 
 Omitted on purpose: extending a finished directory with more benchmarks, problems or samples (other work: use
 another --out). Every weight byte is hashed (SHA-1, once per file and process; its cost: docs/performance.md):
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,13 +31,22 @@ from opd.data.templates import encode_prompts, parse_template
 from opd.eval.benchmarks import load_benchmark
 from opd.eval.grading import decode_responses, grade
 from opd.eval.metrics import ProblemResult, SampleResult, summarize
+from opd.eval.tools import (
+    TOOL_RECORD_KEYS,
+    check_template,
+    sample_episodes,
+    tool_environment,
+    tool_summary,
+    tools_identity,
+    with_tools,
+)
 from opd.fingerprints import file_digest, model_fingerprint, weights_fingerprint  # noqa: F401 (their old home)
 from opd.io import append_jsonl, atomic_write_json, write_jsonl
-from opd.models import load_model, load_tokenizer
+from opd.models import fix_rope, load_model, load_tokenizer
 from opd.names import benchmark_names
 from opd.report.sinks import progress_bar
 from opd.rollout import SamplingParams, make_generator
-from opd.rollout.registry import vllm_arguments
+from opd.rollout.registry import check_vllm_rope, vllm_arguments
 from opd.rundir import check_same_work, locked
 from opd.seeds import hashed_seed
 
@@ -50,6 +62,7 @@ class EvalProblem:
     problem_id: str
     prompt_ids: list[int]
     answer: str | list[str]
+    messages: list[dict[str, Any]] | None = None
 
 
 def evaluate_model(
@@ -72,18 +85,43 @@ def evaluate_model(
     """
     console = console or Console()
     parse_template(config.template)  # a bad template fails before the model loads
+    environment = tool_environment(config)  # the sandbox is probed before the model loads too
+    if config.tools == "python" and config.sandbox == "rlimits-only":
+        who = "as root: it can change any file of this host" if os.geteuid() == 0 else "as this user"
+        console.print(f"[yellow]sandbox=rlimits-only: the model's code runs with resource limits only, {who}[/]")
     run_dir.mkdir(parents=True, exist_ok=True)
     with locked(run_dir, "eval"):  # one process per output directory
-        records = _sample_and_grade(config, run_dir, generator, tokenizer, console, weights)
-        return write_results(config, run_dir, records, console)
+        records = _sample_and_grade(config, run_dir, generator, tokenizer, console, weights, environment)
+        tools = environment.describe() if environment is not None else None
+        return write_results(config, run_dir, records, console, tools=tools)
 
 
-def write_results(config: EvalConfig, run_dir: Path, records: list[dict], console: Any) -> dict:
-    """Summarise graded `records` per benchmark, write `run_dir/results.json` atomically, print the table."""
+def write_results(
+    config: EvalConfig, run_dir: Path, records: list[dict], console: Any, *, tools: dict[str, Any] | None = None
+) -> dict:
+    """Summarise graded `records` per benchmark, write `run_dir/results.json` atomically, print the table. `tools`:
+    the environment of a tool eval (its `describe()`, the sandbox mode included), recorded with the episodes'
+    figures per benchmark under `tools`."""
     results = summarize_records(records)
-    results_meta = {"model": config.model.path if config.model else None, "responses": config.responses}
+    results_meta: dict[str, Any] = {"model": config.model.path if config.model else None, "responses": config.responses}
+    episodes = tool_summary(records)
+    for benchmark, figures in episodes.items():
+        results[benchmark]["tools"] = figures
+    if tools is not None:
+        results_meta["tools"] = tools
     atomic_write_json(run_dir / "results.json", {**results_meta, "benchmarks": results})
     print_results_table(results, console, title=f"opd eval — {run_dir}")
+    for benchmark, figures in episodes.items():
+        by_turns = ", ".join(
+            f"{t} turns {100 * acc:.1f}% of {figures['episodes_by_turns'][t]}"
+            for t, acc in figures["accuracy_by_turns"].items()
+        )
+        console.print(
+            f"{benchmark} tools: {figures['tool_calls_mean']:.2f} calls per episode, {figures['tool_errors']} errors, "
+            f"{figures['sandbox_refusals']} sandbox refusals; accuracy by turns: {by_turns}"
+        )
+    if tools is not None and "sandbox" in tools:
+        console.print(f"sandbox: {tools['sandbox']}")
     console.print(f"results: {run_dir / 'results.json'}")
     return results
 
@@ -147,7 +185,13 @@ def _problems_sha256(prompts: list) -> str:
 
 
 def _sample_and_grade(
-    config: EvalConfig, run_dir: Path, generator: Any, tokenizer: Any, console: Any, weights: str | None = None
+    config: EvalConfig,
+    run_dir: Path,
+    generator: Any,
+    tokenizer: Any,
+    console: Any,
+    weights: str | None = None,
+    environment: Any = None,
 ) -> list[dict]:
     """All graded records of `run_dir`: the complete chunks already in samples.jsonl, then the rest sampled and
     graded (appended as each chunk finishes).
@@ -176,14 +220,16 @@ def _sample_and_grade(
         generator, tokenizer = _load_generator(config)
         if config.engine != "vllm":
             identity["model"] = model_identity(config)  # a hub id is in the local cache now
+    if environment is not None:
+        check_template(tokenizer, environment, str(config.tools))
 
-    chunks = _chunks(config, loaded, tokenizer, console)
+    chunks = _chunks(config, loaded, tokenizer, console, environment)
     samples_path = run_dir / "samples.jsonl"
     records_done, work = _resume(run_dir, samples_path, chunks, identity, config, console)
     with progress_bar(console) as progress:
         task = progress.add_task("sampling + grading", total=sum(len(chunk) for _, _, chunk in work))
         for benchmark, chunk_id, chunk in work:
-            records = _sample_chunk(config, generator, tokenizer, benchmark, chunk_id, chunk)
+            records = _sample_chunk(config, generator, tokenizer, benchmark, chunk_id, chunk, environment)
             append_jsonl(samples_path, records)
             records_done.extend(records)
             progress.advance(task, len(chunk))
@@ -218,6 +264,7 @@ def _identity(config: EvalConfig, loaded: dict[str, list], weights: str | None) 
         "model": model_identity(config) if weights is None else {**model_identity(config), "weights": weights},
         **{key: getattr(config, key) for key in _IDENTITY_SETTINGS},
         "benchmarks": {name: _problems_sha256(prompts) for name, prompts in loaded.items()},
+        **tools_identity(config),
     }
 
 
@@ -225,7 +272,9 @@ def _load_generator(config: EvalConfig) -> tuple[Any, Any]:
     """(generator, tokenizer) of `config.model` with `config.engine`: vLLM loads the weights itself (no Hugging Face
     copy of the model), the other engines a loaded model."""
     spec = _model_spec(config)
+    length = config.max_prompt_length + config.max_new_tokens  # the eval's longest sequence
     if config.engine == "vllm":
+        check_vllm_rope(spec, config.vllm, length, "engine=vllm")
         tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
         generator = make_generator(
             None, tokenizer, engine="vllm", max_batch_size=config.batch_size, **vllm_arguments(config.vllm, spec)
@@ -238,6 +287,8 @@ def _load_generator(config: EvalConfig) -> tuple[Any, Any]:
         trust_remote_code=spec.trust_remote_code,
         attn_implementation=spec.attn_implementation,
     )
+    # one RoPE table for every row (`fix_rope`): a length-dependent one would follow each batch's longest row
+    fix_rope(model, length)
     return make_generator(model, tokenizer, engine=config.engine, max_batch_size=config.batch_size), tokenizer
 
 
@@ -265,9 +316,16 @@ def _resume(
 
 
 def _sample_chunk(
-    config: EvalConfig, generator: Any, tokenizer: Any, benchmark: str, chunk_id: int, chunk: list[EvalProblem]
+    config: EvalConfig,
+    generator: Any,
+    tokenizer: Any,
+    benchmark: str,
+    chunk_id: int,
+    chunk: list[EvalProblem],
+    environment: Any = None,
 ) -> list[dict]:
-    """n samples per problem of one chunk (seeded by the chunk), graded: its records for samples.jsonl."""
+    """n samples per problem of one chunk (seeded by the chunk), graded: its records for samples.jsonl. With an
+    `environment`, each sample is an episode (`opd.eval.tools`) whose final turn is graded."""
     params = SamplingParams(
         n=config.n,
         temperature=config.temperature,
@@ -276,6 +334,24 @@ def _sample_chunk(
         max_new_tokens=config.max_new_tokens,
         seed=_chunk_seed(config.seed, benchmark, chunk_id),
     )
+    if environment is not None:
+        episodes = sample_episodes(config, generator, tokenizer, environment, chunk, params)
+        records = []
+        for index, episode in enumerate(episodes):
+            problem = chunk[index // config.n]
+            record = graded_record(
+                benchmark=benchmark,
+                problem_id=problem.problem_id,
+                sample=index % config.n,
+                response=episode["response"],
+                answer=problem.answer,
+                num_tokens=episode["num_tokens"],
+                truncated=episode["truncated"],
+                timeout=config.timeout,
+                chunk=chunk_id,
+            )
+            records.append(record | {key: episode[key] for key in (*TOOL_RECORD_KEYS, "episode")})
+        return records
     output = generator.generate([p.prompt_ids for p in chunk], params)
     texts = decode_responses(tokenizer, output.response_ids)
     records = []
@@ -305,10 +381,11 @@ def _model_spec(config: EvalConfig) -> ModelSpec:
 
 
 def _chunks(
-    config: EvalConfig, loaded: dict[str, list], tokenizer: Any, console: Any
+    config: EvalConfig, loaded: dict[str, list], tokenizer: Any, console: Any, environment: Any = None
 ) -> list[tuple[str, int, list[EvalProblem]]]:
     """The benchmarks' problems encoded and cut into (benchmark, chunk index, problems) of `batch_size // n`
-    problems each: the unit of sampling, of its seed and of resume."""
+    problems each: the unit of sampling, of its seed and of resume. With an `environment`, a prompt's ids are those
+    with its tools offered, and `max_prompt_length` counts them."""
     problems_per_chunk = max(1, config.batch_size // config.n)
     chunks: list[tuple[str, int, list[EvalProblem]]] = []
     for name, prompts in loaded.items():
@@ -329,7 +406,19 @@ def _chunks(
         problems = []
         for p, ids in zip(encoded.prompts, encoded.input_ids):
             assert p.answer is not None  # on_missing_answer is "error" or "skip" here: every prompt has one
-            problems.append(EvalProblem(name, p.id, ids, p.answer))
+            problems.append(EvalProblem(name, p.id, ids, p.answer, p.messages))
+        if environment is not None:
+            problems, longer = with_tools(config, tokenizer, environment, problems)
+            if longer and not problems:
+                raise ValueError(
+                    f"{name}: every prompt is longer than max_prompt_length={config.max_prompt_length} tokens with "
+                    f"the tools offered; raise max_prompt_length"
+                )
+            if longer:
+                console.print(
+                    f"[yellow]{name}: {longer} prompts longer than {config.max_prompt_length} tokens with the tools "
+                    "offered skipped[/]"
+                )
         for index in range(0, len(problems), problems_per_chunk):
             chunks.append((name, index // problems_per_chunk, problems[index : index + problems_per_chunk]))
     return chunks

@@ -60,6 +60,7 @@ from opd.data.templates import encode_prompts
 from opd.io import atomic_write_json
 from opd.models import (
     check_tokenizer_compatibility,
+    fix_rope,
     load_model,
     load_tokenizer,
     resolve_device,
@@ -72,6 +73,7 @@ from opd.rundir import locked
 from opd.teacher.client import remote_scorer
 from opd.teacher.local import LocalScorer
 from opd.teacher.registry import route_prompts, view_prompts
+from opd.teacher.routing import check_routes_match
 from opd.train.common import autocast, training_precision
 
 
@@ -270,10 +272,20 @@ def _run_per_teacher(
     out_dir = Path(out) if out is not None else Path(config.run.out_dir) / f"check-{time.strftime('%Y%m%d-%H%M%S')}"
     if (out_dir / "check.json").exists():
         raise FileExistsError(f"{out_dir / 'check.json'} exists; choose another --out (opd check never replaces it)")
+    for entry in entries:  # every teacher's folder, before the first teacher's check runs
+        folder = out_dir / entry.name
+        if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
+            raise FileExistsError(f"{folder} is not a folder; opd check writes teacher {entry.name}'s rows there")
+        if (folder / "check.json").exists():
+            raise FileExistsError(
+                f"{folder / 'check.json'} exists (teacher {entry.name}'s); choose another --out (opd check never "
+                f"replaces it)"
+            )
     prompts = _load_run_prompts(config)
     if not prompts:
         raise ValueError(f"data.path {config.data.path}: no prompts")
     owners = route_prompts(prompts, entries)  # a prompt no route (or two) takes: one line, before any model loads
+    check_routes_match(config, prompts, owners)  # and a route that takes no prompt
     with locked(out_dir, "check", console=console):  # held throughout: one check per directory
         combined = CheckReport()
         table: dict[str, Any] = {}
@@ -440,6 +452,12 @@ def _load_pair(
             student_vocab_size=student_rows,
             teacher_vocab_size=module.get_output_embeddings().weight.shape[0],
         ).tokenizer_size
+    # one RoPE table per run, as distill fixes it (`opd.models.fix_rope`): the checks see the distributions it trains
+    length = data.max_prompt_length + config.rollout.max_new_tokens
+    for model in {id(m): m for m in (student, teacher) if m is not None}.values():
+        fix_rope(model, length)
+    if served is not None:
+        served.check_rope(length)
     student_scorer = LocalScorer(student, max_tokens_per_batch=config.score_batch_tokens, vocab_size=vocab_size)
     if served is None:
         teacher_scorer = (

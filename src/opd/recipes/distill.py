@@ -28,7 +28,7 @@ from opd.check.probes import (  # noqa: F401  (the probes' old home: importable 
     view_probes,
 )
 from opd.compile_cache import persisted
-from opd.config import STUDENT, DistillConfig, TeacherEntry
+from opd.config import STUDENT, STUDENT_INIT, DistillConfig, TeacherEntry
 from opd.data.prompts import load_prompts
 from opd.data.templates import EncodedPrompts, encode_prompts
 from opd.kernels import varlen_attention
@@ -36,6 +36,7 @@ from opd.models import (
     VocabInfo,
     check_tokenizer_compatibility,
     compile_layers,
+    fix_rope,
     load_model,
     load_tokenizer,
     resolve_device,
@@ -43,7 +44,7 @@ from opd.models import (
 from opd.report.gpu_busy import GpuBusy
 from opd.report.sinks import progress_bar
 from opd.rollout import Generator, make_generator
-from opd.rollout.registry import check_generation_fits, resolve_engine
+from opd.rollout.registry import check_generation_fits, check_vllm_rope, resolve_engine
 from opd.rollout.vllm_engine import EngineOptions, vllm_available
 from opd.rundir import claimed_run_dir, open_run, resume_checkpoint, run_directory
 from opd.teacher.local import LocalScorer
@@ -60,16 +61,18 @@ from opd.teacher.registry import model_key as _model_key  # noqa: F401  (its old
 from opd.teacher.routing import (  # noqa: F401  (routing's old home: importable from here)
     TEACHERS_FILE,
     _placement,
+    check_routing_table_path,
     route_teachers,
     routing_table,
     teacher_views,
     write_routing_table,
 )
-from opd.train.checkpoint import save_checkpoint
+from opd.train.checkpoint import load_trainer_state, save_checkpoint
 from opd.train.common import (
     autocast,
     cached_fingerprint,
     check_data_fingerprint,
+    check_run_trained,
     check_skipped_steps,
     deterministic_kernels,
     eval_at_start,
@@ -152,7 +155,7 @@ def train(tr: Trainer, *, console: Any) -> None:
                     run_eval(tr, console)
         warm_up_metrics = _warm_up(tr, console) if tr.models.compiled_layers and tr.run.step < cfg.run.steps else {}
         compiles = CompileLog()
-        consecutive_skips = 0
+        consecutive_skips = steps_run = 0
         while tr.run.step < cfg.run.steps:
             skipped_before = tr.run.skipped_steps
             metrics = opd_step(tr)  # already reduced over ranks
@@ -168,6 +171,7 @@ def train(tr: Trainer, *, console: Any) -> None:
                 if news := describe_compiles(graphs, recompiled):  # what the warm-up left out, for the next warm-up
                     console.print(f"step {tr.run.step} compiled {news}")
             consecutive_skips = consecutive_skips + 1 if tr.run.skipped_steps > skipped_before else 0
+            steps_run += 1
             check_skipped_steps(consecutive_skips, tr.run.step, cfg.optim)
             tr.run.history.append({"step": tr.run.step, **metrics})
             progress.update(task, advance=1, description=_console_line(tr.run.step, metrics))
@@ -181,6 +185,7 @@ def train(tr: Trainer, *, console: Any) -> None:
     if main:
         finish_run(tr.run.run_dir, tr.run.sink, report=cfg.run.report, console=console)
     barrier(tr.run.dist)
+    check_run_trained(consecutive_skips, tr.run.step, steps_run)  # every rank: the grad norm is the global one
 
 
 def _warm_up(tr: Trainer, console: Any) -> dict[str, float]:
@@ -249,6 +254,7 @@ def save(tr: Trainer) -> Path:
         partial_stream=None if tr.engines.stream is None else tr.engines.stream.state_dict(),
         world_size=tr.run.dist.world_size,
         data_fingerprint=_prompt_fingerprint(tr),
+        routing_fingerprint=_routing_fingerprint(tr),
     )
     state["optimizer"] = full_optimizer_state_dict(tr.models.student, tr.optimization.optimizer, tr.run.dist)
     state["teachers"] = tr.run.teacher_manifest  # `--resume` refuses another teacher set (check_teacher_manifest)
@@ -284,13 +290,26 @@ def setup(
     torch.manual_seed(config.run.seed)
     student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
     _check_teacher_and_engine(config, student_tokenizer, console)
+    _check_vllm_rope(config)
     data = _load_data(config, student_tokenizer, console)
     prompt_teacher = route_teachers(config, data, console)  # before any model loads: an unrouted prompt fails now
+    if prompt_teacher:
+        check_routing_table_path(run_dir)  # and a teachers.json it could not write, before config.yaml is
     views = teacher_views(config, data, prompt_teacher, student_tokenizer)
+    if checkpoint is not None:  # the data a checkpoint trained on, before any model loads (its tensors stay on disk)
+        _check_resume_identity(
+            config,
+            checkpoint,
+            load_trainer_state(checkpoint, mmap=True),
+            _prompt_fingerprint_of(data.input_ids, data.prompts),
+            _routing_fingerprint_of(prompt_teacher, [e.name for e in config.teacher_entries()], views),
+            console=None,  # with run.allow_config_change the note is printed once, by _resume
+        )
     models = _load_models(config, checkpoint, student_tokenizer, dist)
     for routed, view_ids in zip(models.teachers, views):
         routed.prompt_ids = view_ids
-    _check_context(config, models)
+    _fix_rope(config, models, console if dist.is_main else None)
+    _check_context(config, models, data, prompt_teacher)
     generator, rollout_model, rollout_generator = _build_engines(config, models, dist)
     startup_checks(config, models, generator, data, student_tokenizer, dist, console, prompt_teacher)
     compiled, budget = _configure_memory(config, models, dist)
@@ -323,7 +342,7 @@ def setup(
     resume_step = _resume(tr, checkpoint, console)
     if dist.is_main:  # rank 0 writes the run directory
         tr.run.sink = open_run(config, run_dir, config.run, resume_step=resume_step)
-        write_routing_table(run_dir, routing_table(config, prompt_teacher))
+        write_routing_table(run_dir, routing_table(config, prompt_teacher), step=resume_step)
     return tr
 
 
@@ -360,9 +379,51 @@ def check_sizes(config: DistillConfig, dist: DistInfo) -> None:
         )
 
 
-def _check_context(config: DistillConfig, models: Models) -> None:
+def _run_length(config: DistillConfig) -> int:
+    """The run's longest sequence, prompt + response: what a length-dependent RoPE is fixed for (`fix_rope`)."""
+    return config.data.max_prompt_length + config.rollout.max_new_tokens
+
+
+def _check_vllm_rope(config: DistillConfig) -> None:
+    """Before any model loads: a vLLM engine (rollout or teacher) of a model whose RoPE depends on the length must
+    fix the table the run does (`opd.rollout.vllm_engine.rope_refusal`), or the run is refused in one line."""
+    engines = [("rollout.engine=vllm", config.student, config.rollout.vllm)] if config.rollout.engine == "vllm" else []
+    engines += [(f"teacher {e.name}", e, e.vllm) for e in config.teacher_entries() if e.engine == "vllm" and e.path]
+    for what, spec, vllm in engines:
+        path = config.student.path if spec.path == STUDENT_INIT else str(spec.path)
+        check_vllm_rope(spec, vllm, _run_length(config), what, path=path)
+
+
+def _fix_rope(config: DistillConfig, models: Models, console: Any) -> None:
+    """One RoPE table per run: every in-process model whose RoPE depends on the sequence length (longrope, dynamic)
+    is fixed to the table of the longest sequence it reads (`opd.models.fix_rope`): the run's, or a teacher's with
+    a view that makes its prompts longer. Its engines, scorers and update then compute one distribution; a served
+    teacher must have fixed the same (`RemoteScorer.check_rope`)."""
+    length = _run_length(config)
+    several = len(models.teachers) > 1
+    fixes: dict[int, tuple[str, torch.nn.Module, int]] = {id(models.student): ("student", models.student, length)}
+    for routed in models.teachers:
+        views = routed.prompt_ids or []
+        own = max([length] + [len(ids) + config.rollout.max_new_tokens for ids in views])
+        module, check = routed.teacher.module, getattr(routed.teacher.scorer, "check_rope", None)
+        if module is None:
+            if check is not None:  # a served teacher's /info
+                check(own)
+            continue
+        name, _, before = fixes.get(id(module), (f"teacher {routed.name}" if several else "teacher", module, own))
+        fixes[id(module)] = (name, module, max(before, own))
+    for name, module, longest in fixes.values():
+        choice = fix_rope(module, longest)
+        if choice is not None and console is not None:
+            console.print(f"{name}: {choice.describe()}")
+
+
+def _check_context(
+    config: DistillConfig, models: Models, data: EncodedPrompts | None = None, prompt_teacher: list[int] | None = None
+) -> None:
     """A rollout must fit the context of every model that reads it (`max_position_embeddings` of the student and of
-    an in-process teacher): beyond it the positions are ones the models never saw, and nothing says so."""
+    an in-process teacher): beyond it the positions are ones the models never saw, and nothing says so. A teacher
+    with a view reads its own, longer prompts: the longest of those routed to it, plus rollout.max_new_tokens."""
     new = config.rollout.max_new_tokens
     longest = config.data.max_prompt_length + new
     several = len(models.teachers) > 1
@@ -374,6 +435,20 @@ def _check_context(config: DistillConfig, models: Models) -> None:
                 f"rollout.max_new_tokens={new} is beyond the {name}'s context ({context} positions, "
                 f"max_position_embeddings; with data.max_prompt_length={config.data.max_prompt_length} a "
                 f"sequence is up to {longest} tokens); lower rollout.max_new_tokens below {context}"
+            )
+    for index, routed in enumerate(models.teachers):  # a view lengthens the teacher's prompts past the student's
+        context = getattr(getattr(routed.teacher.module, "config", None), "max_position_embeddings", None)
+        view_ids, mine = routed.prompt_ids, [i for i, owner in enumerate(prompt_teacher or []) if owner == index]
+        if view_ids is None or routed.entry.view is None or data is None or not mine or not isinstance(context, int):
+            continue
+        longest = max(mine, key=lambda i: len(view_ids[i]))
+        length = len(view_ids[longest])
+        if length + new > context:
+            raise ValueError(
+                f"teacher {routed.name}'s view (view.context_key={routed.entry.view.context_key!r}) makes prompt "
+                f"{data.prompts[longest].id} {length} tokens: with rollout.max_new_tokens={new} the teacher reads up "
+                f"to {length + new}, beyond its context ({context} positions, max_position_embeddings); shorten "
+                f"view.context_template or the context, or lower rollout.max_new_tokens"
             )
 
 
@@ -657,6 +732,7 @@ def _load_reference(config: DistillConfig, models: Models) -> LocalScorer | None
         attn_implementation=config.student.attn_implementation,
     )
     reference.requires_grad_(False)
+    fix_rope(reference, _run_length(config))  # the student's own table
     return LocalScorer(reference, max_tokens_per_batch=config.score_batch_tokens, vocab_size=models.vocab_size)
 
 
@@ -697,14 +773,7 @@ def _resume(tr: Trainer, checkpoint: Path | None, console: Any) -> int | None:
         torch_optimizer=tr.optimization.optimizer,
         console=console,
     )
-    check_data_fingerprint(
-        state,
-        _prompt_fingerprint(tr),
-        what=f"the prompt set data.path={tr.config.data.path}",
-        run=tr.config.run,
-        checkpoint=checkpoint,
-        console=console,
-    )
+    _check_resume_identity(tr.config, checkpoint, state, _prompt_fingerprint(tr), _routing_fingerprint(tr), console)
     check_teacher_manifest(state.get("teachers"), tr.run.teacher_manifest, checkpoint)
     tr.run.step, tr.run.skipped_steps, tr.run.history = state["step"], state["skipped_steps"], state["history"]
     if tr.engines.ahead is not None:  # the rollouts generated for the next step, from weights no longer saved
@@ -716,11 +785,56 @@ def _resume(tr: Trainer, checkpoint: Path | None, console: Any) -> int | None:
     return tr.run.step
 
 
-def _prompt_fingerprint(tr: Trainer) -> str:
-    """The prompt set as training sees it: each prompt's token ids and answer (`data_fingerprint`)."""
-    return cached_fingerprint(
-        tr.data.prompt_ids, lambda: ((ids, prompt.answer) for ids, prompt in zip(tr.data.prompt_ids, tr.data.prompts))
+def _check_resume_identity(
+    config: DistillConfig, checkpoint: Path, state: dict, prompts: str, routing: str, console: Any
+) -> None:
+    """The data a checkpoint trained on against this run's: the prompt set (`_prompt_fingerprint`) and what routes
+    and views read from it (`_routing_fingerprint`); each a one-line refusal, or a note with run.allow_config_change."""
+    check_data_fingerprint(
+        state,
+        prompts,
+        what=f"the prompt set data.path={config.data.path}",
+        run=config.run,
+        checkpoint=checkpoint,
+        console=console,
     )
+    check_data_fingerprint(
+        state,
+        routing,
+        what=f"the teachers' routing or views over data.path={config.data.path} (each prompt's teacher, from "
+        f"its route column, and the context its view adds)",
+        run=config.run,
+        checkpoint=checkpoint,
+        console=console,
+        key="routing_fingerprint",
+        consequence="the steps after it would train under other teachers or contexts than the steps before",
+    )
+
+
+def _prompt_fingerprint(tr: Trainer) -> str:
+    return _prompt_fingerprint_of(tr.data.prompt_ids, tr.data.prompts)
+
+
+def _prompt_fingerprint_of(prompt_ids: list[list[int]], prompts: list[Any]) -> str:
+    """The prompt set as training sees it: each prompt's token ids and answer (`data_fingerprint`)."""
+    return cached_fingerprint(prompt_ids, lambda: ((ids, prompt.answer) for ids, prompt in zip(prompt_ids, prompts)))
+
+
+def _routing_fingerprint(tr: Trainer) -> str:
+    teachers = tr.models.teachers
+    return _routing_fingerprint_of(tr.data.prompt_teacher, [t.name for t in teachers], [t.prompt_ids for t in teachers])
+
+
+def _routing_fingerprint_of(prompt_teacher: list[int], names: list[str], views: list[list[list[int]] | None]) -> str:
+    """What routes and views read from the prompt set, as training uses it: each prompt's teacher (its name) and,
+    with a view, the prompt's token ids as that teacher sees them (`data_fingerprint`)."""
+
+    def rows():
+        for index, owner in enumerate(prompt_teacher):
+            view_ids = views[owner]
+            yield (view_ids[index] if view_ids is not None else []), names[owner]
+
+    return cached_fingerprint(prompt_teacher, rows)
 
 
 @dataclass

@@ -37,6 +37,8 @@ def evaluate(config: EvalConfig, *, generator: Any = None, tokenizer: Any = None
             "benchmarks is empty; name at least one: aime24, aime25, amc23, math500, minerva, "
             "olympiadbench or a prompt file"
         )
+    if config.responses is not None and config.tools is not None and generator is None:
+        raise ValueError("tools applies to sampling (--model); --responses grades existing answers: drop --tools")
     run_dir = Path(config.out) if config.out else default_run_dir("eval")
     if config.responses is None or generator is not None:
         return evaluate_model(config, run_dir, generator=generator, tokenizer=tokenizer, console=console)

@@ -34,7 +34,7 @@ from opd.lab.build import (
     write_sft_data,
     write_specialist_data,
 )
-from opd.models import load_model
+from opd.models import fix_rope, load_model
 from opd.recipes.demo import accuracy
 from opd.recipes.eval import evaluate
 from opd.recipes.sft import SFTConfig, sft, sft_step
@@ -135,6 +135,7 @@ def measure(
         out=str(out),
     )
     model, tokenizer = load_model(str(model_path), dtype="fp32", device=device)
+    fix_rope(model, config.max_prompt_length + max_new_tokens)  # as `opd eval` loads it
     generator = make_generator(model, tokenizer, engine="torch", max_batch_size=300)
     return accuracy(evaluate(config, generator=generator, tokenizer=tokenizer, console=console))
 

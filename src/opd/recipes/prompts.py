@@ -31,10 +31,10 @@ from opd.data.templates import parse_template
 from opd.eval.prompt_scores import ALIGNMENT_METRICS, PromptScore, read_scores, score_prompts, select_prompts
 from opd.fingerprints import model_fingerprint, prompt_digest
 from opd.io import append_jsonl, repair_jsonl
-from opd.models import load_model, load_tokenizer
+from opd.models import fix_rope, load_model, load_tokenizer
 from opd.report.sinks import progress_bar
 from opd.rollout import make_generator
-from opd.rollout.registry import vllm_arguments
+from opd.rollout.registry import check_vllm_rope, vllm_arguments
 from opd.rundir import check_identity, claim_output_files, locked
 from opd.types import Prompt
 
@@ -182,8 +182,13 @@ def _score_rest(
 
 def _load_models(config: PromptScoreConfig, student_tokenizer: Any) -> tuple[Any, Any, Any, Any]:
     """(student, its tokenizer, the teacher's scorer, the rollout generator: None for `score_prompts`' default)."""
-    from opd.teacher.registry import load_teacher  # heavy (the Triton kernels, torch._dynamo)
+    from opd.teacher.registry import load_teacher, resolve_scorer  # heavy (the Triton kernels, torch._dynamo)
 
+    length = config.data.max_prompt_length + config.max_new_tokens  # the run's longest sequence
+    if config.engine == "vllm":  # before any model loads: vLLM must fix the run's RoPE table, or it is refused
+        check_vllm_rope(config.student, config.vllm, length, "engine=vllm")
+    if config.teacher.path and resolve_scorer(config.teacher) == "vllm":
+        check_vllm_rope(config.teacher, getattr(config.teacher, "vllm", None), length, "teacher.engine=vllm")
     student, tokenizer = load_model(
         config.student.path,
         dtype=config.student.dtype,
@@ -198,6 +203,13 @@ def _load_models(config: PromptScoreConfig, student_tokenizer: Any) -> tuple[Any
         student_device=next(student.parameters()).device,
         max_tokens_per_batch=config.score_batch_tokens,
     )
+    # one RoPE table per run, as distill fixes it (`fix_rope`): the student's rollouts, its scores and the teacher's
+    # are of one distribution each, whatever rows share a batch
+    for model in {id(m): m for m in (student, loaded.module) if m is not None}.values():
+        fix_rope(model, length)
+    check = getattr(loaded.scorer, "check_rope", None)
+    if loaded.module is None and check is not None:  # a served teacher's /info
+        check(length)
     generator = None
     if config.engine == "vllm":  # the student's rollouts from vLLM; its scores stay with the HF model above
         generator = make_generator(

@@ -289,14 +289,16 @@ def _rollout_locked(config: RolloutConfig, out: Path, *, generator: Any, tokeniz
 
 def _load_teacher(config: RolloutConfig, device: str) -> tuple[Any, Any]:
     """(TorchGenerator over the teacher on `device`, its tokenizer)."""
-    from opd.models import load_model
+    from opd.models import fix_rope, load_model
     from opd.rollout import make_generator
 
     spec = config.model
+    length = config.data.max_prompt_length + config.max_new_tokens  # the longest sequence sampled
     if config.engine == "vllm":  # vLLM loads the weights itself: no HF copy of the model
         from opd.models import load_tokenizer
-        from opd.rollout.registry import vllm_arguments
+        from opd.rollout.registry import check_vllm_rope, vllm_arguments
 
+        check_vllm_rope(spec, config.vllm, length, "engine=vllm")
         tokenizer = load_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
         return make_generator(
             None, tokenizer, engine="vllm", max_batch_size=config.batch_size, **vllm_arguments(config.vllm, spec)
@@ -308,6 +310,8 @@ def _load_teacher(config: RolloutConfig, device: str) -> tuple[Any, Any]:
         trust_remote_code=spec.trust_remote_code,
         attn_implementation=spec.attn_implementation,
     )
+    # one RoPE table for every row (`fix_rope`): a length-dependent one would follow each batch's longest row
+    fix_rope(model, length)
     generator = make_generator(model, tokenizer, engine="torch", max_batch_size=config.batch_size)
     return generator, tokenizer
 

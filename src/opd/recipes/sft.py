@@ -41,6 +41,7 @@ from opd.models import (
     check_model_path,
     check_tokenizer_compatibility,
     eos_token_ids,
+    fix_rope,
     load_model,
     load_tokenizer,
     resolve_device,
@@ -53,6 +54,7 @@ from opd.train.checkpoint import latest_checkpoint, save_checkpoint
 from opd.train.common import (
     cached_fingerprint,
     check_data_fingerprint,
+    check_run_trained,
     check_skipped_steps,
     deterministic_kernels,
     eval_at_start,
@@ -182,13 +184,14 @@ def train(tr: SFTTrainer, *, console: Any) -> None:
             and eval_pending(tr.run_dir, tr.step)
         ):  # resumed from a checkpoint whose eval did not finish
             run_eval(tr, console)
-        consecutive_skips = 0
+        consecutive_skips = steps_run = 0
         while tr.step < tr.total_steps:
             skipped_before = tr.skipped_steps
             metrics = sft_step(tr)
             tr.step += 1
             tr.sink.log(tr.step, metrics)
             consecutive_skips = consecutive_skips + 1 if tr.skipped_steps > skipped_before else 0
+            steps_run += 1
             check_skipped_steps(consecutive_skips, tr.step, cfg.optim)
             progress.update(task, advance=1, description=_console_line(tr.step, metrics))
             if is_due(tr.step, cfg.run.save_every, tr.total_steps):  # before the eval: a failing eval loses no work
@@ -202,6 +205,7 @@ def train(tr: SFTTrainer, *, console: Any) -> None:
         merged = merge_lora(checkpoint, tr.run_dir / "merged", base=cfg.model.path, existing="replace")
         console.print(f"merged weights: {merged}")
     finish_run(tr.run_dir, tr.sink, report=cfg.run.report, console=console)
+    check_run_trained(consecutive_skips, tr.step, steps_run)
 
 
 def _examples_fingerprint(tr: SFTTrainer) -> str:
@@ -351,6 +355,13 @@ def _load_data(config: SFTConfig, tokenizer: Any) -> SFTDataset:
     return dataset
 
 
+def _run_length(config: SFTConfig) -> int:
+    """The run's longest sequence, what a length-dependent RoPE is fixed for (`opd.models.fix_rope`): the training
+    bound `data.max_length`, or the periodic eval's prompt + response where that is longer (one model, one table)."""
+    spec = config.eval
+    return max(config.data.max_length, spec.max_prompt_length + spec.max_new_tokens if spec.benchmarks else 0)
+
+
 def _load_net(config: SFTConfig, checkpoint: Path | None) -> tuple[Any, torch.nn.Module, torch.dtype | None]:
     """(the Hugging Face model, the model trained: it or its LoRA wrapper, the autocast dtype): loaded from the
     checkpoint when given (its adapters for LoRA), with gradient checkpointing as configured."""
@@ -365,6 +376,7 @@ def _load_net(config: SFTConfig, checkpoint: Path | None) -> tuple[Any, torch.nn
         trust_remote_code=spec.trust_remote_code,
         attn_implementation=spec.attn_implementation,
     )
+    fix_rope(net, _run_length(config))
     model = _with_lora(net, config.lora, checkpoint) if config.lora.enabled else net
     if config.gradient_checkpointing:
         net.gradient_checkpointing_enable()

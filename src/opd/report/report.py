@@ -18,6 +18,7 @@ import base64
 import html
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,7 +181,33 @@ def _newest_samples(run_dir: Path) -> tuple[int | None, list[dict]]:
     if not files:
         return None, []
     step = max(files)
-    return step, [record for _, record in read_jsonl_objects(files[step])][:SAMPLES_SHOWN]
+    records = read_jsonl_objects(files[step])
+    for line, record in records:
+        _check_sample(files[step], line, record)
+    return step, [record for _, record in records][:SAMPLES_SHOWN]
+
+
+# the fields of a sample record (opd.train.step writes them) and what each must be where present
+_SAMPLE_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "prompt": ("a string", lambda v: isinstance(v, str)),
+    "response": ("a string", lambda v: isinstance(v, str)),
+    "correct": ("true, false or null", lambda v: v is None or isinstance(v, bool)),
+    "tokens": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v)),
+    "token_rewards": (
+        "a list of numbers",
+        lambda v: isinstance(v, list) and all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in v),
+    ),
+}
+
+
+def _check_sample(path: Path, line: int, record: dict) -> None:
+    """A sample record whose fields have other types was not written by a run: a ValueError naming the file, the
+    line and the field (never a report that quietly drops the field)."""
+    for key, (expected, valid) in _SAMPLE_FIELDS.items():
+        if key in record and not valid(record[key]):
+            value = record[key]
+            shown = repr(value) if len(repr(value)) <= 40 else f"{type(value).__name__} {repr(value)[:37]}..."
+            raise ValueError(f"{path}:{line}: {key!r} is {shown}, expected {expected} (not a sample opd wrote)")
 
 
 def first_value(series: Series, key: str) -> tuple[int, float] | None:

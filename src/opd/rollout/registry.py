@@ -132,6 +132,21 @@ def vllm_arguments(vllm: VLLMSpec | None, model: ModelSpec, *, model_path: str |
     return dict(model_path=model_path or model.path, engine_options=vllm_engine.engine_options(vllm, model))
 
 
+def check_vllm_rope(
+    spec: ModelSpec, vllm: VLLMSpec | None, run_length: int, what: str, *, path: str | None = None
+) -> None:
+    """Before vLLM starts: a model whose RoPE depends on the length must get from vLLM the table the run's longest
+    sequence `run_length` fixes (`opd.models.fix_rope`; `vllm_engine.rope_refusal`), or a one-line ValueError naming
+    `what` (the engine's setting). `path`: the files, where the caller resolved `spec.path`."""
+    try:
+        hf_config = AutoConfig.from_pretrained(path or spec.path, trust_remote_code=spec.trust_remote_code)
+    except (OSError, ValueError):  # loading it says what is wrong, in one line
+        return
+    reason = vllm_engine.rope_refusal(hf_config, getattr(vllm, "max_model_len", None), run_length)
+    if reason is not None:
+        raise ValueError(f"{what} ({spec.path}): {reason}")
+
+
 def _in_process(request: EngineRequest) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The model and the arguments both in-process engines take, from the request's model and tokenizer."""
     if request.model is None:

@@ -23,6 +23,7 @@ import torch
 from transformers import AutoConfig
 
 from opd.config import ModelSpec, VLLMSpec
+from opd.models import rope_choice
 from opd.rollout.base import GenerationOutput, SamplingParams, StopRule
 from opd.rollout.hf_model import check_request
 from opd.seeds import SALT_VLLM_PROMPT, derive_seed
@@ -49,6 +50,33 @@ def _import_vllm() -> Any:
     import vllm
 
     return vllm
+
+
+def rope_refusal(hf_config: Any, max_model_len: int | None, run_length: int) -> str | None:
+    """Why a vLLM engine of this model cannot rotate positions as the run's one choice does (`opd.models.fix_rope`,
+    fixed at the run's longest sequence `run_length`), or None. vLLM fixes longrope's table when the engine starts,
+    from its own maximum length (long factors when `max_model_len`, default `max_position_embeddings`, exceeds
+    `original_max_position_embeddings`): it agrees when both lengths lie on the same side. Its dynamic NTK base is
+    fixed at `max_position_embeddings × factor` positions whatever the run's length, which transformers computes
+    only for a sequence of exactly that length: refused."""
+    wanted = rope_choice(hf_config, run_length)
+    if wanted is None:
+        return None
+    if wanted.rope_type == "dynamic":
+        return (
+            "vLLM fixes rope_type 'dynamic' at max_position_embeddings × factor positions, not at the run's longest "
+            "sequence as opd does; use the torch or static engine (a local teacher) for this model"
+        )
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    engine_length = max_model_len or int(text.max_position_embeddings)
+    engine = wanted.at(engine_length)
+    if engine.setting == wanted.setting:
+        return None
+    return (
+        f"rope_type 'longrope': vLLM at max_model_len {engine_length} uses its {engine.setting}, the run's "
+        f"sequences (up to {run_length} tokens) need its {wanted.setting} (original_max_position_embeddings "
+        f"{wanted.threshold}); set vllm.max_model_len={run_length}"
+    )
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from opd.forward import needed_lengths, split_by_token_budget
-from opd.models import check_tokenizer_compatibility
+from opd.models import RopeChoice, check_tokenizer_compatibility
 from opd.teacher import wire
 from opd.teacher.base import PendingScores
 from opd.teacher.server import FINGERPRINT_HEADER, INSTANCE_HEADER, resolve_token
@@ -151,6 +151,22 @@ class RemoteScorer:
     @property
     def vocab_size(self) -> int:
         return int(self.info["vocab_size"])
+
+    def check_rope(self, run_length: int) -> None:
+        """The served model's length-dependent RoPE (its /info `rope`: the table `opd.models.fix_rope` fixed for the
+        server's `max_positions`) must be the one this run's longest sequence chooses; a one-line ValueError naming
+        both otherwise. A server whose RoPE does not depend on the length reports none: nothing to check."""
+        served = self.info.get("rope")
+        if not served:
+            return
+        choice = RopeChoice.from_info(served)
+        wanted = choice.at(run_length)
+        if wanted.setting != choice.setting:
+            raise ValueError(
+                f"the teacher served at {self.replicas[0].url} fixed its rope_type {choice.rope_type!r} to its "
+                f"{choice.setting} (max_positions {choice.length}); this run's sequences (up to {run_length} tokens) "
+                f"need its {wanted.setting}: restart opd serve-teacher with max_positions={run_length}"
+            )
 
     def check_tokenizer(self, student_tokenizer: Any, *, student_rows: int | None = None):
         """The `VocabInfo` of the student and this teacher, or the local check's one-line `TokenizerMismatchError`."""

@@ -18,6 +18,7 @@ from typing import Any, get_args
 import torch
 
 from opd.config import ModelSpec, TeacherEntry, TeacherRoute
+from opd.config.sections import route_text
 from opd.data.prompts import MISSING, get_field
 from opd.models import check_tokenizer_compatibility, load_model, load_tokenizer, resolve_device, resolve_dtype
 from opd.names import TeacherEngineName
@@ -143,7 +144,7 @@ def route_value(route: TeacherRoute, prompt: Prompt) -> str | None:
     if key == "id":
         return prompt.id
     value = get_field(prompt.meta, str(key))
-    return None if value is MISSING or value is None else str(value)
+    return None if value is MISSING or value is None else route_text(value)
 
 
 def _matches(route: TeacherRoute, prompt: Prompt) -> bool:

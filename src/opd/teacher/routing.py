@@ -5,15 +5,25 @@ run directory keeps (`teachers.json`: `routing_table`, `write_routing_table`) an
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from opd.config import STUDENT, DistillConfig
 from opd.data.templates import EncodedPrompts, encode_prompts
-from opd.io import atomic_write_json
-from opd.teacher.registry import resolve_scorer, route_prompts, view_prompts
+from opd.io import atomic_path, atomic_write_json
+from opd.teacher.registry import resolve_scorer, route_prompts, route_value, view_prompts
+from opd.types import Prompt
 
-__all__ = ["TEACHERS_FILE", "route_teachers", "routing_table", "teacher_views", "write_routing_table"]
+__all__ = [
+    "TEACHERS_FILE",
+    "check_routes_match",
+    "check_routing_table_path",
+    "route_teachers",
+    "routing_table",
+    "teacher_views",
+    "write_routing_table",
+]
 
 
 def route_teachers(config: DistillConfig, data: EncodedPrompts, console: Any) -> list[int]:
@@ -23,6 +33,7 @@ def route_teachers(config: DistillConfig, data: EncodedPrompts, console: Any) ->
     if not entries:
         return []
     routes = route_prompts(data.prompts, entries)
+    check_routes_match(config, data.prompts, routes)
     table = routing_table(config, routes)
     if console is not None and table is not None and len(entries) > 1:
         for row in table["teachers"]:
@@ -32,6 +43,37 @@ def route_teachers(config: DistillConfig, data: EncodedPrompts, console: Any) ->
                 soft_wrap=True,
             )
     return routes
+
+
+def check_routes_match(config: DistillConfig, prompts: list[Prompt], routes: list[int]) -> None:
+    """Every route that is not the default takes at least one prompt: a route that matches none (a value with other
+    capitals, a column the prompts do not have) would send its prompts to the default teacher, silently. One line
+    naming the teacher, its route, the counts and the values the prompts have."""
+    data = config.data
+    consumed = {  # columns the prompt loader turns into the prompt's fields: not left for a route_key
+        data.prompt_key: "data.prompt_key",
+        data.answer_key: "data.answer_key",
+        data.id_key: "data.id_key",
+    }
+    for index, entry in enumerate(config.teacher_entries()):
+        route = entry.route
+        if route is None or route.default or index in routes:
+            continue
+        values = Counter(route_value(route, prompt) for prompt in prompts)
+        key = "data_source" if route.data_source is not None else str(route.route_key)
+        where = f"teacher {entry.name}: route {route.describe()} matches 0 of {len(prompts)} prompts of {data.path}"
+        if set(values) == {None}:
+            why = f", a column the loader reads as {consumed[key]}" if key in consumed else ""
+            raise ValueError(
+                f"{where}: no prompt has the column {key!r}{why}; set route_key to a column every prompt has "
+                f"(dotted keys reach into structs; data_source and id are routable)"
+            )
+        seen = ", ".join(f"{v!r} ({n})" for v, n in values.most_common(5) if v is not None)
+        more = f" and {len(values) - 5} more" if len(values) > 5 else ""
+        raise ValueError(
+            f"{where}; their {key} values: {seen}{more} (routes compare values as text, capitals matter, numbers "
+            f"by value); give the route values the prompts have"
+        )
 
 
 TEACHERS_FILE = "teachers.json"
@@ -62,18 +104,40 @@ def routing_table(config: DistillConfig, routes: list[int]) -> dict | None:
     return {"prompts": len(routes), "teachers": rows}
 
 
-def write_routing_table(run_dir: Path, table: dict | None) -> None:
-    """Write `run_dir/teachers.json` (atomically), unless it already holds `table`; nothing without teachers. A
-    resume whose placement changed (teacher.device, teacher_offload may) rewrites it with this run's."""
-    if table is None:
-        return
+def check_routing_table_path(run_dir: Path) -> None:
+    """Refuse, before any model loads or anything is written, a `run_dir/teachers.json` that is not a file (a
+    folder, a device): the run could not write its routing table there at the end of its setup."""
     path = run_dir / TEACHERS_FILE
-    try:
-        if path.is_file() and json.loads(path.read_text()) == table:
-            return
-    except ValueError:
-        pass  # damaged: written anew
+    if (path.exists() or path.is_symlink()) and not path.is_file():
+        raise ValueError(
+            f"{path}: not a file; opd distill writes its routing table there: move it away, or choose another run.name"
+        )
+
+
+def write_routing_table(run_dir: Path, table: dict | None, *, step: int | None = None) -> Path | None:
+    """Write `run_dir/teachers.json` (atomically), unless it already holds `table`; nothing without teachers. A
+    table that differs (a resume at `step` whose placement or routing changed) is kept first as
+    `teachers.step_<step>.json` (…`.2.json` when that exists): the routing the earlier steps trained with is history,
+    never overwritten. Returns that copy."""
+    if table is None:
+        return None
+    path = run_dir / TEACHERS_FILE
+    kept = None
+    if path.is_file():
+        earlier = path.read_bytes()
+        try:
+            if json.loads(earlier) == table:
+                return None
+        except ValueError:
+            pass  # damaged: kept as it is, written anew
+        kept, number = run_dir / f"teachers.step_{step or 0}.json", 1
+        while kept.exists() and kept.read_bytes() != earlier:
+            number += 1
+            kept = run_dir / f"teachers.step_{step or 0}.{number}.json"
+        with atomic_path(kept) as temp:
+            temp.write_bytes(earlier)
     atomic_write_json(path, table)
+    return kept
 
 
 def teacher_views(

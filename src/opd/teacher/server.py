@@ -34,7 +34,7 @@ import torch
 from opd.config import ConfigError
 from opd.config.serve_teacher import MIN_TOKEN_LENGTH, TOKEN_ENV, ServeLimits
 from opd.fingerprints import weights_fingerprint
-from opd.models import check_tokenizer_compatibility, embedding_rows
+from opd.models import check_tokenizer_compatibility, embedding_rows, fix_rope
 from opd.teacher import wire
 from opd.teacher.local import LocalScorer
 from opd.types import TokenScores
@@ -635,6 +635,9 @@ def service_for(
     of every file: `opd.fingerprints.model_fingerprint`); None: the hash of every byte of the weights in memory
     (`weights_fingerprint`). Every response carries it, so a client notices a server restarted on other weights."""
     rows = embedding_rows(model)
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    # a length-dependent RoPE gets one table, for the longest row it accepts; /info says which (the client checks it)
+    rope = fix_rope(model, config.max_positions or (context if isinstance(context, int) else None) or 65536)
     vocab = check_tokenizer_compatibility(tokenizer, tokenizer, student_vocab_size=rows, teacher_vocab_size=rows)
     # ids beyond the tokenizer are embedding padding rows: never a top-k candidate (SPEC §1), as in load_teacher
     scorer = LocalScorer(model, vocab_size=vocab.tokenizer_size, max_tokens_per_batch=config.forward_tokens)
@@ -646,8 +649,8 @@ def service_for(
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "device": device or str(next(model.parameters()).device),
         "model_fingerprint": fingerprint or weights_fingerprint(model),
+        "rope": None if rope is None else rope.to_info(),
     }
-    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     return TeacherService(
         scorer, info, tokenizer.get_vocab(), config, context=context if isinstance(context, int) else None
     )

@@ -132,17 +132,18 @@ def save_checkpoint(
 _STATE_KEYS = ("step", "rng", "optimizer", "scheduler", "sampler")  # what every trainer saves and restores
 
 
-def load_trainer_state(checkpoint: str | Path) -> dict:
+def load_trainer_state(checkpoint: str | Path, *, mmap: bool = False) -> dict:
     """The trainer state of a checkpoint; RNG states are restored by the caller with `set_rng_state`. A file that
     does not load, is not a trainer state, or names another step than its directory is a ValueError naming it (its
-    manifest can agree with damage written before it: a copy, a disk that lies)."""
+    manifest can agree with damage written before it: a copy, a disk that lies). `mmap`: the tensors stay in the
+    file until read (a look at the state's small entries before any model loads costs no optimizer-sized read)."""
     path = Path(checkpoint) / STATE_FILE
     advice = f"the checkpoint is damaged: move {checkpoint} out of the run directory to resume from an earlier one"
     try:
         # weights_only: tensors, containers and numpy's RNG state only; a run directory from elsewhere cannot make
         # torch.load run code
         with torch.serialization.safe_globals(_numpy_rng_globals()):
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except OSError:
         raise
     except Exception as error:  # pickle, zip and torch errors alike: the bytes are not a state torch.save wrote

@@ -108,17 +108,26 @@ def cached_fingerprint(data: Any, rows: Callable[[], Iterable[tuple[Sequence[int
 
 
 def check_data_fingerprint(
-    state: dict, fingerprint: str, *, what: str, run: RunSpec, checkpoint: Path, console: Any
+    state: dict,
+    fingerprint: str,
+    *,
+    what: str,
+    run: RunSpec,
+    checkpoint: Path,
+    console: Any,
+    key: str = "data_fingerprint",
+    consequence: str = "its sampler position would index other rows",
 ) -> None:
     """Refuse a resume whose data differ from those the checkpoint was trained on (one line naming `what`), unless
-    `run.allow_config_change` (then a note). Checkpoints written before fingerprints were saved are not compared."""
-    saved = state.get("data_fingerprint")
+    `run.allow_config_change` (then a note). `key`: the state's entry compared (the prompt set's; distill also keeps
+    its routing's). Checkpoints written before that fingerprint was saved are not compared."""
+    saved = state.get(key)
     if saved is None or saved == fingerprint:
         return
     if not run.allow_config_change:
         raise RunDirectoryError(
             f"--resume: {what} changed since {checkpoint} was saved (content sha256 {saved[:12]} → "
-            f"{fingerprint[:12]}): its sampler position would index other rows. Restore the file, pass "
+            f"{fingerprint[:12]}): {consequence}. Restore the file, pass "
             f"--allow-config-change to continue on the new data anyway, or start another run.name"
         )
     if console is not None:
@@ -139,6 +148,25 @@ def check_skipped_steps(consecutive: int, step: int, spec: OptimSpec) -> None:
             f"optim.lr, check the teacher's temperature and the data (metrics.jsonl: grad_norm), or raise "
             f"optim.max_skipped_steps"
         )
+
+
+def check_run_trained(consecutive: int, step: int, steps_run: int) -> None:
+    """Fail a run that ends on a streak of skipped steps (non-finite gradient norms) covering every step it ran, or on
+    two or more (weights that diverged skip every step after: the run is dead, whatever optim.max_skipped_steps
+    allows): an exit code of 0 would say the run trained. One line; the metrics and checkpoints stay as written."""
+    if not consecutive or (consecutive < 2 and consecutive < steps_run):
+        return
+    every = consecutive >= steps_run
+    which = (
+        f"every step of this run ({step - consecutive + 1}..{step})"
+        if every
+        else (f"its last {consecutive} steps ({step - consecutive + 1}..{step})")
+    )
+    raise ValueError(
+        f"the run ended with {which} skipped for a non-finite gradient norm: the weights are "
+        f"{'the ones it started from' if every else f'where step {step - consecutive} left them'}; lower optim.lr, "
+        f"check the teacher's temperature and the data (metrics.jsonl: grad_norm)"
+    )
 
 
 def is_due(step: int, every: int, last_step: int) -> bool:

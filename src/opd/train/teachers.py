@@ -134,7 +134,8 @@ def _in_row_order(parts: list[tuple[torch.Tensor, TokenScores]], batch_size: int
 
 def teacher_metrics(tr: Trainer, batch: Batch, scores: Scores, targets: Targets) -> dict[str, Any]:
     """Per teacher (several teachers): `teacher/<name>/token_frac` (its share of the step's response tokens),
-    `teacher/<name>/reward_mean` (the token reward over its tokens) and `teacher/<name>/rollout_accuracy`."""
+    `teacher/<name>/reward_mean` (the token reward over its tokens) and `teacher/<name>/rollout_accuracy`. A teacher
+    with no tokens in the step logs its token_frac (0) and leaves the other two out: a mean over nothing is no 0."""
     mask_BT = targets.mask
     row_teacher = torch.tensor(row_teachers(tr, batch), device=mask_BT.device)
     total = mask_BT.sum().clamp(min=1)
@@ -144,10 +145,12 @@ def teacher_metrics(tr: Trainer, batch: Batch, scores: Scores, targets: Targets)
         mine_BT = mask_BT * rows_B[:, None].to(mask_BT.dtype)
         prefix = f"teacher/{routed.name}"
         out[f"{prefix}/token_frac"] = mine_BT.sum() / total
+        if not mine_BT.any():
+            continue
         out[f"{prefix}/reward_mean"] = reward_stats("reward", targets.rewards, targets.reward_valid, mine_BT)[
             "reward_mean"
         ]
-        if scores.correct is not None:
-            graded = [c for c, t in zip(scores.correct, rows_B.tolist()) if t]
-            out[f"{prefix}/rollout_accuracy"] = sum(graded) / len(graded) if graded else 0.0
+        graded = [c for c, t in zip(scores.correct or [], rows_B.tolist()) if t]
+        if graded:
+            out[f"{prefix}/rollout_accuracy"] = sum(graded) / len(graded)
     return out

@@ -1,0 +1,222 @@
+"""Episodes: rollouts as conversations with an environment, on any `Generator`.
+
+A turn is one generation call for every episode still running: the student writes until its end-of-turn token or
+its turn budget; a turn without a tool call ends the episode, one with calls gets the environment's answers (all
+episodes' calls at once, `opd.tools.environments.answer_calls`), rendered by the chat template
+(`opd.tools.calls.observation_ids`), appended to the episode, and the next turn starts. An episode also ends at
+`max_turns`, at its token budget (`max_episode_tokens`: student and environment tokens after the prompt) and when the
+environment says it is done. The result is one response per episode, the student's and the environment's tokens in
+order, with `env_masks` marking the environment's: `episode_rollouts` lays it out as `Rollouts` whose
+`response_mask` leaves them out, so rewards, advantages, the loss and length statistics see the student's tokens only
+while every scorer reads the whole episode as context.
+
+Left out for now: continuing a sequence's cache across turns. Each turn hands the engine the whole conversation so
+far, which it prefills again; `EpisodeOutput.repeated_prefill_tokens` counts the tokens an engine that appends to its
+cache would not have prefilled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from opd.rollout.base import GenerationOutput, Generator, SamplingParams
+from opd.rollout.batch import build_rollouts
+from opd.seeds import derive_seed
+from opd.tools.calls import ParsedTurn, observation_ids, parse_tool_calls, prompt_ids, tool_messages
+from opd.tools.environments import Environment, Episode, answer_calls
+from opd.types import Rollouts
+
+
+@dataclass
+class EpisodeOutput:
+    """P prompts × n episodes, prompt-major as `GenerationOutput`.
+
+    output:        response_ids: everything after the prompt (the student's turns and the environment's answers);
+                   finish_reasons: "stop" (the student answered without a call, or the environment ended it) or
+                   "length" (a budget or `max_turns` ran out); logprobs 0 on the environment's tokens
+    prompt_ids:    per prompt, its ids with the tools offered (the rows' prompt in `episode_rollouts`)
+    env_masks:     per episode, one bool per response token, True on the environment's
+    turns, tool_calls, tool_errors: per episode (a malformed call counts as a call and an error)
+    sandbox_refusals: per episode, the calls the sandbox refused or stopped (`Observation.refused`)
+    tool_seconds:  the calls' summed wall time; tool_wall_seconds: the time the batch waited for them
+    repeated_prefill_tokens: context tokens the engine read again at later turns
+    """
+
+    output: GenerationOutput
+    prompt_ids: list[list[int]]
+    env_masks: list[list[bool]]
+    turns: list[int]
+    tool_calls: list[int]
+    tool_errors: list[int]
+    tool_seconds: float = 0.0
+    tool_wall_seconds: float = 0.0
+    repeated_prefill_tokens: int = 0
+    describe: dict[str, Any] = field(default_factory=dict)
+    sandbox_refusals: list[int] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        """Per-step figures: means per episode, sums for the batch."""
+        count = max(1, len(self.turns))
+        student = sum(m.count(False) for m in self.env_masks)
+        return {
+            "episode/turns_mean": sum(self.turns) / count,
+            "episode/tool_calls_mean": sum(self.tool_calls) / count,
+            "episode/tool_errors": float(sum(self.tool_errors)),
+            "episode/sandbox_refusals": float(sum(self.sandbox_refusals)),
+            "episode/tool_seconds": self.tool_seconds,
+            "episode/tool_wall_seconds": self.tool_wall_seconds,
+            "episode/student_tokens_mean": student / count,
+            "episode/env_tokens_mean": sum(m.count(True) for m in self.env_masks) / count,
+            "episode/repeated_prefill_tokens": float(self.repeated_prefill_tokens),
+        }
+
+
+def run_episodes(
+    generator: Generator,
+    tokenizer: Any,
+    messages: Sequence[list[dict[str, Any]]],
+    rows: Sequence[Mapping[str, Any]],
+    environment: Environment,
+    params: SamplingParams,
+    *,
+    max_turns: int,
+    max_episode_tokens: int | None = None,
+    max_turn_tokens: int | None = None,
+    tool_workers: int | None = None,
+    tool_timeout_s: float | None = None,
+    template: Mapping[str, Any] | None = None,
+) -> EpisodeOutput:
+    """`params.n` episodes for each prompt (`messages[p]`, a chat, and `rows[p]`, the row the environment starts
+    from). Budgets: `max_turn_tokens` per turn and `max_episode_tokens` per episode, both `params.max_new_tokens` by
+    default; `max_turns` ≥ 1 generation turns. Each turn's seed is derived from `params.seed` (turn 0 uses it as
+    is). `template`: extra arguments of `apply_chat_template` (e.g. enable_thinking)."""
+    if max_turns < 1:
+        raise ValueError(f"rollout.max_turns must be ≥ 1, got {max_turns!r}")
+    if len(messages) != len(rows):
+        raise ValueError(f"{len(messages)} prompts but {len(rows)} rows; they must match")
+    episode_budget = params.max_new_tokens if max_episode_tokens is None else max_episode_tokens
+    turn_budget = params.max_new_tokens if max_turn_tokens is None else max_turn_tokens
+    for name, value in (("max_episode_tokens", episode_budget), ("max_turn_tokens", turn_budget)):
+        if value < 1:
+            raise ValueError(f"rollout.{name} must be ≥ 1, got {value!r}")
+    template = dict(template or {})
+    n = params.n
+    episodes: list[Episode] = [environment.start(rows[p]) for p in range(len(messages)) for _ in range(n)]
+    try:
+        return _run(
+            generator, tokenizer, messages, episodes, params, n, max_turns, episode_budget, turn_budget,
+            tool_workers, tool_timeout_s, template, environment.describe(),
+        )  # fmt: skip
+    finally:
+        for episode in episodes:
+            episode.close()
+
+
+def _run(
+    generator: Generator,
+    tokenizer: Any,
+    messages: Sequence[list[dict[str, Any]]],
+    episodes: list[Episode],
+    params: SamplingParams,
+    n: int,
+    max_turns: int,
+    episode_budget: int,
+    turn_budget: int,
+    tool_workers: int | None,
+    tool_timeout_s: float | None,
+    template: dict[str, Any],
+    describe: dict[str, Any],
+) -> EpisodeOutput:
+    prompts = [prompt_ids(tokenizer, messages[p], episodes[p * n].tools, **template) for p in range(len(messages))]
+    for b, episode in enumerate(episodes):
+        if b % n and prompt_ids(tokenizer, messages[b // n], episode.tools, **template) != prompts[b // n]:
+            raise ValueError(f"the environment offered different tools to the episodes of prompt {b // n}")
+    B = len(episodes)
+    contexts = [list(prompts[b // n]) for b in range(B)]
+    response: list[list[int]] = [[] for _ in range(B)]
+    env_mask: list[list[bool]] = [[] for _ in range(B)]
+    logprobs: list[list[float]] = [[] for _ in range(B)]
+    finish: list[str | None] = [None] * B
+    turns, calls, errors, refusals = [0] * B, [0] * B, [0] * B, [0] * B
+    tool_seconds = tool_wall = 0.0
+    repeated = 0
+    fresh = [len(c) for c in contexts]  # tokens appended since the engine last read the context
+    for turn in range(max_turns):
+        active = [b for b in range(B) if finish[b] is None]
+        if not active:
+            break
+        budgets = [min(turn_budget, episode_budget - len(response[b])) for b in active]
+        seed = params.seed if turn == 0 or params.seed is None else derive_seed(params.seed, call=turn)
+        turn_params = replace(params, n=1, max_new_tokens=max(budgets), seed=seed)
+        repeated += sum(len(contexts[b]) - fresh[b] for b in active)
+        out = generator.generate([contexts[b] for b in active], turn_params)
+        parsed: dict[int, ParsedTurn] = {}
+        for i, b in enumerate(active):
+            ids = list(out.response_ids[i][: budgets[i]])
+            lps = list(out.logprobs[i][: budgets[i]]) if out.logprobs is not None else [0.0] * len(ids)
+            response[b] += ids
+            env_mask[b] += [False] * len(ids)
+            logprobs[b] += lps
+            contexts[b] += ids
+            fresh[b] = 0
+            turns[b] += 1
+            if len(ids) < len(out.response_ids[i]) or out.finish_reasons[i] != "stop":
+                finish[b] = "length"
+                continue
+            turn_text = parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=True))
+            if not turn_text.items:
+                finish[b] = "stop"
+            elif turns[b] == max_turns:
+                finish[b] = "length"  # calls the episode has no turn left to read
+            else:
+                parsed[b] = turn_text
+        if not parsed:
+            continue
+        order = list(parsed)
+        answers, stats = answer_calls(
+            [(episodes[b], parsed[b].calls) for b in order], max_workers=tool_workers, timeout_s=tool_timeout_s
+        )
+        tool_seconds += stats.tool_seconds
+        tool_wall += stats.wall_seconds
+        for b, observations in zip(order, answers):
+            turn_text = parsed[b]
+            calls[b] += len(turn_text.items)
+            errors[b] += len(turn_text.errors) + sum(o.error for o in observations)
+            refusals[b] += sum(o.refused for o in observations)
+            env_ids = observation_ids(tokenizer, tool_messages(turn_text, observations), episodes[b].tools, **template)
+            if len(response[b]) + len(env_ids) >= episode_budget:
+                finish[b] = "length"
+                continue
+            response[b] += env_ids
+            env_mask[b] += [True] * len(env_ids)
+            logprobs[b] += [0.0] * len(env_ids)
+            contexts[b] += env_ids
+            fresh[b] = len(env_ids)
+            if any(o.done for o in observations) or episodes[b].done:
+                finish[b] = "stop"
+    output = GenerationOutput(
+        response_ids=response,
+        finish_reasons=[reason or "length" for reason in finish],
+        group_ids=[b // n for b in range(B)],
+        logprobs=logprobs if params.return_logprobs else None,
+    )
+    return EpisodeOutput(
+        output, prompts, env_mask, turns, calls, errors, tool_seconds, tool_wall, repeated, describe=describe,
+        sandbox_refusals=refusals,
+    )  # fmt: skip
+
+
+def episode_rollouts(episodes: EpisodeOutput, *, pad_id: int, device: torch.device | str | None = None) -> Rollouts:
+    """The episodes as `Rollouts`: each row is prompt + the whole episode, and `response_mask` is True on the
+    student's tokens only (the environment's are context: they are scored as input, never as targets)."""
+    rollouts = build_rollouts(episodes.prompt_ids, episodes.output, pad_id=pad_id)
+    steps = rollouts.response_mask.shape[1]
+    env_BT = torch.zeros((len(episodes.env_masks), steps), dtype=torch.bool)
+    for b, mask in enumerate(episodes.env_masks):
+        env_BT[b, : len(mask)] = torch.as_tensor(mask, dtype=torch.bool)
+    rollouts.response_mask = rollouts.response_mask & ~env_BT
+    return rollouts.to(device) if device is not None else rollouts

@@ -383,6 +383,7 @@ def our_row(
     ckpt: str,
     compiled: bool,
 ) -> dict:
+    from opd.compile_cache import persisted
     from opd.train.step import compiled_graphs, opd_step, warm_up
 
     variant = VARIANTS[name]
@@ -413,18 +414,30 @@ def our_row(
         steps: list[dict] = []
         tr.models.compiled_layers = compiled
         warm_up_s = warm_up_graphs = None
-        if tr.models.compiled_layers:  # as `opd distill` does before its first step
+        cache_counts: dict = {}
+        if tr.models.compiled_layers:  # as `opd distill` does before its first step, inside the compile cache
             sync(device)
             start_warm_up = time.perf_counter()
             # the engine itself, as `opd distill`'s warm-up sees it: behind BenchGenerator its decode step went
             # uncompiled until the steps (the paper step's timed step on an H100 compiled it at 48 rows)
             bench, tr.engines.generator = tr.engines.generator, tr.engines.generator.inner
+            shapes = {k: v for k, v in vars(args).items() if k not in ("out", "repeat", "warmup", "profile", "seed")}
+            parts = {"benchmark": "opd_step", "engine": engine, "variant": name, "ckpt": row_ckpt, **shapes}
             try:
-                warm_up_graphs = warm_up(tr, device)
+                with persisted(parts, device) as cache:
+                    warm_up_graphs = warm_up(tr, device)
+                    sync(device)
             finally:
                 tr.engines.generator = bench
-            sync(device)
             warm_up_s = time.perf_counter() - start_warm_up
+            cache_counts = {
+                "cache_loaded": cache.loaded,
+                "cache_saved": cache.saved,
+                "cache_hits": cache.fx_hits,
+                "cache_misses": cache.fx_misses,
+                "aot_hits": cache.aot_hits,
+                "aot_misses": cache.aot_misses,
+            }
 
         def step(warm: bool = False):
             tr.run.memory_trace = [] if cuda else None
@@ -482,6 +495,7 @@ def our_row(
             "warm_up_graphs": warm_up_graphs,
             "warm_step_graphs": sum(s["new_graphs"] for s in steps if s["warm"]),
             "timed_step_graphs": sum(s["new_graphs"] for s in timed),
+            **cache_counts,  # the compile cache (opd.compile_cache) over the warm-up: artefacts, inductor hits / misses
             "peak_gib": m["peak_gib"],
         }
         if cuda:  # the phase marks reset the peak counter: the row's peak is the largest phase peak

@@ -98,3 +98,12 @@ def model_dirs(tmp_path):
 @pytest.fixture
 def sft_data(tmp_path):
     return write_jsonl(tmp_path / "sft.jsonl", [{"messages": chat(q, a)} for q, a in SFT_QA * 3])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache_in_tmp(tmp_path_factory):
+    """Runs that compile keep their artefacts (`opd.compile_cache`) in a folder of the session, never the user's
+    ~/.cache; subprocesses inherit it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OPD_COMPILE_CACHE", str(tmp_path_factory.mktemp("opd-compile-cache")))
+        yield

@@ -10,13 +10,16 @@ import random
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from PIL import Image
 
-from helpers import one_line, run_in_process
+from helpers import distill_config, one_line, run_in_process, string_console
+from opd.io import read_jsonl
+from opd.recipes.distill import setup, train
 from opd.report import write_report
-from opd.report.plots import chunk_grid, load_series
+from opd.report.plots import RunSeries, chunk_grid, load_series, phase_keys, render_plots, step_compile_seconds
 
 GROUPS = [
     "accuracy",
@@ -29,6 +32,7 @@ GROUPS = [
     "length",
     "timing",
     "loss",
+    "phases",
     "chunks",
 ]
 
@@ -367,3 +371,53 @@ def test_report_damaged_run_file_is_one_line_naming_it(label, name, content, say
         return
     line = one_line(code, err)
     assert str(path) in line and says in line, line
+
+
+@pytest.mark.slow
+def test_a_real_runs_report_draws_where_the_time_goes(world, tmp_path):
+    """A real two-step run's metrics.jsonl: the report has the phase chart, stacking the phases the trainer timed."""
+    cfg = distill_config(world, tmp_path)
+    train(setup(cfg, tmp_path / "run", console=string_console()), console=string_console())
+    logged = {key for row in read_jsonl(tmp_path / "run" / "metrics.jsonl") for key in row}
+    assert {"time/rollout", "time/teacher", "time/student", "time/update"} <= logged
+    images = embedded_images(write_report([tmp_path / "run"]).read_text())
+    assert "phases" in images and not is_blank(images["phases"])
+    assert (tmp_path / "run" / "plots" / "phases.png").is_file()
+
+
+@pytest.mark.slow
+def test_the_phase_chart_stacks_phases_compiles_and_gpu_busy(tmp_path):
+    series = {
+        "time/update": _points([3.0, 3.0, 3.0]),
+        "time/rollout": _points([1.0, 1.0, 1.0]),
+        "time/rollout_wait": _points([0.5, 0.0, 0.0]),
+        "time/extra_phase": _points([0.2, 0.2, 0.2]),
+        "time/step": _points([4.7, 4.2, 4.2]),
+        "compile/seconds": _points([10.0, 12.0, 12.0]),
+        "compile/warm_up_s": (np.array([1]), np.array([95.0])),
+        "compile/warm_up_graphs": (np.array([1]), np.array([60.0])),
+        "gpu/busy_frac": _points([0.4, 0.9, 0.9]),
+    }
+    assert phase_keys(set(series)) == ["time/rollout", "time/rollout_wait", "time/update", "time/extra_phase"]
+    plots = render_plots([RunSeries("a", series), RunSeries("b", {"lr": _points([1.0, 1.0, 1.0])})], tmp_path)
+    phases = next(plot for plot in plots if plot.name == "phases")
+    drawn = ["compile/seconds", "compile/warm_up_s", "compile/warm_up_graphs", "gpu/busy_frac"]
+    assert phases.keys == [*phase_keys(set(series)), *drawn]
+    assert "gpu/busy_frac" not in {key for plot in plots if plot.name == "other" for key in plot.keys}
+
+
+def test_a_run_without_timings_has_no_phase_chart(tmp_path):
+    plots = render_plots([RunSeries("sft", {"loss": _points([2.0, 1.0]), "lr": _points([1.0, 1.0])})], tmp_path)
+    assert "phases" not in {plot.name for plot in plots}
+
+
+def test_compile_seconds_per_step_restart_at_a_resume():
+    steps = np.array([1, 2, 3, 4, 5])
+    totals = np.array([30.0, 30.0, 32.0, 5.0, 5.0])
+    steps_kept, per_step = step_compile_seconds({"compile/seconds": (steps, totals)}) or ((), ())
+    assert list(steps_kept) == [2, 3, 5] and list(per_step) == [0.0, 2.0, 0.0]  # steps 1 and 4: a process's first
+    assert step_compile_seconds({"time/step": (steps, steps * 1.0)}) is None
+
+
+def _points(values: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    return np.arange(1, len(values) + 1), np.array(values)

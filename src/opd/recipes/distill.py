@@ -12,7 +12,6 @@ sharded by FSDP2; rank 0 owns the run directory and speaks for all (`opd.train.d
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from opd.check.probes import (  # noqa: F401  (the probes' old home: importable 
     tokenizer_probes,
     view_probes,
 )
+from opd.compile_cache import persisted
 from opd.config import STUDENT, STUDENT_INIT, DistillConfig, TeacherEntry
 from opd.data.prompts import load_prompts
 from opd.data.templates import EncodedPrompts, encode_prompts
@@ -86,6 +86,7 @@ from opd.train.common import (
     trainer_state,
     training_precision,
 )
+from opd.train.compiles import warm_up_cache_parts
 from opd.train.distributed import (
     SINGLE,
     DistInfo,
@@ -153,8 +154,7 @@ def train(tr: Trainer, *, console: Any) -> None:
             with gathered(tr.models.student, tr.run.dist):
                 if main:
                     run_eval(tr, console)
-        if tr.models.compiled_layers and tr.run.step < cfg.run.steps:
-            _warm_up(tr, console)
+        warm_up_metrics = _warm_up(tr, console) if tr.models.compiled_layers and tr.run.step < cfg.run.steps else {}
         compiles = CompileLog()
         consecutive_skips = steps_run = 0
         while tr.run.step < cfg.run.steps:
@@ -164,6 +164,8 @@ def train(tr: Trainer, *, console: Any) -> None:
             graphs, recompiled = compiles.take()
             if tr.models.compiled_layers:  # what this step compiled (rank 0's): after the warm-up, 0 is the target
                 metrics["compile/step_graphs"] = graphs
+            metrics.update(warm_up_metrics)  # the first step's line carries the warm-up's seconds and cache hits
+            warm_up_metrics = {}
             if main:
                 assert tr.run.sink is not None  # setup opens rank 0's sink
                 tr.run.sink.log(tr.run.step, metrics)
@@ -187,18 +189,21 @@ def train(tr: Trainer, *, console: Any) -> None:
     check_run_trained(consecutive_skips, tr.run.step, steps_run)  # every rank: the grad norm is the global one
 
 
-def _warm_up(tr: Trainer, console: Any) -> None:
-    start = time.perf_counter()
+def _warm_up(tr: Trainer, console: Any) -> dict[str, float]:
+    """`warm_up` with its artefacts kept in the compile cache (`opd.compile_cache`); returns its `compile/*` metrics."""
     device = next(tr.models.student.parameters()).device
     rows = decode_warm_up_rows(tr)
-    graphs = warm_up(tr, device, decode_rows=rows)
+    with persisted(warm_up_cache_parts(tr), device) as cache:
+        graphs = warm_up(tr, device, decode_rows=rows)
     decode = (
         f" and the rollout engine's decode step at {len(rows)} row counts ({rows[0]} to {rows[-1]})" if rows else ""
     )
     console.print(
-        f"compiled layers: warmed up on every batch layout{decode} in {time.perf_counter() - start:.1f} s "
+        f"compiled layers: warmed up on every batch layout{decode} in {cache.seconds:.1f} s "
         f"({graphs} graphs); no step should compile again (metric compile/graphs)"
     )
+    console.print(cache.describe())
+    return cache.metrics()
 
 
 def _console_line(step: int, m: dict) -> str:

@@ -6,8 +6,11 @@ are drawn faint with an EMA on top; sparse ones (evals) with markers. Per-positi
 (step × chunk index) when some metric has a second chunk, i.e. the run had responses longer than one chunk.
 
 Uses matplotlib's object API on the Agg canvas: no pyplot, so no global backend switch, no GUI, no shared state.
-Omitted: interactive plots (the report is static and self-contained), confidence bands across seeds (one curve
-per run directory), and stacked timing areas (phases are drawn as lines, which also overlay across runs).
+Where the time goes: one more figure stacks each step's phases (`time/*`: rollout, waits, teacher, student, update)
+per run, marks the seconds a step spent compiling and the warm-up before the first step (`compile/*`), and draws the
+share of the step's wall time a GPU kernel ran (`gpu/busy_frac`) where it was recorded: a slow phase shows without a
+profiler. Omitted: interactive plots (the report is static and self-contained), confidence bands across seeds (one
+curve per run directory).
 """
 
 from __future__ import annotations
@@ -370,6 +373,11 @@ CLAIMED = frozenset(
         "pg_loss",
         "loss",
         "rollout_accuracy",
+        "compile/warm_up_s",  # the phase chart's
+        "compile/warm_up_graphs",
+        "compile/cache_hits",
+        "compile/cache_misses",
+        "gpu/busy_frac",
     }
 )
 
@@ -400,10 +408,129 @@ def render_plots(runs: list[RunSeries], out_dir: str | Path) -> list[Plot]:
         if panels:
             fig = _line_figure(group.title, panels, runs)
             plots.append(_save(fig, out_dir, group, [k for p in panels for k in p.keys]))
+    if phases := phase_keys(available):
+        keys = phases + [k for k in PHASE_EXTRAS if k in available]
+        plots.append(_save(_phase_figure(runs), out_dir, PHASE_GROUP, keys))
     metrics = chunk_metrics(available)
     if metrics:
         plots.append(_save(_chunk_figure(metrics, runs), out_dir, CHUNK_GROUP, metrics))
     return plots
+
+
+# ------------------------------------------------------------------------------------------ where the time goes
+
+# a step's phases (`opd.train.step`'s `time/*`: they add up to `time/step`), bottom to top, with their colours
+PHASES = {
+    "time/rollout": "#1f77b4",
+    "time/rollout_wait": "#aec7e8",
+    "time/teacher": "#ff7f0e",
+    "time/student": "#2ca02c",
+    "time/update": "#d62728",
+}
+PHASE_GROUP = Group(
+    "phases",
+    "Where the time goes",
+    lambda _: [],
+    "Each step's wall time stacked by phase (time/*; rollout_wait: the step waiting for a rollout made in the "
+    "background), the seconds of it spent compiling (black, compile/seconds; the warm-up before a process's first "
+    "step in words, compile/warm_up_s), and the share of the step a GPU kernel ran (gpu/busy_frac, right axis) where "
+    "recorded.",
+)
+# what the chart draws besides the phases
+PHASE_EXTRAS = ("compile/seconds", "compile/warm_up_s", "compile/warm_up_graphs", "compile/cache_hits", "gpu/busy_frac")
+
+
+def phase_keys(available: set[str]) -> list[str]:
+    """The `time/*` phases present, in the stacking order: the known ones first, then any other (sorted)."""
+    known = [k for k in PHASES if k in available]
+    extra = sorted(
+        k for k in available if k.startswith("time/") and k not in PHASES and k != "time/step" and not CHUNK_RE.match(k)
+    )
+    return known + extra
+
+
+def step_compile_seconds(series: Series) -> tuple[np.ndarray, np.ndarray] | None:
+    """Seconds each step spent compiling: the step-to-step rise of `compile/seconds` (torch's compile time since the
+    process started). A process's first step is left out (its figure holds the warm-up, `compile/warm_up_s`), and so
+    is the first after a fall (a resume: a new process). None where the run did not log it."""
+    if "compile/seconds" not in series:
+        return None
+    steps, total = series["compile/seconds"]
+    rises = np.diff(total)
+    kept = rises >= 0
+    return steps[1:][kept], rises[kept]
+
+
+def _phase_figure(runs: list[RunSeries]) -> Figure:
+    shown = [run for run in runs if phase_keys(set(run.series))]
+    nrows, ncols = _grid(len(shown))
+    width = 5.6 * ncols if ncols > 1 else 7.5
+    fig = _figure(width, 3.3 * nrows + 0.4, PHASE_GROUP.title)
+    fig.subplots_adjust(right=1 - 0.7 / width, wspace=0.45)  # room for the GPU-busy axis on the right
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, run in zip(axes, shown):
+        _draw_phases(ax, run)
+    for ax in axes[len(shown) :]:
+        ax.set_visible(False)
+    return fig
+
+
+def _draw_phases(ax, run: RunSeries) -> None:
+    """One run: its phases stacked per step (bars of one step's width), compiling and GPU busy over them."""
+    keys = phase_keys(set(run.series))
+    steps = np.unique(np.concatenate([run.series[k][0] for k in keys]))
+    bottom = np.zeros(len(steps))
+    for i, key in enumerate(keys):
+        values = np.zeros(len(steps))
+        key_steps, key_values = run.series[key]
+        values[np.searchsorted(steps, key_steps)] = key_values
+        color = PHASES.get(key, COLORS[(i + 5) % len(COLORS)])
+        ax.fill_between(steps, bottom, bottom + values, step="mid", color=color, linewidth=0, label=key[5:])
+        bottom = bottom + values
+    compiles = step_compile_seconds(run.series)
+    if compiles is not None and compiles[1].max(initial=0.0) > 0:
+        ax.step(compiles[0], compiles[1], where="mid", color="black", linewidth=1.2, label="compiling")
+    title = run.name if len(run.name) <= 60 else run.name[:57] + "…"
+    if "compile/warm_up_s" in run.series:  # as words, not a bar: minutes of warm-up would flatten the steps
+        title += "\n" + _warm_up_words(run.series)
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.35)  # room for the legend above the bars
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if "gpu/busy_frac" in run.series:
+        busy = ax.twinx()
+        busy_steps, busy_frac = run.series["gpu/busy_frac"]
+        (line,) = busy.plot(busy_steps, busy_frac, color="#9467bd", linestyle="--", linewidth=1.4, label="GPU busy")
+        busy.set_ylim(0, 1.35)
+        busy.set_yticks([0, 0.25, 0.5, 0.75, 1.0])
+        busy.set_ylabel("GPU busy (fraction)")
+        handles, labels = [*handles, line], [*labels, "GPU busy"]
+    ax.legend(handles, labels, fontsize=7, loc="upper left", ncol=4)
+
+
+def _warm_up_words(series: Series) -> str:
+    """The warm-ups before a process's first step: "warm-up 95 s (60 graphs, 58 loaded from the compile cache)"
+    for the last one, "+ N more" when the run resumed."""
+    steps, seconds = series["compile/warm_up_s"]
+    at = int(steps[-1])
+    words = f"warm-up before step {at}: {seconds[-1]:.0f} s"
+    counts = {k: _value_at(series, f"compile/{k}", at) for k in ("warm_up_graphs", "cache_hits", "cache_misses")}
+    if counts["warm_up_graphs"] is not None:
+        words += f" ({counts['warm_up_graphs']:.0f} graphs"
+        if counts["cache_hits"] is not None and counts["cache_misses"] is not None:
+            words += f"; inductor: {counts['cache_hits']:.0f} loaded, {counts['cache_misses']:.0f} compiled"
+        words += ")"
+    return words + (f"; {len(steps) - 1} earlier" if len(steps) > 1 else "")
+
+
+def _value_at(series: Series, key: str, step: int) -> float | None:
+    if key not in series:
+        return None
+    steps, values = series[key]
+    hits = np.flatnonzero(steps == step)
+    return float(values[hits[-1]]) if len(hits) else None
 
 
 def _save(fig: Figure, out_dir: Path, group: Group, keys: list[str]) -> Plot:

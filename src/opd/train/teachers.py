@@ -16,13 +16,14 @@ from opd.models import on_device
 from opd.objectives import reward_stats
 from opd.objectives.targets import Targets
 from opd.teacher.base import start_scoring
+from opd.teacher.cross_vocab import cross_metrics, start_cross_scoring
 from opd.teacher.registry import RoutedTeacher
 from opd.train.common import autocast
 from opd.train.distributed import gathered
 from opd.train.state import Batch, Scores, Trainer
 from opd.types import Rollouts, TokenScores
 
-__all__ = ["live_student", "row_teachers", "start_teachers", "teacher_metrics"]
+__all__ = ["live_student", "row_teachers", "start_teachers", "teacher_metrics", "xtok_metrics"]
 
 
 def start_teachers(
@@ -72,6 +73,20 @@ def _start_routed(
     whole = len(rows) == rollouts.batch_size  # every row, in order: the batch itself, no copy
     scorer, mine = routed.teacher.scorer, rollouts if whole else rollouts.select(rows_R)
     topk_ids = student.topk_ids if whole or student.topk_ids is None else student.topk_ids[rows_R]
+    if routed.cross is not None:  # another vocabulary: its own ids of the student's text, scores back at ours
+        own = routed.prompt_ids
+        assert own is not None  # a cross teacher always has its own rendering of the prompts
+        with on_device(routed.teacher.module, device if routed.entry.offload else None):
+            cross_call = start_cross_scoring(
+                routed.cross,
+                routed.teacher.scorer,
+                mine,
+                student if whole else _rows_of(student, rows_R),
+                [own[batch.indices[g]] for g in mine.group_ids.tolist()],
+                top_k=tr.config.objective.top_k,
+                temperature=routed.entry.temperature,
+            )
+        return rows_R, cross_call
     if routed.prompt_ids is not None:  # its view: its own prompt ids before the same response ids
         views = routed.prompt_ids
         mine = _with_prompts(mine, [views[batch.indices[g]] for g in mine.group_ids.tolist()], tr.models.tokenizer)
@@ -89,6 +104,12 @@ def _start_routed(
             temperature=routed.entry.temperature,
         )
     return rows_R, call
+
+
+def _rows_of(scores: TokenScores, rows_R: torch.Tensor) -> TokenScores:
+    """The scores of the given rows."""
+    picked = {f.name: getattr(scores, f.name) for f in fields(TokenScores)}
+    return TokenScores(**{k: None if v is None else v[rows_R.to(v.device)] for k, v in picked.items()})  # type: ignore[arg-type]
 
 
 def _with_prompts(rollouts: Rollouts, prompt_ids: list[list[int]], tokenizer: Any) -> Rollouts:
@@ -121,6 +142,11 @@ def _in_row_order(parts: list[tuple[torch.Tensor, TokenScores]], batch_size: int
     out: dict[str, torch.Tensor | None] = {}
     for name in (f.name for f in fields(TokenScores)):
         tensors = [getattr(scores, name) for _, scores in parts]
+        if name == "exact" and any(t is not None for t in tensors):  # one vocabulary: every position is exact
+            tensors = [
+                torch.ones_like(s.sampled_logprobs, dtype=torch.bool) if t is None else t
+                for t, (_, s) in zip(tensors, parts)
+            ]
         if any(t is None for t in tensors):
             out[name] = None
             continue
@@ -151,3 +177,10 @@ def teacher_metrics(tr: Trainer, batch: Batch, scores: Scores, targets: Targets)
             graded = [c for c, t in zip(scores.correct, rows_B.tolist()) if t]
             out[f"{prefix}/rollout_accuracy"] = sum(graded) / len(graded) if graded else 0.0
     return out
+
+
+def xtok_metrics(tr: Trainer) -> dict[str, float]:
+    """The cross-vocabulary teachers' `xtok/…` metrics of the step (`opd.teacher.cross_vocab.cross_metrics`); empty
+    without one."""
+    crosses = [routed.cross for routed in tr.models.teachers if routed.cross is not None]
+    return cross_metrics(crosses) if crosses else {}

@@ -13,7 +13,7 @@ from functools import lru_cache
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from helpers import CHAT_TEMPLATE
+from helpers import CHAT_TEMPLATE, make_tiny_model
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -105,3 +105,12 @@ KINDS = {
     "sentencepiece": sentencepiece,
     "characters": characters,
 }
+
+
+def teacher_model(tokenizer: PreTrainedTokenizerFast, seed: int = 1):
+    """A tiny random Qwen3 over `tokenizer` (at least the tiny model's 261 rows: rows past the tokenizer are padding),
+    its config's EOS and pad ids the tokenizer's."""
+    model = make_tiny_model("qwen3", vocab_size=max(len(tokenizer), 261), seed=seed)
+    for config in (model.config, model.generation_config):
+        config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    return model

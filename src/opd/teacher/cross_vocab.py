@@ -15,6 +15,7 @@ teacher ids), and the teacher's own top-k in the student's vocabulary (strategie
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,7 @@ __all__ = [
     "cross_teacher_views",
     "load_cross_teacher",
     "resolve_tokenizer_mode",
+    "start_alignment",
     "start_cross_scoring",
     "teacher_tokenizer_hash",
     "tokenizer_modes",
@@ -101,6 +103,7 @@ class CrossVocab:
     credit:            how a span's teacher log-prob reaches its student tokens (`span_teacher_logprobs`)
     tokenizer_hash:    the teacher tokenizer's hash (`teacher_tokenizer_hash`)
     counts:            the tokens and rows of the calls since the last `cross_metrics` (exact, span, unmapped, …)
+    pending:           (rows, the alignment in flight) started for the next scoring call (`start_alignment`)
     """
 
     teacher_tokenizer: Any
@@ -113,6 +116,7 @@ class CrossVocab:
     credit: SpanCredit = "even"
     tokenizer_hash: str = ""
     counts: dict[str, float] = field(default_factory=dict)
+    pending: tuple[tuple[int, ...], Future] | None = None
 
     @property
     def overlap(self) -> int:
@@ -164,10 +168,11 @@ class _Aligned:
     one_to_one_BT: torch.Tensor
 
 
-def _align(cross: CrossVocab, rollouts: Rollouts, prompt_lengths: list[int]) -> _Aligned:
-    response_ids = rollouts.response_ids.cpu()
-    lengths = rollouts.response_mask.sum(-1).cpu().tolist()
-    rows = [response_ids[b, :n].tolist() for b, n in enumerate(lengths)]
+def _align(cross: CrossVocab, response_ids_BT: torch.Tensor, lengths: list[int], prompt_lengths: list[int]) -> _Aligned:
+    """Align every row (its first `lengths[b]` ids) for a teacher whose prompts are `prompt_lengths` long: numpy
+    buffers filled row by row, made tensors once."""
+    response = response_ids_BT.numpy()
+    rows = [response[b, :n].tolist() for b, n in enumerate(lengths)]
     eos = set(cross.student_eos_ids)
     ends = [bool(row) and row[-1] in eos for row in rows]
     room = [None if cross.teacher_positions is None else cross.teacher_positions - p for p in prompt_lengths]
@@ -182,28 +187,47 @@ def _align(cross: CrossVocab, rollouts: Rollouts, prompt_lengths: list[int]) -> 
         teacher_eos_id=stops,
         max_teacher_tokens=room,
     )
-    B, T = response_ids.shape
-    N = max((len(r.teacher_ids) for r in batch.rows), default=0)
-    student_span_BT = torch.full((B, T), -1, dtype=torch.long)
-    teacher_ids_BN = torch.zeros((B, max(N, 1)), dtype=torch.long)
-    teacher_span_BN = torch.full((B, max(N, 1)), -1, dtype=torch.long)
-    one_to_one_BT = torch.full((B, T), -1, dtype=torch.long)
+    B, T = response.shape
+    N = max(max((len(r.teacher_ids) for r in batch.rows), default=0), 1)
+    student_span_BT = np.full((B, T), -1, dtype=np.int64)
+    teacher_ids_BN = np.zeros((B, N), dtype=np.int64)
+    teacher_span_BN = np.full((B, N), -1, dtype=np.int64)
+    one_to_one_BT = np.full((B, T), -1, dtype=np.int64)
     for b, row in enumerate(batch.rows):
         n, m = len(row.student_span), len(row.teacher_ids)
-        student_span_BT[b, :n] = torch.from_numpy(row.student_span)
+        student_span_BT[b, :n] = row.student_span
         if m:
-            teacher_ids_BN[b, :m] = torch.tensor(row.teacher_ids, dtype=torch.long)
-            teacher_span_BN[b, :m] = torch.from_numpy(row.teacher_span)
+            teacher_ids_BN[b, :m] = row.teacher_ids
+            teacher_span_BN[b, :m] = row.teacher_span
         if row.num_spans:
-            s_count = np.bincount(row.student_span[row.student_span >= 0], minlength=row.num_spans)
+            span = row.student_span
+            s_count = np.bincount(span[span >= 0], minlength=row.num_spans)
             t_count = np.bincount(row.teacher_span, minlength=row.num_spans)
             t_pos = np.full(row.num_spans, -1, dtype=np.int64)
             t_pos[row.teacher_span] = np.arange(m)
-            one = (s_count == 1) & (t_count == 1)
-            span = row.student_span
-            hit = (span >= 0) & one[np.clip(span, 0, None)]
-            one_to_one_BT[b, :n] = torch.from_numpy(np.where(hit, t_pos[np.clip(span, 0, None)], -1))
-    return _Aligned(batch, student_span_BT, teacher_ids_BN, teacher_span_BN, teacher_span_BN >= 0, one_to_one_BT)
+            index = np.clip(span, 0, None)
+            hit = (span >= 0) & (s_count == 1)[index] & (t_count == 1)[index]
+            one_to_one_BT[b, :n] = np.where(hit, t_pos[index], -1)
+    teacher_span = torch.from_numpy(teacher_span_BN)
+    return _Aligned(
+        batch,
+        torch.from_numpy(student_span_BT),
+        torch.from_numpy(teacher_ids_BN),
+        teacher_span,
+        teacher_span >= 0,
+        torch.from_numpy(one_to_one_BT),
+    )
+
+
+def start_alignment(cross: CrossVocab, rollouts: Rollouts, prompt_lengths: list[int]) -> Future[_Aligned]:
+    """`_align` of `rollouts` on the CPU in a background thread (the teacher's tokenizer releases the GIL while it
+    encodes): started as soon as the rollouts exist, it runs while the student's no-grad scores are on the GPU."""
+    response_ids_BT = rollouts.response_ids.cpu()
+    lengths = rollouts.response_mask.sum(-1).cpu().tolist()
+    return _EXECUTOR.submit(_align, cross, response_ids_BT, lengths, prompt_lengths)
+
+
+_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opd-xtok")
 
 
 def _teacher_rollouts(rollouts: Rollouts, aligned: _Aligned, prompt_ids: list[list[int]], pad_id: int) -> Rollouts:
@@ -288,11 +312,14 @@ def start_cross_scoring(
     *,
     top_k: int,
     temperature: float | None,
+    alignment: Future[_Aligned] | None = None,
 ) -> CrossCall:
     """Align the rows of `rollouts` (with their student scores `student`), start the teacher's scoring of its own
     ids (`prompt_ids`: the teacher's rendering of each row's prompt) and count the step's `xtok/…` tokens. `top_k`:
-    the objective's (0: sampled-token; exact positions are then the one-to-one spans)."""
-    aligned = _align(cross, rollouts, [len(p) for p in prompt_ids])
+    the objective's (0: sampled-token; exact positions are then the one-to-one spans). `alignment`: the rows'
+    alignment already started (`start_alignment`), else it runs now."""
+    lengths = [len(p) for p in prompt_ids]
+    aligned = (alignment or start_alignment(cross, rollouts, lengths)).result()
     pad_id = cross.teacher_tokenizer.pad_token_id
     batch = _teacher_rollouts(rollouts, aligned, prompt_ids, 0 if pad_id is None else pad_id)
     one_BT = aligned.one_to_one_BT >= 0

@@ -46,7 +46,7 @@ from opd.train.optim import adamw_state_bytes, clip_and_step
 from opd.train.overlap import AheadStream
 from opd.train.state import Batch, EngineCounts, Scores, Trainer, Update
 from opd.train.stream import GenerateFn, RolloutStream, in_flight_batches
-from opd.train.teachers import row_teachers, start_teachers, teacher_metrics, xtok_metrics
+from opd.train.teachers import prealign_teachers, row_teachers, start_teachers, teacher_metrics, xtok_metrics
 from opd.types import Rollouts
 
 __all__ = [  # Trainer, the step's records and the compile log live in their own modules; imported from here too
@@ -223,6 +223,7 @@ def score_rollouts(tr: Trainer, batch: Batch, timings: dict, device: torch.devic
     exists and overlap the grading of the rollouts."""
     cfg, obj, rollouts = tr.config, tr.config.objective, batch.rollouts
     diag_k = diagnostic_top_k(obj.top_k)
+    prealign_teachers(tr, batch)  # a cross-vocabulary teacher's alignment, on the CPU while the student scores
     with (
         timed(timings, "student"),
         gathered(tr.models.student, tr.run.dist),

@@ -16,14 +16,14 @@ from opd.models import on_device
 from opd.objectives import reward_stats
 from opd.objectives.targets import Targets
 from opd.teacher.base import start_scoring
-from opd.teacher.cross_vocab import cross_metrics, start_cross_scoring
+from opd.teacher.cross_vocab import cross_metrics, start_alignment, start_cross_scoring
 from opd.teacher.registry import RoutedTeacher
 from opd.train.common import autocast
 from opd.train.distributed import gathered
 from opd.train.state import Batch, Scores, Trainer
 from opd.types import Rollouts, TokenScores
 
-__all__ = ["live_student", "row_teachers", "start_teachers", "teacher_metrics", "xtok_metrics"]
+__all__ = ["live_student", "prealign_teachers", "row_teachers", "start_teachers", "teacher_metrics", "xtok_metrics"]
 
 
 def start_teachers(
@@ -43,6 +43,22 @@ def start_teachers(
             if index in row_teacher:
                 calls.append(_start_routed(tr, batch, student, top_k, device, index, routed, row_teacher))
     return lambda: _in_row_order([(rows, call.result()) for rows, call in calls], batch.rollouts.batch_size)
+
+
+def prealign_teachers(tr: Trainer, batch: Batch) -> None:
+    """Start every cross-vocabulary teacher's alignment of its rows in the background (`start_alignment`), before
+    the student's scores are taken: the CPU work runs while the GPU scores. No-op without such a teacher."""
+    if not any(routed.cross is not None for routed in tr.models.teachers):
+        return
+    row_teacher = row_teachers(tr, batch)
+    for index, routed in enumerate(tr.models.teachers):
+        rows = [row for row, t in enumerate(row_teacher) if t == index]
+        if routed.cross is None or not rows or routed.prompt_ids is None:
+            continue
+        mine = batch.rollouts.select(rows) if len(rows) < batch.rollouts.batch_size else batch.rollouts
+        own = routed.prompt_ids
+        lengths = [len(own[batch.indices[g]]) for g in mine.group_ids.tolist()]
+        routed.cross.pending = (tuple(rows), start_alignment(routed.cross, mine, lengths))
 
 
 def live_student(tr: Trainer, device: torch.device, *, gather: bool = True) -> ExitStack:
@@ -76,6 +92,7 @@ def _start_routed(
     if routed.cross is not None:  # another vocabulary: its own ids of the student's text, scores back at ours
         own = routed.prompt_ids
         assert own is not None  # a cross teacher always has its own rendering of the prompts
+        pending, routed.cross.pending = routed.cross.pending, None
         with on_device(routed.teacher.module, device if routed.entry.offload else None):
             cross_call = start_cross_scoring(
                 routed.cross,
@@ -85,6 +102,7 @@ def _start_routed(
                 [own[batch.indices[g]] for g in mine.group_ids.tolist()],
                 top_k=tr.config.objective.top_k,
                 temperature=routed.entry.temperature,
+                alignment=pending[1] if pending is not None and pending[0] == tuple(rows) else None,
             )
         return rows_R, cross_call
     if routed.prompt_ids is not None:  # its view: its own prompt ids before the same response ids

@@ -68,3 +68,12 @@ def test_a_teacher_that_cannot_encode_the_text_stops_at_startup(cross_world, tmp
     code, _, err = cli(capsys, *_args(cross_world, tmp_path, "chars"))
     line = one_line(code, err)
     assert "cross_tokenizer failed" in line and "数" in line
+
+
+def test_opd_check_gives_a_teacher_of_another_vocabulary_its_cross_tokenizer_row(cross_world, tmp_path, capsys):
+    args = [a for a in _args(cross_world, tmp_path, "bpe") if not a.startswith(("run.", "prompts_per", "rollout."))]
+    code, out, err = cli(capsys, "check", *args[1:], f"run.out_dir={tmp_path}")
+    assert code == 0, err
+    report = json.loads(next(tmp_path.rglob("check.json")).read_text())
+    row = next(r for r in report["results"] if r["name"] == "cross_tokenizer")
+    assert row["status"] == "pass" and "exact-string map" in row["detail"]

@@ -24,7 +24,7 @@ from opd.lab.task import (
     style_of,
     to_sft_examples,
 )
-from opd.lab.tokenizer import build_lab_tokenizer
+from opd.lab.tokenizer import SPECIAL_TOKENS, build_lab_tokenizer
 
 TEACHER_ARCH: dict[str, int] = {
     "hidden_size": 256,
@@ -205,6 +205,30 @@ def rehome_on_digit_pairs(source: str | Path, out_dir: str | Path) -> Path:
         a, b = (base.get_vocab()[c] for c in pair)
         weight[i] = (old_rows[a] + old_rows[b]) / 2
     model.config.update({"vocab_size": len(tokenizer)})
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    give_umask_modes(out_dir)
+    return out_dir
+
+
+def permute_vocabulary(source: str | Path, out_dir: str | Path, *, seed: int = 0) -> Path:
+    """The lab model at `source` on the lab tokenizer with its non-special ids shuffled (`build_lab_tokenizer(order=
+    …)`) and its (tied) embedding rows moved with them: the same model and segmentation under another token → id
+    map, so `tokenizer: auto` takes the cross path and every span is one token to one token."""
+    base = build_lab_tokenizer()
+    base_by_id = {i: token for token, i in base.get_vocab().items()}
+    pieces = [base_by_id[i] for i in range(len(SPECIAL_TOKENS), len(base))]
+    order = [pieces[i] for i in torch.randperm(len(pieces), generator=torch.Generator().manual_seed(seed)).tolist()]
+    tokenizer = build_lab_tokenizer(order=tuple(order))
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    if not model.config.tie_word_embeddings:
+        raise ValueError(f"{source}: permute_vocabulary handles tied embeddings only")
+    old_rows = _input_embedding(model).weight.data.clone()
+    vocab = base.get_vocab()
+    by_id = {i: token for token, i in tokenizer.get_vocab().items()}
+    rows = [vocab[by_id[i]] for i in range(len(tokenizer))]
+    _input_embedding(model).weight.data.copy_(old_rows[rows])
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

@@ -134,3 +134,30 @@ def test_the_cross_tokenizer_row_names_a_character_the_teacher_cannot_encode():
     bad = build_cross_vocab(student_tok, characters(byte_fallback=False), student_eos_ids=[student_tok.eos_token_id])
     row = check_cross_tokenizer(bad, student_tok, ["x = 3", "Café 数学"])
     assert row.status == "fail" and row.hard and "'数学'" in row.detail
+
+
+def test_the_lab_teacher_under_another_token_to_id_map_scores_as_itself(tmp_path):
+    """The shipped lab teacher with its ids shuffled (`permute_vocabulary`): every id differs, so the cross path maps
+    the student's text and top-k onto the teacher's ids; its scores equal the original teacher's on the student's
+    own ids (a real model, a real renderer of each side's prompts)."""
+    from opd.lab import student_path, teacher_path
+    from opd.lab.build import permute_vocabulary
+    from opd.models import load_model
+
+    shuffled = permute_vocabulary(teacher_path(), tmp_path / "shuffled", seed=0)
+    student_model, tokenizer = load_model(str(student_path()), dtype=torch.float32, device="cpu")
+    teacher_model, _ = load_model(str(teacher_path()), dtype=torch.float32, device="cpu")
+    other_model, other_tok = load_model(str(shuffled), dtype=torch.float32, device="cpu")
+    texts = ["12+3=15\n15*2=30\n\\boxed{30}", "7-9=-2\n\\boxed{-2}"]
+    rollouts, _ = _rollouts(tokenizer, texts, tokenizer.eos_token_id)
+    student = LocalScorer(student_model).score(rollouts, top_k=K)
+    same = LocalScorer(teacher_model).score(rollouts, top_k=K, requested_ids=student.topk_ids)
+    cross = build_cross_vocab(tokenizer, other_tok, student_eos_ids=[tokenizer.eos_token_id])
+    prompts = [_prompt(other_tok, i) for i in range(len(texts))]
+    crossed = start_cross_scoring(
+        cross, LocalScorer(other_model), rollouts, student, prompts, top_k=K, temperature=1.0
+    ).result()
+    mask_BT = rollouts.response_mask
+    assert crossed.exact[mask_BT].all()
+    assert torch.allclose(crossed.sampled_logprobs[mask_BT], same.sampled_logprobs[mask_BT], atol=1e-5, rtol=0)
+    assert torch.allclose(crossed.requested_logprobs[mask_BT], same.requested_logprobs[mask_BT], atol=1e-5, rtol=0)

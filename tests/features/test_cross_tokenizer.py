@@ -77,3 +77,30 @@ def test_opd_check_gives_a_teacher_of_another_vocabulary_its_cross_tokenizer_row
     report = json.loads(next(tmp_path.rglob("check.json")).read_text())
     row = next(r for r in report["results"] if r["name"] == "cross_tokenizer")
     assert row["status"] == "pass" and "exact-string map" in row["detail"]
+
+
+def test_a_teachers_list_mixes_a_cross_and_a_same_vocabulary_teacher(cross_world, tmp_path, capsys):
+    config = {
+        "student": {"path": str(cross_world / "student")},
+        "teachers": [
+            {
+                "name": "cross",
+                "path": str(cross_world / "bpe"),
+                "route": {"route_key": "id", "values": ["0", "1", "2"]},
+            },
+            {"name": "same", "path": str(cross_world / "student"), "route": {"default": True}},
+        ],
+        "data": {"path": str(cross_world / "prompts.jsonl"), "answer_key": "answer", "max_prompt_length": 32},
+        "rollout": {"n": 2, "max_new_tokens": 6},
+        "objective": {"top_k": 4},
+        "prompts_per_step": 4,
+        "micro_batch_tokens": 64,
+        "run": {"out_dir": str(tmp_path), "name": "run", "steps": 1, "report": False},
+    }
+    path = tmp_path / "two.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    code, out, err = cli(capsys, "distill", "-c", str(path))
+    assert code == 0, err
+    assert "teacher cross: tokenizer auto → cross" in out and "teacher same" in out
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 0 < metrics["teacher/cross/token_frac"] < 1 and "xtok/exact_frac" in metrics  # 3 of 6 prompts each

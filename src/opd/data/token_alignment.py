@@ -144,18 +144,35 @@ def token_bytes(tokenizer: Any) -> TokenBytes:
 def exact_string_map(student: TokenBytes, teacher: TokenBytes) -> np.ndarray:
     """[V_student] int64: the teacher id whose bytes are exactly the student id's, else -1 (a special token maps to
     the teacher's special token of the same string, empty pieces never map; where several teacher ids share the
-    bytes, the lowest id, the base vocabulary's)."""
+    bytes, the lowest id, the base vocabulary's). A string that longer tokens begin with maps only when the same
+    longer tokens exist in both vocabularies: its token's probability leaves out theirs ("4" beside "47")."""
     by_bytes: dict[bytes, int] = {}
     for i, b in enumerate(teacher.table):
         if b and not teacher.special[i] and b not in by_bytes:
             by_bytes[b] = i
     specials = {name: i for i, name in sorted(teacher.special_names.items(), reverse=True)}
+    # a string that begins longer tokens has its probability split over them too (the digit "4" and the pair "47"):
+    # its token's probability means the same in both vocabularies only when the same longer tokens extend it
+    student_ext, teacher_ext = _extensions(student), _extensions(teacher)
     out = np.full(len(student.table), -1, dtype=np.int64)
     for i, b in enumerate(student.table):
         if student.special[i]:
             out[i] = specials.get(student.special_names.get(i, ""), -1)
-        elif b:
+        elif b and student_ext.get(b) == teacher_ext.get(b):
             out[i] = by_bytes.get(b, -1)
+    return out
+
+
+def _extensions(vocab: TokenBytes) -> dict[bytes, tuple[int, int]]:
+    """Per proper, non-empty prefix of a (non-special) token: (how many tokens extend it, a hash of which)."""
+    out: dict[bytes, tuple[int, int]] = {}
+    for i, b in enumerate(vocab.table):
+        if vocab.special[i] or len(b) < 2:
+            continue
+        h = hash(b)
+        for n in range(1, len(b)):
+            count, total = out.get(b[:n], (0, 0))
+            out[b[:n]] = (count + 1, total ^ h)
     return out
 
 

@@ -558,10 +558,15 @@ def lab_build_command(
         300, help="SFT steps of each MOPD specialist (specialist_add, specialist_mul), from the forward teacher."
     ),
     specialist_batch: int = typer.Option(64, help="Examples per SFT step of each MOPD specialist."),
+    cross_teacher_steps: int = typer.Option(
+        300,
+        help="SFT steps of the cross-tokenizer teacher (teacher_pairs: the forward teacher on a digit-pair "
+        "vocabulary).",
+    ),
     only: str | None = typer.Option(
         None,
         help="Comma-separated models to train: teacher, student, rewrite_teacher, specialist_add, "
-        "specialist_mul. [default: all five]",
+        "specialist_mul, teacher_pairs. [default: all six]",
     ),
     device: str = typer.Option("cpu", help="Where the models train and are measured: cpu, cuda, cuda:N."),
     time_budget: float | None = typer.Option(
@@ -570,8 +575,9 @@ def lab_build_command(
         "then always save, measure and record. [default: none]",
     ),
 ) -> None:
-    """Retrain the lab models (forward-style teacher and student, rewrite-style teacher, the two MOPD specialists)
-    from a seed with `opd sft` and write their manifest (accuracies measured, per domain for the specialists)."""
+    """Retrain the lab models (forward-style teacher and student, rewrite-style teacher, the two MOPD specialists,
+    the cross-tokenizer teacher) from a seed with `opd sft` and write their manifest (accuracies measured, per
+    domain for the specialists)."""
     from opd.recipes.lab import build
 
     manifest = build(
@@ -583,6 +589,7 @@ def lab_build_command(
         rewrite_teacher_batch=rewrite_teacher_batch,
         specialist_steps=specialist_steps,
         specialist_batch=specialist_batch,
+        cross_teacher_steps=cross_teacher_steps,
         sft_examples=sft_examples,
         eval_limit=eval_limit,
         only=parse_names(only),

@@ -86,6 +86,8 @@ class TokenScores:
     topk_logprobs:      [B, T, K] their log-probs, descending
     entropy:            [B, T]    entropy of the full distribution (None when not asked for)
     requested_logprobs: [B, T, Q] log-probs at ids the caller asked for (e.g. the student's top-k), or None
+    exact:              [B, T] bool, a cross-vocabulary teacher's positions whose top-k log-probs are exact (SPEC §9;
+                        elsewhere `sampled_logprobs` carries its span signal); None: every position (one vocabulary)
     """
 
     sampled_logprobs: torch.Tensor
@@ -93,6 +95,7 @@ class TokenScores:
     topk_logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     requested_logprobs: torch.Tensor | None = None
+    exact: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> TokenScores:
         """The same scores with every tensor on `device` (None stays None)."""
@@ -106,4 +109,5 @@ class TokenScores:
             moved(self.topk_logprobs),
             moved(self.entropy),
             moved(self.requested_logprobs),
+            moved(self.exact),
         )

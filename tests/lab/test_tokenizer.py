@@ -80,3 +80,23 @@ def test_save_and_load(tokenizer, problems, tmp_path):
         tokenizer.pad_token_id,
         len(tokenizer),
     )
+
+
+def test_the_digit_pair_vocabulary_spells_the_same_text_in_other_tokens(tokenizer, problems):
+    """The cross-tokenizer lab teacher's vocabulary: the lab's 34 tokens at their ids, then every digit pair; lab
+    text round-trips, and against the lab tokenizer it aligns span by span, a pair of digits one span."""
+    from opd.data.token_alignment import align_batch, token_bytes
+
+    pairs = build_lab_tokenizer(digit_pairs=True)
+    assert len(pairs) == len(tokenizer) + 100
+    assert [pairs.convert_ids_to_tokens(i) for i in range(len(tokenizer))] == tokenizer.convert_ids_to_tokens(
+        list(range(len(tokenizer)))
+    )
+    texts = [solve(p, "forward") for p in problems[:50]]
+    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    student, teacher = token_bytes(tokenizer), token_bytes(pairs)
+    batch = align_batch(rows, [True] * len(rows), student, teacher, pairs, teacher_eos_id=pairs.eos_token_id)
+    assert batch.status["ok"] == len(rows)
+    for text, row in zip(texts, batch.rows):
+        assert pairs.decode(row.teacher_ids, skip_special_tokens=True) == text
+    assert sum(r.num_spans for r in batch.rows) < sum(len(r) for r in rows)  # some spans hold two digits

@@ -7,13 +7,15 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from opd.check.report import CheckReport
+from opd.check.report import CheckReport, CheckResult
 from opd.check.scoring import ViewProbe
 from opd.check.startup import ScoringProbe, TokenizerProbe, preflight
+from opd.check.tokenizers import check_cross_tokenizer
 from opd.config import STUDENT, DistillConfig
 from opd.data.templates import EncodedPrompts
 from opd.models import load_tokenizer, on_device
@@ -23,7 +25,16 @@ from opd.train.common import autocast
 from opd.train.distributed import DistInfo
 from opd.train.state import Models
 
-__all__ = ["local_teachers", "placed", "scoring_probes", "startup_checks", "tokenizer_probes", "view_probes"]
+__all__ = [
+    "cross_rows",
+    "cross_sample_texts",
+    "local_teachers",
+    "placed",
+    "scoring_probes",
+    "startup_checks",
+    "tokenizer_probes",
+    "view_probes",
+]
 
 
 def startup_checks(
@@ -56,7 +67,33 @@ def startup_checks(
         teachers=local_teachers(models),
         scoring=scoring_probes(models, data, prompt_teacher or []),
         tokenizers=tokenizer_probes(models, config.student.path),
+        cross_rows=cross_rows(models, data, student_tokenizer),
     )
+
+
+def cross_sample_texts(prompts: list[Any], limit: int = 8) -> list[str]:
+    """What the cross-tokenizer row aligns: the message texts and answers of the first `limit` prompts (the text a
+    student of the task writes: its words, digits and symbols)."""
+    texts: list[str] = []
+    for prompt in prompts[:limit]:
+        texts += [str(m.get("content", "")) for m in prompt.messages]
+        answers = prompt.answer if isinstance(prompt.answer, list) else [prompt.answer]
+        texts += [str(a) for a in answers if a is not None]
+    return [t for t in texts if t]
+
+
+def cross_rows(models: Models, data: EncodedPrompts, student_tokenizer: Any) -> list[CheckResult]:
+    """The `cross_tokenizer` row of every teacher of another vocabulary (`check_cross_tokenizer`), named when the
+    run has several teachers."""
+    several = len(models.teachers) > 1
+    texts = cross_sample_texts(data.prompts)
+    out = []
+    for routed in models.teachers:
+        if routed.cross is None:
+            continue
+        row = check_cross_tokenizer(routed.cross, student_tokenizer, texts)
+        out.append(replace(row, name=f"{row.name}[{routed.name}]") if several else row)
+    return out
 
 
 def scoring_probes(models: Models, data: EncodedPrompts, prompt_teacher: list[int]) -> list[ScoringProbe]:
@@ -67,7 +104,7 @@ def scoring_probes(models: Models, data: EncodedPrompts, prompt_teacher: list[in
     probes = []
     for index, routed in enumerate(models.teachers):
         mine = [j for j, t in enumerate(prompt_teacher) if t == index][:2]
-        if not mine:
+        if not mine or routed.cross is not None:  # another vocabulary: its row is cross_tokenizer's
             continue
         own_ids = routed.prompt_ids or data.input_ids  # with a view: the prompts as this teacher sees them
         probes.append(
@@ -96,6 +133,8 @@ def tokenizer_probes(models: Models, student_path: str) -> list[TokenizerProbe]:
     for routed in models.teachers:
         entry, module = routed.entry, routed.teacher.module
         if entry.path is None or entry.path in seen or (module is None and entry.engine != "vllm"):
+            continue
+        if routed.cross is not None:  # another vocabulary: the cross_tokenizer row (`cross_rows`)
             continue
         seen.add(entry.path)
         tokenizer = load_tokenizer(entry.path, trust_remote_code=entry.trust_remote_code)
@@ -127,7 +166,7 @@ def view_probes(models: Models, data: EncodedPrompts, prompt_teacher: list[int] 
     probes = []
     for index, routed in enumerate(models.teachers):
         mine = [j for j, t in enumerate(prompt_teacher or []) if t == index]
-        if routed.prompt_ids is None or not mine:
+        if routed.prompt_ids is None or not mine or routed.cross is not None:
             continue
         j = mine[0]
         probes.append(

@@ -29,6 +29,7 @@ CHECKS: dict[str, str] = {
     "tokenizer_vocab": "tokenizers",
     "special_tokens": "tokenizers",
     "chat_template": "tokenizers",
+    "cross_tokenizer": "tokenizers",
     "determinism": "scoring",
     "self_distillation_zero": "scoring",
     "prompt_logprobs": "scoring",

@@ -109,6 +109,7 @@ def preflight(
     teachers: Sequence[tuple[str, torch.nn.Module, bool]] = (),
     scoring: Sequence[ScoringProbe] = (),
     tokenizers: Sequence[TokenizerProbe] = (),
+    cross_rows: Sequence[CheckResult] = (),
 ) -> CheckReport:
     """What `opd distill` runs at startup, on the loaded models (before the first step, the optimizer and layer
     compilation): the tokenizers, scoring and resources groups, minus `config.skip_checks`. Raises ValueError
@@ -117,12 +118,14 @@ def preflight(
     per teacher with a view (`teacher_view`). `teachers`: every in-process teacher (name, module, offloaded), for
     the memory row (`estimate_memory`). `scoring`: one probe per teacher for the scoring rows and step_time (none:
     no teacher, e.g. GRPO). `tokenizers`: one probe
-    per teacher model for the tokenizer rows (none: no teacher model to compare, e.g. a served one)."""
+    per teacher model for the tokenizer rows (none: no teacher model to compare, e.g. a served one). `cross_rows`:
+    the `cross_tokenizer` rows of the teachers of another vocabulary (`opd.check.probes.cross_rows`)."""
     skip = resolve_skips(config.skip_checks)
     if world_size > 1:
         skip |= {"prompt_logprobs", "step_time", "generation_scoring"}
     report = CheckReport()
     start = time.perf_counter()
+    report.results += [r for r in cross_rows if r.name.partition("[")[0] not in skip]
     for tokenizer_probe in tokenizers:
         rows = _tokenizer_rows(config, tokenizer_probe, student_tokenizer, student, prompts[0].messages)
         report.results += _named([r for r in rows if r.name not in skip], tokenizer_probe.name)

@@ -2,7 +2,7 @@
 (identical token → id maps, vocabulary padding rows allowed: `check_tokenizer_compatibility`), `special_tokens`
 (EOS, pad, BOS, UNK, the rest), `chat_template` (one prompt rendered by both templates, thinking default / on / off,
 to the same ids; else the first differing token). OPD scores the student's token ids with the teacher: every row
-is hard.
+is hard. A teacher of another vocabulary gets the `cross_tokenizer` row instead (`check_cross_tokenizer`).
 """
 
 from __future__ import annotations
@@ -10,8 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from opd.check.report import CheckResult
 from opd.data.templates import encode_prompts
+from opd.data.token_alignment import align_batch
 from opd.models import TokenizerMismatchError, check_tokenizer_compatibility
 from opd.teacher import wire
 from opd.types import Prompt
@@ -226,3 +229,58 @@ def check_served_tokenizers(
             )
         )
     return rows
+
+
+def check_cross_tokenizer(cross: Any, student_tokenizer: Any, texts: Sequence[str]) -> CheckResult:
+    """The cross-tokenizer row of a teacher of another vocabulary (`opd.teacher.cross_vocab.CrossVocab`), on sample
+    texts the student writes (each encoded with the student's tokenizer, then aligned as a response, EOS ended):
+    the exact-string map's size, the share of tokens in one-to-one spans, the mean span length and the round-trip
+    failures (texts the teacher's tokenizer does not re-encode to their bytes: an unknown character without byte
+    fallback, a normalisation). A round-trip failure is hard: that text would train with no teacher signal."""
+    eos = list(cross.student_eos_ids[:1])
+    rows = [student_tokenizer(t, add_special_tokens=False)["input_ids"] + eos for t in texts if t]
+    batch = align_batch(
+        rows,
+        [bool(eos)] * len(rows),
+        cross.student,
+        cross.teacher,
+        cross.teacher_tokenizer,
+        teacher_eos_id=cross.teacher_eos_id,
+    )
+    tokens = sum(len(r) for r in rows)
+    one = spans = aligned = 0
+    for row in batch.rows:
+        mine = row.student_span[row.student_span >= 0]
+        counts_s = np.bincount(mine, minlength=row.num_spans)
+        counts_t = np.bincount(row.teacher_span, minlength=row.num_spans)
+        one += int(((counts_s == 1) & (counts_t == 1)).sum())
+        spans += row.num_spans
+        aligned += len(mine)
+    overlap = cross.overlap
+    value = f"{overlap} mapped ids"
+    detail = (
+        f"exact-string map {overlap} of {len(cross.vocab_map)} student ids; on {len(rows)} texts "
+        f"({tokens} tokens): {one / max(tokens, 1):.1%} in one-to-one spans, {aligned / max(tokens, 1):.1%} aligned, "
+        f"mean span {aligned / max(spans, 1):.2f} student tokens; round-trip failures {batch.status['round_trip']}"
+    )
+    failed = [(t, r) for t, r in zip(texts, batch.rows) if r.status == "round_trip"]
+    if failed:
+        text = failed[0][0]
+        return CheckResult(
+            "cross_tokenizer",
+            "fail",
+            f"{len(failed)} round-trip failures",
+            f"{detail}; the teacher's tokenizer does not re-encode {round_trip_culprit(cross, text)!r}",
+            "use a teacher whose tokenizer covers the student's text (byte-level BPE or byte fallback), or a "
+            "teacher of the student's vocabulary",
+            hard=True,
+        )
+    return CheckResult("cross_tokenizer", "pass", value, detail, hard=True)
+
+
+def round_trip_culprit(cross: Any, text: str) -> str:
+    """The first characters of `text` the teacher's tokenizer does not re-encode to their bytes."""
+    ids = cross.teacher_tokenizer(text, add_special_tokens=False)["input_ids"]
+    got, want = cross.teacher.join(ids), text.encode()
+    i = first_difference(list(got), list(want)) or 0
+    return want[i : i + 8].decode("utf-8", errors="replace")

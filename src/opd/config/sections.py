@@ -236,6 +236,17 @@ class TeacherSpec(ModelSpec):
         "float32",
         description="Wire dtype of the log-probs: float32 (exact) or bfloat16 (fewer bytes, ~3 significant digits).",
     )
+    tokenizer: Literal["auto", "same", "cross"] = Field(
+        "auto",
+        description="auto: the student's token ids when the vocabularies agree, else the student's text under the "
+        "teacher's own tokenizer (cross, in-process teachers only; the log says which); same: refuse another "
+        "vocabulary; cross: always re-tokenize (README: cross-tokenizer distillation).",
+    )
+    span_credit: Literal["even", "last"] = Field(
+        "even",
+        description="A cross teacher's span log-prob on its student tokens: even (T/n each, the student's own "
+        "log-prob kept per token) or last (the span's whole reward on its last token); docs/spec.md §9.",
+    )
 
     @model_validator(mode="after")
     def _path_or_url(self) -> TeacherSpec:
@@ -250,6 +261,7 @@ class TeacherSpec(ModelSpec):
                     ("offload", bool(getattr(self, "offload", None)), False),  # a `teachers:` entry's
                     ("trust_remote_code", self.trust_remote_code, False),
                     ("attn_implementation", self.attn_implementation, None),
+                    ("tokenizer", self.tokenizer, "auto"),
                     ("vllm", ",".join(sorted(self.vllm.model_fields_set)) or None, None),
                 )
                 if value != default

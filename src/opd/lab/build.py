@@ -1,5 +1,6 @@
 """The lab's model and data builders: the teacher/student architectures, a random-init lab model, the SFT set as
-chat JSONL, the rewrite-style share of answers, and the import of a checkpoint from another lab vocabulary.
+chat JSONL, the rewrite-style share of answers, the import of a checkpoint from another lab vocabulary, and the move
+of one onto the digit-pair vocabulary (the cross-tokenizer lab teacher's start: `rehome_on_digit_pairs`).
 
 The programs that use them (`opd lab build`, `opd lab run`) are `opd.recipes.lab`.
 """
@@ -23,7 +24,7 @@ from opd.lab.task import (
     style_of,
     to_sft_examples,
 )
-from opd.lab.tokenizer import build_lab_tokenizer
+from opd.lab.tokenizer import SPECIAL_TOKENS, build_lab_tokenizer
 
 TEACHER_ARCH: dict[str, int] = {
     "hidden_size": 256,
@@ -183,6 +184,55 @@ def import_checkpoint(source: str | Path, source_tokenizer: str | Path, out_dir:
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     give_umask_modes(out_dir)  # safetensors writes its files 0600
+    return out_dir
+
+
+def rehome_on_digit_pairs(source: str | Path, out_dir: str | Path) -> Path:
+    """The lab model at `source` on the digit-pair lab tokenizer (`build_lab_tokenizer(digit_pairs=True)`), the
+    start of the cross-tokenizer lab teacher: the 34 lab tokens keep their ids and (tied) embedding rows, each pair
+    "ab" starts at the mean of the rows of "a" and "b"; SFT on the same solutions then teaches it the new tokens."""
+    tokenizer = build_lab_tokenizer(digit_pairs=True)
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    if not model.config.tie_word_embeddings:
+        raise ValueError(f"{source}: rehome_on_digit_pairs handles tied embeddings only")
+    old_rows = _input_embedding(model).weight.data.clone()
+    base = build_lab_tokenizer()
+    model.resize_token_embeddings(len(tokenizer))
+    weight = _input_embedding(model).weight.data
+    weight[: len(base)] = old_rows[: len(base)]
+    for i in range(len(base), len(tokenizer)):
+        pair = tokenizer.convert_ids_to_tokens(i)
+        a, b = (base.get_vocab()[c] for c in pair)
+        weight[i] = (old_rows[a] + old_rows[b]) / 2
+    model.config.update({"vocab_size": len(tokenizer)})
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    give_umask_modes(out_dir)
+    return out_dir
+
+
+def permute_vocabulary(source: str | Path, out_dir: str | Path, *, seed: int = 0) -> Path:
+    """The lab model at `source` on the lab tokenizer with its non-special ids shuffled (`build_lab_tokenizer(order=
+    …)`) and its (tied) embedding rows moved with them: the same model and segmentation under another token → id
+    map, so `tokenizer: auto` takes the cross path and every span is one token to one token."""
+    base = build_lab_tokenizer()
+    base_by_id = {i: token for token, i in base.get_vocab().items()}
+    pieces = [base_by_id[i] for i in range(len(SPECIAL_TOKENS), len(base))]
+    order = [pieces[i] for i in torch.randperm(len(pieces), generator=torch.Generator().manual_seed(seed)).tolist()]
+    tokenizer = build_lab_tokenizer(order=tuple(order))
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    if not model.config.tie_word_embeddings:
+        raise ValueError(f"{source}: permute_vocabulary handles tied embeddings only")
+    old_rows = _input_embedding(model).weight.data.clone()
+    vocab = base.get_vocab()
+    by_id = {i: token for token, i in tokenizer.get_vocab().items()}
+    rows = [vocab[by_id[i]] for i in range(len(tokenizer))]
+    _input_embedding(model).weight.data.copy_(old_rows[rows])
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    give_umask_modes(out_dir)
     return out_dir
 
 

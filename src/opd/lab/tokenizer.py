@@ -50,15 +50,31 @@ CHAT_TEMPLATE = (
 `<|im_start|>assistant\\n` when a generation prompt is asked for."""
 
 
-def build_lab_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerFast:
-    """The lab tokenizer; ids are fixed: special tokens 0..3, then CHARACTERS, then WORDS (len = 34).
+DIGIT_PAIRS: tuple[str, ...] = tuple(f"{a}{b}" for a in range(10) for b in range(10))
+"""The cross-tokenizer lab teacher's extra tokens (`digit_pairs=True`): every two-digit string, matched left to right
+("1234" is "12" "34", "123" is "12" "3"), as BPE vocabularies merge digits."""
+
+
+def build_lab_tokenizer(
+    model_max_length: int = 512, *, digit_pairs: bool = False, order: tuple[str, ...] | None = None
+) -> PreTrainedTokenizerFast:
+    """The lab tokenizer; ids are fixed: special tokens 0..3, then CHARACTERS, then WORDS (len = 34). With
+    `digit_pairs` the 100 `DIGIT_PAIRS` follow (len = 134): another vocabulary over the same text, the
+    cross-tokenizer lab teacher's (configs/lab_cross_tokenizer.yaml). `order`: the pieces after the special tokens
+    in another id order (`opd.lab.build.permute_vocabulary`: the same segmentation under another token → id map).
 
     eos = `<|im_end|>` (what ends an assistant turn), pad = `<|endoftext|>`, no bos is prepended.
     """
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS + WORDS)}
+    pairs = DIGIT_PAIRS if digit_pairs else ()
+    pieces = CHARACTERS + WORDS + pairs
+    if order is not None:  # the same pieces at other ids (the special tokens keep theirs)
+        if sorted(order) != sorted(pieces):
+            raise ValueError("order must hold every lab piece exactly once")
+        pieces = order
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + pieces)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
-    # Leftmost alternative wins, so the words are tried before the single-character fallback.
-    pattern = "|".join(re.escape(w) for w in WORDS) + r"|[\s\S]"
+    # Leftmost alternative wins, so the words (and digit pairs) are tried before the single-character fallback.
+    pattern = "|".join(re.escape(w) for w in WORDS) + (r"|\d\d" if digit_pairs else "") + r"|[\s\S]"
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     tok.decoder = decoders.Fuse()  # concatenate tokens as they are (the default would join them with spaces)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from opd.objectives.advantages import AdvantageMode, compute_advantages
+from opd.objectives.cross_vocab import with_span_fallback
 from opd.objectives.diagnostics import diagnostic_top_k
 from opd.objectives.losses import (
     KLKind,
@@ -133,6 +134,7 @@ def build_targets(
     else:
         if teacher is None:
             raise ValueError(f"advantage mode {o.advantage!r} needs the teacher's scores")
+        exact_BT = teacher.exact  # a cross-vocabulary teacher's exact positions (SPEC §9); None: all
         if o.top_k:
             student, teacher = (
                 _first_k(student, o.top_k, student_at_teacher_topk),
@@ -141,6 +143,10 @@ def build_targets(
         rewards = token_rewards_from_scores(
             student, teacher, rollouts.response_ids, mask_BT, top_k=o.top_k, strategy=o.strategy, weight=o.weight
         )
+        if o.top_k and exact_BT is not None:  # the span signal on the sampled token wherever top-k is not exact
+            rewards = with_span_fallback(
+                rewards, exact_BT, student.sampled_logprobs, teacher.sampled_logprobs, rollouts.response_ids, mask_BT
+            )
         candidate_ids_BTJ, valid_BTJ, rewards_BTJ = rewards.candidate_ids, rewards.valid, rewards.rewards
         old_lp_BTJ, teacher_lp_BTJ = rewards.student_logprobs, rewards.teacher_logprobs
     adv = compute_advantages(

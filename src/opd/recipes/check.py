@@ -34,6 +34,7 @@ import torch
 from rich.console import Console
 
 from opd.check.forecasting import ForecastThresholds, forecast, forecast_rows
+from opd.check.probes import cross_sample_texts
 from opd.check.report import (
     CHECKS,
     GROUPS,
@@ -53,7 +54,7 @@ from opd.check.scoring import (
     prompt_tail_rollouts,
     scoring_rows,
 )
-from opd.check.tokenizers import check_served_tokenizers, check_tokenizers
+from opd.check.tokenizers import check_cross_tokenizer, check_served_tokenizers, check_tokenizers
 from opd.config import STUDENT, DistillConfig, TeacherEntry, TeacherSpec
 from opd.data.prompts import load_prompts
 from opd.data.templates import encode_prompts
@@ -72,6 +73,7 @@ from opd.objectives.diagnostics import diagnostic_top_k
 from opd.rollout import make_generator
 from opd.rundir import locked
 from opd.teacher.client import remote_scorer
+from opd.teacher.cross_vocab import build_cross_vocab, resolve_tokenizer_mode
 from opd.teacher.local import LocalScorer
 from opd.teacher.registry import check_teacher_serves, route_prompts, view_prompts
 from opd.teacher.routing import check_routes_match
@@ -173,6 +175,11 @@ def _run_checks(
         if served is not None:
             check_teacher_serves(config.teacher, config.objective)
         # 1. tokenizers: from the files (or the server's /info), before any weights are loaded
+        if served is None and not live_student and _is_cross(config, student_tokenizer, teacher_tokenizer):
+            report.results += [
+                r for r in _cross_rows(config, student_tokenizer, teacher_tokenizer, sample) if r.name not in skipped
+            ]
+            return _finish(report, out_dir, console)
         rows = _tokenizer_rows(config, student_tokenizer, teacher_tokenizer, sample, served)
         report.results += [r for r in rows if r.name not in skipped]
         if any(r.name == "tokenizer_vocab" and r.status == "fail" for r in rows):
@@ -413,6 +420,34 @@ def _tokenizer_rows(
         student_eos_ids=eos_s,
         teacher_eos_ids=eos_t,
     )
+
+
+def _is_cross(config: DistillConfig, student_tokenizer: Any, teacher_tokenizer: Any) -> bool:
+    """Whether the teacher scores the student's text under its own tokenizer (`resolve_tokenizer_mode`)."""
+    return resolve_tokenizer_mode(config.teacher, student_tokenizer, teacher_tokenizer) == "cross"
+
+
+def _cross_rows(
+    config: DistillConfig, student_tokenizer: Any, teacher_tokenizer: Any, sample: Sequence[Any]
+) -> list[CheckResult]:
+    """A teacher of another vocabulary: the `cross_tokenizer` row on the sample's texts and answers; the scoring,
+    forecast and resources rows score the student's ids with the teacher and are not run here (`opd distill`'s
+    startup runs the cross row and its memory and step-time rows on the loaded models)."""
+    assert config.teacher is not None
+    cross = build_cross_vocab(
+        student_tokenizer,
+        teacher_tokenizer,
+        student_eos_ids=_from_files(config.student, student_tokenizer)[1],
+        teacher_eos_id=next(iter(_from_files(config.teacher, teacher_tokenizer)[1]), None),
+        credit=config.teacher.span_credit,
+    )
+    rows = [check_cross_tokenizer(cross, student_tokenizer, cross_sample_texts(list(sample), limit=len(sample)))]
+    rows += [
+        CheckResult(name, "skip", None, "not run for a cross-vocabulary teacher: it scores the student's ids")
+        for name in CHECKS
+        if CHECKS[name] != "tokenizers"
+    ]
+    return rows
 
 
 def _from_files(spec: Any, tokenizer: Any) -> tuple[int | None, list[int]]:

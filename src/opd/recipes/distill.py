@@ -37,6 +37,7 @@ from opd.models import (
     check_tokenizer_compatibility,
     check_top_k,
     compile_layers,
+    eos_token_ids,
     fix_rope,
     load_model,
     load_tokenizer,
@@ -48,11 +49,13 @@ from opd.rollout import Generator, make_generator
 from opd.rollout.registry import check_generation_fits, check_vllm_rope, resolve_engine
 from opd.rollout.vllm_engine import EngineOptions, vllm_available
 from opd.rundir import claimed_run_dir, open_run, resume_checkpoint, run_directory
+from opd.teacher.cross_vocab import check_cross_objective, cross_teacher_views, load_cross_teacher, tokenizer_modes
 from opd.teacher.local import LocalScorer
 from opd.teacher.manifest import check_teacher_manifest, teacher_manifest
 from opd.teacher.registry import (
     RoutedTeacher,
     Teacher,
+    TeacherRequest,
     check_teacher_serves,
     check_teacher_tokenizer,
     load_teacher,
@@ -290,13 +293,15 @@ def setup(
     check_sizes(config, dist)
     torch.manual_seed(config.run.seed)
     student_tokenizer = load_tokenizer(config.student.path, trust_remote_code=config.student.trust_remote_code)
-    _check_teacher_and_engine(config, student_tokenizer, console)
+    modes = tokenizer_modes(config.teacher_entries(), student_tokenizer, console)  # same or cross, per teacher
+    _check_teacher_and_engine(config, student_tokenizer, console, modes)
     _check_vllm_rope(config)
     data = _load_data(config, student_tokenizer, console)
     prompt_teacher = route_teachers(config, data, console)  # before any model loads: an unrouted prompt fails now
     if prompt_teacher:
         check_routing_table_path(run_dir)  # and a teachers.json it could not write, before config.yaml is
     views = teacher_views(config, data, prompt_teacher, student_tokenizer)
+    views = cross_teacher_views(config, data.prompts, prompt_teacher, modes, views)  # their own renderings
     if checkpoint is not None:  # the data a checkpoint trained on, before any model loads (its tensors stay on disk)
         _check_resume_identity(
             config,
@@ -306,7 +311,7 @@ def setup(
             _routing_fingerprint_of(prompt_teacher, [e.name for e in config.teacher_entries()], views),
             console=None,  # with run.allow_config_change the note is printed once, by _resume
         )
-    models = _load_models(config, checkpoint, student_tokenizer, dist)
+    models = _load_models(config, checkpoint, student_tokenizer, dist, modes)
     for routed, view_ids in zip(models.teachers, views):
         routed.prompt_ids = view_ids
     _fix_rope(config, models, console if dist.is_main else None)
@@ -453,14 +458,19 @@ def _check_context(
             )
 
 
-def _check_teacher_and_engine(config: DistillConfig, student_tokenizer: Any, console: Any) -> None:
+def _check_teacher_and_engine(
+    config: DistillConfig, student_tokenizer: Any, console: Any, modes: dict[str, str] | None = None
+) -> None:
     """The teacher's tokenizer matches the student's and it serves what the objective asks; a vLLM rollout engine is
     installed and its log-probs fit the objective; objective.top_k fits the vocabulary."""
     check_top_k(config.objective.top_k, student_tokenizer)
     for entry in config.teacher_entries():
         if entry.path == STUDENT:  # the student's own tokenizer and scorer: nothing to compare
             continue
-        check_teacher_tokenizer(entry, student_tokenizer)
+        if (modes or {}).get(entry.name) == "cross":  # another vocabulary: what the span signal serves
+            check_cross_objective(entry, config.objective)
+        else:
+            check_teacher_tokenizer(entry, student_tokenizer)
         check_teacher_serves(entry, config.objective)
     if config.rollout.engine != "vllm":
         return
@@ -537,7 +547,13 @@ def _load_data(config: DistillConfig, student_tokenizer: Any, console: Any) -> E
     return encoded
 
 
-def _load_models(config: DistillConfig, checkpoint: Path | None, student_tokenizer: Any, dist: DistInfo) -> Models:
+def _load_models(
+    config: DistillConfig,
+    checkpoint: Path | None,
+    student_tokenizer: Any,
+    dist: DistInfo,
+    modes: dict[str, str] | None = None,
+) -> Models:
     """The student (from the checkpoint when resuming), the teachers, the shared vocabulary, FSDP2 sharding, and the
     student's own scorer. Entries that name the same model share one loaded teacher; `path: student` is the student's
     own scorer (no second model)."""
@@ -557,7 +573,10 @@ def _load_models(config: DistillConfig, checkpoint: Path | None, student_tokeniz
     )
     own_vocab = vocab
     entries = config.teacher_entries()
-    loaded, vocab = _load_teachers(config, entries, student_tokenizer, student_rows, device, dist, own_vocab)
+    crosses: dict[str, Any] = {}  # name → CrossVocab of the teachers of another vocabulary
+    loaded, vocab = _load_teachers(
+        config, entries, student_tokenizer, student_rows, device, dist, own_vocab, (modes or {}, crosses, student)
+    )
     # ids beyond the tokenizer are embedding padding rows: never sampled, never a top-k candidate (SPEC §1)
     vocab_size = vocab.tokenizer_size
     shard_model(student, dist)  # FSDP2 (no-op for one process); the optimizer sees the sharded parameters
@@ -569,7 +588,10 @@ def _load_models(config: DistillConfig, checkpoint: Path | None, student_tokeniz
             through_root=dist.world_size > 1,
         )
     live = Teacher(scorer=student_scorer, module=None, vocab=own_vocab)  # the step scores it as the student's own
-    teachers = [RoutedTeacher(entry, live if t is None else t) for entry, t in zip(entries, loaded)]
+    teachers = [
+        RoutedTeacher(entry, live if t is None else t, cross=crosses.get(entry.name))
+        for entry, t in zip(entries, loaded)
+    ]
     return Models(
         student=student,
         tokenizer=tokenizer,
@@ -591,17 +613,36 @@ def _load_teachers(
     device: torch.device,
     dist: DistInfo,
     own_vocab: VocabInfo,
+    cross: tuple[dict[str, str], dict[str, Any], Any] = ({}, {}, None),
 ) -> tuple[list[Teacher | None], VocabInfo]:
     """Each entry's loaded teacher (None: `path: student`, the student's own scorer), entries that name the same model
     sharing one; and the vocabulary they all share with the student. A teacher of another tokenizer size, or scorers
-    that differ in scoring the student's top-k, fail in one line."""
+    that differ in scoring the student's top-k, fail in one line. `cross`: (modes by name, the dict this fills with
+    each cross teacher's `CrossVocab`, the student model): a teacher of another vocabulary shares the student's."""
+    modes, crosses, student = cross
     vocab = own_vocab
     loaded: list[Teacher | None] = []  # None: path: student, the student's own scorer (built below)
     by_model: dict[str, Teacher] = {}
     first_serves: bool | None = None
     for entry in entries:
         found = None
-        if entry.path != STUDENT:
+        if modes.get(entry.name) == "cross":
+            found, crosses[entry.name] = load_cross_teacher(
+                entry,
+                student_tokenizer=student_tokenizer,
+                student_eos_ids=eos_token_ids(student, student_tokenizer),
+                request=TeacherRequest(
+                    spec=entry,
+                    student_tokenizer=student_tokenizer,
+                    student_rows=student_rows,
+                    student_device=device,
+                    world_size=dist.world_size,
+                    offload=bool(entry.offload),
+                    max_tokens_per_batch=config.score_batch_tokens,
+                ),
+                own_vocab=own_vocab,
+            )
+        elif entry.path != STUDENT:
             key = model_key(entry)
             if key not in by_model:
                 by_model[key] = load_teacher(

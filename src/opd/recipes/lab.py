@@ -30,6 +30,7 @@ from opd.lab.build import (
     domain_accuracy,
     init_model,
     n_params,
+    rehome_on_digit_pairs,
     rewrite_share,
     write_sft_data,
     write_specialist_data,
@@ -108,7 +109,18 @@ with its SFT recipe (lr 1e-3, warmup min(100, steps/10), cosine to 10 %) on `spe
 problems: forward solutions on its own domain (`opd.lab.build.DOMAINS`: problems whose first operation is + or -,
 or *), the first line off by one on the other, so each is accurate on its own domain only. Measured per domain on
 the test set."""
-MODELS: tuple[str, ...] = ("teacher", "student", "rewrite_teacher", "specialist_add", "specialist_mul")
+CROSS_TEACHER: dict[str, Any] = {"arch": TEACHER_ARCH, "init": "the forward teacher", "steps": 300, "lr": 1e-3}
+"""The cross-tokenizer lab teacher (`teacher_pairs`; configs/lab_cross_tokenizer.yaml): the forward teacher moved
+onto the digit-pair vocabulary (`rehome_on_digit_pairs`) and fine-tuned with its SFT recipe on forward solutions
+tokenized by that vocabulary, until it is as accurate as the lab teacher."""
+MODELS: tuple[str, ...] = (
+    "teacher",
+    "student",
+    "rewrite_teacher",
+    "specialist_add",
+    "specialist_mul",
+    "teacher_pairs",
+)
 """What `build` can train (`only=`); the directory names under the output and in the shipped assets."""
 
 
@@ -355,6 +367,8 @@ def build_one(
     else:
         data = write_sft_data(out_dir / "data" / f"sft_{style}.jsonl", style=style, n=sft_examples)
     init = teacher if name in ("rewrite_teacher", "specialist_add", "specialist_mul") else None
+    if name == "teacher_pairs":  # another vocabulary over the same text: the teacher moved onto digit pairs
+        init = rehome_on_digit_pairs(teacher, out_dir / "work" / "teacher_pairs_init")
     record = train_model(
         name,
         arch,
@@ -410,6 +424,7 @@ def build(
     rewrite_teacher_batch: int = REWRITE_TEACHER["examples_per_step"],
     specialist_steps: int = SPECIALIST["steps"],
     specialist_batch: int = SPECIALIST["examples_per_step"],
+    cross_teacher_steps: int = CROSS_TEACHER["steps"],
     sft_examples: int | None = None,
     eval_limit: int | None = None,
     only: list[str] | None = None,
@@ -448,6 +463,7 @@ def build(
         rewrite_teacher_batch=rewrite_teacher_batch,
         specialist_steps=specialist_steps,
         specialist_batch=specialist_batch,
+        cross_teacher_steps=cross_teacher_steps,
     )
     models: dict[str, dict] = {}
     for name in names:
@@ -486,6 +502,7 @@ def _build_plans(
     rewrite_teacher_batch: int,
     specialist_steps: int,
     specialist_batch: int,
+    cross_teacher_steps: int = CROSS_TEACHER["steps"],
 ) -> dict[str, tuple]:
     """Per lab model (MODELS): (arch, steps, seed, solution style, examples per step, lr, new tokens when
     measured), the `plan` of `build_one`."""
@@ -502,6 +519,15 @@ def _build_plans(
             rewrite_teacher_batch,
             rewrite["lr"],
             rewrite["eval_max_new_tokens"],
+        ),
+        "teacher_pairs": (
+            CROSS_TEACHER["arch"],
+            cross_teacher_steps,
+            seed,
+            "forward",
+            per_step,
+            CROSS_TEACHER["lr"],
+            64,
         ),
         **{
             f"specialist_{domain}": (

@@ -14,7 +14,8 @@ __all__ = ["check_teacher_manifest", "teacher_manifest"]
 
 def teacher_manifest(teachers: list[RoutedTeacher]) -> list[dict]:
     """What a checkpoint records of its teachers: name, model (path or url, and a fingerprint: the local files'
-    hash, or a served teacher's /info, whose model_fingerprint hashes the files it serves), route, temperature."""
+    hash, or a served teacher's /info, whose model_fingerprint hashes the files it serves), route, temperature, and
+    its tokenizer mode (same, or cross with the teacher tokenizer's hash)."""
     out = []
     for routed in teachers:
         entry = routed.entry
@@ -35,6 +36,10 @@ def teacher_manifest(teachers: list[RoutedTeacher]) -> list[dict]:
                 "route": entry.route.describe(),
                 "temperature": entry.temperature,
                 "view": None if entry.view is None else entry.view.model_dump(),
+                # a cross-vocabulary teacher: its tokenizer's hash and span credit (SPEC §9); else the student's ids
+                "tokenizer": "same"
+                if routed.cross is None
+                else f"cross {routed.cross.tokenizer_hash} span_credit={routed.cross.credit}",
             }
         )
     return out
@@ -52,7 +57,9 @@ def check_teacher_manifest(saved: list[dict] | None, current: list[dict], checkp
             f"with the same teachers, or start another run.name"
         )
     for name, was in old.items():
-        for key in ("model", "fingerprint", "route", "temperature", "view"):
+        for key in ("model", "fingerprint", "route", "temperature", "view", "tokenizer"):
+            if key == "tokenizer" and key not in was:  # written before cross-vocabulary teachers: the same ids
+                continue
             if was.get(key) != new[name].get(key):
                 raise ValueError(
                     f"--resume: teacher {name}'s {key} changed since {checkpoint} ({was.get(key)} → "

@@ -81,6 +81,7 @@ class RoutedTeacher:
     entry: TeacherEntry
     teacher: Teacher
     prompt_ids: list[list[int]] | None = None  # with a view: every prompt's ids as this teacher sees it
+    cross: Any = None  # another vocabulary: its `opd.teacher.cross_vocab.CrossVocab` (prompt_ids: its own rendering)
 
     @property
     def name(self) -> str:

@@ -46,7 +46,7 @@ from opd.train.optim import adamw_state_bytes, clip_and_step
 from opd.train.overlap import AheadStream
 from opd.train.state import Batch, EngineCounts, Scores, Trainer, Update
 from opd.train.stream import GenerateFn, RolloutStream, in_flight_batches
-from opd.train.teachers import row_teachers, start_teachers, teacher_metrics
+from opd.train.teachers import prealign_teachers, row_teachers, start_teachers, teacher_metrics, xtok_metrics
 from opd.types import Rollouts
 
 __all__ = [  # Trainer, the step's records and the compile log live in their own modules; imported from here too
@@ -223,6 +223,7 @@ def score_rollouts(tr: Trainer, batch: Batch, timings: dict, device: torch.devic
     exists and overlap the grading of the rollouts."""
     cfg, obj, rollouts = tr.config, tr.config.objective, batch.rollouts
     diag_k = diagnostic_top_k(obj.top_k)
+    prealign_teachers(tr, batch)  # a cross-vocabulary teacher's alignment, on the CPU while the student scores
     with (
         timed(timings, "student"),
         gathered(tr.models.student, tr.run.dist),
@@ -552,6 +553,7 @@ def step_metrics(
         out.update(seq_reward_metrics(student, teacher, mask_BT, scores.correct))
     if len(tr.models.teachers) > 1:  # the metrics' rule: a run's only teacher logs no per-teacher prefixes
         out.update(teacher_metrics(tr, batch, scores, targets))
+    out.update(xtok_metrics(tr))  # a cross-vocabulary teacher's exact / span / unmapped shares (SPEC §9)
     if rollouts.rollout_logprobs is not None:  # engine vs trainer: what truncated importance weights correct
         gap_BT = (student.sampled_logprobs - rollouts.rollout_logprobs).abs()
         out["rollout_logprob_abs_diff"] = (gap_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)

@@ -16,13 +16,14 @@ from opd.models import on_device
 from opd.objectives import reward_stats
 from opd.objectives.targets import Targets
 from opd.teacher.base import start_scoring
+from opd.teacher.cross_vocab import cross_metrics, start_alignment, start_cross_scoring
 from opd.teacher.registry import RoutedTeacher
 from opd.train.common import autocast
 from opd.train.distributed import gathered
 from opd.train.state import Batch, Scores, Trainer
 from opd.types import Rollouts, TokenScores
 
-__all__ = ["live_student", "row_teachers", "start_teachers", "teacher_metrics"]
+__all__ = ["live_student", "prealign_teachers", "row_teachers", "start_teachers", "teacher_metrics", "xtok_metrics"]
 
 
 def start_teachers(
@@ -42,6 +43,22 @@ def start_teachers(
             if index in row_teacher:
                 calls.append(_start_routed(tr, batch, student, top_k, device, index, routed, row_teacher))
     return lambda: _in_row_order([(rows, call.result()) for rows, call in calls], batch.rollouts.batch_size)
+
+
+def prealign_teachers(tr: Trainer, batch: Batch) -> None:
+    """Start every cross-vocabulary teacher's alignment of its rows in the background (`start_alignment`), before
+    the student's scores are taken: the CPU work runs while the GPU scores. No-op without such a teacher."""
+    if not any(routed.cross is not None for routed in tr.models.teachers):
+        return
+    row_teacher = row_teachers(tr, batch)
+    for index, routed in enumerate(tr.models.teachers):
+        rows = [row for row, t in enumerate(row_teacher) if t == index]
+        if routed.cross is None or not rows or routed.prompt_ids is None:
+            continue
+        mine = batch.rollouts.select(rows) if len(rows) < batch.rollouts.batch_size else batch.rollouts
+        own = routed.prompt_ids
+        lengths = [len(own[batch.indices[g]]) for g in mine.group_ids.tolist()]
+        routed.cross.pending = (tuple(rows), start_alignment(routed.cross, mine, lengths))
 
 
 def live_student(tr: Trainer, device: torch.device, *, gather: bool = True) -> ExitStack:
@@ -72,6 +89,22 @@ def _start_routed(
     whole = len(rows) == rollouts.batch_size  # every row, in order: the batch itself, no copy
     scorer, mine = routed.teacher.scorer, rollouts if whole else rollouts.select(rows_R)
     topk_ids = student.topk_ids if whole or student.topk_ids is None else student.topk_ids[rows_R]
+    if routed.cross is not None:  # another vocabulary: its own ids of the student's text, scores back at ours
+        own = routed.prompt_ids
+        assert own is not None  # a cross teacher always has its own rendering of the prompts
+        pending, routed.cross.pending = routed.cross.pending, None
+        with on_device(routed.teacher.module, device if routed.entry.offload else None):
+            cross_call = start_cross_scoring(
+                routed.cross,
+                routed.teacher.scorer,
+                mine,
+                student if whole else _rows_of(student, rows_R),
+                [own[batch.indices[g]] for g in mine.group_ids.tolist()],
+                top_k=tr.config.objective.top_k,
+                temperature=routed.entry.temperature,
+                alignment=pending[1] if pending is not None and pending[0] == tuple(rows) else None,
+            )
+        return rows_R, cross_call
     if routed.prompt_ids is not None:  # its view: its own prompt ids before the same response ids
         views = routed.prompt_ids
         mine = _with_prompts(mine, [views[batch.indices[g]] for g in mine.group_ids.tolist()], tr.models.tokenizer)
@@ -89,6 +122,12 @@ def _start_routed(
             temperature=routed.entry.temperature,
         )
     return rows_R, call
+
+
+def _rows_of(scores: TokenScores, rows_R: torch.Tensor) -> TokenScores:
+    """The scores of the given rows."""
+    picked = {f.name: getattr(scores, f.name) for f in fields(TokenScores)}
+    return TokenScores(**{k: None if v is None else v[rows_R.to(v.device)] for k, v in picked.items()})  # type: ignore[arg-type]
 
 
 def _with_prompts(rollouts: Rollouts, prompt_ids: list[list[int]], tokenizer: Any) -> Rollouts:
@@ -121,6 +160,11 @@ def _in_row_order(parts: list[tuple[torch.Tensor, TokenScores]], batch_size: int
     out: dict[str, torch.Tensor | None] = {}
     for name in (f.name for f in fields(TokenScores)):
         tensors = [getattr(scores, name) for _, scores in parts]
+        if name == "exact" and any(t is not None for t in tensors):  # one vocabulary: every position is exact
+            tensors = [
+                torch.ones_like(s.sampled_logprobs, dtype=torch.bool) if t is None else t
+                for t, (_, s) in zip(tensors, parts)
+            ]
         if any(t is None for t in tensors):
             out[name] = None
             continue
@@ -154,3 +198,10 @@ def teacher_metrics(tr: Trainer, batch: Batch, scores: Scores, targets: Targets)
         if graded:
             out[f"{prefix}/rollout_accuracy"] = sum(graded) / len(graded)
     return out
+
+
+def xtok_metrics(tr: Trainer) -> dict[str, float]:
+    """The cross-vocabulary teachers' `xtok/…` metrics of the step (`opd.teacher.cross_vocab.cross_metrics`); empty
+    without one."""
+    crosses = [routed.cross for routed in tr.models.teachers if routed.cross is not None]
+    return cross_metrics(crosses) if crosses else {}

@@ -1,0 +1,482 @@
+"""A teacher of another vocabulary (`tokenizer: cross`, or `auto` when the vocabularies differ; SPEC §9): it scores
+the student's *text* under its own tokenization, and its scores come back at the student's positions.
+
+`resolve_tokenizer_mode` decides same or cross per teacher before any model loads; `build_cross_vocab` reads both
+tokenizers once (every token's bytes, the exact-string vocabulary map, the teacher's EOS); `start_cross_scoring`
+aligns a batch (`opd.data.token_alignment`, on the CPU while the student's no-grad scores are on the GPU queue),
+scores the teacher's own ids and returns `TokenScores` at the student's positions: the sampled-token log-probs carry
+the span signal (`opd.objectives.cross_vocab.span_teacher_logprobs`), the requested log-probs are the teacher's at
+the student's top-k where that is exact (one student and one teacher token over the same bytes, every candidate in
+both vocabularies), and `exact` says where. `CrossVocab.counts` holds what `xtok/…` reports.
+
+Left out: served and vLLM teachers (a cross teacher is local; docs/spec.md §9 says why a served one would be sent
+teacher ids), and the teacher's own top-k in the student's vocabulary (strategies with teacher slots are refused).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from opd.config import STUDENT
+from opd.data.templates import encode_prompts
+from opd.data.token_alignment import ROW_STATUSES, AlignedBatch, TokenBytes, align_batch, exact_string_map, token_bytes
+from opd.models import (
+    TokenizerMismatchError,
+    check_tokenizer_compatibility,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
+from opd.objectives.cross_vocab import SpanCredit, span_teacher_logprobs
+from opd.teacher.base import start_scoring
+from opd.teacher.local import LocalScorer
+from opd.teacher.registry import Teacher, TeacherRequest, teacher_device, view_prompts
+from opd.teacher.wire import tokenizer_fingerprints
+from opd.types import Rollouts, TokenScores
+
+__all__ = [
+    "CrossVocab",
+    "build_cross_vocab",
+    "check_cross_objective",
+    "cross_metrics",
+    "cross_teacher_prompts",
+    "cross_teacher_views",
+    "load_cross_teacher",
+    "resolve_tokenizer_mode",
+    "start_alignment",
+    "start_cross_scoring",
+    "teacher_tokenizer_hash",
+    "tokenizer_modes",
+]
+
+
+def teacher_tokenizer_hash(tokenizer: Any) -> str:
+    """The sha256 of a tokenizer's token → id map (what `/info` reports as vocab_hash): the teacher manifest's."""
+    return tokenizer_fingerprints(tokenizer)["vocab_hash"]
+
+
+def resolve_tokenizer_mode(entry: Any, student_tokenizer: Any, teacher_tokenizer: Any | None = None) -> str:
+    """ "same" or "cross" for a teacher entry (its `tokenizer`: auto | same | cross). auto: same when the token → id
+    maps agree, cross otherwise; same: the refusal of another vocabulary (`TokenizerMismatchError`, one line).
+    A cross teacher must be local (engine: local, no url): ValueError naming the key otherwise."""
+    mode = getattr(entry, "tokenizer", "auto")
+    if mode == "same":
+        return "same"
+    served, engine = getattr(entry, "url", None) is not None, getattr(entry, "engine", "local")
+    if mode == "cross" or (not served and engine == "local"):
+        if served or engine != "local":
+            where = "url (a served teacher)" if served else f"engine: {engine}"
+            raise ValueError(
+                f"teacher {getattr(entry, 'name', 'teacher')}: tokenizer: {mode} needs an in-process teacher "
+                f"(engine: local, no url), got {where}; a served or vLLM teacher scores the student's own ids "
+                f"(tokenizer: same)"
+            )
+        if mode == "cross":
+            return "cross"
+        tokenizer = teacher_tokenizer or load_tokenizer(entry.path, trust_remote_code=entry.trust_remote_code)
+        try:
+            check_tokenizer_compatibility(student_tokenizer, tokenizer)
+            return "same"
+        except TokenizerMismatchError:
+            return "cross"
+    return "same"  # auto with a served or vLLM teacher: the same-vocabulary path and its check
+
+
+@dataclass
+class CrossVocab:
+    """What a cross-vocabulary teacher needs besides its model, read once from both tokenizers.
+
+    teacher_tokenizer: the teacher's own tokenizer (encodes the student's text)
+    student, teacher:  every id's bytes (`TokenBytes`)
+    vocab_map:         [V_student] long: the teacher id of exactly the same bytes, -1 where none (special tokens
+                       never map, the student's EOS ids map to the teacher's EOS)
+    student_eos_ids:   the ids the student stops on
+    teacher_eos_id:    the id the teacher stops on (its end of turn: its tokenizer's EOS)
+    teacher_positions: the teacher's context (max_position_embeddings), None: unbounded
+    credit:            how a span's teacher log-prob reaches its student tokens (`span_teacher_logprobs`)
+    tokenizer_hash:    the teacher tokenizer's hash (`teacher_tokenizer_hash`)
+    counts:            the tokens and rows of the calls since the last `cross_metrics` (exact, span, unmapped, …)
+    pending:           (rows, the alignment in flight) started for the next scoring call (`start_alignment`)
+    """
+
+    teacher_tokenizer: Any
+    student: TokenBytes
+    teacher: TokenBytes
+    vocab_map: torch.Tensor
+    student_eos_ids: tuple[int, ...]
+    teacher_eos_id: int
+    teacher_positions: int | None = None
+    credit: SpanCredit = "even"
+    tokenizer_hash: str = ""
+    counts: dict[str, float] = field(default_factory=dict)
+    pending: tuple[tuple[int, ...], Future] | None = None
+
+    @property
+    def overlap(self) -> int:
+        """The exact-string map's size: student ids whose bytes are one teacher token."""
+        return int((self.vocab_map >= 0).sum())
+
+
+def build_cross_vocab(
+    student_tokenizer: Any,
+    teacher_tokenizer: Any,
+    *,
+    student_eos_ids: list[int],
+    teacher_eos_id: int | None = None,
+    teacher_positions: int | None = None,
+    credit: SpanCredit = "even",
+) -> CrossVocab:
+    """Read both tokenizers (`token_bytes` refuses a decoder without bytes per token, one line)."""
+    student, teacher = token_bytes(student_tokenizer), token_bytes(teacher_tokenizer)
+    eos = teacher_eos_id if teacher_eos_id is not None else teacher_tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("a cross-vocabulary teacher needs an EOS token (its tokenizer's eos_token): none is set")
+    mapped = exact_string_map(student, teacher)
+    for i in student_eos_ids:  # an EOS of no exact counterpart stops where the teacher's own EOS does
+        if 0 <= i < len(mapped) and mapped[i] < 0:
+            mapped[i] = eos
+    return CrossVocab(
+        teacher_tokenizer=teacher_tokenizer,
+        student=student,
+        teacher=teacher,
+        vocab_map=torch.from_numpy(mapped),
+        student_eos_ids=tuple(student_eos_ids),
+        teacher_eos_id=int(eos),
+        teacher_positions=teacher_positions,
+        credit=credit,
+        tokenizer_hash=teacher_tokenizer_hash(teacher_tokenizer),
+    )
+
+
+@dataclass
+class _Aligned:
+    """One batch's alignment as tensors (on the CPU): student_span [B, T], teacher ids, span and mask [B, N], and
+    per student position the teacher position of its one-to-one span (-1: none)."""
+
+    batch: AlignedBatch
+    student_span_BT: torch.Tensor
+    teacher_ids_BN: torch.Tensor
+    teacher_span_BN: torch.Tensor
+    teacher_mask_BN: torch.Tensor
+    one_to_one_BT: torch.Tensor
+
+
+def _align(cross: CrossVocab, response_ids_BT: torch.Tensor, lengths: list[int], prompt_lengths: list[int]) -> _Aligned:
+    """Align every row (its first `lengths[b]` ids) for a teacher whose prompts are `prompt_lengths` long: numpy
+    buffers filled row by row, made tensors once."""
+    response = response_ids_BT.numpy()
+    rows = [response[b, :n].tolist() for b, n in enumerate(lengths)]
+    eos = set(cross.student_eos_ids)
+    ends = [bool(row) and row[-1] in eos for row in rows]
+    room = [None if cross.teacher_positions is None else cross.teacher_positions - p for p in prompt_lengths]
+    # the teacher's stop for each row: the exact counterpart of the student's EOS, else the teacher's own EOS
+    stops = [int(cross.vocab_map[row[-1]]) if end else cross.teacher_eos_id for row, end in zip(rows, ends)]
+    batch = align_batch(
+        rows,
+        ends,
+        cross.student,
+        cross.teacher,
+        cross.teacher_tokenizer,
+        teacher_eos_id=stops,
+        max_teacher_tokens=room,
+    )
+    B, T = response.shape
+    N = max(max((len(r.teacher_ids) for r in batch.rows), default=0), 1)
+    student_span_BT = np.full((B, T), -1, dtype=np.int64)
+    teacher_ids_BN = np.zeros((B, N), dtype=np.int64)
+    teacher_span_BN = np.full((B, N), -1, dtype=np.int64)
+    one_to_one_BT = np.full((B, T), -1, dtype=np.int64)
+    for b, row in enumerate(batch.rows):
+        n, m = len(row.student_span), len(row.teacher_ids)
+        student_span_BT[b, :n] = row.student_span
+        if m:
+            teacher_ids_BN[b, :m] = row.teacher_ids
+            teacher_span_BN[b, :m] = row.teacher_span
+        if row.num_spans:
+            span = row.student_span
+            s_count = np.bincount(span[span >= 0], minlength=row.num_spans)
+            t_count = np.bincount(row.teacher_span, minlength=row.num_spans)
+            t_pos = np.full(row.num_spans, -1, dtype=np.int64)
+            t_pos[row.teacher_span] = np.arange(m)
+            index = np.clip(span, 0, None)
+            hit = (span >= 0) & (s_count == 1)[index] & (t_count == 1)[index]
+            one_to_one_BT[b, :n] = np.where(hit, t_pos[index], -1)
+    teacher_span = torch.from_numpy(teacher_span_BN)
+    return _Aligned(
+        batch,
+        torch.from_numpy(student_span_BT),
+        torch.from_numpy(teacher_ids_BN),
+        teacher_span,
+        teacher_span >= 0,
+        torch.from_numpy(one_to_one_BT),
+    )
+
+
+def start_alignment(cross: CrossVocab, rollouts: Rollouts, prompt_lengths: list[int]) -> Future[_Aligned]:
+    """`_align` of `rollouts` on the CPU in a background thread (the teacher's tokenizer releases the GIL while it
+    encodes): started as soon as the rollouts exist, it runs while the student's no-grad scores are on the GPU."""
+    response_ids_BT = rollouts.response_ids.cpu()
+    lengths = rollouts.response_mask.sum(-1).cpu().tolist()
+    return _EXECUTOR.submit(_align, cross, response_ids_BT, lengths, prompt_lengths)
+
+
+_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opd-xtok")
+
+
+def _teacher_rollouts(rollouts: Rollouts, aligned: _Aligned, prompt_ids: list[list[int]], pad_id: int) -> Rollouts:
+    """The teacher's batch: its own prompt ids before its own response ids (the aligned text, then its EOS)."""
+    lengths = aligned.teacher_mask_BN.sum(-1).tolist()
+    B, N = aligned.teacher_ids_BN.shape
+    width = max((len(p) + n for p, n in zip(prompt_ids, lengths)), default=1)
+    input_ids_BL = torch.full((B, width), pad_id, dtype=torch.long)
+    attention_BL = torch.zeros((B, width), dtype=torch.bool)
+    for b, (prompt, n) in enumerate(zip(prompt_ids, lengths)):
+        p = len(prompt)
+        input_ids_BL[b, :p] = torch.tensor(prompt, dtype=torch.long)
+        input_ids_BL[b, p : p + n] = aligned.teacher_ids_BN[b, :n]
+        attention_BL[b, : p + n] = True
+    device = rollouts.input_ids.device
+    return Rollouts(
+        input_ids=input_ids_BL.to(device),
+        attention_mask=attention_BL.to(device),
+        prompt_lengths=torch.tensor([len(p) for p in prompt_ids], dtype=torch.long, device=device),
+        response_ids=torch.where(aligned.teacher_mask_BN, aligned.teacher_ids_BN, pad_id).to(device),
+        response_mask=aligned.teacher_mask_BN.to(device),
+        group_ids=rollouts.group_ids,
+        truncated=rollouts.truncated,
+    )
+
+
+class CrossCall:
+    """A cross teacher's scoring in flight: `result()` waits for the teacher and returns `TokenScores` at the
+    student's positions (`start_cross_scoring`)."""
+
+    def __init__(
+        self,
+        cross: CrossVocab,
+        pending: Any,
+        aligned: _Aligned,
+        student: TokenScores,
+        exact_BT: torch.Tensor,
+        diagnostic_exact_BT: torch.Tensor,
+        top_k: int,
+    ):
+        self.cross, self.pending, self.aligned, self.student = cross, pending, aligned, student
+        self.exact_BT, self.diagnostic_exact_BT, self.top_k = exact_BT, diagnostic_exact_BT, top_k
+
+    def result(self) -> TokenScores:
+        teacher = self.pending.result()
+        student, aligned = self.student, self.aligned
+        device = student.sampled_logprobs.device
+        student_span_BT = aligned.student_span_BT.to(device)
+        sampled_BT = span_teacher_logprobs(
+            student.sampled_logprobs.float(),
+            teacher.sampled_logprobs.to(device).float(),
+            student_span_BT,
+            aligned.teacher_span_BN.to(device),
+            credit=self.cross.credit,
+        )
+        exact_BT = self.exact_BT.to(device)
+        topk_ids = topk_lp = requested = None
+        if student.topk_ids is not None and student.topk_logprobs is not None:
+            pos_BT = aligned.one_to_one_BT.to(device).clamp(min=0)
+            K = student.topk_ids.shape[-1]
+            at_BTK = teacher.requested_logprobs.to(device).gather(1, pos_BT[..., None].expand(-1, -1, K))
+            diag_BT = self.diagnostic_exact_BT.to(device)
+            requested = torch.where(diag_BT[..., None], at_BTK.float(), student.topk_logprobs.float())
+            topk_lp, order = requested.sort(dim=-1, descending=True)
+            topk_ids = student.topk_ids.gather(-1, order)
+        return TokenScores(
+            sampled_BT,
+            topk_ids,
+            topk_lp,
+            None,
+            requested,
+            exact=exact_BT if self.top_k else None,
+        )
+
+
+def start_cross_scoring(
+    cross: CrossVocab,
+    scorer: Any,
+    rollouts: Rollouts,
+    student: TokenScores,
+    prompt_ids: list[list[int]],
+    *,
+    top_k: int,
+    temperature: float | None,
+    alignment: Future[_Aligned] | None = None,
+) -> CrossCall:
+    """Align the rows of `rollouts` (with their student scores `student`), start the teacher's scoring of its own
+    ids (`prompt_ids`: the teacher's rendering of each row's prompt) and count the step's `xtok/…` tokens. `top_k`:
+    the objective's (0: sampled-token; exact positions are then the one-to-one spans). `alignment`: the rows'
+    alignment already started (`start_alignment`), else it runs now."""
+    lengths = [len(p) for p in prompt_ids]
+    aligned = (alignment or start_alignment(cross, rollouts, lengths)).result()
+    pad_id = cross.teacher_tokenizer.pad_token_id
+    batch = _teacher_rollouts(rollouts, aligned, prompt_ids, 0 if pad_id is None else pad_id)
+    one_BT = aligned.one_to_one_BT >= 0
+    requested_BNK = None
+    diag_BT = one_BT
+    if student.topk_ids is not None:
+        ids_BTK = student.topk_ids.cpu()
+        mapped_BTK = cross.vocab_map[ids_BTK.clamp(min=0, max=len(cross.vocab_map) - 1)]
+        diag_BT = one_BT & (mapped_BTK >= 0).all(-1)
+        B, N = aligned.teacher_ids_BN.shape
+        requested_BNK = torch.zeros((B, N, ids_BTK.shape[-1]), dtype=torch.long)
+        b_idx, t_idx = diag_BT.nonzero(as_tuple=True)
+        requested_BNK[b_idx, aligned.one_to_one_BT[b_idx, t_idx]] = mapped_BTK[b_idx, t_idx]
+        requested_BNK = requested_BNK.to(rollouts.input_ids.device)
+    exact_BT = diag_BT if top_k else one_BT
+    pending = start_scoring(scorer, batch, top_k=0, requested_ids=requested_BNK, temperature=temperature)
+    _count(cross, aligned, rollouts.response_mask.cpu(), exact_BT)
+    return CrossCall(cross, pending, aligned, student, exact_BT, diag_BT, top_k)
+
+
+def _count(cross: CrossVocab, aligned: _Aligned, mask_BT: torch.Tensor, exact_BT: torch.Tensor) -> None:
+    aligned_BT = (aligned.student_span_BT >= 0) & mask_BT
+    exact = float((exact_BT & aligned_BT).sum())
+    counts = cross.counts
+    counts["tokens"] = counts.get("tokens", 0.0) + float(mask_BT.sum())
+    counts["exact"] = counts.get("exact", 0.0) + exact
+    counts["span"] = counts.get("span", 0.0) + float(aligned_BT.sum()) - exact
+    counts["unmapped"] = counts.get("unmapped", 0.0) + float((mask_BT & ~aligned_BT).sum())
+    counts["spans"] = counts.get("spans", 0.0) + float(sum(r.num_spans for r in aligned.batch.rows))
+    counts["rows"] = counts.get("rows", 0.0) + float(len(aligned.batch.rows))
+    for status, n in aligned.batch.status.items():
+        counts[status] = counts.get(status, 0.0) + n
+
+
+def cross_metrics(crosses: list[CrossVocab]) -> dict[str, float]:
+    """`xtok/exact_frac`, `xtok/span_frac`, `xtok/unmapped_frac` (shares of the cross teachers' response tokens:
+    scored exactly, by span, with no teacher signal), `xtok/mean_span_len` (student tokens per span) and per row
+    status `xtok/rows_<status>` other than ok, over the calls since the last one; the counts are reset."""
+    total: dict[str, float] = {}
+    for cross in crosses:
+        for key, value in cross.counts.items():
+            total[key] = total.get(key, 0.0) + value
+        cross.counts.clear()
+    if not total.get("tokens"):
+        return {}
+    tokens = total["tokens"]
+    out = {
+        "xtok/exact_frac": total["exact"] / tokens,
+        "xtok/span_frac": total["span"] / tokens,
+        "xtok/unmapped_frac": total["unmapped"] / tokens,
+        "xtok/mean_span_len": (total["exact"] + total["span"]) / max(total["spans"], 1.0),
+    }
+    for status in ROW_STATUSES[1:]:
+        out[f"xtok/rows_{status}"] = total.get(status, 0.0)
+    return out
+
+
+def tokenizer_modes(entries: list[Any], student_tokenizer: Any, console: Any = None) -> dict[str, str]:
+    """Every teacher entry's resolved mode by name ("same" or "cross", `resolve_tokenizer_mode`); the live student
+    is "same". An `auto` entry resolved to cross is said on the console."""
+    modes = {}
+    for entry in entries:
+        if entry.path == STUDENT:
+            modes[entry.name] = "same"
+            continue
+        modes[entry.name] = resolve_tokenizer_mode(entry, student_tokenizer)
+        if console is not None and getattr(entry, "tokenizer", "auto") == "auto":
+            how = (
+                "its vocabulary differs from the student's: cross-tokenizer scoring of the student's text "
+                f"(span_credit: {entry.span_credit})"
+                if modes[entry.name] == "cross"
+                else "the student's vocabulary: it scores the student's token ids"
+            )
+            console.print(f"teacher {entry.name}: tokenizer auto → {modes[entry.name]} ({how})", soft_wrap=True)
+    return modes
+
+
+def check_cross_objective(entry: Any, objective: Any) -> None:
+    """A cross teacher serves what the span signal can give: the sampled-token or the student's top-k (only_stu)
+    rewards of the pg loss. One line naming the key otherwise."""
+    if objective.top_k and objective.strategy != "only_stu":
+        raise ValueError(
+            f"teacher {entry.name} has another vocabulary: objective.strategy={objective.strategy} needs its top-k in "
+            f"the student's vocabulary; use strategy: only_stu (exact where the strings map, the span signal "
+            f"elsewhere) or top_k: 0"
+        )
+    if objective.loss != "pg":
+        raise ValueError(
+            f"teacher {entry.name} has another vocabulary: objective.loss={objective.loss} needs its distribution "
+            f"over the student's vocabulary; use loss: pg (the span signal is a reward)"
+        )
+
+
+def cross_teacher_prompts(
+    entry: Any, prompts: list[Any], mine: list[bool], teacher_tokenizer: Any, *, template: Any, enable_thinking: Any
+) -> list[list[int]]:
+    """Every prompt's ids as a cross teacher renders it: its view (if any) applied to the prompts routed to it, its
+    own chat template and tokenizer (`encode_prompts`, never filtered: the student's length limit already was)."""
+    viewed = view_prompts(prompts, entry, mine)
+    encoded = encode_prompts(
+        teacher_tokenizer,
+        viewed,
+        max_prompt_length=1 << 30,
+        enable_thinking=enable_thinking,
+        template=template,
+    )
+    return encoded.input_ids
+
+
+def load_cross_teacher(
+    entry: Any, *, student_tokenizer: Any, student_eos_ids: list[int], request: TeacherRequest, own_vocab: Any
+) -> tuple[Teacher, CrossVocab]:
+    """An in-process teacher of another vocabulary: its model and scorer over its own vocabulary (no tokenizer
+    comparison), and its `CrossVocab`. `Teacher.vocab` is the student's own (`own_vocab`): the student's ids are the
+    ones the run samples and trains."""
+    device = teacher_device(entry, request.student_device, request.world_size)
+    dtype = resolve_dtype(entry.dtype, resolve_device(device))
+    module, tokenizer = load_model(
+        entry.path,
+        dtype=dtype,
+        device="cpu" if request.offload else device,
+        trust_remote_code=entry.trust_remote_code,
+        attn_implementation=entry.attn_implementation,
+    )
+    rows = module.get_output_embeddings().weight.shape[0]
+    scorer = LocalScorer(
+        module, max_tokens_per_batch=request.max_tokens_per_batch, vocab_size=min(len(tokenizer), rows)
+    )
+    positions = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+    teacher_eos = eos_token_ids(module, tokenizer)
+    cross = build_cross_vocab(
+        student_tokenizer,
+        tokenizer,
+        student_eos_ids=student_eos_ids,
+        teacher_eos_id=teacher_eos[0] if teacher_eos else None,
+        teacher_positions=positions if isinstance(positions, int) else None,
+        credit=entry.span_credit,
+    )
+    return Teacher(scorer=scorer, module=module, vocab=own_vocab), cross
+
+
+def cross_teacher_views(
+    config: Any, prompts: list[Any], routes: list[int], modes: dict[str, str], views: list[Any]
+) -> list[Any]:
+    """`views` (`opd.teacher.routing.teacher_views`) with every cross teacher's entry replaced by its own rendering
+    of every prompt (`cross_teacher_prompts`); the others unchanged."""
+    out = list(views)
+    for index, entry in enumerate(config.teacher_entries()):
+        if modes.get(entry.name) != "cross":
+            continue
+        tokenizer = load_tokenizer(entry.path, trust_remote_code=entry.trust_remote_code)
+        out[index] = cross_teacher_prompts(
+            entry,
+            prompts,
+            [r == index for r in routes],
+            tokenizer,
+            template=config.data.template,
+            enable_thinking=config.data.enable_thinking,
+        )
+    return out

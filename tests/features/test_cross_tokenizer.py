@@ -1,0 +1,106 @@
+"""`opd distill` with a teacher of another vocabulary, through the CLI: auto picks the cross path and says so, the
+step logs its xtok/ shares, `tokenizer: same` keeps the old refusal, and a teacher that cannot encode the student's
+text stops at startup in one line."""
+
+import json
+
+import pytest
+
+from helpers import cli, make_tiny_model, make_tiny_tokenizer, one_line
+from helpers_cross_vocab import byte_bpe, characters, teacher_model
+
+
+@pytest.fixture(scope="module")
+def cross_world(tmp_path_factory):
+    """A tiny student (byte-level, no merges), a byte-level BPE teacher and a characters-only teacher (no byte
+    fallback), and a prompt set whose answers hold a character the latter cannot encode."""
+    root = tmp_path_factory.mktemp("cross")
+    make_tiny_model("qwen3", seed=0).save_pretrained(root / "student")
+    make_tiny_tokenizer().save_pretrained(root / "student")
+    for name, tokenizer in (("bpe", byte_bpe()), ("chars", characters(byte_fallback=False))):
+        teacher_model(tokenizer).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    rows = [{"prompt": f"{i}+{i}=", "answer": f"{2 * i} 数"} for i in range(6)]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def _args(root, tmp_path, teacher, *extra):
+    return [
+        "distill",
+        f"student.path={root / 'student'}",
+        f"teacher.path={root / teacher}",
+        f"data.path={root / 'prompts.jsonl'}",
+        "data.answer_key=answer",
+        "data.max_prompt_length=32",
+        "prompts_per_step=2",
+        "rollout.n=2",
+        "rollout.max_new_tokens=6",
+        "micro_batch_tokens=64",
+        f"run.out_dir={tmp_path}",
+        "run.name=run",
+        "run.steps=1",
+        "run.report=false",
+        *extra,
+    ]
+
+
+def test_auto_runs_a_teacher_of_another_vocabulary_through_the_cross_path(cross_world, tmp_path, capsys):
+    code, out, err = cli(capsys, *_args(cross_world, tmp_path, "bpe", "objective.top_k=4"))
+    assert code == 0, err
+    assert "tokenizer auto → cross" in out and "cross_tokenizer pass" in out
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    shares = [metrics[f"xtok/{k}_frac"] for k in ("exact", "span", "unmapped")]
+    assert sum(shares) == pytest.approx(1.0)
+
+
+def test_tokenizer_same_refuses_another_vocabulary_in_one_line(cross_world, tmp_path, capsys):
+    code, _, err = cli(capsys, *_args(cross_world, tmp_path, "bpe", "teacher.tokenizer=same"))
+    assert "tokenizers differ" in one_line(code, err) or "missing from the teacher" in err
+
+
+def test_a_cross_teacher_refuses_a_strategy_with_teacher_slots_in_one_line(cross_world, tmp_path, capsys):
+    code, _, err = cli(capsys, *_args(cross_world, tmp_path, "bpe", "objective.strategy=union"))
+    assert "strategy: only_stu" in one_line(code, err)
+
+
+def test_a_teacher_that_cannot_encode_the_text_stops_at_startup(cross_world, tmp_path, capsys):
+    code, _, err = cli(capsys, *_args(cross_world, tmp_path, "chars"))
+    line = one_line(code, err)
+    assert "cross_tokenizer failed" in line and "数" in line
+
+
+def test_opd_check_gives_a_teacher_of_another_vocabulary_its_cross_tokenizer_row(cross_world, tmp_path, capsys):
+    args = [a for a in _args(cross_world, tmp_path, "bpe") if not a.startswith(("run.", "prompts_per", "rollout."))]
+    code, out, err = cli(capsys, "check", *args[1:], f"run.out_dir={tmp_path}")
+    assert code == 0, err
+    report = json.loads(next(tmp_path.rglob("check.json")).read_text())
+    row = next(r for r in report["results"] if r["name"] == "cross_tokenizer")
+    assert row["status"] == "pass" and "exact-string map" in row["detail"]
+
+
+def test_a_teachers_list_mixes_a_cross_and_a_same_vocabulary_teacher(cross_world, tmp_path, capsys):
+    config = {
+        "student": {"path": str(cross_world / "student")},
+        "teachers": [
+            {
+                "name": "cross",
+                "path": str(cross_world / "bpe"),
+                "route": {"route_key": "id", "values": ["0", "1", "2"]},
+            },
+            {"name": "same", "path": str(cross_world / "student"), "route": {"default": True}},
+        ],
+        "data": {"path": str(cross_world / "prompts.jsonl"), "answer_key": "answer", "max_prompt_length": 32},
+        "rollout": {"n": 2, "max_new_tokens": 6},
+        "objective": {"top_k": 4},
+        "prompts_per_step": 4,
+        "micro_batch_tokens": 64,
+        "run": {"out_dir": str(tmp_path), "name": "run", "steps": 1, "report": False},
+    }
+    path = tmp_path / "two.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    code, out, err = cli(capsys, "distill", "-c", str(path))
+    assert code == 0, err
+    assert "teacher cross: tokenizer auto → cross" in out and "teacher same" in out
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 0 < metrics["teacher/cross/token_frac"] < 1 and "xtok/exact_frac" in metrics  # 3 of 6 prompts each

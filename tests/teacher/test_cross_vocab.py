@@ -1,0 +1,163 @@
+import pytest
+import torch
+
+from helpers import EOS_ID, make_tiny_model, make_tiny_tokenizer
+from helpers_cross_vocab import byte_bpe, characters, sentencepiece
+from opd.check.tokenizers import check_cross_tokenizer
+from opd.config import ObjectiveSpec, TeacherEntry
+from opd.objectives.targets import build_targets, micro_loss
+from opd.teacher.cross_vocab import build_cross_vocab, cross_metrics, resolve_tokenizer_mode, start_cross_scoring
+from opd.teacher.local import LocalScorer
+from opd.types import Rollouts
+
+K = 4
+TEXTS = ["x = 3; so 2x + 1 = 7.", "Café: 数学 🙂", "the answer is \\boxed{47}", "ok"]
+
+
+def _prompt(tokenizer, i: int) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"q{i}"}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _rollouts(tokenizer, texts, eos_id, truncate_last=False) -> tuple[Rollouts, list[list[int]]]:
+    """Rows of a chat prompt then the canonical tokens of a text and EOS (the last row cut before its EOS when
+    `truncate_last`)."""
+    prompts = [_prompt(tokenizer, i) for i in range(len(texts))]
+    responses = [tokenizer(t, add_special_tokens=False)["input_ids"] + [eos_id] for t in texts]
+    if truncate_last:
+        responses[-1] = responses[-1][:-1]
+    B, T = len(texts), max(len(r) for r in responses)
+    L = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    input_ids = torch.zeros((B, L), dtype=torch.long)
+    attention = torch.zeros((B, L), dtype=torch.bool)
+    response_ids = torch.zeros((B, T), dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.bool)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[b, : len(p) + len(r)] = torch.tensor(p + r)
+        attention[b, : len(p) + len(r)] = True
+        response_ids[b, : len(r)] = torch.tensor(r)
+        mask[b, : len(r)] = True
+    rollouts = Rollouts(
+        input_ids,
+        attention,
+        torch.tensor([len(p) for p in prompts]),
+        response_ids,
+        mask,
+        torch.arange(B),
+        torch.tensor([truncate_last and b == B - 1 for b in range(B)]),
+    )
+    return rollouts, prompts
+
+
+@pytest.mark.parametrize("top_k", [0, K])
+def test_the_cross_path_with_one_tokenizer_twice_equals_the_same_vocabulary_path(top_k):
+    tokenizer = make_tiny_tokenizer()
+    student_model, teacher_model = make_tiny_model(seed=0), make_tiny_model(seed=1)
+    rollouts, prompts = _rollouts(tokenizer, TEXTS, EOS_ID, truncate_last=True)
+    student = LocalScorer(student_model).score(rollouts, top_k=K)
+    teacher_scorer = LocalScorer(teacher_model)
+    same = teacher_scorer.score(rollouts, top_k=K, requested_ids=student.topk_ids)
+    cross = build_cross_vocab(tokenizer, tokenizer, student_eos_ids=[EOS_ID, tokenizer.pad_token_id])
+    crossed = start_cross_scoring(
+        cross, teacher_scorer, rollouts, student, prompts, top_k=top_k, temperature=1.0
+    ).result()
+    mask_BT = rollouts.response_mask
+    assert torch.allclose(crossed.sampled_logprobs[mask_BT], same.sampled_logprobs[mask_BT], atol=1e-6, rtol=0)
+    assert torch.allclose(crossed.requested_logprobs[mask_BT], same.requested_logprobs[mask_BT], atol=1e-6, rtol=0)
+    metrics = cross_metrics([cross])
+    assert metrics["xtok/exact_frac"] == 1.0 and metrics["xtok/unmapped_frac"] == 0.0
+    objective = ObjectiveSpec(top_k=top_k)
+    a = build_targets(student, same, rollouts, objective)
+    b = build_targets(student, crossed, rollouts, objective)
+    J = a.candidate_ids.shape[-1]
+    assert torch.equal(a.candidate_ids, b.candidate_ids[..., :J])  # top-k: the same candidates
+    assert torch.allclose(a.rewards, b.rewards[..., :J], atol=1e-6, rtol=0)
+    assert not b.reward_valid[..., J:].any()  # the span slot (top-k) is never used: every position is exact
+    logits_BTV = torch.randn(*rollouts.response_ids.shape, len(tokenizer), generator=torch.Generator().manual_seed(0))
+    lp_BTV = logits_BTV.log_softmax(-1)
+    tokens = mask_BT.sum()
+    loss_a, _ = micro_loss(
+        lp_BTV.gather(-1, a.candidate_ids), lp_BTV[..., 0], a, objective, global_num_tokens=tokens, global_num_seqs=4
+    )
+    loss_b, _ = micro_loss(
+        lp_BTV.gather(-1, b.candidate_ids), lp_BTV[..., 0], b, objective, global_num_tokens=tokens, global_num_seqs=4
+    )
+    assert abs(float(loss_a) - float(loss_b)) < 1e-6
+
+
+def test_a_cross_teacher_scores_the_text_under_its_own_tokenizer():
+    """Byte-level student, SentencePiece teacher: the span log-probs sum to the teacher's log-prob of the text (its
+    own tokens, its EOS), and the step's xtok fractions add up to 1."""
+    student_tok, teacher_tok = byte_bpe(), sentencepiece()
+    teacher_model = make_tiny_model(vocab_size=len(teacher_tok), seed=3)
+    student_model = make_tiny_model(vocab_size=len(student_tok), seed=4)
+    rollouts, _ = _rollouts(student_tok, TEXTS, student_tok.eos_token_id)
+    teacher_prompts = [_prompt(teacher_tok, i) for i in range(len(TEXTS))]
+    student = LocalScorer(student_model).score(rollouts, top_k=K)
+    cross = build_cross_vocab(student_tok, teacher_tok, student_eos_ids=[student_tok.eos_token_id])
+    scorer = LocalScorer(teacher_model)
+    crossed = start_cross_scoring(cross, scorer, rollouts, student, teacher_prompts, top_k=0, temperature=1.0).result()
+    mask_BT = rollouts.response_mask
+    # the teacher's own log-prob of each row: its tokens of the text then its EOS
+    own = []
+    for b, text in enumerate(TEXTS):
+        ids = teacher_tok(text, add_special_tokens=False)["input_ids"] + [teacher_tok.eos_token_id]
+        full = torch.tensor([teacher_prompts[b] + ids])
+        with torch.no_grad():
+            lp = teacher_model(full).logits[0, :-1].float().log_softmax(-1)
+        own.append(float(lp[len(teacher_prompts[b]) - 1 :].gather(-1, torch.tensor(ids)[:, None]).sum()))
+    got = (crossed.sampled_logprobs * mask_BT).sum(-1)
+    assert torch.allclose(got, torch.tensor(own), atol=1e-4, rtol=0)
+    metrics = cross_metrics([cross])
+    total = metrics["xtok/exact_frac"] + metrics["xtok/span_frac"] + metrics["xtok/unmapped_frac"]
+    assert total == pytest.approx(1.0) and metrics["xtok/unmapped_frac"] == 0.0
+    assert 0 < metrics["xtok/exact_frac"] < 1
+
+
+def test_auto_mode_is_same_for_one_vocabulary_and_cross_for_another(tmp_path):
+    make_tiny_tokenizer().save_pretrained(tmp_path / "same")
+    byte_bpe().save_pretrained(tmp_path / "other")
+    student = make_tiny_tokenizer()
+    assert resolve_tokenizer_mode(TeacherEntry(name="t", path=str(tmp_path / "same")), student) == "same"
+    assert resolve_tokenizer_mode(TeacherEntry(name="t", path=str(tmp_path / "other")), student) == "cross"
+    with pytest.raises(ValueError, match="tokenizer: cross needs an in-process teacher"):
+        resolve_tokenizer_mode(TeacherEntry(name="t", url="http://x:1", tokenizer="cross"), student)
+
+
+def test_the_cross_tokenizer_row_names_a_character_the_teacher_cannot_encode():
+    student_tok = byte_bpe()
+    ok = build_cross_vocab(student_tok, characters(), student_eos_ids=[student_tok.eos_token_id])
+    row = check_cross_tokenizer(ok, student_tok, ["x = 3", "Café 数学"])
+    assert row.status == "pass" and "round-trip failures 0" in row.detail
+    bad = build_cross_vocab(student_tok, characters(byte_fallback=False), student_eos_ids=[student_tok.eos_token_id])
+    row = check_cross_tokenizer(bad, student_tok, ["x = 3", "Café 数学"])
+    assert row.status == "fail" and row.hard and "'数学'" in row.detail
+
+
+def test_the_lab_teacher_under_another_token_to_id_map_scores_as_itself(tmp_path):
+    """The shipped lab teacher with its ids shuffled (`permute_vocabulary`): every id differs, so the cross path maps
+    the student's text and top-k onto the teacher's ids; its scores equal the original teacher's on the student's
+    own ids (a real model, a real renderer of each side's prompts)."""
+    from opd.lab import student_path, teacher_path
+    from opd.lab.build import permute_vocabulary
+    from opd.models import load_model
+
+    shuffled = permute_vocabulary(teacher_path(), tmp_path / "shuffled", seed=0)
+    student_model, tokenizer = load_model(str(student_path()), dtype=torch.float32, device="cpu")
+    teacher_model, _ = load_model(str(teacher_path()), dtype=torch.float32, device="cpu")
+    other_model, other_tok = load_model(str(shuffled), dtype=torch.float32, device="cpu")
+    texts = ["12+3=15\n15*2=30\n\\boxed{30}", "7-9=-2\n\\boxed{-2}"]
+    rollouts, _ = _rollouts(tokenizer, texts, tokenizer.eos_token_id)
+    student = LocalScorer(student_model).score(rollouts, top_k=K)
+    same = LocalScorer(teacher_model).score(rollouts, top_k=K, requested_ids=student.topk_ids)
+    cross = build_cross_vocab(tokenizer, other_tok, student_eos_ids=[tokenizer.eos_token_id])
+    prompts = [_prompt(other_tok, i) for i in range(len(texts))]
+    crossed = start_cross_scoring(
+        cross, LocalScorer(other_model), rollouts, student, prompts, top_k=K, temperature=1.0
+    ).result()
+    mask_BT = rollouts.response_mask
+    assert crossed.exact[mask_BT].all()
+    assert torch.allclose(crossed.sampled_logprobs[mask_BT], same.sampled_logprobs[mask_BT], atol=1e-5, rtol=0)
+    assert torch.allclose(crossed.requested_logprobs[mask_BT], same.requested_logprobs[mask_BT], atol=1e-5, rtol=0)

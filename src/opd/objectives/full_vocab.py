@@ -40,7 +40,9 @@ def full_chunk_size(vocab_size: int, compute_dtype: torch.dtype = torch.float32)
     return max(1, 2 * CHUNK_BYTES // (_TEMPS * compute_dtype.itemsize * max(1, vocab_size)))
 
 
-def _log_probs(hidden_CD: torch.Tensor, head: OutputHead, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _log_probs(
+    hidden_CD: torch.Tensor, head: OutputHead, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor | float]:
     """(log-probs [C, V] in the compute dtype, dz/draw [C, V] or a float) of one chunk under `head`."""
     raw_CV = torch.nn.functional.linear(hidden_CD, head.weight, head.bias)
     z_CV = _transform(raw_CV, head.logit_scale, head.softcap, temperature)

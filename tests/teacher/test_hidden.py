@@ -1,0 +1,116 @@
+"""A teacher that answers with hidden states (opd.teacher.base.HiddenStateScorer over LocalScorer.hidden_states and
+its head) gives the scores the teacher itself gives, and every objective built from them (sampled-token, the five
+top-k strategies, topk_kl, forward_kl, jsd) equals the same objective built from the teacher's own scores.
+
+Tolerances: float32 hidden states go through the same `score_hidden` on differently batched rows: 1e-5 absolute on
+log-probs (float32 rounding of a V-term log-sum-exp). bf16 hidden states (the wire's dtype) round each value to 8
+bits of mantissa: 0.05 absolute on log-probs, checked on the tiny models whose logits span about ±10."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import TINY_VOCAB, make_rollouts, make_tiny_model
+from opd.config.sections import ObjectiveSpec
+from opd.objectives import build_targets
+from opd.teacher.base import HiddenStateScorer, check_hidden, head_fingerprint, scores_from_hidden
+from opd.teacher.local import LocalScorer
+
+V = TINY_VOCAB
+
+
+@pytest.fixture(scope="module")
+def pair():
+    teacher = LocalScorer(make_tiny_model("qwen3", hidden_size=48, seed=1), vocab_size=V)
+    student = LocalScorer(make_tiny_model("llama", seed=2, tie_word_embeddings=True), vocab_size=V)
+    rollouts = make_rollouts([3, 5, 2], [6, 0, 9], 10, V, seed=3)
+    return teacher, student, rollouts
+
+
+def _assert_scores_close(a, b, atol):
+    torch.testing.assert_close(a.sampled_logprobs, b.sampled_logprobs, atol=atol, rtol=0)
+    for x, y in (
+        (a.topk_logprobs, b.topk_logprobs),
+        (a.entropy, b.entropy),
+        (a.requested_logprobs, b.requested_logprobs),
+    ):
+        assert (x is None) == (y is None)
+        if x is not None:
+            torch.testing.assert_close(x, y, atol=atol, rtol=0)
+
+
+def test_hidden_states_score_as_the_teacher(pair):
+    teacher, student, rollouts = pair
+    requested = student.score(rollouts, top_k=4).topk_ids
+    own = teacher.score(rollouts, top_k=8, requested_ids=requested, temperature=0.7)
+    from_hidden = HiddenStateScorer(teacher).score(rollouts, top_k=8, requested_ids=requested, temperature=0.7)
+    _assert_scores_close(own, from_hidden, 1e-5)
+    assert torch.equal(own.topk_ids, from_hidden.topk_ids)
+    hidden = teacher.hidden_states(rollouts)
+    assert hidden.shape == (3, 10, 48) and hidden[~rollouts.response_mask].abs().max() == 0
+
+
+def test_bf16_hidden_states_within_tolerance(pair):
+    teacher, _, rollouts = pair
+    own = teacher.score(rollouts, top_k=4)
+    hidden = teacher.hidden_states(rollouts).to(torch.bfloat16)
+    scores = scores_from_hidden(hidden, teacher.output_head(), rollouts, top_k=4)
+    _assert_scores_close(own, scores, 0.05)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"top_k": 0},
+        *({"top_k": 4, "strategy": s} for s in ("only_stu", "only_tch", "intersection", "union", "union-intersection")),
+        {"top_k": 4, "loss": "topk_kl"},
+        {"top_k": 4, "loss": "forward_kl"},
+        {"top_k": 4, "loss": "jsd"},
+    ],
+)
+def test_every_objective_from_hidden_states_equals_from_scores(pair, settings):
+    teacher, student, rollouts = pair
+    objective = ObjectiveSpec(**settings)
+    k = max(objective.top_k, 1)
+    s = student.score(rollouts, top_k=k)
+    from_hidden = HiddenStateScorer(teacher)
+    built = []
+    for scorer in (teacher, from_hidden):
+        t = scorer.score(rollouts, top_k=k, requested_ids=s.topk_ids)
+        at_teacher = student.score(rollouts, top_k=0, requested_ids=t.topk_ids, with_entropy=False).requested_logprobs
+        built.append(build_targets(s, t, rollouts, objective, student_at_teacher_topk=at_teacher))
+    a, b = built
+    assert torch.equal(a.candidate_ids, b.candidate_ids) and torch.equal(a.valid, b.valid)
+    torch.testing.assert_close(a.rewards, b.rewards, atol=1e-5, rtol=0)
+    torch.testing.assert_close(a.advantages, b.advantages, atol=1e-5, rtol=0)
+    if a.teacher_logprobs is not None:
+        torch.testing.assert_close(a.teacher_logprobs, b.teacher_logprobs, atol=1e-5, rtol=0)
+
+
+def test_head_fingerprint_names_the_head(pair):
+    teacher, student, _ = pair
+    head = teacher.output_head()
+    assert head_fingerprint(head) == head_fingerprint(teacher.output_head())
+    assert head_fingerprint(head) != head_fingerprint(student.output_head())
+    assert HiddenStateScorer(teacher).head_hash == head_fingerprint(head)
+
+
+def test_bad_hidden_states_refused(pair):
+    teacher, _, rollouts = pair
+    hidden = teacher.hidden_states(rollouts)
+    mask = rollouts.response_mask
+    with pytest.raises(ValueError, match=r"shape \(3, 10, 47\), expected"):
+        check_hidden(hidden[..., :47], (3, 10), 48, mask)
+    with pytest.raises(ValueError, match=r"shape \(4, 10, 48\)"):
+        check_hidden(torch.cat([hidden, hidden[:1]]), (3, 10), 48, mask)
+    bad = hidden.clone()
+    bad[2, 4, 7] = float("nan")
+    with pytest.raises(ValueError, match="1 response positions hold NaN/inf \\(first: row 2, position 4\\)"):
+        check_hidden(bad, (3, 10), 48, mask)
+    bad[2, 4, 7] = float("inf")
+    with pytest.raises(ValueError, match="NaN/inf"):
+        scores_from_hidden(bad, teacher.output_head(), rollouts)
+    bad[1, 5, 0] = float("nan")  # a masked position (row 1 has no response): ignored
+    bad[2, 4, 7] = 0.0
+    check_hidden(bad, (3, 10), 48, mask)

@@ -114,3 +114,23 @@ def test_bad_hidden_states_refused(pair):
     bad[1, 5, 0] = float("nan")  # a masked position (row 1 has no response): ignored
     bad[2, 4, 7] = 0.0
     check_hidden(bad, (3, 10), 48, mask)
+
+
+def test_manifest_records_the_head_and_a_resume_checks_it(pair, tmp_path):
+    from opd.config.sections import TeacherEntry, TeacherRoute
+    from opd.teacher.manifest import check_teacher_manifest, teacher_manifest
+    from opd.teacher.registry import RoutedTeacher, Teacher
+
+    teacher, student, _ = pair
+
+    def routed(scorer, answer):
+        entry = TeacherEntry(name="t", path=str(tmp_path), answer=answer, route=TeacherRoute(default=True))
+        return RoutedTeacher(entry, Teacher(scorer, None, None))
+
+    scores = teacher_manifest([routed(teacher, "scores")])
+    hidden = teacher_manifest([routed(teacher, "hidden")])
+    other = teacher_manifest([routed(student, "hidden")])
+    assert "head" not in scores[0] and hidden[0]["head"] == head_fingerprint(teacher.output_head())
+    check_teacher_manifest(hidden, teacher_manifest([routed(teacher, "hidden")]), tmp_path)
+    with pytest.raises(ValueError, match="teacher t's head changed"):
+        check_teacher_manifest(hidden, other, tmp_path)

@@ -5,6 +5,7 @@ same scores and `opd.objectives.full_vocab` the exact full-vocabulary objectives
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -125,9 +126,50 @@ def head_fingerprint(head: OutputHead) -> str:
     return "sha256:" + digest.hexdigest()[:16]
 
 
+_HEAD_HASHES: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def source_head_hash(source: HiddenStateSource) -> str:
+    """`head_fingerprint` of a hidden-state source's head, computed once per source (a served teacher's head is
+    fetched for it): the teacher manifest's `head`."""
+    if source not in _HEAD_HASHES:
+        _HEAD_HASHES[source] = head_fingerprint(source.output_head())
+    return _HEAD_HASHES[source]
+
+
 def head_bytes(head: OutputHead) -> int:
     """Bytes of the head's weight and bias: what keeping it resident costs."""
     return sum(t.numel() * t.element_size() for t in (head.weight, head.bias) if t is not None)
+
+
+def score_bytes_per_position(top_k: int, requested: int, *, with_entropy: bool = True, logprob_bytes: int = 4) -> int:
+    """Bytes a served teacher's scores take per scored position on the wire (`opd.teacher.wire` response): the sampled
+    log-prob, K int32 ids and K log-probs, Q requested log-probs and the entropy."""
+    return logprob_bytes * (1 + top_k + requested + int(with_entropy)) + 4 * top_k
+
+
+def crossover_k(
+    hidden_size: int, hidden_itemsize: int = 2, *, with_entropy: bool = True, logprob_bytes: int = 4
+) -> int:
+    """The smallest K at which top-K scores (with the student's top-K requested, Q = K, as only_stu asks) cost more
+    bytes a position than hidden states of `hidden_size` values: 256 for E = 1,536 in bf16 with float32 log-probs."""
+    hidden = hidden_size * hidden_itemsize
+    per_k = 2 * logprob_bytes + 4
+    fixed = logprob_bytes * (1 + int(with_entropy))
+    return max(1, (hidden - fixed) // per_k + 1)
+
+
+def choose_answer(answer: str, *, needs_full: bool, served: bool, top_k: int, hidden_size: int | None) -> str:
+    """ "scores" or "hidden" for a teacher's `answer` setting: hidden when asked or when the objective needs the whole
+    distribution; auto otherwise picks hidden only for a served teacher whose top-k is at or past `crossover_k`
+    (in process no bytes move, and the teacher's own top-k costs less than projecting here)."""
+    if answer != "auto":
+        return answer
+    if needs_full:
+        return "hidden"
+    if served and hidden_size is not None and top_k >= crossover_k(hidden_size):
+        return "hidden"
+    return "scores"
 
 
 def check_hidden(hidden_BTE: torch.Tensor, shape_BT: tuple[int, ...], width: int, mask_BT: torch.Tensor) -> None:
@@ -214,7 +256,7 @@ class HiddenStateScorer(InProcessScoring):
         where = device or head.weight.device
         bias = None if head.bias is None else head.bias.detach().to(where)
         self.head = OutputHead(head.weight.detach().to(where), bias, head.logit_scale, head.softcap)
-        self.head_hash = head_fingerprint(self.head)
+        self.head_hash = source_head_hash(source)
         self.chunk_size = chunk_size
         self.info = getattr(source, "info", None)
 

@@ -25,8 +25,9 @@ from opd.recipes.distill import distill
     ],
     ids=lambda o: ",".join(x.split(".", 1)[-1] for x in o),
 )
-def test_full_vocabulary_objectives_train(world, tmp_path, overrides):
+def test_full_vocabulary_objectives_train(world, tmp_path, overrides, capsys):
     run_dir = distill(distill_config(world, tmp_path, *overrides))
+    assert "hidden_scores pass" in capsys.readouterr().out  # the startup check of the hidden-state answer
     last = read_jsonl(run_dir / "metrics.jsonl")[-1]
     assert last["step"] == 2 and last["grad_norm"] > 0
     assert last["teacher/bytes_per_token"] > 0

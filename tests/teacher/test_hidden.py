@@ -134,3 +134,29 @@ def test_manifest_records_the_head_and_a_resume_checks_it(pair, tmp_path):
     check_teacher_manifest(hidden, teacher_manifest([routed(teacher, "hidden")]), tmp_path)
     with pytest.raises(ValueError, match="teacher t's head changed"):
         check_teacher_manifest(hidden, other, tmp_path)
+
+
+def test_check_row_compares_hidden_state_scores_with_the_teachers(pair):
+    """`opd check`'s hidden_scores row: passes for a teacher whose head is applied as its model applies it, fails
+    (hard) for one whose head is not (here: a soft-cap the model does not have)."""
+    from opd.check.scoring import check_hidden_scores
+    from opd.scoring import OutputHead
+
+    teacher, _, rollouts = pair
+    row = check_hidden_scores(teacher, rollouts, top_k=4, temperature=1.0, dtype=torch.float32)
+    assert row.status == "pass" and row.value <= 1e-5, row
+
+    class WrongHead:
+        serves_requested_ids = True
+
+        def score(self, *args, **kwargs):
+            return teacher.score(*args, **kwargs)
+
+        def hidden_states(self, rollouts):
+            return teacher.hidden_states(rollouts)
+
+        def output_head(self):
+            return OutputHead(teacher.output_head().weight, None, 1.0, 1.0)
+
+    row = check_hidden_scores(WrongHead(), rollouts, top_k=4, temperature=1.0, dtype=torch.float32)
+    assert row.status == "fail" and row.hard and "teacher.answer=scores" in row.fix, row

@@ -134,3 +134,18 @@ def test_bad_arguments_refused(kwargs, match):
     with pytest.raises(ValueError, match="teacher_hidden_NE must be"):
         full_divergence(hidden, head, t_hidden[:, :3], t_head)
     assert math.isfinite(float(full_divergence(hidden, head, t_hidden, t_head).detach().sum()))
+
+
+def test_bf16_hidden_states_with_float32_weights():
+    """The update's autocast gives bf16 hidden states and float32 master weights: the loss and its gradients are
+    those of the bf16-rounded hidden states (to float32 rounding), and the hidden states' gradient comes back bf16."""
+    _, hidden, head, t_hidden, t_head = _case(torch.float32, bias=False, scale=1.0, softcap=None, tied=False)
+    h16 = hidden.detach().to(torch.bfloat16).requires_grad_()
+    ours = full_divergence(h16, head, t_hidden.to(torch.bfloat16), t_head, chunk_size=4, vocab_size=37)
+    (g16,) = torch.autograd.grad(ours.sum(), [h16])
+    h32 = h16.detach().float().requires_grad_()
+    ref = full_divergence(h32, head, t_hidden.to(torch.bfloat16).float(), t_head, chunk_size=4, vocab_size=37)
+    (g32,) = torch.autograd.grad(ref.sum(), [h32])
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    assert g16.dtype == torch.bfloat16
+    torch.testing.assert_close(g16.float(), g32, rtol=1e-2, atol=1e-2)

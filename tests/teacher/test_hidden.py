@@ -160,3 +160,18 @@ def test_check_row_compares_hidden_state_scores_with_the_teachers(pair):
 
     row = check_hidden_scores(WrongHead(), rollouts, top_k=4, temperature=1.0, dtype=torch.float32)
     assert row.status == "fail" and row.hard and "teacher.answer=scores" in row.fix, row
+
+
+def test_crossover_and_auto_answer():
+    from opd.teacher.base import choose_answer, crossover_k, score_bytes_per_position
+
+    assert score_bytes_per_position(16, 16) == 200  # docs/design.md's 200 B down for top-16 + 16 requested
+    for e in (256, 1536, 2560):
+        k = crossover_k(e)
+        assert score_bytes_per_position(k, k) > 2 * e >= score_bytes_per_position(k - 1, k - 1)
+    assert (crossover_k(1536), crossover_k(2560)) == (256, 427)
+    assert choose_answer("auto", needs_full=True, served=False, top_k=16, hidden_size=None) == "hidden"
+    assert choose_answer("auto", needs_full=False, served=False, top_k=512, hidden_size=1536) == "scores"
+    assert choose_answer("auto", needs_full=False, served=True, top_k=16, hidden_size=1536) == "scores"
+    assert choose_answer("auto", needs_full=False, served=True, top_k=256, hidden_size=1536) == "hidden"
+    assert choose_answer("scores", needs_full=False, served=True, top_k=999, hidden_size=1536) == "scores"

@@ -44,6 +44,8 @@ def _log_probs(
     hidden_CD: torch.Tensor, head: OutputHead, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor | float]:
     """(log-probs [C, V] in the compute dtype, dz/draw [C, V] or a float) of one chunk under `head`."""
+    if hidden_CD.dtype != head.weight.dtype and not torch.is_autocast_enabled(hidden_CD.device.type):
+        hidden_CD = hidden_CD.to(head.weight.dtype)  # e.g. bf16 hidden states of an autocast forward, fp32 weights
     raw_CV = torch.nn.functional.linear(hidden_CD, head.weight, head.bias)
     z_CV = _transform(raw_CV, head.logit_scale, head.softcap, temperature)
     chain: torch.Tensor | float = head.logit_scale / temperature
@@ -80,6 +82,7 @@ def _chunk_value_and_grad(s_CV, t_CV, kind: str, beta: float, want_grad: bool):
 
 class _FullDivergence(torch.autograd.Function):
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")  # backward then recomputes under the forward's autocast state
     def forward(ctx, hidden_ND, weight_VD, bias_V, teacher_hidden_NE, teacher_head, params):
         student_head = OutputHead(weight_VD, bias_V, params["scale"], params["softcap"])
         n_pos, chunk = hidden_ND.shape[0], params["chunk"]
@@ -95,6 +98,7 @@ class _FullDivergence(torch.autograd.Function):
         return out_N
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_N):
         hidden_ND, weight_VD, bias_V, teacher_hidden_NE = ctx.saved_tensors
         params, teacher_head = ctx.params, ctx.teacher_head

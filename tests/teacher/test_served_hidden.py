@@ -19,6 +19,7 @@ from helpers_served_teacher import (
     random_rollouts,
     serve_in_thread,
 )
+from opd.io import read_jsonl
 from opd.teacher import wire
 from opd.teacher.base import HiddenStateScorer, head_fingerprint
 from opd.teacher.client import RemoteScorer, TeacherRequestError, check_served_head
@@ -125,3 +126,59 @@ def test_bad_hidden_answers_refused(lab_teacher):
         wire.decode_hidden(good, 5, 32)
     with pytest.raises(wire.WireError, match="expected a 'hidden' message"):
         wire.decode_hidden(wire.encode_message("scores", {}, [("sampled", torch.zeros(4), "float32")]), 4, 32)
+
+
+def _lab_run(tmp_path, name, *overrides):
+    from opd.config import DistillConfig, build_config
+    from opd.lab import opd_prompts_path, student_path, teacher_path
+    from opd.recipes.distill import distill
+
+    options = {
+        "student.path": str(student_path()),
+        "teacher.path": str(teacher_path()),
+        "data.path": str(opd_prompts_path()),
+        "student.device": "cpu",
+        "student.dtype": "fp32",
+        "teacher.device": "cpu",
+        "teacher.dtype": "fp32",
+        "data.max_prompt_length": 64,
+        "prompts_per_step": 2,
+        "rollout.n": 2,
+        "rollout.max_new_tokens": 16,
+        "micro_batch_tokens": 4096,
+        "score_batch_tokens": 4096,
+        "optim.lr": 1e-4,
+        "run.out_dir": str(tmp_path),
+        "run.name": name,
+        "run.steps": 2,
+        "run.report": False,
+        "run.save_every": 0,
+        "run.samples_per_step": 0,
+        "objective.loss": "full_reverse_kl",
+    }
+    return read_jsonl(
+        distill(build_config(DistillConfig, options=options, overrides=list(overrides))) / "metrics.jsonl"
+    )
+
+
+@pytest.mark.slow
+def test_distill_full_reverse_kl_with_a_served_teacher_matches_local(server, tmp_path):
+    """`opd distill objective.loss=full_reverse_kl teacher.url=…` (hidden states and the head over loopback, float32
+    wire) trains as with the local teacher: the loss and the reward within 1e-4 (the server batches rows as the
+    client sends them; fp32 rounding)."""
+    url, token_file, _ = server
+    local = _lab_run(tmp_path, "local")
+    served = _lab_run(
+        tmp_path,
+        "served",
+        "teacher.path=null",
+        "teacher.device=auto",
+        "teacher.dtype=auto",
+        f"teacher.url={url}",
+        f"teacher.token_file={token_file}",
+        "teacher.hidden_dtype=float32",
+    )
+    for a, b in zip(local, served):
+        for key in ("full_reverse_kl_loss", "reward_mean", "teacher/bytes_per_token"):
+            assert abs(a[key] - b[key]) <= 1e-4, (key, a[key], b[key])
+        assert b["teacher/head_bytes"] == a["teacher/head_bytes"]

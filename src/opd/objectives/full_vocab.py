@@ -31,12 +31,13 @@ from opd.scoring import CHUNK_BYTES, OutputHead, _transform
 Divergence = Literal["reverse_kl", "forward_kl", "jsd"]
 DIVERGENCES: tuple[str, ...] = ("reverse_kl", "forward_kl", "jsd")
 
-_TEMPS = 8  # float32 [C, V] buffers alive at once in a backward chunk (both logits, s, t, p, q or m, g, margin)
+_TEMPS = 12  # float32 [C, V] buffers a chunk may hold at once: ~9 measured in backward (both raw and transformed
+# logits, s, t, p, q or m, a, g), plus margin (tests/objectives/test_full_vocab.py's peak-memory test)
 
 
 def full_chunk_size(vocab_size: int, compute_dtype: torch.dtype = torch.float32) -> int:
     """Positions per chunk so that a chunk's `_TEMPS` compute-dtype `[C, V]` buffers stay within 2 × `CHUNK_BYTES`,
-    the peak `opd.scoring` allows a chunk (441 positions for V = 151,936 in float32)."""
+    the peak `opd.scoring` allows a chunk (294 positions for V = 151,936 in float32)."""
     return max(1, 2 * CHUNK_BYTES // (_TEMPS * compute_dtype.itemsize * max(1, vocab_size)))
 
 

@@ -6,6 +6,7 @@ full-vocabulary loss equals the dense float64 reverse KL of the two models' own 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers import distill_config
 from opd.io import read_jsonl
@@ -46,3 +47,17 @@ def test_hidden_answer_trains_as_the_scores_answer(world, tmp_path):
         assert abs(a["reward_mean"] - b["reward_mean"]) < 1e-5
         assert a["teacher/bytes_per_token"] == 4 * (1 + 16 + 16 + 1) + 4 * 16  # sampled, top-16, requested, entropy
         assert "teacher/head_bytes" not in a and b["teacher/head_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_full_loss_resumes_bit_identical_and_its_manifest_names_the_head(world, tmp_path):
+    from helpers import latest_weights
+
+    loss = "objective.loss=full_jsd"
+    straight = distill(distill_config(world, tmp_path / "a", loss, "run.save_every=2", steps=4))
+    distill(distill_config(world, tmp_path / "b", loss, "run.save_every=2", steps=2))
+    resumed = distill(distill_config(world, tmp_path / "b", loss, "run.save_every=2", "run.resume=true", steps=4))
+    a, b = latest_weights(straight), latest_weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    state = torch.load(resumed / "checkpoints" / "step_4" / "trainer_state.pt", weights_only=False)
+    assert state["teachers"][0]["head"].startswith("sha256:")  # checked on resume (check_teacher_manifest)

@@ -20,6 +20,7 @@ def test_exit_codes_and_skips():
         "self_distillation_zero",
         "prompt_logprobs",
         "served_scores",
+        "hidden_scores",
         "generation_scoring",
         "teacher_view",
         "memory",

@@ -18,3 +18,31 @@ def test_paper_defaults():
         1.0,
         "constant",
     )
+
+
+def test_full_vocabulary_objectives_resolve_and_refuse():
+    import pytest
+
+    base = {"student.path": "s", "teacher.path": "t", "data.path": "d"}
+    cfg = build_config(DistillConfig, options={**base, "objective.loss": "full_jsd"})
+    assert cfg.needs_full_distribution() and cfg.teacher_entries()[0].answer == "hidden"  # auto resolved
+    assert build_config(DistillConfig, options=base).teacher_entries()[0].answer == "auto"
+    for options, culprit in [
+        ({"objective.loss": "full_reverse_kl", "teacher.answer": "scores"}, "teacher.answer=hidden"),
+        ({"objective.loss": "full_forward_kl", "teacher.engine": "vllm"}, "engine=vllm"),
+        ({"objective.token_reward": "full_reverse_kl"}, "objective.top_k=0"),
+        ({"objective.token_reward": "full_reverse_kl_next", "objective.top_k": 0, "objective.loss": "jsd"}, "loss=pg"),
+    ]:
+        with pytest.raises(ValueError, match=culprit):
+            build_config(DistillConfig, options={**base, **options})
+    two = {
+        "student.path": "s",
+        "data.path": "d",
+        "objective.loss": "full_reverse_kl",
+        "teachers": [
+            {"name": "a", "path": "t", "route": {"default": True}},
+            {"name": "b", "path": "u", "route": {"data_source": ["x"]}},
+        ],
+    }
+    with pytest.raises(ValueError, match="takes one teacher"):
+        build_config(DistillConfig, options=two)

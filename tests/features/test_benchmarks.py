@@ -611,3 +611,31 @@ def test_teacher_server(tmp_path, capsys):
     # one request per call, scored in a forward of the same shape as the local one: equal up to fp32 rounding
     assert got["served[tiny, 1 client]"]["max_err"] < 1e-5 and got["served[tiny, 2 clients]"]["max_err"] < 1e-5
     assert 200 < got["served[tiny, 1 client]"]["bytes_per_position"] < 400
+
+
+@pytest.mark.slow
+def test_teacher_bytes(capsys):
+    """Every answer's row (in process and loopback) and the analytic table print; the wire bytes are the formula's."""
+    rows = load("teacher_bytes").main(
+        [
+            "--vocab",
+            "512",
+            "--hidden",
+            "32",
+            "--batch",
+            "2",
+            "--prompt-len",
+            "4",
+            "--response-len",
+            "6",
+            "--repeats",
+            "1",
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert (
+        len(rows) == 8 and "crossover K" in printed and "| real pair teacher (E 1,536) | 200 | 72 | 3,072 |" in printed
+    )
+    by_name = {(r["where"], r["name"]): r for r in rows}
+    assert by_name[("loopback HTTP", "top-16 ids + log-probs")]["bytes"] > 200  # + the message header, per position
+    assert all(r.get("pps", 1) > 0 for r in rows)

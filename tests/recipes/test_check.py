@@ -61,8 +61,15 @@ def test_cli_lab_pair_passes(tmp_path):
     assert report["exit_code"] == 0 and report["forecast"]["verdict"] in ("likely", "uncertain")
     names = {r["name"]: r for r in report["results"]}
     # a local teacher's scores are checked by the rest; the student's engine against its scorer at distill's startup
-    # teacher_view: a run with a view's (distill's startup); cross_tokenizer: a teacher of another vocabulary's
-    assert set(names) == set(C.CHECKS) - {"served_scores", "generation_scoring", "teacher_view", "cross_tokenizer"}
+    # teacher_view: a run with a view's (distill's startup); cross_tokenizer: a teacher of another vocabulary's;
+    # hidden_scores: a teacher answering with hidden states
+    assert set(names) == set(C.CHECKS) - {
+        "served_scores",
+        "generation_scoring",
+        "teacher_view",
+        "cross_tokenizer",
+        "hidden_scores",
+    }
     for name in (
         "tokenizer_vocab",
         "special_tokens",

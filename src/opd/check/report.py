@@ -34,6 +34,7 @@ CHECKS: dict[str, str] = {
     "self_distillation_zero": "scoring",
     "prompt_logprobs": "scoring",
     "served_scores": "scoring",
+    "hidden_scores": "scoring",
     "generation_scoring": "scoring",
     "teacher_view": "scoring",
     "overlap_ratio": "forecast",

@@ -346,6 +346,44 @@ def length_dependent_rope(model: torch.nn.Module) -> bool:
     return rope_choice(cast(Any, model).config, 1) is not None
 
 
+HIDDEN_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+"""Max |Δ log-prob| (nats) between a teacher's own scores and the same scores computed from its hidden states and
+head (`hidden_scores`): in float32 the same `score_hidden` on differently batched rows, ~1e-5; half precision: the
+hidden states' rounding, `SELF_ZERO_HALF_TOLERANCE`. A head applied wrongly (scale, soft-cap, another head) is off
+by whole nats."""
+
+
+def check_hidden_scores(
+    scorer: Any, rollouts: Any, *, top_k: int, temperature: float, dtype: torch.dtype
+) -> CheckResult:
+    """The teacher's own scores against the scores computed here from its hidden states and its head (what a run
+    with `teacher.answer: hidden` trains on): sampled and top-k log-probs must agree within `HIDDEN_TOLERANCE`."""
+    from opd.teacher.base import HiddenStateScorer
+
+    own = scorer.score(rollouts, top_k=top_k, temperature=temperature, with_entropy=False)
+    mine = HiddenStateScorer(scorer).score(rollouts, top_k=top_k, temperature=temperature, with_entropy=False)
+    mask = rollouts.response_mask.bool()
+    worst = _max_abs(own.sampled_logprobs[mask] - mine.sampled_logprobs[mask])
+    if own.topk_logprobs is not None and mine.topk_logprobs is not None:
+        worst = max(worst, _max_abs(own.topk_logprobs[mask] - mine.topk_logprobs[mask]))
+    tolerance = HIDDEN_TOLERANCE.get(dtype, SELF_ZERO_HALF_TOLERANCE)
+    detail = (
+        f"max |Δ log-prob| {worst:.3g} nats between the teacher's scores and those from its hidden states and head, "
+        f"over {int(mask.sum())} positions × {top_k} top-k; tolerance {tolerance:g}"
+    )
+    if worst <= tolerance:
+        return CheckResult("hidden_scores", "pass", worst, detail, hard=True)
+    return CheckResult(
+        "hidden_scores",
+        "fail",
+        worst,
+        detail,
+        "the teacher's output head is not applied as its model applies it (scale, soft-cap, bias): use "
+        "teacher.answer=scores",
+        hard=True,
+    )
+
+
 def generation_check_tokens(model: torch.nn.Module, max_new_tokens: int) -> int:
     """`GENERATION_CHECK_TOKENS`, or the run's whole length for a RoPE whose table depends on the sequence length
     (`length_dependent_rope`)."""
@@ -427,7 +465,10 @@ def scoring_rows(
     whole = length_dependent_rope(teacher)
     tokens = min(config.rollout.max_new_tokens, (None if whole else max_new_tokens) or config.rollout.max_new_tokens)
     device = next(teacher.parameters()).device
-    if {"determinism", "self_distillation_zero"} - skip:
+    hidden = any(entry.answer == "hidden" for entry in config.teacher_entries()) and hasattr(
+        teacher_scorer, "hidden_states"
+    )
+    if {"determinism", "self_distillation_zero"} - skip or (hidden and "hidden_scores" not in skip):
         samples = teacher_samples(
             teacher,
             tokenizer,
@@ -445,6 +486,16 @@ def scoring_rows(
                     samples,
                     top_k=diagnostic_top_k(config.objective.top_k),
                     temperature=config.objective.teacher_temperature,
+                )
+            )
+        if hidden and "hidden_scores" not in skip:
+            out.append(
+                check_hidden_scores(
+                    teacher_scorer,
+                    samples,
+                    top_k=diagnostic_top_k(config.objective.top_k),
+                    temperature=config.objective.teacher_temperature,
+                    dtype=next(teacher.parameters()).dtype,
                 )
             )
         if "self_distillation_zero" not in skip:

@@ -99,10 +99,17 @@ class DistillConfig(Section):
                     "route": entry.route or TeacherRoute(default=True),
                     # the student's frozen initial weights as the teacher (self-distillation)
                     "path": self.student.path if entry.path == STUDENT_INIT else entry.path,
+                    # auto resolves here when the objective decides it (else at the first step, by bytes)
+                    "answer": "hidden" if entry.answer == "auto" and self.needs_full_distribution() else entry.answer,
                 }
             )
             for entry in entries
         ]
+
+    def needs_full_distribution(self) -> bool:
+        """Whether the objective reads the teacher's whole distribution (a full_* loss or an exact-KL token reward):
+        then the teacher answers with hidden states (`TeacherSpec.answer`)."""
+        return self.objective.loss.startswith("full_") or self.objective.token_reward != "log_ratio"
 
     @model_validator(mode="after")
     def _teachers_fit(self) -> DistillConfig:
@@ -133,12 +140,27 @@ class DistillConfig(Section):
             )
         if obj.advantage == "token_grpo" and obj.top_k:
             raise ValueError("objective.advantage=token_grpo is sampled-token only: set objective.top_k=0")
-        if obj.loss == "full_reverse_kl":
+        if obj.token_reward != "log_ratio" and (obj.loss != "pg" or obj.top_k or obj.advantage != "token_reward"):
             raise ValueError(
-                "objective.loss=full_reverse_kl needs the teacher's full distribution in the grad pass "
-                "and is only available as opd.objectives.full_reverse_kl; use pg, topk_kl, forward_kl "
-                "or jsd"
+                f"objective.token_reward={obj.token_reward} is the sampled token's reward of the policy gradient: "
+                f"it needs objective.loss=pg, objective.top_k=0 and objective.advantage=token_reward"
             )
+        if self.needs_full_distribution():
+            what = f"objective.loss={obj.loss}" if obj.loss.startswith("full_") else f"token_reward={obj.token_reward}"
+            entries = self.teacher_entries()
+            if len(entries) != 1:
+                raise ValueError(f"{what} takes one teacher (its hidden states and head); this run has {len(entries)}")
+            entry = entries[0]
+            if entry.engine == "vllm" or entry.path == STUDENT:
+                source = "engine=vllm" if entry.engine == "vllm" else f"path: {STUDENT}"
+                raise ValueError(
+                    f"{what} needs the teacher's hidden states; teacher {entry.name} has {source}: use a local "
+                    f"(engine=local) or served (url) teacher"
+                )
+            if entry.answer == "scores":
+                raise ValueError(
+                    f"{what} needs the teacher's hidden states: set teacher.answer=hidden (or auto), not scores"
+                )
         if obj.loss == "topk_kl" and obj.top_k == 0:  # a one-token support renormalises to KL = 0: nothing would learn
             raise ValueError("objective.loss=topk_kl needs a top-k support: set objective.top_k > 0 (e.g. 16)")
         if obj.loss != "pg" and obj.advantage != "token_reward":

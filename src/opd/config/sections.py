@@ -247,6 +247,17 @@ class TeacherSpec(ModelSpec):
         description="A cross teacher's span log-prob on its student tokens: even (T/n each, the student's own "
         "log-prob kept per token) or last (the span's whole reward on its last token); docs/spec.md §9.",
     )
+    answer: Literal["auto", "scores", "hidden"] = Field(
+        "auto",
+        description="What the teacher sends: scores (sampled, top-k and requested log-probs), or hidden (its final "
+        "hidden states, E values a position, with its output head fetched once: the exact full distribution, every "
+        "score computed here). auto: hidden where the objective needs the full distribution (full_* losses, "
+        "token_reward=full_reverse_kl*), and for a served teacher where top-k scores would cost more bytes than "
+        "hidden states (opd.teacher.base.crossover_k); else scores.",
+    )
+    hidden_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="Wire dtype of a served teacher's hidden states (answer=hidden)."
+    )
 
     @model_validator(mode="after")
     def _path_or_url(self) -> TeacherSpec:
@@ -537,10 +548,18 @@ class ObjectiveSpec(Section):
         "token_reward", description="Advantage estimator (SPEC §3); grpo needs no teacher."
     )
     outcome_weight: float = Field(1.0, ge=0.0, description="λ in token_reward+grpo.")
-    loss: Literal["pg", "topk_kl", "full_reverse_kl", "forward_kl", "jsd"] = Field(
-        "pg", description="pg: the paper's policy gradient on token rewards; others: extension objectives (SPEC §4)."
+    loss: Literal["pg", "topk_kl", "full_reverse_kl", "forward_kl", "jsd", "full_forward_kl", "full_jsd"] = Field(
+        "pg",
+        description="pg: the paper's policy gradient on token rewards; others: extension objectives (SPEC §4); "
+        "full_*: the exact divergence over the whole vocabulary, from the teacher's hidden states and head.",
     )
-    jsd_beta: float = Field(0.5, ge=0.0, le=1.0, description="β of the generalised JSD (loss=jsd).")
+    jsd_beta: float = Field(0.5, ge=0.0, le=1.0, description="β of the generalised JSD (loss=jsd or full_jsd).")
+    token_reward: Literal["log_ratio", "full_reverse_kl", "full_reverse_kl_next"] = Field(
+        "log_ratio",
+        description="loss=pg, top_k=0: the sampled token's reward. log_ratio: the paper's log q − log p of the "
+        "token; full_reverse_kl: −KL(p‖q) exact at its position (a baseline: zero expected gradient, SPEC §4); "
+        "full_reverse_kl_next: −KL(p‖q) exact at the next position (the state the token leads to).",
+    )
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         Field(
             "token-mean",

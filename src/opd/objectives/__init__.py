@@ -7,6 +7,8 @@ losses       PPO-clip policy loss over candidate slots, `agg_loss`, KL/entropy t
 diagnostics  overlap, shared mass, overlap advantage, entropies, rewards per position chunk; AUROC, gap recovery;
              the step's reward, advantage and IS-weight statistics
 targets      `build_targets`: one step's `Targets` from the two models' scores; `micro_loss` over the `LOSSES` table
+full_vocab   `full_divergence`: exact reverse KL, forward KL and JSD over the whole vocabulary from both models'
+             hidden states and heads, chunked (the `full_*` losses)
 """
 
 from opd.objectives.advantages import (
@@ -32,6 +34,7 @@ from opd.objectives.diagnostics import (
     seq_rewards,
     teacher_logprobs_at_student_topk,
 )
+from opd.objectives.full_vocab import full_divergence
 from opd.objectives.losses import (
     KLKind,
     LossAggMode,
@@ -89,6 +92,7 @@ __all__ = [
     "diagnostic_top_k",
     "entropy_from_logits",
     "forward_kl",
+    "full_divergence",
     "full_reverse_kl",
     "gap_recovery",
     "gather_candidate_logprobs",

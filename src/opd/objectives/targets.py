@@ -6,8 +6,10 @@ advantages (`compute_advantages`), the teacher's top-k support of a GKD-style lo
 weights; `micro_loss` takes the loss from `LOSSES` (name → function) and adds the reference-KL and entropy terms.
 Shapes: B sequences, T response positions, K top-k, J candidate slots.
 
-Omitted: `full_reverse_kl` (it needs the teacher's full distribution in the grad pass; it exists only as the pure
-function `opd.objectives.full_reverse_kl`, and the config refuses it as a training loss).
+The full-vocabulary losses (`FULL_LOSSES`: full_reverse_kl, full_forward_kl, full_jsd) are not functions of the
+candidate log-probs: the caller computes their per-position divergence from both models' hidden states and heads
+(`opd.objectives.full_vocab.full_divergence`, the teacher's hidden states in `Targets.teacher_hidden`) and passes it
+to `micro_loss`, which aggregates it like every other loss.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class Targets:
     advantage_valid:  [B, T, J''] bool, the advantages' slots where they are not `valid` (a GKD-style loss, whose
                       support is the teacher's top-k while the advantages live on the strategy's, e.g. 2K for union);
                       None = `valid`. Only the metrics read the advantages then
+    teacher_hidden:   [B, T, E] the teacher's final hidden states at the response positions, for a full-vocabulary
+                      loss (`FULL_LOSSES`); None otherwise
     """
 
     candidate_ids: torch.Tensor
@@ -88,6 +92,7 @@ class Targets:
     reference: torch.Tensor | None = None
     tis_weights: torch.Tensor | None = None
     advantage_valid: torch.Tensor | None = None
+    teacher_hidden: torch.Tensor | None = None
 
     def select(self, rows: torch.Tensor | list[int]) -> Targets:
         """The targets of the given rows (every tensor indexed along dim 0): one micro-batch's."""
@@ -115,6 +120,7 @@ def build_targets(
     student_at_teacher_topk: torch.Tensor | None = None,
     reference_logprobs: torch.Tensor | None = None,
     outcome_rewards: torch.Tensor | None = None,
+    exact_kl_BT: torch.Tensor | None = None,
 ) -> Targets:
     """Token rewards → advantages → the loss's support and weights, for one batch (SPEC §2–§4).
 
@@ -124,6 +130,8 @@ def build_targets(
     student_at_teacher_topk: [B, T, K] s at the teacher's top-k (strategies with teacher slots), else None
     reference_logprobs: [B, T] a frozen reference's sampled-token log-probs (the KL term), or None
     outcome_rewards: [B] float verifiable rewards (grpo and token_reward+grpo), or None
+    exact_kl_BT: [B, T] the exact per-position reverse KL(p‖q) (objective.token_reward full_reverse_kl*, top_k = 0):
+              the sampled token's reward becomes −KL at its position, or at the next one (`exact_kl_rewards`)
     """
     o, mask_BT = objective, rollouts.response_mask
     teacher_lp_BTJ = None
@@ -148,6 +156,12 @@ def build_targets(
                 rewards, exact_BT, student.sampled_logprobs, teacher.sampled_logprobs, rollouts.response_ids, mask_BT
             )
         candidate_ids_BTJ, valid_BTJ, rewards_BTJ = rewards.candidate_ids, rewards.valid, rewards.rewards
+        token_reward = getattr(o, "token_reward", "log_ratio")
+        if token_reward != "log_ratio":
+            if exact_kl_BT is None or o.top_k:
+                raise ValueError(f"token_reward {token_reward!r} needs top_k = 0 and the exact per-position KL")
+            exact_BT = exact_kl_rewards(exact_kl_BT, mask_BT, next_position=token_reward == "full_reverse_kl_next")
+            rewards_BTJ = torch.where(valid_BTJ, exact_BT[..., None], torch.zeros_like(rewards_BTJ))
         old_lp_BTJ, teacher_lp_BTJ = rewards.student_logprobs, rewards.teacher_logprobs
     adv = compute_advantages(
         o.advantage,
@@ -190,6 +204,17 @@ def build_targets(
     )
 
 
+def exact_kl_rewards(kl_BT: torch.Tensor, mask_BT: torch.Tensor, *, next_position: bool) -> torch.Tensor:
+    """[B, T] the sampled token's reward from the exact per-position reverse KL: −KL_t at its own position t, or
+    −KL_{t+1} at the next one (0 for a row's last response token: nothing follows it). KL_t depends only on the
+    prefix y_<t, so as y_t's own reward its expected score-function gradient is 0 (a baseline); y_t does choose the
+    state of t+1, so −KL_{t+1} is a one-step credit for it (SPEC §4, "Full-vocabulary objectives")."""
+    kl_BT = torch.where(mask_BT.bool(), kl_BT.detach(), torch.zeros_like(kl_BT))
+    if next_position:
+        kl_BT = torch.nn.functional.pad(kl_BT[:, 1:], (0, 1))  # masks are prefixes of the row: t+1 masked ⇒ 0
+    return -kl_BT
+
+
 # ------------------------------------------------------------------------------------------------ the losses
 
 LossFn = Callable[[torch.Tensor, Targets, dict, ObjectiveSettings], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -230,6 +255,14 @@ LOSSES: dict[str, LossFn] = {
 }
 """The training losses by `objective.loss` name: the one dispatch point of `micro_loss`."""
 
+FULL_LOSSES: dict[str, tuple[str, bool]] = {
+    "full_reverse_kl": ("reverse_kl", False),
+    "full_forward_kl": ("forward_kl", False),
+    "full_jsd": ("jsd", True),
+}
+"""The full-vocabulary losses by `objective.loss` name: (`full_divergence`'s kind, whether it takes jsd_beta). Their
+per-position divergence comes to `micro_loss` computed (`full_divergence_BT`)."""
+
 
 def micro_loss(
     lp_BTJ: torch.Tensor,
@@ -239,18 +272,28 @@ def micro_loss(
     *,
     global_num_tokens: Number,
     global_num_seqs: Number,
+    full_divergence_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch (`targets` = its rows, `Targets.select`), divided by the *global* token/sequence
     count so that summing micro-batch gradients gives the batch gradient (SPEC §4). `lp_BTJ` holds the candidate
-    columns, plus the sampled token's column last when a reference KL is on. Returns (loss, detached metrics)."""
-    if objective.loss not in LOSSES:
-        raise ValueError(f"objective.loss must be one of {sorted(LOSSES)} to train, got {objective.loss!r}")
+    columns, plus the sampled token's column last when a reference KL is on. For a `FULL_LOSSES` loss,
+    `full_divergence_BT` [B, T] is its per-position divergence (with grad). Returns (loss, detached metrics)."""
+    if objective.loss in FULL_LOSSES and full_divergence_BT is None:
+        raise ValueError(f"objective.loss={objective.loss} needs the per-position divergence (full_divergence_BT)")
+    if objective.loss not in LOSSES and objective.loss not in FULL_LOSSES:
+        raise ValueError(
+            f"objective.loss must be one of {sorted([*LOSSES, *FULL_LOSSES])} to train, got {objective.loss!r}"
+        )
     agg: dict[str, Any] = dict(
         loss_agg_mode=objective.loss_agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs
     )
     if targets.reference is not None:
         lp_BTJ, sampled_lp_BT = lp_BTJ[..., :-1], lp_BTJ[..., -1]
-    loss, metrics = LOSSES[objective.loss](lp_BTJ, targets, agg, objective)
+    if full_divergence_BT is not None and objective.loss in FULL_LOSSES:
+        loss = agg_loss(full_divergence_BT, targets.mask, **agg)
+        metrics = {f"{objective.loss}_loss": loss.detach()}
+    else:
+        loss, metrics = LOSSES[objective.loss](lp_BTJ, targets, agg, objective)
     if targets.reference is not None:
         kl = agg_loss(kl_penalty(sampled_lp_BT, targets.reference, objective.kl_type), targets.mask, **agg)
         loss = loss + objective.kl_coef * kl

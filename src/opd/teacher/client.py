@@ -28,8 +28,9 @@ import torch
 
 from opd.forward import needed_lengths, split_by_token_budget
 from opd.models import RopeChoice, check_tokenizer_compatibility
+from opd.scoring import OutputHead
 from opd.teacher import wire
-from opd.teacher.base import PendingScores
+from opd.teacher.base import PendingScores, head_fingerprint
 from opd.teacher.server import FINGERPRINT_HEADER, INSTANCE_HEADER, check_token, resolve_token
 from opd.types import Rollouts, TokenScores
 
@@ -128,6 +129,7 @@ class RemoteScorer:
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="opd-teacher-client")
         self.info = self._connect()
+        self._head: OutputHead | None = None
 
     # -- identity
 
@@ -281,6 +283,59 @@ class RemoteScorer:
             )
         return None
 
+    # -- hidden states (`opd.teacher.base.HiddenStateSource`)
+
+    hidden_dtype = "bfloat16"  # the wire dtype /hidden is asked for (teacher.hidden_dtype)
+
+    @property
+    def hidden_size(self) -> int | None:
+        """E of the served model's hidden states (/info), or None for a server that does not say."""
+        value = self.info.get("hidden_size")
+        return int(value) if isinstance(value, int) else None
+
+    def output_head(self) -> OutputHead:
+        """The served model's output head, fetched from /head once and checked against /info: its vocabulary size,
+        tokenizer hash and dtype must be the server's, its bytes must hash to the head_hash it names; anything else
+        is refused here, at startup, in one line (`TeacherRequestError`)."""
+        if self._head is None:
+            replica = self.replicas[0]
+            data = self._with_retries(replica, lambda r: self._request(r, "GET", "/head"))
+            try:
+                weight, bias, meta = wire.decode_head(data)
+            except wire.WireError as error:
+                raise TeacherRequestError(f"teacher server {replica.url}/head: {error}") from None
+            head = OutputHead(weight, bias, float(meta.get("logit_scale", 1.0)), meta.get("softcap"))
+            self._head = check_served_head(head, meta, self.info, replica.url)
+        return self._head
+
+    def hidden_states(self, rollouts: Rollouts) -> torch.Tensor:
+        """[B, T, E] the served model's final hidden states at the response positions, in the wire dtype
+        (`hidden_dtype`), zero at masked positions, on the rollouts' device: the /score request, sent to /hidden."""
+        width = self.hidden_size
+        if width is None:
+            raise TeacherRequestError(f"teacher server {self.replicas[0].url} does not serve hidden states (/info)")
+        device = rollouts.response_ids.device
+        cpu = rollouts.to("cpu")
+        mask_BT = cpu.response_mask.bool()
+        groups = self._split(cpu, None, 0)
+        futures = []
+        for rows in groups:
+            request = wire.request_from_rollouts(cpu.select(rows), None, top_k=0, with_entropy=False)
+            body, tokens = wire.encode_request(request), request.num_tokens
+            path = f"/hidden?dtype={self.hidden_dtype}"
+            futures.append(self._pool.submit(self._post, path, body, tokens))
+        B, T = mask_BT.shape
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[self.hidden_dtype]
+        out = torch.zeros(B, T, width, dtype=dtype)
+        for rows, future in zip(groups, futures):
+            b_N, t_N = mask_BT[rows].nonzero(as_tuple=True)
+            try:
+                hidden_NE = wire.decode_hidden(future.result(), int(b_N.numel()), width)
+            except wire.WireError as error:
+                raise TeacherRequestError(f"teacher server /hidden answer refused: {error}") from None
+            out[rows[b_N], t_N] = hidden_NE.to(dtype)
+        return out.to(device)
+
     def _split(self, rollouts: Rollouts, requested_BTQ: torch.Tensor | None, top_k: int) -> list[torch.Tensor]:
         """Row groups, one request each: ≤ request_tokens tokens (a longer row goes alone), within the server's
         row, byte and per-row limits; rows with nothing to score are left out."""
@@ -305,6 +360,9 @@ class RemoteScorer:
         return groups
 
     # -- HTTP with retries
+
+    def _post(self, path: str, body: bytes, tokens: int) -> bytes:
+        return self._with_retries(None, lambda replica: self._request(replica, "POST", path, body), tokens=tokens)
 
     def _send(self, body: bytes, tokens: int) -> bytes:
         return self._with_retries(None, lambda replica: self._request(replica, "POST", "/score", body), tokens=tokens)
@@ -482,8 +540,54 @@ def _error_text(data: bytes) -> str:
         return data[:200].decode("utf-8", "replace") or "(no message)"
 
 
+def check_served_head(head: OutputHead, meta: dict, info: dict, url: str) -> OutputHead:
+    """`head` if it is the served teacher's (/info): its rows the vocabulary size, its tokenizer hash and dtype the
+    server's, its bytes hashing to the head_hash sent with it; else `TeacherRequestError` in one line."""
+    dtype = str(head.weight.dtype).replace("torch.", "")
+    problems = [
+        (
+            head.weight.shape[0] != info.get("vocab_size"),
+            f"{head.weight.shape[0]} rows",
+            f"vocab_size {info.get('vocab_size')}",
+        ),
+        (
+            meta.get("vocab_hash") != info.get("vocab_hash"),
+            f"vocab_hash {meta.get('vocab_hash')}",
+            f"{info.get('vocab_hash')}",
+        ),
+        (
+            dtype != info.get("dtype") or meta.get("dtype") != info.get("dtype"),
+            f"dtype {dtype}",
+            f"{info.get('dtype')}",
+        ),
+        (
+            head.weight.shape[1] != info.get("hidden_size"),
+            f"hidden size {head.weight.shape[1]}",
+            f"{info.get('hidden_size')}",
+        ),
+        (
+            head_fingerprint(head) != meta.get("head_hash"),
+            f"bytes hashing to {head_fingerprint(head)}",
+            f"{meta.get('head_hash')}",
+        ),
+    ]
+    for bad, got, expected in problems:
+        if bad:
+            raise TeacherRequestError(
+                f"teacher server {url}/head: a head of {got} does not match the served teacher's {expected} (/info); "
+                f"refusing hidden states projected with it"
+            )
+    return head
+
+
 def remote_scorer(spec: Any) -> RemoteScorer:
     """A `RemoteScorer` for a teacher config (`opd.config.TeacherSpec` with `url` set)."""
+    scorer = _remote_scorer(spec)
+    scorer.hidden_dtype = getattr(spec, "hidden_dtype", "bfloat16")
+    return scorer
+
+
+def _remote_scorer(spec: Any) -> RemoteScorer:
     return RemoteScorer(
         spec.url,
         token=resolve_token(spec.token_file, spec.token_env),

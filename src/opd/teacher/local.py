@@ -159,6 +159,36 @@ class LocalScorer(InProcessScoring):
             if grid is not None and values is not None:
                 grid[b_N, t_N] = values.to(grid.dtype)
 
+    def hidden_states(self, rollouts: Rollouts) -> torch.Tensor:
+        """[B, T, E] the final (normed) hidden state that predicts each response token, in the model's dtype, zero
+        at masked positions, on the rollouts' device (`HiddenStateSource`): the same forward as `score`, without the
+        head. Micro-batched by the token budget, eval mode and no grad, the previous mode restored after."""
+        out_device = rollouts.response_ids.device
+        device = model_device(self.model)
+        batch = rollouts.to(device)
+        head = output_head(self.model)
+        B, T = batch.response_ids.shape
+        hidden_BTE = torch.zeros(B, T, head.weight.shape[1], dtype=head.weight.dtype, device=device)
+        packed = uses_packing(self.model, self.packing)
+        groups = split_by_token_budget(needed_lengths(batch).cpu(), self.max_tokens_per_batch, padded=not packed)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for rows_b in groups:
+                    rows_b = rows_b.to(device)
+                    part = forward_hidden(
+                        self.model, batch.select(rows_b), packing=self.packing, through_root=self.through_root
+                    )
+                    hidden_BTE[rows_b[part.rows_N], part.cols_N] = part.hidden_ND.to(hidden_BTE.dtype)
+        finally:
+            self.model.train(was_training)
+        return hidden_BTE.to(out_device)
+
+    def output_head(self) -> OutputHead:
+        """The model's output head over the shared range (`vocab_size`; views of its weights, no copy)."""
+        return output_head(self.model).restricted(self.vocab_size)
+
     def close(self) -> None:
         """Nothing to do: the model is the caller's."""
 

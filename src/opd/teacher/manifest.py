@@ -7,6 +7,7 @@ from pathlib import Path
 
 from opd.config import STUDENT
 from opd.fingerprints import model_fingerprint
+from opd.teacher.base import HiddenStateSource, source_head_hash
 from opd.teacher.registry import RoutedTeacher, resolve_scorer
 
 __all__ = ["check_teacher_manifest", "teacher_manifest"]
@@ -14,8 +15,9 @@ __all__ = ["check_teacher_manifest", "teacher_manifest"]
 
 def teacher_manifest(teachers: list[RoutedTeacher]) -> list[dict]:
     """What a checkpoint records of its teachers: name, model (path or url, and a fingerprint: the local files'
-    hash, or a served teacher's /info, whose model_fingerprint hashes the files it serves), route, temperature, and
-    its tokenizer mode (same, or cross with the teacher tokenizer's hash)."""
+    hash, or a served teacher's /info, whose model_fingerprint hashes the files it serves), route, temperature,
+    its tokenizer mode (same, or cross with the teacher tokenizer's hash); for a teacher answering with hidden
+    states, `head`: its output head's `head_fingerprint`."""
     out = []
     for routed in teachers:
         entry = routed.entry
@@ -28,20 +30,22 @@ def teacher_manifest(teachers: list[RoutedTeacher]) -> list[dict]:
         else:
             fingerprint = model_fingerprint(str(entry.path)) or str(entry.path)
         assert entry.route is not None
-        out.append(
-            {
-                "name": entry.name,
-                "model": str(entry.url if entry.url is not None else entry.path),
-                "fingerprint": fingerprint,
-                "route": entry.route.describe(),
-                "temperature": entry.temperature,
-                "view": None if entry.view is None else entry.view.model_dump(),
-                # a cross-vocabulary teacher: its tokenizer's hash and span credit (SPEC §9); else the student's ids
-                "tokenizer": "same"
-                if routed.cross is None
-                else f"cross {routed.cross.tokenizer_hash} span_credit={routed.cross.credit}",
-            }
-        )
+        record = {
+            "name": entry.name,
+            "model": str(entry.url if entry.url is not None else entry.path),
+            "fingerprint": fingerprint,
+            "route": entry.route.describe(),
+            "temperature": entry.temperature,
+            "view": None if entry.view is None else entry.view.model_dump(),
+            # a cross-vocabulary teacher: its tokenizer's hash and span credit (SPEC §9); else the student's ids
+            "tokenizer": "same"
+            if routed.cross is None
+            else f"cross {routed.cross.tokenizer_hash} span_credit={routed.cross.credit}",
+        }
+        scorer = routed.teacher.scorer
+        if getattr(entry, "answer", "scores") == "hidden" and isinstance(scorer, HiddenStateSource):
+            record["head"] = source_head_hash(scorer)  # the head its hidden states are projected with
+        out.append(record)
     return out
 
 
@@ -57,7 +61,7 @@ def check_teacher_manifest(saved: list[dict] | None, current: list[dict], checkp
             f"with the same teachers, or start another run.name"
         )
     for name, was in old.items():
-        for key in ("model", "fingerprint", "route", "temperature", "view", "tokenizer"):
+        for key in ("model", "fingerprint", "route", "temperature", "view", "tokenizer", "head"):
             if key == "tokenizer" and key not in was:  # written before cross-vocabulary teachers: the same ids
                 continue
             if was.get(key) != new[name].get(key):

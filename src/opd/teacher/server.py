@@ -36,6 +36,7 @@ from opd.config.serve_teacher import MIN_TOKEN_LENGTH, TOKEN_ENV, ServeLimits
 from opd.fingerprints import weights_fingerprint
 from opd.models import check_tokenizer_compatibility, embedding_rows, fix_rope
 from opd.teacher import wire
+from opd.teacher.base import head_fingerprint
 from opd.teacher.local import LocalScorer
 from opd.types import TokenScores
 
@@ -101,6 +102,7 @@ class Job:
     tokens: int
     arrival: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
+    answer: str = "scores"  # or a hidden-state answer's wire dtype (/hidden): never merged with the other kind
 
 
 class ScoringQueue:
@@ -155,7 +157,11 @@ class ScoringQueue:
         head = self._jobs[0]
         batch, total = [head], head.tokens
         for job in list(self._jobs)[1:]:
-            if job.request.key == head.request.key and total + job.tokens <= self.max_batch_tokens:
+            if (
+                job.request.key == head.request.key
+                and job.answer == head.answer
+                and total + job.tokens <= self.max_batch_tokens
+            ):
                 batch.append(job)
                 total += job.tokens
         return batch
@@ -176,6 +182,21 @@ def score_requests(scorer: Any, requests: list[wire.ScoreRequest]) -> list[wire.
     )
     merged = wire.response_from_scores(scores, rollouts.response_mask)
     return wire.split_response(merged, [q.num_positions for q in requests])
+
+
+def hidden_requests(scorer: Any, requests: list[wire.ScoreRequest]) -> list[torch.Tensor]:
+    """The final hidden states [N, E] of each request's scored positions (one forward for the batch, as
+    `score_requests`), on the CPU in the model's dtype."""
+    rollouts, _ = wire.rollouts_from_requests(requests)
+    hidden_BTE = scorer.hidden_states(rollouts)
+    merged = hidden_BTE[rollouts.response_mask.bool()].cpu()
+    return list(merged.split([q.num_positions for q in requests]))
+
+
+def answer_jobs(scorer: Any, jobs: list[Job]) -> list[Any]:
+    """Jobs of one kind (the queue never merges scores with hidden states): their scores, or their hidden states."""
+    requests = [job.request for job in jobs]
+    return score_requests(scorer, requests) if jobs[0].answer == "scores" else hidden_requests(scorer, requests)
 
 
 # ------------------------------------------------------------------------------------------------ the service
@@ -249,6 +270,29 @@ class TeacherService:
             errors=0,
         )
         self._worker: threading.Thread | None = None
+        self._head_message: bytes | None = None  # /head's answer, encoded on first ask
+
+    def head_message(self) -> bytes:
+        """The /head answer: the served model's output head over its vocabulary range, in its dtype, with what a
+        client checks it against (vocab_size, vocab_hash, dtype, head_hash); encoded once, then kept."""
+        if self._head_message is None:
+            source = self.scorer
+            if not hasattr(source, "output_head"):
+                raise NotImplementedError("this server's scorer has no output head to serve")
+            head = source.output_head()
+            dtype = str(head.weight.dtype).replace("torch.", "")
+            if dtype not in wire.HIDDEN_DTYPES:
+                raise NotImplementedError(f"a head of dtype {dtype} cannot be sent")
+            meta = {
+                "vocab_size": self.vocab_size,
+                "vocab_hash": self.info.get("vocab_hash"),
+                "dtype": self.info.get("dtype"),
+                "logit_scale": head.logit_scale,
+                "softcap": head.softcap,
+                "head_hash": head_fingerprint(head),
+            }
+            self._head_message = wire.encode_head(head.weight, head.bias, meta, dtype)
+        return self._head_message
 
     def count(self, **increments: int) -> None:
         with self._lock:
@@ -323,8 +367,8 @@ class TeacherService:
             _check_ids("requested_ids", request.requested_ids, V)
         return request
 
-    def submit(self, request: wire.ScoreRequest) -> Job:
-        job = Job(request, tokens=max(1, request.num_tokens))
+    def submit(self, request: wire.ScoreRequest, answer: str = "scores") -> Job:
+        job = Job(request, tokens=max(1, request.num_tokens), answer=answer)
         try:
             self.queue.put(job)
         except QueueFull:
@@ -349,7 +393,7 @@ class TeacherService:
             if not batch:
                 continue
             try:
-                responses = score_requests(self.scorer, [job.request for job in batch])
+                responses = answer_jobs(self.scorer, batch)
             except Exception as error:  # e.g. out of memory
                 if len(batch) == 1:
                     self._fail(batch[0], error)
@@ -358,7 +402,7 @@ class TeacherService:
                 responses = []
                 for job in list(batch):
                     try:
-                        responses.append(score_requests(self.scorer, [job.request])[0])
+                        responses.append(answer_jobs(self.scorer, [job])[0])
                     except Exception as alone:
                         self._fail(job, alone)
                         batch.remove(job)
@@ -423,6 +467,15 @@ def build_app(service: TeacherService, token: str | None):
     async def metrics(request: Request) -> JSONResponse:
         return JSONResponse(service.metrics())
 
+    async def head(request: Request) -> Response:
+        import anyio
+
+        try:
+            data = await anyio.to_thread.run_sync(service.head_message)
+        except NotImplementedError as failure:
+            return _error(404, f"head: {failure}")
+        return Response(data, media_type="application/octet-stream")
+
     async def score(request: Request) -> Response:
         limit = service.config.max_request_bytes
         declared = request.headers.get("content-length")
@@ -443,6 +496,8 @@ def build_app(service: TeacherService, token: str | None):
             Route("/vocab", vocab),
             Route("/metrics", metrics),
             Route("/score", score, methods=["POST"]),
+            Route("/hidden", score, methods=["POST"]),
+            Route("/head", head),
         ],
         lifespan=_lifespan(service),
     )
@@ -523,8 +578,17 @@ async def _answer(service: TeacherService, request, body: bytes | bytearray):
         return _error(failure.status, str(failure))
     if isinstance(body, bytearray):  # the parsed arrays are copies: the wire bytes are not kept while it waits
         body.clear()
+    answer = "scores"
+    if request.url.path == "/hidden":  # the same request; the answer is the hidden states, in the asked wire dtype
+        answer = request.query_params.get("dtype", "bfloat16")
+        if answer not in wire.HIDDEN_DTYPES:
+            service.count(rejected_invalid=1)
+            return _error(400, f"dtype: must be one of {', '.join(wire.HIDDEN_DTYPES)}, got {answer[:20]!r}")
+        if parsed.top_k or parsed.requested_ids is not None:
+            service.count(rejected_invalid=1)
+            return _error(400, "/hidden: send top_k=0 and no requested_ids (the answer is the hidden states)")
     try:
-        job = service.submit(parsed)
+        job = service.submit(parsed, answer)
     except QueueFull:
         return _error(
             503,
@@ -545,7 +609,10 @@ async def _answer(service: TeacherService, request, body: bytes | bytearray):
     except Exception as failure:
         text = (str(failure).splitlines() or [""])[0][:300]
         return _error(500, f"scoring failed: {type(failure).__name__}: {text}")
-    data = await anyio.to_thread.run_sync(wire.encode_response, response, parsed.logprobs)
+    if answer != "scores":
+        data = await anyio.to_thread.run_sync(wire.encode_hidden, response, answer)
+    else:
+        data = await anyio.to_thread.run_sync(wire.encode_response, response, parsed.logprobs)
     return Response(data, media_type="application/octet-stream")
 
 
@@ -671,6 +738,7 @@ def service_for(
         "model_fingerprint": fingerprint or weights_fingerprint(model),
         "rope": None if rope is None else rope.to_info(),
     }
+    info["hidden_size"] = int(scorer.output_head().weight.shape[1])  # a /hidden answer's width (E)
     return TeacherService(
         scorer, info, tokenizer.get_vocab(), config, context=context if isinstance(context, int) else None
     )

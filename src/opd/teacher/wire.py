@@ -33,8 +33,10 @@ _DTYPES: dict[str, np.dtype] = {
     "uint8": np.dtype("u1"),
     "float32": np.dtype("<f4"),
     "bfloat16": np.dtype("<u2"),
+    "float16": np.dtype("<f2"),
 }
 LOGPROB_DTYPES = ("float32", "bfloat16")
+HIDDEN_DTYPES = ("bfloat16", "float16", "float32")  # a hidden-state answer's and a head's wire dtypes
 MAX_ARRAYS = 16  # a message carries at most a handful of arrays
 MAX_DIMS = 4  # and none has more than a few dimensions
 MAX_EXTENT = (1 << 31) - 1  # nor an extent beyond int32 (offsets into a message are int32 too)
@@ -229,6 +231,8 @@ def _to_bytes(tensor: torch.Tensor, dtype: str) -> bytes:
         tensor = tensor.to(torch.int32)
     elif dtype == "uint8":
         tensor = tensor.to(torch.uint8)
+    elif dtype == "float16":
+        tensor = tensor.to(torch.float16)
     else:
         tensor = tensor.to(torch.float32)
     return tensor.numpy().astype(_DTYPES[dtype], copy=False).tobytes()
@@ -239,6 +243,8 @@ def _from_bytes(buffer: memoryview, dtype: str, shape: list[int]) -> torch.Tenso
     if dtype == "bfloat16":
         return torch.from_numpy(array.astype(np.int16)).view(torch.bfloat16)  # astype: native order, writable copy
     native = {"int32": np.int64, "uint8": np.bool_, "float32": np.float32}[dtype]
+    if dtype == "float16":
+        return torch.from_numpy(array.astype(np.float16))  # native order, writable copy; stays float16
     if dtype == "uint8" and array.size and array.max() > 1:
         raise WireError(f"a mask holds {int(array.max())}; masks are 0 or 1")
     return torch.from_numpy(array.astype(native))
@@ -461,3 +467,54 @@ def split_response(response: ScoreResponse, counts: list[int]) -> list[ScoreResp
     fields = [response.topk_ids, response.topk_logprobs, response.entropy, response.requested_logprobs]
     pieces = [None if f is None else f.split(counts) for f in fields]
     return [ScoreResponse(sampled[i], *(None if p is None else p[i] for p in pieces)) for i in range(len(counts))]
+
+
+# ------------------------------------------------------------------------------------------------ hidden states
+
+
+def encode_hidden(hidden_NE: torch.Tensor, dtype: str = "bfloat16") -> bytes:
+    """A hidden-state answer: the [N, E] final hidden states of a request's scored positions, row-major, in `dtype`
+    (one of `HIDDEN_DTYPES`)."""
+    if dtype not in HIDDEN_DTYPES:
+        raise WireError(f"hidden dtype: must be one of {', '.join(HIDDEN_DTYPES)}, got {dtype!r}")
+    return encode_message("hidden", {"positions": int(hidden_NE.shape[0])}, [("hidden", hidden_NE, dtype)])
+
+
+def decode_hidden(data: bytes | bytearray | memoryview, positions: int, width: int) -> torch.Tensor:
+    """The [N, E] hidden states of a hidden-state answer, in their wire dtype; `WireError` in one line unless it is
+    one, of exactly `positions` × `width` (a wrongly shaped or oversized answer is refused before any use)."""
+    kind, _, arrays = decode_message(data)
+    if kind != "hidden" or set(arrays) != {"hidden"}:
+        raise WireError(f"kind: expected a 'hidden' message with 'hidden', got {kind!r} with {sorted(arrays)}")
+    hidden = arrays["hidden"]
+    if tuple(hidden.shape) != (positions, width) or not hidden.is_floating_point():
+        raise WireError(
+            f"hidden: shape {list(hidden.shape)} ({hidden.dtype}), expected [{positions} scored positions, {width}] "
+            f"floats"
+        )
+    return hidden
+
+
+def encode_head(
+    weight_VE: torch.Tensor, bias_V: torch.Tensor | None, meta: dict, dtype: str
+) -> bytes:  # the output head, once per client
+    """The teacher's output head: weight [V, E] (and bias [V]) in `dtype`; `meta` carries logit_scale, softcap,
+    vocab_size, vocab_hash, dtype and head_hash for the client's checks."""
+    arrays = [("weight", weight_VE, dtype)]
+    if bias_V is not None:
+        arrays.append(("bias", bias_V, dtype))
+    return encode_message("head", meta, arrays)
+
+
+def decode_head(data: bytes | bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """(weight [V, E], bias [V] or None, meta) of a head message; `WireError` when it is not one."""
+    kind, meta, arrays = decode_message(data)
+    if kind != "head" or "weight" not in arrays or not set(arrays) <= {"weight", "bias"}:
+        raise WireError(f"kind: expected a 'head' message with 'weight', got {kind!r} with {sorted(arrays)}")
+    weight, bias = arrays["weight"], arrays.get("bias")
+    if weight.dim() != 2 or (bias is not None and tuple(bias.shape) != (weight.shape[0],)):
+        raise WireError(
+            f"head: weight {list(weight.shape)}, bias {None if bias is None else list(bias.shape)}; expected [V, E] "
+            f"and [V]"
+        )
+    return weight, bias, meta

@@ -190,6 +190,9 @@ class Scores:
     student_at_teacher_BTK: torch.Tensor | None  # s at the teacher's top-k (strategies with teacher slots)
     texts: list[str]
     correct: list[bool] | None  # None when the prompts carry no answers
+    teacher_hidden_BTE: torch.Tensor | None = None  # the teacher's hidden states (a full-vocabulary objective)
+    exact_kl_BT: torch.Tensor | None = None  # the exact per-position KL(p‖q) (objective.token_reward full_*)
+    teacher_answer: dict[str, float] | None = None  # teacher/bytes_per_token and teacher/head_bytes
 
 
 @dataclass

@@ -32,7 +32,8 @@ from opd.objectives import (
     strategy_spec,
     teacher_logprobs_at_student_topk,
 )
-from opd.objectives.targets import ObjectiveSettings, Targets
+from opd.objectives.full_vocab import full_divergence
+from opd.objectives.targets import FULL_LOSSES, ObjectiveSettings, Targets
 from opd.rollout import SamplingParams
 from opd.rollout.base import Generator
 from opd.rollout.batch import build_rollouts, random_rollouts
@@ -46,7 +47,17 @@ from opd.train.optim import adamw_state_bytes, clip_and_step
 from opd.train.overlap import AheadStream
 from opd.train.state import Batch, EngineCounts, Scores, Trainer, Update
 from opd.train.stream import GenerateFn, RolloutStream, in_flight_batches
-from opd.train.teachers import prealign_teachers, row_teachers, start_teachers, teacher_metrics, xtok_metrics
+from opd.train.teachers import (
+    answer_metrics,
+    exact_reverse_kl,
+    hidden_scorer,
+    prealign_teachers,
+    row_teachers,
+    score_full_teacher,
+    start_teachers,
+    teacher_metrics,
+    xtok_metrics,
+)
 from opd.types import Rollouts
 
 __all__ = [  # Trainer, the step's records and the compile log live in their own modules; imported from here too
@@ -237,15 +248,23 @@ def score_rollouts(tr: Trainer, batch: Batch, timings: dict, device: torch.devic
                 rollouts, top_k=0, temperature=cfg.rollout.temperature, with_entropy=False
             ).sampled_logprobs
         )
-    teacher = student_at_teacher_BTK = None
+    teacher = student_at_teacher_BTK = teacher_hidden_BTE = exact_kl_BT = answer = None
     teacher_call = None
-    if tr.models.teachers:  # no time/teacher without a teacher (GRPO)
+    if tr.models.teachers and cfg.needs_full_distribution():  # one teacher, answering with hidden states
+        with timed(timings, "teacher"):
+            full_scores, teacher_hidden_BTE, answer = score_full_teacher(tr, batch, student, diag_k, device)
+            teacher_call = lambda: full_scores  # noqa: E731 -- the same shape as start_teachers' answer
+            if obj.token_reward != "log_ratio":
+                exact_kl_BT = exact_reverse_kl(tr, rollouts, teacher_hidden_BTE, device)
+    elif tr.models.teachers:  # no time/teacher without a teacher (GRPO)
         with timed(timings, "teacher"):
             teacher_call = start_teachers(tr, batch, student, diag_k, device)
     texts, correct = _grade_rollouts(tr, rollouts, batch.indices)
     if teacher_call is not None:
         with timed(timings, "teacher"):
             teacher = teacher_call()
+        if answer is None:
+            answer = answer_metrics(tr, teacher, diag_k, device)
         if obj.top_k and strategy_spec(obj.strategy).teacher_slots:
             with (
                 timed(timings, "student"),
@@ -260,7 +279,17 @@ def score_rollouts(tr: Trainer, batch: Batch, timings: dict, device: torch.devic
                     with_entropy=False,
                 ).requested_logprobs
     _mark_memory(tr, "scoring")
-    return Scores(student, reference_BT, teacher, student_at_teacher_BTK, texts, correct)
+    return Scores(
+        student,
+        reference_BT,
+        teacher,
+        student_at_teacher_BTK,
+        texts,
+        correct,
+        teacher_hidden_BTE=teacher_hidden_BTE,
+        exact_kl_BT=exact_kl_BT,
+        teacher_answer=answer,
+    )
 
 
 def step_targets(tr: Trainer, batch: Batch, scores: Scores, device: torch.device) -> Targets:
@@ -268,7 +297,7 @@ def step_targets(tr: Trainer, batch: Batch, scores: Scores, device: torch.device
     the rollouts' grades as outcome rewards (GRPO)."""
     correct = scores.correct
     outcome_B = torch.tensor(correct, dtype=torch.float32, device=device) if correct is not None else None
-    return build_targets(
+    targets = build_targets(
         scores.student,
         scores.teacher,
         batch.rollouts,
@@ -276,7 +305,11 @@ def step_targets(tr: Trainer, batch: Batch, scores: Scores, device: torch.device
         student_at_teacher_topk=scores.student_at_teacher_BTK,
         reference_logprobs=scores.reference_BT,
         outcome_rewards=outcome_B,
+        exact_kl_BT=scores.exact_kl_BT,
     )
+    if tr.config.objective.loss in FULL_LOSSES:
+        targets = replace(targets, teacher_hidden=scores.teacher_hidden_BTE)
+    return targets
 
 
 def update_student(tr: Trainer, rollouts: Rollouts, targets: Targets, timings: dict, device: torch.device) -> Update:
@@ -344,9 +377,31 @@ def micro_backward(
         ids_NJ = micro_targets.candidate_ids[hidden.rows_N, hidden.cols_N]
         if micro_targets.reference is not None:  # the KL term needs the sampled token's log-prob as one more column
             ids_NJ = torch.cat([ids_NJ, hidden.targets_N[:, None]], dim=-1)
-        lp_NJ, entropy_N = candidate_logprobs_and_entropy(
-            hidden.hidden_ND, head, ids_NJ, temperature=cfg.rollout.temperature, vocab_size=tr.models.vocab_size
-        )
+        full = FULL_LOSSES.get(cfg.objective.loss)
+        divergence_BT = None
+        if full is not None:
+            assert micro_targets.teacher_hidden is not None  # step_targets sets it for a full loss
+            (routed,) = tr.models.teachers
+            divergence_N = full_divergence(
+                hidden.hidden_ND,
+                head,
+                micro_targets.teacher_hidden[hidden.rows_N, hidden.cols_N],
+                hidden_scorer(routed, device).head,
+                kind=cast(Any, full[0]),
+                beta=cfg.objective.jsd_beta,
+                temperature=cfg.rollout.temperature,
+                teacher_temperature=cast(float, routed.entry.temperature),
+                vocab_size=tr.models.vocab_size,
+            )
+            divergence_BT = hidden.to_grid(divergence_N)
+        if full is not None and micro_targets.reference is None and not cfg.objective.entropy_coef:
+            # the loss reads neither the candidate log-probs nor the entropy: no second pass over the vocabulary
+            lp_NJ = hidden.hidden_ND.new_zeros(ids_NJ.shape, dtype=torch.float32)
+            entropy_N = hidden.hidden_ND.new_zeros(ids_NJ.shape[0], dtype=torch.float32)
+        else:
+            lp_NJ, entropy_N = candidate_logprobs_and_entropy(
+                hidden.hidden_ND, head, ids_NJ, temperature=cfg.rollout.temperature, vocab_size=tr.models.vocab_size
+            )
     loss, metrics = micro_loss(
         hidden.to_grid(lp_NJ),
         hidden.to_grid(entropy_N),
@@ -354,6 +409,7 @@ def micro_backward(
         cast(ObjectiveSettings, cfg.objective),
         global_num_tokens=num_tokens,
         global_num_seqs=num_seqs,
+        full_divergence_BT=divergence_BT,
     )
     (loss * scale).backward()
     return metrics
@@ -551,6 +607,8 @@ def step_metrics(
             )
         )
         out.update(seq_reward_metrics(student, teacher, mask_BT, scores.correct))
+    if scores.teacher_answer:  # what the teacher's answer costs: bytes a scored position, the head kept resident
+        out.update(scores.teacher_answer)
     if len(tr.models.teachers) > 1:  # the metrics' rule: a run's only teacher logs no per-teacher prefixes
         out.update(teacher_metrics(tr, batch, scores, targets))
     out.update(xtok_metrics(tr))  # a cross-vocabulary teacher's exact / span / unmapped shares (SPEC §9)

@@ -4,18 +4,28 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import fields, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from opd.config import STUDENT
 from opd.models import on_device
 from opd.objectives import reward_stats
+from opd.objectives.full_vocab import full_divergence
 from opd.objectives.targets import Targets
-from opd.teacher.base import start_scoring
+from opd.teacher.base import (
+    HiddenStateScorer,
+    HiddenStateSource,
+    choose_answer,
+    head_bytes,
+    score_bytes_per_position,
+    scores_from_hidden,
+    start_scoring,
+)
 from opd.teacher.cross_vocab import cross_metrics, start_alignment, start_cross_scoring
 from opd.teacher.registry import RoutedTeacher
 from opd.train.common import autocast
@@ -23,7 +33,19 @@ from opd.train.distributed import gathered
 from opd.train.state import Batch, Scores, Trainer
 from opd.types import Rollouts, TokenScores
 
-__all__ = ["live_student", "prealign_teachers", "row_teachers", "start_teachers", "teacher_metrics", "xtok_metrics"]
+__all__ = [
+    "answer_metrics",
+    "answers_hidden",
+    "exact_reverse_kl",
+    "hidden_scorer",
+    "live_student",
+    "prealign_teachers",
+    "row_teachers",
+    "score_full_teacher",
+    "start_teachers",
+    "teacher_metrics",
+    "xtok_metrics",
+]
 
 
 def start_teachers(
@@ -88,6 +110,8 @@ def _start_routed(
     rows_R = torch.tensor(rows, dtype=torch.long, device=rollouts.input_ids.device)
     whole = len(rows) == rollouts.batch_size  # every row, in order: the batch itself, no copy
     scorer, mine = routed.teacher.scorer, rollouts if whole else rollouts.select(rows_R)
+    if answers_hidden(routed, top_k):
+        scorer = hidden_scorer(routed, device)
     topk_ids = student.topk_ids if whole or student.topk_ids is None else student.topk_ids[rows_R]
     if routed.cross is not None:  # another vocabulary: its own ids of the student's text, scores back at ours
         own = routed.prompt_ids
@@ -205,3 +229,114 @@ def xtok_metrics(tr: Trainer) -> dict[str, float]:
     without one."""
     crosses = [routed.cross for routed in tr.models.teachers if routed.cross is not None]
     return cross_metrics(crosses) if crosses else {}
+
+
+# ------------------------------------------------------------------------------------------------ hidden states
+
+_HIDDEN: weakref.WeakKeyDictionary[Any, HiddenStateScorer] = weakref.WeakKeyDictionary()
+
+
+def hidden_scorer(routed: RoutedTeacher, device: torch.device) -> HiddenStateScorer:
+    """The teacher as a `HiddenStateScorer`: its head fetched once onto `device` (the student's; a copy for an
+    offloaded or served teacher, the teacher's own weights otherwise) and kept for the run."""
+    scorer = _HIDDEN.get(routed.teacher.scorer)
+    if scorer is None:
+        source = routed.teacher.scorer
+        if not isinstance(source, HiddenStateSource):
+            raise ValueError(
+                f"teacher {routed.name} cannot answer with hidden states ({type(source).__name__}); "
+                f"set its answer=scores or use a local or served teacher"
+            )
+        scorer = _HIDDEN[source] = HiddenStateScorer(source, device=device)
+    return scorer
+
+
+def score_full_teacher(
+    tr: Trainer, batch: Batch, student: TokenScores, top_k: int, device: torch.device
+) -> tuple[TokenScores, torch.Tensor, dict[str, float]]:
+    """The one teacher of a full-vocabulary objective (`DistillConfig.needs_full_distribution`): its hidden states
+    for the whole batch, its scores computed here from them (the diagnostics and rewards read them as any teacher's)
+    and the answer's metrics: (scores, hidden [B, T, E], {teacher/bytes_per_token, teacher/head_bytes})."""
+    (routed,) = tr.models.teachers
+    rollouts = batch.rollouts
+    scorer = hidden_scorer(routed, device)
+    placed = on_device(routed.teacher.module, device if routed.entry.offload else None)
+    with placed:
+        hidden_BTE = scorer.hidden_states(rollouts)
+    with torch.no_grad():
+        scores = scores_from_hidden(
+            hidden_BTE,
+            scorer.head,
+            rollouts,
+            top_k=top_k,
+            requested_ids=student.topk_ids,
+            temperature=cast(float, routed.entry.temperature),
+            vocab_size=tr.models.vocab_size,
+        )
+    answer = {
+        "teacher/bytes_per_token": float(hidden_BTE.shape[-1] * _hidden_itemsize(routed, hidden_BTE.dtype)),
+        "teacher/head_bytes": float(head_bytes(scorer.head)),
+    }
+    return scores, hidden_BTE, answer
+
+
+def exact_reverse_kl(
+    tr: Trainer, rollouts: Rollouts, teacher_hidden_BTE: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """[B, T] the exact KL(p‖q) at every response position, no grad (objective.token_reward full_reverse_kl*): the
+    student's hidden states from one more no-grad forward (its scorer's), the teacher's as answered."""
+    (routed,) = tr.models.teachers
+    student_scorer: Any = tr.models.student_scorer
+    mask_BT = rollouts.response_mask.bool()
+    with torch.no_grad(), gathered(tr.models.student, tr.run.dist), autocast(device, tr.models.autocast_dtype):
+        student_BTD = student_scorer.hidden_states(rollouts)
+        rows_N, cols_N = mask_BT.nonzero(as_tuple=True)
+        kl_N = full_divergence(
+            student_BTD[rows_N, cols_N],
+            student_scorer.output_head(),
+            teacher_hidden_BTE[rows_N, cols_N],
+            hidden_scorer(routed, device).head,
+            kind="reverse_kl",
+            temperature=tr.config.rollout.temperature,
+            teacher_temperature=cast(float, routed.entry.temperature),
+            vocab_size=tr.models.vocab_size,
+        )
+    kl_BT = torch.zeros(mask_BT.shape, dtype=torch.float32, device=mask_BT.device)
+    kl_BT[rows_N, cols_N] = kl_N.float().to(kl_BT.device)
+    return kl_BT
+
+
+def answers_hidden(routed: RoutedTeacher, top_k: int) -> bool:
+    """Whether this teacher answers with hidden states (its `answer`, auto resolved by `choose_answer`)."""
+    scorer = routed.teacher.scorer
+    hidden_size = getattr(scorer, "hidden_size", None)
+    served = routed.entry.url is not None
+    return choose_answer(
+        routed.entry.answer, needs_full=False, served=served, top_k=top_k, hidden_size=hidden_size
+    ) == ("hidden")
+
+
+def answer_metrics(tr: Trainer, scores: TokenScores, top_k: int, device: torch.device) -> dict[str, float]:
+    """teacher/bytes_per_token (what a teacher's answer takes a scored position: its arrays on the wire, or its
+    hidden states; the largest over a run's teachers) and teacher/head_bytes (heads kept resident for hidden states)."""
+    k = 0 if scores.topk_ids is None else scores.topk_ids.shape[-1]
+    q = 0 if scores.requested_logprobs is None else scores.requested_logprobs.shape[-1]
+    per, heads = 0.0, 0.0
+    for routed in tr.models.teachers:
+        if answers_hidden(routed, top_k):
+            head = hidden_scorer(routed, device).head
+            per = max(per, float(head.weight.shape[1] * _hidden_itemsize(routed, head.weight.dtype)))
+            heads += head_bytes(head)
+        else:
+            per = max(per, float(score_bytes_per_position(k, q, with_entropy=scores.entropy is not None)))
+    out = {"teacher/bytes_per_token": per}
+    if heads:
+        out["teacher/head_bytes"] = heads
+    return out
+
+
+def _hidden_itemsize(routed: RoutedTeacher, model_dtype: torch.dtype) -> int:
+    """Bytes a hidden-state value takes: the wire dtype of a served teacher, the model's in process."""
+    if routed.entry.url is not None:
+        return 4 if routed.entry.hidden_dtype == "float32" else 2
+    return model_dtype.itemsize

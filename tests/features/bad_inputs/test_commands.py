@@ -212,7 +212,16 @@ CASES: list[Case] = [
     Case("distill --steps 0", DISTILL + " --steps 0", ("run.steps",)),
     Case("distill micro_batch_tokens too small", DISTILL + " micro_batch_tokens=10", ("micro_batch_tokens",)),
     Case("distill token_grpo with top_k", DISTILL + " --advantage token_grpo", ("token_grpo", "top_k")),
-    Case("distill full_reverse_kl", DISTILL + " objective.loss=full_reverse_kl", ("full_reverse_kl",)),
+    Case(
+        "distill full_reverse_kl from scores",
+        DISTILL + " objective.loss=full_reverse_kl teacher.answer=scores",
+        ("full_reverse_kl", "teacher.answer"),
+    ),
+    Case(
+        "distill exact-KL reward with top_k",
+        DISTILL + " objective.token_reward=full_reverse_kl_next",
+        ("token_reward", "top_k=0"),
+    ),
     Case("distill student.device=cuda:7", DISTILL + " student.device=cuda:7", ("cuda:7",)),
     Case("distill eval.n=0", DISTILL + " eval.n=0", ("eval.n",)),
     Case("distill run.keep_last=0", DISTILL + " run.keep_last=0", ("run.keep_last",)),

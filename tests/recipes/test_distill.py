@@ -135,6 +135,7 @@ def test_tokenizer_mismatch_is_caught_before_any_compute(world, tmp_path):
     tokenizer.save_pretrained(other)
     cfg = distill_config(world, tmp_path)
     cfg.teacher.path = str(other)
+    cfg.teacher.tokenizer = "same"  # auto would take the cross-vocabulary path (tests/features/test_cross_tokenizer.py)
     with pytest.raises(ValueError, match="<extra>"):
         distill(cfg)
 

@@ -1,6 +1,7 @@
 """The forecast group of `opd check`: from n student rollouts on a prompt sample, scored as one OPD step scores them
 (`opd.eval.prompt_scores.score_prompts`), the SPEC §6 overlap metrics, the sequence-reward AUROC, student and teacher
 accuracy → likely / uncertain / unlikely to improve (`classify`), and the recovery command. Its rows are never hard.
+A teacher of another vocabulary scores through `CrossForecastScorer` (the training step's cross path, SPEC §9).
 
 Omitted on purpose: a forecast for sampled-token OPD other than through the same top-k metrics (the diagnostics always
 look at a top-16 support, as the trainer's do).

@@ -6,11 +6,13 @@ replaced) and the report, whose `exit_code()` the command exits with.
 With several teachers (`teachers:`), the four groups run once per teacher on the prompts routed to it
 (`<out>/<name>/check.json` each), and `<out>/check.json` holds the routing table and every teacher's exit code.
 
-A teacher with a view gets `teacher_view` (its context must move its scores) and no forecast (which scores the
-student's prompt ids). A served teacher (`url`: an `opd serve-teacher`, or its replicas) gets its tokenizer rows from
-the server's /info, `served_scores` and `determinism` instead of the rows that need its weights, and a forecast
-without its accuracy (it cannot generate). The live student (`path: student`) is checked as `student_init` is, with
-the student itself scoring (at the start of a run the two are the same weights).
+A teacher with a view gets `teacher_view` (its context must move its scores) and no forecast (which scores the student's
+prompt ids). A teacher of another vocabulary (SPEC §9) gets the `cross_tokenizer` row (on the prompts' texts, then on
+the forecast's rollouts) and the forecast on the aligned signal (`CrossForecastScorer`); its scoring and resources rows
+are not run. A served teacher (`url`: an `opd serve-teacher`, or its replicas) gets its tokenizer rows from the server's
+/info, `served_scores` and `determinism` instead of the rows that need its weights, and a forecast without its accuracy
+(it cannot generate). The live student (`path: student`) is checked as `student_init` is, with the student itself
+scoring (at the start of a run the two are the same weights).
 
 A vLLM teacher (`engine: vllm`, one or one of several) is checked as the same model in process, through its Hugging
 Face forward, as a local teacher is (a note says so): its tokenizer, template, scores and forecast are the model's;

@@ -86,6 +86,15 @@ def test_opd_check_gives_a_teacher_of_another_vocabulary_its_cross_tokenizer_row
     assert rows["self_distillation_zero"]["status"] == "skip" and rows["step_time"]["status"] == "skip"
 
 
+def test_opd_check_runs_no_forecast_when_the_teacher_cannot_encode_the_text(cross_world, tmp_path, capsys):
+    args = [a for a in _args(cross_world, tmp_path, "chars") if not a.startswith(("run.", "prompts_per", "rollout."))]
+    code, _, _ = cli(capsys, "check", *args[1:], f"run.out_dir={tmp_path}")
+    report = json.loads(next(tmp_path.rglob("check.json")).read_text())
+    rows = {r["name"]: r for r in report["results"]}
+    assert rows["cross_tokenizer"]["status"] == "fail" and code == report["exit_code"] != 0
+    assert rows["forecast"]["status"] == "skip" and "cross_tokenizer row failed" in rows["forecast"]["detail"]
+
+
 def test_the_cross_forecast_of_one_tokenizer_twice_is_the_same_vocabulary_forecast(cross_world, tmp_path):
     """The forecast of a cross teacher is computed on the aligned signal (the training step's cross scoring): with
     the student's own tokenizer as the teacher's (`tokenizer: cross` forces the path) every span is one-to-one and

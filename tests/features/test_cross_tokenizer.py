@@ -77,6 +77,66 @@ def test_opd_check_gives_a_teacher_of_another_vocabulary_its_cross_tokenizer_row
     report = json.loads(next(tmp_path.rglob("check.json")).read_text())
     row = next(r for r in report["results"] if r["name"] == "cross_tokenizer")
     assert row["status"] == "pass" and "exact-string map" in row["detail"]
+    assert "on the forecast's rollouts" in row["detail"]  # coverage on the student's sampled rollouts
+    shares = report["cross_tokenizer"]["rollouts"]
+    assert sum(shares[f"xtok/{k}_frac"] for k in ("exact", "span", "unmapped")) == pytest.approx(1.0)
+    rows = {r["name"]: r for r in report["results"]}
+    assert rows["forecast"]["status"] != "skip" and rows["seq_reward_auroc"]["status"] in ("pass", "warn", "skip")
+    assert report["forecast"]["values"]["rollouts"] > 0 and report["forecast"]["values"]["seq_reward_mean"] is not None
+    assert rows["self_distillation_zero"]["status"] == "skip" and rows["step_time"]["status"] == "skip"
+
+
+def test_opd_check_runs_no_forecast_when_the_teacher_cannot_encode_the_text(cross_world, tmp_path, capsys):
+    args = [a for a in _args(cross_world, tmp_path, "chars") if not a.startswith(("run.", "prompts_per", "rollout."))]
+    code, _, _ = cli(capsys, "check", *args[1:], f"run.out_dir={tmp_path}")
+    report = json.loads(next(tmp_path.rglob("check.json")).read_text())
+    rows = {r["name"]: r for r in report["results"]}
+    assert rows["cross_tokenizer"]["status"] == "fail" and code == report["exit_code"] != 0
+    assert rows["forecast"]["status"] == "skip" and "cross_tokenizer row failed" in rows["forecast"]["detail"]
+
+
+def test_the_cross_forecast_of_one_tokenizer_twice_is_the_same_vocabulary_forecast(cross_world, tmp_path):
+    """The forecast of a cross teacher is computed on the aligned signal (the training step's cross scoring): with
+    the student's own tokenizer as the teacher's (`tokenizer: cross` forces the path) every span is one-to-one and
+    every position exact, so it equals the same-vocabulary forecast."""
+    import io
+
+    from rich.console import Console
+
+    from opd import lab
+    from opd.config import DistillConfig
+    from opd.recipes.check import run_check
+
+    def values(tokenizer, name):
+        config = DistillConfig.model_validate(
+            {
+                "student": {"path": str(lab.student_path()), "device": "cpu", "dtype": "fp32"},
+                "teacher": {"path": str(lab.teacher_path()), "device": "cpu", "dtype": "fp32", "tokenizer": tokenizer},
+                "data": {"path": str(lab.opd_prompts_path()), "max_prompt_length": 64},
+                "rollout": {"max_new_tokens": 24},
+                "run": {"out_dir": str(tmp_path)},
+            }
+        )
+        report = run_check(
+            config,
+            n=2,
+            prompts_sample=4,
+            out=tmp_path / name,
+            skip=["scoring", "resources"],
+            console=Console(file=io.StringIO(), width=200),
+        )
+        return report.values["forecast"]["values"], {r.name: r for r in report.results}
+
+    same, same_rows = values("same", "same")
+    cross, cross_rows = values("cross", "cross")
+    assert "cross_tokenizer" in cross_rows and "cross_tokenizer" not in same_rows
+    for key, value in same.items():
+        if key == "seconds":
+            continue
+        if isinstance(value, float):
+            assert cross[key] == pytest.approx(value, abs=1e-6), key
+        else:
+            assert cross[key] == value, key
 
 
 def test_a_teachers_list_mixes_a_cross_and_a_same_vocabulary_teacher(cross_world, tmp_path, capsys):

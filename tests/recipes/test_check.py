@@ -99,7 +99,8 @@ def test_cli_student_as_teacher_is_unlikely(tmp_path):
 
 
 def test_cli_other_vocabulary_fails(tmp_path, tiny_model_dir):
-    result, report = _check_cli(tmp_path, tiny_model_dir)
+    # tokenizer: same keeps the refusal (auto takes the cross path: tests/features/test_cross_tokenizer.py)
+    result, report = _check_cli(tmp_path, tiny_model_dir, "teacher.tokenizer=same")
     assert result.exit_code == C.EXIT_FAILED, result.output
     statuses = {r["name"]: r["status"] for r in report["results"]}
     assert statuses["tokenizer_vocab"] == "fail" and statuses["determinism"] == "skip"

@@ -1,6 +1,7 @@
 """The forecast group of `opd check`: from n student rollouts on a prompt sample, scored as one OPD step scores them
 (`opd.eval.prompt_scores.score_prompts`), the SPEC §6 overlap metrics, the sequence-reward AUROC, student and teacher
 accuracy → likely / uncertain / unlikely to improve (`classify`), and the recovery command. Its rows are never hard.
+A teacher of another vocabulary scores through `CrossForecastScorer` (the training step's cross path, SPEC §9).
 
 Omitted on purpose: a forecast for sampled-token OPD other than through the same top-k metrics (the diagnostics always
 look at a top-16 support, as the trainer's do).
@@ -263,20 +264,25 @@ class _ForecastSums:
     def __init__(self, tokenizer: Any, answers_known: bool) -> None:
         self.tokenizer, self.answers_known = tokenizer, answers_known
         self.sums: dict[str, float] = {}
-        self.tokens = 0
+        self.tokens = self.metric_tokens = 0  # response tokens; those the top-k metrics are taken on
         self.seq_B: list[torch.Tensor] = []
         self.correct: list[bool] = []
 
     def on_scored(self, batch: Any, rollouts: Any, student_scores: Any, teacher_scores: Any) -> None:
         mask = rollouts.response_mask
+        if teacher_scores.exact is not None:  # a cross teacher: its top-k is the teacher's at exact positions only
+            mask = mask & teacher_scores.exact.to(mask.device)
         count = int(mask.sum())
         for key, value in opd_diagnostics_from_scores(
             student_scores, teacher_scores, mask, chunk_size=max(1, mask.shape[1])
         ).items():
             if key in FORECAST_METRICS:
                 self.sums[key] = self.sums.get(key, 0.0) + float(value) * count  # token-weighted across batches
-        self.tokens += count
-        self.seq_B.append(seq_rewards(teacher_scores.sampled_logprobs, student_scores.sampled_logprobs, mask).cpu())
+        self.metric_tokens += count
+        self.tokens += int(rollouts.response_mask.sum())
+        self.seq_B.append(
+            seq_rewards(teacher_scores.sampled_logprobs, student_scores.sampled_logprobs, rollouts.response_mask).cpu()
+        )
         if self.answers_known:
             answers = [batch[g].answer for g in rollouts.group_ids.tolist()]
             self.correct.extend(_grade(self.tokenizer, rollouts, answers))
@@ -326,12 +332,14 @@ def forecast(
         on_scored=sums.on_scored,
     )
     tokens, correct = sums.tokens, sums.correct
-    values: dict[str, Any] = {k: s / max(tokens, 1) for k, s in sums.sums.items()}
+    # no exact position (a cross teacher's top-k nowhere exact): the top-k metrics are unknown, not 0
+    values: dict[str, Any] = {k: s / sums.metric_tokens for k, s in sums.sums.items()} if sums.metric_tokens else {}
     seq = torch.cat(sums.seq_B) if sums.seq_B else torch.zeros(0)
     values.update(
         seq_reward_mean=float(seq.mean()) if seq.numel() else None,
         rollouts=int(seq.numel()),
         response_tokens=tokens,
+        topk_tokens=sums.metric_tokens,  # those the §6 metrics are over (a cross teacher's exact positions)
         scored_prompts=sum(s.skipped is None for s in scores),
         seconds=round(time.perf_counter() - start, 2),
     )
@@ -482,3 +490,71 @@ def forecast_rows(
     status = statuses[verdict["verdict"]]
     rows.append(CheckResult("forecast", status, verdict["verdict"], "; ".join(verdict["reasons"]), verdict["command"]))
     return rows, verdict
+
+
+class CrossForecastScorer:
+    """A cross-vocabulary teacher as the forecast's `TeacherScorer` (SPEC §9): each batch of the student's rollouts
+    goes through `opd.teacher.cross_vocab.start_cross_scoring`, the function the training step calls (alignment,
+    the teacher's own ids, the span signal at every aligned position), so the sequence reward and its AUROC are the
+    run's. The §6 top-k metrics need the teacher's own top-k in the student's vocabulary: the teacher's batch is
+    scored once more with `top_k` and, at the exact positions, its candidates mapped back (the inverse of the
+    exact-string map; a candidate of no counterpart is an id the student's top-k never holds). `exact` marks the
+    positions the top-k metrics are taken on (`_ForecastSums`). The student's scores are taken again here (the
+    cross path needs them and `score_prompts` passes only their top-k ids: the same forward, the same numbers).
+    `cross.counts` gathers the rollouts' alignment shares (`cross_metrics`).
+
+    cross:          the teacher's `CrossVocab`; scorer: its `LocalScorer` over its own vocabulary
+    student_scorer: the student's `LocalScorer`; temperature: the student's scoring temperature (its rollouts')
+    prompts:        the student's prompt ids (a tuple) → the teacher's rendering of that prompt
+    """
+
+    serves_requested_ids = True
+
+    def __init__(
+        self,
+        cross: Any,
+        scorer: Any,
+        student_scorer: Any,
+        prompts: dict[tuple[int, ...], list[int]],
+        *,
+        temperature: float,
+    ) -> None:
+        self.cross, self.scorer, self.student_scorer = cross, scorer, student_scorer
+        self.prompts, self.temperature = prompts, temperature
+        inverse = torch.full((int(cross.vocab_map.max().item()) + 2,), -1, dtype=torch.long)
+        mapped = (cross.vocab_map >= 0).nonzero().flatten()
+        inverse[cross.vocab_map[mapped]] = mapped  # the teacher id → a student id of the same bytes
+        self.inverse = inverse
+
+    def score(
+        self, rollouts: Any, *, top_k: int = 0, requested_ids: Any = None, temperature: float | None = None
+    ) -> Any:
+        from opd.teacher.base import start_scoring
+        from opd.teacher.cross_vocab import _teacher_rollouts, start_cross_scoring
+        from opd.types import TokenScores
+
+        student = self.student_scorer.score(rollouts, top_k=top_k, temperature=self.temperature)
+        lengths = rollouts.prompt_lengths.tolist()
+        prompt_ids = [self.prompts[tuple(rollouts.input_ids[b, :n].tolist())] for b, n in enumerate(lengths)]
+        call = start_cross_scoring(
+            self.cross, self.scorer, rollouts, student, prompt_ids, top_k=top_k, temperature=temperature
+        )
+        scores = call.result()
+        pad_id = self.cross.teacher_tokenizer.pad_token_id
+        batch = _teacher_rollouts(rollouts, call.aligned, prompt_ids, 0 if pad_id is None else pad_id)
+        own = start_scoring(self.scorer, batch, top_k=top_k, temperature=temperature).result()
+        assert own.topk_ids is not None and own.topk_logprobs is not None  # asked for top_k ≥ 1 (score_prompts)
+        device = scores.sampled_logprobs.device
+        pos_BT = call.aligned.one_to_one_BT.to(device).clamp(min=0)
+        K = own.topk_ids.shape[-1]
+        ids_BTK = own.topk_ids.to(device).gather(1, pos_BT[..., None].expand(-1, -1, K))
+        ids_BTK = self.inverse.to(device)[ids_BTK.clamp(min=0, max=len(self.inverse) - 1)]
+        exact_BT = call.diagnostic_exact_BT.to(device)
+        return TokenScores(
+            scores.sampled_logprobs,
+            torch.where(exact_BT[..., None], ids_BTK, -1),
+            own.topk_logprobs.to(device).gather(1, pos_BT[..., None].expand(-1, -1, K)).float(),
+            None if own.entropy is None else own.entropy.to(device).gather(1, pos_BT).float(),
+            scores.requested_logprobs,
+            exact=exact_BT,
+        )

@@ -6,11 +6,13 @@ replaced) and the report, whose `exit_code()` the command exits with.
 With several teachers (`teachers:`), the four groups run once per teacher on the prompts routed to it
 (`<out>/<name>/check.json` each), and `<out>/check.json` holds the routing table and every teacher's exit code.
 
-A teacher with a view gets `teacher_view` (its context must move its scores) and no forecast (which scores the
-student's prompt ids). A served teacher (`url`: an `opd serve-teacher`, or its replicas) gets its tokenizer rows from
-the server's /info, `served_scores` and `determinism` instead of the rows that need its weights, and a forecast
-without its accuracy (it cannot generate). The live student (`path: student`) is checked as `student_init` is, with
-the student itself scoring (at the start of a run the two are the same weights).
+A teacher with a view gets `teacher_view` (its context must move its scores) and no forecast (which scores the student's
+prompt ids). A teacher of another vocabulary (SPEC §9) gets the `cross_tokenizer` row (on the prompts' texts, then on
+the forecast's rollouts) and the forecast on the aligned signal (`CrossForecastScorer`); its scoring and resources rows
+are not run. A served teacher (`url`: an `opd serve-teacher`, or its replicas) gets its tokenizer rows from the server's
+/info, `served_scores` and `determinism` instead of the rows that need its weights, and a forecast without its accuracy
+(it cannot generate). The live student (`path: student`) is checked as `student_init` is, with the student itself
+scoring (at the start of a run the two are the same weights).
 
 A vLLM teacher (`engine: vllm`, one or one of several) is checked as the same model in process, through its Hugging
 Face forward, as a local teacher is (a note says so): its tokenizer, template, scores and forecast are the model's;
@@ -28,12 +30,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from rich.console import Console
 
-from opd.check.forecasting import ForecastThresholds, forecast, forecast_rows
+from opd.check.forecasting import CrossForecastScorer, ForecastThresholds, forecast, forecast_rows, sample_accuracy
 from opd.check.probes import cross_sample_texts
 from opd.check.report import (
     CHECKS,
@@ -73,7 +75,7 @@ from opd.objectives.diagnostics import diagnostic_top_k
 from opd.rollout import make_generator
 from opd.rundir import locked
 from opd.teacher.client import remote_scorer
-from opd.teacher.cross_vocab import build_cross_vocab, resolve_tokenizer_mode
+from opd.teacher.cross_vocab import build_cross_vocab, cross_metrics, resolve_tokenizer_mode
 from opd.teacher.local import LocalScorer
 from opd.teacher.registry import check_teacher_serves, route_prompts, view_prompts
 from opd.teacher.routing import check_routes_match
@@ -176,9 +178,19 @@ def _run_checks(
             check_teacher_serves(config.teacher, config.objective)
         # 1. tokenizers: from the files (or the server's /info), before any weights are loaded
         if served is None and not live_student and _is_cross(config, student_tokenizer, teacher_tokenizer):
-            report.results += [
-                r for r in _cross_rows(config, student_tokenizer, teacher_tokenizer, sample) if r.name not in skipped
-            ]
+            _cross_checks(
+                report,
+                config,
+                student_tokenizer,
+                teacher_tokenizer,
+                sample,
+                n=n,
+                thresholds=thresholds,
+                skipped=skipped,
+                forecast_too=view is None,
+                route=route,
+            )
+            report.results += skipped_rows(skipped, GROUPS)
             return _finish(report, out_dir, console)
         rows = _tokenizer_rows(config, student_tokenizer, teacher_tokenizer, sample, served)
         report.results += [r for r in rows if r.name not in skipped]
@@ -427,12 +439,25 @@ def _is_cross(config: DistillConfig, student_tokenizer: Any, teacher_tokenizer: 
     return resolve_tokenizer_mode(config.teacher, student_tokenizer, teacher_tokenizer) == "cross"
 
 
-def _cross_rows(
-    config: DistillConfig, student_tokenizer: Any, teacher_tokenizer: Any, sample: Sequence[Any]
-) -> list[CheckResult]:
-    """A teacher of another vocabulary: the `cross_tokenizer` row on the sample's texts and answers; the scoring,
-    forecast and resources rows score the student's ids with the teacher and are not run here (`opd distill`'s
-    startup runs the cross row and its memory and step-time rows on the loaded models)."""
+def _cross_checks(
+    report: CheckReport,
+    config: DistillConfig,
+    student_tokenizer: Any,
+    teacher_tokenizer: Any,
+    sample: Sequence[Any],
+    *,
+    n: int,
+    thresholds: ForecastThresholds,
+    skipped: set[str],
+    forecast_too: bool,
+    route: str | None,
+) -> None:
+    """A teacher of another vocabulary, into `report`: the `cross_tokenizer` row on the sample's texts and answers
+    (before any weights load: a hard failure stops there), then, unless skipped (or `forecast_too` is off: a
+    teacher with a view), the forecast on the aligned signal (`CrossForecastScorer`: the training step's
+    `start_cross_scoring`), whose rollouts add their alignment shares to the `cross_tokenizer` row. The scoring
+    and resources rows score the student's ids with the teacher and are not run here (`opd distill`'s startup runs
+    the cross row and its memory and step-time rows on the loaded models)."""
     assert config.teacher is not None
     cross = build_cross_vocab(
         student_tokenizer,
@@ -441,13 +466,124 @@ def _cross_rows(
         teacher_eos_id=next(iter(_from_files(config.teacher, teacher_tokenizer)[1]), None),
         credit=config.teacher.span_credit,
     )
-    rows = [check_cross_tokenizer(cross, student_tokenizer, cross_sample_texts(list(sample), limit=len(sample)))]
-    rows += [
-        CheckResult(name, "skip", None, "not run for a cross-vocabulary teacher: it scores the student's ids")
+    row = check_cross_tokenizer(cross, student_tokenizer, cross_sample_texts(list(sample), limit=len(sample)))
+    if "cross_tokenizer" not in skipped:
+        report.results.append(row)
+    not_run = "not run for a cross-vocabulary teacher: it scores the student's ids"
+    report.results += [
+        CheckResult(name, "skip", None, not_run)
         for name in CHECKS
-        if CHECKS[name] != "tokenizers"
+        if CHECKS[name] in ("scoring", "resources") and name not in skipped
     ]
-    return rows
+    if "forecast" in skipped:
+        return
+    if row.status == "fail" or not forecast_too:
+        why = (
+            "the cross_tokenizer row failed: the student's text would train with no teacher signal"
+            if row.status == "fail"
+            else "a teacher with a view: it scores the student's prompt ids"
+        )
+        report.results.append(CheckResult("forecast", "skip", None, f"not run: {why}"))
+        return
+    _cross_forecast(
+        report,
+        config,
+        cross,
+        student_tokenizer,
+        teacher_tokenizer,
+        sample,
+        n=n,
+        thresholds=thresholds,
+        skipped=skipped,
+        route=route,
+    )
+    shares = cross_metrics([cross])
+    if shares and "cross_tokenizer" not in skipped:
+        row.detail += (
+            f"; on the forecast's rollouts: {shares['xtok/exact_frac']:.1%} exact, {shares['xtok/span_frac']:.1%} "
+            f"by span, {shares['xtok/unmapped_frac']:.1%} unmapped, mean span {shares['xtok/mean_span_len']:.2f}"
+            + "".join(
+                f", {int(v)} rows {k.removeprefix('xtok/rows_')}"
+                for k, v in shares.items()
+                if k.startswith("xtok/rows_") and v
+            )
+        )
+        report.values["cross_tokenizer"] = {"rollouts": shares}
+
+
+def _cross_forecast(
+    report: CheckReport,
+    config: DistillConfig,
+    cross: Any,
+    student_tokenizer: Any,
+    teacher_tokenizer: Any,
+    sample: Sequence[Any],
+    *,
+    n: int,
+    thresholds: ForecastThresholds,
+    skipped: set[str],
+    route: str | None,
+) -> None:
+    """The forecast of a cross-vocabulary teacher (`_forecast_group` with a `CrossForecastScorer`); the teacher's
+    accuracy from its own samples of its own rendering of the prompts, graded with its tokenizer."""
+    data, spec = config.data, config.teacher
+    assert spec is not None
+    device = resolve_device(config.student.device)
+    weights_dtype, autocast_dtype = training_precision(config.student, device)
+    student, _ = load_model(
+        config.student.path,
+        dtype=autocast_dtype or weights_dtype,
+        device=device,
+        trust_remote_code=config.student.trust_remote_code,
+        attn_implementation=config.student.attn_implementation,
+    )
+    teacher = _load_teacher_module(spec)
+    length = data.max_prompt_length + config.rollout.max_new_tokens
+    for model in (student, teacher):
+        fix_rope(model, length)
+    student_rows = int(cast(Any, student).get_output_embeddings().weight.shape[0])
+    teacher_rows = int(cast(Any, teacher).get_output_embeddings().weight.shape[0])
+    vocab_size = check_tokenizer_compatibility(
+        student_tokenizer, student_tokenizer, student_vocab_size=student_rows
+    ).tokenizer_size
+    teacher_vocab = min(len(teacher_tokenizer), teacher_rows)
+    score_tokens = config.score_batch_tokens
+    encoded = encode_prompts(
+        student_tokenizer,
+        sample,
+        max_prompt_length=data.max_prompt_length,
+        enable_thinking=data.enable_thinking,
+        template=data.template,
+    )
+    own = encode_prompts(
+        teacher_tokenizer,
+        encoded.prompts,
+        max_prompt_length=1 << 30,
+        enable_thinking=data.enable_thinking,
+        template=data.template,
+    ).input_ids
+    scorer = CrossForecastScorer(
+        cross,
+        LocalScorer(teacher, max_tokens_per_batch=score_tokens, vocab_size=teacher_vocab),
+        LocalScorer(student, max_tokens_per_batch=score_tokens, vocab_size=vocab_size),
+        {tuple(s): t for s, t in zip(encoded.input_ids, own)},
+        temperature=config.rollout.temperature,
+    )
+    pair = _LoadedPair(
+        student, None, scorer.student_scorer, scorer, vocab_size, weights_dtype, autocast_dtype, encoded.input_ids
+    )
+    _forecast_group(
+        report,
+        config,
+        pair,
+        student_tokenizer,
+        sample,
+        n=n,
+        thresholds=thresholds,
+        skipped=skipped,
+        route=route,
+        teacher_accuracy=(teacher, teacher_tokenizer, teacher_vocab, encoded.prompts),
+    )
 
 
 def _from_files(spec: Any, tokenizer: Any) -> tuple[int | None, list[int]]:
@@ -574,8 +710,12 @@ def _forecast_group(
     thresholds: ForecastThresholds,
     skipped: set[str],
     route: str | None = None,
+    teacher_accuracy: tuple[torch.nn.Module, Any, int, list[Any]] | None = None,
 ) -> None:
-    """The forecast's rows and its record (verdict, values, thresholds) into `report`; `route`: see run_check."""
+    """The forecast's rows and its record (verdict, values, thresholds) into `report`; `route`: see run_check.
+    `teacher_accuracy`: (model, tokenizer, vocabulary size, the prompts the student's rollouts answer) of a teacher
+    whose samples `forecast` cannot draw with the student's tokenizer (a cross-vocabulary one): its accuracy is
+    sampled here, as `forecast` samples it, on its own rendering of those prompts."""
     data, teacher = config.data, config.teacher
     assert teacher is not None  # run_check refuses a config without a teacher
     values = forecast(
@@ -596,6 +736,22 @@ def _forecast_group(
         seed=config.run.seed,
         vocab_size=pair.vocab_size,
     )
+    if teacher_accuracy is not None and values["student_accuracy"] is not None:
+        model, teacher_tokenizer, teacher_vocab, kept = teacher_accuracy
+        values["teacher_accuracy"] = sample_accuracy(
+            model,
+            teacher_tokenizer,
+            kept,
+            n=n,
+            temperature=config.objective.teacher_temperature,
+            max_new_tokens=config.rollout.max_new_tokens,
+            max_prompt_length=1 << 30,  # the student's length limit already chose the prompts
+            enable_thinking=data.enable_thinking,
+            template=data.template,
+            batch_size=max(1, min(len(sample), config.rollout.batch_size // n)),
+            seed=config.run.seed,
+            vocab_size=teacher_vocab,
+        )
     rows, verdict = forecast_rows(
         values,
         thresholds,

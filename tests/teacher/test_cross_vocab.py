@@ -261,3 +261,58 @@ def test_a_served_cross_teacher_with_another_tokenizer_is_refused_in_one_line(sh
         bare = entry.model_copy(update={"tokenizer_path": None})
         with pytest.raises(ValueError, match="served one with its tokenizer \\(tokenizer_path\\)"):
             resolve_tokenizer_mode(bare, student_tok)
+
+
+def _served_cross_run(tmp_path, url, tokenizer_path, *overrides):
+    from helpers_served_teacher import TOKEN
+    from opd.config import DistillConfig, build_config
+    from opd.lab import opd_prompts_path, student_path
+    from opd.lab.build import permute_vocabulary
+    from opd.recipes.distill import distill
+
+    student = permute_vocabulary(student_path(), tmp_path / "student", seed=0)
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    options = {
+        "student.path": str(student),
+        "student.device": "cpu",
+        "student.dtype": "fp32",
+        "teacher.url": url,
+        "teacher.token_file": str(tmp_path / "token"),
+        "teacher.retry_deadline": 0,
+        "teacher.tokenizer_path": str(tokenizer_path),
+        "data.path": str(opd_prompts_path()),
+        "data.max_prompt_length": 64,
+        "prompts_per_step": 2,
+        "rollout.n": 2,
+        "rollout.max_new_tokens": 8,
+        "micro_batch_tokens": 4096,
+        "score_batch_tokens": 4096,
+        "objective.top_k": K,
+        "run.out_dir": str(tmp_path),
+        "run.name": "run",
+        "run.steps": 1,
+        "run.report": False,
+        "run.save_every": 0,
+        "run.samples_per_step": 0,
+    }
+    return distill(build_config(DistillConfig, options=options, overrides=list(overrides)))
+
+
+def test_distill_with_a_served_cross_teacher(shuffled_lab, lab_teacher, tmp_path):
+    """`opd distill teacher.url=… teacher.tokenizer_path=…` with a student of another vocabulary: one step through
+    the cross path (every span one token to one token: exact_frac 1); a tokenizer_path that is not the server's
+    (tokenizer: cross, so that auto's comparison with the student does not decide first) stops the run before its
+    first step, in one line."""
+    pytest.importorskip("uvicorn")
+    from helpers_served_teacher import serve_in_thread
+    from opd.io import read_jsonl
+    from opd.lab import teacher_path
+
+    shuffled = shuffled_lab[0]
+    with serve_in_thread(lab_teacher[2]) as (url, _):
+        with pytest.raises(ValueError, match="is not the tokenizer the teacher at") as error:
+            _served_cross_run(tmp_path / "bad", url, shuffled, "teacher.tokenizer=cross")
+        assert "\n" not in str(error.value) and not (tmp_path / "bad" / "run" / "metrics.jsonl").exists()
+        out = _served_cross_run(tmp_path / "good", url, teacher_path())
+    metrics = read_jsonl(out / "metrics.jsonl")[-1]
+    assert metrics["xtok/exact_frac"] == 1.0 and metrics["xtok/unmapped_frac"] == 0.0

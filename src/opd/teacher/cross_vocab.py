@@ -107,16 +107,16 @@ def served_teacher_tokenizer(entry: Any, scorer: RemoteScorer) -> Any:
     server's /info `vocab_hash`; else a one-line ValueError naming both. Another chat template is said (the
     teacher's prompts are rendered with this copy's)."""
     tokenizer = load_tokenizer(entry.tokenizer_path, trust_remote_code=entry.trust_remote_code)
-    mine, url = tokenizer_fingerprints(tokenizer), scorer.replicas[0].url
+    mine, url, name = tokenizer_fingerprints(tokenizer), scorer.replicas[0].url, getattr(entry, "name", "teacher")
     if mine["vocab_hash"] != scorer.info.get("vocab_hash"):
         raise ValueError(
-            f"teacher {entry.name}: tokenizer_path {entry.tokenizer_path} is not the tokenizer the teacher at {url} "
+            f"teacher {name}: tokenizer_path {entry.tokenizer_path} is not the tokenizer the teacher at {url} "
             f"serves (its token → id map hashes to {mine['vocab_hash'][:12]}…, /info's vocab_hash is "
             f"{str(scorer.info.get('vocab_hash'))[:12]}…); give tokenizer_path the served model's tokenizer"
         )
     if mine["chat_template_hash"] != scorer.info.get("chat_template_hash"):
         scorer.log(
-            f"note: teacher {entry.name}: tokenizer_path {entry.tokenizer_path} has another chat template than the "
+            f"note: teacher {name}: tokenizer_path {entry.tokenizer_path} has another chat template than the "
             f"teacher at {url}; its prompts are rendered with tokenizer_path's"
         )
     return tokenizer

@@ -161,3 +161,158 @@ def test_the_lab_teacher_under_another_token_to_id_map_scores_as_itself(tmp_path
     assert crossed.exact[mask_BT].all()
     assert torch.allclose(crossed.sampled_logprobs[mask_BT], same.sampled_logprobs[mask_BT], atol=1e-5, rtol=0)
     assert torch.allclose(crossed.requested_logprobs[mask_BT], same.requested_logprobs[mask_BT], atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def shuffled_lab(tmp_path_factory):
+    """The lab teacher under another token → id map (`permute_vocabulary`): (its directory, model, tokenizer)."""
+    from opd.lab import teacher_path
+    from opd.lab.build import permute_vocabulary
+    from opd.models import load_model
+
+    shuffled = permute_vocabulary(teacher_path(), tmp_path_factory.mktemp("xserved") / "shuffled", seed=0)
+    model, tokenizer = load_model(str(shuffled), dtype=torch.float32, device="cpu")
+    return shuffled, model, tokenizer
+
+
+def _served_entry(url, tmp_path, tokenizer_path):
+    from helpers_served_teacher import TOKEN
+
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    return TeacherEntry(
+        name="served",
+        url=url,
+        token_file=str(tmp_path / "token"),
+        retry_deadline=0,
+        tokenizer="auto",
+        tokenizer_path=str(tokenizer_path),
+    )
+
+
+def _load_served_cross(entry, student_tok):
+    from opd.teacher.cross_vocab import load_cross_teacher
+    from opd.teacher.registry import TeacherRequest
+
+    request = TeacherRequest(
+        spec=entry, student_tokenizer=student_tok, student_rows=0, student_device=torch.device("cpu")
+    )
+    return load_cross_teacher(
+        entry,
+        student_tokenizer=student_tok,
+        student_eos_ids=[student_tok.eos_token_id],
+        request=request,
+        own_vocab=None,
+    )
+
+
+def test_a_served_cross_teacher_scores_as_the_same_teacher_in_process(shuffled_lab, lab_teacher, tmp_path):
+    """The lab teacher served over a loopback socket, a student of the shuffled vocabulary: auto resolves to cross
+    (tokenizer_path: the lab tokenizer, its hash /info's), the client sends the teacher ids it aligned, and the
+    scores mapped back equal the in-process cross teacher's within 1e-6 (fp32 on the wire, one request scored as one
+    batch as the local call is: measured equal exactly; a split request would need BATCHING_ATOL)."""
+    pytest.importorskip("uvicorn")
+    from helpers_served_teacher import serve_in_thread
+    from opd.lab import teacher_path
+
+    _, student_model, student_tok = shuffled_lab
+    teacher_model, teacher_tok, teacher_scorer = lab_teacher
+    texts = ["12+3=15\n15*2=30\n\\boxed{30}", "7-9=-2\n\\boxed{-2}"]
+    rollouts, _ = _rollouts(student_tok, texts, student_tok.eos_token_id)
+    student = LocalScorer(student_model).score(rollouts, top_k=K)
+    prompts = [_prompt(teacher_tok, i) for i in range(len(texts))]
+    local = build_cross_vocab(student_tok, teacher_tok, student_eos_ids=[student_tok.eos_token_id])
+    want = start_cross_scoring(local, teacher_scorer, rollouts, student, prompts, top_k=K, temperature=1.0).result()
+    with serve_in_thread(teacher_scorer) as (url, _):
+        entry = _served_entry(url, tmp_path, teacher_path())
+        assert resolve_tokenizer_mode(entry, student_tok) == "cross"
+        teacher, cross = _load_served_cross(entry, student_tok)
+        try:
+            got = start_cross_scoring(cross, teacher.scorer, rollouts, student, prompts, top_k=K, temperature=1.0)
+            got = got.result()
+        finally:
+            teacher.scorer.close()
+    assert cross.tokenizer_hash == local.tokenizer_hash
+    mask_BT = rollouts.response_mask
+    assert torch.equal(got.exact, want.exact) and got.exact[mask_BT].all()
+    for name in ("sampled_logprobs", "requested_logprobs", "topk_logprobs"):
+        a, b = getattr(got, name)[mask_BT], getattr(want, name)[mask_BT]
+        assert float((a - b).abs().max()) <= 1e-6, name
+    assert torch.equal(got.topk_ids[mask_BT], want.topk_ids[mask_BT])
+
+
+def test_a_served_cross_teacher_with_another_tokenizer_is_refused_in_one_line(shuffled_lab, lab_teacher, tmp_path):
+    """tokenizer_path whose token → id map is not the one /info hashes: refused when the mode is resolved (before
+    any model loads) and when the teacher loads, one line naming both hashes; a served cross teacher without
+    tokenizer_path too."""
+    pytest.importorskip("uvicorn")
+    from helpers_served_teacher import serve_in_thread
+
+    shuffled, _, student_tok = shuffled_lab
+    with serve_in_thread(lab_teacher[2]) as (url, _):
+        entry = _served_entry(url, tmp_path, shuffled)
+        entry = entry.model_copy(update={"tokenizer": "cross"})
+        for call in (
+            lambda: resolve_tokenizer_mode(entry, student_tok),
+            lambda: _load_served_cross(entry, student_tok),
+        ):
+            with pytest.raises(ValueError, match="is not the tokenizer the teacher at") as error:
+                call()
+            assert "\n" not in str(error.value) and "vocab_hash" in str(error.value)
+        bare = entry.model_copy(update={"tokenizer_path": None})
+        with pytest.raises(ValueError, match="served one with its tokenizer \\(tokenizer_path\\)"):
+            resolve_tokenizer_mode(bare, student_tok)
+
+
+def _served_cross_run(tmp_path, url, tokenizer_path, *overrides):
+    from helpers_served_teacher import TOKEN
+    from opd.config import DistillConfig, build_config
+    from opd.lab import opd_prompts_path, student_path
+    from opd.lab.build import permute_vocabulary
+    from opd.recipes.distill import distill
+
+    student = permute_vocabulary(student_path(), tmp_path / "student", seed=0)
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    options = {
+        "student.path": str(student),
+        "student.device": "cpu",
+        "student.dtype": "fp32",
+        "teacher.url": url,
+        "teacher.token_file": str(tmp_path / "token"),
+        "teacher.retry_deadline": 0,
+        "teacher.tokenizer_path": str(tokenizer_path),
+        "data.path": str(opd_prompts_path()),
+        "data.max_prompt_length": 64,
+        "prompts_per_step": 2,
+        "rollout.n": 2,
+        "rollout.max_new_tokens": 8,
+        "micro_batch_tokens": 4096,
+        "score_batch_tokens": 4096,
+        "objective.top_k": K,
+        "run.out_dir": str(tmp_path),
+        "run.name": "run",
+        "run.steps": 1,
+        "run.report": False,
+        "run.save_every": 0,
+        "run.samples_per_step": 0,
+    }
+    return distill(build_config(DistillConfig, options=options, overrides=list(overrides)))
+
+
+def test_distill_with_a_served_cross_teacher(shuffled_lab, lab_teacher, tmp_path):
+    """`opd distill teacher.url=… teacher.tokenizer_path=…` with a student of another vocabulary: one step through
+    the cross path (every span one token to one token: exact_frac 1); a tokenizer_path that is not the server's
+    (tokenizer: cross, so that auto's comparison with the student does not decide first) stops the run before its
+    first step, in one line."""
+    pytest.importorskip("uvicorn")
+    from helpers_served_teacher import serve_in_thread
+    from opd.io import read_jsonl
+    from opd.lab import teacher_path
+
+    shuffled = shuffled_lab[0]
+    with serve_in_thread(lab_teacher[2]) as (url, _):
+        with pytest.raises(ValueError, match="is not the tokenizer the teacher at") as error:
+            _served_cross_run(tmp_path / "bad", url, shuffled, "teacher.tokenizer=cross")
+        assert "\n" not in str(error.value) and not (tmp_path / "bad" / "run" / "metrics.jsonl").exists()
+        out = _served_cross_run(tmp_path / "good", url, teacher_path())
+    metrics = read_jsonl(out / "metrics.jsonl")[-1]
+    assert metrics["xtok/exact_frac"] == 1.0 and metrics["xtok/unmapped_frac"] == 0.0

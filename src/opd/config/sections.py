@@ -239,8 +239,14 @@ class TeacherSpec(ModelSpec):
     tokenizer: Literal["auto", "same", "cross"] = Field(
         "auto",
         description="auto: the student's token ids when the vocabularies agree, else the student's text under the "
-        "teacher's own tokenizer (cross, in-process teachers only; the log says which); same: refuse another "
-        "vocabulary; cross: always re-tokenize (README: cross-tokenizer distillation).",
+        "teacher's own tokenizer (cross: in process, or served with tokenizer_path; the log says which); same: "
+        "refuse another vocabulary; cross: always re-tokenize (README: cross-tokenizer distillation).",
+    )
+    tokenizer_path: str | None = Field(
+        None,
+        description="With url: the served teacher's tokenizer (local directory or hub id), which a cross teacher "
+        "needs here to tokenize the student's text; its token → id map must hash to the server's /info vocab_hash "
+        "(checked at startup). None: the served teacher scores the student's own ids.",
     )
     span_credit: Literal["even", "last"] = Field(
         "even",
@@ -284,6 +290,11 @@ class TeacherSpec(ModelSpec):
                 )
         if self.path is None and self.url is None:
             raise ValueError("give teacher.path (a model to load) or teacher.url (an `opd serve-teacher`)")
+        if self.tokenizer_path is not None and self.url is None:
+            raise ValueError(
+                "teacher.tokenizer_path names a served teacher's tokenizer (with teacher.url); a teacher loaded "
+                "from teacher.path uses its own: remove tokenizer_path"
+            )
         if self.url is not None and self.engine != "local":
             raise ValueError(
                 f"teacher.url serves the teacher; teacher.engine={self.engine} applies to a teacher "

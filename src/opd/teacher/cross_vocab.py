@@ -9,8 +9,10 @@ the span signal (`opd.objectives.cross_vocab.span_teacher_logprobs`), the reques
 the student's top-k where that is exact (one student and one teacher token over the same bytes, every candidate in
 both vocabularies), and `exact` says where. `CrossVocab.counts` holds what `xtok/…` reports.
 
-Left out: served and vLLM teachers (a cross teacher is local; docs/spec.md §9 says why a served one would be sent
-teacher ids), and the teacher's own top-k in the student's vocabulary (strategies with teacher slots are refused).
+A served cross teacher (`url` with `tokenizer_path`) is sent the teacher ids built here, with its tokenizer from
+`tokenizer_path` hash-checked against the server's /info (`served_teacher_tokenizer`); the server scores ids as for
+any client (docs/spec.md §9 says why ids and not text). Left out: vLLM teachers, and the teacher's own top-k in the
+student's vocabulary (strategies with teacher slots are refused).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from opd.models import (
 )
 from opd.objectives.cross_vocab import SpanCredit, span_teacher_logprobs
 from opd.teacher.base import start_scoring
+from opd.teacher.client import RemoteScorer, remote_scorer
 from opd.teacher.local import LocalScorer
 from opd.teacher.registry import Teacher, TeacherRequest, teacher_device, view_prompts
 from opd.teacher.wire import tokenizer_fingerprints
@@ -50,6 +53,7 @@ __all__ = [
     "cross_teacher_views",
     "load_cross_teacher",
     "resolve_tokenizer_mode",
+    "served_teacher_tokenizer",
     "start_alignment",
     "start_cross_scoring",
     "teacher_tokenizer_hash",
@@ -65,28 +69,57 @@ def teacher_tokenizer_hash(tokenizer: Any) -> str:
 def resolve_tokenizer_mode(entry: Any, student_tokenizer: Any, teacher_tokenizer: Any | None = None) -> str:
     """ "same" or "cross" for a teacher entry (its `tokenizer`: auto | same | cross). auto: same when the token → id
     maps agree, cross otherwise; same: the refusal of another vocabulary (`TokenizerMismatchError`, one line).
-    A cross teacher must be local (engine: local, no url): ValueError naming the key otherwise."""
+    A cross teacher is in process (engine: local) or served with its tokenizer at hand (`tokenizer_path`, checked
+    against the server's /info here: `served_teacher_tokenizer`); ValueError naming the key otherwise."""
     mode = getattr(entry, "tokenizer", "auto")
     if mode == "same":
         return "same"
     served, engine = getattr(entry, "url", None) is not None, getattr(entry, "engine", "local")
-    if mode == "cross" or (not served and engine == "local"):
-        if served or engine != "local":
-            where = "url (a served teacher)" if served else f"engine: {engine}"
-            raise ValueError(
-                f"teacher {getattr(entry, 'name', 'teacher')}: tokenizer: {mode} needs an in-process teacher "
-                f"(engine: local, no url), got {where}; a served or vLLM teacher scores the student's own ids "
-                f"(tokenizer: same)"
-            )
-        if mode == "cross":
-            return "cross"
-        tokenizer = teacher_tokenizer or load_tokenizer(entry.path, trust_remote_code=entry.trust_remote_code)
+    source = getattr(entry, "tokenizer_path", None) if served else entry.path
+    if engine != "local" or source is None:
+        if mode == "auto":
+            return "same"  # a vLLM teacher, or a served one without tokenizer_path: the student's ids and their check
+        where = f"engine: {engine}" if engine != "local" else "url (a served teacher) without tokenizer_path"
+        raise ValueError(
+            f"teacher {getattr(entry, 'name', 'teacher')}: tokenizer: cross needs an in-process teacher (engine: "
+            f"local) or a served one with its tokenizer (tokenizer_path), got {where}; a vLLM teacher, or a served "
+            f"one without tokenizer_path, scores the student's own ids (tokenizer: same)"
+        )
+    if mode == "auto":
+        if teacher_tokenizer is None:
+            teacher_tokenizer = load_tokenizer(source, trust_remote_code=entry.trust_remote_code)
         try:
-            check_tokenizer_compatibility(student_tokenizer, tokenizer)
+            check_tokenizer_compatibility(student_tokenizer, teacher_tokenizer)
             return "same"
         except TokenizerMismatchError:
-            return "cross"
-    return "same"  # auto with a served or vLLM teacher: the same-vocabulary path and its check
+            pass
+    if served:  # the tokenizer the client aligns with must be the server's: refused before anything loads
+        scorer = remote_scorer(entry)
+        try:
+            served_teacher_tokenizer(entry, scorer)
+        finally:
+            scorer.close()
+    return "cross"
+
+
+def served_teacher_tokenizer(entry: Any, scorer: RemoteScorer) -> Any:
+    """A served cross teacher's tokenizer, read from its `tokenizer_path`, if its token → id map hashes to the
+    server's /info `vocab_hash`; else a one-line ValueError naming both. Another chat template is said (the
+    teacher's prompts are rendered with this copy's)."""
+    tokenizer = load_tokenizer(entry.tokenizer_path, trust_remote_code=entry.trust_remote_code)
+    mine, url, name = tokenizer_fingerprints(tokenizer), scorer.replicas[0].url, getattr(entry, "name", "teacher")
+    if mine["vocab_hash"] != scorer.info.get("vocab_hash"):
+        raise ValueError(
+            f"teacher {name}: tokenizer_path {entry.tokenizer_path} is not the tokenizer the teacher at {url} "
+            f"serves (its token → id map hashes to {mine['vocab_hash'][:12]}…, /info's vocab_hash is "
+            f"{str(scorer.info.get('vocab_hash'))[:12]}…); give tokenizer_path the served model's tokenizer"
+        )
+    if mine["chat_template_hash"] != scorer.info.get("chat_template_hash"):
+        scorer.log(
+            f"note: teacher {name}: tokenizer_path {entry.tokenizer_path} has another chat template than the "
+            f"teacher at {url}; its prompts are rendered with tokenizer_path's"
+        )
+    return tokenizer
 
 
 @dataclass
@@ -432,9 +465,28 @@ def cross_teacher_prompts(
 def load_cross_teacher(
     entry: Any, *, student_tokenizer: Any, student_eos_ids: list[int], request: TeacherRequest, own_vocab: Any
 ) -> tuple[Teacher, CrossVocab]:
-    """An in-process teacher of another vocabulary: its model and scorer over its own vocabulary (no tokenizer
-    comparison), and its `CrossVocab`. `Teacher.vocab` is the student's own (`own_vocab`): the student's ids are the
-    ones the run samples and trains."""
+    """A teacher of another vocabulary: its model and scorer over its own vocabulary (no tokenizer comparison), and
+    its `CrossVocab`. `Teacher.vocab` is the student's own (`own_vocab`): the student's ids are the ones the run
+    samples and trains. A served one (`url`): its `RemoteScorer`, its tokenizer from `tokenizer_path` checked
+    against /info (`served_teacher_tokenizer`), its context the server's `max_positions`."""
+    if getattr(entry, "url", None) is not None:
+        remote = remote_scorer(entry)
+        try:
+            tokenizer = served_teacher_tokenizer(entry, remote)
+        except ValueError:
+            remote.close()
+            raise
+        served_eos = eos_token_ids(None, tokenizer)
+        positions = remote.info.get("max_positions")
+        cross = build_cross_vocab(
+            student_tokenizer,
+            tokenizer,
+            student_eos_ids=student_eos_ids,
+            teacher_eos_id=served_eos[0] if served_eos else None,
+            teacher_positions=positions if isinstance(positions, int) else None,
+            credit=entry.span_credit,
+        )
+        return Teacher(scorer=remote, module=None, vocab=own_vocab), cross
     device = teacher_device(entry, request.student_device, request.world_size)
     dtype = resolve_dtype(entry.dtype, resolve_device(device))
     module, tokenizer = load_model(
@@ -470,7 +522,8 @@ def cross_teacher_views(
     for index, entry in enumerate(config.teacher_entries()):
         if modes.get(entry.name) != "cross":
             continue
-        tokenizer = load_tokenizer(entry.path, trust_remote_code=entry.trust_remote_code)
+        source = entry.path if entry.url is None else entry.tokenizer_path  # a served one's: hash-checked
+        tokenizer = load_tokenizer(source, trust_remote_code=entry.trust_remote_code)
         out[index] = cross_teacher_prompts(
             entry,
             prompts,

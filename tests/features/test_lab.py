@@ -203,15 +203,24 @@ def test_build_reduced(tmp_path):
         rewrite_teacher_batch=16,
         specialist_steps=2,
         specialist_batch=16,
+        cross_teacher_steps=2,
         sft_examples=256,
         eval_limit=4,
         console=string_console(),
     )
     manifest = json.loads(path.read_text())
-    assert set(manifest["models"]) == {"teacher", "student", "rewrite_teacher", "specialist_add", "specialist_mul"}
+    assert set(manifest["models"]) == {
+        "teacher",
+        "student",
+        "rewrite_teacher",
+        "specialist_add",
+        "specialist_mul",
+        "teacher_pairs",
+    }
     shipped = json.loads(lab.manifest_path().read_text())["models"]
     for name, record in manifest["models"].items():
-        assert record["params"] == shipped["student" if name == "student" else "teacher"]["params"]
+        if name != "teacher_pairs":  # the teacher's shape over another vocabulary: other embedding rows
+            assert record["params"] == shipped["student" if name == "student" else "teacher"]["params"]
         assert 0.0 <= record["test_accuracy"] <= 1.0 and record["training"]["steps"] == 2
         assert (tmp_path / name / "model.safetensors").is_file() and (tmp_path / name / "tokenizer.json").is_file()
     assert manifest["models"]["rewrite_teacher"]["style"] == "rewrite"

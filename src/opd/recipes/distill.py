@@ -56,9 +56,9 @@ from opd.teacher.registry import (
     RoutedTeacher,
     Teacher,
     TeacherRequest,
+    build_teacher,
     check_teacher_serves,
     check_teacher_tokenizer,
-    load_teacher,
     model_key,
 )
 from opd.teacher.registry import model_key as _model_key  # noqa: F401  (its old name and home)
@@ -626,36 +626,29 @@ def _load_teachers(
     first_serves: bool | None = None
     for entry in entries:
         found = None
+        request = TeacherRequest(
+            spec=entry,
+            student_tokenizer=student_tokenizer,
+            student_rows=student_rows,
+            student_device=device,
+            world_size=dist.world_size,
+            offload=bool(entry.offload),
+            max_tokens_per_batch=config.score_batch_tokens,
+            objective=config.objective,
+            max_batch_size=config.rollout.batch_size,
+        )
         if modes.get(entry.name) == "cross":
             found, crosses[entry.name] = load_cross_teacher(
                 entry,
                 student_tokenizer=student_tokenizer,
                 student_eos_ids=eos_token_ids(student, student_tokenizer),
-                request=TeacherRequest(
-                    spec=entry,
-                    student_tokenizer=student_tokenizer,
-                    student_rows=student_rows,
-                    student_device=device,
-                    world_size=dist.world_size,
-                    offload=bool(entry.offload),
-                    max_tokens_per_batch=config.score_batch_tokens,
-                ),
+                request=request,
                 own_vocab=own_vocab,
             )
         elif entry.path != STUDENT:
             key = model_key(entry)
             if key not in by_model:
-                by_model[key] = load_teacher(
-                    entry,
-                    student_tokenizer=student_tokenizer,
-                    student_rows=student_rows,
-                    student_device=device,
-                    world_size=dist.world_size,
-                    offload=bool(entry.offload),
-                    max_tokens_per_batch=config.score_batch_tokens,
-                    objective=config.objective,
-                    max_batch_size=config.rollout.batch_size,
-                )
+                by_model[key] = build_teacher(request)
             found = by_model[key]
         this_vocab = own_vocab if found is None else found.vocab
         serves = LocalScorer.serves_requested_ids if found is None else found.scorer.serves_requested_ids

@@ -31,16 +31,13 @@ from opd.models import (
     TokenizerMismatchError,
     check_tokenizer_compatibility,
     eos_token_ids,
-    load_model,
     load_tokenizer,
-    resolve_device,
-    resolve_dtype,
 )
 from opd.objectives.cross_vocab import SpanCredit, span_teacher_logprobs
 from opd.teacher.base import start_scoring
 from opd.teacher.client import RemoteScorer, remote_scorer
 from opd.teacher.local import LocalScorer
-from opd.teacher.registry import Teacher, TeacherRequest, teacher_device, view_prompts
+from opd.teacher.registry import Teacher, TeacherRequest, load_teacher_module, view_prompts
 from opd.teacher.wire import tokenizer_fingerprints
 from opd.types import Rollouts, TokenScores
 
@@ -469,38 +466,22 @@ def load_cross_teacher(
     its `CrossVocab`. `Teacher.vocab` is the student's own (`own_vocab`): the student's ids are the ones the run
     samples and trains. A served one (`url`): its `RemoteScorer`, its tokenizer from `tokenizer_path` checked
     against /info (`served_teacher_tokenizer`), its context the server's `max_positions`."""
+    scorer: Any
     if getattr(entry, "url", None) is not None:
-        remote = remote_scorer(entry)
+        scorer, module = remote_scorer(entry), None
         try:
-            tokenizer = served_teacher_tokenizer(entry, remote)
+            tokenizer = served_teacher_tokenizer(entry, scorer)
         except ValueError:
-            remote.close()
+            scorer.close()
             raise
-        served_eos = eos_token_ids(None, tokenizer)
-        positions = remote.info.get("max_positions")
-        cross = build_cross_vocab(
-            student_tokenizer,
-            tokenizer,
-            student_eos_ids=student_eos_ids,
-            teacher_eos_id=served_eos[0] if served_eos else None,
-            teacher_positions=positions if isinstance(positions, int) else None,
-            credit=entry.span_credit,
+        positions = scorer.info.get("max_positions")
+    else:
+        module, tokenizer = load_teacher_module(request)
+        rows = module.get_output_embeddings().weight.shape[0]
+        scorer = LocalScorer(
+            module, max_tokens_per_batch=request.max_tokens_per_batch, vocab_size=min(len(tokenizer), rows)
         )
-        return Teacher(scorer=remote, module=None, vocab=own_vocab), cross
-    device = teacher_device(entry, request.student_device, request.world_size)
-    dtype = resolve_dtype(entry.dtype, resolve_device(device))
-    module, tokenizer = load_model(
-        entry.path,
-        dtype=dtype,
-        device="cpu" if request.offload else device,
-        trust_remote_code=entry.trust_remote_code,
-        attn_implementation=entry.attn_implementation,
-    )
-    rows = module.get_output_embeddings().weight.shape[0]
-    scorer = LocalScorer(
-        module, max_tokens_per_batch=request.max_tokens_per_batch, vocab_size=min(len(tokenizer), rows)
-    )
-    positions = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+        positions = getattr(getattr(module, "config", None), "max_position_embeddings", None)
     teacher_eos = eos_token_ids(module, tokenizer)
     cross = build_cross_vocab(
         student_tokenizer,

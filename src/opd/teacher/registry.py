@@ -203,7 +203,27 @@ def load_teacher(
         objective=objective,
         max_batch_size=max_batch_size,
     )
-    return _SCORERS[resolve_scorer(spec)](request)
+    return build_teacher(request)
+
+
+def build_teacher(request: TeacherRequest) -> Teacher:
+    """`load_teacher` for a caller that already holds its `TeacherRequest`."""
+    return _SCORERS[resolve_scorer(request.spec)](request)
+
+
+def load_teacher_module(request: TeacherRequest) -> tuple[Any, Any]:
+    """(model, tokenizer) of an in-process teacher, placed as `request` says: beside the student unless its spec
+    places it, on the CPU when offloaded."""
+    spec = request.spec
+    device = teacher_device(spec, request.student_device, request.world_size)
+    dtype = resolve_dtype(spec.dtype, resolve_device(device))
+    return load_model(
+        spec.path,
+        dtype=dtype,
+        device="cpu" if request.offload else device,
+        trust_remote_code=spec.trust_remote_code,
+        attn_implementation=spec.attn_implementation,
+    )
 
 
 def check_teacher_tokenizer(spec: ModelSpec, student_tokenizer: Any) -> Any:
@@ -257,16 +277,7 @@ def check_teacher_serves(spec: ModelSpec, objective: Any) -> None:
 
 
 def _local(request: TeacherRequest) -> Teacher:
-    spec = request.spec
-    device = teacher_device(spec, request.student_device, request.world_size)
-    dtype = resolve_dtype(spec.dtype, resolve_device(device))
-    module, tokenizer = load_model(
-        spec.path,
-        dtype=dtype,
-        device="cpu" if request.offload else device,
-        trust_remote_code=spec.trust_remote_code,
-        attn_implementation=spec.attn_implementation,
-    )
+    module, tokenizer = load_teacher_module(request)
     vocab = check_tokenizer_compatibility(
         request.student_tokenizer,
         tokenizer,

@@ -114,6 +114,10 @@ def test_a_cross_teacher_scores_the_text_under_its_own_tokenizer():
     total = metrics["xtok/exact_frac"] + metrics["xtok/span_frac"] + metrics["xtok/unmapped_frac"]
     assert total == pytest.approx(1.0) and metrics["xtok/unmapped_frac"] == 0.0
     assert 0 < metrics["xtok/exact_frac"] < 1
+    # per byte of the answers' text: the teacher's negative log-likelihood of them, its stops included
+    text_bytes = sum(len(text.encode()) for text in TEXTS)
+    assert metrics["xtok/teacher_nll_per_byte"] == pytest.approx(-sum(own) / text_bytes, rel=1e-4)
+    assert metrics["xtok/align_s"] > 0 and 0 <= metrics["xtok/align_wait_s"]
 
 
 def test_auto_mode_is_same_for_one_vocabulary_and_cross_for_another(tmp_path):

@@ -17,6 +17,7 @@ student's vocabulary (strategies with teacher slots are refused).
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,11 +197,14 @@ class _Aligned:
     teacher_span_BN: torch.Tensor
     teacher_mask_BN: torch.Tensor
     one_to_one_BT: torch.Tensor
+    seconds: float = 0.0
+    text_bytes: float = 0.0
 
 
 def _align(cross: CrossVocab, response_ids_BT: torch.Tensor, lengths: list[int], prompt_lengths: list[int]) -> _Aligned:
     """Align every row (its first `lengths[b]` ids) for a teacher whose prompts are `prompt_lengths` long: numpy
     buffers filled row by row, made tensors once."""
+    started = time.perf_counter()
     response = response_ids_BT.numpy()
     rows = [response[b, :n].tolist() for b, n in enumerate(lengths)]
     eos = set(cross.student_eos_ids)
@@ -239,6 +243,7 @@ def _align(cross: CrossVocab, response_ids_BT: torch.Tensor, lengths: list[int],
             hit = (span >= 0) & (s_count == 1)[index] & (t_count == 1)[index]
             one_to_one_BT[b, :n] = np.where(hit, t_pos[index], -1)
     teacher_span = torch.from_numpy(teacher_span_BN)
+    lengths_BT = cross.student.lengths[np.where(student_span_BT >= 0, response, 0)] * (student_span_BT >= 0)
     return _Aligned(
         batch,
         torch.from_numpy(student_span_BT),
@@ -246,6 +251,8 @@ def _align(cross: CrossVocab, response_ids_BT: torch.Tensor, lengths: list[int],
         teacher_span,
         teacher_span >= 0,
         torch.from_numpy(one_to_one_BT),
+        seconds=time.perf_counter() - started,
+        text_bytes=float(lengths_BT.sum()),
     )
 
 
@@ -305,6 +312,11 @@ class CrossCall:
         teacher = self.pending.result()
         student, aligned = self.student, self.aligned
         device = student.sampled_logprobs.device
+        mask_BN = aligned.teacher_mask_BN.to(teacher.sampled_logprobs.device)
+        counts = self.cross.counts
+        nll = -float(torch.where(mask_BN, teacher.sampled_logprobs.float(), 0.0).sum())
+        counts["teacher_nll"] = counts.get("teacher_nll", 0.0) + nll
+        counts["text_bytes"] = counts.get("text_bytes", 0.0) + aligned.text_bytes
         student_span_BT = aligned.student_span_BT.to(device)
         sampled_BT = span_teacher_logprobs(
             student.sampled_logprobs.float(),
@@ -349,7 +361,11 @@ def start_cross_scoring(
     the objective's (0: sampled-token; exact positions are then the one-to-one spans). `alignment`: the rows'
     alignment already started (`start_alignment`), else it runs now."""
     lengths = [len(p) for p in prompt_ids]
+    waited = time.perf_counter()
     aligned = (alignment or start_alignment(cross, rollouts, lengths)).result()
+    counts = cross.counts
+    counts["align_wait_s"] = counts.get("align_wait_s", 0.0) + time.perf_counter() - waited
+    counts["align_s"] = counts.get("align_s", 0.0) + aligned.seconds
     pad_id = cross.teacher_tokenizer.pad_token_id
     batch = _teacher_rollouts(rollouts, aligned, prompt_ids, 0 if pad_id is None else pad_id)
     one_BT = aligned.one_to_one_BT >= 0
@@ -387,7 +403,10 @@ def _count(cross: CrossVocab, aligned: _Aligned, mask_BT: torch.Tensor, exact_BT
 def cross_metrics(crosses: list[CrossVocab]) -> dict[str, float]:
     """`xtok/exact_frac`, `xtok/span_frac`, `xtok/unmapped_frac` (shares of the cross teachers' response tokens:
     scored exactly, by span, with no teacher signal), `xtok/mean_span_len` (student tokens per span) and per row
-    status `xtok/rows_<status>` other than ok, over the calls since the last one; the counts are reset."""
+    status `xtok/rows_<status>` other than ok, over the calls since the last one; the counts are reset. Time:
+    `xtok/align_s` (the alignment's own seconds, in its thread), `xtok/align_wait_s` (what of it the step waited
+    for: its share of the step's path) and `xtok/align_ms_per_1k_tokens`. `xtok/teacher_nll_per_byte`: the
+    teacher's negative log-likelihood of the student's answers (its own tokens and stop) per byte of their text."""
     total: dict[str, float] = {}
     for cross in crosses:
         for key, value in cross.counts.items():
@@ -401,7 +420,12 @@ def cross_metrics(crosses: list[CrossVocab]) -> dict[str, float]:
         "xtok/span_frac": total["span"] / tokens,
         "xtok/unmapped_frac": total["unmapped"] / tokens,
         "xtok/mean_span_len": (total["exact"] + total["span"]) / max(total["spans"], 1.0),
+        "xtok/align_s": total.get("align_s", 0.0),
+        "xtok/align_wait_s": total.get("align_wait_s", 0.0),
+        "xtok/align_ms_per_1k_tokens": 1e6 * total.get("align_s", 0.0) / tokens,
     }
+    if total.get("text_bytes"):
+        out["xtok/teacher_nll_per_byte"] = total.get("teacher_nll", 0.0) / total["text_bytes"]
     for status in ROW_STATUSES[1:]:
         out[f"xtok/rows_{status}"] = total.get(status, 0.0)
     return out

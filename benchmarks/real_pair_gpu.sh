@@ -14,6 +14,15 @@
 #                                                   foreground of one job, A given A_SHARE percent (default 50) of the
 #                                                   SECONDS left then, B the rest, each stopped (SIGTERM) at its share;
 #                                                   further KEY=VALUE overrides go to both
+#   bash benchmarks/real_pair_gpu.sh wave SECONDS   issues 51, 52 and 54 at 1,024 new tokens (the real-pair note's protocol),
+#                                                   in the background, stopped at SECONDS: the students' MATH-500 at step
+#                                                   0 (0.5B and Gemma 3 270M, `join gemma SHA` converts it; the sha256 is
+#                                                   in ../shared/tools/gemma3_270m.sh) while the teacher converts, then
+#                                                   W52A (top-16 only_stu, 40 steps, cold compile cache), W52B
+#                                                   (objective.loss=full_reverse_kl, 40 steps, the cache warm: the second
+#                                                   start) and X51 (Gemma 3 270M <- the 1.5B teacher, tokenizer cross,
+#                                                   plain-text boxed template, WAVE_X51_STEPS steps, default 20), each
+#                                                   with MATH-500 at its end
 #   bash benchmarks/real_pair_gpu.sh status         the logs' tails and the GPU's use
 #   bash benchmarks/real_pair_gpu.sh hold SECONDS   sleep, then status, and pack the logs and each run's metrics,
 #                                                   config and evaluations into $OUT/rp.tgz (one file: what comes
@@ -36,6 +45,7 @@ background() {  # name, command...: run in a new session, log to $RP/name.log
     echo "started $name: $*"
 }
 wait_for_models() { until [ -d "$RP/student-hf" ] && [ -d "$RP/teacher-hf" ]; do sleep 2; done; }
+wait_for() { until [ -d "$RP/$1" ]; do sleep 2; done; }
 run=(-c configs/opd_qwen2.5_coder_0.5b_from_1.5b_4k.yaml student.path="$RP/student-hf" teacher.path="$RP/teacher-hf"
     data.path="${DATA:-$RP/dapo-math-17k.parquet}" "eval.benchmarks=[math500]" run.out_dir="$RP/runs"
     run.eval_at_start=false rollout.batch_size=512)  # A and B differ in rollout.partial alone
@@ -92,15 +102,47 @@ PY
             status=$?
             echo "run $r ended at $(date +%s): exit status $status (124: stopped at its share)"
         done ;;
+    wave)
+        background wave bash "$0" wave-fg "${@:2}" ;;
+    wave-fg)  # wave's job: every step stopped (SIGTERM) at the end time
+        end=$(($(date +%s) + $2))
+        left() { echo $((end - $(date +%s))); }
+        short=(rollout.partial=false rollout.max_new_tokens=1024 eval.max_new_tokens=1024 run.save_every=100)
+        evalk=(--benchmarks math500 --n 1 --temperature 0 --max-new-tokens 1024 --batch-size 512 --template boxed)
+        wait_for student-hf
+        echo "eval0 student from $(date +%s)"
+        timeout -s TERM "$(left)" "${opd[@]}" eval --model "$RP/student-hf" "${evalk[@]}" --out "$RP/eval0-student" \
+            >"$RP/eval0-student.log" 2>&1
+        wait_for gemma-hf
+        echo "eval0 gemma from $(date +%s)"
+        timeout -s TERM "$(left)" "${opd[@]}" eval --model "$RP/gemma-hf" "${evalk[@]}" --out "$RP/eval0-gemma" \
+            >"$RP/eval0-gemma.log" 2>&1
+        wait_for_models
+        for r in W52A W52B X51; do
+            case $r in
+                W52A) extra=(run.name=w52-topk16 run.steps=40 run.eval_every=40) ;;
+                W52B) extra=(run.name=w52-full-rkl objective.loss=full_reverse_kl run.steps=40 run.eval_every=40) ;;
+                X51) steps=${WAVE_X51_STEPS:-20}
+                    extra=(student.path="$RP/gemma-hf" teacher.tokenizer=cross run.name=x51-gemma-cross
+                        run.steps=$steps run.eval_every=$steps) ;;
+            esac
+            echo "run $r from $(date +%s) for $(left) s"
+            timeout -s TERM "$(left)" "${opd[@]}" distill "${run[@]}" "${short[@]}" "${extra[@]}" "${@:3}" \
+                >"$RP/run-$r.log" 2>&1
+            echo "run $r ended at $(date +%s): exit status $? (124: stopped at the end time)"
+        done ;;
     status)
         for f in "$RP"/*.log; do [ -e "$f" ] && { echo "== $f"; tail -c 1200 "$f"; echo; }; done
         nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv 2>/dev/null || true ;;
-    hold)
-        sleep "$2"
+    hold)  # returns early once a started wave has ended (the machine then goes back after its idle release)
+        for ((waited = 0; waited < $2; waited += 5)); do
+            sleep 5
+            [ -f "$RP/wave.cmd" ] && ! pgrep -f "real_pair_gpu.sh wave-fg" >/dev/null && break
+        done
         bash "$0" status | grep -v '\[__recompiles\]' | tail -c 2500
         mkdir -p "$OUT"
         (cd "$RP" && tar czf "$OUT/rp.tgz.tmp" $(ls -d *.log *.cmd runs/*/metrics.jsonl runs/*/config.yaml runs/*/eval \
-            eval0 2>/dev/null) && mv "$OUT/rp.tgz.tmp" "$OUT/rp.tgz")
+            eval0 eval0-* 2>/dev/null) && mv "$OUT/rp.tgz.tmp" "$OUT/rp.tgz")
         true ;;
     *) echo "unknown verb $1 (receive, join, eval, A, B, AB, status, hold)"; exit 2 ;;
 esac

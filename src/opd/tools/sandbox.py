@@ -123,11 +123,14 @@ class ExecResult:
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """Whether a mode holds on this host: `ok`, and the first failed check as one line in `reason`."""
+    """Whether a mode holds on this host: `ok`, and the first failed check as one line in `reason`. `holds`: the
+    isolation layers the probe saw hold, of "namespaces" (private root, no host environment, processes or network),
+    "seccomp" (a socket other than AF_UNIX refused) and "rlimits" (CPU, memory and process limits set)."""
 
     mode: str
     ok: bool
     reason: str = ""
+    holds: tuple[str, ...] = ()
 
 
 # The boot shell runs as the new namespaces' root with all capabilities there. Arguments: the new root's mount point
@@ -582,13 +585,24 @@ try:
 except OSError as e:
     if "refused" in str(e).lower():
         problems.append("the host's loopback network is reachable")
+if MODE == "namespaces":  # the weaker mode may run as host root: it must not try to write outside
+    try:
+        open("/usr/opd-probe", "w")
+        problems.append("/usr is writable")
+    except OSError:
+        pass
+holds = []
 try:
-    open("/usr/opd-probe", "w")
-    problems.append("/usr is writable")
-except OSError:
-    pass
+    socket.socket(socket.AF_INET, socket.SOCK_DGRAM).close()
+except PermissionError:
+    holds.append("seccomp")
+import resource
+if all(resource.getrlimit(r)[0] != resource.RLIM_INFINITY
+       for r in (resource.RLIMIT_CPU, resource.RLIMIT_AS, resource.RLIMIT_NPROC)):
+    holds.append("rlimits")
 open("probe.txt", "w").write("ok")
 print("; ".join(problems) if problems else "isolated")
+print("holds:", *holds)
 """
 
 
@@ -617,15 +631,17 @@ def _probe(mode: str) -> ProbeResult:
         limits = SandboxLimits(cpu_seconds=10, wall_seconds=30)
         try:
             sandbox = Sandbox(mode="namespaces" if mode == "namespaces" else "rlimits-only", limits=limits)
-            result = sandbox.run_python(f"MARKER = {str(marker)!r}\n" + _PROBE_CODE, work)
+            result = sandbox.run_python(f"MARKER = {str(marker)!r}\nMODE = {mode!r}\n" + _PROBE_CODE, work)
         except (OSError, ValueError) as e:
             return ProbeResult(mode, False, f"the sandbox cannot start: {e}")
         if not result.ok or not (work / "probe.txt").exists():
             why = (result.stderr.strip().splitlines() or [result.killed or f"exit code {result.exit_code}"])[-1]
             return ProbeResult(mode, False, f"the sandbox cannot run code here: {why}")
-        if mode == "namespaces" and result.stdout.strip() != "isolated":
-            return ProbeResult(mode, False, f"the sandbox does not isolate here: {result.stdout.strip()}")
-        return ProbeResult(mode, True)
+        lines = result.stdout.strip().splitlines() or [""]
+        holds = tuple(lines[-1].split()[1:]) if lines[-1].startswith("holds:") else ()
+        if mode == "namespaces" and lines[0] != "isolated":
+            return ProbeResult(mode, False, f"the sandbox does not isolate here: {lines[0]}", holds)
+        return ProbeResult(mode, True, holds=(("namespaces",) if mode == "namespaces" else ()) + holds)
 
 
 def reset_probe_cache() -> None:

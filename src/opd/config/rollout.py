@@ -98,6 +98,23 @@ class RolloutConfig(Section):
         "needs the vllm extra).",
     )
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
+    tools: str | None = Field(
+        None,
+        description="Teacher episodes with tools: each sample is an episode with this environment (python, "
+        "calculator or package.module:factory); the final turn is graded and the whole conversation written. "
+        "None: one plain answer per sample.",
+    )
+    sandbox: Literal["namespaces", "rlimits-only"] = Field(
+        "namespaces",
+        description="How the python tool isolates code: namespaces (probed at startup; the tool is refused where it "
+        "does not hold) or rlimits-only (resource limits, no isolation; only when named).",
+    )
+    max_turns: int = Field(
+        4,
+        ge=1,
+        description="Generation turns per episode with tools (the last one answers); max_new_tokens bounds each turn "
+        "and the whole episode.",
+    )
 
     @model_validator(mode="after")
     def _dataset_file_apart(self) -> RolloutConfig:

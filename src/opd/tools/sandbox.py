@@ -96,6 +96,12 @@ class SandboxLimits:
                 raise ValueError(f"sandbox limit {name} must be {legal}, got {getattr(self, name)!r}")
 
 
+class SandboxError(OSError):
+    """The sandbox could not start the code (a namespace, mount, `setpriv`, seccomp or rlimit step failed, or the
+    interpreter is missing): the host's fault, not the code's. A run stops on it with this one line; an observation
+    is never made of it (the model would learn from the host's failure)."""
+
+
 @dataclass(frozen=True)
 class ExecResult:
     """What one call did.
@@ -231,16 +237,18 @@ _RUNNER = r"""
 import os, resource, shutil, stat, sys, ctypes
 cpu, mem, nproc, fsize, nofile = (int(a) for a in sys.argv[1:6]); py = sys.argv[6]; flt = bytes.fromhex(sys.argv[7])
 keep = int(sys.argv[8])  # the episode directory's fd (namespaces mode), or -1
+started = int(sys.argv[10])  # the supervisor's pipe: one byte once the code's limits are in place
 env = {"PATH": "/usr/bin:/bin", "HOME": "/episode", "TMPDIR": "/episode", "LANG": "C.UTF-8",
        "PYTHONDONTWRITEBYTECODE": "1"}
 if sys.argv[9]:
     env["PYTHONPATH"] = sys.argv[9]  # the read-only paths, importable
+low = 3
+for kept_fd in sorted(f for f in (keep, started) if f >= 3):
+    os.closerange(low, kept_fd)
+    low = kept_fd + 1
+os.closerange(low, 1 << 16)
 if keep >= 0:
-    os.closerange(3, keep)
-    os.closerange(keep + 1, 1 << 16)
     ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0: the code may not open /proc/1/fd/<keep>
-else:
-    os.closerange(3, 1 << 16)
 code = sys.stdin.buffer.read()
 fd = os.memfd_create("code")
 os.write(fd, code); os.lseek(fd, 0, 0)
@@ -248,7 +256,8 @@ pid = os.fork()
 if pid == 0:
     try:
         os.dup2(fd, 0)
-        os.closerange(3, 1 << 16)
+        os.closerange(3, started)
+        os.closerange(started + 1, 1 << 16)
         for lim, v in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resource.RLIMIT_NPROC, nproc),
                        (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_CORE, 0)):
             resource.setrlimit(lim, (v, v))
@@ -260,10 +269,12 @@ if pid == 0:
             prog = Prog(len(flt) // 8, ctypes.cast(buf, ctypes.c_void_p))
             if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:
                 os.write(2, b"sandbox: seccomp failed\n"); os._exit(125)
+        os.write(started, b"1"); os.close(started)
         os.execve(py, [py, "-s", "-"], env)
     finally:
         os._exit(127)
 os.close(fd)
+os.close(started)
 while True:
     try:
         _, status = os.waitpid(pid, 0)
@@ -390,16 +401,32 @@ class Sandbox:
         workdir = os.path.realpath(workdir)
         if not os.path.isdir(workdir):
             raise ValueError(f"sandbox workdir must be an existing directory, got {workdir!r}")
-        if self.mode == "namespaces":
-            return self._run_namespaces(data, workdir)
-        return self._run_rlimits_only(data, workdir)
+        started_r, started_w = os.pipe()
+        try:
+            try:
+                if self.mode == "namespaces":
+                    result = self._run_namespaces(data, workdir, started_w)
+                else:
+                    result = self._run_rlimits_only(data, workdir, started_w)
+            except OSError as e:
+                raise SandboxError(f"the {self.mode} sandbox cannot start: {e}") from None
+            os.close(started_w)
+            started_w = -1
+            if not _started(started_r):
+                why = (result.stderr.strip().splitlines() or [result.killed or f"exit code {result.exit_code}"])[-1]
+                raise SandboxError(f"the {self.mode} sandbox could not start the code: {why}")
+            return result
+        finally:
+            os.close(started_r)
+            if started_w >= 0:
+                os.close(started_w)
 
     def _limit_args(self) -> list[str]:
         lim = self.limits
         return [str(v) for v in (lim.cpu_seconds, lim.memory_bytes, lim.max_processes, lim.max_file_bytes,
                                  lim.max_open_files)]  # fmt: skip
 
-    def _run_namespaces(self, data: bytes, workdir: str) -> ExecResult:
+    def _run_namespaces(self, data: bytes, workdir: str, started: int) -> ExecResult:
         prefix = os.path.realpath(sys.base_prefix)
         if _reserved(prefix):
             raise ValueError(f"the sandbox cannot mount the interpreter's prefix {prefix!r} at its own path")
@@ -414,20 +441,30 @@ class Sandbox:
                 _tool("setpriv"), "--no-new-privs", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all",
                 "--securebits=+noroot,+noroot_locked,+no_setuid_fixup,+no_setuid_fixup_locked,+keep_caps_locked",
                 "--", self.python, "-I", "-S", "-c", _RUNNER, *self._limit_args(), self.python, _seccomp_filter().hex(),
-                "{fd:0}", ":".join(extra),
+                "{fd:0}", ":".join(extra), str(started),
             ]  # fmt: skip
             argv = [
                 self.python, "-I", "-S", "-c", _LAUNCHER, str(_NOBODY), _BOOT, "\n".join([workdir, prefix, *extra]),
                 root, "{fd:0}", str(self.limits.max_dir_bytes), prefix, "{fd:1}", str(len(extra)), *pairs, *setpriv,
             ]  # fmt: skip
-            return _supervise(argv, data, self.limits, cwd="/", own_namespace=True)
+            return _supervise(argv, data, self.limits, cwd="/", own_namespace=True, pass_fds=(started,))
         finally:
             with contextlib.suppress(OSError):
                 os.rmdir(root)
 
-    def _run_rlimits_only(self, data: bytes, workdir: str) -> ExecResult:
-        argv = [self.python, "-I", "-S", "-c", _RUNNER, *self._limit_args(), self.python, "", "-1", ""]
-        return _supervise(argv, data, self.limits, cwd=workdir, own_namespace=False)
+    def _run_rlimits_only(self, data: bytes, workdir: str, started: int) -> ExecResult:
+        argv = [self.python, "-I", "-S", "-c", _RUNNER, *self._limit_args(), self.python, "", "-1", "", str(started)]
+        return _supervise(argv, data, self.limits, cwd=workdir, own_namespace=False, pass_fds=(started,))
+
+
+def _started(fd: int) -> bool:
+    """Whether the runner wrote its byte on the pipe `fd` (read without blocking: every writer has ended or kept
+    its end closed by now)."""
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, 1) == b"1"
+    except BlockingIOError:
+        return False
 
 
 _RESERVED = ("/episode", "/proc", "/dev")  # the sandbox's own mount points
@@ -456,7 +493,15 @@ def _give_to(workdir: str, uid: int) -> None:
                 os.lchown(p, uid, uid)
 
 
-def _supervise(argv: list[str], data: bytes, limits: SandboxLimits, *, cwd: str, own_namespace: bool) -> ExecResult:
+def _supervise(
+    argv: list[str],
+    data: bytes,
+    limits: SandboxLimits,
+    *,
+    cwd: str,
+    own_namespace: bool,
+    pass_fds: tuple[int, ...] = (),
+) -> ExecResult:
     """Start `argv` in its own session with `data` on stdin; collect its output up to the limit; kill its session at
     the wall time or when the output overflows. With `own_namespace` the session leads a pid namespace that dies with
     it; without, what is left of the session is killed at the end (a process that left the session survives: the
@@ -470,6 +515,7 @@ def _supervise(argv: list[str], data: bytes, limits: SandboxLimits, *, cwd: str,
         env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "LANG": "C.UTF-8"},
         cwd=cwd,
         start_new_session=True,
+        pass_fds=pass_fds,
     )
     cap = limits.max_output_bytes
     out = {"stdout": bytearray(), "stderr": bytearray()}

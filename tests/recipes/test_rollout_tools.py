@@ -145,3 +145,16 @@ def test_a_bad_environment_is_one_line_before_any_model_loads(tmp_path):
     assert line is not None and "\n" not in line
     assert line.startswith("tools must be one of python, calculator or an import path") and "'abacus'" in line
     assert not (tmp_path / "o").exists()
+
+
+def test_sft_trains_on_the_rows_of_a_tool_rollout_from_the_command_line(tiny_model_dir, tmp_path):
+    out = tool_rollout(tmp_path)
+    make_tool_tokenizer().save_pretrained(tiny_model_dir)
+    args = ["sft", "--model", str(tiny_model_dir), "--data", str(out / "rollouts.jsonl"), "--name", "tools"]
+    args += [f"run.out_dir={tmp_path / 'runs'}", "run.steps=2", "examples_per_step=2", "run.report=false"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    metrics = [json.loads(line) for line in (tmp_path / "runs" / "tools" / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert len(losses) == 2 and all(loss > 0 for loss in losses)
+    assert (tmp_path / "runs" / "tools" / "checkpoints" / "step_2").is_dir()

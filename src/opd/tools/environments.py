@@ -237,18 +237,18 @@ class PythonEpisode:
         if not isinstance(code, str):
             return bad_argument(call, "code", "a string")
         result = self.sandbox.run_python(code, self.workdir)
-        parts = [result.stdout]
-        if result.stderr:
-            parts.append(result.stderr)
-        if result.killed == "wall_time":
-            parts.append(f"[killed: wall time of {self.sandbox.limits.wall_seconds:g} s exceeded]")
-        elif result.killed == "output":
-            parts.append(f"[killed: more than {self.sandbox.limits.max_output_bytes} bytes of output]")
-        elif result.signal is not None:
-            parts.append(f"[killed by {result.signal}]")
-        text = "\n".join(p.rstrip("\n") for p in parts if p)
+        text = "\n".join(p.rstrip("\n") for p in (result.stdout, result.stderr) if p)
         if len(text) > self.max_chars:
             text = text[: self.max_chars] + f"\n[output cut at {self.max_chars} characters]"
+        note = None  # after the cut, so that the model always reads why the call ended
+        if result.killed == "wall_time":
+            note = f"[killed: wall time of {self.sandbox.limits.wall_seconds:g} s exceeded]"
+        elif result.killed == "output":
+            note = f"[killed: more than {self.sandbox.limits.max_output_bytes} bytes of output]"
+        elif result.signal is not None:
+            note = f"[killed by {result.signal}]"
+        if note is not None:
+            text = f"{text}\n{note}" if text else note
         refused = result.exit_code is None or result.signal is not None
         return Observation(text, error=not result.ok, seconds=result.seconds, refused=refused)
 

@@ -17,7 +17,7 @@ from helpers import write_jsonl
 from helpers_tools import ScriptedModel, make_tool_tokenizer
 from opd.cli import app
 from opd.cli_errors import user_error_line
-from opd.config import build_config
+from opd.config import ConfigError, build_config
 from opd.io import read_jsonl
 from opd.recipes.rollout import RolloutConfig, teacher_rollout
 from opd.tools.sandbox import probe
@@ -158,3 +158,11 @@ def test_sft_trains_on_the_rows_of_a_tool_rollout_from_the_command_line(tiny_mod
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert len(losses) == 2 and all(loss > 0 for loss in losses)
     assert (tmp_path / "runs" / "tools" / "checkpoints" / "step_2").is_dir()
+
+
+def test_llamafactory_files_are_refused_with_tools():
+    with pytest.raises(ConfigError, match="llamafactory: the LlamaFactory files opd writes hold user and assistant"):
+        build_config(
+            RolloutConfig,
+            options={"model.path": "m", "data.path": "p", "out": "o", "tools": "calculator", "llamafactory": True},
+        )

@@ -126,6 +126,15 @@ class RolloutConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _llamafactory_without_tools(self) -> RolloutConfig:
+        if self.llamafactory and self.tools is not None:
+            raise ValueError(
+                "llamafactory: the LlamaFactory files opd writes hold user and assistant turns only, not tool calls "
+                "and answers; drop --llamafactory (rollouts.jsonl is what opd sft reads) or --tools"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _devices_match_workers(self) -> RolloutConfig:
         if self.devices is not None and len(self.devices) != self.num_workers:
             raise ValueError(

@@ -21,11 +21,14 @@ included), and gives the same isolation bubblewrap or nsjail build from the same
 - The network namespace has only a loopback that is down; seccomp also refuses every socket family but AF_UNIX,
   new namespaces, mounts, ptrace, keyrings, bpf, perf and io_uring.
 - This process enforces the wall time and the output size (`Sandbox.run_python`), killing the whole namespace.
+- The runner writes one byte on a pipe of this process once the code's rlimits and seccomp filter are in place, just
+  before it runs the code (which never holds the pipe): without it the sandbox could not start the code, and
+  `run_python` raises `SandboxError` (the host's fault, never an answer the model reads).
 
 The weaker mode, `rlimits-only`, is for hosts without user namespaces and only when named: a child with an empty
 environment, the episode directory as its working directory, the rlimits and its own session; no file-system,
-network or process isolation. `probe(mode)` checks that a mode really holds here (each check one line); callers run
-it at startup and refuse to start the `python` tool when it fails.
+network or process isolation. `probe(mode)` checks that a mode really holds here (each check one line; `holds`: the
+layers seen holding); callers run it at startup and refuse to start the `python` tool when it fails.
 
 Left out on purpose: cgroups (memory is bounded per process by `RLIMIT_AS`, processes by `RLIMIT_NPROC`, the
 episode directory by its tmpfs), and Python packages beyond the interpreter's own unless `read_only_paths` names

@@ -254,6 +254,10 @@ def sample_episodes(
         max_turns=config.max_turns,
         template=_template(config),
     )
+    n = params.n
+    started = [episode.row.get("prompt_id") for episode in recorder.episodes]
+    if started != [item.prompt.id for item in items for _ in range(n)]:  # the layout the recorder relies on
+        raise RuntimeError("run_episodes started its episodes in another order than it lays out its output")
     samples = []
     for b, (ids, mask) in enumerate(zip(result.output.response_ids, result.env_masks)):
         answers = iter(recorder.episodes[b].observations)
@@ -268,7 +272,7 @@ def sample_episodes(
             turn = parse_tool_calls(final)
             malformed += len(turn.errors)
             messages.append(assistant_message(turn))
-            if turn.items and not turn.errors:
+            if turn.items:
                 observations = [next(answers, None) for _ in turn.calls]
                 if all(o is not None for o in observations):  # else the episode ended before its answers
                     messages += tool_messages(turn, [o for o in observations if o is not None])
@@ -314,7 +318,7 @@ class _Recorder:
         self.episodes: list[_RecordedEpisode] = []
 
     def start(self, row: Any) -> _RecordedEpisode:
-        episode = _RecordedEpisode(self.environment.start(row))
+        episode = _RecordedEpisode(self.environment.start(row), row)
         self.episodes.append(episode)
         return episode
 
@@ -323,8 +327,8 @@ class _Recorder:
 
 
 class _RecordedEpisode:
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.tools = inner, inner.tools
+    def __init__(self, inner: Any, row: Any) -> None:
+        self.inner, self.row, self.tools = inner, row, inner.tools
         self.observations: list[Any] = []
 
     def answer(self, call: Any) -> Any:

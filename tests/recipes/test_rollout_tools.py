@@ -18,6 +18,7 @@ from helpers_tools import ScriptedModel, make_tool_tokenizer
 from opd.cli import app
 from opd.cli_errors import user_error_line
 from opd.config import ConfigError, build_config
+from opd.data.sft import load_sft_dataset
 from opd.io import read_jsonl
 from opd.recipes.rollout import RolloutConfig, teacher_rollout
 from opd.tools.sandbox import probe
@@ -145,6 +146,14 @@ def test_a_bad_environment_is_one_line_before_any_model_loads(tmp_path):
     assert line is not None and "\n" not in line
     assert line.startswith("tools must be one of python, calculator or an import path") and "'abacus'" in line
     assert not (tmp_path / "o").exists()
+
+
+def test_sft_targets_are_exactly_the_tokens_the_teacher_wrote(tmp_path):
+    out = tool_rollout(tmp_path)
+    rows = read_jsonl(out / "rollouts.jsonl")
+    dataset = load_sft_dataset(make_tool_tokenizer(), [out / "rollouts.jsonl"], max_length=4096)
+    # the template renders each assistant turn as the teacher wrote it: as many targets as the teacher's tokens
+    assert [ex.num_targets for ex in dataset.examples] == [r["num_tokens"] for r in rows]
 
 
 def test_sft_trains_on_the_rows_of_a_tool_rollout_from_the_command_line(tiny_model_dir, tmp_path):

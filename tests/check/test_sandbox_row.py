@@ -3,6 +3,8 @@ names, and no row for a config without tools."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from opd.check.report import CHECKS, GROUPS, CheckReport, resolve_skips
@@ -58,3 +60,6 @@ def test_tool_rows_read_the_config_tool_settings():
     [calc] = tool_rows(EvalConfig(tools="calculator"))
     assert calc.status == "skip" and "calculator" in calc.detail
     assert tool_rows(EvalConfig(tools="python"), {"sandbox"}) == []
+    # a distill config's rollout section is read first (its tool settings are the training's episodes')
+    distill_like = SimpleNamespace(rollout=SimpleNamespace(tools="python", sandbox="rlimits-only"), tools=None)
+    assert tool_settings(distill_like) == ("python", "rlimits-only")

@@ -246,12 +246,17 @@ def rollout_command(
     device: Annotated[str | None, _rollout("model.device")] = None,
     seed: Annotated[int | None, _rollout("seed")] = None,
     engine: Annotated[str | None, _rollout("engine")] = None,
+    tools: Annotated[str | None, _rollout("tools")] = None,
+    sandbox: Annotated[str | None, _rollout("sandbox")] = None,
+    max_turns: Annotated[int | None, _rollout("max_turns")] = None,
 ) -> None:
     """Teacher answers for SFT with rejection sampling: rollouts.jsonl, rejected.jsonl, stats.json
     (+ LlamaFactory files).
 
     Rejects truncated, answer-less and degenerate responses (and, with --require-correct, wrong ones), retrying up
-    to --max-attempts times. Degeneracy thresholds are config keys, e.g. `degeneracy.token_run=128`.
+    to --max-attempts times. Degeneracy thresholds are config keys, e.g. `degeneracy.token_run=128`. With --tools,
+    each sample is an episode with that environment; its final turn is graded and the whole conversation (tool
+    calls and answers) written for `opd sft`.
     """
     from opd.recipes.rollout import teacher_rollout
 

@@ -62,13 +62,14 @@ def test_cli_lab_pair_passes(tmp_path):
     names = {r["name"]: r for r in report["results"]}
     # a local teacher's scores are checked by the rest; the student's engine against its scorer at distill's startup
     # teacher_view: a run with a view's (distill's startup); cross_tokenizer: a teacher of another vocabulary's;
-    # hidden_scores: a teacher answering with hidden states
+    # hidden_scores: a teacher answering with hidden states; sandbox: a config with the python tool's
     assert set(names) == set(C.CHECKS) - {
         "served_scores",
         "generation_scoring",
         "teacher_view",
         "cross_tokenizer",
         "hidden_scores",
+        "sandbox",
     }
     for name in (
         "tokenizer_vocab",

@@ -208,6 +208,7 @@ def test_acceptance_stats(tiny_tokenizer, tmp_path, capsys):
         "repeated_line": 0,
         "token_run": 0,
         "repeated_block": 0,
+        "malformed_call": 0,
         "wrong": 0,
     }
     assert stats["rejection_rate"]["no_answer"] == pytest.approx(6 / 9)

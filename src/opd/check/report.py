@@ -24,7 +24,7 @@ EXIT_FAILED = 1
 EXIT_UNLIKELY = 3
 """No hard check failed, but the forecast says OPD is unlikely to improve the student (follow the recovery)."""
 
-GROUPS: tuple[str, ...] = ("tokenizers", "scoring", "forecast", "resources")
+GROUPS: tuple[str, ...] = ("tokenizers", "scoring", "forecast", "resources", "tools")
 CHECKS: dict[str, str] = {
     "tokenizer_vocab": "tokenizers",
     "special_tokens": "tokenizers",
@@ -48,6 +48,7 @@ CHECKS: dict[str, str] = {
     "forecast": "forecast",
     "memory": "resources",
     "step_time": "resources",
+    "sandbox": "tools",
 }
 """Every row name and its group; `--skip-check` takes a row name, a group name, or `all`."""
 PREFLIGHT_GROUPS: tuple[str, ...] = ("tokenizers", "scoring", "resources")

@@ -98,6 +98,23 @@ class RolloutConfig(Section):
         "needs the vllm extra).",
     )
     vllm: VLLMSpec = Field(default_factory=VLLMSpec, description="Engine options when engine=vllm.")
+    tools: str | None = Field(
+        None,
+        description="Teacher episodes with tools: each sample is an episode with this environment (python, "
+        "calculator or package.module:factory); the final turn is graded and the whole conversation written. "
+        "None: one plain answer per sample.",
+    )
+    sandbox: Literal["namespaces", "rlimits-only"] = Field(
+        "namespaces",
+        description="How the python tool isolates code: namespaces (probed at startup; the tool is refused where it "
+        "does not hold) or rlimits-only (resource limits, no isolation; only when named).",
+    )
+    max_turns: int = Field(
+        4,
+        ge=1,
+        description="Generation turns per episode with tools (the last one answers); max_new_tokens bounds each turn "
+        "and the whole episode.",
+    )
 
     @model_validator(mode="after")
     def _dataset_file_apart(self) -> RolloutConfig:
@@ -105,6 +122,15 @@ class RolloutConfig(Section):
             raise ValueError(
                 "dataset_name: 'dataset_info' would write the dataset over llamafactory/dataset_info.json; "
                 "choose another name"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _llamafactory_without_tools(self) -> RolloutConfig:
+        if self.llamafactory and self.tools is not None:
+            raise ValueError(
+                "llamafactory: the LlamaFactory files opd writes hold user and assistant turns only, not tool calls "
+                "and answers; drop --llamafactory (rollouts.jsonl is what opd sft reads) or --tools"
             )
         return self
 

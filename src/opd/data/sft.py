@@ -7,8 +7,14 @@ time, and the target its content plus the end-of-turn id (SPEC §5); a multi-tur
 its template rewrites history. Batches are `Rollouts`, so the grad pass is `forward_hidden`, as in `opd distill`.
 The layouts and the tokenisation in detail: docs/design.md, "opd.data.sft".
 
-Omitted on purpose: tool calls and multimodal content (content must be a string), per-turn loss weights,
-`{% generation %}` assistant masks of HF templates (rendering the prompt per turn works for every template).
+Tool use (`opd rollout --tools` rows): chat records may hold assistant turns with `tool_calls`, `tool` turns with the
+answers, and a top-level `tools` (the JSON schemas offered). Such a conversation is rendered with
+`apply_chat_template(tools=…)`, as its episodes were; an assistant turn's target is what the template writes for it
+(its text and its calls) up to the end-of-turn; the `tool` turns, like the prompt and the user turns, are context,
+never targets.
+
+Omitted on purpose: multimodal content (content must be a string), per-turn loss weights, `{% generation %}`
+assistant masks of HF templates (rendering the prompt per turn works for every template).
 """
 
 from __future__ import annotations
@@ -37,15 +43,17 @@ _SHAREGPT_ROLES = {
 }
 _LAYOUTS = "`messages` (chat / opd rollout), `conversations` (sharegpt) or `instruction` + `output` (alpaca)"
 _PROBE = "OPD_END_OF_TURN_PROBE"
-_ROLES = ("system", "user", "assistant")  # tool calls are omitted (module docstring)
+_ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
 class Conversation:
-    """messages: `[{role, content}]` with at least one assistant turn; origin: "file: record N" for messages."""
+    """messages: `[{role, content}]` (assistant turns may add `tool_calls`, tool turns `name`) with at least one
+    assistant turn; origin: "file: record N" for messages; tools: the JSON schemas offered (None: no tools)."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     origin: str
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -105,8 +113,17 @@ def read_conversations(path: str | Path, *, format: SFTFormat = "auto", limit: i
         where = f"{origin}: record {i}"
         messages = parse(row, where)
         _check_turns(messages, where)
-        conversations.append(Conversation(messages, where))
+        conversations.append(Conversation(messages, where, _tools(row, where) if layout == "chat" else None))
     return conversations
+
+
+def _tools(row: dict, where: str) -> list[dict[str, Any]] | None:
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(f"{where}: 'tools' must be a list of JSON schemas (objects), got {_short(tools)}")
+    return tools or None
 
 
 def _field(row: dict, key: str, where: str, layout: str) -> Any:
@@ -121,20 +138,37 @@ def _text(value: Any, where: str, what: str) -> str:
     return value
 
 
-def _chat(row: dict, where: str) -> list[dict[str, str]]:
+def _chat(row: dict, where: str) -> list[dict[str, Any]]:
     messages = _field(row, "messages", where, "chat")
     if not isinstance(messages, list):
         raise DataError(f"{where}: 'messages' must be a list of {{role, content}}, got {_short(messages)}")
     out = []
     for j, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if not isinstance(m, dict) or "role" not in m or ("content" not in m and not calls):
             raise DataError(f"{where}: messages[{j}] must be {{role, content}}, got {_short(m)}")
-        out.append(
-            {
-                "role": _text(m["role"], where, f"messages[{j}].role"),
-                "content": _text(m["content"], where, f"messages[{j}].content"),
-            }
-        )
+        message: dict[str, Any] = {
+            "role": _text(m["role"], where, f"messages[{j}].role"),
+            "content": _text(m.get("content") or "", where, f"messages[{j}].content"),
+        }
+        if calls:
+            if message["role"] != "assistant" or not isinstance(calls, list):
+                raise DataError(
+                    f"{where}: messages[{j}].tool_calls must be a list on an assistant turn, got {_short(calls)} "
+                    f"on a {message['role']} turn"
+                )
+            for c, call in enumerate(calls):
+                function = call.get("function", call) if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    raise DataError(
+                        f"{where}: messages[{j}].tool_calls[{c}] must be {{function: {{name, arguments}}}}, got "
+                        f"{_short(call)}"
+                    )
+            message["tool_calls"] = calls
+        for key in ("name", "tool_call_id"):
+            if message["role"] == "tool" and isinstance(m.get(key), str):
+                message[key] = m[key]
+        out.append(message)
     return out
 
 
@@ -168,12 +202,13 @@ def _alpaca(row: dict, where: str) -> list[dict[str, str]]:
     return [*head, {"role": "user", "content": user}, {"role": "assistant", "content": output}]
 
 
-def _check_turns(messages: list[dict[str, str]], where: str) -> None:
+def _check_turns(messages: list[dict[str, Any]], where: str) -> None:
     roles = [m["role"] for m in messages]
     for j, m in enumerate(messages):
         if m["role"] not in _ROLES:
             raise DataError(f"{where}: turn {j} has role {m['role']!r}; expected one of {', '.join(_ROLES)}")
-        if m["role"] != "system" and not m["content"].strip():
+        # a call may come without text, and a tool may answer nothing (a program that prints nothing)
+        if m["role"] not in ("system", "tool") and not m.get("tool_calls") and not m["content"].strip():
             what = "answer" if m["role"] == "assistant" else "prompt"
             raise DataError(f"{where}: turn {j} ({m['role']}) is empty; expected the {what} text")
     if "assistant" not in roles:
@@ -211,28 +246,75 @@ def end_of_turn_id(tokenizer: Any, token: str | None = None) -> int:
     return tokenizer.eos_token_id
 
 
+def _uses_tools(conversation: Conversation) -> bool:
+    return bool(conversation.tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in conversation.messages)
+
+
+def _render_with_tools(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    *,
+    generation: bool,
+    enable_thinking: bool | None,
+    system_prompt: str | None,
+) -> str:
+    """`messages` through the chat template with `tools` offered, as an episode renders them
+    (`opd.tools.calls.prompt_ids`); the system prompt rule of `render_prompt`."""
+    messages = [dict(m) for m in messages]
+    if system_prompt is not None:
+        if messages and messages[0].get("role") == "system":
+            messages = messages[1:]
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    return tokenizer.apply_chat_template(
+        messages, tools=tools or None, tokenize=False, add_generation_prompt=generation, **kwargs
+    )
+
+
 def _segments(
     tokenizer: Any,
-    messages: list[dict[str, str]],
+    conversation: Conversation,
     eot_text: str,
     enable_thinking: bool | None,
     system_prompt: str | None,
 ) -> list[list[tuple[str, Any]]]:
     """Sequences of one conversation as segments: ("prompt", messages[:k]) opens a sequence, then ("target",
-    content), and ("bridge", text) between turns of one sequence (the template's text from one end-of-turn to the
-    next generation prompt)."""
+    text), and ("bridge", text) between turns of one sequence (the template's text from one end-of-turn to the
+    next generation prompt: for tool use, the tool answers). With tools, a target is what the template writes for the
+    assistant turn (its text and calls) before the end-of-turn."""
+    messages, tools = conversation.messages, conversation.tools
+    with_tools = _uses_tools(conversation)
+    if with_tools and not has_chat_template(tokenizer):
+        raise DataError(f"{conversation.origin}: tool calls need a chat template that renders them; this has none")
+    options: dict[str, Any] = {"enable_thinking": enable_thinking, "system_prompt": system_prompt}
     sequences: list[list[tuple[str, Any]]] = []
     rendered = None  # text of the current sequence so far, as the template writes it
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = render_prompt(tokenizer, messages[:k], enable_thinking=enable_thinking, system_prompt=system_prompt)
+        if with_tools:
+            prompt = _render_with_tools(tokenizer, messages[:k], tools, generation=True, **options)
+            full = _render_with_tools(tokenizer, messages[: k + 1], tools, generation=False, **options)
+            body = full[len(prompt) :] if full.startswith(prompt) else None
+            if body is not None and eot_text and eot_text in body:
+                target = body.split(eot_text, 1)[0]
+            elif message.get("tool_calls"):
+                raise DataError(
+                    f"{conversation.origin}: turn {k}: the chat template does not render the assistant's tool calls "
+                    "after its own generation prompt, ended by its end-of-turn token"
+                )
+            else:
+                target = message["content"]
+        else:
+            prompt = render_prompt(tokenizer, messages[:k], **options)
+            target = message["content"]
         if rendered is not None and prompt.startswith(rendered):
             sequences[-1].append(("bridge", prompt[len(rendered) :]))
         else:
             sequences.append([("prompt", messages[:k])])
-        sequences[-1].append(("target", message["content"]))
-        rendered = prompt + message["content"] + eot_text
+        sequences[-1].append(("target", target))
+        rendered = prompt + target + eot_text
     return sequences
 
 
@@ -258,23 +340,38 @@ def tokenize_conversations(
     eot = end_of_turn_id(tokenizer, end_of_turn)
     eot_text = tokenizer.decode([eot])
     plans = [
-        (c.origin, seq)
+        (c.origin, seq, c)
         for c in conversations
-        for seq in _segments(tokenizer, c.messages, eot_text, enable_thinking, system_prompt)
+        for seq in _segments(tokenizer, c, eot_text, enable_thinking, system_prompt)
     ]
-    # Prompts through encode_prompts (same template, BOS rule and ids as rollout and eval); other text batched.
+    # Prompts through encode_prompts (same template, BOS rule and ids as rollout and eval); with tools as an episode
+    # renders them (`opd.tools.calls.prompt_ids`); other text batched.
+    plain = [i for i, (_, _, c) in enumerate(plans) if not _uses_tools(c)]
     first = encode_prompts(
         tokenizer,
-        [Prompt(str(i), seq[0][1]) for i, (_, seq) in enumerate(plans)],
+        [Prompt(str(i), plans[i][1][0][1]) for i in plain],
         max_prompt_length=2**62,
         enable_thinking=enable_thinking,
         system_prompt=system_prompt,
     )
-    texts = [payload for _, seq in plans for kind, payload in seq[1:]]
+    prompt_ids_of: dict[int, list[int]] = dict(zip(plain, first.input_ids))
+    for i, (_, seq, c) in enumerate(plans):
+        if i not in prompt_ids_of:
+            text = _render_with_tools(
+                tokenizer,
+                seq[0][1],
+                c.tools,
+                generation=True,
+                enable_thinking=enable_thinking,
+                system_prompt=system_prompt,
+            )
+            prompt_ids_of[i] = tokenizer(text, add_special_tokens=False)["input_ids"]
+    texts = [payload for _, seq, _ in plans for kind, payload in seq[1:]]
     pieces = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
 
     examples, num_filtered, num_truncated = [], 0, 0
-    for (origin, seq), prompt_ids in zip(plans, first.input_ids):
+    for i, (origin, seq, _) in enumerate(plans):
+        prompt_ids = prompt_ids_of[i]
         if not prompt_ids:
             raise DataError(f"{origin}: the rendered prompt is empty; the model needs a token before its answer")
         ids, mask = list(prompt_ids), [False] * len(prompt_ids)

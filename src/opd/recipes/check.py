@@ -48,6 +48,7 @@ from opd.check.report import (
     skipped_rows,
 )
 from opd.check.resources import check_memory, check_step_time, estimate_memory, loaded_bytes, mini_step
+from opd.check.sandbox import tool_rows
 from opd.check.scoring import (
     ViewProbe,
     check_determinism,
@@ -170,6 +171,7 @@ def _run_checks(
     """run_check's four groups, holding `out_dir`; on `prompts` (default: `data.path`'s); the rest: see run_check."""
     assert config.teacher is not None  # run_check refuses a config without a teacher
     report = CheckReport()
+    report.results += tool_rows(config, skipped)  # the python tool's sandbox (opd.check.sandbox), before any model
     served = remote_scorer(config.teacher) if config.teacher.url is not None else None
     try:
         student_tokenizer, teacher_tokenizer, sample = _tokenizers_and_sample(config, prompts_sample, prompts)
@@ -199,7 +201,7 @@ def _run_checks(
             report.results += [
                 CheckResult(name, "skip", None, "not run: the vocabularies differ")
                 for name in CHECKS
-                if CHECKS[name] != "tokenizers" and name not in skipped
+                if CHECKS[name] not in ("tokenizers", "tools") and name not in skipped
             ]
             return _finish(report, out_dir, console)
         pair = _load_pair(config, student_tokenizer, teacher_tokenizer, sample, served, live_student)

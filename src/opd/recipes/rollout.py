@@ -19,7 +19,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,8 +42,9 @@ from opd.seeds import hashed_seed
 if TYPE_CHECKING:
     from opd.types import Prompt
 
-REASONS = ("truncated", "no_answer", "repeated_line", "token_run", "repeated_block", "wrong")
-"""Every rejection reason, in the order they are checked and reported."""
+REASONS = ("truncated", "no_answer", "repeated_line", "token_run", "repeated_block", "malformed_call", "wrong")
+"""Every rejection reason, in the order they are checked and reported (`malformed_call`: an episode with a tool call
+the parser could not read, which its messages cannot show as written)."""
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -60,17 +61,29 @@ class Check:
 
 
 def check_response(
-    text: str, token_ids: Sequence[int], finish_reason: str, answer: str | list[str] | None, config: RolloutConfig
+    text: str,
+    token_ids: Sequence[int],
+    finish_reason: str,
+    answer: str | list[str] | None,
+    config: RolloutConfig,
+    *,
+    final: str | None = None,
+    malformed_calls: int = 0,
 ) -> Check:
-    """Apply the rejection rules of the module docstring to one decoded response."""
+    """Apply the rejection rules of the module docstring to one decoded response. For an episode: `text` and
+    `token_ids` are the teacher's turns (checked for degeneracy), `final` its final turn (the answer extracted and
+    graded), `malformed_calls` its calls the parser could not read."""
+    final = text if final is None else final
     reasons = ["truncated"] if finish_reason == "length" else []
-    extracted = extract_answer(text)
+    extracted = extract_answer(final)
     if extracted is None:
         reasons.append("no_answer")
     reasons += degeneracy_reasons(text, token_ids, config.degeneracy)
+    if malformed_calls:
+        reasons.append("malformed_call")
     correct = None
     if not reasons and answer is not None:
-        correct = grade(text, answer, timeout=config.grade_timeout).correct
+        correct = grade(final, answer, timeout=config.grade_timeout).correct
         if config.require_correct and not correct:
             reasons.append("wrong")
     return Check(reasons, extracted, correct)
@@ -93,9 +106,12 @@ def call_seed(seed: int, keys: Sequence[tuple[str, int, int]]) -> int:
     return hashed_seed([seed, [list(key) for key in keys]], num_bytes=8)
 
 
-def rollout_batch(batch: Sequence[WorkItem], generator: Any, tokenizer: Any, config: RolloutConfig) -> list[dict]:
+def rollout_batch(
+    batch: Sequence[WorkItem], generator: Any, tokenizer: Any, config: RolloutConfig, environment: Any = None
+) -> list[dict]:
     """n samples for every prompt of `batch` with up to max_attempts draws each; one record per (prompt, sample),
-    accepted (`accepted: True`, the SFT record) or exhausted (`accepted: False`, the last response and all reasons)."""
+    accepted (`accepted: True`, the SFT record) or exhausted (`accepted: False`, the last response and all reasons).
+    With `environment` (config.tools built) each sample is an episode (`sample_episodes`)."""
     from opd.rollout.base import SamplingParams
 
     pending = [(k, s) for k in range(len(batch)) for s in range(config.n)]  # prompt-major, as generate returns
@@ -115,25 +131,43 @@ def rollout_batch(batch: Sequence[WorkItem], generator: Any, tokenizer: Any, con
             max_new_tokens=config.max_new_tokens,
             seed=call_seed(config.seed, [(batch[k].prompt.id, s, attempt) for k, s in pending]),
         )
-        output = generator.generate(prompt_ids, params)
-        texts = decode_responses(tokenizer, output.response_ids)
+        if environment is not None:
+            items = batch if attempt == 1 else [batch[k] for k, _ in pending]
+            samples = sample_episodes(items, generator, tokenizer, config, environment, params)
+        else:
+            output = generator.generate(prompt_ids, params)
+            texts = decode_responses(tokenizer, output.response_ids)
+            samples = [
+                _Sample(text, list(ids), finish, [{"role": "assistant", "content": text}])
+                for text, ids, finish in zip(texts, output.response_ids, output.finish_reasons)
+            ]
         rejected = []
-        for key, text, ids, finish in zip(pending, texts, output.response_ids, output.finish_reasons):
+        for key, sample in zip(pending, samples):
             item = batch[key[0]]
-            check = check_response(text, ids, finish, item.prompt.answer, config)
+            check = check_response(
+                sample.text,
+                sample.ids,
+                sample.finish,
+                item.prompt.answer,
+                config,
+                final=sample.final,
+                malformed_calls=sample.figures.get("malformed_calls", 0),
+            )
             if check.reasons:
                 history[key].append(check.reasons)
-                last[key] = (text, len(ids), finish)
+                last[key] = (sample.episode or sample.text, len(sample.ids), sample.finish)
                 rejected.append(key)
                 continue
             records[key] = {
                 **_head(item, key[1], accepted=True),
-                "messages": [*_chat(item.prompt), {"role": "assistant", "content": text}],
+                "messages": [*_chat(item.prompt), *sample.messages],
+                **({"tools": sample.tools} if environment is not None else {}),
                 "attempts": attempt,
                 "rejections": history[key],
                 "extracted": check.extracted,
                 "correct": check.correct,
-                "num_tokens": len(ids),
+                "num_tokens": len(sample.ids),
+                **{k: v for k, v in sample.figures.items() if k != "malformed_calls"},
             }
         pending = rejected
         if not pending:
@@ -151,6 +185,165 @@ def rollout_batch(batch: Sequence[WorkItem], generator: Any, tokenizer: Any, con
             "finish_reason": finish,
         }
     return [records[key] for key in sorted(records)]
+
+
+@dataclass
+class _Sample:
+    """One attempt: the teacher's text and tokens (every turn of an episode), how it ended, the messages it adds to
+    the prompt's; for an episode also its final turn (graded), the whole episode's text, the tools offered and its
+    figures (turns, tool_calls, tool_errors, sandbox_refusals, malformed_calls)."""
+
+    text: str
+    ids: list[int]
+    finish: str
+    messages: list[dict[str, Any]]
+    final: str | None = None
+    episode: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    figures: dict[str, int] = field(default_factory=dict)
+
+
+def rollout_environment(config: RolloutConfig) -> Any:
+    """`config.tools` built (None without tools); the python tool only where `config.sandbox` holds here (probed).
+    Raises ValueError with one line naming `tools`."""
+    if config.tools is None:
+        return None
+    from opd.tools.environments import load_environment
+    from opd.tools.sandbox import probe
+
+    if config.tools == "python":
+        checked = probe(config.sandbox)
+        if not checked.ok:
+            hint = (
+                "; sandbox=rlimits-only (--sandbox rlimits-only) runs it with resource limits only, no isolation"
+                if config.sandbox == "namespaces"
+                else ""
+            )
+            raise ValueError(f"tools=python: the {config.sandbox} sandbox does not work here: {checked.reason}{hint}")
+        return load_environment("python", {"sandbox": config.sandbox}, key="tools")
+    return load_environment(config.tools, key="tools")
+
+
+def _template(config: RolloutConfig) -> dict[str, Any]:
+    enable = config.data.enable_thinking
+    return {} if enable is None else {"enable_thinking": enable}
+
+
+def _row(item: WorkItem) -> dict[str, Any]:
+    """The row an episode starts from."""
+    return {"prompt_id": item.prompt.id, "source": item.prompt.source, "answer": item.prompt.answer}
+
+
+def sample_episodes(
+    items: Sequence[WorkItem], generator: Any, tokenizer: Any, config: RolloutConfig, environment: Any, params: Any
+) -> list[_Sample]:
+    """`params.n` episodes per item (`run_episodes`), prompt-major, each as the messages it adds to the prompt's:
+    per turn an assistant message (its text, its calls as `tool_calls`) and a `tool` message per call (the
+    environment's answer, as the model read it)."""
+    from opd.rollout.episodes import run_episodes
+    from opd.tools.calls import assistant_message, parse_tool_calls, tool_messages
+
+    recorder = _Recorder(environment)
+    result = run_episodes(
+        generator,
+        tokenizer,
+        [_chat(item.prompt) for item in items],
+        [_row(item) for item in items],
+        recorder,
+        params,
+        max_turns=config.max_turns,
+        template=_template(config),
+    )
+    n = params.n
+    started = [episode.row.get("prompt_id") for episode in recorder.episodes]
+    if started != [item.prompt.id for item in items for _ in range(n)]:  # the layout the recorder relies on
+        raise RuntimeError("run_episodes started its episodes in another order than it lays out its output")
+    samples = []
+    for b, (ids, mask) in enumerate(zip(result.output.response_ids, result.env_masks)):
+        answers = iter(recorder.episodes[b].observations)
+        messages: list[dict[str, Any]] = []
+        texts, student, final, malformed = [], [], "", 0
+        for is_env, segment in _segments(list(ids), mask):
+            if is_env:
+                continue
+            student += segment
+            final = tokenizer.decode(segment, skip_special_tokens=True)
+            texts.append(final)
+            turn = parse_tool_calls(final)
+            malformed += len(turn.errors)
+            messages.append(assistant_message(turn))
+            if turn.items:
+                observations = [next(answers, None) for _ in turn.calls]
+                if all(o is not None for o in observations):  # else the episode ended before its answers
+                    messages += tool_messages(turn, [o for o in observations if o is not None])
+        samples.append(
+            _Sample(
+                text="\n".join(texts),
+                ids=student,
+                finish=result.output.finish_reasons[b],
+                messages=messages,
+                final=final,
+                episode=tokenizer.decode(list(ids), skip_special_tokens=True),
+                tools=recorder.episodes[b].tools,
+                figures={
+                    "turns": result.turns[b],
+                    "tool_calls": result.tool_calls[b],
+                    "tool_errors": result.tool_errors[b],
+                    "sandbox_refusals": result.sandbox_refusals[b],
+                    "malformed_calls": malformed,
+                },
+            )
+        )
+    return samples
+
+
+def _segments(ids: list[int], mask: Sequence[bool]) -> list[tuple[bool, list[int]]]:
+    """`ids` cut into runs of the teacher's (False) and the environment's (True) tokens."""
+    runs: list[tuple[bool, list[int]]] = []
+    for token, is_env in zip(ids, mask):
+        if runs and runs[-1][0] == is_env:
+            runs[-1][1].append(token)
+        else:
+            runs.append((is_env, [token]))
+    return runs
+
+
+class _Recorder:
+    """An environment that keeps, per episode in the order they start (`run_episodes` starts them prompt-major, as
+    it lays out its output), the tools offered and the observations given, so that the conversation can be written
+    as messages with the answers exactly as the model read them."""
+
+    def __init__(self, environment: Any) -> None:
+        self.environment = environment
+        self.episodes: list[_RecordedEpisode] = []
+
+    def start(self, row: Any) -> _RecordedEpisode:
+        episode = _RecordedEpisode(self.environment.start(row), row)
+        self.episodes.append(episode)
+        return episode
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self.environment.describe())
+
+
+class _RecordedEpisode:
+    def __init__(self, inner: Any, row: Any) -> None:
+        self.inner, self.row, self.tools = inner, row, inner.tools
+        self.observations: list[Any] = []
+
+    def answer(self, call: Any) -> Any:
+        from opd.tools.environments import answer_one
+
+        observation = answer_one(self.inner, call)
+        self.observations.append(observation)
+        return observation
+
+    @property
+    def done(self) -> bool:
+        return bool(self.inner.done)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def _head(item: WorkItem, sample: int, *, accepted: bool) -> dict:
@@ -174,11 +367,13 @@ def run_batches(
     config: RolloutConfig,
     log_path: Path,
     say: Callable[[str], None] = print,
+    environment: Any = None,
 ) -> None:
-    """Roll out `batches` in order, appending each finished batch's records to `log_path`."""
+    """Roll out `batches` in order, appending each finished batch's records to `log_path` (a batch that fails, e.g.
+    on a sandbox that stops starting, writes nothing)."""
     for number, batch in enumerate(batches, start=1):
         start = time.perf_counter()
-        records = rollout_batch(batch, generator, tokenizer, config)
+        records = rollout_batch(batch, generator, tokenizer, config, environment)
         append_jsonl(log_path, records)
         accepted = sum(r["accepted"] for r in records)
         say(
@@ -206,11 +401,19 @@ def teacher_rollout(
     if generator is not None and tokenizer is None:
         raise ValueError("a generator passed in needs its tokenizer too (tokenizer=...)")
     out = Path(config.out)
+    environment = rollout_environment(config)  # the sandbox is probed before anything is written or loaded
+    if config.tools == "python" and config.sandbox == "rlimits-only":
+        who = "as root: it can change any file of this host" if os.geteuid() == 0 else "as this user"
+        console.print(f"[yellow]sandbox=rlimits-only: the model's code runs with resource limits only, {who}[/]")
     with locked(out, "rollout"):  # one process per output directory
-        return _rollout_locked(config, out, generator=generator, tokenizer=tokenizer, console=console)
+        return _rollout_locked(
+            config, out, generator=generator, tokenizer=tokenizer, console=console, environment=environment
+        )
 
 
-def _rollout_locked(config: RolloutConfig, out: Path, *, generator: Any, tokenizer: Any, console: Any) -> Path:
+def _rollout_locked(
+    config: RolloutConfig, out: Path, *, generator: Any, tokenizer: Any, console: Any, environment: Any
+) -> Path:
     """The body of `teacher_rollout`, run holding the lock of `out`."""
     from opd.data.prompts import load_prompts
     from opd.data.templates import encode_prompts
@@ -254,6 +457,8 @@ def _rollout_locked(config: RolloutConfig, out: Path, *, generator: Any, tokeniz
     if encoded.num_filtered:
         console.print(f"[yellow]{encoded.num_filtered} prompts longer than {data.max_prompt_length} tokens skipped[/]")
     items = [WorkItem(i, p, ids) for i, (p, ids) in enumerate(zip(encoded.prompts, encoded.input_ids))]
+    if environment is not None:
+        items = _with_tools(items, tokenizer, config, environment, console)
     check_identity(  # the model's files and the encoded prompts, or one output would mix two models' samples
         out / "identity.json",
         {"model_files": model_fingerprint(config.model.path), "prompts_sha256": _prompts_fingerprint(items)},
@@ -277,7 +482,9 @@ def _rollout_locked(config: RolloutConfig, out: Path, *, generator: Any, tokeniz
     if batches and config.num_workers == 1:
         if generator is None:
             generator, tokenizer = _load_teacher(config, config.model.device)
-        run_batches(batches, generator, tokenizer, config, shards / "rank_0.jsonl", say=console.print)
+        run_batches(
+            batches, generator, tokenizer, config, shards / "rank_0.jsonl", say=console.print, environment=environment
+        )
     elif batches:
         _run_workers(config, batches, shards)
     seconds = time.perf_counter() - start
@@ -285,6 +492,42 @@ def _rollout_locked(config: RolloutConfig, out: Path, *, generator: Any, tokeniz
     stats = _merge(items, _read_logs(shards), config, out, num_filtered=encoded.num_filtered, seconds=seconds)
     print_stats(stats, console, title=f"opd rollout — {out}")
     return out
+
+
+def _with_tools(
+    items: list[WorkItem], tokenizer: Any, config: RolloutConfig, environment: Any, console: Any
+) -> list[WorkItem]:
+    """`items` with their prompt ids as their episodes start (the tools offered in the prompt), those over
+    `data.max_prompt_length` dropped with a count; a template that cannot render tool answers is refused."""
+    from opd.tools.calls import observation_ids, prompt_ids
+
+    kept: list[WorkItem] = []
+    for item in items:
+        episode = environment.start(_row(item))
+        try:
+            if not kept:
+                try:
+                    observation_ids(tokenizer, [{"role": "tool", "name": "t", "content": "x"}], episode.tools)
+                except ValueError as e:
+                    raise ValueError(
+                        f"tools={config.tools}: the model's chat template cannot hold tool calls: {e}"
+                    ) from None
+            ids = prompt_ids(tokenizer, _chat(item.prompt), episode.tools, **_template(config))
+        finally:
+            episode.close()
+        if len(ids) <= config.data.max_prompt_length:
+            kept.append(WorkItem(item.index, item.prompt, ids))
+    if len(kept) < len(items):
+        console.print(
+            f"[yellow]{len(items) - len(kept)} prompts longer than {config.data.max_prompt_length} tokens with the "
+            f"tools offered skipped[/]"
+        )
+    if not kept:
+        raise ValueError(
+            f"tools={config.tools}: no prompt fits data.max_prompt_length={config.data.max_prompt_length} with the "
+            "tools offered (the template writes their schemas into the prompt); raise data.max_prompt_length"
+        )
+    return kept
 
 
 def _load_teacher(config: RolloutConfig, device: str) -> tuple[Any, Any]:
@@ -389,6 +632,7 @@ def _worker_main(
         return
     if devices[rank].startswith("cpu") or (devices[rank] == "auto" and not torch.cuda.is_available()):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.num_workers))  # no oversubscription
+    environment = rollout_environment(config)
     generator, tokenizer = _load_teacher(config, devices[rank])
     run_batches(
         assignments[rank],
@@ -397,6 +641,7 @@ def _worker_main(
         config,
         Path(shards) / f"rank_{rank}.jsonl",
         say=lambda line: print(f"[worker {rank} {devices[rank]}] {line}", flush=True),
+        environment=environment,
     )
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from opd.tools.sandbox import SANDBOX_MODES, Sandbox, SandboxLimits, probe
+from opd.tools.sandbox import SANDBOX_MODES, Sandbox, SandboxError, SandboxLimits, probe
 
 
 @dataclass(frozen=True)
@@ -237,18 +237,18 @@ class PythonEpisode:
         if not isinstance(code, str):
             return bad_argument(call, "code", "a string")
         result = self.sandbox.run_python(code, self.workdir)
-        parts = [result.stdout]
-        if result.stderr:
-            parts.append(result.stderr)
-        if result.killed == "wall_time":
-            parts.append(f"[killed: wall time of {self.sandbox.limits.wall_seconds:g} s exceeded]")
-        elif result.killed == "output":
-            parts.append(f"[killed: more than {self.sandbox.limits.max_output_bytes} bytes of output]")
-        elif result.signal is not None:
-            parts.append(f"[killed by {result.signal}]")
-        text = "\n".join(p.rstrip("\n") for p in parts if p)
+        text = "\n".join(p.rstrip("\n") for p in (result.stdout, result.stderr) if p)
         if len(text) > self.max_chars:
             text = text[: self.max_chars] + f"\n[output cut at {self.max_chars} characters]"
+        note = None  # after the cut, so that the model always reads why the call ended
+        if result.killed == "wall_time":
+            note = f"[killed: wall time of {self.sandbox.limits.wall_seconds:g} s exceeded]"
+        elif result.killed == "output":
+            note = f"[killed: more than {self.sandbox.limits.max_output_bytes} bytes of output]"
+        elif result.signal is not None:
+            note = f"[killed by {result.signal}]"
+        if note is not None:
+            text = f"{text}\n{note}" if text else note
         refused = result.exit_code is None or result.signal is not None
         return Observation(text, error=not result.ok, seconds=result.seconds, refused=refused)
 
@@ -355,6 +355,54 @@ class CallStats:
     wall_seconds: float
 
 
+def answer_one(episode: Episode, call: ToolCall) -> Observation:
+    """`episode.answer(call)`, timed. A tool that raises is the model's error observation, never the run's crash; a
+    sandbox that cannot start (`SandboxError`) is the run's: it is raised."""
+    t0 = time.monotonic()
+    try:
+        obs = episode.answer(call)
+    except SandboxError:
+        raise
+    except Exception as e:
+        obs = Observation(f"error: the tool {call.name} failed: {type(e).__name__}: {_line(str(e))}", error=True)
+    if not isinstance(obs, Observation):
+        obs = Observation(f"error: the tool {call.name} answered a {type(obs).__name__}, not an Observation", True)
+    content = clean_text(obs.content)
+    if content is not obs.content:
+        obs = replace(obs, content=content)
+    if not obs.seconds:
+        obs = replace(obs, seconds=time.monotonic() - t0)
+    return obs
+
+
+MAX_OBSERVATION_CHARS = 16384
+"""The most characters of one observation the model sees, whatever the environment answered (the python tool cuts
+its own output at its `max_chars` first)."""
+
+
+def clean_text(content: Any) -> str:
+    """An observation's content as text the tokenizer takes: bytes decoded (invalid UTF-8 replaced), other objects
+    as `str`, lone surrogates replaced, NUL bytes dropped, cut at `MAX_OBSERVATION_CHARS` with a note. Returns the
+    same object when it is already clean."""
+    text = content.decode("utf-8", "replace") if isinstance(content, (bytes, bytearray)) else content
+    if not isinstance(text, str):
+        text = str(text)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "replace").decode("utf-8")
+    if "\x00" in text:
+        text = text.replace("\x00", "")
+    if len(text) > MAX_OBSERVATION_CHARS:
+        text = text[:MAX_OBSERVATION_CHARS] + f"\n[output cut at {MAX_OBSERVATION_CHARS} characters]"
+    return text
+
+
+def _line(text: str, limit: int = 500) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 def answer_calls(
     pending: Sequence[tuple[Episode, Sequence[ToolCall]]],
     *,
@@ -367,17 +415,7 @@ def answer_calls(
     start = time.monotonic()
 
     def run(episode: Episode, calls: Sequence[ToolCall]) -> list[Observation]:
-        answers = []
-        for call in calls:
-            t0 = time.monotonic()
-            try:
-                obs = episode.answer(call)
-            except Exception as e:  # a broken tool is the model's observation, never the run's crash
-                obs = Observation(f"error: the tool {call.name} failed: {type(e).__name__}: {e}", error=True)
-            if not obs.seconds:
-                obs = replace(obs, seconds=time.monotonic() - t0)
-            answers.append(obs)
-        return answers
+        return [answer_one(episode, call) for call in calls]
 
     results: list[list[Observation]] = []
     workers = max_workers or min(32, max(1, len(pending)), (os.cpu_count() or 1) * 4)

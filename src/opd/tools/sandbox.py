@@ -21,11 +21,14 @@ included), and gives the same isolation bubblewrap or nsjail build from the same
 - The network namespace has only a loopback that is down; seccomp also refuses every socket family but AF_UNIX,
   new namespaces, mounts, ptrace, keyrings, bpf, perf and io_uring.
 - This process enforces the wall time and the output size (`Sandbox.run_python`), killing the whole namespace.
+- The runner writes one byte on a pipe of this process once the code's rlimits and seccomp filter are in place, just
+  before it runs the code (which never holds the pipe): without it the sandbox could not start the code, and
+  `run_python` raises `SandboxError` (the host's fault, never an answer the model reads).
 
 The weaker mode, `rlimits-only`, is for hosts without user namespaces and only when named: a child with an empty
 environment, the episode directory as its working directory, the rlimits and its own session; no file-system,
-network or process isolation. `probe(mode)` checks that a mode really holds here (each check one line); callers run
-it at startup and refuse to start the `python` tool when it fails.
+network or process isolation. `probe(mode)` checks that a mode really holds here (each check one line; `holds`: the
+layers seen holding); callers run it at startup and refuse to start the `python` tool when it fails.
 
 Left out on purpose: cgroups (memory is bounded per process by `RLIMIT_AS`, processes by `RLIMIT_NPROC`, the
 episode directory by its tmpfs), and Python packages beyond the interpreter's own unless `read_only_paths` names
@@ -96,6 +99,12 @@ class SandboxLimits:
                 raise ValueError(f"sandbox limit {name} must be {legal}, got {getattr(self, name)!r}")
 
 
+class SandboxError(OSError):
+    """The sandbox could not start the code (a namespace, mount, `setpriv`, seccomp or rlimit step failed, or the
+    interpreter is missing): the host's fault, not the code's. A run stops on it with this one line; an observation
+    is never made of it (the model would learn from the host's failure)."""
+
+
 @dataclass(frozen=True)
 class ExecResult:
     """What one call did.
@@ -123,11 +132,14 @@ class ExecResult:
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """Whether a mode holds on this host: `ok`, and the first failed check as one line in `reason`."""
+    """Whether a mode holds on this host: `ok`, and the first failed check as one line in `reason`. `holds`: the
+    isolation layers the probe saw hold, of "namespaces" (private root, no host environment, processes or network),
+    "seccomp" (a socket other than AF_UNIX refused) and "rlimits" (CPU, memory and process limits set)."""
 
     mode: str
     ok: bool
     reason: str = ""
+    holds: tuple[str, ...] = ()
 
 
 # The boot shell runs as the new namespaces' root with all capabilities there. Arguments: the new root's mount point
@@ -228,16 +240,18 @@ _RUNNER = r"""
 import os, resource, shutil, stat, sys, ctypes
 cpu, mem, nproc, fsize, nofile = (int(a) for a in sys.argv[1:6]); py = sys.argv[6]; flt = bytes.fromhex(sys.argv[7])
 keep = int(sys.argv[8])  # the episode directory's fd (namespaces mode), or -1
+started = int(sys.argv[10])  # the supervisor's pipe: one byte once the code's limits are in place
 env = {"PATH": "/usr/bin:/bin", "HOME": "/episode", "TMPDIR": "/episode", "LANG": "C.UTF-8",
        "PYTHONDONTWRITEBYTECODE": "1"}
 if sys.argv[9]:
     env["PYTHONPATH"] = sys.argv[9]  # the read-only paths, importable
+low = 3
+for kept_fd in sorted(f for f in (keep, started) if f >= 3):
+    os.closerange(low, kept_fd)
+    low = kept_fd + 1
+os.closerange(low, 1 << 16)
 if keep >= 0:
-    os.closerange(3, keep)
-    os.closerange(keep + 1, 1 << 16)
     ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0: the code may not open /proc/1/fd/<keep>
-else:
-    os.closerange(3, 1 << 16)
 code = sys.stdin.buffer.read()
 fd = os.memfd_create("code")
 os.write(fd, code); os.lseek(fd, 0, 0)
@@ -245,7 +259,8 @@ pid = os.fork()
 if pid == 0:
     try:
         os.dup2(fd, 0)
-        os.closerange(3, 1 << 16)
+        os.closerange(3, started)
+        os.closerange(started + 1, 1 << 16)
         for lim, v in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resource.RLIMIT_NPROC, nproc),
                        (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_CORE, 0)):
             resource.setrlimit(lim, (v, v))
@@ -257,10 +272,12 @@ if pid == 0:
             prog = Prog(len(flt) // 8, ctypes.cast(buf, ctypes.c_void_p))
             if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:
                 os.write(2, b"sandbox: seccomp failed\n"); os._exit(125)
+        os.write(started, b"1"); os.close(started)
         os.execve(py, [py, "-s", "-"], env)
     finally:
         os._exit(127)
 os.close(fd)
+os.close(started)
 while True:
     try:
         _, status = os.waitpid(pid, 0)
@@ -387,16 +404,32 @@ class Sandbox:
         workdir = os.path.realpath(workdir)
         if not os.path.isdir(workdir):
             raise ValueError(f"sandbox workdir must be an existing directory, got {workdir!r}")
-        if self.mode == "namespaces":
-            return self._run_namespaces(data, workdir)
-        return self._run_rlimits_only(data, workdir)
+        started_r, started_w = os.pipe()
+        try:
+            try:
+                if self.mode == "namespaces":
+                    result = self._run_namespaces(data, workdir, started_w)
+                else:
+                    result = self._run_rlimits_only(data, workdir, started_w)
+            except OSError as e:
+                raise SandboxError(f"the {self.mode} sandbox cannot start: {e}") from None
+            os.close(started_w)
+            started_w = -1
+            if not _started(started_r):
+                why = (result.stderr.strip().splitlines() or [result.killed or f"exit code {result.exit_code}"])[-1]
+                raise SandboxError(f"the {self.mode} sandbox could not start the code: {why}")
+            return result
+        finally:
+            os.close(started_r)
+            if started_w >= 0:
+                os.close(started_w)
 
     def _limit_args(self) -> list[str]:
         lim = self.limits
         return [str(v) for v in (lim.cpu_seconds, lim.memory_bytes, lim.max_processes, lim.max_file_bytes,
                                  lim.max_open_files)]  # fmt: skip
 
-    def _run_namespaces(self, data: bytes, workdir: str) -> ExecResult:
+    def _run_namespaces(self, data: bytes, workdir: str, started: int) -> ExecResult:
         prefix = os.path.realpath(sys.base_prefix)
         if _reserved(prefix):
             raise ValueError(f"the sandbox cannot mount the interpreter's prefix {prefix!r} at its own path")
@@ -411,20 +444,30 @@ class Sandbox:
                 _tool("setpriv"), "--no-new-privs", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all",
                 "--securebits=+noroot,+noroot_locked,+no_setuid_fixup,+no_setuid_fixup_locked,+keep_caps_locked",
                 "--", self.python, "-I", "-S", "-c", _RUNNER, *self._limit_args(), self.python, _seccomp_filter().hex(),
-                "{fd:0}", ":".join(extra),
+                "{fd:0}", ":".join(extra), str(started),
             ]  # fmt: skip
             argv = [
                 self.python, "-I", "-S", "-c", _LAUNCHER, str(_NOBODY), _BOOT, "\n".join([workdir, prefix, *extra]),
                 root, "{fd:0}", str(self.limits.max_dir_bytes), prefix, "{fd:1}", str(len(extra)), *pairs, *setpriv,
             ]  # fmt: skip
-            return _supervise(argv, data, self.limits, cwd="/", own_namespace=True)
+            return _supervise(argv, data, self.limits, cwd="/", own_namespace=True, pass_fds=(started,))
         finally:
             with contextlib.suppress(OSError):
                 os.rmdir(root)
 
-    def _run_rlimits_only(self, data: bytes, workdir: str) -> ExecResult:
-        argv = [self.python, "-I", "-S", "-c", _RUNNER, *self._limit_args(), self.python, "", "-1", ""]
-        return _supervise(argv, data, self.limits, cwd=workdir, own_namespace=False)
+    def _run_rlimits_only(self, data: bytes, workdir: str, started: int) -> ExecResult:
+        argv = [self.python, "-I", "-S", "-c", _RUNNER, *self._limit_args(), self.python, "", "-1", "", str(started)]
+        return _supervise(argv, data, self.limits, cwd=workdir, own_namespace=False, pass_fds=(started,))
+
+
+def _started(fd: int) -> bool:
+    """Whether the runner wrote its byte on the pipe `fd` (read without blocking: every writer has ended or kept
+    its end closed by now)."""
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, 1) == b"1"
+    except BlockingIOError:
+        return False
 
 
 _RESERVED = ("/episode", "/proc", "/dev")  # the sandbox's own mount points
@@ -453,7 +496,15 @@ def _give_to(workdir: str, uid: int) -> None:
                 os.lchown(p, uid, uid)
 
 
-def _supervise(argv: list[str], data: bytes, limits: SandboxLimits, *, cwd: str, own_namespace: bool) -> ExecResult:
+def _supervise(
+    argv: list[str],
+    data: bytes,
+    limits: SandboxLimits,
+    *,
+    cwd: str,
+    own_namespace: bool,
+    pass_fds: tuple[int, ...] = (),
+) -> ExecResult:
     """Start `argv` in its own session with `data` on stdin; collect its output up to the limit; kill its session at
     the wall time or when the output overflows. With `own_namespace` the session leads a pid namespace that dies with
     it; without, what is left of the session is killed at the end (a process that left the session survives: the
@@ -467,6 +518,7 @@ def _supervise(argv: list[str], data: bytes, limits: SandboxLimits, *, cwd: str,
         env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "LANG": "C.UTF-8"},
         cwd=cwd,
         start_new_session=True,
+        pass_fds=pass_fds,
     )
     cap = limits.max_output_bytes
     out = {"stdout": bytearray(), "stderr": bytearray()}
@@ -582,13 +634,24 @@ try:
 except OSError as e:
     if "refused" in str(e).lower():
         problems.append("the host's loopback network is reachable")
+if MODE == "namespaces":  # the weaker mode may run as host root: it must not try to write outside
+    try:
+        open("/usr/opd-probe", "w")
+        problems.append("/usr is writable")
+    except OSError:
+        pass
+holds = []
 try:
-    open("/usr/opd-probe", "w")
-    problems.append("/usr is writable")
-except OSError:
-    pass
+    socket.socket(socket.AF_INET, socket.SOCK_DGRAM).close()
+except PermissionError:
+    holds.append("seccomp")
+import resource
+if all(resource.getrlimit(r)[0] != resource.RLIM_INFINITY
+       for r in (resource.RLIMIT_CPU, resource.RLIMIT_AS, resource.RLIMIT_NPROC)):
+    holds.append("rlimits")
 open("probe.txt", "w").write("ok")
 print("; ".join(problems) if problems else "isolated")
+print("holds:", *holds)
 """
 
 
@@ -617,15 +680,17 @@ def _probe(mode: str) -> ProbeResult:
         limits = SandboxLimits(cpu_seconds=10, wall_seconds=30)
         try:
             sandbox = Sandbox(mode="namespaces" if mode == "namespaces" else "rlimits-only", limits=limits)
-            result = sandbox.run_python(f"MARKER = {str(marker)!r}\n" + _PROBE_CODE, work)
+            result = sandbox.run_python(f"MARKER = {str(marker)!r}\nMODE = {mode!r}\n" + _PROBE_CODE, work)
         except (OSError, ValueError) as e:
             return ProbeResult(mode, False, f"the sandbox cannot start: {e}")
         if not result.ok or not (work / "probe.txt").exists():
             why = (result.stderr.strip().splitlines() or [result.killed or f"exit code {result.exit_code}"])[-1]
             return ProbeResult(mode, False, f"the sandbox cannot run code here: {why}")
-        if mode == "namespaces" and result.stdout.strip() != "isolated":
-            return ProbeResult(mode, False, f"the sandbox does not isolate here: {result.stdout.strip()}")
-        return ProbeResult(mode, True)
+        lines = result.stdout.strip().splitlines() or [""]
+        holds = tuple(lines[-1].split()[1:]) if lines[-1].startswith("holds:") else ()
+        if mode == "namespaces" and lines[0] != "isolated":
+            return ProbeResult(mode, False, f"the sandbox does not isolate here: {lines[0]}", holds)
+        return ProbeResult(mode, True, holds=(("namespaces",) if mode == "namespaces" else ()) + holds)
 
 
 def reset_probe_cache() -> None:

@@ -22,7 +22,9 @@
 #                                                   (objective.loss=full_reverse_kl, 40 steps, the cache warm: the second
 #                                                   start) and X51 (Gemma 3 270M <- the 1.5B teacher, tokenizer cross,
 #                                                   plain-text boxed template, WAVE_X51_STEPS steps, default 20), each
-#                                                   with MATH-500 at its end
+#                                                   with MATH-500 at its end; WAVE_EVAL0=0 skips the step-0
+#                                                   evaluations, WAVE_EVAL=0 the runs' own, WAVE_W52_STEPS (40) sets
+#                                                   W52A's and W52B's steps (a short budget: steps and memory only)
 #   bash benchmarks/real_pair_gpu.sh status         the logs' tails and the GPU's use
 #   bash benchmarks/real_pair_gpu.sh hold SECONDS   sleep, then status, and pack the logs and each run's metrics,
 #                                                   config and evaluations into $OUT/rp.tgz (one file: what comes
@@ -105,29 +107,34 @@ PY
     wave)
         background wave bash "$0" wave-fg "${@:2}" ;;
     wave-fg)  # wave's job: every step stopped (SIGTERM) at the end time
-        end=$(($(date +%s) + $2))
+        end=$(($(date +%s) + $2)) WAVE_EVAL=${WAVE_EVAL:-1}
         left() { echo $((end - $(date +%s))); }
         short=(rollout.partial=false rollout.max_new_tokens=1024 eval.max_new_tokens=1024 run.save_every=100)
         evalk=(--benchmarks math500 --n 1 --temperature 0 --max-new-tokens 1024 --batch-size 512 --template boxed)
-        wait_for student-hf
-        echo "eval0 student from $(date +%s)"
-        timeout -s TERM "$(left)" "${opd[@]}" eval --model "$RP/student-hf" "${evalk[@]}" --out "$RP/eval0-student" \
-            >"$RP/eval0-student.log" 2>&1
-        wait_for gemma-hf
-        echo "eval0 gemma from $(date +%s)"
-        timeout -s TERM "$(left)" "${opd[@]}" eval --model "$RP/gemma-hf" "${evalk[@]}" --out "$RP/eval0-gemma" \
-            >"$RP/eval0-gemma.log" 2>&1
+        if [ "${WAVE_EVAL0:-1}" = 1 ]; then
+            wait_for student-hf
+            echo "eval0 student from $(date +%s)"
+            timeout -s TERM "$(left)" "${opd[@]}" eval --model "$RP/student-hf" "${evalk[@]}" \
+                --out "$RP/eval0-student" >"$RP/eval0-student.log" 2>&1
+            wait_for gemma-hf
+            echo "eval0 gemma from $(date +%s)"
+            timeout -s TERM "$(left)" "${opd[@]}" eval --model "$RP/gemma-hf" "${evalk[@]}" --out "$RP/eval0-gemma" \
+                >"$RP/eval0-gemma.log" 2>&1
+        fi
         wait_for_models
+        wait_for gemma-hf
+        steps=${WAVE_W52_STEPS:-40} xsteps=${WAVE_X51_STEPS:-20} noeval=()
+        [ "$WAVE_EVAL" = 0 ] && noeval=("eval.benchmarks=[]")
         for r in W52A W52B X51; do
             case $r in
-                W52A) extra=(run.name=w52-topk16 run.steps=40 run.eval_every=40) ;;
-                W52B) extra=(run.name=w52-full-rkl objective.loss=full_reverse_kl run.steps=40 run.eval_every=40) ;;
-                X51) steps=${WAVE_X51_STEPS:-20}
-                    extra=(student.path="$RP/gemma-hf" teacher.tokenizer=cross run.name=x51-gemma-cross
-                        run.steps=$steps run.eval_every=$steps) ;;
+                W52A) extra=(run.name=w52-topk16 run.steps=$steps run.eval_every=$((steps * WAVE_EVAL))) ;;
+                W52B) extra=(run.name=w52-full-rkl objective.loss=full_reverse_kl run.steps=$steps
+                    run.eval_every=$((steps * WAVE_EVAL))) ;;
+                X51) extra=(student.path="$RP/gemma-hf" teacher.tokenizer=cross run.name=x51-gemma-cross
+                    run.steps=$xsteps run.eval_every=$((xsteps * WAVE_EVAL))) ;;
             esac
             echo "run $r from $(date +%s) for $(left) s"
-            timeout -s TERM "$(left)" "${opd[@]}" distill "${run[@]}" "${short[@]}" "${extra[@]}" "${@:3}" \
+            timeout -s TERM "$(left)" "${opd[@]}" distill "${run[@]}" "${short[@]}" "${extra[@]}" "${noeval[@]}" "${@:3}" \
                 >"$RP/run-$r.log" 2>&1
             echo "run $r ended at $(date +%s): exit status $? (124: stopped at the end time)"
         done ;;

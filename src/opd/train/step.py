@@ -91,6 +91,8 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     device = next(tr.models.student.parameters()).device
     if tr.run.gpu_busy is not None:
         tr.run.gpu_busy.mark()
+    if device.type == "cuda" and tr.run.memory_trace is None:  # the step's own peak (`gpu/peak_gib`)
+        torch.cuda.reset_peak_memory_stats(device)
     batch = sample_rollouts(tr, timings, device)
     scores = score_rollouts(tr, batch, timings, device)
     targets = step_targets(tr, batch, scores, device)
@@ -98,7 +100,10 @@ def opd_step(tr: Trainer) -> dict[str, float]:
     if tr.engines.ahead is not None:  # waiting here keeps every step self-contained: nothing runs during eval or a save
         with timed(timings, "rollout_wait"):
             tr.engines.ahead.wait()
-    return step_metrics(tr, batch, scores, targets, result, timings)
+    metrics = step_metrics(tr, batch, scores, targets, result, timings)
+    if device.type == "cuda" and tr.run.memory_trace is None:
+        metrics["gpu/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return metrics
 
 
 # ------------------------------------------------------------------------------------------------ the phases

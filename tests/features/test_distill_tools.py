@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from rich.console import Console
 from transformers import AutoModelForCausalLM
 
 from helpers import assert_same_weights, cli, dump, make_tiny_model, one_line, without_timing
@@ -31,7 +32,7 @@ from opd.io import read_jsonl
 from opd.recipes.distill import distill, setup
 from opd.tools.calls import prompt_ids as tool_prompt_ids
 from opd.tools.environments import load_environment
-from opd.tools.sandbox import ProbeResult
+from opd.tools.sandbox import ProbeResult, probe
 from opd.train.step import sample_rollouts, score_rollouts, step_metrics, step_targets, update_student
 
 QUESTIONS = [(3, 7), (4, 7), (5, 6), (6, 6)]
@@ -79,7 +80,7 @@ def tool_world(tmp_path_factory):
     _save(make_tiny_model("qwen3", seed=0), root / "student")
     _save(make_tiny_model("qwen3", seed=1), root / "teacher")
     _train_tool_user(root / "tool_user")
-    rows = [{"prompt": f"What is {a} * {b}?", "answer": str(a * b)} for a, b in QUESTIONS]
+    rows = [{"prompt": f"What is {a} * {b}?", "answer": str(a * b), "kind": "ab"[a % 2]} for a, b in QUESTIONS]
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
 
@@ -199,6 +200,69 @@ def test_a_malformed_call_is_an_error_observation_and_the_step_completes(tool_wo
     batch, metrics = _scripted_step(_config(tool_world, tmp_path), malformed_then_answers)
     assert metrics["episode/tool_errors"] == 4 and metrics["episode/turns_mean"] == 2
     assert batch.episodes is not None and all(m.count(True) for m in batch.episodes.env_masks)
+
+
+def test_the_python_tool_runs_the_students_code_in_the_sandbox(tool_world, tmp_path, capsys):
+    if not probe("namespaces").ok:
+        pytest.skip(f"no namespaces sandbox here: {probe('namespaces').reason}")
+
+    def computes(context: str) -> str:
+        results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context)
+        if results:
+            return f"\\boxed{{{results[-1]}}}"
+        a, b = re.findall(r"What is (\d+) \* (\d+)\?", context)[-1]
+        return f'<tool_call>\n{{"name": "python", "arguments": {{"code": "print({a} * {b})"}}}}\n</tool_call>'
+
+    config = _config(tool_world, tmp_path, "rollout.tools=python", "objective.advantage=grpo", teacher=False)
+    batch, metrics = _scripted_step(config, computes)
+    assert metrics["rollout_accuracy"] == 1.0 and metrics["episode/tool_errors"] == 0
+    assert metrics["episode/sandbox_refusals"] == 0 and metrics["episode/tool_seconds"] > 0
+    assert batch.episodes is not None and batch.episodes.describe["sandbox"] == "namespaces"
+
+
+def test_the_weak_sandbox_runs_only_when_named_and_is_said_and_recorded(tool_world, tmp_path):
+    if not probe("rlimits-only").ok:
+        pytest.skip(f"the python tool cannot run here: {probe('rlimits-only').reason}")
+    config = _config(tool_world, tmp_path, "rollout.tools=python", "rollout.sandbox=rlimits-only")
+    console = Console(record=True, width=200)
+    setup(config, tmp_path / "run", console=console)
+    assert "rollout.sandbox=rlimits-only: the model's code runs with resource limits only" in console.export_text()
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["rollout"]
+    assert saved["tools"] == "python" and saved["sandbox"] == "rlimits-only"
+
+
+def test_two_teachers_score_their_prompts_episodes(tool_world, tmp_path):
+    config = _config(tool_world, tmp_path, "rollout.tools=null").model_dump(mode="json")
+    config["teacher"], config["rollout"]["tools"] = None, "calculator"
+    config["teachers"] = [
+        {"name": "odd", "path": str(tool_world / "teacher"), "route": {"route_key": "kind", "values": ["b"]}},
+        {"name": "even", "path": str(tool_world / "student"), "route": {"default": True}},
+    ]
+    config["objective"]["top_k"] = 0
+    batch, metrics = _scripted_step(DistillConfig.model_validate(config), _calculator_then_answer)
+    assert metrics["episode/turns_mean"] == 2 and batch.episodes is not None
+    for name in ("odd", "even"):  # each teacher's rows: its own metrics
+        assert any(key.startswith(f"teacher/{name}/") for key in metrics), sorted(metrics)
+
+
+def test_the_in_training_eval_runs_with_the_tools(tool_world, tmp_path):
+    config = _config(
+        tool_world,
+        tmp_path,
+        f"eval.benchmarks={tool_world / 'prompts.jsonl'}",
+        "eval.prompt_key=prompt",
+        "eval.answer_key=answer",
+        "eval.n=1",
+        "eval.limit=2",
+        "eval.max_new_tokens=200",
+        "run.eval_at_start=false",
+        student="tool_user",
+        steps=1,
+    )
+    run_dir = distill(config)
+    results = json.loads((run_dir / "eval" / "step_1" / "results.json").read_text())
+    assert results["tools"] == {"name": "calculator"}
+    assert results["benchmarks"]["prompts"]["tools"]["tool_calls_mean"] > 0
 
 
 # ----------------------------------------------------------------------------------------- the command line

@@ -244,6 +244,9 @@ def run_eval(tr: Trainer, console: Any) -> dict | None:
         console=console,
         model=tr.models.student,  # the weights evaluated identify the eval, not cfg.student.path
         teachers=cfg.teacher_entries(),  # several: per-teacher results on the benchmarks their routes place
+        tools=cfg.rollout.tools,  # a run that trains with tools is evaluated with them
+        sandbox=cfg.rollout.sandbox,
+        max_turns=cfg.rollout.max_turns,
     )
 
 

@@ -213,6 +213,43 @@ class DistillConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _episodes_fit(self) -> DistillConfig:
+        """rollout.tools: what episodes support (opd.train.episodes), refused in one line otherwise."""
+        r = self.rollout
+        if r.tools is None:  # its other fields are read by episodes only (a saved config.yaml holds them all)
+            return self
+        for on, what in (
+            (r.partial, "rollout.partial (episodes are generated whole within their step)"),
+            (r.overlap, "rollout.overlap (episodes are generated in their own step)"),
+            (r.engine == "vllm", "rollout.engine=vllm (episodes run on the torch and static engines)"),
+        ):
+            if on:
+                raise ValueError(f"rollout.tools={r.tools} does not run with {what}: remove one of them")
+        if r.max_episode_tokens is not None and r.max_episode_tokens > r.max_new_tokens:
+            raise ValueError(
+                f"rollout.max_episode_tokens={r.max_episode_tokens} exceeds rollout.max_new_tokens={r.max_new_tokens}, "
+                f"the longest response the engines and the trainer are sized for: raise max_new_tokens"
+            )
+        episode = r.max_new_tokens if r.max_episode_tokens is None else r.max_episode_tokens
+        if r.max_turn_tokens is not None and r.max_turn_tokens > episode:
+            raise ValueError(
+                f"rollout.max_turn_tokens={r.max_turn_tokens} exceeds the episode's budget of {episode} tokens "
+                f"(rollout.max_episode_tokens, else max_new_tokens): lower it"
+            )
+        for entry in self.teacher_entries():
+            if entry.view is not None:
+                raise ValueError(
+                    f"rollout.tools: teacher {entry.name} has a view, which re-renders the prompt without the "
+                    f"episode's tools; views do not run with episodes yet: remove its view or rollout.tools"
+                )
+            if entry.tokenizer == "cross":
+                raise ValueError(
+                    f"rollout.tools: teacher {entry.name} has tokenizer=cross; a cross-vocabulary teacher does not "
+                    f"score episodes yet: give a teacher of the student's vocabulary"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _self_teacher_teaches(self) -> DistillConfig:
         """A self-teacher without a view scores the student's tokens as the student does: `path: student` is the
         student itself (every token reward exactly 0, at every step); `path: student_init` equals it until

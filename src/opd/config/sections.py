@@ -123,6 +123,15 @@ TeacherTemperature = Annotated[float, AfterValidator(_teacher_temperature)]
 MAX_STALENESS = 16
 
 
+_TOOL_NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _tool_name(value: str | None) -> str | None:
+    if value is None or value in ("python", "calculator") or _TOOL_NAME.match(value):
+        return value
+    raise ValueError(f"must be python, calculator or an import path 'package.module:factory', got {value!r}")
+
+
 def _staleness(value: int) -> int:
     if value > MAX_STALENESS:
         raise ValueError(
@@ -543,6 +552,38 @@ class SamplingSpec(Section):
         "finished and every sample at its last step of staleness finished) instead of at the end of its segment; "
         "the samples still decoding keep their tokens and continue in a later call (counted in partial/cut_total). "
         "The static and torch engines; vLLM runs each call to its end.",
+    )
+    tools: Annotated[str | None, AfterValidator(_tool_name)] = Field(
+        None,
+        description="Episodes with tools: each rollout is a conversation with this environment (python, calculator "
+        "or package.module:factory), the teacher scores the student's tokens in the whole episode and the "
+        "environment's tokens are left out of the loss. None: one answer per rollout.",
+    )
+    sandbox: Literal["namespaces", "rlimits-only"] = Field(
+        "namespaces",
+        description="How the python tool isolates code: namespaces (probed at startup; the run is refused where it "
+        "does not hold) or rlimits-only (resource limits, no isolation; only when named, and said at startup).",
+    )
+    max_turns: int = Field(4, ge=1, description="rollout.tools: generation turns per episode (the last one answers).")
+    max_episode_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="rollout.tools: the most tokens after the prompt per episode, the student's and the "
+        "environment's; at most max_new_tokens (the length engines and trainer are sized for). None: max_new_tokens.",
+    )
+    max_turn_tokens: int | None = Field(
+        None, ge=1, description="rollout.tools: the most tokens per student turn; None: max_episode_tokens."
+    )
+    tool_workers: int | None = Field(
+        None,
+        ge=1,
+        description="rollout.tools: threads answering the episodes' tool calls; None: one per episode, at most 32.",
+    )
+    tool_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="rollout.tools: a turn's tool calls not answered within this many seconds become error "
+        "observations; None: the environment's own limits only (the python tool's sandbox wall time).",
     )
 
 

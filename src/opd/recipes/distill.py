@@ -71,6 +71,7 @@ from opd.teacher.routing import (  # noqa: F401  (routing's old home: importable
     teacher_views,
     write_routing_table,
 )
+from opd.tools.environments import Environment
 from opd.train.checkpoint import load_trainer_state, save_checkpoint
 from opd.train.common import (
     autocast,
@@ -105,6 +106,7 @@ from opd.train.distributed import (
     load_full_optimizer_state_dict,
     shard_model,
 )
+from opd.train.episodes import encode_with_tools, rollout_environment
 from opd.train.optim import adamw_state_bytes, build_optimizer, build_scheduler
 from opd.train.overlap import overlap_generator, rollout_ahead
 from opd.train.sampler import PromptSampler
@@ -242,6 +244,9 @@ def run_eval(tr: Trainer, console: Any) -> dict | None:
         console=console,
         model=tr.models.student,  # the weights evaluated identify the eval, not cfg.student.path
         teachers=cfg.teacher_entries(),  # several: per-teacher results on the benchmarks their routes place
+        tools=cfg.rollout.tools,  # a run that trains with tools is evaluated with them
+        sandbox=cfg.rollout.sandbox,
+        max_turns=cfg.rollout.max_turns,
     )
 
 
@@ -296,7 +301,8 @@ def setup(
     modes = tokenizer_modes(config.teacher_entries(), student_tokenizer, console)  # same or cross, per teacher
     _check_teacher_and_engine(config, student_tokenizer, console, modes)
     _check_vllm_rope(config)
-    data = _load_data(config, student_tokenizer, console)
+    environment = _tool_environment(config, student_tokenizer, console, modes)  # the python tool's sandbox probed
+    data = _load_data(config, student_tokenizer, console, environment)
     prompt_teacher = route_teachers(config, data, console)  # before any model loads: an unrouted prompt fails now
     if prompt_teacher:
         check_routing_table_path(run_dir)  # and a teachers.json it could not write, before config.yaml is
@@ -336,7 +342,9 @@ def setup(
             compiled_layers=compiled,
         ),
         data=TrainData(prompts=data.prompts, prompt_ids=data.input_ids, sampler=sampler, prompt_teacher=prompt_teacher),
-        engines=TrainEngines(generator, rollout_model, rollout_generator, ahead=ahead, stream=stream),
+        engines=TrainEngines(
+            generator, rollout_model, rollout_generator, ahead=ahead, stream=stream, environment=environment
+        ),
         optimization=TrainOptimization(optimizer, scheduler),
         run=RunState(
             run_dir,
@@ -489,9 +497,34 @@ def _check_teacher_and_engine(
         )
 
 
-def _load_data(config: DistillConfig, student_tokenizer: Any, console: Any) -> EncodedPrompts:
-    """The prompt set, rendered and encoded with the student's tokenizer, and the checks that need it; the eval
-    sets are read now too, so that a bad one fails before training rather than after."""
+def _tool_environment(
+    config: DistillConfig, student_tokenizer: Any, console: Any, modes: dict[str, str]
+) -> Environment | None:
+    """rollout.tools: the environment, built before any model loads (`opd.train.episodes.rollout_environment`: the
+    python tool's sandbox probed, the chat template checked), and a teacher whose vocabulary resolved to another than
+    the student's refused (its episodes would be re-tokenized: not supported yet)."""
+    if config.rollout.tools is None:
+        return None
+    cross = [name for name, mode in modes.items() if mode == "cross"]
+    if cross:
+        raise ValueError(
+            f"rollout.tools: teacher {cross[0]} has another vocabulary than the student's (tokenizer auto resolved "
+            f"to cross); a cross-vocabulary teacher does not score episodes yet: give a teacher of the student's "
+            f"vocabulary"
+        )
+    environment = rollout_environment(config, student_tokenizer, console)
+    if console is not None and environment is not None:
+        described = environment.describe()
+        console.print(f"rollout.tools: episodes of up to {config.rollout.max_turns} turns with {described}")
+    return environment
+
+
+def _load_data(
+    config: DistillConfig, student_tokenizer: Any, console: Any, environment: Environment | None = None
+) -> EncodedPrompts:
+    """The prompt set, rendered and encoded with the student's tokenizer (with rollout.tools, with the tools each
+    prompt's episode offers), and the checks that need it; the eval sets are read now too, so that a bad one fails
+    before training rather than after."""
     data, advantage = config.data, config.objective.advantage
     prompts = load_prompts(
         data.path,
@@ -510,10 +543,13 @@ def _load_data(config: DistillConfig, student_tokenizer: Any, console: Any) -> E
         enable_thinking=data.enable_thinking,
         template=data.template,
     )
+    if environment is not None:
+        encoded = encode_with_tools(config, student_tokenizer, environment, encoded)
     if console is not None and encoded.num_filtered:
+        tools = "" if environment is None else f" (with the tools of rollout.tools={config.rollout.tools})"
         console.print(
             f"[yellow]{encoded.num_filtered} prompts longer than data.max_prompt_length="
-            f"{data.max_prompt_length} filtered[/]"
+            f"{data.max_prompt_length}{tools} filtered[/]"
         )
     if not encoded.prompts:
         raise ValueError(

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -197,10 +197,14 @@ def evaluate_in_training(
     console: Any,
     model: Any = None,
     teachers: Sequence[Any] = (),
+    tools: str | None = None,
+    sandbox: Literal["namespaces", "rlimits-only"] = "namespaces",
+    max_turns: int = 4,
 ) -> dict | None:
     """Run `opd eval` on the model in memory into `run_dir/eval/step_N/` and log `eval/<bench>/<metric>` at `step`.
     `model`: the module whose weights `generator` samples with; its `weights_fingerprint` identifies the eval (not
     `model_path`, the weights training started from). None when `spec.benchmarks` is empty.
+    `tools`, `sandbox`, `max_turns`: a tool-integrated eval (`opd eval --tools`), as a run with rollout.tools trains.
     `teachers`: with several, the run's teacher entries: each benchmark whose every problem their routes place
     (`route_prompts`) also logs `eval/teacher/<name>/<bench>/<metric>` over the problems routed to each teacher."""
     if not spec.benchmarks:
@@ -223,6 +227,9 @@ def evaluate_in_training(
         batch_size=batch_size,
         seed=seed,
         out=str(out),
+        tools=tools,
+        sandbox=sandbox,
+        max_turns=max_turns,
     )
     weights = None if model is None else weights_fingerprint(model)
     results = evaluate_model(

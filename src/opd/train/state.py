@@ -14,9 +14,11 @@ from opd.config import DistillConfig
 from opd.report.gpu_busy import GpuBusy
 from opd.report.sinks import MetricsSink
 from opd.rollout.base import Generator
+from opd.rollout.episodes import EpisodeOutput
 from opd.teacher.base import TeacherScorer
 from opd.teacher.local import LocalScorer
 from opd.teacher.registry import RoutedTeacher
+from opd.tools.environments import Environment
 from opd.train.distributed import SINGLE, DistInfo
 from opd.train.overlap import AheadGenerator, AheadStream, PendingRollouts
 from opd.train.sampler import PromptSampler
@@ -92,6 +94,7 @@ class TrainEngines:
     rollout_generator: Generator | None = None
     ahead: AheadGenerator | AheadStream | None = None
     stream: RolloutStream | None = None
+    environment: Environment | None = None  # rollout.tools: every rollout is an episode with it (opd.train.episodes)
 
 
 @dataclass
@@ -178,6 +181,7 @@ class Batch:
     versions_BT: torch.Tensor | None = None  # rollout.partial: per token, the step whose weights sampled it
     stream_metrics: dict = field(default_factory=dict)  # rollout.partial: partial/calls, partial/dropped, ...
     engine_counts: EngineCounts | None = None  # the static engine's decode work in this step's foreground calls
+    episodes: EpisodeOutput | None = None  # rollout.tools: the episodes the rows are (final turns, tool figures)
 
 
 @dataclass

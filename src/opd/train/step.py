@@ -43,6 +43,7 @@ from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
 from opd.train.common import autocast, timed
 from opd.train.compiles import CompileLog, compiled_graphs, describe_compiles
 from opd.train.distributed import all_reduce_sum, gathered, gathered_bytes, max_over_ranks, reduce_metrics
+from opd.train.episodes import EPISODE_SUMMED, CountedGenerator, final_turns, generate_episodes
 from opd.train.optim import adamw_state_bytes, clip_and_step
 from opd.train.overlap import AheadStream
 from opd.train.state import Batch, EngineCounts, Scores, Trainer, Update
@@ -119,18 +120,32 @@ def sample_rollouts(tr: Trainer, timings: dict, device: torch.device) -> Batch:
         return _stream_rollouts(tr, tr.engines.stream, timings, device)
     assert not isinstance(tr.engines.ahead, AheadStream)  # built only with a stream
     pending = None if tr.engines.ahead is None else tr.engines.ahead.take()
+    episodes = None
     if pending is None:
         indices = tr.data.sampler.next_batch()[rank::world]
         prompt_ids = [tr.data.prompt_ids[i] for i in indices]
+        counts = EngineCounts()
+        params = _sampling_params(tr.config, tr.run.step, rank)
         with (
             timed(timings, "rollout"),
             gathered(tr.models.student, tr.run.dist),
             autocast(device, tr.models.autocast_dtype),
         ):
-            output = tr.engines.generator.generate(prompt_ids, _sampling_params(tr.config, tr.run.step, rank))
-            rollouts = build_rollouts(prompt_ids, output, pad_id=tr.models.tokenizer.pad_token_id, device=device)
-        counts = EngineCounts()
-        counts.add(tr.engines.generator)
+            if tr.engines.environment is None:
+                output = tr.engines.generator.generate(prompt_ids, params)
+                rollouts = build_rollouts(prompt_ids, output, pad_id=tr.models.tokenizer.pad_token_id, device=device)
+                counts.add(tr.engines.generator)
+            else:  # rollout.tools: an engine call per turn, the tools answered in between
+                rollouts, episodes = generate_episodes(
+                    tr.config,
+                    CountedGenerator(tr.engines.generator, counts.add),
+                    tr.models.tokenizer,
+                    tr.engines.environment,
+                    [tr.data.prompts[i] for i in indices],
+                    prompt_ids,
+                    params,
+                    device,
+                )
         tr.engines.generator.release()  # the scoring and update phases get the engine's caches back
     else:
         counts = None  # generated in the background during the previous step
@@ -149,7 +164,7 @@ def sample_rollouts(tr: Trainer, timings: dict, device: torch.device) -> Batch:
             device=device,
             autocast_dtype=tr.models.autocast_dtype,
         )
-    return Batch(indices, rollouts, policy_lag=0 if pending is None else 1, engine_counts=counts)
+    return Batch(indices, rollouts, policy_lag=0 if pending is None else 1, engine_counts=counts, episodes=episodes)
 
 
 def _stream_rollouts(tr: Trainer, stream: RolloutStream, timings: dict, device: torch.device) -> Batch:
@@ -264,7 +279,7 @@ def score_rollouts(tr: Trainer, batch: Batch, timings: dict, device: torch.devic
     elif tr.models.teachers:  # no time/teacher without a teacher (GRPO)
         with timed(timings, "teacher"):
             teacher_call = start_teachers(tr, batch, student, diag_k, device)
-    texts, correct = _grade_rollouts(tr, rollouts, batch.indices)
+    texts, correct = _grade_rollouts(tr, batch)
     if teacher_call is not None:
         with timed(timings, "teacher"):
             teacher = teacher_call()
@@ -583,6 +598,8 @@ def step_metrics(
     out["policy_lag"] = batch.policy_lag  # optimizer steps between the sampling and the current policy
     if batch.engine_counts is not None:
         out.update(batch.engine_counts.metrics())
+    if batch.episodes is not None:  # turns, tool calls and errors, tool seconds, student / environment tokens
+        out.update(batch.episodes.metrics())
     if targets.tis_weights is not None:
         out.update(
             is_weight_stats(
@@ -632,8 +649,8 @@ def step_metrics(
     if busy is not None:  # NVML's samples over the step: the share of its wall time a kernel ran on the device
         out["gpu/busy_frac"] = busy
     if tr.run.dist.is_main:
-        _write_samples(tr, rollouts, scores.texts, scores.correct, targets.rewards)  # rank 0's rollouts only
-    summed = tuple(k for k in out if _is_summed_loss(k)) + ("tokens_per_second",)
+        _write_samples(tr, batch, scores.texts, scores.correct, targets.rewards)  # rank 0's rollouts only
+    summed = tuple(k for k in out if _is_summed_loss(k) or k in EPISODE_SUMMED) + ("tokens_per_second",)
     return reduce_metrics(out, tr.run.dist, summed=summed)
 
 
@@ -692,35 +709,53 @@ def _is_summed_loss(key: str) -> bool:
     return key.endswith("_loss") or key in ("loss", "kl_reference", "entropy_bonus")
 
 
-def _grade_rollouts(tr: Trainer, rollouts: Rollouts, indices: list[int]) -> tuple[list[str], list[bool] | None]:
-    """Decode every rollout; grade it when the prompts carry answers (rule-based accuracy, GRPO rewards)."""
-    answers = [tr.data.prompts[indices[g]].answer for g in rollouts.group_ids.tolist()]
-    texts, grades = grade_responses(
-        tr.models.tokenizer, rollouts.response_ids, answers, lengths=rollouts.response_mask.sum(-1).tolist()
-    )
+def _grade_rollouts(tr: Trainer, batch: Batch) -> tuple[list[str], list[bool] | None]:
+    """Decode every rollout (an episode: its final turn, the student's text after the environment's last answer);
+    grade it when the prompts carry answers (rule-based accuracy, GRPO rewards)."""
+    rollouts = batch.rollouts
+    answers = [tr.data.prompts[batch.indices[g]].answer for g in rollouts.group_ids.tolist()]
+    if batch.episodes is not None:
+        texts, grades = grade_responses(tr.models.tokenizer, final_turns(batch.episodes), answers)
+    else:
+        texts, grades = grade_responses(
+            tr.models.tokenizer, rollouts.response_ids, answers, lengths=rollouts.response_mask.sum(-1).tolist()
+        )
     return texts, None if grades is None else [g.correct for g in grades]
 
 
 def _write_samples(
-    tr: Trainer, rollouts: Rollouts, texts: list[str], correct: list[bool] | None, rewards_BTJ: torch.Tensor
+    tr: Trainer, batch: Batch, texts: list[str], correct: list[bool] | None, rewards_BTJ: torch.Tensor
 ) -> None:
+    """The first rows' prompt, graded text and per-token rewards; an episode's also its whole text, the environment's
+    tokens (`env_mask`, reward 0) and its turns and tool calls."""
+    rollouts, episodes = batch.rollouts, batch.episodes
     count = min(tr.config.run.samples_per_step, rollouts.batch_size)
     if not count:
         return
     records = []
     position_rewards_BT = rewards_BTJ.sum(-1)
     for row in range(count):
-        length = int(rollouts.response_mask[row].sum())
+        if episodes is None:
+            length = int(rollouts.response_mask[row].sum())
+        else:  # the student's tokens and the environment's, in order
+            length = len(episodes.env_masks[row])
         ids = rollouts.response_ids[row, :length].tolist()
         prompt_length = int(rollouts.prompt_lengths[row])
-        records.append(
-            {
-                "step": tr.run.step + 1,
-                "prompt": tr.models.tokenizer.decode(rollouts.input_ids[row, :prompt_length].tolist()),
-                "response": texts[row],
-                "correct": None if correct is None else correct[row],
-                "tokens": tr.models.tokenizer.convert_ids_to_tokens(ids),
-                "token_rewards": [round(r, 5) for r in position_rewards_BT[row, :length].tolist()],
-            }
-        )
+        record = {
+            "step": tr.run.step + 1,
+            "prompt": tr.models.tokenizer.decode(rollouts.input_ids[row, :prompt_length].tolist()),
+            "response": texts[row],
+            "correct": None if correct is None else correct[row],
+            "tokens": tr.models.tokenizer.convert_ids_to_tokens(ids),
+            "token_rewards": [round(r, 5) for r in position_rewards_BT[row, :length].tolist()],
+        }
+        if episodes is not None:
+            record.update(
+                episode=tr.models.tokenizer.decode(ids, skip_special_tokens=True),
+                env_mask=[int(m) for m in episodes.env_masks[row]],
+                turns=episodes.turns[row],
+                tool_calls=episodes.tool_calls[row],
+                tool_errors=episodes.tool_errors[row],
+            )
+        records.append(record)
     write_jsonl(tr.run.run_dir / "samples" / f"step_{tr.run.step + 1}.jsonl", records)

@@ -1,0 +1,344 @@
+"""`opd distill` with `rollout.tools`: every rollout is an episode with an environment (opd.train.episodes).
+
+- the environment's tokens are out of the loss: the step's loss equals a hand computation over the student's tokens
+  only (plain forwards of the student and teacher over the whole episode), and so does the response length;
+- GRPO grades the final turn; sampled-token and top-k objectives run on episodes;
+- a malformed tool call is an error observation the student reads, and the step completes;
+- `opd distill rollout.tools=calculator` runs from the command line and writes the episode metrics; a run of 2 steps
+  equals a run of 1 step resumed to 2, bit for bit (a tiny student trained to call the calculator, so its episodes
+  have several turns);
+- bad settings are refused in one line before any model loads (the python tool where the sandbox does not hold too).
+
+The scripted student (`helpers_tools.ScriptedModel`) stands in for the student's sampling only: the step under test
+scores, grades and trains on what it wrote with the real tiny student and teacher.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from rich.console import Console
+from transformers import AutoModelForCausalLM
+
+from helpers import assert_same_weights, cli, dump, make_tiny_model, one_line, without_timing
+from helpers_tools import ScriptedModel, make_tool_tokenizer
+from opd.config import DistillConfig, build_config
+from opd.io import read_jsonl
+from opd.recipes.distill import distill, setup
+from opd.tools.calls import prompt_ids as tool_prompt_ids
+from opd.tools.environments import load_environment
+from opd.tools.sandbox import ProbeResult, probe
+from opd.train.step import sample_rollouts, score_rollouts, step_metrics, step_targets, update_student
+
+QUESTIONS = [(3, 7), (4, 7), (5, 6), (6, 6)]
+CONTEXT = 2048  # the tools' system turn is ~800 byte tokens: the tiny models get room beyond it
+
+
+def _save(model, path: Path) -> None:
+    model.config.max_position_embeddings = CONTEXT
+    model.save_pretrained(path)
+    make_tool_tokenizer().save_pretrained(path)
+
+
+def _call(a: int, b: int) -> str:
+    return f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{a} * {b}"}}}}\n</tool_call>'
+
+
+def _train_tool_user(path: Path, steps: int = 120) -> None:
+    """A tiny student pushed by SFT to answer each question with its calculator call (its later turns stay random):
+    sampled at temperature 1, its episodes call the tool, read the answer and go on."""
+    tokenizer = make_tool_tokenizer()
+    tools = load_environment("calculator").start({}).tools
+    rows = []
+    for a, b in QUESTIONS:
+        prompt = tool_prompt_ids(tokenizer, [{"role": "user", "content": f"What is {a} * {b}?"}], tools)
+        target = tokenizer(_call(a, b) + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        rows.append((prompt, target))
+    model = make_tiny_model("qwen3", seed=7).train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        prompt, target = rows[step % len(rows)]
+        ids = torch.tensor([prompt + target])
+        labels = ids.clone()
+        labels[:, : len(prompt)] = -100
+        model(ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    _save(model.eval(), path)
+
+
+@pytest.fixture(scope="module")
+def tool_world(tmp_path_factory):
+    """A random tiny student and teacher, a student trained to call the calculator, and questions with answers,
+    all with Qwen2.5's tool chat template."""
+    root = tmp_path_factory.mktemp("tool_world")
+    _save(make_tiny_model("qwen3", seed=0), root / "student")
+    _save(make_tiny_model("qwen3", seed=1), root / "teacher")
+    _train_tool_user(root / "tool_user")
+    rows = [{"prompt": f"What is {a} * {b}?", "answer": str(a * b), "kind": "ab"[a % 2]} for a, b in QUESTIONS]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def _config(
+    world: Path, tmp_path: Path, *overrides: str, student: str = "student", steps: int = 2, teacher: bool = True
+) -> DistillConfig:
+    options = {
+        "student.path": str(world / student),
+        "teacher.path": str(world / "teacher") if teacher else None,
+        "data.path": str(world / "prompts.jsonl"),
+        "data.answer_key": "answer",
+        "data.max_prompt_length": 1024,
+        "prompts_per_step": 2,
+        "rollout.n": 2,
+        "rollout.max_new_tokens": 256,
+        "rollout.tools": "calculator",
+        "micro_batch_tokens": 4096,
+        "run.out_dir": str(tmp_path),
+        "run.name": "run",
+        "run.steps": steps,
+        "run.report": False,
+        "optim.lr": 1e-3,
+    }
+    return build_config(DistillConfig, options=options, overrides=list(overrides))
+
+
+def _calculator_then_answer(context: str) -> str:
+    """Calls the calculator on the question's product, then answers in \\boxed{} with what it said."""
+    results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context)
+    if results:
+        return f"So the answer is \\boxed{{{results[-1]}}}."
+    a, b = re.findall(r"What is (\d+) \* (\d+)\?", context)[-1]
+    return _call(int(a), int(b))
+
+
+def _scripted_step(config: DistillConfig, policy):
+    """One step of `config` whose student writes what `policy` says: (batch, metrics)."""
+    tr = setup(config, Path(config.run.out_dir) / config.run.name)
+    tr.engines.generator = ScriptedModel(tr.models.tokenizer, policy)
+    device = torch.device("cpu")
+    timings: dict = {}
+    batch = sample_rollouts(tr, timings, device)
+    scores = score_rollouts(tr, batch, timings, device)
+    targets = step_targets(tr, batch, scores, device)
+    result = update_student(tr, batch.rollouts, targets, timings, device)
+    return batch, step_metrics(tr, batch, scores, targets, result, timings)
+
+
+def _logprobs(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """[L-1] log-prob of each next token of one row under a plain forward of the model."""
+    with torch.no_grad():
+        logits = model(input_ids[None]).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, input_ids[1:, None])[:, 0]
+
+
+# ------------------------------------------------------------------------------------------- the step's episodes
+
+
+def test_the_loss_leaves_the_environments_tokens_out(tool_world, tmp_path):
+    config = _config(tool_world, tmp_path, "objective.top_k=0")
+    batch, metrics = _scripted_step(config, _calculator_then_answer)
+    episodes, rollouts = batch.episodes, batch.rollouts
+    assert episodes is not None and episodes.turns == [2, 2, 2, 2] and metrics["episode/turns_mean"] == 2
+    env_tokens = sum(m.count(True) for m in episodes.env_masks)
+    assert env_tokens > 0 and metrics["episode/tool_calls_mean"] == 1 and metrics["episode/tool_errors"] == 0
+
+    # by hand: token reward t − s at the student's tokens, read in the whole episode; loss = −mean over them
+    rewards, everywhere = [], []
+    teacher, student = (AutoModelForCausalLM.from_pretrained(tool_world / n).eval() for n in ("teacher", "student"))
+    for b in range(rollouts.batch_size):
+        p, mask = int(rollouts.prompt_lengths[b]), episodes.env_masks[b]
+        ids = rollouts.input_ids[b, : p + len(mask)]
+        gap = _logprobs(teacher, ids)[p - 1 :] - _logprobs(student, ids)[p - 1 :]
+        rewards += [g for g, is_env in zip(gap.tolist(), mask) if not is_env]
+        everywhere += gap.tolist()
+    assert metrics["pg_loss"] == pytest.approx(-sum(rewards) / len(rewards), rel=1e-4, abs=1e-5)
+    assert abs(-sum(everywhere) / len(everywhere) - metrics["pg_loss"]) > 1e-3  # with the env's tokens: another loss
+    student_tokens = [m.count(False) for m in episodes.env_masks]
+    assert metrics["response_length"] == pytest.approx(sum(student_tokens) / len(student_tokens))
+    assert metrics["episode/student_tokens_mean"] == pytest.approx(metrics["response_length"])
+
+    sample = read_jsonl(Path(config.run.out_dir) / "run" / "samples" / "step_1.jsonl")[0]
+    assert sample["response"].startswith("So the answer") and "<tool_response>" in sample["episode"]
+    assert sample["turns"] == 2 and sum(sample["env_mask"]) == episodes.env_masks[0].count(True)
+    assert all(r == 0 for r, m in zip(sample["token_rewards"], sample["env_mask"]) if m)
+
+
+def test_grpo_grades_the_final_turn(tool_world, tmp_path):
+    def half_right(context: str) -> str:  # the first question's episodes answer wrong
+        answer = _calculator_then_answer(context)
+        return answer.replace("{21}", "{20}") if "What is 3 * 7?" in context else answer
+
+    config = _config(tool_world, tmp_path, "objective.advantage=grpo", teacher=False)
+    batch, metrics = _scripted_step(config, half_right)
+    assert metrics["rollout_accuracy"] == 0.5 and batch.episodes is not None
+    assert metrics["episode/turns_mean"] == 2
+
+
+@pytest.mark.parametrize(
+    "objective", [["objective.top_k=4"], ["objective.loss=topk_kl", "objective.top_k=4"]], ids=["topk_pg", "topk_kl"]
+)
+def test_top_k_objectives_train_on_episodes(tool_world, tmp_path, objective):
+    _, metrics = _scripted_step(_config(tool_world, tmp_path, *objective), _calculator_then_answer)
+    losses = [v for k, v in metrics.items() if k.endswith("_loss")]
+    assert metrics["episode/turns_mean"] == 2 and losses and all(torch.isfinite(torch.tensor(losses)))
+    assert metrics["grad_norm"] > 0 and metrics["overlap_ratio"] >= 0
+
+
+def test_a_malformed_call_is_an_error_observation_and_the_step_completes(tool_world, tmp_path):
+    def malformed_then_answers(context: str) -> str:
+        if "<tool_response>" in context:
+            assert "error" in context  # the student reads why its call failed
+            return "\\boxed{0}"
+        return "<tool_call>\n{not json\n</tool_call>"
+
+    batch, metrics = _scripted_step(_config(tool_world, tmp_path), malformed_then_answers)
+    assert metrics["episode/tool_errors"] == 4 and metrics["episode/turns_mean"] == 2
+    assert batch.episodes is not None and all(m.count(True) for m in batch.episodes.env_masks)
+
+
+def test_the_python_tool_runs_the_students_code_in_the_sandbox(tool_world, tmp_path, capsys):
+    if not probe("namespaces").ok:
+        pytest.skip(f"no namespaces sandbox here: {probe('namespaces').reason}")
+
+    def computes(context: str) -> str:
+        results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context)
+        if results:
+            return f"\\boxed{{{results[-1]}}}"
+        a, b = re.findall(r"What is (\d+) \* (\d+)\?", context)[-1]
+        return f'<tool_call>\n{{"name": "python", "arguments": {{"code": "print({a} * {b})"}}}}\n</tool_call>'
+
+    config = _config(tool_world, tmp_path, "rollout.tools=python", "objective.advantage=grpo", teacher=False)
+    batch, metrics = _scripted_step(config, computes)
+    assert metrics["rollout_accuracy"] == 1.0 and metrics["episode/tool_errors"] == 0
+    assert metrics["episode/sandbox_refusals"] == 0 and metrics["episode/tool_seconds"] > 0
+    assert batch.episodes is not None and batch.episodes.describe["sandbox"] == "namespaces"
+
+
+def test_the_weak_sandbox_runs_only_when_named_and_is_said_and_recorded(tool_world, tmp_path):
+    if not probe("rlimits-only").ok:
+        pytest.skip(f"the python tool cannot run here: {probe('rlimits-only').reason}")
+    config = _config(tool_world, tmp_path, "rollout.tools=python", "rollout.sandbox=rlimits-only")
+    console = Console(record=True, width=200)
+    setup(config, tmp_path / "run", console=console)
+    assert "rollout.sandbox=rlimits-only: the model's code runs with resource limits only" in console.export_text()
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["rollout"]
+    assert saved["tools"] == "python" and saved["sandbox"] == "rlimits-only"
+
+
+def test_two_teachers_score_their_prompts_episodes(tool_world, tmp_path):
+    config = _config(tool_world, tmp_path, "rollout.tools=null").model_dump(mode="json")
+    config["teacher"], config["rollout"]["tools"] = None, "calculator"
+    config["teachers"] = [
+        {"name": "odd", "path": str(tool_world / "teacher"), "route": {"route_key": "kind", "values": ["b"]}},
+        {"name": "even", "path": str(tool_world / "student"), "route": {"default": True}},
+    ]
+    config["objective"]["top_k"] = 0
+    batch, metrics = _scripted_step(DistillConfig.model_validate(config), _calculator_then_answer)
+    assert metrics["episode/turns_mean"] == 2 and batch.episodes is not None
+    for name in ("odd", "even"):  # each teacher's rows: its own metrics
+        assert any(key.startswith(f"teacher/{name}/") for key in metrics), sorted(metrics)
+
+
+def test_the_in_training_eval_runs_with_the_tools(tool_world, tmp_path):
+    config = _config(
+        tool_world,
+        tmp_path,
+        f"eval.benchmarks={tool_world / 'prompts.jsonl'}",
+        "eval.prompt_key=prompt",
+        "eval.answer_key=answer",
+        "eval.n=1",
+        "eval.limit=2",
+        "eval.max_new_tokens=200",
+        "run.eval_at_start=false",
+        student="tool_user",
+        steps=1,
+    )
+    run_dir = distill(config)
+    results = json.loads((run_dir / "eval" / "step_1" / "results.json").read_text())
+    assert results["tools"] == {"name": "calculator"}
+    assert results["benchmarks"]["prompts"]["tools"]["tool_calls_mean"] > 0
+
+
+# ----------------------------------------------------------------------------------------- the command line
+
+
+def test_distill_with_the_calculator_writes_episode_metrics_and_resumes_exactly(capsys, tool_world, tmp_path):
+    one = dump(_config(tool_world, tmp_path / "a", student="tool_user", steps=1), tmp_path / "one.yaml")
+    code, out, err = cli(capsys, "distill", "--config", one)
+    assert code == 0, err
+    assert "rollout.tools: episodes of up to 4 turns" in out
+    code, out, err = cli(capsys, "distill", "--config", one, "--resume", "run.steps=2")
+    assert code == 0 and "resumed from" in out, err
+    straight = distill(_config(tool_world, tmp_path / "b", student="tool_user", steps=2))
+    resumed = tmp_path / "a" / "run"
+    assert_same_weights(straight / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
+    ma, mb = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
+    timing = ("episode/tool_seconds", "episode/tool_wall_seconds")
+
+    def same(m):
+        return {k: v for k, v in without_timing(m).items() if k not in timing}
+
+    assert [m["step"] for m in mb] == [1, 2] and [same(m) for m in ma] == [same(m) for m in mb]
+    assert all(m["episode/tool_calls_mean"] > 0 and m["episode/turns_mean"] > 1 for m in mb), mb
+    assert all(m["episode/env_tokens_mean"] > 0 for m in mb)
+    assert yaml.safe_load((resumed / "config.yaml").read_text())["rollout"]["tools"] == "calculator"
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["rollout.tools=shell"], "rollout.tools"),
+        (["rollout.tools=calculator", "rollout.partial=true", "rollout.max_staleness=0"], "rollout.partial"),
+        (["rollout.tools=calculator", "rollout.overlap=true", "objective.tis_cap=2"], "rollout.overlap"),
+        (["rollout.tools=calculator", "rollout.engine=vllm", "run.deterministic=false"], "rollout.engine=vllm"),
+        (["rollout.tools=calculator", "rollout.max_episode_tokens=999"], "rollout.max_episode_tokens=999"),
+        (["rollout.tools=calculator", "rollout.max_turn_tokens=300"], "rollout.max_turn_tokens=300"),
+        (["rollout.tools=calculator", "rollout.max_turns=0"], "rollout.max_turns"),
+        (["rollout.tools=python", "rollout.sandbox=none"], "rollout.sandbox"),
+        (["rollout.tools=calculator", "teacher.tokenizer=cross"], "tokenizer=cross"),
+    ],
+)
+def test_bad_tool_settings_are_one_line_errors(capsys, tool_world, tmp_path, overrides, expected):
+    config = _config(tool_world, tmp_path, "rollout.tools=null").model_dump(mode="json")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    line = one_line(*cli(capsys, "distill", "--config", path, *overrides)[::2])
+    assert expected in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_teacher_with_a_view_is_refused_with_tools(capsys, tool_world, tmp_path):
+    config = _config(tool_world, tmp_path, "rollout.tools=null").model_dump(mode="json")
+    config["teacher"] = None
+    config["teachers"] = [{"name": "t", "path": str(tool_world / "teacher"), "view": {"context_key": "answer"}}]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    line = one_line(*cli(capsys, "distill", "--config", path, "rollout.tools=calculator")[::2])
+    assert "teacher t has a view" in line
+
+
+def test_python_is_refused_before_any_model_loads_where_the_sandbox_does_not_hold(
+    capsys, monkeypatch, tool_world, tmp_path
+):
+    monkeypatch.setattr("opd.eval.tools.probe", lambda mode: ProbeResult(mode, False, "no user namespaces"))
+    no_weights = tmp_path / "tokenizer_only"  # a model load would fail here with another message
+    make_tool_tokenizer().save_pretrained(no_weights)
+    config = _config(tool_world, tmp_path, f"student.path={no_weights}", "rollout.tools=python")
+    line = one_line(*cli(capsys, "distill", "--config", dump(config, tmp_path / "c.yaml"))[::2])
+    assert line.startswith("error: rollout.tools=python: ") and "no user namespaces" in line
+    assert "rollout.sandbox=rlimits-only" in line and "--sandbox" not in line
+
+
+def test_a_user_environment_that_cannot_import_is_one_line(capsys, tool_world, tmp_path):
+    config = _config(tool_world, tmp_path, "rollout.tools=no_such_module_opd:Env")
+    line = one_line(*cli(capsys, "distill", "--config", dump(config, tmp_path / "c.yaml"))[::2])
+    assert line.startswith("error: rollout.tools") and "no_such_module_opd" in line

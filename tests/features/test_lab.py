@@ -226,6 +226,8 @@ def test_build_reduced(tmp_path):
     assert manifest["models"]["rewrite_teacher"]["style"] == "rewrite"
     assert manifest["models"]["rewrite_teacher"]["training"]["examples_per_step"] == 16
     assert manifest["models"]["rewrite_teacher"]["test_eval"]["max_new_tokens"] == 128
+    pairs = manifest["models"]["teacher_pairs"]["training"]  # CROSS_TEACHER's batch; its warmup within the steps
+    assert pairs["examples_per_step"] == 32 and pairs["optim"]["warmup_steps"] == 1
     assert sum(1 for _ in open(tmp_path / "data" / "sft_forward.jsonl")) == 256
     for domain in ("add", "mul"):  # fine-tuned from the teacher this build trained, measured per domain
         record = manifest["models"][f"specialist_{domain}"]

@@ -320,3 +320,62 @@ def test_distill_with_a_served_cross_teacher(shuffled_lab, lab_teacher, tmp_path
         out = _served_cross_run(tmp_path / "good", url, teacher_path())
     metrics = read_jsonl(out / "metrics.jsonl")[-1]
     assert metrics["xtok/exact_frac"] == 1.0 and metrics["xtok/unmapped_frac"] == 0.0
+
+
+def _check_with(tmp_path, name, student, teacher):
+    """`run_check` of the lab student `student` (a directory) with `teacher` (config keys) on 4 prompts x 2."""
+    import io
+
+    from rich.console import Console
+
+    from opd.config import DistillConfig
+    from opd.lab import opd_prompts_path
+    from opd.recipes.check import run_check
+
+    config = DistillConfig.model_validate(
+        {
+            "student": {"path": str(student), "device": "cpu", "dtype": "fp32"},
+            "teacher": teacher,
+            "data": {"path": str(opd_prompts_path()), "max_prompt_length": 64},
+            "rollout": {"max_new_tokens": 24},
+            "objective": {"top_k": K},
+            "run": {"out_dir": str(tmp_path)},
+        }
+    )
+    report = run_check(config, n=2, prompts_sample=4, out=tmp_path / name, console=Console(file=io.StringIO()))
+    return report, {r.name: r for r in report.results}
+
+
+def test_opd_check_gives_a_served_cross_teacher_its_cross_tokenizer_row(shuffled_lab, lab_teacher, tmp_path):
+    """`opd check` with a served teacher of another vocabulary (`url` with `tokenizer_path`, as `opd distill` takes
+    it): the cross_tokenizer row and the forecast on the aligned signal, scored over the loopback socket, equal to
+    the same teacher's in process (its accuracy aside: a served teacher has no samples); not a failed
+    tokenizer_vocab row (the bug: the check compared the student's map with /info's). Without tokenizer_path the
+    vocabularies are compared and the row's fix names tokenizer_path."""
+    pytest.importorskip("uvicorn")
+    from helpers_served_teacher import TOKEN, serve_in_thread
+    from opd.lab import student_path, teacher_path
+    from opd.lab.build import permute_vocabulary
+
+    student = permute_vocabulary(student_path(), tmp_path / "student", seed=0)
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    local, local_rows = _check_with(
+        tmp_path, "local", student, {"path": str(teacher_path()), "device": "cpu", "dtype": "fp32"}
+    )
+    with serve_in_thread(lab_teacher[2]) as (url, _):
+        served = {"url": url, "token_file": str(tmp_path / "token"), "retry_deadline": 0}
+        report, rows = _check_with(tmp_path, "served", student, {**served, "tokenizer_path": str(teacher_path())})
+        _, bare = _check_with(tmp_path, "bare", student, served)
+    assert "tokenizer_vocab" not in rows and rows["cross_tokenizer"].status == "pass"
+    assert rows["cross_tokenizer"].detail == local_rows["cross_tokenizer"].detail  # the rollouts' shares included
+    assert report.exit_code() == local.exit_code() == 0
+    got, want = report.values["forecast"]["values"], local.values["forecast"]["values"]
+    assert got["rollouts"] > 0 and got["teacher_accuracy"] is None and want["teacher_accuracy"] is not None
+    for key, value in want.items():
+        if key in ("seconds", "teacher_accuracy"):
+            continue
+        if isinstance(value, float):
+            assert got[key] == pytest.approx(value, abs=1e-6), key
+        else:
+            assert got[key] == value, key
+    assert bare["tokenizer_vocab"].status == "fail" and "tokenizer_path" in bare["tokenizer_vocab"].fix

@@ -201,7 +201,8 @@ def check_served_tokenizers(
                 "mismatch",
                 str(error),
                 "serve a teacher with the student's tokenizer (same model family): OPD scores the student's token "
-                "ids with the teacher",
+                "ids with the teacher; or give teacher.tokenizer_path the served model's tokenizer, and the teacher "
+                "scores the student's text under its own (tokenizer: auto or cross)",
                 hard=True,
             )
         )

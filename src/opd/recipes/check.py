@@ -9,10 +9,11 @@ With several teachers (`teachers:`), the four groups run once per teacher on the
 A teacher with a view gets `teacher_view` (its context must move its scores) and no forecast (which scores the student's
 prompt ids). A teacher of another vocabulary (SPEC §9) gets the `cross_tokenizer` row (on the prompts' texts, then on
 the forecast's rollouts) and the forecast on the aligned signal (`CrossForecastScorer`); its scoring and resources rows
-are not run. A served teacher (`url`: an `opd serve-teacher`, or its replicas) gets its tokenizer rows from the server's
-/info, `served_scores` and `determinism` instead of the rows that need its weights, and a forecast without its accuracy
-(it cannot generate). The live student (`path: student`) is checked as `student_init` is, with the student itself
-scoring (at the start of a run the two are the same weights).
+are not run; a served one (`url` with `tokenizer_path`, hash-checked against /info) gets the same rows, its scores
+over the wire. A served teacher (`url`: an `opd serve-teacher`, or its replicas) gets its tokenizer rows from the
+server's /info, `served_scores` and `determinism` instead of the rows that need its weights, and a forecast without
+its accuracy (it cannot generate). The live student (`path: student`) is checked as `student_init` is, with the
+student itself scoring (at the start of a run the two are the same weights).
 
 A vLLM teacher (`engine: vllm`, one or one of several) is checked as the same model in process, through its Hugging
 Face forward, as a local teacher is (a note says so): its tokenizer, template, scores and forecast are the model's;
@@ -65,6 +66,7 @@ from opd.io import atomic_write_json
 from opd.models import (
     check_tokenizer_compatibility,
     check_top_k,
+    eos_token_ids,
     fix_rope,
     load_model,
     load_tokenizer,
@@ -76,7 +78,12 @@ from opd.objectives.diagnostics import diagnostic_top_k
 from opd.rollout import make_generator
 from opd.rundir import locked
 from opd.teacher.client import remote_scorer
-from opd.teacher.cross_vocab import build_cross_vocab, cross_metrics, resolve_tokenizer_mode
+from opd.teacher.cross_vocab import (
+    build_cross_vocab,
+    cross_metrics,
+    resolve_tokenizer_mode,
+    served_teacher_tokenizer,
+)
 from opd.teacher.local import LocalScorer
 from opd.teacher.registry import check_teacher_serves, route_prompts, view_prompts
 from opd.teacher.routing import check_routes_match
@@ -179,7 +186,9 @@ def _run_checks(
         if served is not None:
             check_teacher_serves(config.teacher, config.objective)
         # 1. tokenizers: from the files (or the server's /info), before any weights are loaded
-        if served is None and not live_student and _is_cross(config, student_tokenizer, teacher_tokenizer):
+        if not live_student and _is_cross(config, student_tokenizer, teacher_tokenizer):
+            if served is not None:  # its tokenizer_path, hash-checked against /info (the one distill aligns with)
+                teacher_tokenizer = served_teacher_tokenizer(config.teacher, served)
             _cross_checks(
                 report,
                 config,
@@ -191,6 +200,7 @@ def _run_checks(
                 skipped=skipped,
                 forecast_too=view is None,
                 route=route,
+                served=served,
             )
             report.results += skipped_rows(skipped, GROUPS)
             return _finish(report, out_dir, console)
@@ -437,7 +447,8 @@ def _tokenizer_rows(
 
 
 def _is_cross(config: DistillConfig, student_tokenizer: Any, teacher_tokenizer: Any) -> bool:
-    """Whether the teacher scores the student's text under its own tokenizer (`resolve_tokenizer_mode`)."""
+    """Whether the teacher scores the student's text under its own tokenizer (`resolve_tokenizer_mode`; a served
+    one's tokenizer is its `tokenizer_path`'s: without one it scores the student's ids)."""
     return resolve_tokenizer_mode(config.teacher, student_tokenizer, teacher_tokenizer) == "cross"
 
 
@@ -453,19 +464,28 @@ def _cross_checks(
     skipped: set[str],
     forecast_too: bool,
     route: str | None,
+    served: Any = None,
 ) -> None:
     """A teacher of another vocabulary, into `report`: the `cross_tokenizer` row on the sample's texts and answers
     (before any weights load: a hard failure stops there), then, unless skipped (or `forecast_too` is off: a
     teacher with a view), the forecast on the aligned signal (`CrossForecastScorer`: the training step's
     `start_cross_scoring`), whose rollouts add their alignment shares to the `cross_tokenizer` row. The scoring
     and resources rows score the student's ids with the teacher and are not run here (`opd distill`'s startup runs
-    the cross row and its memory and step-time rows on the loaded models)."""
+    the cross row and its memory and step-time rows on the loaded models). `served`: a served teacher's
+    `RemoteScorer` (`teacher_tokenizer` its tokenizer_path's): its EOS and context as `load_cross_teacher` reads
+    them (the tokenizer's EOS, /info's max_positions), and its scores over the wire."""
     assert config.teacher is not None
+    if served is not None:
+        teacher_eos = eos_token_ids(None, teacher_tokenizer)
+        positions = served.info.get("max_positions")
+    else:
+        teacher_eos, positions = _from_files(config.teacher, teacher_tokenizer)[1], None
     cross = build_cross_vocab(
         student_tokenizer,
         teacher_tokenizer,
         student_eos_ids=_from_files(config.student, student_tokenizer)[1],
-        teacher_eos_id=next(iter(_from_files(config.teacher, teacher_tokenizer)[1]), None),
+        teacher_eos_id=next(iter(teacher_eos), None),
+        teacher_positions=positions if isinstance(positions, int) else None,
         credit=config.teacher.span_credit,
     )
     row = check_cross_tokenizer(cross, student_tokenizer, cross_sample_texts(list(sample), limit=len(sample)))
@@ -498,6 +518,7 @@ def _cross_checks(
         thresholds=thresholds,
         skipped=skipped,
         route=route,
+        served=served,
     )
     shares = cross_metrics([cross])
     if shares and "cross_tokenizer" not in skipped:
@@ -525,9 +546,12 @@ def _cross_forecast(
     thresholds: ForecastThresholds,
     skipped: set[str],
     route: str | None,
+    served: Any = None,
 ) -> None:
     """The forecast of a cross-vocabulary teacher (`_forecast_group` with a `CrossForecastScorer`); the teacher's
-    accuracy from its own samples of its own rendering of the prompts, graded with its tokenizer."""
+    accuracy from its own samples of its own rendering of the prompts, graded with its tokenizer. A `served`
+    teacher (its `RemoteScorer`) scores the teacher ids over the wire and, as any served teacher, has no accuracy
+    (no samples of its own)."""
     data, spec = config.data, config.teacher
     assert spec is not None
     device = resolve_device(config.student.device)
@@ -539,17 +563,19 @@ def _cross_forecast(
         trust_remote_code=config.student.trust_remote_code,
         attn_implementation=config.student.attn_implementation,
     )
-    teacher = _load_teacher_module(spec)
+    teacher = None if served is not None else _load_teacher_module(spec)
     length = data.max_prompt_length + config.rollout.max_new_tokens
     for model in (student, teacher):
-        fix_rope(model, length)
+        if model is not None:
+            fix_rope(model, length)
     student_rows = int(cast(Any, student).get_output_embeddings().weight.shape[0])
-    teacher_rows = int(cast(Any, teacher).get_output_embeddings().weight.shape[0])
     vocab_size = check_tokenizer_compatibility(
         student_tokenizer, student_tokenizer, student_vocab_size=student_rows
     ).tokenizer_size
-    teacher_vocab = min(len(teacher_tokenizer), teacher_rows)
     score_tokens = config.score_batch_tokens
+    teacher_vocab = len(teacher_tokenizer)
+    if teacher is not None:
+        teacher_vocab = min(teacher_vocab, int(cast(Any, teacher).get_output_embeddings().weight.shape[0]))
     encoded = encode_prompts(
         student_tokenizer,
         sample,
@@ -566,7 +592,9 @@ def _cross_forecast(
     ).input_ids
     scorer = CrossForecastScorer(
         cross,
-        LocalScorer(teacher, max_tokens_per_batch=score_tokens, vocab_size=teacher_vocab),
+        served
+        if teacher is None
+        else LocalScorer(teacher, max_tokens_per_batch=score_tokens, vocab_size=teacher_vocab),
         LocalScorer(student, max_tokens_per_batch=score_tokens, vocab_size=vocab_size),
         {tuple(s): t for s, t in zip(encoded.input_ids, own)},
         temperature=config.rollout.temperature,
@@ -584,7 +612,7 @@ def _cross_forecast(
         thresholds=thresholds,
         skipped=skipped,
         route=route,
-        teacher_accuracy=(teacher, teacher_tokenizer, teacher_vocab, encoded.prompts),
+        teacher_accuracy=None if teacher is None else (teacher, teacher_tokenizer, teacher_vocab, encoded.prompts),
     )
 
 

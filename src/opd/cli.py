@@ -564,7 +564,7 @@ def lab_build_command(
     ),
     specialist_batch: int = typer.Option(64, help="Examples per SFT step of each MOPD specialist."),
     cross_teacher_steps: int = typer.Option(
-        300,
+        1000,
         help="SFT steps of the cross-tokenizer teacher (teacher_pairs: the forward teacher on a digit-pair "
         "vocabulary).",
     ),

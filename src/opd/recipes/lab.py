@@ -112,7 +112,7 @@ the test set."""
 CROSS_TEACHER: dict[str, Any] = {
     "arch": TEACHER_ARCH,
     "init": "the forward teacher",
-    "steps": 300,
+    "steps": 1000,
     "examples_per_step": 32,
     "lr": 1e-3,
     "warmup_steps": 10,

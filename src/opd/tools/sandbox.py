@@ -150,34 +150,36 @@ class ProbeResult:
 _BOOT = r"""
 set -eu
 R=$1; W_FD=$2; DIR_BYTES=$3; PREFIX=$4; PREFIX_FD=$5; N=$6; shift 6
-mount --make-rprivate /
-mount -t tmpfs -o size=1m,mode=0755,nosuid,nodev tmpfs "$R"
-mkdir "$R/usr"; mount --bind -o ro,nosuid,nodev /usr "$R/usr"
+fail() { echo "sandbox: $1 failed" >&2; exit 1; }  # names the step: mount's own message names only the path
+ro_bind() { mount --no-canonicalize --bind -o ro,nosuid,nodev "$1" "$2" || fail "the read-only bind of $1"; }
+mount --make-rprivate / || fail "making the mounts private"
+mount -t tmpfs -o size=1m,mode=0755,nosuid,nodev tmpfs "$R" || fail "the new root's tmpfs"
+mkdir "$R/usr"; ro_bind /usr "$R/usr"
 for d in bin sbin lib lib32 lib64 libx32; do
   if [ -L "/$d" ]; then ln -s "$(readlink "/$d")" "$R/$d"
-  elif [ -d "/$d" ]; then mkdir "$R/$d"; mount --bind -o ro,nosuid,nodev "/$d" "$R/$d"; fi
+  elif [ -d "/$d" ]; then mkdir "$R/$d"; ro_bind "/$d" "$R/$d"; fi
 done
 mkdir "$R/etc" "$R/dev" "$R/proc" "$R/episode" "$R/tmp"
 if [ -f /etc/ld.so.cache ]; then
-  : > "$R/etc/ld.so.cache"; mount --bind -o ro /etc/ld.so.cache "$R/etc/ld.so.cache"
+  : > "$R/etc/ld.so.cache"; ro_bind /etc/ld.so.cache "$R/etc/ld.so.cache"
 fi
-for n in null zero urandom random; do : > "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n"; done
-mount -t proc -o nosuid,nodev,noexec proc "$R/proc"
-mount -t tmpfs -o "size=$DIR_BYTES,mode=0755,nosuid,nodev" tmpfs "$R/episode"
+for n in null zero urandom random; do : > "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n" || fail "the bind of /dev/$n"; done
+mount -t proc -o nosuid,nodev,noexec proc "$R/proc" || fail "the new /proc"
+mount -t tmpfs -o "size=$DIR_BYTES,mode=0755,nosuid,nodev" tmpfs "$R/episode" || fail "the episode's tmpfs"
 cp -a "/proc/self/fd/$W_FD/." "$R/episode/"
 case "$PREFIX" in
   /usr|/usr/*) ;;
-  *) mkdir -p "$R$PREFIX"; mount --no-canonicalize --bind -o ro,nosuid,nodev "/proc/self/fd/$PREFIX_FD" "$R$PREFIX";;
+  *) mkdir -p "$R$PREFIX"; ro_bind "/proc/self/fd/$PREFIX_FD" "$R$PREFIX";;
 esac
 while [ "$N" -gt 0 ]; do
   case "$2" in
     /usr|/usr/*) ;;
-    *) mkdir -p "$R$2"; mount --no-canonicalize --bind -o ro,nosuid,nodev "/proc/self/fd/$1" "$R$2";;
+    *) mkdir -p "$R$2"; ro_bind "/proc/self/fd/$1" "$R$2";;
   esac
   shift 2; N=$((N-1))
 done
-cd "$R"; mkdir .old; pivot_root . .old; umount -l /.old; rmdir /.old
-mount -n -o remount,ro,bind /
+cd "$R"; mkdir .old; pivot_root . .old || fail "pivot_root"; umount -l /.old; rmdir /.old
+mount -n -o remount,ro,bind / || fail "the read-only remount of the new root"
 cd /episode
 exec "$@"
 """

@@ -163,7 +163,9 @@ mkdir "$R/etc" "$R/dev" "$R/proc" "$R/episode" "$R/tmp"
 if [ -f /etc/ld.so.cache ]; then
   : > "$R/etc/ld.so.cache"; ro_bind /etc/ld.so.cache "$R/etc/ld.so.cache"
 fi
-for n in null zero urandom random; do : > "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n" || fail "the bind of /dev/$n"; done
+for n in null zero urandom random; do
+  : > "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n" || fail "the bind of /dev/$n"
+done
 mount -t proc -o nosuid,nodev,noexec proc "$R/proc" || fail "the new /proc"
 mount -t tmpfs -o "size=$DIR_BYTES,mode=0755,nosuid,nodev" tmpfs "$R/episode" || fail "the episode's tmpfs"
 cp -a "/proc/self/fd/$W_FD/." "$R/episode/"

@@ -314,6 +314,26 @@ def _chunk_forward(hidden_CD, head, ids_CU, top_k, temperature, with_entropy, co
     return tuple(None if x is None else x[:rows] for x in out)
 
 
+def compiles_chunks(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether per-chunk functions run compiled for logits of `dtype` on `device` (`COMPILE`, CUDA, not float64)."""
+    return _compiles(device, dtype)
+
+
+def run_chunk(fn: Callable, row_args: tuple[torch.Tensor, ...], consts: tuple, *, chunk: int, compiled: bool):
+    """fn(*row_args, *consts) for one chunk: compiled (`torch.compile(dynamic=False)`, as this module's own chunk
+    functions) on the row arguments padded to the chunk's row bucket, so a step meets a handful of shapes and the
+    trainer's warm-up compiles them all (`warm_up_row_buckets`); eagerly when `compiled` is False or compiling fn
+    failed. `fn` is pure and row-wise; its tensor output(s) are returned for the real rows."""
+    rows = row_args[0].shape[0]
+    out = None
+    if compiled:
+        padded = _bucket(rows, chunk)
+        out = _compiled_call(fn, *(_pad_rows(a, padded) for a in row_args), *consts, chunk=chunk)
+    if out is None:
+        return fn(*row_args, *consts)
+    return out[:rows] if isinstance(out, torch.Tensor) else tuple(x[:rows] for x in out)
+
+
 def _add_outer(acc_VD: torch.Tensor, g_CV: torch.Tensor, h_CD: torch.Tensor, slice_of_chunk: bool) -> None:
     """acc_VD += g_CVᵀ h_CD, accumulated in acc's dtype. In place when the dtypes agree; else (bf16 g, float32
     accumulator) through `addmm(out_dtype=)` where the backend has it (CUDA, recent torch); else for an eager row

@@ -194,3 +194,33 @@ def test_peak_memory_within_the_chunk_budget(monkeypatch):
     grad_w_mib = V * D * 4 / 2**20  # 37 MiB
     print(f"\npeak RSS growth, full JSD forward + backward of {N} positions, V={V}: {growth_mib:.0f} MiB")
     assert growth_mib < 2 * BUDGET_MIB + grad_w_mib + 40
+
+
+@pytest.mark.parametrize("kind,beta,softcap", [("reverse_kl", 0.5, None), ("jsd", 0.3, 4.0)])
+def test_the_compiled_chunks_equal_the_dense_reference(monkeypatch, kind, beta, softcap):
+    """The CUDA path on the CPU: each chunk's functions through dynamo (aot_eager: the graphs inductor would get),
+    the last chunk's rows padded to their bucket; float32 against float64, the tolerance of the eager float32 test."""
+    from opd import scoring
+    from opd.objectives import full_vocab
+
+    monkeypatch.setattr(scoring, "_COMPILE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(scoring, "_COMPILED", {})
+    monkeypatch.setattr(scoring, "_MET", {})
+    monkeypatch.setattr(scoring, "_MIN_BUCKET", 4)
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile_(fn, **{**kwargs, "backend": "aot_eager"}))
+    _, hidden, head, t_hidden, t_head = _case(torch.float32, bias=True, scale=1.0, softcap=softcap, tied=False)
+    ours = full_divergence(hidden, head, t_hidden, t_head, kind=kind, beta=beta, chunk_size=8, vocab_size=37)
+    ours.sum().backward()
+    met = {(fn.__name__, rows) for (fn, _, _), counts in scoring._MET.items() for rows in counts}
+    assert met == {("_value_chunk", 8), ("_grad_chunk", 8)}  # 13 rows: a chunk of 8, then 5 padded to 8
+    assert all(scoring._COMPILED[f] is not None for f in (full_vocab._value_chunk, full_vocab._grad_chunk))
+    as64 = OutputHead(head.weight.detach().double().requires_grad_(), head.bias.detach().double(), 1.0, softcap)
+    h64 = hidden.detach().double().requires_grad_()
+    s = dense_log_probs(h64, as64, 1.0, 37)
+    t = dense_log_probs(t_hidden.double(), OutputHead(t_head.weight.double(), None, 1.0, softcap), 1.0, 37)
+    ref = dense_divergence(s, t, kind, beta)
+    ref.sum().backward()
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hidden.grad.double(), h64.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(head.weight.grad.double(), as64.weight.grad, rtol=1e-4, atol=1e-6)

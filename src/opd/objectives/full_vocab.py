@@ -15,18 +15,21 @@ then times dz/draw = scale / τ_S · (1 − tanh²) (soft-capping). The teacher 
 Forward keeps nothing but the inputs; backward recomputes each chunk's two logit blocks (one more head matmul per
 chunk and model, the price of never holding `[N, V]`).
 
-Omitted on purpose: a compiled (inductor) chunk function, as `opd.scoring` has for the top-k path; the chunks run
-eagerly in float32 row slices here.
+On CUDA each chunk's two head matmuls run in the model dtype and everything after them (the transforms, both
+log-softmaxes, the divergence and its gradient) in one compiled function per direction (`_value_chunk`,
+`_grad_chunk`, through `opd.scoring.run_chunk`: the same row buckets and warm-up as the top-k path), so the
+`[C, V]` float32 temporaries are fused instead of written and read back; elsewhere (CPU, float64) the same
+functions run eagerly.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
-from opd.scoring import CHUNK_BYTES, OutputHead, _transform
+from opd.scoring import CHUNK_BYTES, OutputHead, _transform, compiles_chunks, run_chunk
 
 Divergence = Literal["reverse_kl", "forward_kl", "jsd"]
 DIVERGENCES: tuple[str, ...] = ("reverse_kl", "forward_kl", "jsd")
@@ -39,20 +42,6 @@ def full_chunk_size(vocab_size: int, compute_dtype: torch.dtype = torch.float32)
     """Positions per chunk so that a chunk's `_TEMPS` compute-dtype `[C, V]` buffers stay within 2 × `CHUNK_BYTES`,
     the peak `opd.scoring` allows a chunk (294 positions for V = 151,936 in float32)."""
     return max(1, 2 * CHUNK_BYTES // (_TEMPS * compute_dtype.itemsize * max(1, vocab_size)))
-
-
-def _log_probs(
-    hidden_CD: torch.Tensor, head: OutputHead, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor | float]:
-    """(log-probs [C, V] in the compute dtype, dz/draw [C, V] or a float) of one chunk under `head`."""
-    if hidden_CD.dtype != head.weight.dtype and not torch.is_autocast_enabled(hidden_CD.device.type):
-        hidden_CD = hidden_CD.to(head.weight.dtype)  # e.g. bf16 hidden states of an autocast forward, fp32 weights
-    raw_CV = torch.nn.functional.linear(hidden_CD, head.weight, head.bias)
-    z_CV = _transform(raw_CV, head.logit_scale, head.softcap, temperature)
-    chain: torch.Tensor | float = head.logit_scale / temperature
-    if head.softcap is not None:  # d(c·tanh(x/c))/dx = 1 − tanh², tanh = capped / c, capped = z · τ
-        chain = (1 - (z_CV * (temperature / head.softcap)) ** 2) * chain
-    return torch.log_softmax(z_CV, dim=-1), chain
 
 
 def _chunk_value_and_grad(s_CV, t_CV, kind: str, beta: float, want_grad: bool):
@@ -81,6 +70,39 @@ def _chunk_value_and_grad(s_CV, t_CV, kind: str, beta: float, want_grad: bool):
     return value_C, grad
 
 
+def _raw(hidden_CD: torch.Tensor, head: OutputHead) -> torch.Tensor:
+    """The head's raw logits [C, V] of one chunk, in the matmul's dtype (the model's, or autocast's)."""
+    if hidden_CD.dtype != head.weight.dtype and not torch.is_autocast_enabled(hidden_CD.device.type):
+        hidden_CD = hidden_CD.to(head.weight.dtype)  # e.g. bf16 hidden states of an autocast forward, fp32 weights
+    return torch.nn.functional.linear(hidden_CD, head.weight, head.bias)
+
+
+def _value_chunk(raw_s_CV, raw_t_CV, scale_s, softcap_s, tau_s, scale_t, softcap_t, tau_t, kind, beta):
+    """[C] divergence of one chunk from the two heads' raw logits (pure, row-wise: compiled on CUDA)."""
+    s_CV = torch.log_softmax(_transform(raw_s_CV, scale_s, softcap_s, tau_s), dim=-1)
+    t_CV = torch.log_softmax(_transform(raw_t_CV, scale_t, softcap_t, tau_t), dim=-1).to(s_CV.dtype)
+    return _chunk_value_and_grad(s_CV, t_CV, kind, beta, False)[0]
+
+
+def _grad_chunk(raw_s_CV, raw_t_CV, grad_C, scale_s, softcap_s, tau_s, scale_t, softcap_t, tau_t, kind, beta):
+    """dL/draw_S [C, V] of one chunk, in the compute dtype, times the incoming `grad_C` (pure, row-wise)."""
+    z_CV = _transform(raw_s_CV, scale_s, softcap_s, tau_s)
+    s_CV = torch.log_softmax(z_CV, dim=-1)
+    t_CV = torch.log_softmax(_transform(raw_t_CV, scale_t, softcap_t, tau_t), dim=-1).to(s_CV.dtype)
+    g_CV = cast(torch.Tensor, _chunk_value_and_grad(s_CV, t_CV, kind, beta, True)[1])
+    chain: torch.Tensor | float = scale_s / tau_s
+    if softcap_s is not None:  # d(c·tanh(x/c))/dx = 1 − tanh², tanh = capped / c, capped = z · τ
+        chain = (1 - (z_CV * (tau_s / softcap_s)) ** 2) * chain
+    return g_CV * chain * grad_C[:, None].to(g_CV.dtype)
+
+
+def _consts(params: dict, teacher_head: OutputHead) -> tuple:
+    return (
+        params["scale"], params["softcap"], params["tau_s"], float(teacher_head.logit_scale), teacher_head.softcap,
+        params["tau_t"], params["kind"], params["beta"],
+    )  # fmt: skip
+
+
 class _FullDivergence(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")  # backward then recomputes under the forward's autocast state
@@ -89,11 +111,17 @@ class _FullDivergence(torch.autograd.Function):
         n_pos, chunk = hidden_ND.shape[0], params["chunk"]
         dtype = torch.promote_types(hidden_ND.dtype, torch.float32)
         out_N = torch.zeros(n_pos, dtype=dtype, device=hidden_ND.device)
+        consts = _consts(params, teacher_head)
+        compiled = None
         for a in range(0, n_pos, chunk):
             b = min(a + chunk, n_pos)
-            s_CV, _ = _log_probs(hidden_ND[a:b], student_head, params["tau_s"])
-            t_CV, _ = _log_probs(teacher_hidden_NE[a:b], teacher_head, params["tau_t"])
-            out_N[a:b], _ = _chunk_value_and_grad(s_CV, t_CV.to(s_CV.dtype), params["kind"], params["beta"], False)
+            raw_s_CV = _raw(hidden_ND[a:b], student_head)
+            raw_t_CV = _raw(teacher_hidden_NE[a:b], teacher_head)
+            if compiled is None:
+                compiled = compiles_chunks(raw_s_CV.device, raw_s_CV.dtype)
+            rows = (raw_s_CV, raw_t_CV)
+            out_N[a:b] = run_chunk(_value_chunk, rows, consts, chunk=chunk, compiled=compiled)
+            del raw_s_CV, raw_t_CV, rows
         ctx.save_for_backward(hidden_ND, weight_VD, bias_V, teacher_hidden_NE)
         ctx.teacher_head, ctx.params = teacher_head, params
         return out_N
@@ -110,13 +138,17 @@ class _FullDivergence(torch.autograd.Function):
         grad_w_VD = torch.zeros(weight_VD.shape, dtype=acc_dtype, device=weight_VD.device) if need_w else None
         grad_b_V = torch.zeros(weight_VD.shape[0], dtype=acc_dtype, device=weight_VD.device) if need_b else None
         n_pos, chunk = hidden_ND.shape[0], params["chunk"]
+        consts = _consts(params, teacher_head)
+        compiled = None
         for a in range(0, n_pos, chunk):
             b = min(a + chunk, n_pos)
-            s_CV, chain = _log_probs(hidden_ND[a:b], student_head, params["tau_s"])
-            t_CV, _ = _log_probs(teacher_hidden_NE[a:b], teacher_head, params["tau_t"])
-            _, g_CV = _chunk_value_and_grad(s_CV, t_CV.to(s_CV.dtype), params["kind"], params["beta"], True)
-            del s_CV, t_CV
-            g_CV = g_CV * chain * grad_N[a:b, None].to(g_CV.dtype)  # dL/draw
+            raw_s_CV = _raw(hidden_ND[a:b], student_head)
+            raw_t_CV = _raw(teacher_hidden_NE[a:b], teacher_head)
+            if compiled is None:
+                compiled = compiles_chunks(raw_s_CV.device, raw_s_CV.dtype)
+            rows = (raw_s_CV, raw_t_CV, grad_N[a:b])
+            g_CV = run_chunk(_grad_chunk, rows, consts, chunk=chunk, compiled=compiled)  # dL/draw
+            del raw_s_CV, raw_t_CV, rows
             if grad_h_ND is not None:
                 grad_h_ND[a:b] = (g_CV.to(weight_VD.dtype) @ weight_VD).to(hidden_ND.dtype)
             if grad_w_VD is not None:

@@ -1,5 +1,5 @@
 """The tool lab's models (`opd lab build OUT --only tools_teacher,tools_student`; `opd.lab.tools`): a teacher that
-uses the calculator well and a cold-started student that sometimes calls it, both fine-tuned by `opd sft` on
+uses the calculator well and a cold-started student that calls it but not yet well, both fine-tuned by `opd sft` on
 scripted calculator episodes from the shipped lab models moved onto the tool vocabulary, and measured by `opd eval`
 with and without the calculator on the tool lab's test set. configs/lab_tools.yaml distills the one from the other;
 the replication and its numbers: docs/lab.md, "A task that needs a tool".
@@ -40,8 +40,9 @@ TOOL_MODELS: dict[str, dict[str, Any]] = {
 }
 """What `opd lab build --only tools_teacher,tools_student` trains: `opd sft` (the lab's SFT recipe, these steps,
 batch and lr) on scripted calculator episodes (`opd.lab.tools.tool_examples`). The teacher is trained until it uses
-the tool on every problem; the student is a cold start: a few steps on a few hundred episodes, so that it calls the
-tool on some problems and not on others (the paper's SFT cold start, which tool-using OPD then builds on)."""
+the tool on every problem; the student is a cold start: a few steps on a few hundred episodes, after which it writes
+calls (miscopying the numbers; sampled, on about 60 % of the prompts) and ignores the tool's answer (the paper's SFT
+cold start, which tool-using OPD then builds on; docs/lab.md has the measurements)."""
 EVAL_MAX_NEW_TOKENS = 48
 """New tokens per episode in the tool lab's evals (a scripted episode's assistant text is ~20 tokens)."""
 

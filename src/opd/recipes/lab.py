@@ -38,6 +38,7 @@ from opd.lab.build import (
 from opd.models import fix_rope, load_model
 from opd.recipes.demo import accuracy
 from opd.recipes.eval import evaluate
+from opd.recipes.lab_tools import TOOL_MODELS, build_tool_model
 from opd.recipes.sft import SFTConfig, sft, sft_step
 from opd.recipes.sft import save as save_sft  # aliased: the SFT recipe's save and setup, beside the lab's own steps
 from opd.recipes.sft import setup as setup_sft
@@ -442,6 +443,7 @@ def build(
     device: str = "cpu",
     time_budget_s: float | None = None,
     threads: int | None = 1,
+    tool_steps: dict[str, int] | None = None,
     console: Any = None,
 ) -> Path:
     """Retrain the lab models into `out_dir` (teacher/, student/, rewrite_teacher/, specialist_add/,
@@ -452,11 +454,13 @@ def build(
     caps each model's SFT (set-up included) in wall seconds: it trains the steps that fit (`sft_within_budget`) and
     always saves, measures and records what it trained. The rewrite teacher and the MOPD specialists (`SPECIALIST`)
     start from the teacher this build trains, else from the shipped one; the specialists are also measured per
-    domain (`domain_accuracy`)."""
+    domain (`domain_accuracy`). The tool lab's models (`opd.recipes.lab_tools.TOOL_MODELS`: `tools_teacher`,
+    `tools_student`) are built only when `only` names them, for `tool_steps[name]` steps (default their plan's)."""
     names = list(only or MODELS)
-    unknown = [n for n in names if n not in MODELS]
+    known = MODELS + tuple(TOOL_MODELS)
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise ValueError(f"only: unknown lab model(s) {unknown or names}; choose from {', '.join(MODELS)}")
+        raise ValueError(f"only: unknown lab model(s) {unknown or names}; choose from {', '.join(known)}")
     if time_budget_s is not None and time_budget_s <= 0:
         raise ValueError(f"time_budget_s must be > 0 seconds, got {time_budget_s}")
     console = console or Console()
@@ -478,6 +482,19 @@ def build(
     )
     models: dict[str, dict] = {}
     for name in names:
+        if name in TOOL_MODELS:  # the tool lab (opd.recipes.lab_tools): built only when named
+            models[name] = build_tool_model(
+                name,
+                out_dir,
+                steps=tool_steps.get(name) if tool_steps else None,
+                sft_examples=sft_examples,
+                eval_limit=eval_limit,
+                seed=seed,
+                device=device,
+                time_budget_s=time_budget_s,
+                console=console,
+            )
+            continue
         teacher = out_dir / "teacher" if "teacher" in models else teacher_path()
         models[name] = build_one(
             name,

@@ -571,7 +571,8 @@ def lab_build_command(
     only: str | None = typer.Option(
         None,
         help="Comma-separated models to train: teacher, student, rewrite_teacher, specialist_add, "
-        "specialist_mul, teacher_pairs. [default: all six]",
+        "specialist_mul, teacher_pairs, and the tool lab's tools_teacher, tools_student (built only when named). "
+        "[default: the first six]",
     ),
     device: str = typer.Option("cpu", help="Where the models train and are measured: cpu, cuda, cuda:N."),
     time_budget: float | None = typer.Option(

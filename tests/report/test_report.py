@@ -15,6 +15,8 @@ import pytest
 import yaml
 from PIL import Image
 
+from features.test_distill_tools import _config as tool_run_config
+from features.test_distill_tools import tool_world  # noqa: F401  (the fixture: a student that calls the calculator)
 from helpers import distill_config, one_line, run_in_process, string_console
 from opd.io import read_jsonl
 from opd.recipes.distill import setup, train
@@ -421,3 +423,97 @@ def test_compile_seconds_per_step_restart_at_a_resume():
 
 def _points(values: list[float]) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(1, len(values) + 1), np.array(values)
+
+
+# --- runs with tools: the Episodes figure
+
+EPISODE_KEYS = {
+    "episode/turns_mean",
+    "episode/tool_calls_mean",
+    "episode/tool_errors",
+    "episode/sandbox_refusals",
+    "episode/tool_seconds",
+    "episode/tool_wall_seconds",
+    "episode/student_tokens_mean",
+    "episode/env_tokens_mean",
+    "episode/repeated_prefill_tokens",
+}
+
+
+def add_episodes(run: Path) -> None:
+    """What `opd distill rollout.tools=...` adds to each training line: the episode/* metrics (and a key a later
+    version might add)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if "grad_norm" in record:  # a training line
+            step = record["step"]
+            record.update(
+                {
+                    "episode/turns_mean": 1.5 + 0.1 * step,
+                    "episode/tool_calls_mean": 0.5 + 0.1 * step,
+                    "episode/tool_errors": float(step % 3 == 0),
+                    "episode/sandbox_refusals": float(step == 2),
+                    "episode/tool_seconds": 0.2,
+                    "episode/tool_wall_seconds": 0.1,
+                    "episode/student_tokens_mean": 40.0,
+                    "episode/env_tokens_mean": 12.0,
+                    "episode/repeated_prefill_tokens": 300.0,
+                    "episode/future_metric": 1.0,
+                }
+            )
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_a_run_with_tools_has_the_episodes_figure_and_no_episode_key_in_other(tmp_path):
+    """The episode/* metrics become the Episodes figure (turns and calls, errors and refusals, tool seconds against
+    the step's time, student vs environment tokens), none of them lands in "Other metrics", and the final table
+    shows the episodes' figures, tool errors and refusals summed over the run too; a run without tools has none."""
+    from opd.report.plots import _episode_panels
+
+    run = make_run_dir(tmp_path / "tools", steps=6, chunks=1, eval_every=3)
+    add_episodes(run)
+    plots = render_plots([RunSeries("tools", load_series(run))], tmp_path / "plots")
+    episodes = next(plot for plot in plots if plot.name == "episodes")
+    assert EPISODE_KEYS | {"episode/future_metric", "time/rollout", "time/step"} == set(episodes.keys)
+    other = {key for plot in plots if plot.name == "other" for key in plot.keys}
+    assert not {k for k in other if k.startswith("episode/")}, other
+    titles = [panel.title for panel in _episode_panels(set(load_series(run)))]
+    assert titles[:4] == [
+        "turns and tool calls per episode",
+        "tool errors and sandbox refusals (the step's episodes)",
+        "tool seconds against the step's time",
+        "student vs environment tokens per episode",
+    ]
+    html = write_report([run]).read_text()
+    images = embedded_images(html)
+    assert "episodes" in images and not is_blank(images["episodes"])
+    assert '<a href="#plot-episodes">Episodes</a>' in html
+    final = html[html.index('<table class="final">') :]
+    final = final[: final.index("</table>")]
+    for key in ("episode/turns_mean", "episode/tool_calls_mean", "episode/env_tokens_mean"):
+        assert f'<td class="key">{key}</td>' in final
+    assert '<td class="key">episode/tool_errors</td><td>1<span class="step">@6</span>' in final
+    assert "(2 over the run)</span>" in final  # errors at steps 3 and 6
+    assert "(1 over the run)</span>" in final  # the refusal at step 2
+
+    plain = make_run_dir(tmp_path / "plain", steps=6, chunks=1, eval_every=3)
+    html = write_report([plain]).read_text()
+    assert "episodes" not in embedded_images(html) and "episode/" not in html
+    timing_only = {"time/rollout": _points([1.0, 1.0]), "time/step": _points([2.0, 2.0])}
+    assert _episode_panels(set(timing_only)) == []  # the step's times alone are not an Episodes figure
+
+
+@pytest.mark.slow
+def test_a_real_tool_runs_report_shows_turns_and_tool_use(tool_world, tmp_path):  # noqa: F811 (the fixture)
+    """A real step of `opd distill rollout.tools=calculator` with a student that calls the calculator: its
+    metrics.jsonl has the episode metrics, and its report draws them in the Episodes figure, not in "other"."""
+    from opd.recipes.distill import distill
+
+    run = distill(tool_run_config(tool_world, tmp_path, student="tool_user", steps=1))
+    logged = {key for row in read_jsonl(run / "metrics.jsonl") for key in row}
+    assert EPISODE_KEYS <= logged
+    images = embedded_images(write_report([run]).read_text())
+    assert "episodes" in images and not is_blank(images["episodes"])
+    plots = render_plots([RunSeries("run", load_series(run))], tmp_path / "plots")
+    assert EPISODE_KEYS <= set(next(plot for plot in plots if plot.name == "episodes").keys)
+    assert not [k for plot in plots if plot.name == "other" for k in plot.keys if k.startswith("episode/")]

@@ -9,8 +9,10 @@ Uses matplotlib's object API on the Agg canvas: no pyplot, so no global backend 
 Where the time goes: one more figure stacks each step's phases (`time/*`: rollout, waits, teacher, student, update)
 per run, marks the seconds a step spent compiling and the warm-up before the first step (`compile/*`), and draws the
 share of the step's wall time a GPU kernel ran (`gpu/busy_frac`) where it was recorded: a slow phase shows without a
-profiler. Omitted: interactive plots (the report is static and self-contained), confidence bands across seeds (one
-curve per run directory).
+profiler. A run with tools (`episode/*` keys) gets an Episodes figure: turns and tool calls per episode, tool errors
+and sandbox refusals, tool seconds against the step's time, the student's and the environment's tokens.
+Omitted: interactive plots (the report is static and self-contained), confidence bands across seeds (one curve per
+run directory).
 """
 
 from __future__ import annotations
@@ -239,6 +241,46 @@ def _teacher_panels(available: set[str]) -> list[Panel]:
     return panels
 
 
+# the episode metrics (`opd.rollout.episodes.EpisodeOutput.metrics`, runs with rollout.tools) the Episodes panels draw;
+# any other `episode/*` key gets a panel of its own there
+EPISODE_PANELS = (
+    Panel(
+        "turns and tool calls per episode", ["episode/turns_mean", "episode/tool_calls_mean"], "per episode", "episode/"
+    ),
+    Panel(
+        "tool errors and sandbox refusals (the step's episodes)",
+        ["episode/tool_errors", "episode/sandbox_refusals"],
+        "calls",
+        "episode/",
+        smooth=False,
+    ),
+    Panel(
+        "tool seconds against the step's time",
+        ["episode/tool_seconds", "episode/tool_wall_seconds", "time/rollout", "time/step"],
+        "seconds",
+    ),
+    Panel(
+        "student vs environment tokens per episode",
+        ["episode/student_tokens_mean", "episode/env_tokens_mean"],
+        "tokens",
+        "episode/",
+        strip_end="_mean",
+    ),
+    Panel("context prefilled again at later turns", ["episode/repeated_prefill_tokens"], "tokens"),
+)
+EPISODE_KEYS = frozenset(k for panel in EPISODE_PANELS for k in panel.keys if k.startswith("episode/"))
+
+
+def _episode_panels(available: set[str]) -> list[Panel]:
+    """The Episodes panels of a run with tools (some `episode/*` key logged; none otherwise, so the step times
+    alone draw nothing here), then one per unknown `episode/*` key."""
+    if not any(k.startswith("episode/") for k in available):
+        return []
+    panels = _static(*EPISODE_PANELS)(available)
+    extra = sorted(k for k in available if k.startswith("episode/") and k not in EPISODE_KEYS)
+    return panels + [Panel(key, [key]) for key in extra]
+
+
 GROUPS: list[Group] = [
     Group(
         "accuracy",
@@ -321,6 +363,16 @@ GROUPS: list[Group] = [
         "",
     ),
     Group(
+        "episodes",
+        "Episodes",
+        _episode_panels,
+        "Runs with tools (rollout.tools): turns and tool calls per episode (means over the step's episodes); the "
+        "calls that failed (tool_errors, malformed calls included) and that the sandbox refused or stopped, summed "
+        "over the step; the tools' seconds (summed over calls, and the wall time the batch waited for them) against "
+        "the step's rollout phase and the whole step; the student's and the environment's tokens per episode (the "
+        "environment's are out of the loss); the context tokens the engine prefilled again at later turns.",
+    ),
+    Group(
         "teachers",
         "Per-teacher metrics",
         _teacher_panels,
@@ -345,7 +397,8 @@ CHUNK_GROUP = Group(
 )
 
 
-# keys some fixed group above draws; any other numeric key (not eval/, time/, teacher/ or a chunk) goes to "other"
+# keys some fixed group above draws; any other numeric key (not eval/, time/, episode/, teacher/ or a chunk) goes to
+# "other"
 CLAIMED = frozenset(
     {
         "overlap_ratio",
@@ -387,7 +440,7 @@ def _other_panels(available: set[str]) -> list[Panel]:
         k
         for k in available
         if k not in CLAIMED
-        and not k.startswith(("eval/", "time/"))
+        and not k.startswith(("eval/", "time/", "episode/"))  # episode/*: the Episodes group draws them all
         and not TEACHER_RE.match(k)
         and not CHUNK_RE.match(k)
     )

@@ -2,7 +2,8 @@
 
 The page holds, top to bottom: the run name(s) and their progress, a table of final numbers (last value of each
 headline metric; per benchmark the first eval → the last, i.e. before → after training, and the teacher's number
-where the run evaluated it), the routing table of a run with `teachers:` (its `teachers.json`: prompts per teacher,
+where the run evaluated it; a run with tools adds its episodes' turns, tool calls, errors and refusals, and tokens),
+the routing table of a run with `teachers:` (its `teachers.json`: prompts per teacher,
 route, placement, model), the config (collapsible YAML; for several runs also the keys whose
 values differ), the plot groups of `opd.report.plots` embedded as base64 PNG data URIs, and a few decoded rollouts of
 the newest `samples/step_N.jsonl`. The PNGs are also written to `plots/` beside the report. Everything is written
@@ -44,10 +45,18 @@ HEADLINE = [
     "skipped_steps",
     "response_length",
     "truncation_rate",
+    "episode/turns_mean",  # runs with tools (rollout.tools)
+    "episode/tool_calls_mean",
+    "episode/tool_errors",
+    "episode/sandbox_refusals",
+    "episode/student_tokens_mean",
+    "episode/env_tokens_mean",
     "time/step",
     "tokens_per_second",
     "lr",
 ]
+# per-step counts whose sum over the run the table shows beside the last step's (a refusal at step 3 stays in sight)
+RUN_TOTALS = ("episode/tool_errors", "episode/sandbox_refusals")
 SAMPLES_SHOWN = 3
 SAMPLE_CHARS = 3000
 
@@ -340,7 +349,7 @@ def _final_table(runs: list[RunData]) -> str:
     note = (
         '<div class="meta">last logged value of each metric (@ the step it was logged at); evals: before → '
         "after, the first eval (step 0: the model before training) → the last, and the teacher where the run "
-        "evaluated it.</div>"
+        "evaluated it; tool errors and sandbox refusals: the last step's, and their sum over the run.</div>"
     )
     return f'<table class="final">{"".join(lines)}</table>{note}'
 
@@ -356,6 +365,8 @@ def _final_cell(run: RunData, key: str) -> str:
         text = f'{_fmt(first[1])}<span class="step">@{first[0]}</span> → {text}'
     if key in run.references:
         text += f' <span class="ref">(teacher {_fmt(run.references[key])})</span>'
+    if key in RUN_TOTALS:
+        text += f' <span class="ref">({_fmt(float(run.series[key][1].sum()))} over the run)</span>'
     return f"<td>{text}</td>"
 
 

@@ -306,3 +306,11 @@ def test_on_device_keeps_one_host_copy_and_copies_nothing_back():
     assert all(h.dtype == torch.float64 for _, h in host_copies(teacher))
     with on_device(None, torch.device("cpu")), on_device(teacher, None):  # no-ops
         pass
+
+
+def test_the_console_line_shows_turns_and_calls_only_for_episodes():
+    from opd.recipes.distill import _console_line
+
+    line = _console_line(3, {"reward_mean": -0.25, "episode/turns_mean": 2.0, "episode/tool_calls_mean": 1.5})
+    assert line == "step 3 r -0.25 turns 2 calls 1.5"
+    assert "turns" not in _console_line(3, {"reward_mean": -0.25})

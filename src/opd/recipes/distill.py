@@ -220,6 +220,8 @@ def _console_line(step: int, m: dict) -> str:
         ("rollout_accuracy", "acc"),
         ("grad_norm", "|g|"),
         ("tokens_per_second", "tok/s"),
+        ("episode/turns_mean", "turns"),  # with rollout.tools
+        ("episode/tool_calls_mean", "calls"),
     ):
         if key in m and m[key] is not None:
             parts.append(f"{label} {m[key]:.3g}")

@@ -7,6 +7,10 @@
 - `opd distill rollout.tools=calculator` runs from the command line and writes the episode metrics; a run of 2 steps
   equals a run of 1 step resumed to 2, bit for bit (a tiny student trained to call the calculator, so its episodes
   have several turns);
+- a kill -9 while a step's episodes are in flight (a tool call unanswered), then `--resume`, equals a run never
+  killed: the weights bit for bit, every metric but the wall-clock ones, the episodes themselves;
+- `opd check`'s forecast samples the student's episodes with the run's environment and reports their turns,
+  tool calls and errors;
 - bad settings are refused in one line before any model loads (the python tool where the sandbox does not hold too).
 
 The scripted student (`helpers_tools.ScriptedModel`) stands in for the student's sampling only: the step under test
@@ -16,7 +20,9 @@ scores, grades and trains on what it wrote with the real tiny student and teache
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,14 +31,15 @@ import yaml
 from rich.console import Console
 from transformers import AutoModelForCausalLM
 
-from helpers import assert_same_weights, cli, dump, make_tiny_model, one_line, without_timing
+from helpers import assert_same_weights, cli, dump, kill9, make_tiny_model, one_line, start, wait_for, without_timing
 from helpers_tools import ScriptedModel, make_tool_tokenizer
 from opd.config import DistillConfig, build_config
-from opd.io import read_jsonl
+from opd.io import LOCK_FILE, read_jsonl
 from opd.recipes.distill import distill, setup
 from opd.tools.calls import prompt_ids as tool_prompt_ids
 from opd.tools.environments import load_environment
 from opd.tools.sandbox import ProbeResult, probe
+from opd.train.checkpoint import latest_checkpoint
 from opd.train.step import sample_rollouts, score_rollouts, step_metrics, step_targets, update_student
 
 QUESTIONS = [(3, 7), (4, 7), (5, 6), (6, 6)]
@@ -288,6 +295,101 @@ def test_distill_with_the_calculator_writes_episode_metrics_and_resumes_exactly(
     assert all(m["episode/tool_calls_mean"] > 0 and m["episode/turns_mean"] > 1 for m in mb), mb
     assert all(m["episode/env_tokens_mean"] > 0 for m in mb)
     assert yaml.safe_load((resumed / "config.yaml").read_text())["rollout"]["tools"] == "calculator"
+
+
+# ---------------------------------------------------------------------------- kill -9 with episodes in flight
+HOLD_ENVIRONMENT = """
+import os
+import time
+from pathlib import Path
+
+from opd.tools.environments import Calculator
+
+
+class HoldEpisode:
+    def __init__(self, episode):
+        self.episode, self.tools = episode, episode.tools
+
+    def answer(self, call):
+        hold = os.environ.get("OPD_TEST_HOLD")
+        if hold and (Path(hold) / "checkpoints" / "step_1").is_dir():
+            (Path(hold) / "episodes_in_flight").write_text(call.name)
+            while True:  # until kill -9
+                time.sleep(60)
+        return self.episode.answer(call)
+
+    @property
+    def done(self):
+        return self.episode.done
+
+    def close(self):
+        self.episode.close()
+
+
+class HoldCalculator:
+    def start(self, row):
+        return HoldEpisode(Calculator().start(row))
+
+    def describe(self):
+        return {"name": "calculator"}
+"""
+
+
+def test_kill9_with_episodes_in_flight_resumes_exactly(capsys, monkeypatch, tool_world, tmp_path):
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "opd_hold_env.py").write_text(HOLD_ENVIRONMENT)
+    monkeypatch.syspath_prepend(str(modules))  # this process's runs (the resume, the straight run)
+    monkeypatch.setenv("PYTHONPATH", f"{modules}:{os.environ.get('PYTHONPATH', '')}")
+    tools = "rollout.tools=opd_hold_env:HoldCalculator"
+    common = (tools, "run.save_every=1", "run.keep_last=null")
+    config = _config(tool_world, tmp_path / "a", *common, student="tool_user", steps=500)
+    yaml_path, run_dir, log = dump(config, tmp_path / "a.yaml"), tmp_path / "a" / "run", tmp_path / "a.log"
+
+    monkeypatch.setenv("OPD_TEST_HOLD", str(run_dir))
+    process = start(log, "distill", "--config", yaml_path)
+    monkeypatch.delenv("OPD_TEST_HOLD")
+    wait_for(process, (run_dir / "episodes_in_flight").is_file, log, "a tool call of step 2's episodes")
+    kill9(process)
+    assert latest_checkpoint(run_dir).name == "step_1" and [
+        m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")
+    ] == [1]
+
+    code, out, err = cli(capsys, "distill", "--config", yaml_path, "--resume", "run.steps=3")
+    assert code == 0 and "resumed from" in out and f"lock left by pid {process.pid}" in out, err
+    straight = distill(_config(tool_world, tmp_path / "b", *common, student="tool_user", steps=3))
+    assert_same_weights(straight / "checkpoints" / "step_3", run_dir / "checkpoints" / "step_3")
+    timing = ("episode/tool_seconds", "episode/tool_wall_seconds")
+
+    def same(m: dict) -> dict:
+        return {k: v for k, v in without_timing(m).items() if k not in timing}
+
+    ma, mb = read_jsonl(straight / "metrics.jsonl"), read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in mb] == [1, 2, 3] and [same(m) for m in ma] == [same(m) for m in mb]
+    assert all(m["episode/tool_calls_mean"] > 0 and m["episode/turns_mean"] > 1 for m in mb), mb
+    samples = [read_jsonl(d / "samples" / "step_2.jsonl") for d in (straight, run_dir)]
+    assert [s["episode"] for s in samples[0]] == [s["episode"] for s in samples[1]]
+    assert not (run_dir / LOCK_FILE).exists() and not list((run_dir / "checkpoints").glob(".*"))
+    assert "opd_hold_env" in sys.modules  # the runs of this process used the test's environment
+
+
+# ------------------------------------------------------------------------------------------------ opd check
+
+
+def test_opd_check_forecasts_from_the_students_episodes(capsys, tool_world, tmp_path):
+    config = _config(tool_world, tmp_path, student="tool_user")
+    out = tmp_path / "check"
+    args = ["--config", dump(config, tmp_path / "c.yaml"), "--out", out, "--n", "2", "--prompts-sample", "4"]
+    code, stdout, err = cli(capsys, "check", *args)
+    assert code in (0, 3), err
+    report = json.loads((out / "check.json").read_text())
+    values = report["forecast"]["values"]
+    assert values["tools"] == "calculator" and values["rollouts"] == 8
+    # the tool user's episodes: its calculator call, the answer, then its own words
+    assert values["episode_turns_mean"] > 1 and values["episode_tool_calls_mean"] > 0
+    assert values["episode_tool_errors_mean"] >= 0
+    row = next(r for r in report["results"] if r["name"] == "forecast")
+    assert "from episodes with tools=calculator" in row["detail"] and "tool calls" in row["detail"]
 
 
 # ------------------------------------------------------------------------------------------------ refusals

@@ -36,7 +36,14 @@ from typing import Any, cast
 import torch
 from rich.console import Console
 
-from opd.check.forecasting import CrossForecastScorer, ForecastThresholds, forecast, forecast_rows, sample_accuracy
+from opd.check.forecasting import (
+    CrossForecastScorer,
+    EpisodeSampling,
+    ForecastThresholds,
+    forecast,
+    forecast_rows,
+    sample_accuracy,
+)
 from opd.check.probes import cross_sample_texts
 from opd.check.report import (
     CHECKS,
@@ -748,6 +755,21 @@ def _forecast_group(
     sampled here, as `forecast` samples it, on its own rendering of those prompts."""
     data, teacher = config.data, config.teacher
     assert teacher is not None  # run_check refuses a config without a teacher
+    episodes = None
+    if config.rollout.tools is not None:  # the run's episodes, with the environment distill builds
+        from opd.train.episodes import rollout_environment
+
+        try:
+            environment = rollout_environment(config, tokenizer)
+        except ValueError as error:  # e.g. the python tool where the sandbox does not hold (the sandbox row says)
+            report.results.append(CheckResult("forecast", "skip", None, f"not run: {error}"))
+            return
+        if teacher_accuracy is not None:
+            report.results.append(
+                CheckResult("forecast", "skip", None, "not run: a cross-vocabulary teacher does not score episodes")
+            )
+            return
+        episodes = EpisodeSampling(config, environment)
     values = forecast(
         pair.student,
         pair.teacher if pair.teacher is not None else pair.teacher_scorer,
@@ -765,6 +787,7 @@ def _forecast_group(
         score_batch_tokens=config.score_batch_tokens,
         seed=config.run.seed,
         vocab_size=pair.vocab_size,
+        episodes=episodes,
     )
     if teacher_accuracy is not None and values["student_accuracy"] is not None:
         model, teacher_tokenizer, teacher_vocab, kept = teacher_accuracy

@@ -11,7 +11,7 @@ conversation after the prompt, tool answers included); `response` is the final t
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from opd.config import EvalConfig
 from opd.rollout import SamplingParams
@@ -23,7 +23,16 @@ from opd.tools.sandbox import probe
 TOOL_RECORD_KEYS = ("turns", "tool_calls", "tool_errors", "sandbox_refusals")
 
 
-def tool_environment(config: EvalConfig) -> Environment | None:
+class ToolSettings(Protocol):
+    """What builds an environment: eval's config, `opd rollout`'s, distill's `rollout` section."""
+
+    @property
+    def tools(self) -> str | None: ...
+    @property
+    def sandbox(self) -> str: ...
+
+
+def tool_environment(config: ToolSettings) -> Environment | None:
     """`config.tools` built (None without tools); the python tool only where `config.sandbox` holds here (probed).
     Raises ValueError with one line naming the key."""
     if config.tools is None:

@@ -205,23 +205,10 @@ class _Sample:
 
 def rollout_environment(config: RolloutConfig) -> Any:
     """`config.tools` built (None without tools); the python tool only where `config.sandbox` holds here (probed).
-    Raises ValueError with one line naming `tools`."""
-    if config.tools is None:
-        return None
-    from opd.tools.environments import load_environment
-    from opd.tools.sandbox import probe
+    Raises ValueError with one line naming `tools` (`opd.eval.tools.tool_environment`)."""
+    from opd.eval.tools import tool_environment
 
-    if config.tools == "python":
-        checked = probe(config.sandbox)
-        if not checked.ok:
-            hint = (
-                "; sandbox=rlimits-only (--sandbox rlimits-only) runs it with resource limits only, no isolation"
-                if config.sandbox == "namespaces"
-                else ""
-            )
-            raise ValueError(f"tools=python: the {config.sandbox} sandbox does not work here: {checked.reason}{hint}")
-        return load_environment("python", {"sandbox": config.sandbox}, key="tools")
-    return load_environment(config.tools, key="tools")
+    return tool_environment(config)
 
 
 def _template(config: RolloutConfig) -> dict[str, Any]:

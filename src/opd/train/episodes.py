@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import torch
 
-from opd.config import DistillConfig, EvalConfig
+from opd.config import DistillConfig
 from opd.data.templates import EncodedPrompts
 from opd.eval.tools import check_template, tool_environment
 from opd.rollout.base import GenerationOutput, Generator, SamplingParams
@@ -59,7 +59,7 @@ def rollout_environment(config: DistillConfig, tokenizer: Any, console: Any = No
     if spec.tools is None:
         return None
     try:
-        environment = cast(Environment, tool_environment(cast(EvalConfig, spec)))  # reads .tools and .sandbox
+        environment = cast(Environment, tool_environment(spec))
         check_template(tokenizer, environment, str(spec.tools))
     except ValueError as e:  # the eval's keys, as distill spells them
         message = str(e).replace("sandbox=rlimits-only (--sandbox rlimits-only)", "rollout.sandbox=rlimits-only")

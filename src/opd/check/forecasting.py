@@ -436,7 +436,7 @@ def _score_episodes(
     `on_scored` (`sums`, with the final turns to grade) and `sums.add_episodes`. Returns one stand-in per scored
     prompt (`skipped` None), which is all `forecast` reads of `score_prompts`' answer."""
     from opd.eval.prompt_scores import _scorers
-    from opd.train.episodes import final_turns, generate_episodes
+    from opd.train.episodes import generate_episodes
 
     encoded = _encode_episodes(episodes, tokenizer, prompts, max_prompt_length, enable_thinking, template)
     student_scorer, teacher_scorer, vocab_size = _scorers(student, teacher, tokenizer, score_batch_tokens)
@@ -464,7 +464,7 @@ def _score_episodes(
         teacher_scores = teacher_scorer.score(
             rollouts, top_k=top_k, requested_ids=student_scores.topk_ids, temperature=teacher_temperature
         )
-        sums.final_turns = final_turns(output)
+        sums.final_turns = output.final_turns()
         on_scored(list(batch), rollouts, student_scores, teacher_scores)
         sums.add_episodes(output)
     return [_Scored(None) for _ in encoded.prompts]
@@ -530,7 +530,7 @@ def sample_accuracy(
 ) -> float:
     """Mean correctness of n samples per prompt from `model` (the same sampling as the student's rollouts; with
     `episodes`, n episodes of the run's environment, their final turns graded)."""
-    from opd.train.episodes import final_turns, generate_episodes
+    from opd.train.episodes import generate_episodes
 
     if episodes is None:
         encoded = encode_prompts(
@@ -558,7 +558,7 @@ def sample_accuracy(
             rollouts, ran = generate_episodes(
                 episodes.config, generator, tokenizer, episodes.environment, batch, ids, params, device
             )
-            turns = final_turns(ran)
+            turns = ran.final_turns()
         correct += _grade(tokenizer, rollouts, [batch[g].answer for g in rollouts.group_ids.tolist()], turns)
     return sum(correct) / max(1, len(correct))
 

@@ -118,11 +118,10 @@ def sample_episodes(
     )
     out = result.output
     episodes = []
-    for b, (ids, mask) in enumerate(zip(out.response_ids, result.env_masks)):
-        last_env = max((i for i, is_env in enumerate(mask) if is_env), default=-1)
+    for b, (ids, mask, final) in enumerate(zip(out.response_ids, result.env_masks, result.final_turns())):
         episodes.append(
             {
-                "response": tokenizer.decode(ids[last_env + 1 :], skip_special_tokens=True),
+                "response": tokenizer.decode(final, skip_special_tokens=True),
                 "episode": tokenizer.decode(ids, skip_special_tokens=True),
                 "num_tokens": mask.count(False),
                 "truncated": out.finish_reasons[b] == "length",

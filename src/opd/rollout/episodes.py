@@ -58,6 +58,14 @@ class EpisodeOutput:
     describe: dict[str, Any] = field(default_factory=dict)
     sandbox_refusals: list[int] = field(default_factory=list)
 
+    def final_turns(self) -> list[list[int]]:
+        """Each episode's final turn: its tokens after the environment's last answer (what is graded)."""
+        turns = []
+        for ids, mask in zip(self.output.response_ids, self.env_masks):
+            last_env = max((i for i, is_env in enumerate(mask) if is_env), default=-1)
+            turns.append(list(ids[last_env + 1 :]))
+        return turns
+
     def metrics(self) -> dict[str, float]:
         """Per-step figures: means per episode, sums for the batch."""
         count = max(1, len(self.turns))

@@ -5,7 +5,7 @@ The rows an episode becomes (`episode_rollouts`) hold the prompt and everything 
 included; their `response_mask` is True on the student's tokens only. Every scorer (the student's, each teacher's, a
 reference's) therefore reads the whole episode as context and scores the student's tokens, and rewards, advantages,
 the loss and the length statistics, which all read the mask, leave the environment's tokens out. GRPO's outcome
-reward grades the final turn (`final_turns`): the student's text after the environment's last answer.
+reward grades the final turn (`EpisodeOutput.final_turns`): the student's text after the environment's last answer.
 
 Where the environment comes from: `tool_environment` of the tool eval (`opd.eval.tools`), which probes the python
 tool's sandbox before any model loads; its messages name `tools` and `--sandbox`, the eval's keys, and are given here
@@ -37,7 +37,6 @@ __all__ = [
     "CountedGenerator",
     "encode_with_tools",
     "episode_row",
-    "final_turns",
     "generate_episodes",
     "rollout_environment",
 ]
@@ -162,12 +161,3 @@ def generate_episodes(
                 f"setup rendered (the environment offered other tools); an environment's tools must be fixed per row"
             )
     return episode_rollouts(episodes, pad_id=tokenizer.pad_token_id, device=device), episodes
-
-
-def final_turns(episodes: EpisodeOutput) -> list[list[int]]:
-    """Each episode's final turn: its tokens after the environment's last answer (the answer GRPO grades)."""
-    turns = []
-    for ids, mask in zip(episodes.output.response_ids, episodes.env_masks):
-        last_env = max((i for i, is_env in enumerate(mask) if is_env), default=-1)
-        turns.append(list(ids[last_env + 1 :]))
-    return turns

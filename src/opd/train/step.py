@@ -43,7 +43,7 @@ from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
 from opd.train.common import autocast, timed
 from opd.train.compiles import CompileLog, compiled_graphs, describe_compiles
 from opd.train.distributed import all_reduce_sum, gathered, gathered_bytes, max_over_ranks, reduce_metrics
-from opd.train.episodes import EPISODE_SUMMED, CountedGenerator, final_turns, generate_episodes
+from opd.train.episodes import EPISODE_SUMMED, CountedGenerator, generate_episodes
 from opd.train.optim import adamw_state_bytes, clip_and_step
 from opd.train.overlap import AheadStream
 from opd.train.state import Batch, EngineCounts, Scores, Trainer, Update
@@ -715,7 +715,7 @@ def _grade_rollouts(tr: Trainer, batch: Batch) -> tuple[list[str], list[bool] | 
     rollouts = batch.rollouts
     answers = [tr.data.prompts[batch.indices[g]].answer for g in rollouts.group_ids.tolist()]
     if batch.episodes is not None:
-        texts, grades = grade_responses(tr.models.tokenizer, final_turns(batch.episodes), answers)
+        texts, grades = grade_responses(tr.models.tokenizer, batch.episodes.final_turns(), answers)
     else:
         texts, grades = grade_responses(
             tr.models.tokenizer, rollouts.response_ids, answers, lengths=rollouts.response_mask.sum(-1).tolist()

@@ -314,19 +314,15 @@ def _chunk_forward(hidden_CD, head, ids_CU, top_k, temperature, with_entropy, co
     return tuple(None if x is None else x[:rows] for x in out)
 
 
-def compiles_chunks(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether per-chunk functions run compiled for logits of `dtype` on `device` (`COMPILE`, CUDA, not float64)."""
-    return _compiles(device, dtype)
-
-
-def run_chunk(fn: Callable, row_args: tuple[torch.Tensor, ...], consts: tuple, *, chunk: int, compiled: bool):
-    """fn(*row_args, *consts) for one chunk: compiled (`torch.compile(dynamic=False)`, as this module's own chunk
-    functions) on the row arguments padded to the chunk's row bucket, so a step meets a handful of shapes and the
-    trainer's warm-up compiles them all (`warm_up_row_buckets`); eagerly when `compiled` is False or compiling fn
-    failed. `fn` is pure and row-wise; its tensor output(s) are returned for the real rows."""
+def run_chunk(fn: Callable, row_args: tuple[torch.Tensor, ...], consts: tuple, *, chunk: int):
+    """fn(*row_args, *consts) for one chunk whose first row argument is its raw logits: compiled where this module's
+    own chunk functions compile (`torch.compile(dynamic=False)` on CUDA), on the row arguments padded to the chunk's
+    row bucket, so a step meets a handful of shapes and the trainer's warm-up compiles them all
+    (`warm_up_row_buckets`); eagerly elsewhere or once compiling fn failed. `fn` is pure and row-wise; its tensor
+    output(s) are returned for the real rows."""
     rows = row_args[0].shape[0]
     out = None
-    if compiled:
+    if _compiles(row_args[0].device, row_args[0].dtype):
         padded = _bucket(rows, chunk)
         out = _compiled_call(fn, *(_pad_rows(a, padded) for a in row_args), *consts, chunk=chunk)
     if out is None:

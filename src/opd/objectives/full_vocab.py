@@ -29,7 +29,7 @@ from typing import Literal, cast
 
 import torch
 
-from opd.scoring import CHUNK_BYTES, OutputHead, _transform, compiles_chunks, run_chunk
+from opd.scoring import CHUNK_BYTES, OutputHead, _transform, run_chunk
 
 Divergence = Literal["reverse_kl", "forward_kl", "jsd"]
 DIVERGENCES: tuple[str, ...] = ("reverse_kl", "forward_kl", "jsd")
@@ -112,16 +112,11 @@ class _FullDivergence(torch.autograd.Function):
         dtype = torch.promote_types(hidden_ND.dtype, torch.float32)
         out_N = torch.zeros(n_pos, dtype=dtype, device=hidden_ND.device)
         consts = _consts(params, teacher_head)
-        compiled = None
         for a in range(0, n_pos, chunk):
             b = min(a + chunk, n_pos)
-            raw_s_CV = _raw(hidden_ND[a:b], student_head)
-            raw_t_CV = _raw(teacher_hidden_NE[a:b], teacher_head)
-            if compiled is None:
-                compiled = compiles_chunks(raw_s_CV.device, raw_s_CV.dtype)
-            rows = (raw_s_CV, raw_t_CV)
-            out_N[a:b] = run_chunk(_value_chunk, rows, consts, chunk=chunk, compiled=compiled)
-            del raw_s_CV, raw_t_CV, rows
+            rows = (_raw(hidden_ND[a:b], student_head), _raw(teacher_hidden_NE[a:b], teacher_head))
+            out_N[a:b] = run_chunk(_value_chunk, rows, consts, chunk=chunk)
+            del rows
         ctx.save_for_backward(hidden_ND, weight_VD, bias_V, teacher_hidden_NE)
         ctx.teacher_head, ctx.params = teacher_head, params
         return out_N
@@ -139,16 +134,11 @@ class _FullDivergence(torch.autograd.Function):
         grad_b_V = torch.zeros(weight_VD.shape[0], dtype=acc_dtype, device=weight_VD.device) if need_b else None
         n_pos, chunk = hidden_ND.shape[0], params["chunk"]
         consts = _consts(params, teacher_head)
-        compiled = None
         for a in range(0, n_pos, chunk):
             b = min(a + chunk, n_pos)
-            raw_s_CV = _raw(hidden_ND[a:b], student_head)
-            raw_t_CV = _raw(teacher_hidden_NE[a:b], teacher_head)
-            if compiled is None:
-                compiled = compiles_chunks(raw_s_CV.device, raw_s_CV.dtype)
-            rows = (raw_s_CV, raw_t_CV, grad_N[a:b])
-            g_CV = run_chunk(_grad_chunk, rows, consts, chunk=chunk, compiled=compiled)  # dL/draw
-            del raw_s_CV, raw_t_CV, rows
+            rows = (_raw(hidden_ND[a:b], student_head), _raw(teacher_hidden_NE[a:b], teacher_head), grad_N[a:b])
+            g_CV = run_chunk(_grad_chunk, rows, consts, chunk=chunk)  # dL/draw
+            del rows
             if grad_h_ND is not None:
                 grad_h_ND[a:b] = (g_CV.to(weight_VD.dtype) @ weight_VD).to(hidden_ND.dtype)
             if grad_w_VD is not None:

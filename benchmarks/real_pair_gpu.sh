@@ -24,7 +24,13 @@
 #                                                   plain-text boxed template, WAVE_X51_STEPS steps, default 20), each
 #                                                   with MATH-500 at its end; WAVE_EVAL0=0 skips the step-0
 #                                                   evaluations, WAVE_EVAL=0 the runs' own, WAVE_W52_STEPS (40) sets
-#                                                   W52A's and W52B's steps (a short budget: steps and memory only)
+#                                                   W52A's and W52B's steps (a short budget: steps and memory only);
+#                                                   WAVE_RUNS picks and orders the runs (default "W52A W52B X51"),
+#                                                   among them S52S, S52H and S52F: the teacher served on loopback
+#                                                   (`opd serve-teacher` on the same GPU), top-16 with answer=scores,
+#                                                   top-16 with answer=hidden, full_reverse_kl (hidden), each
+#                                                   WAVE_S52_STEPS (8) steps without an evaluation
+#   bash benchmarks/real_pair_gpu.sh sandbox        the sandbox's probe on this host, and the boot's whole stderr
 #   bash benchmarks/real_pair_gpu.sh status         the logs' tails and the GPU's use
 #   bash benchmarks/real_pair_gpu.sh hold SECONDS   sleep, then status, and pack the logs and each run's metrics,
 #                                                   config and evaluations into $OUT/rp.tgz (one file: what comes
@@ -48,6 +54,13 @@ background() {  # name, command...: run in a new session, log to $RP/name.log
 }
 wait_for_models() { until [ -d "$RP/student-hf" ] && [ -d "$RP/teacher-hf" ]; do sleep 2; done; }
 wait_for() { until [ -d "$RP/$1" ]; do sleep 2; done; }
+serve_teacher() {  # once: `opd serve-teacher` of the teacher on this GPU at 127.0.0.1:8765, waited for
+    pgrep -f "serve-teacher" >/dev/null || background serve "${opd[@]}" serve-teacher --model "$RP/teacher-hf" --device cuda
+    until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8765/info', timeout=2)" 2>/dev/null; do
+        sleep 2
+    done
+    echo "teacher served from $(date +%s)"
+}
 run=(-c configs/opd_qwen2.5_coder_0.5b_from_1.5b_4k.yaml student.path="$RP/student-hf" teacher.path="$RP/teacher-hf"
     data.path="${DATA:-$RP/dapo-math-17k.parquet}" "eval.benchmarks=[math500]" run.out_dir="$RP/runs"
     run.eval_at_start=false rollout.batch_size=512)  # A and B differ in rollout.partial alone
@@ -125,19 +138,43 @@ PY
         wait_for gemma-hf
         steps=${WAVE_W52_STEPS:-40} xsteps=${WAVE_X51_STEPS:-20} noeval=()
         [ "$WAVE_EVAL" = 0 ] && noeval=("eval.benchmarks=[]")
-        for r in W52A W52B X51; do
+        for r in ${WAVE_RUNS:-W52A W52B X51}; do
             case $r in
                 W52A) extra=(run.name=w52-topk16 run.steps=$steps run.eval_every=$((steps * WAVE_EVAL))) ;;
                 W52B) extra=(run.name=w52-full-rkl objective.loss=full_reverse_kl run.steps=$steps
                     run.eval_every=$((steps * WAVE_EVAL))) ;;
                 X51) extra=(student.path="$RP/gemma-hf" teacher.tokenizer=cross run.name=x51-gemma-cross
                     run.steps=$xsteps run.eval_every=$((xsteps * WAVE_EVAL))) ;;
+                S52S | S52H | S52F)  # the teacher served on loopback (started once, on the same GPU), no evaluation
+                    serve_teacher
+                    answer=$([ $r = S52S ] && echo scores || echo hidden)
+                    extra=(teacher.path=null teacher.url=http://127.0.0.1:8765 teacher.answer=$answer
+                        run.name=s52-served-${answer}$([ $r = S52F ] && echo -full-rkl)
+                        run.steps=${WAVE_S52_STEPS:-8} run.eval_every=100 "eval.benchmarks=[]")
+                    [ $r = S52F ] && extra+=(objective.loss=full_reverse_kl) ;;
             esac
             echo "run $r from $(date +%s) for $(left) s"
             timeout -s TERM "$(left)" "${opd[@]}" distill "${run[@]}" "${short[@]}" "${extra[@]}" "${noeval[@]}" "${@:3}" \
                 >"$RP/run-$r.log" 2>&1
             echo "run $r ended at $(date +%s): exit status $? (124: stopped at the end time)"
-        done ;;
+        done
+        pkill -f "serve-teacher" || true ;;
+    sandbox)  # why the namespaces sandbox starts or not on this host: the probe, then the boot's whole stderr
+        id; uname -r; cat /proc/sys/user/max_user_namespaces 2>&1; which unshare setpriv mount pivot_root
+        for d in / /usr /tmp /proc /dev "$(python3 -c 'import sys; print(sys.prefix)')" "$PWD"; do
+            findmnt -no TARGET,FSTYPE,OPTIONS -T "$d" | cut -c1-200
+        done
+        awk '$5 ~ "^/proc/"' /proc/self/mountinfo | head -20  # a masked /proc makes a new proc mount fail
+        python3 - <<'PY'
+import sys, tempfile
+from opd.tools.sandbox import Sandbox, SandboxLimits, probe
+print(probe())
+with tempfile.TemporaryDirectory() as work:
+    r = Sandbox(mode="namespaces", limits=SandboxLimits(cpu_seconds=10, wall_seconds=30)).run_python("print(1)", work)
+    print("exit", r.exit_code, r.killed, "stdout", r.stdout[-400:], "stderr", r.stderr[-2000:], sep="\n")
+print(sys.prefix, sys.base_prefix)
+PY
+        ;;
     status)
         for f in "$RP"/*.log; do [ -e "$f" ] && { echo "== $f"; tail -c 1200 "$f"; echo; }; done
         nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv 2>/dev/null || true ;;
@@ -151,5 +188,5 @@ PY
         (cd "$RP" && tar czf "$OUT/rp.tgz.tmp" $(ls -d *.log *.cmd runs/*/metrics.jsonl runs/*/config.yaml runs/*/eval \
             eval0 eval0-* 2>/dev/null) && mv "$OUT/rp.tgz.tmp" "$OUT/rp.tgz")
         true ;;
-    *) echo "unknown verb $1 (receive, join, eval, A, B, AB, status, hold)"; exit 2 ;;
+    *) echo "unknown verb $1 (receive, join, eval, A, B, AB, wave, sandbox, status, hold)"; exit 2 ;;
 esac

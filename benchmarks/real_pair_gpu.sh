@@ -135,7 +135,7 @@ PY
                 >"$RP/eval0-gemma.log" 2>&1
         fi
         wait_for_models
-        wait_for gemma-hf
+        case " ${WAVE_RUNS:-X51} " in *" X51 "*) wait_for gemma-hf ;; esac
         steps=${WAVE_W52_STEPS:-40} xsteps=${WAVE_X51_STEPS:-20} noeval=()
         [ "$WAVE_EVAL" = 0 ] && noeval=("eval.benchmarks=[]")
         for r in ${WAVE_RUNS:-W52A W52B X51}; do

@@ -82,7 +82,7 @@ def default_chunk_size(vocab_size: int, dtype: torch.dtype = torch.float32) -> i
 # per-chunk functions: pure, row-wise, over the raw logits in the model dtype (compiled on CUDA, see docs/design.md)
 
 
-def _transform(raw: torch.Tensor, scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
+def head_transform(raw: torch.Tensor, scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
     """z = softcap(scale · raw) / temperature in the compute dtype (float32, or float64 for float64 raw)."""
     z = raw.to(torch.promote_types(raw.dtype, torch.float32))
     if scale != 1.0:
@@ -95,11 +95,11 @@ def _transform(raw: torch.Tensor, scale: float, softcap: float | None, temperatu
 
 
 def _forward_chunk(raw_aligned, ids_CU, top_k, scale, softcap, temperature, with_entropy, vocab_size):
-    """Row statistics of z = `_transform(raw_CV)` with raw_CV = raw_aligned[:, :vocab_size] (raw_aligned: [C, ≥ V],
+    """Row statistics of z = `head_transform(raw_CV)` with raw_CV = raw_aligned[:, :vocab_size] (raw_aligned: [C, ≥ V],
     the matmul ran over an aligned row count, see `_aligned_rows`): (lse_C, entropy_C or None, log-probs at ids_CU
     [C, U], top-k ids [C, K] and log-probs [C, K] descending, or None when top_k = 0), all in the compute dtype."""
     raw_CV = raw_aligned[:, :vocab_size]
-    x_CV = _transform(raw_CV, scale, softcap, temperature)
+    x_CV = head_transform(raw_CV, scale, softcap, temperature)
     max_C1 = x_CV.amax(dim=-1, keepdim=True)
     x_CV = x_CV - max_C1  # ≤ 0, so exp never overflows; log p = x - log S with S = Σ exp(x) ∈ [1, V]
     exp_CV = x_CV.exp()
@@ -111,11 +111,11 @@ def _forward_chunk(raw_aligned, ids_CU, top_k, scale, softcap, temperature, with
     # Gathers and top-k read the raw logits and transform only what they pick. z is monotone in raw (non-decreasing
     # for scale > 0 and any cap, temperature > 0; non-increasing for scale < 0), so the top-k of raw are the top-k
     # of z and of log p: same values, ids equal up to ties.
-    lp_CU = _transform(raw_CV.gather(1, ids_CU), scale, softcap, temperature) - lse_C1
+    lp_CU = head_transform(raw_CV.gather(1, ids_CU), scale, softcap, temperature) - lse_C1
     topk_ids_CK = topk_lp_CK = None
     if top_k:
         values_CK, topk_ids_CK = _piece_topk(raw_CV, top_k, largest=scale >= 0)  # sorted: z descending
-        topk_lp_CK = _transform(values_CK, scale, softcap, temperature) - lse_C1
+        topk_lp_CK = head_transform(values_CK, scale, softcap, temperature) - lse_C1
     return lse_C1[:, 0], entropy_C, lp_CU, topk_ids_CK, topk_lp_CK
 
 
@@ -155,7 +155,7 @@ def _grad_chunk(raw_CV, ids_CJ, lse_C, entropy_C, grad_lp_CJ, grad_entropy_C, sc
     coeff_C1 = torch.zeros_like(lse_C[:, None]) if grad_lp_CJ is None else -grad_lp_CJ.to(cd).sum(1, keepdim=True)
 
     def grad_of(raw, onehot):  # elementwise in the vocabulary dimension: the same math for [C, V] and [C, J]
-        z = _transform(raw, scale, softcap, temperature)
+        z = head_transform(raw, scale, softcap, temperature)
         chain = scale / temperature
         if softcap is not None:  # d(c·tanh(x/c))/dx = 1 - tanh² = 1 - (capped / c)², and capped = z · temperature
             chain = (1 - (z * (temperature / softcap)) ** 2) * chain

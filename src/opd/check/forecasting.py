@@ -435,11 +435,11 @@ def _score_episodes(
     (seeded as `score_prompts` seeds its batches), scored by both models as one step scores episodes, into
     `on_scored` (`sums`, with the final turns to grade) and `sums.add_episodes`. Returns one stand-in per scored
     prompt (`skipped` None), which is all `forecast` reads of `score_prompts`' answer."""
-    from opd.eval.prompt_scores import _scorers
+    from opd.eval.prompt_scores import scorer_pair
     from opd.train.episodes import generate_episodes
 
     encoded = _encode_episodes(episodes, tokenizer, prompts, max_prompt_length, enable_thinking, template)
-    student_scorer, teacher_scorer, vocab_size = _scorers(student, teacher, tokenizer, score_batch_tokens)
+    student_scorer, teacher_scorer, vocab_size = scorer_pair(student, teacher, tokenizer, score_batch_tokens)
     generator = make_generator(student, tokenizer, max_batch_size=batch_size * n, vocab_size=vocab_size)
     device = next(student.parameters()).device
     for index, start in enumerate(range(0, len(encoded.prompts), batch_size)):

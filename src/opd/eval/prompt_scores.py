@@ -164,7 +164,7 @@ def score_prompts(
     too_long = _too_long(prompts, {p.id for p in encoded.prompts}, skip, max_prompt_length)
     if too_long and on_batch is not None:
         on_batch(too_long)
-    student_scorer, teacher_scorer, vocab_size = _scorers(student, teacher, tokenizer, score_batch_tokens)
+    student_scorer, teacher_scorer, vocab_size = scorer_pair(student, teacher, tokenizer, score_batch_tokens)
     if generator is None:
         generator = make_generator(student, tokenizer, max_batch_size=batch_size * n, vocab_size=vocab_size)
     device = next(student.parameters()).device
@@ -226,7 +226,7 @@ def _check_arguments(*, n: int, top_k: int, temperature: float, teacher_temperat
             raise ValueError(f"score_prompts: {name} must be {legal}, got {value!r}")
 
 
-def _scorers(
+def scorer_pair(
     student: torch.nn.Module, teacher: torch.nn.Module | TeacherScorer, tokenizer: Any, score_batch_tokens: int
 ) -> tuple[TeacherScorer, TeacherScorer, int]:
     """The student's and the teacher's scorers (`LocalScorer` for a model, a `TeacherScorer` as it is) and the

@@ -4,7 +4,7 @@ positions ever exists, forward or backward (the `opd.scoring.CHUNK_BYTES` budget
 
 Notation: `N` positions, `D` / `E` the student's / teacher's hidden size, `V` the shared vocabulary range, `C`
 positions per chunk; p = softmax(z_S), q = softmax(z_T), s = log p, t = log q, logits as the heads compute them
-(`opd.scoring._transform`: `softcap(scale · (h Wᵀ + b)) / τ`, matmul in the model's dtype, the rest in float32).
+(`opd.scoring.head_transform`: `softcap(scale · (h Wᵀ + b)) / τ`, matmul in the model's dtype, the rest in float32).
 
     reverse_kl   KL(p ‖ q) = Σ p (s − t)                     dL/dz_S = p ⊙ (s − t − KL)
     forward_kl   KL(q ‖ p) = Σ q (t − s)                     dL/dz_S = p − q
@@ -29,7 +29,7 @@ from typing import Literal, cast
 
 import torch
 
-from opd.scoring import CHUNK_BYTES, OutputHead, _transform, run_chunk
+from opd.scoring import CHUNK_BYTES, OutputHead, head_transform, run_chunk
 
 Divergence = Literal["reverse_kl", "forward_kl", "jsd"]
 DIVERGENCES: tuple[str, ...] = ("reverse_kl", "forward_kl", "jsd")
@@ -79,16 +79,16 @@ def _raw(hidden_CD: torch.Tensor, head: OutputHead) -> torch.Tensor:
 
 def _value_chunk(raw_s_CV, raw_t_CV, scale_s, softcap_s, tau_s, scale_t, softcap_t, tau_t, kind, beta):
     """[C] divergence of one chunk from the two heads' raw logits (pure, row-wise: compiled on CUDA)."""
-    s_CV = torch.log_softmax(_transform(raw_s_CV, scale_s, softcap_s, tau_s), dim=-1)
-    t_CV = torch.log_softmax(_transform(raw_t_CV, scale_t, softcap_t, tau_t), dim=-1).to(s_CV.dtype)
+    s_CV = torch.log_softmax(head_transform(raw_s_CV, scale_s, softcap_s, tau_s), dim=-1)
+    t_CV = torch.log_softmax(head_transform(raw_t_CV, scale_t, softcap_t, tau_t), dim=-1).to(s_CV.dtype)
     return _chunk_value_and_grad(s_CV, t_CV, kind, beta, False)[0]
 
 
 def _grad_chunk(raw_s_CV, raw_t_CV, grad_C, scale_s, softcap_s, tau_s, scale_t, softcap_t, tau_t, kind, beta):
     """dL/draw_S [C, V] of one chunk, in the compute dtype, times the incoming `grad_C` (pure, row-wise)."""
-    z_CV = _transform(raw_s_CV, scale_s, softcap_s, tau_s)
+    z_CV = head_transform(raw_s_CV, scale_s, softcap_s, tau_s)
     s_CV = torch.log_softmax(z_CV, dim=-1)
-    t_CV = torch.log_softmax(_transform(raw_t_CV, scale_t, softcap_t, tau_t), dim=-1).to(s_CV.dtype)
+    t_CV = torch.log_softmax(head_transform(raw_t_CV, scale_t, softcap_t, tau_t), dim=-1).to(s_CV.dtype)
     g_CV = cast(torch.Tensor, _chunk_value_and_grad(s_CV, t_CV, kind, beta, True)[1])
     chain: torch.Tensor | float = scale_s / tau_s
     if softcap_s is not None:  # d(c·tanh(x/c))/dx = 1 − tanh², tanh = capped / c, capped = z · τ

@@ -29,7 +29,7 @@ CHUNK_BYTES = 1 << 30
 C = CHUNK_BYTES // (V · itemsize), i.e. 3,533 positions for V = 151,936 in bf16 (1,766 in float32).
 Peak extra memory of a chunk is about 2× this (~2 GiB), whatever N is: the logits plus at most one more buffer of the
 same size (compiled, backward only: the logits' gradient in the model dtype; eagerly: float32 temporaries of row
-slices). The weight gradient adds a `[V, D]` float32 accumulator when the weight is bf16/fp16 (see `_add_outer`)."""
+slices). The weight gradient adds a `[V, D]` float32 accumulator when the weight is bf16/fp16 (see `add_outer`)."""
 
 COMPILE = True
 """Run the per-chunk functions through `torch.compile(dynamic=False)` on CUDA. False = always eager (same results to
@@ -330,7 +330,7 @@ def run_chunk(fn: Callable, row_args: tuple[torch.Tensor, ...], consts: tuple, *
     return out[:rows] if isinstance(out, torch.Tensor) else tuple(x[:rows] for x in out)
 
 
-def _add_outer(acc_VD: torch.Tensor, g_CV: torch.Tensor, h_CD: torch.Tensor, slice_of_chunk: bool) -> None:
+def add_outer(acc_VD: torch.Tensor, g_CV: torch.Tensor, h_CD: torch.Tensor, slice_of_chunk: bool) -> None:
     """acc_VD += g_CVᵀ h_CD, accumulated in acc's dtype. In place when the dtypes agree; else (bf16 g, float32
     accumulator) through `addmm(out_dtype=)` where the backend has it (CUDA, recent torch); else for an eager row
     slice by upcasting it (small, and the many slices' sum must not be rounded to bf16 slice by slice); else via a
@@ -479,7 +479,7 @@ class _CandidateLogprobs(torch.autograd.Function):
     logits at a time, in the model dtype, plus at most one more buffer of that size (the logits' gradient g in the
     model dtype; eagerly, float32 temporaries of row slices and g's slice), never `[N, V]`. The weight gradient is
     accumulated in float32: in the gradient itself for float32 weights, in a `[V, D]` float32 accumulator for
-    bf16/fp16 ones (plus a `[V, D]` product per chunk where `addmm(out_dtype=)` is missing, see `_add_outer`). The
+    bf16/fp16 ones (plus a `[V, D]` product per chunk where `addmm(out_dtype=)` is missing, see `add_outer`). The
     price is one extra head matmul per chunk (4 instead of 3 for forward + backward), small next to the model body.
     """
 
@@ -580,7 +580,7 @@ class _CandidateLogprobs(torch.autograd.Function):
                     if grad_h_ND is not None:
                         grad_h_ND[r0:r1] = g_CV @ weight_mm
                     if grad_w_VD is not None:
-                        _add_outer(grad_w_VD, g_CV, hidden_mm[r0:r1], slice_of_chunk=out is None)
+                        add_outer(grad_w_VD, g_CV, hidden_mm[r0:r1], slice_of_chunk=out is None)
                     if grad_b_V is not None:
                         grad_b_V += g_CV.sum(0, dtype=acc_dtype)
                 del g_CV, g_ids_CJ  # before the next slice's (or chunk's) buffers exist

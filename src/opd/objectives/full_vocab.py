@@ -29,7 +29,7 @@ from typing import Literal, cast
 
 import torch
 
-from opd.scoring import CHUNK_BYTES, OutputHead, head_transform, run_chunk
+from opd.scoring import CHUNK_BYTES, OutputHead, add_outer, head_transform, run_chunk
 
 Divergence = Literal["reverse_kl", "forward_kl", "jsd"]
 DIVERGENCES: tuple[str, ...] = ("reverse_kl", "forward_kl", "jsd")
@@ -85,7 +85,9 @@ def _value_chunk(raw_s_CV, raw_t_CV, scale_s, softcap_s, tau_s, scale_t, softcap
 
 
 def _grad_chunk(raw_s_CV, raw_t_CV, grad_C, scale_s, softcap_s, tau_s, scale_t, softcap_t, tau_t, kind, beta):
-    """dL/draw_S [C, V] of one chunk, in the compute dtype, times the incoming `grad_C` (pure, row-wise)."""
+    """dL/draw_S [C, V] of one chunk times the incoming `grad_C`, computed in the compute dtype and returned in the raw
+    logits' (the head matmul's: bf16 under autocast, so that the two gradient GEMMs run on bf16 tensor cores, as
+    `opd.scoring`'s top-k backward does) (pure, row-wise)."""
     z_CV = head_transform(raw_s_CV, scale_s, softcap_s, tau_s)
     s_CV = torch.log_softmax(z_CV, dim=-1)
     t_CV = torch.log_softmax(head_transform(raw_t_CV, scale_t, softcap_t, tau_t), dim=-1).to(s_CV.dtype)
@@ -93,7 +95,7 @@ def _grad_chunk(raw_s_CV, raw_t_CV, grad_C, scale_s, softcap_s, tau_s, scale_t, 
     chain: torch.Tensor | float = scale_s / tau_s
     if softcap_s is not None:  # d(c·tanh(x/c))/dx = 1 − tanh², tanh = capped / c, capped = z · τ
         chain = (1 - (z_CV * (tau_s / softcap_s)) ** 2) * chain
-    return g_CV * chain * grad_C[:, None].to(g_CV.dtype)
+    return (g_CV * chain * grad_C[:, None].to(g_CV.dtype)).to(raw_s_CV.dtype)
 
 
 def _consts(params: dict, teacher_head: OutputHead) -> tuple:
@@ -134,17 +136,25 @@ class _FullDivergence(torch.autograd.Function):
         grad_b_V = torch.zeros(weight_VD.shape[0], dtype=acc_dtype, device=weight_VD.device) if need_b else None
         n_pos, chunk = hidden_ND.shape[0], params["chunk"]
         consts = _consts(params, teacher_head)
+        # The gradient GEMMs run in the raw logits' dtype (the model's, or autocast's: W and h cast once here, as
+        # autocast would per call) with autocast off, accumulating in float32: a float32 GEMM of [V, C] × [C, D] per
+        # chunk and model was most of this backward's time on an H100.
+        mm_dtype = None
         for a in range(0, n_pos, chunk):
             b = min(a + chunk, n_pos)
             rows = (_raw(hidden_ND[a:b], student_head), _raw(teacher_hidden_NE[a:b], teacher_head), grad_N[a:b])
-            g_CV = run_chunk(_grad_chunk, rows, consts, chunk=chunk)  # dL/draw
+            g_CV = run_chunk(_grad_chunk, rows, consts, chunk=chunk)  # dL/draw, in the raw logits' dtype
             del rows
-            if grad_h_ND is not None:
-                grad_h_ND[a:b] = (g_CV.to(weight_VD.dtype) @ weight_VD).to(hidden_ND.dtype)
-            if grad_w_VD is not None:
-                grad_w_VD.addmm_(g_CV.T.to(acc_dtype), hidden_ND[a:b].to(acc_dtype))
-            if grad_b_V is not None:
-                grad_b_V += g_CV.sum(0).to(acc_dtype)
+            if mm_dtype is None:
+                mm_dtype = g_CV.dtype
+                weight_mm, hidden_mm = weight_VD.to(mm_dtype), hidden_ND.to(mm_dtype)
+            with torch.autocast(device_type=hidden_ND.device.type, enabled=False):
+                if grad_h_ND is not None:
+                    grad_h_ND[a:b] = (g_CV @ weight_mm).to(hidden_ND.dtype)
+                if grad_w_VD is not None:
+                    add_outer(grad_w_VD, g_CV, hidden_mm[a:b], slice_of_chunk=False)
+                if grad_b_V is not None:
+                    grad_b_V += g_CV.sum(0, dtype=acc_dtype)
             del g_CV
         if grad_w_VD is not None:
             grad_w_VD = grad_w_VD.to(weight_VD.dtype)

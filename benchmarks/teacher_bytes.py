@@ -3,7 +3,7 @@ any-ids (16 requested log-probs), hidden states (bf16, the head fetched once) an
 loopback HTTP (`opd serve-teacher`'s app in a thread of this process), in one run and one table.
 
     python benchmarks/teacher_bytes.py                       # CPU, a random-weight Qwen3 of V = 32,768, E = 256
-    python benchmarks/teacher_bytes.py --vocab 151936 --hidden 1536 --device cuda
+    python benchmarks/teacher_bytes.py --vocab 151936 --hidden 1536 --device cuda --dtype bfloat16 --batch 64
 
 Rows (measured): `B/position` is the encoded answer on the wire (`opd.teacher.wire`), `positions/s` a whole
 `score` call (forward, head, wire) over `--batch` rows, the median of `--repeats`. Full logits have no route (that is
@@ -52,22 +52,23 @@ class _Vocab:
         return {f"<t{i}>": i for i in range(self.size)}
 
 
-def build(vocab: int, hidden: int, device: torch.device) -> torch.nn.Module:
+def build(vocab: int, hidden: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    heads = max(2, hidden // 128)  # the real teachers' 128-dim heads (E 1,536: 12; Qwen3-4B's E 2,560: 20 here)
     config = Qwen3Config(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=heads,
         num_key_value_heads=2,
-        head_dim=hidden // 4,
+        head_dim=hidden // heads,
         tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    return Qwen3ForCausalLM(config).to(device).eval().requires_grad_(False)
+    return Qwen3ForCausalLM(config).to(device, dtype).eval().requires_grad_(False)
 
 
 def rollouts(batch: int, prompt: int, response: int, vocab: int, device: torch.device) -> Rollouts:
@@ -88,8 +89,12 @@ def timed(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # a call's GPU work is inside its time, not the next one's
         start = time.perf_counter()
         fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -128,11 +133,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--response-len", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the teacher's weights")
     args = parser.parse_args(argv)
     from opd.teacher.client import RemoteScorer
 
     device = torch.device(args.device)
-    model = build(args.vocab, args.hidden, device)
+    model = build(args.vocab, args.hidden, device, getattr(torch, args.dtype))
     local = LocalScorer(model, vocab_size=args.vocab, max_tokens_per_batch=1 << 16)
     batch = rollouts(args.batch, args.prompt_len, args.response_len, args.vocab, device)
     positions = int(batch.response_mask.sum())

@@ -34,7 +34,7 @@ dtype = getattr(torch, parts["dtype"])
 with persisted(parts, root=Path(sys.argv[1])) as report:
     x, w = torch.randn(4, 8, dtype=dtype), torch.randn(8, 8, dtype=dtype)
     torch.compile(body, dynamic=False)(x, w)
-names = ("key", "loaded", "saved", "graphs", "fx_hits", "fx_misses")
+names = ("key", "loaded", "saved", "graphs", "fx_hits", "fx_misses", "dynamo_seconds", "backend_seconds")
 print(json.dumps({name: getattr(report, name) for name in names}))
 """
 
@@ -60,6 +60,7 @@ def test_a_second_process_loads_the_graphs_and_a_changed_key_compiles_them_again
     root = tmp_path / "opd-compile"
     cold = _probe(root, tmp_path / "inductor-1", dtype="float32", code="a")
     assert cold["graphs"] == 1 and cold["fx_misses"] >= 1 and cold["fx_hits"] == 0 and cold["saved"] >= 1
+    assert 0 < cold["backend_seconds"] <= cold["dynamo_seconds"]  # the split of the warm-up's seconds
     assert (root / cold["key"] / "key.json").exists() and list((root / cold["key"]).glob("artifacts-*.bin"))
 
     warm = _probe(root, tmp_path / "inductor-2", dtype="float32", code="a")

@@ -108,16 +108,22 @@ class CacheReport:
     aot_hits: int = 0
     aot_misses: int = 0
     seconds: float = 0.0
+    dynamo_seconds: float = 0.0
+    backend_seconds: float = 0.0
     error: str | None = None
 
     def metrics(self) -> dict[str, float]:
-        """The warm-up's `compile/*` metrics: seconds, graphs traced, and of inductor's graphs those loaded from a
-        cache (this one's or torch's own) and those compiled."""
+        """The warm-up's `compile/*` metrics: seconds, graphs traced, of inductor's graphs those loaded from a cache
+        (this one's or torch's own) and those compiled, and where the seconds went: in dynamo (`dynamo_s`: tracing
+        plus its backend) and of it in the backend (`backend_s`: AOTAutograd and inductor, compiling or loading);
+        the rest ran the warm-up's graphs."""
         return {
             "compile/warm_up_s": self.seconds,
             "compile/warm_up_graphs": self.graphs,
             "compile/cache_hits": self.fx_hits,
             "compile/cache_misses": self.fx_misses,
+            "compile/dynamo_s": self.dynamo_seconds,
+            "compile/backend_s": self.backend_seconds,
         }
 
     def describe(self) -> str:
@@ -128,8 +134,23 @@ class CacheReport:
             where = f"compile cache {self.path}"
         return (
             f"{where}: {self.fx_hits} inductor graph{'s' if self.fx_hits != 1 else ''} loaded, {self.fx_misses} "
-            f"compiled ({self.loaded} artefacts loaded, {self.saved} saved)"
+            f"compiled ({self.loaded} artefacts loaded, {self.saved} saved); {self.dynamo_seconds:.1f} s in dynamo, "
+            f"{self.backend_seconds:.1f} s of it in its backend"
         )
+
+
+_PHASES = {"dynamo_seconds": "_compile.compile_inner", "backend_seconds": "OutputGraph.call_user_compiler"}
+
+
+def _phase_seconds() -> dict[str, float]:
+    """Seconds this process spent so far in dynamo and in its backend (torch's own timers, process-wide); zeros
+    where this torch does not report them."""
+    try:
+        names, values = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
+        times: dict[str, Any] = dict(zip(names, values, strict=True))
+        return {field: float(times.get(name, 0.0)) for field, name in _PHASES.items()}
+    except Exception:  # a private API: its shape may change between torch versions
+        return dict.fromkeys(_PHASES, 0.0)
 
 
 def _counts() -> dict[str, int]:
@@ -224,9 +245,11 @@ def persisted(
             report.loaded = len(frozenset().union(*files.values()))
         except (OSError, RuntimeError) as error:
             report.error, report.path = f"not read ({error})", None
-    start, clock = _counts(), time.perf_counter()
+    start, phases, clock = _counts(), _phase_seconds(), time.perf_counter()
     yield report
     report.seconds = time.perf_counter() - clock
+    for name, value in _phase_seconds().items():
+        setattr(report, name, value - phases[name])
     for name, value in _counts().items():
         setattr(report, name, value - start[name])
     if report.path is not None and (report.fx_misses or report.aot_misses):

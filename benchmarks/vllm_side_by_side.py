@@ -6,8 +6,10 @@ inputs, one table.
     python benchmarks/vllm_side_by_side.py --model-path src/opd/lab/assets/student --device cpu --batches 4 \\
         --prompt-len 8 --new-tokens 12 --lengths equal,lognormal:mean=8,cap=16 --score-batch 2 --score-response-len 8
 
-Rows (each from its own process: this script runs itself with `--worker ROLE` per role, one after the other, so each
-engine has the device to itself and neither inherits the other's allocator, compile caches or threads):
+Rows (each engine and scorer in its own process: this script runs itself with `--worker SPEC` per role, one after
+the other, so each has the device to itself and none inherits another's allocator, compile caches or threads; one
+engine per process, built once with max_batch_size = the largest of `--batches`, a smaller call decoding on fewer
+rows):
     static@B[L]     rollout through `make_generator(engine="static")` with the registry's defaults (what
                     `rollout.engine: static` runs in `opd distill`: on CUDA the decode step compiled and replayed as
                     CUDA graphs, live-row buckets, rows sized from the free memory)
@@ -15,9 +17,13 @@ engine has the device to itself and neither inherits the other's allocator, comp
                     the worker's process) with `--vllm-memory` of the GPU (default 0.9: the engine is alone here, not
                     beside a trainer as in `opd distill`'s 0.3) and max_model_len = prompt + the longest row; CUDA
                     graphs and torch.compile on (vLLM's defaults on GPU; eager on CPU, `EngineOptions`)
+    vllm_all_rows@B[L]  `vllm` without the mask that keeps it from sampling the model's padding rows (opd passes the
+                    tokenizer's ids as `allowed_token_ids` where the output layer has more rows than the tokenizer
+                    has ids; Qwen's have 267–271): what that mask costs vLLM (`--engines static,vllm,vllm_all_rows`)
     local_score@B   the teacher's scoring as `opd serve-teacher` runs it behind its HTTP: `LocalScorer` (top-16 +
-                    sampled-token log-probs, no entropy) over the model loaded by `opd.models.load_model`, layers
-                    compiled on CUDA (`compile_layers`); the wire is left out (`teacher_server.py` measures it)
+                    sampled-token log-probs, no entropy) over the model in `opd.models.load_model`'s dtype and
+                    attention, layers compiled on CUDA (`compile_layers`); the wire is left out (`teacher_server.py`
+                    measures it)
     vllm_score@B    the same `TokenScores` through `VLLMScorer` (`teacher.engine: vllm`): vLLM's `prompt_logprobs`
                     with K = 16 + the model's padding rows (so that 16 real ids remain), converted to tensors
     vllm_prompt_lp@B  the same engine call alone (`LLM.generate` with `prompt_logprobs`), without the conversion
@@ -32,11 +38,12 @@ tokens; their tokens/s counts every input position, as `teacher_score.py`.
 
 Timed: one call after a warm-up call (`--warmup`, default 1; the warm-up is the same call for the scorers and a
 call cut to 4 tokens a row for the generators, so the static engine's graph capture is inside the timed call as it
-is in every training step); `start_s` is the engine's construction plus the warm-up (vLLM: loading, profiling,
-compiling and capturing its graphs). `% of +KV bound`: tokens/s against the bandwidth bound of `rollout.py` (every
-step reads the weights once, every token its prompt's and earlier tokens' keys and values), on a GPU whose bandwidth
-`common.PEAKS` knows. A `--shape` is saved once (random weights, `--seed`) into a temporary directory that both
-engines load; `--model-path` loads a saved model (its tokenizer gives the vocabulary, EOS and pad ids).
+is in every training step); `start_s` is the engine's construction plus the warm-up, in its first row (vLLM:
+loading, profiling, compiling and capturing its graphs). `% of +KV bound`: tokens/s against the bandwidth bound of
+`rollout.py` (every step reads the weights once, every token its prompt's and earlier tokens' keys and values), on a
+GPU whose bandwidth `common.PEAKS` knows. A `--shape` is saved once (random weights, `--seed`) into a temporary
+directory that both engines load; `--model-path` loads a saved model (its tokenizer gives the vocabulary, EOS and pad
+ids).
 """
 
 from __future__ import annotations
@@ -70,7 +77,13 @@ from common import (
 )
 from rollout import draw_lengths
 
-ROLES = {"static": "rollout", "vllm": "rollout", "local_score": "score", "vllm_score": "score"}
+ROLES = {
+    "static": "rollout",
+    "vllm": "rollout",
+    "vllm_all_rows": "rollout",
+    "local_score": "score",
+    "vllm_score": "score",
+}
 COLUMNS = [
     ("row", "name", ""),
     ("tokens/s", "tokens_per_s", ",.0f"),
@@ -195,7 +208,7 @@ def compare(rows: list[dict]) -> None:
         name, rate = row["name"], row.get("tokens_per_s")
         if not rate:
             continue
-        if name.startswith("vllm@"):
+        if name.startswith(("vllm@", "vllm_all_rows@")):
             base = by_name.get("static@" + name.split("@", 1)[1])
             if base:
                 row["vs_static"] = rate / base["tokens_per_s"]
@@ -216,11 +229,13 @@ def main(argv: list[str] | None = None) -> dict:
         default="equal,lognormal:mean=1500,cap=7168",
         help="comma-separated: equal | equal:N | lognormal:mean=M,cap=C[,sigma=S]",
     )
-    parser.add_argument("--engines", default="static,vllm", help="rollout rows, in order: static, vllm")
+    parser.add_argument(
+        "--engines", default="static,vllm", help="rollout rows, in order, from static, vllm, vllm_all_rows"
+    )
     parser.add_argument("--score", choices=("on", "off"), default="on", help="the scoring rows")
-    parser.add_argument("--score-batch", type=int, default=64, help="rows per scoring call")
+    parser.add_argument("--score-batch", type=int, default=32, help="rows per scoring call")
     parser.add_argument("--score-prompt-len", type=int, default=128, help="prompt tokens per scored row")
-    parser.add_argument("--score-response-len", type=int, default=1024, help="response tokens per scored row")
+    parser.add_argument("--score-response-len", type=int, default=512, help="response tokens per scored row")
     parser.add_argument("--score-top-k", type=int, default=16, help="teacher top-k of the scoring rows")
     parser.add_argument("--vllm-memory", type=float, default=0.9, help="vLLM's gpu_memory_utilization (GPU), in (0, 1]")
     parser.add_argument("--worker-timeout", type=float, default=0, help="seconds per worker process; 0: none")
@@ -253,12 +268,17 @@ def main(argv: list[str] | None = None) -> dict:
     for row in rows:
         report.data["rows"].append(row)
     facts = model_facts(model_dir) if not tmp else rows_facts(rows)
+    scoring = (
+        f"scoring {args.score_batch} × ({args.score_prompt_len} + {args.score_response_len}) tokens, "
+        f"top-{args.score_top_k}; "
+        if args.score == "on"
+        else ""
+    )
     notes = [
         f"{report.data['model']}, {facts.get('params', 0) / 1e6:,.1f} M parameters; prompt {args.prompt_len} "
         f"tokens, lengths {args.lengths} (equal = {args.new_tokens}), temperature 1, EOS off, log-probs on; "
-        f"vLLM {report.data['vllm']}, gpu_memory_utilization {args.vllm_memory}; scoring {args.score_batch} × "
-        f"({args.score_prompt_len} + {args.score_response_len}) tokens, top-{args.score_top_k}; one process per row "
-        f"group, back to back"
+        f"vLLM {report.data['vllm']}, gpu_memory_utilization {args.vllm_memory}; {scoring}one process per engine "
+        f"or scorer, back to back"
     ]
     return report.finish(COLUMNS, notes)
 
@@ -293,7 +313,7 @@ def check_args(args) -> None:
         raise SystemExit(f"--batches {args.batches!r}: write comma-separated integers ≥ 1, e.g. 64,256")
     for engine in (e.strip() for e in args.engines.split(",") if e.strip()):
         if ROLES.get(engine) != "rollout":
-            raise SystemExit(f"--engines: unknown engine {engine!r}; choose from static, vllm")
+            raise SystemExit(f"--engines: unknown engine {engine!r}; choose from static, vllm, vllm_all_rows")
 
 
 def installed_version(name: str) -> str | None:
@@ -393,7 +413,7 @@ def rollout_rows(args, device: torch.device, facts: dict, out: WorkerRows) -> No
     g = torch.Generator().manual_seed(args.seed)
     prompts = {b: torch.randint(3, args.vocab, (b, args.prompt_len), generator=g).tolist() for b in batches}
     start = time.perf_counter()
-    if engine == "vllm":  # max_num_seqs as rollout.batch_size sets it in opd distill; smaller calls use fewer
+    if engine.startswith("vllm"):  # max_num_seqs as rollout.batch_size sets it in opd distill; smaller calls use fewer
         options = EngineOptions(gpu_memory_utilization=args.vllm_memory, max_model_len=args.prompt_len + longest + 8)
         generator = make_generator(
             None,
@@ -401,7 +421,8 @@ def rollout_rows(args, device: torch.device, facts: dict, out: WorkerRows) -> No
             engine="vllm",
             model_path=args.model_dir,
             max_batch_size=max(batches),
-            vocab_size=args.vocab,
+            # every output row: VLLMGenerator then passes no allowed_token_ids (the model's rows are the range)
+            vocab_size=facts["rows"] if engine == "vllm_all_rows" else args.vocab,
             engine_options=options,
             eos_token_ids=[args.eos],
         )

@@ -97,7 +97,7 @@ case ${1:-status} in
             && bash "$0" check ;;
     check)
         python3 - <<'PY'
-import importlib.metadata as md, re, sys, time
+import importlib.metadata as md, sys, time
 start = time.time()
 import torch
 import vllm
@@ -112,11 +112,13 @@ left_out = {"torchaudio", "torchvision", "torchcodec", "pynvvideocodec", "flashi
             "tilelang", "nvidia-cudnn-frontend", "nvtx", "fastsafetensors", "nvidia-cutlass-dsl", "quack-kernels",
             "tokenspeed-mla", "humming-kernels", "numba", "opencv-python-headless", "mistral-common",
             "opentelemetry-sdk", "opentelemetry-exporter-otlp", "opentelemetry-semantic-conventions-ai"}
+from packaging.requirements import Requirement
 missing = []
 for line in md.requires("vllm") or []:
-    if "extra ==" in line:
+    requirement = Requirement(line)
+    if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
         continue
-    name = re.split(r"[\s\[<>=!~;]", line, maxsplit=1)[0].lower().replace("_", "-")
+    name = requirement.name.lower().replace("_", "-")
     try:
         md.version(name)
     except md.PackageNotFoundError:

@@ -25,7 +25,8 @@ rows):
                     attention, layers compiled on CUDA (`compile_layers`); the wire is left out (`teacher_server.py`
                     measures it)
     vllm_score@B    the same `TokenScores` through `VLLMScorer` (`teacher.engine: vllm`): vLLM's `prompt_logprobs`
-                    with K = 16 + the model's padding rows (so that 16 real ids remain), converted to tensors
+                    with K = 16 + the model's padding rows (so that 16 real ids remain), converted to tensors; its
+                    KV cache twice what the call holds (at least 1 GiB), the rest of the memory left to the log-probs
     vllm_prompt_lp@B  the same engine call alone (`LLM.generate` with `prompt_logprobs`), without the conversion
 
 B is the rows of the call (`--batches`, default 64,256); L the lengths (`--lengths`, comma-separated): `equal` (every
@@ -348,15 +349,17 @@ class WorkerRows:
         status = row.get("error") or f"{row.get('tokens_per_s', 0):,.0f} tok/s"
         print(f"[vllm_side_by_side] {row['name']}: {status}", flush=True)
 
-    def run(self, name: str, fn) -> None:
+    def run(self, name: str, fn) -> bool:
+        """Add fn's row (an exception becomes the row's error); whether it ran."""
         import traceback
 
         try:
             row = {"name": name, **fn()}
-        except Exception as error:  # an OOM or a failed start: recorded, the other rows still run
+        except Exception as error:  # an OOM, an unsupported shape: recorded
             traceback.print_exc()
             row = {"name": name, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
         self.add(row)
+        return "error" not in row
 
 
 class _Ids:
@@ -479,8 +482,11 @@ def rollout_rows(args, device: torch.device, facts: dict, out: WorkerRows) -> No
                     "facts": facts,
                 }
 
-            out.run(f"{engine}@{batch}[{length_label(spec)}]", call)
+            ran = out.run(f"{engine}@{batch}[{length_label(spec)}]", call)
             built_s = 0.0  # the engine's start counts once, in its first row
+            if not ran and engine != "static":  # an in-process vLLM engine that raised may spin on its next call
+                out.add({"name": f"{engine} (rows after the failed one)", "error": "not run: the engine failed"})
+                return
     close = getattr(generator, "close", None)
     if close is not None:
         close()
@@ -527,9 +533,12 @@ def score_rows(args, device: torch.device, facts: dict, out: WorkerRows) -> None
     from opd.teacher.vllm_scorer import VLLMScorer
 
     start = time.perf_counter()
-    options = EngineOptions(
-        gpu_memory_utilization=args.vllm_memory, max_model_len=args.score_prompt_len + args.score_response_len + 8
-    )
+    # a KV cache of twice what the call holds (at least 1 GiB), not --vllm-memory of the GPU: prompt_logprobs builds
+    # float32 log-probs over the vocabulary for every position of a prefill chunk, outside the cache
+    length = args.score_prompt_len + args.score_response_len + 8
+    kv_bytes = 2 * facts["layers"] * facts["kv_heads"] * facts["head_dim"] * (2 if device.type == "cuda" else 4)
+    kv_gb = max(1.0, 2 * args.score_batch * length * kv_bytes / 2**30)
+    options = EngineOptions(gpu_memory_utilization=args.vllm_memory, kv_cache_gb=kv_gb, max_model_len=length)
     scorer = VLLMScorer(
         args.model_dir, vocab_size=args.vocab, options=options, max_top_k=top_k, max_batch_size=args.score_batch
     )
@@ -544,7 +553,8 @@ def score_rows(args, device: torch.device, facts: dict, out: WorkerRows) -> None
         )
         return {**timed_score(m, positions, built_s, facts), "prompt_logprobs_k": top_k + scorer.num_padding}
 
-    out.run(f"vllm_score@{args.score_batch}", call)
+    if not out.run(f"vllm_score@{args.score_batch}", call):
+        return  # the engine failed: its next call may never return
     ids_BL = rollouts.input_ids.cpu().tolist()
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in ids_BL]
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k + scorer.num_padding, detokenize=False)

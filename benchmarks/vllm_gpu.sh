@@ -5,7 +5,7 @@
 # machine": the wheel list, what is left out and why).
 #   bash benchmarks/vllm_gpu.sh download [DIR]        here (with network): the wheels below into DIR
 #                                                     (default /work/vllm-gpu-wheels)
-#   bash benchmarks/vllm_gpu.sh pack [WHEELS] [DEST]  here (with network): tar WHEELS/*.whl (default
+#   bash benchmarks/vllm_gpu.sh pack [WHEELS] [DEST]  here: tar WHEELS/*.whl (default
 #                                                     /work/vllm-gpu-wheels), cut it into $SIZE parts (default 58m)
 #                                                     vllm-wheels.tar.NN in DEST (default /tmp/vllm-gpu-parts), print
 #                                                     the tar's sha256; send one part a call in $PARTS (default .xfer)
@@ -16,8 +16,8 @@
 #                                                     then check
 #   bash benchmarks/vllm_gpu.sh check                 versions, `import vllm`, its CUDA kernels and flash-attention
 #                                                     loaded against this torch, and vLLM's requirements not found
-#   bash benchmarks/vllm_gpu.sh smoke                 a short side-by-side run at the 0.6B shape (~2 minutes with the
-#                                                     starts): both engines and scorers work before the long runs
+#   bash benchmarks/vllm_gpu.sh smoke                 a short side-by-side run at the 0.6B shape (its time on an H100
+#                                                     unmeasured): both engines and scorers work before the long runs
 #   bash benchmarks/vllm_gpu.sh bench NAME [ARGS]     in the background: vllm_side_by_side.py, NAME student (the real
 #                                                     pair's student, $RP/student-hf, waited for), 1.7b (the qwen3-1.7b
 #                                                     shape) or any other name with ARGS alone; ARGS go on (e.g.
@@ -27,7 +27,8 @@
 #                                                     rollout.engine=static, then with rollout.engine=vllm, one
 #                                                     process each; ARGS: more overrides for both
 #   bash benchmarks/vllm_gpu.sh status | hold SECONDS the logs' tails; hold sleeps first, then packs the logs, JSON and
-#                                                     the step runs' metrics into $OUT/v54.tgz (send the next call at
+#                                                     the step runs' metrics into $OUT/v54.tgz (OUT default
+#                                                     runs/benchmarks/v54; send the next call at
 #                                                     once: the machine goes back after 30 s without one)
 set -uo pipefail
 VW=${VW:-/tmp/v54}
@@ -156,6 +157,7 @@ PY
     hold)
         sleep "$2"
         bash "$0" status | tail -c 3000
+        OUT=${OUT:-runs/benchmarks/v54}
         mkdir -p "$OUT"
         (tar czf "$OUT/v54.tgz.tmp" $(ls -d "$VW"/*.log "$VW"/*.cmd "$VW"/*.json "$RP"/runs/v54-step-*/metrics.jsonl \
             "$RP"/runs/v54-step-*/config.yaml 2>/dev/null) && mv "$OUT/v54.tgz.tmp" "$OUT/v54.tgz")

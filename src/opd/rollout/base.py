@@ -1,9 +1,10 @@
-"""The generation interface every engine implements (torch, static, vLLM: `opd.rollout.registry`). Engines know token
+"""The generation interface every engine implements (torch, static, vLLM: `opd.rollout.registry`), and the capability
+of continuing sequences across calls that the in-process engines add (`Continues`, `Session`). Engines know token
 ids only: chat templating and decoding happen in the caller."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -120,4 +121,54 @@ class Generator(Protocol):
 
     def close(self) -> None:
         """Shut the engine down now (idempotent). Engines that own nothing beyond the caller's module do nothing."""
+        ...
+
+
+@runtime_checkable
+class Session(Protocol):
+    """Sequences that go on across calls (`Continues.session`), each under a key the caller chooses: an episode's
+    turns. A call's context for a key the session holds extends it (the engine's earlier context, its response and
+    what was appended since: the environment's answer); the engine keeps each sequence's cache between calls and
+    prefills only what it does not hold (the longest common prefix of what it holds and the new context is reused).
+
+    Results are those of `Generator.generate` on the same contexts and params (the same chunks or rows, the same
+    random draws) up to floating-point rounding: the reused keys and values were computed by the earlier call's
+    decode steps rather than by one prefill of the whole context (float32: log-probs within ~1e-5; a sampled token
+    differs only when a draw falls within that distance of its boundary). Calls of a session are deterministic:
+    the same calls give the same outputs bit for bit."""
+
+    def generate(
+        self, keys: Sequence[Hashable], contexts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> GenerationOutput:
+        """One sample per context (params.n must be 1), in order; contexts[i] continues keys[i]'s sequence, or
+        starts it when the session holds none (keys are distinct within a call)."""
+        ...
+
+    def end(self, keys: Iterable[Hashable]) -> None:
+        """Free these sequences' caches: they will not be continued (keys not held are ignored)."""
+        ...
+
+    def close(self) -> None:
+        """Free every cache the session holds (idempotent)."""
+        ...
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Tokens the engine's prefill forwards have run in this session so far, counted where they run."""
+        ...
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the caches held now between calls."""
+        ...
+
+
+@runtime_checkable
+class Continues(Protocol):
+    """The capability of an engine that continues a sequence after appended tokens without prefilling it again
+    (`TorchGenerator`, `StaticGenerator`). Callers that run turns (`opd.rollout.episodes`) use it when an engine
+    has it and hand the whole context to `Generator.generate` otherwise (vLLM, whose own prefix cache reuses it)."""
+
+    def session(self) -> Session:
+        """A new session; close it when its sequences are done (its caches take device memory until then)."""
         ...

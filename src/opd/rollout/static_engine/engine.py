@@ -8,7 +8,7 @@ F head dimension.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -26,6 +26,7 @@ from opd.rollout.hf_model import (
     seeded_generator,
     special_ids,
 )
+from opd.rollout.sessions import HeldKV, check_session_call
 from opd.rollout.static_engine.families import HFModule, _gate_up, _head_dim, _Layout, _qkv, unsupported_reason
 from opd.rollout.static_engine.layers import _ATTENTION_CHOICES
 from opd.rollout.static_engine.rows import _round_rows, _row_buckets, _settle_limit
@@ -335,7 +336,12 @@ class StaticGenerator(memory.ModuleMemory):
         """Nothing to do: the step weights are rebuilt from the trainer's module at every call."""
 
     def release(self) -> None:
-        """Nothing to do: a call's static cache, step weights and CUDA graphs are freed when it returns."""
+        """Nothing to do: a call's static cache, step weights and CUDA graphs are freed when it returns (a session's
+        held caches when it is closed)."""
+
+    def session(self) -> StaticSession:
+        """Sequences continued across calls, each keeping its cache (`opd.rollout.base.Session`, `StaticSession`)."""
+        return StaticSession(self)
 
     def close(self) -> None:
         """Nothing to do: the module is the caller's."""
@@ -480,15 +486,19 @@ class StaticGenerator(memory.ModuleMemory):
         new_tokens: int,
         dtype: torch.dtype | None = None,
         slots: int | None = None,
+        reserve_bytes: int = 0,
     ) -> int:
         """Rows of a call with `samples` samples: max_batch_size, capped by the samples (rounded up to the ladder of
         `_round_rows` when `round_rows` is on), by max_batch_tokens and by `opd.rollout.memory.rows_that_fit` on the
-        memory free now. Memory-limited counts of 16 or more are rounded down to a multiple of 8 (`_settle_limit`;
-        with `round_rows` on, a binding max_batch_tokens cap too), so that calls whose free memory differs a little
-        run (and compile) the same shape. slots: KV slots per row (default prompt_tokens + new_tokens)."""
+        memory free now less reserve_bytes (a session's: the caches its samples will hold when the call ends).
+        Memory-limited counts of 16 or more are rounded down to a multiple of 8 (`_settle_limit`; with `round_rows`
+        on, a binding max_batch_tokens cap too), so that calls whose free memory differs a little run (and compile)
+        the same shape. slots: KV slots per row (default prompt_tokens + new_tokens)."""
         slots = prompt_tokens + new_tokens if slots is None else slots
         rows = self._token_capped_rows(self._asked_rows(samples), slots)
         free = self._memory()
+        if free is not None and reserve_bytes:
+            free = (free[0] - reserve_bytes, free[1])
         cost = self.row_cost(prompt_tokens, new_tokens, dtype, slots)
         fit = memory.rows_that_fit(free, cost)
         if fit is not None and fit < rows:
@@ -519,6 +529,17 @@ class StaticGenerator(memory.ModuleMemory):
         finish reason "length" (benchmarks use it to force long-tailed lengths identically in every engine).
         stop_when: asked after each sync interval in which samples ended (`opd.rollout.base.StopRule`)."""
         caps = check_request(prompt_ids, params, self.eos_token_ids, max_new_tokens_per_sample)
+        return self._generate(prompt_ids, params, caps, stop_when)
+
+    def _generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        caps: list[int],
+        stop_when: StopRule | None,
+        held: tuple[HeldKV, list[Hashable]] | None = None,
+    ) -> GenerationOutput:
+        """`generate` after its checks; held: a session's caches and the key of each prompt (n = 1), see `_Run`."""
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         reasons: list[str] = []
@@ -526,7 +547,7 @@ class StaticGenerator(memory.ModuleMemory):
         if prompt_ids:
             generator = seeded_generator(params.seed, self.device)
             with generation_mode(self.model, self.device):
-                run = _Run(self, [list(p) for p in prompt_ids], params, caps, generator, stop_when)
+                run = _Run(self, [list(p) for p in prompt_ids], params, caps, generator, stop_when, held)
                 responses, logprobs, reasons = run.run()
             self.stats = run.stats
         return GenerationOutput(
@@ -535,3 +556,38 @@ class StaticGenerator(memory.ModuleMemory):
             group_ids=[p for p in range(len(prompt_ids)) for _ in range(params.n)],
             logprobs=logprobs if params.return_logprobs else None,
         )
+
+
+class StaticSession:
+    """`opd.rollout.base.Session` on a `StaticGenerator`: a sample's slot keys and values are held when it ends
+    (`HeldKV`) and copied back into the slot it takes in the next call, on top of which only what is not held is
+    prefilled. A call places and samples as `generate` does on the same contexts (the same rows, prefill groups and
+    random draws); only where the keys and values come from differs."""
+
+    def __init__(self, engine: StaticGenerator) -> None:
+        self.engine = engine
+        self.held = HeldKV()
+        self._prefilled = 0
+
+    def generate(
+        self, keys: Sequence[Hashable], contexts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> GenerationOutput:
+        keys = check_session_call(keys, contexts, params)
+        caps = check_request(contexts, params, self.engine.eos_token_ids, None)
+        output = self.engine._generate(contexts, params, caps, None, (self.held, keys))
+        self._prefilled += self.engine.stats.get("prefilled_tokens", 0)
+        return output
+
+    def end(self, keys: Iterable[Hashable]) -> None:
+        self.held.end(keys)
+
+    def close(self) -> None:
+        self.held.clear()
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self._prefilled
+
+    @property
+    def held_bytes(self) -> int:
+        return self.held.nbytes

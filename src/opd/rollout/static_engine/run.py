@@ -177,8 +177,10 @@ class _Run:
         first: dict[tuple[int, ...], int] = {}
         canonical = [first.setdefault(tuple(prompt), p) for p, prompt in enumerate(prompts)]
         self.sample_prompt = [c for c in canonical for _ in range(self.params.n)]
-        # a session's held positions of each distinct prompt (a duplicate's own cache is dropped: the first's serves)
+        # a session's held positions of each distinct prompt (a duplicate's own cache is dropped: the first's serves),
+        # kept until its last sample is placed (a prompt's samples may be placed in several refills)
         self.prefixes: dict[int, tuple[int, LayerKV | None]] = {}
+        self.unplaced = {p: self.sample_prompt.count(p) for p in set(self.sample_prompt)}
         reserve = 0
         if self.held is not None:
             store, keys = self.held
@@ -377,7 +379,11 @@ class _Run:
         samples placed here go to the rows `slots`."""
         device, engine, params = self.device, self.engine, self.params
         prompts = [self.prompts[p] for p in group]
-        held = [self.prefixes.pop(p, (0, None)) for p in group]  # the slot holds them from here on
+        held = [self.prefixes.get(p, (0, None)) for p in group]
+        for s in samples:  # a prompt's held positions go once its last sample has them in its slot
+            self.unplaced[self.sample_prompt[s]] -= 1
+            if not self.unplaced[self.sample_prompt[s]]:
+                self.prefixes.pop(self.sample_prompt[s], None)
         packed = engine.packed_prefill and not any(m for m, _ in held)
         with _prefill_autocast(self.device, self.autocast, self.dtype):
             if packed:

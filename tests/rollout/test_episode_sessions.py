@@ -179,16 +179,16 @@ def test_a_session_that_drops_a_cache_prefills_the_context_again(kind, tool_user
     params = SamplingParams(n=1, max_new_tokens=8, seed=1)
     contexts = [[1, 2, 3, 4, 5], [7, 8, 9]]
     session = engine.session()
-    first = session.generate([0, 1], contexts, params)
+    first = engine.generate(contexts, params, session=session, keys=[0, 1])
     assert session.prefilled_tokens == 8 and session.held_bytes > 0
     later = [c + r + [40, 41] for c, r in zip(contexts, first.response_ids)]
-    session.generate([0, 1], later, params)
+    engine.generate(later, params, session=session, keys=[0, 1])
     assert session.prefilled_tokens == 8 + 2 * 3  # the last sampled token and the two appended, per sequence
     session.end([0])
     dropped = engine.session()
-    dropped.generate([0, 1], contexts, params)
-    dropped.held.end([1])  # the cache dropped between the calls: the whole context is prefilled again
-    dropped.generate([0, 1], later, params)
+    engine.generate(contexts, params, session=dropped, keys=[0, 1])
+    dropped.end([1])  # the cache dropped between the calls: the whole context is prefilled again
+    engine.generate(later, params, session=dropped, keys=[0, 1])
     assert dropped.prefilled_tokens == 8 + (len(later[1]) + 3)
     session.close()
     assert session.held_bytes == 0
@@ -196,28 +196,25 @@ def test_a_session_that_drops_a_cache_prefills_the_context_again(kind, tool_user
 
 def test_reruns_are_bit_exact_and_each_episode_frees_its_cache_when_it_ends(tokenizer, tool_user):
     engine = _engine("torch", tool_user)
-    held_at_calls: list[tuple[set, list]] = []
+    held_at_calls: list[tuple[object, set, set]] = []  # (session, keys held, keys going on: none at its first)
 
     class Watched:
-        """The engine, its sessions watched: which keys each call holds caches for before it runs."""
+        """The engine wrapped as a step's call counter wraps it (options passed on): which keys each call of a
+        session holds caches for before it runs."""
 
         def __init__(self):
             self.sessions = []
 
-        def generate(self, prompt_ids, params, *, stop_when=None):
-            return engine.generate(prompt_ids, params, stop_when=stop_when)
+        def generate(self, prompt_ids, params, **options):
+            if options.get("session") is not None:
+                session = options["session"]
+                first = all(s is not session for s, _, _ in held_at_calls)
+                held_at_calls.append((session, set(session.held.keys()), set() if first else set(options["keys"])))
+            return engine.generate(prompt_ids, params, **options)
 
         def session(self):
-            inner = engine.session()
-            self.sessions.append(inner)
-            original = inner.generate
-
-            def generate(keys, contexts, params):
-                held_at_calls.append((set(inner.held._held), list(keys)))
-                return original(keys, contexts, params)
-
-            inner.generate = generate
-            return inner
+            self.sessions.append(engine.session())
+            return self.sessions[-1]
 
         sync_weights = check_fits = release = close = lambda *a, **k: None
 
@@ -225,19 +222,24 @@ def test_reruns_are_bit_exact_and_each_episode_frees_its_cache_when_it_ends(toke
     first, second = _episodes(watched, tokenizer, seed=5), _episodes(watched, tokenizer, seed=5)
     assert first.output.response_ids == second.output.response_ids
     assert first.output.logprobs == second.output.logprobs  # bit for bit
-    # every cache held at a call is an episode that goes on in it: the ended ones were freed
-    assert any(len(keys) < 6 for _, keys in held_at_calls)  # some episodes ended before others
-    for held, keys in held_at_calls:
-        assert held <= set(keys)
+    # every cache held at a call is an episode that goes on in it (the ended ones were freed), and every episode
+    # going on holds its cache
+    assert len(held_at_calls) >= 6 and any(0 < len(keys) < 6 for _, _, keys in held_at_calls)  # some ended first
+    for _, held, going_on in held_at_calls:
+        assert held == going_on
     assert all(s.held_bytes == 0 for s in watched.sessions)  # closed with the episodes
 
 
-def test_a_session_call_asks_one_sample_per_distinct_key(tool_user):
-    session = _engine("torch", tool_user).session()
+@pytest.mark.parametrize("kind", ["torch", "static"])
+def test_a_session_call_asks_one_sample_per_distinct_key_on_its_own_engine(kind, tool_user):
+    engine = _engine(kind, tool_user)
+    session = engine.session()
     with pytest.raises(ValueError, match="SamplingParams.n must be 1, got 2"):
-        session.generate([0], [[1, 2]], SamplingParams(n=2))
-    with pytest.raises(ValueError, match="one distinct key per context, got 2 keys for 2"):
-        session.generate([0, 0], [[1, 2], [3]], SamplingParams())
+        engine.generate([[1, 2]], SamplingParams(n=2), session=session, keys=[0])
+    with pytest.raises(ValueError, match="one distinct key per prompt, got 2 keys for 2"):
+        engine.generate([[1, 2], [3]], SamplingParams(), session=session, keys=[0, 0])
+    with pytest.raises(ValueError, match="opened by another engine"):
+        engine.generate([[1, 2]], SamplingParams(), session=_engine(kind, tool_user).session(), keys=[0])
 
 
 def test_the_static_engine_sizes_its_rows_with_the_caches_a_session_will_hold(tool_user):

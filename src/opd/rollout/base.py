@@ -124,25 +124,19 @@ class Generator(Protocol):
         ...
 
 
-@runtime_checkable
 class Session(Protocol):
-    """Sequences that go on across calls (`Continues.session`), each under a key the caller chooses: an episode's
-    turns. A call's context for a key the session holds extends it (the engine's earlier context, its response and
-    what was appended since: the environment's answer); the engine keeps each sequence's cache between calls and
-    prefills only what it does not hold (the longest common prefix of what it holds and the new context is reused).
+    """Sequences that go on across the `generate` calls of the engine that opened it (`Continues.session`), each
+    under a key the caller chooses: an episode's turns. `generate(contexts, params, session=..., keys=...)`: a
+    context for a key the session holds extends it (the engine's earlier context, its response and what was appended
+    since: the environment's answer); the engine keeps each sequence's cache between calls and prefills only what it
+    does not hold (the longest common prefix of what it holds and the new context is reused).
 
-    Results are those of `Generator.generate` on the same contexts and params (the same chunks or rows, the same
-    random draws) up to floating-point rounding: the reused keys and values were computed by the earlier call's
-    decode steps rather than by one prefill of the whole context (float32: log-probs within ~1e-5; a sampled token
-    differs only when a draw falls within that distance of its boundary). Calls of a session are deterministic:
-    the same calls give the same outputs bit for bit."""
-
-    def generate(
-        self, keys: Sequence[Hashable], contexts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> GenerationOutput:
-        """One sample per context (params.n must be 1), in order; contexts[i] continues keys[i]'s sequence, or
-        starts it when the session holds none (keys are distinct within a call)."""
-        ...
+    Results are those of the same call without the session (the same chunks or rows, the same random draws) up to
+    floating-point rounding: the reused keys and values were computed by the earlier call's decode steps rather than
+    by one prefill of the whole context (float32: log-probs within ~1e-5; a sampled token differs only when a draw
+    falls within that distance of its boundary). A session's calls are deterministic: the same calls give the same
+    outputs bit for bit. The session goes through `generate`, so wrappers that pass its options on (a step's call
+    counter) see every call."""
 
     def end(self, keys: Iterable[Hashable]) -> None:
         """Free these sequences' caches: they will not be continued (keys not held are ignored)."""
@@ -154,7 +148,7 @@ class Session(Protocol):
 
     @property
     def prefilled_tokens(self) -> int:
-        """Tokens the engine's prefill forwards have run in this session so far, counted where they run."""
+        """Tokens the engine's prefill forwards have run in this session's calls so far, counted where they run."""
         ...
 
     @property
@@ -171,4 +165,17 @@ class Continues(Protocol):
 
     def session(self) -> Session:
         """A new session; close it when its sequences are done (its caches take device memory until then)."""
+        ...
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        stop_when: StopRule | None = None,
+        session: Session | None = None,
+        keys: Sequence[Hashable] | None = None,
+    ) -> GenerationOutput:
+        """`Generator.generate`; with a session this engine opened, prompt_ids[i] continues (or starts) the sequence
+        of keys[i] (one distinct key per prompt; params.n must be 1)."""
         ...

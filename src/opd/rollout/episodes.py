@@ -13,7 +13,8 @@ while every scorer reads the whole episode as context.
 Continuation: on an engine with sessions (`opd.rollout.base.Continues`: the torch and static engines) each episode
 is a sequence of one session, keyed by its index: the engine keeps its cache while the environment answers and the
 next turn prefills only what was appended (the last sampled token, never fed, and the environment's answer with the
-template's turn tokens); an episode's cache is freed when it ends, and the session's when the episodes return.
+template's turn tokens); an episode's cache is freed when it ends, and the session's when the episodes return. The
+turns go through the generator's `generate` (`session=`, `keys=`), so a wrapper that passes options on sees them.
 Results equal those of the re-prefill path (the same rows and random draws) up to floating-point rounding (see
 `Session`); the same calls on the same path give the same outputs bit for bit. Other engines (vLLM, whose prefix
 cache reuses the context itself) get the whole conversation at every turn. Two figures tell the difference:
@@ -130,11 +131,12 @@ def run_episodes(
     template = dict(template or {})
     n = params.n
     episodes: list[Episode] = [environment.start(rows[p]) for p in range(len(messages)) for _ in range(n)]
-    session = generator.session() if isinstance(generator, Continues) else None
+    continues = generator if isinstance(generator, Continues) else None
+    session = None if continues is None else continues.session()
     try:
         return _run(
-            generator, session, tokenizer, messages, episodes, params, n, max_turns, episode_budget, turn_budget,
-            tool_workers, tool_timeout_s, template, environment.describe(),
+            generator, continues, session, tokenizer, messages, episodes, params, n, max_turns, episode_budget,
+            turn_budget, tool_workers, tool_timeout_s, template, environment.describe(),
         )  # fmt: skip
     finally:
         if session is not None:
@@ -145,6 +147,7 @@ def run_episodes(
 
 def _run(
     generator: Generator,
+    continues: Continues | None,
     session: Session | None,
     tokenizer: Any,
     messages: Sequence[list[dict[str, Any]]],
@@ -187,12 +190,12 @@ def _run(
         turn_params = replace(params, n=1, max_new_tokens=max(budgets), seed=seed)
         read_before = sum(len(contexts[b]) - unread[b] for b in active) if turn else 0
         wasted += read_before
-        if session is None:
+        if continues is None or session is None:
             repeated += read_before
             out = generator.generate([contexts[b] for b in active], turn_params)
         else:
             before = session.prefilled_tokens
-            out = session.generate(active, [contexts[b] for b in active], turn_params)
+            out = continues.generate([contexts[b] for b in active], turn_params, session=session, keys=active)
             if turn:
                 repeated += max(0, session.prefilled_tokens - before - sum(unread[b] for b in active))
         parsed: dict[int, ParsedTurn] = {}

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from opd.rollout.base import SamplingParams
 from opd.rollout.hf_model import HFModel, cached_kv
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -49,6 +48,10 @@ class HeldKV:
 
     def __len__(self) -> int:
         return len(self._held)
+
+    def keys(self) -> list[Hashable]:
+        """The keys held now."""
+        return list(self._held)
 
     @property
     def nbytes(self) -> int:
@@ -84,15 +87,47 @@ class HeldKV:
         self._held.clear()
 
 
-def check_session_call(
-    keys: Sequence[Hashable], contexts: Sequence[Sequence[int]], params: SamplingParams
-) -> list[Hashable]:
-    """Raise ValueError for a session call the engines do not run: n ≠ 1, keys not one per context or repeated."""
-    if params.n != 1:
-        raise ValueError(f"a session samples one continuation per context: SamplingParams.n must be 1, got {params.n}")
-    if len(keys) != len(contexts) or len(set(keys)) != len(keys):
-        raise ValueError(f"a session call needs one distinct key per context, got {len(keys)} keys for {len(contexts)}")
-    return list(keys)
+class EngineSession:
+    """`opd.rollout.base.Session` of an in-process engine: the caches it holds (`HeldKV`) and the tokens its calls'
+    prefills ran. The engine that opened it runs its calls (`generate(..., session=, keys=)`)."""
+
+    def __init__(self, engine: object) -> None:
+        self.engine = engine
+        self.held = HeldKV()
+        self.prefilled = 0
+
+    def end(self, keys: Iterable[Hashable]) -> None:
+        self.held.end(keys)
+
+    def close(self) -> None:
+        self.held.clear()
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prefilled
+
+    @property
+    def held_bytes(self) -> int:
+        return self.held.nbytes
+
+
+def session_call(
+    engine: object, session: object, keys: Sequence[Hashable] | None, prompts: Sequence[Sequence[int]], n: int
+) -> tuple[EngineSession, list[Hashable]] | None:
+    """The session and keys of a `generate` call (None without a session); ValueError for a call the engines do not
+    run: another engine's session, keys not one per prompt or repeated, n ≠ 1."""
+    if session is None:
+        if keys is not None:
+            raise ValueError("generate: keys are given without a session; keys name a session's sequences")
+        return None
+    if not isinstance(session, EngineSession) or session.engine is not engine:
+        raise ValueError("generate: the session was opened by another engine; open one with this engine's session()")
+    if n != 1:
+        raise ValueError(f"a session samples one continuation per prompt: SamplingParams.n must be 1, got {n}")
+    if keys is None or len(keys) != len(prompts) or len(set(keys)) != len(keys):
+        count = None if keys is None else len(keys)
+        raise ValueError(f"a session call needs one distinct key per prompt, got {count} keys for {len(prompts)}")
+    return session, list(keys)
 
 
 def layer_count(cache: Any) -> int:

@@ -7,7 +7,7 @@ of the batch (docs/design.md, "opd.rollout.torch_engine"). The same seed, inputs
 outputs; pin the chunks with `max_batch_tokens` where that matters.
 
 `session()` (the `Continues` capability, `opd.rollout.base`): an episode's later turns reuse the keys and values its
-earlier turns left in the cache and prefill only the tokens appended since (`TorchSession`).
+earlier turns left in the cache and prefill only the tokens appended since (`generate(..., session=, keys=)`).
 
 Omitted, on purpose: a static KV cache, CUDA graphs and refilling finished rows (`StaticGenerator`), chunked
 prefill, sorting prompts by length, prefix sharing across prompts, speculative decoding, stop strings (the caller
@@ -16,14 +16,14 @@ decodes text; engines know token ids only).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 
 from opd.models import embedding_rows
 from opd.rollout import memory
-from opd.rollout.base import GenerationOutput, SamplingParams, StopRule
+from opd.rollout.base import GenerationOutput, SamplingParams, Session, StopRule
 from opd.rollout.hf_model import (
     HFModel,
     batch_checks,
@@ -35,7 +35,7 @@ from opd.rollout.hf_model import (
     special_ids,
 )
 from opd.rollout.sampling import sample_next
-from opd.rollout.sessions import HeldKV, check_session_call, layer_count, prefill_continued, row_kv
+from opd.rollout.sessions import EngineSession, HeldKV, layer_count, prefill_continued, row_kv, session_call
 
 # [R, V] float32 buffers alive at once while sampling (logits upcast, scaled, probabilities, log-softmax, filtered)
 _SAMPLING_FLOATS = 6
@@ -102,9 +102,10 @@ class TorchGenerator(memory.ModuleMemory):
     def release(self) -> None:
         """Nothing to do: a call's cache and buffers are freed when it returns (a session's when it is closed)."""
 
-    def session(self) -> TorchSession:
-        """Sequences continued across calls, each keeping its cache (`opd.rollout.base.Session`, `TorchSession`)."""
-        return TorchSession(self)
+    def session(self) -> EngineSession:
+        """Sequences continued across calls, each keeping its cache (`opd.rollout.base.Session`): pass it to
+        `generate` with a key per prompt."""
+        return EngineSession(self)
 
     def close(self) -> None:
         """Nothing to do: the module is the caller's."""
@@ -169,14 +170,22 @@ class TorchGenerator(memory.ModuleMemory):
         *,
         max_new_tokens_per_sample: Sequence[int] | None = None,
         stop_when: StopRule | None = None,
+        session: Session | None = None,
+        keys: Sequence[Hashable] | None = None,
     ) -> GenerationOutput:
         """n samples for each of P prompts, prompt-major (see `GenerationOutput`). max_new_tokens_per_sample: one
         length limit per sample (prompt-major, each in [1, params.max_new_tokens]); a sample reaching it ends with
         finish reason "length" (benchmarks use it to force long-tailed lengths identically in every engine).
         stop_when: asked at each sync point at which samples of the chunk ended, and after each chunk
-        (`opd.rollout.base.StopRule`)."""
+        (`opd.rollout.base.StopRule`). session, keys: a session of this engine (`session()`) and one key per prompt
+        (n = 1): prompt i continues keys[i]'s sequence, its held positions reused (`opd.rollout.base.Session`)."""
+        called = session_call(self, session, keys, prompt_ids, params.n)
         caps = check_request(prompt_ids, params, self.eos_token_ids, max_new_tokens_per_sample)
-        return self._generate(prompt_ids, params, caps, stop_when)
+        if called is None:
+            return self._generate(prompt_ids, params, caps, stop_when)
+        output = self._generate(prompt_ids, params, caps, stop_when, (called[0].held, called[1]))
+        called[0].prefilled += self.stats["prefilled_tokens"]
+        return output
 
     def _generate(
         self,
@@ -471,37 +480,3 @@ def _chunk_results(
     logprobs = [row[:n] for row, n in zip(lps_rows, lengths)]
     reasons = ["stop" if done else "length" for done in stopped_R.tolist()]
     return responses, logprobs, reasons
-
-
-class TorchSession:
-    """`opd.rollout.base.Session` on a `TorchGenerator`: each key's cache is held between calls (`HeldKV`), and a
-    call prefills only what it does not hold. A call runs the chunks `generate` runs on the same contexts (the same
-    rows in the same order, the same random draws); only where the keys and values come from differs."""
-
-    def __init__(self, engine: TorchGenerator) -> None:
-        self.engine = engine
-        self.held = HeldKV()
-        self._prefilled = 0
-
-    def generate(
-        self, keys: Sequence[Hashable], contexts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> GenerationOutput:
-        keys = check_session_call(keys, contexts, params)
-        caps = check_request(contexts, params, self.engine.eos_token_ids, None)
-        output = self.engine._generate(contexts, params, caps, None, (self.held, keys))
-        self._prefilled += self.engine.stats["prefilled_tokens"]
-        return output
-
-    def end(self, keys: Iterable[Hashable]) -> None:
-        self.held.end(keys)
-
-    def close(self) -> None:
-        self.held.clear()
-
-    @property
-    def prefilled_tokens(self) -> int:
-        return self._prefilled
-
-    @property
-    def held_bytes(self) -> int:
-        return self.held.nbytes

@@ -16,7 +16,7 @@ import torch
 
 from opd.kernels import decode_attention as triton_attention
 from opd.rollout import memory
-from opd.rollout.base import GenerationOutput, SamplingParams, StopRule
+from opd.rollout.base import GenerationOutput, SamplingParams, Session, StopRule
 from opd.rollout.hf_model import (
     HFModel,
     batch_checks,
@@ -26,7 +26,7 @@ from opd.rollout.hf_model import (
     seeded_generator,
     special_ids,
 )
-from opd.rollout.sessions import HeldKV, check_session_call
+from opd.rollout.sessions import EngineSession, HeldKV, session_call
 from opd.rollout.static_engine.families import HFModule, _gate_up, _head_dim, _Layout, _qkv, unsupported_reason
 from opd.rollout.static_engine.layers import _ATTENTION_CHOICES
 from opd.rollout.static_engine.rows import _round_rows, _row_buckets, _settle_limit
@@ -339,9 +339,12 @@ class StaticGenerator(memory.ModuleMemory):
         """Nothing to do: a call's static cache, step weights and CUDA graphs are freed when it returns (a session's
         held caches when it is closed)."""
 
-    def session(self) -> StaticSession:
-        """Sequences continued across calls, each keeping its cache (`opd.rollout.base.Session`, `StaticSession`)."""
-        return StaticSession(self)
+    def session(self) -> EngineSession:
+        """Sequences continued across calls, each keeping its cache (`opd.rollout.base.Session`): pass it to
+        `generate` with a key per prompt. A sample's slot keys and values are held when it ends and copied back into
+        the slot it takes in the next call, on top of which only what is not held is prefilled; the call places and
+        samples as it would without the session (the same rows, prefill groups and random draws)."""
+        return EngineSession(self)
 
     def close(self) -> None:
         """Nothing to do: the module is the caller's."""
@@ -523,13 +526,22 @@ class StaticGenerator(memory.ModuleMemory):
         *,
         max_new_tokens_per_sample: Sequence[int] | None = None,
         stop_when: StopRule | None = None,
+        session: Session | None = None,
+        keys: Sequence[Hashable] | None = None,
     ) -> GenerationOutput:
         """n samples for each of P prompts, prompt-major (see `GenerationOutput`). max_new_tokens_per_sample: one
         length limit per sample (prompt-major, each in [1, params.max_new_tokens]); a sample reaching it ends with
         finish reason "length" (benchmarks use it to force long-tailed lengths identically in every engine).
-        stop_when: asked after each sync interval in which samples ended (`opd.rollout.base.StopRule`)."""
+        stop_when: asked after each sync interval in which samples ended (`opd.rollout.base.StopRule`). session, keys:
+        a session of this engine (`session()`) and one key per prompt (n = 1): prompt i continues keys[i]'s
+        sequence, its held positions reused (`opd.rollout.base.Session`)."""
+        called = session_call(self, session, keys, prompt_ids, params.n)
         caps = check_request(prompt_ids, params, self.eos_token_ids, max_new_tokens_per_sample)
-        return self._generate(prompt_ids, params, caps, stop_when)
+        if called is None:
+            return self._generate(prompt_ids, params, caps, stop_when)
+        output = self._generate(prompt_ids, params, caps, stop_when, (called[0].held, called[1]))
+        called[0].prefilled += self.stats.get("prefilled_tokens", 0)
+        return output
 
     def _generate(
         self,
@@ -556,38 +568,3 @@ class StaticGenerator(memory.ModuleMemory):
             group_ids=[p for p in range(len(prompt_ids)) for _ in range(params.n)],
             logprobs=logprobs if params.return_logprobs else None,
         )
-
-
-class StaticSession:
-    """`opd.rollout.base.Session` on a `StaticGenerator`: a sample's slot keys and values are held when it ends
-    (`HeldKV`) and copied back into the slot it takes in the next call, on top of which only what is not held is
-    prefilled. A call places and samples as `generate` does on the same contexts (the same rows, prefill groups and
-    random draws); only where the keys and values come from differs."""
-
-    def __init__(self, engine: StaticGenerator) -> None:
-        self.engine = engine
-        self.held = HeldKV()
-        self._prefilled = 0
-
-    def generate(
-        self, keys: Sequence[Hashable], contexts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> GenerationOutput:
-        keys = check_session_call(keys, contexts, params)
-        caps = check_request(contexts, params, self.engine.eos_token_ids, None)
-        output = self.engine._generate(contexts, params, caps, None, (self.held, keys))
-        self._prefilled += self.engine.stats.get("prefilled_tokens", 0)
-        return output
-
-    def end(self, keys: Iterable[Hashable]) -> None:
-        self.held.end(keys)
-
-    def close(self) -> None:
-        self.held.clear()
-
-    @property
-    def prefilled_tokens(self) -> int:
-        return self._prefilled
-
-    @property
-    def held_bytes(self) -> int:
-        return self.held.nbytes

@@ -134,6 +134,7 @@ def _appended(episodes, shared: bool) -> int:
             ends = [i + 1 for i in range(len(mask)) if mask[i] and (i + 1 == len(mask) or not mask[i + 1])]
             if episodes.turns[b] > turn:  # the episode's turn-th answer ends at ends[turn - 1]
                 starts = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
+                # b // 3: its prompt (n = 3 in `_episodes`)
                 context = (b // 3, tuple(episodes.output.response_ids[b][: ends[turn - 1]]) if shared else b)
                 if context not in contexts:
                     contexts.add(context)

@@ -1,9 +1,10 @@
-"""The generation interface every engine implements (torch, static, vLLM: `opd.rollout.registry`). Engines know token
+"""The generation interface every engine implements (torch, static, vLLM: `opd.rollout.registry`), and the capability
+of continuing sequences across calls that the in-process engines add (`Continues`, `Session`). Engines know token
 ids only: chat templating and decoding happen in the caller."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -120,4 +121,61 @@ class Generator(Protocol):
 
     def close(self) -> None:
         """Shut the engine down now (idempotent). Engines that own nothing beyond the caller's module do nothing."""
+        ...
+
+
+class Session(Protocol):
+    """Sequences that go on across the `generate` calls of the engine that opened it (`Continues.session`), each
+    under a key the caller chooses: an episode's turns. `generate(contexts, params, session=..., keys=...)`: a
+    context for a key the session holds extends it (the engine's earlier context, its response and what was appended
+    since: the environment's answer); the engine keeps each sequence's cache between calls and prefills only what it
+    does not hold (the longest common prefix of what it holds and the new context is reused).
+
+    Results are those of the same call without the session (the same chunks or rows, the same random draws) up to
+    floating-point rounding: the reused keys and values were computed by the earlier call's decode steps rather than
+    by one prefill of the whole context (float32: log-probs within ~1e-5; a sampled token differs only when a draw
+    falls within that distance of its boundary). A session's calls are deterministic: the same calls give the same
+    outputs bit for bit. The session goes through `generate`, so wrappers that pass its options on (a step's call
+    counter) see every call."""
+
+    def end(self, keys: Iterable[Hashable]) -> None:
+        """Free these sequences' caches: they will not be continued (keys not held are ignored)."""
+        ...
+
+    def close(self) -> None:
+        """Free every cache the session holds (idempotent)."""
+        ...
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Tokens the engine's prefill forwards have run in this session's calls so far, counted where they run."""
+        ...
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the caches held now between calls."""
+        ...
+
+
+@runtime_checkable
+class Continues(Protocol):
+    """The capability of an engine that continues a sequence after appended tokens without prefilling it again
+    (`TorchGenerator`, `StaticGenerator`). Callers that run turns (`opd.rollout.episodes`) use it when an engine
+    has it and hand the whole context to `Generator.generate` otherwise (vLLM, whose own prefix cache reuses it)."""
+
+    def session(self) -> Session:
+        """A new session; close it when its sequences are done (its caches take device memory until then)."""
+        ...
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        stop_when: StopRule | None = None,
+        session: Session | None = None,
+        keys: Sequence[Hashable] | None = None,
+    ) -> GenerationOutput:
+        """`Generator.generate`; with a session this engine opened, prompt_ids[i] continues (or starts) the sequence
+        of keys[i] (one distinct key per prompt; params.n must be 1)."""
         ...

@@ -10,9 +10,22 @@ order, with `env_masks` marking the environment's: `episode_rollouts` lays it ou
 `response_mask` leaves them out, so rewards, advantages, the loss and length statistics see the student's tokens only
 while every scorer reads the whole episode as context.
 
-Left out for now: continuing a sequence's cache across turns. Each turn hands the engine the whole conversation so
-far, which it prefills again; `EpisodeOutput.repeated_prefill_tokens` counts the tokens an engine that appends to its
-cache would not have prefilled.
+Continuation: on an engine with sessions (`opd.rollout.base.Continues`: the torch and static engines) each episode
+is a sequence of one session, keyed by its index: the engine keeps its cache while the environment answers and the
+next turn prefills only what was appended (the last sampled token, never fed, and the environment's answer with the
+template's turn tokens); an episode's cache is freed when it ends, and the session's when the episodes return. The
+turns go through the generator's `generate` (`session=`, `keys=`), so a wrapper that passes options on sees them.
+Results equal those of the re-prefill path (the same rows and random draws) up to floating-point rounding (see
+`Session`); the same calls on the same path give the same outputs bit for bit. Other engines (vLLM, whose prefix
+cache reuses the context itself) get the whole conversation at every turn. Two figures tell the difference:
+
+- `repeated_prefill_tokens`: context tokens the engine prefilled again at later turns though it had read them
+  before. With a session it is measured: the engine's prefilled tokens (`Session.prefilled_tokens`, counted where
+  its forwards run) less those appended since its last read; 0 when every cache is kept. Without one, the whole
+  context handed again (all of `wasted_prefill_tokens`; vLLM's prefix cache may skip part of it).
+- `wasted_prefill_tokens`: what an engine without continuation prefills again: at each later turn, the tokens of
+  each episode's context the engine had fed before (everything but the last sampled token and the answer). The
+  same on every engine, so runs compare by it.
 """
 
 from __future__ import annotations
@@ -23,7 +36,7 @@ from typing import Any
 
 import torch
 
-from opd.rollout.base import GenerationOutput, Generator, SamplingParams
+from opd.rollout.base import Continues, GenerationOutput, Generator, SamplingParams, Session
 from opd.rollout.batch import build_rollouts
 from opd.seeds import derive_seed
 from opd.tools.calls import ParsedTurn, observation_ids, parse_tool_calls, prompt_ids, tool_messages
@@ -43,7 +56,8 @@ class EpisodeOutput:
     turns, tool_calls, tool_errors: per episode (a malformed call counts as a call and an error)
     sandbox_refusals: per episode, the calls the sandbox refused or stopped (`Observation.refused`)
     tool_seconds:  the calls' summed wall time; tool_wall_seconds: the time the batch waited for them
-    repeated_prefill_tokens: context tokens the engine read again at later turns
+    repeated_prefill_tokens: context tokens the engine prefilled again at later turns (0 with continuation)
+    wasted_prefill_tokens: those an engine without continuation prefills again (see the module docstring)
     """
 
     output: GenerationOutput
@@ -57,6 +71,7 @@ class EpisodeOutput:
     repeated_prefill_tokens: int = 0
     describe: dict[str, Any] = field(default_factory=dict)
     sandbox_refusals: list[int] = field(default_factory=list)
+    wasted_prefill_tokens: int = 0
 
     def final_turns(self) -> list[list[int]]:
         """Each episode's final turn: its tokens after the environment's last answer (what is graded)."""
@@ -80,6 +95,7 @@ class EpisodeOutput:
             "episode/student_tokens_mean": student / count,
             "episode/env_tokens_mean": sum(m.count(True) for m in self.env_masks) / count,
             "episode/repeated_prefill_tokens": float(self.repeated_prefill_tokens),
+            "episode/wasted_prefill_tokens": float(self.wasted_prefill_tokens),
         }
 
 
@@ -101,7 +117,8 @@ def run_episodes(
     """`params.n` episodes for each prompt (`messages[p]`, a chat, and `rows[p]`, the row the environment starts
     from). Budgets: `max_turn_tokens` per turn and `max_episode_tokens` per episode, both `params.max_new_tokens` by
     default; `max_turns` ≥ 1 generation turns. Each turn's seed is derived from `params.seed` (turn 0 uses it as
-    is). `template`: extra arguments of `apply_chat_template` (e.g. enable_thinking)."""
+    is). `template`: extra arguments of `apply_chat_template` (e.g. enable_thinking). An engine with sessions
+    (`Continues`) continues each episode's cache across turns (the module docstring)."""
     if max_turns < 1:
         raise ValueError(f"rollout.max_turns must be ≥ 1, got {max_turns!r}")
     if len(messages) != len(rows):
@@ -114,18 +131,24 @@ def run_episodes(
     template = dict(template or {})
     n = params.n
     episodes: list[Episode] = [environment.start(rows[p]) for p in range(len(messages)) for _ in range(n)]
+    continues = generator if isinstance(generator, Continues) else None
+    session = None if continues is None else continues.session()
     try:
         return _run(
-            generator, tokenizer, messages, episodes, params, n, max_turns, episode_budget, turn_budget,
-            tool_workers, tool_timeout_s, template, environment.describe(),
+            generator, continues, session, tokenizer, messages, episodes, params, n, max_turns, episode_budget,
+            turn_budget, tool_workers, tool_timeout_s, template, environment.describe(),
         )  # fmt: skip
     finally:
+        if session is not None:
+            session.close()
         for episode in episodes:
             episode.close()
 
 
 def _run(
     generator: Generator,
+    continues: Continues | None,
+    session: Session | None,
     tokenizer: Any,
     messages: Sequence[list[dict[str, Any]]],
     episodes: list[Episode],
@@ -151,8 +174,13 @@ def _run(
     finish: list[str | None] = [None] * B
     turns, calls, errors, refusals = [0] * B, [0] * B, [0] * B, [0] * B
     tool_seconds = tool_wall = 0.0
-    repeated = 0
-    fresh = [len(c) for c in contexts]  # tokens appended since the engine last read the context
+    repeated = wasted = 0
+    unread = [0] * B  # at later turns: tokens of the context the engine has not fed (last sampled token + answer)
+
+    def end_finished() -> None:  # the episodes that ended free their caches now, not when all have
+        if session is not None:
+            session.end([b for b in range(B) if finish[b] is not None])
+
     for turn in range(max_turns):
         active = [b for b in range(B) if finish[b] is None]
         if not active:
@@ -160,8 +188,16 @@ def _run(
         budgets = [min(turn_budget, episode_budget - len(response[b])) for b in active]
         seed = params.seed if turn == 0 or params.seed is None else derive_seed(params.seed, call=turn)
         turn_params = replace(params, n=1, max_new_tokens=max(budgets), seed=seed)
-        repeated += sum(len(contexts[b]) - fresh[b] for b in active)
-        out = generator.generate([contexts[b] for b in active], turn_params)
+        read_before = sum(len(contexts[b]) - unread[b] for b in active) if turn else 0
+        wasted += read_before
+        if continues is None or session is None:
+            repeated += read_before
+            out = generator.generate([contexts[b] for b in active], turn_params)
+        else:
+            before = session.prefilled_tokens
+            out = continues.generate([contexts[b] for b in active], turn_params, session=session, keys=active)
+            if turn:
+                repeated += max(0, session.prefilled_tokens - before - sum(unread[b] for b in active))
         parsed: dict[int, ParsedTurn] = {}
         for i, b in enumerate(active):
             ids = list(out.response_ids[i][: budgets[i]])
@@ -170,7 +206,7 @@ def _run(
             env_mask[b] += [False] * len(ids)
             logprobs[b] += lps
             contexts[b] += ids
-            fresh[b] = 0
+            unread[b] = 1  # the last sampled token: the engine never fed it
             turns[b] += 1
             if len(ids) < len(out.response_ids[i]) or out.finish_reasons[i] != "stop":
                 finish[b] = "length"
@@ -182,6 +218,7 @@ def _run(
                 finish[b] = "length"  # calls the episode has no turn left to read
             else:
                 parsed[b] = turn_text
+        end_finished()
         if not parsed:
             continue
         order = list(parsed)
@@ -203,9 +240,10 @@ def _run(
             env_mask[b] += [True] * len(env_ids)
             logprobs[b] += [0.0] * len(env_ids)
             contexts[b] += env_ids
-            fresh[b] = len(env_ids)
+            unread[b] += len(env_ids)
             if any(o.done for o in observations) or episodes[b].done:
                 finish[b] = "stop"
+        end_finished()
     output = GenerationOutput(
         response_ids=response,
         finish_reasons=[reason or "length" for reason in finish],
@@ -214,7 +252,7 @@ def _run(
     )
     return EpisodeOutput(
         output, prompts, env_mask, turns, calls, errors, tool_seconds, tool_wall, repeated, describe=describe,
-        sandbox_refusals=refusals,
+        sandbox_refusals=refusals, wasted_prefill_tokens=wasted,
     )  # fmt: skip
 
 

@@ -4,6 +4,10 @@ fixed buffers, divided by what one row costs. Each engine states its own costs (
 rule (`rows_that_fit`, the free / margin / rows terms in docs/design.md, "opd.rollout.memory") and the one-line
 error for a sequence that cannot fit at all.
 
+Sessions (`opd.rollout.sessions`): the caches episodes hold between turns are resident, so the free figure a call
+reads is already less by them; a session call also keeps back what its sequences will hold when it ends (their
+context and limit, `kv_bytes_per_token` each), as the static engine's `plan_rows(reserve_bytes=...)` does.
+
 On CPU nothing is sized (None): the host's memory is not the engine's to budget, and the tests inject a figure.
 """
 

@@ -6,6 +6,9 @@ memory-sized chunks, each prompt prefilled once per chunk, finished rows dropped
 of the batch (docs/design.md, "opd.rollout.torch_engine"). The same seed, inputs and chunk sizes give the same
 outputs; pin the chunks with `max_batch_tokens` where that matters.
 
+`session()` (the `Continues` capability, `opd.rollout.base`): an episode's later turns reuse the keys and values its
+earlier turns left in the cache and prefill only the tokens appended since (`generate(..., session=, keys=)`).
+
 Omitted, on purpose: a static KV cache, CUDA graphs and refilling finished rows (`StaticGenerator`), chunked
 prefill, sorting prompts by length, prefix sharing across prompts, speculative decoding, stop strings (the caller
 decodes text; engines know token ids only).
@@ -13,17 +16,18 @@ decodes text; engines know token ids only).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 
 from opd.models import embedding_rows
 from opd.rollout import memory
-from opd.rollout.base import GenerationOutput, SamplingParams, StopRule
+from opd.rollout.base import GenerationOutput, SamplingParams, Session, StopRule
 from opd.rollout.hf_model import (
     HFModel,
     batch_checks,
+    cached_kv,
     check_arguments,
     check_request,
     generation_mode,
@@ -31,6 +35,7 @@ from opd.rollout.hf_model import (
     special_ids,
 )
 from opd.rollout.sampling import sample_next
+from opd.rollout.sessions import EngineSession, HeldKV, layer_count, prefill_continued, row_kv, session_call
 
 # [R, V] float32 buffers alive at once while sampling (logits upcast, scaled, probabilities, log-softmax, filtered)
 _SAMPLING_FLOATS = 6
@@ -57,7 +62,7 @@ class TorchGenerator(memory.ModuleMemory):
                       `opd.rollout.memory.device_memory` (the CUDA figures; None on CPU); the tests pass a fixed one
 
     `stats` (after each call): the prompt tokens its prefills ran (`prefilled_tokens`; a prompt given more than
-    once in a chunk runs once).
+    once in a chunk runs once) and, in a session, the held ones reused instead (`reused_tokens`).
     """
 
     def __init__(
@@ -95,7 +100,12 @@ class TorchGenerator(memory.ModuleMemory):
         """Nothing to do: the engine runs the trainer's own module."""
 
     def release(self) -> None:
-        """Nothing to do: a call's cache and buffers are freed when it returns."""
+        """Nothing to do: a call's cache and buffers are freed when it returns (a session's when it is closed)."""
+
+    def session(self) -> EngineSession:
+        """Sequences continued across calls, each keeping its cache (`opd.rollout.base.Session`): pass it to
+        `generate` with a key per prompt."""
+        return EngineSession(self)
 
     def close(self) -> None:
         """Nothing to do: the module is the caller's."""
@@ -107,12 +117,7 @@ class TorchGenerator(memory.ModuleMemory):
         one layer's copy, which `torch.cat` makes at each step), the sampling buffers over the vocabulary, and its
         share of the prefill (counted per row, though n samples share one prompt)."""
         config: Any = self.model.config  # an HF config: its fields are not on nn.Module's type
-        device = self.device
-        dtype = (
-            torch.get_autocast_dtype(device.type)
-            if torch.is_autocast_enabled(device.type)
-            else next(self.model.parameters()).dtype
-        )
+        dtype = self._cache_dtype()
         kv = memory.kv_bytes_per_token(config, dtype)
         vocab_rows = embedding_rows(self.model)
         slots = prompt_tokens + new_tokens
@@ -124,6 +129,13 @@ class TorchGenerator(memory.ModuleMemory):
             },
             per_slot=kv + kv // config.num_hidden_layers,
         )
+
+    def _cache_dtype(self) -> torch.dtype:
+        """The cache's dtype: autocast's when the caller enabled it, else the parameters'."""
+        device = self.device
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return next(self.model.parameters()).dtype
 
     def check_fits(
         self,
@@ -158,15 +170,36 @@ class TorchGenerator(memory.ModuleMemory):
         *,
         max_new_tokens_per_sample: Sequence[int] | None = None,
         stop_when: StopRule | None = None,
+        session: Session | None = None,
+        keys: Sequence[Hashable] | None = None,
     ) -> GenerationOutput:
         """n samples for each of P prompts, prompt-major (see `GenerationOutput`). max_new_tokens_per_sample: one
         length limit per sample (prompt-major, each in [1, params.max_new_tokens]); a sample reaching it ends with
         finish reason "length" (benchmarks use it to force long-tailed lengths identically in every engine).
         stop_when: asked at each sync point at which samples of the chunk ended, and after each chunk
-        (`opd.rollout.base.StopRule`)."""
+        (`opd.rollout.base.StopRule`). session, keys: a session of this engine (`session()`) and one key per prompt
+        (n = 1): prompt i continues keys[i]'s sequence, its held positions reused (`opd.rollout.base.Session`)."""
+        called = session_call(self, session, keys, prompt_ids, params.n)
         caps = check_request(prompt_ids, params, self.eos_token_ids, max_new_tokens_per_sample)
+        if called is None:
+            return self._generate(prompt_ids, params, caps, stop_when)
+        output = self._generate(prompt_ids, params, caps, stop_when, (called[0].held, called[1]))
+        called[0].prefilled += self.stats["prefilled_tokens"]
+        return output
+
+    def _generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        caps: list[int],
+        stop_when: StopRule | None,
+        held: tuple[HeldKV, list[Hashable]] | None = None,
+    ) -> GenerationOutput:
+        """`generate` after its checks; held: a session's caches and the key of each prompt (n = 1), whose held
+        positions are reused rather than prefilled, and where each row's cache is held again when its chunk ends.
+        The chunks are those of `generate` on the same prompts, so the random draws are too."""
         generator = seeded_generator(params.seed, self.device)
-        self.stats = {"prefilled_tokens": 0}
+        self.stats = {"prefilled_tokens": 0, "reused_tokens": 0}
         responses: list[list[int]] = []
         reasons: list[str] = []
         logprobs: list[list[float]] = []
@@ -175,6 +208,10 @@ class TorchGenerator(memory.ModuleMemory):
         with generation_mode(self.model, self.device):
             lengths = [len(p) for p in prompt_ids]
             row_limit, free = None, self._memory()
+            if held is not None and free is not None:
+                # the caches the call holds when it ends (context and response of every row), beyond those taken
+                kv = memory.kv_bytes_per_token(self.model.config, self._cache_dtype())
+                free = (free[0] - kv * sum(length + cap for length, cap in zip(lengths, caps)), free[1])
             if self.max_batch_tokens is None and prompt_ids and free is not None:
                 cost = self.row_cost(max(lengths), params.max_new_tokens)
                 memory.check_one_row_fits(
@@ -208,6 +245,7 @@ class TorchGenerator(memory.ModuleMemory):
                     params,
                     generator,
                     ask,
+                    None if held is None else (held[0], [held[1][p] for p, _ in chunk]),
                 )
                 responses += ids
                 logprobs += lps
@@ -257,10 +295,12 @@ class TorchGenerator(memory.ModuleMemory):
         params: SamplingParams,
         generator: torch.Generator,
         ask: Callable[[list[str | None]], bool] | None = None,
+        held: tuple[HeldKV, list[Hashable]] | None = None,
     ) -> tuple[list[list[int]], list[list[float]], list[str], bool]:
         """Sample counts[i] continuations of prompts[i], row j at most caps[j] tokens; rows come back in order
         (prompt 0's samples first), and whether `ask` (given each row's finish reason or None, when rows ended)
-        ended the chunk early.
+        ended the chunk early. held: a session's caches and each prompt's key (counts all 1): the prefill reuses
+        them (`_continue_rows`) and each row's cache is held again once it leaves the batch (`_hold`).
 
         1. prefill: each distinct prompt once, its cache copied to each of its rows (`_prefill_rows`);
         2. decode: one token per step for every row still in the batch; every `sync_interval` steps, stop when all
@@ -270,7 +310,10 @@ class TorchGenerator(memory.ModuleMemory):
         """
         device = self.device
         num_rows, steps = sum(counts), max(caps)
-        cache, logits_bV, mask_bS, positions_b, prompt_width = self._prefill_rows(prompts, counts, steps)
+        if held is None:
+            cache, logits_bV, mask_bS, positions_b, prompt_width = self._prefill_rows(prompts, counts, steps)
+        else:
+            cache, logits_bV, mask_bS, positions_b, prompt_width = self._continue_rows(prompts, *held, steps)
         caps_R = torch.as_tensor(caps, device=device)
         can_end_early = params.stop_at_eos or min(caps) < steps
         # Chunk rows are R; the rows still in the batch are b (R until finished rows are dropped), `rows_b` maps b → R.
@@ -304,6 +347,9 @@ class TorchGenerator(memory.ModuleMemory):
                     break
                 if num_done >= self.compact_fraction * rows_b.numel():
                     keep_b = (~done_b).nonzero().squeeze(-1)
+                    if held is not None:
+                        dropped_b = done_b.nonzero().squeeze(-1)
+                        self._hold(cache, rows_b, dropped_b, lengths_R, out_ids_RT, prompts, prompt_width, *held)
                     cache.reorder_cache(keep_b)
                     rows_b, tokens_b, positions_b, mask_bS = (
                         rows_b[keep_b],
@@ -315,6 +361,9 @@ class TorchGenerator(memory.ModuleMemory):
                 tokens_b[:, None], mask_bS[:, : prompt_width + t + 1], positions_b[:, None], cache
             )
             positions_b = positions_b + 1
+        if held is not None:
+            everyone_b = torch.arange(rows_b.numel(), device=device)
+            self._hold(cache, rows_b, everyone_b, lengths_R, out_ids_RT, prompts, prompt_width, *held)
         return (*_chunk_results(out_ids_RT, out_lps_RT, lengths_R, stopped_R, params.return_logprobs), cut)
 
     def _prefill_rows(
@@ -332,6 +381,65 @@ class TorchGenerator(memory.ModuleMemory):
         # prefill_mask: [distinct prompts, prompt_width]; prefill_logits: [distinct prompts, V]
         cache, prefill_mask, prefill_logits = self.hf.prefill(list(distinct), device)
         self.stats["prefilled_tokens"] += sum(len(prompt) for prompt in distinct)
+        return self._rows_of(cache, prefill_mask, prefill_logits, distinct_of_prompt, counts, steps)
+
+    def _continue_rows(
+        self, prompts: list[list[int]], store: HeldKV, keys: list[Hashable], steps: int
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """`_prefill_rows` for a session's rows (one each): each distinct prompt's held positions are taken from
+        `store` (the longest common prefix with what its key holds, `HeldKV.take`) and only the rest is prefilled
+        (`opd.rollout.sessions.prefill_continued`), in one full cache that keeps every position (they are held
+        again when the chunk ends)."""
+        distinct: dict[tuple[int, ...], int] = {}
+        items: list[tuple[int, Any, list[int]]] = []
+        distinct_of_prompt = []
+        for prompt, key in zip(prompts, keys):
+            m, kv = store.take(key, prompt)  # a duplicate's own cache is dropped: the first's serves both
+            if tuple(prompt) not in distinct:
+                distinct[tuple(prompt)] = len(items)
+                items.append((m, kv, prompt[m:]))
+            distinct_of_prompt.append(distinct[tuple(prompt)])
+        cache, prefill_mask, prefill_logits = prefill_continued(self.hf, items, self.device)
+        self.stats["prefilled_tokens"] += sum(len(new) for _, _, new in items)
+        self.stats["reused_tokens"] += sum(m for m, _, _ in items)
+        return self._rows_of(cache, prefill_mask, prefill_logits, distinct_of_prompt, [1] * len(prompts), steps)
+
+    def _hold(
+        self,
+        cache: Any,
+        rows_b: torch.Tensor,
+        leaving_b: torch.Tensor,
+        lengths_R: torch.Tensor,
+        out_ids_RT: torch.Tensor,
+        prompts: list[list[int]],
+        prompt_width: int,
+        store: HeldKV,
+        keys: list[Hashable],
+    ) -> None:
+        """Hold the caches of the batch rows `leaving_b` (dropped as finished, or every row at the chunk's end) under
+        their keys: each row's prompt and response but its last token (sampled, never fed), i.e. its cache's
+        columns [prompt_width - prompt length, prompt_width + response length - 1)."""
+        layers = [cached_kv(cache, i) for i in range(layer_count(cache))]
+        keys_b, values_b = [k for k, _ in layers], [v for _, v in layers]
+        chunk_rows = rows_b[leaving_b].tolist()
+        lengths = lengths_R[rows_b[leaving_b]].tolist()
+        for b, row, n in zip(leaving_b.tolist(), chunk_rows, lengths):
+            fed = max(n - 1, 0)
+            tokens = prompts[row] + out_ids_RT[row, :fed].tolist()
+            kv = row_kv(keys_b, values_b, b, prompt_width - len(prompts[row]), prompt_width + fed)
+            store.put(keys[row], tokens, kv)
+
+    def _rows_of(
+        self,
+        cache: Any,
+        prefill_mask: torch.Tensor,
+        prefill_logits: torch.Tensor,
+        distinct_of_prompt: list[int],
+        counts: list[int],
+        steps: int,
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """A prefill of distinct prompts spread to the chunk's rows (counts[i] for prompt i): see `_prefill_rows`."""
+        device = self.device
         source_R = torch.repeat_interleave(
             torch.as_tensor(distinct_of_prompt, device=device), torch.as_tensor(counts, device=device)
         )

@@ -8,7 +8,7 @@ F head dimension.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -16,7 +16,7 @@ import torch
 
 from opd.kernels import decode_attention as triton_attention
 from opd.rollout import memory
-from opd.rollout.base import GenerationOutput, SamplingParams, StopRule
+from opd.rollout.base import GenerationOutput, SamplingParams, Session, StopRule
 from opd.rollout.hf_model import (
     HFModel,
     batch_checks,
@@ -26,6 +26,7 @@ from opd.rollout.hf_model import (
     seeded_generator,
     special_ids,
 )
+from opd.rollout.sessions import EngineSession, HeldKV, session_call
 from opd.rollout.static_engine.families import HFModule, _gate_up, _head_dim, _Layout, _qkv, unsupported_reason
 from opd.rollout.static_engine.layers import _ATTENTION_CHOICES
 from opd.rollout.static_engine.rows import _round_rows, _row_buckets, _settle_limit
@@ -335,7 +336,15 @@ class StaticGenerator(memory.ModuleMemory):
         """Nothing to do: the step weights are rebuilt from the trainer's module at every call."""
 
     def release(self) -> None:
-        """Nothing to do: a call's static cache, step weights and CUDA graphs are freed when it returns."""
+        """Nothing to do: a call's static cache, step weights and CUDA graphs are freed when it returns (a session's
+        held caches when it is closed)."""
+
+    def session(self) -> EngineSession:
+        """Sequences continued across calls, each keeping its cache (`opd.rollout.base.Session`): pass it to
+        `generate` with a key per prompt. A sample's slot keys and values are held when it ends and copied back into
+        the slot it takes in the next call, on top of which only what is not held is prefilled; the call places and
+        samples as it would without the session (the same rows, prefill groups and random draws)."""
+        return EngineSession(self)
 
     def close(self) -> None:
         """Nothing to do: the module is the caller's."""
@@ -480,15 +489,19 @@ class StaticGenerator(memory.ModuleMemory):
         new_tokens: int,
         dtype: torch.dtype | None = None,
         slots: int | None = None,
+        reserve_bytes: int = 0,
     ) -> int:
         """Rows of a call with `samples` samples: max_batch_size, capped by the samples (rounded up to the ladder of
         `_round_rows` when `round_rows` is on), by max_batch_tokens and by `opd.rollout.memory.rows_that_fit` on the
-        memory free now. Memory-limited counts of 16 or more are rounded down to a multiple of 8 (`_settle_limit`;
-        with `round_rows` on, a binding max_batch_tokens cap too), so that calls whose free memory differs a little
-        run (and compile) the same shape. slots: KV slots per row (default prompt_tokens + new_tokens)."""
+        memory free now less reserve_bytes (a session's: the caches its samples will hold when the call ends).
+        Memory-limited counts of 16 or more are rounded down to a multiple of 8 (`_settle_limit`; with `round_rows`
+        on, a binding max_batch_tokens cap too), so that calls whose free memory differs a little run (and compile)
+        the same shape. slots: KV slots per row (default prompt_tokens + new_tokens)."""
         slots = prompt_tokens + new_tokens if slots is None else slots
         rows = self._token_capped_rows(self._asked_rows(samples), slots)
         free = self._memory()
+        if free is not None and reserve_bytes:
+            free = (free[0] - reserve_bytes, free[1])
         cost = self.row_cost(prompt_tokens, new_tokens, dtype, slots)
         fit = memory.rows_that_fit(free, cost)
         if fit is not None and fit < rows:
@@ -513,12 +526,32 @@ class StaticGenerator(memory.ModuleMemory):
         *,
         max_new_tokens_per_sample: Sequence[int] | None = None,
         stop_when: StopRule | None = None,
+        session: Session | None = None,
+        keys: Sequence[Hashable] | None = None,
     ) -> GenerationOutput:
         """n samples for each of P prompts, prompt-major (see `GenerationOutput`). max_new_tokens_per_sample: one
         length limit per sample (prompt-major, each in [1, params.max_new_tokens]); a sample reaching it ends with
         finish reason "length" (benchmarks use it to force long-tailed lengths identically in every engine).
-        stop_when: asked after each sync interval in which samples ended (`opd.rollout.base.StopRule`)."""
+        stop_when: asked after each sync interval in which samples ended (`opd.rollout.base.StopRule`). session, keys:
+        a session of this engine (`session()`) and one key per prompt (n = 1): prompt i continues keys[i]'s
+        sequence, its held positions reused (`opd.rollout.base.Session`)."""
+        called = session_call(self, session, keys, prompt_ids, params.n)
         caps = check_request(prompt_ids, params, self.eos_token_ids, max_new_tokens_per_sample)
+        if called is None:
+            return self._generate(prompt_ids, params, caps, stop_when)
+        output = self._generate(prompt_ids, params, caps, stop_when, (called[0].held, called[1]))
+        called[0].prefilled += self.stats.get("prefilled_tokens", 0)
+        return output
+
+    def _generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        caps: list[int],
+        stop_when: StopRule | None,
+        held: tuple[HeldKV, list[Hashable]] | None = None,
+    ) -> GenerationOutput:
+        """`generate` after its checks; held: a session's caches and the key of each prompt (n = 1), see `_Run`."""
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         reasons: list[str] = []
@@ -526,7 +559,7 @@ class StaticGenerator(memory.ModuleMemory):
         if prompt_ids:
             generator = seeded_generator(params.seed, self.device)
             with generation_mode(self.model, self.device):
-                run = _Run(self, [list(p) for p in prompt_ids], params, caps, generator, stop_when)
+                run = _Run(self, [list(p) for p in prompt_ids], params, caps, generator, stop_when, held)
                 responses, logprobs, reasons = run.run()
             self.stats = run.stats
         return GenerationOutput(

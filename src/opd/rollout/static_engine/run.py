@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from opd.kernels import decode_attention as triton_attention
+from opd.rollout import memory
 from opd.rollout.base import SamplingParams, StopRule
 from opd.rollout.hf_model import HFModel, cached_kv
+from opd.rollout.sessions import HeldKV, LayerKV, prefill_continued
 from opd.rollout.static_engine.families import (
     HFModule,
     _cast,
@@ -74,6 +76,7 @@ class RunEngine(Protocol):
         new_tokens: int,
         dtype: torch.dtype | None = None,
         slots: int | None = None,
+        reserve_bytes: int = 0,
     ) -> int: ...
 
     def prefill_groups(self, lengths: Sequence[int]) -> list[list[int]]: ...
@@ -125,12 +128,18 @@ class _Run:
         caps: list[int],
         generator: torch.Generator,
         stop_when: StopRule | None = None,
+        held: tuple[HeldKV, list[Hashable]] | None = None,
     ):
         """1. the attention path (`_pick_attention`), 2. the step weights, read now so that a call sees the latest
         optimizer step (before sizing: they take memory; `_read_step_weights`), 3. the samples, the rows and the
         static cache (`_size_slots`), 4. the RoPE tables over every slot (`_rope_tables`), 5. the device-side row
-        state (`_row_state`), 6. the host-side bookkeeping (`_bookkeeping`)."""
+        state (`_row_state`), 6. the host-side bookkeeping (`_bookkeeping`).
+
+        held: a session's caches and each prompt's key (n = 1): each distinct prompt's held positions are taken out
+        of the session now (`HeldKV.take`; `prefixes`), copied into its slot when it is placed, where only the rest
+        is prefilled (`_place`), and each sample's slot is held again when it ends (`_harvest`)."""
         self.engine, self.params, self.generator, self.stop_when = engine, params, generator, stop_when
+        self.held = held
         model: HFModule = engine.model
         self.device = engine.device
         self._pick_attention(model)
@@ -168,11 +177,27 @@ class _Run:
         first: dict[tuple[int, ...], int] = {}
         canonical = [first.setdefault(tuple(prompt), p) for p, prompt in enumerate(prompts)]
         self.sample_prompt = [c for c in canonical for _ in range(self.params.n)]
+        # a session's held positions of each distinct prompt (a duplicate's own cache is dropped: the first's serves),
+        # kept until its last sample is placed (a prompt's samples may be placed in several refills)
+        self.prefixes: dict[int, tuple[int, LayerKV | None]] = {}
+        self.unplaced = {p: self.sample_prompt.count(p) for p in set(self.sample_prompt)}
+        reserve = 0
+        if self.held is not None:
+            store, keys = self.held
+            for p, prompt in enumerate(prompts):
+                taken = store.take(keys[p], prompt)
+                if canonical[p] == p:
+                    self.prefixes[p] = taken
+            # what the samples' caches will hold when the call ends (context and response each), not yet held
+            kv = memory.kv_bytes_per_token(model.config, self.dtype)
+            reserve = kv * sum(len(prompts[p]) + cap for p, cap in zip(self.sample_prompt, caps))
         self.width, self.steps = max(len(p) for p in prompts), max(caps)
         # slots: the longest sample, its prompt and its own limit (a stream's longest continued prefix has a short
         # limit left); the last sampled token is never fed back, so one spare
         self.capacity = max(len(prompts[p]) + cap for p, cap in zip(self.sample_prompt, caps))
-        self.rows = rows = self.engine.plan_rows(len(caps), self.width, self.steps, self.dtype, slots=self.capacity)
+        self.rows = rows = self.engine.plan_rows(
+            len(caps), self.width, self.steps, self.dtype, slots=self.capacity, reserve_bytes=reserve
+        )
         head_dim = _head_dim(model)
         for layer in self.layers:
             # zeros, not empty: the SDPA path reads whole buckets (masked slots must hold finite values)
@@ -223,6 +248,7 @@ class _Run:
             "refills": 0,
             "prefills": 0,
             "prefilled_tokens": 0,
+            "reused_tokens": 0,
             "graphs": 0,
             "decoded_tokens": 0,
             "cut": 0,
@@ -353,15 +379,27 @@ class _Run:
         samples placed here go to the rows `slots`."""
         device, engine, params = self.device, self.engine, self.params
         prompts = [self.prompts[p] for p in group]
+        held = [self.prefixes.get(p, (0, None)) for p in group]
+        for s in samples:  # a prompt's held positions go once its last sample has them in its slot
+            self.unplaced[self.sample_prompt[s]] -= 1
+            if not self.unplaced[self.sample_prompt[s]]:
+                self.prefixes.pop(self.sample_prompt[s], None)
+        packed = engine.packed_prefill and not any(m for m, _ in held)
         with _prefill_autocast(self.device, self.autocast, self.dtype):
-            if engine.packed_prefill:
+            if packed:
                 cache, starts, prompt_logits = engine.hf.prefill_packed(
                     prompts, device, compiled=engine.compiled_prefill
                 )
+            elif any(m for m, _ in held):  # a session's held positions reused, the rest prefilled (left-padded)
+                items = [(m, kv, prompt[m:]) for (m, kv), prompt in zip(held, prompts)]
+                cache, _, prompt_logits = prefill_continued(engine.hf, items, device)
             else:
                 cache, _, prompt_logits = engine.hf.prefill(prompts, device, full_cache=True)
+        reused = sum(m for m, _ in held)
+        del held
         self.counters["prefills"] += 1
-        self.counters["prefilled_tokens"] += sum(len(p) for p in prompts)
+        self.counters["prefilled_tokens"] += sum(len(p) for p in prompts) - reused
+        self.counters["reused_tokens"] += reused
         width = max(len(p) for p in prompts)
         index = {p: i for i, p in enumerate(group)}
         source_B = torch.as_tensor([index[self.sample_prompt[s]] for s in samples], device=device)
@@ -372,7 +410,7 @@ class _Run:
         # left-padded one at j + (width - L) of its prompt's row. Slots ≥ L take a clamped copy, overwritten by decode
         # tokens before any step reads them.
         slot_P = torch.arange(width, device=device)
-        if engine.packed_prefill:
+        if packed:
             starts_B = torch.as_tensor(starts, device=device)[source_B]
             from_BP = starts_B[:, None] + torch.minimum(slot_P[None], lengths_B[:, None] - 1)
             row_B = torch.zeros_like(source_B)  # the cache's one packed row
@@ -426,8 +464,13 @@ class _Run:
             self.results[sample] = ([], [], "length")
         self.pending = len(self.caps)
 
+    def _caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's static keys and values [R, A, S, F]."""
+        return [layer.cache() for layer in self.layers]
+
     def _harvest(self, slots: list[int]) -> None:
-        """Copy the finished samples of these slots to the results (one device-to-host copy) and free the slots."""
+        """Copy the finished samples of these slots to the results (one device-to-host copy) and free the slots; in a
+        session, hold each one's keys and values under its key."""
         index = torch.as_tensor(slots, device=self.device)
         lengths, stopped = self.lengths_R[index].tolist(), self.stopped_R[index].tolist()
         longest = max(lengths)
@@ -437,6 +480,11 @@ class _Run:
             sample = self.slot_sample[slot]
             assert sample is not None, "only occupied slots are harvested"
             self.results[sample] = (ids[:n], lps[:n], "stop" if done else "length")
+            if self.held is not None:  # its prompt and response but the last token (sampled, never fed): [0, fed)
+                prompt = self.prompts[self.sample_prompt[sample]]
+                fed = len(prompt) + max(n - 1, 0)
+                kv = [(keys[slot, :, :fed].clone(), values[slot, :, :fed].clone()) for keys, values in self._caches()]
+                self.held[0].put(self.held[1][sample], prompt + ids[: max(n - 1, 0)], kv)
             self.slot_sample[slot] = None
             self.slot_position[slot] = self.slot_last[slot] = 0
         # An empty slot keeps computing (static shapes) until it is refilled: at position 0 its attention reads one
@@ -448,16 +496,18 @@ class _Run:
     def _record(self, tokens_R: torch.Tensor, logprobs_R: torch.Tensor, rows: int) -> None:
         """Write each alive row's sampled token and log-prob at its own column, then advance lengths, finished rows
         and positions of the first `rows` rows; no host sync. Rows not alive write into the spare column and do not
-        move."""
+        move. A row that ends here moves once more, past the last token it fed: the steps it runs until its slot is
+        refilled write their (discarded) keys and values there, not over its sequence's (which a session holds)."""
         alive_R, lengths_R, stopped_R = self.alive_R[:rows], self.lengths_R[:rows], self.stopped_R[:rows]
+        fed_R = alive_R.long()  # rows whose fed token was their sample's
         column_R = torch.where(alive_R, lengths_R, self.steps)[:, None]
         self.out_ids_RT[:rows].scatter_(1, column_R, tokens_R[:, None])
         self.out_lps_RT[:rows].scatter_(1, column_R, logprobs_R[:, None])
-        lengths_R.add_(alive_R.long())
+        lengths_R.add_(fed_R)
         if self.params.stop_at_eos:
             stopped_R.logical_or_(alive_R & (tokens_R[:, None] == self.eos_ids[None]).any(-1))
         alive_R.logical_and_(~stopped_R & (lengths_R < self.limit_R[:rows]))
-        self.position_R[:rows].add_(alive_R.long())
+        self.position_R[:rows].add_(fed_R)
         self.tokens_R[:rows].copy_(tokens_R)
 
     def _decode_step(self, span: int, fns: tuple[Callable, Callable, Callable], rows: int) -> None:

@@ -114,3 +114,37 @@ def teacher_model(tokenizer: PreTrainedTokenizerFast, seed: int = 1):
     for config in (model.config, model.generation_config):
         config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     return model
+
+
+def chat_prompt(tokenizer, i: int) -> list[int]:
+    """The ids of a one-turn chat prompt `q{i}` under `tokenizer`'s template."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"q{i}"}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def text_rollouts(tokenizer, texts, eos_id):
+    """(Rollouts, prompts): rows of a chat prompt then the canonical tokens of a text and EOS."""
+    import torch
+
+    from opd.types import Rollouts
+
+    prompts = [chat_prompt(tokenizer, i) for i in range(len(texts))]
+    responses = [tokenizer(t, add_special_tokens=False)["input_ids"] + [eos_id] for t in texts]
+    B, T = len(texts), max(len(r) for r in responses)
+    L = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    input_ids = torch.zeros((B, L), dtype=torch.long)
+    attention = torch.zeros((B, L), dtype=torch.bool)
+    response_ids = torch.zeros((B, T), dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.bool)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[b, : len(p) + len(r)] = torch.tensor(p + r)
+        attention[b, : len(p) + len(r)] = True
+        response_ids[b, : len(r)] = torch.tensor(r)
+        mask[b, : len(r)] = True
+    rollouts = Rollouts(
+        input_ids, attention, torch.tensor([len(p) for p in prompts]), response_ids, mask, torch.arange(B),
+        torch.zeros(B, dtype=torch.bool),
+    )  # fmt: skip
+    return rollouts, prompts

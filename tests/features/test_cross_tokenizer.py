@@ -164,3 +164,126 @@ def test_a_teachers_list_mixes_a_cross_and_a_same_vocabulary_teacher(cross_world
     assert "teacher cross: tokenizer auto → cross" in out and "teacher same" in out
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert 0 < metrics["teacher/cross/token_frac"] < 1 and "xtok/exact_frac" in metrics  # 3 of 6 prompts each
+
+
+TEXTS = ["Compute 12 + 35 = 47.", "the answer is \\boxed{47}", "Café: naïve 数学", "x * x  # square"]
+
+
+def _prefix_reference(cross, model, prompt, student_ids, teacher_ids):
+    """Per student token of one row (its text tokens, then its EOS), the teacher's log-prob `prefix` credits it, in
+    float64 from the teacher's whole distribution at every position: cuts where both byte offsets agree; within a
+    span, L_i = the span's teacher tokens before the one covering token i's end plus log Σ over the teacher tokens
+    that begin with that token's bytes up to that end; L_i − L_prev (the span's sum on its last token)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + teacher_ids])).logits[0, len(prompt) - 1 : -1]
+    lp = logits.double().log_softmax(-1)
+    table = cross.teacher.table
+    t_bytes = [table[i] for i in teacher_ids[:-1]]
+    t_end = [sum(len(b) for b in t_bytes[: j + 1]) for j in range(len(t_bytes))]
+    s_bytes = [cross.student.table[i] for i in student_ids[:-1]]
+    s_end = [sum(len(b) for b in s_bytes[: i + 1]) for i in range(len(s_bytes))]
+    cuts = sorted(set(s_end) & set(t_end))
+    out, previous = [], 0.0
+    for end in s_end:
+        start = max([c for c in cuts if c < end], default=0)
+        span_t = [j for j, e in enumerate(t_end) if start < e <= next(c for c in cuts if c >= end)]
+        if end in cuts:
+            cumulative = sum(float(lp[j, teacher_ids[j]]) for j in span_t)
+        else:
+            j = next(j for j, e in enumerate(t_end) if e > end)
+            prefix = t_bytes[j][: end - (t_end[j] - len(t_bytes[j]))]
+            ids = [v for v, b in enumerate(table) if b.startswith(prefix)]
+            before = sum(float(lp[k, teacher_ids[k]]) for k in span_t if k < j)
+            cumulative = before + float(lp[j, ids].logsumexp(-1))
+        out.append(cumulative - previous)
+        previous = 0.0 if end in cuts else cumulative
+    out.append(float(lp[-1, teacher_ids[-1]]))  # the stop: the EOS span, one token each
+    return out
+
+
+@pytest.mark.parametrize("kinds", [("characters", "byte_bpe"), ("byte_bpe", "sentencepiece")])
+def test_prefix_credit_matches_the_teachers_whole_distribution_in_float64(kinds):
+    """A student and a teacher of other tokenizers (characters under byte-level BPE: every word a span of several
+    student tokens; byte-level BPE under SentencePiece: both ways): through `start_cross_scoring`, each student
+    token's teacher log-prob under `span_credit: prefix` equals the dense float64 reference from the teacher's full
+    distribution, and the spans still sum to the teacher's log-prob of the whole text."""
+    import torch
+
+    from helpers_cross_vocab import KINDS, chat_prompt, text_rollouts
+    from opd.teacher.cross_vocab import build_cross_vocab, start_cross_scoring
+    from opd.teacher.local import LocalScorer
+
+    student_tok, teacher_tok = KINDS[kinds[0]](), KINDS[kinds[1]]()
+    student_model = make_tiny_model(vocab_size=max(len(student_tok), 261), seed=4)
+    model = teacher_model(teacher_tok, seed=3)
+    rollouts, _ = text_rollouts(student_tok, TEXTS, student_tok.eos_token_id)
+    prompts = [chat_prompt(teacher_tok, i) for i in range(len(TEXTS))]
+    student = LocalScorer(student_model).score(rollouts, top_k=0)
+    cross = build_cross_vocab(student_tok, teacher_tok, student_eos_ids=[student_tok.eos_token_id], credit="prefix")
+    call = start_cross_scoring(cross, LocalScorer(model), rollouts, student, prompts, top_k=0, temperature=1.0)
+    got = call.result().sampled_logprobs
+    interior = 0
+    for b in range(len(TEXTS)):
+        n = int(rollouts.response_mask[b].sum())
+        m = int(call.aligned.teacher_mask_BN[b].sum())
+        teacher_ids = call.aligned.teacher_ids_BN[b, :m].tolist()
+        want = _prefix_reference(cross, model, prompts[b], rollouts.response_ids[b, :n].tolist(), teacher_ids)
+        assert torch.allclose(got[b, :n].double(), torch.tensor(want, dtype=torch.float64), atol=2e-5, rtol=0), (
+            b,
+            got[b, :n],
+            want,
+        )
+        interior += int((call.aligned.prefix_at_BT[b] >= 0).sum())
+    assert interior >= 5  # the prefix masses are in play, not only one-to-one spans
+
+
+def test_prefix_credit_with_one_tokenizer_twice_is_the_same_vocabulary_reward():
+    """Every span one-to-one: `prefix` gives each token the teacher's own log-prob, as the same-vocabulary path
+    (within 1e-6), and asks for no prefix mass."""
+    import torch
+
+    from helpers import EOS_ID
+    from helpers_cross_vocab import text_rollouts
+    from opd.teacher.cross_vocab import build_cross_vocab, start_cross_scoring
+    from opd.teacher.local import LocalScorer
+
+    tokenizer = make_tiny_tokenizer()
+    rollouts, prompts = text_rollouts(tokenizer, TEXTS, EOS_ID)
+    student = LocalScorer(make_tiny_model(seed=0)).score(rollouts, top_k=4)
+    scorer = LocalScorer(make_tiny_model(seed=1))
+    same = scorer.score(rollouts, top_k=0, requested_ids=student.topk_ids)
+    cross = build_cross_vocab(tokenizer, tokenizer, student_eos_ids=[EOS_ID], credit="prefix")
+    call = start_cross_scoring(cross, scorer, rollouts, student, prompts, top_k=4, temperature=1.0)
+    crossed, mask = call.result(), rollouts.response_mask
+    assert not (call.aligned.prefix_at_BT >= 0).any()
+    assert torch.allclose(crossed.sampled_logprobs[mask], same.sampled_logprobs[mask], atol=1e-6, rtol=0)
+    assert torch.allclose(crossed.requested_logprobs[mask], same.requested_logprobs[mask], atol=1e-6, rtol=0)
+
+
+def test_distill_runs_with_span_credit_prefix(cross_world, tmp_path, capsys):
+    code, out, err = cli(capsys, *_args(cross_world, tmp_path, "bpe", "teacher.span_credit=prefix"))
+    assert code == 0, err
+    assert "span_credit: prefix" in out
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert metrics["xtok/span_frac"] > 0
+
+
+def test_a_bad_span_credit_is_refused_in_one_line(cross_world, tmp_path, capsys):
+    code, _, err = cli(capsys, *_args(cross_world, tmp_path, "bpe", "teacher.span_credit=middle"))
+    line = one_line(code, err)
+    assert "span_credit" in line and "prefix" in line and "even" in line
+
+
+def test_span_credit_prefix_with_a_served_cross_teacher_is_refused_in_one_line(tmp_path):
+    from opd.config import TeacherEntry
+    from opd.teacher.cross_vocab import resolve_tokenizer_mode
+
+    byte_bpe().save_pretrained(tmp_path / "other")
+    entry = TeacherEntry(
+        name="t", url="http://127.0.0.1:9", tokenizer_path=str(tmp_path / "other"), span_credit="prefix"
+    )
+    with pytest.raises(ValueError, match="span_credit: prefix needs the teacher's distribution") as error:
+        resolve_tokenizer_mode(entry, make_tiny_tokenizer())  # refused before the server is asked anything
+    assert "\n" not in str(error.value) and "span_credit: even or last" in str(error.value)

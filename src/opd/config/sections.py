@@ -257,10 +257,12 @@ class TeacherSpec(ModelSpec):
         "needs here to tokenize the student's text; its token → id map must hash to the server's /info vocab_hash "
         "(checked at startup). None: the served teacher scores the student's own ids.",
     )
-    span_credit: Literal["even", "last"] = Field(
+    span_credit: Literal["prefix", "even", "last"] = Field(
         "even",
-        description="A cross teacher's span log-prob on its student tokens: even (T/n each, the student's own "
-        "log-prob kept per token) or last (the span's whole reward on its last token); docs/spec.md §9.",
+        description="A cross teacher's span log-prob on its student tokens: prefix (each token the teacher's own "
+        "log-prob of its text, from the teacher's distribution inside the span; in-process teachers only), even (T/n "
+        "each, the student's own log-prob kept per token) or last (the span's whole reward on its last token); "
+        "docs/spec.md §9.",
     )
     answer: Literal["auto", "scores", "hidden"] = Field(
         "auto",

@@ -7,16 +7,21 @@ aligns a batch (`opd.data.token_alignment`, on the CPU while the student's no-gr
 scores the teacher's own ids and returns `TokenScores` at the student's positions: the sampled-token log-probs carry
 the span signal (`opd.objectives.cross_vocab.span_teacher_logprobs`), the requested log-probs are the teacher's at
 the student's top-k where that is exact (one student and one teacher token over the same bytes, every candidate in
-both vocabularies), and `exact` says where. `CrossVocab.counts` holds what `xtok/…` reports.
+both vocabularies), and `exact` says where. `CrossVocab.counts` holds what `xtok/…` reports. With `span_credit:
+prefix` the teacher answers with hidden states instead (`HiddenStateSource`: the same forward), from which its
+scores and, at each student token that ends inside a teacher token, its log-prob of a token that begins with the text
+up to there (`prefix_logprobs`, over a `PrefixIndex` of its vocabulary) are computed here.
 
 A served cross teacher (`url` with `tokenizer_path`) is sent the teacher ids built here, with its tokenizer from
 `tokenizer_path` hash-checked against the server's /info (`served_teacher_tokenizer`); the server scores ids as for
-any client (docs/spec.md §9 says why ids and not text). Left out: vLLM teachers, and the teacher's own top-k in the
+any client (docs/spec.md §9 says why ids and not text); it takes `span_credit: even | last` (prefix is refused at
+startup: `resolve_tokenizer_mode`). Left out: vLLM teachers, and the teacher's own top-k in the
 student's vocabulary (strategies with teacher slots are refused).
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,7 +40,8 @@ from opd.models import (
     load_tokenizer,
 )
 from opd.objectives.cross_vocab import SpanCredit, span_teacher_logprobs
-from opd.teacher.base import start_scoring
+from opd.scoring import OutputHead, _transform, default_chunk_size
+from opd.teacher.base import HiddenStateSource, PendingScores, scores_from_hidden, start_scoring
 from opd.teacher.client import RemoteScorer, remote_scorer
 from opd.teacher.local import LocalScorer
 from opd.teacher.registry import Teacher, TeacherRequest, load_teacher_module, view_prompts
@@ -44,12 +50,14 @@ from opd.types import Rollouts, TokenScores
 
 __all__ = [
     "CrossVocab",
+    "PrefixIndex",
     "build_cross_vocab",
     "check_cross_objective",
     "cross_metrics",
     "cross_teacher_prompts",
     "cross_teacher_views",
     "load_cross_teacher",
+    "prefix_logprobs",
     "resolve_tokenizer_mode",
     "served_teacher_tokenizer",
     "start_alignment",
@@ -91,6 +99,12 @@ def resolve_tokenizer_mode(entry: Any, student_tokenizer: Any, teacher_tokenizer
             return "same"
         except TokenizerMismatchError:
             pass
+    if served and getattr(entry, "span_credit", "even") == "prefix":  # before the server is asked anything
+        raise ValueError(
+            f"teacher {getattr(entry, 'name', 'teacher')}: span_credit: prefix needs the teacher's distribution "
+            f"inside a span, which a served cross teacher (url) does not send; use span_credit: even or last with a "
+            f"served teacher, or run the teacher in process (engine: local, no url)"
+        )
     if served:  # the tokenizer the client aligns with must be the server's: refused before anything loads
         scorer = remote_scorer(entry)
         try:
@@ -121,6 +135,40 @@ def served_teacher_tokenizer(entry: Any, scorer: RemoteScorer) -> Any:
 
 
 @dataclass
+class PrefixIndex:
+    """The teacher's vocabulary sorted by bytes, so that the tokens whose bytes begin with a string are one range of
+    that order (built once per teacher tokenizer; O(V) memory, no prefix → token-set table).
+
+    keys:  the sorted bytes of every teacher token with text (special and empty tokens left out)
+    rank:  [V_teacher] long: each id's place in that order, -1 for the tokens left out
+    cache: prefix → (lo, hi), the ranges asked for so far
+    """
+
+    keys: list[bytes]
+    rank: torch.Tensor
+    cache: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, teacher: TokenBytes) -> PrefixIndex:
+        ids = [i for i, b in enumerate(teacher.table) if b and not teacher.special[i]]
+        ids.sort(key=teacher.table.__getitem__)
+        rank = torch.full((len(teacher.table),), -1, dtype=torch.long)
+        rank[torch.tensor(ids, dtype=torch.long)] = torch.arange(len(ids))
+        return cls([teacher.table[i] for i in ids], rank)
+
+    def range(self, prefix: bytes) -> tuple[int, int]:
+        """[lo, hi): the places of the tokens whose bytes begin with `prefix` (non-empty)."""
+        found = self.cache.get(prefix)
+        if found is None:
+            lo = bisect.bisect_left(self.keys, prefix)
+            stem = prefix.rstrip(b"\xff")  # the least string above every one that begins with prefix
+            above = stem[:-1] + bytes([stem[-1] + 1]) if stem else None
+            hi = len(self.keys) if above is None else bisect.bisect_left(self.keys, above, lo)
+            found = self.cache[prefix] = (lo, hi)
+        return found
+
+
+@dataclass
 class CrossVocab:
     """What a cross-vocabulary teacher needs besides its model, read once from both tokenizers.
 
@@ -132,6 +180,7 @@ class CrossVocab:
     teacher_eos_id:    the id the teacher stops on (its end of turn: its tokenizer's EOS)
     teacher_positions: the teacher's context (max_position_embeddings), None: unbounded
     credit:            how a span's teacher log-prob reaches its student tokens (`span_teacher_logprobs`)
+    prefix:            the teacher's `PrefixIndex` (credit "prefix"), else None
     tokenizer_hash:    the teacher tokenizer's hash (`teacher_tokenizer_hash`)
     counts:            the tokens and rows of the calls since the last `cross_metrics` (exact, span, unmapped, …)
     pending:           (rows, the alignment in flight) started for the next scoring call (`start_alignment`)
@@ -145,6 +194,7 @@ class CrossVocab:
     teacher_eos_id: int
     teacher_positions: int | None = None
     credit: SpanCredit = "even"
+    prefix: PrefixIndex | None = None
     tokenizer_hash: str = ""
     counts: dict[str, float] = field(default_factory=dict)
     pending: tuple[tuple[int, ...], Future] | None = None
@@ -182,6 +232,7 @@ def build_cross_vocab(
         teacher_eos_id=int(eos),
         teacher_positions=teacher_positions,
         credit=credit,
+        prefix=PrefixIndex.build(teacher) if credit == "prefix" else None,
         tokenizer_hash=teacher_tokenizer_hash(teacher_tokenizer),
     )
 
@@ -189,7 +240,9 @@ def build_cross_vocab(
 @dataclass
 class _Aligned:
     """One batch's alignment as tensors (on the CPU): student_span [B, T], teacher ids, span and mask [B, N], and
-    per student position the teacher position of its one-to-one span (-1: none)."""
+    per student position the teacher position of its one-to-one span (-1: none). With credit "prefix", per student
+    token that ends inside a teacher token (not its span's last): that teacher position (`prefix_at_BT`, -1: none)
+    and the `PrefixIndex` range of the tokens that begin with that token's text up to there (`prefix_range_BT2`)."""
 
     batch: AlignedBatch
     student_span_BT: torch.Tensor
@@ -199,6 +252,8 @@ class _Aligned:
     one_to_one_BT: torch.Tensor
     seconds: float = 0.0
     text_bytes: float = 0.0
+    prefix_at_BT: torch.Tensor | None = None
+    prefix_range_BT2: torch.Tensor | None = None
 
 
 def _align(cross: CrossVocab, response_ids_BT: torch.Tensor, lengths: list[int], prompt_lengths: list[int]) -> _Aligned:
@@ -227,6 +282,8 @@ def _align(cross: CrossVocab, response_ids_BT: torch.Tensor, lengths: list[int],
     teacher_ids_BN = np.zeros((B, N), dtype=np.int64)
     teacher_span_BN = np.full((B, N), -1, dtype=np.int64)
     one_to_one_BT = np.full((B, T), -1, dtype=np.int64)
+    prefix_at_BT = np.full((B, T), -1, dtype=np.int64)
+    prefix_range_BT2 = np.zeros((B, T, 2), dtype=np.int64)
     for b, row in enumerate(batch.rows):
         n, m = len(row.student_span), len(row.teacher_ids)
         student_span_BT[b, :n] = row.student_span
@@ -242,6 +299,8 @@ def _align(cross: CrossVocab, response_ids_BT: torch.Tensor, lengths: list[int],
             index = np.clip(span, 0, None)
             hit = (span >= 0) & (s_count == 1)[index] & (t_count == 1)[index]
             one_to_one_BT[b, :n] = np.where(hit, t_pos[index], -1)
+            if cross.prefix is not None:
+                _prefix_queries(cross, row, rows[b], prefix_at_BT[b], prefix_range_BT2[b])
     teacher_span = torch.from_numpy(teacher_span_BN)
     lengths_BT = cross.student.lengths[np.where(student_span_BT >= 0, response, 0)] * (student_span_BT >= 0)
     return _Aligned(
@@ -253,7 +312,105 @@ def _align(cross: CrossVocab, response_ids_BT: torch.Tensor, lengths: list[int],
         torch.from_numpy(one_to_one_BT),
         seconds=time.perf_counter() - started,
         text_bytes=float(lengths_BT.sum()),
+        prefix_at_BT=None if cross.prefix is None else torch.from_numpy(prefix_at_BT),
+        prefix_range_BT2=None if cross.prefix is None else torch.from_numpy(prefix_range_BT2),
     )
+
+
+def _prefix_queries(cross: CrossVocab, row: Any, ids: list[int], at_T: np.ndarray, range_T2: np.ndarray) -> None:
+    """Fill one row's prefix queries: for each student token that is not its span's last, the teacher position j
+    whose token covers the token's end (a cut is never inside a span, so that end is inside a teacher token) and the
+    range of the teacher tokens that begin with token j's bytes up to that end (byte offsets as `align_row` cuts)."""
+    assert cross.prefix is not None
+    span = row.student_span
+    aligned = np.flatnonzero(span >= 0)
+    if not len(aligned):
+        return
+    last = np.full(row.num_spans, -1, dtype=np.int64)
+    np.maximum.at(last, span[aligned], aligned)
+    interior = aligned[last[span[aligned]] != aligned]
+    if not len(interior):
+        return
+    s_ids = np.asarray(ids, dtype=np.int64)
+    s_len = np.where(cross.student.special[s_ids], 0, cross.student.lengths[s_ids])
+    s_end = np.cumsum(s_len)
+    t_ids = np.asarray(row.teacher_ids, dtype=np.int64)
+    t_len = cross.teacher.lengths[t_ids].copy()
+    shift = int(row.status == "prefix_space")  # its first token's bytes hold a space the text has not
+    t_len[0] -= shift
+    t_end = np.cumsum(t_len)
+    for i in interior.tolist():
+        end = int(s_end[i])
+        j = int(np.searchsorted(t_end, end, side="right"))
+        inside = end - int(t_end[j] - t_len[j]) + (shift if j == 0 else 0)
+        at_T[i] = j
+        range_T2[i] = cross.prefix.range(cross.teacher.table[int(t_ids[j])][:inside])
+
+
+def prefix_logprobs(
+    hidden_QE: torch.Tensor,
+    head: OutputHead,
+    range_Q2: torch.Tensor,
+    rank_V: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """[Q] float32: at each of Q teacher positions (its final hidden state `hidden_QE`), the log of the teacher's
+    probability mass on the tokens whose `rank_V` (`PrefixIndex.rank`) lies in `range_Q2` = [lo, hi): the tokens
+    that begin with the query's prefix. Chunked over the Q positions (one chunk's [C, V] logits at a time, C by
+    `opd.scoring.CHUNK_BYTES`), never [Q, V] at once; z = the head's logits as `score_hidden` transforms them."""
+    Q, V = hidden_QE.shape[0], head.weight.shape[0]
+    out = torch.zeros(Q, dtype=torch.float32, device=hidden_QE.device)
+    if Q == 0:
+        return out
+    weight = head.weight
+    rank = rank_V[:V].to(weight.device)
+    if rank.shape[0] < V:  # head rows past the tokenizer: padding, no prefix
+        rank = torch.cat([rank, rank.new_full((V - rank.shape[0],), -1)])
+    chunk = chunk_size or max(1, default_chunk_size(V, torch.float32) // 4)  # raw, z, the masked z, exp: ~4 × [C, V]
+    with torch.no_grad():
+        for s in range(0, Q, chunk):
+            h = hidden_QE[s : s + chunk].to(weight.device, weight.dtype)
+            raw = h @ weight.T if head.bias is None else torch.addmm(head.bias, h, weight.T)
+            z = _transform(raw, head.logit_scale, head.softcap, temperature)
+            lo, hi = range_Q2[s : s + chunk, :1].to(z.device), range_Q2[s : s + chunk, 1:].to(z.device)
+            inside = (rank >= lo) & (rank < hi)
+            picked = torch.where(inside, z, torch.full_like(z, float("-inf"))).logsumexp(-1)
+            out[s : s + chunk] = (picked - z.logsumexp(-1)).float().to(out.device)
+    return out
+
+
+def _score_with_prefix(
+    cross: CrossVocab,
+    scorer: Any,
+    batch: Rollouts,
+    aligned: _Aligned,
+    requested_BNK: torch.Tensor | None,
+    temperature: float | None,
+) -> tuple[TokenScores, torch.Tensor]:
+    """The teacher's scores of its own batch and its prefix log-probs [B, T] at the student's positions, from one
+    forward: its hidden states and head (`HiddenStateSource`), scored here (`scores_from_hidden`)."""
+    assert cross.prefix is not None and aligned.prefix_at_BT is not None and aligned.prefix_range_BT2 is not None
+    if not isinstance(scorer, HiddenStateSource):
+        raise ValueError(
+            f"span_credit: prefix needs a teacher that answers with hidden states (an in-process one), got "
+            f"{type(scorer).__name__}; use span_credit: even or last"
+        )
+    tau = 1.0 if temperature is None else temperature
+    at_BT = aligned.prefix_at_BT
+    b_Q, t_Q = (at_BT >= 0).nonzero(as_tuple=True)
+    with torch.no_grad():
+        hidden_BNE, head = scorer.hidden_states(batch), scorer.output_head()
+        scores = scores_from_hidden(
+            hidden_BNE, head, batch, top_k=0, requested_ids=requested_BNK, temperature=tau, with_entropy=False
+        )
+        hidden_QE = hidden_BNE[b_Q.to(hidden_BNE.device), at_BT[b_Q, t_Q].to(hidden_BNE.device)]
+        ranges_Q2 = aligned.prefix_range_BT2[b_Q, t_Q]
+        masses_Q = prefix_logprobs(hidden_QE, head, ranges_Q2, cross.prefix.rank, temperature=tau)
+    prefix_BT = torch.zeros(at_BT.shape, dtype=torch.float32)
+    prefix_BT[b_Q, t_Q] = masses_Q.cpu()
+    return scores, prefix_BT
 
 
 def start_alignment(cross: CrossVocab, rollouts: Rollouts, prompt_lengths: list[int]) -> Future[_Aligned]:
@@ -304,9 +461,11 @@ class CrossCall:
         exact_BT: torch.Tensor,
         diagnostic_exact_BT: torch.Tensor,
         top_k: int,
+        prefix_BT: torch.Tensor | None = None,
     ):
         self.cross, self.pending, self.aligned, self.student = cross, pending, aligned, student
         self.exact_BT, self.diagnostic_exact_BT, self.top_k = exact_BT, diagnostic_exact_BT, top_k
+        self.prefix_BT = prefix_BT
 
     def result(self) -> TokenScores:
         teacher = self.pending.result()
@@ -324,6 +483,8 @@ class CrossCall:
             student_span_BT,
             aligned.teacher_span_BN.to(device),
             credit=self.cross.credit,
+            prefix_at_BT=None if aligned.prefix_at_BT is None else aligned.prefix_at_BT.to(device),
+            prefix_lp_BT=None if self.prefix_BT is None else self.prefix_BT.to(device),
         )
         exact_BT = self.exact_BT.to(device)
         topk_ids = topk_lp = requested = None
@@ -381,9 +542,14 @@ def start_cross_scoring(
         requested_BNK[b_idx, aligned.one_to_one_BT[b_idx, t_idx]] = mapped_BTK[b_idx, t_idx]
         requested_BNK = requested_BNK.to(rollouts.input_ids.device)
     exact_BT = diag_BT if top_k else one_BT
-    pending = start_scoring(scorer, batch, top_k=0, requested_ids=requested_BNK, temperature=temperature)
+    prefix_BT = None
+    if cross.credit == "prefix":
+        scores, prefix_BT = _score_with_prefix(cross, scorer, batch, aligned, requested_BNK, temperature)
+        pending: Any = PendingScores.done(scores)
+    else:
+        pending = start_scoring(scorer, batch, top_k=0, requested_ids=requested_BNK, temperature=temperature)
     _count(cross, aligned, rollouts.response_mask.cpu(), exact_BT)
-    return CrossCall(cross, pending, aligned, student, exact_BT, diag_BT, top_k)
+    return CrossCall(cross, pending, aligned, student, exact_BT, diag_BT, top_k, prefix_BT)
 
 
 def _count(cross: CrossVocab, aligned: _Aligned, mask_BT: torch.Tensor, exact_BT: torch.Tensor) -> None:

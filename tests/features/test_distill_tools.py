@@ -401,7 +401,6 @@ def test_opd_check_forecasts_from_the_students_episodes(capsys, tool_world, tmp_
         (["rollout.tools=shell"], "rollout.tools"),
         (["rollout.tools=calculator", "rollout.partial=true", "rollout.max_staleness=0"], "rollout.partial"),
         (["rollout.tools=calculator", "rollout.overlap=true", "objective.tis_cap=2"], "rollout.overlap"),
-        (["rollout.tools=calculator", "rollout.engine=vllm", "run.deterministic=false"], "rollout.engine=vllm"),
         (["rollout.tools=calculator", "rollout.max_episode_tokens=999"], "rollout.max_episode_tokens=999"),
         (["rollout.tools=calculator", "rollout.max_turn_tokens=300"], "rollout.max_turn_tokens=300"),
         (["rollout.tools=calculator", "rollout.max_turns=0"], "rollout.max_turns"),

@@ -221,7 +221,6 @@ class DistillConfig(Section):
         for on, what in (
             (r.partial, "rollout.partial (episodes are generated whole within their step)"),
             (r.overlap, "rollout.overlap (episodes are generated in their own step)"),
-            (r.engine == "vllm", "rollout.engine=vllm (episodes run on the torch and static engines)"),
         ):
             if on:
                 raise ValueError(f"rollout.tools={r.tools} does not run with {what}: remove one of them")

@@ -12,13 +12,14 @@ tool's sandbox before any model loads; its messages name `tools` and `--sandbox`
 with distill's (`rollout.tools`, `rollout.sandbox`).
 
 Not here: the engines' cache continuation across turns (each turn prefills the whole conversation again; the step
-logs `episode/repeated_prefill_tokens`), episodes with rollout.partial / rollout.overlap / the vLLM engine, teachers
-with a view or another vocabulary (refused by `DistillConfig`).
+logs `episode/repeated_prefill_tokens`; on the vLLM engine its prefix cache holds what the turns re-send), episodes with
+rollout.partial / rollout.overlap, teachers with a view or another vocabulary (refused by `DistillConfig`).
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from typing import Any, cast
 
 import torch
@@ -140,20 +141,24 @@ def generate_episodes(
     and the episodes themselves (their metrics, final turns). `prompt_ids` are `encode_with_tools`' ids of these
     prompts: an episode that starts from other ids (an environment whose tools changed since setup) is an error."""
     spec = config.rollout
-    episodes = run_episodes(
-        generator,
-        tokenizer,
-        [p.messages for p in prompts],
-        [episode_row(p) for p in prompts],
-        environment,
-        params,
-        max_turns=spec.max_turns,
-        max_episode_tokens=spec.max_episode_tokens,
-        max_turn_tokens=spec.max_turn_tokens,
-        tool_workers=spec.tool_workers,
-        tool_timeout_s=spec.tool_timeout_s,
-        template=_template(config),
-    )
+    # a vLLM engine that sleeps between calls (`VLLMGenerator.held`) stays awake over the turns: its prefix cache holds
+    # the conversations so far, which each turn re-sends
+    held = getattr(generator, "held", None)
+    with held() if held is not None else nullcontext():
+        episodes = run_episodes(
+            generator,
+            tokenizer,
+            [p.messages for p in prompts],
+            [episode_row(p) for p in prompts],
+            environment,
+            params,
+            max_turns=spec.max_turns,
+            max_episode_tokens=spec.max_episode_tokens,
+            max_turn_tokens=spec.max_turn_tokens,
+            tool_workers=spec.tool_workers,
+            tool_timeout_s=spec.tool_timeout_s,
+            template=_template(config),
+        )
     for index, (started, expected) in enumerate(zip(episodes.prompt_ids, prompt_ids)):
         if list(started) != list(expected):
             raise ValueError(

@@ -168,17 +168,21 @@ def overlap_generator(
 
 
 def rollout_ahead(
-    config: DistillConfig, rollout_model: torch.nn.Module | None, rollout_generator: Generator | None
+    config: DistillConfig,
+    rollout_model: torch.nn.Module | None,
+    rollout_generator: Generator | None,
+    make_stream: Callable[..., RolloutStream] = RolloutStream,
 ) -> tuple[RolloutStream | None, AheadGenerator | AheadStream | None]:
-    """What the recipe builds around the step's engines: with rollout.partial the stream of in-flight samples, and
-    with rollout.overlap (a snapshot and its engine, `overlap_generator`) the generator of the next step's rollouts,
-    an `AheadStream` over the stream when there is one."""
+    """What the recipe builds around the step's engines: with rollout.partial the stream of in-flight samples (made by
+    `make_stream`: with rollout.tools an `opd.train.episodes.EpisodeStream`), and with rollout.overlap (a snapshot
+    and its engine, `overlap_generator`) the generator of the next step's rollouts, an `AheadStream` over the stream
+    when there is one."""
     spec, stream = config.rollout, None
     if spec.partial:
         # a sample spans the versions it may be sampled by: with overlap its first token already lags one step
         ahead = int(rollout_model is not None)
         segment = default_segment(spec.max_new_tokens, spec.max_staleness, ahead, spec.partial_early_stop)
-        stream = RolloutStream(
+        stream = make_stream(
             prompts_per_step=config.prompts_per_step,
             n=spec.n,
             max_new_tokens=spec.max_new_tokens,

@@ -11,6 +11,7 @@ Omitted on purpose: PPO mini-batch epochs (the paper makes one optimizer step pe
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any, cast
 
@@ -37,6 +38,7 @@ from opd.objectives.targets import FULL_LOSSES, ObjectiveSettings, Targets
 from opd.rollout import SamplingParams
 from opd.rollout.base import Generator
 from opd.rollout.batch import build_rollouts, random_rollouts
+from opd.rollout.episodes import episode_rollouts
 from opd.rollout.static_engine import StaticGenerator
 from opd.scoring import candidate_logprobs_and_entropy, warm_up_row_buckets
 from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
@@ -182,7 +184,10 @@ def _stream_rollouts(tr: Trainer, stream: RolloutStream, timings: dict, device: 
             autocast(device, tr.models.autocast_dtype),
         ):
             generate = _stream_generate(tr.config, tr.engines.generator, tr.run.step, tr.run.dist.rank, counts)
-            taken = stream.next_batch(tr.run.step, tr.data.sampler.next_batch, tr.data.prompt_ids, generate)
+            # a vLLM engine stays awake over the step's calls (its prefix cache holds the continued samples' prefixes)
+            held = getattr(tr.engines.generator, "held", None)
+            with held() if held is not None else nullcontext():
+                taken = stream.next_batch(tr.run.step, tr.data.sampler.next_batch, tr.data.prompt_ids, generate)
         tr.engines.generator.release()
     counters = {  # the stream after this step's batch, before the next one's build changes it
         "partial/calls": taken.calls,
@@ -204,7 +209,10 @@ def _stream_rollouts(tr: Trainer, stream: RolloutStream, timings: dict, device: 
             autocast_dtype=tr.models.autocast_dtype,
         )
     prompt_ids = [tr.data.prompt_ids[i] for i in taken.indices]
-    rollouts = build_rollouts(prompt_ids, taken.output, pad_id=tr.models.tokenizer.pad_token_id, device=device)
+    if taken.episodes is None:
+        rollouts = build_rollouts(prompt_ids, taken.output, pad_id=tr.models.tokenizer.pad_token_id, device=device)
+    else:  # rollout.tools: the environment's tokens out of response_mask
+        rollouts = episode_rollouts(taken.episodes, pad_id=tr.models.tokenizer.pad_token_id, device=device)
     versions_BT = torch.full(rollouts.response_mask.shape, tr.run.step, dtype=torch.long)
     for b, versions in enumerate(taken.versions):
         versions_BT[b, : len(versions)] = torch.tensor(versions, dtype=torch.long)
@@ -212,7 +220,13 @@ def _stream_rollouts(tr: Trainer, stream: RolloutStream, timings: dict, device: 
     lag = max((tr.run.step - v[0] for v in taken.versions if v), default=0)
     _mark_memory(tr, "rollout")
     return Batch(
-        taken.indices, rollouts, policy_lag=lag, versions_BT=versions_BT, stream_metrics=counters, engine_counts=counts
+        taken.indices,
+        rollouts,
+        policy_lag=lag,
+        versions_BT=versions_BT,
+        stream_metrics=counters,
+        engine_counts=counts,
+        episodes=taken.episodes,
     )
 
 
@@ -220,10 +234,14 @@ def _stream_generate(
     cfg: DistillConfig, generator: Generator, step: int, rank: int, counts: EngineCounts | None = None
 ) -> GenerateFn:
     """The stream's engine calls for the batch step `step` trains: call c seeded by `_step_seed(seed, step, rank, c)`
-    whichever thread and weights make it; each call's decode work is added to `counts` when given."""
+    whichever thread and weights make it (with rollout.tools by `derive_seed(_step_seed(seed, step, rank), call=c)`,
+    as an episode's turn c is seeded without rollout.partial); each call's decode work is added to `counts` when
+    given."""
 
     def generate(prompt_ids, n, max_new_tokens, call, stop_when, caps):
         params = replace(_sampling_params(cfg, step, rank, call), n=n, max_new_tokens=max_new_tokens)
+        if cfg.rollout.tools is not None and call > 0:
+            params = replace(params, seed=derive_seed(_step_seed(cfg.run.seed, step, rank), call=call))
         # the stream's engines (torch, static) take per-sample caps: the Generator protocol does not name them yet
         engine: Any = generator
         output = engine.generate(prompt_ids, params, max_new_tokens_per_sample=caps, stop_when=stop_when)

@@ -453,6 +453,33 @@ def test_kill9_with_partial_episodes_in_flight_resumes_exactly(capsys, monkeypat
     assert not (run_dir / LOCK_FILE).exists()
 
 
+@pytest.mark.parametrize("partial", [(), PARTIAL[:3]], ids=["overlap", "overlap+partial"])
+def test_overlapped_episodes_resume_exactly(capsys, tool_world, tmp_path, partial):
+    """rollout.overlap: the next step's episodes (their tool calls too) are generated during this step, from the
+    weights before its update, and trained a step later; the checkpoint holds them, so a run stopped at step 1 and
+    resumed equals a run never stopped (with rollout.partial too: the stream's batch built ahead)."""
+    common = ("rollout.overlap=true", "objective.tis_cap=2", "run.save_every=1", *partial)
+    straight = distill(_config(tool_world, tmp_path / "b", *common, student="tool_user", steps=3))
+    stopped = dump(_config(tool_world, tmp_path / "a", *common, student="tool_user", steps=1), tmp_path / "a.yaml")
+    assert cli(capsys, "distill", "--config", stopped)[0] == 0
+    code, out, err = cli(capsys, "distill", "--config", stopped, "--resume", "run.steps=3")
+    assert code == 0 and "resumed from" in out, err
+    resumed = tmp_path / "a" / "run"
+    assert_same_weights(straight / "checkpoints" / "step_3", resumed / "checkpoints" / "step_3")
+    timing = ("episode/tool_seconds", "episode/tool_wall_seconds")
+
+    def same(m: dict) -> dict:
+        return {k: v for k, v in without_timing(m).items() if k not in timing}
+
+    ma, mb = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
+    assert [m["step"] for m in mb] == [1, 2, 3] and [same(m) for m in ma] == [same(m) for m in mb]
+    assert all(m["episode/tool_calls_mean"] > 0 and m["episode/env_tokens_mean"] > 0 for m in mb), mb
+    assert all(m["policy_lag"] >= 1 for m in mb[1:])  # steps 2 and 3 trained episodes generated a step ahead
+    for step in (1, 2, 3):
+        samples = [read_jsonl(d / "samples" / f"step_{step}.jsonl") for d in (straight, resumed)]
+        assert [s["episode"] for s in samples[0]] == [s["episode"] for s in samples[1]]
+
+
 # ------------------------------------------------------------------------------------------------ opd check
 
 
@@ -488,7 +515,6 @@ def test_opd_check_forecasts_from_the_students_episodes(capsys, tool_world, tmp_
             ],
             "rollout.partial_early_stop",
         ),
-        (["rollout.tools=calculator", "rollout.overlap=true", "objective.tis_cap=2"], "rollout.overlap"),
         (["rollout.tools=calculator", "rollout.max_episode_tokens=999"], "rollout.max_episode_tokens=999"),
         (["rollout.tools=calculator", "rollout.max_turn_tokens=300"], "rollout.max_turn_tokens=300"),
         (["rollout.tools=calculator", "rollout.max_turns=0"], "rollout.max_turns"),

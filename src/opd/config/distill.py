@@ -218,11 +218,6 @@ class DistillConfig(Section):
         r = self.rollout
         if r.tools is None:  # its other fields are read by episodes only (a saved config.yaml holds them all)
             return self
-        if r.overlap:
-            raise ValueError(
-                f"rollout.tools={r.tools} does not run with rollout.overlap (episodes are generated in their own "
-                f"step): remove one of them"
-            )
         if r.partial and r.partial_early_stop:
             raise ValueError(
                 f"rollout.tools={r.tools} does not run with rollout.partial_early_stop (its stop rule reads a turn's "

@@ -16,9 +16,11 @@ between turns with the environment's answer in place, their environments with th
 vLLM engine each turn re-sends the conversation, which its prefix cache holds (`VLLMGenerator.held` keeps a sleeping
 engine awake over the turns).
 
+With rollout.overlap the next step's episodes run in the background (`step_episodes`, or the stream's build).
+
 Not here: the torch and static engines' cache continuation across turns (each turn prefills the whole conversation
-again; the step logs `episode/repeated_prefill_tokens`), episodes with rollout.overlap or partial_early_stop,
-teachers with a view or another vocabulary (refused by `DistillConfig`).
+again; the step logs `episode/repeated_prefill_tokens`), episodes with rollout.partial_early_stop, teachers with a
+view or another vocabulary (refused by `DistillConfig`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ __all__ = [
     "episode_row",
     "episode_stream",
     "generate_episodes",
+    "step_episodes",
     "rollout_environment",
 ]
 
@@ -150,6 +153,20 @@ def generate_episodes(
     """`params.n` episodes per prompt as the step's `Rollouts` (the environment's tokens out of `response_mask`)
     and the episodes themselves (their metrics, final turns). `prompt_ids` are `encode_with_tools`' ids of these
     prompts: an episode that starts from other ids (an environment whose tools changed since setup) is an error."""
+    episodes = step_episodes(config, generator, tokenizer, environment, prompts, prompt_ids, params)
+    return episode_rollouts(episodes, pad_id=tokenizer.pad_token_id, device=device), episodes
+
+
+def step_episodes(
+    config: DistillConfig,
+    generator: Generator,
+    tokenizer: Any,
+    environment: Environment,
+    prompts: list[Prompt],
+    prompt_ids: list[list[int]],
+    params: SamplingParams,
+) -> EpisodeOutput:
+    """The episodes of `generate_episodes` (also what rollout.overlap generates ahead, in the background)."""
     spec = config.rollout
     # a vLLM engine that sleeps between calls (`VLLMGenerator.held`) stays awake over the turns: its prefix cache holds
     # the conversations so far, which each turn re-sends
@@ -175,7 +192,7 @@ def generate_episodes(
                 f"rollout.tools={spec.tools}: the episode of prompt {prompts[index].id!r} started from other ids than "
                 f"setup rendered (the environment offered other tools); an environment's tools must be fixed per row"
             )
-    return episode_rollouts(episodes, pad_id=tokenizer.pad_token_id, device=device), episodes
+    return episodes
 
 
 class EpisodeStream(RolloutStream):

@@ -24,6 +24,7 @@ import torch
 from opd.config import DistillConfig
 from opd.rollout import GenerationOutput, SamplingParams, make_generator
 from opd.rollout.base import Generator
+from opd.rollout.episodes import EpisodeOutput, episodes_from_state, episodes_state_dict
 from opd.rollout.static_engine import StaticGenerator
 from opd.train.common import autocast
 from opd.train.stream import GenerateFn, RolloutStream, StreamBatch, default_segment
@@ -36,15 +37,22 @@ class PendingRollouts:
 
     indices: list[int]
     output: GenerationOutput
+    episodes: EpisodeOutput | None = None  # rollout.tools: the episodes `output` lays out
 
     def state_dict(self) -> dict:
-        return {"indices": self.indices, **self.output.state_dict()}
+        episodes = None if self.episodes is None else episodes_state_dict(self.episodes)
+        return {"indices": self.indices, **self.output.state_dict(), "episodes": episodes}
 
     @classmethod
     def from_state(cls, state: dict | None) -> PendingRollouts | None:
         if not state:
             return None
-        return cls(indices=list(state["indices"]), output=GenerationOutput.from_state(state))
+        episodes = state.get("episodes")  # absent from checkpoints written before episodes ran ahead
+        return cls(
+            indices=list(state["indices"]),
+            output=GenerationOutput.from_state(state),
+            episodes=None if episodes is None else episodes_from_state(episodes),
+        )
 
 
 class AheadGenerator:
@@ -65,19 +73,28 @@ class AheadGenerator:
         *,
         device: torch.device,
         autocast_dtype: torch.dtype | None,
+        episodes: Callable[[Generator], EpisodeOutput] | None = None,
     ) -> None:
         """Copy the student's current weights into the snapshot and generate `prompt_ids` from it in the background
-        (on CUDA in its own stream, ordered after the copy)."""
+        (on CUDA in its own stream, ordered after the copy); with rollout.tools `episodes(generator)` runs instead
+        (the episodes of these prompts, their tool calls answered in the background too)."""
         refresh_snapshot(self.snapshot, student)
-        background = _Background(lambda: self.generator.generate(prompt_ids, params), device, autocast_dtype)
-        self._running = (indices, background)
+
+        def run() -> GenerationOutput | EpisodeOutput:
+            return self.generator.generate(prompt_ids, params) if episodes is None else episodes(self.generator)
+
+        self._running = (indices, _Background(run, device, autocast_dtype))
 
     def wait(self) -> None:
         """Wait for the generation `start` began (re-raising its error); its rollouts become `pending`."""
         if self._running is None:
             return
         (indices, background), self._running = self._running, None
-        self.pending = PendingRollouts(indices=indices, output=background.result())
+        result = background.result()
+        if isinstance(result, EpisodeOutput):
+            self.pending = PendingRollouts(indices=indices, output=result.output, episodes=result)
+        else:
+            self.pending = PendingRollouts(indices=indices, output=result)
         self.generator.release()
 
     def take(self) -> PendingRollouts | None:

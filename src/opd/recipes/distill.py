@@ -106,12 +106,13 @@ from opd.train.distributed import (
     load_full_optimizer_state_dict,
     shard_model,
 )
-from opd.train.episodes import encode_with_tools, rollout_environment
+from opd.train.episodes import EpisodeStream, encode_with_tools, episode_stream, rollout_environment
 from opd.train.optim import adamw_state_bytes, build_optimizer, build_scheduler
 from opd.train.overlap import overlap_generator, rollout_ahead
 from opd.train.sampler import PromptSampler
 from opd.train.state import Models, RunState, TrainData, TrainEngines, Trainer, TrainModels, TrainOptimization
 from opd.train.step import CompileLog, decode_warm_up_rows, describe_compiles, opd_step, warm_up
+from opd.train.stream import RolloutStream
 
 __all__ = ["DistillConfig", "Trainer", "distill", "run_eval", "save", "setup", "train"]
 
@@ -133,7 +134,11 @@ def distill(config: DistillConfig, *, console: Any = None) -> Path:
                 console=console,
                 dist=info,
             )
-            train(tr, console=console)
+            try:
+                train(tr, console=console)
+            finally:  # rollout.tools with rollout.partial: the in-flight episodes' environments (python's directories)
+                if isinstance(tr.engines.stream, EpisodeStream):
+                    tr.engines.stream.close()
             tr.engines.generator.close()  # vLLM: its groups go before the process group they live in
         destroy_distributed(info)
     return run_dir
@@ -329,7 +334,11 @@ def setup(
     compiled, budget = _configure_memory(config, models, dist)
     reference_scorer = _load_reference(config, models)
     optimizer, scheduler, sampler = _build_optimization(config, models, generator, len(data.prompts), dist)
-    stream, ahead = rollout_ahead(config, rollout_model, rollout_generator)  # rollout.partial / rollout.overlap
+    # rollout.partial / rollout.overlap; with rollout.tools the stream's samples are episodes
+    make_stream = (
+        RolloutStream if environment is None else episode_stream(config, models.tokenizer, environment, data.prompts)
+    )
+    stream, ahead = rollout_ahead(config, rollout_model, rollout_generator, make_stream)
     tr = Trainer(
         config=config,
         models=TrainModels(

@@ -266,7 +266,11 @@ EPISODE_PANELS = (
         "episode/",
         strip_end="_mean",
     ),
-    Panel("context prefilled again at later turns", ["episode/repeated_prefill_tokens"], "tokens"),
+    Panel(
+        "context prefilled again at later turns (wasted: without continuation)",
+        ["episode/repeated_prefill_tokens", "episode/wasted_prefill_tokens"],
+        "tokens",
+    ),
 )
 EPISODE_KEYS = frozenset(k for panel in EPISODE_PANELS for k in panel.keys if k.startswith("episode/"))
 

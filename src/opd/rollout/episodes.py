@@ -266,3 +266,38 @@ def episode_rollouts(episodes: EpisodeOutput, *, pad_id: int, device: torch.devi
         env_BT[b, : len(mask)] = torch.as_tensor(mask, dtype=torch.bool)
     rollouts.response_mask = rollouts.response_mask & ~env_BT
     return rollouts.to(device) if device is not None else rollouts
+
+
+def episodes_state_dict(episodes: EpisodeOutput) -> dict[str, Any]:
+    """The episodes as plain data, for a trainer state that holds episodes generated ahead (rollout.overlap);
+    `episodes_from_state` reads it back."""
+    return {
+        **episodes.output.state_dict(),
+        "prompt_ids": episodes.prompt_ids,
+        "env_masks": episodes.env_masks,
+        "turns": episodes.turns,
+        "tool_calls": episodes.tool_calls,
+        "tool_errors": episodes.tool_errors,
+        "tool_seconds": episodes.tool_seconds,
+        "tool_wall_seconds": episodes.tool_wall_seconds,
+        "repeated_prefill_tokens": episodes.repeated_prefill_tokens,
+        "describe": episodes.describe,
+        "sandbox_refusals": episodes.sandbox_refusals,
+    }
+
+
+def episodes_from_state(state: Mapping[str, Any]) -> EpisodeOutput:
+    """The episodes `episodes_state_dict` wrote."""
+    return EpisodeOutput(
+        GenerationOutput.from_state(dict(state)),
+        [list(p) for p in state["prompt_ids"]],
+        [list(m) for m in state["env_masks"]],
+        list(state["turns"]),
+        list(state["tool_calls"]),
+        list(state["tool_errors"]),
+        state["tool_seconds"],
+        state["tool_wall_seconds"],
+        state["repeated_prefill_tokens"],
+        describe=dict(state["describe"]),
+        sandbox_refusals=list(state["sandbox_refusals"]),
+    )

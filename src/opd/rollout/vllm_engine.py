@@ -2,9 +2,12 @@
 
 vLLM loads the model from `model_path` itself and never loads its tokenizer (token ids in, EOS ids as
 `stop_token_ids`); the trainer's module, when given, is only the source of `sync_weights`, which pushes the full
-state dict (tied `lm_head.weight` included) and resets the prefix cache. Log-probs are SPEC §1's s(y_t) only at
-top_p = 1, top_k = 0, so `return_logprobs` with filtering raises. How the contract is met, memory and sleep, the
-environment set before vLLM is imported and the thread count: docs/design.md, "opd.rollout.vllm_engine".
+state dict (tied `lm_head.weight` included) and resets the prefix cache. Prefix caching is on (vLLM's default, asked
+for explicitly): a prompt that repeats an earlier one's context, as each turn of an episode repeats the conversation
+so far (`opd.rollout.episodes`), prefills only its new tokens; `stats` counts them after each call. Log-probs are
+SPEC §1's s(y_t) only at top_p = 1, top_k = 0, so `return_logprobs` with filtering raises. How the contract is
+met, memory and sleep, the environment set before vLLM is imported and the thread count: docs/design.md,
+"opd.rollout.vllm_engine".
 
 Omitted: multiprocess mode (weights would go through files under /dev/shm), tensor/pipeline parallelism inside one
 engine and engines spanning ranks, LoRA syncs (the merged weights are pushed), stop strings, speculative decoding.
@@ -15,7 +18,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -160,6 +164,8 @@ def start_engine(
         logprobs_mode=logprobs_mode,
         trust_remote_code=options.trust_remote_code,
         enable_sleep_mode=enable_sleep_mode,
+        # a turn of an episode re-sends the conversation so far: its cached blocks are read, not prefilled again
+        enable_prefix_caching=True,
     )
     if options.max_model_len is not None:
         kwargs["max_model_len"] = options.max_model_len
@@ -243,6 +249,9 @@ class VLLMGenerator:
     module:         the trainer's model whose weights `sync_weights` pushes; None: no sync (evaluation, rollout)
     weights_fn:     returns the full weights to push (under torchrun: all-gathered on every rank); None:
                     `full_weights(module)`
+
+    `stats` (after each call): the prompt tokens of its requests (`prompt_tokens`), those read from the prefix cache
+    (`cached_tokens`) and those prefilled (`prefilled_tokens`, the difference).
     """
 
     def __init__(
@@ -275,6 +284,21 @@ class VLLMGenerator:
         # only when there are padding rows: the mask costs a masked_fill_ of the logits per step
         self._allowed = list(range(vocab_size)) if vocab_size is not None and vocab_size < rows else None
         self._asleep = False
+        self._held = False
+        self.stats: dict[str, int] = {}
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Within it, a sleeping engine (`sleeps`) stays awake between `generate` calls, its KV cache and so its
+        prefix cache kept (an episode's turns: each re-reads the conversation so far), and sleeps at the end."""
+        outer, self._held = self._held, True
+        try:
+            yield
+        finally:
+            self._held = outer
+            if not outer and self.sleeps and self.module is not None and not self._asleep:
+                self.llm.sleep(level=1)
+                self._asleep = True
 
     def generate(
         self,
@@ -313,7 +337,14 @@ class VLLMGenerator:
             requests = [self._request(replace(params, n=1, max_new_tokens=cap), row) for row, cap in enumerate(caps)]
             params = replace(params, n=1)
         results = self.llm.generate(prompts, requests, use_tqdm=False)
-        if self.sleeps and self.module is not None:
+        prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+        cached = sum(int(getattr(r, "num_cached_tokens", None) or 0) for r in results)
+        self.stats = {
+            "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached,
+            "prefilled_tokens": prompt_tokens - cached,
+        }
+        if self.sleeps and self.module is not None and not self._held:
             self.llm.sleep(level=1)  # the trainer scores and updates next; `sync_weights` wakes the engine
             self._asleep = True
 

@@ -24,6 +24,7 @@ import torch
 from opd.config import DistillConfig
 from opd.rollout import GenerationOutput, SamplingParams, make_generator
 from opd.rollout.base import Generator
+from opd.rollout.episodes import EpisodeOutput, episodes_from_state, episodes_state_dict
 from opd.rollout.static_engine import StaticGenerator
 from opd.train.common import autocast
 from opd.train.stream import GenerateFn, RolloutStream, StreamBatch, default_segment
@@ -36,15 +37,22 @@ class PendingRollouts:
 
     indices: list[int]
     output: GenerationOutput
+    episodes: EpisodeOutput | None = None  # rollout.tools: the episodes `output` lays out
 
     def state_dict(self) -> dict:
-        return {"indices": self.indices, **self.output.state_dict()}
+        episodes = None if self.episodes is None else episodes_state_dict(self.episodes)
+        return {"indices": self.indices, **self.output.state_dict(), "episodes": episodes}
 
     @classmethod
     def from_state(cls, state: dict | None) -> PendingRollouts | None:
         if not state:
             return None
-        return cls(indices=list(state["indices"]), output=GenerationOutput.from_state(state))
+        episodes = state.get("episodes")  # absent from checkpoints written before episodes ran ahead
+        return cls(
+            indices=list(state["indices"]),
+            output=GenerationOutput.from_state(state),
+            episodes=None if episodes is None else episodes_from_state(episodes),
+        )
 
 
 class AheadGenerator:
@@ -65,19 +73,28 @@ class AheadGenerator:
         *,
         device: torch.device,
         autocast_dtype: torch.dtype | None,
+        episodes: Callable[[Generator], EpisodeOutput] | None = None,
     ) -> None:
         """Copy the student's current weights into the snapshot and generate `prompt_ids` from it in the background
-        (on CUDA in its own stream, ordered after the copy)."""
+        (on CUDA in its own stream, ordered after the copy); with rollout.tools `episodes(generator)` runs instead
+        (the episodes of these prompts, their tool calls answered in the background too)."""
         refresh_snapshot(self.snapshot, student)
-        background = _Background(lambda: self.generator.generate(prompt_ids, params), device, autocast_dtype)
-        self._running = (indices, background)
+
+        def run() -> GenerationOutput | EpisodeOutput:
+            return self.generator.generate(prompt_ids, params) if episodes is None else episodes(self.generator)
+
+        self._running = (indices, _Background(run, device, autocast_dtype))
 
     def wait(self) -> None:
         """Wait for the generation `start` began (re-raising its error); its rollouts become `pending`."""
         if self._running is None:
             return
         (indices, background), self._running = self._running, None
-        self.pending = PendingRollouts(indices=indices, output=background.result())
+        result = background.result()
+        if isinstance(result, EpisodeOutput):
+            self.pending = PendingRollouts(indices=indices, output=result.output, episodes=result)
+        else:
+            self.pending = PendingRollouts(indices=indices, output=result)
         self.generator.release()
 
     def take(self) -> PendingRollouts | None:
@@ -168,17 +185,21 @@ def overlap_generator(
 
 
 def rollout_ahead(
-    config: DistillConfig, rollout_model: torch.nn.Module | None, rollout_generator: Generator | None
+    config: DistillConfig,
+    rollout_model: torch.nn.Module | None,
+    rollout_generator: Generator | None,
+    make_stream: Callable[..., RolloutStream] = RolloutStream,
 ) -> tuple[RolloutStream | None, AheadGenerator | AheadStream | None]:
-    """What the recipe builds around the step's engines: with rollout.partial the stream of in-flight samples, and
-    with rollout.overlap (a snapshot and its engine, `overlap_generator`) the generator of the next step's rollouts,
-    an `AheadStream` over the stream when there is one."""
+    """What the recipe builds around the step's engines: with rollout.partial the stream of in-flight samples (made by
+    `make_stream`: with rollout.tools an `opd.train.episodes.EpisodeStream`), and with rollout.overlap (a snapshot
+    and its engine, `overlap_generator`) the generator of the next step's rollouts, an `AheadStream` over the stream
+    when there is one."""
     spec, stream = config.rollout, None
     if spec.partial:
         # a sample spans the versions it may be sampled by: with overlap its first token already lags one step
         ahead = int(rollout_model is not None)
         segment = default_segment(spec.max_new_tokens, spec.max_staleness, ahead, spec.partial_early_stop)
-        stream = RolloutStream(
+        stream = make_stream(
             prompts_per_step=config.prompts_per_step,
             n=spec.n,
             max_new_tokens=spec.max_new_tokens,

@@ -140,15 +140,22 @@ class Trainer:
 @dataclass
 class EngineCounts:
     """The static engine's decode work summed over a step's calls (`StaticGenerator.stats` after each): decode steps,
-    the rows they ran over (`row_steps`), tokens decoded, and the widest call's rows (`call_rows`)."""
+    the rows they ran over (`row_steps`), tokens decoded, and the widest call's rows (`call_rows`); the vLLM engine's
+    prompt tokens read from its prefix cache (`VLLMGenerator.stats`: an episode's later turns re-send the
+    conversation so far) and those it prefilled."""
 
     decode_steps: int = 0
     row_steps: int = 0
     decoded_tokens: int = 0
     call_rows: int = 0
+    cached_tokens: int | None = None  # None: no call reported its prefix cache
+    prefilled_tokens: int = 0
 
     def add(self, generator: Generator) -> None:
         stats = getattr(generator, "stats", None) or {}
+        if "cached_tokens" in stats:  # a VLLMGenerator
+            self.cached_tokens = (self.cached_tokens or 0) + stats["cached_tokens"]
+            self.prefilled_tokens += stats["prefilled_tokens"]
         if "row_steps" in stats:  # a StaticGenerator that has run a call
             self.decode_steps += stats["decode_steps"]
             self.row_steps += stats["row_steps"]
@@ -158,11 +165,17 @@ class EngineCounts:
     def metrics(self) -> dict[str, float]:
         """`rollout/decode_steps`, `rollout/live_rows` (the rows a decode step ran over, on average),
         `rollout/row_occupancy` (the share of those rows that decoded a token) and `rollout/call_rows` (the rows of the
-        step's widest call: the count a memory or token cap gave it, which names the shape a compile in the step met);
-        empty before any decode step."""
+        step's widest call: the count a memory or token cap gave it, which names the shape a compile in the step met),
+        empty before any decode step; `rollout/prefix_cached_tokens` and `rollout/prefilled_tokens` where the engine
+        reports its prefix cache (vLLM)."""
+        cache: dict[str, float] = (
+            {}
+            if self.cached_tokens is None
+            else {"rollout/prefix_cached_tokens": self.cached_tokens, "rollout/prefilled_tokens": self.prefilled_tokens}
+        )
         if not self.decode_steps:
-            return {}
-        return {
+            return cache
+        return cache | {
             "rollout/decode_steps": self.decode_steps,
             "rollout/live_rows": self.row_steps / self.decode_steps,
             "rollout/row_occupancy": self.decoded_tokens / self.row_steps,  # ≥ decode_steps ≥ 1 here

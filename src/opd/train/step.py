@@ -11,6 +11,7 @@ Omitted on purpose: PPO mini-batch epochs (the paper makes one optimizer step pe
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any, cast
 
@@ -37,13 +38,14 @@ from opd.objectives.targets import FULL_LOSSES, ObjectiveSettings, Targets
 from opd.rollout import SamplingParams
 from opd.rollout.base import Generator
 from opd.rollout.batch import build_rollouts, random_rollouts
+from opd.rollout.episodes import EpisodeOutput, episode_rollouts
 from opd.rollout.static_engine import StaticGenerator
 from opd.scoring import candidate_logprobs_and_entropy, warm_up_row_buckets
 from opd.seeds import SALT_STEP_ROLLOUT, derive_seed
 from opd.train.common import autocast, timed
 from opd.train.compiles import CompileLog, compiled_graphs, describe_compiles
 from opd.train.distributed import all_reduce_sum, gathered, gathered_bytes, max_over_ranks, reduce_metrics
-from opd.train.episodes import EPISODE_SUMMED, CountedGenerator, generate_episodes
+from opd.train.episodes import EPISODE_SUMMED, CountedGenerator, generate_episodes, step_episodes
 from opd.train.optim import adamw_state_bytes, clip_and_step
 from opd.train.overlap import AheadStream
 from opd.train.state import Batch, EngineCounts, Scores, Trainer, Update
@@ -150,19 +152,39 @@ def sample_rollouts(tr: Trainer, timings: dict, device: torch.device) -> Batch:
     else:
         counts = None  # generated in the background during the previous step
         indices, prompt_ids = pending.indices, [tr.data.prompt_ids[i] for i in pending.indices]
-        rollouts = build_rollouts(prompt_ids, pending.output, pad_id=tr.models.tokenizer.pad_token_id, device=device)
+        episodes = pending.episodes
+        if episodes is None:
+            rollouts = build_rollouts(
+                prompt_ids, pending.output, pad_id=tr.models.tokenizer.pad_token_id, device=device
+            )
+        else:  # rollout.tools: episodes generated ahead
+            rollouts = episode_rollouts(episodes, pad_id=tr.models.tokenizer.pad_token_id, device=device)
     _mark_memory(tr, "rollout")
     if (
         tr.engines.ahead is not None
     ):  # also after the last step: the checkpoint carries them, and a longer resume continues
         next_indices = tr.data.sampler.next_batch()[rank::world]
+        next_ids = [tr.data.prompt_ids[i] for i in next_indices]
+        next_params = _sampling_params(tr.config, tr.run.step + 1, rank)
+        environment = tr.engines.environment
+        ahead_episodes = None
+        if environment is not None:  # rollout.tools: the next step's episodes, tool calls included, in the background
+            next_prompts = [tr.data.prompts[i] for i in next_indices]
+
+            def ahead_episodes(generator: Generator) -> EpisodeOutput:
+                assert environment is not None
+                return step_episodes(
+                    tr.config, generator, tr.models.tokenizer, environment, next_prompts, next_ids, next_params
+                )
+
         tr.engines.ahead.start(
             tr.models.student,
             next_indices,
-            [tr.data.prompt_ids[i] for i in next_indices],
-            _sampling_params(tr.config, tr.run.step + 1, rank),
+            next_ids,
+            next_params,
             device=device,
             autocast_dtype=tr.models.autocast_dtype,
+            episodes=ahead_episodes,
         )
     return Batch(indices, rollouts, policy_lag=0 if pending is None else 1, engine_counts=counts, episodes=episodes)
 
@@ -182,7 +204,10 @@ def _stream_rollouts(tr: Trainer, stream: RolloutStream, timings: dict, device: 
             autocast(device, tr.models.autocast_dtype),
         ):
             generate = _stream_generate(tr.config, tr.engines.generator, tr.run.step, tr.run.dist.rank, counts)
-            taken = stream.next_batch(tr.run.step, tr.data.sampler.next_batch, tr.data.prompt_ids, generate)
+            # a vLLM engine stays awake over the step's calls (its prefix cache holds the continued samples' prefixes)
+            held = getattr(tr.engines.generator, "held", None)
+            with held() if held is not None else nullcontext():
+                taken = stream.next_batch(tr.run.step, tr.data.sampler.next_batch, tr.data.prompt_ids, generate)
         tr.engines.generator.release()
     counters = {  # the stream after this step's batch, before the next one's build changes it
         "partial/calls": taken.calls,
@@ -204,7 +229,10 @@ def _stream_rollouts(tr: Trainer, stream: RolloutStream, timings: dict, device: 
             autocast_dtype=tr.models.autocast_dtype,
         )
     prompt_ids = [tr.data.prompt_ids[i] for i in taken.indices]
-    rollouts = build_rollouts(prompt_ids, taken.output, pad_id=tr.models.tokenizer.pad_token_id, device=device)
+    if taken.episodes is None:
+        rollouts = build_rollouts(prompt_ids, taken.output, pad_id=tr.models.tokenizer.pad_token_id, device=device)
+    else:  # rollout.tools: the environment's tokens out of response_mask
+        rollouts = episode_rollouts(taken.episodes, pad_id=tr.models.tokenizer.pad_token_id, device=device)
     versions_BT = torch.full(rollouts.response_mask.shape, tr.run.step, dtype=torch.long)
     for b, versions in enumerate(taken.versions):
         versions_BT[b, : len(versions)] = torch.tensor(versions, dtype=torch.long)
@@ -212,7 +240,13 @@ def _stream_rollouts(tr: Trainer, stream: RolloutStream, timings: dict, device: 
     lag = max((tr.run.step - v[0] for v in taken.versions if v), default=0)
     _mark_memory(tr, "rollout")
     return Batch(
-        taken.indices, rollouts, policy_lag=lag, versions_BT=versions_BT, stream_metrics=counters, engine_counts=counts
+        taken.indices,
+        rollouts,
+        policy_lag=lag,
+        versions_BT=versions_BT,
+        stream_metrics=counters,
+        engine_counts=counts,
+        episodes=taken.episodes,
     )
 
 
@@ -220,10 +254,14 @@ def _stream_generate(
     cfg: DistillConfig, generator: Generator, step: int, rank: int, counts: EngineCounts | None = None
 ) -> GenerateFn:
     """The stream's engine calls for the batch step `step` trains: call c seeded by `_step_seed(seed, step, rank, c)`
-    whichever thread and weights make it; each call's decode work is added to `counts` when given."""
+    whichever thread and weights make it (with rollout.tools by `derive_seed(_step_seed(seed, step, rank), call=c)`,
+    as an episode's turn c is seeded without rollout.partial); each call's decode work is added to `counts` when
+    given."""
 
     def generate(prompt_ids, n, max_new_tokens, call, stop_when, caps):
         params = replace(_sampling_params(cfg, step, rank, call), n=n, max_new_tokens=max_new_tokens)
+        if cfg.rollout.tools is not None and call > 0:
+            params = replace(params, seed=derive_seed(_step_seed(cfg.run.seed, step, rank), call=call))
         # the stream's engines (torch, static) take per-sample caps: the Generator protocol does not name them yet
         engine: Any = generator
         output = engine.generate(prompt_ids, params, max_new_tokens_per_sample=caps, stop_when=stop_when)

@@ -17,8 +17,9 @@ Rules (docs/design.md, "opd.train.stream"):
 With max_staleness = 0 a step holds one batch and generates it in one call of the full max_new_tokens: the
 synchronous step. With rollout.overlap a step's batch is built during the previous step from its weights
 (`opd.train.overlap.AheadStream`): `version` (the weights' step) is then one less than `step` (the step that trains
-the batch), tokens record `version`, and staleness is measured against `step`. Omitted: several processes (the config
-refuses them).
+the batch), tokens record `version`, and staleness is measured against `step`. With rollout.tools the samples are
+episodes (`opd.train.episodes.EpisodeStream`: a call continues each episode's current turn, the turns that end are
+answered before the next call). Omitted: several processes (the config refuses them).
 """
 
 from __future__ import annotations
@@ -28,12 +29,30 @@ from dataclasses import asdict, dataclass, field
 
 from opd.rollout import GenerationOutput
 from opd.rollout.base import StopRule
+from opd.rollout.episodes import EpisodeOutput, episodes_from_state, episodes_state_dict
+
+
+@dataclass
+class EpisodeState:
+    """Where an in-flight episode (rollout.tools, `opd.train.episodes.EpisodeStream`) stands: one flag per token of
+    its sample, True on the environment's; the tokens of its current turn so far (0 between turns); its turns, tool
+    calls, errors and sandbox refusals so far; the calls answered, per turn (to bring a restarted environment back
+    to where the episode left it); the tokens appended since the engine last read its context (None: all)."""
+
+    env_mask: list[bool] = field(default_factory=list)
+    turn_tokens: int = 0
+    turns: int = 0
+    calls: int = 0
+    errors: int = 0
+    refusals: int = 0
+    history: list[list[dict]] = field(default_factory=list)
+    fresh: int | None = None
 
 
 @dataclass
 class Sample:
     """One in-flight sample: its group (a drawn prompt), its slot among the group's n, the tokens so far with the
-    engine's log-prob of each and the step whose weights sampled each."""
+    engine's log-prob of each and the step whose weights sampled each; an episode's state (rollout.tools)."""
 
     group: int  # index into `RolloutStream.groups`' ids
     slot: int
@@ -42,6 +61,7 @@ class Sample:
     versions: list[int] = field(default_factory=list)
     started: int = 0  # the step this attempt started (its first token's version)
     finish: str | None = None  # "stop" / "length" once finished
+    episode: EpisodeState | None = None
 
 
 @dataclass
@@ -60,6 +80,7 @@ class StreamBatch:
     versions: list[list[int]]  # per row, per token: the step whose weights sampled it
     calls: int
     dropped: int  # restarted this step
+    episodes: EpisodeOutput | None = None  # rollout.tools: the rows' episodes
 
     def state_dict(self) -> dict:
         return {
@@ -68,6 +89,7 @@ class StreamBatch:
             "versions": self.versions,
             "calls": self.calls,
             "dropped": self.dropped,
+            "episodes": None if self.episodes is None else episodes_state_dict(self.episodes),
         }
 
     @classmethod
@@ -75,7 +97,15 @@ class StreamBatch:
         if not state:
             return None
         output = GenerationOutput.from_state(state)
-        return cls(list(state["indices"]), output, state["versions"], state["calls"], state["dropped"])
+        episodes = state.get("episodes")  # absent from checkpoints written before episodes streamed
+        return cls(
+            list(state["indices"]),
+            output,
+            state["versions"],
+            state["calls"],
+            state["dropped"],
+            None if episodes is None else episodes_from_state(episodes),
+        )
 
 
 def in_flight_batches(max_staleness: int, ahead: int) -> int:
@@ -149,7 +179,7 @@ class RolloutStream:
                 group = Group(self.next_group, prompt, step)
                 self.groups[group.id] = group
                 self.next_group += 1
-                self.samples += [Sample(group.id, slot, started=version) for slot in range(self.n)]
+                self.samples += [self._new_sample(group.id, slot, version) for slot in range(self.n)]
                 self.started += self.n
         calls = 0
         while self._running() and (calls == 0 or self._must_continue(step)):
@@ -159,12 +189,19 @@ class RolloutStream:
 
     # ------------------------------------------------------------------------------------------------- phases
 
+    def _new_sample(self, group: int, slot: int, version: int) -> Sample:
+        return Sample(group, slot, started=version)
+
+    def _restart(self, sample: Sample, version: int) -> None:
+        """A stale sample starts again: its tokens discarded."""
+        sample.tokens, sample.versions, sample.finish, sample.started = [], [], None, version
+        sample.logprobs = None
+
     def _restart_stale(self, step: int, version: int) -> int:
         dropped = 0
         for sample in self.samples:
             if sample.versions and step - sample.versions[0] > self.max_staleness:
-                sample.tokens, sample.versions, sample.finish, sample.started = [], [], None, version
-                sample.logprobs = None
+                self._restart(sample, version)
                 dropped += 1
         self.dropped += dropped
         self.started += dropped
@@ -247,11 +284,17 @@ class RolloutStream:
         self.samples = [s for s in self.samples if s.group not in position]
         indices = [self.groups.pop(g).prompt for g in chosen]
         self.trained += len(rows)
+        return self._batch(indices, rows, [position[s.group] for s in rows], calls, dropped)
+
+    def _batch(
+        self, indices: list[int], rows: list[Sample], group_ids: list[int], calls: int, dropped: int
+    ) -> StreamBatch:
+        """The batch of the finished `rows` (prompt-major, `group_ids` into `indices`), taken out of the stream."""
         with_logprobs = all(s.logprobs is not None for s in rows)
         output = GenerationOutput(
             response_ids=[s.tokens for s in rows],
             finish_reasons=[s.finish or "length" for s in rows],
-            group_ids=[position[s.group] for s in rows],
+            group_ids=group_ids,
             logprobs=[list(s.logprobs or []) for s in rows] if with_logprobs and rows else None,
         )
         return StreamBatch(indices, output, [s.versions for s in rows], calls, dropped)
@@ -274,6 +317,9 @@ class RolloutStream:
             return
         self.groups = {g["id"]: Group(**g) for g in state["groups"]}
         self.samples = [Sample(**s) for s in state["samples"]]
+        for sample in self.samples:  # an episode's state comes back as the dict `asdict` wrote
+            if isinstance(sample.episode, dict):
+                sample.episode = EpisodeState(**sample.episode)
         self.next_group = state["next_group"]
         self.started, self.trained, self.dropped = state["started"], state["trained"], state["dropped"]
         self.cut = state.get("cut", 0)  # absent from checkpoints written before early_stop

@@ -40,7 +40,7 @@ from opd.models import (
     load_tokenizer,
 )
 from opd.objectives.cross_vocab import SpanCredit, span_teacher_logprobs
-from opd.scoring import OutputHead, _transform, default_chunk_size
+from opd.scoring import OutputHead, default_chunk_size, head_transform
 from opd.teacher.base import HiddenStateSource, PendingScores, scores_from_hidden, start_scoring
 from opd.teacher.client import RemoteScorer, remote_scorer
 from opd.teacher.local import LocalScorer
@@ -373,7 +373,7 @@ def prefix_logprobs(
         for s in range(0, Q, chunk):
             h = hidden_QE[s : s + chunk].to(weight.device, weight.dtype)
             raw = h @ weight.T if head.bias is None else torch.addmm(head.bias, h, weight.T)
-            z = _transform(raw, head.logit_scale, head.softcap, temperature)
+            z = head_transform(raw, head.logit_scale, head.softcap, temperature)
             lo, hi = range_Q2[s : s + chunk, :1].to(z.device), range_Q2[s : s + chunk, 1:].to(z.device)
             inside = (rank >= lo) & (rank < hi)
             picked = torch.where(inside, z, torch.full_like(z, float("-inf"))).logsumexp(-1)

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     local = LocalScorer(model, vocab_size=args.vocab, max_tokens_per_batch=1 << 16)
     batch = rollouts(args.batch, args.prompt_len, args.response_len, args.vocab, device)
     positions = int(batch.response_mask.sum())
-    student_topk = torch.randint(0, args.vocab, (*batch.response_ids.shape, Q), generator=torch.Generator())
+    student_topk = torch.randint(0, args.vocab, (*batch.response_ids.shape, Q), generator=torch.Generator()).to(device)
     mask = batch.response_mask
     head = local.output_head()
 

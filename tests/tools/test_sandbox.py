@@ -67,3 +67,52 @@ def test_extra_read_only_paths_are_importable_and_readable_not_writable(tmp_path
     result = Sandbox(read_only_paths=(str(shared),)).run_python(code, work)
     assert result.stdout == "42 table\n" and "Read-only file system" in result.stderr
     assert not (shared / "new.txt").exists()
+
+
+_BELOW_USR = """
+import json, sys, tempfile
+from opd.tools.sandbox import Sandbox, probe
+print(json.dumps({"probe": repr(probe()), "run": None}))
+with tempfile.TemporaryDirectory() as work:
+    target = sys.argv[1]
+    code = (f"print(open({target + '/driver.so'!r}).read())\\n"
+            f"try:\\n    open({target + '/new.txt'!r}, 'w')\\nexcept OSError as e:\\n    print('refused', e.strerror)")
+    r = Sandbox().run_python(code, work)
+    print(json.dumps({"probe": repr(probe()), "run": [r.exit_code, r.stdout, r.stderr[-500:]]}))
+"""
+
+
+def test_a_host_mount_below_usr_is_bound_and_stays_read_only(tmp_path, isolated):
+    """A GPU host's runtime binds the driver's files below /usr; in the sandbox's user namespace such a mount is locked
+    to /usr, and the plain bind of /usr the boot used to make was refused there ("the read-only bind of /usr failed",
+    seen on the H100 host). Here: a private mount namespace (root only) with a directory bound below /usr, where the
+    probe must hold, the bound file be readable and the mount below /usr stay read-only."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to bind a directory below /usr in a private mount namespace")
+    target = next((d for d in ("/usr/src", "/usr/games", "/usr/local/src", "/usr/share/doc") if os.path.isdir(d)), None)
+    if target is None:
+        pytest.skip("no spare directory below /usr to bind over")
+    host = tmp_path / "driver"
+    host.mkdir()
+    (host / "driver.so").write_text("driver")
+    script = tmp_path / "below_usr.py"
+    script.write_text(_BELOW_USR)
+    done = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c",
+         'mount --bind "$1" "$2" && exec "$3" "$4" "$2"', "sh", str(host), target, sys.executable, str(script)],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")},
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    last = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "ok=True" in last["probe"], last
+    exit_code, stdout, stderr = last["run"]
+    assert exit_code == 0 and stdout.splitlines() == ["driver", "refused Read-only file system"], last
+    assert not (host / "new.txt").exists()

@@ -151,7 +151,16 @@ _BOOT = r"""
 set -eu
 R=$1; W_FD=$2; DIR_BYTES=$3; PREFIX=$4; PREFIX_FD=$5; N=$6; shift 6
 fail() { echo "sandbox: $1 failed" >&2; exit 1; }  # names the step: mount's own message names only the path
-ro_bind() { mount --no-canonicalize --bind -o ro,nosuid,nodev "$1" "$2" || fail "the read-only bind of $1"; }
+# Recursive, then every mount under the target read-only: a mount the host placed below a bound path (a GPU host's
+# driver files bound into /usr) is locked to it in a user namespace, so a plain bind of the path is refused (EINVAL),
+# and a recursive one would leave it writable. A flag a mount has (noexec) is kept: clearing it would be refused too.
+ro_bind() {
+  mount --no-canonicalize --rbind "$1" "$2" || fail "the read-only bind of $1"
+  awk -v t="$2" '$5 == t || index($5, t "/") == 1 { print $5, $6 }' /proc/self/mountinfo | while read -r m o; do
+    x=; case ",$o," in *,noexec,*) x=,noexec;; esac
+    mount --no-canonicalize -o "remount,bind,ro,nosuid,nodev$x" "$m" || fail "the read-only remount of $m"
+  done || exit 1
+}
 mount --make-rprivate / || fail "making the mounts private"
 mount -t tmpfs -o size=1m,mode=0755,nosuid,nodev tmpfs "$R" || fail "the new root's tmpfs"
 mkdir "$R/usr"; ro_bind /usr "$R/usr"

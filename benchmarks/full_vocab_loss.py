@@ -39,7 +39,7 @@ def _time(fn, device: torch.device, repeat: int) -> list[float]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--positions", type=int, default=65536)
     parser.add_argument("--vocab", type=int, default=151936)
@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100 SXM: 989)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     g = torch.Generator(device=device).manual_seed(0)
     n, v, d, e = args.positions, args.vocab, args.student_dim, args.teacher_dim
@@ -95,10 +95,13 @@ def main() -> None:
     t = (t_hidden[:m].double() @ t_head.weight.double().T).log_softmax(-1)
     ref = (s.exp() * (s - t)).sum(-1)
     rh, rw = torch.autograd.grad((ref * weights_N[:m].double()).sum(), [h64, w64])
+    errors = {}
     for name, got, want in (("d hidden", gh, rh), ("d weight", gw, rw)):
-        err = float((got.double() - want).abs().max() / want.abs().max())
-        print(f"bf16 {name}: max |Δ| / max |ref| = {err:.2e}")
-    print(f"value: max |Δ| = {float((ours.detach().double() - ref.detach()).abs().max()):.2e} nats")
+        errors[name] = float((got.double() - want).abs().max() / want.abs().max())
+        print(f"bf16 {name}: max |Δ| / max |ref| = {errors[name]:.2e}")
+    errors["value"] = float((ours.detach().double() - ref.detach()).abs().max())
+    print(f"value: max |Δ| = {errors['value']:.2e} nats")
+    return {"rows": [{"name": name, "ms": ms, "ideal_ms": 1e3 * ideal} for name, ms, ideal in rows], "errors": errors}
 
 
 if __name__ == "__main__":

@@ -639,3 +639,14 @@ def test_teacher_bytes(capsys):
     by_name = {(r["where"], r["name"]): r for r in rows}
     assert by_name[("loopback HTTP", "top-16 ids + log-probs")]["bytes"] > 200  # + the message header, per position
     assert all(r.get("pps", 1) > 0 for r in rows)
+
+
+def test_full_vocab_loss_times_both_paths_and_checks_the_bf16_gradients(capsys):
+    data = load("full_vocab_loss").main(
+        ["--positions", "64", "--vocab", "512", "--student-dim", "16", "--teacher-dim", "24", "--repeat", "1",
+         "--device", "cpu"]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert [row["name"] for row in data["rows"]] == ["top-16 (17 ids + entropy)", "full_reverse_kl"]
+    assert "| full_reverse_kl |" in printed
+    assert data["errors"]["d hidden"] < 3e-2 and data["errors"]["d weight"] < 3e-2  # bf16 rounding, not a bug

@@ -29,7 +29,8 @@
 #                                                   among them S52S, S52H and S52F: the teacher served on loopback
 #                                                   (`opd serve-teacher` on the same GPU), top-16 with answer=scores,
 #                                                   top-16 with answer=hidden, full_reverse_kl (hidden), each
-#                                                   WAVE_S52_STEPS (8) steps without an evaluation
+#                                                   WAVE_S52_STEPS (8) steps without an evaluation, and B52:
+#                                                   benchmarks/teacher_bytes.py at E 1,536 and 2,560 (bytes-E.log)
 #   bash benchmarks/real_pair_gpu.sh sandbox        the sandbox's probe on this host, and the boot's whole stderr
 #   bash benchmarks/real_pair_gpu.sh status         the logs' tails and the GPU's use
 #   bash benchmarks/real_pair_gpu.sh hold SECONDS   sleep, then status, and pack the logs and each run's metrics,
@@ -139,6 +140,14 @@ PY
         steps=${WAVE_W52_STEPS:-40} xsteps=${WAVE_X51_STEPS:-20} noeval=()
         [ "$WAVE_EVAL" = 0 ] && noeval=("eval.benchmarks=[]")
         for r in ${WAVE_RUNS:-W52A W52B X51}; do
+            if [ "$r" = B52 ]; then  # the teacher-answer bytes and throughput at the real pair's and the paper's shapes
+                for e in 1536 2560; do
+                    timeout -s TERM "$(left)" python3 benchmarks/teacher_bytes.py --vocab 151936 --hidden $e \
+                        --device cuda --dtype bfloat16 --batch 16 --prompt-len 128 --response-len 1024 \
+                        >"$RP/bytes-$e.log" 2>&1
+                done
+                continue
+            fi
             case $r in
                 W52A) extra=(run.name=w52-topk16 run.steps=$steps run.eval_every=$((steps * WAVE_EVAL))) ;;
                 W52B) extra=(run.name=w52-full-rkl objective.loss=full_reverse_kl run.steps=$steps

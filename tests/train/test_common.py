@@ -100,7 +100,7 @@ def test_the_exact_nucleus_scan_stays_out_of_compiled_graphs():
 def test_the_labs_timed_sft_runs_under_the_flag(monkeypatch, tmp_path, tiny_model_dir, sft_data):
     """`opd lab run`'s SFT stages train through `sft_within_budget`, not `sft()`: it enters deterministic mode the
     same way, for its steps only (a spy on the real step reads the mode inside it)."""
-    import opd.recipes.lab as lab
+    import opd.recipes.lab_sft as lab
     from helpers import sft_config
 
     seen, real_step = [], lab.sft_step

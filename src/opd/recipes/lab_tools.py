@@ -18,6 +18,7 @@ from opd.lab.tools import TOOL_SFT_SET, onto_tool_vocabulary, write_tool_data
 from opd.models import fix_rope, load_model
 from opd.recipes.demo import accuracy
 from opd.recipes.eval import evaluate
+from opd.recipes.lab_sft import finetune
 from opd.rollout import make_generator
 
 TOOL_MODELS: dict[str, dict[str, Any]] = {
@@ -96,7 +97,6 @@ def build_tool_model(
 ) -> dict[str, Any]:
     """Train `name` (a TOOL_MODELS key) into `out_dir/name` and measure it on `out_dir/data/tools_test.jsonl` with
     the calculator and without tools; returns its manifest record."""
-    from opd.recipes.lab import finetune  # here: opd.recipes.lab imports this module
 
     plan = TOOL_MODELS[name]
     steps = plan["steps"] if steps is None else steps

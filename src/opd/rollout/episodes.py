@@ -30,7 +30,7 @@ cache reuses the context itself) get the whole conversation at every turn. Two f
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -97,6 +97,24 @@ class EpisodeOutput:
             "episode/repeated_prefill_tokens": float(self.repeated_prefill_tokens),
             "episode/wasted_prefill_tokens": float(self.wasted_prefill_tokens),
         }
+
+
+def start_prompt_ids(
+    tokenizer: Any,
+    environment: Environment,
+    prompts: Iterable[tuple[list[dict[str, Any]], Mapping[str, Any]]],
+    template: Mapping[str, Any],
+) -> Iterator[list[int]]:
+    """Each prompt's ids as its episode starts (`(messages, row)`): an episode started from its row, the chat
+    rendered with the tools it is offered (`opd.tools.calls.prompt_ids`, `template` its extra arguments), and the
+    episode closed again (before the ids are handed on). One prompt at a time, as they are asked for."""
+    for messages, row in prompts:
+        episode = environment.start(row)
+        try:
+            ids = prompt_ids(tokenizer, messages, episode.tools, **template)
+        finally:
+            episode.close()
+        yield ids
 
 
 def end_turn(tokenizer: Any, ids: Sequence[int], turns: int, max_turns: int) -> tuple[str | None, ParsedTurn]:

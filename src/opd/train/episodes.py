@@ -36,7 +36,14 @@ from opd.config import DistillConfig
 from opd.data.templates import EncodedPrompts
 from opd.eval.tools import check_template, tool_environment
 from opd.rollout.base import GenerationOutput, Generator, SamplingParams
-from opd.rollout.episodes import EpisodeOutput, answer_turns, end_turn, episode_rollouts, run_episodes
+from opd.rollout.episodes import (
+    EpisodeOutput,
+    answer_turns,
+    end_turn,
+    episode_rollouts,
+    run_episodes,
+    start_prompt_ids,
+)
 from opd.tools.calls import ParsedTurn
 from opd.tools.calls import prompt_ids as tool_prompt_ids
 from opd.tools.environments import Environment, Episode, ToolCall, answer_calls
@@ -103,12 +110,10 @@ def encode_with_tools(
     template writes into the system turn), those over data.max_prompt_length then dropped and counted (or refused,
     data.on_overflow=error). What a step's episodes prompt with is exactly these ids."""
     limit, kept_ids, kept = config.data.max_prompt_length, [], []
-    for prompt in encoded.prompts:
-        episode = environment.start(episode_row(prompt))
-        try:
-            ids = tool_prompt_ids(tokenizer, prompt.messages, episode.tools, **_template(config))
-        finally:
-            episode.close()
+    starts = start_prompt_ids(
+        tokenizer, environment, ((p.messages, episode_row(p)) for p in encoded.prompts), _template(config)
+    )
+    for prompt, ids in zip(encoded.prompts, starts):
         if len(ids) <= limit:
             kept_ids.append(ids)
             kept.append(prompt)

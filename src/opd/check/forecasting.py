@@ -28,7 +28,7 @@ from pydantic import Field
 from opd.check.report import CheckResult, Status
 from opd.config import Section
 from opd.data.templates import encode_prompts
-from opd.eval.grading import grade_responses
+from opd.eval.grading import grade_rollouts
 from opd.eval.prompt_scores import score_prompts
 from opd.objectives import auroc, opd_diagnostics_from_scores, seq_rewards
 from opd.rollout import SamplingParams, make_generator
@@ -502,12 +502,7 @@ def _grade(
     tokenizer: Any, rollouts: Any, answers: Sequence[str], final_turns: list[list[int]] | None = None
 ) -> list[bool]:
     """Each rollout graded against its answer; episodes (`final_turns` given): their final turns."""
-    if final_turns is not None:
-        _, grades = grade_responses(tokenizer, final_turns, answers)
-    else:
-        _, grades = grade_responses(
-            tokenizer, rollouts.response_ids, answers, lengths=rollouts.response_mask.sum(-1).tolist()
-        )
+    _, grades = grade_rollouts(tokenizer, rollouts, answers, final_turns)
     return [g.correct for g in grades or []]
 
 

@@ -680,7 +680,7 @@ class CrossForecastScorer:
         self, rollouts: Any, *, top_k: int = 0, requested_ids: Any = None, temperature: float | None = None
     ) -> Any:
         from opd.teacher.base import start_scoring
-        from opd.teacher.cross_vocab import _teacher_rollouts, start_cross_scoring
+        from opd.teacher.cross_vocab import start_cross_scoring
         from opd.types import TokenScores
 
         student = self.student_scorer.score(rollouts, top_k=top_k, temperature=self.temperature)
@@ -690,9 +690,8 @@ class CrossForecastScorer:
             self.cross, self.scorer, rollouts, student, prompt_ids, top_k=top_k, temperature=temperature
         )
         scores = call.result()
-        pad_id = self.cross.teacher_tokenizer.pad_token_id
-        batch = _teacher_rollouts(rollouts, call.aligned, prompt_ids, 0 if pad_id is None else pad_id)
-        own = start_scoring(self.scorer, batch, top_k=top_k, temperature=temperature).result()
+        assert call.teacher_batch is not None  # start_cross_scoring sets it
+        own = start_scoring(self.scorer, call.teacher_batch, top_k=top_k, temperature=temperature).result()
         assert own.topk_ids is not None and own.topk_logprobs is not None  # asked for top_k ≥ 1 (score_prompts)
         device = scores.sampled_logprobs.device
         pos_BT = call.aligned.one_to_one_BT.to(device).clamp(min=0)

@@ -28,7 +28,7 @@ from pydantic import Field
 from opd.check.report import CheckResult, Status
 from opd.config import Section
 from opd.data.templates import encode_prompts
-from opd.eval.grading import grade_responses
+from opd.eval.grading import grade_rollouts
 from opd.eval.prompt_scores import score_prompts
 from opd.objectives import auroc, opd_diagnostics_from_scores, seq_rewards
 from opd.rollout import SamplingParams, make_generator
@@ -502,12 +502,7 @@ def _grade(
     tokenizer: Any, rollouts: Any, answers: Sequence[str], final_turns: list[list[int]] | None = None
 ) -> list[bool]:
     """Each rollout graded against its answer; episodes (`final_turns` given): their final turns."""
-    if final_turns is not None:
-        _, grades = grade_responses(tokenizer, final_turns, answers)
-    else:
-        _, grades = grade_responses(
-            tokenizer, rollouts.response_ids, answers, lengths=rollouts.response_mask.sum(-1).tolist()
-        )
+    _, grades = grade_rollouts(tokenizer, rollouts, answers, final_turns)
     return [g.correct for g in grades or []]
 
 
@@ -685,7 +680,7 @@ class CrossForecastScorer:
         self, rollouts: Any, *, top_k: int = 0, requested_ids: Any = None, temperature: float | None = None
     ) -> Any:
         from opd.teacher.base import start_scoring
-        from opd.teacher.cross_vocab import _teacher_rollouts, start_cross_scoring
+        from opd.teacher.cross_vocab import start_cross_scoring
         from opd.types import TokenScores
 
         student = self.student_scorer.score(rollouts, top_k=top_k, temperature=self.temperature)
@@ -695,9 +690,8 @@ class CrossForecastScorer:
             self.cross, self.scorer, rollouts, student, prompt_ids, top_k=top_k, temperature=temperature
         )
         scores = call.result()
-        pad_id = self.cross.teacher_tokenizer.pad_token_id
-        batch = _teacher_rollouts(rollouts, call.aligned, prompt_ids, 0 if pad_id is None else pad_id)
-        own = start_scoring(self.scorer, batch, top_k=top_k, temperature=temperature).result()
+        assert call.teacher_batch is not None  # start_cross_scoring sets it
+        own = start_scoring(self.scorer, call.teacher_batch, top_k=top_k, temperature=temperature).result()
         assert own.topk_ids is not None and own.topk_logprobs is not None  # asked for top_k ≥ 1 (score_prompts)
         device = scores.sampled_logprobs.device
         pos_BT = call.aligned.one_to_one_BT.to(device).clamp(min=0)

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 from opd.config import EvalConfig
 from opd.rollout import SamplingParams
-from opd.rollout.episodes import run_episodes
-from opd.tools.calls import observation_ids, prompt_ids
+from opd.rollout.episodes import run_episodes, start_prompt_ids
+from opd.tools.calls import observation_ids
 from opd.tools.environments import Environment, load_environment
 from opd.tools.sandbox import probe
 
@@ -74,14 +74,9 @@ def check_template(tokenizer: Any, environment: Environment, name: str) -> None:
 def with_tools(config: EvalConfig, tokenizer: Any, environment: Environment, problems: list[Any]) -> tuple[list, int]:
     """`problems` (`EvalProblem`s) with their prompt ids as the episodes start (the tools their rows are offered in
     the prompt), those over `config.max_prompt_length` dropped; and how many were dropped."""
-    template = _template(config)
     kept = []
-    for problem in problems:
-        episode = environment.start(_row(problem))
-        try:
-            ids = prompt_ids(tokenizer, problem.messages, episode.tools, **template)
-        finally:
-            episode.close()
+    starts = start_prompt_ids(tokenizer, environment, ((p.messages, _row(p)) for p in problems), _template(config))
+    for problem, ids in zip(problems, starts):
         if len(ids) <= config.max_prompt_length:
             kept.append(replace(problem, prompt_ids=ids))
     return kept, len(problems) - len(kept)

@@ -30,7 +30,7 @@ cache reuses the context itself) get the whole conversation at every turn. Two f
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,7 +40,7 @@ from opd.rollout.base import Continues, GenerationOutput, Generator, SamplingPar
 from opd.rollout.batch import build_rollouts
 from opd.seeds import derive_seed
 from opd.tools.calls import ParsedTurn, observation_ids, parse_tool_calls, prompt_ids, tool_messages
-from opd.tools.environments import Environment, Episode, answer_calls
+from opd.tools.environments import CallStats, Environment, Episode, answer_calls
 from opd.types import Rollouts
 
 
@@ -97,6 +97,90 @@ class EpisodeOutput:
             "episode/repeated_prefill_tokens": float(self.repeated_prefill_tokens),
             "episode/wasted_prefill_tokens": float(self.wasted_prefill_tokens),
         }
+
+
+def start_prompt_ids(
+    tokenizer: Any,
+    environment: Environment,
+    prompts: Iterable[tuple[list[dict[str, Any]], Mapping[str, Any]]],
+    template: Mapping[str, Any],
+) -> Iterator[list[int]]:
+    """Each prompt's ids as its episode starts (`(messages, row)`): an episode started from its row, the chat
+    rendered with the tools it is offered (`opd.tools.calls.prompt_ids`, `template` its extra arguments), and the
+    episode closed again (before the ids are handed on). One prompt at a time, as they are asked for."""
+    for messages, row in prompts:
+        episode = environment.start(row)
+        try:
+            ids = prompt_ids(tokenizer, messages, episode.tools, **template)
+        finally:
+            episode.close()
+        yield ids
+
+
+def end_turn(tokenizer: Any, ids: Sequence[int], turns: int, max_turns: int) -> tuple[str | None, ParsedTurn]:
+    """A student turn that ended on its own (end-of-turn token, within its budget), read: its tool calls, and how the
+    episode goes on: "stop" (no call: the student answered), "length" (calls, but this was turn `max_turns`, so none
+    is left to read their answers) or None (calls to answer, `answer_turns`). `turns`: the episode's turns so far,
+    this one included."""
+    parsed = parse_tool_calls(tokenizer.decode(list(ids), skip_special_tokens=True))
+    if not parsed.items:
+        return "stop", parsed
+    if turns == max_turns:
+        return "length", parsed  # calls the episode has no turn left to read
+    return None, parsed
+
+
+@dataclass
+class TurnAnswer:
+    """The environment's answer to one episode's turn (`answer_turns`).
+
+    env_ids:  the answer's tokens as the chat template renders them, to append to the episode (none when
+              finish="length": they would not fit its budget)
+    finish:   "length" (the answer does not fit: the episode ends before it), "stop" (the environment ended the
+              episode: it ends after the answer) or None (the next turn starts)
+    calls, errors, refusals: the turn's counts (a malformed call counts as a call and an error)
+    """
+
+    env_ids: list[int]
+    finish: str | None
+    calls: int
+    errors: int
+    refusals: int
+
+
+def answer_turns(
+    tokenizer: Any,
+    pending: Sequence[tuple[Episode, ParsedTurn, int]],
+    episode_budget: int,
+    *,
+    tool_workers: int | None,
+    tool_timeout_s: float | None,
+    template: Mapping[str, Any],
+) -> tuple[list[TurnAnswer], CallStats]:
+    """Every pending turn's calls answered (`(episode, turn, tokens)`: the episode's environment, its turn's calls,
+    its tokens after the prompt so far), all episodes at once (`answer_calls`), each answer rendered by the chat
+    template and checked against `episode_budget` (an answer that would reach it ends the episode instead)."""
+    answers, stats = answer_calls(
+        [(episode, turn.calls) for episode, turn, _ in pending], max_workers=tool_workers, timeout_s=tool_timeout_s
+    )
+    results = []
+    for (episode, turn, length), observations in zip(pending, answers):
+        env_ids = observation_ids(tokenizer, tool_messages(turn, observations), episode.tools, **template)
+        if length + len(env_ids) >= episode_budget:
+            finish: str | None = "length"
+            env_ids = []
+        else:
+            finish = "stop" if any(o.done for o in observations) or episode.done else None
+        results.append(
+            TurnAnswer(
+                env_ids,
+                finish,
+                calls=len(turn.items),
+                errors=len(turn.errors) + sum(o.error for o in observations),
+                refusals=sum(o.refused for o in observations),
+            )
+        )
+    return results, stats
 
 
 def run_episodes(
@@ -211,38 +295,31 @@ def _run(
             if len(ids) < len(out.response_ids[i]) or out.finish_reasons[i] != "stop":
                 finish[b] = "length"
                 continue
-            turn_text = parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=True))
-            if not turn_text.items:
-                finish[b] = "stop"
-            elif turns[b] == max_turns:
-                finish[b] = "length"  # calls the episode has no turn left to read
-            else:
+            finish[b], turn_text = end_turn(tokenizer, ids, turns[b], max_turns)
+            if finish[b] is None:
                 parsed[b] = turn_text
         end_finished()
         if not parsed:
             continue
         order = list(parsed)
-        answers, stats = answer_calls(
-            [(episodes[b], parsed[b].calls) for b in order], max_workers=tool_workers, timeout_s=tool_timeout_s
-        )
+        answers, stats = answer_turns(
+            tokenizer, [(episodes[b], parsed[b], len(response[b])) for b in order], episode_budget,
+            tool_workers=tool_workers, tool_timeout_s=tool_timeout_s, template=template,
+        )  # fmt: skip
         tool_seconds += stats.tool_seconds
         tool_wall += stats.wall_seconds
-        for b, observations in zip(order, answers):
-            turn_text = parsed[b]
-            calls[b] += len(turn_text.items)
-            errors[b] += len(turn_text.errors) + sum(o.error for o in observations)
-            refusals[b] += sum(o.refused for o in observations)
-            env_ids = observation_ids(tokenizer, tool_messages(turn_text, observations), episodes[b].tools, **template)
-            if len(response[b]) + len(env_ids) >= episode_budget:
-                finish[b] = "length"
+        for b, answer in zip(order, answers):
+            calls[b] += answer.calls
+            errors[b] += answer.errors
+            refusals[b] += answer.refusals
+            finish[b] = answer.finish
+            if answer.finish == "length":
                 continue
-            response[b] += env_ids
-            env_mask[b] += [True] * len(env_ids)
-            logprobs[b] += [0.0] * len(env_ids)
-            contexts[b] += env_ids
-            unread[b] += len(env_ids)
-            if any(o.done for o in observations) or episodes[b].done:
-                finish[b] = "stop"
+            response[b] += answer.env_ids
+            env_mask[b] += [True] * len(answer.env_ids)
+            logprobs[b] += [0.0] * len(answer.env_ids)
+            contexts[b] += answer.env_ids
+            unread[b] += len(answer.env_ids)
         end_finished()
     output = GenerationOutput(
         response_ids=response,

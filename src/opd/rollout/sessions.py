@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
 
-from opd.rollout.hf_model import HFModel, cached_kv
+from opd.rollout.base import GenerationOutput, SamplingParams, StopRule
+from opd.rollout.hf_model import HFModel, cached_kv, check_request
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
 """One sequence's keys and values, per layer, each [A, tokens, F]."""
@@ -128,6 +129,44 @@ def session_call(
         count = None if keys is None else len(keys)
         raise ValueError(f"a session call needs one distinct key per prompt, got {count} keys for {len(prompts)}")
     return session, list(keys)
+
+
+class SessionEngine(Protocol):
+    """What `generate_call` needs of an in-process engine: its EOS ids, its last call's `stats` and its `_generate`
+    (the call after its checks; held: a session's caches and each prompt's key)."""
+
+    eos_token_ids: Any
+    stats: dict[str, Any]
+
+    def _generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        caps: list[int],
+        stop_when: StopRule | None,
+        held: tuple[HeldKV, list[Hashable]] | None = None,
+    ) -> GenerationOutput: ...
+
+
+def generate_call(
+    engine: SessionEngine,
+    prompt_ids: Sequence[Sequence[int]],
+    params: SamplingParams,
+    max_new_tokens_per_sample: Sequence[int] | None,
+    stop_when: StopRule | None,
+    session: Any,
+    keys: Sequence[Hashable] | None,
+) -> GenerationOutput:
+    """An in-process engine's `generate`: the call checked (`session_call`, `check_request`), run by the engine's
+    `_generate` (with the session's caches and keys where there is one), and the tokens it prefilled added to the
+    session's count."""
+    called = session_call(engine, session, keys, prompt_ids, params.n)
+    caps = check_request(prompt_ids, params, engine.eos_token_ids, max_new_tokens_per_sample)
+    if called is None:
+        return engine._generate(prompt_ids, params, caps, stop_when)
+    output = engine._generate(prompt_ids, params, caps, stop_when, (called[0].held, called[1]))
+    called[0].prefilled += engine.stats.get("prefilled_tokens", 0)
+    return output
 
 
 def layer_count(cache: Any) -> int:

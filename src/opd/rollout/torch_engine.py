@@ -29,13 +29,12 @@ from opd.rollout.hf_model import (
     batch_checks,
     cached_kv,
     check_arguments,
-    check_request,
     generation_mode,
     seeded_generator,
     special_ids,
 )
 from opd.rollout.sampling import sample_next
-from opd.rollout.sessions import EngineSession, HeldKV, layer_count, prefill_continued, row_kv, session_call
+from opd.rollout.sessions import EngineSession, HeldKV, generate_call, layer_count, prefill_continued, row_kv
 
 # [R, V] float32 buffers alive at once while sampling (logits upcast, scaled, probabilities, log-softmax, filtered)
 _SAMPLING_FLOATS = 6
@@ -179,13 +178,7 @@ class TorchGenerator(memory.ModuleMemory):
         stop_when: asked at each sync point at which samples of the chunk ended, and after each chunk
         (`opd.rollout.base.StopRule`). session, keys: a session of this engine (`session()`) and one key per prompt
         (n = 1): prompt i continues keys[i]'s sequence, its held positions reused (`opd.rollout.base.Session`)."""
-        called = session_call(self, session, keys, prompt_ids, params.n)
-        caps = check_request(prompt_ids, params, self.eos_token_ids, max_new_tokens_per_sample)
-        if called is None:
-            return self._generate(prompt_ids, params, caps, stop_when)
-        output = self._generate(prompt_ids, params, caps, stop_when, (called[0].held, called[1]))
-        called[0].prefilled += self.stats["prefilled_tokens"]
-        return output
+        return generate_call(self, prompt_ids, params, max_new_tokens_per_sample, stop_when, session, keys)
 
     def _generate(
         self,

@@ -450,7 +450,7 @@ def _teacher_rollouts(rollouts: Rollouts, aligned: _Aligned, prompt_ids: list[li
 
 class CrossCall:
     """A cross teacher's scoring in flight: `result()` waits for the teacher and returns `TokenScores` at the
-    student's positions (`start_cross_scoring`)."""
+    student's positions (`start_cross_scoring`); `teacher_batch` is the teacher's own batch it scores."""
 
     def __init__(
         self,
@@ -462,10 +462,12 @@ class CrossCall:
         diagnostic_exact_BT: torch.Tensor,
         top_k: int,
         prefix_BT: torch.Tensor | None = None,
+        teacher_batch: Rollouts | None = None,
     ):
         self.cross, self.pending, self.aligned, self.student = cross, pending, aligned, student
         self.exact_BT, self.diagnostic_exact_BT, self.top_k = exact_BT, diagnostic_exact_BT, top_k
         self.prefix_BT = prefix_BT
+        self.teacher_batch = teacher_batch  # the rows the teacher scores: its prompt ids, then the aligned text's
 
     def result(self) -> TokenScores:
         teacher = self.pending.result()
@@ -549,7 +551,7 @@ def start_cross_scoring(
     else:
         pending = start_scoring(scorer, batch, top_k=0, requested_ids=requested_BNK, temperature=temperature)
     _count(cross, aligned, rollouts.response_mask.cpu(), exact_BT)
-    return CrossCall(cross, pending, aligned, student, exact_BT, diag_BT, top_k, prefix_BT)
+    return CrossCall(cross, pending, aligned, student, exact_BT, diag_BT, top_k, prefix_BT, batch)
 
 
 def _count(cross: CrossVocab, aligned: _Aligned, mask_BT: torch.Tensor, exact_BT: torch.Tensor) -> None:

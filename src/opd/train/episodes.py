@@ -36,8 +36,15 @@ from opd.config import DistillConfig
 from opd.data.templates import EncodedPrompts
 from opd.eval.tools import check_template, tool_environment
 from opd.rollout.base import GenerationOutput, Generator, SamplingParams
-from opd.rollout.episodes import EpisodeOutput, episode_rollouts, run_episodes
-from opd.tools.calls import ParsedTurn, observation_ids, parse_tool_calls, tool_messages
+from opd.rollout.episodes import (
+    EpisodeOutput,
+    answer_turns,
+    end_turn,
+    episode_rollouts,
+    run_episodes,
+    start_prompt_ids,
+)
+from opd.tools.calls import ParsedTurn
 from opd.tools.calls import prompt_ids as tool_prompt_ids
 from opd.tools.environments import Environment, Episode, ToolCall, answer_calls
 from opd.train.stream import EpisodeState, GenerateFn, RolloutStream, Sample, StreamBatch
@@ -103,12 +110,10 @@ def encode_with_tools(
     template writes into the system turn), those over data.max_prompt_length then dropped and counted (or refused,
     data.on_overflow=error). What a step's episodes prompt with is exactly these ids."""
     limit, kept_ids, kept = config.data.max_prompt_length, [], []
-    for prompt in encoded.prompts:
-        episode = environment.start(episode_row(prompt))
-        try:
-            ids = tool_prompt_ids(tokenizer, prompt.messages, episode.tools, **_template(config))
-        finally:
-            episode.close()
+    starts = start_prompt_ids(
+        tokenizer, environment, ((p.messages, episode_row(p)) for p in encoded.prompts), _template(config)
+    )
+    for prompt, ids in zip(encoded.prompts, starts):
         if len(ids) <= limit:
             kept_ids.append(ids)
             kept.append(prompt)
@@ -321,16 +326,12 @@ class EpisodeStream(RolloutStream):
                 if state.turn_tokens >= self.turn_budget or len(sample.tokens) >= self.cap:
                     sample.finish = "length"  # its turn's or its episode's budget ran out
                 continue  # the segment ended inside the turn: the next call goes on with it
-            turn = parse_tool_calls(
-                self.tokenizer.decode(sample.tokens[-state.turn_tokens :], skip_special_tokens=True)
-            )
+            finish, turn = end_turn(self.tokenizer, sample.tokens[-state.turn_tokens :], state.turns, self.max_turns)
             state.turn_tokens = 0
-            if not turn.items:
-                sample.finish = "stop"
-            elif state.turns == self.max_turns:
-                sample.finish = "length"  # calls the episode has no turn left to read
-            else:
+            if finish is None:
                 parsed[row] = turn
+            else:
+                sample.finish = finish
         if parsed:
             self._answer(running, states, parsed, version)
 
@@ -338,34 +339,33 @@ class EpisodeStream(RolloutStream):
         self, running: list[Sample], states: list[EpisodeState], parsed: dict[int, ParsedTurn], version: int
     ) -> None:
         """The environment's answers to the calls of the turns that ended in this call (all at once, in parallel),
-        appended to their episodes as `run_episodes` appends them."""
+        appended to their episodes as `run_episodes` appends them (`answer_turns`)."""
         order = list(parsed)
-        episodes = [self._live(running[row]) for row in order]
-        answers, stats = answer_calls(
-            [(episode, parsed[row].calls) for episode, row in zip(episodes, order)],
-            max_workers=self.tool_workers,
-            timeout_s=self.tool_timeout_s,
+        answers, stats = answer_turns(
+            self.tokenizer,
+            [(self._live(running[row]), parsed[row], len(running[row].tokens)) for row in order],
+            self.cap,
+            tool_workers=self.tool_workers,
+            tool_timeout_s=self.tool_timeout_s,
+            template=self.template,
         )
         self._step_tools[0] += stats.tool_seconds
         self._step_tools[1] += stats.wall_seconds
-        for episode, row, observations in zip(episodes, order, answers):
-            sample, state, turn = running[row], states[row], parsed[row]
-            state.calls += len(turn.items)
-            state.errors += len(turn.errors) + sum(o.error for o in observations)
-            state.refusals += sum(o.refused for o in observations)
-            state.history.append([{"name": c.name, "arguments": c.arguments} for c in turn.calls])
-            env_ids = observation_ids(self.tokenizer, tool_messages(turn, observations), episode.tools, **self.template)
-            if len(sample.tokens) + len(env_ids) >= self.cap:
-                sample.finish = "length"
+        for row, answer in zip(order, answers):
+            sample, state = running[row], states[row]
+            state.calls += answer.calls
+            state.errors += answer.errors
+            state.refusals += answer.refusals
+            state.history.append([{"name": c.name, "arguments": c.arguments} for c in parsed[row].calls])
+            sample.finish = answer.finish
+            if answer.finish == "length":
                 continue
-            sample.tokens += env_ids
-            sample.versions += [version] * len(env_ids)
+            sample.tokens += answer.env_ids
+            sample.versions += [version] * len(answer.env_ids)
             if sample.logprobs is not None:
-                sample.logprobs += [0.0] * len(env_ids)
-            state.env_mask += [True] * len(env_ids)
-            state.fresh = len(env_ids)
-            if any(o.done for o in observations) or episode.done:
-                sample.finish = "stop"
+                sample.logprobs += [0.0] * len(answer.env_ids)
+            state.env_mask += [True] * len(answer.env_ids)
+            state.fresh = len(answer.env_ids)
 
     def _batch(
         self, indices: list[int], rows: list[Sample], group_ids: list[int], calls: int, dropped: int

@@ -18,7 +18,7 @@ from typing import Any, cast
 import torch
 
 from opd.config import DistillConfig
-from opd.eval.grading import grade_responses
+from opd.eval.grading import grade_rollouts
 from opd.forward import forward_hidden, needed_lengths, output_head, split_by_token_budget, uses_packing
 from opd.io import write_jsonl
 from opd.models import activation_budget, warm_up_layouts
@@ -752,12 +752,8 @@ def _grade_rollouts(tr: Trainer, batch: Batch) -> tuple[list[str], list[bool] | 
     grade it when the prompts carry answers (rule-based accuracy, GRPO rewards)."""
     rollouts = batch.rollouts
     answers = [tr.data.prompts[batch.indices[g]].answer for g in rollouts.group_ids.tolist()]
-    if batch.episodes is not None:
-        texts, grades = grade_responses(tr.models.tokenizer, batch.episodes.final_turns(), answers)
-    else:
-        texts, grades = grade_responses(
-            tr.models.tokenizer, rollouts.response_ids, answers, lengths=rollouts.response_mask.sum(-1).tolist()
-        )
+    final_turns = None if batch.episodes is None else batch.episodes.final_turns()
+    texts, grades = grade_rollouts(tr.models.tokenizer, rollouts, answers, final_turns)
     return texts, None if grades is None else [g.correct for g in grades]
 
 

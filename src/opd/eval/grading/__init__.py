@@ -37,6 +37,7 @@ __all__ = [
     "extract_answer",
     "grade",
     "grade_responses",
+    "grade_rollouts",
     "is_equivalent",
     "normalize_answer",
 ]
@@ -130,3 +131,13 @@ def grade_responses(
     if any(answer is None for answer in answers):
         return texts, None
     return texts, [grade(text, answer, timeout=timeout) for text, answer in zip(texts, answers)]
+
+
+def grade_rollouts(
+    tokenizer, rollouts, answers: Sequence, final_turns: Sequence[Sequence[int]] | None = None
+) -> tuple[list[str], list[Grade] | None]:
+    """`grade_responses` of a batch of `Rollouts` (each row's response, up to its `response_mask` length) or, for
+    episodes (`final_turns` given: `EpisodeOutput.final_turns`), of each episode's final turn."""
+    if final_turns is not None:
+        return grade_responses(tokenizer, final_turns, answers)
+    return grade_responses(tokenizer, rollouts.response_ids, answers, lengths=rollouts.response_mask.sum(-1).tolist())

@@ -21,12 +21,11 @@ from opd.rollout.hf_model import (
     HFModel,
     batch_checks,
     check_arguments,
-    check_request,
     generation_mode,
     seeded_generator,
     special_ids,
 )
-from opd.rollout.sessions import EngineSession, HeldKV, session_call
+from opd.rollout.sessions import EngineSession, HeldKV, generate_call
 from opd.rollout.static_engine.families import HFModule, _gate_up, _head_dim, _Layout, _qkv, unsupported_reason
 from opd.rollout.static_engine.layers import _ATTENTION_CHOICES
 from opd.rollout.static_engine.rows import _round_rows, _row_buckets, _settle_limit
@@ -535,13 +534,7 @@ class StaticGenerator(memory.ModuleMemory):
         stop_when: asked after each sync interval in which samples ended (`opd.rollout.base.StopRule`). session, keys:
         a session of this engine (`session()`) and one key per prompt (n = 1): prompt i continues keys[i]'s
         sequence, its held positions reused (`opd.rollout.base.Session`)."""
-        called = session_call(self, session, keys, prompt_ids, params.n)
-        caps = check_request(prompt_ids, params, self.eos_token_ids, max_new_tokens_per_sample)
-        if called is None:
-            return self._generate(prompt_ids, params, caps, stop_when)
-        output = self._generate(prompt_ids, params, caps, stop_when, (called[0].held, called[1]))
-        called[0].prefilled += self.stats.get("prefilled_tokens", 0)
-        return output
+        return generate_call(self, prompt_ids, params, max_new_tokens_per_sample, stop_when, session, keys)
 
     def _generate(
         self,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +108,21 @@ def compile_cache_in_tmp(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OPD_COMPILE_CACHE", str(tmp_path_factory.mktemp("opd-compile-cache")))
         yield
+
+
+@pytest.fixture(scope="session")
+def tool_user_dir(tmp_path_factory):
+    """`tool_user_dir(**shape)`: the directory of `helpers_tools.train_tool_user(**shape)` (the tiny student trained to
+    call the calculator), trained once per shape in a test session (the same weights each time: fixed seeds, one
+    thread). Read-only: a test that changes the model copies it first."""
+    from helpers_tools import train_tool_user
+
+    built: dict[tuple, Path] = {}
+
+    def get(**shape) -> Path:
+        key = tuple(sorted(shape.items()))
+        if key not in built:
+            built[key] = train_tool_user(tmp_path_factory.mktemp("tool_user") / "model", **shape)
+        return built[key]
+
+    return get

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from helpers import eval_args, write_jsonl
-from helpers_tools import ScriptedModel, make_tool_tokenizer
+from helpers_tools import ScriptedModel, calculator_then_answer, make_tool_tokenizer, python_then_answer
 from opd.cli import app
 from opd.cli_errors import user_error_line
 from opd.config import EvalConfig, ModelSpec
@@ -44,20 +43,11 @@ def _config(model_dir, problem_file, out, **changes):
     return EvalConfig(**{**fields, **changes})
 
 
-def _calculator_then_answer(context: str) -> str:
-    """Calls the calculator on the question's product, then answers in \\boxed{} with what it said."""
-    results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context)
-    if results:
-        return f"So the answer is \\boxed{{{results[-1]}}}."
-    expression = re.findall(r"What is (.*?)\?", context)[-1]
-    return f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}\n</tool_call>'
-
-
 def test_a_model_that_uses_the_calculator_is_graded_on_its_final_turn(tiny_model_dir, problem_file, tmp_path):
     tokenizer = make_tool_tokenizer()
     out = tmp_path / "run"
     config = _config(tiny_model_dir, problem_file, out)
-    model = ScriptedModel(tokenizer, _calculator_then_answer)
+    model = ScriptedModel(tokenizer, calculator_then_answer)
     results = evaluate(config, generator=model, tokenizer=tokenizer, console=Console(record=True))
     assert results["toy"]["avg@2"] == 1.0
     figures = results["toy"]["tools"]
@@ -91,16 +81,9 @@ def test_the_python_tool_runs_the_models_code_in_the_sandbox(tiny_model_dir, pro
     if not probe("namespaces").ok:
         pytest.skip(f"no namespaces sandbox here: {probe('namespaces').reason}")
 
-    def computes(context: str) -> str:
-        results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context)
-        if results:
-            return f"\\boxed{{{results[-1]}}}"
-        expression = re.findall(r"What is (.*?)\?", context)[-1]
-        return f'<tool_call>\n{{"name": "python", "arguments": {{"code": "print({expression})"}}}}\n</tool_call>'
-
     tokenizer = make_tool_tokenizer()
     config = _config(tiny_model_dir, problem_file, tmp_path / "run", tools="python", n=1, limit=2)
-    results = evaluate(config, generator=ScriptedModel(tokenizer, computes), tokenizer=tokenizer)
+    results = evaluate(config, generator=ScriptedModel(tokenizer, python_then_answer), tokenizer=tokenizer)
     assert results["toy"]["avg@1"] == 1.0 and results["toy"]["tools"]["tool_errors"] == 0
     saved = json.loads((tmp_path / "run" / "results.json").read_text())
     assert saved["tools"]["name"] == "python" and saved["tools"]["sandbox"] == "namespaces"
@@ -197,7 +180,7 @@ def test_an_environment_by_import_path_and_its_refusals_are_counted(
     monkeypatch.syspath_prepend(str(tmp_path))
     tokenizer = make_tool_tokenizer()
     config = _config(tiny_model_dir, problem_file, tmp_path / "run", tools="refusing_env:Refusing")
-    results = evaluate(config, generator=ScriptedModel(tokenizer, _calculator_then_answer), tokenizer=tokenizer)
+    results = evaluate(config, generator=ScriptedModel(tokenizer, calculator_then_answer), tokenizer=tokenizer)
     figures = results["toy"]["tools"]
     assert figures["sandbox_refusals"] == 6 and figures["tool_errors"] == 6 and results["toy"]["avg@2"] == 0.0
     assert json.loads((tmp_path / "run" / "results.json").read_text())["tools"] == {"name": "refusing"}
@@ -206,7 +189,7 @@ def test_an_environment_by_import_path_and_its_refusals_are_counted(
 def test_a_tool_eval_resumes_its_directory_and_refuses_other_tool_settings(tiny_model_dir, problem_file, tmp_path):
     tokenizer = make_tool_tokenizer()
     out = tmp_path / "run"
-    model = ScriptedModel(tokenizer, _calculator_then_answer)
+    model = ScriptedModel(tokenizer, calculator_then_answer)
     first = evaluate(_config(tiny_model_dir, problem_file, out), generator=model, tokenizer=tokenizer)
     calls = model.calls
     again = evaluate(_config(tiny_model_dir, problem_file, out), generator=model, tokenizer=tokenizer)
@@ -219,7 +202,7 @@ def test_a_tool_eval_resumes_its_directory_and_refuses_other_tool_settings(tiny_
 
 def test_max_prompt_length_counts_the_tools_offered(tiny_model_dir, problem_file, tmp_path):
     tokenizer = make_tool_tokenizer()
-    model = ScriptedModel(tokenizer, _calculator_then_answer)
+    model = ScriptedModel(tokenizer, calculator_then_answer)
     config = _config(tiny_model_dir, problem_file, tmp_path / "run", max_prompt_length=300)  # bytes; tools are more
     with pytest.raises(ValueError, match="every prompt is longer than max_prompt_length=300 tokens with the tools"):
         evaluate(config, generator=model, tokenizer=tokenizer)

@@ -6,7 +6,6 @@ and the python tool, and a tiny random model through the CLI."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from helpers import write_jsonl
-from helpers_tools import ScriptedModel, make_tool_tokenizer
+from helpers_tools import ScriptedModel, call_then_answer, make_tool_tokenizer, python_then_answer
 from opd.cli import app
 from opd.cli_errors import user_error_line
 from opd.config import ConfigError, build_config
@@ -26,14 +25,10 @@ from opd.tools.sandbox import probe
 ROWS = [{"prompt": f"What is {i} * 7?", "answer": str(7 * i)} for i in range(3)]
 
 
-def calculator_then_answer(context: str) -> str:
-    """Calls the calculator on the question's product, then answers in \\boxed{} with what it said."""
-    results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context)
-    if results:
-        return f"The calculator says {results[-1]}, so the answer is \\boxed{{{results[-1]}}}."
-    expression = re.findall(r"What is (.*?)\?", context)[-1]
-    call = f'{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}'
-    return f"Let me compute.\n<tool_call>\n{call}\n</tool_call>"
+# the teacher's turns: "Let me compute." and its call, then the answer with what the calculator said
+calculator_then_answer = call_then_answer(
+    before="Let me compute.\n", answer="The calculator says {0}, so the answer is \\boxed{{{0}}}."
+)
 
 
 def tool_rollout(tmp_path: Path, policy=calculator_then_answer, **overrides) -> Path:
@@ -105,14 +100,7 @@ def test_the_python_tool_writes_the_code_and_its_output(tmp_path):
     if not probe("namespaces").ok:
         pytest.skip(f"no namespaces sandbox here: {probe('namespaces').reason}")
 
-    def computes(context: str) -> str:
-        results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context)
-        if results:
-            return f"\\boxed{{{results[-1]}}}"
-        expression = re.findall(r"What is (.*?)\?", context)[-1]
-        return f'<tool_call>\n{{"name": "python", "arguments": {{"code": "print({expression})"}}}}\n</tool_call>'
-
-    out = tool_rollout(tmp_path, computes, tools="python", n=1)
+    out = tool_rollout(tmp_path, python_then_answer, tools="python", n=1)
     rows = read_jsonl(out / "rollouts.jsonl")
     assert [r["messages"][2] for r in rows] == [
         {"role": "tool", "name": "python", "content": str(7 * i)} for i in range(3)

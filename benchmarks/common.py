@@ -178,6 +178,16 @@ def base_parser(description: str, default_shape: str) -> argparse.ArgumentParser
     return parser
 
 
+def add_rollout_arguments(parser: argparse.ArgumentParser, *, new_tokens: int, lengths: str, lengths_help: str) -> None:
+    """The options of a rollout job that rollout.py and vllm_side_by_side.py share: a saved model, rows per call, the
+    prompt's and the response's lengths (what --lengths takes is each benchmark's own: lengths_help)."""
+    parser.add_argument("--model-path", default=None, help="a saved model directory instead of a random --shape")
+    parser.add_argument("--batches", default="64,256", help="comma-separated rows per rollout call")
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per row")
+    parser.add_argument("--new-tokens", type=int, default=new_tokens, help="generated tokens per row (--lengths equal)")
+    parser.add_argument("--lengths", default=lengths, help=lengths_help)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

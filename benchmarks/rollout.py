@@ -69,6 +69,7 @@ from common import (
     SHAPES,
     TOKENIZER_SIZE,
     Report,
+    add_rollout_arguments,
     base_parser,
     build_model,
     eos_id,
@@ -223,13 +224,11 @@ def drift_by_position(model, reference, prompts, output, shape: str) -> list[dic
 
 def main(argv: list[str] | None = None) -> dict:
     parser = base_parser(__doc__.splitlines()[0], "qwen3-0.6b")
-    parser.add_argument("--batches", default="64,256", help="comma-separated rows per call; the first is the main one")
-    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per row")
-    parser.add_argument("--new-tokens", type=int, default=512, help="generated tokens per row (--lengths equal)")
-    parser.add_argument(
-        "--lengths",
-        default="equal",
-        help="equal, or lognormal:mean=M,cap=C[,sigma=S]: per-row response lengths (seeded)",
+    add_rollout_arguments(  # --batches: the first is the main one
+        parser,
+        new_tokens=512,
+        lengths="equal",
+        lengths_help="equal, or lognormal:mean=M,cap=C[,sigma=S]: per-row response lengths (seeded)",
     )
     parser.add_argument(
         "--compare-equal",
@@ -255,7 +254,6 @@ def main(argv: list[str] | None = None) -> dict:
         help=f"rows at the first batch size, in order; from {','.join(ALL)}",
     )
     parser.add_argument("--engines-big", default="torch_engine,static_compile", help="rows at the other batch sizes")
-    parser.add_argument("--model-path", default=None, help="a saved model directory instead of a random --shape")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     flops, bandwidth = peaks(device, args)

@@ -66,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     TOKENIZER_SIZE,
     Report,
+    add_rollout_arguments,
     base_parser,
     build_model,
     eos_id,
@@ -221,14 +222,11 @@ def compare(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = base_parser(__doc__.splitlines()[0], "qwen3-1.7b")
-    parser.add_argument("--model-path", default=None, help="a saved model directory instead of a random --shape")
-    parser.add_argument("--batches", default="64,256", help="comma-separated rows per rollout call")
-    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per row")
-    parser.add_argument("--new-tokens", type=int, default=1500, help="tokens per row for --lengths equal")
-    parser.add_argument(
-        "--lengths",
-        default="equal,lognormal:mean=1500,cap=7168",
-        help="comma-separated: equal | equal:N | lognormal:mean=M,cap=C[,sigma=S]",
+    add_rollout_arguments(
+        parser,
+        new_tokens=1500,
+        lengths="equal,lognormal:mean=1500,cap=7168",
+        lengths_help="comma-separated: equal | equal:N | lognormal:mean=M,cap=C[,sigma=S]",
     )
     parser.add_argument(
         "--engines", default="static,vllm", help="rollout rows, in order, from static, vllm, vllm_all_rows"
@@ -484,7 +482,7 @@ def rollout_rows(args, device: torch.device, facts: dict, out: WorkerRows) -> No
 
             ran = out.run(f"{engine}@{batch}[{length_label(spec)}]", call)
             built_s = 0.0  # the engine's start counts once, in its first row
-            if not ran and engine != "static":  # an in-process vLLM engine that raised may spin on its next call
+            if not ran and engine != "static":  # a vLLM engine that failed refuses every later call
                 out.add({"name": f"{engine} (rows after the failed one)", "error": "not run: the engine failed"})
                 return
     close = getattr(generator, "close", None)
@@ -516,16 +514,10 @@ def score_rows(args, device: torch.device, facts: dict, out: WorkerRows) -> None
         scorer = LocalScorer(model, vocab_size=args.vocab)
         built_s = time.perf_counter() - start
 
-        def call() -> dict:
-            m = measure(
-                lambda: scorer.score(rollouts, top_k=top_k, with_entropy=False),
-                device,
-                warmup=args.warmup,
-                repeat=args.repeat,
-            )
-            return timed_score(m, positions, built_s, facts)
-
-        out.run(f"local_score@{args.score_batch}", call)
+        out.run(
+            f"local_score@{args.score_batch}",
+            lambda: timed_score_call(scorer, rollouts, positions, args, device, built_s, facts),
+        )
         return
     from vllm import SamplingParams, TokensPrompt
 
@@ -545,16 +537,11 @@ def score_rows(args, device: torch.device, facts: dict, out: WorkerRows) -> None
     built_s = time.perf_counter() - start
 
     def call() -> dict:
-        m = measure(
-            lambda: scorer.score(rollouts, top_k=top_k, with_entropy=False),
-            device,
-            warmup=args.warmup,
-            repeat=args.repeat,
-        )
-        return {**timed_score(m, positions, built_s, facts), "prompt_logprobs_k": top_k + scorer.num_padding}
+        row = timed_score_call(scorer, rollouts, positions, args, device, built_s, facts)
+        return {**row, "prompt_logprobs_k": top_k + scorer.num_padding}
 
     if not out.run(f"vllm_score@{args.score_batch}", call):
-        return  # the engine failed: its next call may never return
+        return  # the engine failed: it refuses every later call (EngineGuard)
     ids_BL = rollouts.input_ids.cpu().tolist()
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in ids_BL]
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k + scorer.num_padding, detokenize=False)
@@ -570,6 +557,19 @@ def score_rows(args, device: torch.device, facts: dict, out: WorkerRows) -> None
 
     out.run(f"vllm_prompt_lp@{args.score_batch}", engine_only)
     scorer.close()
+
+
+def timed_score_call(
+    scorer: Any, rollouts: Any, positions: int, args, device: torch.device, built_s: float, facts: dict
+) -> dict:
+    """The row of one scorer (local or vLLM): `score` at the run's top-k, without entropy, timed."""
+    m = measure(
+        lambda: scorer.score(rollouts, top_k=args.score_top_k, with_entropy=False),
+        device,
+        warmup=args.warmup,
+        repeat=args.repeat,
+    )
+    return timed_score(m, positions, built_s, facts)
 
 
 def timed_score(m: dict, positions: int, built_s: float, facts: dict) -> dict:

@@ -124,14 +124,17 @@ def chat_prompt(tokenizer, i: int) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def text_rollouts(tokenizer, texts, eos_id):
-    """(Rollouts, prompts): rows of a chat prompt then the canonical tokens of a text and EOS."""
+def text_rollouts(tokenizer, texts, eos_id, truncate_last=False):
+    """(Rollouts, prompts): rows of a chat prompt then the canonical tokens of a text and EOS (the last row cut before
+    its EOS, and flagged truncated, when `truncate_last`)."""
     import torch
 
     from opd.types import Rollouts
 
     prompts = [chat_prompt(tokenizer, i) for i in range(len(texts))]
     responses = [tokenizer(t, add_special_tokens=False)["input_ids"] + [eos_id] for t in texts]
+    if truncate_last:
+        responses[-1] = responses[-1][:-1]
     B, T = len(texts), max(len(r) for r in responses)
     L = max(len(p) + len(r) for p, r in zip(prompts, responses))
     input_ids = torch.zeros((B, L), dtype=torch.long)
@@ -145,6 +148,6 @@ def text_rollouts(tokenizer, texts, eos_id):
         mask[b, : len(r)] = True
     rollouts = Rollouts(
         input_ids, attention, torch.tensor([len(p) for p in prompts]), response_ids, mask, torch.arange(B),
-        torch.zeros(B, dtype=torch.bool),
+        torch.tensor([truncate_last and b == B - 1 for b in range(B)]),
     )  # fmt: skip
     return rollouts, prompts

@@ -2,60 +2,22 @@ import pytest
 import torch
 
 from helpers import EOS_ID, make_tiny_model, make_tiny_tokenizer
-from helpers_cross_vocab import byte_bpe, characters, sentencepiece
+from helpers_cross_vocab import byte_bpe, characters, chat_prompt, sentencepiece, text_rollouts
 from opd.check.tokenizers import check_cross_tokenizer
 from opd.config import ObjectiveSpec, TeacherEntry
 from opd.objectives.targets import build_targets, micro_loss
 from opd.teacher.cross_vocab import build_cross_vocab, cross_metrics, resolve_tokenizer_mode, start_cross_scoring
 from opd.teacher.local import LocalScorer
-from opd.types import Rollouts
 
 K = 4
 TEXTS = ["x = 3; so 2x + 1 = 7.", "Café: 数学 🙂", "the answer is \\boxed{47}", "ok"]
-
-
-def _prompt(tokenizer, i: int) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"q{i}"}], add_generation_prompt=True, tokenize=False
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def _rollouts(tokenizer, texts, eos_id, truncate_last=False) -> tuple[Rollouts, list[list[int]]]:
-    """Rows of a chat prompt then the canonical tokens of a text and EOS (the last row cut before its EOS when
-    `truncate_last`)."""
-    prompts = [_prompt(tokenizer, i) for i in range(len(texts))]
-    responses = [tokenizer(t, add_special_tokens=False)["input_ids"] + [eos_id] for t in texts]
-    if truncate_last:
-        responses[-1] = responses[-1][:-1]
-    B, T = len(texts), max(len(r) for r in responses)
-    L = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    input_ids = torch.zeros((B, L), dtype=torch.long)
-    attention = torch.zeros((B, L), dtype=torch.bool)
-    response_ids = torch.zeros((B, T), dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.bool)
-    for b, (p, r) in enumerate(zip(prompts, responses)):
-        input_ids[b, : len(p) + len(r)] = torch.tensor(p + r)
-        attention[b, : len(p) + len(r)] = True
-        response_ids[b, : len(r)] = torch.tensor(r)
-        mask[b, : len(r)] = True
-    rollouts = Rollouts(
-        input_ids,
-        attention,
-        torch.tensor([len(p) for p in prompts]),
-        response_ids,
-        mask,
-        torch.arange(B),
-        torch.tensor([truncate_last and b == B - 1 for b in range(B)]),
-    )
-    return rollouts, prompts
 
 
 @pytest.mark.parametrize("top_k", [0, K])
 def test_the_cross_path_with_one_tokenizer_twice_equals_the_same_vocabulary_path(top_k):
     tokenizer = make_tiny_tokenizer()
     student_model, teacher_model = make_tiny_model(seed=0), make_tiny_model(seed=1)
-    rollouts, prompts = _rollouts(tokenizer, TEXTS, EOS_ID, truncate_last=True)
+    rollouts, prompts = text_rollouts(tokenizer, TEXTS, EOS_ID, truncate_last=True)
     student = LocalScorer(student_model).score(rollouts, top_k=K)
     teacher_scorer = LocalScorer(teacher_model)
     same = teacher_scorer.score(rollouts, top_k=K, requested_ids=student.topk_ids)
@@ -93,8 +55,8 @@ def test_a_cross_teacher_scores_the_text_under_its_own_tokenizer():
     student_tok, teacher_tok = byte_bpe(), sentencepiece()
     teacher_model = make_tiny_model(vocab_size=len(teacher_tok), seed=3)
     student_model = make_tiny_model(vocab_size=len(student_tok), seed=4)
-    rollouts, _ = _rollouts(student_tok, TEXTS, student_tok.eos_token_id)
-    teacher_prompts = [_prompt(teacher_tok, i) for i in range(len(TEXTS))]
+    rollouts, _ = text_rollouts(student_tok, TEXTS, student_tok.eos_token_id)
+    teacher_prompts = [chat_prompt(teacher_tok, i) for i in range(len(TEXTS))]
     student = LocalScorer(student_model).score(rollouts, top_k=K)
     cross = build_cross_vocab(student_tok, teacher_tok, student_eos_ids=[student_tok.eos_token_id])
     scorer = LocalScorer(teacher_model)
@@ -153,11 +115,11 @@ def test_the_lab_teacher_under_another_token_to_id_map_scores_as_itself(tmp_path
     teacher_model, _ = load_model(str(teacher_path()), dtype=torch.float32, device="cpu")
     other_model, other_tok = load_model(str(shuffled), dtype=torch.float32, device="cpu")
     texts = ["12+3=15\n15*2=30\n\\boxed{30}", "7-9=-2\n\\boxed{-2}"]
-    rollouts, _ = _rollouts(tokenizer, texts, tokenizer.eos_token_id)
+    rollouts, _ = text_rollouts(tokenizer, texts, tokenizer.eos_token_id)
     student = LocalScorer(student_model).score(rollouts, top_k=K)
     same = LocalScorer(teacher_model).score(rollouts, top_k=K, requested_ids=student.topk_ids)
     cross = build_cross_vocab(tokenizer, other_tok, student_eos_ids=[tokenizer.eos_token_id])
-    prompts = [_prompt(other_tok, i) for i in range(len(texts))]
+    prompts = [chat_prompt(other_tok, i) for i in range(len(texts))]
     crossed = start_cross_scoring(
         cross, LocalScorer(other_model), rollouts, student, prompts, top_k=K, temperature=1.0
     ).result()
@@ -221,9 +183,9 @@ def test_a_served_cross_teacher_scores_as_the_same_teacher_in_process(shuffled_l
     _, student_model, student_tok = shuffled_lab
     teacher_model, teacher_tok, teacher_scorer = lab_teacher
     texts = ["12+3=15\n15*2=30\n\\boxed{30}", "7-9=-2\n\\boxed{-2}"]
-    rollouts, _ = _rollouts(student_tok, texts, student_tok.eos_token_id)
+    rollouts, _ = text_rollouts(student_tok, texts, student_tok.eos_token_id)
     student = LocalScorer(student_model).score(rollouts, top_k=K)
-    prompts = [_prompt(teacher_tok, i) for i in range(len(texts))]
+    prompts = [chat_prompt(teacher_tok, i) for i in range(len(texts))]
     local = build_cross_vocab(student_tok, teacher_tok, student_eos_ids=[student_tok.eos_token_id])
     want = start_cross_scoring(local, teacher_scorer, rollouts, student, prompts, top_k=K, temperature=1.0).result()
     with serve_in_thread(teacher_scorer) as (url, _):

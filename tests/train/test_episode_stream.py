@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from helpers_tools import make_tool_tokenizer
 from opd.rollout.base import GenerationOutput
 from opd.tools.calls import prompt_ids as tool_prompt_ids
@@ -160,3 +162,21 @@ def test_a_stream_loaded_mid_episode_goes_on_as_if_never_saved():
         assert a.output.response_ids == b.output.response_ids and a.output.logprobs == b.output.logprobs
         assert a.episodes is not None and b.episodes is not None
         assert a.episodes.env_masks == b.episodes.env_masks and a.episodes.turns == b.episodes.turns
+
+
+def test_an_episode_offered_other_tools_than_setup_rendered_is_refused_in_one_line():
+    """The same line as the plain step's (`opd.train.episodes.check_started_as_rendered`)."""
+
+    class Changed(Counter):
+        def start(self, row) -> CountEpisode:
+            episode = super().start(row)
+            episode.tools = [*TOOLS, function_schema("other", "Another tool.", {}, [])]
+            return episode
+
+    tokenizer, prompts, ids, draw = _world()
+    with pytest.raises(ValueError) as refused:
+        _stream(tokenizer, prompts, Changed()).next_batch(0, draw, ids, _engine(tokenizer, []))
+    assert str(refused.value) == (
+        "rollout.tools=count: the episode of prompt '0' started from other ids than setup rendered (the environment "
+        "offered other tools); an environment's tools must be fixed per row"
+    )

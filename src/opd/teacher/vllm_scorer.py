@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from opd.objectives import strategy_spec
-from opd.rollout.vllm_engine import EngineOptions, config_rows, model_rows, push_weights, start_engine
+from opd.rollout.vllm_engine import EngineGuard, EngineOptions, config_rows, model_rows, push_weights, start_engine
 from opd.teacher.base import InProcessScoring
 from opd.types import Rollouts, TokenScores
 
@@ -76,6 +76,7 @@ class VLLMScorer(InProcessScoring):
         self.llm = start_engine(
             model_path, options, max_num_seqs=max_batch_size, max_logprobs=max_top_k + self.num_padding + 1
         )
+        self.guard = EngineGuard(self.llm, "teacher.engine vllm")
         if model_rows(self.llm) != self.rows:
             raise RuntimeError(f"vLLM's model has {model_rows(self.llm)} output rows, its config {self.rows}")
         from vllm import SamplingParams
@@ -88,7 +89,8 @@ class VLLMScorer(InProcessScoring):
 
     def sync_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Not used by the trainer (the teacher is frozen); here for a caller that swaps teachers."""
-        push_weights(self.llm, weights)
+        with self.guard.call():
+            push_weights(self.llm, weights)
 
     def score(
         self,
@@ -100,7 +102,8 @@ class VLLMScorer(InProcessScoring):
         with_entropy: bool = True,
     ) -> TokenScores:
         """`TokenScores` [B, T, ...] aligned with `rollouts.response_ids`, zero at masked positions, float32, on the
-        rollouts' device; `entropy` is None (not served, see the module docstring)."""
+        rollouts' device; `entropy` is None (not served, see the module docstring). After a call that failed inside the
+        engine every later call raises at once (`opd.rollout.vllm_engine.EngineGuard`)."""
         from vllm import SamplingParams, TokensPrompt
 
         if top_k < 0:
@@ -138,7 +141,8 @@ class VLLMScorer(InProcessScoring):
                 SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=max(wanted, 0), detokenize=False, **extra)
             )
             live.append(b)
-        results = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        with self.guard.call(requests=True):
+            results = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
 
         sampled_BT = torch.zeros(B, T)
         topk_ids_BTK = torch.zeros(B, T, top_k, dtype=torch.long)  # [B, T, 0] when top_k = 0: left out below

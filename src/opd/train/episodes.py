@@ -192,13 +192,22 @@ def step_episodes(
             tool_timeout_s=spec.tool_timeout_s,
             template=_template(config),
         )
-    for index, (started, expected) in enumerate(zip(episodes.prompt_ids, prompt_ids)):
-        if list(started) != list(expected):
-            raise ValueError(
-                f"rollout.tools={spec.tools}: the episode of prompt {prompts[index].id!r} started from other ids than "
-                f"setup rendered (the environment offered other tools); an environment's tools must be fixed per row"
-            )
+    for prompt, started, rendered in zip(prompts, episodes.prompt_ids, prompt_ids):
+        check_started_as_rendered(environment, prompt, started, rendered)
     return episodes
+
+
+def check_started_as_rendered(
+    environment: Environment, prompt: Prompt, started: Sequence[int], rendered: Sequence[int]
+) -> None:
+    """An episode must start from the ids setup rendered for its prompt (`encode_with_tools`): other ids mean the
+    environment offered other tools since, which is refused in one line (both the plain step and `EpisodeStream`)."""
+    if list(started) != list(rendered):
+        raise ValueError(
+            f"rollout.tools={environment.describe().get('name')}: the episode of prompt {prompt.id!r} started from "
+            f"other ids than setup rendered (the environment offered other tools); an environment's tools must be "
+            f"fixed per row"
+        )
 
 
 class EpisodeStream(RolloutStream):
@@ -285,11 +294,7 @@ class EpisodeStream(RolloutStream):
         state = _state(sample)
         if not state.history:
             ids = tool_prompt_ids(self.tokenizer, prompt.messages, episode.tools, **self.template)
-            if list(ids) != list(self._prompt_ids[self.groups[sample.group].prompt]):
-                raise ValueError(
-                    f"the episode of prompt {prompt.id!r} started from other ids than setup rendered (the environment "
-                    f"offered other tools); an environment's tools must be fixed per row"
-                )
+            check_started_as_rendered(self.environment, prompt, ids, self._prompt_ids[self.groups[sample.group].prompt])
         for calls in state.history:
             answer_calls(
                 [(episode, [ToolCall(c["name"], c["arguments"]) for c in calls])], timeout_s=self.tool_timeout_s

@@ -257,3 +257,28 @@ def test_sync_weights_and_each_of_its_steps_is_needed(tied):
 def test_eos_ids_come_from_the_model_directory(padded):
     _, _, engine = padded
     assert engine.eos_token_ids == [EOS_ID, 256]  # tokenizer EOS, then the generation config's extra one
+
+
+def test_a_head_dim_vllm_cpu_attention_cannot_run_is_refused_before_loading(tmp_path):
+    """conftest's tiny models have head_dim 8 (hidden 32 / 4 heads): vLLM's CPU kernel fails on it mid-start-up with a
+    traceback. Both the generator and the teacher refuse it first, in one line naming the size and what is accepted
+    (the installed vLLM's own list)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from opd.rollout.vllm_engine import VLLMGenerator
+    from opd.teacher.vllm_scorer import VLLMScorer
+
+    if not current_platform.is_cpu():
+        pytest.skip("the head_dim refusal is for vLLM's CPU attention only")
+    make_tiny_model("qwen3").save_pretrained(tmp_path)
+    accepted = ", ".join(str(size) for size in CPUAttentionBackend.get_supported_head_sizes())
+    for start in (
+        lambda: VLLMGenerator(str(tmp_path), eos_token_ids=[EOS_ID]),
+        lambda: VLLMScorer(str(tmp_path)),
+    ):
+        with pytest.raises(ValueError) as refused:
+            start()
+        message = str(refused.value)
+        assert "\n" not in message
+        assert "head_dim 8" in message and f"it accepts {accepted}" in message and "smallest: 32" in message

@@ -335,6 +335,28 @@ def test_a_views_context_changes_only_the_teachers_prompt_and_it_scores_the_epis
     assert abs(sum(blind) / len(blind) - sum(rewards) / len(rewards)) > 1e-3  # the context moved the rewards
 
 
+def _assert_scored_under_views(tr, batch, scores, models: list, contexts: list[str]) -> set[int]:
+    """Every row's teacher scores at the student's tokens are those of a float64 forward of its teacher's model
+    (`models[owner]`) over that teacher's view (the student's prompt with `contexts[owner]` and the prompt's answer
+    inside the user turn) then the episode (float32 against float64 on a tiny model: 1e-5). → the owners seen."""
+    tokenizer, owners = make_tool_tokenizer(), set()
+    assert scores.teacher is not None
+    for b in range(batch.rollouts.batch_size):
+        index = batch.indices[int(batch.rollouts.group_ids[b])]
+        owner, prompt = tr.data.prompt_teacher[index], tr.data.prompts[index]
+        routed = tr.models.teachers[owner]
+        assert routed.prompt_ids is not None
+        view, own = routed.prompt_ids[index], tr.data.prompt_ids[index]
+        context = contexts[owner].format(context=prompt.answer)
+        assert tokenizer.decode(view) == tokenizer.decode(own).replace("?<|im_end|>", f"?{context}<|im_end|>")
+        episode, student_BT = _episode(batch, b)
+        t = _forward64(models[owner], view + episode, len(view))
+        got = scores.teacher.sampled_logprobs[b, : len(episode)].double()
+        assert torch.allclose(got[student_BT], t[student_BT], rtol=0, atol=1e-5), routed.name
+        owners.add(owner)
+    return owners
+
+
 def test_routed_teachers_and_the_live_student_score_episodes_under_their_own_views(tool_world, tmp_path):
     """Two routed teachers with views, one of them the live student (OPSD: `path: student` with a view): each row
     is scored by its prompt's teacher over that teacher's view, with the tools, then the episode."""
@@ -342,30 +364,27 @@ def test_routed_teachers_and_the_live_student_score_episodes_under_their_own_vie
         {"name": "odd", "path": str(tool_world / "teacher"), "route": {"route_key": "kind", "values": ["b"]}},
         {"name": "self", "path": "student", "route": {"default": True}},
     ]
-    teachers[0]["view"] = ANSWER_VIEW
-    teachers[1]["view"] = {"context_key": "answer", "context_template": " (the answer is {context})"}
+    contexts = ["\n\n{context}", " (the answer is {context})"]
+    for entry, template in zip(teachers, contexts):
+        entry["view"] = {"context_key": "answer", "context_template": template}
     config = _view_config(tool_world, tmp_path, teachers, "objective.top_k=0", "prompts_per_step=4")
     tr, batch, scores, metrics = _scripted(config, calculator_then_answer)
     models = _models64(tool_world, "teacher", "student")  # the live student scores before its update
-    tokenizer = make_tool_tokenizer()
-    assert scores.teacher is not None
-    owners = set()
-    for b in range(batch.rollouts.batch_size):
-        index = batch.indices[int(batch.rollouts.group_ids[b])]
-        owner, prompt = tr.data.prompt_teacher[index], tr.data.prompts[index]
-        routed = tr.models.teachers[owner]
-        assert routed.prompt_ids is not None
-        view, own = routed.prompt_ids[index], tr.data.prompt_ids[index]
-        context = f"\n\n{prompt.answer}" if owner == 0 else f" (the answer is {prompt.answer})"
-        assert tokenizer.decode(view) == tokenizer.decode(own).replace("?<|im_end|>", f"?{context}<|im_end|>")
-        episode, student_BT = _episode(batch, b)
-        t = _forward64(models["teacher" if owner == 0 else "student"], view + episode, len(view))
-        got = scores.teacher.sampled_logprobs[b, : len(episode)].double()
-        assert torch.allclose(got[student_BT], t[student_BT], rtol=0, atol=1e-5), routed.name
-        owners.add(owner)
+    owners = _assert_scored_under_views(tr, batch, scores, [models["teacher"], models["student"]], contexts)
     assert owners == {0, 1} and metrics["episode/turns_mean"] == 2
     for name in ("odd", "self"):
         assert any(key.startswith(f"teacher/{name}/") for key in metrics), sorted(metrics)
+
+
+def test_a_full_vocabulary_teacher_reads_its_view_of_the_episode(tool_world, tmp_path):
+    """objective.loss=full_reverse_kl: the teacher answers with hidden states (`score_full_teacher`), taken over its
+    view then the episode as any teacher's scores are."""
+    teachers = [{"name": "t", "path": str(tool_world / "teacher"), "view": ANSWER_VIEW}]
+    config = _view_config(tool_world, tmp_path, teachers, "objective.loss=full_reverse_kl", "objective.top_k=0")
+    tr, batch, scores, metrics = _scripted(config, calculator_then_answer)
+    assert scores.teacher_hidden_BTE is not None and torch.isfinite(torch.tensor(metrics["full_reverse_kl_loss"]))
+    models = _models64(tool_world, "teacher")
+    assert _assert_scored_under_views(tr, batch, scores, [models["teacher"]], ["\n\n{context}"]) == {0}
 
 
 # ----------------------------------------------------------------------------------------- the command line
@@ -386,6 +405,30 @@ def test_distill_with_the_calculator_writes_episode_metrics_and_resumes_exactly(
     assert all(m["episode/tool_calls_mean"] > 0 and m["episode/turns_mean"] > 1 for m in mb), mb
     assert all(m["episode/env_tokens_mean"] > 0 for m in mb)
     assert yaml.safe_load((resumed / "config.yaml").read_text())["rollout"]["tools"] == "calculator"
+
+
+def test_distill_with_a_teacher_view_and_the_calculator_resumes_exactly(capsys, tool_world, tmp_path):
+    """`opd distill` with rollout.tools=calculator and a teacher with a view, from the command line: 2 steps as 1
+    step resumed to 2, bit for bit as a straight run of 2; the view's context moves the step's rewards."""
+    teachers = [{"name": "t", "path": str(tool_world / "teacher"), "view": ANSWER_VIEW}]
+    one = dump(_view_config(tool_world, tmp_path / "a", teachers, student="tool_user", steps=1), tmp_path / "one.yaml")
+    code, out, err = cli(capsys, "distill", "--config", one)
+    assert code == 0, err
+    assert "rollout.tools: episodes of up to 4 turns" in out
+    code, out, err = cli(capsys, "distill", "--config", one, "--resume", "run.steps=2")
+    assert code == 0 and "resumed from" in out, err
+    straight = distill(_view_config(tool_world, tmp_path / "b", teachers, student="tool_user", steps=2))
+    resumed = tmp_path / "a" / "run"
+    assert_same_weights(straight / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
+    ma, mb = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
+    assert [m["step"] for m in mb] == [1, 2] and [_same(m) for m in ma] == [_same(m) for m in mb]
+    assert all(m["episode/tool_calls_mean"] > 0 and m["episode/env_tokens_mean"] > 0 for m in mb), mb
+    blind = distill(
+        _view_config(tool_world, tmp_path / "c", [{**teachers[0], "view": None}], student="tool_user", steps=1)
+    )
+    first = read_jsonl(blind / "metrics.jsonl")[0]
+    assert first["episode/student_tokens_mean"] == mb[0]["episode/student_tokens_mean"]  # the same episodes
+    assert first["reward_mean"] != mb[0]["reward_mean"]  # scored under another prompt
 
 
 # ---------------------------------------------------------------------------- kill -9 with episodes in flight

@@ -260,6 +260,11 @@ def score_full_teacher(
     and the answer's metrics: (scores, hidden [B, T, E], {teacher/bytes_per_token, teacher/head_bytes})."""
     (routed,) = tr.models.teachers
     rollouts = batch.rollouts
+    if routed.prompt_ids is not None and routed.cross is None:  # its view, as `_start_routed` reads it
+        views = routed.prompt_ids
+        rollouts = _with_prompts(
+            rollouts, [views[batch.indices[g]] for g in rollouts.group_ids.tolist()], tr.models.tokenizer
+        )
     scorer = hidden_scorer(routed, device)
     placed = on_device(routed.teacher.module, device if routed.entry.offload else None)
     with placed:

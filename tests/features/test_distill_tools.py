@@ -42,6 +42,7 @@ from helpers_tools import (
 from opd.config import DistillConfig, build_config
 from opd.io import LOCK_FILE, read_jsonl
 from opd.recipes.distill import distill, setup
+from opd.tools.environments import load_environment
 from opd.tools.sandbox import ProbeResult, probe
 from opd.train.checkpoint import latest_checkpoint
 from opd.train.step import sample_rollouts, score_rollouts, step_metrics, step_targets, update_student
@@ -84,6 +85,12 @@ def _config(
 
 def _scripted_step(config: DistillConfig, policy):
     """One step of `config` whose student writes what `policy` says: (batch, metrics)."""
+    _, batch, _, metrics = _scripted(config, policy)
+    return batch, metrics
+
+
+def _scripted(config: DistillConfig, policy):
+    """`_scripted_step`, also giving the trainer and the step's scores: (trainer, batch, scores, metrics)."""
     tr = setup(config, Path(config.run.out_dir) / config.run.name)
     tr.engines.generator = ScriptedModel(tr.models.tokenizer, policy)
     device = torch.device("cpu")
@@ -92,7 +99,7 @@ def _scripted_step(config: DistillConfig, policy):
     scores = score_rollouts(tr, batch, timings, device)
     targets = step_targets(tr, batch, scores, device)
     result = update_student(tr, batch.rollouts, targets, timings, device)
-    return batch, step_metrics(tr, batch, scores, targets, result, timings)
+    return tr, batch, scores, step_metrics(tr, batch, scores, targets, result, timings)
 
 
 def _logprobs(model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -229,6 +236,157 @@ def test_the_in_training_eval_runs_with_the_tools(tool_world, tmp_path):
     assert results["benchmarks"]["prompts"]["tools"]["tool_calls_mean"] > 0
 
 
+# ------------------------------------------------------------------------------------- teachers with a view
+ANSWER_VIEW = {"context_key": "answer"}  # "\n\n{answer}" appended to the teacher's user turn
+
+
+def _view_config(world: Path, tmp_path: Path, teachers: list, *overrides: str, data: Path | None = None, **kw):
+    """`_config` with `teachers` instead of its teacher (and `data` instead of the world's prompts)."""
+    config = _config(world, tmp_path, "rollout.tools=null", *overrides, **kw).model_dump(mode="json")
+    config["teacher"], config["rollout"]["tools"], config["teachers"] = None, "calculator", teachers
+    if data is not None:
+        config["data"]["path"] = str(data)
+    return DistillConfig.model_validate(config)
+
+
+def _forward64(model, ids: list[int], start: int) -> torch.Tensor:
+    """float64 log-probs of ids[start:] under a plain forward of `model` (a float64 copy) over all of `ids`."""
+    with torch.no_grad():
+        logits = model(torch.tensor(ids)[None]).logits[0, :-1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0][start - 1 :]
+
+
+def _models64(world: Path, *names: str) -> dict:
+    return {n: AutoModelForCausalLM.from_pretrained(world / n, torch_dtype=torch.float64).eval() for n in names}
+
+
+def _episode(batch, b: int) -> tuple[list[int], torch.Tensor]:
+    """Row b's episode (every token after the prompt, the environment's included) and its student-token mask."""
+    assert batch.episodes is not None
+    env = torch.tensor(batch.episodes.env_masks[b])
+    return batch.rollouts.response_ids[b, : len(env)].tolist(), ~env
+
+
+def test_a_view_that_renders_what_a_plain_teacher_reads_scores_bit_for_bit_as_it(tool_world, tmp_path):
+    """A teacher whose view appends each prompt's answer reads, on the same episodes, exactly what a teacher without
+    a view reads when the student's prompts already end with the answer: the same prompt ids (both rendered with the
+    calculator offered), then the same episode tokens, in tensors of the same shape. It is the same forward on the
+    same inputs, so its scores are equal bit for bit. (The token rewards differ by the student's term only: the
+    student reads its own prompt, with or without the answer.)"""
+    holding = tmp_path / "holding.jsonl"
+    rows = read_jsonl(tool_world / "prompts.jsonl")
+    holding.write_text("".join(json.dumps({**r, "prompt": f"{r['prompt']}\n\n{r['answer']}"}) + "\n" for r in rows))
+    teacher = str(tool_world / "teacher")
+    plain = _view_config(
+        tool_world, tmp_path / "a", [{"name": "t", "path": teacher}], "objective.top_k=4", data=holding
+    )
+    viewed = _view_config(
+        tool_world, tmp_path / "b", [{"name": "t", "path": teacher, "view": ANSWER_VIEW}], "objective.top_k=4"
+    )
+    tr_a, batch_a, scores_a, _ = _scripted(plain, calculator_then_answer)
+    tr_b, batch_b, scores_b, _ = _scripted(viewed, calculator_then_answer)
+    assert batch_a.indices == batch_b.indices and batch_b.episodes is not None
+    assert all(m.count(True) for m in batch_b.episodes.env_masks)  # every episode holds the calculator's answer
+    ra, rb = batch_a.rollouts, batch_b.rollouts
+    assert torch.equal(ra.response_ids, rb.response_ids) and torch.equal(ra.response_mask, rb.response_mask)
+    views = tr_b.models.teachers[0].prompt_ids
+    assert views is not None
+    for i in batch_b.indices:
+        assert views[i] == tr_a.data.prompt_ids[i] != tr_b.data.prompt_ids[i]
+    ta, tb = scores_a.teacher, scores_b.teacher
+    assert ta is not None and tb is not None
+    assert torch.equal(ta.sampled_logprobs, tb.sampled_logprobs)
+    assert torch.equal(ta.topk_ids, tb.topk_ids) and torch.equal(ta.topk_logprobs, tb.topk_logprobs)
+
+
+def test_a_views_context_changes_only_the_teachers_prompt_and_it_scores_the_episode_after_it(tool_world, tmp_path):
+    """The teacher reads its view of the prompt (the answer appended to the user turn, rendered with the calculator
+    offered as the student's prompt is), then the episode's tokens unchanged; its scores at the student's tokens are
+    those of a plain float64 forward over that concatenation (float32 against float64 on a tiny model: 1e-5), and the
+    loss is −mean(teacher − student) over the student's tokens."""
+    teachers = [{"name": "t", "path": str(tool_world / "teacher"), "view": ANSWER_VIEW}]
+    config = _view_config(tool_world, tmp_path, teachers, "objective.top_k=0")
+    tr, batch, scores, metrics = _scripted(config, calculator_then_answer)
+    models = _models64(tool_world, "teacher", "student")
+    tokenizer, tools = make_tool_tokenizer(), load_environment("calculator").start({}).tools
+    views, rewards, blind = tr.models.teachers[0].prompt_ids, [], []
+    assert views is not None and scores.teacher is not None
+    for b in range(batch.rollouts.batch_size):
+        index = batch.indices[int(batch.rollouts.group_ids[b])]
+        prompt, own = tr.data.prompts[index], tr.data.prompt_ids[index]
+        messages = [dict(m) for m in prompt.messages]
+        messages[-1]["content"] += f"\n\n{prompt.answer}"
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        view = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert views[index] == view
+        # only the prompt differs: the student's ids with the context's inserted inside the user turn
+        k = next(i for i, (x, y) in enumerate(zip(own, view)) if x != y)
+        tail = len(own) - k
+        assert view[-tail:] == own[k:] and tokenizer.decode(view[k:-tail]) == f"\n\n{prompt.answer}"
+        episode, student_BT = _episode(batch, b)
+        assert batch.rollouts.input_ids[b, : len(own) + len(episode)].tolist() == own + episode
+        t = _forward64(models["teacher"], view + episode, len(view))
+        got = scores.teacher.sampled_logprobs[b, : len(episode)].double()
+        assert torch.allclose(got[student_BT], t[student_BT], rtol=0, atol=1e-5)
+        s = _forward64(models["student"], own + episode, len(own))
+        rewards += (t - s)[student_BT].tolist()
+        blind += (_forward64(models["teacher"], own + episode, len(own)) - s)[student_BT].tolist()
+    assert metrics["pg_loss"] == pytest.approx(-sum(rewards) / len(rewards), rel=1e-4, abs=1e-5)
+    assert abs(sum(blind) / len(blind) - sum(rewards) / len(rewards)) > 1e-3  # the context moved the rewards
+
+
+def _assert_scored_under_views(tr, batch, scores, models: list, contexts: list[str]) -> set[int]:
+    """Every row's teacher scores at the student's tokens are those of a float64 forward of its teacher's model
+    (`models[owner]`) over that teacher's view (the student's prompt with `contexts[owner]` and the prompt's answer
+    inside the user turn) then the episode (float32 against float64 on a tiny model: 1e-5). → the owners seen."""
+    tokenizer, owners = make_tool_tokenizer(), set()
+    assert scores.teacher is not None
+    for b in range(batch.rollouts.batch_size):
+        index = batch.indices[int(batch.rollouts.group_ids[b])]
+        owner, prompt = tr.data.prompt_teacher[index], tr.data.prompts[index]
+        routed = tr.models.teachers[owner]
+        assert routed.prompt_ids is not None
+        view, own = routed.prompt_ids[index], tr.data.prompt_ids[index]
+        context = contexts[owner].format(context=prompt.answer)
+        assert tokenizer.decode(view) == tokenizer.decode(own).replace("?<|im_end|>", f"?{context}<|im_end|>")
+        episode, student_BT = _episode(batch, b)
+        t = _forward64(models[owner], view + episode, len(view))
+        got = scores.teacher.sampled_logprobs[b, : len(episode)].double()
+        assert torch.allclose(got[student_BT], t[student_BT], rtol=0, atol=1e-5), routed.name
+        owners.add(owner)
+    return owners
+
+
+def test_routed_teachers_and_the_live_student_score_episodes_under_their_own_views(tool_world, tmp_path):
+    """Two routed teachers with views, one of them the live student (OPSD: `path: student` with a view): each row
+    is scored by its prompt's teacher over that teacher's view, with the tools, then the episode."""
+    teachers = [
+        {"name": "odd", "path": str(tool_world / "teacher"), "route": {"route_key": "kind", "values": ["b"]}},
+        {"name": "self", "path": "student", "route": {"default": True}},
+    ]
+    contexts = ["\n\n{context}", " (the answer is {context})"]
+    for entry, template in zip(teachers, contexts):
+        entry["view"] = {"context_key": "answer", "context_template": template}
+    config = _view_config(tool_world, tmp_path, teachers, "objective.top_k=0", "prompts_per_step=4")
+    tr, batch, scores, metrics = _scripted(config, calculator_then_answer)
+    models = _models64(tool_world, "teacher", "student")  # the live student scores before its update
+    owners = _assert_scored_under_views(tr, batch, scores, [models["teacher"], models["student"]], contexts)
+    assert owners == {0, 1} and metrics["episode/turns_mean"] == 2
+    for name in ("odd", "self"):
+        assert any(key.startswith(f"teacher/{name}/") for key in metrics), sorted(metrics)
+
+
+def test_a_full_vocabulary_teacher_reads_its_view_of_the_episode(tool_world, tmp_path):
+    """objective.loss=full_reverse_kl: the teacher answers with hidden states (`score_full_teacher`), taken over its
+    view then the episode as any teacher's scores are."""
+    teachers = [{"name": "t", "path": str(tool_world / "teacher"), "view": ANSWER_VIEW}]
+    config = _view_config(tool_world, tmp_path, teachers, "objective.loss=full_reverse_kl", "objective.top_k=0")
+    tr, batch, scores, metrics = _scripted(config, calculator_then_answer)
+    assert scores.teacher_hidden_BTE is not None and torch.isfinite(torch.tensor(metrics["full_reverse_kl_loss"]))
+    models = _models64(tool_world, "teacher")
+    assert _assert_scored_under_views(tr, batch, scores, [models["teacher"]], ["\n\n{context}"]) == {0}
+
+
 # ----------------------------------------------------------------------------------------- the command line
 
 
@@ -247,6 +405,30 @@ def test_distill_with_the_calculator_writes_episode_metrics_and_resumes_exactly(
     assert all(m["episode/tool_calls_mean"] > 0 and m["episode/turns_mean"] > 1 for m in mb), mb
     assert all(m["episode/env_tokens_mean"] > 0 for m in mb)
     assert yaml.safe_load((resumed / "config.yaml").read_text())["rollout"]["tools"] == "calculator"
+
+
+def test_distill_with_a_teacher_view_and_the_calculator_resumes_exactly(capsys, tool_world, tmp_path):
+    """`opd distill` with rollout.tools=calculator and a teacher with a view, from the command line: 2 steps as 1
+    step resumed to 2, bit for bit as a straight run of 2; the view's context moves the step's rewards."""
+    teachers = [{"name": "t", "path": str(tool_world / "teacher"), "view": ANSWER_VIEW}]
+    one = dump(_view_config(tool_world, tmp_path / "a", teachers, student="tool_user", steps=1), tmp_path / "one.yaml")
+    code, out, err = cli(capsys, "distill", "--config", one)
+    assert code == 0, err
+    assert "rollout.tools: episodes of up to 4 turns" in out
+    code, out, err = cli(capsys, "distill", "--config", one, "--resume", "run.steps=2")
+    assert code == 0 and "resumed from" in out, err
+    straight = distill(_view_config(tool_world, tmp_path / "b", teachers, student="tool_user", steps=2))
+    resumed = tmp_path / "a" / "run"
+    assert_same_weights(straight / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
+    ma, mb = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
+    assert [m["step"] for m in mb] == [1, 2] and [_same(m) for m in ma] == [_same(m) for m in mb]
+    assert all(m["episode/tool_calls_mean"] > 0 and m["episode/env_tokens_mean"] > 0 for m in mb), mb
+    blind = distill(
+        _view_config(tool_world, tmp_path / "c", [{**teachers[0], "view": None}], student="tool_user", steps=1)
+    )
+    first = read_jsonl(blind / "metrics.jsonl")[0]
+    assert first["episode/student_tokens_mean"] == mb[0]["episode/student_tokens_mean"]  # the same episodes
+    assert first["reward_mean"] != mb[0]["reward_mean"]  # scored under another prompt
 
 
 # ---------------------------------------------------------------------------- kill -9 with episodes in flight
@@ -474,14 +656,17 @@ def test_bad_tool_settings_are_one_line_errors(capsys, tool_world, tmp_path, ove
     assert not (tmp_path / "run").exists()
 
 
-def test_a_teacher_with_a_view_is_refused_with_tools(capsys, tool_world, tmp_path):
+def test_a_teacher_with_a_view_runs_with_tools_and_a_cross_one_stays_refused(capsys, tool_world, tmp_path):
     config = _config(tool_world, tmp_path, "rollout.tools=null").model_dump(mode="json")
-    config["teacher"] = None
+    config["teacher"], config["rollout"]["tools"] = None, "calculator"
     config["teachers"] = [{"name": "t", "path": str(tool_world / "teacher"), "view": {"context_key": "answer"}}]
+    assert DistillConfig.model_validate(config).teacher_entries()[0].view is not None
+    config["teachers"][0]["tokenizer"] = "cross"  # a cross teacher with a view: its own refusal, unchanged
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
-    line = one_line(*cli(capsys, "distill", "--config", path, "rollout.tools=calculator")[::2])
-    assert "teacher t has a view" in line
+    line = one_line(*cli(capsys, "distill", "--config", path)[::2])
+    assert "rollout.tools: teacher t has tokenizer=cross; a cross-vocabulary teacher does not score episodes" in line
+    assert not (tmp_path / "run").exists()
 
 
 def test_python_is_refused_before_any_model_loads_where_the_sandbox_does_not_hold(

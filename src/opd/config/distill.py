@@ -235,11 +235,6 @@ class DistillConfig(Section):
                 f"(rollout.max_episode_tokens, else max_new_tokens): lower it"
             )
         for entry in self.teacher_entries():
-            if entry.view is not None:
-                raise ValueError(
-                    f"rollout.tools: teacher {entry.name} has a view, which re-renders the prompt without the "
-                    f"episode's tools; views do not run with episodes yet: remove its view or rollout.tools"
-                )
             if entry.tokenizer == "cross":
                 raise ValueError(
                     f"rollout.tools: teacher {entry.name} has tokenizer=cross; a cross-vocabulary teacher does not "

@@ -313,7 +313,7 @@ def setup(
     prompt_teacher = route_teachers(config, data, console)  # before any model loads: an unrouted prompt fails now
     if prompt_teacher:
         check_routing_table_path(run_dir)  # and a teachers.json it could not write, before config.yaml is
-    views = teacher_views(config, data, prompt_teacher, student_tokenizer)
+    views = teacher_views(config, data, prompt_teacher, student_tokenizer, environment)  # with its tools
     views = cross_teacher_views(config, data.prompts, prompt_teacher, modes, views)  # their own renderings
     if checkpoint is not None:  # the data a checkpoint trained on, before any model loads (its tensors stay on disk)
         _check_resume_identity(

@@ -41,7 +41,7 @@ from opd.rollout.batch import build_rollouts
 from opd.seeds import derive_seed
 from opd.tools.calls import ParsedTurn, observation_ids, parse_tool_calls, prompt_ids, tool_messages
 from opd.tools.environments import CallStats, Environment, Episode, answer_calls
-from opd.types import Rollouts
+from opd.types import Prompt, Rollouts
 
 
 @dataclass
@@ -97,6 +97,11 @@ class EpisodeOutput:
             "episode/repeated_prefill_tokens": float(self.repeated_prefill_tokens),
             "episode/wasted_prefill_tokens": float(self.wasted_prefill_tokens),
         }
+
+
+def episode_row(prompt: Prompt) -> dict[str, Any]:
+    """The row an episode starts from: the prompt's columns (`meta`), its id, source and answer."""
+    return {**prompt.meta, "id": prompt.id, "source": prompt.source, "answer": prompt.answer}
 
 
 def start_prompt_ids(

@@ -12,7 +12,9 @@ from typing import Any
 from opd.config import STUDENT, DistillConfig
 from opd.data.templates import EncodedPrompts, encode_prompts
 from opd.io import atomic_path, atomic_write_json
+from opd.rollout.episodes import episode_row, start_prompt_ids
 from opd.teacher.registry import resolve_scorer, route_prompts, route_value, view_prompts
+from opd.tools.environments import Environment
 from opd.types import Prompt
 
 __all__ = [
@@ -141,16 +143,34 @@ def write_routing_table(run_dir: Path, table: dict | None, *, step: int | None =
 
 
 def teacher_views(
-    config: DistillConfig, data: EncodedPrompts, routes: list[int], tokenizer: Any
+    config: DistillConfig,
+    data: EncodedPrompts,
+    routes: list[int],
+    tokenizer: Any,
+    environment: Environment | None = None,
 ) -> list[list[list[int]] | None]:
     """Per teacher: with a `view`, every prompt's token ids as that teacher sees it (its context appended to the
-    prompts routed to it, rendered like the student's); None without one (it scores the student's prompt ids)."""
+    prompts routed to it, rendered like the student's); None without one (it scores the student's prompt ids).
+    With rollout.tools (`environment`) a routed prompt is rendered as its episode starts, with the tools the episode
+    is offered (`start_prompt_ids`, as the student's prompt is), and the others keep the student's ids
+    (`data.input_ids`); the teacher reads the episode's tokens after its own prompt (`opd.train.teachers`)."""
     out: list[list[list[int]] | None] = []
     for index, entry in enumerate(config.teacher_entries()):
         if entry.view is None:
             out.append(None)
             continue
-        prompts = view_prompts(data.prompts, entry, [r == index for r in routes])
+        mine = [r == index for r in routes]
+        prompts = view_prompts(data.prompts, entry, mine)
+        if environment is not None:
+            thinking = config.data.enable_thinking
+            template = {} if thinking is None else {"enable_thinking": thinking}
+            ids = iter(
+                start_prompt_ids(
+                    tokenizer, environment, ((p.messages, episode_row(p)) for p, m in zip(prompts, mine) if m), template
+                )
+            )
+            out.append([next(ids) if m else list(own) for m, own in zip(mine, data.input_ids)])
+            continue
         encoded = encode_prompts(
             tokenizer,
             prompts,

@@ -6,6 +6,8 @@ included; their `response_mask` is True on the student's tokens only. Every scor
 reference's) therefore reads the whole episode as context and scores the student's tokens, and rewards, advantages,
 the loss and the length statistics, which all read the mask, leave the environment's tokens out. GRPO's outcome
 reward grades the final turn (`EpisodeOutput.final_turns`): the student's text after the environment's last answer.
+A teacher with a view reads its own rendering of the prompt, with the same tools offered
+(`opd.teacher.routing.teacher_views`), then the episode's tokens unchanged.
 
 Where the environment comes from: `tool_environment` of the tool eval (`opd.eval.tools`), which probes the python
 tool's sandbox before any model loads; its messages name `tools` and `--sandbox`, the eval's keys, and are given here
@@ -19,8 +21,8 @@ engine awake over the turns).
 With rollout.overlap the next step's episodes run in the background (`step_episodes`, or the stream's build).
 
 Not here: the torch and static engines' cache continuation across turns (each turn prefills the whole conversation
-again; the step logs `episode/repeated_prefill_tokens`), episodes with rollout.partial_early_stop, teachers with a
-view or another vocabulary (refused by `DistillConfig`).
+again; the step logs `episode/repeated_prefill_tokens`), episodes with rollout.partial_early_stop, teachers of
+another vocabulary (refused by `DistillConfig` and at startup).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from opd.rollout.episodes import (
     answer_turns,
     end_turn,
     episode_rollouts,
+    episode_row,
     run_episodes,
     start_prompt_ids,
 )
@@ -91,11 +94,6 @@ def rollout_environment(config: DistillConfig, tokenizer: Any, console: Any = No
             f"[yellow]rollout.sandbox=rlimits-only: the model's code runs with resource limits only, {who}[/]"
         )
     return environment
-
-
-def episode_row(prompt: Prompt) -> dict[str, Any]:
-    """The row an episode starts from: the prompt's columns (`meta`), its id, source and answer."""
-    return {**prompt.meta, "id": prompt.id, "source": prompt.source, "answer": prompt.answer}
 
 
 def _template(config: DistillConfig) -> dict[str, Any]:

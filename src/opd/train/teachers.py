@@ -156,8 +156,9 @@ def _rows_of(scores: TokenScores, rows_R: torch.Tensor) -> TokenScores:
 
 def _with_prompts(rollouts: Rollouts, prompt_ids: list[list[int]], tokenizer: Any) -> Rollouts:
     """`rollouts` with row b's prompt replaced by `prompt_ids[b]`: the response ids and mask unchanged, the scores
-    taken at the new prompt lengths (`Rollouts.response_positions`)."""
-    lengths = rollouts.response_mask.sum(-1).tolist()
+    taken at the new prompt lengths (`Rollouts.response_positions`). A row's response is all its tokens after the
+    prompt, an episode's environment tokens among them (outside `response_mask`, inside `attention_mask`)."""
+    lengths = (rollouts.attention_mask.sum(-1) - rollouts.prompt_lengths).tolist()
     width = max((len(p) + r for p, r in zip(prompt_ids, lengths)), default=0)
     device = rollouts.input_ids.device
     input_ids_BL = torch.full((rollouts.batch_size, width), tokenizer.pad_token_id, dtype=torch.long, device=device)
@@ -259,6 +260,11 @@ def score_full_teacher(
     and the answer's metrics: (scores, hidden [B, T, E], {teacher/bytes_per_token, teacher/head_bytes})."""
     (routed,) = tr.models.teachers
     rollouts = batch.rollouts
+    if routed.prompt_ids is not None and routed.cross is None:  # its view, as `_start_routed` reads it
+        views = routed.prompt_ids
+        rollouts = _with_prompts(
+            rollouts, [views[batch.indices[g]] for g in rollouts.group_ids.tolist()], tr.models.tokenizer
+        )
     scorer = hidden_scorer(routed, device)
     placed = on_device(routed.teacher.module, device if routed.entry.offload else None)
     with placed:

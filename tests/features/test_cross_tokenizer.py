@@ -54,6 +54,42 @@ def test_auto_runs_a_teacher_of_another_vocabulary_through_the_cross_path(cross_
     assert sum(shares) == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("teacher_temperature", [1.0, 0.7])
+def test_a_cross_teacher_scores_at_the_objectives_teacher_temperature(tmp_path, capsys, teacher_temperature):
+    """The lab student's own weights as the teacher, once through the same-vocabulary path and once forced through
+    the cross path (`tokenizer: cross`, the student's tokenizer twice): the first step's rewards are equal. At
+    τ_T = 1 they are 0 (the teacher is the student); at 0.7 the teacher's logits are divided by τ_T on both paths."""
+    from opd import lab
+
+    runs = {}
+    for mode in ("same", "cross"):
+        code, _, err = cli(
+            capsys,
+            "distill",
+            f"student.path={lab.student_path()}",
+            f"teacher.path={lab.student_path()}",
+            f"teacher.tokenizer={mode}",
+            f"data.path={lab.opd_prompts_path()}",
+            "data.max_prompt_length=64",
+            "prompts_per_step=2",
+            "rollout.n=2",
+            "rollout.max_new_tokens=16",
+            "objective.top_k=0",
+            f"objective.teacher_temperature={teacher_temperature}",
+            f"run.out_dir={tmp_path / mode}",
+            "run.name=run",
+            "run.steps=1",
+            "run.report=false",
+        )
+        assert code == 0, err
+        runs[mode] = json.loads((tmp_path / mode / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    same, cross = runs["same"], runs["cross"]
+    assert cross["xtok/exact_frac"] == 1.0 and "xtok/exact_frac" not in same  # every token one-to-one
+    assert cross["reward_abs_mean"] == pytest.approx(same["reward_abs_mean"], abs=1e-6)
+    assert cross["reward_mean"] == pytest.approx(same["reward_mean"], abs=1e-6)
+    assert (same["reward_abs_mean"] > 0.01) == (teacher_temperature != 1.0)
+
+
 def test_tokenizer_same_refuses_another_vocabulary_in_one_line(cross_world, tmp_path, capsys):
     code, _, err = cli(capsys, *_args(cross_world, tmp_path, "bpe", "teacher.tokenizer=same"))
     assert "tokenizers differ" in one_line(code, err) or "missing from the teacher" in err
@@ -169,16 +205,17 @@ def test_a_teachers_list_mixes_a_cross_and_a_same_vocabulary_teacher(cross_world
 TEXTS = ["Compute 12 + 35 = 47.", "the answer is \\boxed{47}", "Café: naïve 数学", "x * x  # square"]
 
 
-def _prefix_reference(cross, model, prompt, student_ids, teacher_ids):
+def _prefix_reference(cross, model, prompt, student_ids, teacher_ids, tau=1.0):
     """Per student token of one row (its text tokens, then its EOS), the teacher's log-prob `prefix` credits it, in
     float64 from the teacher's whole distribution at every position: cuts where both byte offsets agree; within a
     span, L_i = the span's teacher tokens before the one covering token i's end plus log Σ over the teacher tokens
-    that begin with that token's bytes up to that end; L_i − L_prev (the span's sum on its last token)."""
+    that begin with that token's bytes up to that end; L_i − L_prev (the span's sum on its last token). `tau`: the
+    teacher's temperature, dividing its logits."""
     import torch
 
     with torch.no_grad():
         logits = model(torch.tensor([prompt + teacher_ids])).logits[0, len(prompt) - 1 : -1]
-    lp = logits.double().log_softmax(-1)
+    lp = (logits.double() / tau).log_softmax(-1)
     table = cross.teacher.table
     t_bytes = [table[i] for i in teacher_ids[:-1]]
     t_end = [sum(len(b) for b in t_bytes[: j + 1]) for j in range(len(t_bytes))]
@@ -203,12 +240,14 @@ def _prefix_reference(cross, model, prompt, student_ids, teacher_ids):
     return out
 
 
+@pytest.mark.parametrize("tau", [1.0, 0.7])
 @pytest.mark.parametrize("kinds", [("characters", "byte_bpe"), ("byte_bpe", "sentencepiece")])
-def test_prefix_credit_matches_the_teachers_whole_distribution_in_float64(kinds):
+def test_prefix_credit_matches_the_teachers_whole_distribution_in_float64(kinds, tau):
     """A student and a teacher of other tokenizers (characters under byte-level BPE: every word a span of several
     student tokens; byte-level BPE under SentencePiece: both ways): through `start_cross_scoring`, each student
     token's teacher log-prob under `span_credit: prefix` equals the dense float64 reference from the teacher's full
-    distribution, and the spans still sum to the teacher's log-prob of the whole text."""
+    distribution, and the spans still sum to the teacher's log-prob of the whole text; at τ_T = 0.7 too (the
+    teacher's logits divided by it, in the span log-probs and the prefix masses alike)."""
     import torch
 
     from helpers_cross_vocab import KINDS, chat_prompt, text_rollouts
@@ -222,14 +261,14 @@ def test_prefix_credit_matches_the_teachers_whole_distribution_in_float64(kinds)
     prompts = [chat_prompt(teacher_tok, i) for i in range(len(TEXTS))]
     student = LocalScorer(student_model).score(rollouts, top_k=0)
     cross = build_cross_vocab(student_tok, teacher_tok, student_eos_ids=[student_tok.eos_token_id], credit="prefix")
-    call = start_cross_scoring(cross, LocalScorer(model), rollouts, student, prompts, top_k=0, temperature=1.0)
+    call = start_cross_scoring(cross, LocalScorer(model), rollouts, student, prompts, top_k=0, temperature=tau)
     got = call.result().sampled_logprobs
     interior = 0
     for b in range(len(TEXTS)):
         n = int(rollouts.response_mask[b].sum())
         m = int(call.aligned.teacher_mask_BN[b].sum())
         teacher_ids = call.aligned.teacher_ids_BN[b, :m].tolist()
-        want = _prefix_reference(cross, model, prompts[b], rollouts.response_ids[b, :n].tolist(), teacher_ids)
+        want = _prefix_reference(cross, model, prompts[b], rollouts.response_ids[b, :n].tolist(), teacher_ids, tau)
         assert torch.allclose(got[b, :n].double(), torch.tensor(want, dtype=torch.float64), atol=2e-5, rtol=0), (
             b,
             got[b, :n],

@@ -13,24 +13,26 @@ K = 4
 TEXTS = ["x = 3; so 2x + 1 = 7.", "Café: 数学 🙂", "the answer is \\boxed{47}", "ok"]
 
 
+@pytest.mark.parametrize("teacher_temperature", [1.0, 0.7])
 @pytest.mark.parametrize("top_k", [0, K])
-def test_the_cross_path_with_one_tokenizer_twice_equals_the_same_vocabulary_path(top_k):
+def test_the_cross_path_with_one_tokenizer_twice_equals_the_same_vocabulary_path(top_k, teacher_temperature):
+    """τ_T (objective.teacher_temperature) scales the cross teacher's logits as it does the same-vocabulary one's."""
     tokenizer = make_tiny_tokenizer()
     student_model, teacher_model = make_tiny_model(seed=0), make_tiny_model(seed=1)
     rollouts, prompts = text_rollouts(tokenizer, TEXTS, EOS_ID, truncate_last=True)
     student = LocalScorer(student_model).score(rollouts, top_k=K)
     teacher_scorer = LocalScorer(teacher_model)
-    same = teacher_scorer.score(rollouts, top_k=K, requested_ids=student.topk_ids)
+    same = teacher_scorer.score(rollouts, top_k=K, requested_ids=student.topk_ids, temperature=teacher_temperature)
     cross = build_cross_vocab(tokenizer, tokenizer, student_eos_ids=[EOS_ID, tokenizer.pad_token_id])
     crossed = start_cross_scoring(
-        cross, teacher_scorer, rollouts, student, prompts, top_k=top_k, temperature=1.0
+        cross, teacher_scorer, rollouts, student, prompts, top_k=top_k, temperature=teacher_temperature
     ).result()
     mask_BT = rollouts.response_mask
     assert torch.allclose(crossed.sampled_logprobs[mask_BT], same.sampled_logprobs[mask_BT], atol=1e-6, rtol=0)
     assert torch.allclose(crossed.requested_logprobs[mask_BT], same.requested_logprobs[mask_BT], atol=1e-6, rtol=0)
     metrics = cross_metrics([cross])
     assert metrics["xtok/exact_frac"] == 1.0 and metrics["xtok/unmapped_frac"] == 0.0
-    objective = ObjectiveSpec(top_k=top_k)
+    objective = ObjectiveSpec(top_k=top_k, teacher_temperature=teacher_temperature)
     a = build_targets(student, same, rollouts, objective)
     b = build_targets(student, crossed, rollouts, objective)
     J = a.candidate_ids.shape[-1]

@@ -10,7 +10,7 @@ from helpers_static_engine import PROMPTS, TAIL_CAPS, TAIL_PROMPTS, engines, eos
 from opd.rollout import SamplingParams, memory, static_engine
 from opd.rollout.static_engine import StaticGenerator, _round_rows
 from opd.rollout.torch_engine import TorchGenerator
-from opd.train.step import compiled_graphs
+from opd.train.step import compiled_graphs, engine_warm_up_rows
 
 # ------------------------------------------------------------------------------------------------ rounded rows
 
@@ -352,6 +352,42 @@ def test_decode_rows_are_the_calls_rows_and_their_buckets():
     assert static.decode_rows([40]) == [48]
     static.round_rows = False
     assert static.decode_rows([40, 200]) == [64, 40]
+
+
+@pytest.mark.parametrize("samples", [9, 64])
+def test_an_episodes_later_turns_run_only_at_warmed_up_row_counts(samples):
+    """rollout.tools: an episode's later turn continues, in the engine's session, only the episodes that called a
+    tool, so its call has any sample count from 1 to the step's. Configured as the distill step's engine (its
+    max_batch_size rollout.batch_size, live-row buckets, rows rounded as where the step compiles), every such call
+    runs, its live-row buckets included, at row counts the warm-up compiles for the step
+    (`engine_warm_up_rows`, what `decode_warm_up_rows` returns for a step without rollout.partial): it rounds up to
+    the buckets of the session's first call. Before, 2 samples ran on 2 rows and 40 on 48, never warmed up (on an
+    H100 step 1 recompiled the decode step)."""
+    static = StaticGenerator(
+        make_tiny_model("qwen3"), eos_token_ids=[EOS_ID], pad_token_id=PAD_ID, max_batch_size=256, round_rows=True
+    )
+    prompts = [[1 + i % 5, 2, 3 + i % 3, 4 + i % 7] for i in range(samples)]
+    new_tokens = 3
+    warm = set(
+        engine_warm_up_rows(
+            static,
+            samples,
+            stream=False,
+            prompt_lengths=[len(p) for p in prompts],
+            new_tokens=new_tokens,
+            least_new_tokens=new_tokens,
+        )
+    )
+    params = SamplingParams(n=1, max_new_tokens=new_tokens, seed=5)
+    session = static.session()
+    static.generate(prompts, params, session=session, keys=list(range(samples)))  # the first turn: every episode
+    met = {}
+    for k in range(1, samples + 1):  # a later turn: the first k episodes called a tool
+        static.generate(prompts[:k], params, session=session, keys=list(range(k)))
+        met[k] = {static.stats["rows"], *static.stats["bucket_steps"]}
+    assert all(rows <= warm for rows in met.values()), {k: rows - warm for k, rows in met.items() if rows - warm}
+    assert met[1] == {4}  # a call of 1 sample runs on the smallest bucket
+    session.close()
 
 
 @pytest.mark.parametrize("warm", [True, False])

@@ -389,10 +389,17 @@ class StaticGenerator(memory.ModuleMemory):
         if not self._rounds_rows():
             return min(self.max_batch_size, max(1, samples))
         rows = _round_rows(samples, self.max_batch_size)
-        if session:
-            most = _round_rows(max(session, samples), self.max_batch_size)
-            return min(b for b in (_row_buckets(most) if self.row_buckets else (most,)) if b >= rows)
+        if ladder := self._session_ladder(samples, session):
+            return min(b for b in ladder if b >= rows)
         return rows
+
+    def _session_ladder(self, samples: int, session: int) -> tuple[int, ...]:
+        """The row counts a session's call runs at where calls round (`_asked_rows`): the live-row buckets of its
+        largest call's rows (the rows alone without row_buckets); () outside a session or where calls do not round."""
+        if not session or not self._rounds_rows():
+            return ()
+        most = _round_rows(max(session, samples), self.max_batch_size)
+        return _row_buckets(most) if self.row_buckets else (most,)
 
     def _token_capped_rows(self, rows: int, slots: int) -> int:
         """`rows` under max_batch_tokens for rows of `slots` KV slots: where it binds, the rows it holds (rounded down
@@ -511,9 +518,13 @@ class StaticGenerator(memory.ModuleMemory):
         memory free now less reserve_bytes (a session's: the caches its samples will hold when the call ends).
         Memory-limited counts of 16 or more are rounded down to a multiple of 8 (`_settle_limit`; with `round_rows`
         on, a binding max_batch_tokens cap too), so that calls whose free memory differs a little run (and compile)
-        the same shape. slots: KV slots per row (default prompt_tokens + new_tokens)."""
+        the same shape; a session's capped call rounds further down, to a count of its ladder of at most the cap
+        (`_session_ladder`: the warm-up compiled them; its held caches take memory the warm-up's prediction of the
+        capped counts, `capped_rows`, does not know of, and a continued context is longer than a prompt and its
+        response). slots: KV slots per row (default prompt_tokens + new_tokens)."""
         slots = prompt_tokens + new_tokens if slots is None else slots
-        rows = self._token_capped_rows(self._asked_rows(samples, session), slots)
+        asked = self._asked_rows(samples, session)
+        rows = self._token_capped_rows(asked, slots)
         free = self._memory()
         if free is not None and reserve_bytes:
             free = (free[0] - reserve_bytes, free[1])
@@ -530,6 +541,8 @@ class StaticGenerator(memory.ModuleMemory):
                     where=f" on {self.device}",
                 )
             rows = _settle_limit(fit)
+        if rows < asked:
+            rows = max((b for b in self._session_ladder(samples, session) if b <= rows), default=rows)
         return rows
 
     # ------------------------------------------------------------------ generation

@@ -15,7 +15,7 @@ from helpers import compile_decode_on_cpu, distill_config, string_console
 from opd.io import read_jsonl
 from opd.models import compile_layers
 from opd.recipes.distill import setup, train
-from opd.rollout import memory
+from opd.rollout import SamplingParams, memory
 from opd.rollout.static_engine import StaticGenerator
 from opd.train.optim import adamw_state_bytes
 from opd.train.step import CompileLog, Trainer, compiled_graphs, decode_warm_up_rows, describe_compiles, warm_up
@@ -223,6 +223,35 @@ def test_a_decode_step_capped_by_a_token_budget_compiles_only_in_the_warm_up(wor
     after, graphs = _graphs_after_warm_up_and_per_step(tr, tmp_path)
     assert graphs == [after] * 4, (after, graphs)
     assert engine.stats["rows"] < (32 if partial else 16)  # the calls ran capped
+
+
+def test_an_episodes_later_turns_meet_only_the_warmed_up_row_counts(world, tmp_path, monkeypatch):
+    """rollout.tools: a step's episodes run in one session of the engine, and a later turn continues only the
+    episodes that called a tool, any count from 1 to the step's samples. Every such call runs (its live-row buckets
+    included) at row counts of `decode_warm_up_rows` for the run, so none compiles after the warm-up. Before, a turn
+    of 1 or 2 episodes ran on 1 or 2 rows, which the warm-up never compiled (an H100's step 1 recompiled the decode
+    step)."""
+    compile_decode_on_cpu(monkeypatch)
+    torch._dynamo.reset()
+    tr = _trainer(world, tmp_path, "rollout.engine=static", "rollout.tools=calculator", "rollout.max_new_tokens=4")
+    engine = tr.engines.generator
+    assert isinstance(engine, StaticGenerator) and engine.row_buckets and engine.round_rows is None
+    warm = set(decode_warm_up_rows(tr))
+    samples = tr.config.prompts_per_step * tr.config.rollout.n
+    assert warm == {16, 8, 4}, warm  # 9 samples: 16 rows and its buckets
+    prompts = [tr.data.prompt_ids[i % len(tr.data.prompt_ids)] for i in range(samples)]
+    params = SamplingParams(n=1, max_new_tokens=4, seed=3)
+    engine.warm_up_decode(prompts[0], params, sorted(warm, reverse=True))
+    before = compiled_graphs()
+    session = engine.session()
+    engine.generate(prompts, params, session=session, keys=list(range(samples)))  # the first turn
+    met = {}
+    for k in range(1, samples + 1):
+        engine.generate(prompts[:k], params, session=session, keys=list(range(k)))
+        met[k] = {engine.stats["rows"], *engine.stats["bucket_steps"]}
+    session.close()
+    assert all(rows <= warm for rows in met.values()), {k: rows - warm for k, rows in met.items() if rows - warm}
+    assert compiled_graphs() == before  # nothing compiled after the warm-up
 
 
 # the GPU's layout (opd_varlen) with the static engine's prefills through the compiled layers

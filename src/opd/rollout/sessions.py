@@ -42,10 +42,13 @@ class Held:
 class HeldKV:
     """The held caches of a session, by key. `take` removes a sequence's cache as a call starts on it (its keys and
     values move into the call's own cache, so they are not held twice), `put` holds it again when the call ends,
-    `end` frees it for good."""
+    `end` frees it for good. `most_samples`: the most samples a call of the session has run (its first call, an
+    episode's first turn: every episode); a static engine's later calls round their rows up to the live-row buckets of
+    that call's rows (`StaticGenerator.plan_rows`), counts the warm-up compiled."""
 
     def __init__(self) -> None:
         self._held: dict[Hashable, Held] = {}
+        self.most_samples = 0
 
     def __len__(self) -> int:
         return len(self._held)

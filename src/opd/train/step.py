@@ -540,7 +540,9 @@ def decode_warm_up_rows(tr: Trainer) -> list[int]:
     exact sample counts, `round_rows=False`, only the largest: each count would be a compile); and the counts the
     memory can cap those calls to (`StaticGenerator.capped_rows`), with the optimizer state that is not allocated
     before the first step reserved (without it the first full-length call met a count the warm-up had not compiled:
-    docs/performance.md). Empty where the step does not compile (another engine, CPU, `compile=False`) and with
+    docs/performance.md). With rollout.tools an episode's later turns, calls of fewer samples, run at these counts
+    too: a session's calls round to the live-row buckets of its first call's rows (`StaticGenerator._asked_rows`).
+    Empty where the step does not compile (another engine, CPU, `compile=False`) and with
     rollout.overlap, whose calls run another engine over a snapshot of the weights, uncompiled
     (`opd.train.overlap.overlap_generator`)."""
     engine = tr.engines.generator

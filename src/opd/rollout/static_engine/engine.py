@@ -373,12 +373,33 @@ class StaticGenerator(memory.ModuleMemory):
         """Whether the decode step runs compiled: on CUDA unless compile=False."""
         return on_cuda and self.compile is not False
 
-    def _asked_rows(self, samples: int) -> int:
+    def _asked_rows(self, samples: int, session: int = 0) -> int:
         """The rows a call of `samples` samples asks for before any cap: max_batch_size, or fewer for fewer samples
-        (rounded up to the ladder of `_round_rows` when calls round)."""
-        if self._rounds_rows():
-            return _round_rows(samples, self.max_batch_size)
-        return min(self.max_batch_size, max(1, samples))
+        (rounded up to the ladder of `_round_rows` when calls round). session: the most samples a call of the
+        session this call runs in has run, this one included (0: no session). Where calls round, a session's call
+        rounds further, up to the smallest live-row bucket of those samples' rows (`_row_buckets`; the rows
+        themselves without row_buckets): counts the warm-up compiles for the step's call (`decode_rows`).
+
+        Why: an episode's later turn continues only the episodes that called a tool, so its samples are any count up
+        to the first turn's, and `_round_rows` alone gave 1, 2, 48, 80, ... rows that each compiled in a step (issue
+        54). Of the two cures this is the cheaper one: it adds empty rows (fewer than the samples from 4 samples on;
+        decode at these counts is bound by reading the weights, and the first turn held the most rows), where
+        warming every count of the ladder, as the partial stream does, would compile about twice the counts in
+        every process (docs/design.md, the static engine's determinism contract)."""
+        if not self._rounds_rows():
+            return min(self.max_batch_size, max(1, samples))
+        rows = _round_rows(samples, self.max_batch_size)
+        if ladder := self._session_ladder(samples, session):
+            return min(b for b in ladder if b >= rows)
+        return rows
+
+    def _session_ladder(self, samples: int, session: int) -> tuple[int, ...]:
+        """The row counts a session's call runs at where calls round (`_asked_rows`): the live-row buckets of its
+        largest call's rows (the rows alone without row_buckets); () outside a session or where calls do not round."""
+        if not session or not self._rounds_rows():
+            return ()
+        most = _round_rows(max(session, samples), self.max_batch_size)
+        return _row_buckets(most) if self.row_buckets else (most,)
 
     def _token_capped_rows(self, rows: int, slots: int) -> int:
         """`rows` under max_batch_tokens for rows of `slots` KV slots: where it binds, the rows it holds (rounded down
@@ -489,15 +510,21 @@ class StaticGenerator(memory.ModuleMemory):
         dtype: torch.dtype | None = None,
         slots: int | None = None,
         reserve_bytes: int = 0,
+        session: int = 0,
     ) -> int:
         """Rows of a call with `samples` samples: max_batch_size, capped by the samples (rounded up to the ladder of
-        `_round_rows` when `round_rows` is on), by max_batch_tokens and by `opd.rollout.memory.rows_that_fit` on the
+        `_round_rows` when `round_rows` is on; a session's call, up to the live-row buckets of its largest, `session`
+        samples: `_asked_rows`), by max_batch_tokens and by `opd.rollout.memory.rows_that_fit` on the
         memory free now less reserve_bytes (a session's: the caches its samples will hold when the call ends).
         Memory-limited counts of 16 or more are rounded down to a multiple of 8 (`_settle_limit`; with `round_rows`
         on, a binding max_batch_tokens cap too), so that calls whose free memory differs a little run (and compile)
-        the same shape. slots: KV slots per row (default prompt_tokens + new_tokens)."""
+        the same shape; a session's capped call rounds further down, to a count of its ladder of at most the cap
+        (`_session_ladder`: the warm-up compiled them; its held caches take memory the warm-up's prediction of the
+        capped counts, `capped_rows`, does not know of, and a continued context is longer than a prompt and its
+        response). slots: KV slots per row (default prompt_tokens + new_tokens)."""
         slots = prompt_tokens + new_tokens if slots is None else slots
-        rows = self._token_capped_rows(self._asked_rows(samples), slots)
+        asked = self._asked_rows(samples, session)
+        rows = self._token_capped_rows(asked, slots)
         free = self._memory()
         if free is not None and reserve_bytes:
             free = (free[0] - reserve_bytes, free[1])
@@ -514,6 +541,8 @@ class StaticGenerator(memory.ModuleMemory):
                     where=f" on {self.device}",
                 )
             rows = _settle_limit(fit)
+        if rows < asked:
+            rows = max((b for b in self._session_ladder(samples, session) if b <= rows), default=rows)
         return rows
 
     # ------------------------------------------------------------------ generation

@@ -77,6 +77,7 @@ class RunEngine(Protocol):
         dtype: torch.dtype | None = None,
         slots: int | None = None,
         reserve_bytes: int = 0,
+        session: int = 0,
     ) -> int: ...
 
     def prefill_groups(self, lengths: Sequence[int]) -> list[list[int]]: ...
@@ -195,8 +196,13 @@ class _Run:
         # slots: the longest sample, its prompt and its own limit (a stream's longest continued prefix has a short
         # limit left); the last sampled token is never fed back, so one spare
         self.capacity = max(len(prompts[p]) + cap for p, cap in zip(self.sample_prompt, caps))
+        # a session's later call (an episode's later turn: the episodes that called a tool) rounds up to the live-row
+        # buckets of its largest call, which the warm-up compiled (`StaticGenerator.plan_rows`)
+        session = 0
+        if self.held is not None:
+            session = self.held[0].most_samples = max(self.held[0].most_samples, len(caps))
         self.rows = rows = self.engine.plan_rows(
-            len(caps), self.width, self.steps, self.dtype, slots=self.capacity, reserve_bytes=reserve
+            len(caps), self.width, self.steps, self.dtype, slots=self.capacity, reserve_bytes=reserve, session=session
         )
         head_dim = _head_dim(model)
         for layer in self.layers:

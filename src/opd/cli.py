@@ -81,6 +81,7 @@ def eval_command(
     tools: Annotated[str | None, field_option(EvalConfig, "tools")] = None,
     sandbox: Annotated[str | None, field_option(EvalConfig, "sandbox")] = None,
     max_turns: Annotated[int | None, field_option(EvalConfig, "max_turns")] = None,
+    tool_format: Annotated[str | None, field_option(EvalConfig, "tool_format")] = None,
 ) -> None:
     """Sample n answers per benchmark problem, grade them, write results.json + samples.jsonl, print a table.
 
@@ -249,6 +250,7 @@ def rollout_command(
     tools: Annotated[str | None, _rollout("tools")] = None,
     sandbox: Annotated[str | None, _rollout("sandbox")] = None,
     max_turns: Annotated[int | None, _rollout("max_turns")] = None,
+    tool_format: Annotated[str | None, _rollout("tool_format")] = None,
 ) -> None:
     """Teacher answers for SFT with rejection sampling: rollouts.jsonl, rejected.jsonl, stats.json
     (+ LlamaFactory files).

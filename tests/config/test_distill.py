@@ -46,3 +46,17 @@ def test_full_vocabulary_objectives_resolve_and_refuse():
     }
     with pytest.raises(ValueError, match="takes one teacher"):
         build_config(DistillConfig, options=two)
+
+
+def test_markdown_tool_calls_need_the_python_tool():
+    import pytest
+
+    base = {"student.path": "s", "teacher.path": "t", "data.path": "d", "rollout.tools": "python"}
+    assert build_config(DistillConfig, options=base).rollout.tool_format == "hermes"
+    assert build_config(DistillConfig, options={**base, "rollout.tool_format": "markdown"}).rollout.tool_format == (
+        "markdown"
+    )
+    with pytest.raises(ValueError, match="rollout.tool_format=markdown: .*rollout.tools=calculator"):
+        build_config(DistillConfig, options={**base, "rollout.tools": "calculator", "rollout.tool_format": "markdown"})
+    with pytest.raises(ValueError, match="tool_format"):
+        build_config(DistillConfig, options={**base, "rollout.tool_format": "json"})

@@ -13,7 +13,14 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from helpers import eval_args, write_jsonl
-from helpers_tools import ScriptedModel, calculator_then_answer, make_tool_tokenizer, python_then_answer
+from helpers_tools import (
+    QUESTION,
+    TOOL_RESPONSE,
+    ScriptedModel,
+    calculator_then_answer,
+    make_tool_tokenizer,
+    python_then_answer,
+)
 from opd.cli import app
 from opd.cli_errors import user_error_line
 from opd.config import EvalConfig, ModelSpec
@@ -207,3 +214,58 @@ def test_max_prompt_length_counts_the_tools_offered(tiny_model_dir, problem_file
     with pytest.raises(ValueError, match="every prompt is longer than max_prompt_length=300 tokens with the tools"):
         evaluate(config, generator=model, tokenizer=tokenizer)
     assert model.calls == 0
+
+
+# ---------------------------------------------------------------------------------------- tool_format=markdown
+def _writes_python_blocks(*, after: str = "") -> object:
+    """A student in the markdown format: a python block that prints the question's product (then `after`), and once
+    the context holds the tool's answer R, "\\boxed{R}"."""
+
+    def policy(context: str) -> str:
+        results = TOOL_RESPONSE.findall(context)
+        if results:
+            return f"\\boxed{{{results[-1]}}}"
+        expression = QUESTION.findall(context)[-1]
+        return f"Let me compute it.\n```python\nprint({expression})\n```{after}"
+
+    return policy
+
+
+def test_a_model_that_writes_python_blocks_runs_them_with_tool_format_markdown(tiny_model_dir, problem_file, tmp_path):
+    if not probe("namespaces").ok:
+        pytest.skip(f"no namespaces sandbox here: {probe('namespaces').reason}")
+    tokenizer = make_tool_tokenizer()
+    markdown = _config(tiny_model_dir, problem_file, tmp_path / "run", tools="python", tool_format="markdown", n=1)
+    results = evaluate(markdown, generator=ScriptedModel(tokenizer, _writes_python_blocks()), tokenizer=tokenizer)
+    figures = results["toy"]["tools"]
+    assert results["toy"]["avg@1"] == 1.0 and figures["accuracy_by_turns"] == {"2": 1.0}
+    assert figures["tool_calls_mean"] == 1 and figures["tool_errors"] == 0
+    samples = read_jsonl(tmp_path / "run" / "samples.jsonl")
+    assert all("```python\nprint(" in s["episode"] and "<tool_response>" in s["episode"] for s in samples)
+    assert json.loads((tmp_path / "run" / "identity.json").read_text())["tool_format"] == "markdown"
+    # hermes reads no call in the same turns: each episode ends after its first turn, ungraded text
+    hermes = _config(tiny_model_dir, problem_file, tmp_path / "hermes", tools="python", n=1)
+    results = evaluate(hermes, generator=ScriptedModel(tokenizer, _writes_python_blocks()), tokenizer=tokenizer)
+    assert results["toy"]["tools"]["tool_calls_mean"] == 0 and results["toy"]["tools"]["episodes_by_turns"] == {"1": 3}
+
+
+def test_a_python_block_followed_by_text_ends_the_episode_as_the_student_chose(tiny_model_dir, problem_file, tmp_path):
+    tokenizer = make_tool_tokenizer()
+    config = _config(tiny_model_dir, problem_file, tmp_path / "run", tools="python", tool_format="markdown", n=1)
+    made_up = _writes_python_blocks(after="\n```output\n7\n```\nSo \\boxed{7}.")
+    results = evaluate(config, generator=ScriptedModel(tokenizer, made_up), tokenizer=tokenizer)
+    figures = results["toy"]["tools"]
+    assert figures["tool_calls_mean"] == 0 and figures["episodes_by_turns"] == {"1": 3}
+    assert results["toy"]["avg@1"] == pytest.approx(1 / 3)  # only 1 * 7 is 7
+
+
+def test_markdown_without_a_python_tool_is_refused_in_one_line(tmp_path, monkeypatch):
+    base = ["eval", "--model", str(tmp_path / "no-such-model"), "--benchmarks", "aime24", "--out", str(tmp_path / "o")]
+    line = _refuses([*base, "--tools", "calculator", "--tool-format", "markdown"])
+    assert "tool_format=markdown" in line and "tools=calculator" in line
+    assert "tool_format" in _refuses([*base, "--tools", "python", "--tool-format", "llama"])
+    (tmp_path / "refusing_env.py").write_text(REFUSING_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = _refuses([*base, "--tools", "refusing_env:Refusing", "--tool-format", "markdown"])
+    assert "tool_format=markdown" in line and "offers calculator" in line
+    assert not (tmp_path / "o").exists()

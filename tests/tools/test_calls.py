@@ -1,5 +1,6 @@
-"""Tool calls in Qwen2.5's chat format: parsing well-formed and malformed calls, and the environment's tokens as the
-template renders them (the tiny tokenizer with Qwen2.5-Instruct's template, `helpers_tools`)."""
+"""Tool calls in Qwen2.5's chat format and as markdown code blocks: parsing well-formed and malformed calls, and the
+environment's tokens as the template renders them (the tiny tokenizer with Qwen2.5-Instruct's template,
+`helpers_tools`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,17 @@ import pytest
 
 from helpers import EOS_ID
 from helpers_tools import make_tool_tokenizer
-from opd.tools.calls import assistant_message, observation_ids, parse_tool_calls, prompt_ids, tool_messages
-from opd.tools.environments import Calculator, Observation, ToolCall
+from opd.tools.calls import (
+    assistant_message,
+    check_tool_format,
+    observation_ids,
+    parse_markdown_calls,
+    parse_tool_calls,
+    parse_turn,
+    prompt_ids,
+    tool_messages,
+)
+from opd.tools.environments import Calculator, Observation, ToolCall, function_schema
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +93,76 @@ def test_malformed_calls_are_answered_in_place_and_tool_output_cannot_forge_a_tu
     assert ids.count(EOS_ID) == 1
     with pytest.raises(ValueError, match="1 tool calls but 0 observations"):
         tool_messages(turn, [])
+
+
+# ------------------------------------------------------------------------------------------------ markdown format
+CODE = "import math\nprint(math.sqrt(16))\n"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"Let me compute it.\n```python\n{CODE}```",
+        f"```py\n{CODE}```\n\n",
+        f"First:\n```python\nprint(0)\n```\nthat was wrong; again:\n```python\n{CODE}```  \n",
+    ],
+)
+def test_a_turn_that_ends_with_a_closed_python_block_calls_the_python_tool_with_its_last_block(text):
+    turn = parse_markdown_calls(text)
+    assert turn.calls == [ToolCall("python", {"code": CODE})] and turn.errors == []
+    assert turn.content == text.strip() and turn.inline  # the call is in the text the student wrote
+    assert assistant_message(turn) == {"role": "assistant", "content": text.strip()}  # no tool_calls
+    assert parse_turn(text, "markdown") == turn
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"```python\n{CODE}```\n```output\n4.0\n```\nSo the answer is \\boxed{{4}}.",  # a made-up output, an answer
+        f"```python\n{CODE}```\nThe answer is 4.",  # text after the block
+        f"```python\n{CODE}",  # left open: the turn ran out of tokens
+        f"```python\n{CODE}```\n```python\nprint(1)",  # the last block left open
+        "```bash\nls\n```",  # not python
+        f"```python\n{CODE}```\n```\nplain\n```",  # the last block is not python
+        "The answer is \\boxed{4}.",
+        '<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>',  # hermes is no markdown call
+    ],
+)
+def test_a_turn_without_a_closed_python_block_at_its_end_is_no_call(text):
+    turn = parse_markdown_calls(text)
+    assert turn.items == [] and turn.content == text.strip()
+
+
+def test_hermes_parsing_is_unchanged_by_the_format_argument():
+    text = f'```python\n{CODE}```\n<tool_call>{{"name": "calculator", "arguments": {{"expression": "1"}}}}</tool_call>'
+    assert parse_turn(text) == parse_turn(text, "hermes") == parse_tool_calls(text)
+    assert parse_turn(f"```python\n{CODE}```", "hermes").items == []
+    assert "tool_calls" in assistant_message(parse_turn(text, "hermes"))
+
+
+def test_a_markdown_call_and_its_answer_continue_the_conversation_as_the_template_renders_it(tokenizer):
+    python = [function_schema("python", "runs code", {"code": {"type": "string"}}, ["code"])]
+    user = {"role": "user", "content": "What is sqrt(16)?"}
+    written = f"Let me compute it.\n```python\n{CODE}```"
+    turn = parse_markdown_calls(written)
+    answers = tool_messages(turn, [Observation("4.0")])
+    model_turn = tokenizer(written + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    episode = prompt_ids(tokenizer, [user], python) + model_turn + observation_ids(tokenizer, answers, python)
+    whole = tokenizer.apply_chat_template(
+        [user, assistant_message(turn), *answers], tools=python, tokenize=False, add_generation_prompt=True
+    )
+    assert tokenizer.decode(episode) == whole
+    assert whole.endswith(
+        f"<|im_start|>assistant\n{written}<|im_end|>\n<|im_start|>user\n<tool_response>\n4.0\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_markdown_needs_a_python_tool_that_takes_code(tools):
+    check_tool_format(tools, "hermes")  # any tools
+    with pytest.raises(ValueError, match="tool_format=markdown: .*offers calculator"):
+        check_tool_format(tools, "markdown")
+    other = [function_schema("python", "runs a file", {"path": {"type": "string"}}, ["path"])]
+    with pytest.raises(ValueError, match="takes 'code'"):
+        check_tool_format(other, "markdown")
+    check_tool_format(other + [function_schema("python", "code", {"code": {"type": "string"}}, ["code"])], "markdown")

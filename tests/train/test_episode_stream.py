@@ -62,7 +62,7 @@ def _turn(context: str) -> str:
     return CALL if len(answers) < 2 else f"\\boxed{{{answers[-1]}}}"
 
 
-def _engine(tokenizer, seen: list[int]):
+def _engine(tokenizer, seen: list[int], turn=_turn):
     """A GenerateFn: each row goes on with its current turn's scripted text (the part after the context's last
     assistant header), at most max_new_tokens of it, log-prob -1 a token."""
 
@@ -73,7 +73,7 @@ def _engine(tokenizer, seen: list[int]):
         for prefix in prefixes:
             text = tokenizer.decode(list(prefix))
             head, _, partial = text.rpartition("<|im_start|>assistant\n")
-            whole = tokenizer(_turn(head) + "<|im_end|>", add_special_tokens=False)["input_ids"]
+            whole = tokenizer(turn(head) + "<|im_end|>", add_special_tokens=False)["input_ids"]
             done = len(tokenizer(partial, add_special_tokens=False)["input_ids"])
             rest = whole[done:]
             responses.append(rest[:max_new_tokens])
@@ -83,7 +83,7 @@ def _engine(tokenizer, seen: list[int]):
     return generate
 
 
-def _stream(tokenizer, prompts, environment) -> EpisodeStream:
+def _stream(tokenizer, prompts, environment, **options) -> EpisodeStream:
     return EpisodeStream(
         environment=environment,
         tokenizer=tokenizer,
@@ -95,6 +95,7 @@ def _stream(tokenizer, prompts, environment) -> EpisodeStream:
         max_new_tokens=400,
         segment=24,
         max_staleness=3,
+        **options,
     )
 
 
@@ -180,3 +181,35 @@ def test_an_episode_offered_other_tools_than_setup_rendered_is_refused_in_one_li
         "rollout.tools=count: the episode of prompt '0' started from other ids than setup rendered (the environment "
         "offered other tools); an environment's tools must be fixed per row"
     )
+
+
+PYTHON = [function_schema("python", "Counts this episode's calls.", {"code": {"type": "string"}}, ["code"])]
+BLOCK = "Counting.\n```python\nprint(1)\n```"
+
+
+class PythonCounter(Counter):
+    def start(self, row) -> CountEpisode:
+        episode = super().start(row)
+        episode.tools = PYTHON
+        return episode
+
+
+def _markdown_turn(context: str) -> str:
+    """Two python blocks, then the last answer in a box."""
+    answers = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context)
+    return BLOCK if len(answers) < 2 else f"\\boxed{{{answers[-1]}}}"
+
+
+def test_markdown_turns_are_calls_across_steps_as_hermes_ones():
+    tokenizer, prompts, _, draw = _world()
+    ids = [tool_prompt_ids(tokenizer, p.messages, PYTHON) for p in prompts]
+    seen: list[int] = []
+    stream = _stream(tokenizer, prompts, PythonCounter(), tool_format="markdown")
+    for step in range(3):
+        episodes = stream.next_batch(step, draw, ids, _engine(tokenizer, seen, _markdown_turn)).episodes
+        assert episodes is not None
+        for row, (tokens, mask) in enumerate(zip(episodes.output.response_ids, episodes.env_masks)):
+            student = tokenizer.decode([t for t, m in zip(tokens, mask) if not m])
+            assert student.count(BLOCK + "<|im_end|>") == 2 and student.endswith("\\boxed{2}<|im_end|>")
+            assert episodes.turns[row] == 3 and episodes.tool_calls[row] == 2 and episodes.tool_errors[row] == 0
+    stream.close()

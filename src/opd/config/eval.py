@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from opd.config.sections import BenchmarkList, ModelSpec, Section, Temperature, VLLMSpec
+from opd.config.sections import (
+    TOOL_FORMAT_HELP,
+    BenchmarkList,
+    ModelSpec,
+    Section,
+    Temperature,
+    ToolFormat,
+    VLLMSpec,
+    check_tool_format,
+)
 from opd.names import EngineName
 
 
@@ -64,3 +73,9 @@ class EvalConfig(Section):
         "does not hold) or rlimits-only (resource limits, no isolation; only when named).",
     )
     max_turns: int = Field(4, ge=1, description="Generation turns per episode with tools (the last one answers).")
+    tool_format: ToolFormat = Field("hermes", description=TOOL_FORMAT_HELP)
+
+    @model_validator(mode="after")
+    def _tool_format_has_tool(self) -> EvalConfig:
+        check_tool_format(self.tools, self.tool_format)
+        return self

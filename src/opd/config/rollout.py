@@ -7,7 +7,17 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from opd.config.sections import DataSpec, Identifier, ModelSpec, Section, Temperature, VLLMSpec
+from opd.config.sections import (
+    TOOL_FORMAT_HELP,
+    DataSpec,
+    Identifier,
+    ModelSpec,
+    Section,
+    Temperature,
+    ToolFormat,
+    VLLMSpec,
+    check_tool_format,
+)
 
 
 class DegeneracySpec(Section):
@@ -115,6 +125,12 @@ class RolloutConfig(Section):
         description="Generation turns per episode with tools (the last one answers); max_new_tokens bounds each turn "
         "and the whole episode.",
     )
+    tool_format: ToolFormat = Field("hermes", description=TOOL_FORMAT_HELP)
+
+    @model_validator(mode="after")
+    def _tool_format_has_tool(self) -> RolloutConfig:
+        check_tool_format(self.tools, self.tool_format)
+        return self
 
     @model_validator(mode="after")
     def _dataset_file_apart(self) -> RolloutConfig:

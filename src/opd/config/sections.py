@@ -132,6 +132,23 @@ def _tool_name(value: str | None) -> str | None:
     raise ValueError(f"must be python, calculator or an import path 'package.module:factory', got {value!r}")
 
 
+ToolFormat = Literal["hermes", "markdown"]
+TOOL_FORMAT_HELP = (
+    "How the model writes tool calls: hermes (Qwen / Hermes <tool_call> JSON blocks) or markdown (a turn ending in a "
+    "closed ```python block runs it with the python tool; Qwen2.5-Math / ToRA-style tool-integrated reasoning)."
+)
+
+
+def check_tool_format(tools: str | None, tool_format: str, prefix: str = "") -> None:
+    """Refuse markdown with the calculator (its blocks carry code only); a user environment is checked at startup
+    (`opd.tools.calls.check_tool_format`: it must offer a tool named python)."""
+    if tool_format == "markdown" and tools == "calculator":
+        raise ValueError(
+            f"{prefix}tool_format=markdown: code blocks call the python tool, {prefix}tools=calculator has none; "
+            f"use {prefix}tools=python or {prefix}tool_format=hermes"
+        )
+
+
 def _staleness(value: int) -> int:
     if value > MAX_STALENESS:
         raise ValueError(
@@ -567,6 +584,7 @@ class SamplingSpec(Section):
         "does not hold) or rlimits-only (resource limits, no isolation; only when named, and said at startup).",
     )
     max_turns: int = Field(4, ge=1, description="rollout.tools: generation turns per episode (the last one answers).")
+    tool_format: ToolFormat = Field("hermes", description="rollout.tools: " + TOOL_FORMAT_HELP)
     max_episode_tokens: int | None = Field(
         None,
         ge=1,
@@ -587,6 +605,11 @@ class SamplingSpec(Section):
         description="rollout.tools: a turn's tool calls not answered within this many seconds become error "
         "observations; None: the environment's own limits only (the python tool's sandbox wall time).",
     )
+
+    @model_validator(mode="after")
+    def _tool_format_has_tool(self) -> SamplingSpec:
+        check_tool_format(self.tools, self.tool_format, "rollout.")
+        return self
 
 
 class ObjectiveSpec(Section):

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from opd.config import EvalConfig
 from opd.rollout import SamplingParams
 from opd.rollout.episodes import run_episodes, start_prompt_ids
-from opd.tools.calls import observation_ids
+from opd.tools.calls import check_tool_format, observation_ids
 from opd.tools.environments import Environment, load_environment
 from opd.tools.sandbox import probe
 
@@ -30,14 +30,27 @@ class ToolSettings(Protocol):
     def tools(self) -> str | None: ...
     @property
     def sandbox(self) -> str: ...
+    @property
+    def tool_format(self) -> str: ...
 
 
 def tool_environment(config: ToolSettings) -> Environment | None:
-    """`config.tools` built (None without tools); the python tool only where `config.sandbox` holds here (probed).
-    Raises ValueError with one line naming the key."""
+    """`config.tools` built (None without tools); the python tool only where `config.sandbox` holds here (probed);
+    its tools such that `config.tool_format` can call them (`check_tool_format`). Raises ValueError with one line
+    naming the key."""
     if config.tools is None:
         return None
-    if config.tools == "python":
+    environment = _build_environment(config.tools, config)
+    episode = environment.start({})
+    try:
+        check_tool_format(episode.tools, config.tool_format)
+    finally:
+        episode.close()
+    return environment
+
+
+def _build_environment(tools: str, config: ToolSettings) -> Environment:
+    if tools == "python":
         checked = probe(config.sandbox)
         if not checked.ok:
             hint = (
@@ -47,7 +60,7 @@ def tool_environment(config: ToolSettings) -> Environment | None:
             )
             raise ValueError(f"tools=python: the {config.sandbox} sandbox does not work here: {checked.reason}{hint}")
         return load_environment("python", {"sandbox": config.sandbox}, key="tools")
-    return load_environment(config.tools, key="tools")
+    return load_environment(tools, key="tools")
 
 
 def tools_identity(config: EvalConfig) -> dict[str, Any]:
@@ -57,6 +70,8 @@ def tools_identity(config: EvalConfig) -> dict[str, Any]:
     identity: dict[str, Any] = {"tools": config.tools, "max_turns": config.max_turns}
     if config.tools == "python":
         identity["sandbox"] = config.sandbox
+    if config.tool_format != "hermes":  # older directories, all hermes, stay resumable
+        identity["tool_format"] = config.tool_format
     return identity
 
 
@@ -110,6 +125,7 @@ def sample_episodes(
         params,
         max_turns=config.max_turns,
         template=_template(config),
+        tool_format=config.tool_format,
     )
     out = result.output
     episodes = []

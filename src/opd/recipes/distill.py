@@ -254,6 +254,7 @@ def run_eval(tr: Trainer, console: Any) -> dict | None:
         tools=cfg.rollout.tools,  # a run that trains with tools is evaluated with them
         sandbox=cfg.rollout.sandbox,
         max_turns=cfg.rollout.max_turns,
+        tool_format=cfg.rollout.tool_format,
     )
 
 

@@ -228,7 +228,7 @@ def sample_episodes(
     per turn an assistant message (its text, its calls as `tool_calls`) and a `tool` message per call (the
     environment's answer, as the model read it)."""
     from opd.rollout.episodes import run_episodes
-    from opd.tools.calls import assistant_message, parse_tool_calls, tool_messages
+    from opd.tools.calls import assistant_message, parse_turn, tool_messages
 
     recorder = _Recorder(environment)
     result = run_episodes(
@@ -240,6 +240,7 @@ def sample_episodes(
         params,
         max_turns=config.max_turns,
         template=_template(config),
+        tool_format=config.tool_format,
     )
     n = params.n
     started = [episode.row.get("prompt_id") for episode in recorder.episodes]
@@ -256,7 +257,7 @@ def sample_episodes(
             student += segment
             final = tokenizer.decode(segment, skip_special_tokens=True)
             texts.append(final)
-            turn = parse_tool_calls(final)
+            turn = parse_turn(final, config.tool_format)
             malformed += len(turn.errors)
             messages.append(assistant_message(turn))
             if turn.items:

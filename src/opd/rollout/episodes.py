@@ -39,7 +39,7 @@ import torch
 from opd.rollout.base import Continues, GenerationOutput, Generator, SamplingParams, Session
 from opd.rollout.batch import build_rollouts
 from opd.seeds import derive_seed
-from opd.tools.calls import ParsedTurn, observation_ids, parse_tool_calls, prompt_ids, tool_messages
+from opd.tools.calls import ParsedTurn, observation_ids, parse_turn, prompt_ids, tool_messages
 from opd.tools.environments import CallStats, Environment, Episode, answer_calls
 from opd.types import Prompt, Rollouts
 
@@ -122,12 +122,14 @@ def start_prompt_ids(
         yield ids
 
 
-def end_turn(tokenizer: Any, ids: Sequence[int], turns: int, max_turns: int) -> tuple[str | None, ParsedTurn]:
+def end_turn(
+    tokenizer: Any, ids: Sequence[int], turns: int, max_turns: int, tool_format: str = "hermes"
+) -> tuple[str | None, ParsedTurn]:
     """A student turn that ended on its own (end-of-turn token, within its budget), read: its tool calls, and how the
     episode goes on: "stop" (no call: the student answered), "length" (calls, but this was turn `max_turns`, so none
     is left to read their answers) or None (calls to answer, `answer_turns`). `turns`: the episode's turns so far,
-    this one included."""
-    parsed = parse_tool_calls(tokenizer.decode(list(ids), skip_special_tokens=True))
+    this one included; `tool_format`: how calls are written (`opd.tools.calls.PARSERS`)."""
+    parsed = parse_turn(tokenizer.decode(list(ids), skip_special_tokens=True), tool_format)
     if not parsed.items:
         return "stop", parsed
     if turns == max_turns:
@@ -202,12 +204,14 @@ def run_episodes(
     tool_workers: int | None = None,
     tool_timeout_s: float | None = None,
     template: Mapping[str, Any] | None = None,
+    tool_format: str = "hermes",
 ) -> EpisodeOutput:
     """`params.n` episodes for each prompt (`messages[p]`, a chat, and `rows[p]`, the row the environment starts
     from). Budgets: `max_turn_tokens` per turn and `max_episode_tokens` per episode, both `params.max_new_tokens` by
     default; `max_turns` ≥ 1 generation turns. Each turn's seed is derived from `params.seed` (turn 0 uses it as
-    is). `template`: extra arguments of `apply_chat_template` (e.g. enable_thinking). An engine with sessions
-    (`Continues`) continues each episode's cache across turns (the module docstring)."""
+    is). `template`: extra arguments of `apply_chat_template` (e.g. enable_thinking). `tool_format`: how the student
+    writes its calls (`opd.tools.calls.PARSERS`: hermes `<tool_call>` JSON, markdown code blocks). An engine with
+    sessions (`Continues`) continues each episode's cache across turns (the module docstring)."""
     if max_turns < 1:
         raise ValueError(f"rollout.max_turns must be ≥ 1, got {max_turns!r}")
     if len(messages) != len(rows):
@@ -225,7 +229,7 @@ def run_episodes(
     try:
         return _run(
             generator, continues, session, tokenizer, messages, episodes, params, n, max_turns, episode_budget,
-            turn_budget, tool_workers, tool_timeout_s, template, environment.describe(),
+            turn_budget, tool_workers, tool_timeout_s, template, environment.describe(), tool_format,
         )  # fmt: skip
     finally:
         if session is not None:
@@ -250,6 +254,7 @@ def _run(
     tool_timeout_s: float | None,
     template: dict[str, Any],
     describe: dict[str, Any],
+    tool_format: str,
 ) -> EpisodeOutput:
     prompts = [prompt_ids(tokenizer, messages[p], episodes[p * n].tools, **template) for p in range(len(messages))]
     for b, episode in enumerate(episodes):
@@ -300,7 +305,7 @@ def _run(
             if len(ids) < len(out.response_ids[i]) or out.finish_reasons[i] != "stop":
                 finish[b] = "length"
                 continue
-            finish[b], turn_text = end_turn(tokenizer, ids, turns[b], max_turns)
+            finish[b], turn_text = end_turn(tokenizer, ids, turns[b], max_turns, tool_format)
             if finish[b] is None:
                 parsed[b] = turn_text
         end_finished()

@@ -11,8 +11,15 @@ next assistant turn), so whatever the template wraps around tool results (Qwen's
 another model's `tool` role) comes out as the model was trained on it. Tool results are tokenized with special
 tokens split: code that prints `<|im_end|>` cannot end a turn or forge one.
 
+The markdown format (`tool_format="markdown"`) reads the tool-integrated reasoning of Qwen2.5-Math / ToRA-style
+models and of small instruct models that write code blocks when asked to run code: a turn whose last fenced block is
+```python (or ```py) and closed, with only whitespace after it, calls the tool named `python` with `{"code": <the
+block>}`. A block left open (the turn ran out of tokens) or followed by text (a made-up ```output block and an
+answer) is no call: the episode ends there. The call lives in the turn's text (`ParsedTurn.inline`): the assistant
+message is the whole turn, without `tool_calls`, and the answer is the `tool` message as the template renders it.
+
 Left out on purpose: other call formats (Llama 3's JSON, Mistral's `[TOOL_CALLS]`) until a model that needs them is
-tested; a parser is one function of text → `ParsedTurn`.
+tested; a parser is one function of text → `ParsedTurn` (`PARSERS`).
 """
 
 from __future__ import annotations
@@ -21,12 +28,18 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from opd.tools.environments import Observation, ToolCall
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPEN = "<tool_call>"
+
+ToolFormat = Literal["hermes", "markdown"]
+TOOL_FORMATS: tuple[str, ...] = ("hermes", "markdown")
+# markdown: the info strings of a code block that is a call, and the tool and argument it calls
+_CODE_LANGUAGES = ("python", "py")
+MARKDOWN_TOOL, MARKDOWN_ARGUMENT = "python", "code"
 
 
 @dataclass(frozen=True)
@@ -36,6 +49,7 @@ class ParsedTurn:
 
     content: str
     items: list[ToolCall | str] = field(default_factory=list)
+    inline: bool = False  # the calls are written in `content` (markdown): the message carries no `tool_calls`
 
     @property
     def calls(self) -> list[ToolCall]:
@@ -65,6 +79,61 @@ def parse_tool_calls(text: str) -> ParsedTurn:
     return ParsedTurn("".join(pieces).strip(), items)
 
 
+def parse_markdown_calls(text: str) -> ParsedTurn:
+    """The call in `text` (markdown format): its last fenced block when that is ```python / ```py, closed, with only
+    whitespace after it; `content` is the whole turn. No call otherwise (a block left open, text after the block)."""
+    blocks: list[tuple[str, list[str], int]] = []  # (info string, body lines, offset after the closing fence)
+    info: str | None = None
+    body: list[str] = []
+    offset = 0
+    for line in text.splitlines(keepends=True):
+        offset += len(line)
+        stripped = line.strip()
+        if info is None:
+            if stripped.startswith("```"):
+                info, body = stripped[3:].strip().lower(), []
+        elif stripped == "```":
+            blocks.append((info, body, offset))
+            info = None
+        else:
+            body.append(line)
+    content = text.strip()
+    if info is not None or not blocks:  # a block left open, or none
+        return ParsedTurn(content, inline=True)
+    language, lines, end = blocks[-1]
+    if language not in _CODE_LANGUAGES or text[end:].strip():
+        return ParsedTurn(content, inline=True)
+    return ParsedTurn(content, [ToolCall(MARKDOWN_TOOL, {MARKDOWN_ARGUMENT: "".join(lines)})], inline=True)
+
+
+PARSERS = {"hermes": parse_tool_calls, "markdown": parse_markdown_calls}
+
+
+def parse_turn(text: str, tool_format: str = "hermes") -> ParsedTurn:
+    """`text`'s calls in `tool_format` (`PARSERS`)."""
+    return PARSERS[tool_format](text)
+
+
+def check_tool_format(tools: Sequence[dict[str, Any]], tool_format: str) -> None:
+    """Refuse (ValueError, one line) tools a format cannot call: markdown calls a tool named `python` that takes
+    `code`, the only thing its blocks carry."""
+    if tool_format not in PARSERS:
+        raise ValueError(f"tool_format must be one of {', '.join(PARSERS)}, got {tool_format!r}")
+    if tool_format != "markdown":
+        return
+    for tool in tools:
+        function = tool.get("function", tool)
+        if function.get("name") == MARKDOWN_TOOL and MARKDOWN_ARGUMENT in function.get("parameters", {}).get(
+            "properties", {}
+        ):
+            return
+    names = ", ".join(str(t.get("function", t).get("name")) for t in tools) or "none"
+    raise ValueError(
+        f"tool_format=markdown: code blocks call a tool named {MARKDOWN_TOOL!r} that takes {MARKDOWN_ARGUMENT!r}; "
+        f"this environment offers {names} (use tools=python, or tool_format=hermes)"
+    )
+
+
 def _parse_one(body: str) -> ToolCall | str:
     try:
         value = json.loads(body)
@@ -89,9 +158,10 @@ def _excerpt(text: str, limit: int = 200) -> str:
 
 
 def assistant_message(turn: ParsedTurn) -> dict[str, Any]:
-    """The turn as a chat message with `tool_calls` (the format chat templates render)."""
+    """The turn as a chat message with `tool_calls` (the format chat templates render); a turn whose calls are written
+    in its text (`inline`, markdown) is its text only."""
     message: dict[str, Any] = {"role": "assistant", "content": turn.content}
-    if turn.calls:
+    if turn.calls and not turn.inline:
         message["tool_calls"] = [
             {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in turn.calls
         ]

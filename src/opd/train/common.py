@@ -200,11 +200,13 @@ def evaluate_in_training(
     tools: str | None = None,
     sandbox: Literal["namespaces", "rlimits-only"] = "namespaces",
     max_turns: int = 4,
+    tool_format: str = "hermes",
 ) -> dict | None:
     """Run `opd eval` on the model in memory into `run_dir/eval/step_N/` and log `eval/<bench>/<metric>` at `step`.
     `model`: the module whose weights `generator` samples with; its `weights_fingerprint` identifies the eval (not
     `model_path`, the weights training started from). None when `spec.benchmarks` is empty.
-    `tools`, `sandbox`, `max_turns`: a tool-integrated eval (`opd eval --tools`), as a run with rollout.tools trains.
+    `tools`, `sandbox`, `max_turns`, `tool_format`: a tool-integrated eval (`opd eval --tools`), as a run with
+    rollout.tools trains.
     `teachers`: with several, the run's teacher entries: each benchmark whose every problem their routes place
     (`route_prompts`) also logs `eval/teacher/<name>/<bench>/<metric>` over the problems routed to each teacher."""
     if not spec.benchmarks:
@@ -230,6 +232,7 @@ def evaluate_in_training(
         tools=tools,
         sandbox=sandbox,
         max_turns=max_turns,
+        tool_format=tool_format,
     )
     weights = None if model is None else weights_fingerprint(model)
     results = evaluate_model(

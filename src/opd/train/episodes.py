@@ -189,6 +189,7 @@ def step_episodes(
             tool_workers=spec.tool_workers,
             tool_timeout_s=spec.tool_timeout_s,
             template=_template(config),
+            tool_format=spec.tool_format,
         )
     for prompt, started, rendered in zip(prompts, episodes.prompt_ids, prompt_ids):
         check_started_as_rendered(environment, prompt, started, rendered)
@@ -236,11 +237,12 @@ class EpisodeStream(RolloutStream):
         tool_workers: int | None = None,
         tool_timeout_s: float | None = None,
         template: dict[str, Any] | None = None,
+        tool_format: str = "hermes",
         **stream: Any,
     ) -> None:
         super().__init__(**stream)
         self.environment, self.tokenizer, self.prompts = environment, tokenizer, prompts
-        self.max_turns = max_turns
+        self.max_turns, self.tool_format = max_turns, tool_format
         self.turn_budget = self.cap if max_turn_tokens is None else min(max_turn_tokens, self.cap)
         self.tool_workers, self.tool_timeout_s, self.template = tool_workers, tool_timeout_s, dict(template or {})
         self.live: dict[tuple[int, int], Episode] = {}  # (group, slot) → its environment's episode
@@ -329,7 +331,9 @@ class EpisodeStream(RolloutStream):
                 if state.turn_tokens >= self.turn_budget or len(sample.tokens) >= self.cap:
                     sample.finish = "length"  # its turn's or its episode's budget ran out
                 continue  # the segment ended inside the turn: the next call goes on with it
-            finish, turn = end_turn(self.tokenizer, sample.tokens[-state.turn_tokens :], state.turns, self.max_turns)
+            finish, turn = end_turn(
+                self.tokenizer, sample.tokens[-state.turn_tokens :], state.turns, self.max_turns, self.tool_format
+            )
             state.turn_tokens = 0
             if finish is None:
                 parsed[row] = turn
@@ -415,6 +419,7 @@ def episode_stream(config: DistillConfig, tokenizer: Any, environment: Environme
             tool_workers=spec.tool_workers,
             tool_timeout_s=spec.tool_timeout_s,
             template=_template(config),
+            tool_format=spec.tool_format,
             **stream,
         )
 

@@ -243,6 +243,7 @@ def test_a_model_that_writes_python_blocks_runs_them_with_tool_format_markdown(t
     samples = read_jsonl(tmp_path / "run" / "samples.jsonl")
     assert all("```python\nprint(" in s["episode"] and "<tool_response>" in s["episode"] for s in samples)
     assert json.loads((tmp_path / "run" / "identity.json").read_text())["tool_format"] == "markdown"
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["tools"]["tool_format"] == "markdown"
     # hermes reads no call in the same turns: each episode ends after its first turn, ungraded text
     hermes = _config(tiny_model_dir, problem_file, tmp_path / "hermes", tools="python", n=1)
     results = evaluate(hermes, generator=ScriptedModel(tokenizer, _writes_python_blocks()), tokenizer=tokenizer)

@@ -93,6 +93,8 @@ def evaluate_model(
     with locked(run_dir, "eval"):  # one process per output directory
         records = _sample_and_grade(config, run_dir, generator, tokenizer, console, weights, environment)
         tools = environment.describe() if environment is not None else None
+        if tools is not None and config.tool_format != "hermes":  # results of the default format read as before
+            tools = {**tools, "tool_format": config.tool_format}
         return write_results(config, run_dir, records, console, tools=tools)
 
 

@@ -13,7 +13,14 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from helpers import write_jsonl
-from helpers_tools import ScriptedModel, call_then_answer, make_tool_tokenizer, python_then_answer
+from helpers_tools import (
+    QUESTION,
+    TOOL_RESPONSE,
+    ScriptedModel,
+    call_then_answer,
+    make_tool_tokenizer,
+    python_then_answer,
+)
 from opd.cli import app
 from opd.cli_errors import user_error_line
 from opd.config import ConfigError, build_config
@@ -163,3 +170,24 @@ def test_llamafactory_files_are_refused_with_tools():
             RolloutConfig,
             options={"model.path": "m", "data.path": "p", "out": "o", "tools": "calculator", "llamafactory": True},
         )
+
+
+def test_markdown_rows_hold_the_code_block_in_the_assistant_turn_and_train_on_what_the_teacher_wrote(tmp_path):
+    if not probe("namespaces").ok:
+        pytest.skip(f"no namespaces sandbox here: {probe('namespaces').reason}")
+
+    def blocks_then_answer(context: str) -> str:
+        results = TOOL_RESPONSE.findall(context)
+        if results:
+            return f"So \\boxed{{{results[-1]}}}."
+        return f"Let me run it.\n```python\nprint({QUESTION.findall(context)[-1]})\n```"
+
+    out = tool_rollout(tmp_path, blocks_then_answer, tools="python", tool_format="markdown", n=1)
+    rows = read_jsonl(out / "rollouts.jsonl")
+    assert len(rows) == 3 and all(r["correct"] and r["tool_calls"] == 1 for r in rows)
+    for i, row in enumerate(rows):
+        _, block, answer, _ = row["messages"]
+        assert block == {"role": "assistant", "content": f"Let me run it.\n```python\nprint({i} * 7)\n```"}
+        assert answer == {"role": "tool", "name": "python", "content": str(7 * i)}
+    dataset = load_sft_dataset(make_tool_tokenizer(), [out / "rollouts.jsonl"], max_length=4096)
+    assert [ex.num_targets for ex in dataset.examples] == [r["num_tokens"] for r in rows]

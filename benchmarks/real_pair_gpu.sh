@@ -167,10 +167,14 @@ PY
                         run.steps=${WAVE_S52_STEPS:-8} run.eval_every=100 "eval.benchmarks=[]")
                     [ $r = S52F ] && extra+=(objective.loss=full_reverse_kl) ;;
                 T53)  # issue 53: episodes with the sandboxed python tool, evaluated with it (WAVE_T53_EVAL0=1: at step 0 too)
-                    # WAVE_T53_TEMPLATE: data.template of the run and its evaluations (default: the boxed instruction,
-                    # under which the 0.5B student called the tool in 4 % of episodes at step 1 and never by step 4)
+                    # WAVE_T53_TEMPLATE: data.template of the run and its evaluations, WAVE_T53_FORMAT its
+                    # rollout.tool_format. Under the boxed instruction and hermes the 0.5B student called the tool in
+                    # 4 % of episodes at step 1 and never by step 4 (H100, 2026-12-07); it writes ```python blocks when
+                    # asked to run code (docs/agents.md), hence the defaults
+                    t53_template='custom:{problem} Write Python code and run it with the python tool to compute the answer, then put your final answer within \boxed{}.'
                     extra=(run.name=t53-tools-python rollout.tools=python rollout.max_turns=4
-                        "data.template=${WAVE_T53_TEMPLATE:-boxed}"
+                        "data.template=${WAVE_T53_TEMPLATE:-$t53_template}"
+                        "rollout.tool_format=${WAVE_T53_FORMAT:-markdown}"
                         run.steps=${WAVE_T53_STEPS:-40} run.eval_every=$((${WAVE_T53_STEPS:-40} * WAVE_EVAL))
                         run.eval_at_start=$([ "${WAVE_T53_EVAL0:-0}" = 1 ] && echo true || echo false)) ;;
             esac

@@ -28,15 +28,13 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from opd.tools.environments import Observation, ToolCall
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPEN = "<tool_call>"
 
-ToolFormat = Literal["hermes", "markdown"]
-TOOL_FORMATS: tuple[str, ...] = ("hermes", "markdown")
 # markdown: the info strings of a code block that is a call, and the tool and argument it calls
 _CODE_LANGUAGES = ("python", "py")
 MARKDOWN_TOOL, MARKDOWN_ARGUMENT = "python", "code"
